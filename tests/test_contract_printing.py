@@ -260,3 +260,16 @@ def test_matrix_product_is_written_straight_into_a_strided_block(backend):
     code = rt.product("X_", [p, m, k], "Y_", [p, k, n], [p, m, n])
     assert not rt._gemm_into("blk_", code, True, {(0, 3, 3)})   # no column axis for N
     assert not rt._gemm_into("blk_", code, True, {(0, 2, 3), (0, 1, 3)})  # two layouts
+
+
+def test_a_compact_sum_reuses_an_earlier_one_it_contains_up_to_a_scalar():
+    """S₂ = k·S₁ + rest is printed from S₁ when S₁'s terms all appear in S₂ with one common
+    ratio k; a different ratio on one term, or a term missing, keeps the sum as it is."""
+    d = sp.Symbol("d")
+    rt = routine("numpy")
+    rt.sums["S1"] = [(sp.Integer(1), "a"), (2 / d, "b")]
+    assert rt._reused_sum([(3 / d, "a"), (6 / d**2, "b"), (1, "c")]) == [(3 / d, "S1"), (1, "c")]
+    assert rt._reused_sum([(1, "b"), (2 / d, "a")]) == [(1, "b"), (2 / d, "a")]
+    assert rt._reused_sum([(1, "a"), (1, "c")]) == [(1, "a"), (1, "c")]
+    rt.sums["S2"] = [(sp.Integer(1), "a"), (2 / d, "b"), (sp.Integer(1), "c")]
+    assert rt._reused_sum([(2, "a"), (4 / d, "b"), (2, "c")]) == [(2, "S2")]

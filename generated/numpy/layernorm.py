@@ -121,7 +121,7 @@ def mse__hessian__outer(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t12, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t16.transpose(2, 0, 1) * np.reshape(t15, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (2/(L*d_V)) * (np.reshape(t12, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (4/(L*d_V**2)) * (t16.transpose(2, 0, 1) * np.reshape(t15, (L, 1, d_V))) + (-2/(L*d_V**2)) * (np.reshape((t13 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    S17 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * (np.reshape((t13 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
     t18 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t15.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S19 = (np.reshape(t12, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t18.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
@@ -203,7 +203,7 @@ def mse__frobenius_all__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t13.transpose(2, 0, 1) * np.reshape(t12, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = (2/(L*d_V)) * (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (4/(L*d_V**2)) * (t13.transpose(2, 0, 1) * np.reshape(t12, (L, 1, d_V))) + (-2/(L*d_V**2)) * (np.reshape((t10 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    S14 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * (np.reshape((t10 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
     t15 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t15.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
@@ -244,7 +244,7 @@ def mse__diag__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t10, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t14.transpose(2, 0, 1) * np.reshape(t13, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S15 = (2/(L*d_V)) * (np.reshape(t10, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (4/(L*d_V**2)) * (t14.transpose(2, 0, 1) * np.reshape(t13, (L, 1, d_V))) + (-2/(L*d_V**2)) * (np.reshape((t11 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    S15 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * (np.reshape((t11 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
     t16 = (np.reshape(t11, (d_V, d_V, 1)) * np.reshape(t13.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S17 = (np.reshape(t10, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t16.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
@@ -281,7 +281,7 @@ def mse__trace__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t13.transpose(2, 0, 1) * np.reshape(t12, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = (2/(L*d_V)) * (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (4/(L*d_V**2)) * (t13.transpose(2, 0, 1) * np.reshape(t12, (L, 1, d_V))) + (-2/(L*d_V**2)) * (np.reshape((t10 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    S14 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * (np.reshape((t10 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
     t15 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t15.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
@@ -320,7 +320,7 @@ def mse__block__X__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t11, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t15.transpose(2, 0, 1) * np.reshape(t14, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (2/(L*d_V)) * (np.reshape(t11, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (4/(L*d_V**2)) * (t15.transpose(2, 0, 1) * np.reshape(t14, (L, 1, d_V))) + (-2/(L*d_V**2)) * (np.reshape((t12 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    S16 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * (np.reshape((t12 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
     t17 = (np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t14.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S18 = (np.reshape(t11, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t17.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
@@ -357,7 +357,7 @@ def mse__frobenius__X__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t13.transpose(2, 0, 1) * np.reshape(t12, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = (2/(L*d_V)) * (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (4/(L*d_V**2)) * (t13.transpose(2, 0, 1) * np.reshape(t12, (L, 1, d_V))) + (-2/(L*d_V**2)) * (np.reshape((t10 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    S14 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * (np.reshape((t10 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
     t15 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t15.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
@@ -415,7 +415,7 @@ def mse__hessian__functional(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S26 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (np.reshape(t22.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t22.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t21 @ np.reshape(S26.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S27 = (2/d_V) * S26 + (-2/d_V**2) * (np.reshape((t21 @ np.reshape(S26.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S28 = t19 + (-1/d_V) * t21
     t29 = (1/n_batch) * S28
@@ -519,7 +519,7 @@ def mse__frobenius_all__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S23 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/d_V) * (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S23.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S24 = (2/d_V) * S23 + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S23.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S25 = t16 + (-1/d_V) * t18
     t26 = (S25 @ S25.transpose(1, 0))
@@ -570,7 +570,7 @@ def mse__diag__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(t16, (n_batch, L, d_V, 1))) + (np.reshape(t20.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(t16, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t20.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t19 @ np.reshape(S24.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S25 = (2/d_V) * S24 + (-2/d_V**2) * (np.reshape((t19 @ np.reshape(S24.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S26 = t17 + (-1/d_V) * t19
     t27 = (1/n_batch) * S26
@@ -619,7 +619,7 @@ def mse__trace__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S23 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/d_V) * (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S23.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S24 = (2/d_V) * S23 + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S23.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S25 = t16 + (-1/d_V) * t18
     return (1/n_batch) * (S25 * S24.sum((0, 1)).transpose(1, 0)).sum()
@@ -668,7 +668,7 @@ def mse__block__X__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape(t21.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t21.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t20 @ np.reshape(S25.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S26 = (2/d_V) * S25 + (-2/d_V**2) * (np.reshape((t20 @ np.reshape(S25.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S27 = t18 + (-1/d_V) * t20
     t28 = (1/n_batch) * S27
@@ -717,7 +717,7 @@ def mse__frobenius__X__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S23 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/d_V) * (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S23.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S24 = (2/d_V) * S23 + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S23.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S25 = t16 + (-1/d_V) * t18
     t26 = (S25 @ S25.transpose(1, 0))
@@ -772,14 +772,14 @@ def mse__hessian__full(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (np.reshape(t19, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t25.transpose(2, 0, 1) * np.reshape(t26, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/(L*d_V)) * (np.reshape(t19, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (4/(L*d_V**2)) * (t25.transpose(2, 0, 1) * np.reshape(t26, (L, 1, d_V))) + (-2/(L*d_V**2)) * (np.reshape((t21 @ np.reshape(S27.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    S28 = (2/(L*d_V)) * S27 + (-2/(L*d_V**2)) * (np.reshape((t21 @ np.reshape(S27.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
     t29 = (np.reshape(t21, (d_V, d_V, 1)) * np.reshape(t26.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S30 = (np.reshape(t19, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t29.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S31 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (np.reshape(t22.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = (2/d_V) * (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t22.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (S28 @ S30) + (-2/d_V**2) * (np.reshape((t21 @ np.reshape(S31.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S32 = (2/d_V) * S31 + (S28 @ S30) + (-2/d_V**2) * (np.reshape((t21 @ np.reshape(S31.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S33 = t19 + (-1/d_V) * t21
     t34 = (1/n_batch) * S33
@@ -895,14 +895,14 @@ def mse__frobenius_all__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (np.reshape(t16, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t22.transpose(2, 0, 1) * np.reshape(t23, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/(L*d_V)) * (np.reshape(t16, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (4/(L*d_V**2)) * (t22.transpose(2, 0, 1) * np.reshape(t23, (L, 1, d_V))) + (-2/(L*d_V**2)) * (np.reshape((t18 @ np.reshape(S24.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    S25 = (2/(L*d_V)) * S24 + (-2/(L*d_V**2)) * (np.reshape((t18 @ np.reshape(S24.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
     t26 = (np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t23.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (np.reshape(t16, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t26.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (S25 @ S27) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S28.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S29 = (2/d_V) * S28 + (S25 @ S27) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S28.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S30 = t16 + (-1/d_V) * t18
     t31 = (S30 @ S30.transpose(1, 0))
@@ -954,14 +954,14 @@ def mse__diag__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = (np.reshape(t17, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t23.transpose(2, 0, 1) * np.reshape(t24, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/(L*d_V)) * (np.reshape(t17, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (4/(L*d_V**2)) * (t23.transpose(2, 0, 1) * np.reshape(t24, (L, 1, d_V))) + (-2/(L*d_V**2)) * (np.reshape((t19 @ np.reshape(S25.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    S26 = (2/(L*d_V)) * S25 + (-2/(L*d_V**2)) * (np.reshape((t19 @ np.reshape(S25.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
     t27 = (np.reshape(t19, (d_V, d_V, 1)) * np.reshape(t24.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (np.reshape(t17, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t27.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(t16, (n_batch, L, d_V, 1))) + (np.reshape(t20.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (2/d_V) * (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(t16, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t20.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (S26 @ S28) + (-2/d_V**2) * (np.reshape((t19 @ np.reshape(S29.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S30 = (2/d_V) * S29 + (S26 @ S28) + (-2/d_V**2) * (np.reshape((t19 @ np.reshape(S29.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S31 = t17 + (-1/d_V) * t19
     t32 = (1/n_batch) * S31
@@ -1011,14 +1011,14 @@ def mse__trace__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (np.reshape(t16, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t22.transpose(2, 0, 1) * np.reshape(t23, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/(L*d_V)) * (np.reshape(t16, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (4/(L*d_V**2)) * (t22.transpose(2, 0, 1) * np.reshape(t23, (L, 1, d_V))) + (-2/(L*d_V**2)) * (np.reshape((t18 @ np.reshape(S24.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    S25 = (2/(L*d_V)) * S24 + (-2/(L*d_V**2)) * (np.reshape((t18 @ np.reshape(S24.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
     t26 = (np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t23.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (np.reshape(t16, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t26.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (S25 @ S27) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S28.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S29 = (2/d_V) * S28 + (S25 @ S27) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S28.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S30 = t16 + (-1/d_V) * t18
     return (1/n_batch) * (S30 * S29.sum((0, 1)).transpose(1, 0)).sum()
@@ -1068,14 +1068,14 @@ def mse__block__X__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S26 = (np.reshape(t18, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t24.transpose(2, 0, 1) * np.reshape(t25, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/(L*d_V)) * (np.reshape(t18, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (4/(L*d_V**2)) * (t24.transpose(2, 0, 1) * np.reshape(t25, (L, 1, d_V))) + (-2/(L*d_V**2)) * (np.reshape((t20 @ np.reshape(S26.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    S27 = (2/(L*d_V)) * S26 + (-2/(L*d_V**2)) * (np.reshape((t20 @ np.reshape(S26.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
     t28 = (np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t25.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (np.reshape(t18, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t28.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S30 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape(t21.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (2/d_V) * (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t21.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (S27 @ S29) + (-2/d_V**2) * (np.reshape((t20 @ np.reshape(S30.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S31 = (2/d_V) * S30 + (S27 @ S29) + (-2/d_V**2) * (np.reshape((t20 @ np.reshape(S30.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S32 = t18 + (-1/d_V) * t20
     t33 = (1/n_batch) * S32
@@ -1125,14 +1125,14 @@ def mse__frobenius__X__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (np.reshape(t16, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t22.transpose(2, 0, 1) * np.reshape(t23, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/(L*d_V)) * (np.reshape(t16, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (4/(L*d_V**2)) * (t22.transpose(2, 0, 1) * np.reshape(t23, (L, 1, d_V))) + (-2/(L*d_V**2)) * (np.reshape((t18 @ np.reshape(S24.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    S25 = (2/(L*d_V)) * S24 + (-2/(L*d_V**2)) * (np.reshape((t18 @ np.reshape(S24.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
     t26 = (np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t23.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (np.reshape(t16, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t26.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (S25 @ S27) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S28.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S29 = (2/d_V) * S28 + (S25 @ S27) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S28.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S30 = t16 + (-1/d_V) * t18
     t31 = (S30 @ S30.transpose(1, 0))
@@ -1167,7 +1167,7 @@ def mse__frobenius_split__X__X(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t13.transpose(2, 0, 1) * np.reshape(t12, (L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = (2/(L*d_V)) * (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (4/(L*d_V**2)) * (t13.transpose(2, 0, 1) * np.reshape(t12, (L, 1, d_V))) + (-2/(L*d_V**2)) * (np.reshape((t10 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    S14 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * (np.reshape((t10 @ np.reshape(S.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
     t15 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t15.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
@@ -1195,7 +1195,7 @@ def mse__frobenius_split__X__X(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S33 = (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(t27, (n_batch, L, d_V, 1))) + (np.reshape(t29.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t28, (n_batch, L, d_V, 1))) + (np.reshape((t13.transpose(2, 0, 1) @ np.reshape(S32.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (2/d_V) * (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(t27, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t29.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t28, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t13.transpose(2, 0, 1) @ np.reshape(S32.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t10 @ np.reshape(S33.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S34 = (2/d_V) * S33 + (-2/d_V**2) * (np.reshape((t10 @ np.reshape(S33.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t35 = np.reshape((t20 @ np.reshape(S34.sum((0,)).transpose(2, 0, 1), (d_V, L*d_V))), (d_V, L, d_V))
     t36 = (n_batch**(-2)) * (t35 * S34.sum((0,)).transpose(2, 0, 1)).sum()
     t37 = (S34.sum((0,)).transpose(0, 2, 1) @ S14)
@@ -1389,7 +1389,7 @@ def ce__hessian__outer(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(t14, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t19.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t18, (n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = (1/L) * (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(t14, (n_batch, L, d_V, 1))) + (2/(L*d_V)) * (np.reshape(t19.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t18, (n_batch, L, 1, d_V))) + (-1/(L*d_V)) * (np.reshape((t16 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S20 = (1/L) * S + (-1/(L*d_V)) * (np.reshape((t16 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t21 = M_Z * P_Z
     Z = t21
     t22 = np.exp(Z - Z.max(-1, keepdims=True))
@@ -1491,7 +1491,7 @@ def ce__frobenius_all__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t11, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t16.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t15, (n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (1/L) * (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t11, (n_batch, L, d_V, 1))) + (2/(L*d_V)) * (np.reshape(t16.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t15, (n_batch, L, 1, d_V))) + (-1/(L*d_V)) * (np.reshape((t13 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S17 = (1/L) * S + (-1/(L*d_V)) * (np.reshape((t13 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t18 = M_Z * P_Z
     Z = t18
     t19 = np.exp(Z - Z.max(-1, keepdims=True))
@@ -1544,7 +1544,7 @@ def ce__diag__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(t12, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t17.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t16, (n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (1/L) * (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(t12, (n_batch, L, d_V, 1))) + (2/(L*d_V)) * (np.reshape(t17.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t16, (n_batch, L, 1, d_V))) + (-1/(L*d_V)) * (np.reshape((t14 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S18 = (1/L) * S + (-1/(L*d_V)) * (np.reshape((t14 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t19 = M_Z * P_Z
     Z = t19
     t20 = np.exp(Z - Z.max(-1, keepdims=True))
@@ -1593,7 +1593,7 @@ def ce__trace__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t11, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t16.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t15, (n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (1/L) * (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t11, (n_batch, L, d_V, 1))) + (2/(L*d_V)) * (np.reshape(t16.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t15, (n_batch, L, 1, d_V))) + (-1/(L*d_V)) * (np.reshape((t13 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S17 = (1/L) * S + (-1/(L*d_V)) * (np.reshape((t13 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t18 = M_Z * P_Z
     Z = t18
     t19 = np.exp(Z - Z.max(-1, keepdims=True))
@@ -1643,7 +1643,7 @@ def ce__block__X__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(t13, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t18.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = (1/L) * (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(t13, (n_batch, L, d_V, 1))) + (2/(L*d_V)) * (np.reshape(t18.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, 1, d_V))) + (-1/(L*d_V)) * (np.reshape((t15 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S19 = (1/L) * S + (-1/(L*d_V)) * (np.reshape((t15 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t20 = M_Z * P_Z
     Z = t20
     t21 = np.exp(Z - Z.max(-1, keepdims=True))
@@ -1692,7 +1692,7 @@ def ce__frobenius__X__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t11, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t16.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t15, (n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (1/L) * (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t11, (n_batch, L, d_V, 1))) + (2/(L*d_V)) * (np.reshape(t16.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t15, (n_batch, L, 1, d_V))) + (-1/(L*d_V)) * (np.reshape((t13 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S17 = (1/L) * S + (-1/(L*d_V)) * (np.reshape((t13 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t18 = M_Z * P_Z
     Z = t18
     t19 = np.exp(Z - Z.max(-1, keepdims=True))
@@ -1764,7 +1764,7 @@ def ce__hessian__functional(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S30 = (np.reshape(t23, (1, 1, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (np.reshape(t26.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (np.reshape((t29.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (2/d_V) * (np.reshape(t23, (1, 1, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t26.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t29.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t25 @ np.reshape(S30.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S31 = (2/d_V) * S30 + (-2/d_V**2) * (np.reshape((t25 @ np.reshape(S30.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S32 = t23 + (-1/d_V) * t25
     t33 = (1/n_batch) * S32
@@ -1878,7 +1878,7 @@ def ce__frobenius_all__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S27.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S28 = (2/d_V) * S27 + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S27.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S29 = t20 + (-1/d_V) * t22
     t30 = (S29 @ S29.transpose(1, 0))
@@ -1934,7 +1934,7 @@ def ce__diag__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (np.reshape(t21, (1, 1, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (np.reshape(t24.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (np.reshape((t27.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * (np.reshape(t21, (1, 1, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t24.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t27.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t23 @ np.reshape(S28.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S29 = (2/d_V) * S28 + (-2/d_V**2) * (np.reshape((t23 @ np.reshape(S28.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S30 = t21 + (-1/d_V) * t23
     t31 = (1/n_batch) * S30
@@ -1988,7 +1988,7 @@ def ce__trace__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S27.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S28 = (2/d_V) * S27 + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S27.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S29 = t20 + (-1/d_V) * t22
     return (1/n_batch) * (S29 * S28.sum((0, 1)).transpose(1, 0)).sum()
@@ -2042,7 +2042,7 @@ def ce__block__X__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (np.reshape(t22, (1, 1, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape(t25.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t23, (n_batch, L, d_V, 1))) + (np.reshape((t28.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (2/d_V) * (np.reshape(t22, (1, 1, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t25.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t23, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t28.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t24 @ np.reshape(S29.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S30 = (2/d_V) * S29 + (-2/d_V**2) * (np.reshape((t24 @ np.reshape(S29.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S31 = t22 + (-1/d_V) * t24
     t32 = (1/n_batch) * S31
@@ -2096,7 +2096,7 @@ def ce__frobenius__X__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S27.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S28 = (2/d_V) * S27 + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S27.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S29 = t20 + (-1/d_V) * t22
     t30 = (S29 @ S29.transpose(1, 0))
@@ -2153,7 +2153,7 @@ def ce__hessian__full(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t23, (1, 1, d_V, d_V)) * np.reshape(t27, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t29.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t28, (n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (1/L) * (np.reshape(t23, (1, 1, d_V, d_V)) * np.reshape(t27, (n_batch, L, d_V, 1))) + (2/(L*d_V)) * (np.reshape(t29.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t28, (n_batch, L, 1, d_V))) + (-1/(L*d_V)) * (np.reshape((t25 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S30 = (1/L) * S + (-1/(L*d_V)) * (np.reshape((t25 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t31 = np.exp(Z - Z.max(-1, keepdims=True))
     A32 = t31 / t31.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
@@ -2170,7 +2170,7 @@ def ce__hessian__full(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S40 = (np.reshape(t23, (1, 1, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (np.reshape(t26.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (np.reshape((t29.transpose(2, 0, 1) @ np.reshape(S39.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S41 = (2/d_V) * (np.reshape(t23, (1, 1, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t26.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (np.reshape((np.reshape(S30.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t36.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (2/d_V) * (np.reshape((t29.transpose(2, 0, 1) @ np.reshape(S39.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t25 @ np.reshape(S40.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S41 = (2/d_V) * S40 + (np.reshape((np.reshape(S30.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t36.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (-2/d_V**2) * (np.reshape((t25 @ np.reshape(S40.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S42 = t23 + (-1/d_V) * t25
     t43 = (1/n_batch) * S42
@@ -2293,7 +2293,7 @@ def ce__frobenius_all__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t26.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t25, (n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (1/L) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (2/(L*d_V)) * (np.reshape(t26.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t25, (n_batch, L, 1, d_V))) + (-1/(L*d_V)) * (np.reshape((t22 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S27 = (1/L) * S + (-1/(L*d_V)) * (np.reshape((t22 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t28 = np.exp(Z - Z.max(-1, keepdims=True))
     A29 = t28 / t28.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
@@ -2310,7 +2310,7 @@ def ce__frobenius_all__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S37 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S36.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/d_V) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((np.reshape(S27.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t33.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S36.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S37.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S38 = (2/d_V) * S37 + (np.reshape((np.reshape(S27.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t33.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S37.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S39 = t20 + (-1/d_V) * t22
     t40 = (S39 @ S39.transpose(1, 0))
@@ -2364,7 +2364,7 @@ def ce__diag__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t21, (1, 1, d_V, d_V)) * np.reshape(t25, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t27.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t26, (n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (1/L) * (np.reshape(t21, (1, 1, d_V, d_V)) * np.reshape(t25, (n_batch, L, d_V, 1))) + (2/(L*d_V)) * (np.reshape(t27.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t26, (n_batch, L, 1, d_V))) + (-1/(L*d_V)) * (np.reshape((t23 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S28 = (1/L) * S + (-1/(L*d_V)) * (np.reshape((t23 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t29 = np.exp(Z - Z.max(-1, keepdims=True))
     A30 = t29 / t29.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
@@ -2381,7 +2381,7 @@ def ce__diag__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S38 = (np.reshape(t21, (1, 1, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (np.reshape(t24.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (np.reshape((t27.transpose(2, 0, 1) @ np.reshape(S37.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/d_V) * (np.reshape(t21, (1, 1, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t24.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (np.reshape((np.reshape(S28.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t34.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (2/d_V) * (np.reshape((t27.transpose(2, 0, 1) @ np.reshape(S37.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t23 @ np.reshape(S38.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S39 = (2/d_V) * S38 + (np.reshape((np.reshape(S28.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t34.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (-2/d_V**2) * (np.reshape((t23 @ np.reshape(S38.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S40 = t21 + (-1/d_V) * t23
     t41 = (1/n_batch) * S40
@@ -2433,7 +2433,7 @@ def ce__trace__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t26.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t25, (n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (1/L) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (2/(L*d_V)) * (np.reshape(t26.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t25, (n_batch, L, 1, d_V))) + (-1/(L*d_V)) * (np.reshape((t22 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S27 = (1/L) * S + (-1/(L*d_V)) * (np.reshape((t22 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t28 = np.exp(Z - Z.max(-1, keepdims=True))
     A29 = t28 / t28.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
@@ -2450,7 +2450,7 @@ def ce__trace__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S37 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S36.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/d_V) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((np.reshape(S27.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t33.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S36.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S37.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S38 = (2/d_V) * S37 + (np.reshape((np.reshape(S27.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t33.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S37.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S39 = t20 + (-1/d_V) * t22
     return (1/n_batch) * (S39 * S38.sum((0, 1)).transpose(1, 0)).sum()
@@ -2502,7 +2502,7 @@ def ce__block__X__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t22, (1, 1, d_V, d_V)) * np.reshape(t26, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t28.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t27, (n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (1/L) * (np.reshape(t22, (1, 1, d_V, d_V)) * np.reshape(t26, (n_batch, L, d_V, 1))) + (2/(L*d_V)) * (np.reshape(t28.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t27, (n_batch, L, 1, d_V))) + (-1/(L*d_V)) * (np.reshape((t24 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S29 = (1/L) * S + (-1/(L*d_V)) * (np.reshape((t24 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t30 = np.exp(Z - Z.max(-1, keepdims=True))
     A31 = t30 / t30.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
@@ -2519,7 +2519,7 @@ def ce__block__X__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S39 = (np.reshape(t22, (1, 1, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape(t25.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t23, (n_batch, L, d_V, 1))) + (np.reshape((t28.transpose(2, 0, 1) @ np.reshape(S38.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (2/d_V) * (np.reshape(t22, (1, 1, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t25.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t23, (n_batch, L, d_V, 1))) + (np.reshape((np.reshape(S29.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t35.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (2/d_V) * (np.reshape((t28.transpose(2, 0, 1) @ np.reshape(S38.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t24 @ np.reshape(S39.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S40 = (2/d_V) * S39 + (np.reshape((np.reshape(S29.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t35.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (-2/d_V**2) * (np.reshape((t24 @ np.reshape(S39.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S41 = t22 + (-1/d_V) * t24
     t42 = (1/n_batch) * S41
@@ -2571,7 +2571,7 @@ def ce__frobenius__X__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t26.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t25, (n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (1/L) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (2/(L*d_V)) * (np.reshape(t26.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t25, (n_batch, L, 1, d_V))) + (-1/(L*d_V)) * (np.reshape((t22 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S27 = (1/L) * S + (-1/(L*d_V)) * (np.reshape((t22 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t28 = np.exp(Z - Z.max(-1, keepdims=True))
     A29 = t28 / t28.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
@@ -2588,7 +2588,7 @@ def ce__frobenius__X__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S37 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S36.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/d_V) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((np.reshape(S27.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t33.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S36.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S37.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S38 = (2/d_V) * S37 + (np.reshape((np.reshape(S27.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t33.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S37.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S39 = t20 + (-1/d_V) * t22
     t40 = (S39 @ S39.transpose(1, 0))
@@ -2626,7 +2626,7 @@ def ce__frobenius_split__X__X(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t11, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t16.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t15, (n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (1/L) * (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t11, (n_batch, L, d_V, 1))) + (2/(L*d_V)) * (np.reshape(t16.transpose(2, 0, 1), (1, L, d_V, d_V)) * np.reshape(t15, (n_batch, L, 1, d_V))) + (-1/(L*d_V)) * (np.reshape((t13 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S17 = (1/L) * S + (-1/(L*d_V)) * (np.reshape((t13 @ np.reshape(S.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t18 = M_Z * P_Z
     Z = t18
     t19 = np.exp(Z - Z.max(-1, keepdims=True))
@@ -2664,7 +2664,7 @@ def ce__frobenius_split__X__X(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S43 = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t37, (n_batch, L, d_V, 1))) + (np.reshape(t39.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t38, (n_batch, L, d_V, 1))) + (np.reshape((t16.transpose(2, 0, 1) @ np.reshape(S42.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S44 = (2/d_V) * (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t37, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t39.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t38, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t16.transpose(2, 0, 1) @ np.reshape(S42.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t13 @ np.reshape(S43.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    S44 = (2/d_V) * S43 + (-2/d_V**2) * (np.reshape((t13 @ np.reshape(S43.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
     t45 = np.reshape((t28 @ np.reshape(S44.sum((0,)).transpose(2, 0, 1), (d_V, L*d_V))), (d_V, L, d_V))
     t46 = (n_batch**(-2)) * (t45 * S44.sum((0,)).transpose(2, 0, 1)).sum()
     t47 = (S44.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))

@@ -133,7 +133,7 @@ def mse__hessian__outer(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t12.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t16.permute(2, 0, 1) * t15.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (2/(L*d_V)) * (t12.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (4/(L*d_V**2)) * (t16.permute(2, 0, 1) * t15.reshape((L, 1, d_V))) + (-2/(L*d_V**2)) * ((t13 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    S17 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t13 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
     t18 = (t13.reshape((d_V, d_V, 1)) * t15.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S19 = (t12.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t18.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
@@ -215,7 +215,7 @@ def mse__frobenius_all__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t13.permute(2, 0, 1) * t12.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = (2/(L*d_V)) * (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (4/(L*d_V**2)) * (t13.permute(2, 0, 1) * t12.reshape((L, 1, d_V))) + (-2/(L*d_V**2)) * ((t10 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    S14 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t10 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
     t15 = (t10.reshape((d_V, d_V, 1)) * t12.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t15.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
@@ -256,7 +256,7 @@ def mse__diag__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t10.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t14.permute(2, 0, 1) * t13.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S15 = (2/(L*d_V)) * (t10.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (4/(L*d_V**2)) * (t14.permute(2, 0, 1) * t13.reshape((L, 1, d_V))) + (-2/(L*d_V**2)) * ((t11 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    S15 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t11 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
     t16 = (t11.reshape((d_V, d_V, 1)) * t13.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S17 = (t10.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t16.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
@@ -293,7 +293,7 @@ def mse__trace__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t13.permute(2, 0, 1) * t12.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = (2/(L*d_V)) * (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (4/(L*d_V**2)) * (t13.permute(2, 0, 1) * t12.reshape((L, 1, d_V))) + (-2/(L*d_V**2)) * ((t10 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    S14 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t10 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
     t15 = (t10.reshape((d_V, d_V, 1)) * t12.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t15.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
@@ -332,7 +332,7 @@ def mse__block__X__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t11.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t15.permute(2, 0, 1) * t14.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (2/(L*d_V)) * (t11.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (4/(L*d_V**2)) * (t15.permute(2, 0, 1) * t14.reshape((L, 1, d_V))) + (-2/(L*d_V**2)) * ((t12 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    S16 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t12 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
     t17 = (t12.reshape((d_V, d_V, 1)) * t14.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S18 = (t11.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t17.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
@@ -369,7 +369,7 @@ def mse__frobenius__X__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t13.permute(2, 0, 1) * t12.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = (2/(L*d_V)) * (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (4/(L*d_V**2)) * (t13.permute(2, 0, 1) * t12.reshape((L, 1, d_V))) + (-2/(L*d_V**2)) * ((t10 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    S14 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t10 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
     t15 = (t10.reshape((d_V, d_V, 1)) * t12.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t15.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
@@ -427,7 +427,7 @@ def mse__hessian__functional(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S26 = (t19.reshape((1, 1, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + (t22.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * (t19.reshape((1, 1, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t22.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t21 @ S26.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S27 = (2/d_V) * S26 + (-2/d_V**2) * ((t21 @ S26.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S28 = t19 + (-1/d_V) * t21
     t29 = (1/n_batch) * S28
@@ -531,7 +531,7 @@ def mse__frobenius_all__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S23 = (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/d_V) * (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t18 @ S23.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S24 = (2/d_V) * S23 + (-2/d_V**2) * ((t18 @ S23.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S25 = t16 + (-1/d_V) * t18
     t26 = (S25 @ S25.permute(1, 0))
@@ -582,7 +582,7 @@ def mse__diag__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (t17.reshape((1, 1, d_V, d_V)) * t16.reshape((n_batch, L, d_V, 1))) + (t20.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * (t17.reshape((1, 1, d_V, d_V)) * t16.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t20.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t19 @ S24.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S25 = (2/d_V) * S24 + (-2/d_V**2) * ((t19 @ S24.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S26 = t17 + (-1/d_V) * t19
     t27 = (1/n_batch) * S26
@@ -631,7 +631,7 @@ def mse__trace__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S23 = (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/d_V) * (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t18 @ S23.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S24 = (2/d_V) * S23 + (-2/d_V**2) * ((t18 @ S23.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S25 = t16 + (-1/d_V) * t18
     return (1/n_batch) * (S25 * S24.sum((0, 1)).permute(1, 0)).sum()
@@ -680,7 +680,7 @@ def mse__block__X__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = (t18.reshape((1, 1, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (t21.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * (t18.reshape((1, 1, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t21.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t20 @ S25.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S26 = (2/d_V) * S25 + (-2/d_V**2) * ((t20 @ S25.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S27 = t18 + (-1/d_V) * t20
     t28 = (1/n_batch) * S27
@@ -729,7 +729,7 @@ def mse__frobenius__X__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S23 = (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/d_V) * (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t18 @ S23.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S24 = (2/d_V) * S23 + (-2/d_V**2) * ((t18 @ S23.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S25 = t16 + (-1/d_V) * t18
     t26 = (S25 @ S25.permute(1, 0))
@@ -784,14 +784,14 @@ def mse__hessian__full(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (t19.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t25.permute(2, 0, 1) * t26.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/(L*d_V)) * (t19.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (4/(L*d_V**2)) * (t25.permute(2, 0, 1) * t26.reshape((L, 1, d_V))) + (-2/(L*d_V**2)) * ((t21 @ S27.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    S28 = (2/(L*d_V)) * S27 + (-2/(L*d_V**2)) * ((t21 @ S27.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
     t29 = (t21.reshape((d_V, d_V, 1)) * t26.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S30 = (t19.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t29.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S31 = (t19.reshape((1, 1, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + (t22.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = (2/d_V) * (t19.reshape((1, 1, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t22.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (S28 @ S30) + (-2/d_V**2) * ((t21 @ S31.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S32 = (2/d_V) * S31 + (S28 @ S30) + (-2/d_V**2) * ((t21 @ S31.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S33 = t19 + (-1/d_V) * t21
     t34 = (1/n_batch) * S33
@@ -907,14 +907,14 @@ def mse__frobenius_all__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (t16.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t22.permute(2, 0, 1) * t23.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/(L*d_V)) * (t16.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (4/(L*d_V**2)) * (t22.permute(2, 0, 1) * t23.reshape((L, 1, d_V))) + (-2/(L*d_V**2)) * ((t18 @ S24.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    S25 = (2/(L*d_V)) * S24 + (-2/(L*d_V**2)) * ((t18 @ S24.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
     t26 = (t18.reshape((d_V, d_V, 1)) * t23.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (t16.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t26.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (S25 @ S27) + (-2/d_V**2) * ((t18 @ S28.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S29 = (2/d_V) * S28 + (S25 @ S27) + (-2/d_V**2) * ((t18 @ S28.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S30 = t16 + (-1/d_V) * t18
     t31 = (S30 @ S30.permute(1, 0))
@@ -966,14 +966,14 @@ def mse__diag__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = (t17.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t23.permute(2, 0, 1) * t24.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/(L*d_V)) * (t17.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (4/(L*d_V**2)) * (t23.permute(2, 0, 1) * t24.reshape((L, 1, d_V))) + (-2/(L*d_V**2)) * ((t19 @ S25.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    S26 = (2/(L*d_V)) * S25 + (-2/(L*d_V**2)) * ((t19 @ S25.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
     t27 = (t19.reshape((d_V, d_V, 1)) * t24.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (t17.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t27.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (t17.reshape((1, 1, d_V, d_V)) * t16.reshape((n_batch, L, d_V, 1))) + (t20.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (2/d_V) * (t17.reshape((1, 1, d_V, d_V)) * t16.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t20.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (S26 @ S28) + (-2/d_V**2) * ((t19 @ S29.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S30 = (2/d_V) * S29 + (S26 @ S28) + (-2/d_V**2) * ((t19 @ S29.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S31 = t17 + (-1/d_V) * t19
     t32 = (1/n_batch) * S31
@@ -1023,14 +1023,14 @@ def mse__trace__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (t16.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t22.permute(2, 0, 1) * t23.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/(L*d_V)) * (t16.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (4/(L*d_V**2)) * (t22.permute(2, 0, 1) * t23.reshape((L, 1, d_V))) + (-2/(L*d_V**2)) * ((t18 @ S24.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    S25 = (2/(L*d_V)) * S24 + (-2/(L*d_V**2)) * ((t18 @ S24.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
     t26 = (t18.reshape((d_V, d_V, 1)) * t23.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (t16.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t26.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (S25 @ S27) + (-2/d_V**2) * ((t18 @ S28.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S29 = (2/d_V) * S28 + (S25 @ S27) + (-2/d_V**2) * ((t18 @ S28.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S30 = t16 + (-1/d_V) * t18
     return (1/n_batch) * (S30 * S29.sum((0, 1)).permute(1, 0)).sum()
@@ -1080,14 +1080,14 @@ def mse__block__X__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S26 = (t18.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t24.permute(2, 0, 1) * t25.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/(L*d_V)) * (t18.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (4/(L*d_V**2)) * (t24.permute(2, 0, 1) * t25.reshape((L, 1, d_V))) + (-2/(L*d_V**2)) * ((t20 @ S26.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    S27 = (2/(L*d_V)) * S26 + (-2/(L*d_V**2)) * ((t20 @ S26.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
     t28 = (t20.reshape((d_V, d_V, 1)) * t25.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (t18.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t28.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S30 = (t18.reshape((1, 1, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (t21.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (2/d_V) * (t18.reshape((1, 1, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t21.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (S27 @ S29) + (-2/d_V**2) * ((t20 @ S30.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S31 = (2/d_V) * S30 + (S27 @ S29) + (-2/d_V**2) * ((t20 @ S30.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S32 = t18 + (-1/d_V) * t20
     t33 = (1/n_batch) * S32
@@ -1137,14 +1137,14 @@ def mse__frobenius__X__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (t16.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t22.permute(2, 0, 1) * t23.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/(L*d_V)) * (t16.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (4/(L*d_V**2)) * (t22.permute(2, 0, 1) * t23.reshape((L, 1, d_V))) + (-2/(L*d_V**2)) * ((t18 @ S24.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    S25 = (2/(L*d_V)) * S24 + (-2/(L*d_V**2)) * ((t18 @ S24.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
     t26 = (t18.reshape((d_V, d_V, 1)) * t23.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (t16.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t26.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (S25 @ S27) + (-2/d_V**2) * ((t18 @ S28.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S29 = (2/d_V) * S28 + (S25 @ S27) + (-2/d_V**2) * ((t18 @ S28.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S30 = t16 + (-1/d_V) * t18
     t31 = (S30 @ S30.permute(1, 0))
@@ -1179,7 +1179,7 @@ def mse__frobenius_split__X__X(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t13.permute(2, 0, 1) * t12.reshape((L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = (2/(L*d_V)) * (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (4/(L*d_V**2)) * (t13.permute(2, 0, 1) * t12.reshape((L, 1, d_V))) + (-2/(L*d_V**2)) * ((t10 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    S14 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t10 @ S.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
     t15 = (t10.reshape((d_V, d_V, 1)) * t12.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t15.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
@@ -1207,7 +1207,7 @@ def mse__frobenius_split__X__X(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S33 = (t9.reshape((1, 1, d_V, d_V)) * t27.reshape((n_batch, L, d_V, 1))) + (t29.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t28.reshape((n_batch, L, d_V, 1))) + ((t13.permute(2, 0, 1) @ S32.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (2/d_V) * (t9.reshape((1, 1, d_V, d_V)) * t27.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t29.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t28.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t13.permute(2, 0, 1) @ S32.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t10 @ S33.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S34 = (2/d_V) * S33 + (-2/d_V**2) * ((t10 @ S33.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t35 = (t20 @ S34.sum((0,)).permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
     t36 = (n_batch**(-2)) * (t35 * S34.sum((0,)).permute(2, 0, 1)).sum()
     t37 = (S34.sum((0,)).permute(0, 2, 1) @ S14)
@@ -1401,7 +1401,7 @@ def ce__hessian__outer(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t15.reshape((1, 1, d_V, d_V)) * t14.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t19.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t18.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = (1/L) * (t15.reshape((1, 1, d_V, d_V)) * t14.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t19.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t18.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t16 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S20 = (1/L) * S + (-1/(L*d_V)) * ((t16 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t21 = M_Z * P_Z
     Z = t21
     t22 = torch.exp(Z - Z.amax(-1, keepdim=True))
@@ -1503,7 +1503,7 @@ def ce__frobenius_all__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t12.reshape((1, 1, d_V, d_V)) * t11.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t16.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t15.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (1/L) * (t12.reshape((1, 1, d_V, d_V)) * t11.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t16.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t15.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t13 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S17 = (1/L) * S + (-1/(L*d_V)) * ((t13 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t18 = M_Z * P_Z
     Z = t18
     t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
@@ -1556,7 +1556,7 @@ def ce__diag__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t13.reshape((1, 1, d_V, d_V)) * t12.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t17.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t16.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (1/L) * (t13.reshape((1, 1, d_V, d_V)) * t12.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t17.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t16.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t14 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S18 = (1/L) * S + (-1/(L*d_V)) * ((t14 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t19 = M_Z * P_Z
     Z = t19
     t20 = torch.exp(Z - Z.amax(-1, keepdim=True))
@@ -1605,7 +1605,7 @@ def ce__trace__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t12.reshape((1, 1, d_V, d_V)) * t11.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t16.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t15.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (1/L) * (t12.reshape((1, 1, d_V, d_V)) * t11.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t16.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t15.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t13 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S17 = (1/L) * S + (-1/(L*d_V)) * ((t13 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t18 = M_Z * P_Z
     Z = t18
     t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
@@ -1655,7 +1655,7 @@ def ce__block__X__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t14.reshape((1, 1, d_V, d_V)) * t13.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t18.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = (1/L) * (t14.reshape((1, 1, d_V, d_V)) * t13.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t18.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t15 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S19 = (1/L) * S + (-1/(L*d_V)) * ((t15 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t20 = M_Z * P_Z
     Z = t20
     t21 = torch.exp(Z - Z.amax(-1, keepdim=True))
@@ -1704,7 +1704,7 @@ def ce__frobenius__X__X__outer(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t12.reshape((1, 1, d_V, d_V)) * t11.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t16.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t15.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (1/L) * (t12.reshape((1, 1, d_V, d_V)) * t11.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t16.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t15.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t13 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S17 = (1/L) * S + (-1/(L*d_V)) * ((t13 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t18 = M_Z * P_Z
     Z = t18
     t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
@@ -1776,7 +1776,7 @@ def ce__hessian__functional(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S30 = (t23.reshape((1, 1, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + (t26.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + ((t29.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (2/d_V) * (t23.reshape((1, 1, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t26.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t29.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t25 @ S30.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S31 = (2/d_V) * S30 + (-2/d_V**2) * ((t25 @ S30.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S32 = t23 + (-1/d_V) * t25
     t33 = (1/n_batch) * S32
@@ -1890,7 +1890,7 @@ def ce__frobenius_all__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t22 @ S27.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S28 = (2/d_V) * S27 + (-2/d_V**2) * ((t22 @ S27.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S29 = t20 + (-1/d_V) * t22
     t30 = (S29 @ S29.permute(1, 0))
@@ -1946,7 +1946,7 @@ def ce__diag__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (t21.reshape((1, 1, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + (t24.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + ((t27.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * (t21.reshape((1, 1, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t24.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t27.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t23 @ S28.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S29 = (2/d_V) * S28 + (-2/d_V**2) * ((t23 @ S28.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S30 = t21 + (-1/d_V) * t23
     t31 = (1/n_batch) * S30
@@ -2000,7 +2000,7 @@ def ce__trace__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t22 @ S27.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S28 = (2/d_V) * S27 + (-2/d_V**2) * ((t22 @ S27.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S29 = t20 + (-1/d_V) * t22
     return (1/n_batch) * (S29 * S28.sum((0, 1)).permute(1, 0)).sum()
@@ -2054,7 +2054,7 @@ def ce__block__X__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (t22.reshape((1, 1, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (t25.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t23.reshape((n_batch, L, d_V, 1))) + ((t28.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (2/d_V) * (t22.reshape((1, 1, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t25.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t23.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t28.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t24 @ S29.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S30 = (2/d_V) * S29 + (-2/d_V**2) * ((t24 @ S29.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S31 = t22 + (-1/d_V) * t24
     t32 = (1/n_batch) * S31
@@ -2108,7 +2108,7 @@ def ce__frobenius__X__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t22 @ S27.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S28 = (2/d_V) * S27 + (-2/d_V**2) * ((t22 @ S27.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S29 = t20 + (-1/d_V) * t22
     t30 = (S29 @ S29.permute(1, 0))
@@ -2165,7 +2165,7 @@ def ce__hessian__full(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t23.reshape((1, 1, d_V, d_V)) * t27.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t29.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t28.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (1/L) * (t23.reshape((1, 1, d_V, d_V)) * t27.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t29.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t28.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t25 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S30 = (1/L) * S + (-1/(L*d_V)) * ((t25 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t31 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A32 = t31 / t31.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
@@ -2182,7 +2182,7 @@ def ce__hessian__full(X, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S40 = (t23.reshape((1, 1, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + (t26.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + ((t29.permute(2, 0, 1) @ S39.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S41 = (2/d_V) * (t23.reshape((1, 1, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t26.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + ((S30.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t36.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t29.permute(2, 0, 1) @ S39.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t25 @ S40.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S41 = (2/d_V) * S40 + ((S30.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t36.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (-2/d_V**2) * ((t25 @ S40.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S42 = t23 + (-1/d_V) * t25
     t43 = (1/n_batch) * S42
@@ -2305,7 +2305,7 @@ def ce__frobenius_all__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t26.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t25.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (1/L) * (t20.reshape((1, 1, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t26.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t25.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t22 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S27 = (1/L) * S + (-1/(L*d_V)) * ((t22 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t28 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A29 = t28 / t28.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
@@ -2322,7 +2322,7 @@ def ce__frobenius_all__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S37 = (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((t26.permute(2, 0, 1) @ S36.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/d_V) * (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((S27.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t33.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t26.permute(2, 0, 1) @ S36.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t22 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/d_V) * S37 + ((S27.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t33.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (-2/d_V**2) * ((t22 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S39 = t20 + (-1/d_V) * t22
     t40 = (S39 @ S39.permute(1, 0))
@@ -2376,7 +2376,7 @@ def ce__diag__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * t25.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t27.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t26.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (1/L) * (t21.reshape((1, 1, d_V, d_V)) * t25.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t27.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t26.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t23 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S28 = (1/L) * S + (-1/(L*d_V)) * ((t23 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t29 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A30 = t29 / t29.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
@@ -2393,7 +2393,7 @@ def ce__diag__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S38 = (t21.reshape((1, 1, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + (t24.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + ((t27.permute(2, 0, 1) @ S37.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/d_V) * (t21.reshape((1, 1, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t24.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + ((S28.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t34.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t27.permute(2, 0, 1) @ S37.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t23 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/d_V) * S38 + ((S28.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t34.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (-2/d_V**2) * ((t23 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S40 = t21 + (-1/d_V) * t23
     t41 = (1/n_batch) * S40
@@ -2445,7 +2445,7 @@ def ce__trace__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t26.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t25.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (1/L) * (t20.reshape((1, 1, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t26.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t25.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t22 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S27 = (1/L) * S + (-1/(L*d_V)) * ((t22 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t28 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A29 = t28 / t28.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
@@ -2462,7 +2462,7 @@ def ce__trace__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S37 = (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((t26.permute(2, 0, 1) @ S36.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/d_V) * (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((S27.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t33.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t26.permute(2, 0, 1) @ S36.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t22 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/d_V) * S37 + ((S27.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t33.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (-2/d_V**2) * ((t22 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S39 = t20 + (-1/d_V) * t22
     return (1/n_batch) * (S39 * S38.sum((0, 1)).permute(1, 0)).sum()
@@ -2514,7 +2514,7 @@ def ce__block__X__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * t26.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t28.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t27.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (1/L) * (t22.reshape((1, 1, d_V, d_V)) * t26.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t28.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t27.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t24 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S29 = (1/L) * S + (-1/(L*d_V)) * ((t24 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t30 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A31 = t30 / t30.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
@@ -2531,7 +2531,7 @@ def ce__block__X__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S39 = (t22.reshape((1, 1, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (t25.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t23.reshape((n_batch, L, d_V, 1))) + ((t28.permute(2, 0, 1) @ S38.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (2/d_V) * (t22.reshape((1, 1, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t25.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t23.reshape((n_batch, L, d_V, 1))) + ((S29.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t35.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t28.permute(2, 0, 1) @ S38.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t24 @ S39.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = (2/d_V) * S39 + ((S29.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t35.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (-2/d_V**2) * ((t24 @ S39.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S41 = t22 + (-1/d_V) * t24
     t42 = (1/n_batch) * S41
@@ -2583,7 +2583,7 @@ def ce__frobenius__X__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t26.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t25.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (1/L) * (t20.reshape((1, 1, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t26.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t25.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t22 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S27 = (1/L) * S + (-1/(L*d_V)) * ((t22 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t28 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A29 = t28 / t28.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
@@ -2600,7 +2600,7 @@ def ce__frobenius__X__X__full(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S37 = (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((t26.permute(2, 0, 1) @ S36.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/d_V) * (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((S27.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t33.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t26.permute(2, 0, 1) @ S36.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t22 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/d_V) * S37 + ((S27.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t33.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (-2/d_V**2) * ((t22 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     # S: compact tensor ('d_V', 'd_V')
     S39 = t20 + (-1/d_V) * t22
     t40 = (S39 @ S39.permute(1, 0))
@@ -2638,7 +2638,7 @@ def ce__frobenius_split__X__X(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t12.reshape((1, 1, d_V, d_V)) * t11.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t16.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t15.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (1/L) * (t12.reshape((1, 1, d_V, d_V)) * t11.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t16.permute(2, 0, 1).reshape((1, L, d_V, d_V)) * t15.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t13 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S17 = (1/L) * S + (-1/(L*d_V)) * ((t13 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t18 = M_Z * P_Z
     Z = t18
     t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
@@ -2676,7 +2676,7 @@ def ce__frobenius_split__X__X(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S43 = (t12.reshape((1, 1, d_V, d_V)) * t37.reshape((n_batch, L, d_V, 1))) + (t39.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t38.reshape((n_batch, L, d_V, 1))) + ((t16.permute(2, 0, 1) @ S42.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S44 = (2/d_V) * (t12.reshape((1, 1, d_V, d_V)) * t37.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t38.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t16.permute(2, 0, 1) @ S42.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t13 @ S43.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S44 = (2/d_V) * S43 + (-2/d_V**2) * ((t13 @ S43.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t45 = (t28 @ S44.sum((0,)).permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
     t46 = (n_batch**(-2)) * (t45 * S44.sum((0,)).permute(2, 0, 1)).sum()
     t47 = (S44.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))

@@ -292,7 +292,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         # S: compact tensor ('L', 'd_V', 'd_V')
         S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S39 = (2/(L*d_K*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        S39 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
         t40 = M_N_2 * P_N_2
         N_2 = t40
         t41 = N_2 @ W_1
@@ -313,7 +313,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t53 = (t52.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
         t54 = (t53.permute(1, 2, 3, 0) @ S51)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S55 = (2/(L*d_K*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S39 @ t54) + (2/(L*d_K*d_V)) * (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+        S55 = (2/(L*d_K*d_V)) * S51 + (S39 @ t54)
         t56 = t20.transpose(-1, -2)
         t57 = t14.transpose(-1, -2)
         t58 = (1/n_batch) * t12
@@ -338,7 +338,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t75 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t14.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
         t77 = (t73.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t74.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S78 = (2/(L*math.sqrt(d_K)*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        S78 = (math.sqrt(d_K)) * S39
         t79 = (S78.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
         t80 = (t79 @ dA.permute(0, 1, 3, 2))
         t81 = (t80.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
@@ -424,7 +424,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t167 = t166.view((d_V, d_V, d_V, d_K))
         t168 = t73.transpose(-1, -2)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S169 = (2/(L*math.sqrt(d_K)*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S78 @ t54) + (2/(L*math.sqrt(d_K)*d_V)) * (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+        S169 = (2/(L*math.sqrt(d_K)*d_V)) * S51 + (S78 @ t54)
         t170 = (1/n_batch) * t168
         t171 = (t56.permute(0, 2, 1) @ S169.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
         t172 = (t57.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
@@ -440,7 +440,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t180 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t181 = t180.view((d_V, d_V, d_V, d_V))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S182 = (2/(L*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        S182 = (d_K) * S39
         t183 = (t73.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t170.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         t185 = (t44.reshape((d_ff, d_V, 1, 1)) * t42.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
         t186 = (t185.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t43.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
@@ -478,7 +478,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t216 = t215.view((d_V, d_ff, d_V, d_K))
         t217 = N_2.transpose(-1, -2)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S218 = (2/(L*math.sqrt(d_K)*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (2/(L*math.sqrt(d_K)*d_V)) * (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+        S218 = (2/(L*math.sqrt(d_K)*d_V)) * S51
         t219 = (1/n_batch) * t217
         t220 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t219.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         t221 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t56.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
@@ -609,7 +609,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*d_K*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -630,7 +630,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t53 = (t52.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t54 = (t53.permute(1, 2, 3, 0) @ S51)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S55 = (2/(L*d_K*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S39 @ t54) + (2/(L*d_K*d_V)) * (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+    S55 = (2/(L*d_K*d_V)) * S51 + (S39 @ t54)
     t56 = t20.transpose(-1, -2)
     t57 = t14.transpose(-1, -2)
     t58 = (1/n_batch) * t12
@@ -655,7 +655,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t75 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t14.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t77 = (t73.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t74.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S78 = (2/(L*math.sqrt(d_K)*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S78 = (math.sqrt(d_K)) * S39
     t79 = (S78.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t80 = (t79 @ dA.permute(0, 1, 3, 2))
     t81 = (t80.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
@@ -741,7 +741,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t167 = t166.view((d_V, d_V, d_V, d_K))
     t168 = t73.transpose(-1, -2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S169 = (2/(L*math.sqrt(d_K)*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S78 @ t54) + (2/(L*math.sqrt(d_K)*d_V)) * (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+    S169 = (2/(L*math.sqrt(d_K)*d_V)) * S51 + (S78 @ t54)
     t170 = (1/n_batch) * t168
     t171 = (t56.permute(0, 2, 1) @ S169.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t172 = (t57.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
@@ -757,7 +757,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t180 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t181 = t180.view((d_V, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S182 = (2/(L*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S182 = (d_K) * S39
     t183 = (t73.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t170.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t185 = (t44.reshape((d_ff, d_V, 1, 1)) * t42.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t186 = (t185.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t43.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
@@ -795,7 +795,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t216 = t215.view((d_V, d_ff, d_V, d_K))
     t217 = N_2.transpose(-1, -2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S218 = (2/(L*math.sqrt(d_K)*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (2/(L*math.sqrt(d_K)*d_V)) * (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+    S218 = (2/(L*math.sqrt(d_K)*d_V)) * S51
     t219 = (1/n_batch) * t217
     t220 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t219.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t221 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t56.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
@@ -1065,7 +1065,7 @@ def mse_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/(L*d_K*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -1086,7 +1086,7 @@ def mse_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t51 = (t50.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t52 = (t51.permute(1, 2, 3, 0) @ S49)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S53 = (2/(L*d_K*d_V)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S37 @ t52) + (2/(L*d_K*d_V)) * (t48.reshape((L*d_V*n_batch, d_V)) @ S45).reshape((n_batch, L, d_V, d_V))
+    S53 = (2/(L*d_K*d_V)) * S49 + (S37 @ t52)
     t54 = t18.transpose(-1, -2)
     t55 = t12.transpose(-1, -2)
     t56 = (S53.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t18.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -1118,7 +1118,7 @@ def mse_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t82 = (t81.reshape((n_batch, n_batch, L**2, L)) @ t78.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t83 = (t82.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S84 = (2/(L*math.sqrt(d_K)*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S84 = (math.sqrt(d_K)) * S37
     t85 = (S84.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t18.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t86 = (t85 @ dA.permute(0, 1, 3, 2))
     t87 = (W_2 @ t18.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_ff, n_batch, L))
@@ -1266,7 +1266,7 @@ def mse_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t228 = torch.sqrt(torch.clamp(t227, min=0.0))
     t229 = t77.transpose(-1, -2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S230 = (2/(L*math.sqrt(d_K)*d_V)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S84 @ t52) + (2/(L*math.sqrt(d_K)*d_V)) * (t48.reshape((L*d_V*n_batch, d_V)) @ S45).reshape((n_batch, L, d_V, d_V))
+    S230 = (2/(L*math.sqrt(d_K)*d_V)) * S49 + (S84 @ t52)
     t231 = (t54.permute(0, 2, 1) @ S230.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t232 = (t231.permute(0, 2, 3, 1) @ dA)
     t233 = (t229.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t229.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1282,7 +1282,7 @@ def mse_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t243 = torch.sqrt(torch.clamp(t242, min=0.0))
     t244 = (t77.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t229.permute(0, 2, 1).reshape((L*n_batch, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S245 = (2/(L*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S245 = (d_K) * S37
     t246 = (t244 @ t229.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t247 = (t246.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t77.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t248 = (t247.reshape((n_batch, L, 1)) * t40)
@@ -1352,7 +1352,7 @@ def mse_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t311 = torch.sqrt(torch.clamp(t310, min=0.0))
     t312 = N_2.transpose(-1, -2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S313 = (2/(L*math.sqrt(d_K)*d_V)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (2/(L*math.sqrt(d_K)*d_V)) * (t48.reshape((L*d_V*n_batch, d_V)) @ S45).reshape((n_batch, L, d_V, d_V))
+    S313 = (2/(L*math.sqrt(d_K)*d_V)) * S49
     t314 = (t312.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t312.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t315 = t62 * t314
     t316 = (t54.permute(0, 2, 1) @ S313.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -1489,7 +1489,7 @@ def mse_bias0_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*d_K*d_V)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -1510,7 +1510,7 @@ def mse_bias0_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t52 = (t51.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t53 = (t52.permute(1, 2, 3, 0) @ S50)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S54 = (2/(L*d_K*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S38 @ t53) + (2/(L*d_K*d_V)) * (t49.reshape((L*d_V*n_batch, d_V)) @ S46).reshape((n_batch, L, d_V, d_V))
+    S54 = (2/(L*d_K*d_V)) * S50 + (S38 @ t53)
     t55 = t19.transpose(-1, -2)
     t56 = t13.transpose(-1, -2)
     t57 = (1/n_batch) * t11
@@ -1582,7 +1582,7 @@ def mse_bias0_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/(L*d_K*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -1603,7 +1603,7 @@ def mse_bias0_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t51 = (t50.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t52 = (t51.permute(1, 2, 3, 0) @ S49)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S53 = (2/(L*d_K*d_V)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S37 @ t52) + (2/(L*d_K*d_V)) * (t48.reshape((L*d_V*n_batch, d_V)) @ S45).reshape((n_batch, L, d_V, d_V))
+    S53 = (2/(L*d_K*d_V)) * S49 + (S37 @ t52)
     t54 = t18.transpose(-1, -2)
     t55 = t12.transpose(-1, -2)
     t56 = (N_1.reshape((n_batch, L, 1, d_V)) @ t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
@@ -1675,7 +1675,7 @@ def mse_bias0_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*d_K*d_V)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -1696,7 +1696,7 @@ def mse_bias0_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t52 = (t51.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t53 = (t52.permute(1, 2, 3, 0) @ S50)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S54 = (2/(L*d_K*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S38 @ t53) + (2/(L*d_K*d_V)) * (t49.reshape((L*d_V*n_batch, d_V)) @ S46).reshape((n_batch, L, d_V, d_V))
+    S54 = (2/(L*d_K*d_V)) * S50 + (S38 @ t53)
     t55 = t19.transpose(-1, -2)
     t56 = t13.transpose(-1, -2)
     t57 = (1/n_batch) * t11
@@ -1768,7 +1768,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/(L*d_K*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -1789,7 +1789,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t51 = (t50.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t52 = (t51.permute(1, 2, 3, 0) @ S49)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S53 = (2/(L*d_K*d_V)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S37 @ t52) + (2/(L*d_K*d_V)) * (t48.reshape((L*d_V*n_batch, d_V)) @ S45).reshape((n_batch, L, d_V, d_V))
+    S53 = (2/(L*d_K*d_V)) * S49 + (S37 @ t52)
     t54 = t18.transpose(-1, -2)
     t55 = t12.transpose(-1, -2)
     t56 = (S53.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t18.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -1868,7 +1868,7 @@ def mse_bias0_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*d_K*d_V)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -1889,7 +1889,7 @@ def mse_bias0_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t52 = (t51.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t53 = (t52.permute(1, 2, 3, 0) @ S50)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S54 = (2/(L*d_K*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S38 @ t53) + (2/(L*d_K*d_V)) * (t49.reshape((L*d_V*n_batch, d_V)) @ S46).reshape((n_batch, L, d_V, d_V))
+    S54 = (2/(L*d_K*d_V)) * S50 + (S38 @ t53)
     t55 = t19.transpose(-1, -2)
     t56 = N_1 @ W_Q
     t57 = (1/n_batch) * t11
@@ -1961,7 +1961,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/(L*d_K*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -1982,7 +1982,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t51 = (t50.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t52 = (t51.permute(1, 2, 3, 0) @ S49)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S53 = (2/(L*d_K*d_V)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S37 @ t52) + (2/(L*d_K*d_V)) * (t48.reshape((L*d_V*n_batch, d_V)) @ S45).reshape((n_batch, L, d_V, d_V))
+    S53 = (2/(L*d_K*d_V)) * S49 + (S37 @ t52)
     t54 = t18.transpose(-1, -2)
     t55 = N_1 @ W_Q
     t56 = (S53.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t18.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -2063,7 +2063,7 @@ def mse_bias0_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t37.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t41.permute(2, 3, 0, 1) * t40.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S42 = (2/(L*math.sqrt(d_K)*d_V)) * (t37.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t41.permute(2, 3, 0, 1) * t40.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t38 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S42 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t38 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t43 = M_N_2 * P_N_2
     N_2 = t43
     t44 = N_2 @ W_1
@@ -2171,7 +2171,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t40.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t44.permute(2, 3, 0, 1) * t43.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S45 = (2/(L*math.sqrt(d_K)*d_V)) * (t40.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t44.permute(2, 3, 0, 1) * t43.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t41 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S45 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t41 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t46 = M_N_2 * P_N_2
     N_2 = t46
     t47 = N_2 @ W_1
@@ -2307,7 +2307,7 @@ def mse_bias0_causal0__block__W_Q__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*math.sqrt(d_K)*d_V)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -2385,7 +2385,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/(L*math.sqrt(d_K)*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -2469,7 +2469,7 @@ def mse_bias0_causal0__block__W_Q__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*math.sqrt(d_K)*d_V)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -2545,7 +2545,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/(L*math.sqrt(d_K)*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -2629,7 +2629,7 @@ def mse_bias0_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (2/(L*d_K*d_V)) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -2650,7 +2650,7 @@ def mse_bias0_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t54 = (t53.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t55 = (t54.permute(1, 2, 3, 0) @ S52)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S56 = (2/(L*d_K*d_V)) * (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S40 @ t55) + (2/(L*d_K*d_V)) * (t51.reshape((L*d_V*n_batch, d_V)) @ S48).reshape((n_batch, L, d_V, d_V))
+    S56 = (2/(L*d_K*d_V)) * S52 + (S40 @ t55)
     t57 = t21.transpose(-1, -2)
     t58 = (1/n_batch) * t13
     t59 = (t14 * t58.permute(0, 2, 1)).permute(2, 0, 1)
@@ -2723,7 +2723,7 @@ def mse_bias0_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*d_K*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -2744,7 +2744,7 @@ def mse_bias0_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t53 = (t52.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t54 = (t53.permute(1, 2, 3, 0) @ S51)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S55 = (2/(L*d_K*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S39 @ t54) + (2/(L*d_K*d_V)) * (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+    S55 = (2/(L*d_K*d_V)) * S51 + (S39 @ t54)
     t56 = t20.transpose(-1, -2)
     t57 = (t13.reshape((n_batch, L, 1, d_K)) @ t12.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t58 = (N_1 @ t11)
@@ -2817,7 +2817,7 @@ def mse_bias0_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (2/(L*d_K*d_V)) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -2838,7 +2838,7 @@ def mse_bias0_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t54 = (t53.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t55 = (t54.permute(1, 2, 3, 0) @ S52)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S56 = (2/(L*d_K*d_V)) * (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S40 @ t55) + (2/(L*d_K*d_V)) * (t51.reshape((L*d_V*n_batch, d_V)) @ S48).reshape((n_batch, L, d_V, d_V))
+    S56 = (2/(L*d_K*d_V)) * S52 + (S40 @ t55)
     t57 = t21.transpose(-1, -2)
     t58 = t16.transpose(-1, -2)
     t59 = (1/n_batch) * t13
@@ -2912,7 +2912,7 @@ def mse_bias0_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*d_K*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -2933,7 +2933,7 @@ def mse_bias0_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t53 = (t52.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t54 = (t53.permute(1, 2, 3, 0) @ S51)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S55 = (2/(L*d_K*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S39 @ t54) + (2/(L*d_K*d_V)) * (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+    S55 = (2/(L*d_K*d_V)) * S51 + (S39 @ t54)
     t56 = t20.transpose(-1, -2)
     t57 = t15.transpose(-1, -2)
     t58 = (S55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -3014,7 +3014,7 @@ def mse_bias0_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (2/(L*d_K*d_V)) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -3035,7 +3035,7 @@ def mse_bias0_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t54 = (t53.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t55 = (t54.permute(1, 2, 3, 0) @ S52)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S56 = (2/(L*d_K*d_V)) * (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S40 @ t55) + (2/(L*d_K*d_V)) * (t51.reshape((L*d_V*n_batch, d_V)) @ S48).reshape((n_batch, L, d_V, d_V))
+    S56 = (2/(L*d_K*d_V)) * S52 + (S40 @ t55)
     t57 = t21.transpose(-1, -2)
     t58 = (1/n_batch) * t13
     t59 = (S56.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -3108,7 +3108,7 @@ def mse_bias0_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*d_K*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -3129,7 +3129,7 @@ def mse_bias0_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t53 = (t52.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t54 = (t53.permute(1, 2, 3, 0) @ S51)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S55 = (2/(L*d_K*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S39 @ t54) + (2/(L*d_K*d_V)) * (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+    S55 = (2/(L*d_K*d_V)) * S51 + (S39 @ t54)
     t56 = t20.transpose(-1, -2)
     t57 = (S55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t58 = (t57.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t56).reshape((n_batch, L, L, L))
@@ -3211,7 +3211,7 @@ def mse_bias0_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t39.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t43.permute(2, 3, 0, 1) * t42.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S44 = (2/(L*math.sqrt(d_K)*d_V)) * (t39.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t43.permute(2, 3, 0, 1) * t42.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t40 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S44 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t40 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t45 = M_N_2 * P_N_2
     N_2 = t45
     t46 = N_2 @ W_1
@@ -3321,7 +3321,7 @@ def mse_bias0_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t42.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t46.permute(2, 3, 0, 1) * t45.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S47 = (2/(L*math.sqrt(d_K)*d_V)) * (t42.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t46.permute(2, 3, 0, 1) * t45.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t43 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S47 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t43 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t48 = M_N_2 * P_N_2
     N_2 = t48
     t49 = N_2 @ W_1
@@ -3459,7 +3459,7 @@ def mse_bias0_causal0__block__W_K__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (2/(L*math.sqrt(d_K)*d_V)) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -3539,7 +3539,7 @@ def mse_bias0_causal0__frobenius__W_K__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*math.sqrt(d_K)*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -3625,7 +3625,7 @@ def mse_bias0_causal0__block__W_K__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (2/(L*math.sqrt(d_K)*d_V)) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -3703,7 +3703,7 @@ def mse_bias0_causal0__frobenius__W_K__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*math.sqrt(d_K)*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -3786,7 +3786,7 @@ def mse_bias0_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t36.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t40.permute(2, 3, 0, 1) * t39.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S41 = (2/(L*d_V)) * (t36.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t40.permute(2, 3, 0, 1) * t39.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t37 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S41 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t37 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t42 = M_N_2 * P_N_2
     N_2 = t42
     t43 = N_2 @ W_1
@@ -3879,7 +3879,7 @@ def mse_bias0_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t32.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/(L*d_V)) * (t32.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -3967,7 +3967,7 @@ def mse_bias0_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*math.sqrt(d_K)*d_V)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -3988,7 +3988,7 @@ def mse_bias0_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t53 = (t52.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t54 = (t53.permute(1, 2, 3, 0) @ S51)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S55 = (2/(L*math.sqrt(d_K)*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S39 @ t54) + (2/(L*math.sqrt(d_K)*d_V)) * (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+    S55 = (2/(L*math.sqrt(d_K)*d_V)) * S51 + (S39 @ t54)
     t56 = W_V.transpose(-1, -2)
     t57 = t56 @ t11
     t58 = torch.eye(L, dtype=X.dtype, device=X.device)
@@ -4060,7 +4060,7 @@ def mse_bias0_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*math.sqrt(d_K)*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -4081,7 +4081,7 @@ def mse_bias0_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t52 = (t51.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t53 = (t52.permute(1, 2, 3, 0) @ S50)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S54 = (2/(L*math.sqrt(d_K)*d_V)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S38 @ t53) + (2/(L*math.sqrt(d_K)*d_V)) * (t49.reshape((L*d_V*n_batch, d_V)) @ S46).reshape((n_batch, L, d_V, d_V))
+    S54 = (2/(L*math.sqrt(d_K)*d_V)) * S50 + (S38 @ t53)
     t55 = W_V.transpose(-1, -2)
     t56 = t55 @ t10
     t57 = torch.eye(L, dtype=X.dtype, device=X.device)
@@ -4159,7 +4159,7 @@ def mse_bias0_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*math.sqrt(d_K)*d_V)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -4180,7 +4180,7 @@ def mse_bias0_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t53 = (t52.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t54 = (t53.permute(1, 2, 3, 0) @ S51)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S55 = (2/(L*math.sqrt(d_K)*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S39 @ t54) + (2/(L*math.sqrt(d_K)*d_V)) * (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+    S55 = (2/(L*math.sqrt(d_K)*d_V)) * S51 + (S39 @ t54)
     t56 = W_V.transpose(-1, -2)
     t57 = t56 @ t11
     t58 = torch.eye(L, dtype=X.dtype, device=X.device)
@@ -4252,7 +4252,7 @@ def mse_bias0_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*math.sqrt(d_K)*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -4273,7 +4273,7 @@ def mse_bias0_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t52 = (t51.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t53 = (t52.permute(1, 2, 3, 0) @ S50)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S54 = (2/(L*math.sqrt(d_K)*d_V)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S38 @ t53) + (2/(L*math.sqrt(d_K)*d_V)) * (t49.reshape((L*d_V*n_batch, d_V)) @ S46).reshape((n_batch, L, d_V, d_V))
+    S54 = (2/(L*math.sqrt(d_K)*d_V)) * S50 + (S38 @ t53)
     t55 = W_V.transpose(-1, -2)
     t56 = t55 @ t10
     t57 = torch.eye(L, dtype=X.dtype, device=X.device)
@@ -4350,7 +4350,7 @@ def mse_bias0_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t33.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*d_V)) * (t33.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -4448,7 +4448,7 @@ def mse_bias0_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t33.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*d_V)) * (t33.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -4584,7 +4584,7 @@ def mse_bias0_causal0__block__W_V__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*d_V)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -4658,7 +4658,7 @@ def mse_bias0_causal0__frobenius__W_V__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -4738,7 +4738,7 @@ def mse_bias0_causal0__block__W_V__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*d_V)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -4811,7 +4811,7 @@ def mse_bias0_causal0__frobenius__W_V__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -6711,7 +6711,7 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=No
     t88 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t89 = t88.view((d_V, d_K, d_V, d_K))
     # S: compact tensor ('L', 'L', 'L')
-    S90 = (dA @ t65) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
+    S90 = ((1/2)*d_K*d_V) * S82
     t91 = N_1 @ W_Q
     t92 = (2/(d_K*d_V*n_batch)) * t12
     t93 = (S90.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t14.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
@@ -6738,7 +6738,7 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=No
     t111 = ((N_1.permute(0, 2, 1) @ t110.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t112 = (S109.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t84.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     # S: compact tensor ('d_V', 'd_V')
-    S113 = (2/(math.sqrt(d_K)*d_V)) * t21 + (-2/(math.sqrt(d_K)*d_V**2)) * t22
+    S113 = (2/(math.sqrt(d_K)*d_V)) * S
     t114 = A @ N_1
     t115 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t116 = (t115.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S113).reshape((n_batch, L, d_V))
@@ -6752,7 +6752,7 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=No
     t122 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
     t123 = t122.view((d_V, d_K, d_V, d_ff))
     # S: compact tensor ('d_V', 'd_V')
-    S124 = (1/math.sqrt(d_K)) * t21 + (-1/(math.sqrt(d_K)*d_V)) * t22
+    S124 = (1/math.sqrt(d_K)) * S
     t125 = t34 * M_N_2
     # S: compact tensor ('L', 'd_V', 'd_V')
     S126 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t58.permute(2, 3, 0, 1) * t125.reshape((n_batch, L, 1, d_V)))
@@ -6811,7 +6811,7 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=No
     t170 = t169.view((d_V, d_V, d_V, d_V))
     t171 = t114.transpose(-1, -2)
     # S: compact tensor ('d_V', 'd_V')
-    S172 = (2/d_V) * t21 + (-2/d_V**2) * t22
+    S172 = (2/d_V) * S
     t173 = (1/n_batch) * t171
     t174 = (S59.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S172.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t175 = ((S.permute(1, 0) @ t174.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
@@ -6856,7 +6856,7 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=No
     t210 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t211 = t210.view((d_V, d_ff, d_V, d_V))
     # S: compact tensor ('d_V', 'L', 'd_V')
-    S212 = (t21.reshape((1, d_V, 1, d_V)) * t193.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t198.permute(2, 0, 3, 1) * t196.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
+    S212 = (math.sqrt(d_K)) * S199
     t213 = (1/n_batch) * t114
     t214 = (t213.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t192.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
     t215 = ((S.permute(1, 0) @ S212.permute(3, 1, 0, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
@@ -7249,7 +7249,7 @@ def mse_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t92 = t79 @ N_1
     t93 = (t92.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t10.permute(0, 2, 1).reshape((L*n_batch, d_V)))
     # S: compact tensor ('L', 'L', 'L')
-    S94 = (dA @ t63) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
+    S94 = ((1/2)*d_K*d_V) * S80
     t95 = N_1 @ W_Q
     t96 = (t95 @ t12)
     t97 = (t96.reshape((n_batch, L, 1, L)) @ S94).reshape((n_batch, L, L))
@@ -7276,7 +7276,7 @@ def mse_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t117 = (t116.reshape((n_batch, n_batch, L**2, L)) @ t84.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t118 = (t117.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('d_V', 'd_V')
-    S119 = (2/(math.sqrt(d_K)*d_V)) * t19 + (-2/(math.sqrt(d_K)*d_V**2)) * t20
+    S119 = (2/(math.sqrt(d_K)*d_V)) * S
     t120 = A @ N_1
     t121 = (t120.reshape((L*n_batch, d_V)) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t122 = (S @ S113.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -7297,7 +7297,7 @@ def mse_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t137 = (n_batch**(-2)) * (t118 * t115.permute(0, 2, 3, 1)).sum() + (2/n_batch**2) * (t130 * t121.permute(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t136 * t132.permute(2, 0, 1, 3)).sum()
     t138 = torch.sqrt(torch.clamp(t137, min=0.0))
     # S: compact tensor ('d_V', 'd_V')
-    S139 = (1/math.sqrt(d_K)) * t19 + (-1/(math.sqrt(d_K)*d_V)) * t20
+    S139 = (1/math.sqrt(d_K)) * S
     t140 = t32 * M_N_2
     # S: compact tensor ('L', 'd_V', 'd_V')
     S141 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t56.permute(2, 3, 0, 1) * t140.reshape((n_batch, L, 1, d_V)))
@@ -7433,7 +7433,7 @@ def mse_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t272 = (4/(d_K*d_V**2*n_batch**2)) * (t256 * t84.permute(0, 2, 3, 1)).sum() + (-8/(d_K*d_V**3*n_batch**2)) * (t259 * t84.permute(0, 2, 3, 1)).sum() + (4/(math.sqrt(d_K)*d_V*n_batch**2)) * (t262 * t228.permute(2, 0, 1, 3)).sum() + (4/(d_K*d_V**4*n_batch**2)) * (t265 * t84.permute(0, 2, 3, 1)).sum() + (-4/(math.sqrt(d_K)*d_V**2*n_batch**2)) * (t268 * t228.permute(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t271 * t84.permute(2, 0, 1, 3)).sum()
     t273 = torch.sqrt(torch.clamp(t272, min=0.0))
     # S: compact tensor ('d_V', 'd_V')
-    S274 = (2/d_V) * t19 + (-2/d_V**2) * t20
+    S274 = (2/d_V) * S
     t275 = (S274.permute(1, 0) @ S274)
     t276 = t131 * t246
     t277 = (t275 @ S57.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -7476,7 +7476,7 @@ def mse_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t314 = (n_batch**(-2)) * (t313 * t311.permute(0, 2, 3, 1)).sum()
     t315 = torch.sqrt(torch.clamp(t314, min=0.0))
     # S: compact tensor ('d_V', 'L', 'd_V')
-    S316 = (t19.reshape((1, d_V, 1, d_V)) * t208.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t301.permute(2, 0, 3, 1) * t203.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
+    S316 = (math.sqrt(d_K)) * S302
     t317 = t131 * t303
     t318 = (t133 @ S316.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
     t319 = (t318.permute(1, 3, 0, 2).reshape((L*n_batch, d_V**2)) @ S316.permute(3, 1, 0, 2).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8347,7 +8347,7 @@ def mse_bias0_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     S71 = (t61.reshape((1, 1, d_V, d_V)) * t48.reshape((n_batch, L, d_V, 1))) + (t65.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t70.permute(2, 3, 0, 1) @ S69)
     t72 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S73 = t61 + (-1/d_V) * t62
+    S73 = ((1/2)*math.sqrt(d_K)*d_V) * S63
     t74 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t75 = (t74.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S63).reshape((n_batch, L, d_V))
     t76 = (t75 @ S71.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -8462,7 +8462,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_
     S74 = (t64.reshape((1, 1, d_V, d_V)) * t47.reshape((n_batch, L, d_V, 1))) + (t68.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t73.permute(2, 3, 0, 1) @ S72)
     t75 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S76 = t64 + (-1/d_V) * t65
+    S76 = ((1/2)*math.sqrt(d_K)*d_V) * S66
     t77 = (t75.reshape((L*n_batch, d_V)) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t78 = (S76 @ S.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t79 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -9656,7 +9656,7 @@ def mse_bias0_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     S73 = (t63.reshape((1, 1, d_V, d_V)) * t50.reshape((n_batch, L, d_V, 1))) + (t67.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t72.permute(2, 3, 0, 1) @ S71)
     t74 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S75 = t63 + (-1/d_V) * t64
+    S75 = ((1/2)*math.sqrt(d_K)*d_V) * S65
     t76 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t77 = (t76.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S65).reshape((n_batch, L, d_V))
     t78 = (t77 @ S73.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -9773,7 +9773,7 @@ def mse_bias0_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_
     S76 = (t66.reshape((1, 1, d_V, d_V)) * t49.reshape((n_batch, L, d_V, 1))) + (t70.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t75.permute(2, 3, 0, 1) @ S74)
     t77 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S78 = t66 + (-1/d_V) * t67
+    S78 = ((1/2)*math.sqrt(d_K)*d_V) * S68
     t79 = (t77.reshape((L*n_batch, d_V)) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t80 = (S78 @ S.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t81 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -10221,7 +10221,7 @@ def mse_bias0_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S59 = (t20.reshape((1, 1, d_V, d_V)) * t51.reshape((n_batch, L, d_V, 1))) + (t53.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t58.permute(2, 3, 0, 1) @ S57)
     # S: compact tensor ('d_V', 'd_V')
-    S60 = t20 + (-1/d_V) * t21
+    S60 = ((1/2)*d_V) * S
     t61 = (1/n_batch) * t19
     t62 = (t22 * t61.permute(0, 2, 1)).permute(2, 0, 1)
     t63 = (S60.permute(1, 0).reshape((d_V, d_V, 1)) * S.reshape((d_V, 1, d_V)))
@@ -10312,7 +10312,7 @@ def mse_bias0_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S58 = (t19.reshape((1, 1, d_V, d_V)) * t50.reshape((n_batch, L, d_V, 1))) + (t52.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t57.permute(2, 3, 0, 1) @ S56)
     # S: compact tensor ('d_V', 'd_V')
-    S59 = t19 + (-1/d_V) * t20
+    S59 = ((1/2)*d_V) * S
     t60 = (t21.reshape((n_batch, L, 1, d_V)) @ t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t61 = (S59 @ S)
     t62 = (t61.reshape((1, d_V**2)) @ S58.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
@@ -10428,7 +10428,7 @@ def mse_bias0_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     # S: compact tensor ('L', 'd_V', 'd_V')
     S86 = (t73.reshape((1, 1, d_V, d_V)) * t78.reshape((n_batch, L, d_V, 1))) + (t80.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t85.permute(2, 3, 0, 1) @ S84)
     # S: compact tensor ('d_V', 'd_V')
-    S87 = t73 + (-1/d_V) * t74
+    S87 = ((1/2)*math.sqrt(d_K)*d_V) * S
     t88 = W_V.transpose(-1, -2)
     t89 = (1/n_batch) * t72
     t90 = (t88.permute(1, 0) @ S87.permute(1, 0))
@@ -10559,7 +10559,7 @@ def mse_bias0_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_
     # S: compact tensor ('L', 'd_V', 'd_V')
     S91 = (t78.reshape((1, 1, d_V, d_V)) * t83.reshape((n_batch, L, d_V, 1))) + (t85.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t90.permute(2, 3, 0, 1) @ S89)
     # S: compact tensor ('d_V', 'd_V')
-    S92 = t78 + (-1/d_V) * t79
+    S92 = ((1/2)*math.sqrt(d_K)*d_V) * S
     t93 = W_V.transpose(-1, -2)
     t94 = (S.permute(1, 0) @ t58.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t95 = (t77.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10700,7 +10700,7 @@ def mse_bias0_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     # S: compact tensor ('L', 'd_V', 'd_V')
     S86 = (t73.reshape((1, 1, d_V, d_V)) * t78.reshape((n_batch, L, d_V, 1))) + (t80.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t85.permute(2, 3, 0, 1) @ S84)
     # S: compact tensor ('d_V', 'd_V')
-    S87 = t73 + (-1/d_V) * t74
+    S87 = ((1/2)*math.sqrt(d_K)*d_V) * S
     t88 = W_V.transpose(-1, -2)
     t89 = (1/n_batch) * t72
     t90 = (t88.permute(1, 0) @ S87.permute(1, 0))
@@ -10831,7 +10831,7 @@ def mse_bias0_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_
     # S: compact tensor ('L', 'd_V', 'd_V')
     S91 = (t78.reshape((1, 1, d_V, d_V)) * t83.reshape((n_batch, L, d_V, 1))) + (t85.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t90.permute(2, 3, 0, 1) @ S89)
     # S: compact tensor ('d_V', 'd_V')
-    S92 = t78 + (-1/d_V) * t79
+    S92 = ((1/2)*math.sqrt(d_K)*d_V) * S
     t93 = W_V.transpose(-1, -2)
     t94 = (S.permute(1, 0) @ t58.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t95 = (t77.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10947,7 +10947,7 @@ def mse_bias0_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     # S: compact tensor ('L', 'd_V', 'd_V')
     S59 = (t20.reshape((1, 1, d_V, d_V)) * t51.reshape((n_batch, L, d_V, 1))) + (t53.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t58.permute(2, 3, 0, 1) @ S57)
     # S: compact tensor ('d_V', 'd_V')
-    S60 = t20 + (-1/d_V) * t21
+    S60 = ((1/2)*d_V) * S
     t61 = (1/n_batch) * t19
     t62 = (S59.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t63 = ((S60.permute(1, 0) @ t62.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
@@ -11038,7 +11038,7 @@ def mse_bias0_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_1, W_
     # S: compact tensor ('L', 'd_V', 'd_V')
     S58 = (t19.reshape((1, 1, d_V, d_V)) * t50.reshape((n_batch, L, d_V, 1))) + (t52.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t57.permute(2, 3, 0, 1) @ S56)
     # S: compact tensor ('d_V', 'd_V')
-    S59 = t19 + (-1/d_V) * t20
+    S59 = ((1/2)*d_V) * S
     t60 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t61 = (S.permute(1, 0) @ S)
     t62 = (t21.reshape((L*n_batch, d_V)) @ t21.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -12906,7 +12906,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         # S: compact tensor ('L', 'd_V', 'd_V')
         S68 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t60.permute(2, 3, 0, 1) * t62.reshape((n_batch, L, 1, d_V)))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S69 = (2/(L*d_K*d_V)) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t60.permute(2, 3, 0, 1) * t62.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t24 @ S68.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        S69 = (2/(L*d_K*d_V)) * S68 + (-2/(L*d_K*d_V**2)) * ((t24 @ S68.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
         t70 = (t66 @ S64)
         # S: compact tensor ('L', 'd_V', 'd_V')
         S71 = (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (t70.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
@@ -12965,7 +12965,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t116 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t15.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
         t117 = (t116.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
         # S: compact tensor ('d_V', 'd_V')
-        S118 = (2/(math.sqrt(d_K)*d_V)) * t22 + (-2/(math.sqrt(d_K)*d_V**2)) * t24
+        S118 = (2/(math.sqrt(d_K)*d_V)) * S
         t119 = A @ N_1
         t120 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
         t121 = (t120.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S118).reshape((n_batch, L, d_V))
@@ -12974,7 +12974,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t126 = (2/(L*math.sqrt(d_K)*d_V)) * t15
         t127 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t126.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S129 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t60.permute(2, 3, 0, 1) * t62.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t24 @ S68.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        S129 = ((1/2)*L*d_K*d_V) * S69
         t130 = (t120.permute(1, 2, 0) @ S129.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
         t131 = (t130.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
         t132 = (t131.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
@@ -13039,7 +13039,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t196 = t195.view((n_batch, L, d_K, d_V, d_K))
         t197 = t102.transpose(-1, -2)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S198 = (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S129 @ t74) + (t70.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
+        S198 = S71 + (S129 @ t74)
         t199 = (2/(L*d_K*d_V)) * t197
         t200 = (S198.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
         t201 = (t200.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t76).reshape((n_batch, L, L, L))
@@ -13130,9 +13130,9 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t278 = t277[..., 0:d_K*d_V]
         t279 = t278.view((n_batch, L, d_V, d_V, d_K))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S280 = (2/(math.sqrt(d_K)*d_V)) * (t22.reshape((1, 1, d_V, d_V)) * t53.reshape((n_batch, L, d_V, 1))) + (2/(math.sqrt(d_K)*d_V)) * (t55.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (2/(math.sqrt(d_K)*d_V)) * (t60.permute(2, 3, 0, 1) @ S59) + (-2/(math.sqrt(d_K)*d_V**2)) * ((t24 @ S61.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t66 @ S64)
+        S280 = (2/(math.sqrt(d_K)*d_V)) * S61 + (-2/(math.sqrt(d_K)*d_V**2)) * ((t24 @ S61.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t66 @ S64)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S281 = (2/(L*math.sqrt(d_K)*d_V)) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t60.permute(2, 3, 0, 1) * t62.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t24 @ S68.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        S281 = (math.sqrt(d_K)) * S69
         # S: compact tensor ('L', 'd_V', 'd_V')
         S282 = (2/(L*math.sqrt(d_K)*d_V)) * (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S280.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (S281 @ t74)
         t283 = W_V.transpose(-1, -2)
@@ -13148,9 +13148,9 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t291 = t277[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t292 = t291.view((n_batch, L, d_V, d_V, d_V))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S293 = (2/d_V) * (t22.reshape((1, 1, d_V, d_V)) * t53.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t55.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (2/d_V) * (t60.permute(2, 3, 0, 1) @ S59) + (-2/d_V**2) * ((t24 @ S61.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t66 @ S64)
+        S293 = (math.sqrt(d_K)) * S280
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S295 = (2/(L*d_V)) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t60.permute(2, 3, 0, 1) * t62.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t24 @ S68.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        S295 = (d_K) * S69
         t297 = (t49.reshape((d_ff, d_V, 1, 1)) * t40.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
         t298 = (t297.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t46.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
         t299 = (t298.permute(1, 2, 0, 3) @ t73.permute(1, 2, 0, 3))
@@ -13454,7 +13454,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S67 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t59.permute(2, 3, 0, 1) * t61.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S68 = (2/(L*d_K*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t59.permute(2, 3, 0, 1) * t61.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t23 @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S68 = (2/(L*d_K*d_V)) * S67 + (-2/(L*d_K*d_V**2)) * ((t23 @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t69 = (t65 @ S63)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S70 = (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (t69.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
@@ -13519,7 +13519,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t121 = ((N_1.permute(0, 2, 1) @ t120.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t122 = (S119.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t97.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     # S: compact tensor ('d_V', 'd_V')
-    S123 = (2/(math.sqrt(d_K)*d_V)) * t21 + (-2/(math.sqrt(d_K)*d_V**2)) * t23
+    S123 = (2/(math.sqrt(d_K)*d_V)) * S
     t124 = A @ N_1
     t125 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t126 = (t125.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S123).reshape((n_batch, L, d_V))
@@ -13531,7 +13531,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t132 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t12
     t134 = (t124.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t132.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S135 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t59.permute(2, 3, 0, 1) * t61.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t23 @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S135 = ((1/2)*L*d_K*d_V) * S68
     t136 = (t125.permute(1, 2, 0) @ S135.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t137 = (t136.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
     t138 = (t137.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
@@ -13591,7 +13591,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t197 = t196.view((d_V, d_K, d_V, d_K))
     t198 = t103.transpose(-1, -2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S199 = (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S135 @ t73) + (t69.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
+    S199 = S70 + (S135 @ t73)
     t200 = (2/(L*d_K*d_V*n_batch)) * t198
     t201 = (S199.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t202 = (t201.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t75).reshape((n_batch, L, L, L))
@@ -13671,11 +13671,11 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t269 = t268.view((d_V, d_V, d_V, d_V))
     t270 = t124.transpose(-1, -2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S271 = (2/d_V) * (t21.reshape((1, 1, d_V, d_V)) * t52.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t54.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (2/d_V) * (t59.permute(2, 3, 0, 1) @ S58) + (-2/d_V**2) * ((t23 @ S60.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t65 @ S63)
+    S271 = (2/d_V) * S60 + (-2/d_V**2) * ((t23 @ S60.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t65 @ S63)
     t272 = (1/n_batch) * t270
     t273 = (t124.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t272.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S275 = (2/(L*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t59.permute(2, 3, 0, 1) * t61.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t23 @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S275 = (d_K) * S68
     t277 = (t48.reshape((d_ff, d_V, 1, 1)) * t39.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t278 = (t277.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t45.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t279 = (t278.permute(1, 2, 0, 3) @ t72.permute(1, 2, 0, 3))
@@ -14183,7 +14183,7 @@ def mse_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S65 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t57.permute(2, 3, 0, 1) * t59.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S66 = (2/(L*d_K*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t57.permute(2, 3, 0, 1) * t59.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t21 @ S65.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S66 = (2/(L*d_K*d_V)) * S65 + (-2/(L*d_K*d_V**2)) * ((t21 @ S65.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t67 = (t63 @ S61)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S68 = (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (t67.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
@@ -14254,7 +14254,7 @@ def mse_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t128 = (t127.reshape((n_batch, n_batch, L**2, L)) @ t97.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t129 = (t128.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('d_V', 'd_V')
-    S130 = (2/(math.sqrt(d_K)*d_V)) * t19 + (-2/(math.sqrt(d_K)*d_V**2)) * t21
+    S130 = (2/(math.sqrt(d_K)*d_V)) * S
     t131 = A @ N_1
     t132 = (t131.reshape((L*n_batch, d_V)) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t133 = (S @ S124.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -14272,7 +14272,7 @@ def mse_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t145 = (t144.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA).reshape((n_batch, L, n_batch, L, L))
     t146 = (t145.permute(0, 2, 3, 4, 1) @ t95.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S147 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t57.permute(2, 3, 0, 1) * t59.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t21 @ S65.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S147 = ((1/2)*L*d_K*d_V) * S66
     t148 = (t134.permute(1, 2, 0) @ S147.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t149 = (t148.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
     t150 = (W_2 @ S124.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_ff, n_batch, L))
@@ -14430,7 +14430,7 @@ def mse_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t301 = (N_1.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t300.permute(0, 2, 1).reshape((L*n_batch, d_V)))
     t302 = t107.transpose(-1, -2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S303 = (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S147 @ t71) + (t67.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
+    S303 = S68 + (S147 @ t71)
     t304 = (t94 @ t302)
     t305 = (t304.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
     t306 = (t301 @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -14604,9 +14604,9 @@ def mse_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t474 = (t473.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t475 = t131.transpose(-1, -2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S476 = (2/(math.sqrt(d_K)*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * t50.reshape((n_batch, L, d_V, 1))) + (2/(math.sqrt(d_K)*d_V)) * (t52.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (2/(math.sqrt(d_K)*d_V)) * (t57.permute(2, 3, 0, 1) @ S56) + (-2/(math.sqrt(d_K)*d_V**2)) * ((t21 @ S58.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t63 @ S61)
+    S476 = (2/(math.sqrt(d_K)*d_V)) * S58 + (-2/(math.sqrt(d_K)*d_V**2)) * ((t21 @ S58.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t63 @ S61)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S477 = (2/(L*math.sqrt(d_K)*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t57.permute(2, 3, 0, 1) * t59.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t21 @ S65.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S477 = (math.sqrt(d_K)) * S66
     # S: compact tensor ('L', 'd_V', 'd_V')
     S478 = (2/(L*math.sqrt(d_K)*d_V)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S476.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (S477 @ t71)
     t479 = W_V.transpose(-1, -2)
@@ -14647,12 +14647,12 @@ def mse_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t514 = torch.sqrt(torch.clamp(t513, min=0.0))
     t515 = (t131.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t475.permute(0, 2, 1).reshape((L*n_batch, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S516 = (2/d_V) * (t19.reshape((1, 1, d_V, d_V)) * t50.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t52.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (2/d_V) * (t57.permute(2, 3, 0, 1) @ S56) + (-2/d_V**2) * ((t21 @ S58.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t63 @ S61)
+    S516 = (math.sqrt(d_K)) * S476
     t517 = (S.reshape((1, d_V**2)) @ S516.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
     t518 = (t515 @ t475.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t519 = (t518.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t131.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S520 = (2/(L*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t57.permute(2, 3, 0, 1) * t59.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t21 @ S65.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S520 = (d_K) * S66
     t521 = (t519.reshape((n_batch, L, 1)) * t37)
     t522 = (W_2.reshape((d_ff, d_V, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, d_V)))
     t523 = (t522.reshape((d_ff, d_V**2)) @ S520.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
@@ -15029,7 +15029,7 @@ def mse_bias0_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S66 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t58.permute(2, 3, 0, 1) * t60.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S67 = (2/(L*d_K*d_V)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t58.permute(2, 3, 0, 1) * t60.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t22 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S67 = (2/(L*d_K*d_V)) * S66 + (-2/(L*d_K*d_V**2)) * ((t22 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t68 = (t64 @ S62)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S69 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (t68.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
@@ -15165,7 +15165,7 @@ def mse_bias0_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S65 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t57.permute(2, 3, 0, 1) * t59.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S66 = (2/(L*d_K*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t57.permute(2, 3, 0, 1) * t59.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t21 @ S65.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S66 = (2/(L*d_K*d_V)) * S65 + (-2/(L*d_K*d_V**2)) * ((t21 @ S65.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t67 = (t63 @ S61)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S68 = (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (t67.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
@@ -15301,7 +15301,7 @@ def mse_bias0_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S66 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t58.permute(2, 3, 0, 1) * t60.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S67 = (2/(L*d_K*d_V)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t58.permute(2, 3, 0, 1) * t60.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t22 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S67 = (2/(L*d_K*d_V)) * S66 + (-2/(L*d_K*d_V**2)) * ((t22 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t68 = (t64 @ S62)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S69 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (t68.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
@@ -15437,7 +15437,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S65 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t57.permute(2, 3, 0, 1) * t59.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S66 = (2/(L*d_K*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t57.permute(2, 3, 0, 1) * t59.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t21 @ S65.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S66 = (2/(L*d_K*d_V)) * S65 + (-2/(L*d_K*d_V**2)) * ((t21 @ S65.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t67 = (t63 @ S61)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S68 = (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (t67.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
@@ -15580,7 +15580,7 @@ def mse_bias0_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S66 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t58.permute(2, 3, 0, 1) * t60.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S67 = (2/(L*d_K*d_V)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t58.permute(2, 3, 0, 1) * t60.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t22 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S67 = (2/(L*d_K*d_V)) * S66 + (-2/(L*d_K*d_V**2)) * ((t22 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t68 = (t64 @ S62)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S69 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (t68.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
@@ -15741,7 +15741,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S84 = (t67.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t76.permute(2, 3, 0, 1) * t78.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S85 = (2/(L*d_K*d_V)) * (t67.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t76.permute(2, 3, 0, 1) * t78.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t69 @ S84.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S85 = (2/(L*d_K*d_V)) * S84 + (-2/(L*d_K*d_V**2)) * ((t69 @ S84.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t86 = (t82 @ S80)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S87 = (t68.reshape((L, 1, 1)) * t67.reshape((1, d_V, d_V))) + (t86.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
@@ -15875,7 +15875,7 @@ def mse_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     S71 = (t61.reshape((1, 1, d_V, d_V)) * t48.reshape((n_batch, L, d_V, 1))) + (t65.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t70.permute(2, 3, 0, 1) @ S69)
     t72 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S73 = t61 + (-1/d_V) * t62
+    S73 = ((1/2)*math.sqrt(d_K)*d_V) * S63
     t74 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t75 = (t74.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S63).reshape((n_batch, L, d_V))
     t76 = (t75 @ S71.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -15889,7 +15889,7 @@ def mse_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S85 = (t61.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t70.permute(2, 3, 0, 1) * t84.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S86 = (t61.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t70.permute(2, 3, 0, 1) * t84.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t62 @ S85.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S86 = S85 + (-1/d_V) * ((t62 @ S85.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t87 = (t74.permute(1, 2, 0) @ S86.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t88 = (t87.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
     t89 = (t88.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
@@ -16023,7 +16023,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     S74 = (t64.reshape((1, 1, d_V, d_V)) * t47.reshape((n_batch, L, d_V, 1))) + (t68.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t73.permute(2, 3, 0, 1) @ S72)
     t75 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S76 = t64 + (-1/d_V) * t65
+    S76 = ((1/2)*math.sqrt(d_K)*d_V) * S66
     t77 = (t75.reshape((L*n_batch, d_V)) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t78 = (S76 @ S.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t79 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -16043,7 +16043,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S93 = (t64.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t73.permute(2, 3, 0, 1) * t92.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S94 = (t64.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t73.permute(2, 3, 0, 1) * t92.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t65 @ S93.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S94 = S93 + (-1/d_V) * ((t65 @ S93.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t95 = (t79.permute(1, 2, 0) @ S94.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t96 = (t95.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
     t97 = (W_2 @ S.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_ff, n_batch, L))
@@ -16239,7 +16239,7 @@ def mse_bias0_causal0__block__W_Q__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t54 = (t48.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t49.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t55 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S56 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t21 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S56 = S37 + (-1/d_V) * ((t21 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t57 = (t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t58 = (t57.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -16338,7 +16338,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t56 = (t55.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t51.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t57 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S58 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t35.permute(2, 3, 0, 1) * t34.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t20 @ S36.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S58 = S36 + (-1/d_V) * ((t20 @ S36.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t59 = (t39.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t60 = (t59.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -16442,7 +16442,7 @@ def mse_bias0_causal0__block__W_Q__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t53 = ((t13 @ t52.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
     t54 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S55 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t21 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S55 = S37 + (-1/d_V) * ((t21 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t56 = (t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t57 = (t56.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -16538,7 +16538,7 @@ def mse_bias0_causal0__frobenius__W_Q__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t55 = (t54.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_ff)) @ t53.permute(0, 2, 3, 1).reshape((n_batch, L*d_ff, L))).reshape((n_batch, n_batch, L, L))
     t56 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S57 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t35.permute(2, 3, 0, 1) * t34.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t20 @ S36.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S57 = S36 + (-1/d_V) * ((t20 @ S36.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t58 = (t39.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t59 = (t58.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -16621,7 +16621,7 @@ def mse_bias0_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = S + (-1/d_V) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -16642,7 +16642,7 @@ def mse_bias0_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t54 = (t53.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t55 = (t54.permute(1, 2, 3, 0) @ S52)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S56 = (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S40 @ t55) + (t51.reshape((L*d_V*n_batch, d_V)) @ S48).reshape((n_batch, L, d_V, d_V))
+    S56 = S52 + (S40 @ t55)
     t57 = t21.transpose(-1, -2)
     t58 = (2/(L*d_K*d_V*n_batch)) * t13
     t59 = (t14 * t58.permute(0, 2, 1)).permute(2, 0, 1)
@@ -16767,7 +16767,7 @@ def mse_bias0_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = S + (-1/d_V) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -16788,7 +16788,7 @@ def mse_bias0_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t53 = (t52.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t54 = (t53.permute(1, 2, 3, 0) @ S51)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S55 = (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S39 @ t54) + (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+    S55 = S51 + (S39 @ t54)
     t56 = t20.transpose(-1, -2)
     t57 = (t13.reshape((n_batch, L, 1, d_K)) @ t12.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t58 = (N_1 @ t11)
@@ -16909,7 +16909,7 @@ def mse_bias0_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = S + (-1/d_V) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -16930,7 +16930,7 @@ def mse_bias0_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t54 = (t53.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t55 = (t54.permute(1, 2, 3, 0) @ S52)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S56 = (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S40 @ t55) + (t51.reshape((L*d_V*n_batch, d_V)) @ S48).reshape((n_batch, L, d_V, d_V))
+    S56 = S52 + (S40 @ t55)
     t57 = t21.transpose(-1, -2)
     t58 = t16.transpose(-1, -2)
     t59 = (2/(L*d_K*d_V*n_batch)) * t13
@@ -17107,7 +17107,7 @@ def mse_bias0_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t70.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t74.permute(2, 3, 0, 1) * t73.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S75 = (t70.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t74.permute(2, 3, 0, 1) * t73.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t72 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S75 = S + (-1/d_V) * ((t72 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t76 = (t72.reshape((d_V, d_V, 1, 1)) * t73.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S77 = (t70.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t76.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
@@ -17122,7 +17122,7 @@ def mse_bias0_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t84 = (t83.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t85 = (t84.permute(1, 2, 3, 0) @ S82)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S86 = (t71.reshape((L, 1, 1)) * t70.reshape((1, d_V, d_V))) + (S75 @ t85) + (t81.reshape((L*d_V*n_batch, d_V)) @ S78).reshape((n_batch, L, d_V, d_V))
+    S86 = S82 + (S75 @ t85)
     t87 = t12.transpose(-1, -2)
     t88 = (t87 @ t68)
     t89 = (t88.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -17235,7 +17235,7 @@ def mse_bias0_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = S + (-1/d_V) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -17256,7 +17256,7 @@ def mse_bias0_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t54 = (t53.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t55 = (t54.permute(1, 2, 3, 0) @ S52)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S56 = (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S40 @ t55) + (t51.reshape((L*d_V*n_batch, d_V)) @ S48).reshape((n_batch, L, d_V, d_V))
+    S56 = S52 + (S40 @ t55)
     t57 = t21.transpose(-1, -2)
     t58 = (2/(L*d_K*d_V*n_batch)) * t13
     t59 = (S56.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -17386,7 +17386,7 @@ def mse_bias0_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = S + (-1/d_V) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -17407,7 +17407,7 @@ def mse_bias0_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t53 = (t52.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t54 = (t53.permute(1, 2, 3, 0) @ S51)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S55 = (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S39 @ t54) + (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+    S55 = S51 + (S39 @ t54)
     t56 = t20.transpose(-1, -2)
     t57 = (S55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t58 = (t57.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t56).reshape((n_batch, L, L, L))
@@ -17581,7 +17581,7 @@ def mse_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     S73 = (t63.reshape((1, 1, d_V, d_V)) * t50.reshape((n_batch, L, d_V, 1))) + (t67.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t72.permute(2, 3, 0, 1) @ S71)
     t74 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S75 = t63 + (-1/d_V) * t64
+    S75 = ((1/2)*math.sqrt(d_K)*d_V) * S65
     t76 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t77 = (t76.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S65).reshape((n_batch, L, d_V))
     t78 = (t77 @ S73.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -17595,7 +17595,7 @@ def mse_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S87 = (t63.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t72.permute(2, 3, 0, 1) * t86.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S88 = (t63.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t72.permute(2, 3, 0, 1) * t86.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t64 @ S87.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S88 = S87 + (-1/d_V) * ((t64 @ S87.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t89 = (t76.permute(1, 2, 0) @ S88.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t90 = (t89.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
     t91 = (t90.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
@@ -17731,7 +17731,7 @@ def mse_bias0_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     S76 = (t66.reshape((1, 1, d_V, d_V)) * t49.reshape((n_batch, L, d_V, 1))) + (t70.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t75.permute(2, 3, 0, 1) @ S74)
     t77 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S78 = t66 + (-1/d_V) * t67
+    S78 = ((1/2)*math.sqrt(d_K)*d_V) * S68
     t79 = (t77.reshape((L*n_batch, d_V)) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t80 = (S78 @ S.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t81 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -17751,7 +17751,7 @@ def mse_bias0_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S95 = (t66.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t75.permute(2, 3, 0, 1) * t94.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S96 = (t66.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t75.permute(2, 3, 0, 1) * t94.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t67 @ S95.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S96 = S95 + (-1/d_V) * ((t67 @ S95.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t97 = (t81.permute(1, 2, 0) @ S96.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t98 = (t97.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
     t99 = (W_2 @ S.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_ff, n_batch, L))
@@ -17949,7 +17949,7 @@ def mse_bias0_causal0__block__W_K__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t56 = (t50.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t51.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t57 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S58 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t23 @ S39.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S58 = S39 + (-1/d_V) * ((t23 @ S39.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t59 = (t42.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t60 = (t59.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -18050,7 +18050,7 @@ def mse_bias0_causal0__frobenius__W_K__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t58 = (t57.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t53.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t59 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S60 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t22 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S60 = S38 + (-1/d_V) * ((t22 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t61 = (t41.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t62 = (t61.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -18156,7 +18156,7 @@ def mse_bias0_causal0__block__W_K__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t55 = ((t12 @ t54.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
     t56 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S57 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t23 @ S39.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S57 = S39 + (-1/d_V) * ((t23 @ S39.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t58 = (t42.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t59 = (t58.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -18254,7 +18254,7 @@ def mse_bias0_causal0__frobenius__W_K__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t57 = (t56.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_ff)) @ t55.permute(0, 2, 3, 1).reshape((n_batch, L*d_ff, L))).reshape((n_batch, n_batch, L, L))
     t58 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S59 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t22 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S59 = S38 + (-1/d_V) * ((t22 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t60 = (t41.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t61 = (t60.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -18367,7 +18367,7 @@ def mse_bias0_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t65 = (t39.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t45.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t66 = (t65.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t48).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S67 = (2/d_V) * (t53.reshape((1, 1, d_V, d_V)) * t52.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t56.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (2/d_V) * (t60.permute(2, 3, 0, 1) @ S) + (-2/d_V**2) * ((t55 @ S61.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t66 @ S64)
+    S67 = (2/d_V) * S61 + (-2/d_V**2) * ((t55 @ S61.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t66 @ S64)
     # S: compact tensor ('d_V', 'd_V')
     S68 = t53 + (-1/d_V) * t55
     t69 = (1/n_batch) * t19
@@ -18375,7 +18375,7 @@ def mse_bias0_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S72 = (t53.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t60.permute(2, 3, 0, 1) * t62.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S73 = (2/(L*d_V)) * (t53.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t60.permute(2, 3, 0, 1) * t62.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t55 @ S72.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S73 = (2/(L*d_V)) * S72 + (-2/(L*d_V**2)) * ((t55 @ S72.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t77 = (W_2.reshape((d_ff, d_V, 1, 1)) * t39.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t78 = (t77.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t79 = (t48.reshape((d_ff, d_V, 1, 1)) * t39.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
@@ -18480,7 +18480,7 @@ def mse_bias0_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t61 = (t35.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t41.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t62 = (t61.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t44).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S63 = (2/d_V) * (t49.reshape((1, 1, d_V, d_V)) * t48.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t52.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (2/d_V) * (t56.permute(2, 3, 0, 1) @ S) + (-2/d_V**2) * ((t51 @ S57.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t62 @ S60)
+    S63 = (2/d_V) * S57 + (-2/d_V**2) * ((t51 @ S57.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t62 @ S60)
     # S: compact tensor ('d_V', 'd_V')
     S64 = t49 + (-1/d_V) * t51
     t65 = (t19.reshape((n_batch, L, 1, d_V)) @ t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
@@ -18488,7 +18488,7 @@ def mse_bias0_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S67 = (t49.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t56.permute(2, 3, 0, 1) * t58.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S68 = (2/(L*d_V)) * (t49.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t56.permute(2, 3, 0, 1) * t58.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t51 @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S68 = (2/(L*d_V)) * S67 + (-2/(L*d_V**2)) * ((t51 @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t69 = (W_2.reshape((d_ff, d_V, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, d_V)))
     t70 = (t69.reshape((d_ff, d_V**2)) @ S68.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
     t71 = (t70.permute(1, 2, 0).reshape((n_batch, L, 1, d_ff)) @ t35.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L))
@@ -18619,13 +18619,13 @@ def mse_bias0_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t92 = (t88.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t87.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t93 = (t92.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t33).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S94 = (2/(math.sqrt(d_K)*d_V)) * (t73.reshape((1, 1, d_V, d_V)) * t78.reshape((n_batch, L, d_V, 1))) + (2/(math.sqrt(d_K)*d_V)) * (t81.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (2/(math.sqrt(d_K)*d_V)) * (t85.permute(2, 3, 0, 1) @ S) + (-2/(math.sqrt(d_K)*d_V**2)) * ((t80 @ S86.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t93 @ S91)
+    S94 = (2/(math.sqrt(d_K)*d_V)) * S86 + (-2/(math.sqrt(d_K)*d_V**2)) * ((t80 @ S86.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t93 @ S91)
     # S: compact tensor ('d_V', 'd_V')
     S95 = t73 + (-1/d_V) * t80
     # S: compact tensor ('L', 'd_V', 'd_V')
     S96 = (t73.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t85.permute(2, 3, 0, 1) * t89.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S97 = (2/(L*math.sqrt(d_K)*d_V)) * (t73.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t85.permute(2, 3, 0, 1) * t89.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t80 @ S96.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S97 = (2/(L*math.sqrt(d_K)*d_V)) * S96 + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t80 @ S96.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t98 = (t93 @ S91)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S99 = (t74.reshape((L, 1, 1)) * t73.reshape((1, d_V, d_V))) + (t98.reshape((L*d_V*n_batch, d_V)) @ S95).reshape((n_batch, L, d_V, d_V))
@@ -18769,13 +18769,13 @@ def mse_bias0_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t97 = (t93.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t92.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t98 = (t97.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t32).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S99 = (2/(math.sqrt(d_K)*d_V)) * (t78.reshape((1, 1, d_V, d_V)) * t83.reshape((n_batch, L, d_V, 1))) + (2/(math.sqrt(d_K)*d_V)) * (t86.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (2/(math.sqrt(d_K)*d_V)) * (t90.permute(2, 3, 0, 1) @ S) + (-2/(math.sqrt(d_K)*d_V**2)) * ((t85 @ S91.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t98 @ S96)
+    S99 = (2/(math.sqrt(d_K)*d_V)) * S91 + (-2/(math.sqrt(d_K)*d_V**2)) * ((t85 @ S91.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t98 @ S96)
     # S: compact tensor ('d_V', 'd_V')
     S100 = t78 + (-1/d_V) * t85
     # S: compact tensor ('L', 'd_V', 'd_V')
     S101 = (t78.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t90.permute(2, 3, 0, 1) * t94.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S102 = (2/(L*math.sqrt(d_K)*d_V)) * (t78.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t90.permute(2, 3, 0, 1) * t94.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t85 @ S101.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S102 = (2/(L*math.sqrt(d_K)*d_V)) * S101 + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t85 @ S101.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t103 = (t98 @ S96)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S104 = (t79.reshape((L, 1, 1)) * t78.reshape((1, d_V, d_V))) + (t103.reshape((L*d_V*n_batch, d_V)) @ S100).reshape((n_batch, L, d_V, d_V))
@@ -18922,13 +18922,13 @@ def mse_bias0_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t92 = (t88.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t87.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t93 = (t92.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t33).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S94 = (2/(math.sqrt(d_K)*d_V)) * (t73.reshape((1, 1, d_V, d_V)) * t78.reshape((n_batch, L, d_V, 1))) + (2/(math.sqrt(d_K)*d_V)) * (t81.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (2/(math.sqrt(d_K)*d_V)) * (t85.permute(2, 3, 0, 1) @ S) + (-2/(math.sqrt(d_K)*d_V**2)) * ((t80 @ S86.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t93 @ S91)
+    S94 = (2/(math.sqrt(d_K)*d_V)) * S86 + (-2/(math.sqrt(d_K)*d_V**2)) * ((t80 @ S86.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t93 @ S91)
     # S: compact tensor ('d_V', 'd_V')
     S95 = t73 + (-1/d_V) * t80
     # S: compact tensor ('L', 'd_V', 'd_V')
     S96 = (t73.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t85.permute(2, 3, 0, 1) * t89.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S97 = (2/(L*math.sqrt(d_K)*d_V)) * (t73.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t85.permute(2, 3, 0, 1) * t89.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t80 @ S96.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S97 = (2/(L*math.sqrt(d_K)*d_V)) * S96 + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t80 @ S96.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t98 = (t93 @ S91)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S99 = (t74.reshape((L, 1, 1)) * t73.reshape((1, d_V, d_V))) + (t98.reshape((L*d_V*n_batch, d_V)) @ S95).reshape((n_batch, L, d_V, d_V))
@@ -19072,13 +19072,13 @@ def mse_bias0_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t97 = (t93.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t92.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t98 = (t97.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t32).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S99 = (2/(math.sqrt(d_K)*d_V)) * (t78.reshape((1, 1, d_V, d_V)) * t83.reshape((n_batch, L, d_V, 1))) + (2/(math.sqrt(d_K)*d_V)) * (t86.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (2/(math.sqrt(d_K)*d_V)) * (t90.permute(2, 3, 0, 1) @ S) + (-2/(math.sqrt(d_K)*d_V**2)) * ((t85 @ S91.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t98 @ S96)
+    S99 = (2/(math.sqrt(d_K)*d_V)) * S91 + (-2/(math.sqrt(d_K)*d_V**2)) * ((t85 @ S91.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t98 @ S96)
     # S: compact tensor ('d_V', 'd_V')
     S100 = t78 + (-1/d_V) * t85
     # S: compact tensor ('L', 'd_V', 'd_V')
     S101 = (t78.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t90.permute(2, 3, 0, 1) * t94.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S102 = (2/(L*math.sqrt(d_K)*d_V)) * (t78.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t90.permute(2, 3, 0, 1) * t94.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t85 @ S101.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S102 = (2/(L*math.sqrt(d_K)*d_V)) * S101 + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t85 @ S101.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t103 = (t98 @ S96)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S104 = (t79.reshape((L, 1, 1)) * t78.reshape((1, d_V, d_V))) + (t103.reshape((L*d_V*n_batch, d_V)) @ S100).reshape((n_batch, L, d_V, d_V))
@@ -19197,7 +19197,7 @@ def mse_bias0_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t62 = (t36.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t42.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t63 = (t62.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t45).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S64 = (2/d_V) * (t50.reshape((1, 1, d_V, d_V)) * t49.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t53.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (2/d_V) * (t57.permute(2, 3, 0, 1) @ S) + (-2/d_V**2) * ((t52 @ S58.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t63 @ S61)
+    S64 = (2/d_V) * S58 + (-2/d_V**2) * ((t52 @ S58.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t63 @ S61)
     # S: compact tensor ('d_V', 'd_V')
     S65 = t50 + (-1/d_V) * t52
     t66 = (1/n_batch) * t19
@@ -19205,7 +19205,7 @@ def mse_bias0_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S69 = (t50.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t57.permute(2, 3, 0, 1) * t59.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S70 = (2/(L*d_V)) * (t50.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t57.permute(2, 3, 0, 1) * t59.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t52 @ S69.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S70 = (2/(L*d_V)) * S69 + (-2/(L*d_V**2)) * ((t52 @ S69.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t74 = (W_2.reshape((d_ff, d_V, 1, 1)) * t36.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t75 = (t74.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t76 = (t45.reshape((d_ff, d_V, 1, 1)) * t36.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
@@ -19315,7 +19315,7 @@ def mse_bias0_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t62 = (t36.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t42.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t63 = (t62.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t45).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S64 = (2/d_V) * (t50.reshape((1, 1, d_V, d_V)) * t49.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t53.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (2/d_V) * (t57.permute(2, 3, 0, 1) @ S) + (-2/d_V**2) * ((t52 @ S58.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t63 @ S61)
+    S64 = (2/d_V) * S58 + (-2/d_V**2) * ((t52 @ S58.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t63 @ S61)
     # S: compact tensor ('d_V', 'd_V')
     S65 = t50 + (-1/d_V) * t52
     t66 = (S65.reshape((1, d_V**2)) @ S64.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
@@ -19324,7 +19324,7 @@ def mse_bias0_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S69 = (t50.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t57.permute(2, 3, 0, 1) * t59.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S70 = (2/(L*d_V)) * (t50.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t57.permute(2, 3, 0, 1) * t59.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t52 @ S69.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S70 = (2/(L*d_V)) * S69 + (-2/(L*d_V**2)) * ((t52 @ S69.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t71 = (t68.reshape((n_batch, L, 1)) * t36)
     t72 = (W_2.reshape((d_ff, d_V, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, d_V)))
     t73 = (t72.reshape((d_ff, d_V**2)) @ S70.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
@@ -19462,7 +19462,7 @@ def mse_bias0_causal0__block__W_V__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t52 = (S @ S38.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t53 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S54 = (2/(L*d_V)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t21 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S54 = (2/(L*d_V)) * S38 + (-2/(L*d_V**2)) * ((t21 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t55 = (t41.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t56 = (t55.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -19553,7 +19553,7 @@ def mse_bias0_causal0__frobenius__W_V__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t54 = (t53.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ S37.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t55 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S56 = (2/(L*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t20 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S56 = (2/(L*d_V)) * S37 + (-2/(L*d_V**2)) * ((t20 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t57 = (t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t58 = (t57.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -21999,7 +21999,7 @@ def mse_bias0_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/(L*d_K*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -22020,7 +22020,7 @@ def mse_bias0_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t51 = (t50.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t52 = (t51.permute(1, 2, 3, 0) @ S49)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S53 = (2/(L*d_K*d_V)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S37 @ t52) + (2/(L*d_K*d_V)) * (t48.reshape((L*d_V*n_batch, d_V)) @ S45).reshape((n_batch, L, d_V, d_V))
+    S53 = (2/(L*d_K*d_V)) * S49 + (S37 @ t52)
     t54 = t18.transpose(-1, -2)
     t55 = t12.transpose(-1, -2)
     t56 = (S53.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t18.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -22155,7 +22155,7 @@ def mse_bias0_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/(L*d_K*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -22176,7 +22176,7 @@ def mse_bias0_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t51 = (t50.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t52 = (t51.permute(1, 2, 3, 0) @ S49)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S53 = (2/(L*d_K*d_V)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S37 @ t52) + (2/(L*d_K*d_V)) * (t48.reshape((L*d_V*n_batch, d_V)) @ S45).reshape((n_batch, L, d_V, d_V))
+    S53 = (2/(L*d_K*d_V)) * S49 + (S37 @ t52)
     t54 = t18.transpose(-1, -2)
     t55 = N_1 @ W_Q
     t56 = (S53.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t18.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -22331,7 +22331,7 @@ def mse_bias0_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t40.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t44.permute(2, 3, 0, 1) * t43.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S45 = (2/(L*math.sqrt(d_K)*d_V)) * (t40.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t44.permute(2, 3, 0, 1) * t43.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t41 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S45 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t41 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t46 = M_N_2 * P_N_2
     N_2 = t46
     t47 = N_2 @ W_1
@@ -22433,7 +22433,7 @@ def mse_bias0_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t138 = (t25.reshape((n_batch, n_batch, L**2, L)) @ t135.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t139 = (t138.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('d_V', 'd_V')
-    S140 = (2/(math.sqrt(d_K)*d_V)) * t40 + (-2/(math.sqrt(d_K)*d_V**2)) * t41
+    S140 = (2/(math.sqrt(d_K)*d_V)) * S60
     t141 = t42 * t122
     t142 = (t41.reshape((d_V, d_V, 1, 1)) * t141.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t143 = (0.75 * (sigma2_N_2 ** -2.5))
@@ -22566,7 +22566,7 @@ def mse_bias0_causal0__frobenius_split__W_Q__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/(L*math.sqrt(d_K)*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -22677,7 +22677,7 @@ def mse_bias0_causal0__frobenius_split__W_Q__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/(L*math.sqrt(d_K)*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -22787,7 +22787,7 @@ def mse_bias0_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*d_K*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -22808,7 +22808,7 @@ def mse_bias0_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t53 = (t52.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t54 = (t53.permute(1, 2, 3, 0) @ S51)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S55 = (2/(L*d_K*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S39 @ t54) + (2/(L*d_K*d_V)) * (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+    S55 = (2/(L*d_K*d_V)) * S51 + (S39 @ t54)
     t56 = t20.transpose(-1, -2)
     t57 = t15.transpose(-1, -2)
     t58 = (S55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -22957,7 +22957,7 @@ def mse_bias0_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*d_K*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_K*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*d_K*d_V)) * S + (-2/(L*d_K*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -22978,7 +22978,7 @@ def mse_bias0_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t53 = (t52.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t54 = (t53.permute(1, 2, 3, 0) @ S51)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S55 = (2/(L*d_K*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S39 @ t54) + (2/(L*d_K*d_V)) * (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+    S55 = (2/(L*d_K*d_V)) * S51 + (S39 @ t54)
     t56 = t20.transpose(-1, -2)
     t57 = (S55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t58 = (t57.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t56).reshape((n_batch, L, L, L))
@@ -23122,7 +23122,7 @@ def mse_bias0_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t42.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t46.permute(2, 3, 0, 1) * t45.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S47 = (2/(L*math.sqrt(d_K)*d_V)) * (t42.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t46.permute(2, 3, 0, 1) * t45.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t43 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S47 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t43 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t48 = M_N_2 * P_N_2
     N_2 = t48
     t49 = N_2 @ W_1
@@ -23224,7 +23224,7 @@ def mse_bias0_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t140 = (t27.reshape((n_batch, n_batch, L**2, L)) @ t137.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t141 = (t140.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('d_V', 'd_V')
-    S142 = (2/(math.sqrt(d_K)*d_V)) * t42 + (-2/(math.sqrt(d_K)*d_V**2)) * t43
+    S142 = (2/(math.sqrt(d_K)*d_V)) * S62
     t143 = t44 * t124
     t144 = (t43.reshape((d_V, d_V, 1, 1)) * t143.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t145 = (0.75 * (sigma2_N_2 ** -2.5))
@@ -23359,7 +23359,7 @@ def mse_bias0_causal0__frobenius_split__W_K__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*math.sqrt(d_K)*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -23472,7 +23472,7 @@ def mse_bias0_causal0__frobenius_split__W_K__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/(L*math.sqrt(d_K)*d_V)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -23579,7 +23579,7 @@ def mse_bias0_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*math.sqrt(d_K)*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -23600,7 +23600,7 @@ def mse_bias0_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t52 = (t51.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t53 = (t52.permute(1, 2, 3, 0) @ S50)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S54 = (2/(L*math.sqrt(d_K)*d_V)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S38 @ t53) + (2/(L*math.sqrt(d_K)*d_V)) * (t49.reshape((L*d_V*n_batch, d_V)) @ S46).reshape((n_batch, L, d_V, d_V))
+    S54 = (2/(L*math.sqrt(d_K)*d_V)) * S50 + (S38 @ t53)
     t55 = W_V.transpose(-1, -2)
     t56 = t55 @ t10
     t57 = torch.eye(L, dtype=X.dtype, device=X.device)
@@ -23653,7 +23653,7 @@ def mse_bias0_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t102 = (t94.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t101.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t103 = (t102.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('d_V', 'd_V')
-    S104 = (2/(math.sqrt(d_K)*d_V)) * t19 + (-2/(math.sqrt(d_K)*d_V**2)) * t34
+    S104 = (2/(math.sqrt(d_K)*d_V)) * S46
     t105 = t80.transpose(-1, -2)
     t106 = t35 * t105 * M_N_2
     t107 = t106.sum(-1, keepdim=True)
@@ -23766,7 +23766,7 @@ def mse_bias0_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*math.sqrt(d_K)*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*math.sqrt(d_K)*d_V)) * S + (-2/(L*math.sqrt(d_K)*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -23787,7 +23787,7 @@ def mse_bias0_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t52 = (t51.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     t53 = (t52.permute(1, 2, 3, 0) @ S50)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S54 = (2/(L*math.sqrt(d_K)*d_V)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S38 @ t53) + (2/(L*math.sqrt(d_K)*d_V)) * (t49.reshape((L*d_V*n_batch, d_V)) @ S46).reshape((n_batch, L, d_V, d_V))
+    S54 = (2/(L*math.sqrt(d_K)*d_V)) * S50 + (S38 @ t53)
     t55 = W_V.transpose(-1, -2)
     t56 = t55 @ t10
     t57 = torch.eye(L, dtype=X.dtype, device=X.device)
@@ -23840,7 +23840,7 @@ def mse_bias0_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t102 = (t94.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t101.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t103 = (t102.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('d_V', 'd_V')
-    S104 = (2/(math.sqrt(d_K)*d_V)) * t19 + (-2/(math.sqrt(d_K)*d_V**2)) * t34
+    S104 = (2/(math.sqrt(d_K)*d_V)) * S46
     t105 = t80.transpose(-1, -2)
     t106 = t35 * t105 * M_N_2
     t107 = t106.sum(-1, keepdim=True)
@@ -23953,7 +23953,7 @@ def mse_bias0_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t33.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*d_V)) * (t33.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -24028,7 +24028,7 @@ def mse_bias0_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t107 = (t106.reshape((d_ff, L*d_V*n_batch)) @ t105.permute(3, 0, 1, 2).reshape((L*d_V*n_batch, d_ff)))
     t108 = (4/(L**2*d_V*n_batch**2)) * (t20 * t20).sum() + (4/(L*d_V*n_batch**2)) * (t46 * t44.permute(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t58 * t54).sum() + (8/(L**2*d_V**2*n_batch**2)) * (t61 * t44.permute(2, 0, 1)).sum() + (n_batch**(-2)) * (t71 * t41.permute(2, 0, 1)).sum() + (2/n_batch**2) * (t80 * t48).sum() + (4/(L*d_V*n_batch**2)) * (t83 * t48).sum() + (n_batch**(-2)) * (t95 * t48).sum() + (4/(L*d_V*n_batch**2)) * (t98 * t48).sum() + (4/(L**2*d_V**2*n_batch**2)) * (t107 * t100.permute(1, 0)).sum()
     # S: compact tensor ('d_V', 'd_V')
-    S109 = (2/d_V) * t33 + (-2/d_V**2) * t34
+    S109 = (2/d_V) * S51
     t110 = (t40 * torch.heaviside(t40, torch.full_like(t40, 0.0)))
     t111 = t110 @ W_2
     t112 = t111 + Y23
@@ -24139,7 +24139,7 @@ def mse_bias0_causal0__frobenius_split__W_V__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -24244,7 +24244,7 @@ def mse_bias0_causal0__frobenius_split__W_V__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/(L*d_V)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (4/(L*d_V**2)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (2/(L*d_V)) * S + (-2/(L*d_V**2)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -26306,7 +26306,7 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*d_K)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -26360,7 +26360,7 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t82 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t83 = t82.view((d_V, d_K, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S84 = (1/(L*math.sqrt(d_K))) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S84 = (math.sqrt(d_K)) * S39
     # S: compact tensor ('L', 'd_V', 'd_V')
     S85 = (1/(L*math.sqrt(d_K))) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S84 @ t44)
     t86 = A @ N_1
@@ -26446,7 +26446,7 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t170 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t171 = t170.view((d_V, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S172 = (1/L) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S172 = (d_K) * S39
     # S: compact tensor ('L', 'd_V', 'd_V')
     S173 = (1/L) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S172 @ t44)
     t174 = ((t94.permute(0, 1, 3, 2) @ S173.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
@@ -26472,7 +26472,7 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t201 = t200.view((d_V, d_ff, d_V, d_K))
     t202 = N_2.transpose(-1, -2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S203 = (1/math.sqrt(d_K)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (1/math.sqrt(d_K)) * (t61.reshape((L*d_V*n_batch, d_V)) @ S58).reshape((n_batch, L, d_V, d_V))
+    S203 = (1/math.sqrt(d_K)) * S62
     t204 = (1/(L*n_batch)) * t202
     t205 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t204.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t206 = (t160 @ S203.permute(0, 1, 3, 2))
@@ -26737,7 +26737,7 @@ def ce_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (1/(L*d_K)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -26800,7 +26800,7 @@ def ce_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t91 = (n_batch**(-2)) * (t90 * t78.permute(0, 2, 3, 1)).sum()
     t92 = torch.sqrt(torch.clamp(t91, min=0.0))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S93 = (1/(L*math.sqrt(d_K))) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S93 = (math.sqrt(d_K)) * S37
     # S: compact tensor ('L', 'd_V', 'd_V')
     S94 = (1/(L*math.sqrt(d_K))) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S93 @ t42)
     t95 = A @ N_1
@@ -26894,7 +26894,7 @@ def ce_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t183 = (n_batch**(-2)) * (t182 * t78.permute(0, 2, 3, 1)).sum()
     t184 = torch.sqrt(torch.clamp(t183, min=0.0))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S185 = (1/L) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S185 = (d_K) * S37
     # S: compact tensor ('L', 'd_V', 'd_V')
     S186 = (1/L) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S185 @ t42)
     t187 = (t45.reshape((n_batch, L, d_V, 1)) * S186.permute(0, 1, 3, 2))
@@ -26928,7 +26928,7 @@ def ce_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t215 = torch.sqrt(torch.clamp(t214, min=0.0))
     t216 = N_2.transpose(-1, -2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S217 = (1/math.sqrt(d_K)) * (t20.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (1/math.sqrt(d_K)) * (t59.reshape((L*d_V*n_batch, d_V)) @ S56).reshape((n_batch, L, d_V, d_V))
+    S217 = (1/math.sqrt(d_K)) * S60
     t218 = (t216.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t216.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t219 = (t61.permute(0, 2, 1) @ S217.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t220 = (t219.permute(0, 2, 1, 3) @ t98.permute(0, 1, 3, 2))
@@ -27086,7 +27086,7 @@ def ce_bias0_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/(L*d_K)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -27190,7 +27190,7 @@ def ce_bias0_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (1/(L*d_K)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -27294,7 +27294,7 @@ def ce_bias0_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/(L*d_K)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -27398,7 +27398,7 @@ def ce_bias0_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (1/(L*d_K)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -27515,7 +27515,7 @@ def ce_bias0_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/(L*d_K)) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -27619,7 +27619,7 @@ def ce_bias0_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (1/(L*d_K)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -27736,7 +27736,7 @@ def ce_bias0_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/(L*math.sqrt(d_K))) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -27839,7 +27839,7 @@ def ce_bias0_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (1/(L*math.sqrt(d_K))) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -27948,7 +27948,7 @@ def ce_bias0_causal0__block__W_Q__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/(L*math.sqrt(d_K))) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -28037,7 +28037,7 @@ def ce_bias0_causal0__frobenius__W_Q__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (1/(L*math.sqrt(d_K))) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -28137,7 +28137,7 @@ def ce_bias0_causal0__block__W_Q__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/(L*math.sqrt(d_K))) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -28223,7 +28223,7 @@ def ce_bias0_causal0__frobenius__W_Q__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (1/(L*math.sqrt(d_K))) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -28317,7 +28317,7 @@ def ce_bias0_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (1/(L*d_K)) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -28422,7 +28422,7 @@ def ce_bias0_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*d_K)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -28527,7 +28527,7 @@ def ce_bias0_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (1/(L*d_K)) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -28633,7 +28633,7 @@ def ce_bias0_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*d_K)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -28752,7 +28752,7 @@ def ce_bias0_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (1/(L*d_K)) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -28857,7 +28857,7 @@ def ce_bias0_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*d_K)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -28975,7 +28975,7 @@ def ce_bias0_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (1/(L*math.sqrt(d_K))) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -29080,7 +29080,7 @@ def ce_bias0_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*math.sqrt(d_K))) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -29191,7 +29191,7 @@ def ce_bias0_causal0__block__W_K__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (1/(L*math.sqrt(d_K))) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -29282,7 +29282,7 @@ def ce_bias0_causal0__frobenius__W_K__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*math.sqrt(d_K))) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -29384,7 +29384,7 @@ def ce_bias0_causal0__block__W_K__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (1/(L*math.sqrt(d_K))) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -29472,7 +29472,7 @@ def ce_bias0_causal0__frobenius__W_K__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*math.sqrt(d_K))) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -29563,7 +29563,7 @@ def ce_bias0_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/L) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/L) * S + (-1/(L*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -29660,7 +29660,7 @@ def ce_bias0_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/L) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/L) * S + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -29756,7 +29756,7 @@ def ce_bias0_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*math.sqrt(d_K))) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -29860,7 +29860,7 @@ def ce_bias0_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/(L*math.sqrt(d_K))) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -29970,7 +29970,7 @@ def ce_bias0_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*math.sqrt(d_K))) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -30074,7 +30074,7 @@ def ce_bias0_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/(L*math.sqrt(d_K))) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -30184,7 +30184,7 @@ def ce_bias0_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/L) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/L) * S + (-1/(L*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -30280,7 +30280,7 @@ def ce_bias0_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/L) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/L) * S + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -30390,7 +30390,7 @@ def ce_bias0_causal0__block__W_V__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/L) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/L) * S + (-1/(L*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -30475,7 +30475,7 @@ def ce_bias0_causal0__frobenius__W_V__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/L) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/L) * S + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -30566,7 +30566,7 @@ def ce_bias0_causal0__block__W_V__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/L) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/L) * S + (-1/(L*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -30648,7 +30648,7 @@ def ce_bias0_causal0__frobenius__W_V__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/L) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/L) * S + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -32836,7 +32836,7 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=Non
     t93 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t94 = t93.view((d_V, d_K, d_V, d_K))
     # S: compact tensor ('L', 'L', 'L')
-    S95 = (dA @ t70) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
+    S95 = ((1/2)*d_K*d_V) * S87
     t96 = N_1 @ W_Q
     t97 = (2/(d_K*d_V*n_batch)) * t12
     t98 = (S95.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t14.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
@@ -32863,7 +32863,7 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=Non
     t116 = ((N_1.permute(0, 2, 1) @ t115.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t117 = (S114.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t89.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     # S: compact tensor ('d_V', 'd_V')
-    S118 = (2/(math.sqrt(d_K)*d_V)) * t21 + (-2/(math.sqrt(d_K)*d_V**2)) * t22
+    S118 = (2/(math.sqrt(d_K)*d_V)) * S
     t119 = A @ N_1
     t120 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t121 = (t120.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S118).reshape((n_batch, L, d_V))
@@ -32877,7 +32877,7 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=Non
     t127 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
     t128 = t127.view((d_V, d_K, d_V, d_ff))
     # S: compact tensor ('d_V', 'd_V')
-    S129 = (1/math.sqrt(d_K)) * t21 + (-1/(math.sqrt(d_K)*d_V)) * t22
+    S129 = (1/math.sqrt(d_K)) * S
     t130 = t34 * M_N_2
     # S: compact tensor ('L', 'd_V', 'd_V')
     S131 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t63.permute(2, 3, 0, 1) * t130.reshape((n_batch, L, 1, d_V)))
@@ -32936,7 +32936,7 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=Non
     t175 = t174.view((d_V, d_V, d_V, d_V))
     t176 = t119.transpose(-1, -2)
     # S: compact tensor ('d_V', 'd_V')
-    S177 = (2/d_V) * t21 + (-2/d_V**2) * t22
+    S177 = (2/d_V) * S
     t178 = (1/n_batch) * t176
     t179 = (S64.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S177.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t180 = ((S.permute(1, 0) @ t179.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
@@ -32981,7 +32981,7 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=Non
     t215 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t216 = t215.view((d_V, d_ff, d_V, d_V))
     # S: compact tensor ('d_V', 'L', 'd_V')
-    S217 = (t21.reshape((1, d_V, 1, d_V)) * t198.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t203.permute(2, 0, 3, 1) * t201.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
+    S217 = (math.sqrt(d_K)) * S204
     t218 = (1/n_batch) * t119
     t219 = (t218.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t197.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
     t220 = ((S.permute(1, 0) @ S217.permute(3, 1, 0, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
@@ -33384,7 +33384,7 @@ def ce_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t97 = t84 @ N_1
     t98 = (t97.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t10.permute(0, 2, 1).reshape((L*n_batch, d_V)))
     # S: compact tensor ('L', 'L', 'L')
-    S99 = (dA @ t68) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
+    S99 = ((1/2)*d_K*d_V) * S85
     t100 = N_1 @ W_Q
     t101 = (t100 @ t12)
     t102 = (t101.reshape((n_batch, L, 1, L)) @ S99).reshape((n_batch, L, L))
@@ -33411,7 +33411,7 @@ def ce_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t122 = (t121.reshape((n_batch, n_batch, L**2, L)) @ t89.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t123 = (t122.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('d_V', 'd_V')
-    S124 = (2/(math.sqrt(d_K)*d_V)) * t19 + (-2/(math.sqrt(d_K)*d_V**2)) * t20
+    S124 = (2/(math.sqrt(d_K)*d_V)) * S
     t125 = A @ N_1
     t126 = (t125.reshape((L*n_batch, d_V)) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t127 = (S @ S118.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -33432,7 +33432,7 @@ def ce_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t142 = (n_batch**(-2)) * (t123 * t120.permute(0, 2, 3, 1)).sum() + (2/n_batch**2) * (t135 * t126.permute(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t141 * t137.permute(2, 0, 1, 3)).sum()
     t143 = torch.sqrt(torch.clamp(t142, min=0.0))
     # S: compact tensor ('d_V', 'd_V')
-    S144 = (1/math.sqrt(d_K)) * t19 + (-1/(math.sqrt(d_K)*d_V)) * t20
+    S144 = (1/math.sqrt(d_K)) * S
     t145 = t32 * M_N_2
     # S: compact tensor ('L', 'd_V', 'd_V')
     S146 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t61.permute(2, 3, 0, 1) * t145.reshape((n_batch, L, 1, d_V)))
@@ -33568,7 +33568,7 @@ def ce_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t277 = (4/(d_K*d_V**2*n_batch**2)) * (t261 * t89.permute(0, 2, 3, 1)).sum() + (-8/(d_K*d_V**3*n_batch**2)) * (t264 * t89.permute(0, 2, 3, 1)).sum() + (4/(math.sqrt(d_K)*d_V*n_batch**2)) * (t267 * t233.permute(2, 0, 1, 3)).sum() + (4/(d_K*d_V**4*n_batch**2)) * (t270 * t89.permute(0, 2, 3, 1)).sum() + (-4/(math.sqrt(d_K)*d_V**2*n_batch**2)) * (t273 * t233.permute(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t276 * t89.permute(2, 0, 1, 3)).sum()
     t278 = torch.sqrt(torch.clamp(t277, min=0.0))
     # S: compact tensor ('d_V', 'd_V')
-    S279 = (2/d_V) * t19 + (-2/d_V**2) * t20
+    S279 = (2/d_V) * S
     t280 = (S279.permute(1, 0) @ S279)
     t281 = t136 * t251
     t282 = (t280 @ S62.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -33611,7 +33611,7 @@ def ce_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t319 = (n_batch**(-2)) * (t318 * t316.permute(0, 2, 3, 1)).sum()
     t320 = torch.sqrt(torch.clamp(t319, min=0.0))
     # S: compact tensor ('d_V', 'L', 'd_V')
-    S321 = (t19.reshape((1, d_V, 1, d_V)) * t213.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t306.permute(2, 0, 3, 1) * t208.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
+    S321 = (math.sqrt(d_K)) * S307
     t322 = t136 * t308
     t323 = (t138 @ S321.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
     t324 = (t323.permute(1, 3, 0, 2).reshape((L*n_batch, d_V**2)) @ S321.permute(3, 1, 0, 2).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -34517,7 +34517,7 @@ def ce_bias0_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     S76 = (t66.reshape((1, 1, d_V, d_V)) * t53.reshape((n_batch, L, d_V, 1))) + (t70.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t75.permute(2, 3, 0, 1) @ S74)
     t77 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S78 = t66 + (-1/d_V) * t67
+    S78 = ((1/2)*math.sqrt(d_K)*d_V) * S68
     t79 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t80 = (t79.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S68).reshape((n_batch, L, d_V))
     t81 = (t80 @ S76.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -34637,7 +34637,7 @@ def ce_bias0_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2
     S79 = (t69.reshape((1, 1, d_V, d_V)) * t52.reshape((n_batch, L, d_V, 1))) + (t73.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t78.permute(2, 3, 0, 1) @ S77)
     t80 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S81 = t69 + (-1/d_V) * t70
+    S81 = ((1/2)*math.sqrt(d_K)*d_V) * S71
     t82 = (t80.reshape((L*n_batch, d_V)) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t83 = (S81 @ S.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t84 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -35886,7 +35886,7 @@ def ce_bias0_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     S78 = (t68.reshape((1, 1, d_V, d_V)) * t55.reshape((n_batch, L, d_V, 1))) + (t72.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t77.permute(2, 3, 0, 1) @ S76)
     t79 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S80 = t68 + (-1/d_V) * t69
+    S80 = ((1/2)*math.sqrt(d_K)*d_V) * S70
     t81 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t82 = (t81.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S70).reshape((n_batch, L, d_V))
     t83 = (t82 @ S78.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -36008,7 +36008,7 @@ def ce_bias0_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2
     S81 = (t71.reshape((1, 1, d_V, d_V)) * t54.reshape((n_batch, L, d_V, 1))) + (t75.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t80.permute(2, 3, 0, 1) @ S79)
     t82 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S83 = t71 + (-1/d_V) * t72
+    S83 = ((1/2)*math.sqrt(d_K)*d_V) * S73
     t84 = (t82.reshape((L*n_batch, d_V)) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t85 = (S83 @ S.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t86 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -36481,7 +36481,7 @@ def ce_bias0_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S64 = (t20.reshape((1, 1, d_V, d_V)) * t56.reshape((n_batch, L, d_V, 1))) + (t58.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t63.permute(2, 3, 0, 1) @ S62)
     # S: compact tensor ('d_V', 'd_V')
-    S65 = t20 + (-1/d_V) * t21
+    S65 = ((1/2)*d_V) * S
     t66 = (1/n_batch) * t19
     t67 = (t22 * t66.permute(0, 2, 1)).permute(2, 0, 1)
     t68 = (S65.permute(1, 0).reshape((d_V, d_V, 1)) * S.reshape((d_V, 1, d_V)))
@@ -36577,7 +36577,7 @@ def ce_bias0_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S63 = (t19.reshape((1, 1, d_V, d_V)) * t55.reshape((n_batch, L, d_V, 1))) + (t57.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t62.permute(2, 3, 0, 1) @ S61)
     # S: compact tensor ('d_V', 'd_V')
-    S64 = t19 + (-1/d_V) * t20
+    S64 = ((1/2)*d_V) * S
     t65 = (t21.reshape((n_batch, L, 1, d_V)) @ t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t66 = (S64 @ S)
     t67 = (t66.reshape((1, d_V**2)) @ S63.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
@@ -36698,7 +36698,7 @@ def ce_bias0_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S91 = (t78.reshape((1, 1, d_V, d_V)) * t83.reshape((n_batch, L, d_V, 1))) + (t85.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t90.permute(2, 3, 0, 1) @ S89)
     # S: compact tensor ('d_V', 'd_V')
-    S92 = t78 + (-1/d_V) * t79
+    S92 = ((1/2)*math.sqrt(d_K)*d_V) * S
     t93 = W_V.transpose(-1, -2)
     t94 = (1/n_batch) * t77
     t95 = (t93.permute(1, 0) @ S92.permute(1, 0))
@@ -36834,7 +36834,7 @@ def ce_bias0_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2
     # S: compact tensor ('L', 'd_V', 'd_V')
     S96 = (t83.reshape((1, 1, d_V, d_V)) * t88.reshape((n_batch, L, d_V, 1))) + (t90.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t95.permute(2, 3, 0, 1) @ S94)
     # S: compact tensor ('d_V', 'd_V')
-    S97 = t83 + (-1/d_V) * t84
+    S97 = ((1/2)*math.sqrt(d_K)*d_V) * S
     t98 = W_V.transpose(-1, -2)
     t99 = (S.permute(1, 0) @ t63.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t100 = (t82.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -36980,7 +36980,7 @@ def ce_bias0_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S91 = (t78.reshape((1, 1, d_V, d_V)) * t83.reshape((n_batch, L, d_V, 1))) + (t85.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t90.permute(2, 3, 0, 1) @ S89)
     # S: compact tensor ('d_V', 'd_V')
-    S92 = t78 + (-1/d_V) * t79
+    S92 = ((1/2)*math.sqrt(d_K)*d_V) * S
     t93 = W_V.transpose(-1, -2)
     t94 = (1/n_batch) * t77
     t95 = (t93.permute(1, 0) @ S92.permute(1, 0))
@@ -37116,7 +37116,7 @@ def ce_bias0_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2
     # S: compact tensor ('L', 'd_V', 'd_V')
     S96 = (t83.reshape((1, 1, d_V, d_V)) * t88.reshape((n_batch, L, d_V, 1))) + (t90.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t95.permute(2, 3, 0, 1) @ S94)
     # S: compact tensor ('d_V', 'd_V')
-    S97 = t83 + (-1/d_V) * t84
+    S97 = ((1/2)*math.sqrt(d_K)*d_V) * S
     t98 = W_V.transpose(-1, -2)
     t99 = (S.permute(1, 0) @ t63.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t100 = (t82.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -37237,7 +37237,7 @@ def ce_bias0_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S64 = (t20.reshape((1, 1, d_V, d_V)) * t56.reshape((n_batch, L, d_V, 1))) + (t58.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t63.permute(2, 3, 0, 1) @ S62)
     # S: compact tensor ('d_V', 'd_V')
-    S65 = t20 + (-1/d_V) * t21
+    S65 = ((1/2)*d_V) * S
     t66 = (1/n_batch) * t19
     t67 = (S64.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t68 = ((S65.permute(1, 0) @ t67.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
@@ -37333,7 +37333,7 @@ def ce_bias0_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2
     # S: compact tensor ('L', 'd_V', 'd_V')
     S63 = (t19.reshape((1, 1, d_V, d_V)) * t55.reshape((n_batch, L, d_V, 1))) + (t57.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t62.permute(2, 3, 0, 1) @ S61)
     # S: compact tensor ('d_V', 'd_V')
-    S64 = t19 + (-1/d_V) * t20
+    S64 = ((1/2)*d_V) * S
     t65 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t66 = (S.permute(1, 0) @ S)
     t67 = (t21.reshape((L*n_batch, d_V)) @ t21.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -39300,7 +39300,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         # S: compact tensor ('L', 'd_V', 'd_V')
         S69 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t64.permute(2, 3, 0, 1) * t68.reshape((n_batch, L, 1, d_V)))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S70 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t64.permute(2, 3, 0, 1) * t68.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t23 @ S69.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        S70 = S69 + (-1/d_V) * ((t23 @ S69.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
         t71 = (t39.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
         t72 = (t71.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
         # S: compact tensor ('L', 'd_V', 'd_V')
@@ -39371,7 +39371,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t126 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t15.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
         t127 = (t126.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
         # S: compact tensor ('d_V', 'd_V')
-        S128 = (2/(math.sqrt(d_K)*d_V)) * t22 + (-2/(math.sqrt(d_K)*d_V**2)) * t23
+        S128 = (2/(math.sqrt(d_K)*d_V)) * S
         t129 = A @ N_1
         t130 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
         t131 = (t130.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S128).reshape((n_batch, L, d_V))
@@ -39531,7 +39531,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t270 = t269.view((n_batch, L, d_V, d_V, d_K))
         t271 = (S65.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S128.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S272 = (1/(L*math.sqrt(d_K))) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t64.permute(2, 3, 0, 1) * t68.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t23 @ S69.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        S272 = (1/(L*math.sqrt(d_K))) * S70
         # S: compact tensor ('L', 'd_V', 'd_V')
         S273 = (1/(L*math.sqrt(d_K))) * (t67.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S272 @ t72)
         t274 = (t41.reshape((n_batch, L, d_V, 1)) * S273.permute(0, 1, 3, 2))
@@ -39550,9 +39550,9 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t284 = t268[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t285 = t284.view((n_batch, L, d_V, d_V, d_V))
         # S: compact tensor ('d_V', 'd_V')
-        S286 = (2/d_V) * t22 + (-2/d_V**2) * t23
+        S286 = (2/d_V) * S
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S289 = (1/L) * (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t64.permute(2, 3, 0, 1) * t68.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t23 @ S69.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        S289 = (1/L) * S70
         # S: compact tensor ('L', 'd_V', 'd_V')
         S290 = (1/L) * (t67.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S289 @ t72)
         t291 = (S290 @ t144)
@@ -39840,7 +39840,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S68 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t63.permute(2, 3, 0, 1) * t67.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S69 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t63.permute(2, 3, 0, 1) * t67.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t22 @ S68.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S69 = S68 + (-1/d_V) * ((t22 @ S68.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t70 = (t38.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t71 = (t70.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -39917,7 +39917,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t131 = ((N_1.permute(0, 2, 1) @ t130.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t132 = (S129.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t107.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     # S: compact tensor ('d_V', 'd_V')
-    S133 = (2/(math.sqrt(d_K)*d_V)) * t21 + (-2/(math.sqrt(d_K)*d_V**2)) * t22
+    S133 = (2/(math.sqrt(d_K)*d_V)) * S
     t134 = A @ N_1
     t135 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t136 = (t135.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S133).reshape((n_batch, L, d_V))
@@ -40058,11 +40058,11 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t255 = t254.view((d_V, d_V, d_V, d_V))
     t256 = t134.transpose(-1, -2)
     # S: compact tensor ('d_V', 'd_V')
-    S257 = (2/d_V) * t21 + (-2/d_V**2) * t22
+    S257 = (2/d_V) * S
     t258 = (1/n_batch) * t256
     t261 = (t134.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t258.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S262 = (1/L) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t63.permute(2, 3, 0, 1) * t67.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t22 @ S68.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S262 = (1/L) * S69
     # S: compact tensor ('L', 'd_V', 'd_V')
     S263 = (1/L) * (t66.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S262 @ t71)
     t264 = ((t151.permute(0, 1, 3, 2) @ S263.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
@@ -40491,7 +40491,7 @@ def ce_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S66 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t61.permute(2, 3, 0, 1) * t65.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S67 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t61.permute(2, 3, 0, 1) * t65.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t20 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S67 = S66 + (-1/d_V) * ((t20 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t68 = (t36.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t69 = (t68.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -40574,7 +40574,7 @@ def ce_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t138 = (t137.reshape((n_batch, n_batch, L**2, L)) @ t107.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t139 = (t138.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('d_V', 'd_V')
-    S140 = (2/(math.sqrt(d_K)*d_V)) * t19 + (-2/(math.sqrt(d_K)*d_V**2)) * t20
+    S140 = (2/(math.sqrt(d_K)*d_V)) * S
     t141 = A @ N_1
     t142 = (t141.reshape((L*n_batch, d_V)) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t143 = (S @ S134.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -40813,7 +40813,7 @@ def ce_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t376 = t141.transpose(-1, -2)
     t377 = (S62.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S140.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S378 = (1/(L*math.sqrt(d_K))) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t61.permute(2, 3, 0, 1) * t65.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t20 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S378 = (1/(L*math.sqrt(d_K))) * S67
     # S: compact tensor ('L', 'd_V', 'd_V')
     S379 = (1/(L*math.sqrt(d_K))) * (t64.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S378 @ t69)
     t380 = (t38.reshape((n_batch, L, d_V, 1)) * S379.permute(0, 1, 3, 2))
@@ -40856,14 +40856,14 @@ def ce_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t416 = (4/(d_K*d_V**2*n_batch**2)) * (t403 * t107.permute(0, 2, 3, 1)).sum() + (-8/(d_K*d_V**3*n_batch**2)) * (t406 * t107.permute(0, 2, 3, 1)).sum() + (4/(math.sqrt(d_K)*d_V*n_batch**2)) * (t409 * t364.permute(0, 2, 1)).sum() + (4/(d_K*d_V**4*n_batch**2)) * (t412 * t107.permute(0, 2, 3, 1)).sum() + (-4/(math.sqrt(d_K)*d_V**2*n_batch**2)) * (t409 * t371.permute(0, 2, 1)).sum() + (n_batch**(-2)) * (t415 * t413.permute(0, 2, 3, 1)).sum()
     t417 = torch.sqrt(torch.clamp(t416, min=0.0))
     # S: compact tensor ('d_V', 'd_V')
-    S418 = (2/d_V) * t19 + (-2/d_V**2) * t20
+    S418 = (2/d_V) * S
     t419 = (S418.permute(1, 0) @ S418)
     t420 = t168 * t395
     t421 = (t419 @ S62.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t422 = (t170.permute(1, 0) @ S62.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t423 = (t422.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t421.permute(3, 0, 1, 2).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S424 = (1/L) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t61.permute(2, 3, 0, 1) * t65.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t20 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S424 = (1/L) * S67
     # S: compact tensor ('L', 'd_V', 'd_V')
     S425 = (1/L) * (t64.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (S424 @ t69)
     t426 = (S62.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S418.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
@@ -41204,7 +41204,7 @@ def ce_bias0_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S67 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t62.permute(2, 3, 0, 1) * t66.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S68 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t62.permute(2, 3, 0, 1) * t66.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t21 @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S68 = S67 + (-1/d_V) * ((t21 @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t69 = (t37.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t70 = (t69.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -41351,7 +41351,7 @@ def ce_bias0_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S66 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t61.permute(2, 3, 0, 1) * t65.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S67 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t61.permute(2, 3, 0, 1) * t65.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t20 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S67 = S66 + (-1/d_V) * ((t20 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t68 = (t36.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t69 = (t68.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -41498,7 +41498,7 @@ def ce_bias0_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S67 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t62.permute(2, 3, 0, 1) * t66.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S68 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t62.permute(2, 3, 0, 1) * t66.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t21 @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S68 = S67 + (-1/d_V) * ((t21 @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t69 = (t37.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t70 = (t69.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -41645,7 +41645,7 @@ def ce_bias0_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S66 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t61.permute(2, 3, 0, 1) * t65.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S67 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t61.permute(2, 3, 0, 1) * t65.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t20 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S67 = S66 + (-1/d_V) * ((t20 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t68 = (t36.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t69 = (t68.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -41799,7 +41799,7 @@ def ce_bias0_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S67 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t62.permute(2, 3, 0, 1) * t66.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S68 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t62.permute(2, 3, 0, 1) * t66.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t21 @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S68 = S67 + (-1/d_V) * ((t21 @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t69 = (t37.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t70 = (t69.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -41971,7 +41971,7 @@ def ce_bias0_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S85 = (t72.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t80.permute(2, 3, 0, 1) * t84.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S86 = (t72.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t80.permute(2, 3, 0, 1) * t84.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t73 @ S85.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S86 = S85 + (-1/d_V) * ((t73 @ S85.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t87 = (t33.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t88 = (t87.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -42122,7 +42122,7 @@ def ce_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     S76 = (t66.reshape((1, 1, d_V, d_V)) * t53.reshape((n_batch, L, d_V, 1))) + (t70.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t75.permute(2, 3, 0, 1) @ S74)
     t77 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S78 = t66 + (-1/d_V) * t67
+    S78 = ((1/2)*math.sqrt(d_K)*d_V) * S68
     t79 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t80 = (t79.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S68).reshape((n_batch, L, d_V))
     t81 = (t80 @ S76.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -42135,7 +42135,7 @@ def ce_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S88 = (t66.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t75.permute(2, 3, 0, 1) * t87.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S89 = (t66.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t75.permute(2, 3, 0, 1) * t87.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t67 @ S88.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S89 = S88 + (-1/d_V) * ((t67 @ S88.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t90 = (t35.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t91 = (t90.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -42284,7 +42284,7 @@ def ce_bias0_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     S79 = (t69.reshape((1, 1, d_V, d_V)) * t52.reshape((n_batch, L, d_V, 1))) + (t73.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t78.permute(2, 3, 0, 1) @ S77)
     t80 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S81 = t69 + (-1/d_V) * t70
+    S81 = ((1/2)*math.sqrt(d_K)*d_V) * S71
     t82 = (t80.reshape((L*n_batch, d_V)) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t83 = (S81 @ S.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t84 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -42300,7 +42300,7 @@ def ce_bias0_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S94 = (t69.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t78.permute(2, 3, 0, 1) * t93.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S95 = (t69.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t78.permute(2, 3, 0, 1) * t93.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t70 @ S94.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S95 = S94 + (-1/d_V) * ((t70 @ S94.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t96 = (t34.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t97 = (t96.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -42449,7 +42449,7 @@ def ce_bias0_causal0__block__W_Q__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t59 = (t53.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t54.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t60 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S61 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t21 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S61 = S37 + (-1/d_V) * ((t21 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t62 = (t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t63 = (t62.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -42559,7 +42559,7 @@ def ce_bias0_causal0__frobenius__W_Q__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t61 = (t60.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t56.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t62 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S63 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t35.permute(2, 3, 0, 1) * t34.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t20 @ S36.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S63 = S36 + (-1/d_V) * ((t20 @ S36.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t64 = (t39.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t65 = (t64.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -42683,7 +42683,7 @@ def ce_bias0_causal0__block__W_Q__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t58 = ((t13 @ t57.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
     t59 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S60 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t21 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S60 = S37 + (-1/d_V) * ((t21 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t61 = (t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t62 = (t61.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -42790,7 +42790,7 @@ def ce_bias0_causal0__frobenius__W_Q__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t60 = (t59.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_ff)) @ t58.permute(0, 2, 3, 1).reshape((n_batch, L*d_ff, L))).reshape((n_batch, n_batch, L, L))
     t61 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S62 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t35.permute(2, 3, 0, 1) * t34.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t20 @ S36.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S62 = S36 + (-1/d_V) * ((t20 @ S36.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t63 = (t39.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t64 = (t63.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -42883,7 +42883,7 @@ def ce_bias0_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = S + (-1/d_V) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -43040,7 +43040,7 @@ def ce_bias0_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = S + (-1/d_V) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -43193,7 +43193,7 @@ def ce_bias0_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = S + (-1/d_V) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -43407,7 +43407,7 @@ def ce_bias0_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t75.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t79.permute(2, 3, 0, 1) * t78.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S80 = (t75.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t79.permute(2, 3, 0, 1) * t78.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t77 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S80 = S + (-1/d_V) * ((t77 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t81 = (t33.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t82 = (t81.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -43545,7 +43545,7 @@ def ce_bias0_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(2, 3, 0, 1) * t38.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S40 = S + (-1/d_V) * ((t36 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t41 = M_N_2 * P_N_2
     N_2 = t41
     t42 = N_2 @ W_1
@@ -43707,7 +43707,7 @@ def ce_bias0_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = S + (-1/d_V) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -43924,7 +43924,7 @@ def ce_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     S78 = (t68.reshape((1, 1, d_V, d_V)) * t55.reshape((n_batch, L, d_V, 1))) + (t72.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t77.permute(2, 3, 0, 1) @ S76)
     t79 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S80 = t68 + (-1/d_V) * t69
+    S80 = ((1/2)*math.sqrt(d_K)*d_V) * S70
     t81 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t82 = (t81.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S70).reshape((n_batch, L, d_V))
     t83 = (t82 @ S78.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -43937,7 +43937,7 @@ def ce_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S90 = (t68.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t77.permute(2, 3, 0, 1) * t89.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S91 = (t68.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t77.permute(2, 3, 0, 1) * t89.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t69 @ S90.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S91 = S90 + (-1/d_V) * ((t69 @ S90.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t92 = (t37.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t93 = (t92.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -44088,7 +44088,7 @@ def ce_bias0_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     S81 = (t71.reshape((1, 1, d_V, d_V)) * t54.reshape((n_batch, L, d_V, 1))) + (t75.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t80.permute(2, 3, 0, 1) @ S79)
     t82 = A @ N_1
     # S: compact tensor ('d_V', 'd_V')
-    S83 = t71 + (-1/d_V) * t72
+    S83 = ((1/2)*math.sqrt(d_K)*d_V) * S73
     t84 = (t82.reshape((L*n_batch, d_V)) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t85 = (S83 @ S.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t86 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -44104,7 +44104,7 @@ def ce_bias0_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S96 = (t71.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t80.permute(2, 3, 0, 1) * t95.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S97 = (t71.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t80.permute(2, 3, 0, 1) * t95.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t72 @ S96.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S97 = S96 + (-1/d_V) * ((t72 @ S96.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t98 = (t36.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t99 = (t98.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -44255,7 +44255,7 @@ def ce_bias0_causal0__block__W_K__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t61 = (t55.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t56.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t62 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S63 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t23 @ S39.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S63 = S39 + (-1/d_V) * ((t23 @ S39.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t64 = (t42.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t65 = (t64.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -44367,7 +44367,7 @@ def ce_bias0_causal0__frobenius__W_K__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t63 = (t62.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t58.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t64 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S65 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t22 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S65 = S38 + (-1/d_V) * ((t22 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t66 = (t41.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t67 = (t66.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -44493,7 +44493,7 @@ def ce_bias0_causal0__block__W_K__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t60 = ((t12 @ t59.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
     t61 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S62 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t23 @ S39.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S62 = S39 + (-1/d_V) * ((t23 @ S39.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t63 = (t42.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t64 = (t63.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -44602,7 +44602,7 @@ def ce_bias0_causal0__frobenius__W_K__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t62 = (t61.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_ff)) @ t60.permute(0, 2, 3, 1).reshape((n_batch, L*d_ff, L))).reshape((n_batch, n_batch, L, L))
     t63 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S64 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/d_V) * ((t22 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S64 = S38 + (-1/d_V) * ((t22 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t65 = (t41.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t66 = (t65.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -44723,7 +44723,7 @@ def ce_bias0_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S64 = (t20.reshape((1, 1, d_V, d_V)) * t56.reshape((n_batch, L, d_V, 1))) + (t58.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t63.permute(2, 3, 0, 1) @ S62)
     # S: compact tensor ('d_V', 'd_V')
-    S65 = t20 + (-1/d_V) * t21
+    S65 = ((1/2)*d_V) * S
     t66 = (1/n_batch) * t19
     t67 = (t22 * t66.permute(0, 2, 1)).permute(2, 0, 1)
     t70 = torch.ones((L,), dtype=X.dtype, device=X.device)
@@ -44731,7 +44731,7 @@ def ce_bias0_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S72 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t63.permute(2, 3, 0, 1) * t71.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S73 = (1/L) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t63.permute(2, 3, 0, 1) * t71.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t21 @ S72.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S73 = (1/L) * S72 + (-1/(L*d_V)) * ((t21 @ S72.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t74 = (t38.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t75 = (t74.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -44845,7 +44845,7 @@ def ce_bias0_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S63 = (t19.reshape((1, 1, d_V, d_V)) * t55.reshape((n_batch, L, d_V, 1))) + (t57.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t62.permute(2, 3, 0, 1) @ S61)
     # S: compact tensor ('d_V', 'd_V')
-    S64 = t19 + (-1/d_V) * t20
+    S64 = ((1/2)*d_V) * S
     t65 = (t21.reshape((n_batch, L, 1, d_V)) @ t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t66 = (S64 @ S)
     t67 = (t66.reshape((1, d_V**2)) @ S63.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
@@ -44854,7 +44854,7 @@ def ce_bias0_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S70 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t62.permute(2, 3, 0, 1) * t69.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S71 = (1/L) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t62.permute(2, 3, 0, 1) * t69.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t20 @ S70.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S71 = (1/L) * S70 + (-1/(L*d_V)) * ((t20 @ S70.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t72 = (t37.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t73 = (t72.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -44992,14 +44992,14 @@ def ce_bias0_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S91 = (t78.reshape((1, 1, d_V, d_V)) * t83.reshape((n_batch, L, d_V, 1))) + (t85.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t90.permute(2, 3, 0, 1) @ S89)
     # S: compact tensor ('d_V', 'd_V')
-    S92 = t78 + (-1/d_V) * t79
+    S92 = ((1/2)*math.sqrt(d_K)*d_V) * S
     t93 = (S91.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t94 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t95 = t31 * M_N_2
     # S: compact tensor ('L', 'd_V', 'd_V')
     S96 = (t78.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t90.permute(2, 3, 0, 1) * t95.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S97 = (1/(L*math.sqrt(d_K))) * (t78.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t90.permute(2, 3, 0, 1) * t95.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t79 @ S96.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S97 = (1/(L*math.sqrt(d_K))) * S96 + (-1/(L*math.sqrt(d_K)*d_V)) * ((t79 @ S96.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t98 = t38.transpose(-1, -2)
     t99 = (t98.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t100 = (t99.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
@@ -45155,14 +45155,14 @@ def ce_bias0_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S96 = (t83.reshape((1, 1, d_V, d_V)) * t88.reshape((n_batch, L, d_V, 1))) + (t90.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t95.permute(2, 3, 0, 1) @ S94)
     # S: compact tensor ('d_V', 'd_V')
-    S97 = t83 + (-1/d_V) * t84
+    S97 = ((1/2)*math.sqrt(d_K)*d_V) * S
     t98 = (S96.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t99 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t100 = t30 * M_N_2
     # S: compact tensor ('L', 'd_V', 'd_V')
     S101 = (t83.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t95.permute(2, 3, 0, 1) * t100.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S102 = (1/(L*math.sqrt(d_K))) * (t83.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t95.permute(2, 3, 0, 1) * t100.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t84 @ S101.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S102 = (1/(L*math.sqrt(d_K))) * S101 + (-1/(L*math.sqrt(d_K)*d_V)) * ((t84 @ S101.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t103 = t37.transpose(-1, -2)
     t104 = (t103.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t105 = (t104.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
@@ -45321,14 +45321,14 @@ def ce_bias0_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S91 = (t78.reshape((1, 1, d_V, d_V)) * t83.reshape((n_batch, L, d_V, 1))) + (t85.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t90.permute(2, 3, 0, 1) @ S89)
     # S: compact tensor ('d_V', 'd_V')
-    S92 = t78 + (-1/d_V) * t79
+    S92 = ((1/2)*math.sqrt(d_K)*d_V) * S
     t93 = (S91.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t94 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t95 = t31 * M_N_2
     # S: compact tensor ('L', 'd_V', 'd_V')
     S96 = (t78.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t90.permute(2, 3, 0, 1) * t95.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S97 = (1/(L*math.sqrt(d_K))) * (t78.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t90.permute(2, 3, 0, 1) * t95.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t79 @ S96.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S97 = (1/(L*math.sqrt(d_K))) * S96 + (-1/(L*math.sqrt(d_K)*d_V)) * ((t79 @ S96.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t98 = t38.transpose(-1, -2)
     t99 = (t98.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t100 = (t99.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
@@ -45484,14 +45484,14 @@ def ce_bias0_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S96 = (t83.reshape((1, 1, d_V, d_V)) * t88.reshape((n_batch, L, d_V, 1))) + (t90.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t95.permute(2, 3, 0, 1) @ S94)
     # S: compact tensor ('d_V', 'd_V')
-    S97 = t83 + (-1/d_V) * t84
+    S97 = ((1/2)*math.sqrt(d_K)*d_V) * S
     t98 = (S96.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t99 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t100 = t30 * M_N_2
     # S: compact tensor ('L', 'd_V', 'd_V')
     S101 = (t83.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t95.permute(2, 3, 0, 1) * t100.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S102 = (1/(L*math.sqrt(d_K))) * (t83.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t95.permute(2, 3, 0, 1) * t100.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t84 @ S101.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S102 = (1/(L*math.sqrt(d_K))) * S101 + (-1/(L*math.sqrt(d_K)*d_V)) * ((t84 @ S101.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t103 = t37.transpose(-1, -2)
     t104 = (t103.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t105 = (t104.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
@@ -45625,7 +45625,7 @@ def ce_bias0_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S64 = (t20.reshape((1, 1, d_V, d_V)) * t56.reshape((n_batch, L, d_V, 1))) + (t58.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t63.permute(2, 3, 0, 1) @ S62)
     # S: compact tensor ('d_V', 'd_V')
-    S65 = t20 + (-1/d_V) * t21
+    S65 = ((1/2)*d_V) * S
     t66 = (1/n_batch) * t19
     t69 = (t22.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t66.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t70 = torch.ones((L,), dtype=X.dtype, device=X.device)
@@ -45633,7 +45633,7 @@ def ce_bias0_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S72 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t63.permute(2, 3, 0, 1) * t71.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S73 = (1/L) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t63.permute(2, 3, 0, 1) * t71.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t21 @ S72.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S73 = (1/L) * S72 + (-1/(L*d_V)) * ((t21 @ S72.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t74 = (t38.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t75 = (t74.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -45746,7 +45746,7 @@ def ce_bias0_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S63 = (t19.reshape((1, 1, d_V, d_V)) * t55.reshape((n_batch, L, d_V, 1))) + (t57.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t62.permute(2, 3, 0, 1) @ S61)
     # S: compact tensor ('d_V', 'd_V')
-    S64 = t19 + (-1/d_V) * t20
+    S64 = ((1/2)*d_V) * S
     t65 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t66 = (S.permute(1, 0) @ S)
     t67 = (t21.reshape((L*n_batch, d_V)) @ t21.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -45760,7 +45760,7 @@ def ce_bias0_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S75 = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t62.permute(2, 3, 0, 1) * t74.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S76 = (1/L) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t62.permute(2, 3, 0, 1) * t74.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t20 @ S75.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S76 = (1/L) * S75 + (-1/(L*d_V)) * ((t20 @ S75.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t77 = (t37.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t78 = (t77.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -45887,7 +45887,7 @@ def ce_bias0_causal0__block__W_V__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t57 = (S @ S38.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t58 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S59 = (1/L) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t21 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S59 = (1/L) * S38 + (-1/(L*d_V)) * ((t21 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t60 = (t41.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t61 = (t60.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -45989,7 +45989,7 @@ def ce_bias0_causal0__frobenius__W_V__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t59 = (t58.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ S37.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t60 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S61 = (1/L) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t20 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S61 = (1/L) * S37 + (-1/(L*d_V)) * ((t20 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t62 = (t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t63 = (t62.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -46098,7 +46098,7 @@ def ce_bias0_causal0__block__W_V__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t56 = ((t55.permute(1, 2, 0, 3) @ t54)).permute(3, 2, 0, 1)
     t57 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S58 = (1/L) * (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t21 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S58 = (1/L) * S38 + (-1/(L*d_V)) * ((t21 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t59 = (t55.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S60 = (1/L) * (t57.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S58 @ t59)
@@ -46198,7 +46198,7 @@ def ce_bias0_causal0__frobenius__W_V__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t60 = (t59.permute(1, 2, 3, 4, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t40.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
     t61 = torch.ones((L,), dtype=X.dtype, device=X.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S62 = (1/L) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t20 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S62 = (1/L) * S37 + (-1/(L*d_V)) * ((t20 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t63 = (t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t64 = (t63.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -48712,7 +48712,7 @@ def ce_bias0_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (1/(L*d_K)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -48885,7 +48885,7 @@ def ce_bias0_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (1/(L*d_K)) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -49070,7 +49070,7 @@ def ce_bias0_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (1/(L*math.sqrt(d_K))) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -49146,7 +49146,7 @@ def ce_bias0_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t102 = (t101.reshape((n_batch, n_batch, L**2, L)) @ t98.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t103 = (t102.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('d_V', 'd_V')
-    S104 = (2/(math.sqrt(d_K)*d_V)) * t19 + (-2/(math.sqrt(d_K)*d_V**2)) * t33
+    S104 = (2/(math.sqrt(d_K)*d_V)) * S67
     t105 = t34 * t85
     t106 = (t33.reshape((d_V, d_V, 1, 1)) * t105.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t107 = (0.75 * (sigma2_N_2 ** -2.5))
@@ -49263,7 +49263,7 @@ def ce_bias0_causal0__frobenius_split__W_Q__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (1/(L*math.sqrt(d_K))) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -49394,7 +49394,7 @@ def ce_bias0_causal0__frobenius_split__W_Q__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (1/(L*math.sqrt(d_K))) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t36.permute(2, 3, 0, 1) * t35.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S37 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t33 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t38 = M_N_2 * P_N_2
     N_2 = t38
     t39 = N_2 @ W_1
@@ -49515,7 +49515,7 @@ def ce_bias0_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*d_K)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -49703,7 +49703,7 @@ def ce_bias0_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*d_K)) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_K*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_K*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*d_K)) * S + (-1/(L*d_K*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -49877,7 +49877,7 @@ def ce_bias0_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*math.sqrt(d_K))) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -49953,7 +49953,7 @@ def ce_bias0_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t104 = (t103.reshape((n_batch, n_batch, L**2, L)) @ t100.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t105 = (t104.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('d_V', 'd_V')
-    S106 = (2/(math.sqrt(d_K)*d_V)) * t21 + (-2/(math.sqrt(d_K)*d_V**2)) * t35
+    S106 = (2/(math.sqrt(d_K)*d_V)) * S69
     t107 = t36 * t87
     t108 = (t35.reshape((d_V, d_V, 1, 1)) * t107.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t109 = (0.75 * (sigma2_N_2 ** -2.5))
@@ -50072,7 +50072,7 @@ def ce_bias0_causal0__frobenius_split__W_K__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*math.sqrt(d_K))) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -50205,7 +50205,7 @@ def ce_bias0_causal0__frobenius_split__W_K__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (1/(L*math.sqrt(d_K))) * (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t38.permute(2, 3, 0, 1) * t37.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S39 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t35 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t40 = M_N_2 * P_N_2
     N_2 = t40
     t41 = N_2 @ W_1
@@ -50323,7 +50323,7 @@ def ce_bias0_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/(L*math.sqrt(d_K))) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -50408,7 +50408,7 @@ def ce_bias0_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t112 = (t104.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t111.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t113 = (t112.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA64.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('d_V', 'd_V')
-    S114 = (2/(math.sqrt(d_K)*d_V)) * t19 + (-2/(math.sqrt(d_K)*d_V**2)) * t34
+    S114 = (2/(math.sqrt(d_K)*d_V)) * S56
     t115 = t90.transpose(-1, -2)
     t116 = t35 * t115 * M_N_2
     t117 = t116.sum(-1, keepdim=True)
@@ -50523,7 +50523,7 @@ def ce_bias0_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/(L*math.sqrt(d_K))) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*math.sqrt(d_K)*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/(L*math.sqrt(d_K))) * S + (-1/(L*math.sqrt(d_K)*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -50608,7 +50608,7 @@ def ce_bias0_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t112 = (t104.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t111.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t113 = (t112.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA64.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     # S: compact tensor ('d_V', 'd_V')
-    S114 = (2/(math.sqrt(d_K)*d_V)) * t19 + (-2/(math.sqrt(d_K)*d_V**2)) * t34
+    S114 = (2/(math.sqrt(d_K)*d_V)) * S56
     t115 = t90.transpose(-1, -2)
     t116 = t35 * t115 * M_N_2
     t117 = t116.sum(-1, keepdim=True)
@@ -50723,7 +50723,7 @@ def ce_bias0_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/L) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/L) * S + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -50772,7 +50772,7 @@ def ce_bias0_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t78 = (t77.permute(3, 2, 0, 1).reshape((d_ff, d_V, L*n_batch)) @ t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))
     t79 = (n_batch**(-2)) * (t57 * t56).sum() + (2/n_batch**2) * (t69 * t59).sum() + (n_batch**(-2)) * (t78 * t59).sum()
     # S: compact tensor ('d_V', 'd_V')
-    S80 = (2/d_V) * t19 + (-2/d_V**2) * t34
+    S80 = (2/d_V) * S62
     F = t49
     t81 = torch.exp(F - F.amax(-1, keepdim=True))
     A82 = t81 / t81.sum(-1, keepdim=True)
@@ -50874,7 +50874,7 @@ def ce_bias0_causal0__frobenius_split__W_V__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/L) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/L) * S + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1
@@ -50990,7 +50990,7 @@ def ce_bias0_causal0__frobenius_split__W_V__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S = (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (1/L) * (t19.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/(L*d_V)) * (t37.permute(2, 3, 0, 1) * t36.reshape((n_batch, L, 1, d_V))) + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    S38 = (1/L) * S + (-1/(L*d_V)) * ((t34 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
     t39 = M_N_2 * P_N_2
     N_2 = t39
     t40 = N_2 @ W_1

@@ -55,6 +55,7 @@ class Routine:
         self.count = 0
         self.lw = lowering or Lowering()
         self.inter = {}                       # Named -> compact tensor name
+        self.sums = {}                        # compact tensor name -> its (coef, code) terms
         self.uses = {}                        # factor tuple -> chains holding it (plan)
         self.products = {}                    # factor tuple -> (name, transposed)
         self.transposed = {}                  # name of a transposed view -> name of its base
@@ -400,13 +401,13 @@ class Routine:
     def _snapshot(self):
         return (self.written, len(self.lines), dict(self.rhs), set(self.taken), self.count,
                 dict(self.is_batched), dict(self.memo), dict(self.inter), dict(self.products),
-                dict(self.transposed), dict(self.bcast), dict(self.gemms))
+                dict(self.transposed), dict(self.bcast), dict(self.gemms), dict(self.sums))
 
     def _restore(self, snap):
         """Forget every statement and name made since ``_snapshot``."""
         self.written, n, rhs, taken, count, is_batched, memo, inter, products, transposed, \
-            bcast, gemms = snap
-        self.bcast, self.gemms = dict(bcast), dict(gemms)
+            bcast, gemms, sums = snap
+        self.bcast, self.gemms, self.sums = dict(bcast), dict(gemms), dict(sums)
         del self.lines[n:]
         self.rhs, self.taken, self.count = dict(rhs), set(taken), count
         self.is_batched, self.memo, self.inter = dict(is_batched), dict(memo), dict(inter)
@@ -611,12 +612,39 @@ class Routine:
             c, code, b = self.network(term, outputs, keep_batch=True)
             parts.append((c, code))
             batched |= b
-        rhs = _sum(self, parts)
+        rhs = _sum(self, self._reused_sum(parts))
         label = node.name if isinstance(node, E.Named) else _compact_label(node)
-        name = self.emit(rhs, batched, hint=label,
-                         comment=f"{label}: compact tensor {tuple(str(s) for s in inter.axis_sizes)}")
+        name = rhs if rhs in self.sums else self.emit(
+            rhs, batched, hint=label,
+            comment=f"{label}: compact tensor {tuple(str(s) for s in inter.axis_sizes)}")
         self.inter[node] = (name, inter.axis_sizes)
+        self.sums[name] = parts
         return self.inter[node]
+
+    def _reused_sum(self, parts):
+        """``parts`` with the largest earlier compact sum they contain, up to one scalar,
+        replaced by that tensor: LayerNorm chains give nested sums (S₁ ⊂ S₂ ⊂ S₃, and
+        2/d_V · S₂ as a term set of its own), each otherwise recomputed term by term."""
+        best = None
+        for name, prev in self.sums.items():
+            if len(prev) < 2 or len(prev) > len(parts) or (best and len(prev) <= len(best[2])):
+                continue
+            left, k = list(parts), None
+            for c, code in prev:
+                j = next((i for i, (_, code2) in enumerate(left) if code2 == code), None)
+                if j is None:
+                    break
+                r = sp.cancel(sp.sympify(left[j][0]) / sp.sympify(c))
+                if k is not None and sp.cancel(r - k) != 0:
+                    break
+                k = r
+                del left[j]
+            else:
+                best = (k, name, prev, left)
+        if best is None:
+            return parts
+        k, name, _, left = best
+        return [(k, name)] + left
 
     # -- outputs of Kronecker-view expressions ----------------------------------------------
     def terms(self, expr, rows, cols):
