@@ -273,3 +273,36 @@ def test_a_compact_sum_reuses_an_earlier_one_it_contains_up_to_a_scalar():
     assert rt._reused_sum([(1, "a"), (1, "c")]) == [(1, "a"), (1, "c")]
     rt.sums["S2"] = [(sp.Integer(1), "a"), (2 / d, "b"), (sp.Integer(1), "c")]
     assert rt._reused_sum([(2, "a"), (4 / d, "b"), (2, "c")]) == [(2, "S2")]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_a_block_term_is_split_so_that_its_gemm_writes_the_block(backend):
+    """Σ_l c[l,f] X[l,k'] E[l,k,q] into a block [k, f, k', q] (rows (k, f)): opt_einsum's
+    cheapest order multiplies c ∘ X first and leaves a product that must be permuted into the
+    block; split as c (broadcast over k) times X ∘ E, one batched GEMM writes it in place."""
+    rng = np.random.default_rng(5)
+    rt = routine(backend)
+    sz = {"l": 3, "f": 16, "k": 4, "k2": 4, "q": 8}
+    lab = {n: rt.lw.labels.new(s) for n, s in sz.items()}
+    arrays = {"C_": rng.standard_normal((3, 16)), "X_": rng.standard_normal((3, 4)),
+              "E_": rng.standard_normal((3, 4, 8))}
+    labs = [[lab["l"], lab["f"]], [lab["l"], lab["k2"]], [lab["l"], lab["k"], lab["q"]]]
+    out = [lab["k"], lab["f"], lab["k2"], lab["q"]]
+    rt.layout = (0, 2)
+    code = rt.split_contract(["C_", "X_", "E_"], labs, out)
+    rt.layout = None
+    assert code.split is not None and code in rt.gemms
+    want = np.einsum("lf,lj,lkq->kfjq", arrays["C_"], arrays["X_"], arrays["E_"])
+    wide = np.full((64, 32 + 5), np.nan)
+    ns = {"np": np, "torch": torch}
+    conv = torch.tensor if backend == "torch" else (lambda a: a)
+    ns.update({k: conv(v) for k, v in arrays.items()})
+    wide = conv(wide)
+    ns["blk_"] = wide[:, 5:]
+    view = rt.emit(rt.fmt("view", "blk_", rt.shape([4, 16, 4, 8])), False)
+    assert rt._gemm_into(view, code, True, {(0, 2, 4)})
+    exec("\n".join(rt.lines), ns)
+    got = np.asarray(ns["blk_"]).reshape(want.shape)
+    assert np.allclose(got, want, rtol=1e-13, atol=1e-13)
+    assert np.isnan(np.asarray(wide)[:, :5]).all()
+    assert not any(".permute(" in ln and "[...]" in ln for ln in rt.lines)

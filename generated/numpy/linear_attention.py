@@ -8911,65 +8911,70 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t57 = t56.sum(-2, keepdims=True)
         t58 = np.broadcast_to(t57, t57.shape[:-2] + (d_V, t57.shape[-1]))
         t59 = (1/(L*d_K*n_batch)) * t55
-        t60 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
-        t61 = (np.reshape(t58, (n_batch, d_V, L, 1)) * np.reshape(t54.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
-        t62 = ((t19.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-        t63 = np.einsum('abcb->abc', t53)
-        t64 = np.swapaxes(G, -1, -2)
-        t65 = (1/(math.sqrt(d_K)*n_batch)) * t36
-        t66 = (t64.transpose(0, 2, 1) @ t54.transpose(0, 2, 1))
-        t67 = (np.reshape(t66.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
-        t53[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t63 += np.reshape(t65, (1, d_K, 1)) * np.reshape(t67, (d_V, 1, d_V))
-        t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        t69 = np.reshape(t68, (d_V, d_K, d_V, d_K), copy=False)
-        t70 = (np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
-        t71 = ((t26.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-        t69[...] = (np.reshape((np.reshape(t71, (d_V**2, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-        t72 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t73 = np.reshape(t72, (d_V, d_K, d_V, d_V), copy=False)
-        t74 = t0 @ X
-        t75 = (1/(math.sqrt(d_K)*n_batch)) * t55
-        t76 = t74.transpose(1, 2, 0)
-        t77 = ((G.transpose(0, 2, 1) @ t75.transpose(0, 2, 1))).transpose(2, 1, 0)
-        t78 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
-        t79 = (np.reshape(t41.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t78.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
-        t80 = (dA * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
-        t81 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t74.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
-        t82 = (np.reshape((t81.transpose(1, 2, 0) @ np.reshape(t80.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
-        t73[...] = (np.reshape((np.reshape(t76, (d_V**2, n_batch)) @ np.reshape(t77.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-        t73 += (np.reshape((np.reshape(t79, (d_K*d_V, L*n_batch)) @ np.reshape(t82.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-        t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t84 = np.reshape(t83, (d_V, d_V, d_V, d_K), copy=False)
-        t85 = np.swapaxes(t5, -1, -2)
-        t86 = t64 @ X
-        t87 = (1/(math.sqrt(d_K)*n_batch)) * t0
-        t88 = t86.transpose(1, 2, 0)
-        t89 = ((t85.transpose(0, 2, 1) @ t87.transpose(0, 2, 1))).transpose(2, 1, 0)
-        t90 = np.swapaxes(T, -1, -2)
-        t91 = (1/(L*math.sqrt(d_K)*n_batch)) * t90
-        t92 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
-        t93 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t92.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-        t94 = (t91.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
-        t95 = (np.reshape(t94.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-        t84[...] = (np.reshape((np.reshape(t88, (d_V**2, n_batch)) @ np.reshape(t89.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t84 += (np.reshape((np.reshape(t95, (d_V**2, L*n_batch)) @ np.reshape(t93.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-        t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t97 = np.reshape(t96, (d_V, d_V, d_V, d_K), copy=False)
-        t98 = t64 @ t23
-        t99 = t98.transpose(1, 2, 0)
-        t100 = ((X.transpose(0, 2, 1) @ t87.transpose(0, 2, 1))).transpose(2, 1, 0)
-        t101 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t92.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-        t102 = (np.reshape(t94.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)))
-        t97[...] = (np.reshape((np.reshape(t100, (d_V**2, n_batch)) @ np.reshape(t99.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-        t97 += (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t102.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t103 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t104 = np.reshape(t103, (d_V, d_V, d_V, d_V), copy=False)
-        t105 = np.swapaxes(t41, -1, -2)
-        t106 = (1/(L*n_batch)) * t105
-        t107 = (dA.transpose(2, 3, 0, 1) * np.reshape(t9.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t108 = (np.reshape(t41.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t106.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-        t104[...] = (np.reshape((np.reshape(t108, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        t60 = (t19.transpose(0, 2, 3, 1) * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+        t61 = np.reshape((np.reshape(t60.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t54.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
+        t62 = (np.reshape(t61.transpose(3, 2, 0, 1), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        t63 = t59.transpose(1, 0, 2)
+        t64 = np.einsum('abcb->abc', t53)
+        t65 = np.swapaxes(G, -1, -2)
+        t66 = (1/(math.sqrt(d_K)*n_batch)) * t36
+        t67 = (t65.transpose(0, 2, 1) @ t54.transpose(0, 2, 1))
+        t68 = (np.reshape(t67.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
+        t69 = np.reshape(t53, (d_V, d_K, d_K*d_V), copy=False)
+        np.matmul(np.broadcast_to(np.reshape(t63, (1, d_K, L*n_batch)), np.reshape(t62.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)).shape[:-2] + np.reshape(t63, (1, d_K, L*n_batch)).shape[-2:]), np.reshape(t62.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t69)
+        t64 += np.reshape(t66, (1, d_K, 1)) * np.reshape(t68, (d_V, 1, d_V))
+        t70 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t71 = np.reshape(t70, (d_V, d_K, d_V, d_K), copy=False)
+        t72 = (t26.transpose(0, 2, 3, 1) * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+        t73 = np.reshape((np.reshape(t72.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t54.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+        t74 = (np.reshape(t73.transpose(3, 2, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, 1, d_K, n_batch, L)))
+        t75 = np.reshape(t71, (d_V, d_K, d_K*d_V), copy=False)
+        np.matmul(np.broadcast_to(np.reshape(t63, (1, d_K, L*n_batch)), np.reshape(t74.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)).shape[:-2] + np.reshape(t63, (1, d_K, L*n_batch)).shape[-2:]), np.reshape(t74.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t75)
+        t76 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t77 = np.reshape(t76, (d_V, d_K, d_V, d_V), copy=False)
+        t78 = t0 @ X
+        t79 = (1/(math.sqrt(d_K)*n_batch)) * t55
+        t80 = t78.transpose(1, 2, 0)
+        t81 = ((G.transpose(0, 2, 1) @ t79.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t82 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
+        t83 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t78.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+        t84 = (dA * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+        t85 = np.reshape((np.reshape(t84.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t83.transpose(1, 0, 2)), (n_batch, L, d_V, d_V))
+        t86 = (np.reshape(t85.transpose(3, 2, 0, 1), (d_V, 1, d_V, n_batch, L)) * np.reshape(t41.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        t87 = t82.transpose(1, 0, 2)
+        t77[...] = (np.reshape((np.reshape(t80, (d_V**2, n_batch)) @ np.reshape(t81.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+        t77 += np.reshape((np.reshape(t87, (1, d_K, L*n_batch)) @ np.reshape(t86.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))
+        t88 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t89 = np.reshape(t88, (d_V, d_V, d_V, d_K), copy=False)
+        t90 = np.swapaxes(t5, -1, -2)
+        t91 = t65 @ X
+        t92 = (1/(math.sqrt(d_K)*n_batch)) * t0
+        t93 = t91.transpose(1, 2, 0)
+        t94 = ((t90.transpose(0, 2, 1) @ t92.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t95 = np.swapaxes(T, -1, -2)
+        t96 = (1/(L*math.sqrt(d_K)*n_batch)) * t95
+        t97 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
+        t98 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t97.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
+        t99 = (t96.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
+        t100 = (np.reshape(t99.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+        t89[...] = (np.reshape((np.reshape(t93, (d_V**2, n_batch)) @ np.reshape(t94.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t89 += (np.reshape((np.reshape(t100, (d_V**2, L*n_batch)) @ np.reshape(t98.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t101 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t102 = np.reshape(t101, (d_V, d_V, d_V, d_K), copy=False)
+        t103 = t65 @ t23
+        t104 = t103.transpose(1, 2, 0)
+        t105 = ((X.transpose(0, 2, 1) @ t92.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t106 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t97.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+        t107 = (np.reshape(t99.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)))
+        t102[...] = (np.reshape((np.reshape(t105, (d_V**2, n_batch)) @ np.reshape(t104.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t102 += (np.reshape((np.reshape(t106, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t109 = np.reshape(t108, (d_V, d_V, d_V, d_V), copy=False)
+        t110 = np.swapaxes(t41, -1, -2)
+        t111 = (1/(L*n_batch)) * t110
+        t112 = (dA.transpose(2, 3, 0, 1) * np.reshape(t9.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t113 = (np.reshape(t41.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t111.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t109[...] = (np.reshape((np.reshape(t113, (d_V**2, L*n_batch)) @ np.reshape(t112.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -13145,26 +13150,27 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t105 = np.swapaxes(G, -1, -2)
         t106 = (1/(math.sqrt(d_K)*n_batch)) * t63
         t107 = (np.reshape(t106, (L, L, 1, 1)) * np.reshape(t0.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
-        t108 = (np.reshape((t17.transpose(0, 2, 1) @ np.reshape(t107.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-        t109 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t105.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t108 = np.reshape((np.reshape(t107.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t17), (n_batch, L, d_V, d_K))
+        t109 = (np.reshape(t108.transpose(2, 3, 0, 1), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        t110 = t105.transpose(1, 0, 2)
         t96[...] = (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-        t96 += (np.reshape((np.reshape(t109, (d_V**2, L*n_batch)) @ np.reshape(t108.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t111 = np.reshape(t110, (d_V, d_V, d_V, d_K), copy=False)
-        t112 = (np.reshape(t100.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)))
-        t113 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-        t114 = (t113.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t115 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t107.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-        t116 = (np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t105.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-        t111[...] = (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t112.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t111 += (np.reshape((np.reshape(t115, (d_V**2, L*n_batch)) @ np.reshape(t116.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-        t117 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t118 = np.reshape(t117, (d_V, d_V, d_V, d_V), copy=False)
-        t119 = np.swapaxes(t43, -1, -2)
-        t120 = (1/(L*n_batch)) * t119
-        t121 = (dA.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t122 = (np.reshape(t43.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t120.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-        t118[...] = (np.reshape((np.reshape(t122, (d_V**2, L*n_batch)) @ np.reshape(t121.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        t96 += np.reshape((np.reshape(t110, (1, d_V, L*n_batch)) @ np.reshape(t109.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))
+        t111 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t112 = np.reshape(t111, (d_V, d_V, d_V, d_K), copy=False)
+        t113 = (np.reshape(t100.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)))
+        t114 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t115 = (t114.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t116 = np.reshape((np.reshape(t107.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t117 = (np.reshape(t116.transpose(2, 3, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, 1, d_K, n_batch, L)))
+        t112[...] = (np.reshape((np.reshape(t115, (d_V**2, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t112 += np.reshape((np.reshape(t110, (1, d_V, L*n_batch)) @ np.reshape(t117.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))
+        t118 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t119 = np.reshape(t118, (d_V, d_V, d_V, d_V), copy=False)
+        t120 = np.swapaxes(t43, -1, -2)
+        t121 = (1/(L*n_batch)) * t120
+        t122 = (dA.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t123 = (np.reshape(t43.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t121.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t119[...] = (np.reshape((np.reshape(t123, (d_V**2, L*n_batch)) @ np.reshape(t122.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]

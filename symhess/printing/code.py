@@ -56,6 +56,7 @@ class Routine:
         self.lw = lowering or Lowering()
         self.inter = {}                       # Named -> compact tensor name
         self.sums = {}                        # compact tensor name -> its (coef, code) terms
+        self.layout = None                    # (batch axes, row atoms) of the block being written
         self.uses = {}                        # factor tuple -> chains holding it (plan)
         self.products = {}                    # factor tuple -> (name, transposed)
         self.transposed = {}                  # name of a transposed view -> name of its base
@@ -467,7 +468,7 @@ class Routine:
                 [a for a in lx if a not in ly] + [a for a in ly if a not in lx]
         return self.product(x, lx, y, ly, list(out)), list(out)
 
-    def product(self, x, lx, y, ly, out):
+    def product(self, x, lx, y, ly, out, split=None):
         """Σ over the labels both operands carry and ``out`` lacks, with the result laid out
         in ``out``'s order: one broadcast matmul (P…, M, K) @ (P…, K, N) when ``out`` splits
         as P + M + N (M free labels of one operand, N of the other, the rest in P), so no
@@ -481,11 +482,16 @@ class Routine:
                 return f"({x} * {self._permuted(y, ly, lx)}).sum()"
         if not con:         # a broadcast product: both operands aligned to out, no permute
             return self._broadcast(self._aligned(x, lx, out), self._aligned(y, ly, out))
-        (x, lx), (y, ly), pre, m, n = _oriented((x, lx), (y, ly), out)
+        (x, lx), (y, ly), pre, m, n = _oriented((x, lx), (y, ly), out, split)
         xm = self._grouped(x, lx, pre, [m, con])
         ym = self._grouped(y, ly, pre, [con, n])
-        return self._finish(f"({xm} @ {ym})", pre, m, n, out,
-                            (xm, ym) if _carries(lx, ly, pre) else None)
+        if _carries(lx, ly, pre):
+            gemm = (xm, ym)
+        elif split:                 # one half broadcasts along P: expanded for a direct write
+            gemm = (xm, ym, all(a in lx for a in pre), all(a in ly for a in pre))
+        else:
+            gemm = None
+        return self._finish(f"({xm} @ {ym})", pre, m, n, out, gemm)
 
     def _aligned(self, x, lx, out):
         """``x`` (labels ``lx`` ⊆ ``out``) permuted to ``out``'s order with a unit axis for
@@ -512,8 +518,10 @@ class Routine:
         if len(m) != 1 or len(n) != 1:
             code = self.fmt("reshape", code, self.shape([self._dim(a) for a in pre + m + n]))
         if gemm is not None and list(pre + m + n) == list(out) and m and n:
+            full = tuple(gemm[2:]) or (True, True)
             self.gemms[code] = (gemm[0], gemm[1], [self._dim(a) for a in pre], len(m), len(n),
-                                _prod(self._dim(a) for a in m), _prod(self._dim(a) for a in n))
+                                _prod(self._dim(a) for a in m), _prod(self._dim(a) for a in n),
+                                full)
         return self._arrange_out(code, pre + m + n, out)
 
     def _dim(self, lab):
@@ -562,15 +570,14 @@ class Routine:
         if len(ops) < 2:
             return None
         shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in labs)
-        path, _ = _path(_spec(labs, out), shapes)
+        path, cost = _path(_spec(labs, out), shapes)
         halves = _last_halves(len(ops), path)
-        frees = []
-        for h in halves:
-            inside = {a for i in h for a in labs[i]}
-            outside = {a for i in range(len(ops)) if i not in h for a in labs[i]}
-            shared = [a for a in dict.fromkeys(lab for i in h for lab in labs[i])
-                      if a in outside and a not in out]
-            frees.append([a for a in out if a in inside] + shared)
+        frees = [_half_frees(labs, h, out) for h in halves]
+        split = None
+        if _out_split(*frees, out) is None:     # the default last product needs a permute
+            alt = self._direct_halves(labs, out, cost)
+            if alt is not None:
+                halves, frees, split = alt
         both = set(frees[0]) & set(frees[1])
         if not both - set(out) and (len(ops) < 3 or set(frees[0]) == set(frees[1])):
             return None     # no GEMM, and no broadcast product of halves to share
@@ -583,12 +590,60 @@ class Routine:
             else:
                 names.append(self.emit(self.contract(*nets[-1]), False))
         x, y = (names[0], frees[0]), (names[1], frees[1])
-        final = Final(self.product(*x, *y, list(out)), x, y, list(out))
-        final.nets, final.depth = nets, depth
+        final = Final(self.product(*x, *y, list(out), split), x, y, list(out))
+        final.nets, final.depth, final.split = nets, depth, split
         # stacking halves of several terms copies them: worth it only for small halves
         final.small = STACK_RATIO * sum(_prod(self._label_size(a) for a in f) for f in frees) \
             <= _prod(self._label_size(a) for a in out)
         return final
+
+    def _direct_halves(self, labs, out, cost):
+        """(halves, frees, split) of another last product of a network written into a block,
+        one whose result lies in the block's order with one half broadcast along the leading
+        output labels (P) it lacks -- e.g. Σ_l c[l,f] X[l,k'] E[l,k,q] into the block
+        [k, f, k', q] as c (broadcast over k) times X ∘ E, one batched GEMM written into the
+        strided block, where opt_einsum's cheapest order (c ∘ X first) leaves f and k' in one
+        half and the block needs a permuted copy.  Only a few GEMMs of fair size, halves small
+        next to the block, and a cost (both halves, the GEMM, one write) below the default's
+        plus the copy; None when no halving qualifies."""
+        n = len(labs)
+        if n > DIRECT_MAX_OPERANDS or self.layout is None:
+            return None
+        n_lead, n_rows = self.layout
+        size = _prod(self._label_size(a) for a in out)
+        best, limit = None, cost + 2 * TRAFFIC_WEIGHT * size
+        for mask in range(1, 2 ** (n - 1)):
+            halves = [[i for i in range(n) if not mask >> i & 1],
+                      [i for i in range(n) if mask >> i & 1]]
+            frees = [_half_frees(labs, h, out) for h in halves]
+            split = _out_split(*frees, out, bcast=True)
+            if split is None:
+                continue
+            swap, pre, m, nn = split
+            if not _writes_into(len(pre), len(m), n_lead, n_rows):
+                continue
+            left, right = (frees[1], frees[0]) if swap else (frees[0], frees[1])
+            con = [a for a in left if a in right and a not in out]
+            if not (con and m and nn):
+                continue
+            lacks = [not all(a in f for a in pre) for f in (left, right)]
+            if all(lacks):
+                continue             # at most one half broadcasts
+            dims = [_prod(self._label_size(a) for a in g) for g in (pre, m, nn)]
+            if dims[0] > DIRECT_MAX_BATCH or min(dims[1:]) < DIRECT_MIN_SIDE:
+                continue             # many small GEMMs: slower than one and a permuted copy
+            sizes = [_prod(self._label_size(a) for a in f) for f in (left, right)]
+            if max(sizes) * 2 > size:
+                continue             # a half as large as the block: no pass saved
+            c = _prod(self._label_size(a) for a in set(frees[0]) | set(frees[1]))
+            c += TRAFFIC_WEIGHT * (size + sum(sizes))
+            for h, f in zip(halves, frees):
+                if len(h) > 1 or list(labs[h[0]]) != f:
+                    c += _path(_spec([labs[i] for i in h], f),
+                               tuple(tuple(self._label_size(a) for a in labs[i]) for i in h))[1]
+            if c < limit:
+                best, limit = (halves, frees, split), c
+        return best
 
     def _eye(self, sizes, atoms):
         """δ between two (possibly refined) label groups: an identity reshaped to the atoms."""
@@ -689,7 +744,9 @@ class Routine:
                 order = order[len(lead):]
             else:      # the view's axes: (batch,) rows…, columns… (a group merges within one)
                 split.setdefault(view, set()).add((len(lead), n_rows, len(atoms)))
+            self.layout = None if len(order) < len(atoms) or keep_batch else (len(lead), n_rows)
             coef, code, _ = self.network(term, order, fold_coef=True, keep_batch=keep_batch)
+            self.layout = None
             printed.append((view, coef, code))
         first = fresh and not needs_zero
         for view, how, members in self._write_groups(printed):
@@ -715,19 +772,19 @@ class Routine:
         if g is None or split is None or len(split) != 1:
             return False
         (n_lead, n_rows, n_atoms), = split
-        xm, ym, pre, n_m, n_n, m_size, n_size = g
-        p, rows_end = len(pre), n_lead + n_rows
-        if p + n_m + n_n != n_lead + n_atoms or p < n_lead:
-            return False
-        m_in_rows = p + n_m == rows_end
-        m_in_cols = p == rows_end
-        if not (m_in_rows or m_in_cols):
+        xm, ym, pre, n_m, n_n, m_size, n_size, (x_full, y_full) = g
+        p = len(pre)
+        if p + n_m + n_n != n_lead + n_atoms or not _writes_into(p, n_m, n_lead, n_rows):
             return False
         key = ("" if first else "add") + ("bmm_into" if pre else "mm_into")
         if key not in self.t:
             return False
         if pre:
             P = _prod(pre)
+            if not x_full:          # a half without the batch labels: expanded along them
+                xm = self.fmt("bcast_lead", xm, ym)
+            if not y_full:
+                ym = self.fmt("bcast_lead", ym, xm)
             x3 = xm if p == 1 else self.fmt("reshape", xm, f"({self.size(P)}, {self.size(m_size)}, -1)")
             y3 = ym if p == 1 else self.fmt("reshape", ym, f"({self.size(P)}, -1, {self.size(n_size)})")
             shape = [P, m_size, n_size]
@@ -862,6 +919,32 @@ class Routine:
         return self.emit(self.fmt("zeros", "()"), False, hint="zero")
 
 
+# networks of up to this many operands are searched for a last product written in the
+# block's order (``Routine._direct_halves``: 2^(n-1) halvings), with at most
+# DIRECT_MAX_BATCH GEMMs of at least DIRECT_MIN_SIDE rows and columns
+DIRECT_MAX_OPERANDS = 10
+DIRECT_MAX_BATCH = 64
+DIRECT_MIN_SIDE = 16
+
+
+def _writes_into(p, n_m, n_lead, n_rows):
+    """Whether a (P…, M, N) product of a block view's atoms (``n_lead`` batch axes, then
+    ``n_rows`` row atoms, then columns) can be written into it by BLAS: P over the batch
+    axis and leading rows, M within the rows or within the columns, N the trailing columns."""
+    rows_end = n_lead + n_rows
+    return p >= n_lead and (p + n_m == rows_end or p == rows_end)
+
+
+def _half_frees(labs, h, out):
+    """The free labels of the operands ``h`` of a network: output labels they carry (in
+    ``out``'s order), then the labels they share with the other operands."""
+    inside = {a for i in h for a in labs[i]}
+    outside = {a for i in range(len(labs)) if i not in h for a in labs[i]}
+    shared = [a for a in dict.fromkeys(lab for i in h for lab in labs[i])
+              if a in outside and a not in out]
+    return [a for a in out if a in inside] + shared
+
+
 # terms of a dense block are stacked into one product when their halves together are at most
 # this fraction of the block (at the representative sizes)
 STACK_RATIO = 8
@@ -890,6 +973,7 @@ class Final(str):
     small = False
     nets = None         # the halves' networks [(ops, labels, out)], for sums of halves
     depth = 0
+    split = None        # (swap, P, M, N) when P broadcasts over one half (``_direct_halves``)
 
     def __new__(cls, code, left, right, out):
         obj = super().__new__(cls, code)
@@ -899,7 +983,7 @@ class Final(str):
 
     def oriented(self):
         """((x, lx), (y, ly), P, M, N): the halves in product order, the left one giving M."""
-        return _oriented(*self.halves, self.out)
+        return _oriented(*self.halves, self.out, self.split)
 
     def stack_key(self):
         """The arrangement (P, M, N, output order) of the product as a canonical string;
@@ -933,10 +1017,11 @@ def _spec(labs, out):
     return spec + "->" + "".join(symbols[a] for a in out)
 
 
-def _out_split(lx, ly, out):
+def _out_split(lx, ly, out, bcast=False):
     """(swap, P, M, N) with out = P + M + N, P the labels both operands keep, M ⊆ free labels of
     one operand (the other's when ``swap``), N ⊆ the other's; the shortest P wins. None when
-    there is none."""
+    there is none.  ``bcast``: P may hold labels of one operand only (broadcast over the
+    other, which the caller then expands along them)."""
     best = None
     for swap, (la, lb) in enumerate(((lx, ly), (ly, lx))):
         fa = [a for a in la if a not in lb]
@@ -954,7 +1039,7 @@ def _out_split(lx, ly, out):
     if best is None:
         return None
     _, pre, m, n = best
-    if any(a not in lx or a not in ly for a in pre):
+    if not bcast and any(a not in lx or a not in ly for a in pre):
         return None       # a broadcast prefix: torch's matmul would copy the operand per entry
     return best
 
@@ -974,10 +1059,10 @@ def _arrangement(lx, ly, out):
     return split
 
 
-def _oriented(x, y, out):
+def _oriented(x, y, out, split=None):
     """((x, lx), (y, ly), P, M, N): two (code, labels) operands of a product in the order of
-    its ``_arrangement``, the left one giving M."""
-    swap, pre, m, n = _arrangement(x[1], y[1], out)
+    its ``_arrangement`` (or of ``split``), the left one giving M."""
+    swap, pre, m, n = split or _arrangement(x[1], y[1], out)
     if swap:
         x, y = y, x
     return x, y, pre, m, n
