@@ -113,3 +113,28 @@ def test_full_block_hessian_both_versions_match_autograd(name, backend):
         else:
             got = k.hessian(values, "full")
         assert np.linalg.norm(got - want) <= TOL * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("name, loss, opts", [
+    ("post_ln_block", "mse", {"activation": "gelu"}),
+    ("post_ln_block", "ce", {"bias": True}),
+    ("post_ln_block", "mse", {"affine": "param"}),
+    ("pre_ln_block", "mse", {"causal": True, "activation": "gelu"}),
+])
+def test_uncommitted_block_variants_full_hessian_matches_autograd(name, loss, opts):
+    """Variants rendered in memory on first use (GELU's second derivative, biases, LayerNorm
+    gains and shifts as parameters, a causal mask) go through the same printer rules as the
+    committed kernels (compact tensors, reused sums, slab rows, block-order products): the
+    whole Hessian, every block, against reverse-over-reverse autograd."""
+    d = sh.derive(sh.layer(name, **opts), loss)
+    values = random_values(d, seed=3, sizes=SIZES)
+    want = autograd_blocks(d, values)
+    k = sh.kernel(name, "torch", loss, **opts)
+    got = k.hessian({n: torch.tensor(v) for n, v in values.items()}, "full").numpy()
+    names = d.layer.param_names
+    offs = np.cumsum([0] + [int(np.prod(values[p].shape)) for p in names])
+    for i, p in enumerate(names):
+        for j, q in enumerate(names):
+            w = want[(p, q, "full")]
+            g = got[offs[i]:offs[i + 1], offs[j]:offs[j + 1]]
+            assert np.linalg.norm(g - w) <= TOL * max(np.linalg.norm(w), 1e-12), (p, q)
