@@ -281,7 +281,7 @@ class Kernel:
             return
         if len(self.layer.batch_checks) == len(checks):
             with np.errstate(all="ignore"):      # a later input may be undefined: reported first
-                inputs = self._fns[("check_inputs",)](**{n: a for n, a in arrays.items() if n != "Y"})
+                inputs = self._run(("check_inputs",), **{n: a for n, a in arrays.items() if n != "Y"})
             for check, u in zip(checks, inputs):
                 check.check_batch(u if u.ndim == 3 else u[None])
             return
@@ -299,7 +299,26 @@ class Kernel:
 
     def _call(self, key, values, *extra):
         arrays = self._prepare(values)
-        return self._fns[key](**arrays, **dict(extra)), arrays
+        return self._run(key, **arrays, **dict(extra)), arrays
+
+    def _run(self, key, **arrays):
+        """Call the generated routine ``key``.  Torch routines run under
+        ``torch.inference_mode()``: they are plain numeric code that nothing differentiates
+        through, and leaving out autograd's dispatch takes ≈ 25 % off their per-statement
+        cost (BENCHMARKS.md, seventh session).  Results come back as ordinary tensors: a
+        tensor made inside is cloned (the routines whose results are block-sized, dense blocks
+        and Jacobians, run outside instead; ``hessian`` is handed an ordinary ``out``).  Inputs
+        that require grad, and calls already in inference mode, run as they are."""
+        fn = self._fns[key]
+        if self.backend != "torch" or self._graphed or key[0] in _DENSE_RESULTS:
+            return fn(**arrays)
+        import torch
+        if torch.is_inference_mode_enabled() or \
+                any(getattr(a, "requires_grad", False) for a in arrays.values()):
+            return fn(**arrays)      # the caller's own mode, or inputs autograd is tracking
+        with torch.inference_mode():
+            result = fn(**arrays)
+        return _ordinary(result)
 
     # -- the interface -----------------------------------------------------------------
     def loss(self, values):
@@ -326,8 +345,12 @@ class Kernel:
         arrays = self._prepare(values)
         if out is not None:
             self._check_out(out, arrays)
+        elif self.backend == "torch":
+            out = _empty_like_values(sum(int(np.prod(arrays[p].shape)) for p in self.params),
+                                     arrays[self.params[0]])
+        if out is not None:
             arrays["out"] = out
-        return self._fns[("hessian", part)](**arrays)
+        return self._run(("hessian", part), **arrays)
 
     def _like_values(self, name, a, arrays):
         """An InputError unless ``a`` has the values' dtype (and, for torch, device)."""
@@ -374,7 +397,7 @@ class Kernel:
         for p, s in zip(self.params, sizes):
             dirs[f"V_{p}"] = v[off:off + s].reshape(arrays[p].shape)
             off += s
-        outs = self._fns[("hvp", part)](**arrays, **dirs)
+        outs = self._run(("hvp", part), **arrays, **dirs)
         flat = [o.reshape(-1) for o in outs]
         if self.backend == "torch":
             import torch
@@ -417,8 +440,8 @@ class Kernel:
         layout = self._fns[("jacobian_layout", p)]
         dims = {s.name: v for s, v in self._dims.items()}
         if not compact:
-            return self._per_seq(self._fns[("jacobian", p)](**args), 2, per_seq, n_seq)
-        factors = self._fns[("jacobian_compact", p)](**args)
+            return self._per_seq(self._run(("jacobian", p), **args), 2, per_seq, n_seq)
+        factors = self._run(("jacobian_compact", p), **args)
         factors = tuple(self._per_seq(f, len(ax), per_seq, n_seq)
                         for f, ax in zip(factors, layout["factors"]))
         return CompactJacobian(self.backend, layout, factors, dims, per_seq)
@@ -442,6 +465,30 @@ class Kernel:
         """‖H_part(p, q)‖_F, exact, without building the block."""
         check_part(part)
         return self._call(("frobenius", self._param(p), self._param(q), part), values)[0]
+
+
+# routines whose results are block-sized: run outside inference mode (no copy of the result)
+_DENSE_RESULTS = ("block", "jacobian")
+
+
+def _ordinary(result):
+    """``result`` with every inference-mode tensor in it cloned into an ordinary one (which
+    autograd and in-place updates outside inference mode accept)."""
+    if isinstance(result, (tuple, list)):
+        return type(result)(_ordinary(r) for r in result)
+    if getattr(result, "is_inference", None) is not None and result.is_inference():
+        return result.clone()
+    return result
+
+
+def _empty_like_values(n, like):
+    """An uninitialised n × n tensor of ``like``'s dtype and device for a full Hessian, made
+    outside the routines' inference mode.  On the CPU it wraps a NumPy array, whose allocator
+    asks for transparent huge pages (like the generated modules' ``_empty``)."""
+    import torch
+    if like.device.type == "cpu" and like.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.empty((n, n), dtype=str(like.dtype).replace("torch.", "")))
+    return torch.empty((n, n), dtype=like.dtype, device=like.device)
 
 
 @lru_cache(maxsize=None)

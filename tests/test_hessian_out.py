@@ -68,3 +68,27 @@ def test_bad_out_is_named():
         kt.hessian(tv, out=torch.empty(n, n, dtype=torch.float64, device="meta"))
     with pytest.raises(InputError, match="writeable"):
         kt.hessian(tv, out=torch.zeros(n, n, dtype=torch.float64, requires_grad=True))
+
+
+def test_torch_results_are_ordinary_tensors_whatever_the_routines_mode():
+    """The torch routines run under inference mode (no autograd dispatch), but what a kernel
+    returns is an ordinary tensor: updated in place and used by autograd like any other.
+    Inputs that require grad, or a caller already in inference mode, get the same values."""
+    k = sh.kernel("post_ln_block", "torch", "mse")
+    vals = {n: torch.tensor(v) for n, v in values_for("post_ln_block", 2).items()}
+    n = sum(vals[p].numel() for p in k.params)
+    v = torch.randn(n, dtype=torch.float64)
+    results = {"hessian": k.hessian(vals), "hvp": k.hvp(vals, v), "loss": k.loss(vals),
+               "gradient": k.gradient(vals)["W_Q"], "diag": k.diag(vals, "W_1"),
+               "trace": k.trace(vals, "W_2"), "block": k.hessian_block(vals, "W_Q", "W_2")}
+    for name, r in results.items():
+        assert not r.is_inference(), name
+        r.add_(0.0)                               # in place, outside inference mode
+    w = torch.ones(n, dtype=torch.float64, requires_grad=True)
+    (results["hessian"] @ w).sum().backward()     # saved for backward: ordinary tensors only
+    assert torch.allclose(w.grad, results["hessian"].sum(0))
+    grad_in = {m: t.clone().requires_grad_(m in k.params) for m, t in vals.items()}
+    # (matmul may fold operands differently while autograd records: equal up to rounding)
+    assert torch.allclose(k.hvp(grad_in, v).detach(), results["hvp"], rtol=1e-13, atol=1e-14)
+    with torch.inference_mode():
+        assert torch.equal(k.hessian(vals), results["hessian"])
