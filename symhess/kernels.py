@@ -467,8 +467,9 @@ class Kernel:
         return self._call(("frobenius", self._param(p), self._param(q), part), values)[0]
 
 
-# routines whose results are block-sized: run outside inference mode (no copy of the result)
-_DENSE_RESULTS = ("block", "jacobian")
+# routines run outside inference mode: block-sized results (a clone would copy the block) and
+# the Jacobians (a few statements each: entering the mode and cloning would cost more)
+_DENSE_RESULTS = ("block", "jacobian", "jacobian_compact")
 
 
 def _ordinary(result):
