@@ -8920,61 +8920,62 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t66 = (1/(math.sqrt(d_K)*n_batch)) * t36
         t67 = (t65.transpose(0, 2, 1) @ t54.transpose(0, 2, 1))
         t68 = (np.reshape(t67.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
-        t69 = np.reshape(t53, (d_V, d_K, d_K*d_V), copy=False)
-        np.matmul(np.broadcast_to(np.reshape(t63, (1, d_K, L*n_batch)), np.reshape(t62.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)).shape[:-2] + np.reshape(t63, (1, d_K, L*n_batch)).shape[-2:]), np.reshape(t62.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t69)
+        t69 = np.reshape(t63, (1, d_K, L*n_batch))
+        t70 = np.reshape(t53, (d_V, d_K, d_K*d_V), copy=False)
+        np.matmul(np.broadcast_to(t69, (d_V,) + t69.shape[-2:]), np.reshape(t62.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t70)
         t64 += np.reshape(t66, (1, d_K, 1)) * np.reshape(t68, (d_V, 1, d_V))
-        t70 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        t71 = np.reshape(t70, (d_V, d_K, d_V, d_K), copy=False)
-        t72 = (t26.transpose(0, 2, 3, 1) * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
-        t73 = np.reshape((np.reshape(t72.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t54.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
-        t74 = (np.reshape(t73.transpose(3, 2, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, 1, d_K, n_batch, L)))
-        t75 = np.reshape(t71, (d_V, d_K, d_K*d_V), copy=False)
-        np.matmul(np.broadcast_to(np.reshape(t63, (1, d_K, L*n_batch)), np.reshape(t74.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)).shape[:-2] + np.reshape(t63, (1, d_K, L*n_batch)).shape[-2:]), np.reshape(t74.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t75)
-        t76 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t77 = np.reshape(t76, (d_V, d_K, d_V, d_V), copy=False)
-        t78 = t0 @ X
-        t79 = (1/(math.sqrt(d_K)*n_batch)) * t55
-        t80 = t78.transpose(1, 2, 0)
-        t81 = ((G.transpose(0, 2, 1) @ t79.transpose(0, 2, 1))).transpose(2, 1, 0)
-        t82 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
-        t83 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t78.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
-        t84 = (dA * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
-        t85 = np.reshape((np.reshape(t84.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t83.transpose(1, 0, 2)), (n_batch, L, d_V, d_V))
-        t86 = (np.reshape(t85.transpose(3, 2, 0, 1), (d_V, 1, d_V, n_batch, L)) * np.reshape(t41.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
-        t87 = t82.transpose(1, 0, 2)
-        t77[...] = (np.reshape((np.reshape(t80, (d_V**2, n_batch)) @ np.reshape(t81.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-        t77 += np.reshape((np.reshape(t87, (1, d_K, L*n_batch)) @ np.reshape(t86.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))
-        t88 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t89 = np.reshape(t88, (d_V, d_V, d_V, d_K), copy=False)
-        t90 = np.swapaxes(t5, -1, -2)
-        t91 = t65 @ X
-        t92 = (1/(math.sqrt(d_K)*n_batch)) * t0
-        t93 = t91.transpose(1, 2, 0)
-        t94 = ((t90.transpose(0, 2, 1) @ t92.transpose(0, 2, 1))).transpose(2, 1, 0)
-        t95 = np.swapaxes(T, -1, -2)
-        t96 = (1/(L*math.sqrt(d_K)*n_batch)) * t95
-        t97 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
-        t98 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t97.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-        t99 = (t96.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
-        t100 = (np.reshape(t99.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-        t89[...] = (np.reshape((np.reshape(t93, (d_V**2, n_batch)) @ np.reshape(t94.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t89 += (np.reshape((np.reshape(t100, (d_V**2, L*n_batch)) @ np.reshape(t98.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-        t101 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t102 = np.reshape(t101, (d_V, d_V, d_V, d_K), copy=False)
-        t103 = t65 @ t23
-        t104 = t103.transpose(1, 2, 0)
-        t105 = ((X.transpose(0, 2, 1) @ t92.transpose(0, 2, 1))).transpose(2, 1, 0)
-        t106 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t97.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-        t107 = (np.reshape(t99.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)))
-        t102[...] = (np.reshape((np.reshape(t105, (d_V**2, n_batch)) @ np.reshape(t104.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-        t102 += (np.reshape((np.reshape(t106, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t109 = np.reshape(t108, (d_V, d_V, d_V, d_V), copy=False)
-        t110 = np.swapaxes(t41, -1, -2)
-        t111 = (1/(L*n_batch)) * t110
-        t112 = (dA.transpose(2, 3, 0, 1) * np.reshape(t9.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t113 = (np.reshape(t41.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t111.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-        t109[...] = (np.reshape((np.reshape(t113, (d_V**2, L*n_batch)) @ np.reshape(t112.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        t71 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t72 = np.reshape(t71, (d_V, d_K, d_V, d_K), copy=False)
+        t73 = (t26.transpose(0, 2, 3, 1) * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+        t74 = np.reshape((np.reshape(t73.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t54.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+        t75 = (np.reshape(t74.transpose(3, 2, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, 1, d_K, n_batch, L)))
+        t76 = np.reshape(t72, (d_V, d_K, d_K*d_V), copy=False)
+        np.matmul(np.broadcast_to(t69, (d_V,) + t69.shape[-2:]), np.reshape(t75.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t76)
+        t77 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t78 = np.reshape(t77, (d_V, d_K, d_V, d_V), copy=False)
+        t79 = t0 @ X
+        t80 = (1/(math.sqrt(d_K)*n_batch)) * t55
+        t81 = t79.transpose(1, 2, 0)
+        t82 = ((G.transpose(0, 2, 1) @ t80.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t83 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
+        t84 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t79.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+        t85 = (dA * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+        t86 = np.reshape((np.reshape(t85.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t84.transpose(1, 0, 2)), (n_batch, L, d_V, d_V))
+        t87 = (np.reshape(t86.transpose(3, 2, 0, 1), (d_V, 1, d_V, n_batch, L)) * np.reshape(t41.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        t88 = t83.transpose(1, 0, 2)
+        t78[...] = (np.reshape((np.reshape(t81, (d_V**2, n_batch)) @ np.reshape(t82.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+        t78 += np.reshape((np.reshape(t88, (1, d_K, L*n_batch)) @ np.reshape(t87.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))
+        t89 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t90 = np.reshape(t89, (d_V, d_V, d_V, d_K), copy=False)
+        t91 = np.swapaxes(t5, -1, -2)
+        t92 = t65 @ X
+        t93 = (1/(math.sqrt(d_K)*n_batch)) * t0
+        t94 = t92.transpose(1, 2, 0)
+        t95 = ((t91.transpose(0, 2, 1) @ t93.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t96 = np.swapaxes(T, -1, -2)
+        t97 = (1/(L*math.sqrt(d_K)*n_batch)) * t96
+        t98 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
+        t99 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t98.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
+        t100 = (t97.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
+        t101 = (np.reshape(t100.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+        t90[...] = (np.reshape((np.reshape(t94, (d_V**2, n_batch)) @ np.reshape(t95.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t90 += (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t99.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t102 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t103 = np.reshape(t102, (d_V, d_V, d_V, d_K), copy=False)
+        t104 = t65 @ t23
+        t105 = t104.transpose(1, 2, 0)
+        t106 = ((X.transpose(0, 2, 1) @ t93.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t107 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t98.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+        t108 = (np.reshape(t100.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)))
+        t103[...] = (np.reshape((np.reshape(t106, (d_V**2, n_batch)) @ np.reshape(t105.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t103 += (np.reshape((np.reshape(t107, (d_V**2, L*n_batch)) @ np.reshape(t108.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t109 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t110 = np.reshape(t109, (d_V, d_V, d_V, d_V), copy=False)
+        t111 = np.swapaxes(t41, -1, -2)
+        t112 = (1/(L*n_batch)) * t111
+        t113 = (dA.transpose(2, 3, 0, 1) * np.reshape(t9.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t114 = (np.reshape(t41.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t112.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t110[...] = (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]

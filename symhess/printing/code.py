@@ -781,10 +781,11 @@ class Routine:
             return False
         if pre:
             P = _prod(pre)
+            lead = self.shape(pre)
             if not x_full:          # a half without the batch labels: expanded along them
-                xm = self.fmt("bcast_lead", xm, ym)
+                xm = self.fmt("bcast_lead", self.emit(xm, False), lead)
             if not y_full:
-                ym = self.fmt("bcast_lead", ym, xm)
+                ym = self.fmt("bcast_lead", self.emit(ym, False), lead)
             x3 = xm if p == 1 else self.fmt("reshape", xm, f"({self.size(P)}, {self.size(m_size)}, -1)")
             y3 = ym if p == 1 else self.fmt("reshape", ym, f"({self.size(P)}, -1, {self.size(n_size)})")
             shape = [P, m_size, n_size]

@@ -12,7 +12,7 @@ NUMPY = {
     "mean_batch": "{0}.mean(0)",
     "bcast_last": "np.broadcast_to({0}, {0}.shape[:-1] + ({1},))",
     "bcast_rows": "np.broadcast_to({0}, {0}.shape[:-2] + ({1}, {0}.shape[-1]))",
-    "bcast_lead": "np.broadcast_to({0}, {1}.shape[:-2] + {0}.shape[-2:])",
+    "bcast_lead": "np.broadcast_to({0}, {1} + {0}.shape[-2:])",
     "zeros": "np.zeros({0}, dtype={like}.dtype)",
     "empty": "np.empty({0}, dtype={like}.dtype)",
     "ones": "np.ones({0}, dtype={like}.dtype)",

@@ -23,7 +23,7 @@ TORCH = {
     "mean_batch": "{0}.mean(0)",
     "bcast_last": "{0}.expand(*{0}.shape[:-1], {1})",
     "bcast_rows": "{0}.expand(*{0}.shape[:-2], {1}, {0}.shape[-1])",
-    "bcast_lead": "{0}.expand(*{1}.shape[:-2], *{0}.shape[-2:])",
+    "bcast_lead": "{0}.expand(*{1}, *{0}.shape[-2:])",
     "zeros": "torch.zeros({0}, dtype={like}.dtype, device={like}.device)",
     "empty": "_empty({0}, {like})",
     "ones": "torch.ones({0}, dtype={like}.dtype, device={like}.device)",
