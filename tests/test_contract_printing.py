@@ -288,9 +288,7 @@ def test_a_block_term_is_split_so_that_its_gemm_writes_the_block(backend):
               "E_": rng.standard_normal((3, 4, 8))}
     labs = [[lab["l"], lab["f"]], [lab["l"], lab["k2"]], [lab["l"], lab["k"], lab["q"]]]
     out = [lab["k"], lab["f"], lab["k2"], lab["q"]]
-    rt.layout = (0, 2)
-    code = rt.split_contract(["C_", "X_", "E_"], labs, out)
-    rt.layout = None
+    code = rt.split_contract(["C_", "X_", "E_"], labs, out, layout=(0, 2))
     assert code.split is not None and code in rt.gemms
     want = np.einsum("lf,lj,lkq->kfjq", arrays["C_"], arrays["X_"], arrays["E_"])
     wide = np.full((64, 32 + 5), np.nan)

@@ -56,7 +56,6 @@ class Routine:
         self.lw = lowering or Lowering()
         self.inter = {}                       # Named -> compact tensor name
         self.sums = {}                        # compact tensor name -> its (coef, code) terms
-        self.layout = None                    # (batch axes, row atoms) of the block being written
         self.uses = {}                        # factor tuple -> chains holding it (plan)
         self.products = {}                    # factor tuple -> (name, transposed)
         self.transposed = {}                  # name of a transposed view -> name of its base
@@ -264,10 +263,13 @@ class Routine:
             name = self.emit(self.fmt("reshape", name, self.shape(dims)), self.is_batched[name])
         return name, labels
 
-    def network(self, term, outputs, keep_batch=False, summed=(), fold_coef=False, search=False):
+    def network(self, term, outputs, keep_batch=False, summed=(), fold_coef=False, search=False,
+                layout=None):
         """(coef, contraction code, batched) for one term with the given output atoms.
 
         ``summed``: atoms summed over that may sit on no operand (a trace of I gives n).
+        ``layout``: (batch axes, row atoms) of the Hessian block the result is written into
+        (``_direct_halves``).
         """
         if search:      # a pairing: inline one-term intermediates where that is cheaper
             term, ops, labs = self._cheaper_operands(term, outputs)
@@ -290,7 +292,7 @@ class Routine:
             coef = coef / N_BATCH ** len(batch_labels)
         if fold_coef and coef != 1 and len(ops) > 1:
             coef, ops = 1, self._fold(coef, ops, labs)
-        code = self.split_contract(ops, labs, out) if fold_coef else None
+        code = self.split_contract(ops, labs, out, layout=layout) if fold_coef else None
         return coef, code or self.contract(ops, labs, out, search), (batched and keep_batch)
 
     def _operands(self, term, inline=False):
@@ -556,7 +558,7 @@ class Routine:
             return code
         return self._permuted(code if code.isidentifier() else f"({code})", lab, list(out))
 
-    def split_contract(self, ops, labs, out, depth=0):
+    def split_contract(self, ops, labs, out, depth=0, layout=None):
         """A block-sized product whose last GEMM writes straight in the output's layout.
 
         opt_einsum's last step puts the newest intermediate's free indices first, so the
@@ -575,7 +577,7 @@ class Routine:
         frees = [_half_frees(labs, h, out) for h in halves]
         split = None
         if _out_split(*frees, out) is None:     # the default last product needs a permute
-            alt = self._direct_halves(labs, out, cost)
+            alt = self._direct_halves(labs, out, cost, layout)
             if alt is not None:
                 halves, frees, split = alt
         both = set(frees[0]) & set(frees[1])
@@ -597,7 +599,7 @@ class Routine:
             <= _prod(self._label_size(a) for a in out)
         return final
 
-    def _direct_halves(self, labs, out, cost):
+    def _direct_halves(self, labs, out, cost, layout):
         """(halves, frees, split) of another last product of a network written into a block,
         one whose result lies in the block's order with one half broadcast along the leading
         output labels (P) it lacks -- e.g. Σ_l c[l,f] X[l,k'] E[l,k,q] into the block
@@ -607,9 +609,9 @@ class Routine:
         next to the block, and a cost (both halves, the GEMM, one write) below the default's
         plus the copy; None when no halving qualifies."""
         n = len(labs)
-        if n > DIRECT_MAX_OPERANDS or self.layout is None:
+        if n > DIRECT_MAX_OPERANDS or layout is None:
             return None
-        n_lead, n_rows = self.layout
+        n_lead, n_rows = layout
         size = _prod(self._label_size(a) for a in out)
         best, limit = None, cost + 2 * TRAFFIC_WEIGHT * size
         for mask in range(1, 2 ** (n - 1)):
@@ -744,9 +746,9 @@ class Routine:
                 order = order[len(lead):]
             else:      # the view's axes: (batch,) rows…, columns… (a group merges within one)
                 split.setdefault(view, set()).add((len(lead), n_rows, len(atoms)))
-            self.layout = None if len(order) < len(atoms) or keep_batch else (len(lead), n_rows)
-            coef, code, _ = self.network(term, order, fold_coef=True, keep_batch=keep_batch)
-            self.layout = None
+            layout = None if len(order) < len(atoms) or keep_batch else (len(lead), n_rows)
+            coef, code, _ = self.network(term, order, fold_coef=True, keep_batch=keep_batch,
+                                         layout=layout)
             printed.append((view, coef, code))
         first = fresh and not needs_zero
         for view, how, members in self._write_groups(printed):
