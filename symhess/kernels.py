@@ -345,9 +345,9 @@ class Kernel:
         arrays = self._prepare(values)
         if out is not None:
             self._check_out(out, arrays)
-        elif self.backend == "torch":
-            out = _empty_like_values(sum(int(np.prod(arrays[p].shape)) for p in self.params),
-                                     arrays[self.params[0]])
+        elif self.backend == "torch":     # made here, outside the routines' inference mode
+            n = sum(int(np.prod(arrays[p].shape)) for p in self.params)
+            out = _torch_empty()((n, n), arrays[self.params[0]])
         if out is not None:
             arrays["out"] = out
         return self._run(("hessian", part), **arrays)
@@ -482,14 +482,14 @@ def _ordinary(result):
     return result
 
 
-def _empty_like_values(n, like):
-    """An uninitialised n × n tensor of ``like``'s dtype and device for a full Hessian, made
-    outside the routines' inference mode.  On the CPU it wraps a NumPy array, whose allocator
-    asks for transparent huge pages (like the generated modules' ``_empty``)."""
+@lru_cache(maxsize=None)
+def _torch_empty():
+    """The torch modules' own ``_empty(shape, like)`` (NumPy-backed on the CPU, for huge
+    pages), from the one source the generated modules print it from."""
     import torch
-    if like.device.type == "cpu" and like.dtype in (torch.float32, torch.float64):
-        return torch.from_numpy(np.empty((n, n), dtype=str(like.dtype).replace("torch.", "")))
-    return torch.empty((n, n), dtype=like.dtype, device=like.device)
+    ns = {"np": np, "torch": torch}
+    exec("\n".join(codegen.TARGETS["torch"]["preamble"]), ns)
+    return ns["_empty"]
 
 
 @lru_cache(maxsize=None)
