@@ -35,6 +35,21 @@ TEMPLATES = ROOT / "templates"
 TARGETS = {"numpy": NUMPY, "torch": TORCH}
 
 
+def size_lines(target, symbols, variables, batched):
+    """Statements binding each dimension symbol (and ``n_batch`` when there is data) from the
+    shape of the first argument that has it: as a row dimension, axis -2, else axis -1."""
+    lines = []
+    for s in symbols:
+        for n, v in variables.items():
+            if s in v.shape:
+                axis = -2 if v.shape[0] == s else -1
+                lines.append(f"{s.name} = " + target["size"].format(n, axis))
+                break
+    if batched:
+        lines.append("n_batch = " + target["size"].format(batched[0], 0))
+    return lines
+
+
 @dataclass
 class Function:
     name: str
@@ -210,15 +225,7 @@ class Variant:
 
     def header(self, rt):
         """Bind every dimension (and the batch size) from the argument shapes."""
-        lines = []
-        for s in self.symbols:
-            for n, v in self.vars.items():
-                if s in v.shape:
-                    axis = -2 if v.shape[0] == s else -1
-                    lines.append(f"{s.name} = {n}.shape[{axis}]")
-                    break
-        lines.append(f"n_batch = {self.batched[0]}.shape[0]")
-        return lines
+        return size_lines(self.t, self.symbols, self.vars, self.batched)
 
     def function(self, kind, rt, ret, doc, extra=(), out=False):
         """``out``: the function takes ``out=None``, an array to write the result into."""

@@ -164,15 +164,8 @@ def routine(variant):
 
 def header(variant, vs, batched):
     """Bind every dimension (and the batch size, when there is data) from the arguments."""
-    lines = []
-    for s in variant.symbols:
-        for n, v in vs.items():
-            if s in v.shape:
-                lines.append(f"{s.name} = {n}.shape[{-2 if v.shape[0] == s else -1}]")
-                break
-    if batched:
-        lines.append(f"n_batch = {batched[0]}.shape[0]")
-    return lines
+    from .codegen import size_lines
+    return size_lines(variant.t, variant.symbols, vs, batched)
 
 
 def _diag(rt, view, atoms):

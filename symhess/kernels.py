@@ -170,13 +170,30 @@ class Kernel:
         self._dims_seen = {}      # (name, shape) tuples → bound dimensions (shapes that passed)
 
     def __repr__(self):
-        graphs = ", CUDA graphs" if self._graphed else ""
-        return f"<symhess kernel {self.layer.name} ({self.backend}, {self.loss_name}{graphs})>"
+        mode = ", CUDA graphs" if self._graphed else ", traced" if self._traced else ""
+        return f"<symhess kernel {self.layer.name} ({self.backend}, {self.loss_name}{mode})>"
 
     @property
     def _graphed(self) -> bool:
         from .graphs import GraphedTable
         return isinstance(self._fns, GraphedTable)
+
+    @property
+    def _traced(self) -> bool:
+        from .traces import TracedTable
+        return isinstance(self._fns, TracedTable)
+
+    def _with_table(self, wrap) -> "Kernel":
+        other = Kernel.__new__(Kernel)
+        other.__dict__.update(self.__dict__)
+        other._fns = wrap(self._fns)
+        other._dims_seen = {}
+        return other
+
+    def _torch_only(self, what):
+        if self.backend != "torch":
+            raise ValueError(f"{what} need the torch backend; this kernel's backend is "
+                             f"{self.backend!r}")
 
     def with_cuda_graphs(self) -> "Kernel":
         """The same kernels, replayed from CUDA graphs on CUDA inputs (torch backend).
@@ -187,22 +204,44 @@ class Kernel:
         call returns fresh tensors. CPU inputs run eagerly. ``symhess.graphs`` has the
         details; ``clear_cuda_graphs()`` frees the captured graphs' memory.
         """
-        if self.backend != "torch":
-            raise ValueError(f"CUDA graphs need the torch backend; this kernel's backend is "
-                             f"{self.backend!r}")
+        self._torch_only("CUDA graphs")
         if self._graphed:
             return self
+        if self._traced:
+            raise ValueError("this kernel replays traced graphs; call with_cuda_graphs() on "
+                             "the kernel it was made from")
         from .graphs import GraphedTable
-        other = Kernel.__new__(Kernel)
-        other.__dict__.update(self.__dict__)
-        other._fns = GraphedTable(self._fns)
-        other._dims_seen = {}
-        return other
+        return self._with_table(GraphedTable)
 
     def clear_cuda_graphs(self):
         """Free the graphs captured by ``with_cuda_graphs()`` (they are captured again on use)."""
         if self._graphed:
             self._fns.clear_graphs()
+
+    def traced(self) -> "Kernel":
+        """The same kernels, replayed from traced graphs (torch backend, any device).
+
+        Each routine is traced (``torch.jit.trace``) on its first call with a new signature
+        (names, shapes, dtypes, devices) and replayed afterwards without the Python layer of
+        its many small statements: the post-LN block's full Hessian at the issue's sizes
+        takes ≈ 15 ms instead of ≈ 18 (BENCHMARKS.md). The numbers are the eager routine's
+        (each trace's first replays are checked against it); inputs are validated on every
+        call as before. A routine that cannot be traced runs eagerly after one warning.
+        ``symhess.traces`` has the details; ``clear_traces()`` drops the graphs.
+        """
+        self._torch_only("traced graphs")
+        if self._traced:
+            return self
+        if self._graphed:
+            raise ValueError("this kernel replays CUDA graphs; call traced() on the kernel "
+                             "it was made from")
+        from .traces import TracedTable
+        return self._with_table(TracedTable)
+
+    def clear_traces(self):
+        """Drop the graphs traced by ``traced()`` (they are traced again on use)."""
+        if self._traced:
+            self._fns.clear_traces()
 
     # -- validation ------------------------------------------------------------------
     def _array(self, name, x):

@@ -34,10 +34,10 @@ def _empty(shape, like):
 
 def mse_causal0__loss(X, W_Q, W_K, W_V, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -58,10 +58,10 @@ def mse_causal0__loss(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -96,10 +96,10 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -189,10 +189,10 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
 
 def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -235,10 +235,10 @@ def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -329,10 +329,10 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -363,10 +363,10 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -393,10 +393,10 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -427,10 +427,10 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -464,10 +464,10 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -498,10 +498,10 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -535,10 +535,10 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -567,10 +567,10 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -601,10 +601,10 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -636,10 +636,10 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -667,10 +667,10 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -702,10 +702,10 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -740,10 +740,10 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -775,10 +775,10 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -813,10 +813,10 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -846,10 +846,10 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -881,10 +881,10 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -907,10 +907,10 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -928,10 +928,10 @@ def mse_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -962,10 +962,10 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -998,10 +998,10 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -1032,10 +1032,10 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1068,10 +1068,10 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
@@ -1096,10 +1096,10 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1119,10 +1119,10 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -1222,10 +1222,10 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
 
 def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -1283,10 +1283,10 @@ def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1389,10 +1389,10 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -1431,10 +1431,10 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1469,10 +1469,10 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -1511,10 +1511,10 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1555,10 +1555,10 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -1603,10 +1603,10 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -1653,10 +1653,10 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -1689,10 +1689,10 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1727,10 +1727,10 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -1771,10 +1771,10 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -1811,10 +1811,10 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -1861,10 +1861,10 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -1913,10 +1913,10 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -1957,10 +1957,10 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -2002,10 +2002,10 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -2040,10 +2040,10 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -2079,10 +2079,10 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     out[...] = 0
     return out
@@ -2090,20 +2090,20 @@ def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -2137,10 +2137,10 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -2176,10 +2176,10 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -2214,10 +2214,10 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -2253,10 +2253,10 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
@@ -2264,20 +2264,20 @@ def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -2443,10 +2443,10 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
 
 def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -2512,10 +2512,10 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -2711,10 +2711,10 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -2766,10 +2766,10 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -2814,10 +2814,10 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -2874,10 +2874,10 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -2937,10 +2937,10 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -3002,10 +3002,10 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3077,10 +3077,10 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -3118,10 +3118,10 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3169,10 +3169,10 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -3225,10 +3225,10 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -3275,10 +3275,10 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -3343,10 +3343,10 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3420,10 +3420,10 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -3481,10 +3481,10 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -3545,10 +3545,10 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -3588,10 +3588,10 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -3640,10 +3640,10 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -3666,10 +3666,10 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3687,10 +3687,10 @@ def mse_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -3731,10 +3731,10 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3785,10 +3785,10 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -3829,10 +3829,10 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3883,10 +3883,10 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
@@ -3911,10 +3911,10 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3934,10 +3934,10 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4002,10 +4002,10 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4082,10 +4082,10 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4138,10 +4138,10 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -4220,10 +4220,10 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -4289,10 +4289,10 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -4346,10 +4346,10 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4405,10 +4405,10 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4464,10 +4464,10 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4490,10 +4490,10 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
 
 def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     out = _empty((n_batch, L*d_V, d_K*d_V,), X)
@@ -4522,10 +4522,10 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
 
 def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     J = _empty((n_batch, L, d_V, d_V, d_K,), X)
@@ -4554,10 +4554,10 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
 
 def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_K: dense (numel F × numel W_K); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     out = _empty((n_batch, L*d_V, d_K*d_V,), X)
@@ -4586,10 +4586,10 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
 
 def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     J = _empty((n_batch, L, d_V, d_V, d_K,), X)
@@ -4618,10 +4618,10 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
 
 def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4642,10 +4642,10 @@ def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
 
 def causal0__jacobian_compact__W_V(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4662,10 +4662,10 @@ def causal0__jacobian_compact__W_V(X, W_Q, W_K, W_V):
 
 def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4688,10 +4688,10 @@ def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -4728,10 +4728,10 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -4823,10 +4823,10 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
 
 def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -4871,10 +4871,10 @@ def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4967,10 +4967,10 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -5003,10 +5003,10 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -5035,10 +5035,10 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -5071,10 +5071,10 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -5110,10 +5110,10 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -5146,10 +5146,10 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -5185,10 +5185,10 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -5219,10 +5219,10 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -5255,10 +5255,10 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -5292,10 +5292,10 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -5325,10 +5325,10 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -5362,10 +5362,10 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -5402,10 +5402,10 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -5439,10 +5439,10 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -5479,10 +5479,10 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -5514,10 +5514,10 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -5551,10 +5551,10 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -5579,10 +5579,10 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -5602,10 +5602,10 @@ def mse_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -5638,10 +5638,10 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -5676,10 +5676,10 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -5712,10 +5712,10 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -5750,10 +5750,10 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
@@ -5780,10 +5780,10 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -5805,10 +5805,10 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -5910,10 +5910,10 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
 
 def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -5973,10 +5973,10 @@ def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6081,10 +6081,10 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -6125,10 +6125,10 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6165,10 +6165,10 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -6209,10 +6209,10 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6255,10 +6255,10 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -6305,10 +6305,10 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -6357,10 +6357,10 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -6395,10 +6395,10 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6435,10 +6435,10 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -6481,10 +6481,10 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -6523,10 +6523,10 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -6575,10 +6575,10 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -6629,10 +6629,10 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -6675,10 +6675,10 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -6722,10 +6722,10 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -6762,10 +6762,10 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -6803,10 +6803,10 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     out[...] = 0
     return out
@@ -6814,20 +6814,20 @@ def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -6863,10 +6863,10 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6904,10 +6904,10 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -6944,10 +6944,10 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6985,10 +6985,10 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
@@ -6996,20 +6996,20 @@ def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -7177,10 +7177,10 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
 
 def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -7248,10 +7248,10 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7449,10 +7449,10 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -7506,10 +7506,10 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7556,10 +7556,10 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -7618,10 +7618,10 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7683,10 +7683,10 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -7750,10 +7750,10 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -7827,10 +7827,10 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -7870,10 +7870,10 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7923,10 +7923,10 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -7981,10 +7981,10 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -8033,10 +8033,10 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -8103,10 +8103,10 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -8182,10 +8182,10 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -8245,10 +8245,10 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -8311,10 +8311,10 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -8356,10 +8356,10 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -8410,10 +8410,10 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -8438,10 +8438,10 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8461,10 +8461,10 @@ def mse_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -8507,10 +8507,10 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8563,10 +8563,10 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -8609,10 +8609,10 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8665,10 +8665,10 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
@@ -8695,10 +8695,10 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8720,10 +8720,10 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8790,10 +8790,10 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8872,10 +8872,10 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8930,10 +8930,10 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -9014,10 +9014,10 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -9085,10 +9085,10 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -9144,10 +9144,10 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9205,10 +9205,10 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9266,10 +9266,10 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9294,10 +9294,10 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
 
 def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     out = _empty((n_batch, L*d_V, d_K*d_V,), X)
@@ -9328,10 +9328,10 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
 
 def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     J = _empty((n_batch, L, d_V, d_V, d_K,), X)
@@ -9362,10 +9362,10 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
 
 def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_K: dense (numel F × numel W_K); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     out = _empty((n_batch, L*d_V, d_K*d_V,), X)
@@ -9396,10 +9396,10 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
 
 def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     J = _empty((n_batch, L, d_V, d_V, d_K,), X)
@@ -9430,10 +9430,10 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
 
 def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9456,10 +9456,10 @@ def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
 
 def causal1__jacobian_compact__W_V(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9478,10 +9478,10 @@ def causal1__jacobian_compact__W_V(X, W_Q, W_K, W_V):
 
 def ce_causal0__loss(X, W_Q, W_K, W_V, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9503,10 +9503,10 @@ def ce_causal0__loss(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -9546,10 +9546,10 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -9652,10 +9652,10 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
 
 def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -9706,10 +9706,10 @@ def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9811,10 +9811,10 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -9857,10 +9857,10 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9899,10 +9899,10 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -9945,10 +9945,10 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9997,10 +9997,10 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -10043,10 +10043,10 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -10095,10 +10095,10 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -10137,10 +10137,10 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -10180,10 +10180,10 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -10227,10 +10227,10 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -10270,10 +10270,10 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -10317,10 +10317,10 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -10370,10 +10370,10 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -10417,10 +10417,10 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -10470,10 +10470,10 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -10513,10 +10513,10 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -10557,10 +10557,10 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -10591,10 +10591,10 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -10621,10 +10621,10 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -10665,10 +10665,10 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -10710,10 +10710,10 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -10754,10 +10754,10 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -10799,10 +10799,10 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -10833,10 +10833,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -10868,10 +10868,10 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -10976,10 +10976,10 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
 
 def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -11042,10 +11042,10 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -11153,10 +11153,10 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -11200,10 +11200,10 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -11243,10 +11243,10 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -11290,10 +11290,10 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -11339,10 +11339,10 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -11392,10 +11392,10 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -11447,10 +11447,10 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -11488,10 +11488,10 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -11531,10 +11531,10 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -11580,10 +11580,10 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -11625,10 +11625,10 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -11680,10 +11680,10 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -11737,10 +11737,10 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -11786,10 +11786,10 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -11836,10 +11836,10 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -11879,10 +11879,10 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -11923,10 +11923,10 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     out[...] = 0
     return out
@@ -11934,20 +11934,20 @@ def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -11986,10 +11986,10 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -12030,10 +12030,10 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -12073,10 +12073,10 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -12117,10 +12117,10 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
@@ -12128,20 +12128,20 @@ def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -12322,10 +12322,10 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
 
 def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -12400,10 +12400,10 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -12616,10 +12616,10 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -12683,10 +12683,10 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -12743,10 +12743,10 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -12815,10 +12815,10 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -12893,10 +12893,10 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -12970,10 +12970,10 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -13065,10 +13065,10 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -13118,10 +13118,10 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -13179,10 +13179,10 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -13247,10 +13247,10 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -13308,10 +13308,10 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -13388,10 +13388,10 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -13484,10 +13484,10 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -13557,10 +13557,10 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -13636,10 +13636,10 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -13691,10 +13691,10 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -13755,10 +13755,10 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -13789,10 +13789,10 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -13819,10 +13819,10 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -13875,10 +13875,10 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -13939,10 +13939,10 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -13995,10 +13995,10 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -14059,10 +14059,10 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -14093,10 +14093,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14128,10 +14128,10 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14211,10 +14211,10 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14311,10 +14311,10 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14377,10 +14377,10 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -14478,10 +14478,10 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -14562,10 +14562,10 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -14631,10 +14631,10 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14700,10 +14700,10 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14769,10 +14769,10 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14807,10 +14807,10 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14834,10 +14834,10 @@ def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -14879,10 +14879,10 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -14987,10 +14987,10 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
 
 def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -15043,10 +15043,10 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15150,10 +15150,10 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -15198,10 +15198,10 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15242,10 +15242,10 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -15290,10 +15290,10 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15344,10 +15344,10 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -15392,10 +15392,10 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15446,10 +15446,10 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -15490,10 +15490,10 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15535,10 +15535,10 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -15584,10 +15584,10 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -15629,10 +15629,10 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -15678,10 +15678,10 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -15733,10 +15733,10 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -15782,10 +15782,10 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -15837,10 +15837,10 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -15882,10 +15882,10 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -15928,10 +15928,10 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -15964,10 +15964,10 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15996,10 +15996,10 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -16042,10 +16042,10 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -16089,10 +16089,10 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -16135,10 +16135,10 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -16182,10 +16182,10 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -16218,10 +16218,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -16255,10 +16255,10 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -16365,10 +16365,10 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
 
 def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -16433,10 +16433,10 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -16546,10 +16546,10 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -16595,10 +16595,10 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -16640,10 +16640,10 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -16689,10 +16689,10 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -16740,10 +16740,10 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -16795,10 +16795,10 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -16852,10 +16852,10 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -16895,10 +16895,10 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -16940,10 +16940,10 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -16991,10 +16991,10 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -17038,10 +17038,10 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -17095,10 +17095,10 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -17154,10 +17154,10 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -17205,10 +17205,10 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -17257,10 +17257,10 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -17302,10 +17302,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -17348,10 +17348,10 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     out[...] = 0
     return out
@@ -17359,20 +17359,20 @@ def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -17413,10 +17413,10 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -17459,10 +17459,10 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -17504,10 +17504,10 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -17550,10 +17550,10 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
@@ -17561,20 +17561,20 @@ def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -17757,10 +17757,10 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
 
 def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -17837,10 +17837,10 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -18055,10 +18055,10 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -18124,10 +18124,10 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -18186,10 +18186,10 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -18260,10 +18260,10 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -18340,10 +18340,10 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -18419,10 +18419,10 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -18516,10 +18516,10 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -18571,10 +18571,10 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -18634,10 +18634,10 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -18704,10 +18704,10 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -18767,10 +18767,10 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -18849,10 +18849,10 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -18947,10 +18947,10 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -19022,10 +19022,10 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -19103,10 +19103,10 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -19160,10 +19160,10 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -19226,10 +19226,10 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -19262,10 +19262,10 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -19294,10 +19294,10 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -19352,10 +19352,10 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -19418,10 +19418,10 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -19476,10 +19476,10 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -19542,10 +19542,10 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -19578,10 +19578,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -19615,10 +19615,10 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -19700,10 +19700,10 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -19802,10 +19802,10 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -19870,10 +19870,10 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -19973,10 +19973,10 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -20059,10 +20059,10 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -20130,10 +20130,10 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -20201,10 +20201,10 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -20272,10 +20272,10 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1

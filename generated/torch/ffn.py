@@ -32,10 +32,10 @@ def _empty(shape, like):
 
 def mse_bias0_residual0__loss(X, W_1, W_2, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X @ W_1
     t1 = (t0 * torch.heaviside(t0, torch.full_like(t0, 0.0)))
     t2 = t1 @ W_2
@@ -49,10 +49,10 @@ def mse_bias0_residual0__loss(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -73,10 +73,10 @@ def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y, out=None):
     """The full outer Hessian, parameters in declared order W_1, W_2."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = t0.view((d_V, d_ff, d_V, d_ff))
@@ -116,10 +116,10 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y, out=None):
 
 def mse_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -141,10 +141,10 @@ def mse_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
 
 def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -183,10 +183,10 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     """diag H_outer(W_1, W_1) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_V, d_ff))
     t1 = X.transpose(-1, -2)
@@ -205,10 +205,10 @@ def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     """tr H_outer(W_1, W_1) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -222,10 +222,10 @@ def mse_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     """H_outer(W_1, W_1) as a dense (numel W_1 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_V, d_ff))
     t1 = X.transpose(-1, -2)
@@ -243,10 +243,10 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     """‖H_outer(W_1, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -266,10 +266,10 @@ def mse_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     """H_outer(W_1, W_2) as a dense (numel W_1 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = X.transpose(-1, -2)
@@ -285,10 +285,10 @@ def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     """‖H_outer(W_1, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -306,10 +306,10 @@ def mse_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     """diag H_outer(W_2, W_2) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -326,10 +326,10 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     """tr H_outer(W_2, W_2) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -341,10 +341,10 @@ def mse_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     """H_outer(W_2, W_1) as a dense (numel W_2 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = W_1.transpose(-1, -2)
@@ -363,10 +363,10 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     """‖H_outer(W_2, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -387,10 +387,10 @@ def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     """H_outer(W_2, W_2) as a dense (numel W_2 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_ff, d_V, d_ff, d_V))
@@ -409,10 +409,10 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     """‖H_outer(W_2, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -426,10 +426,10 @@ def mse_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y, out=None):
     """The full functional Hessian, parameters in declared order W_1, W_2."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t0[...] = 0
@@ -467,10 +467,10 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y, out=None):
 
 def mse_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -494,10 +494,10 @@ def mse_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
 
 def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
@@ -527,10 +527,10 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
     """diag H_functional(W_1, W_1) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     out[...] = 0
     return out
@@ -538,20 +538,20 @@ def mse_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__trace__W_1__functional(X, W_1, W_2, Y):
     """tr H_functional(W_1, W_1) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_bias0_residual0__block__W_1__W_1__functional(X, W_1, W_2, Y):
     """H_functional(W_1, W_1) as a dense (numel W_1 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     return out
@@ -559,20 +559,20 @@ def mse_bias0_residual0__block__W_1__W_1__functional(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius__W_1__W_1__functional(X, W_1, W_2, Y):
     """‖H_functional(W_1, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     """H_functional(W_1, W_2) as a dense (numel W_1 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_V, d_ff, d_ff, d_V))
@@ -595,10 +595,10 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     """‖H_functional(W_1, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -619,10 +619,10 @@ def mse_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
     """diag H_functional(W_2, W_2) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     out[...] = 0
     return out
@@ -630,20 +630,20 @@ def mse_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__trace__W_2__functional(X, W_1, W_2, Y):
     """tr H_functional(W_2, W_2) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     """H_functional(W_2, W_1) as a dense (numel W_2 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_ff, d_V, d_V, d_ff))
@@ -667,10 +667,10 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     """‖H_functional(W_2, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X @ W_1
     t1 = (t0 * torch.heaviside(t0, torch.full_like(t0, 0.0)))
     t2 = t1 @ W_2
@@ -692,10 +692,10 @@ def mse_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
     """H_functional(W_2, W_2) as a dense (numel W_2 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     return out
@@ -703,20 +703,20 @@ def mse_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius__W_2__W_2__functional(X, W_1, W_2, Y):
     """‖H_functional(W_2, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     """The full full Hessian, parameters in declared order W_1, W_2."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
         t0 = X.transpose(-1, -2)
@@ -831,10 +831,10 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
 
 def mse_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
@@ -868,10 +868,10 @@ def mse_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
 
 def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -931,10 +931,10 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     """diag H_full(W_1, W_1) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_V, d_ff))
     t1 = X.transpose(-1, -2)
@@ -953,10 +953,10 @@ def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     """tr H_full(W_1, W_1) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -970,10 +970,10 @@ def mse_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     """H_full(W_1, W_1) as a dense (numel W_1 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_V, d_ff))
     t1 = X.transpose(-1, -2)
@@ -991,10 +991,10 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     """‖H_full(W_1, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -1014,10 +1014,10 @@ def mse_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     """H_full(W_1, W_2) as a dense (numel W_1 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = X.transpose(-1, -2)
@@ -1043,10 +1043,10 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     """‖H_full(W_1, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -1076,10 +1076,10 @@ def mse_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     """diag H_full(W_2, W_2) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -1096,10 +1096,10 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     """tr H_full(W_2, W_2) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1111,10 +1111,10 @@ def mse_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     """H_full(W_2, W_1) as a dense (numel W_2 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = W_1.transpose(-1, -2)
@@ -1145,10 +1145,10 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     """‖H_full(W_2, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1183,10 +1183,10 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     """H_full(W_2, W_2) as a dense (numel W_2 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_ff, d_V, d_ff, d_V))
@@ -1205,10 +1205,10 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     """‖H_full(W_2, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1222,10 +1222,10 @@ def mse_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     """(‖H_o(W_1, W_1)‖_F, ‖H_f(W_1, W_1)‖_F, ‖H(W_1, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -1248,10 +1248,10 @@ def mse_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     """(‖H_o(W_1, W_2)‖_F, ‖H_f(W_1, W_2)‖_F, ‖H(W_1, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -1286,10 +1286,10 @@ def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     """(‖H_o(W_2, W_1)‖_F, ‖H_f(W_2, W_1)‖_F, ‖H(W_2, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1329,10 +1329,10 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
 
 def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     """(‖H_o(W_2, W_2)‖_F, ‖H_f(W_2, W_2)‖_F, ‖H(W_2, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1349,10 +1349,10 @@ def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
 
 def bias0_residual0__jacobian__W_1(X, W_1, W_2):
     """∂vec_r F/∂vec_r W_1: dense (numel F × numel W_1); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_2.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -1366,10 +1366,10 @@ def bias0_residual0__jacobian__W_1(X, W_1, W_2):
 
 def bias0_residual0__jacobian_compact__W_1(X, W_1, W_2):
     """∂vec_r F/∂vec_r W_1, compact (L × d_V × d_V × d_ff; row atoms → axes (0, 1), W_1 atoms → axes (2, 3)); factors over axes ((1, 3), (0, 3), (0, 2)); per sequence."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_2.transpose(-1, -2)
     J = t0
     t1 = X @ W_1
@@ -1381,10 +1381,10 @@ def bias0_residual0__jacobian_compact__W_1(X, W_1, W_2):
 
 def bias0_residual0__jacobian__W_2(X, W_1, W_2):
     """∂vec_r F/∂vec_r W_2: dense (numel F × numel W_2); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X @ W_1
     t1 = (t0 * torch.heaviside(t0, torch.full_like(t0, 0.0)))
     out = torch.zeros((n_batch, L*d_V, d_V*d_ff,), dtype=X.dtype, device=X.device)
@@ -1397,10 +1397,10 @@ def bias0_residual0__jacobian__W_2(X, W_1, W_2):
 
 def bias0_residual0__jacobian_compact__W_2(X, W_1, W_2):
     """∂vec_r F/∂vec_r W_2, compact (L × d_V × d_ff; row atoms → axes (0, 1), W_2 atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X @ W_1
     t1 = (t0 * torch.heaviside(t0, torch.full_like(t0, 0.0)))
     J = t1
@@ -1409,10 +1409,10 @@ def bias0_residual0__jacobian_compact__W_2(X, W_1, W_2):
 
 def ce_bias0_residual0__loss(X, W_1, W_2, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X @ W_1
     t1 = (t0 * torch.heaviside(t0, torch.full_like(t0, 0.0)))
     t2 = t1 @ W_2
@@ -1427,10 +1427,10 @@ def ce_bias0_residual0__loss(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -1456,10 +1456,10 @@ def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y, out=None):
     """The full outer Hessian, parameters in declared order W_1, W_2."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = t0.view((d_V, d_ff, d_V, d_ff))
@@ -1508,10 +1508,10 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y, out=None):
 
 def ce_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -1542,10 +1542,10 @@ def ce_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
 
 def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -1597,10 +1597,10 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     """diag H_outer(W_1, W_1) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_V, d_ff))
     t1 = X.transpose(-1, -2)
@@ -1629,10 +1629,10 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     """tr H_outer(W_1, W_1) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -1657,10 +1657,10 @@ def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     """H_outer(W_1, W_1) as a dense (numel W_1 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_V, d_ff))
     t1 = X.transpose(-1, -2)
@@ -1689,10 +1689,10 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     """‖H_outer(W_1, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -1723,10 +1723,10 @@ def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     """H_outer(W_1, W_2) as a dense (numel W_1 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = X.transpose(-1, -2)
@@ -1752,10 +1752,10 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     """‖H_outer(W_1, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -1784,10 +1784,10 @@ def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     """diag H_outer(W_2, W_2) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -1812,10 +1812,10 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     """tr H_outer(W_2, W_2) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1836,10 +1836,10 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     """H_outer(W_2, W_1) as a dense (numel W_2 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = W_1.transpose(-1, -2)
@@ -1869,10 +1869,10 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     """‖H_outer(W_2, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1905,10 +1905,10 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     """H_outer(W_2, W_2) as a dense (numel W_2 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -1933,10 +1933,10 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     """‖H_outer(W_2, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1962,10 +1962,10 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y, out=None):
     """The full functional Hessian, parameters in declared order W_1, W_2."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t0[...] = 0
@@ -2008,10 +2008,10 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y, out=None):
 
 def ce_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -2040,10 +2040,10 @@ def ce_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
 
 def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
@@ -2078,10 +2078,10 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
     """diag H_functional(W_1, W_1) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     out[...] = 0
     return out
@@ -2089,20 +2089,20 @@ def ce_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__trace__W_1__functional(X, W_1, W_2, Y):
     """tr H_functional(W_1, W_1) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_bias0_residual0__block__W_1__W_1__functional(X, W_1, W_2, Y):
     """H_functional(W_1, W_1) as a dense (numel W_1 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     return out
@@ -2110,20 +2110,20 @@ def ce_bias0_residual0__block__W_1__W_1__functional(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius__W_1__W_1__functional(X, W_1, W_2, Y):
     """‖H_functional(W_1, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     """H_functional(W_1, W_2) as a dense (numel W_1 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_V, d_ff, d_ff, d_V))
@@ -2151,10 +2151,10 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     """‖H_functional(W_1, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -2180,10 +2180,10 @@ def ce_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
     """diag H_functional(W_2, W_2) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     out[...] = 0
     return out
@@ -2191,20 +2191,20 @@ def ce_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__trace__W_2__functional(X, W_1, W_2, Y):
     """tr H_functional(W_2, W_2) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     """H_functional(W_2, W_1) as a dense (numel W_2 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_ff, d_V, d_V, d_ff))
@@ -2233,10 +2233,10 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     """‖H_functional(W_2, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = X @ W_1
@@ -2263,10 +2263,10 @@ def ce_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
     """H_functional(W_2, W_2) as a dense (numel W_2 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     return out
@@ -2274,20 +2274,20 @@ def ce_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius__W_2__W_2__functional(X, W_1, W_2, Y):
     """‖H_functional(W_2, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     """The full full Hessian, parameters in declared order W_1, W_2."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
         t0 = X.transpose(-1, -2)
@@ -2423,10 +2423,10 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
 
 def ce_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -2469,10 +2469,10 @@ def ce_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
 
 def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -2549,10 +2549,10 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     """diag H_full(W_1, W_1) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_V, d_ff))
     t1 = X.transpose(-1, -2)
@@ -2581,10 +2581,10 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     """tr H_full(W_1, W_1) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -2609,10 +2609,10 @@ def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     """H_full(W_1, W_1) as a dense (numel W_1 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_V, d_ff))
     t1 = X.transpose(-1, -2)
@@ -2641,10 +2641,10 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     """‖H_full(W_1, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -2675,10 +2675,10 @@ def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     """H_full(W_1, W_2) as a dense (numel W_1 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = X.transpose(-1, -2)
@@ -2716,10 +2716,10 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     """‖H_full(W_1, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -2763,10 +2763,10 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     """diag H_full(W_2, W_2) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -2791,10 +2791,10 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     """tr H_full(W_2, W_2) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -2815,10 +2815,10 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     """H_full(W_2, W_1) as a dense (numel W_2 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = W_1.transpose(-1, -2)
@@ -2861,10 +2861,10 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     """‖H_full(W_2, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -2913,10 +2913,10 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     """H_full(W_2, W_2) as a dense (numel W_2 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -2941,10 +2941,10 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     """‖H_full(W_2, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -2970,10 +2970,10 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     """(‖H_o(W_1, W_1)‖_F, ‖H_f(W_1, W_1)‖_F, ‖H(W_1, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -3007,10 +3007,10 @@ def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     """(‖H_o(W_1, W_2)‖_F, ‖H_f(W_1, W_2)‖_F, ‖H(W_1, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -3059,10 +3059,10 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     """(‖H_o(W_2, W_1)‖_F, ‖H_f(W_2, W_1)‖_F, ‖H(W_2, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3116,10 +3116,10 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
 
 def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     """(‖H_o(W_2, W_2)‖_F, ‖H_f(W_2, W_2)‖_F, ‖H(W_2, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1

@@ -32,9 +32,9 @@ def _empty(shape, like):
 
 def mse__loss(X, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -59,9 +59,9 @@ def mse__loss(X, Y):
 
 def mse__gradient(X, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -98,16 +98,16 @@ def mse__gradient(X, Y):
 
 def mse__check_inputs(X):
     """The inputs of the layer's value checks (LayerNorm Z)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
     return (X, )
 
 
 def mse__hessian__outer(X, Y, out=None):
     """The full outer Hessian, parameters in declared order X."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     H = _empty((L*d_V, L*d_V), Y) if out is None else out
     t0 = H[0:L*d_V, 0:L*d_V]
     t0[...] = 0
@@ -147,9 +147,9 @@ def mse__hessian__outer(X, Y, out=None):
 
 def mse__hvp__outer(X, Y, V_X):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = V_X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -192,9 +192,9 @@ def mse__hvp__outer(X, Y, V_X):
 
 def mse__frobenius_all__outer(X, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -231,9 +231,9 @@ def mse__frobenius_all__outer(X, Y):
 
 def mse__diag__X__outer(X, Y):
     """diag H_outer(X, X) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     out = _empty((L*d_V,), Y)
     t0 = out.view((L, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -270,9 +270,9 @@ def mse__diag__X__outer(X, Y):
 
 def mse__trace__X__outer(X, Y):
     """tr H_outer(X, X) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -305,9 +305,9 @@ def mse__trace__X__outer(X, Y):
 
 def mse__block__X__X__outer(X, Y):
     """H_outer(X, X) as a dense (numel X × numel X) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     out = _empty((L*d_V, L*d_V), Y)
     out[...] = 0
     t0 = out.view((L, d_V, L, d_V))
@@ -346,9 +346,9 @@ def mse__block__X__X__outer(X, Y):
 
 def mse__frobenius__X__X__outer(X, Y):
     """‖H_outer(X, X)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -385,9 +385,9 @@ def mse__frobenius__X__X__outer(X, Y):
 
 def mse__hessian__functional(X, Y, out=None):
     """The full functional Hessian, parameters in declared order X."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     H = _empty((L*d_V, L*d_V), Y) if out is None else out
     t0 = H[0:L*d_V, 0:L*d_V]
     t0[...] = 0
@@ -439,9 +439,9 @@ def mse__hessian__functional(X, Y, out=None):
 
 def mse__hvp__functional(X, Y, V_X):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = V_X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -494,9 +494,9 @@ def mse__hvp__functional(X, Y, V_X):
 
 def mse__frobenius_all__functional(X, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -543,9 +543,9 @@ def mse__frobenius_all__functional(X, Y):
 
 def mse__diag__X__functional(X, Y):
     """diag H_functional(X, X) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     out = _empty((L*d_V,), Y)
     t0 = out.view((L, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -594,9 +594,9 @@ def mse__diag__X__functional(X, Y):
 
 def mse__trace__X__functional(X, Y):
     """tr H_functional(X, X) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -639,9 +639,9 @@ def mse__trace__X__functional(X, Y):
 
 def mse__block__X__X__functional(X, Y):
     """H_functional(X, X) as a dense (numel X × numel X) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     out = _empty((L*d_V, L*d_V), Y)
     out[...] = 0
     t0 = out.view((L, d_V, L, d_V))
@@ -692,9 +692,9 @@ def mse__block__X__X__functional(X, Y):
 
 def mse__frobenius__X__X__functional(X, Y):
     """‖H_functional(X, X)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -741,9 +741,9 @@ def mse__frobenius__X__X__functional(X, Y):
 
 def mse__hessian__full(X, Y, out=None):
     """The full full Hessian, parameters in declared order X."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     H = _empty((L*d_V, L*d_V), Y) if out is None else out
     t0 = H[0:L*d_V, 0:L*d_V]
     t0[...] = 0
@@ -803,9 +803,9 @@ def mse__hessian__full(X, Y, out=None):
 
 def mse__hvp__full(X, Y, V_X):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = V_X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -869,9 +869,9 @@ def mse__hvp__full(X, Y, V_X):
 
 def mse__frobenius_all__full(X, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -926,9 +926,9 @@ def mse__frobenius_all__full(X, Y):
 
 def mse__diag__X__full(X, Y):
     """diag H_full(X, X) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     out = _empty((L*d_V,), Y)
     t0 = out.view((L, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -985,9 +985,9 @@ def mse__diag__X__full(X, Y):
 
 def mse__trace__X__full(X, Y):
     """tr H_full(X, X) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1038,9 +1038,9 @@ def mse__trace__X__full(X, Y):
 
 def mse__block__X__X__full(X, Y):
     """H_full(X, X) as a dense (numel X × numel X) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     out = _empty((L*d_V, L*d_V), Y)
     out[...] = 0
     t0 = out.view((L, d_V, L, d_V))
@@ -1099,9 +1099,9 @@ def mse__block__X__X__full(X, Y):
 
 def mse__frobenius__X__X__full(X, Y):
     """‖H_full(X, X)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1156,9 +1156,9 @@ def mse__frobenius__X__X__full(X, Y):
 
 def mse__frobenius_split__X__X(X, Y):
     """(‖H_o(X, X)‖_F, ‖H_f(X, X)‖_F, ‖H(X, X)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1222,8 +1222,8 @@ def mse__frobenius_split__X__X(X, Y):
 
 def jacobian__X(X):
     """∂vec_r F/∂vec_r X: dense (numel F × numel X); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1257,8 +1257,8 @@ def jacobian__X(X):
 
 def jacobian_compact__X(X):
     """∂vec_r F/∂vec_r X, compact (L × d_V × d_V; row atoms → axes (0, 1), X atoms → axes (0, 2)); factors over axes ((0, 1, 2),); per sequence."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1291,9 +1291,9 @@ def jacobian_compact__X(X):
 
 def ce__loss(X, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1319,9 +1319,9 @@ def ce__loss(X, Y):
 
 def ce__gradient(X, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1363,16 +1363,16 @@ def ce__gradient(X, Y):
 
 def ce__check_inputs(X):
     """The inputs of the layer's value checks (LayerNorm Z)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
     return (X, )
 
 
 def ce__hessian__outer(X, Y, out=None):
     """The full outer Hessian, parameters in declared order X."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     H = _empty((L*d_V, L*d_V), Y) if out is None else out
     t0 = H[0:L*d_V, 0:L*d_V]
     t0[...] = 0
@@ -1424,9 +1424,9 @@ def ce__hessian__outer(X, Y, out=None):
 
 def ce__hvp__outer(X, Y, V_X):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1477,9 +1477,9 @@ def ce__hvp__outer(X, Y, V_X):
 
 def ce__frobenius_all__outer(X, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = X.sum(-1, keepdim=True)
@@ -1528,9 +1528,9 @@ def ce__frobenius_all__outer(X, Y):
 
 def ce__diag__X__outer(X, Y):
     """diag H_outer(X, X) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     out = _empty((L*d_V,), Y)
     t0 = out.view((L, d_V))
     t1 = Y.sum(-1, keepdim=True)
@@ -1579,9 +1579,9 @@ def ce__diag__X__outer(X, Y):
 
 def ce__trace__X__outer(X, Y):
     """tr H_outer(X, X) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = X.sum(-1, keepdim=True)
@@ -1625,9 +1625,9 @@ def ce__trace__X__outer(X, Y):
 
 def ce__block__X__X__outer(X, Y):
     """H_outer(X, X) as a dense (numel X × numel X) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     out = _empty((L*d_V, L*d_V), Y)
     out[...] = 0
     t0 = out.view((L, d_V, L, d_V))
@@ -1678,9 +1678,9 @@ def ce__block__X__X__outer(X, Y):
 
 def ce__frobenius__X__X__outer(X, Y):
     """‖H_outer(X, X)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = X.sum(-1, keepdim=True)
@@ -1729,9 +1729,9 @@ def ce__frobenius__X__X__outer(X, Y):
 
 def ce__hessian__functional(X, Y, out=None):
     """The full functional Hessian, parameters in declared order X."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     H = _empty((L*d_V, L*d_V), Y) if out is None else out
     t0 = H[0:L*d_V, 0:L*d_V]
     t0[...] = 0
@@ -1788,9 +1788,9 @@ def ce__hessian__functional(X, Y, out=None):
 
 def ce__hvp__functional(X, Y, V_X):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = V_X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1848,9 +1848,9 @@ def ce__hvp__functional(X, Y, V_X):
 
 def ce__frobenius_all__functional(X, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1902,9 +1902,9 @@ def ce__frobenius_all__functional(X, Y):
 
 def ce__diag__X__functional(X, Y):
     """diag H_functional(X, X) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     out = _empty((L*d_V,), Y)
     t0 = out.view((L, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -1958,9 +1958,9 @@ def ce__diag__X__functional(X, Y):
 
 def ce__trace__X__functional(X, Y):
     """tr H_functional(X, X) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -2008,9 +2008,9 @@ def ce__trace__X__functional(X, Y):
 
 def ce__block__X__X__functional(X, Y):
     """H_functional(X, X) as a dense (numel X × numel X) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     out = _empty((L*d_V, L*d_V), Y)
     out[...] = 0
     t0 = out.view((L, d_V, L, d_V))
@@ -2066,9 +2066,9 @@ def ce__block__X__X__functional(X, Y):
 
 def ce__frobenius__X__X__functional(X, Y):
     """‖H_functional(X, X)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -2120,9 +2120,9 @@ def ce__frobenius__X__X__functional(X, Y):
 
 def ce__hessian__full(X, Y, out=None):
     """The full full Hessian, parameters in declared order X."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     H = _empty((L*d_V, L*d_V), Y) if out is None else out
     t0 = H[0:L*d_V, 0:L*d_V]
     t0[...] = 0
@@ -2194,9 +2194,9 @@ def ce__hessian__full(X, Y, out=None):
 
 def ce__hvp__full(X, Y, V_X):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = V_X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -2265,9 +2265,9 @@ def ce__hvp__full(X, Y, V_X):
 
 def ce__frobenius_all__full(X, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -2334,9 +2334,9 @@ def ce__frobenius_all__full(X, Y):
 
 def ce__diag__X__full(X, Y):
     """diag H_full(X, X) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     out = _empty((L*d_V,), Y)
     t0 = out.view((L, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -2405,9 +2405,9 @@ def ce__diag__X__full(X, Y):
 
 def ce__trace__X__full(X, Y):
     """tr H_full(X, X) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -2470,9 +2470,9 @@ def ce__trace__X__full(X, Y):
 
 def ce__block__X__X__full(X, Y):
     """H_full(X, X) as a dense (numel X × numel X) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     out = _empty((L*d_V, L*d_V), Y)
     out[...] = 0
     t0 = out.view((L, d_V, L, d_V))
@@ -2543,9 +2543,9 @@ def ce__block__X__X__full(X, Y):
 
 def ce__frobenius__X__X__full(X, Y):
     """‖H_full(X, X)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -2612,9 +2612,9 @@ def ce__frobenius__X__X__full(X, Y):
 
 def ce__frobenius_split__X__X(X, Y):
     """(‖H_o(X, X)‖_F, ‖H_f(X, X)‖_F, ‖H(X, X)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(Y.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = X.sum(-1, keepdim=True)

@@ -34,10 +34,10 @@ def _empty(shape, like):
 
 def mse_causal0__loss(X, W_Q, W_K, W_V, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -57,10 +57,10 @@ def mse_causal0__loss(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -92,10 +92,10 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -193,10 +193,10 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
 
 def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -234,10 +234,10 @@ def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
@@ -313,10 +313,10 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -339,10 +339,10 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
@@ -359,10 +359,10 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -385,10 +385,10 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
@@ -409,10 +409,10 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -435,10 +435,10 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = t0 @ t1
@@ -459,10 +459,10 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -485,10 +485,10 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -509,10 +509,10 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -535,10 +535,10 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t1 @ t0
@@ -555,10 +555,10 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -581,10 +581,10 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t1 @ t0
@@ -605,10 +605,10 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -631,10 +631,10 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t1 @ t0
@@ -655,10 +655,10 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -683,10 +683,10 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_V
     t2 = t0 @ t1
@@ -709,10 +709,10 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -734,10 +734,10 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -754,10 +754,10 @@ def mse_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -783,10 +783,10 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -810,10 +810,10 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -839,10 +839,10 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -866,10 +866,10 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
@@ -893,10 +893,10 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -915,10 +915,10 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
@@ -992,10 +992,10 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
 
 def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -1042,10 +1042,10 @@ def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
@@ -1098,10 +1098,10 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
@@ -1109,20 +1109,20 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
@@ -1130,20 +1130,20 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
@@ -1173,10 +1173,10 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -1201,10 +1201,10 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -1231,10 +1231,10 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -1259,10 +1259,10 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
@@ -1270,20 +1270,20 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
@@ -1314,10 +1314,10 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -1343,10 +1343,10 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
@@ -1354,20 +1354,20 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -1396,10 +1396,10 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_Q.transpose(-1, -2)
@@ -1426,10 +1426,10 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     out[...] = 0
     return out
@@ -1437,20 +1437,20 @@ def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -1478,10 +1478,10 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_K
     t2 = t0 @ t1
@@ -1507,10 +1507,10 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -1539,10 +1539,10 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
@@ -1569,10 +1569,10 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
@@ -1580,20 +1580,20 @@ def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     if n_batch <= 2:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
         t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -1845,10 +1845,10 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
 
 def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ V_W_Q
     t2 = W_K.transpose(-1, -2)
@@ -1909,10 +1909,10 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
@@ -2035,10 +2035,10 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -2061,10 +2061,10 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
@@ -2081,10 +2081,10 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -2107,10 +2107,10 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
@@ -2131,10 +2131,10 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -2172,10 +2172,10 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -2210,10 +2210,10 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -2243,10 +2243,10 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -2281,10 +2281,10 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -2307,10 +2307,10 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t1 @ t0
@@ -2327,10 +2327,10 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -2368,10 +2368,10 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_V
     t2 = t0 @ t1
@@ -2406,10 +2406,10 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -2432,10 +2432,10 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t1 @ t0
@@ -2456,10 +2456,10 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -2492,10 +2492,10 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_Q.transpose(-1, -2)
@@ -2533,10 +2533,10 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -2558,10 +2558,10 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -2578,10 +2578,10 @@ def mse_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -2618,10 +2618,10 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -2660,10 +2660,10 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -2699,10 +2699,10 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -2740,10 +2740,10 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
@@ -2767,10 +2767,10 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -2789,10 +2789,10 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
@@ -2816,10 +2816,10 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = t0 @ t1
@@ -2858,10 +2858,10 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -2898,10 +2898,10 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t1 @ t0
@@ -2943,10 +2943,10 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t1 @ t0
@@ -2970,10 +2970,10 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_V
     t2 = t0 @ t1
@@ -3012,10 +3012,10 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3057,10 +3057,10 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3102,10 +3102,10 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
 
 def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3127,10 +3127,10 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
 
 def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((n_batch, L*d_V, d_K*d_V,), X)
     t0 = out.view((n_batch, L, d_V, d_V, d_K,))
     t1 = W_V.transpose(-1, -2)
@@ -3146,10 +3146,10 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
 
 def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 2), (1, 3)); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     J = (1/math.sqrt(d_K)) * X
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
@@ -3162,10 +3162,10 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
 
 def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_K: dense (numel F × numel W_K); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X @ W_Q
     out = _empty((n_batch, L*d_V, d_K*d_V,), X)
     t1 = out.view((n_batch, L, d_V, d_V, d_K,))
@@ -3181,10 +3181,10 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
 
 def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 3), (1, 2)); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X @ W_Q
     J = (1/math.sqrt(d_K)) * t0
     t1 = W_V.transpose(-1, -2)
@@ -3197,10 +3197,10 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
 
 def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3219,10 +3219,10 @@ def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
 
 def causal0__jacobian_compact__W_V(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3237,10 +3237,10 @@ def causal0__jacobian_compact__W_V(X, W_Q, W_K, W_V):
 
 def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
@@ -3262,10 +3262,10 @@ def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = X @ W_Q
@@ -3303,10 +3303,10 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -3393,10 +3393,10 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
 
 def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = W_K.transpose(-1, -2)
@@ -3440,10 +3440,10 @@ def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3531,10 +3531,10 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -3558,10 +3558,10 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3581,10 +3581,10 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -3608,10 +3608,10 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3638,10 +3638,10 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -3665,10 +3665,10 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3695,10 +3695,10 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -3722,10 +3722,10 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3752,10 +3752,10 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -3780,10 +3780,10 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3804,10 +3804,10 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -3832,10 +3832,10 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3863,10 +3863,10 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -3891,10 +3891,10 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3922,10 +3922,10 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -3952,10 +3952,10 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -3985,10 +3985,10 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -4014,10 +4014,10 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -4038,10 +4038,10 @@ def mse_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -4069,10 +4069,10 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -4103,10 +4103,10 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -4134,10 +4134,10 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -4168,10 +4168,10 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
@@ -4199,10 +4199,10 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -4225,10 +4225,10 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
@@ -4303,10 +4303,10 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
 
 def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = X @ W_Q
@@ -4361,10 +4361,10 @@ def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -4432,10 +4432,10 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
@@ -4443,20 +4443,20 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
@@ -4464,20 +4464,20 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
@@ -4510,10 +4510,10 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = W_K.transpose(-1, -2)
@@ -4541,10 +4541,10 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -4572,10 +4572,10 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -4606,10 +4606,10 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
@@ -4617,20 +4617,20 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
@@ -4665,10 +4665,10 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = W_K.transpose(-1, -2)
@@ -4698,10 +4698,10 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
@@ -4709,20 +4709,20 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -4753,10 +4753,10 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -4790,10 +4790,10 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     out[...] = 0
     return out
@@ -4801,20 +4801,20 @@ def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -4845,10 +4845,10 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = W_K.transpose(-1, -2)
@@ -4882,10 +4882,10 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -4916,10 +4916,10 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = W_K.transpose(-1, -2)
@@ -4953,10 +4953,10 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
@@ -4964,20 +4964,20 @@ def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
         t0 = X.transpose(-1, -2)
@@ -5239,10 +5239,10 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
 
 def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ V_W_Q
     t2 = W_K.transpose(-1, -2)
@@ -5313,10 +5313,10 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -5472,10 +5472,10 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -5499,10 +5499,10 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -5522,10 +5522,10 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -5549,10 +5549,10 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -5579,10 +5579,10 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -5624,10 +5624,10 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = W_K.transpose(-1, -2)
@@ -5673,10 +5673,10 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -5710,10 +5710,10 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -5757,10 +5757,10 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -5785,10 +5785,10 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -5809,10 +5809,10 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -5858,10 +5858,10 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = W_K.transpose(-1, -2)
@@ -5912,10 +5912,10 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -5940,10 +5940,10 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -5971,10 +5971,10 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -6012,10 +6012,10 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -6064,10 +6064,10 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -6093,10 +6093,10 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -6117,10 +6117,10 @@ def mse_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -6161,10 +6161,10 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -6214,10 +6214,10 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -6258,10 +6258,10 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -6311,10 +6311,10 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
@@ -6342,10 +6342,10 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -6368,10 +6368,10 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -6401,10 +6401,10 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -6456,10 +6456,10 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -6508,10 +6508,10 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -6567,10 +6567,10 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -6601,10 +6601,10 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -6656,10 +6656,10 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -6715,10 +6715,10 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -6774,10 +6774,10 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
 
 def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -6803,10 +6803,10 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
 
 def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6823,10 +6823,10 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
 
 def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6840,10 +6840,10 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
 
 def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_K: dense (numel F × numel W_K); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6860,10 +6860,10 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
 
 def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6877,10 +6877,10 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
 
 def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
@@ -6901,10 +6901,10 @@ def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
 
 def causal1__jacobian_compact__W_V(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
@@ -6921,10 +6921,10 @@ def causal1__jacobian_compact__W_V(X, W_Q, W_K, W_V):
 
 def ce_causal0__loss(X, W_Q, W_K, W_V, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6945,10 +6945,10 @@ def ce_causal0__loss(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -6985,10 +6985,10 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -7080,10 +7080,10 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
 
 def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -7129,10 +7129,10 @@ def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -7224,10 +7224,10 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -7259,10 +7259,10 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -7290,10 +7290,10 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -7325,10 +7325,10 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -7361,10 +7361,10 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -7398,10 +7398,10 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -7436,10 +7436,10 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -7470,10 +7470,10 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -7505,10 +7505,10 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -7543,10 +7543,10 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_V
     t2 = t0 @ t1
@@ -7577,10 +7577,10 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -7617,10 +7617,10 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_V
     t2 = t0 @ t1
@@ -7658,10 +7658,10 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -7696,10 +7696,10 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_V
     t2 = t0 @ t1
@@ -7735,10 +7735,10 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -7772,10 +7772,10 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_V
     t2 = t0 @ t1
@@ -7810,10 +7810,10 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -7843,10 +7843,10 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -7872,10 +7872,10 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -7910,10 +7910,10 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -7949,10 +7949,10 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -7987,10 +7987,10 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -8026,10 +8026,10 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -8059,10 +8059,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -8093,10 +8093,10 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
@@ -8175,10 +8175,10 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
 
 def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -8230,10 +8230,10 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
@@ -8291,10 +8291,10 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
@@ -8302,20 +8302,20 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
@@ -8323,20 +8323,20 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
@@ -8371,10 +8371,10 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -8404,10 +8404,10 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -8439,10 +8439,10 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -8472,10 +8472,10 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
@@ -8483,20 +8483,20 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
@@ -8532,10 +8532,10 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -8566,10 +8566,10 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
@@ -8577,20 +8577,20 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -8624,10 +8624,10 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_Q.transpose(-1, -2)
@@ -8659,10 +8659,10 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     out[...] = 0
     return out
@@ -8670,20 +8670,20 @@ def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -8716,10 +8716,10 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_K
     t2 = t0 @ t1
@@ -8750,10 +8750,10 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -8787,10 +8787,10 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = Y.sum(-1, keepdim=True)
@@ -8822,10 +8822,10 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
@@ -8833,20 +8833,20 @@ def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
         t0 = X.transpose(-1, -2)
@@ -9124,10 +9124,10 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
 
 def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -9197,10 +9197,10 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -9353,10 +9353,10 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -9388,10 +9388,10 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -9419,10 +9419,10 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -9454,10 +9454,10 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -9490,10 +9490,10 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -9541,10 +9541,10 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -9594,10 +9594,10 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -9640,10 +9640,10 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -9690,10 +9690,10 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -9728,10 +9728,10 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_V
     t2 = t0 @ t1
@@ -9762,10 +9762,10 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -9818,10 +9818,10 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_V
     t2 = t0 @ t1
@@ -9875,10 +9875,10 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -9913,10 +9913,10 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_V
     t2 = t0 @ t1
@@ -9952,10 +9952,10 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -10003,10 +10003,10 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_Q.transpose(-1, -2)
@@ -10059,10 +10059,10 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -10092,10 +10092,10 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -10121,10 +10121,10 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -10170,10 +10170,10 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_K
     t2 = Y.sum(-1, keepdim=True)
@@ -10225,10 +10225,10 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -10275,10 +10275,10 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -10331,10 +10331,10 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -10364,10 +10364,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -10398,10 +10398,10 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -10437,10 +10437,10 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -10495,10 +10495,10 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -10549,10 +10549,10 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_V
     t2 = t0 @ t1
@@ -10613,10 +10613,10 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_V
     t2 = t0 @ t1
@@ -10655,10 +10655,10 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_V
     t2 = t0 @ t1
@@ -10715,10 +10715,10 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -10776,10 +10776,10 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -10837,10 +10837,10 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
 
 def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -10874,10 +10874,10 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
@@ -10900,10 +10900,10 @@ def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Y.sum(-1, keepdim=True)
@@ -10946,10 +10946,10 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -11054,10 +11054,10 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
 
 def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Y.sum(-1, keepdim=True)
@@ -11109,10 +11109,10 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -11216,10 +11216,10 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -11257,10 +11257,10 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -11294,10 +11294,10 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -11335,10 +11335,10 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -11379,10 +11379,10 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -11420,10 +11420,10 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -11464,10 +11464,10 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -11501,10 +11501,10 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -11540,10 +11540,10 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -11584,10 +11584,10 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -11624,10 +11624,10 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -11669,10 +11669,10 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -11717,10 +11717,10 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -11761,10 +11761,10 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -11808,10 +11808,10 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -11849,10 +11849,10 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -11892,10 +11892,10 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -11928,10 +11928,10 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -11960,10 +11960,10 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -12002,10 +12002,10 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -12046,10 +12046,10 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -12088,10 +12088,10 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -12132,10 +12132,10 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -12168,10 +12168,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -12205,10 +12205,10 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
@@ -12288,10 +12288,10 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
 
 def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Y.sum(-1, keepdim=True)
@@ -12351,10 +12351,10 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -12427,10 +12427,10 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
@@ -12438,20 +12438,20 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
@@ -12459,20 +12459,20 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
@@ -12510,10 +12510,10 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Y.sum(-1, keepdim=True)
@@ -12546,10 +12546,10 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -12582,10 +12582,10 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -12621,10 +12621,10 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
@@ -12632,20 +12632,20 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
@@ -12685,10 +12685,10 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -12723,10 +12723,10 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
@@ -12734,20 +12734,20 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -12783,10 +12783,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -12825,10 +12825,10 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     out[...] = 0
     return out
@@ -12836,20 +12836,20 @@ def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -12885,10 +12885,10 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -12927,10 +12927,10 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -12966,10 +12966,10 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -13008,10 +13008,10 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
@@ -13019,20 +13019,20 @@ def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
         t0 = X.transpose(-1, -2)
@@ -13335,10 +13335,10 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
 
 def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -13419,10 +13419,10 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
 
 def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -13595,10 +13595,10 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -13636,10 +13636,10 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -13673,10 +13673,10 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -13714,10 +13714,10 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -13758,10 +13758,10 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -13814,10 +13814,10 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Y.sum(-1, keepdim=True)
@@ -13875,10 +13875,10 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -13925,10 +13925,10 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -13985,10 +13985,10 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -14029,10 +14029,10 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -14069,10 +14069,10 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -14132,10 +14132,10 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -14199,10 +14199,10 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -14243,10 +14243,10 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -14290,10 +14290,10 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -14346,10 +14346,10 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -14412,10 +14412,10 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -14448,10 +14448,10 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -14480,10 +14480,10 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -14535,10 +14535,10 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -14598,10 +14598,10 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
@@ -14653,10 +14653,10 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -14716,10 +14716,10 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -14752,10 +14752,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -14789,10 +14789,10 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -14836,10 +14836,10 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -14902,10 +14902,10 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -14966,10 +14966,10 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -15039,10 +15039,10 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -15089,10 +15089,10 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_Q.transpose(-1, -2)
     t2 = t1 @ t0
@@ -15158,10 +15158,10 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -15227,10 +15227,10 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)
@@ -15296,10 +15296,10 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
 
 def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Mcausal.transpose(-1, -2)

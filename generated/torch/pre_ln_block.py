@@ -32,11 +32,11 @@ def _empty(shape, like):
 
 def mse_bias0_causal0__loss(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -90,11 +90,11 @@ def mse_bias0_causal0__loss(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__gradient(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -197,11 +197,11 @@ def mse_bias0_causal0__gradient(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__check_inputs(X, W_Q, W_K, W_V, W_1, W_2):
     """The inputs of the layer's value checks (LayerNorm N_1, LayerNorm N_2)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -233,11 +233,11 @@ def mse_bias0_causal0__check_inputs(X, W_Q, W_K, W_V, W_1, W_2):
 
 def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
         t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -890,11 +890,11 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
 
 def mse_bias0_causal0__hvp__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1029,11 +1029,11 @@ def mse_bias0_causal0__hvp__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V
 
 def mse_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1451,11 +1451,11 @@ def mse_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -1546,11 +1546,11 @@ def mse_bias0_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1637,11 +1637,11 @@ def mse_bias0_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -1732,11 +1732,11 @@ def mse_bias0_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -1830,11 +1830,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -1925,11 +1925,11 @@ def mse_bias0_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -2023,11 +2023,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -2127,11 +2127,11 @@ def mse_bias0_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -2269,11 +2269,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_Q__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_Q, W_1) as a dense (numel W_Q × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -2349,11 +2349,11 @@ def mse_bias0_causal0__block__W_Q__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_Q__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_Q, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -2431,11 +2431,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_Q__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_Q, W_2) as a dense (numel W_Q × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -2509,11 +2509,11 @@ def mse_bias0_causal0__block__W_Q__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_Q__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_Q, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -2589,11 +2589,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -2685,11 +2685,11 @@ def mse_bias0_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -2777,11 +2777,11 @@ def mse_bias0_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -2874,11 +2874,11 @@ def mse_bias0_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -2974,11 +2974,11 @@ def mse_bias0_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -3070,11 +3070,11 @@ def mse_bias0_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -3169,11 +3169,11 @@ def mse_bias0_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -3275,11 +3275,11 @@ def mse_bias0_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -3419,11 +3419,11 @@ def mse_bias0_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_K__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_K, W_1) as a dense (numel W_K × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_V, d_ff))
     t1 = W_Q.transpose(-1, -2)
@@ -3501,11 +3501,11 @@ def mse_bias0_causal0__block__W_K__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_K__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_K, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -3585,11 +3585,11 @@ def mse_bias0_causal0__frobenius__W_K__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_K__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_K, W_2) as a dense (numel W_K × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_ff, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -3665,11 +3665,11 @@ def mse_bias0_causal0__block__W_K__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_K__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_K, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -3747,11 +3747,11 @@ def mse_bias0_causal0__frobenius__W_K__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -3845,11 +3845,11 @@ def mse_bias0_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -3930,11 +3930,11 @@ def mse_bias0_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -4025,11 +4025,11 @@ def mse_bias0_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -4122,11 +4122,11 @@ def mse_bias0_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -4217,11 +4217,11 @@ def mse_bias0_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -4314,11 +4314,11 @@ def mse_bias0_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -4413,11 +4413,11 @@ def mse_bias0_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -4547,11 +4547,11 @@ def mse_bias0_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_V__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_V, W_1) as a dense (numel W_V × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V*d_ff), X)
     t0 = out.view((d_V, d_V, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -4623,11 +4623,11 @@ def mse_bias0_causal0__block__W_V__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_V__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_V, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -4701,11 +4701,11 @@ def mse_bias0_causal0__frobenius__W_V__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_V__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_V, W_2) as a dense (numel W_V × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V*d_ff), X)
     t0 = out.view((d_V, d_V, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -4776,11 +4776,11 @@ def mse_bias0_causal0__block__W_V__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_V__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_V, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -4851,11 +4851,11 @@ def mse_bias0_causal0__frobenius__W_V__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__diag__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_outer(W_1, W_1) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -4914,11 +4914,11 @@ def mse_bias0_causal0__diag__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_outer(W_1, W_1) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -4972,11 +4972,11 @@ def mse_bias0_causal0__trace__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_1__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_1, W_Q) as a dense (numel W_1 × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_V, d_ff, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -5057,11 +5057,11 @@ def mse_bias0_causal0__block__W_1__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_1__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_1, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -5144,11 +5144,11 @@ def mse_bias0_causal0__frobenius__W_1__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_1__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_1, W_K) as a dense (numel W_1 × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_V, d_ff, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -5229,11 +5229,11 @@ def mse_bias0_causal0__block__W_1__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_1__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_1, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -5316,11 +5316,11 @@ def mse_bias0_causal0__frobenius__W_1__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_1__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_1, W_V) as a dense (numel W_1 × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V**2), X)
     t0 = out.view((d_V, d_ff, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -5395,11 +5395,11 @@ def mse_bias0_causal0__block__W_1__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_1__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_1, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -5487,11 +5487,11 @@ def mse_bias0_causal0__frobenius__W_1__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_1__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_1, W_1) as a dense (numel W_1 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -5549,11 +5549,11 @@ def mse_bias0_causal0__block__W_1__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_1__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_1, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -5613,11 +5613,11 @@ def mse_bias0_causal0__frobenius__W_1__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_1__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_1, W_2) as a dense (numel W_1 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -5673,11 +5673,11 @@ def mse_bias0_causal0__block__W_1__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_1__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_1, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -5735,11 +5735,11 @@ def mse_bias0_causal0__frobenius__W_1__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__diag__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_outer(W_2, W_2) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -5796,11 +5796,11 @@ def mse_bias0_causal0__diag__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_outer(W_2, W_2) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -5852,11 +5852,11 @@ def mse_bias0_causal0__trace__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_2__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_2, W_Q) as a dense (numel W_2 × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_ff, d_V, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -5937,11 +5937,11 @@ def mse_bias0_causal0__block__W_2__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_2__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_2, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -6024,11 +6024,11 @@ def mse_bias0_causal0__frobenius__W_2__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_2__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_2, W_K) as a dense (numel W_2 × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_ff, d_V, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -6109,11 +6109,11 @@ def mse_bias0_causal0__block__W_2__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_2__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_2, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -6196,11 +6196,11 @@ def mse_bias0_causal0__frobenius__W_2__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_2__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_2, W_V) as a dense (numel W_2 × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V**2), X)
     t0 = out.view((d_ff, d_V, d_V, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -6277,11 +6277,11 @@ def mse_bias0_causal0__block__W_2__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_2__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_2, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -6363,11 +6363,11 @@ def mse_bias0_causal0__frobenius__W_2__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_2__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_2, W_1) as a dense (numel W_2 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = W_1.transpose(-1, -2)
@@ -6426,11 +6426,11 @@ def mse_bias0_causal0__block__W_2__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_2__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_2, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -6491,11 +6491,11 @@ def mse_bias0_causal0__frobenius__W_2__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__block__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_2, W_2) as a dense (numel W_2 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_ff, d_V, d_ff, d_V))
@@ -6554,11 +6554,11 @@ def mse_bias0_causal0__block__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_2, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -6612,11 +6612,11 @@ def mse_bias0_causal0__frobenius__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -6937,11 +6937,11 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=No
 
 def mse_bias0_causal0__hvp__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -7152,11 +7152,11 @@ def mse_bias0_causal0__hvp__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W
 
 def mse_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -7544,11 +7544,11 @@ def mse_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -7663,11 +7663,11 @@ def mse_bias0_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -7778,11 +7778,11 @@ def mse_bias0_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -7897,11 +7897,11 @@ def mse_bias0_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -8019,11 +8019,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -8144,11 +8144,11 @@ def mse_bias0_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -8272,11 +8272,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -8385,11 +8385,11 @@ def mse_bias0_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -8509,11 +8509,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_Q__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_Q, W_1) as a dense (numel W_Q × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -8592,11 +8592,11 @@ def mse_bias0_causal0__block__W_Q__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_Q__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_Q, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -8677,11 +8677,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_1__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_Q__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_Q, W_2) as a dense (numel W_Q × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -8759,11 +8759,11 @@ def mse_bias0_causal0__block__W_Q__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_Q__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_Q, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -8843,11 +8843,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_2__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -8963,11 +8963,11 @@ def mse_bias0_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -9079,11 +9079,11 @@ def mse_bias0_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -9207,11 +9207,11 @@ def mse_bias0_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -9336,11 +9336,11 @@ def mse_bias0_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -9456,11 +9456,11 @@ def mse_bias0_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -9579,11 +9579,11 @@ def mse_bias0_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -9694,11 +9694,11 @@ def mse_bias0_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -9820,11 +9820,11 @@ def mse_bias0_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_K__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_K, W_1) as a dense (numel W_K × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_V, d_ff))
     t1 = W_Q.transpose(-1, -2)
@@ -9905,11 +9905,11 @@ def mse_bias0_causal0__block__W_K__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_K__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_K, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -9992,11 +9992,11 @@ def mse_bias0_causal0__frobenius__W_K__W_1__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_K__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_K, W_2) as a dense (numel W_K × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_ff, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -10076,11 +10076,11 @@ def mse_bias0_causal0__block__W_K__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_K__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_K, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -10162,11 +10162,11 @@ def mse_bias0_causal0__frobenius__W_K__W_2__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -10255,11 +10255,11 @@ def mse_bias0_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -10344,11 +10344,11 @@ def mse_bias0_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -10469,11 +10469,11 @@ def mse_bias0_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -10616,11 +10616,11 @@ def mse_bias0_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -10741,11 +10741,11 @@ def mse_bias0_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -10888,11 +10888,11 @@ def mse_bias0_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -10981,11 +10981,11 @@ def mse_bias0_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -11077,11 +11077,11 @@ def mse_bias0_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_V__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_V, W_1) as a dense (numel W_V × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V*d_ff), X)
     t0 = out.view((d_V, d_V, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -11156,11 +11156,11 @@ def mse_bias0_causal0__block__W_V__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_V__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_V, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -11237,11 +11237,11 @@ def mse_bias0_causal0__frobenius__W_V__W_1__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_V__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_V, W_2) as a dense (numel W_V × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V*d_ff), X)
     t0 = out.view((d_V, d_V, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -11315,11 +11315,11 @@ def mse_bias0_causal0__block__W_V__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_V__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_V, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -11397,11 +11397,11 @@ def mse_bias0_causal0__frobenius__W_V__W_2__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__diag__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_functional(W_1, W_1) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     out[...] = 0
     return out
@@ -11409,22 +11409,22 @@ def mse_bias0_causal0__diag__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_functional(W_1, W_1) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_bias0_causal0__block__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_1, W_Q) as a dense (numel W_1 × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_V, d_ff, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -11514,11 +11514,11 @@ def mse_bias0_causal0__block__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_1, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -11607,11 +11607,11 @@ def mse_bias0_causal0__frobenius__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_1, W_K) as a dense (numel W_1 × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_V, d_ff, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -11701,11 +11701,11 @@ def mse_bias0_causal0__block__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_1, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -11794,11 +11794,11 @@ def mse_bias0_causal0__frobenius__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_1, W_V) as a dense (numel W_1 × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V**2), X)
     t0 = out.view((d_V, d_ff, d_V, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -11881,11 +11881,11 @@ def mse_bias0_causal0__block__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_1, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -11967,11 +11967,11 @@ def mse_bias0_causal0__frobenius__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_1__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_1, W_1) as a dense (numel W_1 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     return out
@@ -11979,22 +11979,22 @@ def mse_bias0_causal0__block__W_1__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_1__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_1, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_bias0_causal0__block__W_1__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_1, W_2) as a dense (numel W_1 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_V, d_ff, d_ff, d_V))
@@ -12058,11 +12058,11 @@ def mse_bias0_causal0__block__W_1__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_1__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_1, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -12124,11 +12124,11 @@ def mse_bias0_causal0__frobenius__W_1__W_2__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__diag__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_functional(W_2, W_2) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     out[...] = 0
     return out
@@ -12136,22 +12136,22 @@ def mse_bias0_causal0__diag__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_functional(W_2, W_2) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_bias0_causal0__block__W_2__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_2, W_Q) as a dense (numel W_2 × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_ff, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -12237,11 +12237,11 @@ def mse_bias0_causal0__block__W_2__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_2__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_2, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -12329,11 +12329,11 @@ def mse_bias0_causal0__frobenius__W_2__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_2__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_2, W_K) as a dense (numel W_2 × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_ff, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -12419,11 +12419,11 @@ def mse_bias0_causal0__block__W_2__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_2__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_2, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -12511,11 +12511,11 @@ def mse_bias0_causal0__frobenius__W_2__W_K__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_2__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_2, W_V) as a dense (numel W_2 × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V**2), X)
     t0 = out.view((d_ff, d_V, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -12594,11 +12594,11 @@ def mse_bias0_causal0__block__W_2__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_2__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_2, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -12681,11 +12681,11 @@ def mse_bias0_causal0__frobenius__W_2__W_V__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_2__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_2, W_1) as a dense (numel W_2 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_ff, d_V, d_V, d_ff))
@@ -12750,11 +12750,11 @@ def mse_bias0_causal0__block__W_2__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_2__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_2, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -12817,11 +12817,11 @@ def mse_bias0_causal0__frobenius__W_2__W_1__functional(X, W_Q, W_K, W_V, W_1, W_
 
 def mse_bias0_causal0__block__W_2__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_2, W_2) as a dense (numel W_2 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     return out
@@ -12829,22 +12829,22 @@ def mse_bias0_causal0__block__W_2__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
 
 def mse_bias0_causal0__frobenius__W_2__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_2, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
         t0 = X.sum(-1, keepdim=True)
@@ -13890,11 +13890,11 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
 
 def mse_bias0_causal0__hvp__full(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -14132,11 +14132,11 @@ def mse_bias0_causal0__hvp__full(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_
 
 def mse_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -14976,11 +14976,11 @@ def mse_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -15114,11 +15114,11 @@ def mse_bias0_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -15248,11 +15248,11 @@ def mse_bias0_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -15386,11 +15386,11 @@ def mse_bias0_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -15527,11 +15527,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -15671,11 +15671,11 @@ def mse_bias0_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -15818,11 +15818,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -15964,11 +15964,11 @@ def mse_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -16201,11 +16201,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_Q__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_Q, W_1) as a dense (numel W_Q × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -16299,11 +16299,11 @@ def mse_bias0_causal0__block__W_Q__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_Q__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_Q, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -16405,11 +16405,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_Q__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_Q, W_2) as a dense (numel W_Q × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -16500,11 +16500,11 @@ def mse_bias0_causal0__block__W_Q__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_Q__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_Q, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -16603,11 +16603,11 @@ def mse_bias0_causal0__frobenius__W_Q__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -16751,11 +16751,11 @@ def mse_bias0_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -16891,11 +16891,11 @@ def mse_bias0_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -17052,11 +17052,11 @@ def mse_bias0_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -17217,11 +17217,11 @@ def mse_bias0_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -17370,11 +17370,11 @@ def mse_bias0_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -17522,11 +17522,11 @@ def mse_bias0_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -17670,11 +17670,11 @@ def mse_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -17909,11 +17909,11 @@ def mse_bias0_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_K__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_K, W_1) as a dense (numel W_K × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_V, d_ff))
     t1 = W_Q.transpose(-1, -2)
@@ -18009,11 +18009,11 @@ def mse_bias0_causal0__block__W_K__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_K__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_K, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -18117,11 +18117,11 @@ def mse_bias0_causal0__frobenius__W_K__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_K__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_K, W_2) as a dense (numel W_K × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_ff, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -18214,11 +18214,11 @@ def mse_bias0_causal0__block__W_K__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_K__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_K, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -18319,11 +18319,11 @@ def mse_bias0_causal0__frobenius__W_K__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -18437,11 +18437,11 @@ def mse_bias0_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -18546,11 +18546,11 @@ def mse_bias0_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -18690,11 +18690,11 @@ def mse_bias0_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -18849,11 +18849,11 @@ def mse_bias0_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -18993,11 +18993,11 @@ def mse_bias0_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -19152,11 +19152,11 @@ def mse_bias0_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -19271,11 +19271,11 @@ def mse_bias0_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -19428,11 +19428,11 @@ def mse_bias0_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_V__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_V, W_1) as a dense (numel W_V × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V*d_ff), X)
     t0 = out.view((d_V, d_V, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -19518,11 +19518,11 @@ def mse_bias0_causal0__block__W_V__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_V__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_V, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -19618,11 +19618,11 @@ def mse_bias0_causal0__frobenius__W_V__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_V__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_V, W_2) as a dense (numel W_V × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V*d_ff), X)
     t0 = out.view((d_V, d_V, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -19714,11 +19714,11 @@ def mse_bias0_causal0__block__W_V__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_V__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_V, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -19833,11 +19833,11 @@ def mse_bias0_causal0__frobenius__W_V__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__diag__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_full(W_1, W_1) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -19896,11 +19896,11 @@ def mse_bias0_causal0__diag__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_full(W_1, W_1) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -19954,11 +19954,11 @@ def mse_bias0_causal0__trace__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_1, W_Q) as a dense (numel W_1 × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_V, d_ff, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -20068,11 +20068,11 @@ def mse_bias0_causal0__block__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_1, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -20187,11 +20187,11 @@ def mse_bias0_causal0__frobenius__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_1, W_K) as a dense (numel W_1 × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_V, d_ff, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -20301,11 +20301,11 @@ def mse_bias0_causal0__block__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_1, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -20420,11 +20420,11 @@ def mse_bias0_causal0__frobenius__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_1, W_V) as a dense (numel W_1 × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V**2), X)
     t0 = out.view((d_V, d_ff, d_V, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -20525,11 +20525,11 @@ def mse_bias0_causal0__block__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_1, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -20652,11 +20652,11 @@ def mse_bias0_causal0__frobenius__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_1__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_1, W_1) as a dense (numel W_1 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -20714,11 +20714,11 @@ def mse_bias0_causal0__block__W_1__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_1__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_1, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -20778,11 +20778,11 @@ def mse_bias0_causal0__frobenius__W_1__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_1__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_1, W_2) as a dense (numel W_1 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -20849,11 +20849,11 @@ def mse_bias0_causal0__block__W_1__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_1__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_1, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -20924,11 +20924,11 @@ def mse_bias0_causal0__frobenius__W_1__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__diag__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_full(W_2, W_2) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -20985,11 +20985,11 @@ def mse_bias0_causal0__diag__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__trace__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_full(W_2, W_2) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -21041,11 +21041,11 @@ def mse_bias0_causal0__trace__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_2, W_Q) as a dense (numel W_2 × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_ff, d_V, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -21150,11 +21150,11 @@ def mse_bias0_causal0__block__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_2, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -21267,11 +21267,11 @@ def mse_bias0_causal0__frobenius__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_2, W_K) as a dense (numel W_2 × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_ff, d_V, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -21376,11 +21376,11 @@ def mse_bias0_causal0__block__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_2, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -21493,11 +21493,11 @@ def mse_bias0_causal0__frobenius__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_2, W_V) as a dense (numel W_2 × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V**2), X)
     t0 = out.view((d_ff, d_V, d_V, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -21595,11 +21595,11 @@ def mse_bias0_causal0__block__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_2, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -21717,11 +21717,11 @@ def mse_bias0_causal0__frobenius__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_2, W_1) as a dense (numel W_2 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = W_1.transpose(-1, -2)
@@ -21793,11 +21793,11 @@ def mse_bias0_causal0__block__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_2, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -21873,11 +21873,11 @@ def mse_bias0_causal0__frobenius__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__block__W_2__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_2, W_2) as a dense (numel W_2 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_ff, d_V, d_ff, d_V))
@@ -21936,11 +21936,11 @@ def mse_bias0_causal0__block__W_2__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius__W_2__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_2, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -21994,11 +21994,11 @@ def mse_bias0_causal0__frobenius__W_2__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -22150,11 +22150,11 @@ def mse_bias0_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -22318,11 +22318,11 @@ def mse_bias0_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -22561,11 +22561,11 @@ def mse_bias0_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_Q__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_Q, W_1)‖_F, ‖H_f(W_Q, W_1)‖_F, ‖H(W_Q, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -22672,11 +22672,11 @@ def mse_bias0_causal0__frobenius_split__W_Q__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_Q__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_Q, W_2)‖_F, ‖H_f(W_Q, W_2)‖_F, ‖H(W_Q, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -22780,11 +22780,11 @@ def mse_bias0_causal0__frobenius_split__W_Q__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -22950,11 +22950,11 @@ def mse_bias0_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -23107,11 +23107,11 @@ def mse_bias0_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -23352,11 +23352,11 @@ def mse_bias0_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_K__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_K, W_1)‖_F, ‖H_f(W_K, W_1)‖_F, ‖H(W_K, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -23465,11 +23465,11 @@ def mse_bias0_causal0__frobenius_split__W_K__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_K__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_K, W_2)‖_F, ‖H_f(W_K, W_2)‖_F, ‖H(W_K, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -23575,11 +23575,11 @@ def mse_bias0_causal0__frobenius_split__W_K__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -23762,11 +23762,11 @@ def mse_bias0_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -23949,11 +23949,11 @@ def mse_bias0_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -24135,11 +24135,11 @@ def mse_bias0_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_V__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_V, W_1)‖_F, ‖H_f(W_V, W_1)‖_F, ‖H(W_V, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -24240,11 +24240,11 @@ def mse_bias0_causal0__frobenius_split__W_V__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_V__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_V, W_2)‖_F, ‖H_f(W_V, W_2)‖_F, ‖H(W_V, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -24343,11 +24343,11 @@ def mse_bias0_causal0__frobenius_split__W_V__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_1__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_1, W_Q)‖_F, ‖H_f(W_1, W_Q)‖_F, ‖H(W_1, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -24468,11 +24468,11 @@ def mse_bias0_causal0__frobenius_split__W_1__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_1__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_1, W_K)‖_F, ‖H_f(W_1, W_K)‖_F, ‖H(W_1, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -24593,11 +24593,11 @@ def mse_bias0_causal0__frobenius_split__W_1__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_1__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_1, W_V)‖_F, ‖H_f(W_1, W_V)‖_F, ‖H(W_1, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -24724,11 +24724,11 @@ def mse_bias0_causal0__frobenius_split__W_1__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_1__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_1, W_1)‖_F, ‖H_f(W_1, W_1)‖_F, ‖H(W_1, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -24791,11 +24791,11 @@ def mse_bias0_causal0__frobenius_split__W_1__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_1__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_1, W_2)‖_F, ‖H_f(W_1, W_2)‖_F, ‖H(W_1, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -24871,11 +24871,11 @@ def mse_bias0_causal0__frobenius_split__W_1__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_2__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_2, W_Q)‖_F, ‖H_f(W_2, W_Q)‖_F, ‖H(W_2, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -24993,11 +24993,11 @@ def mse_bias0_causal0__frobenius_split__W_2__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_2__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_2, W_K)‖_F, ‖H_f(W_2, W_K)‖_F, ‖H(W_2, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -25115,11 +25115,11 @@ def mse_bias0_causal0__frobenius_split__W_2__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_2__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_2, W_V)‖_F, ‖H_f(W_2, W_V)‖_F, ‖H(W_2, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -25242,11 +25242,11 @@ def mse_bias0_causal0__frobenius_split__W_2__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_2__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_2, W_1)‖_F, ‖H_f(W_2, W_1)‖_F, ‖H(W_2, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -25327,11 +25327,11 @@ def mse_bias0_causal0__frobenius_split__W_2__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def mse_bias0_causal0__frobenius_split__W_2__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_2, W_2)‖_F, ‖H_f(W_2, W_2)‖_F, ‖H(W_2, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -25388,11 +25388,11 @@ def mse_bias0_causal0__frobenius_split__W_2__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def bias0_causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_1, W_2):
     """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t1 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t2 = W_2.transpose(-1, -2)
@@ -25468,11 +25468,11 @@ def bias0_causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_1, W_2):
 
 def bias0_causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_1, W_2):
     """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t1 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t2 = W_2.transpose(-1, -2)
@@ -25546,11 +25546,11 @@ def bias0_causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_1, W_2):
 
 def bias0_causal0__jacobian__W_K(X, W_Q, W_K, W_V, W_1, W_2):
     """∂vec_r F/∂vec_r W_K: dense (numel F × numel W_K); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t1 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t2 = W_2.transpose(-1, -2)
@@ -25626,11 +25626,11 @@ def bias0_causal0__jacobian__W_K(X, W_Q, W_K, W_V, W_1, W_2):
 
 def bias0_causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_1, W_2):
     """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t1 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t2 = W_2.transpose(-1, -2)
@@ -25704,11 +25704,11 @@ def bias0_causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_1, W_2):
 
 def bias0_causal0__jacobian__W_V(X, W_Q, W_K, W_V, W_1, W_2):
     """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -25785,11 +25785,11 @@ def bias0_causal0__jacobian__W_V(X, W_Q, W_K, W_V, W_1, W_2):
 
 def bias0_causal0__jacobian_compact__W_V(X, W_Q, W_K, W_V, W_1, W_2):
     """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -25866,11 +25866,11 @@ def bias0_causal0__jacobian_compact__W_V(X, W_Q, W_K, W_V, W_1, W_2):
 
 def bias0_causal0__jacobian__W_1(X, W_Q, W_K, W_V, W_1, W_2):
     """∂vec_r F/∂vec_r W_1: dense (numel F × numel W_1); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_2.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -25924,11 +25924,11 @@ def bias0_causal0__jacobian__W_1(X, W_Q, W_K, W_V, W_1, W_2):
 
 def bias0_causal0__jacobian_compact__W_1(X, W_Q, W_K, W_V, W_1, W_2):
     """∂vec_r F/∂vec_r W_1, compact (L × d_V × d_V × d_ff; row atoms → axes (0, 1), W_1 atoms → axes (2, 3)); factors over axes ((1, 3), (0, 3), (0, 2)); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_2.transpose(-1, -2)
     J = t0
     t1 = X.sum(-1, keepdim=True)
@@ -25980,11 +25980,11 @@ def bias0_causal0__jacobian_compact__W_1(X, W_Q, W_K, W_V, W_1, W_2):
 
 def bias0_causal0__jacobian__W_2(X, W_Q, W_K, W_V, W_1, W_2):
     """∂vec_r F/∂vec_r W_2: dense (numel F × numel W_2); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -26037,11 +26037,11 @@ def bias0_causal0__jacobian__W_2(X, W_Q, W_K, W_V, W_1, W_2):
 
 def bias0_causal0__jacobian_compact__W_2(X, W_Q, W_K, W_V, W_1, W_2):
     """∂vec_r F/∂vec_r W_2, compact (L × d_V × d_ff; row atoms → axes (0, 1), W_2 atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -26090,11 +26090,11 @@ def bias0_causal0__jacobian_compact__W_2(X, W_Q, W_K, W_V, W_1, W_2):
 
 def ce_bias0_causal0__loss(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -26150,11 +26150,11 @@ def ce_bias0_causal0__loss(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__gradient(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -26262,11 +26262,11 @@ def ce_bias0_causal0__gradient(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__check_inputs(X, W_Q, W_K, W_V, W_1, W_2):
     """The inputs of the layer's value checks (LayerNorm N_1, LayerNorm N_2)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -26298,11 +26298,11 @@ def ce_bias0_causal0__check_inputs(X, W_Q, W_K, W_V, W_1, W_2):
 
 def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -26588,11 +26588,11 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
 
 def ce_bias0_causal0__hvp__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -26732,11 +26732,11 @@ def ce_bias0_causal0__hvp__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_
 
 def ce_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -27079,11 +27079,11 @@ def ce_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -27185,11 +27185,11 @@ def ce_bias0_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -27287,11 +27287,11 @@ def ce_bias0_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -27393,11 +27393,11 @@ def ce_bias0_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -27508,11 +27508,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -27614,11 +27614,11 @@ def ce_bias0_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -27729,11 +27729,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -27834,11 +27834,11 @@ def ce_bias0_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -27941,11 +27941,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_Q__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_Q, W_1) as a dense (numel W_Q × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -28032,11 +28032,11 @@ def ce_bias0_causal0__block__W_Q__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_Q__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_Q, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -28130,11 +28130,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_Q__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_Q, W_2) as a dense (numel W_Q × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -28218,11 +28218,11 @@ def ce_bias0_causal0__block__W_Q__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_Q__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_Q, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -28308,11 +28308,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -28415,11 +28415,11 @@ def ce_bias0_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -28518,11 +28518,11 @@ def ce_bias0_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -28626,11 +28626,11 @@ def ce_bias0_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -28743,11 +28743,11 @@ def ce_bias0_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -28850,11 +28850,11 @@ def ce_bias0_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -28966,11 +28966,11 @@ def ce_bias0_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -29073,11 +29073,11 @@ def ce_bias0_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -29182,11 +29182,11 @@ def ce_bias0_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_K__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_K, W_1) as a dense (numel W_K × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_V, d_ff))
     t1 = W_Q.transpose(-1, -2)
@@ -29275,11 +29275,11 @@ def ce_bias0_causal0__block__W_K__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_K__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_K, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -29375,11 +29375,11 @@ def ce_bias0_causal0__frobenius__W_K__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_K__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_K, W_2) as a dense (numel W_K × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_ff, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -29465,11 +29465,11 @@ def ce_bias0_causal0__block__W_K__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_K__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_K, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -29557,11 +29557,11 @@ def ce_bias0_causal0__frobenius__W_K__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -29656,11 +29656,11 @@ def ce_bias0_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -29750,11 +29750,11 @@ def ce_bias0_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -29856,11 +29856,11 @@ def ce_bias0_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -29964,11 +29964,11 @@ def ce_bias0_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -30070,11 +30070,11 @@ def ce_bias0_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -30178,11 +30178,11 @@ def ce_bias0_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -30276,11 +30276,11 @@ def ce_bias0_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -30384,11 +30384,11 @@ def ce_bias0_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_V__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_V, W_1) as a dense (numel W_V × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V*d_ff), X)
     t0 = out.view((d_V, d_V, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -30471,11 +30471,11 @@ def ce_bias0_causal0__block__W_V__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_V__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_V, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -30560,11 +30560,11 @@ def ce_bias0_causal0__frobenius__W_V__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_V__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_V, W_2) as a dense (numel W_V × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V*d_ff), X)
     t0 = out.view((d_V, d_V, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -30644,11 +30644,11 @@ def ce_bias0_causal0__block__W_V__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_V__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_V, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -30729,11 +30729,11 @@ def ce_bias0_causal0__frobenius__W_V__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__diag__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_outer(W_1, W_1) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -30803,11 +30803,11 @@ def ce_bias0_causal0__diag__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_outer(W_1, W_1) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -30873,11 +30873,11 @@ def ce_bias0_causal0__trace__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_1__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_1, W_Q) as a dense (numel W_1 × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_V, d_ff, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -30969,11 +30969,11 @@ def ce_bias0_causal0__block__W_1__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_1__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_1, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -31072,11 +31072,11 @@ def ce_bias0_causal0__frobenius__W_1__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_1__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_1, W_K) as a dense (numel W_1 × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_V, d_ff, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -31168,11 +31168,11 @@ def ce_bias0_causal0__block__W_1__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_1__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_1, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -31271,11 +31271,11 @@ def ce_bias0_causal0__frobenius__W_1__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_1__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_1, W_V) as a dense (numel W_1 × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V**2), X)
     t0 = out.view((d_V, d_ff, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -31360,11 +31360,11 @@ def ce_bias0_causal0__block__W_1__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_1__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_1, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -31464,11 +31464,11 @@ def ce_bias0_causal0__frobenius__W_1__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_1__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_1, W_1) as a dense (numel W_1 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -31538,11 +31538,11 @@ def ce_bias0_causal0__block__W_1__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_1__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_1, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -31614,11 +31614,11 @@ def ce_bias0_causal0__frobenius__W_1__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_1__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_1, W_2) as a dense (numel W_1 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -31685,11 +31685,11 @@ def ce_bias0_causal0__block__W_1__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_1__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_1, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -31759,11 +31759,11 @@ def ce_bias0_causal0__frobenius__W_1__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__diag__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_outer(W_2, W_2) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -31829,11 +31829,11 @@ def ce_bias0_causal0__diag__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_outer(W_2, W_2) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -31895,11 +31895,11 @@ def ce_bias0_causal0__trace__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_2__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_2, W_Q) as a dense (numel W_2 × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_ff, d_V, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -31991,11 +31991,11 @@ def ce_bias0_causal0__block__W_2__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_2__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_2, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -32089,11 +32089,11 @@ def ce_bias0_causal0__frobenius__W_2__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_2__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_2, W_K) as a dense (numel W_2 × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_ff, d_V, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -32185,11 +32185,11 @@ def ce_bias0_causal0__block__W_2__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_2__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_2, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -32283,11 +32283,11 @@ def ce_bias0_causal0__frobenius__W_2__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_2__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_2, W_V) as a dense (numel W_2 × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V**2), X)
     t0 = out.view((d_ff, d_V, d_V, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -32371,11 +32371,11 @@ def ce_bias0_causal0__block__W_2__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_2__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_2, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -32469,11 +32469,11 @@ def ce_bias0_causal0__frobenius__W_2__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_2__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_2, W_1) as a dense (numel W_2 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = W_1.transpose(-1, -2)
@@ -32544,11 +32544,11 @@ def ce_bias0_causal0__block__W_2__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_2__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_2, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -32622,11 +32622,11 @@ def ce_bias0_causal0__frobenius__W_2__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_outer(W_2, W_2) as a dense (numel W_2 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -32692,11 +32692,11 @@ def ce_bias0_causal0__block__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_outer(W_2, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -32763,11 +32763,11 @@ def ce_bias0_causal0__frobenius__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -33093,11 +33093,11 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=Non
 
 def ce_bias0_causal0__hvp__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -33313,11 +33313,11 @@ def ce_bias0_causal0__hvp__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_
 
 def ce_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -33710,11 +33710,11 @@ def ce_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -33834,11 +33834,11 @@ def ce_bias0_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -33954,11 +33954,11 @@ def ce_bias0_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -34078,11 +34078,11 @@ def ce_bias0_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -34205,11 +34205,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -34335,11 +34335,11 @@ def ce_bias0_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -34468,11 +34468,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -34586,11 +34586,11 @@ def ce_bias0_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -34715,11 +34715,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_Q__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_Q, W_1) as a dense (numel W_Q × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -34803,11 +34803,11 @@ def ce_bias0_causal0__block__W_Q__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_Q__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_Q, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -34893,11 +34893,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_Q__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_Q, W_2) as a dense (numel W_Q × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -34980,11 +34980,11 @@ def ce_bias0_causal0__block__W_Q__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_Q__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_Q, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -35069,11 +35069,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -35194,11 +35194,11 @@ def ce_bias0_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -35315,11 +35315,11 @@ def ce_bias0_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -35448,11 +35448,11 @@ def ce_bias0_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -35582,11 +35582,11 @@ def ce_bias0_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -35707,11 +35707,11 @@ def ce_bias0_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -35835,11 +35835,11 @@ def ce_bias0_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -35955,11 +35955,11 @@ def ce_bias0_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -36086,11 +36086,11 @@ def ce_bias0_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_K__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_K, W_1) as a dense (numel W_K × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_V, d_ff))
     t1 = W_Q.transpose(-1, -2)
@@ -36176,11 +36176,11 @@ def ce_bias0_causal0__block__W_K__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_K__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_K, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -36268,11 +36268,11 @@ def ce_bias0_causal0__frobenius__W_K__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_K__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_K, W_2) as a dense (numel W_K × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_ff, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -36357,11 +36357,11 @@ def ce_bias0_causal0__block__W_K__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_K__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_K, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -36448,11 +36448,11 @@ def ce_bias0_causal0__frobenius__W_K__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -36546,11 +36546,11 @@ def ce_bias0_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -36640,11 +36640,11 @@ def ce_bias0_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -36770,11 +36770,11 @@ def ce_bias0_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -36922,11 +36922,11 @@ def ce_bias0_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -37052,11 +37052,11 @@ def ce_bias0_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -37204,11 +37204,11 @@ def ce_bias0_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -37302,11 +37302,11 @@ def ce_bias0_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -37403,11 +37403,11 @@ def ce_bias0_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_V__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_V, W_1) as a dense (numel W_V × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V*d_ff), X)
     t0 = out.view((d_V, d_V, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -37487,11 +37487,11 @@ def ce_bias0_causal0__block__W_V__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_V__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_V, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -37573,11 +37573,11 @@ def ce_bias0_causal0__frobenius__W_V__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_V__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_V, W_2) as a dense (numel W_V × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V*d_ff), X)
     t0 = out.view((d_V, d_V, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -37656,11 +37656,11 @@ def ce_bias0_causal0__block__W_V__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_V__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_V, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -37743,11 +37743,11 @@ def ce_bias0_causal0__frobenius__W_V__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__diag__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_functional(W_1, W_1) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     out[...] = 0
     return out
@@ -37755,22 +37755,22 @@ def ce_bias0_causal0__diag__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_functional(W_1, W_1) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_bias0_causal0__block__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_1, W_Q) as a dense (numel W_1 × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_V, d_ff, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -37865,11 +37865,11 @@ def ce_bias0_causal0__block__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_1, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -37963,11 +37963,11 @@ def ce_bias0_causal0__frobenius__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_1, W_K) as a dense (numel W_1 × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_V, d_ff, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -38062,11 +38062,11 @@ def ce_bias0_causal0__block__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_1, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -38160,11 +38160,11 @@ def ce_bias0_causal0__frobenius__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_1, W_V) as a dense (numel W_1 × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V**2), X)
     t0 = out.view((d_V, d_ff, d_V, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -38252,11 +38252,11 @@ def ce_bias0_causal0__block__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_1, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -38343,11 +38343,11 @@ def ce_bias0_causal0__frobenius__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_1__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_1, W_1) as a dense (numel W_1 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     return out
@@ -38355,22 +38355,22 @@ def ce_bias0_causal0__block__W_1__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_1__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_1, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_bias0_causal0__block__W_1__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_1, W_2) as a dense (numel W_1 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_V, d_ff, d_ff, d_V))
@@ -38439,11 +38439,11 @@ def ce_bias0_causal0__block__W_1__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_1__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_1, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -38510,11 +38510,11 @@ def ce_bias0_causal0__frobenius__W_1__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__diag__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_functional(W_2, W_2) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     out[...] = 0
     return out
@@ -38522,22 +38522,22 @@ def ce_bias0_causal0__diag__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_functional(W_2, W_2) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_bias0_causal0__block__W_2__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_2, W_Q) as a dense (numel W_2 × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_ff, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -38628,11 +38628,11 @@ def ce_bias0_causal0__block__W_2__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_2__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_2, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = X.sum(-1, keepdim=True)
@@ -38725,11 +38725,11 @@ def ce_bias0_causal0__frobenius__W_2__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_2__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_2, W_K) as a dense (numel W_2 × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_ff, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -38820,11 +38820,11 @@ def ce_bias0_causal0__block__W_2__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_2__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_2, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = X.sum(-1, keepdim=True)
@@ -38917,11 +38917,11 @@ def ce_bias0_causal0__frobenius__W_2__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_2__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_2, W_V) as a dense (numel W_2 × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V**2), X)
     t0 = out.view((d_ff, d_V, d_V, d_V))
     t1 = Y.sum(-1, keepdim=True)
@@ -39005,11 +39005,11 @@ def ce_bias0_causal0__block__W_2__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_2__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_2, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = X.sum(-1, keepdim=True)
@@ -39097,11 +39097,11 @@ def ce_bias0_causal0__frobenius__W_2__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_2__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_2, W_1) as a dense (numel W_2 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_ff, d_V, d_V, d_ff))
@@ -39171,11 +39171,11 @@ def ce_bias0_causal0__block__W_2__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_2__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_2, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = X.sum(-1, keepdim=True)
@@ -39243,11 +39243,11 @@ def ce_bias0_causal0__frobenius__W_2__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2
 
 def ce_bias0_causal0__block__W_2__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_functional(W_2, W_2) as a dense (numel W_2 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     return out
@@ -39255,22 +39255,22 @@ def ce_bias0_causal0__block__W_2__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
 
 def ce_bias0_causal0__frobenius__W_2__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_functional(W_2, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     if n_batch <= 2:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
         t0 = X.sum(-1, keepdim=True)
@@ -40223,11 +40223,11 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
 
 def ce_bias0_causal0__hvp__full(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -40468,11 +40468,11 @@ def ce_bias0_causal0__hvp__full(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_W
 
 def ce_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -41179,11 +41179,11 @@ def ce_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -41328,11 +41328,11 @@ def ce_bias0_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -41473,11 +41473,11 @@ def ce_bias0_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -41622,11 +41622,11 @@ def ce_bias0_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -41774,11 +41774,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -41929,11 +41929,11 @@ def ce_bias0_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -42087,11 +42087,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -42247,11 +42247,11 @@ def ce_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -42433,11 +42433,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_Q__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_Q, W_1) as a dense (numel W_Q × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -42542,11 +42542,11 @@ def ce_bias0_causal0__block__W_Q__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_Q__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_Q, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -42668,11 +42668,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_Q__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_Q, W_2) as a dense (numel W_Q × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -42774,11 +42774,11 @@ def ce_bias0_causal0__block__W_Q__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_Q__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_Q, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -42892,11 +42892,11 @@ def ce_bias0_causal0__frobenius__W_Q__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -43051,11 +43051,11 @@ def ce_bias0_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -43202,11 +43202,11 @@ def ce_bias0_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -43374,11 +43374,11 @@ def ce_bias0_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -43554,11 +43554,11 @@ def ce_bias0_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -43718,11 +43718,11 @@ def ce_bias0_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -43887,11 +43887,11 @@ def ce_bias0_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -44049,11 +44049,11 @@ def ce_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -44237,11 +44237,11 @@ def ce_bias0_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_K__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_K, W_1) as a dense (numel W_K × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_V, d_ff))
     t1 = W_Q.transpose(-1, -2)
@@ -44348,11 +44348,11 @@ def ce_bias0_causal0__block__W_K__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_K__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_K, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -44476,11 +44476,11 @@ def ce_bias0_causal0__frobenius__W_K__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_K__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_K, W_2) as a dense (numel W_K × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_V*d_ff), X)
     t0 = out.view((d_V, d_K, d_ff, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -44584,11 +44584,11 @@ def ce_bias0_causal0__block__W_K__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_K__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_K, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -44704,11 +44704,11 @@ def ce_bias0_causal0__frobenius__W_K__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -44828,11 +44828,11 @@ def ce_bias0_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -44948,11 +44948,11 @@ def ce_bias0_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -45105,11 +45105,11 @@ def ce_bias0_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -45277,11 +45277,11 @@ def ce_bias0_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.sum(-1, keepdim=True)
@@ -45434,11 +45434,11 @@ def ce_bias0_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -45606,11 +45606,11 @@ def ce_bias0_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -45729,11 +45729,11 @@ def ce_bias0_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -45875,11 +45875,11 @@ def ce_bias0_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_V__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_V, W_1) as a dense (numel W_V × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V*d_ff), X)
     t0 = out.view((d_V, d_V, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -45976,11 +45976,11 @@ def ce_bias0_causal0__block__W_V__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_V__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_V, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -46087,11 +46087,11 @@ def ce_bias0_causal0__frobenius__W_V__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_V__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_V, W_2) as a dense (numel W_V × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V*d_ff), X)
     t0 = out.view((d_V, d_V, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -46184,11 +46184,11 @@ def ce_bias0_causal0__block__W_V__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_V__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_V, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -46293,11 +46293,11 @@ def ce_bias0_causal0__frobenius__W_V__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__diag__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_full(W_1, W_1) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -46367,11 +46367,11 @@ def ce_bias0_causal0__diag__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_full(W_1, W_1) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -46437,11 +46437,11 @@ def ce_bias0_causal0__trace__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_1, W_Q) as a dense (numel W_1 × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_V, d_ff, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -46562,11 +46562,11 @@ def ce_bias0_causal0__block__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_1, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -46697,11 +46697,11 @@ def ce_bias0_causal0__frobenius__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_1, W_K) as a dense (numel W_1 × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_V, d_ff, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -46822,11 +46822,11 @@ def ce_bias0_causal0__block__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_1, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -46957,11 +46957,11 @@ def ce_bias0_causal0__frobenius__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_1, W_V) as a dense (numel W_1 × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V**2), X)
     t0 = out.view((d_V, d_ff, d_V, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -47072,11 +47072,11 @@ def ce_bias0_causal0__block__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_1, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -47211,11 +47211,11 @@ def ce_bias0_causal0__frobenius__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_1__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_1, W_1) as a dense (numel W_1 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_V, d_ff))
     t1 = X.sum(-1, keepdim=True)
@@ -47285,11 +47285,11 @@ def ce_bias0_causal0__block__W_1__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_1__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_1, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -47361,11 +47361,11 @@ def ce_bias0_causal0__frobenius__W_1__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_1__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_1, W_2) as a dense (numel W_1 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = X.sum(-1, keepdim=True)
@@ -47444,11 +47444,11 @@ def ce_bias0_causal0__block__W_1__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_1__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_1, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -47533,11 +47533,11 @@ def ce_bias0_causal0__frobenius__W_1__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__diag__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """diag H_full(W_2, W_2) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -47603,11 +47603,11 @@ def ce_bias0_causal0__diag__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__trace__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """tr H_full(W_2, W_2) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -47669,11 +47669,11 @@ def ce_bias0_causal0__trace__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_2, W_Q) as a dense (numel W_2 × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_ff, d_V, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -47789,11 +47789,11 @@ def ce_bias0_causal0__block__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_2, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -47921,11 +47921,11 @@ def ce_bias0_causal0__frobenius__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_2, W_K) as a dense (numel W_2 × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_K*d_V), X)
     t0 = out.view((d_ff, d_V, d_V, d_K))
     t1 = W_1.transpose(-1, -2)
@@ -48041,11 +48041,11 @@ def ce_bias0_causal0__block__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_2, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -48173,11 +48173,11 @@ def ce_bias0_causal0__frobenius__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_2, W_V) as a dense (numel W_2 × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V**2), X)
     t0 = out.view((d_ff, d_V, d_V, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -48282,11 +48282,11 @@ def ce_bias0_causal0__block__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_2, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -48411,11 +48411,11 @@ def ce_bias0_causal0__frobenius__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_2, W_1) as a dense (numel W_2 × numel W_1) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = W_1.transpose(-1, -2)
@@ -48499,11 +48499,11 @@ def ce_bias0_causal0__block__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_2, W_1)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -48593,11 +48593,11 @@ def ce_bias0_causal0__frobenius__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__block__W_2__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """H_full(W_2, W_2) as a dense (numel W_2 × numel W_2) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
@@ -48663,11 +48663,11 @@ def ce_bias0_causal0__block__W_2__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius__W_2__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """‖H_full(W_2, W_2)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -48734,11 +48734,11 @@ def ce_bias0_causal0__frobenius__W_2__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -48907,11 +48907,11 @@ def ce_bias0_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -49092,11 +49092,11 @@ def ce_bias0_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -49285,11 +49285,11 @@ def ce_bias0_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_Q__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_Q, W_1)‖_F, ‖H_f(W_Q, W_1)‖_F, ‖H(W_Q, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -49416,11 +49416,11 @@ def ce_bias0_causal0__frobenius_split__W_Q__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_Q__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_Q, W_2)‖_F, ‖H_f(W_Q, W_2)‖_F, ‖H(W_Q, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -49535,11 +49535,11 @@ def ce_bias0_causal0__frobenius_split__W_Q__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -49723,11 +49723,11 @@ def ce_bias0_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -49897,11 +49897,11 @@ def ce_bias0_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -50092,11 +50092,11 @@ def ce_bias0_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_K__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_K, W_1)‖_F, ‖H_f(W_K, W_1)‖_F, ‖H(W_K, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -50225,11 +50225,11 @@ def ce_bias0_causal0__frobenius_split__W_K__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_K__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_K, W_2)‖_F, ‖H_f(W_K, W_2)‖_F, ‖H(W_K, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -50346,11 +50346,11 @@ def ce_bias0_causal0__frobenius_split__W_K__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -50546,11 +50546,11 @@ def ce_bias0_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -50746,11 +50746,11 @@ def ce_bias0_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -50897,11 +50897,11 @@ def ce_bias0_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_V__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_V, W_1)‖_F, ‖H_f(W_V, W_1)‖_F, ‖H(W_V, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -51013,11 +51013,11 @@ def ce_bias0_causal0__frobenius_split__W_V__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_V__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_V, W_2)‖_F, ‖H_f(W_V, W_2)‖_F, ‖H(W_V, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -51127,11 +51127,11 @@ def ce_bias0_causal0__frobenius_split__W_V__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_1__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_1, W_Q)‖_F, ‖H_f(W_1, W_Q)‖_F, ‖H(W_1, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -51269,11 +51269,11 @@ def ce_bias0_causal0__frobenius_split__W_1__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_1__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_1, W_K)‖_F, ‖H_f(W_1, W_K)‖_F, ‖H(W_1, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -51411,11 +51411,11 @@ def ce_bias0_causal0__frobenius_split__W_1__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_1__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_1, W_V)‖_F, ‖H_f(W_1, W_V)‖_F, ‖H(W_1, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -51550,11 +51550,11 @@ def ce_bias0_causal0__frobenius_split__W_1__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_1__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_1, W_1)‖_F, ‖H_f(W_1, W_1)‖_F, ‖H(W_1, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -51629,11 +51629,11 @@ def ce_bias0_causal0__frobenius_split__W_1__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_1__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_1, W_2)‖_F, ‖H_f(W_1, W_2)‖_F, ‖H(W_1, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = (1/d_V) * t1
@@ -51723,11 +51723,11 @@ def ce_bias0_causal0__frobenius_split__W_1__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_2__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_2, W_Q)‖_F, ‖H_f(W_2, W_Q)‖_F, ‖H(W_2, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -51860,11 +51860,11 @@ def ce_bias0_causal0__frobenius_split__W_2__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_2__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_2, W_K)‖_F, ‖H_f(W_2, W_K)‖_F, ‖H(W_2, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -51997,11 +51997,11 @@ def ce_bias0_causal0__frobenius_split__W_2__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_2__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_2, W_V)‖_F, ‖H_f(W_2, W_V)‖_F, ‖H(W_2, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -52131,11 +52131,11 @@ def ce_bias0_causal0__frobenius_split__W_2__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_2__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_2, W_1)‖_F, ‖H_f(W_2, W_1)‖_F, ‖H(W_2, W_1)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -52230,11 +52230,11 @@ def ce_bias0_causal0__frobenius_split__W_2__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
 
 def ce_bias0_causal0__frobenius_split__W_2__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     """(‖H_o(W_2, W_2)‖_F, ‖H_f(W_2, W_2)‖_F, ‖H(W_2, W_2)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    d_ff = W_1.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    d_ff = int(W_1.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_1.transpose(-1, -2)
     t1 = X.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)

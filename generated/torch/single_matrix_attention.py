@@ -34,9 +34,9 @@ def _empty(shape, like):
 
 def mse_causal0__loss(X, W_QK, W_V, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -54,9 +54,9 @@ def mse_causal0__loss(X, W_QK, W_V, Y):
 
 def mse_causal0__gradient(X, W_QK, W_V, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -82,9 +82,9 @@ def mse_causal0__gradient(X, W_QK, W_V, Y):
 
 def mse_causal0__hessian__outer(X, W_QK, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_QK, W_V."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
@@ -133,9 +133,9 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y, out=None):
 
 def mse_causal0__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -164,9 +164,9 @@ def mse_causal0__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
 
 def mse_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -216,9 +216,9 @@ def mse_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
 
 def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     """diag H_outer(W_QK, W_QK) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -244,9 +244,9 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
 
 def mse_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     """tr H_outer(W_QK, W_QK) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -268,9 +268,9 @@ def mse_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
 
 def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     """H_outer(W_QK, W_QK) as a dense (numel W_QK × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -296,9 +296,9 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_QK, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -325,9 +325,9 @@ def mse_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
 
 def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     """H_outer(W_QK, W_V) as a dense (numel W_QK × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -352,9 +352,9 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_QK, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -380,9 +380,9 @@ def mse_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
 
 def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -402,9 +402,9 @@ def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
 
 def mse_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -419,9 +419,9 @@ def mse_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
 
 def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     """H_outer(W_V, W_QK) as a dense (numel W_V × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -448,9 +448,9 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_V, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -478,9 +478,9 @@ def mse_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
 
 def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
@@ -502,9 +502,9 @@ def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -521,9 +521,9 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
 
 def mse_causal0__hessian__functional(X, W_QK, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_QK, W_V."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
@@ -579,9 +579,9 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y, out=None):
 
 def mse_causal0__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -619,9 +619,9 @@ def mse_causal0__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
 
 def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -670,9 +670,9 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
 
 def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     """diag H_functional(W_QK, W_QK) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -707,9 +707,9 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
 
 def mse_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     """tr H_functional(W_QK, W_QK) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -739,9 +739,9 @@ def mse_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
 
 def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     """H_functional(W_QK, W_QK) as a dense (numel W_QK × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -776,9 +776,9 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_QK, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -812,9 +812,9 @@ def mse_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
 
 def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     """H_functional(W_QK, W_V) as a dense (numel W_QK × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -844,9 +844,9 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_QK, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -876,9 +876,9 @@ def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
 
 def mse_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     out[...] = 0
     return out
@@ -886,18 +886,18 @@ def mse_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
 
 def mse_causal0__trace__W_V__functional(X, W_QK, W_V, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     """H_functional(W_V, W_QK) as a dense (numel W_V × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -928,9 +928,9 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_V, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -961,9 +961,9 @@ def mse_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
 
 def mse_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
@@ -971,18 +971,18 @@ def mse_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_QK, W_V."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
@@ -1063,9 +1063,9 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
 
 def mse_causal0__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1111,9 +1111,9 @@ def mse_causal0__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
 
 def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1204,9 +1204,9 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
 
 def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     """diag H_full(W_QK, W_QK) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -1252,9 +1252,9 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
 
 def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     """tr H_full(W_QK, W_QK) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1293,9 +1293,9 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
 
 def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     """H_full(W_QK, W_QK) as a dense (numel W_QK × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -1346,9 +1346,9 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     """‖H_full(W_QK, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1398,9 +1398,9 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
 
 def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     """H_full(W_QK, W_V) as a dense (numel W_QK × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -1434,9 +1434,9 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     """‖H_full(W_QK, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1479,9 +1479,9 @@ def mse_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
 
 def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -1501,9 +1501,9 @@ def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
 
 def mse_causal0__trace__W_V__full(X, W_QK, W_V, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1518,9 +1518,9 @@ def mse_causal0__trace__W_V__full(X, W_QK, W_V, Y):
 
 def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     """H_full(W_V, W_QK) as a dense (numel W_V × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -1557,9 +1557,9 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     """‖H_full(W_V, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1605,9 +1605,9 @@ def mse_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
 
 def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
@@ -1629,9 +1629,9 @@ def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1648,9 +1648,9 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     """(‖H_o(W_QK, W_QK)‖_F, ‖H_f(W_QK, W_QK)‖_F, ‖H(W_QK, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1705,9 +1705,9 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     """(‖H_o(W_QK, W_V)‖_F, ‖H_f(W_QK, W_V)‖_F, ‖H(W_QK, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1755,9 +1755,9 @@ def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     """(‖H_o(W_V, W_QK)‖_F, ‖H_f(W_V, W_QK)‖_F, ‖H(W_V, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1808,9 +1808,9 @@ def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
 
 def mse_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1830,9 +1830,9 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
 
 def causal0__jacobian__W_QK(X, W_QK, W_V):
     """∂vec_r F/∂vec_r W_QK: dense (numel F × numel W_QK); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     out = _empty((n_batch, L*d_V, d_V**2,), X)
@@ -1855,9 +1855,9 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
 
 def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
     """∂vec_r F/∂vec_r W_QK, compact (L × d_V × d_V × d_V; row atoms → axes (0, 1), W_QK atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     J = _empty((n_batch, L, d_V, d_V, d_V,), X)
@@ -1880,9 +1880,9 @@ def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
 
 def causal0__jacobian__W_V(X, W_QK, W_V):
     """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1900,9 +1900,9 @@ def causal0__jacobian__W_V(X, W_QK, W_V):
 
 def causal0__jacobian_compact__W_V(X, W_QK, W_V):
     """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1916,9 +1916,9 @@ def causal0__jacobian_compact__W_V(X, W_QK, W_V):
 
 def mse_causal1__loss(X, W_QK, W_V, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1938,9 +1938,9 @@ def mse_causal1__loss(X, W_QK, W_V, Y):
 
 def mse_causal1__gradient(X, W_QK, W_V, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -1968,9 +1968,9 @@ def mse_causal1__gradient(X, W_QK, W_V, Y):
 
 def mse_causal1__hessian__outer(X, W_QK, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_QK, W_V."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
@@ -2021,9 +2021,9 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y, out=None):
 
 def mse_causal1__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2054,9 +2054,9 @@ def mse_causal1__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
 
 def mse_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2108,9 +2108,9 @@ def mse_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
 
 def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     """diag H_outer(W_QK, W_QK) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -2138,9 +2138,9 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
 
 def mse_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     """tr H_outer(W_QK, W_QK) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2164,9 +2164,9 @@ def mse_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
 
 def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     """H_outer(W_QK, W_QK) as a dense (numel W_QK × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -2194,9 +2194,9 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_QK, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2225,9 +2225,9 @@ def mse_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
 
 def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     """H_outer(W_QK, W_V) as a dense (numel W_QK × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -2254,9 +2254,9 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_QK, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2284,9 +2284,9 @@ def mse_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
 
 def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -2308,9 +2308,9 @@ def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
 
 def mse_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2327,9 +2327,9 @@ def mse_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
 
 def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     """H_outer(W_V, W_QK) as a dense (numel W_V × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -2358,9 +2358,9 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_V, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2390,9 +2390,9 @@ def mse_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
 
 def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
@@ -2416,9 +2416,9 @@ def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2437,9 +2437,9 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
 
 def mse_causal1__hessian__functional(X, W_QK, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_QK, W_V."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
@@ -2497,9 +2497,9 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y, out=None):
 
 def mse_causal1__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2539,9 +2539,9 @@ def mse_causal1__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
 
 def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2592,9 +2592,9 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
 
 def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     """diag H_functional(W_QK, W_QK) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -2631,9 +2631,9 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
 
 def mse_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     """tr H_functional(W_QK, W_QK) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2665,9 +2665,9 @@ def mse_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
 
 def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     """H_functional(W_QK, W_QK) as a dense (numel W_QK × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -2704,9 +2704,9 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_QK, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2742,9 +2742,9 @@ def mse_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
 
 def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     """H_functional(W_QK, W_V) as a dense (numel W_QK × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -2776,9 +2776,9 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_QK, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2810,9 +2810,9 @@ def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
 
 def mse_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     out[...] = 0
     return out
@@ -2820,18 +2820,18 @@ def mse_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
 
 def mse_causal1__trace__W_V__functional(X, W_QK, W_V, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     """H_functional(W_V, W_QK) as a dense (numel W_V × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -2864,9 +2864,9 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_V, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -2899,9 +2899,9 @@ def mse_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
 
 def mse_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
@@ -2909,18 +2909,18 @@ def mse_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_QK, W_V."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
@@ -3003,9 +3003,9 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
 
 def mse_causal1__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3053,9 +3053,9 @@ def mse_causal1__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
 
 def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3148,9 +3148,9 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
 
 def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     """diag H_full(W_QK, W_QK) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -3198,9 +3198,9 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
 
 def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     """tr H_full(W_QK, W_QK) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3241,9 +3241,9 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
 
 def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     """H_full(W_QK, W_QK) as a dense (numel W_QK × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -3296,9 +3296,9 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     """‖H_full(W_QK, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3350,9 +3350,9 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
 
 def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     """H_full(W_QK, W_V) as a dense (numel W_QK × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -3388,9 +3388,9 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     """‖H_full(W_QK, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3435,9 +3435,9 @@ def mse_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
 
 def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -3459,9 +3459,9 @@ def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
 
 def mse_causal1__trace__W_V__full(X, W_QK, W_V, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3478,9 +3478,9 @@ def mse_causal1__trace__W_V__full(X, W_QK, W_V, Y):
 
 def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     """H_full(W_V, W_QK) as a dense (numel W_V × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -3519,9 +3519,9 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     """‖H_full(W_V, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3569,9 +3569,9 @@ def mse_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
 
 def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
@@ -3595,9 +3595,9 @@ def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3616,9 +3616,9 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     """(‖H_o(W_QK, W_QK)‖_F, ‖H_f(W_QK, W_QK)‖_F, ‖H(W_QK, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3675,9 +3675,9 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     """(‖H_o(W_QK, W_V)‖_F, ‖H_f(W_QK, W_V)‖_F, ‖H(W_QK, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3727,9 +3727,9 @@ def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     """(‖H_o(W_V, W_QK)‖_F, ‖H_f(W_V, W_QK)‖_F, ‖H(W_V, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3782,9 +3782,9 @@ def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
 
 def mse_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3806,9 +3806,9 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
 
 def causal1__jacobian__W_QK(X, W_QK, W_V):
     """∂vec_r F/∂vec_r W_QK: dense (numel F × numel W_QK); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     out = _empty((n_batch, L*d_V, d_V**2,), X)
@@ -3833,9 +3833,9 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
 
 def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
     """∂vec_r F/∂vec_r W_QK, compact (L × d_V × d_V × d_V; row atoms → axes (0, 1), W_QK atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     J = _empty((n_batch, L, d_V, d_V, d_V,), X)
@@ -3860,9 +3860,9 @@ def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
 
 def causal1__jacobian__W_V(X, W_QK, W_V):
     """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3882,9 +3882,9 @@ def causal1__jacobian__W_V(X, W_QK, W_V):
 
 def causal1__jacobian_compact__W_V(X, W_QK, W_V):
     """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3900,9 +3900,9 @@ def causal1__jacobian_compact__W_V(X, W_QK, W_V):
 
 def ce_causal0__loss(X, W_QK, W_V, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3921,9 +3921,9 @@ def ce_causal0__loss(X, W_QK, W_V, Y):
 
 def ce_causal0__gradient(X, W_QK, W_V, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -3954,9 +3954,9 @@ def ce_causal0__gradient(X, W_QK, W_V, Y):
 
 def ce_causal0__hessian__outer(X, W_QK, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_QK, W_V."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
@@ -4012,9 +4012,9 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y, out=None):
 
 def ce_causal0__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -4052,9 +4052,9 @@ def ce_causal0__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
 
 def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -4117,9 +4117,9 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
 
 def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     """diag H_outer(W_QK, W_QK) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -4157,9 +4157,9 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
 
 def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     """tr H_outer(W_QK, W_QK) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -4193,9 +4193,9 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
 
 def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     """H_outer(W_QK, W_QK) as a dense (numel W_QK × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -4233,9 +4233,9 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_QK, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -4277,9 +4277,9 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
 
 def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     """H_outer(W_QK, W_V) as a dense (numel W_QK × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -4314,9 +4314,9 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_QK, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -4351,9 +4351,9 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
 
 def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -4381,9 +4381,9 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
 
 def ce_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -4407,9 +4407,9 @@ def ce_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
 
 def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     """H_outer(W_V, W_QK) as a dense (numel W_V × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -4446,9 +4446,9 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_V, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -4485,9 +4485,9 @@ def ce_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
 
 def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -4515,9 +4515,9 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -4546,9 +4546,9 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
 
 def ce_causal0__hessian__functional(X, W_QK, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_QK, W_V."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
@@ -4609,9 +4609,9 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y, out=None):
 
 def ce_causal0__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -4654,9 +4654,9 @@ def ce_causal0__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
 
 def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -4710,9 +4710,9 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
 
 def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     """diag H_functional(W_QK, W_QK) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -4752,9 +4752,9 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
 
 def ce_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     """tr H_functional(W_QK, W_QK) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -4789,9 +4789,9 @@ def ce_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
 
 def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     """H_functional(W_QK, W_QK) as a dense (numel W_QK × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -4831,9 +4831,9 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_QK, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -4872,9 +4872,9 @@ def ce_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
 
 def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     """H_functional(W_QK, W_V) as a dense (numel W_QK × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -4909,9 +4909,9 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_QK, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -4946,9 +4946,9 @@ def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
 
 def ce_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     out[...] = 0
     return out
@@ -4956,18 +4956,18 @@ def ce_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
 
 def ce_causal0__trace__W_V__functional(X, W_QK, W_V, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     """H_functional(W_V, W_QK) as a dense (numel W_V × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = Y.sum(-1, keepdim=True)
@@ -5003,9 +5003,9 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_V, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = X.transpose(-1, -2)
@@ -5041,9 +5041,9 @@ def ce_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
 
 def ce_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
@@ -5051,18 +5051,18 @@ def ce_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_QK, W_V."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
@@ -5152,9 +5152,9 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
 
 def ce_causal0__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -5210,9 +5210,9 @@ def ce_causal0__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
 
 def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -5318,9 +5318,9 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
 
 def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     """diag H_full(W_QK, W_QK) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -5378,9 +5378,9 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
 
 def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     """tr H_full(W_QK, W_QK) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -5431,9 +5431,9 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
 
 def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     """H_full(W_QK, W_QK) as a dense (numel W_QK × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -5496,9 +5496,9 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     """‖H_full(W_QK, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -5563,9 +5563,9 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
 
 def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     """H_full(W_QK, W_V) as a dense (numel W_QK × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -5611,9 +5611,9 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     """‖H_full(W_QK, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -5668,9 +5668,9 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
 
 def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -5698,9 +5698,9 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
 
 def ce_causal0__trace__W_V__full(X, W_QK, W_V, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -5724,9 +5724,9 @@ def ce_causal0__trace__W_V__full(X, W_QK, W_V, Y):
 
 def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     """H_full(W_V, W_QK) as a dense (numel W_V × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = Y.sum(-1, keepdim=True)
@@ -5775,9 +5775,9 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     """‖H_full(W_V, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = X.transpose(-1, -2)
@@ -5833,9 +5833,9 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
 
 def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -5863,9 +5863,9 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -5894,9 +5894,9 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     """(‖H_o(W_QK, W_QK)‖_F, ‖H_f(W_QK, W_QK)‖_F, ‖H(W_QK, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -5966,9 +5966,9 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     """(‖H_o(W_QK, W_V)‖_F, ‖H_f(W_QK, W_V)‖_F, ‖H(W_QK, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6028,9 +6028,9 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     """(‖H_o(W_V, W_QK)‖_F, ‖H_f(W_V, W_QK)‖_F, ‖H(W_V, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6093,9 +6093,9 @@ def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
 
 def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6127,9 +6127,9 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
 
 def ce_causal1__loss(X, W_QK, W_V, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6150,9 +6150,9 @@ def ce_causal1__loss(X, W_QK, W_V, Y):
 
 def ce_causal1__gradient(X, W_QK, W_V, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6185,9 +6185,9 @@ def ce_causal1__gradient(X, W_QK, W_V, Y):
 
 def ce_causal1__hessian__outer(X, W_QK, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_QK, W_V."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
@@ -6245,9 +6245,9 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y, out=None):
 
 def ce_causal1__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6287,9 +6287,9 @@ def ce_causal1__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
 
 def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6354,9 +6354,9 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
 
 def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     """diag H_outer(W_QK, W_QK) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -6396,9 +6396,9 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
 
 def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     """tr H_outer(W_QK, W_QK) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6434,9 +6434,9 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
 
 def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     """H_outer(W_QK, W_QK) as a dense (numel W_QK × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -6476,9 +6476,9 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_QK, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6522,9 +6522,9 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
 
 def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     """H_outer(W_QK, W_V) as a dense (numel W_QK × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -6561,9 +6561,9 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_QK, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6600,9 +6600,9 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
 
 def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -6632,9 +6632,9 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
 
 def ce_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6660,9 +6660,9 @@ def ce_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
 
 def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     """H_outer(W_V, W_QK) as a dense (numel W_V × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -6701,9 +6701,9 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_V, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6742,9 +6742,9 @@ def ce_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
 
 def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -6774,9 +6774,9 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6807,9 +6807,9 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
 
 def ce_causal1__hessian__functional(X, W_QK, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_QK, W_V."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
@@ -6872,9 +6872,9 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y, out=None):
 
 def ce_causal1__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6919,9 +6919,9 @@ def ce_causal1__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
 
 def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -6977,9 +6977,9 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
 
 def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     """diag H_functional(W_QK, W_QK) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -7021,9 +7021,9 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
 
 def ce_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     """tr H_functional(W_QK, W_QK) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -7060,9 +7060,9 @@ def ce_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
 
 def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     """H_functional(W_QK, W_QK) as a dense (numel W_QK × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -7104,9 +7104,9 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_QK, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -7147,9 +7147,9 @@ def ce_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
 
 def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     """H_functional(W_QK, W_V) as a dense (numel W_QK × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -7186,9 +7186,9 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_QK, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -7225,9 +7225,9 @@ def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
 
 def ce_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     out[...] = 0
     return out
@@ -7235,18 +7235,18 @@ def ce_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
 
 def ce_causal1__trace__W_V__functional(X, W_QK, W_V, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     """H_functional(W_V, W_QK) as a dense (numel W_V × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = Y.sum(-1, keepdim=True)
@@ -7284,9 +7284,9 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_V, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = X.transpose(-1, -2)
@@ -7324,9 +7324,9 @@ def ce_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
 
 def ce_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
@@ -7334,18 +7334,18 @@ def ce_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_QK, W_V."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
@@ -7437,9 +7437,9 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
 
 def ce_causal1__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -7497,9 +7497,9 @@ def ce_causal1__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
 
 def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -7607,9 +7607,9 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
 
 def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     """diag H_full(W_QK, W_QK) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -7669,9 +7669,9 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
 
 def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     """tr H_full(W_QK, W_QK) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -7724,9 +7724,9 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
 
 def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     """H_full(W_QK, W_QK) as a dense (numel W_QK × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -7791,9 +7791,9 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     """‖H_full(W_QK, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -7860,9 +7860,9 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
 
 def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     """H_full(W_QK, W_V) as a dense (numel W_QK × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -7910,9 +7910,9 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     """‖H_full(W_QK, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -7969,9 +7969,9 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
 
 def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -8001,9 +8001,9 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
 
 def ce_causal1__trace__W_V__full(X, W_QK, W_V, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -8029,9 +8029,9 @@ def ce_causal1__trace__W_V__full(X, W_QK, W_V, Y):
 
 def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     """H_full(W_V, W_QK) as a dense (numel W_V × numel W_QK) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = Y.sum(-1, keepdim=True)
@@ -8082,9 +8082,9 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     """‖H_full(W_V, W_QK)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = X.transpose(-1, -2)
@@ -8142,9 +8142,9 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
 
 def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
@@ -8174,9 +8174,9 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -8207,9 +8207,9 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     """(‖H_o(W_QK, W_QK)‖_F, ‖H_f(W_QK, W_QK)‖_F, ‖H(W_QK, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -8281,9 +8281,9 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     """(‖H_o(W_QK, W_V)‖_F, ‖H_f(W_QK, W_V)‖_F, ‖H(W_QK, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -8345,9 +8345,9 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     """(‖H_o(W_V, W_QK)‖_F, ‖H_f(W_V, W_QK)‖_F, ‖H(W_V, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1
@@ -8412,9 +8412,9 @@ def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
 
 def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_QK @ t0
     t2 = X @ t1

@@ -34,11 +34,11 @@ def _empty(shape, like):
 
 def mse_causal0__loss(X, W_Q, W_K, W_V, W_O, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -60,11 +60,11 @@ def mse_causal0__loss(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__gradient(X, W_Q, W_K, W_V, W_O, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -105,11 +105,11 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -244,11 +244,11 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y, out=None):
 
 def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -299,11 +299,11 @@ def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O
 
 def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -445,11 +445,11 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -483,11 +483,11 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -517,11 +517,11 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -555,11 +555,11 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -596,11 +596,11 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -634,11 +634,11 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -675,11 +675,11 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -711,11 +711,11 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -749,11 +749,11 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_O) as a dense (numel W_Q × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -784,11 +784,11 @@ def mse_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -821,11 +821,11 @@ def mse_causal0__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -860,11 +860,11 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -895,11 +895,11 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -934,11 +934,11 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -976,11 +976,11 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -1015,11 +1015,11 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -1057,11 +1057,11 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_Q.transpose(-1, -2)
@@ -1094,11 +1094,11 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -1133,11 +1133,11 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_O) as a dense (numel W_K × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -1169,11 +1169,11 @@ def mse_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -1207,11 +1207,11 @@ def mse_causal0__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -1235,11 +1235,11 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1259,11 +1259,11 @@ def mse_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -1297,11 +1297,11 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1337,11 +1337,11 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -1375,11 +1375,11 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1415,11 +1415,11 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -1443,11 +1443,11 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1471,11 +1471,11 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_O) as a dense (numel W_V × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -1498,11 +1498,11 @@ def mse_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -1525,11 +1525,11 @@ def mse_causal0__frobenius__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_O, W_O) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_H, d_V))
     t1 = W_V.transpose(-1, -2)
@@ -1555,11 +1555,11 @@ def mse_causal0__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__trace__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_O, W_O) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -1580,11 +1580,11 @@ def mse_causal0__trace__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_Q) as a dense (numel W_O × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_V.transpose(-1, -2)
@@ -1618,11 +1618,11 @@ def mse_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -1658,11 +1658,11 @@ def mse_causal0__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_K) as a dense (numel W_O × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_V.transpose(-1, -2)
@@ -1696,11 +1696,11 @@ def mse_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -1736,11 +1736,11 @@ def mse_causal0__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_V) as a dense (numel W_O × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_H))
     t1 = W_V.transpose(-1, -2)
@@ -1765,11 +1765,11 @@ def mse_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -1794,11 +1794,11 @@ def mse_causal0__frobenius__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_O) as a dense (numel W_O × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     t0 = out.view((d_H, d_V, d_H, d_V))
@@ -1826,11 +1826,11 @@ def mse_causal0__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -1853,11 +1853,11 @@ def mse_causal0__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -2002,11 +2002,11 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
 
 def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -2079,11 +2079,11 @@ def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, 
 
 def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -2227,11 +2227,11 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -2273,11 +2273,11 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -2315,11 +2315,11 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -2361,11 +2361,11 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -2409,11 +2409,11 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -2461,11 +2461,11 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -2515,11 +2515,11 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -2555,11 +2555,11 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -2597,11 +2597,11 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_O) as a dense (numel W_Q × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -2636,11 +2636,11 @@ def mse_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -2677,11 +2677,11 @@ def mse_causal0__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -2725,11 +2725,11 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -2769,11 +2769,11 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -2823,11 +2823,11 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -2879,11 +2879,11 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -2927,11 +2927,11 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -2976,11 +2976,11 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_Q.transpose(-1, -2)
@@ -3018,11 +3018,11 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -3061,11 +3061,11 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_O) as a dense (numel W_K × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -3101,11 +3101,11 @@ def mse_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -3143,11 +3143,11 @@ def mse_causal0__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     out[...] = 0
     return out
@@ -3155,22 +3155,22 @@ def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -3206,11 +3206,11 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3248,11 +3248,11 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -3289,11 +3289,11 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3331,11 +3331,11 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     return out
@@ -3343,22 +3343,22 @@ def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_O) as a dense (numel W_V × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_H, d_H, d_V))
@@ -3389,11 +3389,11 @@ def mse_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3419,11 +3419,11 @@ def mse_causal0__frobenius__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__diag__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_O, W_O) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     out[...] = 0
     return out
@@ -3431,22 +3431,22 @@ def mse_causal0__diag__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__trace__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_O, W_O) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_Q) as a dense (numel W_O × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -3483,11 +3483,11 @@ def mse_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3526,11 +3526,11 @@ def mse_causal0__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_K) as a dense (numel W_O × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -3567,11 +3567,11 @@ def mse_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3610,11 +3610,11 @@ def mse_causal0__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_V) as a dense (numel W_O × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     t0 = out.view((d_H, d_V, d_V, d_H))
@@ -3645,11 +3645,11 @@ def mse_causal0__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -3675,11 +3675,11 @@ def mse_causal0__frobenius__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_O) as a dense (numel W_O × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     return out
@@ -3687,22 +3687,22 @@ def mse_causal0__block__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -3939,11 +3939,11 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
 
 def mse_causal0__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -4029,11 +4029,11 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
 
 def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4329,11 +4329,11 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -4389,11 +4389,11 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4442,11 +4442,11 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -4507,11 +4507,11 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4575,11 +4575,11 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -4645,11 +4645,11 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -4726,11 +4726,11 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -4773,11 +4773,11 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4830,11 +4830,11 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_O) as a dense (numel W_Q × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -4875,11 +4875,11 @@ def mse_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -4932,11 +4932,11 @@ def mse_causal0__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -4993,11 +4993,11 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -5048,11 +5048,11 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -5121,11 +5121,11 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -5204,11 +5204,11 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -5270,11 +5270,11 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -5339,11 +5339,11 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_Q.transpose(-1, -2)
@@ -5388,11 +5388,11 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -5446,11 +5446,11 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_O) as a dense (numel W_K × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -5492,11 +5492,11 @@ def mse_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -5548,11 +5548,11 @@ def mse_causal0__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -5576,11 +5576,11 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -5600,11 +5600,11 @@ def mse_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -5650,11 +5650,11 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -5710,11 +5710,11 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -5760,11 +5760,11 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -5820,11 +5820,11 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -5848,11 +5848,11 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -5876,11 +5876,11 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_O) as a dense (numel W_V × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -5913,11 +5913,11 @@ def mse_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -5948,11 +5948,11 @@ def mse_causal0__frobenius__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_O, W_O) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_H, d_V))
     t1 = W_V.transpose(-1, -2)
@@ -5978,11 +5978,11 @@ def mse_causal0__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__trace__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_O, W_O) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -6003,11 +6003,11 @@ def mse_causal0__trace__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_Q) as a dense (numel W_O × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_V.transpose(-1, -2)
@@ -6053,11 +6053,11 @@ def mse_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -6114,11 +6114,11 @@ def mse_causal0__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_K) as a dense (numel W_O × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_V.transpose(-1, -2)
@@ -6163,11 +6163,11 @@ def mse_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -6222,11 +6222,11 @@ def mse_causal0__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_V) as a dense (numel W_O × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_H))
     t1 = W_V.transpose(-1, -2)
@@ -6263,11 +6263,11 @@ def mse_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -6301,11 +6301,11 @@ def mse_causal0__frobenius__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_O) as a dense (numel W_O × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     t0 = out.view((d_H, d_V, d_H, d_V))
@@ -6333,11 +6333,11 @@ def mse_causal0__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -6360,11 +6360,11 @@ def mse_causal0__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6433,11 +6433,11 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6518,11 +6518,11 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6580,11 +6580,11 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_O)‖_F, ‖H_f(W_Q, W_O)‖_F, ‖H(W_Q, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6641,11 +6641,11 @@ def mse_causal0__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -6728,11 +6728,11 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -6802,11 +6802,11 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -6865,11 +6865,11 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_O)‖_F, ‖H_f(W_K, W_O)‖_F, ‖H(W_K, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -6925,11 +6925,11 @@ def mse_causal0__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -6990,11 +6990,11 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7055,11 +7055,11 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7086,11 +7086,11 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_O)‖_F, ‖H_f(W_V, W_O)‖_F, ‖H(W_V, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7125,11 +7125,11 @@ def mse_causal0__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_Q)‖_F, ‖H_f(W_O, W_Q)‖_F, ‖H(W_O, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -7191,11 +7191,11 @@ def mse_causal0__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_K)‖_F, ‖H_f(W_O, W_K)‖_F, ‖H(W_O, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -7255,11 +7255,11 @@ def mse_causal0__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_O__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_V)‖_F, ‖H_f(W_O, W_V)‖_F, ‖H(W_O, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -7298,11 +7298,11 @@ def mse_causal0__frobenius_split__W_O__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal0__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_O)‖_F, ‖H_f(W_O, W_O)‖_F, ‖H(W_O, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -7328,11 +7328,11 @@ def mse_causal0__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_O.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7363,11 +7363,11 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
 
 def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_O.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7398,11 +7398,11 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
 
 def causal0__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_K: dense (numel F × numel W_K); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_O.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7433,11 +7433,11 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
 
 def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_O.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7468,11 +7468,11 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
 
 def causal0__jacobian__W_V(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7494,11 +7494,11 @@ def causal0__jacobian__W_V(X, W_Q, W_K, W_V, W_O):
 
 def causal0__jacobian_compact__W_V(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V × d_H; row atoms → axes (0, 1), W_V atoms → axes (2, 3)); factors over axes ((0, 2), (1, 3)); per sequence."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7517,11 +7517,11 @@ def causal0__jacobian_compact__W_V(X, W_Q, W_K, W_V, W_O):
 
 def causal0__jacobian__W_O(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_O: dense (numel F × numel W_O); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7543,11 +7543,11 @@ def causal0__jacobian__W_O(X, W_Q, W_K, W_V, W_O):
 
 def causal0__jacobian_compact__W_O(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_O, compact (L × d_V × d_H; row atoms → axes (0, 1), W_O atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7565,11 +7565,11 @@ def causal0__jacobian_compact__W_O(X, W_Q, W_K, W_V, W_O):
 
 def mse_causal1__loss(X, W_Q, W_K, W_V, W_O, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7593,11 +7593,11 @@ def mse_causal1__loss(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__gradient(X, W_Q, W_K, W_V, W_O, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -7640,11 +7640,11 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -7781,11 +7781,11 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y, out=None):
 
 def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -7838,11 +7838,11 @@ def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O
 
 def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -7986,11 +7986,11 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -8026,11 +8026,11 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8062,11 +8062,11 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -8102,11 +8102,11 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8145,11 +8145,11 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -8185,11 +8185,11 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8228,11 +8228,11 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -8266,11 +8266,11 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8306,11 +8306,11 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_O) as a dense (numel W_Q × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -8343,11 +8343,11 @@ def mse_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8382,11 +8382,11 @@ def mse_causal1__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -8423,11 +8423,11 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -8460,11 +8460,11 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -8501,11 +8501,11 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -8545,11 +8545,11 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -8586,11 +8586,11 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -8630,11 +8630,11 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_Q.transpose(-1, -2)
@@ -8669,11 +8669,11 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -8710,11 +8710,11 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_O) as a dense (numel W_K × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -8748,11 +8748,11 @@ def mse_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -8788,11 +8788,11 @@ def mse_causal1__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -8818,11 +8818,11 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8844,11 +8844,11 @@ def mse_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -8884,11 +8884,11 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -8926,11 +8926,11 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -8966,11 +8966,11 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9008,11 +9008,11 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -9038,11 +9038,11 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9068,11 +9068,11 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_O) as a dense (numel W_V × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -9097,11 +9097,11 @@ def mse_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9126,11 +9126,11 @@ def mse_causal1__frobenius__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_O, W_O) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_H, d_V))
     t1 = W_V.transpose(-1, -2)
@@ -9158,11 +9158,11 @@ def mse_causal1__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__trace__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_O, W_O) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -9185,11 +9185,11 @@ def mse_causal1__trace__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_Q) as a dense (numel W_O × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_V.transpose(-1, -2)
@@ -9225,11 +9225,11 @@ def mse_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -9267,11 +9267,11 @@ def mse_causal1__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_K) as a dense (numel W_O × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_V.transpose(-1, -2)
@@ -9307,11 +9307,11 @@ def mse_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -9349,11 +9349,11 @@ def mse_causal1__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_V) as a dense (numel W_O × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_H))
     t1 = W_V.transpose(-1, -2)
@@ -9380,11 +9380,11 @@ def mse_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -9411,11 +9411,11 @@ def mse_causal1__frobenius__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_O) as a dense (numel W_O × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     t0 = out.view((d_H, d_V, d_H, d_V))
@@ -9445,11 +9445,11 @@ def mse_causal1__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -9474,11 +9474,11 @@ def mse_causal1__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -9625,11 +9625,11 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
 
 def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -9704,11 +9704,11 @@ def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, 
 
 def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9854,11 +9854,11 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -9902,11 +9902,11 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -9946,11 +9946,11 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -9994,11 +9994,11 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -10044,11 +10044,11 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -10098,11 +10098,11 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -10154,11 +10154,11 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -10196,11 +10196,11 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -10240,11 +10240,11 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_O) as a dense (numel W_Q × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -10281,11 +10281,11 @@ def mse_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -10324,11 +10324,11 @@ def mse_causal1__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -10374,11 +10374,11 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -10420,11 +10420,11 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -10476,11 +10476,11 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -10534,11 +10534,11 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -10584,11 +10584,11 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -10635,11 +10635,11 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_Q.transpose(-1, -2)
@@ -10679,11 +10679,11 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -10724,11 +10724,11 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_O) as a dense (numel W_K × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -10766,11 +10766,11 @@ def mse_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -10810,11 +10810,11 @@ def mse_causal1__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     out[...] = 0
     return out
@@ -10822,22 +10822,22 @@ def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -10875,11 +10875,11 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -10919,11 +10919,11 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -10962,11 +10962,11 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -11006,11 +11006,11 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     return out
@@ -11018,22 +11018,22 @@ def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_O) as a dense (numel W_V × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_H, d_H, d_V))
@@ -11066,11 +11066,11 @@ def mse_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -11098,11 +11098,11 @@ def mse_causal1__frobenius__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__diag__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_O, W_O) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     out[...] = 0
     return out
@@ -11110,22 +11110,22 @@ def mse_causal1__diag__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__trace__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_O, W_O) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_Q) as a dense (numel W_O × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -11164,11 +11164,11 @@ def mse_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -11209,11 +11209,11 @@ def mse_causal1__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_K) as a dense (numel W_O × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -11252,11 +11252,11 @@ def mse_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -11297,11 +11297,11 @@ def mse_causal1__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_V) as a dense (numel W_O × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     t0 = out.view((d_H, d_V, d_V, d_H))
@@ -11334,11 +11334,11 @@ def mse_causal1__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -11366,11 +11366,11 @@ def mse_causal1__frobenius__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_O) as a dense (numel W_O × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     return out
@@ -11378,22 +11378,22 @@ def mse_causal1__block__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -11632,11 +11632,11 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
 
 def mse_causal1__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -11724,11 +11724,11 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
 
 def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -12026,11 +12026,11 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -12088,11 +12088,11 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -12143,11 +12143,11 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -12210,11 +12210,11 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -12280,11 +12280,11 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -12352,11 +12352,11 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -12435,11 +12435,11 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -12484,11 +12484,11 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -12543,11 +12543,11 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_O) as a dense (numel W_Q × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -12590,11 +12590,11 @@ def mse_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -12649,11 +12649,11 @@ def mse_causal1__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -12712,11 +12712,11 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -12769,11 +12769,11 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -12844,11 +12844,11 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -12929,11 +12929,11 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -12997,11 +12997,11 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -13068,11 +13068,11 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_Q.transpose(-1, -2)
@@ -13119,11 +13119,11 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -13179,11 +13179,11 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_O) as a dense (numel W_K × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -13227,11 +13227,11 @@ def mse_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -13285,11 +13285,11 @@ def mse_causal1__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -13315,11 +13315,11 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -13341,11 +13341,11 @@ def mse_causal1__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -13393,11 +13393,11 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -13455,11 +13455,11 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -13507,11 +13507,11 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -13569,11 +13569,11 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -13599,11 +13599,11 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -13629,11 +13629,11 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_O) as a dense (numel W_V × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -13668,11 +13668,11 @@ def mse_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -13705,11 +13705,11 @@ def mse_causal1__frobenius__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_O, W_O) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_H, d_V))
     t1 = W_V.transpose(-1, -2)
@@ -13737,11 +13737,11 @@ def mse_causal1__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__trace__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_O, W_O) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -13764,11 +13764,11 @@ def mse_causal1__trace__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_Q) as a dense (numel W_O × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_V.transpose(-1, -2)
@@ -13816,11 +13816,11 @@ def mse_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -13879,11 +13879,11 @@ def mse_causal1__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_K) as a dense (numel W_O × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_V.transpose(-1, -2)
@@ -13930,11 +13930,11 @@ def mse_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -13991,11 +13991,11 @@ def mse_causal1__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_V) as a dense (numel W_O × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_H))
     t1 = W_V.transpose(-1, -2)
@@ -14034,11 +14034,11 @@ def mse_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -14074,11 +14074,11 @@ def mse_causal1__frobenius__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_O) as a dense (numel W_O × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     t0 = out.view((d_H, d_V, d_H, d_V))
@@ -14108,11 +14108,11 @@ def mse_causal1__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -14137,11 +14137,11 @@ def mse_causal1__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14212,11 +14212,11 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14299,11 +14299,11 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14363,11 +14363,11 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_O)‖_F, ‖H_f(W_Q, W_O)‖_F, ‖H(W_Q, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14426,11 +14426,11 @@ def mse_causal1__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -14515,11 +14515,11 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -14591,11 +14591,11 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -14656,11 +14656,11 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_O)‖_F, ‖H_f(W_K, W_O)‖_F, ‖H(W_K, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -14718,11 +14718,11 @@ def mse_causal1__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14785,11 +14785,11 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14852,11 +14852,11 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14885,11 +14885,11 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_O)‖_F, ‖H_f(W_V, W_O)‖_F, ‖H(W_V, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -14926,11 +14926,11 @@ def mse_causal1__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_Q)‖_F, ‖H_f(W_O, W_Q)‖_F, ‖H(W_O, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -14994,11 +14994,11 @@ def mse_causal1__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_K)‖_F, ‖H_f(W_O, W_K)‖_F, ‖H(W_O, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -15060,11 +15060,11 @@ def mse_causal1__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_O__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_V)‖_F, ‖H_f(W_O, W_V)‖_F, ‖H(W_O, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -15105,11 +15105,11 @@ def mse_causal1__frobenius_split__W_O__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def mse_causal1__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_O)‖_F, ‖H_f(W_O, W_O)‖_F, ‖H(W_O, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -15137,11 +15137,11 @@ def mse_causal1__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def causal1__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_O.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15174,11 +15174,11 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
 
 def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_O.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15211,11 +15211,11 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
 
 def causal1__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_K: dense (numel F × numel W_K); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_O.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15248,11 +15248,11 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
 
 def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_O.transpose(-1, -2)
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15285,11 +15285,11 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
 
 def causal1__jacobian__W_V(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15313,11 +15313,11 @@ def causal1__jacobian__W_V(X, W_Q, W_K, W_V, W_O):
 
 def causal1__jacobian_compact__W_V(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V × d_H; row atoms → axes (0, 1), W_V atoms → axes (2, 3)); factors over axes ((0, 2), (1, 3)); per sequence."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15338,11 +15338,11 @@ def causal1__jacobian_compact__W_V(X, W_Q, W_K, W_V, W_O):
 
 def causal1__jacobian__W_O(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_O: dense (numel F × numel W_O); with data, one Jacobian per sequence (leading batch axis), not a mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15366,11 +15366,11 @@ def causal1__jacobian__W_O(X, W_Q, W_K, W_V, W_O):
 
 def causal1__jacobian_compact__W_O(X, W_Q, W_K, W_V, W_O):
     """∂vec_r F/∂vec_r W_O, compact (L × d_V × d_H; row atoms → axes (0, 1), W_O atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15390,11 +15390,11 @@ def causal1__jacobian_compact__W_O(X, W_Q, W_K, W_V, W_O):
 
 def ce_causal0__loss(X, W_Q, W_K, W_V, W_O, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15417,11 +15417,11 @@ def ce_causal0__loss(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__gradient(X, W_Q, W_K, W_V, W_O, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -15467,11 +15467,11 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -15619,11 +15619,11 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y, out=None):
 
 def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -15683,11 +15683,11 @@ def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
 
 def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15834,11 +15834,11 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -15882,11 +15882,11 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -15926,11 +15926,11 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -15974,11 +15974,11 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -16028,11 +16028,11 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -16076,11 +16076,11 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -16130,11 +16130,11 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -16176,11 +16176,11 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -16224,11 +16224,11 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_O) as a dense (numel W_Q × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -16269,11 +16269,11 @@ def ce_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -16315,11 +16315,11 @@ def ce_causal0__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -16364,11 +16364,11 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -16409,11 +16409,11 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -16458,11 +16458,11 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -16513,11 +16513,11 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -16562,11 +16562,11 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -16617,11 +16617,11 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_Q.transpose(-1, -2)
@@ -16664,11 +16664,11 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -16713,11 +16713,11 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_O) as a dense (numel W_K × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -16759,11 +16759,11 @@ def ce_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -16806,11 +16806,11 @@ def ce_causal0__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -16845,11 +16845,11 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -16880,11 +16880,11 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -16929,11 +16929,11 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -16980,11 +16980,11 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -17029,11 +17029,11 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -17080,11 +17080,11 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -17119,11 +17119,11 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -17161,11 +17161,11 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_O) as a dense (numel W_V × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -17198,11 +17198,11 @@ def ce_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -17237,11 +17237,11 @@ def ce_causal0__frobenius__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_O, W_O) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_H, d_V))
     t1 = W_V.transpose(-1, -2)
@@ -17275,11 +17275,11 @@ def ce_causal0__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__trace__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_O, W_O) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -17309,11 +17309,11 @@ def ce_causal0__trace__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_Q) as a dense (numel W_O × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_V.transpose(-1, -2)
@@ -17358,11 +17358,11 @@ def ce_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -17408,11 +17408,11 @@ def ce_causal0__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_K) as a dense (numel W_O × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_V.transpose(-1, -2)
@@ -17457,11 +17457,11 @@ def ce_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -17507,11 +17507,11 @@ def ce_causal0__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_V) as a dense (numel W_O × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_H))
     t1 = W_V.transpose(-1, -2)
@@ -17547,11 +17547,11 @@ def ce_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -17589,11 +17589,11 @@ def ce_causal0__frobenius__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_O) as a dense (numel W_O × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_H, d_V, d_H, d_V))
     t1 = W_V.transpose(-1, -2)
@@ -17627,11 +17627,11 @@ def ce_causal0__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -17666,11 +17666,11 @@ def ce_causal0__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -17820,11 +17820,11 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
 
 def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -17902,11 +17902,11 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V
 
 def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -18055,11 +18055,11 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -18106,11 +18106,11 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -18153,11 +18153,11 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -18204,11 +18204,11 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -18257,11 +18257,11 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -18314,11 +18314,11 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -18373,11 +18373,11 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -18418,11 +18418,11 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -18465,11 +18465,11 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_O) as a dense (numel W_Q × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -18509,11 +18509,11 @@ def ce_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -18555,11 +18555,11 @@ def ce_causal0__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -18608,11 +18608,11 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -18657,11 +18657,11 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -18716,11 +18716,11 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -18777,11 +18777,11 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -18830,11 +18830,11 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -18884,11 +18884,11 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_Q.transpose(-1, -2)
@@ -18931,11 +18931,11 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -18979,11 +18979,11 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_O) as a dense (numel W_K × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -19024,11 +19024,11 @@ def ce_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -19071,11 +19071,11 @@ def ce_causal0__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     out[...] = 0
     return out
@@ -19083,22 +19083,22 @@ def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -19139,11 +19139,11 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -19186,11 +19186,11 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -19232,11 +19232,11 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -19279,11 +19279,11 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     return out
@@ -19291,22 +19291,22 @@ def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_O) as a dense (numel W_V × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_H, d_H, d_V))
@@ -19342,11 +19342,11 @@ def ce_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -19377,11 +19377,11 @@ def ce_causal0__frobenius__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__diag__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_O, W_O) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     out[...] = 0
     return out
@@ -19389,22 +19389,22 @@ def ce_causal0__diag__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__trace__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_O, W_O) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_Q) as a dense (numel W_O × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -19446,11 +19446,11 @@ def ce_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -19494,11 +19494,11 @@ def ce_causal0__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_K) as a dense (numel W_O × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -19540,11 +19540,11 @@ def ce_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -19588,11 +19588,11 @@ def ce_causal0__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_V) as a dense (numel W_O × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     t0 = out.view((d_H, d_V, d_V, d_H))
@@ -19628,11 +19628,11 @@ def ce_causal0__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -19663,11 +19663,11 @@ def ce_causal0__frobenius__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_O) as a dense (numel W_O × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     return out
@@ -19675,22 +19675,22 @@ def ce_causal0__block__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -19946,11 +19946,11 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
 
 def ce_causal0__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -20045,11 +20045,11 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
 
 def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -20366,11 +20366,11 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -20435,11 +20435,11 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -20497,11 +20497,11 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -20571,11 +20571,11 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -20651,11 +20651,11 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -20730,11 +20730,11 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -20831,11 +20831,11 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -20889,11 +20889,11 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -20957,11 +20957,11 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_O) as a dense (numel W_Q × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -21014,11 +21014,11 @@ def ce_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -21079,11 +21079,11 @@ def ce_causal0__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -21149,11 +21149,11 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -21212,11 +21212,11 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -21294,11 +21294,11 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -21396,11 +21396,11 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -21471,11 +21471,11 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -21552,11 +21552,11 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_Q.transpose(-1, -2)
@@ -21612,11 +21612,11 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -21683,11 +21683,11 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_O) as a dense (numel W_K × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -21741,11 +21741,11 @@ def ce_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -21807,11 +21807,11 @@ def ce_causal0__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -21846,11 +21846,11 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -21881,11 +21881,11 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -21943,11 +21943,11 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -22015,11 +22015,11 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -22077,11 +22077,11 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -22149,11 +22149,11 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -22188,11 +22188,11 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -22230,11 +22230,11 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_O) as a dense (numel W_V × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -22279,11 +22279,11 @@ def ce_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -22329,11 +22329,11 @@ def ce_causal0__frobenius__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_O, W_O) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_H, d_V))
     t1 = W_V.transpose(-1, -2)
@@ -22367,11 +22367,11 @@ def ce_causal0__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__trace__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_O, W_O) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -22401,11 +22401,11 @@ def ce_causal0__trace__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_Q) as a dense (numel W_O × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -22462,11 +22462,11 @@ def ce_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -22531,11 +22531,11 @@ def ce_causal0__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_K) as a dense (numel W_O × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -22591,11 +22591,11 @@ def ce_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -22660,11 +22660,11 @@ def ce_causal0__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_V) as a dense (numel W_O × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_H))
     t1 = W_V.transpose(-1, -2)
@@ -22713,11 +22713,11 @@ def ce_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -22766,11 +22766,11 @@ def ce_causal0__frobenius__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_O) as a dense (numel W_O × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_H, d_V, d_H, d_V))
     t1 = W_V.transpose(-1, -2)
@@ -22804,11 +22804,11 @@ def ce_causal0__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -22843,11 +22843,11 @@ def ce_causal0__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -22928,11 +22928,11 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -23030,11 +23030,11 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -23103,11 +23103,11 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_O)‖_F, ‖H_f(W_Q, W_O)‖_F, ‖H(W_Q, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -23174,11 +23174,11 @@ def ce_causal0__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -23277,11 +23277,11 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -23363,11 +23363,11 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -23439,11 +23439,11 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_O)‖_F, ‖H_f(W_K, W_O)‖_F, ‖H(W_K, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -23513,11 +23513,11 @@ def ce_causal0__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -23590,11 +23590,11 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -23667,11 +23667,11 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -23712,11 +23712,11 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_O)‖_F, ‖H_f(W_V, W_O)‖_F, ‖H(W_V, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -23768,11 +23768,11 @@ def ce_causal0__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_Q)‖_F, ‖H_f(W_O, W_Q)‖_F, ‖H(W_O, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -23844,11 +23844,11 @@ def ce_causal0__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_K)‖_F, ‖H_f(W_O, W_K)‖_F, ‖H(W_O, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -23920,11 +23920,11 @@ def ce_causal0__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_O__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_V)‖_F, ‖H_f(W_O, W_V)‖_F, ‖H(W_O, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -23980,11 +23980,11 @@ def ce_causal0__frobenius_split__W_O__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal0__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_O)‖_F, ‖H_f(W_O, W_O)‖_F, ‖H(W_O, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -24022,11 +24022,11 @@ def ce_causal0__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, W_O, Y):
     """The loss, batch mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -24051,11 +24051,11 @@ def ce_causal1__loss(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__gradient(X, W_Q, W_K, W_V, W_O, Y):
     """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -24103,11 +24103,11 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -24257,11 +24257,11 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y, out=None):
 
 def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -24323,11 +24323,11 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
 
 def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -24476,11 +24476,11 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -24526,11 +24526,11 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -24572,11 +24572,11 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -24622,11 +24622,11 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -24678,11 +24678,11 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -24728,11 +24728,11 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -24784,11 +24784,11 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -24832,11 +24832,11 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -24882,11 +24882,11 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_Q, W_O) as a dense (numel W_Q × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -24929,11 +24929,11 @@ def ce_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_Q, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -24977,11 +24977,11 @@ def ce_causal1__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -25028,11 +25028,11 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -25075,11 +25075,11 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -25126,11 +25126,11 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -25183,11 +25183,11 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -25234,11 +25234,11 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -25291,11 +25291,11 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_Q.transpose(-1, -2)
@@ -25340,11 +25340,11 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -25391,11 +25391,11 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_K, W_O) as a dense (numel W_K × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -25439,11 +25439,11 @@ def ce_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_K, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -25488,11 +25488,11 @@ def ce_causal1__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -25529,11 +25529,11 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -25566,11 +25566,11 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -25617,11 +25617,11 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -25670,11 +25670,11 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -25721,11 +25721,11 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -25774,11 +25774,11 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -25815,11 +25815,11 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -25859,11 +25859,11 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_V, W_O) as a dense (numel W_V × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -25898,11 +25898,11 @@ def ce_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_V, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -25939,11 +25939,11 @@ def ce_causal1__frobenius__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_outer(W_O, W_O) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_H, d_V))
     t1 = W_V.transpose(-1, -2)
@@ -25979,11 +25979,11 @@ def ce_causal1__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__trace__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_outer(W_O, W_O) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -26015,11 +26015,11 @@ def ce_causal1__trace__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_Q) as a dense (numel W_O × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_V.transpose(-1, -2)
@@ -26066,11 +26066,11 @@ def ce_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -26118,11 +26118,11 @@ def ce_causal1__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_K) as a dense (numel W_O × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = W_V.transpose(-1, -2)
@@ -26169,11 +26169,11 @@ def ce_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -26221,11 +26221,11 @@ def ce_causal1__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_V) as a dense (numel W_O × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_H))
     t1 = W_V.transpose(-1, -2)
@@ -26263,11 +26263,11 @@ def ce_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -26307,11 +26307,11 @@ def ce_causal1__frobenius__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """H_outer(W_O, W_O) as a dense (numel W_O × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_H, d_V, d_H, d_V))
     t1 = W_V.transpose(-1, -2)
@@ -26347,11 +26347,11 @@ def ce_causal1__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_outer(W_O, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -26388,11 +26388,11 @@ def ce_causal1__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -26544,11 +26544,11 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
 
 def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -26628,11 +26628,11 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V
 
 def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -26783,11 +26783,11 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -26836,11 +26836,11 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -26885,11 +26885,11 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -26938,11 +26938,11 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -26993,11 +26993,11 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -27052,11 +27052,11 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -27113,11 +27113,11 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -27160,11 +27160,11 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -27209,11 +27209,11 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_Q, W_O) as a dense (numel W_Q × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -27255,11 +27255,11 @@ def ce_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_Q, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -27303,11 +27303,11 @@ def ce_causal1__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -27358,11 +27358,11 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -27409,11 +27409,11 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -27470,11 +27470,11 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -27533,11 +27533,11 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -27588,11 +27588,11 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -27644,11 +27644,11 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_Q.transpose(-1, -2)
@@ -27693,11 +27693,11 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -27743,11 +27743,11 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_K, W_O) as a dense (numel W_K × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -27790,11 +27790,11 @@ def ce_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_K, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -27839,11 +27839,11 @@ def ce_causal1__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     out[...] = 0
     return out
@@ -27851,22 +27851,22 @@ def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -27909,11 +27909,11 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -27958,11 +27958,11 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -28006,11 +28006,11 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -28055,11 +28055,11 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     return out
@@ -28067,22 +28067,22 @@ def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_V, W_O) as a dense (numel W_V × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_H, d_H, d_V))
@@ -28120,11 +28120,11 @@ def ce_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_V, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -28157,11 +28157,11 @@ def ce_causal1__frobenius__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__diag__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_functional(W_O, W_O) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     out[...] = 0
     return out
@@ -28169,22 +28169,22 @@ def ce_causal1__diag__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__trace__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_functional(W_O, W_O) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_Q) as a dense (numel W_O × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -28228,11 +28228,11 @@ def ce_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -28278,11 +28278,11 @@ def ce_causal1__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_K) as a dense (numel W_O × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -28326,11 +28326,11 @@ def ce_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -28376,11 +28376,11 @@ def ce_causal1__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_V) as a dense (numel W_O × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     t0 = out.view((d_H, d_V, d_V, d_H))
@@ -28418,11 +28418,11 @@ def ce_causal1__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -28455,11 +28455,11 @@ def ce_causal1__frobenius__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """H_functional(W_O, W_O) as a dense (numel W_O × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     out[...] = 0
     return out
@@ -28467,22 +28467,22 @@ def ce_causal1__block__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_functional(W_O, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
     return zero
 
 
 def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -28740,11 +28740,11 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
 
 def ce_causal1__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = X @ W_Q
     t2 = W_K.transpose(-1, -2)
@@ -28841,11 +28841,11 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
 
 def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -29164,11 +29164,11 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -29235,11 +29235,11 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -29299,11 +29299,11 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -29375,11 +29375,11 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -29457,11 +29457,11 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_K.transpose(-1, -2)
@@ -29538,11 +29538,11 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -29641,11 +29641,11 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -29701,11 +29701,11 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -29771,11 +29771,11 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_Q, W_O) as a dense (numel W_Q × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -29830,11 +29830,11 @@ def ce_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_Q, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -29897,11 +29897,11 @@ def ce_causal1__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -29969,11 +29969,11 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -30034,11 +30034,11 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -30118,11 +30118,11 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -30222,11 +30222,11 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = W_Q.transpose(-1, -2)
@@ -30299,11 +30299,11 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -30382,11 +30382,11 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_H))
     t1 = W_Q.transpose(-1, -2)
@@ -30444,11 +30444,11 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -30517,11 +30517,11 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_K, W_O) as a dense (numel W_K × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_K*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_K, d_H, d_V))
     t1 = W_Q.transpose(-1, -2)
@@ -30577,11 +30577,11 @@ def ce_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_K, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -30645,11 +30645,11 @@ def ce_causal1__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -30686,11 +30686,11 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -30723,11 +30723,11 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -30787,11 +30787,11 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -30861,11 +30861,11 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -30925,11 +30925,11 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -30999,11 +30999,11 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_V, d_H))
     t1 = W_K.transpose(-1, -2)
@@ -31040,11 +31040,11 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -31084,11 +31084,11 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_V, W_O) as a dense (numel W_V × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_V, d_H, d_H, d_V))
     t1 = W_K.transpose(-1, -2)
@@ -31135,11 +31135,11 @@ def ce_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_V, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -31187,11 +31187,11 @@ def ce_causal1__frobenius__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """diag H_full(W_O, W_O) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V,), X)
     t0 = out.view((d_H, d_V))
     t1 = W_V.transpose(-1, -2)
@@ -31227,11 +31227,11 @@ def ce_causal1__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__trace__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """tr H_full(W_O, W_O) without the dense block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -31263,11 +31263,11 @@ def ce_causal1__trace__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_Q) as a dense (numel W_O × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -31326,11 +31326,11 @@ def ce_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -31397,11 +31397,11 @@ def ce_causal1__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_K) as a dense (numel W_O × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_K*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_K))
     t1 = Y.sum(-1, keepdim=True)
@@ -31459,11 +31459,11 @@ def ce_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -31530,11 +31530,11 @@ def ce_causal1__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_V) as a dense (numel W_O × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_H, d_V, d_V, d_H))
     t1 = W_V.transpose(-1, -2)
@@ -31585,11 +31585,11 @@ def ce_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = Y.sum(-1, keepdim=True)
     t1 = t0.expand(*t0.shape[:-1], d_V)
     t2 = W_K.transpose(-1, -2)
@@ -31640,11 +31640,11 @@ def ce_causal1__frobenius__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """H_full(W_O, W_O) as a dense (numel W_O × numel W_O) block, vec_r layout."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     out = _empty((d_H*d_V, d_H*d_V), X)
     t0 = out.view((d_H, d_V, d_H, d_V))
     t1 = W_V.transpose(-1, -2)
@@ -31680,11 +31680,11 @@ def ce_causal1__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     """‖H_full(W_O, W_O)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -31721,11 +31721,11 @@ def ce_causal1__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -31808,11 +31808,11 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -31912,11 +31912,11 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -31987,11 +31987,11 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_Q, W_O)‖_F, ‖H_f(W_Q, W_O)‖_F, ‖H(W_Q, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -32060,11 +32060,11 @@ def ce_causal1__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -32165,11 +32165,11 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -32253,11 +32253,11 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -32331,11 +32331,11 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_K, W_O)‖_F, ‖H_f(W_K, W_O)‖_F, ‖H(W_K, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_Q.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -32407,11 +32407,11 @@ def ce_causal1__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -32486,11 +32486,11 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -32565,11 +32565,11 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -32612,11 +32612,11 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_V, W_O)‖_F, ‖H_f(W_V, W_O)‖_F, ‖H(W_V, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_K.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
@@ -32670,11 +32670,11 @@ def ce_causal1__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_Q)‖_F, ‖H_f(W_O, W_Q)‖_F, ‖H(W_O, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -32748,11 +32748,11 @@ def ce_causal1__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_K)‖_F, ‖H_f(W_O, W_K)‖_F, ‖H(W_O, W_K)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -32826,11 +32826,11 @@ def ce_causal1__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_O__W_V(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_V)‖_F, ‖H_f(W_O, W_V)‖_F, ‖H(W_O, W_V)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -32888,11 +32888,11 @@ def ce_causal1__frobenius_split__W_O__W_V(X, W_Q, W_K, W_V, W_O, Y):
 
 def ce_causal1__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     """(‖H_o(W_O, W_O)‖_F, ‖H_f(W_O, W_O)‖_F, ‖H(W_O, W_O)‖_F), exact, from the parts' pairings (no block built)."""
-    L = X.shape[-2]
-    d_H = W_V.shape[-1]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
+    L = int(X.shape[-2])
+    d_H = int(W_V.shape[-1])
+    d_K = int(W_Q.shape[-1])
+    d_V = int(X.shape[-1])
+    n_batch = int(X.shape[0])
     t0 = W_V.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)

@@ -5,6 +5,7 @@ NUMPY = {
     "imports": ["import math", "", "import numpy as np", "import opt_einsum as oe",
                 "import scipy.special"],
     "preamble": [],
+    "size": "{0}.shape[{1}]",
     "T": "np.swapaxes({0}, -1, -2)",
     "sum_last": "{0}.sum(-1, keepdims=True)",
     "sum_rows": "{0}.sum(-2, keepdims=True)",

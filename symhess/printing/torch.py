@@ -16,6 +16,10 @@ TORCH = {
         "        return torch.from_numpy(np.empty(shape, dtype=_NUMPY_DTYPES[like.dtype]))",
         "    return torch.empty(shape, dtype=like.dtype, device=like.device)",
     ],
+    # a dimension read from an argument's shape: a Python int, also while torch.jit.trace
+    # records a routine (its sizes would otherwise be traced as tensors, and the scalar
+    # coefficients computed from them in the default dtype, float32; symhess.traces)
+    "size": "int({0}.shape[{1}])",
     "T": "{0}.transpose(-1, -2)",
     "sum_last": "{0}.sum(-1, keepdim=True)",
     "sum_rows": "{0}.sum(-2, keepdim=True)",
