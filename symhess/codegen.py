@@ -25,7 +25,7 @@ import sympy as sp
 from . import jacobians
 from .hessian import PARTS, derive
 from .layers import LAYERS, layer as get_layer, layer_options
-from .printing.code import N_BATCH, Routine
+from .printing.code import CHUNK_ENTRIES, N_BATCH, NotChunkable, Routine, SlabChunk
 from .printing.index import Factor, Lowering
 from .printing.numpy import NUMPY
 from .printing.torch import TORCH
@@ -361,13 +361,16 @@ class Variant:
         seqs = [N_BATCH] if batched else []      # R holds each sequence's terms
         total = offs[-1]
         R = rt.fresh("R")
-        rt.line(f"{R} = {rt.fmt('empty', rt.shape(seqs + [s_size, n_rest, total]))}")
         before = rt.written
-        flat = rt.emit(rt.fmt("view", R, rt.shape(seqs + [s_size * n_rest, total])), False)
-        for j, (terms, r, c) in enumerate(per_q):
-            cols = f"{rt.size(offs[j])}:{rt.size(offs[j + 1])}"
-            target = rt.emit(f"{flat}[..., {cols}]", False)
-            rt.dense_into(target, slab_terms[j], [S] + r[1:], c, fresh=True, keep_batch=batched)
+        chunk = self._chunked_operand(rt, per_q, slab_terms, S, offs, batched)
+        if chunk is None:
+            rt.line(f"{R} = {rt.fmt('empty', rt.shape(seqs + [s_size, n_rest, total]))}")
+            flat = rt.emit(rt.fmt("view", R, rt.shape(seqs + [s_size * n_rest, total])), False)
+            for j, (terms, r, c) in enumerate(per_q):
+                cols = f"{rt.size(offs[j])}:{rt.size(offs[j + 1])}"
+                target = rt.emit(f"{flat}[..., {cols}]", False)
+                rt.dense_into(target, slab_terms[j], [S] + r[1:], c, fresh=True,
+                              keep_batch=batched)
         grown = (rt.written - before) // rt.batch_size if batched else 0
         # the leaf as (i, [batch,] s), scaled by the batch mean
         i0 = lw.resolve(t0, r0[:1])[0]
@@ -380,16 +383,53 @@ class Variant:
         a = rt.emit(rt.fmt("reshape", a, rt.shape([m, inner])), False)
         if batched:
             a = rt.emit(f"(1/n_batch) * {a}", False)
-        b = rt.emit(rt.fmt("view", R, rt.shape([inner, n_rest * total])), False)
         rows = f"H[{rt.size(offs[i])}:{rt.size(offs[i + 1])}]"
         dest = rt.emit(rt.fmt("view", rows, rt.shape([m, n_rest * total])), False)
-        rt.line(rt.fmt("matmul_into", a, b, dest))
+        if chunk is None:
+            b = rt.emit(rt.fmt("view", R, rt.shape([inner, n_rest * total])), False)
+            rt.line(rt.fmt("matmul_into", a, b, dest))
+        else:       # R a chunk of its rows at a time, each multiplied into its rows of H
+            n = rt.fresh("n_rows")
+            f0 = rt.fresh("f0")
+            k = sp.Symbol(n)
+            rt.line(f"{n} = max(1, min({rt.size(n_rest)}, "
+                    f"{CHUNK_ENTRIES} // ({rt.size(len(seqs) and N_BATCH or 1)}*"
+                    f"{rt.size(s_size * total)})))")
+            rt.line(f"while {rt.size(n_rest)} % {n}:    # chunks of equal size")
+            rt.line(f"    {n} -= 1")
+            rt.line(f"{R} = {rt.fmt('empty', rt.shape(seqs + [s_size, k, total]))}")
+            flat = rt.emit(rt.fmt("view", R, rt.shape(seqs + [s_size * k, total])), False)
+            b = rt.emit(rt.fmt("view", R, rt.shape([inner, k * total])), False)
+            rt.line(f"for {f0} in range(0, {rt.size(n_rest)}, {n}):")
+            for ln in chunk.lines(rt, flat, f0, n):
+                rt.line("    " + ln)
+            cols = f"{f0}*({rt.size(total)}):({f0} + {n})*({rt.size(total)})"
+            rt.line("    " + rt.fmt("matmul_into", a, b, f"{dest}[:, {cols}]"))
         rt.written += _prod_rep(rt, (offs[i + 1] - offs[i]) * total)
         rt.line(f"del {R}")
         for j, (terms, r, c) in enumerate(per_q):
             if direct[j]:
                 rt.dense_into(block(i, j), direct[j], r, c, fresh=False)
         return grown
+
+    @staticmethod
+    def _chunked_operand(rt, per_q, slab_terms, S, offs, batched):
+        """A ``SlabChunk`` holding the writes of a slab's operand R (its statements before
+        them printed), or None, nothing printed, where a write cannot be split by rows."""
+        snap = rt._snapshot()
+        chunk = rt.chunk = SlabChunk()
+        try:
+            for j, (terms, r, c) in enumerate(per_q):
+                target = rt.fresh("R_cols")          # stands for R's columns j in the writes
+                chunk.columns(target, f"{rt.size(offs[j])}:{rt.size(offs[j + 1])}")
+                rt.dense_into(target, slab_terms[j], [S] + r[1:], c, fresh=True,
+                              keep_batch=batched)
+        except NotChunkable:
+            rt._restore(snap)
+            return None
+        finally:
+            rt.chunk = None
+        return chunk
 
     # -- matrix view -----------------------------------------------------------------
     def _mean(self, rt, name):

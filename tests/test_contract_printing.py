@@ -210,8 +210,8 @@ def test_broadcast_product_is_computed_in_the_requested_layout(backend):
                                                                             dtype=torch.float64)
         ns = {"np": np, "torch": torch, "X_": x if backend == "numpy" else torch.tensor(x),
               "Y_": y if backend == "numpy" else torch.tensor(y), "out_": target}
-        exec(rt.fmt("mul_into", *rt.bcast[code], "out_") + "\n" +
-             rt.fmt("addmul_into", *rt.bcast[code], "out_"), ns)
+        exec(rt.fmt("mul_into", *rt.bcast[code][:2], "out_") + "\n" +
+             rt.fmt("addmul_into", *rt.bcast[code][:2], "out_"), ns)
         assert np.allclose(np.asarray(ns["out_"]), 2 * full.transpose(perm)), perm
 
 

@@ -708,60 +708,68 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
         t0 = np.swapaxes(X, -1, -2)
-        R = np.empty((n_batch, L, d_ff, 2*d_V*d_ff), dtype=X.dtype)
-        t1 = np.reshape(R, (n_batch, L*d_ff, 2*d_V*d_ff), copy=False)
-        t2 = t1[..., 0:d_V*d_ff]
-        t3 = np.reshape(t2, (n_batch, L, d_ff, d_V, d_ff), copy=False)
-        t4 = X @ W_1
-        t5 = np.heaviside(t4, 0.0)
-        t6 = np.swapaxes(W_2, -1, -2)
-        t7 = W_2 @ t6
-        t8 = (2/(L*d_V)) * X
-        t9 = (np.reshape(t7, (1, 1, d_ff, d_ff)) * np.reshape(t5, (n_batch, L, d_ff, 1)))
-        t10 = (np.reshape(t8, (n_batch, L, d_V, 1)) * np.reshape(t5, (n_batch, L, 1, d_ff)))
-        np.multiply(np.reshape(t9, (n_batch, L, d_ff, 1, d_ff)), np.reshape(t10, (n_batch, L, 1, d_V, d_ff)), out=t3)
-        t11 = t1[..., d_V*d_ff:2*d_V*d_ff]
-        t12 = np.reshape(t11, (n_batch, L, d_ff, d_ff, d_V), copy=False)
-        t13 = (t4 * np.heaviside(t4, 0.0))
-        t14 = (2/(L*d_V)) * t5
+        t2 = X @ W_1
+        t3 = np.heaviside(t2, 0.0)
+        t4 = np.swapaxes(W_2, -1, -2)
+        t5 = W_2 @ t4
+        t6 = (2/(L*d_V)) * X
+        t7 = (np.reshape(t5, (1, 1, d_ff, d_ff)) * np.reshape(t3, (n_batch, L, d_ff, 1)))
+        t8 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t3, (n_batch, L, 1, d_ff)))
+        t9 = np.reshape(t7, (n_batch, L, d_ff, 1, d_ff))
+        t10 = np.reshape(t8, (n_batch, L, 1, d_V, d_ff))
+        t13 = (t2 * np.heaviside(t2, 0.0))
+        t14 = (2/(L*d_V)) * t3
         t15 = (np.reshape(W_2, (1, 1, d_ff, d_V)) * np.reshape(t14, (n_batch, L, d_ff, 1)))
-        t16 = np.einsum('abccd->abcd', t12)
         t17 = t13 @ W_2
         F = t17
         t18 = F - Y
         t19 = (2/(L*d_V)) * t18
         G = t19
-        np.multiply(np.reshape(t13, (n_batch, L, 1, d_ff, 1)), np.reshape(t15, (n_batch, L, d_ff, 1, d_V)), out=t12)
-        t16 += np.reshape(G, (n_batch, L, 1, d_V)) * np.reshape(t5, (n_batch, L, d_ff, 1))
-        t20 = t0.transpose(1, 0, 2)
-        t21 = np.reshape(t20, (d_V, L*n_batch))
-        t22 = (1/n_batch) * t21
-        t23 = np.reshape(R, (L*n_batch, 2*d_V*d_ff**2), copy=False)
-        t24 = np.reshape(H[0:d_V*d_ff], (d_V, 2*d_V*d_ff**2), copy=False)
-        np.matmul(t22, t23, out=t24)
+        t20 = np.reshape(t13, (n_batch, L, 1, d_ff, 1))
+        t21 = np.reshape(t15, (n_batch, L, d_ff, 1, d_V))
+        t22 = np.reshape(G, (n_batch, L, 1, d_V))
+        t23 = np.reshape(t3, (n_batch, L, d_ff, 1))
+        t24 = t0.transpose(1, 0, 2)
+        t25 = np.reshape(t24, (d_V, L*n_batch))
+        t26 = (1/n_batch) * t25
+        t27 = np.reshape(H[0:d_V*d_ff], (d_V, 2*d_V*d_ff**2), copy=False)
+        n_rows = max(1, min(d_ff, 131072 // (n_batch*2*L*d_V*d_ff)))
+        while d_ff % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = np.empty((n_batch, L, n_rows, 2*d_V*d_ff), dtype=X.dtype)
+        t28 = np.reshape(R, (n_batch, L*n_rows, 2*d_V*d_ff), copy=False)
+        t29 = np.reshape(R, (L*n_batch, 2*d_V*d_ff*n_rows), copy=False)
+        for f0 in range(0, d_ff, n_rows):
+            t30 = np.reshape(t28[..., 0:d_V*d_ff], (n_batch, L, n_rows, d_V, d_ff), copy=False)
+            np.multiply(t9[..., f0:f0 + n_rows, :, :], t10, out=t30)
+            t31 = np.reshape(t28[..., d_V*d_ff:2*d_V*d_ff], (n_batch, L, n_rows, d_ff, d_V), copy=False)
+            np.multiply(t20, t21[..., f0:f0 + n_rows, :, :], out=t31)
+            t32 = np.einsum('abccd->abcd', np.reshape(t28[..., d_V*d_ff:2*d_V*d_ff], (n_batch, L, n_rows, d_ff, d_V), copy=False)[..., f0:f0 + n_rows, :])
+            t32 += t22 * t23[..., f0:f0 + n_rows, :]
+            np.matmul(t26, t29, out=t27[:, f0*(2*d_V*d_ff):(f0 + n_rows)*(2*d_V*d_ff)])
         del R
-        t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-        t26 = np.reshape(t25, (d_ff, d_V, d_V, d_ff), copy=False)
-        t28 = np.swapaxes(t13, -1, -2)
-        t29 = (2/(L*d_V*n_batch)) * X
-        t30 = (np.reshape(t29, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-        t31 = np.reshape((np.reshape(t30.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t5, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
-        t32 = np.einsum('abca->abc', t26)
-        t33 = np.swapaxes(G, -1, -2)
-        t34 = np.swapaxes(t5, -1, -2)
-        t35 = (1/n_batch) * t33
-        t36 = t34.transpose(1, 0, 2)
-        t37 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t35.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-        np.multiply(np.reshape(t6, (1, d_V, 1, d_ff)), np.reshape(t31, (d_ff, 1, d_V, d_ff)), out=t26)
-        t32 += np.reshape((np.reshape(t36, (d_ff, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
-        t38 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-        t38[...] = 0
-        t39 = np.reshape(t38, (d_ff, d_V, d_ff, d_V), copy=False)
-        t40 = np.einsum('abcb->abc', t39)
-        t41 = t28 @ t13
-        t42 = np.ones((d_V,), dtype=X.dtype)
-        t43 = (2/(L*d_V*n_batch)) * t42
-        t40 += np.reshape(t43, (1, d_V, 1)) * np.reshape(t41.sum((0,)), (d_ff, 1, d_ff))
+        t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        t34 = np.reshape(t33, (d_ff, d_V, d_V, d_ff), copy=False)
+        t36 = np.swapaxes(t13, -1, -2)
+        t37 = (2/(L*d_V*n_batch)) * X
+        t38 = (np.reshape(t37, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+        t39 = np.reshape((np.reshape(t38.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t3, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
+        t40 = np.einsum('abca->abc', t34)
+        t41 = np.swapaxes(G, -1, -2)
+        t42 = np.swapaxes(t3, -1, -2)
+        t43 = (1/n_batch) * t41
+        t44 = t42.transpose(1, 0, 2)
+        t45 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t43.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        np.multiply(np.reshape(t4, (1, d_V, 1, d_ff)), np.reshape(t39, (d_ff, 1, d_V, d_ff)), out=t34)
+        t40 += np.reshape((np.reshape(t44, (d_ff, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
+        t46 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t46[...] = 0
+        t47 = np.reshape(t46, (d_ff, d_V, d_ff, d_V), copy=False)
+        t48 = np.einsum('abcb->abc', t47)
+        t49 = t36 @ t13
+        t50 = np.ones((d_V,), dtype=X.dtype)
+        t51 = (2/(L*d_V*n_batch)) * t50
+        t48 += np.reshape(t51, (1, d_V, 1)) * np.reshape(t49.sum((0,)), (d_ff, 1, d_ff))
         return H
     H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
@@ -2279,70 +2287,78 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
         t0 = np.swapaxes(X, -1, -2)
-        R = np.empty((n_batch, L, d_ff, 2*d_V*d_ff), dtype=X.dtype)
-        t1 = np.reshape(R, (n_batch, L*d_ff, 2*d_V*d_ff), copy=False)
-        t2 = t1[..., 0:d_V*d_ff]
-        t3 = np.reshape(t2, (n_batch, L, d_ff, d_V, d_ff), copy=False)
-        t4 = X @ W_1
-        t5 = np.heaviside(t4, 0.0)
-        t6 = Y.sum(-1, keepdims=True)
-        t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
-        t8 = (t4 * np.heaviside(t4, 0.0))
-        t9 = t8 @ W_2
-        t10 = np.exp(t9 - t9.max(-1, keepdims=True))
-        A = t10 / t10.sum(-1, keepdims=True)
-        t11 = np.eye(d_V, dtype=X.dtype)
+        t2 = X @ W_1
+        t3 = np.heaviside(t2, 0.0)
+        t4 = Y.sum(-1, keepdims=True)
+        t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
+        t6 = (t2 * np.heaviside(t2, 0.0))
+        t7 = t6 @ W_2
+        t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+        A = t8 / t8.sum(-1, keepdims=True)
+        t9 = np.eye(d_V, dtype=X.dtype)
         # dA: compact tensor ('L', 'd_V', 'd_V')
-        dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
-        t12 = np.swapaxes(W_2, -1, -2)
-        t13 = (1/L) * t7
-        t14 = (dA * np.reshape(t13, (n_batch, L, d_V, 1)))
-        t15 = (np.reshape(W_2, (d_ff, d_V, 1, 1)) * np.reshape(t5.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
-        t16 = (np.reshape(t5.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(t12.transpose(1, 0), (d_ff, 1, 1, d_V)))
-        t17 = (t15.transpose(2, 3, 0, 1) @ t14)
-        t18 = (t17 @ t16.transpose(1, 2, 3, 0))
-        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t18, (n_batch, L, d_ff, 1, d_ff)), out=t3)
-        t19 = t1[..., d_V*d_ff:2*d_V*d_ff]
-        t20 = np.reshape(t19, (n_batch, L, d_ff, d_ff, d_V), copy=False)
-        t21 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-        t22 = (t21.transpose(0, 1, 3, 2) * np.reshape(t5, (n_batch, L, d_ff, 1)))
-        t23 = np.einsum('abccd->abcd', t20)
-        F = t9
+        dA = (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
+        t10 = np.swapaxes(W_2, -1, -2)
+        t11 = (1/L) * t5
+        t12 = (dA * np.reshape(t11, (n_batch, L, d_V, 1)))
+        t13 = (np.reshape(W_2, (d_ff, d_V, 1, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
+        t14 = (np.reshape(t3.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(t10.transpose(1, 0), (d_ff, 1, 1, d_V)))
+        t15 = (t13.transpose(2, 3, 0, 1) @ t12)
+        t16 = (t15 @ t14.transpose(1, 2, 3, 0))
+        t17 = np.reshape(X, (n_batch, L, 1, d_V, 1))
+        t18 = np.reshape(t16, (n_batch, L, d_ff, 1, d_ff))
+        t21 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+        t22 = (t21.transpose(0, 1, 3, 2) * np.reshape(t3, (n_batch, L, d_ff, 1)))
+        F = t7
         t24 = np.exp(F - F.max(-1, keepdims=True))
         A25 = t24 / t24.sum(-1, keepdims=True)
-        t26 = t7 * A25
+        t26 = t5 * A25
         t27 = t26 - Y
         t28 = (1/L) * t27
         G = t28
-        np.multiply(np.reshape(t8, (n_batch, L, 1, d_ff, 1)), np.reshape(t22, (n_batch, L, d_ff, 1, d_V)), out=t20)
-        t23 += np.reshape(G, (n_batch, L, 1, d_V)) * np.reshape(t5, (n_batch, L, d_ff, 1))
-        t29 = t0.transpose(1, 0, 2)
-        t30 = np.reshape(t29, (d_V, L*n_batch))
-        t31 = (1/n_batch) * t30
-        t32 = np.reshape(R, (L*n_batch, 2*d_V*d_ff**2), copy=False)
-        t33 = np.reshape(H[0:d_V*d_ff], (d_V, 2*d_V*d_ff**2), copy=False)
-        np.matmul(t31, t32, out=t33)
+        t29 = np.reshape(t6, (n_batch, L, 1, d_ff, 1))
+        t30 = np.reshape(t22, (n_batch, L, d_ff, 1, d_V))
+        t31 = np.reshape(G, (n_batch, L, 1, d_V))
+        t32 = np.reshape(t3, (n_batch, L, d_ff, 1))
+        t33 = t0.transpose(1, 0, 2)
+        t34 = np.reshape(t33, (d_V, L*n_batch))
+        t35 = (1/n_batch) * t34
+        t36 = np.reshape(H[0:d_V*d_ff], (d_V, 2*d_V*d_ff**2), copy=False)
+        n_rows = max(1, min(d_ff, 131072 // (n_batch*2*L*d_V*d_ff)))
+        while d_ff % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = np.empty((n_batch, L, n_rows, 2*d_V*d_ff), dtype=X.dtype)
+        t37 = np.reshape(R, (n_batch, L*n_rows, 2*d_V*d_ff), copy=False)
+        t38 = np.reshape(R, (L*n_batch, 2*d_V*d_ff*n_rows), copy=False)
+        for f0 in range(0, d_ff, n_rows):
+            t39 = np.reshape(t37[..., 0:d_V*d_ff], (n_batch, L, n_rows, d_V, d_ff), copy=False)
+            np.multiply(t17, t18[..., f0:f0 + n_rows, :, :], out=t39)
+            t40 = np.reshape(t37[..., d_V*d_ff:2*d_V*d_ff], (n_batch, L, n_rows, d_ff, d_V), copy=False)
+            np.multiply(t29, t30[..., f0:f0 + n_rows, :, :], out=t40)
+            t41 = np.einsum('abccd->abcd', np.reshape(t37[..., d_V*d_ff:2*d_V*d_ff], (n_batch, L, n_rows, d_ff, d_V), copy=False)[..., f0:f0 + n_rows, :])
+            t41 += t31 * t32[..., f0:f0 + n_rows, :]
+            np.matmul(t35, t38, out=t36[:, f0*(2*d_V*d_ff):(f0 + n_rows)*(2*d_V*d_ff)])
         del R
-        t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-        t35 = np.reshape(t34, (d_ff, d_V, d_V, d_ff), copy=False)
-        t37 = np.swapaxes(t8, -1, -2)
-        t38 = (1/(L*n_batch)) * t7
-        t39 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t37.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
-        t40 = (dA * np.reshape(t38, (n_batch, L, d_V, 1)))
-        t41 = ((t16.transpose(1, 2, 0, 3) @ t40.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-        t42 = np.einsum('abca->abc', t35)
-        t43 = np.swapaxes(G, -1, -2)
-        t44 = np.swapaxes(t5, -1, -2)
-        t45 = (1/n_batch) * t43
-        t46 = t44.transpose(1, 0, 2)
-        t47 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t45.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-        t35[...] = (np.reshape((np.reshape(t39, (d_V*d_ff, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
-        t42 += np.reshape((np.reshape(t46, (d_ff, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
-        t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-        t49 = np.reshape(t48, (d_ff, d_V, d_ff, d_V), copy=False)
-        t50 = (dA.transpose(2, 3, 0, 1) * np.reshape(t38.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t51 = (np.reshape(t8.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t37.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
-        t49[...] = (np.reshape((np.reshape(t51, (d_ff**2, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
+        t42 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        t43 = np.reshape(t42, (d_ff, d_V, d_V, d_ff), copy=False)
+        t45 = np.swapaxes(t6, -1, -2)
+        t46 = (1/(L*n_batch)) * t5
+        t47 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t45.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
+        t48 = (dA * np.reshape(t46, (n_batch, L, d_V, 1)))
+        t49 = ((t14.transpose(1, 2, 0, 3) @ t48.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+        t50 = np.einsum('abca->abc', t43)
+        t51 = np.swapaxes(G, -1, -2)
+        t52 = np.swapaxes(t3, -1, -2)
+        t53 = (1/n_batch) * t51
+        t54 = t52.transpose(1, 0, 2)
+        t55 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t53.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t43[...] = (np.reshape((np.reshape(t47, (d_V*d_ff, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
+        t50 += np.reshape((np.reshape(t54, (d_ff, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
+        t56 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t57 = np.reshape(t56, (d_ff, d_V, d_ff, d_V), copy=False)
+        t58 = (dA.transpose(2, 3, 0, 1) * np.reshape(t46.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t59 = (np.reshape(t6.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t45.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
+        t57[...] = (np.reshape((np.reshape(t59, (d_ff**2, L*n_batch)) @ np.reshape(t58.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
     H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]

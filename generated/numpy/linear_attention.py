@@ -1672,42 +1672,51 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t74 = ((t39.transpose(0, 2, 1) @ t72.transpose(0, 2, 1))).transpose(2, 1, 0)
         t68[...] = (np.reshape((np.reshape(t70, (d_V**2, n_batch)) @ np.reshape(t71.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
         t68 += (np.reshape((np.reshape(t74, (d_K*d_V, n_batch)) @ np.reshape(t73.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-        R = np.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype)
-        t75 = np.reshape(R, (n_batch, L*d_V, 2*d_K*d_V + d_V**2), copy=False)
-        t76 = t75[..., 0:d_K*d_V]
-        t77 = np.reshape(t76, (n_batch, L, d_V, d_V, d_K), copy=False)
-        t78 = np.swapaxes(T, -1, -2)
-        t79 = t78 @ X
-        t80 = (2/(L*math.sqrt(d_K)*d_V)) * t79
-        t81 = (1/math.sqrt(d_K)) * t10
-        np.multiply(np.reshape(t49, (n_batch, 1, d_V, 1, d_K)), np.reshape(t80, (n_batch, L, 1, d_V, 1)), out=t77)
-        t77 += np.reshape(t57, (n_batch, 1, d_V, d_V, 1)) * np.reshape(t81, (n_batch, L, 1, 1, d_K))
-        t82 = t75[..., d_K*d_V:2*d_K*d_V]
-        t83 = np.reshape(t82, (n_batch, L, d_V, d_V, d_K), copy=False)
-        t84 = t56 @ t18
-        t85 = (1/math.sqrt(d_K)) * X
-        t86 = t78 @ t18
-        t87 = np.swapaxes(t48, -1, -2)
-        t88 = (2/(L*math.sqrt(d_K)*d_V)) * t86
-        np.multiply(np.reshape(t84, (n_batch, 1, d_V, 1, d_K)), np.reshape(t85, (n_batch, L, 1, d_V, 1)), out=t83)
-        t83 += np.reshape(t87, (n_batch, 1, d_V, d_V, 1)) * np.reshape(t88, (n_batch, L, 1, 1, d_K))
-        t89 = t75[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t89[...] = 0
-        t90 = t2.transpose(1, 0, 2)
-        t91 = np.reshape(t90, (d_V, L*n_batch))
-        t92 = (1/n_batch) * t91
-        t93 = np.reshape(R, (L*n_batch, d_V*(2*d_K*d_V + d_V**2)), copy=False)
-        t94 = np.reshape(H[2*d_K*d_V:2*d_K*d_V + d_V**2], (d_V, d_V*(2*d_K*d_V + d_V**2)), copy=False)
-        np.matmul(t92, t93, out=t94)
+        t76 = np.swapaxes(T, -1, -2)
+        t77 = t76 @ X
+        t78 = (2/(L*math.sqrt(d_K)*d_V)) * t77
+        t79 = (1/math.sqrt(d_K)) * t10
+        t80 = np.reshape(t49, (n_batch, 1, d_V, 1, d_K))
+        t81 = np.reshape(t78, (n_batch, L, 1, d_V, 1))
+        t82 = np.reshape(t57, (n_batch, 1, d_V, d_V, 1))
+        t83 = np.reshape(t79, (n_batch, L, 1, 1, d_K))
+        t86 = t56 @ t18
+        t87 = (1/math.sqrt(d_K)) * X
+        t88 = t76 @ t18
+        t89 = np.swapaxes(t48, -1, -2)
+        t90 = (2/(L*math.sqrt(d_K)*d_V)) * t88
+        t91 = np.reshape(t86, (n_batch, 1, d_V, 1, d_K))
+        t92 = np.reshape(t87, (n_batch, L, 1, d_V, 1))
+        t93 = np.reshape(t89, (n_batch, 1, d_V, d_V, 1))
+        t94 = np.reshape(t90, (n_batch, L, 1, 1, d_K))
+        t96 = t2.transpose(1, 0, 2)
+        t97 = np.reshape(t96, (d_V, L*n_batch))
+        t98 = (1/n_batch) * t97
+        t99 = np.reshape(H[2*d_K*d_V:2*d_K*d_V + d_V**2], (d_V, d_V*(2*d_K*d_V + d_V**2)), copy=False)
+        n_rows = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
+        while d_V % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = np.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t100 = np.reshape(R, (n_batch, L*n_rows, 2*d_K*d_V + d_V**2), copy=False)
+        t101 = np.reshape(R, (L*n_batch, n_rows*(2*d_K*d_V + d_V**2)), copy=False)
+        for f0 in range(0, d_V, n_rows):
+            t102 = np.reshape(t100[..., 0:d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+            np.multiply(t80[..., f0:f0 + n_rows, :, :], t81, out=t102)
+            t102 += t82[..., f0:f0 + n_rows, :, :] * t83
+            t103 = np.reshape(t100[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+            np.multiply(t91[..., f0:f0 + n_rows, :, :], t92, out=t103)
+            t103 += t93[..., f0:f0 + n_rows, :, :] * t94
+            t100[..., 2*d_K*d_V:2*d_K*d_V + d_V**2][...] = 0
+            np.matmul(t98, t101, out=t99[:, f0*(2*d_K*d_V + d_V**2):(f0 + n_rows)*(2*d_K*d_V + d_V**2)])
         del R
-        t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t96 = np.reshape(t95, (d_V, d_V, d_V, d_V), copy=False)
-        t97 = np.einsum('abcb->abc', t96)
-        t98 = np.swapaxes(t39, -1, -2)
-        t99 = t98 @ t39
-        t100 = np.ones((d_V,), dtype=X.dtype)
-        t101 = (2/(L*d_V*n_batch)) * t100
-        t97 += np.reshape(t101, (1, d_V, 1)) * np.reshape(t99.sum((0,)), (d_V, 1, d_V))
+        t104 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t105 = np.reshape(t104, (d_V, d_V, d_V, d_V), copy=False)
+        t106 = np.einsum('abcb->abc', t105)
+        t107 = np.swapaxes(t39, -1, -2)
+        t108 = t107 @ t39
+        t109 = np.ones((d_V,), dtype=X.dtype)
+        t110 = (2/(L*d_V*n_batch)) * t109
+        t106 += np.reshape(t110, (1, d_V, 1)) * np.reshape(t108.sum((0,)), (d_V, 1, d_V))
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -4969,138 +4978,149 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
         t0 = np.swapaxes(X, -1, -2)
-        R = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
-        t1 = np.reshape(R, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
-        t2 = t1[..., 0:d_K*d_V]
-        t3 = np.reshape(t2, (n_batch, L, d_K, d_V, d_K), copy=False)
-        t4 = np.swapaxes(W_K, -1, -2)
-        t5 = t4 @ t0
+        t2 = np.swapaxes(W_K, -1, -2)
+        t3 = t2 @ t0
         Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
-        t6 = np.swapaxes(W_V, -1, -2)
-        t7 = t6 @ t0
-        t8 = W_V @ t7
-        t9 = X @ t8
-        t10 = np.swapaxes(t5, -1, -2)
-        t11 = (2/(L*d_K*d_V)) * Mcausal
-        t12 = (np.reshape(t9.transpose(1, 0, 2), (L, n_batch, L, 1)) * np.reshape(t11.transpose(1, 0), (L, 1, 1, L)))
-        t13 = (t12.transpose(2, 3, 0, 1) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1)))
-        t14 = np.reshape((np.reshape(t13.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-        t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t10), (n_batch, L, d_K, d_K))
-        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t15, (n_batch, L, d_K, 1, d_K)), out=t3)
-        t16 = t1[..., d_K*d_V:2*d_K*d_V]
-        t17 = np.reshape(t16, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t4 = np.swapaxes(W_V, -1, -2)
+        t5 = t4 @ t0
+        t6 = W_V @ t5
+        t7 = X @ t6
+        t8 = np.swapaxes(t3, -1, -2)
+        t9 = (2/(L*d_K*d_V)) * Mcausal
+        t10 = (np.reshape(t7.transpose(1, 0, 2), (L, n_batch, L, 1)) * np.reshape(t9.transpose(1, 0), (L, 1, 1, L)))
+        t11 = (t10.transpose(2, 3, 0, 1) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1)))
+        t12 = np.reshape((np.reshape(t11.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+        t13 = np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t8), (n_batch, L, d_K, d_K))
+        t14 = np.reshape(X, (n_batch, L, 1, d_V, 1))
+        t15 = np.reshape(t13, (n_batch, L, d_K, 1, d_K))
         t18 = X @ W_Q
-        t19 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
-        t20 = np.einsum('abcdc->abcd', t17)
-        t21 = t18 @ t5
+        t19 = np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+        t21 = t18 @ t3
         t22 = (1/math.sqrt(d_K)) * t21
         T = t22
         t23 = Mcausal * T
-        t24 = np.swapaxes(t7, -1, -2)
+        t24 = np.swapaxes(t5, -1, -2)
         t25 = t23 @ t24
         F = t25
         t26 = F - Y
         t27 = (2/(L*d_V)) * t26
         G = t27
-        t28 = G @ t7
+        t28 = G @ t5
         t29 = Mcausal * t28
         t30 = t29 @ X
         t31 = np.ones((d_K,), dtype=X.dtype)
         t32 = (1/math.sqrt(d_K)) * t31
-        np.multiply(np.reshape(t18, (n_batch, L, 1, 1, d_K)), np.reshape(t19, (n_batch, L, d_K, d_V, 1)), out=t17)
-        t20 += np.reshape(t32, (1, 1, d_K, 1)) * np.reshape(t30, (n_batch, L, 1, d_V))
-        t33 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t34 = np.reshape(t33, (n_batch, L, d_K, d_V, d_V), copy=False)
-        t35 = t23 @ X
-        t36 = (2/(L*math.sqrt(d_K)*d_V)) * Mcausal
-        t37 = (np.reshape(t36.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t5.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
-        t38 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
-        t39 = np.reshape((np.reshape(t37.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ t38.transpose(1, 2, 0)), (n_batch, L, d_K, d_V))
-        t40 = (1/math.sqrt(d_K)) * Mcausal
-        t41 = (np.reshape(t40.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t5.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
-        t42 = np.reshape((np.reshape(t41.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
-        np.multiply(np.reshape(t35, (n_batch, L, 1, d_V, 1)), np.reshape(t39, (n_batch, L, d_K, 1, d_V)), out=t34)
-        t34 += np.reshape(G, (n_batch, L, 1, 1, d_V)) * np.reshape(t42, (n_batch, L, d_K, d_V, 1))
-        t43 = t0.transpose(1, 0, 2)
-        t44 = np.reshape(t43, (d_V, L*n_batch))
-        t45 = (1/n_batch) * t44
-        t46 = np.reshape(R, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        t47 = np.reshape(H[0:d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        np.matmul(t45, t46, out=t47)
+        t33 = np.reshape(t18, (n_batch, L, 1, 1, d_K))
+        t34 = np.reshape(t19, (n_batch, L, d_K, d_V, 1))
+        t35 = np.reshape(t32, (1, 1, d_K, 1))
+        t36 = np.reshape(t30, (n_batch, L, 1, d_V))
+        t39 = t23 @ X
+        t40 = (2/(L*math.sqrt(d_K)*d_V)) * Mcausal
+        t41 = (np.reshape(t40.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t3.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
+        t42 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+        t43 = np.reshape((np.reshape(t41.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ t42.transpose(1, 2, 0)), (n_batch, L, d_K, d_V))
+        t44 = (1/math.sqrt(d_K)) * Mcausal
+        t45 = (np.reshape(t44.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t3.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
+        t46 = np.reshape((np.reshape(t45.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+        t47 = np.reshape(t39, (n_batch, L, 1, d_V, 1))
+        t48 = np.reshape(t43, (n_batch, L, d_K, 1, d_V))
+        t49 = np.reshape(G, (n_batch, L, 1, 1, d_V))
+        t50 = np.reshape(t46, (n_batch, L, d_K, d_V, 1))
+        t51 = t0.transpose(1, 0, 2)
+        t52 = np.reshape(t51, (d_V, L*n_batch))
+        t53 = (1/n_batch) * t52
+        t54 = np.reshape(H[0:d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
+        while d_K % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = np.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t55 = np.reshape(R, (n_batch, L*n_rows, 2*d_K*d_V + d_V**2), copy=False)
+        t56 = np.reshape(R, (L*n_batch, n_rows*(2*d_K*d_V + d_V**2)), copy=False)
+        for f0 in range(0, d_K, n_rows):
+            t57 = np.reshape(t55[..., 0:d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+            np.multiply(t14, t15[..., f0:f0 + n_rows, :, :], out=t57)
+            t58 = np.reshape(t55[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+            np.multiply(t33, t34[..., f0:f0 + n_rows, :, :], out=t58)
+            t59 = np.einsum('abcdc->abcd', np.reshape(t55[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)[..., f0:f0 + n_rows])
+            t59 += t35[..., f0:f0 + n_rows, :] * t36
+            t60 = np.reshape(t55[..., 2*d_K*d_V:2*d_K*d_V + d_V**2], (n_batch, L, n_rows, d_V, d_V), copy=False)
+            np.multiply(t47, t48[..., f0:f0 + n_rows, :, :], out=t60)
+            t60 += t49 * t50[..., f0:f0 + n_rows, :, :]
+            np.matmul(t53, t56, out=t54[:, f0*(2*d_K*d_V + d_V**2):(f0 + n_rows)*(2*d_K*d_V + d_V**2)])
         del R
-        R48 = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
-        t49 = np.reshape(R48, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
-        t50 = t49[..., 0:d_K*d_V]
-        t51 = np.reshape(t50, (n_batch, L, d_K, d_V, d_K), copy=False)
-        t52 = np.swapaxes(t18, -1, -2)
-        t53 = np.swapaxes(Mcausal, -1, -2)
-        t54 = (2/(L*d_K*d_V)) * t53
-        t55 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t52, (n_batch, d_K, 1, L)))
-        t56 = (np.reshape(t9.transpose(1, 0, 2), (L, n_batch, L, 1)) * np.reshape(t54, (L, 1, 1, L)))
-        t57 = (t56.transpose(2, 3, 0, 1) * np.reshape(t53, (L, L, 1, 1)))
-        t58 = (np.reshape((t10.transpose(0, 2, 1) @ np.reshape(t57.transpose(3, 0, 2, 1), (n_batch, L, L**2))), (n_batch, d_K, L, L))).transpose(0, 2, 1, 3)
-        t59 = np.einsum('abcdc->abcd', t51)
-        t60 = np.swapaxes(t28, -1, -2)
-        t61 = t60 * t53
-        t62 = t61 @ X
-        t51[...] = (np.reshape((np.reshape(t55, (n_batch, d_K*d_V, L)) @ np.reshape(t58.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
-        t59 += np.reshape(t32, (1, 1, d_K, 1)) * np.reshape(t62, (n_batch, L, 1, d_V))
-        t63 = t49[..., d_K*d_V:2*d_K*d_V]
+        R61 = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t62 = np.reshape(R61, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
+        t63 = t62[..., 0:d_K*d_V]
         t64 = np.reshape(t63, (n_batch, L, d_K, d_V, d_K), copy=False)
-        t65 = (np.reshape(t18.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t52, (n_batch, d_K, 1, L)))
-        t66 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t57.transpose(3, 0, 2, 1), (n_batch, L, L**2))), (n_batch, d_V, L, L))).transpose(0, 2, 1, 3)
-        t64[...] = (np.reshape((np.reshape(t66, (n_batch, L*d_V, L)) @ np.reshape(t65.transpose(0, 3, 1, 2), (n_batch, L, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
-        t67 = t49[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t68 = np.reshape(t67, (n_batch, L, d_K, d_V, d_V), copy=False)
-        t69 = (1/math.sqrt(d_K)) * t53
-        t70 = (np.reshape(t69.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t52.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
-        t71 = np.reshape((np.reshape(t70.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ G), (n_batch, L, d_K, d_V))
-        t72 = (2/(L*math.sqrt(d_K)*d_V)) * t53
-        t73 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_V), (n_batch, L, d_V))
-        t74 = (np.reshape(t72.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t52.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
-        t75 = np.reshape((np.reshape(t74.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ t35), (n_batch, L, d_K, d_V))
-        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t71, (n_batch, L, d_K, 1, d_V)), out=t68)
-        t68 += np.reshape(t73, (n_batch, L, 1, 1, d_V)) * np.reshape(t75, (n_batch, L, d_K, d_V, 1))
-        t76 = np.reshape(R48, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        t77 = np.reshape(H[d_K*d_V:2*d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        np.matmul(t45, t76, out=t77)
-        del R48
-        R78 = np.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype)
-        t79 = np.reshape(R78, (n_batch, L*d_V, 2*d_K*d_V + d_V**2), copy=False)
-        t80 = t79[..., 0:d_K*d_V]
-        t81 = np.reshape(t80, (n_batch, L, d_V, d_V, d_K), copy=False)
-        t82 = np.swapaxes(T, -1, -2)
-        t83 = t53 * t82
-        t84 = (2/(L*math.sqrt(d_K)*d_V)) * t83
-        t85 = (np.reshape(t10.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t7, (n_batch, d_V, 1, L)))
-        t86 = (np.reshape(Mcausal, (L, L, 1, 1)) * np.reshape(t84.transpose(2, 0, 1), (L, 1, n_batch, L)))
-        t87 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t86.transpose(2, 0, 3, 1), (n_batch, L, L**2))), (n_batch, d_V, L, L))).transpose(0, 2, 1, 3)
-        t88 = np.swapaxes(G, -1, -2)
-        t89 = (np.reshape(t69.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t88.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
-        t90 = np.reshape((np.reshape(t89.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-        t81[...] = (np.reshape((np.reshape(t87, (n_batch, L*d_V, L)) @ np.reshape(t85.transpose(0, 3, 1, 2), (n_batch, L, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
-        t81 += np.reshape(t10, (n_batch, L, 1, 1, d_K)) * np.reshape(t90, (n_batch, L, d_V, d_V, 1))
-        t91 = t79[..., d_K*d_V:2*d_K*d_V]
-        t92 = np.reshape(t91, (n_batch, L, d_V, d_V, d_K), copy=False)
-        t93 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t7, (n_batch, d_V, 1, L)))
-        t94 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t86.transpose(2, 0, 3, 1), (n_batch, L, L**2))), (n_batch, d_K, L, L))).transpose(0, 2, 1, 3)
-        t95 = np.reshape((np.reshape(t89.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))
-        t92[...] = (np.reshape((np.reshape(t93, (n_batch, d_V**2, L)) @ np.reshape(t94.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
-        t92 += np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t95, (n_batch, L, d_V, 1, d_K))
-        t96 = t79[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t96[...] = 0
-        t97 = np.reshape(R78, (L*n_batch, d_V*(2*d_K*d_V + d_V**2)), copy=False)
-        t98 = np.reshape(H[2*d_K*d_V:2*d_K*d_V + d_V**2], (d_V, d_V*(2*d_K*d_V + d_V**2)), copy=False)
-        np.matmul(t45, t97, out=t98)
-        del R78
-        t99 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t100 = np.reshape(t99, (d_V, d_V, d_V, d_V), copy=False)
-        t101 = np.einsum('abcb->abc', t100)
-        t102 = np.swapaxes(t35, -1, -2)
-        t103 = t102 @ t35
-        t104 = np.ones((d_V,), dtype=X.dtype)
-        t105 = (2/(L*d_V*n_batch)) * t104
-        t101 += np.reshape(t105, (1, d_V, 1)) * np.reshape(t103.sum((0,)), (d_V, 1, d_V))
+        t65 = np.swapaxes(t18, -1, -2)
+        t66 = np.swapaxes(Mcausal, -1, -2)
+        t67 = (2/(L*d_K*d_V)) * t66
+        t68 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t65, (n_batch, d_K, 1, L)))
+        t69 = (np.reshape(t7.transpose(1, 0, 2), (L, n_batch, L, 1)) * np.reshape(t67, (L, 1, 1, L)))
+        t70 = (t69.transpose(2, 3, 0, 1) * np.reshape(t66, (L, L, 1, 1)))
+        t71 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t70.transpose(3, 0, 2, 1), (n_batch, L, L**2))), (n_batch, d_K, L, L))).transpose(0, 2, 1, 3)
+        t72 = np.einsum('abcdc->abcd', t64)
+        t73 = np.swapaxes(t28, -1, -2)
+        t74 = t73 * t66
+        t75 = t74 @ X
+        t64[...] = (np.reshape((np.reshape(t68, (n_batch, d_K*d_V, L)) @ np.reshape(t71.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        t72 += np.reshape(t32, (1, 1, d_K, 1)) * np.reshape(t75, (n_batch, L, 1, d_V))
+        t76 = t62[..., d_K*d_V:2*d_K*d_V]
+        t77 = np.reshape(t76, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t78 = (np.reshape(t18.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t65, (n_batch, d_K, 1, L)))
+        t79 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t70.transpose(3, 0, 2, 1), (n_batch, L, L**2))), (n_batch, d_V, L, L))).transpose(0, 2, 1, 3)
+        t77[...] = (np.reshape((np.reshape(t79, (n_batch, L*d_V, L)) @ np.reshape(t78.transpose(0, 3, 1, 2), (n_batch, L, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
+        t80 = t62[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t81 = np.reshape(t80, (n_batch, L, d_K, d_V, d_V), copy=False)
+        t82 = (1/math.sqrt(d_K)) * t66
+        t83 = (np.reshape(t82.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t65.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
+        t84 = np.reshape((np.reshape(t83.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ G), (n_batch, L, d_K, d_V))
+        t85 = (2/(L*math.sqrt(d_K)*d_V)) * t66
+        t86 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_V), (n_batch, L, d_V))
+        t87 = (np.reshape(t85.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t65.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
+        t88 = np.reshape((np.reshape(t87.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ t39), (n_batch, L, d_K, d_V))
+        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t84, (n_batch, L, d_K, 1, d_V)), out=t81)
+        t81 += np.reshape(t86, (n_batch, L, 1, 1, d_V)) * np.reshape(t88, (n_batch, L, d_K, d_V, 1))
+        t89 = np.reshape(H[d_K*d_V:2*d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        t90 = np.reshape(R61, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        np.matmul(t53, t90, out=t89)
+        del R61
+        R91 = np.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t92 = np.reshape(R91, (n_batch, L*d_V, 2*d_K*d_V + d_V**2), copy=False)
+        t93 = t92[..., 0:d_K*d_V]
+        t94 = np.reshape(t93, (n_batch, L, d_V, d_V, d_K), copy=False)
+        t95 = np.swapaxes(T, -1, -2)
+        t96 = t66 * t95
+        t97 = (2/(L*math.sqrt(d_K)*d_V)) * t96
+        t98 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t5, (n_batch, d_V, 1, L)))
+        t99 = (np.reshape(Mcausal, (L, L, 1, 1)) * np.reshape(t97.transpose(2, 0, 1), (L, 1, n_batch, L)))
+        t100 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t99.transpose(2, 0, 3, 1), (n_batch, L, L**2))), (n_batch, d_V, L, L))).transpose(0, 2, 1, 3)
+        t101 = np.swapaxes(G, -1, -2)
+        t102 = (np.reshape(t82.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t101.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
+        t103 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t94[...] = (np.reshape((np.reshape(t100, (n_batch, L*d_V, L)) @ np.reshape(t98.transpose(0, 3, 1, 2), (n_batch, L, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+        t94 += np.reshape(t8, (n_batch, L, 1, 1, d_K)) * np.reshape(t103, (n_batch, L, d_V, d_V, 1))
+        t104 = t92[..., d_K*d_V:2*d_K*d_V]
+        t105 = np.reshape(t104, (n_batch, L, d_V, d_V, d_K), copy=False)
+        t106 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t5, (n_batch, d_V, 1, L)))
+        t107 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t99.transpose(2, 0, 3, 1), (n_batch, L, L**2))), (n_batch, d_K, L, L))).transpose(0, 2, 1, 3)
+        t108 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))
+        t105[...] = (np.reshape((np.reshape(t106, (n_batch, d_V**2, L)) @ np.reshape(t107.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        t105 += np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t108, (n_batch, L, d_V, 1, d_K))
+        t109 = t92[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t109[...] = 0
+        t110 = np.reshape(H[2*d_K*d_V:2*d_K*d_V + d_V**2], (d_V, d_V*(2*d_K*d_V + d_V**2)), copy=False)
+        t111 = np.reshape(R91, (L*n_batch, d_V*(2*d_K*d_V + d_V**2)), copy=False)
+        np.matmul(t53, t111, out=t110)
+        del R91
+        t112 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t113 = np.reshape(t112, (d_V, d_V, d_V, d_V), copy=False)
+        t114 = np.einsum('abcb->abc', t113)
+        t115 = np.swapaxes(t39, -1, -2)
+        t116 = t115 @ t39
+        t117 = np.ones((d_V,), dtype=X.dtype)
+        t118 = (2/(L*d_V*n_batch)) * t117
+        t114 += np.reshape(t118, (1, d_V, 1)) * np.reshape(t116.sum((0,)), (d_V, 1, d_V))
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -8838,44 +8858,38 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
         t0 = np.swapaxes(X, -1, -2)
-        R = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
-        t1 = np.reshape(R, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
-        t2 = t1[..., 0:d_K*d_V]
-        t3 = np.reshape(t2, (n_batch, L, d_K, d_V, d_K), copy=False)
-        t4 = np.swapaxes(W_K, -1, -2)
-        t5 = t4 @ t0
-        t6 = X @ W_V
-        t7 = t5 @ t6
-        t8 = Y.sum(-1, keepdims=True)
-        t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-        t10 = W_Q @ t5
-        t11 = X @ t10
-        t12 = (1/math.sqrt(d_K)) * t11
-        T = t12
-        t13 = T @ t6
-        t14 = np.exp(t13 - t13.max(-1, keepdims=True))
-        A = t14 / t14.sum(-1, keepdims=True)
-        t15 = np.eye(d_V, dtype=X.dtype)
+        t2 = np.swapaxes(W_K, -1, -2)
+        t3 = t2 @ t0
+        t4 = X @ W_V
+        t5 = t3 @ t4
+        t6 = Y.sum(-1, keepdims=True)
+        t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
+        t8 = W_Q @ t3
+        t9 = X @ t8
+        t10 = (1/math.sqrt(d_K)) * t9
+        T = t10
+        t11 = T @ t4
+        t12 = np.exp(t11 - t11.max(-1, keepdims=True))
+        A = t12 / t12.sum(-1, keepdims=True)
+        t13 = np.eye(d_V, dtype=X.dtype)
         # dA: compact tensor ('L', 'd_V', 'd_V')
-        dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
-        t16 = np.swapaxes(t7, -1, -2)
-        t17 = (1/(L*d_K)) * t9
-        t18 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
-        t19 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
-        t20 = (t18.transpose(0, 2, 3, 1) @ t19.transpose(0, 2, 3, 1))
-        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t20, (n_batch, L, d_K, 1, d_K)), out=t3)
-        t21 = t1[..., d_K*d_V:2*d_K*d_V]
-        t22 = np.reshape(t21, (n_batch, L, d_K, d_V, d_K), copy=False)
+        dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
+        t14 = np.swapaxes(t5, -1, -2)
+        t15 = (1/(L*d_K)) * t7
+        t16 = (np.reshape(t15.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+        t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+        t18 = (t16.transpose(0, 2, 3, 1) @ t17.transpose(0, 2, 3, 1))
+        t19 = np.reshape(X, (n_batch, L, 1, d_V, 1))
+        t20 = np.reshape(t18, (n_batch, L, d_K, 1, d_K))
         t23 = X @ W_Q
-        t24 = np.swapaxes(t6, -1, -2)
+        t24 = np.swapaxes(t4, -1, -2)
         t25 = t24 @ X
         t26 = np.reshape((t25.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
-        t27 = (t18.transpose(0, 2, 3, 1) @ t26.transpose(0, 2, 3, 1))
-        t28 = np.einsum('abcdc->abcd', t22)
-        F = t13
+        t27 = (t16.transpose(0, 2, 3, 1) @ t26.transpose(0, 2, 3, 1))
+        F = t11
         t29 = np.exp(F - F.max(-1, keepdims=True))
         A30 = t29 / t29.sum(-1, keepdims=True)
-        t31 = t9 * A30
+        t31 = t7 * A30
         t32 = t31 - Y
         t33 = (1/L) * t32
         G = t33
@@ -8883,99 +8897,116 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t35 = t34 @ X
         t36 = np.ones((d_K,), dtype=X.dtype)
         t37 = (1/math.sqrt(d_K)) * t36
-        np.multiply(np.reshape(t23, (n_batch, L, 1, 1, d_K)), np.reshape(t27, (n_batch, L, d_K, d_V, 1)), out=t22)
-        t28 += np.reshape(t37, (1, 1, d_K, 1)) * np.reshape(t35, (n_batch, L, 1, d_V))
-        t38 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t39 = np.reshape(t38, (n_batch, L, d_K, d_V, d_V), copy=False)
-        t40 = t5 @ X
-        t41 = T @ X
-        t42 = (1/(L*math.sqrt(d_K))) * t9
-        t43 = (dA * np.reshape(t42, (n_batch, L, d_V, 1)))
-        t44 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t40.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
-        t45 = (np.reshape((t44.transpose(1, 2, 0) @ np.reshape(t43.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))).transpose(0, 2, 1, 3)
-        t46 = (1/math.sqrt(d_K)) * G
-        np.multiply(np.reshape(t41, (n_batch, L, 1, d_V, 1)), np.reshape(t45, (n_batch, L, d_K, 1, d_V)), out=t39)
-        t39 += np.reshape(t46, (n_batch, L, 1, 1, d_V)) * np.reshape(t40, (n_batch, 1, d_K, d_V, 1))
-        t47 = t0.transpose(1, 0, 2)
-        t48 = np.reshape(t47, (d_V, L*n_batch))
-        t49 = (1/n_batch) * t48
-        t50 = np.reshape(R, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        t51 = np.reshape(H[0:d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        np.matmul(t49, t50, out=t51)
+        t38 = np.reshape(t23, (n_batch, L, 1, 1, d_K))
+        t39 = np.reshape(t27, (n_batch, L, d_K, d_V, 1))
+        t40 = np.reshape(t37, (1, 1, d_K, 1))
+        t41 = np.reshape(t35, (n_batch, L, 1, d_V))
+        t44 = t3 @ X
+        t45 = T @ X
+        t46 = (1/(L*math.sqrt(d_K))) * t7
+        t47 = (dA * np.reshape(t46, (n_batch, L, d_V, 1)))
+        t48 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t44.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
+        t49 = (np.reshape((t48.transpose(1, 2, 0) @ np.reshape(t47.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))).transpose(0, 2, 1, 3)
+        t50 = (1/math.sqrt(d_K)) * G
+        t51 = np.reshape(t45, (n_batch, L, 1, d_V, 1))
+        t52 = np.reshape(t49, (n_batch, L, d_K, 1, d_V))
+        t53 = np.reshape(t50, (n_batch, L, 1, 1, d_V))
+        t54 = np.reshape(t44, (n_batch, 1, d_K, d_V, 1))
+        t55 = t0.transpose(1, 0, 2)
+        t56 = np.reshape(t55, (d_V, L*n_batch))
+        t57 = (1/n_batch) * t56
+        t58 = np.reshape(H[0:d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
+        while d_K % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = np.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t59 = np.reshape(R, (n_batch, L*n_rows, 2*d_K*d_V + d_V**2), copy=False)
+        t60 = np.reshape(R, (L*n_batch, n_rows*(2*d_K*d_V + d_V**2)), copy=False)
+        for f0 in range(0, d_K, n_rows):
+            t61 = np.reshape(t59[..., 0:d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+            np.multiply(t19, t20[..., f0:f0 + n_rows, :, :], out=t61)
+            t62 = np.reshape(t59[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+            np.multiply(t38, t39[..., f0:f0 + n_rows, :, :], out=t62)
+            t63 = np.einsum('abcdc->abcd', np.reshape(t59[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)[..., f0:f0 + n_rows])
+            t63 += t40[..., f0:f0 + n_rows, :] * t41
+            t64 = np.reshape(t59[..., 2*d_K*d_V:2*d_K*d_V + d_V**2], (n_batch, L, n_rows, d_V, d_V), copy=False)
+            np.multiply(t51, t52[..., f0:f0 + n_rows, :, :], out=t64)
+            t64 += t53 * t54[..., f0:f0 + n_rows, :, :]
+            np.matmul(t57, t60, out=t58[:, f0*(2*d_K*d_V + d_V**2):(f0 + n_rows)*(2*d_K*d_V + d_V**2)])
         del R
-        t52 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-        t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
-        t54 = np.swapaxes(t25, -1, -2)
-        t55 = np.swapaxes(t23, -1, -2)
-        t56 = np.swapaxes(Y, -1, -2)
-        t57 = t56.sum(-2, keepdims=True)
-        t58 = np.broadcast_to(t57, t57.shape[:-2] + (d_V, t57.shape[-1]))
-        t59 = (1/(L*d_K*n_batch)) * t55
-        t60 = (t19.transpose(0, 2, 3, 1) * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
-        t61 = np.reshape((np.reshape(t60.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t54.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
-        t62 = (np.reshape(t61.transpose(3, 2, 0, 1), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
-        t63 = t59.transpose(1, 0, 2)
-        t64 = np.einsum('abcb->abc', t53)
-        t65 = np.swapaxes(G, -1, -2)
-        t66 = (1/(math.sqrt(d_K)*n_batch)) * t36
-        t67 = (t65.transpose(0, 2, 1) @ t54.transpose(0, 2, 1))
-        t68 = (np.reshape(t67.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
-        t69 = np.reshape(t63, (1, d_K, L*n_batch))
-        t70 = np.reshape(t53, (d_V, d_K, d_K*d_V), copy=False)
-        np.matmul(np.broadcast_to(t69, (d_V,) + t69.shape[-2:]), np.reshape(t62.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t70)
-        t64 += np.reshape(t66, (1, d_K, 1)) * np.reshape(t68, (d_V, 1, d_V))
-        t71 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        t72 = np.reshape(t71, (d_V, d_K, d_V, d_K), copy=False)
-        t73 = (t26.transpose(0, 2, 3, 1) * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
-        t74 = np.reshape((np.reshape(t73.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t54.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
-        t75 = (np.reshape(t74.transpose(3, 2, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, 1, d_K, n_batch, L)))
-        t76 = np.reshape(t72, (d_V, d_K, d_K*d_V), copy=False)
-        np.matmul(np.broadcast_to(t69, (d_V,) + t69.shape[-2:]), np.reshape(t75.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t76)
-        t77 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t78 = np.reshape(t77, (d_V, d_K, d_V, d_V), copy=False)
-        t79 = t0 @ X
-        t80 = (1/(math.sqrt(d_K)*n_batch)) * t55
-        t81 = t79.transpose(1, 2, 0)
-        t82 = ((G.transpose(0, 2, 1) @ t80.transpose(0, 2, 1))).transpose(2, 1, 0)
-        t83 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
-        t84 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t79.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
-        t85 = (dA * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
-        t86 = np.reshape((np.reshape(t85.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t84.transpose(1, 0, 2)), (n_batch, L, d_V, d_V))
-        t87 = (np.reshape(t86.transpose(3, 2, 0, 1), (d_V, 1, d_V, n_batch, L)) * np.reshape(t41.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
-        t88 = t83.transpose(1, 0, 2)
-        t78[...] = (np.reshape((np.reshape(t81, (d_V**2, n_batch)) @ np.reshape(t82.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-        t78 += np.reshape((np.reshape(t88, (1, d_K, L*n_batch)) @ np.reshape(t87.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))
-        t89 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t90 = np.reshape(t89, (d_V, d_V, d_V, d_K), copy=False)
-        t91 = np.swapaxes(t5, -1, -2)
-        t92 = t65 @ X
-        t93 = (1/(math.sqrt(d_K)*n_batch)) * t0
+        t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t66 = np.reshape(t65, (d_V, d_K, d_V, d_K), copy=False)
+        t67 = np.swapaxes(t25, -1, -2)
+        t68 = np.swapaxes(t23, -1, -2)
+        t69 = np.swapaxes(Y, -1, -2)
+        t70 = t69.sum(-2, keepdims=True)
+        t71 = np.broadcast_to(t70, t70.shape[:-2] + (d_V, t70.shape[-1]))
+        t72 = (1/(L*d_K*n_batch)) * t68
+        t73 = (t17.transpose(0, 2, 3, 1) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+        t74 = np.reshape((np.reshape(t73.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t67.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
+        t75 = (np.reshape(t74.transpose(3, 2, 0, 1), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        t76 = t72.transpose(1, 0, 2)
+        t77 = np.einsum('abcb->abc', t66)
+        t78 = np.swapaxes(G, -1, -2)
+        t79 = (1/(math.sqrt(d_K)*n_batch)) * t36
+        t80 = (t78.transpose(0, 2, 1) @ t67.transpose(0, 2, 1))
+        t81 = (np.reshape(t80.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
+        t82 = np.reshape(t76, (1, d_K, L*n_batch))
+        t83 = np.reshape(t66, (d_V, d_K, d_K*d_V), copy=False)
+        np.matmul(np.broadcast_to(t82, (d_V,) + t82.shape[-2:]), np.reshape(t75.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t83)
+        t77 += np.reshape(t79, (1, d_K, 1)) * np.reshape(t81, (d_V, 1, d_V))
+        t84 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t85 = np.reshape(t84, (d_V, d_K, d_V, d_K), copy=False)
+        t86 = (t26.transpose(0, 2, 3, 1) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+        t87 = np.reshape((np.reshape(t86.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t67.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+        t88 = (np.reshape(t87.transpose(3, 2, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, 1, d_K, n_batch, L)))
+        t89 = np.reshape(t85, (d_V, d_K, d_K*d_V), copy=False)
+        np.matmul(np.broadcast_to(t82, (d_V,) + t82.shape[-2:]), np.reshape(t88.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t89)
+        t90 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t91 = np.reshape(t90, (d_V, d_K, d_V, d_V), copy=False)
+        t92 = t0 @ X
+        t93 = (1/(math.sqrt(d_K)*n_batch)) * t68
         t94 = t92.transpose(1, 2, 0)
-        t95 = ((t91.transpose(0, 2, 1) @ t93.transpose(0, 2, 1))).transpose(2, 1, 0)
-        t96 = np.swapaxes(T, -1, -2)
-        t97 = (1/(L*math.sqrt(d_K)*n_batch)) * t96
-        t98 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
-        t99 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t98.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-        t100 = (t97.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
-        t101 = (np.reshape(t100.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-        t90[...] = (np.reshape((np.reshape(t94, (d_V**2, n_batch)) @ np.reshape(t95.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t90 += (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t99.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-        t102 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t95 = ((G.transpose(0, 2, 1) @ t93.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t96 = (1/(L*math.sqrt(d_K)*n_batch)) * t68
+        t97 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t92.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+        t98 = (dA * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+        t99 = np.reshape((np.reshape(t98.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t97.transpose(1, 0, 2)), (n_batch, L, d_V, d_V))
+        t100 = (np.reshape(t99.transpose(3, 2, 0, 1), (d_V, 1, d_V, n_batch, L)) * np.reshape(t45.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        t101 = t96.transpose(1, 0, 2)
+        t91[...] = (np.reshape((np.reshape(t94, (d_V**2, n_batch)) @ np.reshape(t95.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+        t91 += np.reshape((np.reshape(t101, (1, d_K, L*n_batch)) @ np.reshape(t100.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))
+        t102 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
         t103 = np.reshape(t102, (d_V, d_V, d_V, d_K), copy=False)
-        t104 = t65 @ t23
-        t105 = t104.transpose(1, 2, 0)
-        t106 = ((X.transpose(0, 2, 1) @ t93.transpose(0, 2, 1))).transpose(2, 1, 0)
-        t107 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t98.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-        t108 = (np.reshape(t100.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)))
-        t103[...] = (np.reshape((np.reshape(t106, (d_V**2, n_batch)) @ np.reshape(t105.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-        t103 += (np.reshape((np.reshape(t107, (d_V**2, L*n_batch)) @ np.reshape(t108.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t109 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t110 = np.reshape(t109, (d_V, d_V, d_V, d_V), copy=False)
-        t111 = np.swapaxes(t41, -1, -2)
-        t112 = (1/(L*n_batch)) * t111
-        t113 = (dA.transpose(2, 3, 0, 1) * np.reshape(t9.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t114 = (np.reshape(t41.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t112.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-        t110[...] = (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        t104 = np.swapaxes(t3, -1, -2)
+        t105 = t78 @ X
+        t106 = (1/(math.sqrt(d_K)*n_batch)) * t0
+        t107 = t105.transpose(1, 2, 0)
+        t108 = ((t104.transpose(0, 2, 1) @ t106.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t109 = np.swapaxes(T, -1, -2)
+        t110 = (1/(L*math.sqrt(d_K)*n_batch)) * t109
+        t111 = (dA * np.reshape(t7, (n_batch, L, d_V, 1)))
+        t112 = (np.reshape((t14.transpose(0, 2, 1) @ np.reshape(t111.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
+        t113 = (t110.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
+        t114 = (np.reshape(t113.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+        t103[...] = (np.reshape((np.reshape(t107, (d_V**2, n_batch)) @ np.reshape(t108.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t103 += (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t112.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t115 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t116 = np.reshape(t115, (d_V, d_V, d_V, d_K), copy=False)
+        t117 = t78 @ t23
+        t118 = t117.transpose(1, 2, 0)
+        t119 = ((X.transpose(0, 2, 1) @ t106.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t120 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t111.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+        t121 = (np.reshape(t113.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)))
+        t116[...] = (np.reshape((np.reshape(t119, (d_V**2, n_batch)) @ np.reshape(t118.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t116 += (np.reshape((np.reshape(t120, (d_V**2, L*n_batch)) @ np.reshape(t121.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t123 = np.reshape(t122, (d_V, d_V, d_V, d_V), copy=False)
+        t124 = np.swapaxes(t45, -1, -2)
+        t125 = (1/(L*n_batch)) * t124
+        t126 = (dA.transpose(2, 3, 0, 1) * np.reshape(t7.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t127 = (np.reshape(t45.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t125.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t123[...] = (np.reshape((np.reshape(t127, (d_V**2, L*n_batch)) @ np.reshape(t126.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -13022,156 +13053,167 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
         t0 = np.swapaxes(X, -1, -2)
-        R = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
-        t1 = np.reshape(R, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
-        t2 = t1[..., 0:d_K*d_V]
-        t3 = np.reshape(t2, (n_batch, L, d_K, d_V, d_K), copy=False)
-        t4 = np.swapaxes(W_K, -1, -2)
-        t5 = t4 @ t0
+        t2 = np.swapaxes(W_K, -1, -2)
+        t3 = t2 @ t0
         Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
-        t6 = X @ W_V
-        t7 = Y.sum(-1, keepdims=True)
-        t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
-        t9 = W_Q @ t5
-        t10 = X @ t9
-        t11 = (1/math.sqrt(d_K)) * t10
-        T = t11
-        t12 = Mcausal * T
-        t13 = t12 @ t6
-        t14 = np.exp(t13 - t13.max(-1, keepdims=True))
-        A = t14 / t14.sum(-1, keepdims=True)
-        t15 = np.eye(d_V, dtype=X.dtype)
+        t4 = X @ W_V
+        t5 = Y.sum(-1, keepdims=True)
+        t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
+        t7 = W_Q @ t3
+        t8 = X @ t7
+        t9 = (1/math.sqrt(d_K)) * t8
+        T = t9
+        t10 = Mcausal * T
+        t11 = t10 @ t4
+        t12 = np.exp(t11 - t11.max(-1, keepdims=True))
+        A = t12 / t12.sum(-1, keepdims=True)
+        t13 = np.eye(d_V, dtype=X.dtype)
         # dA: compact tensor ('L', 'd_V', 'd_V')
-        dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
-        t16 = np.swapaxes(t6, -1, -2)
-        t17 = np.swapaxes(t5, -1, -2)
-        t18 = (1/(L*d_K)) * Mcausal
-        t19 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-        t20 = (t19.transpose(0, 2, 3, 1) * np.reshape(t8, (n_batch, L, d_V, 1)))
-        t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t6.transpose(0, 2, 1)), (n_batch, L, L, L))
-        t22 = (t21.transpose(1, 3, 0, 2) * np.reshape(t18, (L, L, 1, 1)))
-        t23 = (t22.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
-        t24 = np.reshape((np.reshape(t23.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-        t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t17), (n_batch, L, d_K, d_K))
-        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t25, (n_batch, L, d_K, 1, d_K)), out=t3)
-        t26 = t1[..., d_K*d_V:2*d_K*d_V]
-        t27 = np.reshape(t26, (n_batch, L, d_K, d_V, d_K), copy=False)
+        dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
+        t14 = np.swapaxes(t4, -1, -2)
+        t15 = np.swapaxes(t3, -1, -2)
+        t16 = (1/(L*d_K)) * Mcausal
+        t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+        t18 = (t17.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
+        t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+        t20 = (t19.transpose(1, 3, 0, 2) * np.reshape(t16, (L, L, 1, 1)))
+        t21 = (t20.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
+        t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+        t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t15), (n_batch, L, d_K, d_K))
+        t24 = np.reshape(X, (n_batch, L, 1, d_V, 1))
+        t25 = np.reshape(t23, (n_batch, L, d_K, 1, d_K))
         t28 = X @ W_Q
-        t29 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
-        t30 = np.einsum('abcdc->abcd', t27)
-        F = t13
+        t29 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+        F = t11
         t31 = np.exp(F - F.max(-1, keepdims=True))
         A32 = t31 / t31.sum(-1, keepdims=True)
-        t33 = t8 * A32
+        t33 = t6 * A32
         t34 = t33 - Y
         t35 = (1/L) * t34
         G = t35
-        t36 = G @ t16
+        t36 = G @ t14
         t37 = Mcausal * t36
         t38 = t37 @ X
         t39 = np.ones((d_K,), dtype=X.dtype)
         t40 = (1/math.sqrt(d_K)) * t39
-        np.multiply(np.reshape(t28, (n_batch, L, 1, 1, d_K)), np.reshape(t29, (n_batch, L, d_K, d_V, 1)), out=t27)
-        t30 += np.reshape(t40, (1, 1, d_K, 1)) * np.reshape(t38, (n_batch, L, 1, d_V))
-        t41 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t42 = np.reshape(t41, (n_batch, L, d_K, d_V, d_V), copy=False)
-        t43 = t12 @ X
-        t44 = (1/(L*math.sqrt(d_K))) * Mcausal
-        t45 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
-        t46 = (np.reshape(t45, (d_V, n_batch, L, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, 1, L)))
-        t47 = (t46.transpose(1, 3, 2, 0) @ dA)
-        t48 = (t47.transpose(1, 2, 0, 3) * np.reshape(t44, (L, L, 1, 1)))
-        t49 = (np.reshape((t5 @ np.reshape(t48.transpose(2, 1, 0, 3), (n_batch, L, L*d_V))), (n_batch, d_K, L, d_V))).transpose(0, 2, 1, 3)
-        t50 = (1/math.sqrt(d_K)) * Mcausal
-        t51 = (np.reshape(t50.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t5.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
-        t52 = np.reshape((np.reshape(t51.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
-        np.multiply(np.reshape(t43, (n_batch, L, 1, d_V, 1)), np.reshape(t49, (n_batch, L, d_K, 1, d_V)), out=t42)
-        t42 += np.reshape(G, (n_batch, L, 1, 1, d_V)) * np.reshape(t52, (n_batch, L, d_K, d_V, 1))
-        t53 = t0.transpose(1, 0, 2)
-        t54 = np.reshape(t53, (d_V, L*n_batch))
-        t55 = (1/n_batch) * t54
-        t56 = np.reshape(R, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        t57 = np.reshape(H[0:d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        np.matmul(t55, t56, out=t57)
+        t41 = np.reshape(t28, (n_batch, L, 1, 1, d_K))
+        t42 = np.reshape(t29, (n_batch, L, d_K, d_V, 1))
+        t43 = np.reshape(t40, (1, 1, d_K, 1))
+        t44 = np.reshape(t38, (n_batch, L, 1, d_V))
+        t47 = t10 @ X
+        t48 = (1/(L*math.sqrt(d_K))) * Mcausal
+        t49 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+        t50 = (np.reshape(t49, (d_V, n_batch, L, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, 1, L)))
+        t51 = (t50.transpose(1, 3, 2, 0) @ dA)
+        t52 = (t51.transpose(1, 2, 0, 3) * np.reshape(t48, (L, L, 1, 1)))
+        t53 = (np.reshape((t3 @ np.reshape(t52.transpose(2, 1, 0, 3), (n_batch, L, L*d_V))), (n_batch, d_K, L, d_V))).transpose(0, 2, 1, 3)
+        t54 = (1/math.sqrt(d_K)) * Mcausal
+        t55 = (np.reshape(t54.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t3.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
+        t56 = np.reshape((np.reshape(t55.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+        t57 = np.reshape(t47, (n_batch, L, 1, d_V, 1))
+        t58 = np.reshape(t53, (n_batch, L, d_K, 1, d_V))
+        t59 = np.reshape(G, (n_batch, L, 1, 1, d_V))
+        t60 = np.reshape(t56, (n_batch, L, d_K, d_V, 1))
+        t61 = t0.transpose(1, 0, 2)
+        t62 = np.reshape(t61, (d_V, L*n_batch))
+        t63 = (1/n_batch) * t62
+        t64 = np.reshape(H[0:d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
+        while d_K % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = np.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t65 = np.reshape(R, (n_batch, L*n_rows, 2*d_K*d_V + d_V**2), copy=False)
+        t66 = np.reshape(R, (L*n_batch, n_rows*(2*d_K*d_V + d_V**2)), copy=False)
+        for f0 in range(0, d_K, n_rows):
+            t67 = np.reshape(t65[..., 0:d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+            np.multiply(t24, t25[..., f0:f0 + n_rows, :, :], out=t67)
+            t68 = np.reshape(t65[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+            np.multiply(t41, t42[..., f0:f0 + n_rows, :, :], out=t68)
+            t69 = np.einsum('abcdc->abcd', np.reshape(t65[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)[..., f0:f0 + n_rows])
+            t69 += t43[..., f0:f0 + n_rows, :] * t44
+            t70 = np.reshape(t65[..., 2*d_K*d_V:2*d_K*d_V + d_V**2], (n_batch, L, n_rows, d_V, d_V), copy=False)
+            np.multiply(t57, t58[..., f0:f0 + n_rows, :, :], out=t70)
+            t70 += t59 * t60[..., f0:f0 + n_rows, :, :]
+            np.matmul(t63, t66, out=t64[:, f0*(2*d_K*d_V + d_V**2):(f0 + n_rows)*(2*d_K*d_V + d_V**2)])
         del R
-        R58 = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
-        t59 = np.reshape(R58, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
-        t60 = t59[..., 0:d_K*d_V]
-        t61 = np.reshape(t60, (n_batch, L, d_K, d_V, d_K), copy=False)
-        t62 = np.swapaxes(t28, -1, -2)
-        t63 = np.swapaxes(Mcausal, -1, -2)
-        t64 = np.swapaxes(Y, -1, -2)
-        t65 = t64.sum(-2, keepdims=True)
-        t66 = np.broadcast_to(t65, t65.shape[:-2] + (d_V, t65.shape[-1]))
-        t67 = (1/(L*d_K)) * t63
-        t68 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t62, (n_batch, d_K, 1, L)))
-        t69 = (t19.transpose(0, 2, 3, 1) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
-        t70 = np.reshape((np.reshape(t69.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t6.transpose(0, 2, 1)), (n_batch, L, L, L))
-        t71 = (t70.transpose(1, 2, 0, 3) * np.reshape(Mcausal, (L, L, 1, 1)))
-        t72 = np.reshape((np.reshape(t71.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ t17), (n_batch, L, L, d_K))
-        t73 = (t72.transpose(0, 2, 3, 1) * np.reshape(t67, (1, L, 1, L)))
-        t74 = np.einsum('abcdc->abcd', t61)
-        t75 = np.swapaxes(t36, -1, -2)
-        t76 = t75 * t63
-        t77 = (t76 @ X)
-        t61[...] = (np.reshape((np.reshape(t68, (n_batch, d_K*d_V, L)) @ np.reshape(t73.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
-        t74 += np.reshape(t40, (1, 1, d_K, 1)) * np.reshape(t77, (n_batch, L, 1, d_V))
-        t78 = t59[..., d_K*d_V:2*d_K*d_V]
-        t79 = np.reshape(t78, (n_batch, L, d_K, d_V, d_K), copy=False)
-        t80 = (np.reshape(t28.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t62, (n_batch, d_K, 1, L)))
-        t81 = np.reshape((np.reshape(t71.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ X), (n_batch, L, L, d_V))
-        t82 = (t81.transpose(0, 2, 3, 1) * np.reshape(t67, (1, L, 1, L)))
-        t79[...] = (np.reshape((np.reshape(t82, (n_batch, L*d_V, L)) @ np.reshape(t80.transpose(0, 3, 1, 2), (n_batch, L, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
-        t83 = t59[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t84 = np.reshape(t83, (n_batch, L, d_K, d_V, d_V), copy=False)
-        t85 = (1/math.sqrt(d_K)) * t63
-        t86 = (np.reshape(t85.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t62.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
-        t87 = np.reshape((np.reshape(t86.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ G), (n_batch, L, d_K, d_V))
-        t88 = (1/(L*math.sqrt(d_K))) * t63
-        t89 = (np.reshape(t43.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t62, (n_batch, d_K, 1, L)))
-        t90 = (np.reshape(t45, (d_V, n_batch, L, 1)) * np.reshape(t66.transpose(1, 0, 2), (d_V, n_batch, 1, L)))
-        t91 = (t90.transpose(1, 3, 2, 0) @ dA)
-        t92 = (t91.transpose(0, 2, 3, 1) * np.reshape(t88, (1, L, 1, L)))
-        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t87, (n_batch, L, d_K, 1, d_V)), out=t84)
-        t84 += (np.reshape((np.reshape(t89, (n_batch, d_K*d_V, L)) @ np.reshape(t92.transpose(0, 3, 1, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L, d_V))).transpose(0, 3, 1, 2, 4)
-        t93 = np.reshape(R58, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        t94 = np.reshape(H[d_K*d_V:2*d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        np.matmul(t55, t93, out=t94)
-        del R58
-        t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t96 = np.reshape(t95, (d_V, d_V, d_V, d_K), copy=False)
-        t97 = np.swapaxes(T, -1, -2)
-        t98 = t63 * t97
-        t99 = (1/(L*math.sqrt(d_K)*n_batch)) * t98
-        t100 = (t99.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
-        t101 = (np.reshape(t100.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-        t102 = (t19.transpose(1, 2, 0, 3) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1)))
-        t103 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t17), (n_batch, L, d_V, d_K))
-        t104 = (t103.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t105 = np.swapaxes(G, -1, -2)
-        t106 = (1/(math.sqrt(d_K)*n_batch)) * t63
-        t107 = (np.reshape(t106, (L, L, 1, 1)) * np.reshape(t0.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
-        t108 = np.reshape((np.reshape(t107.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t17), (n_batch, L, d_V, d_K))
-        t109 = (np.reshape(t108.transpose(2, 3, 0, 1), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
-        t110 = t105.transpose(1, 0, 2)
-        t96[...] = (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-        t96 += np.reshape((np.reshape(t110, (1, d_V, L*n_batch)) @ np.reshape(t109.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))
-        t111 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t112 = np.reshape(t111, (d_V, d_V, d_V, d_K), copy=False)
-        t113 = (np.reshape(t100.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)))
-        t114 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-        t115 = (t114.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t116 = np.reshape((np.reshape(t107.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-        t117 = (np.reshape(t116.transpose(2, 3, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, 1, d_K, n_batch, L)))
-        t112[...] = (np.reshape((np.reshape(t115, (d_V**2, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t112 += np.reshape((np.reshape(t110, (1, d_V, L*n_batch)) @ np.reshape(t117.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))
-        t118 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t119 = np.reshape(t118, (d_V, d_V, d_V, d_V), copy=False)
-        t120 = np.swapaxes(t43, -1, -2)
-        t121 = (1/(L*n_batch)) * t120
-        t122 = (dA.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t123 = (np.reshape(t43.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t121.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-        t119[...] = (np.reshape((np.reshape(t123, (d_V**2, L*n_batch)) @ np.reshape(t122.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        R71 = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t72 = np.reshape(R71, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
+        t73 = t72[..., 0:d_K*d_V]
+        t74 = np.reshape(t73, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t75 = np.swapaxes(t28, -1, -2)
+        t76 = np.swapaxes(Mcausal, -1, -2)
+        t77 = np.swapaxes(Y, -1, -2)
+        t78 = t77.sum(-2, keepdims=True)
+        t79 = np.broadcast_to(t78, t78.shape[:-2] + (d_V, t78.shape[-1]))
+        t80 = (1/(L*d_K)) * t76
+        t81 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t75, (n_batch, d_K, 1, L)))
+        t82 = (t17.transpose(0, 2, 3, 1) * np.reshape(t79.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+        t83 = np.reshape((np.reshape(t82.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+        t84 = (t83.transpose(1, 2, 0, 3) * np.reshape(Mcausal, (L, L, 1, 1)))
+        t85 = np.reshape((np.reshape(t84.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ t15), (n_batch, L, L, d_K))
+        t86 = (t85.transpose(0, 2, 3, 1) * np.reshape(t80, (1, L, 1, L)))
+        t87 = np.einsum('abcdc->abcd', t74)
+        t88 = np.swapaxes(t36, -1, -2)
+        t89 = t88 * t76
+        t90 = (t89 @ X)
+        t74[...] = (np.reshape((np.reshape(t81, (n_batch, d_K*d_V, L)) @ np.reshape(t86.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        t87 += np.reshape(t40, (1, 1, d_K, 1)) * np.reshape(t90, (n_batch, L, 1, d_V))
+        t91 = t72[..., d_K*d_V:2*d_K*d_V]
+        t92 = np.reshape(t91, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t93 = (np.reshape(t28.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t75, (n_batch, d_K, 1, L)))
+        t94 = np.reshape((np.reshape(t84.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ X), (n_batch, L, L, d_V))
+        t95 = (t94.transpose(0, 2, 3, 1) * np.reshape(t80, (1, L, 1, L)))
+        t92[...] = (np.reshape((np.reshape(t95, (n_batch, L*d_V, L)) @ np.reshape(t93.transpose(0, 3, 1, 2), (n_batch, L, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
+        t96 = t72[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t97 = np.reshape(t96, (n_batch, L, d_K, d_V, d_V), copy=False)
+        t98 = (1/math.sqrt(d_K)) * t76
+        t99 = (np.reshape(t98.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t75.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
+        t100 = np.reshape((np.reshape(t99.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ G), (n_batch, L, d_K, d_V))
+        t101 = (1/(L*math.sqrt(d_K))) * t76
+        t102 = (np.reshape(t47.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t75, (n_batch, d_K, 1, L)))
+        t103 = (np.reshape(t49, (d_V, n_batch, L, 1)) * np.reshape(t79.transpose(1, 0, 2), (d_V, n_batch, 1, L)))
+        t104 = (t103.transpose(1, 3, 2, 0) @ dA)
+        t105 = (t104.transpose(0, 2, 3, 1) * np.reshape(t101, (1, L, 1, L)))
+        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t100, (n_batch, L, d_K, 1, d_V)), out=t97)
+        t97 += (np.reshape((np.reshape(t102, (n_batch, d_K*d_V, L)) @ np.reshape(t105.transpose(0, 3, 1, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L, d_V))).transpose(0, 3, 1, 2, 4)
+        t106 = np.reshape(H[d_K*d_V:2*d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        t107 = np.reshape(R71, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        np.matmul(t63, t107, out=t106)
+        del R71
+        t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t109 = np.reshape(t108, (d_V, d_V, d_V, d_K), copy=False)
+        t110 = np.swapaxes(T, -1, -2)
+        t111 = t76 * t110
+        t112 = (1/(L*math.sqrt(d_K)*n_batch)) * t111
+        t113 = (t112.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
+        t114 = (np.reshape(t113.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+        t115 = (t17.transpose(1, 2, 0, 3) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1)))
+        t116 = np.reshape((np.reshape(t115.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t15), (n_batch, L, d_V, d_K))
+        t117 = (t116.transpose(2, 3, 0, 1) * np.reshape(t6.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t118 = np.swapaxes(G, -1, -2)
+        t119 = (1/(math.sqrt(d_K)*n_batch)) * t76
+        t120 = (np.reshape(t119, (L, L, 1, 1)) * np.reshape(t0.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
+        t121 = np.reshape((np.reshape(t120.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t15), (n_batch, L, d_V, d_K))
+        t122 = (np.reshape(t121.transpose(2, 3, 0, 1), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        t123 = t118.transpose(1, 0, 2)
+        t109[...] = (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t117.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t109 += np.reshape((np.reshape(t123, (1, d_V, L*n_batch)) @ np.reshape(t122.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))
+        t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t125 = np.reshape(t124, (d_V, d_V, d_V, d_K), copy=False)
+        t126 = (np.reshape(t113.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)))
+        t127 = np.reshape((np.reshape(t115.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t128 = (t127.transpose(2, 3, 0, 1) * np.reshape(t6.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t129 = np.reshape((np.reshape(t120.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t130 = (np.reshape(t129.transpose(2, 3, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, 1, d_K, n_batch, L)))
+        t125[...] = (np.reshape((np.reshape(t128, (d_V**2, L*n_batch)) @ np.reshape(t126.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t125 += np.reshape((np.reshape(t123, (1, d_V, L*n_batch)) @ np.reshape(t130.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))
+        t131 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t132 = np.reshape(t131, (d_V, d_V, d_V, d_V), copy=False)
+        t133 = np.swapaxes(t47, -1, -2)
+        t134 = (1/(L*n_batch)) * t133
+        t135 = (dA.transpose(2, 3, 0, 1) * np.reshape(t6.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t136 = (np.reshape(t47.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t134.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t132[...] = (np.reshape((np.reshape(t136, (d_V**2, L*n_batch)) @ np.reshape(t135.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]

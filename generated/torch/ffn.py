@@ -720,60 +720,68 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
         t0 = X.transpose(-1, -2)
-        R = _empty((n_batch, L, d_ff, 2*d_V*d_ff), X)
-        t1 = R.view((n_batch, L*d_ff, 2*d_V*d_ff))
-        t2 = t1[..., 0:d_V*d_ff]
-        t3 = t2.view((n_batch, L, d_ff, d_V, d_ff))
-        t4 = X @ W_1
-        t5 = torch.heaviside(t4, torch.full_like(t4, 0.0))
-        t6 = W_2.transpose(-1, -2)
-        t7 = W_2 @ t6
-        t8 = (2/(L*d_V)) * X
-        t9 = (t7.reshape((1, 1, d_ff, d_ff)) * t5.reshape((n_batch, L, d_ff, 1)))
-        t10 = (t8.reshape((n_batch, L, d_V, 1)) * t5.reshape((n_batch, L, 1, d_ff)))
-        torch.mul(t9.reshape((n_batch, L, d_ff, 1, d_ff)), t10.reshape((n_batch, L, 1, d_V, d_ff)), out=t3)
-        t11 = t1[..., d_V*d_ff:2*d_V*d_ff]
-        t12 = t11.view((n_batch, L, d_ff, d_ff, d_V))
-        t13 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
-        t14 = (2/(L*d_V)) * t5
+        t2 = X @ W_1
+        t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+        t4 = W_2.transpose(-1, -2)
+        t5 = W_2 @ t4
+        t6 = (2/(L*d_V)) * X
+        t7 = (t5.reshape((1, 1, d_ff, d_ff)) * t3.reshape((n_batch, L, d_ff, 1)))
+        t8 = (t6.reshape((n_batch, L, d_V, 1)) * t3.reshape((n_batch, L, 1, d_ff)))
+        t9 = t7.reshape((n_batch, L, d_ff, 1, d_ff))
+        t10 = t8.reshape((n_batch, L, 1, d_V, d_ff))
+        t13 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
+        t14 = (2/(L*d_V)) * t3
         t15 = (W_2.reshape((1, 1, d_ff, d_V)) * t14.reshape((n_batch, L, d_ff, 1)))
-        t16 = t12.diagonal(0, 2, 3)
         t17 = t13 @ W_2
         F = t17
         t18 = F - Y
         t19 = (2/(L*d_V)) * t18
         G = t19
-        torch.mul(t13.reshape((n_batch, L, 1, d_ff, 1)), t15.reshape((n_batch, L, d_ff, 1, d_V)), out=t12)
-        t16.addcmul_(G.reshape((n_batch, L, d_V, 1)), t5.reshape((n_batch, L, 1, d_ff)))
-        t20 = t0.permute(1, 0, 2)
-        t21 = t20.reshape((d_V, L*n_batch))
-        t22 = (1/n_batch) * t21
-        t23 = R.view((L*n_batch, 2*d_V*d_ff**2))
-        t24 = H[0:d_V*d_ff].view((d_V, 2*d_V*d_ff**2))
-        torch.matmul(t22, t23, out=t24)
+        t20 = t13.reshape((n_batch, L, 1, d_ff, 1))
+        t21 = t15.reshape((n_batch, L, d_ff, 1, d_V))
+        t22 = G.reshape((n_batch, L, d_V, 1))
+        t23 = t3.reshape((n_batch, L, 1, d_ff))
+        t24 = t0.permute(1, 0, 2)
+        t25 = t24.reshape((d_V, L*n_batch))
+        t26 = (1/n_batch) * t25
+        t27 = H[0:d_V*d_ff].view((d_V, 2*d_V*d_ff**2))
+        n_rows = max(1, min(d_ff, 131072 // (n_batch*2*L*d_V*d_ff)))
+        while d_ff % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = _empty((n_batch, L, n_rows, 2*d_V*d_ff), X)
+        t28 = R.view((n_batch, L*n_rows, 2*d_V*d_ff))
+        t29 = R.view((L*n_batch, 2*d_V*d_ff*n_rows))
+        for f0 in range(0, d_ff, n_rows):
+            t30 = t28[..., 0:d_V*d_ff].view((n_batch, L, n_rows, d_V, d_ff))
+            torch.mul(t9[..., f0:f0 + n_rows, :, :], t10, out=t30)
+            t31 = t28[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V))
+            torch.mul(t20, t21[..., f0:f0 + n_rows, :, :], out=t31)
+            t32 = t28[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V))[..., f0:f0 + n_rows, :].diagonal(0, 2, 3)
+            t32.addcmul_(t22, t23[..., f0:f0 + n_rows])
+            torch.matmul(t26, t29, out=t27[:, f0*(2*d_V*d_ff):(f0 + n_rows)*(2*d_V*d_ff)])
         del R
-        t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-        t26 = t25.view((d_ff, d_V, d_V, d_ff))
-        t28 = t13.transpose(-1, -2)
-        t29 = (2/(L*d_V*n_batch)) * X
-        t30 = (t29.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-        t31 = (t30.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t5.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-        t32 = t26.diagonal(0, 0, 3)
-        t33 = G.transpose(-1, -2)
-        t34 = t5.transpose(-1, -2)
-        t35 = (1/n_batch) * t33
-        t36 = t34.permute(1, 0, 2)
-        t37 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t35.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        torch.mul(t6.reshape((1, d_V, 1, d_ff)), t31.reshape((d_ff, 1, d_V, d_ff)), out=t26)
-        t32 += (t37.reshape((d_V**2, L*n_batch)) @ t36.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-        t38 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-        t38[...] = 0
-        t39 = t38.view((d_ff, d_V, d_ff, d_V))
-        t40 = t39.diagonal(0, 1, 3)
-        t41 = t28 @ t13
-        t42 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-        t43 = (2/(L*d_V*n_batch)) * t42
-        t40.addcmul_(t43.reshape((1, 1, d_V)), t41.sum((0,)).reshape((d_ff, d_ff, 1)))
+        t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        t34 = t33.view((d_ff, d_V, d_V, d_ff))
+        t36 = t13.transpose(-1, -2)
+        t37 = (2/(L*d_V*n_batch)) * X
+        t38 = (t37.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+        t39 = (t38.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t3.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+        t40 = t34.diagonal(0, 0, 3)
+        t41 = G.transpose(-1, -2)
+        t42 = t3.transpose(-1, -2)
+        t43 = (1/n_batch) * t41
+        t44 = t42.permute(1, 0, 2)
+        t45 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t43.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        torch.mul(t4.reshape((1, d_V, 1, d_ff)), t39.reshape((d_ff, 1, d_V, d_ff)), out=t34)
+        t40 += (t45.reshape((d_V**2, L*n_batch)) @ t44.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        t46 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t46[...] = 0
+        t47 = t46.view((d_ff, d_V, d_ff, d_V))
+        t48 = t47.diagonal(0, 1, 3)
+        t49 = t36 @ t13
+        t50 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t51 = (2/(L*d_V*n_batch)) * t50
+        t48.addcmul_(t51.reshape((1, 1, d_V)), t49.sum((0,)).reshape((d_ff, d_ff, 1)))
         return H
     H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
@@ -2291,70 +2299,78 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
         t0 = X.transpose(-1, -2)
-        R = _empty((n_batch, L, d_ff, 2*d_V*d_ff), X)
-        t1 = R.view((n_batch, L*d_ff, 2*d_V*d_ff))
-        t2 = t1[..., 0:d_V*d_ff]
-        t3 = t2.view((n_batch, L, d_ff, d_V, d_ff))
-        t4 = X @ W_1
-        t5 = torch.heaviside(t4, torch.full_like(t4, 0.0))
-        t6 = Y.sum(-1, keepdim=True)
-        t7 = t6.expand(*t6.shape[:-1], d_V)
-        t8 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
-        t9 = t8 @ W_2
-        t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-        A = t10 / t10.sum(-1, keepdim=True)
-        t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        t2 = X @ W_1
+        t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+        t4 = Y.sum(-1, keepdim=True)
+        t5 = t4.expand(*t4.shape[:-1], d_V)
+        t6 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
+        t7 = t6 @ W_2
+        t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+        A = t8 / t8.sum(-1, keepdim=True)
+        t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
         # dA: compact tensor ('L', 'd_V', 'd_V')
-        dA = (t11.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
-        t12 = W_2.transpose(-1, -2)
-        t13 = (1/L) * t7
-        t14 = (dA * t13.reshape((n_batch, L, d_V, 1)))
-        t15 = (W_2.reshape((d_ff, d_V, 1, 1)) * t5.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-        t16 = (t5.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t12.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
-        t17 = (t15.permute(2, 3, 0, 1) @ t14)
-        t18 = (t17 @ t16.permute(1, 2, 3, 0))
-        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t18.reshape((n_batch, L, d_ff, 1, d_ff)), out=t3)
-        t19 = t1[..., d_V*d_ff:2*d_V*d_ff]
-        t20 = t19.view((n_batch, L, d_ff, d_ff, d_V))
-        t21 = (t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-        t22 = (t21.permute(0, 1, 3, 2) * t5.reshape((n_batch, L, d_ff, 1)))
-        t23 = t20.diagonal(0, 2, 3)
-        F = t9
+        dA = (t9.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
+        t10 = W_2.transpose(-1, -2)
+        t11 = (1/L) * t5
+        t12 = (dA * t11.reshape((n_batch, L, d_V, 1)))
+        t13 = (W_2.reshape((d_ff, d_V, 1, 1)) * t3.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+        t14 = (t3.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t10.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
+        t15 = (t13.permute(2, 3, 0, 1) @ t12)
+        t16 = (t15 @ t14.permute(1, 2, 3, 0))
+        t17 = X.reshape((n_batch, L, 1, d_V, 1))
+        t18 = t16.reshape((n_batch, L, d_ff, 1, d_ff))
+        t21 = (t12.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+        t22 = (t21.permute(0, 1, 3, 2) * t3.reshape((n_batch, L, d_ff, 1)))
+        F = t7
         t24 = torch.exp(F - F.amax(-1, keepdim=True))
         A25 = t24 / t24.sum(-1, keepdim=True)
-        t26 = t7 * A25
+        t26 = t5 * A25
         t27 = t26 - Y
         t28 = (1/L) * t27
         G = t28
-        torch.mul(t8.reshape((n_batch, L, 1, d_ff, 1)), t22.reshape((n_batch, L, d_ff, 1, d_V)), out=t20)
-        t23.addcmul_(G.reshape((n_batch, L, d_V, 1)), t5.reshape((n_batch, L, 1, d_ff)))
-        t29 = t0.permute(1, 0, 2)
-        t30 = t29.reshape((d_V, L*n_batch))
-        t31 = (1/n_batch) * t30
-        t32 = R.view((L*n_batch, 2*d_V*d_ff**2))
-        t33 = H[0:d_V*d_ff].view((d_V, 2*d_V*d_ff**2))
-        torch.matmul(t31, t32, out=t33)
+        t29 = t6.reshape((n_batch, L, 1, d_ff, 1))
+        t30 = t22.reshape((n_batch, L, d_ff, 1, d_V))
+        t31 = G.reshape((n_batch, L, d_V, 1))
+        t32 = t3.reshape((n_batch, L, 1, d_ff))
+        t33 = t0.permute(1, 0, 2)
+        t34 = t33.reshape((d_V, L*n_batch))
+        t35 = (1/n_batch) * t34
+        t36 = H[0:d_V*d_ff].view((d_V, 2*d_V*d_ff**2))
+        n_rows = max(1, min(d_ff, 131072 // (n_batch*2*L*d_V*d_ff)))
+        while d_ff % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = _empty((n_batch, L, n_rows, 2*d_V*d_ff), X)
+        t37 = R.view((n_batch, L*n_rows, 2*d_V*d_ff))
+        t38 = R.view((L*n_batch, 2*d_V*d_ff*n_rows))
+        for f0 in range(0, d_ff, n_rows):
+            t39 = t37[..., 0:d_V*d_ff].view((n_batch, L, n_rows, d_V, d_ff))
+            torch.mul(t17, t18[..., f0:f0 + n_rows, :, :], out=t39)
+            t40 = t37[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V))
+            torch.mul(t29, t30[..., f0:f0 + n_rows, :, :], out=t40)
+            t41 = t37[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V))[..., f0:f0 + n_rows, :].diagonal(0, 2, 3)
+            t41.addcmul_(t31, t32[..., f0:f0 + n_rows])
+            torch.matmul(t35, t38, out=t36[:, f0*(2*d_V*d_ff):(f0 + n_rows)*(2*d_V*d_ff)])
         del R
-        t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-        t35 = t34.view((d_ff, d_V, d_V, d_ff))
-        t37 = t8.transpose(-1, -2)
-        t38 = (1/(L*n_batch)) * t7
-        t39 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t37.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t40 = (dA * t38.reshape((n_batch, L, d_V, 1)))
-        t41 = ((t16.permute(1, 2, 0, 3) @ t40.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-        t42 = t35.diagonal(0, 0, 3)
-        t43 = G.transpose(-1, -2)
-        t44 = t5.transpose(-1, -2)
-        t45 = (1/n_batch) * t43
-        t46 = t44.permute(1, 0, 2)
-        t47 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t45.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t35[...] = ((t39.reshape((d_V*d_ff, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
-        t42 += (t47.reshape((d_V**2, L*n_batch)) @ t46.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-        t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-        t49 = t48.view((d_ff, d_V, d_ff, d_V))
-        t50 = (dA.permute(2, 3, 0, 1) * t38.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        t51 = (t8.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t37.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t49[...] = ((t51.reshape((d_ff**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+        t42 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        t43 = t42.view((d_ff, d_V, d_V, d_ff))
+        t45 = t6.transpose(-1, -2)
+        t46 = (1/(L*n_batch)) * t5
+        t47 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t45.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t48 = (dA * t46.reshape((n_batch, L, d_V, 1)))
+        t49 = ((t14.permute(1, 2, 0, 3) @ t48.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+        t50 = t43.diagonal(0, 0, 3)
+        t51 = G.transpose(-1, -2)
+        t52 = t3.transpose(-1, -2)
+        t53 = (1/n_batch) * t51
+        t54 = t52.permute(1, 0, 2)
+        t55 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t53.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t43[...] = ((t47.reshape((d_V*d_ff, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
+        t50 += (t55.reshape((d_V**2, L*n_batch)) @ t54.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        t56 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t57 = t56.view((d_ff, d_V, d_ff, d_V))
+        t58 = (dA.permute(2, 3, 0, 1) * t46.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t59 = (t6.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t45.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t57[...] = ((t59.reshape((d_ff**2, L*n_batch)) @ t58.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
         return H
     H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]

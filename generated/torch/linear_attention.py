@@ -1684,42 +1684,51 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t74 = ((t39.permute(0, 2, 1) @ t72.permute(0, 2, 1))).permute(2, 1, 0)
         t68[...] = ((t70.reshape((d_V**2, n_batch)) @ t71.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
         t68 += ((t74.reshape((d_K*d_V, n_batch)) @ t73.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-        R = _empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), X)
-        t75 = R.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2))
-        t76 = t75[..., 0:d_K*d_V]
-        t77 = t76.view((n_batch, L, d_V, d_V, d_K))
-        t78 = T.transpose(-1, -2)
-        t79 = t78 @ X
-        t80 = (2/(L*math.sqrt(d_K)*d_V)) * t79
-        t81 = (1/math.sqrt(d_K)) * t10
-        torch.mul(t49.reshape((n_batch, 1, d_V, 1, d_K)), t80.reshape((n_batch, L, 1, d_V, 1)), out=t77)
-        t77.addcmul_(t57.reshape((n_batch, 1, d_V, d_V, 1)), t81.reshape((n_batch, L, 1, 1, d_K)))
-        t82 = t75[..., d_K*d_V:2*d_K*d_V]
-        t83 = t82.view((n_batch, L, d_V, d_V, d_K))
-        t84 = t56 @ t18
-        t85 = (1/math.sqrt(d_K)) * X
-        t86 = t78 @ t18
-        t87 = t48.transpose(-1, -2)
-        t88 = (2/(L*math.sqrt(d_K)*d_V)) * t86
-        torch.mul(t84.reshape((n_batch, 1, d_V, 1, d_K)), t85.reshape((n_batch, L, 1, d_V, 1)), out=t83)
-        t83.addcmul_(t87.reshape((n_batch, 1, d_V, d_V, 1)), t88.reshape((n_batch, L, 1, 1, d_K)))
-        t89 = t75[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t89[...] = 0
-        t90 = t2.permute(1, 0, 2)
-        t91 = t90.reshape((d_V, L*n_batch))
-        t92 = (1/n_batch) * t91
-        t93 = R.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2)))
-        t94 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2)))
-        torch.matmul(t92, t93, out=t94)
+        t76 = T.transpose(-1, -2)
+        t77 = t76 @ X
+        t78 = (2/(L*math.sqrt(d_K)*d_V)) * t77
+        t79 = (1/math.sqrt(d_K)) * t10
+        t80 = t49.reshape((n_batch, 1, d_V, 1, d_K))
+        t81 = t78.reshape((n_batch, L, 1, d_V, 1))
+        t82 = t57.reshape((n_batch, 1, d_V, d_V, 1))
+        t83 = t79.reshape((n_batch, L, 1, 1, d_K))
+        t86 = t56 @ t18
+        t87 = (1/math.sqrt(d_K)) * X
+        t88 = t76 @ t18
+        t89 = t48.transpose(-1, -2)
+        t90 = (2/(L*math.sqrt(d_K)*d_V)) * t88
+        t91 = t86.reshape((n_batch, 1, d_V, 1, d_K))
+        t92 = t87.reshape((n_batch, L, 1, d_V, 1))
+        t93 = t89.reshape((n_batch, 1, d_V, d_V, 1))
+        t94 = t90.reshape((n_batch, L, 1, 1, d_K))
+        t96 = t2.permute(1, 0, 2)
+        t97 = t96.reshape((d_V, L*n_batch))
+        t98 = (1/n_batch) * t97
+        t99 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2)))
+        n_rows = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
+        while d_V % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), X)
+        t100 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2))
+        t101 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2)))
+        for f0 in range(0, d_V, n_rows):
+            t102 = t100[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t80[..., f0:f0 + n_rows, :, :], t81, out=t102)
+            t102.addcmul_(t82[..., f0:f0 + n_rows, :, :], t83)
+            t103 = t100[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t91[..., f0:f0 + n_rows, :, :], t92, out=t103)
+            t103.addcmul_(t93[..., f0:f0 + n_rows, :, :], t94)
+            t100[..., 2*d_K*d_V:2*d_K*d_V + d_V**2][...] = 0
+            torch.matmul(t98, t101, out=t99[:, f0*(2*d_K*d_V + d_V**2):(f0 + n_rows)*(2*d_K*d_V + d_V**2)])
         del R
-        t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t96 = t95.view((d_V, d_V, d_V, d_V))
-        t97 = t96.diagonal(0, 1, 3)
-        t98 = t39.transpose(-1, -2)
-        t99 = t98 @ t39
-        t100 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-        t101 = (2/(L*d_V*n_batch)) * t100
-        t97.addcmul_(t101.reshape((1, 1, d_V)), t99.sum((0,)).reshape((d_V, d_V, 1)))
+        t104 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t105 = t104.view((d_V, d_V, d_V, d_V))
+        t106 = t105.diagonal(0, 1, 3)
+        t107 = t39.transpose(-1, -2)
+        t108 = t107 @ t39
+        t109 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t110 = (2/(L*d_V*n_batch)) * t109
+        t106.addcmul_(t110.reshape((1, 1, d_V)), t108.sum((0,)).reshape((d_V, d_V, 1)))
         return H
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -4981,138 +4990,149 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
         t0 = X.transpose(-1, -2)
-        R = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
-        t1 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
-        t2 = t1[..., 0:d_K*d_V]
-        t3 = t2.view((n_batch, L, d_K, d_V, d_K))
-        t4 = W_K.transpose(-1, -2)
-        t5 = t4 @ t0
+        t2 = W_K.transpose(-1, -2)
+        t3 = t2 @ t0
         Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-        t6 = W_V.transpose(-1, -2)
-        t7 = t6 @ t0
-        t8 = W_V @ t7
-        t9 = X @ t8
-        t10 = t5.transpose(-1, -2)
-        t11 = (2/(L*d_K*d_V)) * Mcausal
-        t12 = (t9.permute(1, 0, 2).reshape((L, n_batch, L, 1)) * t11.permute(1, 0).reshape((L, 1, 1, L)))
-        t13 = (t12.permute(2, 3, 0, 1) * Mcausal.permute(1, 0).reshape((L, L, 1, 1)))
-        t14 = (t13.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t10).reshape((n_batch, L, d_K, d_K))
-        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t15.reshape((n_batch, L, d_K, 1, d_K)), out=t3)
-        t16 = t1[..., d_K*d_V:2*d_K*d_V]
-        t17 = t16.view((n_batch, L, d_K, d_V, d_K))
+        t4 = W_V.transpose(-1, -2)
+        t5 = t4 @ t0
+        t6 = W_V @ t5
+        t7 = X @ t6
+        t8 = t3.transpose(-1, -2)
+        t9 = (2/(L*d_K*d_V)) * Mcausal
+        t10 = (t7.permute(1, 0, 2).reshape((L, n_batch, L, 1)) * t9.permute(1, 0).reshape((L, 1, 1, L)))
+        t11 = (t10.permute(2, 3, 0, 1) * Mcausal.permute(1, 0).reshape((L, L, 1, 1)))
+        t12 = (t11.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t13 = (t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t8).reshape((n_batch, L, d_K, d_K))
+        t14 = X.reshape((n_batch, L, 1, d_V, 1))
+        t15 = t13.reshape((n_batch, L, d_K, 1, d_K))
         t18 = X @ W_Q
-        t19 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
-        t20 = t17.diagonal(0, 2, 4)
-        t21 = t18 @ t5
+        t19 = (t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+        t21 = t18 @ t3
         t22 = (1/math.sqrt(d_K)) * t21
         T = t22
         t23 = Mcausal * T
-        t24 = t7.transpose(-1, -2)
+        t24 = t5.transpose(-1, -2)
         t25 = t23 @ t24
         F = t25
         t26 = F - Y
         t27 = (2/(L*d_V)) * t26
         G = t27
-        t28 = G @ t7
+        t28 = G @ t5
         t29 = Mcausal * t28
         t30 = t29 @ X
         t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
         t32 = (1/math.sqrt(d_K)) * t31
-        torch.mul(t18.reshape((n_batch, L, 1, 1, d_K)), t19.reshape((n_batch, L, d_K, d_V, 1)), out=t17)
-        t20.addcmul_(t32.reshape((1, 1, 1, d_K)), t30.reshape((n_batch, L, d_V, 1)))
-        t33 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t34 = t33.view((n_batch, L, d_K, d_V, d_V))
-        t35 = t23 @ X
-        t36 = (2/(L*math.sqrt(d_K)*d_V)) * Mcausal
-        t37 = (t36.permute(1, 0).reshape((L, L, 1, 1)) * t5.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
-        t38 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-        t39 = (t37.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ t38.permute(1, 2, 0)).reshape((n_batch, L, d_K, d_V))
-        t40 = (1/math.sqrt(d_K)) * Mcausal
-        t41 = (t40.permute(1, 0).reshape((L, L, 1, 1)) * t5.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
-        t42 = (t41.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
-        torch.mul(t35.reshape((n_batch, L, 1, d_V, 1)), t39.reshape((n_batch, L, d_K, 1, d_V)), out=t34)
-        t34.addcmul_(G.reshape((n_batch, L, 1, 1, d_V)), t42.reshape((n_batch, L, d_K, d_V, 1)))
-        t43 = t0.permute(1, 0, 2)
-        t44 = t43.reshape((d_V, L*n_batch))
-        t45 = (1/n_batch) * t44
-        t46 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
-        t47 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
-        torch.matmul(t45, t46, out=t47)
+        t33 = t18.reshape((n_batch, L, 1, 1, d_K))
+        t34 = t19.reshape((n_batch, L, d_K, d_V, 1))
+        t35 = t32.reshape((1, 1, 1, d_K))
+        t36 = t30.reshape((n_batch, L, d_V, 1))
+        t39 = t23 @ X
+        t40 = (2/(L*math.sqrt(d_K)*d_V)) * Mcausal
+        t41 = (t40.permute(1, 0).reshape((L, L, 1, 1)) * t3.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
+        t42 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t43 = (t41.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ t42.permute(1, 2, 0)).reshape((n_batch, L, d_K, d_V))
+        t44 = (1/math.sqrt(d_K)) * Mcausal
+        t45 = (t44.permute(1, 0).reshape((L, L, 1, 1)) * t3.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
+        t46 = (t45.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+        t47 = t39.reshape((n_batch, L, 1, d_V, 1))
+        t48 = t43.reshape((n_batch, L, d_K, 1, d_V))
+        t49 = G.reshape((n_batch, L, 1, 1, d_V))
+        t50 = t46.reshape((n_batch, L, d_K, d_V, 1))
+        t51 = t0.permute(1, 0, 2)
+        t52 = t51.reshape((d_V, L*n_batch))
+        t53 = (1/n_batch) * t52
+        t54 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
+        n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
+        while d_K % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), X)
+        t55 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2))
+        t56 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2)))
+        for f0 in range(0, d_K, n_rows):
+            t57 = t55[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t14, t15[..., f0:f0 + n_rows, :, :], out=t57)
+            t58 = t55[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t33, t34[..., f0:f0 + n_rows, :, :], out=t58)
+            t59 = t55[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))[..., f0:f0 + n_rows].diagonal(0, 2, 4)
+            t59.addcmul_(t35[..., f0:f0 + n_rows], t36)
+            t60 = t55[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows, d_V, d_V))
+            torch.mul(t47, t48[..., f0:f0 + n_rows, :, :], out=t60)
+            t60.addcmul_(t49, t50[..., f0:f0 + n_rows, :, :])
+            torch.matmul(t53, t56, out=t54[:, f0*(2*d_K*d_V + d_V**2):(f0 + n_rows)*(2*d_K*d_V + d_V**2)])
         del R
-        R48 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
-        t49 = R48.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
-        t50 = t49[..., 0:d_K*d_V]
-        t51 = t50.view((n_batch, L, d_K, d_V, d_K))
-        t52 = t18.transpose(-1, -2)
-        t53 = Mcausal.transpose(-1, -2)
-        t54 = (2/(L*d_K*d_V)) * t53
-        t55 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t52.reshape((n_batch, d_K, 1, L)))
-        t56 = (t9.permute(1, 0, 2).reshape((L, n_batch, L, 1)) * t54.reshape((L, 1, 1, L)))
-        t57 = (t56.permute(2, 3, 0, 1) * t53.reshape((L, L, 1, 1)))
-        t58 = ((t10.permute(0, 2, 1) @ t57.permute(3, 0, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t59 = t51.diagonal(0, 2, 4)
-        t60 = t28.transpose(-1, -2)
-        t61 = t60 * t53
-        t62 = t61 @ X
-        t51[...] = ((t55.reshape((n_batch, d_K*d_V, L)) @ t58.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t59.addcmul_(t32.reshape((1, 1, 1, d_K)), t62.reshape((n_batch, L, d_V, 1)))
-        t63 = t49[..., d_K*d_V:2*d_K*d_V]
+        R61 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
+        t62 = R61.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
+        t63 = t62[..., 0:d_K*d_V]
         t64 = t63.view((n_batch, L, d_K, d_V, d_K))
-        t65 = (t18.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t52.reshape((n_batch, d_K, 1, L)))
-        t66 = ((X.permute(0, 2, 1) @ t57.permute(3, 0, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t64[...] = ((t66.reshape((n_batch, L*d_V, L)) @ t65.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
-        t67 = t49[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t68 = t67.view((n_batch, L, d_K, d_V, d_V))
-        t69 = (1/math.sqrt(d_K)) * t53
-        t70 = (t69.permute(1, 0).reshape((L, L, 1, 1)) * t52.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
-        t71 = (t70.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ G).reshape((n_batch, L, d_K, d_V))
-        t72 = (2/(L*math.sqrt(d_K)*d_V)) * t53
-        t73 = (X.reshape((L*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_V))
-        t74 = (t72.permute(1, 0).reshape((L, L, 1, 1)) * t52.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
-        t75 = (t74.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ t35).reshape((n_batch, L, d_K, d_V))
-        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t71.reshape((n_batch, L, d_K, 1, d_V)), out=t68)
-        t68.addcmul_(t73.reshape((n_batch, L, 1, 1, d_V)), t75.reshape((n_batch, L, d_K, d_V, 1)))
-        t76 = R48.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
-        t77 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
-        torch.matmul(t45, t76, out=t77)
-        del R48
-        R78 = _empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), X)
-        t79 = R78.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2))
-        t80 = t79[..., 0:d_K*d_V]
-        t81 = t80.view((n_batch, L, d_V, d_V, d_K))
-        t82 = T.transpose(-1, -2)
-        t83 = t53 * t82
-        t84 = (2/(L*math.sqrt(d_K)*d_V)) * t83
-        t85 = (t10.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t7.reshape((n_batch, d_V, 1, L)))
-        t86 = (Mcausal.reshape((L, L, 1, 1)) * t84.permute(2, 0, 1).reshape((L, 1, n_batch, L)))
-        t87 = ((X.permute(0, 2, 1) @ t86.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t88 = G.transpose(-1, -2)
-        t89 = (t69.permute(1, 0).reshape((L, L, 1, 1)) * t88.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
-        t90 = (t89.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-        t81[...] = ((t87.reshape((n_batch, L*d_V, L)) @ t85.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
-        t81.addcmul_(t10.reshape((n_batch, L, 1, 1, d_K)), t90.reshape((n_batch, L, d_V, d_V, 1)))
-        t91 = t79[..., d_K*d_V:2*d_K*d_V]
-        t92 = t91.view((n_batch, L, d_V, d_V, d_K))
-        t93 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t7.reshape((n_batch, d_V, 1, L)))
-        t94 = ((t18.permute(0, 2, 1) @ t86.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t95 = (t89.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))
-        t92[...] = ((t93.reshape((n_batch, d_V**2, L)) @ t94.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t92.addcmul_(X.reshape((n_batch, L, 1, d_V, 1)), t95.reshape((n_batch, L, d_V, 1, d_K)))
-        t96 = t79[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t96[...] = 0
-        t97 = R78.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2)))
-        t98 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2)))
-        torch.matmul(t45, t97, out=t98)
-        del R78
-        t99 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t100 = t99.view((d_V, d_V, d_V, d_V))
-        t101 = t100.diagonal(0, 1, 3)
-        t102 = t35.transpose(-1, -2)
-        t103 = t102 @ t35
-        t104 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-        t105 = (2/(L*d_V*n_batch)) * t104
-        t101.addcmul_(t105.reshape((1, 1, d_V)), t103.sum((0,)).reshape((d_V, d_V, 1)))
+        t65 = t18.transpose(-1, -2)
+        t66 = Mcausal.transpose(-1, -2)
+        t67 = (2/(L*d_K*d_V)) * t66
+        t68 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t65.reshape((n_batch, d_K, 1, L)))
+        t69 = (t7.permute(1, 0, 2).reshape((L, n_batch, L, 1)) * t67.reshape((L, 1, 1, L)))
+        t70 = (t69.permute(2, 3, 0, 1) * t66.reshape((L, L, 1, 1)))
+        t71 = ((t8.permute(0, 2, 1) @ t70.permute(3, 0, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t72 = t64.diagonal(0, 2, 4)
+        t73 = t28.transpose(-1, -2)
+        t74 = t73 * t66
+        t75 = t74 @ X
+        t64[...] = ((t68.reshape((n_batch, d_K*d_V, L)) @ t71.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t72.addcmul_(t32.reshape((1, 1, 1, d_K)), t75.reshape((n_batch, L, d_V, 1)))
+        t76 = t62[..., d_K*d_V:2*d_K*d_V]
+        t77 = t76.view((n_batch, L, d_K, d_V, d_K))
+        t78 = (t18.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t65.reshape((n_batch, d_K, 1, L)))
+        t79 = ((X.permute(0, 2, 1) @ t70.permute(3, 0, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t77[...] = ((t79.reshape((n_batch, L*d_V, L)) @ t78.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t80 = t62[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t81 = t80.view((n_batch, L, d_K, d_V, d_V))
+        t82 = (1/math.sqrt(d_K)) * t66
+        t83 = (t82.permute(1, 0).reshape((L, L, 1, 1)) * t65.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
+        t84 = (t83.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ G).reshape((n_batch, L, d_K, d_V))
+        t85 = (2/(L*math.sqrt(d_K)*d_V)) * t66
+        t86 = (X.reshape((L*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_V))
+        t87 = (t85.permute(1, 0).reshape((L, L, 1, 1)) * t65.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
+        t88 = (t87.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ t39).reshape((n_batch, L, d_K, d_V))
+        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t84.reshape((n_batch, L, d_K, 1, d_V)), out=t81)
+        t81.addcmul_(t86.reshape((n_batch, L, 1, 1, d_V)), t88.reshape((n_batch, L, d_K, d_V, 1)))
+        t89 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
+        t90 = R61.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
+        torch.matmul(t53, t90, out=t89)
+        del R61
+        R91 = _empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), X)
+        t92 = R91.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2))
+        t93 = t92[..., 0:d_K*d_V]
+        t94 = t93.view((n_batch, L, d_V, d_V, d_K))
+        t95 = T.transpose(-1, -2)
+        t96 = t66 * t95
+        t97 = (2/(L*math.sqrt(d_K)*d_V)) * t96
+        t98 = (t8.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t5.reshape((n_batch, d_V, 1, L)))
+        t99 = (Mcausal.reshape((L, L, 1, 1)) * t97.permute(2, 0, 1).reshape((L, 1, n_batch, L)))
+        t100 = ((X.permute(0, 2, 1) @ t99.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t101 = G.transpose(-1, -2)
+        t102 = (t82.permute(1, 0).reshape((L, L, 1, 1)) * t101.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
+        t103 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t94[...] = ((t100.reshape((n_batch, L*d_V, L)) @ t98.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t94.addcmul_(t8.reshape((n_batch, L, 1, 1, d_K)), t103.reshape((n_batch, L, d_V, d_V, 1)))
+        t104 = t92[..., d_K*d_V:2*d_K*d_V]
+        t105 = t104.view((n_batch, L, d_V, d_V, d_K))
+        t106 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t5.reshape((n_batch, d_V, 1, L)))
+        t107 = ((t18.permute(0, 2, 1) @ t99.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t108 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))
+        t105[...] = ((t106.reshape((n_batch, d_V**2, L)) @ t107.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t105.addcmul_(X.reshape((n_batch, L, 1, d_V, 1)), t108.reshape((n_batch, L, d_V, 1, d_K)))
+        t109 = t92[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t109[...] = 0
+        t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2)))
+        t111 = R91.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2)))
+        torch.matmul(t53, t111, out=t110)
+        del R91
+        t112 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t113 = t112.view((d_V, d_V, d_V, d_V))
+        t114 = t113.diagonal(0, 1, 3)
+        t115 = t39.transpose(-1, -2)
+        t116 = t115 @ t39
+        t117 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t118 = (2/(L*d_V*n_batch)) * t117
+        t114.addcmul_(t118.reshape((1, 1, d_V)), t116.sum((0,)).reshape((d_V, d_V, 1)))
         return H
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -8850,44 +8870,38 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
         t0 = X.transpose(-1, -2)
-        R = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
-        t1 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
-        t2 = t1[..., 0:d_K*d_V]
-        t3 = t2.view((n_batch, L, d_K, d_V, d_K))
-        t4 = W_K.transpose(-1, -2)
-        t5 = t4 @ t0
-        t6 = X @ W_V
-        t7 = t5 @ t6
-        t8 = Y.sum(-1, keepdim=True)
-        t9 = t8.expand(*t8.shape[:-1], d_V)
-        t10 = W_Q @ t5
-        t11 = X @ t10
-        t12 = (1/math.sqrt(d_K)) * t11
-        T = t12
-        t13 = T @ t6
-        t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-        A = t14 / t14.sum(-1, keepdim=True)
-        t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        t2 = W_K.transpose(-1, -2)
+        t3 = t2 @ t0
+        t4 = X @ W_V
+        t5 = t3 @ t4
+        t6 = Y.sum(-1, keepdim=True)
+        t7 = t6.expand(*t6.shape[:-1], d_V)
+        t8 = W_Q @ t3
+        t9 = X @ t8
+        t10 = (1/math.sqrt(d_K)) * t9
+        T = t10
+        t11 = T @ t4
+        t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+        A = t12 / t12.sum(-1, keepdim=True)
+        t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
         # dA: compact tensor ('L', 'd_V', 'd_V')
-        dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
-        t16 = t7.transpose(-1, -2)
-        t17 = (1/(L*d_K)) * t9
-        t18 = (t17.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
-        t19 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
-        t20 = (t18.permute(0, 2, 3, 1) @ t19.permute(0, 2, 3, 1))
-        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t20.reshape((n_batch, L, d_K, 1, d_K)), out=t3)
-        t21 = t1[..., d_K*d_V:2*d_K*d_V]
-        t22 = t21.view((n_batch, L, d_K, d_V, d_K))
+        dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
+        t14 = t5.transpose(-1, -2)
+        t15 = (1/(L*d_K)) * t7
+        t16 = (t15.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+        t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+        t18 = (t16.permute(0, 2, 3, 1) @ t17.permute(0, 2, 3, 1))
+        t19 = X.reshape((n_batch, L, 1, d_V, 1))
+        t20 = t18.reshape((n_batch, L, d_K, 1, d_K))
         t23 = X @ W_Q
-        t24 = t6.transpose(-1, -2)
+        t24 = t4.transpose(-1, -2)
         t25 = t24 @ X
         t26 = (t25.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
-        t27 = (t18.permute(0, 2, 3, 1) @ t26.permute(0, 2, 3, 1))
-        t28 = t22.diagonal(0, 2, 4)
-        F = t13
+        t27 = (t16.permute(0, 2, 3, 1) @ t26.permute(0, 2, 3, 1))
+        F = t11
         t29 = torch.exp(F - F.amax(-1, keepdim=True))
         A30 = t29 / t29.sum(-1, keepdim=True)
-        t31 = t9 * A30
+        t31 = t7 * A30
         t32 = t31 - Y
         t33 = (1/L) * t32
         G = t33
@@ -8895,101 +8909,118 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t35 = t34 @ X
         t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
         t37 = (1/math.sqrt(d_K)) * t36
-        torch.mul(t23.reshape((n_batch, L, 1, 1, d_K)), t27.reshape((n_batch, L, d_K, d_V, 1)), out=t22)
-        t28.addcmul_(t37.reshape((1, 1, 1, d_K)), t35.reshape((n_batch, L, d_V, 1)))
-        t38 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t39 = t38.view((n_batch, L, d_K, d_V, d_V))
-        t40 = t5 @ X
-        t41 = T @ X
-        t42 = (1/(L*math.sqrt(d_K))) * t9
-        t43 = (dA * t42.reshape((n_batch, L, d_V, 1)))
-        t44 = (W_V.permute(1, 0) @ t40.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
-        t45 = ((t44.permute(1, 2, 0) @ t43.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
-        t46 = (1/math.sqrt(d_K)) * G
-        torch.mul(t41.reshape((n_batch, L, 1, d_V, 1)), t45.reshape((n_batch, L, d_K, 1, d_V)), out=t39)
-        t39.addcmul_(t46.reshape((n_batch, L, 1, 1, d_V)), t40.reshape((n_batch, 1, d_K, d_V, 1)))
-        t47 = t0.permute(1, 0, 2)
-        t48 = t47.reshape((d_V, L*n_batch))
-        t49 = (1/n_batch) * t48
-        t50 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
-        t51 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
-        torch.matmul(t49, t50, out=t51)
+        t38 = t23.reshape((n_batch, L, 1, 1, d_K))
+        t39 = t27.reshape((n_batch, L, d_K, d_V, 1))
+        t40 = t37.reshape((1, 1, 1, d_K))
+        t41 = t35.reshape((n_batch, L, d_V, 1))
+        t44 = t3 @ X
+        t45 = T @ X
+        t46 = (1/(L*math.sqrt(d_K))) * t7
+        t47 = (dA * t46.reshape((n_batch, L, d_V, 1)))
+        t48 = (W_V.permute(1, 0) @ t44.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
+        t49 = ((t48.permute(1, 2, 0) @ t47.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t50 = (1/math.sqrt(d_K)) * G
+        t51 = t45.reshape((n_batch, L, 1, d_V, 1))
+        t52 = t49.reshape((n_batch, L, d_K, 1, d_V))
+        t53 = t50.reshape((n_batch, L, 1, 1, d_V))
+        t54 = t44.reshape((n_batch, 1, d_K, d_V, 1))
+        t55 = t0.permute(1, 0, 2)
+        t56 = t55.reshape((d_V, L*n_batch))
+        t57 = (1/n_batch) * t56
+        t58 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
+        n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
+        while d_K % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), X)
+        t59 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2))
+        t60 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2)))
+        for f0 in range(0, d_K, n_rows):
+            t61 = t59[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t19, t20[..., f0:f0 + n_rows, :, :], out=t61)
+            t62 = t59[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t38, t39[..., f0:f0 + n_rows, :, :], out=t62)
+            t63 = t59[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))[..., f0:f0 + n_rows].diagonal(0, 2, 4)
+            t63.addcmul_(t40[..., f0:f0 + n_rows], t41)
+            t64 = t59[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows, d_V, d_V))
+            torch.mul(t51, t52[..., f0:f0 + n_rows, :, :], out=t64)
+            t64.addcmul_(t53, t54[..., f0:f0 + n_rows, :, :])
+            torch.matmul(t57, t60, out=t58[:, f0*(2*d_K*d_V + d_V**2):(f0 + n_rows)*(2*d_K*d_V + d_V**2)])
         del R
-        t52 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-        t53 = t52.view((d_V, d_K, d_V, d_K))
-        t54 = t25.transpose(-1, -2)
-        t55 = t23.transpose(-1, -2)
-        t56 = Y.transpose(-1, -2)
-        t57 = t56.sum(-2, keepdim=True)
-        t58 = t57.expand(*t57.shape[:-2], d_V, t57.shape[-1])
-        t59 = (1/(L*d_K*n_batch)) * t55
-        t60 = (t19.permute(0, 2, 3, 1) * t58.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
-        t61 = (t60.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t54.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
-        t62 = (t61.permute(3, 2, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t63 = t59.permute(1, 0, 2)
-        t64 = t53.diagonal(0, 1, 3)
-        t65 = G.transpose(-1, -2)
-        t66 = (1/(math.sqrt(d_K)*n_batch)) * t36
-        t67 = (t65.permute(0, 2, 1) @ t54.permute(0, 2, 1))
-        t68 = (t67.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
-        t69 = t63.reshape((1, d_K, L*n_batch))
-        t70 = t53.view((d_V, d_K, d_K*d_V))
-        torch.bmm(t69.expand(*(d_V,), *t69.shape[-2:]), t62.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t70)
-        t64.addcmul_(t66.reshape((1, 1, d_K)), t68.reshape((d_V, d_V, 1)))
-        t71 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        t72 = t71.view((d_V, d_K, d_V, d_K))
-        t73 = (t26.permute(0, 2, 3, 1) * t58.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
-        t74 = (t73.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t54.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
-        t75 = (t74.permute(3, 2, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t23.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        t76 = t72.view((d_V, d_K, d_K*d_V))
-        torch.bmm(t69.expand(*(d_V,), *t69.shape[-2:]), t75.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t76)
-        t77 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t78 = t77.view((d_V, d_K, d_V, d_V))
-        t79 = t0 @ X
-        t80 = (1/(math.sqrt(d_K)*n_batch)) * t55
-        t81 = t79.permute(1, 2, 0)
-        t82 = ((G.permute(0, 2, 1) @ t80.permute(0, 2, 1))).permute(2, 1, 0)
-        t83 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
-        t84 = (W_V.permute(1, 0) @ t79.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
-        t85 = (dA * t58.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
-        t86 = (t85.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t84.permute(1, 0, 2)).reshape((n_batch, L, d_V, d_V))
-        t87 = (t86.permute(3, 2, 0, 1).reshape((d_V, 1, d_V, n_batch, L)) * t41.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t88 = t83.permute(1, 0, 2)
-        t78[...] = ((t81.reshape((d_V**2, n_batch)) @ t82.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-        t89 = t88.reshape((1, d_K, L*n_batch))
-        t90 = t78.view((d_V, d_K, d_V**2))
-        t90.baddbmm_(t89.expand(*(d_V,), *t89.shape[-2:]), t87.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
-        t91 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t92 = t91.view((d_V, d_V, d_V, d_K))
-        t93 = t5.transpose(-1, -2)
-        t94 = t65 @ X
-        t95 = (1/(math.sqrt(d_K)*n_batch)) * t0
-        t96 = t94.permute(1, 2, 0)
-        t97 = ((t93.permute(0, 2, 1) @ t95.permute(0, 2, 1))).permute(2, 1, 0)
-        t98 = T.transpose(-1, -2)
-        t99 = (1/(L*math.sqrt(d_K)*n_batch)) * t98
-        t100 = (dA * t9.reshape((n_batch, L, d_V, 1)))
-        t101 = ((t16.permute(0, 2, 1) @ t100.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-        t102 = (t99.permute(0, 2, 1) @ t0.permute(0, 2, 1))
-        t103 = (t102.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-        t92[...] = ((t96.reshape((d_V**2, n_batch)) @ t97.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t92 += ((t103.reshape((d_V**2, L*n_batch)) @ t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t104 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t66 = t65.view((d_V, d_K, d_V, d_K))
+        t67 = t25.transpose(-1, -2)
+        t68 = t23.transpose(-1, -2)
+        t69 = Y.transpose(-1, -2)
+        t70 = t69.sum(-2, keepdim=True)
+        t71 = t70.expand(*t70.shape[:-2], d_V, t70.shape[-1])
+        t72 = (1/(L*d_K*n_batch)) * t68
+        t73 = (t17.permute(0, 2, 3, 1) * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+        t74 = (t73.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t67.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
+        t75 = (t74.permute(3, 2, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t76 = t72.permute(1, 0, 2)
+        t77 = t66.diagonal(0, 1, 3)
+        t78 = G.transpose(-1, -2)
+        t79 = (1/(math.sqrt(d_K)*n_batch)) * t36
+        t80 = (t78.permute(0, 2, 1) @ t67.permute(0, 2, 1))
+        t81 = (t80.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
+        t82 = t76.reshape((1, d_K, L*n_batch))
+        t83 = t66.view((d_V, d_K, d_K*d_V))
+        torch.bmm(t82.expand(*(d_V,), *t82.shape[-2:]), t75.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t83)
+        t77.addcmul_(t79.reshape((1, 1, d_K)), t81.reshape((d_V, d_V, 1)))
+        t84 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t85 = t84.view((d_V, d_K, d_V, d_K))
+        t86 = (t26.permute(0, 2, 3, 1) * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+        t87 = (t86.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t67.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+        t88 = (t87.permute(3, 2, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t23.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        t89 = t85.view((d_V, d_K, d_K*d_V))
+        torch.bmm(t82.expand(*(d_V,), *t82.shape[-2:]), t88.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t89)
+        t90 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t91 = t90.view((d_V, d_K, d_V, d_V))
+        t92 = t0 @ X
+        t93 = (1/(math.sqrt(d_K)*n_batch)) * t68
+        t94 = t92.permute(1, 2, 0)
+        t95 = ((G.permute(0, 2, 1) @ t93.permute(0, 2, 1))).permute(2, 1, 0)
+        t96 = (1/(L*math.sqrt(d_K)*n_batch)) * t68
+        t97 = (W_V.permute(1, 0) @ t92.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
+        t98 = (dA * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+        t99 = (t98.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t97.permute(1, 0, 2)).reshape((n_batch, L, d_V, d_V))
+        t100 = (t99.permute(3, 2, 0, 1).reshape((d_V, 1, d_V, n_batch, L)) * t45.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t101 = t96.permute(1, 0, 2)
+        t91[...] = ((t94.reshape((d_V**2, n_batch)) @ t95.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+        t102 = t101.reshape((1, d_K, L*n_batch))
+        t103 = t91.view((d_V, d_K, d_V**2))
+        t103.baddbmm_(t102.expand(*(d_V,), *t102.shape[-2:]), t100.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
+        t104 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
         t105 = t104.view((d_V, d_V, d_V, d_K))
-        t106 = t65 @ t23
-        t107 = t106.permute(1, 2, 0)
-        t108 = ((X.permute(0, 2, 1) @ t95.permute(0, 2, 1))).permute(2, 1, 0)
-        t109 = ((t25.permute(0, 2, 1) @ t100.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-        t110 = (t102.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t23.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
-        t105[...] = ((t108.reshape((d_V**2, n_batch)) @ t107.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t105 += ((t109.reshape((d_V**2, L*n_batch)) @ t110.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t111 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t112 = t111.view((d_V, d_V, d_V, d_V))
-        t113 = t41.transpose(-1, -2)
-        t114 = (1/(L*n_batch)) * t113
-        t115 = (dA.permute(2, 3, 0, 1) * t9.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        t116 = (t41.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t114.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t112[...] = ((t116.reshape((d_V**2, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        t106 = t3.transpose(-1, -2)
+        t107 = t78 @ X
+        t108 = (1/(math.sqrt(d_K)*n_batch)) * t0
+        t109 = t107.permute(1, 2, 0)
+        t110 = ((t106.permute(0, 2, 1) @ t108.permute(0, 2, 1))).permute(2, 1, 0)
+        t111 = T.transpose(-1, -2)
+        t112 = (1/(L*math.sqrt(d_K)*n_batch)) * t111
+        t113 = (dA * t7.reshape((n_batch, L, d_V, 1)))
+        t114 = ((t14.permute(0, 2, 1) @ t113.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+        t115 = (t112.permute(0, 2, 1) @ t0.permute(0, 2, 1))
+        t116 = (t115.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+        t105[...] = ((t109.reshape((d_V**2, n_batch)) @ t110.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t105 += ((t116.reshape((d_V**2, L*n_batch)) @ t114.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t117 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t118 = t117.view((d_V, d_V, d_V, d_K))
+        t119 = t78 @ t23
+        t120 = t119.permute(1, 2, 0)
+        t121 = ((X.permute(0, 2, 1) @ t108.permute(0, 2, 1))).permute(2, 1, 0)
+        t122 = ((t25.permute(0, 2, 1) @ t113.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+        t123 = (t115.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t23.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
+        t118[...] = ((t121.reshape((d_V**2, n_batch)) @ t120.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t118 += ((t122.reshape((d_V**2, L*n_batch)) @ t123.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t125 = t124.view((d_V, d_V, d_V, d_V))
+        t126 = t45.transpose(-1, -2)
+        t127 = (1/(L*n_batch)) * t126
+        t128 = (dA.permute(2, 3, 0, 1) * t7.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t129 = (t45.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t127.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t125[...] = ((t129.reshape((d_V**2, L*n_batch)) @ t128.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
         return H
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -13036,159 +13067,170 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
         t0 = X.transpose(-1, -2)
-        R = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
-        t1 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
-        t2 = t1[..., 0:d_K*d_V]
-        t3 = t2.view((n_batch, L, d_K, d_V, d_K))
-        t4 = W_K.transpose(-1, -2)
-        t5 = t4 @ t0
+        t2 = W_K.transpose(-1, -2)
+        t3 = t2 @ t0
         Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-        t6 = X @ W_V
-        t7 = Y.sum(-1, keepdim=True)
-        t8 = t7.expand(*t7.shape[:-1], d_V)
-        t9 = W_Q @ t5
-        t10 = X @ t9
-        t11 = (1/math.sqrt(d_K)) * t10
-        T = t11
-        t12 = Mcausal * T
-        t13 = t12 @ t6
-        t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-        A = t14 / t14.sum(-1, keepdim=True)
-        t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        t4 = X @ W_V
+        t5 = Y.sum(-1, keepdim=True)
+        t6 = t5.expand(*t5.shape[:-1], d_V)
+        t7 = W_Q @ t3
+        t8 = X @ t7
+        t9 = (1/math.sqrt(d_K)) * t8
+        T = t9
+        t10 = Mcausal * T
+        t11 = t10 @ t4
+        t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+        A = t12 / t12.sum(-1, keepdim=True)
+        t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
         # dA: compact tensor ('L', 'd_V', 'd_V')
-        dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
-        t16 = t6.transpose(-1, -2)
-        t17 = t5.transpose(-1, -2)
-        t18 = (1/(L*d_K)) * Mcausal
-        t19 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t20 = (t19.permute(0, 2, 3, 1) * t8.reshape((n_batch, L, d_V, 1)))
-        t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t6.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-        t22 = (t21.permute(1, 3, 0, 2) * t18.reshape((L, L, 1, 1)))
-        t23 = (t22.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
-        t24 = (t23.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t17).reshape((n_batch, L, d_K, d_K))
-        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t25.reshape((n_batch, L, d_K, 1, d_K)), out=t3)
-        t26 = t1[..., d_K*d_V:2*d_K*d_V]
-        t27 = t26.view((n_batch, L, d_K, d_V, d_K))
+        dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
+        t14 = t4.transpose(-1, -2)
+        t15 = t3.transpose(-1, -2)
+        t16 = (1/(L*d_K)) * Mcausal
+        t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t18 = (t17.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
+        t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+        t20 = (t19.permute(1, 3, 0, 2) * t16.reshape((L, L, 1, 1)))
+        t21 = (t20.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
+        t22 = (t21.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t15).reshape((n_batch, L, d_K, d_K))
+        t24 = X.reshape((n_batch, L, 1, d_V, 1))
+        t25 = t23.reshape((n_batch, L, d_K, 1, d_K))
         t28 = X @ W_Q
-        t29 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
-        t30 = t27.diagonal(0, 2, 4)
-        F = t13
+        t29 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+        F = t11
         t31 = torch.exp(F - F.amax(-1, keepdim=True))
         A32 = t31 / t31.sum(-1, keepdim=True)
-        t33 = t8 * A32
+        t33 = t6 * A32
         t34 = t33 - Y
         t35 = (1/L) * t34
         G = t35
-        t36 = G @ t16
+        t36 = G @ t14
         t37 = Mcausal * t36
         t38 = t37 @ X
         t39 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
         t40 = (1/math.sqrt(d_K)) * t39
-        torch.mul(t28.reshape((n_batch, L, 1, 1, d_K)), t29.reshape((n_batch, L, d_K, d_V, 1)), out=t27)
-        t30.addcmul_(t40.reshape((1, 1, 1, d_K)), t38.reshape((n_batch, L, d_V, 1)))
-        t41 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t42 = t41.view((n_batch, L, d_K, d_V, d_V))
-        t43 = t12 @ X
-        t44 = (1/(L*math.sqrt(d_K))) * Mcausal
-        t45 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-        t46 = (t45.reshape((d_V, n_batch, L, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, 1, L)))
-        t47 = (t46.permute(1, 3, 2, 0) @ dA)
-        t48 = (t47.permute(1, 2, 0, 3) * t44.reshape((L, L, 1, 1)))
-        t49 = ((t5 @ t48.permute(2, 1, 0, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
-        t50 = (1/math.sqrt(d_K)) * Mcausal
-        t51 = (t50.permute(1, 0).reshape((L, L, 1, 1)) * t5.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
-        t52 = (t51.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
-        torch.mul(t43.reshape((n_batch, L, 1, d_V, 1)), t49.reshape((n_batch, L, d_K, 1, d_V)), out=t42)
-        t42.addcmul_(G.reshape((n_batch, L, 1, 1, d_V)), t52.reshape((n_batch, L, d_K, d_V, 1)))
-        t53 = t0.permute(1, 0, 2)
-        t54 = t53.reshape((d_V, L*n_batch))
-        t55 = (1/n_batch) * t54
-        t56 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
-        t57 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
-        torch.matmul(t55, t56, out=t57)
+        t41 = t28.reshape((n_batch, L, 1, 1, d_K))
+        t42 = t29.reshape((n_batch, L, d_K, d_V, 1))
+        t43 = t40.reshape((1, 1, 1, d_K))
+        t44 = t38.reshape((n_batch, L, d_V, 1))
+        t47 = t10 @ X
+        t48 = (1/(L*math.sqrt(d_K))) * Mcausal
+        t49 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t50 = (t49.reshape((d_V, n_batch, L, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, 1, L)))
+        t51 = (t50.permute(1, 3, 2, 0) @ dA)
+        t52 = (t51.permute(1, 2, 0, 3) * t48.reshape((L, L, 1, 1)))
+        t53 = ((t3 @ t52.permute(2, 1, 0, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t54 = (1/math.sqrt(d_K)) * Mcausal
+        t55 = (t54.permute(1, 0).reshape((L, L, 1, 1)) * t3.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
+        t56 = (t55.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+        t57 = t47.reshape((n_batch, L, 1, d_V, 1))
+        t58 = t53.reshape((n_batch, L, d_K, 1, d_V))
+        t59 = G.reshape((n_batch, L, 1, 1, d_V))
+        t60 = t56.reshape((n_batch, L, d_K, d_V, 1))
+        t61 = t0.permute(1, 0, 2)
+        t62 = t61.reshape((d_V, L*n_batch))
+        t63 = (1/n_batch) * t62
+        t64 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
+        n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
+        while d_K % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), X)
+        t65 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2))
+        t66 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2)))
+        for f0 in range(0, d_K, n_rows):
+            t67 = t65[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t24, t25[..., f0:f0 + n_rows, :, :], out=t67)
+            t68 = t65[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t41, t42[..., f0:f0 + n_rows, :, :], out=t68)
+            t69 = t65[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))[..., f0:f0 + n_rows].diagonal(0, 2, 4)
+            t69.addcmul_(t43[..., f0:f0 + n_rows], t44)
+            t70 = t65[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows, d_V, d_V))
+            torch.mul(t57, t58[..., f0:f0 + n_rows, :, :], out=t70)
+            t70.addcmul_(t59, t60[..., f0:f0 + n_rows, :, :])
+            torch.matmul(t63, t66, out=t64[:, f0*(2*d_K*d_V + d_V**2):(f0 + n_rows)*(2*d_K*d_V + d_V**2)])
         del R
-        R58 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
-        t59 = R58.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
-        t60 = t59[..., 0:d_K*d_V]
-        t61 = t60.view((n_batch, L, d_K, d_V, d_K))
-        t62 = t28.transpose(-1, -2)
-        t63 = Mcausal.transpose(-1, -2)
-        t64 = Y.transpose(-1, -2)
-        t65 = t64.sum(-2, keepdim=True)
-        t66 = t65.expand(*t65.shape[:-2], d_V, t65.shape[-1])
-        t67 = (1/(L*d_K)) * t63
-        t68 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t62.reshape((n_batch, d_K, 1, L)))
-        t69 = (t19.permute(0, 2, 3, 1) * t66.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
-        t70 = (t69.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t6.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-        t71 = (t70.permute(1, 2, 0, 3) * Mcausal.reshape((L, L, 1, 1)))
-        t72 = (t71.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ t17).reshape((n_batch, L, L, d_K))
-        t73 = (t72.permute(0, 2, 3, 1) * t67.reshape((1, L, 1, L)))
-        t74 = t61.diagonal(0, 2, 4)
-        t75 = t36.transpose(-1, -2)
-        t76 = t75 * t63
-        t77 = (t76 @ X)
-        t61[...] = ((t68.reshape((n_batch, d_K*d_V, L)) @ t73.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t74.addcmul_(t40.reshape((1, 1, 1, d_K)), t77.reshape((n_batch, L, d_V, 1)))
-        t78 = t59[..., d_K*d_V:2*d_K*d_V]
-        t79 = t78.view((n_batch, L, d_K, d_V, d_K))
-        t80 = (t28.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t62.reshape((n_batch, d_K, 1, L)))
-        t81 = (t71.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ X).reshape((n_batch, L, L, d_V))
-        t82 = (t81.permute(0, 2, 3, 1) * t67.reshape((1, L, 1, L)))
-        t79[...] = ((t82.reshape((n_batch, L*d_V, L)) @ t80.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
-        t83 = t59[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t84 = t83.view((n_batch, L, d_K, d_V, d_V))
-        t85 = (1/math.sqrt(d_K)) * t63
-        t86 = (t85.permute(1, 0).reshape((L, L, 1, 1)) * t62.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
-        t87 = (t86.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ G).reshape((n_batch, L, d_K, d_V))
-        t88 = (1/(L*math.sqrt(d_K))) * t63
-        t89 = (t43.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t62.reshape((n_batch, d_K, 1, L)))
-        t90 = (t45.reshape((d_V, n_batch, L, 1)) * t66.permute(1, 0, 2).reshape((d_V, n_batch, 1, L)))
-        t91 = (t90.permute(1, 3, 2, 0) @ dA)
-        t92 = (t91.permute(0, 2, 3, 1) * t88.reshape((1, L, 1, L)))
-        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t87.reshape((n_batch, L, d_K, 1, d_V)), out=t84)
-        t84 += ((t89.reshape((n_batch, d_K*d_V, L)) @ t92.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        t93 = R58.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
-        t94 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
-        torch.matmul(t55, t93, out=t94)
-        del R58
-        t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t96 = t95.view((d_V, d_V, d_V, d_K))
-        t97 = T.transpose(-1, -2)
-        t98 = t63 * t97
-        t99 = (1/(L*math.sqrt(d_K)*n_batch)) * t98
-        t100 = (t99.permute(0, 2, 1) @ t0.permute(0, 2, 1))
-        t101 = (t100.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-        t102 = (t19.permute(1, 2, 0, 3) * Mcausal.permute(1, 0).reshape((L, L, 1, 1)))
-        t103 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t17).reshape((n_batch, L, d_V, d_K))
-        t104 = (t103.permute(2, 3, 0, 1) * t8.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        t105 = G.transpose(-1, -2)
-        t106 = (1/(math.sqrt(d_K)*n_batch)) * t63
-        t107 = (t106.reshape((L, L, 1, 1)) * t0.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
-        t108 = (t107.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t17).reshape((n_batch, L, d_V, d_K))
-        t109 = (t108.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t110 = t105.permute(1, 0, 2)
-        t96[...] = ((t101.reshape((d_V**2, L*n_batch)) @ t104.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t111 = t110.reshape((1, d_V, L*n_batch))
-        t112 = t96.view((d_V, d_V, d_K*d_V))
-        t112.baddbmm_(t111.expand(*(d_V,), *t111.shape[-2:]), t109.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
-        t113 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t114 = t113.view((d_V, d_V, d_V, d_K))
-        t115 = (t100.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
-        t116 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-        t117 = (t116.permute(2, 3, 0, 1) * t8.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        t118 = (t107.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-        t119 = (t118.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        t114[...] = ((t117.reshape((d_V**2, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t120 = t114.view((d_V, d_V, d_K*d_V))
-        t120.baddbmm_(t111.expand(*(d_V,), *t111.shape[-2:]), t119.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
-        t121 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t122 = t121.view((d_V, d_V, d_V, d_V))
-        t123 = t43.transpose(-1, -2)
-        t124 = (1/(L*n_batch)) * t123
-        t125 = (dA.permute(2, 3, 0, 1) * t8.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        t126 = (t43.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t124.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t122[...] = ((t126.reshape((d_V**2, L*n_batch)) @ t125.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        R71 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
+        t72 = R71.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
+        t73 = t72[..., 0:d_K*d_V]
+        t74 = t73.view((n_batch, L, d_K, d_V, d_K))
+        t75 = t28.transpose(-1, -2)
+        t76 = Mcausal.transpose(-1, -2)
+        t77 = Y.transpose(-1, -2)
+        t78 = t77.sum(-2, keepdim=True)
+        t79 = t78.expand(*t78.shape[:-2], d_V, t78.shape[-1])
+        t80 = (1/(L*d_K)) * t76
+        t81 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t75.reshape((n_batch, d_K, 1, L)))
+        t82 = (t17.permute(0, 2, 3, 1) * t79.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+        t83 = (t82.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+        t84 = (t83.permute(1, 2, 0, 3) * Mcausal.reshape((L, L, 1, 1)))
+        t85 = (t84.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ t15).reshape((n_batch, L, L, d_K))
+        t86 = (t85.permute(0, 2, 3, 1) * t80.reshape((1, L, 1, L)))
+        t87 = t74.diagonal(0, 2, 4)
+        t88 = t36.transpose(-1, -2)
+        t89 = t88 * t76
+        t90 = (t89 @ X)
+        t74[...] = ((t81.reshape((n_batch, d_K*d_V, L)) @ t86.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t87.addcmul_(t40.reshape((1, 1, 1, d_K)), t90.reshape((n_batch, L, d_V, 1)))
+        t91 = t72[..., d_K*d_V:2*d_K*d_V]
+        t92 = t91.view((n_batch, L, d_K, d_V, d_K))
+        t93 = (t28.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t75.reshape((n_batch, d_K, 1, L)))
+        t94 = (t84.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ X).reshape((n_batch, L, L, d_V))
+        t95 = (t94.permute(0, 2, 3, 1) * t80.reshape((1, L, 1, L)))
+        t92[...] = ((t95.reshape((n_batch, L*d_V, L)) @ t93.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t96 = t72[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t97 = t96.view((n_batch, L, d_K, d_V, d_V))
+        t98 = (1/math.sqrt(d_K)) * t76
+        t99 = (t98.permute(1, 0).reshape((L, L, 1, 1)) * t75.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
+        t100 = (t99.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ G).reshape((n_batch, L, d_K, d_V))
+        t101 = (1/(L*math.sqrt(d_K))) * t76
+        t102 = (t47.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t75.reshape((n_batch, d_K, 1, L)))
+        t103 = (t49.reshape((d_V, n_batch, L, 1)) * t79.permute(1, 0, 2).reshape((d_V, n_batch, 1, L)))
+        t104 = (t103.permute(1, 3, 2, 0) @ dA)
+        t105 = (t104.permute(0, 2, 3, 1) * t101.reshape((1, L, 1, L)))
+        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t100.reshape((n_batch, L, d_K, 1, d_V)), out=t97)
+        t97 += ((t102.reshape((n_batch, d_K*d_V, L)) @ t105.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t106 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
+        t107 = R71.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
+        torch.matmul(t63, t107, out=t106)
+        del R71
+        t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t109 = t108.view((d_V, d_V, d_V, d_K))
+        t110 = T.transpose(-1, -2)
+        t111 = t76 * t110
+        t112 = (1/(L*math.sqrt(d_K)*n_batch)) * t111
+        t113 = (t112.permute(0, 2, 1) @ t0.permute(0, 2, 1))
+        t114 = (t113.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+        t115 = (t17.permute(1, 2, 0, 3) * Mcausal.permute(1, 0).reshape((L, L, 1, 1)))
+        t116 = (t115.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t15).reshape((n_batch, L, d_V, d_K))
+        t117 = (t116.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t118 = G.transpose(-1, -2)
+        t119 = (1/(math.sqrt(d_K)*n_batch)) * t76
+        t120 = (t119.reshape((L, L, 1, 1)) * t0.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
+        t121 = (t120.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t15).reshape((n_batch, L, d_V, d_K))
+        t122 = (t121.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t123 = t118.permute(1, 0, 2)
+        t109[...] = ((t114.reshape((d_V**2, L*n_batch)) @ t117.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t124 = t123.reshape((1, d_V, L*n_batch))
+        t125 = t109.view((d_V, d_V, d_K*d_V))
+        t125.baddbmm_(t124.expand(*(d_V,), *t124.shape[-2:]), t122.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        t126 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t127 = t126.view((d_V, d_V, d_V, d_K))
+        t128 = (t113.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
+        t129 = (t115.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t130 = (t129.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t131 = (t120.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t132 = (t131.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        t127[...] = ((t130.reshape((d_V**2, L*n_batch)) @ t128.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t133 = t127.view((d_V, d_V, d_K*d_V))
+        t133.baddbmm_(t124.expand(*(d_V,), *t124.shape[-2:]), t132.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        t134 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t135 = t134.view((d_V, d_V, d_V, d_V))
+        t136 = t47.transpose(-1, -2)
+        t137 = (1/(L*n_batch)) * t136
+        t138 = (dA.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t139 = (t47.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t137.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t135[...] = ((t139.reshape((d_V**2, L*n_batch)) @ t138.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
         return H
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]

@@ -536,44 +536,53 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t266 = (t265.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t130.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
         torch.mul(W_2.reshape((1, d_ff, 1, d_V)), t266.reshape((d_V, d_ff, d_ff, 1)), out=t264)
         t268 = t130.transpose(-1, -2)
-        R = _empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t269 = R.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t270 = t269[..., 0:d_K*d_V]
-        t271 = t270.view((n_batch, L, d_V, d_V, d_K))
-        t272 = (t56.permute(0, 2, 1) @ S235.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t273 = (t272.permute(0, 2, 3, 1) @ t189.permute(0, 2, 3, 1))
-        torch.mul(N_1.reshape((n_batch, L, 1, d_V, 1)), t273.reshape((n_batch, L, d_V, 1, d_K)), out=t271)
-        t274 = t269[..., d_K*d_V:2*d_K*d_V]
-        t275 = t274.view((n_batch, L, d_V, d_V, d_K))
-        t276 = (t272.permute(0, 2, 3, 1) @ t194.permute(0, 2, 3, 1))
-        torch.mul(t71.reshape((n_batch, L, 1, 1, d_K)), t276.reshape((n_batch, L, d_V, d_V, 1)), out=t275)
-        t277 = t269[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t278 = t277.view((n_batch, L, d_V, d_V, d_V))
-        t279 = (2/(L*d_V)) * t78
-        t280 = (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
-        t281 = t278.diagonal(0, 2, 4)
-        t282 = (2/(L*d_V)) * t212
-        torch.mul(t279.reshape((n_batch, L, 1, d_V, 1)), t280.reshape((n_batch, L, d_V, 1, d_V)), out=t278)
-        t281.addcmul_(t282.reshape((1, 1, 1, d_V)), t78.reshape((n_batch, L, d_V, 1)))
-        t283 = t269[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t284 = t283.view((n_batch, L, d_V, d_V, d_ff))
-        t285 = (2/(L*d_V)) * N_2
-        t286 = (t42.reshape((n_batch, L, 1, d_ff)) * t43.reshape((1, 1, d_V, d_ff)))
-        torch.mul(t285.reshape((n_batch, L, 1, d_V, 1)), t286.reshape((n_batch, L, d_V, 1, d_ff)), out=t284)
-        t287 = t269[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t287[...] = 0
-        t288 = t268.permute(1, 0, 2)
-        t289 = t288.reshape((d_ff, L*n_batch))
-        t290 = (1/n_batch) * t289
-        t291 = R.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t292 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t290, t291, out=t292)
+        t270 = (t56.permute(0, 2, 1) @ S235.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t271 = (t270.permute(0, 2, 3, 1) @ t189.permute(0, 2, 3, 1))
+        t272 = N_1.reshape((n_batch, L, 1, d_V, 1))
+        t273 = t271.reshape((n_batch, L, d_V, 1, d_K))
+        t276 = (t270.permute(0, 2, 3, 1) @ t194.permute(0, 2, 3, 1))
+        t277 = t71.reshape((n_batch, L, 1, 1, d_K))
+        t278 = t276.reshape((n_batch, L, d_V, d_V, 1))
+        t281 = (2/(L*d_V)) * t78
+        t282 = (t50.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
+        t284 = (2/(L*d_V)) * t212
+        t285 = t281.reshape((n_batch, L, 1, d_V, 1))
+        t286 = t282.reshape((n_batch, L, d_V, 1, d_V))
+        t287 = t284.reshape((1, 1, 1, d_V))
+        t288 = t78.reshape((n_batch, L, d_V, 1))
+        t291 = (2/(L*d_V)) * N_2
+        t292 = (t42.reshape((n_batch, L, 1, d_ff)) * t43.reshape((1, 1, d_V, d_ff)))
+        t293 = t291.reshape((n_batch, L, 1, d_V, 1))
+        t294 = t292.reshape((n_batch, L, d_V, 1, d_ff))
+        t296 = t268.permute(1, 0, 2)
+        t297 = t296.reshape((d_ff, L*n_batch))
+        t298 = (1/n_batch) * t297
+        t299 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t300 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t301 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        for f0 in range(0, d_V, n_rows):
+            t302 = t300[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t272, t273[..., f0:f0 + n_rows, :, :], out=t302)
+            t303 = t300[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t277, t278[..., f0:f0 + n_rows, :, :], out=t303)
+            t304 = t300[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows, d_V, d_V))
+            torch.mul(t285, t286[..., f0:f0 + n_rows, :, :], out=t304)
+            t305 = t300[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows, d_V, d_V))[..., f0:f0 + n_rows].diagonal(0, 2, 4)
+            t305.addcmul_(t287[..., f0:f0 + n_rows], t288)
+            t306 = t300[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows, d_V, d_ff))
+            torch.mul(t293, t294[..., f0:f0 + n_rows, :, :], out=t306)
+            t300[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff][...] = 0
+            torch.matmul(t298, t301, out=t299[:, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff):(f0 + n_rows)*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)])
         del R
-        t293 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t294 = t293.view((d_ff, d_V, d_ff, d_V))
-        t295 = t294.diagonal(0, 1, 3)
-        t296 = t268 @ t130
-        t295.addcmul_(t213.reshape((1, 1, d_V)), t296.sum((0,)).reshape((d_ff, d_ff, 1)))
+        t307 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t308 = t307.view((d_ff, d_V, d_ff, d_V))
+        t309 = t308.diagonal(0, 1, 3)
+        t310 = t268 @ t130
+        t309.addcmul_(t213.reshape((1, 1, d_V)), t310.sum((0,)).reshape((d_ff, d_ff, 1)))
         return H
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -12862,544 +12871,585 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t9 = M_N_1 * P_N_1
         N_1 = t9
         t10 = N_1.transpose(-1, -2)
-        R = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t11 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t12 = t11[..., 0:d_K*d_V]
-        t13 = t12.view((n_batch, L, d_K, d_V, d_K))
-        t14 = W_K.transpose(-1, -2)
-        t15 = t14 @ t10
-        t16 = W_Q @ t15
-        t17 = N_1 @ t16
-        t18 = (1/math.sqrt(d_K)) * t17
-        t19 = torch.exp(t18 - t18.amax(-1, keepdim=True))
-        A = t19 / t19.sum(-1, keepdim=True)
-        t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+        t12 = W_K.transpose(-1, -2)
+        t13 = t12 @ t10
+        t14 = W_Q @ t13
+        t15 = N_1 @ t14
+        t16 = (1/math.sqrt(d_K)) * t15
+        t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
+        A = t17 / t17.sum(-1, keepdim=True)
+        t18 = torch.eye(L, dtype=X.dtype, device=X.device)
         # dA: compact tensor ('L', 'L', 'L')
-        dA = (t20.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-        t21 = N_1 @ W_V
-        t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-        t23 = torch.ones((L,), dtype=X.dtype, device=X.device)
-        t24 = torch.ones((d_V, d_V), dtype=X.dtype, device=X.device)
+        dA = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+        t19 = N_1 @ W_V
+        t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        t21 = torch.ones((L,), dtype=X.dtype, device=X.device)
+        t22 = torch.ones((d_V, d_V), dtype=X.dtype, device=X.device)
         # S: compact tensor ('d_V', 'd_V')
-        S = t22 + (-1/d_V) * t24
-        t25 = A @ t21
-        t26 = t25 + X
-        Y27 = t26
-        t28 = Y27.sum(-1, keepdim=True)
-        t29 = t28.expand(*t28.shape[:-1], d_V)
-        t30 = (1/d_V) * t29
-        t31 = Y27 - t30
-        M_N_2 = t31
-        t32 = M_N_2 * M_N_2
-        t33 = t32.sum(-1, keepdim=True)
-        t34 = t33.expand(*t33.shape[:-1], d_V)
-        t35 = (1/d_V) * t34
-        sigma2_N_2 = t35
-        t36 = (-0.5 * (sigma2_N_2 ** -1.5))
-        t37 = (sigma2_N_2 ** -0.5)
-        P_N_2 = t37
-        t38 = M_N_2 * P_N_2
-        N_2 = t38
-        t39 = N_2 @ W_1
-        t40 = torch.heaviside(t39, torch.full_like(t39, 0.0))
-        t41 = (t39 * torch.heaviside(t39, torch.full_like(t39, 0.0)))
-        t42 = t41 @ W_2
-        t43 = t42 + Y27
-        F = t43
-        t44 = F - Y
-        t45 = (2/(L*d_V)) * t44
-        G = t45
-        t46 = W_2.transpose(-1, -2)
-        t47 = G @ t46
-        t48 = t40 * t47
-        t49 = W_1.transpose(-1, -2)
-        t50 = t48 @ t49
-        t51 = t36 * t50 * M_N_2
-        t52 = t51.sum(-1, keepdim=True)
-        t53 = t52.expand(*t52.shape[:-1], d_V)
-        t54 = t36 * t50
-        t55 = (t24.reshape((d_V, d_V, 1, 1)) * t54.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        t56 = (0.75 * (sigma2_N_2 ** -2.5))
-        t57 = t56 * t50 * M_N_2
-        t58 = (t24.reshape((d_V, d_V, 1, 1)) * t57.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        S = t20 + (-1/d_V) * t22
+        t23 = A @ t19
+        t24 = t23 + X
+        Y25 = t24
+        t26 = Y25.sum(-1, keepdim=True)
+        t27 = t26.expand(*t26.shape[:-1], d_V)
+        t28 = (1/d_V) * t27
+        t29 = Y25 - t28
+        M_N_2 = t29
+        t30 = M_N_2 * M_N_2
+        t31 = t30.sum(-1, keepdim=True)
+        t32 = t31.expand(*t31.shape[:-1], d_V)
+        t33 = (1/d_V) * t32
+        sigma2_N_2 = t33
+        t34 = (-0.5 * (sigma2_N_2 ** -1.5))
+        t35 = (sigma2_N_2 ** -0.5)
+        P_N_2 = t35
+        t36 = M_N_2 * P_N_2
+        N_2 = t36
+        t37 = N_2 @ W_1
+        t38 = torch.heaviside(t37, torch.full_like(t37, 0.0))
+        t39 = (t37 * torch.heaviside(t37, torch.full_like(t37, 0.0)))
+        t40 = t39 @ W_2
+        t41 = t40 + Y25
+        F = t41
+        t42 = F - Y
+        t43 = (2/(L*d_V)) * t42
+        G = t43
+        t44 = W_2.transpose(-1, -2)
+        t45 = G @ t44
+        t46 = t38 * t45
+        t47 = W_1.transpose(-1, -2)
+        t48 = t46 @ t47
+        t49 = t34 * t48 * M_N_2
+        t50 = t49.sum(-1, keepdim=True)
+        t51 = t50.expand(*t50.shape[:-1], d_V)
+        t52 = t34 * t48
+        t53 = (t22.reshape((d_V, d_V, 1, 1)) * t52.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t54 = (0.75 * (sigma2_N_2 ** -2.5))
+        t55 = t54 * t48 * M_N_2
+        t56 = (t22.reshape((d_V, d_V, 1, 1)) * t55.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S59 = (t22.reshape((1, 1, d_V, d_V)) * t54.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t58.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
-        t60 = (t24.reshape((d_V, d_V, 1, 1)) * M_N_2.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        S57 = (t20.reshape((1, 1, d_V, d_V)) * t52.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t56.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
+        t58 = (t22.reshape((d_V, d_V, 1, 1)) * M_N_2.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S61 = (t22.reshape((1, 1, d_V, d_V)) * t53.reshape((n_batch, L, d_V, 1))) + (t55.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t60.permute(2, 3, 0, 1) @ S59)
-        t62 = t36 * M_N_2
-        t63 = (t24.reshape((d_V, d_V, 1, 1)) * t62.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        S59 = (t20.reshape((1, 1, d_V, d_V)) * t51.reshape((n_batch, L, d_V, 1))) + (t53.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t58.permute(2, 3, 0, 1) @ S57)
+        t60 = t34 * M_N_2
+        t61 = (t22.reshape((d_V, d_V, 1, 1)) * t60.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S64 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t63.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
-        t65 = (t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t46.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
-        t66 = (t65.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t49).reshape((n_batch, L, d_V, d_V))
+        S62 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t61.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
+        t63 = (t38.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t44.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
+        t64 = (t63.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t47).reshape((n_batch, L, d_V, d_V))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S67 = (2/(d_K*d_V)) * ((S @ S61.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_K*d_V)) * (t66 @ S64)
+        S65 = (2/(d_K*d_V)) * ((S @ S59.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_K*d_V)) * (t64 @ S62)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S68 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t60.permute(2, 3, 0, 1) * t62.reshape((n_batch, L, 1, d_V)))
+        S66 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t58.permute(2, 3, 0, 1) * t60.reshape((n_batch, L, 1, d_V)))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S69 = (2/(L*d_K*d_V)) * S68 + (-2/(L*d_K*d_V**2)) * ((t24 @ S68.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t70 = (t66 @ S64)
+        S67 = (2/(L*d_K*d_V)) * S66 + (-2/(L*d_K*d_V**2)) * ((t22 @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t68 = (t64 @ S62)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S71 = (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (t70.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
-        t72 = (W_2.reshape((d_ff, d_V, 1, 1)) * t40.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-        t73 = (t72.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
-        t74 = (t73.permute(1, 2, 3, 0) @ S71)
+        S69 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (t68.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
+        t70 = (W_2.reshape((d_ff, d_V, 1, 1)) * t38.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+        t71 = (t70.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        t72 = (t71.permute(1, 2, 3, 0) @ S69)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S75 = (2/(L*d_K*d_V)) * (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S67.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (S69 @ t74)
-        t76 = t21.transpose(-1, -2)
-        t77 = (S75.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-        t78 = (t77.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t76).reshape((n_batch, L, L, L))
-        t79 = (t78.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t80 = t53 * M_N_2
-        t81 = (2/(math.sqrt(d_K)*d_V**2)) * t80
-        t82 = t50 * P_N_2
-        t83 = (1/(math.sqrt(d_K)*d_V)) * t82
-        t84 = -t81 - t83
-        t85 = t84.sum(-1, keepdim=True)
-        t86 = t76.sum(-2, keepdim=True)
-        t87 = t85 * t86
-        t88 = (2/(math.sqrt(d_K)*d_V)) * t80
-        t89 = (1/math.sqrt(d_K)) * t82
-        t90 = (1/math.sqrt(d_K)) * G
-        t91 = t88 + t89 + t90
-        t92 = t91 @ t76
-        t93 = t87 + t92
-        t94 = t93 - (A * t93).sum(-1, keepdim=True)
-        t95 = A * t94
+        S73 = (2/(L*d_K*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S65.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (S67 @ t72)
+        t74 = t19.transpose(-1, -2)
+        t75 = (S73.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t76 = (t75.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t74).reshape((n_batch, L, L, L))
+        t77 = (t76.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t78 = t51 * M_N_2
+        t79 = (2/(math.sqrt(d_K)*d_V**2)) * t78
+        t80 = t48 * P_N_2
+        t81 = (1/(math.sqrt(d_K)*d_V)) * t80
+        t82 = -t79 - t81
+        t83 = t82.sum(-1, keepdim=True)
+        t84 = t74.sum(-2, keepdim=True)
+        t85 = t83 * t84
+        t86 = (2/(math.sqrt(d_K)*d_V)) * t78
+        t87 = (1/math.sqrt(d_K)) * t80
+        t88 = (1/math.sqrt(d_K)) * G
+        t89 = t86 + t87 + t88
+        t90 = t89 @ t74
+        t91 = t85 + t90
+        t92 = t91 - (A * t91).sum(-1, keepdim=True)
+        t93 = A * t92
         # d2A: compact tensor ('L', 'L', 'L')
-        d2A = (t20.reshape((1, 1, L, L)) * t95.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t95.reshape((n_batch, L, L, 1))) - (t95.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+        d2A = (t18.reshape((1, 1, L, L)) * t93.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t93.reshape((n_batch, L, L, 1))) - (t93.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
         # S: compact tensor ('L', 'L', 'L')
-        S96 = (t79.permute(0, 1, 3, 2) @ dA) + (1/math.sqrt(d_K)) * d2A
-        t97 = t15.transpose(-1, -2)
-        t98 = (S96.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t15.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t99 = (t98.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t97).reshape((n_batch, L, d_K, d_K))
-        torch.mul(N_1.reshape((n_batch, L, 1, d_V, 1)), t99.reshape((n_batch, L, d_K, 1, d_K)), out=t13)
-        t100 = t11[..., d_K*d_V:2*d_K*d_V]
-        t101 = t100.view((n_batch, L, d_K, d_V, d_K))
+        S94 = (t77.permute(0, 1, 3, 2) @ dA) + (1/math.sqrt(d_K)) * d2A
+        t95 = t13.transpose(-1, -2)
+        t96 = (S94.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t13.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t97 = (t96.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t95).reshape((n_batch, L, d_K, d_K))
+        t98 = N_1.reshape((n_batch, L, 1, d_V, 1))
+        t99 = t97.reshape((n_batch, L, d_K, 1, d_K))
         t102 = N_1 @ W_Q
-        t103 = (t98.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
-        t104 = t101.diagonal(0, 2, 4)
-        t105 = t95 @ N_1
+        t103 = (t96.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t105 = t93 @ N_1
         t106 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-        torch.mul(t102.reshape((n_batch, L, 1, 1, d_K)), t103.reshape((n_batch, L, d_K, d_V, 1)), out=t101)
-        t104.addcmul_(t106.reshape((1, 1, 1, d_K)), t105.reshape((n_batch, L, d_V, 1)))
-        t107 = t11[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t108 = t107.view((n_batch, L, d_K, d_V, d_V))
-        t109 = ((1/2)*d_V) * t82
-        t110 = ((1/2)*d_V) * G
-        t111 = t80 + t109 + t110
-        t112 = t80 + t109
-        t113 = t112.sum(-1, keepdim=True)
-        t114 = t113.expand(*t113.shape[:-1], d_V)
+        t107 = t102.reshape((n_batch, L, 1, 1, d_K))
+        t108 = t103.reshape((n_batch, L, d_K, d_V, 1))
+        t109 = t106.reshape((1, 1, 1, d_K))
+        t110 = t105.reshape((n_batch, L, d_V, 1))
+        t113 = ((1/2)*d_V) * t80
+        t114 = ((1/2)*d_V) * G
+        t115 = t78 + t113 + t114
+        t116 = t78 + t113
+        t117 = t116.sum(-1, keepdim=True)
+        t118 = t117.expand(*t117.shape[:-1], d_V)
         # S: compact tensor ('L', 'd_V')
-        S115 = (2/(math.sqrt(d_K)*d_V)) * t111 + (-2/(math.sqrt(d_K)*d_V**2)) * t114
-        t116 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t15.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t117 = (t116.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        S119 = (2/(math.sqrt(d_K)*d_V)) * t115 + (-2/(math.sqrt(d_K)*d_V**2)) * t118
+        t120 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t13.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t121 = (t120.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
         # S: compact tensor ('d_V', 'd_V')
-        S118 = (2/(math.sqrt(d_K)*d_V)) * S
-        t119 = A @ N_1
-        t120 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-        t121 = (t120.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S118).reshape((n_batch, L, d_V))
-        t122 = (t121 @ S61.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t123 = (t122.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-        t126 = (2/(L*math.sqrt(d_K)*d_V)) * t15
-        t127 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t126.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        S122 = (2/(math.sqrt(d_K)*d_V)) * S
+        t123 = A @ N_1
+        t124 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t125 = (t124.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S122).reshape((n_batch, L, d_V))
+        t126 = (t125 @ S59.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t127 = (t126.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t130 = (2/(L*math.sqrt(d_K)*d_V)) * t13
+        t131 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t130.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S129 = ((1/2)*L*d_K*d_V) * S69
-        t130 = (t120.permute(1, 2, 0) @ S129.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t131 = (t130.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-        t132 = (t131.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
-        t143 = (t120.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t46).reshape((n_batch, L, d_ff))
-        t144 = (t143.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1)) * t40.permute(0, 2, 1).reshape((n_batch, d_ff, 1, L)))
-        t145 = (t144.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_ff)) @ t49).reshape((n_batch, L, L, d_V))
-        t146 = (t145.permute(0, 2, 1, 3) @ S64)
-        torch.mul(S115.reshape((n_batch, L, 1, 1, d_V)), t117.reshape((n_batch, L, d_K, d_V, 1)), out=t108)
-        t149 = ((S.permute(1, 0) @ t123.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t150 = ((t126 @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t151 = ((W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))).permute(1, 0, 2)
-        t154 = ((S.permute(1, 0) @ t146.permute(3, 0, 1, 2).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t155 = W_2.permute(1, 0)
-        t156 = (t132 * t40.reshape((n_batch, L, 1, d_ff)))
-        t157 = ((S.permute(1, 0) @ S64.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t158 = (t130.reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
-        t159 = (t158.permute(0, 2, 3, 1) * t40.reshape((n_batch, L, d_ff, 1)))
-        t160 = (t159.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
-        t161 = (t160.reshape((L**2*n_batch, d_V)) @ t46).reshape((n_batch, L, L, d_ff))
-        t162 = (t161.permute(0, 1, 3, 2) * t40.reshape((n_batch, L, d_ff, 1)))
-        t163 = (t162.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t49).reshape((n_batch, L, L, d_V))
-        t164 = (dA @ t163)
-        t165 = ((t155 @ t156.permute(3, 0, 1, 2).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3) + (t157 @ t164.permute(0, 1, 3, 2))
-        t166 = ((t15 @ t149.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3) + (t150.reshape((n_batch, L*d_K, L)) @ t151.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V)) + ((t126 @ t165.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3) + (t150 @ t154.permute(0, 1, 3, 2))
-        t108.addcmul_(t119.reshape((n_batch, L, 1, d_V, 1)), t166.reshape((n_batch, L, d_K, 1, d_V)))
-        t167 = t11[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t168 = t167.view((n_batch, L, d_K, d_V, d_ff))
-        t169 = (1/math.sqrt(d_K)) * t15
-        t170 = (S.permute(1, 0) @ t21.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-        t171 = (t170.permute(1, 2, 0) @ S68.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t172 = (t171.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-        t173 = ((t169 @ t172.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
-        t174 = (t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
-        t175 = (t174.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
+        S133 = ((1/2)*L*d_K*d_V) * S67
+        t134 = (t124.permute(1, 2, 0) @ S133.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t135 = (t134.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t136 = (t135.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t147 = (t124.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t44).reshape((n_batch, L, d_ff))
+        t148 = (t147.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1)) * t38.permute(0, 2, 1).reshape((n_batch, d_ff, 1, L)))
+        t149 = (t148.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_ff)) @ t47).reshape((n_batch, L, L, d_V))
+        t150 = (t149.permute(0, 2, 1, 3) @ S62)
+        t153 = S119.reshape((n_batch, L, 1, 1, d_V))
+        t154 = t121.reshape((n_batch, L, d_K, d_V, 1))
+        t155 = ((S.permute(1, 0) @ t127.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t156 = ((t130 @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t157 = ((W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))).permute(1, 0, 2)
+        t160 = ((S.permute(1, 0) @ t150.permute(3, 0, 1, 2).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t161 = W_2.permute(1, 0)
+        t162 = (t136 * t38.reshape((n_batch, L, 1, d_ff)))
+        t163 = ((S.permute(1, 0) @ S62.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t164 = (t134.reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t165 = (t164.permute(0, 2, 3, 1) * t38.reshape((n_batch, L, d_ff, 1)))
+        t166 = (t165.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
+        t167 = (t166.reshape((L**2*n_batch, d_V)) @ t44).reshape((n_batch, L, L, d_ff))
+        t168 = (t167.permute(0, 1, 3, 2) * t38.reshape((n_batch, L, d_ff, 1)))
+        t169 = (t168.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t47).reshape((n_batch, L, L, d_V))
+        t170 = (dA @ t169)
+        t171 = ((t161 @ t162.permute(3, 0, 1, 2).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3) + (t163 @ t170.permute(0, 1, 3, 2))
+        t172 = ((t13 @ t155.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3) + (t156.reshape((n_batch, L*d_K, L)) @ t157.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V)) + ((t130 @ t171.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3) + (t156 @ t160.permute(0, 1, 3, 2))
+        t173 = t123.reshape((n_batch, L, 1, d_V, 1))
+        t174 = t172.reshape((n_batch, L, d_K, 1, d_V))
+        t177 = (1/math.sqrt(d_K)) * t13
+        t178 = (S.permute(1, 0) @ t19.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t179 = (t178.permute(1, 2, 0) @ S66.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t180 = (t179.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t181 = ((t177 @ t180.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t182 = (t38.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
+        t183 = (t182.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S176 = (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S129 @ t175)
-        t177 = (S176.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-        t178 = (t177 @ dA.permute(0, 1, 3, 2))
-        t179 = (t178.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t46).reshape((n_batch, L, L, d_ff))
-        t180 = ((t126 @ t179.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
-        t181 = (N_2.reshape((n_batch, L, d_V, 1)) * t40.reshape((n_batch, L, 1, d_ff)))
-        torch.mul(t48.reshape((n_batch, L, 1, 1, d_ff)), t173.reshape((n_batch, L, d_K, d_V, 1)), out=t168)
-        t168.addcmul_(t180.reshape((n_batch, L, d_K, 1, d_ff)), t181.reshape((n_batch, L, 1, d_V, d_ff)))
-        t182 = t11[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t183 = t182.view((n_batch, L, d_K, d_ff, d_V))
-        t184 = (t172.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
-        t185 = ((t169 @ t184.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
-        t186 = (G.reshape((n_batch, L, 1, d_V)) * t40.reshape((n_batch, L, d_ff, 1)))
-        t187 = (t127.permute(0, 1, 3, 2) @ t177.permute(0, 1, 3, 2))
-        torch.mul(t185.reshape((n_batch, L, d_K, d_ff, 1)), t186.reshape((n_batch, L, 1, d_ff, d_V)), out=t183)
-        t183.addcmul_(t41.reshape((n_batch, L, 1, d_ff, 1)), t187.reshape((n_batch, L, d_K, 1, d_V)))
-        t188 = t10.permute(1, 0, 2)
-        t189 = t188.reshape((d_V, L*n_batch))
-        t190 = (1/n_batch) * t189
-        t191 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t192 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t190, t191, out=t192)
+        S184 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S133 @ t183)
+        t185 = (S184.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t186 = (t185 @ dA.permute(0, 1, 3, 2))
+        t187 = (t186.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t44).reshape((n_batch, L, L, d_ff))
+        t188 = ((t130 @ t187.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t189 = (N_2.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_ff)))
+        t190 = t46.reshape((n_batch, L, 1, 1, d_ff))
+        t191 = t181.reshape((n_batch, L, d_K, d_V, 1))
+        t192 = t188.reshape((n_batch, L, d_K, 1, d_ff))
+        t193 = t189.reshape((n_batch, L, 1, d_V, d_ff))
+        t196 = (t180.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t197 = ((t177 @ t196.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t198 = (G.reshape((n_batch, L, 1, d_V)) * t38.reshape((n_batch, L, d_ff, 1)))
+        t199 = (t131.permute(0, 1, 3, 2) @ t185.permute(0, 1, 3, 2))
+        t200 = t197.reshape((n_batch, L, d_K, d_ff, 1))
+        t201 = t198.reshape((n_batch, L, 1, d_ff, d_V))
+        t202 = t39.reshape((n_batch, L, 1, d_ff, 1))
+        t203 = t199.reshape((n_batch, L, d_K, 1, d_V))
+        t204 = t10.permute(1, 0, 2)
+        t205 = t204.reshape((d_V, L*n_batch))
+        t206 = (1/n_batch) * t205
+        t207 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_K % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t208 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t209 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        for f0 in range(0, d_K, n_rows):
+            t210 = t208[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t98, t99[..., f0:f0 + n_rows, :, :], out=t210)
+            t211 = t208[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t107, t108[..., f0:f0 + n_rows, :, :], out=t211)
+            t212 = t208[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))[..., f0:f0 + n_rows].diagonal(0, 2, 4)
+            t212.addcmul_(t109[..., f0:f0 + n_rows], t110)
+            t213 = t208[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows, d_V, d_V))
+            torch.mul(t153, t154[..., f0:f0 + n_rows, :, :], out=t213)
+            t213.addcmul_(t173, t174[..., f0:f0 + n_rows, :, :])
+            t214 = t208[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows, d_V, d_ff))
+            torch.mul(t190, t191[..., f0:f0 + n_rows, :, :], out=t214)
+            t214.addcmul_(t192[..., f0:f0 + n_rows, :, :], t193)
+            t215 = t208[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V))
+            torch.mul(t200[..., f0:f0 + n_rows, :, :], t201, out=t215)
+            t215.addcmul_(t202, t203[..., f0:f0 + n_rows, :, :])
+            torch.matmul(t206, t209, out=t207[:, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff):(f0 + n_rows)*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)])
         del R
-        R193 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t194 = R193.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t195 = t194[..., 0:d_K*d_V]
-        t196 = t195.view((n_batch, L, d_K, d_V, d_K))
-        t197 = t102.transpose(-1, -2)
+        R216 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t217 = R216.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t218 = t217[..., 0:d_K*d_V]
+        t219 = t218.view((n_batch, L, d_K, d_V, d_K))
+        t220 = t102.transpose(-1, -2)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S198 = S71 + (S129 @ t74)
-        t199 = (2/(L*d_K*d_V)) * t197
-        t200 = (S198.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-        t201 = (t200.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t76).reshape((n_batch, L, L, L))
-        t202 = (t201.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t203 = (t202.permute(0, 1, 3, 2) @ dA)
-        t204 = ((t97.permute(0, 2, 1) @ t203.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t205 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t199.reshape((n_batch, d_K, 1, L)))
-        t206 = (t170.permute(1, 2, 0) @ S61.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t207 = (t76.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
-        t208 = (t207 @ t206.permute(0, 3, 1, 2).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-        t209 = (t208.permute(0, 3, 1, 2) @ dA.permute(0, 1, 3, 2))
+        S221 = S69 + (S133 @ t72)
+        t222 = (2/(L*d_K*d_V)) * t220
+        t223 = (S221.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t224 = (t223.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t74).reshape((n_batch, L, L, L))
+        t225 = (t224.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t226 = (t225.permute(0, 1, 3, 2) @ dA)
+        t227 = ((t95.permute(0, 2, 1) @ t226.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t228 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t222.reshape((n_batch, d_K, 1, L)))
+        t229 = (t178.permute(1, 2, 0) @ S59.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t230 = (t74.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
+        t231 = (t230 @ t229.permute(0, 3, 1, 2).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+        t232 = (t231.permute(0, 3, 1, 2) @ dA.permute(0, 1, 3, 2))
         # S: compact tensor ('L', 'L', 'L')
-        S210 = (t209.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
-        t211 = (2/(d_K*d_V)) * t197
-        t212 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t211.reshape((n_batch, d_K, 1, L)))
-        t213 = ((t97.permute(0, 2, 1) @ S210.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t214 = t205.reshape((n_batch, d_K*d_V, L))
-        t215 = t212.reshape((n_batch, d_K*d_V, L))
-        t216 = t204.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
-        t217 = t213.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
-        t218 = torch.cat([t214, t215], dim=-1)
-        t219 = torch.cat([t216, t217], dim=-2)
-        t196[...] = ((t218 @ t219).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t220 = t194[..., d_K*d_V:2*d_K*d_V]
-        t221 = t220.view((n_batch, L, d_K, d_V, d_K))
-        t222 = ((N_1.permute(0, 2, 1) @ t203.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t223 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t199.reshape((n_batch, d_K, 1, L)))
-        t224 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t211.reshape((n_batch, d_K, 1, L)))
-        t225 = ((N_1.permute(0, 2, 1) @ S210.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t226 = t222.reshape((n_batch, L*d_V, L))
-        t227 = t225.reshape((n_batch, L*d_V, L))
-        t228 = t223.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        t229 = t224.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        t230 = torch.cat([t226, t227], dim=-1)
-        t231 = torch.cat([t228, t229], dim=-2)
-        t221[...] = ((t230 @ t231).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
-        t232 = t194[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t233 = t232.view((n_batch, L, d_K, d_V, d_V))
-        t234 = (S115.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t197.reshape((n_batch, d_K, 1, L)))
-        t235 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t236 = ((S.permute(1, 0) @ t123.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t237 = (t119.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t197.reshape((n_batch, d_K, 1, L)))
-        t238 = (2/(L*math.sqrt(d_K)*d_V)) * t197
-        t240 = (t119.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t238.reshape((n_batch, d_K, 1, L)))
-        t233[...] = ((t235.reshape((n_batch, L*d_V, L)) @ t234.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t233 += ((t237.reshape((n_batch, d_K*d_V, L)) @ t236.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        t245 = dA.permute(0, 2, 1, 3)
-        t246 = (t132.permute(0, 2, 1, 3) * t40.reshape((n_batch, 1, L, d_ff)))
-        t247 = ((S.permute(1, 0) @ S64.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3)
-        t248 = ((dA @ t163)).permute(0, 2, 1, 3)
-        t249 = S.permute(1, 0)
-        t250 = ((dA @ t146)).permute(0, 2, 1, 3)
-        t251 = ((t151 @ t245.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3) + ((t155 @ t246.permute(3, 0, 1, 2).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3) + ((t247.permute(0, 2, 1, 3) @ t248.permute(0, 2, 3, 1))).permute(0, 3, 2, 1) + ((t249 @ t250.permute(3, 0, 1, 2).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t233 += ((t240.reshape((n_batch, d_K*d_V, L)) @ t251.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        t252 = t194[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t253 = t252.view((n_batch, L, d_K, d_V, d_ff))
-        t254 = (1/math.sqrt(d_K)) * t197
-        t255 = (t170.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t256 = ((t255.permute(0, 2, 3, 1) @ S68)).permute(0, 2, 3, 1)
-        t257 = (t48.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t254.reshape((n_batch, d_K, 1, L)))
-        t258 = (t179.permute(0, 2, 3, 1) * t40.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
-        t259 = (N_2.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t238.reshape((n_batch, d_K, 1, L)))
-        t253[...] = ((t256.reshape((n_batch, L*d_V, L)) @ t257.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
-        t253 += ((t259.reshape((n_batch, d_K*d_V, L)) @ t258.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
-        t260 = t194[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t261 = t260.view((n_batch, L, d_K, d_ff, d_V))
-        t262 = (t184.permute(0, 2, 3, 1) * t40.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
-        t263 = (G.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t254.reshape((n_batch, d_K, 1, L)))
-        t264 = (t21.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t265 = ((t264.permute(0, 2, 3, 1) @ S176)).permute(0, 2, 3, 1)
-        t266 = (t41.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t238.reshape((n_batch, d_K, 1, L)))
-        t261[...] = ((t262.reshape((n_batch, L*d_ff, L)) @ t263.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t261 += ((t266.reshape((n_batch, d_K*d_ff, L)) @ t265.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
-        t267 = R193.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t268 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t190, t267, out=t268)
-        del R193
-        t269 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-        t270 = t269.view((d_V, d_K, d_V, d_K))
-        t271 = t270.diagonal(0, 1, 3)
-        t272 = t105.transpose(-1, -2)
-        t273 = (1/n_batch) * t106
-        t274 = (t272.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-        t271.addcmul_(t273.reshape((1, 1, d_K)), t274.reshape((d_V, d_V, 1)))
-        t275 = t119.transpose(-1, -2)
-        R276 = _empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t277 = R276.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t278 = t277[..., 0:d_K*d_V]
-        t279 = t278.view((n_batch, L, d_V, d_V, d_K))
+        S233 = (t232.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
+        t234 = (2/(d_K*d_V)) * t220
+        t235 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t234.reshape((n_batch, d_K, 1, L)))
+        t236 = ((t95.permute(0, 2, 1) @ S233.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t237 = t228.reshape((n_batch, d_K*d_V, L))
+        t238 = t235.reshape((n_batch, d_K*d_V, L))
+        t239 = t227.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t240 = t236.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t241 = torch.cat([t237, t238], dim=-1)
+        t242 = torch.cat([t239, t240], dim=-2)
+        t219[...] = ((t241 @ t242).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t243 = t217[..., d_K*d_V:2*d_K*d_V]
+        t244 = t243.view((n_batch, L, d_K, d_V, d_K))
+        t245 = ((N_1.permute(0, 2, 1) @ t226.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t246 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t222.reshape((n_batch, d_K, 1, L)))
+        t247 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t234.reshape((n_batch, d_K, 1, L)))
+        t248 = ((N_1.permute(0, 2, 1) @ S233.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t249 = t245.reshape((n_batch, L*d_V, L))
+        t250 = t248.reshape((n_batch, L*d_V, L))
+        t251 = t246.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t252 = t247.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t253 = torch.cat([t249, t250], dim=-1)
+        t254 = torch.cat([t251, t252], dim=-2)
+        t244[...] = ((t253 @ t254).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t255 = t217[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t256 = t255.view((n_batch, L, d_K, d_V, d_V))
+        t257 = (S119.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t220.reshape((n_batch, d_K, 1, L)))
+        t258 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t259 = ((S.permute(1, 0) @ t127.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t260 = (t123.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t220.reshape((n_batch, d_K, 1, L)))
+        t261 = (2/(L*math.sqrt(d_K)*d_V)) * t220
+        t263 = (t123.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t261.reshape((n_batch, d_K, 1, L)))
+        t256[...] = ((t258.reshape((n_batch, L*d_V, L)) @ t257.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t256 += ((t260.reshape((n_batch, d_K*d_V, L)) @ t259.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t268 = dA.permute(0, 2, 1, 3)
+        t269 = (t136.permute(0, 2, 1, 3) * t38.reshape((n_batch, 1, L, d_ff)))
+        t270 = ((S.permute(1, 0) @ S62.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3)
+        t271 = ((dA @ t169)).permute(0, 2, 1, 3)
+        t272 = S.permute(1, 0)
+        t273 = ((dA @ t150)).permute(0, 2, 1, 3)
+        t274 = ((t157 @ t268.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3) + ((t161 @ t269.permute(3, 0, 1, 2).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3) + ((t270.permute(0, 2, 1, 3) @ t271.permute(0, 2, 3, 1))).permute(0, 3, 2, 1) + ((t272 @ t273.permute(3, 0, 1, 2).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t256 += ((t263.reshape((n_batch, d_K*d_V, L)) @ t274.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t275 = t217[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t276 = t275.view((n_batch, L, d_K, d_V, d_ff))
+        t277 = (1/math.sqrt(d_K)) * t220
+        t278 = (t178.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t279 = ((t278.permute(0, 2, 3, 1) @ S66)).permute(0, 2, 3, 1)
+        t280 = (t46.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t277.reshape((n_batch, d_K, 1, L)))
+        t281 = (t187.permute(0, 2, 3, 1) * t38.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
+        t282 = (N_2.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t261.reshape((n_batch, d_K, 1, L)))
+        t276[...] = ((t279.reshape((n_batch, L*d_V, L)) @ t280.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
+        t276 += ((t282.reshape((n_batch, d_K*d_V, L)) @ t281.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
+        t283 = t217[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t284 = t283.view((n_batch, L, d_K, d_ff, d_V))
+        t285 = (t196.permute(0, 2, 3, 1) * t38.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
+        t286 = (G.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t277.reshape((n_batch, d_K, 1, L)))
+        t287 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t288 = ((t287.permute(0, 2, 3, 1) @ S184)).permute(0, 2, 3, 1)
+        t289 = (t39.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t261.reshape((n_batch, d_K, 1, L)))
+        t284[...] = ((t285.reshape((n_batch, L*d_ff, L)) @ t286.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t284 += ((t289.reshape((n_batch, d_K*d_ff, L)) @ t288.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
+        t290 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t291 = R216.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t206, t291, out=t290)
+        del R216
+        t292 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t293 = t292.view((d_V, d_K, d_V, d_K))
+        t294 = t293.diagonal(0, 1, 3)
+        t295 = t105.transpose(-1, -2)
+        t296 = (1/n_batch) * t106
+        t297 = (t295.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
+        t294.addcmul_(t296.reshape((1, 1, d_K)), t297.reshape((d_V, d_V, 1)))
+        t298 = t123.transpose(-1, -2)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S280 = (2/(math.sqrt(d_K)*d_V)) * S61 + (-2/(math.sqrt(d_K)*d_V**2)) * ((t24 @ S61.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t66 @ S64)
+        S302 = (2/(math.sqrt(d_K)*d_V)) * S59 + (-2/(math.sqrt(d_K)*d_V**2)) * ((t22 @ S59.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t64 @ S62)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S281 = (math.sqrt(d_K)) * S69
+        S303 = (math.sqrt(d_K)) * S67
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S282 = (2/(L*math.sqrt(d_K)*d_V)) * (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S280.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (S281 @ t74)
-        t283 = W_V.transpose(-1, -2)
-        t284 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t283.permute(1, 0)).reshape((n_batch, L, d_V))
-        t285 = (t284 @ S282.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t286 = (t285.permute(0, 2, 3, 1) @ dA)
-        t287 = (t286.reshape((n_batch, L*d_V, L)) @ t97).reshape((n_batch, L, d_V, d_K))
-        torch.mul(N_1.reshape((n_batch, L, 1, d_V, 1)), t287.reshape((n_batch, L, d_V, 1, d_K)), out=t279)
-        t288 = t277[..., d_K*d_V:2*d_K*d_V]
-        t289 = t288.view((n_batch, L, d_V, d_V, d_K))
-        t290 = (t286.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        torch.mul(t102.reshape((n_batch, L, 1, 1, d_K)), t290.reshape((n_batch, L, d_V, d_V, 1)), out=t289)
-        t291 = t277[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t292 = t291.view((n_batch, L, d_V, d_V, d_V))
+        S304 = (2/(L*math.sqrt(d_K)*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S302.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (S303 @ t72)
+        t305 = W_V.transpose(-1, -2)
+        t306 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t305.permute(1, 0)).reshape((n_batch, L, d_V))
+        t307 = (t306 @ S304.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t308 = (t307.permute(0, 2, 3, 1) @ dA)
+        t309 = (t308.reshape((n_batch, L*d_V, L)) @ t95).reshape((n_batch, L, d_V, d_K))
+        t310 = t309.reshape((n_batch, L, d_V, 1, d_K))
+        t313 = (t308.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t314 = t313.reshape((n_batch, L, d_V, d_V, 1))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S293 = (math.sqrt(d_K)) * S280
+        S317 = (math.sqrt(d_K)) * S302
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S295 = (d_K) * S69
-        t297 = (t49.reshape((d_ff, d_V, 1, 1)) * t40.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-        t298 = (t297.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t46.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
-        t299 = (t298.permute(1, 2, 0, 3) @ t73.permute(1, 2, 0, 3))
-        t300 = (t299.permute(0, 1, 3, 2) @ S64)
-        t303 = t292.diagonal(0, 2, 4)
-        t304 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-        t305 = (2/(L*d_V)) * t304
-        t308 = (t40.reshape((n_batch, L, 1, d_ff)) * W_1.reshape((1, 1, d_V, d_ff)))
-        t309 = ((t155 @ t308.permute(3, 0, 1, 2).reshape((d_ff, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + ((t249 @ t300.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t310 = (S293.reshape((L*d_V*n_batch, d_V)) @ t249.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S295 @ t309.permute(0, 1, 3, 2))
-        torch.mul(t119.reshape((n_batch, L, 1, d_V, 1)), t310.reshape((n_batch, L, d_V, 1, d_V)), out=t292)
-        t303.addcmul_(t305.reshape((1, 1, 1, d_V)), t119.reshape((n_batch, L, d_V, 1)))
-        t311 = t277[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t312 = t311.view((n_batch, L, d_V, d_V, d_ff))
-        t313 = ((S @ S68.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        S319 = (d_K) * S67
+        t321 = (t47.reshape((d_ff, d_V, 1, 1)) * t38.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+        t322 = (t321.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t44.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        t323 = (t322.permute(1, 2, 0, 3) @ t71.permute(1, 2, 0, 3))
+        t324 = (t323.permute(0, 1, 3, 2) @ S62)
+        t328 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t329 = (2/(L*d_V)) * t328
+        t332 = (t38.reshape((n_batch, L, 1, d_ff)) * W_1.reshape((1, 1, d_V, d_ff)))
+        t333 = ((t161 @ t332.permute(3, 0, 1, 2).reshape((d_ff, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + ((t272 @ t324.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t334 = (S317.reshape((L*d_V*n_batch, d_V)) @ t272.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S319 @ t333.permute(0, 1, 3, 2))
+        t335 = t334.reshape((n_batch, L, d_V, 1, d_V))
+        t336 = t329.reshape((1, 1, 1, d_V))
+        t337 = t123.reshape((n_batch, L, d_V, 1))
+        t340 = ((S @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S314 = (2/(L*d_V)) * (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S295 @ t175)
-        t315 = (S314.reshape((L*d_V*n_batch, d_V)) @ t46).reshape((n_batch, L, d_V, d_ff))
-        torch.mul(t48.reshape((n_batch, L, 1, 1, d_ff)), t313.reshape((n_batch, L, d_V, d_V, 1)), out=t312)
-        t312.addcmul_(t315.reshape((n_batch, L, d_V, 1, d_ff)), t181.reshape((n_batch, L, 1, d_V, d_ff)))
-        t316 = t277[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t317 = t316.view((n_batch, L, d_V, d_ff, d_V))
-        t318 = (S68.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t319 = (t318.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        S341 = (2/(L*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S319 @ t183)
+        t342 = (S341.reshape((L*d_V*n_batch, d_V)) @ t44).reshape((n_batch, L, d_V, d_ff))
+        t343 = t340.reshape((n_batch, L, d_V, d_V, 1))
+        t344 = t342.reshape((n_batch, L, d_V, 1, d_ff))
+        t347 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t348 = (t347.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S320 = (t23.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S68 @ t175)
-        t321 = (2/(L*d_V)) * t41
-        t322 = (-2/(L*d_V**2)) * t24
-        t323 = (S68.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t322.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t324 = (t323.permute(0, 1, 3, 2) @ t175)
-        torch.mul(t319.reshape((n_batch, L, d_V, d_ff, 1)), t186.reshape((n_batch, L, 1, d_ff, d_V)), out=t317)
-        t317.addcmul_(t321.reshape((n_batch, L, 1, d_ff, 1)), S320.reshape((n_batch, L, d_V, 1, d_V)))
-        t317.addcmul_(t41.reshape((n_batch, L, 1, d_ff, 1)), t324.reshape((n_batch, L, d_V, 1, d_V)))
-        t325 = t275.permute(1, 0, 2)
-        t326 = t325.reshape((d_V, L*n_batch))
-        t327 = (1/n_batch) * t326
-        t328 = R276.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t329 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t327, t328, out=t329)
-        del R276
-        t330 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t331 = t330.view((d_V, d_V, d_V, d_K))
-        t333 = t36.transpose(-1, -2)
-        t334 = t50.transpose(-1, -2)
-        t335 = M_N_2.transpose(-1, -2)
-        t336 = t333 * t334 * t335
-        t337 = t336.sum(-2, keepdim=True)
-        t338 = t337.expand(*t337.shape[:-2], d_V, t337.shape[-1])
-        t339 = t338 * t335
-        t340 = P_N_2.transpose(-1, -2)
-        t341 = t334 * t340
-        t342 = ((1/2)*d_V) * t341
-        t343 = G.transpose(-1, -2)
-        t344 = ((1/2)*d_V) * t343
-        t345 = t339 + t342 + t344
-        t346 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t345
-        t347 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t348 = (t347.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t97).reshape((n_batch, L, d_V, d_K))
-        t349 = (t348.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t351 = t339 + t342
-        t352 = t351.sum(-2, keepdim=True)
-        t353 = t352.expand(*t352.shape[:-2], d_V, t352.shape[-1])
-        t354 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t353
-        t356 = t346.permute(1, 0, 2) + t354.permute(1, 0, 2)
-        t331 += (t356.reshape((1, d_V, L*n_batch)) @ t349.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
-        t357 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t358 = t357.view((d_V, d_V, d_V, d_K))
-        t359 = (t347.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t360 = (t359.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t102.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        t358 += (t356.reshape((1, d_V, L*n_batch)) @ t360.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
-        t361 = N_2.transpose(-1, -2)
-        R362 = _empty((n_batch, L, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t363 = R362.view((n_batch, L*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t364 = t363[..., 0:d_K*d_V]
-        t365 = t364.view((n_batch, L, d_ff, d_V, d_K))
-        t366 = (2/(L*math.sqrt(d_K)*d_V)) * t76
-        t367 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t366.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t368 = (t367 @ S71.permute(0, 1, 3, 2))
-        t369 = (t368.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t370 = (t369.permute(0, 1, 3, 2) * t40.reshape((n_batch, L, d_ff, 1)))
-        t371 = (t370.reshape((n_batch, L*d_ff, L)) @ t97).reshape((n_batch, L, d_ff, d_K))
-        torch.mul(N_1.reshape((n_batch, L, 1, d_V, 1)), t371.reshape((n_batch, L, d_ff, 1, d_K)), out=t365)
-        t372 = t363[..., d_K*d_V:2*d_K*d_V]
-        t373 = t372.view((n_batch, L, d_ff, d_V, d_K))
-        t374 = (t370.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        torch.mul(t102.reshape((n_batch, L, 1, 1, d_K)), t374.reshape((n_batch, L, d_ff, d_V, 1)), out=t373)
-        t375 = t363[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t376 = t375.view((n_batch, L, d_ff, d_V, d_V))
-        t377 = (2/(L*d_V)) * t119
-        t378 = (W_2.reshape((1, 1, d_ff, d_V)) * t40.reshape((n_batch, L, d_ff, 1)))
-        t379 = (t377.reshape((n_batch, L, 1, d_V)) * t40.reshape((n_batch, L, d_ff, 1)))
-        t380 = (t298.permute(1, 2, 3, 0) @ S64)
-        t381 = (t380.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
-        t382 = ((W_2 @ t381.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        torch.mul(t377.reshape((n_batch, L, 1, d_V, 1)), t378.reshape((n_batch, L, d_ff, 1, d_V)), out=t376)
-        t376.addcmul_(t379.reshape((n_batch, L, d_ff, d_V, 1)), t382.reshape((n_batch, L, d_ff, 1, d_V)))
-        t383 = t363[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t384 = t383.view((n_batch, L, d_ff, d_V, d_ff))
-        t385 = W_2 @ t46
-        t386 = (2/(L*d_V)) * N_2
-        t387 = (t385.reshape((1, 1, d_ff, d_ff)) * t40.reshape((n_batch, L, d_ff, 1)))
-        t388 = (t386.reshape((n_batch, L, d_V, 1)) * t40.reshape((n_batch, L, 1, d_ff)))
-        torch.mul(t387.reshape((n_batch, L, d_ff, 1, d_ff)), t388.reshape((n_batch, L, 1, d_V, d_ff)), out=t384)
-        t389 = t363[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t390 = t389.view((n_batch, L, d_ff, d_ff, d_V))
-        t391 = (2/(L*d_V)) * t40
-        t392 = (W_2.reshape((1, 1, d_ff, d_V)) * t391.reshape((n_batch, L, d_ff, 1)))
-        t393 = t390.diagonal(0, 2, 3)
-        torch.mul(t41.reshape((n_batch, L, 1, d_ff, 1)), t392.reshape((n_batch, L, d_ff, 1, d_V)), out=t390)
-        t393.addcmul_(G.reshape((n_batch, L, d_V, 1)), t40.reshape((n_batch, L, 1, d_ff)))
-        t394 = t361.permute(1, 0, 2)
-        t395 = t394.reshape((d_V, L*n_batch))
-        t396 = (1/n_batch) * t395
-        t397 = R362.view((L*n_batch, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t398 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t396, t397, out=t398)
-        del R362
-        t399 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-        t400 = t399.view((d_V, d_ff, d_V, d_K))
-        t402 = t40.transpose(-1, -2)
-        t403 = t47.transpose(-1, -2)
-        t404 = t402 * t403
-        t405 = t333 * t335
-        t406 = (t24.reshape((d_V, d_V, 1, 1)) * t405.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        S349 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S66 @ t183)
+        t350 = (2/(L*d_V)) * t39
+        t351 = (-2/(L*d_V**2)) * t22
+        t352 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t351.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t353 = (t352.permute(0, 1, 3, 2) @ t183)
+        t354 = t348.reshape((n_batch, L, d_V, d_ff, 1))
+        t355 = t350.reshape((n_batch, L, 1, d_ff, 1))
+        t356 = S349.reshape((n_batch, L, d_V, 1, d_V))
+        t357 = t353.reshape((n_batch, L, d_V, 1, d_V))
+        t358 = t298.permute(1, 0, 2)
+        t359 = t358.reshape((d_V, L*n_batch))
+        t360 = (1/n_batch) * t359
+        t361 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows362 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows362:    # chunks of equal size
+            n_rows362 -= 1
+        R299 = _empty((n_batch, L, n_rows362, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t364 = R299.view((n_batch, L*n_rows362, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t365 = R299.view((L*n_batch, n_rows362*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        for f0363 in range(0, d_V, n_rows362):
+            t366 = t364[..., 0:d_K*d_V].view((n_batch, L, n_rows362, d_V, d_K))
+            torch.mul(t98, t310[..., f0363:f0363 + n_rows362, :, :], out=t366)
+            t367 = t364[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows362, d_V, d_K))
+            torch.mul(t107, t314[..., f0363:f0363 + n_rows362, :, :], out=t367)
+            t368 = t364[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows362, d_V, d_V))
+            torch.mul(t173, t335[..., f0363:f0363 + n_rows362, :, :], out=t368)
+            t369 = t364[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows362, d_V, d_V))[..., f0363:f0363 + n_rows362].diagonal(0, 2, 4)
+            t369.addcmul_(t336[..., f0363:f0363 + n_rows362], t337)
+            t370 = t364[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows362, d_V, d_ff))
+            torch.mul(t190, t343[..., f0363:f0363 + n_rows362, :, :], out=t370)
+            t370.addcmul_(t344[..., f0363:f0363 + n_rows362, :, :], t193)
+            t371 = t364[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows362, d_ff, d_V))
+            torch.mul(t354[..., f0363:f0363 + n_rows362, :, :], t201, out=t371)
+            t371.addcmul_(t355, t356[..., f0363:f0363 + n_rows362, :, :])
+            t371.addcmul_(t202, t357[..., f0363:f0363 + n_rows362, :, :])
+            torch.matmul(t360, t365, out=t361[:, f0363*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff):(f0363 + n_rows362)*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)])
+        del R299
+        t372 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t373 = t372.view((d_V, d_V, d_V, d_K))
+        t375 = t34.transpose(-1, -2)
+        t376 = t48.transpose(-1, -2)
+        t377 = M_N_2.transpose(-1, -2)
+        t378 = t375 * t376 * t377
+        t379 = t378.sum(-2, keepdim=True)
+        t380 = t379.expand(*t379.shape[:-2], d_V, t379.shape[-1])
+        t381 = t380 * t377
+        t382 = P_N_2.transpose(-1, -2)
+        t383 = t376 * t382
+        t384 = ((1/2)*d_V) * t383
+        t385 = G.transpose(-1, -2)
+        t386 = ((1/2)*d_V) * t385
+        t387 = t381 + t384 + t386
+        t388 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t387
+        t389 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t390 = (t389.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t95).reshape((n_batch, L, d_V, d_K))
+        t391 = (t390.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t393 = t381 + t384
+        t394 = t393.sum(-2, keepdim=True)
+        t395 = t394.expand(*t394.shape[:-2], d_V, t394.shape[-1])
+        t396 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t395
+        t398 = t388.permute(1, 0, 2) + t396.permute(1, 0, 2)
+        t373 += (t398.reshape((1, d_V, L*n_batch)) @ t391.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
+        t399 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t400 = t399.view((d_V, d_V, d_V, d_K))
+        t401 = (t389.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t402 = (t401.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t102.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        t400 += (t398.reshape((1, d_V, L*n_batch)) @ t402.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
+        t403 = N_2.transpose(-1, -2)
+        t407 = (2/(L*math.sqrt(d_K)*d_V)) * t74
+        t408 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t407.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t409 = (t408 @ S69.permute(0, 1, 3, 2))
+        t410 = (t409.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t411 = (t410.permute(0, 1, 3, 2) * t38.reshape((n_batch, L, d_ff, 1)))
+        t412 = (t411.reshape((n_batch, L*d_ff, L)) @ t95).reshape((n_batch, L, d_ff, d_K))
+        t413 = t412.reshape((n_batch, L, d_ff, 1, d_K))
+        t416 = (t411.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        t417 = t416.reshape((n_batch, L, d_ff, d_V, 1))
+        t420 = (2/(L*d_V)) * t123
+        t421 = (W_2.reshape((1, 1, d_ff, d_V)) * t38.reshape((n_batch, L, d_ff, 1)))
+        t422 = (t420.reshape((n_batch, L, 1, d_V)) * t38.reshape((n_batch, L, d_ff, 1)))
+        t423 = (t322.permute(1, 2, 3, 0) @ S62)
+        t424 = (t423.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
+        t425 = ((W_2 @ t424.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t426 = t420.reshape((n_batch, L, 1, d_V, 1))
+        t427 = t421.reshape((n_batch, L, d_ff, 1, d_V))
+        t428 = t422.reshape((n_batch, L, d_ff, d_V, 1))
+        t429 = t425.reshape((n_batch, L, d_ff, 1, d_V))
+        t432 = W_2 @ t44
+        t433 = (2/(L*d_V)) * N_2
+        t434 = (t432.reshape((1, 1, d_ff, d_ff)) * t38.reshape((n_batch, L, d_ff, 1)))
+        t435 = (t433.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_ff)))
+        t436 = t434.reshape((n_batch, L, d_ff, 1, d_ff))
+        t437 = t435.reshape((n_batch, L, 1, d_V, d_ff))
+        t440 = (2/(L*d_V)) * t38
+        t441 = (W_2.reshape((1, 1, d_ff, d_V)) * t440.reshape((n_batch, L, d_ff, 1)))
+        t443 = t441.reshape((n_batch, L, d_ff, 1, d_V))
+        t444 = G.reshape((n_batch, L, d_V, 1))
+        t445 = t38.reshape((n_batch, L, 1, d_ff))
+        t446 = t403.permute(1, 0, 2)
+        t447 = t446.reshape((d_V, L*n_batch))
+        t448 = (1/n_batch) * t447
+        t449 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows450 = max(1, min(d_ff, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_ff % n_rows450:    # chunks of equal size
+            n_rows450 -= 1
+        R404 = _empty((n_batch, L, n_rows450, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t452 = R404.view((n_batch, L*n_rows450, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t453 = R404.view((L*n_batch, n_rows450*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        for f0451 in range(0, d_ff, n_rows450):
+            t454 = t452[..., 0:d_K*d_V].view((n_batch, L, n_rows450, d_V, d_K))
+            torch.mul(t98, t413[..., f0451:f0451 + n_rows450, :, :], out=t454)
+            t455 = t452[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows450, d_V, d_K))
+            torch.mul(t107, t417[..., f0451:f0451 + n_rows450, :, :], out=t455)
+            t456 = t452[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows450, d_V, d_V))
+            torch.mul(t426, t427[..., f0451:f0451 + n_rows450, :, :], out=t456)
+            t456.addcmul_(t428[..., f0451:f0451 + n_rows450, :, :], t429[..., f0451:f0451 + n_rows450, :, :])
+            t457 = t452[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows450, d_V, d_ff))
+            torch.mul(t436[..., f0451:f0451 + n_rows450, :, :], t437, out=t457)
+            t458 = t452[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows450, d_ff, d_V))
+            torch.mul(t202, t443[..., f0451:f0451 + n_rows450, :, :], out=t458)
+            t459 = t452[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows450, d_ff, d_V))[..., f0451:f0451 + n_rows450, :].diagonal(0, 2, 3)
+            t459.addcmul_(t444, t445[..., f0451:f0451 + n_rows450])
+            torch.matmul(t448, t453, out=t449[:, f0451*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff):(f0451 + n_rows450)*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)])
+        del R404
+        t460 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        t461 = t460.view((d_V, d_ff, d_V, d_K))
+        t463 = t38.transpose(-1, -2)
+        t464 = t45.transpose(-1, -2)
+        t465 = t463 * t464
+        t466 = t375 * t377
+        t467 = (t22.reshape((d_V, d_V, 1, 1)) * t466.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         # S: compact tensor ('d_V', 'L', 'd_V')
-        S407 = (t22.reshape((1, d_V, 1, d_V)) * t340.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t406.permute(2, 0, 3, 1) * t335.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
-        t408 = (1/(math.sqrt(d_K)*n_batch)) * t76
-        t409 = (t408.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
-        t410 = (t409 @ S407.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
-        t411 = (t410.permute(0, 3, 2, 1) @ dA)
-        t412 = (t411.reshape((n_batch, L*d_V, L)) @ t97).reshape((n_batch, L, d_V, d_K))
-        t413 = (t412.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t414 = t404.permute(1, 0, 2)
-        t415 = t414.reshape((1, d_ff, L*n_batch))
-        t416 = t400.view((d_V, d_ff, d_K*d_V))
-        t416.baddbmm_(t415.expand(*(d_V,), *t415.shape[-2:]), t413.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
-        t417 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t418 = t417.view((d_V, d_ff, d_V, d_K))
-        t419 = (t411.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t420 = (t419.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t102.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        t421 = t418.view((d_V, d_ff, d_K*d_V))
-        t421.baddbmm_(t415.expand(*(d_V,), *t415.shape[-2:]), t420.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
-        t422 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t423 = t422.view((d_V, d_ff, d_V, d_V))
-        t424 = (1/n_batch) * t119
-        t425 = (S.permute(1, 0) @ S407.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
-        t426 = (t425.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t424.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t427 = t423.view((d_V, d_ff, d_V**2))
-        t427.baddbmm_(t415.expand(*(d_V,), *t415.shape[-2:]), t426.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
-        t428 = t41.transpose(-1, -2)
-        R429 = _empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t430 = R429.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t431 = t430[..., 0:d_K*d_V]
-        t432 = t431.view((n_batch, L, d_V, d_V, d_K))
-        t433 = (t366.permute(0, 2, 1) @ S71.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t434 = (t97.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
-        t435 = (t433.permute(0, 2, 3, 1) @ t434.permute(0, 2, 3, 1))
-        torch.mul(N_1.reshape((n_batch, L, 1, d_V, 1)), t435.reshape((n_batch, L, d_V, 1, d_K)), out=t432)
-        t436 = t430[..., d_K*d_V:2*d_K*d_V]
-        t437 = t436.view((n_batch, L, d_V, d_V, d_K))
-        t438 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t439 = (t433.permute(0, 2, 3, 1) @ t438.permute(0, 2, 3, 1))
-        torch.mul(t102.reshape((n_batch, L, 1, 1, d_K)), t439.reshape((n_batch, L, d_V, d_V, 1)), out=t437)
-        t440 = t430[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t441 = t440.view((n_batch, L, d_V, d_V, d_V))
-        t442 = (t70.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
-        t443 = t441.diagonal(0, 2, 4)
-        torch.mul(t377.reshape((n_batch, L, 1, d_V, 1)), t442.reshape((n_batch, L, d_V, 1, d_V)), out=t441)
-        t443.addcmul_(t305.reshape((1, 1, 1, d_V)), t119.reshape((n_batch, L, d_V, 1)))
-        t444 = t430[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t445 = t444.view((n_batch, L, d_V, d_V, d_ff))
-        t446 = (t40.reshape((n_batch, L, 1, d_ff)) * t46.reshape((1, 1, d_V, d_ff)))
-        torch.mul(t386.reshape((n_batch, L, 1, d_V, 1)), t446.reshape((n_batch, L, d_V, 1, d_ff)), out=t445)
-        t447 = t430[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t447[...] = 0
-        t448 = t428.permute(1, 0, 2)
-        t449 = t448.reshape((d_ff, L*n_batch))
-        t450 = (1/n_batch) * t449
-        t451 = R429.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t452 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t450, t451, out=t452)
-        del R429
-        t453 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-        t454 = t453.view((d_ff, d_V, d_V, d_K))
-        t455 = (1/(math.sqrt(d_K)*n_batch)) * t343
-        t456 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t455.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t457 = (t207.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t458 = (t457.permute(0, 2, 3, 1) @ S407.permute(0, 2, 3, 1))
-        t459 = (t458.reshape((L**2*n_batch, d_V)) @ t49.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t460 = (t459.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t97).reshape((n_batch, L, d_ff, d_K))
-        t461 = (t460.permute(2, 3, 0, 1) * t402.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t454 += ((t456.reshape((d_V**2, L*n_batch)) @ t461.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-        t462 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t463 = t462.view((d_ff, d_V, d_V, d_K))
-        t464 = (t102.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t455.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t465 = (t459.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        t466 = (t465.permute(2, 3, 0, 1) * t402.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t463 += ((t466.reshape((d_V*d_ff, L*n_batch)) @ t464.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t467 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t468 = t467.view((d_ff, d_V, d_V, d_V))
-        t469 = (1/n_batch) * t343
-        t470 = (t119.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t469.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t471 = (t49.reshape((d_ff, d_V, 1, 1)) * t402.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t472 = ((t425.permute(1, 3, 0, 2) @ t471.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
-        t468 += ((t470.reshape((d_V**2, L*n_batch)) @ t472.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
-        t473 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t474 = t473.view((d_ff, d_V, d_V, d_ff))
-        t475 = t474.diagonal(0, 0, 3)
-        t476 = t402.permute(1, 0, 2)
-        t477 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t469.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t475 += (t477.reshape((d_V**2, L*n_batch)) @ t476.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-        t478 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t479 = t478.view((d_ff, d_V, d_ff, d_V))
-        t480 = t479.diagonal(0, 1, 3)
-        t481 = t428 @ t41
-        t482 = (2/(L*d_V*n_batch)) * t304
-        t480.addcmul_(t482.reshape((1, 1, d_V)), t481.sum((0,)).reshape((d_ff, d_ff, 1)))
+        S468 = (t20.reshape((1, d_V, 1, d_V)) * t382.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t467.permute(2, 0, 3, 1) * t377.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
+        t469 = (1/(math.sqrt(d_K)*n_batch)) * t74
+        t470 = (t469.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
+        t471 = (t470 @ S468.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
+        t472 = (t471.permute(0, 3, 2, 1) @ dA)
+        t473 = (t472.reshape((n_batch, L*d_V, L)) @ t95).reshape((n_batch, L, d_V, d_K))
+        t474 = (t473.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t475 = t465.permute(1, 0, 2)
+        t476 = t475.reshape((1, d_ff, L*n_batch))
+        t477 = t461.view((d_V, d_ff, d_K*d_V))
+        t477.baddbmm_(t476.expand(*(d_V,), *t476.shape[-2:]), t474.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        t478 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t479 = t478.view((d_V, d_ff, d_V, d_K))
+        t480 = (t472.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t481 = (t480.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t102.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        t482 = t479.view((d_V, d_ff, d_K*d_V))
+        t482.baddbmm_(t476.expand(*(d_V,), *t476.shape[-2:]), t481.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        t483 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t484 = t483.view((d_V, d_ff, d_V, d_V))
+        t485 = (1/n_batch) * t123
+        t486 = (S.permute(1, 0) @ S468.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
+        t487 = (t486.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t485.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t488 = t484.view((d_V, d_ff, d_V**2))
+        t488.baddbmm_(t476.expand(*(d_V,), *t476.shape[-2:]), t487.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
+        t489 = t39.transpose(-1, -2)
+        t493 = (t407.permute(0, 2, 1) @ S69.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t494 = (t95.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
+        t495 = (t493.permute(0, 2, 3, 1) @ t494.permute(0, 2, 3, 1))
+        t496 = t495.reshape((n_batch, L, d_V, 1, d_K))
+        t499 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t500 = (t493.permute(0, 2, 3, 1) @ t499.permute(0, 2, 3, 1))
+        t501 = t500.reshape((n_batch, L, d_V, d_V, 1))
+        t504 = (t68.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
+        t506 = t504.reshape((n_batch, L, d_V, 1, d_V))
+        t509 = (t38.reshape((n_batch, L, 1, d_ff)) * t44.reshape((1, 1, d_V, d_ff)))
+        t510 = t433.reshape((n_batch, L, 1, d_V, 1))
+        t511 = t509.reshape((n_batch, L, d_V, 1, d_ff))
+        t513 = t489.permute(1, 0, 2)
+        t514 = t513.reshape((d_ff, L*n_batch))
+        t515 = (1/n_batch) * t514
+        t516 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows517 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows517:    # chunks of equal size
+            n_rows517 -= 1
+        R490 = _empty((n_batch, L, n_rows517, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t519 = R490.view((n_batch, L*n_rows517, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t520 = R490.view((L*n_batch, n_rows517*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        for f0518 in range(0, d_V, n_rows517):
+            t521 = t519[..., 0:d_K*d_V].view((n_batch, L, n_rows517, d_V, d_K))
+            torch.mul(t98, t496[..., f0518:f0518 + n_rows517, :, :], out=t521)
+            t522 = t519[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows517, d_V, d_K))
+            torch.mul(t107, t501[..., f0518:f0518 + n_rows517, :, :], out=t522)
+            t523 = t519[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows517, d_V, d_V))
+            torch.mul(t426, t506[..., f0518:f0518 + n_rows517, :, :], out=t523)
+            t524 = t519[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows517, d_V, d_V))[..., f0518:f0518 + n_rows517].diagonal(0, 2, 4)
+            t524.addcmul_(t336[..., f0518:f0518 + n_rows517], t337)
+            t525 = t519[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows517, d_V, d_ff))
+            torch.mul(t510, t511[..., f0518:f0518 + n_rows517, :, :], out=t525)
+            t519[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff][...] = 0
+            torch.matmul(t515, t520, out=t516[:, f0518*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff):(f0518 + n_rows517)*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)])
+        del R490
+        t526 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        t527 = t526.view((d_ff, d_V, d_V, d_K))
+        t528 = (1/(math.sqrt(d_K)*n_batch)) * t385
+        t529 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t528.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t530 = (t230.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t531 = (t530.permute(0, 2, 3, 1) @ S468.permute(0, 2, 3, 1))
+        t532 = (t531.reshape((L**2*n_batch, d_V)) @ t47.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t533 = (t532.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t95).reshape((n_batch, L, d_ff, d_K))
+        t534 = (t533.permute(2, 3, 0, 1) * t463.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t527 += ((t529.reshape((d_V**2, L*n_batch)) @ t534.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+        t535 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t536 = t535.view((d_ff, d_V, d_V, d_K))
+        t537 = (t102.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t528.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t538 = (t532.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        t539 = (t538.permute(2, 3, 0, 1) * t463.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t536 += ((t539.reshape((d_V*d_ff, L*n_batch)) @ t537.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t540 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t541 = t540.view((d_ff, d_V, d_V, d_V))
+        t542 = (1/n_batch) * t385
+        t543 = (t123.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t542.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t544 = (t47.reshape((d_ff, d_V, 1, 1)) * t463.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t545 = ((t486.permute(1, 3, 0, 2) @ t544.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
+        t541 += ((t543.reshape((d_V**2, L*n_batch)) @ t545.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
+        t546 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t547 = t546.view((d_ff, d_V, d_V, d_ff))
+        t548 = t547.diagonal(0, 0, 3)
+        t549 = t463.permute(1, 0, 2)
+        t550 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t542.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t548 += (t550.reshape((d_V**2, L*n_batch)) @ t549.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        t551 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t552 = t551.view((d_ff, d_V, d_ff, d_V))
+        t553 = t552.diagonal(0, 1, 3)
+        t554 = t489 @ t39
+        t555 = (2/(L*d_V*n_batch)) * t328
+        t553.addcmul_(t555.reshape((1, 1, d_V)), t554.sum((0,)).reshape((d_ff, d_ff, 1)))
         return H
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -39288,536 +39338,574 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t9 = M_N_1 * P_N_1
         N_1 = t9
         t10 = N_1.transpose(-1, -2)
-        R = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t11 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t12 = t11[..., 0:d_K*d_V]
-        t13 = t12.view((n_batch, L, d_K, d_V, d_K))
-        t14 = W_K.transpose(-1, -2)
-        t15 = t14 @ t10
-        t16 = W_Q @ t15
-        t17 = N_1 @ t16
-        t18 = (1/math.sqrt(d_K)) * t17
-        t19 = torch.exp(t18 - t18.amax(-1, keepdim=True))
-        A = t19 / t19.sum(-1, keepdim=True)
-        t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+        t12 = W_K.transpose(-1, -2)
+        t13 = t12 @ t10
+        t14 = W_Q @ t13
+        t15 = N_1 @ t14
+        t16 = (1/math.sqrt(d_K)) * t15
+        t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
+        A = t17 / t17.sum(-1, keepdim=True)
+        t18 = torch.eye(L, dtype=X.dtype, device=X.device)
         # dA: compact tensor ('L', 'L', 'L')
-        dA = (t20.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-        t21 = N_1 @ W_V
-        t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-        t23 = torch.ones((d_V, d_V), dtype=X.dtype, device=X.device)
+        dA = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+        t19 = N_1 @ W_V
+        t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        t21 = torch.ones((d_V, d_V), dtype=X.dtype, device=X.device)
         # S: compact tensor ('d_V', 'd_V')
-        S = t22 + (-1/d_V) * t23
-        t24 = A @ t21
-        t25 = t24 + X
-        Y26 = t25
-        t27 = Y26.sum(-1, keepdim=True)
-        t28 = t27.expand(*t27.shape[:-1], d_V)
-        t29 = (1/d_V) * t28
-        t30 = Y26 - t29
-        M_N_2 = t30
-        t31 = M_N_2 * M_N_2
-        t32 = t31.sum(-1, keepdim=True)
-        t33 = t32.expand(*t32.shape[:-1], d_V)
-        t34 = (1/d_V) * t33
-        sigma2_N_2 = t34
-        t35 = (-0.5 * (sigma2_N_2 ** -1.5))
-        t36 = (sigma2_N_2 ** -0.5)
-        P_N_2 = t36
-        t37 = M_N_2 * P_N_2
-        N_2 = t37
-        t38 = N_2 @ W_1
-        t39 = torch.heaviside(t38, torch.full_like(t38, 0.0))
-        t40 = Y.sum(-1, keepdim=True)
-        t41 = t40.expand(*t40.shape[:-1], d_V)
-        t42 = (t38 * torch.heaviside(t38, torch.full_like(t38, 0.0)))
-        t43 = t42 @ W_2
-        t44 = t43 + Y26
-        F = t44
-        t45 = torch.exp(F - F.amax(-1, keepdim=True))
-        A46 = t45 / t45.sum(-1, keepdim=True)
-        t47 = t41 * A46
-        t48 = t47 - Y
-        t49 = (1/L) * t48
-        G = t49
-        t50 = W_2.transpose(-1, -2)
-        t51 = G @ t50
-        t52 = t39 * t51
-        t53 = W_1.transpose(-1, -2)
-        t54 = t52 @ t53
-        t55 = t35 * t54 * M_N_2
-        t56 = t55.sum(-1, keepdim=True)
-        t57 = t56.expand(*t56.shape[:-1], d_V)
-        t58 = t35 * t54
-        t59 = (t23.reshape((d_V, d_V, 1, 1)) * t58.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        t60 = (0.75 * (sigma2_N_2 ** -2.5))
-        t61 = t60 * t54 * M_N_2
-        t62 = (t23.reshape((d_V, d_V, 1, 1)) * t61.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        S = t20 + (-1/d_V) * t21
+        t22 = A @ t19
+        t23 = t22 + X
+        Y24 = t23
+        t25 = Y24.sum(-1, keepdim=True)
+        t26 = t25.expand(*t25.shape[:-1], d_V)
+        t27 = (1/d_V) * t26
+        t28 = Y24 - t27
+        M_N_2 = t28
+        t29 = M_N_2 * M_N_2
+        t30 = t29.sum(-1, keepdim=True)
+        t31 = t30.expand(*t30.shape[:-1], d_V)
+        t32 = (1/d_V) * t31
+        sigma2_N_2 = t32
+        t33 = (-0.5 * (sigma2_N_2 ** -1.5))
+        t34 = (sigma2_N_2 ** -0.5)
+        P_N_2 = t34
+        t35 = M_N_2 * P_N_2
+        N_2 = t35
+        t36 = N_2 @ W_1
+        t37 = torch.heaviside(t36, torch.full_like(t36, 0.0))
+        t38 = Y.sum(-1, keepdim=True)
+        t39 = t38.expand(*t38.shape[:-1], d_V)
+        t40 = (t36 * torch.heaviside(t36, torch.full_like(t36, 0.0)))
+        t41 = t40 @ W_2
+        t42 = t41 + Y24
+        F = t42
+        t43 = torch.exp(F - F.amax(-1, keepdim=True))
+        A44 = t43 / t43.sum(-1, keepdim=True)
+        t45 = t39 * A44
+        t46 = t45 - Y
+        t47 = (1/L) * t46
+        G = t47
+        t48 = W_2.transpose(-1, -2)
+        t49 = G @ t48
+        t50 = t37 * t49
+        t51 = W_1.transpose(-1, -2)
+        t52 = t50 @ t51
+        t53 = t33 * t52 * M_N_2
+        t54 = t53.sum(-1, keepdim=True)
+        t55 = t54.expand(*t54.shape[:-1], d_V)
+        t56 = t33 * t52
+        t57 = (t21.reshape((d_V, d_V, 1, 1)) * t56.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t58 = (0.75 * (sigma2_N_2 ** -2.5))
+        t59 = t58 * t52 * M_N_2
+        t60 = (t21.reshape((d_V, d_V, 1, 1)) * t59.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S63 = (t22.reshape((1, 1, d_V, d_V)) * t58.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t62.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
-        t64 = (t23.reshape((d_V, d_V, 1, 1)) * M_N_2.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        S61 = (t20.reshape((1, 1, d_V, d_V)) * t56.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t60.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
+        t62 = (t21.reshape((d_V, d_V, 1, 1)) * M_N_2.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S65 = (t22.reshape((1, 1, d_V, d_V)) * t57.reshape((n_batch, L, d_V, 1))) + (t59.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t64.permute(2, 3, 0, 1) @ S63)
-        t66 = (S65.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t67 = torch.ones((L,), dtype=X.dtype, device=X.device)
-        t68 = t35 * M_N_2
+        S63 = (t20.reshape((1, 1, d_V, d_V)) * t55.reshape((n_batch, L, d_V, 1))) + (t57.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t62.permute(2, 3, 0, 1) @ S61)
+        t64 = (S63.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t65 = torch.ones((L,), dtype=X.dtype, device=X.device)
+        t66 = t33 * M_N_2
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S69 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t64.permute(2, 3, 0, 1) * t68.reshape((n_batch, L, 1, d_V)))
+        S67 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t62.permute(2, 3, 0, 1) * t66.reshape((n_batch, L, 1, d_V)))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S70 = S69 + (-1/d_V) * ((t23 @ S69.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t71 = (t39.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
-        t72 = (t71.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
+        S68 = S67 + (-1/d_V) * ((t21 @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t69 = (t37.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
+        t70 = (t69.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S73 = (t67.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S70 @ t72)
-        t74 = torch.exp(t44 - t44.amax(-1, keepdim=True))
-        A75 = t74 / t74.sum(-1, keepdim=True)
+        S71 = (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S68 @ t70)
+        t72 = torch.exp(t42 - t42.amax(-1, keepdim=True))
+        A73 = t72 / t72.sum(-1, keepdim=True)
         # dA: compact tensor ('L', 'd_V', 'd_V')
-        dA76 = (t22.reshape((1, 1, d_V, d_V)) * A75.reshape((n_batch, L, d_V, 1))) - (A75.reshape((n_batch, L, 1, d_V)) * A75.reshape((n_batch, L, d_V, 1)))
-        t77 = (t23.reshape((d_V, d_V, 1, 1)) * t68.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        dA74 = (t20.reshape((1, 1, d_V, d_V)) * A73.reshape((n_batch, L, d_V, 1))) - (A73.reshape((n_batch, L, 1, d_V)) * A73.reshape((n_batch, L, d_V, 1)))
+        t75 = (t21.reshape((d_V, d_V, 1, 1)) * t66.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S78 = (t22.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t77.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
-        t79 = (t39.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t50.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
-        t80 = (t79.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t53).reshape((n_batch, L, d_V, d_V))
-        t81 = (t80 @ S78)
+        S76 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t75.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
+        t77 = (t37.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t48.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
+        t78 = (t77.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t51).reshape((n_batch, L, d_V, d_V))
+        t79 = (t78 @ S76)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S82 = (t67.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (t81.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
-        t83 = (t41.reshape((n_batch, L, d_V, 1)) * S73.permute(0, 1, 3, 2))
-        t84 = (S82.permute(0, 1, 3, 2) @ dA76.permute(0, 1, 3, 2))
+        S80 = (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (t79.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
+        t81 = (t39.reshape((n_batch, L, d_V, 1)) * S71.permute(0, 1, 3, 2))
+        t82 = (S80.permute(0, 1, 3, 2) @ dA74.permute(0, 1, 3, 2))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S85 = (2/(d_K*d_V)) * (t66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (1/(L*d_K)) * (t83.permute(0, 1, 3, 2) @ t84.permute(0, 1, 3, 2))
-        t86 = t21.transpose(-1, -2)
-        t87 = (S85.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-        t88 = (t87.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t86).reshape((n_batch, L, L, L))
-        t89 = (t88.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t90 = t57 * M_N_2
-        t91 = (2/(math.sqrt(d_K)*d_V**2)) * t90
-        t92 = t54 * P_N_2
-        t93 = (1/(math.sqrt(d_K)*d_V)) * t92
-        t94 = -t91 - t93
-        t95 = t94.sum(-1, keepdim=True)
-        t96 = t86.sum(-2, keepdim=True)
-        t97 = t95 * t96
-        t98 = (2/(math.sqrt(d_K)*d_V)) * t90
-        t99 = (1/math.sqrt(d_K)) * t92
-        t100 = (1/math.sqrt(d_K)) * G
-        t101 = t98 + t99 + t100
-        t102 = t101 @ t86
-        t103 = t97 + t102
-        t104 = t103 - (A * t103).sum(-1, keepdim=True)
-        t105 = A * t104
+        S83 = (2/(d_K*d_V)) * (t64.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (1/(L*d_K)) * (t81.permute(0, 1, 3, 2) @ t82.permute(0, 1, 3, 2))
+        t84 = t19.transpose(-1, -2)
+        t85 = (S83.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t86 = (t85.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t84).reshape((n_batch, L, L, L))
+        t87 = (t86.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t88 = t55 * M_N_2
+        t89 = (2/(math.sqrt(d_K)*d_V**2)) * t88
+        t90 = t52 * P_N_2
+        t91 = (1/(math.sqrt(d_K)*d_V)) * t90
+        t92 = -t89 - t91
+        t93 = t92.sum(-1, keepdim=True)
+        t94 = t84.sum(-2, keepdim=True)
+        t95 = t93 * t94
+        t96 = (2/(math.sqrt(d_K)*d_V)) * t88
+        t97 = (1/math.sqrt(d_K)) * t90
+        t98 = (1/math.sqrt(d_K)) * G
+        t99 = t96 + t97 + t98
+        t100 = t99 @ t84
+        t101 = t95 + t100
+        t102 = t101 - (A * t101).sum(-1, keepdim=True)
+        t103 = A * t102
         # d2A: compact tensor ('L', 'L', 'L')
-        d2A = (t20.reshape((1, 1, L, L)) * t105.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t105.reshape((n_batch, L, L, 1))) - (t105.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+        d2A = (t18.reshape((1, 1, L, L)) * t103.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t103.reshape((n_batch, L, L, 1))) - (t103.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
         # S: compact tensor ('L', 'L', 'L')
-        S106 = (t89.permute(0, 1, 3, 2) @ dA) + (1/math.sqrt(d_K)) * d2A
-        t107 = t15.transpose(-1, -2)
-        t108 = (S106.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t15.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t109 = (t108.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t107).reshape((n_batch, L, d_K, d_K))
-        torch.mul(N_1.reshape((n_batch, L, 1, d_V, 1)), t109.reshape((n_batch, L, d_K, 1, d_K)), out=t13)
-        t110 = t11[..., d_K*d_V:2*d_K*d_V]
-        t111 = t110.view((n_batch, L, d_K, d_V, d_K))
+        S104 = (t87.permute(0, 1, 3, 2) @ dA) + (1/math.sqrt(d_K)) * d2A
+        t105 = t13.transpose(-1, -2)
+        t106 = (S104.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t13.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t107 = (t106.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t105).reshape((n_batch, L, d_K, d_K))
+        t108 = N_1.reshape((n_batch, L, 1, d_V, 1))
+        t109 = t107.reshape((n_batch, L, d_K, 1, d_K))
         t112 = N_1 @ W_Q
-        t113 = (t108.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
-        t114 = t111.diagonal(0, 2, 4)
-        t115 = t105 @ N_1
+        t113 = (t106.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t115 = t103 @ N_1
         t116 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-        torch.mul(t112.reshape((n_batch, L, 1, 1, d_K)), t113.reshape((n_batch, L, d_K, d_V, 1)), out=t111)
-        t114.addcmul_(t116.reshape((1, 1, 1, d_K)), t115.reshape((n_batch, L, d_V, 1)))
-        t117 = t11[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t118 = t117.view((n_batch, L, d_K, d_V, d_V))
-        t119 = ((1/2)*d_V) * t92
-        t120 = ((1/2)*d_V) * G
-        t121 = t90 + t119 + t120
-        t122 = t90 + t119
-        t123 = t122.sum(-1, keepdim=True)
-        t124 = t123.expand(*t123.shape[:-1], d_V)
+        t117 = t112.reshape((n_batch, L, 1, 1, d_K))
+        t118 = t113.reshape((n_batch, L, d_K, d_V, 1))
+        t119 = t116.reshape((1, 1, 1, d_K))
+        t120 = t115.reshape((n_batch, L, d_V, 1))
+        t123 = ((1/2)*d_V) * t90
+        t124 = ((1/2)*d_V) * G
+        t125 = t88 + t123 + t124
+        t126 = t88 + t123
+        t127 = t126.sum(-1, keepdim=True)
+        t128 = t127.expand(*t127.shape[:-1], d_V)
         # S: compact tensor ('L', 'd_V')
-        S125 = (2/(math.sqrt(d_K)*d_V)) * t121 + (-2/(math.sqrt(d_K)*d_V**2)) * t124
-        t126 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t15.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t127 = (t126.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        S129 = (2/(math.sqrt(d_K)*d_V)) * t125 + (-2/(math.sqrt(d_K)*d_V**2)) * t128
+        t130 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t13.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t131 = (t130.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
         # S: compact tensor ('d_V', 'd_V')
-        S128 = (2/(math.sqrt(d_K)*d_V)) * S
-        t129 = A @ N_1
-        t130 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-        t131 = (t130.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S128).reshape((n_batch, L, d_V))
-        t132 = (t131 @ S65.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t133 = (t132.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-        t136 = (1/(L*math.sqrt(d_K))) * t15
-        t137 = (t130.permute(1, 2, 0) @ S73.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t138 = (t137.permute(0, 2, 3, 1) * t41.reshape((n_batch, L, d_V, 1)))
-        t139 = (t138.permute(0, 1, 3, 2) @ dA76)
-        t142 = (S.permute(1, 0) @ S78.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-        t143 = (t137.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-        t144 = (dA76 * t41.reshape((n_batch, L, d_V, 1)))
-        t145 = (t144.permute(0, 1, 3, 2) @ t143)
-        t146 = (t145.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t50).reshape((n_batch, L, L, d_ff))
-        t147 = (t146.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, d_ff, 1)))
-        t148 = (t147.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t53).reshape((n_batch, L, L, d_V))
-        t149 = (t148 @ t142.permute(1, 2, 3, 0))
-        torch.mul(S125.reshape((n_batch, L, 1, 1, d_V)), t127.reshape((n_batch, L, d_K, d_V, 1)), out=t118)
-        t151 = ((S.permute(1, 0) @ t133.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t153 = (dA76.permute(0, 1, 3, 2) @ t138)
-        t154 = ((S.permute(1, 0) @ S78.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t155 = (t139.reshape((L**2*n_batch, d_V)) @ t50).reshape((n_batch, L, L, d_ff))
-        t156 = (t155.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, d_ff, 1)))
-        t157 = (t156.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t53).reshape((n_batch, L, L, d_V))
-        t158 = (dA @ t157)
-        t159 = (t153 @ dA.permute(0, 1, 3, 2)) + (t154 @ t158.permute(0, 1, 3, 2))
-        t160 = ((t15 @ t151.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3) + ((t136 @ t159.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
-        t118.addcmul_(t129.reshape((n_batch, L, 1, d_V, 1)), t160.reshape((n_batch, L, d_K, 1, d_V)))
-        t161 = t11[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t162 = t161.view((n_batch, L, d_K, d_V, d_ff))
-        t163 = (1/math.sqrt(d_K)) * t15
-        t164 = (S.permute(1, 0) @ t21.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-        t165 = (t164.permute(1, 2, 0) @ S69.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t166 = (t165.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-        t167 = ((t163 @ t166.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
-        t168 = (N_2.reshape((n_batch, L, d_V, 1)) * t39.reshape((n_batch, L, 1, d_ff)))
-        t169 = (S73.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-        t170 = (t169 * t41.reshape((n_batch, L, d_V, 1)))
-        t171 = (t170.permute(0, 1, 3, 2) @ dA76)
-        t172 = (t171.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t173 = (t172.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t50).reshape((n_batch, L, L, d_ff))
-        t174 = ((t136 @ t173.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
-        torch.mul(t52.reshape((n_batch, L, 1, 1, d_ff)), t167.reshape((n_batch, L, d_K, d_V, 1)), out=t162)
-        t162.addcmul_(t168.reshape((n_batch, L, 1, d_V, d_ff)), t174.reshape((n_batch, L, d_K, 1, d_ff)))
-        t175 = t11[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t176 = t175.view((n_batch, L, d_K, d_ff, d_V))
-        t177 = (t166.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
-        t178 = ((t163 @ t177.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
-        t179 = (G.reshape((n_batch, L, 1, d_V)) * t39.reshape((n_batch, L, d_ff, 1)))
-        t180 = ((t136 @ t172.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
-        torch.mul(t178.reshape((n_batch, L, d_K, d_ff, 1)), t179.reshape((n_batch, L, 1, d_ff, d_V)), out=t176)
-        t176.addcmul_(t42.reshape((n_batch, L, 1, d_ff, 1)), t180.reshape((n_batch, L, d_K, 1, d_V)))
-        t181 = t10.permute(1, 0, 2)
-        t182 = t181.reshape((d_V, L*n_batch))
-        t183 = (1/n_batch) * t182
-        t184 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t185 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t183, t184, out=t185)
+        S132 = (2/(math.sqrt(d_K)*d_V)) * S
+        t133 = A @ N_1
+        t134 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t135 = (t134.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S132).reshape((n_batch, L, d_V))
+        t136 = (t135 @ S63.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t137 = (t136.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t140 = (1/(L*math.sqrt(d_K))) * t13
+        t141 = (t134.permute(1, 2, 0) @ S71.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t142 = (t141.permute(0, 2, 3, 1) * t39.reshape((n_batch, L, d_V, 1)))
+        t143 = (t142.permute(0, 1, 3, 2) @ dA74)
+        t146 = (S.permute(1, 0) @ S76.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+        t147 = (t141.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t148 = (dA74 * t39.reshape((n_batch, L, d_V, 1)))
+        t149 = (t148.permute(0, 1, 3, 2) @ t147)
+        t150 = (t149.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t48).reshape((n_batch, L, L, d_ff))
+        t151 = (t150.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
+        t152 = (t151.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t51).reshape((n_batch, L, L, d_V))
+        t153 = (t152 @ t146.permute(1, 2, 3, 0))
+        t155 = S129.reshape((n_batch, L, 1, 1, d_V))
+        t156 = t131.reshape((n_batch, L, d_K, d_V, 1))
+        t157 = ((S.permute(1, 0) @ t137.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t159 = (dA74.permute(0, 1, 3, 2) @ t142)
+        t160 = ((S.permute(1, 0) @ S76.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t161 = (t143.reshape((L**2*n_batch, d_V)) @ t48).reshape((n_batch, L, L, d_ff))
+        t162 = (t161.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
+        t163 = (t162.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t51).reshape((n_batch, L, L, d_V))
+        t164 = (dA @ t163)
+        t165 = (t159 @ dA.permute(0, 1, 3, 2)) + (t160 @ t164.permute(0, 1, 3, 2))
+        t166 = ((t13 @ t157.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3) + ((t140 @ t165.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t167 = t133.reshape((n_batch, L, 1, d_V, 1))
+        t168 = t166.reshape((n_batch, L, d_K, 1, d_V))
+        t171 = (1/math.sqrt(d_K)) * t13
+        t172 = (S.permute(1, 0) @ t19.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t173 = (t172.permute(1, 2, 0) @ S67.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t174 = (t173.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t175 = ((t171 @ t174.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t176 = (N_2.reshape((n_batch, L, d_V, 1)) * t37.reshape((n_batch, L, 1, d_ff)))
+        t177 = (S71.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t178 = (t177 * t39.reshape((n_batch, L, d_V, 1)))
+        t179 = (t178.permute(0, 1, 3, 2) @ dA74)
+        t180 = (t179.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t181 = (t180.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t48).reshape((n_batch, L, L, d_ff))
+        t182 = ((t140 @ t181.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t183 = t50.reshape((n_batch, L, 1, 1, d_ff))
+        t184 = t175.reshape((n_batch, L, d_K, d_V, 1))
+        t185 = t176.reshape((n_batch, L, 1, d_V, d_ff))
+        t186 = t182.reshape((n_batch, L, d_K, 1, d_ff))
+        t189 = (t174.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t190 = ((t171 @ t189.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t191 = (G.reshape((n_batch, L, 1, d_V)) * t37.reshape((n_batch, L, d_ff, 1)))
+        t192 = ((t140 @ t180.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t193 = t190.reshape((n_batch, L, d_K, d_ff, 1))
+        t194 = t191.reshape((n_batch, L, 1, d_ff, d_V))
+        t195 = t40.reshape((n_batch, L, 1, d_ff, 1))
+        t196 = t192.reshape((n_batch, L, d_K, 1, d_V))
+        t197 = t10.permute(1, 0, 2)
+        t198 = t197.reshape((d_V, L*n_batch))
+        t199 = (1/n_batch) * t198
+        t200 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_K % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t201 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t202 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        for f0 in range(0, d_K, n_rows):
+            t203 = t201[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t108, t109[..., f0:f0 + n_rows, :, :], out=t203)
+            t204 = t201[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
+            torch.mul(t117, t118[..., f0:f0 + n_rows, :, :], out=t204)
+            t205 = t201[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))[..., f0:f0 + n_rows].diagonal(0, 2, 4)
+            t205.addcmul_(t119[..., f0:f0 + n_rows], t120)
+            t206 = t201[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows, d_V, d_V))
+            torch.mul(t155, t156[..., f0:f0 + n_rows, :, :], out=t206)
+            t206.addcmul_(t167, t168[..., f0:f0 + n_rows, :, :])
+            t207 = t201[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows, d_V, d_ff))
+            torch.mul(t183, t184[..., f0:f0 + n_rows, :, :], out=t207)
+            t207.addcmul_(t185, t186[..., f0:f0 + n_rows, :, :])
+            t208 = t201[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V))
+            torch.mul(t193[..., f0:f0 + n_rows, :, :], t194, out=t208)
+            t208.addcmul_(t195, t196[..., f0:f0 + n_rows, :, :])
+            torch.matmul(t199, t202, out=t200[:, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff):(f0 + n_rows)*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)])
         del R
-        R186 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t187 = R186.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t188 = t187[..., 0:d_K*d_V]
-        t189 = t188.view((n_batch, L, d_K, d_V, d_K))
-        t190 = t112.transpose(-1, -2)
-        t191 = (1/(L*d_K)) * t190
-        t192 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t191.reshape((n_batch, d_K, 1, L)))
-        t193 = (t86.permute(0, 2, 1) @ S82.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t194 = (t193.permute(0, 2, 1, 3) @ dA76.permute(0, 1, 3, 2))
-        t195 = (t194.permute(0, 1, 3, 2) * t41.reshape((n_batch, L, d_V, 1)))
-        t196 = (t195.permute(0, 1, 3, 2) @ S73.permute(0, 1, 3, 2))
-        t197 = (t196.reshape((n_batch, L**2, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-        t198 = (t197.permute(0, 1, 3, 2) @ dA)
-        t199 = (t198.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t200 = ((t107.permute(0, 2, 1) @ t199.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t201 = (t164.permute(1, 2, 0) @ S65.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t202 = (t86.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
-        t203 = (t202 @ t201.permute(0, 3, 1, 2).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-        t204 = (t203.permute(0, 3, 1, 2) @ dA.permute(0, 1, 3, 2))
+        R209 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t210 = R209.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t211 = t210[..., 0:d_K*d_V]
+        t212 = t211.view((n_batch, L, d_K, d_V, d_K))
+        t213 = t112.transpose(-1, -2)
+        t214 = (1/(L*d_K)) * t213
+        t215 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t214.reshape((n_batch, d_K, 1, L)))
+        t216 = (t84.permute(0, 2, 1) @ S80.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t217 = (t216.permute(0, 2, 1, 3) @ dA74.permute(0, 1, 3, 2))
+        t218 = (t217.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, d_V, 1)))
+        t219 = (t218.permute(0, 1, 3, 2) @ S71.permute(0, 1, 3, 2))
+        t220 = (t219.reshape((n_batch, L**2, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+        t221 = (t220.permute(0, 1, 3, 2) @ dA)
+        t222 = (t221.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t223 = ((t105.permute(0, 2, 1) @ t222.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t224 = (t172.permute(1, 2, 0) @ S63.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t225 = (t84.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
+        t226 = (t225 @ t224.permute(0, 3, 1, 2).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+        t227 = (t226.permute(0, 3, 1, 2) @ dA.permute(0, 1, 3, 2))
         # S: compact tensor ('L', 'L', 'L')
-        S205 = (t204.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
-        t206 = (2/(d_K*d_V)) * t190
-        t207 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t206.reshape((n_batch, d_K, 1, L)))
-        t208 = ((t107.permute(0, 2, 1) @ S205.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t209 = t192.reshape((n_batch, d_K*d_V, L))
-        t210 = t207.reshape((n_batch, d_K*d_V, L))
-        t211 = t200.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
-        t212 = t208.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
-        t213 = torch.cat([t209, t210], dim=-1)
-        t214 = torch.cat([t211, t212], dim=-2)
-        t189[...] = ((t213 @ t214).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t215 = t187[..., d_K*d_V:2*d_K*d_V]
-        t216 = t215.view((n_batch, L, d_K, d_V, d_K))
-        t217 = (t112.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t191.reshape((n_batch, d_K, 1, L)))
-        t218 = ((N_1.permute(0, 2, 1) @ t199.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t219 = (t112.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t206.reshape((n_batch, d_K, 1, L)))
-        t220 = ((N_1.permute(0, 2, 1) @ S205.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t221 = t218.reshape((n_batch, L*d_V, L))
-        t222 = t220.reshape((n_batch, L*d_V, L))
-        t223 = t217.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        t224 = t219.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        t225 = torch.cat([t221, t222], dim=-1)
-        t226 = torch.cat([t223, t224], dim=-2)
-        t216[...] = ((t225 @ t226).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
-        t227 = t187[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t228 = t227.view((n_batch, L, d_K, d_V, d_V))
-        t229 = (S125.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t190.reshape((n_batch, d_K, 1, L)))
-        t230 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t231 = ((S.permute(1, 0) @ t133.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t232 = (t129.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t190.reshape((n_batch, d_K, 1, L)))
-        t233 = (1/(L*math.sqrt(d_K))) * t190
-        t234 = (t129.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t233.reshape((n_batch, d_K, 1, L)))
-        t235 = ((t139.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
-        t236 = t129.permute(0, 2, 1)
-        t237 = (t149.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V, L)) * t233.reshape((n_batch, 1, d_K, 1, L)))
-        t228[...] = ((t230.reshape((n_batch, L*d_V, L)) @ t229.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t238 = t232.reshape((n_batch, d_K*d_V, L))
-        t239 = t234.reshape((n_batch, d_K*d_V, L))
-        t240 = t231.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        t241 = t235.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        t242 = torch.cat([t238, t239], dim=-1)
-        t243 = torch.cat([t240, t241], dim=-2)
-        t228 += ((t242 @ t243).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        t228 += ((t236 @ t237.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_K*d_V))).reshape((n_batch, d_V, L, d_K, d_V))).permute(0, 2, 3, 1, 4)
-        t244 = t187[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t245 = t244.view((n_batch, L, d_K, d_V, d_ff))
-        t246 = (1/math.sqrt(d_K)) * t190
-        t247 = (t164.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t248 = ((t247.permute(0, 2, 3, 1) @ S69)).permute(0, 2, 3, 1)
-        t249 = (t52.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t246.reshape((n_batch, d_K, 1, L)))
-        t250 = (N_2.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t233.reshape((n_batch, d_K, 1, L)))
-        t251 = (t173.permute(0, 2, 3, 1) * t39.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
-        t245[...] = ((t248.reshape((n_batch, L*d_V, L)) @ t249.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
-        t245 += ((t250.reshape((n_batch, d_K*d_V, L)) @ t251.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
-        t252 = t187[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t253 = t252.view((n_batch, L, d_K, d_ff, d_V))
-        t254 = (t177.permute(0, 2, 3, 1) * t39.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
-        t255 = (G.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t246.reshape((n_batch, d_K, 1, L)))
-        t256 = (t42.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t233.reshape((n_batch, d_K, 1, L)))
-        t257 = ((t171.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
-        t253[...] = ((t254.reshape((n_batch, L*d_ff, L)) @ t255.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t253 += ((t256.reshape((n_batch, d_K*d_ff, L)) @ t257.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
-        t258 = R186.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t259 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t183, t258, out=t259)
-        del R186
-        t260 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-        t261 = t260.view((d_V, d_K, d_V, d_K))
-        t262 = t261.diagonal(0, 1, 3)
-        t263 = t115.transpose(-1, -2)
-        t264 = (1/n_batch) * t116
-        t265 = (t263.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-        t262.addcmul_(t264.reshape((1, 1, d_K)), t265.reshape((d_V, d_V, 1)))
-        t266 = t129.transpose(-1, -2)
-        R267 = _empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t268 = R267.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t269 = t268[..., 0:d_K*d_V]
-        t270 = t269.view((n_batch, L, d_V, d_V, d_K))
-        t271 = (S65.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S128.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        S228 = (t227.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
+        t229 = (2/(d_K*d_V)) * t213
+        t230 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t229.reshape((n_batch, d_K, 1, L)))
+        t231 = ((t105.permute(0, 2, 1) @ S228.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t232 = t215.reshape((n_batch, d_K*d_V, L))
+        t233 = t230.reshape((n_batch, d_K*d_V, L))
+        t234 = t223.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t235 = t231.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t236 = torch.cat([t232, t233], dim=-1)
+        t237 = torch.cat([t234, t235], dim=-2)
+        t212[...] = ((t236 @ t237).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t238 = t210[..., d_K*d_V:2*d_K*d_V]
+        t239 = t238.view((n_batch, L, d_K, d_V, d_K))
+        t240 = (t112.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t214.reshape((n_batch, d_K, 1, L)))
+        t241 = ((N_1.permute(0, 2, 1) @ t222.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t242 = (t112.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t229.reshape((n_batch, d_K, 1, L)))
+        t243 = ((N_1.permute(0, 2, 1) @ S228.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t244 = t241.reshape((n_batch, L*d_V, L))
+        t245 = t243.reshape((n_batch, L*d_V, L))
+        t246 = t240.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t247 = t242.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t248 = torch.cat([t244, t245], dim=-1)
+        t249 = torch.cat([t246, t247], dim=-2)
+        t239[...] = ((t248 @ t249).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t250 = t210[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t251 = t250.view((n_batch, L, d_K, d_V, d_V))
+        t252 = (S129.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t213.reshape((n_batch, d_K, 1, L)))
+        t253 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t254 = ((S.permute(1, 0) @ t137.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t255 = (t133.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t213.reshape((n_batch, d_K, 1, L)))
+        t256 = (1/(L*math.sqrt(d_K))) * t213
+        t257 = (t133.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t256.reshape((n_batch, d_K, 1, L)))
+        t258 = ((t143.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
+        t259 = t133.permute(0, 2, 1)
+        t260 = (t153.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V, L)) * t256.reshape((n_batch, 1, d_K, 1, L)))
+        t251[...] = ((t253.reshape((n_batch, L*d_V, L)) @ t252.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t261 = t255.reshape((n_batch, d_K*d_V, L))
+        t262 = t257.reshape((n_batch, d_K*d_V, L))
+        t263 = t254.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t264 = t258.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t265 = torch.cat([t261, t262], dim=-1)
+        t266 = torch.cat([t263, t264], dim=-2)
+        t251 += ((t265 @ t266).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t251 += ((t259 @ t260.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_K*d_V))).reshape((n_batch, d_V, L, d_K, d_V))).permute(0, 2, 3, 1, 4)
+        t267 = t210[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t268 = t267.view((n_batch, L, d_K, d_V, d_ff))
+        t269 = (1/math.sqrt(d_K)) * t213
+        t270 = (t172.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t271 = ((t270.permute(0, 2, 3, 1) @ S67)).permute(0, 2, 3, 1)
+        t272 = (t50.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t269.reshape((n_batch, d_K, 1, L)))
+        t273 = (N_2.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t256.reshape((n_batch, d_K, 1, L)))
+        t274 = (t181.permute(0, 2, 3, 1) * t37.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
+        t268[...] = ((t271.reshape((n_batch, L*d_V, L)) @ t272.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
+        t268 += ((t273.reshape((n_batch, d_K*d_V, L)) @ t274.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
+        t275 = t210[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t276 = t275.view((n_batch, L, d_K, d_ff, d_V))
+        t277 = (t189.permute(0, 2, 3, 1) * t37.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
+        t278 = (G.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t269.reshape((n_batch, d_K, 1, L)))
+        t279 = (t40.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t256.reshape((n_batch, d_K, 1, L)))
+        t280 = ((t179.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
+        t276[...] = ((t277.reshape((n_batch, L*d_ff, L)) @ t278.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t276 += ((t279.reshape((n_batch, d_K*d_ff, L)) @ t280.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
+        t281 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t282 = R209.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t199, t282, out=t281)
+        del R209
+        t283 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t284 = t283.view((d_V, d_K, d_V, d_K))
+        t285 = t284.diagonal(0, 1, 3)
+        t286 = t115.transpose(-1, -2)
+        t287 = (1/n_batch) * t116
+        t288 = (t286.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
+        t285.addcmul_(t287.reshape((1, 1, d_K)), t288.reshape((d_V, d_V, 1)))
+        t289 = t133.transpose(-1, -2)
+        t293 = (S63.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S132.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S272 = (1/(L*math.sqrt(d_K))) * S70
+        S294 = (1/(L*math.sqrt(d_K))) * S68
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S273 = (1/(L*math.sqrt(d_K))) * (t67.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S272 @ t72)
-        t274 = (t41.reshape((n_batch, L, d_V, 1)) * S273.permute(0, 1, 3, 2))
+        S295 = (1/(L*math.sqrt(d_K))) * (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S294 @ t70)
+        t296 = (t39.reshape((n_batch, L, d_V, 1)) * S295.permute(0, 1, 3, 2))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S275 = (t271.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (t274.permute(0, 1, 3, 2) @ t84.permute(0, 1, 3, 2))
-        t276 = W_V.transpose(-1, -2)
-        t277 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t276.permute(1, 0)).reshape((n_batch, L, d_V))
-        t278 = (t277 @ S275.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t279 = (t278.permute(0, 2, 3, 1) @ dA)
-        t280 = (t279.reshape((n_batch, L*d_V, L)) @ t107).reshape((n_batch, L, d_V, d_K))
-        torch.mul(N_1.reshape((n_batch, L, 1, d_V, 1)), t280.reshape((n_batch, L, d_V, 1, d_K)), out=t270)
-        t281 = t268[..., d_K*d_V:2*d_K*d_V]
-        t282 = t281.view((n_batch, L, d_V, d_V, d_K))
-        t283 = (t279.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        torch.mul(t112.reshape((n_batch, L, 1, 1, d_K)), t283.reshape((n_batch, L, d_V, d_V, 1)), out=t282)
-        t284 = t268[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t285 = t284.view((n_batch, L, d_V, d_V, d_V))
+        S297 = (t293.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (t296.permute(0, 1, 3, 2) @ t82.permute(0, 1, 3, 2))
+        t298 = W_V.transpose(-1, -2)
+        t299 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t298.permute(1, 0)).reshape((n_batch, L, d_V))
+        t300 = (t299 @ S297.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t301 = (t300.permute(0, 2, 3, 1) @ dA)
+        t302 = (t301.reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
+        t303 = t302.reshape((n_batch, L, d_V, 1, d_K))
+        t306 = (t301.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t307 = t306.reshape((n_batch, L, d_V, d_V, 1))
         # S: compact tensor ('d_V', 'd_V')
-        S286 = (2/d_V) * S
+        S310 = (2/d_V) * S
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S289 = (1/L) * S70
+        S313 = (1/L) * S68
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S290 = (1/L) * (t67.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (S289 @ t72)
-        t291 = (S290 @ t144)
-        t299 = S.permute(1, 0)
-        t300 = ((S286 @ S65.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t304 = (t144 @ t81)
-        t305 = (dA76.permute(0, 1, 3, 2) * t41.reshape((n_batch, L, 1, d_V))) + ((t299 @ t304.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t306 = (t300.reshape((L*d_V*n_batch, d_V)) @ t299.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S290 @ t305.permute(0, 1, 3, 2))
-        torch.mul(t129.reshape((n_batch, L, 1, d_V, 1)), t306.reshape((n_batch, L, d_V, 1, d_V)), out=t285)
-        t307 = t268[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t308 = t307.view((n_batch, L, d_V, d_V, d_ff))
-        t309 = ((S @ S69.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t310 = (t41.reshape((n_batch, L, d_V, 1)) * S290.permute(0, 1, 3, 2))
-        t311 = (t310.permute(0, 1, 3, 2) @ dA76)
-        t312 = (t311.reshape((L*d_V*n_batch, d_V)) @ t50).reshape((n_batch, L, d_V, d_ff))
-        torch.mul(t52.reshape((n_batch, L, 1, 1, d_ff)), t309.reshape((n_batch, L, d_V, d_V, 1)), out=t308)
-        t308.addcmul_(t312.reshape((n_batch, L, d_V, 1, d_ff)), t168.reshape((n_batch, L, 1, d_V, d_ff)))
-        t313 = t268[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t314 = t313.view((n_batch, L, d_V, d_ff, d_V))
-        t315 = (S69.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t316 = (t315.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
-        torch.mul(t316.reshape((n_batch, L, d_V, d_ff, 1)), t179.reshape((n_batch, L, 1, d_ff, d_V)), out=t314)
-        t314.addcmul_(t42.reshape((n_batch, L, 1, d_ff, 1)), t291.reshape((n_batch, L, d_V, 1, d_V)))
-        t317 = t266.permute(1, 0, 2)
-        t318 = t317.reshape((d_V, L*n_batch))
-        t319 = (1/n_batch) * t318
-        t320 = R267.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t321 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t319, t320, out=t321)
-        del R267
-        t322 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t323 = t322.view((d_V, d_V, d_V, d_K))
-        t325 = t35.transpose(-1, -2)
-        t326 = t54.transpose(-1, -2)
-        t327 = M_N_2.transpose(-1, -2)
-        t328 = t325 * t326 * t327
-        t329 = t328.sum(-2, keepdim=True)
-        t330 = t329.expand(*t329.shape[:-2], d_V, t329.shape[-1])
-        t331 = t330 * t327
-        t332 = P_N_2.transpose(-1, -2)
-        t333 = t326 * t332
-        t334 = ((1/2)*d_V) * t333
-        t335 = G.transpose(-1, -2)
-        t336 = ((1/2)*d_V) * t335
-        t337 = t331 + t334 + t336
-        t338 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t337
-        t339 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t340 = (t339.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t107).reshape((n_batch, L, d_V, d_K))
-        t341 = (t340.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t343 = t331 + t334
-        t344 = t343.sum(-2, keepdim=True)
-        t345 = t344.expand(*t344.shape[:-2], d_V, t344.shape[-1])
-        t346 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t345
-        t348 = t338.permute(1, 0, 2) + t346.permute(1, 0, 2)
-        t323 += (t348.reshape((1, d_V, L*n_batch)) @ t341.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
-        t349 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t350 = t349.view((d_V, d_V, d_V, d_K))
-        t351 = (t339.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t352 = (t351.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t112.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        t350 += (t348.reshape((1, d_V, L*n_batch)) @ t352.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
-        t353 = N_2.transpose(-1, -2)
-        R354 = _empty((n_batch, L, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t355 = R354.view((n_batch, L*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t356 = t355[..., 0:d_K*d_V]
-        t357 = t356.view((n_batch, L, d_ff, d_V, d_K))
-        t358 = (1/(L*math.sqrt(d_K))) * t41
-        t359 = (dA76 * t358.reshape((n_batch, L, d_V, 1)))
-        t360 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t86.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t361 = (t360 @ S82.permute(0, 1, 3, 2))
-        t362 = (t361 @ t359.permute(0, 1, 3, 2))
-        t363 = (t362.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t364 = (t363.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, d_ff, 1)))
-        t365 = (t364.reshape((n_batch, L*d_ff, L)) @ t107).reshape((n_batch, L, d_ff, d_K))
-        torch.mul(N_1.reshape((n_batch, L, 1, d_V, 1)), t365.reshape((n_batch, L, d_ff, 1, d_K)), out=t357)
-        t366 = t355[..., d_K*d_V:2*d_K*d_V]
-        t367 = t366.view((n_batch, L, d_ff, d_V, d_K))
-        t368 = (t364.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        torch.mul(t112.reshape((n_batch, L, 1, 1, d_K)), t368.reshape((n_batch, L, d_ff, d_V, 1)), out=t367)
-        t369 = t355[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t370 = t369.view((n_batch, L, d_ff, d_V, d_V))
-        t371 = (1/L) * t41
-        t372 = (dA76 * t371.reshape((n_batch, L, d_V, 1)))
-        t374 = (t129.reshape((n_batch, L, 1, d_V)) * t39.reshape((n_batch, L, d_ff, 1)))
-        t380 = (t372 @ t81)
-        t381 = (dA76.permute(0, 1, 3, 2) * t371.reshape((n_batch, L, 1, d_V))) + ((t299 @ t380.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t382 = ((W_2 @ t381.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        torch.mul(t374.reshape((n_batch, L, d_ff, d_V, 1)), t382.reshape((n_batch, L, d_ff, 1, d_V)), out=t370)
-        t383 = t355[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t384 = t383.view((n_batch, L, d_ff, d_V, d_ff))
-        t385 = (W_2.reshape((d_ff, d_V, 1, 1)) * t39.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-        t386 = (t385.permute(2, 3, 0, 1) @ t372)
-        t387 = (t386 @ t79.permute(1, 2, 3, 0))
-        torch.mul(N_2.reshape((n_batch, L, 1, d_V, 1)), t387.reshape((n_batch, L, d_ff, 1, d_ff)), out=t384)
-        t388 = t355[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t389 = t388.view((n_batch, L, d_ff, d_ff, d_V))
-        t390 = (t372.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-        t391 = (t390.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, d_ff, 1)))
-        t392 = t389.diagonal(0, 2, 3)
-        torch.mul(t42.reshape((n_batch, L, 1, d_ff, 1)), t391.reshape((n_batch, L, d_ff, 1, d_V)), out=t389)
-        t392.addcmul_(G.reshape((n_batch, L, d_V, 1)), t39.reshape((n_batch, L, 1, d_ff)))
-        t393 = t353.permute(1, 0, 2)
-        t394 = t393.reshape((d_V, L*n_batch))
-        t395 = (1/n_batch) * t394
-        t396 = R354.view((L*n_batch, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t397 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t395, t396, out=t397)
-        del R354
-        t398 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-        t399 = t398.view((d_V, d_ff, d_V, d_K))
-        t401 = t39.transpose(-1, -2)
-        t402 = t51.transpose(-1, -2)
-        t403 = t401 * t402
-        t404 = t325 * t327
-        t405 = (t23.reshape((d_V, d_V, 1, 1)) * t404.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        S314 = (1/L) * (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S313 @ t70)
+        t315 = (S314 @ t148)
+        t323 = S.permute(1, 0)
+        t324 = ((S310 @ S63.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t328 = (t148 @ t79)
+        t329 = (dA74.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, 1, d_V))) + ((t323 @ t328.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t330 = (t324.reshape((L*d_V*n_batch, d_V)) @ t323.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S314 @ t329.permute(0, 1, 3, 2))
+        t331 = t330.reshape((n_batch, L, d_V, 1, d_V))
+        t334 = ((S @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t335 = (t39.reshape((n_batch, L, d_V, 1)) * S314.permute(0, 1, 3, 2))
+        t336 = (t335.permute(0, 1, 3, 2) @ dA74)
+        t337 = (t336.reshape((L*d_V*n_batch, d_V)) @ t48).reshape((n_batch, L, d_V, d_ff))
+        t338 = t334.reshape((n_batch, L, d_V, d_V, 1))
+        t339 = t337.reshape((n_batch, L, d_V, 1, d_ff))
+        t342 = (S67.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t343 = (t342.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        t344 = t343.reshape((n_batch, L, d_V, d_ff, 1))
+        t345 = t315.reshape((n_batch, L, d_V, 1, d_V))
+        t346 = t289.permute(1, 0, 2)
+        t347 = t346.reshape((d_V, L*n_batch))
+        t348 = (1/n_batch) * t347
+        t349 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows350 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows350:    # chunks of equal size
+            n_rows350 -= 1
+        R290 = _empty((n_batch, L, n_rows350, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t352 = R290.view((n_batch, L*n_rows350, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t353 = R290.view((L*n_batch, n_rows350*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        for f0351 in range(0, d_V, n_rows350):
+            t354 = t352[..., 0:d_K*d_V].view((n_batch, L, n_rows350, d_V, d_K))
+            torch.mul(t108, t303[..., f0351:f0351 + n_rows350, :, :], out=t354)
+            t355 = t352[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows350, d_V, d_K))
+            torch.mul(t117, t307[..., f0351:f0351 + n_rows350, :, :], out=t355)
+            t356 = t352[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows350, d_V, d_V))
+            torch.mul(t167, t331[..., f0351:f0351 + n_rows350, :, :], out=t356)
+            t357 = t352[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows350, d_V, d_ff))
+            torch.mul(t183, t338[..., f0351:f0351 + n_rows350, :, :], out=t357)
+            t357.addcmul_(t339[..., f0351:f0351 + n_rows350, :, :], t185)
+            t358 = t352[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows350, d_ff, d_V))
+            torch.mul(t344[..., f0351:f0351 + n_rows350, :, :], t194, out=t358)
+            t358.addcmul_(t195, t345[..., f0351:f0351 + n_rows350, :, :])
+            torch.matmul(t348, t353, out=t349[:, f0351*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff):(f0351 + n_rows350)*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)])
+        del R290
+        t359 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t360 = t359.view((d_V, d_V, d_V, d_K))
+        t362 = t33.transpose(-1, -2)
+        t363 = t52.transpose(-1, -2)
+        t364 = M_N_2.transpose(-1, -2)
+        t365 = t362 * t363 * t364
+        t366 = t365.sum(-2, keepdim=True)
+        t367 = t366.expand(*t366.shape[:-2], d_V, t366.shape[-1])
+        t368 = t367 * t364
+        t369 = P_N_2.transpose(-1, -2)
+        t370 = t363 * t369
+        t371 = ((1/2)*d_V) * t370
+        t372 = G.transpose(-1, -2)
+        t373 = ((1/2)*d_V) * t372
+        t374 = t368 + t371 + t373
+        t375 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t374
+        t376 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t377 = (t376.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
+        t378 = (t377.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t380 = t368 + t371
+        t381 = t380.sum(-2, keepdim=True)
+        t382 = t381.expand(*t381.shape[:-2], d_V, t381.shape[-1])
+        t383 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t382
+        t385 = t375.permute(1, 0, 2) + t383.permute(1, 0, 2)
+        t360 += (t385.reshape((1, d_V, L*n_batch)) @ t378.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
+        t386 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t387 = t386.view((d_V, d_V, d_V, d_K))
+        t388 = (t376.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t389 = (t388.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t112.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        t387 += (t385.reshape((1, d_V, L*n_batch)) @ t389.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
+        t390 = N_2.transpose(-1, -2)
+        t394 = (1/(L*math.sqrt(d_K))) * t39
+        t395 = (dA74 * t394.reshape((n_batch, L, d_V, 1)))
+        t396 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t84.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t397 = (t396 @ S80.permute(0, 1, 3, 2))
+        t398 = (t397 @ t395.permute(0, 1, 3, 2))
+        t399 = (t398.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t400 = (t399.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
+        t401 = (t400.reshape((n_batch, L*d_ff, L)) @ t105).reshape((n_batch, L, d_ff, d_K))
+        t402 = t401.reshape((n_batch, L, d_ff, 1, d_K))
+        t405 = (t400.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        t406 = t405.reshape((n_batch, L, d_ff, d_V, 1))
+        t409 = (1/L) * t39
+        t410 = (dA74 * t409.reshape((n_batch, L, d_V, 1)))
+        t412 = (t133.reshape((n_batch, L, 1, d_V)) * t37.reshape((n_batch, L, d_ff, 1)))
+        t418 = (t410 @ t79)
+        t419 = (dA74.permute(0, 1, 3, 2) * t409.reshape((n_batch, L, 1, d_V))) + ((t323 @ t418.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t420 = ((W_2 @ t419.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t421 = t412.reshape((n_batch, L, d_ff, d_V, 1))
+        t422 = t420.reshape((n_batch, L, d_ff, 1, d_V))
+        t425 = (W_2.reshape((d_ff, d_V, 1, 1)) * t37.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+        t426 = (t425.permute(2, 3, 0, 1) @ t410)
+        t427 = (t426 @ t77.permute(1, 2, 3, 0))
+        t428 = N_2.reshape((n_batch, L, 1, d_V, 1))
+        t429 = t427.reshape((n_batch, L, d_ff, 1, d_ff))
+        t432 = (t410.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+        t433 = (t432.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
+        t435 = t433.reshape((n_batch, L, d_ff, 1, d_V))
+        t436 = G.reshape((n_batch, L, d_V, 1))
+        t437 = t37.reshape((n_batch, L, 1, d_ff))
+        t438 = t390.permute(1, 0, 2)
+        t439 = t438.reshape((d_V, L*n_batch))
+        t440 = (1/n_batch) * t439
+        t441 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows442 = max(1, min(d_ff, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_ff % n_rows442:    # chunks of equal size
+            n_rows442 -= 1
+        R391 = _empty((n_batch, L, n_rows442, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t444 = R391.view((n_batch, L*n_rows442, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t445 = R391.view((L*n_batch, n_rows442*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        for f0443 in range(0, d_ff, n_rows442):
+            t446 = t444[..., 0:d_K*d_V].view((n_batch, L, n_rows442, d_V, d_K))
+            torch.mul(t108, t402[..., f0443:f0443 + n_rows442, :, :], out=t446)
+            t447 = t444[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows442, d_V, d_K))
+            torch.mul(t117, t406[..., f0443:f0443 + n_rows442, :, :], out=t447)
+            t448 = t444[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows442, d_V, d_V))
+            torch.mul(t421[..., f0443:f0443 + n_rows442, :, :], t422[..., f0443:f0443 + n_rows442, :, :], out=t448)
+            t449 = t444[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows442, d_V, d_ff))
+            torch.mul(t428, t429[..., f0443:f0443 + n_rows442, :, :], out=t449)
+            t450 = t444[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows442, d_ff, d_V))
+            torch.mul(t195, t435[..., f0443:f0443 + n_rows442, :, :], out=t450)
+            t451 = t444[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows442, d_ff, d_V))[..., f0443:f0443 + n_rows442, :].diagonal(0, 2, 3)
+            t451.addcmul_(t436, t437[..., f0443:f0443 + n_rows442])
+            torch.matmul(t440, t445, out=t441[:, f0443*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff):(f0443 + n_rows442)*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)])
+        del R391
+        t452 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        t453 = t452.view((d_V, d_ff, d_V, d_K))
+        t455 = t37.transpose(-1, -2)
+        t456 = t49.transpose(-1, -2)
+        t457 = t455 * t456
+        t458 = t362 * t364
+        t459 = (t21.reshape((d_V, d_V, 1, 1)) * t458.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         # S: compact tensor ('d_V', 'L', 'd_V')
-        S406 = (t22.reshape((1, d_V, 1, d_V)) * t332.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t405.permute(2, 0, 3, 1) * t327.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
-        t407 = (1/(math.sqrt(d_K)*n_batch)) * t86
-        t408 = (t407.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
-        t409 = (t408 @ S406.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
-        t410 = (t409.permute(0, 3, 2, 1) @ dA)
-        t411 = (t410.reshape((n_batch, L*d_V, L)) @ t107).reshape((n_batch, L, d_V, d_K))
-        t412 = (t411.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t413 = t403.permute(1, 0, 2)
-        t414 = t413.reshape((1, d_ff, L*n_batch))
-        t415 = t399.view((d_V, d_ff, d_K*d_V))
-        t415.baddbmm_(t414.expand(*(d_V,), *t414.shape[-2:]), t412.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
-        t416 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t417 = t416.view((d_V, d_ff, d_V, d_K))
-        t418 = (t410.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t419 = (t418.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t112.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        t420 = t417.view((d_V, d_ff, d_K*d_V))
-        t420.baddbmm_(t414.expand(*(d_V,), *t414.shape[-2:]), t419.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
-        t421 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t422 = t421.view((d_V, d_ff, d_V, d_V))
-        t423 = (1/n_batch) * t129
-        t424 = (S.permute(1, 0) @ S406.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
-        t425 = (t424.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t423.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t426 = t422.view((d_V, d_ff, d_V**2))
-        t426.baddbmm_(t414.expand(*(d_V,), *t414.shape[-2:]), t425.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
-        t427 = t42.transpose(-1, -2)
-        R428 = _empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t429 = R428.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t430 = t429[..., 0:d_K*d_V]
-        t431 = t430.view((n_batch, L, d_V, d_V, d_K))
-        t432 = (N_1.reshape((n_batch, L, 1, d_V)) * t358.reshape((n_batch, L, d_V, 1)))
-        t433 = (t361 @ dA76.permute(0, 1, 3, 2))
-        t434 = (t433.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t107).reshape((n_batch, L, d_V, d_K))
-        torch.mul(t432.reshape((n_batch, L, d_V, d_V, 1)), t434.reshape((n_batch, L, d_V, 1, d_K)), out=t431)
-        t435 = t429[..., d_K*d_V:2*d_K*d_V]
-        t436 = t435.view((n_batch, L, d_V, d_V, d_K))
-        t437 = (t112.reshape((n_batch, L, 1, d_K)) * t358.reshape((n_batch, L, d_V, 1)))
-        t438 = (t433.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        torch.mul(t437.reshape((n_batch, L, d_V, 1, d_K)), t438.reshape((n_batch, L, d_V, d_V, 1)), out=t436)
-        t439 = t429[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t440 = t439.view((n_batch, L, d_V, d_V, d_V))
-        t441 = (dA76 * t371.reshape((n_batch, L, d_V, 1))) + (t380.reshape((L*d_V*n_batch, d_V)) @ t299.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        torch.mul(t129.reshape((n_batch, L, 1, d_V, 1)), t441.reshape((n_batch, L, d_V, 1, d_V)), out=t440)
-        t442 = t429[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t443 = t442.view((n_batch, L, d_V, d_V, d_ff))
-        t444 = (dA76.reshape((L*d_V*n_batch, d_V)) @ t50).reshape((n_batch, L, d_V, d_ff))
-        t445 = (N_2.reshape((n_batch, L, d_V, 1)) * t371.reshape((n_batch, L, 1, d_V)))
-        t446 = (t445.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t39.reshape((n_batch, L, 1, 1, d_ff)))
-        torch.mul(t444.reshape((n_batch, L, d_V, 1, d_ff)), t446, out=t443)
-        t447 = t429[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t448 = t447.view((n_batch, L, d_V, d_ff, d_V))
-        torch.mul(t42.reshape((n_batch, L, 1, d_ff, 1)), t372.reshape((n_batch, L, d_V, 1, d_V)), out=t448)
-        t449 = t427.permute(1, 0, 2)
-        t450 = t449.reshape((d_ff, L*n_batch))
-        t451 = (1/n_batch) * t450
-        t452 = R428.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t453 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t451, t452, out=t453)
-        del R428
-        t454 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-        t455 = t454.view((d_ff, d_V, d_V, d_K))
-        t456 = (1/(math.sqrt(d_K)*n_batch)) * t335
-        t457 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t456.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t458 = (t202.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t459 = (t458.permute(0, 2, 3, 1) @ S406.permute(0, 2, 3, 1))
-        t460 = (t459.reshape((L**2*n_batch, d_V)) @ t53.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t461 = (t460.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t107).reshape((n_batch, L, d_ff, d_K))
-        t462 = (t461.permute(2, 3, 0, 1) * t401.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t455 += ((t457.reshape((d_V**2, L*n_batch)) @ t462.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-        t463 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t464 = t463.view((d_ff, d_V, d_V, d_K))
-        t465 = (t112.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t456.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t466 = (t460.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        t467 = (t466.permute(2, 3, 0, 1) * t401.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t464 += ((t467.reshape((d_V*d_ff, L*n_batch)) @ t465.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t468 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t469 = t468.view((d_ff, d_V, d_V, d_V))
-        t470 = (1/n_batch) * t335
-        t471 = (t129.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t470.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t472 = (t53.reshape((d_ff, d_V, 1, 1)) * t401.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t473 = ((t424.permute(1, 3, 0, 2) @ t472.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
-        t469 += ((t471.reshape((d_V**2, L*n_batch)) @ t473.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
-        t474 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t475 = t474.view((d_ff, d_V, d_V, d_ff))
-        t476 = t475.diagonal(0, 0, 3)
-        t477 = t401.permute(1, 0, 2)
-        t478 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t470.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t476 += (t478.reshape((d_V**2, L*n_batch)) @ t477.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        S460 = (t20.reshape((1, d_V, 1, d_V)) * t369.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t459.permute(2, 0, 3, 1) * t364.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
+        t461 = (1/(math.sqrt(d_K)*n_batch)) * t84
+        t462 = (t461.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
+        t463 = (t462 @ S460.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
+        t464 = (t463.permute(0, 3, 2, 1) @ dA)
+        t465 = (t464.reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
+        t466 = (t465.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t467 = t457.permute(1, 0, 2)
+        t468 = t467.reshape((1, d_ff, L*n_batch))
+        t469 = t453.view((d_V, d_ff, d_K*d_V))
+        t469.baddbmm_(t468.expand(*(d_V,), *t468.shape[-2:]), t466.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        t470 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t471 = t470.view((d_V, d_ff, d_V, d_K))
+        t472 = (t464.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t473 = (t472.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t112.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        t474 = t471.view((d_V, d_ff, d_K*d_V))
+        t474.baddbmm_(t468.expand(*(d_V,), *t468.shape[-2:]), t473.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        t475 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t476 = t475.view((d_V, d_ff, d_V, d_V))
+        t477 = (1/n_batch) * t133
+        t478 = (S.permute(1, 0) @ S460.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
+        t479 = (t478.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t477.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t480 = t476.view((d_V, d_ff, d_V**2))
+        t480.baddbmm_(t468.expand(*(d_V,), *t468.shape[-2:]), t479.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
+        t481 = t40.transpose(-1, -2)
+        t485 = (N_1.reshape((n_batch, L, 1, d_V)) * t394.reshape((n_batch, L, d_V, 1)))
+        t486 = (t397 @ dA74.permute(0, 1, 3, 2))
+        t487 = (t486.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
+        t488 = t485.reshape((n_batch, L, d_V, d_V, 1))
+        t489 = t487.reshape((n_batch, L, d_V, 1, d_K))
+        t492 = (t112.reshape((n_batch, L, 1, d_K)) * t394.reshape((n_batch, L, d_V, 1)))
+        t493 = (t486.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t494 = t492.reshape((n_batch, L, d_V, 1, d_K))
+        t495 = t493.reshape((n_batch, L, d_V, d_V, 1))
+        t498 = (dA74 * t409.reshape((n_batch, L, d_V, 1))) + (t418.reshape((L*d_V*n_batch, d_V)) @ t323.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t499 = t498.reshape((n_batch, L, d_V, 1, d_V))
+        t502 = (dA74.reshape((L*d_V*n_batch, d_V)) @ t48).reshape((n_batch, L, d_V, d_ff))
+        t503 = (N_2.reshape((n_batch, L, d_V, 1)) * t409.reshape((n_batch, L, 1, d_V)))
+        t504 = (t503.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, 1, 1, d_ff)))
+        t505 = t502.reshape((n_batch, L, d_V, 1, d_ff))
+        t506 = t504
+        t509 = t410.reshape((n_batch, L, d_V, 1, d_V))
+        t510 = t481.permute(1, 0, 2)
+        t511 = t510.reshape((d_ff, L*n_batch))
+        t512 = (1/n_batch) * t511
+        t513 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows514 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows514:    # chunks of equal size
+            n_rows514 -= 1
+        R482 = _empty((n_batch, L, n_rows514, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t516 = R482.view((n_batch, L*n_rows514, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t517 = R482.view((L*n_batch, n_rows514*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        for f0515 in range(0, d_V, n_rows514):
+            t518 = t516[..., 0:d_K*d_V].view((n_batch, L, n_rows514, d_V, d_K))
+            torch.mul(t488[..., f0515:f0515 + n_rows514, :, :], t489[..., f0515:f0515 + n_rows514, :, :], out=t518)
+            t519 = t516[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows514, d_V, d_K))
+            torch.mul(t494[..., f0515:f0515 + n_rows514, :, :], t495[..., f0515:f0515 + n_rows514, :, :], out=t519)
+            t520 = t516[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows514, d_V, d_V))
+            torch.mul(t167, t499[..., f0515:f0515 + n_rows514, :, :], out=t520)
+            t521 = t516[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows514, d_V, d_ff))
+            torch.mul(t505[..., f0515:f0515 + n_rows514, :, :], t506[..., f0515:f0515 + n_rows514, :, :], out=t521)
+            t522 = t516[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows514, d_ff, d_V))
+            torch.mul(t195, t509[..., f0515:f0515 + n_rows514, :, :], out=t522)
+            torch.matmul(t512, t517, out=t513[:, f0515*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff):(f0515 + n_rows514)*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)])
+        del R482
+        t523 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        t524 = t523.view((d_ff, d_V, d_V, d_K))
+        t525 = (1/(math.sqrt(d_K)*n_batch)) * t372
+        t526 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t525.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t527 = (t225.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t528 = (t527.permute(0, 2, 3, 1) @ S460.permute(0, 2, 3, 1))
+        t529 = (t528.reshape((L**2*n_batch, d_V)) @ t51.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t530 = (t529.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t105).reshape((n_batch, L, d_ff, d_K))
+        t531 = (t530.permute(2, 3, 0, 1) * t455.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t524 += ((t526.reshape((d_V**2, L*n_batch)) @ t531.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+        t532 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t533 = t532.view((d_ff, d_V, d_V, d_K))
+        t534 = (t112.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t525.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t535 = (t529.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        t536 = (t535.permute(2, 3, 0, 1) * t455.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t533 += ((t536.reshape((d_V*d_ff, L*n_batch)) @ t534.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t537 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t538 = t537.view((d_ff, d_V, d_V, d_V))
+        t539 = (1/n_batch) * t372
+        t540 = (t133.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t539.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t541 = (t51.reshape((d_ff, d_V, 1, 1)) * t455.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t542 = ((t478.permute(1, 3, 0, 2) @ t541.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
+        t538 += ((t540.reshape((d_V**2, L*n_batch)) @ t542.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
+        t543 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t544 = t543.view((d_ff, d_V, d_V, d_ff))
+        t545 = t544.diagonal(0, 0, 3)
+        t546 = t455.permute(1, 0, 2)
+        t547 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t539.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t545 += (t547.reshape((d_V**2, L*n_batch)) @ t546.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
         return H
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]

@@ -62,6 +62,7 @@ class Routine:
         self.bcast = {}                       # code of a broadcast product -> its operands
         self.gemms = {}                       # code of a (P…, M, K) @ (P…, K, N) product -> its parts
         self.written = 0                      # entries written by dense_into (its passes)
+        self.chunk = None                     # a SlabChunk recording dense writes, or None
         self.env, self.batch_size = representative_sizes(symbols, sizes)
         self.env_key = E.size_env(self.env)
         self.like = next((n for n in variables if n in self.batched_vars), next(iter(variables)))
@@ -483,7 +484,8 @@ class Routine:
             if not out:                                   # a full inner product
                 return f"({x} * {self._permuted(y, ly, lx)}).sum()"
         if not con:         # a broadcast product: both operands aligned to out, no permute
-            return self._broadcast(self._aligned(x, lx, out), self._aligned(y, ly, out))
+            return self._broadcast(self._aligned(x, lx, out), self._aligned(y, ly, out),
+                                   (list(out), set(lx), set(ly)))
         (x, lx), (y, ly), pre, m, n = _oriented((x, lx), (y, ly), out, split)
         xm = self._grouped(x, lx, pre, [m, con])
         ym = self._grouped(y, ly, pre, [con, n])
@@ -504,11 +506,12 @@ class Routine:
             return x
         return self.fmt("reshape", x, self.shape([self._dim(a) if a in lx else 1 for a in out]))
 
-    def _broadcast(self, xa, ya):
-        """The code of xa * ya (aligned operands), remembered so that a dense write can
-        multiply straight into its target (``mul_into``)."""
+    def _broadcast(self, xa, ya, labels):
+        """The code of xa * ya (aligned operands), remembered with ``labels`` (the output
+        labels, each operand's labels) so that a dense write can multiply straight into its
+        target (``mul_into``), or into one chunk of it at a time (``SlabChunk``)."""
         code = f"({xa} * {ya})"
-        self.bcast[code] = (xa, ya)
+        self.bcast[code] = (xa, ya) + labels
         return code
 
     def _finish(self, code, pre, m, n, out, gemm=None):
@@ -721,7 +724,10 @@ class Routine:
         written once per group instead of once per term.
         """
         if not terms:
-            self.line(f"{target}[...] = 0")
+            if self.chunk is not None:
+                self.chunk.zero(target)
+            else:
+                self.line(f"{target}[...] = 0")
             return
         lead = [BATCH] if keep_batch else []
         size = (self.batch_size if keep_batch else 1) * _prod(
@@ -730,8 +736,12 @@ class Routine:
         # a term that writes every entry goes first, so the block needs no zeroing pass
         terms = sorted(terms, key=lambda t: _repeats(self, t, r, c))
         needs_zero = fresh and _repeats(self, terms[0], r, c)
+        chunk = self.chunk
         if needs_zero:
-            self.line(f"{target}[...] = 0")
+            if chunk is not None:
+                chunk.zero(target)
+            else:
+                self.line(f"{target}[...] = 0")
             self.written += size
         printed, split = [], {}
         for term in terms:
@@ -746,6 +756,8 @@ class Routine:
                 order = order[len(lead):]
             else:      # the view's axes: (batch,) rows…, columns… (a group merges within one)
                 split.setdefault(view, set()).add((len(lead), n_rows, len(atoms)))
+            if chunk is not None:
+                chunk.view(view, target, lead, row_atoms, atoms, order)
             layout = None if len(order) < len(atoms) or keep_batch else (len(lead), n_rows)
             coef, code, _ = self.network(term, order, fold_coef=True, keep_batch=keep_batch,
                                          layout=layout)
@@ -754,8 +766,10 @@ class Routine:
         for view, how, members in self._write_groups(printed):
             rhs = self._group_code(how, members)
             pair = self.bcast.get(rhs)
-            if pair is not None and "mul_into" in self.t:     # one pass, no temporary
-                self.line(self.fmt("mul_into" if first else "addmul_into", *pair, view))
+            if chunk is not None:           # a broadcast product, or the slab is not chunked
+                chunk.write(self, "mul_into" if first else "addmul_into", pair, view)
+            elif pair is not None and "mul_into" in self.t:     # one pass, no temporary
+                self.line(self.fmt("mul_into" if first else "addmul_into", *pair[:2], view))
             elif self._gemm_into(view, rhs, first, split.get(view)):
                 pass
             else:
@@ -874,9 +888,12 @@ class Routine:
             f, labs = finals[0], raw[0][1]
             if not f.summed:                       # Σ_t A ∘ B_t = A ∘ Σ_t B_t, aligned
                 (x, lx), (y, ly), _, _, _ = f.oriented()
+                la = lx if own else ly
                 a = self._aligned(*((x, lx) if own else (y, ly)), f.out)
                 b = self._aligned(total, labs, f.out)
-                return self._broadcast(*((a, b) if own else (b, a)))
+                pair = ((a, la), (b, labs)) if own else ((b, labs), (a, la))
+                return self._broadcast(pair[0][0], pair[1][0],
+                                       (list(f.out), set(pair[0][1]), set(pair[1][1])))
             groups = [f.summed, n] if own else [m, f.summed]
             rest = self._grouped(total, labs, pre, groups)
         else:
@@ -1181,11 +1198,17 @@ def _repeats(rt, term, r, c):
 
 def _diag_view(rt, view, atoms):
     """A writable view of the diagonal entries of a target whose indices repeat."""
+    code, labels = _diag_code(rt, view, atoms)
+    return rt.emit(code, False), labels
+
+
+def _diag_code(rt, view, atoms):
+    """(code, labels) of the diagonal view of ``view`` (axes ``atoms``, some repeated)."""
     order = list(dict.fromkeys(atoms))
     if "diag_view_einsum" in rt.t:
         sym = {a: oe.get_symbol(i) for i, a in enumerate(order)}
         spec = "".join(sym[a] for a in atoms) + "->" + "".join(sym[a] for a in order)
-        return rt.emit(rt.t["diag_view_einsum"].format(repr(spec), view), False), order
+        return rt.t["diag_view_einsum"].format(repr(spec), view), order
     labels = list(atoms)
     code = view
     while len(set(labels)) < len(labels):
@@ -1195,7 +1218,98 @@ def _diag_view(rt, view, atoms):
                 code = f"{code}.diagonal(0, {i}, {j})"
                 labels = [x for k, x in enumerate(labels) if k not in (i, j)] + [a]
                 break
-    return rt.emit(code, False), labels
+    return code, labels
+
+
+# entries of a slab operand's chunk (``SlabChunk``): 1 MiB of float64, within a core's L2
+CHUNK_ENTRIES = 1 << 17
+
+
+class NotChunkable(Exception):
+    """A slab operand write that ``SlabChunk`` cannot split (the slab is written whole)."""
+
+
+def _narrowed(code, pos, start, stop):
+    """``code`` sliced to ``start:stop`` along the axis ``pos`` places from the end."""
+    return f"{code}[..., {start}:{stop}{', :' * (pos - 1)}]"
+
+
+class SlabChunk:
+    """The operand R of a row slab (``codegen.Variant._slab``), written and multiplied a
+    chunk of its rows at a time.
+
+    R[s, f, c] holds, for every row f of the rest of a parameter's row index (W_1's d_ff
+    index f of W_1[i, f]), all the Hessian's columns c; H[(i, f), c] = Σ_s X[s, i] R[s, f, c]
+    is one GEMM. Written whole, R is half the slab's size (L/d of it) and goes out to memory
+    and back; a chunk of rows small enough for the core's cache (``CHUNK_ENTRIES``) is
+    written, multiplied into its rows of H and overwritten by the next. While a chunk is
+    open, ``Routine.dense_into`` records its writes here instead of printing them; a write
+    that is not a broadcast product (``mul_into``) of operands aligned to the row axis
+    raises ``NotChunkable``, and the slab is printed whole.
+    """
+
+    def __init__(self):
+        self.views = {}       # view name -> (target, lead, row atoms, atoms)
+        self.writes = []      # ("zero", target) or (key, x, x sliced?, y, y sliced?, view, pos)
+        self._targets = {}    # target name -> its columns of R ("a:b")
+
+    def columns(self, target, cols):
+        """``target`` stands for the columns ``cols`` of R in the writes that follow."""
+        self._targets[target] = cols
+
+    def zero(self, target):
+        self.writes.append(("zero", target))
+
+    def view(self, view, target, lead, row_atoms, atoms, order):
+        """Register a view of R's columns: its (batch,) rows and columns ``atoms``, the
+        labels of a product written into it in ``order``."""
+        if len(row_atoms) != 2:
+            raise NotChunkable(f"{len(row_atoms)} row atoms")
+        self.views.setdefault(view, (target, lead, row_atoms, atoms, order))
+
+    def write(self, rt, key, pair, view):
+        if pair is None or "mul_into" not in rt.t or view not in self.views:
+            raise NotChunkable("not a broadcast product")
+        xa, ya, out, lx, ly = pair
+        order = self.views[view][4]
+        pos = len(order) - order.index(self.views[view][2][1])   # the row axis, from the end
+        # the product may come from an earlier network with labels of its own: by position
+        f = out[len(out) - pos]
+        self.writes.append((key, rt.emit(xa, False), f in lx, rt.emit(ya, False), f in ly,
+                            view, pos))
+
+    def lines(self, rt, flat, f0, size):
+        """The statements writing one chunk (rows ``f0`` … ``f0 + size``) through ``flat``,
+        the chunk of R viewed as ([batch,] s·size, columns)."""
+        out, made = [], {}
+        for w in self.writes:
+            if w[0] == "zero":
+                out.append(f"{flat}[..., {self._cols(w[1])}][...] = 0")
+                continue
+            key, x, x_rows, y, y_rows, view, pos = w
+            if view not in made:
+                made[view] = rt.fresh()
+                out.append(f"{made[view]} = {self._chunk_view(rt, view, flat, f0, size)}")
+            xs = _narrowed(x, pos, f0, f"{f0} + {size}") if x_rows else x
+            ys = _narrowed(y, pos, f0, f"{f0} + {size}") if y_rows else y
+            out.append(rt.fmt(key, xs, ys, made[view]))
+        return out
+
+    def _cols(self, target):
+        return self._targets[target]
+
+    def _chunk_view(self, rt, view, flat, f0, size):
+        target, lead, row_atoms, atoms, _ = self.views[view]
+        f = row_atoms[1]
+        sizes = [N_BATCH] * len(lead) + [rt.lw.labels.size[a] for a in atoms]
+        sizes[len(lead) + 1] = sp.Symbol(size)
+        code = rt.fmt("view", f"{flat}[..., {self._cols(target)}]", rt.shape(sizes))
+        if atoms.count(f) > 1:        # a diagonal with a column atom: its rows of the chunk
+            j = atoms.index(f, 2)
+            code = _narrowed(code, len(atoms) - j, f0, f"{f0} + {size}")
+        if len(set(atoms)) < len(atoms):
+            code = _diag_code(rt, code, lead + atoms)[0]
+        return code
 
 
 def _scaled(rt, coef, code):
