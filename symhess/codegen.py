@@ -400,11 +400,15 @@ class Variant:
             rt.line(f"{R} = {rt.fmt('empty', rt.shape(seqs + [s_size, k, total]))}")
             flat = rt.emit(rt.fmt("view", R, rt.shape(seqs + [s_size * k, total])), False)
             b = rt.emit(rt.fmt("view", R, rt.shape([inner, k * total])), False)
+            before_loop, loop = chunk.lines(rt, flat, f0, n)
+            for ln in before_loop:
+                rt.line(ln)
             rt.line(f"for {f0} in range(0, {rt.size(n_rest)}, {n}):")
-            for ln in chunk.lines(rt, flat, f0, n):
+            for ln in loop:
                 rt.line("    " + ln)
-            cols = f"{f0}*({rt.size(total)}):({f0} + {n})*({rt.size(total)})"
-            rt.line("    " + rt.fmt("matmul_into", a, b, f"{dest}[:, {cols}]"))
+            cols = rt.fmt("narrow", dest, -1, f"{f0}*({rt.size(total)})",
+                          f"{n}*({rt.size(total)})", "")
+            rt.line("    " + rt.fmt("matmul_into", a, b, cols))
         rt.written += _prod_rep(rt, (offs[i + 1] - offs[i]) * total)
         rt.line(f"del {R}")
         for j, (terms, r, c) in enumerate(per_q):

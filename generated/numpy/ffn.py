@@ -739,14 +739,14 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
         R = np.empty((n_batch, L, n_rows, 2*d_V*d_ff), dtype=X.dtype)
         t28 = np.reshape(R, (n_batch, L*n_rows, 2*d_V*d_ff), copy=False)
         t29 = np.reshape(R, (L*n_batch, 2*d_V*d_ff*n_rows), copy=False)
+        t30 = np.reshape(t28[..., 0:d_V*d_ff], (n_batch, L, n_rows, d_V, d_ff), copy=False)
+        t31 = np.reshape(t28[..., d_V*d_ff:2*d_V*d_ff], (n_batch, L, n_rows, d_ff, d_V), copy=False)
         for f0 in range(0, d_ff, n_rows):
-            t30 = np.reshape(t28[..., 0:d_V*d_ff], (n_batch, L, n_rows, d_V, d_ff), copy=False)
             np.multiply(t9[..., f0:f0 + n_rows, :, :], t10, out=t30)
-            t31 = np.reshape(t28[..., d_V*d_ff:2*d_V*d_ff], (n_batch, L, n_rows, d_ff, d_V), copy=False)
             np.multiply(t20, t21[..., f0:f0 + n_rows, :, :], out=t31)
             t32 = np.einsum('abccd->abcd', np.reshape(t28[..., d_V*d_ff:2*d_V*d_ff], (n_batch, L, n_rows, d_ff, d_V), copy=False)[..., f0:f0 + n_rows, :])
             t32 += t22 * t23[..., f0:f0 + n_rows, :]
-            np.matmul(t26, t29, out=t27[:, f0*(2*d_V*d_ff):(f0 + n_rows)*(2*d_V*d_ff)])
+            np.matmul(t26, t29, out=t27[..., f0*(2*d_V*d_ff):f0*(2*d_V*d_ff) + n_rows*(2*d_V*d_ff)])
         del R
         t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
         t34 = np.reshape(t33, (d_ff, d_V, d_V, d_ff), copy=False)
@@ -2330,14 +2330,14 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
         R = np.empty((n_batch, L, n_rows, 2*d_V*d_ff), dtype=X.dtype)
         t37 = np.reshape(R, (n_batch, L*n_rows, 2*d_V*d_ff), copy=False)
         t38 = np.reshape(R, (L*n_batch, 2*d_V*d_ff*n_rows), copy=False)
+        t39 = np.reshape(t37[..., 0:d_V*d_ff], (n_batch, L, n_rows, d_V, d_ff), copy=False)
+        t40 = np.reshape(t37[..., d_V*d_ff:2*d_V*d_ff], (n_batch, L, n_rows, d_ff, d_V), copy=False)
         for f0 in range(0, d_ff, n_rows):
-            t39 = np.reshape(t37[..., 0:d_V*d_ff], (n_batch, L, n_rows, d_V, d_ff), copy=False)
             np.multiply(t17, t18[..., f0:f0 + n_rows, :, :], out=t39)
-            t40 = np.reshape(t37[..., d_V*d_ff:2*d_V*d_ff], (n_batch, L, n_rows, d_ff, d_V), copy=False)
             np.multiply(t29, t30[..., f0:f0 + n_rows, :, :], out=t40)
             t41 = np.einsum('abccd->abcd', np.reshape(t37[..., d_V*d_ff:2*d_V*d_ff], (n_batch, L, n_rows, d_ff, d_V), copy=False)[..., f0:f0 + n_rows, :])
             t41 += t31 * t32[..., f0:f0 + n_rows, :]
-            np.matmul(t35, t38, out=t36[:, f0*(2*d_V*d_ff):(f0 + n_rows)*(2*d_V*d_ff)])
+            np.matmul(t35, t38, out=t36[..., f0*(2*d_V*d_ff):f0*(2*d_V*d_ff) + n_rows*(2*d_V*d_ff)])
         del R
         t42 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
         t43 = np.reshape(t42, (d_ff, d_V, d_V, d_ff), copy=False)

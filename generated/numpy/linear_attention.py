@@ -1699,15 +1699,15 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         R = np.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype)
         t100 = np.reshape(R, (n_batch, L*n_rows, 2*d_K*d_V + d_V**2), copy=False)
         t101 = np.reshape(R, (L*n_batch, n_rows*(2*d_K*d_V + d_V**2)), copy=False)
+        t102 = np.reshape(t100[..., 0:d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+        t103 = np.reshape(t100[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
         for f0 in range(0, d_V, n_rows):
-            t102 = np.reshape(t100[..., 0:d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
             np.multiply(t80[..., f0:f0 + n_rows, :, :], t81, out=t102)
             t102 += t82[..., f0:f0 + n_rows, :, :] * t83
-            t103 = np.reshape(t100[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
             np.multiply(t91[..., f0:f0 + n_rows, :, :], t92, out=t103)
             t103 += t93[..., f0:f0 + n_rows, :, :] * t94
             t100[..., 2*d_K*d_V:2*d_K*d_V + d_V**2][...] = 0
-            np.matmul(t98, t101, out=t99[:, f0*(2*d_K*d_V + d_V**2):(f0 + n_rows)*(2*d_K*d_V + d_V**2)])
+            np.matmul(t98, t101, out=t99[..., f0*(2*d_K*d_V + d_V**2):f0*(2*d_K*d_V + d_V**2) + n_rows*(2*d_K*d_V + d_V**2)])
         del R
         t104 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t105 = np.reshape(t104, (d_V, d_V, d_V, d_V), copy=False)
@@ -5036,17 +5036,17 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         R = np.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype)
         t55 = np.reshape(R, (n_batch, L*n_rows, 2*d_K*d_V + d_V**2), copy=False)
         t56 = np.reshape(R, (L*n_batch, n_rows*(2*d_K*d_V + d_V**2)), copy=False)
+        t57 = np.reshape(t55[..., 0:d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+        t58 = np.reshape(t55[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+        t60 = np.reshape(t55[..., 2*d_K*d_V:2*d_K*d_V + d_V**2], (n_batch, L, n_rows, d_V, d_V), copy=False)
         for f0 in range(0, d_K, n_rows):
-            t57 = np.reshape(t55[..., 0:d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
             np.multiply(t14, t15[..., f0:f0 + n_rows, :, :], out=t57)
-            t58 = np.reshape(t55[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
             np.multiply(t33, t34[..., f0:f0 + n_rows, :, :], out=t58)
             t59 = np.einsum('abcdc->abcd', np.reshape(t55[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)[..., f0:f0 + n_rows])
             t59 += t35[..., f0:f0 + n_rows, :] * t36
-            t60 = np.reshape(t55[..., 2*d_K*d_V:2*d_K*d_V + d_V**2], (n_batch, L, n_rows, d_V, d_V), copy=False)
             np.multiply(t47, t48[..., f0:f0 + n_rows, :, :], out=t60)
             t60 += t49 * t50[..., f0:f0 + n_rows, :, :]
-            np.matmul(t53, t56, out=t54[:, f0*(2*d_K*d_V + d_V**2):(f0 + n_rows)*(2*d_K*d_V + d_V**2)])
+            np.matmul(t53, t56, out=t54[..., f0*(2*d_K*d_V + d_V**2):f0*(2*d_K*d_V + d_V**2) + n_rows*(2*d_K*d_V + d_V**2)])
         del R
         R61 = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
         t62 = np.reshape(R61, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
@@ -8922,17 +8922,17 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         R = np.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype)
         t59 = np.reshape(R, (n_batch, L*n_rows, 2*d_K*d_V + d_V**2), copy=False)
         t60 = np.reshape(R, (L*n_batch, n_rows*(2*d_K*d_V + d_V**2)), copy=False)
+        t61 = np.reshape(t59[..., 0:d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+        t62 = np.reshape(t59[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+        t64 = np.reshape(t59[..., 2*d_K*d_V:2*d_K*d_V + d_V**2], (n_batch, L, n_rows, d_V, d_V), copy=False)
         for f0 in range(0, d_K, n_rows):
-            t61 = np.reshape(t59[..., 0:d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
             np.multiply(t19, t20[..., f0:f0 + n_rows, :, :], out=t61)
-            t62 = np.reshape(t59[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
             np.multiply(t38, t39[..., f0:f0 + n_rows, :, :], out=t62)
             t63 = np.einsum('abcdc->abcd', np.reshape(t59[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)[..., f0:f0 + n_rows])
             t63 += t40[..., f0:f0 + n_rows, :] * t41
-            t64 = np.reshape(t59[..., 2*d_K*d_V:2*d_K*d_V + d_V**2], (n_batch, L, n_rows, d_V, d_V), copy=False)
             np.multiply(t51, t52[..., f0:f0 + n_rows, :, :], out=t64)
             t64 += t53 * t54[..., f0:f0 + n_rows, :, :]
-            np.matmul(t57, t60, out=t58[:, f0*(2*d_K*d_V + d_V**2):(f0 + n_rows)*(2*d_K*d_V + d_V**2)])
+            np.matmul(t57, t60, out=t58[..., f0*(2*d_K*d_V + d_V**2):f0*(2*d_K*d_V + d_V**2) + n_rows*(2*d_K*d_V + d_V**2)])
         del R
         t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
         t66 = np.reshape(t65, (d_V, d_K, d_V, d_K), copy=False)
@@ -13124,17 +13124,17 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         R = np.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype)
         t65 = np.reshape(R, (n_batch, L*n_rows, 2*d_K*d_V + d_V**2), copy=False)
         t66 = np.reshape(R, (L*n_batch, n_rows*(2*d_K*d_V + d_V**2)), copy=False)
+        t67 = np.reshape(t65[..., 0:d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+        t68 = np.reshape(t65[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
+        t70 = np.reshape(t65[..., 2*d_K*d_V:2*d_K*d_V + d_V**2], (n_batch, L, n_rows, d_V, d_V), copy=False)
         for f0 in range(0, d_K, n_rows):
-            t67 = np.reshape(t65[..., 0:d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
             np.multiply(t24, t25[..., f0:f0 + n_rows, :, :], out=t67)
-            t68 = np.reshape(t65[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)
             np.multiply(t41, t42[..., f0:f0 + n_rows, :, :], out=t68)
             t69 = np.einsum('abcdc->abcd', np.reshape(t65[..., d_K*d_V:2*d_K*d_V], (n_batch, L, n_rows, d_V, d_K), copy=False)[..., f0:f0 + n_rows])
             t69 += t43[..., f0:f0 + n_rows, :] * t44
-            t70 = np.reshape(t65[..., 2*d_K*d_V:2*d_K*d_V + d_V**2], (n_batch, L, n_rows, d_V, d_V), copy=False)
             np.multiply(t57, t58[..., f0:f0 + n_rows, :, :], out=t70)
             t70 += t59 * t60[..., f0:f0 + n_rows, :, :]
-            np.matmul(t63, t66, out=t64[:, f0*(2*d_K*d_V + d_V**2):(f0 + n_rows)*(2*d_K*d_V + d_V**2)])
+            np.matmul(t63, t66, out=t64[..., f0*(2*d_K*d_V + d_V**2):f0*(2*d_K*d_V + d_V**2) + n_rows*(2*d_K*d_V + d_V**2)])
         del R
         R71 = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
         t72 = np.reshape(R71, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)

@@ -751,14 +751,14 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
         R = _empty((n_batch, L, n_rows, 2*d_V*d_ff), X)
         t28 = R.view((n_batch, L*n_rows, 2*d_V*d_ff))
         t29 = R.view((L*n_batch, 2*d_V*d_ff*n_rows))
+        t30 = t28[..., 0:d_V*d_ff].view((n_batch, L, n_rows, d_V, d_ff))
+        t31 = t28[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V))
         for f0 in range(0, d_ff, n_rows):
-            t30 = t28[..., 0:d_V*d_ff].view((n_batch, L, n_rows, d_V, d_ff))
-            torch.mul(t9[..., f0:f0 + n_rows, :, :], t10, out=t30)
-            t31 = t28[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V))
-            torch.mul(t20, t21[..., f0:f0 + n_rows, :, :], out=t31)
-            t32 = t28[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V))[..., f0:f0 + n_rows, :].diagonal(0, 2, 3)
-            t32.addcmul_(t22, t23[..., f0:f0 + n_rows])
-            torch.matmul(t26, t29, out=t27[:, f0*(2*d_V*d_ff):(f0 + n_rows)*(2*d_V*d_ff)])
+            torch.mul(t9.narrow(-3, f0, n_rows), t10, out=t30)
+            torch.mul(t20, t21.narrow(-3, f0, n_rows), out=t31)
+            t32 = t28[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V)).narrow(-2, f0, n_rows).diagonal(0, 2, 3)
+            t32.addcmul_(t22, t23.narrow(-1, f0, n_rows))
+            torch.matmul(t26, t29, out=t27.narrow(-1, f0*(2*d_V*d_ff), n_rows*(2*d_V*d_ff)))
         del R
         t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
         t34 = t33.view((d_ff, d_V, d_V, d_ff))
@@ -2342,14 +2342,14 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
         R = _empty((n_batch, L, n_rows, 2*d_V*d_ff), X)
         t37 = R.view((n_batch, L*n_rows, 2*d_V*d_ff))
         t38 = R.view((L*n_batch, 2*d_V*d_ff*n_rows))
+        t39 = t37[..., 0:d_V*d_ff].view((n_batch, L, n_rows, d_V, d_ff))
+        t40 = t37[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V))
         for f0 in range(0, d_ff, n_rows):
-            t39 = t37[..., 0:d_V*d_ff].view((n_batch, L, n_rows, d_V, d_ff))
-            torch.mul(t17, t18[..., f0:f0 + n_rows, :, :], out=t39)
-            t40 = t37[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V))
-            torch.mul(t29, t30[..., f0:f0 + n_rows, :, :], out=t40)
-            t41 = t37[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V))[..., f0:f0 + n_rows, :].diagonal(0, 2, 3)
-            t41.addcmul_(t31, t32[..., f0:f0 + n_rows])
-            torch.matmul(t35, t38, out=t36[:, f0*(2*d_V*d_ff):(f0 + n_rows)*(2*d_V*d_ff)])
+            torch.mul(t17, t18.narrow(-3, f0, n_rows), out=t39)
+            torch.mul(t29, t30.narrow(-3, f0, n_rows), out=t40)
+            t41 = t37[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V)).narrow(-2, f0, n_rows).diagonal(0, 2, 3)
+            t41.addcmul_(t31, t32.narrow(-1, f0, n_rows))
+            torch.matmul(t35, t38, out=t36.narrow(-1, f0*(2*d_V*d_ff), n_rows*(2*d_V*d_ff)))
         del R
         t42 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
         t43 = t42.view((d_ff, d_V, d_V, d_ff))

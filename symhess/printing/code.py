@@ -1229,9 +1229,10 @@ class NotChunkable(Exception):
     """A slab operand write that ``SlabChunk`` cannot split (the slab is written whole)."""
 
 
-def _narrowed(code, pos, start, stop):
-    """``code`` sliced to ``start:stop`` along the axis ``pos`` places from the end."""
-    return f"{code}[..., {start}:{stop}{', :' * (pos - 1)}]"
+def _narrowed(rt, code, pos, start, length):
+    """``code`` restricted to ``start`` … ``start + length`` along the axis ``pos`` places
+    from the end (one ``narrow`` in torch: a slice per axis would be one operation each)."""
+    return rt.fmt("narrow", code, -pos, start, length, ", :" * (pos - 1))
 
 
 class SlabChunk:
@@ -1279,38 +1280,42 @@ class SlabChunk:
                             view, pos))
 
     def lines(self, rt, flat, f0, size):
-        """The statements writing one chunk (rows ``f0`` … ``f0 + size``) through ``flat``,
-        the chunk of R viewed as ([batch,] s·size, columns)."""
-        out, made = [], {}
+        """(statements before the loop, statements of one chunk, rows ``f0`` … ``f0 + size``)
+        writing R's chunk through ``flat``, the chunk viewed as ([batch,] s·size, columns).
+        The chunk's views are the same objects for every chunk and made once; a diagonal
+        view depends on the chunk's rows and is made in the loop."""
+        before, loop, made = [], [], {}
         for w in self.writes:
             if w[0] == "zero":
-                out.append(f"{flat}[..., {self._cols(w[1])}][...] = 0")
+                loop.append(f"{flat}[..., {self._cols(w[1])}][...] = 0")
                 continue
             key, x, x_rows, y, y_rows, view, pos = w
             if view not in made:
+                code, moving = self._chunk_view(rt, view, flat, f0, size)
                 made[view] = rt.fresh()
-                out.append(f"{made[view]} = {self._chunk_view(rt, view, flat, f0, size)}")
-            xs = _narrowed(x, pos, f0, f"{f0} + {size}") if x_rows else x
-            ys = _narrowed(y, pos, f0, f"{f0} + {size}") if y_rows else y
-            out.append(rt.fmt(key, xs, ys, made[view]))
-        return out
+                (loop if moving else before).append(f"{made[view]} = {code}")
+            xs = _narrowed(rt, x, pos, f0, size) if x_rows else x
+            ys = _narrowed(rt, y, pos, f0, size) if y_rows else y
+            loop.append(rt.fmt(key, xs, ys, made[view]))
+        return before, loop
 
     def _cols(self, target):
         return self._targets[target]
 
     def _chunk_view(self, rt, view, flat, f0, size):
+        """(code, whether it depends on the chunk's rows) of ``view`` on the chunk."""
         target, lead, row_atoms, atoms, _ = self.views[view]
         f = row_atoms[1]
         sizes = [N_BATCH] * len(lead) + [rt.lw.labels.size[a] for a in atoms]
         sizes[len(lead) + 1] = sp.Symbol(size)
         code = rt.fmt("view", f"{flat}[..., {self._cols(target)}]", rt.shape(sizes))
-        if atoms.count(f) > 1:        # a diagonal with a column atom: its rows of the chunk
+        moving = atoms.count(f) > 1
+        if moving:                # a diagonal with a column atom: its rows of the chunk
             j = atoms.index(f, 2)
-            code = _narrowed(code, len(atoms) - j, f0, f"{f0} + {size}")
+            code = _narrowed(rt, code, len(atoms) - j, f0, size)
         if len(set(atoms)) < len(atoms):
             code = _diag_code(rt, code, lead + atoms)[0]
-        return code
-
+        return code, moving
 
 def _scaled(rt, coef, code):
     coef = sp.sympify(coef)

@@ -21,6 +21,8 @@ NUMPY = {
     "triu_mask": "np.triu(np.ones(({0}, {0}), dtype=bool), 1)",
     "tril_ones": "np.tril(np.ones(({0}, {0}), dtype={like}.dtype))",
     "where": "np.where({0}, {1}, {2})",
+    # {0} restricted to {2} … {2} + {3} along axis {1} (< 0); {4}: ", :" per later axis
+    "narrow": "{0}[..., {2}:{2} + {3}{4}]",
     "view": "np.reshape({0}, {1}, copy=False)",
     "mul_into": "np.multiply({0}, {1}, out={2})",
     "addmul_into": "{2} += {0} * {1}",

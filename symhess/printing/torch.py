@@ -35,6 +35,8 @@ TORCH = {
     "triu_mask": "torch.triu(torch.ones(({0}, {0}), dtype=torch.bool, device={like}.device), 1)",
     "tril_ones": "torch.tril(torch.ones(({0}, {0}), dtype={like}.dtype, device={like}.device))",
     "where": "torch.where({0}, {1}, {2})",
+    # {0} restricted to {2} … {2} + {3} along axis {1} (< 0); {4}: ", :" per later axis
+    "narrow": "{0}.narrow({1}, {2}, {3})",
     "view": "{0}.view({1})",
     "mul_into": "torch.mul({0}, {1}, out={2})",
     "addmul_into": "{2}.addcmul_({0}, {1})",
