@@ -76,8 +76,12 @@ def dense_hessian(L=16, d=32, repeat=5, device="cpu"):
         graph_comparison(lambda: kg.hessian(tv, "full"), lambda: torch.func.hessian(f)(flat),
                          t_auto, device)
         return t_torch, t_dev_ones, t_auto
+    ktr = kt.traced()
+    ktr.hessian(tv, "full")                     # traced on the first call
+    t_traced = best(lambda: ktr.hessian(tv, "full"), repeat)
     print(f"dense full Hessian MSE f64 L={L} d_V=d_K={d} ({n}x{n}): kernel numpy {t_np*1e3:.1f} ms, "
-          f"torch {t_torch*1e3:.1f} ms, "
+          f"torch {t_torch*1e3:.1f} ms, torch traced {t_traced*1e3:.1f} ms "
+          f"(autograd/traced = {t_auto/t_traced:.1f}x), "
           f"np.ones {t_ones*1e3:.1f} ms, torch.func.hessian {t_auto*1e3:.1f} ms")
     print(f"  kernel/np.ones = {t_kernel/t_ones:.2f} (target <= 2), "
           f"autograd/kernel = {t_auto/t_kernel:.1f}x (target >= 7), rel. err {err:.1e}")

@@ -108,3 +108,20 @@ def test_traced_needs_torch_and_excludes_cuda_graphs():
         k.traced().with_cuda_graphs()
     with pytest.raises(ValueError, match="replays CUDA graphs"):
         k.with_cuda_graphs().traced()
+
+
+@pytest.mark.parametrize("name", [n for n in sh.codegen.LAYERS if n not in sh.codegen.ON_DEMAND])
+def test_every_committed_layer_replays_its_hessian(name):
+    """Every committed layer's full Hessian routine traces (no fallback warning) and its
+    replay gives the eager numbers on values it was not traced with."""
+    from test_hessian_out import values_for
+    k = sh.kernel(name, "torch", "mse")
+    t = k.traced()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch in (1, 3):
+            vals = {n: torch.tensor(v) for n, v in values_for(name, batch).items()}
+            t.hessian(vals, "full")                       # traced with these values
+            other = {n: v * 1.1 if v.is_floating_point() else v for n, v in vals.items()}
+            got, want = t.hessian(other, "full"), k.hessian(other, "full")
+            assert float((got - want).abs().max()) <= 1e-13 * float(want.abs().max()), batch
