@@ -8,7 +8,9 @@ W_Q, W_K, W_V, W_1, W_2).  The reference is an independent plain-torch forward o
 Z = LN(Y + relu(Y W_1) W_2), Y = LN(X + softmax(X W_Q W_Kᵀ Xᵀ/√d_K) X W_V) with the MSE loss
 ‖Z − T‖²/(L d), differentiated by ``torch.func.hessian`` (forward-over-reverse) and, for
 the accuracy check, by reverse-over-reverse (LayerNorm's known forward-over-reverse issue).
-Every time is the best of several calls in this run; the kernel is rendered before timing.
+Every time is the best of several calls in this run, the kernel variants and autograd timed in
+turn, round after round, so that all of them see the same stretch of the machine's load
+(``--rounds``); the kernel is rendered before timing.
 The kernel is timed twice: allocating its output each call, and writing into one array
 reused across calls (``out=``), which saves the page faults of a fresh 63 MB result; and both
 ways again replayed from a traced graph (``Kernel.traced()``: no Python layer per statement).
@@ -33,7 +35,7 @@ import torch
 import symhess as sh
 
 from .timing import (add_device_option, best, check_device, device_label, graph_comparison,
-                     synchronize)
+                     interleaved, synchronize)
 
 
 def layer_norm(u):
@@ -58,6 +60,9 @@ def main(argv=None):
     ap.add_argument("--d-k", type=int, default=16)
     ap.add_argument("--d-ff", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds of the interleaved timing (each: 3 calls of every kernel "
+                         "variant, 1 of torch.func.hessian; the best of all rounds is reported)")
     ap.add_argument("--quick", action="store_true", help="L=4, d=8, d_K=6, d_ff=16 (smoke run)")
     ap.add_argument("--retain-freed-memory", action="store_true",
                     help="keep freed memory mapped (glibc mallopt) for kernel and autograd alike")
@@ -85,17 +90,22 @@ def main(argv=None):
     render = time.perf_counter() - t0
     loss = make_loss(tv["X"], tv["Y"])
     argn = tuple(range(len(names)))
-    t_kernel = best(lambda: k.hessian(tv, "full"), 5, dev)
     buf = torch.empty((n, n), dtype=torch.float64, device=dev)
-    t_out = best(lambda: k.hessian(tv, "full", out=buf), 5, dev)
     kt = k.traced()
     t0 = time.perf_counter()
     kt.hessian(tv, "full", out=buf)
     synchronize(dev)
     trace_s = time.perf_counter() - t0
-    t_traced = best(lambda: kt.hessian(tv, "full"), 5, dev)
-    t_traced_out = best(lambda: kt.hessian(tv, "full", out=buf), 5, dev)
-    t_ad = best(lambda: torch.func.hessian(loss, argnums=argn)(*params), 3, dev)
+    # every variant and autograd in turn, round after round (the machine's load drifts)
+    t = interleaved({"kernel": lambda: k.hessian(tv, "full"),
+                     "out": lambda: k.hessian(tv, "full", out=buf),
+                     "traced": lambda: kt.hessian(tv, "full"),
+                     "traced_out": lambda: kt.hessian(tv, "full", out=buf),
+                     "autograd": lambda: torch.func.hessian(loss, argnums=argn)(*params)},
+                    rounds=a.rounds, repeat={"kernel": 3, "out": 3, "traced": 3, "traced_out": 3},
+                    device=dev)
+    t_kernel, t_out, t_traced, t_traced_out, t_ad = (
+        t[k_] for k_ in ("kernel", "out", "traced", "traced_out", "autograd"))
     t_ones = best(lambda: np.ones((n, n)))
     h = torch.func.jacrev(torch.func.jacrev(loss, argnums=argn), argnums=argn)(*params)
     ref = torch.cat([torch.cat([h[i][j].reshape(params[i].numel(), params[j].numel())

@@ -27,6 +27,26 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def interleaved(fns, rounds=5, repeat=None, device="cpu"):
+    """{name: minimum wall time} of the functions ``fns`` ({name: fn}) timed in turn, round
+    after round (``repeat[name]`` calls of each per round, default 1), so that every one is
+    measured across the same stretch of the machine's load, not in a window of its own.
+    One warm-up call each first."""
+    repeat = repeat or {}
+    for fn in fns.values():
+        fn()
+    synchronize(device)
+    out = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(repeat.get(name, 1)):
+                t = time.perf_counter()
+                fn()
+                synchronize(device)
+                out[name] = min(out[name], time.perf_counter() - t)
+    return out
+
+
 def best(fn, repeat=5, device="cpu"):
     """Minimum wall time of ``repeat`` calls (after one warm-up call); on CUDA each timed
     region ends with a synchronize, so it measures the work and not only the launches."""
