@@ -35,6 +35,33 @@ TEMPLATES = ROOT / "templates"
 TARGETS = {"numpy": NUMPY, "torch": TORCH}
 
 
+# a slab GEMM (K = L, a few dozen rows, hundreds of thousands of columns) runs in blocks of at
+# most this many rows: MKL wrote 64 such rows at 0.9 ms per million entries and 16 or 32 at
+# 0.7 (BENCHMARKS.md, eighth session)
+SLAB_GEMM_ROWS = 32
+
+
+def _row_blocks(rt, a, b, dest, m):
+    """Statements writing ``dest`` = ``a`` @ ``b`` (``a`` with ``m`` rows) in blocks of at
+    most ``SLAB_GEMM_ROWS`` rows (one product where ``m`` is that small)."""
+    rows = rt.size(m)
+    if sp.sympify(m).is_number and int(m) <= SLAB_GEMM_ROWS:
+        return [rt.fmt("matmul_into", a, b, dest)]
+    r = rt.fresh("r0")
+    k = f"min({SLAB_GEMM_ROWS}, {rows} - {r})"
+    return [f"if {rows} <= {SLAB_GEMM_ROWS}:",
+            "    " + rt.fmt("matmul_into", a, b, dest),
+            "else:",
+            f"    for {r} in range(0, {rows}, {SLAB_GEMM_ROWS}):",
+            "        " + rt.fmt("matmul_into", _narrowed0(rt, a, r, k), b,
+                                _narrowed0(rt, dest, r, k))]
+
+
+def _narrowed0(rt, code, start, length):
+    """Rows ``start`` … ``start + length`` of the 2-D array ``code``."""
+    return rt.fmt("narrow", code, -2, start, length, ", :")
+
+
 def size_lines(target, symbols, variables, batched):
     """Statements binding each dimension symbol (and ``n_batch`` when there is data) from the
     shape of the first argument that has it: as a row dimension, axis -2, else axis -1."""
@@ -387,7 +414,8 @@ class Variant:
         dest = rt.emit(rt.fmt("view", rows, rt.shape([m, n_rest * total])), False)
         if chunk is None:
             b = rt.emit(rt.fmt("view", R, rt.shape([inner, n_rest * total])), False)
-            rt.line(rt.fmt("matmul_into", a, b, dest))
+            for ln in _row_blocks(rt, a, b, dest, m):
+                rt.line(ln)
         else:       # R a chunk of its rows at a time, each multiplied into its rows of H
             n = rt.fresh("n_rows")
             f0 = rt.fresh("f0")
@@ -406,9 +434,11 @@ class Variant:
             rt.line(f"for {f0} in range(0, {rt.size(n_rest)}, {n}):")
             for ln in loop:
                 rt.line("    " + ln)
-            cols = rt.fmt("narrow", dest, -1, f"{f0}*({rt.size(total)})",
-                          f"{n}*({rt.size(total)})", "")
-            rt.line("    " + rt.fmt("matmul_into", a, b, cols))
+            cols = rt.fresh()               # the chunk's columns of the slab (in the loop)
+            rt.line(f"    {cols} = " + rt.fmt("narrow", dest, -1, f"{f0}*({rt.size(total)})",
+                                             f"{n}*({rt.size(total)})", ""))
+            for ln in _row_blocks(rt, a, b, cols, m):
+                rt.line("    " + ln)
         rt.written += _prod_rep(rt, (offs[i + 1] - offs[i]) * total)
         rt.line(f"del {R}")
         for j, (terms, r, c) in enumerate(per_q):

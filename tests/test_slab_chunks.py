@@ -2,7 +2,8 @@
 
 At the test sizes one chunk holds every row, so the committed kernels run each loop once;
 here the full-block routines are rendered with chunks of a single row (every row of R
-written, multiplied into H and overwritten in turn, diagonal writes included) and must
+written, multiplied into H and overwritten in turn, diagonal writes included), and their
+slab GEMMs in blocks of two rows (``SLAB_GEMM_ROWS``: the last block shorter), and must
 give the same Hessian as the committed routine and as autograd, for one sequence and for a
 batch (R then holds each sequence's rows)."""
 import math
@@ -19,8 +20,9 @@ from symhess.verify import random_values
 from test_block_kernels import SIZES, reference
 
 
-def rendered(name, backend, monkeypatch, entries):
+def rendered(name, backend, monkeypatch, entries, rows=codegen.SLAB_GEMM_ROWS):
     monkeypatch.setattr(codegen, "CHUNK_ENTRIES", entries)
+    monkeypatch.setattr(codegen, "SLAB_GEMM_ROWS", rows)
     v = codegen.Variant(codegen.lowered(name, "mse", ()), codegen.TARGETS[backend], "x")
     fn = v.make(("hessian", "full"))
     src = f"def f({', '.join(fn.args)}):\n" + "\n".join("    " + ln for ln in fn.lines) + \
@@ -34,8 +36,9 @@ def rendered(name, backend, monkeypatch, entries):
 @pytest.mark.parametrize("name", ["post_ln_block", "pre_ln_block"])
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 def test_one_row_chunks_give_the_committed_hessian(name, backend, monkeypatch):
-    f, src, args = rendered(name, backend, monkeypatch, 1)
+    f, src, args = rendered(name, backend, monkeypatch, 1, rows=2)   # GEMMs of ≤ 2 rows too
     assert src.count("for f0") >= 2 and "n_rows = max(1, min(" in src
+    assert "for r0" in src and "min(2, " in src
     d = sh.derive(sh.layer(name), "mse")
     k = sh.kernel(name, backend, "mse")
     for batch in (1, 2):

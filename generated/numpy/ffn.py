@@ -746,30 +746,35 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
             np.multiply(t20, t21[..., f0:f0 + n_rows, :, :], out=t31)
             t32 = np.einsum('abccd->abcd', np.reshape(t28[..., d_V*d_ff:2*d_V*d_ff], (n_batch, L, n_rows, d_ff, d_V), copy=False)[..., f0:f0 + n_rows, :])
             t32 += t22 * t23[..., f0:f0 + n_rows, :]
-            np.matmul(t26, t29, out=t27[..., f0*(2*d_V*d_ff):f0*(2*d_V*d_ff) + n_rows*(2*d_V*d_ff)])
+            t33 = t27[..., f0*(2*d_V*d_ff):f0*(2*d_V*d_ff) + n_rows*(2*d_V*d_ff)]
+            if d_V <= 32:
+                np.matmul(t26, t29, out=t33)
+            else:
+                for r0 in range(0, d_V, 32):
+                    np.matmul(t26[..., r0:r0 + min(32, d_V - r0), :], t29, out=t33[..., r0:r0 + min(32, d_V - r0), :])
         del R
-        t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-        t34 = np.reshape(t33, (d_ff, d_V, d_V, d_ff), copy=False)
-        t36 = np.swapaxes(t13, -1, -2)
-        t37 = (2/(L*d_V*n_batch)) * X
-        t38 = (np.reshape(t37, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-        t39 = np.reshape((np.reshape(t38.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t3, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
-        t40 = np.einsum('abca->abc', t34)
-        t41 = np.swapaxes(G, -1, -2)
-        t42 = np.swapaxes(t3, -1, -2)
-        t43 = (1/n_batch) * t41
-        t44 = t42.transpose(1, 0, 2)
-        t45 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t43.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-        np.multiply(np.reshape(t4, (1, d_V, 1, d_ff)), np.reshape(t39, (d_ff, 1, d_V, d_ff)), out=t34)
-        t40 += np.reshape((np.reshape(t44, (d_ff, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
-        t46 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-        t46[...] = 0
-        t47 = np.reshape(t46, (d_ff, d_V, d_ff, d_V), copy=False)
-        t48 = np.einsum('abcb->abc', t47)
-        t49 = t36 @ t13
-        t50 = np.ones((d_V,), dtype=X.dtype)
-        t51 = (2/(L*d_V*n_batch)) * t50
-        t48 += np.reshape(t51, (1, d_V, 1)) * np.reshape(t49.sum((0,)), (d_ff, 1, d_ff))
+        t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        t35 = np.reshape(t34, (d_ff, d_V, d_V, d_ff), copy=False)
+        t37 = np.swapaxes(t13, -1, -2)
+        t38 = (2/(L*d_V*n_batch)) * X
+        t39 = (np.reshape(t38, (n_batch, L, d_V, 1)) * np.reshape(t37.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+        t40 = np.reshape((np.reshape(t39.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t3, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
+        t41 = np.einsum('abca->abc', t35)
+        t42 = np.swapaxes(G, -1, -2)
+        t43 = np.swapaxes(t3, -1, -2)
+        t44 = (1/n_batch) * t42
+        t45 = t43.transpose(1, 0, 2)
+        t46 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t44.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        np.multiply(np.reshape(t4, (1, d_V, 1, d_ff)), np.reshape(t40, (d_ff, 1, d_V, d_ff)), out=t35)
+        t41 += np.reshape((np.reshape(t45, (d_ff, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
+        t47 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t47[...] = 0
+        t48 = np.reshape(t47, (d_ff, d_V, d_ff, d_V), copy=False)
+        t49 = np.einsum('abcb->abc', t48)
+        t50 = t37 @ t13
+        t51 = np.ones((d_V,), dtype=X.dtype)
+        t52 = (2/(L*d_V*n_batch)) * t51
+        t49 += np.reshape(t52, (1, d_V, 1)) * np.reshape(t50.sum((0,)), (d_ff, 1, d_ff))
         return H
     H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
@@ -2337,28 +2342,33 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
             np.multiply(t29, t30[..., f0:f0 + n_rows, :, :], out=t40)
             t41 = np.einsum('abccd->abcd', np.reshape(t37[..., d_V*d_ff:2*d_V*d_ff], (n_batch, L, n_rows, d_ff, d_V), copy=False)[..., f0:f0 + n_rows, :])
             t41 += t31 * t32[..., f0:f0 + n_rows, :]
-            np.matmul(t35, t38, out=t36[..., f0*(2*d_V*d_ff):f0*(2*d_V*d_ff) + n_rows*(2*d_V*d_ff)])
+            t42 = t36[..., f0*(2*d_V*d_ff):f0*(2*d_V*d_ff) + n_rows*(2*d_V*d_ff)]
+            if d_V <= 32:
+                np.matmul(t35, t38, out=t42)
+            else:
+                for r0 in range(0, d_V, 32):
+                    np.matmul(t35[..., r0:r0 + min(32, d_V - r0), :], t38, out=t42[..., r0:r0 + min(32, d_V - r0), :])
         del R
-        t42 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-        t43 = np.reshape(t42, (d_ff, d_V, d_V, d_ff), copy=False)
-        t45 = np.swapaxes(t6, -1, -2)
-        t46 = (1/(L*n_batch)) * t5
-        t47 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t45.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
-        t48 = (dA * np.reshape(t46, (n_batch, L, d_V, 1)))
-        t49 = ((t14.transpose(1, 2, 0, 3) @ t48.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-        t50 = np.einsum('abca->abc', t43)
-        t51 = np.swapaxes(G, -1, -2)
-        t52 = np.swapaxes(t3, -1, -2)
-        t53 = (1/n_batch) * t51
-        t54 = t52.transpose(1, 0, 2)
-        t55 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t53.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-        t43[...] = (np.reshape((np.reshape(t47, (d_V*d_ff, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
-        t50 += np.reshape((np.reshape(t54, (d_ff, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
-        t56 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-        t57 = np.reshape(t56, (d_ff, d_V, d_ff, d_V), copy=False)
-        t58 = (dA.transpose(2, 3, 0, 1) * np.reshape(t46.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t59 = (np.reshape(t6.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t45.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
-        t57[...] = (np.reshape((np.reshape(t59, (d_ff**2, L*n_batch)) @ np.reshape(t58.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
+        t43 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        t44 = np.reshape(t43, (d_ff, d_V, d_V, d_ff), copy=False)
+        t46 = np.swapaxes(t6, -1, -2)
+        t47 = (1/(L*n_batch)) * t5
+        t48 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t46.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
+        t49 = (dA * np.reshape(t47, (n_batch, L, d_V, 1)))
+        t50 = ((t14.transpose(1, 2, 0, 3) @ t49.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+        t51 = np.einsum('abca->abc', t44)
+        t52 = np.swapaxes(G, -1, -2)
+        t53 = np.swapaxes(t3, -1, -2)
+        t54 = (1/n_batch) * t52
+        t55 = t53.transpose(1, 0, 2)
+        t56 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t54.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t44[...] = (np.reshape((np.reshape(t48, (d_V*d_ff, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
+        t51 += np.reshape((np.reshape(t55, (d_ff, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
+        t57 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t58 = np.reshape(t57, (d_ff, d_V, d_ff, d_V), copy=False)
+        t59 = (dA.transpose(2, 3, 0, 1) * np.reshape(t47.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t60 = (np.reshape(t6.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t46.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
+        t58[...] = (np.reshape((np.reshape(t60, (d_ff**2, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
     H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]

@@ -1707,16 +1707,21 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             np.multiply(t91[..., f0:f0 + n_rows, :, :], t92, out=t103)
             t103 += t93[..., f0:f0 + n_rows, :, :] * t94
             t100[..., 2*d_K*d_V:2*d_K*d_V + d_V**2][...] = 0
-            np.matmul(t98, t101, out=t99[..., f0*(2*d_K*d_V + d_V**2):f0*(2*d_K*d_V + d_V**2) + n_rows*(2*d_K*d_V + d_V**2)])
+            t104 = t99[..., f0*(2*d_K*d_V + d_V**2):f0*(2*d_K*d_V + d_V**2) + n_rows*(2*d_K*d_V + d_V**2)]
+            if d_V <= 32:
+                np.matmul(t98, t101, out=t104)
+            else:
+                for r0 in range(0, d_V, 32):
+                    np.matmul(t98[..., r0:r0 + min(32, d_V - r0), :], t101, out=t104[..., r0:r0 + min(32, d_V - r0), :])
         del R
-        t104 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t105 = np.reshape(t104, (d_V, d_V, d_V, d_V), copy=False)
-        t106 = np.einsum('abcb->abc', t105)
-        t107 = np.swapaxes(t39, -1, -2)
-        t108 = t107 @ t39
-        t109 = np.ones((d_V,), dtype=X.dtype)
-        t110 = (2/(L*d_V*n_batch)) * t109
-        t106 += np.reshape(t110, (1, d_V, 1)) * np.reshape(t108.sum((0,)), (d_V, 1, d_V))
+        t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t106 = np.reshape(t105, (d_V, d_V, d_V, d_V), copy=False)
+        t107 = np.einsum('abcb->abc', t106)
+        t108 = np.swapaxes(t39, -1, -2)
+        t109 = t108 @ t39
+        t110 = np.ones((d_V,), dtype=X.dtype)
+        t111 = (2/(L*d_V*n_batch)) * t110
+        t107 += np.reshape(t111, (1, d_V, 1)) * np.reshape(t109.sum((0,)), (d_V, 1, d_V))
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -5046,81 +5051,94 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             t59 += t35[..., f0:f0 + n_rows, :] * t36
             np.multiply(t47, t48[..., f0:f0 + n_rows, :, :], out=t60)
             t60 += t49 * t50[..., f0:f0 + n_rows, :, :]
-            np.matmul(t53, t56, out=t54[..., f0*(2*d_K*d_V + d_V**2):f0*(2*d_K*d_V + d_V**2) + n_rows*(2*d_K*d_V + d_V**2)])
+            t61 = t54[..., f0*(2*d_K*d_V + d_V**2):f0*(2*d_K*d_V + d_V**2) + n_rows*(2*d_K*d_V + d_V**2)]
+            if d_V <= 32:
+                np.matmul(t53, t56, out=t61)
+            else:
+                for r0 in range(0, d_V, 32):
+                    np.matmul(t53[..., r0:r0 + min(32, d_V - r0), :], t56, out=t61[..., r0:r0 + min(32, d_V - r0), :])
         del R
-        R61 = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
-        t62 = np.reshape(R61, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
-        t63 = t62[..., 0:d_K*d_V]
-        t64 = np.reshape(t63, (n_batch, L, d_K, d_V, d_K), copy=False)
-        t65 = np.swapaxes(t18, -1, -2)
-        t66 = np.swapaxes(Mcausal, -1, -2)
-        t67 = (2/(L*d_K*d_V)) * t66
-        t68 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t65, (n_batch, d_K, 1, L)))
-        t69 = (np.reshape(t7.transpose(1, 0, 2), (L, n_batch, L, 1)) * np.reshape(t67, (L, 1, 1, L)))
-        t70 = (t69.transpose(2, 3, 0, 1) * np.reshape(t66, (L, L, 1, 1)))
-        t71 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t70.transpose(3, 0, 2, 1), (n_batch, L, L**2))), (n_batch, d_K, L, L))).transpose(0, 2, 1, 3)
-        t72 = np.einsum('abcdc->abcd', t64)
-        t73 = np.swapaxes(t28, -1, -2)
-        t74 = t73 * t66
-        t75 = t74 @ X
-        t64[...] = (np.reshape((np.reshape(t68, (n_batch, d_K*d_V, L)) @ np.reshape(t71.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
-        t72 += np.reshape(t32, (1, 1, d_K, 1)) * np.reshape(t75, (n_batch, L, 1, d_V))
-        t76 = t62[..., d_K*d_V:2*d_K*d_V]
-        t77 = np.reshape(t76, (n_batch, L, d_K, d_V, d_K), copy=False)
-        t78 = (np.reshape(t18.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t65, (n_batch, d_K, 1, L)))
-        t79 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t70.transpose(3, 0, 2, 1), (n_batch, L, L**2))), (n_batch, d_V, L, L))).transpose(0, 2, 1, 3)
-        t77[...] = (np.reshape((np.reshape(t79, (n_batch, L*d_V, L)) @ np.reshape(t78.transpose(0, 3, 1, 2), (n_batch, L, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
-        t80 = t62[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t81 = np.reshape(t80, (n_batch, L, d_K, d_V, d_V), copy=False)
-        t82 = (1/math.sqrt(d_K)) * t66
-        t83 = (np.reshape(t82.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t65.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
-        t84 = np.reshape((np.reshape(t83.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ G), (n_batch, L, d_K, d_V))
-        t85 = (2/(L*math.sqrt(d_K)*d_V)) * t66
-        t86 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_V), (n_batch, L, d_V))
-        t87 = (np.reshape(t85.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t65.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
-        t88 = np.reshape((np.reshape(t87.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ t39), (n_batch, L, d_K, d_V))
-        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t84, (n_batch, L, d_K, 1, d_V)), out=t81)
-        t81 += np.reshape(t86, (n_batch, L, 1, 1, d_V)) * np.reshape(t88, (n_batch, L, d_K, d_V, 1))
-        t89 = np.reshape(H[d_K*d_V:2*d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        t90 = np.reshape(R61, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        np.matmul(t53, t90, out=t89)
-        del R61
-        R91 = np.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype)
-        t92 = np.reshape(R91, (n_batch, L*d_V, 2*d_K*d_V + d_V**2), copy=False)
-        t93 = t92[..., 0:d_K*d_V]
-        t94 = np.reshape(t93, (n_batch, L, d_V, d_V, d_K), copy=False)
-        t95 = np.swapaxes(T, -1, -2)
-        t96 = t66 * t95
-        t97 = (2/(L*math.sqrt(d_K)*d_V)) * t96
-        t98 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t5, (n_batch, d_V, 1, L)))
-        t99 = (np.reshape(Mcausal, (L, L, 1, 1)) * np.reshape(t97.transpose(2, 0, 1), (L, 1, n_batch, L)))
-        t100 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t99.transpose(2, 0, 3, 1), (n_batch, L, L**2))), (n_batch, d_V, L, L))).transpose(0, 2, 1, 3)
-        t101 = np.swapaxes(G, -1, -2)
-        t102 = (np.reshape(t82.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t101.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
-        t103 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-        t94[...] = (np.reshape((np.reshape(t100, (n_batch, L*d_V, L)) @ np.reshape(t98.transpose(0, 3, 1, 2), (n_batch, L, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
-        t94 += np.reshape(t8, (n_batch, L, 1, 1, d_K)) * np.reshape(t103, (n_batch, L, d_V, d_V, 1))
-        t104 = t92[..., d_K*d_V:2*d_K*d_V]
-        t105 = np.reshape(t104, (n_batch, L, d_V, d_V, d_K), copy=False)
-        t106 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t5, (n_batch, d_V, 1, L)))
-        t107 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t99.transpose(2, 0, 3, 1), (n_batch, L, L**2))), (n_batch, d_K, L, L))).transpose(0, 2, 1, 3)
-        t108 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))
-        t105[...] = (np.reshape((np.reshape(t106, (n_batch, d_V**2, L)) @ np.reshape(t107.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
-        t105 += np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t108, (n_batch, L, d_V, 1, d_K))
-        t109 = t92[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t109[...] = 0
-        t110 = np.reshape(H[2*d_K*d_V:2*d_K*d_V + d_V**2], (d_V, d_V*(2*d_K*d_V + d_V**2)), copy=False)
-        t111 = np.reshape(R91, (L*n_batch, d_V*(2*d_K*d_V + d_V**2)), copy=False)
-        np.matmul(t53, t111, out=t110)
-        del R91
-        t112 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t113 = np.reshape(t112, (d_V, d_V, d_V, d_V), copy=False)
-        t114 = np.einsum('abcb->abc', t113)
-        t115 = np.swapaxes(t39, -1, -2)
-        t116 = t115 @ t39
-        t117 = np.ones((d_V,), dtype=X.dtype)
-        t118 = (2/(L*d_V*n_batch)) * t117
-        t114 += np.reshape(t118, (1, d_V, 1)) * np.reshape(t116.sum((0,)), (d_V, 1, d_V))
+        R62 = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t63 = np.reshape(R62, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
+        t64 = t63[..., 0:d_K*d_V]
+        t65 = np.reshape(t64, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t66 = np.swapaxes(t18, -1, -2)
+        t67 = np.swapaxes(Mcausal, -1, -2)
+        t68 = (2/(L*d_K*d_V)) * t67
+        t69 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t66, (n_batch, d_K, 1, L)))
+        t70 = (np.reshape(t7.transpose(1, 0, 2), (L, n_batch, L, 1)) * np.reshape(t68, (L, 1, 1, L)))
+        t71 = (t70.transpose(2, 3, 0, 1) * np.reshape(t67, (L, L, 1, 1)))
+        t72 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t71.transpose(3, 0, 2, 1), (n_batch, L, L**2))), (n_batch, d_K, L, L))).transpose(0, 2, 1, 3)
+        t73 = np.einsum('abcdc->abcd', t65)
+        t74 = np.swapaxes(t28, -1, -2)
+        t75 = t74 * t67
+        t76 = t75 @ X
+        t65[...] = (np.reshape((np.reshape(t69, (n_batch, d_K*d_V, L)) @ np.reshape(t72.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        t73 += np.reshape(t32, (1, 1, d_K, 1)) * np.reshape(t76, (n_batch, L, 1, d_V))
+        t77 = t63[..., d_K*d_V:2*d_K*d_V]
+        t78 = np.reshape(t77, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t79 = (np.reshape(t18.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t66, (n_batch, d_K, 1, L)))
+        t80 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t71.transpose(3, 0, 2, 1), (n_batch, L, L**2))), (n_batch, d_V, L, L))).transpose(0, 2, 1, 3)
+        t78[...] = (np.reshape((np.reshape(t80, (n_batch, L*d_V, L)) @ np.reshape(t79.transpose(0, 3, 1, 2), (n_batch, L, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
+        t81 = t63[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t82 = np.reshape(t81, (n_batch, L, d_K, d_V, d_V), copy=False)
+        t83 = (1/math.sqrt(d_K)) * t67
+        t84 = (np.reshape(t83.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t66.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
+        t85 = np.reshape((np.reshape(t84.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ G), (n_batch, L, d_K, d_V))
+        t86 = (2/(L*math.sqrt(d_K)*d_V)) * t67
+        t87 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_V), (n_batch, L, d_V))
+        t88 = (np.reshape(t86.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t66.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
+        t89 = np.reshape((np.reshape(t88.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ t39), (n_batch, L, d_K, d_V))
+        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t85, (n_batch, L, d_K, 1, d_V)), out=t82)
+        t82 += np.reshape(t87, (n_batch, L, 1, 1, d_V)) * np.reshape(t89, (n_batch, L, d_K, d_V, 1))
+        t90 = np.reshape(H[d_K*d_V:2*d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        t91 = np.reshape(R62, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        if d_V <= 32:
+            np.matmul(t53, t91, out=t90)
+        else:
+            for r092 in range(0, d_V, 32):
+                np.matmul(t53[..., r092:r092 + min(32, d_V - r092), :], t91, out=t90[..., r092:r092 + min(32, d_V - r092), :])
+        del R62
+        R93 = np.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t94 = np.reshape(R93, (n_batch, L*d_V, 2*d_K*d_V + d_V**2), copy=False)
+        t95 = t94[..., 0:d_K*d_V]
+        t96 = np.reshape(t95, (n_batch, L, d_V, d_V, d_K), copy=False)
+        t97 = np.swapaxes(T, -1, -2)
+        t98 = t67 * t97
+        t99 = (2/(L*math.sqrt(d_K)*d_V)) * t98
+        t100 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t5, (n_batch, d_V, 1, L)))
+        t101 = (np.reshape(Mcausal, (L, L, 1, 1)) * np.reshape(t99.transpose(2, 0, 1), (L, 1, n_batch, L)))
+        t102 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t101.transpose(2, 0, 3, 1), (n_batch, L, L**2))), (n_batch, d_V, L, L))).transpose(0, 2, 1, 3)
+        t103 = np.swapaxes(G, -1, -2)
+        t104 = (np.reshape(t83.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t103.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
+        t105 = np.reshape((np.reshape(t104.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t96[...] = (np.reshape((np.reshape(t102, (n_batch, L*d_V, L)) @ np.reshape(t100.transpose(0, 3, 1, 2), (n_batch, L, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+        t96 += np.reshape(t8, (n_batch, L, 1, 1, d_K)) * np.reshape(t105, (n_batch, L, d_V, d_V, 1))
+        t106 = t94[..., d_K*d_V:2*d_K*d_V]
+        t107 = np.reshape(t106, (n_batch, L, d_V, d_V, d_K), copy=False)
+        t108 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t5, (n_batch, d_V, 1, L)))
+        t109 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t101.transpose(2, 0, 3, 1), (n_batch, L, L**2))), (n_batch, d_K, L, L))).transpose(0, 2, 1, 3)
+        t110 = np.reshape((np.reshape(t104.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))
+        t107[...] = (np.reshape((np.reshape(t108, (n_batch, d_V**2, L)) @ np.reshape(t109.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        t107 += np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t110, (n_batch, L, d_V, 1, d_K))
+        t111 = t94[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t111[...] = 0
+        t112 = np.reshape(H[2*d_K*d_V:2*d_K*d_V + d_V**2], (d_V, d_V*(2*d_K*d_V + d_V**2)), copy=False)
+        t113 = np.reshape(R93, (L*n_batch, d_V*(2*d_K*d_V + d_V**2)), copy=False)
+        if d_V <= 32:
+            np.matmul(t53, t113, out=t112)
+        else:
+            for r0114 in range(0, d_V, 32):
+                np.matmul(t53[..., r0114:r0114 + min(32, d_V - r0114), :], t113, out=t112[..., r0114:r0114 + min(32, d_V - r0114), :])
+        del R93
+        t115 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t116 = np.reshape(t115, (d_V, d_V, d_V, d_V), copy=False)
+        t117 = np.einsum('abcb->abc', t116)
+        t118 = np.swapaxes(t39, -1, -2)
+        t119 = t118 @ t39
+        t120 = np.ones((d_V,), dtype=X.dtype)
+        t121 = (2/(L*d_V*n_batch)) * t120
+        t117 += np.reshape(t121, (1, d_V, 1)) * np.reshape(t119.sum((0,)), (d_V, 1, d_V))
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -8932,81 +8950,86 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             t63 += t40[..., f0:f0 + n_rows, :] * t41
             np.multiply(t51, t52[..., f0:f0 + n_rows, :, :], out=t64)
             t64 += t53 * t54[..., f0:f0 + n_rows, :, :]
-            np.matmul(t57, t60, out=t58[..., f0*(2*d_K*d_V + d_V**2):f0*(2*d_K*d_V + d_V**2) + n_rows*(2*d_K*d_V + d_V**2)])
+            t65 = t58[..., f0*(2*d_K*d_V + d_V**2):f0*(2*d_K*d_V + d_V**2) + n_rows*(2*d_K*d_V + d_V**2)]
+            if d_V <= 32:
+                np.matmul(t57, t60, out=t65)
+            else:
+                for r0 in range(0, d_V, 32):
+                    np.matmul(t57[..., r0:r0 + min(32, d_V - r0), :], t60, out=t65[..., r0:r0 + min(32, d_V - r0), :])
         del R
-        t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-        t66 = np.reshape(t65, (d_V, d_K, d_V, d_K), copy=False)
-        t67 = np.swapaxes(t25, -1, -2)
-        t68 = np.swapaxes(t23, -1, -2)
-        t69 = np.swapaxes(Y, -1, -2)
-        t70 = t69.sum(-2, keepdims=True)
-        t71 = np.broadcast_to(t70, t70.shape[:-2] + (d_V, t70.shape[-1]))
-        t72 = (1/(L*d_K*n_batch)) * t68
-        t73 = (t17.transpose(0, 2, 3, 1) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
-        t74 = np.reshape((np.reshape(t73.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t67.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
-        t75 = (np.reshape(t74.transpose(3, 2, 0, 1), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
-        t76 = t72.transpose(1, 0, 2)
-        t77 = np.einsum('abcb->abc', t66)
-        t78 = np.swapaxes(G, -1, -2)
-        t79 = (1/(math.sqrt(d_K)*n_batch)) * t36
-        t80 = (t78.transpose(0, 2, 1) @ t67.transpose(0, 2, 1))
-        t81 = (np.reshape(t80.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
-        t82 = np.reshape(t76, (1, d_K, L*n_batch))
-        t83 = np.reshape(t66, (d_V, d_K, d_K*d_V), copy=False)
-        np.matmul(np.broadcast_to(t82, (d_V,) + t82.shape[-2:]), np.reshape(t75.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t83)
-        t77 += np.reshape(t79, (1, d_K, 1)) * np.reshape(t81, (d_V, 1, d_V))
-        t84 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        t85 = np.reshape(t84, (d_V, d_K, d_V, d_K), copy=False)
-        t86 = (t26.transpose(0, 2, 3, 1) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
-        t87 = np.reshape((np.reshape(t86.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t67.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
-        t88 = (np.reshape(t87.transpose(3, 2, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, 1, d_K, n_batch, L)))
-        t89 = np.reshape(t85, (d_V, d_K, d_K*d_V), copy=False)
-        np.matmul(np.broadcast_to(t82, (d_V,) + t82.shape[-2:]), np.reshape(t88.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t89)
-        t90 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t91 = np.reshape(t90, (d_V, d_K, d_V, d_V), copy=False)
-        t92 = t0 @ X
-        t93 = (1/(math.sqrt(d_K)*n_batch)) * t68
-        t94 = t92.transpose(1, 2, 0)
-        t95 = ((G.transpose(0, 2, 1) @ t93.transpose(0, 2, 1))).transpose(2, 1, 0)
-        t96 = (1/(L*math.sqrt(d_K)*n_batch)) * t68
-        t97 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t92.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
-        t98 = (dA * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
-        t99 = np.reshape((np.reshape(t98.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t97.transpose(1, 0, 2)), (n_batch, L, d_V, d_V))
-        t100 = (np.reshape(t99.transpose(3, 2, 0, 1), (d_V, 1, d_V, n_batch, L)) * np.reshape(t45.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
-        t101 = t96.transpose(1, 0, 2)
-        t91[...] = (np.reshape((np.reshape(t94, (d_V**2, n_batch)) @ np.reshape(t95.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-        t91 += np.reshape((np.reshape(t101, (1, d_K, L*n_batch)) @ np.reshape(t100.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))
-        t102 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t103 = np.reshape(t102, (d_V, d_V, d_V, d_K), copy=False)
-        t104 = np.swapaxes(t3, -1, -2)
-        t105 = t78 @ X
-        t106 = (1/(math.sqrt(d_K)*n_batch)) * t0
-        t107 = t105.transpose(1, 2, 0)
-        t108 = ((t104.transpose(0, 2, 1) @ t106.transpose(0, 2, 1))).transpose(2, 1, 0)
-        t109 = np.swapaxes(T, -1, -2)
-        t110 = (1/(L*math.sqrt(d_K)*n_batch)) * t109
-        t111 = (dA * np.reshape(t7, (n_batch, L, d_V, 1)))
-        t112 = (np.reshape((t14.transpose(0, 2, 1) @ np.reshape(t111.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-        t113 = (t110.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
-        t114 = (np.reshape(t113.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-        t103[...] = (np.reshape((np.reshape(t107, (d_V**2, n_batch)) @ np.reshape(t108.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t103 += (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t112.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-        t115 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t116 = np.reshape(t115, (d_V, d_V, d_V, d_K), copy=False)
-        t117 = t78 @ t23
-        t118 = t117.transpose(1, 2, 0)
-        t119 = ((X.transpose(0, 2, 1) @ t106.transpose(0, 2, 1))).transpose(2, 1, 0)
-        t120 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t111.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-        t121 = (np.reshape(t113.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)))
-        t116[...] = (np.reshape((np.reshape(t119, (d_V**2, n_batch)) @ np.reshape(t118.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-        t116 += (np.reshape((np.reshape(t120, (d_V**2, L*n_batch)) @ np.reshape(t121.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t123 = np.reshape(t122, (d_V, d_V, d_V, d_V), copy=False)
-        t124 = np.swapaxes(t45, -1, -2)
-        t125 = (1/(L*n_batch)) * t124
-        t126 = (dA.transpose(2, 3, 0, 1) * np.reshape(t7.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t127 = (np.reshape(t45.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t125.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-        t123[...] = (np.reshape((np.reshape(t127, (d_V**2, L*n_batch)) @ np.reshape(t126.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        t66 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t67 = np.reshape(t66, (d_V, d_K, d_V, d_K), copy=False)
+        t68 = np.swapaxes(t25, -1, -2)
+        t69 = np.swapaxes(t23, -1, -2)
+        t70 = np.swapaxes(Y, -1, -2)
+        t71 = t70.sum(-2, keepdims=True)
+        t72 = np.broadcast_to(t71, t71.shape[:-2] + (d_V, t71.shape[-1]))
+        t73 = (1/(L*d_K*n_batch)) * t69
+        t74 = (t17.transpose(0, 2, 3, 1) * np.reshape(t72.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+        t75 = np.reshape((np.reshape(t74.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t68.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
+        t76 = (np.reshape(t75.transpose(3, 2, 0, 1), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        t77 = t73.transpose(1, 0, 2)
+        t78 = np.einsum('abcb->abc', t67)
+        t79 = np.swapaxes(G, -1, -2)
+        t80 = (1/(math.sqrt(d_K)*n_batch)) * t36
+        t81 = (t79.transpose(0, 2, 1) @ t68.transpose(0, 2, 1))
+        t82 = (np.reshape(t81.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
+        t83 = np.reshape(t77, (1, d_K, L*n_batch))
+        t84 = np.reshape(t67, (d_V, d_K, d_K*d_V), copy=False)
+        np.matmul(np.broadcast_to(t83, (d_V,) + t83.shape[-2:]), np.reshape(t76.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t84)
+        t78 += np.reshape(t80, (1, d_K, 1)) * np.reshape(t82, (d_V, 1, d_V))
+        t85 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t86 = np.reshape(t85, (d_V, d_K, d_V, d_K), copy=False)
+        t87 = (t26.transpose(0, 2, 3, 1) * np.reshape(t72.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+        t88 = np.reshape((np.reshape(t87.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t68.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+        t89 = (np.reshape(t88.transpose(3, 2, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, 1, d_K, n_batch, L)))
+        t90 = np.reshape(t86, (d_V, d_K, d_K*d_V), copy=False)
+        np.matmul(np.broadcast_to(t83, (d_V,) + t83.shape[-2:]), np.reshape(t89.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t90)
+        t91 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t92 = np.reshape(t91, (d_V, d_K, d_V, d_V), copy=False)
+        t93 = t0 @ X
+        t94 = (1/(math.sqrt(d_K)*n_batch)) * t69
+        t95 = t93.transpose(1, 2, 0)
+        t96 = ((G.transpose(0, 2, 1) @ t94.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t97 = (1/(L*math.sqrt(d_K)*n_batch)) * t69
+        t98 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t93.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+        t99 = (dA * np.reshape(t72.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+        t100 = np.reshape((np.reshape(t99.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t98.transpose(1, 0, 2)), (n_batch, L, d_V, d_V))
+        t101 = (np.reshape(t100.transpose(3, 2, 0, 1), (d_V, 1, d_V, n_batch, L)) * np.reshape(t45.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        t102 = t97.transpose(1, 0, 2)
+        t92[...] = (np.reshape((np.reshape(t95, (d_V**2, n_batch)) @ np.reshape(t96.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+        t92 += np.reshape((np.reshape(t102, (1, d_K, L*n_batch)) @ np.reshape(t101.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))
+        t103 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t104 = np.reshape(t103, (d_V, d_V, d_V, d_K), copy=False)
+        t105 = np.swapaxes(t3, -1, -2)
+        t106 = t79 @ X
+        t107 = (1/(math.sqrt(d_K)*n_batch)) * t0
+        t108 = t106.transpose(1, 2, 0)
+        t109 = ((t105.transpose(0, 2, 1) @ t107.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t110 = np.swapaxes(T, -1, -2)
+        t111 = (1/(L*math.sqrt(d_K)*n_batch)) * t110
+        t112 = (dA * np.reshape(t7, (n_batch, L, d_V, 1)))
+        t113 = (np.reshape((t14.transpose(0, 2, 1) @ np.reshape(t112.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
+        t114 = (t111.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
+        t115 = (np.reshape(t114.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+        t104[...] = (np.reshape((np.reshape(t108, (d_V**2, n_batch)) @ np.reshape(t109.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t104 += (np.reshape((np.reshape(t115, (d_V**2, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t116 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t117 = np.reshape(t116, (d_V, d_V, d_V, d_K), copy=False)
+        t118 = t79 @ t23
+        t119 = t118.transpose(1, 2, 0)
+        t120 = ((X.transpose(0, 2, 1) @ t107.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t121 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t112.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+        t122 = (np.reshape(t114.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)))
+        t117[...] = (np.reshape((np.reshape(t120, (d_V**2, n_batch)) @ np.reshape(t119.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t117 += (np.reshape((np.reshape(t121, (d_V**2, L*n_batch)) @ np.reshape(t122.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t123 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t124 = np.reshape(t123, (d_V, d_V, d_V, d_V), copy=False)
+        t125 = np.swapaxes(t45, -1, -2)
+        t126 = (1/(L*n_batch)) * t125
+        t127 = (dA.transpose(2, 3, 0, 1) * np.reshape(t7.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t128 = (np.reshape(t45.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t126.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t124[...] = (np.reshape((np.reshape(t128, (d_V**2, L*n_batch)) @ np.reshape(t127.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -13134,86 +13157,95 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             t69 += t43[..., f0:f0 + n_rows, :] * t44
             np.multiply(t57, t58[..., f0:f0 + n_rows, :, :], out=t70)
             t70 += t59 * t60[..., f0:f0 + n_rows, :, :]
-            np.matmul(t63, t66, out=t64[..., f0*(2*d_K*d_V + d_V**2):f0*(2*d_K*d_V + d_V**2) + n_rows*(2*d_K*d_V + d_V**2)])
+            t71 = t64[..., f0*(2*d_K*d_V + d_V**2):f0*(2*d_K*d_V + d_V**2) + n_rows*(2*d_K*d_V + d_V**2)]
+            if d_V <= 32:
+                np.matmul(t63, t66, out=t71)
+            else:
+                for r0 in range(0, d_V, 32):
+                    np.matmul(t63[..., r0:r0 + min(32, d_V - r0), :], t66, out=t71[..., r0:r0 + min(32, d_V - r0), :])
         del R
-        R71 = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
-        t72 = np.reshape(R71, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
-        t73 = t72[..., 0:d_K*d_V]
-        t74 = np.reshape(t73, (n_batch, L, d_K, d_V, d_K), copy=False)
-        t75 = np.swapaxes(t28, -1, -2)
-        t76 = np.swapaxes(Mcausal, -1, -2)
-        t77 = np.swapaxes(Y, -1, -2)
-        t78 = t77.sum(-2, keepdims=True)
-        t79 = np.broadcast_to(t78, t78.shape[:-2] + (d_V, t78.shape[-1]))
-        t80 = (1/(L*d_K)) * t76
-        t81 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t75, (n_batch, d_K, 1, L)))
-        t82 = (t17.transpose(0, 2, 3, 1) * np.reshape(t79.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
-        t83 = np.reshape((np.reshape(t82.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-        t84 = (t83.transpose(1, 2, 0, 3) * np.reshape(Mcausal, (L, L, 1, 1)))
-        t85 = np.reshape((np.reshape(t84.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ t15), (n_batch, L, L, d_K))
-        t86 = (t85.transpose(0, 2, 3, 1) * np.reshape(t80, (1, L, 1, L)))
-        t87 = np.einsum('abcdc->abcd', t74)
-        t88 = np.swapaxes(t36, -1, -2)
-        t89 = t88 * t76
-        t90 = (t89 @ X)
-        t74[...] = (np.reshape((np.reshape(t81, (n_batch, d_K*d_V, L)) @ np.reshape(t86.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
-        t87 += np.reshape(t40, (1, 1, d_K, 1)) * np.reshape(t90, (n_batch, L, 1, d_V))
-        t91 = t72[..., d_K*d_V:2*d_K*d_V]
-        t92 = np.reshape(t91, (n_batch, L, d_K, d_V, d_K), copy=False)
-        t93 = (np.reshape(t28.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t75, (n_batch, d_K, 1, L)))
-        t94 = np.reshape((np.reshape(t84.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ X), (n_batch, L, L, d_V))
-        t95 = (t94.transpose(0, 2, 3, 1) * np.reshape(t80, (1, L, 1, L)))
-        t92[...] = (np.reshape((np.reshape(t95, (n_batch, L*d_V, L)) @ np.reshape(t93.transpose(0, 3, 1, 2), (n_batch, L, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
-        t96 = t72[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t97 = np.reshape(t96, (n_batch, L, d_K, d_V, d_V), copy=False)
-        t98 = (1/math.sqrt(d_K)) * t76
-        t99 = (np.reshape(t98.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t75.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
-        t100 = np.reshape((np.reshape(t99.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ G), (n_batch, L, d_K, d_V))
-        t101 = (1/(L*math.sqrt(d_K))) * t76
-        t102 = (np.reshape(t47.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t75, (n_batch, d_K, 1, L)))
-        t103 = (np.reshape(t49, (d_V, n_batch, L, 1)) * np.reshape(t79.transpose(1, 0, 2), (d_V, n_batch, 1, L)))
-        t104 = (t103.transpose(1, 3, 2, 0) @ dA)
-        t105 = (t104.transpose(0, 2, 3, 1) * np.reshape(t101, (1, L, 1, L)))
-        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t100, (n_batch, L, d_K, 1, d_V)), out=t97)
-        t97 += (np.reshape((np.reshape(t102, (n_batch, d_K*d_V, L)) @ np.reshape(t105.transpose(0, 3, 1, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L, d_V))).transpose(0, 3, 1, 2, 4)
-        t106 = np.reshape(H[d_K*d_V:2*d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        t107 = np.reshape(R71, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        np.matmul(t63, t107, out=t106)
-        del R71
-        t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t109 = np.reshape(t108, (d_V, d_V, d_V, d_K), copy=False)
-        t110 = np.swapaxes(T, -1, -2)
-        t111 = t76 * t110
-        t112 = (1/(L*math.sqrt(d_K)*n_batch)) * t111
-        t113 = (t112.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
-        t114 = (np.reshape(t113.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-        t115 = (t17.transpose(1, 2, 0, 3) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1)))
-        t116 = np.reshape((np.reshape(t115.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t15), (n_batch, L, d_V, d_K))
-        t117 = (t116.transpose(2, 3, 0, 1) * np.reshape(t6.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t118 = np.swapaxes(G, -1, -2)
-        t119 = (1/(math.sqrt(d_K)*n_batch)) * t76
-        t120 = (np.reshape(t119, (L, L, 1, 1)) * np.reshape(t0.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
-        t121 = np.reshape((np.reshape(t120.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t15), (n_batch, L, d_V, d_K))
-        t122 = (np.reshape(t121.transpose(2, 3, 0, 1), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
-        t123 = t118.transpose(1, 0, 2)
-        t109[...] = (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t117.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-        t109 += np.reshape((np.reshape(t123, (1, d_V, L*n_batch)) @ np.reshape(t122.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))
-        t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t125 = np.reshape(t124, (d_V, d_V, d_V, d_K), copy=False)
-        t126 = (np.reshape(t113.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)))
-        t127 = np.reshape((np.reshape(t115.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-        t128 = (t127.transpose(2, 3, 0, 1) * np.reshape(t6.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t129 = np.reshape((np.reshape(t120.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-        t130 = (np.reshape(t129.transpose(2, 3, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, 1, d_K, n_batch, L)))
-        t125[...] = (np.reshape((np.reshape(t128, (d_V**2, L*n_batch)) @ np.reshape(t126.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t125 += np.reshape((np.reshape(t123, (1, d_V, L*n_batch)) @ np.reshape(t130.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))
-        t131 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t132 = np.reshape(t131, (d_V, d_V, d_V, d_V), copy=False)
-        t133 = np.swapaxes(t47, -1, -2)
-        t134 = (1/(L*n_batch)) * t133
-        t135 = (dA.transpose(2, 3, 0, 1) * np.reshape(t6.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t136 = (np.reshape(t47.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t134.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-        t132[...] = (np.reshape((np.reshape(t136, (d_V**2, L*n_batch)) @ np.reshape(t135.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        R72 = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t73 = np.reshape(R72, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
+        t74 = t73[..., 0:d_K*d_V]
+        t75 = np.reshape(t74, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t76 = np.swapaxes(t28, -1, -2)
+        t77 = np.swapaxes(Mcausal, -1, -2)
+        t78 = np.swapaxes(Y, -1, -2)
+        t79 = t78.sum(-2, keepdims=True)
+        t80 = np.broadcast_to(t79, t79.shape[:-2] + (d_V, t79.shape[-1]))
+        t81 = (1/(L*d_K)) * t77
+        t82 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t76, (n_batch, d_K, 1, L)))
+        t83 = (t17.transpose(0, 2, 3, 1) * np.reshape(t80.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+        t84 = np.reshape((np.reshape(t83.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+        t85 = (t84.transpose(1, 2, 0, 3) * np.reshape(Mcausal, (L, L, 1, 1)))
+        t86 = np.reshape((np.reshape(t85.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ t15), (n_batch, L, L, d_K))
+        t87 = (t86.transpose(0, 2, 3, 1) * np.reshape(t81, (1, L, 1, L)))
+        t88 = np.einsum('abcdc->abcd', t75)
+        t89 = np.swapaxes(t36, -1, -2)
+        t90 = t89 * t77
+        t91 = (t90 @ X)
+        t75[...] = (np.reshape((np.reshape(t82, (n_batch, d_K*d_V, L)) @ np.reshape(t87.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        t88 += np.reshape(t40, (1, 1, d_K, 1)) * np.reshape(t91, (n_batch, L, 1, d_V))
+        t92 = t73[..., d_K*d_V:2*d_K*d_V]
+        t93 = np.reshape(t92, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t94 = (np.reshape(t28.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t76, (n_batch, d_K, 1, L)))
+        t95 = np.reshape((np.reshape(t85.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ X), (n_batch, L, L, d_V))
+        t96 = (t95.transpose(0, 2, 3, 1) * np.reshape(t81, (1, L, 1, L)))
+        t93[...] = (np.reshape((np.reshape(t96, (n_batch, L*d_V, L)) @ np.reshape(t94.transpose(0, 3, 1, 2), (n_batch, L, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
+        t97 = t73[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t98 = np.reshape(t97, (n_batch, L, d_K, d_V, d_V), copy=False)
+        t99 = (1/math.sqrt(d_K)) * t77
+        t100 = (np.reshape(t99.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t76.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
+        t101 = np.reshape((np.reshape(t100.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ G), (n_batch, L, d_K, d_V))
+        t102 = (1/(L*math.sqrt(d_K))) * t77
+        t103 = (np.reshape(t47.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t76, (n_batch, d_K, 1, L)))
+        t104 = (np.reshape(t49, (d_V, n_batch, L, 1)) * np.reshape(t80.transpose(1, 0, 2), (d_V, n_batch, 1, L)))
+        t105 = (t104.transpose(1, 3, 2, 0) @ dA)
+        t106 = (t105.transpose(0, 2, 3, 1) * np.reshape(t102, (1, L, 1, L)))
+        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t101, (n_batch, L, d_K, 1, d_V)), out=t98)
+        t98 += (np.reshape((np.reshape(t103, (n_batch, d_K*d_V, L)) @ np.reshape(t106.transpose(0, 3, 1, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L, d_V))).transpose(0, 3, 1, 2, 4)
+        t107 = np.reshape(H[d_K*d_V:2*d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        t108 = np.reshape(R72, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        if d_V <= 32:
+            np.matmul(t63, t108, out=t107)
+        else:
+            for r0109 in range(0, d_V, 32):
+                np.matmul(t63[..., r0109:r0109 + min(32, d_V - r0109), :], t108, out=t107[..., r0109:r0109 + min(32, d_V - r0109), :])
+        del R72
+        t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t111 = np.reshape(t110, (d_V, d_V, d_V, d_K), copy=False)
+        t112 = np.swapaxes(T, -1, -2)
+        t113 = t77 * t112
+        t114 = (1/(L*math.sqrt(d_K)*n_batch)) * t113
+        t115 = (t114.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
+        t116 = (np.reshape(t115.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+        t117 = (t17.transpose(1, 2, 0, 3) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1)))
+        t118 = np.reshape((np.reshape(t117.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t15), (n_batch, L, d_V, d_K))
+        t119 = (t118.transpose(2, 3, 0, 1) * np.reshape(t6.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t120 = np.swapaxes(G, -1, -2)
+        t121 = (1/(math.sqrt(d_K)*n_batch)) * t77
+        t122 = (np.reshape(t121, (L, L, 1, 1)) * np.reshape(t0.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
+        t123 = np.reshape((np.reshape(t122.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t15), (n_batch, L, d_V, d_K))
+        t124 = (np.reshape(t123.transpose(2, 3, 0, 1), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        t125 = t120.transpose(1, 0, 2)
+        t111[...] = (np.reshape((np.reshape(t116, (d_V**2, L*n_batch)) @ np.reshape(t119.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t111 += np.reshape((np.reshape(t125, (1, d_V, L*n_batch)) @ np.reshape(t124.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))
+        t126 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t127 = np.reshape(t126, (d_V, d_V, d_V, d_K), copy=False)
+        t128 = (np.reshape(t115.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)))
+        t129 = np.reshape((np.reshape(t117.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t130 = (t129.transpose(2, 3, 0, 1) * np.reshape(t6.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t131 = np.reshape((np.reshape(t122.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t132 = (np.reshape(t131.transpose(2, 3, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, 1, d_K, n_batch, L)))
+        t127[...] = (np.reshape((np.reshape(t130, (d_V**2, L*n_batch)) @ np.reshape(t128.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t127 += np.reshape((np.reshape(t125, (1, d_V, L*n_batch)) @ np.reshape(t132.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))
+        t133 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t134 = np.reshape(t133, (d_V, d_V, d_V, d_V), copy=False)
+        t135 = np.swapaxes(t47, -1, -2)
+        t136 = (1/(L*n_batch)) * t135
+        t137 = (dA.transpose(2, 3, 0, 1) * np.reshape(t6.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t138 = (np.reshape(t47.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t136.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t134[...] = (np.reshape((np.reshape(t138, (d_V**2, L*n_batch)) @ np.reshape(t137.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]

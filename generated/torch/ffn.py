@@ -758,30 +758,35 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
             torch.mul(t20, t21.narrow(-3, f0, n_rows), out=t31)
             t32 = t28[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V)).narrow(-2, f0, n_rows).diagonal(0, 2, 3)
             t32.addcmul_(t22, t23.narrow(-1, f0, n_rows))
-            torch.matmul(t26, t29, out=t27.narrow(-1, f0*(2*d_V*d_ff), n_rows*(2*d_V*d_ff)))
+            t33 = t27.narrow(-1, f0*(2*d_V*d_ff), n_rows*(2*d_V*d_ff))
+            if d_V <= 32:
+                torch.matmul(t26, t29, out=t33)
+            else:
+                for r0 in range(0, d_V, 32):
+                    torch.matmul(t26.narrow(-2, r0, min(32, d_V - r0)), t29, out=t33.narrow(-2, r0, min(32, d_V - r0)))
         del R
-        t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-        t34 = t33.view((d_ff, d_V, d_V, d_ff))
-        t36 = t13.transpose(-1, -2)
-        t37 = (2/(L*d_V*n_batch)) * X
-        t38 = (t37.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-        t39 = (t38.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t3.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-        t40 = t34.diagonal(0, 0, 3)
-        t41 = G.transpose(-1, -2)
-        t42 = t3.transpose(-1, -2)
-        t43 = (1/n_batch) * t41
-        t44 = t42.permute(1, 0, 2)
-        t45 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t43.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        torch.mul(t4.reshape((1, d_V, 1, d_ff)), t39.reshape((d_ff, 1, d_V, d_ff)), out=t34)
-        t40 += (t45.reshape((d_V**2, L*n_batch)) @ t44.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-        t46 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-        t46[...] = 0
-        t47 = t46.view((d_ff, d_V, d_ff, d_V))
-        t48 = t47.diagonal(0, 1, 3)
-        t49 = t36 @ t13
-        t50 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-        t51 = (2/(L*d_V*n_batch)) * t50
-        t48.addcmul_(t51.reshape((1, 1, d_V)), t49.sum((0,)).reshape((d_ff, d_ff, 1)))
+        t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        t35 = t34.view((d_ff, d_V, d_V, d_ff))
+        t37 = t13.transpose(-1, -2)
+        t38 = (2/(L*d_V*n_batch)) * X
+        t39 = (t38.reshape((n_batch, L, d_V, 1)) * t37.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+        t40 = (t39.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t3.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+        t41 = t35.diagonal(0, 0, 3)
+        t42 = G.transpose(-1, -2)
+        t43 = t3.transpose(-1, -2)
+        t44 = (1/n_batch) * t42
+        t45 = t43.permute(1, 0, 2)
+        t46 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t44.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        torch.mul(t4.reshape((1, d_V, 1, d_ff)), t40.reshape((d_ff, 1, d_V, d_ff)), out=t35)
+        t41 += (t46.reshape((d_V**2, L*n_batch)) @ t45.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        t47 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t47[...] = 0
+        t48 = t47.view((d_ff, d_V, d_ff, d_V))
+        t49 = t48.diagonal(0, 1, 3)
+        t50 = t37 @ t13
+        t51 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t52 = (2/(L*d_V*n_batch)) * t51
+        t49.addcmul_(t52.reshape((1, 1, d_V)), t50.sum((0,)).reshape((d_ff, d_ff, 1)))
         return H
     H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
@@ -2349,28 +2354,33 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
             torch.mul(t29, t30.narrow(-3, f0, n_rows), out=t40)
             t41 = t37[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V)).narrow(-2, f0, n_rows).diagonal(0, 2, 3)
             t41.addcmul_(t31, t32.narrow(-1, f0, n_rows))
-            torch.matmul(t35, t38, out=t36.narrow(-1, f0*(2*d_V*d_ff), n_rows*(2*d_V*d_ff)))
+            t42 = t36.narrow(-1, f0*(2*d_V*d_ff), n_rows*(2*d_V*d_ff))
+            if d_V <= 32:
+                torch.matmul(t35, t38, out=t42)
+            else:
+                for r0 in range(0, d_V, 32):
+                    torch.matmul(t35.narrow(-2, r0, min(32, d_V - r0)), t38, out=t42.narrow(-2, r0, min(32, d_V - r0)))
         del R
-        t42 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-        t43 = t42.view((d_ff, d_V, d_V, d_ff))
-        t45 = t6.transpose(-1, -2)
-        t46 = (1/(L*n_batch)) * t5
-        t47 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t45.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t48 = (dA * t46.reshape((n_batch, L, d_V, 1)))
-        t49 = ((t14.permute(1, 2, 0, 3) @ t48.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-        t50 = t43.diagonal(0, 0, 3)
-        t51 = G.transpose(-1, -2)
-        t52 = t3.transpose(-1, -2)
-        t53 = (1/n_batch) * t51
-        t54 = t52.permute(1, 0, 2)
-        t55 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t53.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t43[...] = ((t47.reshape((d_V*d_ff, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
-        t50 += (t55.reshape((d_V**2, L*n_batch)) @ t54.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-        t56 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-        t57 = t56.view((d_ff, d_V, d_ff, d_V))
-        t58 = (dA.permute(2, 3, 0, 1) * t46.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        t59 = (t6.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t45.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t57[...] = ((t59.reshape((d_ff**2, L*n_batch)) @ t58.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+        t43 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        t44 = t43.view((d_ff, d_V, d_V, d_ff))
+        t46 = t6.transpose(-1, -2)
+        t47 = (1/(L*n_batch)) * t5
+        t48 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t46.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t49 = (dA * t47.reshape((n_batch, L, d_V, 1)))
+        t50 = ((t14.permute(1, 2, 0, 3) @ t49.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+        t51 = t44.diagonal(0, 0, 3)
+        t52 = G.transpose(-1, -2)
+        t53 = t3.transpose(-1, -2)
+        t54 = (1/n_batch) * t52
+        t55 = t53.permute(1, 0, 2)
+        t56 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t54.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t44[...] = ((t48.reshape((d_V*d_ff, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
+        t51 += (t56.reshape((d_V**2, L*n_batch)) @ t55.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        t57 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t58 = t57.view((d_ff, d_V, d_ff, d_V))
+        t59 = (dA.permute(2, 3, 0, 1) * t47.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t60 = (t6.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t46.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t58[...] = ((t60.reshape((d_ff**2, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
         return H
     H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]

@@ -1719,16 +1719,21 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             torch.mul(t91.narrow(-3, f0, n_rows), t92, out=t103)
             t103.addcmul_(t93.narrow(-3, f0, n_rows), t94)
             t100[..., 2*d_K*d_V:2*d_K*d_V + d_V**2][...] = 0
-            torch.matmul(t98, t101, out=t99.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2)))
+            t104 = t99.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2))
+            if d_V <= 32:
+                torch.matmul(t98, t101, out=t104)
+            else:
+                for r0 in range(0, d_V, 32):
+                    torch.matmul(t98.narrow(-2, r0, min(32, d_V - r0)), t101, out=t104.narrow(-2, r0, min(32, d_V - r0)))
         del R
-        t104 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t105 = t104.view((d_V, d_V, d_V, d_V))
-        t106 = t105.diagonal(0, 1, 3)
-        t107 = t39.transpose(-1, -2)
-        t108 = t107 @ t39
-        t109 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-        t110 = (2/(L*d_V*n_batch)) * t109
-        t106.addcmul_(t110.reshape((1, 1, d_V)), t108.sum((0,)).reshape((d_V, d_V, 1)))
+        t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t106 = t105.view((d_V, d_V, d_V, d_V))
+        t107 = t106.diagonal(0, 1, 3)
+        t108 = t39.transpose(-1, -2)
+        t109 = t108 @ t39
+        t110 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t111 = (2/(L*d_V*n_batch)) * t110
+        t107.addcmul_(t111.reshape((1, 1, d_V)), t109.sum((0,)).reshape((d_V, d_V, 1)))
         return H
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -5058,81 +5063,94 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             t59.addcmul_(t35.narrow(-1, f0, n_rows), t36)
             torch.mul(t47, t48.narrow(-3, f0, n_rows), out=t60)
             t60.addcmul_(t49, t50.narrow(-3, f0, n_rows))
-            torch.matmul(t53, t56, out=t54.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2)))
+            t61 = t54.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2))
+            if d_V <= 32:
+                torch.matmul(t53, t56, out=t61)
+            else:
+                for r0 in range(0, d_V, 32):
+                    torch.matmul(t53.narrow(-2, r0, min(32, d_V - r0)), t56, out=t61.narrow(-2, r0, min(32, d_V - r0)))
         del R
-        R61 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
-        t62 = R61.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
-        t63 = t62[..., 0:d_K*d_V]
-        t64 = t63.view((n_batch, L, d_K, d_V, d_K))
-        t65 = t18.transpose(-1, -2)
-        t66 = Mcausal.transpose(-1, -2)
-        t67 = (2/(L*d_K*d_V)) * t66
-        t68 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t65.reshape((n_batch, d_K, 1, L)))
-        t69 = (t7.permute(1, 0, 2).reshape((L, n_batch, L, 1)) * t67.reshape((L, 1, 1, L)))
-        t70 = (t69.permute(2, 3, 0, 1) * t66.reshape((L, L, 1, 1)))
-        t71 = ((t8.permute(0, 2, 1) @ t70.permute(3, 0, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t72 = t64.diagonal(0, 2, 4)
-        t73 = t28.transpose(-1, -2)
-        t74 = t73 * t66
-        t75 = t74 @ X
-        t64[...] = ((t68.reshape((n_batch, d_K*d_V, L)) @ t71.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t72.addcmul_(t32.reshape((1, 1, 1, d_K)), t75.reshape((n_batch, L, d_V, 1)))
-        t76 = t62[..., d_K*d_V:2*d_K*d_V]
-        t77 = t76.view((n_batch, L, d_K, d_V, d_K))
-        t78 = (t18.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t65.reshape((n_batch, d_K, 1, L)))
-        t79 = ((X.permute(0, 2, 1) @ t70.permute(3, 0, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t77[...] = ((t79.reshape((n_batch, L*d_V, L)) @ t78.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
-        t80 = t62[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t81 = t80.view((n_batch, L, d_K, d_V, d_V))
-        t82 = (1/math.sqrt(d_K)) * t66
-        t83 = (t82.permute(1, 0).reshape((L, L, 1, 1)) * t65.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
-        t84 = (t83.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ G).reshape((n_batch, L, d_K, d_V))
-        t85 = (2/(L*math.sqrt(d_K)*d_V)) * t66
-        t86 = (X.reshape((L*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_V))
-        t87 = (t85.permute(1, 0).reshape((L, L, 1, 1)) * t65.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
-        t88 = (t87.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ t39).reshape((n_batch, L, d_K, d_V))
-        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t84.reshape((n_batch, L, d_K, 1, d_V)), out=t81)
-        t81.addcmul_(t86.reshape((n_batch, L, 1, 1, d_V)), t88.reshape((n_batch, L, d_K, d_V, 1)))
-        t89 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
-        t90 = R61.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
-        torch.matmul(t53, t90, out=t89)
-        del R61
-        R91 = _empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), X)
-        t92 = R91.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2))
-        t93 = t92[..., 0:d_K*d_V]
-        t94 = t93.view((n_batch, L, d_V, d_V, d_K))
-        t95 = T.transpose(-1, -2)
-        t96 = t66 * t95
-        t97 = (2/(L*math.sqrt(d_K)*d_V)) * t96
-        t98 = (t8.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t5.reshape((n_batch, d_V, 1, L)))
-        t99 = (Mcausal.reshape((L, L, 1, 1)) * t97.permute(2, 0, 1).reshape((L, 1, n_batch, L)))
-        t100 = ((X.permute(0, 2, 1) @ t99.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t101 = G.transpose(-1, -2)
-        t102 = (t82.permute(1, 0).reshape((L, L, 1, 1)) * t101.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
-        t103 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-        t94[...] = ((t100.reshape((n_batch, L*d_V, L)) @ t98.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
-        t94.addcmul_(t8.reshape((n_batch, L, 1, 1, d_K)), t103.reshape((n_batch, L, d_V, d_V, 1)))
-        t104 = t92[..., d_K*d_V:2*d_K*d_V]
-        t105 = t104.view((n_batch, L, d_V, d_V, d_K))
-        t106 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t5.reshape((n_batch, d_V, 1, L)))
-        t107 = ((t18.permute(0, 2, 1) @ t99.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t108 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))
-        t105[...] = ((t106.reshape((n_batch, d_V**2, L)) @ t107.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t105.addcmul_(X.reshape((n_batch, L, 1, d_V, 1)), t108.reshape((n_batch, L, d_V, 1, d_K)))
-        t109 = t92[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t109[...] = 0
-        t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2)))
-        t111 = R91.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2)))
-        torch.matmul(t53, t111, out=t110)
-        del R91
-        t112 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t113 = t112.view((d_V, d_V, d_V, d_V))
-        t114 = t113.diagonal(0, 1, 3)
-        t115 = t39.transpose(-1, -2)
-        t116 = t115 @ t39
-        t117 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-        t118 = (2/(L*d_V*n_batch)) * t117
-        t114.addcmul_(t118.reshape((1, 1, d_V)), t116.sum((0,)).reshape((d_V, d_V, 1)))
+        R62 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
+        t63 = R62.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
+        t64 = t63[..., 0:d_K*d_V]
+        t65 = t64.view((n_batch, L, d_K, d_V, d_K))
+        t66 = t18.transpose(-1, -2)
+        t67 = Mcausal.transpose(-1, -2)
+        t68 = (2/(L*d_K*d_V)) * t67
+        t69 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t66.reshape((n_batch, d_K, 1, L)))
+        t70 = (t7.permute(1, 0, 2).reshape((L, n_batch, L, 1)) * t68.reshape((L, 1, 1, L)))
+        t71 = (t70.permute(2, 3, 0, 1) * t67.reshape((L, L, 1, 1)))
+        t72 = ((t8.permute(0, 2, 1) @ t71.permute(3, 0, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t73 = t65.diagonal(0, 2, 4)
+        t74 = t28.transpose(-1, -2)
+        t75 = t74 * t67
+        t76 = t75 @ X
+        t65[...] = ((t69.reshape((n_batch, d_K*d_V, L)) @ t72.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t73.addcmul_(t32.reshape((1, 1, 1, d_K)), t76.reshape((n_batch, L, d_V, 1)))
+        t77 = t63[..., d_K*d_V:2*d_K*d_V]
+        t78 = t77.view((n_batch, L, d_K, d_V, d_K))
+        t79 = (t18.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t66.reshape((n_batch, d_K, 1, L)))
+        t80 = ((X.permute(0, 2, 1) @ t71.permute(3, 0, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t78[...] = ((t80.reshape((n_batch, L*d_V, L)) @ t79.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t81 = t63[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t82 = t81.view((n_batch, L, d_K, d_V, d_V))
+        t83 = (1/math.sqrt(d_K)) * t67
+        t84 = (t83.permute(1, 0).reshape((L, L, 1, 1)) * t66.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
+        t85 = (t84.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ G).reshape((n_batch, L, d_K, d_V))
+        t86 = (2/(L*math.sqrt(d_K)*d_V)) * t67
+        t87 = (X.reshape((L*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_V))
+        t88 = (t86.permute(1, 0).reshape((L, L, 1, 1)) * t66.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
+        t89 = (t88.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ t39).reshape((n_batch, L, d_K, d_V))
+        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t85.reshape((n_batch, L, d_K, 1, d_V)), out=t82)
+        t82.addcmul_(t87.reshape((n_batch, L, 1, 1, d_V)), t89.reshape((n_batch, L, d_K, d_V, 1)))
+        t90 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
+        t91 = R62.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
+        if d_V <= 32:
+            torch.matmul(t53, t91, out=t90)
+        else:
+            for r092 in range(0, d_V, 32):
+                torch.matmul(t53.narrow(-2, r092, min(32, d_V - r092)), t91, out=t90.narrow(-2, r092, min(32, d_V - r092)))
+        del R62
+        R93 = _empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), X)
+        t94 = R93.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2))
+        t95 = t94[..., 0:d_K*d_V]
+        t96 = t95.view((n_batch, L, d_V, d_V, d_K))
+        t97 = T.transpose(-1, -2)
+        t98 = t67 * t97
+        t99 = (2/(L*math.sqrt(d_K)*d_V)) * t98
+        t100 = (t8.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t5.reshape((n_batch, d_V, 1, L)))
+        t101 = (Mcausal.reshape((L, L, 1, 1)) * t99.permute(2, 0, 1).reshape((L, 1, n_batch, L)))
+        t102 = ((X.permute(0, 2, 1) @ t101.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t103 = G.transpose(-1, -2)
+        t104 = (t83.permute(1, 0).reshape((L, L, 1, 1)) * t103.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
+        t105 = (t104.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t96[...] = ((t102.reshape((n_batch, L*d_V, L)) @ t100.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t96.addcmul_(t8.reshape((n_batch, L, 1, 1, d_K)), t105.reshape((n_batch, L, d_V, d_V, 1)))
+        t106 = t94[..., d_K*d_V:2*d_K*d_V]
+        t107 = t106.view((n_batch, L, d_V, d_V, d_K))
+        t108 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t5.reshape((n_batch, d_V, 1, L)))
+        t109 = ((t18.permute(0, 2, 1) @ t101.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t110 = (t104.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))
+        t107[...] = ((t108.reshape((n_batch, d_V**2, L)) @ t109.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t107.addcmul_(X.reshape((n_batch, L, 1, d_V, 1)), t110.reshape((n_batch, L, d_V, 1, d_K)))
+        t111 = t94[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t111[...] = 0
+        t112 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2)))
+        t113 = R93.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2)))
+        if d_V <= 32:
+            torch.matmul(t53, t113, out=t112)
+        else:
+            for r0114 in range(0, d_V, 32):
+                torch.matmul(t53.narrow(-2, r0114, min(32, d_V - r0114)), t113, out=t112.narrow(-2, r0114, min(32, d_V - r0114)))
+        del R93
+        t115 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t116 = t115.view((d_V, d_V, d_V, d_V))
+        t117 = t116.diagonal(0, 1, 3)
+        t118 = t39.transpose(-1, -2)
+        t119 = t118 @ t39
+        t120 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t121 = (2/(L*d_V*n_batch)) * t120
+        t117.addcmul_(t121.reshape((1, 1, d_V)), t119.sum((0,)).reshape((d_V, d_V, 1)))
         return H
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -8944,83 +8962,88 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             t63.addcmul_(t40.narrow(-1, f0, n_rows), t41)
             torch.mul(t51, t52.narrow(-3, f0, n_rows), out=t64)
             t64.addcmul_(t53, t54.narrow(-3, f0, n_rows))
-            torch.matmul(t57, t60, out=t58.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2)))
+            t65 = t58.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2))
+            if d_V <= 32:
+                torch.matmul(t57, t60, out=t65)
+            else:
+                for r0 in range(0, d_V, 32):
+                    torch.matmul(t57.narrow(-2, r0, min(32, d_V - r0)), t60, out=t65.narrow(-2, r0, min(32, d_V - r0)))
         del R
-        t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-        t66 = t65.view((d_V, d_K, d_V, d_K))
-        t67 = t25.transpose(-1, -2)
-        t68 = t23.transpose(-1, -2)
-        t69 = Y.transpose(-1, -2)
-        t70 = t69.sum(-2, keepdim=True)
-        t71 = t70.expand(*t70.shape[:-2], d_V, t70.shape[-1])
-        t72 = (1/(L*d_K*n_batch)) * t68
-        t73 = (t17.permute(0, 2, 3, 1) * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
-        t74 = (t73.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t67.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
-        t75 = (t74.permute(3, 2, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t76 = t72.permute(1, 0, 2)
-        t77 = t66.diagonal(0, 1, 3)
-        t78 = G.transpose(-1, -2)
-        t79 = (1/(math.sqrt(d_K)*n_batch)) * t36
-        t80 = (t78.permute(0, 2, 1) @ t67.permute(0, 2, 1))
-        t81 = (t80.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
-        t82 = t76.reshape((1, d_K, L*n_batch))
-        t83 = t66.view((d_V, d_K, d_K*d_V))
-        torch.bmm(t82.expand(*(d_V,), *t82.shape[-2:]), t75.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t83)
-        t77.addcmul_(t79.reshape((1, 1, d_K)), t81.reshape((d_V, d_V, 1)))
-        t84 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        t85 = t84.view((d_V, d_K, d_V, d_K))
-        t86 = (t26.permute(0, 2, 3, 1) * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
-        t87 = (t86.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t67.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
-        t88 = (t87.permute(3, 2, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t23.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        t89 = t85.view((d_V, d_K, d_K*d_V))
-        torch.bmm(t82.expand(*(d_V,), *t82.shape[-2:]), t88.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t89)
-        t90 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t91 = t90.view((d_V, d_K, d_V, d_V))
-        t92 = t0 @ X
-        t93 = (1/(math.sqrt(d_K)*n_batch)) * t68
-        t94 = t92.permute(1, 2, 0)
-        t95 = ((G.permute(0, 2, 1) @ t93.permute(0, 2, 1))).permute(2, 1, 0)
-        t96 = (1/(L*math.sqrt(d_K)*n_batch)) * t68
-        t97 = (W_V.permute(1, 0) @ t92.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
-        t98 = (dA * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
-        t99 = (t98.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t97.permute(1, 0, 2)).reshape((n_batch, L, d_V, d_V))
-        t100 = (t99.permute(3, 2, 0, 1).reshape((d_V, 1, d_V, n_batch, L)) * t45.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t101 = t96.permute(1, 0, 2)
-        t91[...] = ((t94.reshape((d_V**2, n_batch)) @ t95.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-        t102 = t101.reshape((1, d_K, L*n_batch))
-        t103 = t91.view((d_V, d_K, d_V**2))
-        t103.baddbmm_(t102.expand(*(d_V,), *t102.shape[-2:]), t100.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
-        t104 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t105 = t104.view((d_V, d_V, d_V, d_K))
-        t106 = t3.transpose(-1, -2)
-        t107 = t78 @ X
-        t108 = (1/(math.sqrt(d_K)*n_batch)) * t0
-        t109 = t107.permute(1, 2, 0)
-        t110 = ((t106.permute(0, 2, 1) @ t108.permute(0, 2, 1))).permute(2, 1, 0)
-        t111 = T.transpose(-1, -2)
-        t112 = (1/(L*math.sqrt(d_K)*n_batch)) * t111
-        t113 = (dA * t7.reshape((n_batch, L, d_V, 1)))
-        t114 = ((t14.permute(0, 2, 1) @ t113.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-        t115 = (t112.permute(0, 2, 1) @ t0.permute(0, 2, 1))
-        t116 = (t115.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-        t105[...] = ((t109.reshape((d_V**2, n_batch)) @ t110.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t105 += ((t116.reshape((d_V**2, L*n_batch)) @ t114.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t117 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t118 = t117.view((d_V, d_V, d_V, d_K))
-        t119 = t78 @ t23
-        t120 = t119.permute(1, 2, 0)
-        t121 = ((X.permute(0, 2, 1) @ t108.permute(0, 2, 1))).permute(2, 1, 0)
-        t122 = ((t25.permute(0, 2, 1) @ t113.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-        t123 = (t115.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t23.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
-        t118[...] = ((t121.reshape((d_V**2, n_batch)) @ t120.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t118 += ((t122.reshape((d_V**2, L*n_batch)) @ t123.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t125 = t124.view((d_V, d_V, d_V, d_V))
-        t126 = t45.transpose(-1, -2)
-        t127 = (1/(L*n_batch)) * t126
-        t128 = (dA.permute(2, 3, 0, 1) * t7.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        t129 = (t45.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t127.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t125[...] = ((t129.reshape((d_V**2, L*n_batch)) @ t128.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        t66 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t67 = t66.view((d_V, d_K, d_V, d_K))
+        t68 = t25.transpose(-1, -2)
+        t69 = t23.transpose(-1, -2)
+        t70 = Y.transpose(-1, -2)
+        t71 = t70.sum(-2, keepdim=True)
+        t72 = t71.expand(*t71.shape[:-2], d_V, t71.shape[-1])
+        t73 = (1/(L*d_K*n_batch)) * t69
+        t74 = (t17.permute(0, 2, 3, 1) * t72.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+        t75 = (t74.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t68.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
+        t76 = (t75.permute(3, 2, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t77 = t73.permute(1, 0, 2)
+        t78 = t67.diagonal(0, 1, 3)
+        t79 = G.transpose(-1, -2)
+        t80 = (1/(math.sqrt(d_K)*n_batch)) * t36
+        t81 = (t79.permute(0, 2, 1) @ t68.permute(0, 2, 1))
+        t82 = (t81.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
+        t83 = t77.reshape((1, d_K, L*n_batch))
+        t84 = t67.view((d_V, d_K, d_K*d_V))
+        torch.bmm(t83.expand(*(d_V,), *t83.shape[-2:]), t76.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t84)
+        t78.addcmul_(t80.reshape((1, 1, d_K)), t82.reshape((d_V, d_V, 1)))
+        t85 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t86 = t85.view((d_V, d_K, d_V, d_K))
+        t87 = (t26.permute(0, 2, 3, 1) * t72.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+        t88 = (t87.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t68.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+        t89 = (t88.permute(3, 2, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t23.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        t90 = t86.view((d_V, d_K, d_K*d_V))
+        torch.bmm(t83.expand(*(d_V,), *t83.shape[-2:]), t89.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t90)
+        t91 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t92 = t91.view((d_V, d_K, d_V, d_V))
+        t93 = t0 @ X
+        t94 = (1/(math.sqrt(d_K)*n_batch)) * t69
+        t95 = t93.permute(1, 2, 0)
+        t96 = ((G.permute(0, 2, 1) @ t94.permute(0, 2, 1))).permute(2, 1, 0)
+        t97 = (1/(L*math.sqrt(d_K)*n_batch)) * t69
+        t98 = (W_V.permute(1, 0) @ t93.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
+        t99 = (dA * t72.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+        t100 = (t99.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t98.permute(1, 0, 2)).reshape((n_batch, L, d_V, d_V))
+        t101 = (t100.permute(3, 2, 0, 1).reshape((d_V, 1, d_V, n_batch, L)) * t45.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t102 = t97.permute(1, 0, 2)
+        t92[...] = ((t95.reshape((d_V**2, n_batch)) @ t96.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+        t103 = t102.reshape((1, d_K, L*n_batch))
+        t104 = t92.view((d_V, d_K, d_V**2))
+        t104.baddbmm_(t103.expand(*(d_V,), *t103.shape[-2:]), t101.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
+        t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t106 = t105.view((d_V, d_V, d_V, d_K))
+        t107 = t3.transpose(-1, -2)
+        t108 = t79 @ X
+        t109 = (1/(math.sqrt(d_K)*n_batch)) * t0
+        t110 = t108.permute(1, 2, 0)
+        t111 = ((t107.permute(0, 2, 1) @ t109.permute(0, 2, 1))).permute(2, 1, 0)
+        t112 = T.transpose(-1, -2)
+        t113 = (1/(L*math.sqrt(d_K)*n_batch)) * t112
+        t114 = (dA * t7.reshape((n_batch, L, d_V, 1)))
+        t115 = ((t14.permute(0, 2, 1) @ t114.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+        t116 = (t113.permute(0, 2, 1) @ t0.permute(0, 2, 1))
+        t117 = (t116.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+        t106[...] = ((t110.reshape((d_V**2, n_batch)) @ t111.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t106 += ((t117.reshape((d_V**2, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t118 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t119 = t118.view((d_V, d_V, d_V, d_K))
+        t120 = t79 @ t23
+        t121 = t120.permute(1, 2, 0)
+        t122 = ((X.permute(0, 2, 1) @ t109.permute(0, 2, 1))).permute(2, 1, 0)
+        t123 = ((t25.permute(0, 2, 1) @ t114.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+        t124 = (t116.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t23.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
+        t119[...] = ((t122.reshape((d_V**2, n_batch)) @ t121.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t119 += ((t123.reshape((d_V**2, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t125 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t126 = t125.view((d_V, d_V, d_V, d_V))
+        t127 = t45.transpose(-1, -2)
+        t128 = (1/(L*n_batch)) * t127
+        t129 = (dA.permute(2, 3, 0, 1) * t7.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t130 = (t45.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t128.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t126[...] = ((t130.reshape((d_V**2, L*n_batch)) @ t129.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
         return H
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -13148,89 +13171,98 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             t69.addcmul_(t43.narrow(-1, f0, n_rows), t44)
             torch.mul(t57, t58.narrow(-3, f0, n_rows), out=t70)
             t70.addcmul_(t59, t60.narrow(-3, f0, n_rows))
-            torch.matmul(t63, t66, out=t64.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2)))
+            t71 = t64.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2))
+            if d_V <= 32:
+                torch.matmul(t63, t66, out=t71)
+            else:
+                for r0 in range(0, d_V, 32):
+                    torch.matmul(t63.narrow(-2, r0, min(32, d_V - r0)), t66, out=t71.narrow(-2, r0, min(32, d_V - r0)))
         del R
-        R71 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
-        t72 = R71.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
-        t73 = t72[..., 0:d_K*d_V]
-        t74 = t73.view((n_batch, L, d_K, d_V, d_K))
-        t75 = t28.transpose(-1, -2)
-        t76 = Mcausal.transpose(-1, -2)
-        t77 = Y.transpose(-1, -2)
-        t78 = t77.sum(-2, keepdim=True)
-        t79 = t78.expand(*t78.shape[:-2], d_V, t78.shape[-1])
-        t80 = (1/(L*d_K)) * t76
-        t81 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t75.reshape((n_batch, d_K, 1, L)))
-        t82 = (t17.permute(0, 2, 3, 1) * t79.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
-        t83 = (t82.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-        t84 = (t83.permute(1, 2, 0, 3) * Mcausal.reshape((L, L, 1, 1)))
-        t85 = (t84.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ t15).reshape((n_batch, L, L, d_K))
-        t86 = (t85.permute(0, 2, 3, 1) * t80.reshape((1, L, 1, L)))
-        t87 = t74.diagonal(0, 2, 4)
-        t88 = t36.transpose(-1, -2)
-        t89 = t88 * t76
-        t90 = (t89 @ X)
-        t74[...] = ((t81.reshape((n_batch, d_K*d_V, L)) @ t86.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t87.addcmul_(t40.reshape((1, 1, 1, d_K)), t90.reshape((n_batch, L, d_V, 1)))
-        t91 = t72[..., d_K*d_V:2*d_K*d_V]
-        t92 = t91.view((n_batch, L, d_K, d_V, d_K))
-        t93 = (t28.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t75.reshape((n_batch, d_K, 1, L)))
-        t94 = (t84.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ X).reshape((n_batch, L, L, d_V))
-        t95 = (t94.permute(0, 2, 3, 1) * t80.reshape((1, L, 1, L)))
-        t92[...] = ((t95.reshape((n_batch, L*d_V, L)) @ t93.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
-        t96 = t72[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t97 = t96.view((n_batch, L, d_K, d_V, d_V))
-        t98 = (1/math.sqrt(d_K)) * t76
-        t99 = (t98.permute(1, 0).reshape((L, L, 1, 1)) * t75.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
-        t100 = (t99.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ G).reshape((n_batch, L, d_K, d_V))
-        t101 = (1/(L*math.sqrt(d_K))) * t76
-        t102 = (t47.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t75.reshape((n_batch, d_K, 1, L)))
-        t103 = (t49.reshape((d_V, n_batch, L, 1)) * t79.permute(1, 0, 2).reshape((d_V, n_batch, 1, L)))
-        t104 = (t103.permute(1, 3, 2, 0) @ dA)
-        t105 = (t104.permute(0, 2, 3, 1) * t101.reshape((1, L, 1, L)))
-        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t100.reshape((n_batch, L, d_K, 1, d_V)), out=t97)
-        t97 += ((t102.reshape((n_batch, d_K*d_V, L)) @ t105.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        t106 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
-        t107 = R71.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
-        torch.matmul(t63, t107, out=t106)
-        del R71
-        t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t109 = t108.view((d_V, d_V, d_V, d_K))
-        t110 = T.transpose(-1, -2)
-        t111 = t76 * t110
-        t112 = (1/(L*math.sqrt(d_K)*n_batch)) * t111
-        t113 = (t112.permute(0, 2, 1) @ t0.permute(0, 2, 1))
-        t114 = (t113.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-        t115 = (t17.permute(1, 2, 0, 3) * Mcausal.permute(1, 0).reshape((L, L, 1, 1)))
-        t116 = (t115.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t15).reshape((n_batch, L, d_V, d_K))
-        t117 = (t116.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        t118 = G.transpose(-1, -2)
-        t119 = (1/(math.sqrt(d_K)*n_batch)) * t76
-        t120 = (t119.reshape((L, L, 1, 1)) * t0.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
-        t121 = (t120.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t15).reshape((n_batch, L, d_V, d_K))
-        t122 = (t121.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t123 = t118.permute(1, 0, 2)
-        t109[...] = ((t114.reshape((d_V**2, L*n_batch)) @ t117.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t124 = t123.reshape((1, d_V, L*n_batch))
-        t125 = t109.view((d_V, d_V, d_K*d_V))
-        t125.baddbmm_(t124.expand(*(d_V,), *t124.shape[-2:]), t122.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
-        t126 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t127 = t126.view((d_V, d_V, d_V, d_K))
-        t128 = (t113.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
-        t129 = (t115.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-        t130 = (t129.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        t131 = (t120.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-        t132 = (t131.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        t127[...] = ((t130.reshape((d_V**2, L*n_batch)) @ t128.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t133 = t127.view((d_V, d_V, d_K*d_V))
-        t133.baddbmm_(t124.expand(*(d_V,), *t124.shape[-2:]), t132.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
-        t134 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t135 = t134.view((d_V, d_V, d_V, d_V))
-        t136 = t47.transpose(-1, -2)
-        t137 = (1/(L*n_batch)) * t136
-        t138 = (dA.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        t139 = (t47.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t137.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t135[...] = ((t139.reshape((d_V**2, L*n_batch)) @ t138.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        R72 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
+        t73 = R72.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
+        t74 = t73[..., 0:d_K*d_V]
+        t75 = t74.view((n_batch, L, d_K, d_V, d_K))
+        t76 = t28.transpose(-1, -2)
+        t77 = Mcausal.transpose(-1, -2)
+        t78 = Y.transpose(-1, -2)
+        t79 = t78.sum(-2, keepdim=True)
+        t80 = t79.expand(*t79.shape[:-2], d_V, t79.shape[-1])
+        t81 = (1/(L*d_K)) * t77
+        t82 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t76.reshape((n_batch, d_K, 1, L)))
+        t83 = (t17.permute(0, 2, 3, 1) * t80.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+        t84 = (t83.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+        t85 = (t84.permute(1, 2, 0, 3) * Mcausal.reshape((L, L, 1, 1)))
+        t86 = (t85.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ t15).reshape((n_batch, L, L, d_K))
+        t87 = (t86.permute(0, 2, 3, 1) * t81.reshape((1, L, 1, L)))
+        t88 = t75.diagonal(0, 2, 4)
+        t89 = t36.transpose(-1, -2)
+        t90 = t89 * t77
+        t91 = (t90 @ X)
+        t75[...] = ((t82.reshape((n_batch, d_K*d_V, L)) @ t87.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t88.addcmul_(t40.reshape((1, 1, 1, d_K)), t91.reshape((n_batch, L, d_V, 1)))
+        t92 = t73[..., d_K*d_V:2*d_K*d_V]
+        t93 = t92.view((n_batch, L, d_K, d_V, d_K))
+        t94 = (t28.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t76.reshape((n_batch, d_K, 1, L)))
+        t95 = (t85.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ X).reshape((n_batch, L, L, d_V))
+        t96 = (t95.permute(0, 2, 3, 1) * t81.reshape((1, L, 1, L)))
+        t93[...] = ((t96.reshape((n_batch, L*d_V, L)) @ t94.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t97 = t73[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t98 = t97.view((n_batch, L, d_K, d_V, d_V))
+        t99 = (1/math.sqrt(d_K)) * t77
+        t100 = (t99.permute(1, 0).reshape((L, L, 1, 1)) * t76.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
+        t101 = (t100.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ G).reshape((n_batch, L, d_K, d_V))
+        t102 = (1/(L*math.sqrt(d_K))) * t77
+        t103 = (t47.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t76.reshape((n_batch, d_K, 1, L)))
+        t104 = (t49.reshape((d_V, n_batch, L, 1)) * t80.permute(1, 0, 2).reshape((d_V, n_batch, 1, L)))
+        t105 = (t104.permute(1, 3, 2, 0) @ dA)
+        t106 = (t105.permute(0, 2, 3, 1) * t102.reshape((1, L, 1, L)))
+        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t101.reshape((n_batch, L, d_K, 1, d_V)), out=t98)
+        t98 += ((t103.reshape((n_batch, d_K*d_V, L)) @ t106.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t107 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
+        t108 = R72.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
+        if d_V <= 32:
+            torch.matmul(t63, t108, out=t107)
+        else:
+            for r0109 in range(0, d_V, 32):
+                torch.matmul(t63.narrow(-2, r0109, min(32, d_V - r0109)), t108, out=t107.narrow(-2, r0109, min(32, d_V - r0109)))
+        del R72
+        t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t111 = t110.view((d_V, d_V, d_V, d_K))
+        t112 = T.transpose(-1, -2)
+        t113 = t77 * t112
+        t114 = (1/(L*math.sqrt(d_K)*n_batch)) * t113
+        t115 = (t114.permute(0, 2, 1) @ t0.permute(0, 2, 1))
+        t116 = (t115.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+        t117 = (t17.permute(1, 2, 0, 3) * Mcausal.permute(1, 0).reshape((L, L, 1, 1)))
+        t118 = (t117.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t15).reshape((n_batch, L, d_V, d_K))
+        t119 = (t118.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t120 = G.transpose(-1, -2)
+        t121 = (1/(math.sqrt(d_K)*n_batch)) * t77
+        t122 = (t121.reshape((L, L, 1, 1)) * t0.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
+        t123 = (t122.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t15).reshape((n_batch, L, d_V, d_K))
+        t124 = (t123.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t125 = t120.permute(1, 0, 2)
+        t111[...] = ((t116.reshape((d_V**2, L*n_batch)) @ t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t126 = t125.reshape((1, d_V, L*n_batch))
+        t127 = t111.view((d_V, d_V, d_K*d_V))
+        t127.baddbmm_(t126.expand(*(d_V,), *t126.shape[-2:]), t124.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        t128 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t129 = t128.view((d_V, d_V, d_V, d_K))
+        t130 = (t115.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
+        t131 = (t117.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t132 = (t131.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t133 = (t122.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t134 = (t133.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        t129[...] = ((t132.reshape((d_V**2, L*n_batch)) @ t130.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t135 = t129.view((d_V, d_V, d_K*d_V))
+        t135.baddbmm_(t126.expand(*(d_V,), *t126.shape[-2:]), t134.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        t136 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t137 = t136.view((d_V, d_V, d_V, d_V))
+        t138 = t47.transpose(-1, -2)
+        t139 = (1/(L*n_batch)) * t138
+        t140 = (dA.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t141 = (t47.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t139.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t137[...] = ((t141.reshape((d_V**2, L*n_batch)) @ t140.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
         return H
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]

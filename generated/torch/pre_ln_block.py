@@ -576,13 +576,18 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             t305.addcmul_(t287.narrow(-1, f0, n_rows), t288)
             torch.mul(t293, t294.narrow(-3, f0, n_rows), out=t306)
             t300[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff][...] = 0
-            torch.matmul(t298, t301, out=t299.narrow(-1, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+            t307 = t299.narrow(-1, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+            if d_ff <= 32:
+                torch.matmul(t298, t301, out=t307)
+            else:
+                for r0 in range(0, d_ff, 32):
+                    torch.matmul(t298.narrow(-2, r0, min(32, d_ff - r0)), t301, out=t307.narrow(-2, r0, min(32, d_ff - r0)))
         del R
-        t307 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t308 = t307.view((d_ff, d_V, d_ff, d_V))
-        t309 = t308.diagonal(0, 1, 3)
-        t310 = t268 @ t130
-        t309.addcmul_(t213.reshape((1, 1, d_V)), t310.sum((0,)).reshape((d_ff, d_ff, 1)))
+        t308 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t309 = t308.view((d_ff, d_V, d_ff, d_V))
+        t310 = t309.diagonal(0, 1, 3)
+        t311 = t268 @ t130
+        t310.addcmul_(t213.reshape((1, 1, d_V)), t311.sum((0,)).reshape((d_ff, d_ff, 1)))
         return H
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -13089,367 +13094,391 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             t214.addcmul_(t192.narrow(-3, f0, n_rows), t193)
             torch.mul(t200.narrow(-3, f0, n_rows), t201, out=t215)
             t215.addcmul_(t202, t203.narrow(-3, f0, n_rows))
-            torch.matmul(t206, t209, out=t207.narrow(-1, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+            t216 = t207.narrow(-1, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+            if d_V <= 32:
+                torch.matmul(t206, t209, out=t216)
+            else:
+                for r0 in range(0, d_V, 32):
+                    torch.matmul(t206.narrow(-2, r0, min(32, d_V - r0)), t209, out=t216.narrow(-2, r0, min(32, d_V - r0)))
         del R
-        R216 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t217 = R216.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t218 = t217[..., 0:d_K*d_V]
-        t219 = t218.view((n_batch, L, d_K, d_V, d_K))
-        t220 = t102.transpose(-1, -2)
+        R217 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t218 = R217.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t219 = t218[..., 0:d_K*d_V]
+        t220 = t219.view((n_batch, L, d_K, d_V, d_K))
+        t221 = t102.transpose(-1, -2)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S221 = S69 + (S133 @ t72)
-        t222 = (2/(L*d_K*d_V)) * t220
-        t223 = (S221.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-        t224 = (t223.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t74).reshape((n_batch, L, L, L))
-        t225 = (t224.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t226 = (t225.permute(0, 1, 3, 2) @ dA)
-        t227 = ((t95.permute(0, 2, 1) @ t226.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t228 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t222.reshape((n_batch, d_K, 1, L)))
-        t229 = (t178.permute(1, 2, 0) @ S59.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t230 = (t74.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
-        t231 = (t230 @ t229.permute(0, 3, 1, 2).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-        t232 = (t231.permute(0, 3, 1, 2) @ dA.permute(0, 1, 3, 2))
+        S222 = S69 + (S133 @ t72)
+        t223 = (2/(L*d_K*d_V)) * t221
+        t224 = (S222.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t225 = (t224.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t74).reshape((n_batch, L, L, L))
+        t226 = (t225.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t227 = (t226.permute(0, 1, 3, 2) @ dA)
+        t228 = ((t95.permute(0, 2, 1) @ t227.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t229 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t223.reshape((n_batch, d_K, 1, L)))
+        t230 = (t178.permute(1, 2, 0) @ S59.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t231 = (t74.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
+        t232 = (t231 @ t230.permute(0, 3, 1, 2).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+        t233 = (t232.permute(0, 3, 1, 2) @ dA.permute(0, 1, 3, 2))
         # S: compact tensor ('L', 'L', 'L')
-        S233 = (t232.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
-        t234 = (2/(d_K*d_V)) * t220
-        t235 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t234.reshape((n_batch, d_K, 1, L)))
-        t236 = ((t95.permute(0, 2, 1) @ S233.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t237 = t228.reshape((n_batch, d_K*d_V, L))
-        t238 = t235.reshape((n_batch, d_K*d_V, L))
-        t239 = t227.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
-        t240 = t236.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
-        t241 = torch.cat([t237, t238], dim=-1)
-        t242 = torch.cat([t239, t240], dim=-2)
-        t219[...] = ((t241 @ t242).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t243 = t217[..., d_K*d_V:2*d_K*d_V]
-        t244 = t243.view((n_batch, L, d_K, d_V, d_K))
-        t245 = ((N_1.permute(0, 2, 1) @ t226.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t246 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t222.reshape((n_batch, d_K, 1, L)))
-        t247 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t234.reshape((n_batch, d_K, 1, L)))
-        t248 = ((N_1.permute(0, 2, 1) @ S233.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t249 = t245.reshape((n_batch, L*d_V, L))
-        t250 = t248.reshape((n_batch, L*d_V, L))
-        t251 = t246.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        S234 = (t233.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
+        t235 = (2/(d_K*d_V)) * t221
+        t236 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t235.reshape((n_batch, d_K, 1, L)))
+        t237 = ((t95.permute(0, 2, 1) @ S234.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t238 = t229.reshape((n_batch, d_K*d_V, L))
+        t239 = t236.reshape((n_batch, d_K*d_V, L))
+        t240 = t228.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t241 = t237.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t242 = torch.cat([t238, t239], dim=-1)
+        t243 = torch.cat([t240, t241], dim=-2)
+        t220[...] = ((t242 @ t243).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t244 = t218[..., d_K*d_V:2*d_K*d_V]
+        t245 = t244.view((n_batch, L, d_K, d_V, d_K))
+        t246 = ((N_1.permute(0, 2, 1) @ t227.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t247 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t223.reshape((n_batch, d_K, 1, L)))
+        t248 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t235.reshape((n_batch, d_K, 1, L)))
+        t249 = ((N_1.permute(0, 2, 1) @ S234.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t250 = t246.reshape((n_batch, L*d_V, L))
+        t251 = t249.reshape((n_batch, L*d_V, L))
         t252 = t247.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        t253 = torch.cat([t249, t250], dim=-1)
-        t254 = torch.cat([t251, t252], dim=-2)
-        t244[...] = ((t253 @ t254).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
-        t255 = t217[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t256 = t255.view((n_batch, L, d_K, d_V, d_V))
-        t257 = (S119.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t220.reshape((n_batch, d_K, 1, L)))
-        t258 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t259 = ((S.permute(1, 0) @ t127.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t260 = (t123.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t220.reshape((n_batch, d_K, 1, L)))
-        t261 = (2/(L*math.sqrt(d_K)*d_V)) * t220
-        t263 = (t123.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t261.reshape((n_batch, d_K, 1, L)))
-        t256[...] = ((t258.reshape((n_batch, L*d_V, L)) @ t257.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t256 += ((t260.reshape((n_batch, d_K*d_V, L)) @ t259.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        t268 = dA.permute(0, 2, 1, 3)
-        t269 = (t136.permute(0, 2, 1, 3) * t38.reshape((n_batch, 1, L, d_ff)))
-        t270 = ((S.permute(1, 0) @ S62.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3)
-        t271 = ((dA @ t169)).permute(0, 2, 1, 3)
-        t272 = S.permute(1, 0)
-        t273 = ((dA @ t150)).permute(0, 2, 1, 3)
-        t274 = ((t157 @ t268.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3) + ((t161 @ t269.permute(3, 0, 1, 2).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3) + ((t270.permute(0, 2, 1, 3) @ t271.permute(0, 2, 3, 1))).permute(0, 3, 2, 1) + ((t272 @ t273.permute(3, 0, 1, 2).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t256 += ((t263.reshape((n_batch, d_K*d_V, L)) @ t274.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        t275 = t217[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t276 = t275.view((n_batch, L, d_K, d_V, d_ff))
-        t277 = (1/math.sqrt(d_K)) * t220
-        t278 = (t178.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t279 = ((t278.permute(0, 2, 3, 1) @ S66)).permute(0, 2, 3, 1)
-        t280 = (t46.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t277.reshape((n_batch, d_K, 1, L)))
-        t281 = (t187.permute(0, 2, 3, 1) * t38.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
-        t282 = (N_2.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t261.reshape((n_batch, d_K, 1, L)))
-        t276[...] = ((t279.reshape((n_batch, L*d_V, L)) @ t280.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
-        t276 += ((t282.reshape((n_batch, d_K*d_V, L)) @ t281.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
-        t283 = t217[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t284 = t283.view((n_batch, L, d_K, d_ff, d_V))
-        t285 = (t196.permute(0, 2, 3, 1) * t38.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
-        t286 = (G.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t277.reshape((n_batch, d_K, 1, L)))
-        t287 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t288 = ((t287.permute(0, 2, 3, 1) @ S184)).permute(0, 2, 3, 1)
-        t289 = (t39.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t261.reshape((n_batch, d_K, 1, L)))
-        t284[...] = ((t285.reshape((n_batch, L*d_ff, L)) @ t286.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t284 += ((t289.reshape((n_batch, d_K*d_ff, L)) @ t288.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
-        t290 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t291 = R216.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t206, t291, out=t290)
-        del R216
-        t292 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-        t293 = t292.view((d_V, d_K, d_V, d_K))
-        t294 = t293.diagonal(0, 1, 3)
-        t295 = t105.transpose(-1, -2)
-        t296 = (1/n_batch) * t106
-        t297 = (t295.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-        t294.addcmul_(t296.reshape((1, 1, d_K)), t297.reshape((d_V, d_V, 1)))
-        t298 = t123.transpose(-1, -2)
+        t253 = t248.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t254 = torch.cat([t250, t251], dim=-1)
+        t255 = torch.cat([t252, t253], dim=-2)
+        t245[...] = ((t254 @ t255).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t256 = t218[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t257 = t256.view((n_batch, L, d_K, d_V, d_V))
+        t258 = (S119.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t221.reshape((n_batch, d_K, 1, L)))
+        t259 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t260 = ((S.permute(1, 0) @ t127.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t261 = (t123.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t221.reshape((n_batch, d_K, 1, L)))
+        t262 = (2/(L*math.sqrt(d_K)*d_V)) * t221
+        t264 = (t123.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t262.reshape((n_batch, d_K, 1, L)))
+        t257[...] = ((t259.reshape((n_batch, L*d_V, L)) @ t258.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t257 += ((t261.reshape((n_batch, d_K*d_V, L)) @ t260.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t269 = dA.permute(0, 2, 1, 3)
+        t270 = (t136.permute(0, 2, 1, 3) * t38.reshape((n_batch, 1, L, d_ff)))
+        t271 = ((S.permute(1, 0) @ S62.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3)
+        t272 = ((dA @ t169)).permute(0, 2, 1, 3)
+        t273 = S.permute(1, 0)
+        t274 = ((dA @ t150)).permute(0, 2, 1, 3)
+        t275 = ((t157 @ t269.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3) + ((t161 @ t270.permute(3, 0, 1, 2).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3) + ((t271.permute(0, 2, 1, 3) @ t272.permute(0, 2, 3, 1))).permute(0, 3, 2, 1) + ((t273 @ t274.permute(3, 0, 1, 2).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t257 += ((t264.reshape((n_batch, d_K*d_V, L)) @ t275.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t276 = t218[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t277 = t276.view((n_batch, L, d_K, d_V, d_ff))
+        t278 = (1/math.sqrt(d_K)) * t221
+        t279 = (t178.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t280 = ((t279.permute(0, 2, 3, 1) @ S66)).permute(0, 2, 3, 1)
+        t281 = (t46.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t278.reshape((n_batch, d_K, 1, L)))
+        t282 = (t187.permute(0, 2, 3, 1) * t38.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
+        t283 = (N_2.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t262.reshape((n_batch, d_K, 1, L)))
+        t277[...] = ((t280.reshape((n_batch, L*d_V, L)) @ t281.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
+        t277 += ((t283.reshape((n_batch, d_K*d_V, L)) @ t282.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
+        t284 = t218[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t285 = t284.view((n_batch, L, d_K, d_ff, d_V))
+        t286 = (t196.permute(0, 2, 3, 1) * t38.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
+        t287 = (G.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t278.reshape((n_batch, d_K, 1, L)))
+        t288 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t289 = ((t288.permute(0, 2, 3, 1) @ S184)).permute(0, 2, 3, 1)
+        t290 = (t39.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t262.reshape((n_batch, d_K, 1, L)))
+        t285[...] = ((t286.reshape((n_batch, L*d_ff, L)) @ t287.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t285 += ((t290.reshape((n_batch, d_K*d_ff, L)) @ t289.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
+        t291 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t292 = R217.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        if d_V <= 32:
+            torch.matmul(t206, t292, out=t291)
+        else:
+            for r0293 in range(0, d_V, 32):
+                torch.matmul(t206.narrow(-2, r0293, min(32, d_V - r0293)), t292, out=t291.narrow(-2, r0293, min(32, d_V - r0293)))
+        del R217
+        t294 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t295 = t294.view((d_V, d_K, d_V, d_K))
+        t296 = t295.diagonal(0, 1, 3)
+        t297 = t105.transpose(-1, -2)
+        t298 = (1/n_batch) * t106
+        t299 = (t297.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
+        t296.addcmul_(t298.reshape((1, 1, d_K)), t299.reshape((d_V, d_V, 1)))
+        t300 = t123.transpose(-1, -2)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S302 = (2/(math.sqrt(d_K)*d_V)) * S59 + (-2/(math.sqrt(d_K)*d_V**2)) * ((t22 @ S59.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t64 @ S62)
+        S304 = (2/(math.sqrt(d_K)*d_V)) * S59 + (-2/(math.sqrt(d_K)*d_V**2)) * ((t22 @ S59.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t64 @ S62)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S303 = (math.sqrt(d_K)) * S67
+        S305 = (math.sqrt(d_K)) * S67
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S304 = (2/(L*math.sqrt(d_K)*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S302.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (S303 @ t72)
-        t305 = W_V.transpose(-1, -2)
-        t306 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t305.permute(1, 0)).reshape((n_batch, L, d_V))
-        t307 = (t306 @ S304.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t308 = (t307.permute(0, 2, 3, 1) @ dA)
-        t309 = (t308.reshape((n_batch, L*d_V, L)) @ t95).reshape((n_batch, L, d_V, d_K))
-        t310 = t309.reshape((n_batch, L, d_V, 1, d_K))
-        t313 = (t308.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t314 = t313.reshape((n_batch, L, d_V, d_V, 1))
+        S306 = (2/(L*math.sqrt(d_K)*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S304.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (S305 @ t72)
+        t307 = W_V.transpose(-1, -2)
+        t308 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t307.permute(1, 0)).reshape((n_batch, L, d_V))
+        t309 = (t308 @ S306.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t310 = (t309.permute(0, 2, 3, 1) @ dA)
+        t311 = (t310.reshape((n_batch, L*d_V, L)) @ t95).reshape((n_batch, L, d_V, d_K))
+        t312 = t311.reshape((n_batch, L, d_V, 1, d_K))
+        t315 = (t310.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t316 = t315.reshape((n_batch, L, d_V, d_V, 1))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S317 = (math.sqrt(d_K)) * S302
+        S319 = (math.sqrt(d_K)) * S304
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S319 = (d_K) * S67
-        t321 = (t47.reshape((d_ff, d_V, 1, 1)) * t38.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-        t322 = (t321.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t44.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
-        t323 = (t322.permute(1, 2, 0, 3) @ t71.permute(1, 2, 0, 3))
-        t324 = (t323.permute(0, 1, 3, 2) @ S62)
-        t328 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-        t329 = (2/(L*d_V)) * t328
-        t332 = (t38.reshape((n_batch, L, 1, d_ff)) * W_1.reshape((1, 1, d_V, d_ff)))
-        t333 = ((t161 @ t332.permute(3, 0, 1, 2).reshape((d_ff, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + ((t272 @ t324.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t334 = (S317.reshape((L*d_V*n_batch, d_V)) @ t272.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S319 @ t333.permute(0, 1, 3, 2))
-        t335 = t334.reshape((n_batch, L, d_V, 1, d_V))
-        t336 = t329.reshape((1, 1, 1, d_V))
-        t337 = t123.reshape((n_batch, L, d_V, 1))
-        t340 = ((S @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        S321 = (d_K) * S67
+        t323 = (t47.reshape((d_ff, d_V, 1, 1)) * t38.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+        t324 = (t323.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t44.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        t325 = (t324.permute(1, 2, 0, 3) @ t71.permute(1, 2, 0, 3))
+        t326 = (t325.permute(0, 1, 3, 2) @ S62)
+        t330 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t331 = (2/(L*d_V)) * t330
+        t334 = (t38.reshape((n_batch, L, 1, d_ff)) * W_1.reshape((1, 1, d_V, d_ff)))
+        t335 = ((t161 @ t334.permute(3, 0, 1, 2).reshape((d_ff, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + ((t273 @ t326.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t336 = (S319.reshape((L*d_V*n_batch, d_V)) @ t273.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S321 @ t335.permute(0, 1, 3, 2))
+        t337 = t336.reshape((n_batch, L, d_V, 1, d_V))
+        t338 = t331.reshape((1, 1, 1, d_V))
+        t339 = t123.reshape((n_batch, L, d_V, 1))
+        t342 = ((S @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S341 = (2/(L*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S319 @ t183)
-        t342 = (S341.reshape((L*d_V*n_batch, d_V)) @ t44).reshape((n_batch, L, d_V, d_ff))
-        t343 = t340.reshape((n_batch, L, d_V, d_V, 1))
-        t344 = t342.reshape((n_batch, L, d_V, 1, d_ff))
-        t347 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t348 = (t347.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        S343 = (2/(L*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S321 @ t183)
+        t344 = (S343.reshape((L*d_V*n_batch, d_V)) @ t44).reshape((n_batch, L, d_V, d_ff))
+        t345 = t342.reshape((n_batch, L, d_V, d_V, 1))
+        t346 = t344.reshape((n_batch, L, d_V, 1, d_ff))
+        t349 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t350 = (t349.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S349 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S66 @ t183)
-        t350 = (2/(L*d_V)) * t39
-        t351 = (-2/(L*d_V**2)) * t22
-        t352 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t351.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t353 = (t352.permute(0, 1, 3, 2) @ t183)
-        t354 = t348.reshape((n_batch, L, d_V, d_ff, 1))
-        t355 = t350.reshape((n_batch, L, 1, d_ff, 1))
-        t356 = S349.reshape((n_batch, L, d_V, 1, d_V))
-        t357 = t353.reshape((n_batch, L, d_V, 1, d_V))
-        t358 = t298.permute(1, 0, 2)
-        t359 = t358.reshape((d_V, L*n_batch))
-        t360 = (1/n_batch) * t359
-        t361 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows362 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
-        while d_V % n_rows362:    # chunks of equal size
-            n_rows362 -= 1
-        R299 = _empty((n_batch, L, n_rows362, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t364 = R299.view((n_batch, L*n_rows362, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t365 = R299.view((L*n_batch, n_rows362*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t366 = t364[..., 0:d_K*d_V].view((n_batch, L, n_rows362, d_V, d_K))
-        t367 = t364[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows362, d_V, d_K))
-        t368 = t364[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows362, d_V, d_V))
-        t370 = t364[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows362, d_V, d_ff))
-        t371 = t364[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows362, d_ff, d_V))
-        for f0363 in range(0, d_V, n_rows362):
-            torch.mul(t98, t310.narrow(-3, f0363, n_rows362), out=t366)
-            torch.mul(t107, t314.narrow(-3, f0363, n_rows362), out=t367)
-            torch.mul(t173, t335.narrow(-3, f0363, n_rows362), out=t368)
-            t369 = t364[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows362, d_V, d_V)).narrow(-1, f0363, n_rows362).diagonal(0, 2, 4)
-            t369.addcmul_(t336.narrow(-1, f0363, n_rows362), t337)
-            torch.mul(t190, t343.narrow(-3, f0363, n_rows362), out=t370)
-            t370.addcmul_(t344.narrow(-3, f0363, n_rows362), t193)
-            torch.mul(t354.narrow(-3, f0363, n_rows362), t201, out=t371)
-            t371.addcmul_(t355, t356.narrow(-3, f0363, n_rows362))
-            t371.addcmul_(t202, t357.narrow(-3, f0363, n_rows362))
-            torch.matmul(t360, t365, out=t361.narrow(-1, f0363*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows362*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        del R299
-        t372 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t373 = t372.view((d_V, d_V, d_V, d_K))
-        t375 = t34.transpose(-1, -2)
-        t376 = t48.transpose(-1, -2)
-        t377 = M_N_2.transpose(-1, -2)
-        t378 = t375 * t376 * t377
-        t379 = t378.sum(-2, keepdim=True)
-        t380 = t379.expand(*t379.shape[:-2], d_V, t379.shape[-1])
-        t381 = t380 * t377
-        t382 = P_N_2.transpose(-1, -2)
-        t383 = t376 * t382
-        t384 = ((1/2)*d_V) * t383
-        t385 = G.transpose(-1, -2)
-        t386 = ((1/2)*d_V) * t385
-        t387 = t381 + t384 + t386
-        t388 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t387
-        t389 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t390 = (t389.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t95).reshape((n_batch, L, d_V, d_K))
-        t391 = (t390.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t393 = t381 + t384
-        t394 = t393.sum(-2, keepdim=True)
-        t395 = t394.expand(*t394.shape[:-2], d_V, t394.shape[-1])
-        t396 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t395
-        t398 = t388.permute(1, 0, 2) + t396.permute(1, 0, 2)
-        t373 += (t398.reshape((1, d_V, L*n_batch)) @ t391.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
-        t399 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t400 = t399.view((d_V, d_V, d_V, d_K))
-        t401 = (t389.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t402 = (t401.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t102.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        t400 += (t398.reshape((1, d_V, L*n_batch)) @ t402.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
-        t403 = N_2.transpose(-1, -2)
-        t407 = (2/(L*math.sqrt(d_K)*d_V)) * t74
-        t408 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t407.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t409 = (t408 @ S69.permute(0, 1, 3, 2))
-        t410 = (t409.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t411 = (t410.permute(0, 1, 3, 2) * t38.reshape((n_batch, L, d_ff, 1)))
-        t412 = (t411.reshape((n_batch, L*d_ff, L)) @ t95).reshape((n_batch, L, d_ff, d_K))
-        t413 = t412.reshape((n_batch, L, d_ff, 1, d_K))
-        t416 = (t411.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        t417 = t416.reshape((n_batch, L, d_ff, d_V, 1))
-        t420 = (2/(L*d_V)) * t123
-        t421 = (W_2.reshape((1, 1, d_ff, d_V)) * t38.reshape((n_batch, L, d_ff, 1)))
-        t422 = (t420.reshape((n_batch, L, 1, d_V)) * t38.reshape((n_batch, L, d_ff, 1)))
-        t423 = (t322.permute(1, 2, 3, 0) @ S62)
-        t424 = (t423.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
-        t425 = ((W_2 @ t424.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t426 = t420.reshape((n_batch, L, 1, d_V, 1))
-        t427 = t421.reshape((n_batch, L, d_ff, 1, d_V))
-        t428 = t422.reshape((n_batch, L, d_ff, d_V, 1))
-        t429 = t425.reshape((n_batch, L, d_ff, 1, d_V))
-        t432 = W_2 @ t44
-        t433 = (2/(L*d_V)) * N_2
-        t434 = (t432.reshape((1, 1, d_ff, d_ff)) * t38.reshape((n_batch, L, d_ff, 1)))
-        t435 = (t433.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_ff)))
-        t436 = t434.reshape((n_batch, L, d_ff, 1, d_ff))
-        t437 = t435.reshape((n_batch, L, 1, d_V, d_ff))
-        t440 = (2/(L*d_V)) * t38
-        t441 = (W_2.reshape((1, 1, d_ff, d_V)) * t440.reshape((n_batch, L, d_ff, 1)))
-        t443 = t441.reshape((n_batch, L, d_ff, 1, d_V))
-        t444 = G.reshape((n_batch, L, d_V, 1))
-        t445 = t38.reshape((n_batch, L, 1, d_ff))
-        t446 = t403.permute(1, 0, 2)
-        t447 = t446.reshape((d_V, L*n_batch))
-        t448 = (1/n_batch) * t447
-        t449 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows450 = max(1, min(d_ff, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
-        while d_ff % n_rows450:    # chunks of equal size
-            n_rows450 -= 1
-        R404 = _empty((n_batch, L, n_rows450, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t452 = R404.view((n_batch, L*n_rows450, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t453 = R404.view((L*n_batch, n_rows450*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t454 = t452[..., 0:d_K*d_V].view((n_batch, L, n_rows450, d_V, d_K))
-        t455 = t452[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows450, d_V, d_K))
-        t456 = t452[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows450, d_V, d_V))
-        t457 = t452[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows450, d_V, d_ff))
-        t458 = t452[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows450, d_ff, d_V))
-        for f0451 in range(0, d_ff, n_rows450):
-            torch.mul(t98, t413.narrow(-3, f0451, n_rows450), out=t454)
-            torch.mul(t107, t417.narrow(-3, f0451, n_rows450), out=t455)
-            torch.mul(t426, t427.narrow(-3, f0451, n_rows450), out=t456)
-            t456.addcmul_(t428.narrow(-3, f0451, n_rows450), t429.narrow(-3, f0451, n_rows450))
-            torch.mul(t436.narrow(-3, f0451, n_rows450), t437, out=t457)
-            torch.mul(t202, t443.narrow(-3, f0451, n_rows450), out=t458)
-            t459 = t452[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows450, d_ff, d_V)).narrow(-2, f0451, n_rows450).diagonal(0, 2, 3)
-            t459.addcmul_(t444, t445.narrow(-1, f0451, n_rows450))
-            torch.matmul(t448, t453, out=t449.narrow(-1, f0451*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows450*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        del R404
-        t460 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-        t461 = t460.view((d_V, d_ff, d_V, d_K))
-        t463 = t38.transpose(-1, -2)
-        t464 = t45.transpose(-1, -2)
-        t465 = t463 * t464
-        t466 = t375 * t377
-        t467 = (t22.reshape((d_V, d_V, 1, 1)) * t466.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        S351 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S66 @ t183)
+        t352 = (2/(L*d_V)) * t39
+        t353 = (-2/(L*d_V**2)) * t22
+        t354 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t353.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t355 = (t354.permute(0, 1, 3, 2) @ t183)
+        t356 = t350.reshape((n_batch, L, d_V, d_ff, 1))
+        t357 = t352.reshape((n_batch, L, 1, d_ff, 1))
+        t358 = S351.reshape((n_batch, L, d_V, 1, d_V))
+        t359 = t355.reshape((n_batch, L, d_V, 1, d_V))
+        t360 = t300.permute(1, 0, 2)
+        t361 = t360.reshape((d_V, L*n_batch))
+        t362 = (1/n_batch) * t361
+        t363 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows364 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows364:    # chunks of equal size
+            n_rows364 -= 1
+        R301 = _empty((n_batch, L, n_rows364, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t366 = R301.view((n_batch, L*n_rows364, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t367 = R301.view((L*n_batch, n_rows364*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t368 = t366[..., 0:d_K*d_V].view((n_batch, L, n_rows364, d_V, d_K))
+        t369 = t366[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows364, d_V, d_K))
+        t370 = t366[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows364, d_V, d_V))
+        t372 = t366[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows364, d_V, d_ff))
+        t373 = t366[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows364, d_ff, d_V))
+        for f0365 in range(0, d_V, n_rows364):
+            torch.mul(t98, t312.narrow(-3, f0365, n_rows364), out=t368)
+            torch.mul(t107, t316.narrow(-3, f0365, n_rows364), out=t369)
+            torch.mul(t173, t337.narrow(-3, f0365, n_rows364), out=t370)
+            t371 = t366[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows364, d_V, d_V)).narrow(-1, f0365, n_rows364).diagonal(0, 2, 4)
+            t371.addcmul_(t338.narrow(-1, f0365, n_rows364), t339)
+            torch.mul(t190, t345.narrow(-3, f0365, n_rows364), out=t372)
+            t372.addcmul_(t346.narrow(-3, f0365, n_rows364), t193)
+            torch.mul(t356.narrow(-3, f0365, n_rows364), t201, out=t373)
+            t373.addcmul_(t357, t358.narrow(-3, f0365, n_rows364))
+            t373.addcmul_(t202, t359.narrow(-3, f0365, n_rows364))
+            t374 = t363.narrow(-1, f0365*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows364*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+            if d_V <= 32:
+                torch.matmul(t362, t367, out=t374)
+            else:
+                for r0375 in range(0, d_V, 32):
+                    torch.matmul(t362.narrow(-2, r0375, min(32, d_V - r0375)), t367, out=t374.narrow(-2, r0375, min(32, d_V - r0375)))
+        del R301
+        t376 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t377 = t376.view((d_V, d_V, d_V, d_K))
+        t379 = t34.transpose(-1, -2)
+        t380 = t48.transpose(-1, -2)
+        t381 = M_N_2.transpose(-1, -2)
+        t382 = t379 * t380 * t381
+        t383 = t382.sum(-2, keepdim=True)
+        t384 = t383.expand(*t383.shape[:-2], d_V, t383.shape[-1])
+        t385 = t384 * t381
+        t386 = P_N_2.transpose(-1, -2)
+        t387 = t380 * t386
+        t388 = ((1/2)*d_V) * t387
+        t389 = G.transpose(-1, -2)
+        t390 = ((1/2)*d_V) * t389
+        t391 = t385 + t388 + t390
+        t392 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t391
+        t393 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t394 = (t393.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t95).reshape((n_batch, L, d_V, d_K))
+        t395 = (t394.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t397 = t385 + t388
+        t398 = t397.sum(-2, keepdim=True)
+        t399 = t398.expand(*t398.shape[:-2], d_V, t398.shape[-1])
+        t400 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t399
+        t402 = t392.permute(1, 0, 2) + t400.permute(1, 0, 2)
+        t377 += (t402.reshape((1, d_V, L*n_batch)) @ t395.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
+        t403 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t404 = t403.view((d_V, d_V, d_V, d_K))
+        t405 = (t393.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t406 = (t405.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t102.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        t404 += (t402.reshape((1, d_V, L*n_batch)) @ t406.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
+        t407 = N_2.transpose(-1, -2)
+        t411 = (2/(L*math.sqrt(d_K)*d_V)) * t74
+        t412 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t411.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t413 = (t412 @ S69.permute(0, 1, 3, 2))
+        t414 = (t413.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t415 = (t414.permute(0, 1, 3, 2) * t38.reshape((n_batch, L, d_ff, 1)))
+        t416 = (t415.reshape((n_batch, L*d_ff, L)) @ t95).reshape((n_batch, L, d_ff, d_K))
+        t417 = t416.reshape((n_batch, L, d_ff, 1, d_K))
+        t420 = (t415.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        t421 = t420.reshape((n_batch, L, d_ff, d_V, 1))
+        t424 = (2/(L*d_V)) * t123
+        t425 = (W_2.reshape((1, 1, d_ff, d_V)) * t38.reshape((n_batch, L, d_ff, 1)))
+        t426 = (t424.reshape((n_batch, L, 1, d_V)) * t38.reshape((n_batch, L, d_ff, 1)))
+        t427 = (t324.permute(1, 2, 3, 0) @ S62)
+        t428 = (t427.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
+        t429 = ((W_2 @ t428.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t430 = t424.reshape((n_batch, L, 1, d_V, 1))
+        t431 = t425.reshape((n_batch, L, d_ff, 1, d_V))
+        t432 = t426.reshape((n_batch, L, d_ff, d_V, 1))
+        t433 = t429.reshape((n_batch, L, d_ff, 1, d_V))
+        t436 = W_2 @ t44
+        t437 = (2/(L*d_V)) * N_2
+        t438 = (t436.reshape((1, 1, d_ff, d_ff)) * t38.reshape((n_batch, L, d_ff, 1)))
+        t439 = (t437.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_ff)))
+        t440 = t438.reshape((n_batch, L, d_ff, 1, d_ff))
+        t441 = t439.reshape((n_batch, L, 1, d_V, d_ff))
+        t444 = (2/(L*d_V)) * t38
+        t445 = (W_2.reshape((1, 1, d_ff, d_V)) * t444.reshape((n_batch, L, d_ff, 1)))
+        t447 = t445.reshape((n_batch, L, d_ff, 1, d_V))
+        t448 = G.reshape((n_batch, L, d_V, 1))
+        t449 = t38.reshape((n_batch, L, 1, d_ff))
+        t450 = t407.permute(1, 0, 2)
+        t451 = t450.reshape((d_V, L*n_batch))
+        t452 = (1/n_batch) * t451
+        t453 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows454 = max(1, min(d_ff, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_ff % n_rows454:    # chunks of equal size
+            n_rows454 -= 1
+        R408 = _empty((n_batch, L, n_rows454, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t456 = R408.view((n_batch, L*n_rows454, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t457 = R408.view((L*n_batch, n_rows454*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t458 = t456[..., 0:d_K*d_V].view((n_batch, L, n_rows454, d_V, d_K))
+        t459 = t456[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows454, d_V, d_K))
+        t460 = t456[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows454, d_V, d_V))
+        t461 = t456[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows454, d_V, d_ff))
+        t462 = t456[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows454, d_ff, d_V))
+        for f0455 in range(0, d_ff, n_rows454):
+            torch.mul(t98, t417.narrow(-3, f0455, n_rows454), out=t458)
+            torch.mul(t107, t421.narrow(-3, f0455, n_rows454), out=t459)
+            torch.mul(t430, t431.narrow(-3, f0455, n_rows454), out=t460)
+            t460.addcmul_(t432.narrow(-3, f0455, n_rows454), t433.narrow(-3, f0455, n_rows454))
+            torch.mul(t440.narrow(-3, f0455, n_rows454), t441, out=t461)
+            torch.mul(t202, t447.narrow(-3, f0455, n_rows454), out=t462)
+            t463 = t456[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows454, d_ff, d_V)).narrow(-2, f0455, n_rows454).diagonal(0, 2, 3)
+            t463.addcmul_(t448, t449.narrow(-1, f0455, n_rows454))
+            t464 = t453.narrow(-1, f0455*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows454*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+            if d_V <= 32:
+                torch.matmul(t452, t457, out=t464)
+            else:
+                for r0465 in range(0, d_V, 32):
+                    torch.matmul(t452.narrow(-2, r0465, min(32, d_V - r0465)), t457, out=t464.narrow(-2, r0465, min(32, d_V - r0465)))
+        del R408
+        t466 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        t467 = t466.view((d_V, d_ff, d_V, d_K))
+        t469 = t38.transpose(-1, -2)
+        t470 = t45.transpose(-1, -2)
+        t471 = t469 * t470
+        t472 = t379 * t381
+        t473 = (t22.reshape((d_V, d_V, 1, 1)) * t472.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         # S: compact tensor ('d_V', 'L', 'd_V')
-        S468 = (t20.reshape((1, d_V, 1, d_V)) * t382.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t467.permute(2, 0, 3, 1) * t377.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
-        t469 = (1/(math.sqrt(d_K)*n_batch)) * t74
-        t470 = (t469.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
-        t471 = (t470 @ S468.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
-        t472 = (t471.permute(0, 3, 2, 1) @ dA)
-        t473 = (t472.reshape((n_batch, L*d_V, L)) @ t95).reshape((n_batch, L, d_V, d_K))
-        t474 = (t473.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t475 = t465.permute(1, 0, 2)
-        t476 = t475.reshape((1, d_ff, L*n_batch))
-        t477 = t461.view((d_V, d_ff, d_K*d_V))
-        t477.baddbmm_(t476.expand(*(d_V,), *t476.shape[-2:]), t474.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
-        t478 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t479 = t478.view((d_V, d_ff, d_V, d_K))
-        t480 = (t472.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t481 = (t480.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t102.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        t482 = t479.view((d_V, d_ff, d_K*d_V))
-        t482.baddbmm_(t476.expand(*(d_V,), *t476.shape[-2:]), t481.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
-        t483 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t484 = t483.view((d_V, d_ff, d_V, d_V))
-        t485 = (1/n_batch) * t123
-        t486 = (S.permute(1, 0) @ S468.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
-        t487 = (t486.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t485.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t488 = t484.view((d_V, d_ff, d_V**2))
-        t488.baddbmm_(t476.expand(*(d_V,), *t476.shape[-2:]), t487.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
-        t489 = t39.transpose(-1, -2)
-        t493 = (t407.permute(0, 2, 1) @ S69.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t494 = (t95.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
-        t495 = (t493.permute(0, 2, 3, 1) @ t494.permute(0, 2, 3, 1))
-        t496 = t495.reshape((n_batch, L, d_V, 1, d_K))
-        t499 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t500 = (t493.permute(0, 2, 3, 1) @ t499.permute(0, 2, 3, 1))
-        t501 = t500.reshape((n_batch, L, d_V, d_V, 1))
-        t504 = (t68.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
-        t506 = t504.reshape((n_batch, L, d_V, 1, d_V))
-        t509 = (t38.reshape((n_batch, L, 1, d_ff)) * t44.reshape((1, 1, d_V, d_ff)))
-        t510 = t433.reshape((n_batch, L, 1, d_V, 1))
-        t511 = t509.reshape((n_batch, L, d_V, 1, d_ff))
-        t513 = t489.permute(1, 0, 2)
-        t514 = t513.reshape((d_ff, L*n_batch))
-        t515 = (1/n_batch) * t514
-        t516 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows517 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
-        while d_V % n_rows517:    # chunks of equal size
-            n_rows517 -= 1
-        R490 = _empty((n_batch, L, n_rows517, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t519 = R490.view((n_batch, L*n_rows517, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t520 = R490.view((L*n_batch, n_rows517*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t521 = t519[..., 0:d_K*d_V].view((n_batch, L, n_rows517, d_V, d_K))
-        t522 = t519[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows517, d_V, d_K))
-        t523 = t519[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows517, d_V, d_V))
-        t525 = t519[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows517, d_V, d_ff))
-        for f0518 in range(0, d_V, n_rows517):
-            torch.mul(t98, t496.narrow(-3, f0518, n_rows517), out=t521)
-            torch.mul(t107, t501.narrow(-3, f0518, n_rows517), out=t522)
-            torch.mul(t426, t506.narrow(-3, f0518, n_rows517), out=t523)
-            t524 = t519[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows517, d_V, d_V)).narrow(-1, f0518, n_rows517).diagonal(0, 2, 4)
-            t524.addcmul_(t336.narrow(-1, f0518, n_rows517), t337)
-            torch.mul(t510, t511.narrow(-3, f0518, n_rows517), out=t525)
-            t519[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff][...] = 0
-            torch.matmul(t515, t520, out=t516.narrow(-1, f0518*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows517*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        del R490
-        t526 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-        t527 = t526.view((d_ff, d_V, d_V, d_K))
-        t528 = (1/(math.sqrt(d_K)*n_batch)) * t385
-        t529 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t528.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t530 = (t230.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t531 = (t530.permute(0, 2, 3, 1) @ S468.permute(0, 2, 3, 1))
-        t532 = (t531.reshape((L**2*n_batch, d_V)) @ t47.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t533 = (t532.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t95).reshape((n_batch, L, d_ff, d_K))
-        t534 = (t533.permute(2, 3, 0, 1) * t463.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t527 += ((t529.reshape((d_V**2, L*n_batch)) @ t534.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-        t535 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t536 = t535.view((d_ff, d_V, d_V, d_K))
-        t537 = (t102.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t528.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t538 = (t532.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        t539 = (t538.permute(2, 3, 0, 1) * t463.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t536 += ((t539.reshape((d_V*d_ff, L*n_batch)) @ t537.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t540 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t541 = t540.view((d_ff, d_V, d_V, d_V))
-        t542 = (1/n_batch) * t385
-        t543 = (t123.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t542.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t544 = (t47.reshape((d_ff, d_V, 1, 1)) * t463.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t545 = ((t486.permute(1, 3, 0, 2) @ t544.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
-        t541 += ((t543.reshape((d_V**2, L*n_batch)) @ t545.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
-        t546 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t547 = t546.view((d_ff, d_V, d_V, d_ff))
-        t548 = t547.diagonal(0, 0, 3)
-        t549 = t463.permute(1, 0, 2)
-        t550 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t542.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t548 += (t550.reshape((d_V**2, L*n_batch)) @ t549.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-        t551 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t552 = t551.view((d_ff, d_V, d_ff, d_V))
-        t553 = t552.diagonal(0, 1, 3)
-        t554 = t489 @ t39
-        t555 = (2/(L*d_V*n_batch)) * t328
-        t553.addcmul_(t555.reshape((1, 1, d_V)), t554.sum((0,)).reshape((d_ff, d_ff, 1)))
+        S474 = (t20.reshape((1, d_V, 1, d_V)) * t386.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t473.permute(2, 0, 3, 1) * t381.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
+        t475 = (1/(math.sqrt(d_K)*n_batch)) * t74
+        t476 = (t475.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
+        t477 = (t476 @ S474.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
+        t478 = (t477.permute(0, 3, 2, 1) @ dA)
+        t479 = (t478.reshape((n_batch, L*d_V, L)) @ t95).reshape((n_batch, L, d_V, d_K))
+        t480 = (t479.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t481 = t471.permute(1, 0, 2)
+        t482 = t481.reshape((1, d_ff, L*n_batch))
+        t483 = t467.view((d_V, d_ff, d_K*d_V))
+        t483.baddbmm_(t482.expand(*(d_V,), *t482.shape[-2:]), t480.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        t484 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t485 = t484.view((d_V, d_ff, d_V, d_K))
+        t486 = (t478.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t487 = (t486.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t102.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        t488 = t485.view((d_V, d_ff, d_K*d_V))
+        t488.baddbmm_(t482.expand(*(d_V,), *t482.shape[-2:]), t487.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        t489 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t490 = t489.view((d_V, d_ff, d_V, d_V))
+        t491 = (1/n_batch) * t123
+        t492 = (S.permute(1, 0) @ S474.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
+        t493 = (t492.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t491.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t494 = t490.view((d_V, d_ff, d_V**2))
+        t494.baddbmm_(t482.expand(*(d_V,), *t482.shape[-2:]), t493.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
+        t495 = t39.transpose(-1, -2)
+        t499 = (t411.permute(0, 2, 1) @ S69.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t500 = (t95.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
+        t501 = (t499.permute(0, 2, 3, 1) @ t500.permute(0, 2, 3, 1))
+        t502 = t501.reshape((n_batch, L, d_V, 1, d_K))
+        t505 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t506 = (t499.permute(0, 2, 3, 1) @ t505.permute(0, 2, 3, 1))
+        t507 = t506.reshape((n_batch, L, d_V, d_V, 1))
+        t510 = (t68.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
+        t512 = t510.reshape((n_batch, L, d_V, 1, d_V))
+        t515 = (t38.reshape((n_batch, L, 1, d_ff)) * t44.reshape((1, 1, d_V, d_ff)))
+        t516 = t437.reshape((n_batch, L, 1, d_V, 1))
+        t517 = t515.reshape((n_batch, L, d_V, 1, d_ff))
+        t519 = t495.permute(1, 0, 2)
+        t520 = t519.reshape((d_ff, L*n_batch))
+        t521 = (1/n_batch) * t520
+        t522 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows523 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows523:    # chunks of equal size
+            n_rows523 -= 1
+        R496 = _empty((n_batch, L, n_rows523, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t525 = R496.view((n_batch, L*n_rows523, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t526 = R496.view((L*n_batch, n_rows523*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t527 = t525[..., 0:d_K*d_V].view((n_batch, L, n_rows523, d_V, d_K))
+        t528 = t525[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows523, d_V, d_K))
+        t529 = t525[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows523, d_V, d_V))
+        t531 = t525[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows523, d_V, d_ff))
+        for f0524 in range(0, d_V, n_rows523):
+            torch.mul(t98, t502.narrow(-3, f0524, n_rows523), out=t527)
+            torch.mul(t107, t507.narrow(-3, f0524, n_rows523), out=t528)
+            torch.mul(t430, t512.narrow(-3, f0524, n_rows523), out=t529)
+            t530 = t525[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows523, d_V, d_V)).narrow(-1, f0524, n_rows523).diagonal(0, 2, 4)
+            t530.addcmul_(t338.narrow(-1, f0524, n_rows523), t339)
+            torch.mul(t516, t517.narrow(-3, f0524, n_rows523), out=t531)
+            t525[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff][...] = 0
+            t532 = t522.narrow(-1, f0524*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows523*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+            if d_ff <= 32:
+                torch.matmul(t521, t526, out=t532)
+            else:
+                for r0533 in range(0, d_ff, 32):
+                    torch.matmul(t521.narrow(-2, r0533, min(32, d_ff - r0533)), t526, out=t532.narrow(-2, r0533, min(32, d_ff - r0533)))
+        del R496
+        t534 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        t535 = t534.view((d_ff, d_V, d_V, d_K))
+        t536 = (1/(math.sqrt(d_K)*n_batch)) * t389
+        t537 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t536.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t538 = (t231.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t539 = (t538.permute(0, 2, 3, 1) @ S474.permute(0, 2, 3, 1))
+        t540 = (t539.reshape((L**2*n_batch, d_V)) @ t47.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t541 = (t540.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t95).reshape((n_batch, L, d_ff, d_K))
+        t542 = (t541.permute(2, 3, 0, 1) * t469.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t535 += ((t537.reshape((d_V**2, L*n_batch)) @ t542.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+        t543 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t544 = t543.view((d_ff, d_V, d_V, d_K))
+        t545 = (t102.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t536.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t546 = (t540.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        t547 = (t546.permute(2, 3, 0, 1) * t469.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t544 += ((t547.reshape((d_V*d_ff, L*n_batch)) @ t545.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t548 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t549 = t548.view((d_ff, d_V, d_V, d_V))
+        t550 = (1/n_batch) * t389
+        t551 = (t123.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t550.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t552 = (t47.reshape((d_ff, d_V, 1, 1)) * t469.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t553 = ((t492.permute(1, 3, 0, 2) @ t552.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
+        t549 += ((t551.reshape((d_V**2, L*n_batch)) @ t553.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
+        t554 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t555 = t554.view((d_ff, d_V, d_V, d_ff))
+        t556 = t555.diagonal(0, 0, 3)
+        t557 = t469.permute(1, 0, 2)
+        t558 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t550.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t556 += (t558.reshape((d_V**2, L*n_batch)) @ t557.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        t559 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t560 = t559.view((d_ff, d_V, d_ff, d_V))
+        t561 = t560.diagonal(0, 1, 3)
+        t562 = t495 @ t39
+        t563 = (2/(L*d_V*n_batch)) * t330
+        t561.addcmul_(t563.reshape((1, 1, d_V)), t562.sum((0,)).reshape((d_ff, d_ff, 1)))
         return H
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -39559,353 +39588,377 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             t207.addcmul_(t185, t186.narrow(-3, f0, n_rows))
             torch.mul(t193.narrow(-3, f0, n_rows), t194, out=t208)
             t208.addcmul_(t195, t196.narrow(-3, f0, n_rows))
-            torch.matmul(t199, t202, out=t200.narrow(-1, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+            t209 = t200.narrow(-1, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+            if d_V <= 32:
+                torch.matmul(t199, t202, out=t209)
+            else:
+                for r0 in range(0, d_V, 32):
+                    torch.matmul(t199.narrow(-2, r0, min(32, d_V - r0)), t202, out=t209.narrow(-2, r0, min(32, d_V - r0)))
         del R
-        R209 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t210 = R209.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t211 = t210[..., 0:d_K*d_V]
-        t212 = t211.view((n_batch, L, d_K, d_V, d_K))
-        t213 = t112.transpose(-1, -2)
-        t214 = (1/(L*d_K)) * t213
-        t215 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t214.reshape((n_batch, d_K, 1, L)))
-        t216 = (t84.permute(0, 2, 1) @ S80.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t217 = (t216.permute(0, 2, 1, 3) @ dA74.permute(0, 1, 3, 2))
-        t218 = (t217.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, d_V, 1)))
-        t219 = (t218.permute(0, 1, 3, 2) @ S71.permute(0, 1, 3, 2))
-        t220 = (t219.reshape((n_batch, L**2, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-        t221 = (t220.permute(0, 1, 3, 2) @ dA)
-        t222 = (t221.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t223 = ((t105.permute(0, 2, 1) @ t222.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t224 = (t172.permute(1, 2, 0) @ S63.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t225 = (t84.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
-        t226 = (t225 @ t224.permute(0, 3, 1, 2).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-        t227 = (t226.permute(0, 3, 1, 2) @ dA.permute(0, 1, 3, 2))
+        R210 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t211 = R210.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t212 = t211[..., 0:d_K*d_V]
+        t213 = t212.view((n_batch, L, d_K, d_V, d_K))
+        t214 = t112.transpose(-1, -2)
+        t215 = (1/(L*d_K)) * t214
+        t216 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t215.reshape((n_batch, d_K, 1, L)))
+        t217 = (t84.permute(0, 2, 1) @ S80.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t218 = (t217.permute(0, 2, 1, 3) @ dA74.permute(0, 1, 3, 2))
+        t219 = (t218.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, d_V, 1)))
+        t220 = (t219.permute(0, 1, 3, 2) @ S71.permute(0, 1, 3, 2))
+        t221 = (t220.reshape((n_batch, L**2, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+        t222 = (t221.permute(0, 1, 3, 2) @ dA)
+        t223 = (t222.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t224 = ((t105.permute(0, 2, 1) @ t223.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t225 = (t172.permute(1, 2, 0) @ S63.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t226 = (t84.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
+        t227 = (t226 @ t225.permute(0, 3, 1, 2).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+        t228 = (t227.permute(0, 3, 1, 2) @ dA.permute(0, 1, 3, 2))
         # S: compact tensor ('L', 'L', 'L')
-        S228 = (t227.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
-        t229 = (2/(d_K*d_V)) * t213
-        t230 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t229.reshape((n_batch, d_K, 1, L)))
-        t231 = ((t105.permute(0, 2, 1) @ S228.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t232 = t215.reshape((n_batch, d_K*d_V, L))
-        t233 = t230.reshape((n_batch, d_K*d_V, L))
-        t234 = t223.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
-        t235 = t231.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
-        t236 = torch.cat([t232, t233], dim=-1)
-        t237 = torch.cat([t234, t235], dim=-2)
-        t212[...] = ((t236 @ t237).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t238 = t210[..., d_K*d_V:2*d_K*d_V]
-        t239 = t238.view((n_batch, L, d_K, d_V, d_K))
-        t240 = (t112.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t214.reshape((n_batch, d_K, 1, L)))
-        t241 = ((N_1.permute(0, 2, 1) @ t222.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t242 = (t112.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t229.reshape((n_batch, d_K, 1, L)))
-        t243 = ((N_1.permute(0, 2, 1) @ S228.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t244 = t241.reshape((n_batch, L*d_V, L))
-        t245 = t243.reshape((n_batch, L*d_V, L))
-        t246 = t240.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        t247 = t242.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        t248 = torch.cat([t244, t245], dim=-1)
-        t249 = torch.cat([t246, t247], dim=-2)
-        t239[...] = ((t248 @ t249).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
-        t250 = t210[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t251 = t250.view((n_batch, L, d_K, d_V, d_V))
-        t252 = (S129.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t213.reshape((n_batch, d_K, 1, L)))
-        t253 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t254 = ((S.permute(1, 0) @ t137.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t255 = (t133.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t213.reshape((n_batch, d_K, 1, L)))
-        t256 = (1/(L*math.sqrt(d_K))) * t213
-        t257 = (t133.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t256.reshape((n_batch, d_K, 1, L)))
-        t258 = ((t143.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
-        t259 = t133.permute(0, 2, 1)
-        t260 = (t153.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V, L)) * t256.reshape((n_batch, 1, d_K, 1, L)))
-        t251[...] = ((t253.reshape((n_batch, L*d_V, L)) @ t252.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t261 = t255.reshape((n_batch, d_K*d_V, L))
-        t262 = t257.reshape((n_batch, d_K*d_V, L))
-        t263 = t254.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        t264 = t258.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        t265 = torch.cat([t261, t262], dim=-1)
-        t266 = torch.cat([t263, t264], dim=-2)
-        t251 += ((t265 @ t266).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        t251 += ((t259 @ t260.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_K*d_V))).reshape((n_batch, d_V, L, d_K, d_V))).permute(0, 2, 3, 1, 4)
-        t267 = t210[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t268 = t267.view((n_batch, L, d_K, d_V, d_ff))
-        t269 = (1/math.sqrt(d_K)) * t213
-        t270 = (t172.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t271 = ((t270.permute(0, 2, 3, 1) @ S67)).permute(0, 2, 3, 1)
-        t272 = (t50.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t269.reshape((n_batch, d_K, 1, L)))
-        t273 = (N_2.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t256.reshape((n_batch, d_K, 1, L)))
-        t274 = (t181.permute(0, 2, 3, 1) * t37.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
-        t268[...] = ((t271.reshape((n_batch, L*d_V, L)) @ t272.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
-        t268 += ((t273.reshape((n_batch, d_K*d_V, L)) @ t274.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
-        t275 = t210[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t276 = t275.view((n_batch, L, d_K, d_ff, d_V))
-        t277 = (t189.permute(0, 2, 3, 1) * t37.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
-        t278 = (G.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t269.reshape((n_batch, d_K, 1, L)))
-        t279 = (t40.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t256.reshape((n_batch, d_K, 1, L)))
-        t280 = ((t179.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
-        t276[...] = ((t277.reshape((n_batch, L*d_ff, L)) @ t278.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t276 += ((t279.reshape((n_batch, d_K*d_ff, L)) @ t280.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
-        t281 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t282 = R209.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t199, t282, out=t281)
-        del R209
-        t283 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-        t284 = t283.view((d_V, d_K, d_V, d_K))
-        t285 = t284.diagonal(0, 1, 3)
-        t286 = t115.transpose(-1, -2)
-        t287 = (1/n_batch) * t116
-        t288 = (t286.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-        t285.addcmul_(t287.reshape((1, 1, d_K)), t288.reshape((d_V, d_V, 1)))
-        t289 = t133.transpose(-1, -2)
-        t293 = (S63.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S132.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        S229 = (t228.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
+        t230 = (2/(d_K*d_V)) * t214
+        t231 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t230.reshape((n_batch, d_K, 1, L)))
+        t232 = ((t105.permute(0, 2, 1) @ S229.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t233 = t216.reshape((n_batch, d_K*d_V, L))
+        t234 = t231.reshape((n_batch, d_K*d_V, L))
+        t235 = t224.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t236 = t232.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t237 = torch.cat([t233, t234], dim=-1)
+        t238 = torch.cat([t235, t236], dim=-2)
+        t213[...] = ((t237 @ t238).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t239 = t211[..., d_K*d_V:2*d_K*d_V]
+        t240 = t239.view((n_batch, L, d_K, d_V, d_K))
+        t241 = (t112.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t215.reshape((n_batch, d_K, 1, L)))
+        t242 = ((N_1.permute(0, 2, 1) @ t223.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t243 = (t112.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t230.reshape((n_batch, d_K, 1, L)))
+        t244 = ((N_1.permute(0, 2, 1) @ S229.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t245 = t242.reshape((n_batch, L*d_V, L))
+        t246 = t244.reshape((n_batch, L*d_V, L))
+        t247 = t241.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t248 = t243.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t249 = torch.cat([t245, t246], dim=-1)
+        t250 = torch.cat([t247, t248], dim=-2)
+        t240[...] = ((t249 @ t250).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t251 = t211[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t252 = t251.view((n_batch, L, d_K, d_V, d_V))
+        t253 = (S129.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t214.reshape((n_batch, d_K, 1, L)))
+        t254 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t255 = ((S.permute(1, 0) @ t137.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t256 = (t133.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t214.reshape((n_batch, d_K, 1, L)))
+        t257 = (1/(L*math.sqrt(d_K))) * t214
+        t258 = (t133.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t257.reshape((n_batch, d_K, 1, L)))
+        t259 = ((t143.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
+        t260 = t133.permute(0, 2, 1)
+        t261 = (t153.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V, L)) * t257.reshape((n_batch, 1, d_K, 1, L)))
+        t252[...] = ((t254.reshape((n_batch, L*d_V, L)) @ t253.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t262 = t256.reshape((n_batch, d_K*d_V, L))
+        t263 = t258.reshape((n_batch, d_K*d_V, L))
+        t264 = t255.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t265 = t259.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t266 = torch.cat([t262, t263], dim=-1)
+        t267 = torch.cat([t264, t265], dim=-2)
+        t252 += ((t266 @ t267).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t252 += ((t260 @ t261.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_K*d_V))).reshape((n_batch, d_V, L, d_K, d_V))).permute(0, 2, 3, 1, 4)
+        t268 = t211[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t269 = t268.view((n_batch, L, d_K, d_V, d_ff))
+        t270 = (1/math.sqrt(d_K)) * t214
+        t271 = (t172.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t272 = ((t271.permute(0, 2, 3, 1) @ S67)).permute(0, 2, 3, 1)
+        t273 = (t50.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t270.reshape((n_batch, d_K, 1, L)))
+        t274 = (N_2.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t257.reshape((n_batch, d_K, 1, L)))
+        t275 = (t181.permute(0, 2, 3, 1) * t37.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
+        t269[...] = ((t272.reshape((n_batch, L*d_V, L)) @ t273.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
+        t269 += ((t274.reshape((n_batch, d_K*d_V, L)) @ t275.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
+        t276 = t211[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t277 = t276.view((n_batch, L, d_K, d_ff, d_V))
+        t278 = (t189.permute(0, 2, 3, 1) * t37.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
+        t279 = (G.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t270.reshape((n_batch, d_K, 1, L)))
+        t280 = (t40.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t257.reshape((n_batch, d_K, 1, L)))
+        t281 = ((t179.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
+        t277[...] = ((t278.reshape((n_batch, L*d_ff, L)) @ t279.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t277 += ((t280.reshape((n_batch, d_K*d_ff, L)) @ t281.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
+        t282 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t283 = R210.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        if d_V <= 32:
+            torch.matmul(t199, t283, out=t282)
+        else:
+            for r0284 in range(0, d_V, 32):
+                torch.matmul(t199.narrow(-2, r0284, min(32, d_V - r0284)), t283, out=t282.narrow(-2, r0284, min(32, d_V - r0284)))
+        del R210
+        t285 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t286 = t285.view((d_V, d_K, d_V, d_K))
+        t287 = t286.diagonal(0, 1, 3)
+        t288 = t115.transpose(-1, -2)
+        t289 = (1/n_batch) * t116
+        t290 = (t288.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
+        t287.addcmul_(t289.reshape((1, 1, d_K)), t290.reshape((d_V, d_V, 1)))
+        t291 = t133.transpose(-1, -2)
+        t295 = (S63.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S132.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S294 = (1/(L*math.sqrt(d_K))) * S68
+        S296 = (1/(L*math.sqrt(d_K))) * S68
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S295 = (1/(L*math.sqrt(d_K))) * (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S294 @ t70)
-        t296 = (t39.reshape((n_batch, L, d_V, 1)) * S295.permute(0, 1, 3, 2))
+        S297 = (1/(L*math.sqrt(d_K))) * (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S296 @ t70)
+        t298 = (t39.reshape((n_batch, L, d_V, 1)) * S297.permute(0, 1, 3, 2))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S297 = (t293.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (t296.permute(0, 1, 3, 2) @ t82.permute(0, 1, 3, 2))
-        t298 = W_V.transpose(-1, -2)
-        t299 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t298.permute(1, 0)).reshape((n_batch, L, d_V))
-        t300 = (t299 @ S297.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t301 = (t300.permute(0, 2, 3, 1) @ dA)
-        t302 = (t301.reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
-        t303 = t302.reshape((n_batch, L, d_V, 1, d_K))
-        t306 = (t301.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t307 = t306.reshape((n_batch, L, d_V, d_V, 1))
+        S299 = (t295.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (t298.permute(0, 1, 3, 2) @ t82.permute(0, 1, 3, 2))
+        t300 = W_V.transpose(-1, -2)
+        t301 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t300.permute(1, 0)).reshape((n_batch, L, d_V))
+        t302 = (t301 @ S299.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t303 = (t302.permute(0, 2, 3, 1) @ dA)
+        t304 = (t303.reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
+        t305 = t304.reshape((n_batch, L, d_V, 1, d_K))
+        t308 = (t303.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t309 = t308.reshape((n_batch, L, d_V, d_V, 1))
         # S: compact tensor ('d_V', 'd_V')
-        S310 = (2/d_V) * S
+        S312 = (2/d_V) * S
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S313 = (1/L) * S68
+        S315 = (1/L) * S68
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S314 = (1/L) * (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S313 @ t70)
-        t315 = (S314 @ t148)
-        t323 = S.permute(1, 0)
-        t324 = ((S310 @ S63.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t328 = (t148 @ t79)
-        t329 = (dA74.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, 1, d_V))) + ((t323 @ t328.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t330 = (t324.reshape((L*d_V*n_batch, d_V)) @ t323.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S314 @ t329.permute(0, 1, 3, 2))
-        t331 = t330.reshape((n_batch, L, d_V, 1, d_V))
-        t334 = ((S @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t335 = (t39.reshape((n_batch, L, d_V, 1)) * S314.permute(0, 1, 3, 2))
-        t336 = (t335.permute(0, 1, 3, 2) @ dA74)
-        t337 = (t336.reshape((L*d_V*n_batch, d_V)) @ t48).reshape((n_batch, L, d_V, d_ff))
-        t338 = t334.reshape((n_batch, L, d_V, d_V, 1))
-        t339 = t337.reshape((n_batch, L, d_V, 1, d_ff))
-        t342 = (S67.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t343 = (t342.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
-        t344 = t343.reshape((n_batch, L, d_V, d_ff, 1))
-        t345 = t315.reshape((n_batch, L, d_V, 1, d_V))
-        t346 = t289.permute(1, 0, 2)
-        t347 = t346.reshape((d_V, L*n_batch))
-        t348 = (1/n_batch) * t347
-        t349 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows350 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
-        while d_V % n_rows350:    # chunks of equal size
-            n_rows350 -= 1
-        R290 = _empty((n_batch, L, n_rows350, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t352 = R290.view((n_batch, L*n_rows350, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t353 = R290.view((L*n_batch, n_rows350*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t354 = t352[..., 0:d_K*d_V].view((n_batch, L, n_rows350, d_V, d_K))
-        t355 = t352[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows350, d_V, d_K))
-        t356 = t352[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows350, d_V, d_V))
-        t357 = t352[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows350, d_V, d_ff))
-        t358 = t352[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows350, d_ff, d_V))
-        for f0351 in range(0, d_V, n_rows350):
-            torch.mul(t108, t303.narrow(-3, f0351, n_rows350), out=t354)
-            torch.mul(t117, t307.narrow(-3, f0351, n_rows350), out=t355)
-            torch.mul(t167, t331.narrow(-3, f0351, n_rows350), out=t356)
-            torch.mul(t183, t338.narrow(-3, f0351, n_rows350), out=t357)
-            t357.addcmul_(t339.narrow(-3, f0351, n_rows350), t185)
-            torch.mul(t344.narrow(-3, f0351, n_rows350), t194, out=t358)
-            t358.addcmul_(t195, t345.narrow(-3, f0351, n_rows350))
-            torch.matmul(t348, t353, out=t349.narrow(-1, f0351*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows350*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        del R290
-        t359 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t360 = t359.view((d_V, d_V, d_V, d_K))
-        t362 = t33.transpose(-1, -2)
-        t363 = t52.transpose(-1, -2)
-        t364 = M_N_2.transpose(-1, -2)
-        t365 = t362 * t363 * t364
-        t366 = t365.sum(-2, keepdim=True)
-        t367 = t366.expand(*t366.shape[:-2], d_V, t366.shape[-1])
-        t368 = t367 * t364
-        t369 = P_N_2.transpose(-1, -2)
-        t370 = t363 * t369
-        t371 = ((1/2)*d_V) * t370
-        t372 = G.transpose(-1, -2)
-        t373 = ((1/2)*d_V) * t372
-        t374 = t368 + t371 + t373
-        t375 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t374
-        t376 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t377 = (t376.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
-        t378 = (t377.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t380 = t368 + t371
-        t381 = t380.sum(-2, keepdim=True)
-        t382 = t381.expand(*t381.shape[:-2], d_V, t381.shape[-1])
-        t383 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t382
-        t385 = t375.permute(1, 0, 2) + t383.permute(1, 0, 2)
-        t360 += (t385.reshape((1, d_V, L*n_batch)) @ t378.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
-        t386 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t387 = t386.view((d_V, d_V, d_V, d_K))
-        t388 = (t376.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t389 = (t388.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t112.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        t387 += (t385.reshape((1, d_V, L*n_batch)) @ t389.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
-        t390 = N_2.transpose(-1, -2)
-        t394 = (1/(L*math.sqrt(d_K))) * t39
-        t395 = (dA74 * t394.reshape((n_batch, L, d_V, 1)))
-        t396 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t84.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t397 = (t396 @ S80.permute(0, 1, 3, 2))
-        t398 = (t397 @ t395.permute(0, 1, 3, 2))
-        t399 = (t398.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t400 = (t399.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
-        t401 = (t400.reshape((n_batch, L*d_ff, L)) @ t105).reshape((n_batch, L, d_ff, d_K))
-        t402 = t401.reshape((n_batch, L, d_ff, 1, d_K))
-        t405 = (t400.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        t406 = t405.reshape((n_batch, L, d_ff, d_V, 1))
-        t409 = (1/L) * t39
-        t410 = (dA74 * t409.reshape((n_batch, L, d_V, 1)))
-        t412 = (t133.reshape((n_batch, L, 1, d_V)) * t37.reshape((n_batch, L, d_ff, 1)))
-        t418 = (t410 @ t79)
-        t419 = (dA74.permute(0, 1, 3, 2) * t409.reshape((n_batch, L, 1, d_V))) + ((t323 @ t418.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t420 = ((W_2 @ t419.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t421 = t412.reshape((n_batch, L, d_ff, d_V, 1))
-        t422 = t420.reshape((n_batch, L, d_ff, 1, d_V))
-        t425 = (W_2.reshape((d_ff, d_V, 1, 1)) * t37.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-        t426 = (t425.permute(2, 3, 0, 1) @ t410)
-        t427 = (t426 @ t77.permute(1, 2, 3, 0))
-        t428 = N_2.reshape((n_batch, L, 1, d_V, 1))
-        t429 = t427.reshape((n_batch, L, d_ff, 1, d_ff))
-        t432 = (t410.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-        t433 = (t432.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
-        t435 = t433.reshape((n_batch, L, d_ff, 1, d_V))
-        t436 = G.reshape((n_batch, L, d_V, 1))
-        t437 = t37.reshape((n_batch, L, 1, d_ff))
-        t438 = t390.permute(1, 0, 2)
-        t439 = t438.reshape((d_V, L*n_batch))
-        t440 = (1/n_batch) * t439
-        t441 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows442 = max(1, min(d_ff, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
-        while d_ff % n_rows442:    # chunks of equal size
-            n_rows442 -= 1
-        R391 = _empty((n_batch, L, n_rows442, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t444 = R391.view((n_batch, L*n_rows442, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t445 = R391.view((L*n_batch, n_rows442*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t446 = t444[..., 0:d_K*d_V].view((n_batch, L, n_rows442, d_V, d_K))
-        t447 = t444[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows442, d_V, d_K))
-        t448 = t444[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows442, d_V, d_V))
-        t449 = t444[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows442, d_V, d_ff))
-        t450 = t444[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows442, d_ff, d_V))
-        for f0443 in range(0, d_ff, n_rows442):
-            torch.mul(t108, t402.narrow(-3, f0443, n_rows442), out=t446)
-            torch.mul(t117, t406.narrow(-3, f0443, n_rows442), out=t447)
-            torch.mul(t421.narrow(-3, f0443, n_rows442), t422.narrow(-3, f0443, n_rows442), out=t448)
-            torch.mul(t428, t429.narrow(-3, f0443, n_rows442), out=t449)
-            torch.mul(t195, t435.narrow(-3, f0443, n_rows442), out=t450)
-            t451 = t444[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows442, d_ff, d_V)).narrow(-2, f0443, n_rows442).diagonal(0, 2, 3)
-            t451.addcmul_(t436, t437.narrow(-1, f0443, n_rows442))
-            torch.matmul(t440, t445, out=t441.narrow(-1, f0443*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows442*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        del R391
-        t452 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-        t453 = t452.view((d_V, d_ff, d_V, d_K))
-        t455 = t37.transpose(-1, -2)
-        t456 = t49.transpose(-1, -2)
-        t457 = t455 * t456
-        t458 = t362 * t364
-        t459 = (t21.reshape((d_V, d_V, 1, 1)) * t458.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        S316 = (1/L) * (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S315 @ t70)
+        t317 = (S316 @ t148)
+        t325 = S.permute(1, 0)
+        t326 = ((S312 @ S63.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t330 = (t148 @ t79)
+        t331 = (dA74.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, 1, d_V))) + ((t325 @ t330.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t332 = (t326.reshape((L*d_V*n_batch, d_V)) @ t325.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S316 @ t331.permute(0, 1, 3, 2))
+        t333 = t332.reshape((n_batch, L, d_V, 1, d_V))
+        t336 = ((S @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t337 = (t39.reshape((n_batch, L, d_V, 1)) * S316.permute(0, 1, 3, 2))
+        t338 = (t337.permute(0, 1, 3, 2) @ dA74)
+        t339 = (t338.reshape((L*d_V*n_batch, d_V)) @ t48).reshape((n_batch, L, d_V, d_ff))
+        t340 = t336.reshape((n_batch, L, d_V, d_V, 1))
+        t341 = t339.reshape((n_batch, L, d_V, 1, d_ff))
+        t344 = (S67.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t345 = (t344.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        t346 = t345.reshape((n_batch, L, d_V, d_ff, 1))
+        t347 = t317.reshape((n_batch, L, d_V, 1, d_V))
+        t348 = t291.permute(1, 0, 2)
+        t349 = t348.reshape((d_V, L*n_batch))
+        t350 = (1/n_batch) * t349
+        t351 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows352 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows352:    # chunks of equal size
+            n_rows352 -= 1
+        R292 = _empty((n_batch, L, n_rows352, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t354 = R292.view((n_batch, L*n_rows352, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t355 = R292.view((L*n_batch, n_rows352*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t356 = t354[..., 0:d_K*d_V].view((n_batch, L, n_rows352, d_V, d_K))
+        t357 = t354[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows352, d_V, d_K))
+        t358 = t354[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows352, d_V, d_V))
+        t359 = t354[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows352, d_V, d_ff))
+        t360 = t354[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows352, d_ff, d_V))
+        for f0353 in range(0, d_V, n_rows352):
+            torch.mul(t108, t305.narrow(-3, f0353, n_rows352), out=t356)
+            torch.mul(t117, t309.narrow(-3, f0353, n_rows352), out=t357)
+            torch.mul(t167, t333.narrow(-3, f0353, n_rows352), out=t358)
+            torch.mul(t183, t340.narrow(-3, f0353, n_rows352), out=t359)
+            t359.addcmul_(t341.narrow(-3, f0353, n_rows352), t185)
+            torch.mul(t346.narrow(-3, f0353, n_rows352), t194, out=t360)
+            t360.addcmul_(t195, t347.narrow(-3, f0353, n_rows352))
+            t361 = t351.narrow(-1, f0353*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows352*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+            if d_V <= 32:
+                torch.matmul(t350, t355, out=t361)
+            else:
+                for r0362 in range(0, d_V, 32):
+                    torch.matmul(t350.narrow(-2, r0362, min(32, d_V - r0362)), t355, out=t361.narrow(-2, r0362, min(32, d_V - r0362)))
+        del R292
+        t363 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t364 = t363.view((d_V, d_V, d_V, d_K))
+        t366 = t33.transpose(-1, -2)
+        t367 = t52.transpose(-1, -2)
+        t368 = M_N_2.transpose(-1, -2)
+        t369 = t366 * t367 * t368
+        t370 = t369.sum(-2, keepdim=True)
+        t371 = t370.expand(*t370.shape[:-2], d_V, t370.shape[-1])
+        t372 = t371 * t368
+        t373 = P_N_2.transpose(-1, -2)
+        t374 = t367 * t373
+        t375 = ((1/2)*d_V) * t374
+        t376 = G.transpose(-1, -2)
+        t377 = ((1/2)*d_V) * t376
+        t378 = t372 + t375 + t377
+        t379 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t378
+        t380 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t381 = (t380.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
+        t382 = (t381.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t384 = t372 + t375
+        t385 = t384.sum(-2, keepdim=True)
+        t386 = t385.expand(*t385.shape[:-2], d_V, t385.shape[-1])
+        t387 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t386
+        t389 = t379.permute(1, 0, 2) + t387.permute(1, 0, 2)
+        t364 += (t389.reshape((1, d_V, L*n_batch)) @ t382.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
+        t390 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t391 = t390.view((d_V, d_V, d_V, d_K))
+        t392 = (t380.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t393 = (t392.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t112.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        t391 += (t389.reshape((1, d_V, L*n_batch)) @ t393.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
+        t394 = N_2.transpose(-1, -2)
+        t398 = (1/(L*math.sqrt(d_K))) * t39
+        t399 = (dA74 * t398.reshape((n_batch, L, d_V, 1)))
+        t400 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t84.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t401 = (t400 @ S80.permute(0, 1, 3, 2))
+        t402 = (t401 @ t399.permute(0, 1, 3, 2))
+        t403 = (t402.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t404 = (t403.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
+        t405 = (t404.reshape((n_batch, L*d_ff, L)) @ t105).reshape((n_batch, L, d_ff, d_K))
+        t406 = t405.reshape((n_batch, L, d_ff, 1, d_K))
+        t409 = (t404.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        t410 = t409.reshape((n_batch, L, d_ff, d_V, 1))
+        t413 = (1/L) * t39
+        t414 = (dA74 * t413.reshape((n_batch, L, d_V, 1)))
+        t416 = (t133.reshape((n_batch, L, 1, d_V)) * t37.reshape((n_batch, L, d_ff, 1)))
+        t422 = (t414 @ t79)
+        t423 = (dA74.permute(0, 1, 3, 2) * t413.reshape((n_batch, L, 1, d_V))) + ((t325 @ t422.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t424 = ((W_2 @ t423.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t425 = t416.reshape((n_batch, L, d_ff, d_V, 1))
+        t426 = t424.reshape((n_batch, L, d_ff, 1, d_V))
+        t429 = (W_2.reshape((d_ff, d_V, 1, 1)) * t37.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+        t430 = (t429.permute(2, 3, 0, 1) @ t414)
+        t431 = (t430 @ t77.permute(1, 2, 3, 0))
+        t432 = N_2.reshape((n_batch, L, 1, d_V, 1))
+        t433 = t431.reshape((n_batch, L, d_ff, 1, d_ff))
+        t436 = (t414.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+        t437 = (t436.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
+        t439 = t437.reshape((n_batch, L, d_ff, 1, d_V))
+        t440 = G.reshape((n_batch, L, d_V, 1))
+        t441 = t37.reshape((n_batch, L, 1, d_ff))
+        t442 = t394.permute(1, 0, 2)
+        t443 = t442.reshape((d_V, L*n_batch))
+        t444 = (1/n_batch) * t443
+        t445 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows446 = max(1, min(d_ff, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_ff % n_rows446:    # chunks of equal size
+            n_rows446 -= 1
+        R395 = _empty((n_batch, L, n_rows446, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t448 = R395.view((n_batch, L*n_rows446, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t449 = R395.view((L*n_batch, n_rows446*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t450 = t448[..., 0:d_K*d_V].view((n_batch, L, n_rows446, d_V, d_K))
+        t451 = t448[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows446, d_V, d_K))
+        t452 = t448[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows446, d_V, d_V))
+        t453 = t448[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows446, d_V, d_ff))
+        t454 = t448[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows446, d_ff, d_V))
+        for f0447 in range(0, d_ff, n_rows446):
+            torch.mul(t108, t406.narrow(-3, f0447, n_rows446), out=t450)
+            torch.mul(t117, t410.narrow(-3, f0447, n_rows446), out=t451)
+            torch.mul(t425.narrow(-3, f0447, n_rows446), t426.narrow(-3, f0447, n_rows446), out=t452)
+            torch.mul(t432, t433.narrow(-3, f0447, n_rows446), out=t453)
+            torch.mul(t195, t439.narrow(-3, f0447, n_rows446), out=t454)
+            t455 = t448[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows446, d_ff, d_V)).narrow(-2, f0447, n_rows446).diagonal(0, 2, 3)
+            t455.addcmul_(t440, t441.narrow(-1, f0447, n_rows446))
+            t456 = t445.narrow(-1, f0447*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows446*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+            if d_V <= 32:
+                torch.matmul(t444, t449, out=t456)
+            else:
+                for r0457 in range(0, d_V, 32):
+                    torch.matmul(t444.narrow(-2, r0457, min(32, d_V - r0457)), t449, out=t456.narrow(-2, r0457, min(32, d_V - r0457)))
+        del R395
+        t458 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        t459 = t458.view((d_V, d_ff, d_V, d_K))
+        t461 = t37.transpose(-1, -2)
+        t462 = t49.transpose(-1, -2)
+        t463 = t461 * t462
+        t464 = t366 * t368
+        t465 = (t21.reshape((d_V, d_V, 1, 1)) * t464.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         # S: compact tensor ('d_V', 'L', 'd_V')
-        S460 = (t20.reshape((1, d_V, 1, d_V)) * t369.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t459.permute(2, 0, 3, 1) * t364.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
-        t461 = (1/(math.sqrt(d_K)*n_batch)) * t84
-        t462 = (t461.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
-        t463 = (t462 @ S460.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
-        t464 = (t463.permute(0, 3, 2, 1) @ dA)
-        t465 = (t464.reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
-        t466 = (t465.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t467 = t457.permute(1, 0, 2)
-        t468 = t467.reshape((1, d_ff, L*n_batch))
-        t469 = t453.view((d_V, d_ff, d_K*d_V))
-        t469.baddbmm_(t468.expand(*(d_V,), *t468.shape[-2:]), t466.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
-        t470 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t471 = t470.view((d_V, d_ff, d_V, d_K))
-        t472 = (t464.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t473 = (t472.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t112.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        t474 = t471.view((d_V, d_ff, d_K*d_V))
-        t474.baddbmm_(t468.expand(*(d_V,), *t468.shape[-2:]), t473.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
-        t475 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t476 = t475.view((d_V, d_ff, d_V, d_V))
-        t477 = (1/n_batch) * t133
-        t478 = (S.permute(1, 0) @ S460.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
-        t479 = (t478.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t477.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        t480 = t476.view((d_V, d_ff, d_V**2))
-        t480.baddbmm_(t468.expand(*(d_V,), *t468.shape[-2:]), t479.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
-        t481 = t40.transpose(-1, -2)
-        t485 = (N_1.reshape((n_batch, L, 1, d_V)) * t394.reshape((n_batch, L, d_V, 1)))
-        t486 = (t397 @ dA74.permute(0, 1, 3, 2))
-        t487 = (t486.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
-        t488 = t485.reshape((n_batch, L, d_V, d_V, 1))
-        t489 = t487.reshape((n_batch, L, d_V, 1, d_K))
-        t492 = (t112.reshape((n_batch, L, 1, d_K)) * t394.reshape((n_batch, L, d_V, 1)))
-        t493 = (t486.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t494 = t492.reshape((n_batch, L, d_V, 1, d_K))
-        t495 = t493.reshape((n_batch, L, d_V, d_V, 1))
-        t498 = (dA74 * t409.reshape((n_batch, L, d_V, 1))) + (t418.reshape((L*d_V*n_batch, d_V)) @ t323.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t499 = t498.reshape((n_batch, L, d_V, 1, d_V))
-        t502 = (dA74.reshape((L*d_V*n_batch, d_V)) @ t48).reshape((n_batch, L, d_V, d_ff))
-        t503 = (N_2.reshape((n_batch, L, d_V, 1)) * t409.reshape((n_batch, L, 1, d_V)))
-        t504 = (t503.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, 1, 1, d_ff)))
-        t505 = t502.reshape((n_batch, L, d_V, 1, d_ff))
-        t506 = t504
-        t509 = t410.reshape((n_batch, L, d_V, 1, d_V))
-        t510 = t481.permute(1, 0, 2)
-        t511 = t510.reshape((d_ff, L*n_batch))
-        t512 = (1/n_batch) * t511
-        t513 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows514 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
-        while d_V % n_rows514:    # chunks of equal size
-            n_rows514 -= 1
-        R482 = _empty((n_batch, L, n_rows514, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
-        t516 = R482.view((n_batch, L*n_rows514, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t517 = R482.view((L*n_batch, n_rows514*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t518 = t516[..., 0:d_K*d_V].view((n_batch, L, n_rows514, d_V, d_K))
-        t519 = t516[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows514, d_V, d_K))
-        t520 = t516[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows514, d_V, d_V))
-        t521 = t516[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows514, d_V, d_ff))
-        t522 = t516[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows514, d_ff, d_V))
-        for f0515 in range(0, d_V, n_rows514):
-            torch.mul(t488.narrow(-3, f0515, n_rows514), t489.narrow(-3, f0515, n_rows514), out=t518)
-            torch.mul(t494.narrow(-3, f0515, n_rows514), t495.narrow(-3, f0515, n_rows514), out=t519)
-            torch.mul(t167, t499.narrow(-3, f0515, n_rows514), out=t520)
-            torch.mul(t505.narrow(-3, f0515, n_rows514), t506.narrow(-3, f0515, n_rows514), out=t521)
-            torch.mul(t195, t509.narrow(-3, f0515, n_rows514), out=t522)
-            torch.matmul(t512, t517, out=t513.narrow(-1, f0515*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows514*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        del R482
-        t523 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-        t524 = t523.view((d_ff, d_V, d_V, d_K))
-        t525 = (1/(math.sqrt(d_K)*n_batch)) * t372
-        t526 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t525.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t527 = (t225.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t528 = (t527.permute(0, 2, 3, 1) @ S460.permute(0, 2, 3, 1))
-        t529 = (t528.reshape((L**2*n_batch, d_V)) @ t51.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t530 = (t529.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t105).reshape((n_batch, L, d_ff, d_K))
-        t531 = (t530.permute(2, 3, 0, 1) * t455.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t524 += ((t526.reshape((d_V**2, L*n_batch)) @ t531.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-        t532 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t533 = t532.view((d_ff, d_V, d_V, d_K))
-        t534 = (t112.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t525.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t535 = (t529.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        t536 = (t535.permute(2, 3, 0, 1) * t455.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t533 += ((t536.reshape((d_V*d_ff, L*n_batch)) @ t534.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t537 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t538 = t537.view((d_ff, d_V, d_V, d_V))
-        t539 = (1/n_batch) * t372
-        t540 = (t133.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t539.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t541 = (t51.reshape((d_ff, d_V, 1, 1)) * t455.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t542 = ((t478.permute(1, 3, 0, 2) @ t541.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
-        t538 += ((t540.reshape((d_V**2, L*n_batch)) @ t542.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
-        t543 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t544 = t543.view((d_ff, d_V, d_V, d_ff))
-        t545 = t544.diagonal(0, 0, 3)
-        t546 = t455.permute(1, 0, 2)
-        t547 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t539.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t545 += (t547.reshape((d_V**2, L*n_batch)) @ t546.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        S466 = (t20.reshape((1, d_V, 1, d_V)) * t373.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t465.permute(2, 0, 3, 1) * t368.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
+        t467 = (1/(math.sqrt(d_K)*n_batch)) * t84
+        t468 = (t467.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
+        t469 = (t468 @ S466.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
+        t470 = (t469.permute(0, 3, 2, 1) @ dA)
+        t471 = (t470.reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
+        t472 = (t471.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t473 = t463.permute(1, 0, 2)
+        t474 = t473.reshape((1, d_ff, L*n_batch))
+        t475 = t459.view((d_V, d_ff, d_K*d_V))
+        t475.baddbmm_(t474.expand(*(d_V,), *t474.shape[-2:]), t472.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        t476 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t477 = t476.view((d_V, d_ff, d_V, d_K))
+        t478 = (t470.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t479 = (t478.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t112.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        t480 = t477.view((d_V, d_ff, d_K*d_V))
+        t480.baddbmm_(t474.expand(*(d_V,), *t474.shape[-2:]), t479.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        t481 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t482 = t481.view((d_V, d_ff, d_V, d_V))
+        t483 = (1/n_batch) * t133
+        t484 = (S.permute(1, 0) @ S466.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
+        t485 = (t484.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t483.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        t486 = t482.view((d_V, d_ff, d_V**2))
+        t486.baddbmm_(t474.expand(*(d_V,), *t474.shape[-2:]), t485.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
+        t487 = t40.transpose(-1, -2)
+        t491 = (N_1.reshape((n_batch, L, 1, d_V)) * t398.reshape((n_batch, L, d_V, 1)))
+        t492 = (t401 @ dA74.permute(0, 1, 3, 2))
+        t493 = (t492.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
+        t494 = t491.reshape((n_batch, L, d_V, d_V, 1))
+        t495 = t493.reshape((n_batch, L, d_V, 1, d_K))
+        t498 = (t112.reshape((n_batch, L, 1, d_K)) * t398.reshape((n_batch, L, d_V, 1)))
+        t499 = (t492.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t500 = t498.reshape((n_batch, L, d_V, 1, d_K))
+        t501 = t499.reshape((n_batch, L, d_V, d_V, 1))
+        t504 = (dA74 * t413.reshape((n_batch, L, d_V, 1))) + (t422.reshape((L*d_V*n_batch, d_V)) @ t325.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t505 = t504.reshape((n_batch, L, d_V, 1, d_V))
+        t508 = (dA74.reshape((L*d_V*n_batch, d_V)) @ t48).reshape((n_batch, L, d_V, d_ff))
+        t509 = (N_2.reshape((n_batch, L, d_V, 1)) * t413.reshape((n_batch, L, 1, d_V)))
+        t510 = (t509.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, 1, 1, d_ff)))
+        t511 = t508.reshape((n_batch, L, d_V, 1, d_ff))
+        t512 = t510
+        t515 = t414.reshape((n_batch, L, d_V, 1, d_V))
+        t516 = t487.permute(1, 0, 2)
+        t517 = t516.reshape((d_ff, L*n_batch))
+        t518 = (1/n_batch) * t517
+        t519 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        n_rows520 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows520:    # chunks of equal size
+            n_rows520 -= 1
+        R488 = _empty((n_batch, L, n_rows520, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        t522 = R488.view((n_batch, L*n_rows520, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t523 = R488.view((L*n_batch, n_rows520*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t524 = t522[..., 0:d_K*d_V].view((n_batch, L, n_rows520, d_V, d_K))
+        t525 = t522[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows520, d_V, d_K))
+        t526 = t522[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows520, d_V, d_V))
+        t527 = t522[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows520, d_V, d_ff))
+        t528 = t522[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows520, d_ff, d_V))
+        for f0521 in range(0, d_V, n_rows520):
+            torch.mul(t494.narrow(-3, f0521, n_rows520), t495.narrow(-3, f0521, n_rows520), out=t524)
+            torch.mul(t500.narrow(-3, f0521, n_rows520), t501.narrow(-3, f0521, n_rows520), out=t525)
+            torch.mul(t167, t505.narrow(-3, f0521, n_rows520), out=t526)
+            torch.mul(t511.narrow(-3, f0521, n_rows520), t512.narrow(-3, f0521, n_rows520), out=t527)
+            torch.mul(t195, t515.narrow(-3, f0521, n_rows520), out=t528)
+            t529 = t519.narrow(-1, f0521*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows520*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+            if d_ff <= 32:
+                torch.matmul(t518, t523, out=t529)
+            else:
+                for r0530 in range(0, d_ff, 32):
+                    torch.matmul(t518.narrow(-2, r0530, min(32, d_ff - r0530)), t523, out=t529.narrow(-2, r0530, min(32, d_ff - r0530)))
+        del R488
+        t531 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        t532 = t531.view((d_ff, d_V, d_V, d_K))
+        t533 = (1/(math.sqrt(d_K)*n_batch)) * t376
+        t534 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t533.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t535 = (t226.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t536 = (t535.permute(0, 2, 3, 1) @ S466.permute(0, 2, 3, 1))
+        t537 = (t536.reshape((L**2*n_batch, d_V)) @ t51.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t538 = (t537.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t105).reshape((n_batch, L, d_ff, d_K))
+        t539 = (t538.permute(2, 3, 0, 1) * t461.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t532 += ((t534.reshape((d_V**2, L*n_batch)) @ t539.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+        t540 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t541 = t540.view((d_ff, d_V, d_V, d_K))
+        t542 = (t112.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t533.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t543 = (t537.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        t544 = (t543.permute(2, 3, 0, 1) * t461.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t541 += ((t544.reshape((d_V*d_ff, L*n_batch)) @ t542.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t545 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t546 = t545.view((d_ff, d_V, d_V, d_V))
+        t547 = (1/n_batch) * t376
+        t548 = (t133.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t547.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t549 = (t51.reshape((d_ff, d_V, 1, 1)) * t461.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t550 = ((t484.permute(1, 3, 0, 2) @ t549.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
+        t546 += ((t548.reshape((d_V**2, L*n_batch)) @ t550.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
+        t551 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t552 = t551.view((d_ff, d_V, d_V, d_ff))
+        t553 = t552.diagonal(0, 0, 3)
+        t554 = t461.permute(1, 0, 2)
+        t555 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t547.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t553 += (t555.reshape((d_V**2, L*n_batch)) @ t554.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
         return H
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
