@@ -273,6 +273,19 @@ def test_cuda_graph_replay_float32_and_cpu_inputs():
     assert g._fns[("hessian", "outer")].captured == 0
 
 
+def test_traced_replay_on_the_device():
+    """``traced()`` on the test device: the replay gives the eager numbers for new values."""
+    k = sh.kernel("post_ln_block", "torch", "mse")
+    t = k.traced()
+    for seed in (1, 2):
+        d = sh.derive(sh.layer("post_ln_block"), "mse")
+        values = random_values(d, seed=seed, sizes={"L": 3, "d_V": 5, "d_K": 3, "d_ff": 7})
+        dev = to(values)
+        got, want = t.hessian(dev, "full"), k.hessian(dev, "full")
+        agree(got, want, tol=1e-12, scale=float(want.norm()))
+    assert t._fns[("hessian", "full")].traced == 1
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_mismatched_devices_are_named():
     _, values, _ = attention_case("mse", False)
