@@ -31,8 +31,8 @@ import warnings
 
 import torch
 
-# relative difference allowed between the traced call and its first replay (the executor
-# may reorder independent statements; each operation computes as in eager mode)
+# relative difference allowed between the eager routine and a replay on the same values
+# (each operation computes as in eager mode; the executor may reorder independent ones)
 REPLAY_RTOL = 1e-12
 # the executor profiles the first replay (torch._C._jit_get_num_profiled_runs() is 1) and
 # runs an optimised graph from the next; both are checked against the eager result
