@@ -125,3 +125,24 @@ def test_every_committed_layer_replays_its_hessian(name):
             other = {n: v * 1.1 if v.is_floating_point() else v for n, v in vals.items()}
             got, want = t.hessian(other, "full"), k.hessian(other, "full")
             assert float((got - want).abs().max()) <= 1e-13 * float(want.abs().max()), batch
+
+
+def test_float32_ce_causal_kernels_replay_the_eager_numbers():
+    """A committed CE/causal variant in float32, and an option combination rendered in
+    memory (post-LN with GELU), replayed from traces on values they were not traced with."""
+    from test_codegen import case as attention_case
+    _, values, _ = attention_case("ce", True)
+    k = sh.kernel("attention", "torch", "ce", causal=True)
+    t = k.traced()
+    v32 = {n: torch.tensor(np.asarray(v), dtype=torch.float32) for n, v in values.items()}
+    t.hessian(v32, "full")
+    other = {n: v * 1.05 if n != "Y" else v for n, v in v32.items()}
+    got, want = t.hessian(other, "functional"), k.hessian(other, "functional")
+    assert got.dtype == torch.float32
+    assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max())
+    kg = sh.kernel("post_ln_block", "torch", "mse", activation="gelu")
+    tg = kg.traced()
+    for seed in (5, 6):
+        _, _, tv = torch_values("post_ln_block", seed)
+        got, want = tg.hessian(tv, "full"), kg.hessian(tv, "full")
+        assert float((got - want).abs().max()) <= 1e-13 * float(want.abs().max())
