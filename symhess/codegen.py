@@ -391,7 +391,7 @@ class Variant:
         before = rt.written
         chunk = self._chunked_operand(rt, per_q, slab_terms, S, offs, batched)
         if chunk is None:
-            rt.line(f"{R} = {rt.fmt('empty', rt.shape(seqs + [s_size, n_rest, total]))}")
+            rt.line(f"{R} = {rt.fmt('scratch', rt.shape(seqs + [s_size, n_rest, total]))}")
             flat = rt.emit(rt.fmt("view", R, rt.shape(seqs + [s_size * n_rest, total])), False)
             for j, (terms, r, c) in enumerate(per_q):
                 cols = f"{rt.size(offs[j])}:{rt.size(offs[j + 1])}"
@@ -425,7 +425,7 @@ class Variant:
                     f"{rt.size(s_size * total)})))")
             rt.line(f"while {rt.size(n_rest)} % {n}:    # chunks of equal size")
             rt.line(f"    {n} -= 1")
-            rt.line(f"{R} = {rt.fmt('empty', rt.shape(seqs + [s_size, k, total]))}")
+            rt.line(f"{R} = {rt.fmt('scratch', rt.shape(seqs + [s_size, k, total]))}")
             flat = rt.emit(rt.fmt("view", R, rt.shape(seqs + [s_size * k, total])), False)
             b = rt.emit(rt.fmt("view", R, rt.shape([inner, k * total])), False)
             before_loop, loop = chunk.lines(rt, flat, f0, n)
@@ -579,7 +579,7 @@ class Variant:
     def _dense_temporary(self, rt, p, q, terms, r, c):
         """The name of a temporary holding the block Σ terms densely."""
         tmp = rt.fresh("blk")
-        rt.line(f"{tmp} = {rt.fmt('empty', rt.shape((self.numel(p), self.numel(q))))}")
+        rt.line(f"{tmp} = {rt.fmt('scratch', rt.shape((self.numel(p), self.numel(q))))}")
         rt.dense_into(tmp, terms, r, c, fresh=True)
         return tmp
 

@@ -63,5 +63,5 @@ def test_slabs_with_other_writes_are_printed_whole(monkeypatch):
     _, src, _ = rendered("post_ln_block", "torch", monkeypatch, 1)
     slab_branch = src[:src.index("    return H")]
     assert slab_branch.count("for f0") == 4
-    whole = [ln for ln in slab_branch.splitlines() if " = _empty((n_batch, L, d_K," in ln]
+    whole = [ln for ln in slab_branch.splitlines() if " = torch.empty((n_batch, L, d_K," in ln]
     assert len(whole) == 1, whole

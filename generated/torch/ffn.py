@@ -748,7 +748,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
         n_rows = max(1, min(d_ff, 131072 // (n_batch*2*L*d_V*d_ff)))
         while d_ff % n_rows:    # chunks of equal size
             n_rows -= 1
-        R = _empty((n_batch, L, n_rows, 2*d_V*d_ff), X)
+        R = torch.empty((n_batch, L, n_rows, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t28 = R.view((n_batch, L*n_rows, 2*d_V*d_ff))
         t29 = R.view((L*n_batch, 2*d_V*d_ff*n_rows))
         t30 = t28[..., 0:d_V*d_ff].view((n_batch, L, n_rows, d_V, d_ff))
@@ -2344,7 +2344,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
         n_rows = max(1, min(d_ff, 131072 // (n_batch*2*L*d_V*d_ff)))
         while d_ff % n_rows:    # chunks of equal size
             n_rows -= 1
-        R = _empty((n_batch, L, n_rows, 2*d_V*d_ff), X)
+        R = torch.empty((n_batch, L, n_rows, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t37 = R.view((n_batch, L*n_rows, 2*d_V*d_ff))
         t38 = R.view((L*n_batch, 2*d_V*d_ff*n_rows))
         t39 = t37[..., 0:d_V*d_ff].view((n_batch, L, n_rows, d_V, d_ff))

@@ -1708,7 +1708,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         n_rows = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
         while d_V % n_rows:    # chunks of equal size
             n_rows -= 1
-        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), X)
+        R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
         t100 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2))
         t101 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2)))
         t102 = t100[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
@@ -5050,7 +5050,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
         while d_K % n_rows:    # chunks of equal size
             n_rows -= 1
-        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), X)
+        R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
         t55 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2))
         t56 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2)))
         t57 = t55[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
@@ -5070,7 +5070,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
                 for r0 in range(0, d_V, 32):
                     torch.matmul(t53.narrow(-2, r0, min(32, d_V - r0)), t56, out=t61.narrow(-2, r0, min(32, d_V - r0)))
         del R
-        R62 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
+        R62 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
         t63 = R62.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
         t64 = t63[..., 0:d_K*d_V]
         t65 = t64.view((n_batch, L, d_K, d_V, d_K))
@@ -5111,7 +5111,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             for r092 in range(0, d_V, 32):
                 torch.matmul(t53.narrow(-2, r092, min(32, d_V - r092)), t91, out=t90.narrow(-2, r092, min(32, d_V - r092)))
         del R62
-        R93 = _empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), X)
+        R93 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
         t94 = R93.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2))
         t95 = t94[..., 0:d_K*d_V]
         t96 = t95.view((n_batch, L, d_V, d_V, d_K))
@@ -8949,7 +8949,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
         while d_K % n_rows:    # chunks of equal size
             n_rows -= 1
-        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), X)
+        R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
         t59 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2))
         t60 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2)))
         t61 = t59[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
@@ -13158,7 +13158,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
         while d_K % n_rows:    # chunks of equal size
             n_rows -= 1
-        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), X)
+        R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
         t65 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2))
         t66 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2)))
         t67 = t65[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
@@ -13178,7 +13178,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
                 for r0 in range(0, d_V, 32):
                     torch.matmul(t63.narrow(-2, r0, min(32, d_V - r0)), t66, out=t71.narrow(-2, r0, min(32, d_V - r0)))
         del R
-        R72 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
+        R72 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
         t73 = R72.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
         t74 = t73[..., 0:d_K*d_V]
         t75 = t74.view((n_batch, L, d_K, d_V, d_K))

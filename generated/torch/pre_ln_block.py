@@ -561,7 +561,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         n_rows = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_V % n_rows:    # chunks of equal size
             n_rows -= 1
-        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t300 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
         t301 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         t302 = t300[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
@@ -13075,7 +13075,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_K % n_rows:    # chunks of equal size
             n_rows -= 1
-        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t208 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
         t209 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         t210 = t208[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
@@ -13101,7 +13101,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
                 for r0 in range(0, d_V, 32):
                     torch.matmul(t206.narrow(-2, r0, min(32, d_V - r0)), t209, out=t216.narrow(-2, r0, min(32, d_V - r0)))
         del R
-        R217 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        R217 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t218 = R217.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
         t219 = t218[..., 0:d_K*d_V]
         t220 = t219.view((n_batch, L, d_K, d_V, d_K))
@@ -13252,7 +13252,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         n_rows364 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_V % n_rows364:    # chunks of equal size
             n_rows364 -= 1
-        R301 = _empty((n_batch, L, n_rows364, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        R301 = torch.empty((n_batch, L, n_rows364, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t366 = R301.view((n_batch, L*n_rows364, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
         t367 = R301.view((L*n_batch, n_rows364*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         t368 = t366[..., 0:d_K*d_V].view((n_batch, L, n_rows364, d_V, d_K))
@@ -13346,7 +13346,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         n_rows454 = max(1, min(d_ff, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_ff % n_rows454:    # chunks of equal size
             n_rows454 -= 1
-        R408 = _empty((n_batch, L, n_rows454, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        R408 = torch.empty((n_batch, L, n_rows454, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t456 = R408.view((n_batch, L*n_rows454, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
         t457 = R408.view((L*n_batch, n_rows454*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         t458 = t456[..., 0:d_K*d_V].view((n_batch, L, n_rows454, d_V, d_K))
@@ -13422,7 +13422,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         n_rows523 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_V % n_rows523:    # chunks of equal size
             n_rows523 -= 1
-        R496 = _empty((n_batch, L, n_rows523, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        R496 = torch.empty((n_batch, L, n_rows523, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t525 = R496.view((n_batch, L*n_rows523, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
         t526 = R496.view((L*n_batch, n_rows523*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         t527 = t525[..., 0:d_K*d_V].view((n_batch, L, n_rows523, d_V, d_K))
@@ -39569,7 +39569,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_K % n_rows:    # chunks of equal size
             n_rows -= 1
-        R = _empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t201 = R.view((n_batch, L*n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
         t202 = R.view((L*n_batch, n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         t203 = t201[..., 0:d_K*d_V].view((n_batch, L, n_rows, d_V, d_K))
@@ -39595,7 +39595,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
                 for r0 in range(0, d_V, 32):
                     torch.matmul(t199.narrow(-2, r0, min(32, d_V - r0)), t202, out=t209.narrow(-2, r0, min(32, d_V - r0)))
         del R
-        R210 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        R210 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t211 = R210.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
         t212 = t211[..., 0:d_K*d_V]
         t213 = t212.view((n_batch, L, d_K, d_V, d_K))
@@ -39739,7 +39739,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         n_rows352 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_V % n_rows352:    # chunks of equal size
             n_rows352 -= 1
-        R292 = _empty((n_batch, L, n_rows352, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        R292 = torch.empty((n_batch, L, n_rows352, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t354 = R292.view((n_batch, L*n_rows352, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
         t355 = R292.view((L*n_batch, n_rows352*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         t356 = t354[..., 0:d_K*d_V].view((n_batch, L, n_rows352, d_V, d_K))
@@ -39829,7 +39829,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         n_rows446 = max(1, min(d_ff, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_ff % n_rows446:    # chunks of equal size
             n_rows446 -= 1
-        R395 = _empty((n_batch, L, n_rows446, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        R395 = torch.empty((n_batch, L, n_rows446, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t448 = R395.view((n_batch, L*n_rows446, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
         t449 = R395.view((L*n_batch, n_rows446*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         t450 = t448[..., 0:d_K*d_V].view((n_batch, L, n_rows446, d_V, d_K))
@@ -39909,7 +39909,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         n_rows520 = max(1, min(d_V, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_V % n_rows520:    # chunks of equal size
             n_rows520 -= 1
-        R488 = _empty((n_batch, L, n_rows520, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        R488 = torch.empty((n_batch, L, n_rows520, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t522 = R488.view((n_batch, L*n_rows520, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
         t523 = R488.view((L*n_batch, n_rows520*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         t524 = t522[..., 0:d_K*d_V].view((n_batch, L, n_rows520, d_V, d_K))

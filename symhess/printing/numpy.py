@@ -16,6 +16,7 @@ NUMPY = {
     "bcast_lead": "np.broadcast_to({0}, {1} + {0}.shape[-2:])",
     "zeros": "np.zeros({0}, dtype={like}.dtype)",
     "empty": "np.empty({0}, dtype={like}.dtype)",
+    "scratch": "np.empty({0}, dtype={like}.dtype)",
     "ones": "np.ones({0}, dtype={like}.dtype)",
     "eye": "np.eye({0}, dtype={like}.dtype)",
     "triu_mask": "np.triu(np.ones(({0}, {0}), dtype=bool), 1)",

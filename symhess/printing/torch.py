@@ -30,6 +30,10 @@ TORCH = {
     "bcast_lead": "{0}.expand(*{1}, *{0}.shape[-2:])",
     "zeros": "torch.zeros({0}, dtype={like}.dtype, device={like}.device)",
     "empty": "_empty({0}, {like})",
+    # a temporary the routine frees again (a slab operand, a dense block for a norm): torch's
+    # own allocator (the NumPy-backed _empty, for huge pages on fresh results, cost 4-5 % of
+    # the post-LN Hessian here: BENCHMARKS.md, eighth session)
+    "scratch": "torch.empty({0}, dtype={like}.dtype, device={like}.device)",
     "ones": "torch.ones({0}, dtype={like}.dtype, device={like}.device)",
     "eye": "torch.eye({0}, dtype={like}.dtype, device={like}.device)",
     "triu_mask": "torch.triu(torch.ones(({0}, {0}), dtype=torch.bool, device={like}.device), 1)",
