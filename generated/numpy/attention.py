@@ -2269,163 +2269,265 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
+    del t0
     t2 = np.swapaxes(W_K, -1, -2)
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    del t7
     A = t8 / t8.sum(-1, keepdims=True)
+    del t8
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t10
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t2
     t14 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t13
     t15 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t16 = (t15 @ t14)
     t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t16
     t18 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t19 = A @ X
     M_1 = t19
+    del t19
     t20 = M_1 @ W_V
     F = t20
+    del t20
     t21 = F - Y
+    del F
     t22 = (2/(L*d_V)) * t21
+    del t21
     G = t22
+    del t22
     t23 = t11 @ t3
     t24 = G @ t23
+    del t23
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
+    del t24
     t26 = A * t25
+    del t25
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(t26, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t9
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t27
     t28 = (1/(d_K*n_batch)) * t2
     t29 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t30 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t29.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t29
     t31 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t32 = np.reshape(t18, (d_V**2, L*n_batch))
+    del t18
     t33 = np.reshape(t31, (d_V**2, L*n_batch))
+    del t31
     t34 = np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t17
     t35 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t30
     t36 = np.concatenate([t32, t33], axis=-1)
+    del t32, t33
     t37 = np.concatenate([t34, t35], axis=-2)
+    del t34, t35
     t1[...] = (np.reshape((t36 @ t37), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t1, t36, t37
     t38 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
+    del t38
     t40 = ((t15 @ t14)).transpose(3, 2, 0, 1)
+    del t14, t15
     t41 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t42 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t43 = np.reshape((t28 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    del t28
     t44 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t45 = np.einsum('abcb->abc', t39)
     t46 = t26 @ X
+    del t26
     t47 = t3 @ t46
+    del t46
     t48 = np.ones((d_K,), dtype=X.dtype)
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t48
+    del t48
     t50 = np.reshape(t40, (d_K*d_V, L*n_batch))
+    del t40
     t51 = np.reshape(t43, (d_K*d_V, L*n_batch))
+    del t43
     t52 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t42
     t53 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t44
     t54 = np.concatenate([t50, t51], axis=-1)
+    del t50, t51
     t55 = np.concatenate([t52, t53], axis=-2)
+    del t52, t53
     t39[...] = (np.reshape((t54 @ t55), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t39, t54, t55
     t45 += np.reshape(t49, (1, d_K, 1)) * np.reshape(t47.sum((0,)), (d_V, 1, d_V))
+    del t45
     t56 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t57 = np.reshape(t56, (d_V, d_K, d_V, d_V), copy=False)
+    del t56
     t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t59 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t58.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t58
     t60 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t59.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t59
     t61 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t63 = np.reshape((t62 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    del t62
     t64 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t57[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t60, t61
     t57 += (np.reshape((np.reshape(t63, (d_K*d_V, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t57, t63, t64
     t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t66 = np.reshape(t65, (d_V, d_K, d_V, d_K), copy=False)
+    del t65
     t67 = np.swapaxes(W_Q, -1, -2)
     t68 = (2/(L*d_K*d_V*n_batch)) * t67
     t69 = np.reshape((t12.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t12
     t70 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t71 = ((t70.transpose(1, 2, 0, 3) @ t69.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    del t70
     t72 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t68.transpose(1, 0)), (n_batch, L, d_K))
+    del t68
     t73 = (np.reshape(t72.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t74 = (1/(d_K*n_batch)) * t67
     t75 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t76 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t74.transpose(1, 0)), (n_batch, L, d_K))
+    del t3, t74
     t77 = (np.reshape(t76.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t78 = np.einsum('abcb->abc', t66)
     t79 = np.swapaxes(t47, -1, -2)
+    del t47
     t80 = np.reshape(t73, (d_K*d_V, L*n_batch))
+    del t73
     t81 = np.reshape(t77, (d_K*d_V, L*n_batch))
+    del t77
     t82 = np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t71
     t83 = np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t75
     t84 = np.concatenate([t80, t81], axis=-1)
+    del t80, t81
     t85 = np.concatenate([t82, t83], axis=-2)
+    del t82, t83
     t66[...] = (np.reshape((t84 @ t85), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t66, t84, t85
     t78 += np.reshape(t49, (1, d_K, 1)) * np.reshape(t79.sum((0,)), (d_V, 1, d_V))
+    del t49, t78, t79
     t86 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t87 = np.reshape(t86, (d_V, d_K, d_V, d_K), copy=False)
+    del t86
     t88 = ((t69.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    del t69
     t89 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t72.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t72
     t90 = M_3.transpose(2, 3, 0, 1)
+    del M_3
     t91 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t76.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t76
     t92 = np.reshape(t88, (d_V**2, L*n_batch))
+    del t88
     t93 = np.reshape(t90, (d_V**2, L*n_batch))
+    del t90
     t94 = np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t89
     t95 = np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t91
     t96 = np.concatenate([t92, t93], axis=-1)
+    del t92, t93
     t97 = np.concatenate([t94, t95], axis=-2)
+    del t94, t95
     t87[...] = (np.reshape((t96 @ t97), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t87, t96, t97
     t98 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t99 = np.reshape(t98, (d_V, d_K, d_V, d_V), copy=False)
+    del t98
     t100 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
     t101 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t102 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t100.transpose(1, 0)), (n_batch, L, d_K))
+    del t100
     t103 = (np.reshape(t102.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t102
     t104 = (1/(math.sqrt(d_K)*n_batch)) * t67
+    del t67
     t105 = M_2.transpose(3, 2, 0, 1)
     t106 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t104.transpose(1, 0)), (n_batch, L, d_K))
+    del t104
     t107 = (np.reshape(t106.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t106
     t99[...] = (np.reshape((np.reshape(t103, (d_K*d_V, L*n_batch)) @ np.reshape(t101.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t101, t103
     t99 += (np.reshape((np.reshape(t105, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t105, t107, t99
     t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t109 = np.reshape(t108, (d_V, d_V, d_V, d_K), copy=False)
+    del t108
     t110 = np.swapaxes(M_1, -1, -2)
     t111 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t110
     t112 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t113 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t112.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t112
     t114 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t111.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t115 = np.swapaxes(G, -1, -2)
+    del G
     t116 = (1/(math.sqrt(d_K)*n_batch)) * t115
+    del t115
     t117 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t116.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t118 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t109[...] = (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t113, t114
     t109 += (np.reshape((np.reshape(t117, (d_V**2, L*n_batch)) @ np.reshape(t118.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t109, t117, t118
     t119 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t120 = np.reshape(t119, (d_V, d_V, d_V, d_K), copy=False)
+    del t119
     t121 = np.reshape((t11 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    del t11
     t122 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t111.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t111
     t123 = M_2.transpose(2, 3, 0, 1)
+    del M_2
     t124 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t116.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t116, t41
     t120[...] = (np.reshape((np.reshape(t121, (d_V**2, L*n_batch)) @ np.reshape(t122.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t121, t122
     t120 += (np.reshape((np.reshape(t123, (d_V**2, L*n_batch)) @ np.reshape(t124.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t120, t123, t124
     t125 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t125[...] = 0
     t126 = np.reshape(t125, (d_V, d_V, d_V, d_V), copy=False)
+    del t125
     t127 = np.einsum('abcb->abc', t126)
+    del t126
     t128 = t110 @ M_1
+    del M_1, t110
     t129 = np.ones((d_V,), dtype=X.dtype)
     t130 = (2/(L*d_V*n_batch)) * t129
+    del t129
     t127 += np.reshape(t130, (1, d_V, 1)) * np.reshape(t128.sum((0,)), (d_V, 1, d_V))
+    del t127, t128, t130
     return H
 
 
@@ -2508,10 +2610,15 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    del t5
     A = t6 / t6.sum(-1, keepdims=True)
+    del t6
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
@@ -2519,7 +2626,9 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t11 = np.reshape((t9.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t9
     t12 = (t11.transpose(1, 2, 0) @ t1)
+    del t11
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = t14 * t14
@@ -2527,173 +2636,295 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t17 = np.reshape((np.reshape(t13.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t13, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((t12.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
     t19 = (t18.transpose(0, 2, 3, 1) @ dA)
+    del t18
     t20 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L**2, L)) @ np.reshape(t15.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t15
     t21 = np.reshape((np.reshape(t20.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t20
     t22 = np.reshape((np.reshape(t21.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t19, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t21
     t23 = A @ X
     M_1 = t23
+    del t23
     t24 = M_1 @ W_V
     F = t24
+    del t24
     t25 = F - Y
+    del F
     t26 = (2/(L*d_V)) * t25
+    del t25
     G = t26
+    del t26
     t27 = t8 @ t1
     t28 = G @ t27
+    del t27
     t29 = t28 - (A * t28).sum(-1, keepdims=True)
+    del t28
     t30 = A * t29
+    del t29
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t30, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t30, (n_batch, L, L, 1))) - (np.reshape(t30, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t7
     t31 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
+    del t0
     t33 = t14 * t31
     t34 = np.reshape((np.reshape(t32, (L*n_batch, d_K)) @ np.reshape(t10.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t35 = np.reshape((np.reshape(t33.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t33
     t36 = np.reshape((np.reshape(t35.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t34.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t35
     t37 = np.reshape((np.reshape(t36.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t19, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t36
     t38 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t39 = t14 * t38
     t40 = np.reshape((np.reshape(t32, (L*n_batch, d_K)) @ np.reshape(t32.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t41 = np.reshape((np.reshape(t39.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t39
     t42 = np.reshape((np.reshape(t41.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t40.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t41
     t43 = np.reshape((np.reshape(t42.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t42
     t44 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t22 * t17.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t37 * t17.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t43 * t17.transpose(0, 2, 3, 1)).sum()
+    del t22, t37, t43
     t45 = np.sqrt(np.maximum(t44, 0.0))
+    del t44
     t46 = t30 @ X
+    del t30
     t47 = t1 @ t46
+    del t46
     t48 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t47.sum((0,))), (n_batch, L, d_V))
     t49 = (t48 @ X.transpose(0, 2, 1))
+    del t48
     t50 = np.reshape((np.reshape(t49, (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t49
     t51 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t52 = (t51.transpose(1, 2, 0) @ t10.transpose(0, 2, 1))
+    del t10
     t53 = np.reshape((np.reshape(t52, (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t52
     t54 = (t53.transpose(0, 2, 1) @ t50)
+    del t50, t53
     t55 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t47.sum((0,))), (n_batch, L, d_V))
     t56 = (t55 @ X.transpose(0, 2, 1))
+    del t55
     t57 = np.reshape((np.reshape(t56, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t56
     t58 = (t51.transpose(1, 2, 0) @ t32.transpose(0, 2, 1))
+    del t32
     t59 = np.reshape((np.reshape(t51.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t51, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t51
     t60 = t59 * t14
     t61 = np.reshape((np.reshape(t19, (n_batch, L**2, L)) @ np.reshape(t14.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t62 = np.reshape((np.reshape(t61.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t61
     t63 = np.reshape((np.reshape(t62.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t19.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t62
     t64 = t59 * t31
     t65 = np.reshape((np.reshape(t64.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t64
     t66 = np.reshape((np.reshape(t65, (n_batch, n_batch, L**2, L)) @ t14.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t65
     t67 = np.reshape((np.reshape(t66.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t66
     t68 = t59 * t38
     t69 = np.reshape((np.reshape(t14.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t70 = np.reshape((np.reshape(t69, (n_batch, n_batch, L**2, L)) @ t40.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t40, t69
     t71 = np.reshape((np.reshape(t70.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t70
     t72 = (n_batch**(-2)) * (t47.sum((0,)) * t47.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t54 * t12).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t58 * t57).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t63 * t60.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t67 * t34.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t71 * t68.transpose(0, 2, 3, 1)).sum()
+    del t34, t54, t57, t58, t60, t63, t67, t68, t71
     t73 = np.sqrt(np.maximum(t72, 0.0))
+    del t72
     t74 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t75 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t76 = t75 * t14
     t77 = np.reshape((np.reshape(t74.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t74, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t78 = np.reshape((np.reshape(t76.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t76
     t79 = np.reshape((np.reshape(t78, (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t78
     t80 = np.reshape((np.reshape(t79.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t79
     t81 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t82 = np.reshape((np.reshape(t74.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t74
     t83 = np.reshape((np.reshape(t81.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t81
     t84 = (t83 * np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t85 = np.reshape((np.reshape(t84.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t82.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t84
     t86 = np.reshape((np.reshape(t85.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t85
     t87 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t88 = t87 * t14
     t89 = np.reshape((np.reshape(t38.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t90 = np.reshape((np.reshape(t89.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t88.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t88
     t91 = np.reshape((np.reshape(t90.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t90
     t92 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t80 * t77.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t86 * t16.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t91 * t16.transpose(0, 2, 3, 1)).sum()
+    del t16, t80, t86, t91
     t93 = np.sqrt(np.maximum(t92, 0.0))
+    del t92
     t94 = np.swapaxes(t47, -1, -2)
+    del t47
     t95 = np.swapaxes(W_Q, -1, -2)
     t96 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t94.sum((0,))), (n_batch, L, d_V))
     t97 = (t96 @ X.transpose(0, 2, 1))
+    del t96
     t98 = np.reshape((np.reshape(t97.transpose(0, 2, 1), (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t97
     t99 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t95.transpose(1, 0)), (n_batch, L, d_K))
     t100 = (t13.transpose(1, 2, 0) @ t99.transpose(0, 2, 1))
     t101 = np.reshape((np.reshape(t100.transpose(0, 2, 1), (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t100
     t102 = (t101.transpose(0, 2, 1) @ t98)
+    del t101, t98
     t103 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t94.sum((0,))), (n_batch, L, d_V))
     t104 = (t103 @ X.transpose(0, 2, 1))
+    del t103
     t105 = np.reshape((np.reshape(t104.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
+    del t104
     t106 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t95.transpose(1, 0)), (n_batch, L, d_K))
+    del t95
     t107 = (t13.transpose(1, 2, 0) @ t106.transpose(0, 2, 1))
+    del t13
     t108 = np.reshape((np.reshape(t99, (L*n_batch, d_K)) @ np.reshape(t99.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t109 = t108 * t14
     t110 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t14.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t111 = np.reshape((np.reshape(t110.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t109.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t109
     t112 = np.reshape((np.reshape(t111.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t19.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t111
     t113 = np.reshape((np.reshape(t106, (L*n_batch, d_K)) @ np.reshape(t99.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t99
     t114 = t113 * t14
     t115 = np.reshape((np.reshape(t114.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t114
     t116 = np.reshape((np.reshape(t115.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t31.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t115
     t117 = np.reshape((np.reshape(t116.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t19, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t116
     t118 = np.reshape((np.reshape(t106, (L*n_batch, d_K)) @ np.reshape(t106.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t106
     t119 = t118 * t14
     t120 = np.reshape((np.reshape(t38.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t38
     t121 = np.reshape((np.reshape(t120.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t119.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t119
     t122 = np.reshape((np.reshape(t121.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t121
     t123 = (n_batch**(-2)) * (t94.sum((0,)) * t94.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t102 * t12.transpose(0, 2, 1)).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t107 * t105.transpose(0, 2, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t112 * t17.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t117 * t17.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t122 * t17.transpose(0, 2, 3, 1)).sum()
+    del t102, t105, t107, t112, t117, t12, t122, t94
     t124 = np.sqrt(np.maximum(t123, 0.0))
+    del t123
     t125 = t59 * t108
     t126 = np.reshape((np.reshape(t110.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t14.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t110
     t127 = np.reshape((np.reshape(t126.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t126
     t128 = t59 * t113
+    del t113
     t129 = np.reshape((np.reshape(t128.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t128
     t130 = np.reshape((np.reshape(t129.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t31.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t129, t31
     t131 = np.reshape((np.reshape(t130.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t19, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t130, t19
     t132 = t59 * t118
+    del t118
     t133 = np.reshape((np.reshape(t120, (n_batch, n_batch, L**2, L)) @ t14.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t120
     t134 = np.reshape((np.reshape(t133.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del d2A, t133
     t135 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t127 * t125.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t131 * t14.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t134 * t132.transpose(0, 2, 3, 1)).sum()
+    del t125, t127, t131, t132, t134
     t136 = np.sqrt(np.maximum(t135, 0.0))
+    del t135
     t137 = t108 * t75
+    del t75
     t138 = np.reshape((np.reshape(t14.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t139 = np.reshape((np.reshape(t138.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t137.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t137
     t140 = np.reshape((np.reshape(t139.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t139
     t141 = np.reshape((np.reshape(t83, (n_batch, n_batch, L**2, L)) @ t14.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t83
     t142 = np.reshape((np.reshape(t141.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del t141
     t143 = np.reshape((t142.transpose(0, 2, 3, 1, 4) @ np.reshape(t82.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t142, t82
     t144 = t108 * t87
+    del t87
     t145 = np.reshape((np.reshape(t89, (n_batch, n_batch, L**2, L)) @ t14.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t146 = np.reshape((np.reshape(t145.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t145
     t147 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t140 * t77.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t143 * t108.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t146 * t144.transpose(0, 2, 3, 1)).sum()
+    del t108, t140, t143, t144, t77
     t148 = np.sqrt(np.maximum(t147, 0.0))
+    del t147
     t149 = np.swapaxes(M_1, -1, -2)
     t150 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V))
+    del t8
     t151 = np.reshape((np.reshape(t149.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t149.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t152 = t14 * t151
     t153 = np.reshape((np.reshape(t150, (L*n_batch, d_V)) @ np.reshape(t150.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t154 = np.reshape((np.reshape(t152.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t152
     t155 = np.reshape((np.reshape(t154.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t153.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t154
     t156 = np.reshape((np.reshape(t155.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t155
     t157 = np.swapaxes(G, -1, -2)
+    del G
     t158 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t149.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t1
     t159 = np.reshape((np.reshape(t150, (L*n_batch, d_V)) @ np.reshape(t157.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t150
     t160 = np.reshape((np.reshape(t158.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t158
     t161 = (t160 * np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t162 = np.reshape((np.reshape(t161.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t159.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t161
     t163 = np.reshape((np.reshape(t162.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t162
     t164 = np.reshape((np.reshape(t157.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t157.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t157
     t165 = t14 * t164
     t166 = np.reshape((np.reshape(t89.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t165.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t165, t89
     t167 = np.reshape((np.reshape(t166.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t166
     t168 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t156 * t17.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t163 * t17.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t167 * t17.transpose(0, 2, 3, 1)).sum()
+    del t156, t163, t167, t17
     t169 = np.sqrt(np.maximum(t168, 0.0))
+    del t168
     t170 = t59 * t151
+    del t151
     t171 = np.reshape((np.reshape(t138, (n_batch, n_batch, L**2, L)) @ t153.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t138, t153
     t172 = np.reshape((np.reshape(t171.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t171
     t173 = np.reshape((np.reshape(t160, (n_batch, n_batch, L**2, L)) @ t14.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t14, t160
     t174 = np.reshape((np.reshape(t173.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del dA, t173
     t175 = np.reshape((t174.transpose(0, 2, 3, 1, 4) @ np.reshape(t159.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t159, t174
     t176 = t59 * t164
+    del t164
     t177 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t172 * t170.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t175 * t59.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t146 * t176.transpose(0, 2, 3, 1)).sum()
+    del t146, t170, t172, t175, t176, t59
     t178 = np.sqrt(np.maximum(t177, 0.0))
+    del t177
     t179 = t149 @ M_1
+    del M_1, t149
     t180 = (4/(L**2*d_V*n_batch**2)) * (t179.sum((0,)) * t179.sum((0,))).sum()
+    del t179
     t181 = np.sqrt(np.maximum(t180, 0.0))
+    del t180
     return (t45, t73, t93, t124, t136, t148, t169, t178, t181,)
 
 
@@ -7001,165 +7232,268 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
+    del t0
     t2 = np.swapaxes(W_K, -1, -2)
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = np.triu(np.ones((L, L), dtype=bool), 1)
     t9 = np.where(t8, -math.inf, t7)
+    del t7, t8
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    del t9
     A = t10 / t10.sum(-1, keepdims=True)
+    del t10
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t12
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t2
     t16 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t15
     t17 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
     t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t18
     t20 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t21 = A @ X
     M_1 = t21
+    del t21
     t22 = M_1 @ W_V
     F = t22
+    del t22
     t23 = F - Y
+    del F
     t24 = (2/(L*d_V)) * t23
+    del t23
     G = t24
+    del t24
     t25 = t13 @ t3
     t26 = G @ t25
+    del t25
     t27 = t26 - (A * t26).sum(-1, keepdims=True)
+    del t26
     t28 = A * t27
+    del t27
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t11, (1, 1, L, L)) * np.reshape(t28, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t28, (n_batch, L, L, 1))) - (np.reshape(t28, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t11
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t29
     t30 = (1/(d_K*n_batch)) * t2
     t31 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t32 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t31.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t31
     t33 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t34 = np.reshape(t20, (d_V**2, L*n_batch))
+    del t20
     t35 = np.reshape(t33, (d_V**2, L*n_batch))
+    del t33
     t36 = np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t19
     t37 = np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t32
     t38 = np.concatenate([t34, t35], axis=-1)
+    del t34, t35
     t39 = np.concatenate([t36, t37], axis=-2)
+    del t36, t37
     t1[...] = (np.reshape((t38 @ t39), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t1, t38, t39
     t40 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
+    del t40
     t42 = ((t17 @ t16)).transpose(3, 2, 0, 1)
+    del t16, t17
     t43 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t44 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t45 = np.reshape((t30 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    del t30
     t46 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t47 = np.einsum('abcb->abc', t41)
     t48 = t28 @ X
+    del t28
     t49 = t3 @ t48
+    del t48
     t50 = np.ones((d_K,), dtype=X.dtype)
     t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    del t50
     t52 = np.reshape(t42, (d_K*d_V, L*n_batch))
+    del t42
     t53 = np.reshape(t45, (d_K*d_V, L*n_batch))
+    del t45
     t54 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t44
     t55 = np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t46
     t56 = np.concatenate([t52, t53], axis=-1)
+    del t52, t53
     t57 = np.concatenate([t54, t55], axis=-2)
+    del t54, t55
     t41[...] = (np.reshape((t56 @ t57), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t41, t56, t57
     t47 += np.reshape(t51, (1, d_K, 1)) * np.reshape(t49.sum((0,)), (d_V, 1, d_V))
+    del t47
     t58 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t59 = np.reshape(t58, (d_V, d_K, d_V, d_V), copy=False)
+    del t58
     t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t61 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t60.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t60
     t62 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t61.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t61
     t63 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t64 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t65 = np.reshape((t64 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    del t64
     t66 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t59[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t62, t63
     t59 += (np.reshape((np.reshape(t65, (d_K*d_V, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t59, t65, t66
     t67 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t68 = np.reshape(t67, (d_V, d_K, d_V, d_K), copy=False)
+    del t67
     t69 = np.swapaxes(W_Q, -1, -2)
     t70 = (2/(L*d_K*d_V*n_batch)) * t69
     t71 = np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t14
     t72 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t73 = ((t72.transpose(1, 2, 0, 3) @ t71.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    del t72
     t74 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t70.transpose(1, 0)), (n_batch, L, d_K))
+    del t70
     t75 = (np.reshape(t74.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t76 = (1/(d_K*n_batch)) * t69
     t77 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t78 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t76.transpose(1, 0)), (n_batch, L, d_K))
+    del t3, t76
     t79 = (np.reshape(t78.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t80 = np.einsum('abcb->abc', t68)
     t81 = np.swapaxes(t49, -1, -2)
+    del t49
     t82 = np.reshape(t75, (d_K*d_V, L*n_batch))
+    del t75
     t83 = np.reshape(t79, (d_K*d_V, L*n_batch))
+    del t79
     t84 = np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t73
     t85 = np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t77
     t86 = np.concatenate([t82, t83], axis=-1)
+    del t82, t83
     t87 = np.concatenate([t84, t85], axis=-2)
+    del t84, t85
     t68[...] = (np.reshape((t86 @ t87), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t68, t86, t87
     t80 += np.reshape(t51, (1, d_K, 1)) * np.reshape(t81.sum((0,)), (d_V, 1, d_V))
+    del t51, t80, t81
     t88 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t89 = np.reshape(t88, (d_V, d_K, d_V, d_K), copy=False)
+    del t88
     t90 = ((t71.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    del t71
     t91 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t74.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t74
     t92 = M_3.transpose(2, 3, 0, 1)
+    del M_3
     t93 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t78.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t78
     t94 = np.reshape(t90, (d_V**2, L*n_batch))
+    del t90
     t95 = np.reshape(t92, (d_V**2, L*n_batch))
+    del t92
     t96 = np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t91
     t97 = np.reshape(t93.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t93
     t98 = np.concatenate([t94, t95], axis=-1)
+    del t94, t95
     t99 = np.concatenate([t96, t97], axis=-2)
+    del t96, t97
     t89[...] = (np.reshape((t98 @ t99), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t89, t98, t99
     t100 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t101 = np.reshape(t100, (d_V, d_K, d_V, d_V), copy=False)
+    del t100
     t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
     t103 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t104 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t102.transpose(1, 0)), (n_batch, L, d_K))
+    del t102
     t105 = (np.reshape(t104.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t104
     t106 = (1/(math.sqrt(d_K)*n_batch)) * t69
+    del t69
     t107 = M_2.transpose(3, 2, 0, 1)
     t108 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t106.transpose(1, 0)), (n_batch, L, d_K))
+    del t106
     t109 = (np.reshape(t108.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t108
     t101[...] = (np.reshape((np.reshape(t105, (d_K*d_V, L*n_batch)) @ np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t103, t105
     t101 += (np.reshape((np.reshape(t107, (d_V**2, L*n_batch)) @ np.reshape(t109.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t101, t107, t109
     t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t111 = np.reshape(t110, (d_V, d_V, d_V, d_K), copy=False)
+    del t110
     t112 = np.swapaxes(M_1, -1, -2)
     t113 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t112
     t114 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t115 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t114.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t114
     t116 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t113.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t117 = np.swapaxes(G, -1, -2)
+    del G
     t118 = (1/(math.sqrt(d_K)*n_batch)) * t117
+    del t117
     t119 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t118.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t120 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t111[...] = (np.reshape((np.reshape(t116, (d_V**2, L*n_batch)) @ np.reshape(t115.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t115, t116
     t111 += (np.reshape((np.reshape(t119, (d_V**2, L*n_batch)) @ np.reshape(t120.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t111, t119, t120
     t121 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t122 = np.reshape(t121, (d_V, d_V, d_V, d_K), copy=False)
+    del t121
     t123 = np.reshape((t13 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    del t13
     t124 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t113.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t113
     t125 = M_2.transpose(2, 3, 0, 1)
+    del M_2
     t126 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t118.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t118, t43
     t122[...] = (np.reshape((np.reshape(t123, (d_V**2, L*n_batch)) @ np.reshape(t124.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t123, t124
     t122 += (np.reshape((np.reshape(t125, (d_V**2, L*n_batch)) @ np.reshape(t126.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t122, t125, t126
     t127 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t127[...] = 0
     t128 = np.reshape(t127, (d_V, d_V, d_V, d_V), copy=False)
+    del t127
     t129 = np.einsum('abcb->abc', t128)
+    del t128
     t130 = t112 @ M_1
+    del M_1, t112
     t131 = np.ones((d_V,), dtype=X.dtype)
     t132 = (2/(L*d_V*n_batch)) * t131
+    del t131
     t129 += np.reshape(t132, (1, d_V, 1)) * np.reshape(t130.sum((0,)), (d_V, 1, d_V))
+    del t129, t130, t132
     return H
 
 
@@ -7244,12 +7578,18 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = np.triu(np.ones((L, L), dtype=bool), 1)
     t7 = np.where(t6, -math.inf, t5)
+    del t5, t6
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    del t7
     A = t8 / t8.sum(-1, keepdims=True)
+    del t8
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
@@ -7257,7 +7597,9 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t13 = np.reshape((t11.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t11
     t14 = (t13.transpose(1, 2, 0) @ t1)
+    del t13
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = t16 * t16
@@ -7265,173 +7607,295 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t19 = np.reshape((np.reshape(t15.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t15, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
     t21 = (t20.transpose(0, 2, 3, 1) @ dA)
+    del t20
     t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t17
     t23 = np.reshape((np.reshape(t22.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t22
     t24 = np.reshape((np.reshape(t23.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t21, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t23
     t25 = A @ X
     M_1 = t25
+    del t25
     t26 = M_1 @ W_V
     F = t26
+    del t26
     t27 = F - Y
+    del F
     t28 = (2/(L*d_V)) * t27
+    del t27
     G = t28
+    del t28
     t29 = t10 @ t1
     t30 = G @ t29
+    del t29
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
+    del t30
     t32 = A * t31
+    del t31
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(t32, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t9
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
+    del t0
     t35 = t16 * t33
     t36 = np.reshape((np.reshape(t34, (L*n_batch, d_K)) @ np.reshape(t12.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t37 = np.reshape((np.reshape(t35.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t35
     t38 = np.reshape((np.reshape(t37.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t36.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t37
     t39 = np.reshape((np.reshape(t38.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t21, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t38
     t40 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t41 = t16 * t40
     t42 = np.reshape((np.reshape(t34, (L*n_batch, d_K)) @ np.reshape(t34.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t43 = np.reshape((np.reshape(t41.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t41
     t44 = np.reshape((np.reshape(t43.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t42.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t43
     t45 = np.reshape((np.reshape(t44.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t44
     t46 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t24 * t19.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t39 * t19.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t45 * t19.transpose(0, 2, 3, 1)).sum()
+    del t24, t39, t45
     t47 = np.sqrt(np.maximum(t46, 0.0))
+    del t46
     t48 = t32 @ X
+    del t32
     t49 = t1 @ t48
+    del t48
     t50 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t49.sum((0,))), (n_batch, L, d_V))
     t51 = (t50 @ X.transpose(0, 2, 1))
+    del t50
     t52 = np.reshape((np.reshape(t51, (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t51
     t53 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t54 = (t53.transpose(1, 2, 0) @ t12.transpose(0, 2, 1))
+    del t12
     t55 = np.reshape((np.reshape(t54, (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t54
     t56 = (t55.transpose(0, 2, 1) @ t52)
+    del t52, t55
     t57 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t49.sum((0,))), (n_batch, L, d_V))
     t58 = (t57 @ X.transpose(0, 2, 1))
+    del t57
     t59 = np.reshape((np.reshape(t58, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t58
     t60 = (t53.transpose(1, 2, 0) @ t34.transpose(0, 2, 1))
+    del t34
     t61 = np.reshape((np.reshape(t53.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t53, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t53
     t62 = t61 * t16
     t63 = np.reshape((np.reshape(t21, (n_batch, L**2, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t64 = np.reshape((np.reshape(t63.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t63
     t65 = np.reshape((np.reshape(t64.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t21.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t64
     t66 = t61 * t33
     t67 = np.reshape((np.reshape(t66.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t66
     t68 = np.reshape((np.reshape(t67, (n_batch, n_batch, L**2, L)) @ t16.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t67
     t69 = np.reshape((np.reshape(t68.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t68
     t70 = t61 * t40
     t71 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t72 = np.reshape((np.reshape(t71, (n_batch, n_batch, L**2, L)) @ t42.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t42, t71
     t73 = np.reshape((np.reshape(t72.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t72
     t74 = (n_batch**(-2)) * (t49.sum((0,)) * t49.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t56 * t14).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t60 * t59).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t65 * t62.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t69 * t36.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t73 * t70.transpose(0, 2, 3, 1)).sum()
+    del t36, t56, t59, t60, t62, t65, t69, t70, t73
     t75 = np.sqrt(np.maximum(t74, 0.0))
+    del t74
     t76 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t77 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t78 = t77 * t16
     t79 = np.reshape((np.reshape(t76.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t76, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t80 = np.reshape((np.reshape(t78.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t78
     t81 = np.reshape((np.reshape(t80, (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t80
     t82 = np.reshape((np.reshape(t81.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t81
     t83 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t84 = np.reshape((np.reshape(t76.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t76
     t85 = np.reshape((np.reshape(t83.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t83
     t86 = (t85 * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t87 = np.reshape((np.reshape(t86.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t84.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t86
     t88 = np.reshape((np.reshape(t87.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t87
     t89 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t90 = t89 * t16
     t91 = np.reshape((np.reshape(t40.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t92 = np.reshape((np.reshape(t91.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t90.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t90
     t93 = np.reshape((np.reshape(t92.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t92
     t94 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t82 * t79.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t88 * t18.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t93 * t18.transpose(0, 2, 3, 1)).sum()
+    del t18, t82, t88, t93
     t95 = np.sqrt(np.maximum(t94, 0.0))
+    del t94
     t96 = np.swapaxes(t49, -1, -2)
+    del t49
     t97 = np.swapaxes(W_Q, -1, -2)
     t98 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t96.sum((0,))), (n_batch, L, d_V))
     t99 = (t98 @ X.transpose(0, 2, 1))
+    del t98
     t100 = np.reshape((np.reshape(t99.transpose(0, 2, 1), (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t99
     t101 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t97.transpose(1, 0)), (n_batch, L, d_K))
     t102 = (t15.transpose(1, 2, 0) @ t101.transpose(0, 2, 1))
     t103 = np.reshape((np.reshape(t102.transpose(0, 2, 1), (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t102
     t104 = (t103.transpose(0, 2, 1) @ t100)
+    del t100, t103
     t105 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t96.sum((0,))), (n_batch, L, d_V))
     t106 = (t105 @ X.transpose(0, 2, 1))
+    del t105
     t107 = np.reshape((np.reshape(t106.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
+    del t106
     t108 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t97.transpose(1, 0)), (n_batch, L, d_K))
+    del t97
     t109 = (t15.transpose(1, 2, 0) @ t108.transpose(0, 2, 1))
+    del t15
     t110 = np.reshape((np.reshape(t101, (L*n_batch, d_K)) @ np.reshape(t101.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t111 = t110 * t16
     t112 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t113 = np.reshape((np.reshape(t112.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t111.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t111
     t114 = np.reshape((np.reshape(t113.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t21.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t113
     t115 = np.reshape((np.reshape(t108, (L*n_batch, d_K)) @ np.reshape(t101.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t101
     t116 = t115 * t16
     t117 = np.reshape((np.reshape(t116.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t116
     t118 = np.reshape((np.reshape(t117.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t33.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t117
     t119 = np.reshape((np.reshape(t118.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t21, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t118
     t120 = np.reshape((np.reshape(t108, (L*n_batch, d_K)) @ np.reshape(t108.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t108
     t121 = t120 * t16
     t122 = np.reshape((np.reshape(t40.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t40
     t123 = np.reshape((np.reshape(t122.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t121.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t121
     t124 = np.reshape((np.reshape(t123.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t123
     t125 = (n_batch**(-2)) * (t96.sum((0,)) * t96.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t104 * t14.transpose(0, 2, 1)).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t109 * t107.transpose(0, 2, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t114 * t19.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t119 * t19.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t124 * t19.transpose(0, 2, 3, 1)).sum()
+    del t104, t107, t109, t114, t119, t124, t14, t96
     t126 = np.sqrt(np.maximum(t125, 0.0))
+    del t125
     t127 = t61 * t110
     t128 = np.reshape((np.reshape(t112.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t112
     t129 = np.reshape((np.reshape(t128.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t128
     t130 = t61 * t115
+    del t115
     t131 = np.reshape((np.reshape(t130.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t130
     t132 = np.reshape((np.reshape(t131.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t33.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t131, t33
     t133 = np.reshape((np.reshape(t132.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t21, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t132, t21
     t134 = t61 * t120
+    del t120
     t135 = np.reshape((np.reshape(t122, (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t122
     t136 = np.reshape((np.reshape(t135.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del d2A, t135
     t137 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t129 * t127.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t133 * t16.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t136 * t134.transpose(0, 2, 3, 1)).sum()
+    del t127, t129, t133, t134, t136
     t138 = np.sqrt(np.maximum(t137, 0.0))
+    del t137
     t139 = t110 * t77
+    del t77
     t140 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t141 = np.reshape((np.reshape(t140.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t139.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t139
     t142 = np.reshape((np.reshape(t141.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t141
     t143 = np.reshape((np.reshape(t85, (n_batch, n_batch, L**2, L)) @ t16.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t85
     t144 = np.reshape((np.reshape(t143.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del t143
     t145 = np.reshape((t144.transpose(0, 2, 3, 1, 4) @ np.reshape(t84.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t144, t84
     t146 = t110 * t89
+    del t89
     t147 = np.reshape((np.reshape(t91, (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t148 = np.reshape((np.reshape(t147.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t147
     t149 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t142 * t79.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t145 * t110.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t148 * t146.transpose(0, 2, 3, 1)).sum()
+    del t110, t142, t145, t146, t79
     t150 = np.sqrt(np.maximum(t149, 0.0))
+    del t149
     t151 = np.swapaxes(M_1, -1, -2)
     t152 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t10.transpose(1, 0)), (n_batch, L, d_V))
+    del t10
     t153 = np.reshape((np.reshape(t151.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t151.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t154 = t16 * t153
     t155 = np.reshape((np.reshape(t152, (L*n_batch, d_V)) @ np.reshape(t152.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t156 = np.reshape((np.reshape(t154.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t154
     t157 = np.reshape((np.reshape(t156.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t155.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t156
     t158 = np.reshape((np.reshape(t157.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t157
     t159 = np.swapaxes(G, -1, -2)
+    del G
     t160 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t151.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t1
     t161 = np.reshape((np.reshape(t152, (L*n_batch, d_V)) @ np.reshape(t159.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t152
     t162 = np.reshape((np.reshape(t160.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t160
     t163 = (t162 * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t164 = np.reshape((np.reshape(t163.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t161.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t163
     t165 = np.reshape((np.reshape(t164.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t164
     t166 = np.reshape((np.reshape(t159.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t159.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t159
     t167 = t16 * t166
     t168 = np.reshape((np.reshape(t91.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t167.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t167, t91
     t169 = np.reshape((np.reshape(t168.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t168
     t170 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t158 * t19.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t165 * t19.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t169 * t19.transpose(0, 2, 3, 1)).sum()
+    del t158, t165, t169, t19
     t171 = np.sqrt(np.maximum(t170, 0.0))
+    del t170
     t172 = t61 * t153
+    del t153
     t173 = np.reshape((np.reshape(t140, (n_batch, n_batch, L**2, L)) @ t155.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t140, t155
     t174 = np.reshape((np.reshape(t173.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t173
     t175 = np.reshape((np.reshape(t162, (n_batch, n_batch, L**2, L)) @ t16.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t16, t162
     t176 = np.reshape((np.reshape(t175.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del dA, t175
     t177 = np.reshape((t176.transpose(0, 2, 3, 1, 4) @ np.reshape(t161.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t161, t176
     t178 = t61 * t166
+    del t166
     t179 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t174 * t172.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t177 * t61.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t148 * t178.transpose(0, 2, 3, 1)).sum()
+    del t148, t172, t174, t177, t178, t61
     t180 = np.sqrt(np.maximum(t179, 0.0))
+    del t179
     t181 = t151 @ M_1
+    del M_1, t151
     t182 = (4/(L**2*d_V*n_batch**2)) * (t181.sum((0,)) * t181.sum((0,))).sum()
+    del t181
     t183 = np.sqrt(np.maximum(t182, 0.0))
+    del t182
     return (t47, t75, t95, t126, t138, t150, t171, t180, t183,)
 
 
@@ -12133,101 +12597,161 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
+    del t0
     t2 = np.swapaxes(W_K, -1, -2)
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    del t7
     A = t8 / t8.sum(-1, keepdims=True)
+    del t8
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t10
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
+    del t11
     t13 = A @ X
     M_1 = t13
+    del t13
     t14 = M_1 @ W_V
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
+    del t15
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
+    del A16, t17
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t20
     t22 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t19), (n_batch, L, d_V, d_V))
     t24 = (t23 @ M_2)
+    del t23
     t25 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    del t21
     t26 = (t25 @ t24)
     t27 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t26.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t26
     t28 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t14
+    del t14
     t29 = np.exp(F - F.max(-1, keepdims=True))
+    del F
     A30 = t29 / t29.sum(-1, keepdims=True)
+    del t29
     t31 = t12 * A30
+    del A30
     t32 = t31 - Y
+    del t31
     t33 = (1/L) * t32
+    del t32
     G = t33
+    del t33
     t34 = t19 @ t3
     t35 = G @ t34
+    del t34
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
+    del t35
     t37 = A * t36
+    del t36
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(t37, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t9
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t38
     t39 = (1/(d_K*n_batch)) * t2
     t40 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t39.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t41 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t40.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t40
     t42 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t43 = np.reshape(t28, (d_V**2, L*n_batch))
+    del t28
     t44 = np.reshape(t42, (d_V**2, L*n_batch))
+    del t42
     t45 = np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t27
     t46 = np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t41
     t47 = np.concatenate([t43, t44], axis=-1)
+    del t43, t44
     t48 = np.concatenate([t45, t46], axis=-2)
+    del t45, t46
     t1[...] = (np.reshape((t47 @ t48), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t1, t47, t48
     t49 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
+    del t49
     t51 = ((t25 @ t24)).transpose(2, 3, 0, 1)
+    del t24, t25
     t52 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t53 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t54 = np.reshape((t39 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    del t39
     t55 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t56 = np.einsum('abcb->abc', t50)
     t57 = t37 @ X
+    del t37
     t58 = t3 @ t57
+    del t57
     t59 = np.ones((d_K,), dtype=X.dtype)
     t60 = (1/(math.sqrt(d_K)*n_batch)) * t59
+    del t59
     t61 = np.reshape(t51, (d_K*d_V, L*n_batch))
+    del t51
     t62 = np.reshape(t54, (d_K*d_V, L*n_batch))
+    del t54
     t63 = np.reshape(t53.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t53
     t64 = np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t55
     t65 = np.concatenate([t61, t62], axis=-1)
+    del t61, t62
     t66 = np.concatenate([t63, t64], axis=-2)
+    del t63, t64
     t50[...] = (np.reshape((t65 @ t66), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t50, t65, t66
     t56 += np.reshape(t60, (1, d_K, 1)) * np.reshape(t58.sum((0,)), (d_V, 1, d_V))
+    del t56
     t67 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = np.reshape(t67, (d_V, d_K, d_V, d_V), copy=False)
+    del t67
     t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t70 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t69.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t69
     t71 = np.reshape((np.reshape(t70.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    del t70
     t72 = ((t71 @ t22)).transpose(2, 3, 0, 1)
+    del t71
     t73 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t74 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t75 = np.reshape((t74 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    del t74
     t76 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t68[...] = (np.reshape((np.reshape(t73, (d_V**2, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t72, t73
     t68 += (np.reshape((np.reshape(t75, (d_K*d_V, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t68, t75, t76
     t77 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t78 = np.reshape(t77, (d_V, d_K, d_V, d_K), copy=False)
+    del t77
     t79 = np.swapaxes(W_Q, -1, -2)
     t80 = (1/(L*d_K*n_batch)) * t79
     t81 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -12235,76 +12759,130 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     t83 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t84 = (t83 @ t82)
     t85 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t84.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t84
     t86 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t80.transpose(1, 0)), (n_batch, L, d_K))
+    del t80
     t87 = (np.reshape(t86.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t88 = (1/(d_K*n_batch)) * t79
     t89 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t90 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t88.transpose(1, 0)), (n_batch, L, d_K))
+    del t3, t88
     t91 = (np.reshape(t90.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t92 = np.einsum('abcb->abc', t78)
     t93 = np.swapaxes(t58, -1, -2)
+    del t58
     t94 = np.reshape(t87, (d_K*d_V, L*n_batch))
+    del t87
     t95 = np.reshape(t91, (d_K*d_V, L*n_batch))
+    del t91
     t96 = np.reshape(t85.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t85
     t97 = np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t89
     t98 = np.concatenate([t94, t95], axis=-1)
+    del t94, t95
     t99 = np.concatenate([t96, t97], axis=-2)
+    del t96, t97
     t78[...] = (np.reshape((t98 @ t99), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t78, t98, t99
     t92 += np.reshape(t60, (1, d_K, 1)) * np.reshape(t93.sum((0,)), (d_V, 1, d_V))
+    del t60, t92, t93
     t100 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t101 = np.reshape(t100, (d_V, d_K, d_V, d_K), copy=False)
+    del t100
     t102 = ((t83 @ t82)).transpose(3, 2, 0, 1)
+    del t82
     t103 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t86.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t86
     t104 = M_3.transpose(2, 3, 0, 1)
+    del M_3
     t105 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t90.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t90
     t106 = np.reshape(t102, (d_V**2, L*n_batch))
+    del t102
     t107 = np.reshape(t104, (d_V**2, L*n_batch))
+    del t104
     t108 = np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t103
     t109 = np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t105
     t110 = np.concatenate([t106, t107], axis=-1)
+    del t106, t107
     t111 = np.concatenate([t108, t109], axis=-2)
+    del t108, t109
     t101[...] = (np.reshape((t110 @ t111), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t101, t110, t111
     t112 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t113 = np.reshape(t112, (d_V, d_K, d_V, d_V), copy=False)
+    del t112
     t114 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
     t115 = ((t22.transpose(0, 1, 3, 2) @ t81.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    del t81
     t116 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t114.transpose(1, 0)), (n_batch, L, d_K))
+    del t114
     t117 = (np.reshape(t116.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t116
     t118 = (1/(math.sqrt(d_K)*n_batch)) * t79
+    del t79
     t119 = M_2.transpose(3, 2, 0, 1)
     t120 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t118.transpose(1, 0)), (n_batch, L, d_K))
+    del t118
     t121 = (np.reshape(t120.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t120
     t113[...] = (np.reshape((np.reshape(t117, (d_K*d_V, L*n_batch)) @ np.reshape(t115.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t115, t117
     t113 += (np.reshape((np.reshape(t119, (d_V**2, L*n_batch)) @ np.reshape(t121.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t113, t119, t121
     t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t123 = np.reshape(t122, (d_V, d_V, d_V, d_K), copy=False)
+    del t122
     t124 = np.swapaxes(G, -1, -2)
+    del G
     t125 = (1/(math.sqrt(d_K)*n_batch)) * t124
+    del t124
     t126 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t125.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t127 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t128 = np.swapaxes(M_1, -1, -2)
     t129 = (1/(L*math.sqrt(d_K)*n_batch)) * t128
     t130 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t129.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t131 = np.reshape((t19.transpose(1, 0) @ np.reshape(dA18.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t19
     t132 = (t131.transpose(1, 2, 3, 0) @ M_2)
+    del t131
     t133 = np.reshape((np.reshape(t132, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
+    del t132
     t134 = (t133.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    del t133
     t123[...] = (np.reshape((np.reshape(t126, (d_V**2, L*n_batch)) @ np.reshape(t127.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t126, t127
     t123 += (np.reshape((np.reshape(t130, (d_V**2, L*n_batch)) @ np.reshape(t134.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t123, t130, t134
     t135 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t136 = np.reshape(t135, (d_V, d_V, d_V, d_K), copy=False)
+    del t135
     t137 = M_2.transpose(2, 3, 0, 1)
+    del M_2
     t138 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t125.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t125
     t139 = ((t83 @ t22.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    del t22, t83
     t140 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t129.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t129, t52
     t136[...] = (np.reshape((np.reshape(t137, (d_V**2, L*n_batch)) @ np.reshape(t138.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t137, t138
     t136 += (np.reshape((np.reshape(t139, (d_V**2, L*n_batch)) @ np.reshape(t140.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t136, t139, t140
     t141 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t142 = np.reshape(t141, (d_V, d_V, d_V, d_V), copy=False)
+    del t141
     t143 = (1/(L*n_batch)) * t128
+    del t128
     t144 = (dA18.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    del dA18, t12
     t145 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t143.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del M_1, t143
     t142[...] = (np.reshape((np.reshape(t145, (d_V**2, L*n_batch)) @ np.reshape(t144.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    del t142, t144, t145
     return H
 
 
@@ -12396,25 +12974,35 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    del t5
     A = t6 / t6.sum(-1, keepdims=True)
+    del t6
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
+    del t8
     t10 = A @ X
     M_1 = t10
+    del t10
     t11 = M_1 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
+    del t12
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
+    del A13, t14
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
+    del dA15
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -12422,183 +13010,310 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t22 = np.reshape((t19.transpose(1, 2, 0) @ np.reshape(t17.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t23 = np.reshape((np.reshape(t22, (n_batch, L**2, d_V)) @ t21.transpose(0, 2, 1)), (n_batch, L, L, L))
     t24 = (t23.transpose(0, 2, 3, 1) @ dA)
+    del t23
     t25 = (t24.transpose(0, 1, 3, 2) @ dA)
+    del t24
     t26 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t27 = t20 * t20
     t28 = (t22.transpose(0, 2, 3, 1) @ dA)
+    del t22
     t29 = np.reshape((t21 @ np.reshape(t28.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
     t30 = (t29.transpose(0, 2, 3, 1) @ dA)
+    del t29
     t31 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t32 = np.reshape((np.reshape(t26.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t26, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t33 = np.reshape((np.reshape(t31.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t25.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t34 = np.reshape((np.reshape(t33.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t27.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t27, t33
     t35 = np.reshape((np.reshape(t34.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t30.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t34
     F = t11
+    del t11
     t36 = np.exp(F - F.max(-1, keepdims=True))
+    del F
     A37 = t36 / t36.sum(-1, keepdims=True)
+    del t36
     t38 = t9 * A37
+    del A37, t9
     t39 = t38 - Y
+    del t38
     t40 = (1/L) * t39
+    del t39
     G = t40
+    del t40
     t41 = t16 @ t1
     t42 = G @ t41
+    del t41
     t43 = t42 - (A * t42).sum(-1, keepdims=True)
+    del t42
     t44 = A * t43
+    del t43
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t44, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t44, (n_batch, L, L, 1))) - (np.reshape(t44, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t7
     t45 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t48 = np.reshape((np.reshape(t47, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t18
     t49 = np.reshape((np.reshape(t48.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t50 = np.reshape((np.reshape(t49.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t46.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t46, t49
     t51 = np.reshape((np.reshape(t50.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t25.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t50
     t52 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t53 = t20 * t52
     t54 = np.reshape((np.reshape(t47, (L*n_batch, d_K)) @ np.reshape(t47.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t55 = np.reshape((np.reshape(t53.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t53
     t56 = np.reshape((np.reshape(t55.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t54.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t55
     t57 = np.reshape((np.reshape(t56.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t56
     t58 = (1/(L**2*d_K**2*n_batch**2)) * (t35 * t32.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t51 * t32.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t57 * t32.transpose(0, 2, 3, 1)).sum()
+    del t35, t51, t57
     t59 = np.sqrt(np.maximum(t58, 0.0))
+    del t58
     t60 = t44 @ X
+    del t44
     t61 = t1 @ t60
+    del t60
     t62 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t62.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t62
     t63 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t61.sum((0,))), (n_batch, L, d_V))
     t64 = np.reshape((np.reshape(t63, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t63
     t65 = (W_Q @ t0)
+    del t0
     t66 = np.reshape((np.reshape(t64, (L*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V))
+    del t64
     t67 = np.reshape((np.reshape(t66, (n_batch, L, 1, d_V)) @ t17.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t66
     t68 = np.reshape((t65.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t65
     t69 = np.reshape((np.reshape(t68.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t68
     t70 = np.reshape((np.reshape(t69, (L*n_batch, d_V)) @ W_V), (n_batch, L, d_V))
+    del t69
     t71 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t61.sum((0,))), (n_batch, L, d_V))
     t72 = (t71 @ X.transpose(0, 2, 1))
+    del t71
     t73 = np.reshape((np.reshape(t72, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t72
     t74 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t75 = (t74.transpose(1, 2, 0) @ t47.transpose(0, 2, 1))
+    del t47
     t76 = np.reshape((np.reshape(t74.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t74, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t74
     t77 = t76 * t20
     t78 = np.reshape((np.reshape(t20.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t25.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t79 = np.reshape((np.reshape(t78, (n_batch, n_batch, L**2, L)) @ t31.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t78
     t80 = np.reshape((np.reshape(t79.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t30.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t79
     t81 = t76 * t45
     t82 = np.reshape((np.reshape(t20.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t83 = np.reshape((np.reshape(t82, (n_batch, n_batch, L**2, L)) @ t48.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t48, t82
     t84 = np.reshape((np.reshape(t83.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t25.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t83
     t85 = t76 * t52
     t86 = np.reshape((np.reshape(t20.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t87 = np.reshape((np.reshape(t86, (n_batch, n_batch, L**2, L)) @ t54.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t54, t86
     t88 = np.reshape((np.reshape(t87.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t87
     t89 = (n_batch**(-2)) * (t61.sum((0,)) * t61.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t70 * t67).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t75 * t73).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t80 * t77.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t84 * t81.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t88 * t85.transpose(0, 2, 3, 1)).sum()
+    del t67, t70, t73, t75, t77, t80, t81, t84, t85, t88
     t90 = np.sqrt(np.maximum(t89, 0.0))
+    del t89
     t91 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t19.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    del t19
     t92 = (t91 @ dA)
+    del t91
     t93 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t94 = t93 * t20
     t95 = np.reshape((np.reshape(t94.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t92, (n_batch, L, L*d_V))), (n_batch, n_batch, L, d_V, L))
+    del t94
     t96 = np.reshape((np.reshape(t95.transpose(1, 0, 4, 2, 3), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t92, (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t95
     t97 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t98 = np.reshape((np.reshape(t92.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
     t99 = (t98.transpose(0, 1, 3, 4, 2) * np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    del t98
     t100 = np.reshape((np.reshape(t99.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t31.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t99
     t101 = np.reshape((np.reshape(t100.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t100
     t102 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t103 = t102 * t20
     t104 = np.reshape((np.reshape(t52.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t105 = np.reshape((np.reshape(t104.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t103.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t103
     t106 = np.reshape((np.reshape(t105.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t105
     t107 = (1/(L**2*d_K*n_batch**2)) * (t96 * t31.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t101 * t97.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t106 * t31.transpose(0, 2, 3, 1)).sum()
+    del t101, t106, t31, t96
     t108 = np.sqrt(np.maximum(t107, 0.0))
+    del t107
     t109 = np.swapaxes(t61, -1, -2)
+    del t61
     t110 = np.swapaxes(W_Q, -1, -2)
     t111 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t109.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t112 = np.reshape((np.reshape(t111, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t111
     t113 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t110.transpose(1, 0)), (n_batch, L, d_K))
     t114 = np.reshape((np.reshape(t112, (L*n_batch, d_V)) @ W_V), (n_batch, L, d_V))
+    del t112
     t115 = np.reshape((np.reshape(t114, (n_batch, L, 1, d_V)) @ t17), (n_batch, L, d_V))
+    del t114
     t116 = np.reshape((np.reshape(t115, (L*n_batch, d_V)) @ t16), (n_batch, L, d_V))
+    del t115, t16
     t117 = np.reshape((np.reshape(t116, (n_batch, L, 1, d_V)) @ M_2), (n_batch, L, d_V))
+    del M_2, t116
     t118 = np.reshape((np.reshape(t113, (L*n_batch, d_K)) @ W_K.transpose(1, 0)), (n_batch, L, d_V))
     t119 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t109.sum((0,))), (n_batch, L, d_V))
     t120 = (t119 @ X.transpose(0, 2, 1))
+    del t119
     t121 = np.reshape((np.reshape(t120.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
+    del t120
     t122 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t110.transpose(1, 0)), (n_batch, L, d_K))
+    del t110
     t123 = (t26.transpose(1, 2, 0) @ t122.transpose(0, 2, 1))
+    del t26
     t124 = np.reshape((np.reshape(t113, (L*n_batch, d_K)) @ np.reshape(t113.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t125 = t124 * t20
     t126 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t127 = np.reshape((np.reshape(t126.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t125.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t125
     t128 = np.reshape((np.reshape(t127.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t30.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t127
     t129 = np.reshape((np.reshape(t122, (L*n_batch, d_K)) @ np.reshape(t113.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t113
     t130 = t129 * t20
     t131 = np.reshape((np.reshape(t45.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t45
     t132 = np.reshape((np.reshape(t131.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t130.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t130
     t133 = np.reshape((np.reshape(t132.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t25.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t132
     t134 = np.reshape((np.reshape(t122, (L*n_batch, d_K)) @ np.reshape(t122.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t122
     t135 = t134 * t20
     t136 = np.reshape((np.reshape(t52.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t52
     t137 = np.reshape((np.reshape(t136.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t135.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t135
     t138 = np.reshape((np.reshape(t137.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t137
     t139 = (n_batch**(-2)) * (t109.sum((0,)) * t109.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t118 * t117).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t123 * t121.transpose(0, 2, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t128 * t32.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t133 * t32.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t138 * t32.transpose(0, 2, 3, 1)).sum()
+    del t109, t117, t118, t121, t123, t128, t133, t138
     t140 = np.sqrt(np.maximum(t139, 0.0))
+    del t139
     t141 = t76 * t124
     t142 = np.reshape((np.reshape(t126.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t126
     t143 = np.reshape((np.reshape(t142.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t30.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t142, t30
     t144 = t76 * t129
+    del t129
     t145 = np.reshape((np.reshape(t131, (n_batch, n_batch, L**2, L)) @ t20.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t131
     t146 = np.reshape((np.reshape(t145.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t145, t25
     t147 = t76 * t134
+    del t134
     t148 = np.reshape((np.reshape(t136, (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t136
     t149 = np.reshape((np.reshape(t148.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del d2A, t148
     t150 = (1/(L**2*d_K**2*n_batch**2)) * (t143 * t141.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t146 * t144.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t149 * t147.transpose(0, 2, 3, 1)).sum()
+    del t141, t143, t144, t146, t147, t149
     t151 = np.sqrt(np.maximum(t150, 0.0))
+    del t150
     t152 = t124 * t93
     t153 = np.reshape((np.reshape(t92, (n_batch, L*d_V, L)) @ np.reshape(t20, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t154 = np.reshape((np.reshape(t153.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t92.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t153, t92
     t155 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t28
     t156 = (t155.transpose(0, 1, 3, 4, 2) * np.reshape(t124.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    del t155
     t157 = np.reshape((np.reshape(t156.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t156
     t158 = np.reshape((np.reshape(t157.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t157
     t159 = t124 * t102
+    del t102, t124
     t160 = np.reshape((np.reshape(t104, (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t161 = np.reshape((np.reshape(t160.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t160
     t162 = (1/(L**2*d_K*n_batch**2)) * (t154 * t152.transpose(2, 0, 1, 3)).sum() + (2/(L*d_K*n_batch**2)) * (t158 * t97.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t161 * t159.transpose(0, 2, 3, 1)).sum()
+    del t152, t154, t158, t159, t97
     t163 = np.sqrt(np.maximum(t162, 0.0))
+    del t162
     t164 = np.swapaxes(G, -1, -2)
+    del G
     t165 = np.reshape((np.reshape(t164.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t164.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t166 = t20 * t165
     t167 = np.reshape((np.reshape(t104.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t166.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t104, t166
     t168 = np.reshape((np.reshape(t167.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t167
     t169 = np.swapaxes(M_1, -1, -2)
+    del M_1
     t170 = np.reshape((np.reshape(t169.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t1
     t171 = np.reshape((t21 @ np.reshape(t17.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    del t21
     t172 = (t171.transpose(0, 2, 3, 1) @ dA)
+    del t171
     t173 = np.reshape((np.reshape(t172.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t164.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t164
     t174 = (t173.transpose(0, 1, 3, 4, 2) * np.reshape(t20, (n_batch, L, n_batch, L, 1)))
     t175 = np.reshape((np.reshape(t174.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t32.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t174
     t176 = np.reshape((np.reshape(t175.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t175
     t177 = np.reshape((np.reshape(t169.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t169.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t169
     t178 = t20 * t177
     t179 = np.reshape((np.reshape(t178.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t172, (n_batch, L, L*d_V))), (n_batch, n_batch, L, d_V, L))
+    del t178
     t180 = np.reshape((np.reshape(t179.transpose(1, 0, 4, 2, 3), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t172, (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t179
     t181 = (1/(d_K*n_batch**2)) * (t168 * t32.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t176 * t170.transpose(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t180 * t32.transpose(0, 2, 3, 1)).sum()
+    del t168, t176, t180, t32
     t182 = np.sqrt(np.maximum(t181, 0.0))
+    del t181
     t183 = t76 * t165
+    del t165
     t184 = (t173.transpose(0, 1, 3, 4, 2) * np.reshape(t76, (n_batch, L, n_batch, L, 1)))
+    del t173
     t185 = np.reshape((np.reshape(t184.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t20.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t184
     t186 = np.reshape((np.reshape(t185.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del dA, t185
     t187 = t76 * t177
+    del t76
     t188 = np.reshape((np.reshape(t172, (n_batch, L*d_V, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    del t20
     t189 = np.reshape((np.reshape(t188.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t172.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t172, t188
     t190 = (1/(d_K*n_batch**2)) * (t161 * t183.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t186 * t170.transpose(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t189 * t187.transpose(0, 2, 3, 1)).sum()
+    del t161, t170, t183, t186, t187, t189
     t191 = np.sqrt(np.maximum(t190, 0.0))
+    del t190
     t192 = np.reshape((np.reshape(t17, (L*n_batch, d_V**2)) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    del t17
     t193 = t192 * t177
+    del t177, t192
     t194 = (1/(L**2*n_batch**2)) * (t193 * t93).sum()
+    del t193, t93
     t195 = np.sqrt(np.maximum(t194, 0.0))
+    del t194
     return (t59, t90, t108, t140, t151, t163, t182, t191, t195,)
 
 
@@ -17566,103 +18281,164 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
+    del t0
     t2 = np.swapaxes(W_K, -1, -2)
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = np.triu(np.ones((L, L), dtype=bool), 1)
     t9 = np.where(t8, -math.inf, t7)
+    del t7, t8
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    del t9
     A = t10 / t10.sum(-1, keepdims=True)
+    del t10
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t12
     t13 = Y.sum(-1, keepdims=True)
     t14 = np.broadcast_to(t13, t13.shape[:-1] + (d_V,))
+    del t13
     t15 = A @ X
     M_1 = t15
+    del t15
     t16 = M_1 @ W_V
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
+    del t17
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA20 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1))) - (np.reshape(A18, (n_batch, L, 1, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1)))
+    del A18, t19
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t22
     t24 = (dA20 * np.reshape(t14, (n_batch, L, d_V, 1)))
     t25 = np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ t21), (n_batch, L, d_V, d_V))
     t26 = (t25 @ M_2)
+    del t25
     t27 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    del t23
     t28 = (t27 @ t26)
     t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t28
     t30 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t16
+    del t16
     t31 = np.exp(F - F.max(-1, keepdims=True))
+    del F
     A32 = t31 / t31.sum(-1, keepdims=True)
+    del t31
     t33 = t14 * A32
+    del A32
     t34 = t33 - Y
+    del t33
     t35 = (1/L) * t34
+    del t34
     G = t35
+    del t35
     t36 = t21 @ t3
     t37 = G @ t36
+    del t36
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
+    del t37
     t39 = A * t38
+    del t38
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t11, (1, 1, L, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(t39, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t11
     t40 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t40
     t41 = (1/(d_K*n_batch)) * t2
     t42 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t43 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t42.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t42
     t44 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t45 = np.reshape(t30, (d_V**2, L*n_batch))
+    del t30
     t46 = np.reshape(t44, (d_V**2, L*n_batch))
+    del t44
     t47 = np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t29
     t48 = np.reshape(t43.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t43
     t49 = np.concatenate([t45, t46], axis=-1)
+    del t45, t46
     t50 = np.concatenate([t47, t48], axis=-2)
+    del t47, t48
     t1[...] = (np.reshape((t49 @ t50), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t1, t49, t50
     t51 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
+    del t51
     t53 = ((t27 @ t26)).transpose(2, 3, 0, 1)
+    del t26, t27
     t54 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t55 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t56 = np.reshape((t41 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    del t41
     t57 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t58 = np.einsum('abcb->abc', t52)
     t59 = t39 @ X
+    del t39
     t60 = t3 @ t59
+    del t59
     t61 = np.ones((d_K,), dtype=X.dtype)
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
+    del t61
     t63 = np.reshape(t53, (d_K*d_V, L*n_batch))
+    del t53
     t64 = np.reshape(t56, (d_K*d_V, L*n_batch))
+    del t56
     t65 = np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t55
     t66 = np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t57
     t67 = np.concatenate([t63, t64], axis=-1)
+    del t63, t64
     t68 = np.concatenate([t65, t66], axis=-2)
+    del t65, t66
     t52[...] = (np.reshape((t67 @ t68), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t52, t67, t68
     t58 += np.reshape(t62, (1, d_K, 1)) * np.reshape(t60.sum((0,)), (d_V, 1, d_V))
+    del t58
     t69 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t70 = np.reshape(t69, (d_V, d_K, d_V, d_V), copy=False)
+    del t69
     t71 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t72 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t71.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t71
     t73 = np.reshape((np.reshape(t72.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    del t72
     t74 = ((t73 @ t24)).transpose(2, 3, 0, 1)
+    del t73
     t75 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t76 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t77 = np.reshape((t76 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    del t76
     t78 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t70[...] = (np.reshape((np.reshape(t75, (d_V**2, L*n_batch)) @ np.reshape(t74.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t74, t75
     t70 += (np.reshape((np.reshape(t77, (d_K*d_V, L*n_batch)) @ np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t70, t77, t78
     t79 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t80 = np.reshape(t79, (d_V, d_K, d_V, d_K), copy=False)
+    del t79
     t81 = np.swapaxes(W_Q, -1, -2)
     t82 = (1/(L*d_K*n_batch)) * t81
     t83 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -17670,76 +18446,130 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     t85 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t86 = (t85 @ t84)
     t87 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t86.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t86
     t88 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t82.transpose(1, 0)), (n_batch, L, d_K))
+    del t82
     t89 = (np.reshape(t88.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t90 = (1/(d_K*n_batch)) * t81
     t91 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t92 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t90.transpose(1, 0)), (n_batch, L, d_K))
+    del t3, t90
     t93 = (np.reshape(t92.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t94 = np.einsum('abcb->abc', t80)
     t95 = np.swapaxes(t60, -1, -2)
+    del t60
     t96 = np.reshape(t89, (d_K*d_V, L*n_batch))
+    del t89
     t97 = np.reshape(t93, (d_K*d_V, L*n_batch))
+    del t93
     t98 = np.reshape(t87.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t87
     t99 = np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t91
     t100 = np.concatenate([t96, t97], axis=-1)
+    del t96, t97
     t101 = np.concatenate([t98, t99], axis=-2)
+    del t98, t99
     t80[...] = (np.reshape((t100 @ t101), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t100, t101, t80
     t94 += np.reshape(t62, (1, d_K, 1)) * np.reshape(t95.sum((0,)), (d_V, 1, d_V))
+    del t62, t94, t95
     t102 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t103 = np.reshape(t102, (d_V, d_K, d_V, d_K), copy=False)
+    del t102
     t104 = ((t85 @ t84)).transpose(3, 2, 0, 1)
+    del t84
     t105 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t88.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t88
     t106 = M_3.transpose(2, 3, 0, 1)
+    del M_3
     t107 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t92.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t92
     t108 = np.reshape(t104, (d_V**2, L*n_batch))
+    del t104
     t109 = np.reshape(t106, (d_V**2, L*n_batch))
+    del t106
     t110 = np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t105
     t111 = np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t107
     t112 = np.concatenate([t108, t109], axis=-1)
+    del t108, t109
     t113 = np.concatenate([t110, t111], axis=-2)
+    del t110, t111
     t103[...] = (np.reshape((t112 @ t113), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t103, t112, t113
     t114 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t115 = np.reshape(t114, (d_V, d_K, d_V, d_V), copy=False)
+    del t114
     t116 = (1/(L*math.sqrt(d_K)*n_batch)) * t81
     t117 = ((t24.transpose(0, 1, 3, 2) @ t83.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    del t83
     t118 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t116.transpose(1, 0)), (n_batch, L, d_K))
+    del t116
     t119 = (np.reshape(t118.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t118
     t120 = (1/(math.sqrt(d_K)*n_batch)) * t81
+    del t81
     t121 = M_2.transpose(3, 2, 0, 1)
     t122 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t120.transpose(1, 0)), (n_batch, L, d_K))
+    del t120
     t123 = (np.reshape(t122.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t122
     t115[...] = (np.reshape((np.reshape(t119, (d_K*d_V, L*n_batch)) @ np.reshape(t117.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t117, t119
     t115 += (np.reshape((np.reshape(t121, (d_V**2, L*n_batch)) @ np.reshape(t123.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t115, t121, t123
     t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t125 = np.reshape(t124, (d_V, d_V, d_V, d_K), copy=False)
+    del t124
     t126 = np.swapaxes(G, -1, -2)
+    del G
     t127 = (1/(math.sqrt(d_K)*n_batch)) * t126
+    del t126
     t128 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t127.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t129 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t130 = np.swapaxes(M_1, -1, -2)
     t131 = (1/(L*math.sqrt(d_K)*n_batch)) * t130
     t132 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t131.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t133 = np.reshape((t21.transpose(1, 0) @ np.reshape(dA20.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t21
     t134 = (t133.transpose(1, 2, 3, 0) @ M_2)
+    del t133
     t135 = np.reshape((np.reshape(t134, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
+    del t134
     t136 = (t135.transpose(2, 3, 0, 1) * np.reshape(t14.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    del t135
     t125[...] = (np.reshape((np.reshape(t128, (d_V**2, L*n_batch)) @ np.reshape(t129.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t128, t129
     t125 += (np.reshape((np.reshape(t132, (d_V**2, L*n_batch)) @ np.reshape(t136.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t125, t132, t136
     t137 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t138 = np.reshape(t137, (d_V, d_V, d_V, d_K), copy=False)
+    del t137
     t139 = M_2.transpose(2, 3, 0, 1)
+    del M_2
     t140 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t127.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t127
     t141 = ((t85 @ t24.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    del t24, t85
     t142 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t131.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t131, t54
     t138[...] = (np.reshape((np.reshape(t139, (d_V**2, L*n_batch)) @ np.reshape(t140.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t139, t140
     t138 += (np.reshape((np.reshape(t141, (d_V**2, L*n_batch)) @ np.reshape(t142.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t138, t141, t142
     t143 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t144 = np.reshape(t143, (d_V, d_V, d_V, d_V), copy=False)
+    del t143
     t145 = (1/(L*n_batch)) * t130
+    del t130
     t146 = (dA20.transpose(2, 3, 0, 1) * np.reshape(t14.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    del dA20, t14
     t147 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t145.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del M_1, t145
     t144[...] = (np.reshape((np.reshape(t147, (d_V**2, L*n_batch)) @ np.reshape(t146.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    del t144, t146, t147
     return H
 
 
@@ -17833,27 +18663,38 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = np.triu(np.ones((L, L), dtype=bool), 1)
     t7 = np.where(t6, -math.inf, t5)
+    del t5, t6
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    del t7
     A = t8 / t8.sum(-1, keepdims=True)
+    del t8
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
+    del t10
     t12 = A @ X
     M_1 = t12
+    del t12
     t13 = M_1 @ W_V
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
+    del t14
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
+    del A15, t16
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
+    del dA17
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17861,183 +18702,310 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t24 = np.reshape((t21.transpose(1, 2, 0) @ np.reshape(t19.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t25 = np.reshape((np.reshape(t24, (n_batch, L**2, d_V)) @ t23.transpose(0, 2, 1)), (n_batch, L, L, L))
     t26 = (t25.transpose(0, 2, 3, 1) @ dA)
+    del t25
     t27 = (t26.transpose(0, 1, 3, 2) @ dA)
+    del t26
     t28 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t29 = t22 * t22
     t30 = (t24.transpose(0, 2, 3, 1) @ dA)
+    del t24
     t31 = np.reshape((t23 @ np.reshape(t30.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
     t32 = (t31.transpose(0, 2, 3, 1) @ dA)
+    del t31
     t33 = np.reshape((np.reshape(t20, (L*n_batch, d_K)) @ np.reshape(t20.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t28.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t28, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t35 = np.reshape((np.reshape(t33.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t27.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t36 = np.reshape((np.reshape(t35.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t29.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t29, t35
     t37 = np.reshape((np.reshape(t36.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t32.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t36
     F = t13
+    del t13
     t38 = np.exp(F - F.max(-1, keepdims=True))
+    del F
     A39 = t38 / t38.sum(-1, keepdims=True)
+    del t38
     t40 = t11 * A39
+    del A39, t11
     t41 = t40 - Y
+    del t40
     t42 = (1/L) * t41
+    del t41
     G = t42
+    del t42
     t43 = t18 @ t1
     t44 = G @ t43
+    del t43
     t45 = t44 - (A * t44).sum(-1, keepdims=True)
+    del t44
     t46 = A * t45
+    del t45
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t46, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t46, (n_batch, L, L, 1))) - (np.reshape(t46, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t9
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t50 = np.reshape((np.reshape(t49, (L*n_batch, d_K)) @ np.reshape(t20.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t20
     t51 = np.reshape((np.reshape(t50.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t52 = np.reshape((np.reshape(t51.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t48.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t48, t51
     t53 = np.reshape((np.reshape(t52.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t52
     t54 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t55 = t22 * t54
     t56 = np.reshape((np.reshape(t49, (L*n_batch, d_K)) @ np.reshape(t49.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t57 = np.reshape((np.reshape(t55.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t55
     t58 = np.reshape((np.reshape(t57.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t56.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t57
     t59 = np.reshape((np.reshape(t58.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t58
     t60 = (1/(L**2*d_K**2*n_batch**2)) * (t37 * t34.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t53 * t34.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t59 * t34.transpose(0, 2, 3, 1)).sum()
+    del t37, t53, t59
     t61 = np.sqrt(np.maximum(t60, 0.0))
+    del t60
     t62 = t46 @ X
+    del t46
     t63 = t1 @ t62
+    del t62
     t64 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t64.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t64
     t65 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t63.sum((0,))), (n_batch, L, d_V))
     t66 = np.reshape((np.reshape(t65, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t65
     t67 = (W_Q @ t0)
+    del t0
     t68 = np.reshape((np.reshape(t66, (L*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V))
+    del t66
     t69 = np.reshape((np.reshape(t68, (n_batch, L, 1, d_V)) @ t19.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t68
     t70 = np.reshape((t67.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t67
     t71 = np.reshape((np.reshape(t70.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t70
     t72 = np.reshape((np.reshape(t71, (L*n_batch, d_V)) @ W_V), (n_batch, L, d_V))
+    del t71
     t73 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t63.sum((0,))), (n_batch, L, d_V))
     t74 = (t73 @ X.transpose(0, 2, 1))
+    del t73
     t75 = np.reshape((np.reshape(t74, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t74
     t76 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t77 = (t76.transpose(1, 2, 0) @ t49.transpose(0, 2, 1))
+    del t49
     t78 = np.reshape((np.reshape(t76.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t76, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t76
     t79 = t78 * t22
     t80 = np.reshape((np.reshape(t22.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t27.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t81 = np.reshape((np.reshape(t80, (n_batch, n_batch, L**2, L)) @ t33.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t80
     t82 = np.reshape((np.reshape(t81.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t32.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t81
     t83 = t78 * t47
     t84 = np.reshape((np.reshape(t22.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t85 = np.reshape((np.reshape(t84, (n_batch, n_batch, L**2, L)) @ t50.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t50, t84
     t86 = np.reshape((np.reshape(t85.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t85
     t87 = t78 * t54
     t88 = np.reshape((np.reshape(t22.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t89 = np.reshape((np.reshape(t88, (n_batch, n_batch, L**2, L)) @ t56.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t56, t88
     t90 = np.reshape((np.reshape(t89.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t89
     t91 = (n_batch**(-2)) * (t63.sum((0,)) * t63.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t72 * t69).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t77 * t75).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t82 * t79.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t86 * t83.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t90 * t87.transpose(0, 2, 3, 1)).sum()
+    del t69, t72, t75, t77, t79, t82, t83, t86, t87, t90
     t92 = np.sqrt(np.maximum(t91, 0.0))
+    del t91
     t93 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t21.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    del t21
     t94 = (t93 @ dA)
+    del t93
     t95 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t96 = t95 * t22
     t97 = np.reshape((np.reshape(t96.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t94, (n_batch, L, L*d_V))), (n_batch, n_batch, L, d_V, L))
+    del t96
     t98 = np.reshape((np.reshape(t97.transpose(1, 0, 4, 2, 3), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t94, (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t97
     t99 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t100 = np.reshape((np.reshape(t94.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
     t101 = (t100.transpose(0, 1, 3, 4, 2) * np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    del t100
     t102 = np.reshape((np.reshape(t101.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t33.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t101
     t103 = np.reshape((np.reshape(t102.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t102
     t104 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t105 = t104 * t22
     t106 = np.reshape((np.reshape(t54.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t107 = np.reshape((np.reshape(t106.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t105.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t105
     t108 = np.reshape((np.reshape(t107.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t107
     t109 = (1/(L**2*d_K*n_batch**2)) * (t98 * t33.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t103 * t99.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t108 * t33.transpose(0, 2, 3, 1)).sum()
+    del t103, t108, t33, t98
     t110 = np.sqrt(np.maximum(t109, 0.0))
+    del t109
     t111 = np.swapaxes(t63, -1, -2)
+    del t63
     t112 = np.swapaxes(W_Q, -1, -2)
     t113 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t111.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t114 = np.reshape((np.reshape(t113, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t113
     t115 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t112.transpose(1, 0)), (n_batch, L, d_K))
     t116 = np.reshape((np.reshape(t114, (L*n_batch, d_V)) @ W_V), (n_batch, L, d_V))
+    del t114
     t117 = np.reshape((np.reshape(t116, (n_batch, L, 1, d_V)) @ t19), (n_batch, L, d_V))
+    del t116
     t118 = np.reshape((np.reshape(t117, (L*n_batch, d_V)) @ t18), (n_batch, L, d_V))
+    del t117, t18
     t119 = np.reshape((np.reshape(t118, (n_batch, L, 1, d_V)) @ M_2), (n_batch, L, d_V))
+    del M_2, t118
     t120 = np.reshape((np.reshape(t115, (L*n_batch, d_K)) @ W_K.transpose(1, 0)), (n_batch, L, d_V))
     t121 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t111.sum((0,))), (n_batch, L, d_V))
     t122 = (t121 @ X.transpose(0, 2, 1))
+    del t121
     t123 = np.reshape((np.reshape(t122.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
+    del t122
     t124 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t112.transpose(1, 0)), (n_batch, L, d_K))
+    del t112
     t125 = (t28.transpose(1, 2, 0) @ t124.transpose(0, 2, 1))
+    del t28
     t126 = np.reshape((np.reshape(t115, (L*n_batch, d_K)) @ np.reshape(t115.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t127 = t126 * t22
     t128 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t129 = np.reshape((np.reshape(t128.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t127.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t127
     t130 = np.reshape((np.reshape(t129.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t32.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t129
     t131 = np.reshape((np.reshape(t124, (L*n_batch, d_K)) @ np.reshape(t115.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t115
     t132 = t131 * t22
     t133 = np.reshape((np.reshape(t47.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t47
     t134 = np.reshape((np.reshape(t133.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t132.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t132
     t135 = np.reshape((np.reshape(t134.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t134
     t136 = np.reshape((np.reshape(t124, (L*n_batch, d_K)) @ np.reshape(t124.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t124
     t137 = t136 * t22
     t138 = np.reshape((np.reshape(t54.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t54
     t139 = np.reshape((np.reshape(t138.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t137.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t137
     t140 = np.reshape((np.reshape(t139.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t139
     t141 = (n_batch**(-2)) * (t111.sum((0,)) * t111.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t120 * t119).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t125 * t123.transpose(0, 2, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t130 * t34.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t135 * t34.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t140 * t34.transpose(0, 2, 3, 1)).sum()
+    del t111, t119, t120, t123, t125, t130, t135, t140
     t142 = np.sqrt(np.maximum(t141, 0.0))
+    del t141
     t143 = t78 * t126
     t144 = np.reshape((np.reshape(t128.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t128
     t145 = np.reshape((np.reshape(t144.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t32.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t144, t32
     t146 = t78 * t131
+    del t131
     t147 = np.reshape((np.reshape(t133, (n_batch, n_batch, L**2, L)) @ t22.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t133
     t148 = np.reshape((np.reshape(t147.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t147, t27
     t149 = t78 * t136
+    del t136
     t150 = np.reshape((np.reshape(t138, (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t138
     t151 = np.reshape((np.reshape(t150.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del d2A, t150
     t152 = (1/(L**2*d_K**2*n_batch**2)) * (t145 * t143.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t148 * t146.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t151 * t149.transpose(0, 2, 3, 1)).sum()
+    del t143, t145, t146, t148, t149, t151
     t153 = np.sqrt(np.maximum(t152, 0.0))
+    del t152
     t154 = t126 * t95
     t155 = np.reshape((np.reshape(t94, (n_batch, L*d_V, L)) @ np.reshape(t22, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t156 = np.reshape((np.reshape(t155.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t94.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t155, t94
     t157 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t30
     t158 = (t157.transpose(0, 1, 3, 4, 2) * np.reshape(t126.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    del t157
     t159 = np.reshape((np.reshape(t158.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t158
     t160 = np.reshape((np.reshape(t159.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t159
     t161 = t126 * t104
+    del t104, t126
     t162 = np.reshape((np.reshape(t106, (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t163 = np.reshape((np.reshape(t162.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t162
     t164 = (1/(L**2*d_K*n_batch**2)) * (t156 * t154.transpose(2, 0, 1, 3)).sum() + (2/(L*d_K*n_batch**2)) * (t160 * t99.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t163 * t161.transpose(0, 2, 3, 1)).sum()
+    del t154, t156, t160, t161, t99
     t165 = np.sqrt(np.maximum(t164, 0.0))
+    del t164
     t166 = np.swapaxes(G, -1, -2)
+    del G
     t167 = np.reshape((np.reshape(t166.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t166.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t168 = t22 * t167
     t169 = np.reshape((np.reshape(t106.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t168.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t106, t168
     t170 = np.reshape((np.reshape(t169.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t169
     t171 = np.swapaxes(M_1, -1, -2)
+    del M_1
     t172 = np.reshape((np.reshape(t171.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t1
     t173 = np.reshape((t23 @ np.reshape(t19.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    del t23
     t174 = (t173.transpose(0, 2, 3, 1) @ dA)
+    del t173
     t175 = np.reshape((np.reshape(t174.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t166.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t166
     t176 = (t175.transpose(0, 1, 3, 4, 2) * np.reshape(t22, (n_batch, L, n_batch, L, 1)))
     t177 = np.reshape((np.reshape(t176.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t34.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t176
     t178 = np.reshape((np.reshape(t177.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t177
     t179 = np.reshape((np.reshape(t171.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t171.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t171
     t180 = t22 * t179
     t181 = np.reshape((np.reshape(t180.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t174, (n_batch, L, L*d_V))), (n_batch, n_batch, L, d_V, L))
+    del t180
     t182 = np.reshape((np.reshape(t181.transpose(1, 0, 4, 2, 3), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t174, (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t181
     t183 = (1/(d_K*n_batch**2)) * (t170 * t34.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t178 * t172.transpose(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t182 * t34.transpose(0, 2, 3, 1)).sum()
+    del t170, t178, t182, t34
     t184 = np.sqrt(np.maximum(t183, 0.0))
+    del t183
     t185 = t78 * t167
+    del t167
     t186 = (t175.transpose(0, 1, 3, 4, 2) * np.reshape(t78, (n_batch, L, n_batch, L, 1)))
+    del t175
     t187 = np.reshape((np.reshape(t186.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t22.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t186
     t188 = np.reshape((np.reshape(t187.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del dA, t187
     t189 = t78 * t179
+    del t78
     t190 = np.reshape((np.reshape(t174, (n_batch, L*d_V, L)) @ np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    del t22
     t191 = np.reshape((np.reshape(t190.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t174.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t174, t190
     t192 = (1/(d_K*n_batch**2)) * (t163 * t185.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t188 * t172.transpose(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t191 * t189.transpose(0, 2, 3, 1)).sum()
+    del t163, t172, t185, t188, t189, t191
     t193 = np.sqrt(np.maximum(t192, 0.0))
+    del t192
     t194 = np.reshape((np.reshape(t19, (L*n_batch, d_V**2)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    del t19
     t195 = t194 * t179
+    del t179, t194
     t196 = (1/(L**2*n_batch**2)) * (t195 * t95).sum()
+    del t195, t95
     t197 = np.sqrt(np.maximum(t196, 0.0))
+    del t196
     return (t61, t92, t110, t142, t153, t165, t184, t193, t197,)
 
 

@@ -5346,11 +5346,14 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t0 = np.swapaxes(X, -1, -2)
     t1 = np.swapaxes(W_K, -1, -2)
     t2 = t1 @ t0
+    del t1
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t3 = np.swapaxes(W_V, -1, -2)
     t4 = t3 @ t0
+    del t3
     t5 = W_V @ t4
     t6 = X @ t5
+    del t5
     t7 = np.swapaxes(t2, -1, -2)
     t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t9 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5359,140 +5362,241 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t12 = np.reshape((np.reshape(t7, (L*n_batch, d_K)) @ np.reshape(t7.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(Mcausal, (L, 1, L)))
     t14 = (np.reshape(t13.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t6.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    del t13
     t15 = np.reshape((np.reshape(t14.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(3, 1, 2, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t16
     t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum()
+    del t17
     t19 = np.sqrt(np.maximum(t18, 0.0))
+    del t18
     t20 = W_Q @ t2
     t21 = X @ t20
+    del t20
     t22 = (1/math.sqrt(d_K)) * t21
+    del t21
     T = t22
+    del t22
     t23 = Mcausal * T
     t24 = np.swapaxes(t4, -1, -2)
     t25 = t23 @ t24
+    del t24
     F = t25
+    del t25
     t26 = F - Y
+    del F
     t27 = (2/(L*d_V)) * t26
+    del t26
     G = t27
+    del t27
     t28 = G @ t4
     t29 = Mcausal * t28
     t30 = t29 @ X
+    del t29
     t31 = (np.reshape(t30.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)))
+    del t30
     t32 = X @ W_Q
     t33 = (t32 @ t2)
+    del t2
     t34 = np.reshape((t31 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t35 = (t34.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
+    del t34
     t36 = (t33.transpose(1, 2, 0) * np.reshape(Mcausal, (L, L, 1)))
+    del t33
     t37 = (t36.transpose(2, 0, 1) @ t6)
+    del t36
     t38 = np.reshape((np.reshape(t37.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t35.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
+    del t35, t37
     t39 = np.reshape((np.reshape(t32, (L*n_batch, d_K)) @ np.reshape(t32.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t40 = t39 * t8
     t41 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t40.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t15, t40
     t42 = np.reshape((np.reshape(t41.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(3, 1, 2, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t14, t41
     t43 = (n_batch**(-2)) * (t31 * t31).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t38 * Mcausal).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t42 * t10.transpose(0, 2, 3, 1)).sum()
+    del t31, t38, t42
     t44 = np.sqrt(np.maximum(t43, 0.0))
+    del t43
     t45 = t23 @ X
+    del t23
     t46 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t47 = np.reshape((np.reshape(t45, (L*n_batch, d_V)) @ np.reshape(t45.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t48 = t47 * t8
     t49 = np.reshape((np.reshape(t46.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t46, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t50 = t49 * t9
     t51 = np.reshape((np.reshape(t48, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    del t48
     t52 = (np.reshape(t51.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t50.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    del t50, t51
     t53 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t45.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t54 = np.reshape((np.reshape(t46.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t46
     t55 = (np.reshape(t53.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t8.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
+    del t53
     t56 = np.reshape((np.reshape(t55.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, L)) @ Mcausal), (n_batch, n_batch, L, L, L))
+    del t55
     t57 = (t56.transpose(0, 1, 2, 4, 3) * np.reshape(t9.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1)))
+    del t56
     t58 = np.reshape((np.reshape(t57.transpose(4, 2, 0, 1, 3), (L, L, L*n_batch**2)) @ np.reshape(t54.transpose(3, 2, 0, 1), (L, L*n_batch**2, 1))), (L, L))
+    del t54, t57
     t59 = t10 * t9
+    del t9
     t60 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t61 = t60 * t8
     t62 = np.reshape((np.reshape(t59, (L*n_batch**2, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, n_batch, L))
+    del t59
     t63 = (np.reshape(t62.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t61.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    del t61, t62
     t64 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t52 * Mcausal).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t58 * Mcausal).sum() + (1/(d_K*n_batch**2)) * (t63 * Mcausal.transpose(1, 0)).sum()
+    del t52, t58, t63
     t65 = np.sqrt(np.maximum(t64, 0.0))
+    del t64
     t66 = np.swapaxes(t28, -1, -2)
+    del t28
     t67 = np.swapaxes(Mcausal, -1, -2)
     t68 = t66 * t67
+    del t66
     t69 = t68 @ X
+    del t68
     t70 = (np.reshape(t69.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)))
+    del t69
     t71 = np.swapaxes(t32, -1, -2)
+    del t32
     t72 = (t7 @ t71)
+    del t7
     t73 = np.reshape((t70 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t0
     t74 = (t73.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
+    del t73
     t75 = (t72.transpose(1, 2, 0) * np.reshape(t67, (L, L, 1)))
+    del t72
     t76 = (t75.transpose(2, 1, 0) @ t6.transpose(0, 2, 1))
+    del t75
     t77 = np.reshape((np.reshape(t76.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t74.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
+    del t74, t76
     t78 = np.reshape((np.reshape(t71.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t71.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t71
     t79 = t10 * t78
     t80 = (np.reshape(t67.transpose(1, 0), (L, L, 1)) * np.reshape(t67.transpose(1, 0), (L, 1, L)))
     t81 = (np.reshape(t80.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t6.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    del t6, t80
     t82 = np.reshape((np.reshape(t81.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t8.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t83 = np.reshape((np.reshape(t82.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t12.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t84 = np.reshape((np.reshape(t83.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t81.transpose(3, 1, 0, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t83
     t85 = (n_batch**(-2)) * (t70 * t70).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t77 * t67.transpose(1, 0)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t84 * t79.transpose(0, 2, 3, 1)).sum()
+    del t70, t77, t79, t84
     t86 = np.sqrt(np.maximum(t85, 0.0))
+    del t85
     t87 = t39 * t78
     t88 = np.reshape((np.reshape(t82.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t10.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t82
     t89 = np.reshape((np.reshape(t88.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t81.transpose(3, 1, 0, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t81, t88
     t90 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t89 * t87.transpose(0, 2, 3, 1)).sum()
+    del t87, t89
     t91 = np.sqrt(np.maximum(t90, 0.0))
+    del t90
     t92 = t60 * t78
+    del t60
     t93 = np.reshape((np.reshape(t11, (L*n_batch**2, L)) @ t67), (n_batch, L, n_batch, L))
+    del t11
     t94 = (np.reshape(t93.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t92.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    del t92
     t95 = np.reshape((W_V @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t96 = np.reshape((np.reshape(t45, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t97 = np.reshape((np.reshape(t95.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t95
     t98 = (np.reshape(t96.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t8.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
+    del t96
     t99 = np.reshape((np.reshape(t98.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, L)) @ t67), (n_batch, n_batch, L, L, L))
+    del t98
     t100 = (t99.transpose(0, 1, 2, 4, 3) * np.reshape(t78.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1)))
+    del t99
     t101 = np.reshape((np.reshape(t100.transpose(4, 2, 0, 1, 3), (L, L, L*n_batch**2)) @ np.reshape(t97.transpose(3, 2, 0, 1), (L, L*n_batch**2, 1))), (L, L))
+    del t100, t97
     t102 = t47 * t78
+    del t47, t78
     t103 = t49 * t8
+    del t49
     t104 = np.reshape((np.reshape(t102, (L*n_batch**2, L)) @ t67.transpose(1, 0)), (n_batch, L, n_batch, L))
+    del t102
     t105 = (np.reshape(t104.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t103.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    del t103, t104
     t106 = (1/(d_K*n_batch**2)) * (t94 * t67).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t101 * t67).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t105 * t67.transpose(1, 0)).sum()
+    del t101, t105, t94
     t107 = np.sqrt(np.maximum(t106, 0.0))
+    del t106
     t108 = np.swapaxes(T, -1, -2)
+    del T
     t109 = t67 * t108
+    del t108
     t110 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t4.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t111 = t12 * t110
     t112 = np.reshape((np.reshape(t8.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t109), (n_batch, n_batch, L, L))
     t113 = np.reshape((np.reshape(t112.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t109), (n_batch, n_batch, L, L))
+    del t109
     t114 = t113 * t10.transpose(0, 2, 3, 1)
     t115 = np.reshape((np.reshape(t111, (L*n_batch**2, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, n_batch, L))
+    del t111
     t116 = (np.reshape(t115.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t114, (L*n_batch**2, L)))
+    del t114, t115
     t117 = np.swapaxes(G, -1, -2)
+    del G
     t118 = np.reshape((np.reshape(t117.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t4.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t4
     t119 = (np.reshape(t10, (n_batch, L, n_batch, L, 1)) * np.reshape(t118, (n_batch, L, n_batch, 1, L)))
     t120 = (t119.transpose(3, 4, 0, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
+    del t119
     t121 = np.reshape((np.reshape(t120.transpose(2, 4, 0, 3, 1), (n_batch, n_batch, L**2, L)) @ t12.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t120
     t122 = np.reshape((np.reshape(t121.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t112.transpose(2, 1, 0, 3), (L, L*n_batch**2, 1))), (L, L))
+    del t121
     t123 = np.reshape((np.reshape(t117.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t117.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t117
     t124 = t12 * t8
+    del t12, t8
     t125 = t10 * t123
     t126 = np.reshape((np.reshape(t124, (L*n_batch**2, L)) @ t67), (n_batch, L, n_batch, L))
+    del t124
     t127 = (np.reshape(t126.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t125.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    del t125, t126
     t128 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t116 * Mcausal.transpose(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t122 * t67).sum() + (1/(d_K*n_batch**2)) * (t127 * t67).sum()
+    del t116, t122, t127
     t129 = np.sqrt(np.maximum(t128, 0.0))
+    del t128
     t130 = t10 * t110
+    del t110
     t131 = t113 * t39.transpose(0, 2, 3, 1)
+    del t113
     t132 = np.reshape((np.reshape(t130, (L*n_batch**2, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, n_batch, L))
+    del t130
     t133 = (np.reshape(t132.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t131, (L*n_batch**2, L)))
+    del t131, t132
     t134 = (np.reshape(t39, (n_batch, L, n_batch, L, 1)) * np.reshape(t118, (n_batch, L, n_batch, 1, L)))
+    del t118
     t135 = (t134.transpose(3, 4, 0, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
+    del t134
     t136 = np.reshape((np.reshape(t135.transpose(2, 4, 0, 3, 1), (n_batch, n_batch, L**2, L)) @ t10.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t10, t135
     t137 = np.reshape((np.reshape(t136.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t112.transpose(2, 1, 0, 3), (L, L*n_batch**2, 1))), (L, L))
+    del t112, t136
     t138 = t39 * t123
+    del t123, t39
     t139 = (np.reshape(t93.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t138.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    del t138, t93
     t140 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t133 * Mcausal.transpose(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t137 * t67).sum() + (1/(d_K*n_batch**2)) * (t139 * t67).sum()
+    del Mcausal, t133, t137, t139, t67
     t141 = np.sqrt(np.maximum(t140, 0.0))
+    del t140
     t142 = np.swapaxes(t45, -1, -2)
     t143 = t142 @ t45
+    del t142, t45
     t144 = (4/(L**2*d_V*n_batch**2)) * (t143.sum((0,)) * t143.sum((0,))).sum()
+    del t143
     t145 = np.sqrt(np.maximum(t144, 0.0))
+    del t144
     return (t19, t44, t65, t86, t91, t107, t129, t141, t145,)
 
 
@@ -13078,68 +13182,103 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t0 = np.swapaxes(X, -1, -2)
         t2 = np.swapaxes(W_K, -1, -2)
         t3 = t2 @ t0
+        del t2
         Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
         t4 = X @ W_V
         t5 = Y.sum(-1, keepdims=True)
         t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
+        del t5
         t7 = W_Q @ t3
         t8 = X @ t7
+        del t7
         t9 = (1/math.sqrt(d_K)) * t8
+        del t8
         T = t9
+        del t9
         t10 = Mcausal * T
         t11 = t10 @ t4
         t12 = np.exp(t11 - t11.max(-1, keepdims=True))
         A = t12 / t12.sum(-1, keepdims=True)
+        del t12
         t13 = np.eye(d_V, dtype=X.dtype)
         # dA: compact tensor ('L', 'd_V', 'd_V')
         dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
+        del A, t13
         t14 = np.swapaxes(t4, -1, -2)
         t15 = np.swapaxes(t3, -1, -2)
         t16 = (1/(L*d_K)) * Mcausal
         t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
         t18 = (t17.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
         t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+        del t18
         t20 = (t19.transpose(1, 3, 0, 2) * np.reshape(t16, (L, L, 1, 1)))
+        del t16, t19
         t21 = (t20.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
+        del t20
         t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+        del t21
         t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t15), (n_batch, L, d_K, d_K))
         t24 = np.reshape(X, (n_batch, L, 1, d_V, 1))
         t25 = np.reshape(t23, (n_batch, L, d_K, 1, d_K))
+        del t23
         t28 = X @ W_Q
         t29 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+        del t22
         F = t11
+        del t11
         t31 = np.exp(F - F.max(-1, keepdims=True))
+        del F
         A32 = t31 / t31.sum(-1, keepdims=True)
+        del t31
         t33 = t6 * A32
+        del A32
         t34 = t33 - Y
+        del t33
         t35 = (1/L) * t34
+        del t34
         G = t35
+        del t35
         t36 = G @ t14
+        del t14
         t37 = Mcausal * t36
         t38 = t37 @ X
+        del t37
         t39 = np.ones((d_K,), dtype=X.dtype)
         t40 = (1/math.sqrt(d_K)) * t39
+        del t39
         t41 = np.reshape(t28, (n_batch, L, 1, 1, d_K))
         t42 = np.reshape(t29, (n_batch, L, d_K, d_V, 1))
+        del t29
         t43 = np.reshape(t40, (1, 1, d_K, 1))
         t44 = np.reshape(t38, (n_batch, L, 1, d_V))
+        del t38
         t47 = t10 @ X
+        del t10
         t48 = (1/(L*math.sqrt(d_K))) * Mcausal
         t49 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
         t50 = (np.reshape(t49, (d_V, n_batch, L, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, 1, L)))
         t51 = (t50.transpose(1, 3, 2, 0) @ dA)
+        del t50
         t52 = (t51.transpose(1, 2, 0, 3) * np.reshape(t48, (L, L, 1, 1)))
+        del t48, t51
         t53 = (np.reshape((t3 @ np.reshape(t52.transpose(2, 1, 0, 3), (n_batch, L, L*d_V))), (n_batch, d_K, L, d_V))).transpose(0, 2, 1, 3)
+        del t52
         t54 = (1/math.sqrt(d_K)) * Mcausal
         t55 = (np.reshape(t54.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t3.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
+        del t3, t54
         t56 = np.reshape((np.reshape(t55.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+        del t55
         t57 = np.reshape(t47, (n_batch, L, 1, d_V, 1))
         t58 = np.reshape(t53, (n_batch, L, d_K, 1, d_V))
+        del t53
         t59 = np.reshape(G, (n_batch, L, 1, 1, d_V))
         t60 = np.reshape(t56, (n_batch, L, d_K, d_V, 1))
+        del t56
         t61 = t0.transpose(1, 0, 2)
         t62 = np.reshape(t61, (d_V, L*n_batch))
+        del t61
         t63 = (1/n_batch) * t62
+        del t62
         t64 = np.reshape(H[0:d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
         n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
         while d_K % n_rows:    # chunks of equal size
@@ -13163,47 +13302,73 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             else:
                 for r0 in range(0, d_V, 32):
                     np.matmul(t63[..., r0:r0 + min(32, d_V - r0), :], t66, out=t71[..., r0:r0 + min(32, d_V - r0), :])
+        del n_rows, t24, t25, t41, t42, t43, t44, t57, t58, t59, t60, t64, t65, t66, t67, t68, t70
         del R
         R72 = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
         t73 = np.reshape(R72, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
         t74 = t73[..., 0:d_K*d_V]
         t75 = np.reshape(t74, (n_batch, L, d_K, d_V, d_K), copy=False)
+        del t74
         t76 = np.swapaxes(t28, -1, -2)
         t77 = np.swapaxes(Mcausal, -1, -2)
         t78 = np.swapaxes(Y, -1, -2)
         t79 = t78.sum(-2, keepdims=True)
+        del t78
         t80 = np.broadcast_to(t79, t79.shape[:-2] + (d_V, t79.shape[-1]))
+        del t79
         t81 = (1/(L*d_K)) * t77
         t82 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t76, (n_batch, d_K, 1, L)))
         t83 = (t17.transpose(0, 2, 3, 1) * np.reshape(t80.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
         t84 = np.reshape((np.reshape(t83.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+        del t4, t83
         t85 = (t84.transpose(1, 2, 0, 3) * np.reshape(Mcausal, (L, L, 1, 1)))
+        del t84
         t86 = np.reshape((np.reshape(t85.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ t15), (n_batch, L, L, d_K))
         t87 = (t86.transpose(0, 2, 3, 1) * np.reshape(t81, (1, L, 1, L)))
+        del t86
         t88 = np.einsum('abcdc->abcd', t75)
         t89 = np.swapaxes(t36, -1, -2)
+        del t36
         t90 = t89 * t77
+        del t89
         t91 = (t90 @ X)
+        del t90
         t75[...] = (np.reshape((np.reshape(t82, (n_batch, d_K*d_V, L)) @ np.reshape(t87.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        del t75, t82, t87
         t88 += np.reshape(t40, (1, 1, d_K, 1)) * np.reshape(t91, (n_batch, L, 1, d_V))
+        del t40, t88, t91
         t92 = t73[..., d_K*d_V:2*d_K*d_V]
         t93 = np.reshape(t92, (n_batch, L, d_K, d_V, d_K), copy=False)
+        del t92
         t94 = (np.reshape(t28.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t76, (n_batch, d_K, 1, L)))
         t95 = np.reshape((np.reshape(t85.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ X), (n_batch, L, L, d_V))
+        del t85
         t96 = (t95.transpose(0, 2, 3, 1) * np.reshape(t81, (1, L, 1, L)))
+        del t81, t95
         t93[...] = (np.reshape((np.reshape(t96, (n_batch, L*d_V, L)) @ np.reshape(t94.transpose(0, 3, 1, 2), (n_batch, L, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
+        del t93, t94, t96
         t97 = t73[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        del t73
         t98 = np.reshape(t97, (n_batch, L, d_K, d_V, d_V), copy=False)
+        del t97
         t99 = (1/math.sqrt(d_K)) * t77
         t100 = (np.reshape(t99.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t76.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
+        del t99
         t101 = np.reshape((np.reshape(t100.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ G), (n_batch, L, d_K, d_V))
+        del t100
         t102 = (1/(L*math.sqrt(d_K))) * t77
         t103 = (np.reshape(t47.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t76, (n_batch, d_K, 1, L)))
+        del t76
         t104 = (np.reshape(t49, (d_V, n_batch, L, 1)) * np.reshape(t80.transpose(1, 0, 2), (d_V, n_batch, 1, L)))
+        del t49, t80
         t105 = (t104.transpose(1, 3, 2, 0) @ dA)
+        del t104
         t106 = (t105.transpose(0, 2, 3, 1) * np.reshape(t102, (1, L, 1, L)))
+        del t102, t105
         np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t101, (n_batch, L, d_K, 1, d_V)), out=t98)
+        del t101
         t98 += (np.reshape((np.reshape(t103, (n_batch, d_K*d_V, L)) @ np.reshape(t106.transpose(0, 3, 1, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L, d_V))).transpose(0, 3, 1, 2, 4)
+        del t103, t106, t98
         t107 = np.reshape(H[d_K*d_V:2*d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
         t108 = np.reshape(R72, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
         if d_V <= 32:
@@ -13211,41 +13376,70 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         else:
             for r0109 in range(0, d_V, 32):
                 np.matmul(t63[..., r0109:r0109 + min(32, d_V - r0109), :], t108, out=t107[..., r0109:r0109 + min(32, d_V - r0109), :])
+        del t107, t108, t63
         del R72
         t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
         t111 = np.reshape(t110, (d_V, d_V, d_V, d_K), copy=False)
+        del t110
         t112 = np.swapaxes(T, -1, -2)
+        del T
         t113 = t77 * t112
+        del t112
         t114 = (1/(L*math.sqrt(d_K)*n_batch)) * t113
+        del t113
         t115 = (t114.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
+        del t114
         t116 = (np.reshape(t115.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
         t117 = (t17.transpose(1, 2, 0, 3) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1)))
+        del Mcausal, t17
         t118 = np.reshape((np.reshape(t117.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t15), (n_batch, L, d_V, d_K))
         t119 = (t118.transpose(2, 3, 0, 1) * np.reshape(t6.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        del t118
         t120 = np.swapaxes(G, -1, -2)
+        del G
         t121 = (1/(math.sqrt(d_K)*n_batch)) * t77
+        del t77
         t122 = (np.reshape(t121, (L, L, 1, 1)) * np.reshape(t0.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
+        del t0, t121
         t123 = np.reshape((np.reshape(t122.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t15), (n_batch, L, d_V, d_K))
+        del t15
         t124 = (np.reshape(t123.transpose(2, 3, 0, 1), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        del t123
         t125 = t120.transpose(1, 0, 2)
+        del t120
         t111[...] = (np.reshape((np.reshape(t116, (d_V**2, L*n_batch)) @ np.reshape(t119.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        del t116, t119
         t111 += np.reshape((np.reshape(t125, (1, d_V, L*n_batch)) @ np.reshape(t124.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))
+        del t111, t124
         t126 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
         t127 = np.reshape(t126, (d_V, d_V, d_V, d_K), copy=False)
+        del t126
         t128 = (np.reshape(t115.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)))
+        del t115
         t129 = np.reshape((np.reshape(t117.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        del t117
         t130 = (t129.transpose(2, 3, 0, 1) * np.reshape(t6.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        del t129
         t131 = np.reshape((np.reshape(t122.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        del t122
         t132 = (np.reshape(t131.transpose(2, 3, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, 1, d_K, n_batch, L)))
+        del t131, t28
         t127[...] = (np.reshape((np.reshape(t130, (d_V**2, L*n_batch)) @ np.reshape(t128.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        del t128, t130
         t127 += np.reshape((np.reshape(t125, (1, d_V, L*n_batch)) @ np.reshape(t132.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))
+        del t125, t127, t132
         t133 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t134 = np.reshape(t133, (d_V, d_V, d_V, d_V), copy=False)
+        del t133
         t135 = np.swapaxes(t47, -1, -2)
         t136 = (1/(L*n_batch)) * t135
+        del t135
         t137 = (dA.transpose(2, 3, 0, 1) * np.reshape(t6.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        del dA, t6
         t138 = (np.reshape(t47.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t136.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        del t136, t47
         t134[...] = (np.reshape((np.reshape(t138, (d_V**2, L*n_batch)) @ np.reshape(t137.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        del t134, t137, t138
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -13483,21 +13677,28 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t0 = np.swapaxes(X, -1, -2)
     t1 = np.swapaxes(W_K, -1, -2)
     t2 = t1 @ t0
+    del t1
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t3 = X @ W_V
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
+    del t4
     t6 = W_Q @ t2
     t7 = X @ t6
+    del t6
     t8 = (1/math.sqrt(d_K)) * t7
+    del t7
     T = t8
+    del t8
     t9 = Mcausal * T
     t10 = t9 @ t3
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
+    del t11
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
+    del A, t12
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -13510,143 +13711,248 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
     t23 = (t22.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t24 = (t23.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
+    del t23
     t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t26
     t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.transpose(0, 2, 3, 1)).sum()
+    del t27
     t29 = np.sqrt(np.maximum(t28, 0.0))
+    del t28
     F = t10
+    del t10
     t30 = np.exp(F - F.max(-1, keepdims=True))
+    del F
     A31 = t30 / t30.sum(-1, keepdims=True)
+    del t30
     t32 = t5 * A31
+    del A31
     t33 = t32 - Y
+    del t32
     t34 = (1/L) * t33
+    del t33
     G = t34
+    del t34
     t35 = G @ t13
+    del t13
     t36 = Mcausal * t35
     t37 = t36 @ X
+    del t36
     t38 = (np.reshape(t37.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)))
+    del t37
     t39 = X @ W_Q
     t40 = (t39 @ t2)
+    del t2
     t41 = np.reshape((t38 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t0
     t42 = (t41.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
+    del t41
     t43 = (t22.transpose(0, 1, 3, 2) * np.reshape(t40, (n_batch, L, L, 1)))
+    del t22, t40
     t44 = np.reshape((np.reshape(t43.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
+    del t43
     t45 = np.reshape((np.reshape(t44.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t42.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
+    del t42, t44
     t46 = np.reshape((np.reshape(t39, (L*n_batch, d_K)) @ np.reshape(t39.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t47 = t46 * t16
     t48 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t47.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t25, t47
     t49 = np.reshape((np.reshape(t48.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t24, t48
     t50 = (n_batch**(-2)) * (t38 * t38).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t45 * Mcausal).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t49 * t18.transpose(0, 2, 3, 1)).sum()
+    del t38, t45, t49
     t51 = np.sqrt(np.maximum(t50, 0.0))
+    del t50
     t52 = t9 @ X
+    del t9
     t53 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t54 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
+    del t5
     t55 = np.reshape((np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t53.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t56 = np.reshape((np.reshape(t52, (L*n_batch, d_V)) @ np.reshape(t52.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t57 = t56 * t16
     t58 = (t55.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
+    del t55
     t59 = np.reshape((np.reshape(t58.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t60 = np.reshape((np.reshape(t59.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t58.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t58, t59
     t61 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t52.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t62 = (np.reshape(t61.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
+    del t61
     t63 = (t62.transpose(3, 4, 0, 1, 2) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1, 1)))
+    del t62
     t64 = (np.reshape(t17.transpose(3, 0, 1, 2), (L, n_batch, L, n_batch, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, 1, 1, 1, L)))
     t65 = np.reshape((t53.transpose(1, 2, 0) @ np.reshape(t54.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t66 = (t64.transpose(1, 3, 4, 0, 2) @ t63.transpose(2, 3, 4, 0, 1))
+    del t63, t64
     t67 = np.reshape((np.reshape(t66.transpose(0, 4, 1, 2, 3), (L*n_batch, L**2*n_batch)) @ np.reshape(t65.transpose(0, 2, 1, 3), (L**2*n_batch, d_V))), (n_batch, L, d_V))
+    del t65, t66
     t68 = t18 * t17
+    del t17
     t69 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t70 = t69 * t16
     t71 = np.reshape((np.reshape(t68, (L*n_batch**2, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, n_batch, L))
+    del t68
     t72 = (np.reshape(t71.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t70.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    del t70, t71
     t73 = (1/(L**2*d_K*n_batch**2)) * (t60 * t57.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t67 * G).sum() + (1/(d_K*n_batch**2)) * (t72 * Mcausal.transpose(1, 0)).sum()
+    del t57, t60, t67, t72
     t74 = np.sqrt(np.maximum(t73, 0.0))
+    del t73
     t75 = np.swapaxes(t35, -1, -2)
+    del t35
     t76 = np.swapaxes(Mcausal, -1, -2)
     t77 = t75 * t76
+    del t75
     t78 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t77), (n_batch, n_batch, L, L))
     t79 = (np.reshape(t78.transpose(1, 2, 0, 3), (n_batch, L, L*n_batch)) @ np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)))
+    del t78
     t80 = np.swapaxes(t39, -1, -2)
+    del t39
     t81 = np.swapaxes(Y, -1, -2)
     t82 = t81.sum(-2, keepdims=True)
+    del t81
     t83 = np.broadcast_to(t82, t82.shape[:-2] + (d_V, t82.shape[-1]))
+    del t82
     t84 = (t14 @ t80)
+    del t14
     t85 = (t15.transpose(0, 2, 3, 1) * np.reshape(t83.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+    del t15
     t86 = np.reshape((np.reshape(t85.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
+    del t3, t85
     t87 = (t86 * np.reshape(t84.transpose(0, 2, 1), (n_batch, L, L, 1)))
+    del t84
     t88 = np.reshape((np.reshape(t87.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
+    del t87
     t89 = np.reshape((np.reshape(t88.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t79.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
+    del t88
     t90 = np.reshape((np.reshape(t80.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t80.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t80
     t91 = t18 * t90
     t92 = (t86.transpose(1, 3, 0, 2) * np.reshape(t76.transpose(1, 0), (L, L, 1, 1)))
+    del t86
     t93 = (t92.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
+    del t92
     t94 = np.reshape((np.reshape(t93.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t95 = np.reshape((np.reshape(t94.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t96 = np.reshape((np.reshape(t95.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t93.transpose(3, 2, 1, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t95
     t97 = (n_batch**(-2)) * (t79 * t77).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t89 * t76.transpose(1, 0)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t96 * t91.transpose(0, 2, 3, 1)).sum()
+    del t77, t79, t89, t91, t96
     t98 = np.sqrt(np.maximum(t97, 0.0))
+    del t97
     t99 = t46 * t90
     t100 = np.reshape((np.reshape(t94.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t99.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t94, t99
     t101 = np.reshape((np.reshape(t100.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t93.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t100, t93
     t102 = (1/(L**2*d_K**2*n_batch**2)) * (t101 * t18.transpose(0, 2, 3, 1)).sum()
+    del t101
     t103 = np.sqrt(np.maximum(t102, 0.0))
+    del t102
     t104 = t69 * t90
+    del t69
     t105 = np.reshape((np.reshape(t19, (L*n_batch**2, L)) @ t76), (n_batch, L, n_batch, L))
+    del t19
     t106 = (np.reshape(t105.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t104.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    del t104
     t107 = (dA * np.reshape(t83.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+    del dA, t83
     t108 = np.reshape((np.reshape(t52, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t109 = (np.reshape(t108.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
+    del t108
     t110 = (t109.transpose(3, 4, 0, 1, 2) * np.reshape(t76.transpose(1, 0), (L, L, 1, 1, 1)))
+    del t109
     t111 = np.reshape((t53.transpose(1, 2, 0) @ np.reshape(t107.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t112 = np.reshape((np.reshape(t111, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t111
     t113 = (t112.transpose(0, 2, 3, 4, 1) @ t110.transpose(2, 0, 3, 1, 4))
+    del t110, t112
     t114 = np.reshape((np.reshape(t113.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t90.transpose(3, 0, 1, 2), (L, L*n_batch**2, 1))), (L, L))
+    del t113
     t115 = np.reshape((np.reshape(t107.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t53.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    del t107, t53
     t116 = t56 * t90
+    del t90
     t117 = (t115.transpose(1, 3, 0, 2) * np.reshape(t76.transpose(1, 0), (L, L, 1, 1)))
+    del t115
     t118 = np.reshape((np.reshape(t117.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t119 = np.reshape((np.reshape(t118.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t117.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t117, t118
     t120 = (1/(d_K*n_batch**2)) * (t106 * t76).sum() + (2/(L*d_K*n_batch**2)) * (t114 * t76.transpose(1, 0)).sum() + (1/(L**2*d_K*n_batch**2)) * (t119 * t116.transpose(0, 2, 3, 1)).sum()
+    del t106, t114, t116, t119
     t121 = np.sqrt(np.maximum(t120, 0.0))
+    del t120
     t122 = np.swapaxes(T, -1, -2)
+    del T
     t123 = t76 * t122
+    del t122
     t124 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t123), (n_batch, n_batch, L, L))
     t125 = np.reshape((np.reshape(t124.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t123), (n_batch, n_batch, L, L))
+    del t123
     t126 = t125 * t18.transpose(0, 2, 3, 1)
     t127 = (t21.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t128 = np.reshape((np.reshape(t127.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t129 = np.reshape((np.reshape(t128.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t127.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t128
     t130 = np.swapaxes(G, -1, -2)
+    del G
     t131 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t130.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t21
     t132 = (t131.transpose(0, 1, 3, 4, 2) * np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t133 = (t132.transpose(1, 4, 0, 2, 3) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
+    del t132
     t134 = np.reshape((np.reshape(t133.transpose(2, 3, 0, 4, 1), (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t133
     t135 = np.reshape((np.reshape(t134.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t124.transpose(2, 0, 1, 3), (L, L*n_batch**2, 1))), (L, L))
+    del t134
     t136 = np.reshape((np.reshape(t130.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t130.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t130
     t137 = t20 * t16
+    del t16, t20
     t138 = t18 * t136
     t139 = np.reshape((np.reshape(t137, (L*n_batch**2, L)) @ t76), (n_batch, L, n_batch, L))
+    del t137
     t140 = (np.reshape(t139.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t138.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    del t138, t139
     t141 = (1/(L**2*d_K*n_batch**2)) * (t129 * t126).sum() + (2/(L*d_K*n_batch**2)) * (t135 * t76).sum() + (1/(d_K*n_batch**2)) * (t140 * t76).sum()
+    del t126, t129, t135, t140
     t142 = np.sqrt(np.maximum(t141, 0.0))
+    del t141
     t143 = t125 * t46.transpose(0, 2, 3, 1)
+    del t125
     t144 = np.reshape((np.reshape(t127.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t145 = np.reshape((np.reshape(t144.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t127.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t127, t144
     t146 = (t131.transpose(0, 1, 3, 4, 2) * np.reshape(t46.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    del t131
     t147 = (t146.transpose(1, 4, 0, 2, 3) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
+    del Mcausal, t146
     t148 = np.reshape((np.reshape(t147.transpose(2, 3, 0, 4, 1), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t147, t18
     t149 = np.reshape((np.reshape(t148.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t124.transpose(2, 0, 1, 3), (L, L*n_batch**2, 1))), (L, L))
+    del t124, t148
     t150 = t46 * t136
+    del t136, t46
     t151 = (np.reshape(t105.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t150.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    del t105, t150
     t152 = (1/(L**2*d_K*n_batch**2)) * (t145 * t143).sum() + (2/(L*d_K*n_batch**2)) * (t149 * t76).sum() + (1/(d_K*n_batch**2)) * (t151 * t76).sum()
+    del t143, t145, t149, t151, t76
     t153 = np.sqrt(np.maximum(t152, 0.0))
+    del t152
     t154 = np.swapaxes(t52, -1, -2)
+    del t52
     t155 = np.reshape((np.reshape(t154.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t154.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t154
     t156 = np.reshape((np.reshape(t54, (L*n_batch, d_V**2)) @ np.reshape(t54.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    del t54
     t157 = t156 * t155
+    del t155, t156
     t158 = (1/(L**2*n_batch**2)) * (t157 * t56).sum()
+    del t157, t56
     t159 = np.sqrt(np.maximum(t158, 0.0))
+    del t158
     return (t29, t51, t74, t98, t103, t121, t142, t153, t159,)
 
 

@@ -3694,20 +3694,28 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     H = np.empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
+    del t0
     t2 = np.swapaxes(W_K, -1, -2)
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    del t7
     A = t8 / t8.sum(-1, keepdims=True)
+    del t8
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t10
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = t11 @ t12
@@ -3715,213 +3723,343 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t15 = W_V @ t14
     t16 = (2/(L*d_K*d_V*n_batch)) * t2
     t17 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t16
     t18 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t19 = (t18 @ t17)
     t20 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t19
     t21 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t22 = A @ X
     M_1 = t22
+    del t22
     t23 = np.swapaxes(t13, -1, -2)
     t24 = M_1 @ t23
+    del t23
     F = t24
+    del t24
     t25 = F - Y
+    del F
     t26 = (2/(L*d_V)) * t25
+    del t25
     G = t26
+    del t26
     t27 = t13 @ t3
+    del t13
     t28 = G @ t27
+    del t27
     t29 = t28 - (A * t28).sum(-1, keepdims=True)
+    del t28
     t30 = A * t29
+    del t29
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t30, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t30, (n_batch, L, L, 1))) - (np.reshape(t30, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t9
     t31 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t31
     t32 = (1/(d_K*n_batch)) * t2
     t33 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t32.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t34 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t33.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t33
     t35 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t36 = np.reshape(t21, (d_V**2, L*n_batch))
+    del t21
     t37 = np.reshape(t35, (d_V**2, L*n_batch))
+    del t35
     t38 = np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t20
     t39 = np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t34
     t40 = np.concatenate([t36, t37], axis=-1)
+    del t36, t37
     t41 = np.concatenate([t38, t39], axis=-2)
+    del t38, t39
     t1[...] = (np.reshape((t40 @ t41), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t1, t40, t41
     t42 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
+    del t42
     t44 = ((t18 @ t17)).transpose(3, 2, 0, 1)
+    del t17, t18
     t45 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t46 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t47 = np.reshape((t32 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    del t32
     t48 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t49 = np.einsum('abcb->abc', t43)
     t50 = t30 @ X
+    del t30
     t51 = t3 @ t50
+    del t50
     t52 = np.ones((d_K,), dtype=X.dtype)
     t53 = (1/(math.sqrt(d_K)*n_batch)) * t52
+    del t52
     t54 = np.reshape(t44, (d_K*d_V, L*n_batch))
+    del t44
     t55 = np.reshape(t47, (d_K*d_V, L*n_batch))
+    del t47
     t56 = np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t46
     t57 = np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t48
     t58 = np.concatenate([t54, t55], axis=-1)
+    del t54, t55
     t59 = np.concatenate([t56, t57], axis=-2)
+    del t56, t57
     t43[...] = (np.reshape((t58 @ t59), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t43, t58, t59
     t49 += np.reshape(t53, (1, d_K, 1)) * np.reshape(t51.sum((0,)), (d_V, 1, d_V))
+    del t49
     t60 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t61 = np.reshape(t60, (d_V, d_K, d_V, d_H), copy=False)
+    del t60
     t62 = np.swapaxes(t14, -1, -2)
     t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t64 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t63.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t63
     t65 = (np.reshape((t62.transpose(1, 0) @ np.reshape(t64.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t66 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t67 = G @ t11
     t68 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t69 = np.reshape((t68 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t70 = (np.reshape(t67.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t61[...] = (np.reshape((np.reshape(t66, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    del t65, t66
     t61 += (np.reshape((np.reshape(t69, (d_K*d_V, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+    del t61, t69, t70
     t71 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t72 = np.reshape(t71, (d_V, d_K, d_H, d_V), copy=False)
+    del t71
     t73 = M_1 @ W_V
     t74 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
     t75 = (np.reshape((t74 @ np.reshape(t64.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t64
     t76 = (np.reshape(t73.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t77 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t68.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t68
     t78 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t77.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t77
     t79 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t72[...] = (np.reshape((np.reshape(t76, (d_H*d_V, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t75, t76
     t72 += (np.reshape((np.reshape(t78, (d_H*d_K, L*n_batch)) @ np.reshape(t79.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t72, t78, t79
     t80 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t81 = np.reshape(t80, (d_V, d_K, d_V, d_K), copy=False)
+    del t80
     t82 = np.swapaxes(W_Q, -1, -2)
     t83 = (2/(L*d_K*d_V*n_batch)) * t82
     t84 = np.reshape((t15.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t15
     t85 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t86 = ((t85.transpose(1, 2, 0, 3) @ t84.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t87 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t83.transpose(1, 0)), (n_batch, L, d_K))
+    del t83
     t88 = (np.reshape(t87.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t89 = (1/(d_K*n_batch)) * t82
     t90 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t91 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t89.transpose(1, 0)), (n_batch, L, d_K))
+    del t3, t89
     t92 = (np.reshape(t91.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t93 = np.einsum('abcb->abc', t81)
     t94 = np.swapaxes(t51, -1, -2)
+    del t51
     t95 = np.reshape(t88, (d_K*d_V, L*n_batch))
+    del t88
     t96 = np.reshape(t92, (d_K*d_V, L*n_batch))
+    del t92
     t97 = np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t86
     t98 = np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t90
     t99 = np.concatenate([t95, t96], axis=-1)
+    del t95, t96
     t100 = np.concatenate([t97, t98], axis=-2)
+    del t97, t98
     t81[...] = (np.reshape((t99 @ t100), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t100, t81, t99
     t93 += np.reshape(t53, (1, d_K, 1)) * np.reshape(t94.sum((0,)), (d_V, 1, d_V))
+    del t53, t93, t94
     t101 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t102 = np.reshape(t101, (d_V, d_K, d_V, d_K), copy=False)
+    del t101
     t103 = ((t84.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    del t84
     t104 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t87.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t87
     t105 = M_3.transpose(2, 3, 0, 1)
+    del M_3
     t106 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t91.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t91
     t107 = np.reshape(t103, (d_V**2, L*n_batch))
+    del t103
     t108 = np.reshape(t105, (d_V**2, L*n_batch))
+    del t105
     t109 = np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t104
     t110 = np.reshape(t106.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t106
     t111 = np.concatenate([t107, t108], axis=-1)
+    del t107, t108
     t112 = np.concatenate([t109, t110], axis=-2)
+    del t109, t110
     t102[...] = (np.reshape((t111 @ t112), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t102, t111, t112
     t113 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t114 = np.reshape(t113, (d_V, d_K, d_V, d_H), copy=False)
+    del t113
     t115 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t82
     t116 = (np.reshape((t62.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t62
     t117 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t115.transpose(1, 0)), (n_batch, L, d_K))
+    del t115
     t118 = (np.reshape(t117.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t119 = (1/(math.sqrt(d_K)*n_batch)) * t82
+    del t82
     t120 = M_2.transpose(3, 2, 0, 1)
     t121 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t119.transpose(1, 0)), (n_batch, L, d_K))
+    del t119
     t122 = (np.reshape(t121.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t67.transpose(2, 0, 1), (1, d_H, n_batch, L)))
     t114[...] = (np.reshape((np.reshape(t118, (d_K*d_V, L*n_batch)) @ np.reshape(t116.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+    del t116, t118
     t114 += (np.reshape((np.reshape(t120, (d_V**2, L*n_batch)) @ np.reshape(t122.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    del t114, t120, t122
     t123 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t124 = np.reshape(t123, (d_V, d_K, d_H, d_V), copy=False)
+    del t123
     t125 = (np.reshape((t74 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t74
     t126 = (np.reshape(t117.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t73.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    del t117
     t127 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t128 = (np.reshape(t121.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t121
     t124[...] = (np.reshape((np.reshape(t126, (d_H*d_K, L*n_batch)) @ np.reshape(t125.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t125, t126
     t124 += (np.reshape((np.reshape(t127, (d_H*d_V, L*n_batch)) @ np.reshape(t128.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t124, t127, t128
     t129 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t130 = np.reshape(t129, (d_V, d_H, d_V, d_K), copy=False)
+    del t129
     t131 = np.swapaxes(M_1, -1, -2)
     t132 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t131
     t133 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_H))
     t134 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t133.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
+    del t133
     t135 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t132.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t136 = np.swapaxes(t67, -1, -2)
+    del t67
     t137 = (1/(math.sqrt(d_K)*n_batch)) * t136
+    del t136
     t138 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t137.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
     t139 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t130[...] = (np.reshape((np.reshape(t135, (d_V**2, L*n_batch)) @ np.reshape(t134.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
+    del t134, t135
     t130 += (np.reshape((np.reshape(t138, (d_H*d_V, L*n_batch)) @ np.reshape(t139.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t130, t138, t139
     t140 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t141 = np.reshape(t140, (d_V, d_H, d_V, d_K), copy=False)
+    del t140
     t142 = np.reshape((t14 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    del t14
     t143 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t132.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t132
     t144 = M_2.transpose(2, 3, 0, 1)
     t145 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t137.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    del t137
     t141[...] = (np.reshape((np.reshape(t142, (d_H*d_V, L*n_batch)) @ np.reshape(t143.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t142, t143
     t141 += (np.reshape((np.reshape(t144, (d_V**2, L*n_batch)) @ np.reshape(t145.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
+    del t141, t144, t145
     t146 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t147 = np.reshape(t146, (d_V, d_H, d_V, d_H), copy=False)
+    del t146
     t148 = t131 @ M_1
     t149 = W_O @ t11
     t150 = (2/(L*d_V*n_batch)) * t149
+    del t149
     np.multiply(np.reshape(t150, (1, d_H, 1, d_H)), np.reshape(t148.sum((0,)), (d_V, 1, d_V, 1)), out=t147)
+    del t147, t148, t150
     t151 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t152 = np.reshape(t151, (d_V, d_H, d_H, d_V), copy=False)
+    del t151
     t153 = (2/(L*d_V*n_batch)) * t131
     t154 = (np.reshape(t153.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t73, (L*n_batch, d_H)))
+    del t153
     t155 = np.einsum('abbc->abc', t152)
     t156 = np.ones((d_H,), dtype=X.dtype)
     t157 = (1/n_batch) * t156
+    del t156
     t158 = (np.reshape(t131.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
+    del t131
     np.multiply(np.reshape(W_O, (1, d_H, 1, d_V)), np.reshape(t154, (d_V, 1, d_H, 1)), out=t152)
+    del t152, t154
     t155 += np.reshape(t157, (1, d_H, 1)) * np.reshape(t158, (d_V, 1, d_V))
+    del t155, t158
     t159 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t160 = np.reshape(t159, (d_H, d_V, d_V, d_K), copy=False)
+    del t159
     t161 = np.swapaxes(t73, -1, -2)
     t162 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t161
     t163 = (t12.transpose(1, 0) @ t11.transpose(1, 0))
     t164 = np.reshape((t163.transpose(1, 0) @ np.reshape(t85.transpose(3, 0, 1, 2), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))
+    del t85
     t165 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t162.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
     t166 = np.swapaxes(G, -1, -2)
+    del G
     t167 = (1/(math.sqrt(d_K)*n_batch)) * t166
     t168 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_H))
     t169 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t168.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
+    del t168
     t170 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t167.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t160[...] = (np.reshape((np.reshape(t165, (d_H*d_V, L*n_batch)) @ np.reshape(t164.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t164, t165
     t160 += (np.reshape((np.reshape(t170, (d_V**2, L*n_batch)) @ np.reshape(t169.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
+    del t160, t169, t170
     t171 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t172 = np.reshape(t171, (d_H, d_V, d_V, d_K), copy=False)
+    del t171
     t173 = np.reshape((t163.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    del t163
     t174 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t162.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    del t162
     t175 = np.reshape((t12 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    del M_2, t12
     t176 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t167.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t167, t45
     t172[...] = (np.reshape((np.reshape(t173, (d_V**2, L*n_batch)) @ np.reshape(t174.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
+    del t173, t174
     t172 += (np.reshape((np.reshape(t175, (d_H*d_V, L*n_batch)) @ np.reshape(t176.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t172, t175, t176
     t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t178 = np.reshape(t177, (d_H, d_V, d_V, d_H), copy=False)
+    del t177
     t179 = t161 @ M_1
     t180 = (2/(L*d_V*n_batch)) * t11
+    del t11
     t181 = np.einsum('abca->abc', t178)
     t182 = t166 @ M_1
+    del M_1, t166
     np.multiply(np.reshape(t180, (1, d_V, 1, d_H)), np.reshape(t179.sum((0,)), (d_H, 1, d_V, 1)), out=t178)
+    del t178, t179, t180
     t181 += np.reshape(t157, (d_H, 1, 1)) * np.reshape(t182.sum((0,)), (1, d_V, d_V))
+    del t157, t181, t182
     t183 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t183[...] = 0
     t184 = np.reshape(t183, (d_H, d_V, d_H, d_V), copy=False)
+    del t183
     t185 = np.einsum('abcb->abc', t184)
+    del t184
     t186 = t161 @ t73
+    del t161, t73
     t187 = np.ones((d_V,), dtype=X.dtype)
     t188 = (2/(L*d_V*n_batch)) * t187
+    del t187
     t185 += np.reshape(t188, (1, d_V, 1)) * np.reshape(t186.sum((0,)), (d_H, 1, d_H))
+    del t185, t186, t188
     return H
 
 
@@ -4026,10 +4164,15 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    del t5
     A = t6 / t6.sum(-1, keepdims=True)
+    del t6
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
@@ -4040,7 +4183,9 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t14 = np.reshape((t12.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t12
     t15 = (t14.transpose(1, 2, 0) @ t1)
+    del t14
     t16 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = t17 * t17
@@ -4048,270 +4193,462 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.reshape((np.reshape(t16.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t16, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
     t22 = (t21.transpose(0, 2, 3, 1) @ dA)
+    del t21
     t23 = np.reshape((np.reshape(t22.transpose(0, 2, 3, 1), (n_batch, L**2, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t18
     t24 = np.reshape((np.reshape(t23.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t23
     t25 = np.reshape((np.reshape(t24.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t22, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t24
     t26 = A @ X
     M_1 = t26
+    del t26
     t27 = np.swapaxes(t10, -1, -2)
     t28 = M_1 @ t27
+    del t27
     F = t28
+    del t28
     t29 = F - Y
+    del F
     t30 = (2/(L*d_V)) * t29
+    del t29
     G = t30
+    del t30
     t31 = t10 @ t1
+    del t10
     t32 = G @ t31
+    del t31
     t33 = t32 - (A * t32).sum(-1, keepdims=True)
+    del t32
     t34 = A * t33
+    del t33
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t34, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t34, (n_batch, L, L, 1))) - (np.reshape(t34, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t7
     t35 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
+    del t0
     t37 = t17 * t35
     t38 = np.reshape((np.reshape(t36, (L*n_batch, d_K)) @ np.reshape(t13.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t39 = np.reshape((np.reshape(t37.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t37
     t40 = np.reshape((np.reshape(t39.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t38.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t39
     t41 = np.reshape((np.reshape(t40.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t22, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t40
     t42 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t43 = t17 * t42
     t44 = np.reshape((np.reshape(t36, (L*n_batch, d_K)) @ np.reshape(t36.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t45 = np.reshape((np.reshape(t43.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t43
     t46 = np.reshape((np.reshape(t45.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t44.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t45
     t47 = np.reshape((np.reshape(t46.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t46
     t48 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t25 * t20.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t41 * t20.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t47 * t20.transpose(0, 2, 3, 1)).sum()
+    del t25, t41, t47
     t49 = np.sqrt(np.maximum(t48, 0.0))
+    del t48
     t50 = t34 @ X
+    del t34
     t51 = t1 @ t50
+    del t50
     t52 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t51.sum((0,))), (n_batch, L, d_V))
     t53 = (t52 @ X.transpose(0, 2, 1))
+    del t52
     t54 = np.reshape((np.reshape(t53, (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t53
     t55 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t56 = (t55.transpose(1, 2, 0) @ t13.transpose(0, 2, 1))
+    del t13
     t57 = np.reshape((np.reshape(t56, (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t56
     t58 = (t57.transpose(0, 2, 1) @ t54)
+    del t54, t57
     t59 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t51.sum((0,))), (n_batch, L, d_V))
     t60 = (t59 @ X.transpose(0, 2, 1))
+    del t59
     t61 = np.reshape((np.reshape(t60, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t60
     t62 = (t55.transpose(1, 2, 0) @ t36.transpose(0, 2, 1))
+    del t36
     t63 = np.reshape((np.reshape(t55.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t55, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t55
     t64 = t63 * t17
     t65 = np.reshape((np.reshape(t22, (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t66 = np.reshape((np.reshape(t65.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t65
     t67 = np.reshape((np.reshape(t66.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t22.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t66
     t68 = t63 * t35
     t69 = np.reshape((np.reshape(t68.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t68
     t70 = np.reshape((np.reshape(t69, (n_batch, n_batch, L**2, L)) @ t17.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t69
     t71 = np.reshape((np.reshape(t70.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t70
     t72 = t63 * t42
     t73 = np.reshape((np.reshape(t17.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t74 = np.reshape((np.reshape(t73, (n_batch, n_batch, L**2, L)) @ t44.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t44, t73
     t75 = np.reshape((np.reshape(t74.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t74
     t76 = (n_batch**(-2)) * (t51.sum((0,)) * t51.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t58 * t15).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t62 * t61).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t67 * t64.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t71 * t38.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t75 * t72.transpose(0, 2, 3, 1)).sum()
+    del t38, t58, t61, t62, t64, t67, t71, t72, t75
     t77 = np.sqrt(np.maximum(t76, 0.0))
+    del t76
     t78 = np.swapaxes(t11, -1, -2)
     t79 = np.reshape((t78.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_H, n_batch, L))
+    del t78
     t80 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t81 = t80 * t17
     t82 = np.reshape((np.reshape(t79.transpose(1, 2, 0), (L*n_batch, d_H)) @ np.reshape(t79, (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t83 = np.reshape((np.reshape(t81.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t81
     t84 = np.reshape((np.reshape(t83, (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t83
     t85 = np.reshape((np.reshape(t84.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t84
     t86 = G @ t8
     t87 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t88 = np.reshape((np.reshape(t79.transpose(1, 2, 0), (L*n_batch, d_H)) @ np.reshape(t86.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t79
     t89 = np.reshape((np.reshape(t87.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t87
     t90 = (t89 * np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t91 = np.reshape((np.reshape(t90.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t88.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t90
     t92 = np.reshape((np.reshape(t91.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t91
     t93 = np.reshape((np.reshape(t86, (L*n_batch, d_H)) @ np.reshape(t86.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t94 = t93 * t17
     t95 = np.reshape((np.reshape(t42.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t96 = np.reshape((np.reshape(t95.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t94.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t94
     t97 = np.reshape((np.reshape(t96.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t96
     t98 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t85 * t82.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t92 * t19.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t97 * t19.transpose(0, 2, 3, 1)).sum()
+    del t85, t92, t97
     t99 = np.sqrt(np.maximum(t98, 0.0))
+    del t98
     t100 = M_1 @ W_V
     t101 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_H, n_batch, L))
     t102 = np.reshape((np.reshape(t100, (L*n_batch, d_H)) @ np.reshape(t100.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t103 = t102 * t17
     t104 = (W_O @ W_O.transpose(1, 0))
     t105 = np.reshape((t104 @ np.reshape(t101, (d_H, L*n_batch))), (d_H, n_batch, L))
+    del t104
     t106 = np.reshape((np.reshape(t105.transpose(1, 2, 0), (L*n_batch, d_H)) @ np.reshape(t101, (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t105
     t107 = np.reshape((np.reshape(t103.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t103
     t108 = np.reshape((np.reshape(t107, (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t107
     t109 = np.reshape((np.reshape(t108.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t108
     t110 = np.reshape((W_V @ np.reshape(t100.transpose(2, 0, 1), (d_H, L*n_batch))), (d_V, n_batch, L))
     t111 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_H))
     t112 = np.reshape((np.reshape(t110.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t110
     t113 = np.reshape((np.reshape(t111, (L*n_batch, d_H)) @ np.reshape(t101, (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t114 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t115 = np.reshape((np.reshape(t114, (n_batch, n_batch, L**2, L)) @ t113.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t114
     t116 = np.reshape((np.reshape(t115.transpose(1, 4, 0, 3, 2), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del t115
     t117 = np.reshape((t116.transpose(0, 2, 3, 4, 1) @ np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t116
     t118 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t119 = t118 * t17
     t120 = np.reshape((np.reshape(t101.transpose(1, 2, 0), (L*n_batch, d_H)) @ np.reshape(t101, (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t101
     t121 = np.reshape((np.reshape(t119.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t119
     t122 = np.reshape((np.reshape(t121, (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t121, t19
     t123 = np.reshape((np.reshape(t122.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t122
     t124 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t109 * t106.transpose(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t117 * t112.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t123 * t120.transpose(0, 2, 3, 1)).sum()
+    del t109, t117, t123
     t125 = np.sqrt(np.maximum(t124, 0.0))
+    del t124
     t126 = np.swapaxes(t51, -1, -2)
+    del t51
     t127 = np.swapaxes(W_Q, -1, -2)
     t128 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t126.sum((0,))), (n_batch, L, d_V))
     t129 = (t128 @ X.transpose(0, 2, 1))
+    del t128
     t130 = np.reshape((np.reshape(t129.transpose(0, 2, 1), (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t129
     t131 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t127.transpose(1, 0)), (n_batch, L, d_K))
     t132 = (t16.transpose(1, 2, 0) @ t131.transpose(0, 2, 1))
     t133 = np.reshape((np.reshape(t132.transpose(0, 2, 1), (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t132
     t134 = (t133.transpose(0, 2, 1) @ t130)
+    del t130, t133
     t135 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t126.sum((0,))), (n_batch, L, d_V))
     t136 = (t135 @ X.transpose(0, 2, 1))
+    del t135
     t137 = np.reshape((np.reshape(t136.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
+    del t136
     t138 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t127.transpose(1, 0)), (n_batch, L, d_K))
+    del t127
     t139 = (t16.transpose(1, 2, 0) @ t138.transpose(0, 2, 1))
+    del t16
     t140 = np.reshape((np.reshape(t131, (L*n_batch, d_K)) @ np.reshape(t131.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t141 = t140 * t17
     t142 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t143 = np.reshape((np.reshape(t142.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t141.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t141
     t144 = np.reshape((np.reshape(t143.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t22.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t143
     t145 = np.reshape((np.reshape(t138, (L*n_batch, d_K)) @ np.reshape(t131.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t131
     t146 = t145 * t17
     t147 = np.reshape((np.reshape(t146.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t146
     t148 = np.reshape((np.reshape(t147.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t35.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t147
     t149 = np.reshape((np.reshape(t148.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t22, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t148
     t150 = np.reshape((np.reshape(t138, (L*n_batch, d_K)) @ np.reshape(t138.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t138
     t151 = t150 * t17
     t152 = np.reshape((np.reshape(t42.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t42
     t153 = np.reshape((np.reshape(t152.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t151.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t151
     t154 = np.reshape((np.reshape(t153.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t153
     t155 = (n_batch**(-2)) * (t126.sum((0,)) * t126.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t134 * t15.transpose(0, 2, 1)).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t139 * t137.transpose(0, 2, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t144 * t20.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t149 * t20.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t154 * t20.transpose(0, 2, 3, 1)).sum()
+    del t126, t134, t137, t139, t144, t149, t15, t154
     t156 = np.sqrt(np.maximum(t155, 0.0))
+    del t155
     t157 = t63 * t140
     t158 = np.reshape((np.reshape(t142.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t142
     t159 = np.reshape((np.reshape(t158.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t22.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t158
     t160 = t63 * t145
+    del t145
     t161 = np.reshape((np.reshape(t160.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t160
     t162 = np.reshape((np.reshape(t161.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t35.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t161, t35
     t163 = np.reshape((np.reshape(t162.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t22, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t162, t22
     t164 = t63 * t150
+    del t150
     t165 = np.reshape((np.reshape(t152, (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t152
     t166 = np.reshape((np.reshape(t165.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del d2A, t165
     t167 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t159 * t157.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t163 * t17.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t166 * t164.transpose(0, 2, 3, 1)).sum()
+    del t157, t159, t163, t164, t166
     t168 = np.sqrt(np.maximum(t167, 0.0))
+    del t167
     t169 = t140 * t80
+    del t80
     t170 = np.reshape((np.reshape(t17.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t171 = np.reshape((np.reshape(t170.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t169.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t169
     t172 = np.reshape((np.reshape(t171.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t171
     t173 = np.reshape((np.reshape(t89, (n_batch, n_batch, L**2, L)) @ t17.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t89
     t174 = np.reshape((np.reshape(t173.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del t173
     t175 = np.reshape((t174.transpose(0, 2, 3, 1, 4) @ np.reshape(t88.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t174, t88
     t176 = t140 * t93
+    del t93
     t177 = np.reshape((np.reshape(t95, (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t178 = np.reshape((np.reshape(t177.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t177
     t179 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t172 * t82.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t175 * t140.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t178 * t176.transpose(0, 2, 3, 1)).sum()
+    del t172, t175, t176, t82
     t180 = np.sqrt(np.maximum(t179, 0.0))
+    del t179
     t181 = t140 * t102
+    del t102
     t182 = np.reshape((np.reshape(t170.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t181.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t181
     t183 = np.reshape((np.reshape(t182.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t182
     t184 = np.reshape((np.reshape(t170, (n_batch, n_batch, L**2, L)) @ t113.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t113
     t185 = np.reshape((np.reshape(t184.transpose(1, 4, 0, 3, 2), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del t184
     t186 = np.reshape((t185.transpose(0, 2, 3, 4, 1) @ np.reshape(t140.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t185
     t187 = t140 * t118
+    del t118, t140
     t188 = np.reshape((np.reshape(t170.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t187.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t187
     t189 = np.reshape((np.reshape(t188.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t188
     t190 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t183 * t106.transpose(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t186 * t112.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t189 * t120.transpose(0, 2, 3, 1)).sum()
+    del t106, t112, t120, t183, t186, t189
     t191 = np.sqrt(np.maximum(t190, 0.0))
+    del t190
     t192 = np.swapaxes(M_1, -1, -2)
     t193 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_H))
+    del t11
     t194 = np.reshape((np.reshape(t192.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t192.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t195 = t17 * t194
     t196 = np.reshape((np.reshape(t193, (L*n_batch, d_H)) @ np.reshape(t193.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t197 = np.reshape((np.reshape(t195.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t195
     t198 = np.reshape((np.reshape(t197.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t196.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t197
     t199 = np.reshape((np.reshape(t198.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t198
     t200 = np.swapaxes(t86, -1, -2)
+    del t86
     t201 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t192.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t202 = np.reshape((np.reshape(t193, (L*n_batch, d_H)) @ np.reshape(t200.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t193
     t203 = np.reshape((np.reshape(t201.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t201
     t204 = (t203 * np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t205 = np.reshape((np.reshape(t204.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t202.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t204
     t206 = np.reshape((np.reshape(t205.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t205
     t207 = np.reshape((np.reshape(t200.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t200.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t200
     t208 = t17 * t207
     t209 = np.reshape((np.reshape(t95.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t208.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t208, t95
     t210 = np.reshape((np.reshape(t209.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t209
     t211 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t199 * t20.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t206 * t20.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t210 * t20.transpose(0, 2, 3, 1)).sum()
+    del t199, t206, t210
     t212 = np.sqrt(np.maximum(t211, 0.0))
+    del t211
     t213 = t63 * t194
+    del t194
     t214 = np.reshape((np.reshape(t170, (n_batch, n_batch, L**2, L)) @ t196.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t196
     t215 = np.reshape((np.reshape(t214.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t214
     t216 = np.reshape((np.reshape(t203, (n_batch, n_batch, L**2, L)) @ t17.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t203
     t217 = np.reshape((np.reshape(t216.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del t216
     t218 = np.reshape((t217.transpose(0, 2, 3, 1, 4) @ np.reshape(t202.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t202, t217
     t219 = t63 * t207
+    del t207
     t220 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t215 * t213.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t218 * t63.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t178 * t219.transpose(0, 2, 3, 1)).sum()
+    del t178, t213, t215, t218, t219
     t221 = np.sqrt(np.maximum(t220, 0.0))
+    del t220
     t222 = t192 @ M_1
     t223 = W_O @ t8
     t224 = (t223 * t223).sum()
+    del t223
     t225 = (np.reshape(t224, (1, 1)) * t222.sum((0,)))
+    del t224
     t226 = (4/(L**2*d_V**2*n_batch**2)) * (t225 * t222.sum((0,))).sum()
+    del t222, t225
     t227 = np.sqrt(np.maximum(t226, 0.0))
+    del t226
     t228 = (W_O * W_O).sum()
     t229 = (np.reshape(t100.transpose(2, 0, 1), (d_H, L*n_batch)) @ np.reshape(t192.transpose(0, 2, 1), (L*n_batch, d_V)))
     t230 = (t229 * t229).sum()
     t231 = (np.reshape(t111.transpose(2, 0, 1), (d_H, L*n_batch)) @ np.reshape(t192.transpose(0, 2, 1), (L*n_batch, d_V)))
+    del t111
     t232 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t192.transpose(0, 2, 1), (L*n_batch, d_V)))
+    del t192
     t233 = (4/(L**2*d_V**2*n_batch**2)) * t230 * t228 + (4/(L*d_V*n_batch**2)) * (t231 * t229).sum() + (d_H/n_batch**2) * (t232 * t232).sum()
+    del t228, t229, t230, t231, t232
     t234 = np.sqrt(np.maximum(t233, 0.0))
+    del t233
     t235 = np.swapaxes(t100, -1, -2)
     t236 = (t9.transpose(1, 0) @ t8.transpose(1, 0))
     t237 = np.reshape((np.reshape(t235.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t235.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t238 = t17 * t237
     t239 = np.reshape((t236.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t236
     t240 = np.reshape((np.reshape(t239.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t239, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t241 = np.reshape((np.reshape(t238.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t238
     t242 = np.reshape((np.reshape(t241, (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t241
     t243 = np.reshape((np.reshape(t242.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t242
     t244 = np.swapaxes(G, -1, -2)
+    del G
     t245 = np.reshape((t9.transpose(1, 0) @ np.reshape(t235.transpose(1, 0, 2), (d_H, L*n_batch))), (d_V, n_batch, L))
     t246 = np.reshape((np.reshape(t245.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t245
     t247 = np.reshape((np.reshape(t239.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t244.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t239
     t248 = np.reshape((np.reshape(t246.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t249 = (t248 * np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
+    del t248
     t250 = np.reshape((np.reshape(t249, (n_batch, n_batch, L**2, L)) @ t20.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t249
     t251 = np.reshape((np.reshape(t250.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t250
     t252 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_H))
+    del t1, t9
     t253 = np.reshape((np.reshape(t244.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t244.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t254 = t17 * t253
+    del t17
     t255 = np.reshape((np.reshape(t252, (L*n_batch, d_H)) @ np.reshape(t252.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t252
     t256 = np.reshape((np.reshape(t254.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t254
     t257 = np.reshape((np.reshape(t256.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t255.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t256
     t258 = np.reshape((np.reshape(t257.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t257
     t259 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t243 * t240.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t251 * t247.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t258 * t20.transpose(0, 2, 3, 1)).sum()
+    del t20, t243, t251, t258
     t260 = np.sqrt(np.maximum(t259, 0.0))
+    del t259
     t261 = t63 * t237
+    del t237
     t262 = np.reshape((np.reshape(t170.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t261.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t261
     t263 = np.reshape((np.reshape(t262.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t262
     t264 = np.reshape((np.reshape(t170, (n_batch, n_batch, L**2, L)) @ t247.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t247
     t265 = np.reshape((np.reshape(t264.transpose(1, 4, 0, 3, 2), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del t264
     t266 = np.reshape((t265.transpose(0, 2, 3, 1, 4) @ np.reshape(t246.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t246, t265
     t267 = t63 * t253
+    del t253
     t268 = np.reshape((np.reshape(t170, (n_batch, n_batch, L**2, L)) @ t255.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t170, t255
     t269 = np.reshape((np.reshape(t268.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del dA, t268
     t270 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t263 * t240.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t266 * t63.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t269 * t267.transpose(0, 2, 3, 1)).sum()
+    del t240, t263, t266, t267, t269, t63
     t271 = np.sqrt(np.maximum(t270, 0.0))
+    del t270
     t272 = t235 @ M_1
     t273 = (t8 * t8).sum()
     t274 = (np.reshape(t273, (1, 1)) * t272.sum((0,)))
+    del t273
     t275 = t244 @ M_1
+    del M_1, t244
     t276 = (t8 @ t272.sum((0,)))
+    del t8
     t277 = (4/(L**2*d_V**2*n_batch**2)) * (t274 * t272.sum((0,))).sum() + (4/(L*d_V*n_batch**2)) * (t276 * t275.sum((0,))).sum() + (d_H/n_batch**2) * (t275.sum((0,)) * t275.sum((0,))).sum()
+    del t272, t274, t275, t276
     t278 = np.sqrt(np.maximum(t277, 0.0))
+    del t277
     t279 = t235 @ t100
+    del t100, t235
     t280 = (4/(L**2*d_V*n_batch**2)) * (t279.sum((0,)) * t279.sum((0,))).sum()
+    del t279
     t281 = np.sqrt(np.maximum(t280, 0.0))
+    del t280
     return (t49, t77, t99, t125, t156, t168, t180, t191, t212, t221, t227, t234, t260, t271, t278, t281,)
 
 
@@ -11385,22 +11722,31 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     H = np.empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
+    del t0
     t2 = np.swapaxes(W_K, -1, -2)
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = np.triu(np.ones((L, L), dtype=bool), 1)
     t9 = np.where(t8, -math.inf, t7)
+    del t7, t8
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    del t9
     A = t10 / t10.sum(-1, keepdims=True)
+    del t10
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t12
     t13 = np.swapaxes(W_O, -1, -2)
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t13 @ t14
@@ -11408,213 +11754,343 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t17 = W_V @ t16
     t18 = (2/(L*d_K*d_V*n_batch)) * t2
     t19 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t18
     t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t21 = (t20 @ t19)
     t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t21
     t23 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t24 = A @ X
     M_1 = t24
+    del t24
     t25 = np.swapaxes(t15, -1, -2)
     t26 = M_1 @ t25
+    del t25
     F = t26
+    del t26
     t27 = F - Y
+    del F
     t28 = (2/(L*d_V)) * t27
+    del t27
     G = t28
+    del t28
     t29 = t15 @ t3
+    del t15
     t30 = G @ t29
+    del t29
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
+    del t30
     t32 = A * t31
+    del t31
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t11, (1, 1, L, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(t32, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t11
     t33 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t33
     t34 = (1/(d_K*n_batch)) * t2
     t35 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t34.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t36 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t35.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t35
     t37 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t38 = np.reshape(t23, (d_V**2, L*n_batch))
+    del t23
     t39 = np.reshape(t37, (d_V**2, L*n_batch))
+    del t37
     t40 = np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t22
     t41 = np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t36
     t42 = np.concatenate([t38, t39], axis=-1)
+    del t38, t39
     t43 = np.concatenate([t40, t41], axis=-2)
+    del t40, t41
     t1[...] = (np.reshape((t42 @ t43), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t1, t42, t43
     t44 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
+    del t44
     t46 = ((t20 @ t19)).transpose(3, 2, 0, 1)
+    del t19, t20
     t47 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t48 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t49 = np.reshape((t34 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    del t34
     t50 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t51 = np.einsum('abcb->abc', t45)
     t52 = t32 @ X
+    del t32
     t53 = t3 @ t52
+    del t52
     t54 = np.ones((d_K,), dtype=X.dtype)
     t55 = (1/(math.sqrt(d_K)*n_batch)) * t54
+    del t54
     t56 = np.reshape(t46, (d_K*d_V, L*n_batch))
+    del t46
     t57 = np.reshape(t49, (d_K*d_V, L*n_batch))
+    del t49
     t58 = np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t48
     t59 = np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t50
     t60 = np.concatenate([t56, t57], axis=-1)
+    del t56, t57
     t61 = np.concatenate([t58, t59], axis=-2)
+    del t58, t59
     t45[...] = (np.reshape((t60 @ t61), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t45, t60, t61
     t51 += np.reshape(t55, (1, d_K, 1)) * np.reshape(t53.sum((0,)), (d_V, 1, d_V))
+    del t51
     t62 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t63 = np.reshape(t62, (d_V, d_K, d_V, d_H), copy=False)
+    del t62
     t64 = np.swapaxes(t16, -1, -2)
     t65 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t66 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t65.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t65
     t67 = (np.reshape((t64.transpose(1, 0) @ np.reshape(t66.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t68 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t69 = G @ t13
     t70 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t71 = np.reshape((t70 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t72 = (np.reshape(t69.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t63[...] = (np.reshape((np.reshape(t68, (d_V**2, L*n_batch)) @ np.reshape(t67.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    del t67, t68
     t63 += (np.reshape((np.reshape(t71, (d_K*d_V, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+    del t63, t71, t72
     t73 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t74 = np.reshape(t73, (d_V, d_K, d_H, d_V), copy=False)
+    del t73
     t75 = M_1 @ W_V
     t76 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
     t77 = (np.reshape((t76 @ np.reshape(t66.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t66
     t78 = (np.reshape(t75.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t79 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t70.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t70
     t80 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t79.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t79
     t81 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t74[...] = (np.reshape((np.reshape(t78, (d_H*d_V, L*n_batch)) @ np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t77, t78
     t74 += (np.reshape((np.reshape(t80, (d_H*d_K, L*n_batch)) @ np.reshape(t81.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t74, t80, t81
     t82 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t83 = np.reshape(t82, (d_V, d_K, d_V, d_K), copy=False)
+    del t82
     t84 = np.swapaxes(W_Q, -1, -2)
     t85 = (2/(L*d_K*d_V*n_batch)) * t84
     t86 = np.reshape((t17.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t17
     t87 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t88 = ((t87.transpose(1, 2, 0, 3) @ t86.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t89 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t85.transpose(1, 0)), (n_batch, L, d_K))
+    del t85
     t90 = (np.reshape(t89.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t91 = (1/(d_K*n_batch)) * t84
     t92 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t93 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t91.transpose(1, 0)), (n_batch, L, d_K))
+    del t3, t91
     t94 = (np.reshape(t93.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t95 = np.einsum('abcb->abc', t83)
     t96 = np.swapaxes(t53, -1, -2)
+    del t53
     t97 = np.reshape(t90, (d_K*d_V, L*n_batch))
+    del t90
     t98 = np.reshape(t94, (d_K*d_V, L*n_batch))
+    del t94
     t99 = np.reshape(t88.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t88
     t100 = np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t92
     t101 = np.concatenate([t97, t98], axis=-1)
+    del t97, t98
     t102 = np.concatenate([t99, t100], axis=-2)
+    del t100, t99
     t83[...] = (np.reshape((t101 @ t102), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t101, t102, t83
     t95 += np.reshape(t55, (1, d_K, 1)) * np.reshape(t96.sum((0,)), (d_V, 1, d_V))
+    del t55, t95, t96
     t103 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t104 = np.reshape(t103, (d_V, d_K, d_V, d_K), copy=False)
+    del t103
     t105 = ((t86.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    del t86
     t106 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t89.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t89
     t107 = M_3.transpose(2, 3, 0, 1)
+    del M_3
     t108 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t93.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t93
     t109 = np.reshape(t105, (d_V**2, L*n_batch))
+    del t105
     t110 = np.reshape(t107, (d_V**2, L*n_batch))
+    del t107
     t111 = np.reshape(t106.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t106
     t112 = np.reshape(t108.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t108
     t113 = np.concatenate([t109, t110], axis=-1)
+    del t109, t110
     t114 = np.concatenate([t111, t112], axis=-2)
+    del t111, t112
     t104[...] = (np.reshape((t113 @ t114), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t104, t113, t114
     t115 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t116 = np.reshape(t115, (d_V, d_K, d_V, d_H), copy=False)
+    del t115
     t117 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t84
     t118 = (np.reshape((t64.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t64
     t119 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t117.transpose(1, 0)), (n_batch, L, d_K))
+    del t117
     t120 = (np.reshape(t119.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t121 = (1/(math.sqrt(d_K)*n_batch)) * t84
+    del t84
     t122 = M_2.transpose(3, 2, 0, 1)
     t123 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t121.transpose(1, 0)), (n_batch, L, d_K))
+    del t121
     t124 = (np.reshape(t123.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t69.transpose(2, 0, 1), (1, d_H, n_batch, L)))
     t116[...] = (np.reshape((np.reshape(t120, (d_K*d_V, L*n_batch)) @ np.reshape(t118.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+    del t118, t120
     t116 += (np.reshape((np.reshape(t122, (d_V**2, L*n_batch)) @ np.reshape(t124.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    del t116, t122, t124
     t125 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t126 = np.reshape(t125, (d_V, d_K, d_H, d_V), copy=False)
+    del t125
     t127 = (np.reshape((t76 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t76
     t128 = (np.reshape(t119.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t75.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    del t119
     t129 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t130 = (np.reshape(t123.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t123
     t126[...] = (np.reshape((np.reshape(t128, (d_H*d_K, L*n_batch)) @ np.reshape(t127.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t127, t128
     t126 += (np.reshape((np.reshape(t129, (d_H*d_V, L*n_batch)) @ np.reshape(t130.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t126, t129, t130
     t131 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t132 = np.reshape(t131, (d_V, d_H, d_V, d_K), copy=False)
+    del t131
     t133 = np.swapaxes(M_1, -1, -2)
     t134 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t133
     t135 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_H))
     t136 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t135.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
+    del t135
     t137 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t134.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t138 = np.swapaxes(t69, -1, -2)
+    del t69
     t139 = (1/(math.sqrt(d_K)*n_batch)) * t138
+    del t138
     t140 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t139.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
     t141 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t132[...] = (np.reshape((np.reshape(t137, (d_V**2, L*n_batch)) @ np.reshape(t136.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
+    del t136, t137
     t132 += (np.reshape((np.reshape(t140, (d_H*d_V, L*n_batch)) @ np.reshape(t141.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t132, t140, t141
     t142 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t143 = np.reshape(t142, (d_V, d_H, d_V, d_K), copy=False)
+    del t142
     t144 = np.reshape((t16 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    del t16
     t145 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t134.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t134
     t146 = M_2.transpose(2, 3, 0, 1)
     t147 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t139.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    del t139
     t143[...] = (np.reshape((np.reshape(t144, (d_H*d_V, L*n_batch)) @ np.reshape(t145.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t144, t145
     t143 += (np.reshape((np.reshape(t146, (d_V**2, L*n_batch)) @ np.reshape(t147.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
+    del t143, t146, t147
     t148 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t149 = np.reshape(t148, (d_V, d_H, d_V, d_H), copy=False)
+    del t148
     t150 = t133 @ M_1
     t151 = W_O @ t13
     t152 = (2/(L*d_V*n_batch)) * t151
+    del t151
     np.multiply(np.reshape(t152, (1, d_H, 1, d_H)), np.reshape(t150.sum((0,)), (d_V, 1, d_V, 1)), out=t149)
+    del t149, t150, t152
     t153 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t154 = np.reshape(t153, (d_V, d_H, d_H, d_V), copy=False)
+    del t153
     t155 = (2/(L*d_V*n_batch)) * t133
     t156 = (np.reshape(t155.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t75, (L*n_batch, d_H)))
+    del t155
     t157 = np.einsum('abbc->abc', t154)
     t158 = np.ones((d_H,), dtype=X.dtype)
     t159 = (1/n_batch) * t158
+    del t158
     t160 = (np.reshape(t133.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
+    del t133
     np.multiply(np.reshape(W_O, (1, d_H, 1, d_V)), np.reshape(t156, (d_V, 1, d_H, 1)), out=t154)
+    del t154, t156
     t157 += np.reshape(t159, (1, d_H, 1)) * np.reshape(t160, (d_V, 1, d_V))
+    del t157, t160
     t161 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t162 = np.reshape(t161, (d_H, d_V, d_V, d_K), copy=False)
+    del t161
     t163 = np.swapaxes(t75, -1, -2)
     t164 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t163
     t165 = (t14.transpose(1, 0) @ t13.transpose(1, 0))
     t166 = np.reshape((t165.transpose(1, 0) @ np.reshape(t87.transpose(3, 0, 1, 2), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))
+    del t87
     t167 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t164.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
     t168 = np.swapaxes(G, -1, -2)
+    del G
     t169 = (1/(math.sqrt(d_K)*n_batch)) * t168
     t170 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_H))
     t171 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t170.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
+    del t170
     t172 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t169.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t162[...] = (np.reshape((np.reshape(t167, (d_H*d_V, L*n_batch)) @ np.reshape(t166.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t166, t167
     t162 += (np.reshape((np.reshape(t172, (d_V**2, L*n_batch)) @ np.reshape(t171.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
+    del t162, t171, t172
     t173 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t174 = np.reshape(t173, (d_H, d_V, d_V, d_K), copy=False)
+    del t173
     t175 = np.reshape((t165.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    del t165
     t176 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t164.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    del t164
     t177 = np.reshape((t14 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    del M_2, t14
     t178 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t169.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t169, t47
     t174[...] = (np.reshape((np.reshape(t175, (d_V**2, L*n_batch)) @ np.reshape(t176.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
+    del t175, t176
     t174 += (np.reshape((np.reshape(t177, (d_H*d_V, L*n_batch)) @ np.reshape(t178.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t174, t177, t178
     t179 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t180 = np.reshape(t179, (d_H, d_V, d_V, d_H), copy=False)
+    del t179
     t181 = t163 @ M_1
     t182 = (2/(L*d_V*n_batch)) * t13
+    del t13
     t183 = np.einsum('abca->abc', t180)
     t184 = t168 @ M_1
+    del M_1, t168
     np.multiply(np.reshape(t182, (1, d_V, 1, d_H)), np.reshape(t181.sum((0,)), (d_H, 1, d_V, 1)), out=t180)
+    del t180, t181, t182
     t183 += np.reshape(t159, (d_H, 1, 1)) * np.reshape(t184.sum((0,)), (1, d_V, d_V))
+    del t159, t183, t184
     t185 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t185[...] = 0
     t186 = np.reshape(t185, (d_H, d_V, d_H, d_V), copy=False)
+    del t185
     t187 = np.einsum('abcb->abc', t186)
+    del t186
     t188 = t163 @ t75
+    del t163, t75
     t189 = np.ones((d_V,), dtype=X.dtype)
     t190 = (2/(L*d_V*n_batch)) * t189
+    del t189
     t187 += np.reshape(t190, (1, d_V, 1)) * np.reshape(t188.sum((0,)), (d_H, 1, d_H))
+    del t187, t188, t190
     return H
 
 
@@ -11721,12 +12197,18 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = np.triu(np.ones((L, L), dtype=bool), 1)
     t7 = np.where(t6, -math.inf, t5)
+    del t5, t6
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    del t7
     A = t8 / t8.sum(-1, keepdims=True)
+    del t8
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
@@ -11737,7 +12219,9 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_V @ t13
     t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t16 = np.reshape((t14.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t14
     t17 = (t16.transpose(1, 2, 0) @ t1)
+    del t16
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = t19 * t19
@@ -11745,270 +12229,462 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = np.reshape((np.reshape(t18.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t18, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
     t24 = (t23.transpose(0, 2, 3, 1) @ dA)
+    del t23
     t25 = np.reshape((np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, L**2, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t20
     t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t25
     t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t26
     t28 = A @ X
     M_1 = t28
+    del t28
     t29 = np.swapaxes(t12, -1, -2)
     t30 = M_1 @ t29
+    del t29
     F = t30
+    del t30
     t31 = F - Y
+    del F
     t32 = (2/(L*d_V)) * t31
+    del t31
     G = t32
+    del t32
     t33 = t12 @ t1
+    del t12
     t34 = G @ t33
+    del t33
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
+    del t34
     t36 = A * t35
+    del t35
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t36, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t36, (n_batch, L, L, 1))) - (np.reshape(t36, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t9
     t37 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t38 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
+    del t0
     t39 = t19 * t37
     t40 = np.reshape((np.reshape(t38, (L*n_batch, d_K)) @ np.reshape(t15.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t41 = np.reshape((np.reshape(t39.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t39
     t42 = np.reshape((np.reshape(t41.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t40.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t41
     t43 = np.reshape((np.reshape(t42.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t42
     t44 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t45 = t19 * t44
     t46 = np.reshape((np.reshape(t38, (L*n_batch, d_K)) @ np.reshape(t38.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t47 = np.reshape((np.reshape(t45.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t45
     t48 = np.reshape((np.reshape(t47.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t46.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t47
     t49 = np.reshape((np.reshape(t48.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t48
     t50 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t27 * t22.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t43 * t22.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t49 * t22.transpose(0, 2, 3, 1)).sum()
+    del t27, t43, t49
     t51 = np.sqrt(np.maximum(t50, 0.0))
+    del t50
     t52 = t36 @ X
+    del t36
     t53 = t1 @ t52
+    del t52
     t54 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t53.sum((0,))), (n_batch, L, d_V))
     t55 = (t54 @ X.transpose(0, 2, 1))
+    del t54
     t56 = np.reshape((np.reshape(t55, (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t55
     t57 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t58 = (t57.transpose(1, 2, 0) @ t15.transpose(0, 2, 1))
+    del t15
     t59 = np.reshape((np.reshape(t58, (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t58
     t60 = (t59.transpose(0, 2, 1) @ t56)
+    del t56, t59
     t61 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t53.sum((0,))), (n_batch, L, d_V))
     t62 = (t61 @ X.transpose(0, 2, 1))
+    del t61
     t63 = np.reshape((np.reshape(t62, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t62
     t64 = (t57.transpose(1, 2, 0) @ t38.transpose(0, 2, 1))
+    del t38
     t65 = np.reshape((np.reshape(t57.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t57, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t57
     t66 = t65 * t19
     t67 = np.reshape((np.reshape(t24, (n_batch, L**2, L)) @ np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t68 = np.reshape((np.reshape(t67.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t67
     t69 = np.reshape((np.reshape(t68.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t68
     t70 = t65 * t37
     t71 = np.reshape((np.reshape(t70.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t70
     t72 = np.reshape((np.reshape(t71, (n_batch, n_batch, L**2, L)) @ t19.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t71
     t73 = np.reshape((np.reshape(t72.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t72
     t74 = t65 * t44
     t75 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t76 = np.reshape((np.reshape(t75, (n_batch, n_batch, L**2, L)) @ t46.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t46, t75
     t77 = np.reshape((np.reshape(t76.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t76
     t78 = (n_batch**(-2)) * (t53.sum((0,)) * t53.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t60 * t17).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t64 * t63).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t69 * t66.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t73 * t40.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t77 * t74.transpose(0, 2, 3, 1)).sum()
+    del t40, t60, t63, t64, t66, t69, t73, t74, t77
     t79 = np.sqrt(np.maximum(t78, 0.0))
+    del t78
     t80 = np.swapaxes(t13, -1, -2)
     t81 = np.reshape((t80.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_H, n_batch, L))
+    del t80
     t82 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t83 = t82 * t19
     t84 = np.reshape((np.reshape(t81.transpose(1, 2, 0), (L*n_batch, d_H)) @ np.reshape(t81, (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t85 = np.reshape((np.reshape(t83.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t83
     t86 = np.reshape((np.reshape(t85, (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t85
     t87 = np.reshape((np.reshape(t86.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t86
     t88 = G @ t10
     t89 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t90 = np.reshape((np.reshape(t81.transpose(1, 2, 0), (L*n_batch, d_H)) @ np.reshape(t88.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t81
     t91 = np.reshape((np.reshape(t89.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t89
     t92 = (t91 * np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t93 = np.reshape((np.reshape(t92.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t90.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t92
     t94 = np.reshape((np.reshape(t93.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t93
     t95 = np.reshape((np.reshape(t88, (L*n_batch, d_H)) @ np.reshape(t88.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t96 = t95 * t19
     t97 = np.reshape((np.reshape(t44.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t98 = np.reshape((np.reshape(t97.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t96.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t96
     t99 = np.reshape((np.reshape(t98.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t98
     t100 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t87 * t84.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t94 * t21.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t99 * t21.transpose(0, 2, 3, 1)).sum()
+    del t87, t94, t99
     t101 = np.sqrt(np.maximum(t100, 0.0))
+    del t100
     t102 = M_1 @ W_V
     t103 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_H, n_batch, L))
     t104 = np.reshape((np.reshape(t102, (L*n_batch, d_H)) @ np.reshape(t102.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t105 = t104 * t19
     t106 = (W_O @ W_O.transpose(1, 0))
     t107 = np.reshape((t106 @ np.reshape(t103, (d_H, L*n_batch))), (d_H, n_batch, L))
+    del t106
     t108 = np.reshape((np.reshape(t107.transpose(1, 2, 0), (L*n_batch, d_H)) @ np.reshape(t103, (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t107
     t109 = np.reshape((np.reshape(t105.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t105
     t110 = np.reshape((np.reshape(t109, (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t109
     t111 = np.reshape((np.reshape(t110.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t110
     t112 = np.reshape((W_V @ np.reshape(t102.transpose(2, 0, 1), (d_H, L*n_batch))), (d_V, n_batch, L))
     t113 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_H))
     t114 = np.reshape((np.reshape(t112.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t112
     t115 = np.reshape((np.reshape(t113, (L*n_batch, d_H)) @ np.reshape(t103, (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t116 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t117 = np.reshape((np.reshape(t116, (n_batch, n_batch, L**2, L)) @ t115.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t116
     t118 = np.reshape((np.reshape(t117.transpose(1, 4, 0, 3, 2), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del t117
     t119 = np.reshape((t118.transpose(0, 2, 3, 4, 1) @ np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t118
     t120 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t121 = t120 * t19
     t122 = np.reshape((np.reshape(t103.transpose(1, 2, 0), (L*n_batch, d_H)) @ np.reshape(t103, (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t103
     t123 = np.reshape((np.reshape(t121.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t121
     t124 = np.reshape((np.reshape(t123, (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t123, t21
     t125 = np.reshape((np.reshape(t124.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t124
     t126 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t111 * t108.transpose(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t119 * t114.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t125 * t122.transpose(0, 2, 3, 1)).sum()
+    del t111, t119, t125
     t127 = np.sqrt(np.maximum(t126, 0.0))
+    del t126
     t128 = np.swapaxes(t53, -1, -2)
+    del t53
     t129 = np.swapaxes(W_Q, -1, -2)
     t130 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t128.sum((0,))), (n_batch, L, d_V))
     t131 = (t130 @ X.transpose(0, 2, 1))
+    del t130
     t132 = np.reshape((np.reshape(t131.transpose(0, 2, 1), (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t131
     t133 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t129.transpose(1, 0)), (n_batch, L, d_K))
     t134 = (t18.transpose(1, 2, 0) @ t133.transpose(0, 2, 1))
     t135 = np.reshape((np.reshape(t134.transpose(0, 2, 1), (n_batch, L, 1, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t134
     t136 = (t135.transpose(0, 2, 1) @ t132)
+    del t132, t135
     t137 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t128.sum((0,))), (n_batch, L, d_V))
     t138 = (t137 @ X.transpose(0, 2, 1))
+    del t137
     t139 = np.reshape((np.reshape(t138.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
+    del t138
     t140 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t129.transpose(1, 0)), (n_batch, L, d_K))
+    del t129
     t141 = (t18.transpose(1, 2, 0) @ t140.transpose(0, 2, 1))
+    del t18
     t142 = np.reshape((np.reshape(t133, (L*n_batch, d_K)) @ np.reshape(t133.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t143 = t142 * t19
     t144 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t145 = np.reshape((np.reshape(t144.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t143.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t143
     t146 = np.reshape((np.reshape(t145.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t145
     t147 = np.reshape((np.reshape(t140, (L*n_batch, d_K)) @ np.reshape(t133.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t133
     t148 = t147 * t19
     t149 = np.reshape((np.reshape(t148.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t148
     t150 = np.reshape((np.reshape(t149.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t37.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t149
     t151 = np.reshape((np.reshape(t150.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t150
     t152 = np.reshape((np.reshape(t140, (L*n_batch, d_K)) @ np.reshape(t140.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t140
     t153 = t152 * t19
     t154 = np.reshape((np.reshape(t44.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t44
     t155 = np.reshape((np.reshape(t154.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t153.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t153
     t156 = np.reshape((np.reshape(t155.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t155
     t157 = (n_batch**(-2)) * (t128.sum((0,)) * t128.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t136 * t17.transpose(0, 2, 1)).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t141 * t139.transpose(0, 2, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t146 * t22.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t151 * t22.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t156 * t22.transpose(0, 2, 3, 1)).sum()
+    del t128, t136, t139, t141, t146, t151, t156, t17
     t158 = np.sqrt(np.maximum(t157, 0.0))
+    del t157
     t159 = t65 * t142
     t160 = np.reshape((np.reshape(t144.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t144
     t161 = np.reshape((np.reshape(t160.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t160
     t162 = t65 * t147
+    del t147
     t163 = np.reshape((np.reshape(t162.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t162
     t164 = np.reshape((np.reshape(t163.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t37.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t163, t37
     t165 = np.reshape((np.reshape(t164.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t164, t24
     t166 = t65 * t152
+    del t152
     t167 = np.reshape((np.reshape(t154, (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t154
     t168 = np.reshape((np.reshape(t167.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del d2A, t167
     t169 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t161 * t159.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t165 * t19.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t168 * t166.transpose(0, 2, 3, 1)).sum()
+    del t159, t161, t165, t166, t168
     t170 = np.sqrt(np.maximum(t169, 0.0))
+    del t169
     t171 = t142 * t82
+    del t82
     t172 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t173 = np.reshape((np.reshape(t172.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t171.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t171
     t174 = np.reshape((np.reshape(t173.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t173
     t175 = np.reshape((np.reshape(t91, (n_batch, n_batch, L**2, L)) @ t19.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t91
     t176 = np.reshape((np.reshape(t175.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del t175
     t177 = np.reshape((t176.transpose(0, 2, 3, 1, 4) @ np.reshape(t90.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t176, t90
     t178 = t142 * t95
+    del t95
     t179 = np.reshape((np.reshape(t97, (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t180 = np.reshape((np.reshape(t179.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t179
     t181 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t174 * t84.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t177 * t142.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t180 * t178.transpose(0, 2, 3, 1)).sum()
+    del t174, t177, t178, t84
     t182 = np.sqrt(np.maximum(t181, 0.0))
+    del t181
     t183 = t142 * t104
+    del t104
     t184 = np.reshape((np.reshape(t172.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t183.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t183
     t185 = np.reshape((np.reshape(t184.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t184
     t186 = np.reshape((np.reshape(t172, (n_batch, n_batch, L**2, L)) @ t115.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t115
     t187 = np.reshape((np.reshape(t186.transpose(1, 4, 0, 3, 2), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del t186
     t188 = np.reshape((t187.transpose(0, 2, 3, 4, 1) @ np.reshape(t142.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t187
     t189 = t142 * t120
+    del t120, t142
     t190 = np.reshape((np.reshape(t172.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t189.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t189
     t191 = np.reshape((np.reshape(t190.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t190
     t192 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t185 * t108.transpose(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t188 * t114.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t191 * t122.transpose(0, 2, 3, 1)).sum()
+    del t108, t114, t122, t185, t188, t191
     t193 = np.sqrt(np.maximum(t192, 0.0))
+    del t192
     t194 = np.swapaxes(M_1, -1, -2)
     t195 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_H))
+    del t13
     t196 = np.reshape((np.reshape(t194.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t194.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t197 = t19 * t196
     t198 = np.reshape((np.reshape(t195, (L*n_batch, d_H)) @ np.reshape(t195.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t199 = np.reshape((np.reshape(t197.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t197
     t200 = np.reshape((np.reshape(t199.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t198.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t199
     t201 = np.reshape((np.reshape(t200.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t200
     t202 = np.swapaxes(t88, -1, -2)
+    del t88
     t203 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t194.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t204 = np.reshape((np.reshape(t195, (L*n_batch, d_H)) @ np.reshape(t202.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t195
     t205 = np.reshape((np.reshape(t203.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t203
     t206 = (t205 * np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t207 = np.reshape((np.reshape(t206.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t204.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t206
     t208 = np.reshape((np.reshape(t207.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t207
     t209 = np.reshape((np.reshape(t202.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t202.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t202
     t210 = t19 * t209
     t211 = np.reshape((np.reshape(t97.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t210.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t210, t97
     t212 = np.reshape((np.reshape(t211.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t211
     t213 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t201 * t22.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t208 * t22.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t212 * t22.transpose(0, 2, 3, 1)).sum()
+    del t201, t208, t212
     t214 = np.sqrt(np.maximum(t213, 0.0))
+    del t213
     t215 = t65 * t196
+    del t196
     t216 = np.reshape((np.reshape(t172, (n_batch, n_batch, L**2, L)) @ t198.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t198
     t217 = np.reshape((np.reshape(t216.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t216
     t218 = np.reshape((np.reshape(t205, (n_batch, n_batch, L**2, L)) @ t19.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t205
     t219 = np.reshape((np.reshape(t218.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del t218
     t220 = np.reshape((t219.transpose(0, 2, 3, 1, 4) @ np.reshape(t204.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t204, t219
     t221 = t65 * t209
+    del t209
     t222 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t217 * t215.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t220 * t65.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t180 * t221.transpose(0, 2, 3, 1)).sum()
+    del t180, t215, t217, t220, t221
     t223 = np.sqrt(np.maximum(t222, 0.0))
+    del t222
     t224 = t194 @ M_1
     t225 = W_O @ t10
     t226 = (t225 * t225).sum()
+    del t225
     t227 = (np.reshape(t226, (1, 1)) * t224.sum((0,)))
+    del t226
     t228 = (4/(L**2*d_V**2*n_batch**2)) * (t227 * t224.sum((0,))).sum()
+    del t224, t227
     t229 = np.sqrt(np.maximum(t228, 0.0))
+    del t228
     t230 = (W_O * W_O).sum()
     t231 = (np.reshape(t102.transpose(2, 0, 1), (d_H, L*n_batch)) @ np.reshape(t194.transpose(0, 2, 1), (L*n_batch, d_V)))
     t232 = (t231 * t231).sum()
     t233 = (np.reshape(t113.transpose(2, 0, 1), (d_H, L*n_batch)) @ np.reshape(t194.transpose(0, 2, 1), (L*n_batch, d_V)))
+    del t113
     t234 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t194.transpose(0, 2, 1), (L*n_batch, d_V)))
+    del t194
     t235 = (4/(L**2*d_V**2*n_batch**2)) * t232 * t230 + (4/(L*d_V*n_batch**2)) * (t233 * t231).sum() + (d_H/n_batch**2) * (t234 * t234).sum()
+    del t230, t231, t232, t233, t234
     t236 = np.sqrt(np.maximum(t235, 0.0))
+    del t235
     t237 = np.swapaxes(t102, -1, -2)
     t238 = (t11.transpose(1, 0) @ t10.transpose(1, 0))
     t239 = np.reshape((np.reshape(t237.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t237.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t240 = t19 * t239
     t241 = np.reshape((t238.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t238
     t242 = np.reshape((np.reshape(t241.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t241, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t243 = np.reshape((np.reshape(t240.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t240
     t244 = np.reshape((np.reshape(t243, (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t243
     t245 = np.reshape((np.reshape(t244.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t244
     t246 = np.swapaxes(G, -1, -2)
+    del G
     t247 = np.reshape((t11.transpose(1, 0) @ np.reshape(t237.transpose(1, 0, 2), (d_H, L*n_batch))), (d_V, n_batch, L))
     t248 = np.reshape((np.reshape(t247.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t247
     t249 = np.reshape((np.reshape(t241.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t246.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t241
     t250 = np.reshape((np.reshape(t248.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t251 = (t250 * np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
+    del t250
     t252 = np.reshape((np.reshape(t251, (n_batch, n_batch, L**2, L)) @ t22.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t251
     t253 = np.reshape((np.reshape(t252.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t252
     t254 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_H))
+    del t1, t11
     t255 = np.reshape((np.reshape(t246.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t246.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t256 = t19 * t255
+    del t19
     t257 = np.reshape((np.reshape(t254, (L*n_batch, d_H)) @ np.reshape(t254.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t254
     t258 = np.reshape((np.reshape(t256.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t256
     t259 = np.reshape((np.reshape(t258.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t257.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t258
     t260 = np.reshape((np.reshape(t259.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t259
     t261 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t245 * t242.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t253 * t249.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t260 * t22.transpose(0, 2, 3, 1)).sum()
+    del t22, t245, t253, t260
     t262 = np.sqrt(np.maximum(t261, 0.0))
+    del t261
     t263 = t65 * t239
+    del t239
     t264 = np.reshape((np.reshape(t172.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t263.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t263
     t265 = np.reshape((np.reshape(t264.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t264
     t266 = np.reshape((np.reshape(t172, (n_batch, n_batch, L**2, L)) @ t249.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t249
     t267 = np.reshape((np.reshape(t266.transpose(1, 4, 0, 3, 2), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    del t266
     t268 = np.reshape((t267.transpose(0, 2, 3, 1, 4) @ np.reshape(t248.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    del t248, t267
     t269 = t65 * t255
+    del t255
     t270 = np.reshape((np.reshape(t172, (n_batch, n_batch, L**2, L)) @ t257.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t172, t257
     t271 = np.reshape((np.reshape(t270.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del dA, t270
     t272 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t265 * t242.transpose(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t268 * t65.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t271 * t269.transpose(0, 2, 3, 1)).sum()
+    del t242, t265, t268, t269, t271, t65
     t273 = np.sqrt(np.maximum(t272, 0.0))
+    del t272
     t274 = t237 @ M_1
     t275 = (t10 * t10).sum()
     t276 = (np.reshape(t275, (1, 1)) * t274.sum((0,)))
+    del t275
     t277 = t246 @ M_1
+    del M_1, t246
     t278 = (t10 @ t274.sum((0,)))
+    del t10
     t279 = (4/(L**2*d_V**2*n_batch**2)) * (t276 * t274.sum((0,))).sum() + (4/(L*d_V*n_batch**2)) * (t278 * t277.sum((0,))).sum() + (d_H/n_batch**2) * (t277.sum((0,)) * t277.sum((0,))).sum()
+    del t274, t276, t277, t278
     t280 = np.sqrt(np.maximum(t279, 0.0))
+    del t279
     t281 = t237 @ t102
+    del t102, t237
     t282 = (4/(L**2*d_V*n_batch**2)) * (t281.sum((0,)) * t281.sum((0,))).sum()
+    del t281
     t283 = np.sqrt(np.maximum(t282, 0.0))
+    del t282
     return (t51, t79, t101, t127, t158, t170, t182, t193, t214, t223, t229, t236, t262, t273, t280, t283,)
 
 
@@ -19682,178 +20358,287 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     H = np.empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
+    del t0
     t2 = np.swapaxes(W_K, -1, -2)
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    del t7
     A = t8 / t8.sum(-1, keepdims=True)
+    del t8
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t10
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdims=True)
     t13 = np.broadcast_to(t12, t12.shape[:-1] + (d_V,))
+    del t12
     t14 = A @ X
     M_1 = t14
+    del t14
     t15 = M_1 @ t11
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
+    del t16
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA19 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1))) - (np.reshape(A17, (n_batch, L, 1, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1)))
+    del A17, t18
     t20 = np.swapaxes(t11, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t2
     t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t21
     t23 = (dA19 * np.reshape(t13, (n_batch, L, d_V, 1)))
     t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
     t25 = (t24 @ M_2)
+    del t24
     t26 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t11), (n_batch, L, d_K, d_V))
+    del t22
     t27 = (t26 @ t25)
     t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t27.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t27
     t29 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t15
+    del t15
     t30 = np.exp(F - F.max(-1, keepdims=True))
+    del F
     A31 = t30 / t30.sum(-1, keepdims=True)
+    del t30
     t32 = t13 * A31
+    del A31
     t33 = t32 - Y
+    del t32
     t34 = (1/L) * t33
+    del t33
     G = t34
+    del t34
     t35 = t20 @ t3
     t36 = G @ t35
+    del t35
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
+    del t36
     t38 = A * t37
+    del t37
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t38, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t38, (n_batch, L, L, 1))) - (np.reshape(t38, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t9
     t39 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t39
     t40 = (1/(d_K*n_batch)) * t2
     t41 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t40.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t42 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t41.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t41
     t43 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t44 = np.reshape(t29, (d_V**2, L*n_batch))
+    del t29
     t45 = np.reshape(t43, (d_V**2, L*n_batch))
+    del t43
     t46 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t28
     t47 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t42
     t48 = np.concatenate([t44, t45], axis=-1)
+    del t44, t45
     t49 = np.concatenate([t46, t47], axis=-2)
+    del t46, t47
     t1[...] = (np.reshape((t48 @ t49), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t1, t48, t49
     t50 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t51 = np.reshape(t50, (d_V, d_K, d_V, d_K), copy=False)
+    del t50
     t52 = ((t26 @ t25)).transpose(2, 3, 0, 1)
+    del t26
     t53 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t54 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t55 = np.reshape((t40 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    del t40
     t56 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t57 = np.einsum('abcb->abc', t51)
     t58 = t38 @ X
+    del t38
     t59 = t3 @ t58
+    del t58
     t60 = np.ones((d_K,), dtype=X.dtype)
     t61 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    del t60
     t62 = np.reshape(t52, (d_K*d_V, L*n_batch))
+    del t52
     t63 = np.reshape(t55, (d_K*d_V, L*n_batch))
+    del t55
     t64 = np.reshape(t54.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t54
     t65 = np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t56
     t66 = np.concatenate([t62, t63], axis=-1)
+    del t62, t63
     t67 = np.concatenate([t64, t65], axis=-2)
+    del t64, t65
     t51[...] = (np.reshape((t66 @ t67), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t51, t66, t67
     t57 += np.reshape(t61, (1, d_K, 1)) * np.reshape(t59.sum((0,)), (d_V, 1, d_V))
+    del t57
     t68 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t69 = np.reshape(t68, (d_V, d_K, d_V, d_H), copy=False)
+    del t68
     t70 = np.swapaxes(W_O, -1, -2)
     t71 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t72 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t71.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t71
     t73 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t70), (n_batch, L, d_V, d_H))
     t74 = np.reshape((np.reshape(t72.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t11), (n_batch, L, d_K, d_V))
     t75 = ((t74 @ t73)).transpose(2, 3, 0, 1)
+    del t73, t74
     t76 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t77 = G @ t70
     t78 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t79 = np.reshape((t78 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t80 = (np.reshape(t77.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t69[...] = (np.reshape((np.reshape(t76, (d_V**2, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    del t75, t76
     t69 += (np.reshape((np.reshape(t79, (d_K*d_V, L*n_batch)) @ np.reshape(t80.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+    del t69, t79, t80
     t81 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t82 = np.reshape(t81, (d_V, d_K, d_H, d_V), copy=False)
+    del t81
     t83 = M_1 @ W_V
     t84 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
     t85 = np.reshape((t84 @ np.reshape(t72.transpose(2, 0, 1, 3), (d_V, L*d_K*n_batch))), (d_V, n_batch, L, d_K))
+    del t72
     t86 = ((t85.transpose(1, 2, 3, 0) @ t23)).transpose(2, 3, 0, 1)
+    del t85
     t87 = (np.reshape(t83.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t88 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t78.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t78
     t89 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t88.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t88
     t90 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t82[...] = (np.reshape((np.reshape(t87, (d_H*d_V, L*n_batch)) @ np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t86, t87
     t82 += (np.reshape((np.reshape(t89, (d_H*d_K, L*n_batch)) @ np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t82, t89, t90
     t91 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t92 = np.reshape(t91, (d_V, d_K, d_V, d_K), copy=False)
+    del t91
     t93 = np.swapaxes(W_Q, -1, -2)
     t94 = (1/(L*d_K*n_batch)) * t93
     t95 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t11
     t96 = (t23.transpose(0, 1, 3, 2) @ t95.transpose(1, 2, 0, 3))
+    del t95
     t97 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    del t20
     t98 = (t97 @ t96)
     t99 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t98.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t98
     t100 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t94.transpose(1, 0)), (n_batch, L, d_K))
+    del t94
     t101 = (np.reshape(t100.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t102 = (1/(d_K*n_batch)) * t93
     t103 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t104 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t102.transpose(1, 0)), (n_batch, L, d_K))
+    del t102, t3
     t105 = (np.reshape(t104.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t106 = np.einsum('abcb->abc', t92)
     t107 = np.swapaxes(t59, -1, -2)
+    del t59
     t108 = np.reshape(t101, (d_K*d_V, L*n_batch))
+    del t101
     t109 = np.reshape(t105, (d_K*d_V, L*n_batch))
+    del t105
     t110 = np.reshape(t99.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t99
     t111 = np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t103
     t112 = np.concatenate([t108, t109], axis=-1)
+    del t108, t109
     t113 = np.concatenate([t110, t111], axis=-2)
+    del t110, t111
     t92[...] = (np.reshape((t112 @ t113), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t112, t113, t92
     t106 += np.reshape(t61, (1, d_K, 1)) * np.reshape(t107.sum((0,)), (d_V, 1, d_V))
+    del t106, t107, t61
     t114 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t115 = np.reshape(t114, (d_V, d_K, d_V, d_K), copy=False)
+    del t114
     t116 = ((t97 @ t96)).transpose(3, 2, 0, 1)
+    del t97
     t117 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t100.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t100
     t118 = M_3.transpose(2, 3, 0, 1)
+    del M_3
     t119 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t104.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t104
     t120 = np.reshape(t116, (d_V**2, L*n_batch))
+    del t116
     t121 = np.reshape(t118, (d_V**2, L*n_batch))
+    del t118
     t122 = np.reshape(t117.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t117
     t123 = np.reshape(t119.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t119
     t124 = np.concatenate([t120, t121], axis=-1)
+    del t120, t121
     t125 = np.concatenate([t122, t123], axis=-2)
+    del t122, t123
     t115[...] = (np.reshape((t124 @ t125), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t115, t124, t125
     t126 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t127 = np.reshape(t126, (d_V, d_K, d_V, d_H), copy=False)
+    del t126
     t128 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
     t129 = (np.reshape((t70.transpose(1, 0) @ np.reshape(t96.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t96
     t130 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t128.transpose(1, 0)), (n_batch, L, d_K))
+    del t128
     t131 = (np.reshape(t130.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t132 = (1/(math.sqrt(d_K)*n_batch)) * t93
+    del t93
     t133 = M_2.transpose(3, 2, 0, 1)
     t134 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t132.transpose(1, 0)), (n_batch, L, d_K))
+    del t132
     t135 = (np.reshape(t134.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t77.transpose(2, 0, 1), (1, d_H, n_batch, L)))
     t127[...] = (np.reshape((np.reshape(t131, (d_K*d_V, L*n_batch)) @ np.reshape(t129.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+    del t129, t131
     t127 += (np.reshape((np.reshape(t133, (d_V**2, L*n_batch)) @ np.reshape(t135.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    del t127, t133, t135
     t136 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t137 = np.reshape(t136, (d_V, d_K, d_H, d_V), copy=False)
+    del t136
     t138 = np.reshape((t84 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t84
     t139 = ((t138.transpose(1, 2, 3, 0) @ t23)).transpose(2, 3, 0, 1)
+    del t138
     t140 = (np.reshape(t130.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t83.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    del t130
     t141 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t142 = (np.reshape(t134.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t134
     t137[...] = (np.reshape((np.reshape(t140, (d_H*d_K, L*n_batch)) @ np.reshape(t139.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t139, t140
     t137 += (np.reshape((np.reshape(t141, (d_H*d_V, L*n_batch)) @ np.reshape(t142.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t137, t141, t142
     t143 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t144 = np.reshape(t143, (d_V, d_H, d_V, d_K), copy=False)
+    del t143
     t145 = np.swapaxes(t77, -1, -2)
+    del t77
     t146 = (1/(math.sqrt(d_K)*n_batch)) * t145
+    del t145
     t147 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t146.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
     t148 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t149 = np.swapaxes(M_1, -1, -2)
@@ -19861,41 +20646,62 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t151 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t150.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t152 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_V, d_H))
     t153 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t152.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
+    del t152
     t144[...] = (np.reshape((np.reshape(t147, (d_H*d_V, L*n_batch)) @ np.reshape(t148.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t147, t148
     t144 += (np.reshape((np.reshape(t151, (d_V**2, L*n_batch)) @ np.reshape(t153.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
+    del t144, t151, t153
     t154 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t155 = np.reshape(t154, (d_V, d_H, d_V, d_K), copy=False)
+    del t154
     t156 = M_2.transpose(2, 3, 0, 1)
     t157 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t146.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    del t146
     t158 = np.reshape((W_O @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    del t25
     t159 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t150.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t150
     t155[...] = (np.reshape((np.reshape(t156, (d_V**2, L*n_batch)) @ np.reshape(t157.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
+    del t156, t157
     t155 += (np.reshape((np.reshape(t158, (d_H*d_V, L*n_batch)) @ np.reshape(t159.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t155, t158, t159
     t160 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t161 = np.reshape(t160, (d_V, d_H, d_V, d_H), copy=False)
+    del t160
     t162 = (1/(L*n_batch)) * t149
     t163 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t162.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t164 = (np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1)) * np.reshape(W_O.transpose(1, 0), (d_V, 1, 1, d_H)))
     t165 = np.reshape((t70.transpose(1, 0) @ np.reshape(dA19.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))
     t166 = ((t165.transpose(1, 2, 0, 3) @ t164.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    del t164, t165
     t161[...] = (np.reshape((np.reshape(t163, (d_V**2, L*n_batch)) @ np.reshape(t166.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
+    del t161, t163, t166
     t167 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t168 = np.reshape(t167, (d_V, d_H, d_H, d_V), copy=False)
+    del t167
     t169 = (np.reshape(t83.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t162.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t162
     t170 = np.reshape((W_O @ np.reshape(t23.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
     t171 = np.einsum('abbc->abc', t168)
     t172 = np.ones((d_H,), dtype=X.dtype)
     t173 = (1/n_batch) * t172
+    del t172
     t174 = (np.reshape(t149.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
+    del t149
     t168[...] = (np.reshape((np.reshape(t169, (d_H*d_V, L*n_batch)) @ np.reshape(t170.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
+    del t168, t169, t170
     t171 += np.reshape(t173, (1, d_H, 1)) * np.reshape(t174, (d_V, 1, d_V))
+    del t171, t174
     t175 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t176 = np.reshape(t175, (d_H, d_V, d_V, d_K), copy=False)
+    del t175
     t177 = np.swapaxes(G, -1, -2)
+    del G
     t178 = np.swapaxes(W_V, -1, -2)
     t179 = (1/(math.sqrt(d_K)*n_batch)) * t177
     t180 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t178.transpose(1, 0)), (n_batch, L, d_V, d_H))
     t181 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t180.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
+    del t180
     t182 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t179.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t183 = np.swapaxes(t83, -1, -2)
     t184 = (1/(L*math.sqrt(d_K)*n_batch)) * t183
@@ -19904,31 +20710,52 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t187 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t188 = np.reshape((t186 @ np.reshape(t23.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t189 = ((t188.transpose(1, 2, 3, 0) @ t187.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
+    del t187, t188
     t176[...] = (np.reshape((np.reshape(t182, (d_V**2, L*n_batch)) @ np.reshape(t181.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
+    del t181, t182
     t176 += (np.reshape((np.reshape(t185, (d_H*d_V, L*n_batch)) @ np.reshape(t189.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t176, t185, t189
     t190 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t191 = np.reshape(t190, (d_H, d_V, d_V, d_K), copy=False)
+    del t190
     t192 = np.reshape((t178 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    del t178
     t193 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t179.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t179
     t194 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t184.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    del t184, t53
     t195 = np.reshape((t186.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del M_2, t186
     t196 = ((t195.transpose(1, 2, 3, 0) @ t23.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    del t195
     t191[...] = (np.reshape((np.reshape(t192, (d_H*d_V, L*n_batch)) @ np.reshape(t193.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t192, t193
     t191 += (np.reshape((np.reshape(t196, (d_V**2, L*n_batch)) @ np.reshape(t194.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
+    del t191, t194, t196
     t197 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t198 = np.reshape(t197, (d_H, d_V, d_V, d_H), copy=False)
+    del t197
     t199 = (1/(L*n_batch)) * t183
+    del t183
     t200 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t199.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
     t201 = (np.reshape((t70.transpose(1, 0) @ np.reshape(t23.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t23, t70
     t202 = np.einsum('abca->abc', t198)
     t203 = t177 @ M_1
+    del M_1, t177
     t198[...] = (np.reshape((np.reshape(t200, (d_H*d_V, L*n_batch)) @ np.reshape(t201.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
+    del t198, t200, t201
     t202 += np.reshape(t173, (d_H, 1, 1)) * np.reshape(t203.sum((0,)), (1, d_V, d_V))
+    del t173, t202, t203
     t204 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t205 = np.reshape(t204, (d_H, d_V, d_H, d_V), copy=False)
+    del t204
     t206 = (dA19.transpose(2, 3, 0, 1) * np.reshape(t13.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    del dA19, t13
     t207 = (np.reshape(t83.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t199.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    del t199, t83
     t205[...] = (np.reshape((np.reshape(t207, (d_H**2, L*n_batch)) @ np.reshape(t206.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
+    del t205, t206, t207
     return H
 
 
@@ -20042,24 +20869,33 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    del t5
     A = t6 / t6.sum(-1, keepdims=True)
+    del t6
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    del t9
     t11 = A @ X
     M_1 = t11
+    del t11
     t12 = M_1 @ t8
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
+    del t13
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
+    del A14, t15
     t17 = np.swapaxes(t8, -1, -2)
     t18 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -20069,286 +20905,479 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = np.reshape((t20.transpose(1, 2, 0) @ np.reshape(t18.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t24 = np.reshape((np.reshape(t23, (n_batch, L**2, d_V)) @ t22.transpose(0, 2, 1)), (n_batch, L, L, L))
     t25 = (t24.transpose(0, 2, 3, 1) @ dA)
+    del t24
     t26 = (t25.transpose(0, 1, 3, 2) @ dA)
+    del t25
     t27 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t28 = t21 * t21
     t29 = (t23.transpose(0, 2, 3, 1) @ dA)
+    del t23
     t30 = np.reshape((t22 @ np.reshape(t29.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
     t31 = (t30.transpose(0, 2, 3, 1) @ dA)
+    del t30
     t32 = np.reshape((np.reshape(t19, (L*n_batch, d_K)) @ np.reshape(t19.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t33 = np.reshape((np.reshape(t27.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t27, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t32.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t26.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t35 = np.reshape((np.reshape(t34.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t28.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t28, t34
     t36 = np.reshape((np.reshape(t35.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t31.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t35
     F = t12
+    del t12
     t37 = np.exp(F - F.max(-1, keepdims=True))
+    del F
     A38 = t37 / t37.sum(-1, keepdims=True)
+    del t37
     t39 = t10 * A38
+    del A38
     t40 = t39 - Y
+    del t39
     t41 = (1/L) * t40
+    del t40
     G = t41
+    del t41
     t42 = t17 @ t1
     t43 = G @ t42
+    del t42
     t44 = t43 - (A * t43).sum(-1, keepdims=True)
+    del t43
     t45 = A * t44
+    del t44
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t45, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t45, (n_batch, L, L, 1))) - (np.reshape(t45, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t7
     t46 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t47 = t21 * t46
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t49 = np.reshape((np.reshape(t48, (L*n_batch, d_K)) @ np.reshape(t19.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t19
     t50 = np.reshape((np.reshape(t49.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t51 = np.reshape((np.reshape(t50.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t47.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t47, t50
     t52 = np.reshape((np.reshape(t51.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t26.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t51
     t53 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t54 = t21 * t53
     t55 = np.reshape((np.reshape(t48, (L*n_batch, d_K)) @ np.reshape(t48.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t56 = np.reshape((np.reshape(t54.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t54
     t57 = np.reshape((np.reshape(t56.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t55.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t56
     t58 = np.reshape((np.reshape(t57.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t57
     t59 = (1/(L**2*d_K**2*n_batch**2)) * (t36 * t33.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t52 * t33.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t58 * t33.transpose(0, 2, 3, 1)).sum()
+    del t36, t52, t58
     t60 = np.sqrt(np.maximum(t59, 0.0))
+    del t59
     t61 = t45 @ X
+    del t45
     t62 = t1 @ t61
+    del t61
     t63 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t63.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t63
     t64 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t62.sum((0,))), (n_batch, L, d_V))
     t65 = np.reshape((np.reshape(t64, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t64
     t66 = (W_Q @ t0)
+    del t0
     t67 = np.reshape((np.reshape(t65, (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V))
+    del t65
     t68 = np.reshape((np.reshape(t67, (n_batch, L, 1, d_V)) @ t18.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t67
     t69 = np.reshape((t66.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t66
     t70 = np.reshape((np.reshape(t69.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t69
     t71 = np.reshape((np.reshape(t70, (L*n_batch, d_V)) @ t8), (n_batch, L, d_V))
+    del t70
     t72 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t62.sum((0,))), (n_batch, L, d_V))
     t73 = (t72 @ X.transpose(0, 2, 1))
+    del t72
     t74 = np.reshape((np.reshape(t73, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t73
     t75 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t76 = (t75.transpose(1, 2, 0) @ t48.transpose(0, 2, 1))
+    del t48
     t77 = np.reshape((np.reshape(t75.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t75, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t75
     t78 = t77 * t21
     t79 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t26.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t80 = np.reshape((np.reshape(t79, (n_batch, n_batch, L**2, L)) @ t32.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t79
     t81 = np.reshape((np.reshape(t80.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t31.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t80
     t82 = t77 * t46
     t83 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t84 = np.reshape((np.reshape(t83, (n_batch, n_batch, L**2, L)) @ t49.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t49, t83
     t85 = np.reshape((np.reshape(t84.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t26.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t84
     t86 = t77 * t53
     t87 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t88 = np.reshape((np.reshape(t87, (n_batch, n_batch, L**2, L)) @ t55.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t55, t87
     t89 = np.reshape((np.reshape(t88.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t88
     t90 = (n_batch**(-2)) * (t62.sum((0,)) * t62.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t71 * t68).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t76 * t74).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t81 * t78.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t85 * t82.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t89 * t86.transpose(0, 2, 3, 1)).sum()
+    del t68, t71, t74, t76, t78, t81, t82, t85, t86, t89
     t91 = np.sqrt(np.maximum(t90, 0.0))
+    del t90
     t92 = np.swapaxes(W_O, -1, -2)
     t93 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t20.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    del t20
     t94 = (t93 @ dA)
+    del t93
     t95 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t96 = t95 * t21
     t97 = (t92 @ t92.transpose(1, 0))
     t98 = np.reshape((t97 @ np.reshape(t94.transpose(2, 0, 1, 3), (d_V, L**2*n_batch))), (d_V, n_batch, L, L))
     t99 = np.reshape((np.reshape(t98.transpose(1, 0, 3, 2), (n_batch, L*d_V, L)) @ np.reshape(t96.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, d_V, L, n_batch, L))
+    del t96
     t100 = np.reshape((np.reshape(t99.transpose(3, 0, 2, 1, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t94.transpose(0, 2, 1, 3), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t99
     t101 = G @ t92
     t102 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t103 = np.reshape((np.reshape(t101, (L*n_batch, d_H)) @ t92.transpose(1, 0)), (n_batch, L, d_V))
     t104 = np.reshape((np.reshape(t103, (L*n_batch, d_V)) @ np.reshape(t94.transpose(2, 0, 1, 3), (d_V, L**2*n_batch))), (n_batch, L, n_batch, L, L))
     t105 = (t104 * np.reshape(t21, (n_batch, L, n_batch, L, 1)))
+    del t104
     t106 = np.reshape((np.reshape(t105.transpose(0, 2, 1, 4, 3), (n_batch, n_batch, L**2, L)) @ t102.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t105
     t107 = np.reshape((np.reshape(t106.transpose(0, 1, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t106
     t108 = np.reshape((np.reshape(t101, (L*n_batch, d_H)) @ np.reshape(t101.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t109 = t108 * t21
     t110 = np.reshape((np.reshape(t53.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t111 = np.reshape((np.reshape(t110.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t109.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t109
     t112 = np.reshape((np.reshape(t111.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t111
     t113 = (1/(L**2*d_K*n_batch**2)) * (t100 * t32.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t107 * t32.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t112 * t32.transpose(0, 2, 3, 1)).sum()
+    del t100, t107, t112
     t114 = np.sqrt(np.maximum(t113, 0.0))
+    del t113
     t115 = M_1 @ W_V
     t116 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_H, n_batch, L))
     t117 = np.reshape((np.reshape(t115, (L*n_batch, d_H)) @ np.reshape(t115.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t118 = t117 * t21
     t119 = np.reshape((np.reshape(t116.transpose(1, 2, 0), (L*n_batch, d_H)) @ W_O), (n_batch, L, d_V))
     t120 = np.reshape((t119 @ np.reshape(t18.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    del t119
     t121 = (t120.transpose(0, 2, 3, 1) @ dA)
+    del t120
     t122 = np.reshape((np.reshape(t121.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t118, (n_batch, L, L*n_batch))), (n_batch, d_V, L, n_batch, L))
+    del t118
     t123 = np.reshape((np.reshape(t122.transpose(3, 0, 2, 1, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t121.transpose(0, 2, 1, 3), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t122
     t124 = np.reshape((W_V @ np.reshape(t115.transpose(2, 0, 1), (d_H, L*n_batch))), (d_V, n_batch, L))
     t125 = np.reshape((np.reshape(t124.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t124
     t126 = np.reshape((np.reshape(t121.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
     t127 = (t126.transpose(0, 1, 3, 4, 2) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t128 = np.reshape((np.reshape(t127.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t32.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t127
     t129 = np.reshape((np.reshape(t128.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t128
     t130 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t131 = t130 * t21
     t132 = np.reshape((np.reshape(t116.transpose(1, 2, 0), (L*n_batch, d_H)) @ np.reshape(t116, (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t116
     t133 = np.reshape((np.reshape(t131.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t131
     t134 = np.reshape((np.reshape(t133, (n_batch, n_batch, L**2, L)) @ t32.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t133
     t135 = np.reshape((np.reshape(t134.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t134
     t136 = (1/(L**2*d_K*n_batch**2)) * (t123 * t32.transpose(2, 0, 1, 3)).sum() + (2/(L*d_K*n_batch**2)) * (t129 * t125.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t135 * t132.transpose(0, 2, 3, 1)).sum()
+    del t123, t129, t135, t32
     t137 = np.sqrt(np.maximum(t136, 0.0))
+    del t136
     t138 = np.swapaxes(t62, -1, -2)
+    del t62
     t139 = np.swapaxes(W_Q, -1, -2)
     t140 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t138.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t141 = np.reshape((np.reshape(t140, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t140
     t142 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t139.transpose(1, 0)), (n_batch, L, d_K))
     t143 = np.reshape((np.reshape(t141, (L*n_batch, d_V)) @ t8), (n_batch, L, d_V))
+    del t141, t8
     t144 = np.reshape((np.reshape(t143, (n_batch, L, 1, d_V)) @ t18), (n_batch, L, d_V))
+    del t143
     t145 = np.reshape((np.reshape(t144, (L*n_batch, d_V)) @ t17), (n_batch, L, d_V))
+    del t144, t17
     t146 = np.reshape((np.reshape(t145, (n_batch, L, 1, d_V)) @ M_2), (n_batch, L, d_V))
+    del M_2, t145
     t147 = np.reshape((np.reshape(t142, (L*n_batch, d_K)) @ W_K.transpose(1, 0)), (n_batch, L, d_V))
     t148 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t138.sum((0,))), (n_batch, L, d_V))
     t149 = (t148 @ X.transpose(0, 2, 1))
+    del t148
     t150 = np.reshape((np.reshape(t149.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
+    del t149
     t151 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t139.transpose(1, 0)), (n_batch, L, d_K))
+    del t139
     t152 = (t27.transpose(1, 2, 0) @ t151.transpose(0, 2, 1))
+    del t27
     t153 = np.reshape((np.reshape(t142, (L*n_batch, d_K)) @ np.reshape(t142.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t154 = t153 * t21
     t155 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t156 = np.reshape((np.reshape(t155.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t154.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t154
     t157 = np.reshape((np.reshape(t156.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t31.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t156
     t158 = np.reshape((np.reshape(t151, (L*n_batch, d_K)) @ np.reshape(t142.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t142
     t159 = t158 * t21
     t160 = np.reshape((np.reshape(t46.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t46
     t161 = np.reshape((np.reshape(t160.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t159.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t159
     t162 = np.reshape((np.reshape(t161.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t26.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t161
     t163 = np.reshape((np.reshape(t151, (L*n_batch, d_K)) @ np.reshape(t151.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t151
     t164 = t163 * t21
     t165 = np.reshape((np.reshape(t53.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t53
     t166 = np.reshape((np.reshape(t165.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t164.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t164
     t167 = np.reshape((np.reshape(t166.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t166
     t168 = (n_batch**(-2)) * (t138.sum((0,)) * t138.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t147 * t146).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t152 * t150.transpose(0, 2, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t157 * t33.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t162 * t33.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t167 * t33.transpose(0, 2, 3, 1)).sum()
+    del t138, t146, t147, t150, t152, t157, t162, t167
     t169 = np.sqrt(np.maximum(t168, 0.0))
+    del t168
     t170 = t77 * t153
     t171 = np.reshape((np.reshape(t155.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t155
     t172 = np.reshape((np.reshape(t171.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t31.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t171, t31
     t173 = t77 * t158
+    del t158
     t174 = np.reshape((np.reshape(t160, (n_batch, n_batch, L**2, L)) @ t21.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t160
     t175 = np.reshape((np.reshape(t174.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t26.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t174, t26
     t176 = t77 * t163
+    del t163
     t177 = np.reshape((np.reshape(t165, (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t165
     t178 = np.reshape((np.reshape(t177.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del d2A, t177
     t179 = (1/(L**2*d_K**2*n_batch**2)) * (t172 * t170.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t175 * t173.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t178 * t176.transpose(0, 2, 3, 1)).sum()
+    del t170, t172, t173, t175, t176, t178
     t180 = np.sqrt(np.maximum(t179, 0.0))
+    del t179
     t181 = t153 * t95
     t182 = np.reshape((np.reshape(t98.transpose(1, 0, 2, 3), (n_batch, L*d_V, L)) @ np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, d_V, L, n_batch, L))
+    del t98
     t183 = np.reshape((np.reshape(t182.transpose(3, 0, 2, 1, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t94.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t182, t94
     t184 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t103.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t103, t29
     t185 = (t184.transpose(0, 1, 3, 4, 2) * np.reshape(t153.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    del t184
     t186 = np.reshape((np.reshape(t185.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t185
     t187 = np.reshape((np.reshape(t186.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t186
     t188 = t153 * t108
+    del t108
     t189 = np.reshape((np.reshape(t110, (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t190 = np.reshape((np.reshape(t189.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t189
     t191 = (1/(L**2*d_K*n_batch**2)) * (t183 * t181.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t187 * t102.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t190 * t188.transpose(0, 2, 3, 1)).sum()
+    del t102, t181, t183, t187, t188
     t192 = np.sqrt(np.maximum(t191, 0.0))
+    del t191
     t193 = t153 * t117
     t194 = np.reshape((np.reshape(t121, (n_batch, L*d_V, L)) @ np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t195 = np.reshape((np.reshape(t194.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t121.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t121, t194
     t196 = (t126.transpose(0, 1, 3, 4, 2) * np.reshape(t153.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    del t126
     t197 = np.reshape((np.reshape(t196.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t196
     t198 = np.reshape((np.reshape(t197.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t197
     t199 = t153 * t130
+    del t130, t153
     t200 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t201 = np.reshape((np.reshape(t200.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t199.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t199
     t202 = np.reshape((np.reshape(t201.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t201
     t203 = (1/(L**2*d_K*n_batch**2)) * (t195 * t193.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t198 * t125.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t202 * t132.transpose(0, 2, 3, 1)).sum()
+    del t125, t132, t193, t195, t198, t202
     t204 = np.sqrt(np.maximum(t203, 0.0))
+    del t203
     t205 = np.swapaxes(t101, -1, -2)
+    del t101
     t206 = np.reshape((np.reshape(t205.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t205.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t207 = t21 * t206
     t208 = np.reshape((np.reshape(t110.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t207.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t110, t207
     t209 = np.reshape((np.reshape(t208.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t208
     t210 = np.swapaxes(M_1, -1, -2)
     t211 = np.reshape((W_O.transpose(1, 0) @ np.reshape(t205.transpose(1, 0, 2), (d_H, L*n_batch))), (d_V, n_batch, L))
+    del t205
     t212 = np.reshape((np.reshape(t210.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t213 = np.reshape((t22 @ np.reshape(t18.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    del t22
     t214 = (t213.transpose(0, 2, 3, 1) @ dA)
+    del t213
     t215 = np.reshape((np.reshape(t214.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t211, (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t211
     t216 = (t215.transpose(0, 1, 3, 4, 2) * np.reshape(t21, (n_batch, L, n_batch, L, 1)))
     t217 = np.reshape((np.reshape(t216.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t33.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t216
     t218 = np.reshape((np.reshape(t217.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t217
     t219 = np.reshape((np.reshape(t210.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t210.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t220 = (W_O.transpose(1, 0) @ W_O)
     t221 = t21 * t219
     t222 = np.reshape((np.reshape(t214.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ t220.transpose(1, 0)), (n_batch, L, L, d_V))
     t223 = np.reshape((np.reshape(t214.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t221, (n_batch, L, L*n_batch))), (n_batch, d_V, L, n_batch, L))
+    del t221
     t224 = np.reshape((np.reshape(t223.transpose(3, 0, 2, 1, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t222.transpose(0, 3, 1, 2), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t223
     t225 = (1/(d_K*n_batch**2)) * (t209 * t33.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t218 * t212.transpose(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t224 * t33.transpose(2, 0, 1, 3)).sum()
+    del t209, t218, t224
     t226 = np.sqrt(np.maximum(t225, 0.0))
+    del t225
     t227 = t77 * t206
+    del t206
     t228 = (t215.transpose(0, 1, 3, 4, 2) * np.reshape(t77, (n_batch, L, n_batch, L, 1)))
+    del t215
     t229 = np.reshape((np.reshape(t228.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t21.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t228
     t230 = np.reshape((np.reshape(t229.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t229
     t231 = t77 * t219
     t232 = np.reshape((np.reshape(t214, (n_batch, L*d_V, L)) @ np.reshape(t21, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    del t214
     t233 = np.reshape((np.reshape(t232.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t222.transpose(0, 3, 2, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t222, t232
     t234 = (1/(d_K*n_batch**2)) * (t190 * t227.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t230 * t212.transpose(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t233 * t231.transpose(2, 0, 1, 3)).sum()
+    del t190, t212, t227, t230, t231, t233
     t235 = np.sqrt(np.maximum(t234, 0.0))
+    del t234
     t236 = t95 * t219
     t237 = np.reshape((t220 @ np.reshape(t18.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t220
     t238 = np.reshape((t97.transpose(1, 0) @ np.reshape(t18.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t239 = np.reshape((np.reshape(t238.transpose(1, 2, 0, 3), (L*n_batch, d_V**2)) @ np.reshape(t237.transpose(3, 0, 1, 2), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    del t238
     t240 = (1/(L**2*n_batch**2)) * (t239 * t236).sum()
+    del t236, t239
     t241 = np.sqrt(np.maximum(t240, 0.0))
+    del t240
     t242 = t117 * t219
     t243 = np.reshape((np.reshape(t237.transpose(1, 2, 0, 3), (L*n_batch, d_V**2)) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    del t237
     t244 = np.reshape((np.reshape(t115, (L*n_batch, d_H)) @ W_O), (n_batch, L, d_V))
     t245 = np.reshape((np.reshape(t244, (n_batch, L, 1, d_V)) @ t18), (n_batch, L, d_V))
+    del t244
     t246 = np.reshape((np.reshape(t219.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V))), (n_batch, L, d_V))
+    del t219
     t247 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t210.transpose(0, 2, 1), (L*n_batch, d_V)))
+    del t210
     t248 = (1/(L**2*n_batch**2)) * (t243 * t242.transpose(2, 3, 0, 1)).sum() + (2/(L*n_batch**2)) * (t246 * t245).sum() + (d_H/n_batch**2) * (t247 * t247).sum()
+    del t242, t243, t245, t246, t247
     t249 = np.sqrt(np.maximum(t248, 0.0))
+    del t248
     t250 = np.swapaxes(G, -1, -2)
+    del G
     t251 = np.swapaxes(W_V, -1, -2)
     t252 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t251.transpose(1, 0)), (n_batch, L, d_H))
     t253 = np.reshape((np.reshape(t250.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t250.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t254 = t21 * t253
     t255 = np.reshape((np.reshape(t252, (L*n_batch, d_H)) @ np.reshape(t252.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t256 = np.reshape((np.reshape(t254.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t254
     t257 = np.reshape((np.reshape(t256.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t255.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t256
     t258 = np.reshape((np.reshape(t257.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t257
     t259 = np.swapaxes(t115, -1, -2)
+    del t115
     t260 = np.reshape((np.reshape(t252, (L*n_batch, d_H)) @ np.reshape(t259.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t252
     t261 = (t251.transpose(1, 0) @ t92.transpose(1, 0))
+    del t251
     t262 = np.reshape((t261.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t1, t261
     t263 = np.reshape((t262.transpose(1, 2, 0) @ np.reshape(t18.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    del t262
     t264 = (t263.transpose(0, 2, 3, 1) @ dA)
+    del t263
     t265 = np.reshape((np.reshape(t264.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t250.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
     t266 = (t265.transpose(0, 1, 3, 4, 2) * np.reshape(t21, (n_batch, L, n_batch, L, 1)))
     t267 = np.reshape((np.reshape(t266.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t33.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t266
     t268 = np.reshape((np.reshape(t267.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t267
     t269 = np.reshape((np.reshape(t259.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t259.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t270 = t21 * t269
     t271 = np.reshape((np.reshape(t33.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t264.transpose(0, 3, 1, 2), (n_batch, L, L*d_V))), (n_batch, n_batch, L, L, d_V))
     t272 = np.reshape((np.reshape(t271.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t264.transpose(0, 3, 2, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t271
     t273 = (1/(d_K*n_batch**2)) * (t258 * t33.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t268 * t260.transpose(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t272 * t270.transpose(0, 2, 3, 1)).sum()
+    del t258, t268, t270, t272, t33
     t274 = np.sqrt(np.maximum(t273, 0.0))
+    del t273
     t275 = t77 * t253
+    del t253
     t276 = np.reshape((np.reshape(t200, (n_batch, n_batch, L**2, L)) @ t255.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t200, t255
     t277 = np.reshape((np.reshape(t276.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t276
     t278 = (t265.transpose(0, 1, 3, 4, 2) * np.reshape(t77, (n_batch, L, n_batch, L, 1)))
+    del t265
     t279 = np.reshape((np.reshape(t278.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t21.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t278
     t280 = np.reshape((np.reshape(t279.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del dA, t279
     t281 = t77 * t269
+    del t77
     t282 = np.reshape((np.reshape(t264, (n_batch, L*d_V, L)) @ np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    del t21
     t283 = np.reshape((np.reshape(t282.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t264.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t264, t282
     t284 = (1/(d_K*n_batch**2)) * (t277 * t275.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t280 * t260.transpose(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t283 * t281.transpose(0, 2, 3, 1)).sum()
+    del t260, t275, t277, t280, t281, t283
     t285 = np.sqrt(np.maximum(t284, 0.0))
+    del t284
     t286 = t250 @ M_1
+    del t250
     t287 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ t286.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
+    del M_1
     t288 = t287 * t10
+    del t10, t287
     t289 = np.reshape((np.reshape(t288, (n_batch, L, 1, d_V)) @ dA16), (n_batch, L, d_V))
+    del dA16, t288
     t290 = np.reshape((t92 @ np.reshape(t259.transpose(1, 0, 2), (d_H, L*n_batch))), (d_V, n_batch, L))
+    del t259, t92
     t291 = t95 * t269
+    del t95
     t292 = np.reshape((t97 @ np.reshape(t18.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t97
     t293 = np.reshape((np.reshape(t292.transpose(1, 2, 0, 3), (L*n_batch, d_V**2)) @ np.reshape(t18.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    del t292
     t294 = (d_H/n_batch**2) * (t286.sum((0,)) * t286.sum((0,))).sum() + (2/(L*n_batch**2)) * (t290 * t289.transpose(2, 0, 1)).sum() + (1/(L**2*n_batch**2)) * (t293 * t291.transpose(2, 3, 0, 1)).sum()
+    del t286, t289, t290, t291, t293
     t295 = np.sqrt(np.maximum(t294, 0.0))
+    del t294
     t296 = np.reshape((np.reshape(t18, (L*n_batch, d_V**2)) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    del t18
     t297 = t296 * t269
+    del t269, t296
     t298 = (1/(L**2*n_batch**2)) * (t297 * t117).sum()
+    del t117, t297
     t299 = np.sqrt(np.maximum(t298, 0.0))
+    del t298
     return (t60, t91, t114, t137, t169, t180, t192, t204, t226, t235, t241, t249, t274, t285, t295, t299,)
 
 
@@ -28474,180 +29503,290 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     H = np.empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
+    del t0
     t2 = np.swapaxes(W_K, -1, -2)
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = np.triu(np.ones((L, L), dtype=bool), 1)
     t9 = np.where(t8, -math.inf, t7)
+    del t7, t8
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    del t9
     A = t10 / t10.sum(-1, keepdims=True)
+    del t10
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t12
     t13 = W_V @ W_O
     t14 = Y.sum(-1, keepdims=True)
     t15 = np.broadcast_to(t14, t14.shape[:-1] + (d_V,))
+    del t14
     t16 = A @ X
     M_1 = t16
+    del t16
     t17 = M_1 @ t13
     t18 = np.exp(t17 - t17.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
+    del t18
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA21 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(A19, (n_batch, L, d_V, 1))) - (np.reshape(A19, (n_batch, L, 1, d_V)) * np.reshape(A19, (n_batch, L, d_V, 1)))
+    del A19, t20
     t22 = np.swapaxes(t13, -1, -2)
     t23 = (1/(L*d_K*n_batch)) * t2
     t24 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t23
     t25 = (dA21 * np.reshape(t15, (n_batch, L, d_V, 1)))
     t26 = np.reshape((np.reshape(t25, (L*d_V*n_batch, d_V)) @ t22), (n_batch, L, d_V, d_V))
     t27 = (t26 @ M_2)
+    del t26
     t28 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t13), (n_batch, L, d_K, d_V))
+    del t24
     t29 = (t28 @ t27)
     t30 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t29.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t29
     t31 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t17
+    del t17
     t32 = np.exp(F - F.max(-1, keepdims=True))
+    del F
     A33 = t32 / t32.sum(-1, keepdims=True)
+    del t32
     t34 = t15 * A33
+    del A33
     t35 = t34 - Y
+    del t34
     t36 = (1/L) * t35
+    del t35
     G = t36
+    del t36
     t37 = t22 @ t3
     t38 = G @ t37
+    del t37
     t39 = t38 - (A * t38).sum(-1, keepdims=True)
+    del t38
     t40 = A * t39
+    del t39
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t11, (1, 1, L, L)) * np.reshape(t40, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t40, (n_batch, L, L, 1))) - (np.reshape(t40, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t11
     t41 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t41
     t42 = (1/(d_K*n_batch)) * t2
     t43 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t42.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t44 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t43.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t43
     t45 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t46 = np.reshape(t31, (d_V**2, L*n_batch))
+    del t31
     t47 = np.reshape(t45, (d_V**2, L*n_batch))
+    del t45
     t48 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t30
     t49 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t44
     t50 = np.concatenate([t46, t47], axis=-1)
+    del t46, t47
     t51 = np.concatenate([t48, t49], axis=-2)
+    del t48, t49
     t1[...] = (np.reshape((t50 @ t51), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t1, t50, t51
     t52 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
+    del t52
     t54 = ((t28 @ t27)).transpose(2, 3, 0, 1)
+    del t28
     t55 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t56 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t57 = np.reshape((t42 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    del t42
     t58 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t59 = np.einsum('abcb->abc', t53)
     t60 = t40 @ X
+    del t40
     t61 = t3 @ t60
+    del t60
     t62 = np.ones((d_K,), dtype=X.dtype)
     t63 = (1/(math.sqrt(d_K)*n_batch)) * t62
+    del t62
     t64 = np.reshape(t54, (d_K*d_V, L*n_batch))
+    del t54
     t65 = np.reshape(t57, (d_K*d_V, L*n_batch))
+    del t57
     t66 = np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t56
     t67 = np.reshape(t58.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t58
     t68 = np.concatenate([t64, t65], axis=-1)
+    del t64, t65
     t69 = np.concatenate([t66, t67], axis=-2)
+    del t66, t67
     t53[...] = (np.reshape((t68 @ t69), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t53, t68, t69
     t59 += np.reshape(t63, (1, d_K, 1)) * np.reshape(t61.sum((0,)), (d_V, 1, d_V))
+    del t59
     t70 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t71 = np.reshape(t70, (d_V, d_K, d_V, d_H), copy=False)
+    del t70
     t72 = np.swapaxes(W_O, -1, -2)
     t73 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t74 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t73.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t73
     t75 = np.reshape((np.reshape(t25, (L*d_V*n_batch, d_V)) @ t72), (n_batch, L, d_V, d_H))
     t76 = np.reshape((np.reshape(t74.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t13), (n_batch, L, d_K, d_V))
     t77 = ((t76 @ t75)).transpose(2, 3, 0, 1)
+    del t75, t76
     t78 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t79 = G @ t72
     t80 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t81 = np.reshape((t80 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t82 = (np.reshape(t79.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t71[...] = (np.reshape((np.reshape(t78, (d_V**2, L*n_batch)) @ np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    del t77, t78
     t71 += (np.reshape((np.reshape(t81, (d_K*d_V, L*n_batch)) @ np.reshape(t82.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+    del t71, t81, t82
     t83 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t84 = np.reshape(t83, (d_V, d_K, d_H, d_V), copy=False)
+    del t83
     t85 = M_1 @ W_V
     t86 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
     t87 = np.reshape((t86 @ np.reshape(t74.transpose(2, 0, 1, 3), (d_V, L*d_K*n_batch))), (d_V, n_batch, L, d_K))
+    del t74
     t88 = ((t87.transpose(1, 2, 3, 0) @ t25)).transpose(2, 3, 0, 1)
+    del t87
     t89 = (np.reshape(t85.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t90 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t80.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    del t80
     t91 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t90.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+    del t90
     t92 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t84[...] = (np.reshape((np.reshape(t89, (d_H*d_V, L*n_batch)) @ np.reshape(t88.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t88, t89
     t84 += (np.reshape((np.reshape(t91, (d_H*d_K, L*n_batch)) @ np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t84, t91, t92
     t93 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t94 = np.reshape(t93, (d_V, d_K, d_V, d_K), copy=False)
+    del t93
     t95 = np.swapaxes(W_Q, -1, -2)
     t96 = (1/(L*d_K*n_batch)) * t95
     t97 = np.reshape((t13.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t13
     t98 = (t25.transpose(0, 1, 3, 2) @ t97.transpose(1, 2, 0, 3))
+    del t97
     t99 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    del t22
     t100 = (t99 @ t98)
     t101 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t100.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t100
     t102 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t96.transpose(1, 0)), (n_batch, L, d_K))
+    del t96
     t103 = (np.reshape(t102.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t104 = (1/(d_K*n_batch)) * t95
     t105 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t106 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t104.transpose(1, 0)), (n_batch, L, d_K))
+    del t104, t3
     t107 = (np.reshape(t106.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t108 = np.einsum('abcb->abc', t94)
     t109 = np.swapaxes(t61, -1, -2)
+    del t61
     t110 = np.reshape(t103, (d_K*d_V, L*n_batch))
+    del t103
     t111 = np.reshape(t107, (d_K*d_V, L*n_batch))
+    del t107
     t112 = np.reshape(t101.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t101
     t113 = np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    del t105
     t114 = np.concatenate([t110, t111], axis=-1)
+    del t110, t111
     t115 = np.concatenate([t112, t113], axis=-2)
+    del t112, t113
     t94[...] = (np.reshape((t114 @ t115), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t114, t115, t94
     t108 += np.reshape(t63, (1, d_K, 1)) * np.reshape(t109.sum((0,)), (d_V, 1, d_V))
+    del t108, t109, t63
     t116 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t117 = np.reshape(t116, (d_V, d_K, d_V, d_K), copy=False)
+    del t116
     t118 = ((t99 @ t98)).transpose(3, 2, 0, 1)
+    del t99
     t119 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t102.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t102
     t120 = M_3.transpose(2, 3, 0, 1)
+    del M_3
     t121 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t106.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t106
     t122 = np.reshape(t118, (d_V**2, L*n_batch))
+    del t118
     t123 = np.reshape(t120, (d_V**2, L*n_batch))
+    del t120
     t124 = np.reshape(t119.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t119
     t125 = np.reshape(t121.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t121
     t126 = np.concatenate([t122, t123], axis=-1)
+    del t122, t123
     t127 = np.concatenate([t124, t125], axis=-2)
+    del t124, t125
     t117[...] = (np.reshape((t126 @ t127), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t117, t126, t127
     t128 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t129 = np.reshape(t128, (d_V, d_K, d_V, d_H), copy=False)
+    del t128
     t130 = (1/(L*math.sqrt(d_K)*n_batch)) * t95
     t131 = (np.reshape((t72.transpose(1, 0) @ np.reshape(t98.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t98
     t132 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t130.transpose(1, 0)), (n_batch, L, d_K))
+    del t130
     t133 = (np.reshape(t132.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t134 = (1/(math.sqrt(d_K)*n_batch)) * t95
+    del t95
     t135 = M_2.transpose(3, 2, 0, 1)
     t136 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t134.transpose(1, 0)), (n_batch, L, d_K))
+    del t134
     t137 = (np.reshape(t136.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t79.transpose(2, 0, 1), (1, d_H, n_batch, L)))
     t129[...] = (np.reshape((np.reshape(t133, (d_K*d_V, L*n_batch)) @ np.reshape(t131.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+    del t131, t133
     t129 += (np.reshape((np.reshape(t135, (d_V**2, L*n_batch)) @ np.reshape(t137.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    del t129, t135, t137
     t138 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t139 = np.reshape(t138, (d_V, d_K, d_H, d_V), copy=False)
+    del t138
     t140 = np.reshape((t86 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t86
     t141 = ((t140.transpose(1, 2, 3, 0) @ t25)).transpose(2, 3, 0, 1)
+    del t140
     t142 = (np.reshape(t132.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t85.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    del t132
     t143 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t144 = (np.reshape(t136.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t136
     t139[...] = (np.reshape((np.reshape(t142, (d_H*d_K, L*n_batch)) @ np.reshape(t141.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t141, t142
     t139 += (np.reshape((np.reshape(t143, (d_H*d_V, L*n_batch)) @ np.reshape(t144.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t139, t143, t144
     t145 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t146 = np.reshape(t145, (d_V, d_H, d_V, d_K), copy=False)
+    del t145
     t147 = np.swapaxes(t79, -1, -2)
+    del t79
     t148 = (1/(math.sqrt(d_K)*n_batch)) * t147
+    del t147
     t149 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t148.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
     t150 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t151 = np.swapaxes(M_1, -1, -2)
@@ -28655,41 +29794,62 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t153 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t152.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t154 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_V, d_H))
     t155 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t154.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
+    del t154
     t146[...] = (np.reshape((np.reshape(t149, (d_H*d_V, L*n_batch)) @ np.reshape(t150.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t149, t150
     t146 += (np.reshape((np.reshape(t153, (d_V**2, L*n_batch)) @ np.reshape(t155.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
+    del t146, t153, t155
     t156 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t157 = np.reshape(t156, (d_V, d_H, d_V, d_K), copy=False)
+    del t156
     t158 = M_2.transpose(2, 3, 0, 1)
     t159 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t148.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    del t148
     t160 = np.reshape((W_O @ np.reshape(t27.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    del t27
     t161 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t152.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t152
     t157[...] = (np.reshape((np.reshape(t158, (d_V**2, L*n_batch)) @ np.reshape(t159.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
+    del t158, t159
     t157 += (np.reshape((np.reshape(t160, (d_H*d_V, L*n_batch)) @ np.reshape(t161.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    del t157, t160, t161
     t162 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t163 = np.reshape(t162, (d_V, d_H, d_V, d_H), copy=False)
+    del t162
     t164 = (1/(L*n_batch)) * t151
     t165 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t164.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t166 = (np.reshape(t15.transpose(2, 0, 1), (d_V, n_batch, L, 1)) * np.reshape(W_O.transpose(1, 0), (d_V, 1, 1, d_H)))
     t167 = np.reshape((t72.transpose(1, 0) @ np.reshape(dA21.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))
     t168 = ((t167.transpose(1, 2, 0, 3) @ t166.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    del t166, t167
     t163[...] = (np.reshape((np.reshape(t165, (d_V**2, L*n_batch)) @ np.reshape(t168.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
+    del t163, t165, t168
     t169 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t170 = np.reshape(t169, (d_V, d_H, d_H, d_V), copy=False)
+    del t169
     t171 = (np.reshape(t85.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t164.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t164
     t172 = np.reshape((W_O @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
     t173 = np.einsum('abbc->abc', t170)
     t174 = np.ones((d_H,), dtype=X.dtype)
     t175 = (1/n_batch) * t174
+    del t174
     t176 = (np.reshape(t151.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
+    del t151
     t170[...] = (np.reshape((np.reshape(t171, (d_H*d_V, L*n_batch)) @ np.reshape(t172.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
+    del t170, t171, t172
     t173 += np.reshape(t175, (1, d_H, 1)) * np.reshape(t176, (d_V, 1, d_V))
+    del t173, t176
     t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t178 = np.reshape(t177, (d_H, d_V, d_V, d_K), copy=False)
+    del t177
     t179 = np.swapaxes(G, -1, -2)
+    del G
     t180 = np.swapaxes(W_V, -1, -2)
     t181 = (1/(math.sqrt(d_K)*n_batch)) * t179
     t182 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t180.transpose(1, 0)), (n_batch, L, d_V, d_H))
     t183 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t182.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
+    del t182
     t184 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t181.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t185 = np.swapaxes(t85, -1, -2)
     t186 = (1/(L*math.sqrt(d_K)*n_batch)) * t185
@@ -28698,31 +29858,52 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t189 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t190 = np.reshape((t188 @ np.reshape(t25.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t191 = ((t190.transpose(1, 2, 3, 0) @ t189.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
+    del t189, t190
     t178[...] = (np.reshape((np.reshape(t184, (d_V**2, L*n_batch)) @ np.reshape(t183.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
+    del t183, t184
     t178 += (np.reshape((np.reshape(t187, (d_H*d_V, L*n_batch)) @ np.reshape(t191.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t178, t187, t191
     t192 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t193 = np.reshape(t192, (d_H, d_V, d_V, d_K), copy=False)
+    del t192
     t194 = np.reshape((t180 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    del t180
     t195 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t181.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t181
     t196 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t186.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    del t186, t55
     t197 = np.reshape((t188.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del M_2, t188
     t198 = ((t197.transpose(1, 2, 3, 0) @ t25.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    del t197
     t193[...] = (np.reshape((np.reshape(t194, (d_H*d_V, L*n_batch)) @ np.reshape(t195.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    del t194, t195
     t193 += (np.reshape((np.reshape(t198, (d_V**2, L*n_batch)) @ np.reshape(t196.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
+    del t193, t196, t198
     t199 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t200 = np.reshape(t199, (d_H, d_V, d_V, d_H), copy=False)
+    del t199
     t201 = (1/(L*n_batch)) * t185
+    del t185
     t202 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t201.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
     t203 = (np.reshape((t72.transpose(1, 0) @ np.reshape(t25.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t25, t72
     t204 = np.einsum('abca->abc', t200)
     t205 = t179 @ M_1
+    del M_1, t179
     t200[...] = (np.reshape((np.reshape(t202, (d_H*d_V, L*n_batch)) @ np.reshape(t203.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
+    del t200, t202, t203
     t204 += np.reshape(t175, (d_H, 1, 1)) * np.reshape(t205.sum((0,)), (1, d_V, d_V))
+    del t175, t204, t205
     t206 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t207 = np.reshape(t206, (d_H, d_V, d_H, d_V), copy=False)
+    del t206
     t208 = (dA21.transpose(2, 3, 0, 1) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    del dA21, t15
     t209 = (np.reshape(t85.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t201.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    del t201, t85
     t207[...] = (np.reshape((np.reshape(t209, (d_H**2, L*n_batch)) @ np.reshape(t208.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
+    del t207, t208, t209
     return H
 
 
@@ -28838,26 +30019,36 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = np.triu(np.ones((L, L), dtype=bool), 1)
     t7 = np.where(t6, -math.inf, t5)
+    del t5, t6
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    del t7
     A = t8 / t8.sum(-1, keepdims=True)
+    del t8
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
+    del t11
     t13 = A @ X
     M_1 = t13
+    del t13
     t14 = M_1 @ t10
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
+    del t15
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
+    del A16, t17
     t19 = np.swapaxes(t10, -1, -2)
     t20 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -28867,286 +30058,479 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = np.reshape((t22.transpose(1, 2, 0) @ np.reshape(t20.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t26 = np.reshape((np.reshape(t25, (n_batch, L**2, d_V)) @ t24.transpose(0, 2, 1)), (n_batch, L, L, L))
     t27 = (t26.transpose(0, 2, 3, 1) @ dA)
+    del t26
     t28 = (t27.transpose(0, 1, 3, 2) @ dA)
+    del t27
     t29 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t30 = t23 * t23
     t31 = (t25.transpose(0, 2, 3, 1) @ dA)
+    del t25
     t32 = np.reshape((t24 @ np.reshape(t31.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
     t33 = (t32.transpose(0, 2, 3, 1) @ dA)
+    del t32
     t34 = np.reshape((np.reshape(t21, (L*n_batch, d_K)) @ np.reshape(t21.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t35 = np.reshape((np.reshape(t29.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t29, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = np.reshape((np.reshape(t34.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t28.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t37 = np.reshape((np.reshape(t36.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t30.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t30, t36
     t38 = np.reshape((np.reshape(t37.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t33.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t37
     F = t14
+    del t14
     t39 = np.exp(F - F.max(-1, keepdims=True))
+    del F
     A40 = t39 / t39.sum(-1, keepdims=True)
+    del t39
     t41 = t12 * A40
+    del A40
     t42 = t41 - Y
+    del t41
     t43 = (1/L) * t42
+    del t42
     G = t43
+    del t43
     t44 = t19 @ t1
     t45 = G @ t44
+    del t44
     t46 = t45 - (A * t45).sum(-1, keepdims=True)
+    del t45
     t47 = A * t46
+    del t46
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t47, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t47, (n_batch, L, L, 1))) - (np.reshape(t47, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    del A, t9
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t49 = t23 * t48
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t51 = np.reshape((np.reshape(t50, (L*n_batch, d_K)) @ np.reshape(t21.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t21
     t52 = np.reshape((np.reshape(t51.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t53 = np.reshape((np.reshape(t52.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t49.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t49, t52
     t54 = np.reshape((np.reshape(t53.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t28.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t53
     t55 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t56 = t23 * t55
     t57 = np.reshape((np.reshape(t50, (L*n_batch, d_K)) @ np.reshape(t50.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t58 = np.reshape((np.reshape(t56.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t56
     t59 = np.reshape((np.reshape(t58.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t57.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t58
     t60 = np.reshape((np.reshape(t59.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t59
     t61 = (1/(L**2*d_K**2*n_batch**2)) * (t38 * t35.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t54 * t35.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t60 * t35.transpose(0, 2, 3, 1)).sum()
+    del t38, t54, t60
     t62 = np.sqrt(np.maximum(t61, 0.0))
+    del t61
     t63 = t47 @ X
+    del t47
     t64 = t1 @ t63
+    del t63
     t65 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t65.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    del t65
     t66 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t64.sum((0,))), (n_batch, L, d_V))
     t67 = np.reshape((np.reshape(t66, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t66
     t68 = (W_Q @ t0)
+    del t0
     t69 = np.reshape((np.reshape(t67, (L*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V))
+    del t67
     t70 = np.reshape((np.reshape(t69, (n_batch, L, 1, d_V)) @ t20.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t69
     t71 = np.reshape((t68.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t68
     t72 = np.reshape((np.reshape(t71.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t71
     t73 = np.reshape((np.reshape(t72, (L*n_batch, d_V)) @ t10), (n_batch, L, d_V))
+    del t72
     t74 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t64.sum((0,))), (n_batch, L, d_V))
     t75 = (t74 @ X.transpose(0, 2, 1))
+    del t74
     t76 = np.reshape((np.reshape(t75, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
+    del t75
     t77 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t78 = (t77.transpose(1, 2, 0) @ t50.transpose(0, 2, 1))
+    del t50
     t79 = np.reshape((np.reshape(t77.transpose(1, 2, 0), (L*n_batch, d_K)) @ np.reshape(t77, (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t77
     t80 = t79 * t23
     t81 = np.reshape((np.reshape(t23.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t28.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t82 = np.reshape((np.reshape(t81, (n_batch, n_batch, L**2, L)) @ t34.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t81
     t83 = np.reshape((np.reshape(t82.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t33.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t82
     t84 = t79 * t48
     t85 = np.reshape((np.reshape(t23.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t86 = np.reshape((np.reshape(t85, (n_batch, n_batch, L**2, L)) @ t51.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t51, t85
     t87 = np.reshape((np.reshape(t86.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t28.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t86
     t88 = t79 * t55
     t89 = np.reshape((np.reshape(t23.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t90 = np.reshape((np.reshape(t89, (n_batch, n_batch, L**2, L)) @ t57.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t57, t89
     t91 = np.reshape((np.reshape(t90.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t90
     t92 = (n_batch**(-2)) * (t64.sum((0,)) * t64.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t73 * t70).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t78 * t76).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t83 * t80.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t87 * t84.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t91 * t88.transpose(0, 2, 3, 1)).sum()
+    del t70, t73, t76, t78, t80, t83, t84, t87, t88, t91
     t93 = np.sqrt(np.maximum(t92, 0.0))
+    del t92
     t94 = np.swapaxes(W_O, -1, -2)
     t95 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t22.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    del t22
     t96 = (t95 @ dA)
+    del t95
     t97 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t98 = t97 * t23
     t99 = (t94 @ t94.transpose(1, 0))
     t100 = np.reshape((t99 @ np.reshape(t96.transpose(2, 0, 1, 3), (d_V, L**2*n_batch))), (d_V, n_batch, L, L))
     t101 = np.reshape((np.reshape(t100.transpose(1, 0, 3, 2), (n_batch, L*d_V, L)) @ np.reshape(t98.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, d_V, L, n_batch, L))
+    del t98
     t102 = np.reshape((np.reshape(t101.transpose(3, 0, 2, 1, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t96.transpose(0, 2, 1, 3), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t101
     t103 = G @ t94
     t104 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t105 = np.reshape((np.reshape(t103, (L*n_batch, d_H)) @ t94.transpose(1, 0)), (n_batch, L, d_V))
     t106 = np.reshape((np.reshape(t105, (L*n_batch, d_V)) @ np.reshape(t96.transpose(2, 0, 1, 3), (d_V, L**2*n_batch))), (n_batch, L, n_batch, L, L))
     t107 = (t106 * np.reshape(t23, (n_batch, L, n_batch, L, 1)))
+    del t106
     t108 = np.reshape((np.reshape(t107.transpose(0, 2, 1, 4, 3), (n_batch, n_batch, L**2, L)) @ t104.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t107
     t109 = np.reshape((np.reshape(t108.transpose(0, 1, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t108
     t110 = np.reshape((np.reshape(t103, (L*n_batch, d_H)) @ np.reshape(t103.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t111 = t110 * t23
     t112 = np.reshape((np.reshape(t55.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t113 = np.reshape((np.reshape(t112.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t111.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t111
     t114 = np.reshape((np.reshape(t113.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t113
     t115 = (1/(L**2*d_K*n_batch**2)) * (t102 * t34.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t109 * t34.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t114 * t34.transpose(0, 2, 3, 1)).sum()
+    del t102, t109, t114
     t116 = np.sqrt(np.maximum(t115, 0.0))
+    del t115
     t117 = M_1 @ W_V
     t118 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_H, n_batch, L))
     t119 = np.reshape((np.reshape(t117, (L*n_batch, d_H)) @ np.reshape(t117.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t120 = t119 * t23
     t121 = np.reshape((np.reshape(t118.transpose(1, 2, 0), (L*n_batch, d_H)) @ W_O), (n_batch, L, d_V))
     t122 = np.reshape((t121 @ np.reshape(t20.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    del t121
     t123 = (t122.transpose(0, 2, 3, 1) @ dA)
+    del t122
     t124 = np.reshape((np.reshape(t123.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t120, (n_batch, L, L*n_batch))), (n_batch, d_V, L, n_batch, L))
+    del t120
     t125 = np.reshape((np.reshape(t124.transpose(3, 0, 2, 1, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t123.transpose(0, 2, 1, 3), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t124
     t126 = np.reshape((W_V @ np.reshape(t117.transpose(2, 0, 1), (d_H, L*n_batch))), (d_V, n_batch, L))
     t127 = np.reshape((np.reshape(t126.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    del t126
     t128 = np.reshape((np.reshape(t123.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
     t129 = (t128.transpose(0, 1, 3, 4, 2) * np.reshape(t23.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t130 = np.reshape((np.reshape(t129.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t34.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t129
     t131 = np.reshape((np.reshape(t130.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t130
     t132 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t133 = t132 * t23
     t134 = np.reshape((np.reshape(t118.transpose(1, 2, 0), (L*n_batch, d_H)) @ np.reshape(t118, (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t118
     t135 = np.reshape((np.reshape(t133.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t133
     t136 = np.reshape((np.reshape(t135, (n_batch, n_batch, L**2, L)) @ t34.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t135
     t137 = np.reshape((np.reshape(t136.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t136
     t138 = (1/(L**2*d_K*n_batch**2)) * (t125 * t34.transpose(2, 0, 1, 3)).sum() + (2/(L*d_K*n_batch**2)) * (t131 * t127.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t137 * t134.transpose(0, 2, 3, 1)).sum()
+    del t125, t131, t137, t34
     t139 = np.sqrt(np.maximum(t138, 0.0))
+    del t138
     t140 = np.swapaxes(t64, -1, -2)
+    del t64
     t141 = np.swapaxes(W_Q, -1, -2)
     t142 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t140.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t143 = np.reshape((np.reshape(t142, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    del t142
     t144 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t141.transpose(1, 0)), (n_batch, L, d_K))
     t145 = np.reshape((np.reshape(t143, (L*n_batch, d_V)) @ t10), (n_batch, L, d_V))
+    del t10, t143
     t146 = np.reshape((np.reshape(t145, (n_batch, L, 1, d_V)) @ t20), (n_batch, L, d_V))
+    del t145
     t147 = np.reshape((np.reshape(t146, (L*n_batch, d_V)) @ t19), (n_batch, L, d_V))
+    del t146, t19
     t148 = np.reshape((np.reshape(t147, (n_batch, L, 1, d_V)) @ M_2), (n_batch, L, d_V))
+    del M_2, t147
     t149 = np.reshape((np.reshape(t144, (L*n_batch, d_K)) @ W_K.transpose(1, 0)), (n_batch, L, d_V))
     t150 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t140.sum((0,))), (n_batch, L, d_V))
     t151 = (t150 @ X.transpose(0, 2, 1))
+    del t150
     t152 = np.reshape((np.reshape(t151.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
+    del t151
     t153 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t141.transpose(1, 0)), (n_batch, L, d_K))
+    del t141
     t154 = (t29.transpose(1, 2, 0) @ t153.transpose(0, 2, 1))
+    del t29
     t155 = np.reshape((np.reshape(t144, (L*n_batch, d_K)) @ np.reshape(t144.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t156 = t155 * t23
     t157 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t23.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t158 = np.reshape((np.reshape(t157.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t156.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t156
     t159 = np.reshape((np.reshape(t158.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t33.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t158
     t160 = np.reshape((np.reshape(t153, (L*n_batch, d_K)) @ np.reshape(t144.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t144
     t161 = t160 * t23
     t162 = np.reshape((np.reshape(t48.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t48
     t163 = np.reshape((np.reshape(t162.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t161.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t161
     t164 = np.reshape((np.reshape(t163.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t28.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t163
     t165 = np.reshape((np.reshape(t153, (L*n_batch, d_K)) @ np.reshape(t153.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    del t153
     t166 = t165 * t23
     t167 = np.reshape((np.reshape(t55.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t55
     t168 = np.reshape((np.reshape(t167.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t166.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t166
     t169 = np.reshape((np.reshape(t168.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t168
     t170 = (n_batch**(-2)) * (t140.sum((0,)) * t140.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t149 * t148).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t154 * t152.transpose(0, 2, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t159 * t35.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t164 * t35.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t169 * t35.transpose(0, 2, 3, 1)).sum()
+    del t140, t148, t149, t152, t154, t159, t164, t169
     t171 = np.sqrt(np.maximum(t170, 0.0))
+    del t170
     t172 = t79 * t155
     t173 = np.reshape((np.reshape(t157.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t23.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t157
     t174 = np.reshape((np.reshape(t173.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t33.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t173, t33
     t175 = t79 * t160
+    del t160
     t176 = np.reshape((np.reshape(t162, (n_batch, n_batch, L**2, L)) @ t23.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t162
     t177 = np.reshape((np.reshape(t176.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t28.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t176, t28
     t178 = t79 * t165
+    del t165
     t179 = np.reshape((np.reshape(t167, (n_batch, n_batch, L**2, L)) @ t23.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t167
     t180 = np.reshape((np.reshape(t179.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del d2A, t179
     t181 = (1/(L**2*d_K**2*n_batch**2)) * (t174 * t172.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t177 * t175.transpose(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t180 * t178.transpose(0, 2, 3, 1)).sum()
+    del t172, t174, t175, t177, t178, t180
     t182 = np.sqrt(np.maximum(t181, 0.0))
+    del t181
     t183 = t155 * t97
     t184 = np.reshape((np.reshape(t100.transpose(1, 0, 2, 3), (n_batch, L*d_V, L)) @ np.reshape(t23.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, d_V, L, n_batch, L))
+    del t100
     t185 = np.reshape((np.reshape(t184.transpose(3, 0, 2, 1, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t96.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t184, t96
     t186 = np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t105.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t105, t31
     t187 = (t186.transpose(0, 1, 3, 4, 2) * np.reshape(t155.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    del t186
     t188 = np.reshape((np.reshape(t187.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t23.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t187
     t189 = np.reshape((np.reshape(t188.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t188
     t190 = t155 * t110
+    del t110
     t191 = np.reshape((np.reshape(t112, (n_batch, n_batch, L**2, L)) @ t23.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t192 = np.reshape((np.reshape(t191.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t191
     t193 = (1/(L**2*d_K*n_batch**2)) * (t185 * t183.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t189 * t104.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t192 * t190.transpose(0, 2, 3, 1)).sum()
+    del t104, t183, t185, t189, t190
     t194 = np.sqrt(np.maximum(t193, 0.0))
+    del t193
     t195 = t155 * t119
     t196 = np.reshape((np.reshape(t123, (n_batch, L*d_V, L)) @ np.reshape(t23.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t197 = np.reshape((np.reshape(t196.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t123.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t123, t196
     t198 = (t128.transpose(0, 1, 3, 4, 2) * np.reshape(t155.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    del t128
     t199 = np.reshape((np.reshape(t198.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t23.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t198
     t200 = np.reshape((np.reshape(t199.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t199
     t201 = t155 * t132
+    del t132, t155
     t202 = np.reshape((np.reshape(t23.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t203 = np.reshape((np.reshape(t202.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t201.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t201
     t204 = np.reshape((np.reshape(t203.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t203
     t205 = (1/(L**2*d_K*n_batch**2)) * (t197 * t195.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t200 * t127.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t204 * t134.transpose(0, 2, 3, 1)).sum()
+    del t127, t134, t195, t197, t200, t204
     t206 = np.sqrt(np.maximum(t205, 0.0))
+    del t205
     t207 = np.swapaxes(t103, -1, -2)
+    del t103
     t208 = np.reshape((np.reshape(t207.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t207.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t209 = t23 * t208
     t210 = np.reshape((np.reshape(t112.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t209.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t112, t209
     t211 = np.reshape((np.reshape(t210.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t210
     t212 = np.swapaxes(M_1, -1, -2)
     t213 = np.reshape((W_O.transpose(1, 0) @ np.reshape(t207.transpose(1, 0, 2), (d_H, L*n_batch))), (d_V, n_batch, L))
+    del t207
     t214 = np.reshape((np.reshape(t212.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t215 = np.reshape((t24 @ np.reshape(t20.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    del t24
     t216 = (t215.transpose(0, 2, 3, 1) @ dA)
+    del t215
     t217 = np.reshape((np.reshape(t216.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t213, (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    del t213
     t218 = (t217.transpose(0, 1, 3, 4, 2) * np.reshape(t23, (n_batch, L, n_batch, L, 1)))
     t219 = np.reshape((np.reshape(t218.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t35.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t218
     t220 = np.reshape((np.reshape(t219.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t219
     t221 = np.reshape((np.reshape(t212.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t212.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t222 = (W_O.transpose(1, 0) @ W_O)
     t223 = t23 * t221
     t224 = np.reshape((np.reshape(t216.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ t222.transpose(1, 0)), (n_batch, L, L, d_V))
     t225 = np.reshape((np.reshape(t216.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t223, (n_batch, L, L*n_batch))), (n_batch, d_V, L, n_batch, L))
+    del t223
     t226 = np.reshape((np.reshape(t225.transpose(3, 0, 2, 1, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t224.transpose(0, 3, 1, 2), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t225
     t227 = (1/(d_K*n_batch**2)) * (t211 * t35.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t220 * t214.transpose(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t226 * t35.transpose(2, 0, 1, 3)).sum()
+    del t211, t220, t226
     t228 = np.sqrt(np.maximum(t227, 0.0))
+    del t227
     t229 = t79 * t208
+    del t208
     t230 = (t217.transpose(0, 1, 3, 4, 2) * np.reshape(t79, (n_batch, L, n_batch, L, 1)))
+    del t217
     t231 = np.reshape((np.reshape(t230.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t23.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t230
     t232 = np.reshape((np.reshape(t231.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t231
     t233 = t79 * t221
     t234 = np.reshape((np.reshape(t216, (n_batch, L*d_V, L)) @ np.reshape(t23, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    del t216
     t235 = np.reshape((np.reshape(t234.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t224.transpose(0, 3, 2, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t224, t234
     t236 = (1/(d_K*n_batch**2)) * (t192 * t229.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t232 * t214.transpose(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t235 * t233.transpose(2, 0, 1, 3)).sum()
+    del t192, t214, t229, t232, t233, t235
     t237 = np.sqrt(np.maximum(t236, 0.0))
+    del t236
     t238 = t97 * t221
     t239 = np.reshape((t222 @ np.reshape(t20.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t222
     t240 = np.reshape((t99.transpose(1, 0) @ np.reshape(t20.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t241 = np.reshape((np.reshape(t240.transpose(1, 2, 0, 3), (L*n_batch, d_V**2)) @ np.reshape(t239.transpose(3, 0, 1, 2), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    del t240
     t242 = (1/(L**2*n_batch**2)) * (t241 * t238).sum()
+    del t238, t241
     t243 = np.sqrt(np.maximum(t242, 0.0))
+    del t242
     t244 = t119 * t221
     t245 = np.reshape((np.reshape(t239.transpose(1, 2, 0, 3), (L*n_batch, d_V**2)) @ np.reshape(t20.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    del t239
     t246 = np.reshape((np.reshape(t117, (L*n_batch, d_H)) @ W_O), (n_batch, L, d_V))
     t247 = np.reshape((np.reshape(t246, (n_batch, L, 1, d_V)) @ t20), (n_batch, L, d_V))
+    del t246
     t248 = np.reshape((np.reshape(t221.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V))), (n_batch, L, d_V))
+    del t221
     t249 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t212.transpose(0, 2, 1), (L*n_batch, d_V)))
+    del t212
     t250 = (1/(L**2*n_batch**2)) * (t245 * t244.transpose(2, 3, 0, 1)).sum() + (2/(L*n_batch**2)) * (t248 * t247).sum() + (d_H/n_batch**2) * (t249 * t249).sum()
+    del t244, t245, t247, t248, t249
     t251 = np.sqrt(np.maximum(t250, 0.0))
+    del t250
     t252 = np.swapaxes(G, -1, -2)
+    del G
     t253 = np.swapaxes(W_V, -1, -2)
     t254 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t253.transpose(1, 0)), (n_batch, L, d_H))
     t255 = np.reshape((np.reshape(t252.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t252.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t256 = t23 * t255
     t257 = np.reshape((np.reshape(t254, (L*n_batch, d_H)) @ np.reshape(t254.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t258 = np.reshape((np.reshape(t256.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    del t256
     t259 = np.reshape((np.reshape(t258.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t257.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t258
     t260 = np.reshape((np.reshape(t259.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t259
     t261 = np.swapaxes(t117, -1, -2)
+    del t117
     t262 = np.reshape((np.reshape(t254, (L*n_batch, d_H)) @ np.reshape(t261.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
+    del t254
     t263 = (t253.transpose(1, 0) @ t94.transpose(1, 0))
+    del t253
     t264 = np.reshape((t263.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    del t1, t263
     t265 = np.reshape((t264.transpose(1, 2, 0) @ np.reshape(t20.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    del t264
     t266 = (t265.transpose(0, 2, 3, 1) @ dA)
+    del t265
     t267 = np.reshape((np.reshape(t266.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t252.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
     t268 = (t267.transpose(0, 1, 3, 4, 2) * np.reshape(t23, (n_batch, L, n_batch, L, 1)))
     t269 = np.reshape((np.reshape(t268.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t35.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t268
     t270 = np.reshape((np.reshape(t269.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t269
     t271 = np.reshape((np.reshape(t261.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t261.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t272 = t23 * t271
     t273 = np.reshape((np.reshape(t35.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(t266.transpose(0, 3, 1, 2), (n_batch, L, L*d_V))), (n_batch, n_batch, L, L, d_V))
     t274 = np.reshape((np.reshape(t273.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t266.transpose(0, 3, 2, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t273
     t275 = (1/(d_K*n_batch**2)) * (t260 * t35.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t270 * t262.transpose(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t274 * t272.transpose(0, 2, 3, 1)).sum()
+    del t260, t270, t272, t274, t35
     t276 = np.sqrt(np.maximum(t275, 0.0))
+    del t275
     t277 = t79 * t255
+    del t255
     t278 = np.reshape((np.reshape(t202, (n_batch, n_batch, L**2, L)) @ t257.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    del t202, t257
     t279 = np.reshape((np.reshape(t278.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 2, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del t278
     t280 = (t267.transpose(0, 1, 3, 4, 2) * np.reshape(t79, (n_batch, L, n_batch, L, 1)))
+    del t267
     t281 = np.reshape((np.reshape(t280.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t23.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    del t280
     t282 = np.reshape((np.reshape(t281.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    del dA, t281
     t283 = t79 * t271
+    del t79
     t284 = np.reshape((np.reshape(t266, (n_batch, L*d_V, L)) @ np.reshape(t23.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    del t23
     t285 = np.reshape((np.reshape(t284.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t266.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    del t266, t284
     t286 = (1/(d_K*n_batch**2)) * (t279 * t277.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t282 * t262.transpose(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t285 * t283.transpose(0, 2, 3, 1)).sum()
+    del t262, t277, t279, t282, t283, t285
     t287 = np.sqrt(np.maximum(t286, 0.0))
+    del t286
     t288 = t252 @ M_1
+    del t252
     t289 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ t288.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
+    del M_1
     t290 = t289 * t12
+    del t12, t289
     t291 = np.reshape((np.reshape(t290, (n_batch, L, 1, d_V)) @ dA18), (n_batch, L, d_V))
+    del dA18, t290
     t292 = np.reshape((t94 @ np.reshape(t261.transpose(1, 0, 2), (d_H, L*n_batch))), (d_V, n_batch, L))
+    del t261, t94
     t293 = t97 * t271
+    del t97
     t294 = np.reshape((t99 @ np.reshape(t20.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t99
     t295 = np.reshape((np.reshape(t294.transpose(1, 2, 0, 3), (L*n_batch, d_V**2)) @ np.reshape(t20.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    del t294
     t296 = (d_H/n_batch**2) * (t288.sum((0,)) * t288.sum((0,))).sum() + (2/(L*n_batch**2)) * (t292 * t291.transpose(2, 0, 1)).sum() + (1/(L**2*n_batch**2)) * (t295 * t293.transpose(2, 3, 0, 1)).sum()
+    del t288, t291, t292, t293, t295
     t297 = np.sqrt(np.maximum(t296, 0.0))
+    del t296
     t298 = np.reshape((np.reshape(t20, (L*n_batch, d_V**2)) @ np.reshape(t20.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    del t20
     t299 = t298 * t271
+    del t271, t298
     t300 = (1/(L**2*n_batch**2)) * (t299 * t119).sum()
+    del t119, t299
     t301 = np.sqrt(np.maximum(t300, 0.0))
+    del t300
     return (t62, t93, t116, t139, t171, t182, t194, t206, t228, t237, t243, t251, t276, t287, t297, t301,)
 
 

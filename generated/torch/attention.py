@@ -2281,163 +2281,265 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
+    del t0
     t2 = W_K.transpose(-1, -2)
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    del t7
     A = t8 / t8.sum(-1, keepdim=True)
+    del t8
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t10
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t2
     t14 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t13
     t15 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t16 = (t15 @ t14)
     t17 = ((W_K.permute(1, 0) @ t16.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t16
     t18 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t19 = A @ X
     M_1 = t19
+    del t19
     t20 = M_1 @ W_V
     F = t20
+    del t20
     t21 = F - Y
+    del F
     t22 = (2/(L*d_V)) * t21
+    del t21
     G = t22
+    del t22
     t23 = t11 @ t3
     t24 = G @ t23
+    del t23
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    del t24
     t26 = A * t25
+    del t25
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t9.reshape((1, 1, L, L)) * t26.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t26.reshape((n_batch, L, L, 1))) - (t26.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t9
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t27
     t28 = (1/(d_K*n_batch)) * t2
     t29 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t30 = ((W_K.permute(1, 0) @ t29.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t29
     t31 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t32 = t18.reshape((d_V**2, L*n_batch))
+    del t18
     t33 = t31.reshape((d_V**2, L*n_batch))
+    del t31
     t34 = t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t17
     t35 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t30
     t36 = torch.cat([t32, t33], dim=-1)
+    del t32, t33
     t37 = torch.cat([t34, t35], dim=-2)
+    del t34, t35
     t1[...] = ((t36 @ t37).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t1, t36, t37
     t38 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t39 = t38.view((d_V, d_K, d_V, d_K))
+    del t38
     t40 = ((t15 @ t14)).permute(3, 2, 0, 1)
+    del t14, t15
     t41 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t42 = (t41.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t43 = (t28 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    del t28
     t44 = (t41.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t45 = t39.diagonal(0, 1, 3)
     t46 = t26 @ X
+    del t26
     t47 = t3 @ t46
+    del t46
     t48 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t48
+    del t48
     t50 = t40.reshape((d_K*d_V, L*n_batch))
+    del t40
     t51 = t43.reshape((d_K*d_V, L*n_batch))
+    del t43
     t52 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t42
     t53 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t44
     t54 = torch.cat([t50, t51], dim=-1)
+    del t50, t51
     t55 = torch.cat([t52, t53], dim=-2)
+    del t52, t53
     t39[...] = ((t54 @ t55).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t39, t54, t55
     t45.addcmul_(t49.reshape((1, 1, d_K)), t47.sum((0,)).reshape((d_V, d_V, 1)))
+    del t45
     t56 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t57 = t56.view((d_V, d_K, d_V, d_V))
+    del t56
     t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t59 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t58.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t58
     t60 = ((W_V.permute(1, 0) @ t59.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t59
     t61 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t63 = (t62 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    del t62
     t64 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t57[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    del t60, t61
     t57 += ((t63.reshape((d_K*d_V, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    del t57, t63, t64
     t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t66 = t65.view((d_V, d_K, d_V, d_K))
+    del t65
     t67 = W_Q.transpose(-1, -2)
     t68 = (2/(L*d_K*d_V*n_batch)) * t67
     t69 = (t12.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t12
     t70 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t71 = ((t70.permute(1, 2, 0, 3) @ t69.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    del t70
     t72 = (X.reshape((L*n_batch, d_V)) @ t68.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t68
     t73 = (t72.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t74 = (1/(d_K*n_batch)) * t67
     t75 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t76 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t74.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t3, t74
     t77 = (t76.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t78 = t66.diagonal(0, 1, 3)
     t79 = t47.transpose(-1, -2)
+    del t47
     t80 = t73.reshape((d_K*d_V, L*n_batch))
+    del t73
     t81 = t77.reshape((d_K*d_V, L*n_batch))
+    del t77
     t82 = t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t71
     t83 = t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t75
     t84 = torch.cat([t80, t81], dim=-1)
+    del t80, t81
     t85 = torch.cat([t82, t83], dim=-2)
+    del t82, t83
     t66[...] = ((t84 @ t85).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t66, t84, t85
     t78.addcmul_(t49.reshape((1, 1, d_K)), t79.sum((0,)).reshape((d_V, d_V, 1)))
+    del t49, t78, t79
     t86 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t87 = t86.view((d_V, d_K, d_V, d_K))
+    del t86
     t88 = ((t69.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    del t69
     t89 = (t41.reshape((1, d_K, n_batch, L)) * t72.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t72
     t90 = M_3.permute(2, 3, 0, 1)
+    del M_3
     t91 = (t41.reshape((1, d_K, n_batch, L)) * t76.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t76
     t92 = t88.reshape((d_V**2, L*n_batch))
+    del t88
     t93 = t90.reshape((d_V**2, L*n_batch))
+    del t90
     t94 = t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t89
     t95 = t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t91
     t96 = torch.cat([t92, t93], dim=-1)
+    del t92, t93
     t97 = torch.cat([t94, t95], dim=-2)
+    del t94, t95
     t87[...] = ((t96 @ t97).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t87, t96, t97
     t98 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t99 = t98.view((d_V, d_K, d_V, d_V))
+    del t98
     t100 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
     t101 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t102 = (X.reshape((L*n_batch, d_V)) @ t100.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t100
     t103 = (t102.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t102
     t104 = (1/(math.sqrt(d_K)*n_batch)) * t67
+    del t67
     t105 = M_2.permute(3, 2, 0, 1)
     t106 = (X.reshape((L*n_batch, d_V)) @ t104.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t104
     t107 = (t106.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t106
     t99[...] = ((t103.reshape((d_K*d_V, L*n_batch)) @ t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    del t101, t103
     t99 += ((t105.reshape((d_V**2, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    del t105, t107, t99
     t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t109 = t108.view((d_V, d_V, d_V, d_K))
+    del t108
     t110 = M_1.transpose(-1, -2)
     t111 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t110
     t112 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t113 = ((W_K.permute(1, 0) @ t112.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t112
     t114 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t111.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t115 = G.transpose(-1, -2)
+    del G
     t116 = (1/(math.sqrt(d_K)*n_batch)) * t115
+    del t115
     t117 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t116.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t118 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t109[...] = ((t114.reshape((d_V**2, L*n_batch)) @ t113.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t113, t114
     t109 += ((t117.reshape((d_V**2, L*n_batch)) @ t118.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t109, t117, t118
     t119 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t120 = t119.view((d_V, d_V, d_V, d_K))
+    del t119
     t121 = (t11 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    del t11
     t122 = (t41.reshape((1, d_K, n_batch, L)) * t111.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t111
     t123 = M_2.permute(2, 3, 0, 1)
+    del M_2
     t124 = (t41.reshape((1, d_K, n_batch, L)) * t116.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t116, t41
     t120[...] = ((t121.reshape((d_V**2, L*n_batch)) @ t122.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t121, t122
     t120 += ((t123.reshape((d_V**2, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t120, t123, t124
     t125 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t125[...] = 0
     t126 = t125.view((d_V, d_V, d_V, d_V))
+    del t125
     t127 = t126.diagonal(0, 1, 3)
+    del t126
     t128 = t110 @ M_1
+    del M_1, t110
     t129 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t130 = (2/(L*d_V*n_batch)) * t129
+    del t129
     t127.addcmul_(t130.reshape((1, 1, d_V)), t128.sum((0,)).reshape((d_V, d_V, 1)))
+    del t127, t128, t130
     return H
 
 
@@ -2520,10 +2622,15 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    del t5
     A = t6 / t6.sum(-1, keepdim=True)
+    del t6
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
@@ -2531,7 +2638,9 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t11 = (t9.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t9
     t12 = (t11.permute(1, 2, 0) @ t1)
+    del t11
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = t14 * t14
@@ -2539,173 +2648,295 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t17 = (t13.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t13.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t12.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
     t19 = (t18.permute(0, 2, 3, 1) @ dA)
+    del t18
     t20 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L**2, L)) @ t15.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t15
     t21 = (t20.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t20
     t22 = (t21.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t19.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t21
     t23 = A @ X
     M_1 = t23
+    del t23
     t24 = M_1 @ W_V
     F = t24
+    del t24
     t25 = F - Y
+    del F
     t26 = (2/(L*d_V)) * t25
+    del t25
     G = t26
+    del t26
     t27 = t8 @ t1
     t28 = G @ t27
+    del t27
     t29 = t28 - (A * t28).sum(-1, keepdim=True)
+    del t28
     t30 = A * t29
+    del t29
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t7.reshape((1, 1, L, L)) * t30.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t30.reshape((n_batch, L, L, 1))) - (t30.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t7
     t31 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t0
     t33 = t14 * t31
     t34 = (t32.reshape((L*n_batch, d_K)) @ t10.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t35 = (t33.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t33
     t36 = (t35.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t34.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t35
     t37 = (t36.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t19.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t36
     t38 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t39 = t14 * t38
     t40 = (t32.reshape((L*n_batch, d_K)) @ t32.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t41 = (t39.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t39
     t42 = (t41.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t40.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t41
     t43 = (t42.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t42
     t44 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t22 * t17.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t37 * t17.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t43 * t17.permute(0, 2, 3, 1)).sum()
+    del t22, t37, t43
     t45 = torch.sqrt(torch.clamp(t44, min=0.0))
+    del t44
     t46 = t30 @ X
+    del t30
     t47 = t1 @ t46
+    del t46
     t48 = (X.reshape((L*n_batch, d_V)) @ t47.sum((0,))).reshape((n_batch, L, d_V))
     t49 = (t48 @ X.permute(0, 2, 1))
+    del t48
     t50 = (t49.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t49
     t51 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t52 = (t51.permute(1, 2, 0) @ t10.permute(0, 2, 1))
+    del t10
     t53 = (t52.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t52
     t54 = (t53.permute(0, 2, 1) @ t50)
+    del t50, t53
     t55 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t47.sum((0,))).reshape((n_batch, L, d_V))
     t56 = (t55 @ X.permute(0, 2, 1))
+    del t55
     t57 = (t56.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t56
     t58 = (t51.permute(1, 2, 0) @ t32.permute(0, 2, 1))
+    del t32
     t59 = (t51.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t51.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t51
     t60 = t59 * t14
     t61 = (t19.reshape((n_batch, L**2, L)) @ t14.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t62 = (t61.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t61
     t63 = (t62.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t19.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t62
     t64 = t59 * t31
     t65 = (t64.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t64
     t66 = (t65.reshape((n_batch, n_batch, L**2, L)) @ t14.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t65
     t67 = (t66.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t66
     t68 = t59 * t38
     t69 = (t14.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t70 = (t69.reshape((n_batch, n_batch, L**2, L)) @ t40.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t40, t69
     t71 = (t70.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t70
     t72 = (n_batch**(-2)) * (t47.sum((0,)) * t47.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t54 * t12).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t58 * t57).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t63 * t60.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t67 * t34.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t71 * t68.permute(0, 2, 3, 1)).sum()
+    del t34, t54, t57, t58, t60, t63, t67, t68, t71
     t73 = torch.sqrt(torch.clamp(t72, min=0.0))
+    del t72
     t74 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t75 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t76 = t75 * t14
     t77 = (t74.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t74.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t78 = (t76.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t76
     t79 = (t78.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t78
     t80 = (t79.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t79
     t81 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t82 = (t74.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t74
     t83 = (t81.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t81
     t84 = (t83 * t14.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t85 = (t84.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t82.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t84
     t86 = (t85.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t85
     t87 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t88 = t87 * t14
     t89 = (t38.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t90 = (t89.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t88.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t88
     t91 = (t90.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t90
     t92 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t80 * t77.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t86 * t16.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t91 * t16.permute(0, 2, 3, 1)).sum()
+    del t16, t80, t86, t91
     t93 = torch.sqrt(torch.clamp(t92, min=0.0))
+    del t92
     t94 = t47.transpose(-1, -2)
+    del t47
     t95 = W_Q.transpose(-1, -2)
     t96 = (X.reshape((L*n_batch, d_V)) @ t94.sum((0,))).reshape((n_batch, L, d_V))
     t97 = (t96 @ X.permute(0, 2, 1))
+    del t96
     t98 = (t97.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t97
     t99 = (X.reshape((L*n_batch, d_V)) @ t95.permute(1, 0)).reshape((n_batch, L, d_K))
     t100 = (t13.permute(1, 2, 0) @ t99.permute(0, 2, 1))
     t101 = (t100.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t100
     t102 = (t101.permute(0, 2, 1) @ t98)
+    del t101, t98
     t103 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t94.sum((0,))).reshape((n_batch, L, d_V))
     t104 = (t103 @ X.permute(0, 2, 1))
+    del t103
     t105 = (t104.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    del t104
     t106 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t95.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t95
     t107 = (t13.permute(1, 2, 0) @ t106.permute(0, 2, 1))
+    del t13
     t108 = (t99.reshape((L*n_batch, d_K)) @ t99.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t109 = t108 * t14
     t110 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t14.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t111 = (t110.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t109.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t109
     t112 = (t111.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t19.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t111
     t113 = (t106.reshape((L*n_batch, d_K)) @ t99.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t99
     t114 = t113 * t14
     t115 = (t114.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t114
     t116 = (t115.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t31.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t115
     t117 = (t116.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t19.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t116
     t118 = (t106.reshape((L*n_batch, d_K)) @ t106.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t106
     t119 = t118 * t14
     t120 = (t38.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t38
     t121 = (t120.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t119.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t119
     t122 = (t121.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t121
     t123 = (n_batch**(-2)) * (t94.sum((0,)) * t94.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t102 * t12.permute(0, 2, 1)).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t107 * t105.permute(0, 2, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t112 * t17.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t117 * t17.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t122 * t17.permute(0, 2, 3, 1)).sum()
+    del t102, t105, t107, t112, t117, t12, t122, t94
     t124 = torch.sqrt(torch.clamp(t123, min=0.0))
+    del t123
     t125 = t59 * t108
     t126 = (t110.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t14.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t110
     t127 = (t126.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t19.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t126
     t128 = t59 * t113
+    del t113
     t129 = (t128.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t128
     t130 = (t129.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t31.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t129, t31
     t131 = (t130.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t19.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t130, t19
     t132 = t59 * t118
+    del t118
     t133 = (t120.reshape((n_batch, n_batch, L**2, L)) @ t14.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t120
     t134 = (t133.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del d2A, t133
     t135 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t127 * t125.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t131 * t14.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t134 * t132.permute(0, 2, 3, 1)).sum()
+    del t125, t127, t131, t132, t134
     t136 = torch.sqrt(torch.clamp(t135, min=0.0))
+    del t135
     t137 = t108 * t75
+    del t75
     t138 = (t14.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t139 = (t138.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t137.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t137
     t140 = (t139.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t139
     t141 = (t83.reshape((n_batch, n_batch, L**2, L)) @ t14.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t83
     t142 = (t141.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del t141
     t143 = (t142.permute(0, 2, 3, 1, 4) @ t82.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t142, t82
     t144 = t108 * t87
+    del t87
     t145 = (t89.reshape((n_batch, n_batch, L**2, L)) @ t14.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t146 = (t145.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t145
     t147 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t140 * t77.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t143 * t108.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t146 * t144.permute(0, 2, 3, 1)).sum()
+    del t108, t140, t143, t144, t77
     t148 = torch.sqrt(torch.clamp(t147, min=0.0))
+    del t147
     t149 = M_1.transpose(-1, -2)
     t150 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V))
+    del t8
     t151 = (t149.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t149.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t152 = t14 * t151
     t153 = (t150.reshape((L*n_batch, d_V)) @ t150.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t154 = (t152.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t152
     t155 = (t154.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t153.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t154
     t156 = (t155.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t155
     t157 = G.transpose(-1, -2)
+    del G
     t158 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t149.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t1
     t159 = (t150.reshape((L*n_batch, d_V)) @ t157.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t150
     t160 = (t158.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t158
     t161 = (t160 * t14.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t162 = (t161.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t159.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t161
     t163 = (t162.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t162
     t164 = (t157.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t157.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t157
     t165 = t14 * t164
     t166 = (t89.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t165.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t165, t89
     t167 = (t166.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t166
     t168 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t156 * t17.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t163 * t17.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t167 * t17.permute(0, 2, 3, 1)).sum()
+    del t156, t163, t167, t17
     t169 = torch.sqrt(torch.clamp(t168, min=0.0))
+    del t168
     t170 = t59 * t151
+    del t151
     t171 = (t138.reshape((n_batch, n_batch, L**2, L)) @ t153.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t138, t153
     t172 = (t171.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t171
     t173 = (t160.reshape((n_batch, n_batch, L**2, L)) @ t14.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t14, t160
     t174 = (t173.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del dA, t173
     t175 = (t174.permute(0, 2, 3, 1, 4) @ t159.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t159, t174
     t176 = t59 * t164
+    del t164
     t177 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t172 * t170.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t175 * t59.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t146 * t176.permute(0, 2, 3, 1)).sum()
+    del t146, t170, t172, t175, t176, t59
     t178 = torch.sqrt(torch.clamp(t177, min=0.0))
+    del t177
     t179 = t149 @ M_1
+    del M_1, t149
     t180 = (4/(L**2*d_V*n_batch**2)) * (t179.sum((0,)) * t179.sum((0,))).sum()
+    del t179
     t181 = torch.sqrt(torch.clamp(t180, min=0.0))
+    del t180
     return (t45, t73, t93, t124, t136, t148, t169, t178, t181,)
 
 
@@ -7013,165 +7244,268 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
+    del t0
     t2 = W_K.transpose(-1, -2)
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t9 = torch.where(t8, -math.inf, t7)
+    del t7, t8
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    del t9
     A = t10 / t10.sum(-1, keepdim=True)
+    del t10
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t12
     t13 = W_V.transpose(-1, -2)
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t2
     t16 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t15
     t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
     t19 = ((W_K.permute(1, 0) @ t18.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t18
     t20 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t21 = A @ X
     M_1 = t21
+    del t21
     t22 = M_1 @ W_V
     F = t22
+    del t22
     t23 = F - Y
+    del F
     t24 = (2/(L*d_V)) * t23
+    del t23
     G = t24
+    del t24
     t25 = t13 @ t3
     t26 = G @ t25
+    del t25
     t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    del t26
     t28 = A * t27
+    del t27
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t11.reshape((1, 1, L, L)) * t28.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t28.reshape((n_batch, L, L, 1))) - (t28.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t11
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t29
     t30 = (1/(d_K*n_batch)) * t2
     t31 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t32 = ((W_K.permute(1, 0) @ t31.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t31
     t33 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t34 = t20.reshape((d_V**2, L*n_batch))
+    del t20
     t35 = t33.reshape((d_V**2, L*n_batch))
+    del t33
     t36 = t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t19
     t37 = t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t32
     t38 = torch.cat([t34, t35], dim=-1)
+    del t34, t35
     t39 = torch.cat([t36, t37], dim=-2)
+    del t36, t37
     t1[...] = ((t38 @ t39).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t1, t38, t39
     t40 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = t40.view((d_V, d_K, d_V, d_K))
+    del t40
     t42 = ((t17 @ t16)).permute(3, 2, 0, 1)
+    del t16, t17
     t43 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t44 = (t43.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t45 = (t30 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    del t30
     t46 = (t43.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t47 = t41.diagonal(0, 1, 3)
     t48 = t28 @ X
+    del t28
     t49 = t3 @ t48
+    del t48
     t50 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    del t50
     t52 = t42.reshape((d_K*d_V, L*n_batch))
+    del t42
     t53 = t45.reshape((d_K*d_V, L*n_batch))
+    del t45
     t54 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t44
     t55 = t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t46
     t56 = torch.cat([t52, t53], dim=-1)
+    del t52, t53
     t57 = torch.cat([t54, t55], dim=-2)
+    del t54, t55
     t41[...] = ((t56 @ t57).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t41, t56, t57
     t47.addcmul_(t51.reshape((1, 1, d_K)), t49.sum((0,)).reshape((d_V, d_V, 1)))
+    del t47
     t58 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t59 = t58.view((d_V, d_K, d_V, d_V))
+    del t58
     t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t61 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t60.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t60
     t62 = ((W_V.permute(1, 0) @ t61.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t61
     t63 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t64 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t65 = (t64 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    del t64
     t66 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t59[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    del t62, t63
     t59 += ((t65.reshape((d_K*d_V, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    del t59, t65, t66
     t67 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t68 = t67.view((d_V, d_K, d_V, d_K))
+    del t67
     t69 = W_Q.transpose(-1, -2)
     t70 = (2/(L*d_K*d_V*n_batch)) * t69
     t71 = (t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t14
     t72 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t73 = ((t72.permute(1, 2, 0, 3) @ t71.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    del t72
     t74 = (X.reshape((L*n_batch, d_V)) @ t70.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t70
     t75 = (t74.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t76 = (1/(d_K*n_batch)) * t69
     t77 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t78 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t76.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t3, t76
     t79 = (t78.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t80 = t68.diagonal(0, 1, 3)
     t81 = t49.transpose(-1, -2)
+    del t49
     t82 = t75.reshape((d_K*d_V, L*n_batch))
+    del t75
     t83 = t79.reshape((d_K*d_V, L*n_batch))
+    del t79
     t84 = t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t73
     t85 = t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t77
     t86 = torch.cat([t82, t83], dim=-1)
+    del t82, t83
     t87 = torch.cat([t84, t85], dim=-2)
+    del t84, t85
     t68[...] = ((t86 @ t87).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t68, t86, t87
     t80.addcmul_(t51.reshape((1, 1, d_K)), t81.sum((0,)).reshape((d_V, d_V, 1)))
+    del t51, t80, t81
     t88 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t89 = t88.view((d_V, d_K, d_V, d_K))
+    del t88
     t90 = ((t71.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    del t71
     t91 = (t43.reshape((1, d_K, n_batch, L)) * t74.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t74
     t92 = M_3.permute(2, 3, 0, 1)
+    del M_3
     t93 = (t43.reshape((1, d_K, n_batch, L)) * t78.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t78
     t94 = t90.reshape((d_V**2, L*n_batch))
+    del t90
     t95 = t92.reshape((d_V**2, L*n_batch))
+    del t92
     t96 = t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t91
     t97 = t93.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t93
     t98 = torch.cat([t94, t95], dim=-1)
+    del t94, t95
     t99 = torch.cat([t96, t97], dim=-2)
+    del t96, t97
     t89[...] = ((t98 @ t99).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t89, t98, t99
     t100 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t101 = t100.view((d_V, d_K, d_V, d_V))
+    del t100
     t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
     t103 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t104 = (X.reshape((L*n_batch, d_V)) @ t102.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t102
     t105 = (t104.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t104
     t106 = (1/(math.sqrt(d_K)*n_batch)) * t69
+    del t69
     t107 = M_2.permute(3, 2, 0, 1)
     t108 = (X.reshape((L*n_batch, d_V)) @ t106.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t106
     t109 = (t108.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t108
     t101[...] = ((t105.reshape((d_K*d_V, L*n_batch)) @ t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    del t103, t105
     t101 += ((t107.reshape((d_V**2, L*n_batch)) @ t109.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    del t101, t107, t109
     t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t111 = t110.view((d_V, d_V, d_V, d_K))
+    del t110
     t112 = M_1.transpose(-1, -2)
     t113 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t112
     t114 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t115 = ((W_K.permute(1, 0) @ t114.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t114
     t116 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t113.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t117 = G.transpose(-1, -2)
+    del G
     t118 = (1/(math.sqrt(d_K)*n_batch)) * t117
+    del t117
     t119 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t118.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t120 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t111[...] = ((t116.reshape((d_V**2, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t115, t116
     t111 += ((t119.reshape((d_V**2, L*n_batch)) @ t120.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t111, t119, t120
     t121 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t122 = t121.view((d_V, d_V, d_V, d_K))
+    del t121
     t123 = (t13 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    del t13
     t124 = (t43.reshape((1, d_K, n_batch, L)) * t113.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t113
     t125 = M_2.permute(2, 3, 0, 1)
+    del M_2
     t126 = (t43.reshape((1, d_K, n_batch, L)) * t118.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t118, t43
     t122[...] = ((t123.reshape((d_V**2, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t123, t124
     t122 += ((t125.reshape((d_V**2, L*n_batch)) @ t126.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t122, t125, t126
     t127 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t127[...] = 0
     t128 = t127.view((d_V, d_V, d_V, d_V))
+    del t127
     t129 = t128.diagonal(0, 1, 3)
+    del t128
     t130 = t112 @ M_1
+    del M_1, t112
     t131 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t132 = (2/(L*d_V*n_batch)) * t131
+    del t131
     t129.addcmul_(t132.reshape((1, 1, d_V)), t130.sum((0,)).reshape((d_V, d_V, 1)))
+    del t129, t130, t132
     return H
 
 
@@ -7256,12 +7590,18 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t7 = torch.where(t6, -math.inf, t5)
+    del t5, t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    del t7
     A = t8 / t8.sum(-1, keepdim=True)
+    del t8
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
@@ -7269,7 +7609,9 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t13 = (t11.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t11
     t14 = (t13.permute(1, 2, 0) @ t1)
+    del t13
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = t16 * t16
@@ -7277,173 +7619,295 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t19 = (t15.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t15.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t14.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
     t21 = (t20.permute(0, 2, 3, 1) @ dA)
+    del t20
     t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t17
     t23 = (t22.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t22
     t24 = (t23.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t21.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t23
     t25 = A @ X
     M_1 = t25
+    del t25
     t26 = M_1 @ W_V
     F = t26
+    del t26
     t27 = F - Y
+    del F
     t28 = (2/(L*d_V)) * t27
+    del t27
     G = t28
+    del t28
     t29 = t10 @ t1
     t30 = G @ t29
+    del t29
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
+    del t30
     t32 = A * t31
+    del t31
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t9.reshape((1, 1, L, L)) * t32.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t32.reshape((n_batch, L, L, 1))) - (t32.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t9
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t0
     t35 = t16 * t33
     t36 = (t34.reshape((L*n_batch, d_K)) @ t12.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t37 = (t35.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t35
     t38 = (t37.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t36.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t37
     t39 = (t38.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t21.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t38
     t40 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t41 = t16 * t40
     t42 = (t34.reshape((L*n_batch, d_K)) @ t34.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t43 = (t41.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t41
     t44 = (t43.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t42.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t43
     t45 = (t44.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t44
     t46 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t24 * t19.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t39 * t19.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t45 * t19.permute(0, 2, 3, 1)).sum()
+    del t24, t39, t45
     t47 = torch.sqrt(torch.clamp(t46, min=0.0))
+    del t46
     t48 = t32 @ X
+    del t32
     t49 = t1 @ t48
+    del t48
     t50 = (X.reshape((L*n_batch, d_V)) @ t49.sum((0,))).reshape((n_batch, L, d_V))
     t51 = (t50 @ X.permute(0, 2, 1))
+    del t50
     t52 = (t51.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t51
     t53 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t54 = (t53.permute(1, 2, 0) @ t12.permute(0, 2, 1))
+    del t12
     t55 = (t54.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t54
     t56 = (t55.permute(0, 2, 1) @ t52)
+    del t52, t55
     t57 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t49.sum((0,))).reshape((n_batch, L, d_V))
     t58 = (t57 @ X.permute(0, 2, 1))
+    del t57
     t59 = (t58.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t58
     t60 = (t53.permute(1, 2, 0) @ t34.permute(0, 2, 1))
+    del t34
     t61 = (t53.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t53.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t53
     t62 = t61 * t16
     t63 = (t21.reshape((n_batch, L**2, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t64 = (t63.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t63
     t65 = (t64.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t21.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t64
     t66 = t61 * t33
     t67 = (t66.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t66
     t68 = (t67.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t67
     t69 = (t68.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t68
     t70 = t61 * t40
     t71 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t72 = (t71.reshape((n_batch, n_batch, L**2, L)) @ t42.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t42, t71
     t73 = (t72.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t72
     t74 = (n_batch**(-2)) * (t49.sum((0,)) * t49.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t56 * t14).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t60 * t59).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t65 * t62.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t69 * t36.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t73 * t70.permute(0, 2, 3, 1)).sum()
+    del t36, t56, t59, t60, t62, t65, t69, t70, t73
     t75 = torch.sqrt(torch.clamp(t74, min=0.0))
+    del t74
     t76 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t77 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t78 = t77 * t16
     t79 = (t76.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t76.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t80 = (t78.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t78
     t81 = (t80.reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t80
     t82 = (t81.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t81
     t83 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t84 = (t76.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t76
     t85 = (t83.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t83
     t86 = (t85 * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t87 = (t86.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t84.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t86
     t88 = (t87.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t87
     t89 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t90 = t89 * t16
     t91 = (t40.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t92 = (t91.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t90.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t90
     t93 = (t92.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t92
     t94 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t82 * t79.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t88 * t18.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t93 * t18.permute(0, 2, 3, 1)).sum()
+    del t18, t82, t88, t93
     t95 = torch.sqrt(torch.clamp(t94, min=0.0))
+    del t94
     t96 = t49.transpose(-1, -2)
+    del t49
     t97 = W_Q.transpose(-1, -2)
     t98 = (X.reshape((L*n_batch, d_V)) @ t96.sum((0,))).reshape((n_batch, L, d_V))
     t99 = (t98 @ X.permute(0, 2, 1))
+    del t98
     t100 = (t99.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t99
     t101 = (X.reshape((L*n_batch, d_V)) @ t97.permute(1, 0)).reshape((n_batch, L, d_K))
     t102 = (t15.permute(1, 2, 0) @ t101.permute(0, 2, 1))
     t103 = (t102.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t102
     t104 = (t103.permute(0, 2, 1) @ t100)
+    del t100, t103
     t105 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t96.sum((0,))).reshape((n_batch, L, d_V))
     t106 = (t105 @ X.permute(0, 2, 1))
+    del t105
     t107 = (t106.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    del t106
     t108 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t97.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t97
     t109 = (t15.permute(1, 2, 0) @ t108.permute(0, 2, 1))
+    del t15
     t110 = (t101.reshape((L*n_batch, d_K)) @ t101.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t111 = t110 * t16
     t112 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t113 = (t112.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t111.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t111
     t114 = (t113.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t21.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t113
     t115 = (t108.reshape((L*n_batch, d_K)) @ t101.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t101
     t116 = t115 * t16
     t117 = (t116.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t116
     t118 = (t117.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t33.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t117
     t119 = (t118.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t21.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t118
     t120 = (t108.reshape((L*n_batch, d_K)) @ t108.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t108
     t121 = t120 * t16
     t122 = (t40.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t40
     t123 = (t122.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t121.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t121
     t124 = (t123.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t123
     t125 = (n_batch**(-2)) * (t96.sum((0,)) * t96.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t104 * t14.permute(0, 2, 1)).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t109 * t107.permute(0, 2, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t114 * t19.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t119 * t19.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t124 * t19.permute(0, 2, 3, 1)).sum()
+    del t104, t107, t109, t114, t119, t124, t14, t96
     t126 = torch.sqrt(torch.clamp(t125, min=0.0))
+    del t125
     t127 = t61 * t110
     t128 = (t112.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t112
     t129 = (t128.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t21.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t128
     t130 = t61 * t115
+    del t115
     t131 = (t130.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t130
     t132 = (t131.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t33.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t131, t33
     t133 = (t132.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t21.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t132, t21
     t134 = t61 * t120
+    del t120
     t135 = (t122.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t122
     t136 = (t135.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del d2A, t135
     t137 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t129 * t127.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t133 * t16.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t136 * t134.permute(0, 2, 3, 1)).sum()
+    del t127, t129, t133, t134, t136
     t138 = torch.sqrt(torch.clamp(t137, min=0.0))
+    del t137
     t139 = t110 * t77
+    del t77
     t140 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t141 = (t140.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t139.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t139
     t142 = (t141.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t141
     t143 = (t85.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t85
     t144 = (t143.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del t143
     t145 = (t144.permute(0, 2, 3, 1, 4) @ t84.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t144, t84
     t146 = t110 * t89
+    del t89
     t147 = (t91.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t148 = (t147.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t147
     t149 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t142 * t79.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t145 * t110.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t148 * t146.permute(0, 2, 3, 1)).sum()
+    del t110, t142, t145, t146, t79
     t150 = torch.sqrt(torch.clamp(t149, min=0.0))
+    del t149
     t151 = M_1.transpose(-1, -2)
     t152 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0)).reshape((n_batch, L, d_V))
+    del t10
     t153 = (t151.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t151.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t154 = t16 * t153
     t155 = (t152.reshape((L*n_batch, d_V)) @ t152.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t156 = (t154.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t154
     t157 = (t156.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t155.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t156
     t158 = (t157.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t157
     t159 = G.transpose(-1, -2)
+    del G
     t160 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t151.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t1
     t161 = (t152.reshape((L*n_batch, d_V)) @ t159.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t152
     t162 = (t160.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t160
     t163 = (t162 * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t164 = (t163.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t161.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t163
     t165 = (t164.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t164
     t166 = (t159.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t159.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t159
     t167 = t16 * t166
     t168 = (t91.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t167.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t167, t91
     t169 = (t168.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t168
     t170 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t158 * t19.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t165 * t19.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t169 * t19.permute(0, 2, 3, 1)).sum()
+    del t158, t165, t169, t19
     t171 = torch.sqrt(torch.clamp(t170, min=0.0))
+    del t170
     t172 = t61 * t153
+    del t153
     t173 = (t140.reshape((n_batch, n_batch, L**2, L)) @ t155.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t140, t155
     t174 = (t173.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t173
     t175 = (t162.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t16, t162
     t176 = (t175.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del dA, t175
     t177 = (t176.permute(0, 2, 3, 1, 4) @ t161.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t161, t176
     t178 = t61 * t166
+    del t166
     t179 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t174 * t172.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t177 * t61.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t148 * t178.permute(0, 2, 3, 1)).sum()
+    del t148, t172, t174, t177, t178, t61
     t180 = torch.sqrt(torch.clamp(t179, min=0.0))
+    del t179
     t181 = t151 @ M_1
+    del M_1, t151
     t182 = (4/(L**2*d_V*n_batch**2)) * (t181.sum((0,)) * t181.sum((0,))).sum()
+    del t181
     t183 = torch.sqrt(torch.clamp(t182, min=0.0))
+    del t182
     return (t47, t75, t95, t126, t138, t150, t171, t180, t183,)
 
 
@@ -12145,101 +12609,161 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
+    del t0
     t2 = W_K.transpose(-1, -2)
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    del t7
     A = t8 / t8.sum(-1, keepdim=True)
+    del t8
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t10
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
+    del t11
     t13 = A @ X
     M_1 = t13
+    del t13
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
+    del t15
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
+    del A16, t17
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t20
     t22 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V, d_V))
     t24 = (t23 @ M_2)
+    del t23
     t25 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    del t21
     t26 = (t25 @ t24)
     t27 = ((W_K.permute(1, 0) @ t26.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t26
     t28 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t14
+    del t14
     t29 = torch.exp(F - F.amax(-1, keepdim=True))
+    del F
     A30 = t29 / t29.sum(-1, keepdim=True)
+    del t29
     t31 = t12 * A30
+    del A30
     t32 = t31 - Y
+    del t31
     t33 = (1/L) * t32
+    del t32
     G = t33
+    del t33
     t34 = t19 @ t3
     t35 = G @ t34
+    del t34
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
+    del t35
     t37 = A * t36
+    del t36
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t9.reshape((1, 1, L, L)) * t37.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t37.reshape((n_batch, L, L, 1))) - (t37.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t9
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t38
     t39 = (1/(d_K*n_batch)) * t2
     t40 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t41 = ((W_K.permute(1, 0) @ t40.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t40
     t42 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t43 = t28.reshape((d_V**2, L*n_batch))
+    del t28
     t44 = t42.reshape((d_V**2, L*n_batch))
+    del t42
     t45 = t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t27
     t46 = t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t41
     t47 = torch.cat([t43, t44], dim=-1)
+    del t43, t44
     t48 = torch.cat([t45, t46], dim=-2)
+    del t45, t46
     t1[...] = ((t47 @ t48).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t1, t47, t48
     t49 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = t49.view((d_V, d_K, d_V, d_K))
+    del t49
     t51 = ((t25 @ t24)).permute(2, 3, 0, 1)
+    del t24, t25
     t52 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t53 = (t52.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t54 = (t39 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    del t39
     t55 = (t52.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t56 = t50.diagonal(0, 1, 3)
     t57 = t37 @ X
+    del t37
     t58 = t3 @ t57
+    del t57
     t59 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t60 = (1/(math.sqrt(d_K)*n_batch)) * t59
+    del t59
     t61 = t51.reshape((d_K*d_V, L*n_batch))
+    del t51
     t62 = t54.reshape((d_K*d_V, L*n_batch))
+    del t54
     t63 = t53.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t53
     t64 = t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t55
     t65 = torch.cat([t61, t62], dim=-1)
+    del t61, t62
     t66 = torch.cat([t63, t64], dim=-2)
+    del t63, t64
     t50[...] = ((t65 @ t66).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t50, t65, t66
     t56.addcmul_(t60.reshape((1, 1, d_K)), t58.sum((0,)).reshape((d_V, d_V, 1)))
+    del t56
     t67 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = t67.view((d_V, d_K, d_V, d_V))
+    del t67
     t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t70 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t69.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t69
     t71 = (t70.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    del t70
     t72 = ((t71 @ t22)).permute(2, 3, 0, 1)
+    del t71
     t73 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t74 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t75 = (t74 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    del t74
     t76 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t68[...] = ((t73.reshape((d_V**2, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    del t72, t73
     t68 += ((t75.reshape((d_K*d_V, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    del t68, t75, t76
     t77 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t78 = t77.view((d_V, d_K, d_V, d_K))
+    del t77
     t79 = W_Q.transpose(-1, -2)
     t80 = (1/(L*d_K*n_batch)) * t79
     t81 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -12247,76 +12771,130 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     t83 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t84 = (t83 @ t82)
     t85 = ((W_K.permute(1, 0) @ t84.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t84
     t86 = (X.reshape((L*n_batch, d_V)) @ t80.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t80
     t87 = (t86.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t88 = (1/(d_K*n_batch)) * t79
     t89 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t90 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t88.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t3, t88
     t91 = (t90.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t92 = t78.diagonal(0, 1, 3)
     t93 = t58.transpose(-1, -2)
+    del t58
     t94 = t87.reshape((d_K*d_V, L*n_batch))
+    del t87
     t95 = t91.reshape((d_K*d_V, L*n_batch))
+    del t91
     t96 = t85.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t85
     t97 = t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t89
     t98 = torch.cat([t94, t95], dim=-1)
+    del t94, t95
     t99 = torch.cat([t96, t97], dim=-2)
+    del t96, t97
     t78[...] = ((t98 @ t99).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t78, t98, t99
     t92.addcmul_(t60.reshape((1, 1, d_K)), t93.sum((0,)).reshape((d_V, d_V, 1)))
+    del t60, t92, t93
     t100 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t101 = t100.view((d_V, d_K, d_V, d_K))
+    del t100
     t102 = ((t83 @ t82)).permute(3, 2, 0, 1)
+    del t82
     t103 = (t52.reshape((1, d_K, n_batch, L)) * t86.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t86
     t104 = M_3.permute(2, 3, 0, 1)
+    del M_3
     t105 = (t52.reshape((1, d_K, n_batch, L)) * t90.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t90
     t106 = t102.reshape((d_V**2, L*n_batch))
+    del t102
     t107 = t104.reshape((d_V**2, L*n_batch))
+    del t104
     t108 = t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t103
     t109 = t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t105
     t110 = torch.cat([t106, t107], dim=-1)
+    del t106, t107
     t111 = torch.cat([t108, t109], dim=-2)
+    del t108, t109
     t101[...] = ((t110 @ t111).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t101, t110, t111
     t112 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t113 = t112.view((d_V, d_K, d_V, d_V))
+    del t112
     t114 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
     t115 = ((t22.permute(0, 1, 3, 2) @ t81.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    del t81
     t116 = (X.reshape((L*n_batch, d_V)) @ t114.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t114
     t117 = (t116.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t116
     t118 = (1/(math.sqrt(d_K)*n_batch)) * t79
+    del t79
     t119 = M_2.permute(3, 2, 0, 1)
     t120 = (X.reshape((L*n_batch, d_V)) @ t118.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t118
     t121 = (t120.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t120
     t113[...] = ((t117.reshape((d_K*d_V, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    del t115, t117
     t113 += ((t119.reshape((d_V**2, L*n_batch)) @ t121.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    del t113, t119, t121
     t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t123 = t122.view((d_V, d_V, d_V, d_K))
+    del t122
     t124 = G.transpose(-1, -2)
+    del G
     t125 = (1/(math.sqrt(d_K)*n_batch)) * t124
+    del t124
     t126 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t125.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t127 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t128 = M_1.transpose(-1, -2)
     t129 = (1/(L*math.sqrt(d_K)*n_batch)) * t128
     t130 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t129.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t131 = (t19.permute(1, 0) @ dA18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t19
     t132 = (t131.permute(1, 2, 3, 0) @ M_2)
+    del t131
     t133 = (t132.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
+    del t132
     t134 = (t133.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    del t133
     t123[...] = ((t126.reshape((d_V**2, L*n_batch)) @ t127.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t126, t127
     t123 += ((t130.reshape((d_V**2, L*n_batch)) @ t134.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t123, t130, t134
     t135 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t136 = t135.view((d_V, d_V, d_V, d_K))
+    del t135
     t137 = M_2.permute(2, 3, 0, 1)
+    del M_2
     t138 = (t52.reshape((1, d_K, n_batch, L)) * t125.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t125
     t139 = ((t83 @ t22.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    del t22, t83
     t140 = (t52.reshape((1, d_K, n_batch, L)) * t129.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t129, t52
     t136[...] = ((t137.reshape((d_V**2, L*n_batch)) @ t138.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t137, t138
     t136 += ((t139.reshape((d_V**2, L*n_batch)) @ t140.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t136, t139, t140
     t141 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t142 = t141.view((d_V, d_V, d_V, d_V))
+    del t141
     t143 = (1/(L*n_batch)) * t128
+    del t128
     t144 = (dA18.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    del dA18, t12
     t145 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t143.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del M_1, t143
     t142[...] = ((t145.reshape((d_V**2, L*n_batch)) @ t144.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    del t142, t144, t145
     return H
 
 
@@ -12408,25 +12986,35 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    del t5
     A = t6 / t6.sum(-1, keepdim=True)
+    del t6
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
+    del t8
     t10 = A @ X
     M_1 = t10
+    del t10
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
+    del t12
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
+    del A13, t14
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
+    del dA15
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -12434,183 +13022,310 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t22 = (t19.permute(1, 2, 0) @ t17.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t23 = (t22.reshape((n_batch, L**2, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t24 = (t23.permute(0, 2, 3, 1) @ dA)
+    del t23
     t25 = (t24.permute(0, 1, 3, 2) @ dA)
+    del t24
     t26 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t27 = t20 * t20
     t28 = (t22.permute(0, 2, 3, 1) @ dA)
+    del t22
     t29 = (t21 @ t28.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
     t30 = (t29.permute(0, 2, 3, 1) @ dA)
+    del t29
     t31 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t32 = (t26.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t26.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t33 = (t31.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t25.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t34 = (t33.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t27.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t27, t33
     t35 = (t34.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t30.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t34
     F = t11
+    del t11
     t36 = torch.exp(F - F.amax(-1, keepdim=True))
+    del F
     A37 = t36 / t36.sum(-1, keepdim=True)
+    del t36
     t38 = t9 * A37
+    del A37, t9
     t39 = t38 - Y
+    del t38
     t40 = (1/L) * t39
+    del t39
     G = t40
+    del t40
     t41 = t16 @ t1
     t42 = G @ t41
+    del t41
     t43 = t42 - (A * t42).sum(-1, keepdim=True)
+    del t42
     t44 = A * t43
+    del t43
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t7.reshape((1, 1, L, L)) * t44.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t44.reshape((n_batch, L, L, 1))) - (t44.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t7
     t45 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t48 = (t47.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t18
     t49 = (t48.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t50 = (t49.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t46.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t46, t49
     t51 = (t50.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t25.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t50
     t52 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t53 = t20 * t52
     t54 = (t47.reshape((L*n_batch, d_K)) @ t47.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t55 = (t53.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t53
     t56 = (t55.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t54.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t55
     t57 = (t56.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t56
     t58 = (1/(L**2*d_K**2*n_batch**2)) * (t35 * t32.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t51 * t32.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t57 * t32.permute(0, 2, 3, 1)).sum()
+    del t35, t51, t57
     t59 = torch.sqrt(torch.clamp(t58, min=0.0))
+    del t58
     t60 = t44 @ X
+    del t44
     t61 = t1 @ t60
+    del t60
     t62 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t62.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t62
     t63 = (X.reshape((L*n_batch, d_V)) @ t61.sum((0,))).reshape((n_batch, L, d_V))
     t64 = (t63.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t63
     t65 = (W_Q @ t0)
+    del t0
     t66 = (t64.reshape((L*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V))
+    del t64
     t67 = (t66.reshape((n_batch, L, 1, d_V)) @ t17.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t66
     t68 = (t65.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t65
     t69 = (t68.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t68
     t70 = (t69.reshape((L*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_V))
+    del t69
     t71 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t61.sum((0,))).reshape((n_batch, L, d_V))
     t72 = (t71 @ X.permute(0, 2, 1))
+    del t71
     t73 = (t72.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t72
     t74 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t75 = (t74.permute(1, 2, 0) @ t47.permute(0, 2, 1))
+    del t47
     t76 = (t74.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t74.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t74
     t77 = t76 * t20
     t78 = (t20.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t25.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t79 = (t78.reshape((n_batch, n_batch, L**2, L)) @ t31.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t78
     t80 = (t79.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t30.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t79
     t81 = t76 * t45
     t82 = (t20.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t83 = (t82.reshape((n_batch, n_batch, L**2, L)) @ t48.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t48, t82
     t84 = (t83.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t25.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t83
     t85 = t76 * t52
     t86 = (t20.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t87 = (t86.reshape((n_batch, n_batch, L**2, L)) @ t54.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t54, t86
     t88 = (t87.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t87
     t89 = (n_batch**(-2)) * (t61.sum((0,)) * t61.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t70 * t67).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t75 * t73).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t80 * t77.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t84 * t81.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t88 * t85.permute(0, 2, 3, 1)).sum()
+    del t67, t70, t73, t75, t77, t80, t81, t84, t85, t88
     t90 = torch.sqrt(torch.clamp(t89, min=0.0))
+    del t89
     t91 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    del t19
     t92 = (t91 @ dA)
+    del t91
     t93 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t94 = t93 * t20
     t95 = (t94.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t92.reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, d_V, L))
+    del t94
     t96 = (t95.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t92.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t95
     t97 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t98 = (t92.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t99 = (t98.permute(0, 1, 3, 4, 2) * t20.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    del t98
     t100 = (t99.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t31.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t99
     t101 = (t100.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t100
     t102 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t103 = t102 * t20
     t104 = (t52.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t105 = (t104.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t103.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t103
     t106 = (t105.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t105
     t107 = (1/(L**2*d_K*n_batch**2)) * (t96 * t31.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t101 * t97.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t106 * t31.permute(0, 2, 3, 1)).sum()
+    del t101, t106, t31, t96
     t108 = torch.sqrt(torch.clamp(t107, min=0.0))
+    del t107
     t109 = t61.transpose(-1, -2)
+    del t61
     t110 = W_Q.transpose(-1, -2)
     t111 = (X.reshape((L*n_batch, d_V)) @ t109.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t112 = (t111.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t111
     t113 = (X.reshape((L*n_batch, d_V)) @ t110.permute(1, 0)).reshape((n_batch, L, d_K))
     t114 = (t112.reshape((L*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_V))
+    del t112
     t115 = (t114.reshape((n_batch, L, 1, d_V)) @ t17).reshape((n_batch, L, d_V))
+    del t114
     t116 = (t115.reshape((L*n_batch, d_V)) @ t16).reshape((n_batch, L, d_V))
+    del t115, t16
     t117 = (t116.reshape((n_batch, L, 1, d_V)) @ M_2).reshape((n_batch, L, d_V))
+    del M_2, t116
     t118 = (t113.reshape((L*n_batch, d_K)) @ W_K.permute(1, 0)).reshape((n_batch, L, d_V))
     t119 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t109.sum((0,))).reshape((n_batch, L, d_V))
     t120 = (t119 @ X.permute(0, 2, 1))
+    del t119
     t121 = (t120.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    del t120
     t122 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t110.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t110
     t123 = (t26.permute(1, 2, 0) @ t122.permute(0, 2, 1))
+    del t26
     t124 = (t113.reshape((L*n_batch, d_K)) @ t113.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t125 = t124 * t20
     t126 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t127 = (t126.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t125.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t125
     t128 = (t127.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t30.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t127
     t129 = (t122.reshape((L*n_batch, d_K)) @ t113.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t113
     t130 = t129 * t20
     t131 = (t45.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t45
     t132 = (t131.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t130.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t130
     t133 = (t132.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t25.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t132
     t134 = (t122.reshape((L*n_batch, d_K)) @ t122.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t122
     t135 = t134 * t20
     t136 = (t52.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t52
     t137 = (t136.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t135.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t135
     t138 = (t137.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t137
     t139 = (n_batch**(-2)) * (t109.sum((0,)) * t109.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t118 * t117).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t123 * t121.permute(0, 2, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t128 * t32.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t133 * t32.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t138 * t32.permute(0, 2, 3, 1)).sum()
+    del t109, t117, t118, t121, t123, t128, t133, t138
     t140 = torch.sqrt(torch.clamp(t139, min=0.0))
+    del t139
     t141 = t76 * t124
     t142 = (t126.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t126
     t143 = (t142.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t30.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t142, t30
     t144 = t76 * t129
+    del t129
     t145 = (t131.reshape((n_batch, n_batch, L**2, L)) @ t20.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t131
     t146 = (t145.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t25.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t145, t25
     t147 = t76 * t134
+    del t134
     t148 = (t136.reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t136
     t149 = (t148.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del d2A, t148
     t150 = (1/(L**2*d_K**2*n_batch**2)) * (t143 * t141.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t146 * t144.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t149 * t147.permute(0, 2, 3, 1)).sum()
+    del t141, t143, t144, t146, t147, t149
     t151 = torch.sqrt(torch.clamp(t150, min=0.0))
+    del t150
     t152 = t124 * t93
     t153 = (t92.reshape((n_batch, L*d_V, L)) @ t20.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t154 = (t153.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t92.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t153, t92
     t155 = (t28.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t28
     t156 = (t155.permute(0, 1, 3, 4, 2) * t124.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    del t155
     t157 = (t156.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t156
     t158 = (t157.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t157
     t159 = t124 * t102
+    del t102, t124
     t160 = (t104.reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t161 = (t160.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t160
     t162 = (1/(L**2*d_K*n_batch**2)) * (t154 * t152.permute(2, 0, 1, 3)).sum() + (2/(L*d_K*n_batch**2)) * (t158 * t97.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t161 * t159.permute(0, 2, 3, 1)).sum()
+    del t152, t154, t158, t159, t97
     t163 = torch.sqrt(torch.clamp(t162, min=0.0))
+    del t162
     t164 = G.transpose(-1, -2)
+    del G
     t165 = (t164.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t164.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t166 = t20 * t165
     t167 = (t104.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t166.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t104, t166
     t168 = (t167.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t167
     t169 = M_1.transpose(-1, -2)
+    del M_1
     t170 = (t169.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t1
     t171 = (t21 @ t17.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    del t21
     t172 = (t171.permute(0, 2, 3, 1) @ dA)
+    del t171
     t173 = (t172.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t164.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t164
     t174 = (t173.permute(0, 1, 3, 4, 2) * t20.reshape((n_batch, L, n_batch, L, 1)))
     t175 = (t174.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t32.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t174
     t176 = (t175.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t175
     t177 = (t169.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t169.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t169
     t178 = t20 * t177
     t179 = (t178.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t172.reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, d_V, L))
+    del t178
     t180 = (t179.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t172.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t179
     t181 = (1/(d_K*n_batch**2)) * (t168 * t32.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t176 * t170.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t180 * t32.permute(0, 2, 3, 1)).sum()
+    del t168, t176, t180, t32
     t182 = torch.sqrt(torch.clamp(t181, min=0.0))
+    del t181
     t183 = t76 * t165
+    del t165
     t184 = (t173.permute(0, 1, 3, 4, 2) * t76.reshape((n_batch, L, n_batch, L, 1)))
+    del t173
     t185 = (t184.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t184
     t186 = (t185.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del dA, t185
     t187 = t76 * t177
+    del t76
     t188 = (t172.reshape((n_batch, L*d_V, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    del t20
     t189 = (t188.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t172.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t172, t188
     t190 = (1/(d_K*n_batch**2)) * (t161 * t183.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t186 * t170.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t189 * t187.permute(0, 2, 3, 1)).sum()
+    del t161, t170, t183, t186, t187, t189
     t191 = torch.sqrt(torch.clamp(t190, min=0.0))
+    del t190
     t192 = (t17.reshape((L*n_batch, d_V**2)) @ t17.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t17
     t193 = t192 * t177
+    del t177, t192
     t194 = (1/(L**2*n_batch**2)) * (t193 * t93).sum()
+    del t193, t93
     t195 = torch.sqrt(torch.clamp(t194, min=0.0))
+    del t194
     return (t59, t90, t108, t140, t151, t163, t182, t191, t195,)
 
 
@@ -17578,103 +18293,164 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
+    del t0
     t2 = W_K.transpose(-1, -2)
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t9 = torch.where(t8, -math.inf, t7)
+    del t7, t8
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    del t9
     A = t10 / t10.sum(-1, keepdim=True)
+    del t10
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t12
     t13 = Y.sum(-1, keepdim=True)
     t14 = t13.expand(*t13.shape[:-1], d_V)
+    del t13
     t15 = A @ X
     M_1 = t15
+    del t15
     t16 = M_1 @ W_V
     t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
     A18 = t17 / t17.sum(-1, keepdim=True)
+    del t17
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA20 = (t19.reshape((1, 1, d_V, d_V)) * A18.reshape((n_batch, L, d_V, 1))) - (A18.reshape((n_batch, L, 1, d_V)) * A18.reshape((n_batch, L, d_V, 1)))
+    del A18, t19
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t22
     t24 = (dA20 * t14.reshape((n_batch, L, d_V, 1)))
     t25 = (t24.reshape((L*d_V*n_batch, d_V)) @ t21).reshape((n_batch, L, d_V, d_V))
     t26 = (t25 @ M_2)
+    del t25
     t27 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    del t23
     t28 = (t27 @ t26)
     t29 = ((W_K.permute(1, 0) @ t28.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t28
     t30 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t16
+    del t16
     t31 = torch.exp(F - F.amax(-1, keepdim=True))
+    del F
     A32 = t31 / t31.sum(-1, keepdim=True)
+    del t31
     t33 = t14 * A32
+    del A32
     t34 = t33 - Y
+    del t33
     t35 = (1/L) * t34
+    del t34
     G = t35
+    del t35
     t36 = t21 @ t3
     t37 = G @ t36
+    del t36
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
+    del t37
     t39 = A * t38
+    del t38
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t11.reshape((1, 1, L, L)) * t39.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t39.reshape((n_batch, L, L, 1))) - (t39.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t11
     t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t40
     t41 = (1/(d_K*n_batch)) * t2
     t42 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t43 = ((W_K.permute(1, 0) @ t42.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t42
     t44 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t45 = t30.reshape((d_V**2, L*n_batch))
+    del t30
     t46 = t44.reshape((d_V**2, L*n_batch))
+    del t44
     t47 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t29
     t48 = t43.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t43
     t49 = torch.cat([t45, t46], dim=-1)
+    del t45, t46
     t50 = torch.cat([t47, t48], dim=-2)
+    del t47, t48
     t1[...] = ((t49 @ t50).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t1, t49, t50
     t51 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = t51.view((d_V, d_K, d_V, d_K))
+    del t51
     t53 = ((t27 @ t26)).permute(2, 3, 0, 1)
+    del t26, t27
     t54 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t55 = (t54.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t56 = (t41 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    del t41
     t57 = (t54.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t58 = t52.diagonal(0, 1, 3)
     t59 = t39 @ X
+    del t39
     t60 = t3 @ t59
+    del t59
     t61 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
+    del t61
     t63 = t53.reshape((d_K*d_V, L*n_batch))
+    del t53
     t64 = t56.reshape((d_K*d_V, L*n_batch))
+    del t56
     t65 = t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t55
     t66 = t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t57
     t67 = torch.cat([t63, t64], dim=-1)
+    del t63, t64
     t68 = torch.cat([t65, t66], dim=-2)
+    del t65, t66
     t52[...] = ((t67 @ t68).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t52, t67, t68
     t58.addcmul_(t62.reshape((1, 1, d_K)), t60.sum((0,)).reshape((d_V, d_V, 1)))
+    del t58
     t69 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t70 = t69.view((d_V, d_K, d_V, d_V))
+    del t69
     t71 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t72 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t71.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t71
     t73 = (t72.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    del t72
     t74 = ((t73 @ t24)).permute(2, 3, 0, 1)
+    del t73
     t75 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t76 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t77 = (t76 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    del t76
     t78 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t70[...] = ((t75.reshape((d_V**2, L*n_batch)) @ t74.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    del t74, t75
     t70 += ((t77.reshape((d_K*d_V, L*n_batch)) @ t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    del t70, t77, t78
     t79 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t80 = t79.view((d_V, d_K, d_V, d_K))
+    del t79
     t81 = W_Q.transpose(-1, -2)
     t82 = (1/(L*d_K*n_batch)) * t81
     t83 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -17682,76 +18458,130 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     t85 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t86 = (t85 @ t84)
     t87 = ((W_K.permute(1, 0) @ t86.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t86
     t88 = (X.reshape((L*n_batch, d_V)) @ t82.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t82
     t89 = (t88.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t90 = (1/(d_K*n_batch)) * t81
     t91 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t92 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t90.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t3, t90
     t93 = (t92.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t94 = t80.diagonal(0, 1, 3)
     t95 = t60.transpose(-1, -2)
+    del t60
     t96 = t89.reshape((d_K*d_V, L*n_batch))
+    del t89
     t97 = t93.reshape((d_K*d_V, L*n_batch))
+    del t93
     t98 = t87.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t87
     t99 = t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t91
     t100 = torch.cat([t96, t97], dim=-1)
+    del t96, t97
     t101 = torch.cat([t98, t99], dim=-2)
+    del t98, t99
     t80[...] = ((t100 @ t101).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t100, t101, t80
     t94.addcmul_(t62.reshape((1, 1, d_K)), t95.sum((0,)).reshape((d_V, d_V, 1)))
+    del t62, t94, t95
     t102 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t103 = t102.view((d_V, d_K, d_V, d_K))
+    del t102
     t104 = ((t85 @ t84)).permute(3, 2, 0, 1)
+    del t84
     t105 = (t54.reshape((1, d_K, n_batch, L)) * t88.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t88
     t106 = M_3.permute(2, 3, 0, 1)
+    del M_3
     t107 = (t54.reshape((1, d_K, n_batch, L)) * t92.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t92
     t108 = t104.reshape((d_V**2, L*n_batch))
+    del t104
     t109 = t106.reshape((d_V**2, L*n_batch))
+    del t106
     t110 = t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t105
     t111 = t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t107
     t112 = torch.cat([t108, t109], dim=-1)
+    del t108, t109
     t113 = torch.cat([t110, t111], dim=-2)
+    del t110, t111
     t103[...] = ((t112 @ t113).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t103, t112, t113
     t114 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t115 = t114.view((d_V, d_K, d_V, d_V))
+    del t114
     t116 = (1/(L*math.sqrt(d_K)*n_batch)) * t81
     t117 = ((t24.permute(0, 1, 3, 2) @ t83.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    del t83
     t118 = (X.reshape((L*n_batch, d_V)) @ t116.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t116
     t119 = (t118.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t118
     t120 = (1/(math.sqrt(d_K)*n_batch)) * t81
+    del t81
     t121 = M_2.permute(3, 2, 0, 1)
     t122 = (X.reshape((L*n_batch, d_V)) @ t120.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t120
     t123 = (t122.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t122
     t115[...] = ((t119.reshape((d_K*d_V, L*n_batch)) @ t117.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    del t117, t119
     t115 += ((t121.reshape((d_V**2, L*n_batch)) @ t123.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    del t115, t121, t123
     t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t125 = t124.view((d_V, d_V, d_V, d_K))
+    del t124
     t126 = G.transpose(-1, -2)
+    del G
     t127 = (1/(math.sqrt(d_K)*n_batch)) * t126
+    del t126
     t128 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t127.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t129 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t130 = M_1.transpose(-1, -2)
     t131 = (1/(L*math.sqrt(d_K)*n_batch)) * t130
     t132 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t131.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t133 = (t21.permute(1, 0) @ dA20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t21
     t134 = (t133.permute(1, 2, 3, 0) @ M_2)
+    del t133
     t135 = (t134.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
+    del t134
     t136 = (t135.permute(2, 3, 0, 1) * t14.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    del t135
     t125[...] = ((t128.reshape((d_V**2, L*n_batch)) @ t129.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t128, t129
     t125 += ((t132.reshape((d_V**2, L*n_batch)) @ t136.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t125, t132, t136
     t137 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t138 = t137.view((d_V, d_V, d_V, d_K))
+    del t137
     t139 = M_2.permute(2, 3, 0, 1)
+    del M_2
     t140 = (t54.reshape((1, d_K, n_batch, L)) * t127.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t127
     t141 = ((t85 @ t24.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    del t24, t85
     t142 = (t54.reshape((1, d_K, n_batch, L)) * t131.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t131, t54
     t138[...] = ((t139.reshape((d_V**2, L*n_batch)) @ t140.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t139, t140
     t138 += ((t141.reshape((d_V**2, L*n_batch)) @ t142.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t138, t141, t142
     t143 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t144 = t143.view((d_V, d_V, d_V, d_V))
+    del t143
     t145 = (1/(L*n_batch)) * t130
+    del t130
     t146 = (dA20.permute(2, 3, 0, 1) * t14.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    del dA20, t14
     t147 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t145.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del M_1, t145
     t144[...] = ((t147.reshape((d_V**2, L*n_batch)) @ t146.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    del t144, t146, t147
     return H
 
 
@@ -17845,27 +18675,38 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t7 = torch.where(t6, -math.inf, t5)
+    del t5, t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    del t7
     A = t8 / t8.sum(-1, keepdim=True)
+    del t8
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
+    del t10
     t12 = A @ X
     M_1 = t12
+    del t12
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
+    del t14
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
+    del A15, t16
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
+    del dA17
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17873,183 +18714,310 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t24 = (t21.permute(1, 2, 0) @ t19.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t25 = (t24.reshape((n_batch, L**2, d_V)) @ t23.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t26 = (t25.permute(0, 2, 3, 1) @ dA)
+    del t25
     t27 = (t26.permute(0, 1, 3, 2) @ dA)
+    del t26
     t28 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t29 = t22 * t22
     t30 = (t24.permute(0, 2, 3, 1) @ dA)
+    del t24
     t31 = (t23 @ t30.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
     t32 = (t31.permute(0, 2, 3, 1) @ dA)
+    del t31
     t33 = (t20.reshape((L*n_batch, d_K)) @ t20.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t28.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t28.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t35 = (t33.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t27.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t36 = (t35.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t29.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t29, t35
     t37 = (t36.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t32.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t36
     F = t13
+    del t13
     t38 = torch.exp(F - F.amax(-1, keepdim=True))
+    del F
     A39 = t38 / t38.sum(-1, keepdim=True)
+    del t38
     t40 = t11 * A39
+    del A39, t11
     t41 = t40 - Y
+    del t40
     t42 = (1/L) * t41
+    del t41
     G = t42
+    del t42
     t43 = t18 @ t1
     t44 = G @ t43
+    del t43
     t45 = t44 - (A * t44).sum(-1, keepdim=True)
+    del t44
     t46 = A * t45
+    del t45
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t9.reshape((1, 1, L, L)) * t46.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t46.reshape((n_batch, L, L, 1))) - (t46.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t9
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t50 = (t49.reshape((L*n_batch, d_K)) @ t20.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t20
     t51 = (t50.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t52 = (t51.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t48.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t48, t51
     t53 = (t52.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t52
     t54 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t55 = t22 * t54
     t56 = (t49.reshape((L*n_batch, d_K)) @ t49.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t57 = (t55.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t55
     t58 = (t57.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t56.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t57
     t59 = (t58.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t58
     t60 = (1/(L**2*d_K**2*n_batch**2)) * (t37 * t34.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t53 * t34.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t59 * t34.permute(0, 2, 3, 1)).sum()
+    del t37, t53, t59
     t61 = torch.sqrt(torch.clamp(t60, min=0.0))
+    del t60
     t62 = t46 @ X
+    del t46
     t63 = t1 @ t62
+    del t62
     t64 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t64.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t64
     t65 = (X.reshape((L*n_batch, d_V)) @ t63.sum((0,))).reshape((n_batch, L, d_V))
     t66 = (t65.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t65
     t67 = (W_Q @ t0)
+    del t0
     t68 = (t66.reshape((L*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V))
+    del t66
     t69 = (t68.reshape((n_batch, L, 1, d_V)) @ t19.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t68
     t70 = (t67.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t67
     t71 = (t70.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t70
     t72 = (t71.reshape((L*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_V))
+    del t71
     t73 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t63.sum((0,))).reshape((n_batch, L, d_V))
     t74 = (t73 @ X.permute(0, 2, 1))
+    del t73
     t75 = (t74.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t74
     t76 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t77 = (t76.permute(1, 2, 0) @ t49.permute(0, 2, 1))
+    del t49
     t78 = (t76.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t76.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t76
     t79 = t78 * t22
     t80 = (t22.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t27.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t81 = (t80.reshape((n_batch, n_batch, L**2, L)) @ t33.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t80
     t82 = (t81.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t32.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t81
     t83 = t78 * t47
     t84 = (t22.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t85 = (t84.reshape((n_batch, n_batch, L**2, L)) @ t50.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t50, t84
     t86 = (t85.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t85
     t87 = t78 * t54
     t88 = (t22.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t89 = (t88.reshape((n_batch, n_batch, L**2, L)) @ t56.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t56, t88
     t90 = (t89.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t89
     t91 = (n_batch**(-2)) * (t63.sum((0,)) * t63.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t72 * t69).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t77 * t75).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t82 * t79.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t86 * t83.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t90 * t87.permute(0, 2, 3, 1)).sum()
+    del t69, t72, t75, t77, t79, t82, t83, t86, t87, t90
     t92 = torch.sqrt(torch.clamp(t91, min=0.0))
+    del t91
     t93 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    del t21
     t94 = (t93 @ dA)
+    del t93
     t95 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t96 = t95 * t22
     t97 = (t96.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t94.reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, d_V, L))
+    del t96
     t98 = (t97.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t94.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t97
     t99 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t100 = (t94.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t101 = (t100.permute(0, 1, 3, 4, 2) * t22.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    del t100
     t102 = (t101.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t33.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t101
     t103 = (t102.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t102
     t104 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t105 = t104 * t22
     t106 = (t54.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t107 = (t106.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t105.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t105
     t108 = (t107.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t107
     t109 = (1/(L**2*d_K*n_batch**2)) * (t98 * t33.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t103 * t99.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t108 * t33.permute(0, 2, 3, 1)).sum()
+    del t103, t108, t33, t98
     t110 = torch.sqrt(torch.clamp(t109, min=0.0))
+    del t109
     t111 = t63.transpose(-1, -2)
+    del t63
     t112 = W_Q.transpose(-1, -2)
     t113 = (X.reshape((L*n_batch, d_V)) @ t111.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t114 = (t113.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t113
     t115 = (X.reshape((L*n_batch, d_V)) @ t112.permute(1, 0)).reshape((n_batch, L, d_K))
     t116 = (t114.reshape((L*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_V))
+    del t114
     t117 = (t116.reshape((n_batch, L, 1, d_V)) @ t19).reshape((n_batch, L, d_V))
+    del t116
     t118 = (t117.reshape((L*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V))
+    del t117, t18
     t119 = (t118.reshape((n_batch, L, 1, d_V)) @ M_2).reshape((n_batch, L, d_V))
+    del M_2, t118
     t120 = (t115.reshape((L*n_batch, d_K)) @ W_K.permute(1, 0)).reshape((n_batch, L, d_V))
     t121 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t111.sum((0,))).reshape((n_batch, L, d_V))
     t122 = (t121 @ X.permute(0, 2, 1))
+    del t121
     t123 = (t122.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    del t122
     t124 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t112.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t112
     t125 = (t28.permute(1, 2, 0) @ t124.permute(0, 2, 1))
+    del t28
     t126 = (t115.reshape((L*n_batch, d_K)) @ t115.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t127 = t126 * t22
     t128 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t22.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t129 = (t128.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t127.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t127
     t130 = (t129.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t32.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t129
     t131 = (t124.reshape((L*n_batch, d_K)) @ t115.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t115
     t132 = t131 * t22
     t133 = (t47.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t47
     t134 = (t133.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t132.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t132
     t135 = (t134.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t134
     t136 = (t124.reshape((L*n_batch, d_K)) @ t124.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t124
     t137 = t136 * t22
     t138 = (t54.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t54
     t139 = (t138.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t137.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t137
     t140 = (t139.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t139
     t141 = (n_batch**(-2)) * (t111.sum((0,)) * t111.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t120 * t119).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t125 * t123.permute(0, 2, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t130 * t34.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t135 * t34.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t140 * t34.permute(0, 2, 3, 1)).sum()
+    del t111, t119, t120, t123, t125, t130, t135, t140
     t142 = torch.sqrt(torch.clamp(t141, min=0.0))
+    del t141
     t143 = t78 * t126
     t144 = (t128.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t128
     t145 = (t144.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t32.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t144, t32
     t146 = t78 * t131
+    del t131
     t147 = (t133.reshape((n_batch, n_batch, L**2, L)) @ t22.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t133
     t148 = (t147.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t147, t27
     t149 = t78 * t136
+    del t136
     t150 = (t138.reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t138
     t151 = (t150.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del d2A, t150
     t152 = (1/(L**2*d_K**2*n_batch**2)) * (t145 * t143.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t148 * t146.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t151 * t149.permute(0, 2, 3, 1)).sum()
+    del t143, t145, t146, t148, t149, t151
     t153 = torch.sqrt(torch.clamp(t152, min=0.0))
+    del t152
     t154 = t126 * t95
     t155 = (t94.reshape((n_batch, L*d_V, L)) @ t22.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t156 = (t155.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t94.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t155, t94
     t157 = (t30.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t30
     t158 = (t157.permute(0, 1, 3, 4, 2) * t126.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    del t157
     t159 = (t158.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t158
     t160 = (t159.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t159
     t161 = t126 * t104
+    del t104, t126
     t162 = (t106.reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t163 = (t162.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t162
     t164 = (1/(L**2*d_K*n_batch**2)) * (t156 * t154.permute(2, 0, 1, 3)).sum() + (2/(L*d_K*n_batch**2)) * (t160 * t99.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t163 * t161.permute(0, 2, 3, 1)).sum()
+    del t154, t156, t160, t161, t99
     t165 = torch.sqrt(torch.clamp(t164, min=0.0))
+    del t164
     t166 = G.transpose(-1, -2)
+    del G
     t167 = (t166.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t166.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t168 = t22 * t167
     t169 = (t106.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t168.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t106, t168
     t170 = (t169.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t169
     t171 = M_1.transpose(-1, -2)
+    del M_1
     t172 = (t171.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t1
     t173 = (t23 @ t19.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    del t23
     t174 = (t173.permute(0, 2, 3, 1) @ dA)
+    del t173
     t175 = (t174.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t166.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t166
     t176 = (t175.permute(0, 1, 3, 4, 2) * t22.reshape((n_batch, L, n_batch, L, 1)))
     t177 = (t176.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t34.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t176
     t178 = (t177.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t177
     t179 = (t171.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t171.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t171
     t180 = t22 * t179
     t181 = (t180.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t174.reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, d_V, L))
+    del t180
     t182 = (t181.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t174.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t181
     t183 = (1/(d_K*n_batch**2)) * (t170 * t34.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t178 * t172.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t182 * t34.permute(0, 2, 3, 1)).sum()
+    del t170, t178, t182, t34
     t184 = torch.sqrt(torch.clamp(t183, min=0.0))
+    del t183
     t185 = t78 * t167
+    del t167
     t186 = (t175.permute(0, 1, 3, 4, 2) * t78.reshape((n_batch, L, n_batch, L, 1)))
+    del t175
     t187 = (t186.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t186
     t188 = (t187.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del dA, t187
     t189 = t78 * t179
+    del t78
     t190 = (t174.reshape((n_batch, L*d_V, L)) @ t22.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    del t22
     t191 = (t190.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t174.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t174, t190
     t192 = (1/(d_K*n_batch**2)) * (t163 * t185.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t188 * t172.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t191 * t189.permute(0, 2, 3, 1)).sum()
+    del t163, t172, t185, t188, t189, t191
     t193 = torch.sqrt(torch.clamp(t192, min=0.0))
+    del t192
     t194 = (t19.reshape((L*n_batch, d_V**2)) @ t19.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t19
     t195 = t194 * t179
+    del t179, t194
     t196 = (1/(L**2*n_batch**2)) * (t195 * t95).sum()
+    del t195, t95
     t197 = torch.sqrt(torch.clamp(t196, min=0.0))
+    del t196
     return (t61, t92, t110, t142, t153, t165, t184, t193, t197,)
 
 

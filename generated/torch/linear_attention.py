@@ -5358,11 +5358,14 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
+    del t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t3 = W_V.transpose(-1, -2)
     t4 = t3 @ t0
+    del t3
     t5 = W_V @ t4
     t6 = X @ t5
+    del t5
     t7 = t2.transpose(-1, -2)
     t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t9 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5371,140 +5374,241 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t12 = (t7.reshape((L*n_batch, d_K)) @ t7.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = (Mcausal.reshape((L, L, 1)) * Mcausal.reshape((L, 1, L)))
     t14 = (t13.permute(1, 2, 0).reshape((L, L, L, 1)) * t6.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    del t13
     t15 = (t14.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(3, 1, 2, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t16
     t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum()
+    del t17
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    del t18
     t20 = W_Q @ t2
     t21 = X @ t20
+    del t20
     t22 = (1/math.sqrt(d_K)) * t21
+    del t21
     T = t22
+    del t22
     t23 = Mcausal * T
     t24 = t4.transpose(-1, -2)
     t25 = t23 @ t24
+    del t24
     F = t25
+    del t25
     t26 = F - Y
+    del F
     t27 = (2/(L*d_V)) * t26
+    del t26
     G = t27
+    del t27
     t28 = G @ t4
     t29 = Mcausal * t28
     t30 = t29 @ X
+    del t29
     t31 = (t30.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t0.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    del t30
     t32 = X @ W_Q
     t33 = (t32 @ t2)
+    del t2
     t34 = (t31 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t35 = (t34.permute(1, 2, 0) @ X.permute(0, 2, 1))
+    del t34
     t36 = (t33.permute(1, 2, 0) * Mcausal.reshape((L, L, 1)))
+    del t33
     t37 = (t36.permute(2, 0, 1) @ t6)
+    del t36
     t38 = (t37.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t35.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    del t35, t37
     t39 = (t32.reshape((L*n_batch, d_K)) @ t32.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t40 = t39 * t8
     t41 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t40.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t15, t40
     t42 = (t41.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(3, 1, 2, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t14, t41
     t43 = (n_batch**(-2)) * (t31 * t31).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t38 * Mcausal).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t42 * t10.permute(0, 2, 3, 1)).sum()
+    del t31, t38, t42
     t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    del t43
     t45 = t23 @ X
+    del t23
     t46 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t47 = (t45.reshape((L*n_batch, d_V)) @ t45.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t48 = t47 * t8
     t49 = (t46.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t46.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t50 = t49 * t9
     t51 = (t48.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    del t48
     t52 = (t51.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t50.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    del t50, t51
     t53 = (X.reshape((L*n_batch, d_V)) @ t45.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t54 = (t46.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t46
     t55 = (t53.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t8.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
+    del t53
     t56 = (t55.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, L)) @ Mcausal).reshape((n_batch, n_batch, L, L, L))
+    del t55
     t57 = (t56.permute(0, 1, 2, 4, 3) * t9.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1)))
+    del t56
     t58 = (t57.permute(4, 2, 0, 1, 3).reshape((L, L, L*n_batch**2)) @ t54.permute(3, 2, 0, 1).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    del t54, t57
     t59 = t10 * t9
+    del t9
     t60 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t61 = t60 * t8
     t62 = (t59.reshape((L*n_batch**2, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    del t59
     t63 = (t62.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t61.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    del t61, t62
     t64 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t52 * Mcausal).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t58 * Mcausal).sum() + (1/(d_K*n_batch**2)) * (t63 * Mcausal.permute(1, 0)).sum()
+    del t52, t58, t63
     t65 = torch.sqrt(torch.clamp(t64, min=0.0))
+    del t64
     t66 = t28.transpose(-1, -2)
+    del t28
     t67 = Mcausal.transpose(-1, -2)
     t68 = t66 * t67
+    del t66
     t69 = t68 @ X
+    del t68
     t70 = (t69.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t0.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    del t69
     t71 = t32.transpose(-1, -2)
+    del t32
     t72 = (t7 @ t71)
+    del t7
     t73 = (t70 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t0
     t74 = (t73.permute(1, 2, 0) @ X.permute(0, 2, 1))
+    del t73
     t75 = (t72.permute(1, 2, 0) * t67.reshape((L, L, 1)))
+    del t72
     t76 = (t75.permute(2, 1, 0) @ t6.permute(0, 2, 1))
+    del t75
     t77 = (t76.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t74.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    del t74, t76
     t78 = (t71.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t71.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t71
     t79 = t10 * t78
     t80 = (t67.permute(1, 0).reshape((L, L, 1)) * t67.permute(1, 0).reshape((L, 1, L)))
     t81 = (t80.permute(1, 2, 0).reshape((L, L, L, 1)) * t6.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    del t6, t80
     t82 = (t81.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t8.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t83 = (t82.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t12.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t84 = (t83.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t81.permute(3, 1, 0, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t83
     t85 = (n_batch**(-2)) * (t70 * t70).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t77 * t67.permute(1, 0)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t84 * t79.permute(0, 2, 3, 1)).sum()
+    del t70, t77, t79, t84
     t86 = torch.sqrt(torch.clamp(t85, min=0.0))
+    del t85
     t87 = t39 * t78
     t88 = (t82.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t10.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t82
     t89 = (t88.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t81.permute(3, 1, 0, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t81, t88
     t90 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t89 * t87.permute(0, 2, 3, 1)).sum()
+    del t87, t89
     t91 = torch.sqrt(torch.clamp(t90, min=0.0))
+    del t90
     t92 = t60 * t78
+    del t60
     t93 = (t11.reshape((L*n_batch**2, L)) @ t67).reshape((n_batch, L, n_batch, L))
+    del t11
     t94 = (t93.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t92.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    del t92
     t95 = (W_V @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t96 = (t45.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t97 = (t95.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t95
     t98 = (t96.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t8.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
+    del t96
     t99 = (t98.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, L)) @ t67).reshape((n_batch, n_batch, L, L, L))
+    del t98
     t100 = (t99.permute(0, 1, 2, 4, 3) * t78.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1)))
+    del t99
     t101 = (t100.permute(4, 2, 0, 1, 3).reshape((L, L, L*n_batch**2)) @ t97.permute(3, 2, 0, 1).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    del t100, t97
     t102 = t47 * t78
+    del t47, t78
     t103 = t49 * t8
+    del t49
     t104 = (t102.reshape((L*n_batch**2, L)) @ t67.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    del t102
     t105 = (t104.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t103.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    del t103, t104
     t106 = (1/(d_K*n_batch**2)) * (t94 * t67).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t101 * t67).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t105 * t67.permute(1, 0)).sum()
+    del t101, t105, t94
     t107 = torch.sqrt(torch.clamp(t106, min=0.0))
+    del t106
     t108 = T.transpose(-1, -2)
+    del T
     t109 = t67 * t108
+    del t108
     t110 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t4.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t111 = t12 * t110
     t112 = (t8.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t109).reshape((n_batch, n_batch, L, L))
     t113 = (t112.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t109).reshape((n_batch, n_batch, L, L))
+    del t109
     t114 = t113 * t10.permute(0, 2, 3, 1)
     t115 = (t111.reshape((L*n_batch**2, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    del t111
     t116 = (t115.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t114.reshape((L*n_batch**2, L)))
+    del t114, t115
     t117 = G.transpose(-1, -2)
+    del G
     t118 = (t117.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t4.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t4
     t119 = (t10.reshape((n_batch, L, n_batch, L, 1)) * t118.reshape((n_batch, L, n_batch, 1, L)))
     t120 = (t119.permute(3, 4, 0, 1, 2) * Mcausal.reshape((L, L, 1, 1, 1)))
+    del t119
     t121 = (t120.permute(2, 4, 0, 3, 1).reshape((n_batch, n_batch, L**2, L)) @ t12.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t120
     t122 = (t121.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t112.permute(2, 1, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    del t121
     t123 = (t117.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t117.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t117
     t124 = t12 * t8
+    del t12, t8
     t125 = t10 * t123
     t126 = (t124.reshape((L*n_batch**2, L)) @ t67).reshape((n_batch, L, n_batch, L))
+    del t124
     t127 = (t126.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t125.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    del t125, t126
     t128 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t116 * Mcausal.permute(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t122 * t67).sum() + (1/(d_K*n_batch**2)) * (t127 * t67).sum()
+    del t116, t122, t127
     t129 = torch.sqrt(torch.clamp(t128, min=0.0))
+    del t128
     t130 = t10 * t110
+    del t110
     t131 = t113 * t39.permute(0, 2, 3, 1)
+    del t113
     t132 = (t130.reshape((L*n_batch**2, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    del t130
     t133 = (t132.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t131.reshape((L*n_batch**2, L)))
+    del t131, t132
     t134 = (t39.reshape((n_batch, L, n_batch, L, 1)) * t118.reshape((n_batch, L, n_batch, 1, L)))
+    del t118
     t135 = (t134.permute(3, 4, 0, 1, 2) * Mcausal.reshape((L, L, 1, 1, 1)))
+    del t134
     t136 = (t135.permute(2, 4, 0, 3, 1).reshape((n_batch, n_batch, L**2, L)) @ t10.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t10, t135
     t137 = (t136.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t112.permute(2, 1, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    del t112, t136
     t138 = t39 * t123
+    del t123, t39
     t139 = (t93.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t138.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    del t138, t93
     t140 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t133 * Mcausal.permute(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t137 * t67).sum() + (1/(d_K*n_batch**2)) * (t139 * t67).sum()
+    del Mcausal, t133, t137, t139, t67
     t141 = torch.sqrt(torch.clamp(t140, min=0.0))
+    del t140
     t142 = t45.transpose(-1, -2)
     t143 = t142 @ t45
+    del t142, t45
     t144 = (4/(L**2*d_V*n_batch**2)) * (t143.sum((0,)) * t143.sum((0,))).sum()
+    del t143
     t145 = torch.sqrt(torch.clamp(t144, min=0.0))
+    del t144
     return (t19, t44, t65, t86, t91, t107, t129, t141, t145,)
 
 
@@ -13092,68 +13196,103 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t0 = X.transpose(-1, -2)
         t2 = W_K.transpose(-1, -2)
         t3 = t2 @ t0
+        del t2
         Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
         t4 = X @ W_V
         t5 = Y.sum(-1, keepdim=True)
         t6 = t5.expand(*t5.shape[:-1], d_V)
+        del t5
         t7 = W_Q @ t3
         t8 = X @ t7
+        del t7
         t9 = (1/math.sqrt(d_K)) * t8
+        del t8
         T = t9
+        del t9
         t10 = Mcausal * T
         t11 = t10 @ t4
         t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
         A = t12 / t12.sum(-1, keepdim=True)
+        del t12
         t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
         # dA: compact tensor ('L', 'd_V', 'd_V')
         dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
+        del A, t13
         t14 = t4.transpose(-1, -2)
         t15 = t3.transpose(-1, -2)
         t16 = (1/(L*d_K)) * Mcausal
         t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
         t18 = (t17.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
         t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+        del t18
         t20 = (t19.permute(1, 3, 0, 2) * t16.reshape((L, L, 1, 1)))
+        del t16, t19
         t21 = (t20.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
+        del t20
         t22 = (t21.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        del t21
         t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t15).reshape((n_batch, L, d_K, d_K))
         t24 = X.reshape((n_batch, L, 1, d_V, 1))
         t25 = t23.reshape((n_batch, L, d_K, 1, d_K))
+        del t23
         t28 = X @ W_Q
         t29 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+        del t22
         F = t11
+        del t11
         t31 = torch.exp(F - F.amax(-1, keepdim=True))
+        del F
         A32 = t31 / t31.sum(-1, keepdim=True)
+        del t31
         t33 = t6 * A32
+        del A32
         t34 = t33 - Y
+        del t33
         t35 = (1/L) * t34
+        del t34
         G = t35
+        del t35
         t36 = G @ t14
+        del t14
         t37 = Mcausal * t36
         t38 = t37 @ X
+        del t37
         t39 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
         t40 = (1/math.sqrt(d_K)) * t39
+        del t39
         t41 = t28.reshape((n_batch, L, 1, 1, d_K))
         t42 = t29.reshape((n_batch, L, d_K, d_V, 1))
+        del t29
         t43 = t40.reshape((1, 1, 1, d_K))
         t44 = t38.reshape((n_batch, L, d_V, 1))
+        del t38
         t47 = t10 @ X
+        del t10
         t48 = (1/(L*math.sqrt(d_K))) * Mcausal
         t49 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
         t50 = (t49.reshape((d_V, n_batch, L, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, 1, L)))
         t51 = (t50.permute(1, 3, 2, 0) @ dA)
+        del t50
         t52 = (t51.permute(1, 2, 0, 3) * t48.reshape((L, L, 1, 1)))
+        del t48, t51
         t53 = ((t3 @ t52.permute(2, 1, 0, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        del t52
         t54 = (1/math.sqrt(d_K)) * Mcausal
         t55 = (t54.permute(1, 0).reshape((L, L, 1, 1)) * t3.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
+        del t3, t54
         t56 = (t55.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+        del t55
         t57 = t47.reshape((n_batch, L, 1, d_V, 1))
         t58 = t53.reshape((n_batch, L, d_K, 1, d_V))
+        del t53
         t59 = G.reshape((n_batch, L, 1, 1, d_V))
         t60 = t56.reshape((n_batch, L, d_K, d_V, 1))
+        del t56
         t61 = t0.permute(1, 0, 2)
         t62 = t61.reshape((d_V, L*n_batch))
+        del t61
         t63 = (1/n_batch) * t62
+        del t62
         t64 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
         n_rows = max(1, min(d_K, 131072 // (n_batch*L*(2*d_K*d_V + d_V**2))))
         while d_K % n_rows:    # chunks of equal size
@@ -13177,47 +13316,73 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             else:
                 for r0 in range(0, d_V, 32):
                     torch.matmul(t63.narrow(-2, r0, min(32, d_V - r0)), t66, out=t71.narrow(-2, r0, min(32, d_V - r0)))
+        del n_rows, t24, t25, t41, t42, t43, t44, t57, t58, t59, t60, t64, t65, t66, t67, t68, t70
         del R
         R72 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
         t73 = R72.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
         t74 = t73[..., 0:d_K*d_V]
         t75 = t74.view((n_batch, L, d_K, d_V, d_K))
+        del t74
         t76 = t28.transpose(-1, -2)
         t77 = Mcausal.transpose(-1, -2)
         t78 = Y.transpose(-1, -2)
         t79 = t78.sum(-2, keepdim=True)
+        del t78
         t80 = t79.expand(*t79.shape[:-2], d_V, t79.shape[-1])
+        del t79
         t81 = (1/(L*d_K)) * t77
         t82 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t76.reshape((n_batch, d_K, 1, L)))
         t83 = (t17.permute(0, 2, 3, 1) * t80.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
         t84 = (t83.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+        del t4, t83
         t85 = (t84.permute(1, 2, 0, 3) * Mcausal.reshape((L, L, 1, 1)))
+        del t84
         t86 = (t85.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ t15).reshape((n_batch, L, L, d_K))
         t87 = (t86.permute(0, 2, 3, 1) * t81.reshape((1, L, 1, L)))
+        del t86
         t88 = t75.diagonal(0, 2, 4)
         t89 = t36.transpose(-1, -2)
+        del t36
         t90 = t89 * t77
+        del t89
         t91 = (t90 @ X)
+        del t90
         t75[...] = ((t82.reshape((n_batch, d_K*d_V, L)) @ t87.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        del t75, t82, t87
         t88.addcmul_(t40.reshape((1, 1, 1, d_K)), t91.reshape((n_batch, L, d_V, 1)))
+        del t40, t88, t91
         t92 = t73[..., d_K*d_V:2*d_K*d_V]
         t93 = t92.view((n_batch, L, d_K, d_V, d_K))
+        del t92
         t94 = (t28.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t76.reshape((n_batch, d_K, 1, L)))
         t95 = (t85.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ X).reshape((n_batch, L, L, d_V))
+        del t85
         t96 = (t95.permute(0, 2, 3, 1) * t81.reshape((1, L, 1, L)))
+        del t81, t95
         t93[...] = ((t96.reshape((n_batch, L*d_V, L)) @ t94.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        del t93, t94, t96
         t97 = t73[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        del t73
         t98 = t97.view((n_batch, L, d_K, d_V, d_V))
+        del t97
         t99 = (1/math.sqrt(d_K)) * t77
         t100 = (t99.permute(1, 0).reshape((L, L, 1, 1)) * t76.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
+        del t99
         t101 = (t100.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ G).reshape((n_batch, L, d_K, d_V))
+        del t100
         t102 = (1/(L*math.sqrt(d_K))) * t77
         t103 = (t47.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t76.reshape((n_batch, d_K, 1, L)))
+        del t76
         t104 = (t49.reshape((d_V, n_batch, L, 1)) * t80.permute(1, 0, 2).reshape((d_V, n_batch, 1, L)))
+        del t49, t80
         t105 = (t104.permute(1, 3, 2, 0) @ dA)
+        del t104
         t106 = (t105.permute(0, 2, 3, 1) * t102.reshape((1, L, 1, L)))
+        del t102, t105
         torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t101.reshape((n_batch, L, d_K, 1, d_V)), out=t98)
+        del t101
         t98 += ((t103.reshape((n_batch, d_K*d_V, L)) @ t106.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        del t103, t106, t98
         t107 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
         t108 = R72.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
         if d_V <= 32:
@@ -13225,44 +13390,76 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         else:
             for r0109 in range(0, d_V, 32):
                 torch.matmul(t63.narrow(-2, r0109, min(32, d_V - r0109)), t108, out=t107.narrow(-2, r0109, min(32, d_V - r0109)))
+        del t107, t108, t63
         del R72
         t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
         t111 = t110.view((d_V, d_V, d_V, d_K))
+        del t110
         t112 = T.transpose(-1, -2)
+        del T
         t113 = t77 * t112
+        del t112
         t114 = (1/(L*math.sqrt(d_K)*n_batch)) * t113
+        del t113
         t115 = (t114.permute(0, 2, 1) @ t0.permute(0, 2, 1))
+        del t114
         t116 = (t115.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
         t117 = (t17.permute(1, 2, 0, 3) * Mcausal.permute(1, 0).reshape((L, L, 1, 1)))
+        del Mcausal, t17
         t118 = (t117.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t15).reshape((n_batch, L, d_V, d_K))
         t119 = (t118.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        del t118
         t120 = G.transpose(-1, -2)
+        del G
         t121 = (1/(math.sqrt(d_K)*n_batch)) * t77
+        del t77
         t122 = (t121.reshape((L, L, 1, 1)) * t0.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
+        del t0, t121
         t123 = (t122.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t15).reshape((n_batch, L, d_V, d_K))
+        del t15
         t124 = (t123.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        del t123
         t125 = t120.permute(1, 0, 2)
+        del t120
         t111[...] = ((t116.reshape((d_V**2, L*n_batch)) @ t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        del t116, t119
         t126 = t125.reshape((1, d_V, L*n_batch))
+        del t125
         t127 = t111.view((d_V, d_V, d_K*d_V))
+        del t111
         t127.baddbmm_(t126.expand(*(d_V,), *t126.shape[-2:]), t124.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        del t124, t127
         t128 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
         t129 = t128.view((d_V, d_V, d_V, d_K))
+        del t128
         t130 = (t115.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
+        del t115
         t131 = (t117.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        del t117
         t132 = (t131.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        del t131
         t133 = (t122.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        del t122
         t134 = (t133.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        del t133, t28
         t129[...] = ((t132.reshape((d_V**2, L*n_batch)) @ t130.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        del t130, t132
         t135 = t129.view((d_V, d_V, d_K*d_V))
+        del t129
         t135.baddbmm_(t126.expand(*(d_V,), *t126.shape[-2:]), t134.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        del t126, t134, t135
         t136 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t137 = t136.view((d_V, d_V, d_V, d_V))
+        del t136
         t138 = t47.transpose(-1, -2)
         t139 = (1/(L*n_batch)) * t138
+        del t138
         t140 = (dA.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        del dA, t6
         t141 = (t47.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t139.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        del t139, t47
         t137[...] = ((t141.reshape((d_V**2, L*n_batch)) @ t140.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        del t137, t140, t141
         return H
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -13500,21 +13697,28 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
+    del t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t3 = X @ W_V
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
+    del t4
     t6 = W_Q @ t2
     t7 = X @ t6
+    del t6
     t8 = (1/math.sqrt(d_K)) * t7
+    del t7
     T = t8
+    del t8
     t9 = Mcausal * T
     t10 = t9 @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
+    del t11
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
+    del A, t12
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -13527,143 +13731,248 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t23 = (t22.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t24 = (t23.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
+    del t23
     t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t26
     t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.permute(0, 2, 3, 1)).sum()
+    del t27
     t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    del t28
     F = t10
+    del t10
     t30 = torch.exp(F - F.amax(-1, keepdim=True))
+    del F
     A31 = t30 / t30.sum(-1, keepdim=True)
+    del t30
     t32 = t5 * A31
+    del A31
     t33 = t32 - Y
+    del t32
     t34 = (1/L) * t33
+    del t33
     G = t34
+    del t34
     t35 = G @ t13
+    del t13
     t36 = Mcausal * t35
     t37 = t36 @ X
+    del t36
     t38 = (t37.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t0.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    del t37
     t39 = X @ W_Q
     t40 = (t39 @ t2)
+    del t2
     t41 = (t38 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t0
     t42 = (t41.permute(1, 2, 0) @ X.permute(0, 2, 1))
+    del t41
     t43 = (t22.permute(0, 1, 3, 2) * t40.reshape((n_batch, L, L, 1)))
+    del t22, t40
     t44 = (t43.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
+    del t43
     t45 = (t44.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t42.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    del t42, t44
     t46 = (t39.reshape((L*n_batch, d_K)) @ t39.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t47 = t46 * t16
     t48 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t47.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t25, t47
     t49 = (t48.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t24, t48
     t50 = (n_batch**(-2)) * (t38 * t38).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t45 * Mcausal).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t49 * t18.permute(0, 2, 3, 1)).sum()
+    del t38, t45, t49
     t51 = torch.sqrt(torch.clamp(t50, min=0.0))
+    del t50
     t52 = t9 @ X
+    del t9
     t53 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t54 = (dA * t5.reshape((n_batch, L, d_V, 1)))
+    del t5
     t55 = (t54.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t53.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t56 = (t52.reshape((L*n_batch, d_V)) @ t52.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t57 = t56 * t16
     t58 = (t55.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
+    del t55
     t59 = (t58.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t60 = (t59.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t58.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t58, t59
     t61 = (X.reshape((L*n_batch, d_V)) @ t52.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t62 = (t61.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
+    del t61
     t63 = (t62.permute(3, 4, 0, 1, 2) * Mcausal.permute(1, 0).reshape((L, L, 1, 1, 1)))
+    del t62
     t64 = (t17.permute(3, 0, 1, 2).reshape((L, n_batch, L, n_batch, 1)) * Mcausal.permute(1, 0).reshape((L, 1, 1, 1, L)))
     t65 = (t53.permute(1, 2, 0) @ t54.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t66 = (t64.permute(1, 3, 4, 0, 2) @ t63.permute(2, 3, 4, 0, 1))
+    del t63, t64
     t67 = (t66.permute(0, 4, 1, 2, 3).reshape((L*n_batch, L**2*n_batch)) @ t65.permute(0, 2, 1, 3).reshape((L**2*n_batch, d_V))).reshape((n_batch, L, d_V))
+    del t65, t66
     t68 = t18 * t17
+    del t17
     t69 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t70 = t69 * t16
     t71 = (t68.reshape((L*n_batch**2, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    del t68
     t72 = (t71.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t70.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    del t70, t71
     t73 = (1/(L**2*d_K*n_batch**2)) * (t60 * t57.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t67 * G).sum() + (1/(d_K*n_batch**2)) * (t72 * Mcausal.permute(1, 0)).sum()
+    del t57, t60, t67, t72
     t74 = torch.sqrt(torch.clamp(t73, min=0.0))
+    del t73
     t75 = t35.transpose(-1, -2)
+    del t35
     t76 = Mcausal.transpose(-1, -2)
     t77 = t75 * t76
+    del t75
     t78 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t77).reshape((n_batch, n_batch, L, L))
     t79 = (t78.permute(1, 2, 0, 3).reshape((n_batch, L, L*n_batch)) @ t18.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)))
+    del t78
     t80 = t39.transpose(-1, -2)
+    del t39
     t81 = Y.transpose(-1, -2)
     t82 = t81.sum(-2, keepdim=True)
+    del t81
     t83 = t82.expand(*t82.shape[:-2], d_V, t82.shape[-1])
+    del t82
     t84 = (t14 @ t80)
+    del t14
     t85 = (t15.permute(0, 2, 3, 1) * t83.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+    del t15
     t86 = (t85.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    del t3, t85
     t87 = (t86 * t84.permute(0, 2, 1).reshape((n_batch, L, L, 1)))
+    del t84
     t88 = (t87.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
+    del t87
     t89 = (t88.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t79.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    del t88
     t90 = (t80.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t80.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t80
     t91 = t18 * t90
     t92 = (t86.permute(1, 3, 0, 2) * t76.permute(1, 0).reshape((L, L, 1, 1)))
+    del t86
     t93 = (t92.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
+    del t92
     t94 = (t93.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t95 = (t94.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t96 = (t95.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t93.permute(3, 2, 1, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t95
     t97 = (n_batch**(-2)) * (t79 * t77).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t89 * t76.permute(1, 0)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t96 * t91.permute(0, 2, 3, 1)).sum()
+    del t77, t79, t89, t91, t96
     t98 = torch.sqrt(torch.clamp(t97, min=0.0))
+    del t97
     t99 = t46 * t90
     t100 = (t94.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t99.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t94, t99
     t101 = (t100.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t93.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t100, t93
     t102 = (1/(L**2*d_K**2*n_batch**2)) * (t101 * t18.permute(0, 2, 3, 1)).sum()
+    del t101
     t103 = torch.sqrt(torch.clamp(t102, min=0.0))
+    del t102
     t104 = t69 * t90
+    del t69
     t105 = (t19.reshape((L*n_batch**2, L)) @ t76).reshape((n_batch, L, n_batch, L))
+    del t19
     t106 = (t105.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t104.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    del t104
     t107 = (dA * t83.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+    del dA, t83
     t108 = (t52.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t109 = (t108.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
+    del t108
     t110 = (t109.permute(3, 4, 0, 1, 2) * t76.permute(1, 0).reshape((L, L, 1, 1, 1)))
+    del t109
     t111 = (t53.permute(1, 2, 0) @ t107.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t112 = (t111.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t111
     t113 = (t112.permute(0, 2, 3, 4, 1) @ t110.permute(2, 0, 3, 1, 4))
+    del t110, t112
     t114 = (t113.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t90.permute(3, 0, 1, 2).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    del t113
     t115 = (t107.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t53.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    del t107, t53
     t116 = t56 * t90
+    del t90
     t117 = (t115.permute(1, 3, 0, 2) * t76.permute(1, 0).reshape((L, L, 1, 1)))
+    del t115
     t118 = (t117.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t119 = (t118.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t117.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t117, t118
     t120 = (1/(d_K*n_batch**2)) * (t106 * t76).sum() + (2/(L*d_K*n_batch**2)) * (t114 * t76.permute(1, 0)).sum() + (1/(L**2*d_K*n_batch**2)) * (t119 * t116.permute(0, 2, 3, 1)).sum()
+    del t106, t114, t116, t119
     t121 = torch.sqrt(torch.clamp(t120, min=0.0))
+    del t120
     t122 = T.transpose(-1, -2)
+    del T
     t123 = t76 * t122
+    del t122
     t124 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t123).reshape((n_batch, n_batch, L, L))
     t125 = (t124.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t123).reshape((n_batch, n_batch, L, L))
+    del t123
     t126 = t125 * t18.permute(0, 2, 3, 1)
     t127 = (t21.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t128 = (t127.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t129 = (t128.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t127.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t128
     t130 = G.transpose(-1, -2)
+    del G
     t131 = (t21.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t130.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t21
     t132 = (t131.permute(0, 1, 3, 4, 2) * t18.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t133 = (t132.permute(1, 4, 0, 2, 3) * Mcausal.reshape((L, L, 1, 1, 1)))
+    del t132
     t134 = (t133.permute(2, 3, 0, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t133
     t135 = (t134.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t124.permute(2, 0, 1, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    del t134
     t136 = (t130.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t130.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t130
     t137 = t20 * t16
+    del t16, t20
     t138 = t18 * t136
     t139 = (t137.reshape((L*n_batch**2, L)) @ t76).reshape((n_batch, L, n_batch, L))
+    del t137
     t140 = (t139.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t138.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    del t138, t139
     t141 = (1/(L**2*d_K*n_batch**2)) * (t129 * t126).sum() + (2/(L*d_K*n_batch**2)) * (t135 * t76).sum() + (1/(d_K*n_batch**2)) * (t140 * t76).sum()
+    del t126, t129, t135, t140
     t142 = torch.sqrt(torch.clamp(t141, min=0.0))
+    del t141
     t143 = t125 * t46.permute(0, 2, 3, 1)
+    del t125
     t144 = (t127.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t145 = (t144.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t127.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t127, t144
     t146 = (t131.permute(0, 1, 3, 4, 2) * t46.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    del t131
     t147 = (t146.permute(1, 4, 0, 2, 3) * Mcausal.reshape((L, L, 1, 1, 1)))
+    del Mcausal, t146
     t148 = (t147.permute(2, 3, 0, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t147, t18
     t149 = (t148.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t124.permute(2, 0, 1, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    del t124, t148
     t150 = t46 * t136
+    del t136, t46
     t151 = (t105.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t150.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    del t105, t150
     t152 = (1/(L**2*d_K*n_batch**2)) * (t145 * t143).sum() + (2/(L*d_K*n_batch**2)) * (t149 * t76).sum() + (1/(d_K*n_batch**2)) * (t151 * t76).sum()
+    del t143, t145, t149, t151, t76
     t153 = torch.sqrt(torch.clamp(t152, min=0.0))
+    del t152
     t154 = t52.transpose(-1, -2)
+    del t52
     t155 = (t154.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t154.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t154
     t156 = (t54.reshape((L*n_batch, d_V**2)) @ t54.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t54
     t157 = t156 * t155
+    del t155, t156
     t158 = (1/(L**2*n_batch**2)) * (t157 * t56).sum()
+    del t157, t56
     t159 = torch.sqrt(torch.clamp(t158, min=0.0))
+    del t158
     return (t29, t51, t74, t98, t103, t121, t142, t153, t159,)
 
 

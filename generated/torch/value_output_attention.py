@@ -3706,20 +3706,28 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
+    del t0
     t2 = W_K.transpose(-1, -2)
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    del t7
     A = t8 / t8.sum(-1, keepdim=True)
+    del t8
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t10
     t11 = W_O.transpose(-1, -2)
     t12 = W_V.transpose(-1, -2)
     t13 = t11 @ t12
@@ -3727,213 +3735,343 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t15 = W_V @ t14
     t16 = (2/(L*d_K*d_V*n_batch)) * t2
     t17 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t16
     t18 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t19 = (t18 @ t17)
     t20 = ((W_K.permute(1, 0) @ t19.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t19
     t21 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t22 = A @ X
     M_1 = t22
+    del t22
     t23 = t13.transpose(-1, -2)
     t24 = M_1 @ t23
+    del t23
     F = t24
+    del t24
     t25 = F - Y
+    del F
     t26 = (2/(L*d_V)) * t25
+    del t25
     G = t26
+    del t26
     t27 = t13 @ t3
+    del t13
     t28 = G @ t27
+    del t27
     t29 = t28 - (A * t28).sum(-1, keepdim=True)
+    del t28
     t30 = A * t29
+    del t29
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t9.reshape((1, 1, L, L)) * t30.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t30.reshape((n_batch, L, L, 1))) - (t30.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t9
     t31 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t31.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t31
     t32 = (1/(d_K*n_batch)) * t2
     t33 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t32.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t34 = ((W_K.permute(1, 0) @ t33.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t33
     t35 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t36 = t21.reshape((d_V**2, L*n_batch))
+    del t21
     t37 = t35.reshape((d_V**2, L*n_batch))
+    del t35
     t38 = t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t20
     t39 = t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t34
     t40 = torch.cat([t36, t37], dim=-1)
+    del t36, t37
     t41 = torch.cat([t38, t39], dim=-2)
+    del t38, t39
     t1[...] = ((t40 @ t41).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t1, t40, t41
     t42 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = t42.view((d_V, d_K, d_V, d_K))
+    del t42
     t44 = ((t18 @ t17)).permute(3, 2, 0, 1)
+    del t17, t18
     t45 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t46 = (t45.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t47 = (t32 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    del t32
     t48 = (t45.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t49 = t43.diagonal(0, 1, 3)
     t50 = t30 @ X
+    del t30
     t51 = t3 @ t50
+    del t50
     t52 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t53 = (1/(math.sqrt(d_K)*n_batch)) * t52
+    del t52
     t54 = t44.reshape((d_K*d_V, L*n_batch))
+    del t44
     t55 = t47.reshape((d_K*d_V, L*n_batch))
+    del t47
     t56 = t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t46
     t57 = t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t48
     t58 = torch.cat([t54, t55], dim=-1)
+    del t54, t55
     t59 = torch.cat([t56, t57], dim=-2)
+    del t56, t57
     t43[...] = ((t58 @ t59).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t43, t58, t59
     t49.addcmul_(t53.reshape((1, 1, d_K)), t51.sum((0,)).reshape((d_V, d_V, 1)))
+    del t49
     t60 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t61 = t60.view((d_V, d_K, d_V, d_H))
+    del t60
     t62 = t14.transpose(-1, -2)
     t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t64 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t63.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t63
     t65 = ((t62.permute(1, 0) @ t64.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t66 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t67 = G @ t11
     t68 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t69 = (t68 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t70 = (t67.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t61[...] = ((t66.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    del t65, t66
     t61 += ((t69.reshape((d_K*d_V, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+    del t61, t69, t70
     t71 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t72 = t71.view((d_V, d_K, d_H, d_V))
+    del t71
     t73 = M_1 @ W_V
     t74 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
     t75 = ((t74 @ t64.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t64
     t76 = (t73.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t77 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t68.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t68
     t78 = ((W_V.permute(1, 0) @ t77.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t77
     t79 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t72[...] = ((t76.reshape((d_H*d_V, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    del t75, t76
     t72 += ((t78.reshape((d_H*d_K, L*n_batch)) @ t79.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+    del t72, t78, t79
     t80 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t81 = t80.view((d_V, d_K, d_V, d_K))
+    del t80
     t82 = W_Q.transpose(-1, -2)
     t83 = (2/(L*d_K*d_V*n_batch)) * t82
     t84 = (t15.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t15
     t85 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t86 = ((t85.permute(1, 2, 0, 3) @ t84.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t87 = (X.reshape((L*n_batch, d_V)) @ t83.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t83
     t88 = (t87.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t89 = (1/(d_K*n_batch)) * t82
     t90 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t91 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t89.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t3, t89
     t92 = (t91.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t93 = t81.diagonal(0, 1, 3)
     t94 = t51.transpose(-1, -2)
+    del t51
     t95 = t88.reshape((d_K*d_V, L*n_batch))
+    del t88
     t96 = t92.reshape((d_K*d_V, L*n_batch))
+    del t92
     t97 = t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t86
     t98 = t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t90
     t99 = torch.cat([t95, t96], dim=-1)
+    del t95, t96
     t100 = torch.cat([t97, t98], dim=-2)
+    del t97, t98
     t81[...] = ((t99 @ t100).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t100, t81, t99
     t93.addcmul_(t53.reshape((1, 1, d_K)), t94.sum((0,)).reshape((d_V, d_V, 1)))
+    del t53, t93, t94
     t101 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t102 = t101.view((d_V, d_K, d_V, d_K))
+    del t101
     t103 = ((t84.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    del t84
     t104 = (t45.reshape((1, d_K, n_batch, L)) * t87.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t87
     t105 = M_3.permute(2, 3, 0, 1)
+    del M_3
     t106 = (t45.reshape((1, d_K, n_batch, L)) * t91.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t91
     t107 = t103.reshape((d_V**2, L*n_batch))
+    del t103
     t108 = t105.reshape((d_V**2, L*n_batch))
+    del t105
     t109 = t104.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t104
     t110 = t106.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t106
     t111 = torch.cat([t107, t108], dim=-1)
+    del t107, t108
     t112 = torch.cat([t109, t110], dim=-2)
+    del t109, t110
     t102[...] = ((t111 @ t112).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t102, t111, t112
     t113 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t114 = t113.view((d_V, d_K, d_V, d_H))
+    del t113
     t115 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t82
     t116 = ((t62.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t62
     t117 = (X.reshape((L*n_batch, d_V)) @ t115.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t115
     t118 = (t117.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t119 = (1/(math.sqrt(d_K)*n_batch)) * t82
+    del t82
     t120 = M_2.permute(3, 2, 0, 1)
     t121 = (X.reshape((L*n_batch, d_V)) @ t119.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t119
     t122 = (t121.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t67.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
     t114[...] = ((t118.reshape((d_K*d_V, L*n_batch)) @ t116.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+    del t116, t118
     t114 += ((t120.reshape((d_V**2, L*n_batch)) @ t122.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    del t114, t120, t122
     t123 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t124 = t123.view((d_V, d_K, d_H, d_V))
+    del t123
     t125 = ((t74 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t74
     t126 = (t117.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t73.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    del t117
     t127 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t128 = (t121.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t121
     t124[...] = ((t126.reshape((d_H*d_K, L*n_batch)) @ t125.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+    del t125, t126
     t124 += ((t127.reshape((d_H*d_V, L*n_batch)) @ t128.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    del t124, t127, t128
     t129 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t130 = t129.view((d_V, d_H, d_V, d_K))
+    del t129
     t131 = M_1.transpose(-1, -2)
     t132 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t131
     t133 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
     t134 = ((W_K.permute(1, 0) @ t133.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
+    del t133
     t135 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t132.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t136 = t67.transpose(-1, -2)
+    del t67
     t137 = (1/(math.sqrt(d_K)*n_batch)) * t136
+    del t136
     t138 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t137.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
     t139 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t130[...] = ((t135.reshape((d_V**2, L*n_batch)) @ t134.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
+    del t134, t135
     t130 += ((t138.reshape((d_H*d_V, L*n_batch)) @ t139.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t130, t138, t139
     t140 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t141 = t140.view((d_V, d_H, d_V, d_K))
+    del t140
     t142 = (t14 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    del t14
     t143 = (t45.reshape((1, d_K, n_batch, L)) * t132.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t132
     t144 = M_2.permute(2, 3, 0, 1)
     t145 = (t45.reshape((1, d_K, n_batch, L)) * t137.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    del t137
     t141[...] = ((t142.reshape((d_H*d_V, L*n_batch)) @ t143.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t142, t143
     t141 += ((t144.reshape((d_V**2, L*n_batch)) @ t145.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
+    del t141, t144, t145
     t146 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t147 = t146.view((d_V, d_H, d_V, d_H))
+    del t146
     t148 = t131 @ M_1
     t149 = W_O @ t11
     t150 = (2/(L*d_V*n_batch)) * t149
+    del t149
     torch.mul(t150.reshape((1, d_H, 1, d_H)), t148.sum((0,)).reshape((d_V, 1, d_V, 1)), out=t147)
+    del t147, t148, t150
     t151 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t152 = t151.view((d_V, d_H, d_H, d_V))
+    del t151
     t153 = (2/(L*d_V*n_batch)) * t131
     t154 = (t153.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t73.reshape((L*n_batch, d_H)))
+    del t153
     t155 = t152.diagonal(0, 1, 2)
     t156 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t157 = (1/n_batch) * t156
+    del t156
     t158 = (t131.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
+    del t131
     torch.mul(W_O.reshape((1, d_H, 1, d_V)), t154.reshape((d_V, 1, d_H, 1)), out=t152)
+    del t152, t154
     t155.addcmul_(t157.reshape((1, 1, d_H)), t158.reshape((d_V, d_V, 1)))
+    del t155, t158
     t159 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t160 = t159.view((d_H, d_V, d_V, d_K))
+    del t159
     t161 = t73.transpose(-1, -2)
     t162 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t161
     t163 = (t12.permute(1, 0) @ t11.permute(1, 0))
     t164 = (t163.permute(1, 0) @ t85.permute(3, 0, 1, 2).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))
+    del t85
     t165 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t162.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
     t166 = G.transpose(-1, -2)
+    del G
     t167 = (1/(math.sqrt(d_K)*n_batch)) * t166
     t168 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
     t169 = ((W_K.permute(1, 0) @ t168.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
+    del t168
     t170 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t167.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t160[...] = ((t165.reshape((d_H*d_V, L*n_batch)) @ t164.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t164, t165
     t160 += ((t170.reshape((d_V**2, L*n_batch)) @ t169.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
+    del t160, t169, t170
     t171 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t172 = t171.view((d_H, d_V, d_V, d_K))
+    del t171
     t173 = (t163.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    del t163
     t174 = (t45.reshape((1, d_K, n_batch, L)) * t162.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    del t162
     t175 = (t12 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    del M_2, t12
     t176 = (t45.reshape((1, d_K, n_batch, L)) * t167.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t167, t45
     t172[...] = ((t173.reshape((d_V**2, L*n_batch)) @ t174.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
+    del t173, t174
     t172 += ((t175.reshape((d_H*d_V, L*n_batch)) @ t176.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t172, t175, t176
     t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t178 = t177.view((d_H, d_V, d_V, d_H))
+    del t177
     t179 = t161 @ M_1
     t180 = (2/(L*d_V*n_batch)) * t11
+    del t11
     t181 = t178.diagonal(0, 0, 3)
     t182 = t166 @ M_1
+    del M_1, t166
     torch.mul(t180.reshape((1, d_V, 1, d_H)), t179.sum((0,)).reshape((d_H, 1, d_V, 1)), out=t178)
+    del t178, t179, t180
     t181.addcmul_(t157.reshape((1, 1, d_H)), t182.sum((0,)).reshape((d_V, d_V, 1)))
+    del t157, t181, t182
     t183 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t183[...] = 0
     t184 = t183.view((d_H, d_V, d_H, d_V))
+    del t183
     t185 = t184.diagonal(0, 1, 3)
+    del t184
     t186 = t161 @ t73
+    del t161, t73
     t187 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t188 = (2/(L*d_V*n_batch)) * t187
+    del t187
     t185.addcmul_(t188.reshape((1, 1, d_V)), t186.sum((0,)).reshape((d_H, d_H, 1)))
+    del t185, t186, t188
     return H
 
 
@@ -4038,10 +4176,15 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    del t5
     A = t6 / t6.sum(-1, keepdim=True)
+    del t6
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
@@ -4052,7 +4195,9 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t14 = (t12.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t12
     t15 = (t14.permute(1, 2, 0) @ t1)
+    del t14
     t16 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = t17 * t17
@@ -4060,270 +4205,462 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (t16.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t16.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (t15.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
     t22 = (t21.permute(0, 2, 3, 1) @ dA)
+    del t21
     t23 = (t22.permute(0, 2, 3, 1).reshape((n_batch, L**2, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t18
     t24 = (t23.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t23
     t25 = (t24.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t24
     t26 = A @ X
     M_1 = t26
+    del t26
     t27 = t10.transpose(-1, -2)
     t28 = M_1 @ t27
+    del t27
     F = t28
+    del t28
     t29 = F - Y
+    del F
     t30 = (2/(L*d_V)) * t29
+    del t29
     G = t30
+    del t30
     t31 = t10 @ t1
+    del t10
     t32 = G @ t31
+    del t31
     t33 = t32 - (A * t32).sum(-1, keepdim=True)
+    del t32
     t34 = A * t33
+    del t33
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t7.reshape((1, 1, L, L)) * t34.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t34.reshape((n_batch, L, L, 1))) - (t34.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t7
     t35 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t0
     t37 = t17 * t35
     t38 = (t36.reshape((L*n_batch, d_K)) @ t13.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t39 = (t37.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t37
     t40 = (t39.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t38.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t39
     t41 = (t40.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t40
     t42 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t43 = t17 * t42
     t44 = (t36.reshape((L*n_batch, d_K)) @ t36.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t45 = (t43.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t43
     t46 = (t45.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t44.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t45
     t47 = (t46.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t46
     t48 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t25 * t20.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t41 * t20.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t47 * t20.permute(0, 2, 3, 1)).sum()
+    del t25, t41, t47
     t49 = torch.sqrt(torch.clamp(t48, min=0.0))
+    del t48
     t50 = t34 @ X
+    del t34
     t51 = t1 @ t50
+    del t50
     t52 = (X.reshape((L*n_batch, d_V)) @ t51.sum((0,))).reshape((n_batch, L, d_V))
     t53 = (t52 @ X.permute(0, 2, 1))
+    del t52
     t54 = (t53.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t53
     t55 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t56 = (t55.permute(1, 2, 0) @ t13.permute(0, 2, 1))
+    del t13
     t57 = (t56.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t56
     t58 = (t57.permute(0, 2, 1) @ t54)
+    del t54, t57
     t59 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t51.sum((0,))).reshape((n_batch, L, d_V))
     t60 = (t59 @ X.permute(0, 2, 1))
+    del t59
     t61 = (t60.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t60
     t62 = (t55.permute(1, 2, 0) @ t36.permute(0, 2, 1))
+    del t36
     t63 = (t55.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t55.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t55
     t64 = t63 * t17
     t65 = (t22.reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t66 = (t65.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t65
     t67 = (t66.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t66
     t68 = t63 * t35
     t69 = (t68.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t68
     t70 = (t69.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t69
     t71 = (t70.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t70
     t72 = t63 * t42
     t73 = (t17.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t74 = (t73.reshape((n_batch, n_batch, L**2, L)) @ t44.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t44, t73
     t75 = (t74.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t74
     t76 = (n_batch**(-2)) * (t51.sum((0,)) * t51.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t58 * t15).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t62 * t61).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t67 * t64.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t71 * t38.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t75 * t72.permute(0, 2, 3, 1)).sum()
+    del t38, t58, t61, t62, t64, t67, t71, t72, t75
     t77 = torch.sqrt(torch.clamp(t76, min=0.0))
+    del t76
     t78 = t11.transpose(-1, -2)
     t79 = (t78.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
+    del t78
     t80 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t81 = t80 * t17
     t82 = (t79.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t79.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t83 = (t81.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t81
     t84 = (t83.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t83
     t85 = (t84.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t84
     t86 = G @ t8
     t87 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t88 = (t79.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t86.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t79
     t89 = (t87.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t87
     t90 = (t89 * t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t91 = (t90.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t88.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t90
     t92 = (t91.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t91
     t93 = (t86.reshape((L*n_batch, d_H)) @ t86.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t94 = t93 * t17
     t95 = (t42.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t96 = (t95.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t94.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t94
     t97 = (t96.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t96
     t98 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t85 * t82.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t92 * t19.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t97 * t19.permute(0, 2, 3, 1)).sum()
+    del t85, t92, t97
     t99 = torch.sqrt(torch.clamp(t98, min=0.0))
+    del t98
     t100 = M_1 @ W_V
     t101 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
     t102 = (t100.reshape((L*n_batch, d_H)) @ t100.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t103 = t102 * t17
     t104 = (W_O @ W_O.permute(1, 0))
     t105 = (t104 @ t101.reshape((d_H, L*n_batch))).reshape((d_H, n_batch, L))
+    del t104
     t106 = (t105.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t101.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t105
     t107 = (t103.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t103
     t108 = (t107.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t107
     t109 = (t108.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t108
     t110 = (W_V @ t100.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
     t111 = (G.reshape((L*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_H))
     t112 = (t110.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t110
     t113 = (t111.reshape((L*n_batch, d_H)) @ t101.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t114 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t115 = (t114.reshape((n_batch, n_batch, L**2, L)) @ t113.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t114
     t116 = (t115.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del t115
     t117 = (t116.permute(0, 2, 3, 4, 1) @ t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t116
     t118 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t119 = t118 * t17
     t120 = (t101.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t101.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t101
     t121 = (t119.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t119
     t122 = (t121.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t121, t19
     t123 = (t122.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t122
     t124 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t109 * t106.permute(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t117 * t112.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t123 * t120.permute(0, 2, 3, 1)).sum()
+    del t109, t117, t123
     t125 = torch.sqrt(torch.clamp(t124, min=0.0))
+    del t124
     t126 = t51.transpose(-1, -2)
+    del t51
     t127 = W_Q.transpose(-1, -2)
     t128 = (X.reshape((L*n_batch, d_V)) @ t126.sum((0,))).reshape((n_batch, L, d_V))
     t129 = (t128 @ X.permute(0, 2, 1))
+    del t128
     t130 = (t129.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t129
     t131 = (X.reshape((L*n_batch, d_V)) @ t127.permute(1, 0)).reshape((n_batch, L, d_K))
     t132 = (t16.permute(1, 2, 0) @ t131.permute(0, 2, 1))
     t133 = (t132.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t132
     t134 = (t133.permute(0, 2, 1) @ t130)
+    del t130, t133
     t135 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t126.sum((0,))).reshape((n_batch, L, d_V))
     t136 = (t135 @ X.permute(0, 2, 1))
+    del t135
     t137 = (t136.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    del t136
     t138 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t127.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t127
     t139 = (t16.permute(1, 2, 0) @ t138.permute(0, 2, 1))
+    del t16
     t140 = (t131.reshape((L*n_batch, d_K)) @ t131.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t141 = t140 * t17
     t142 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t143 = (t142.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t141.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t141
     t144 = (t143.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t143
     t145 = (t138.reshape((L*n_batch, d_K)) @ t131.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t131
     t146 = t145 * t17
     t147 = (t146.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t146
     t148 = (t147.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t35.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t147
     t149 = (t148.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t148
     t150 = (t138.reshape((L*n_batch, d_K)) @ t138.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t138
     t151 = t150 * t17
     t152 = (t42.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t42
     t153 = (t152.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t151.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t151
     t154 = (t153.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t153
     t155 = (n_batch**(-2)) * (t126.sum((0,)) * t126.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t134 * t15.permute(0, 2, 1)).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t139 * t137.permute(0, 2, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t144 * t20.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t149 * t20.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t154 * t20.permute(0, 2, 3, 1)).sum()
+    del t126, t134, t137, t139, t144, t149, t15, t154
     t156 = torch.sqrt(torch.clamp(t155, min=0.0))
+    del t155
     t157 = t63 * t140
     t158 = (t142.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t142
     t159 = (t158.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t158
     t160 = t63 * t145
+    del t145
     t161 = (t160.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t160
     t162 = (t161.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t35.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t161, t35
     t163 = (t162.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t162, t22
     t164 = t63 * t150
+    del t150
     t165 = (t152.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t152
     t166 = (t165.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del d2A, t165
     t167 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t159 * t157.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t163 * t17.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t166 * t164.permute(0, 2, 3, 1)).sum()
+    del t157, t159, t163, t164, t166
     t168 = torch.sqrt(torch.clamp(t167, min=0.0))
+    del t167
     t169 = t140 * t80
+    del t80
     t170 = (t17.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t171 = (t170.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t169.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t169
     t172 = (t171.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t171
     t173 = (t89.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t89
     t174 = (t173.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del t173
     t175 = (t174.permute(0, 2, 3, 1, 4) @ t88.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t174, t88
     t176 = t140 * t93
+    del t93
     t177 = (t95.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t178 = (t177.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t177
     t179 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t172 * t82.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t175 * t140.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t178 * t176.permute(0, 2, 3, 1)).sum()
+    del t172, t175, t176, t82
     t180 = torch.sqrt(torch.clamp(t179, min=0.0))
+    del t179
     t181 = t140 * t102
+    del t102
     t182 = (t170.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t181.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t181
     t183 = (t182.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t182
     t184 = (t170.reshape((n_batch, n_batch, L**2, L)) @ t113.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t113
     t185 = (t184.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del t184
     t186 = (t185.permute(0, 2, 3, 4, 1) @ t140.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t185
     t187 = t140 * t118
+    del t118, t140
     t188 = (t170.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t187.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t187
     t189 = (t188.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t188
     t190 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t183 * t106.permute(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t186 * t112.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t189 * t120.permute(0, 2, 3, 1)).sum()
+    del t106, t112, t120, t183, t186, t189
     t191 = torch.sqrt(torch.clamp(t190, min=0.0))
+    del t190
     t192 = M_1.transpose(-1, -2)
     t193 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_H))
+    del t11
     t194 = (t192.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t192.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t195 = t17 * t194
     t196 = (t193.reshape((L*n_batch, d_H)) @ t193.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t197 = (t195.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t195
     t198 = (t197.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t196.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t197
     t199 = (t198.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t198
     t200 = t86.transpose(-1, -2)
+    del t86
     t201 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t192.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t202 = (t193.reshape((L*n_batch, d_H)) @ t200.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t193
     t203 = (t201.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t201
     t204 = (t203 * t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t205 = (t204.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t202.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t204
     t206 = (t205.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t205
     t207 = (t200.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t200.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t200
     t208 = t17 * t207
     t209 = (t95.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t208.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t208, t95
     t210 = (t209.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t209
     t211 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t199 * t20.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t206 * t20.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t210 * t20.permute(0, 2, 3, 1)).sum()
+    del t199, t206, t210
     t212 = torch.sqrt(torch.clamp(t211, min=0.0))
+    del t211
     t213 = t63 * t194
+    del t194
     t214 = (t170.reshape((n_batch, n_batch, L**2, L)) @ t196.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t196
     t215 = (t214.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t214
     t216 = (t203.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t203
     t217 = (t216.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del t216
     t218 = (t217.permute(0, 2, 3, 1, 4) @ t202.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t202, t217
     t219 = t63 * t207
+    del t207
     t220 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t215 * t213.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t218 * t63.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t178 * t219.permute(0, 2, 3, 1)).sum()
+    del t178, t213, t215, t218, t219
     t221 = torch.sqrt(torch.clamp(t220, min=0.0))
+    del t220
     t222 = t192 @ M_1
     t223 = W_O @ t8
     t224 = (t223 * t223).sum()
+    del t223
     t225 = (t224.reshape((1, 1)) * t222.sum((0,)))
+    del t224
     t226 = (4/(L**2*d_V**2*n_batch**2)) * (t225 * t222.sum((0,))).sum()
+    del t222, t225
     t227 = torch.sqrt(torch.clamp(t226, min=0.0))
+    del t226
     t228 = (W_O * W_O).sum()
     t229 = (t100.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t192.permute(0, 2, 1).reshape((L*n_batch, d_V)))
     t230 = (t229 * t229).sum()
     t231 = (t111.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t192.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    del t111
     t232 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t192.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    del t192
     t233 = (4/(L**2*d_V**2*n_batch**2)) * t230 * t228 + (4/(L*d_V*n_batch**2)) * (t231 * t229).sum() + (d_H/n_batch**2) * (t232 * t232).sum()
+    del t228, t229, t230, t231, t232
     t234 = torch.sqrt(torch.clamp(t233, min=0.0))
+    del t233
     t235 = t100.transpose(-1, -2)
     t236 = (t9.permute(1, 0) @ t8.permute(1, 0))
     t237 = (t235.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t235.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t238 = t17 * t237
     t239 = (t236.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t236
     t240 = (t239.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t239.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t241 = (t238.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t238
     t242 = (t241.reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t241
     t243 = (t242.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t242
     t244 = G.transpose(-1, -2)
+    del G
     t245 = (t9.permute(1, 0) @ t235.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
     t246 = (t245.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t245
     t247 = (t239.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t244.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t239
     t248 = (t246.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t249 = (t248 * t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
+    del t248
     t250 = (t249.reshape((n_batch, n_batch, L**2, L)) @ t20.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t249
     t251 = (t250.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t250
     t252 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_H))
+    del t1, t9
     t253 = (t244.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t244.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t254 = t17 * t253
+    del t17
     t255 = (t252.reshape((L*n_batch, d_H)) @ t252.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t252
     t256 = (t254.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t254
     t257 = (t256.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t255.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t256
     t258 = (t257.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t257
     t259 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t243 * t240.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t251 * t247.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t258 * t20.permute(0, 2, 3, 1)).sum()
+    del t20, t243, t251, t258
     t260 = torch.sqrt(torch.clamp(t259, min=0.0))
+    del t259
     t261 = t63 * t237
+    del t237
     t262 = (t170.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t261.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t261
     t263 = (t262.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t262
     t264 = (t170.reshape((n_batch, n_batch, L**2, L)) @ t247.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t247
     t265 = (t264.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del t264
     t266 = (t265.permute(0, 2, 3, 1, 4) @ t246.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t246, t265
     t267 = t63 * t253
+    del t253
     t268 = (t170.reshape((n_batch, n_batch, L**2, L)) @ t255.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t170, t255
     t269 = (t268.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del dA, t268
     t270 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t263 * t240.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t266 * t63.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t269 * t267.permute(0, 2, 3, 1)).sum()
+    del t240, t263, t266, t267, t269, t63
     t271 = torch.sqrt(torch.clamp(t270, min=0.0))
+    del t270
     t272 = t235 @ M_1
     t273 = (t8 * t8).sum()
     t274 = (t273.reshape((1, 1)) * t272.sum((0,)))
+    del t273
     t275 = t244 @ M_1
+    del M_1, t244
     t276 = (t8 @ t272.sum((0,)))
+    del t8
     t277 = (4/(L**2*d_V**2*n_batch**2)) * (t274 * t272.sum((0,))).sum() + (4/(L*d_V*n_batch**2)) * (t276 * t275.sum((0,))).sum() + (d_H/n_batch**2) * (t275.sum((0,)) * t275.sum((0,))).sum()
+    del t272, t274, t275, t276
     t278 = torch.sqrt(torch.clamp(t277, min=0.0))
+    del t277
     t279 = t235 @ t100
+    del t100, t235
     t280 = (4/(L**2*d_V*n_batch**2)) * (t279.sum((0,)) * t279.sum((0,))).sum()
+    del t279
     t281 = torch.sqrt(torch.clamp(t280, min=0.0))
+    del t280
     return (t49, t77, t99, t125, t156, t168, t180, t191, t212, t221, t227, t234, t260, t271, t278, t281,)
 
 
@@ -11397,22 +11734,31 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
+    del t0
     t2 = W_K.transpose(-1, -2)
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t9 = torch.where(t8, -math.inf, t7)
+    del t7, t8
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    del t9
     A = t10 / t10.sum(-1, keepdim=True)
+    del t10
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t12
     t13 = W_O.transpose(-1, -2)
     t14 = W_V.transpose(-1, -2)
     t15 = t13 @ t14
@@ -11420,213 +11766,343 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t17 = W_V @ t16
     t18 = (2/(L*d_K*d_V*n_batch)) * t2
     t19 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t18
     t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t21 = (t20 @ t19)
     t22 = ((W_K.permute(1, 0) @ t21.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t21
     t23 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t24 = A @ X
     M_1 = t24
+    del t24
     t25 = t15.transpose(-1, -2)
     t26 = M_1 @ t25
+    del t25
     F = t26
+    del t26
     t27 = F - Y
+    del F
     t28 = (2/(L*d_V)) * t27
+    del t27
     G = t28
+    del t28
     t29 = t15 @ t3
+    del t15
     t30 = G @ t29
+    del t29
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
+    del t30
     t32 = A * t31
+    del t31
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t11.reshape((1, 1, L, L)) * t32.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t32.reshape((n_batch, L, L, 1))) - (t32.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t11
     t33 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t33
     t34 = (1/(d_K*n_batch)) * t2
     t35 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t36 = ((W_K.permute(1, 0) @ t35.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t35
     t37 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t38 = t23.reshape((d_V**2, L*n_batch))
+    del t23
     t39 = t37.reshape((d_V**2, L*n_batch))
+    del t37
     t40 = t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t22
     t41 = t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t36
     t42 = torch.cat([t38, t39], dim=-1)
+    del t38, t39
     t43 = torch.cat([t40, t41], dim=-2)
+    del t40, t41
     t1[...] = ((t42 @ t43).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t1, t42, t43
     t44 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t45 = t44.view((d_V, d_K, d_V, d_K))
+    del t44
     t46 = ((t20 @ t19)).permute(3, 2, 0, 1)
+    del t19, t20
     t47 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t48 = (t47.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t49 = (t34 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    del t34
     t50 = (t47.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t51 = t45.diagonal(0, 1, 3)
     t52 = t32 @ X
+    del t32
     t53 = t3 @ t52
+    del t52
     t54 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t55 = (1/(math.sqrt(d_K)*n_batch)) * t54
+    del t54
     t56 = t46.reshape((d_K*d_V, L*n_batch))
+    del t46
     t57 = t49.reshape((d_K*d_V, L*n_batch))
+    del t49
     t58 = t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t48
     t59 = t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t50
     t60 = torch.cat([t56, t57], dim=-1)
+    del t56, t57
     t61 = torch.cat([t58, t59], dim=-2)
+    del t58, t59
     t45[...] = ((t60 @ t61).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t45, t60, t61
     t51.addcmul_(t55.reshape((1, 1, d_K)), t53.sum((0,)).reshape((d_V, d_V, 1)))
+    del t51
     t62 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t63 = t62.view((d_V, d_K, d_V, d_H))
+    del t62
     t64 = t16.transpose(-1, -2)
     t65 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t66 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t65.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t65
     t67 = ((t64.permute(1, 0) @ t66.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t68 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t69 = G @ t13
     t70 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t71 = (t70 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t72 = (t69.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t63[...] = ((t68.reshape((d_V**2, L*n_batch)) @ t67.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    del t67, t68
     t63 += ((t71.reshape((d_K*d_V, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+    del t63, t71, t72
     t73 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t74 = t73.view((d_V, d_K, d_H, d_V))
+    del t73
     t75 = M_1 @ W_V
     t76 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
     t77 = ((t76 @ t66.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t66
     t78 = (t75.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t79 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t70.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t70
     t80 = ((W_V.permute(1, 0) @ t79.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t79
     t81 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t74[...] = ((t78.reshape((d_H*d_V, L*n_batch)) @ t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    del t77, t78
     t74 += ((t80.reshape((d_H*d_K, L*n_batch)) @ t81.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+    del t74, t80, t81
     t82 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t83 = t82.view((d_V, d_K, d_V, d_K))
+    del t82
     t84 = W_Q.transpose(-1, -2)
     t85 = (2/(L*d_K*d_V*n_batch)) * t84
     t86 = (t17.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t17
     t87 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t88 = ((t87.permute(1, 2, 0, 3) @ t86.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t89 = (X.reshape((L*n_batch, d_V)) @ t85.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t85
     t90 = (t89.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t91 = (1/(d_K*n_batch)) * t84
     t92 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t93 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t91.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t3, t91
     t94 = (t93.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t95 = t83.diagonal(0, 1, 3)
     t96 = t53.transpose(-1, -2)
+    del t53
     t97 = t90.reshape((d_K*d_V, L*n_batch))
+    del t90
     t98 = t94.reshape((d_K*d_V, L*n_batch))
+    del t94
     t99 = t88.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t88
     t100 = t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t92
     t101 = torch.cat([t97, t98], dim=-1)
+    del t97, t98
     t102 = torch.cat([t99, t100], dim=-2)
+    del t100, t99
     t83[...] = ((t101 @ t102).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t101, t102, t83
     t95.addcmul_(t55.reshape((1, 1, d_K)), t96.sum((0,)).reshape((d_V, d_V, 1)))
+    del t55, t95, t96
     t103 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t104 = t103.view((d_V, d_K, d_V, d_K))
+    del t103
     t105 = ((t86.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    del t86
     t106 = (t47.reshape((1, d_K, n_batch, L)) * t89.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t89
     t107 = M_3.permute(2, 3, 0, 1)
+    del M_3
     t108 = (t47.reshape((1, d_K, n_batch, L)) * t93.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t93
     t109 = t105.reshape((d_V**2, L*n_batch))
+    del t105
     t110 = t107.reshape((d_V**2, L*n_batch))
+    del t107
     t111 = t106.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t106
     t112 = t108.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t108
     t113 = torch.cat([t109, t110], dim=-1)
+    del t109, t110
     t114 = torch.cat([t111, t112], dim=-2)
+    del t111, t112
     t104[...] = ((t113 @ t114).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t104, t113, t114
     t115 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t116 = t115.view((d_V, d_K, d_V, d_H))
+    del t115
     t117 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t84
     t118 = ((t64.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t64
     t119 = (X.reshape((L*n_batch, d_V)) @ t117.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t117
     t120 = (t119.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t121 = (1/(math.sqrt(d_K)*n_batch)) * t84
+    del t84
     t122 = M_2.permute(3, 2, 0, 1)
     t123 = (X.reshape((L*n_batch, d_V)) @ t121.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t121
     t124 = (t123.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t69.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
     t116[...] = ((t120.reshape((d_K*d_V, L*n_batch)) @ t118.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+    del t118, t120
     t116 += ((t122.reshape((d_V**2, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    del t116, t122, t124
     t125 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t126 = t125.view((d_V, d_K, d_H, d_V))
+    del t125
     t127 = ((t76 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t76
     t128 = (t119.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t75.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    del t119
     t129 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t130 = (t123.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t123
     t126[...] = ((t128.reshape((d_H*d_K, L*n_batch)) @ t127.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+    del t127, t128
     t126 += ((t129.reshape((d_H*d_V, L*n_batch)) @ t130.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    del t126, t129, t130
     t131 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t132 = t131.view((d_V, d_H, d_V, d_K))
+    del t131
     t133 = M_1.transpose(-1, -2)
     t134 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t133
     t135 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
     t136 = ((W_K.permute(1, 0) @ t135.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
+    del t135
     t137 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t134.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t138 = t69.transpose(-1, -2)
+    del t69
     t139 = (1/(math.sqrt(d_K)*n_batch)) * t138
+    del t138
     t140 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t139.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
     t141 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t132[...] = ((t137.reshape((d_V**2, L*n_batch)) @ t136.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
+    del t136, t137
     t132 += ((t140.reshape((d_H*d_V, L*n_batch)) @ t141.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t132, t140, t141
     t142 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t143 = t142.view((d_V, d_H, d_V, d_K))
+    del t142
     t144 = (t16 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    del t16
     t145 = (t47.reshape((1, d_K, n_batch, L)) * t134.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t134
     t146 = M_2.permute(2, 3, 0, 1)
     t147 = (t47.reshape((1, d_K, n_batch, L)) * t139.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    del t139
     t143[...] = ((t144.reshape((d_H*d_V, L*n_batch)) @ t145.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t144, t145
     t143 += ((t146.reshape((d_V**2, L*n_batch)) @ t147.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
+    del t143, t146, t147
     t148 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t149 = t148.view((d_V, d_H, d_V, d_H))
+    del t148
     t150 = t133 @ M_1
     t151 = W_O @ t13
     t152 = (2/(L*d_V*n_batch)) * t151
+    del t151
     torch.mul(t152.reshape((1, d_H, 1, d_H)), t150.sum((0,)).reshape((d_V, 1, d_V, 1)), out=t149)
+    del t149, t150, t152
     t153 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t154 = t153.view((d_V, d_H, d_H, d_V))
+    del t153
     t155 = (2/(L*d_V*n_batch)) * t133
     t156 = (t155.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t75.reshape((L*n_batch, d_H)))
+    del t155
     t157 = t154.diagonal(0, 1, 2)
     t158 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t159 = (1/n_batch) * t158
+    del t158
     t160 = (t133.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
+    del t133
     torch.mul(W_O.reshape((1, d_H, 1, d_V)), t156.reshape((d_V, 1, d_H, 1)), out=t154)
+    del t154, t156
     t157.addcmul_(t159.reshape((1, 1, d_H)), t160.reshape((d_V, d_V, 1)))
+    del t157, t160
     t161 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t162 = t161.view((d_H, d_V, d_V, d_K))
+    del t161
     t163 = t75.transpose(-1, -2)
     t164 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t163
     t165 = (t14.permute(1, 0) @ t13.permute(1, 0))
     t166 = (t165.permute(1, 0) @ t87.permute(3, 0, 1, 2).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))
+    del t87
     t167 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t164.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
     t168 = G.transpose(-1, -2)
+    del G
     t169 = (1/(math.sqrt(d_K)*n_batch)) * t168
     t170 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
     t171 = ((W_K.permute(1, 0) @ t170.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
+    del t170
     t172 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t169.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t162[...] = ((t167.reshape((d_H*d_V, L*n_batch)) @ t166.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t166, t167
     t162 += ((t172.reshape((d_V**2, L*n_batch)) @ t171.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
+    del t162, t171, t172
     t173 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t174 = t173.view((d_H, d_V, d_V, d_K))
+    del t173
     t175 = (t165.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    del t165
     t176 = (t47.reshape((1, d_K, n_batch, L)) * t164.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    del t164
     t177 = (t14 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    del M_2, t14
     t178 = (t47.reshape((1, d_K, n_batch, L)) * t169.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t169, t47
     t174[...] = ((t175.reshape((d_V**2, L*n_batch)) @ t176.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
+    del t175, t176
     t174 += ((t177.reshape((d_H*d_V, L*n_batch)) @ t178.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t174, t177, t178
     t179 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t180 = t179.view((d_H, d_V, d_V, d_H))
+    del t179
     t181 = t163 @ M_1
     t182 = (2/(L*d_V*n_batch)) * t13
+    del t13
     t183 = t180.diagonal(0, 0, 3)
     t184 = t168 @ M_1
+    del M_1, t168
     torch.mul(t182.reshape((1, d_V, 1, d_H)), t181.sum((0,)).reshape((d_H, 1, d_V, 1)), out=t180)
+    del t180, t181, t182
     t183.addcmul_(t159.reshape((1, 1, d_H)), t184.sum((0,)).reshape((d_V, d_V, 1)))
+    del t159, t183, t184
     t185 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t185[...] = 0
     t186 = t185.view((d_H, d_V, d_H, d_V))
+    del t185
     t187 = t186.diagonal(0, 1, 3)
+    del t186
     t188 = t163 @ t75
+    del t163, t75
     t189 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t190 = (2/(L*d_V*n_batch)) * t189
+    del t189
     t187.addcmul_(t190.reshape((1, 1, d_V)), t188.sum((0,)).reshape((d_H, d_H, 1)))
+    del t187, t188, t190
     return H
 
 
@@ -11733,12 +12209,18 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t7 = torch.where(t6, -math.inf, t5)
+    del t5, t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    del t7
     A = t8 / t8.sum(-1, keepdim=True)
+    del t8
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
@@ -11749,7 +12231,9 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_V @ t13
     t15 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t16 = (t14.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t14
     t17 = (t16.permute(1, 2, 0) @ t1)
+    del t16
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = t19 * t19
@@ -11757,270 +12241,462 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = (t18.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t18.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = (t17.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
     t24 = (t23.permute(0, 2, 3, 1) @ dA)
+    del t23
     t25 = (t24.permute(0, 2, 3, 1).reshape((n_batch, L**2, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t20
     t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t25
     t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t26
     t28 = A @ X
     M_1 = t28
+    del t28
     t29 = t12.transpose(-1, -2)
     t30 = M_1 @ t29
+    del t29
     F = t30
+    del t30
     t31 = F - Y
+    del F
     t32 = (2/(L*d_V)) * t31
+    del t31
     G = t32
+    del t32
     t33 = t12 @ t1
+    del t12
     t34 = G @ t33
+    del t33
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
+    del t34
     t36 = A * t35
+    del t35
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t9.reshape((1, 1, L, L)) * t36.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t36.reshape((n_batch, L, L, 1))) - (t36.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t9
     t37 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t38 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t0
     t39 = t19 * t37
     t40 = (t38.reshape((L*n_batch, d_K)) @ t15.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t41 = (t39.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t39
     t42 = (t41.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t40.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t41
     t43 = (t42.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t42
     t44 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t45 = t19 * t44
     t46 = (t38.reshape((L*n_batch, d_K)) @ t38.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t47 = (t45.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t45
     t48 = (t47.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t46.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t47
     t49 = (t48.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t48
     t50 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t27 * t22.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t43 * t22.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t49 * t22.permute(0, 2, 3, 1)).sum()
+    del t27, t43, t49
     t51 = torch.sqrt(torch.clamp(t50, min=0.0))
+    del t50
     t52 = t36 @ X
+    del t36
     t53 = t1 @ t52
+    del t52
     t54 = (X.reshape((L*n_batch, d_V)) @ t53.sum((0,))).reshape((n_batch, L, d_V))
     t55 = (t54 @ X.permute(0, 2, 1))
+    del t54
     t56 = (t55.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t55
     t57 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t58 = (t57.permute(1, 2, 0) @ t15.permute(0, 2, 1))
+    del t15
     t59 = (t58.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t58
     t60 = (t59.permute(0, 2, 1) @ t56)
+    del t56, t59
     t61 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t53.sum((0,))).reshape((n_batch, L, d_V))
     t62 = (t61 @ X.permute(0, 2, 1))
+    del t61
     t63 = (t62.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t62
     t64 = (t57.permute(1, 2, 0) @ t38.permute(0, 2, 1))
+    del t38
     t65 = (t57.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t57.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t57
     t66 = t65 * t19
     t67 = (t24.reshape((n_batch, L**2, L)) @ t19.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t68 = (t67.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t67
     t69 = (t68.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t68
     t70 = t65 * t37
     t71 = (t70.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t70
     t72 = (t71.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t71
     t73 = (t72.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t72
     t74 = t65 * t44
     t75 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t76 = (t75.reshape((n_batch, n_batch, L**2, L)) @ t46.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t46, t75
     t77 = (t76.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t76
     t78 = (n_batch**(-2)) * (t53.sum((0,)) * t53.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t60 * t17).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t64 * t63).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t69 * t66.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t73 * t40.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t77 * t74.permute(0, 2, 3, 1)).sum()
+    del t40, t60, t63, t64, t66, t69, t73, t74, t77
     t79 = torch.sqrt(torch.clamp(t78, min=0.0))
+    del t78
     t80 = t13.transpose(-1, -2)
     t81 = (t80.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
+    del t80
     t82 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t83 = t82 * t19
     t84 = (t81.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t81.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t85 = (t83.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t83
     t86 = (t85.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t85
     t87 = (t86.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t86
     t88 = G @ t10
     t89 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t90 = (t81.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t88.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t81
     t91 = (t89.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t89
     t92 = (t91 * t19.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t93 = (t92.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t90.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t92
     t94 = (t93.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t93
     t95 = (t88.reshape((L*n_batch, d_H)) @ t88.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t96 = t95 * t19
     t97 = (t44.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t98 = (t97.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t96.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t96
     t99 = (t98.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t98
     t100 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t87 * t84.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t94 * t21.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t99 * t21.permute(0, 2, 3, 1)).sum()
+    del t87, t94, t99
     t101 = torch.sqrt(torch.clamp(t100, min=0.0))
+    del t100
     t102 = M_1 @ W_V
     t103 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
     t104 = (t102.reshape((L*n_batch, d_H)) @ t102.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t105 = t104 * t19
     t106 = (W_O @ W_O.permute(1, 0))
     t107 = (t106 @ t103.reshape((d_H, L*n_batch))).reshape((d_H, n_batch, L))
+    del t106
     t108 = (t107.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t103.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t107
     t109 = (t105.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t105
     t110 = (t109.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t109
     t111 = (t110.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t110
     t112 = (W_V @ t102.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
     t113 = (G.reshape((L*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_H))
     t114 = (t112.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t112
     t115 = (t113.reshape((L*n_batch, d_H)) @ t103.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t116 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t117 = (t116.reshape((n_batch, n_batch, L**2, L)) @ t115.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t116
     t118 = (t117.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del t117
     t119 = (t118.permute(0, 2, 3, 4, 1) @ t19.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t118
     t120 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t121 = t120 * t19
     t122 = (t103.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t103.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t103
     t123 = (t121.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t121
     t124 = (t123.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t123, t21
     t125 = (t124.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t124
     t126 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t111 * t108.permute(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t119 * t114.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t125 * t122.permute(0, 2, 3, 1)).sum()
+    del t111, t119, t125
     t127 = torch.sqrt(torch.clamp(t126, min=0.0))
+    del t126
     t128 = t53.transpose(-1, -2)
+    del t53
     t129 = W_Q.transpose(-1, -2)
     t130 = (X.reshape((L*n_batch, d_V)) @ t128.sum((0,))).reshape((n_batch, L, d_V))
     t131 = (t130 @ X.permute(0, 2, 1))
+    del t130
     t132 = (t131.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t131
     t133 = (X.reshape((L*n_batch, d_V)) @ t129.permute(1, 0)).reshape((n_batch, L, d_K))
     t134 = (t18.permute(1, 2, 0) @ t133.permute(0, 2, 1))
     t135 = (t134.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t134
     t136 = (t135.permute(0, 2, 1) @ t132)
+    del t132, t135
     t137 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t128.sum((0,))).reshape((n_batch, L, d_V))
     t138 = (t137 @ X.permute(0, 2, 1))
+    del t137
     t139 = (t138.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    del t138
     t140 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t129.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t129
     t141 = (t18.permute(1, 2, 0) @ t140.permute(0, 2, 1))
+    del t18
     t142 = (t133.reshape((L*n_batch, d_K)) @ t133.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t143 = t142 * t19
     t144 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t19.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t145 = (t144.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t143.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t143
     t146 = (t145.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t145
     t147 = (t140.reshape((L*n_batch, d_K)) @ t133.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t133
     t148 = t147 * t19
     t149 = (t148.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t148
     t150 = (t149.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t37.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t149
     t151 = (t150.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t150
     t152 = (t140.reshape((L*n_batch, d_K)) @ t140.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t140
     t153 = t152 * t19
     t154 = (t44.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t44
     t155 = (t154.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t153.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t153
     t156 = (t155.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t155
     t157 = (n_batch**(-2)) * (t128.sum((0,)) * t128.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t136 * t17.permute(0, 2, 1)).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t141 * t139.permute(0, 2, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t146 * t22.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t151 * t22.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t156 * t22.permute(0, 2, 3, 1)).sum()
+    del t128, t136, t139, t141, t146, t151, t156, t17
     t158 = torch.sqrt(torch.clamp(t157, min=0.0))
+    del t157
     t159 = t65 * t142
     t160 = (t144.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t144
     t161 = (t160.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t160
     t162 = t65 * t147
+    del t147
     t163 = (t162.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t162
     t164 = (t163.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t37.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t163, t37
     t165 = (t164.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t164, t24
     t166 = t65 * t152
+    del t152
     t167 = (t154.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t154
     t168 = (t167.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del d2A, t167
     t169 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t161 * t159.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t165 * t19.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t168 * t166.permute(0, 2, 3, 1)).sum()
+    del t159, t161, t165, t166, t168
     t170 = torch.sqrt(torch.clamp(t169, min=0.0))
+    del t169
     t171 = t142 * t82
+    del t82
     t172 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t173 = (t172.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t171.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t171
     t174 = (t173.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t173
     t175 = (t91.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t91
     t176 = (t175.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del t175
     t177 = (t176.permute(0, 2, 3, 1, 4) @ t90.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t176, t90
     t178 = t142 * t95
+    del t95
     t179 = (t97.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t180 = (t179.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t179
     t181 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t174 * t84.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t177 * t142.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t180 * t178.permute(0, 2, 3, 1)).sum()
+    del t174, t177, t178, t84
     t182 = torch.sqrt(torch.clamp(t181, min=0.0))
+    del t181
     t183 = t142 * t104
+    del t104
     t184 = (t172.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t183.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t183
     t185 = (t184.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t184
     t186 = (t172.reshape((n_batch, n_batch, L**2, L)) @ t115.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t115
     t187 = (t186.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del t186
     t188 = (t187.permute(0, 2, 3, 4, 1) @ t142.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t187
     t189 = t142 * t120
+    del t120, t142
     t190 = (t172.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t189.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t189
     t191 = (t190.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t190
     t192 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t185 * t108.permute(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t188 * t114.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t191 * t122.permute(0, 2, 3, 1)).sum()
+    del t108, t114, t122, t185, t188, t191
     t193 = torch.sqrt(torch.clamp(t192, min=0.0))
+    del t192
     t194 = M_1.transpose(-1, -2)
     t195 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_H))
+    del t13
     t196 = (t194.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t194.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t197 = t19 * t196
     t198 = (t195.reshape((L*n_batch, d_H)) @ t195.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t199 = (t197.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t197
     t200 = (t199.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t198.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t199
     t201 = (t200.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t200
     t202 = t88.transpose(-1, -2)
+    del t88
     t203 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t194.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t204 = (t195.reshape((L*n_batch, d_H)) @ t202.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t195
     t205 = (t203.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t203
     t206 = (t205 * t19.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t207 = (t206.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t204.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t206
     t208 = (t207.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t207
     t209 = (t202.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t202.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t202
     t210 = t19 * t209
     t211 = (t97.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t210.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t210, t97
     t212 = (t211.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t211
     t213 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t201 * t22.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t208 * t22.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t212 * t22.permute(0, 2, 3, 1)).sum()
+    del t201, t208, t212
     t214 = torch.sqrt(torch.clamp(t213, min=0.0))
+    del t213
     t215 = t65 * t196
+    del t196
     t216 = (t172.reshape((n_batch, n_batch, L**2, L)) @ t198.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t198
     t217 = (t216.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t216
     t218 = (t205.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t205
     t219 = (t218.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del t218
     t220 = (t219.permute(0, 2, 3, 1, 4) @ t204.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t204, t219
     t221 = t65 * t209
+    del t209
     t222 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t217 * t215.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t220 * t65.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t180 * t221.permute(0, 2, 3, 1)).sum()
+    del t180, t215, t217, t220, t221
     t223 = torch.sqrt(torch.clamp(t222, min=0.0))
+    del t222
     t224 = t194 @ M_1
     t225 = W_O @ t10
     t226 = (t225 * t225).sum()
+    del t225
     t227 = (t226.reshape((1, 1)) * t224.sum((0,)))
+    del t226
     t228 = (4/(L**2*d_V**2*n_batch**2)) * (t227 * t224.sum((0,))).sum()
+    del t224, t227
     t229 = torch.sqrt(torch.clamp(t228, min=0.0))
+    del t228
     t230 = (W_O * W_O).sum()
     t231 = (t102.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t194.permute(0, 2, 1).reshape((L*n_batch, d_V)))
     t232 = (t231 * t231).sum()
     t233 = (t113.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t194.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    del t113
     t234 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t194.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    del t194
     t235 = (4/(L**2*d_V**2*n_batch**2)) * t232 * t230 + (4/(L*d_V*n_batch**2)) * (t233 * t231).sum() + (d_H/n_batch**2) * (t234 * t234).sum()
+    del t230, t231, t232, t233, t234
     t236 = torch.sqrt(torch.clamp(t235, min=0.0))
+    del t235
     t237 = t102.transpose(-1, -2)
     t238 = (t11.permute(1, 0) @ t10.permute(1, 0))
     t239 = (t237.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t237.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t240 = t19 * t239
     t241 = (t238.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t238
     t242 = (t241.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t241.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t243 = (t240.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t240
     t244 = (t243.reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t243
     t245 = (t244.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t244
     t246 = G.transpose(-1, -2)
+    del G
     t247 = (t11.permute(1, 0) @ t237.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
     t248 = (t247.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t247
     t249 = (t241.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t246.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t241
     t250 = (t248.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t251 = (t250 * t19.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
+    del t250
     t252 = (t251.reshape((n_batch, n_batch, L**2, L)) @ t22.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t251
     t253 = (t252.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t252
     t254 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_H))
+    del t1, t11
     t255 = (t246.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t246.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t256 = t19 * t255
+    del t19
     t257 = (t254.reshape((L*n_batch, d_H)) @ t254.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t254
     t258 = (t256.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t256
     t259 = (t258.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t257.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t258
     t260 = (t259.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t259
     t261 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t245 * t242.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t253 * t249.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t260 * t22.permute(0, 2, 3, 1)).sum()
+    del t22, t245, t253, t260
     t262 = torch.sqrt(torch.clamp(t261, min=0.0))
+    del t261
     t263 = t65 * t239
+    del t239
     t264 = (t172.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t263.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t263
     t265 = (t264.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t264
     t266 = (t172.reshape((n_batch, n_batch, L**2, L)) @ t249.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t249
     t267 = (t266.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    del t266
     t268 = (t267.permute(0, 2, 3, 1, 4) @ t248.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    del t248, t267
     t269 = t65 * t255
+    del t255
     t270 = (t172.reshape((n_batch, n_batch, L**2, L)) @ t257.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t172, t257
     t271 = (t270.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del dA, t270
     t272 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t265 * t242.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t268 * t65.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t271 * t269.permute(0, 2, 3, 1)).sum()
+    del t242, t265, t268, t269, t271, t65
     t273 = torch.sqrt(torch.clamp(t272, min=0.0))
+    del t272
     t274 = t237 @ M_1
     t275 = (t10 * t10).sum()
     t276 = (t275.reshape((1, 1)) * t274.sum((0,)))
+    del t275
     t277 = t246 @ M_1
+    del M_1, t246
     t278 = (t10 @ t274.sum((0,)))
+    del t10
     t279 = (4/(L**2*d_V**2*n_batch**2)) * (t276 * t274.sum((0,))).sum() + (4/(L*d_V*n_batch**2)) * (t278 * t277.sum((0,))).sum() + (d_H/n_batch**2) * (t277.sum((0,)) * t277.sum((0,))).sum()
+    del t274, t276, t277, t278
     t280 = torch.sqrt(torch.clamp(t279, min=0.0))
+    del t279
     t281 = t237 @ t102
+    del t102, t237
     t282 = (4/(L**2*d_V*n_batch**2)) * (t281.sum((0,)) * t281.sum((0,))).sum()
+    del t281
     t283 = torch.sqrt(torch.clamp(t282, min=0.0))
+    del t282
     return (t51, t79, t101, t127, t158, t170, t182, t193, t214, t223, t229, t236, t262, t273, t280, t283,)
 
 
@@ -19694,178 +20370,287 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
+    del t0
     t2 = W_K.transpose(-1, -2)
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    del t7
     A = t8 / t8.sum(-1, keepdim=True)
+    del t8
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t10
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdim=True)
     t13 = t12.expand(*t12.shape[:-1], d_V)
+    del t12
     t14 = A @ X
     M_1 = t14
+    del t14
     t15 = M_1 @ t11
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
+    del t16
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA19 = (t18.reshape((1, 1, d_V, d_V)) * A17.reshape((n_batch, L, d_V, 1))) - (A17.reshape((n_batch, L, 1, d_V)) * A17.reshape((n_batch, L, d_V, 1)))
+    del A17, t18
     t20 = t11.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t2
     t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t21
     t23 = (dA19 * t13.reshape((n_batch, L, d_V, 1)))
     t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
     t25 = (t24 @ M_2)
+    del t24
     t26 = (t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t11).reshape((n_batch, L, d_K, d_V))
+    del t22
     t27 = (t26 @ t25)
     t28 = ((W_K.permute(1, 0) @ t27.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t27
     t29 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t15
+    del t15
     t30 = torch.exp(F - F.amax(-1, keepdim=True))
+    del F
     A31 = t30 / t30.sum(-1, keepdim=True)
+    del t30
     t32 = t13 * A31
+    del A31
     t33 = t32 - Y
+    del t32
     t34 = (1/L) * t33
+    del t33
     G = t34
+    del t34
     t35 = t20 @ t3
     t36 = G @ t35
+    del t35
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
+    del t36
     t38 = A * t37
+    del t37
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t9.reshape((1, 1, L, L)) * t38.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t38.reshape((n_batch, L, L, 1))) - (t38.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t9
     t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t39
     t40 = (1/(d_K*n_batch)) * t2
     t41 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t40.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t42 = ((W_K.permute(1, 0) @ t41.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t41
     t43 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t44 = t29.reshape((d_V**2, L*n_batch))
+    del t29
     t45 = t43.reshape((d_V**2, L*n_batch))
+    del t43
     t46 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t28
     t47 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t42
     t48 = torch.cat([t44, t45], dim=-1)
+    del t44, t45
     t49 = torch.cat([t46, t47], dim=-2)
+    del t46, t47
     t1[...] = ((t48 @ t49).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t1, t48, t49
     t50 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t51 = t50.view((d_V, d_K, d_V, d_K))
+    del t50
     t52 = ((t26 @ t25)).permute(2, 3, 0, 1)
+    del t26
     t53 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t54 = (t53.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t55 = (t40 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    del t40
     t56 = (t53.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t57 = t51.diagonal(0, 1, 3)
     t58 = t38 @ X
+    del t38
     t59 = t3 @ t58
+    del t58
     t60 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t61 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    del t60
     t62 = t52.reshape((d_K*d_V, L*n_batch))
+    del t52
     t63 = t55.reshape((d_K*d_V, L*n_batch))
+    del t55
     t64 = t54.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t54
     t65 = t56.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t56
     t66 = torch.cat([t62, t63], dim=-1)
+    del t62, t63
     t67 = torch.cat([t64, t65], dim=-2)
+    del t64, t65
     t51[...] = ((t66 @ t67).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t51, t66, t67
     t57.addcmul_(t61.reshape((1, 1, d_K)), t59.sum((0,)).reshape((d_V, d_V, 1)))
+    del t57
     t68 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t69 = t68.view((d_V, d_K, d_V, d_H))
+    del t68
     t70 = W_O.transpose(-1, -2)
     t71 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t72 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t71.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t71
     t73 = (t23.reshape((L*d_V*n_batch, d_V)) @ t70).reshape((n_batch, L, d_V, d_H))
     t74 = (t72.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t11).reshape((n_batch, L, d_K, d_V))
     t75 = ((t74 @ t73)).permute(2, 3, 0, 1)
+    del t73, t74
     t76 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t77 = G @ t70
     t78 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t79 = (t78 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t80 = (t77.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t69[...] = ((t76.reshape((d_V**2, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    del t75, t76
     t69 += ((t79.reshape((d_K*d_V, L*n_batch)) @ t80.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+    del t69, t79, t80
     t81 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t82 = t81.view((d_V, d_K, d_H, d_V))
+    del t81
     t83 = M_1 @ W_V
     t84 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
     t85 = (t84 @ t72.permute(2, 0, 1, 3).reshape((d_V, L*d_K*n_batch))).reshape((d_V, n_batch, L, d_K))
+    del t72
     t86 = ((t85.permute(1, 2, 3, 0) @ t23)).permute(2, 3, 0, 1)
+    del t85
     t87 = (t83.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t88 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t78.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t78
     t89 = ((W_V.permute(1, 0) @ t88.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t88
     t90 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t82[...] = ((t87.reshape((d_H*d_V, L*n_batch)) @ t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    del t86, t87
     t82 += ((t89.reshape((d_H*d_K, L*n_batch)) @ t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+    del t82, t89, t90
     t91 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t92 = t91.view((d_V, d_K, d_V, d_K))
+    del t91
     t93 = W_Q.transpose(-1, -2)
     t94 = (1/(L*d_K*n_batch)) * t93
     t95 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t11
     t96 = (t23.permute(0, 1, 3, 2) @ t95.permute(1, 2, 0, 3))
+    del t95
     t97 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    del t20
     t98 = (t97 @ t96)
     t99 = ((W_K.permute(1, 0) @ t98.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t98
     t100 = (X.reshape((L*n_batch, d_V)) @ t94.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t94
     t101 = (t100.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t102 = (1/(d_K*n_batch)) * t93
     t103 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t104 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t102.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t102, t3
     t105 = (t104.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t106 = t92.diagonal(0, 1, 3)
     t107 = t59.transpose(-1, -2)
+    del t59
     t108 = t101.reshape((d_K*d_V, L*n_batch))
+    del t101
     t109 = t105.reshape((d_K*d_V, L*n_batch))
+    del t105
     t110 = t99.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t99
     t111 = t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t103
     t112 = torch.cat([t108, t109], dim=-1)
+    del t108, t109
     t113 = torch.cat([t110, t111], dim=-2)
+    del t110, t111
     t92[...] = ((t112 @ t113).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t112, t113, t92
     t106.addcmul_(t61.reshape((1, 1, d_K)), t107.sum((0,)).reshape((d_V, d_V, 1)))
+    del t106, t107, t61
     t114 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t115 = t114.view((d_V, d_K, d_V, d_K))
+    del t114
     t116 = ((t97 @ t96)).permute(3, 2, 0, 1)
+    del t97
     t117 = (t53.reshape((1, d_K, n_batch, L)) * t100.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t100
     t118 = M_3.permute(2, 3, 0, 1)
+    del M_3
     t119 = (t53.reshape((1, d_K, n_batch, L)) * t104.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t104
     t120 = t116.reshape((d_V**2, L*n_batch))
+    del t116
     t121 = t118.reshape((d_V**2, L*n_batch))
+    del t118
     t122 = t117.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t117
     t123 = t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t119
     t124 = torch.cat([t120, t121], dim=-1)
+    del t120, t121
     t125 = torch.cat([t122, t123], dim=-2)
+    del t122, t123
     t115[...] = ((t124 @ t125).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t115, t124, t125
     t126 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t127 = t126.view((d_V, d_K, d_V, d_H))
+    del t126
     t128 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
     t129 = ((t70.permute(1, 0) @ t96.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t96
     t130 = (X.reshape((L*n_batch, d_V)) @ t128.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t128
     t131 = (t130.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t132 = (1/(math.sqrt(d_K)*n_batch)) * t93
+    del t93
     t133 = M_2.permute(3, 2, 0, 1)
     t134 = (X.reshape((L*n_batch, d_V)) @ t132.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t132
     t135 = (t134.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t77.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
     t127[...] = ((t131.reshape((d_K*d_V, L*n_batch)) @ t129.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+    del t129, t131
     t127 += ((t133.reshape((d_V**2, L*n_batch)) @ t135.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    del t127, t133, t135
     t136 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t137 = t136.view((d_V, d_K, d_H, d_V))
+    del t136
     t138 = (t84 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t84
     t139 = ((t138.permute(1, 2, 3, 0) @ t23)).permute(2, 3, 0, 1)
+    del t138
     t140 = (t130.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t83.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    del t130
     t141 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t142 = (t134.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t134
     t137[...] = ((t140.reshape((d_H*d_K, L*n_batch)) @ t139.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+    del t139, t140
     t137 += ((t141.reshape((d_H*d_V, L*n_batch)) @ t142.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    del t137, t141, t142
     t143 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t144 = t143.view((d_V, d_H, d_V, d_K))
+    del t143
     t145 = t77.transpose(-1, -2)
+    del t77
     t146 = (1/(math.sqrt(d_K)*n_batch)) * t145
+    del t145
     t147 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t146.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
     t148 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t149 = M_1.transpose(-1, -2)
@@ -19873,41 +20658,62 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t151 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t150.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t152 = (t25.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
     t153 = ((W_K.permute(1, 0) @ t152.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
+    del t152
     t144[...] = ((t147.reshape((d_H*d_V, L*n_batch)) @ t148.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t147, t148
     t144 += ((t151.reshape((d_V**2, L*n_batch)) @ t153.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
+    del t144, t151, t153
     t154 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t155 = t154.view((d_V, d_H, d_V, d_K))
+    del t154
     t156 = M_2.permute(2, 3, 0, 1)
     t157 = (t53.reshape((1, d_K, n_batch, L)) * t146.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    del t146
     t158 = (W_O @ t25.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    del t25
     t159 = (t53.reshape((1, d_K, n_batch, L)) * t150.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t150
     t155[...] = ((t156.reshape((d_V**2, L*n_batch)) @ t157.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
+    del t156, t157
     t155 += ((t158.reshape((d_H*d_V, L*n_batch)) @ t159.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t155, t158, t159
     t160 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t161 = t160.view((d_V, d_H, d_V, d_H))
+    del t160
     t162 = (1/(L*n_batch)) * t149
     t163 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t162.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t164 = (t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1)) * W_O.permute(1, 0).reshape((d_V, 1, 1, d_H)))
     t165 = (t70.permute(1, 0) @ dA19.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))
     t166 = ((t165.permute(1, 2, 0, 3) @ t164.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    del t164, t165
     t161[...] = ((t163.reshape((d_V**2, L*n_batch)) @ t166.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
+    del t161, t163, t166
     t167 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t168 = t167.view((d_V, d_H, d_H, d_V))
+    del t167
     t169 = (t83.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t162.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t162
     t170 = (W_O @ t23.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
     t171 = t168.diagonal(0, 1, 2)
     t172 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t173 = (1/n_batch) * t172
+    del t172
     t174 = (t149.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
+    del t149
     t168[...] = ((t169.reshape((d_H*d_V, L*n_batch)) @ t170.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
+    del t168, t169, t170
     t171.addcmul_(t173.reshape((1, 1, d_H)), t174.reshape((d_V, d_V, 1)))
+    del t171, t174
     t175 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t176 = t175.view((d_H, d_V, d_V, d_K))
+    del t175
     t177 = G.transpose(-1, -2)
+    del G
     t178 = W_V.transpose(-1, -2)
     t179 = (1/(math.sqrt(d_K)*n_batch)) * t177
     t180 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t178.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
     t181 = ((W_K.permute(1, 0) @ t180.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
+    del t180
     t182 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t179.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t183 = t83.transpose(-1, -2)
     t184 = (1/(L*math.sqrt(d_K)*n_batch)) * t183
@@ -19916,31 +20722,52 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t187 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t188 = (t186 @ t23.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t189 = ((t188.permute(1, 2, 3, 0) @ t187.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
+    del t187, t188
     t176[...] = ((t182.reshape((d_V**2, L*n_batch)) @ t181.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
+    del t181, t182
     t176 += ((t185.reshape((d_H*d_V, L*n_batch)) @ t189.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t176, t185, t189
     t190 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t191 = t190.view((d_H, d_V, d_V, d_K))
+    del t190
     t192 = (t178 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    del t178
     t193 = (t53.reshape((1, d_K, n_batch, L)) * t179.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t179
     t194 = (t53.reshape((1, d_K, n_batch, L)) * t184.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    del t184, t53
     t195 = (t186.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del M_2, t186
     t196 = ((t195.permute(1, 2, 3, 0) @ t23.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    del t195
     t191[...] = ((t192.reshape((d_H*d_V, L*n_batch)) @ t193.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t192, t193
     t191 += ((t196.reshape((d_V**2, L*n_batch)) @ t194.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
+    del t191, t194, t196
     t197 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t198 = t197.view((d_H, d_V, d_V, d_H))
+    del t197
     t199 = (1/(L*n_batch)) * t183
+    del t183
     t200 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t199.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
     t201 = ((t70.permute(1, 0) @ t23.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t23, t70
     t202 = t198.diagonal(0, 0, 3)
     t203 = t177 @ M_1
+    del M_1, t177
     t198[...] = ((t200.reshape((d_H*d_V, L*n_batch)) @ t201.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
+    del t198, t200, t201
     t202.addcmul_(t173.reshape((1, 1, d_H)), t203.sum((0,)).reshape((d_V, d_V, 1)))
+    del t173, t202, t203
     t204 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t205 = t204.view((d_H, d_V, d_H, d_V))
+    del t204
     t206 = (dA19.permute(2, 3, 0, 1) * t13.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    del dA19, t13
     t207 = (t83.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t199.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    del t199, t83
     t205[...] = ((t207.reshape((d_H**2, L*n_batch)) @ t206.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
+    del t205, t206, t207
     return H
 
 
@@ -20054,24 +20881,33 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    del t5
     A = t6 / t6.sum(-1, keepdim=True)
+    del t6
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
+    del t9
     t11 = A @ X
     M_1 = t11
+    del t11
     t12 = M_1 @ t8
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
+    del t13
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
+    del A14, t15
     t17 = t8.transpose(-1, -2)
     t18 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -20081,286 +20917,479 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = (t20.permute(1, 2, 0) @ t18.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t24 = (t23.reshape((n_batch, L**2, d_V)) @ t22.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t25 = (t24.permute(0, 2, 3, 1) @ dA)
+    del t24
     t26 = (t25.permute(0, 1, 3, 2) @ dA)
+    del t25
     t27 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t28 = t21 * t21
     t29 = (t23.permute(0, 2, 3, 1) @ dA)
+    del t23
     t30 = (t22 @ t29.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
     t31 = (t30.permute(0, 2, 3, 1) @ dA)
+    del t30
     t32 = (t19.reshape((L*n_batch, d_K)) @ t19.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t33 = (t27.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t27.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t32.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t26.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t35 = (t34.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t28.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t28, t34
     t36 = (t35.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t31.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t35
     F = t12
+    del t12
     t37 = torch.exp(F - F.amax(-1, keepdim=True))
+    del F
     A38 = t37 / t37.sum(-1, keepdim=True)
+    del t37
     t39 = t10 * A38
+    del A38
     t40 = t39 - Y
+    del t39
     t41 = (1/L) * t40
+    del t40
     G = t41
+    del t41
     t42 = t17 @ t1
     t43 = G @ t42
+    del t42
     t44 = t43 - (A * t43).sum(-1, keepdim=True)
+    del t43
     t45 = A * t44
+    del t44
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t7.reshape((1, 1, L, L)) * t45.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t45.reshape((n_batch, L, L, 1))) - (t45.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t7
     t46 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t47 = t21 * t46
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t49 = (t48.reshape((L*n_batch, d_K)) @ t19.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t19
     t50 = (t49.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t51 = (t50.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t47.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t47, t50
     t52 = (t51.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t26.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t51
     t53 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t54 = t21 * t53
     t55 = (t48.reshape((L*n_batch, d_K)) @ t48.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t56 = (t54.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t54
     t57 = (t56.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t55.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t56
     t58 = (t57.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t57
     t59 = (1/(L**2*d_K**2*n_batch**2)) * (t36 * t33.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t52 * t33.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t58 * t33.permute(0, 2, 3, 1)).sum()
+    del t36, t52, t58
     t60 = torch.sqrt(torch.clamp(t59, min=0.0))
+    del t59
     t61 = t45 @ X
+    del t45
     t62 = t1 @ t61
+    del t61
     t63 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t63.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t63
     t64 = (X.reshape((L*n_batch, d_V)) @ t62.sum((0,))).reshape((n_batch, L, d_V))
     t65 = (t64.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t64
     t66 = (W_Q @ t0)
+    del t0
     t67 = (t65.reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
+    del t65
     t68 = (t67.reshape((n_batch, L, 1, d_V)) @ t18.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t67
     t69 = (t66.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t66
     t70 = (t69.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t69
     t71 = (t70.reshape((L*n_batch, d_V)) @ t8).reshape((n_batch, L, d_V))
+    del t70
     t72 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t62.sum((0,))).reshape((n_batch, L, d_V))
     t73 = (t72 @ X.permute(0, 2, 1))
+    del t72
     t74 = (t73.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t73
     t75 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t76 = (t75.permute(1, 2, 0) @ t48.permute(0, 2, 1))
+    del t48
     t77 = (t75.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t75.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t75
     t78 = t77 * t21
     t79 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t26.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t80 = (t79.reshape((n_batch, n_batch, L**2, L)) @ t32.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t79
     t81 = (t80.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t31.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t80
     t82 = t77 * t46
     t83 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t84 = (t83.reshape((n_batch, n_batch, L**2, L)) @ t49.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t49, t83
     t85 = (t84.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t26.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t84
     t86 = t77 * t53
     t87 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t88 = (t87.reshape((n_batch, n_batch, L**2, L)) @ t55.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t55, t87
     t89 = (t88.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t88
     t90 = (n_batch**(-2)) * (t62.sum((0,)) * t62.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t71 * t68).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t76 * t74).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t81 * t78.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t85 * t82.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t89 * t86.permute(0, 2, 3, 1)).sum()
+    del t68, t71, t74, t76, t78, t81, t82, t85, t86, t89
     t91 = torch.sqrt(torch.clamp(t90, min=0.0))
+    del t90
     t92 = W_O.transpose(-1, -2)
     t93 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    del t20
     t94 = (t93 @ dA)
+    del t93
     t95 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t96 = t95 * t21
     t97 = (t92 @ t92.permute(1, 0))
     t98 = (t97 @ t94.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))
     t99 = (t98.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t96.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    del t96
     t100 = (t99.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t94.permute(0, 2, 1, 3).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t99
     t101 = G @ t92
     t102 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t103 = (t101.reshape((L*n_batch, d_H)) @ t92.permute(1, 0)).reshape((n_batch, L, d_V))
     t104 = (t103.reshape((L*n_batch, d_V)) @ t94.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((n_batch, L, n_batch, L, L))
     t105 = (t104 * t21.reshape((n_batch, L, n_batch, L, 1)))
+    del t104
     t106 = (t105.permute(0, 2, 1, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t102.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t105
     t107 = (t106.permute(0, 1, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t106
     t108 = (t101.reshape((L*n_batch, d_H)) @ t101.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t109 = t108 * t21
     t110 = (t53.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t111 = (t110.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t109.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t109
     t112 = (t111.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t111
     t113 = (1/(L**2*d_K*n_batch**2)) * (t100 * t32.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t107 * t32.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t112 * t32.permute(0, 2, 3, 1)).sum()
+    del t100, t107, t112
     t114 = torch.sqrt(torch.clamp(t113, min=0.0))
+    del t113
     t115 = M_1 @ W_V
     t116 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
     t117 = (t115.reshape((L*n_batch, d_H)) @ t115.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t118 = t117 * t21
     t119 = (t116.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ W_O).reshape((n_batch, L, d_V))
     t120 = (t119 @ t18.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    del t119
     t121 = (t120.permute(0, 2, 3, 1) @ dA)
+    del t120
     t122 = (t121.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t118.reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    del t118
     t123 = (t122.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t121.permute(0, 2, 1, 3).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t122
     t124 = (W_V @ t115.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
     t125 = (t124.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t124
     t126 = (t121.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t127 = (t126.permute(0, 1, 3, 4, 2) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t128 = (t127.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t32.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t127
     t129 = (t128.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t128
     t130 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t131 = t130 * t21
     t132 = (t116.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t116.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t116
     t133 = (t131.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t131
     t134 = (t133.reshape((n_batch, n_batch, L**2, L)) @ t32.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t133
     t135 = (t134.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t134
     t136 = (1/(L**2*d_K*n_batch**2)) * (t123 * t32.permute(2, 0, 1, 3)).sum() + (2/(L*d_K*n_batch**2)) * (t129 * t125.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t135 * t132.permute(0, 2, 3, 1)).sum()
+    del t123, t129, t135, t32
     t137 = torch.sqrt(torch.clamp(t136, min=0.0))
+    del t136
     t138 = t62.transpose(-1, -2)
+    del t62
     t139 = W_Q.transpose(-1, -2)
     t140 = (X.reshape((L*n_batch, d_V)) @ t138.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t141 = (t140.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t140
     t142 = (X.reshape((L*n_batch, d_V)) @ t139.permute(1, 0)).reshape((n_batch, L, d_K))
     t143 = (t141.reshape((L*n_batch, d_V)) @ t8).reshape((n_batch, L, d_V))
+    del t141, t8
     t144 = (t143.reshape((n_batch, L, 1, d_V)) @ t18).reshape((n_batch, L, d_V))
+    del t143
     t145 = (t144.reshape((L*n_batch, d_V)) @ t17).reshape((n_batch, L, d_V))
+    del t144, t17
     t146 = (t145.reshape((n_batch, L, 1, d_V)) @ M_2).reshape((n_batch, L, d_V))
+    del M_2, t145
     t147 = (t142.reshape((L*n_batch, d_K)) @ W_K.permute(1, 0)).reshape((n_batch, L, d_V))
     t148 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t138.sum((0,))).reshape((n_batch, L, d_V))
     t149 = (t148 @ X.permute(0, 2, 1))
+    del t148
     t150 = (t149.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    del t149
     t151 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t139.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t139
     t152 = (t27.permute(1, 2, 0) @ t151.permute(0, 2, 1))
+    del t27
     t153 = (t142.reshape((L*n_batch, d_K)) @ t142.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t154 = t153 * t21
     t155 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t156 = (t155.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t154.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t154
     t157 = (t156.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t31.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t156
     t158 = (t151.reshape((L*n_batch, d_K)) @ t142.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t142
     t159 = t158 * t21
     t160 = (t46.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t46
     t161 = (t160.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t159.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t159
     t162 = (t161.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t26.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t161
     t163 = (t151.reshape((L*n_batch, d_K)) @ t151.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t151
     t164 = t163 * t21
     t165 = (t53.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t53
     t166 = (t165.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t164.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t164
     t167 = (t166.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t166
     t168 = (n_batch**(-2)) * (t138.sum((0,)) * t138.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t147 * t146).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t152 * t150.permute(0, 2, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t157 * t33.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t162 * t33.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t167 * t33.permute(0, 2, 3, 1)).sum()
+    del t138, t146, t147, t150, t152, t157, t162, t167
     t169 = torch.sqrt(torch.clamp(t168, min=0.0))
+    del t168
     t170 = t77 * t153
     t171 = (t155.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t155
     t172 = (t171.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t31.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t171, t31
     t173 = t77 * t158
+    del t158
     t174 = (t160.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t160
     t175 = (t174.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t26.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t174, t26
     t176 = t77 * t163
+    del t163
     t177 = (t165.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t165
     t178 = (t177.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del d2A, t177
     t179 = (1/(L**2*d_K**2*n_batch**2)) * (t172 * t170.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t175 * t173.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t178 * t176.permute(0, 2, 3, 1)).sum()
+    del t170, t172, t173, t175, t176, t178
     t180 = torch.sqrt(torch.clamp(t179, min=0.0))
+    del t179
     t181 = t153 * t95
     t182 = (t98.permute(1, 0, 2, 3).reshape((n_batch, L*d_V, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    del t98
     t183 = (t182.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t94.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t182, t94
     t184 = (t29.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t103.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t103, t29
     t185 = (t184.permute(0, 1, 3, 4, 2) * t153.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    del t184
     t186 = (t185.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t185
     t187 = (t186.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t186
     t188 = t153 * t108
+    del t108
     t189 = (t110.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t190 = (t189.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t189
     t191 = (1/(L**2*d_K*n_batch**2)) * (t183 * t181.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t187 * t102.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t190 * t188.permute(0, 2, 3, 1)).sum()
+    del t102, t181, t183, t187, t188
     t192 = torch.sqrt(torch.clamp(t191, min=0.0))
+    del t191
     t193 = t153 * t117
     t194 = (t121.reshape((n_batch, L*d_V, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t195 = (t194.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t121.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t121, t194
     t196 = (t126.permute(0, 1, 3, 4, 2) * t153.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    del t126
     t197 = (t196.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t196
     t198 = (t197.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t197
     t199 = t153 * t130
+    del t130, t153
     t200 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t201 = (t200.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t199.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t199
     t202 = (t201.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t201
     t203 = (1/(L**2*d_K*n_batch**2)) * (t195 * t193.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t198 * t125.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t202 * t132.permute(0, 2, 3, 1)).sum()
+    del t125, t132, t193, t195, t198, t202
     t204 = torch.sqrt(torch.clamp(t203, min=0.0))
+    del t203
     t205 = t101.transpose(-1, -2)
+    del t101
     t206 = (t205.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t205.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t207 = t21 * t206
     t208 = (t110.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t207.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t110, t207
     t209 = (t208.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t208
     t210 = M_1.transpose(-1, -2)
     t211 = (W_O.permute(1, 0) @ t205.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    del t205
     t212 = (t210.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t213 = (t22 @ t18.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    del t22
     t214 = (t213.permute(0, 2, 3, 1) @ dA)
+    del t213
     t215 = (t214.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t211.reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t211
     t216 = (t215.permute(0, 1, 3, 4, 2) * t21.reshape((n_batch, L, n_batch, L, 1)))
     t217 = (t216.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t33.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t216
     t218 = (t217.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t217
     t219 = (t210.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t210.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t220 = (W_O.permute(1, 0) @ W_O)
     t221 = t21 * t219
     t222 = (t214.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t220.permute(1, 0)).reshape((n_batch, L, L, d_V))
     t223 = (t214.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t221.reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    del t221
     t224 = (t223.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t222.permute(0, 3, 1, 2).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t223
     t225 = (1/(d_K*n_batch**2)) * (t209 * t33.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t218 * t212.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t224 * t33.permute(2, 0, 1, 3)).sum()
+    del t209, t218, t224
     t226 = torch.sqrt(torch.clamp(t225, min=0.0))
+    del t225
     t227 = t77 * t206
+    del t206
     t228 = (t215.permute(0, 1, 3, 4, 2) * t77.reshape((n_batch, L, n_batch, L, 1)))
+    del t215
     t229 = (t228.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t228
     t230 = (t229.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t229
     t231 = t77 * t219
     t232 = (t214.reshape((n_batch, L*d_V, L)) @ t21.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    del t214
     t233 = (t232.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t222.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t222, t232
     t234 = (1/(d_K*n_batch**2)) * (t190 * t227.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t230 * t212.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t233 * t231.permute(2, 0, 1, 3)).sum()
+    del t190, t212, t227, t230, t231, t233
     t235 = torch.sqrt(torch.clamp(t234, min=0.0))
+    del t234
     t236 = t95 * t219
     t237 = (t220 @ t18.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t220
     t238 = (t97.permute(1, 0) @ t18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t239 = (t238.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t237.permute(3, 0, 1, 2).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t238
     t240 = (1/(L**2*n_batch**2)) * (t239 * t236).sum()
+    del t236, t239
     t241 = torch.sqrt(torch.clamp(t240, min=0.0))
+    del t240
     t242 = t117 * t219
     t243 = (t237.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t18.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t237
     t244 = (t115.reshape((L*n_batch, d_H)) @ W_O).reshape((n_batch, L, d_V))
     t245 = (t244.reshape((n_batch, L, 1, d_V)) @ t18).reshape((n_batch, L, d_V))
+    del t244
     t246 = (t219.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch)) @ G.reshape((L*n_batch, d_V))).reshape((n_batch, L, d_V))
+    del t219
     t247 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t210.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    del t210
     t248 = (1/(L**2*n_batch**2)) * (t243 * t242.permute(2, 3, 0, 1)).sum() + (2/(L*n_batch**2)) * (t246 * t245).sum() + (d_H/n_batch**2) * (t247 * t247).sum()
+    del t242, t243, t245, t246, t247
     t249 = torch.sqrt(torch.clamp(t248, min=0.0))
+    del t248
     t250 = G.transpose(-1, -2)
+    del G
     t251 = W_V.transpose(-1, -2)
     t252 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t251.permute(1, 0)).reshape((n_batch, L, d_H))
     t253 = (t250.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t250.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t254 = t21 * t253
     t255 = (t252.reshape((L*n_batch, d_H)) @ t252.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t256 = (t254.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t254
     t257 = (t256.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t255.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t256
     t258 = (t257.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t257
     t259 = t115.transpose(-1, -2)
+    del t115
     t260 = (t252.reshape((L*n_batch, d_H)) @ t259.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t252
     t261 = (t251.permute(1, 0) @ t92.permute(1, 0))
+    del t251
     t262 = (t261.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t1, t261
     t263 = (t262.permute(1, 2, 0) @ t18.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    del t262
     t264 = (t263.permute(0, 2, 3, 1) @ dA)
+    del t263
     t265 = (t264.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t250.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t266 = (t265.permute(0, 1, 3, 4, 2) * t21.reshape((n_batch, L, n_batch, L, 1)))
     t267 = (t266.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t33.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t266
     t268 = (t267.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t267
     t269 = (t259.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t259.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t270 = t21 * t269
     t271 = (t33.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t264.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, L, d_V))
     t272 = (t271.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t264.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t271
     t273 = (1/(d_K*n_batch**2)) * (t258 * t33.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t268 * t260.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t272 * t270.permute(0, 2, 3, 1)).sum()
+    del t258, t268, t270, t272, t33
     t274 = torch.sqrt(torch.clamp(t273, min=0.0))
+    del t273
     t275 = t77 * t253
+    del t253
     t276 = (t200.reshape((n_batch, n_batch, L**2, L)) @ t255.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t200, t255
     t277 = (t276.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t276
     t278 = (t265.permute(0, 1, 3, 4, 2) * t77.reshape((n_batch, L, n_batch, L, 1)))
+    del t265
     t279 = (t278.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t278
     t280 = (t279.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del dA, t279
     t281 = t77 * t269
+    del t77
     t282 = (t264.reshape((n_batch, L*d_V, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    del t21
     t283 = (t282.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t264.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t264, t282
     t284 = (1/(d_K*n_batch**2)) * (t277 * t275.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t280 * t260.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t283 * t281.permute(0, 2, 3, 1)).sum()
+    del t260, t275, t277, t280, t281, t283
     t285 = torch.sqrt(torch.clamp(t284, min=0.0))
+    del t284
     t286 = t250 @ M_1
+    del t250
     t287 = (M_1.reshape((L*n_batch, d_V)) @ t286.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
+    del M_1
     t288 = t287 * t10
+    del t10, t287
     t289 = (t288.reshape((n_batch, L, 1, d_V)) @ dA16).reshape((n_batch, L, d_V))
+    del dA16, t288
     t290 = (t92 @ t259.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    del t259, t92
     t291 = t95 * t269
+    del t95
     t292 = (t97 @ t18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t97
     t293 = (t292.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t18.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t292
     t294 = (d_H/n_batch**2) * (t286.sum((0,)) * t286.sum((0,))).sum() + (2/(L*n_batch**2)) * (t290 * t289.permute(2, 0, 1)).sum() + (1/(L**2*n_batch**2)) * (t293 * t291.permute(2, 3, 0, 1)).sum()
+    del t286, t289, t290, t291, t293
     t295 = torch.sqrt(torch.clamp(t294, min=0.0))
+    del t294
     t296 = (t18.reshape((L*n_batch, d_V**2)) @ t18.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t18
     t297 = t296 * t269
+    del t269, t296
     t298 = (1/(L**2*n_batch**2)) * (t297 * t117).sum()
+    del t117, t297
     t299 = torch.sqrt(torch.clamp(t298, min=0.0))
+    del t298
     return (t60, t91, t114, t137, t169, t180, t192, t204, t226, t235, t241, t249, t274, t285, t295, t299,)
 
 
@@ -28486,180 +29515,290 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
+    del t0
     t2 = W_K.transpose(-1, -2)
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
+    del t4
     t6 = X @ t5
+    del t5
     t7 = (1/math.sqrt(d_K)) * t6
+    del t6
     t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t9 = torch.where(t8, -math.inf, t7)
+    del t7, t8
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    del t9
     A = t10 / t10.sum(-1, keepdim=True)
+    del t10
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t12
     t13 = W_V @ W_O
     t14 = Y.sum(-1, keepdim=True)
     t15 = t14.expand(*t14.shape[:-1], d_V)
+    del t14
     t16 = A @ X
     M_1 = t16
+    del t16
     t17 = M_1 @ t13
     t18 = torch.exp(t17 - t17.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
+    del t18
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA21 = (t20.reshape((1, 1, d_V, d_V)) * A19.reshape((n_batch, L, d_V, 1))) - (A19.reshape((n_batch, L, 1, d_V)) * A19.reshape((n_batch, L, d_V, 1)))
+    del A19, t20
     t22 = t13.transpose(-1, -2)
     t23 = (1/(L*d_K*n_batch)) * t2
     t24 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t23
     t25 = (dA21 * t15.reshape((n_batch, L, d_V, 1)))
     t26 = (t25.reshape((L*d_V*n_batch, d_V)) @ t22).reshape((n_batch, L, d_V, d_V))
     t27 = (t26 @ M_2)
+    del t26
     t28 = (t24.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t13).reshape((n_batch, L, d_K, d_V))
+    del t24
     t29 = (t28 @ t27)
     t30 = ((W_K.permute(1, 0) @ t29.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t29
     t31 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t17
+    del t17
     t32 = torch.exp(F - F.amax(-1, keepdim=True))
+    del F
     A33 = t32 / t32.sum(-1, keepdim=True)
+    del t32
     t34 = t15 * A33
+    del A33
     t35 = t34 - Y
+    del t34
     t36 = (1/L) * t35
+    del t35
     G = t36
+    del t36
     t37 = t22 @ t3
     t38 = G @ t37
+    del t37
     t39 = t38 - (A * t38).sum(-1, keepdim=True)
+    del t38
     t40 = A * t39
+    del t39
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t11.reshape((1, 1, L, L)) * t40.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t40.reshape((n_batch, L, L, 1))) - (t40.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t11
     t41 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t41.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t41
     t42 = (1/(d_K*n_batch)) * t2
     t43 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t42.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t44 = ((W_K.permute(1, 0) @ t43.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t43
     t45 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t46 = t31.reshape((d_V**2, L*n_batch))
+    del t31
     t47 = t45.reshape((d_V**2, L*n_batch))
+    del t45
     t48 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t30
     t49 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t44
     t50 = torch.cat([t46, t47], dim=-1)
+    del t46, t47
     t51 = torch.cat([t48, t49], dim=-2)
+    del t48, t49
     t1[...] = ((t50 @ t51).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t1, t50, t51
     t52 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = t52.view((d_V, d_K, d_V, d_K))
+    del t52
     t54 = ((t28 @ t27)).permute(2, 3, 0, 1)
+    del t28
     t55 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t56 = (t55.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t57 = (t42 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    del t42
     t58 = (t55.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t59 = t53.diagonal(0, 1, 3)
     t60 = t40 @ X
+    del t40
     t61 = t3 @ t60
+    del t60
     t62 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t63 = (1/(math.sqrt(d_K)*n_batch)) * t62
+    del t62
     t64 = t54.reshape((d_K*d_V, L*n_batch))
+    del t54
     t65 = t57.reshape((d_K*d_V, L*n_batch))
+    del t57
     t66 = t56.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t56
     t67 = t58.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t58
     t68 = torch.cat([t64, t65], dim=-1)
+    del t64, t65
     t69 = torch.cat([t66, t67], dim=-2)
+    del t66, t67
     t53[...] = ((t68 @ t69).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t53, t68, t69
     t59.addcmul_(t63.reshape((1, 1, d_K)), t61.sum((0,)).reshape((d_V, d_V, 1)))
+    del t59
     t70 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t71 = t70.view((d_V, d_K, d_V, d_H))
+    del t70
     t72 = W_O.transpose(-1, -2)
     t73 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t74 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t73.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t73
     t75 = (t25.reshape((L*d_V*n_batch, d_V)) @ t72).reshape((n_batch, L, d_V, d_H))
     t76 = (t74.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t13).reshape((n_batch, L, d_K, d_V))
     t77 = ((t76 @ t75)).permute(2, 3, 0, 1)
+    del t75, t76
     t78 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t79 = G @ t72
     t80 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    del t2
     t81 = (t80 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t82 = (t79.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t71[...] = ((t78.reshape((d_V**2, L*n_batch)) @ t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    del t77, t78
     t71 += ((t81.reshape((d_K*d_V, L*n_batch)) @ t82.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+    del t71, t81, t82
     t83 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t84 = t83.view((d_V, d_K, d_H, d_V))
+    del t83
     t85 = M_1 @ W_V
     t86 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
     t87 = (t86 @ t74.permute(2, 0, 1, 3).reshape((d_V, L*d_K*n_batch))).reshape((d_V, n_batch, L, d_K))
+    del t74
     t88 = ((t87.permute(1, 2, 3, 0) @ t25)).permute(2, 3, 0, 1)
+    del t87
     t89 = (t85.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t90 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t80.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    del t80
     t91 = ((W_V.permute(1, 0) @ t90.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
+    del t90
     t92 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t84[...] = ((t89.reshape((d_H*d_V, L*n_batch)) @ t88.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    del t88, t89
     t84 += ((t91.reshape((d_H*d_K, L*n_batch)) @ t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+    del t84, t91, t92
     t93 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t94 = t93.view((d_V, d_K, d_V, d_K))
+    del t93
     t95 = W_Q.transpose(-1, -2)
     t96 = (1/(L*d_K*n_batch)) * t95
     t97 = (t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t13
     t98 = (t25.permute(0, 1, 3, 2) @ t97.permute(1, 2, 0, 3))
+    del t97
     t99 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    del t22
     t100 = (t99 @ t98)
     t101 = ((W_K.permute(1, 0) @ t100.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t100
     t102 = (X.reshape((L*n_batch, d_V)) @ t96.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t96
     t103 = (t102.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t104 = (1/(d_K*n_batch)) * t95
     t105 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t106 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t104.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t104, t3
     t107 = (t106.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t108 = t94.diagonal(0, 1, 3)
     t109 = t61.transpose(-1, -2)
+    del t61
     t110 = t103.reshape((d_K*d_V, L*n_batch))
+    del t103
     t111 = t107.reshape((d_K*d_V, L*n_batch))
+    del t107
     t112 = t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t101
     t113 = t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    del t105
     t114 = torch.cat([t110, t111], dim=-1)
+    del t110, t111
     t115 = torch.cat([t112, t113], dim=-2)
+    del t112, t113
     t94[...] = ((t114 @ t115).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t114, t115, t94
     t108.addcmul_(t63.reshape((1, 1, d_K)), t109.sum((0,)).reshape((d_V, d_V, 1)))
+    del t108, t109, t63
     t116 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t117 = t116.view((d_V, d_K, d_V, d_K))
+    del t116
     t118 = ((t99 @ t98)).permute(3, 2, 0, 1)
+    del t99
     t119 = (t55.reshape((1, d_K, n_batch, L)) * t102.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t102
     t120 = M_3.permute(2, 3, 0, 1)
+    del M_3
     t121 = (t55.reshape((1, d_K, n_batch, L)) * t106.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t106
     t122 = t118.reshape((d_V**2, L*n_batch))
+    del t118
     t123 = t120.reshape((d_V**2, L*n_batch))
+    del t120
     t124 = t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t119
     t125 = t121.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t121
     t126 = torch.cat([t122, t123], dim=-1)
+    del t122, t123
     t127 = torch.cat([t124, t125], dim=-2)
+    del t124, t125
     t117[...] = ((t126 @ t127).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t117, t126, t127
     t128 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t129 = t128.view((d_V, d_K, d_V, d_H))
+    del t128
     t130 = (1/(L*math.sqrt(d_K)*n_batch)) * t95
     t131 = ((t72.permute(1, 0) @ t98.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t98
     t132 = (X.reshape((L*n_batch, d_V)) @ t130.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t130
     t133 = (t132.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t134 = (1/(math.sqrt(d_K)*n_batch)) * t95
+    del t95
     t135 = M_2.permute(3, 2, 0, 1)
     t136 = (X.reshape((L*n_batch, d_V)) @ t134.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t134
     t137 = (t136.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t79.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
     t129[...] = ((t133.reshape((d_K*d_V, L*n_batch)) @ t131.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+    del t131, t133
     t129 += ((t135.reshape((d_V**2, L*n_batch)) @ t137.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    del t129, t135, t137
     t138 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t139 = t138.view((d_V, d_K, d_H, d_V))
+    del t138
     t140 = (t86 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t86
     t141 = ((t140.permute(1, 2, 3, 0) @ t25)).permute(2, 3, 0, 1)
+    del t140
     t142 = (t132.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t85.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    del t132
     t143 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t144 = (t136.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t136
     t139[...] = ((t142.reshape((d_H*d_K, L*n_batch)) @ t141.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+    del t141, t142
     t139 += ((t143.reshape((d_H*d_V, L*n_batch)) @ t144.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    del t139, t143, t144
     t145 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t146 = t145.view((d_V, d_H, d_V, d_K))
+    del t145
     t147 = t79.transpose(-1, -2)
+    del t79
     t148 = (1/(math.sqrt(d_K)*n_batch)) * t147
+    del t147
     t149 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t148.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
     t150 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t151 = M_1.transpose(-1, -2)
@@ -28667,41 +29806,62 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t153 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t152.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t154 = (t27.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
     t155 = ((W_K.permute(1, 0) @ t154.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
+    del t154
     t146[...] = ((t149.reshape((d_H*d_V, L*n_batch)) @ t150.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t149, t150
     t146 += ((t153.reshape((d_V**2, L*n_batch)) @ t155.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
+    del t146, t153, t155
     t156 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t157 = t156.view((d_V, d_H, d_V, d_K))
+    del t156
     t158 = M_2.permute(2, 3, 0, 1)
     t159 = (t55.reshape((1, d_K, n_batch, L)) * t148.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    del t148
     t160 = (W_O @ t27.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    del t27
     t161 = (t55.reshape((1, d_K, n_batch, L)) * t152.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t152
     t157[...] = ((t158.reshape((d_V**2, L*n_batch)) @ t159.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
+    del t158, t159
     t157 += ((t160.reshape((d_H*d_V, L*n_batch)) @ t161.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    del t157, t160, t161
     t162 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t163 = t162.view((d_V, d_H, d_V, d_H))
+    del t162
     t164 = (1/(L*n_batch)) * t151
     t165 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t164.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t166 = (t15.permute(2, 0, 1).reshape((d_V, n_batch, L, 1)) * W_O.permute(1, 0).reshape((d_V, 1, 1, d_H)))
     t167 = (t72.permute(1, 0) @ dA21.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))
     t168 = ((t167.permute(1, 2, 0, 3) @ t166.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    del t166, t167
     t163[...] = ((t165.reshape((d_V**2, L*n_batch)) @ t168.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
+    del t163, t165, t168
     t169 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t170 = t169.view((d_V, d_H, d_H, d_V))
+    del t169
     t171 = (t85.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t164.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t164
     t172 = (W_O @ t25.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
     t173 = t170.diagonal(0, 1, 2)
     t174 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t175 = (1/n_batch) * t174
+    del t174
     t176 = (t151.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
+    del t151
     t170[...] = ((t171.reshape((d_H*d_V, L*n_batch)) @ t172.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
+    del t170, t171, t172
     t173.addcmul_(t175.reshape((1, 1, d_H)), t176.reshape((d_V, d_V, 1)))
+    del t173, t176
     t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t178 = t177.view((d_H, d_V, d_V, d_K))
+    del t177
     t179 = G.transpose(-1, -2)
+    del G
     t180 = W_V.transpose(-1, -2)
     t181 = (1/(math.sqrt(d_K)*n_batch)) * t179
     t182 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t180.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
     t183 = ((W_K.permute(1, 0) @ t182.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
+    del t182
     t184 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t181.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t185 = t85.transpose(-1, -2)
     t186 = (1/(L*math.sqrt(d_K)*n_batch)) * t185
@@ -28710,31 +29870,52 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t189 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t190 = (t188 @ t25.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t191 = ((t190.permute(1, 2, 3, 0) @ t189.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
+    del t189, t190
     t178[...] = ((t184.reshape((d_V**2, L*n_batch)) @ t183.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
+    del t183, t184
     t178 += ((t187.reshape((d_H*d_V, L*n_batch)) @ t191.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t178, t187, t191
     t192 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t193 = t192.view((d_H, d_V, d_V, d_K))
+    del t192
     t194 = (t180 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    del t180
     t195 = (t55.reshape((1, d_K, n_batch, L)) * t181.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t181
     t196 = (t55.reshape((1, d_K, n_batch, L)) * t186.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    del t186, t55
     t197 = (t188.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del M_2, t188
     t198 = ((t197.permute(1, 2, 3, 0) @ t25.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    del t197
     t193[...] = ((t194.reshape((d_H*d_V, L*n_batch)) @ t195.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t194, t195
     t193 += ((t198.reshape((d_V**2, L*n_batch)) @ t196.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
+    del t193, t196, t198
     t199 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t200 = t199.view((d_H, d_V, d_V, d_H))
+    del t199
     t201 = (1/(L*n_batch)) * t185
+    del t185
     t202 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t201.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
     t203 = ((t72.permute(1, 0) @ t25.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t25, t72
     t204 = t200.diagonal(0, 0, 3)
     t205 = t179 @ M_1
+    del M_1, t179
     t200[...] = ((t202.reshape((d_H*d_V, L*n_batch)) @ t203.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
+    del t200, t202, t203
     t204.addcmul_(t175.reshape((1, 1, d_H)), t205.sum((0,)).reshape((d_V, d_V, 1)))
+    del t175, t204, t205
     t206 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t207 = t206.view((d_H, d_V, d_H, d_V))
+    del t206
     t208 = (dA21.permute(2, 3, 0, 1) * t15.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    del dA21, t15
     t209 = (t85.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t201.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    del t201, t85
     t207[...] = ((t209.reshape((d_H**2, L*n_batch)) @ t208.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
+    del t207, t208, t209
     return H
 
 
@@ -28850,26 +30031,36 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = W_Q @ t2
+    del t2
     t4 = X @ t3
+    del t3
     t5 = (1/math.sqrt(d_K)) * t4
+    del t4
     t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t7 = torch.where(t6, -math.inf, t5)
+    del t5, t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    del t7
     A = t8 / t8.sum(-1, keepdim=True)
+    del t8
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
+    del t11
     t13 = A @ X
     M_1 = t13
+    del t13
     t14 = M_1 @ t10
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
+    del t15
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
+    del A16, t17
     t19 = t10.transpose(-1, -2)
     t20 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -28879,286 +30070,479 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = (t22.permute(1, 2, 0) @ t20.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t26 = (t25.reshape((n_batch, L**2, d_V)) @ t24.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t27 = (t26.permute(0, 2, 3, 1) @ dA)
+    del t26
     t28 = (t27.permute(0, 1, 3, 2) @ dA)
+    del t27
     t29 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t30 = t23 * t23
     t31 = (t25.permute(0, 2, 3, 1) @ dA)
+    del t25
     t32 = (t24 @ t31.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
     t33 = (t32.permute(0, 2, 3, 1) @ dA)
+    del t32
     t34 = (t21.reshape((L*n_batch, d_K)) @ t21.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t35 = (t29.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t29.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = (t34.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t28.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t37 = (t36.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t30.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t30, t36
     t38 = (t37.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t33.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t37
     F = t14
+    del t14
     t39 = torch.exp(F - F.amax(-1, keepdim=True))
+    del F
     A40 = t39 / t39.sum(-1, keepdim=True)
+    del t39
     t41 = t12 * A40
+    del A40
     t42 = t41 - Y
+    del t41
     t43 = (1/L) * t42
+    del t42
     G = t43
+    del t43
     t44 = t19 @ t1
     t45 = G @ t44
+    del t44
     t46 = t45 - (A * t45).sum(-1, keepdim=True)
+    del t45
     t47 = A * t46
+    del t46
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t9.reshape((1, 1, L, L)) * t47.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t47.reshape((n_batch, L, L, 1))) - (t47.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    del A, t9
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t49 = t23 * t48
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t51 = (t50.reshape((L*n_batch, d_K)) @ t21.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t21
     t52 = (t51.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t53 = (t52.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t49.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t49, t52
     t54 = (t53.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t28.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t53
     t55 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t56 = t23 * t55
     t57 = (t50.reshape((L*n_batch, d_K)) @ t50.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t58 = (t56.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t56
     t59 = (t58.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t57.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t58
     t60 = (t59.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t59
     t61 = (1/(L**2*d_K**2*n_batch**2)) * (t38 * t35.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t54 * t35.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t60 * t35.permute(0, 2, 3, 1)).sum()
+    del t38, t54, t60
     t62 = torch.sqrt(torch.clamp(t61, min=0.0))
+    del t61
     t63 = t47 @ X
+    del t47
     t64 = t1 @ t63
+    del t63
     t65 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t65.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    del t65
     t66 = (X.reshape((L*n_batch, d_V)) @ t64.sum((0,))).reshape((n_batch, L, d_V))
     t67 = (t66.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t66
     t68 = (W_Q @ t0)
+    del t0
     t69 = (t67.reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V))
+    del t67
     t70 = (t69.reshape((n_batch, L, 1, d_V)) @ t20.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t69
     t71 = (t68.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t68
     t72 = (t71.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t71
     t73 = (t72.reshape((L*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V))
+    del t72
     t74 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t64.sum((0,))).reshape((n_batch, L, d_V))
     t75 = (t74 @ X.permute(0, 2, 1))
+    del t74
     t76 = (t75.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    del t75
     t77 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t78 = (t77.permute(1, 2, 0) @ t50.permute(0, 2, 1))
+    del t50
     t79 = (t77.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t77.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t77
     t80 = t79 * t23
     t81 = (t23.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t28.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t82 = (t81.reshape((n_batch, n_batch, L**2, L)) @ t34.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t81
     t83 = (t82.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t33.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t82
     t84 = t79 * t48
     t85 = (t23.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t86 = (t85.reshape((n_batch, n_batch, L**2, L)) @ t51.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t51, t85
     t87 = (t86.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t28.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t86
     t88 = t79 * t55
     t89 = (t23.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t90 = (t89.reshape((n_batch, n_batch, L**2, L)) @ t57.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t57, t89
     t91 = (t90.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t90
     t92 = (n_batch**(-2)) * (t64.sum((0,)) * t64.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t73 * t70).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t78 * t76).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t83 * t80.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t87 * t84.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t91 * t88.permute(0, 2, 3, 1)).sum()
+    del t70, t73, t76, t78, t80, t83, t84, t87, t88, t91
     t93 = torch.sqrt(torch.clamp(t92, min=0.0))
+    del t92
     t94 = W_O.transpose(-1, -2)
     t95 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t22.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    del t22
     t96 = (t95 @ dA)
+    del t95
     t97 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t98 = t97 * t23
     t99 = (t94 @ t94.permute(1, 0))
     t100 = (t99 @ t96.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))
     t101 = (t100.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t98.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    del t98
     t102 = (t101.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t96.permute(0, 2, 1, 3).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t101
     t103 = G @ t94
     t104 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t105 = (t103.reshape((L*n_batch, d_H)) @ t94.permute(1, 0)).reshape((n_batch, L, d_V))
     t106 = (t105.reshape((L*n_batch, d_V)) @ t96.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((n_batch, L, n_batch, L, L))
     t107 = (t106 * t23.reshape((n_batch, L, n_batch, L, 1)))
+    del t106
     t108 = (t107.permute(0, 2, 1, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t104.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t107
     t109 = (t108.permute(0, 1, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t108
     t110 = (t103.reshape((L*n_batch, d_H)) @ t103.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t111 = t110 * t23
     t112 = (t55.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t113 = (t112.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t111.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t111
     t114 = (t113.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t113
     t115 = (1/(L**2*d_K*n_batch**2)) * (t102 * t34.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t109 * t34.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t114 * t34.permute(0, 2, 3, 1)).sum()
+    del t102, t109, t114
     t116 = torch.sqrt(torch.clamp(t115, min=0.0))
+    del t115
     t117 = M_1 @ W_V
     t118 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
     t119 = (t117.reshape((L*n_batch, d_H)) @ t117.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t120 = t119 * t23
     t121 = (t118.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ W_O).reshape((n_batch, L, d_V))
     t122 = (t121 @ t20.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    del t121
     t123 = (t122.permute(0, 2, 3, 1) @ dA)
+    del t122
     t124 = (t123.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t120.reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    del t120
     t125 = (t124.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t123.permute(0, 2, 1, 3).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t124
     t126 = (W_V @ t117.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
     t127 = (t126.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t126
     t128 = (t123.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t129 = (t128.permute(0, 1, 3, 4, 2) * t23.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t130 = (t129.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t34.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t129
     t131 = (t130.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t130
     t132 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t133 = t132 * t23
     t134 = (t118.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t118.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t118
     t135 = (t133.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t133
     t136 = (t135.reshape((n_batch, n_batch, L**2, L)) @ t34.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t135
     t137 = (t136.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t136
     t138 = (1/(L**2*d_K*n_batch**2)) * (t125 * t34.permute(2, 0, 1, 3)).sum() + (2/(L*d_K*n_batch**2)) * (t131 * t127.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t137 * t134.permute(0, 2, 3, 1)).sum()
+    del t125, t131, t137, t34
     t139 = torch.sqrt(torch.clamp(t138, min=0.0))
+    del t138
     t140 = t64.transpose(-1, -2)
+    del t64
     t141 = W_Q.transpose(-1, -2)
     t142 = (X.reshape((L*n_batch, d_V)) @ t140.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t143 = (t142.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    del t142
     t144 = (X.reshape((L*n_batch, d_V)) @ t141.permute(1, 0)).reshape((n_batch, L, d_K))
     t145 = (t143.reshape((L*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V))
+    del t10, t143
     t146 = (t145.reshape((n_batch, L, 1, d_V)) @ t20).reshape((n_batch, L, d_V))
+    del t145
     t147 = (t146.reshape((L*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V))
+    del t146, t19
     t148 = (t147.reshape((n_batch, L, 1, d_V)) @ M_2).reshape((n_batch, L, d_V))
+    del M_2, t147
     t149 = (t144.reshape((L*n_batch, d_K)) @ W_K.permute(1, 0)).reshape((n_batch, L, d_V))
     t150 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t140.sum((0,))).reshape((n_batch, L, d_V))
     t151 = (t150 @ X.permute(0, 2, 1))
+    del t150
     t152 = (t151.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    del t151
     t153 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t141.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t141
     t154 = (t29.permute(1, 2, 0) @ t153.permute(0, 2, 1))
+    del t29
     t155 = (t144.reshape((L*n_batch, d_K)) @ t144.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t156 = t155 * t23
     t157 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t23.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t158 = (t157.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t156.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t156
     t159 = (t158.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t33.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t158
     t160 = (t153.reshape((L*n_batch, d_K)) @ t144.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t144
     t161 = t160 * t23
     t162 = (t48.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t48
     t163 = (t162.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t161.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t161
     t164 = (t163.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t28.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t163
     t165 = (t153.reshape((L*n_batch, d_K)) @ t153.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t153
     t166 = t165 * t23
     t167 = (t55.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t55
     t168 = (t167.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t166.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t166
     t169 = (t168.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t168
     t170 = (n_batch**(-2)) * (t140.sum((0,)) * t140.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t149 * t148).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t154 * t152.permute(0, 2, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t159 * t35.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t164 * t35.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t169 * t35.permute(0, 2, 3, 1)).sum()
+    del t140, t148, t149, t152, t154, t159, t164, t169
     t171 = torch.sqrt(torch.clamp(t170, min=0.0))
+    del t170
     t172 = t79 * t155
     t173 = (t157.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t157
     t174 = (t173.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t33.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t173, t33
     t175 = t79 * t160
+    del t160
     t176 = (t162.reshape((n_batch, n_batch, L**2, L)) @ t23.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t162
     t177 = (t176.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t28.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t176, t28
     t178 = t79 * t165
+    del t165
     t179 = (t167.reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t167
     t180 = (t179.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del d2A, t179
     t181 = (1/(L**2*d_K**2*n_batch**2)) * (t174 * t172.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t177 * t175.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t180 * t178.permute(0, 2, 3, 1)).sum()
+    del t172, t174, t175, t177, t178, t180
     t182 = torch.sqrt(torch.clamp(t181, min=0.0))
+    del t181
     t183 = t155 * t97
     t184 = (t100.permute(1, 0, 2, 3).reshape((n_batch, L*d_V, L)) @ t23.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    del t100
     t185 = (t184.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t96.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t184, t96
     t186 = (t31.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t105.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t105, t31
     t187 = (t186.permute(0, 1, 3, 4, 2) * t155.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    del t186
     t188 = (t187.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t187
     t189 = (t188.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t188
     t190 = t155 * t110
+    del t110
     t191 = (t112.reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t192 = (t191.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t191
     t193 = (1/(L**2*d_K*n_batch**2)) * (t185 * t183.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t189 * t104.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t192 * t190.permute(0, 2, 3, 1)).sum()
+    del t104, t183, t185, t189, t190
     t194 = torch.sqrt(torch.clamp(t193, min=0.0))
+    del t193
     t195 = t155 * t119
     t196 = (t123.reshape((n_batch, L*d_V, L)) @ t23.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t197 = (t196.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t123.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t123, t196
     t198 = (t128.permute(0, 1, 3, 4, 2) * t155.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    del t128
     t199 = (t198.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t198
     t200 = (t199.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t199
     t201 = t155 * t132
+    del t132, t155
     t202 = (t23.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t203 = (t202.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t201.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t201
     t204 = (t203.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t203
     t205 = (1/(L**2*d_K*n_batch**2)) * (t197 * t195.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t200 * t127.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t204 * t134.permute(0, 2, 3, 1)).sum()
+    del t127, t134, t195, t197, t200, t204
     t206 = torch.sqrt(torch.clamp(t205, min=0.0))
+    del t205
     t207 = t103.transpose(-1, -2)
+    del t103
     t208 = (t207.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t207.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t209 = t23 * t208
     t210 = (t112.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t209.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t112, t209
     t211 = (t210.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t210
     t212 = M_1.transpose(-1, -2)
     t213 = (W_O.permute(1, 0) @ t207.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    del t207
     t214 = (t212.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t215 = (t24 @ t20.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    del t24
     t216 = (t215.permute(0, 2, 3, 1) @ dA)
+    del t215
     t217 = (t216.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t213.reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    del t213
     t218 = (t217.permute(0, 1, 3, 4, 2) * t23.reshape((n_batch, L, n_batch, L, 1)))
     t219 = (t218.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t35.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t218
     t220 = (t219.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t219
     t221 = (t212.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t212.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t222 = (W_O.permute(1, 0) @ W_O)
     t223 = t23 * t221
     t224 = (t216.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t222.permute(1, 0)).reshape((n_batch, L, L, d_V))
     t225 = (t216.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t223.reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    del t223
     t226 = (t225.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t224.permute(0, 3, 1, 2).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t225
     t227 = (1/(d_K*n_batch**2)) * (t211 * t35.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t220 * t214.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t226 * t35.permute(2, 0, 1, 3)).sum()
+    del t211, t220, t226
     t228 = torch.sqrt(torch.clamp(t227, min=0.0))
+    del t227
     t229 = t79 * t208
+    del t208
     t230 = (t217.permute(0, 1, 3, 4, 2) * t79.reshape((n_batch, L, n_batch, L, 1)))
+    del t217
     t231 = (t230.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t230
     t232 = (t231.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t231
     t233 = t79 * t221
     t234 = (t216.reshape((n_batch, L*d_V, L)) @ t23.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    del t216
     t235 = (t234.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t224.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t224, t234
     t236 = (1/(d_K*n_batch**2)) * (t192 * t229.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t232 * t214.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t235 * t233.permute(2, 0, 1, 3)).sum()
+    del t192, t214, t229, t232, t233, t235
     t237 = torch.sqrt(torch.clamp(t236, min=0.0))
+    del t236
     t238 = t97 * t221
     t239 = (t222 @ t20.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t222
     t240 = (t99.permute(1, 0) @ t20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t241 = (t240.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t239.permute(3, 0, 1, 2).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t240
     t242 = (1/(L**2*n_batch**2)) * (t241 * t238).sum()
+    del t238, t241
     t243 = torch.sqrt(torch.clamp(t242, min=0.0))
+    del t242
     t244 = t119 * t221
     t245 = (t239.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t20.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t239
     t246 = (t117.reshape((L*n_batch, d_H)) @ W_O).reshape((n_batch, L, d_V))
     t247 = (t246.reshape((n_batch, L, 1, d_V)) @ t20).reshape((n_batch, L, d_V))
+    del t246
     t248 = (t221.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch)) @ G.reshape((L*n_batch, d_V))).reshape((n_batch, L, d_V))
+    del t221
     t249 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t212.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    del t212
     t250 = (1/(L**2*n_batch**2)) * (t245 * t244.permute(2, 3, 0, 1)).sum() + (2/(L*n_batch**2)) * (t248 * t247).sum() + (d_H/n_batch**2) * (t249 * t249).sum()
+    del t244, t245, t247, t248, t249
     t251 = torch.sqrt(torch.clamp(t250, min=0.0))
+    del t250
     t252 = G.transpose(-1, -2)
+    del G
     t253 = W_V.transpose(-1, -2)
     t254 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t253.permute(1, 0)).reshape((n_batch, L, d_H))
     t255 = (t252.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t252.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t256 = t23 * t255
     t257 = (t254.reshape((L*n_batch, d_H)) @ t254.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t258 = (t256.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    del t256
     t259 = (t258.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t257.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t258
     t260 = (t259.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t259
     t261 = t117.transpose(-1, -2)
+    del t117
     t262 = (t254.reshape((L*n_batch, d_H)) @ t261.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t254
     t263 = (t253.permute(1, 0) @ t94.permute(1, 0))
+    del t253
     t264 = (t263.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    del t1, t263
     t265 = (t264.permute(1, 2, 0) @ t20.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    del t264
     t266 = (t265.permute(0, 2, 3, 1) @ dA)
+    del t265
     t267 = (t266.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t252.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t268 = (t267.permute(0, 1, 3, 4, 2) * t23.reshape((n_batch, L, n_batch, L, 1)))
     t269 = (t268.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t35.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t268
     t270 = (t269.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t269
     t271 = (t261.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t261.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t272 = t23 * t271
     t273 = (t35.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t266.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, L, d_V))
     t274 = (t273.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t266.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t273
     t275 = (1/(d_K*n_batch**2)) * (t260 * t35.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t270 * t262.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t274 * t272.permute(0, 2, 3, 1)).sum()
+    del t260, t270, t272, t274, t35
     t276 = torch.sqrt(torch.clamp(t275, min=0.0))
+    del t275
     t277 = t79 * t255
+    del t255
     t278 = (t202.reshape((n_batch, n_batch, L**2, L)) @ t257.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    del t202, t257
     t279 = (t278.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del t278
     t280 = (t267.permute(0, 1, 3, 4, 2) * t79.reshape((n_batch, L, n_batch, L, 1)))
+    del t267
     t281 = (t280.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    del t280
     t282 = (t281.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    del dA, t281
     t283 = t79 * t271
+    del t79
     t284 = (t266.reshape((n_batch, L*d_V, L)) @ t23.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    del t23
     t285 = (t284.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t266.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    del t266, t284
     t286 = (1/(d_K*n_batch**2)) * (t279 * t277.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t282 * t262.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t285 * t283.permute(0, 2, 3, 1)).sum()
+    del t262, t277, t279, t282, t283, t285
     t287 = torch.sqrt(torch.clamp(t286, min=0.0))
+    del t286
     t288 = t252 @ M_1
+    del t252
     t289 = (M_1.reshape((L*n_batch, d_V)) @ t288.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
+    del M_1
     t290 = t289 * t12
+    del t12, t289
     t291 = (t290.reshape((n_batch, L, 1, d_V)) @ dA18).reshape((n_batch, L, d_V))
+    del dA18, t290
     t292 = (t94 @ t261.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    del t261, t94
     t293 = t97 * t271
+    del t97
     t294 = (t99 @ t20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t99
     t295 = (t294.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t20.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t294
     t296 = (d_H/n_batch**2) * (t288.sum((0,)) * t288.sum((0,))).sum() + (2/(L*n_batch**2)) * (t292 * t291.permute(2, 0, 1)).sum() + (1/(L**2*n_batch**2)) * (t295 * t293.permute(2, 3, 0, 1)).sum()
+    del t288, t291, t292, t293, t295
     t297 = torch.sqrt(torch.clamp(t296, min=0.0))
+    del t296
     t298 = (t20.reshape((L*n_batch, d_V**2)) @ t20.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    del t20
     t299 = t298 * t271
+    del t271, t298
     t300 = (1/(L**2*n_batch**2)) * (t299 * t119).sum()
+    del t119, t299
     t301 = torch.sqrt(torch.clamp(t300, min=0.0))
+    del t300
     return (t62, t93, t116, t139, t171, t182, t194, t206, t228, t237, t243, t251, t276, t287, t297, t301,)
 
 

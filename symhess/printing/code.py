@@ -120,8 +120,9 @@ class Routine:
                 continue
             used.update(_NAME.findall(ln if m is None else ln[m.end():]))
             keep.append(ln)
-        return [ln for ln in reversed(keep)
+        kept = [ln for ln in reversed(keep)
                 if not ln.startswith("del ") or ln[4:].strip() in used]
+        return _freed(kept, set(_NAME.findall(ret)) | set(self.variables))
 
     def size(self, d) -> str:
         """A dimension expression as Python code (sizes are bound at the function's top)."""
@@ -980,6 +981,50 @@ def _half_index(final, name):
 
 
 _ASSIGN = re.compile(r"^(\w+) = ")
+
+
+# routines of at least this many statements free their temporaries early (``_freed``); in a
+# short one they live until it returns anyway, a few microseconds later
+FREE_FROM = 150
+
+
+def _freed(lines, keep):
+    """``lines`` with ``del`` statements after the last use of every name assigned at the top
+    level (not in ``keep``): a routine's temporaries are freed as soon as nothing reads
+    them, so later ones reuse their memory while it is still in cache, instead of all of
+    them living until the routine returns. A statement with indented lines after it (a loop,
+    a branch) counts as one."""
+    units = []
+    for ln in lines:
+        if ln[:1].isspace() and units:
+            units[-1].append(ln)
+        else:
+            units.append([ln])
+    if len(units) < FREE_FROM:
+        return lines
+    first, last, gone = {}, {}, set()
+    for k, unit in enumerate(units):
+        head = unit[0]
+        if head.startswith("del "):
+            gone.update(n.strip() for n in head[4:].split(","))
+            continue
+        if head.startswith("#"):
+            continue
+        m = _ASSIGN.match(head) if len(unit) == 1 else None
+        if m:
+            first.setdefault(m.group(1), k)
+        for n in _NAME.findall(" ".join(unit) if m is None else head[m.end():]):
+            last[n] = k
+    after = {}
+    for n, k in first.items():
+        if n not in keep and n not in gone:
+            after.setdefault(max(k, last.get(n, k)), []).append(n)
+    out = []
+    for k, unit in enumerate(units):
+        out += unit
+        if k in after:
+            out.append("del " + ", ".join(sorted(after[k])))
+    return out
 _NAME = re.compile(r"[A-Za-z_]\w*")
 
 
