@@ -420,9 +420,9 @@ class Variant:
             n = rt.fresh("n_rows")
             f0 = rt.fresh("f0")
             k = sp.Symbol(n)
+            per_row = (N_BATCH if seqs else 1) * s_size * total     # entries of R per row
             rt.line(f"{n} = max(1, min({rt.size(n_rest)}, "
-                    f"{CHUNK_ENTRIES} // ({rt.size(len(seqs) and N_BATCH or 1)}*"
-                    f"{rt.size(s_size * total)})))")
+                    f"{CHUNK_ENTRIES} // ({rt.size(per_row)})))")
             rt.line(f"while {rt.size(n_rest)} % {n}:    # chunks of equal size")
             rt.line(f"    {n} -= 1")
             rt.line(f"{R} = {rt.fmt('scratch', rt.shape(seqs + [s_size, k, total]))}")
