@@ -168,6 +168,8 @@ class Kernel:
         self._vars = variables
         self.names = sorted(variables)
         self._dims_seen = {}      # (name, shape) tuples → bound dimensions (shapes that passed)
+        from .memory import ResultPool
+        self._results = ResultPool()   # CPU arrays for fresh Hessians, reused once let go
 
     def __repr__(self):
         mode = ", CUDA graphs" if self._graphed else ", traced" if self._traced else ""
@@ -378,18 +380,34 @@ class Kernel:
 
         ``out``: an array to write it into and return (C-contiguous, the values' dtype and
         device, shape (n, n) for n parameters in all), e.g. one reused across the calls of a
-        loop; every entry is overwritten. A fresh array each call pays for its pages (a 63 MB
-        Hessian: ≈ 8 ms of ≈ 42, BENCHMARKS.md)."""
+        loop; every entry is overwritten. Without it, a CPU result is written into the memory
+        of an earlier result of this kernel that nothing references any more (a loop that
+        lets each Hessian go reuses its pages; fresh pages cost ≈ 8 ms of a 63 MB Hessian,
+        BENCHMARKS.md), else into a new array: ``symhess.memory.ResultPool``, emptied by
+        ``release_memory()``."""
         check_part(part)
         arrays = self._prepare(values)
         if out is not None:
             self._check_out(out, arrays)
-        elif self.backend == "torch":     # made here, outside the routines' inference mode
+        else:                             # made here, outside the routines' inference mode
             n = sum(int(np.prod(arrays[p].shape)) for p in self.params)
-            out = _torch_empty()((n, n), arrays[self.params[0]])
-        if out is not None:
-            arrays["out"] = out
+            out = self._fresh_result((n, n), arrays[self.params[0]])
+        arrays["out"] = out
         return self._run(("hessian", part), **arrays)
+
+    def _fresh_result(self, shape, like):
+        """An array for a result: from the pool on the CPU (NumPy's allocator asks for huge
+        pages), ``torch.empty`` on other devices (whose caching allocator pools already)."""
+        if self.backend == "numpy":
+            return self._results.take(shape, like.dtype)
+        if like.device.type == "cpu" and like.dtype in _pooled_dtypes():
+            import torch
+            return torch.from_numpy(self._results.take(shape, _pooled_dtypes()[like.dtype]))
+        return _torch_empty()(shape, like)
+
+    def release_memory(self):
+        """Drop the arrays kept for reuse by ``hessian`` (results still held stay yours)."""
+        self._results.clear()
 
     def _like_values(self, name, a, arrays):
         """An InputError unless ``a`` has the values' dtype (and, for torch, device)."""
@@ -519,6 +537,13 @@ def _ordinary(result):
     if getattr(result, "is_inference", None) is not None and result.is_inference():
         return result.clone()
     return result
+
+
+@lru_cache(maxsize=None)
+def _pooled_dtypes():
+    """torch dtype → NumPy dtype of the CPU results taken from a ``ResultPool``."""
+    import torch
+    return {torch.float64: np.float64, torch.float32: np.float32}
 
 
 @lru_cache(maxsize=None)

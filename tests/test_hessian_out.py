@@ -92,3 +92,51 @@ def test_torch_results_are_ordinary_tensors_whatever_the_routines_mode():
     assert torch.allclose(k.hvp(grad_in, v).detach(), results["hvp"], rtol=1e-13, atol=1e-14)
     with torch.inference_mode():
         assert torch.equal(k.hessian(vals), results["hessian"])
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_fresh_results_reuse_only_memory_nothing_references(backend):
+    """Without ``out``, ``hessian`` writes into an earlier result of the kernel that nothing
+    references any more: never into one still held, as an array, a view of it or (torch) a
+    NumPy view of the tensor."""
+    k = sh.kernel("post_ln_block", backend, "mse")
+    k.release_memory()
+    a = values_for("post_ln_block", 1)
+    b = values_for("post_ln_block", 2)           # other values, the same Hessian shape
+
+    def conv(v):
+        return {n: torch.tensor(x) for n, x in v.items()} if backend == "torch" else v
+
+    def ptr(x):
+        return x.data_ptr() if backend == "torch" else x.__array_interface__["data"][0]
+
+    want_a = k.hessian(conv(a), out=_blank(k, a, backend))
+    want_b = k.hessian(conv(b), out=_blank(k, b, backend))
+    h = k.hessian(conv(a))
+    first = ptr(h)
+    del h
+    h = k.hessian(conv(b))                       # the same memory, new values
+    assert ptr(h) == first and bool((h == want_b).all())
+    h2 = k.hessian(conv(a))                      # h still holds the first array
+    assert ptr(h2) != first and bool((h == want_b).all()) and bool((h2 == want_a).all())
+    del h, h2
+    makers = [lambda x: x[1:3]] + ([lambda x: x.numpy()[1:3]] if backend == "torch" else [])
+    for make in makers:                          # a view alone keeps the array its own
+        k.release_memory()
+        h = k.hessian(conv(b))
+        base, view = ptr(h), make(h)
+        del h
+        for _ in range(3):
+            h3 = k.hessian(conv(a))
+            assert ptr(h3) != base and bool((h3 == want_a).all())
+            del h3
+        assert np.array_equal(np.asarray(view), np.asarray(want_b[1:3]))
+    assert len(k._results) <= 2
+    k.release_memory()
+    assert len(k._results) == 0
+
+
+def _blank(k, values, backend):
+    n = sum(int(np.prod(np.shape(values[p]))) for p in k.params)
+    return torch.full((n, n), float("nan"), dtype=torch.float64) if backend == "torch" \
+        else np.full((n, n), np.nan)
