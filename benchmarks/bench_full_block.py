@@ -11,9 +11,10 @@ the accuracy check, by reverse-over-reverse (LayerNorm's known forward-over-reve
 Every time is the best of several calls in this run, the kernel variants and autograd timed in
 turn, round after round, so that all of them see the same stretch of the machine's load
 (``--rounds``); the kernel is rendered before timing.
-The kernel is timed twice: allocating its output each call, and writing into one array
-reused across calls (``out=``), which saves the page faults of a fresh 63 MB result; and both
-ways again replayed from a traced graph (``Kernel.traced()``: no Python layer per statement).
+The kernel is timed twice: without ``out`` (each result is let go before the next call, so
+``Kernel.hessian`` writes into its memory again: ``symhess.memory.ResultPool``), and writing
+into one array the caller reuses (``out=``); and both ways again replayed from a traced graph
+(``Kernel.traced()``: no Python layer per statement).
 ``--device cuda``: the kernel and both autograd references run on CUDA tensors (synchronized
 inside each timed region); ``np.ones`` stays on the CPU and ``torch.ones`` on the device is added.
 On CUDA the kernel is also timed replayed from CUDA graphs (``Kernel.with_cuda_graphs()``),
