@@ -71,9 +71,10 @@ class ResultPool:
         import numpy as np
         shape, dtype = tuple(shape), np.dtype(dtype)
         with self._lock:
-            for i in range(len(self._arrays)):     # no loop variable holding a reference
+            count = getattr(sys, "getrefcount", None)    # CPython; elsewhere nothing is reused
+            for i in range(len(self._arrays) if count else 0):   # no loop variable: no reference
                 if self._arrays[i].shape == shape and self._arrays[i].dtype == dtype and \
-                        sys.getrefcount(self._arrays[i]) == self._FREE:
+                        count(self._arrays[i]) == self._FREE:
                     self._arrays.append(self._arrays.pop(i))
                     return self._arrays[-1]
             a = np.empty(shape, dtype=dtype)
