@@ -14,10 +14,9 @@ the host) also runs eagerly, after one warning that names it.
 """
 from __future__ import annotations
 
-import threading
-import warnings
-
 import torch
+
+from .replay import Replayed
 
 
 class _Capture:
@@ -73,7 +72,7 @@ def capture(fn, device, warmup=2):
     return graph, out
 
 
-class GraphedFunction:
+class GraphedFunction(Replayed):
     """A generated routine replayed from CUDA graphs, one graph per input signature.
 
     Each capture is made by ``capture`` on copies of the call's inputs. The static buffers
@@ -81,21 +80,16 @@ class GraphedFunction:
     and copy out.
     """
 
+    cannot = "cannot be captured in a CUDA graph"
+
     def __init__(self, fn, name=None, warmup=2):
-        self.fn, self.warmup = fn, warmup
-        self.__name__ = name or getattr(fn, "__name__", "routine")
-        self._graphs = {}
-        self._eager = False
-        self._lock = threading.Lock()
+        super().__init__(fn, name)
+        self.warmup = warmup
 
     @property
     def captured(self) -> int:
         """How many graphs (input signatures) this routine holds."""
-        return len(self._graphs)
-
-    def clear(self):
-        """Drop every captured graph and its memory."""
-        self._graphs.clear()
+        return len(self._recorded)
 
     def __call__(self, out=None, **kwargs):
         dev = None if self._eager else _cuda_device(kwargs)
@@ -103,12 +97,12 @@ class GraphedFunction:
             return self._eager_call(out, kwargs)
         sig = tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in sorted(kwargs.items()))
         with self._lock:
-            cap = self._graphs.get(sig)
+            cap = self._recorded.get(sig)
             if cap is None:
                 cap = self._capture(dev, kwargs)
                 if cap is None:
                     return self._eager_call(out, kwargs)
-                self._graphs[sig] = cap
+                self._recorded[sig] = cap
             for k, buf in cap.inputs.items():
                 buf.copy_(kwargs[k])
             cap.graph.replay()
@@ -116,38 +110,11 @@ class GraphedFunction:
                 return out.copy_(cap.outputs)
             return _clone(cap.outputs)
 
-    def _eager_call(self, out, kwargs):
-        return self.fn(**kwargs) if out is None else self.fn(**kwargs, out=out)
-
     def _capture(self, dev, kwargs):
         static = {k: v.detach().clone() for k, v in kwargs.items()}
         try:
             graph, out = capture(lambda: self.fn(**static), dev, self.warmup)
         except Exception as e:          # an operation that cannot be captured
-            self._eager = True
-            warnings.warn(f"symhess: routine {self.__name__} cannot be captured in a CUDA "
-                          f"graph ({type(e).__name__}: {e}); it runs eagerly",
-                          RuntimeWarning, stacklevel=3)
+            self._give_up(f"{type(e).__name__}: {e}", 4)     # _capture, __call__, caller
             return None
         return _Capture(graph, static, out)
-
-
-class GraphedTable(dict):
-    """A kernel's routine table whose callables replay CUDA graphs (other entries, such
-    as Jacobian layouts, pass through)."""
-
-    def __init__(self, table):
-        super().__init__()
-        self.table = table
-
-    def __missing__(self, key):
-        entry = self.table[key]
-        if callable(entry):
-            entry = GraphedFunction(entry, name=getattr(entry, "__name__", repr(key)))
-        self[key] = entry
-        return entry
-
-    def clear_graphs(self):
-        for entry in self.values():
-            if isinstance(entry, GraphedFunction):
-                entry.clear()

@@ -175,20 +175,26 @@ class Kernel:
         mode = ", CUDA graphs" if self._graphed else ", traced" if self._traced else ""
         return f"<symhess kernel {self.layer.name} ({self.backend}, {self.loss_name}{mode})>"
 
+    def _replays(self, kind) -> bool:
+        """Whether the routines are wrapped by the ``Replayed`` class named ``kind`` (by name:
+        asking a NumPy kernel imports no torch)."""
+        from .replay import ReplayTable
+        return isinstance(self._fns, ReplayTable) and self._fns.wrap.__name__ == kind
+
     @property
     def _graphed(self) -> bool:
-        from .graphs import GraphedTable
-        return isinstance(self._fns, GraphedTable)
+        return self._replays("GraphedFunction")
 
     @property
     def _traced(self) -> bool:
-        from .traces import TracedTable
-        return isinstance(self._fns, TracedTable)
+        return self._replays("TracedFunction")
 
     def _with_table(self, wrap) -> "Kernel":
+        """A kernel sharing this one's routines, each wrapped by ``wrap`` on first use."""
+        from .replay import ReplayTable
         other = Kernel.__new__(Kernel)
         other.__dict__.update(self.__dict__)
-        other._fns = wrap(self._fns)
+        other._fns = ReplayTable(self._fns, wrap)
         other._dims_seen = {}
         return other
 
@@ -212,13 +218,13 @@ class Kernel:
         if self._traced:
             raise ValueError("this kernel replays traced graphs; call with_cuda_graphs() on "
                              "the kernel it was made from")
-        from .graphs import GraphedTable
-        return self._with_table(GraphedTable)
+        from .graphs import GraphedFunction
+        return self._with_table(GraphedFunction)
 
     def clear_cuda_graphs(self):
         """Free the graphs captured by ``with_cuda_graphs()`` (they are captured again on use)."""
         if self._graphed:
-            self._fns.clear_graphs()
+            self._fns.clear_recorded()
 
     def traced(self) -> "Kernel":
         """The same kernels, replayed from traced graphs (torch backend, any device).
@@ -237,13 +243,13 @@ class Kernel:
         if self._graphed:
             raise ValueError("this kernel replays CUDA graphs; call traced() on the kernel "
                              "it was made from")
-        from .traces import TracedTable
-        return self._with_table(TracedTable)
+        from .traces import TracedFunction
+        return self._with_table(TracedFunction)
 
     def clear_traces(self):
         """Drop the graphs traced by ``traced()`` (they are traced again on use)."""
         if self._traced:
-            self._fns.clear_traces()
+            self._fns.clear_recorded()
 
     # -- validation ------------------------------------------------------------------
     def _array(self, name, x):

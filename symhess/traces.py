@@ -25,11 +25,12 @@ requirement.
 """
 from __future__ import annotations
 
-import threading
 import types
 import warnings
 
 import torch
+
+from .replay import Replayed
 
 # relative difference allowed between the eager routine and a replay on the same values
 # (each operation computes as in eager mode; the executor may reorder independent ones)
@@ -112,24 +113,15 @@ def _perturbed(a, i):
     return a * (1.03 + 0.04 * noise) + 0.01 * noise
 
 
-class TracedFunction:
+class TracedFunction(Replayed):
     """A generated routine replayed from traced graphs, one per call signature."""
 
-    def __init__(self, fn, name=None):
-        self.fn = fn
-        self.__name__ = name or getattr(fn, "__name__", "routine")
-        self._traces = {}
-        self._eager = False
-        self._lock = threading.Lock()
+    cannot = "cannot be replayed from a trace"
 
     @property
     def traced(self) -> int:
         """How many graphs (call signatures) this routine holds."""
-        return len(self._traces)
-
-    def clear(self):
-        """Drop every traced graph."""
-        self._traces.clear()
+        return len(self._recorded)
 
     def __call__(self, out=None, **kwargs):
         if self._eager or not all(isinstance(v, torch.Tensor) for v in kwargs.values()):
@@ -139,26 +131,22 @@ class TracedFunction:
         sig = (names, out is not None, torch.is_inference_mode_enabled(),
                tuple((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad)
                      for a in args))
-        graph = self._traces.get(sig)
+        graph = self._recorded.get(sig)
         if graph is None:
             with self._lock:
-                graph = self._traces.get(sig)
+                graph = self._recorded.get(sig)
                 if graph is None:
                     graph, result = self._trace(names, args, out is not None)
                     if graph is None:
                         return result
-                    self._traces[sig] = graph
+                    self._recorded[sig] = graph
                     return out if out is not None else result
         result = graph(*args)
         return out if out is not None else result
 
-    def _eager_call(self, out, kwargs):
-        return self.fn(**kwargs) if out is None else self.fn(**kwargs, out=out)
-
-    def _give_up(self, why, out, kwargs):
-        self._eager = True
-        warnings.warn(f"symhess: routine {self.__name__} cannot be replayed from a trace "
-                      f"({why}); it runs eagerly", RuntimeWarning, stacklevel=4)
+    def _fallback(self, why, out, kwargs):
+        """(None, the eager result) after ``Replayed._give_up``."""
+        self._give_up(why, 5)                    # _fallback, _trace, __call__, caller
         return None, self._eager_call(out, kwargs)
 
     def _trace(self, names, args, has_out):
@@ -169,7 +157,7 @@ class TracedFunction:
         plain = _plain(self.fn)
         jit = getattr(torch, "jit", None)
         if plain is None or jit is None or not hasattr(jit, "trace"):
-            return self._give_up("torch.jit.trace is not available", out, kwargs)
+            return self._fallback("torch.jit.trace is not available", out, kwargs)
 
         def run(*a):
             kw = dict(zip(names, a[:n]))
@@ -184,7 +172,7 @@ class TracedFunction:
                 graph = jit.trace(run, tuple(args), check_trace=False,
                                   **_NO_STORED_INPUTS)
         except Exception as e:            # an operation the tracer cannot record
-            return self._give_up(f"{type(e).__name__}: {e}", out, kwargs)
+            return self._fallback(f"{type(e).__name__}: {e}", out, kwargs)
         # other values than the traced ones: a value that entered the trace as a constant
         # (data-dependent control flow, a tensor read into Python) shows up here
         other = [_perturbed(a, i) for i, a in enumerate(args[:n])]
@@ -195,28 +183,7 @@ class TracedFunction:
         for _ in range(REPLAYS_CHECKED):     # the profiling run, then the optimised graph
             got = graph(*other)
         if not _agree(expected, other[n] if has_out else got):
-            return self._give_up("its replay differs from the eager routine", out, kwargs)
+            return self._fallback("its replay differs from the eager routine", out, kwargs)
         del other, expected, got
         result = graph(*args)
         return graph, (out if has_out else result)
-
-
-class TracedTable(dict):
-    """A kernel's routine table whose callables replay traced graphs (other entries, such
-    as Jacobian layouts, pass through)."""
-
-    def __init__(self, table):
-        super().__init__()
-        self.table = table
-
-    def __missing__(self, key):
-        entry = self.table[key]
-        if callable(entry):
-            entry = TracedFunction(entry, name=getattr(entry, "__name__", repr(key)))
-        self[key] = entry
-        return entry
-
-    def clear_traces(self):
-        for entry in self.values():
-            if isinstance(entry, TracedFunction):
-                entry.clear()
