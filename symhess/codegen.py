@@ -25,7 +25,8 @@ import sympy as sp
 from . import jacobians
 from .hessian import PARTS, derive
 from .layers import LAYERS, layer as get_layer, layer_options
-from .printing.code import CHUNK_ENTRIES, N_BATCH, NotChunkable, Routine, SlabChunk
+from .printing.code import (CHUNK_ENTRIES, N_BATCH, NotChunkable, Routine, SlabChunk,
+                            _narrowed, size_lines)
 from .printing.index import Factor, Lowering
 from .printing.numpy import NUMPY
 from .printing.torch import TORCH
@@ -53,28 +54,8 @@ def _row_blocks(rt, a, b, dest, m):
             "    " + rt.fmt("matmul_into", a, b, dest),
             "else:",
             f"    for {r} in range(0, {rows}, {SLAB_GEMM_ROWS}):",
-            "        " + rt.fmt("matmul_into", _narrowed0(rt, a, r, k), b,
-                                _narrowed0(rt, dest, r, k))]
-
-
-def _narrowed0(rt, code, start, length):
-    """Rows ``start`` … ``start + length`` of the 2-D array ``code``."""
-    return rt.fmt("narrow", code, -2, start, length, ", :")
-
-
-def size_lines(target, symbols, variables, batched):
-    """Statements binding each dimension symbol (and ``n_batch`` when there is data) from the
-    shape of the first argument that has it: as a row dimension, axis -2, else axis -1."""
-    lines = []
-    for s in symbols:
-        for n, v in variables.items():
-            if s in v.shape:
-                axis = -2 if v.shape[0] == s else -1
-                lines.append(f"{s.name} = " + target["size"].format(n, axis))
-                break
-    if batched:
-        lines.append("n_batch = " + target["size"].format(batched[0], 0))
-    return lines
+            "        " + rt.fmt("matmul_into", _narrowed(rt, a, 2, r, k), b,
+                                _narrowed(rt, dest, 2, r, k))]
 
 
 @dataclass
@@ -389,15 +370,18 @@ class Variant:
         total = offs[-1]
         R = rt.fresh("R")
         before = rt.written
-        chunk = self._chunked_operand(rt, per_q, slab_terms, S, offs, batched)
+        cols = [f"{rt.size(offs[j])}:{rt.size(offs[j + 1])}" for j in range(len(per_q))]
+
+        def write_operand(target):      # R's columns j written through target(j)
+            for j, (_, r, c) in enumerate(per_q):
+                rt.dense_into(target(j), slab_terms[j], [S] + r[1:], c, fresh=True,
+                              keep_batch=batched)
+
+        chunk = self._chunked_operand(rt, write_operand, cols)
         if chunk is None:
             rt.line(f"{R} = {rt.fmt('scratch', rt.shape(seqs + [s_size, n_rest, total]))}")
             flat = rt.emit(rt.fmt("view", R, rt.shape(seqs + [s_size * n_rest, total])), False)
-            for j, (terms, r, c) in enumerate(per_q):
-                cols = f"{rt.size(offs[j])}:{rt.size(offs[j + 1])}"
-                target = rt.emit(f"{flat}[..., {cols}]", False)
-                rt.dense_into(target, slab_terms[j], [S] + r[1:], c, fresh=True,
-                              keep_batch=batched)
+            write_operand(lambda j: rt.emit(f"{flat}[..., {cols[j]}]", False))
         grown = (rt.written - before) // rt.batch_size if batched else 0
         # the leaf as (i, [batch,] s), scaled by the batch mean
         i0 = lw.resolve(t0, r0[:1])[0]
@@ -447,17 +431,20 @@ class Variant:
         return grown
 
     @staticmethod
-    def _chunked_operand(rt, per_q, slab_terms, S, offs, batched):
-        """A ``SlabChunk`` holding the writes of a slab's operand R (its statements before
-        them printed), or None, nothing printed, where a write cannot be split by rows."""
+    def _chunked_operand(rt, write_operand, cols):
+        """A ``SlabChunk`` holding the writes of a slab's operand R (``write_operand``; the
+        statements before them printed), or None, nothing printed, where a write cannot be
+        split by rows."""
         snap = rt._snapshot()
         chunk = rt.chunk = SlabChunk()
+
+        def target(j):                  # a name standing for R's columns j in the writes
+            name = rt.fresh("R_cols")
+            chunk.columns(name, cols[j])
+            return name
+
         try:
-            for j, (terms, r, c) in enumerate(per_q):
-                target = rt.fresh("R_cols")          # stands for R's columns j in the writes
-                chunk.columns(target, f"{rt.size(offs[j])}:{rt.size(offs[j + 1])}")
-                rt.dense_into(target, slab_terms[j], [S] + r[1:], c, fresh=True,
-                              keep_batch=batched)
+            write_operand(target)
         except NotChunkable:
             rt._restore(snap)
             return None

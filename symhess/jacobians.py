@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from . import expr as E
-from .printing.code import Routine, _scaled
+from .printing.code import Routine, _scaled, size_lines
 
 JAC_KEY = "jacobian"
 
@@ -164,7 +164,6 @@ def routine(variant):
 
 def header(variant, vs, batched):
     """Bind every dimension (and the batch size, when there is data) from the arguments."""
-    from .codegen import size_lines
     return size_lines(variant.t, variant.symbols, vs, batched)
 
 

@@ -406,10 +406,12 @@ class Kernel:
         pages), ``torch.empty`` on other devices (whose caching allocator pools already)."""
         if self.backend == "numpy":
             return self._results.take(shape, like.dtype)
-        if like.device.type == "cpu" and like.dtype in _pooled_dtypes():
+        helpers = _torch_preamble()
+        dtypes = helpers["_NUMPY_DTYPES"]       # the dtypes the modules' _empty takes from NumPy
+        if like.device.type == "cpu" and like.dtype in dtypes:
             import torch
-            return torch.from_numpy(self._results.take(shape, _pooled_dtypes()[like.dtype]))
-        return _torch_empty()(shape, like)
+            return torch.from_numpy(self._results.take(shape, dtypes[like.dtype]))
+        return helpers["_empty"](shape, like)
 
     def release_memory(self):
         """Drop the arrays kept for reuse by ``hessian`` (results still held stay yours)."""
@@ -546,20 +548,14 @@ def _ordinary(result):
 
 
 @lru_cache(maxsize=None)
-def _pooled_dtypes():
-    """torch dtype → NumPy dtype of the CPU results taken from a ``ResultPool``."""
-    import torch
-    return {torch.float64: np.float64, torch.float32: np.float32}
-
-
-@lru_cache(maxsize=None)
-def _torch_empty():
-    """The torch modules' own ``_empty(shape, like)`` (NumPy-backed on the CPU, for huge
-    pages), from the one source the generated modules print it from."""
+def _torch_preamble():
+    """The torch modules' own helpers (``_empty(shape, like)``, NumPy-backed on the CPU for
+    huge pages, and its ``_NUMPY_DTYPES``), from the one source the modules print them from."""
     import torch
     ns = {"np": np, "torch": torch}
     exec("\n".join(codegen.TARGETS["torch"]["preamble"]), ns)
-    return ns["_empty"]
+    return ns
+
 
 
 @lru_cache(maxsize=None)

@@ -485,8 +485,7 @@ class Routine:
             if not out:                                   # a full inner product
                 return f"({x} * {self._permuted(y, ly, lx)}).sum()"
         if not con:         # a broadcast product: both operands aligned to out, no permute
-            return self._broadcast(self._aligned(x, lx, out), self._aligned(y, ly, out),
-                                   (list(out), set(lx), set(ly)))
+            return self._broadcast(x, lx, y, ly, out)
         (x, lx), (y, ly), pre, m, n = _oriented((x, lx), (y, ly), out, split)
         xm = self._grouped(x, lx, pre, [m, con])
         ym = self._grouped(y, ly, pre, [con, n])
@@ -507,12 +506,13 @@ class Routine:
             return x
         return self.fmt("reshape", x, self.shape([self._dim(a) if a in lx else 1 for a in out]))
 
-    def _broadcast(self, xa, ya, labels):
-        """The code of xa * ya (aligned operands), remembered with ``labels`` (the output
-        labels, each operand's labels) so that a dense write can multiply straight into its
-        target (``mul_into``), or into one chunk of it at a time (``SlabChunk``)."""
+    def _broadcast(self, x, lx, y, ly, out):
+        """The code of x * y, both aligned to ``out``, remembered with the aligned operands
+        and the labels (``out``, each operand's) so that a dense write can multiply straight
+        into its target (``mul_into``), or into one chunk of it at a time (``SlabChunk``)."""
+        xa, ya = self._aligned(x, lx, out), self._aligned(y, ly, out)
         code = f"({xa} * {ya})"
-        self.bcast[code] = (xa, ya) + labels
+        self.bcast[code] = (xa, ya, list(out), set(lx), set(ly))
         return code
 
     def _finish(self, code, pre, m, n, out, gemm=None):
@@ -725,10 +725,7 @@ class Routine:
         written once per group instead of once per term.
         """
         if not terms:
-            if self.chunk is not None:
-                self.chunk.zero(target)
-            else:
-                self.line(f"{target}[...] = 0")
+            self._zero(target)
             return
         lead = [BATCH] if keep_batch else []
         size = (self.batch_size if keep_batch else 1) * _prod(
@@ -739,10 +736,7 @@ class Routine:
         needs_zero = fresh and _repeats(self, terms[0], r, c)
         chunk = self.chunk
         if needs_zero:
-            if chunk is not None:
-                chunk.zero(target)
-            else:
-                self.line(f"{target}[...] = 0")
+            self._zero(target)
             self.written += size
         printed, split = [], {}
         for term in terms:
@@ -777,6 +771,13 @@ class Routine:
                 self.line(f"{view}[...] = {rhs}" if first else f"{view} += {rhs}")
             self.written += size
             first = False
+
+    def _zero(self, target):
+        """Zero ``target`` (recorded for each chunk instead while a ``SlabChunk`` is open)."""
+        if self.chunk is not None:
+            self.chunk.zero(target)
+        else:
+            self.line(f"{target}[...] = 0")
 
     def _gemm_into(self, view, rhs, first, split):
         """Write (first) or add the matrix product ``rhs`` straight into ``view`` when the
@@ -889,12 +890,8 @@ class Routine:
             f, labs = finals[0], raw[0][1]
             if not f.summed:                       # Σ_t A ∘ B_t = A ∘ Σ_t B_t, aligned
                 (x, lx), (y, ly), _, _, _ = f.oriented()
-                la = lx if own else ly
-                a = self._aligned(*((x, lx) if own else (y, ly)), f.out)
-                b = self._aligned(total, labs, f.out)
-                pair = ((a, la), (b, labs)) if own else ((b, labs), (a, la))
-                return self._broadcast(pair[0][0], pair[1][0],
-                                       (list(f.out), set(pair[0][1]), set(pair[1][1])))
+                halves = ((x, lx), (total, labs)) if own else ((total, labs), (y, ly))
+                return self._broadcast(*halves[0], *halves[1], f.out)
             groups = [f.summed, n] if own else [m, f.summed]
             rest = self._grouped(total, labs, pre, groups)
         else:
@@ -981,6 +978,22 @@ def _half_index(final, name):
 
 
 _ASSIGN = re.compile(r"^(\w+) = ")
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def size_lines(target, symbols, variables, batched):
+    """Statements binding each dimension symbol (and ``n_batch`` when there is data) from the
+    shape of the first argument that has it: as a row dimension, axis -2, else axis -1."""
+    lines = []
+    for s in symbols:
+        for n, v in variables.items():
+            if s in v.shape:
+                axis = -2 if v.shape[0] == s else -1
+                lines.append(f"{s.name} = " + target["size"].format(n, axis))
+                break
+    if batched:
+        lines.append("n_batch = " + target["size"].format(batched[0], 0))
+    return lines
 
 
 # routines of at least this many statements free their temporaries early (``_freed``); in a
@@ -1025,7 +1038,6 @@ def _freed(lines, keep):
         if k in after:
             out.append("del " + ", ".join(sorted(after[k])))
     return out
-_NAME = re.compile(r"[A-Za-z_]\w*")
 
 
 # the contracted axis of stacked halves, in a stacking key
@@ -1295,7 +1307,7 @@ class SlabChunk:
     """
 
     def __init__(self):
-        self.views = {}       # view name -> (target, lead, row atoms, atoms)
+        self.views = {}       # view name -> (target, lead, row atoms, atoms, product order)
         self.writes = []      # ("zero", target) or (key, x, x sliced?, y, y sliced?, view, pos)
         self._targets = {}    # target name -> its columns of R ("a:b")
 
@@ -1361,6 +1373,7 @@ class SlabChunk:
         if len(set(atoms)) < len(atoms):
             code = _diag_code(rt, code, lead + atoms)[0]
         return code, moving
+
 
 def _scaled(rt, coef, code):
     coef = sp.sympify(coef)
