@@ -80,6 +80,7 @@ class GraphedFunction(Replayed):
     and copy out.
     """
 
+    mode = "CUDA graphs"
     cannot = "cannot be captured in a CUDA graph"
 
     def __init__(self, fn, name=None, warmup=2):

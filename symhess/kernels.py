@@ -172,22 +172,23 @@ class Kernel:
         self._results = ResultPool()   # CPU arrays for fresh Hessians, reused once let go
 
     def __repr__(self):
-        mode = ", CUDA graphs" if self._graphed else ", traced" if self._traced else ""
+        mode = f", {self._mode}" if self._mode else ""
         return f"<symhess kernel {self.layer.name} ({self.backend}, {self.loss_name}{mode})>"
 
-    def _replays(self, kind) -> bool:
-        """Whether the routines are wrapped by the ``Replayed`` class named ``kind`` (by name:
-        asking a NumPy kernel imports no torch)."""
+    @property
+    def _mode(self):
+        """The mode of a kernel replaying its routines ("CUDA graphs", "traced graphs"), or
+        None for eager calls."""
         from .replay import ReplayTable
-        return isinstance(self._fns, ReplayTable) and self._fns.wrap.__name__ == kind
+        return self._fns.wrap.mode if isinstance(self._fns, ReplayTable) else None
 
     @property
     def _graphed(self) -> bool:
-        return self._replays("GraphedFunction")
+        return self._mode == "CUDA graphs"
 
     @property
     def _traced(self) -> bool:
-        return self._replays("TracedFunction")
+        return self._mode == "traced graphs"
 
     def _with_table(self, wrap) -> "Kernel":
         """A kernel sharing this one's routines, each wrapped by ``wrap`` on first use."""
@@ -198,10 +199,18 @@ class Kernel:
         other._dims_seen = {}
         return other
 
-    def _torch_only(self, what):
+    def _replaying(self, wrap, method):
+        """This kernel with its routines replayed by ``wrap`` (a ``Replayed`` class), made by
+        the Kernel method ``method``: itself when it already is; one mode at a time."""
         if self.backend != "torch":
-            raise ValueError(f"{what} need the torch backend; this kernel's backend is "
+            raise ValueError(f"{wrap.mode} need the torch backend; this kernel's backend is "
                              f"{self.backend!r}")
+        if self._mode == wrap.mode:
+            return self
+        if self._mode is not None:
+            raise ValueError(f"this kernel replays {self._mode}; call {method}() on the kernel "
+                             "it was made from")
+        return self._with_table(wrap)
 
     def with_cuda_graphs(self) -> "Kernel":
         """The same kernels, replayed from CUDA graphs on CUDA inputs (torch backend).
@@ -212,14 +221,8 @@ class Kernel:
         call returns fresh tensors. CPU inputs run eagerly. ``symhess.graphs`` has the
         details; ``clear_cuda_graphs()`` frees the captured graphs' memory.
         """
-        self._torch_only("CUDA graphs")
-        if self._graphed:
-            return self
-        if self._traced:
-            raise ValueError("this kernel replays traced graphs; call with_cuda_graphs() on "
-                             "the kernel it was made from")
         from .graphs import GraphedFunction
-        return self._with_table(GraphedFunction)
+        return self._replaying(GraphedFunction, "with_cuda_graphs")
 
     def clear_cuda_graphs(self):
         """Free the graphs captured by ``with_cuda_graphs()`` (they are captured again on use)."""
@@ -237,14 +240,8 @@ class Kernel:
         call as before. A routine that cannot be traced runs eagerly after one warning.
         ``symhess.traces`` has the details; ``clear_traces()`` drops the graphs.
         """
-        self._torch_only("traced graphs")
-        if self._traced:
-            return self
-        if self._graphed:
-            raise ValueError("this kernel replays CUDA graphs; call traced() on the kernel "
-                             "it was made from")
         from .traces import TracedFunction
-        return self._with_table(TracedFunction)
+        return self._replaying(TracedFunction, "traced")
 
     def clear_traces(self):
         """Drop the graphs traced by ``traced()`` (they are traced again on use)."""

@@ -12,6 +12,7 @@ class Replayed:
     """A generated routine ``fn`` with its recordings by call signature; ``cannot`` words
     the warning given once when a routine has to run eagerly from then on."""
 
+    mode = "replayed routines"         # the kernels' mode, in its messages and repr
     cannot = "cannot be replayed"
 
     def __init__(self, fn, name=None):

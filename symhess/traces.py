@@ -116,6 +116,7 @@ def _perturbed(a, i):
 class TracedFunction(Replayed):
     """A generated routine replayed from traced graphs, one per call signature."""
 
+    mode = "traced graphs"
     cannot = "cannot be replayed from a trace"
 
     @property
