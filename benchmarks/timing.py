@@ -50,15 +50,7 @@ def interleaved(fns, rounds=5, repeat=None, device="cpu"):
 def best(fn, repeat=5, device="cpu"):
     """Minimum wall time of ``repeat`` calls (after one warm-up call); on CUDA each timed
     region ends with a synchronize, so it measures the work and not only the launches."""
-    fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t)
-    return min(times)
+    return interleaved({"fn": fn}, rounds=repeat, device=device)["fn"]
 
 
 def timed(fn, device="cpu"):
