@@ -16,9 +16,11 @@ from symhess.verify import random_values
 SIZES = {"L": 3, "d_V": 4, "d_K": 2, "d_ff": 5, "d_H": 2, "h": 2, "d_model": 4, "d": 4}
 
 
-def values_for(name, batch):
+def values_for(name, batch, sizes=SIZES, seed=0):
+    """Random values of ``batch`` sequences (seeds ``seed``, ``seed + 1``, …); one sequence
+    without a batch axis."""
     d = sh.derive(sh.layer(name), "mse")
-    seqs = [random_values(d, seed=s, sizes=SIZES) for s in range(batch)]
+    seqs = [random_values(d, seed=seed + s, sizes=sizes) for s in range(batch)]
     data = set(sh.kernel(name, "numpy", "mse")._data)
     return {n: (np.stack([s[n] for s in seqs]) if n in data and batch > 1 else seqs[0][n])
             for n in seqs[0]}

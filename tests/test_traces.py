@@ -13,23 +13,18 @@ import torch
 
 import symhess as sh
 from symhess.traces import TracedFunction
-from symhess.verify import random_values
 
 from test_block_kernels import reference
+from test_hessian_out import values_for
 
 SIZES = {"L": 3, "d_V": 5, "d_K": 3, "d_ff": 7}      # 1/3, 1/5, 1/7: inexact in float32
 
 
-def torch_values(name, seed, batch=None):
-    d = sh.derive(sh.layer(name), "mse")
-    values = random_values(d, seed=seed, sizes=SIZES)
-    tv = {n: torch.tensor(v) for n, v in values.items()}
-    if batch:
-        data = sh.kernel(name, "torch", "mse")._data
-        more = [random_values(d, seed=seed + 100 + b, sizes=SIZES) for b in range(batch - 1)]
-        tv = {n: (torch.stack([t] + [torch.tensor(m[n]) for m in more]) if n in data else t)
-              for n, t in tv.items()}
-    return d, values, tv
+def torch_values(name, seed, batch=1):
+    """(derivation, the NumPy values, the same as tensors) of ``batch`` sequences."""
+    values = values_for(name, batch, sizes=SIZES, seed=seed)
+    return (sh.derive(sh.layer(name), "mse"), values,
+            {n: torch.tensor(v) for n, v in values.items()})
 
 
 def test_traced_post_ln_kernels_match_eager_and_autograd():
@@ -114,7 +109,6 @@ def test_traced_needs_torch_and_excludes_cuda_graphs():
 def test_every_committed_layer_replays_its_hessian(name):
     """Every committed layer's full Hessian routine traces (no fallback warning) and its
     replay gives the eager numbers on values it was not traced with."""
-    from test_hessian_out import values_for
     k = sh.kernel(name, "torch", "mse")
     t = k.traced()
     with warnings.catch_warnings():
