@@ -1,0 +1,92 @@
+"""Where the post-LN Hessian routine spends its time: the committed routine against copies
+of it with one kind of statement removed or replaced, all traced and timed in turn.
+
+    python -m benchmarks.bench_anatomy [--rounds 4] [--layer post_ln_block] [--threads 1]
+
+Sizes are the issue's (L=8, d=16, d_K=16, d_ff=64); the full Hessian is written into one
+reused array (``out=``), as ``kernel.traced().hessian(..., out=H)`` does. The variants
+(each rewrites the text of generated/torch/<layer>.py, nothing else):
+
+- ``slab GEMMs → fill``: each slab's GEMM into its rows of H (``torch.matmul(.., out=)``)
+  replaced by ``fill_`` of the same rows: the difference is the GEMMs' arithmetic.
+- ``slab GEMMs removed``: H's rows are not written at all: the difference is the GEMMs'
+  arithmetic and writing H.
+- ``product-rule terms removed``: the additions into blocks the slabs wrote already
+  (``+=`` and ``baddbmm_``): their re-reads of H.
+
+The rewritten routines compute wrong Hessians (that is the point); only times are printed,
+as differences from the committed routine measured in the same rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import warnings
+
+import numpy as np
+import torch
+
+from .timing import interleaved
+
+GEMM = re.compile(r"^(\s+)torch\.matmul\(([^\n]*), out=([^\n]*)\)$", re.M)
+ADDED = re.compile(r"^\s+(\w+ \+= |\w+\.baddbmm_\()[^\n]*\n", re.M)
+
+VARIANTS = {          # variant -> body -> (rewritten body, statements rewritten)
+    "as generated": lambda body: (body, 0),
+    "slab GEMMs → fill": lambda body: GEMM.subn(lambda m: f"{m.group(1)}({m.group(3)}).fill_(1.0)", body),
+    "slab GEMMs removed": lambda body: GEMM.subn(lambda m: f"{m.group(1)}pass", body),
+    "product-rule terms removed": lambda body: ADDED.subn("", body),
+}
+
+
+def routine(text, variant, name):
+    """(the function ``name`` of a module text whose body of ``name`` is rewritten, the
+    number of statements rewritten). A variant that finds nothing to rewrite stops the run:
+    the printer's output has changed and the pattern with it."""
+    start = text.index(f"def {name}(")
+    end = text.index("\ndef ", start + 1)
+    body, count = VARIANTS[variant](text[start:end])
+    if variant != "as generated" and not count:
+        raise SystemExit(f"{variant}: no statement of {name} matches; update the pattern")
+    ns = {"__name__": "anatomy"}
+    exec(compile(text[:start] + body + text[end:], f"<{variant}>", "exec"), ns)
+    return ns[name], count
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layer", default="post_ln_block")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "generated" / "torch" / f"{a.layer}.py").read_text()
+    name = re.search(r"^def (mse\w*__hessian__full)\(", text, re.M).group(1)
+    L, d, dk, dff = 8, 16, 16, 64
+    rng = np.random.default_rng(0)
+    t = lambda *s: torch.tensor(rng.standard_normal(s) / math.sqrt(s[-1] if len(s) > 1 else 1))
+    args = (t(1, L, d), t(d, dk), t(d, dk), t(d, d), t(d, dff), t(dff, d), t(1, L, d))
+    n = d * dk * 2 + d * d + 2 * d * dff
+    fns, counts = {}, {}
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")              # torch.jit.trace's deprecation notice
+        for v in VARIANTS:
+            fn, counts[v] = routine(text, v, name)
+            H = torch.empty((n, n), dtype=torch.float64)
+            traced = torch.jit.trace(lambda *x, fn=fn: fn(*x[:-1], out=x[-1]), args + (H,),
+                                     check_trace=False)
+            fns[v] = (lambda traced=traced, H=H: traced(*args, H))
+        times = interleaved(fns, rounds=a.rounds, repeat={v: 5 for v in fns})
+    base = times["as generated"]
+    print(f"{a.layer} full Hessian {n}×{n} (MSE, L={L}, d={d}, d_K={dk}, d_ff={dff}), traced, "
+          f"out= reused, torch threads {a.threads}")
+    for v, s in times.items():
+        diff = "" if v == "as generated" else \
+            f"   → that part costs {(base - s) * 1e3:5.2f} ms ({counts[v]} statements rewritten)"
+        print(f"  {v:28s} {s * 1e3:7.2f} ms{diff}")
+
+
+if __name__ == "__main__":
+    main()
