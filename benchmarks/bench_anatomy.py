@@ -23,6 +23,7 @@ import argparse
 import math
 import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -56,18 +57,22 @@ def routine(text, variant, name):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layer", default="post_ln_block")
+    ap.add_argument("--layer", default="post_ln_block", choices=("post_ln_block", "pre_ln_block"),
+                    help="a full block (the routine's arguments are X, W_Q, W_K, W_V, W_1, W_2, Y)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from pathlib import Path
     text = (Path(__file__).resolve().parent.parent / "generated" / "torch" / f"{a.layer}.py").read_text()
     name = re.search(r"^def (mse\w*__hessian__full)\(", text, re.M).group(1)
     L, d, dk, dff = 8, 16, 16, 64
     rng = np.random.default_rng(0)
-    t = lambda *s: torch.tensor(rng.standard_normal(s) / math.sqrt(s[-1] if len(s) > 1 else 1))
-    args = (t(1, L, d), t(d, dk), t(d, dk), t(d, d), t(d, dff), t(dff, d), t(1, L, d))
+
+    def value(*shape):
+        return torch.tensor(rng.standard_normal(shape) / math.sqrt(shape[0]))
+
+    args = (value(1, L, d), value(d, dk), value(d, dk), value(d, d), value(d, dff), value(dff, d),
+            value(1, L, d))
     n = d * dk * 2 + d * d + 2 * d * dff
     fns, counts = {}, {}
     with torch.inference_mode(), warnings.catch_warnings():
