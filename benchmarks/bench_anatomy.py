@@ -1,21 +1,29 @@
 """Where the post-LN Hessian routine spends its time: the committed routine against copies
-of it with one kind of statement removed or replaced, all traced and timed in turn.
+of it with one kind of statement replaced, all traced and timed in turn.
 
     python -m benchmarks.bench_anatomy [--rounds 4] [--layer post_ln_block] [--threads 1]
 
 Sizes are the issue's (L=8, d=16, d_K=16, d_ff=64); the full Hessian is written into one
-reused array (``out=``), as ``kernel.traced().hessian(..., out=H)`` does. The variants
-(each rewrites the text of generated/torch/<layer>.py, nothing else):
+reused array (``out=``), as ``kernel.traced().hessian(..., out=H)`` does. Each variant rewrites
+the text of the routine in generated/torch/<layer>.py and nothing else:
 
 - ``slab GEMMs → fill``: each slab's GEMM into its rows of H (``torch.matmul(.., out=)``)
   replaced by ``fill_`` of the same rows: the difference is the GEMMs' arithmetic.
-- ``slab GEMMs removed``: H's rows are not written at all: the difference is the GEMMs'
-  arithmetic and writing H.
-- ``product-rule terms removed``: the additions into blocks the slabs wrote already
-  (``+=`` and ``baddbmm_``): their re-reads of H.
+- ``slab GEMMs → no write``: the slab rows of H are not written: the difference is the
+  GEMMs' arithmetic and writing H.
+- ``slab operands → fill``: the broadcast products that write the slabs' operands R
+  (``torch.mul(.., out=)``, ``addcmul_``) replaced by ``fill_``: the difference is computing
+  them and the statements that only feed them.
+- ``product-rule terms not added``: the additions into blocks the slabs wrote (``+=``,
+  ``baddbmm_``) computed into temporaries but not added to H: the difference is their
+  passes over H.
+- ``product-rule terms removed``: not computed either.
 
-The rewritten routines compute wrong Hessians (that is the point); only times are printed,
-as differences from the committed routine measured in the same rounds.
+A traced graph drops statements whose results nothing reads, so every variant still reads
+what it stops using (one entry of it, added to one entry of H; ``_touch``): otherwise
+removing a GEMM would also remove everything that computes its operands. The rewritten
+routines compute wrong Hessians (that is the point); only times are printed, as differences
+from the committed routine measured in the same rounds.
 """
 from __future__ import annotations
 
@@ -30,14 +38,32 @@ import torch
 
 from .timing import interleaved
 
-GEMM = re.compile(r"^(\s+)torch\.matmul\(([^\n]*), out=([^\n]*)\)$", re.M)
-ADDED = re.compile(r"^\s+(\w+ \+= |\w+\.baddbmm_\()[^\n]*\n", re.M)
+GEMM = re.compile(r"^(\s+)torch\.matmul\(([^\n]*), (\w+), out=([^\n]*)\)$", re.M)
+OPERAND = re.compile(r"^(\s+)(?:torch\.mul\([^\n]*, out=(\w+)\)|(\w+)\.addcmul_\([^\n]*\))$", re.M)
+ADDED = re.compile(r"^(\s+)(?:(\w+) \+= ([^\n]*)|(\w+)\.baddbmm_\(([^\n]*)\))$", re.M)
+
+
+def _touch(dst, src):
+    """Read one entry of ``src`` into one entry of ``dst`` (keeps ``src`` live in a trace)."""
+    dst[(0,) * dst.dim()] += src[(0,) * src.dim()]
+
+
+def _not_added(m):
+    if m.group(2):
+        return f"{m.group(1)}_touch({m.group(2)}, {m.group(3)})"
+    return f"{m.group(1)}_touch({m.group(4)}, torch.bmm({m.group(5)}))"
+
 
 VARIANTS = {          # variant -> body -> (rewritten body, statements rewritten)
     "as generated": lambda body: (body, 0),
-    "slab GEMMs → fill": lambda body: GEMM.subn(lambda m: f"{m.group(1)}({m.group(3)}).fill_(1.0)", body),
-    "slab GEMMs removed": lambda body: GEMM.subn(lambda m: f"{m.group(1)}pass", body),
-    "product-rule terms removed": lambda body: ADDED.subn("", body),
+    "slab GEMMs → fill": lambda body: GEMM.subn(
+        lambda m: f"{m.group(1)}({m.group(4)}).fill_(1.0); _touch({m.group(4)}, {m.group(3)})", body),
+    "slab GEMMs → no write": lambda body: GEMM.subn(
+        lambda m: f"{m.group(1)}_touch({m.group(4)}, {m.group(3)})", body),
+    "slab operands → fill": lambda body: OPERAND.subn(
+        lambda m: f"{m.group(1)}{m.group(2) or m.group(3)}.fill_(0.5)", body),
+    "product-rule terms not added": lambda body: ADDED.subn(_not_added, body),
+    "product-rule terms removed": lambda body: ADDED.subn(lambda m: f"{m.group(1)}pass", body),
 }
 
 
@@ -50,7 +76,7 @@ def routine(text, variant, name):
     body, count = VARIANTS[variant](text[start:end])
     if variant != "as generated" and not count:
         raise SystemExit(f"{variant}: no statement of {name} matches; update the pattern")
-    ns = {"__name__": "anatomy"}
+    ns = {"__name__": "anatomy", "_touch": _touch}
     exec(compile(text[:start] + body + text[end:], f"<{variant}>", "exec"), ns)
     return ns[name], count
 
