@@ -106,6 +106,9 @@ def main(argv=None):
         for v in VARIANTS:
             fn, counts[v] = routine(text, v, name)
             H = torch.empty((n, n), dtype=torch.float64)
+            # traced here, not by symhess.traces (Kernel.traced()): its check compares replays
+            # with the eager routine on fresh, uninitialised outputs, and these copies leave
+            # parts of H unwritten, so it would fall back to the eager routine
             traced = torch.jit.trace(lambda *x, fn=fn: fn(*x[:-1], out=x[-1]), args + (H,),
                                      check_trace=False)
             fns[v] = (lambda traced=traced, H=H: traced(*args, H))

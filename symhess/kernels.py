@@ -19,6 +19,8 @@ from .evaluate import InputError, bind_dims
 from .hessian import PARTS, check_part
 from .layers import layer as get_layer, layer_options
 from .losses import get_loss
+from .memory import ResultPool
+from .replay import ReplayTable
 
 BACKENDS = ("numpy", "torch")
 
@@ -168,7 +170,6 @@ class Kernel:
         self._vars = variables
         self.names = sorted(variables)
         self._dims_seen = {}      # (name, shape) tuples → bound dimensions (shapes that passed)
-        from .memory import ResultPool
         self._results = ResultPool()   # CPU arrays for fresh Hessians, reused once let go
 
     def __repr__(self):
@@ -179,7 +180,6 @@ class Kernel:
     def _mode(self):
         """The mode of a kernel replaying its routines ("CUDA graphs", "traced graphs"), or
         None for eager calls."""
-        from .replay import ReplayTable
         return self._fns.wrap.mode if isinstance(self._fns, ReplayTable) else None
 
     @property
@@ -192,7 +192,6 @@ class Kernel:
 
     def _with_table(self, wrap) -> "Kernel":
         """A kernel sharing this one's routines, each wrapped by ``wrap`` on first use."""
-        from .replay import ReplayTable
         other = Kernel.__new__(Kernel)
         other.__dict__.update(self.__dict__)
         other._fns = ReplayTable(self._fns, wrap)
@@ -552,7 +551,6 @@ def _torch_preamble():
     ns = {"np": np, "torch": torch}
     exec("\n".join(codegen.TARGETS["torch"]["preamble"]), ns)
     return ns
-
 
 
 @lru_cache(maxsize=None)

@@ -17,6 +17,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+import threading
+
+import numpy as np
 
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -60,7 +63,6 @@ class ResultPool:
     _FREE = 2
 
     def __init__(self, size=2):
-        import threading
         self.size = size
         self._arrays = []
         self._lock = threading.Lock()
@@ -68,7 +70,6 @@ class ResultPool:
     def take(self, shape, dtype):
         """An uninitialised C-contiguous array of ``shape`` and ``dtype`` that nothing else
         references (every entry is the caller's to overwrite)."""
-        import numpy as np
         shape, dtype = tuple(shape), np.dtype(dtype)
         with self._lock:
             count = getattr(sys, "getrefcount", None)    # CPython; elsewhere nothing is reused
