@@ -7,7 +7,7 @@ Sizes are the issue's (L=8, d=16, d_K=16, d_ff=64); the full Hessian is written 
 reused array (``out=``), as ``kernel.traced().hessian(..., out=H)`` does. Each variant rewrites
 the text of the routine in generated/torch/<layer>.py and nothing else:
 
-- ``slab GEMMs → fill``: each slab's GEMM into its rows of H (``torch.matmul(.., out=)``)
+- ``slab GEMMs → fill``: each slab's GEMM into its rows of H (``_matmul_into``, symhess.smallk)
   replaced by ``fill_`` of the same rows: the difference is the GEMMs' arithmetic.
 - ``slab GEMMs → no write``: the slab rows of H are not written: the difference is the
   GEMMs' arithmetic and writing H.
@@ -38,7 +38,9 @@ import torch
 
 from .timing import interleaved
 
-GEMM = re.compile(r"^(\s+)torch\.matmul\(([^\n]*), (\w+), out=([^\n]*)\)$", re.M)
+# an operand of a slab GEMM: a name, perhaps narrowed (``t1.narrow(-2, r0, min(32, d_V - r0))``)
+_OPERAND = r"\w+(?:\.narrow\((?:[^()]|\([^()]*\))*\))?"
+GEMM = re.compile(rf"^(\s+)_matmul_into\(({_OPERAND}), (\w+), ({_OPERAND})\)$", re.M)
 OPERAND = re.compile(r"^(\s+)(?:torch\.mul\([^\n]*, out=(\w+)\)|(\w+)\.addcmul_\([^\n]*\))$", re.M)
 ADDED = re.compile(r"^(\s+)(?:(\w+) \+= ([^\n]*)|(\w+)\.baddbmm_\(([^\n]*)\))$", re.M)
 

@@ -17,6 +17,8 @@ import opt_einsum as oe
 import torch
 
 
+from symhess.smallk import matmul_into as _matmul_into
+
 _NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}
 
 
@@ -760,10 +762,10 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
             t32.addcmul_(t22, t23.narrow(-1, f0, n_rows))
             t33 = t27.narrow(-1, f0*(2*d_V*d_ff), n_rows*(2*d_V*d_ff))
             if d_V <= 32:
-                torch.matmul(t26, t29, out=t33)
+                _matmul_into(t26, t29, t33)
             else:
                 for r0 in range(0, d_V, 32):
-                    torch.matmul(t26.narrow(-2, r0, min(32, d_V - r0)), t29, out=t33.narrow(-2, r0, min(32, d_V - r0)))
+                    _matmul_into(t26.narrow(-2, r0, min(32, d_V - r0)), t29, t33.narrow(-2, r0, min(32, d_V - r0)))
         del R
         t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
         t35 = t34.view((d_ff, d_V, d_V, d_ff))
@@ -2356,10 +2358,10 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
             t41.addcmul_(t31, t32.narrow(-1, f0, n_rows))
             t42 = t36.narrow(-1, f0*(2*d_V*d_ff), n_rows*(2*d_V*d_ff))
             if d_V <= 32:
-                torch.matmul(t35, t38, out=t42)
+                _matmul_into(t35, t38, t42)
             else:
                 for r0 in range(0, d_V, 32):
-                    torch.matmul(t35.narrow(-2, r0, min(32, d_V - r0)), t38, out=t42.narrow(-2, r0, min(32, d_V - r0)))
+                    _matmul_into(t35.narrow(-2, r0, min(32, d_V - r0)), t38, t42.narrow(-2, r0, min(32, d_V - r0)))
         del R
         t43 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
         t44 = t43.view((d_ff, d_V, d_V, d_ff))

@@ -19,6 +19,8 @@ import opt_einsum as oe
 import torch
 
 
+from symhess.smallk import matmul_into as _matmul_into
+
 _NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}
 
 
@@ -1721,10 +1723,10 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             t100[..., 2*d_K*d_V:2*d_K*d_V + d_V**2][...] = 0
             t104 = t99.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2))
             if d_V <= 32:
-                torch.matmul(t98, t101, out=t104)
+                _matmul_into(t98, t101, t104)
             else:
                 for r0 in range(0, d_V, 32):
-                    torch.matmul(t98.narrow(-2, r0, min(32, d_V - r0)), t101, out=t104.narrow(-2, r0, min(32, d_V - r0)))
+                    _matmul_into(t98.narrow(-2, r0, min(32, d_V - r0)), t101, t104.narrow(-2, r0, min(32, d_V - r0)))
         del R
         t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t106 = t105.view((d_V, d_V, d_V, d_V))
@@ -5065,10 +5067,10 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             t60.addcmul_(t49, t50.narrow(-3, f0, n_rows))
             t61 = t54.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2))
             if d_V <= 32:
-                torch.matmul(t53, t56, out=t61)
+                _matmul_into(t53, t56, t61)
             else:
                 for r0 in range(0, d_V, 32):
-                    torch.matmul(t53.narrow(-2, r0, min(32, d_V - r0)), t56, out=t61.narrow(-2, r0, min(32, d_V - r0)))
+                    _matmul_into(t53.narrow(-2, r0, min(32, d_V - r0)), t56, t61.narrow(-2, r0, min(32, d_V - r0)))
         del R
         R62 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
         t63 = R62.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
@@ -5106,10 +5108,10 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t90 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
         t91 = R62.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
         if d_V <= 32:
-            torch.matmul(t53, t91, out=t90)
+            _matmul_into(t53, t91, t90)
         else:
             for r092 in range(0, d_V, 32):
-                torch.matmul(t53.narrow(-2, r092, min(32, d_V - r092)), t91, out=t90.narrow(-2, r092, min(32, d_V - r092)))
+                _matmul_into(t53.narrow(-2, r092, min(32, d_V - r092)), t91, t90.narrow(-2, r092, min(32, d_V - r092)))
         del R62
         R93 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
         t94 = R93.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2))
@@ -5138,10 +5140,10 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t112 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2)))
         t113 = R93.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2)))
         if d_V <= 32:
-            torch.matmul(t53, t113, out=t112)
+            _matmul_into(t53, t113, t112)
         else:
             for r0114 in range(0, d_V, 32):
-                torch.matmul(t53.narrow(-2, r0114, min(32, d_V - r0114)), t113, out=t112.narrow(-2, r0114, min(32, d_V - r0114)))
+                _matmul_into(t53.narrow(-2, r0114, min(32, d_V - r0114)), t113, t112.narrow(-2, r0114, min(32, d_V - r0114)))
         del R93
         t115 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t116 = t115.view((d_V, d_V, d_V, d_V))
@@ -9068,10 +9070,10 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             t64.addcmul_(t53, t54.narrow(-3, f0, n_rows))
             t65 = t58.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2))
             if d_V <= 32:
-                torch.matmul(t57, t60, out=t65)
+                _matmul_into(t57, t60, t65)
             else:
                 for r0 in range(0, d_V, 32):
-                    torch.matmul(t57.narrow(-2, r0, min(32, d_V - r0)), t60, out=t65.narrow(-2, r0, min(32, d_V - r0)))
+                    _matmul_into(t57.narrow(-2, r0, min(32, d_V - r0)), t60, t65.narrow(-2, r0, min(32, d_V - r0)))
         del R
         t66 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
         t67 = t66.view((d_V, d_K, d_V, d_K))
@@ -13312,10 +13314,10 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             t70.addcmul_(t59, t60.narrow(-3, f0, n_rows))
             t71 = t64.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2))
             if d_V <= 32:
-                torch.matmul(t63, t66, out=t71)
+                _matmul_into(t63, t66, t71)
             else:
                 for r0 in range(0, d_V, 32):
-                    torch.matmul(t63.narrow(-2, r0, min(32, d_V - r0)), t66, out=t71.narrow(-2, r0, min(32, d_V - r0)))
+                    _matmul_into(t63.narrow(-2, r0, min(32, d_V - r0)), t66, t71.narrow(-2, r0, min(32, d_V - r0)))
         del n_rows, t24, t25, t41, t42, t43, t44, t57, t58, t59, t60, t64, t65, t66, t67, t68, t70
         del R
         R72 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
@@ -13386,10 +13388,10 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t107 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
         t108 = R72.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
         if d_V <= 32:
-            torch.matmul(t63, t108, out=t107)
+            _matmul_into(t63, t108, t107)
         else:
             for r0109 in range(0, d_V, 32):
-                torch.matmul(t63.narrow(-2, r0109, min(32, d_V - r0109)), t108, out=t107.narrow(-2, r0109, min(32, d_V - r0109)))
+                _matmul_into(t63.narrow(-2, r0109, min(32, d_V - r0109)), t108, t107.narrow(-2, r0109, min(32, d_V - r0109)))
         del t107, t108, t63
         del R72
         t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]

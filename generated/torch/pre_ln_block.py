@@ -17,6 +17,8 @@ import opt_einsum as oe
 import torch
 
 
+from symhess.smallk import matmul_into as _matmul_into
+
 _NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}
 
 
@@ -773,10 +775,10 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             t300[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff][...] = 0
             t307 = t299.narrow(-1, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
             if d_ff <= 32:
-                torch.matmul(t298, t301, out=t307)
+                _matmul_into(t298, t301, t307)
             else:
                 for r0 in range(0, d_ff, 32):
-                    torch.matmul(t298.narrow(-2, r0, min(32, d_ff - r0)), t301, out=t307.narrow(-2, r0, min(32, d_ff - r0)))
+                    _matmul_into(t298.narrow(-2, r0, min(32, d_ff - r0)), t301, t307.narrow(-2, r0, min(32, d_ff - r0)))
         del n_rows, t272, t273, t277, t278, t285, t286, t287, t288, t293, t294, t298, t299, t300, t301, t302, t303, t304, t306
         del R
         t308 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
@@ -14468,10 +14470,10 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             t215.addcmul_(t202, t203.narrow(-3, f0, n_rows))
             t216 = t207.narrow(-1, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
             if d_V <= 32:
-                torch.matmul(t206, t209, out=t216)
+                _matmul_into(t206, t209, t216)
             else:
                 for r0 in range(0, d_V, 32):
-                    torch.matmul(t206.narrow(-2, r0, min(32, d_V - r0)), t209, out=t216.narrow(-2, r0, min(32, d_V - r0)))
+                    _matmul_into(t206.narrow(-2, r0, min(32, d_V - r0)), t209, t216.narrow(-2, r0, min(32, d_V - r0)))
         del n_rows, t108, t109, t110, t153, t154, t174, t191, t192, t200, t203, t207, t208, t209, t210, t211, t213, t214, t215, t99
         del R
         R217 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -14612,10 +14614,10 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t291 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         t292 = R217.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         if d_V <= 32:
-            torch.matmul(t206, t292, out=t291)
+            _matmul_into(t206, t292, t291)
         else:
             for r0293 in range(0, d_V, 32):
-                torch.matmul(t206.narrow(-2, r0293, min(32, d_V - r0293)), t292, out=t291.narrow(-2, r0293, min(32, d_V - r0293)))
+                _matmul_into(t206.narrow(-2, r0293, min(32, d_V - r0293)), t292, t291.narrow(-2, r0293, min(32, d_V - r0293)))
         del t206, t291, t292
         del R217
         t294 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -14740,10 +14742,10 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             t373.addcmul_(t202, t359.narrow(-3, f0365, n_rows364))
             t374 = t363.narrow(-1, f0365*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows364*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
             if d_V <= 32:
-                torch.matmul(t362, t367, out=t374)
+                _matmul_into(t362, t367, t374)
             else:
                 for r0375 in range(0, d_V, 32):
-                    torch.matmul(t362.narrow(-2, r0375, min(32, d_V - r0375)), t367, out=t374.narrow(-2, r0375, min(32, d_V - r0375)))
+                    _matmul_into(t362.narrow(-2, r0375, min(32, d_V - r0375)), t367, t374.narrow(-2, r0375, min(32, d_V - r0375)))
         del n_rows364, t173, t190, t193, t201, t312, t316, t337, t345, t346, t356, t357, t358, t359, t362, t363, t366, t367, t368, t369, t370, t372, t373
         del R301
         t376 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
@@ -14879,10 +14881,10 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             t463.addcmul_(t448, t449.narrow(-1, f0455, n_rows454))
             t464 = t453.narrow(-1, f0455*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows454*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
             if d_V <= 32:
-                torch.matmul(t452, t457, out=t464)
+                _matmul_into(t452, t457, t464)
             else:
                 for r0465 in range(0, d_V, 32):
-                    torch.matmul(t452.narrow(-2, r0465, min(32, d_V - r0465)), t457, out=t464.narrow(-2, r0465, min(32, d_V - r0465)))
+                    _matmul_into(t452.narrow(-2, r0465, min(32, d_V - r0465)), t457, t464.narrow(-2, r0465, min(32, d_V - r0465)))
         del n_rows454, t202, t417, t421, t431, t432, t433, t440, t441, t447, t448, t449, t452, t453, t456, t457, t458, t459, t460, t461, t462
         del R408
         t466 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
@@ -14990,10 +14992,10 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             t525[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff][...] = 0
             t532 = t522.narrow(-1, f0524*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows523*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
             if d_ff <= 32:
-                torch.matmul(t521, t526, out=t532)
+                _matmul_into(t521, t526, t532)
             else:
                 for r0533 in range(0, d_ff, 32):
-                    torch.matmul(t521.narrow(-2, r0533, min(32, d_ff - r0533)), t526, out=t532.narrow(-2, r0533, min(32, d_ff - r0533)))
+                    _matmul_into(t521.narrow(-2, r0533, min(32, d_ff - r0533)), t526, t532.narrow(-2, r0533, min(32, d_ff - r0533)))
         del n_rows523, t107, t338, t339, t430, t502, t507, t512, t516, t517, t521, t522, t525, t526, t527, t528, t529, t531, t98
         del R496
         t534 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
@@ -44688,10 +44690,10 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             t208.addcmul_(t195, t196.narrow(-3, f0, n_rows))
             t209 = t200.narrow(-1, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
             if d_V <= 32:
-                torch.matmul(t199, t202, out=t209)
+                _matmul_into(t199, t202, t209)
             else:
                 for r0 in range(0, d_V, 32):
-                    torch.matmul(t199.narrow(-2, r0, min(32, d_V - r0)), t202, out=t209.narrow(-2, r0, min(32, d_V - r0)))
+                    _matmul_into(t199.narrow(-2, r0, min(32, d_V - r0)), t202, t209.narrow(-2, r0, min(32, d_V - r0)))
         del n_rows, t109, t118, t119, t120, t155, t156, t168, t184, t186, t193, t196, t200, t201, t202, t203, t204, t206, t207, t208
         del R
         R210 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -44838,10 +44840,10 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t282 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         t283 = R210.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         if d_V <= 32:
-            torch.matmul(t199, t283, out=t282)
+            _matmul_into(t199, t283, t282)
         else:
             for r0284 in range(0, d_V, 32):
-                torch.matmul(t199.narrow(-2, r0284, min(32, d_V - r0284)), t283, out=t282.narrow(-2, r0284, min(32, d_V - r0284)))
+                _matmul_into(t199.narrow(-2, r0284, min(32, d_V - r0284)), t283, t282.narrow(-2, r0284, min(32, d_V - r0284)))
         del t199, t282, t283
         del R210
         t285 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -44952,10 +44954,10 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             t360.addcmul_(t195, t347.narrow(-3, f0353, n_rows352))
             t361 = t351.narrow(-1, f0353*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows352*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
             if d_V <= 32:
-                torch.matmul(t350, t355, out=t361)
+                _matmul_into(t350, t355, t361)
             else:
                 for r0362 in range(0, d_V, 32):
-                    torch.matmul(t350.narrow(-2, r0362, min(32, d_V - r0362)), t355, out=t361.narrow(-2, r0362, min(32, d_V - r0362)))
+                    _matmul_into(t350.narrow(-2, r0362, min(32, d_V - r0362)), t355, t361.narrow(-2, r0362, min(32, d_V - r0362)))
         del n_rows352, t183, t185, t194, t305, t309, t333, t340, t341, t346, t347, t350, t351, t355, t356, t357, t358, t359, t360
         del R292
         t363 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
@@ -45088,10 +45090,10 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             t455.addcmul_(t440, t441.narrow(-1, f0447, n_rows446))
             t456 = t445.narrow(-1, f0447*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows446*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
             if d_V <= 32:
-                torch.matmul(t444, t449, out=t456)
+                _matmul_into(t444, t449, t456)
             else:
                 for r0457 in range(0, d_V, 32):
-                    torch.matmul(t444.narrow(-2, r0457, min(32, d_V - r0457)), t449, out=t456.narrow(-2, r0457, min(32, d_V - r0457)))
+                    _matmul_into(t444.narrow(-2, r0457, min(32, d_V - r0457)), t449, t456.narrow(-2, r0457, min(32, d_V - r0457)))
         del n_rows446, t108, t117, t406, t410, t425, t426, t432, t433, t439, t440, t441, t444, t445, t448, t449, t450, t451, t452, t453, t454
         del R395
         t458 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
@@ -45212,10 +45214,10 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             torch.mul(t195, t515.narrow(-3, f0521, n_rows520), out=t528)
             t529 = t519.narrow(-1, f0521*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows520*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
             if d_ff <= 32:
-                torch.matmul(t518, t523, out=t529)
+                _matmul_into(t518, t523, t529)
             else:
                 for r0530 in range(0, d_ff, 32):
-                    torch.matmul(t518.narrow(-2, r0530, min(32, d_ff - r0530)), t523, out=t529.narrow(-2, r0530, min(32, d_ff - r0530)))
+                    _matmul_into(t518.narrow(-2, r0530, min(32, d_ff - r0530)), t523, t529.narrow(-2, r0530, min(32, d_ff - r0530)))
         del n_rows520, t167, t195, t494, t495, t500, t501, t505, t511, t512, t515, t518, t519, t523, t524, t525, t526, t527, t528
         del R488
         t531 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]

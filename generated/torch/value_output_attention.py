@@ -19,6 +19,8 @@ import opt_einsum as oe
 import torch
 
 
+from symhess.smallk import matmul_into as _matmul_into
+
 _NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}
 
 

@@ -5,6 +5,8 @@ TORCH = {
     "imports": ["import math", "", "import numpy as np", "import opt_einsum as oe", "import torch"],
     # module-level helpers after the imports
     "preamble": [
+        "from symhess.smallk import matmul_into as _matmul_into",
+        "",
         "_NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}",
         "",
         "",
@@ -44,7 +46,8 @@ TORCH = {
     "view": "{0}.view({1})",
     "mul_into": "torch.mul({0}, {1}, out={2})",
     "addmul_into": "{2}.addcmul_({0}, {1})",
-    "matmul_into": "torch.matmul({0}, {1}, out={2})",
+    # a slab's short-inner-dimension product into rows of the Hessian (symhess.smallk)
+    "matmul_into": "_matmul_into({0}, {1}, {2})",
     "mm_into": "torch.mm({0}, {1}, out={2})",
     "addmm_into": "{2}.addmm_({0}, {1})",
     "bmm_into": "torch.bmm({0}, {1}, out={2})",

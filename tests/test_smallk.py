@@ -1,0 +1,84 @@
+"""The short-inner-dimension products of the slab GEMMs (symhess.smallk): the compiled loop
+nest against BLAS, on strided rows of a larger array, traced, and its fallbacks."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from symhess import smallk
+
+pytestmark = pytest.mark.skipif(smallk.numba is None, reason="numba is not installed")
+
+
+def _strided_out(m, n, dtype, backend):
+    """Rows 0, 3, 6, … of a larger zeroed array, columns 7 … 7+n: what lies between must stay 0."""
+    big = np.zeros((3 * m, n + 11), dtype=dtype)
+    return big, big[::3, 7:7 + n]
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-13), (np.float32, 1e-5)])
+@pytest.mark.parametrize("k", [1, 2, 5, 8, 11, 16])
+@pytest.mark.parametrize("m", [1, 4, 7, 33])
+def test_loop_nest_matches_blas_on_strided_rows(k, m, dtype, tol):
+    rng = np.random.default_rng(k * 100 + m)
+    n = 4099
+    big, out = _strided_out(m, n, dtype, "numpy")
+    a = rng.standard_normal((k, m)).astype(dtype).T          # a transposed (column-major) factor
+    b = rng.standard_normal((k, 2 * n)).astype(dtype)[:, ::2] if k % 2 else \
+        rng.standard_normal((k, n)).astype(dtype)           # odd k: b's rows strided too
+    assert smallk.fast_path(a, b, out)
+    smallk.matmul_numpy(a, b, out)
+    assert k in smallk._kernels
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.abs(out - ref).max() <= tol * np.abs(ref).max()
+    mask = np.ones(big.shape, bool)
+    mask[::3, 7:7 + n] = False
+    assert not big[mask].any()
+
+
+def _close(x, y, tol=1e-13):
+    """Agreement up to rounding, relative to the largest entry (summation orders differ)."""
+    return float((x - y).abs().max()) <= tol * float(y.abs().max())
+
+
+def test_torch_operator_and_its_fallbacks():
+    rng = np.random.default_rng(1)
+    h = torch.zeros(64, 3000, dtype=torch.float64)
+    a = torch.tensor(rng.standard_normal((16, 8)))
+    b = torch.tensor(rng.standard_normal((8, 3000)))
+    smallk.matmul_into(a, b, h[::4])
+    assert _close(h[::4], a @ b)
+    assert not h[1::4].any()
+    # K above the loop nest's limit, batched operands, float16: BLAS, same numbers
+    a17 = torch.tensor(rng.standard_normal((16, smallk.MAX_K + 1)))
+    b17 = torch.tensor(rng.standard_normal((smallk.MAX_K + 1, 3000)))
+    assert not smallk.fast_path(a17.numpy(), b17.numpy(), h[:16].numpy())
+    smallk.matmul_into(a17, b17, h[:16])
+    assert _close(h[:16], a17 @ b17)
+    a3, b3 = a.expand(2, 16, 8), b.expand(2, 8, 3000)
+    out3 = torch.empty(2, 16, 3000, dtype=torch.float64)
+    smallk.matmul_into(a3, b3, out3)
+    assert _close(out3, a3 @ b3)
+    o16 = torch.empty(16, 64, dtype=torch.float16)
+    smallk.matmul_into(a.half(), b[:, :64].half(), o16)
+    assert torch.equal(o16, a.half() @ b[:, :64].half())
+
+
+def test_traced_graph_records_the_operator():
+    rng = np.random.default_rng(2)
+
+    def f(a, b, out):
+        smallk.matmul_into(a, b, out[::2])
+        return out
+
+    a, b = (torch.tensor(rng.standard_normal(s)) for s in ((8, 6), (6, 5000)))
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)     # torch.jit.trace's notice
+        traced = torch.jit.trace(f, (a, b, torch.zeros(16, 5000, dtype=torch.float64)),
+                                 check_trace=False)
+        assert "symhess::matmul_into" in str(traced.graph)
+        a2, b2 = a + 1, b * 2          # replayed on new values, not the traced ones
+        out = traced(a2, b2, torch.zeros(16, 5000, dtype=torch.float64))
+    assert _close(out[::2], a2 @ b2)
+    assert not out[1::2].any()
