@@ -16,6 +16,7 @@ the same numbers up to rounding. For torch it is the operator ``symhess::matmul_
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -31,134 +32,184 @@ ROWS = 4            # rows of ``out`` computed together (each value of ``b`` rea
 MIN_ENTRIES = 4096  # smaller outputs: BLAS (the loop nest's call overhead is a few µs)
 _DTYPES = (np.float64, np.float32)
 
-_kernels: dict[int, object] = {}
+_kernels: dict[tuple[int, bool], object] = {}
 _lock = threading.Lock()
 
 
-def _source(k: int, rows: int = ROWS) -> str:
-    """The loop nest for inner dimension ``k``. ``B`` and ``C`` are flat 1-D arrays: row
-    ``r`` of b starts at ``bo + r*bs``, row ``i`` of out at ``co + i*cs`` (a row of a flat
-    contiguous array is contiguous to numba, so the loop over N vectorises)."""
-    ks, rs = range(k), range(rows)
-    lines = ["def kernel(A, B, bo, bs, C, co, cs, N):",
-             "    M = A.shape[0]"]
-    lines += [f"    b{q} = B[bo + {q}*bs:bo + {q}*bs + N]" for q in ks]
-    lines += [f"    for i in range(0, M - {rows - 1}, {rows}):",
-              "        o = co + i*cs"]
-    lines += [f"        c{r} = C[o + {r}*cs:o + {r}*cs + N]" for r in rs]
-    lines += [f"        a{r}_{q} = A[i + {r}, {q}]" for r in rs for q in ks]
-    lines += ["        for j in range(N):"]
-    lines += [f"            x{q} = b{q}[j]" for q in ks]
-    lines += [f"            c{r}[j] = " + " + ".join(f"a{r}_{q}*x{q}" for q in ks) for r in rs]
-    lines += [f"    for i in range(M - M % {rows}, M):",
-              "        o = co + i*cs",
-              "        c = C[o:o + N]"]
-    lines += [f"        a_{q} = A[i, {q}]" for q in ks]
-    lines += ["        for j in range(N):",
-              "            c[j] = " + " + ".join(f"a_{q}*b{q}[j]" for q in ks)]
+def _source(k: int, add: bool, rows: int = ROWS) -> str:
+    """The loop nest for inner dimension ``k`` that writes (or, ``add``, adds to) ``out``,
+    for each of P products. ``A`` is (P, M, K); ``B`` and ``C`` are flat 1-D arrays: row
+    ``r`` of product ``p``'s b starts at ``bo + p*bp + r*bs``, its row ``i`` of out at
+    ``co + p*cp + i*cs`` (a row of a flat contiguous array is contiguous to numba, so the
+    loop over N vectorises)."""
+    ks, rs, op = range(k), range(rows), "+=" if add else "="
+    lines = ["def kernel(A, B, bo, bp, bs, C, co, cp, cs, N):",
+             "    P, M = A.shape[0], A.shape[1]",
+             "    for p in range(P):",
+             "        b = bo + p*bp"]
+    lines += [f"        b{q} = B[b + {q}*bs:b + {q}*bs + N]" for q in ks]
+    lines += [f"        for i in range(0, M - {rows - 1}, {rows}):",
+              "            o = co + p*cp + i*cs"]
+    lines += [f"            c{r} = C[o + {r}*cs:o + {r}*cs + N]" for r in rs]
+    lines += [f"            a{r}_{q} = A[p, i + {r}, {q}]" for r in rs for q in ks]
+    lines += ["            for j in range(N):"]
+    lines += [f"                x{q} = b{q}[j]" for q in ks]
+    lines += [f"                c{r}[j] {op} " + " + ".join(f"a{r}_{q}*x{q}" for q in ks)
+              for r in rs]
+    lines += [f"        for i in range(M - M % {rows}, M):",
+              "            o = co + p*cp + i*cs",
+              "            c = C[o:o + N]"]
+    lines += [f"            a_{q} = A[p, i, {q}]" for q in ks]
+    lines += ["            for j in range(N):",
+              f"                c[j] {op} " + " + ".join(f"a_{q}*b{q}[j]" for q in ks)]
     return "\n".join(lines) + "\n"
 
 
-def _kernel(k: int):
+def _kernel(k: int, add: bool = False):
     """The compiled loop nest for inner dimension ``k`` (compiled once per process and
     argument types, ≈ 0.5 s each)."""
     with _lock:
-        kern = _kernels.get(k)
+        kern = _kernels.get((k, add))
         if kern is None:
             ns: dict = {}
-            exec(compile(_source(k), f"<symhess.smallk K={k}>", "exec"), ns)
-            kern = _kernels[k] = numba.njit(fastmath=False, boundscheck=False,
-                                            error_model="numpy", nogil=True)(ns["kernel"])
+            exec(compile(_source(k, add), f"<symhess.smallk K={k} add={add}>", "exec"), ns)
+            kern = _kernels[(k, add)] = numba.njit(fastmath=False, boundscheck=False,
+                                                   error_model="numpy", nogil=True)(ns["kernel"])
         return kern
 
 
-def _flat(x: np.ndarray) -> tuple[np.ndarray, int, int] | None:
-    """(a flat contiguous view from x's first entry to its last, row stride) of a 2-D array
-    whose rows are contiguous, or None."""
-    m, n = x.shape
-    s0, s1 = (s // x.itemsize for s in x.strides)
-    if (n > 1 and s1 != 1) or (m > 1 and s0 < n):
+def _layout(shape, strides, written):
+    """(batch stride, row stride) of a (P, M, N) operand whose last axis has unit stride
+    (size-1 axes aside), else None; ``written``: its entries must not overlap either."""
+    (p, m, n), (sp, sm, sn) = shape, strides
+    if n > 1 and sn != 1:
         return None
-    span = (m - 1) * s0 + n if m else 0
-    flat = np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(x.itemsize,))
-    return flat, (s0 if m > 1 else n)
+    sm, sp = (sm if m > 1 else n), (sp if p > 1 else 0)
+    if written:
+        dims = sorted((s, size) for s, size in ((sm, m), (sp, p)) if size > 1)
+        extent = n                       # entries spanned by the faster axes so far
+        for s, size in dims:
+            if s < extent:
+                return None
+            extent = s * (size - 1) + extent
+    elif sm < 0 or sp < 0 or (m > 1 and sm < n):
+        return None
+    return sp, sm
 
 
-def fast_path(a, b, out) -> bool:
-    """True where ``matmul_into`` uses the compiled loop nest for these NumPy arrays."""
-    return (numba is not None and a.ndim == b.ndim == out.ndim == 2
-            and out.dtype in _DTYPES and a.dtype == b.dtype == out.dtype
-            and 0 < a.shape[1] <= MAX_K and out.shape[0] * out.shape[1] >= MIN_ENTRIES
-            and a.shape[0] == out.shape[0] and b.shape[1] == out.shape[1]
-            and a.shape[1] == b.shape[0])
+def _applies(a, b, out, dtypes) -> bool:
+    """The loop nest's conditions on shapes and dtypes (NumPy arrays or tensors alike):
+    (M, K) @ (K, N) → (M, N), or batched (P, M, K) @ (P, K, N) → (P, M, N)."""
+    return (numba is not None and out.ndim in (2, 3) and a.ndim == b.ndim == out.ndim
+            and out.dtype in dtypes and a.dtype == b.dtype == out.dtype
+            and 0 < a.shape[-1] <= MAX_K and a.shape[-1] == b.shape[-2]
+            and a.shape[-2] == out.shape[-2] and b.shape[-1] == out.shape[-1]
+            and a.shape[:-2] == b.shape[:-2] == out.shape[:-2]
+            and math.prod(out.shape) >= MIN_ENTRIES)
 
 
-def matmul_numpy(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """``out[...] = a @ b`` for NumPy arrays (the loop nest where ``fast_path``, else
-    ``np.matmul(a, b, out=out)``)."""
+def _as3(shape, strides):
+    return ((1,) * (3 - len(shape)) + tuple(shape), (0,) * (3 - len(strides)) + tuple(strides))
+
+
+def _span(shape, strides):
+    """Entries from an operand's first to its last (non-negative strides)."""
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+
+
+def fast_path(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
+    """True where ``matmul_numpy`` uses the compiled loop nest for these arrays."""
+    return _applies(a, b, out, _DTYPES) and \
+        _layout(*_as3(out.shape, [s // out.itemsize for s in out.strides]), True) is not None
+
+
+def _flat_np(x: np.ndarray):
+    shape, strides = _as3(x.shape, [s // x.itemsize for s in x.strides])
+    lay = _layout(shape, strides, False)
+    if lay is None:
+        x = np.ascontiguousarray(x)
+        shape, strides = _as3(x.shape, [s // x.itemsize for s in x.strides])
+        lay = _layout(shape, strides, False)
+    flat = np.lib.stride_tricks.as_strided(x, shape=(_span(shape, strides),),
+                                           strides=(x.itemsize,))
+    return flat, lay
+
+
+def matmul_numpy(a: np.ndarray, b: np.ndarray, out: np.ndarray, add: bool = False) -> None:
+    """``out[...] = a @ b`` (``add``: ``out += a @ b``) for NumPy arrays: the loop nest where
+    ``fast_path``, else ``np.matmul``."""
     if fast_path(a, b, out):
-        fo, fb = _flat(out), _flat(b)
-        if fo is not None:
-            if fb is None:
-                fb = _flat(np.ascontiguousarray(b))
-            (cflat, cs), (bflat, bs) = fo, fb
-            _kernel(a.shape[1])(np.ascontiguousarray(a), bflat, 0, bs, cflat, 0, cs, out.shape[1])
-            return
-    np.matmul(a, b, out=out)
+        (cflat, (cp, cs)), (bflat, (bp, bs)) = _flat_np(out), _flat_np(b)
+        a3 = np.ascontiguousarray(a.reshape(_as3(a.shape, a.strides)[0]))
+        _kernel(a.shape[-1], add)(a3, bflat, 0, bp, bs, cflat, 0, cp, cs, out.shape[-1])
+    elif add:
+        out += np.matmul(a, b)
+    else:
+        np.matmul(a, b, out=out)
 
 
 # -- the torch operator ------------------------------------------------------------------
 
 _LIB = torch.library.Library("symhess", "DEF")
-_LIB.define("matmul_into(Tensor a, Tensor b, Tensor(a!) out) -> ()")
+_LIB.define("matmul_into(Tensor a, Tensor b, Tensor(a!) out, bool add=False) -> ()")
+_TORCH_DTYPES = (torch.float64, torch.float32)
 
 
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """(a flat view of a 2-D tensor from its first entry to its last, row stride) where its
-    rows are contiguous and do not overlap, else None (the tensor counterpart of ``_flat``,
-    cheaper per call than NumPy's ``as_strided``)."""
-    m, n = x.shape
-    s0, s1 = x.stride()
-    if (n > 1 and s1 != 1) or (m > 1 and s0 < n):
-        return None
-    return x.as_strided(((m - 1) * s0 + n if m else 0,), (1,)), (s0 if m > 1 else n)
+def _flat_torch(x: torch.Tensor, written: bool):
+    """(a flat view from x's first entry to its last, (batch stride, row stride)) of a
+    (P,) M, N tensor laid out for the loop nest (``_layout``); a read operand that is not is
+    made contiguous first; None for a written one."""
+    shape, strides = _as3(x.shape, x.stride())
+    lay = _layout(shape, strides, written)
+    if lay is None:
+        if written:
+            return None
+        x = x.contiguous()
+        shape, strides = _as3(x.shape, x.stride())
+        lay = _layout(shape, strides, False)
+    return x.as_strided((_span(shape, strides),), (1,)), lay
 
 
-def _cpu(a, b, out):
-    if numba is not None and a.dim() == b.dim() == out.dim() == 2 \
-            and out.dtype in (torch.float64, torch.float32) and a.dtype == b.dtype == out.dtype \
-            and 0 < a.shape[1] <= MAX_K and out.numel() >= MIN_ENTRIES \
-            and not (a.requires_grad or b.requires_grad or out.requires_grad):
-        fo = _rows(out)
-        if fo is not None:
-            fb = _rows(b) or _rows(b.contiguous())
-            (cflat, cs), (bflat, bs) = fo, fb
-            _kernel(a.shape[1])(a.contiguous().numpy(), bflat.numpy(), 0, bs, cflat.numpy(), 0, cs,
-                                out.shape[1])
-            return
-    torch.matmul(a, b, out=out)
+def _blas(a, b, out, add):
+    if not add:
+        torch.matmul(a, b, out=out)
+    elif out.dim() == 2:
+        out.addmm_(a, b)
+    elif out.dim() == 3:
+        out.baddbmm_(a, b)
+    else:
+        out += torch.matmul(a, b)
 
 
-def _other(a, b, out):
-    torch.matmul(a, b, out=out)
+def _cpu(a, b, out, add=False):
+    fo = _flat_torch(out, True) if _applies(a, b, out, _TORCH_DTYPES) and not (
+        a.requires_grad or b.requires_grad or out.requires_grad) else None
+    if fo is None:
+        _blas(a, b, out, add)
+        return
+    (cflat, (cp, cs)), (bflat, (bp, bs)) = fo, _flat_torch(b, False)
+    a3 = a.reshape(_as3(a.shape, a.stride())[0]).contiguous()
+    _kernel(a.shape[-1], add)(a3.numpy(), bflat.numpy(), 0, bp, bs, cflat.numpy(), 0, cp, cs,
+                              out.shape[-1])
 
 
 _LIB.impl("matmul_into", _cpu, "CPU")
 for _key in ("CUDA", "Meta", "MPS", "XPU"):
     try:
-        _LIB.impl("matmul_into", _other, _key)
+        _LIB.impl("matmul_into", _blas, _key)
     except RuntimeError:      # pragma: no cover - a dispatch key this build lacks
         pass
 
 _op = torch.ops.symhess.matmul_into.default
 
 
-def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``torch.matmul(a, b, out=out)``, through the loop nest for CPU tensors (module doc).
-    Eager calls skip the dispatcher (a few µs each); a trace records the operator."""
+def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, add: bool = False) -> None:
+    """``torch.matmul(a, b, out=out)`` (``add``: ``out += a @ b``), through the loop nest for
+    CPU tensors (module doc). Eager calls skip the dispatcher (a few µs each); a trace records
+    the operator."""
     if torch.jit.is_tracing():
-        _op(a, b, out)
+        _op(a, b, out, add)
     elif out.device.type == "cpu":
-        _cpu(a, b, out)
+        _cpu(a, b, out, add)
     else:
-        torch.matmul(a, b, out=out)
+        _blas(a, b, out, add)

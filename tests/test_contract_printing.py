@@ -10,6 +10,7 @@ from symhess import expr as E
 from symhess.codegen import TARGETS
 from symhess.printing.code import BATCH, Routine
 from symhess.printing.index import Lowering
+from symhess.smallk import matmul_into
 
 LETTERS = "abcdefghij"
 
@@ -217,9 +218,9 @@ def test_broadcast_product_is_computed_in_the_requested_layout(backend):
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 def test_matrix_product_is_written_straight_into_a_strided_block(backend):
-    """A product (P, M, K) @ (P, K, N) already in the block's order is written by BLAS into
-    the block (a column slice of a wider array: strided rows) instead of via a temporary;
-    torch also accumulates in place (baddbmm_/addmm_). A layout whose groups cannot merge in
+    """A product (P, M, K) @ (P, K, N) already in the block's order is written by BLAS
+    (NumPy) or ``symhess.smallk.matmul_into`` (torch) into the block (a column slice of a
+    wider array: strided rows) instead of via a temporary; torch also accumulates in place. A layout whose groups cannot merge in
     place (M across the rows and the columns) is left to the copying write."""
     rng = np.random.default_rng(3)
     x3, y3 = rng.standard_normal((3, 4, 6)), rng.standard_normal((3, 6, 5))
@@ -238,7 +239,7 @@ def test_matrix_product_is_written_straight_into_a_strided_block(backend):
         assert code in rt.gemms, code
         want = np.einsum(spec, x, y)
         wide = np.full((shape[0], shape[1] + 7), np.nan)
-        ns = {"np": np, "torch": torch}
+        ns = {"np": np, "torch": torch, "_matmul_into": matmul_into}
         if backend == "torch":
             wide = torch.tensor(wide)
             ns.update(X_=torch.tensor(x), Y_=torch.tensor(y))
@@ -253,8 +254,8 @@ def test_matrix_product_is_written_straight_into_a_strided_block(backend):
         got = np.asarray(ns["blk_"]).reshape(want.shape)
         assert np.allclose(got, (2 if added else 1) * want)
         assert np.isnan(np.asarray(wide)[:, :7]).all()      # nothing outside the block
-        assert any(("matmul(" if backend == "numpy" else "mm(") in ln and "out=" in ln
-                   for ln in rt.lines)
+        assert any("np.matmul(" in ln and "out=" in ln if backend == "numpy" else
+                   ln.startswith("_matmul_into(") for ln in rt.lines)
     rt = routine(backend)
     p, m, k, n = (rt.lw.labels.new(s) for s in (3, 4, 6, 5))
     code = rt.product("X_", [p, m, k], "Y_", [p, k, n], [p, m, n])
@@ -292,7 +293,7 @@ def test_a_block_term_is_split_so_that_its_gemm_writes_the_block(backend):
     assert code.split is not None and code in rt.gemms
     want = np.einsum("lf,lj,lkq->kfjq", arrays["C_"], arrays["X_"], arrays["E_"])
     wide = np.full((64, 32 + 5), np.nan)
-    ns = {"np": np, "torch": torch}
+    ns = {"np": np, "torch": torch, "_matmul_into": matmul_into}
     conv = torch.tensor if backend == "torch" else (lambda a: a)
     ns.update({k: conv(v) for k, v in arrays.items()})
     wide = conv(wide)

@@ -17,24 +17,63 @@ def _strided_out(m, n, dtype, backend):
     return big, big[::3, 7:7 + n]
 
 
-@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-13), (np.float32, 1e-5)])
-@pytest.mark.parametrize("k", [1, 2, 5, 8, 11, 16])
+# each (K, add, dtype) compiles once (≈ 0.5 s): a few K, float32 only for one
+@pytest.mark.parametrize("k,dtype,tol", [(1, np.float64, 1e-13), (5, np.float64, 1e-13),
+                                         (8, np.float64, 1e-13), (16, np.float64, 1e-13),
+                                         (8, np.float32, 1e-5)])
 @pytest.mark.parametrize("m", [1, 4, 7, 33])
-def test_loop_nest_matches_blas_on_strided_rows(k, m, dtype, tol):
+@pytest.mark.parametrize("add", [False, True])
+def test_loop_nest_matches_blas_on_strided_rows(k, m, dtype, tol, add):
     rng = np.random.default_rng(k * 100 + m)
     n = 4099
     big, out = _strided_out(m, n, dtype, "numpy")
+    before = rng.standard_normal(out.shape).astype(dtype)
+    out[...] = before
     a = rng.standard_normal((k, m)).astype(dtype).T          # a transposed (column-major) factor
     b = rng.standard_normal((k, 2 * n)).astype(dtype)[:, ::2] if k % 2 else \
         rng.standard_normal((k, n)).astype(dtype)           # odd k: b's rows strided too
     assert smallk.fast_path(a, b, out)
-    smallk.matmul_numpy(a, b, out)
-    assert k in smallk._kernels
-    ref = a.astype(np.float64) @ b.astype(np.float64)
+    smallk.matmul_numpy(a, b, out, add)
+    assert (k, add) in smallk._kernels
+    ref = a.astype(np.float64) @ b.astype(np.float64) + (before if add else 0)
     assert np.abs(out - ref).max() <= tol * np.abs(ref).max()
     mask = np.ones(big.shape, bool)
     mask[::3, 7:7 + n] = False
     assert not big[mask].any()
+
+
+@pytest.mark.parametrize("layout", ["batch outer", "batch inside rows", "a broadcast", "b broadcast"])
+def test_batched_products_into_strided_blocks(layout):
+    """(P, M, K) @ (P, K, N) into a (P, M, N) view of a larger array, as the printer's
+    batched writes do (``baddbmm_`` into Hessian blocks, one half expanded along P)."""
+    rng = np.random.default_rng(3)
+    p, m, k, n = 5, 6, 8, 700
+    big = torch.zeros(40, 8000, dtype=torch.float64)
+    if layout == "batch inside rows":      # out[p, i] is row i of big, columns p*n … p*n+n
+        out = big[:m, :p * n].view(m, p, n).permute(1, 0, 2)
+    else:
+        out = big[:p * m].view(p, m, 8000)[..., 13:13 + n]
+    a = torch.tensor(rng.standard_normal((p, m, k)))
+    b = torch.tensor(rng.standard_normal((p, k, n)))
+    if layout == "a broadcast":
+        a = a[:1].expand(p, m, k)
+    if layout == "b broadcast":
+        b = b[:1].expand(p, k, n)
+    assert smallk.fast_path(a.numpy(), b.numpy(), out.numpy())
+    before = big.clone()
+    smallk.matmul_into(a, b, out)
+    assert _close(out, a @ b)
+    smallk.matmul_into(a, b, out, add=True)
+    assert _close(out, 2 * (a @ b))
+    out.zero_()
+    assert torch.equal(big, before), "entries outside the view were written"
+
+
+def test_overlapping_outputs_take_blas():
+    base = torch.zeros(10000, dtype=torch.float64)
+    out = base.as_strided((8, 1000), (500, 1))          # rows overlap: not the loop nest
+    a, b = np.ones((8, 4)), np.ones((4, 1000))
+    assert not smallk.fast_path(a, b, out.numpy())
 
 
 def _close(x, y, tol=1e-13):
@@ -50,16 +89,23 @@ def test_torch_operator_and_its_fallbacks():
     smallk.matmul_into(a, b, h[::4])
     assert _close(h[::4], a @ b)
     assert not h[1::4].any()
-    # K above the loop nest's limit, batched operands, float16: BLAS, same numbers
+    smallk.matmul_into(a, b, h[::4], add=True)
+    assert _close(h[::4], 2 * (a @ b))
+    assert not h[1::4].any()
+    # K above the loop nest's limit, float16: BLAS; batched operands: the loop nest per batch
     a17 = torch.tensor(rng.standard_normal((16, smallk.MAX_K + 1)))
     b17 = torch.tensor(rng.standard_normal((smallk.MAX_K + 1, 3000)))
     assert not smallk.fast_path(a17.numpy(), b17.numpy(), h[:16].numpy())
     smallk.matmul_into(a17, b17, h[:16])
     assert _close(h[:16], a17 @ b17)
+    smallk.matmul_into(a17, b17, h[:16], add=True)
+    assert _close(h[:16], 2 * (a17 @ b17))
     a3, b3 = a.expand(2, 16, 8), b.expand(2, 8, 3000)
     out3 = torch.empty(2, 16, 3000, dtype=torch.float64)
     smallk.matmul_into(a3, b3, out3)
     assert _close(out3, a3 @ b3)
+    smallk.matmul_into(a3, b3, out3, add=True)
+    assert _close(out3, 2 * (a3 @ b3))
     o16 = torch.empty(16, 64, dtype=torch.float16)
     smallk.matmul_into(a.half(), b[:, :64].half(), o16)
     assert torch.equal(o16, a.half() @ b[:, :64].half())
@@ -70,6 +116,7 @@ def test_traced_graph_records_the_operator():
 
     def f(a, b, out):
         smallk.matmul_into(a, b, out[::2])
+        smallk.matmul_into(a, b, out[1::2], add=True)
         return out
 
     a, b = (torch.tensor(rng.standard_normal(s)) for s in ((8, 6), (6, 5000)))
@@ -79,6 +126,6 @@ def test_traced_graph_records_the_operator():
                                  check_trace=False)
         assert "symhess::matmul_into" in str(traced.graph)
         a2, b2 = a + 1, b * 2          # replayed on new values, not the traced ones
-        out = traced(a2, b2, torch.zeros(16, 5000, dtype=torch.float64))
+        out = traced(a2, b2, torch.ones(16, 5000, dtype=torch.float64))
     assert _close(out[::2], a2 @ b2)
-    assert not out[1::2].any()
+    assert _close(out[1::2], 1 + a2 @ b2)

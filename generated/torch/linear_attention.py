@@ -9094,7 +9094,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t82 = (t81.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
         t83 = t77.reshape((1, d_K, L*n_batch))
         t84 = t67.view((d_V, d_K, d_K*d_V))
-        torch.bmm(t83.expand(*(d_V,), *t83.shape[-2:]), t76.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t84)
+        _matmul_into(t83.expand(*(d_V,), *t83.shape[-2:]), t76.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t84)
         t78.addcmul_(t80.reshape((1, 1, d_K)), t82.reshape((d_V, d_V, 1)))
         t85 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
         t86 = t85.view((d_V, d_K, d_V, d_K))
@@ -9102,7 +9102,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t88 = (t87.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t68.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
         t89 = (t88.permute(3, 2, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t23.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
         t90 = t86.view((d_V, d_K, d_K*d_V))
-        torch.bmm(t83.expand(*(d_V,), *t83.shape[-2:]), t89.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t90)
+        _matmul_into(t83.expand(*(d_V,), *t83.shape[-2:]), t89.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t90)
         t91 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t92 = t91.view((d_V, d_K, d_V, d_V))
         t93 = t0 @ X
@@ -9118,7 +9118,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t92[...] = ((t95.reshape((d_V**2, n_batch)) @ t96.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
         t103 = t102.reshape((1, d_K, L*n_batch))
         t104 = t92.view((d_V, d_K, d_V**2))
-        t104.baddbmm_(t103.expand(*(d_V,), *t103.shape[-2:]), t101.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
+        _matmul_into(t103.expand(*(d_V,), *t103.shape[-2:]), t101.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t104, add=True)
         t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
         t106 = t105.view((d_V, d_V, d_V, d_K))
         t107 = t3.transpose(-1, -2)
@@ -13429,7 +13429,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         del t125
         t127 = t111.view((d_V, d_V, d_K*d_V))
         del t111
-        t127.baddbmm_(t126.expand(*(d_V,), *t126.shape[-2:]), t124.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        _matmul_into(t126.expand(*(d_V,), *t126.shape[-2:]), t124.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t127, add=True)
         del t124, t127
         t128 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
         t129 = t128.view((d_V, d_V, d_V, d_K))
@@ -13448,7 +13448,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         del t130, t132
         t135 = t129.view((d_V, d_V, d_K*d_V))
         del t129
-        t135.baddbmm_(t126.expand(*(d_V,), *t126.shape[-2:]), t134.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        _matmul_into(t126.expand(*(d_V,), *t126.shape[-2:]), t134.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t135, add=True)
         del t126, t134, t135
         t136 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t137 = t136.view((d_V, d_V, d_V, d_V))

@@ -376,7 +376,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t67 = t66.reshape((1, d_K, L*n_batch))
         t68 = t1.view((d_V, d_K, d_K*d_V))
         del t1
-        torch.bmm(t67.expand(*(d_V,), *t67.shape[-2:]), t65.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t68)
+        _matmul_into(t67.expand(*(d_V,), *t67.shape[-2:]), t65.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t68)
         del t65, t68
         t69 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
         t70 = t69.view((d_V, d_K, d_V, d_K))
@@ -388,7 +388,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t72, t73
         t75 = t70.view((d_V, d_K, d_K*d_V))
         del t70
-        torch.bmm(t67.expand(*(d_V,), *t67.shape[-2:]), t74.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t75)
+        _matmul_into(t67.expand(*(d_V,), *t67.shape[-2:]), t74.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t75)
         del t74, t75
         t76 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t77 = t76.view((d_V, d_K, d_V, d_V))
@@ -462,7 +462,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t124, t125
         t127 = t117.view((d_V, d_K, d_V*d_ff))
         del t117
-        torch.bmm(t67.expand(*(d_V,), *t67.shape[-2:]), t126.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V*d_ff)), out=t127)
+        _matmul_into(t67.expand(*(d_V,), *t67.shape[-2:]), t126.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V*d_ff)), t127)
         del t126, t127
         t128 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
         t129 = t128.view((d_V, d_K, d_ff, d_V))
@@ -477,7 +477,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t131, t132
         t134 = t129.view((d_V, d_K, d_V*d_ff))
         del t129
-        torch.bmm(t67.expand(*(d_V,), *t67.shape[-2:]), t133.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V*d_ff)), out=t134)
+        _matmul_into(t67.expand(*(d_V,), *t67.shape[-2:]), t133.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V*d_ff)), t134)
         del t133, t134, t67
         t135 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
         t136 = t135.view((d_V, d_K, d_V, d_K))
@@ -494,7 +494,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t142
         t144 = t136.view((d_V, d_K, d_K*d_V))
         del t136
-        torch.bmm(t143.expand(*(d_V,), *t143.shape[-2:]), t141.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t144)
+        _matmul_into(t143.expand(*(d_V,), *t143.shape[-2:]), t141.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t144)
         del t141, t144
         t145 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
         t146 = t145.view((d_V, d_K, d_V, d_K))
@@ -505,7 +505,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t147
         t149 = t146.view((d_V, d_K, d_K*d_V))
         del t146
-        torch.bmm(t143.expand(*(d_V,), *t143.shape[-2:]), t148.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t149)
+        _matmul_into(t143.expand(*(d_V,), *t143.shape[-2:]), t148.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t149)
         del t148, t149
         t150 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t151 = t150.view((d_V, d_K, d_V, d_V))
@@ -533,7 +533,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t151[...] = (t156.reshape((1, d_K, L*n_batch)) @ t170.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))
         del t156, t170
         t171 = t151.view((d_V, d_K, d_V**2))
-        t171.baddbmm_(t143.expand(*(d_V,), *t143.shape[-2:]), t158.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
+        _matmul_into(t143.expand(*(d_V,), *t143.shape[-2:]), t158.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t171, add=True)
         del t158, t171
         t151 += ((t160.reshape((d_K*d_V, L*n_batch)) @ t159.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
         del t151, t159, t160
@@ -547,7 +547,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t174, t175
         t177 = t173.view((d_V, d_K, d_V*d_ff))
         del t173
-        torch.bmm(t143.expand(*(d_V,), *t143.shape[-2:]), t176.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V*d_ff)), out=t177)
+        _matmul_into(t143.expand(*(d_V,), *t143.shape[-2:]), t176.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V*d_ff)), t177)
         del t176, t177
         t178 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
         t179 = t178.view((d_V, d_K, d_ff, d_V))
@@ -558,7 +558,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t180
         t182 = t179.view((d_V, d_K, d_V*d_ff))
         del t179
-        torch.bmm(t143.expand(*(d_V,), *t143.shape[-2:]), t181.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V*d_ff)), out=t182)
+        _matmul_into(t143.expand(*(d_V,), *t143.shape[-2:]), t181.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V*d_ff)), t182)
         del t143, t181, t182
         t183 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
         t184 = t183.view((d_V, d_V, d_V, d_K))
@@ -7695,7 +7695,7 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=No
     del t206
     t208 = t188.view((d_V, d_ff, d_K*d_V))
     del t188
-    torch.bmm(t207.expand(*(d_V,), *t207.shape[-2:]), t205.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t208)
+    _matmul_into(t207.expand(*(d_V,), *t207.shape[-2:]), t205.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t208)
     del t205, t208
     t209 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
     t210 = t209.view((d_V, d_ff, d_V, d_K))
@@ -7706,7 +7706,7 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=No
     del t211
     t213 = t210.view((d_V, d_ff, d_K*d_V))
     del t210
-    torch.bmm(t207.expand(*(d_V,), *t207.shape[-2:]), t212.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t213)
+    _matmul_into(t207.expand(*(d_V,), *t207.shape[-2:]), t212.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t213)
     del t212, t213
     t214 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t215 = t214.view((d_V, d_ff, d_V, d_V))
@@ -7720,7 +7720,7 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=No
     del t217
     t220 = t215.view((d_V, d_ff, d_V**2))
     del t215
-    torch.bmm(t207.expand(*(d_V,), *t207.shape[-2:]), t219.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), out=t220)
+    _matmul_into(t207.expand(*(d_V,), *t207.shape[-2:]), t219.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t220)
     del t207, t219, t220
     t221 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
     t221[...] = 0
@@ -12788,7 +12788,7 @@ def mse_bias0_causal0__block__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t65 = t45.permute(1, 0, 2)
     t66 = t65.reshape((1, d_ff, L*n_batch))
     t67 = t0.view((d_V, d_ff, d_K*d_V))
-    torch.bmm(t66.expand(*(d_V,), *t66.shape[-2:]), t64.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t67)
+    _matmul_into(t66.expand(*(d_V,), *t66.shape[-2:]), t64.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t67)
     return out
 
 
@@ -12975,7 +12975,7 @@ def mse_bias0_causal0__block__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t65 = t45.permute(1, 0, 2)
     t66 = t65.reshape((1, d_ff, L*n_batch))
     t67 = t0.view((d_V, d_ff, d_K*d_V))
-    torch.bmm(t66.expand(*(d_V,), *t66.shape[-2:]), t64.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t67)
+    _matmul_into(t66.expand(*(d_V,), *t66.shape[-2:]), t64.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t67)
     return out
 
 
@@ -13155,7 +13155,7 @@ def mse_bias0_causal0__block__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t60 = t45.permute(1, 0, 2)
     t61 = t60.reshape((1, d_ff, L*n_batch))
     t62 = t0.view((d_V, d_ff, d_V**2))
-    torch.bmm(t61.expand(*(d_V,), *t61.shape[-2:]), t59.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), out=t62)
+    _matmul_into(t61.expand(*(d_V,), *t61.shape[-2:]), t59.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t62)
     return out
 
 
@@ -14919,7 +14919,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t481
         t483 = t467.view((d_V, d_ff, d_K*d_V))
         del t467
-        t483.baddbmm_(t482.expand(*(d_V,), *t482.shape[-2:]), t480.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        _matmul_into(t482.expand(*(d_V,), *t482.shape[-2:]), t480.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t483, add=True)
         del t480, t483
         t484 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
         t485 = t484.view((d_V, d_ff, d_V, d_K))
@@ -14930,7 +14930,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t486
         t488 = t485.view((d_V, d_ff, d_K*d_V))
         del t485
-        t488.baddbmm_(t482.expand(*(d_V,), *t482.shape[-2:]), t487.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        _matmul_into(t482.expand(*(d_V,), *t482.shape[-2:]), t487.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t488, add=True)
         del t487, t488
         t489 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t490 = t489.view((d_V, d_ff, d_V, d_V))
@@ -14941,7 +14941,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t491
         t494 = t490.view((d_V, d_ff, d_V**2))
         del t490
-        t494.baddbmm_(t482.expand(*(d_V,), *t482.shape[-2:]), t493.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
+        _matmul_into(t482.expand(*(d_V,), *t482.shape[-2:]), t493.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t494, add=True)
         del t482, t493, t494
         t495 = t39.transpose(-1, -2)
         t499 = (t411.permute(0, 2, 1) @ S69.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -15674,7 +15674,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t350 = t341.reshape((1, d_ff, L*n_batch))
     del t341
     t351 = t323.view((d_V, d_ff, d_K*d_V))
-    torch.bmm(t350.expand(*(d_V,), *t350.shape[-2:]), t340.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t351)
+    _matmul_into(t350.expand(*(d_V,), *t350.shape[-2:]), t340.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t351)
     del t340, t351
     t323 += ((t344.reshape((d_V**2, L*n_batch)) @ t349.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
     del t323, t344, t349
@@ -15690,7 +15690,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t357 = ((N_1.permute(0, 2, 1) @ t348.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
     del t348
     t358 = t353.view((d_V, d_ff, d_K*d_V))
-    torch.bmm(t350.expand(*(d_V,), *t350.shape[-2:]), t355.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t358)
+    _matmul_into(t350.expand(*(d_V,), *t350.shape[-2:]), t355.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t358)
     del t350, t355, t358
     t353 += ((t357.reshape((d_V*d_ff, L*n_batch)) @ t356.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     del t353, t356, t357
@@ -23219,7 +23219,7 @@ def mse_bias0_causal0__block__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t82 = ((t58.permute(0, 2, 1) @ t81.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
     t83 = t65.reshape((1, d_ff, L*n_batch))
     t84 = t0.view((d_V, d_ff, d_K*d_V))
-    torch.bmm(t83.expand(*(d_V,), *t83.shape[-2:]), t64.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t84)
+    _matmul_into(t83.expand(*(d_V,), *t83.shape[-2:]), t64.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t84)
     t0 += ((t77.reshape((d_V**2, L*n_batch)) @ t82.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -23452,7 +23452,7 @@ def mse_bias0_causal0__block__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t82 = ((N_1.permute(0, 2, 1) @ t81.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
     t83 = t65.reshape((1, d_ff, L*n_batch))
     t84 = t0.view((d_V, d_ff, d_K*d_V))
-    torch.bmm(t83.expand(*(d_V,), *t83.shape[-2:]), t64.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t84)
+    _matmul_into(t83.expand(*(d_V,), *t83.shape[-2:]), t64.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t84)
     t0 += ((t82.reshape((d_V*d_ff, L*n_batch)) @ t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -23675,7 +23675,7 @@ def mse_bias0_causal0__block__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t75 = (t74.permute(3, 2, 0, 1) * t61.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t76 = t60.reshape((1, d_ff, L*n_batch))
     t77 = t0.view((d_V, d_ff, d_V**2))
-    torch.bmm(t76.expand(*(d_V,), *t76.shape[-2:]), t59.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), out=t77)
+    _matmul_into(t76.expand(*(d_V,), *t76.shape[-2:]), t59.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t77)
     t0.addcmul_(W_2.reshape((1, d_ff, 1, d_V)), t64.reshape((d_V, d_ff, d_V, 1)))
     t0 += ((t69.reshape((d_V**2, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(0, 2, 1, 3)
     return out
@@ -37632,7 +37632,7 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=Non
     del t211
     t213 = t193.view((d_V, d_ff, d_K*d_V))
     del t193
-    torch.bmm(t212.expand(*(d_V,), *t212.shape[-2:]), t210.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t213)
+    _matmul_into(t212.expand(*(d_V,), *t212.shape[-2:]), t210.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t213)
     del t210, t213
     t214 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
     t215 = t214.view((d_V, d_ff, d_V, d_K))
@@ -37643,7 +37643,7 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=Non
     del t216
     t218 = t215.view((d_V, d_ff, d_K*d_V))
     del t215
-    torch.bmm(t212.expand(*(d_V,), *t212.shape[-2:]), t217.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t218)
+    _matmul_into(t212.expand(*(d_V,), *t212.shape[-2:]), t217.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t218)
     del t217, t218
     t219 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t220 = t219.view((d_V, d_ff, d_V, d_V))
@@ -37657,7 +37657,7 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=Non
     del t222
     t225 = t220.view((d_V, d_ff, d_V**2))
     del t220
-    torch.bmm(t212.expand(*(d_V,), *t212.shape[-2:]), t224.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), out=t225)
+    _matmul_into(t212.expand(*(d_V,), *t212.shape[-2:]), t224.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t225)
     del t212, t224, t225
     t226 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
     t226[...] = 0
@@ -42924,7 +42924,7 @@ def ce_bias0_causal0__block__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t70 = t50.permute(1, 0, 2)
     t71 = t70.reshape((1, d_ff, L*n_batch))
     t72 = t0.view((d_V, d_ff, d_K*d_V))
-    torch.bmm(t71.expand(*(d_V,), *t71.shape[-2:]), t69.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t72)
+    _matmul_into(t71.expand(*(d_V,), *t71.shape[-2:]), t69.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t72)
     return out
 
 
@@ -43121,7 +43121,7 @@ def ce_bias0_causal0__block__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t70 = t50.permute(1, 0, 2)
     t71 = t70.reshape((1, d_ff, L*n_batch))
     t72 = t0.view((d_V, d_ff, d_K*d_V))
-    torch.bmm(t71.expand(*(d_V,), *t71.shape[-2:]), t69.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t72)
+    _matmul_into(t71.expand(*(d_V,), *t71.shape[-2:]), t69.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t72)
     return out
 
 
@@ -43311,7 +43311,7 @@ def ce_bias0_causal0__block__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t65 = t50.permute(1, 0, 2)
     t66 = t65.reshape((1, d_ff, L*n_batch))
     t67 = t0.view((d_V, d_ff, d_V**2))
-    torch.bmm(t66.expand(*(d_V,), *t66.shape[-2:]), t64.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), out=t67)
+    _matmul_into(t66.expand(*(d_V,), *t66.shape[-2:]), t64.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t67)
     return out
 
 
@@ -45128,7 +45128,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t473
         t475 = t459.view((d_V, d_ff, d_K*d_V))
         del t459
-        t475.baddbmm_(t474.expand(*(d_V,), *t474.shape[-2:]), t472.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        _matmul_into(t474.expand(*(d_V,), *t474.shape[-2:]), t472.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t475, add=True)
         del t472, t475
         t476 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
         t477 = t476.view((d_V, d_ff, d_V, d_K))
@@ -45139,7 +45139,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t478
         t480 = t477.view((d_V, d_ff, d_K*d_V))
         del t477
-        t480.baddbmm_(t474.expand(*(d_V,), *t474.shape[-2:]), t479.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)))
+        _matmul_into(t474.expand(*(d_V,), *t474.shape[-2:]), t479.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t480, add=True)
         del t479, t480
         t481 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t482 = t481.view((d_V, d_ff, d_V, d_V))
@@ -45151,7 +45151,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t483
         t486 = t482.view((d_V, d_ff, d_V**2))
         del t482
-        t486.baddbmm_(t474.expand(*(d_V,), *t474.shape[-2:]), t485.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)))
+        _matmul_into(t474.expand(*(d_V,), *t474.shape[-2:]), t485.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t486, add=True)
         del t474, t485, t486
         t487 = t40.transpose(-1, -2)
         del t40
@@ -53978,7 +53978,7 @@ def ce_bias0_causal0__block__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t92 = ((t63.permute(0, 2, 1) @ t91.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
     t93 = t70.reshape((1, d_ff, L*n_batch))
     t94 = t0.view((d_V, d_ff, d_K*d_V))
-    torch.bmm(t93.expand(*(d_V,), *t93.shape[-2:]), t69.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t94)
+    _matmul_into(t93.expand(*(d_V,), *t93.shape[-2:]), t69.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t94)
     t0 += ((t85.reshape((d_V**2, L*n_batch)) @ t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -54238,7 +54238,7 @@ def ce_bias0_causal0__block__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t92 = ((N_1.permute(0, 2, 1) @ t91.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
     t93 = t70.reshape((1, d_ff, L*n_batch))
     t94 = t0.view((d_V, d_ff, d_K*d_V))
-    torch.bmm(t93.expand(*(d_V,), *t93.shape[-2:]), t69.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), out=t94)
+    _matmul_into(t93.expand(*(d_V,), *t93.shape[-2:]), t69.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t94)
     t0 += ((t92.reshape((d_V*d_ff, L*n_batch)) @ t85.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -54479,7 +54479,7 @@ def ce_bias0_causal0__block__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     S77 = (t52.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t76.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
     t86 = t65.reshape((1, d_ff, L*n_batch))
     t87 = t0.view((d_V, d_ff, d_V**2))
-    torch.bmm(t86.expand(*(d_V,), *t86.shape[-2:]), t64.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), out=t87)
+    _matmul_into(t86.expand(*(d_V,), *t86.shape[-2:]), t64.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t87)
     t88 = t66.permute(2, 0, 1)
     t90 = (t66.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t74.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t91 = (t90.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t1).reshape((n_batch, L, d_V, d_V))

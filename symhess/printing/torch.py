@@ -46,12 +46,13 @@ TORCH = {
     "view": "{0}.view({1})",
     "mul_into": "torch.mul({0}, {1}, out={2})",
     "addmul_into": "{2}.addcmul_({0}, {1})",
-    # a slab's short-inner-dimension product into rows of the Hessian (symhess.smallk)
+    # products written (or added) into rows of the Hessian: a loop nest for short inner
+    # dimensions on the CPU, BLAS otherwise (symhess.smallk)
     "matmul_into": "_matmul_into({0}, {1}, {2})",
-    "mm_into": "torch.mm({0}, {1}, out={2})",
-    "addmm_into": "{2}.addmm_({0}, {1})",
-    "bmm_into": "torch.bmm({0}, {1}, out={2})",
-    "addbmm_into": "{2}.baddbmm_({0}, {1})",
+    "mm_into": "_matmul_into({0}, {1}, {2})",
+    "addmm_into": "_matmul_into({0}, {1}, {2}, add=True)",
+    "bmm_into": "_matmul_into({0}, {1}, {2})",
+    "addbmm_into": "_matmul_into({0}, {1}, {2}, add=True)",
     "reshape": "{0}.reshape({1})",
     "permute": "{0}.permute({1})",
     "flatten_mats": "{0}.reshape(*{0}.shape[:-2], {1}, 1)",
