@@ -104,17 +104,20 @@ def _applies(a, b, out, dtypes) -> bool:
             and out.dtype in dtypes and a.dtype == b.dtype == out.dtype
             and 0 < a.shape[-1] <= MAX_K and a.shape[-1] == b.shape[-2]
             and a.shape[-2] == out.shape[-2] and b.shape[-1] == out.shape[-1]
-            and a.shape[:-2] == b.shape[:-2] == out.shape[:-2]
+            and (out.ndim == 2 or a.shape[0] == b.shape[0] == out.shape[0])
             and math.prod(out.shape) >= MIN_ENTRIES)
 
 
 def _as3(shape, strides):
-    return ((1,) * (3 - len(shape)) + tuple(shape), (0,) * (3 - len(strides)) + tuple(strides))
+    if len(shape) == 3:
+        return tuple(shape), tuple(strides)
+    return (1, shape[0], shape[1]), (0, strides[0], strides[1])
 
 
 def _span(shape, strides):
     """Entries from an operand's first to its last (non-negative strides)."""
-    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    (p, m, n), (sp, sm, sn) = shape, strides
+    return 1 + (p - 1) * sp + (m - 1) * sm + (n - 1) * sn
 
 
 def fast_path(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
