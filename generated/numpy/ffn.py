@@ -733,7 +733,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
         t25 = np.reshape(t24, (d_V, L*n_batch))
         t26 = (1/n_batch) * t25
         t27 = np.reshape(H[0:d_V*d_ff], (d_V, 2*d_V*d_ff**2), copy=False)
-        n_rows = max(1, min(d_ff, 131072 // (2*L*d_V*d_ff*n_batch)))
+        n_rows = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
         while d_ff % n_rows:    # chunks of equal size
             n_rows -= 1
         R = np.empty((n_batch, L, n_rows, 2*d_V*d_ff), dtype=X.dtype)
@@ -2329,7 +2329,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
         t34 = np.reshape(t33, (d_V, L*n_batch))
         t35 = (1/n_batch) * t34
         t36 = np.reshape(H[0:d_V*d_ff], (d_V, 2*d_V*d_ff**2), copy=False)
-        n_rows = max(1, min(d_ff, 131072 // (2*L*d_V*d_ff*n_batch)))
+        n_rows = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
         while d_ff % n_rows:    # chunks of equal size
             n_rows -= 1
         R = np.empty((n_batch, L, n_rows, 2*d_V*d_ff), dtype=X.dtype)

@@ -1693,7 +1693,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t97 = np.reshape(t96, (d_V, L*n_batch))
         t98 = (1/n_batch) * t97
         t99 = np.reshape(H[2*d_K*d_V:2*d_K*d_V + d_V**2], (d_V, d_V*(2*d_K*d_V + d_V**2)), copy=False)
-        n_rows = max(1, min(d_V, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2))))
+        n_rows = max(1, min(d_V, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2))))
         while d_V % n_rows:    # chunks of equal size
             n_rows -= 1
         R = np.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype)
@@ -5035,7 +5035,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t52 = np.reshape(t51, (d_V, L*n_batch))
         t53 = (1/n_batch) * t52
         t54 = np.reshape(H[0:d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        n_rows = max(1, min(d_K, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2))))
+        n_rows = max(1, min(d_K, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2))))
         while d_K % n_rows:    # chunks of equal size
             n_rows -= 1
         R = np.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype)
@@ -9038,7 +9038,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t56 = np.reshape(t55, (d_V, L*n_batch))
         t57 = (1/n_batch) * t56
         t58 = np.reshape(H[0:d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        n_rows = max(1, min(d_K, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2))))
+        n_rows = max(1, min(d_K, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2))))
         while d_K % n_rows:    # chunks of equal size
             n_rows -= 1
         R = np.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype)
@@ -13280,7 +13280,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t63 = (1/n_batch) * t62
         del t62
         t64 = np.reshape(H[0:d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
-        n_rows = max(1, min(d_K, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2))))
+        n_rows = max(1, min(d_K, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2))))
         while d_K % n_rows:    # chunks of equal size
             n_rows -= 1
         R = np.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype)

@@ -747,7 +747,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
         t25 = t24.reshape((d_V, L*n_batch))
         t26 = (1/n_batch) * t25
         t27 = H[0:d_V*d_ff].view((d_V, 2*d_V*d_ff**2))
-        n_rows = max(1, min(d_ff, 131072 // (2*L*d_V*d_ff*n_batch)))
+        n_rows = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
         while d_ff % n_rows:    # chunks of equal size
             n_rows -= 1
         R = torch.empty((n_batch, L, n_rows, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -2343,7 +2343,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
         t34 = t33.reshape((d_V, L*n_batch))
         t35 = (1/n_batch) * t34
         t36 = H[0:d_V*d_ff].view((d_V, 2*d_V*d_ff**2))
-        n_rows = max(1, min(d_ff, 131072 // (2*L*d_V*d_ff*n_batch)))
+        n_rows = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
         while d_ff % n_rows:    # chunks of equal size
             n_rows -= 1
         R = torch.empty((n_batch, L, n_rows, 2*d_V*d_ff), dtype=X.dtype, device=X.device)

@@ -1707,7 +1707,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t97 = t96.reshape((d_V, L*n_batch))
         t98 = (1/n_batch) * t97
         t99 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2)))
-        n_rows = max(1, min(d_V, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2))))
+        n_rows = max(1, min(d_V, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2))))
         while d_V % n_rows:    # chunks of equal size
             n_rows -= 1
         R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
@@ -5049,7 +5049,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t52 = t51.reshape((d_V, L*n_batch))
         t53 = (1/n_batch) * t52
         t54 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
-        n_rows = max(1, min(d_K, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2))))
+        n_rows = max(1, min(d_K, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2))))
         while d_K % n_rows:    # chunks of equal size
             n_rows -= 1
         R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
@@ -9052,7 +9052,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t56 = t55.reshape((d_V, L*n_batch))
         t57 = (1/n_batch) * t56
         t58 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
-        n_rows = max(1, min(d_K, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2))))
+        n_rows = max(1, min(d_K, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2))))
         while d_K % n_rows:    # chunks of equal size
             n_rows -= 1
         R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
@@ -13296,7 +13296,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t63 = (1/n_batch) * t62
         del t62
         t64 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
-        n_rows = max(1, min(d_K, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2))))
+        n_rows = max(1, min(d_K, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2))))
         while d_K % n_rows:    # chunks of equal size
             n_rows -= 1
         R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)

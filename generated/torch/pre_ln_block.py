@@ -755,7 +755,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t298 = (1/n_batch) * t297
         del t297
         t299 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows = max(1, min(d_V, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        n_rows = max(1, min(d_V, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_V % n_rows:    # chunks of equal size
             n_rows -= 1
         R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -14446,7 +14446,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t206 = (1/n_batch) * t205
         del t205
         t207 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows = max(1, min(d_K, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        n_rows = max(1, min(d_K, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_K % n_rows:    # chunks of equal size
             n_rows -= 1
         R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -14718,7 +14718,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t362 = (1/n_batch) * t361
         del t361
         t363 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows364 = max(1, min(d_V, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        n_rows364 = max(1, min(d_V, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_V % n_rows364:    # chunks of equal size
             n_rows364 -= 1
         R301 = torch.empty((n_batch, L, n_rows364, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -14859,7 +14859,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t452 = (1/n_batch) * t451
         del t451
         t453 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows454 = max(1, min(d_ff, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        n_rows454 = max(1, min(d_ff, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_ff % n_rows454:    # chunks of equal size
             n_rows454 -= 1
         R408 = torch.empty((n_batch, L, n_rows454, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -14972,7 +14972,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t521 = (1/n_batch) * t520
         del t520
         t522 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows523 = max(1, min(d_V, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        n_rows523 = max(1, min(d_V, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_V % n_rows523:    # chunks of equal size
             n_rows523 -= 1
         R496 = torch.empty((n_batch, L, n_rows523, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -44666,7 +44666,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t199 = (1/n_batch) * t198
         del t198
         t200 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows = max(1, min(d_K, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        n_rows = max(1, min(d_K, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_K % n_rows:    # chunks of equal size
             n_rows -= 1
         R = torch.empty((n_batch, L, n_rows, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -44932,7 +44932,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t350 = (1/n_batch) * t349
         del t349
         t351 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows352 = max(1, min(d_V, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        n_rows352 = max(1, min(d_V, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_V % n_rows352:    # chunks of equal size
             n_rows352 -= 1
         R292 = torch.empty((n_batch, L, n_rows352, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -45069,7 +45069,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t444 = (1/n_batch) * t443
         del t443
         t445 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows446 = max(1, min(d_ff, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        n_rows446 = max(1, min(d_ff, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_ff % n_rows446:    # chunks of equal size
             n_rows446 -= 1
         R395 = torch.empty((n_batch, L, n_rows446, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -45194,7 +45194,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t518 = (1/n_batch) * t517
         del t517
         t519 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows520 = max(1, min(d_V, 131072 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
+        n_rows520 = max(1, min(d_V, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
         while d_V % n_rows520:    # chunks of equal size
             n_rows520 -= 1
         R488 = torch.empty((n_batch, L, n_rows520, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)

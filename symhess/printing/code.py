@@ -1278,8 +1278,11 @@ def _diag_code(rt, view, atoms):
     return code, labels
 
 
-# entries of a slab operand's chunk (``SlabChunk``): 1 MiB of float64, within a core's L2
-CHUNK_ENTRIES = 1 << 17
+# entries of a slab operand's chunk (``SlabChunk``): 2 MiB of float64. 1 MiB (half the L2
+# of the Intel core the eighth session measured on) was best there with MKL's GEMMs; on the
+# AMD EPYC of the tenth session (1 MiB L2, the slab GEMMs through symhess.smallk) 2 MiB made
+# the post-LN and pre-LN Hessians 0.5-1.4 ms faster, NumPy's too (BENCHMARKS.md)
+CHUNK_ENTRIES = 1 << 18
 
 
 class NotChunkable(Exception):
