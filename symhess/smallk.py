@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ ROWS = 4            # rows of ``out`` computed together (each value of ``b`` rea
 MIN_ENTRIES = 4096  # smaller outputs: BLAS (the loop nest's call overhead is a few µs)
 _DTYPES = (np.float64, np.float32)
 
+_disabled: list[str] = []          # why the loop nest is off for this process (numba failed)
 _kernels: dict[tuple[int, bool], object] = {}
 _lock = threading.Lock()
 
@@ -78,6 +80,20 @@ def _kernel(k: int, add: bool = False):
         return kern
 
 
+def _call(k, add, *args) -> bool:
+    """Run the loop nest for inner dimension ``k``; False where numba cannot compile it
+    (before anything is written): one warning, and BLAS for every product from then on."""
+    try:
+        _kernel(k, add)(*args)
+        return True
+    except numba.core.errors.NumbaError as e:
+        _disabled.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        warnings.warn(f"symhess.smallk: numba could not compile the loop nest for K={k} "
+                      f"({_disabled[-1]}); products use BLAS from now on (same numbers)",
+                      RuntimeWarning, stacklevel=3)
+        return False
+
+
 def _layout(shape, strides, written):
     """(batch stride, row stride) of a (P, M, N) operand whose last axis has unit stride
     (size-1 axes aside), else None; ``written``: its entries must not overlap either."""
@@ -100,7 +116,7 @@ def _layout(shape, strides, written):
 def _applies(a, b, out, dtypes) -> bool:
     """The loop nest's conditions on shapes and dtypes (NumPy arrays or tensors alike):
     (M, K) @ (K, N) → (M, N), or batched (P, M, K) @ (P, K, N) → (P, M, N)."""
-    return (numba is not None and out.ndim in (2, 3) and a.ndim == b.ndim == out.ndim
+    return (numba is not None and not _disabled and out.ndim in (2, 3) and a.ndim == b.ndim == out.ndim
             and out.dtype in dtypes and a.dtype == b.dtype == out.dtype
             and 0 < a.shape[-1] <= MAX_K and a.shape[-1] == b.shape[-2]
             and a.shape[-2] == out.shape[-2] and b.shape[-1] == out.shape[-1]
@@ -144,8 +160,9 @@ def matmul_numpy(a: np.ndarray, b: np.ndarray, out: np.ndarray, add: bool = Fals
     if fast_path(a, b, out):
         (cflat, (cp, cs)), (bflat, (bp, bs)) = _flat_np(out), _flat_np(b)
         a3 = np.ascontiguousarray(a.reshape(_as3(a.shape, a.strides)[0]))
-        _kernel(a.shape[-1], add)(a3, bflat, 0, bp, bs, cflat, 0, cp, cs, out.shape[-1])
-    elif add:
+        if _call(a.shape[-1], add, a3, bflat, 0, bp, bs, cflat, 0, cp, cs, out.shape[-1]):
+            return
+    if add:
         out += np.matmul(a, b)
     else:
         np.matmul(a, b, out=out)
@@ -192,8 +209,9 @@ def _cpu(a, b, out, add=False):
         return
     (cflat, (cp, cs)), (bflat, (bp, bs)) = fo, _flat_torch(b, False)
     a3 = a.reshape(_as3(a.shape, a.stride())[0]).contiguous()
-    _kernel(a.shape[-1], add)(a3.numpy(), bflat.numpy(), 0, bp, bs, cflat.numpy(), 0, cp, cs,
-                              out.shape[-1])
+    if not _call(a.shape[-1], add, a3.numpy(), bflat.numpy(), 0, bp, bs, cflat.numpy(), 0, cp,
+                 cs, out.shape[-1]):
+        _blas(a, b, out, add)
 
 
 _LIB.impl("matmul_into", _cpu, "CPU")

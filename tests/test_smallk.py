@@ -150,3 +150,27 @@ def test_post_ln_hessian_through_the_loop_nest_matches_the_numpy_kernel(monkeypa
     assert {(8, False), (8, True)} <= set(used)
     want = sh.kernel("post_ln_block", "numpy", "mse").hessian(vals, "full")
     assert np.abs(got - want).max() <= 1e-12 * np.abs(want).max()
+
+
+def test_a_loop_nest_numba_cannot_compile_falls_back_to_blas_once(monkeypatch):
+    """Should numba fail to compile (a new numba, an odd platform), the product still comes
+    out right through BLAS, with one warning, and later calls skip the loop nest."""
+    def broken(k, add=False):
+        def kern(*args):
+            raise smallk.numba.core.errors.TypingError("no loop nest today")
+        return kern
+
+    monkeypatch.setattr(smallk, "_kernel", broken)
+    monkeypatch.setattr(smallk, "_disabled", [])
+    rng = np.random.default_rng(6)
+    a = torch.tensor(rng.standard_normal((32, 8)))
+    b = torch.tensor(rng.standard_normal((8, 3000)))
+    out = torch.full((32, 3000), 7.0, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="no loop nest today"):
+        smallk.matmul_into(a, b, out, add=True)
+    assert _close(out, 7 + a @ b)
+    assert smallk._disabled and not smallk.fast_path(a.numpy(), b.numpy(), out.numpy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        smallk.matmul_into(a, b, out)              # no second warning
+    assert _close(out, a @ b)
