@@ -1,18 +1,22 @@
-"""Products with a short inner dimension written into rows of a larger array: the slab
-GEMMs of the full Hessians, ``out = a @ b`` with ``a`` (M, K), ``b`` (K, N), K ≤ 16 and
-M·N in the millions (K is the sequence length L for the post-LN block's Hessian).
+"""Products with a short inner dimension written (or added) into a larger array: the slab
+GEMMs of the full Hessians and the batched products written into Hessian blocks,
+``out = a @ b`` with ``a`` (P, M, K), ``b`` (P, K, N), K ≤ 16 and P·M·N in the hundreds of
+thousands or more (K is L · n_batch for the post-LN block's Hessian).
 
 BLAS libraries are tuned for long inner dimensions; with K = 8 the arithmetic of MKL's
-dgemm is not hidden behind the writes on every machine (on an AMD EPYC it costs more than
-writing the output, BENCHMARKS.md, tenth session). Here a loop nest is generated for each K
-(unrolled over K and over four rows of ``out``, vectorised over N by LLVM) and compiled with
-numba: every entry of ``out`` is computed in registers and written once.
+dgemm is not hidden behind the writes on every machine (on the AMD EPYC of the tenth session
+it cost more than writing the output, BENCHMARKS.md). Here a loop nest is generated for each
+K (unrolled over K and over four rows of ``out``, vectorised over N by LLVM) and compiled
+with numba: every entry of ``out`` is computed in registers and written (or added) once.
 
-``matmul_into(a, b, out)`` takes that path for CPU tensors or NumPy arrays of float64 or
-float32 whose last axis has unit stride; everything else (CUDA, other dtypes, K > 16,
-batched operands, a missing numba) goes to ``torch.matmul`` / ``np.matmul`` with ``out=``,
+``matmul_into(a, b, out, add=False)`` takes that path for CPU tensors (``matmul_numpy`` for
+NumPy arrays) of float64 or float32, 2-D or equally batched 3-D (a half may be broadcast
+along the batch), whose ``out`` has contiguous, non-overlapping rows; everything else (CUDA,
+other dtypes, K > 16, small outputs, overlapping views, a missing numba, a loop nest numba
+cannot compile) goes to BLAS (``torch.matmul``, ``addmm_``, ``baddbmm_``; ``np.matmul``),
 the same numbers up to rounding. For torch it is the operator ``symhess::matmul_into``, so
-``torch.jit.trace`` records it (``symhess.traces``) and CUDA graphs capture its CUDA branch.
+that ``torch.jit.trace`` records it (``symhess.traces``); on CUDA it calls BLAS directly,
+which CUDA graphs capture.
 """
 from __future__ import annotations
 
