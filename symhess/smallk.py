@@ -21,6 +21,7 @@ which CUDA graphs capture.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import warnings
 
@@ -37,7 +38,9 @@ ROWS = 4            # rows of ``out`` computed together (each value of ``b`` rea
 MIN_ENTRIES = 4096  # smaller outputs: BLAS (the loop nest's call overhead is a few µs)
 _DTYPES = (np.float64, np.float32)
 
-_disabled: list[str] = []          # why the loop nest is off for this process (numba failed)
+# why the loop nest is off for this process: numba failed, or SYMHESS_SMALLK=0 (BLAS for every
+# product, e.g. to compare the two on another machine)
+_disabled: list[str] = ["SYMHESS_SMALLK=0"] if os.environ.get("SYMHESS_SMALLK") == "0" else []
 _kernels: dict[tuple[int, bool], object] = {}
 _lock = threading.Lock()
 

@@ -174,3 +174,17 @@ def test_a_loop_nest_numba_cannot_compile_falls_back_to_blas_once(monkeypatch):
         warnings.simplefilter("error")
         smallk.matmul_into(a, b, out)              # no second warning
     assert _close(out, a @ b)
+
+
+def test_the_environment_can_turn_the_loop_nest_off():
+    """SYMHESS_SMALLK=0: every product through BLAS (to compare the two on a machine)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import numpy as np; from symhess import smallk; "
+            "print(smallk.fast_path(np.ones((64, 8)), np.ones((8, 4096)), np.ones((64, 4096))))")
+    for value, want in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, SYMHESS_SMALLK=value)
+        got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert got == want, (value, got)
