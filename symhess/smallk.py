@@ -123,8 +123,8 @@ def _layout(shape, strides, written):
 def _applies(a, b, out, dtypes) -> bool:
     """The loop nest's conditions on shapes and dtypes (NumPy arrays or tensors alike):
     (M, K) @ (K, N) → (M, N), or batched (P, M, K) @ (P, K, N) → (P, M, N)."""
-    return (numba is not None and not _disabled and out.ndim in (2, 3) and a.ndim == b.ndim == out.ndim
-            and out.dtype in dtypes and a.dtype == b.dtype == out.dtype
+    return (numba is not None and not _disabled and out.ndim in (2, 3)
+            and a.ndim == b.ndim == out.ndim and out.dtype in dtypes and a.dtype == b.dtype == out.dtype
             and 0 < a.shape[-1] <= MAX_K and a.shape[-1] == b.shape[-2]
             and a.shape[-2] == out.shape[-2] and b.shape[-1] == out.shape[-1]
             and (out.ndim == 2 or a.shape[0] == b.shape[0] == out.shape[0])
@@ -143,29 +143,53 @@ def _span(shape, strides):
     return 1 + (p - 1) * sp + (m - 1) * sm + (n - 1) * sn
 
 
+def _flat(x, written, strides, contiguous, flatten):
+    """(a flat view from x's first entry to its last, (batch stride, row stride)) of a
+    (P,) M, N array or tensor laid out for the loop nest (``_layout``); a read operand that
+    is not is made contiguous first; None for a written one. ``strides`` (in entries),
+    ``contiguous`` and ``flatten(x, entries)`` are NumPy's or torch's."""
+    shape, st = _as3(x.shape, strides(x))
+    lay = _layout(shape, st, written)
+    if lay is None:
+        if written:
+            return None
+        x = contiguous(x)
+        shape, st = _as3(x.shape, strides(x))
+        lay = _layout(shape, st, False)
+    return flatten(x, _span(shape, st)), lay
+
+
+def _np_strides(x):
+    return [s // x.itemsize for s in x.strides]
+
+
+def _np_flatten(x, n):
+    return np.lib.stride_tricks.as_strided(x, shape=(n,), strides=(x.itemsize,))
+
+
+def _torch_flatten(x, n):
+    return x.as_strided((n,), (1,))
+
+
+def _flat_np(x: np.ndarray, written: bool):
+    return _flat(x, written, _np_strides, np.ascontiguousarray, _np_flatten)
+
+
+def _flat_torch(x: torch.Tensor, written: bool):
+    return _flat(x, written, torch.Tensor.stride, torch.Tensor.contiguous, _torch_flatten)
+
+
 def fast_path(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     """True where ``matmul_numpy`` uses the compiled loop nest for these arrays."""
-    return _applies(a, b, out, _DTYPES) and \
-        _layout(*_as3(out.shape, [s // out.itemsize for s in out.strides]), True) is not None
-
-
-def _flat_np(x: np.ndarray):
-    shape, strides = _as3(x.shape, [s // x.itemsize for s in x.strides])
-    lay = _layout(shape, strides, False)
-    if lay is None:
-        x = np.ascontiguousarray(x)
-        shape, strides = _as3(x.shape, [s // x.itemsize for s in x.strides])
-        lay = _layout(shape, strides, False)
-    flat = np.lib.stride_tricks.as_strided(x, shape=(_span(shape, strides),),
-                                           strides=(x.itemsize,))
-    return flat, lay
+    return _applies(a, b, out, _DTYPES) and _flat_np(out, True) is not None
 
 
 def matmul_numpy(a: np.ndarray, b: np.ndarray, out: np.ndarray, add: bool = False) -> None:
     """``out[...] = a @ b`` (``add``: ``out += a @ b``) for NumPy arrays: the loop nest where
     ``fast_path``, else ``np.matmul``."""
-    if fast_path(a, b, out):
-        (cflat, (cp, cs)), (bflat, (bp, bs)) = _flat_np(out), _flat_np(b)
+    fo = _flat_np(out, True) if _applies(a, b, out, _DTYPES) else None
+    if fo is not None:
+        (cflat, (cp, cs)), (bflat, (bp, bs)) = fo, _flat_np(b, False)
         a3 = np.ascontiguousarray(a.reshape(_as3(a.shape, a.strides)[0]))
         if _call(a.shape[-1], add, a3, bflat, 0, bp, bs, cflat, 0, cp, cs, out.shape[-1]):
             return
@@ -180,21 +204,6 @@ def matmul_numpy(a: np.ndarray, b: np.ndarray, out: np.ndarray, add: bool = Fals
 _LIB = torch.library.Library("symhess", "DEF")
 _LIB.define("matmul_into(Tensor a, Tensor b, Tensor(a!) out, bool add=False) -> ()")
 _TORCH_DTYPES = (torch.float64, torch.float32)
-
-
-def _flat_torch(x: torch.Tensor, written: bool):
-    """(a flat view from x's first entry to its last, (batch stride, row stride)) of a
-    (P,) M, N tensor laid out for the loop nest (``_layout``); a read operand that is not is
-    made contiguous first; None for a written one."""
-    shape, strides = _as3(x.shape, x.stride())
-    lay = _layout(shape, strides, written)
-    if lay is None:
-        if written:
-            return None
-        x = x.contiguous()
-        shape, strides = _as3(x.shape, x.stride())
-        lay = _layout(shape, strides, False)
-    return x.as_strided((_span(shape, strides),), (1,)), lay
 
 
 def _blas(a, b, out, add):
