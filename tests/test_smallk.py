@@ -11,7 +11,7 @@ from symhess import smallk
 pytestmark = pytest.mark.skipif(smallk.numba is None, reason="numba is not installed")
 
 
-def _strided_out(m, n, dtype, backend):
+def _strided_out(m, n, dtype):
     """Rows 0, 3, 6, … of a larger zeroed array, columns 7 … 7+n: what lies between must stay 0."""
     big = np.zeros((3 * m, n + 11), dtype=dtype)
     return big, big[::3, 7:7 + n]
@@ -26,7 +26,7 @@ def _strided_out(m, n, dtype, backend):
 def test_loop_nest_matches_blas_on_strided_rows(k, m, dtype, tol, add):
     rng = np.random.default_rng(k * 100 + m)
     n = 4099
-    big, out = _strided_out(m, n, dtype, "numpy")
+    big, out = _strided_out(m, n, dtype)
     before = rng.standard_normal(out.shape).astype(dtype)
     out[...] = before
     a = rng.standard_normal((k, m)).astype(dtype).T          # a transposed (column-major) factor
