@@ -18,6 +18,9 @@ the text of the routine in generated/torch/<layer>.py and nothing else:
   ``baddbmm_``) computed into temporaries but not added to H: the difference is their
   passes over H.
 - ``product-rule terms removed``: not computed either.
+- ``transposed copies → fill``: the blocks below the diagonal copied from their transposes
+  (``_transpose_into``, symhess.smallk) filled instead: the difference is the copy's
+  strided reads.
 
 A traced graph drops statements whose results nothing reads, so every variant still reads
 what it stops using (one entry of it, added to one entry of H; ``_touch``): otherwise
@@ -38,9 +41,11 @@ import torch
 
 from .timing import interleaved
 
-# an operand of a slab GEMM: a name, perhaps narrowed (``t1.narrow(-2, r0, min(32, d_V - r0))``)
-_OPERAND = r"\w+(?:\.narrow\((?:[^()]|\([^()]*\))*\))?"
-GEMM = re.compile(rf"^(\s+)_matmul_into\(({_OPERAND}), (\w+), ({_OPERAND})\)$", re.M)
+# an operand of a slab GEMM: a name and its views (``t1.narrow(-2, r0, min(32, d_V - r0))``,
+# ``t2.view((L*n_batch, n_rows, …)).permute(1, 0, 2)``, ``t3.expand(*(n_rows,), *t3.shape[-2:])``)
+_OPERAND = r"\w+(?:\.\w+\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\))*"
+GEMM = re.compile(rf"^(\s+)_matmul_into\(({_OPERAND}), ({_OPERAND}), ({_OPERAND})\)$", re.M)
+MIRROR = re.compile(r"^(\s+)_transpose_into\((\w+), (\w+)\)$", re.M)
 OPERAND = re.compile(r"^(\s+)(?:torch\.mul\([^\n]*, out=(\w+)\)|(\w+)\.addcmul_\([^\n]*\))$", re.M)
 ADDED = re.compile(r"^(\s+)(?:(\w+) \+= ([^\n]*)|(\w+)\.baddbmm_\(([^\n]*)\))$", re.M)
 
@@ -66,6 +71,8 @@ VARIANTS = {          # variant -> body -> (rewritten body, statements rewritten
         lambda m: f"{m.group(1)}{m.group(2) or m.group(3)}.fill_(0.5)", body),
     "product-rule terms not added": lambda body: ADDED.subn(_not_added, body),
     "product-rule terms removed": lambda body: ADDED.subn(lambda m: f"{m.group(1)}pass", body),
+    "transposed copies → fill": lambda body: MIRROR.subn(
+        lambda m: f"{m.group(1)}{m.group(3)}.fill_(1.0); _touch({m.group(3)}, {m.group(2)})", body),
 }
 
 

@@ -165,8 +165,13 @@ MIRROR_MIN_TERMS = 3
 MIRROR_MIN_OPERANDS = 16
 
 
-# a transposed copy of a block costs about this many block-sized writes (see MIRROR_MIN_TERMS)
-MIRROR_PASSES = 3
+# a transposed copy of a block costs about this many block-sized writes: 3 while it was torch's
+# strided copy (≈ 5 ms per 1M entries, see MIRROR_MIN_TERMS); through ``symhess.smallk``'s tiled
+# transpose (≈ 1.1 ms per 1M, two ``fill_`` passes) it costs about what a product written into a
+# block costs, whose passes ``Routine.written`` counts as one each. With 2, the post-LN Hessian
+# computed its W_2 row block by block; with 1, as a slab with its three blocks left of the
+# diagonal copied: 15.3 → 12.7 ms eager, 13.2 → 10.6 traced (BENCHMARKS.md, eleventh session)
+MIRROR_PASSES = 1
 
 
 def _prod_rep(rt, n):
@@ -198,6 +203,13 @@ def _lead_key(lw, t, r, c):
     if not any(s in lw.resolve(t, g.labels) for g in t.factors if g is not f):
         return None
     return (f.ref, atoms.index(i0), lw.labels.size[s]), f, s
+
+
+def _whole_block(lw, term, r, c):
+    """Whether ``term`` writes every entry of its block (no row atom equal to a column atom:
+    not a diagonal)."""
+    atoms = lw.resolve(term, r) + lw.resolve(term, c)
+    return len(set(atoms)) == len(atoms)
 
 
 def _mirrored(terms):
@@ -296,9 +308,10 @@ class Variant:
         for i in range(len(names)):
             if slabs:
                 snap = rt._snapshot()
-                grown = self._slab(rt, i, names, offs, part, block)
-                if grown is not None and rt.written - snap[0] < rows[i]:
-                    per_seq += grown
+                slab = self._slab(rt, i, names, offs, part, block)
+                if slab is not None and rt.written - snap[0] < rows[i]:
+                    per_seq += slab[0]
+                    mirrored += slab[1]
                     continue
                 rt._restore(snap)
             before = rt.written
@@ -306,7 +319,7 @@ class Variant:
             if not slabs:
                 rows.append(rt.written - before)
         for i, j in mirrored:
-            rt.line(f"{block(i, j)}[...] = {rt.fmt('T', block(j, i))}")
+            rt.line(rt.fmt("transpose_into", block(j, i), block(i, j)))
         return rt, rt.written, per_seq
 
     def _row(self, rt, i, names, part, block, offs):
@@ -323,14 +336,18 @@ class Variant:
         return mirrored
 
     def _slab(self, rt, i, names, offs, part, block):
-        """Write row slab ``i`` of the Hessian (H[p, :] for every column parameter) by one
+        """Write row slab ``i`` of the Hessian (H[p, :] for the column parameters) by one
         GEMM where the terms allow: a parameter entering as U = X W makes every term of
         H(W, ·) that reaches W through U carry the leaf X with the row index i of W_ij and a
         summed index s; then H[(i, j), c] = Σ_s X[s, i] R[s, j, c], R holding the rest of
         each term, all columns side by side.  Terms without that leaf (the product rule on
-        X) are added to their blocks afterwards.  Returns the entries written into R per
-        sequence (R holds each sequence's terms when X reads data), None (nothing written)
-        when no leaf is shared by the row's terms."""
+        X) are added to their blocks afterwards, except in the blocks left of the diagonal
+        where such terms cover the whole block: those blocks (a leading run of them) are left
+        out of R and of the GEMM and copied from their transposes above the diagonal, which
+        the earlier rows wrote (X depends on earlier parameters, so those blocks are where
+        the product-rule terms are).  Returns (the entries written into R per sequence (R
+        holds each sequence's terms when X reads data), the blocks (i, j) to be copied), or
+        None (nothing written) when no leaf is shared by the row's terms."""
         p = names[i]
         lw = self.low.lw
         per_q, leads, keys = [], [], {}
@@ -341,21 +358,20 @@ class Variant:
             for k in leads[-1]:
                 if k is not None:
                     keys[k[0]] = keys.get(k[0], 0) + 1
-        if not keys:
-            return None
+        m = self.d.param(p).shape[0]
+        if not keys or any(sp.simplify(lw.labels.size[r[0]] - m) != 0 for _, r, _ in per_q):
+            return None     # (the row labels must start with W's row index: not for a 1 × d γ)
         key = max(keys, key=lambda k: (keys[k], str(k)))
         s_size = key[2]
         S = lw.labels.new(s_size)
         n_rest = sp.simplify(self.numel(p) / self.d.param(p).shape[0])
-        first = None
-        slab_terms, direct = [], []
+        slab_terms, direct, firsts = [], [], []
         for (terms, r, c), row_leads in zip(per_q, leads):
             mine, other = [], []
             for t, k in zip(terms, row_leads):
                 if k is not None and k[0] == key:
                     f, s = k[1], k[2]
-                    if first is None:
-                        first = (f, t, r)
+                    firsts.append((len(slab_terms), f, t, r))
                     rest = t.copy(factors=tuple(g for g in t.factors if g is not f))
                     rest.subst[s] = [S]
                     mine.append(rest)
@@ -363,24 +379,33 @@ class Variant:
                     other.append(t)
             slab_terms.append(mine)
             direct.append(other)
-        f, t0, r0 = first
+        lo = 0                  # blocks 0 … lo-1 of the row: copied from their transposes
+        while lo < i and any(_whole_block(lw, t, *per_q[lo][1:]) for t in direct[lo]):
+            lo += 1
+        firsts = [x[1:] for x in firsts if x[0] >= lo]      # the leaf of a term in R
+        if not firsts:
+            return None
+        f, t0, r0 = firsts[0]
         lead_code, lead_labs = rt.operand(f, t0, ("batch", f.side))
         batched = rt.is_batched[lead_code]
         seqs = [N_BATCH] if batched else []      # R holds each sequence's terms
-        total = offs[-1]
+        c0 = offs[lo]
+        width = offs[-1] - c0                   # R's columns: those of blocks lo, lo+1, …
         R = rt.fresh("R")
         before = rt.written
-        cols = [f"{rt.size(offs[j])}:{rt.size(offs[j + 1])}" for j in range(len(per_q))]
+        cols = {j: f"{rt.size(offs[j] - c0)}:{rt.size(offs[j + 1] - c0)}"
+                for j in range(lo, len(per_q))}
 
         def write_operand(target):      # R's columns j written through target(j)
-            for j, (_, r, c) in enumerate(per_q):
+            for j in range(lo, len(per_q)):
+                _, r, c = per_q[j]
                 rt.dense_into(target(j), slab_terms[j], [S] + r[1:], c, fresh=True,
                               keep_batch=batched)
 
         chunk = self._chunked_operand(rt, write_operand, cols)
         if chunk is None:
-            rt.line(f"{R} = {rt.fmt('scratch', rt.shape(seqs + [s_size, n_rest, total]))}")
-            flat = rt.emit(rt.fmt("view", R, rt.shape(seqs + [s_size * n_rest, total])), False)
+            rt.line(f"{R} = {rt.fmt('scratch', rt.shape(seqs + [s_size, n_rest, width]))}")
+            flat = rt.emit(rt.fmt("view", R, rt.shape(seqs + [s_size * n_rest, width])), False)
             write_operand(lambda j: rt.emit(f"{flat}[..., {cols[j]}]", False))
         grown = (rt.written - before) // rt.batch_size if batched else 0
         # the leaf as (i, [batch,] s), scaled by the batch mean
@@ -389,46 +414,67 @@ class Variant:
         order = [labs.index(i0)] + [k for k, a in enumerate(labs) if isinstance(a, tuple)] + \
             [k for k, a in enumerate(labs) if a != i0 and not isinstance(a, tuple)]
         a = rt.emit(rt.fmt("permute", lead_code, ", ".join(map(str, order))), False)
-        m = self.d.param(p).shape[0]
         inner = (N_BATCH if batched else 1) * s_size
         a = rt.emit(rt.fmt("reshape", a, rt.shape([m, inner])), False)
         if batched:
             a = rt.emit(f"(1/n_batch) * {a}", False)
         rows = f"H[{rt.size(offs[i])}:{rt.size(offs[i + 1])}]"
-        dest = rt.emit(rt.fmt("view", rows, rt.shape([m, n_rest * total])), False)
+        if lo:      # the GEMM batched over R's rows j: each writes columns c0 … of row (i, j)
+            dest = rt.emit(rt.fmt("view", rows, rt.shape([m, n_rest, offs[-1]])), False)
+            dest = rt.emit(_narrowed(rt, dest, 1, rt.size(c0), rt.size(width)), False)
+        else:
+            dest = rt.emit(rt.fmt("view", rows, rt.shape([m, n_rest * offs[-1]])), False)
+
+        def gemm(b_rows, f0, n):
+            """Statements multiplying ``a`` into the rows j = f0 … f0 + n of the slab."""
+            if not lo:
+                if f0 is None:
+                    return _row_blocks(rt, a, b_rows, dest, m)
+                out = rt.fresh()        # the chunk's columns of the slab (in the loop)
+                return [f"{out} = " + rt.fmt("narrow", dest, -1, f"{f0}*({rt.size(offs[-1])})",
+                                             f"{n}*({rt.size(offs[-1])})", "")] + \
+                    _row_blocks(rt, a, b_rows, out, m)
+            out = dest if f0 is None else _narrowed(rt, dest, 2, f0, n)
+            n = rt.size(n_rest) if f0 is None else n
+            b3 = rt.fmt("permute", rt.fmt("view", b_rows, f"({rt.size(inner)}, {n}, "
+                                                          f"{rt.size(width)})"), "1, 0, 2")
+            a3 = rt.fmt("bcast_lead", a, f"({n},)")
+            return _row_blocks(rt, a3, b3, rt.fmt("permute", out, "1, 0, 2"), m)
+
         if chunk is None:
-            b = rt.emit(rt.fmt("view", R, rt.shape([inner, n_rest * total])), False)
-            for ln in _row_blocks(rt, a, b, dest, m):
+            b = rt.emit(rt.fmt("view", R, rt.shape([inner, n_rest * width])), False)
+            for ln in gemm(b, None, None):
                 rt.line(ln)
         else:       # R a chunk of its rows at a time, each multiplied into its rows of H
             n = rt.fresh("n_rows")
             f0 = rt.fresh("f0")
             k = sp.Symbol(n)
-            per_row = (N_BATCH if seqs else 1) * s_size * total     # entries of R per row
+            per_row = (N_BATCH if seqs else 1) * s_size * width     # entries of R per row
             rt.line(f"{n} = max(1, min({rt.size(n_rest)}, "
                     f"{CHUNK_ENTRIES} // ({rt.size(per_row)})))")
             rt.line(f"while {rt.size(n_rest)} % {n}:    # chunks of equal size")
             rt.line(f"    {n} -= 1")
-            rt.line(f"{R} = {rt.fmt('scratch', rt.shape(seqs + [s_size, k, total]))}")
-            flat = rt.emit(rt.fmt("view", R, rt.shape(seqs + [s_size * k, total])), False)
-            b = rt.emit(rt.fmt("view", R, rt.shape([inner, k * total])), False)
+            rt.line(f"{R} = {rt.fmt('scratch', rt.shape(seqs + [s_size, k, width]))}")
+            flat = rt.emit(rt.fmt("view", R, rt.shape(seqs + [s_size * k, width])), False)
+            b = rt.emit(rt.fmt("view", R, rt.shape([inner, k * width])), False)
             before_loop, loop = chunk.lines(rt, flat, f0, n)
             for ln in before_loop:
                 rt.line(ln)
             rt.line(f"for {f0} in range(0, {rt.size(n_rest)}, {n}):")
             for ln in loop:
                 rt.line("    " + ln)
-            cols = rt.fresh()               # the chunk's columns of the slab (in the loop)
-            rt.line(f"    {cols} = " + rt.fmt("narrow", dest, -1, f"{f0}*({rt.size(total)})",
-                                             f"{n}*({rt.size(total)})", ""))
-            for ln in _row_blocks(rt, a, b, cols, m):
+            for ln in gemm(b, f0, n):
                 rt.line("    " + ln)
-        rt.written += _prod_rep(rt, (offs[i + 1] - offs[i]) * total)
+        rt.written += _prod_rep(rt, (offs[i + 1] - offs[i]) * width)
         rt.line(f"del {R}")
-        for j, (terms, r, c) in enumerate(per_q):
+        below = [(i, j) for j in range(lo)]
+        for _, j in below:
+            rt.written += MIRROR_PASSES * _prod_rep(rt, (offs[i + 1] - offs[i]) * (offs[j + 1] - offs[j]))
+        for j in range(lo, len(per_q)):
+            terms, r, c = per_q[j]
             if direct[j]:
                 rt.dense_into(block(i, j), direct[j], r, c, fresh=False)
-        return grown
+        return grown, below
 
     @staticmethod
     def _chunked_operand(rt, write_operand, cols):

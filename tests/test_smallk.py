@@ -132,9 +132,9 @@ def test_traced_graph_records_the_operator():
 
 
 def test_post_ln_hessian_through_the_loop_nest_matches_the_numpy_kernel(monkeypatch):
-    """At the issue's sizes (L=8, d=16, d_K=16, d_ff=64) the torch kernel's slab GEMMs and
-    batched block writes go through the loop nest (written and added, K = 8); its full
-    Hessian equals the NumPy kernel's (BLAS throughout) to rounding."""
+    """At the issue's sizes (L=8, d=16, d_K=16, d_ff=64) the torch kernel's slab GEMMs go
+    through the loop nest (K = 8) and its blocks below the diagonal through the compiled
+    transpose; its full Hessian equals the NumPy kernel's (BLAS products) to rounding."""
     import symhess as sh
     rng = np.random.default_rng(5)
     L, d, dk, dff = 8, 16, 16, 64
@@ -144,10 +144,12 @@ def test_post_ln_hessian_through_the_loop_nest_matches_the_numpy_kernel(monkeypa
             "W_2": rng.standard_normal((dff, d)) / 8}
     used = []
     real = smallk._kernel
+    real_t = smallk._transpose_kernel
     monkeypatch.setattr(smallk, "_kernel", lambda k, add=False: used.append((k, add)) or real(k, add))
+    monkeypatch.setattr(smallk, "_transpose_kernel", lambda: used.append("T") or real_t())
     got = sh.kernel("post_ln_block", "torch", "mse").hessian(
         {n: torch.tensor(v) for n, v in vals.items()}, "full").numpy()
-    assert {(8, False), (8, True)} <= set(used)
+    assert {(8, False), "T"} <= set(used)
     want = sh.kernel("post_ln_block", "numpy", "mse").hessian(vals, "full")
     assert np.abs(got - want).max() <= 1e-12 * np.abs(want).max()
 
@@ -188,3 +190,71 @@ def test_the_environment_can_turn_the_loop_nest_off():
         got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, check=True).stdout.strip()
         assert got == want, (value, got)
+
+
+# -- the tiled transpose (the full Hessian's blocks below the diagonal) ---------------------
+
+@pytest.mark.parametrize("k,m", [(64, 64), (13, 333), (333, 13), (9, 1000), (7, 7)])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_transpose_writes_the_block_and_nothing_around_it(k, m, dtype, monkeypatch):
+    """dst = srcᵀ for blocks of larger arrays (rows strided, sizes not multiples of the 8 × 8
+    tile, one too small for the compiled path), NumPy and torch alike; the entries around
+    dst stay as they were."""
+    calls = []
+    real = smallk._transpose_call
+    monkeypatch.setattr(smallk, "_transpose_call", lambda *a: calls.append(a) or real(*a))
+    rng = np.random.default_rng(k + m)
+    src = rng.standard_normal((m + 3, k + 5)).astype(dtype)[1:m + 1, 2:k + 2]
+    big = np.zeros((k + 4, m + 9), dtype=dtype)
+    dst = big[2:k + 2, 3:m + 3]
+    smallk.transpose_numpy(src, dst)
+    assert np.array_equal(dst, src.T)
+    mask = np.ones(big.shape, bool)
+    mask[2:k + 2, 3:m + 3] = False
+    assert not big[mask].any()
+    tbig = torch.zeros(big.shape, dtype=torch.float64 if dtype == np.float64 else torch.float32)
+    smallk.transpose_into(torch.from_numpy(src), tbig[2:k + 2, 3:m + 3])
+    assert np.array_equal(tbig.numpy(), big)
+    assert len(calls) == (2 if k * m >= smallk.MIN_ENTRIES else 0)     # else np.copyto / copy_
+
+
+def test_transpose_within_one_array_traced_and_its_fallbacks(monkeypatch):
+    """The Hessian's case: both blocks views of one tensor; a trace records the operator and
+    replays it on new values; other dtypes, shapes that do not match and a transpose numba
+    cannot compile all give dst.copy_(srcᵀ)."""
+    rng = np.random.default_rng(4)
+    h = torch.tensor(rng.standard_normal((300, 300)))
+
+    def f(h):
+        smallk.transpose_into(h[:100, 100:], h[100:, :100])
+        return h
+
+    ref = h.clone()
+    ref[100:, :100] = ref[:100, 100:].T
+    assert torch.equal(f(h.clone()), ref)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        traced = torch.jit.trace(f, (h.clone(),), check_trace=False)
+        assert "symhess::transpose_into" in str(traced.graph)
+        h2 = h * 3
+        got = traced(h2.clone())
+    want = h2.clone()
+    want[100:, :100] = want[:100, 100:].T
+    assert torch.equal(got, want)
+    half = torch.tensor(rng.standard_normal((96, 80))).half()
+    out = torch.empty(80, 96, dtype=torch.float16)
+    smallk.transpose_into(half, out)
+    assert torch.equal(out, half.T)
+
+    def broken():
+        def kern(*args):
+            raise smallk.numba.core.errors.TypingError("no transpose today")
+        return kern
+
+    monkeypatch.setattr(smallk, "_transpose_kernel", broken)
+    monkeypatch.setattr(smallk, "_disabled", [])
+    dst = torch.empty(200, 100, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="could not compile the transpose"):
+        smallk.transpose_into(h[:100, 100:], dst)
+    assert torch.equal(dst, h[:100, 100:].T)
+    assert smallk._disabled

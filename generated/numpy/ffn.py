@@ -17,6 +17,9 @@ import opt_einsum as oe
 import scipy.special
 
 
+from symhess.smallk import transpose_numpy as _transpose_into
+
+
 
 def mse_bias0_residual0__loss(X, W_1, W_2, Y):
     """The loss, batch mean."""

@@ -17,6 +17,9 @@ import opt_einsum as oe
 import scipy.special
 
 
+from symhess.smallk import transpose_numpy as _transpose_into
+
+
 
 def mse__loss(X, Y):
     """The loss, batch mean."""

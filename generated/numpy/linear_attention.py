@@ -19,6 +19,9 @@ import opt_einsum as oe
 import scipy.special
 
 
+from symhess.smallk import transpose_numpy as _transpose_into
+
+
 
 def mse_causal0__loss(X, W_Q, W_K, W_V, Y):
     """The loss, batch mean."""

@@ -19,6 +19,9 @@ import opt_einsum as oe
 import scipy.special
 
 
+from symhess.smallk import transpose_numpy as _transpose_into
+
+
 
 def mse_causal0__loss(X, W_QK, W_V, Y):
     """The loss, batch mean."""
@@ -5051,6 +5054,103 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 4:    # row slabs (their operands grow with the batch)
+        H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
+        t0 = H[0:d_V**2, 0:d_V**2]
+        t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
+        t2 = np.swapaxes(X, -1, -2)
+        t3 = W_QK @ t2
+        t4 = X @ t3
+        t5 = np.exp(t4 - t4.max(-1, keepdims=True))
+        A = t5 / t5.sum(-1, keepdims=True)
+        t6 = np.eye(L, dtype=X.dtype)
+        # dA: compact tensor ('L', 'L', 'L')
+        dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+        t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+        # M_2: compact tensor ('L', 'd_V', 'd_V')
+        M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t8 = Y.sum(-1, keepdims=True)
+        t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
+        t10 = A @ X
+        M_1 = t10
+        t11 = M_1 @ W_V
+        t12 = np.exp(t11 - t11.max(-1, keepdims=True))
+        A13 = t12 / t12.sum(-1, keepdims=True)
+        t14 = np.eye(d_V, dtype=X.dtype)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
+        t16 = np.swapaxes(W_V, -1, -2)
+        t17 = (1/(L*n_batch)) * X
+        t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+        t19 = np.reshape((t16.transpose(1, 0) @ np.reshape(dA15.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+        t20 = (t19.transpose(1, 2, 3, 0) @ M_2)
+        t21 = (t18 * np.reshape(t9.transpose(2, 0, 1), (d_V, n_batch, L, 1)))
+        t22 = ((t21.transpose(1, 2, 3, 0) @ t20)).transpose(2, 3, 0, 1)
+        t23 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        F = t11
+        t24 = np.exp(F - F.max(-1, keepdims=True))
+        A25 = t24 / t24.sum(-1, keepdims=True)
+        t26 = t9 * A25
+        t27 = t26 - Y
+        t28 = (1/L) * t27
+        G = t28
+        t29 = t16 @ t2
+        t30 = G @ t29
+        t31 = t30 - (A * t30).sum(-1, keepdims=True)
+        t32 = A * t31
+        # d2A: compact tensor ('L', 'L', 'L')
+        d2A = (np.reshape(t6, (1, 1, L, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(t32, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+        t33 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+        # M_3: compact tensor ('L', 'd_V', 'd_V')
+        M_3 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t34 = (1/n_batch) * t2
+        t35 = M_3.transpose(2, 3, 0, 1)
+        t36 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t34.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t37 = np.reshape(t23, (d_V**2, L*n_batch))
+        t38 = np.reshape(t36, (d_V**2, L*n_batch))
+        t39 = np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+        t40 = np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+        t41 = np.concatenate([t37, t38], axis=-1)
+        t42 = np.concatenate([t39, t40], axis=-2)
+        t1[...] = (np.reshape((t41 @ t42), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        t43 = H[0:d_V**2, d_V**2:2*d_V**2]
+        t44 = np.reshape(t43, (d_V, d_V, d_V, d_V), copy=False)
+        t45 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
+        t46 = ((t45.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+        t47 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t48 = (1/n_batch) * X
+        t49 = M_2.transpose(3, 2, 0, 1)
+        t50 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t48.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t44[...] = (np.reshape((np.reshape(t47, (d_V**2, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        t44 += (np.reshape((np.reshape(t49, (d_V**2, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+        t51 = np.swapaxes(M_1, -1, -2)
+        t53 = (1/L) * t9
+        t54 = (dA15 * np.reshape(t53, (n_batch, L, d_V, 1)))
+        t55 = np.reshape(M_1, (n_batch, L, 1, d_V, 1))
+        t56 = np.reshape(t54, (n_batch, L, d_V, 1, d_V))
+        t57 = t51.transpose(1, 0, 2)
+        t58 = np.reshape(t57, (d_V, L*n_batch))
+        t59 = (1/n_batch) * t58
+        t60 = np.reshape(H[d_V**2:2*d_V**2], (d_V, d_V, 2*d_V**2), copy=False)
+        t61 = t60[..., d_V**2:d_V**2 + d_V**2]
+        n_rows = max(1, min(d_V, 262144 // (L*d_V**2*n_batch)))
+        while d_V % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = np.empty((n_batch, L, n_rows, d_V**2), dtype=X.dtype)
+        t62 = np.reshape(R, (n_batch, L*n_rows, d_V**2), copy=False)
+        t63 = np.reshape(R, (L*n_batch, d_V**2*n_rows), copy=False)
+        t64 = np.reshape(t62[..., 0:d_V**2], (n_batch, L, n_rows, d_V, d_V), copy=False)
+        for f0 in range(0, d_V, n_rows):
+            np.multiply(t55, t56[..., f0:f0 + n_rows, :, :], out=t64)
+            if d_V <= 32:
+                np.matmul(np.broadcast_to(t59, (n_rows,) + t59.shape[-2:]), np.reshape(t63, (L*n_batch, n_rows, d_V**2), copy=False).transpose(1, 0, 2), out=t61[..., f0:f0 + n_rows, :].transpose(1, 0, 2))
+            else:
+                for r0 in range(0, d_V, 32):
+                    np.matmul(np.broadcast_to(t59, (n_rows,) + t59.shape[-2:])[..., r0:r0 + min(32, d_V - r0), :], np.reshape(t63, (L*n_batch, n_rows, d_V**2), copy=False).transpose(1, 0, 2), out=t61[..., f0:f0 + n_rows, :].transpose(1, 0, 2)[..., r0:r0 + min(32, d_V - r0), :])
+        del R
+        t65 = H[d_V**2:2*d_V**2, 0:d_V**2]
+        _transpose_into(t43, t65)
+        return H
     H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
@@ -7334,6 +7434,105 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 4:    # row slabs (their operands grow with the batch)
+        H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
+        t0 = H[0:d_V**2, 0:d_V**2]
+        t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
+        t2 = np.swapaxes(X, -1, -2)
+        t3 = W_QK @ t2
+        t4 = X @ t3
+        t5 = np.triu(np.ones((L, L), dtype=bool), 1)
+        t6 = np.where(t5, -math.inf, t4)
+        t7 = np.exp(t6 - t6.max(-1, keepdims=True))
+        A = t7 / t7.sum(-1, keepdims=True)
+        t8 = np.eye(L, dtype=X.dtype)
+        # dA: compact tensor ('L', 'L', 'L')
+        dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+        t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+        # M_2: compact tensor ('L', 'd_V', 'd_V')
+        M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t10 = Y.sum(-1, keepdims=True)
+        t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
+        t12 = A @ X
+        M_1 = t12
+        t13 = M_1 @ W_V
+        t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+        A15 = t14 / t14.sum(-1, keepdims=True)
+        t16 = np.eye(d_V, dtype=X.dtype)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
+        t18 = np.swapaxes(W_V, -1, -2)
+        t19 = (1/(L*n_batch)) * X
+        t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+        t21 = np.reshape((t18.transpose(1, 0) @ np.reshape(dA17.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+        t22 = (t21.transpose(1, 2, 3, 0) @ M_2)
+        t23 = (t20 * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1)))
+        t24 = ((t23.transpose(1, 2, 3, 0) @ t22)).transpose(2, 3, 0, 1)
+        t25 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        F = t13
+        t26 = np.exp(F - F.max(-1, keepdims=True))
+        A27 = t26 / t26.sum(-1, keepdims=True)
+        t28 = t11 * A27
+        t29 = t28 - Y
+        t30 = (1/L) * t29
+        G = t30
+        t31 = t18 @ t2
+        t32 = G @ t31
+        t33 = t32 - (A * t32).sum(-1, keepdims=True)
+        t34 = A * t33
+        # d2A: compact tensor ('L', 'L', 'L')
+        d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t34, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t34, (n_batch, L, L, 1))) - (np.reshape(t34, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+        t35 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+        # M_3: compact tensor ('L', 'd_V', 'd_V')
+        M_3 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t36 = (1/n_batch) * t2
+        t37 = M_3.transpose(2, 3, 0, 1)
+        t38 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t36.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t39 = np.reshape(t25, (d_V**2, L*n_batch))
+        t40 = np.reshape(t38, (d_V**2, L*n_batch))
+        t41 = np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+        t42 = np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+        t43 = np.concatenate([t39, t40], axis=-1)
+        t44 = np.concatenate([t41, t42], axis=-2)
+        t1[...] = (np.reshape((t43 @ t44), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        t45 = H[0:d_V**2, d_V**2:2*d_V**2]
+        t46 = np.reshape(t45, (d_V, d_V, d_V, d_V), copy=False)
+        t47 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
+        t48 = ((t47.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+        t49 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t50 = (1/n_batch) * X
+        t51 = M_2.transpose(3, 2, 0, 1)
+        t52 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t50.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t46[...] = (np.reshape((np.reshape(t49, (d_V**2, L*n_batch)) @ np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        t46 += (np.reshape((np.reshape(t51, (d_V**2, L*n_batch)) @ np.reshape(t52.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+        t53 = np.swapaxes(M_1, -1, -2)
+        t55 = (1/L) * t11
+        t56 = (dA17 * np.reshape(t55, (n_batch, L, d_V, 1)))
+        t57 = np.reshape(M_1, (n_batch, L, 1, d_V, 1))
+        t58 = np.reshape(t56, (n_batch, L, d_V, 1, d_V))
+        t59 = t53.transpose(1, 0, 2)
+        t60 = np.reshape(t59, (d_V, L*n_batch))
+        t61 = (1/n_batch) * t60
+        t62 = np.reshape(H[d_V**2:2*d_V**2], (d_V, d_V, 2*d_V**2), copy=False)
+        t63 = t62[..., d_V**2:d_V**2 + d_V**2]
+        n_rows = max(1, min(d_V, 262144 // (L*d_V**2*n_batch)))
+        while d_V % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = np.empty((n_batch, L, n_rows, d_V**2), dtype=X.dtype)
+        t64 = np.reshape(R, (n_batch, L*n_rows, d_V**2), copy=False)
+        t65 = np.reshape(R, (L*n_batch, d_V**2*n_rows), copy=False)
+        t66 = np.reshape(t64[..., 0:d_V**2], (n_batch, L, n_rows, d_V, d_V), copy=False)
+        for f0 in range(0, d_V, n_rows):
+            np.multiply(t57, t58[..., f0:f0 + n_rows, :, :], out=t66)
+            if d_V <= 32:
+                np.matmul(np.broadcast_to(t61, (n_rows,) + t61.shape[-2:]), np.reshape(t65, (L*n_batch, n_rows, d_V**2), copy=False).transpose(1, 0, 2), out=t63[..., f0:f0 + n_rows, :].transpose(1, 0, 2))
+            else:
+                for r0 in range(0, d_V, 32):
+                    np.matmul(np.broadcast_to(t61, (n_rows,) + t61.shape[-2:])[..., r0:r0 + min(32, d_V - r0), :], np.reshape(t65, (L*n_batch, n_rows, d_V**2), copy=False).transpose(1, 0, 2), out=t63[..., f0:f0 + n_rows, :].transpose(1, 0, 2)[..., r0:r0 + min(32, d_V - r0), :])
+        del R
+        t67 = H[d_V**2:2*d_V**2, 0:d_V**2]
+        _transpose_into(t45, t67)
+        return H
     H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)

@@ -19,6 +19,9 @@ import opt_einsum as oe
 import scipy.special
 
 
+from symhess.smallk import transpose_numpy as _transpose_into
+
+
 
 def mse_causal0__loss(X, W_Q, W_K, W_V, W_O, Y):
     """The loss, batch mean."""
@@ -20355,6 +20358,366 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 2:    # row slabs (their operands grow with the batch)
+        H = np.empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), dtype=X.dtype) if out is None else out
+        t0 = H[0:d_K*d_V, 0:d_K*d_V]
+        t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
+        del t0
+        t2 = np.swapaxes(W_K, -1, -2)
+        t3 = np.swapaxes(X, -1, -2)
+        t4 = t2 @ t3
+        t5 = W_Q @ t4
+        del t4
+        t6 = X @ t5
+        del t5
+        t7 = (1/math.sqrt(d_K)) * t6
+        del t6
+        t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+        del t7
+        A = t8 / t8.sum(-1, keepdims=True)
+        del t8
+        t9 = np.eye(L, dtype=X.dtype)
+        # dA: compact tensor ('L', 'L', 'L')
+        dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+        t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+        del dA
+        # M_2: compact tensor ('L', 'd_V', 'd_V')
+        M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        del t10
+        t11 = W_V @ W_O
+        t12 = Y.sum(-1, keepdims=True)
+        t13 = np.broadcast_to(t12, t12.shape[:-1] + (d_V,))
+        del t12
+        t14 = A @ X
+        M_1 = t14
+        del t14
+        t15 = M_1 @ t11
+        t16 = np.exp(t15 - t15.max(-1, keepdims=True))
+        A17 = t16 / t16.sum(-1, keepdims=True)
+        del t16
+        t18 = np.eye(d_V, dtype=X.dtype)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA19 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1))) - (np.reshape(A17, (n_batch, L, 1, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1)))
+        del A17, t18
+        t20 = np.swapaxes(t11, -1, -2)
+        t21 = (1/(L*d_K*n_batch)) * X
+        t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V, d_K))
+        t23 = np.reshape((t20.transpose(1, 0) @ np.reshape(dA19.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+        t24 = (t23.transpose(1, 2, 3, 0) @ M_2)
+        del t23
+        t25 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t11), (n_batch, L, d_K, d_V))
+        t26 = np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
+        t27 = (t25.transpose(0, 1, 3, 2) * np.reshape(t13, (n_batch, L, d_V, 1)))
+        t28 = ((t27.transpose(0, 1, 3, 2) @ t26)).transpose(2, 3, 0, 1)
+        del t27
+        t29 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        F = t15
+        del t15
+        t30 = np.exp(F - F.max(-1, keepdims=True))
+        del F
+        A31 = t30 / t30.sum(-1, keepdims=True)
+        del t30
+        t32 = t13 * A31
+        del A31
+        t33 = t32 - Y
+        del t32
+        t34 = (1/L) * t33
+        del t33
+        G = t34
+        del t34
+        t35 = t20 @ t3
+        del t20
+        t36 = G @ t35
+        del t35
+        t37 = t36 - (A * t36).sum(-1, keepdims=True)
+        del t36
+        t38 = A * t37
+        del t37
+        # d2A: compact tensor ('L', 'L', 'L')
+        d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t38, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t38, (n_batch, L, L, 1))) - (np.reshape(t38, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+        del A, t9
+        t39 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+        del d2A
+        # M_3: compact tensor ('L', 'd_V', 'd_V')
+        M_3 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        del t39
+        t40 = (1/(d_K*n_batch)) * t3
+        t41 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V, d_K))
+        t42 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t41.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+        del t41
+        t43 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t40.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t44 = np.reshape(t29, (d_V**2, L*n_batch))
+        del t29
+        t45 = np.reshape(t43, (d_V**2, L*n_batch))
+        del t43
+        t46 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+        del t28
+        t47 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+        del t42
+        t48 = np.concatenate([t44, t45], axis=-1)
+        del t44, t45
+        t49 = np.concatenate([t46, t47], axis=-2)
+        del t46, t47
+        t1[...] = (np.reshape((t48 @ t49), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+        del t1, t48, t49
+        t50 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t51 = np.reshape(t50, (d_V, d_K, d_V, d_K), copy=False)
+        del t50
+        t52 = (t24 * np.reshape(t13, (n_batch, L, d_V, 1)))
+        t53 = ((t52.transpose(0, 1, 3, 2) @ t25.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+        del t52
+        t54 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+        t55 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t56 = np.reshape((t2 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+        t57 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t40.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t58 = np.einsum('abcb->abc', t51)
+        t59 = t38 @ X
+        del t38
+        t60 = t3 @ t59
+        del t3, t59
+        t61 = np.ones((d_K,), dtype=X.dtype)
+        t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
+        del t61
+        t63 = np.reshape(t53, (d_K*d_V, L*n_batch))
+        del t53
+        t64 = np.reshape(t56, (d_K*d_V, L*n_batch))
+        del t56
+        t65 = np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+        del t55
+        t66 = np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+        del t57
+        t67 = np.concatenate([t63, t64], axis=-1)
+        del t63, t64
+        t68 = np.concatenate([t65, t66], axis=-2)
+        del t65, t66
+        t51[...] = (np.reshape((t67 @ t68), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        del t51, t67, t68
+        t58 += np.reshape(t62, (1, d_K, 1)) * np.reshape(t60.sum((0,)), (d_V, 1, d_V))
+        del t58
+        t69 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        t70 = np.reshape(t69, (d_V, d_K, d_V, d_H), copy=False)
+        t71 = np.swapaxes(W_O, -1, -2)
+        t72 = (1/(L*math.sqrt(d_K)*n_batch)) * X
+        t73 = np.reshape((t71.transpose(1, 0) @ np.reshape(dA19.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))
+        t74 = (t73.transpose(1, 2, 3, 0) * np.reshape(t13, (n_batch, L, d_V, 1)))
+        t75 = ((t74.transpose(0, 1, 3, 2) @ t25.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+        del t25, t74
+        t76 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t72.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t77 = G @ t71
+        t78 = (1/(math.sqrt(d_K)*n_batch)) * X
+        t79 = np.reshape((t2 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+        del t2
+        t80 = (np.reshape(t77.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t78.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t70[...] = (np.reshape((np.reshape(t76, (d_V**2, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+        del t75, t76
+        t70 += (np.reshape((np.reshape(t79, (d_K*d_V, L*n_batch)) @ np.reshape(t80.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+        del t70, t79, t80
+        t81 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+        t82 = np.reshape(t81, (d_V, d_K, d_H, d_V), copy=False)
+        t83 = M_1 @ W_V
+        t84 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
+        t85 = np.reshape((t84 @ np.reshape(t22.transpose(2, 0, 1, 3), (d_V, L*d_K*n_batch))), (d_V, n_batch, L, d_K))
+        t86 = (dA19 * np.reshape(t13, (n_batch, L, d_V, 1)))
+        t87 = ((t86.transpose(0, 1, 3, 2) @ t85.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+        del t85
+        t88 = (np.reshape(t83.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t72.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t89 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t22.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+        del t22
+        t90 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t78.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t82[...] = (np.reshape((np.reshape(t88, (d_H*d_V, L*n_batch)) @ np.reshape(t87.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+        del t87, t88
+        t82 += (np.reshape((np.reshape(t89, (d_H*d_K, L*n_batch)) @ np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+        del t82, t89, t90
+        t91 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t92 = np.reshape(t91, (d_V, d_K, d_V, d_K), copy=False)
+        del t91
+        t93 = np.swapaxes(W_Q, -1, -2)
+        t94 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+        del t11
+        t95 = (t94 * np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1)))
+        del t94
+        t96 = (t95.transpose(1, 2, 3, 0) @ t26)
+        del t26
+        t97 = (np.reshape(t96.transpose(2, 3, 0, 1), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        del t96
+        t98 = np.reshape((t93 @ np.reshape(t21.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+        del t21
+        t99 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
+        t100 = (np.reshape(t99.transpose(3, 0, 1, 2), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        del t99
+        t101 = np.reshape((t93 @ np.reshape(t40.transpose(1, 0, 2), (d_V, L*n_batch))), (d_K, n_batch, L))
+        del t40
+        t102 = np.einsum('abcb->abc', t92)
+        t103 = np.swapaxes(t60, -1, -2)
+        del t60
+        t104 = np.reshape(t98, (1, d_K, L*n_batch))
+        del t98
+        t105 = np.reshape(t92, (d_V, d_K, d_K*d_V), copy=False)
+        np.matmul(np.broadcast_to(t104, (d_V,) + t104.shape[-2:]), np.reshape(t97.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t105)
+        del t105, t97
+        t92 += np.reshape((np.reshape(t101, (1, d_K, L*n_batch)) @ np.reshape(t100.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_K, d_V, d_K))
+        del t100, t92
+        t102 += np.reshape(t62, (1, d_K, 1)) * np.reshape(t103.sum((0,)), (d_V, 1, d_V))
+        del t102, t103, t62
+        t106 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t107 = np.reshape(t106, (d_V, d_K, d_V, d_K), copy=False)
+        del t106
+        t108 = (t95.transpose(1, 2, 3, 0) @ t24)
+        del t24
+        t109 = (np.reshape(t108.transpose(2, 3, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t54, (1, 1, d_K, n_batch, L)))
+        del t108
+        t110 = (np.reshape(t54, (1, 1, d_K, n_batch, L)) * np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, d_V, 1, n_batch, L)))
+        del M_3, t54
+        t111 = np.reshape(t107, (d_V, d_K, d_K*d_V), copy=False)
+        np.matmul(np.broadcast_to(t104, (d_V,) + t104.shape[-2:]), np.reshape(t109.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t111)
+        del t104, t109, t111
+        t107 += np.reshape((np.reshape(t101, (1, d_K, L*n_batch)) @ np.reshape(t110.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_K, d_V, d_K))
+        del t101, t107, t110
+        t112 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        t113 = np.reshape(t112, (d_V, d_K, d_V, d_H), copy=False)
+        t114 = (t95.transpose(1, 2, 3, 0) @ t73.transpose(1, 2, 3, 0))
+        del t95
+        t115 = (np.reshape(t114.transpose(2, 3, 0, 1), (d_V, 1, d_H, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        del t114
+        t116 = np.reshape((t93 @ np.reshape(t72.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+        del t72
+        t117 = (np.reshape(t77.transpose(2, 0, 1), (1, 1, d_H, n_batch, L)) * np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, d_V, 1, n_batch, L)))
+        del t77
+        t118 = np.reshape((t93 @ np.reshape(t78.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+        del t78, t93
+        t119 = np.reshape(t116, (1, d_K, L*n_batch))
+        del t116
+        t120 = np.reshape(t113, (d_V, d_K, d_H*d_V), copy=False)
+        np.matmul(np.broadcast_to(t119, (d_V,) + t119.shape[-2:]), np.reshape(t115.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_H*d_V)), out=t120)
+        del t115, t120
+        t113 += np.reshape((np.reshape(t118, (1, d_K, L*n_batch)) @ np.reshape(t117.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_H*d_V))), (d_V, d_K, d_V, d_H))
+        del t113, t117
+        t121 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+        t122 = np.reshape(t121, (d_V, d_K, d_H, d_V), copy=False)
+        t123 = np.reshape((t84 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+        del t84
+        t124 = (t86.transpose(0, 1, 3, 2) @ t123.transpose(1, 2, 0, 3))
+        del t123, t86
+        t125 = (np.reshape(t124.transpose(3, 2, 0, 1), (d_V, 1, d_V, n_batch, L)) * np.reshape(t83.transpose(2, 0, 1), (1, d_H, 1, n_batch, L)))
+        del t124
+        t126 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))
+        del M_2
+        t127 = (np.reshape(t126.transpose(3, 0, 1, 2), (d_V, d_H, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, 1, d_V, n_batch, L)))
+        del t126
+        t128 = np.reshape(t122, (d_V, d_K, d_H*d_V), copy=False)
+        np.matmul(np.broadcast_to(t119, (d_V,) + t119.shape[-2:]), np.reshape(t125.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_H*d_V)), out=t128)
+        del t119, t125, t128
+        t122 += np.reshape((np.reshape(t118, (1, d_K, L*n_batch)) @ np.reshape(t127.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_H*d_V))), (d_V, d_K, d_H, d_V))
+        del t118, t122, t127
+        t129 = np.swapaxes(M_1, -1, -2)
+        t131 = (1/L) * t13
+        del t13
+        t132 = (np.reshape(t131.transpose(2, 0, 1), (d_V, n_batch, L, 1)) * np.reshape(W_O.transpose(1, 0), (d_V, 1, 1, d_H)))
+        t133 = (t132.transpose(1, 2, 3, 0) @ t73.transpose(1, 2, 3, 0))
+        del t132, t73
+        t134 = np.reshape(M_1, (n_batch, L, 1, d_V, 1))
+        t135 = np.reshape(t133, (n_batch, L, d_H, 1, d_H))
+        del t133
+        t138 = (dA19 * np.reshape(t131, (n_batch, L, d_V, 1)))
+        del dA19, t131
+        t139 = (np.reshape((W_O @ np.reshape(t138.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        t141 = np.ones((d_H,), dtype=X.dtype)
+        t142 = np.reshape(t83, (n_batch, L, 1, d_H, 1))
+        t143 = np.reshape(t139, (n_batch, L, d_H, 1, d_V))
+        del t139
+        t144 = np.reshape(t141, (1, 1, d_H, 1))
+        t145 = np.reshape(G, (n_batch, L, 1, d_V))
+        t146 = t129.transpose(1, 0, 2)
+        del t129
+        t147 = np.reshape(t146, (d_V, L*n_batch))
+        del t146
+        t148 = (1/n_batch) * t147
+        del t147
+        t149 = np.reshape(H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V], (d_V, d_H, 2*d_H*d_V + 2*d_K*d_V), copy=False)
+        t150 = t149[..., 2*d_K*d_V:2*d_K*d_V + 2*d_H*d_V]
+        del t149
+        n_rows = max(1, min(d_H, 262144 // (2*L*d_H*d_V*n_batch)))
+        while d_H % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = np.empty((n_batch, L, n_rows, 2*d_H*d_V), dtype=X.dtype)
+        t151 = np.reshape(R, (n_batch, L*n_rows, 2*d_H*d_V), copy=False)
+        t152 = np.reshape(R, (L*n_batch, 2*d_H*d_V*n_rows), copy=False)
+        t153 = np.reshape(t151[..., 0:d_H*d_V], (n_batch, L, n_rows, d_V, d_H), copy=False)
+        t154 = np.reshape(t151[..., d_H*d_V:2*d_H*d_V], (n_batch, L, n_rows, d_H, d_V), copy=False)
+        for f0 in range(0, d_H, n_rows):
+            np.multiply(t134, t135[..., f0:f0 + n_rows, :, :], out=t153)
+            np.multiply(t142, t143[..., f0:f0 + n_rows, :, :], out=t154)
+            t155 = np.einsum('abccd->abcd', np.reshape(t151[..., d_H*d_V:2*d_H*d_V], (n_batch, L, n_rows, d_H, d_V), copy=False)[..., f0:f0 + n_rows, :])
+            t155 += t144[..., f0:f0 + n_rows, :] * t145
+            if d_V <= 32:
+                np.matmul(np.broadcast_to(t148, (n_rows,) + t148.shape[-2:]), np.reshape(t152, (L*n_batch, n_rows, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t150[..., f0:f0 + n_rows, :].transpose(1, 0, 2))
+            else:
+                for r0 in range(0, d_V, 32):
+                    np.matmul(np.broadcast_to(t148, (n_rows,) + t148.shape[-2:])[..., r0:r0 + min(32, d_V - r0), :], np.reshape(t152, (L*n_batch, n_rows, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t150[..., f0:f0 + n_rows, :].transpose(1, 0, 2)[..., r0:r0 + min(32, d_V - r0), :])
+        del n_rows, t135, t143, t144, t145, t148, t150, t151, t152, t153, t154
+        del R
+        t156 = np.swapaxes(t83, -1, -2)
+        del t83
+        t160 = np.reshape((np.reshape(t138, (L*d_V*n_batch, d_V)) @ t71), (n_batch, L, d_V, d_H))
+        del t71
+        t161 = np.reshape(t160, (n_batch, L, d_V, 1, d_H))
+        del t160
+        t164 = np.reshape(t138, (n_batch, L, d_V, 1, d_V))
+        del t138
+        t165 = t156.transpose(1, 0, 2)
+        del t156
+        t166 = np.reshape(t165, (d_H, L*n_batch))
+        del t165
+        t167 = (1/n_batch) * t166
+        del t166
+        t168 = np.reshape(H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V], (d_H, d_V, 2*d_H*d_V + 2*d_K*d_V), copy=False)
+        t169 = t168[..., 2*d_K*d_V:2*d_K*d_V + 2*d_H*d_V]
+        del t168
+        n_rows170 = max(1, min(d_V, 262144 // (2*L*d_H*d_V*n_batch)))
+        while d_V % n_rows170:    # chunks of equal size
+            n_rows170 -= 1
+        R157 = np.empty((n_batch, L, n_rows170, 2*d_H*d_V), dtype=X.dtype)
+        t172 = np.reshape(R157, (n_batch, L*n_rows170, 2*d_H*d_V), copy=False)
+        t173 = np.reshape(R157, (L*n_batch, 2*d_H*d_V*n_rows170), copy=False)
+        t174 = np.reshape(t172[..., 0:d_H*d_V], (n_batch, L, n_rows170, d_V, d_H), copy=False)
+        t175 = np.reshape(t172[..., d_H*d_V:2*d_H*d_V], (n_batch, L, n_rows170, d_H, d_V), copy=False)
+        del t172
+        for f0171 in range(0, d_V, n_rows170):
+            np.multiply(t134, t161[..., f0171:f0171 + n_rows170, :, :], out=t174)
+            np.multiply(t142, t164[..., f0171:f0171 + n_rows170, :, :], out=t175)
+            if d_H <= 32:
+                np.matmul(np.broadcast_to(t167, (n_rows170,) + t167.shape[-2:]), np.reshape(t173, (L*n_batch, n_rows170, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t169[..., f0171:f0171 + n_rows170, :].transpose(1, 0, 2))
+            else:
+                for r0176 in range(0, d_H, 32):
+                    np.matmul(np.broadcast_to(t167, (n_rows170,) + t167.shape[-2:])[..., r0176:r0176 + min(32, d_H - r0176), :], np.reshape(t173, (L*n_batch, n_rows170, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t169[..., f0171:f0171 + n_rows170, :].transpose(1, 0, 2)[..., r0176:r0176 + min(32, d_H - r0176), :])
+        del n_rows170, t134, t142, t161, t164, t167, t169, t173, t174, t175
+        del R157
+        t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        t178 = np.reshape(t177, (d_H, d_V, d_V, d_H), copy=False)
+        del t177
+        t179 = np.einsum('abca->abc', t178)
+        del t178
+        t180 = np.swapaxes(G, -1, -2)
+        del G
+        t181 = t180 @ M_1
+        del M_1, t180
+        t182 = (1/n_batch) * t141
+        del t141
+        t179 += np.reshape(t182, (d_H, 1, 1)) * np.reshape(t181.sum((0,)), (1, d_V, d_V))
+        del t179, t181, t182
+        t183 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t69, t183)
+        del t183, t69
+        t184 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t112, t184)
+        del t112, t184
+        t185 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t81, t185)
+        del t185, t81
+        t186 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t121, t186)
+        del t121, t186
+        return H
     H = np.empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
@@ -29500,6 +29863,369 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 2:    # row slabs (their operands grow with the batch)
+        H = np.empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), dtype=X.dtype) if out is None else out
+        t0 = H[0:d_K*d_V, 0:d_K*d_V]
+        t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
+        del t0
+        t2 = np.swapaxes(W_K, -1, -2)
+        t3 = np.swapaxes(X, -1, -2)
+        t4 = t2 @ t3
+        t5 = W_Q @ t4
+        del t4
+        t6 = X @ t5
+        del t5
+        t7 = (1/math.sqrt(d_K)) * t6
+        del t6
+        t8 = np.triu(np.ones((L, L), dtype=bool), 1)
+        t9 = np.where(t8, -math.inf, t7)
+        del t7, t8
+        t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+        del t9
+        A = t10 / t10.sum(-1, keepdims=True)
+        del t10
+        t11 = np.eye(L, dtype=X.dtype)
+        # dA: compact tensor ('L', 'L', 'L')
+        dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+        t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+        del dA
+        # M_2: compact tensor ('L', 'd_V', 'd_V')
+        M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        del t12
+        t13 = W_V @ W_O
+        t14 = Y.sum(-1, keepdims=True)
+        t15 = np.broadcast_to(t14, t14.shape[:-1] + (d_V,))
+        del t14
+        t16 = A @ X
+        M_1 = t16
+        del t16
+        t17 = M_1 @ t13
+        t18 = np.exp(t17 - t17.max(-1, keepdims=True))
+        A19 = t18 / t18.sum(-1, keepdims=True)
+        del t18
+        t20 = np.eye(d_V, dtype=X.dtype)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA21 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(A19, (n_batch, L, d_V, 1))) - (np.reshape(A19, (n_batch, L, 1, d_V)) * np.reshape(A19, (n_batch, L, d_V, 1)))
+        del A19, t20
+        t22 = np.swapaxes(t13, -1, -2)
+        t23 = (1/(L*d_K*n_batch)) * X
+        t24 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V, d_K))
+        t25 = np.reshape((t22.transpose(1, 0) @ np.reshape(dA21.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+        t26 = (t25.transpose(1, 2, 3, 0) @ M_2)
+        del t25
+        t27 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t13), (n_batch, L, d_K, d_V))
+        t28 = np.reshape((np.reshape(t26, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
+        t29 = (t27.transpose(0, 1, 3, 2) * np.reshape(t15, (n_batch, L, d_V, 1)))
+        t30 = ((t29.transpose(0, 1, 3, 2) @ t28)).transpose(2, 3, 0, 1)
+        del t29
+        t31 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        F = t17
+        del t17
+        t32 = np.exp(F - F.max(-1, keepdims=True))
+        del F
+        A33 = t32 / t32.sum(-1, keepdims=True)
+        del t32
+        t34 = t15 * A33
+        del A33
+        t35 = t34 - Y
+        del t34
+        t36 = (1/L) * t35
+        del t35
+        G = t36
+        del t36
+        t37 = t22 @ t3
+        del t22
+        t38 = G @ t37
+        del t37
+        t39 = t38 - (A * t38).sum(-1, keepdims=True)
+        del t38
+        t40 = A * t39
+        del t39
+        # d2A: compact tensor ('L', 'L', 'L')
+        d2A = (np.reshape(t11, (1, 1, L, L)) * np.reshape(t40, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t40, (n_batch, L, L, 1))) - (np.reshape(t40, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+        del A, t11
+        t41 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+        del d2A
+        # M_3: compact tensor ('L', 'd_V', 'd_V')
+        M_3 = np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        del t41
+        t42 = (1/(d_K*n_batch)) * t3
+        t43 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V, d_K))
+        t44 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t43.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+        del t43
+        t45 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t42.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t46 = np.reshape(t31, (d_V**2, L*n_batch))
+        del t31
+        t47 = np.reshape(t45, (d_V**2, L*n_batch))
+        del t45
+        t48 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+        del t30
+        t49 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+        del t44
+        t50 = np.concatenate([t46, t47], axis=-1)
+        del t46, t47
+        t51 = np.concatenate([t48, t49], axis=-2)
+        del t48, t49
+        t1[...] = (np.reshape((t50 @ t51), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+        del t1, t50, t51
+        t52 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
+        del t52
+        t54 = (t26 * np.reshape(t15, (n_batch, L, d_V, 1)))
+        t55 = ((t54.transpose(0, 1, 3, 2) @ t27.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+        del t54
+        t56 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+        t57 = (np.reshape(t56, (1, d_K, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t58 = np.reshape((t2 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+        t59 = (np.reshape(t56, (1, d_K, n_batch, L)) * np.reshape(t42.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        t60 = np.einsum('abcb->abc', t53)
+        t61 = t40 @ X
+        del t40
+        t62 = t3 @ t61
+        del t3, t61
+        t63 = np.ones((d_K,), dtype=X.dtype)
+        t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
+        del t63
+        t65 = np.reshape(t55, (d_K*d_V, L*n_batch))
+        del t55
+        t66 = np.reshape(t58, (d_K*d_V, L*n_batch))
+        del t58
+        t67 = np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+        del t57
+        t68 = np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+        del t59
+        t69 = np.concatenate([t65, t66], axis=-1)
+        del t65, t66
+        t70 = np.concatenate([t67, t68], axis=-2)
+        del t67, t68
+        t53[...] = (np.reshape((t69 @ t70), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        del t53, t69, t70
+        t60 += np.reshape(t64, (1, d_K, 1)) * np.reshape(t62.sum((0,)), (d_V, 1, d_V))
+        del t60
+        t71 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        t72 = np.reshape(t71, (d_V, d_K, d_V, d_H), copy=False)
+        t73 = np.swapaxes(W_O, -1, -2)
+        t74 = (1/(L*math.sqrt(d_K)*n_batch)) * X
+        t75 = np.reshape((t73.transpose(1, 0) @ np.reshape(dA21.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))
+        t76 = (t75.transpose(1, 2, 3, 0) * np.reshape(t15, (n_batch, L, d_V, 1)))
+        t77 = ((t76.transpose(0, 1, 3, 2) @ t27.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+        del t27, t76
+        t78 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t74.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t79 = G @ t73
+        t80 = (1/(math.sqrt(d_K)*n_batch)) * X
+        t81 = np.reshape((t2 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+        del t2
+        t82 = (np.reshape(t79.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t80.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t72[...] = (np.reshape((np.reshape(t78, (d_V**2, L*n_batch)) @ np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+        del t77, t78
+        t72 += (np.reshape((np.reshape(t81, (d_K*d_V, L*n_batch)) @ np.reshape(t82.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+        del t72, t81, t82
+        t83 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+        t84 = np.reshape(t83, (d_V, d_K, d_H, d_V), copy=False)
+        t85 = M_1 @ W_V
+        t86 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
+        t87 = np.reshape((t86 @ np.reshape(t24.transpose(2, 0, 1, 3), (d_V, L*d_K*n_batch))), (d_V, n_batch, L, d_K))
+        t88 = (dA21 * np.reshape(t15, (n_batch, L, d_V, 1)))
+        t89 = ((t88.transpose(0, 1, 3, 2) @ t87.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+        del t87
+        t90 = (np.reshape(t85.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t74.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t91 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t24.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
+        del t24
+        t92 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t80.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t84[...] = (np.reshape((np.reshape(t90, (d_H*d_V, L*n_batch)) @ np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+        del t89, t90
+        t84 += (np.reshape((np.reshape(t91, (d_H*d_K, L*n_batch)) @ np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+        del t84, t91, t92
+        t93 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t94 = np.reshape(t93, (d_V, d_K, d_V, d_K), copy=False)
+        del t93
+        t95 = np.swapaxes(W_Q, -1, -2)
+        t96 = np.reshape((t13.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+        del t13
+        t97 = (t96 * np.reshape(t15.transpose(2, 0, 1), (d_V, n_batch, L, 1)))
+        del t96
+        t98 = (t97.transpose(1, 2, 3, 0) @ t28)
+        del t28
+        t99 = (np.reshape(t98.transpose(2, 3, 0, 1), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        del t98
+        t100 = np.reshape((t95 @ np.reshape(t23.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+        del t23
+        t101 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
+        t102 = (np.reshape(t101.transpose(3, 0, 1, 2), (d_V, 1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        del t101
+        t103 = np.reshape((t95 @ np.reshape(t42.transpose(1, 0, 2), (d_V, L*n_batch))), (d_K, n_batch, L))
+        del t42
+        t104 = np.einsum('abcb->abc', t94)
+        t105 = np.swapaxes(t62, -1, -2)
+        del t62
+        t106 = np.reshape(t100, (1, d_K, L*n_batch))
+        del t100
+        t107 = np.reshape(t94, (d_V, d_K, d_K*d_V), copy=False)
+        np.matmul(np.broadcast_to(t106, (d_V,) + t106.shape[-2:]), np.reshape(t99.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t107)
+        del t107, t99
+        t94 += np.reshape((np.reshape(t103, (1, d_K, L*n_batch)) @ np.reshape(t102.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_K, d_V, d_K))
+        del t102, t94
+        t104 += np.reshape(t64, (1, d_K, 1)) * np.reshape(t105.sum((0,)), (d_V, 1, d_V))
+        del t104, t105, t64
+        t108 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t109 = np.reshape(t108, (d_V, d_K, d_V, d_K), copy=False)
+        del t108
+        t110 = (t97.transpose(1, 2, 3, 0) @ t26)
+        del t26
+        t111 = (np.reshape(t110.transpose(2, 3, 0, 1), (d_V, d_V, 1, n_batch, L)) * np.reshape(t56, (1, 1, d_K, n_batch, L)))
+        del t110
+        t112 = (np.reshape(t56, (1, 1, d_K, n_batch, L)) * np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, d_V, 1, n_batch, L)))
+        del M_3, t56
+        t113 = np.reshape(t109, (d_V, d_K, d_K*d_V), copy=False)
+        np.matmul(np.broadcast_to(t106, (d_V,) + t106.shape[-2:]), np.reshape(t111.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V)), out=t113)
+        del t106, t111, t113
+        t109 += np.reshape((np.reshape(t103, (1, d_K, L*n_batch)) @ np.reshape(t112.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_K*d_V))), (d_V, d_K, d_V, d_K))
+        del t103, t109, t112
+        t114 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        t115 = np.reshape(t114, (d_V, d_K, d_V, d_H), copy=False)
+        t116 = (t97.transpose(1, 2, 3, 0) @ t75.transpose(1, 2, 3, 0))
+        del t97
+        t117 = (np.reshape(t116.transpose(2, 3, 0, 1), (d_V, 1, d_H, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, 1, n_batch, L)))
+        del t116
+        t118 = np.reshape((t95 @ np.reshape(t74.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+        del t74
+        t119 = (np.reshape(t79.transpose(2, 0, 1), (1, 1, d_H, n_batch, L)) * np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, d_V, 1, n_batch, L)))
+        del t79
+        t120 = np.reshape((t95 @ np.reshape(t80.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+        del t80, t95
+        t121 = np.reshape(t118, (1, d_K, L*n_batch))
+        del t118
+        t122 = np.reshape(t115, (d_V, d_K, d_H*d_V), copy=False)
+        np.matmul(np.broadcast_to(t121, (d_V,) + t121.shape[-2:]), np.reshape(t117.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_H*d_V)), out=t122)
+        del t117, t122
+        t115 += np.reshape((np.reshape(t120, (1, d_K, L*n_batch)) @ np.reshape(t119.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_H*d_V))), (d_V, d_K, d_V, d_H))
+        del t115, t119
+        t123 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+        t124 = np.reshape(t123, (d_V, d_K, d_H, d_V), copy=False)
+        t125 = np.reshape((t86 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+        del t86
+        t126 = (t88.transpose(0, 1, 3, 2) @ t125.transpose(1, 2, 0, 3))
+        del t125, t88
+        t127 = (np.reshape(t126.transpose(3, 2, 0, 1), (d_V, 1, d_V, n_batch, L)) * np.reshape(t85.transpose(2, 0, 1), (1, d_H, 1, n_batch, L)))
+        del t126
+        t128 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))
+        del M_2
+        t129 = (np.reshape(t128.transpose(3, 0, 1, 2), (d_V, d_H, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, 1, d_V, n_batch, L)))
+        del t128
+        t130 = np.reshape(t124, (d_V, d_K, d_H*d_V), copy=False)
+        np.matmul(np.broadcast_to(t121, (d_V,) + t121.shape[-2:]), np.reshape(t127.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_H*d_V)), out=t130)
+        del t121, t127, t130
+        t124 += np.reshape((np.reshape(t120, (1, d_K, L*n_batch)) @ np.reshape(t129.transpose(0, 3, 4, 1, 2), (d_V, L*n_batch, d_H*d_V))), (d_V, d_K, d_H, d_V))
+        del t120, t124, t129
+        t131 = np.swapaxes(M_1, -1, -2)
+        t133 = (1/L) * t15
+        del t15
+        t134 = (np.reshape(t133.transpose(2, 0, 1), (d_V, n_batch, L, 1)) * np.reshape(W_O.transpose(1, 0), (d_V, 1, 1, d_H)))
+        t135 = (t134.transpose(1, 2, 3, 0) @ t75.transpose(1, 2, 3, 0))
+        del t134, t75
+        t136 = np.reshape(M_1, (n_batch, L, 1, d_V, 1))
+        t137 = np.reshape(t135, (n_batch, L, d_H, 1, d_H))
+        del t135
+        t140 = (dA21 * np.reshape(t133, (n_batch, L, d_V, 1)))
+        del dA21, t133
+        t141 = (np.reshape((W_O @ np.reshape(t140.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        t143 = np.ones((d_H,), dtype=X.dtype)
+        t144 = np.reshape(t85, (n_batch, L, 1, d_H, 1))
+        t145 = np.reshape(t141, (n_batch, L, d_H, 1, d_V))
+        del t141
+        t146 = np.reshape(t143, (1, 1, d_H, 1))
+        t147 = np.reshape(G, (n_batch, L, 1, d_V))
+        t148 = t131.transpose(1, 0, 2)
+        del t131
+        t149 = np.reshape(t148, (d_V, L*n_batch))
+        del t148
+        t150 = (1/n_batch) * t149
+        del t149
+        t151 = np.reshape(H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V], (d_V, d_H, 2*d_H*d_V + 2*d_K*d_V), copy=False)
+        t152 = t151[..., 2*d_K*d_V:2*d_K*d_V + 2*d_H*d_V]
+        del t151
+        n_rows = max(1, min(d_H, 262144 // (2*L*d_H*d_V*n_batch)))
+        while d_H % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = np.empty((n_batch, L, n_rows, 2*d_H*d_V), dtype=X.dtype)
+        t153 = np.reshape(R, (n_batch, L*n_rows, 2*d_H*d_V), copy=False)
+        t154 = np.reshape(R, (L*n_batch, 2*d_H*d_V*n_rows), copy=False)
+        t155 = np.reshape(t153[..., 0:d_H*d_V], (n_batch, L, n_rows, d_V, d_H), copy=False)
+        t156 = np.reshape(t153[..., d_H*d_V:2*d_H*d_V], (n_batch, L, n_rows, d_H, d_V), copy=False)
+        for f0 in range(0, d_H, n_rows):
+            np.multiply(t136, t137[..., f0:f0 + n_rows, :, :], out=t155)
+            np.multiply(t144, t145[..., f0:f0 + n_rows, :, :], out=t156)
+            t157 = np.einsum('abccd->abcd', np.reshape(t153[..., d_H*d_V:2*d_H*d_V], (n_batch, L, n_rows, d_H, d_V), copy=False)[..., f0:f0 + n_rows, :])
+            t157 += t146[..., f0:f0 + n_rows, :] * t147
+            if d_V <= 32:
+                np.matmul(np.broadcast_to(t150, (n_rows,) + t150.shape[-2:]), np.reshape(t154, (L*n_batch, n_rows, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t152[..., f0:f0 + n_rows, :].transpose(1, 0, 2))
+            else:
+                for r0 in range(0, d_V, 32):
+                    np.matmul(np.broadcast_to(t150, (n_rows,) + t150.shape[-2:])[..., r0:r0 + min(32, d_V - r0), :], np.reshape(t154, (L*n_batch, n_rows, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t152[..., f0:f0 + n_rows, :].transpose(1, 0, 2)[..., r0:r0 + min(32, d_V - r0), :])
+        del n_rows, t137, t145, t146, t147, t150, t152, t153, t154, t155, t156
+        del R
+        t158 = np.swapaxes(t85, -1, -2)
+        del t85
+        t162 = np.reshape((np.reshape(t140, (L*d_V*n_batch, d_V)) @ t73), (n_batch, L, d_V, d_H))
+        del t73
+        t163 = np.reshape(t162, (n_batch, L, d_V, 1, d_H))
+        del t162
+        t166 = np.reshape(t140, (n_batch, L, d_V, 1, d_V))
+        del t140
+        t167 = t158.transpose(1, 0, 2)
+        del t158
+        t168 = np.reshape(t167, (d_H, L*n_batch))
+        del t167
+        t169 = (1/n_batch) * t168
+        del t168
+        t170 = np.reshape(H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V], (d_H, d_V, 2*d_H*d_V + 2*d_K*d_V), copy=False)
+        t171 = t170[..., 2*d_K*d_V:2*d_K*d_V + 2*d_H*d_V]
+        del t170
+        n_rows172 = max(1, min(d_V, 262144 // (2*L*d_H*d_V*n_batch)))
+        while d_V % n_rows172:    # chunks of equal size
+            n_rows172 -= 1
+        R159 = np.empty((n_batch, L, n_rows172, 2*d_H*d_V), dtype=X.dtype)
+        t174 = np.reshape(R159, (n_batch, L*n_rows172, 2*d_H*d_V), copy=False)
+        t175 = np.reshape(R159, (L*n_batch, 2*d_H*d_V*n_rows172), copy=False)
+        t176 = np.reshape(t174[..., 0:d_H*d_V], (n_batch, L, n_rows172, d_V, d_H), copy=False)
+        t177 = np.reshape(t174[..., d_H*d_V:2*d_H*d_V], (n_batch, L, n_rows172, d_H, d_V), copy=False)
+        del t174
+        for f0173 in range(0, d_V, n_rows172):
+            np.multiply(t136, t163[..., f0173:f0173 + n_rows172, :, :], out=t176)
+            np.multiply(t144, t166[..., f0173:f0173 + n_rows172, :, :], out=t177)
+            if d_H <= 32:
+                np.matmul(np.broadcast_to(t169, (n_rows172,) + t169.shape[-2:]), np.reshape(t175, (L*n_batch, n_rows172, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t171[..., f0173:f0173 + n_rows172, :].transpose(1, 0, 2))
+            else:
+                for r0178 in range(0, d_H, 32):
+                    np.matmul(np.broadcast_to(t169, (n_rows172,) + t169.shape[-2:])[..., r0178:r0178 + min(32, d_H - r0178), :], np.reshape(t175, (L*n_batch, n_rows172, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t171[..., f0173:f0173 + n_rows172, :].transpose(1, 0, 2)[..., r0178:r0178 + min(32, d_H - r0178), :])
+        del n_rows172, t136, t144, t163, t166, t169, t171, t175, t176, t177
+        del R159
+        t179 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        t180 = np.reshape(t179, (d_H, d_V, d_V, d_H), copy=False)
+        del t179
+        t181 = np.einsum('abca->abc', t180)
+        del t180
+        t182 = np.swapaxes(G, -1, -2)
+        del G
+        t183 = t182 @ M_1
+        del M_1, t182
+        t184 = (1/n_batch) * t143
+        del t143
+        t181 += np.reshape(t184, (d_H, 1, 1)) * np.reshape(t183.sum((0,)), (1, d_V, d_V))
+        del t181, t183, t184
+        t185 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t71, t185)
+        del t185, t71
+        t186 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t114, t186)
+        del t114, t186
+        t187 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t83, t187)
+        del t187, t83
+        t188 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t123, t188)
+        del t123, t188
+        return H
     H = np.empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)

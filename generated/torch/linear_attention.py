@@ -20,6 +20,7 @@ import torch
 
 
 from symhess.smallk import matmul_into as _matmul_into
+from symhess.smallk import transpose_into as _transpose_into
 
 _NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}
 

@@ -18,6 +18,7 @@ import torch
 
 
 from symhess.smallk import matmul_into as _matmul_into
+from symhess.smallk import transpose_into as _transpose_into
 
 _NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}
 
@@ -7798,10 +7799,10 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=No
     t254[...] = 0
     del t254
     t255 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t255[...] = t101.transpose(-1, -2)
+    _transpose_into(t101, t255)
     del t101, t255
     t256 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t256[...] = t153.transpose(-1, -2)
+    _transpose_into(t153, t256)
     del t153, t256
     return H
 
@@ -14125,7 +14126,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     d_V = int(X.shape[-1])
     d_ff = int(W_1.shape[-1])
     n_batch = int(X.shape[0])
-    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+    if n_batch <= 2:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
         t0 = X.sum(-1, keepdim=True)
         t1 = t0.expand(*t0.shape[:-1], d_V)
@@ -14223,6 +14224,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t44 = W_2.transpose(-1, -2)
         t45 = G @ t44
         t46 = t38 * t45
+        del t45
         t47 = W_1.transpose(-1, -2)
         t48 = t46 @ t47
         t49 = t34 * t48 * M_N_2
@@ -14246,6 +14248,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         S59 = (t20.reshape((1, 1, d_V, d_V)) * t51.reshape((n_batch, L, d_V, 1))) + (t53.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t58.permute(2, 3, 0, 1) @ S57)
         del S57, t53
         t60 = t34 * M_N_2
+        del t34
         t61 = (t22.reshape((d_V, d_V, 1, 1)) * t60.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         # S: compact tensor ('L', 'd_V', 'd_V')
         S62 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t61.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
@@ -14263,6 +14266,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t68 = (t64 @ S62)
         # S: compact tensor ('L', 'd_V', 'd_V')
         S69 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (t68.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
+        del t68
         t70 = (W_2.reshape((d_ff, d_V, 1, 1)) * t38.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
         t71 = (t70.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
         del t70
@@ -14278,9 +14282,10 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t77 = (t76.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
         del t76
         t78 = t51 * M_N_2
-        del t51
+        del M_N_2, t51
         t79 = (2/(math.sqrt(d_K)*d_V**2)) * t78
         t80 = t48 * P_N_2
+        del P_N_2, t48
         t81 = (1/(math.sqrt(d_K)*d_V)) * t80
         t82 = -t79 - t81
         del t79, t81
@@ -14441,6 +14446,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t203 = t199.reshape((n_batch, L, d_K, 1, d_V))
         del t199
         t204 = t10.permute(1, 0, 2)
+        del t10
         t205 = t204.reshape((d_V, L*n_batch))
         del t204
         t206 = (1/n_batch) * t205
@@ -14474,7 +14480,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             else:
                 for r0 in range(0, d_V, 32):
                     _matmul_into(t206.narrow(-2, r0, min(32, d_V - r0)), t209, t216.narrow(-2, r0, min(32, d_V - r0)))
-        del n_rows, t108, t109, t110, t153, t154, t174, t191, t192, t200, t203, t207, t208, t209, t210, t211, t213, t214, t215, t99
+        del n_rows, t107, t108, t109, t110, t153, t154, t174, t191, t192, t200, t203, t207, t208, t209, t210, t211, t213, t214, t215, t98, t99
         del R
         R217 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t218 = R217.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
@@ -14484,7 +14490,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t221 = t102.transpose(-1, -2)
         # S: compact tensor ('L', 'd_V', 'd_V')
         S222 = S69 + (S133 @ t72)
-        del S133
+        del S133, S69, t72
         t223 = (2/(L*d_K*d_V)) * t221
         t224 = (S222.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
         del S222
@@ -14498,8 +14504,9 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t229 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t223.reshape((n_batch, d_K, 1, L)))
         t230 = (t178.permute(1, 2, 0) @ S59.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
         t231 = (t74.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
+        del t74
         t232 = (t231 @ t230.permute(0, 3, 1, 2).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-        del t230
+        del t230, t231
         t233 = (t232.permute(0, 3, 1, 2) @ dA.permute(0, 1, 3, 2))
         del t232
         # S: compact tensor ('L', 'L', 'L')
@@ -14508,6 +14515,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t235 = (2/(d_K*d_V)) * t221
         t236 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t235.reshape((n_batch, d_K, 1, L)))
         t237 = ((t95.permute(0, 2, 1) @ S234.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        del t95
         t238 = t229.reshape((n_batch, d_K*d_V, L))
         del t229
         t239 = t236.reshape((n_batch, d_K*d_V, L))
@@ -14530,7 +14538,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t247 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t223.reshape((n_batch, d_K, 1, L)))
         del t223
         t248 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t235.reshape((n_batch, d_K, 1, L)))
-        del t235
+        del t102, t235
         t249 = ((N_1.permute(0, 2, 1) @ S234.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
         del S234
         t250 = t246.reshape((n_batch, L*d_V, L))
@@ -14602,7 +14610,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t287 = (G.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t278.reshape((n_batch, d_K, 1, L)))
         del t278
         t288 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        del t19
+        del dA, t19
         t289 = ((t288.permute(0, 2, 3, 1) @ S184)).permute(0, 2, 3, 1)
         del S184, t288
         t290 = (t39.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t262.reshape((n_batch, d_K, 1, L)))
@@ -14630,437 +14638,241 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t298 = (1/n_batch) * t106
         del t106
         t299 = (t297.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-        del t297
+        del N_1, t297
         t296.addcmul_(t298.reshape((1, 1, d_K)), t299.reshape((d_V, d_V, 1)))
         del t296, t298, t299
         t300 = t123.transpose(-1, -2)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S304 = (2/(math.sqrt(d_K)*d_V)) * S59 + (-2/(math.sqrt(d_K)*d_V**2)) * ((t22 @ S59.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*math.sqrt(d_K)*d_V)) * (t64 @ S62)
+        S304 = (2/d_V) * S59 + (-2/d_V**2) * ((t22 @ S59.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t64 @ S62)
         del S59, t64
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S305 = (math.sqrt(d_K)) * S67
-        # S: compact tensor ('L', 'd_V', 'd_V')
-        S306 = (2/(L*math.sqrt(d_K)*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S304.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (S305 @ t72)
-        del S305, t72
-        t307 = W_V.transpose(-1, -2)
-        t308 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t307.permute(1, 0)).reshape((n_batch, L, d_V))
-        del t307
-        t309 = (t308 @ S306.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        del S306, t308
-        t310 = (t309.permute(0, 2, 3, 1) @ dA)
-        del t309
-        t311 = (t310.reshape((n_batch, L*d_V, L)) @ t95).reshape((n_batch, L, d_V, d_K))
-        t312 = t311.reshape((n_batch, L, d_V, 1, d_K))
-        del t311
-        t315 = (t310.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        del t310
-        t316 = t315.reshape((n_batch, L, d_V, d_V, 1))
-        del t315
-        # S: compact tensor ('L', 'd_V', 'd_V')
-        S319 = (math.sqrt(d_K)) * S304
-        del S304
-        # S: compact tensor ('L', 'd_V', 'd_V')
-        S321 = (d_K) * S67
+        S306 = (d_K) * S67
         del S67
-        t323 = (t47.reshape((d_ff, d_V, 1, 1)) * t38.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-        t324 = (t323.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t44.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
-        del t323
-        t325 = (t324.permute(1, 2, 0, 3) @ t71.permute(1, 2, 0, 3))
-        del t71
-        t326 = (t325.permute(0, 1, 3, 2) @ S62)
-        del t325
-        t330 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-        t331 = (2/(L*d_V)) * t330
-        t334 = (t38.reshape((n_batch, L, 1, d_ff)) * W_1.reshape((1, 1, d_V, d_ff)))
-        t335 = ((t161 @ t334.permute(3, 0, 1, 2).reshape((d_ff, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + ((t273 @ t326.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        del t161, t326, t334
-        t336 = (S319.reshape((L*d_V*n_batch, d_V)) @ t273.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S321 @ t335.permute(0, 1, 3, 2))
-        del S319, t273, t335
-        t337 = t336.reshape((n_batch, L, d_V, 1, d_V))
-        del t336
-        t338 = t331.reshape((1, 1, 1, d_V))
-        del t331
-        t339 = t123.reshape((n_batch, L, d_V, 1))
-        t342 = ((S @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        # S: compact tensor ('L', 'd_V', 'd_V')
-        S343 = (2/(L*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S321 @ t183)
-        del S321
-        t344 = (S343.reshape((L*d_V*n_batch, d_V)) @ t44).reshape((n_batch, L, d_V, d_ff))
-        del S343
-        t345 = t342.reshape((n_batch, L, d_V, d_V, 1))
-        del t342
-        t346 = t344.reshape((n_batch, L, d_V, 1, d_ff))
-        del t344
-        t349 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t350 = (t349.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
-        del t349
-        # S: compact tensor ('L', 'd_V', 'd_V')
-        S351 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S66 @ t183)
-        del t21
-        t352 = (2/(L*d_V)) * t39
-        t353 = (-2/(L*d_V**2)) * t22
-        t354 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t353.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        del S66, t353
-        t355 = (t354.permute(0, 1, 3, 2) @ t183)
-        del t183, t354
-        t356 = t350.reshape((n_batch, L, d_V, d_ff, 1))
-        del t350
-        t357 = t352.reshape((n_batch, L, 1, d_ff, 1))
-        del t352
-        t358 = S351.reshape((n_batch, L, d_V, 1, d_V))
-        del S351
-        t359 = t355.reshape((n_batch, L, d_V, 1, d_V))
-        del t355
-        t360 = t300.permute(1, 0, 2)
-        del t300
-        t361 = t360.reshape((d_V, L*n_batch))
-        del t360
-        t362 = (1/n_batch) * t361
-        del t361
-        t363 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows364 = max(1, min(d_V, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
-        while d_V % n_rows364:    # chunks of equal size
-            n_rows364 -= 1
-        R301 = torch.empty((n_batch, L, n_rows364, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t366 = R301.view((n_batch, L*n_rows364, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t367 = R301.view((L*n_batch, n_rows364*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t368 = t366[..., 0:d_K*d_V].view((n_batch, L, n_rows364, d_V, d_K))
-        t369 = t366[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows364, d_V, d_K))
-        t370 = t366[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows364, d_V, d_V))
-        t372 = t366[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows364, d_V, d_ff))
-        t373 = t366[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows364, d_ff, d_V))
-        for f0365 in range(0, d_V, n_rows364):
-            torch.mul(t98, t312.narrow(-3, f0365, n_rows364), out=t368)
-            torch.mul(t107, t316.narrow(-3, f0365, n_rows364), out=t369)
-            torch.mul(t173, t337.narrow(-3, f0365, n_rows364), out=t370)
-            t371 = t366[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows364, d_V, d_V)).narrow(-1, f0365, n_rows364).diagonal(0, 2, 4)
-            t371.addcmul_(t338.narrow(-1, f0365, n_rows364), t339)
-            torch.mul(t190, t345.narrow(-3, f0365, n_rows364), out=t372)
-            t372.addcmul_(t346.narrow(-3, f0365, n_rows364), t193)
-            torch.mul(t356.narrow(-3, f0365, n_rows364), t201, out=t373)
-            t373.addcmul_(t357, t358.narrow(-3, f0365, n_rows364))
-            t373.addcmul_(t202, t359.narrow(-3, f0365, n_rows364))
-            t374 = t363.narrow(-1, f0365*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows364*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-            if d_V <= 32:
-                _matmul_into(t362, t367, t374)
-            else:
-                for r0375 in range(0, d_V, 32):
-                    _matmul_into(t362.narrow(-2, r0375, min(32, d_V - r0375)), t367, t374.narrow(-2, r0375, min(32, d_V - r0375)))
-        del n_rows364, t173, t190, t193, t201, t312, t316, t337, t345, t346, t356, t357, t358, t359, t362, t363, t366, t367, t368, t369, t370, t372, t373
-        del R301
-        t376 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t377 = t376.view((d_V, d_V, d_V, d_K))
-        del t376
-        t379 = t34.transpose(-1, -2)
-        del t34
-        t380 = t48.transpose(-1, -2)
-        del t48
-        t381 = M_N_2.transpose(-1, -2)
-        del M_N_2
-        t382 = t379 * t380 * t381
-        t383 = t382.sum(-2, keepdim=True)
-        del t382
-        t384 = t383.expand(*t383.shape[:-2], d_V, t383.shape[-1])
-        del t383
-        t385 = t384 * t381
-        del t384
-        t386 = P_N_2.transpose(-1, -2)
-        del P_N_2
-        t387 = t380 * t386
-        del t380
-        t388 = ((1/2)*d_V) * t387
-        del t387
-        t389 = G.transpose(-1, -2)
-        t390 = ((1/2)*d_V) * t389
-        t391 = t385 + t388 + t390
-        del t390
-        t392 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t391
-        del t391
-        t393 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        del t10
-        t394 = (t393.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t95).reshape((n_batch, L, d_V, d_K))
-        t395 = (t394.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        del t394
-        t397 = t385 + t388
-        del t385, t388
-        t398 = t397.sum(-2, keepdim=True)
-        del t397
-        t399 = t398.expand(*t398.shape[:-2], d_V, t398.shape[-1])
-        del t398
-        t400 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t399
-        del t399
-        t402 = t392.permute(1, 0, 2) + t400.permute(1, 0, 2)
-        del t392, t400
-        t377 += (t402.reshape((1, d_V, L*n_batch)) @ t395.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
-        del t377, t395
-        t403 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t404 = t403.view((d_V, d_V, d_V, d_K))
-        del t403
-        t405 = (t393.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        del t393
-        t406 = (t405.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t102.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        del t405
-        t404 += (t402.reshape((1, d_V, L*n_batch)) @ t406.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
-        del t402, t404, t406
-        t407 = N_2.transpose(-1, -2)
-        t411 = (2/(L*math.sqrt(d_K)*d_V)) * t74
-        t412 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t411.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t413 = (t412 @ S69.permute(0, 1, 3, 2))
-        del t412
-        t414 = (t413.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        del t413
-        t415 = (t414.permute(0, 1, 3, 2) * t38.reshape((n_batch, L, d_ff, 1)))
-        del t414
-        t416 = (t415.reshape((n_batch, L*d_ff, L)) @ t95).reshape((n_batch, L, d_ff, d_K))
-        t417 = t416.reshape((n_batch, L, d_ff, 1, d_K))
-        del t416
-        t420 = (t415.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        del t415
-        t421 = t420.reshape((n_batch, L, d_ff, d_V, 1))
-        del t420
-        t424 = (2/(L*d_V)) * t123
-        t425 = (W_2.reshape((1, 1, d_ff, d_V)) * t38.reshape((n_batch, L, d_ff, 1)))
-        t426 = (t424.reshape((n_batch, L, 1, d_V)) * t38.reshape((n_batch, L, d_ff, 1)))
-        t427 = (t324.permute(1, 2, 3, 0) @ S62)
-        del S62, t324
-        t428 = (t427.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
-        del t427
-        t429 = ((W_2 @ t428.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        del t428
-        t430 = t424.reshape((n_batch, L, 1, d_V, 1))
-        del t424
-        t431 = t425.reshape((n_batch, L, d_ff, 1, d_V))
-        del t425
-        t432 = t426.reshape((n_batch, L, d_ff, d_V, 1))
-        del t426
-        t433 = t429.reshape((n_batch, L, d_ff, 1, d_V))
-        del t429
-        t436 = W_2 @ t44
-        t437 = (2/(L*d_V)) * N_2
-        t438 = (t436.reshape((1, 1, d_ff, d_ff)) * t38.reshape((n_batch, L, d_ff, 1)))
-        del t436
-        t439 = (t437.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_ff)))
-        t440 = t438.reshape((n_batch, L, d_ff, 1, d_ff))
-        del t438
-        t441 = t439.reshape((n_batch, L, 1, d_V, d_ff))
-        del t439
-        t444 = (2/(L*d_V)) * t38
-        t445 = (W_2.reshape((1, 1, d_ff, d_V)) * t444.reshape((n_batch, L, d_ff, 1)))
-        del t444
-        t447 = t445.reshape((n_batch, L, d_ff, 1, d_V))
-        del t445
-        t448 = G.reshape((n_batch, L, d_V, 1))
-        del G
-        t449 = t38.reshape((n_batch, L, 1, d_ff))
-        t450 = t407.permute(1, 0, 2)
-        del t407
-        t451 = t450.reshape((d_V, L*n_batch))
-        del t450
-        t452 = (1/n_batch) * t451
-        del t451
-        t453 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows454 = max(1, min(d_ff, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
-        while d_ff % n_rows454:    # chunks of equal size
-            n_rows454 -= 1
-        R408 = torch.empty((n_batch, L, n_rows454, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t456 = R408.view((n_batch, L*n_rows454, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t457 = R408.view((L*n_batch, n_rows454*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t458 = t456[..., 0:d_K*d_V].view((n_batch, L, n_rows454, d_V, d_K))
-        t459 = t456[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows454, d_V, d_K))
-        t460 = t456[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows454, d_V, d_V))
-        t461 = t456[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows454, d_V, d_ff))
-        t462 = t456[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows454, d_ff, d_V))
-        for f0455 in range(0, d_ff, n_rows454):
-            torch.mul(t98, t417.narrow(-3, f0455, n_rows454), out=t458)
-            torch.mul(t107, t421.narrow(-3, f0455, n_rows454), out=t459)
-            torch.mul(t430, t431.narrow(-3, f0455, n_rows454), out=t460)
-            t460.addcmul_(t432.narrow(-3, f0455, n_rows454), t433.narrow(-3, f0455, n_rows454))
-            torch.mul(t440.narrow(-3, f0455, n_rows454), t441, out=t461)
-            torch.mul(t202, t447.narrow(-3, f0455, n_rows454), out=t462)
-            t463 = t456[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows454, d_ff, d_V)).narrow(-2, f0455, n_rows454).diagonal(0, 2, 3)
-            t463.addcmul_(t448, t449.narrow(-1, f0455, n_rows454))
-            t464 = t453.narrow(-1, f0455*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows454*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-            if d_V <= 32:
-                _matmul_into(t452, t457, t464)
-            else:
-                for r0465 in range(0, d_V, 32):
-                    _matmul_into(t452.narrow(-2, r0465, min(32, d_V - r0465)), t457, t464.narrow(-2, r0465, min(32, d_V - r0465)))
-        del n_rows454, t202, t417, t421, t431, t432, t433, t440, t441, t447, t448, t449, t452, t453, t456, t457, t458, t459, t460, t461, t462
-        del R408
-        t466 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-        t467 = t466.view((d_V, d_ff, d_V, d_K))
-        del t466
-        t469 = t38.transpose(-1, -2)
-        t470 = t45.transpose(-1, -2)
-        del t45
-        t471 = t469 * t470
-        del t470
-        t472 = t379 * t381
-        del t379
-        t473 = (t22.reshape((d_V, d_V, 1, 1)) * t472.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del t22, t472
-        # S: compact tensor ('d_V', 'L', 'd_V')
-        S474 = (t20.reshape((1, d_V, 1, d_V)) * t386.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t473.permute(2, 0, 3, 1) * t381.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
-        del t20, t381, t386, t473
-        t475 = (1/(math.sqrt(d_K)*n_batch)) * t74
-        del t74
-        t476 = (t475.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
-        del t475
-        t477 = (t476 @ S474.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
-        del t476
-        t478 = (t477.permute(0, 3, 2, 1) @ dA)
-        del t477
-        t479 = (t478.reshape((n_batch, L*d_V, L)) @ t95).reshape((n_batch, L, d_V, d_K))
-        t480 = (t479.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        del t479
-        t481 = t471.permute(1, 0, 2)
-        del t471
-        t482 = t481.reshape((1, d_ff, L*n_batch))
-        del t481
-        t483 = t467.view((d_V, d_ff, d_K*d_V))
-        del t467
-        _matmul_into(t482.expand(*(d_V,), *t482.shape[-2:]), t480.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t483, add=True)
-        del t480, t483
-        t484 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t485 = t484.view((d_V, d_ff, d_V, d_K))
-        del t484
-        t486 = (t478.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        del t478
-        t487 = (t486.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t102.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        del t486
-        t488 = t485.view((d_V, d_ff, d_K*d_V))
-        del t485
-        _matmul_into(t482.expand(*(d_V,), *t482.shape[-2:]), t487.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t488, add=True)
-        del t487, t488
-        t489 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t490 = t489.view((d_V, d_ff, d_V, d_V))
-        del t489
-        t491 = (1/n_batch) * t123
-        t492 = (S.permute(1, 0) @ S474.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
-        t493 = (t492.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t491.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        del t491
-        t494 = t490.view((d_V, d_ff, d_V**2))
-        del t490
-        _matmul_into(t482.expand(*(d_V,), *t482.shape[-2:]), t493.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t494, add=True)
-        del t482, t493, t494
-        t495 = t39.transpose(-1, -2)
-        t499 = (t411.permute(0, 2, 1) @ S69.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        del S69, t411
-        t500 = (t95.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
-        t501 = (t499.permute(0, 2, 3, 1) @ t500.permute(0, 2, 3, 1))
-        del t500
-        t502 = t501.reshape((n_batch, L, d_V, 1, d_K))
-        del t501
-        t505 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t506 = (t499.permute(0, 2, 3, 1) @ t505.permute(0, 2, 3, 1))
-        del t499, t505
-        t507 = t506.reshape((n_batch, L, d_V, d_V, 1))
-        del t506
-        t510 = (t68.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
-        del S, t68
-        t512 = t510.reshape((n_batch, L, d_V, 1, d_V))
-        del t510
-        t515 = (t38.reshape((n_batch, L, 1, d_ff)) * t44.reshape((1, 1, d_V, d_ff)))
-        del t38, t44
-        t516 = t437.reshape((n_batch, L, 1, d_V, 1))
-        del t437
-        t517 = t515.reshape((n_batch, L, d_V, 1, d_ff))
-        del t515
-        t519 = t495.permute(1, 0, 2)
-        t520 = t519.reshape((d_ff, L*n_batch))
-        del t519
-        t521 = (1/n_batch) * t520
-        del t520
-        t522 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows523 = max(1, min(d_V, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
-        while d_V % n_rows523:    # chunks of equal size
-            n_rows523 -= 1
-        R496 = torch.empty((n_batch, L, n_rows523, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t525 = R496.view((n_batch, L*n_rows523, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t526 = R496.view((L*n_batch, n_rows523*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t527 = t525[..., 0:d_K*d_V].view((n_batch, L, n_rows523, d_V, d_K))
-        t528 = t525[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows523, d_V, d_K))
-        t529 = t525[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows523, d_V, d_V))
-        t531 = t525[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows523, d_V, d_ff))
-        for f0524 in range(0, d_V, n_rows523):
-            torch.mul(t98, t502.narrow(-3, f0524, n_rows523), out=t527)
-            torch.mul(t107, t507.narrow(-3, f0524, n_rows523), out=t528)
-            torch.mul(t430, t512.narrow(-3, f0524, n_rows523), out=t529)
-            t530 = t525[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows523, d_V, d_V)).narrow(-1, f0524, n_rows523).diagonal(0, 2, 4)
-            t530.addcmul_(t338.narrow(-1, f0524, n_rows523), t339)
-            torch.mul(t516, t517.narrow(-3, f0524, n_rows523), out=t531)
-            t525[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff][...] = 0
-            t532 = t522.narrow(-1, f0524*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows523*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-            if d_ff <= 32:
-                _matmul_into(t521, t526, t532)
-            else:
-                for r0533 in range(0, d_ff, 32):
-                    _matmul_into(t521.narrow(-2, r0533, min(32, d_ff - r0533)), t526, t532.narrow(-2, r0533, min(32, d_ff - r0533)))
-        del n_rows523, t107, t338, t339, t430, t502, t507, t512, t516, t517, t521, t522, t525, t526, t527, t528, t529, t531, t98
-        del R496
-        t534 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-        t535 = t534.view((d_ff, d_V, d_V, d_K))
-        del t534
-        t536 = (1/(math.sqrt(d_K)*n_batch)) * t389
-        t537 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t536.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t538 = (t231.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        del dA, t231
-        t539 = (t538.permute(0, 2, 3, 1) @ S474.permute(0, 2, 3, 1))
-        del S474, t538
-        t540 = (t539.reshape((L**2*n_batch, d_V)) @ t47.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        del t539
-        t541 = (t540.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t95).reshape((n_batch, L, d_ff, d_K))
-        del t95
-        t542 = (t541.permute(2, 3, 0, 1) * t469.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        del t541
-        t535 += ((t537.reshape((d_V**2, L*n_batch)) @ t542.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-        del t535, t537, t542
-        t543 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t544 = t543.view((d_ff, d_V, d_V, d_K))
-        del t543
-        t545 = (t102.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t536.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del t102, t536
-        t546 = (t540.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        del N_1, t540
-        t547 = (t546.permute(2, 3, 0, 1) * t469.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        del t546
-        t544 += ((t547.reshape((d_V*d_ff, L*n_batch)) @ t545.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        del t544, t545, t547
-        t548 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t549 = t548.view((d_ff, d_V, d_V, d_V))
-        del t548
-        t550 = (1/n_batch) * t389
-        del t389
-        t551 = (t123.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t550.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del t123
-        t552 = (t47.reshape((d_ff, d_V, 1, 1)) * t469.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t308 = (t47.reshape((d_ff, d_V, 1, 1)) * t38.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
         del t47
-        t553 = ((t492.permute(1, 3, 0, 2) @ t552.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
-        del t492, t552
-        t549 += ((t551.reshape((d_V**2, L*n_batch)) @ t553.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
-        del t549, t551, t553
-        t554 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t555 = t554.view((d_ff, d_V, d_V, d_ff))
-        del t554
-        t556 = t555.diagonal(0, 0, 3)
-        del t555
-        t557 = t469.permute(1, 0, 2)
-        del t469
-        t558 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t550.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del N_2, t550
-        t556 += (t558.reshape((d_V**2, L*n_batch)) @ t557.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-        del t556, t557, t558
-        t559 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t560 = t559.view((d_ff, d_V, d_ff, d_V))
-        del t559
-        t561 = t560.diagonal(0, 1, 3)
-        del t560
-        t562 = t495 @ t39
-        del t39, t495
-        t563 = (2/(L*d_V*n_batch)) * t330
-        del t330
-        t561.addcmul_(t563.reshape((1, 1, d_V)), t562.sum((0,)).reshape((d_ff, d_ff, 1)))
-        del t561, t562, t563
+        t309 = (t308.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t44.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        del t308
+        t310 = (t309.permute(1, 2, 0, 3) @ t71.permute(1, 2, 0, 3))
+        del t309, t71
+        t311 = (t310.permute(0, 1, 3, 2) @ S62)
+        del S62, t310
+        t315 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t316 = (2/(L*d_V)) * t315
+        t319 = (t38.reshape((n_batch, L, 1, d_ff)) * W_1.reshape((1, 1, d_V, d_ff)))
+        t320 = ((t161 @ t319.permute(3, 0, 1, 2).reshape((d_ff, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + ((t273 @ t311.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        del t161, t311, t319
+        t321 = (S304.reshape((L*d_V*n_batch, d_V)) @ t273.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S306 @ t320.permute(0, 1, 3, 2))
+        del S304, t273, t320
+        t322 = t321.reshape((n_batch, L, d_V, 1, d_V))
+        del t321
+        t323 = t316.reshape((1, 1, 1, d_V))
+        del t316
+        t324 = t123.reshape((n_batch, L, d_V, 1))
+        del t123
+        t327 = ((S @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S328 = (2/(L*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S306 @ t183)
+        del S306
+        t329 = (S328.reshape((L*d_V*n_batch, d_V)) @ t44).reshape((n_batch, L, d_V, d_ff))
+        del S328
+        t330 = t327.reshape((n_batch, L, d_V, d_V, 1))
+        del t327
+        t331 = t329.reshape((n_batch, L, d_V, 1, d_ff))
+        del t329
+        t334 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        del S
+        t335 = (t334.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        del t334
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S336 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S66 @ t183)
+        del t20, t21
+        t337 = (2/(L*d_V)) * t39
+        t338 = (-2/(L*d_V**2)) * t22
+        del t22
+        t339 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t338.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        del S66, t338
+        t340 = (t339.permute(0, 1, 3, 2) @ t183)
+        del t183, t339
+        t341 = t335.reshape((n_batch, L, d_V, d_ff, 1))
+        del t335
+        t342 = t337.reshape((n_batch, L, 1, d_ff, 1))
+        del t337
+        t343 = S336.reshape((n_batch, L, d_V, 1, d_V))
+        del S336
+        t344 = t340.reshape((n_batch, L, d_V, 1, d_V))
+        del t340
+        t345 = t300.permute(1, 0, 2)
+        del t300
+        t346 = t345.reshape((d_V, L*n_batch))
+        del t345
+        t347 = (1/n_batch) * t346
+        del t346
+        t348 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t349 = t348.narrow(-1, 2*d_K*d_V, d_V**2 + 2*d_V*d_ff)
+        del t348
+        n_rows350 = max(1, min(d_V, 262144 // (L*n_batch*(d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows350:    # chunks of equal size
+            n_rows350 -= 1
+        R301 = torch.empty((n_batch, L, n_rows350, d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t352 = R301.view((n_batch, L*n_rows350, d_V**2 + 2*d_V*d_ff))
+        t353 = R301.view((L*n_batch, n_rows350*(d_V**2 + 2*d_V*d_ff)))
+        t354 = t352[..., 0:d_V**2].view((n_batch, L, n_rows350, d_V, d_V))
+        t356 = t352[..., d_V**2:d_V**2 + d_V*d_ff].view((n_batch, L, n_rows350, d_V, d_ff))
+        t357 = t352[..., d_V**2 + d_V*d_ff:d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows350, d_ff, d_V))
+        for f0351 in range(0, d_V, n_rows350):
+            torch.mul(t173, t322.narrow(-3, f0351, n_rows350), out=t354)
+            t355 = t352[..., 0:d_V**2].view((n_batch, L, n_rows350, d_V, d_V)).narrow(-1, f0351, n_rows350).diagonal(0, 2, 4)
+            t355.addcmul_(t323.narrow(-1, f0351, n_rows350), t324)
+            torch.mul(t190, t330.narrow(-3, f0351, n_rows350), out=t356)
+            t356.addcmul_(t331.narrow(-3, f0351, n_rows350), t193)
+            torch.mul(t341.narrow(-3, f0351, n_rows350), t201, out=t357)
+            t357.addcmul_(t342, t343.narrow(-3, f0351, n_rows350))
+            t357.addcmul_(t202, t344.narrow(-3, f0351, n_rows350))
+            if d_V <= 32:
+                _matmul_into(t347.expand(*(n_rows350,), *t347.shape[-2:]), t353.view((L*n_batch, n_rows350, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t349.narrow(-2, f0351, n_rows350).permute(1, 0, 2))
+            else:
+                for r0358 in range(0, d_V, 32):
+                    _matmul_into(t347.expand(*(n_rows350,), *t347.shape[-2:]).narrow(-2, r0358, min(32, d_V - r0358)), t353.view((L*n_batch, n_rows350, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t349.narrow(-2, f0351, n_rows350).permute(1, 0, 2).narrow(-2, r0358, min(32, d_V - r0358)))
+        del n_rows350, t173, t190, t193, t201, t322, t323, t324, t330, t331, t341, t342, t343, t344, t347, t349, t352, t353, t354, t356, t357
+        del R301
+        t359 = N_2.transpose(-1, -2)
+        t363 = W_2 @ t44
+        t364 = (2/(L*d_V)) * N_2
+        t365 = (t363.reshape((1, 1, d_ff, d_ff)) * t38.reshape((n_batch, L, d_ff, 1)))
+        del t363
+        t366 = (t364.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_ff)))
+        t367 = t365.reshape((n_batch, L, d_ff, 1, d_ff))
+        del t365
+        t368 = t366.reshape((n_batch, L, 1, d_V, d_ff))
+        del t366
+        t371 = (2/(L*d_V)) * t38
+        t372 = (W_2.reshape((1, 1, d_ff, d_V)) * t371.reshape((n_batch, L, d_ff, 1)))
+        del t371
+        t374 = t372.reshape((n_batch, L, d_ff, 1, d_V))
+        del t372
+        t375 = G.reshape((n_batch, L, d_V, 1))
+        t376 = t38.reshape((n_batch, L, 1, d_ff))
+        t377 = t359.permute(1, 0, 2)
+        del t359
+        t378 = t377.reshape((d_V, L*n_batch))
+        del t377
+        t379 = (1/n_batch) * t378
+        del t378
+        t380 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t381 = t380.narrow(-1, 2*d_K*d_V + d_V**2, 2*d_V*d_ff)
+        del t380
+        n_rows382 = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
+        while d_ff % n_rows382:    # chunks of equal size
+            n_rows382 -= 1
+        R360 = torch.empty((n_batch, L, n_rows382, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t384 = R360.view((n_batch, L*n_rows382, 2*d_V*d_ff))
+        t385 = R360.view((L*n_batch, 2*d_V*d_ff*n_rows382))
+        t386 = t384[..., 0:d_V*d_ff].view((n_batch, L, n_rows382, d_V, d_ff))
+        t387 = t384[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows382, d_ff, d_V))
+        for f0383 in range(0, d_ff, n_rows382):
+            torch.mul(t367.narrow(-3, f0383, n_rows382), t368, out=t386)
+            torch.mul(t202, t374.narrow(-3, f0383, n_rows382), out=t387)
+            t388 = t384[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows382, d_ff, d_V)).narrow(-2, f0383, n_rows382).diagonal(0, 2, 3)
+            t388.addcmul_(t375, t376.narrow(-1, f0383, n_rows382))
+            if d_V <= 32:
+                _matmul_into(t379.expand(*(n_rows382,), *t379.shape[-2:]), t385.view((L*n_batch, n_rows382, 2*d_V*d_ff)).permute(1, 0, 2), t381.narrow(-2, f0383, n_rows382).permute(1, 0, 2))
+            else:
+                for r0389 in range(0, d_V, 32):
+                    _matmul_into(t379.expand(*(n_rows382,), *t379.shape[-2:]).narrow(-2, r0389, min(32, d_V - r0389)), t385.view((L*n_batch, n_rows382, 2*d_V*d_ff)).permute(1, 0, 2), t381.narrow(-2, f0383, n_rows382).permute(1, 0, 2).narrow(-2, r0389, min(32, d_V - r0389)))
+        del n_rows382, t202, t367, t368, t374, t375, t376, t379, t381, t384, t385, t386, t387
+        del R360
+        t391 = t39.transpose(-1, -2)
+        t395 = (t38.reshape((n_batch, L, 1, d_ff)) * t44.reshape((1, 1, d_V, d_ff)))
+        del t44
+        t396 = t364.reshape((n_batch, L, 1, d_V, 1))
+        del t364
+        t397 = t395.reshape((n_batch, L, d_V, 1, d_ff))
+        del t395
+        t399 = t391.permute(1, 0, 2)
+        t400 = t399.reshape((d_ff, L*n_batch))
+        del t399
+        t401 = (1/n_batch) * t400
+        del t400
+        t402 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t403 = t402.narrow(-1, 2*d_K*d_V + d_V**2, 2*d_V*d_ff)
+        del t402
+        n_rows404 = max(1, min(d_V, 262144 // (2*L*d_V*d_ff*n_batch)))
+        while d_V % n_rows404:    # chunks of equal size
+            n_rows404 -= 1
+        R392 = torch.empty((n_batch, L, n_rows404, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t406 = R392.view((n_batch, L*n_rows404, 2*d_V*d_ff))
+        t407 = R392.view((L*n_batch, 2*d_V*d_ff*n_rows404))
+        t408 = t406[..., 0:d_V*d_ff].view((n_batch, L, n_rows404, d_V, d_ff))
+        for f0405 in range(0, d_V, n_rows404):
+            torch.mul(t396, t397.narrow(-3, f0405, n_rows404), out=t408)
+            t406[..., d_V*d_ff:2*d_V*d_ff][...] = 0
+            if d_ff <= 32:
+                _matmul_into(t401.expand(*(n_rows404,), *t401.shape[-2:]), t407.view((L*n_batch, n_rows404, 2*d_V*d_ff)).permute(1, 0, 2), t403.narrow(-2, f0405, n_rows404).permute(1, 0, 2))
+            else:
+                for r0409 in range(0, d_ff, 32):
+                    _matmul_into(t401.expand(*(n_rows404,), *t401.shape[-2:]).narrow(-2, r0409, min(32, d_ff - r0409)), t407.view((L*n_batch, n_rows404, 2*d_V*d_ff)).permute(1, 0, 2), t403.narrow(-2, f0405, n_rows404).permute(1, 0, 2).narrow(-2, r0409, min(32, d_ff - r0409)))
+        del n_rows404, t396, t397, t401, t403, t406, t407, t408
+        del R392
+        t410 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t411 = t410.view((d_ff, d_V, d_V, d_ff))
+        del t410
+        t412 = t411.diagonal(0, 0, 3)
+        del t411
+        t413 = G.transpose(-1, -2)
+        del G
+        t414 = t38.transpose(-1, -2)
+        del t38
+        t415 = (1/n_batch) * t413
+        del t413
+        t416 = t414.permute(1, 0, 2)
+        del t414
+        t417 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t415.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        del N_2, t415
+        t412 += (t417.reshape((d_V**2, L*n_batch)) @ t416.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        del t412, t416, t417
+        t418 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t419 = t418.view((d_ff, d_V, d_ff, d_V))
+        del t418
+        t420 = t419.diagonal(0, 1, 3)
+        del t419
+        t421 = t391 @ t39
+        del t39, t391
+        t422 = (2/(L*d_V*n_batch)) * t315
+        del t315
+        t420.addcmul_(t422.reshape((1, 1, d_V)), t421.sum((0,)).reshape((d_ff, d_ff, 1)))
+        del t420, t421, t422
+        t423 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t424 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        _transpose_into(t423, t424)
+        del t423, t424
+        t425 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t426 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t425, t426)
+        del t425, t426
+        t427 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t428 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        _transpose_into(t427, t428)
+        del t427, t428
+        t429 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t430 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t429, t430)
+        del t429, t430
+        t431 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t432 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        _transpose_into(t431, t432)
+        del t431, t432
+        t433 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t434 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        _transpose_into(t433, t434)
+        del t433, t434
+        t435 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t436 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t435, t436)
+        del t435, t436
+        t437 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t438 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        _transpose_into(t437, t438)
+        del t437, t438
         return H
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -15825,13 +15637,13 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t420.addcmul_(t285.reshape((1, 1, d_V)), t421.sum((0,)).reshape((d_ff, d_ff, 1)))
     del t285, t420, t421
     t422 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t422[...] = t111.transpose(-1, -2)
+    _transpose_into(t111, t422)
     del t111, t422
     t423 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t423[...] = t238.transpose(-1, -2)
+    _transpose_into(t238, t423)
     del t238, t423
     t424 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t424[...] = t295.transpose(-1, -2)
+    _transpose_into(t295, t424)
     del t295, t424
     return H
 
@@ -30804,7 +30616,7 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t254[...] = ((t255.reshape((d_ff**2, L*n_batch)) @ t242.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     del t242, t254, t255
     t256 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t256[...] = t190.transpose(-1, -2)
+    _transpose_into(t190, t256)
     del t190, t256
     return H
 
@@ -37735,10 +37547,10 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=Non
     t259[...] = 0
     del t259
     t260 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t260[...] = t106.transpose(-1, -2)
+    _transpose_into(t106, t260)
     del t106, t260
     t261 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t261[...] = t158.transpose(-1, -2)
+    _transpose_into(t158, t261)
     del t158, t261
     return H
 
@@ -44336,7 +44148,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     d_V = int(X.shape[-1])
     d_ff = int(W_1.shape[-1])
     n_batch = int(X.shape[0])
-    if n_batch <= 2:    # row slabs (their operands grow with the batch)
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
         t0 = X.sum(-1, keepdim=True)
         t1 = t0.expand(*t0.shape[:-1], d_V)
@@ -44441,6 +44253,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t48 = W_2.transpose(-1, -2)
         t49 = G @ t48
         t50 = t37 * t49
+        del t49
         t51 = W_1.transpose(-1, -2)
         t52 = t50 @ t51
         t53 = t33 * t52 * M_N_2
@@ -44466,6 +44279,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t64 = (S63.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
         t65 = torch.ones((L,), dtype=X.dtype, device=X.device)
         t66 = t33 * M_N_2
+        del t33
         # S: compact tensor ('L', 'd_V', 'd_V')
         S67 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t62.permute(2, 3, 0, 1) * t66.reshape((n_batch, L, 1, d_V)))
         del t62
@@ -44484,7 +44298,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         dA74 = (t20.reshape((1, 1, d_V, d_V)) * A73.reshape((n_batch, L, d_V, 1))) - (A73.reshape((n_batch, L, 1, d_V)) * A73.reshape((n_batch, L, d_V, 1)))
         del A73
         t75 = (t21.reshape((d_V, d_V, 1, 1)) * t66.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        del t66
+        del t21, t66
         # S: compact tensor ('L', 'd_V', 'd_V')
         S76 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t75.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
         del t75
@@ -44498,7 +44312,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t82 = (S80.permute(0, 1, 3, 2) @ dA74.permute(0, 1, 3, 2))
         # S: compact tensor ('L', 'd_V', 'd_V')
         S83 = (2/(d_K*d_V)) * (t64.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (1/(L*d_K)) * (t81.permute(0, 1, 3, 2) @ t82.permute(0, 1, 3, 2))
-        del t64, t81
+        del t64, t81, t82
         t84 = t19.transpose(-1, -2)
         t85 = (S83.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
         del S83
@@ -44507,9 +44321,10 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t87 = (t86.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
         del t86
         t88 = t55 * M_N_2
-        del t55
+        del M_N_2, t55
         t89 = (2/(math.sqrt(d_K)*d_V**2)) * t88
         t90 = t52 * P_N_2
+        del P_N_2, t52
         t91 = (1/(math.sqrt(d_K)*d_V)) * t90
         t92 = -t89 - t91
         del t89, t91
@@ -44578,6 +44393,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del A
         t134 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
         t135 = (t134.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ S132).reshape((n_batch, L, d_V))
+        del S132
         t136 = (t135 @ S63.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
         del t135
         t137 = (t136.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
@@ -44613,7 +44429,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t162 = (t161.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
         del t161
         t163 = (t162.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t51).reshape((n_batch, L, L, d_V))
-        del t162
+        del t162, t51
         t164 = (dA @ t163)
         del t163
         t165 = (t159 @ dA.permute(0, 1, 3, 2)) + (t160 @ t164.permute(0, 1, 3, 2))
@@ -44661,6 +44477,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t196 = t192.reshape((n_batch, L, d_K, 1, d_V))
         del t192
         t197 = t10.permute(1, 0, 2)
+        del t10
         t198 = t197.reshape((d_V, L*n_batch))
         del t197
         t199 = (1/n_batch) * t198
@@ -44694,7 +44511,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             else:
                 for r0 in range(0, d_V, 32):
                     _matmul_into(t199.narrow(-2, r0, min(32, d_V - r0)), t202, t209.narrow(-2, r0, min(32, d_V - r0)))
-        del n_rows, t109, t118, t119, t120, t155, t156, t168, t184, t186, t193, t196, t200, t201, t202, t203, t204, t206, t207, t208
+        del n_rows, t108, t109, t117, t118, t119, t120, t155, t156, t168, t184, t186, t193, t196, t200, t201, t202, t203, t204, t206, t207, t208
         del R
         R210 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t211 = R210.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
@@ -44705,6 +44522,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t215 = (1/(L*d_K)) * t214
         t216 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t215.reshape((n_batch, d_K, 1, L)))
         t217 = (t84.permute(0, 2, 1) @ S80.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        del S80
         t218 = (t217.permute(0, 2, 1, 3) @ dA74.permute(0, 1, 3, 2))
         del t217
         t219 = (t218.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, d_V, 1)))
@@ -44720,8 +44538,9 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t224 = ((t105.permute(0, 2, 1) @ t223.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
         t225 = (t172.permute(1, 2, 0) @ S63.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
         t226 = (t84.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
+        del t84
         t227 = (t226 @ t225.permute(0, 3, 1, 2).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-        del t225
+        del t225, t226
         t228 = (t227.permute(0, 3, 1, 2) @ dA.permute(0, 1, 3, 2))
         del t227
         # S: compact tensor ('L', 'L', 'L')
@@ -44730,6 +44549,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t230 = (2/(d_K*d_V)) * t214
         t231 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t230.reshape((n_batch, d_K, 1, L)))
         t232 = ((t105.permute(0, 2, 1) @ S229.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        del t105
         t233 = t216.reshape((n_batch, d_K*d_V, L))
         del t216
         t234 = t231.reshape((n_batch, d_K*d_V, L))
@@ -44752,7 +44572,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t242 = ((N_1.permute(0, 2, 1) @ t223.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
         del t223
         t243 = (t112.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t230.reshape((n_batch, d_K, 1, L)))
-        del t230
+        del t112, t230
         t244 = ((N_1.permute(0, 2, 1) @ S229.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
         del S229
         t245 = t242.reshape((n_batch, L*d_V, L))
@@ -44832,7 +44652,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t280 = (t40.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t257.reshape((n_batch, d_K, 1, L)))
         del t257
         t281 = ((t179.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
-        del t179
+        del dA, t179
         t277[...] = ((t278.reshape((n_batch, L*d_ff, L)) @ t279.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
         del t278, t279
         t277 += ((t280.reshape((n_batch, d_K*d_ff, L)) @ t281.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
@@ -44856,422 +44676,197 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t289 = (1/n_batch) * t116
         del t116
         t290 = (t288.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-        del t288
+        del N_1, t288
         t287.addcmul_(t289.reshape((1, 1, d_K)), t290.reshape((d_V, d_V, 1)))
         del t287, t289, t290
         t291 = t133.transpose(-1, -2)
-        t295 = (S63.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S132.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        del S132
-        # S: compact tensor ('L', 'd_V', 'd_V')
-        S296 = (1/(L*math.sqrt(d_K))) * S68
-        # S: compact tensor ('L', 'd_V', 'd_V')
-        S297 = (1/(L*math.sqrt(d_K))) * (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S296 @ t70)
-        del S296
-        t298 = (t39.reshape((n_batch, L, d_V, 1)) * S297.permute(0, 1, 3, 2))
-        del S297
-        # S: compact tensor ('L', 'd_V', 'd_V')
-        S299 = (t295.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V)) + (t298.permute(0, 1, 3, 2) @ t82.permute(0, 1, 3, 2))
-        del t295, t298, t82
-        t300 = W_V.transpose(-1, -2)
-        t301 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t300.permute(1, 0)).reshape((n_batch, L, d_V))
-        del t300
-        t302 = (t301 @ S299.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        del S299, t301
-        t303 = (t302.permute(0, 2, 3, 1) @ dA)
-        del t302
-        t304 = (t303.reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
-        t305 = t304.reshape((n_batch, L, d_V, 1, d_K))
-        del t304
-        t308 = (t303.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        del t303
-        t309 = t308.reshape((n_batch, L, d_V, d_V, 1))
-        del t308
+        del t133
         # S: compact tensor ('d_V', 'd_V')
-        S312 = (2/d_V) * S
+        S295 = (2/d_V) * S
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S315 = (1/L) * S68
+        S298 = (1/L) * S68
         del S68
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S316 = (1/L) * (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S315 @ t70)
-        del S315, t65, t70
-        t317 = (S316 @ t148)
-        t325 = S.permute(1, 0)
-        t326 = ((S312 @ S63.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        del S312, S63
-        t330 = (t148 @ t79)
-        del t148
-        t331 = (dA74.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, 1, d_V))) + ((t325 @ t330.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        del t330
-        t332 = (t326.reshape((L*d_V*n_batch, d_V)) @ t325.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S316 @ t331.permute(0, 1, 3, 2))
-        del t326, t331
-        t333 = t332.reshape((n_batch, L, d_V, 1, d_V))
-        del t332
-        t336 = ((S @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t337 = (t39.reshape((n_batch, L, d_V, 1)) * S316.permute(0, 1, 3, 2))
-        del S316
-        t338 = (t337.permute(0, 1, 3, 2) @ dA74)
-        del t337
-        t339 = (t338.reshape((L*d_V*n_batch, d_V)) @ t48).reshape((n_batch, L, d_V, d_ff))
-        del t338
-        t340 = t336.reshape((n_batch, L, d_V, d_V, 1))
-        del t336
-        t341 = t339.reshape((n_batch, L, d_V, 1, d_ff))
-        del t339
-        t344 = (S67.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        del S67
-        t345 = (t344.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
-        del t344
-        t346 = t345.reshape((n_batch, L, d_V, d_ff, 1))
-        del t345
-        t347 = t317.reshape((n_batch, L, d_V, 1, d_V))
-        del t317
-        t348 = t291.permute(1, 0, 2)
+        S299 = (1/L) * (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S298 @ t70)
+        del S298, t20, t65, t70
+        t300 = (S299 @ t148)
+        t308 = S.permute(1, 0)
+        t309 = ((S295 @ S63.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        del S295, S63
+        t313 = (t148 @ t79)
+        del t148, t79
+        t314 = (dA74.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, 1, d_V))) + ((t308 @ t313.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        del t313
+        t315 = (t309.reshape((L*d_V*n_batch, d_V)) @ t308.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S299 @ t314.permute(0, 1, 3, 2))
+        del t308, t309, t314
+        t316 = t315.reshape((n_batch, L, d_V, 1, d_V))
+        del t315
+        t319 = ((S @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t320 = (t39.reshape((n_batch, L, d_V, 1)) * S299.permute(0, 1, 3, 2))
+        del S299
+        t321 = (t320.permute(0, 1, 3, 2) @ dA74)
+        del t320
+        t322 = (t321.reshape((L*d_V*n_batch, d_V)) @ t48).reshape((n_batch, L, d_V, d_ff))
+        del t321, t48
+        t323 = t319.reshape((n_batch, L, d_V, d_V, 1))
+        del t319
+        t324 = t322.reshape((n_batch, L, d_V, 1, d_ff))
+        del t322
+        t327 = (S67.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        del S, S67
+        t328 = (t327.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        del t327
+        t329 = t328.reshape((n_batch, L, d_V, d_ff, 1))
+        del t328
+        t330 = t300.reshape((n_batch, L, d_V, 1, d_V))
+        del t300
+        t331 = t291.permute(1, 0, 2)
         del t291
-        t349 = t348.reshape((d_V, L*n_batch))
-        del t348
-        t350 = (1/n_batch) * t349
-        del t349
-        t351 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows352 = max(1, min(d_V, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
-        while d_V % n_rows352:    # chunks of equal size
-            n_rows352 -= 1
-        R292 = torch.empty((n_batch, L, n_rows352, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t354 = R292.view((n_batch, L*n_rows352, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t355 = R292.view((L*n_batch, n_rows352*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t356 = t354[..., 0:d_K*d_V].view((n_batch, L, n_rows352, d_V, d_K))
-        t357 = t354[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows352, d_V, d_K))
-        t358 = t354[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows352, d_V, d_V))
-        t359 = t354[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows352, d_V, d_ff))
-        t360 = t354[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows352, d_ff, d_V))
-        del t354
-        for f0353 in range(0, d_V, n_rows352):
-            torch.mul(t108, t305.narrow(-3, f0353, n_rows352), out=t356)
-            torch.mul(t117, t309.narrow(-3, f0353, n_rows352), out=t357)
-            torch.mul(t167, t333.narrow(-3, f0353, n_rows352), out=t358)
-            torch.mul(t183, t340.narrow(-3, f0353, n_rows352), out=t359)
-            t359.addcmul_(t341.narrow(-3, f0353, n_rows352), t185)
-            torch.mul(t346.narrow(-3, f0353, n_rows352), t194, out=t360)
-            t360.addcmul_(t195, t347.narrow(-3, f0353, n_rows352))
-            t361 = t351.narrow(-1, f0353*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows352*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t332 = t331.reshape((d_V, L*n_batch))
+        del t331
+        t333 = (1/n_batch) * t332
+        del t332
+        t334 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t335 = t334.narrow(-1, 2*d_K*d_V, d_V**2 + 2*d_V*d_ff)
+        del t334
+        n_rows336 = max(1, min(d_V, 262144 // (L*n_batch*(d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows336:    # chunks of equal size
+            n_rows336 -= 1
+        R292 = torch.empty((n_batch, L, n_rows336, d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t338 = R292.view((n_batch, L*n_rows336, d_V**2 + 2*d_V*d_ff))
+        t339 = R292.view((L*n_batch, n_rows336*(d_V**2 + 2*d_V*d_ff)))
+        t340 = t338[..., 0:d_V**2].view((n_batch, L, n_rows336, d_V, d_V))
+        t341 = t338[..., d_V**2:d_V**2 + d_V*d_ff].view((n_batch, L, n_rows336, d_V, d_ff))
+        t342 = t338[..., d_V**2 + d_V*d_ff:d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows336, d_ff, d_V))
+        del t338
+        for f0337 in range(0, d_V, n_rows336):
+            torch.mul(t167, t316.narrow(-3, f0337, n_rows336), out=t340)
+            torch.mul(t183, t323.narrow(-3, f0337, n_rows336), out=t341)
+            t341.addcmul_(t324.narrow(-3, f0337, n_rows336), t185)
+            torch.mul(t329.narrow(-3, f0337, n_rows336), t194, out=t342)
+            t342.addcmul_(t195, t330.narrow(-3, f0337, n_rows336))
             if d_V <= 32:
-                _matmul_into(t350, t355, t361)
+                _matmul_into(t333.expand(*(n_rows336,), *t333.shape[-2:]), t339.view((L*n_batch, n_rows336, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t335.narrow(-2, f0337, n_rows336).permute(1, 0, 2))
             else:
-                for r0362 in range(0, d_V, 32):
-                    _matmul_into(t350.narrow(-2, r0362, min(32, d_V - r0362)), t355, t361.narrow(-2, r0362, min(32, d_V - r0362)))
-        del n_rows352, t183, t185, t194, t305, t309, t333, t340, t341, t346, t347, t350, t351, t355, t356, t357, t358, t359, t360
+                for r0343 in range(0, d_V, 32):
+                    _matmul_into(t333.expand(*(n_rows336,), *t333.shape[-2:]).narrow(-2, r0343, min(32, d_V - r0343)), t339.view((L*n_batch, n_rows336, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t335.narrow(-2, f0337, n_rows336).permute(1, 0, 2).narrow(-2, r0343, min(32, d_V - r0343)))
+        del n_rows336, t167, t183, t185, t194, t316, t323, t324, t329, t330, t333, t335, t339, t340, t341, t342
         del R292
-        t363 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t364 = t363.view((d_V, d_V, d_V, d_K))
+        t344 = N_2.transpose(-1, -2)
+        t348 = (1/L) * t39
+        t349 = (dA74 * t348.reshape((n_batch, L, d_V, 1)))
+        del t348
+        t350 = (W_2.reshape((d_ff, d_V, 1, 1)) * t37.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+        t351 = (t350.permute(2, 3, 0, 1) @ t349)
+        del t350
+        t352 = (t351 @ t77.permute(1, 2, 3, 0))
+        del t351
+        t353 = N_2.reshape((n_batch, L, 1, d_V, 1))
+        t354 = t352.reshape((n_batch, L, d_ff, 1, d_ff))
+        del t352
+        t357 = (t349.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+        del t349
+        t358 = (t357.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
+        del t357
+        t360 = t358.reshape((n_batch, L, d_ff, 1, d_V))
+        del t358
+        t361 = G.reshape((n_batch, L, d_V, 1))
+        t362 = t37.reshape((n_batch, L, 1, d_ff))
+        t363 = t344.permute(1, 0, 2)
+        del t344
+        t364 = t363.reshape((d_V, L*n_batch))
         del t363
-        t366 = t33.transpose(-1, -2)
-        del t33
-        t367 = t52.transpose(-1, -2)
-        del t52
-        t368 = M_N_2.transpose(-1, -2)
-        del M_N_2
-        t369 = t366 * t367 * t368
-        t370 = t369.sum(-2, keepdim=True)
-        del t369
-        t371 = t370.expand(*t370.shape[:-2], d_V, t370.shape[-1])
-        del t370
-        t372 = t371 * t368
-        del t371
-        t373 = P_N_2.transpose(-1, -2)
-        del P_N_2
-        t374 = t367 * t373
-        del t367
-        t375 = ((1/2)*d_V) * t374
-        del t374
-        t376 = G.transpose(-1, -2)
-        t377 = ((1/2)*d_V) * t376
-        t378 = t372 + t375 + t377
-        del t377
-        t379 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t378
-        del t378
-        t380 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        del t10
-        t381 = (t380.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
-        t382 = (t381.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        del t381
-        t384 = t372 + t375
-        del t372, t375
-        t385 = t384.sum(-2, keepdim=True)
-        del t384
-        t386 = t385.expand(*t385.shape[:-2], d_V, t385.shape[-1])
-        del t385
-        t387 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t386
-        del t386
-        t389 = t379.permute(1, 0, 2) + t387.permute(1, 0, 2)
-        del t379, t387
-        t364 += (t389.reshape((1, d_V, L*n_batch)) @ t382.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
-        del t364, t382
-        t390 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t391 = t390.view((d_V, d_V, d_V, d_K))
-        del t390
-        t392 = (t380.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        del t380
-        t393 = (t392.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t112.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        del t392
-        t391 += (t389.reshape((1, d_V, L*n_batch)) @ t393.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))
-        del t389, t391, t393
-        t394 = N_2.transpose(-1, -2)
-        t398 = (1/(L*math.sqrt(d_K))) * t39
-        t399 = (dA74 * t398.reshape((n_batch, L, d_V, 1)))
-        t400 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t84.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t401 = (t400 @ S80.permute(0, 1, 3, 2))
-        del S80, t400
-        t402 = (t401 @ t399.permute(0, 1, 3, 2))
-        del t399
-        t403 = (t402.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        del t402
-        t404 = (t403.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
-        del t403
-        t405 = (t404.reshape((n_batch, L*d_ff, L)) @ t105).reshape((n_batch, L, d_ff, d_K))
-        t406 = t405.reshape((n_batch, L, d_ff, 1, d_K))
-        del t405
-        t409 = (t404.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        del t404
-        t410 = t409.reshape((n_batch, L, d_ff, d_V, 1))
-        del t409
-        t413 = (1/L) * t39
-        del t39
-        t414 = (dA74 * t413.reshape((n_batch, L, d_V, 1)))
-        t416 = (t133.reshape((n_batch, L, 1, d_V)) * t37.reshape((n_batch, L, d_ff, 1)))
-        t422 = (t414 @ t79)
-        del t79
-        t423 = (dA74.permute(0, 1, 3, 2) * t413.reshape((n_batch, L, 1, d_V))) + ((t325 @ t422.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t424 = ((W_2 @ t423.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        del t423
-        t425 = t416.reshape((n_batch, L, d_ff, d_V, 1))
-        del t416
-        t426 = t424.reshape((n_batch, L, d_ff, 1, d_V))
-        del t424
-        t429 = (W_2.reshape((d_ff, d_V, 1, 1)) * t37.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-        t430 = (t429.permute(2, 3, 0, 1) @ t414)
-        del t429
-        t431 = (t430 @ t77.permute(1, 2, 3, 0))
-        del t430, t77
-        t432 = N_2.reshape((n_batch, L, 1, d_V, 1))
-        t433 = t431.reshape((n_batch, L, d_ff, 1, d_ff))
-        del t431
-        t436 = (t414.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-        t437 = (t436.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
-        del t436
-        t439 = t437.reshape((n_batch, L, d_ff, 1, d_V))
-        del t437
-        t440 = G.reshape((n_batch, L, d_V, 1))
-        del G
-        t441 = t37.reshape((n_batch, L, 1, d_ff))
-        t442 = t394.permute(1, 0, 2)
-        del t394
-        t443 = t442.reshape((d_V, L*n_batch))
-        del t442
-        t444 = (1/n_batch) * t443
-        del t443
-        t445 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows446 = max(1, min(d_ff, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
-        while d_ff % n_rows446:    # chunks of equal size
-            n_rows446 -= 1
-        R395 = torch.empty((n_batch, L, n_rows446, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t448 = R395.view((n_batch, L*n_rows446, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t449 = R395.view((L*n_batch, n_rows446*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t450 = t448[..., 0:d_K*d_V].view((n_batch, L, n_rows446, d_V, d_K))
-        t451 = t448[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows446, d_V, d_K))
-        t452 = t448[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows446, d_V, d_V))
-        t453 = t448[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows446, d_V, d_ff))
-        t454 = t448[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows446, d_ff, d_V))
-        for f0447 in range(0, d_ff, n_rows446):
-            torch.mul(t108, t406.narrow(-3, f0447, n_rows446), out=t450)
-            torch.mul(t117, t410.narrow(-3, f0447, n_rows446), out=t451)
-            torch.mul(t425.narrow(-3, f0447, n_rows446), t426.narrow(-3, f0447, n_rows446), out=t452)
-            torch.mul(t432, t433.narrow(-3, f0447, n_rows446), out=t453)
-            torch.mul(t195, t439.narrow(-3, f0447, n_rows446), out=t454)
-            t455 = t448[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows446, d_ff, d_V)).narrow(-2, f0447, n_rows446).diagonal(0, 2, 3)
-            t455.addcmul_(t440, t441.narrow(-1, f0447, n_rows446))
-            t456 = t445.narrow(-1, f0447*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows446*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-            if d_V <= 32:
-                _matmul_into(t444, t449, t456)
-            else:
-                for r0457 in range(0, d_V, 32):
-                    _matmul_into(t444.narrow(-2, r0457, min(32, d_V - r0457)), t449, t456.narrow(-2, r0457, min(32, d_V - r0457)))
-        del n_rows446, t108, t117, t406, t410, t425, t426, t432, t433, t439, t440, t441, t444, t445, t448, t449, t450, t451, t452, t453, t454
-        del R395
-        t458 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-        t459 = t458.view((d_V, d_ff, d_V, d_K))
-        del t458
-        t461 = t37.transpose(-1, -2)
-        t462 = t49.transpose(-1, -2)
-        del t49
-        t463 = t461 * t462
-        del t462
-        t464 = t366 * t368
+        t365 = (1/n_batch) * t364
+        del t364
+        t366 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t367 = t366.narrow(-1, 2*d_K*d_V + d_V**2, 2*d_V*d_ff)
         del t366
-        t465 = (t21.reshape((d_V, d_V, 1, 1)) * t464.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del t21, t464
-        # S: compact tensor ('d_V', 'L', 'd_V')
-        S466 = (t20.reshape((1, d_V, 1, d_V)) * t373.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t465.permute(2, 0, 3, 1) * t368.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
-        del t20, t368, t373, t465
-        t467 = (1/(math.sqrt(d_K)*n_batch)) * t84
-        del t84
-        t468 = (t467.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
-        del t467
-        t469 = (t468 @ S466.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
-        del t468
-        t470 = (t469.permute(0, 3, 2, 1) @ dA)
-        del t469
-        t471 = (t470.reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
-        t472 = (t471.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        del t471
-        t473 = t463.permute(1, 0, 2)
-        del t463
-        t474 = t473.reshape((1, d_ff, L*n_batch))
-        del t473
-        t475 = t459.view((d_V, d_ff, d_K*d_V))
-        del t459
-        _matmul_into(t474.expand(*(d_V,), *t474.shape[-2:]), t472.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t475, add=True)
-        del t472, t475
-        t476 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t477 = t476.view((d_V, d_ff, d_V, d_K))
-        del t476
-        t478 = (t470.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        del t470
-        t479 = (t478.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t112.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        del t478
-        t480 = t477.view((d_V, d_ff, d_K*d_V))
-        del t477
-        _matmul_into(t474.expand(*(d_V,), *t474.shape[-2:]), t479.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t480, add=True)
-        del t479, t480
-        t481 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t482 = t481.view((d_V, d_ff, d_V, d_V))
-        del t481
-        t483 = (1/n_batch) * t133
-        t484 = (S.permute(1, 0) @ S466.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
-        del S
-        t485 = (t484.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t483.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        del t483
-        t486 = t482.view((d_V, d_ff, d_V**2))
-        del t482
-        _matmul_into(t474.expand(*(d_V,), *t474.shape[-2:]), t485.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t486, add=True)
-        del t474, t485, t486
-        t487 = t40.transpose(-1, -2)
-        del t40
-        t491 = (N_1.reshape((n_batch, L, 1, d_V)) * t398.reshape((n_batch, L, d_V, 1)))
-        t492 = (t401 @ dA74.permute(0, 1, 3, 2))
-        del t401
-        t493 = (t492.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
-        t494 = t491.reshape((n_batch, L, d_V, d_V, 1))
-        del t491
-        t495 = t493.reshape((n_batch, L, d_V, 1, d_K))
-        del t493
-        t498 = (t112.reshape((n_batch, L, 1, d_K)) * t398.reshape((n_batch, L, d_V, 1)))
-        del t398
-        t499 = (t492.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        del t492
-        t500 = t498.reshape((n_batch, L, d_V, 1, d_K))
-        del t498
-        t501 = t499.reshape((n_batch, L, d_V, d_V, 1))
-        del t499
-        t504 = (dA74 * t413.reshape((n_batch, L, d_V, 1))) + (t422.reshape((L*d_V*n_batch, d_V)) @ t325.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        del t325, t422
-        t505 = t504.reshape((n_batch, L, d_V, 1, d_V))
-        del t504
-        t508 = (dA74.reshape((L*d_V*n_batch, d_V)) @ t48).reshape((n_batch, L, d_V, d_ff))
-        del dA74, t48
-        t509 = (N_2.reshape((n_batch, L, d_V, 1)) * t413.reshape((n_batch, L, 1, d_V)))
-        del t413
-        t510 = (t509.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, 1, 1, d_ff)))
-        del t37, t509
-        t511 = t508.reshape((n_batch, L, d_V, 1, d_ff))
-        del t508
-        t512 = t510
-        del t510
-        t515 = t414.reshape((n_batch, L, d_V, 1, d_V))
-        del t414
-        t516 = t487.permute(1, 0, 2)
-        del t487
-        t517 = t516.reshape((d_ff, L*n_batch))
-        del t516
-        t518 = (1/n_batch) * t517
-        del t517
-        t519 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        n_rows520 = max(1, min(d_V, 262144 // (L*n_batch*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))))
-        while d_V % n_rows520:    # chunks of equal size
-            n_rows520 -= 1
-        R488 = torch.empty((n_batch, L, n_rows520, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t522 = R488.view((n_batch, L*n_rows520, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t523 = R488.view((L*n_batch, n_rows520*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t524 = t522[..., 0:d_K*d_V].view((n_batch, L, n_rows520, d_V, d_K))
-        t525 = t522[..., d_K*d_V:2*d_K*d_V].view((n_batch, L, n_rows520, d_V, d_K))
-        t526 = t522[..., 2*d_K*d_V:2*d_K*d_V + d_V**2].view((n_batch, L, n_rows520, d_V, d_V))
-        t527 = t522[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((n_batch, L, n_rows520, d_V, d_ff))
-        t528 = t522[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows520, d_ff, d_V))
-        del t522
-        for f0521 in range(0, d_V, n_rows520):
-            torch.mul(t494.narrow(-3, f0521, n_rows520), t495.narrow(-3, f0521, n_rows520), out=t524)
-            torch.mul(t500.narrow(-3, f0521, n_rows520), t501.narrow(-3, f0521, n_rows520), out=t525)
-            torch.mul(t167, t505.narrow(-3, f0521, n_rows520), out=t526)
-            torch.mul(t511.narrow(-3, f0521, n_rows520), t512.narrow(-3, f0521, n_rows520), out=t527)
-            torch.mul(t195, t515.narrow(-3, f0521, n_rows520), out=t528)
-            t529 = t519.narrow(-1, f0521*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows520*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-            if d_ff <= 32:
-                _matmul_into(t518, t523, t529)
+        n_rows368 = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
+        while d_ff % n_rows368:    # chunks of equal size
+            n_rows368 -= 1
+        R345 = torch.empty((n_batch, L, n_rows368, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t370 = R345.view((n_batch, L*n_rows368, 2*d_V*d_ff))
+        t371 = R345.view((L*n_batch, 2*d_V*d_ff*n_rows368))
+        t372 = t370[..., 0:d_V*d_ff].view((n_batch, L, n_rows368, d_V, d_ff))
+        t373 = t370[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows368, d_ff, d_V))
+        for f0369 in range(0, d_ff, n_rows368):
+            torch.mul(t353, t354.narrow(-3, f0369, n_rows368), out=t372)
+            torch.mul(t195, t360.narrow(-3, f0369, n_rows368), out=t373)
+            t374 = t370[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows368, d_ff, d_V)).narrow(-2, f0369, n_rows368).diagonal(0, 2, 3)
+            t374.addcmul_(t361, t362.narrow(-1, f0369, n_rows368))
+            if d_V <= 32:
+                _matmul_into(t365.expand(*(n_rows368,), *t365.shape[-2:]), t371.view((L*n_batch, n_rows368, 2*d_V*d_ff)).permute(1, 0, 2), t367.narrow(-2, f0369, n_rows368).permute(1, 0, 2))
             else:
-                for r0530 in range(0, d_ff, 32):
-                    _matmul_into(t518.narrow(-2, r0530, min(32, d_ff - r0530)), t523, t529.narrow(-2, r0530, min(32, d_ff - r0530)))
-        del n_rows520, t167, t195, t494, t495, t500, t501, t505, t511, t512, t515, t518, t519, t523, t524, t525, t526, t527, t528
-        del R488
-        t531 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-        t532 = t531.view((d_ff, d_V, d_V, d_K))
-        del t531
-        t533 = (1/(math.sqrt(d_K)*n_batch)) * t376
-        t534 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t533.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t535 = (t226.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        del dA, t226
-        t536 = (t535.permute(0, 2, 3, 1) @ S466.permute(0, 2, 3, 1))
-        del S466, t535
-        t537 = (t536.reshape((L**2*n_batch, d_V)) @ t51.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        del t536
-        t538 = (t537.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t105).reshape((n_batch, L, d_ff, d_K))
-        del t105
-        t539 = (t538.permute(2, 3, 0, 1) * t461.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        del t538
-        t532 += ((t534.reshape((d_V**2, L*n_batch)) @ t539.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-        del t532, t534, t539
-        t540 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t541 = t540.view((d_ff, d_V, d_V, d_K))
-        del t540
-        t542 = (t112.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t533.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del t112, t533
-        t543 = (t537.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        del N_1, t537
-        t544 = (t543.permute(2, 3, 0, 1) * t461.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        del t543
-        t541 += ((t544.reshape((d_V*d_ff, L*n_batch)) @ t542.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        del t541, t542, t544
-        t545 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t546 = t545.view((d_ff, d_V, d_V, d_V))
-        del t545
-        t547 = (1/n_batch) * t376
+                for r0375 in range(0, d_V, 32):
+                    _matmul_into(t365.expand(*(n_rows368,), *t365.shape[-2:]).narrow(-2, r0375, min(32, d_V - r0375)), t371.view((L*n_batch, n_rows368, 2*d_V*d_ff)).permute(1, 0, 2), t367.narrow(-2, f0369, n_rows368).permute(1, 0, 2).narrow(-2, r0375, min(32, d_V - r0375)))
+        del n_rows368, t195, t353, t354, t360, t361, t362, t365, t367, t370, t371, t372, t373
+        del R345
+        t376 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t377 = t376.view((d_ff, d_V, d_V, d_ff))
         del t376
-        t548 = (t133.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t547.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del t133
-        t549 = (t51.reshape((d_ff, d_V, 1, 1)) * t461.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        del t51
-        t550 = ((t484.permute(1, 3, 0, 2) @ t549.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
-        del t484, t549
-        t546 += ((t548.reshape((d_V**2, L*n_batch)) @ t550.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
-        del t546, t548, t550
-        t551 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t552 = t551.view((d_ff, d_V, d_V, d_ff))
-        del t551
-        t553 = t552.diagonal(0, 0, 3)
-        del t552
-        t554 = t461.permute(1, 0, 2)
-        del t461
-        t555 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t547.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del N_2, t547
-        t553 += (t555.reshape((d_V**2, L*n_batch)) @ t554.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-        del t553, t554, t555
+        t379 = t40.transpose(-1, -2)
+        t380 = (1/(L*n_batch)) * t39
+        del t39
+        t381 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t379.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t382 = (dA74 * t380.reshape((n_batch, L, d_V, 1)))
+        t383 = ((t77.permute(1, 2, 0, 3) @ t382.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+        del t382, t77
+        t384 = t377.diagonal(0, 0, 3)
+        t385 = G.transpose(-1, -2)
+        del G
+        t386 = t37.transpose(-1, -2)
+        del t37
+        t387 = (1/n_batch) * t385
+        del t385
+        t388 = t386.permute(1, 0, 2)
+        del t386
+        t389 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t387.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        del N_2, t387
+        t377[...] = ((t381.reshape((d_V*d_ff, L*n_batch)) @ t383.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
+        del t377, t381, t383
+        t384 += (t389.reshape((d_V**2, L*n_batch)) @ t388.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        del t384, t388, t389
+        t390 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t391 = t390.view((d_ff, d_V, d_ff, d_V))
+        del t390
+        t392 = (dA74.permute(2, 3, 0, 1) * t380.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        del dA74, t380
+        t393 = (t40.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t379.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        del t379, t40
+        t391[...] = ((t393.reshape((d_ff**2, L*n_batch)) @ t392.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+        del t391, t392, t393
+        t394 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t395 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        _transpose_into(t394, t395)
+        del t394, t395
+        t396 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t397 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t396, t397)
+        del t396, t397
+        t398 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t399 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        _transpose_into(t398, t399)
+        del t398, t399
+        t400 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t401 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t400, t401)
+        del t400, t401
+        t402 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t403 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        _transpose_into(t402, t403)
+        del t402, t403
+        t404 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t405 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        _transpose_into(t404, t405)
+        del t404, t405
+        t406 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t407 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t406, t407)
+        del t406, t407
+        t408 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t409 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        _transpose_into(t408, t409)
+        del t408, t409
         return H
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -45887,31 +45482,31 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t328[...] = ((t330.reshape((d_ff**2, L*n_batch)) @ t329.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     del t328, t329, t330
     t331 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t331[...] = t111.transpose(-1, -2)
+    _transpose_into(t111, t331)
     del t111, t331
     t332 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t332[...] = t121.transpose(-1, -2)
+    _transpose_into(t121, t332)
     del t121, t332
     t333 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t333[...] = t222.transpose(-1, -2)
+    _transpose_into(t222, t333)
     del t222, t333
     t334 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-    t334[...] = t166.transpose(-1, -2)
+    _transpose_into(t166, t334)
     del t166, t334
     t335 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t335[...] = t241.transpose(-1, -2)
+    _transpose_into(t241, t335)
     del t241, t335
     t336 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t336[...] = t281.transpose(-1, -2)
+    _transpose_into(t281, t336)
     del t281, t336
     t337 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-    t337[...] = t181.transpose(-1, -2)
+    _transpose_into(t181, t337)
     del t181, t337
     t338 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t338[...] = t248.transpose(-1, -2)
+    _transpose_into(t248, t338)
     del t248, t338
     t339 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t339[...] = t290.transpose(-1, -2)
+    _transpose_into(t290, t339)
     del t290, t339
     return H
 

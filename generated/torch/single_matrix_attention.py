@@ -20,6 +20,7 @@ import torch
 
 
 from symhess.smallk import matmul_into as _matmul_into
+from symhess.smallk import transpose_into as _transpose_into
 
 _NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}
 
@@ -5065,6 +5066,103 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
     L = int(X.shape[-2])
     d_V = int(X.shape[-1])
     n_batch = int(X.shape[0])
+    if n_batch <= 4:    # row slabs (their operands grow with the batch)
+        H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
+        t0 = H[0:d_V**2, 0:d_V**2]
+        t1 = t0.view((d_V, d_V, d_V, d_V))
+        t2 = X.transpose(-1, -2)
+        t3 = W_QK @ t2
+        t4 = X @ t3
+        t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
+        A = t5 / t5.sum(-1, keepdim=True)
+        t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'L', 'L')
+        dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+        t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        # M_2: compact tensor ('L', 'd_V', 'd_V')
+        M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t8 = Y.sum(-1, keepdim=True)
+        t9 = t8.expand(*t8.shape[:-1], d_V)
+        t10 = A @ X
+        M_1 = t10
+        t11 = M_1 @ W_V
+        t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+        A13 = t12 / t12.sum(-1, keepdim=True)
+        t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
+        t16 = W_V.transpose(-1, -2)
+        t17 = (1/(L*n_batch)) * X
+        t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+        t19 = (t16.permute(1, 0) @ dA15.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+        t20 = (t19.permute(1, 2, 3, 0) @ M_2)
+        t21 = (t18 * t9.permute(2, 0, 1).reshape((d_V, n_batch, L, 1)))
+        t22 = ((t21.permute(1, 2, 3, 0) @ t20)).permute(2, 3, 0, 1)
+        t23 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        F = t11
+        t24 = torch.exp(F - F.amax(-1, keepdim=True))
+        A25 = t24 / t24.sum(-1, keepdim=True)
+        t26 = t9 * A25
+        t27 = t26 - Y
+        t28 = (1/L) * t27
+        G = t28
+        t29 = t16 @ t2
+        t30 = G @ t29
+        t31 = t30 - (A * t30).sum(-1, keepdim=True)
+        t32 = A * t31
+        # d2A: compact tensor ('L', 'L', 'L')
+        d2A = (t6.reshape((1, 1, L, L)) * t32.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t32.reshape((n_batch, L, L, 1))) - (t32.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+        t33 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        # M_3: compact tensor ('L', 'd_V', 'd_V')
+        M_3 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t34 = (1/n_batch) * t2
+        t35 = M_3.permute(2, 3, 0, 1)
+        t36 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t34.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t37 = t23.reshape((d_V**2, L*n_batch))
+        t38 = t36.reshape((d_V**2, L*n_batch))
+        t39 = t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+        t40 = t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+        t41 = torch.cat([t37, t38], dim=-1)
+        t42 = torch.cat([t39, t40], dim=-2)
+        t1[...] = ((t41 @ t42).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        t43 = H[0:d_V**2, d_V**2:2*d_V**2]
+        t44 = t43.view((d_V, d_V, d_V, d_V))
+        t45 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
+        t46 = ((t45.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+        t47 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t48 = (1/n_batch) * X
+        t49 = M_2.permute(3, 2, 0, 1)
+        t50 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t48.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t44[...] = ((t47.reshape((d_V**2, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        t44 += ((t49.reshape((d_V**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+        t51 = M_1.transpose(-1, -2)
+        t53 = (1/L) * t9
+        t54 = (dA15 * t53.reshape((n_batch, L, d_V, 1)))
+        t55 = M_1.reshape((n_batch, L, 1, d_V, 1))
+        t56 = t54.reshape((n_batch, L, d_V, 1, d_V))
+        t57 = t51.permute(1, 0, 2)
+        t58 = t57.reshape((d_V, L*n_batch))
+        t59 = (1/n_batch) * t58
+        t60 = H[d_V**2:2*d_V**2].view((d_V, d_V, 2*d_V**2))
+        t61 = t60.narrow(-1, d_V**2, d_V**2)
+        n_rows = max(1, min(d_V, 262144 // (L*d_V**2*n_batch)))
+        while d_V % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = torch.empty((n_batch, L, n_rows, d_V**2), dtype=X.dtype, device=X.device)
+        t62 = R.view((n_batch, L*n_rows, d_V**2))
+        t63 = R.view((L*n_batch, d_V**2*n_rows))
+        t64 = t62[..., 0:d_V**2].view((n_batch, L, n_rows, d_V, d_V))
+        for f0 in range(0, d_V, n_rows):
+            torch.mul(t55, t56.narrow(-3, f0, n_rows), out=t64)
+            if d_V <= 32:
+                _matmul_into(t59.expand(*(n_rows,), *t59.shape[-2:]), t63.view((L*n_batch, n_rows, d_V**2)).permute(1, 0, 2), t61.narrow(-2, f0, n_rows).permute(1, 0, 2))
+            else:
+                for r0 in range(0, d_V, 32):
+                    _matmul_into(t59.expand(*(n_rows,), *t59.shape[-2:]).narrow(-2, r0, min(32, d_V - r0)), t63.view((L*n_batch, n_rows, d_V**2)).permute(1, 0, 2), t61.narrow(-2, f0, n_rows).permute(1, 0, 2).narrow(-2, r0, min(32, d_V - r0)))
+        del R
+        t65 = H[d_V**2:2*d_V**2, 0:d_V**2]
+        _transpose_into(t43, t65)
+        return H
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
@@ -7348,6 +7446,105 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
     L = int(X.shape[-2])
     d_V = int(X.shape[-1])
     n_batch = int(X.shape[0])
+    if n_batch <= 4:    # row slabs (their operands grow with the batch)
+        H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
+        t0 = H[0:d_V**2, 0:d_V**2]
+        t1 = t0.view((d_V, d_V, d_V, d_V))
+        t2 = X.transpose(-1, -2)
+        t3 = W_QK @ t2
+        t4 = X @ t3
+        t5 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+        t6 = torch.where(t5, -math.inf, t4)
+        t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+        A = t7 / t7.sum(-1, keepdim=True)
+        t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'L', 'L')
+        dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+        t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        # M_2: compact tensor ('L', 'd_V', 'd_V')
+        M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t10 = Y.sum(-1, keepdim=True)
+        t11 = t10.expand(*t10.shape[:-1], d_V)
+        t12 = A @ X
+        M_1 = t12
+        t13 = M_1 @ W_V
+        t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+        A15 = t14 / t14.sum(-1, keepdim=True)
+        t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
+        t18 = W_V.transpose(-1, -2)
+        t19 = (1/(L*n_batch)) * X
+        t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+        t21 = (t18.permute(1, 0) @ dA17.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+        t22 = (t21.permute(1, 2, 3, 0) @ M_2)
+        t23 = (t20 * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1)))
+        t24 = ((t23.permute(1, 2, 3, 0) @ t22)).permute(2, 3, 0, 1)
+        t25 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t19.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        F = t13
+        t26 = torch.exp(F - F.amax(-1, keepdim=True))
+        A27 = t26 / t26.sum(-1, keepdim=True)
+        t28 = t11 * A27
+        t29 = t28 - Y
+        t30 = (1/L) * t29
+        G = t30
+        t31 = t18 @ t2
+        t32 = G @ t31
+        t33 = t32 - (A * t32).sum(-1, keepdim=True)
+        t34 = A * t33
+        # d2A: compact tensor ('L', 'L', 'L')
+        d2A = (t8.reshape((1, 1, L, L)) * t34.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t34.reshape((n_batch, L, L, 1))) - (t34.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+        t35 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        # M_3: compact tensor ('L', 'd_V', 'd_V')
+        M_3 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t36 = (1/n_batch) * t2
+        t37 = M_3.permute(2, 3, 0, 1)
+        t38 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t36.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t39 = t25.reshape((d_V**2, L*n_batch))
+        t40 = t38.reshape((d_V**2, L*n_batch))
+        t41 = t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+        t42 = t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+        t43 = torch.cat([t39, t40], dim=-1)
+        t44 = torch.cat([t41, t42], dim=-2)
+        t1[...] = ((t43 @ t44).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        t45 = H[0:d_V**2, d_V**2:2*d_V**2]
+        t46 = t45.view((d_V, d_V, d_V, d_V))
+        t47 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
+        t48 = ((t47.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+        t49 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t19.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t50 = (1/n_batch) * X
+        t51 = M_2.permute(3, 2, 0, 1)
+        t52 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t50.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t46[...] = ((t49.reshape((d_V**2, L*n_batch)) @ t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        t46 += ((t51.reshape((d_V**2, L*n_batch)) @ t52.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+        t53 = M_1.transpose(-1, -2)
+        t55 = (1/L) * t11
+        t56 = (dA17 * t55.reshape((n_batch, L, d_V, 1)))
+        t57 = M_1.reshape((n_batch, L, 1, d_V, 1))
+        t58 = t56.reshape((n_batch, L, d_V, 1, d_V))
+        t59 = t53.permute(1, 0, 2)
+        t60 = t59.reshape((d_V, L*n_batch))
+        t61 = (1/n_batch) * t60
+        t62 = H[d_V**2:2*d_V**2].view((d_V, d_V, 2*d_V**2))
+        t63 = t62.narrow(-1, d_V**2, d_V**2)
+        n_rows = max(1, min(d_V, 262144 // (L*d_V**2*n_batch)))
+        while d_V % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = torch.empty((n_batch, L, n_rows, d_V**2), dtype=X.dtype, device=X.device)
+        t64 = R.view((n_batch, L*n_rows, d_V**2))
+        t65 = R.view((L*n_batch, d_V**2*n_rows))
+        t66 = t64[..., 0:d_V**2].view((n_batch, L, n_rows, d_V, d_V))
+        for f0 in range(0, d_V, n_rows):
+            torch.mul(t57, t58.narrow(-3, f0, n_rows), out=t66)
+            if d_V <= 32:
+                _matmul_into(t61.expand(*(n_rows,), *t61.shape[-2:]), t65.view((L*n_batch, n_rows, d_V**2)).permute(1, 0, 2), t63.narrow(-2, f0, n_rows).permute(1, 0, 2))
+            else:
+                for r0 in range(0, d_V, 32):
+                    _matmul_into(t61.expand(*(n_rows,), *t61.shape[-2:]).narrow(-2, r0, min(32, d_V - r0)), t65.view((L*n_batch, n_rows, d_V**2)).permute(1, 0, 2), t63.narrow(-2, f0, n_rows).permute(1, 0, 2).narrow(-2, r0, min(32, d_V - r0)))
+        del R
+        t67 = H[d_V**2:2*d_V**2, 0:d_V**2]
+        _transpose_into(t45, t67)
+        return H
     H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))

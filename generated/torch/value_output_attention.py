@@ -20,6 +20,7 @@ import torch
 
 
 from symhess.smallk import matmul_into as _matmul_into
+from symhess.smallk import transpose_into as _transpose_into
 
 _NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}
 
@@ -20369,6 +20370,374 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     d_K = int(W_Q.shape[-1])
     d_V = int(X.shape[-1])
     n_batch = int(X.shape[0])
+    if n_batch <= 2:    # row slabs (their operands grow with the batch)
+        H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
+        t0 = H[0:d_K*d_V, 0:d_K*d_V]
+        t1 = t0.view((d_V, d_K, d_V, d_K))
+        del t0
+        t2 = W_K.transpose(-1, -2)
+        t3 = X.transpose(-1, -2)
+        t4 = t2 @ t3
+        t5 = W_Q @ t4
+        del t4
+        t6 = X @ t5
+        del t5
+        t7 = (1/math.sqrt(d_K)) * t6
+        del t6
+        t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+        del t7
+        A = t8 / t8.sum(-1, keepdim=True)
+        del t8
+        t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'L', 'L')
+        dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+        t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        del dA
+        # M_2: compact tensor ('L', 'd_V', 'd_V')
+        M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        del t10
+        t11 = W_V @ W_O
+        t12 = Y.sum(-1, keepdim=True)
+        t13 = t12.expand(*t12.shape[:-1], d_V)
+        del t12
+        t14 = A @ X
+        M_1 = t14
+        del t14
+        t15 = M_1 @ t11
+        t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+        A17 = t16 / t16.sum(-1, keepdim=True)
+        del t16
+        t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA19 = (t18.reshape((1, 1, d_V, d_V)) * A17.reshape((n_batch, L, d_V, 1))) - (A17.reshape((n_batch, L, 1, d_V)) * A17.reshape((n_batch, L, d_V, 1)))
+        del A17, t18
+        t20 = t11.transpose(-1, -2)
+        t21 = (1/(L*d_K*n_batch)) * X
+        t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+        t23 = (t20.permute(1, 0) @ dA19.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+        t24 = (t23.permute(1, 2, 3, 0) @ M_2)
+        del t23
+        t25 = (t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t11).reshape((n_batch, L, d_K, d_V))
+        t26 = (t24.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
+        t27 = (t25.permute(0, 1, 3, 2) * t13.reshape((n_batch, L, d_V, 1)))
+        t28 = ((t27.permute(0, 1, 3, 2) @ t26)).permute(2, 3, 0, 1)
+        del t27
+        t29 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t21.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        F = t15
+        del t15
+        t30 = torch.exp(F - F.amax(-1, keepdim=True))
+        del F
+        A31 = t30 / t30.sum(-1, keepdim=True)
+        del t30
+        t32 = t13 * A31
+        del A31
+        t33 = t32 - Y
+        del t32
+        t34 = (1/L) * t33
+        del t33
+        G = t34
+        del t34
+        t35 = t20 @ t3
+        del t20
+        t36 = G @ t35
+        del t35
+        t37 = t36 - (A * t36).sum(-1, keepdim=True)
+        del t36
+        t38 = A * t37
+        del t37
+        # d2A: compact tensor ('L', 'L', 'L')
+        d2A = (t9.reshape((1, 1, L, L)) * t38.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t38.reshape((n_batch, L, L, 1))) - (t38.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+        del A, t9
+        t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        del d2A
+        # M_3: compact tensor ('L', 'd_V', 'd_V')
+        M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        del t39
+        t40 = (1/(d_K*n_batch)) * t3
+        t41 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+        t42 = ((W_K.permute(1, 0) @ t41.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+        del t41
+        t43 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t40.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t44 = t29.reshape((d_V**2, L*n_batch))
+        del t29
+        t45 = t43.reshape((d_V**2, L*n_batch))
+        del t43
+        t46 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+        del t28
+        t47 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+        del t42
+        t48 = torch.cat([t44, t45], dim=-1)
+        del t44, t45
+        t49 = torch.cat([t46, t47], dim=-2)
+        del t46, t47
+        t1[...] = ((t48 @ t49).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+        del t1, t48, t49
+        t50 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t51 = t50.view((d_V, d_K, d_V, d_K))
+        del t50
+        t52 = (t24 * t13.reshape((n_batch, L, d_V, 1)))
+        t53 = ((t52.permute(0, 1, 3, 2) @ t25.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+        del t52
+        t54 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+        t55 = (t54.reshape((1, d_K, n_batch, L)) * t21.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t56 = (t2 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+        t57 = (t54.reshape((1, d_K, n_batch, L)) * t40.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t58 = t51.diagonal(0, 1, 3)
+        t59 = t38 @ X
+        del t38
+        t60 = t3 @ t59
+        del t3, t59
+        t61 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+        t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
+        del t61
+        t63 = t53.reshape((d_K*d_V, L*n_batch))
+        del t53
+        t64 = t56.reshape((d_K*d_V, L*n_batch))
+        del t56
+        t65 = t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        del t55
+        t66 = t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        del t57
+        t67 = torch.cat([t63, t64], dim=-1)
+        del t63, t64
+        t68 = torch.cat([t65, t66], dim=-2)
+        del t65, t66
+        t51[...] = ((t67 @ t68).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        del t51, t67, t68
+        t58.addcmul_(t62.reshape((1, 1, d_K)), t60.sum((0,)).reshape((d_V, d_V, 1)))
+        del t58
+        t69 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        t70 = t69.view((d_V, d_K, d_V, d_H))
+        t71 = W_O.transpose(-1, -2)
+        t72 = (1/(L*math.sqrt(d_K)*n_batch)) * X
+        t73 = (t71.permute(1, 0) @ dA19.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))
+        t74 = (t73.permute(1, 2, 3, 0) * t13.reshape((n_batch, L, d_V, 1)))
+        t75 = ((t74.permute(0, 1, 3, 2) @ t25.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+        del t25, t74
+        t76 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t72.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t77 = G @ t71
+        t78 = (1/(math.sqrt(d_K)*n_batch)) * X
+        t79 = (t2 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+        del t2
+        t80 = (t77.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t78.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t70[...] = ((t76.reshape((d_V**2, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+        del t75, t76
+        t70 += ((t79.reshape((d_K*d_V, L*n_batch)) @ t80.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+        del t70, t79, t80
+        t81 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+        t82 = t81.view((d_V, d_K, d_H, d_V))
+        t83 = M_1 @ W_V
+        t84 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
+        t85 = (t84 @ t22.permute(2, 0, 1, 3).reshape((d_V, L*d_K*n_batch))).reshape((d_V, n_batch, L, d_K))
+        t86 = (dA19 * t13.reshape((n_batch, L, d_V, 1)))
+        t87 = ((t86.permute(0, 1, 3, 2) @ t85.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+        del t85
+        t88 = (t83.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t72.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t89 = ((W_V.permute(1, 0) @ t22.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
+        del t22
+        t90 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t78.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t82[...] = ((t88.reshape((d_H*d_V, L*n_batch)) @ t87.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+        del t87, t88
+        t82 += ((t89.reshape((d_H*d_K, L*n_batch)) @ t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+        del t82, t89, t90
+        t91 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t92 = t91.view((d_V, d_K, d_V, d_K))
+        del t91
+        t93 = W_Q.transpose(-1, -2)
+        t94 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+        del t11
+        t95 = (t94 * t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1)))
+        del t94
+        t96 = (t95.permute(1, 2, 3, 0) @ t26)
+        del t26
+        t97 = (t96.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        del t96
+        t98 = (t93 @ t21.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+        del t21
+        t99 = (W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
+        t100 = (t99.permute(3, 0, 1, 2).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        del t99
+        t101 = (t93 @ t40.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+        del t40
+        t102 = t92.diagonal(0, 1, 3)
+        t103 = t60.transpose(-1, -2)
+        del t60
+        t104 = t98.reshape((1, d_K, L*n_batch))
+        del t98
+        t105 = t92.view((d_V, d_K, d_K*d_V))
+        del t92
+        _matmul_into(t104.expand(*(d_V,), *t104.shape[-2:]), t97.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t105)
+        del t97
+        t106 = t101.reshape((1, d_K, L*n_batch))
+        del t101
+        _matmul_into(t106.expand(*(d_V,), *t106.shape[-2:]), t100.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t105, add=True)
+        del t100, t105
+        t102.addcmul_(t62.reshape((1, 1, d_K)), t103.sum((0,)).reshape((d_V, d_V, 1)))
+        del t102, t103, t62
+        t107 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t108 = t107.view((d_V, d_K, d_V, d_K))
+        del t107
+        t109 = (t95.permute(1, 2, 3, 0) @ t24)
+        del t24
+        t110 = (t109.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t54.reshape((1, 1, d_K, n_batch, L)))
+        del t109
+        t111 = (t54.reshape((1, 1, d_K, n_batch, L)) * M_3.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)))
+        del M_3, t54
+        t112 = t108.view((d_V, d_K, d_K*d_V))
+        del t108
+        _matmul_into(t104.expand(*(d_V,), *t104.shape[-2:]), t110.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t112)
+        del t104, t110
+        _matmul_into(t106.expand(*(d_V,), *t106.shape[-2:]), t111.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t112, add=True)
+        del t106, t111, t112
+        t113 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        t114 = t113.view((d_V, d_K, d_V, d_H))
+        t115 = (t95.permute(1, 2, 3, 0) @ t73.permute(1, 2, 3, 0))
+        del t95
+        t116 = (t115.permute(2, 3, 0, 1).reshape((d_V, 1, d_H, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        del t115
+        t117 = (t93 @ t72.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+        del t72
+        t118 = (t77.permute(2, 0, 1).reshape((1, 1, d_H, n_batch, L)) * M_2.permute(3, 2, 0, 1).reshape((d_V, d_V, 1, n_batch, L)))
+        del t77
+        t119 = (t93 @ t78.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+        del t78, t93
+        t120 = t117.reshape((1, d_K, L*n_batch))
+        del t117
+        t121 = t114.view((d_V, d_K, d_H*d_V))
+        del t114
+        _matmul_into(t120.expand(*(d_V,), *t120.shape[-2:]), t116.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_H*d_V)), t121)
+        del t116
+        t122 = t119.reshape((1, d_K, L*n_batch))
+        del t119
+        _matmul_into(t122.expand(*(d_V,), *t122.shape[-2:]), t118.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_H*d_V)), t121, add=True)
+        del t118, t121
+        t123 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+        t124 = t123.view((d_V, d_K, d_H, d_V))
+        t125 = (t84 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+        del t84
+        t126 = (t86.permute(0, 1, 3, 2) @ t125.permute(1, 2, 0, 3))
+        del t125, t86
+        t127 = (t126.permute(3, 2, 0, 1).reshape((d_V, 1, d_V, n_batch, L)) * t83.permute(2, 0, 1).reshape((1, d_H, 1, n_batch, L)))
+        del t126
+        t128 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))
+        del M_2
+        t129 = (t128.permute(3, 0, 1, 2).reshape((d_V, d_H, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, 1, d_V, n_batch, L)))
+        del t128
+        t130 = t124.view((d_V, d_K, d_H*d_V))
+        del t124
+        _matmul_into(t120.expand(*(d_V,), *t120.shape[-2:]), t127.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_H*d_V)), t130)
+        del t120, t127
+        _matmul_into(t122.expand(*(d_V,), *t122.shape[-2:]), t129.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_H*d_V)), t130, add=True)
+        del t122, t129, t130
+        t131 = M_1.transpose(-1, -2)
+        t133 = (1/L) * t13
+        del t13
+        t134 = (t133.permute(2, 0, 1).reshape((d_V, n_batch, L, 1)) * W_O.permute(1, 0).reshape((d_V, 1, 1, d_H)))
+        t135 = (t134.permute(1, 2, 3, 0) @ t73.permute(1, 2, 3, 0))
+        del t134, t73
+        t136 = M_1.reshape((n_batch, L, 1, d_V, 1))
+        t137 = t135.reshape((n_batch, L, d_H, 1, d_H))
+        del t135
+        t140 = (dA19 * t133.reshape((n_batch, L, d_V, 1)))
+        del dA19, t133
+        t141 = ((W_O @ t140.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t143 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+        t144 = t83.reshape((n_batch, L, 1, d_H, 1))
+        t145 = t141.reshape((n_batch, L, d_H, 1, d_V))
+        del t141
+        t146 = t143.reshape((1, 1, 1, d_H))
+        t147 = G.reshape((n_batch, L, d_V, 1))
+        t148 = t131.permute(1, 0, 2)
+        del t131
+        t149 = t148.reshape((d_V, L*n_batch))
+        del t148
+        t150 = (1/n_batch) * t149
+        del t149
+        t151 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V].view((d_V, d_H, 2*d_H*d_V + 2*d_K*d_V))
+        t152 = t151.narrow(-1, 2*d_K*d_V, 2*d_H*d_V)
+        del t151
+        n_rows = max(1, min(d_H, 262144 // (2*L*d_H*d_V*n_batch)))
+        while d_H % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = torch.empty((n_batch, L, n_rows, 2*d_H*d_V), dtype=X.dtype, device=X.device)
+        t153 = R.view((n_batch, L*n_rows, 2*d_H*d_V))
+        t154 = R.view((L*n_batch, 2*d_H*d_V*n_rows))
+        t155 = t153[..., 0:d_H*d_V].view((n_batch, L, n_rows, d_V, d_H))
+        t156 = t153[..., d_H*d_V:2*d_H*d_V].view((n_batch, L, n_rows, d_H, d_V))
+        for f0 in range(0, d_H, n_rows):
+            torch.mul(t136, t137.narrow(-3, f0, n_rows), out=t155)
+            torch.mul(t144, t145.narrow(-3, f0, n_rows), out=t156)
+            t157 = t153[..., d_H*d_V:2*d_H*d_V].view((n_batch, L, n_rows, d_H, d_V)).narrow(-2, f0, n_rows).diagonal(0, 2, 3)
+            t157.addcmul_(t146.narrow(-1, f0, n_rows), t147)
+            if d_V <= 32:
+                _matmul_into(t150.expand(*(n_rows,), *t150.shape[-2:]), t154.view((L*n_batch, n_rows, 2*d_H*d_V)).permute(1, 0, 2), t152.narrow(-2, f0, n_rows).permute(1, 0, 2))
+            else:
+                for r0 in range(0, d_V, 32):
+                    _matmul_into(t150.expand(*(n_rows,), *t150.shape[-2:]).narrow(-2, r0, min(32, d_V - r0)), t154.view((L*n_batch, n_rows, 2*d_H*d_V)).permute(1, 0, 2), t152.narrow(-2, f0, n_rows).permute(1, 0, 2).narrow(-2, r0, min(32, d_V - r0)))
+        del n_rows, t137, t145, t146, t147, t150, t152, t153, t154, t155, t156
+        del R
+        t158 = t83.transpose(-1, -2)
+        del t83
+        t162 = (t140.reshape((L*d_V*n_batch, d_V)) @ t71).reshape((n_batch, L, d_V, d_H))
+        del t71
+        t163 = t162.reshape((n_batch, L, d_V, 1, d_H))
+        del t162
+        t166 = t140.reshape((n_batch, L, d_V, 1, d_V))
+        del t140
+        t167 = t158.permute(1, 0, 2)
+        del t158
+        t168 = t167.reshape((d_H, L*n_batch))
+        del t167
+        t169 = (1/n_batch) * t168
+        del t168
+        t170 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V].view((d_H, d_V, 2*d_H*d_V + 2*d_K*d_V))
+        t171 = t170.narrow(-1, 2*d_K*d_V, 2*d_H*d_V)
+        del t170
+        n_rows172 = max(1, min(d_V, 262144 // (2*L*d_H*d_V*n_batch)))
+        while d_V % n_rows172:    # chunks of equal size
+            n_rows172 -= 1
+        R159 = torch.empty((n_batch, L, n_rows172, 2*d_H*d_V), dtype=X.dtype, device=X.device)
+        t174 = R159.view((n_batch, L*n_rows172, 2*d_H*d_V))
+        t175 = R159.view((L*n_batch, 2*d_H*d_V*n_rows172))
+        t176 = t174[..., 0:d_H*d_V].view((n_batch, L, n_rows172, d_V, d_H))
+        t177 = t174[..., d_H*d_V:2*d_H*d_V].view((n_batch, L, n_rows172, d_H, d_V))
+        del t174
+        for f0173 in range(0, d_V, n_rows172):
+            torch.mul(t136, t163.narrow(-3, f0173, n_rows172), out=t176)
+            torch.mul(t144, t166.narrow(-3, f0173, n_rows172), out=t177)
+            if d_H <= 32:
+                _matmul_into(t169.expand(*(n_rows172,), *t169.shape[-2:]), t175.view((L*n_batch, n_rows172, 2*d_H*d_V)).permute(1, 0, 2), t171.narrow(-2, f0173, n_rows172).permute(1, 0, 2))
+            else:
+                for r0178 in range(0, d_H, 32):
+                    _matmul_into(t169.expand(*(n_rows172,), *t169.shape[-2:]).narrow(-2, r0178, min(32, d_H - r0178)), t175.view((L*n_batch, n_rows172, 2*d_H*d_V)).permute(1, 0, 2), t171.narrow(-2, f0173, n_rows172).permute(1, 0, 2).narrow(-2, r0178, min(32, d_H - r0178)))
+        del n_rows172, t136, t144, t163, t166, t169, t171, t175, t176, t177
+        del R159
+        t179 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        t180 = t179.view((d_H, d_V, d_V, d_H))
+        del t179
+        t181 = t180.diagonal(0, 0, 3)
+        del t180
+        t182 = G.transpose(-1, -2)
+        del G
+        t183 = t182 @ M_1
+        del M_1, t182
+        t184 = (1/n_batch) * t143
+        del t143
+        t181.addcmul_(t184.reshape((1, 1, d_H)), t183.sum((0,)).reshape((d_V, d_V, 1)))
+        del t181, t183, t184
+        t185 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t69, t185)
+        del t185, t69
+        t186 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t113, t186)
+        del t113, t186
+        t187 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t81, t187)
+        del t187, t81
+        t188 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t123, t188)
+        del t123, t188
+        return H
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -29514,6 +29883,377 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     d_K = int(W_Q.shape[-1])
     d_V = int(X.shape[-1])
     n_batch = int(X.shape[0])
+    if n_batch <= 2:    # row slabs (their operands grow with the batch)
+        H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
+        t0 = H[0:d_K*d_V, 0:d_K*d_V]
+        t1 = t0.view((d_V, d_K, d_V, d_K))
+        del t0
+        t2 = W_K.transpose(-1, -2)
+        t3 = X.transpose(-1, -2)
+        t4 = t2 @ t3
+        t5 = W_Q @ t4
+        del t4
+        t6 = X @ t5
+        del t5
+        t7 = (1/math.sqrt(d_K)) * t6
+        del t6
+        t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+        t9 = torch.where(t8, -math.inf, t7)
+        del t7, t8
+        t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+        del t9
+        A = t10 / t10.sum(-1, keepdim=True)
+        del t10
+        t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'L', 'L')
+        dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+        t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        del dA
+        # M_2: compact tensor ('L', 'd_V', 'd_V')
+        M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        del t12
+        t13 = W_V @ W_O
+        t14 = Y.sum(-1, keepdim=True)
+        t15 = t14.expand(*t14.shape[:-1], d_V)
+        del t14
+        t16 = A @ X
+        M_1 = t16
+        del t16
+        t17 = M_1 @ t13
+        t18 = torch.exp(t17 - t17.amax(-1, keepdim=True))
+        A19 = t18 / t18.sum(-1, keepdim=True)
+        del t18
+        t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA21 = (t20.reshape((1, 1, d_V, d_V)) * A19.reshape((n_batch, L, d_V, 1))) - (A19.reshape((n_batch, L, 1, d_V)) * A19.reshape((n_batch, L, d_V, 1)))
+        del A19, t20
+        t22 = t13.transpose(-1, -2)
+        t23 = (1/(L*d_K*n_batch)) * X
+        t24 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+        t25 = (t22.permute(1, 0) @ dA21.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+        t26 = (t25.permute(1, 2, 3, 0) @ M_2)
+        del t25
+        t27 = (t24.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t13).reshape((n_batch, L, d_K, d_V))
+        t28 = (t26.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
+        t29 = (t27.permute(0, 1, 3, 2) * t15.reshape((n_batch, L, d_V, 1)))
+        t30 = ((t29.permute(0, 1, 3, 2) @ t28)).permute(2, 3, 0, 1)
+        del t29
+        t31 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t23.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        F = t17
+        del t17
+        t32 = torch.exp(F - F.amax(-1, keepdim=True))
+        del F
+        A33 = t32 / t32.sum(-1, keepdim=True)
+        del t32
+        t34 = t15 * A33
+        del A33
+        t35 = t34 - Y
+        del t34
+        t36 = (1/L) * t35
+        del t35
+        G = t36
+        del t36
+        t37 = t22 @ t3
+        del t22
+        t38 = G @ t37
+        del t37
+        t39 = t38 - (A * t38).sum(-1, keepdim=True)
+        del t38
+        t40 = A * t39
+        del t39
+        # d2A: compact tensor ('L', 'L', 'L')
+        d2A = (t11.reshape((1, 1, L, L)) * t40.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t40.reshape((n_batch, L, L, 1))) - (t40.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+        del A, t11
+        t41 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        del d2A
+        # M_3: compact tensor ('L', 'd_V', 'd_V')
+        M_3 = (t41.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        del t41
+        t42 = (1/(d_K*n_batch)) * t3
+        t43 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+        t44 = ((W_K.permute(1, 0) @ t43.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
+        del t43
+        t45 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t42.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t46 = t31.reshape((d_V**2, L*n_batch))
+        del t31
+        t47 = t45.reshape((d_V**2, L*n_batch))
+        del t45
+        t48 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+        del t30
+        t49 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+        del t44
+        t50 = torch.cat([t46, t47], dim=-1)
+        del t46, t47
+        t51 = torch.cat([t48, t49], dim=-2)
+        del t48, t49
+        t1[...] = ((t50 @ t51).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+        del t1, t50, t51
+        t52 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t53 = t52.view((d_V, d_K, d_V, d_K))
+        del t52
+        t54 = (t26 * t15.reshape((n_batch, L, d_V, 1)))
+        t55 = ((t54.permute(0, 1, 3, 2) @ t27.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+        del t54
+        t56 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+        t57 = (t56.reshape((1, d_K, n_batch, L)) * t23.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t58 = (t2 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+        t59 = (t56.reshape((1, d_K, n_batch, L)) * t42.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t60 = t53.diagonal(0, 1, 3)
+        t61 = t40 @ X
+        del t40
+        t62 = t3 @ t61
+        del t3, t61
+        t63 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+        t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
+        del t63
+        t65 = t55.reshape((d_K*d_V, L*n_batch))
+        del t55
+        t66 = t58.reshape((d_K*d_V, L*n_batch))
+        del t58
+        t67 = t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        del t57
+        t68 = t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        del t59
+        t69 = torch.cat([t65, t66], dim=-1)
+        del t65, t66
+        t70 = torch.cat([t67, t68], dim=-2)
+        del t67, t68
+        t53[...] = ((t69 @ t70).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        del t53, t69, t70
+        t60.addcmul_(t64.reshape((1, 1, d_K)), t62.sum((0,)).reshape((d_V, d_V, 1)))
+        del t60
+        t71 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        t72 = t71.view((d_V, d_K, d_V, d_H))
+        t73 = W_O.transpose(-1, -2)
+        t74 = (1/(L*math.sqrt(d_K)*n_batch)) * X
+        t75 = (t73.permute(1, 0) @ dA21.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))
+        t76 = (t75.permute(1, 2, 3, 0) * t15.reshape((n_batch, L, d_V, 1)))
+        t77 = ((t76.permute(0, 1, 3, 2) @ t27.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+        del t27, t76
+        t78 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t74.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t79 = G @ t73
+        t80 = (1/(math.sqrt(d_K)*n_batch)) * X
+        t81 = (t2 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+        del t2
+        t82 = (t79.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t80.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t72[...] = ((t78.reshape((d_V**2, L*n_batch)) @ t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+        del t77, t78
+        t72 += ((t81.reshape((d_K*d_V, L*n_batch)) @ t82.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+        del t72, t81, t82
+        t83 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+        t84 = t83.view((d_V, d_K, d_H, d_V))
+        t85 = M_1 @ W_V
+        t86 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
+        t87 = (t86 @ t24.permute(2, 0, 1, 3).reshape((d_V, L*d_K*n_batch))).reshape((d_V, n_batch, L, d_K))
+        t88 = (dA21 * t15.reshape((n_batch, L, d_V, 1)))
+        t89 = ((t88.permute(0, 1, 3, 2) @ t87.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+        del t87
+        t90 = (t85.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t74.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t91 = ((W_V.permute(1, 0) @ t24.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
+        del t24
+        t92 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t80.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t84[...] = ((t90.reshape((d_H*d_V, L*n_batch)) @ t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+        del t89, t90
+        t84 += ((t91.reshape((d_H*d_K, L*n_batch)) @ t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+        del t84, t91, t92
+        t93 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t94 = t93.view((d_V, d_K, d_V, d_K))
+        del t93
+        t95 = W_Q.transpose(-1, -2)
+        t96 = (t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+        del t13
+        t97 = (t96 * t15.permute(2, 0, 1).reshape((d_V, n_batch, L, 1)))
+        del t96
+        t98 = (t97.permute(1, 2, 3, 0) @ t28)
+        del t28
+        t99 = (t98.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        del t98
+        t100 = (t95 @ t23.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+        del t23
+        t101 = (W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
+        t102 = (t101.permute(3, 0, 1, 2).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        del t101
+        t103 = (t95 @ t42.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+        del t42
+        t104 = t94.diagonal(0, 1, 3)
+        t105 = t62.transpose(-1, -2)
+        del t62
+        t106 = t100.reshape((1, d_K, L*n_batch))
+        del t100
+        t107 = t94.view((d_V, d_K, d_K*d_V))
+        del t94
+        _matmul_into(t106.expand(*(d_V,), *t106.shape[-2:]), t99.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t107)
+        del t99
+        t108 = t103.reshape((1, d_K, L*n_batch))
+        del t103
+        _matmul_into(t108.expand(*(d_V,), *t108.shape[-2:]), t102.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t107, add=True)
+        del t102, t107
+        t104.addcmul_(t64.reshape((1, 1, d_K)), t105.sum((0,)).reshape((d_V, d_V, 1)))
+        del t104, t105, t64
+        t109 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t110 = t109.view((d_V, d_K, d_V, d_K))
+        del t109
+        t111 = (t97.permute(1, 2, 3, 0) @ t26)
+        del t26
+        t112 = (t111.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t56.reshape((1, 1, d_K, n_batch, L)))
+        del t111
+        t113 = (t56.reshape((1, 1, d_K, n_batch, L)) * M_3.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)))
+        del M_3, t56
+        t114 = t110.view((d_V, d_K, d_K*d_V))
+        del t110
+        _matmul_into(t106.expand(*(d_V,), *t106.shape[-2:]), t112.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t114)
+        del t106, t112
+        _matmul_into(t108.expand(*(d_V,), *t108.shape[-2:]), t113.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t114, add=True)
+        del t108, t113, t114
+        t115 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        t116 = t115.view((d_V, d_K, d_V, d_H))
+        t117 = (t97.permute(1, 2, 3, 0) @ t75.permute(1, 2, 3, 0))
+        del t97
+        t118 = (t117.permute(2, 3, 0, 1).reshape((d_V, 1, d_H, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+        del t117
+        t119 = (t95 @ t74.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+        del t74
+        t120 = (t79.permute(2, 0, 1).reshape((1, 1, d_H, n_batch, L)) * M_2.permute(3, 2, 0, 1).reshape((d_V, d_V, 1, n_batch, L)))
+        del t79
+        t121 = (t95 @ t80.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+        del t80, t95
+        t122 = t119.reshape((1, d_K, L*n_batch))
+        del t119
+        t123 = t116.view((d_V, d_K, d_H*d_V))
+        del t116
+        _matmul_into(t122.expand(*(d_V,), *t122.shape[-2:]), t118.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_H*d_V)), t123)
+        del t118
+        t124 = t121.reshape((1, d_K, L*n_batch))
+        del t121
+        _matmul_into(t124.expand(*(d_V,), *t124.shape[-2:]), t120.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_H*d_V)), t123, add=True)
+        del t120, t123
+        t125 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+        t126 = t125.view((d_V, d_K, d_H, d_V))
+        t127 = (t86 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+        del t86
+        t128 = (t88.permute(0, 1, 3, 2) @ t127.permute(1, 2, 0, 3))
+        del t127, t88
+        t129 = (t128.permute(3, 2, 0, 1).reshape((d_V, 1, d_V, n_batch, L)) * t85.permute(2, 0, 1).reshape((1, d_H, 1, n_batch, L)))
+        del t128
+        t130 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))
+        del M_2
+        t131 = (t130.permute(3, 0, 1, 2).reshape((d_V, d_H, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, 1, d_V, n_batch, L)))
+        del t130
+        t132 = t126.view((d_V, d_K, d_H*d_V))
+        del t126
+        _matmul_into(t122.expand(*(d_V,), *t122.shape[-2:]), t129.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_H*d_V)), t132)
+        del t122, t129
+        _matmul_into(t124.expand(*(d_V,), *t124.shape[-2:]), t131.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_H*d_V)), t132, add=True)
+        del t124, t131, t132
+        t133 = M_1.transpose(-1, -2)
+        t135 = (1/L) * t15
+        del t15
+        t136 = (t135.permute(2, 0, 1).reshape((d_V, n_batch, L, 1)) * W_O.permute(1, 0).reshape((d_V, 1, 1, d_H)))
+        t137 = (t136.permute(1, 2, 3, 0) @ t75.permute(1, 2, 3, 0))
+        del t136, t75
+        t138 = M_1.reshape((n_batch, L, 1, d_V, 1))
+        t139 = t137.reshape((n_batch, L, d_H, 1, d_H))
+        del t137
+        t142 = (dA21 * t135.reshape((n_batch, L, d_V, 1)))
+        del dA21, t135
+        t143 = ((W_O @ t142.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t145 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+        t146 = t85.reshape((n_batch, L, 1, d_H, 1))
+        t147 = t143.reshape((n_batch, L, d_H, 1, d_V))
+        del t143
+        t148 = t145.reshape((1, 1, 1, d_H))
+        t149 = G.reshape((n_batch, L, d_V, 1))
+        t150 = t133.permute(1, 0, 2)
+        del t133
+        t151 = t150.reshape((d_V, L*n_batch))
+        del t150
+        t152 = (1/n_batch) * t151
+        del t151
+        t153 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V].view((d_V, d_H, 2*d_H*d_V + 2*d_K*d_V))
+        t154 = t153.narrow(-1, 2*d_K*d_V, 2*d_H*d_V)
+        del t153
+        n_rows = max(1, min(d_H, 262144 // (2*L*d_H*d_V*n_batch)))
+        while d_H % n_rows:    # chunks of equal size
+            n_rows -= 1
+        R = torch.empty((n_batch, L, n_rows, 2*d_H*d_V), dtype=X.dtype, device=X.device)
+        t155 = R.view((n_batch, L*n_rows, 2*d_H*d_V))
+        t156 = R.view((L*n_batch, 2*d_H*d_V*n_rows))
+        t157 = t155[..., 0:d_H*d_V].view((n_batch, L, n_rows, d_V, d_H))
+        t158 = t155[..., d_H*d_V:2*d_H*d_V].view((n_batch, L, n_rows, d_H, d_V))
+        for f0 in range(0, d_H, n_rows):
+            torch.mul(t138, t139.narrow(-3, f0, n_rows), out=t157)
+            torch.mul(t146, t147.narrow(-3, f0, n_rows), out=t158)
+            t159 = t155[..., d_H*d_V:2*d_H*d_V].view((n_batch, L, n_rows, d_H, d_V)).narrow(-2, f0, n_rows).diagonal(0, 2, 3)
+            t159.addcmul_(t148.narrow(-1, f0, n_rows), t149)
+            if d_V <= 32:
+                _matmul_into(t152.expand(*(n_rows,), *t152.shape[-2:]), t156.view((L*n_batch, n_rows, 2*d_H*d_V)).permute(1, 0, 2), t154.narrow(-2, f0, n_rows).permute(1, 0, 2))
+            else:
+                for r0 in range(0, d_V, 32):
+                    _matmul_into(t152.expand(*(n_rows,), *t152.shape[-2:]).narrow(-2, r0, min(32, d_V - r0)), t156.view((L*n_batch, n_rows, 2*d_H*d_V)).permute(1, 0, 2), t154.narrow(-2, f0, n_rows).permute(1, 0, 2).narrow(-2, r0, min(32, d_V - r0)))
+        del n_rows, t139, t147, t148, t149, t152, t154, t155, t156, t157, t158
+        del R
+        t160 = t85.transpose(-1, -2)
+        del t85
+        t164 = (t142.reshape((L*d_V*n_batch, d_V)) @ t73).reshape((n_batch, L, d_V, d_H))
+        del t73
+        t165 = t164.reshape((n_batch, L, d_V, 1, d_H))
+        del t164
+        t168 = t142.reshape((n_batch, L, d_V, 1, d_V))
+        del t142
+        t169 = t160.permute(1, 0, 2)
+        del t160
+        t170 = t169.reshape((d_H, L*n_batch))
+        del t169
+        t171 = (1/n_batch) * t170
+        del t170
+        t172 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V].view((d_H, d_V, 2*d_H*d_V + 2*d_K*d_V))
+        t173 = t172.narrow(-1, 2*d_K*d_V, 2*d_H*d_V)
+        del t172
+        n_rows174 = max(1, min(d_V, 262144 // (2*L*d_H*d_V*n_batch)))
+        while d_V % n_rows174:    # chunks of equal size
+            n_rows174 -= 1
+        R161 = torch.empty((n_batch, L, n_rows174, 2*d_H*d_V), dtype=X.dtype, device=X.device)
+        t176 = R161.view((n_batch, L*n_rows174, 2*d_H*d_V))
+        t177 = R161.view((L*n_batch, 2*d_H*d_V*n_rows174))
+        t178 = t176[..., 0:d_H*d_V].view((n_batch, L, n_rows174, d_V, d_H))
+        t179 = t176[..., d_H*d_V:2*d_H*d_V].view((n_batch, L, n_rows174, d_H, d_V))
+        del t176
+        for f0175 in range(0, d_V, n_rows174):
+            torch.mul(t138, t165.narrow(-3, f0175, n_rows174), out=t178)
+            torch.mul(t146, t168.narrow(-3, f0175, n_rows174), out=t179)
+            if d_H <= 32:
+                _matmul_into(t171.expand(*(n_rows174,), *t171.shape[-2:]), t177.view((L*n_batch, n_rows174, 2*d_H*d_V)).permute(1, 0, 2), t173.narrow(-2, f0175, n_rows174).permute(1, 0, 2))
+            else:
+                for r0180 in range(0, d_H, 32):
+                    _matmul_into(t171.expand(*(n_rows174,), *t171.shape[-2:]).narrow(-2, r0180, min(32, d_H - r0180)), t177.view((L*n_batch, n_rows174, 2*d_H*d_V)).permute(1, 0, 2), t173.narrow(-2, f0175, n_rows174).permute(1, 0, 2).narrow(-2, r0180, min(32, d_H - r0180)))
+        del n_rows174, t138, t146, t165, t168, t171, t173, t177, t178, t179
+        del R161
+        t181 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        t182 = t181.view((d_H, d_V, d_V, d_H))
+        del t181
+        t183 = t182.diagonal(0, 0, 3)
+        del t182
+        t184 = G.transpose(-1, -2)
+        del G
+        t185 = t184 @ M_1
+        del M_1, t184
+        t186 = (1/n_batch) * t145
+        del t145
+        t183.addcmul_(t186.reshape((1, 1, d_H)), t185.sum((0,)).reshape((d_V, d_V, 1)))
+        del t183, t185, t186
+        t187 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t71, t187)
+        del t187, t71
+        t188 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t115, t188)
+        del t115, t188
+        t189 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t83, t189)
+        del t189, t83
+        t190 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t125, t190)
+        del t125, t190
+        return H
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))

@@ -4,7 +4,7 @@ NUMPY = {
     "name": "numpy",
     "imports": ["import math", "", "import numpy as np", "import opt_einsum as oe",
                 "import scipy.special"],
-    "preamble": [],
+    "preamble": ["from symhess.smallk import transpose_numpy as _transpose_into"],
     "size": "{0}.shape[{1}]",
     "T": "np.swapaxes({0}, -1, -2)",
     "sum_last": "{0}.sum(-1, keepdims=True)",
@@ -30,6 +30,9 @@ NUMPY = {
     "matmul_into": "np.matmul({0}, {1}, out={2})",
     "mm_into": "np.matmul({0}, {1}, out={2})",
     "bmm_into": "np.matmul({0}, {1}, out={2})",
+    # {1}[...] = {0}ᵀ for two blocks of the Hessian (one copied from its transpose): eight
+    # rows and columns at a time (symhess.smallk), ≈ 3× the strided copy
+    "transpose_into": "_transpose_into({0}, {1})",
     "reshape": "np.reshape({0}, {1})",
     "permute": "{0}.transpose({1})",
     "flatten_mats": "np.reshape({0}, {0}.shape[:-2] + ({1}, 1))",

@@ -6,6 +6,7 @@ TORCH = {
     # module-level helpers after the imports
     "preamble": [
         "from symhess.smallk import matmul_into as _matmul_into",
+        "from symhess.smallk import transpose_into as _transpose_into",
         "",
         "_NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}",
         "",
@@ -53,6 +54,9 @@ TORCH = {
     "addmm_into": "_matmul_into({0}, {1}, {2}, add=True)",
     "bmm_into": "_matmul_into({0}, {1}, {2})",
     "addbmm_into": "_matmul_into({0}, {1}, {2}, add=True)",
+    # {1}[...] = {0}ᵀ for two blocks of the Hessian (one copied from its transpose): eight
+    # rows and columns at a time (symhess.smallk), ≈ 3× the strided copy
+    "transpose_into": "_transpose_into({0}, {1})",
     "reshape": "{0}.reshape({1})",
     "permute": "{0}.permute({1})",
     "flatten_mats": "{0}.reshape(*{0}.shape[:-2], {1}, 1)",
