@@ -109,36 +109,71 @@ def _call(k, add, *args) -> bool:
 
 _transpose: list = []       # the compiled transpose (one per process, made on first use)
 
+# an 8 × 8 tile transposed in registers: rows unpacked in pairs, then merged two and four
+# entries at a time (LLVM lowers these shuffles to the target's unpack/permute instructions)
+_SHUFFLES = ([0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15],
+             [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15],
+             [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
 
-def _transpose_source() -> str:
-    """``D[do + i*ds + j] = S[so + j*ss + i]`` for i < K, j < M: 8 × 8 tiles with every
-    entry's index written out (each of the tile's cache lines read and written whole), then
-    the rows and columns a tile does not cover."""
-    tile = [f"                D[d + {a}] = S[s + {a}*ss]" for a in range(8)]
-    return "\n".join([
-        "def kernel(S, so, ss, D, do, ds, K, M):",
-        "    M8, K8 = M - M % 8, K - K % 8",
-        "    for j0 in range(0, M8, 8):",
-        "        for i0 in range(0, K8, 8):",
-        "            for b in range(8):",
-        "                d = do + (i0 + b)*ds + j0",
-        "                s = so + j0*ss + i0 + b",
-        *tile,
-        "        for i in range(K8, K):",
-        "            for j in range(j0, j0 + 8):",
-        "                D[do + i*ds + j] = S[so + j*ss + i]",
-        "    for i in range(K):",
-        "        for j in range(M8, M):",
-        "            D[do + i*ds + j] = S[so + j*ss + i]"]) + "\n"
+
+def _tile_intrinsic():
+    """A numba intrinsic ``tile8(S, so, ss, D, do, ds)``: the 8 × 8 tile of flat ``S`` whose
+    rows start at ``so + a*ss`` written transposed into flat ``D`` at ``do + b*ds``: eight
+    vector loads, 24 shuffles, eight vector stores."""
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+    lo, hi, a2, b2, a4, b4 = _SHUFFLES
+
+    @intrinsic
+    def tile8(typingctx, S, so, ss, D, do, ds):
+        def codegen(context, builder, signature, args):
+            src, so_, ss_, dst, do_, ds_ = args
+            sdata = context.make_array(signature.args[0])(context, builder, src).data
+            ddata = context.make_array(signature.args[3])(context, builder, dst).data
+            vec = ir.VectorType(context.get_data_type(signature.args[0].dtype), 8)
+            i64, mask = ir.IntType(64), ir.VectorType(ir.IntType(32), 8)
+
+            def at(data, start, stride, k):
+                off = builder.add(start, builder.mul(stride, ir.Constant(i64, k)))
+                return builder.bitcast(builder.gep(data, [off]), vec.as_pointer())
+
+            def shuf(x, y, m):
+                return builder.shuffle_vector(x, y, ir.Constant(mask, m))
+
+            r = [builder.load(at(sdata, so_, ss_, k), align=1) for k in range(8)]
+            t = [shuf(r[k], r[k + 1], m) for k in range(0, 8, 2) for m in (lo, hi)]
+            u = [shuf(t[k + kk], t[k + kk + 2], m) for k in (0, 4)
+                 for m, kk in ((a2, 0), (a2, 1), (b2, 0), (b2, 1))]
+            v = [shuf(u[k], u[k + 4], m) for m in (a4, b4) for k in range(4)]
+            for k in range(8):
+                builder.store(v[k], at(ddata, do_, ds_, k), align=1)
+            return context.get_dummy_value()
+        return types.void(S, so, ss, D, do, ds), codegen
+    return tile8
 
 
 def _transpose_kernel():
+    """``D[do + i*ds + j] = S[so + j*ss + i]`` for i < K, j < M: 8 × 8 tiles transposed in
+    registers (each of the tile's cache lines read and written whole), then the rows and
+    columns no tile covers one entry at a time."""
     with _lock:
         if not _transpose:
-            ns: dict = {}
-            exec(compile(_transpose_source(), "<symhess.smallk transpose>", "exec"), ns)
+            tile8 = _tile_intrinsic()
+
+            def kernel(S, so, ss, D, do, ds, K, M):
+                M8, K8 = M - M % 8, K - K % 8
+                for j0 in range(0, M8, 8):
+                    for i0 in range(0, K8, 8):
+                        tile8(S, so + j0*ss + i0, ss, D, do + i0*ds + j0, ds)
+                    for i in range(K8, K):
+                        for j in range(j0, j0 + 8):
+                            D[do + i*ds + j] = S[so + j*ss + i]
+                for i in range(K):
+                    for j in range(M8, M):
+                        D[do + i*ds + j] = S[so + j*ss + i]
             _transpose.append(numba.njit(boundscheck=False, error_model="numpy",
-                                         nogil=True)(ns["kernel"]))
+                                         nogil=True)(kernel))
         return _transpose[0]
 
 
