@@ -205,13 +205,6 @@ def _lead_key(lw, t, r, c):
     return (f.ref, atoms.index(i0), lw.labels.size[s]), f, s
 
 
-def _whole_block(lw, term, r, c):
-    """Whether ``term`` writes every entry of its block (no row atom equal to a column atom:
-    not a diagonal)."""
-    atoms = lw.resolve(term, r) + lw.resolve(term, c)
-    return len(set(atoms)) == len(atoms)
-
-
 def _mirrored(terms):
     """Whether a lower block of ``hessian`` is cheaper as the transposed upper block."""
     return len(terms) > MIRROR_MIN_TERMS or sum(len(t.factors) for t in terms) > MIRROR_MIN_OPERANDS
@@ -341,11 +334,11 @@ class Variant:
         H(W, ·) that reaches W through U carry the leaf X with the row index i of W_ij and a
         summed index s; then H[(i, j), c] = Σ_s X[s, i] R[s, j, c], R holding the rest of
         each term, all columns side by side.  Terms without that leaf (the product rule on
-        X) are added to their blocks afterwards, except in the blocks left of the diagonal
-        where such terms cover the whole block: those blocks (a leading run of them) are left
-        out of R and of the GEMM and copied from their transposes above the diagonal, which
-        the earlier rows wrote (X depends on earlier parameters, so those blocks are where
-        the product-rule terms are).  Returns (the entries written into R per sequence (R
+        X) are added to their blocks afterwards, except in the blocks left of the diagonal:
+        blocks with such terms (a leading run of them) are left out of R and of the GEMM and
+        copied from their transposes above the diagonal, which the earlier rows wrote (X
+        depends on earlier parameters, so those blocks are where the product-rule terms
+        are).  Returns (the entries written into R per sequence (R
         holds each sequence's terms when X reads data), the blocks (i, j) to be copied), or
         None (nothing written) when no leaf is shared by the row's terms."""
         p = names[i]
@@ -380,7 +373,7 @@ class Variant:
             slab_terms.append(mine)
             direct.append(other)
         lo = 0                  # blocks 0 … lo-1 of the row: copied from their transposes
-        while lo < i and any(_whole_block(lw, t, *per_q[lo][1:]) for t in direct[lo]):
+        while lo < i and direct[lo]:
             lo += 1
         firsts = [x[1:] for x in firsts if x[0] >= lo]      # the leaf of a term in R
         if not firsts:

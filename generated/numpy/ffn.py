@@ -2292,7 +2292,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+    if n_batch <= 2:    # row slabs (their operands grow with the batch)
         H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
         t0 = np.swapaxes(X, -1, -2)
         t2 = X @ W_1
@@ -2352,26 +2352,31 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
                 for r0 in range(0, d_V, 32):
                     np.matmul(t35[..., r0:r0 + min(32, d_V - r0), :], t38, out=t42[..., r0:r0 + min(32, d_V - r0), :])
         del R
-        t43 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-        t44 = np.reshape(t43, (d_ff, d_V, d_V, d_ff), copy=False)
-        t46 = np.swapaxes(t6, -1, -2)
-        t47 = (1/(L*n_batch)) * t5
-        t48 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t46.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
-        t49 = (dA * np.reshape(t47, (n_batch, L, d_V, 1)))
-        t50 = ((t14.transpose(1, 2, 0, 3) @ t49.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-        t51 = np.einsum('abca->abc', t44)
-        t52 = np.swapaxes(G, -1, -2)
-        t53 = np.swapaxes(t3, -1, -2)
-        t54 = (1/n_batch) * t52
-        t55 = t53.transpose(1, 0, 2)
-        t56 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t54.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-        t44[...] = (np.reshape((np.reshape(t48, (d_V*d_ff, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
-        t51 += np.reshape((np.reshape(t55, (d_ff, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
-        t57 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-        t58 = np.reshape(t57, (d_ff, d_V, d_ff, d_V), copy=False)
-        t59 = (dA.transpose(2, 3, 0, 1) * np.reshape(t47.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-        t60 = (np.reshape(t6.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t46.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
-        t58[...] = (np.reshape((np.reshape(t60, (d_ff**2, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
+        t44 = np.swapaxes(t6, -1, -2)
+        t48 = np.reshape(t12, (n_batch, L, d_V, 1, d_V))
+        t49 = t44.transpose(1, 0, 2)
+        t50 = np.reshape(t49, (d_ff, L*n_batch))
+        t51 = (1/n_batch) * t50
+        t52 = np.reshape(H[d_V*d_ff:2*d_V*d_ff], (d_ff, d_V, 2*d_V*d_ff), copy=False)
+        t53 = t52[..., d_V*d_ff:d_V*d_ff + d_V*d_ff]
+        n_rows54 = max(1, min(d_V, 262144 // (L*d_V*d_ff*n_batch)))
+        while d_V % n_rows54:    # chunks of equal size
+            n_rows54 -= 1
+        R45 = np.empty((n_batch, L, n_rows54, d_V*d_ff), dtype=X.dtype)
+        t56 = np.reshape(R45, (n_batch, L*n_rows54, d_V*d_ff), copy=False)
+        t57 = np.reshape(R45, (L*n_batch, d_V*d_ff*n_rows54), copy=False)
+        t58 = np.reshape(t56[..., 0:d_V*d_ff], (n_batch, L, n_rows54, d_ff, d_V), copy=False)
+        for f055 in range(0, d_V, n_rows54):
+            np.multiply(t29, t48[..., f055:f055 + n_rows54, :, :], out=t58)
+            if d_ff <= 32:
+                np.matmul(np.broadcast_to(t51, (n_rows54,) + t51.shape[-2:]), np.reshape(t57, (L*n_batch, n_rows54, d_V*d_ff), copy=False).transpose(1, 0, 2), out=t53[..., f055:f055 + n_rows54, :].transpose(1, 0, 2))
+            else:
+                for r059 in range(0, d_ff, 32):
+                    np.matmul(np.broadcast_to(t51, (n_rows54,) + t51.shape[-2:])[..., r059:r059 + min(32, d_ff - r059), :], np.reshape(t57, (L*n_batch, n_rows54, d_V*d_ff), copy=False).transpose(1, 0, 2), out=t53[..., f055:f055 + n_rows54, :].transpose(1, 0, 2)[..., r059:r059 + min(32, d_ff - r059), :])
+        del R45
+        t60 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t61 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        _transpose_into(t60, t61)
         return H
     H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]

@@ -20358,7 +20358,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    if n_batch <= 2:    # row slabs (their operands grow with the batch)
+    if n_batch <= 4:    # row slabs (their operands grow with the batch)
         H = np.empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), dtype=X.dtype) if out is None else out
         t0 = H[0:d_K*d_V, 0:d_K*d_V]
         t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
@@ -20504,6 +20504,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         del t25, t74
         t76 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t72.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
         t77 = G @ t71
+        del t71
         t78 = (1/(math.sqrt(d_K)*n_batch)) * X
         t79 = np.reshape((t2 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
         del t2
@@ -20616,6 +20617,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         t133 = (t132.transpose(1, 2, 3, 0) @ t73.transpose(1, 2, 3, 0))
         del t132, t73
         t134 = np.reshape(M_1, (n_batch, L, 1, d_V, 1))
+        del M_1
         t135 = np.reshape(t133, (n_batch, L, d_H, 1, d_H))
         del t133
         t138 = (dA19 * np.reshape(t131, (n_batch, L, d_V, 1)))
@@ -20626,7 +20628,9 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         t143 = np.reshape(t139, (n_batch, L, d_H, 1, d_V))
         del t139
         t144 = np.reshape(t141, (1, 1, d_H, 1))
+        del t141
         t145 = np.reshape(G, (n_batch, L, 1, d_V))
+        del G
         t146 = t129.transpose(1, 0, 2)
         del t129
         t147 = np.reshape(t146, (d_V, L*n_batch))
@@ -20654,69 +20658,54 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
             else:
                 for r0 in range(0, d_V, 32):
                     np.matmul(np.broadcast_to(t148, (n_rows,) + t148.shape[-2:])[..., r0:r0 + min(32, d_V - r0), :], np.reshape(t152, (L*n_batch, n_rows, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t150[..., f0:f0 + n_rows, :].transpose(1, 0, 2)[..., r0:r0 + min(32, d_V - r0), :])
-        del n_rows, t135, t143, t144, t145, t148, t150, t151, t152, t153, t154
+        del n_rows, t134, t135, t143, t144, t145, t148, t150, t151, t152, t153, t154
         del R
         t156 = np.swapaxes(t83, -1, -2)
         del t83
-        t160 = np.reshape((np.reshape(t138, (L*d_V*n_batch, d_V)) @ t71), (n_batch, L, d_V, d_H))
-        del t71
-        t161 = np.reshape(t160, (n_batch, L, d_V, 1, d_H))
-        del t160
-        t164 = np.reshape(t138, (n_batch, L, d_V, 1, d_V))
+        t160 = np.reshape(t138, (n_batch, L, d_V, 1, d_V))
         del t138
-        t165 = t156.transpose(1, 0, 2)
+        t161 = t156.transpose(1, 0, 2)
         del t156
-        t166 = np.reshape(t165, (d_H, L*n_batch))
-        del t165
-        t167 = (1/n_batch) * t166
-        del t166
-        t168 = np.reshape(H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V], (d_H, d_V, 2*d_H*d_V + 2*d_K*d_V), copy=False)
-        t169 = t168[..., 2*d_K*d_V:2*d_K*d_V + 2*d_H*d_V]
+        t162 = np.reshape(t161, (d_H, L*n_batch))
+        del t161
+        t163 = (1/n_batch) * t162
+        del t162
+        t164 = np.reshape(H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V], (d_H, d_V, 2*d_H*d_V + 2*d_K*d_V), copy=False)
+        t165 = t164[..., d_H*d_V + 2*d_K*d_V:d_H*d_V + 2*d_K*d_V + d_H*d_V]
+        del t164
+        n_rows166 = max(1, min(d_V, 262144 // (L*d_H*d_V*n_batch)))
+        while d_V % n_rows166:    # chunks of equal size
+            n_rows166 -= 1
+        R157 = np.empty((n_batch, L, n_rows166, d_H*d_V), dtype=X.dtype)
+        t168 = np.reshape(R157, (n_batch, L*n_rows166, d_H*d_V), copy=False)
+        t169 = np.reshape(R157, (L*n_batch, d_H*d_V*n_rows166), copy=False)
+        t170 = np.reshape(t168[..., 0:d_H*d_V], (n_batch, L, n_rows166, d_H, d_V), copy=False)
         del t168
-        n_rows170 = max(1, min(d_V, 262144 // (2*L*d_H*d_V*n_batch)))
-        while d_V % n_rows170:    # chunks of equal size
-            n_rows170 -= 1
-        R157 = np.empty((n_batch, L, n_rows170, 2*d_H*d_V), dtype=X.dtype)
-        t172 = np.reshape(R157, (n_batch, L*n_rows170, 2*d_H*d_V), copy=False)
-        t173 = np.reshape(R157, (L*n_batch, 2*d_H*d_V*n_rows170), copy=False)
-        t174 = np.reshape(t172[..., 0:d_H*d_V], (n_batch, L, n_rows170, d_V, d_H), copy=False)
-        t175 = np.reshape(t172[..., d_H*d_V:2*d_H*d_V], (n_batch, L, n_rows170, d_H, d_V), copy=False)
-        del t172
-        for f0171 in range(0, d_V, n_rows170):
-            np.multiply(t134, t161[..., f0171:f0171 + n_rows170, :, :], out=t174)
-            np.multiply(t142, t164[..., f0171:f0171 + n_rows170, :, :], out=t175)
+        for f0167 in range(0, d_V, n_rows166):
+            np.multiply(t142, t160[..., f0167:f0167 + n_rows166, :, :], out=t170)
             if d_H <= 32:
-                np.matmul(np.broadcast_to(t167, (n_rows170,) + t167.shape[-2:]), np.reshape(t173, (L*n_batch, n_rows170, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t169[..., f0171:f0171 + n_rows170, :].transpose(1, 0, 2))
+                np.matmul(np.broadcast_to(t163, (n_rows166,) + t163.shape[-2:]), np.reshape(t169, (L*n_batch, n_rows166, d_H*d_V), copy=False).transpose(1, 0, 2), out=t165[..., f0167:f0167 + n_rows166, :].transpose(1, 0, 2))
             else:
-                for r0176 in range(0, d_H, 32):
-                    np.matmul(np.broadcast_to(t167, (n_rows170,) + t167.shape[-2:])[..., r0176:r0176 + min(32, d_H - r0176), :], np.reshape(t173, (L*n_batch, n_rows170, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t169[..., f0171:f0171 + n_rows170, :].transpose(1, 0, 2)[..., r0176:r0176 + min(32, d_H - r0176), :])
-        del n_rows170, t134, t142, t161, t164, t167, t169, t173, t174, t175
+                for r0171 in range(0, d_H, 32):
+                    np.matmul(np.broadcast_to(t163, (n_rows166,) + t163.shape[-2:])[..., r0171:r0171 + min(32, d_H - r0171), :], np.reshape(t169, (L*n_batch, n_rows166, d_H*d_V), copy=False).transpose(1, 0, 2), out=t165[..., f0167:f0167 + n_rows166, :].transpose(1, 0, 2)[..., r0171:r0171 + min(32, d_H - r0171), :])
+        del n_rows166, t142, t160, t163, t165, t169, t170
         del R157
+        t172 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t69, t172)
+        del t172, t69
+        t173 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t112, t173)
+        del t112, t173
+        t174 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t81, t174)
+        del t174, t81
+        t175 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t121, t175)
+        del t121, t175
+        t176 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
         t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-        t178 = np.reshape(t177, (d_H, d_V, d_V, d_H), copy=False)
-        del t177
-        t179 = np.einsum('abca->abc', t178)
-        del t178
-        t180 = np.swapaxes(G, -1, -2)
-        del G
-        t181 = t180 @ M_1
-        del M_1, t180
-        t182 = (1/n_batch) * t141
-        del t141
-        t179 += np.reshape(t182, (d_H, 1, 1)) * np.reshape(t181.sum((0,)), (1, d_V, d_V))
-        del t179, t181, t182
-        t183 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-        _transpose_into(t69, t183)
-        del t183, t69
-        t184 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t112, t184)
-        del t112, t184
-        t185 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-        _transpose_into(t81, t185)
-        del t185, t81
-        t186 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t121, t186)
-        del t121, t186
+        _transpose_into(t176, t177)
+        del t176, t177
         return H
     H = np.empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -29863,7 +29852,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    if n_batch <= 2:    # row slabs (their operands grow with the batch)
+    if n_batch <= 4:    # row slabs (their operands grow with the batch)
         H = np.empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), dtype=X.dtype) if out is None else out
         t0 = H[0:d_K*d_V, 0:d_K*d_V]
         t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
@@ -30012,6 +30001,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         del t27, t76
         t78 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t74.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
         t79 = G @ t73
+        del t73
         t80 = (1/(math.sqrt(d_K)*n_batch)) * X
         t81 = np.reshape((t2 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
         del t2
@@ -30124,6 +30114,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         t135 = (t134.transpose(1, 2, 3, 0) @ t75.transpose(1, 2, 3, 0))
         del t134, t75
         t136 = np.reshape(M_1, (n_batch, L, 1, d_V, 1))
+        del M_1
         t137 = np.reshape(t135, (n_batch, L, d_H, 1, d_H))
         del t135
         t140 = (dA21 * np.reshape(t133, (n_batch, L, d_V, 1)))
@@ -30134,7 +30125,9 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         t145 = np.reshape(t141, (n_batch, L, d_H, 1, d_V))
         del t141
         t146 = np.reshape(t143, (1, 1, d_H, 1))
+        del t143
         t147 = np.reshape(G, (n_batch, L, 1, d_V))
+        del G
         t148 = t131.transpose(1, 0, 2)
         del t131
         t149 = np.reshape(t148, (d_V, L*n_batch))
@@ -30162,69 +30155,54 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
             else:
                 for r0 in range(0, d_V, 32):
                     np.matmul(np.broadcast_to(t150, (n_rows,) + t150.shape[-2:])[..., r0:r0 + min(32, d_V - r0), :], np.reshape(t154, (L*n_batch, n_rows, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t152[..., f0:f0 + n_rows, :].transpose(1, 0, 2)[..., r0:r0 + min(32, d_V - r0), :])
-        del n_rows, t137, t145, t146, t147, t150, t152, t153, t154, t155, t156
+        del n_rows, t136, t137, t145, t146, t147, t150, t152, t153, t154, t155, t156
         del R
         t158 = np.swapaxes(t85, -1, -2)
         del t85
-        t162 = np.reshape((np.reshape(t140, (L*d_V*n_batch, d_V)) @ t73), (n_batch, L, d_V, d_H))
-        del t73
-        t163 = np.reshape(t162, (n_batch, L, d_V, 1, d_H))
-        del t162
-        t166 = np.reshape(t140, (n_batch, L, d_V, 1, d_V))
+        t162 = np.reshape(t140, (n_batch, L, d_V, 1, d_V))
         del t140
-        t167 = t158.transpose(1, 0, 2)
+        t163 = t158.transpose(1, 0, 2)
         del t158
-        t168 = np.reshape(t167, (d_H, L*n_batch))
-        del t167
-        t169 = (1/n_batch) * t168
-        del t168
-        t170 = np.reshape(H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V], (d_H, d_V, 2*d_H*d_V + 2*d_K*d_V), copy=False)
-        t171 = t170[..., 2*d_K*d_V:2*d_K*d_V + 2*d_H*d_V]
+        t164 = np.reshape(t163, (d_H, L*n_batch))
+        del t163
+        t165 = (1/n_batch) * t164
+        del t164
+        t166 = np.reshape(H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V], (d_H, d_V, 2*d_H*d_V + 2*d_K*d_V), copy=False)
+        t167 = t166[..., d_H*d_V + 2*d_K*d_V:d_H*d_V + 2*d_K*d_V + d_H*d_V]
+        del t166
+        n_rows168 = max(1, min(d_V, 262144 // (L*d_H*d_V*n_batch)))
+        while d_V % n_rows168:    # chunks of equal size
+            n_rows168 -= 1
+        R159 = np.empty((n_batch, L, n_rows168, d_H*d_V), dtype=X.dtype)
+        t170 = np.reshape(R159, (n_batch, L*n_rows168, d_H*d_V), copy=False)
+        t171 = np.reshape(R159, (L*n_batch, d_H*d_V*n_rows168), copy=False)
+        t172 = np.reshape(t170[..., 0:d_H*d_V], (n_batch, L, n_rows168, d_H, d_V), copy=False)
         del t170
-        n_rows172 = max(1, min(d_V, 262144 // (2*L*d_H*d_V*n_batch)))
-        while d_V % n_rows172:    # chunks of equal size
-            n_rows172 -= 1
-        R159 = np.empty((n_batch, L, n_rows172, 2*d_H*d_V), dtype=X.dtype)
-        t174 = np.reshape(R159, (n_batch, L*n_rows172, 2*d_H*d_V), copy=False)
-        t175 = np.reshape(R159, (L*n_batch, 2*d_H*d_V*n_rows172), copy=False)
-        t176 = np.reshape(t174[..., 0:d_H*d_V], (n_batch, L, n_rows172, d_V, d_H), copy=False)
-        t177 = np.reshape(t174[..., d_H*d_V:2*d_H*d_V], (n_batch, L, n_rows172, d_H, d_V), copy=False)
-        del t174
-        for f0173 in range(0, d_V, n_rows172):
-            np.multiply(t136, t163[..., f0173:f0173 + n_rows172, :, :], out=t176)
-            np.multiply(t144, t166[..., f0173:f0173 + n_rows172, :, :], out=t177)
+        for f0169 in range(0, d_V, n_rows168):
+            np.multiply(t144, t162[..., f0169:f0169 + n_rows168, :, :], out=t172)
             if d_H <= 32:
-                np.matmul(np.broadcast_to(t169, (n_rows172,) + t169.shape[-2:]), np.reshape(t175, (L*n_batch, n_rows172, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t171[..., f0173:f0173 + n_rows172, :].transpose(1, 0, 2))
+                np.matmul(np.broadcast_to(t165, (n_rows168,) + t165.shape[-2:]), np.reshape(t171, (L*n_batch, n_rows168, d_H*d_V), copy=False).transpose(1, 0, 2), out=t167[..., f0169:f0169 + n_rows168, :].transpose(1, 0, 2))
             else:
-                for r0178 in range(0, d_H, 32):
-                    np.matmul(np.broadcast_to(t169, (n_rows172,) + t169.shape[-2:])[..., r0178:r0178 + min(32, d_H - r0178), :], np.reshape(t175, (L*n_batch, n_rows172, 2*d_H*d_V), copy=False).transpose(1, 0, 2), out=t171[..., f0173:f0173 + n_rows172, :].transpose(1, 0, 2)[..., r0178:r0178 + min(32, d_H - r0178), :])
-        del n_rows172, t136, t144, t163, t166, t169, t171, t175, t176, t177
+                for r0173 in range(0, d_H, 32):
+                    np.matmul(np.broadcast_to(t165, (n_rows168,) + t165.shape[-2:])[..., r0173:r0173 + min(32, d_H - r0173), :], np.reshape(t171, (L*n_batch, n_rows168, d_H*d_V), copy=False).transpose(1, 0, 2), out=t167[..., f0169:f0169 + n_rows168, :].transpose(1, 0, 2)[..., r0173:r0173 + min(32, d_H - r0173), :])
+        del n_rows168, t144, t162, t165, t167, t171, t172
         del R159
+        t174 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t71, t174)
+        del t174, t71
+        t175 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t114, t175)
+        del t114, t175
+        t176 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t83, t176)
+        del t176, t83
+        t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t123, t177)
+        del t123, t177
+        t178 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
         t179 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-        t180 = np.reshape(t179, (d_H, d_V, d_V, d_H), copy=False)
-        del t179
-        t181 = np.einsum('abca->abc', t180)
-        del t180
-        t182 = np.swapaxes(G, -1, -2)
-        del G
-        t183 = t182 @ M_1
-        del M_1, t182
-        t184 = (1/n_batch) * t143
-        del t143
-        t181 += np.reshape(t184, (d_H, 1, 1)) * np.reshape(t183.sum((0,)), (1, d_V, d_V))
-        del t181, t183, t184
-        t185 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-        _transpose_into(t71, t185)
-        del t185, t71
-        t186 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t114, t186)
-        del t114, t186
-        t187 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-        _transpose_into(t83, t187)
-        del t187, t83
-        t188 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t123, t188)
-        del t123, t188
+        _transpose_into(t178, t179)
+        del t178, t179
         return H
     H = np.empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]

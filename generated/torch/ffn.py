@@ -2304,7 +2304,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     d_V = int(X.shape[-1])
     d_ff = int(W_1.shape[-1])
     n_batch = int(X.shape[0])
-    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+    if n_batch <= 2:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
         t0 = X.transpose(-1, -2)
         t2 = X @ W_1
@@ -2364,26 +2364,31 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
                 for r0 in range(0, d_V, 32):
                     _matmul_into(t35.narrow(-2, r0, min(32, d_V - r0)), t38, t42.narrow(-2, r0, min(32, d_V - r0)))
         del R
-        t43 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-        t44 = t43.view((d_ff, d_V, d_V, d_ff))
-        t46 = t6.transpose(-1, -2)
-        t47 = (1/(L*n_batch)) * t5
-        t48 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t46.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t49 = (dA * t47.reshape((n_batch, L, d_V, 1)))
-        t50 = ((t14.permute(1, 2, 0, 3) @ t49.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-        t51 = t44.diagonal(0, 0, 3)
-        t52 = G.transpose(-1, -2)
-        t53 = t3.transpose(-1, -2)
-        t54 = (1/n_batch) * t52
-        t55 = t53.permute(1, 0, 2)
-        t56 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t54.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t44[...] = ((t48.reshape((d_V*d_ff, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
-        t51 += (t56.reshape((d_V**2, L*n_batch)) @ t55.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-        t57 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-        t58 = t57.view((d_ff, d_V, d_ff, d_V))
-        t59 = (dA.permute(2, 3, 0, 1) * t47.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        t60 = (t6.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t46.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t58[...] = ((t60.reshape((d_ff**2, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+        t44 = t6.transpose(-1, -2)
+        t48 = t12.reshape((n_batch, L, d_V, 1, d_V))
+        t49 = t44.permute(1, 0, 2)
+        t50 = t49.reshape((d_ff, L*n_batch))
+        t51 = (1/n_batch) * t50
+        t52 = H[d_V*d_ff:2*d_V*d_ff].view((d_ff, d_V, 2*d_V*d_ff))
+        t53 = t52.narrow(-1, d_V*d_ff, d_V*d_ff)
+        n_rows54 = max(1, min(d_V, 262144 // (L*d_V*d_ff*n_batch)))
+        while d_V % n_rows54:    # chunks of equal size
+            n_rows54 -= 1
+        R45 = torch.empty((n_batch, L, n_rows54, d_V*d_ff), dtype=X.dtype, device=X.device)
+        t56 = R45.view((n_batch, L*n_rows54, d_V*d_ff))
+        t57 = R45.view((L*n_batch, d_V*d_ff*n_rows54))
+        t58 = t56[..., 0:d_V*d_ff].view((n_batch, L, n_rows54, d_ff, d_V))
+        for f055 in range(0, d_V, n_rows54):
+            torch.mul(t29, t48.narrow(-3, f055, n_rows54), out=t58)
+            if d_ff <= 32:
+                _matmul_into(t51.expand(*(n_rows54,), *t51.shape[-2:]), t57.view((L*n_batch, n_rows54, d_V*d_ff)).permute(1, 0, 2), t53.narrow(-2, f055, n_rows54).permute(1, 0, 2))
+            else:
+                for r059 in range(0, d_ff, 32):
+                    _matmul_into(t51.expand(*(n_rows54,), *t51.shape[-2:]).narrow(-2, r059, min(32, d_ff - r059)), t57.view((L*n_batch, n_rows54, d_V*d_ff)).permute(1, 0, 2), t53.narrow(-2, f055, n_rows54).permute(1, 0, 2).narrow(-2, r059, min(32, d_ff - r059)))
+        del R45
+        t60 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t61 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        _transpose_into(t60, t61)
         return H
     H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]

@@ -14126,7 +14126,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     d_V = int(X.shape[-1])
     d_ff = int(W_1.shape[-1])
     n_batch = int(X.shape[0])
-    if n_batch <= 2:    # row slabs (their operands grow with the batch)
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
         t0 = X.sum(-1, keepdim=True)
         t1 = t0.expand(*t0.shape[:-1], d_V)
@@ -14248,7 +14248,6 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         S59 = (t20.reshape((1, 1, d_V, d_V)) * t51.reshape((n_batch, L, d_V, 1))) + (t53.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t58.permute(2, 3, 0, 1) @ S57)
         del S57, t53
         t60 = t34 * M_N_2
-        del t34
         t61 = (t22.reshape((d_V, d_V, 1, 1)) * t60.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         # S: compact tensor ('L', 'd_V', 'd_V')
         S62 = (t20.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t61.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
@@ -14266,7 +14265,6 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t68 = (t64 @ S62)
         # S: compact tensor ('L', 'd_V', 'd_V')
         S69 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (t68.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
-        del t68
         t70 = (W_2.reshape((d_ff, d_V, 1, 1)) * t38.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
         t71 = (t70.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
         del t70
@@ -14282,10 +14280,10 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t77 = (t76.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
         del t76
         t78 = t51 * M_N_2
-        del M_N_2, t51
+        del t51
         t79 = (2/(math.sqrt(d_K)*d_V**2)) * t78
         t80 = t48 * P_N_2
-        del P_N_2, t48
+        del t48
         t81 = (1/(math.sqrt(d_K)*d_V)) * t80
         t82 = -t79 - t81
         del t79, t81
@@ -14330,7 +14328,9 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t108 = t103.reshape((n_batch, L, d_K, d_V, 1))
         del t103
         t109 = t106.reshape((1, 1, 1, d_K))
+        del t106
         t110 = t105.reshape((n_batch, L, d_V, 1))
+        del t105
         t113 = ((1/2)*d_V) * t80
         del t80
         t114 = ((1/2)*d_V) * G
@@ -14482,15 +14482,15 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
                     _matmul_into(t206.narrow(-2, r0, min(32, d_V - r0)), t209, t216.narrow(-2, r0, min(32, d_V - r0)))
         del n_rows, t107, t108, t109, t110, t153, t154, t174, t191, t192, t200, t203, t207, t208, t209, t210, t211, t213, t214, t215, t98, t99
         del R
-        R217 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t218 = R217.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        R217 = torch.empty((n_batch, L, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t218 = R217.view((n_batch, L*d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff))
         t219 = t218[..., 0:d_K*d_V]
         t220 = t219.view((n_batch, L, d_K, d_V, d_K))
         del t219
         t221 = t102.transpose(-1, -2)
         # S: compact tensor ('L', 'd_V', 'd_V')
         S222 = S69 + (S133 @ t72)
-        del S133, S69, t72
+        del S133, t72
         t223 = (2/(L*d_K*d_V)) * t221
         t224 = (S222.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
         del S222
@@ -14500,379 +14500,391 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t225
         t227 = (t226.permute(0, 1, 3, 2) @ dA)
         del t226
-        t228 = ((t95.permute(0, 2, 1) @ t227.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t229 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t223.reshape((n_batch, d_K, 1, L)))
+        t228 = ((N_1.permute(0, 2, 1) @ t227.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        del t227
+        t229 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t223.reshape((n_batch, d_K, 1, L)))
+        del t223
         t230 = (t178.permute(1, 2, 0) @ S59.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
         t231 = (t74.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
-        del t74
         t232 = (t231 @ t230.permute(0, 3, 1, 2).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-        del t230, t231
+        del t230
         t233 = (t232.permute(0, 3, 1, 2) @ dA.permute(0, 1, 3, 2))
         del t232
         # S: compact tensor ('L', 'L', 'L')
         S234 = (t233.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
         del d2A, t233
         t235 = (2/(d_K*d_V)) * t221
-        t236 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t235.reshape((n_batch, d_K, 1, L)))
-        t237 = ((t95.permute(0, 2, 1) @ S234.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        del t95
-        t238 = t229.reshape((n_batch, d_K*d_V, L))
-        del t229
-        t239 = t236.reshape((n_batch, d_K*d_V, L))
-        del t236
-        t240 = t228.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t236 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t235.reshape((n_batch, d_K, 1, L)))
+        del t235
+        t237 = ((N_1.permute(0, 2, 1) @ S234.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        del S234
+        t238 = t228.reshape((n_batch, L*d_V, L))
         del t228
-        t241 = t237.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t239 = t237.reshape((n_batch, L*d_V, L))
         del t237
+        t240 = t229.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        del t229
+        t241 = t236.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        del t236
         t242 = torch.cat([t238, t239], dim=-1)
         del t238, t239
         t243 = torch.cat([t240, t241], dim=-2)
         del t240, t241
-        t220[...] = ((t242 @ t243).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t220[...] = ((t242 @ t243).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
         del t220, t242, t243
-        t244 = t218[..., d_K*d_V:2*d_K*d_V]
-        t245 = t244.view((n_batch, L, d_K, d_V, d_K))
+        t244 = t218[..., d_K*d_V:d_K*d_V + d_V**2]
+        t245 = t244.view((n_batch, L, d_K, d_V, d_V))
         del t244
-        t246 = ((N_1.permute(0, 2, 1) @ t227.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        del t227
-        t247 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t223.reshape((n_batch, d_K, 1, L)))
-        del t223
-        t248 = (t102.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t235.reshape((n_batch, d_K, 1, L)))
-        del t102, t235
-        t249 = ((N_1.permute(0, 2, 1) @ S234.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        del S234
-        t250 = t246.reshape((n_batch, L*d_V, L))
-        del t246
-        t251 = t249.reshape((n_batch, L*d_V, L))
-        del t249
-        t252 = t247.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        del t247
-        t253 = t248.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        del t248
-        t254 = torch.cat([t250, t251], dim=-1)
-        del t250, t251
-        t255 = torch.cat([t252, t253], dim=-2)
-        del t252, t253
-        t245[...] = ((t254 @ t255).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
-        del t245, t254, t255
-        t256 = t218[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t257 = t256.view((n_batch, L, d_K, d_V, d_V))
-        del t256
-        t258 = (S119.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t221.reshape((n_batch, d_K, 1, L)))
+        t246 = (S119.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t221.reshape((n_batch, d_K, 1, L)))
         del S119
-        t259 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t260 = ((S.permute(1, 0) @ t127.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t247 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t248 = ((S.permute(1, 0) @ t127.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
         del t127
-        t261 = (t123.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t221.reshape((n_batch, d_K, 1, L)))
-        t262 = (2/(L*math.sqrt(d_K)*d_V)) * t221
-        t264 = (t123.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t262.reshape((n_batch, d_K, 1, L)))
-        t257[...] = ((t259.reshape((n_batch, L*d_V, L)) @ t258.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        del t258, t259
-        t257 += ((t261.reshape((n_batch, d_K*d_V, L)) @ t260.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        del t260, t261
-        t269 = dA.permute(0, 2, 1, 3)
-        t270 = (t136.permute(0, 2, 1, 3) * t38.reshape((n_batch, 1, L, d_ff)))
+        t249 = (t123.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t221.reshape((n_batch, d_K, 1, L)))
+        t250 = (2/(L*math.sqrt(d_K)*d_V)) * t221
+        t252 = (t123.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t250.reshape((n_batch, d_K, 1, L)))
+        t245[...] = ((t247.reshape((n_batch, L*d_V, L)) @ t246.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        del t246, t247
+        t245 += ((t249.reshape((n_batch, d_K*d_V, L)) @ t248.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        del t248, t249
+        t257 = dA.permute(0, 2, 1, 3)
+        t258 = (t136.permute(0, 2, 1, 3) * t38.reshape((n_batch, 1, L, d_ff)))
         del t136
-        t271 = ((S.permute(1, 0) @ S62.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3)
-        t272 = ((dA @ t169)).permute(0, 2, 1, 3)
+        t259 = ((S.permute(1, 0) @ S62.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3)
+        t260 = ((dA @ t169)).permute(0, 2, 1, 3)
         del t169
-        t273 = S.permute(1, 0)
-        t274 = ((dA @ t150)).permute(0, 2, 1, 3)
+        t261 = S.permute(1, 0)
+        t262 = ((dA @ t150)).permute(0, 2, 1, 3)
         del t150
-        t275 = ((t157 @ t269.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3) + ((t161 @ t270.permute(3, 0, 1, 2).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3) + ((t271.permute(0, 2, 1, 3) @ t272.permute(0, 2, 3, 1))).permute(0, 3, 2, 1) + ((t273 @ t274.permute(3, 0, 1, 2).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        del t157, t269, t270, t271, t272, t274
-        t257 += ((t264.reshape((n_batch, d_K*d_V, L)) @ t275.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        del t257, t264, t275
-        t276 = t218[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t277 = t276.view((n_batch, L, d_K, d_V, d_ff))
-        del t276
-        t278 = (1/math.sqrt(d_K)) * t221
+        t263 = ((t157 @ t257.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3) + ((t161 @ t258.permute(3, 0, 1, 2).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3) + ((t259.permute(0, 2, 1, 3) @ t260.permute(0, 2, 3, 1))).permute(0, 3, 2, 1) + ((t261 @ t262.permute(3, 0, 1, 2).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        del t157, t257, t258, t259, t260, t262
+        t245 += ((t252.reshape((n_batch, d_K*d_V, L)) @ t263.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        del t245, t252, t263
+        t264 = t218[..., d_K*d_V + d_V**2:d_K*d_V + d_V**2 + d_V*d_ff]
+        t265 = t264.view((n_batch, L, d_K, d_V, d_ff))
+        del t264
+        t266 = (1/math.sqrt(d_K)) * t221
         del t221
-        t279 = (t178.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t267 = (t178.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
         del t178
-        t280 = ((t279.permute(0, 2, 3, 1) @ S66)).permute(0, 2, 3, 1)
-        del t279
-        t281 = (t46.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t278.reshape((n_batch, d_K, 1, L)))
+        t268 = ((t267.permute(0, 2, 3, 1) @ S66)).permute(0, 2, 3, 1)
+        del t267
+        t269 = (t46.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t266.reshape((n_batch, d_K, 1, L)))
         del t46
-        t282 = (t187.permute(0, 2, 3, 1) * t38.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
+        t270 = (t187.permute(0, 2, 3, 1) * t38.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
         del t187
-        t283 = (N_2.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t262.reshape((n_batch, d_K, 1, L)))
-        t277[...] = ((t280.reshape((n_batch, L*d_V, L)) @ t281.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
-        del t280, t281
-        t277 += ((t283.reshape((n_batch, d_K*d_V, L)) @ t282.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
-        del t277, t282, t283
-        t284 = t218[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t271 = (N_2.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t250.reshape((n_batch, d_K, 1, L)))
+        t265[...] = ((t268.reshape((n_batch, L*d_V, L)) @ t269.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
+        del t268, t269
+        t265 += ((t271.reshape((n_batch, d_K*d_V, L)) @ t270.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
+        del t265, t270, t271
+        t272 = t218[..., d_K*d_V + d_V**2 + d_V*d_ff:d_K*d_V + d_V**2 + 2*d_V*d_ff]
         del t218
-        t285 = t284.view((n_batch, L, d_K, d_ff, d_V))
-        del t284
-        t286 = (t196.permute(0, 2, 3, 1) * t38.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
+        t273 = t272.view((n_batch, L, d_K, d_ff, d_V))
+        del t272
+        t274 = (t196.permute(0, 2, 3, 1) * t38.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
         del t196
-        t287 = (G.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t278.reshape((n_batch, d_K, 1, L)))
-        del t278
-        t288 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        del dA, t19
-        t289 = ((t288.permute(0, 2, 3, 1) @ S184)).permute(0, 2, 3, 1)
-        del S184, t288
-        t290 = (t39.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t262.reshape((n_batch, d_K, 1, L)))
-        del t262
-        t285[...] = ((t286.reshape((n_batch, L*d_ff, L)) @ t287.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        del t286, t287
-        t285 += ((t290.reshape((n_batch, d_K*d_ff, L)) @ t289.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
-        del t285, t289, t290
-        t291 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t292 = R217.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t275 = (G.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t266.reshape((n_batch, d_K, 1, L)))
+        del t266
+        t276 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        del t19
+        t277 = ((t276.permute(0, 2, 3, 1) @ S184)).permute(0, 2, 3, 1)
+        del S184, t276
+        t278 = (t39.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t250.reshape((n_batch, d_K, 1, L)))
+        del t250
+        t273[...] = ((t274.reshape((n_batch, L*d_ff, L)) @ t275.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        del t274, t275
+        t273 += ((t278.reshape((n_batch, d_K*d_ff, L)) @ t277.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
+        del t273, t277, t278
+        t279 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t280 = t279.narrow(-1, d_K*d_V, d_K*d_V + d_V**2 + 2*d_V*d_ff)
+        del t279
+        t281 = R217.view((L*n_batch, d_K*(d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         if d_V <= 32:
-            _matmul_into(t206, t292, t291)
+            _matmul_into(t206.expand(*(d_K,), *t206.shape[-2:]), t281.view((L*n_batch, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t280.permute(1, 0, 2))
         else:
-            for r0293 in range(0, d_V, 32):
-                _matmul_into(t206.narrow(-2, r0293, min(32, d_V - r0293)), t292, t291.narrow(-2, r0293, min(32, d_V - r0293)))
-        del t206, t291, t292
+            for r0282 in range(0, d_V, 32):
+                _matmul_into(t206.expand(*(d_K,), *t206.shape[-2:]).narrow(-2, r0282, min(32, d_V - r0282)), t281.view((L*n_batch, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t280.permute(1, 0, 2).narrow(-2, r0282, min(32, d_V - r0282)))
+        del t206, t280, t281
         del R217
-        t294 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-        t295 = t294.view((d_V, d_K, d_V, d_K))
-        del t294
-        t296 = t295.diagonal(0, 1, 3)
-        del t295
-        t297 = t105.transpose(-1, -2)
-        del t105
-        t298 = (1/n_batch) * t106
-        del t106
-        t299 = (t297.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-        del N_1, t297
-        t296.addcmul_(t298.reshape((1, 1, d_K)), t299.reshape((d_V, d_V, 1)))
-        del t296, t298, t299
-        t300 = t123.transpose(-1, -2)
+        t283 = t123.transpose(-1, -2)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S304 = (2/d_V) * S59 + (-2/d_V**2) * ((t22 @ S59.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t64 @ S62)
+        S287 = (2/d_V) * S59 + (-2/d_V**2) * ((t22 @ S59.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t64 @ S62)
         del S59, t64
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S306 = (d_K) * S67
+        S289 = (d_K) * S67
         del S67
-        t308 = (t47.reshape((d_ff, d_V, 1, 1)) * t38.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-        del t47
-        t309 = (t308.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t44.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
-        del t308
-        t310 = (t309.permute(1, 2, 0, 3) @ t71.permute(1, 2, 0, 3))
-        del t309, t71
-        t311 = (t310.permute(0, 1, 3, 2) @ S62)
-        del S62, t310
-        t315 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-        t316 = (2/(L*d_V)) * t315
-        t319 = (t38.reshape((n_batch, L, 1, d_ff)) * W_1.reshape((1, 1, d_V, d_ff)))
-        t320 = ((t161 @ t319.permute(3, 0, 1, 2).reshape((d_ff, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + ((t273 @ t311.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        del t161, t311, t319
-        t321 = (S304.reshape((L*d_V*n_batch, d_V)) @ t273.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S306 @ t320.permute(0, 1, 3, 2))
-        del S304, t273, t320
-        t322 = t321.reshape((n_batch, L, d_V, 1, d_V))
-        del t321
-        t323 = t316.reshape((1, 1, 1, d_V))
-        del t316
-        t324 = t123.reshape((n_batch, L, d_V, 1))
-        del t123
-        t327 = ((S @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t291 = (t47.reshape((d_ff, d_V, 1, 1)) * t38.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+        t292 = (t291.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t44.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        del t291
+        t293 = (t292.permute(1, 2, 0, 3) @ t71.permute(1, 2, 0, 3))
+        del t292, t71
+        t294 = (t293.permute(0, 1, 3, 2) @ S62)
+        del S62, t293
+        t298 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t299 = (2/(L*d_V)) * t298
+        t302 = (t38.reshape((n_batch, L, 1, d_ff)) * W_1.reshape((1, 1, d_V, d_ff)))
+        t303 = ((t161 @ t302.permute(3, 0, 1, 2).reshape((d_ff, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + ((t261 @ t294.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        del t161, t294, t302
+        t304 = (S287.reshape((L*d_V*n_batch, d_V)) @ t261.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S289 @ t303.permute(0, 1, 3, 2))
+        del S287, t261, t303
+        t305 = t304.reshape((n_batch, L, d_V, 1, d_V))
+        del t304
+        t306 = t299.reshape((1, 1, 1, d_V))
+        del t299
+        t307 = t123.reshape((n_batch, L, d_V, 1))
+        t310 = ((S @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S328 = (2/(L*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S306 @ t183)
-        del S306
-        t329 = (S328.reshape((L*d_V*n_batch, d_V)) @ t44).reshape((n_batch, L, d_V, d_ff))
-        del S328
-        t330 = t327.reshape((n_batch, L, d_V, d_V, 1))
-        del t327
-        t331 = t329.reshape((n_batch, L, d_V, 1, d_ff))
+        S311 = (2/(L*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S289 @ t183)
+        del S289
+        t312 = (S311.reshape((L*d_V*n_batch, d_V)) @ t44).reshape((n_batch, L, d_V, d_ff))
+        del S311
+        t313 = t310.reshape((n_batch, L, d_V, d_V, 1))
+        del t310
+        t314 = t312.reshape((n_batch, L, d_V, 1, d_ff))
+        del t312
+        t317 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t318 = (t317.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        del t317
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S319 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S66 @ t183)
+        del t21
+        t320 = (2/(L*d_V)) * t39
+        t321 = (-2/(L*d_V**2)) * t22
+        t322 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t321.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        del S66, t321
+        t323 = (t322.permute(0, 1, 3, 2) @ t183)
+        del t183, t322
+        t324 = t318.reshape((n_batch, L, d_V, d_ff, 1))
+        del t318
+        t325 = t320.reshape((n_batch, L, 1, d_ff, 1))
+        del t320
+        t326 = S319.reshape((n_batch, L, d_V, 1, d_V))
+        del S319
+        t327 = t323.reshape((n_batch, L, d_V, 1, d_V))
+        del t323
+        t328 = t283.permute(1, 0, 2)
+        del t283
+        t329 = t328.reshape((d_V, L*n_batch))
+        del t328
+        t330 = (1/n_batch) * t329
         del t329
-        t334 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        del S
-        t335 = (t334.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
-        del t334
-        # S: compact tensor ('L', 'd_V', 'd_V')
-        S336 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S66 @ t183)
-        del t20, t21
-        t337 = (2/(L*d_V)) * t39
-        t338 = (-2/(L*d_V**2)) * t22
-        del t22
-        t339 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t338.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        del S66, t338
-        t340 = (t339.permute(0, 1, 3, 2) @ t183)
-        del t183, t339
-        t341 = t335.reshape((n_batch, L, d_V, d_ff, 1))
-        del t335
-        t342 = t337.reshape((n_batch, L, 1, d_ff, 1))
-        del t337
-        t343 = S336.reshape((n_batch, L, d_V, 1, d_V))
-        del S336
-        t344 = t340.reshape((n_batch, L, d_V, 1, d_V))
-        del t340
-        t345 = t300.permute(1, 0, 2)
-        del t300
-        t346 = t345.reshape((d_V, L*n_batch))
-        del t345
-        t347 = (1/n_batch) * t346
+        t331 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t332 = t331.narrow(-1, 2*d_K*d_V, d_V**2 + 2*d_V*d_ff)
+        del t331
+        n_rows333 = max(1, min(d_V, 262144 // (L*n_batch*(d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows333:    # chunks of equal size
+            n_rows333 -= 1
+        R284 = torch.empty((n_batch, L, n_rows333, d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t335 = R284.view((n_batch, L*n_rows333, d_V**2 + 2*d_V*d_ff))
+        t336 = R284.view((L*n_batch, n_rows333*(d_V**2 + 2*d_V*d_ff)))
+        t337 = t335[..., 0:d_V**2].view((n_batch, L, n_rows333, d_V, d_V))
+        t339 = t335[..., d_V**2:d_V**2 + d_V*d_ff].view((n_batch, L, n_rows333, d_V, d_ff))
+        t340 = t335[..., d_V**2 + d_V*d_ff:d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows333, d_ff, d_V))
+        for f0334 in range(0, d_V, n_rows333):
+            torch.mul(t173, t305.narrow(-3, f0334, n_rows333), out=t337)
+            t338 = t335[..., 0:d_V**2].view((n_batch, L, n_rows333, d_V, d_V)).narrow(-1, f0334, n_rows333).diagonal(0, 2, 4)
+            t338.addcmul_(t306.narrow(-1, f0334, n_rows333), t307)
+            torch.mul(t190, t313.narrow(-3, f0334, n_rows333), out=t339)
+            t339.addcmul_(t314.narrow(-3, f0334, n_rows333), t193)
+            torch.mul(t324.narrow(-3, f0334, n_rows333), t201, out=t340)
+            t340.addcmul_(t325, t326.narrow(-3, f0334, n_rows333))
+            t340.addcmul_(t202, t327.narrow(-3, f0334, n_rows333))
+            if d_V <= 32:
+                _matmul_into(t330.expand(*(n_rows333,), *t330.shape[-2:]), t336.view((L*n_batch, n_rows333, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t332.narrow(-2, f0334, n_rows333).permute(1, 0, 2))
+            else:
+                for r0341 in range(0, d_V, 32):
+                    _matmul_into(t330.expand(*(n_rows333,), *t330.shape[-2:]).narrow(-2, r0341, min(32, d_V - r0341)), t336.view((L*n_batch, n_rows333, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t332.narrow(-2, f0334, n_rows333).permute(1, 0, 2).narrow(-2, r0341, min(32, d_V - r0341)))
+        del n_rows333, t173, t190, t193, t201, t305, t306, t307, t313, t314, t324, t325, t326, t327, t330, t332, t335, t336, t337, t339, t340
+        del R284
+        t342 = N_2.transpose(-1, -2)
+        t346 = W_2 @ t44
+        t347 = (2/(L*d_V)) * N_2
+        t348 = (t346.reshape((1, 1, d_ff, d_ff)) * t38.reshape((n_batch, L, d_ff, 1)))
         del t346
-        t348 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t349 = t348.narrow(-1, 2*d_K*d_V, d_V**2 + 2*d_V*d_ff)
+        t349 = (t347.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_ff)))
+        del t347
+        t350 = t348.reshape((n_batch, L, d_ff, 1, d_ff))
         del t348
-        n_rows350 = max(1, min(d_V, 262144 // (L*n_batch*(d_V**2 + 2*d_V*d_ff))))
-        while d_V % n_rows350:    # chunks of equal size
-            n_rows350 -= 1
-        R301 = torch.empty((n_batch, L, n_rows350, d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t352 = R301.view((n_batch, L*n_rows350, d_V**2 + 2*d_V*d_ff))
-        t353 = R301.view((L*n_batch, n_rows350*(d_V**2 + 2*d_V*d_ff)))
-        t354 = t352[..., 0:d_V**2].view((n_batch, L, n_rows350, d_V, d_V))
-        t356 = t352[..., d_V**2:d_V**2 + d_V*d_ff].view((n_batch, L, n_rows350, d_V, d_ff))
-        t357 = t352[..., d_V**2 + d_V*d_ff:d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows350, d_ff, d_V))
-        for f0351 in range(0, d_V, n_rows350):
-            torch.mul(t173, t322.narrow(-3, f0351, n_rows350), out=t354)
-            t355 = t352[..., 0:d_V**2].view((n_batch, L, n_rows350, d_V, d_V)).narrow(-1, f0351, n_rows350).diagonal(0, 2, 4)
-            t355.addcmul_(t323.narrow(-1, f0351, n_rows350), t324)
-            torch.mul(t190, t330.narrow(-3, f0351, n_rows350), out=t356)
-            t356.addcmul_(t331.narrow(-3, f0351, n_rows350), t193)
-            torch.mul(t341.narrow(-3, f0351, n_rows350), t201, out=t357)
-            t357.addcmul_(t342, t343.narrow(-3, f0351, n_rows350))
-            t357.addcmul_(t202, t344.narrow(-3, f0351, n_rows350))
-            if d_V <= 32:
-                _matmul_into(t347.expand(*(n_rows350,), *t347.shape[-2:]), t353.view((L*n_batch, n_rows350, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t349.narrow(-2, f0351, n_rows350).permute(1, 0, 2))
-            else:
-                for r0358 in range(0, d_V, 32):
-                    _matmul_into(t347.expand(*(n_rows350,), *t347.shape[-2:]).narrow(-2, r0358, min(32, d_V - r0358)), t353.view((L*n_batch, n_rows350, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t349.narrow(-2, f0351, n_rows350).permute(1, 0, 2).narrow(-2, r0358, min(32, d_V - r0358)))
-        del n_rows350, t173, t190, t193, t201, t322, t323, t324, t330, t331, t341, t342, t343, t344, t347, t349, t352, t353, t354, t356, t357
-        del R301
-        t359 = N_2.transpose(-1, -2)
-        t363 = W_2 @ t44
-        t364 = (2/(L*d_V)) * N_2
-        t365 = (t363.reshape((1, 1, d_ff, d_ff)) * t38.reshape((n_batch, L, d_ff, 1)))
+        t351 = t349.reshape((n_batch, L, 1, d_V, d_ff))
+        del t349
+        t354 = (2/(L*d_V)) * t38
+        t355 = (W_2.reshape((1, 1, d_ff, d_V)) * t354.reshape((n_batch, L, d_ff, 1)))
+        del t354
+        t357 = t355.reshape((n_batch, L, d_ff, 1, d_V))
+        del t355
+        t358 = G.reshape((n_batch, L, d_V, 1))
+        t359 = t38.reshape((n_batch, L, 1, d_ff))
+        t360 = t342.permute(1, 0, 2)
+        del t342
+        t361 = t360.reshape((d_V, L*n_batch))
+        del t360
+        t362 = (1/n_batch) * t361
+        del t361
+        t363 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t364 = t363.narrow(-1, 2*d_K*d_V + d_V**2, 2*d_V*d_ff)
         del t363
-        t366 = (t364.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_ff)))
-        t367 = t365.reshape((n_batch, L, d_ff, 1, d_ff))
-        del t365
-        t368 = t366.reshape((n_batch, L, 1, d_V, d_ff))
-        del t366
-        t371 = (2/(L*d_V)) * t38
-        t372 = (W_2.reshape((1, 1, d_ff, d_V)) * t371.reshape((n_batch, L, d_ff, 1)))
-        del t371
-        t374 = t372.reshape((n_batch, L, d_ff, 1, d_V))
-        del t372
-        t375 = G.reshape((n_batch, L, d_V, 1))
-        t376 = t38.reshape((n_batch, L, 1, d_ff))
-        t377 = t359.permute(1, 0, 2)
-        del t359
-        t378 = t377.reshape((d_V, L*n_batch))
-        del t377
-        t379 = (1/n_batch) * t378
-        del t378
-        t380 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t381 = t380.narrow(-1, 2*d_K*d_V + d_V**2, 2*d_V*d_ff)
-        del t380
-        n_rows382 = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
-        while d_ff % n_rows382:    # chunks of equal size
-            n_rows382 -= 1
-        R360 = torch.empty((n_batch, L, n_rows382, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t384 = R360.view((n_batch, L*n_rows382, 2*d_V*d_ff))
-        t385 = R360.view((L*n_batch, 2*d_V*d_ff*n_rows382))
-        t386 = t384[..., 0:d_V*d_ff].view((n_batch, L, n_rows382, d_V, d_ff))
-        t387 = t384[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows382, d_ff, d_V))
-        for f0383 in range(0, d_ff, n_rows382):
-            torch.mul(t367.narrow(-3, f0383, n_rows382), t368, out=t386)
-            torch.mul(t202, t374.narrow(-3, f0383, n_rows382), out=t387)
-            t388 = t384[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows382, d_ff, d_V)).narrow(-2, f0383, n_rows382).diagonal(0, 2, 3)
-            t388.addcmul_(t375, t376.narrow(-1, f0383, n_rows382))
+        n_rows365 = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
+        while d_ff % n_rows365:    # chunks of equal size
+            n_rows365 -= 1
+        R343 = torch.empty((n_batch, L, n_rows365, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t367 = R343.view((n_batch, L*n_rows365, 2*d_V*d_ff))
+        t368 = R343.view((L*n_batch, 2*d_V*d_ff*n_rows365))
+        t369 = t367[..., 0:d_V*d_ff].view((n_batch, L, n_rows365, d_V, d_ff))
+        t370 = t367[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows365, d_ff, d_V))
+        for f0366 in range(0, d_ff, n_rows365):
+            torch.mul(t350.narrow(-3, f0366, n_rows365), t351, out=t369)
+            torch.mul(t202, t357.narrow(-3, f0366, n_rows365), out=t370)
+            t371 = t367[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows365, d_ff, d_V)).narrow(-2, f0366, n_rows365).diagonal(0, 2, 3)
+            t371.addcmul_(t358, t359.narrow(-1, f0366, n_rows365))
             if d_V <= 32:
-                _matmul_into(t379.expand(*(n_rows382,), *t379.shape[-2:]), t385.view((L*n_batch, n_rows382, 2*d_V*d_ff)).permute(1, 0, 2), t381.narrow(-2, f0383, n_rows382).permute(1, 0, 2))
+                _matmul_into(t362.expand(*(n_rows365,), *t362.shape[-2:]), t368.view((L*n_batch, n_rows365, 2*d_V*d_ff)).permute(1, 0, 2), t364.narrow(-2, f0366, n_rows365).permute(1, 0, 2))
             else:
-                for r0389 in range(0, d_V, 32):
-                    _matmul_into(t379.expand(*(n_rows382,), *t379.shape[-2:]).narrow(-2, r0389, min(32, d_V - r0389)), t385.view((L*n_batch, n_rows382, 2*d_V*d_ff)).permute(1, 0, 2), t381.narrow(-2, f0383, n_rows382).permute(1, 0, 2).narrow(-2, r0389, min(32, d_V - r0389)))
-        del n_rows382, t202, t367, t368, t374, t375, t376, t379, t381, t384, t385, t386, t387
-        del R360
-        t391 = t39.transpose(-1, -2)
-        t395 = (t38.reshape((n_batch, L, 1, d_ff)) * t44.reshape((1, 1, d_V, d_ff)))
-        del t44
-        t396 = t364.reshape((n_batch, L, 1, d_V, 1))
-        del t364
-        t397 = t395.reshape((n_batch, L, d_V, 1, d_ff))
-        del t395
-        t399 = t391.permute(1, 0, 2)
-        t400 = t399.reshape((d_ff, L*n_batch))
-        del t399
-        t401 = (1/n_batch) * t400
-        del t400
-        t402 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t403 = t402.narrow(-1, 2*d_K*d_V + d_V**2, 2*d_V*d_ff)
-        del t402
-        n_rows404 = max(1, min(d_V, 262144 // (2*L*d_V*d_ff*n_batch)))
-        while d_V % n_rows404:    # chunks of equal size
-            n_rows404 -= 1
-        R392 = torch.empty((n_batch, L, n_rows404, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t406 = R392.view((n_batch, L*n_rows404, 2*d_V*d_ff))
-        t407 = R392.view((L*n_batch, 2*d_V*d_ff*n_rows404))
-        t408 = t406[..., 0:d_V*d_ff].view((n_batch, L, n_rows404, d_V, d_ff))
-        for f0405 in range(0, d_V, n_rows404):
-            torch.mul(t396, t397.narrow(-3, f0405, n_rows404), out=t408)
-            t406[..., d_V*d_ff:2*d_V*d_ff][...] = 0
-            if d_ff <= 32:
-                _matmul_into(t401.expand(*(n_rows404,), *t401.shape[-2:]), t407.view((L*n_batch, n_rows404, 2*d_V*d_ff)).permute(1, 0, 2), t403.narrow(-2, f0405, n_rows404).permute(1, 0, 2))
-            else:
-                for r0409 in range(0, d_ff, 32):
-                    _matmul_into(t401.expand(*(n_rows404,), *t401.shape[-2:]).narrow(-2, r0409, min(32, d_ff - r0409)), t407.view((L*n_batch, n_rows404, 2*d_V*d_ff)).permute(1, 0, 2), t403.narrow(-2, f0405, n_rows404).permute(1, 0, 2).narrow(-2, r0409, min(32, d_ff - r0409)))
-        del n_rows404, t396, t397, t401, t403, t406, t407, t408
-        del R392
-        t410 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t411 = t410.view((d_ff, d_V, d_V, d_ff))
-        del t410
-        t412 = t411.diagonal(0, 0, 3)
-        del t411
-        t413 = G.transpose(-1, -2)
+                for r0372 in range(0, d_V, 32):
+                    _matmul_into(t362.expand(*(n_rows365,), *t362.shape[-2:]).narrow(-2, r0372, min(32, d_V - r0372)), t368.view((L*n_batch, n_rows365, 2*d_V*d_ff)).permute(1, 0, 2), t364.narrow(-2, f0366, n_rows365).permute(1, 0, 2).narrow(-2, r0372, min(32, d_V - r0372)))
+        del n_rows365, t202, t350, t351, t357, t358, t359, t362, t364, t367, t368, t369, t370
+        del R343
+        t373 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        t374 = t373.view((d_ff, d_V, d_V, d_K))
+        del t373
+        t376 = t39.transpose(-1, -2)
+        t377 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t74
+        del t74
+        t378 = (t377.permute(0, 2, 1) @ S69.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        del S69, t377
+        t379 = (t95.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
+        t380 = ((t379.permute(0, 2, 1, 3) @ t378.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+        del t379
+        t381 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t376.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t382 = G.transpose(-1, -2)
         del G
-        t414 = t38.transpose(-1, -2)
-        del t38
-        t415 = (1/n_batch) * t413
-        del t413
-        t416 = t414.permute(1, 0, 2)
-        del t414
-        t417 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t415.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del N_2, t415
-        t412 += (t417.reshape((d_V**2, L*n_batch)) @ t416.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-        del t412, t416, t417
-        t418 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t419 = t418.view((d_ff, d_V, d_ff, d_V))
-        del t418
-        t420 = t419.diagonal(0, 1, 3)
+        t383 = t38.transpose(-1, -2)
+        t384 = P_N_2.transpose(-1, -2)
+        del P_N_2
+        t386 = t34.transpose(-1, -2)
+        del t34
+        t387 = M_N_2.transpose(-1, -2)
+        del M_N_2
+        t388 = t386 * t387
+        del t386
+        t389 = (t22.reshape((d_V, d_V, 1, 1)) * t388.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        del t22, t388
+        # S: compact tensor ('d_V', 'L', 'd_V')
+        S390 = (t20.reshape((1, d_V, 1, d_V)) * t384.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t389.permute(2, 0, 3, 1) * t387.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
+        del t20, t384, t387, t389
+        t391 = (1/(math.sqrt(d_K)*n_batch)) * t382
+        t392 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t391.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t393 = (t231.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        del t231
+        t394 = (t393.permute(0, 2, 3, 1) @ S390.permute(0, 2, 3, 1))
+        del t393
+        t395 = (t394.reshape((L**2*n_batch, d_V)) @ t47.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        del t394
+        t396 = (t395.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t95).reshape((n_batch, L, d_ff, d_K))
+        del t95
+        t397 = (t396.permute(2, 3, 0, 1) * t383.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        del t396
+        t374[...] = ((t381.reshape((d_V*d_ff, L*n_batch)) @ t380.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        del t380, t381
+        t374 += ((t392.reshape((d_V**2, L*n_batch)) @ t397.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+        del t374, t392, t397
+        t398 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t399 = t398.view((d_ff, d_V, d_V, d_K))
+        del t398
+        t400 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        del dA
+        t401 = ((t400.permute(0, 2, 1, 3) @ t378.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+        del t378, t400
+        t402 = (t102.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t376.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t403 = (t102.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t391.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        del t102, t391
+        t404 = (t395.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        del N_1, t395
+        t405 = (t404.permute(2, 3, 0, 1) * t383.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        del t404
+        t399[...] = ((t401.reshape((d_V**2, L*n_batch)) @ t402.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+        del t401, t402
+        t399 += ((t405.reshape((d_V*d_ff, L*n_batch)) @ t403.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        del t399, t403, t405
+        t406 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t407 = t406.view((d_ff, d_V, d_V, d_V))
+        del t406
+        t408 = (2/(L*d_V*n_batch)) * t123
+        t409 = (t408.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t376.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        del t408
+        t410 = ((S.permute(1, 0) @ t68.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
+        del t68
+        t411 = (1/n_batch) * t382
+        del t382
+        t412 = (t123.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t411.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t413 = (t47.reshape((d_ff, d_V, 1, 1)) * t383.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        del t47
+        t414 = (S.permute(1, 0) @ S390.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
+        del S, S390
+        t415 = ((t414.permute(1, 3, 0, 2) @ t413.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
+        del t413, t414
+        t416 = t407.diagonal(0, 1, 3)
+        t417 = (2/(L*d_V*n_batch)) * t298
+        del t298
+        t418 = (t376.permute(1, 0, 2).reshape((d_ff, L*n_batch)) @ t123.reshape((L*n_batch, d_V)))
+        del t123
+        t407[...] = ((t409.reshape((d_V*d_ff, L*n_batch)) @ t410.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        del t409, t410
+        t407 += ((t412.reshape((d_V**2, L*n_batch)) @ t415.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
+        del t407, t412, t415
+        t416.addcmul_(t417.reshape((1, 1, d_V)), t418.reshape((d_ff, d_V, 1)))
+        del t416, t418
+        t419 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t420 = t419.view((d_ff, d_V, d_V, d_ff))
         del t419
-        t421 = t391 @ t39
-        del t39, t391
-        t422 = (2/(L*d_V*n_batch)) * t315
-        del t315
-        t420.addcmul_(t422.reshape((1, 1, d_V)), t421.sum((0,)).reshape((d_ff, d_ff, 1)))
-        del t420, t421, t422
-        t423 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t424 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        _transpose_into(t423, t424)
-        del t423, t424
-        t425 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t426 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t425, t426)
-        del t425, t426
-        t427 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t428 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-        _transpose_into(t427, t428)
-        del t427, t428
-        t429 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t430 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t429, t430)
-        del t429, t430
-        t431 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t432 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t421 = (2/(L*d_V*n_batch)) * N_2
+        t422 = (t421.reshape((n_batch, L, d_V, 1)) * t376.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+        del t421
+        t423 = (t422.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t38.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+        del t38, t422
+        t424 = t420.diagonal(0, 0, 3)
+        t425 = t383.permute(1, 0, 2)
+        del t383
+        t426 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t411.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        del N_2, t411
+        torch.mul(t44.reshape((1, d_V, 1, d_ff)), t423.reshape((d_ff, 1, d_V, d_ff)), out=t420)
+        del t420, t423, t44
+        t424 += (t426.reshape((d_V**2, L*n_batch)) @ t425.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        del t424, t425, t426
+        t427 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t427[...] = 0
+        t428 = t427.view((d_ff, d_V, d_ff, d_V))
+        del t427
+        t429 = t428.diagonal(0, 1, 3)
+        del t428
+        t430 = t376 @ t39
+        del t376, t39
+        t429.addcmul_(t417.reshape((1, 1, d_V)), t430.sum((0,)).reshape((d_ff, d_ff, 1)))
+        del t417, t429, t430
+        t431 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t432 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
         _transpose_into(t431, t432)
         del t431, t432
-        t433 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t434 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        t433 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t434 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
         _transpose_into(t433, t434)
         del t433, t434
-        t435 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t436 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t435 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t436 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
         _transpose_into(t435, t436)
         del t435, t436
-        t437 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t438 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t437 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t438 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
         _transpose_into(t437, t438)
         del t437, t438
+        t439 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t440 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t439, t440)
+        del t439, t440
+        t441 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t442 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        _transpose_into(t441, t442)
+        del t441, t442
         return H
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -44148,7 +44160,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     d_V = int(X.shape[-1])
     d_ff = int(W_1.shape[-1])
     n_batch = int(X.shape[0])
-    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+    if n_batch <= 2:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
         t0 = X.sum(-1, keepdim=True)
         t1 = t0.expand(*t0.shape[:-1], d_V)
@@ -44356,6 +44368,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t106 = (S104.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t13.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
         del S104
         t107 = (t106.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t105).reshape((n_batch, L, d_K, d_K))
+        del t105
         t108 = N_1.reshape((n_batch, L, 1, d_V, 1))
         t109 = t107.reshape((n_batch, L, d_K, 1, d_K))
         del t107
@@ -44369,7 +44382,9 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t118 = t113.reshape((n_batch, L, d_K, d_V, 1))
         del t113
         t119 = t116.reshape((1, 1, 1, d_K))
+        del t116
         t120 = t115.reshape((n_batch, L, d_V, 1))
+        del t115
         t123 = ((1/2)*d_V) * t90
         del t90
         t124 = ((1/2)*d_V) * G
@@ -44513,14 +44528,15 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
                     _matmul_into(t199.narrow(-2, r0, min(32, d_V - r0)), t202, t209.narrow(-2, r0, min(32, d_V - r0)))
         del n_rows, t108, t109, t117, t118, t119, t120, t155, t156, t168, t184, t186, t193, t196, t200, t201, t202, t203, t204, t206, t207, t208
         del R
-        R210 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t211 = R210.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        R210 = torch.empty((n_batch, L, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t211 = R210.view((n_batch, L*d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff))
         t212 = t211[..., 0:d_K*d_V]
         t213 = t212.view((n_batch, L, d_K, d_V, d_K))
         del t212
         t214 = t112.transpose(-1, -2)
         t215 = (1/(L*d_K)) * t214
-        t216 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t215.reshape((n_batch, d_K, 1, L)))
+        t216 = (t112.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t215.reshape((n_batch, d_K, 1, L)))
+        del t215
         t217 = (t84.permute(0, 2, 1) @ S80.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
         del S80
         t218 = (t217.permute(0, 2, 1, 3) @ dA74.permute(0, 1, 3, 2))
@@ -44535,7 +44551,8 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         del t221
         t223 = (t222.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
         del t222
-        t224 = ((t105.permute(0, 2, 1) @ t223.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t224 = ((N_1.permute(0, 2, 1) @ t223.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        del t223
         t225 = (t172.permute(1, 2, 0) @ S63.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
         t226 = (t84.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
         del t84
@@ -44547,326 +44564,299 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         S229 = (t228.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
         del d2A, t228
         t230 = (2/(d_K*d_V)) * t214
-        t231 = (N_1.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t230.reshape((n_batch, d_K, 1, L)))
-        t232 = ((t105.permute(0, 2, 1) @ S229.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        del t105
-        t233 = t216.reshape((n_batch, d_K*d_V, L))
-        del t216
-        t234 = t231.reshape((n_batch, d_K*d_V, L))
-        del t231
-        t235 = t224.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t231 = (t112.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t230.reshape((n_batch, d_K, 1, L)))
+        del t112, t230
+        t232 = ((N_1.permute(0, 2, 1) @ S229.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        del S229
+        t233 = t224.reshape((n_batch, L*d_V, L))
         del t224
-        t236 = t232.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t234 = t232.reshape((n_batch, L*d_V, L))
         del t232
+        t235 = t216.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        del t216
+        t236 = t231.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        del t231
         t237 = torch.cat([t233, t234], dim=-1)
         del t233, t234
         t238 = torch.cat([t235, t236], dim=-2)
         del t235, t236
-        t213[...] = ((t237 @ t238).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t213[...] = ((t237 @ t238).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
         del t213, t237, t238
-        t239 = t211[..., d_K*d_V:2*d_K*d_V]
-        t240 = t239.view((n_batch, L, d_K, d_V, d_K))
+        t239 = t211[..., d_K*d_V:d_K*d_V + d_V**2]
+        t240 = t239.view((n_batch, L, d_K, d_V, d_V))
         del t239
-        t241 = (t112.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t215.reshape((n_batch, d_K, 1, L)))
-        del t215
-        t242 = ((N_1.permute(0, 2, 1) @ t223.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        del t223
-        t243 = (t112.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t230.reshape((n_batch, d_K, 1, L)))
-        del t112, t230
-        t244 = ((N_1.permute(0, 2, 1) @ S229.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        del S229
-        t245 = t242.reshape((n_batch, L*d_V, L))
-        del t242
-        t246 = t244.reshape((n_batch, L*d_V, L))
-        del t244
-        t247 = t241.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        del t241
-        t248 = t243.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        del t243
-        t249 = torch.cat([t245, t246], dim=-1)
-        del t245, t246
-        t250 = torch.cat([t247, t248], dim=-2)
-        del t247, t248
-        t240[...] = ((t249 @ t250).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
-        del t240, t249, t250
-        t251 = t211[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t252 = t251.view((n_batch, L, d_K, d_V, d_V))
-        del t251
-        t253 = (S129.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t214.reshape((n_batch, d_K, 1, L)))
+        t241 = (S129.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t214.reshape((n_batch, d_K, 1, L)))
         del S129
-        t254 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t255 = ((S.permute(1, 0) @ t137.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t242 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        del N_1
+        t243 = ((S.permute(1, 0) @ t137.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
         del t137
-        t256 = (t133.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t214.reshape((n_batch, d_K, 1, L)))
-        t257 = (1/(L*math.sqrt(d_K))) * t214
-        t258 = (t133.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t257.reshape((n_batch, d_K, 1, L)))
-        t259 = ((t143.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
+        t244 = (t133.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t214.reshape((n_batch, d_K, 1, L)))
+        t245 = (1/(L*math.sqrt(d_K))) * t214
+        t246 = (t133.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t245.reshape((n_batch, d_K, 1, L)))
+        t247 = ((t143.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
         del t143
-        t260 = t133.permute(0, 2, 1)
-        t261 = (t153.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V, L)) * t257.reshape((n_batch, 1, d_K, 1, L)))
+        t248 = t133.permute(0, 2, 1)
+        t249 = (t153.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V, L)) * t245.reshape((n_batch, 1, d_K, 1, L)))
         del t153
-        t252[...] = ((t254.reshape((n_batch, L*d_V, L)) @ t253.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        del t253, t254
-        t262 = t256.reshape((n_batch, d_K*d_V, L))
+        t240[...] = ((t242.reshape((n_batch, L*d_V, L)) @ t241.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        del t241, t242
+        t250 = t244.reshape((n_batch, d_K*d_V, L))
+        del t244
+        t251 = t246.reshape((n_batch, d_K*d_V, L))
+        del t246
+        t252 = t243.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        del t243
+        t253 = t247.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        del t247
+        t254 = torch.cat([t250, t251], dim=-1)
+        del t250, t251
+        t255 = torch.cat([t252, t253], dim=-2)
+        del t252, t253
+        t240 += ((t254 @ t255).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        del t254, t255
+        t240 += ((t248 @ t249.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_K*d_V))).reshape((n_batch, d_V, L, d_K, d_V))).permute(0, 2, 3, 1, 4)
+        del t240, t248, t249
+        t256 = t211[..., d_K*d_V + d_V**2:d_K*d_V + d_V**2 + d_V*d_ff]
+        t257 = t256.view((n_batch, L, d_K, d_V, d_ff))
         del t256
-        t263 = t258.reshape((n_batch, d_K*d_V, L))
-        del t258
-        t264 = t255.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        del t255
-        t265 = t259.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        del t259
-        t266 = torch.cat([t262, t263], dim=-1)
-        del t262, t263
-        t267 = torch.cat([t264, t265], dim=-2)
-        del t264, t265
-        t252 += ((t266 @ t267).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        del t266, t267
-        t252 += ((t260 @ t261.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_K*d_V))).reshape((n_batch, d_V, L, d_K, d_V))).permute(0, 2, 3, 1, 4)
-        del t252, t260, t261
-        t268 = t211[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t269 = t268.view((n_batch, L, d_K, d_V, d_ff))
-        del t268
-        t270 = (1/math.sqrt(d_K)) * t214
+        t258 = (1/math.sqrt(d_K)) * t214
         del t214
-        t271 = (t172.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t259 = (t172.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
         del t172
-        t272 = ((t271.permute(0, 2, 3, 1) @ S67)).permute(0, 2, 3, 1)
-        del t271
-        t273 = (t50.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t270.reshape((n_batch, d_K, 1, L)))
+        t260 = ((t259.permute(0, 2, 3, 1) @ S67)).permute(0, 2, 3, 1)
+        del t259
+        t261 = (t50.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t258.reshape((n_batch, d_K, 1, L)))
         del t50
-        t274 = (N_2.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t257.reshape((n_batch, d_K, 1, L)))
-        t275 = (t181.permute(0, 2, 3, 1) * t37.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
+        t262 = (N_2.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t245.reshape((n_batch, d_K, 1, L)))
+        t263 = (t181.permute(0, 2, 3, 1) * t37.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
         del t181
-        t269[...] = ((t272.reshape((n_batch, L*d_V, L)) @ t273.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
-        del t272, t273
-        t269 += ((t274.reshape((n_batch, d_K*d_V, L)) @ t275.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
-        del t269, t274, t275
-        t276 = t211[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t257[...] = ((t260.reshape((n_batch, L*d_V, L)) @ t261.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
+        del t260, t261
+        t257 += ((t262.reshape((n_batch, d_K*d_V, L)) @ t263.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
+        del t257, t262, t263
+        t264 = t211[..., d_K*d_V + d_V**2 + d_V*d_ff:d_K*d_V + d_V**2 + 2*d_V*d_ff]
         del t211
-        t277 = t276.view((n_batch, L, d_K, d_ff, d_V))
-        del t276
-        t278 = (t189.permute(0, 2, 3, 1) * t37.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
+        t265 = t264.view((n_batch, L, d_K, d_ff, d_V))
+        del t264
+        t266 = (t189.permute(0, 2, 3, 1) * t37.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)))
         del t189
-        t279 = (G.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t270.reshape((n_batch, d_K, 1, L)))
-        del t270
-        t280 = (t40.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t257.reshape((n_batch, d_K, 1, L)))
-        del t257
-        t281 = ((t179.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
+        t267 = (G.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t258.reshape((n_batch, d_K, 1, L)))
+        del t258
+        t268 = (t40.permute(0, 2, 1).reshape((n_batch, 1, d_ff, L)) * t245.reshape((n_batch, d_K, 1, L)))
+        del t245
+        t269 = ((t179.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
         del dA, t179
-        t277[...] = ((t278.reshape((n_batch, L*d_ff, L)) @ t279.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        del t278, t279
-        t277 += ((t280.reshape((n_batch, d_K*d_ff, L)) @ t281.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
-        del t277, t280, t281
-        t282 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t283 = R210.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t265[...] = ((t266.reshape((n_batch, L*d_ff, L)) @ t267.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        del t266, t267
+        t265 += ((t268.reshape((n_batch, d_K*d_ff, L)) @ t269.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
+        del t265, t268, t269
+        t270 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t271 = t270.narrow(-1, d_K*d_V, d_K*d_V + d_V**2 + 2*d_V*d_ff)
+        del t270
+        t272 = R210.view((L*n_batch, d_K*(d_K*d_V + d_V**2 + 2*d_V*d_ff)))
         if d_V <= 32:
-            _matmul_into(t199, t283, t282)
+            _matmul_into(t199.expand(*(d_K,), *t199.shape[-2:]), t272.view((L*n_batch, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t271.permute(1, 0, 2))
         else:
-            for r0284 in range(0, d_V, 32):
-                _matmul_into(t199.narrow(-2, r0284, min(32, d_V - r0284)), t283, t282.narrow(-2, r0284, min(32, d_V - r0284)))
-        del t199, t282, t283
+            for r0273 in range(0, d_V, 32):
+                _matmul_into(t199.expand(*(d_K,), *t199.shape[-2:]).narrow(-2, r0273, min(32, d_V - r0273)), t272.view((L*n_batch, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t271.permute(1, 0, 2).narrow(-2, r0273, min(32, d_V - r0273)))
+        del t199, t271, t272
         del R210
-        t285 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-        t286 = t285.view((d_V, d_K, d_V, d_K))
-        del t285
-        t287 = t286.diagonal(0, 1, 3)
-        del t286
-        t288 = t115.transpose(-1, -2)
-        del t115
-        t289 = (1/n_batch) * t116
-        del t116
-        t290 = (t288.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-        del N_1, t288
-        t287.addcmul_(t289.reshape((1, 1, d_K)), t290.reshape((d_V, d_V, 1)))
-        del t287, t289, t290
-        t291 = t133.transpose(-1, -2)
+        t274 = t133.transpose(-1, -2)
         del t133
         # S: compact tensor ('d_V', 'd_V')
-        S295 = (2/d_V) * S
+        S278 = (2/d_V) * S
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S298 = (1/L) * S68
+        S281 = (1/L) * S68
         del S68
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S299 = (1/L) * (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S298 @ t70)
-        del S298, t20, t65, t70
-        t300 = (S299 @ t148)
-        t308 = S.permute(1, 0)
-        t309 = ((S295 @ S63.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        del S295, S63
-        t313 = (t148 @ t79)
+        S282 = (1/L) * (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S281 @ t70)
+        del S281, t20, t65, t70
+        t283 = (S282 @ t148)
+        t291 = S.permute(1, 0)
+        t292 = ((S278 @ S63.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        del S278, S63
+        t296 = (t148 @ t79)
         del t148, t79
-        t314 = (dA74.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, 1, d_V))) + ((t308 @ t313.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        del t313
-        t315 = (t309.reshape((L*d_V*n_batch, d_V)) @ t308.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S299 @ t314.permute(0, 1, 3, 2))
-        del t308, t309, t314
-        t316 = t315.reshape((n_batch, L, d_V, 1, d_V))
-        del t315
-        t319 = ((S @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t320 = (t39.reshape((n_batch, L, d_V, 1)) * S299.permute(0, 1, 3, 2))
-        del S299
-        t321 = (t320.permute(0, 1, 3, 2) @ dA74)
-        del t320
-        t322 = (t321.reshape((L*d_V*n_batch, d_V)) @ t48).reshape((n_batch, L, d_V, d_ff))
-        del t321, t48
-        t323 = t319.reshape((n_batch, L, d_V, d_V, 1))
-        del t319
-        t324 = t322.reshape((n_batch, L, d_V, 1, d_ff))
-        del t322
-        t327 = (S67.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t297 = (dA74.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, 1, d_V))) + ((t291 @ t296.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        del t296
+        t298 = (t292.reshape((L*d_V*n_batch, d_V)) @ t291.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S282 @ t297.permute(0, 1, 3, 2))
+        del t291, t292, t297
+        t299 = t298.reshape((n_batch, L, d_V, 1, d_V))
+        del t298
+        t302 = ((S @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t303 = (t39.reshape((n_batch, L, d_V, 1)) * S282.permute(0, 1, 3, 2))
+        del S282
+        t304 = (t303.permute(0, 1, 3, 2) @ dA74)
+        del t303
+        t305 = (t304.reshape((L*d_V*n_batch, d_V)) @ t48).reshape((n_batch, L, d_V, d_ff))
+        del t304, t48
+        t306 = t302.reshape((n_batch, L, d_V, d_V, 1))
+        del t302
+        t307 = t305.reshape((n_batch, L, d_V, 1, d_ff))
+        del t305
+        t310 = (S67.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
         del S, S67
-        t328 = (t327.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
-        del t327
-        t329 = t328.reshape((n_batch, L, d_V, d_ff, 1))
-        del t328
-        t330 = t300.reshape((n_batch, L, d_V, 1, d_V))
-        del t300
-        t331 = t291.permute(1, 0, 2)
-        del t291
-        t332 = t331.reshape((d_V, L*n_batch))
-        del t331
-        t333 = (1/n_batch) * t332
-        del t332
-        t334 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t335 = t334.narrow(-1, 2*d_K*d_V, d_V**2 + 2*d_V*d_ff)
-        del t334
-        n_rows336 = max(1, min(d_V, 262144 // (L*n_batch*(d_V**2 + 2*d_V*d_ff))))
-        while d_V % n_rows336:    # chunks of equal size
-            n_rows336 -= 1
-        R292 = torch.empty((n_batch, L, n_rows336, d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t338 = R292.view((n_batch, L*n_rows336, d_V**2 + 2*d_V*d_ff))
-        t339 = R292.view((L*n_batch, n_rows336*(d_V**2 + 2*d_V*d_ff)))
-        t340 = t338[..., 0:d_V**2].view((n_batch, L, n_rows336, d_V, d_V))
-        t341 = t338[..., d_V**2:d_V**2 + d_V*d_ff].view((n_batch, L, n_rows336, d_V, d_ff))
-        t342 = t338[..., d_V**2 + d_V*d_ff:d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows336, d_ff, d_V))
-        del t338
-        for f0337 in range(0, d_V, n_rows336):
-            torch.mul(t167, t316.narrow(-3, f0337, n_rows336), out=t340)
-            torch.mul(t183, t323.narrow(-3, f0337, n_rows336), out=t341)
-            t341.addcmul_(t324.narrow(-3, f0337, n_rows336), t185)
-            torch.mul(t329.narrow(-3, f0337, n_rows336), t194, out=t342)
-            t342.addcmul_(t195, t330.narrow(-3, f0337, n_rows336))
+        t311 = (t310.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        del t310
+        t312 = t311.reshape((n_batch, L, d_V, d_ff, 1))
+        del t311
+        t313 = t283.reshape((n_batch, L, d_V, 1, d_V))
+        del t283
+        t314 = t274.permute(1, 0, 2)
+        del t274
+        t315 = t314.reshape((d_V, L*n_batch))
+        del t314
+        t316 = (1/n_batch) * t315
+        del t315
+        t317 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t318 = t317.narrow(-1, 2*d_K*d_V, d_V**2 + 2*d_V*d_ff)
+        del t317
+        n_rows319 = max(1, min(d_V, 262144 // (L*n_batch*(d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows319:    # chunks of equal size
+            n_rows319 -= 1
+        R275 = torch.empty((n_batch, L, n_rows319, d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t321 = R275.view((n_batch, L*n_rows319, d_V**2 + 2*d_V*d_ff))
+        t322 = R275.view((L*n_batch, n_rows319*(d_V**2 + 2*d_V*d_ff)))
+        t323 = t321[..., 0:d_V**2].view((n_batch, L, n_rows319, d_V, d_V))
+        t324 = t321[..., d_V**2:d_V**2 + d_V*d_ff].view((n_batch, L, n_rows319, d_V, d_ff))
+        t325 = t321[..., d_V**2 + d_V*d_ff:d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows319, d_ff, d_V))
+        del t321
+        for f0320 in range(0, d_V, n_rows319):
+            torch.mul(t167, t299.narrow(-3, f0320, n_rows319), out=t323)
+            torch.mul(t183, t306.narrow(-3, f0320, n_rows319), out=t324)
+            t324.addcmul_(t307.narrow(-3, f0320, n_rows319), t185)
+            torch.mul(t312.narrow(-3, f0320, n_rows319), t194, out=t325)
+            t325.addcmul_(t195, t313.narrow(-3, f0320, n_rows319))
             if d_V <= 32:
-                _matmul_into(t333.expand(*(n_rows336,), *t333.shape[-2:]), t339.view((L*n_batch, n_rows336, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t335.narrow(-2, f0337, n_rows336).permute(1, 0, 2))
+                _matmul_into(t316.expand(*(n_rows319,), *t316.shape[-2:]), t322.view((L*n_batch, n_rows319, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t318.narrow(-2, f0320, n_rows319).permute(1, 0, 2))
             else:
-                for r0343 in range(0, d_V, 32):
-                    _matmul_into(t333.expand(*(n_rows336,), *t333.shape[-2:]).narrow(-2, r0343, min(32, d_V - r0343)), t339.view((L*n_batch, n_rows336, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t335.narrow(-2, f0337, n_rows336).permute(1, 0, 2).narrow(-2, r0343, min(32, d_V - r0343)))
-        del n_rows336, t167, t183, t185, t194, t316, t323, t324, t329, t330, t333, t335, t339, t340, t341, t342
-        del R292
-        t344 = N_2.transpose(-1, -2)
-        t348 = (1/L) * t39
-        t349 = (dA74 * t348.reshape((n_batch, L, d_V, 1)))
-        del t348
-        t350 = (W_2.reshape((d_ff, d_V, 1, 1)) * t37.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-        t351 = (t350.permute(2, 3, 0, 1) @ t349)
-        del t350
-        t352 = (t351 @ t77.permute(1, 2, 3, 0))
-        del t351
-        t353 = N_2.reshape((n_batch, L, 1, d_V, 1))
-        t354 = t352.reshape((n_batch, L, d_ff, 1, d_ff))
-        del t352
-        t357 = (t349.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-        del t349
-        t358 = (t357.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
-        del t357
-        t360 = t358.reshape((n_batch, L, d_ff, 1, d_V))
-        del t358
-        t361 = G.reshape((n_batch, L, d_V, 1))
-        t362 = t37.reshape((n_batch, L, 1, d_ff))
-        t363 = t344.permute(1, 0, 2)
-        del t344
-        t364 = t363.reshape((d_V, L*n_batch))
-        del t363
-        t365 = (1/n_batch) * t364
-        del t364
-        t366 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t367 = t366.narrow(-1, 2*d_K*d_V + d_V**2, 2*d_V*d_ff)
-        del t366
-        n_rows368 = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
-        while d_ff % n_rows368:    # chunks of equal size
-            n_rows368 -= 1
-        R345 = torch.empty((n_batch, L, n_rows368, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t370 = R345.view((n_batch, L*n_rows368, 2*d_V*d_ff))
-        t371 = R345.view((L*n_batch, 2*d_V*d_ff*n_rows368))
-        t372 = t370[..., 0:d_V*d_ff].view((n_batch, L, n_rows368, d_V, d_ff))
-        t373 = t370[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows368, d_ff, d_V))
-        for f0369 in range(0, d_ff, n_rows368):
-            torch.mul(t353, t354.narrow(-3, f0369, n_rows368), out=t372)
-            torch.mul(t195, t360.narrow(-3, f0369, n_rows368), out=t373)
-            t374 = t370[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows368, d_ff, d_V)).narrow(-2, f0369, n_rows368).diagonal(0, 2, 3)
-            t374.addcmul_(t361, t362.narrow(-1, f0369, n_rows368))
-            if d_V <= 32:
-                _matmul_into(t365.expand(*(n_rows368,), *t365.shape[-2:]), t371.view((L*n_batch, n_rows368, 2*d_V*d_ff)).permute(1, 0, 2), t367.narrow(-2, f0369, n_rows368).permute(1, 0, 2))
-            else:
-                for r0375 in range(0, d_V, 32):
-                    _matmul_into(t365.expand(*(n_rows368,), *t365.shape[-2:]).narrow(-2, r0375, min(32, d_V - r0375)), t371.view((L*n_batch, n_rows368, 2*d_V*d_ff)).permute(1, 0, 2), t367.narrow(-2, f0369, n_rows368).permute(1, 0, 2).narrow(-2, r0375, min(32, d_V - r0375)))
-        del n_rows368, t195, t353, t354, t360, t361, t362, t365, t367, t370, t371, t372, t373
-        del R345
-        t376 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t377 = t376.view((d_ff, d_V, d_V, d_ff))
-        del t376
-        t379 = t40.transpose(-1, -2)
-        t380 = (1/(L*n_batch)) * t39
+                for r0326 in range(0, d_V, 32):
+                    _matmul_into(t316.expand(*(n_rows319,), *t316.shape[-2:]).narrow(-2, r0326, min(32, d_V - r0326)), t322.view((L*n_batch, n_rows319, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t318.narrow(-2, f0320, n_rows319).permute(1, 0, 2).narrow(-2, r0326, min(32, d_V - r0326)))
+        del n_rows319, t167, t183, t185, t194, t299, t306, t307, t312, t313, t316, t318, t322, t323, t324, t325
+        del R275
+        t327 = N_2.transpose(-1, -2)
+        t331 = (1/L) * t39
         del t39
-        t381 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t379.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t382 = (dA74 * t380.reshape((n_batch, L, d_V, 1)))
-        t383 = ((t77.permute(1, 2, 0, 3) @ t382.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-        del t382, t77
-        t384 = t377.diagonal(0, 0, 3)
-        t385 = G.transpose(-1, -2)
+        t332 = (dA74 * t331.reshape((n_batch, L, d_V, 1)))
+        del dA74, t331
+        t333 = (W_2.reshape((d_ff, d_V, 1, 1)) * t37.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+        t334 = (t333.permute(2, 3, 0, 1) @ t332)
+        del t333
+        t335 = (t334 @ t77.permute(1, 2, 3, 0))
+        del t334, t77
+        t336 = N_2.reshape((n_batch, L, 1, d_V, 1))
+        del N_2
+        t337 = t335.reshape((n_batch, L, d_ff, 1, d_ff))
+        del t335
+        t340 = (t332.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+        t341 = (t340.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
+        del t340
+        t343 = t341.reshape((n_batch, L, d_ff, 1, d_V))
+        del t341
+        t344 = G.reshape((n_batch, L, d_V, 1))
         del G
-        t386 = t37.transpose(-1, -2)
+        t345 = t37.reshape((n_batch, L, 1, d_ff))
         del t37
-        t387 = (1/n_batch) * t385
-        del t385
-        t388 = t386.permute(1, 0, 2)
-        del t386
-        t389 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t387.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del N_2, t387
-        t377[...] = ((t381.reshape((d_V*d_ff, L*n_batch)) @ t383.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
-        del t377, t381, t383
-        t384 += (t389.reshape((d_V**2, L*n_batch)) @ t388.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-        del t384, t388, t389
-        t390 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t391 = t390.view((d_ff, d_V, d_ff, d_V))
-        del t390
-        t392 = (dA74.permute(2, 3, 0, 1) * t380.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        del dA74, t380
-        t393 = (t40.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t379.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        del t379, t40
-        t391[...] = ((t393.reshape((d_ff**2, L*n_batch)) @ t392.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
-        del t391, t392, t393
-        t394 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t395 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t346 = t327.permute(1, 0, 2)
+        del t327
+        t347 = t346.reshape((d_V, L*n_batch))
+        del t346
+        t348 = (1/n_batch) * t347
+        del t347
+        t349 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t350 = t349.narrow(-1, 2*d_K*d_V + d_V**2, 2*d_V*d_ff)
+        del t349
+        n_rows351 = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
+        while d_ff % n_rows351:    # chunks of equal size
+            n_rows351 -= 1
+        R328 = torch.empty((n_batch, L, n_rows351, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t353 = R328.view((n_batch, L*n_rows351, 2*d_V*d_ff))
+        t354 = R328.view((L*n_batch, 2*d_V*d_ff*n_rows351))
+        t355 = t353[..., 0:d_V*d_ff].view((n_batch, L, n_rows351, d_V, d_ff))
+        t356 = t353[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows351, d_ff, d_V))
+        for f0352 in range(0, d_ff, n_rows351):
+            torch.mul(t336, t337.narrow(-3, f0352, n_rows351), out=t355)
+            torch.mul(t195, t343.narrow(-3, f0352, n_rows351), out=t356)
+            t357 = t353[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows351, d_ff, d_V)).narrow(-2, f0352, n_rows351).diagonal(0, 2, 3)
+            t357.addcmul_(t344, t345.narrow(-1, f0352, n_rows351))
+            if d_V <= 32:
+                _matmul_into(t348.expand(*(n_rows351,), *t348.shape[-2:]), t354.view((L*n_batch, n_rows351, 2*d_V*d_ff)).permute(1, 0, 2), t350.narrow(-2, f0352, n_rows351).permute(1, 0, 2))
+            else:
+                for r0358 in range(0, d_V, 32):
+                    _matmul_into(t348.expand(*(n_rows351,), *t348.shape[-2:]).narrow(-2, r0358, min(32, d_V - r0358)), t354.view((L*n_batch, n_rows351, 2*d_V*d_ff)).permute(1, 0, 2), t350.narrow(-2, f0352, n_rows351).permute(1, 0, 2).narrow(-2, r0358, min(32, d_V - r0358)))
+        del n_rows351, t336, t337, t343, t344, t345, t348, t350, t353, t354, t355, t356
+        del R328
+        t360 = t40.transpose(-1, -2)
+        del t40
+        t364 = t332.reshape((n_batch, L, d_V, 1, d_V))
+        del t332
+        t365 = t360.permute(1, 0, 2)
+        del t360
+        t366 = t365.reshape((d_ff, L*n_batch))
+        del t365
+        t367 = (1/n_batch) * t366
+        del t366
+        t368 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t369 = t368.narrow(-1, 2*d_K*d_V + d_V**2 + d_V*d_ff, d_V*d_ff)
+        del t368
+        n_rows370 = max(1, min(d_V, 262144 // (L*d_V*d_ff*n_batch)))
+        while d_V % n_rows370:    # chunks of equal size
+            n_rows370 -= 1
+        R361 = torch.empty((n_batch, L, n_rows370, d_V*d_ff), dtype=X.dtype, device=X.device)
+        t372 = R361.view((n_batch, L*n_rows370, d_V*d_ff))
+        t373 = R361.view((L*n_batch, d_V*d_ff*n_rows370))
+        t374 = t372[..., 0:d_V*d_ff].view((n_batch, L, n_rows370, d_ff, d_V))
+        del t372
+        for f0371 in range(0, d_V, n_rows370):
+            torch.mul(t195, t364.narrow(-3, f0371, n_rows370), out=t374)
+            if d_ff <= 32:
+                _matmul_into(t367.expand(*(n_rows370,), *t367.shape[-2:]), t373.view((L*n_batch, n_rows370, d_V*d_ff)).permute(1, 0, 2), t369.narrow(-2, f0371, n_rows370).permute(1, 0, 2))
+            else:
+                for r0375 in range(0, d_ff, 32):
+                    _matmul_into(t367.expand(*(n_rows370,), *t367.shape[-2:]).narrow(-2, r0375, min(32, d_ff - r0375)), t373.view((L*n_batch, n_rows370, d_V*d_ff)).permute(1, 0, 2), t369.narrow(-2, f0371, n_rows370).permute(1, 0, 2).narrow(-2, r0375, min(32, d_ff - r0375)))
+        del n_rows370, t195, t364, t367, t369, t373, t374
+        del R361
+        t376 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t377 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t376, t377)
+        del t376, t377
+        t378 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t379 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        _transpose_into(t378, t379)
+        del t378, t379
+        t380 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t381 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t380, t381)
+        del t380, t381
+        t382 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t383 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        _transpose_into(t382, t383)
+        del t382, t383
+        t384 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t385 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t384, t385)
+        del t384, t385
+        t386 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t387 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        _transpose_into(t386, t387)
+        del t386, t387
+        t388 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t389 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        _transpose_into(t388, t389)
+        del t388, t389
+        t390 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t391 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t390, t391)
+        del t390, t391
+        t392 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t393 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        _transpose_into(t392, t393)
+        del t392, t393
+        t394 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t395 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
         _transpose_into(t394, t395)
         del t394, t395
-        t396 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t397 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t396, t397)
-        del t396, t397
-        t398 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t399 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-        _transpose_into(t398, t399)
-        del t398, t399
-        t400 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t401 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t400, t401)
-        del t400, t401
-        t402 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t403 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        _transpose_into(t402, t403)
-        del t402, t403
-        t404 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t405 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-        _transpose_into(t404, t405)
-        del t404, t405
-        t406 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t407 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t406, t407)
-        del t406, t407
-        t408 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t409 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        _transpose_into(t408, t409)
-        del t408, t409
         return H
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]

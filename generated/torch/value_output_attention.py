@@ -20370,7 +20370,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     d_K = int(W_Q.shape[-1])
     d_V = int(X.shape[-1])
     n_batch = int(X.shape[0])
-    if n_batch <= 2:    # row slabs (their operands grow with the batch)
+    if n_batch <= 4:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
         t0 = H[0:d_K*d_V, 0:d_K*d_V]
         t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -20516,6 +20516,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         del t25, t74
         t76 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t72.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         t77 = G @ t71
+        del t71
         t78 = (1/(math.sqrt(d_K)*n_batch)) * X
         t79 = (t2 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
         del t2
@@ -20636,6 +20637,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         t135 = (t134.permute(1, 2, 3, 0) @ t73.permute(1, 2, 3, 0))
         del t134, t73
         t136 = M_1.reshape((n_batch, L, 1, d_V, 1))
+        del M_1
         t137 = t135.reshape((n_batch, L, d_H, 1, d_H))
         del t135
         t140 = (dA19 * t133.reshape((n_batch, L, d_V, 1)))
@@ -20646,7 +20648,9 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         t145 = t141.reshape((n_batch, L, d_H, 1, d_V))
         del t141
         t146 = t143.reshape((1, 1, 1, d_H))
+        del t143
         t147 = G.reshape((n_batch, L, d_V, 1))
+        del G
         t148 = t131.permute(1, 0, 2)
         del t131
         t149 = t148.reshape((d_V, L*n_batch))
@@ -20674,69 +20678,54 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
             else:
                 for r0 in range(0, d_V, 32):
                     _matmul_into(t150.expand(*(n_rows,), *t150.shape[-2:]).narrow(-2, r0, min(32, d_V - r0)), t154.view((L*n_batch, n_rows, 2*d_H*d_V)).permute(1, 0, 2), t152.narrow(-2, f0, n_rows).permute(1, 0, 2).narrow(-2, r0, min(32, d_V - r0)))
-        del n_rows, t137, t145, t146, t147, t150, t152, t153, t154, t155, t156
+        del n_rows, t136, t137, t145, t146, t147, t150, t152, t153, t154, t155, t156
         del R
         t158 = t83.transpose(-1, -2)
         del t83
-        t162 = (t140.reshape((L*d_V*n_batch, d_V)) @ t71).reshape((n_batch, L, d_V, d_H))
-        del t71
-        t163 = t162.reshape((n_batch, L, d_V, 1, d_H))
-        del t162
-        t166 = t140.reshape((n_batch, L, d_V, 1, d_V))
+        t162 = t140.reshape((n_batch, L, d_V, 1, d_V))
         del t140
-        t167 = t158.permute(1, 0, 2)
+        t163 = t158.permute(1, 0, 2)
         del t158
-        t168 = t167.reshape((d_H, L*n_batch))
-        del t167
-        t169 = (1/n_batch) * t168
-        del t168
-        t170 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V].view((d_H, d_V, 2*d_H*d_V + 2*d_K*d_V))
-        t171 = t170.narrow(-1, 2*d_K*d_V, 2*d_H*d_V)
+        t164 = t163.reshape((d_H, L*n_batch))
+        del t163
+        t165 = (1/n_batch) * t164
+        del t164
+        t166 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V].view((d_H, d_V, 2*d_H*d_V + 2*d_K*d_V))
+        t167 = t166.narrow(-1, d_H*d_V + 2*d_K*d_V, d_H*d_V)
+        del t166
+        n_rows168 = max(1, min(d_V, 262144 // (L*d_H*d_V*n_batch)))
+        while d_V % n_rows168:    # chunks of equal size
+            n_rows168 -= 1
+        R159 = torch.empty((n_batch, L, n_rows168, d_H*d_V), dtype=X.dtype, device=X.device)
+        t170 = R159.view((n_batch, L*n_rows168, d_H*d_V))
+        t171 = R159.view((L*n_batch, d_H*d_V*n_rows168))
+        t172 = t170[..., 0:d_H*d_V].view((n_batch, L, n_rows168, d_H, d_V))
         del t170
-        n_rows172 = max(1, min(d_V, 262144 // (2*L*d_H*d_V*n_batch)))
-        while d_V % n_rows172:    # chunks of equal size
-            n_rows172 -= 1
-        R159 = torch.empty((n_batch, L, n_rows172, 2*d_H*d_V), dtype=X.dtype, device=X.device)
-        t174 = R159.view((n_batch, L*n_rows172, 2*d_H*d_V))
-        t175 = R159.view((L*n_batch, 2*d_H*d_V*n_rows172))
-        t176 = t174[..., 0:d_H*d_V].view((n_batch, L, n_rows172, d_V, d_H))
-        t177 = t174[..., d_H*d_V:2*d_H*d_V].view((n_batch, L, n_rows172, d_H, d_V))
-        del t174
-        for f0173 in range(0, d_V, n_rows172):
-            torch.mul(t136, t163.narrow(-3, f0173, n_rows172), out=t176)
-            torch.mul(t144, t166.narrow(-3, f0173, n_rows172), out=t177)
+        for f0169 in range(0, d_V, n_rows168):
+            torch.mul(t144, t162.narrow(-3, f0169, n_rows168), out=t172)
             if d_H <= 32:
-                _matmul_into(t169.expand(*(n_rows172,), *t169.shape[-2:]), t175.view((L*n_batch, n_rows172, 2*d_H*d_V)).permute(1, 0, 2), t171.narrow(-2, f0173, n_rows172).permute(1, 0, 2))
+                _matmul_into(t165.expand(*(n_rows168,), *t165.shape[-2:]), t171.view((L*n_batch, n_rows168, d_H*d_V)).permute(1, 0, 2), t167.narrow(-2, f0169, n_rows168).permute(1, 0, 2))
             else:
-                for r0178 in range(0, d_H, 32):
-                    _matmul_into(t169.expand(*(n_rows172,), *t169.shape[-2:]).narrow(-2, r0178, min(32, d_H - r0178)), t175.view((L*n_batch, n_rows172, 2*d_H*d_V)).permute(1, 0, 2), t171.narrow(-2, f0173, n_rows172).permute(1, 0, 2).narrow(-2, r0178, min(32, d_H - r0178)))
-        del n_rows172, t136, t144, t163, t166, t169, t171, t175, t176, t177
+                for r0173 in range(0, d_H, 32):
+                    _matmul_into(t165.expand(*(n_rows168,), *t165.shape[-2:]).narrow(-2, r0173, min(32, d_H - r0173)), t171.view((L*n_batch, n_rows168, d_H*d_V)).permute(1, 0, 2), t167.narrow(-2, f0169, n_rows168).permute(1, 0, 2).narrow(-2, r0173, min(32, d_H - r0173)))
+        del n_rows168, t144, t162, t165, t167, t171, t172
         del R159
+        t174 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t69, t174)
+        del t174, t69
+        t175 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t113, t175)
+        del t113, t175
+        t176 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t81, t176)
+        del t176, t81
+        t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t123, t177)
+        del t123, t177
+        t178 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
         t179 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-        t180 = t179.view((d_H, d_V, d_V, d_H))
-        del t179
-        t181 = t180.diagonal(0, 0, 3)
-        del t180
-        t182 = G.transpose(-1, -2)
-        del G
-        t183 = t182 @ M_1
-        del M_1, t182
-        t184 = (1/n_batch) * t143
-        del t143
-        t181.addcmul_(t184.reshape((1, 1, d_H)), t183.sum((0,)).reshape((d_V, d_V, 1)))
-        del t181, t183, t184
-        t185 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-        _transpose_into(t69, t185)
-        del t185, t69
-        t186 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t113, t186)
-        del t113, t186
-        t187 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-        _transpose_into(t81, t187)
-        del t187, t81
-        t188 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t123, t188)
-        del t123, t188
+        _transpose_into(t178, t179)
+        del t178, t179
         return H
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -29883,7 +29872,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     d_K = int(W_Q.shape[-1])
     d_V = int(X.shape[-1])
     n_batch = int(X.shape[0])
-    if n_batch <= 2:    # row slabs (their operands grow with the batch)
+    if n_batch <= 4:    # row slabs (their operands grow with the batch)
         H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
         t0 = H[0:d_K*d_V, 0:d_K*d_V]
         t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -30032,6 +30021,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         del t27, t76
         t78 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t74.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         t79 = G @ t73
+        del t73
         t80 = (1/(math.sqrt(d_K)*n_batch)) * X
         t81 = (t2 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
         del t2
@@ -30152,6 +30142,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         t137 = (t136.permute(1, 2, 3, 0) @ t75.permute(1, 2, 3, 0))
         del t136, t75
         t138 = M_1.reshape((n_batch, L, 1, d_V, 1))
+        del M_1
         t139 = t137.reshape((n_batch, L, d_H, 1, d_H))
         del t137
         t142 = (dA21 * t135.reshape((n_batch, L, d_V, 1)))
@@ -30162,7 +30153,9 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         t147 = t143.reshape((n_batch, L, d_H, 1, d_V))
         del t143
         t148 = t145.reshape((1, 1, 1, d_H))
+        del t145
         t149 = G.reshape((n_batch, L, d_V, 1))
+        del G
         t150 = t133.permute(1, 0, 2)
         del t133
         t151 = t150.reshape((d_V, L*n_batch))
@@ -30190,69 +30183,54 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
             else:
                 for r0 in range(0, d_V, 32):
                     _matmul_into(t152.expand(*(n_rows,), *t152.shape[-2:]).narrow(-2, r0, min(32, d_V - r0)), t156.view((L*n_batch, n_rows, 2*d_H*d_V)).permute(1, 0, 2), t154.narrow(-2, f0, n_rows).permute(1, 0, 2).narrow(-2, r0, min(32, d_V - r0)))
-        del n_rows, t139, t147, t148, t149, t152, t154, t155, t156, t157, t158
+        del n_rows, t138, t139, t147, t148, t149, t152, t154, t155, t156, t157, t158
         del R
         t160 = t85.transpose(-1, -2)
         del t85
-        t164 = (t142.reshape((L*d_V*n_batch, d_V)) @ t73).reshape((n_batch, L, d_V, d_H))
-        del t73
-        t165 = t164.reshape((n_batch, L, d_V, 1, d_H))
-        del t164
-        t168 = t142.reshape((n_batch, L, d_V, 1, d_V))
+        t164 = t142.reshape((n_batch, L, d_V, 1, d_V))
         del t142
-        t169 = t160.permute(1, 0, 2)
+        t165 = t160.permute(1, 0, 2)
         del t160
-        t170 = t169.reshape((d_H, L*n_batch))
-        del t169
-        t171 = (1/n_batch) * t170
-        del t170
-        t172 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V].view((d_H, d_V, 2*d_H*d_V + 2*d_K*d_V))
-        t173 = t172.narrow(-1, 2*d_K*d_V, 2*d_H*d_V)
+        t166 = t165.reshape((d_H, L*n_batch))
+        del t165
+        t167 = (1/n_batch) * t166
+        del t166
+        t168 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V].view((d_H, d_V, 2*d_H*d_V + 2*d_K*d_V))
+        t169 = t168.narrow(-1, d_H*d_V + 2*d_K*d_V, d_H*d_V)
+        del t168
+        n_rows170 = max(1, min(d_V, 262144 // (L*d_H*d_V*n_batch)))
+        while d_V % n_rows170:    # chunks of equal size
+            n_rows170 -= 1
+        R161 = torch.empty((n_batch, L, n_rows170, d_H*d_V), dtype=X.dtype, device=X.device)
+        t172 = R161.view((n_batch, L*n_rows170, d_H*d_V))
+        t173 = R161.view((L*n_batch, d_H*d_V*n_rows170))
+        t174 = t172[..., 0:d_H*d_V].view((n_batch, L, n_rows170, d_H, d_V))
         del t172
-        n_rows174 = max(1, min(d_V, 262144 // (2*L*d_H*d_V*n_batch)))
-        while d_V % n_rows174:    # chunks of equal size
-            n_rows174 -= 1
-        R161 = torch.empty((n_batch, L, n_rows174, 2*d_H*d_V), dtype=X.dtype, device=X.device)
-        t176 = R161.view((n_batch, L*n_rows174, 2*d_H*d_V))
-        t177 = R161.view((L*n_batch, 2*d_H*d_V*n_rows174))
-        t178 = t176[..., 0:d_H*d_V].view((n_batch, L, n_rows174, d_V, d_H))
-        t179 = t176[..., d_H*d_V:2*d_H*d_V].view((n_batch, L, n_rows174, d_H, d_V))
-        del t176
-        for f0175 in range(0, d_V, n_rows174):
-            torch.mul(t138, t165.narrow(-3, f0175, n_rows174), out=t178)
-            torch.mul(t146, t168.narrow(-3, f0175, n_rows174), out=t179)
+        for f0171 in range(0, d_V, n_rows170):
+            torch.mul(t146, t164.narrow(-3, f0171, n_rows170), out=t174)
             if d_H <= 32:
-                _matmul_into(t171.expand(*(n_rows174,), *t171.shape[-2:]), t177.view((L*n_batch, n_rows174, 2*d_H*d_V)).permute(1, 0, 2), t173.narrow(-2, f0175, n_rows174).permute(1, 0, 2))
+                _matmul_into(t167.expand(*(n_rows170,), *t167.shape[-2:]), t173.view((L*n_batch, n_rows170, d_H*d_V)).permute(1, 0, 2), t169.narrow(-2, f0171, n_rows170).permute(1, 0, 2))
             else:
-                for r0180 in range(0, d_H, 32):
-                    _matmul_into(t171.expand(*(n_rows174,), *t171.shape[-2:]).narrow(-2, r0180, min(32, d_H - r0180)), t177.view((L*n_batch, n_rows174, 2*d_H*d_V)).permute(1, 0, 2), t173.narrow(-2, f0175, n_rows174).permute(1, 0, 2).narrow(-2, r0180, min(32, d_H - r0180)))
-        del n_rows174, t138, t146, t165, t168, t171, t173, t177, t178, t179
+                for r0175 in range(0, d_H, 32):
+                    _matmul_into(t167.expand(*(n_rows170,), *t167.shape[-2:]).narrow(-2, r0175, min(32, d_H - r0175)), t173.view((L*n_batch, n_rows170, d_H*d_V)).permute(1, 0, 2), t169.narrow(-2, f0171, n_rows170).permute(1, 0, 2).narrow(-2, r0175, min(32, d_H - r0175)))
+        del n_rows170, t146, t164, t167, t169, t173, t174
         del R161
+        t176 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t71, t176)
+        del t176, t71
+        t177 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t115, t177)
+        del t115, t177
+        t178 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t83, t178)
+        del t178, t83
+        t179 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t125, t179)
+        del t125, t179
+        t180 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
         t181 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-        t182 = t181.view((d_H, d_V, d_V, d_H))
-        del t181
-        t183 = t182.diagonal(0, 0, 3)
-        del t182
-        t184 = G.transpose(-1, -2)
-        del G
-        t185 = t184 @ M_1
-        del M_1, t184
-        t186 = (1/n_batch) * t145
-        del t145
-        t183.addcmul_(t186.reshape((1, 1, d_H)), t185.sum((0,)).reshape((d_V, d_V, 1)))
-        del t183, t185, t186
-        t187 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-        _transpose_into(t71, t187)
-        del t187, t71
-        t188 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t115, t188)
-        del t115, t188
-        t189 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-        _transpose_into(t83, t189)
-        del t189, t83
-        t190 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t125, t190)
-        del t125, t190
+        _transpose_into(t180, t181)
+        del t180, t181
         return H
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
