@@ -38,15 +38,18 @@ TARGETS = {"numpy": NUMPY, "torch": TORCH}
 
 # a slab GEMM (K = L, a few dozen rows, hundreds of thousands of columns) runs in blocks of at
 # most this many rows: MKL wrote 64 such rows at 0.9 ms per million entries and 16 or 32 at
-# 0.7 (BENCHMARKS.md, eighth session)
+# 0.7 (BENCHMARKS.md, eighth session). A target may say otherwise ("slab_gemm_rows"): the
+# torch modules' products take any number of rows (symhess.smallk blocks its BLAS fallback)
 SLAB_GEMM_ROWS = 32
 
 
 def _row_blocks(rt, a, b, dest, m):
     """Statements writing ``dest`` = ``a`` @ ``b`` (``a`` with ``m`` rows) in blocks of at
-    most ``SLAB_GEMM_ROWS`` rows (one product where ``m`` is that small)."""
+    most ``SLAB_GEMM_ROWS`` rows (one product where ``m`` is that small, or where the target
+    takes any number)."""
     rows = rt.size(m)
-    if sp.sympify(m).is_number and int(m) <= SLAB_GEMM_ROWS:
+    limit = rt.t.get("slab_gemm_rows", SLAB_GEMM_ROWS)
+    if limit is None or sp.sympify(m).is_number and int(m) <= SLAB_GEMM_ROWS:
         return [rt.fmt("matmul_into", a, b, dest)]
     r = rt.fresh("r0")
     k = f"min({SLAB_GEMM_ROWS}, {rows} - {r})"

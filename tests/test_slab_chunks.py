@@ -3,7 +3,8 @@
 At the test sizes one chunk holds every row, so the committed kernels run each loop once;
 here the full-block routines are rendered with chunks of a single row (every row of R
 written, multiplied into H and overwritten in turn, diagonal writes included), and their
-slab GEMMs in blocks of two rows (``SLAB_GEMM_ROWS``: the last block shorter), and must
+slab GEMMs in blocks of two rows (``SLAB_GEMM_ROWS`` for NumPy, ``smallk.BLAS_ROWS`` for
+torch's BLAS fallback: the last block shorter), and must
 give the same Hessian as the committed routine and as autograd, for one sequence and for a
 batch (R then holds each sequence's rows)."""
 import math
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import symhess as sh
-from symhess import codegen
+from symhess import codegen, smallk
 from symhess.verify import random_values
 
 from test_block_kernels import SIZES, reference
@@ -38,7 +39,12 @@ def rendered(name, backend, monkeypatch, entries, rows=codegen.SLAB_GEMM_ROWS):
 def test_one_row_chunks_give_the_committed_hessian(name, backend, monkeypatch):
     f, src, args = rendered(name, backend, monkeypatch, 1, rows=2)   # GEMMs of ≤ 2 rows too
     assert src.count("for f0") >= 2 and "n_rows = max(1, min(" in src
-    assert "for r0" in src and "min(2, " in src
+    if backend == "torch":      # one call per GEMM: symhess.smallk's BLAS fallback splits rows
+        assert "for r0" not in src
+        monkeypatch.setattr(smallk, "MAX_K", 0)         # every product through BLAS …
+        monkeypatch.setattr(smallk, "BLAS_ROWS", 2)     # … two rows at a time
+    else:
+        assert "for r0" in src and "min(2, " in src
     d = sh.derive(sh.layer(name), "mse")
     k = sh.kernel(name, backend, "mse")
     for batch in (1, 2):

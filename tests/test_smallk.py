@@ -258,3 +258,22 @@ def test_transpose_within_one_array_traced_and_its_fallbacks(monkeypatch):
         smallk.transpose_into(h[:100, 100:], dst)
     assert torch.equal(dst, h[:100, 100:].T)
     assert smallk._disabled
+
+
+def test_blas_fallback_writes_a_few_rows_at_a_time(monkeypatch):
+    """Products the loop nest does not take (here K > MAX_K) go to BLAS in blocks of at most
+    BLAS_ROWS rows of out, written or added, 2-D or batched; the last block shorter."""
+    rng = np.random.default_rng(8)
+    calls = []
+    real = smallk._blas
+    monkeypatch.setattr(smallk, "_blas", lambda a, b, out, add: calls.append(out.shape[-2]) or
+                        real(a, b, out, add))
+    k = smallk.MAX_K + 3
+    for shape_a, shape_b in (((70, k), (k, 300)), ((2, 70, k), (2, k, 300))):
+        a, b = (torch.tensor(rng.standard_normal(s)) for s in (shape_a, shape_b))
+        out = torch.zeros(shape_a[:-1] + shape_b[-1:], dtype=torch.float64)
+        calls.clear()
+        smallk.matmul_into(a, b, out)
+        smallk.matmul_into(a, b, out, add=True)
+        assert calls == [32, 32, 6] * 2
+        assert _close(out, 2 * (a @ b))

@@ -762,11 +762,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
             t32 = t28[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V)).narrow(-2, f0, n_rows).diagonal(0, 2, 3)
             t32.addcmul_(t22, t23.narrow(-1, f0, n_rows))
             t33 = t27.narrow(-1, f0*(2*d_V*d_ff), n_rows*(2*d_V*d_ff))
-            if d_V <= 32:
-                _matmul_into(t26, t29, t33)
-            else:
-                for r0 in range(0, d_V, 32):
-                    _matmul_into(t26.narrow(-2, r0, min(32, d_V - r0)), t29, t33.narrow(-2, r0, min(32, d_V - r0)))
+            _matmul_into(t26, t29, t33)
         del R
         t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
         t35 = t34.view((d_ff, d_V, d_V, d_ff))
@@ -2358,11 +2354,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
             t41 = t37[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows, d_ff, d_V)).narrow(-2, f0, n_rows).diagonal(0, 2, 3)
             t41.addcmul_(t31, t32.narrow(-1, f0, n_rows))
             t42 = t36.narrow(-1, f0*(2*d_V*d_ff), n_rows*(2*d_V*d_ff))
-            if d_V <= 32:
-                _matmul_into(t35, t38, t42)
-            else:
-                for r0 in range(0, d_V, 32):
-                    _matmul_into(t35.narrow(-2, r0, min(32, d_V - r0)), t38, t42.narrow(-2, r0, min(32, d_V - r0)))
+            _matmul_into(t35, t38, t42)
         del R
         t44 = t6.transpose(-1, -2)
         t48 = t12.reshape((n_batch, L, d_V, 1, d_V))
@@ -2380,15 +2372,11 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
         t58 = t56[..., 0:d_V*d_ff].view((n_batch, L, n_rows54, d_ff, d_V))
         for f055 in range(0, d_V, n_rows54):
             torch.mul(t29, t48.narrow(-3, f055, n_rows54), out=t58)
-            if d_ff <= 32:
-                _matmul_into(t51.expand(*(n_rows54,), *t51.shape[-2:]), t57.view((L*n_batch, n_rows54, d_V*d_ff)).permute(1, 0, 2), t53.narrow(-2, f055, n_rows54).permute(1, 0, 2))
-            else:
-                for r059 in range(0, d_ff, 32):
-                    _matmul_into(t51.expand(*(n_rows54,), *t51.shape[-2:]).narrow(-2, r059, min(32, d_ff - r059)), t57.view((L*n_batch, n_rows54, d_V*d_ff)).permute(1, 0, 2), t53.narrow(-2, f055, n_rows54).permute(1, 0, 2).narrow(-2, r059, min(32, d_ff - r059)))
+            _matmul_into(t51.expand(*(n_rows54,), *t51.shape[-2:]), t57.view((L*n_batch, n_rows54, d_V*d_ff)).permute(1, 0, 2), t53.narrow(-2, f055, n_rows54).permute(1, 0, 2))
         del R45
-        t60 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-        t61 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-        _transpose_into(t60, t61)
+        t59 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t60 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        _transpose_into(t59, t60)
         return H
     H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]

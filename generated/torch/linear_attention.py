@@ -1723,11 +1723,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             t103.addcmul_(t93.narrow(-3, f0, n_rows), t94)
             t100[..., 2*d_K*d_V:2*d_K*d_V + d_V**2][...] = 0
             t104 = t99.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2))
-            if d_V <= 32:
-                _matmul_into(t98, t101, t104)
-            else:
-                for r0 in range(0, d_V, 32):
-                    _matmul_into(t98.narrow(-2, r0, min(32, d_V - r0)), t101, t104.narrow(-2, r0, min(32, d_V - r0)))
+            _matmul_into(t98, t101, t104)
         del R
         t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t106 = t105.view((d_V, d_V, d_V, d_V))
@@ -5067,11 +5063,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             torch.mul(t47, t48.narrow(-3, f0, n_rows), out=t60)
             t60.addcmul_(t49, t50.narrow(-3, f0, n_rows))
             t61 = t54.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2))
-            if d_V <= 32:
-                _matmul_into(t53, t56, t61)
-            else:
-                for r0 in range(0, d_V, 32):
-                    _matmul_into(t53.narrow(-2, r0, min(32, d_V - r0)), t56, t61.narrow(-2, r0, min(32, d_V - r0)))
+            _matmul_into(t53, t56, t61)
         del R
         R62 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
         t63 = R62.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
@@ -5108,52 +5100,44 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         t82.addcmul_(t87.reshape((n_batch, L, 1, 1, d_V)), t89.reshape((n_batch, L, d_K, d_V, 1)))
         t90 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
         t91 = R62.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
-        if d_V <= 32:
-            _matmul_into(t53, t91, t90)
-        else:
-            for r092 in range(0, d_V, 32):
-                _matmul_into(t53.narrow(-2, r092, min(32, d_V - r092)), t91, t90.narrow(-2, r092, min(32, d_V - r092)))
+        _matmul_into(t53, t91, t90)
         del R62
-        R93 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
-        t94 = R93.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2))
-        t95 = t94[..., 0:d_K*d_V]
-        t96 = t95.view((n_batch, L, d_V, d_V, d_K))
-        t97 = T.transpose(-1, -2)
-        t98 = t67 * t97
-        t99 = (2/(L*math.sqrt(d_K)*d_V)) * t98
-        t100 = (t8.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t5.reshape((n_batch, d_V, 1, L)))
-        t101 = (Mcausal.reshape((L, L, 1, 1)) * t99.permute(2, 0, 1).reshape((L, 1, n_batch, L)))
-        t102 = ((X.permute(0, 2, 1) @ t101.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t103 = G.transpose(-1, -2)
-        t104 = (t83.permute(1, 0).reshape((L, L, 1, 1)) * t103.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
-        t105 = (t104.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-        t96[...] = ((t102.reshape((n_batch, L*d_V, L)) @ t100.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
-        t96.addcmul_(t8.reshape((n_batch, L, 1, 1, d_K)), t105.reshape((n_batch, L, d_V, d_V, 1)))
-        t106 = t94[..., d_K*d_V:2*d_K*d_V]
-        t107 = t106.view((n_batch, L, d_V, d_V, d_K))
-        t108 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t5.reshape((n_batch, d_V, 1, L)))
-        t109 = ((t18.permute(0, 2, 1) @ t101.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t110 = (t104.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))
-        t107[...] = ((t108.reshape((n_batch, d_V**2, L)) @ t109.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t107.addcmul_(X.reshape((n_batch, L, 1, d_V, 1)), t110.reshape((n_batch, L, d_V, 1, d_K)))
-        t111 = t94[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t111[...] = 0
-        t112 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2)))
-        t113 = R93.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2)))
-        if d_V <= 32:
-            _matmul_into(t53, t113, t112)
-        else:
-            for r0114 in range(0, d_V, 32):
-                _matmul_into(t53.narrow(-2, r0114, min(32, d_V - r0114)), t113, t112.narrow(-2, r0114, min(32, d_V - r0114)))
-        del R93
-        t115 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t116 = t115.view((d_V, d_V, d_V, d_V))
-        t117 = t116.diagonal(0, 1, 3)
-        t118 = t39.transpose(-1, -2)
-        t119 = t118 @ t39
-        t120 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-        t121 = (2/(L*d_V*n_batch)) * t120
-        t117.addcmul_(t121.reshape((1, 1, d_V)), t119.sum((0,)).reshape((d_V, d_V, 1)))
+        R92 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        t93 = R92.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2))
+        t94 = t93[..., 0:d_K*d_V]
+        t95 = t94.view((n_batch, L, d_V, d_V, d_K))
+        t96 = T.transpose(-1, -2)
+        t97 = t67 * t96
+        t98 = (2/(L*math.sqrt(d_K)*d_V)) * t97
+        t99 = (t8.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t5.reshape((n_batch, d_V, 1, L)))
+        t100 = (Mcausal.reshape((L, L, 1, 1)) * t98.permute(2, 0, 1).reshape((L, 1, n_batch, L)))
+        t101 = ((X.permute(0, 2, 1) @ t100.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t102 = G.transpose(-1, -2)
+        t103 = (t83.permute(1, 0).reshape((L, L, 1, 1)) * t102.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
+        t104 = (t103.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t95[...] = ((t101.reshape((n_batch, L*d_V, L)) @ t99.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t95.addcmul_(t8.reshape((n_batch, L, 1, 1, d_K)), t104.reshape((n_batch, L, d_V, d_V, 1)))
+        t105 = t93[..., d_K*d_V:2*d_K*d_V]
+        t106 = t105.view((n_batch, L, d_V, d_V, d_K))
+        t107 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t5.reshape((n_batch, d_V, 1, L)))
+        t108 = ((t18.permute(0, 2, 1) @ t100.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t109 = (t103.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))
+        t106[...] = ((t107.reshape((n_batch, d_V**2, L)) @ t108.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t106.addcmul_(X.reshape((n_batch, L, 1, d_V, 1)), t109.reshape((n_batch, L, d_V, 1, d_K)))
+        t110 = t93[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t110[...] = 0
+        t111 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2)))
+        t112 = R92.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2)))
+        _matmul_into(t53, t112, t111)
+        del R92
+        t113 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t114 = t113.view((d_V, d_V, d_V, d_V))
+        t115 = t114.diagonal(0, 1, 3)
+        t116 = t39.transpose(-1, -2)
+        t117 = t116 @ t39
+        t118 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t119 = (2/(L*d_V*n_batch)) * t118
+        t115.addcmul_(t119.reshape((1, 1, d_V)), t117.sum((0,)).reshape((d_V, d_V, 1)))
         return H
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -9070,11 +9054,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             torch.mul(t51, t52.narrow(-3, f0, n_rows), out=t64)
             t64.addcmul_(t53, t54.narrow(-3, f0, n_rows))
             t65 = t58.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2))
-            if d_V <= 32:
-                _matmul_into(t57, t60, t65)
-            else:
-                for r0 in range(0, d_V, 32):
-                    _matmul_into(t57.narrow(-2, r0, min(32, d_V - r0)), t60, t65.narrow(-2, r0, min(32, d_V - r0)))
+            _matmul_into(t57, t60, t65)
         del R
         t66 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
         t67 = t66.view((d_V, d_K, d_V, d_K))
@@ -13314,11 +13294,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
             torch.mul(t57, t58.narrow(-3, f0, n_rows), out=t70)
             t70.addcmul_(t59, t60.narrow(-3, f0, n_rows))
             t71 = t64.narrow(-1, f0*(2*d_K*d_V + d_V**2), n_rows*(2*d_K*d_V + d_V**2))
-            if d_V <= 32:
-                _matmul_into(t63, t66, t71)
-            else:
-                for r0 in range(0, d_V, 32):
-                    _matmul_into(t63.narrow(-2, r0, min(32, d_V - r0)), t66, t71.narrow(-2, r0, min(32, d_V - r0)))
+            _matmul_into(t63, t66, t71)
         del n_rows, t24, t25, t41, t42, t43, t44, t57, t58, t59, t60, t64, t65, t66, t67, t68, t70
         del R
         R72 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
@@ -13388,81 +13364,77 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
         del t103, t106, t98
         t107 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
         t108 = R72.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
-        if d_V <= 32:
-            _matmul_into(t63, t108, t107)
-        else:
-            for r0109 in range(0, d_V, 32):
-                _matmul_into(t63.narrow(-2, r0109, min(32, d_V - r0109)), t108, t107.narrow(-2, r0109, min(32, d_V - r0109)))
+        _matmul_into(t63, t108, t107)
         del t107, t108, t63
         del R72
-        t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t111 = t110.view((d_V, d_V, d_V, d_K))
-        del t110
-        t112 = T.transpose(-1, -2)
+        t109 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t110 = t109.view((d_V, d_V, d_V, d_K))
+        del t109
+        t111 = T.transpose(-1, -2)
         del T
-        t113 = t77 * t112
-        del t112
-        t114 = (1/(L*math.sqrt(d_K)*n_batch)) * t113
-        del t113
-        t115 = (t114.permute(0, 2, 1) @ t0.permute(0, 2, 1))
-        del t114
-        t116 = (t115.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-        t117 = (t17.permute(1, 2, 0, 3) * Mcausal.permute(1, 0).reshape((L, L, 1, 1)))
-        del Mcausal, t17
-        t118 = (t117.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t15).reshape((n_batch, L, d_V, d_K))
-        t119 = (t118.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        del t118
-        t120 = G.transpose(-1, -2)
-        del G
-        t121 = (1/(math.sqrt(d_K)*n_batch)) * t77
-        del t77
-        t122 = (t121.reshape((L, L, 1, 1)) * t0.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
-        del t0, t121
-        t123 = (t122.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t15).reshape((n_batch, L, d_V, d_K))
-        del t15
-        t124 = (t123.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-        del t123
-        t125 = t120.permute(1, 0, 2)
-        del t120
-        t111[...] = ((t116.reshape((d_V**2, L*n_batch)) @ t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        del t116, t119
-        t126 = t125.reshape((1, d_V, L*n_batch))
-        del t125
-        t127 = t111.view((d_V, d_V, d_K*d_V))
+        t112 = t77 * t111
         del t111
-        _matmul_into(t126.expand(*(d_V,), *t126.shape[-2:]), t124.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t127, add=True)
-        del t124, t127
-        t128 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t129 = t128.view((d_V, d_V, d_V, d_K))
-        del t128
-        t130 = (t115.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
-        del t115
-        t131 = (t117.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t113 = (1/(L*math.sqrt(d_K)*n_batch)) * t112
+        del t112
+        t114 = (t113.permute(0, 2, 1) @ t0.permute(0, 2, 1))
+        del t113
+        t115 = (t114.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+        t116 = (t17.permute(1, 2, 0, 3) * Mcausal.permute(1, 0).reshape((L, L, 1, 1)))
+        del Mcausal, t17
+        t117 = (t116.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t15).reshape((n_batch, L, d_V, d_K))
+        t118 = (t117.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         del t117
-        t132 = (t131.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-        del t131
-        t133 = (t122.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t119 = G.transpose(-1, -2)
+        del G
+        t120 = (1/(math.sqrt(d_K)*n_batch)) * t77
+        del t77
+        t121 = (t120.reshape((L, L, 1, 1)) * t0.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
+        del t0, t120
+        t122 = (t121.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t15).reshape((n_batch, L, d_V, d_K))
+        del t15
+        t123 = (t122.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
         del t122
-        t134 = (t133.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-        del t133, t28
-        t129[...] = ((t132.reshape((d_V**2, L*n_batch)) @ t130.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        del t130, t132
-        t135 = t129.view((d_V, d_V, d_K*d_V))
-        del t129
-        _matmul_into(t126.expand(*(d_V,), *t126.shape[-2:]), t134.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t135, add=True)
-        del t126, t134, t135
-        t136 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t137 = t136.view((d_V, d_V, d_V, d_V))
-        del t136
-        t138 = t47.transpose(-1, -2)
-        t139 = (1/(L*n_batch)) * t138
-        del t138
-        t140 = (dA.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t124 = t119.permute(1, 0, 2)
+        del t119
+        t110[...] = ((t115.reshape((d_V**2, L*n_batch)) @ t118.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        del t115, t118
+        t125 = t124.reshape((1, d_V, L*n_batch))
+        del t124
+        t126 = t110.view((d_V, d_V, d_K*d_V))
+        del t110
+        _matmul_into(t125.expand(*(d_V,), *t125.shape[-2:]), t123.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t126, add=True)
+        del t123, t126
+        t127 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t128 = t127.view((d_V, d_V, d_V, d_K))
+        del t127
+        t129 = (t114.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
+        del t114
+        t130 = (t116.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        del t116
+        t131 = (t130.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        del t130
+        t132 = (t121.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        del t121
+        t133 = (t132.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+        del t132, t28
+        t128[...] = ((t131.reshape((d_V**2, L*n_batch)) @ t129.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        del t129, t131
+        t134 = t128.view((d_V, d_V, d_K*d_V))
+        del t128
+        _matmul_into(t125.expand(*(d_V,), *t125.shape[-2:]), t133.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t134, add=True)
+        del t125, t133, t134
+        t135 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t136 = t135.view((d_V, d_V, d_V, d_V))
+        del t135
+        t137 = t47.transpose(-1, -2)
+        t138 = (1/(L*n_batch)) * t137
+        del t137
+        t139 = (dA.permute(2, 3, 0, 1) * t6.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         del dA, t6
-        t141 = (t47.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t139.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del t139, t47
-        t137[...] = ((t141.reshape((d_V**2, L*n_batch)) @ t140.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-        del t137, t140, t141
+        t140 = (t47.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t138.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        del t138, t47
+        t136[...] = ((t140.reshape((d_V**2, L*n_batch)) @ t139.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        del t136, t139, t140
         return H
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]

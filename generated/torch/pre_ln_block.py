@@ -775,11 +775,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             torch.mul(t293, t294.narrow(-3, f0, n_rows), out=t306)
             t300[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff][...] = 0
             t307 = t299.narrow(-1, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-            if d_ff <= 32:
-                _matmul_into(t298, t301, t307)
-            else:
-                for r0 in range(0, d_ff, 32):
-                    _matmul_into(t298.narrow(-2, r0, min(32, d_ff - r0)), t301, t307.narrow(-2, r0, min(32, d_ff - r0)))
+            _matmul_into(t298, t301, t307)
         del n_rows, t272, t273, t277, t278, t285, t286, t287, t288, t293, t294, t298, t299, t300, t301, t302, t303, t304, t306
         del R
         t308 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
@@ -14475,11 +14471,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             torch.mul(t200.narrow(-3, f0, n_rows), t201, out=t215)
             t215.addcmul_(t202, t203.narrow(-3, f0, n_rows))
             t216 = t207.narrow(-1, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-            if d_V <= 32:
-                _matmul_into(t206, t209, t216)
-            else:
-                for r0 in range(0, d_V, 32):
-                    _matmul_into(t206.narrow(-2, r0, min(32, d_V - r0)), t209, t216.narrow(-2, r0, min(32, d_V - r0)))
+            _matmul_into(t206, t209, t216)
         del n_rows, t107, t108, t109, t110, t153, t154, t174, t191, t192, t200, t203, t207, t208, t209, t210, t211, t213, t214, t215, t98, t99
         del R
         R217 = torch.empty((n_batch, L, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -14600,291 +14592,279 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t280 = t279.narrow(-1, d_K*d_V, d_K*d_V + d_V**2 + 2*d_V*d_ff)
         del t279
         t281 = R217.view((L*n_batch, d_K*(d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        if d_V <= 32:
-            _matmul_into(t206.expand(*(d_K,), *t206.shape[-2:]), t281.view((L*n_batch, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t280.permute(1, 0, 2))
-        else:
-            for r0282 in range(0, d_V, 32):
-                _matmul_into(t206.expand(*(d_K,), *t206.shape[-2:]).narrow(-2, r0282, min(32, d_V - r0282)), t281.view((L*n_batch, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t280.permute(1, 0, 2).narrow(-2, r0282, min(32, d_V - r0282)))
+        _matmul_into(t206.expand(*(d_K,), *t206.shape[-2:]), t281.view((L*n_batch, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t280.permute(1, 0, 2))
         del t206, t280, t281
         del R217
-        t283 = t123.transpose(-1, -2)
+        t282 = t123.transpose(-1, -2)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S287 = (2/d_V) * S59 + (-2/d_V**2) * ((t22 @ S59.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t64 @ S62)
+        S286 = (2/d_V) * S59 + (-2/d_V**2) * ((t22 @ S59.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t64 @ S62)
         del S59, t64
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S289 = (d_K) * S67
+        S288 = (d_K) * S67
         del S67
-        t291 = (t47.reshape((d_ff, d_V, 1, 1)) * t38.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-        t292 = (t291.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t44.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
-        del t291
-        t293 = (t292.permute(1, 2, 0, 3) @ t71.permute(1, 2, 0, 3))
-        del t292, t71
-        t294 = (t293.permute(0, 1, 3, 2) @ S62)
-        del S62, t293
-        t298 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-        t299 = (2/(L*d_V)) * t298
-        t302 = (t38.reshape((n_batch, L, 1, d_ff)) * W_1.reshape((1, 1, d_V, d_ff)))
-        t303 = ((t161 @ t302.permute(3, 0, 1, 2).reshape((d_ff, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + ((t261 @ t294.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        del t161, t294, t302
-        t304 = (S287.reshape((L*d_V*n_batch, d_V)) @ t261.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S289 @ t303.permute(0, 1, 3, 2))
-        del S287, t261, t303
-        t305 = t304.reshape((n_batch, L, d_V, 1, d_V))
-        del t304
-        t306 = t299.reshape((1, 1, 1, d_V))
-        del t299
-        t307 = t123.reshape((n_batch, L, d_V, 1))
-        t310 = ((S @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        # S: compact tensor ('L', 'd_V', 'd_V')
-        S311 = (2/(L*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S289 @ t183)
-        del S289
-        t312 = (S311.reshape((L*d_V*n_batch, d_V)) @ t44).reshape((n_batch, L, d_V, d_ff))
-        del S311
-        t313 = t310.reshape((n_batch, L, d_V, d_V, 1))
-        del t310
-        t314 = t312.reshape((n_batch, L, d_V, 1, d_ff))
-        del t312
-        t317 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t318 = (t317.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
-        del t317
-        # S: compact tensor ('L', 'd_V', 'd_V')
-        S319 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S66 @ t183)
-        del t21
-        t320 = (2/(L*d_V)) * t39
-        t321 = (-2/(L*d_V**2)) * t22
-        t322 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t321.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        del S66, t321
-        t323 = (t322.permute(0, 1, 3, 2) @ t183)
-        del t183, t322
-        t324 = t318.reshape((n_batch, L, d_V, d_ff, 1))
-        del t318
-        t325 = t320.reshape((n_batch, L, 1, d_ff, 1))
-        del t320
-        t326 = S319.reshape((n_batch, L, d_V, 1, d_V))
-        del S319
-        t327 = t323.reshape((n_batch, L, d_V, 1, d_V))
-        del t323
-        t328 = t283.permute(1, 0, 2)
-        del t283
-        t329 = t328.reshape((d_V, L*n_batch))
-        del t328
-        t330 = (1/n_batch) * t329
-        del t329
-        t331 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t332 = t331.narrow(-1, 2*d_K*d_V, d_V**2 + 2*d_V*d_ff)
-        del t331
-        n_rows333 = max(1, min(d_V, 262144 // (L*n_batch*(d_V**2 + 2*d_V*d_ff))))
-        while d_V % n_rows333:    # chunks of equal size
-            n_rows333 -= 1
-        R284 = torch.empty((n_batch, L, n_rows333, d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t335 = R284.view((n_batch, L*n_rows333, d_V**2 + 2*d_V*d_ff))
-        t336 = R284.view((L*n_batch, n_rows333*(d_V**2 + 2*d_V*d_ff)))
-        t337 = t335[..., 0:d_V**2].view((n_batch, L, n_rows333, d_V, d_V))
-        t339 = t335[..., d_V**2:d_V**2 + d_V*d_ff].view((n_batch, L, n_rows333, d_V, d_ff))
-        t340 = t335[..., d_V**2 + d_V*d_ff:d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows333, d_ff, d_V))
-        for f0334 in range(0, d_V, n_rows333):
-            torch.mul(t173, t305.narrow(-3, f0334, n_rows333), out=t337)
-            t338 = t335[..., 0:d_V**2].view((n_batch, L, n_rows333, d_V, d_V)).narrow(-1, f0334, n_rows333).diagonal(0, 2, 4)
-            t338.addcmul_(t306.narrow(-1, f0334, n_rows333), t307)
-            torch.mul(t190, t313.narrow(-3, f0334, n_rows333), out=t339)
-            t339.addcmul_(t314.narrow(-3, f0334, n_rows333), t193)
-            torch.mul(t324.narrow(-3, f0334, n_rows333), t201, out=t340)
-            t340.addcmul_(t325, t326.narrow(-3, f0334, n_rows333))
-            t340.addcmul_(t202, t327.narrow(-3, f0334, n_rows333))
-            if d_V <= 32:
-                _matmul_into(t330.expand(*(n_rows333,), *t330.shape[-2:]), t336.view((L*n_batch, n_rows333, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t332.narrow(-2, f0334, n_rows333).permute(1, 0, 2))
-            else:
-                for r0341 in range(0, d_V, 32):
-                    _matmul_into(t330.expand(*(n_rows333,), *t330.shape[-2:]).narrow(-2, r0341, min(32, d_V - r0341)), t336.view((L*n_batch, n_rows333, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t332.narrow(-2, f0334, n_rows333).permute(1, 0, 2).narrow(-2, r0341, min(32, d_V - r0341)))
-        del n_rows333, t173, t190, t193, t201, t305, t306, t307, t313, t314, t324, t325, t326, t327, t330, t332, t335, t336, t337, t339, t340
-        del R284
-        t342 = N_2.transpose(-1, -2)
-        t346 = W_2 @ t44
-        t347 = (2/(L*d_V)) * N_2
-        t348 = (t346.reshape((1, 1, d_ff, d_ff)) * t38.reshape((n_batch, L, d_ff, 1)))
-        del t346
-        t349 = (t347.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_ff)))
-        del t347
-        t350 = t348.reshape((n_batch, L, d_ff, 1, d_ff))
-        del t348
-        t351 = t349.reshape((n_batch, L, 1, d_V, d_ff))
-        del t349
-        t354 = (2/(L*d_V)) * t38
-        t355 = (W_2.reshape((1, 1, d_ff, d_V)) * t354.reshape((n_batch, L, d_ff, 1)))
-        del t354
-        t357 = t355.reshape((n_batch, L, d_ff, 1, d_V))
-        del t355
-        t358 = G.reshape((n_batch, L, d_V, 1))
-        t359 = t38.reshape((n_batch, L, 1, d_ff))
-        t360 = t342.permute(1, 0, 2)
-        del t342
-        t361 = t360.reshape((d_V, L*n_batch))
-        del t360
-        t362 = (1/n_batch) * t361
-        del t361
-        t363 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t364 = t363.narrow(-1, 2*d_K*d_V + d_V**2, 2*d_V*d_ff)
-        del t363
-        n_rows365 = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
-        while d_ff % n_rows365:    # chunks of equal size
-            n_rows365 -= 1
-        R343 = torch.empty((n_batch, L, n_rows365, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t367 = R343.view((n_batch, L*n_rows365, 2*d_V*d_ff))
-        t368 = R343.view((L*n_batch, 2*d_V*d_ff*n_rows365))
-        t369 = t367[..., 0:d_V*d_ff].view((n_batch, L, n_rows365, d_V, d_ff))
-        t370 = t367[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows365, d_ff, d_V))
-        for f0366 in range(0, d_ff, n_rows365):
-            torch.mul(t350.narrow(-3, f0366, n_rows365), t351, out=t369)
-            torch.mul(t202, t357.narrow(-3, f0366, n_rows365), out=t370)
-            t371 = t367[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows365, d_ff, d_V)).narrow(-2, f0366, n_rows365).diagonal(0, 2, 3)
-            t371.addcmul_(t358, t359.narrow(-1, f0366, n_rows365))
-            if d_V <= 32:
-                _matmul_into(t362.expand(*(n_rows365,), *t362.shape[-2:]), t368.view((L*n_batch, n_rows365, 2*d_V*d_ff)).permute(1, 0, 2), t364.narrow(-2, f0366, n_rows365).permute(1, 0, 2))
-            else:
-                for r0372 in range(0, d_V, 32):
-                    _matmul_into(t362.expand(*(n_rows365,), *t362.shape[-2:]).narrow(-2, r0372, min(32, d_V - r0372)), t368.view((L*n_batch, n_rows365, 2*d_V*d_ff)).permute(1, 0, 2), t364.narrow(-2, f0366, n_rows365).permute(1, 0, 2).narrow(-2, r0372, min(32, d_V - r0372)))
-        del n_rows365, t202, t350, t351, t357, t358, t359, t362, t364, t367, t368, t369, t370
-        del R343
-        t373 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-        t374 = t373.view((d_ff, d_V, d_V, d_K))
-        del t373
-        t376 = t39.transpose(-1, -2)
-        t377 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t74
-        del t74
-        t378 = (t377.permute(0, 2, 1) @ S69.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        del S69, t377
-        t379 = (t95.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
-        t380 = ((t379.permute(0, 2, 1, 3) @ t378.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-        del t379
-        t381 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t376.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t382 = G.transpose(-1, -2)
-        del G
-        t383 = t38.transpose(-1, -2)
-        t384 = P_N_2.transpose(-1, -2)
-        del P_N_2
-        t386 = t34.transpose(-1, -2)
-        del t34
-        t387 = M_N_2.transpose(-1, -2)
-        del M_N_2
-        t388 = t386 * t387
-        del t386
-        t389 = (t22.reshape((d_V, d_V, 1, 1)) * t388.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del t22, t388
-        # S: compact tensor ('d_V', 'L', 'd_V')
-        S390 = (t20.reshape((1, d_V, 1, d_V)) * t384.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t389.permute(2, 0, 3, 1) * t387.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
-        del t20, t384, t387, t389
-        t391 = (1/(math.sqrt(d_K)*n_batch)) * t382
-        t392 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t391.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t393 = (t231.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        del t231
-        t394 = (t393.permute(0, 2, 3, 1) @ S390.permute(0, 2, 3, 1))
-        del t393
-        t395 = (t394.reshape((L**2*n_batch, d_V)) @ t47.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        del t394
-        t396 = (t395.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t95).reshape((n_batch, L, d_ff, d_K))
-        del t95
-        t397 = (t396.permute(2, 3, 0, 1) * t383.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        del t396
-        t374[...] = ((t381.reshape((d_V*d_ff, L*n_batch)) @ t380.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        del t380, t381
-        t374 += ((t392.reshape((d_V**2, L*n_batch)) @ t397.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-        del t374, t392, t397
-        t398 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t399 = t398.view((d_ff, d_V, d_V, d_K))
-        del t398
-        t400 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        del dA
-        t401 = ((t400.permute(0, 2, 1, 3) @ t378.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-        del t378, t400
-        t402 = (t102.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t376.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        t403 = (t102.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t391.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del t102, t391
-        t404 = (t395.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        del N_1, t395
-        t405 = (t404.permute(2, 3, 0, 1) * t383.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        del t404
-        t399[...] = ((t401.reshape((d_V**2, L*n_batch)) @ t402.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-        del t401, t402
-        t399 += ((t405.reshape((d_V*d_ff, L*n_batch)) @ t403.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        del t399, t403, t405
-        t406 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t407 = t406.view((d_ff, d_V, d_V, d_V))
-        del t406
-        t408 = (2/(L*d_V*n_batch)) * t123
-        t409 = (t408.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t376.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        del t408
-        t410 = ((S.permute(1, 0) @ t68.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-        del t68
-        t411 = (1/n_batch) * t382
-        del t382
-        t412 = (t123.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t411.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        t413 = (t47.reshape((d_ff, d_V, 1, 1)) * t383.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-        del t47
-        t414 = (S.permute(1, 0) @ S390.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
-        del S, S390
-        t415 = ((t414.permute(1, 3, 0, 2) @ t413.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
-        del t413, t414
-        t416 = t407.diagonal(0, 1, 3)
-        t417 = (2/(L*d_V*n_batch)) * t298
+        t290 = (t47.reshape((d_ff, d_V, 1, 1)) * t38.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+        t291 = (t290.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t44.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        del t290
+        t292 = (t291.permute(1, 2, 0, 3) @ t71.permute(1, 2, 0, 3))
+        del t291, t71
+        t293 = (t292.permute(0, 1, 3, 2) @ S62)
+        del S62, t292
+        t297 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t298 = (2/(L*d_V)) * t297
+        t301 = (t38.reshape((n_batch, L, 1, d_ff)) * W_1.reshape((1, 1, d_V, d_ff)))
+        t302 = ((t161 @ t301.permute(3, 0, 1, 2).reshape((d_ff, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + ((t261 @ t293.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        del t161, t293, t301
+        t303 = (S286.reshape((L*d_V*n_batch, d_V)) @ t261.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S288 @ t302.permute(0, 1, 3, 2))
+        del S286, t261, t302
+        t304 = t303.reshape((n_batch, L, d_V, 1, d_V))
+        del t303
+        t305 = t298.reshape((1, 1, 1, d_V))
         del t298
-        t418 = (t376.permute(1, 0, 2).reshape((d_ff, L*n_batch)) @ t123.reshape((L*n_batch, d_V)))
-        del t123
-        t407[...] = ((t409.reshape((d_V*d_ff, L*n_batch)) @ t410.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-        del t409, t410
-        t407 += ((t412.reshape((d_V**2, L*n_batch)) @ t415.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
-        del t407, t412, t415
-        t416.addcmul_(t417.reshape((1, 1, d_V)), t418.reshape((d_ff, d_V, 1)))
-        del t416, t418
-        t419 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t420 = t419.view((d_ff, d_V, d_V, d_ff))
-        del t419
-        t421 = (2/(L*d_V*n_batch)) * N_2
-        t422 = (t421.reshape((n_batch, L, d_V, 1)) * t376.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-        del t421
-        t423 = (t422.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t38.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-        del t38, t422
-        t424 = t420.diagonal(0, 0, 3)
-        t425 = t383.permute(1, 0, 2)
+        t306 = t123.reshape((n_batch, L, d_V, 1))
+        t309 = ((S @ S66.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S310 = (2/(L*d_V)) * (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S288 @ t183)
+        del S288
+        t311 = (S310.reshape((L*d_V*n_batch, d_V)) @ t44).reshape((n_batch, L, d_V, d_ff))
+        del S310
+        t312 = t309.reshape((n_batch, L, d_V, d_V, 1))
+        del t309
+        t313 = t311.reshape((n_batch, L, d_V, 1, d_ff))
+        del t311
+        t316 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t317 = (t316.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        del t316
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S318 = (t21.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S66 @ t183)
+        del t21
+        t319 = (2/(L*d_V)) * t39
+        t320 = (-2/(L*d_V**2)) * t22
+        t321 = (S66.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t320.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        del S66, t320
+        t322 = (t321.permute(0, 1, 3, 2) @ t183)
+        del t183, t321
+        t323 = t317.reshape((n_batch, L, d_V, d_ff, 1))
+        del t317
+        t324 = t319.reshape((n_batch, L, 1, d_ff, 1))
+        del t319
+        t325 = S318.reshape((n_batch, L, d_V, 1, d_V))
+        del S318
+        t326 = t322.reshape((n_batch, L, d_V, 1, d_V))
+        del t322
+        t327 = t282.permute(1, 0, 2)
+        del t282
+        t328 = t327.reshape((d_V, L*n_batch))
+        del t327
+        t329 = (1/n_batch) * t328
+        del t328
+        t330 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t331 = t330.narrow(-1, 2*d_K*d_V, d_V**2 + 2*d_V*d_ff)
+        del t330
+        n_rows332 = max(1, min(d_V, 262144 // (L*n_batch*(d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows332:    # chunks of equal size
+            n_rows332 -= 1
+        R283 = torch.empty((n_batch, L, n_rows332, d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t334 = R283.view((n_batch, L*n_rows332, d_V**2 + 2*d_V*d_ff))
+        t335 = R283.view((L*n_batch, n_rows332*(d_V**2 + 2*d_V*d_ff)))
+        t336 = t334[..., 0:d_V**2].view((n_batch, L, n_rows332, d_V, d_V))
+        t338 = t334[..., d_V**2:d_V**2 + d_V*d_ff].view((n_batch, L, n_rows332, d_V, d_ff))
+        t339 = t334[..., d_V**2 + d_V*d_ff:d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows332, d_ff, d_V))
+        for f0333 in range(0, d_V, n_rows332):
+            torch.mul(t173, t304.narrow(-3, f0333, n_rows332), out=t336)
+            t337 = t334[..., 0:d_V**2].view((n_batch, L, n_rows332, d_V, d_V)).narrow(-1, f0333, n_rows332).diagonal(0, 2, 4)
+            t337.addcmul_(t305.narrow(-1, f0333, n_rows332), t306)
+            torch.mul(t190, t312.narrow(-3, f0333, n_rows332), out=t338)
+            t338.addcmul_(t313.narrow(-3, f0333, n_rows332), t193)
+            torch.mul(t323.narrow(-3, f0333, n_rows332), t201, out=t339)
+            t339.addcmul_(t324, t325.narrow(-3, f0333, n_rows332))
+            t339.addcmul_(t202, t326.narrow(-3, f0333, n_rows332))
+            _matmul_into(t329.expand(*(n_rows332,), *t329.shape[-2:]), t335.view((L*n_batch, n_rows332, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t331.narrow(-2, f0333, n_rows332).permute(1, 0, 2))
+        del n_rows332, t173, t190, t193, t201, t304, t305, t306, t312, t313, t323, t324, t325, t326, t329, t331, t334, t335, t336, t338, t339
+        del R283
+        t340 = N_2.transpose(-1, -2)
+        t344 = W_2 @ t44
+        t345 = (2/(L*d_V)) * N_2
+        t346 = (t344.reshape((1, 1, d_ff, d_ff)) * t38.reshape((n_batch, L, d_ff, 1)))
+        del t344
+        t347 = (t345.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_ff)))
+        del t345
+        t348 = t346.reshape((n_batch, L, d_ff, 1, d_ff))
+        del t346
+        t349 = t347.reshape((n_batch, L, 1, d_V, d_ff))
+        del t347
+        t352 = (2/(L*d_V)) * t38
+        t353 = (W_2.reshape((1, 1, d_ff, d_V)) * t352.reshape((n_batch, L, d_ff, 1)))
+        del t352
+        t355 = t353.reshape((n_batch, L, d_ff, 1, d_V))
+        del t353
+        t356 = G.reshape((n_batch, L, d_V, 1))
+        t357 = t38.reshape((n_batch, L, 1, d_ff))
+        t358 = t340.permute(1, 0, 2)
+        del t340
+        t359 = t358.reshape((d_V, L*n_batch))
+        del t358
+        t360 = (1/n_batch) * t359
+        del t359
+        t361 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t362 = t361.narrow(-1, 2*d_K*d_V + d_V**2, 2*d_V*d_ff)
+        del t361
+        n_rows363 = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
+        while d_ff % n_rows363:    # chunks of equal size
+            n_rows363 -= 1
+        R341 = torch.empty((n_batch, L, n_rows363, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t365 = R341.view((n_batch, L*n_rows363, 2*d_V*d_ff))
+        t366 = R341.view((L*n_batch, 2*d_V*d_ff*n_rows363))
+        t367 = t365[..., 0:d_V*d_ff].view((n_batch, L, n_rows363, d_V, d_ff))
+        t368 = t365[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows363, d_ff, d_V))
+        for f0364 in range(0, d_ff, n_rows363):
+            torch.mul(t348.narrow(-3, f0364, n_rows363), t349, out=t367)
+            torch.mul(t202, t355.narrow(-3, f0364, n_rows363), out=t368)
+            t369 = t365[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows363, d_ff, d_V)).narrow(-2, f0364, n_rows363).diagonal(0, 2, 3)
+            t369.addcmul_(t356, t357.narrow(-1, f0364, n_rows363))
+            _matmul_into(t360.expand(*(n_rows363,), *t360.shape[-2:]), t366.view((L*n_batch, n_rows363, 2*d_V*d_ff)).permute(1, 0, 2), t362.narrow(-2, f0364, n_rows363).permute(1, 0, 2))
+        del n_rows363, t202, t348, t349, t355, t356, t357, t360, t362, t365, t366, t367, t368
+        del R341
+        t370 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        t371 = t370.view((d_ff, d_V, d_V, d_K))
+        del t370
+        t373 = t39.transpose(-1, -2)
+        t374 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t74
+        del t74
+        t375 = (t374.permute(0, 2, 1) @ S69.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        del S69, t374
+        t376 = (t95.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
+        t377 = ((t376.permute(0, 2, 1, 3) @ t375.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+        del t376
+        t378 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t373.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t379 = G.transpose(-1, -2)
+        del G
+        t380 = t38.transpose(-1, -2)
+        t381 = P_N_2.transpose(-1, -2)
+        del P_N_2
+        t383 = t34.transpose(-1, -2)
+        del t34
+        t384 = M_N_2.transpose(-1, -2)
+        del M_N_2
+        t385 = t383 * t384
         del t383
-        t426 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t411.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-        del N_2, t411
-        torch.mul(t44.reshape((1, d_V, 1, d_ff)), t423.reshape((d_ff, 1, d_V, d_ff)), out=t420)
-        del t420, t423, t44
-        t424 += (t426.reshape((d_V**2, L*n_batch)) @ t425.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-        del t424, t425, t426
-        t427 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t427[...] = 0
-        t428 = t427.view((d_ff, d_V, d_ff, d_V))
-        del t427
-        t429 = t428.diagonal(0, 1, 3)
-        del t428
-        t430 = t376 @ t39
-        del t376, t39
-        t429.addcmul_(t417.reshape((1, 1, d_V)), t430.sum((0,)).reshape((d_ff, d_ff, 1)))
-        del t417, t429, t430
-        t431 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-        t432 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-        _transpose_into(t431, t432)
-        del t431, t432
-        t433 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t434 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        _transpose_into(t433, t434)
-        del t433, t434
-        t435 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t436 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t435, t436)
-        del t435, t436
-        t437 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t438 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-        _transpose_into(t437, t438)
-        del t437, t438
-        t439 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t440 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t439, t440)
-        del t439, t440
-        t441 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t442 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        _transpose_into(t441, t442)
-        del t441, t442
+        t386 = (t22.reshape((d_V, d_V, 1, 1)) * t385.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        del t22, t385
+        # S: compact tensor ('d_V', 'L', 'd_V')
+        S387 = (t20.reshape((1, d_V, 1, d_V)) * t381.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t386.permute(2, 0, 3, 1) * t384.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
+        del t20, t381, t384, t386
+        t388 = (1/(math.sqrt(d_K)*n_batch)) * t379
+        t389 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t388.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t390 = (t231.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        del t231
+        t391 = (t390.permute(0, 2, 3, 1) @ S387.permute(0, 2, 3, 1))
+        del t390
+        t392 = (t391.reshape((L**2*n_batch, d_V)) @ t47.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        del t391
+        t393 = (t392.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t95).reshape((n_batch, L, d_ff, d_K))
+        del t95
+        t394 = (t393.permute(2, 3, 0, 1) * t380.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        del t393
+        t371[...] = ((t378.reshape((d_V*d_ff, L*n_batch)) @ t377.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        del t377, t378
+        t371 += ((t389.reshape((d_V**2, L*n_batch)) @ t394.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+        del t371, t389, t394
+        t395 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t396 = t395.view((d_ff, d_V, d_V, d_K))
+        del t395
+        t397 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        del dA
+        t398 = ((t397.permute(0, 2, 1, 3) @ t375.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+        del t375, t397
+        t399 = (t102.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t373.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t400 = (t102.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t388.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        del t102, t388
+        t401 = (t392.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        del N_1, t392
+        t402 = (t401.permute(2, 3, 0, 1) * t380.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        del t401
+        t396[...] = ((t398.reshape((d_V**2, L*n_batch)) @ t399.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+        del t398, t399
+        t396 += ((t402.reshape((d_V*d_ff, L*n_batch)) @ t400.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        del t396, t400, t402
+        t403 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t404 = t403.view((d_ff, d_V, d_V, d_V))
+        del t403
+        t405 = (2/(L*d_V*n_batch)) * t123
+        t406 = (t405.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t373.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        del t405
+        t407 = ((S.permute(1, 0) @ t68.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
+        del t68
+        t408 = (1/n_batch) * t379
+        del t379
+        t409 = (t123.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t408.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        t410 = (t47.reshape((d_ff, d_V, 1, 1)) * t380.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        del t47
+        t411 = (S.permute(1, 0) @ S387.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
+        del S, S387
+        t412 = ((t411.permute(1, 3, 0, 2) @ t410.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
+        del t410, t411
+        t413 = t404.diagonal(0, 1, 3)
+        t414 = (2/(L*d_V*n_batch)) * t297
+        del t297
+        t415 = (t373.permute(1, 0, 2).reshape((d_ff, L*n_batch)) @ t123.reshape((L*n_batch, d_V)))
+        del t123
+        t404[...] = ((t406.reshape((d_V*d_ff, L*n_batch)) @ t407.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        del t406, t407
+        t404 += ((t409.reshape((d_V**2, L*n_batch)) @ t412.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
+        del t404, t409, t412
+        t413.addcmul_(t414.reshape((1, 1, d_V)), t415.reshape((d_ff, d_V, 1)))
+        del t413, t415
+        t416 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t417 = t416.view((d_ff, d_V, d_V, d_ff))
+        del t416
+        t418 = (2/(L*d_V*n_batch)) * N_2
+        t419 = (t418.reshape((n_batch, L, d_V, 1)) * t373.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+        del t418
+        t420 = (t419.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t38.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+        del t38, t419
+        t421 = t417.diagonal(0, 0, 3)
+        t422 = t380.permute(1, 0, 2)
+        del t380
+        t423 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t408.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        del N_2, t408
+        torch.mul(t44.reshape((1, d_V, 1, d_ff)), t420.reshape((d_ff, 1, d_V, d_ff)), out=t417)
+        del t417, t420, t44
+        t421 += (t423.reshape((d_V**2, L*n_batch)) @ t422.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        del t421, t422, t423
+        t424 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t424[...] = 0
+        t425 = t424.view((d_ff, d_V, d_ff, d_V))
+        del t424
+        t426 = t425.diagonal(0, 1, 3)
+        del t425
+        t427 = t373 @ t39
+        del t373, t39
+        t426.addcmul_(t414.reshape((1, 1, d_V)), t427.sum((0,)).reshape((d_ff, d_ff, 1)))
+        del t414, t426, t427
+        t428 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t429 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t428, t429)
+        del t428, t429
+        t430 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t431 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        _transpose_into(t430, t431)
+        del t430, t431
+        t432 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t433 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t432, t433)
+        del t432, t433
+        t434 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t435 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        _transpose_into(t434, t435)
+        del t434, t435
+        t436 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t437 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t436, t437)
+        del t436, t437
+        t438 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t439 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        _transpose_into(t438, t439)
+        del t438, t439
         return H
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -44521,11 +44501,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
             torch.mul(t193.narrow(-3, f0, n_rows), t194, out=t208)
             t208.addcmul_(t195, t196.narrow(-3, f0, n_rows))
             t209 = t200.narrow(-1, f0*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff), n_rows*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-            if d_V <= 32:
-                _matmul_into(t199, t202, t209)
-            else:
-                for r0 in range(0, d_V, 32):
-                    _matmul_into(t199.narrow(-2, r0, min(32, d_V - r0)), t202, t209.narrow(-2, r0, min(32, d_V - r0)))
+            _matmul_into(t199, t202, t209)
         del n_rows, t108, t109, t117, t118, t119, t120, t155, t156, t168, t184, t186, t193, t196, t200, t201, t202, t203, t204, t206, t207, t208
         del R
         R210 = torch.empty((n_batch, L, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -44655,208 +44631,192 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
         t271 = t270.narrow(-1, d_K*d_V, d_K*d_V + d_V**2 + 2*d_V*d_ff)
         del t270
         t272 = R210.view((L*n_batch, d_K*(d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        if d_V <= 32:
-            _matmul_into(t199.expand(*(d_K,), *t199.shape[-2:]), t272.view((L*n_batch, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t271.permute(1, 0, 2))
-        else:
-            for r0273 in range(0, d_V, 32):
-                _matmul_into(t199.expand(*(d_K,), *t199.shape[-2:]).narrow(-2, r0273, min(32, d_V - r0273)), t272.view((L*n_batch, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t271.permute(1, 0, 2).narrow(-2, r0273, min(32, d_V - r0273)))
+        _matmul_into(t199.expand(*(d_K,), *t199.shape[-2:]), t272.view((L*n_batch, d_K, d_K*d_V + d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t271.permute(1, 0, 2))
         del t199, t271, t272
         del R210
-        t274 = t133.transpose(-1, -2)
+        t273 = t133.transpose(-1, -2)
         del t133
         # S: compact tensor ('d_V', 'd_V')
-        S278 = (2/d_V) * S
+        S277 = (2/d_V) * S
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S281 = (1/L) * S68
+        S280 = (1/L) * S68
         del S68
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S282 = (1/L) * (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S281 @ t70)
-        del S281, t20, t65, t70
-        t283 = (S282 @ t148)
-        t291 = S.permute(1, 0)
-        t292 = ((S278 @ S63.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        del S278, S63
-        t296 = (t148 @ t79)
+        S281 = (1/L) * (t65.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (S280 @ t70)
+        del S280, t20, t65, t70
+        t282 = (S281 @ t148)
+        t290 = S.permute(1, 0)
+        t291 = ((S277 @ S63.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        del S277, S63
+        t295 = (t148 @ t79)
         del t148, t79
-        t297 = (dA74.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, 1, d_V))) + ((t291 @ t296.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        del t296
-        t298 = (t292.reshape((L*d_V*n_batch, d_V)) @ t291.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S282 @ t297.permute(0, 1, 3, 2))
-        del t291, t292, t297
-        t299 = t298.reshape((n_batch, L, d_V, 1, d_V))
-        del t298
-        t302 = ((S @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t303 = (t39.reshape((n_batch, L, d_V, 1)) * S282.permute(0, 1, 3, 2))
-        del S282
-        t304 = (t303.permute(0, 1, 3, 2) @ dA74)
-        del t303
-        t305 = (t304.reshape((L*d_V*n_batch, d_V)) @ t48).reshape((n_batch, L, d_V, d_ff))
-        del t304, t48
-        t306 = t302.reshape((n_batch, L, d_V, d_V, 1))
+        t296 = (dA74.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, 1, d_V))) + ((t290 @ t295.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        del t295
+        t297 = (t291.reshape((L*d_V*n_batch, d_V)) @ t290.permute(1, 0)).reshape((n_batch, L, d_V, d_V)) + (S281 @ t296.permute(0, 1, 3, 2))
+        del t290, t291, t296
+        t298 = t297.reshape((n_batch, L, d_V, 1, d_V))
+        del t297
+        t301 = ((S @ S67.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t302 = (t39.reshape((n_batch, L, d_V, 1)) * S281.permute(0, 1, 3, 2))
+        del S281
+        t303 = (t302.permute(0, 1, 3, 2) @ dA74)
         del t302
-        t307 = t305.reshape((n_batch, L, d_V, 1, d_ff))
-        del t305
-        t310 = (S67.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t304 = (t303.reshape((L*d_V*n_batch, d_V)) @ t48).reshape((n_batch, L, d_V, d_ff))
+        del t303, t48
+        t305 = t301.reshape((n_batch, L, d_V, d_V, 1))
+        del t301
+        t306 = t304.reshape((n_batch, L, d_V, 1, d_ff))
+        del t304
+        t309 = (S67.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
         del S, S67
-        t311 = (t310.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        t310 = (t309.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        del t309
+        t311 = t310.reshape((n_batch, L, d_V, d_ff, 1))
         del t310
-        t312 = t311.reshape((n_batch, L, d_V, d_ff, 1))
-        del t311
-        t313 = t283.reshape((n_batch, L, d_V, 1, d_V))
-        del t283
-        t314 = t274.permute(1, 0, 2)
-        del t274
-        t315 = t314.reshape((d_V, L*n_batch))
+        t312 = t282.reshape((n_batch, L, d_V, 1, d_V))
+        del t282
+        t313 = t273.permute(1, 0, 2)
+        del t273
+        t314 = t313.reshape((d_V, L*n_batch))
+        del t313
+        t315 = (1/n_batch) * t314
         del t314
-        t316 = (1/n_batch) * t315
-        del t315
-        t317 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t318 = t317.narrow(-1, 2*d_K*d_V, d_V**2 + 2*d_V*d_ff)
-        del t317
-        n_rows319 = max(1, min(d_V, 262144 // (L*n_batch*(d_V**2 + 2*d_V*d_ff))))
-        while d_V % n_rows319:    # chunks of equal size
-            n_rows319 -= 1
-        R275 = torch.empty((n_batch, L, n_rows319, d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t321 = R275.view((n_batch, L*n_rows319, d_V**2 + 2*d_V*d_ff))
-        t322 = R275.view((L*n_batch, n_rows319*(d_V**2 + 2*d_V*d_ff)))
-        t323 = t321[..., 0:d_V**2].view((n_batch, L, n_rows319, d_V, d_V))
-        t324 = t321[..., d_V**2:d_V**2 + d_V*d_ff].view((n_batch, L, n_rows319, d_V, d_ff))
-        t325 = t321[..., d_V**2 + d_V*d_ff:d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows319, d_ff, d_V))
-        del t321
-        for f0320 in range(0, d_V, n_rows319):
-            torch.mul(t167, t299.narrow(-3, f0320, n_rows319), out=t323)
-            torch.mul(t183, t306.narrow(-3, f0320, n_rows319), out=t324)
-            t324.addcmul_(t307.narrow(-3, f0320, n_rows319), t185)
-            torch.mul(t312.narrow(-3, f0320, n_rows319), t194, out=t325)
-            t325.addcmul_(t195, t313.narrow(-3, f0320, n_rows319))
-            if d_V <= 32:
-                _matmul_into(t316.expand(*(n_rows319,), *t316.shape[-2:]), t322.view((L*n_batch, n_rows319, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t318.narrow(-2, f0320, n_rows319).permute(1, 0, 2))
-            else:
-                for r0326 in range(0, d_V, 32):
-                    _matmul_into(t316.expand(*(n_rows319,), *t316.shape[-2:]).narrow(-2, r0326, min(32, d_V - r0326)), t322.view((L*n_batch, n_rows319, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t318.narrow(-2, f0320, n_rows319).permute(1, 0, 2).narrow(-2, r0326, min(32, d_V - r0326)))
-        del n_rows319, t167, t183, t185, t194, t299, t306, t307, t312, t313, t316, t318, t322, t323, t324, t325
-        del R275
-        t327 = N_2.transpose(-1, -2)
-        t331 = (1/L) * t39
+        t316 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t317 = t316.narrow(-1, 2*d_K*d_V, d_V**2 + 2*d_V*d_ff)
+        del t316
+        n_rows318 = max(1, min(d_V, 262144 // (L*n_batch*(d_V**2 + 2*d_V*d_ff))))
+        while d_V % n_rows318:    # chunks of equal size
+            n_rows318 -= 1
+        R274 = torch.empty((n_batch, L, n_rows318, d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t320 = R274.view((n_batch, L*n_rows318, d_V**2 + 2*d_V*d_ff))
+        t321 = R274.view((L*n_batch, n_rows318*(d_V**2 + 2*d_V*d_ff)))
+        t322 = t320[..., 0:d_V**2].view((n_batch, L, n_rows318, d_V, d_V))
+        t323 = t320[..., d_V**2:d_V**2 + d_V*d_ff].view((n_batch, L, n_rows318, d_V, d_ff))
+        t324 = t320[..., d_V**2 + d_V*d_ff:d_V**2 + 2*d_V*d_ff].view((n_batch, L, n_rows318, d_ff, d_V))
+        del t320
+        for f0319 in range(0, d_V, n_rows318):
+            torch.mul(t167, t298.narrow(-3, f0319, n_rows318), out=t322)
+            torch.mul(t183, t305.narrow(-3, f0319, n_rows318), out=t323)
+            t323.addcmul_(t306.narrow(-3, f0319, n_rows318), t185)
+            torch.mul(t311.narrow(-3, f0319, n_rows318), t194, out=t324)
+            t324.addcmul_(t195, t312.narrow(-3, f0319, n_rows318))
+            _matmul_into(t315.expand(*(n_rows318,), *t315.shape[-2:]), t321.view((L*n_batch, n_rows318, d_V**2 + 2*d_V*d_ff)).permute(1, 0, 2), t317.narrow(-2, f0319, n_rows318).permute(1, 0, 2))
+        del n_rows318, t167, t183, t185, t194, t298, t305, t306, t311, t312, t315, t317, t321, t322, t323, t324
+        del R274
+        t325 = N_2.transpose(-1, -2)
+        t329 = (1/L) * t39
         del t39
-        t332 = (dA74 * t331.reshape((n_batch, L, d_V, 1)))
-        del dA74, t331
-        t333 = (W_2.reshape((d_ff, d_V, 1, 1)) * t37.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-        t334 = (t333.permute(2, 3, 0, 1) @ t332)
-        del t333
-        t335 = (t334 @ t77.permute(1, 2, 3, 0))
-        del t334, t77
-        t336 = N_2.reshape((n_batch, L, 1, d_V, 1))
+        t330 = (dA74 * t329.reshape((n_batch, L, d_V, 1)))
+        del dA74, t329
+        t331 = (W_2.reshape((d_ff, d_V, 1, 1)) * t37.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+        t332 = (t331.permute(2, 3, 0, 1) @ t330)
+        del t331
+        t333 = (t332 @ t77.permute(1, 2, 3, 0))
+        del t332, t77
+        t334 = N_2.reshape((n_batch, L, 1, d_V, 1))
         del N_2
-        t337 = t335.reshape((n_batch, L, d_ff, 1, d_ff))
-        del t335
-        t340 = (t332.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-        t341 = (t340.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
-        del t340
-        t343 = t341.reshape((n_batch, L, d_ff, 1, d_V))
-        del t341
-        t344 = G.reshape((n_batch, L, d_V, 1))
+        t335 = t333.reshape((n_batch, L, d_ff, 1, d_ff))
+        del t333
+        t338 = (t330.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+        t339 = (t338.permute(0, 1, 3, 2) * t37.reshape((n_batch, L, d_ff, 1)))
+        del t338
+        t341 = t339.reshape((n_batch, L, d_ff, 1, d_V))
+        del t339
+        t342 = G.reshape((n_batch, L, d_V, 1))
         del G
-        t345 = t37.reshape((n_batch, L, 1, d_ff))
+        t343 = t37.reshape((n_batch, L, 1, d_ff))
         del t37
-        t346 = t327.permute(1, 0, 2)
-        del t327
-        t347 = t346.reshape((d_V, L*n_batch))
-        del t346
-        t348 = (1/n_batch) * t347
+        t344 = t325.permute(1, 0, 2)
+        del t325
+        t345 = t344.reshape((d_V, L*n_batch))
+        del t344
+        t346 = (1/n_batch) * t345
+        del t345
+        t347 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t348 = t347.narrow(-1, 2*d_K*d_V + d_V**2, 2*d_V*d_ff)
         del t347
-        t349 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t350 = t349.narrow(-1, 2*d_K*d_V + d_V**2, 2*d_V*d_ff)
-        del t349
-        n_rows351 = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
-        while d_ff % n_rows351:    # chunks of equal size
-            n_rows351 -= 1
-        R328 = torch.empty((n_batch, L, n_rows351, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t353 = R328.view((n_batch, L*n_rows351, 2*d_V*d_ff))
-        t354 = R328.view((L*n_batch, 2*d_V*d_ff*n_rows351))
-        t355 = t353[..., 0:d_V*d_ff].view((n_batch, L, n_rows351, d_V, d_ff))
-        t356 = t353[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows351, d_ff, d_V))
-        for f0352 in range(0, d_ff, n_rows351):
-            torch.mul(t336, t337.narrow(-3, f0352, n_rows351), out=t355)
-            torch.mul(t195, t343.narrow(-3, f0352, n_rows351), out=t356)
-            t357 = t353[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows351, d_ff, d_V)).narrow(-2, f0352, n_rows351).diagonal(0, 2, 3)
-            t357.addcmul_(t344, t345.narrow(-1, f0352, n_rows351))
-            if d_V <= 32:
-                _matmul_into(t348.expand(*(n_rows351,), *t348.shape[-2:]), t354.view((L*n_batch, n_rows351, 2*d_V*d_ff)).permute(1, 0, 2), t350.narrow(-2, f0352, n_rows351).permute(1, 0, 2))
-            else:
-                for r0358 in range(0, d_V, 32):
-                    _matmul_into(t348.expand(*(n_rows351,), *t348.shape[-2:]).narrow(-2, r0358, min(32, d_V - r0358)), t354.view((L*n_batch, n_rows351, 2*d_V*d_ff)).permute(1, 0, 2), t350.narrow(-2, f0352, n_rows351).permute(1, 0, 2).narrow(-2, r0358, min(32, d_V - r0358)))
-        del n_rows351, t336, t337, t343, t344, t345, t348, t350, t353, t354, t355, t356
-        del R328
-        t360 = t40.transpose(-1, -2)
+        n_rows349 = max(1, min(d_ff, 262144 // (2*L*d_V*d_ff*n_batch)))
+        while d_ff % n_rows349:    # chunks of equal size
+            n_rows349 -= 1
+        R326 = torch.empty((n_batch, L, n_rows349, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t351 = R326.view((n_batch, L*n_rows349, 2*d_V*d_ff))
+        t352 = R326.view((L*n_batch, 2*d_V*d_ff*n_rows349))
+        t353 = t351[..., 0:d_V*d_ff].view((n_batch, L, n_rows349, d_V, d_ff))
+        t354 = t351[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows349, d_ff, d_V))
+        for f0350 in range(0, d_ff, n_rows349):
+            torch.mul(t334, t335.narrow(-3, f0350, n_rows349), out=t353)
+            torch.mul(t195, t341.narrow(-3, f0350, n_rows349), out=t354)
+            t355 = t351[..., d_V*d_ff:2*d_V*d_ff].view((n_batch, L, n_rows349, d_ff, d_V)).narrow(-2, f0350, n_rows349).diagonal(0, 2, 3)
+            t355.addcmul_(t342, t343.narrow(-1, f0350, n_rows349))
+            _matmul_into(t346.expand(*(n_rows349,), *t346.shape[-2:]), t352.view((L*n_batch, n_rows349, 2*d_V*d_ff)).permute(1, 0, 2), t348.narrow(-2, f0350, n_rows349).permute(1, 0, 2))
+        del n_rows349, t334, t335, t341, t342, t343, t346, t348, t351, t352, t353, t354
+        del R326
+        t357 = t40.transpose(-1, -2)
         del t40
-        t364 = t332.reshape((n_batch, L, d_V, 1, d_V))
-        del t332
-        t365 = t360.permute(1, 0, 2)
-        del t360
-        t366 = t365.reshape((d_ff, L*n_batch))
+        t361 = t330.reshape((n_batch, L, d_V, 1, d_V))
+        del t330
+        t362 = t357.permute(1, 0, 2)
+        del t357
+        t363 = t362.reshape((d_ff, L*n_batch))
+        del t362
+        t364 = (1/n_batch) * t363
+        del t363
+        t365 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t366 = t365.narrow(-1, 2*d_K*d_V + d_V**2 + d_V*d_ff, d_V*d_ff)
         del t365
-        t367 = (1/n_batch) * t366
-        del t366
-        t368 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t369 = t368.narrow(-1, 2*d_K*d_V + d_V**2 + d_V*d_ff, d_V*d_ff)
-        del t368
-        n_rows370 = max(1, min(d_V, 262144 // (L*d_V*d_ff*n_batch)))
-        while d_V % n_rows370:    # chunks of equal size
-            n_rows370 -= 1
-        R361 = torch.empty((n_batch, L, n_rows370, d_V*d_ff), dtype=X.dtype, device=X.device)
-        t372 = R361.view((n_batch, L*n_rows370, d_V*d_ff))
-        t373 = R361.view((L*n_batch, d_V*d_ff*n_rows370))
-        t374 = t372[..., 0:d_V*d_ff].view((n_batch, L, n_rows370, d_ff, d_V))
-        del t372
-        for f0371 in range(0, d_V, n_rows370):
-            torch.mul(t195, t364.narrow(-3, f0371, n_rows370), out=t374)
-            if d_ff <= 32:
-                _matmul_into(t367.expand(*(n_rows370,), *t367.shape[-2:]), t373.view((L*n_batch, n_rows370, d_V*d_ff)).permute(1, 0, 2), t369.narrow(-2, f0371, n_rows370).permute(1, 0, 2))
-            else:
-                for r0375 in range(0, d_ff, 32):
-                    _matmul_into(t367.expand(*(n_rows370,), *t367.shape[-2:]).narrow(-2, r0375, min(32, d_ff - r0375)), t373.view((L*n_batch, n_rows370, d_V*d_ff)).permute(1, 0, 2), t369.narrow(-2, f0371, n_rows370).permute(1, 0, 2).narrow(-2, r0375, min(32, d_ff - r0375)))
-        del n_rows370, t195, t364, t367, t369, t373, t374
-        del R361
-        t376 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-        t377 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        n_rows367 = max(1, min(d_V, 262144 // (L*d_V*d_ff*n_batch)))
+        while d_V % n_rows367:    # chunks of equal size
+            n_rows367 -= 1
+        R358 = torch.empty((n_batch, L, n_rows367, d_V*d_ff), dtype=X.dtype, device=X.device)
+        t369 = R358.view((n_batch, L*n_rows367, d_V*d_ff))
+        t370 = R358.view((L*n_batch, d_V*d_ff*n_rows367))
+        t371 = t369[..., 0:d_V*d_ff].view((n_batch, L, n_rows367, d_ff, d_V))
+        del t369
+        for f0368 in range(0, d_V, n_rows367):
+            torch.mul(t195, t361.narrow(-3, f0368, n_rows367), out=t371)
+            _matmul_into(t364.expand(*(n_rows367,), *t364.shape[-2:]), t370.view((L*n_batch, n_rows367, d_V*d_ff)).permute(1, 0, 2), t366.narrow(-2, f0368, n_rows367).permute(1, 0, 2))
+        del n_rows367, t195, t361, t364, t366, t370, t371
+        del R358
+        t372 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t373 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t372, t373)
+        del t372, t373
+        t374 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t375 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        _transpose_into(t374, t375)
+        del t374, t375
+        t376 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t377 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
         _transpose_into(t376, t377)
         del t376, t377
-        t378 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t379 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t378 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t379 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
         _transpose_into(t378, t379)
         del t378, t379
-        t380 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t381 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t380 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t381 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
         _transpose_into(t380, t381)
         del t380, t381
-        t382 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t383 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        t382 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t383 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         _transpose_into(t382, t383)
         del t382, t383
-        t384 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t385 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t384 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t385 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
         _transpose_into(t384, t385)
         del t384, t385
-        t386 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t387 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t386 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t387 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
         _transpose_into(t386, t387)
         del t386, t387
-        t388 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t389 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        t388 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t389 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         _transpose_into(t388, t389)
         del t388, t389
-        t390 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t391 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t390 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t391 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
         _transpose_into(t390, t391)
         del t390, t391
-        t392 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t393 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        _transpose_into(t392, t393)
-        del t392, t393
-        t394 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t395 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        _transpose_into(t394, t395)
-        del t394, t395
         return H
     H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]

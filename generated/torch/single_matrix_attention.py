@@ -5154,11 +5154,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
         t64 = t62[..., 0:d_V**2].view((n_batch, L, n_rows, d_V, d_V))
         for f0 in range(0, d_V, n_rows):
             torch.mul(t55, t56.narrow(-3, f0, n_rows), out=t64)
-            if d_V <= 32:
-                _matmul_into(t59.expand(*(n_rows,), *t59.shape[-2:]), t63.view((L*n_batch, n_rows, d_V**2)).permute(1, 0, 2), t61.narrow(-2, f0, n_rows).permute(1, 0, 2))
-            else:
-                for r0 in range(0, d_V, 32):
-                    _matmul_into(t59.expand(*(n_rows,), *t59.shape[-2:]).narrow(-2, r0, min(32, d_V - r0)), t63.view((L*n_batch, n_rows, d_V**2)).permute(1, 0, 2), t61.narrow(-2, f0, n_rows).permute(1, 0, 2).narrow(-2, r0, min(32, d_V - r0)))
+            _matmul_into(t59.expand(*(n_rows,), *t59.shape[-2:]), t63.view((L*n_batch, n_rows, d_V**2)).permute(1, 0, 2), t61.narrow(-2, f0, n_rows).permute(1, 0, 2))
         del R
         t65 = H[d_V**2:2*d_V**2, 0:d_V**2]
         _transpose_into(t43, t65)
@@ -7536,11 +7532,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
         t66 = t64[..., 0:d_V**2].view((n_batch, L, n_rows, d_V, d_V))
         for f0 in range(0, d_V, n_rows):
             torch.mul(t57, t58.narrow(-3, f0, n_rows), out=t66)
-            if d_V <= 32:
-                _matmul_into(t61.expand(*(n_rows,), *t61.shape[-2:]), t65.view((L*n_batch, n_rows, d_V**2)).permute(1, 0, 2), t63.narrow(-2, f0, n_rows).permute(1, 0, 2))
-            else:
-                for r0 in range(0, d_V, 32):
-                    _matmul_into(t61.expand(*(n_rows,), *t61.shape[-2:]).narrow(-2, r0, min(32, d_V - r0)), t65.view((L*n_batch, n_rows, d_V**2)).permute(1, 0, 2), t63.narrow(-2, f0, n_rows).permute(1, 0, 2).narrow(-2, r0, min(32, d_V - r0)))
+            _matmul_into(t61.expand(*(n_rows,), *t61.shape[-2:]), t65.view((L*n_batch, n_rows, d_V**2)).permute(1, 0, 2), t63.narrow(-2, f0, n_rows).permute(1, 0, 2))
         del R
         t67 = H[d_V**2:2*d_V**2, 0:d_V**2]
         _transpose_into(t45, t67)

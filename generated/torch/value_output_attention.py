@@ -20673,11 +20673,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
             torch.mul(t144, t145.narrow(-3, f0, n_rows), out=t156)
             t157 = t153[..., d_H*d_V:2*d_H*d_V].view((n_batch, L, n_rows, d_H, d_V)).narrow(-2, f0, n_rows).diagonal(0, 2, 3)
             t157.addcmul_(t146.narrow(-1, f0, n_rows), t147)
-            if d_V <= 32:
-                _matmul_into(t150.expand(*(n_rows,), *t150.shape[-2:]), t154.view((L*n_batch, n_rows, 2*d_H*d_V)).permute(1, 0, 2), t152.narrow(-2, f0, n_rows).permute(1, 0, 2))
-            else:
-                for r0 in range(0, d_V, 32):
-                    _matmul_into(t150.expand(*(n_rows,), *t150.shape[-2:]).narrow(-2, r0, min(32, d_V - r0)), t154.view((L*n_batch, n_rows, 2*d_H*d_V)).permute(1, 0, 2), t152.narrow(-2, f0, n_rows).permute(1, 0, 2).narrow(-2, r0, min(32, d_V - r0)))
+            _matmul_into(t150.expand(*(n_rows,), *t150.shape[-2:]), t154.view((L*n_batch, n_rows, 2*d_H*d_V)).permute(1, 0, 2), t152.narrow(-2, f0, n_rows).permute(1, 0, 2))
         del n_rows, t136, t137, t145, t146, t147, t150, t152, t153, t154, t155, t156
         del R
         t158 = t83.transpose(-1, -2)
@@ -20703,29 +20699,25 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         del t170
         for f0169 in range(0, d_V, n_rows168):
             torch.mul(t144, t162.narrow(-3, f0169, n_rows168), out=t172)
-            if d_H <= 32:
-                _matmul_into(t165.expand(*(n_rows168,), *t165.shape[-2:]), t171.view((L*n_batch, n_rows168, d_H*d_V)).permute(1, 0, 2), t167.narrow(-2, f0169, n_rows168).permute(1, 0, 2))
-            else:
-                for r0173 in range(0, d_H, 32):
-                    _matmul_into(t165.expand(*(n_rows168,), *t165.shape[-2:]).narrow(-2, r0173, min(32, d_H - r0173)), t171.view((L*n_batch, n_rows168, d_H*d_V)).permute(1, 0, 2), t167.narrow(-2, f0169, n_rows168).permute(1, 0, 2).narrow(-2, r0173, min(32, d_H - r0173)))
+            _matmul_into(t165.expand(*(n_rows168,), *t165.shape[-2:]), t171.view((L*n_batch, n_rows168, d_H*d_V)).permute(1, 0, 2), t167.narrow(-2, f0169, n_rows168).permute(1, 0, 2))
         del n_rows168, t144, t162, t165, t167, t171, t172
         del R159
-        t174 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-        _transpose_into(t69, t174)
-        del t174, t69
-        t175 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t113, t175)
-        del t113, t175
-        t176 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-        _transpose_into(t81, t176)
-        del t176, t81
-        t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t123, t177)
-        del t123, t177
-        t178 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-        t179 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-        _transpose_into(t178, t179)
-        del t178, t179
+        t173 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t69, t173)
+        del t173, t69
+        t174 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t113, t174)
+        del t113, t174
+        t175 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t81, t175)
+        del t175, t81
+        t176 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t123, t176)
+        del t123, t176
+        t177 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+        t178 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        _transpose_into(t177, t178)
+        del t177, t178
         return H
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -30178,11 +30170,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
             torch.mul(t146, t147.narrow(-3, f0, n_rows), out=t158)
             t159 = t155[..., d_H*d_V:2*d_H*d_V].view((n_batch, L, n_rows, d_H, d_V)).narrow(-2, f0, n_rows).diagonal(0, 2, 3)
             t159.addcmul_(t148.narrow(-1, f0, n_rows), t149)
-            if d_V <= 32:
-                _matmul_into(t152.expand(*(n_rows,), *t152.shape[-2:]), t156.view((L*n_batch, n_rows, 2*d_H*d_V)).permute(1, 0, 2), t154.narrow(-2, f0, n_rows).permute(1, 0, 2))
-            else:
-                for r0 in range(0, d_V, 32):
-                    _matmul_into(t152.expand(*(n_rows,), *t152.shape[-2:]).narrow(-2, r0, min(32, d_V - r0)), t156.view((L*n_batch, n_rows, 2*d_H*d_V)).permute(1, 0, 2), t154.narrow(-2, f0, n_rows).permute(1, 0, 2).narrow(-2, r0, min(32, d_V - r0)))
+            _matmul_into(t152.expand(*(n_rows,), *t152.shape[-2:]), t156.view((L*n_batch, n_rows, 2*d_H*d_V)).permute(1, 0, 2), t154.narrow(-2, f0, n_rows).permute(1, 0, 2))
         del n_rows, t138, t139, t147, t148, t149, t152, t154, t155, t156, t157, t158
         del R
         t160 = t85.transpose(-1, -2)
@@ -30208,29 +30196,25 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
         del t172
         for f0171 in range(0, d_V, n_rows170):
             torch.mul(t146, t164.narrow(-3, f0171, n_rows170), out=t174)
-            if d_H <= 32:
-                _matmul_into(t167.expand(*(n_rows170,), *t167.shape[-2:]), t173.view((L*n_batch, n_rows170, d_H*d_V)).permute(1, 0, 2), t169.narrow(-2, f0171, n_rows170).permute(1, 0, 2))
-            else:
-                for r0175 in range(0, d_H, 32):
-                    _matmul_into(t167.expand(*(n_rows170,), *t167.shape[-2:]).narrow(-2, r0175, min(32, d_H - r0175)), t173.view((L*n_batch, n_rows170, d_H*d_V)).permute(1, 0, 2), t169.narrow(-2, f0171, n_rows170).permute(1, 0, 2).narrow(-2, r0175, min(32, d_H - r0175)))
+            _matmul_into(t167.expand(*(n_rows170,), *t167.shape[-2:]), t173.view((L*n_batch, n_rows170, d_H*d_V)).permute(1, 0, 2), t169.narrow(-2, f0171, n_rows170).permute(1, 0, 2))
         del n_rows170, t146, t164, t167, t169, t173, t174
         del R161
-        t176 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-        _transpose_into(t71, t176)
-        del t176, t71
-        t177 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t115, t177)
-        del t115, t177
-        t178 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-        _transpose_into(t83, t178)
-        del t178, t83
-        t179 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-        _transpose_into(t125, t179)
-        del t125, t179
-        t180 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-        t181 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-        _transpose_into(t180, t181)
-        del t180, t181
+        t175 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t71, t175)
+        del t175, t71
+        t176 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t115, t176)
+        del t115, t176
+        t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+        _transpose_into(t83, t177)
+        del t177, t83
+        t178 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        _transpose_into(t125, t178)
+        del t125, t178
+        t179 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+        t180 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+        _transpose_into(t179, t180)
+        del t179, t180
         return H
     H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]

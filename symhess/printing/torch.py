@@ -50,6 +50,9 @@ TORCH = {
     # products written (or added) into rows of the Hessian: a loop nest for short inner
     # dimensions on the CPU, BLAS otherwise (symhess.smallk)
     "matmul_into": "_matmul_into({0}, {1}, {2})",
+    # one call per slab GEMM whatever its rows: the loop nest computes four at a time anyway,
+    # and the BLAS fallback splits them into blocks of smallk.BLAS_ROWS (MKL's best)
+    "slab_gemm_rows": None,
     "mm_into": "_matmul_into({0}, {1}, {2})",
     "addmm_into": "_matmul_into({0}, {1}, {2}, add=True)",
     "bmm_into": "_matmul_into({0}, {1}, {2})",
