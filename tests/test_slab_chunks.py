@@ -71,3 +71,22 @@ def test_slabs_with_other_writes_are_printed_whole(monkeypatch):
     assert slab_branch.count("for f0") == 4
     whole = [ln for ln in slab_branch.splitlines() if " = torch.empty((n_batch, L, d_K," in ln]
     assert len(whole) == 1, whole
+
+
+def test_post_ln_slab_rows_copy_every_block_left_of_the_diagonal(monkeypatch):
+    """Each post-LN slab row's leaf depends only on earlier parameters, so the product-rule
+    terms lie left of the diagonal; every such block is left out of its row's GEMM and copied
+    from its transpose (``Variant._slab``): ten copies in the routine's slab version."""
+    seen = {}
+    real = codegen.Variant._slab
+
+    def spy(self, rt, i, *args):
+        got = real(self, rt, i, *args)
+        seen[i] = got and got[1]
+        return got
+
+    monkeypatch.setattr(codegen.Variant, "_slab", spy)
+    _, src, _ = rendered("post_ln_block", "torch", monkeypatch, codegen.CHUNK_ENTRIES)
+    assert seen == {i: [(i, j) for j in range(i)] for i in range(5)}
+    slab_branch = src[:src.index("    return H")]
+    assert slab_branch.count("_transpose_into(") == 10
