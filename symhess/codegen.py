@@ -170,7 +170,7 @@ MIRROR_MIN_OPERANDS = 16
 
 # a transposed copy of a block costs about this many block-sized writes: 3 while it was torch's
 # strided copy (≈ 5 ms per 1M entries, see MIRROR_MIN_TERMS); through ``symhess.smallk``'s tiled
-# transpose (≈ 1.1 ms per 1M, two ``fill_`` passes) it costs about what a product written into a
+# transpose (≈ 0.5 ms per 1M, two ``fill_`` passes) it costs about what a product written into a
 # block costs, whose passes ``Routine.written`` counts as one each. With 2, the post-LN Hessian
 # computed its W_2 row block by block; with 1, as a slab with its three blocks left of the
 # diagonal copied: 15.3 → 12.7 ms eager, 13.2 → 10.6 traced (BENCHMARKS.md, eleventh session)
