@@ -166,6 +166,12 @@ SPLIT_PAIRWISE_MAX_TERMS = 64
 # attention CE (W_K, W_Q) block (16 operands) got slower (54.0 → 61.5 ms), so it stays computed.
 MIRROR_MIN_TERMS = 3
 MIRROR_MIN_OPERANDS = 16
+# … and in a routine without a slab version (every row block by block), where no slab-vs-block
+# comparison depends on it: blocks of more than one network. With the tiled transpose
+# (symhess.smallk) the dense attention-family Hessians took 16-38 % less (L = 16, d = 24);
+# with this threshold everywhere the comparisons shifted post-LN rows and the FFN's CE row to
+# blocks, 13 % and 50 % slower at the issue's sizes (BENCHMARKS.md, eleventh session)
+MIRROR_MIN_TERMS_BLOCKS = 1
 
 
 # a transposed copy of a block costs about this many block-sized writes: 3 while it was torch's
@@ -208,9 +214,9 @@ def _lead_key(lw, t, r, c):
     return (f.ref, atoms.index(i0), lw.labels.size[s]), f, s
 
 
-def _mirrored(terms):
+def _mirrored(terms, min_terms=MIRROR_MIN_TERMS):
     """Whether a lower block of ``hessian`` is cheaper as the transposed upper block."""
-    return len(terms) > MIRROR_MIN_TERMS or sum(len(t.factors) for t in terms) > MIRROR_MIN_OPERANDS
+    return len(terms) > min_terms or sum(len(t.factors) for t in terms) > MIRROR_MIN_OPERANDS
 
 
 class Variant:
@@ -272,16 +278,15 @@ class Variant:
         rt, written, _ = self._hessian_into(part, rows)
         fn = self.function(f"hessian__{part}", rt, "H", doc, out=True)
         srt, s_written, per_seq = self._hessian_into(part, rows, slabs=True)
-        if not per_seq:
-            return fn
-        limit = int((written - s_written + per_seq) // per_seq)
-        if limit < 1:
-            return fn
+        limit = int((written - s_written + per_seq) // per_seq) if per_seq else 0
+        if limit < 1:               # blocks only: more of the lower ones copied
+            rt, _, _ = self._hessian_into(part, [], mirror_terms=MIRROR_MIN_TERMS_BLOCKS)
+            return self.function(f"hessian__{part}", rt, "H", doc, out=True)
         body = [f"if n_batch <= {limit}:    # row slabs (their operands grow with the batch)"]
         body += ["    " + ln for ln in srt.pruned("H")] + ["    return H"]
         return Function(fn.name, fn.args, self.header(rt) + body + rt.pruned("H"), "H", doc)
 
-    def _hessian_into(self, part, rows, slabs=False):
+    def _hessian_into(self, part, rows, slabs=False, mirror_terms=MIRROR_MIN_TERMS):
         """(routine, entries written, entries of slab operands per sequence) of the full
         Hessian.  Block by block, the entries each row writes are appended to ``rows``;
         ``slabs``: a row by ``_slab`` where that writes fewer entries than ``rows`` says
@@ -311,20 +316,21 @@ class Variant:
                     continue
                 rt._restore(snap)
             before = rt.written
-            mirrored += self._row(rt, i, names, part, block, offs)
+            mirrored += self._row(rt, i, names, part, block, offs, mirror_terms)
             if not slabs:
                 rows.append(rt.written - before)
         for i, j in mirrored:
             rt.line(rt.fmt("transpose_into", block(j, i), block(i, j)))
         return rt, rt.written, per_seq
 
-    def _row(self, rt, i, names, part, block, offs):
+    def _row(self, rt, i, names, part, block, offs, mirror_terms=MIRROR_MIN_TERMS):
         """Write row ``i`` of the Hessian block by block; [(i, j)]: the blocks left to be
-        copied from their transposes (counted as ``MIRROR_PASSES`` writes each)."""
+        copied from their transposes (counted as ``MIRROR_PASSES`` writes each), those with
+        more than ``mirror_terms`` networks (or many operands)."""
         mirrored = []
         for j, q in enumerate(names):
             terms, r, c = self.low.terms(names[i], q, part)
-            if j < i and _mirrored(terms):
+            if j < i and _mirrored(terms, mirror_terms):
                 mirrored.append((i, j))   # H(q, p) = H(p, q)ᵀ: copied once that is written
                 rt.written += MIRROR_PASSES * _prod_rep(rt, (offs[i + 1] - offs[i]) * (offs[j + 1] - offs[j]))
                 continue

@@ -290,3 +290,32 @@ def test_mismatched_devices_are_named():
     tv["W_Q"] = tv["W_Q"].to("meta")
     with pytest.raises(InputError, match="one device.*meta"):
         kt.hessian(tv)
+
+
+def test_block_only_hessians_copy_lower_blocks_of_more_than_one_network(monkeypatch):
+    """A full Hessian without a slab version (attention: no slab pays) copies every block
+    below the diagonal with more than ``MIRROR_MIN_TERMS_BLOCKS`` networks from its transpose;
+    routines with a slab version keep ``MIRROR_MIN_TERMS`` for their block rows, so that the
+    slab-or-block comparison is unchanged."""
+    seen = []
+    real = codegen.Variant._row
+
+    def spy(self, rt, i, names, part, block, offs, mirror_terms=codegen.MIRROR_MIN_TERMS):
+        got = real(self, rt, i, names, part, block, offs, mirror_terms)
+        seen.append((mirror_terms, len(got)))
+        return got
+
+    monkeypatch.setattr(codegen.Variant, "_row", spy)
+    v = codegen.Variant(codegen.lowered("attention", "mse", (("causal", False),)),
+                        codegen.TARGETS["torch"], "x")
+    fn = v.make(("hessian", "full"))
+    copies = sum(n for t, n in seen if t == codegen.MIRROR_MIN_TERMS_BLOCKS)
+    assert copies > 0 and "\n".join(fn.lines).count("_transpose_into(") == copies
+    low = v.low
+    names = v.d.layer.param_names
+    want = sum(1 for i in range(len(names)) for j in range(i)
+               if codegen._mirrored(low.terms(names[i], names[j], "full")[0],
+                                    codegen.MIRROR_MIN_TERMS_BLOCKS))
+    assert copies == want
+    assert want > sum(1 for i in range(len(names)) for j in range(i)    # more than the old rule
+                      if codegen._mirrored(low.terms(names[i], names[j], "full")[0]))

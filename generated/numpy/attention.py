@@ -1171,43 +1171,37 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     t38 = np.reshape((t37 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t39 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t35[...] = (np.reshape((np.reshape(t38, (d_K*d_V, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
     t42 = np.swapaxes(W_Q, -1, -2)
     t43 = (1/(d_K*n_batch)) * t42
-    t44 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t44 = M_3.transpose(2, 3, 0, 1)
     t45 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t43.transpose(1, 0)), (n_batch, L, d_K))
-    t46 = (np.reshape(t45.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t47 = np.einsum('abcb->abc', t41)
-    t48 = np.swapaxes(t31, -1, -2)
-    t41[...] = (np.reshape((np.reshape(t46, (d_K*d_V, L*n_batch)) @ np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t47 += np.reshape(t33, (1, d_K, 1)) * np.reshape(t48.sum((0,)), (d_V, 1, d_V))
-    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
-    t51 = M_3.transpose(2, 3, 0, 1)
-    t52 = (np.reshape(t27, (1, d_K, n_batch, L)) * np.reshape(t45.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    t50[...] = (np.reshape((np.reshape(t51, (d_V**2, L*n_batch)) @ np.reshape(t52.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t54 = np.reshape(t53, (d_V, d_K, d_V, d_V), copy=False)
-    t55 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t56 = M_2.transpose(3, 2, 0, 1)
-    t57 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t55.transpose(1, 0)), (n_batch, L, d_K))
-    t58 = (np.reshape(t57.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t54[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t58.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t46 = (np.reshape(t27, (1, d_K, n_batch, L)) * np.reshape(t45.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t41[...] = (np.reshape((np.reshape(t44, (d_V**2, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t47 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t48 = np.reshape(t47, (d_V, d_K, d_V, d_V), copy=False)
+    t49 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t50 = M_2.transpose(3, 2, 0, 1)
+    t51 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t49.transpose(1, 0)), (n_batch, L, d_K))
+    t52 = (np.reshape(t51.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t48[...] = (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t52.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t54 = np.reshape(t53, (d_V, d_V, d_V, d_K), copy=False)
+    t55 = np.swapaxes(G, -1, -2)
+    t56 = (1/(math.sqrt(d_K)*n_batch)) * t55
+    t57 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t56.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t58 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t54[...] = (np.reshape((np.reshape(t57, (d_V**2, L*n_batch)) @ np.reshape(t58.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
-    t61 = np.swapaxes(G, -1, -2)
-    t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
-    t63 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t62.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t64 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t60[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t66 = np.reshape(t65, (d_V, d_V, d_V, d_K), copy=False)
-    t67 = M_2.transpose(2, 3, 0, 1)
-    t68 = (np.reshape(t27, (1, d_K, n_batch, L)) * np.reshape(t62.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t66[...] = (np.reshape((np.reshape(t67, (d_V**2, L*n_batch)) @ np.reshape(t68.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t69[...] = 0
+    t61 = M_2.transpose(2, 3, 0, 1)
+    t62 = (np.reshape(t27, (1, d_K, n_batch, L)) * np.reshape(t56.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t60[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t63[...] = 0
+    t64 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t24, t64)
     return H
 
 
@@ -2272,265 +2266,132 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
-    del t0
     t2 = np.swapaxes(W_K, -1, -2)
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
-    del t4
     t6 = X @ t5
-    del t5
     t7 = (1/math.sqrt(d_K)) * t6
-    del t6
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
-    del t7
     A = t8 / t8.sum(-1, keepdims=True)
-    del t8
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    del t10
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t2
     t14 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    del t13
     t15 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t16 = (t15 @ t14)
     t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    del t16
     t18 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t19 = A @ X
     M_1 = t19
-    del t19
     t20 = M_1 @ W_V
     F = t20
-    del t20
     t21 = F - Y
-    del F
     t22 = (2/(L*d_V)) * t21
-    del t21
     G = t22
-    del t22
     t23 = t11 @ t3
     t24 = G @ t23
-    del t23
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
-    del t24
     t26 = A * t25
-    del t25
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(t26, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
-    del A, t9
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    del t27
     t28 = (1/(d_K*n_batch)) * t2
     t29 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t30 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t29.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    del t29
     t31 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t32 = np.reshape(t18, (d_V**2, L*n_batch))
-    del t18
     t33 = np.reshape(t31, (d_V**2, L*n_batch))
-    del t31
     t34 = np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t17
     t35 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t30
     t36 = np.concatenate([t32, t33], axis=-1)
-    del t32, t33
     t37 = np.concatenate([t34, t35], axis=-2)
-    del t34, t35
     t1[...] = (np.reshape((t36 @ t37), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    del t1, t36, t37
     t38 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
-    del t38
     t40 = ((t15 @ t14)).transpose(3, 2, 0, 1)
-    del t14, t15
     t41 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t42 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t43 = np.reshape((t28 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    del t28
     t44 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t45 = np.einsum('abcb->abc', t39)
     t46 = t26 @ X
-    del t26
     t47 = t3 @ t46
-    del t46
     t48 = np.ones((d_K,), dtype=X.dtype)
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t48
-    del t48
     t50 = np.reshape(t40, (d_K*d_V, L*n_batch))
-    del t40
     t51 = np.reshape(t43, (d_K*d_V, L*n_batch))
-    del t43
     t52 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t42
     t53 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t44
     t54 = np.concatenate([t50, t51], axis=-1)
-    del t50, t51
     t55 = np.concatenate([t52, t53], axis=-2)
-    del t52, t53
     t39[...] = (np.reshape((t54 @ t55), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t39, t54, t55
     t45 += np.reshape(t49, (1, d_K, 1)) * np.reshape(t47.sum((0,)), (d_V, 1, d_V))
-    del t45
     t56 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t57 = np.reshape(t56, (d_V, d_K, d_V, d_V), copy=False)
-    del t56
     t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t59 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t58.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    del t58
     t60 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t59.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    del t59
     t61 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    del t2
     t63 = np.reshape((t62 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    del t62
     t64 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t57[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    del t60, t61
     t57 += (np.reshape((np.reshape(t63, (d_K*d_V, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    del t57, t63, t64
-    t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t65 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t66 = np.reshape(t65, (d_V, d_K, d_V, d_K), copy=False)
-    del t65
     t67 = np.swapaxes(W_Q, -1, -2)
     t68 = (2/(L*d_K*d_V*n_batch)) * t67
     t69 = np.reshape((t12.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    del t12
-    t70 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
-    t71 = ((t70.transpose(1, 2, 0, 3) @ t69.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    del t70
-    t72 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t68.transpose(1, 0)), (n_batch, L, d_K))
-    del t68
-    t73 = (np.reshape(t72.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t74 = (1/(d_K*n_batch)) * t67
-    t75 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t76 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t74.transpose(1, 0)), (n_batch, L, d_K))
-    del t3, t74
-    t77 = (np.reshape(t76.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t78 = np.einsum('abcb->abc', t66)
-    t79 = np.swapaxes(t47, -1, -2)
-    del t47
-    t80 = np.reshape(t73, (d_K*d_V, L*n_batch))
-    del t73
-    t81 = np.reshape(t77, (d_K*d_V, L*n_batch))
-    del t77
-    t82 = np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t71
-    t83 = np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t75
-    t84 = np.concatenate([t80, t81], axis=-1)
-    del t80, t81
-    t85 = np.concatenate([t82, t83], axis=-2)
-    del t82, t83
-    t66[...] = (np.reshape((t84 @ t85), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t66, t84, t85
-    t78 += np.reshape(t49, (1, d_K, 1)) * np.reshape(t79.sum((0,)), (d_V, 1, d_V))
-    del t49, t78, t79
-    t86 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t87 = np.reshape(t86, (d_V, d_K, d_V, d_K), copy=False)
-    del t86
-    t88 = ((t69.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    del t69
-    t89 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t72.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t72
-    t90 = M_3.transpose(2, 3, 0, 1)
-    del M_3
-    t91 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t76.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t76
-    t92 = np.reshape(t88, (d_V**2, L*n_batch))
-    del t88
-    t93 = np.reshape(t90, (d_V**2, L*n_batch))
-    del t90
-    t94 = np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t89
-    t95 = np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t91
-    t96 = np.concatenate([t92, t93], axis=-1)
-    del t92, t93
-    t97 = np.concatenate([t94, t95], axis=-2)
-    del t94, t95
-    t87[...] = (np.reshape((t96 @ t97), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    del t87, t96, t97
-    t98 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t99 = np.reshape(t98, (d_V, d_K, d_V, d_V), copy=False)
-    del t98
-    t100 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
-    t101 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t102 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t100.transpose(1, 0)), (n_batch, L, d_K))
-    del t100
-    t103 = (np.reshape(t102.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    del t102
-    t104 = (1/(math.sqrt(d_K)*n_batch)) * t67
-    del t67
-    t105 = M_2.transpose(3, 2, 0, 1)
-    t106 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t104.transpose(1, 0)), (n_batch, L, d_K))
-    del t104
-    t107 = (np.reshape(t106.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    del t106
-    t99[...] = (np.reshape((np.reshape(t103, (d_K*d_V, L*n_batch)) @ np.reshape(t101.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    del t101, t103
-    t99 += (np.reshape((np.reshape(t105, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    del t105, t107, t99
-    t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t109 = np.reshape(t108, (d_V, d_V, d_V, d_K), copy=False)
-    del t108
-    t110 = np.swapaxes(M_1, -1, -2)
-    t111 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t110
-    t112 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t113 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t112.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    del t112
-    t114 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t111.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t115 = np.swapaxes(G, -1, -2)
-    del G
-    t116 = (1/(math.sqrt(d_K)*n_batch)) * t115
-    del t115
-    t117 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t116.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t118 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t109[...] = (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t113, t114
-    t109 += (np.reshape((np.reshape(t117, (d_V**2, L*n_batch)) @ np.reshape(t118.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t109, t117, t118
-    t119 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t120 = np.reshape(t119, (d_V, d_V, d_V, d_K), copy=False)
-    del t119
-    t121 = np.reshape((t11 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
-    del t11
-    t122 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t111.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t111
-    t123 = M_2.transpose(2, 3, 0, 1)
-    del M_2
-    t124 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t116.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t116, t41
-    t120[...] = (np.reshape((np.reshape(t121, (d_V**2, L*n_batch)) @ np.reshape(t122.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t121, t122
-    t120 += (np.reshape((np.reshape(t123, (d_V**2, L*n_batch)) @ np.reshape(t124.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t120, t123, t124
-    t125 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t125[...] = 0
-    t126 = np.reshape(t125, (d_V, d_V, d_V, d_V), copy=False)
-    del t125
-    t127 = np.einsum('abcb->abc', t126)
-    del t126
-    t128 = t110 @ M_1
-    del M_1, t110
-    t129 = np.ones((d_V,), dtype=X.dtype)
-    t130 = (2/(L*d_V*n_batch)) * t129
-    del t129
-    t127 += np.reshape(t130, (1, d_V, 1)) * np.reshape(t128.sum((0,)), (d_V, 1, d_V))
-    del t127, t128, t130
+    t70 = ((t69.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t71 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t68.transpose(1, 0)), (n_batch, L, d_K))
+    t72 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t71.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t73 = (1/(d_K*n_batch)) * t67
+    t74 = M_3.transpose(2, 3, 0, 1)
+    t75 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t73.transpose(1, 0)), (n_batch, L, d_K))
+    t76 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t75.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t77 = np.reshape(t70, (d_V**2, L*n_batch))
+    t78 = np.reshape(t74, (d_V**2, L*n_batch))
+    t79 = np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t80 = np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t81 = np.concatenate([t77, t78], axis=-1)
+    t82 = np.concatenate([t79, t80], axis=-2)
+    t66[...] = (np.reshape((t81 @ t82), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t83 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t84 = np.reshape(t83, (d_V, d_K, d_V, d_V), copy=False)
+    t85 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
+    t86 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t87 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t85.transpose(1, 0)), (n_batch, L, d_K))
+    t88 = (np.reshape(t87.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t89 = (1/(math.sqrt(d_K)*n_batch)) * t67
+    t90 = M_2.transpose(3, 2, 0, 1)
+    t91 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t89.transpose(1, 0)), (n_batch, L, d_K))
+    t92 = (np.reshape(t91.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t84[...] = (np.reshape((np.reshape(t88, (d_K*d_V, L*n_batch)) @ np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t84 += (np.reshape((np.reshape(t90, (d_V**2, L*n_batch)) @ np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t93[...] = 0
+    t94 = np.reshape(t93, (d_V, d_V, d_V, d_V), copy=False)
+    t95 = np.einsum('abcb->abc', t94)
+    t96 = np.swapaxes(M_1, -1, -2)
+    t97 = t96 @ M_1
+    t98 = np.ones((d_V,), dtype=X.dtype)
+    t99 = (2/(L*d_V*n_batch)) * t98
+    t95 += np.reshape(t99, (1, d_V, 1)) * np.reshape(t97.sum((0,)), (d_V, 1, d_V))
+    t100 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t38, t100)
+    t101 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t56, t101)
+    t102 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t83, t102)
     return H
 
 
@@ -6090,43 +5951,37 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     t40 = np.reshape((t39 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t41 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t37[...] = (np.reshape((np.reshape(t40, (d_K*d_V, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
     t44 = np.swapaxes(W_Q, -1, -2)
     t45 = (1/(d_K*n_batch)) * t44
-    t46 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t46 = M_3.transpose(2, 3, 0, 1)
     t47 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t45.transpose(1, 0)), (n_batch, L, d_K))
-    t48 = (np.reshape(t47.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t49 = np.einsum('abcb->abc', t43)
-    t50 = np.swapaxes(t33, -1, -2)
-    t43[...] = (np.reshape((np.reshape(t48, (d_K*d_V, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t49 += np.reshape(t35, (1, d_K, 1)) * np.reshape(t50.sum((0,)), (d_V, 1, d_V))
-    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
-    t53 = M_3.transpose(2, 3, 0, 1)
-    t54 = (np.reshape(t29, (1, d_K, n_batch, L)) * np.reshape(t47.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    t52[...] = (np.reshape((np.reshape(t53, (d_V**2, L*n_batch)) @ np.reshape(t54.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56 = np.reshape(t55, (d_V, d_K, d_V, d_V), copy=False)
-    t57 = (1/(math.sqrt(d_K)*n_batch)) * t44
-    t58 = M_2.transpose(3, 2, 0, 1)
-    t59 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t57.transpose(1, 0)), (n_batch, L, d_K))
-    t60 = (np.reshape(t59.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t56[...] = (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t48 = (np.reshape(t29, (1, d_K, n_batch, L)) * np.reshape(t47.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t43[...] = (np.reshape((np.reshape(t46, (d_V**2, L*n_batch)) @ np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t49 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t50 = np.reshape(t49, (d_V, d_K, d_V, d_V), copy=False)
+    t51 = (1/(math.sqrt(d_K)*n_batch)) * t44
+    t52 = M_2.transpose(3, 2, 0, 1)
+    t53 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t51.transpose(1, 0)), (n_batch, L, d_K))
+    t54 = (np.reshape(t53.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t50[...] = (np.reshape((np.reshape(t52, (d_V**2, L*n_batch)) @ np.reshape(t54.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t56 = np.reshape(t55, (d_V, d_V, d_V, d_K), copy=False)
+    t57 = np.swapaxes(G, -1, -2)
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t57
+    t59 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t58.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t60 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t56[...] = (np.reshape((np.reshape(t59, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t62 = np.reshape(t61, (d_V, d_V, d_V, d_K), copy=False)
-    t63 = np.swapaxes(G, -1, -2)
-    t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
-    t65 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t64.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t66 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t62[...] = (np.reshape((np.reshape(t65, (d_V**2, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t68 = np.reshape(t67, (d_V, d_V, d_V, d_K), copy=False)
-    t69 = M_2.transpose(2, 3, 0, 1)
-    t70 = (np.reshape(t29, (1, d_K, n_batch, L)) * np.reshape(t64.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t68[...] = (np.reshape((np.reshape(t69, (d_V**2, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t71[...] = 0
+    t63 = M_2.transpose(2, 3, 0, 1)
+    t64 = (np.reshape(t29, (1, d_K, n_batch, L)) * np.reshape(t58.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t62[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t65[...] = 0
+    t66 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t26, t66)
     return H
 
 
@@ -7235,268 +7090,134 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
-    del t0
     t2 = np.swapaxes(W_K, -1, -2)
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
-    del t4
     t6 = X @ t5
-    del t5
     t7 = (1/math.sqrt(d_K)) * t6
-    del t6
     t8 = np.triu(np.ones((L, L), dtype=bool), 1)
     t9 = np.where(t8, -math.inf, t7)
-    del t7, t8
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
-    del t9
     A = t10 / t10.sum(-1, keepdims=True)
-    del t10
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    del t12
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t2
     t16 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    del t15
     t17 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
     t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    del t18
     t20 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t21 = A @ X
     M_1 = t21
-    del t21
     t22 = M_1 @ W_V
     F = t22
-    del t22
     t23 = F - Y
-    del F
     t24 = (2/(L*d_V)) * t23
-    del t23
     G = t24
-    del t24
     t25 = t13 @ t3
     t26 = G @ t25
-    del t25
     t27 = t26 - (A * t26).sum(-1, keepdims=True)
-    del t26
     t28 = A * t27
-    del t27
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t11, (1, 1, L, L)) * np.reshape(t28, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t28, (n_batch, L, L, 1))) - (np.reshape(t28, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
-    del A, t11
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    del t29
     t30 = (1/(d_K*n_batch)) * t2
     t31 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t32 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t31.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    del t31
     t33 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t34 = np.reshape(t20, (d_V**2, L*n_batch))
-    del t20
     t35 = np.reshape(t33, (d_V**2, L*n_batch))
-    del t33
     t36 = np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t19
     t37 = np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t32
     t38 = np.concatenate([t34, t35], axis=-1)
-    del t34, t35
     t39 = np.concatenate([t36, t37], axis=-2)
-    del t36, t37
     t1[...] = (np.reshape((t38 @ t39), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    del t1, t38, t39
     t40 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
-    del t40
     t42 = ((t17 @ t16)).transpose(3, 2, 0, 1)
-    del t16, t17
     t43 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t44 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t45 = np.reshape((t30 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    del t30
     t46 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t47 = np.einsum('abcb->abc', t41)
     t48 = t28 @ X
-    del t28
     t49 = t3 @ t48
-    del t48
     t50 = np.ones((d_K,), dtype=X.dtype)
     t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    del t50
     t52 = np.reshape(t42, (d_K*d_V, L*n_batch))
-    del t42
     t53 = np.reshape(t45, (d_K*d_V, L*n_batch))
-    del t45
     t54 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t44
     t55 = np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t46
     t56 = np.concatenate([t52, t53], axis=-1)
-    del t52, t53
     t57 = np.concatenate([t54, t55], axis=-2)
-    del t54, t55
     t41[...] = (np.reshape((t56 @ t57), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t41, t56, t57
     t47 += np.reshape(t51, (1, d_K, 1)) * np.reshape(t49.sum((0,)), (d_V, 1, d_V))
-    del t47
     t58 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t59 = np.reshape(t58, (d_V, d_K, d_V, d_V), copy=False)
-    del t58
     t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t61 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t60.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    del t60
     t62 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t61.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    del t61
     t63 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t64 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    del t2
     t65 = np.reshape((t64 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    del t64
     t66 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t59[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    del t62, t63
     t59 += (np.reshape((np.reshape(t65, (d_K*d_V, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    del t59, t65, t66
-    t67 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t67 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t68 = np.reshape(t67, (d_V, d_K, d_V, d_K), copy=False)
-    del t67
     t69 = np.swapaxes(W_Q, -1, -2)
     t70 = (2/(L*d_K*d_V*n_batch)) * t69
     t71 = np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    del t14
-    t72 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
-    t73 = ((t72.transpose(1, 2, 0, 3) @ t71.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    del t72
-    t74 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t70.transpose(1, 0)), (n_batch, L, d_K))
-    del t70
-    t75 = (np.reshape(t74.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t76 = (1/(d_K*n_batch)) * t69
-    t77 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t78 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t76.transpose(1, 0)), (n_batch, L, d_K))
-    del t3, t76
-    t79 = (np.reshape(t78.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t80 = np.einsum('abcb->abc', t68)
-    t81 = np.swapaxes(t49, -1, -2)
-    del t49
-    t82 = np.reshape(t75, (d_K*d_V, L*n_batch))
-    del t75
-    t83 = np.reshape(t79, (d_K*d_V, L*n_batch))
-    del t79
-    t84 = np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t73
-    t85 = np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t77
-    t86 = np.concatenate([t82, t83], axis=-1)
-    del t82, t83
-    t87 = np.concatenate([t84, t85], axis=-2)
-    del t84, t85
-    t68[...] = (np.reshape((t86 @ t87), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t68, t86, t87
-    t80 += np.reshape(t51, (1, d_K, 1)) * np.reshape(t81.sum((0,)), (d_V, 1, d_V))
-    del t51, t80, t81
-    t88 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t89 = np.reshape(t88, (d_V, d_K, d_V, d_K), copy=False)
-    del t88
-    t90 = ((t71.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    del t71
-    t91 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t74.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t74
-    t92 = M_3.transpose(2, 3, 0, 1)
-    del M_3
-    t93 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t78.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t78
-    t94 = np.reshape(t90, (d_V**2, L*n_batch))
-    del t90
-    t95 = np.reshape(t92, (d_V**2, L*n_batch))
-    del t92
-    t96 = np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t91
-    t97 = np.reshape(t93.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t93
-    t98 = np.concatenate([t94, t95], axis=-1)
-    del t94, t95
-    t99 = np.concatenate([t96, t97], axis=-2)
-    del t96, t97
-    t89[...] = (np.reshape((t98 @ t99), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    del t89, t98, t99
-    t100 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t101 = np.reshape(t100, (d_V, d_K, d_V, d_V), copy=False)
-    del t100
-    t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
-    t103 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t104 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t102.transpose(1, 0)), (n_batch, L, d_K))
-    del t102
-    t105 = (np.reshape(t104.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    del t104
-    t106 = (1/(math.sqrt(d_K)*n_batch)) * t69
-    del t69
-    t107 = M_2.transpose(3, 2, 0, 1)
-    t108 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t106.transpose(1, 0)), (n_batch, L, d_K))
-    del t106
-    t109 = (np.reshape(t108.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    del t108
-    t101[...] = (np.reshape((np.reshape(t105, (d_K*d_V, L*n_batch)) @ np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    del t103, t105
-    t101 += (np.reshape((np.reshape(t107, (d_V**2, L*n_batch)) @ np.reshape(t109.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    del t101, t107, t109
-    t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t111 = np.reshape(t110, (d_V, d_V, d_V, d_K), copy=False)
-    del t110
-    t112 = np.swapaxes(M_1, -1, -2)
-    t113 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t112
-    t114 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t115 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t114.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    del t114
-    t116 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t113.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t117 = np.swapaxes(G, -1, -2)
-    del G
-    t118 = (1/(math.sqrt(d_K)*n_batch)) * t117
-    del t117
-    t119 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t118.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t120 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t111[...] = (np.reshape((np.reshape(t116, (d_V**2, L*n_batch)) @ np.reshape(t115.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t115, t116
-    t111 += (np.reshape((np.reshape(t119, (d_V**2, L*n_batch)) @ np.reshape(t120.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t111, t119, t120
-    t121 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t122 = np.reshape(t121, (d_V, d_V, d_V, d_K), copy=False)
-    del t121
-    t123 = np.reshape((t13 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
-    del t13
-    t124 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t113.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t113
-    t125 = M_2.transpose(2, 3, 0, 1)
-    del M_2
-    t126 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t118.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t118, t43
-    t122[...] = (np.reshape((np.reshape(t123, (d_V**2, L*n_batch)) @ np.reshape(t124.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t123, t124
-    t122 += (np.reshape((np.reshape(t125, (d_V**2, L*n_batch)) @ np.reshape(t126.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t122, t125, t126
-    t127 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t127[...] = 0
-    t128 = np.reshape(t127, (d_V, d_V, d_V, d_V), copy=False)
-    del t127
-    t129 = np.einsum('abcb->abc', t128)
-    del t128
-    t130 = t112 @ M_1
-    del M_1, t112
-    t131 = np.ones((d_V,), dtype=X.dtype)
-    t132 = (2/(L*d_V*n_batch)) * t131
-    del t131
-    t129 += np.reshape(t132, (1, d_V, 1)) * np.reshape(t130.sum((0,)), (d_V, 1, d_V))
-    del t129, t130, t132
+    t72 = ((t71.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t73 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t70.transpose(1, 0)), (n_batch, L, d_K))
+    t74 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t73.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t75 = (1/(d_K*n_batch)) * t69
+    t76 = M_3.transpose(2, 3, 0, 1)
+    t77 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t75.transpose(1, 0)), (n_batch, L, d_K))
+    t78 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t77.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t79 = np.reshape(t72, (d_V**2, L*n_batch))
+    t80 = np.reshape(t76, (d_V**2, L*n_batch))
+    t81 = np.reshape(t74.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t82 = np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t83 = np.concatenate([t79, t80], axis=-1)
+    t84 = np.concatenate([t81, t82], axis=-2)
+    t68[...] = (np.reshape((t83 @ t84), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t85 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t86 = np.reshape(t85, (d_V, d_K, d_V, d_V), copy=False)
+    t87 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
+    t88 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t89 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t87.transpose(1, 0)), (n_batch, L, d_K))
+    t90 = (np.reshape(t89.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t91 = (1/(math.sqrt(d_K)*n_batch)) * t69
+    t92 = M_2.transpose(3, 2, 0, 1)
+    t93 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t91.transpose(1, 0)), (n_batch, L, d_K))
+    t94 = (np.reshape(t93.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t86[...] = (np.reshape((np.reshape(t90, (d_K*d_V, L*n_batch)) @ np.reshape(t88.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t86 += (np.reshape((np.reshape(t92, (d_V**2, L*n_batch)) @ np.reshape(t94.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t95[...] = 0
+    t96 = np.reshape(t95, (d_V, d_V, d_V, d_V), copy=False)
+    t97 = np.einsum('abcb->abc', t96)
+    t98 = np.swapaxes(M_1, -1, -2)
+    t99 = t98 @ M_1
+    t100 = np.ones((d_V,), dtype=X.dtype)
+    t101 = (2/(L*d_V*n_batch)) * t100
+    t97 += np.reshape(t101, (1, d_V, 1)) * np.reshape(t99.sum((0,)), (d_V, 1, d_V))
+    t102 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t40, t102)
+    t103 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t58, t103)
+    t104 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t85, t104)
     return H
 
 
@@ -11389,43 +11110,37 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     t43 = np.reshape((t42 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t44 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t40[...] = (np.reshape((np.reshape(t43, (d_K*d_V, L*n_batch)) @ np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t45 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t45 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t46 = np.reshape(t45, (d_V, d_K, d_V, d_K), copy=False)
     t47 = np.swapaxes(W_Q, -1, -2)
     t48 = (1/(d_K*n_batch)) * t47
-    t49 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t49 = M_3.transpose(2, 3, 0, 1)
     t50 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t48.transpose(1, 0)), (n_batch, L, d_K))
-    t51 = (np.reshape(t50.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t52 = np.einsum('abcb->abc', t46)
-    t53 = np.swapaxes(t36, -1, -2)
-    t46[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t52 += np.reshape(t38, (1, d_K, 1)) * np.reshape(t53.sum((0,)), (d_V, 1, d_V))
-    t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t55 = np.reshape(t54, (d_V, d_K, d_V, d_K), copy=False)
-    t56 = M_3.transpose(2, 3, 0, 1)
-    t57 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t50.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    t55[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t59 = np.reshape(t58, (d_V, d_K, d_V, d_V), copy=False)
-    t60 = (1/(math.sqrt(d_K)*n_batch)) * t47
-    t61 = M_2.transpose(3, 2, 0, 1)
-    t62 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t60.transpose(1, 0)), (n_batch, L, d_K))
-    t63 = (np.reshape(t62.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t59[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t63.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t51 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t50.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t46[...] = (np.reshape((np.reshape(t49, (d_V**2, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = np.reshape(t52, (d_V, d_K, d_V, d_V), copy=False)
+    t54 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t55 = M_2.transpose(3, 2, 0, 1)
+    t56 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t54.transpose(1, 0)), (n_batch, L, d_K))
+    t57 = (np.reshape(t56.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t53[...] = (np.reshape((np.reshape(t55, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t59 = np.reshape(t58, (d_V, d_V, d_V, d_K), copy=False)
+    t60 = np.swapaxes(G, -1, -2)
+    t61 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t62 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t61.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t63 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t59[...] = (np.reshape((np.reshape(t62, (d_V**2, L*n_batch)) @ np.reshape(t63.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t65 = np.reshape(t64, (d_V, d_V, d_V, d_K), copy=False)
-    t66 = np.swapaxes(G, -1, -2)
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
-    t68 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t67.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t69 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t65[...] = (np.reshape((np.reshape(t68, (d_V**2, L*n_batch)) @ np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t71 = np.reshape(t70, (d_V, d_V, d_V, d_K), copy=False)
-    t72 = M_2.transpose(2, 3, 0, 1)
-    t73 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t67.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t71[...] = (np.reshape((np.reshape(t72, (d_V**2, L*n_batch)) @ np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t74[...] = 0
+    t66 = M_2.transpose(2, 3, 0, 1)
+    t67 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t61.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t65[...] = (np.reshape((np.reshape(t66, (d_V**2, L*n_batch)) @ np.reshape(t67.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68[...] = 0
+    t69 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t29, t69)
     return H
 
 
@@ -12600,292 +12315,145 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
-    del t0
     t2 = np.swapaxes(W_K, -1, -2)
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
-    del t4
     t6 = X @ t5
-    del t5
     t7 = (1/math.sqrt(d_K)) * t6
-    del t6
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
-    del t7
     A = t8 / t8.sum(-1, keepdims=True)
-    del t8
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    del t10
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
-    del t11
     t13 = A @ X
     M_1 = t13
-    del t13
     t14 = M_1 @ W_V
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
-    del t15
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
-    del A16, t17
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    del t20
     t22 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t19), (n_batch, L, d_V, d_V))
     t24 = (t23 @ M_2)
-    del t23
     t25 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    del t21
     t26 = (t25 @ t24)
     t27 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t26.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    del t26
     t28 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t14
-    del t14
     t29 = np.exp(F - F.max(-1, keepdims=True))
-    del F
     A30 = t29 / t29.sum(-1, keepdims=True)
-    del t29
     t31 = t12 * A30
-    del A30
     t32 = t31 - Y
-    del t31
     t33 = (1/L) * t32
-    del t32
     G = t33
-    del t33
     t34 = t19 @ t3
     t35 = G @ t34
-    del t34
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
-    del t35
     t37 = A * t36
-    del t36
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(t37, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
-    del A, t9
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    del t38
     t39 = (1/(d_K*n_batch)) * t2
     t40 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t39.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t41 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t40.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    del t40
     t42 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t43 = np.reshape(t28, (d_V**2, L*n_batch))
-    del t28
     t44 = np.reshape(t42, (d_V**2, L*n_batch))
-    del t42
     t45 = np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t27
     t46 = np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t41
     t47 = np.concatenate([t43, t44], axis=-1)
-    del t43, t44
     t48 = np.concatenate([t45, t46], axis=-2)
-    del t45, t46
     t1[...] = (np.reshape((t47 @ t48), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    del t1, t47, t48
     t49 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
-    del t49
     t51 = ((t25 @ t24)).transpose(2, 3, 0, 1)
-    del t24, t25
     t52 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t53 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t54 = np.reshape((t39 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    del t39
     t55 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t56 = np.einsum('abcb->abc', t50)
     t57 = t37 @ X
-    del t37
     t58 = t3 @ t57
-    del t57
     t59 = np.ones((d_K,), dtype=X.dtype)
     t60 = (1/(math.sqrt(d_K)*n_batch)) * t59
-    del t59
     t61 = np.reshape(t51, (d_K*d_V, L*n_batch))
-    del t51
     t62 = np.reshape(t54, (d_K*d_V, L*n_batch))
-    del t54
     t63 = np.reshape(t53.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t53
     t64 = np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t55
     t65 = np.concatenate([t61, t62], axis=-1)
-    del t61, t62
     t66 = np.concatenate([t63, t64], axis=-2)
-    del t63, t64
     t50[...] = (np.reshape((t65 @ t66), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t50, t65, t66
     t56 += np.reshape(t60, (1, d_K, 1)) * np.reshape(t58.sum((0,)), (d_V, 1, d_V))
-    del t56
     t67 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = np.reshape(t67, (d_V, d_K, d_V, d_V), copy=False)
-    del t67
     t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t70 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t69.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    del t69
     t71 = np.reshape((np.reshape(t70.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    del t70
     t72 = ((t71 @ t22)).transpose(2, 3, 0, 1)
-    del t71
     t73 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t74 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    del t2
     t75 = np.reshape((t74 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    del t74
     t76 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t68[...] = (np.reshape((np.reshape(t73, (d_V**2, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    del t72, t73
     t68 += (np.reshape((np.reshape(t75, (d_K*d_V, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    del t68, t75, t76
-    t77 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t77 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t78 = np.reshape(t77, (d_V, d_K, d_V, d_K), copy=False)
-    del t77
     t79 = np.swapaxes(W_Q, -1, -2)
     t80 = (1/(L*d_K*n_batch)) * t79
     t81 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t82 = (t22.transpose(0, 1, 3, 2) @ t81.transpose(1, 2, 0, 3))
     t83 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t84 = (t83 @ t82)
-    t85 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t84.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    del t84
-    t86 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t80.transpose(1, 0)), (n_batch, L, d_K))
-    del t80
-    t87 = (np.reshape(t86.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t88 = (1/(d_K*n_batch)) * t79
-    t89 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t90 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t88.transpose(1, 0)), (n_batch, L, d_K))
-    del t3, t88
-    t91 = (np.reshape(t90.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t92 = np.einsum('abcb->abc', t78)
-    t93 = np.swapaxes(t58, -1, -2)
-    del t58
-    t94 = np.reshape(t87, (d_K*d_V, L*n_batch))
-    del t87
-    t95 = np.reshape(t91, (d_K*d_V, L*n_batch))
-    del t91
-    t96 = np.reshape(t85.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t85
-    t97 = np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t89
-    t98 = np.concatenate([t94, t95], axis=-1)
-    del t94, t95
-    t99 = np.concatenate([t96, t97], axis=-2)
-    del t96, t97
-    t78[...] = (np.reshape((t98 @ t99), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t78, t98, t99
-    t92 += np.reshape(t60, (1, d_K, 1)) * np.reshape(t93.sum((0,)), (d_V, 1, d_V))
-    del t60, t92, t93
-    t100 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t101 = np.reshape(t100, (d_V, d_K, d_V, d_K), copy=False)
-    del t100
-    t102 = ((t83 @ t82)).transpose(3, 2, 0, 1)
-    del t82
-    t103 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t86.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t86
-    t104 = M_3.transpose(2, 3, 0, 1)
-    del M_3
-    t105 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t90.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t90
-    t106 = np.reshape(t102, (d_V**2, L*n_batch))
-    del t102
-    t107 = np.reshape(t104, (d_V**2, L*n_batch))
-    del t104
-    t108 = np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t103
-    t109 = np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t105
-    t110 = np.concatenate([t106, t107], axis=-1)
-    del t106, t107
-    t111 = np.concatenate([t108, t109], axis=-2)
-    del t108, t109
-    t101[...] = (np.reshape((t110 @ t111), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    del t101, t110, t111
-    t112 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t113 = np.reshape(t112, (d_V, d_K, d_V, d_V), copy=False)
-    del t112
-    t114 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
-    t115 = ((t22.transpose(0, 1, 3, 2) @ t81.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    del t81
-    t116 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t114.transpose(1, 0)), (n_batch, L, d_K))
-    del t114
-    t117 = (np.reshape(t116.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    del t116
-    t118 = (1/(math.sqrt(d_K)*n_batch)) * t79
-    del t79
-    t119 = M_2.transpose(3, 2, 0, 1)
-    t120 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t118.transpose(1, 0)), (n_batch, L, d_K))
-    del t118
-    t121 = (np.reshape(t120.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    del t120
-    t113[...] = (np.reshape((np.reshape(t117, (d_K*d_V, L*n_batch)) @ np.reshape(t115.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    del t115, t117
-    t113 += (np.reshape((np.reshape(t119, (d_V**2, L*n_batch)) @ np.reshape(t121.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    del t113, t119, t121
-    t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t123 = np.reshape(t122, (d_V, d_V, d_V, d_K), copy=False)
-    del t122
-    t124 = np.swapaxes(G, -1, -2)
-    del G
-    t125 = (1/(math.sqrt(d_K)*n_batch)) * t124
-    del t124
-    t126 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t125.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t127 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t128 = np.swapaxes(M_1, -1, -2)
-    t129 = (1/(L*math.sqrt(d_K)*n_batch)) * t128
-    t130 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t129.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t131 = np.reshape((t19.transpose(1, 0) @ np.reshape(dA18.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    del t19
-    t132 = (t131.transpose(1, 2, 3, 0) @ M_2)
-    del t131
-    t133 = np.reshape((np.reshape(t132, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    del t132
-    t134 = (t133.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-    del t133
-    t123[...] = (np.reshape((np.reshape(t126, (d_V**2, L*n_batch)) @ np.reshape(t127.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t126, t127
-    t123 += (np.reshape((np.reshape(t130, (d_V**2, L*n_batch)) @ np.reshape(t134.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t123, t130, t134
-    t135 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t136 = np.reshape(t135, (d_V, d_V, d_V, d_K), copy=False)
-    del t135
-    t137 = M_2.transpose(2, 3, 0, 1)
-    del M_2
-    t138 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t125.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t125
-    t139 = ((t83 @ t22.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    del t22, t83
-    t140 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t129.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t129, t52
-    t136[...] = (np.reshape((np.reshape(t137, (d_V**2, L*n_batch)) @ np.reshape(t138.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t137, t138
-    t136 += (np.reshape((np.reshape(t139, (d_V**2, L*n_batch)) @ np.reshape(t140.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t136, t139, t140
-    t141 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t142 = np.reshape(t141, (d_V, d_V, d_V, d_V), copy=False)
-    del t141
-    t143 = (1/(L*n_batch)) * t128
-    del t128
-    t144 = (dA18.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-    del dA18, t12
-    t145 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t143.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del M_1, t143
-    t142[...] = (np.reshape((np.reshape(t145, (d_V**2, L*n_batch)) @ np.reshape(t144.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
-    del t142, t144, t145
+    t84 = ((t83 @ t82)).transpose(3, 2, 0, 1)
+    t85 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t80.transpose(1, 0)), (n_batch, L, d_K))
+    t86 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t85.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t87 = (1/(d_K*n_batch)) * t79
+    t88 = M_3.transpose(2, 3, 0, 1)
+    t89 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t87.transpose(1, 0)), (n_batch, L, d_K))
+    t90 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t89.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t91 = np.reshape(t84, (d_V**2, L*n_batch))
+    t92 = np.reshape(t88, (d_V**2, L*n_batch))
+    t93 = np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t94 = np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t95 = np.concatenate([t91, t92], axis=-1)
+    t96 = np.concatenate([t93, t94], axis=-2)
+    t78[...] = (np.reshape((t95 @ t96), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t97 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t98 = np.reshape(t97, (d_V, d_K, d_V, d_V), copy=False)
+    t99 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
+    t100 = ((t22.transpose(0, 1, 3, 2) @ t81.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t101 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t99.transpose(1, 0)), (n_batch, L, d_K))
+    t102 = (np.reshape(t101.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t103 = (1/(math.sqrt(d_K)*n_batch)) * t79
+    t104 = M_2.transpose(3, 2, 0, 1)
+    t105 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t103.transpose(1, 0)), (n_batch, L, d_K))
+    t106 = (np.reshape(t105.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t98[...] = (np.reshape((np.reshape(t102, (d_K*d_V, L*n_batch)) @ np.reshape(t100.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t98 += (np.reshape((np.reshape(t104, (d_V**2, L*n_batch)) @ np.reshape(t106.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t107 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t108 = np.reshape(t107, (d_V, d_V, d_V, d_V), copy=False)
+    t109 = np.swapaxes(M_1, -1, -2)
+    t110 = (1/(L*n_batch)) * t109
+    t111 = (dA18.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t112 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t110.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t108[...] = (np.reshape((np.reshape(t112, (d_V**2, L*n_batch)) @ np.reshape(t111.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t113 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t49, t113)
+    t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t67, t114)
+    t115 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t97, t115)
     return H
 
 
@@ -17029,43 +16597,37 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     t45 = np.reshape((t44 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t46 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t42[...] = (np.reshape((np.reshape(t45, (d_K*d_V, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
     t49 = np.swapaxes(W_Q, -1, -2)
     t50 = (1/(d_K*n_batch)) * t49
-    t51 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t51 = M_3.transpose(2, 3, 0, 1)
     t52 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t50.transpose(1, 0)), (n_batch, L, d_K))
-    t53 = (np.reshape(t52.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t54 = np.einsum('abcb->abc', t48)
-    t55 = np.swapaxes(t38, -1, -2)
-    t48[...] = (np.reshape((np.reshape(t53, (d_K*d_V, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t54 += np.reshape(t40, (1, d_K, 1)) * np.reshape(t55.sum((0,)), (d_V, 1, d_V))
-    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t57 = np.reshape(t56, (d_V, d_K, d_V, d_K), copy=False)
-    t58 = M_3.transpose(2, 3, 0, 1)
-    t59 = (np.reshape(t34, (1, d_K, n_batch, L)) * np.reshape(t52.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    t57[...] = (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    t60 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t61 = np.reshape(t60, (d_V, d_K, d_V, d_V), copy=False)
-    t62 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t63 = M_2.transpose(3, 2, 0, 1)
-    t64 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t62.transpose(1, 0)), (n_batch, L, d_K))
-    t65 = (np.reshape(t64.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t61[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t53 = (np.reshape(t34, (1, d_K, n_batch, L)) * np.reshape(t52.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t48[...] = (np.reshape((np.reshape(t51, (d_V**2, L*n_batch)) @ np.reshape(t53.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t55 = np.reshape(t54, (d_V, d_K, d_V, d_V), copy=False)
+    t56 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t57 = M_2.transpose(3, 2, 0, 1)
+    t58 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t56.transpose(1, 0)), (n_batch, L, d_K))
+    t59 = (np.reshape(t58.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t55[...] = (np.reshape((np.reshape(t57, (d_V**2, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t61 = np.reshape(t60, (d_V, d_V, d_V, d_K), copy=False)
+    t62 = np.swapaxes(G, -1, -2)
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t62
+    t64 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t63.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t65 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t61[...] = (np.reshape((np.reshape(t64, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t67 = np.reshape(t66, (d_V, d_V, d_V, d_K), copy=False)
-    t68 = np.swapaxes(G, -1, -2)
-    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
-    t70 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t69.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t71 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t67[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t73 = np.reshape(t72, (d_V, d_V, d_V, d_K), copy=False)
-    t74 = M_2.transpose(2, 3, 0, 1)
-    t75 = (np.reshape(t34, (1, d_K, n_batch, L)) * np.reshape(t69.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t73[...] = (np.reshape((np.reshape(t74, (d_V**2, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t76[...] = 0
+    t68 = M_2.transpose(2, 3, 0, 1)
+    t69 = (np.reshape(t34, (1, d_K, n_batch, L)) * np.reshape(t63.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t67[...] = (np.reshape((np.reshape(t68, (d_V**2, L*n_batch)) @ np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t70[...] = 0
+    t71 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t31, t71)
     return H
 
 
@@ -18284,295 +17846,147 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
-    del t0
     t2 = np.swapaxes(W_K, -1, -2)
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
-    del t4
     t6 = X @ t5
-    del t5
     t7 = (1/math.sqrt(d_K)) * t6
-    del t6
     t8 = np.triu(np.ones((L, L), dtype=bool), 1)
     t9 = np.where(t8, -math.inf, t7)
-    del t7, t8
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
-    del t9
     A = t10 / t10.sum(-1, keepdims=True)
-    del t10
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    del t12
     t13 = Y.sum(-1, keepdims=True)
     t14 = np.broadcast_to(t13, t13.shape[:-1] + (d_V,))
-    del t13
     t15 = A @ X
     M_1 = t15
-    del t15
     t16 = M_1 @ W_V
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
-    del t17
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA20 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1))) - (np.reshape(A18, (n_batch, L, 1, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1)))
-    del A18, t19
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    del t22
     t24 = (dA20 * np.reshape(t14, (n_batch, L, d_V, 1)))
     t25 = np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ t21), (n_batch, L, d_V, d_V))
     t26 = (t25 @ M_2)
-    del t25
     t27 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    del t23
     t28 = (t27 @ t26)
     t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    del t28
     t30 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t16
-    del t16
     t31 = np.exp(F - F.max(-1, keepdims=True))
-    del F
     A32 = t31 / t31.sum(-1, keepdims=True)
-    del t31
     t33 = t14 * A32
-    del A32
     t34 = t33 - Y
-    del t33
     t35 = (1/L) * t34
-    del t34
     G = t35
-    del t35
     t36 = t21 @ t3
     t37 = G @ t36
-    del t36
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
-    del t37
     t39 = A * t38
-    del t38
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (np.reshape(t11, (1, 1, L, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(t39, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
-    del A, t11
     t40 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    del t40
     t41 = (1/(d_K*n_batch)) * t2
     t42 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t43 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t42.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    del t42
     t44 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t45 = np.reshape(t30, (d_V**2, L*n_batch))
-    del t30
     t46 = np.reshape(t44, (d_V**2, L*n_batch))
-    del t44
     t47 = np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t29
     t48 = np.reshape(t43.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t43
     t49 = np.concatenate([t45, t46], axis=-1)
-    del t45, t46
     t50 = np.concatenate([t47, t48], axis=-2)
-    del t47, t48
     t1[...] = (np.reshape((t49 @ t50), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    del t1, t49, t50
     t51 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
-    del t51
     t53 = ((t27 @ t26)).transpose(2, 3, 0, 1)
-    del t26, t27
     t54 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t55 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t56 = np.reshape((t41 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    del t41
     t57 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t58 = np.einsum('abcb->abc', t52)
     t59 = t39 @ X
-    del t39
     t60 = t3 @ t59
-    del t59
     t61 = np.ones((d_K,), dtype=X.dtype)
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
-    del t61
     t63 = np.reshape(t53, (d_K*d_V, L*n_batch))
-    del t53
     t64 = np.reshape(t56, (d_K*d_V, L*n_batch))
-    del t56
     t65 = np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t55
     t66 = np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t57
     t67 = np.concatenate([t63, t64], axis=-1)
-    del t63, t64
     t68 = np.concatenate([t65, t66], axis=-2)
-    del t65, t66
     t52[...] = (np.reshape((t67 @ t68), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t52, t67, t68
     t58 += np.reshape(t62, (1, d_K, 1)) * np.reshape(t60.sum((0,)), (d_V, 1, d_V))
-    del t58
     t69 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t70 = np.reshape(t69, (d_V, d_K, d_V, d_V), copy=False)
-    del t69
     t71 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t72 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t71.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    del t71
     t73 = np.reshape((np.reshape(t72.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    del t72
     t74 = ((t73 @ t24)).transpose(2, 3, 0, 1)
-    del t73
     t75 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t76 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    del t2
     t77 = np.reshape((t76 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    del t76
     t78 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t70[...] = (np.reshape((np.reshape(t75, (d_V**2, L*n_batch)) @ np.reshape(t74.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    del t74, t75
     t70 += (np.reshape((np.reshape(t77, (d_K*d_V, L*n_batch)) @ np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    del t70, t77, t78
-    t79 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t79 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t80 = np.reshape(t79, (d_V, d_K, d_V, d_K), copy=False)
-    del t79
     t81 = np.swapaxes(W_Q, -1, -2)
     t82 = (1/(L*d_K*n_batch)) * t81
     t83 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t84 = (t24.transpose(0, 1, 3, 2) @ t83.transpose(1, 2, 0, 3))
     t85 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t86 = (t85 @ t84)
-    t87 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t86.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    del t86
-    t88 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t82.transpose(1, 0)), (n_batch, L, d_K))
-    del t82
-    t89 = (np.reshape(t88.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t90 = (1/(d_K*n_batch)) * t81
-    t91 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t92 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t90.transpose(1, 0)), (n_batch, L, d_K))
-    del t3, t90
-    t93 = (np.reshape(t92.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t94 = np.einsum('abcb->abc', t80)
-    t95 = np.swapaxes(t60, -1, -2)
-    del t60
-    t96 = np.reshape(t89, (d_K*d_V, L*n_batch))
-    del t89
-    t97 = np.reshape(t93, (d_K*d_V, L*n_batch))
-    del t93
-    t98 = np.reshape(t87.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t87
-    t99 = np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t91
-    t100 = np.concatenate([t96, t97], axis=-1)
-    del t96, t97
-    t101 = np.concatenate([t98, t99], axis=-2)
-    del t98, t99
-    t80[...] = (np.reshape((t100 @ t101), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t100, t101, t80
-    t94 += np.reshape(t62, (1, d_K, 1)) * np.reshape(t95.sum((0,)), (d_V, 1, d_V))
-    del t62, t94, t95
-    t102 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t103 = np.reshape(t102, (d_V, d_K, d_V, d_K), copy=False)
-    del t102
-    t104 = ((t85 @ t84)).transpose(3, 2, 0, 1)
-    del t84
-    t105 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t88.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t88
-    t106 = M_3.transpose(2, 3, 0, 1)
-    del M_3
-    t107 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t92.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t92
-    t108 = np.reshape(t104, (d_V**2, L*n_batch))
-    del t104
-    t109 = np.reshape(t106, (d_V**2, L*n_batch))
-    del t106
-    t110 = np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t105
-    t111 = np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t107
-    t112 = np.concatenate([t108, t109], axis=-1)
-    del t108, t109
-    t113 = np.concatenate([t110, t111], axis=-2)
-    del t110, t111
-    t103[...] = (np.reshape((t112 @ t113), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    del t103, t112, t113
-    t114 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t115 = np.reshape(t114, (d_V, d_K, d_V, d_V), copy=False)
-    del t114
-    t116 = (1/(L*math.sqrt(d_K)*n_batch)) * t81
-    t117 = ((t24.transpose(0, 1, 3, 2) @ t83.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    del t83
-    t118 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t116.transpose(1, 0)), (n_batch, L, d_K))
-    del t116
-    t119 = (np.reshape(t118.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    del t118
-    t120 = (1/(math.sqrt(d_K)*n_batch)) * t81
-    del t81
-    t121 = M_2.transpose(3, 2, 0, 1)
-    t122 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t120.transpose(1, 0)), (n_batch, L, d_K))
-    del t120
-    t123 = (np.reshape(t122.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    del t122
-    t115[...] = (np.reshape((np.reshape(t119, (d_K*d_V, L*n_batch)) @ np.reshape(t117.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    del t117, t119
-    t115 += (np.reshape((np.reshape(t121, (d_V**2, L*n_batch)) @ np.reshape(t123.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    del t115, t121, t123
-    t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t125 = np.reshape(t124, (d_V, d_V, d_V, d_K), copy=False)
-    del t124
-    t126 = np.swapaxes(G, -1, -2)
-    del G
-    t127 = (1/(math.sqrt(d_K)*n_batch)) * t126
-    del t126
-    t128 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t127.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t129 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t130 = np.swapaxes(M_1, -1, -2)
-    t131 = (1/(L*math.sqrt(d_K)*n_batch)) * t130
-    t132 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t131.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t133 = np.reshape((t21.transpose(1, 0) @ np.reshape(dA20.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    del t21
-    t134 = (t133.transpose(1, 2, 3, 0) @ M_2)
-    del t133
-    t135 = np.reshape((np.reshape(t134, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    del t134
-    t136 = (t135.transpose(2, 3, 0, 1) * np.reshape(t14.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-    del t135
-    t125[...] = (np.reshape((np.reshape(t128, (d_V**2, L*n_batch)) @ np.reshape(t129.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t128, t129
-    t125 += (np.reshape((np.reshape(t132, (d_V**2, L*n_batch)) @ np.reshape(t136.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t125, t132, t136
-    t137 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t138 = np.reshape(t137, (d_V, d_V, d_V, d_K), copy=False)
-    del t137
-    t139 = M_2.transpose(2, 3, 0, 1)
-    del M_2
-    t140 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t127.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t127
-    t141 = ((t85 @ t24.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    del t24, t85
-    t142 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t131.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t131, t54
-    t138[...] = (np.reshape((np.reshape(t139, (d_V**2, L*n_batch)) @ np.reshape(t140.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t139, t140
-    t138 += (np.reshape((np.reshape(t141, (d_V**2, L*n_batch)) @ np.reshape(t142.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t138, t141, t142
-    t143 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t144 = np.reshape(t143, (d_V, d_V, d_V, d_V), copy=False)
-    del t143
-    t145 = (1/(L*n_batch)) * t130
-    del t130
-    t146 = (dA20.transpose(2, 3, 0, 1) * np.reshape(t14.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-    del dA20, t14
-    t147 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t145.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del M_1, t145
-    t144[...] = (np.reshape((np.reshape(t147, (d_V**2, L*n_batch)) @ np.reshape(t146.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
-    del t144, t146, t147
+    t86 = ((t85 @ t84)).transpose(3, 2, 0, 1)
+    t87 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t82.transpose(1, 0)), (n_batch, L, d_K))
+    t88 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t87.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t89 = (1/(d_K*n_batch)) * t81
+    t90 = M_3.transpose(2, 3, 0, 1)
+    t91 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t89.transpose(1, 0)), (n_batch, L, d_K))
+    t92 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t91.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t93 = np.reshape(t86, (d_V**2, L*n_batch))
+    t94 = np.reshape(t90, (d_V**2, L*n_batch))
+    t95 = np.reshape(t88.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t96 = np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t97 = np.concatenate([t93, t94], axis=-1)
+    t98 = np.concatenate([t95, t96], axis=-2)
+    t80[...] = (np.reshape((t97 @ t98), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t99 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t100 = np.reshape(t99, (d_V, d_K, d_V, d_V), copy=False)
+    t101 = (1/(L*math.sqrt(d_K)*n_batch)) * t81
+    t102 = ((t24.transpose(0, 1, 3, 2) @ t83.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t103 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t101.transpose(1, 0)), (n_batch, L, d_K))
+    t104 = (np.reshape(t103.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t105 = (1/(math.sqrt(d_K)*n_batch)) * t81
+    t106 = M_2.transpose(3, 2, 0, 1)
+    t107 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t105.transpose(1, 0)), (n_batch, L, d_K))
+    t108 = (np.reshape(t107.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t100[...] = (np.reshape((np.reshape(t104, (d_K*d_V, L*n_batch)) @ np.reshape(t102.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t100 += (np.reshape((np.reshape(t106, (d_V**2, L*n_batch)) @ np.reshape(t108.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t109 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t110 = np.reshape(t109, (d_V, d_V, d_V, d_V), copy=False)
+    t111 = np.swapaxes(M_1, -1, -2)
+    t112 = (1/(L*n_batch)) * t111
+    t113 = (dA20.transpose(2, 3, 0, 1) * np.reshape(t14.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t114 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t112.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t110[...] = (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t115 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t51, t115)
+    t116 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t69, t116)
+    t117 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t99, t117)
     return H
 
 

@@ -1029,26 +1029,17 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
     t38 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t36.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t33[...] = (np.reshape((np.reshape(t35, (d_V**2, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t33 += (np.reshape((np.reshape(t37, (d_V**2, L*n_batch)) @ np.reshape(t38.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t39 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t39 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t39[...] = 0
     t40 = np.reshape(t39, (d_V, d_V, d_V, d_V), copy=False)
-    t41 = np.swapaxes(M_1, -1, -2)
-    t42 = (2/(L*d_V*n_batch)) * t41
-    t43 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t42.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t44 = np.reshape((t8 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
-    t45 = np.swapaxes(G, -1, -2)
-    t46 = (1/n_batch) * t45
-    t47 = M_2.transpose(2, 3, 0, 1)
-    t48 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t46.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t40[...] = (np.reshape((np.reshape(t43, (d_V**2, L*n_batch)) @ np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
-    t40 += (np.reshape((np.reshape(t48, (d_V**2, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t49 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t49[...] = 0
-    t50 = np.reshape(t49, (d_V, d_V, d_V, d_V), copy=False)
-    t51 = np.einsum('abcb->abc', t50)
-    t52 = t41 @ M_1
-    t53 = np.ones((d_V,), dtype=X.dtype)
-    t54 = (2/(L*d_V*n_batch)) * t53
-    t51 += np.reshape(t54, (1, d_V, 1)) * np.reshape(t52.sum((0,)), (d_V, 1, d_V))
+    t41 = np.einsum('abcb->abc', t40)
+    t42 = np.swapaxes(M_1, -1, -2)
+    t43 = t42 @ M_1
+    t44 = np.ones((d_V,), dtype=X.dtype)
+    t45 = (2/(L*d_V*n_batch)) * t44
+    t41 += np.reshape(t45, (1, d_V, 1)) * np.reshape(t43.sum((0,)), (d_V, 1, d_V))
+    t46 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    _transpose_into(t32, t46)
     return H
 
 
@@ -2969,26 +2960,17 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
     t40 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t38.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t35[...] = (np.reshape((np.reshape(t37, (d_V**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t35 += (np.reshape((np.reshape(t39, (d_V**2, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t41 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t41 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t41[...] = 0
     t42 = np.reshape(t41, (d_V, d_V, d_V, d_V), copy=False)
-    t43 = np.swapaxes(M_1, -1, -2)
-    t44 = (2/(L*d_V*n_batch)) * t43
-    t45 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t44.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t46 = np.reshape((t10 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
-    t47 = np.swapaxes(G, -1, -2)
-    t48 = (1/n_batch) * t47
-    t49 = M_2.transpose(2, 3, 0, 1)
-    t50 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t48.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t42[...] = (np.reshape((np.reshape(t45, (d_V**2, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
-    t42 += (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t51 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t51[...] = 0
-    t52 = np.reshape(t51, (d_V, d_V, d_V, d_V), copy=False)
-    t53 = np.einsum('abcb->abc', t52)
-    t54 = t43 @ M_1
-    t55 = np.ones((d_V,), dtype=X.dtype)
-    t56 = (2/(L*d_V*n_batch)) * t55
-    t53 += np.reshape(t56, (1, d_V, 1)) * np.reshape(t54.sum((0,)), (d_V, 1, d_V))
+    t43 = np.einsum('abcb->abc', t42)
+    t44 = np.swapaxes(M_1, -1, -2)
+    t45 = t44 @ M_1
+    t46 = np.ones((d_V,), dtype=X.dtype)
+    t47 = (2/(L*d_V*n_batch)) * t46
+    t43 += np.reshape(t47, (1, d_V, 1)) * np.reshape(t45.sum((0,)), (d_V, 1, d_V))
+    t48 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    _transpose_into(t34, t48)
     return H
 
 

@@ -1916,78 +1916,72 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t47 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t46.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t48 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t45[...] = (np.reshape((np.reshape(t47, (d_H*d_K, L*n_batch)) @ np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
-    t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
     t51 = np.swapaxes(W_Q, -1, -2)
     t52 = (1/(d_K*n_batch)) * t51
-    t53 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t53 = M_3.transpose(2, 3, 0, 1)
     t54 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t52.transpose(1, 0)), (n_batch, L, d_K))
-    t55 = (np.reshape(t54.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t56 = np.einsum('abcb->abc', t50)
-    t57 = np.swapaxes(t34, -1, -2)
-    t50[...] = (np.reshape((np.reshape(t55, (d_K*d_V, L*n_batch)) @ np.reshape(t53.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t56 += np.reshape(t36, (1, d_K, 1)) * np.reshape(t57.sum((0,)), (d_V, 1, d_V))
-    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t59 = np.reshape(t58, (d_V, d_K, d_V, d_K), copy=False)
-    t60 = M_3.transpose(2, 3, 0, 1)
-    t61 = (np.reshape(t30, (1, d_K, n_batch, L)) * np.reshape(t54.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    t59[...] = (np.reshape((np.reshape(t60, (d_V**2, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t63 = np.reshape(t62, (d_V, d_K, d_V, d_H), copy=False)
-    t64 = (1/(math.sqrt(d_K)*n_batch)) * t51
-    t65 = M_2.transpose(3, 2, 0, 1)
-    t66 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t64.transpose(1, 0)), (n_batch, L, d_K))
-    t67 = (np.reshape(t66.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t40.transpose(2, 0, 1), (1, d_H, n_batch, L)))
-    t63[...] = (np.reshape((np.reshape(t65, (d_V**2, L*n_batch)) @ np.reshape(t67.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
-    t68 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t69 = np.reshape(t68, (d_V, d_K, d_H, d_V), copy=False)
-    t70 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t71 = (np.reshape(t66.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t69[...] = (np.reshape((np.reshape(t70, (d_H*d_V, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
-    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t55 = (np.reshape(t30, (1, d_K, n_batch, L)) * np.reshape(t54.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t50[...] = (np.reshape((np.reshape(t53, (d_V**2, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t57 = np.reshape(t56, (d_V, d_K, d_V, d_H), copy=False)
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t51
+    t59 = M_2.transpose(3, 2, 0, 1)
+    t60 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t58.transpose(1, 0)), (n_batch, L, d_K))
+    t61 = (np.reshape(t60.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t40.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    t57[...] = (np.reshape((np.reshape(t59, (d_V**2, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    t62 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t63 = np.reshape(t62, (d_V, d_K, d_H, d_V), copy=False)
+    t64 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t65 = (np.reshape(t60.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t63[...] = (np.reshape((np.reshape(t64, (d_H*d_V, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    t66 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t67 = np.reshape(t66, (d_V, d_H, d_V, d_K), copy=False)
+    t68 = np.swapaxes(t40, -1, -2)
+    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
+    t70 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t69.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    t71 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t67[...] = (np.reshape((np.reshape(t70, (d_H*d_V, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t73 = np.reshape(t72, (d_V, d_H, d_V, d_K), copy=False)
-    t74 = np.swapaxes(t40, -1, -2)
-    t75 = (1/(math.sqrt(d_K)*n_batch)) * t74
-    t76 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t75.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t77 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t73[...] = (np.reshape((np.reshape(t76, (d_H*d_V, L*n_batch)) @ np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t79 = np.reshape(t78, (d_V, d_H, d_V, d_K), copy=False)
-    t80 = M_2.transpose(2, 3, 0, 1)
-    t81 = (np.reshape(t30, (1, d_K, n_batch, L)) * np.reshape(t75.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t79[...] = (np.reshape((np.reshape(t80, (d_V**2, L*n_batch)) @ np.reshape(t81.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
-    t82 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t82[...] = 0
-    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t83[...] = 0
-    t84 = np.reshape(t83, (d_V, d_H, d_H, d_V), copy=False)
-    t85 = np.einsum('abbc->abc', t84)
-    t86 = np.swapaxes(M_1, -1, -2)
-    t87 = t86 @ G
-    t88 = np.ones((d_H,), dtype=X.dtype)
-    t89 = (1/n_batch) * t88
-    t85 += np.reshape(t89, (1, d_H, 1)) * np.reshape(t87.sum((0,)), (d_V, 1, d_V))
-    t90 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t91 = np.reshape(t90, (d_H, d_V, d_V, d_K), copy=False)
-    t92 = np.swapaxes(G, -1, -2)
-    t93 = (1/(math.sqrt(d_K)*n_batch)) * t92
-    t94 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t95 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t94.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
-    t96 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t93.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t91[...] = (np.reshape((np.reshape(t96, (d_V**2, L*n_batch)) @ np.reshape(t95.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
-    t97 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t98 = np.reshape(t97, (d_H, d_V, d_V, d_K), copy=False)
-    t99 = np.reshape((t15 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    t100 = (np.reshape(t30, (1, d_K, n_batch, L)) * np.reshape(t93.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t98[...] = (np.reshape((np.reshape(t99, (d_H*d_V, L*n_batch)) @ np.reshape(t100.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t101 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t101[...] = 0
-    t102 = np.reshape(t101, (d_H, d_V, d_V, d_H), copy=False)
-    t103 = np.einsum('abca->abc', t102)
-    t104 = np.swapaxes(t87, -1, -2)
-    t103 += np.reshape(t89, (d_H, 1, 1)) * np.reshape(t104.sum((0,)), (1, d_V, d_V))
-    t105 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t105[...] = 0
+    t74 = M_2.transpose(2, 3, 0, 1)
+    t75 = (np.reshape(t30, (1, d_K, n_batch, L)) * np.reshape(t69.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    t73[...] = (np.reshape((np.reshape(t74, (d_V**2, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
+    t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t76[...] = 0
+    t77 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t77[...] = 0
+    t78 = np.reshape(t77, (d_V, d_H, d_H, d_V), copy=False)
+    t79 = np.einsum('abbc->abc', t78)
+    t80 = np.swapaxes(M_1, -1, -2)
+    t81 = t80 @ G
+    t82 = np.ones((d_H,), dtype=X.dtype)
+    t83 = (1/n_batch) * t82
+    t79 += np.reshape(t83, (1, d_H, 1)) * np.reshape(t81.sum((0,)), (d_V, 1, d_V))
+    t84 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t85 = np.reshape(t84, (d_H, d_V, d_V, d_K), copy=False)
+    t86 = np.swapaxes(G, -1, -2)
+    t87 = (1/(math.sqrt(d_K)*n_batch)) * t86
+    t88 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_H))
+    t89 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t88.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
+    t90 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t87.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t85[...] = (np.reshape((np.reshape(t90, (d_V**2, L*n_batch)) @ np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
+    t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t92 = np.reshape(t91, (d_H, d_V, d_V, d_K), copy=False)
+    t93 = np.reshape((t15 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    t94 = (np.reshape(t30, (1, d_K, n_batch, L)) * np.reshape(t87.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t92[...] = (np.reshape((np.reshape(t93, (d_H*d_V, L*n_batch)) @ np.reshape(t94.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t95 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t95[...] = 0
+    t96 = np.reshape(t95, (d_H, d_V, d_V, d_H), copy=False)
+    t97 = np.einsum('abca->abc', t96)
+    t98 = np.swapaxes(t81, -1, -2)
+    t97 += np.reshape(t83, (d_H, 1, 1)) * np.reshape(t98.sum((0,)), (1, d_V, d_V))
+    t99 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t99[...] = 0
+    t100 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t27, t100)
     return H
 
 
@@ -3722,6 +3716,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = t11 @ t12
+    del t12
     t14 = W_O @ t13
     t15 = W_V @ t14
     t16 = (2/(L*d_K*d_V*n_batch)) * t2
@@ -3783,7 +3778,6 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t1, t40, t41
     t42 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
-    del t42
     t44 = ((t18 @ t17)).transpose(3, 2, 0, 1)
     del t17, t18
     t45 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
@@ -3814,11 +3808,11 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t43[...] = (np.reshape((t58 @ t59), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     del t43, t58, t59
     t49 += np.reshape(t53, (1, d_K, 1)) * np.reshape(t51.sum((0,)), (d_V, 1, d_V))
-    del t49
+    del t49, t51, t53
     t60 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t61 = np.reshape(t60, (d_V, d_K, d_V, d_H), copy=False)
-    del t60
     t62 = np.swapaxes(t14, -1, -2)
+    del t14
     t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t64 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t63.transpose(1, 0)), (n_batch, L, d_V, d_K))
     del t63
@@ -3835,7 +3829,6 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t61, t69, t70
     t71 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t72 = np.reshape(t71, (d_V, d_K, d_H, d_V), copy=False)
-    del t71
     t73 = M_1 @ W_V
     t74 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
     t75 = (np.reshape((t74 @ np.reshape(t64.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
@@ -3850,219 +3843,132 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t75, t76
     t72 += (np.reshape((np.reshape(t78, (d_H*d_K, L*n_batch)) @ np.reshape(t79.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     del t72, t78, t79
-    t80 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t80 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t81 = np.reshape(t80, (d_V, d_K, d_V, d_K), copy=False)
     del t80
     t82 = np.swapaxes(W_Q, -1, -2)
     t83 = (2/(L*d_K*d_V*n_batch)) * t82
     t84 = np.reshape((t15.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     del t15
-    t85 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
-    t86 = ((t85.transpose(1, 2, 0, 3) @ t84.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t87 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t83.transpose(1, 0)), (n_batch, L, d_K))
-    del t83
-    t88 = (np.reshape(t87.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t89 = (1/(d_K*n_batch)) * t82
-    t90 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t91 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t89.transpose(1, 0)), (n_batch, L, d_K))
-    del t3, t89
-    t92 = (np.reshape(t91.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t93 = np.einsum('abcb->abc', t81)
-    t94 = np.swapaxes(t51, -1, -2)
-    del t51
-    t95 = np.reshape(t88, (d_K*d_V, L*n_batch))
-    del t88
-    t96 = np.reshape(t92, (d_K*d_V, L*n_batch))
-    del t92
-    t97 = np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t86
-    t98 = np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t90
-    t99 = np.concatenate([t95, t96], axis=-1)
-    del t95, t96
-    t100 = np.concatenate([t97, t98], axis=-2)
-    del t97, t98
-    t81[...] = (np.reshape((t99 @ t100), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t100, t81, t99
-    t93 += np.reshape(t53, (1, d_K, 1)) * np.reshape(t94.sum((0,)), (d_V, 1, d_V))
-    del t53, t93, t94
-    t101 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t102 = np.reshape(t101, (d_V, d_K, d_V, d_K), copy=False)
-    del t101
-    t103 = ((t84.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t85 = ((t84.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     del t84
-    t104 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t87.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t87
-    t105 = M_3.transpose(2, 3, 0, 1)
+    t86 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t83.transpose(1, 0)), (n_batch, L, d_K))
+    del t83
+    t87 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t86.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t86
+    t88 = (1/(d_K*n_batch)) * t82
+    t89 = M_3.transpose(2, 3, 0, 1)
     del M_3
-    t106 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t91.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t91
-    t107 = np.reshape(t103, (d_V**2, L*n_batch))
-    del t103
-    t108 = np.reshape(t105, (d_V**2, L*n_batch))
-    del t105
-    t109 = np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t104
-    t110 = np.reshape(t106.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t106
-    t111 = np.concatenate([t107, t108], axis=-1)
-    del t107, t108
-    t112 = np.concatenate([t109, t110], axis=-2)
-    del t109, t110
-    t102[...] = (np.reshape((t111 @ t112), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    del t102, t111, t112
-    t113 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t114 = np.reshape(t113, (d_V, d_K, d_V, d_H), copy=False)
-    del t113
-    t115 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t82
-    t116 = (np.reshape((t62.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    del t62
-    t117 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t115.transpose(1, 0)), (n_batch, L, d_K))
-    del t115
-    t118 = (np.reshape(t117.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t119 = (1/(math.sqrt(d_K)*n_batch)) * t82
-    del t82
-    t120 = M_2.transpose(3, 2, 0, 1)
-    t121 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t119.transpose(1, 0)), (n_batch, L, d_K))
-    del t119
-    t122 = (np.reshape(t121.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t67.transpose(2, 0, 1), (1, d_H, n_batch, L)))
-    t114[...] = (np.reshape((np.reshape(t118, (d_K*d_V, L*n_batch)) @ np.reshape(t116.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
-    del t116, t118
-    t114 += (np.reshape((np.reshape(t120, (d_V**2, L*n_batch)) @ np.reshape(t122.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
-    del t114, t120, t122
-    t123 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t124 = np.reshape(t123, (d_V, d_K, d_H, d_V), copy=False)
-    del t123
-    t125 = (np.reshape((t74 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    del t74
-    t126 = (np.reshape(t117.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t73.transpose(2, 0, 1), (1, d_H, n_batch, L)))
-    del t117
-    t127 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t128 = (np.reshape(t121.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    del t121
-    t124[...] = (np.reshape((np.reshape(t126, (d_H*d_K, L*n_batch)) @ np.reshape(t125.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
-    del t125, t126
-    t124 += (np.reshape((np.reshape(t127, (d_H*d_V, L*n_batch)) @ np.reshape(t128.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
-    del t124, t127, t128
-    t129 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t130 = np.reshape(t129, (d_V, d_H, d_V, d_K), copy=False)
-    del t129
-    t131 = np.swapaxes(M_1, -1, -2)
-    t132 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t131
-    t133 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t134 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t133.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
-    del t133
-    t135 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t132.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t136 = np.swapaxes(t67, -1, -2)
-    del t67
-    t137 = (1/(math.sqrt(d_K)*n_batch)) * t136
-    del t136
-    t138 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t137.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t139 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t130[...] = (np.reshape((np.reshape(t135, (d_V**2, L*n_batch)) @ np.reshape(t134.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
-    del t134, t135
-    t130 += (np.reshape((np.reshape(t138, (d_H*d_V, L*n_batch)) @ np.reshape(t139.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t130, t138, t139
-    t140 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t141 = np.reshape(t140, (d_V, d_H, d_V, d_K), copy=False)
-    del t140
-    t142 = np.reshape((t14 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    del t14
-    t143 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t132.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t132
-    t144 = M_2.transpose(2, 3, 0, 1)
-    t145 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t137.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    del t137
-    t141[...] = (np.reshape((np.reshape(t142, (d_H*d_V, L*n_batch)) @ np.reshape(t143.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t142, t143
-    t141 += (np.reshape((np.reshape(t144, (d_V**2, L*n_batch)) @ np.reshape(t145.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
-    del t141, t144, t145
-    t146 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t147 = np.reshape(t146, (d_V, d_H, d_V, d_H), copy=False)
-    del t146
-    t148 = t131 @ M_1
-    t149 = W_O @ t11
-    t150 = (2/(L*d_V*n_batch)) * t149
-    del t149
-    np.multiply(np.reshape(t150, (1, d_H, 1, d_H)), np.reshape(t148.sum((0,)), (d_V, 1, d_V, 1)), out=t147)
-    del t147, t148, t150
-    t151 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t152 = np.reshape(t151, (d_V, d_H, d_H, d_V), copy=False)
-    del t151
-    t153 = (2/(L*d_V*n_batch)) * t131
-    t154 = (np.reshape(t153.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t73, (L*n_batch, d_H)))
-    del t153
-    t155 = np.einsum('abbc->abc', t152)
-    t156 = np.ones((d_H,), dtype=X.dtype)
-    t157 = (1/n_batch) * t156
-    del t156
-    t158 = (np.reshape(t131.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
-    del t131
-    np.multiply(np.reshape(W_O, (1, d_H, 1, d_V)), np.reshape(t154, (d_V, 1, d_H, 1)), out=t152)
-    del t152, t154
-    t155 += np.reshape(t157, (1, d_H, 1)) * np.reshape(t158, (d_V, 1, d_V))
-    del t155, t158
-    t159 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t160 = np.reshape(t159, (d_H, d_V, d_V, d_K), copy=False)
-    del t159
-    t161 = np.swapaxes(t73, -1, -2)
-    t162 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t161
-    t163 = (t12.transpose(1, 0) @ t11.transpose(1, 0))
-    t164 = np.reshape((t163.transpose(1, 0) @ np.reshape(t85.transpose(3, 0, 1, 2), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))
+    t90 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t88.transpose(1, 0)), (n_batch, L, d_K))
+    del t3, t88
+    t91 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t90.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t45, t90
+    t92 = np.reshape(t85, (d_V**2, L*n_batch))
     del t85
-    t165 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t162.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t166 = np.swapaxes(G, -1, -2)
-    del G
-    t167 = (1/(math.sqrt(d_K)*n_batch)) * t166
-    t168 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t169 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t168.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
-    del t168
-    t170 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t167.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t160[...] = (np.reshape((np.reshape(t165, (d_H*d_V, L*n_batch)) @ np.reshape(t164.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t164, t165
-    t160 += (np.reshape((np.reshape(t170, (d_V**2, L*n_batch)) @ np.reshape(t169.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
-    del t160, t169, t170
-    t171 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t172 = np.reshape(t171, (d_H, d_V, d_V, d_K), copy=False)
-    del t171
-    t173 = np.reshape((t163.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
-    del t163
-    t174 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t162.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    del t162
-    t175 = np.reshape((t12 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    del M_2, t12
-    t176 = (np.reshape(t45, (1, d_K, n_batch, L)) * np.reshape(t167.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t167, t45
-    t172[...] = (np.reshape((np.reshape(t173, (d_V**2, L*n_batch)) @ np.reshape(t174.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
-    del t173, t174
-    t172 += (np.reshape((np.reshape(t175, (d_H*d_V, L*n_batch)) @ np.reshape(t176.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t172, t175, t176
-    t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t178 = np.reshape(t177, (d_H, d_V, d_V, d_H), copy=False)
-    del t177
-    t179 = t161 @ M_1
-    t180 = (2/(L*d_V*n_batch)) * t11
+    t93 = np.reshape(t89, (d_V**2, L*n_batch))
+    del t89
+    t94 = np.reshape(t87.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t87
+    t95 = np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t91
+    t96 = np.concatenate([t92, t93], axis=-1)
+    del t92, t93
+    t97 = np.concatenate([t94, t95], axis=-2)
+    del t94, t95
+    t81[...] = (np.reshape((t96 @ t97), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t81, t96, t97
+    t98 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t99 = np.reshape(t98, (d_V, d_K, d_V, d_H), copy=False)
+    t100 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t82
+    t101 = (np.reshape((t62.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t62
+    t102 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t100.transpose(1, 0)), (n_batch, L, d_K))
+    del t100
+    t103 = (np.reshape(t102.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t104 = (1/(math.sqrt(d_K)*n_batch)) * t82
+    del t82
+    t105 = M_2.transpose(3, 2, 0, 1)
+    t106 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t104.transpose(1, 0)), (n_batch, L, d_K))
+    del t104
+    t107 = (np.reshape(t106.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t67.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    del t67
+    t99[...] = (np.reshape((np.reshape(t103, (d_K*d_V, L*n_batch)) @ np.reshape(t101.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+    del t101, t103
+    t99 += (np.reshape((np.reshape(t105, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    del t105, t107, t99
+    t108 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t109 = np.reshape(t108, (d_V, d_K, d_H, d_V), copy=False)
+    t110 = (np.reshape((t74 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t74
+    t111 = (np.reshape(t102.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t73.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    del t102
+    t112 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del M_2
+    t113 = (np.reshape(t106.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t106
+    t109[...] = (np.reshape((np.reshape(t111, (d_H*d_K, L*n_batch)) @ np.reshape(t110.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t110, t111
+    t109 += (np.reshape((np.reshape(t112, (d_H*d_V, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t109, t112, t113
+    t114 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t115 = np.reshape(t114, (d_V, d_H, d_V, d_H), copy=False)
+    del t114
+    t116 = np.swapaxes(M_1, -1, -2)
+    t117 = t116 @ M_1
+    del M_1
+    t118 = W_O @ t11
     del t11
-    t181 = np.einsum('abca->abc', t178)
-    t182 = t166 @ M_1
-    del M_1, t166
-    np.multiply(np.reshape(t180, (1, d_V, 1, d_H)), np.reshape(t179.sum((0,)), (d_H, 1, d_V, 1)), out=t178)
-    del t178, t179, t180
-    t181 += np.reshape(t157, (d_H, 1, 1)) * np.reshape(t182.sum((0,)), (1, d_V, d_V))
-    del t157, t181, t182
-    t183 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t183[...] = 0
-    t184 = np.reshape(t183, (d_H, d_V, d_H, d_V), copy=False)
-    del t183
-    t185 = np.einsum('abcb->abc', t184)
-    del t184
-    t186 = t161 @ t73
-    del t161, t73
-    t187 = np.ones((d_V,), dtype=X.dtype)
-    t188 = (2/(L*d_V*n_batch)) * t187
-    del t187
-    t185 += np.reshape(t188, (1, d_V, 1)) * np.reshape(t186.sum((0,)), (d_H, 1, d_H))
-    del t185, t186, t188
+    t119 = (2/(L*d_V*n_batch)) * t118
+    del t118
+    np.multiply(np.reshape(t119, (1, d_H, 1, d_H)), np.reshape(t117.sum((0,)), (d_V, 1, d_V, 1)), out=t115)
+    del t115, t117, t119
+    t120 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t121 = np.reshape(t120, (d_V, d_H, d_H, d_V), copy=False)
+    t122 = (2/(L*d_V*n_batch)) * t116
+    t123 = (np.reshape(t122.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t73, (L*n_batch, d_H)))
+    del t122
+    t124 = np.einsum('abbc->abc', t121)
+    t125 = np.ones((d_H,), dtype=X.dtype)
+    t126 = (1/n_batch) * t125
+    del t125
+    t127 = (np.reshape(t116.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
+    del G, t116
+    np.multiply(np.reshape(W_O, (1, d_H, 1, d_V)), np.reshape(t123, (d_V, 1, d_H, 1)), out=t121)
+    del t121, t123
+    t124 += np.reshape(t126, (1, d_H, 1)) * np.reshape(t127, (d_V, 1, d_V))
+    del t124, t126, t127
+    t128 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t128[...] = 0
+    t129 = np.reshape(t128, (d_H, d_V, d_H, d_V), copy=False)
+    del t128
+    t130 = np.einsum('abcb->abc', t129)
+    del t129
+    t131 = np.swapaxes(t73, -1, -2)
+    t132 = t131 @ t73
+    del t131, t73
+    t133 = np.ones((d_V,), dtype=X.dtype)
+    t134 = (2/(L*d_V*n_batch)) * t133
+    del t133
+    t130 += np.reshape(t134, (1, d_V, 1)) * np.reshape(t132.sum((0,)), (d_H, 1, d_H))
+    del t130, t132, t134
+    t135 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t42, t135)
+    del t135, t42
+    t136 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t60, t136)
+    del t136, t60
+    t137 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t98, t137)
+    del t137, t98
+    t138 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t71, t138)
+    del t138, t71
+    t139 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t108, t139)
+    del t108, t139
+    t140 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    _transpose_into(t120, t140)
+    del t120, t140
     return H
 
 
@@ -9876,78 +9782,72 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t49 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t48.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t50 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t47[...] = (np.reshape((np.reshape(t49, (d_H*d_K, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
-    t51 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
     t53 = np.swapaxes(W_Q, -1, -2)
     t54 = (1/(d_K*n_batch)) * t53
-    t55 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t55 = M_3.transpose(2, 3, 0, 1)
     t56 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t54.transpose(1, 0)), (n_batch, L, d_K))
-    t57 = (np.reshape(t56.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t58 = np.einsum('abcb->abc', t52)
-    t59 = np.swapaxes(t36, -1, -2)
-    t52[...] = (np.reshape((np.reshape(t57, (d_K*d_V, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t58 += np.reshape(t38, (1, d_K, 1)) * np.reshape(t59.sum((0,)), (d_V, 1, d_V))
-    t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t61 = np.reshape(t60, (d_V, d_K, d_V, d_K), copy=False)
-    t62 = M_3.transpose(2, 3, 0, 1)
-    t63 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t56.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    t61[...] = (np.reshape((np.reshape(t62, (d_V**2, L*n_batch)) @ np.reshape(t63.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t65 = np.reshape(t64, (d_V, d_K, d_V, d_H), copy=False)
-    t66 = (1/(math.sqrt(d_K)*n_batch)) * t53
-    t67 = M_2.transpose(3, 2, 0, 1)
-    t68 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t66.transpose(1, 0)), (n_batch, L, d_K))
-    t69 = (np.reshape(t68.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t42.transpose(2, 0, 1), (1, d_H, n_batch, L)))
-    t65[...] = (np.reshape((np.reshape(t67, (d_V**2, L*n_batch)) @ np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
-    t70 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t71 = np.reshape(t70, (d_V, d_K, d_H, d_V), copy=False)
-    t72 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t73 = (np.reshape(t68.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t71[...] = (np.reshape((np.reshape(t72, (d_H*d_V, L*n_batch)) @ np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
-    t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t57 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t56.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t52[...] = (np.reshape((np.reshape(t55, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t59 = np.reshape(t58, (d_V, d_K, d_V, d_H), copy=False)
+    t60 = (1/(math.sqrt(d_K)*n_batch)) * t53
+    t61 = M_2.transpose(3, 2, 0, 1)
+    t62 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t60.transpose(1, 0)), (n_batch, L, d_K))
+    t63 = (np.reshape(t62.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t42.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    t59[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t63.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    t64 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t65 = np.reshape(t64, (d_V, d_K, d_H, d_V), copy=False)
+    t66 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t67 = (np.reshape(t62.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t65[...] = (np.reshape((np.reshape(t66, (d_H*d_V, L*n_batch)) @ np.reshape(t67.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    t68 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t69 = np.reshape(t68, (d_V, d_H, d_V, d_K), copy=False)
+    t70 = np.swapaxes(t42, -1, -2)
+    t71 = (1/(math.sqrt(d_K)*n_batch)) * t70
+    t72 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t71.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    t73 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t69[...] = (np.reshape((np.reshape(t72, (d_H*d_V, L*n_batch)) @ np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t75 = np.reshape(t74, (d_V, d_H, d_V, d_K), copy=False)
-    t76 = np.swapaxes(t42, -1, -2)
-    t77 = (1/(math.sqrt(d_K)*n_batch)) * t76
-    t78 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t77.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t79 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t75[...] = (np.reshape((np.reshape(t78, (d_H*d_V, L*n_batch)) @ np.reshape(t79.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t80 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t81 = np.reshape(t80, (d_V, d_H, d_V, d_K), copy=False)
-    t82 = M_2.transpose(2, 3, 0, 1)
-    t83 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t77.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t81[...] = (np.reshape((np.reshape(t82, (d_V**2, L*n_batch)) @ np.reshape(t83.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
-    t84 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t84[...] = 0
-    t85 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t85[...] = 0
-    t86 = np.reshape(t85, (d_V, d_H, d_H, d_V), copy=False)
-    t87 = np.einsum('abbc->abc', t86)
-    t88 = np.swapaxes(M_1, -1, -2)
-    t89 = t88 @ G
-    t90 = np.ones((d_H,), dtype=X.dtype)
-    t91 = (1/n_batch) * t90
-    t87 += np.reshape(t91, (1, d_H, 1)) * np.reshape(t89.sum((0,)), (d_V, 1, d_V))
-    t92 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t93 = np.reshape(t92, (d_H, d_V, d_V, d_K), copy=False)
-    t94 = np.swapaxes(G, -1, -2)
-    t95 = (1/(math.sqrt(d_K)*n_batch)) * t94
-    t96 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t97 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t96.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
-    t98 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t95.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t93[...] = (np.reshape((np.reshape(t98, (d_V**2, L*n_batch)) @ np.reshape(t97.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
-    t99 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t100 = np.reshape(t99, (d_H, d_V, d_V, d_K), copy=False)
-    t101 = np.reshape((t17 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    t102 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t95.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t100[...] = (np.reshape((np.reshape(t101, (d_H*d_V, L*n_batch)) @ np.reshape(t102.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t103 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t103[...] = 0
-    t104 = np.reshape(t103, (d_H, d_V, d_V, d_H), copy=False)
-    t105 = np.einsum('abca->abc', t104)
-    t106 = np.swapaxes(t89, -1, -2)
-    t105 += np.reshape(t91, (d_H, 1, 1)) * np.reshape(t106.sum((0,)), (1, d_V, d_V))
-    t107 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t107[...] = 0
+    t76 = M_2.transpose(2, 3, 0, 1)
+    t77 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t71.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    t75[...] = (np.reshape((np.reshape(t76, (d_V**2, L*n_batch)) @ np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
+    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t78[...] = 0
+    t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t79[...] = 0
+    t80 = np.reshape(t79, (d_V, d_H, d_H, d_V), copy=False)
+    t81 = np.einsum('abbc->abc', t80)
+    t82 = np.swapaxes(M_1, -1, -2)
+    t83 = t82 @ G
+    t84 = np.ones((d_H,), dtype=X.dtype)
+    t85 = (1/n_batch) * t84
+    t81 += np.reshape(t85, (1, d_H, 1)) * np.reshape(t83.sum((0,)), (d_V, 1, d_V))
+    t86 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t87 = np.reshape(t86, (d_H, d_V, d_V, d_K), copy=False)
+    t88 = np.swapaxes(G, -1, -2)
+    t89 = (1/(math.sqrt(d_K)*n_batch)) * t88
+    t90 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_H))
+    t91 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t90.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
+    t92 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t89.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t87[...] = (np.reshape((np.reshape(t92, (d_V**2, L*n_batch)) @ np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
+    t93 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t94 = np.reshape(t93, (d_H, d_V, d_V, d_K), copy=False)
+    t95 = np.reshape((t17 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    t96 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t89.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t94[...] = (np.reshape((np.reshape(t95, (d_H*d_V, L*n_batch)) @ np.reshape(t96.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t97 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t97[...] = 0
+    t98 = np.reshape(t97, (d_H, d_V, d_V, d_H), copy=False)
+    t99 = np.einsum('abca->abc', t98)
+    t100 = np.swapaxes(t83, -1, -2)
+    t99 += np.reshape(t85, (d_H, 1, 1)) * np.reshape(t100.sum((0,)), (1, d_V, d_V))
+    t101 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t101[...] = 0
+    t102 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t29, t102)
     return H
 
 
@@ -11753,6 +11653,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t13 = np.swapaxes(W_O, -1, -2)
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t13 @ t14
+    del t14
     t16 = W_O @ t15
     t17 = W_V @ t16
     t18 = (2/(L*d_K*d_V*n_batch)) * t2
@@ -11814,7 +11715,6 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t1, t42, t43
     t44 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
-    del t44
     t46 = ((t20 @ t19)).transpose(3, 2, 0, 1)
     del t19, t20
     t47 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
@@ -11845,11 +11745,11 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t45[...] = (np.reshape((t60 @ t61), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     del t45, t60, t61
     t51 += np.reshape(t55, (1, d_K, 1)) * np.reshape(t53.sum((0,)), (d_V, 1, d_V))
-    del t51
+    del t51, t53, t55
     t62 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t63 = np.reshape(t62, (d_V, d_K, d_V, d_H), copy=False)
-    del t62
     t64 = np.swapaxes(t16, -1, -2)
+    del t16
     t65 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t66 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t65.transpose(1, 0)), (n_batch, L, d_V, d_K))
     del t65
@@ -11866,7 +11766,6 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t63, t71, t72
     t73 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t74 = np.reshape(t73, (d_V, d_K, d_H, d_V), copy=False)
-    del t73
     t75 = M_1 @ W_V
     t76 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
     t77 = (np.reshape((t76 @ np.reshape(t66.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
@@ -11881,219 +11780,132 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t77, t78
     t74 += (np.reshape((np.reshape(t80, (d_H*d_K, L*n_batch)) @ np.reshape(t81.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     del t74, t80, t81
-    t82 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t82 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t83 = np.reshape(t82, (d_V, d_K, d_V, d_K), copy=False)
     del t82
     t84 = np.swapaxes(W_Q, -1, -2)
     t85 = (2/(L*d_K*d_V*n_batch)) * t84
     t86 = np.reshape((t17.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     del t17
-    t87 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
-    t88 = ((t87.transpose(1, 2, 0, 3) @ t86.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t89 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t85.transpose(1, 0)), (n_batch, L, d_K))
-    del t85
-    t90 = (np.reshape(t89.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t91 = (1/(d_K*n_batch)) * t84
-    t92 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t93 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t91.transpose(1, 0)), (n_batch, L, d_K))
-    del t3, t91
-    t94 = (np.reshape(t93.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t95 = np.einsum('abcb->abc', t83)
-    t96 = np.swapaxes(t53, -1, -2)
-    del t53
-    t97 = np.reshape(t90, (d_K*d_V, L*n_batch))
-    del t90
-    t98 = np.reshape(t94, (d_K*d_V, L*n_batch))
-    del t94
-    t99 = np.reshape(t88.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t88
-    t100 = np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t92
-    t101 = np.concatenate([t97, t98], axis=-1)
-    del t97, t98
-    t102 = np.concatenate([t99, t100], axis=-2)
-    del t100, t99
-    t83[...] = (np.reshape((t101 @ t102), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t101, t102, t83
-    t95 += np.reshape(t55, (1, d_K, 1)) * np.reshape(t96.sum((0,)), (d_V, 1, d_V))
-    del t55, t95, t96
-    t103 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t104 = np.reshape(t103, (d_V, d_K, d_V, d_K), copy=False)
-    del t103
-    t105 = ((t86.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t87 = ((t86.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     del t86
-    t106 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t89.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t89
-    t107 = M_3.transpose(2, 3, 0, 1)
+    t88 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t85.transpose(1, 0)), (n_batch, L, d_K))
+    del t85
+    t89 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t88.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t88
+    t90 = (1/(d_K*n_batch)) * t84
+    t91 = M_3.transpose(2, 3, 0, 1)
     del M_3
-    t108 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t93.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t93
-    t109 = np.reshape(t105, (d_V**2, L*n_batch))
-    del t105
-    t110 = np.reshape(t107, (d_V**2, L*n_batch))
-    del t107
-    t111 = np.reshape(t106.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t106
-    t112 = np.reshape(t108.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t108
-    t113 = np.concatenate([t109, t110], axis=-1)
-    del t109, t110
-    t114 = np.concatenate([t111, t112], axis=-2)
-    del t111, t112
-    t104[...] = (np.reshape((t113 @ t114), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    del t104, t113, t114
-    t115 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t116 = np.reshape(t115, (d_V, d_K, d_V, d_H), copy=False)
-    del t115
-    t117 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t84
-    t118 = (np.reshape((t64.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    del t64
-    t119 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t117.transpose(1, 0)), (n_batch, L, d_K))
-    del t117
-    t120 = (np.reshape(t119.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t121 = (1/(math.sqrt(d_K)*n_batch)) * t84
-    del t84
-    t122 = M_2.transpose(3, 2, 0, 1)
-    t123 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t121.transpose(1, 0)), (n_batch, L, d_K))
-    del t121
-    t124 = (np.reshape(t123.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t69.transpose(2, 0, 1), (1, d_H, n_batch, L)))
-    t116[...] = (np.reshape((np.reshape(t120, (d_K*d_V, L*n_batch)) @ np.reshape(t118.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
-    del t118, t120
-    t116 += (np.reshape((np.reshape(t122, (d_V**2, L*n_batch)) @ np.reshape(t124.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
-    del t116, t122, t124
-    t125 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t126 = np.reshape(t125, (d_V, d_K, d_H, d_V), copy=False)
-    del t125
-    t127 = (np.reshape((t76 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    del t76
-    t128 = (np.reshape(t119.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t75.transpose(2, 0, 1), (1, d_H, n_batch, L)))
-    del t119
-    t129 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t130 = (np.reshape(t123.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    del t123
-    t126[...] = (np.reshape((np.reshape(t128, (d_H*d_K, L*n_batch)) @ np.reshape(t127.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
-    del t127, t128
-    t126 += (np.reshape((np.reshape(t129, (d_H*d_V, L*n_batch)) @ np.reshape(t130.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
-    del t126, t129, t130
-    t131 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t132 = np.reshape(t131, (d_V, d_H, d_V, d_K), copy=False)
-    del t131
-    t133 = np.swapaxes(M_1, -1, -2)
-    t134 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t133
-    t135 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t136 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t135.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
-    del t135
-    t137 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t134.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t138 = np.swapaxes(t69, -1, -2)
-    del t69
-    t139 = (1/(math.sqrt(d_K)*n_batch)) * t138
-    del t138
-    t140 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t139.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t141 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t132[...] = (np.reshape((np.reshape(t137, (d_V**2, L*n_batch)) @ np.reshape(t136.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
-    del t136, t137
-    t132 += (np.reshape((np.reshape(t140, (d_H*d_V, L*n_batch)) @ np.reshape(t141.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t132, t140, t141
-    t142 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t143 = np.reshape(t142, (d_V, d_H, d_V, d_K), copy=False)
-    del t142
-    t144 = np.reshape((t16 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    del t16
-    t145 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t134.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t134
-    t146 = M_2.transpose(2, 3, 0, 1)
-    t147 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t139.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    del t139
-    t143[...] = (np.reshape((np.reshape(t144, (d_H*d_V, L*n_batch)) @ np.reshape(t145.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t144, t145
-    t143 += (np.reshape((np.reshape(t146, (d_V**2, L*n_batch)) @ np.reshape(t147.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
-    del t143, t146, t147
-    t148 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t149 = np.reshape(t148, (d_V, d_H, d_V, d_H), copy=False)
-    del t148
-    t150 = t133 @ M_1
-    t151 = W_O @ t13
-    t152 = (2/(L*d_V*n_batch)) * t151
-    del t151
-    np.multiply(np.reshape(t152, (1, d_H, 1, d_H)), np.reshape(t150.sum((0,)), (d_V, 1, d_V, 1)), out=t149)
-    del t149, t150, t152
-    t153 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t154 = np.reshape(t153, (d_V, d_H, d_H, d_V), copy=False)
-    del t153
-    t155 = (2/(L*d_V*n_batch)) * t133
-    t156 = (np.reshape(t155.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t75, (L*n_batch, d_H)))
-    del t155
-    t157 = np.einsum('abbc->abc', t154)
-    t158 = np.ones((d_H,), dtype=X.dtype)
-    t159 = (1/n_batch) * t158
-    del t158
-    t160 = (np.reshape(t133.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
-    del t133
-    np.multiply(np.reshape(W_O, (1, d_H, 1, d_V)), np.reshape(t156, (d_V, 1, d_H, 1)), out=t154)
-    del t154, t156
-    t157 += np.reshape(t159, (1, d_H, 1)) * np.reshape(t160, (d_V, 1, d_V))
-    del t157, t160
-    t161 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t162 = np.reshape(t161, (d_H, d_V, d_V, d_K), copy=False)
-    del t161
-    t163 = np.swapaxes(t75, -1, -2)
-    t164 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t163
-    t165 = (t14.transpose(1, 0) @ t13.transpose(1, 0))
-    t166 = np.reshape((t165.transpose(1, 0) @ np.reshape(t87.transpose(3, 0, 1, 2), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))
+    t92 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t90.transpose(1, 0)), (n_batch, L, d_K))
+    del t3, t90
+    t93 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t92.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t47, t92
+    t94 = np.reshape(t87, (d_V**2, L*n_batch))
     del t87
-    t167 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t164.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t168 = np.swapaxes(G, -1, -2)
-    del G
-    t169 = (1/(math.sqrt(d_K)*n_batch)) * t168
-    t170 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t171 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t170.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
-    del t170
-    t172 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t169.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t162[...] = (np.reshape((np.reshape(t167, (d_H*d_V, L*n_batch)) @ np.reshape(t166.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t166, t167
-    t162 += (np.reshape((np.reshape(t172, (d_V**2, L*n_batch)) @ np.reshape(t171.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
-    del t162, t171, t172
-    t173 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t174 = np.reshape(t173, (d_H, d_V, d_V, d_K), copy=False)
-    del t173
-    t175 = np.reshape((t165.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
-    del t165
-    t176 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t164.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    del t164
-    t177 = np.reshape((t14 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    del M_2, t14
-    t178 = (np.reshape(t47, (1, d_K, n_batch, L)) * np.reshape(t169.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t169, t47
-    t174[...] = (np.reshape((np.reshape(t175, (d_V**2, L*n_batch)) @ np.reshape(t176.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
-    del t175, t176
-    t174 += (np.reshape((np.reshape(t177, (d_H*d_V, L*n_batch)) @ np.reshape(t178.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t174, t177, t178
-    t179 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t180 = np.reshape(t179, (d_H, d_V, d_V, d_H), copy=False)
-    del t179
-    t181 = t163 @ M_1
-    t182 = (2/(L*d_V*n_batch)) * t13
+    t95 = np.reshape(t91, (d_V**2, L*n_batch))
+    del t91
+    t96 = np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t89
+    t97 = np.reshape(t93.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t93
+    t98 = np.concatenate([t94, t95], axis=-1)
+    del t94, t95
+    t99 = np.concatenate([t96, t97], axis=-2)
+    del t96, t97
+    t83[...] = (np.reshape((t98 @ t99), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t83, t98, t99
+    t100 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t101 = np.reshape(t100, (d_V, d_K, d_V, d_H), copy=False)
+    t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t84
+    t103 = (np.reshape((t64.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t64
+    t104 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t102.transpose(1, 0)), (n_batch, L, d_K))
+    del t102
+    t105 = (np.reshape(t104.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t106 = (1/(math.sqrt(d_K)*n_batch)) * t84
+    del t84
+    t107 = M_2.transpose(3, 2, 0, 1)
+    t108 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t106.transpose(1, 0)), (n_batch, L, d_K))
+    del t106
+    t109 = (np.reshape(t108.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t69.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    del t69
+    t101[...] = (np.reshape((np.reshape(t105, (d_K*d_V, L*n_batch)) @ np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+    del t103, t105
+    t101 += (np.reshape((np.reshape(t107, (d_V**2, L*n_batch)) @ np.reshape(t109.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    del t101, t107, t109
+    t110 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t111 = np.reshape(t110, (d_V, d_K, d_H, d_V), copy=False)
+    t112 = (np.reshape((t76 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del t76
+    t113 = (np.reshape(t104.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t75.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    del t104
+    t114 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del M_2
+    t115 = (np.reshape(t108.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t108
+    t111[...] = (np.reshape((np.reshape(t113, (d_H*d_K, L*n_batch)) @ np.reshape(t112.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t112, t113
+    t111 += (np.reshape((np.reshape(t114, (d_H*d_V, L*n_batch)) @ np.reshape(t115.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t111, t114, t115
+    t116 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t117 = np.reshape(t116, (d_V, d_H, d_V, d_H), copy=False)
+    del t116
+    t118 = np.swapaxes(M_1, -1, -2)
+    t119 = t118 @ M_1
+    del M_1
+    t120 = W_O @ t13
     del t13
-    t183 = np.einsum('abca->abc', t180)
-    t184 = t168 @ M_1
-    del M_1, t168
-    np.multiply(np.reshape(t182, (1, d_V, 1, d_H)), np.reshape(t181.sum((0,)), (d_H, 1, d_V, 1)), out=t180)
-    del t180, t181, t182
-    t183 += np.reshape(t159, (d_H, 1, 1)) * np.reshape(t184.sum((0,)), (1, d_V, d_V))
-    del t159, t183, t184
-    t185 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t185[...] = 0
-    t186 = np.reshape(t185, (d_H, d_V, d_H, d_V), copy=False)
-    del t185
-    t187 = np.einsum('abcb->abc', t186)
-    del t186
-    t188 = t163 @ t75
-    del t163, t75
-    t189 = np.ones((d_V,), dtype=X.dtype)
-    t190 = (2/(L*d_V*n_batch)) * t189
-    del t189
-    t187 += np.reshape(t190, (1, d_V, 1)) * np.reshape(t188.sum((0,)), (d_H, 1, d_H))
-    del t187, t188, t190
+    t121 = (2/(L*d_V*n_batch)) * t120
+    del t120
+    np.multiply(np.reshape(t121, (1, d_H, 1, d_H)), np.reshape(t119.sum((0,)), (d_V, 1, d_V, 1)), out=t117)
+    del t117, t119, t121
+    t122 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t123 = np.reshape(t122, (d_V, d_H, d_H, d_V), copy=False)
+    t124 = (2/(L*d_V*n_batch)) * t118
+    t125 = (np.reshape(t124.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t75, (L*n_batch, d_H)))
+    del t124
+    t126 = np.einsum('abbc->abc', t123)
+    t127 = np.ones((d_H,), dtype=X.dtype)
+    t128 = (1/n_batch) * t127
+    del t127
+    t129 = (np.reshape(t118.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
+    del G, t118
+    np.multiply(np.reshape(W_O, (1, d_H, 1, d_V)), np.reshape(t125, (d_V, 1, d_H, 1)), out=t123)
+    del t123, t125
+    t126 += np.reshape(t128, (1, d_H, 1)) * np.reshape(t129, (d_V, 1, d_V))
+    del t126, t128, t129
+    t130 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t130[...] = 0
+    t131 = np.reshape(t130, (d_H, d_V, d_H, d_V), copy=False)
+    del t130
+    t132 = np.einsum('abcb->abc', t131)
+    del t131
+    t133 = np.swapaxes(t75, -1, -2)
+    t134 = t133 @ t75
+    del t133, t75
+    t135 = np.ones((d_V,), dtype=X.dtype)
+    t136 = (2/(L*d_V*n_batch)) * t135
+    del t135
+    t132 += np.reshape(t136, (1, d_V, 1)) * np.reshape(t134.sum((0,)), (d_H, 1, d_H))
+    del t132, t134, t136
+    t137 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t44, t137)
+    del t137, t44
+    t138 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t62, t138)
+    del t138, t62
+    t139 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t100, t139)
+    del t100, t139
+    t140 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t73, t140)
+    del t140, t73
+    t141 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t110, t141)
+    del t110, t141
+    t142 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    _transpose_into(t122, t142)
+    del t122, t142
     return H
 
 
@@ -18410,78 +18222,72 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t52 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t51.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t53 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t50[...] = (np.reshape((np.reshape(t52, (d_H*d_K, L*n_batch)) @ np.reshape(t53.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
-    t54 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t55 = np.reshape(t54, (d_V, d_K, d_V, d_K), copy=False)
     t56 = np.swapaxes(W_Q, -1, -2)
     t57 = (1/(d_K*n_batch)) * t56
-    t58 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t58 = M_3.transpose(2, 3, 0, 1)
     t59 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t57.transpose(1, 0)), (n_batch, L, d_K))
-    t60 = (np.reshape(t59.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t61 = np.einsum('abcb->abc', t55)
-    t62 = np.swapaxes(t39, -1, -2)
-    t55[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t58.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t61 += np.reshape(t41, (1, d_K, 1)) * np.reshape(t62.sum((0,)), (d_V, 1, d_V))
-    t63 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t64 = np.reshape(t63, (d_V, d_K, d_V, d_K), copy=False)
-    t65 = M_3.transpose(2, 3, 0, 1)
-    t66 = (np.reshape(t35, (1, d_K, n_batch, L)) * np.reshape(t59.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    t64[...] = (np.reshape((np.reshape(t65, (d_V**2, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t68 = np.reshape(t67, (d_V, d_K, d_V, d_H), copy=False)
-    t69 = (1/(math.sqrt(d_K)*n_batch)) * t56
-    t70 = M_2.transpose(3, 2, 0, 1)
-    t71 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t69.transpose(1, 0)), (n_batch, L, d_K))
-    t72 = (np.reshape(t71.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t45.transpose(2, 0, 1), (1, d_H, n_batch, L)))
-    t68[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
-    t73 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t74 = np.reshape(t73, (d_V, d_K, d_H, d_V), copy=False)
-    t75 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t76 = (np.reshape(t71.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t74[...] = (np.reshape((np.reshape(t75, (d_H*d_V, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
-    t77 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t60 = (np.reshape(t35, (1, d_K, n_batch, L)) * np.reshape(t59.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t55[...] = (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t61 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t62 = np.reshape(t61, (d_V, d_K, d_V, d_H), copy=False)
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t56
+    t64 = M_2.transpose(3, 2, 0, 1)
+    t65 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t63.transpose(1, 0)), (n_batch, L, d_K))
+    t66 = (np.reshape(t65.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t45.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    t62[...] = (np.reshape((np.reshape(t64, (d_V**2, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    t67 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t68 = np.reshape(t67, (d_V, d_K, d_H, d_V), copy=False)
+    t69 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t70 = (np.reshape(t65.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t68[...] = (np.reshape((np.reshape(t69, (d_H*d_V, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    t71 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t72 = np.reshape(t71, (d_V, d_H, d_V, d_K), copy=False)
+    t73 = np.swapaxes(t45, -1, -2)
+    t74 = (1/(math.sqrt(d_K)*n_batch)) * t73
+    t75 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t74.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    t76 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t72[...] = (np.reshape((np.reshape(t75, (d_H*d_V, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t77 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t78 = np.reshape(t77, (d_V, d_H, d_V, d_K), copy=False)
-    t79 = np.swapaxes(t45, -1, -2)
-    t80 = (1/(math.sqrt(d_K)*n_batch)) * t79
-    t81 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t80.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t82 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t78[...] = (np.reshape((np.reshape(t81, (d_H*d_V, L*n_batch)) @ np.reshape(t82.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t84 = np.reshape(t83, (d_V, d_H, d_V, d_K), copy=False)
-    t85 = M_2.transpose(2, 3, 0, 1)
-    t86 = (np.reshape(t35, (1, d_K, n_batch, L)) * np.reshape(t80.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t84[...] = (np.reshape((np.reshape(t85, (d_V**2, L*n_batch)) @ np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
-    t87 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t87[...] = 0
-    t88 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t88[...] = 0
-    t89 = np.reshape(t88, (d_V, d_H, d_H, d_V), copy=False)
-    t90 = np.einsum('abbc->abc', t89)
-    t91 = np.swapaxes(M_1, -1, -2)
-    t92 = t91 @ G
-    t93 = np.ones((d_H,), dtype=X.dtype)
-    t94 = (1/n_batch) * t93
-    t90 += np.reshape(t94, (1, d_H, 1)) * np.reshape(t92.sum((0,)), (d_V, 1, d_V))
-    t95 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t96 = np.reshape(t95, (d_H, d_V, d_V, d_K), copy=False)
-    t97 = np.swapaxes(G, -1, -2)
-    t98 = (1/(math.sqrt(d_K)*n_batch)) * t97
-    t99 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t100 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t99.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
-    t101 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t98.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t96[...] = (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t100.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
-    t102 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t103 = np.reshape(t102, (d_H, d_V, d_V, d_K), copy=False)
-    t104 = np.reshape((t20 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    t105 = (np.reshape(t35, (1, d_K, n_batch, L)) * np.reshape(t98.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t103[...] = (np.reshape((np.reshape(t104, (d_H*d_V, L*n_batch)) @ np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t106 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t106[...] = 0
-    t107 = np.reshape(t106, (d_H, d_V, d_V, d_H), copy=False)
-    t108 = np.einsum('abca->abc', t107)
-    t109 = np.swapaxes(t92, -1, -2)
-    t108 += np.reshape(t94, (d_H, 1, 1)) * np.reshape(t109.sum((0,)), (1, d_V, d_V))
-    t110 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t110[...] = 0
+    t79 = M_2.transpose(2, 3, 0, 1)
+    t80 = (np.reshape(t35, (1, d_K, n_batch, L)) * np.reshape(t74.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    t78[...] = (np.reshape((np.reshape(t79, (d_V**2, L*n_batch)) @ np.reshape(t80.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
+    t81 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t81[...] = 0
+    t82 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t82[...] = 0
+    t83 = np.reshape(t82, (d_V, d_H, d_H, d_V), copy=False)
+    t84 = np.einsum('abbc->abc', t83)
+    t85 = np.swapaxes(M_1, -1, -2)
+    t86 = t85 @ G
+    t87 = np.ones((d_H,), dtype=X.dtype)
+    t88 = (1/n_batch) * t87
+    t84 += np.reshape(t88, (1, d_H, 1)) * np.reshape(t86.sum((0,)), (d_V, 1, d_V))
+    t89 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t90 = np.reshape(t89, (d_H, d_V, d_V, d_K), copy=False)
+    t91 = np.swapaxes(G, -1, -2)
+    t92 = (1/(math.sqrt(d_K)*n_batch)) * t91
+    t93 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_H))
+    t94 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t93.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
+    t95 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t92.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t90[...] = (np.reshape((np.reshape(t95, (d_V**2, L*n_batch)) @ np.reshape(t94.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
+    t96 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t97 = np.reshape(t96, (d_H, d_V, d_V, d_K), copy=False)
+    t98 = np.reshape((t20 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    t99 = (np.reshape(t35, (1, d_K, n_batch, L)) * np.reshape(t92.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t97[...] = (np.reshape((np.reshape(t98, (d_H*d_V, L*n_batch)) @ np.reshape(t99.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t100 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t100[...] = 0
+    t101 = np.reshape(t100, (d_H, d_V, d_V, d_H), copy=False)
+    t102 = np.einsum('abca->abc', t101)
+    t103 = np.swapaxes(t86, -1, -2)
+    t102 += np.reshape(t88, (d_H, 1, 1)) * np.reshape(t103.sum((0,)), (1, d_V, d_V))
+    t104 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t104[...] = 0
+    t105 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t32, t105)
     return H
 
 
@@ -27836,78 +27642,72 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t54 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t53.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t55 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t52[...] = (np.reshape((np.reshape(t54, (d_H*d_K, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
-    t56 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t57 = np.reshape(t56, (d_V, d_K, d_V, d_K), copy=False)
     t58 = np.swapaxes(W_Q, -1, -2)
     t59 = (1/(d_K*n_batch)) * t58
-    t60 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t60 = M_3.transpose(2, 3, 0, 1)
     t61 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t59.transpose(1, 0)), (n_batch, L, d_K))
-    t62 = (np.reshape(t61.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t63 = np.einsum('abcb->abc', t57)
-    t64 = np.swapaxes(t41, -1, -2)
-    t57[...] = (np.reshape((np.reshape(t62, (d_K*d_V, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t63 += np.reshape(t43, (1, d_K, 1)) * np.reshape(t64.sum((0,)), (d_V, 1, d_V))
-    t65 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t66 = np.reshape(t65, (d_V, d_K, d_V, d_K), copy=False)
-    t67 = M_3.transpose(2, 3, 0, 1)
-    t68 = (np.reshape(t37, (1, d_K, n_batch, L)) * np.reshape(t61.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    t66[...] = (np.reshape((np.reshape(t67, (d_V**2, L*n_batch)) @ np.reshape(t68.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    t69 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t70 = np.reshape(t69, (d_V, d_K, d_V, d_H), copy=False)
-    t71 = (1/(math.sqrt(d_K)*n_batch)) * t58
-    t72 = M_2.transpose(3, 2, 0, 1)
-    t73 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t71.transpose(1, 0)), (n_batch, L, d_K))
-    t74 = (np.reshape(t73.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t47.transpose(2, 0, 1), (1, d_H, n_batch, L)))
-    t70[...] = (np.reshape((np.reshape(t72, (d_V**2, L*n_batch)) @ np.reshape(t74.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
-    t75 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t76 = np.reshape(t75, (d_V, d_K, d_H, d_V), copy=False)
-    t77 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t78 = (np.reshape(t73.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t76[...] = (np.reshape((np.reshape(t77, (d_H*d_V, L*n_batch)) @ np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
-    t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t62 = (np.reshape(t37, (1, d_K, n_batch, L)) * np.reshape(t61.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t57[...] = (np.reshape((np.reshape(t60, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t63 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t64 = np.reshape(t63, (d_V, d_K, d_V, d_H), copy=False)
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t58
+    t66 = M_2.transpose(3, 2, 0, 1)
+    t67 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t65.transpose(1, 0)), (n_batch, L, d_K))
+    t68 = (np.reshape(t67.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t47.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    t64[...] = (np.reshape((np.reshape(t66, (d_V**2, L*n_batch)) @ np.reshape(t68.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    t69 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t70 = np.reshape(t69, (d_V, d_K, d_H, d_V), copy=False)
+    t71 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t72 = (np.reshape(t67.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t70[...] = (np.reshape((np.reshape(t71, (d_H*d_V, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    t73 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t74 = np.reshape(t73, (d_V, d_H, d_V, d_K), copy=False)
+    t75 = np.swapaxes(t47, -1, -2)
+    t76 = (1/(math.sqrt(d_K)*n_batch)) * t75
+    t77 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t76.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    t78 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t74[...] = (np.reshape((np.reshape(t77, (d_H*d_V, L*n_batch)) @ np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t80 = np.reshape(t79, (d_V, d_H, d_V, d_K), copy=False)
-    t81 = np.swapaxes(t47, -1, -2)
-    t82 = (1/(math.sqrt(d_K)*n_batch)) * t81
-    t83 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t82.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t84 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t80[...] = (np.reshape((np.reshape(t83, (d_H*d_V, L*n_batch)) @ np.reshape(t84.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t85 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t86 = np.reshape(t85, (d_V, d_H, d_V, d_K), copy=False)
-    t87 = M_2.transpose(2, 3, 0, 1)
-    t88 = (np.reshape(t37, (1, d_K, n_batch, L)) * np.reshape(t82.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t86[...] = (np.reshape((np.reshape(t87, (d_V**2, L*n_batch)) @ np.reshape(t88.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
-    t89 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t89[...] = 0
-    t90 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t90[...] = 0
-    t91 = np.reshape(t90, (d_V, d_H, d_H, d_V), copy=False)
-    t92 = np.einsum('abbc->abc', t91)
-    t93 = np.swapaxes(M_1, -1, -2)
-    t94 = t93 @ G
-    t95 = np.ones((d_H,), dtype=X.dtype)
-    t96 = (1/n_batch) * t95
-    t92 += np.reshape(t96, (1, d_H, 1)) * np.reshape(t94.sum((0,)), (d_V, 1, d_V))
-    t97 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t98 = np.reshape(t97, (d_H, d_V, d_V, d_K), copy=False)
-    t99 = np.swapaxes(G, -1, -2)
-    t100 = (1/(math.sqrt(d_K)*n_batch)) * t99
-    t101 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t102 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t101.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
-    t103 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t100.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t98[...] = (np.reshape((np.reshape(t103, (d_V**2, L*n_batch)) @ np.reshape(t102.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
-    t104 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t105 = np.reshape(t104, (d_H, d_V, d_V, d_K), copy=False)
-    t106 = np.reshape((t22 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    t107 = (np.reshape(t37, (1, d_K, n_batch, L)) * np.reshape(t100.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t105[...] = (np.reshape((np.reshape(t106, (d_H*d_V, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t108 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t108[...] = 0
-    t109 = np.reshape(t108, (d_H, d_V, d_V, d_H), copy=False)
-    t110 = np.einsum('abca->abc', t109)
-    t111 = np.swapaxes(t94, -1, -2)
-    t110 += np.reshape(t96, (d_H, 1, 1)) * np.reshape(t111.sum((0,)), (1, d_V, d_V))
-    t112 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t112[...] = 0
+    t81 = M_2.transpose(2, 3, 0, 1)
+    t82 = (np.reshape(t37, (1, d_K, n_batch, L)) * np.reshape(t76.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    t80[...] = (np.reshape((np.reshape(t81, (d_V**2, L*n_batch)) @ np.reshape(t82.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
+    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t83[...] = 0
+    t84 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t84[...] = 0
+    t85 = np.reshape(t84, (d_V, d_H, d_H, d_V), copy=False)
+    t86 = np.einsum('abbc->abc', t85)
+    t87 = np.swapaxes(M_1, -1, -2)
+    t88 = t87 @ G
+    t89 = np.ones((d_H,), dtype=X.dtype)
+    t90 = (1/n_batch) * t89
+    t86 += np.reshape(t90, (1, d_H, 1)) * np.reshape(t88.sum((0,)), (d_V, 1, d_V))
+    t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t92 = np.reshape(t91, (d_H, d_V, d_V, d_K), copy=False)
+    t93 = np.swapaxes(G, -1, -2)
+    t94 = (1/(math.sqrt(d_K)*n_batch)) * t93
+    t95 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_H))
+    t96 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t95.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
+    t97 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t94.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t92[...] = (np.reshape((np.reshape(t97, (d_V**2, L*n_batch)) @ np.reshape(t96.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
+    t98 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t99 = np.reshape(t98, (d_H, d_V, d_V, d_K), copy=False)
+    t100 = np.reshape((t22 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    t101 = (np.reshape(t37, (1, d_K, n_batch, L)) * np.reshape(t94.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t99[...] = (np.reshape((np.reshape(t100, (d_H*d_V, L*n_batch)) @ np.reshape(t101.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t102 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t102[...] = 0
+    t103 = np.reshape(t102, (d_H, d_V, d_V, d_H), copy=False)
+    t104 = np.einsum('abca->abc', t103)
+    t105 = np.swapaxes(t88, -1, -2)
+    t104 += np.reshape(t90, (d_H, 1, 1)) * np.reshape(t105.sum((0,)), (1, d_V, d_V))
+    t106 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t106[...] = 0
+    t107 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t34, t107)
     return H
 
 

@@ -1183,43 +1183,37 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     t38 = (t37 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t39 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t35[...] = ((t38.reshape((d_K*d_V, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = t40.view((d_V, d_K, d_V, d_K))
     t42 = W_Q.transpose(-1, -2)
     t43 = (1/(d_K*n_batch)) * t42
-    t44 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t44 = M_3.permute(2, 3, 0, 1)
     t45 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t43.permute(1, 0)).reshape((n_batch, L, d_K))
-    t46 = (t45.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t47 = t41.diagonal(0, 1, 3)
-    t48 = t31.transpose(-1, -2)
-    t41[...] = ((t46.reshape((d_K*d_V, L*n_batch)) @ t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t47.addcmul_(t33.reshape((1, 1, d_K)), t48.sum((0,)).reshape((d_V, d_V, 1)))
-    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t50 = t49.view((d_V, d_K, d_V, d_K))
-    t51 = M_3.permute(2, 3, 0, 1)
-    t52 = (t27.reshape((1, d_K, n_batch, L)) * t45.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    t50[...] = ((t51.reshape((d_V**2, L*n_batch)) @ t52.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t54 = t53.view((d_V, d_K, d_V, d_V))
-    t55 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t56 = M_2.permute(3, 2, 0, 1)
-    t57 = (X.reshape((L*n_batch, d_V)) @ t55.permute(1, 0)).reshape((n_batch, L, d_K))
-    t58 = (t57.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t54[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t58.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t46 = (t27.reshape((1, d_K, n_batch, L)) * t45.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t41[...] = ((t44.reshape((d_V**2, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t47 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t48 = t47.view((d_V, d_K, d_V, d_V))
+    t49 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t50 = M_2.permute(3, 2, 0, 1)
+    t51 = (X.reshape((L*n_batch, d_V)) @ t49.permute(1, 0)).reshape((n_batch, L, d_K))
+    t52 = (t51.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t48[...] = ((t50.reshape((d_V**2, L*n_batch)) @ t52.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t54 = t53.view((d_V, d_V, d_V, d_K))
+    t55 = G.transpose(-1, -2)
+    t56 = (1/(math.sqrt(d_K)*n_batch)) * t55
+    t57 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t56.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t58 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t54[...] = ((t57.reshape((d_V**2, L*n_batch)) @ t58.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t60 = t59.view((d_V, d_V, d_V, d_K))
-    t61 = G.transpose(-1, -2)
-    t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
-    t63 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t62.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t64 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t60[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t66 = t65.view((d_V, d_V, d_V, d_K))
-    t67 = M_2.permute(2, 3, 0, 1)
-    t68 = (t27.reshape((1, d_K, n_batch, L)) * t62.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t66[...] = ((t67.reshape((d_V**2, L*n_batch)) @ t68.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t69[...] = 0
+    t61 = M_2.permute(2, 3, 0, 1)
+    t62 = (t27.reshape((1, d_K, n_batch, L)) * t56.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t60[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t63[...] = 0
+    t64 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t24, t64)
     return H
 
 
@@ -2284,265 +2278,132 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
-    del t0
     t2 = W_K.transpose(-1, -2)
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
-    del t4
     t6 = X @ t5
-    del t5
     t7 = (1/math.sqrt(d_K)) * t6
-    del t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    del t7
     A = t8 / t8.sum(-1, keepdim=True)
-    del t8
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    del t10
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t2
     t14 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    del t13
     t15 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t16 = (t15 @ t14)
     t17 = ((W_K.permute(1, 0) @ t16.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    del t16
     t18 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t19 = A @ X
     M_1 = t19
-    del t19
     t20 = M_1 @ W_V
     F = t20
-    del t20
     t21 = F - Y
-    del F
     t22 = (2/(L*d_V)) * t21
-    del t21
     G = t22
-    del t22
     t23 = t11 @ t3
     t24 = G @ t23
-    del t23
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
-    del t24
     t26 = A * t25
-    del t25
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t9.reshape((1, 1, L, L)) * t26.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t26.reshape((n_batch, L, L, 1))) - (t26.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    del A, t9
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    del t27
     t28 = (1/(d_K*n_batch)) * t2
     t29 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t30 = ((W_K.permute(1, 0) @ t29.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    del t29
     t31 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t32 = t18.reshape((d_V**2, L*n_batch))
-    del t18
     t33 = t31.reshape((d_V**2, L*n_batch))
-    del t31
     t34 = t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t17
     t35 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t30
     t36 = torch.cat([t32, t33], dim=-1)
-    del t32, t33
     t37 = torch.cat([t34, t35], dim=-2)
-    del t34, t35
     t1[...] = ((t36 @ t37).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t1, t36, t37
     t38 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t39 = t38.view((d_V, d_K, d_V, d_K))
-    del t38
     t40 = ((t15 @ t14)).permute(3, 2, 0, 1)
-    del t14, t15
     t41 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t42 = (t41.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t43 = (t28 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    del t28
     t44 = (t41.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t45 = t39.diagonal(0, 1, 3)
     t46 = t26 @ X
-    del t26
     t47 = t3 @ t46
-    del t46
     t48 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t48
-    del t48
     t50 = t40.reshape((d_K*d_V, L*n_batch))
-    del t40
     t51 = t43.reshape((d_K*d_V, L*n_batch))
-    del t43
     t52 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t42
     t53 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t44
     t54 = torch.cat([t50, t51], dim=-1)
-    del t50, t51
     t55 = torch.cat([t52, t53], dim=-2)
-    del t52, t53
     t39[...] = ((t54 @ t55).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t39, t54, t55
     t45.addcmul_(t49.reshape((1, 1, d_K)), t47.sum((0,)).reshape((d_V, d_V, 1)))
-    del t45
     t56 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t57 = t56.view((d_V, d_K, d_V, d_V))
-    del t56
     t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t59 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t58.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    del t58
     t60 = ((W_V.permute(1, 0) @ t59.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    del t59
     t61 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    del t2
     t63 = (t62 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    del t62
     t64 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t57[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    del t60, t61
     t57 += ((t63.reshape((d_K*d_V, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    del t57, t63, t64
-    t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t65 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t66 = t65.view((d_V, d_K, d_V, d_K))
-    del t65
     t67 = W_Q.transpose(-1, -2)
     t68 = (2/(L*d_K*d_V*n_batch)) * t67
     t69 = (t12.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    del t12
-    t70 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
-    t71 = ((t70.permute(1, 2, 0, 3) @ t69.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    del t70
-    t72 = (X.reshape((L*n_batch, d_V)) @ t68.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t68
-    t73 = (t72.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t74 = (1/(d_K*n_batch)) * t67
-    t75 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t76 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t74.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t3, t74
-    t77 = (t76.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t78 = t66.diagonal(0, 1, 3)
-    t79 = t47.transpose(-1, -2)
-    del t47
-    t80 = t73.reshape((d_K*d_V, L*n_batch))
-    del t73
-    t81 = t77.reshape((d_K*d_V, L*n_batch))
-    del t77
-    t82 = t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t71
-    t83 = t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t75
-    t84 = torch.cat([t80, t81], dim=-1)
-    del t80, t81
-    t85 = torch.cat([t82, t83], dim=-2)
-    del t82, t83
-    t66[...] = ((t84 @ t85).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t66, t84, t85
-    t78.addcmul_(t49.reshape((1, 1, d_K)), t79.sum((0,)).reshape((d_V, d_V, 1)))
-    del t49, t78, t79
-    t86 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t87 = t86.view((d_V, d_K, d_V, d_K))
-    del t86
-    t88 = ((t69.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    del t69
-    t89 = (t41.reshape((1, d_K, n_batch, L)) * t72.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t72
-    t90 = M_3.permute(2, 3, 0, 1)
-    del M_3
-    t91 = (t41.reshape((1, d_K, n_batch, L)) * t76.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t76
-    t92 = t88.reshape((d_V**2, L*n_batch))
-    del t88
-    t93 = t90.reshape((d_V**2, L*n_batch))
-    del t90
-    t94 = t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t89
-    t95 = t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t91
-    t96 = torch.cat([t92, t93], dim=-1)
-    del t92, t93
-    t97 = torch.cat([t94, t95], dim=-2)
-    del t94, t95
-    t87[...] = ((t96 @ t97).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t87, t96, t97
-    t98 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t99 = t98.view((d_V, d_K, d_V, d_V))
-    del t98
-    t100 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
-    t101 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t102 = (X.reshape((L*n_batch, d_V)) @ t100.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t100
-    t103 = (t102.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    del t102
-    t104 = (1/(math.sqrt(d_K)*n_batch)) * t67
-    del t67
-    t105 = M_2.permute(3, 2, 0, 1)
-    t106 = (X.reshape((L*n_batch, d_V)) @ t104.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t104
-    t107 = (t106.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    del t106
-    t99[...] = ((t103.reshape((d_K*d_V, L*n_batch)) @ t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    del t101, t103
-    t99 += ((t105.reshape((d_V**2, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    del t105, t107, t99
-    t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t109 = t108.view((d_V, d_V, d_V, d_K))
-    del t108
-    t110 = M_1.transpose(-1, -2)
-    t111 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t110
-    t112 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t113 = ((W_K.permute(1, 0) @ t112.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t112
-    t114 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t111.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t115 = G.transpose(-1, -2)
-    del G
-    t116 = (1/(math.sqrt(d_K)*n_batch)) * t115
-    del t115
-    t117 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t116.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t118 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t109[...] = ((t114.reshape((d_V**2, L*n_batch)) @ t113.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t113, t114
-    t109 += ((t117.reshape((d_V**2, L*n_batch)) @ t118.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t109, t117, t118
-    t119 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t120 = t119.view((d_V, d_V, d_V, d_K))
-    del t119
-    t121 = (t11 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    del t11
-    t122 = (t41.reshape((1, d_K, n_batch, L)) * t111.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t111
-    t123 = M_2.permute(2, 3, 0, 1)
-    del M_2
-    t124 = (t41.reshape((1, d_K, n_batch, L)) * t116.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t116, t41
-    t120[...] = ((t121.reshape((d_V**2, L*n_batch)) @ t122.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t121, t122
-    t120 += ((t123.reshape((d_V**2, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t120, t123, t124
-    t125 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t125[...] = 0
-    t126 = t125.view((d_V, d_V, d_V, d_V))
-    del t125
-    t127 = t126.diagonal(0, 1, 3)
-    del t126
-    t128 = t110 @ M_1
-    del M_1, t110
-    t129 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t130 = (2/(L*d_V*n_batch)) * t129
-    del t129
-    t127.addcmul_(t130.reshape((1, 1, d_V)), t128.sum((0,)).reshape((d_V, d_V, 1)))
-    del t127, t128, t130
+    t70 = ((t69.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t71 = (X.reshape((L*n_batch, d_V)) @ t68.permute(1, 0)).reshape((n_batch, L, d_K))
+    t72 = (t41.reshape((1, d_K, n_batch, L)) * t71.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t73 = (1/(d_K*n_batch)) * t67
+    t74 = M_3.permute(2, 3, 0, 1)
+    t75 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t73.permute(1, 0)).reshape((n_batch, L, d_K))
+    t76 = (t41.reshape((1, d_K, n_batch, L)) * t75.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t77 = t70.reshape((d_V**2, L*n_batch))
+    t78 = t74.reshape((d_V**2, L*n_batch))
+    t79 = t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t80 = t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t81 = torch.cat([t77, t78], dim=-1)
+    t82 = torch.cat([t79, t80], dim=-2)
+    t66[...] = ((t81 @ t82).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t83 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t84 = t83.view((d_V, d_K, d_V, d_V))
+    t85 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
+    t86 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t87 = (X.reshape((L*n_batch, d_V)) @ t85.permute(1, 0)).reshape((n_batch, L, d_K))
+    t88 = (t87.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t89 = (1/(math.sqrt(d_K)*n_batch)) * t67
+    t90 = M_2.permute(3, 2, 0, 1)
+    t91 = (X.reshape((L*n_batch, d_V)) @ t89.permute(1, 0)).reshape((n_batch, L, d_K))
+    t92 = (t91.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t84[...] = ((t88.reshape((d_K*d_V, L*n_batch)) @ t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t84 += ((t90.reshape((d_V**2, L*n_batch)) @ t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t93[...] = 0
+    t94 = t93.view((d_V, d_V, d_V, d_V))
+    t95 = t94.diagonal(0, 1, 3)
+    t96 = M_1.transpose(-1, -2)
+    t97 = t96 @ M_1
+    t98 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t99 = (2/(L*d_V*n_batch)) * t98
+    t95.addcmul_(t99.reshape((1, 1, d_V)), t97.sum((0,)).reshape((d_V, d_V, 1)))
+    t100 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t38, t100)
+    t101 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t56, t101)
+    t102 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t83, t102)
     return H
 
 
@@ -6102,43 +5963,37 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     t40 = (t39 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t41 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t37[...] = ((t40.reshape((d_K*d_V, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = t42.view((d_V, d_K, d_V, d_K))
     t44 = W_Q.transpose(-1, -2)
     t45 = (1/(d_K*n_batch)) * t44
-    t46 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t46 = M_3.permute(2, 3, 0, 1)
     t47 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t45.permute(1, 0)).reshape((n_batch, L, d_K))
-    t48 = (t47.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t49 = t43.diagonal(0, 1, 3)
-    t50 = t33.transpose(-1, -2)
-    t43[...] = ((t48.reshape((d_K*d_V, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t49.addcmul_(t35.reshape((1, 1, d_K)), t50.sum((0,)).reshape((d_V, d_V, 1)))
-    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t52 = t51.view((d_V, d_K, d_V, d_K))
-    t53 = M_3.permute(2, 3, 0, 1)
-    t54 = (t29.reshape((1, d_K, n_batch, L)) * t47.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    t52[...] = ((t53.reshape((d_V**2, L*n_batch)) @ t54.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56 = t55.view((d_V, d_K, d_V, d_V))
-    t57 = (1/(math.sqrt(d_K)*n_batch)) * t44
-    t58 = M_2.permute(3, 2, 0, 1)
-    t59 = (X.reshape((L*n_batch, d_V)) @ t57.permute(1, 0)).reshape((n_batch, L, d_K))
-    t60 = (t59.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t56[...] = ((t58.reshape((d_V**2, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t48 = (t29.reshape((1, d_K, n_batch, L)) * t47.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t43[...] = ((t46.reshape((d_V**2, L*n_batch)) @ t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t49 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t50 = t49.view((d_V, d_K, d_V, d_V))
+    t51 = (1/(math.sqrt(d_K)*n_batch)) * t44
+    t52 = M_2.permute(3, 2, 0, 1)
+    t53 = (X.reshape((L*n_batch, d_V)) @ t51.permute(1, 0)).reshape((n_batch, L, d_K))
+    t54 = (t53.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t50[...] = ((t52.reshape((d_V**2, L*n_batch)) @ t54.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t56 = t55.view((d_V, d_V, d_V, d_K))
+    t57 = G.transpose(-1, -2)
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t57
+    t59 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t58.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t60 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t56[...] = ((t59.reshape((d_V**2, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t62 = t61.view((d_V, d_V, d_V, d_K))
-    t63 = G.transpose(-1, -2)
-    t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
-    t65 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t64.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t66 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t62[...] = ((t65.reshape((d_V**2, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t68 = t67.view((d_V, d_V, d_V, d_K))
-    t69 = M_2.permute(2, 3, 0, 1)
-    t70 = (t29.reshape((1, d_K, n_batch, L)) * t64.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t68[...] = ((t69.reshape((d_V**2, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t71[...] = 0
+    t63 = M_2.permute(2, 3, 0, 1)
+    t64 = (t29.reshape((1, d_K, n_batch, L)) * t58.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t62[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t65[...] = 0
+    t66 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t26, t66)
     return H
 
 
@@ -7247,268 +7102,134 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
-    del t0
     t2 = W_K.transpose(-1, -2)
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
-    del t4
     t6 = X @ t5
-    del t5
     t7 = (1/math.sqrt(d_K)) * t6
-    del t6
     t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t9 = torch.where(t8, -math.inf, t7)
-    del t7, t8
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    del t9
     A = t10 / t10.sum(-1, keepdim=True)
-    del t10
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    del t12
     t13 = W_V.transpose(-1, -2)
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t2
     t16 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    del t15
     t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
     t19 = ((W_K.permute(1, 0) @ t18.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    del t18
     t20 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t21 = A @ X
     M_1 = t21
-    del t21
     t22 = M_1 @ W_V
     F = t22
-    del t22
     t23 = F - Y
-    del F
     t24 = (2/(L*d_V)) * t23
-    del t23
     G = t24
-    del t24
     t25 = t13 @ t3
     t26 = G @ t25
-    del t25
     t27 = t26 - (A * t26).sum(-1, keepdim=True)
-    del t26
     t28 = A * t27
-    del t27
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t11.reshape((1, 1, L, L)) * t28.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t28.reshape((n_batch, L, L, 1))) - (t28.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    del A, t11
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    del t29
     t30 = (1/(d_K*n_batch)) * t2
     t31 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t32 = ((W_K.permute(1, 0) @ t31.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    del t31
     t33 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t34 = t20.reshape((d_V**2, L*n_batch))
-    del t20
     t35 = t33.reshape((d_V**2, L*n_batch))
-    del t33
     t36 = t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t19
     t37 = t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t32
     t38 = torch.cat([t34, t35], dim=-1)
-    del t34, t35
     t39 = torch.cat([t36, t37], dim=-2)
-    del t36, t37
     t1[...] = ((t38 @ t39).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t1, t38, t39
     t40 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = t40.view((d_V, d_K, d_V, d_K))
-    del t40
     t42 = ((t17 @ t16)).permute(3, 2, 0, 1)
-    del t16, t17
     t43 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t44 = (t43.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t45 = (t30 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    del t30
     t46 = (t43.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t47 = t41.diagonal(0, 1, 3)
     t48 = t28 @ X
-    del t28
     t49 = t3 @ t48
-    del t48
     t50 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    del t50
     t52 = t42.reshape((d_K*d_V, L*n_batch))
-    del t42
     t53 = t45.reshape((d_K*d_V, L*n_batch))
-    del t45
     t54 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t44
     t55 = t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t46
     t56 = torch.cat([t52, t53], dim=-1)
-    del t52, t53
     t57 = torch.cat([t54, t55], dim=-2)
-    del t54, t55
     t41[...] = ((t56 @ t57).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t41, t56, t57
     t47.addcmul_(t51.reshape((1, 1, d_K)), t49.sum((0,)).reshape((d_V, d_V, 1)))
-    del t47
     t58 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t59 = t58.view((d_V, d_K, d_V, d_V))
-    del t58
     t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t61 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t60.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    del t60
     t62 = ((W_V.permute(1, 0) @ t61.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    del t61
     t63 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t64 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    del t2
     t65 = (t64 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    del t64
     t66 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t59[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    del t62, t63
     t59 += ((t65.reshape((d_K*d_V, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    del t59, t65, t66
-    t67 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t67 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t68 = t67.view((d_V, d_K, d_V, d_K))
-    del t67
     t69 = W_Q.transpose(-1, -2)
     t70 = (2/(L*d_K*d_V*n_batch)) * t69
     t71 = (t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    del t14
-    t72 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
-    t73 = ((t72.permute(1, 2, 0, 3) @ t71.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    del t72
-    t74 = (X.reshape((L*n_batch, d_V)) @ t70.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t70
-    t75 = (t74.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t76 = (1/(d_K*n_batch)) * t69
-    t77 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t78 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t76.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t3, t76
-    t79 = (t78.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t80 = t68.diagonal(0, 1, 3)
-    t81 = t49.transpose(-1, -2)
-    del t49
-    t82 = t75.reshape((d_K*d_V, L*n_batch))
-    del t75
-    t83 = t79.reshape((d_K*d_V, L*n_batch))
-    del t79
-    t84 = t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t73
-    t85 = t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t77
-    t86 = torch.cat([t82, t83], dim=-1)
-    del t82, t83
-    t87 = torch.cat([t84, t85], dim=-2)
-    del t84, t85
-    t68[...] = ((t86 @ t87).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t68, t86, t87
-    t80.addcmul_(t51.reshape((1, 1, d_K)), t81.sum((0,)).reshape((d_V, d_V, 1)))
-    del t51, t80, t81
-    t88 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t89 = t88.view((d_V, d_K, d_V, d_K))
-    del t88
-    t90 = ((t71.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    del t71
-    t91 = (t43.reshape((1, d_K, n_batch, L)) * t74.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t74
-    t92 = M_3.permute(2, 3, 0, 1)
-    del M_3
-    t93 = (t43.reshape((1, d_K, n_batch, L)) * t78.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t78
-    t94 = t90.reshape((d_V**2, L*n_batch))
-    del t90
-    t95 = t92.reshape((d_V**2, L*n_batch))
-    del t92
-    t96 = t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t91
-    t97 = t93.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t93
-    t98 = torch.cat([t94, t95], dim=-1)
-    del t94, t95
-    t99 = torch.cat([t96, t97], dim=-2)
-    del t96, t97
-    t89[...] = ((t98 @ t99).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t89, t98, t99
-    t100 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t101 = t100.view((d_V, d_K, d_V, d_V))
-    del t100
-    t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
-    t103 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t104 = (X.reshape((L*n_batch, d_V)) @ t102.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t102
-    t105 = (t104.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    del t104
-    t106 = (1/(math.sqrt(d_K)*n_batch)) * t69
-    del t69
-    t107 = M_2.permute(3, 2, 0, 1)
-    t108 = (X.reshape((L*n_batch, d_V)) @ t106.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t106
-    t109 = (t108.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    del t108
-    t101[...] = ((t105.reshape((d_K*d_V, L*n_batch)) @ t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    del t103, t105
-    t101 += ((t107.reshape((d_V**2, L*n_batch)) @ t109.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    del t101, t107, t109
-    t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t111 = t110.view((d_V, d_V, d_V, d_K))
-    del t110
-    t112 = M_1.transpose(-1, -2)
-    t113 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t112
-    t114 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t115 = ((W_K.permute(1, 0) @ t114.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t114
-    t116 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t113.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t117 = G.transpose(-1, -2)
-    del G
-    t118 = (1/(math.sqrt(d_K)*n_batch)) * t117
-    del t117
-    t119 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t118.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t120 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t111[...] = ((t116.reshape((d_V**2, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t115, t116
-    t111 += ((t119.reshape((d_V**2, L*n_batch)) @ t120.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t111, t119, t120
-    t121 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t122 = t121.view((d_V, d_V, d_V, d_K))
-    del t121
-    t123 = (t13 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    del t13
-    t124 = (t43.reshape((1, d_K, n_batch, L)) * t113.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t113
-    t125 = M_2.permute(2, 3, 0, 1)
-    del M_2
-    t126 = (t43.reshape((1, d_K, n_batch, L)) * t118.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t118, t43
-    t122[...] = ((t123.reshape((d_V**2, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t123, t124
-    t122 += ((t125.reshape((d_V**2, L*n_batch)) @ t126.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t122, t125, t126
-    t127 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t127[...] = 0
-    t128 = t127.view((d_V, d_V, d_V, d_V))
-    del t127
-    t129 = t128.diagonal(0, 1, 3)
-    del t128
-    t130 = t112 @ M_1
-    del M_1, t112
-    t131 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t132 = (2/(L*d_V*n_batch)) * t131
-    del t131
-    t129.addcmul_(t132.reshape((1, 1, d_V)), t130.sum((0,)).reshape((d_V, d_V, 1)))
-    del t129, t130, t132
+    t72 = ((t71.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t73 = (X.reshape((L*n_batch, d_V)) @ t70.permute(1, 0)).reshape((n_batch, L, d_K))
+    t74 = (t43.reshape((1, d_K, n_batch, L)) * t73.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t75 = (1/(d_K*n_batch)) * t69
+    t76 = M_3.permute(2, 3, 0, 1)
+    t77 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t75.permute(1, 0)).reshape((n_batch, L, d_K))
+    t78 = (t43.reshape((1, d_K, n_batch, L)) * t77.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t79 = t72.reshape((d_V**2, L*n_batch))
+    t80 = t76.reshape((d_V**2, L*n_batch))
+    t81 = t74.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t82 = t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t83 = torch.cat([t79, t80], dim=-1)
+    t84 = torch.cat([t81, t82], dim=-2)
+    t68[...] = ((t83 @ t84).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t85 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t86 = t85.view((d_V, d_K, d_V, d_V))
+    t87 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
+    t88 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t89 = (X.reshape((L*n_batch, d_V)) @ t87.permute(1, 0)).reshape((n_batch, L, d_K))
+    t90 = (t89.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t91 = (1/(math.sqrt(d_K)*n_batch)) * t69
+    t92 = M_2.permute(3, 2, 0, 1)
+    t93 = (X.reshape((L*n_batch, d_V)) @ t91.permute(1, 0)).reshape((n_batch, L, d_K))
+    t94 = (t93.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t86[...] = ((t90.reshape((d_K*d_V, L*n_batch)) @ t88.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t86 += ((t92.reshape((d_V**2, L*n_batch)) @ t94.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t95[...] = 0
+    t96 = t95.view((d_V, d_V, d_V, d_V))
+    t97 = t96.diagonal(0, 1, 3)
+    t98 = M_1.transpose(-1, -2)
+    t99 = t98 @ M_1
+    t100 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t101 = (2/(L*d_V*n_batch)) * t100
+    t97.addcmul_(t101.reshape((1, 1, d_V)), t99.sum((0,)).reshape((d_V, d_V, 1)))
+    t102 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t40, t102)
+    t103 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t58, t103)
+    t104 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t85, t104)
     return H
 
 
@@ -11401,43 +11122,37 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     t43 = (t42 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t44 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t40[...] = ((t43.reshape((d_K*d_V, L*n_batch)) @ t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t45 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t45 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t46 = t45.view((d_V, d_K, d_V, d_K))
     t47 = W_Q.transpose(-1, -2)
     t48 = (1/(d_K*n_batch)) * t47
-    t49 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t49 = M_3.permute(2, 3, 0, 1)
     t50 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t48.permute(1, 0)).reshape((n_batch, L, d_K))
-    t51 = (t50.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t52 = t46.diagonal(0, 1, 3)
-    t53 = t36.transpose(-1, -2)
-    t46[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t52.addcmul_(t38.reshape((1, 1, d_K)), t53.sum((0,)).reshape((d_V, d_V, 1)))
-    t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t55 = t54.view((d_V, d_K, d_V, d_K))
-    t56 = M_3.permute(2, 3, 0, 1)
-    t57 = (t32.reshape((1, d_K, n_batch, L)) * t50.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    t55[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t59 = t58.view((d_V, d_K, d_V, d_V))
-    t60 = (1/(math.sqrt(d_K)*n_batch)) * t47
-    t61 = M_2.permute(3, 2, 0, 1)
-    t62 = (X.reshape((L*n_batch, d_V)) @ t60.permute(1, 0)).reshape((n_batch, L, d_K))
-    t63 = (t62.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t59[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t63.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t51 = (t32.reshape((1, d_K, n_batch, L)) * t50.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t46[...] = ((t49.reshape((d_V**2, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = t52.view((d_V, d_K, d_V, d_V))
+    t54 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t55 = M_2.permute(3, 2, 0, 1)
+    t56 = (X.reshape((L*n_batch, d_V)) @ t54.permute(1, 0)).reshape((n_batch, L, d_K))
+    t57 = (t56.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t53[...] = ((t55.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t59 = t58.view((d_V, d_V, d_V, d_K))
+    t60 = G.transpose(-1, -2)
+    t61 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t62 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t61.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t63 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t59[...] = ((t62.reshape((d_V**2, L*n_batch)) @ t63.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t65 = t64.view((d_V, d_V, d_V, d_K))
-    t66 = G.transpose(-1, -2)
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
-    t68 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t67.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t69 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t65[...] = ((t68.reshape((d_V**2, L*n_batch)) @ t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t71 = t70.view((d_V, d_V, d_V, d_K))
-    t72 = M_2.permute(2, 3, 0, 1)
-    t73 = (t32.reshape((1, d_K, n_batch, L)) * t67.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t71[...] = ((t72.reshape((d_V**2, L*n_batch)) @ t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t74[...] = 0
+    t66 = M_2.permute(2, 3, 0, 1)
+    t67 = (t32.reshape((1, d_K, n_batch, L)) * t61.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t65[...] = ((t66.reshape((d_V**2, L*n_batch)) @ t67.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68[...] = 0
+    t69 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t29, t69)
     return H
 
 
@@ -12612,292 +12327,145 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
-    del t0
     t2 = W_K.transpose(-1, -2)
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
-    del t4
     t6 = X @ t5
-    del t5
     t7 = (1/math.sqrt(d_K)) * t6
-    del t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    del t7
     A = t8 / t8.sum(-1, keepdim=True)
-    del t8
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    del t10
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
-    del t11
     t13 = A @ X
     M_1 = t13
-    del t13
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    del t15
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
-    del A16, t17
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    del t20
     t22 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V, d_V))
     t24 = (t23 @ M_2)
-    del t23
     t25 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    del t21
     t26 = (t25 @ t24)
     t27 = ((W_K.permute(1, 0) @ t26.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    del t26
     t28 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t14
-    del t14
     t29 = torch.exp(F - F.amax(-1, keepdim=True))
-    del F
     A30 = t29 / t29.sum(-1, keepdim=True)
-    del t29
     t31 = t12 * A30
-    del A30
     t32 = t31 - Y
-    del t31
     t33 = (1/L) * t32
-    del t32
     G = t33
-    del t33
     t34 = t19 @ t3
     t35 = G @ t34
-    del t34
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
-    del t35
     t37 = A * t36
-    del t36
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t9.reshape((1, 1, L, L)) * t37.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t37.reshape((n_batch, L, L, 1))) - (t37.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    del A, t9
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    del t38
     t39 = (1/(d_K*n_batch)) * t2
     t40 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t41 = ((W_K.permute(1, 0) @ t40.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    del t40
     t42 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t43 = t28.reshape((d_V**2, L*n_batch))
-    del t28
     t44 = t42.reshape((d_V**2, L*n_batch))
-    del t42
     t45 = t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t27
     t46 = t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t41
     t47 = torch.cat([t43, t44], dim=-1)
-    del t43, t44
     t48 = torch.cat([t45, t46], dim=-2)
-    del t45, t46
     t1[...] = ((t47 @ t48).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t1, t47, t48
     t49 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = t49.view((d_V, d_K, d_V, d_K))
-    del t49
     t51 = ((t25 @ t24)).permute(2, 3, 0, 1)
-    del t24, t25
     t52 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t53 = (t52.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t54 = (t39 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    del t39
     t55 = (t52.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t56 = t50.diagonal(0, 1, 3)
     t57 = t37 @ X
-    del t37
     t58 = t3 @ t57
-    del t57
     t59 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t60 = (1/(math.sqrt(d_K)*n_batch)) * t59
-    del t59
     t61 = t51.reshape((d_K*d_V, L*n_batch))
-    del t51
     t62 = t54.reshape((d_K*d_V, L*n_batch))
-    del t54
     t63 = t53.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t53
     t64 = t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t55
     t65 = torch.cat([t61, t62], dim=-1)
-    del t61, t62
     t66 = torch.cat([t63, t64], dim=-2)
-    del t63, t64
     t50[...] = ((t65 @ t66).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t50, t65, t66
     t56.addcmul_(t60.reshape((1, 1, d_K)), t58.sum((0,)).reshape((d_V, d_V, 1)))
-    del t56
     t67 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = t67.view((d_V, d_K, d_V, d_V))
-    del t67
     t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t70 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t69.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    del t69
     t71 = (t70.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    del t70
     t72 = ((t71 @ t22)).permute(2, 3, 0, 1)
-    del t71
     t73 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t74 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    del t2
     t75 = (t74 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    del t74
     t76 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t68[...] = ((t73.reshape((d_V**2, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    del t72, t73
     t68 += ((t75.reshape((d_K*d_V, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    del t68, t75, t76
-    t77 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t77 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t78 = t77.view((d_V, d_K, d_V, d_K))
-    del t77
     t79 = W_Q.transpose(-1, -2)
     t80 = (1/(L*d_K*n_batch)) * t79
     t81 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t82 = (t22.permute(0, 1, 3, 2) @ t81.permute(1, 2, 0, 3))
     t83 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t84 = (t83 @ t82)
-    t85 = ((W_K.permute(1, 0) @ t84.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t84
-    t86 = (X.reshape((L*n_batch, d_V)) @ t80.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t80
-    t87 = (t86.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t88 = (1/(d_K*n_batch)) * t79
-    t89 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t90 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t88.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t3, t88
-    t91 = (t90.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t92 = t78.diagonal(0, 1, 3)
-    t93 = t58.transpose(-1, -2)
-    del t58
-    t94 = t87.reshape((d_K*d_V, L*n_batch))
-    del t87
-    t95 = t91.reshape((d_K*d_V, L*n_batch))
-    del t91
-    t96 = t85.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t85
-    t97 = t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t89
-    t98 = torch.cat([t94, t95], dim=-1)
-    del t94, t95
-    t99 = torch.cat([t96, t97], dim=-2)
-    del t96, t97
-    t78[...] = ((t98 @ t99).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t78, t98, t99
-    t92.addcmul_(t60.reshape((1, 1, d_K)), t93.sum((0,)).reshape((d_V, d_V, 1)))
-    del t60, t92, t93
-    t100 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t101 = t100.view((d_V, d_K, d_V, d_K))
-    del t100
-    t102 = ((t83 @ t82)).permute(3, 2, 0, 1)
-    del t82
-    t103 = (t52.reshape((1, d_K, n_batch, L)) * t86.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t86
-    t104 = M_3.permute(2, 3, 0, 1)
-    del M_3
-    t105 = (t52.reshape((1, d_K, n_batch, L)) * t90.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t90
-    t106 = t102.reshape((d_V**2, L*n_batch))
-    del t102
-    t107 = t104.reshape((d_V**2, L*n_batch))
-    del t104
-    t108 = t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t103
-    t109 = t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t105
-    t110 = torch.cat([t106, t107], dim=-1)
-    del t106, t107
-    t111 = torch.cat([t108, t109], dim=-2)
-    del t108, t109
-    t101[...] = ((t110 @ t111).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t101, t110, t111
-    t112 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t113 = t112.view((d_V, d_K, d_V, d_V))
-    del t112
-    t114 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
-    t115 = ((t22.permute(0, 1, 3, 2) @ t81.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    del t81
-    t116 = (X.reshape((L*n_batch, d_V)) @ t114.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t114
-    t117 = (t116.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    del t116
-    t118 = (1/(math.sqrt(d_K)*n_batch)) * t79
-    del t79
-    t119 = M_2.permute(3, 2, 0, 1)
-    t120 = (X.reshape((L*n_batch, d_V)) @ t118.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t118
-    t121 = (t120.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    del t120
-    t113[...] = ((t117.reshape((d_K*d_V, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    del t115, t117
-    t113 += ((t119.reshape((d_V**2, L*n_batch)) @ t121.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    del t113, t119, t121
-    t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t123 = t122.view((d_V, d_V, d_V, d_K))
-    del t122
-    t124 = G.transpose(-1, -2)
-    del G
-    t125 = (1/(math.sqrt(d_K)*n_batch)) * t124
-    del t124
-    t126 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t125.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t127 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t128 = M_1.transpose(-1, -2)
-    t129 = (1/(L*math.sqrt(d_K)*n_batch)) * t128
-    t130 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t129.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t131 = (t19.permute(1, 0) @ dA18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    del t19
-    t132 = (t131.permute(1, 2, 3, 0) @ M_2)
-    del t131
-    t133 = (t132.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    del t132
-    t134 = (t133.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-    del t133
-    t123[...] = ((t126.reshape((d_V**2, L*n_batch)) @ t127.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t126, t127
-    t123 += ((t130.reshape((d_V**2, L*n_batch)) @ t134.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t123, t130, t134
-    t135 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t136 = t135.view((d_V, d_V, d_V, d_K))
-    del t135
-    t137 = M_2.permute(2, 3, 0, 1)
-    del M_2
-    t138 = (t52.reshape((1, d_K, n_batch, L)) * t125.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t125
-    t139 = ((t83 @ t22.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    del t22, t83
-    t140 = (t52.reshape((1, d_K, n_batch, L)) * t129.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t129, t52
-    t136[...] = ((t137.reshape((d_V**2, L*n_batch)) @ t138.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t137, t138
-    t136 += ((t139.reshape((d_V**2, L*n_batch)) @ t140.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t136, t139, t140
-    t141 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t142 = t141.view((d_V, d_V, d_V, d_V))
-    del t141
-    t143 = (1/(L*n_batch)) * t128
-    del t128
-    t144 = (dA18.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-    del dA18, t12
-    t145 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t143.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del M_1, t143
-    t142[...] = ((t145.reshape((d_V**2, L*n_batch)) @ t144.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    del t142, t144, t145
+    t84 = ((t83 @ t82)).permute(3, 2, 0, 1)
+    t85 = (X.reshape((L*n_batch, d_V)) @ t80.permute(1, 0)).reshape((n_batch, L, d_K))
+    t86 = (t52.reshape((1, d_K, n_batch, L)) * t85.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t87 = (1/(d_K*n_batch)) * t79
+    t88 = M_3.permute(2, 3, 0, 1)
+    t89 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t87.permute(1, 0)).reshape((n_batch, L, d_K))
+    t90 = (t52.reshape((1, d_K, n_batch, L)) * t89.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t91 = t84.reshape((d_V**2, L*n_batch))
+    t92 = t88.reshape((d_V**2, L*n_batch))
+    t93 = t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t94 = t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t95 = torch.cat([t91, t92], dim=-1)
+    t96 = torch.cat([t93, t94], dim=-2)
+    t78[...] = ((t95 @ t96).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t97 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t98 = t97.view((d_V, d_K, d_V, d_V))
+    t99 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
+    t100 = ((t22.permute(0, 1, 3, 2) @ t81.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t101 = (X.reshape((L*n_batch, d_V)) @ t99.permute(1, 0)).reshape((n_batch, L, d_K))
+    t102 = (t101.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t103 = (1/(math.sqrt(d_K)*n_batch)) * t79
+    t104 = M_2.permute(3, 2, 0, 1)
+    t105 = (X.reshape((L*n_batch, d_V)) @ t103.permute(1, 0)).reshape((n_batch, L, d_K))
+    t106 = (t105.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t98[...] = ((t102.reshape((d_K*d_V, L*n_batch)) @ t100.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t98 += ((t104.reshape((d_V**2, L*n_batch)) @ t106.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t107 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t108 = t107.view((d_V, d_V, d_V, d_V))
+    t109 = M_1.transpose(-1, -2)
+    t110 = (1/(L*n_batch)) * t109
+    t111 = (dA18.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t112 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t110.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t108[...] = ((t112.reshape((d_V**2, L*n_batch)) @ t111.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t113 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t49, t113)
+    t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t67, t114)
+    t115 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t97, t115)
     return H
 
 
@@ -17041,43 +16609,37 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     t45 = (t44 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t46 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t42[...] = ((t45.reshape((d_K*d_V, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t48 = t47.view((d_V, d_K, d_V, d_K))
     t49 = W_Q.transpose(-1, -2)
     t50 = (1/(d_K*n_batch)) * t49
-    t51 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t51 = M_3.permute(2, 3, 0, 1)
     t52 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t50.permute(1, 0)).reshape((n_batch, L, d_K))
-    t53 = (t52.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t54 = t48.diagonal(0, 1, 3)
-    t55 = t38.transpose(-1, -2)
-    t48[...] = ((t53.reshape((d_K*d_V, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t54.addcmul_(t40.reshape((1, 1, d_K)), t55.sum((0,)).reshape((d_V, d_V, 1)))
-    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t57 = t56.view((d_V, d_K, d_V, d_K))
-    t58 = M_3.permute(2, 3, 0, 1)
-    t59 = (t34.reshape((1, d_K, n_batch, L)) * t52.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    t57[...] = ((t58.reshape((d_V**2, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    t60 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t61 = t60.view((d_V, d_K, d_V, d_V))
-    t62 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t63 = M_2.permute(3, 2, 0, 1)
-    t64 = (X.reshape((L*n_batch, d_V)) @ t62.permute(1, 0)).reshape((n_batch, L, d_K))
-    t65 = (t64.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t61[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t53 = (t34.reshape((1, d_K, n_batch, L)) * t52.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t48[...] = ((t51.reshape((d_V**2, L*n_batch)) @ t53.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t55 = t54.view((d_V, d_K, d_V, d_V))
+    t56 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t57 = M_2.permute(3, 2, 0, 1)
+    t58 = (X.reshape((L*n_batch, d_V)) @ t56.permute(1, 0)).reshape((n_batch, L, d_K))
+    t59 = (t58.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t55[...] = ((t57.reshape((d_V**2, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t61 = t60.view((d_V, d_V, d_V, d_K))
+    t62 = G.transpose(-1, -2)
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t62
+    t64 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t63.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t65 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t61[...] = ((t64.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t67 = t66.view((d_V, d_V, d_V, d_K))
-    t68 = G.transpose(-1, -2)
-    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
-    t70 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t69.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t71 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t67[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t73 = t72.view((d_V, d_V, d_V, d_K))
-    t74 = M_2.permute(2, 3, 0, 1)
-    t75 = (t34.reshape((1, d_K, n_batch, L)) * t69.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t73[...] = ((t74.reshape((d_V**2, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t76[...] = 0
+    t68 = M_2.permute(2, 3, 0, 1)
+    t69 = (t34.reshape((1, d_K, n_batch, L)) * t63.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t67[...] = ((t68.reshape((d_V**2, L*n_batch)) @ t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t70[...] = 0
+    t71 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t31, t71)
     return H
 
 
@@ -18296,295 +17858,147 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
-    del t0
     t2 = W_K.transpose(-1, -2)
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = W_Q @ t4
-    del t4
     t6 = X @ t5
-    del t5
     t7 = (1/math.sqrt(d_K)) * t6
-    del t6
     t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t9 = torch.where(t8, -math.inf, t7)
-    del t7, t8
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    del t9
     A = t10 / t10.sum(-1, keepdim=True)
-    del t10
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    del dA
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    del t12
     t13 = Y.sum(-1, keepdim=True)
     t14 = t13.expand(*t13.shape[:-1], d_V)
-    del t13
     t15 = A @ X
     M_1 = t15
-    del t15
     t16 = M_1 @ W_V
     t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
     A18 = t17 / t17.sum(-1, keepdim=True)
-    del t17
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA20 = (t19.reshape((1, 1, d_V, d_V)) * A18.reshape((n_batch, L, d_V, 1))) - (A18.reshape((n_batch, L, 1, d_V)) * A18.reshape((n_batch, L, d_V, 1)))
-    del A18, t19
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    del t22
     t24 = (dA20 * t14.reshape((n_batch, L, d_V, 1)))
     t25 = (t24.reshape((L*d_V*n_batch, d_V)) @ t21).reshape((n_batch, L, d_V, d_V))
     t26 = (t25 @ M_2)
-    del t25
     t27 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    del t23
     t28 = (t27 @ t26)
     t29 = ((W_K.permute(1, 0) @ t28.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    del t28
     t30 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t16
-    del t16
     t31 = torch.exp(F - F.amax(-1, keepdim=True))
-    del F
     A32 = t31 / t31.sum(-1, keepdim=True)
-    del t31
     t33 = t14 * A32
-    del A32
     t34 = t33 - Y
-    del t33
     t35 = (1/L) * t34
-    del t34
     G = t35
-    del t35
     t36 = t21 @ t3
     t37 = G @ t36
-    del t36
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
-    del t37
     t39 = A * t38
-    del t38
     # d2A: compact tensor ('L', 'L', 'L')
     d2A = (t11.reshape((1, 1, L, L)) * t39.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t39.reshape((n_batch, L, L, 1))) - (t39.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    del A, t11
     t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    del d2A
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    del t40
     t41 = (1/(d_K*n_batch)) * t2
     t42 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t43 = ((W_K.permute(1, 0) @ t42.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    del t42
     t44 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t45 = t30.reshape((d_V**2, L*n_batch))
-    del t30
     t46 = t44.reshape((d_V**2, L*n_batch))
-    del t44
     t47 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t29
     t48 = t43.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t43
     t49 = torch.cat([t45, t46], dim=-1)
-    del t45, t46
     t50 = torch.cat([t47, t48], dim=-2)
-    del t47, t48
     t1[...] = ((t49 @ t50).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t1, t49, t50
     t51 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = t51.view((d_V, d_K, d_V, d_K))
-    del t51
     t53 = ((t27 @ t26)).permute(2, 3, 0, 1)
-    del t26, t27
     t54 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t55 = (t54.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t56 = (t41 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    del t41
     t57 = (t54.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t58 = t52.diagonal(0, 1, 3)
     t59 = t39 @ X
-    del t39
     t60 = t3 @ t59
-    del t59
     t61 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
-    del t61
     t63 = t53.reshape((d_K*d_V, L*n_batch))
-    del t53
     t64 = t56.reshape((d_K*d_V, L*n_batch))
-    del t56
     t65 = t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t55
     t66 = t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t57
     t67 = torch.cat([t63, t64], dim=-1)
-    del t63, t64
     t68 = torch.cat([t65, t66], dim=-2)
-    del t65, t66
     t52[...] = ((t67 @ t68).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t52, t67, t68
     t58.addcmul_(t62.reshape((1, 1, d_K)), t60.sum((0,)).reshape((d_V, d_V, 1)))
-    del t58
     t69 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t70 = t69.view((d_V, d_K, d_V, d_V))
-    del t69
     t71 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t72 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t71.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    del t71
     t73 = (t72.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    del t72
     t74 = ((t73 @ t24)).permute(2, 3, 0, 1)
-    del t73
     t75 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t76 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    del t2
     t77 = (t76 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    del t76
     t78 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t70[...] = ((t75.reshape((d_V**2, L*n_batch)) @ t74.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    del t74, t75
     t70 += ((t77.reshape((d_K*d_V, L*n_batch)) @ t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    del t70, t77, t78
-    t79 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t79 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t80 = t79.view((d_V, d_K, d_V, d_K))
-    del t79
     t81 = W_Q.transpose(-1, -2)
     t82 = (1/(L*d_K*n_batch)) * t81
     t83 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t84 = (t24.permute(0, 1, 3, 2) @ t83.permute(1, 2, 0, 3))
     t85 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t86 = (t85 @ t84)
-    t87 = ((W_K.permute(1, 0) @ t86.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t86
-    t88 = (X.reshape((L*n_batch, d_V)) @ t82.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t82
-    t89 = (t88.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t90 = (1/(d_K*n_batch)) * t81
-    t91 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t92 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t90.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t3, t90
-    t93 = (t92.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t94 = t80.diagonal(0, 1, 3)
-    t95 = t60.transpose(-1, -2)
-    del t60
-    t96 = t89.reshape((d_K*d_V, L*n_batch))
-    del t89
-    t97 = t93.reshape((d_K*d_V, L*n_batch))
-    del t93
-    t98 = t87.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t87
-    t99 = t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t91
-    t100 = torch.cat([t96, t97], dim=-1)
-    del t96, t97
-    t101 = torch.cat([t98, t99], dim=-2)
-    del t98, t99
-    t80[...] = ((t100 @ t101).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t100, t101, t80
-    t94.addcmul_(t62.reshape((1, 1, d_K)), t95.sum((0,)).reshape((d_V, d_V, 1)))
-    del t62, t94, t95
-    t102 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t103 = t102.view((d_V, d_K, d_V, d_K))
-    del t102
-    t104 = ((t85 @ t84)).permute(3, 2, 0, 1)
-    del t84
-    t105 = (t54.reshape((1, d_K, n_batch, L)) * t88.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t88
-    t106 = M_3.permute(2, 3, 0, 1)
-    del M_3
-    t107 = (t54.reshape((1, d_K, n_batch, L)) * t92.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t92
-    t108 = t104.reshape((d_V**2, L*n_batch))
-    del t104
-    t109 = t106.reshape((d_V**2, L*n_batch))
-    del t106
-    t110 = t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t105
-    t111 = t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t107
-    t112 = torch.cat([t108, t109], dim=-1)
-    del t108, t109
-    t113 = torch.cat([t110, t111], dim=-2)
-    del t110, t111
-    t103[...] = ((t112 @ t113).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t103, t112, t113
-    t114 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t115 = t114.view((d_V, d_K, d_V, d_V))
-    del t114
-    t116 = (1/(L*math.sqrt(d_K)*n_batch)) * t81
-    t117 = ((t24.permute(0, 1, 3, 2) @ t83.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    del t83
-    t118 = (X.reshape((L*n_batch, d_V)) @ t116.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t116
-    t119 = (t118.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    del t118
-    t120 = (1/(math.sqrt(d_K)*n_batch)) * t81
-    del t81
-    t121 = M_2.permute(3, 2, 0, 1)
-    t122 = (X.reshape((L*n_batch, d_V)) @ t120.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t120
-    t123 = (t122.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    del t122
-    t115[...] = ((t119.reshape((d_K*d_V, L*n_batch)) @ t117.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    del t117, t119
-    t115 += ((t121.reshape((d_V**2, L*n_batch)) @ t123.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    del t115, t121, t123
-    t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t125 = t124.view((d_V, d_V, d_V, d_K))
-    del t124
-    t126 = G.transpose(-1, -2)
-    del G
-    t127 = (1/(math.sqrt(d_K)*n_batch)) * t126
-    del t126
-    t128 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t127.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t129 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t130 = M_1.transpose(-1, -2)
-    t131 = (1/(L*math.sqrt(d_K)*n_batch)) * t130
-    t132 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t131.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t133 = (t21.permute(1, 0) @ dA20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    del t21
-    t134 = (t133.permute(1, 2, 3, 0) @ M_2)
-    del t133
-    t135 = (t134.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    del t134
-    t136 = (t135.permute(2, 3, 0, 1) * t14.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-    del t135
-    t125[...] = ((t128.reshape((d_V**2, L*n_batch)) @ t129.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t128, t129
-    t125 += ((t132.reshape((d_V**2, L*n_batch)) @ t136.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t125, t132, t136
-    t137 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t138 = t137.view((d_V, d_V, d_V, d_K))
-    del t137
-    t139 = M_2.permute(2, 3, 0, 1)
-    del M_2
-    t140 = (t54.reshape((1, d_K, n_batch, L)) * t127.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t127
-    t141 = ((t85 @ t24.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    del t24, t85
-    t142 = (t54.reshape((1, d_K, n_batch, L)) * t131.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t131, t54
-    t138[...] = ((t139.reshape((d_V**2, L*n_batch)) @ t140.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t139, t140
-    t138 += ((t141.reshape((d_V**2, L*n_batch)) @ t142.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t138, t141, t142
-    t143 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t144 = t143.view((d_V, d_V, d_V, d_V))
-    del t143
-    t145 = (1/(L*n_batch)) * t130
-    del t130
-    t146 = (dA20.permute(2, 3, 0, 1) * t14.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-    del dA20, t14
-    t147 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t145.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del M_1, t145
-    t144[...] = ((t147.reshape((d_V**2, L*n_batch)) @ t146.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    del t144, t146, t147
+    t86 = ((t85 @ t84)).permute(3, 2, 0, 1)
+    t87 = (X.reshape((L*n_batch, d_V)) @ t82.permute(1, 0)).reshape((n_batch, L, d_K))
+    t88 = (t54.reshape((1, d_K, n_batch, L)) * t87.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t89 = (1/(d_K*n_batch)) * t81
+    t90 = M_3.permute(2, 3, 0, 1)
+    t91 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t89.permute(1, 0)).reshape((n_batch, L, d_K))
+    t92 = (t54.reshape((1, d_K, n_batch, L)) * t91.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t93 = t86.reshape((d_V**2, L*n_batch))
+    t94 = t90.reshape((d_V**2, L*n_batch))
+    t95 = t88.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t96 = t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t97 = torch.cat([t93, t94], dim=-1)
+    t98 = torch.cat([t95, t96], dim=-2)
+    t80[...] = ((t97 @ t98).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t99 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t100 = t99.view((d_V, d_K, d_V, d_V))
+    t101 = (1/(L*math.sqrt(d_K)*n_batch)) * t81
+    t102 = ((t24.permute(0, 1, 3, 2) @ t83.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t103 = (X.reshape((L*n_batch, d_V)) @ t101.permute(1, 0)).reshape((n_batch, L, d_K))
+    t104 = (t103.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t105 = (1/(math.sqrt(d_K)*n_batch)) * t81
+    t106 = M_2.permute(3, 2, 0, 1)
+    t107 = (X.reshape((L*n_batch, d_V)) @ t105.permute(1, 0)).reshape((n_batch, L, d_K))
+    t108 = (t107.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t100[...] = ((t104.reshape((d_K*d_V, L*n_batch)) @ t102.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t100 += ((t106.reshape((d_V**2, L*n_batch)) @ t108.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t109 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t110 = t109.view((d_V, d_V, d_V, d_V))
+    t111 = M_1.transpose(-1, -2)
+    t112 = (1/(L*n_batch)) * t111
+    t113 = (dA20.permute(2, 3, 0, 1) * t14.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t114 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t112.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t110[...] = ((t114.reshape((d_V**2, L*n_batch)) @ t113.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t115 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t51, t115)
+    t116 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t69, t116)
+    t117 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t99, t117)
     return H
 
 

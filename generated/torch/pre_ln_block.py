@@ -7468,17 +7468,19 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=No
     del t1, t86, t87
     t88 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t89 = t88.view((d_V, d_K, d_V, d_K))
-    del t88
     # S: compact tensor ('L', 'L', 'L')
     S90 = ((1/2)*d_K*d_V) * S82
     t91 = N_1 @ W_Q
     t92 = (2/(d_K*d_V*n_batch)) * t12
     t93 = (S90.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t14.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    del S90
     t94 = ((N_1.permute(0, 2, 1) @ t93.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     del t93
     t95 = (t91.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t92.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t92
     t96 = t89.diagonal(0, 1, 3)
     t97 = t81 @ N_1
+    del t81
     t98 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t99 = (1/n_batch) * t98
     del t98
@@ -7487,7 +7489,7 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=No
     t89[...] = ((t94.reshape((d_K*d_V, L*n_batch)) @ t95.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     del t89, t94, t95
     t96.addcmul_(t99.reshape((1, 1, d_K)), t100.reshape((d_V, d_V, 1)))
-    del t100, t96
+    del t100, t96, t99
     t101 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t102 = t101.view((d_V, d_K, d_V, d_V))
     t103 = ((1/2)*d_V) * t68
@@ -7557,249 +7559,233 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=No
     del t14
     t133[...] = ((t137.reshape((d_K*d_ff, L*n_batch)) @ t134.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
     del t133, t134, t137
-    t138 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t138 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t139 = t138.view((d_V, d_K, d_V, d_K))
     del t138
     t140 = t91.transpose(-1, -2)
-    t141 = (S90.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t92.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    del S90, t92
-    t142 = ((t83.permute(0, 2, 1) @ t141.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    del t141
-    t143 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t140.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    t144 = t139.diagonal(0, 1, 3)
-    t145 = t81.transpose(-1, -2)
-    del t81
-    t146 = (t145.permute(0, 2, 1) @ t12.permute(0, 2, 1))
-    del t145
-    t147 = (t146.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-    del t146
-    t139[...] = ((t143.reshape((d_K*d_V, L*n_batch)) @ t142.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t139, t142, t143
-    t144.addcmul_(t99.reshape((1, 1, d_K)), t147.reshape((d_V, d_V, 1)))
-    del t144, t147, t99
-    t148 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t149 = t148.view((d_V, d_K, d_V, d_K))
-    del t148
-    t150 = (S82.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t84.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t141 = (S82.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t84.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     del S82, t84
-    t151 = ((N_1.permute(0, 2, 1) @ t150.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    del t150
-    t152 = (t91.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t140.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    t149[...] = ((t151.reshape((d_V**2, L*n_batch)) @ t152.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t149, t151, t152
-    t153 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t154 = t153.view((d_V, d_K, d_V, d_V))
-    t155 = (1/n_batch) * t140
+    t142 = ((N_1.permute(0, 2, 1) @ t141.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    del t141
+    t143 = (t91.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t140.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t139[...] = ((t142.reshape((d_V**2, L*n_batch)) @ t143.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t139, t142, t143
+    t144 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t145 = t144.view((d_V, d_K, d_V, d_V))
+    t146 = (1/n_batch) * t140
     del t140
-    t156 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t157 = ((N_1.permute(0, 2, 1) @ t156.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    del t156
-    t158 = (S109.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t155.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t147 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t148 = ((N_1.permute(0, 2, 1) @ t147.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    del t147
+    t149 = (S109.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t146.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     del S109
-    t159 = ((t12 @ t119.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t150 = ((t12 @ t119.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     del t119
-    t160 = (t114.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t155.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    t154[...] = ((t157.reshape((d_V**2, L*n_batch)) @ t158.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    del t157, t158
-    t154 += ((t160.reshape((d_K*d_V, L*n_batch)) @ t159.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    del t154, t159, t160
-    t161 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t162 = t161.view((d_V, d_K, d_V, d_ff))
-    del t161
-    t163 = ((t12 @ t129.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t151 = (t114.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t146.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t145[...] = ((t148.reshape((d_V**2, L*n_batch)) @ t149.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    del t148, t149
+    t145 += ((t151.reshape((d_K*d_V, L*n_batch)) @ t150.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    del t145, t150, t151
+    t152 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t153 = t152.view((d_V, d_K, d_V, d_ff))
+    del t152
+    t154 = ((t12 @ t129.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     del t129
-    t164 = (t46.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t155.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    t162[...] = ((t163.reshape((d_V**2, L*n_batch)) @ t164.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
-    del t162, t163, t164
-    t165 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t166 = t165.view((d_V, d_K, d_ff, d_V))
-    del t165
-    t167 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t155.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    del t155
-    t168 = ((t12 @ t136.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
+    t155 = (t46.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t146.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t153[...] = ((t154.reshape((d_V**2, L*n_batch)) @ t155.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
+    del t153, t154, t155
+    t156 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t157 = t156.view((d_V, d_K, d_ff, d_V))
+    del t156
+    t158 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t146.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    del t146
+    t159 = ((t12 @ t136.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
     del t12, t136
-    t166[...] = ((t168.reshape((d_V*d_ff, L*n_batch)) @ t167.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
-    del t166, t167, t168
-    t169 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t170 = t169.view((d_V, d_V, d_V, d_V))
-    del t169
-    t171 = t114.transpose(-1, -2)
+    t157[...] = ((t159.reshape((d_V*d_ff, L*n_batch)) @ t158.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
+    del t157, t158, t159
+    t160 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t161 = t160.view((d_V, d_V, d_V, d_V))
+    del t160
+    t162 = t114.transpose(-1, -2)
     # S: compact tensor ('d_V', 'd_V')
-    S172 = (2/d_V) * S
-    t173 = (1/n_batch) * t171
-    del t171
-    t174 = (S59.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S172.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    del S172, S59
-    t175 = ((S.permute(1, 0) @ t174.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t174
-    t176 = (t114.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t173.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t170[...] = ((t176.reshape((d_V**2, L*n_batch)) @ t175.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    del t170, t175, t176
-    t177 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t178 = t177.view((d_V, d_V, d_V, d_ff))
-    del t177
-    t179 = (t46.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t173.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    S163 = (2/d_V) * S
+    t164 = (1/n_batch) * t162
+    del t162
+    t165 = (S59.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S163.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    del S163, S59
+    t166 = ((S.permute(1, 0) @ t165.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t165
+    t167 = (t114.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t164.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t161[...] = ((t167.reshape((d_V**2, L*n_batch)) @ t166.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    del t161, t166, t167
+    t168 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t169 = t168.view((d_V, d_V, d_V, d_ff))
+    del t168
+    t170 = (t46.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t164.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     del t46
-    t180 = (S @ S126.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    t178[...] = ((t180.reshape((d_V**2, L*n_batch)) @ t179.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    del t178, t179, t180
-    t181 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t182 = t181.view((d_V, d_V, d_ff, d_V))
-    del t181
-    t183 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t173.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t173
-    t184 = (S126.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t171 = (S @ S126.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t169[...] = ((t171.reshape((d_V**2, L*n_batch)) @ t170.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    del t169, t170, t171
+    t172 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t173 = t172.view((d_V, d_V, d_ff, d_V))
+    del t172
+    t174 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t164.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t164
+    t175 = (S126.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     del S126
-    t185 = (t38.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
-    t186 = ((t185.permute(1, 2, 0, 3) @ t184)).permute(3, 2, 0, 1)
-    del t184, t185
-    t182[...] = ((t186.reshape((d_V*d_ff, L*n_batch)) @ t183.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    del t182, t183, t186
-    t187 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-    t188 = t187.view((d_V, d_ff, d_V, d_K))
-    del t187
-    t190 = t38.transpose(-1, -2)
-    t191 = t45.transpose(-1, -2)
+    t176 = (t38.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
+    t177 = ((t176.permute(1, 2, 0, 3) @ t175)).permute(3, 2, 0, 1)
+    del t175, t176
+    t173[...] = ((t177.reshape((d_V*d_ff, L*n_batch)) @ t174.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    del t173, t174, t177
+    t178 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+    t179 = t178.view((d_V, d_ff, d_V, d_K))
+    del t178
+    t181 = t38.transpose(-1, -2)
+    t182 = t45.transpose(-1, -2)
     del t45
-    t192 = t190 * t191
-    del t191
-    t193 = P_N_2.transpose(-1, -2)
+    t183 = t181 * t182
+    del t182
+    t184 = P_N_2.transpose(-1, -2)
     del P_N_2
-    t195 = t34.transpose(-1, -2)
+    t186 = t34.transpose(-1, -2)
     del t34
-    t196 = M_N_2.transpose(-1, -2)
+    t187 = M_N_2.transpose(-1, -2)
     del M_N_2
-    t197 = t195 * t196
-    del t195
-    t198 = (t22.reshape((d_V, d_V, 1, 1)) * t197.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t197, t22
+    t188 = t186 * t187
+    del t186
+    t189 = (t22.reshape((d_V, d_V, 1, 1)) * t188.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t188, t22
     # S: compact tensor ('d_V', 'L', 'd_V')
-    S199 = (1/math.sqrt(d_K)) * (t21.reshape((1, d_V, 1, d_V)) * t193.reshape((n_batch, d_V, L, 1))) + (2/(math.sqrt(d_K)*d_V)) * (t198.permute(2, 0, 3, 1) * t196.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
-    del t193, t196, t198, t21
-    t200 = (1/n_batch) * S
-    t201 = (t60.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t200.permute(1, 0)).reshape((n_batch, L, d_V))
-    del t200, t60
-    t202 = (t201 @ S199.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
-    del t201
-    t203 = (t202.permute(0, 3, 2, 1) @ dA)
-    del t202
-    t204 = (t203.reshape((n_batch, L*d_V, L)) @ t83).reshape((n_batch, L, d_V, d_K))
-    t205 = (t204.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-    del t204
-    t206 = t192.permute(1, 0, 2)
+    S190 = (1/math.sqrt(d_K)) * (t21.reshape((1, d_V, 1, d_V)) * t184.reshape((n_batch, d_V, L, 1))) + (2/(math.sqrt(d_K)*d_V)) * (t189.permute(2, 0, 3, 1) * t187.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
+    del t184, t187, t189, t21
+    t191 = (1/n_batch) * S
+    t192 = (t60.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t191.permute(1, 0)).reshape((n_batch, L, d_V))
+    del t191, t60
+    t193 = (t192 @ S190.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
     del t192
-    t207 = t206.reshape((1, d_ff, L*n_batch))
-    del t206
-    t208 = t188.view((d_V, d_ff, d_K*d_V))
-    del t188
-    _matmul_into(t207.expand(*(d_V,), *t207.shape[-2:]), t205.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t208)
-    del t205, t208
-    t209 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t210 = t209.view((d_V, d_ff, d_V, d_K))
-    del t209
-    t211 = (t203.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-    del t203
-    t212 = (t211.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t91.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-    del t211
-    t213 = t210.view((d_V, d_ff, d_K*d_V))
-    del t210
-    _matmul_into(t207.expand(*(d_V,), *t207.shape[-2:]), t212.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t213)
-    del t212, t213
-    t214 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t215 = t214.view((d_V, d_ff, d_V, d_V))
-    del t214
+    t194 = (t193.permute(0, 3, 2, 1) @ dA)
+    del t193
+    t195 = (t194.reshape((n_batch, L*d_V, L)) @ t83).reshape((n_batch, L, d_V, d_K))
+    t196 = (t195.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+    del t195
+    t197 = t183.permute(1, 0, 2)
+    del t183
+    t198 = t197.reshape((1, d_ff, L*n_batch))
+    del t197
+    t199 = t179.view((d_V, d_ff, d_K*d_V))
+    del t179
+    _matmul_into(t198.expand(*(d_V,), *t198.shape[-2:]), t196.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t199)
+    del t196, t199
+    t200 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    t201 = t200.view((d_V, d_ff, d_V, d_K))
+    del t200
+    t202 = (t194.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+    del t194
+    t203 = (t202.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t91.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+    del t202
+    t204 = t201.view((d_V, d_ff, d_K*d_V))
+    del t201
+    _matmul_into(t198.expand(*(d_V,), *t198.shape[-2:]), t203.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t204)
+    del t203, t204
+    t205 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t206 = t205.view((d_V, d_ff, d_V, d_V))
+    del t205
     # S: compact tensor ('d_V', 'L', 'd_V')
-    S216 = (math.sqrt(d_K)) * S199
-    t217 = (1/n_batch) * t114
-    t218 = (S.permute(1, 0) @ S216.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
-    del S, S216
-    t219 = (t218.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t217.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-    del t217
-    t220 = t215.view((d_V, d_ff, d_V**2))
-    del t215
-    _matmul_into(t207.expand(*(d_V,), *t207.shape[-2:]), t219.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t220)
-    del t207, t219, t220
-    t221 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t221[...] = 0
-    del t221
-    t222 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t222[...] = 0
-    t223 = t222.view((d_V, d_ff, d_ff, d_V))
-    del t222
-    t224 = t223.diagonal(0, 1, 2)
-    del t223
-    t225 = N_2.transpose(-1, -2)
-    t226 = (1/n_batch) * t225
-    del t225
-    t227 = t38.permute(2, 0, 1)
+    S207 = (math.sqrt(d_K)) * S190
+    t208 = (1/n_batch) * t114
+    t209 = (S.permute(1, 0) @ S207.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
+    del S, S207
+    t210 = (t209.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t208.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+    del t208
+    t211 = t206.view((d_V, d_ff, d_V**2))
+    del t206
+    _matmul_into(t198.expand(*(d_V,), *t198.shape[-2:]), t210.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t211)
+    del t198, t210, t211
+    t212 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t212[...] = 0
+    del t212
+    t213 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t213[...] = 0
+    t214 = t213.view((d_V, d_ff, d_ff, d_V))
+    del t213
+    t215 = t214.diagonal(0, 1, 2)
+    del t214
+    t216 = N_2.transpose(-1, -2)
+    t217 = (1/n_batch) * t216
+    del t216
+    t218 = t38.permute(2, 0, 1)
     del t38
-    t228 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t226.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t226
-    t224 += (t228.reshape((d_V**2, L*n_batch)) @ t227.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    del t224, t227, t228
-    t229 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-    t230 = t229.view((d_ff, d_V, d_V, d_K))
-    del t229
-    t231 = G.transpose(-1, -2)
+    t219 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t217.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t217
+    t215 += (t219.reshape((d_V**2, L*n_batch)) @ t218.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    del t215, t218, t219
+    t220 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+    t221 = t220.view((d_ff, d_V, d_V, d_K))
+    del t220
+    t222 = G.transpose(-1, -2)
     del G
-    t232 = (1/n_batch) * t231
-    del t231
-    t233 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t232.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t234 = (t62.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+    t223 = (1/n_batch) * t222
+    del t222
+    t224 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t223.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t225 = (t62.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
     del dA, t62
-    t235 = (t234.permute(0, 2, 3, 1) @ S199.permute(0, 2, 3, 1))
-    del S199, t234
-    t236 = (t235.reshape((L**2*n_batch, d_V)) @ t47.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-    del t235
-    t237 = (t236.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t83).reshape((n_batch, L, d_ff, d_K))
+    t226 = (t225.permute(0, 2, 3, 1) @ S190.permute(0, 2, 3, 1))
+    del S190, t225
+    t227 = (t226.reshape((L**2*n_batch, d_V)) @ t47.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+    del t226
+    t228 = (t227.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t83).reshape((n_batch, L, d_ff, d_K))
     del t83
-    t238 = (t237.permute(2, 3, 0, 1) * t190.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    del t237
-    t230[...] = ((t233.reshape((d_V**2, L*n_batch)) @ t238.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-    del t230, t233, t238
-    t239 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t240 = t239.view((d_ff, d_V, d_V, d_K))
-    del t239
-    t241 = (t91.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t232.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t229 = (t228.permute(2, 3, 0, 1) * t181.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    del t228
+    t221[...] = ((t224.reshape((d_V**2, L*n_batch)) @ t229.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+    del t221, t224, t229
+    t230 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    t231 = t230.view((d_ff, d_V, d_V, d_K))
+    del t230
+    t232 = (t91.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t223.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     del t91
-    t242 = (t236.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-    del N_1, t236
-    t243 = (t242.permute(2, 3, 0, 1) * t190.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    del t242
-    t240[...] = ((t243.reshape((d_V*d_ff, L*n_batch)) @ t241.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t240, t241, t243
-    t244 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t245 = t244.view((d_ff, d_V, d_V, d_V))
-    del t244
-    t246 = (t114.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t232.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t233 = (t227.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+    del N_1, t227
+    t234 = (t233.permute(2, 3, 0, 1) * t181.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    del t233
+    t231[...] = ((t234.reshape((d_V*d_ff, L*n_batch)) @ t232.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t231, t232, t234
+    t235 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t236 = t235.view((d_ff, d_V, d_V, d_V))
+    del t235
+    t237 = (t114.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t223.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     del t114
-    t247 = (t47.reshape((d_ff, d_V, 1, 1)) * t190.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    t238 = (t47.reshape((d_ff, d_V, 1, 1)) * t181.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
     del t47
-    t248 = ((t218.permute(1, 3, 0, 2) @ t247.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
-    del t218, t247
-    t245[...] = ((t246.reshape((d_V**2, L*n_batch)) @ t248.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
-    del t245, t246, t248
-    t249 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t249[...] = 0
-    t250 = t249.view((d_ff, d_V, d_V, d_ff))
-    del t249
-    t251 = t250.diagonal(0, 0, 3)
-    del t250
-    t252 = t190.permute(1, 0, 2)
-    del t190
-    t253 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t232.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del N_2, t232
-    t251 += (t253.reshape((d_V**2, L*n_batch)) @ t252.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    del t251, t252, t253
-    t254 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t254[...] = 0
-    del t254
-    t255 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    _transpose_into(t101, t255)
-    del t101, t255
-    t256 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    _transpose_into(t153, t256)
-    del t153, t256
+    t239 = ((t209.permute(1, 3, 0, 2) @ t238.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
+    del t209, t238
+    t236[...] = ((t237.reshape((d_V**2, L*n_batch)) @ t239.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
+    del t236, t237, t239
+    t240 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t240[...] = 0
+    t241 = t240.view((d_ff, d_V, d_V, d_ff))
+    del t240
+    t242 = t241.diagonal(0, 0, 3)
+    del t241
+    t243 = t181.permute(1, 0, 2)
+    del t181
+    t244 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t223.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del N_2, t223
+    t242 += (t244.reshape((d_V**2, L*n_batch)) @ t243.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    del t242, t243, t244
+    t245 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t245[...] = 0
+    del t245
+    t246 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t88, t246)
+    del t246, t88
+    t247 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t101, t247)
+    del t101, t247
+    t248 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t144, t248)
+    del t144, t248
     return H
 
 
@@ -30474,10 +30460,12 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     del S172, t21, t22, t44
     t174 = ((t94.permute(0, 1, 3, 2) @ S173.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t175 = (t86.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t158.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t86
     t183 = S173.permute(2, 0, 1, 3)
     t187 = (t94 @ t61)
+    del t61
     t188 = (dA53.permute(3, 0, 1, 2) * t47.reshape((1, n_batch, L, d_V))) + (t114 @ t187.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    del t187
+    del t114, t187
     t189 = ((t183.permute(1, 2, 0, 3) @ t188.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
     del t183, t188
     t171[...] = ((t175.reshape((d_V**2, L*n_batch)) @ t189.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
@@ -30497,7 +30485,6 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     del t191, t192, t196
     t197 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
     t198 = t197.view((d_V, d_V, d_ff, d_V))
-    del t197
     t199 = (t48.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t158.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     del t158
     t198[...] = ((t199.reshape((d_V*d_ff, L*n_batch)) @ t174.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
@@ -30578,38 +30565,31 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     del t238
     t236[...] = ((t239.reshape((d_V**2, L*n_batch)) @ t237.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
     del t236, t237, t239
-    t240 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t241 = t240.view((d_ff, d_V, d_V, d_V))
+    t240 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t241 = t240.view((d_ff, d_V, d_V, d_ff))
     del t240
-    t242 = (dA53.permute(2, 3, 0, 1) * t230.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-    t243 = (t86.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t229.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    del t86
-    t244 = (dA53 * t230.reshape((n_batch, L, d_V, 1)))
-    t247 = ((t244 @ t61)).permute(2, 0, 1, 3)
-    del t61
-    t248 = (dA53.permute(2, 3, 0, 1) * t230.permute(2, 0, 1).reshape((d_V, 1, n_batch, L))) + ((t114 @ t247.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del dA53, t114, t230, t247
-    t241[...] = ((t243.reshape((d_V*d_ff, L*n_batch)) @ t248.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    del t241, t243, t248
-    t249 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t250 = t249.view((d_ff, d_V, d_V, d_ff))
-    del t249
-    t251 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t229.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    t242 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t229.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
     del N_2
-    t252 = ((t59.permute(1, 2, 0, 3) @ t244.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    del t244, t59
-    t250[...] = ((t251.reshape((d_V*d_ff, L*n_batch)) @ t252.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
-    del t250, t251, t252
-    t253 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t254 = t253.view((d_ff, d_V, d_ff, d_V))
-    del t253
-    t255 = (t48.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t229.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    t243 = (dA53 * t230.reshape((n_batch, L, d_V, 1)))
+    t244 = ((t59.permute(1, 2, 0, 3) @ t243.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    del t243, t59
+    t241[...] = ((t242.reshape((d_V*d_ff, L*n_batch)) @ t244.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
+    del t241, t242, t244
+    t245 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t246 = t245.view((d_ff, d_V, d_ff, d_V))
+    del t245
+    t247 = (dA53.permute(2, 3, 0, 1) * t230.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    del dA53, t230
+    t248 = (t48.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t229.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
     del t229, t48
-    t254[...] = ((t255.reshape((d_ff**2, L*n_batch)) @ t242.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
-    del t242, t254, t255
-    t256 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    _transpose_into(t190, t256)
-    del t190, t256
+    t246[...] = ((t248.reshape((d_ff**2, L*n_batch)) @ t247.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+    del t246, t247, t248
+    t249 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    _transpose_into(t190, t249)
+    del t190, t249
+    t250 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    _transpose_into(t197, t250)
+    del t197, t250
     return H
 
 
@@ -37212,17 +37192,19 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=Non
     del t1, t91, t92
     t93 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t94 = t93.view((d_V, d_K, d_V, d_K))
-    del t93
     # S: compact tensor ('L', 'L', 'L')
     S95 = ((1/2)*d_K*d_V) * S87
     t96 = N_1 @ W_Q
     t97 = (2/(d_K*d_V*n_batch)) * t12
     t98 = (S95.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t14.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    del S95
     t99 = ((N_1.permute(0, 2, 1) @ t98.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     del t98
     t100 = (t96.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t97.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t97
     t101 = t94.diagonal(0, 1, 3)
     t102 = t86 @ N_1
+    del t86
     t103 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t104 = (1/n_batch) * t103
     del t103
@@ -37231,7 +37213,7 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=Non
     t94[...] = ((t99.reshape((d_K*d_V, L*n_batch)) @ t100.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     del t100, t94, t99
     t101.addcmul_(t104.reshape((1, 1, d_K)), t105.reshape((d_V, d_V, 1)))
-    del t101, t105
+    del t101, t104, t105
     t106 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t107 = t106.view((d_V, d_K, d_V, d_V))
     t108 = ((1/2)*d_V) * t73
@@ -37301,249 +37283,233 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=Non
     del t14
     t138[...] = ((t142.reshape((d_K*d_ff, L*n_batch)) @ t139.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
     del t138, t139, t142
-    t143 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t143 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t144 = t143.view((d_V, d_K, d_V, d_K))
     del t143
     t145 = t96.transpose(-1, -2)
-    t146 = (S95.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t97.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    del S95, t97
-    t147 = ((t88.permute(0, 2, 1) @ t146.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    del t146
-    t148 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t145.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    t149 = t144.diagonal(0, 1, 3)
-    t150 = t86.transpose(-1, -2)
-    del t86
-    t151 = (t150.permute(0, 2, 1) @ t12.permute(0, 2, 1))
-    del t150
-    t152 = (t151.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-    del t151
-    t144[...] = ((t148.reshape((d_K*d_V, L*n_batch)) @ t147.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t144, t147, t148
-    t149.addcmul_(t104.reshape((1, 1, d_K)), t152.reshape((d_V, d_V, 1)))
-    del t104, t149, t152
-    t153 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t154 = t153.view((d_V, d_K, d_V, d_K))
-    del t153
-    t155 = (S87.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t89.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t146 = (S87.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t89.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     del S87, t89
-    t156 = ((N_1.permute(0, 2, 1) @ t155.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    del t155
-    t157 = (t96.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t145.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    t154[...] = ((t156.reshape((d_V**2, L*n_batch)) @ t157.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t154, t156, t157
-    t158 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t159 = t158.view((d_V, d_K, d_V, d_V))
-    t160 = (1/n_batch) * t145
+    t147 = ((N_1.permute(0, 2, 1) @ t146.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    del t146
+    t148 = (t96.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t145.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t144[...] = ((t147.reshape((d_V**2, L*n_batch)) @ t148.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t144, t147, t148
+    t149 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t150 = t149.view((d_V, d_K, d_V, d_V))
+    t151 = (1/n_batch) * t145
     del t145
-    t161 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t162 = ((N_1.permute(0, 2, 1) @ t161.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    del t161
-    t163 = (S114.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t160.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t152 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t153 = ((N_1.permute(0, 2, 1) @ t152.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    del t152
+    t154 = (S114.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t151.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     del S114
-    t164 = ((t12 @ t124.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t155 = ((t12 @ t124.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     del t124
-    t165 = (t119.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t160.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    t159[...] = ((t162.reshape((d_V**2, L*n_batch)) @ t163.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    del t162, t163
-    t159 += ((t165.reshape((d_K*d_V, L*n_batch)) @ t164.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    del t159, t164, t165
-    t166 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t167 = t166.view((d_V, d_K, d_V, d_ff))
-    del t166
-    t168 = ((t12 @ t134.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t156 = (t119.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t151.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t150[...] = ((t153.reshape((d_V**2, L*n_batch)) @ t154.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    del t153, t154
+    t150 += ((t156.reshape((d_K*d_V, L*n_batch)) @ t155.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    del t150, t155, t156
+    t157 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t158 = t157.view((d_V, d_K, d_V, d_ff))
+    del t157
+    t159 = ((t12 @ t134.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     del t134
-    t169 = (t51.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t160.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    t167[...] = ((t168.reshape((d_V**2, L*n_batch)) @ t169.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
-    del t167, t168, t169
-    t170 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t171 = t170.view((d_V, d_K, d_ff, d_V))
-    del t170
-    t172 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t160.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    del t160
-    t173 = ((t12 @ t141.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
+    t160 = (t51.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t151.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t158[...] = ((t159.reshape((d_V**2, L*n_batch)) @ t160.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
+    del t158, t159, t160
+    t161 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t162 = t161.view((d_V, d_K, d_ff, d_V))
+    del t161
+    t163 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t151.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    del t151
+    t164 = ((t12 @ t141.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
     del t12, t141
-    t171[...] = ((t173.reshape((d_V*d_ff, L*n_batch)) @ t172.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
-    del t171, t172, t173
-    t174 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t175 = t174.view((d_V, d_V, d_V, d_V))
-    del t174
-    t176 = t119.transpose(-1, -2)
+    t162[...] = ((t164.reshape((d_V*d_ff, L*n_batch)) @ t163.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
+    del t162, t163, t164
+    t165 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t166 = t165.view((d_V, d_V, d_V, d_V))
+    del t165
+    t167 = t119.transpose(-1, -2)
     # S: compact tensor ('d_V', 'd_V')
-    S177 = (2/d_V) * S
-    t178 = (1/n_batch) * t176
-    del t176
-    t179 = (S64.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S177.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    del S177, S64
-    t180 = ((S.permute(1, 0) @ t179.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t179
-    t181 = (t119.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t178.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t175[...] = ((t181.reshape((d_V**2, L*n_batch)) @ t180.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    del t175, t180, t181
-    t182 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t183 = t182.view((d_V, d_V, d_V, d_ff))
-    del t182
-    t184 = (t51.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t178.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    S168 = (2/d_V) * S
+    t169 = (1/n_batch) * t167
+    del t167
+    t170 = (S64.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S168.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    del S168, S64
+    t171 = ((S.permute(1, 0) @ t170.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t170
+    t172 = (t119.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t169.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t166[...] = ((t172.reshape((d_V**2, L*n_batch)) @ t171.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    del t166, t171, t172
+    t173 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t174 = t173.view((d_V, d_V, d_V, d_ff))
+    del t173
+    t175 = (t51.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t169.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     del t51
-    t185 = (S @ S131.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    t183[...] = ((t185.reshape((d_V**2, L*n_batch)) @ t184.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    del t183, t184, t185
-    t186 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t187 = t186.view((d_V, d_V, d_ff, d_V))
-    del t186
-    t188 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t178.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t178
-    t189 = (S131.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t176 = (S @ S131.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t174[...] = ((t176.reshape((d_V**2, L*n_batch)) @ t175.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    del t174, t175, t176
+    t177 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t178 = t177.view((d_V, d_V, d_ff, d_V))
+    del t177
+    t179 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t169.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t169
+    t180 = (S131.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     del S131
-    t190 = (t38.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
-    t191 = ((t190.permute(1, 2, 0, 3) @ t189)).permute(3, 2, 0, 1)
-    del t189, t190
-    t187[...] = ((t191.reshape((d_V*d_ff, L*n_batch)) @ t188.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    del t187, t188, t191
-    t192 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-    t193 = t192.view((d_V, d_ff, d_V, d_K))
-    del t192
-    t195 = t38.transpose(-1, -2)
-    t196 = t50.transpose(-1, -2)
+    t181 = (t38.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
+    t182 = ((t181.permute(1, 2, 0, 3) @ t180)).permute(3, 2, 0, 1)
+    del t180, t181
+    t178[...] = ((t182.reshape((d_V*d_ff, L*n_batch)) @ t179.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    del t178, t179, t182
+    t183 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+    t184 = t183.view((d_V, d_ff, d_V, d_K))
+    del t183
+    t186 = t38.transpose(-1, -2)
+    t187 = t50.transpose(-1, -2)
     del t50
-    t197 = t195 * t196
-    del t196
-    t198 = P_N_2.transpose(-1, -2)
+    t188 = t186 * t187
+    del t187
+    t189 = P_N_2.transpose(-1, -2)
     del P_N_2
-    t200 = t34.transpose(-1, -2)
+    t191 = t34.transpose(-1, -2)
     del t34
-    t201 = M_N_2.transpose(-1, -2)
+    t192 = M_N_2.transpose(-1, -2)
     del M_N_2
-    t202 = t200 * t201
-    del t200
-    t203 = (t22.reshape((d_V, d_V, 1, 1)) * t202.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t202, t22
+    t193 = t191 * t192
+    del t191
+    t194 = (t22.reshape((d_V, d_V, 1, 1)) * t193.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t193, t22
     # S: compact tensor ('d_V', 'L', 'd_V')
-    S204 = (1/math.sqrt(d_K)) * (t21.reshape((1, d_V, 1, d_V)) * t198.reshape((n_batch, d_V, L, 1))) + (2/(math.sqrt(d_K)*d_V)) * (t203.permute(2, 0, 3, 1) * t201.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
-    del t198, t201, t203, t21
-    t205 = (1/n_batch) * S
-    t206 = (t65.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t205.permute(1, 0)).reshape((n_batch, L, d_V))
-    del t205, t65
-    t207 = (t206 @ S204.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
-    del t206
-    t208 = (t207.permute(0, 3, 2, 1) @ dA)
-    del t207
-    t209 = (t208.reshape((n_batch, L*d_V, L)) @ t88).reshape((n_batch, L, d_V, d_K))
-    t210 = (t209.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-    del t209
-    t211 = t197.permute(1, 0, 2)
+    S195 = (1/math.sqrt(d_K)) * (t21.reshape((1, d_V, 1, d_V)) * t189.reshape((n_batch, d_V, L, 1))) + (2/(math.sqrt(d_K)*d_V)) * (t194.permute(2, 0, 3, 1) * t192.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
+    del t189, t192, t194, t21
+    t196 = (1/n_batch) * S
+    t197 = (t65.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t196.permute(1, 0)).reshape((n_batch, L, d_V))
+    del t196, t65
+    t198 = (t197 @ S195.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
     del t197
-    t212 = t211.reshape((1, d_ff, L*n_batch))
-    del t211
-    t213 = t193.view((d_V, d_ff, d_K*d_V))
-    del t193
-    _matmul_into(t212.expand(*(d_V,), *t212.shape[-2:]), t210.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t213)
-    del t210, t213
-    t214 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t215 = t214.view((d_V, d_ff, d_V, d_K))
-    del t214
-    t216 = (t208.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-    del t208
-    t217 = (t216.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t96.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-    del t216
-    t218 = t215.view((d_V, d_ff, d_K*d_V))
-    del t215
-    _matmul_into(t212.expand(*(d_V,), *t212.shape[-2:]), t217.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t218)
-    del t217, t218
-    t219 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t220 = t219.view((d_V, d_ff, d_V, d_V))
-    del t219
+    t199 = (t198.permute(0, 3, 2, 1) @ dA)
+    del t198
+    t200 = (t199.reshape((n_batch, L*d_V, L)) @ t88).reshape((n_batch, L, d_V, d_K))
+    t201 = (t200.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+    del t200
+    t202 = t188.permute(1, 0, 2)
+    del t188
+    t203 = t202.reshape((1, d_ff, L*n_batch))
+    del t202
+    t204 = t184.view((d_V, d_ff, d_K*d_V))
+    del t184
+    _matmul_into(t203.expand(*(d_V,), *t203.shape[-2:]), t201.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t204)
+    del t201, t204
+    t205 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    t206 = t205.view((d_V, d_ff, d_V, d_K))
+    del t205
+    t207 = (t199.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+    del t199
+    t208 = (t207.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t96.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
+    del t207
+    t209 = t206.view((d_V, d_ff, d_K*d_V))
+    del t206
+    _matmul_into(t203.expand(*(d_V,), *t203.shape[-2:]), t208.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t209)
+    del t208, t209
+    t210 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t211 = t210.view((d_V, d_ff, d_V, d_V))
+    del t210
     # S: compact tensor ('d_V', 'L', 'd_V')
-    S221 = (math.sqrt(d_K)) * S204
-    t222 = (1/n_batch) * t119
-    t223 = (S.permute(1, 0) @ S221.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
-    del S, S221
-    t224 = (t223.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t222.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-    del t222
-    t225 = t220.view((d_V, d_ff, d_V**2))
-    del t220
-    _matmul_into(t212.expand(*(d_V,), *t212.shape[-2:]), t224.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t225)
-    del t212, t224, t225
-    t226 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t226[...] = 0
-    del t226
-    t227 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t227[...] = 0
-    t228 = t227.view((d_V, d_ff, d_ff, d_V))
-    del t227
-    t229 = t228.diagonal(0, 1, 2)
-    del t228
-    t230 = N_2.transpose(-1, -2)
-    t231 = (1/n_batch) * t230
-    del t230
-    t232 = t38.permute(2, 0, 1)
+    S212 = (math.sqrt(d_K)) * S195
+    t213 = (1/n_batch) * t119
+    t214 = (S.permute(1, 0) @ S212.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
+    del S, S212
+    t215 = (t214.permute(2, 0, 1, 3).reshape((d_V, 1, d_V, n_batch, L)) * t213.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
+    del t213
+    t216 = t211.view((d_V, d_ff, d_V**2))
+    del t211
+    _matmul_into(t203.expand(*(d_V,), *t203.shape[-2:]), t215.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2)), t216)
+    del t203, t215, t216
+    t217 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t217[...] = 0
+    del t217
+    t218 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t218[...] = 0
+    t219 = t218.view((d_V, d_ff, d_ff, d_V))
+    del t218
+    t220 = t219.diagonal(0, 1, 2)
+    del t219
+    t221 = N_2.transpose(-1, -2)
+    t222 = (1/n_batch) * t221
+    del t221
+    t223 = t38.permute(2, 0, 1)
     del t38
-    t233 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t231.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t231
-    t229 += (t233.reshape((d_V**2, L*n_batch)) @ t232.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    del t229, t232, t233
-    t234 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-    t235 = t234.view((d_ff, d_V, d_V, d_K))
-    del t234
-    t236 = G.transpose(-1, -2)
+    t224 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t222.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t222
+    t220 += (t224.reshape((d_V**2, L*n_batch)) @ t223.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    del t220, t223, t224
+    t225 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+    t226 = t225.view((d_ff, d_V, d_V, d_K))
+    del t225
+    t227 = G.transpose(-1, -2)
     del G
-    t237 = (1/n_batch) * t236
-    del t236
-    t238 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t237.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t239 = (t67.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+    t228 = (1/n_batch) * t227
+    del t227
+    t229 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t228.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t230 = (t67.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
     del dA, t67
-    t240 = (t239.permute(0, 2, 3, 1) @ S204.permute(0, 2, 3, 1))
-    del S204, t239
-    t241 = (t240.reshape((L**2*n_batch, d_V)) @ t52.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-    del t240
-    t242 = (t241.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t88).reshape((n_batch, L, d_ff, d_K))
+    t231 = (t230.permute(0, 2, 3, 1) @ S195.permute(0, 2, 3, 1))
+    del S195, t230
+    t232 = (t231.reshape((L**2*n_batch, d_V)) @ t52.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+    del t231
+    t233 = (t232.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t88).reshape((n_batch, L, d_ff, d_K))
     del t88
-    t243 = (t242.permute(2, 3, 0, 1) * t195.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    del t242
-    t235[...] = ((t238.reshape((d_V**2, L*n_batch)) @ t243.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-    del t235, t238, t243
-    t244 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t245 = t244.view((d_ff, d_V, d_V, d_K))
-    del t244
-    t246 = (t96.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t237.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t234 = (t233.permute(2, 3, 0, 1) * t186.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    del t233
+    t226[...] = ((t229.reshape((d_V**2, L*n_batch)) @ t234.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+    del t226, t229, t234
+    t235 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    t236 = t235.view((d_ff, d_V, d_V, d_K))
+    del t235
+    t237 = (t96.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t228.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     del t96
-    t247 = (t241.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-    del N_1, t241
-    t248 = (t247.permute(2, 3, 0, 1) * t195.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    del t247
-    t245[...] = ((t248.reshape((d_V*d_ff, L*n_batch)) @ t246.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t245, t246, t248
-    t249 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t250 = t249.view((d_ff, d_V, d_V, d_V))
-    del t249
-    t251 = (t119.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t237.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t238 = (t232.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+    del N_1, t232
+    t239 = (t238.permute(2, 3, 0, 1) * t186.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    del t238
+    t236[...] = ((t239.reshape((d_V*d_ff, L*n_batch)) @ t237.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t236, t237, t239
+    t240 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t241 = t240.view((d_ff, d_V, d_V, d_V))
+    del t240
+    t242 = (t119.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t228.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     del t119
-    t252 = (t52.reshape((d_ff, d_V, 1, 1)) * t195.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    t243 = (t52.reshape((d_ff, d_V, 1, 1)) * t186.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
     del t52
-    t253 = ((t223.permute(1, 3, 0, 2) @ t252.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
-    del t223, t252
-    t250[...] = ((t251.reshape((d_V**2, L*n_batch)) @ t253.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
-    del t250, t251, t253
-    t254 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t254[...] = 0
-    t255 = t254.view((d_ff, d_V, d_V, d_ff))
-    del t254
-    t256 = t255.diagonal(0, 0, 3)
-    del t255
-    t257 = t195.permute(1, 0, 2)
-    del t195
-    t258 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t237.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del N_2, t237
-    t256 += (t258.reshape((d_V**2, L*n_batch)) @ t257.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    del t256, t257, t258
-    t259 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t259[...] = 0
-    del t259
-    t260 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    _transpose_into(t106, t260)
-    del t106, t260
-    t261 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    _transpose_into(t158, t261)
-    del t158, t261
+    t244 = ((t214.permute(1, 3, 0, 2) @ t243.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
+    del t214, t243
+    t241[...] = ((t242.reshape((d_V**2, L*n_batch)) @ t244.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
+    del t241, t242, t244
+    t245 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t245[...] = 0
+    t246 = t245.view((d_ff, d_V, d_V, d_ff))
+    del t245
+    t247 = t246.diagonal(0, 0, 3)
+    del t246
+    t248 = t186.permute(1, 0, 2)
+    del t186
+    t249 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t228.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del N_2, t228
+    t247 += (t249.reshape((d_V**2, L*n_batch)) @ t248.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    del t247, t248, t249
+    t250 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t250[...] = 0
+    del t250
+    t251 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t93, t251)
+    del t251, t93
+    t252 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t106, t252)
+    del t106, t252
+    t253 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t149, t253)
+    del t149, t253
     return H
 
 

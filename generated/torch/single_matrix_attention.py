@@ -1041,26 +1041,17 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
     t38 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t36.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t33[...] = ((t35.reshape((d_V**2, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t33 += ((t37.reshape((d_V**2, L*n_batch)) @ t38.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t39 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t39 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t39[...] = 0
     t40 = t39.view((d_V, d_V, d_V, d_V))
-    t41 = M_1.transpose(-1, -2)
-    t42 = (2/(L*d_V*n_batch)) * t41
-    t43 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t42.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t44 = (t8 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    t45 = G.transpose(-1, -2)
-    t46 = (1/n_batch) * t45
-    t47 = M_2.permute(2, 3, 0, 1)
-    t48 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t46.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t40[...] = ((t43.reshape((d_V**2, L*n_batch)) @ t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    t40 += ((t48.reshape((d_V**2, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t49 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t49[...] = 0
-    t50 = t49.view((d_V, d_V, d_V, d_V))
-    t51 = t50.diagonal(0, 1, 3)
-    t52 = t41 @ M_1
-    t53 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t54 = (2/(L*d_V*n_batch)) * t53
-    t51.addcmul_(t54.reshape((1, 1, d_V)), t52.sum((0,)).reshape((d_V, d_V, 1)))
+    t41 = t40.diagonal(0, 1, 3)
+    t42 = M_1.transpose(-1, -2)
+    t43 = t42 @ M_1
+    t44 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t45 = (2/(L*d_V*n_batch)) * t44
+    t41.addcmul_(t45.reshape((1, 1, d_V)), t43.sum((0,)).reshape((d_V, d_V, 1)))
+    t46 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    _transpose_into(t32, t46)
     return H
 
 
@@ -2981,26 +2972,17 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
     t40 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t38.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t35[...] = ((t37.reshape((d_V**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t35 += ((t39.reshape((d_V**2, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t41 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t41 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t41[...] = 0
     t42 = t41.view((d_V, d_V, d_V, d_V))
-    t43 = M_1.transpose(-1, -2)
-    t44 = (2/(L*d_V*n_batch)) * t43
-    t45 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t44.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t46 = (t10 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    t47 = G.transpose(-1, -2)
-    t48 = (1/n_batch) * t47
-    t49 = M_2.permute(2, 3, 0, 1)
-    t50 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t48.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t42[...] = ((t45.reshape((d_V**2, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    t42 += ((t50.reshape((d_V**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t51 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t51[...] = 0
-    t52 = t51.view((d_V, d_V, d_V, d_V))
-    t53 = t52.diagonal(0, 1, 3)
-    t54 = t43 @ M_1
-    t55 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t56 = (2/(L*d_V*n_batch)) * t55
-    t53.addcmul_(t56.reshape((1, 1, d_V)), t54.sum((0,)).reshape((d_V, d_V, 1)))
+    t43 = t42.diagonal(0, 1, 3)
+    t44 = M_1.transpose(-1, -2)
+    t45 = t44 @ M_1
+    t46 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t47 = (2/(L*d_V*n_batch)) * t46
+    t43.addcmul_(t47.reshape((1, 1, d_V)), t45.sum((0,)).reshape((d_V, d_V, 1)))
+    t48 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    _transpose_into(t34, t48)
     return H
 
 

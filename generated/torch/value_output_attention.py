@@ -1928,78 +1928,72 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t47 = ((W_V.permute(1, 0) @ t46.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t48 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t45[...] = ((t47.reshape((d_H*d_K, L*n_batch)) @ t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
-    t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = t49.view((d_V, d_K, d_V, d_K))
     t51 = W_Q.transpose(-1, -2)
     t52 = (1/(d_K*n_batch)) * t51
-    t53 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t53 = M_3.permute(2, 3, 0, 1)
     t54 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t52.permute(1, 0)).reshape((n_batch, L, d_K))
-    t55 = (t54.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t56 = t50.diagonal(0, 1, 3)
-    t57 = t34.transpose(-1, -2)
-    t50[...] = ((t55.reshape((d_K*d_V, L*n_batch)) @ t53.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t56.addcmul_(t36.reshape((1, 1, d_K)), t57.sum((0,)).reshape((d_V, d_V, 1)))
-    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t59 = t58.view((d_V, d_K, d_V, d_K))
-    t60 = M_3.permute(2, 3, 0, 1)
-    t61 = (t30.reshape((1, d_K, n_batch, L)) * t54.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    t59[...] = ((t60.reshape((d_V**2, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t63 = t62.view((d_V, d_K, d_V, d_H))
-    t64 = (1/(math.sqrt(d_K)*n_batch)) * t51
-    t65 = M_2.permute(3, 2, 0, 1)
-    t66 = (X.reshape((L*n_batch, d_V)) @ t64.permute(1, 0)).reshape((n_batch, L, d_K))
-    t67 = (t66.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t40.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
-    t63[...] = ((t65.reshape((d_V**2, L*n_batch)) @ t67.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
-    t68 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t69 = t68.view((d_V, d_K, d_H, d_V))
-    t70 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t71 = (t66.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t69[...] = ((t70.reshape((d_H*d_V, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
-    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t55 = (t30.reshape((1, d_K, n_batch, L)) * t54.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t50[...] = ((t53.reshape((d_V**2, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t57 = t56.view((d_V, d_K, d_V, d_H))
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t51
+    t59 = M_2.permute(3, 2, 0, 1)
+    t60 = (X.reshape((L*n_batch, d_V)) @ t58.permute(1, 0)).reshape((n_batch, L, d_K))
+    t61 = (t60.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t40.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    t57[...] = ((t59.reshape((d_V**2, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    t62 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t63 = t62.view((d_V, d_K, d_H, d_V))
+    t64 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t65 = (t60.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t63[...] = ((t64.reshape((d_H*d_V, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    t66 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t67 = t66.view((d_V, d_H, d_V, d_K))
+    t68 = t40.transpose(-1, -2)
+    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
+    t70 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t69.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    t71 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t67[...] = ((t70.reshape((d_H*d_V, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t73 = t72.view((d_V, d_H, d_V, d_K))
-    t74 = t40.transpose(-1, -2)
-    t75 = (1/(math.sqrt(d_K)*n_batch)) * t74
-    t76 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t75.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t77 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t73[...] = ((t76.reshape((d_H*d_V, L*n_batch)) @ t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t79 = t78.view((d_V, d_H, d_V, d_K))
-    t80 = M_2.permute(2, 3, 0, 1)
-    t81 = (t30.reshape((1, d_K, n_batch, L)) * t75.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t79[...] = ((t80.reshape((d_V**2, L*n_batch)) @ t81.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
-    t82 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t82[...] = 0
-    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t83[...] = 0
-    t84 = t83.view((d_V, d_H, d_H, d_V))
-    t85 = t84.diagonal(0, 1, 2)
-    t86 = M_1.transpose(-1, -2)
-    t87 = t86 @ G
-    t88 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t89 = (1/n_batch) * t88
-    t85.addcmul_(t89.reshape((1, 1, d_H)), t87.sum((0,)).reshape((d_V, d_V, 1)))
-    t90 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t91 = t90.view((d_H, d_V, d_V, d_K))
-    t92 = G.transpose(-1, -2)
-    t93 = (1/(math.sqrt(d_K)*n_batch)) * t92
-    t94 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t95 = ((W_K.permute(1, 0) @ t94.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
-    t96 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t93.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t91[...] = ((t96.reshape((d_V**2, L*n_batch)) @ t95.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
-    t97 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t98 = t97.view((d_H, d_V, d_V, d_K))
-    t99 = (t15 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    t100 = (t30.reshape((1, d_K, n_batch, L)) * t93.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t98[...] = ((t99.reshape((d_H*d_V, L*n_batch)) @ t100.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t101 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t101[...] = 0
-    t102 = t101.view((d_H, d_V, d_V, d_H))
-    t103 = t102.diagonal(0, 0, 3)
-    t104 = t87.transpose(-1, -2)
-    t103.addcmul_(t89.reshape((1, 1, d_H)), t104.sum((0,)).reshape((d_V, d_V, 1)))
-    t105 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t105[...] = 0
+    t74 = M_2.permute(2, 3, 0, 1)
+    t75 = (t30.reshape((1, d_K, n_batch, L)) * t69.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    t73[...] = ((t74.reshape((d_V**2, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
+    t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t76[...] = 0
+    t77 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t77[...] = 0
+    t78 = t77.view((d_V, d_H, d_H, d_V))
+    t79 = t78.diagonal(0, 1, 2)
+    t80 = M_1.transpose(-1, -2)
+    t81 = t80 @ G
+    t82 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t83 = (1/n_batch) * t82
+    t79.addcmul_(t83.reshape((1, 1, d_H)), t81.sum((0,)).reshape((d_V, d_V, 1)))
+    t84 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t85 = t84.view((d_H, d_V, d_V, d_K))
+    t86 = G.transpose(-1, -2)
+    t87 = (1/(math.sqrt(d_K)*n_batch)) * t86
+    t88 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
+    t89 = ((W_K.permute(1, 0) @ t88.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
+    t90 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t87.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t85[...] = ((t90.reshape((d_V**2, L*n_batch)) @ t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
+    t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t92 = t91.view((d_H, d_V, d_V, d_K))
+    t93 = (t15 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    t94 = (t30.reshape((1, d_K, n_batch, L)) * t87.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t92[...] = ((t93.reshape((d_H*d_V, L*n_batch)) @ t94.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t95 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t95[...] = 0
+    t96 = t95.view((d_H, d_V, d_V, d_H))
+    t97 = t96.diagonal(0, 0, 3)
+    t98 = t81.transpose(-1, -2)
+    t97.addcmul_(t83.reshape((1, 1, d_H)), t98.sum((0,)).reshape((d_V, d_V, 1)))
+    t99 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t99[...] = 0
+    t100 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t27, t100)
     return H
 
 
@@ -3734,6 +3728,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t11 = W_O.transpose(-1, -2)
     t12 = W_V.transpose(-1, -2)
     t13 = t11 @ t12
+    del t12
     t14 = W_O @ t13
     t15 = W_V @ t14
     t16 = (2/(L*d_K*d_V*n_batch)) * t2
@@ -3795,7 +3790,6 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t1, t40, t41
     t42 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = t42.view((d_V, d_K, d_V, d_K))
-    del t42
     t44 = ((t18 @ t17)).permute(3, 2, 0, 1)
     del t17, t18
     t45 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
@@ -3826,11 +3820,11 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t43[...] = ((t58 @ t59).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     del t43, t58, t59
     t49.addcmul_(t53.reshape((1, 1, d_K)), t51.sum((0,)).reshape((d_V, d_V, 1)))
-    del t49
+    del t49, t51, t53
     t60 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t61 = t60.view((d_V, d_K, d_V, d_H))
-    del t60
     t62 = t14.transpose(-1, -2)
+    del t14
     t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t64 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t63.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     del t63
@@ -3847,7 +3841,6 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t61, t69, t70
     t71 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t72 = t71.view((d_V, d_K, d_H, d_V))
-    del t71
     t73 = M_1 @ W_V
     t74 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
     t75 = ((t74 @ t64.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
@@ -3862,219 +3855,132 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t75, t76
     t72 += ((t78.reshape((d_H*d_K, L*n_batch)) @ t79.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     del t72, t78, t79
-    t80 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t80 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t81 = t80.view((d_V, d_K, d_V, d_K))
     del t80
     t82 = W_Q.transpose(-1, -2)
     t83 = (2/(L*d_K*d_V*n_batch)) * t82
     t84 = (t15.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     del t15
-    t85 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
-    t86 = ((t85.permute(1, 2, 0, 3) @ t84.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t87 = (X.reshape((L*n_batch, d_V)) @ t83.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t83
-    t88 = (t87.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t89 = (1/(d_K*n_batch)) * t82
-    t90 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t91 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t89.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t3, t89
-    t92 = (t91.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t93 = t81.diagonal(0, 1, 3)
-    t94 = t51.transpose(-1, -2)
-    del t51
-    t95 = t88.reshape((d_K*d_V, L*n_batch))
-    del t88
-    t96 = t92.reshape((d_K*d_V, L*n_batch))
-    del t92
-    t97 = t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t86
-    t98 = t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t90
-    t99 = torch.cat([t95, t96], dim=-1)
-    del t95, t96
-    t100 = torch.cat([t97, t98], dim=-2)
-    del t97, t98
-    t81[...] = ((t99 @ t100).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t100, t81, t99
-    t93.addcmul_(t53.reshape((1, 1, d_K)), t94.sum((0,)).reshape((d_V, d_V, 1)))
-    del t53, t93, t94
-    t101 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t102 = t101.view((d_V, d_K, d_V, d_K))
-    del t101
-    t103 = ((t84.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t85 = ((t84.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     del t84
-    t104 = (t45.reshape((1, d_K, n_batch, L)) * t87.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t87
-    t105 = M_3.permute(2, 3, 0, 1)
+    t86 = (X.reshape((L*n_batch, d_V)) @ t83.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t83
+    t87 = (t45.reshape((1, d_K, n_batch, L)) * t86.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t86
+    t88 = (1/(d_K*n_batch)) * t82
+    t89 = M_3.permute(2, 3, 0, 1)
     del M_3
-    t106 = (t45.reshape((1, d_K, n_batch, L)) * t91.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t91
-    t107 = t103.reshape((d_V**2, L*n_batch))
-    del t103
-    t108 = t105.reshape((d_V**2, L*n_batch))
-    del t105
-    t109 = t104.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t104
-    t110 = t106.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t106
-    t111 = torch.cat([t107, t108], dim=-1)
-    del t107, t108
-    t112 = torch.cat([t109, t110], dim=-2)
-    del t109, t110
-    t102[...] = ((t111 @ t112).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t102, t111, t112
-    t113 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t114 = t113.view((d_V, d_K, d_V, d_H))
-    del t113
-    t115 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t82
-    t116 = ((t62.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t62
-    t117 = (X.reshape((L*n_batch, d_V)) @ t115.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t115
-    t118 = (t117.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t119 = (1/(math.sqrt(d_K)*n_batch)) * t82
-    del t82
-    t120 = M_2.permute(3, 2, 0, 1)
-    t121 = (X.reshape((L*n_batch, d_V)) @ t119.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t119
-    t122 = (t121.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t67.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
-    t114[...] = ((t118.reshape((d_K*d_V, L*n_batch)) @ t116.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
-    del t116, t118
-    t114 += ((t120.reshape((d_V**2, L*n_batch)) @ t122.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
-    del t114, t120, t122
-    t123 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t124 = t123.view((d_V, d_K, d_H, d_V))
-    del t123
-    t125 = ((t74 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t74
-    t126 = (t117.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t73.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
-    del t117
-    t127 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t128 = (t121.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    del t121
-    t124[...] = ((t126.reshape((d_H*d_K, L*n_batch)) @ t125.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
-    del t125, t126
-    t124 += ((t127.reshape((d_H*d_V, L*n_batch)) @ t128.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
-    del t124, t127, t128
-    t129 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t130 = t129.view((d_V, d_H, d_V, d_K))
-    del t129
-    t131 = M_1.transpose(-1, -2)
-    t132 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t131
-    t133 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t134 = ((W_K.permute(1, 0) @ t133.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
-    del t133
-    t135 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t132.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t136 = t67.transpose(-1, -2)
-    del t67
-    t137 = (1/(math.sqrt(d_K)*n_batch)) * t136
-    del t136
-    t138 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t137.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t139 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t130[...] = ((t135.reshape((d_V**2, L*n_batch)) @ t134.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
-    del t134, t135
-    t130 += ((t138.reshape((d_H*d_V, L*n_batch)) @ t139.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t130, t138, t139
-    t140 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t141 = t140.view((d_V, d_H, d_V, d_K))
-    del t140
-    t142 = (t14 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    del t14
-    t143 = (t45.reshape((1, d_K, n_batch, L)) * t132.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t132
-    t144 = M_2.permute(2, 3, 0, 1)
-    t145 = (t45.reshape((1, d_K, n_batch, L)) * t137.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    del t137
-    t141[...] = ((t142.reshape((d_H*d_V, L*n_batch)) @ t143.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t142, t143
-    t141 += ((t144.reshape((d_V**2, L*n_batch)) @ t145.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
-    del t141, t144, t145
-    t146 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t147 = t146.view((d_V, d_H, d_V, d_H))
-    del t146
-    t148 = t131 @ M_1
-    t149 = W_O @ t11
-    t150 = (2/(L*d_V*n_batch)) * t149
-    del t149
-    torch.mul(t150.reshape((1, d_H, 1, d_H)), t148.sum((0,)).reshape((d_V, 1, d_V, 1)), out=t147)
-    del t147, t148, t150
-    t151 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t152 = t151.view((d_V, d_H, d_H, d_V))
-    del t151
-    t153 = (2/(L*d_V*n_batch)) * t131
-    t154 = (t153.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t73.reshape((L*n_batch, d_H)))
-    del t153
-    t155 = t152.diagonal(0, 1, 2)
-    t156 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t157 = (1/n_batch) * t156
-    del t156
-    t158 = (t131.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
-    del t131
-    torch.mul(W_O.reshape((1, d_H, 1, d_V)), t154.reshape((d_V, 1, d_H, 1)), out=t152)
-    del t152, t154
-    t155.addcmul_(t157.reshape((1, 1, d_H)), t158.reshape((d_V, d_V, 1)))
-    del t155, t158
-    t159 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t160 = t159.view((d_H, d_V, d_V, d_K))
-    del t159
-    t161 = t73.transpose(-1, -2)
-    t162 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t161
-    t163 = (t12.permute(1, 0) @ t11.permute(1, 0))
-    t164 = (t163.permute(1, 0) @ t85.permute(3, 0, 1, 2).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))
+    t90 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t88.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t3, t88
+    t91 = (t45.reshape((1, d_K, n_batch, L)) * t90.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t45, t90
+    t92 = t85.reshape((d_V**2, L*n_batch))
     del t85
-    t165 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t162.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t166 = G.transpose(-1, -2)
-    del G
-    t167 = (1/(math.sqrt(d_K)*n_batch)) * t166
-    t168 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t169 = ((W_K.permute(1, 0) @ t168.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
-    del t168
-    t170 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t167.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t160[...] = ((t165.reshape((d_H*d_V, L*n_batch)) @ t164.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t164, t165
-    t160 += ((t170.reshape((d_V**2, L*n_batch)) @ t169.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
-    del t160, t169, t170
-    t171 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t172 = t171.view((d_H, d_V, d_V, d_K))
-    del t171
-    t173 = (t163.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    del t163
-    t174 = (t45.reshape((1, d_K, n_batch, L)) * t162.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    del t162
-    t175 = (t12 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    del M_2, t12
-    t176 = (t45.reshape((1, d_K, n_batch, L)) * t167.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t167, t45
-    t172[...] = ((t173.reshape((d_V**2, L*n_batch)) @ t174.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
-    del t173, t174
-    t172 += ((t175.reshape((d_H*d_V, L*n_batch)) @ t176.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t172, t175, t176
-    t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t178 = t177.view((d_H, d_V, d_V, d_H))
-    del t177
-    t179 = t161 @ M_1
-    t180 = (2/(L*d_V*n_batch)) * t11
+    t93 = t89.reshape((d_V**2, L*n_batch))
+    del t89
+    t94 = t87.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t87
+    t95 = t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t91
+    t96 = torch.cat([t92, t93], dim=-1)
+    del t92, t93
+    t97 = torch.cat([t94, t95], dim=-2)
+    del t94, t95
+    t81[...] = ((t96 @ t97).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t81, t96, t97
+    t98 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t99 = t98.view((d_V, d_K, d_V, d_H))
+    t100 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t82
+    t101 = ((t62.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t62
+    t102 = (X.reshape((L*n_batch, d_V)) @ t100.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t100
+    t103 = (t102.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t104 = (1/(math.sqrt(d_K)*n_batch)) * t82
+    del t82
+    t105 = M_2.permute(3, 2, 0, 1)
+    t106 = (X.reshape((L*n_batch, d_V)) @ t104.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t104
+    t107 = (t106.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t67.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    del t67
+    t99[...] = ((t103.reshape((d_K*d_V, L*n_batch)) @ t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+    del t101, t103
+    t99 += ((t105.reshape((d_V**2, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    del t105, t107, t99
+    t108 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t109 = t108.view((d_V, d_K, d_H, d_V))
+    t110 = ((t74 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t74
+    t111 = (t102.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t73.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    del t102
+    t112 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del M_2
+    t113 = (t106.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t106
+    t109[...] = ((t111.reshape((d_H*d_K, L*n_batch)) @ t110.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+    del t110, t111
+    t109 += ((t112.reshape((d_H*d_V, L*n_batch)) @ t113.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    del t109, t112, t113
+    t114 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t115 = t114.view((d_V, d_H, d_V, d_H))
+    del t114
+    t116 = M_1.transpose(-1, -2)
+    t117 = t116 @ M_1
+    del M_1
+    t118 = W_O @ t11
     del t11
-    t181 = t178.diagonal(0, 0, 3)
-    t182 = t166 @ M_1
-    del M_1, t166
-    torch.mul(t180.reshape((1, d_V, 1, d_H)), t179.sum((0,)).reshape((d_H, 1, d_V, 1)), out=t178)
-    del t178, t179, t180
-    t181.addcmul_(t157.reshape((1, 1, d_H)), t182.sum((0,)).reshape((d_V, d_V, 1)))
-    del t157, t181, t182
-    t183 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t183[...] = 0
-    t184 = t183.view((d_H, d_V, d_H, d_V))
-    del t183
-    t185 = t184.diagonal(0, 1, 3)
-    del t184
-    t186 = t161 @ t73
-    del t161, t73
-    t187 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t188 = (2/(L*d_V*n_batch)) * t187
-    del t187
-    t185.addcmul_(t188.reshape((1, 1, d_V)), t186.sum((0,)).reshape((d_H, d_H, 1)))
-    del t185, t186, t188
+    t119 = (2/(L*d_V*n_batch)) * t118
+    del t118
+    torch.mul(t119.reshape((1, d_H, 1, d_H)), t117.sum((0,)).reshape((d_V, 1, d_V, 1)), out=t115)
+    del t115, t117, t119
+    t120 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t121 = t120.view((d_V, d_H, d_H, d_V))
+    t122 = (2/(L*d_V*n_batch)) * t116
+    t123 = (t122.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t73.reshape((L*n_batch, d_H)))
+    del t122
+    t124 = t121.diagonal(0, 1, 2)
+    t125 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t126 = (1/n_batch) * t125
+    del t125
+    t127 = (t116.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
+    del G, t116
+    torch.mul(W_O.reshape((1, d_H, 1, d_V)), t123.reshape((d_V, 1, d_H, 1)), out=t121)
+    del t121, t123
+    t124.addcmul_(t126.reshape((1, 1, d_H)), t127.reshape((d_V, d_V, 1)))
+    del t124, t126, t127
+    t128 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t128[...] = 0
+    t129 = t128.view((d_H, d_V, d_H, d_V))
+    del t128
+    t130 = t129.diagonal(0, 1, 3)
+    del t129
+    t131 = t73.transpose(-1, -2)
+    t132 = t131 @ t73
+    del t131, t73
+    t133 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t134 = (2/(L*d_V*n_batch)) * t133
+    del t133
+    t130.addcmul_(t134.reshape((1, 1, d_V)), t132.sum((0,)).reshape((d_H, d_H, 1)))
+    del t130, t132, t134
+    t135 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t42, t135)
+    del t135, t42
+    t136 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t60, t136)
+    del t136, t60
+    t137 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t98, t137)
+    del t137, t98
+    t138 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t71, t138)
+    del t138, t71
+    t139 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t108, t139)
+    del t108, t139
+    t140 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    _transpose_into(t120, t140)
+    del t120, t140
     return H
 
 
@@ -9888,78 +9794,72 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t49 = ((W_V.permute(1, 0) @ t48.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t50 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t47[...] = ((t49.reshape((d_H*d_K, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
-    t51 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = t51.view((d_V, d_K, d_V, d_K))
     t53 = W_Q.transpose(-1, -2)
     t54 = (1/(d_K*n_batch)) * t53
-    t55 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t55 = M_3.permute(2, 3, 0, 1)
     t56 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t54.permute(1, 0)).reshape((n_batch, L, d_K))
-    t57 = (t56.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t58 = t52.diagonal(0, 1, 3)
-    t59 = t36.transpose(-1, -2)
-    t52[...] = ((t57.reshape((d_K*d_V, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t58.addcmul_(t38.reshape((1, 1, d_K)), t59.sum((0,)).reshape((d_V, d_V, 1)))
-    t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t61 = t60.view((d_V, d_K, d_V, d_K))
-    t62 = M_3.permute(2, 3, 0, 1)
-    t63 = (t32.reshape((1, d_K, n_batch, L)) * t56.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    t61[...] = ((t62.reshape((d_V**2, L*n_batch)) @ t63.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t65 = t64.view((d_V, d_K, d_V, d_H))
-    t66 = (1/(math.sqrt(d_K)*n_batch)) * t53
-    t67 = M_2.permute(3, 2, 0, 1)
-    t68 = (X.reshape((L*n_batch, d_V)) @ t66.permute(1, 0)).reshape((n_batch, L, d_K))
-    t69 = (t68.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t42.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
-    t65[...] = ((t67.reshape((d_V**2, L*n_batch)) @ t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
-    t70 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t71 = t70.view((d_V, d_K, d_H, d_V))
-    t72 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t73 = (t68.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t71[...] = ((t72.reshape((d_H*d_V, L*n_batch)) @ t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
-    t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t57 = (t32.reshape((1, d_K, n_batch, L)) * t56.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t52[...] = ((t55.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t59 = t58.view((d_V, d_K, d_V, d_H))
+    t60 = (1/(math.sqrt(d_K)*n_batch)) * t53
+    t61 = M_2.permute(3, 2, 0, 1)
+    t62 = (X.reshape((L*n_batch, d_V)) @ t60.permute(1, 0)).reshape((n_batch, L, d_K))
+    t63 = (t62.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t42.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    t59[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t63.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    t64 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t65 = t64.view((d_V, d_K, d_H, d_V))
+    t66 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t67 = (t62.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t65[...] = ((t66.reshape((d_H*d_V, L*n_batch)) @ t67.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    t68 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t69 = t68.view((d_V, d_H, d_V, d_K))
+    t70 = t42.transpose(-1, -2)
+    t71 = (1/(math.sqrt(d_K)*n_batch)) * t70
+    t72 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t71.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    t73 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t69[...] = ((t72.reshape((d_H*d_V, L*n_batch)) @ t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t75 = t74.view((d_V, d_H, d_V, d_K))
-    t76 = t42.transpose(-1, -2)
-    t77 = (1/(math.sqrt(d_K)*n_batch)) * t76
-    t78 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t77.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t79 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t75[...] = ((t78.reshape((d_H*d_V, L*n_batch)) @ t79.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t80 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t81 = t80.view((d_V, d_H, d_V, d_K))
-    t82 = M_2.permute(2, 3, 0, 1)
-    t83 = (t32.reshape((1, d_K, n_batch, L)) * t77.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t81[...] = ((t82.reshape((d_V**2, L*n_batch)) @ t83.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
-    t84 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t84[...] = 0
-    t85 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t85[...] = 0
-    t86 = t85.view((d_V, d_H, d_H, d_V))
-    t87 = t86.diagonal(0, 1, 2)
-    t88 = M_1.transpose(-1, -2)
-    t89 = t88 @ G
-    t90 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t91 = (1/n_batch) * t90
-    t87.addcmul_(t91.reshape((1, 1, d_H)), t89.sum((0,)).reshape((d_V, d_V, 1)))
-    t92 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t93 = t92.view((d_H, d_V, d_V, d_K))
-    t94 = G.transpose(-1, -2)
-    t95 = (1/(math.sqrt(d_K)*n_batch)) * t94
-    t96 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t97 = ((W_K.permute(1, 0) @ t96.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
-    t98 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t95.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t93[...] = ((t98.reshape((d_V**2, L*n_batch)) @ t97.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
-    t99 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t100 = t99.view((d_H, d_V, d_V, d_K))
-    t101 = (t17 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    t102 = (t32.reshape((1, d_K, n_batch, L)) * t95.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t100[...] = ((t101.reshape((d_H*d_V, L*n_batch)) @ t102.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t103 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t103[...] = 0
-    t104 = t103.view((d_H, d_V, d_V, d_H))
-    t105 = t104.diagonal(0, 0, 3)
-    t106 = t89.transpose(-1, -2)
-    t105.addcmul_(t91.reshape((1, 1, d_H)), t106.sum((0,)).reshape((d_V, d_V, 1)))
-    t107 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t107[...] = 0
+    t76 = M_2.permute(2, 3, 0, 1)
+    t77 = (t32.reshape((1, d_K, n_batch, L)) * t71.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    t75[...] = ((t76.reshape((d_V**2, L*n_batch)) @ t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
+    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t78[...] = 0
+    t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t79[...] = 0
+    t80 = t79.view((d_V, d_H, d_H, d_V))
+    t81 = t80.diagonal(0, 1, 2)
+    t82 = M_1.transpose(-1, -2)
+    t83 = t82 @ G
+    t84 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t85 = (1/n_batch) * t84
+    t81.addcmul_(t85.reshape((1, 1, d_H)), t83.sum((0,)).reshape((d_V, d_V, 1)))
+    t86 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t87 = t86.view((d_H, d_V, d_V, d_K))
+    t88 = G.transpose(-1, -2)
+    t89 = (1/(math.sqrt(d_K)*n_batch)) * t88
+    t90 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
+    t91 = ((W_K.permute(1, 0) @ t90.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
+    t92 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t89.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t87[...] = ((t92.reshape((d_V**2, L*n_batch)) @ t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
+    t93 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t94 = t93.view((d_H, d_V, d_V, d_K))
+    t95 = (t17 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    t96 = (t32.reshape((1, d_K, n_batch, L)) * t89.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t94[...] = ((t95.reshape((d_H*d_V, L*n_batch)) @ t96.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t97 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t97[...] = 0
+    t98 = t97.view((d_H, d_V, d_V, d_H))
+    t99 = t98.diagonal(0, 0, 3)
+    t100 = t83.transpose(-1, -2)
+    t99.addcmul_(t85.reshape((1, 1, d_H)), t100.sum((0,)).reshape((d_V, d_V, 1)))
+    t101 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t101[...] = 0
+    t102 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t29, t102)
     return H
 
 
@@ -11765,6 +11665,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t13 = W_O.transpose(-1, -2)
     t14 = W_V.transpose(-1, -2)
     t15 = t13 @ t14
+    del t14
     t16 = W_O @ t15
     t17 = W_V @ t16
     t18 = (2/(L*d_K*d_V*n_batch)) * t2
@@ -11826,7 +11727,6 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t1, t42, t43
     t44 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t45 = t44.view((d_V, d_K, d_V, d_K))
-    del t44
     t46 = ((t20 @ t19)).permute(3, 2, 0, 1)
     del t19, t20
     t47 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
@@ -11857,11 +11757,11 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t45[...] = ((t60 @ t61).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     del t45, t60, t61
     t51.addcmul_(t55.reshape((1, 1, d_K)), t53.sum((0,)).reshape((d_V, d_V, 1)))
-    del t51
+    del t51, t53, t55
     t62 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t63 = t62.view((d_V, d_K, d_V, d_H))
-    del t62
     t64 = t16.transpose(-1, -2)
+    del t16
     t65 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t66 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t65.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     del t65
@@ -11878,7 +11778,6 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t63, t71, t72
     t73 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t74 = t73.view((d_V, d_K, d_H, d_V))
-    del t73
     t75 = M_1 @ W_V
     t76 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
     t77 = ((t76 @ t66.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
@@ -11893,219 +11792,132 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t77, t78
     t74 += ((t80.reshape((d_H*d_K, L*n_batch)) @ t81.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     del t74, t80, t81
-    t82 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t82 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t83 = t82.view((d_V, d_K, d_V, d_K))
     del t82
     t84 = W_Q.transpose(-1, -2)
     t85 = (2/(L*d_K*d_V*n_batch)) * t84
     t86 = (t17.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     del t17
-    t87 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
-    t88 = ((t87.permute(1, 2, 0, 3) @ t86.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t89 = (X.reshape((L*n_batch, d_V)) @ t85.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t85
-    t90 = (t89.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t91 = (1/(d_K*n_batch)) * t84
-    t92 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t93 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t91.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t3, t91
-    t94 = (t93.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t95 = t83.diagonal(0, 1, 3)
-    t96 = t53.transpose(-1, -2)
-    del t53
-    t97 = t90.reshape((d_K*d_V, L*n_batch))
-    del t90
-    t98 = t94.reshape((d_K*d_V, L*n_batch))
-    del t94
-    t99 = t88.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t88
-    t100 = t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t92
-    t101 = torch.cat([t97, t98], dim=-1)
-    del t97, t98
-    t102 = torch.cat([t99, t100], dim=-2)
-    del t100, t99
-    t83[...] = ((t101 @ t102).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t101, t102, t83
-    t95.addcmul_(t55.reshape((1, 1, d_K)), t96.sum((0,)).reshape((d_V, d_V, 1)))
-    del t55, t95, t96
-    t103 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t104 = t103.view((d_V, d_K, d_V, d_K))
-    del t103
-    t105 = ((t86.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t87 = ((t86.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     del t86
-    t106 = (t47.reshape((1, d_K, n_batch, L)) * t89.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t89
-    t107 = M_3.permute(2, 3, 0, 1)
+    t88 = (X.reshape((L*n_batch, d_V)) @ t85.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t85
+    t89 = (t47.reshape((1, d_K, n_batch, L)) * t88.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t88
+    t90 = (1/(d_K*n_batch)) * t84
+    t91 = M_3.permute(2, 3, 0, 1)
     del M_3
-    t108 = (t47.reshape((1, d_K, n_batch, L)) * t93.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t93
-    t109 = t105.reshape((d_V**2, L*n_batch))
-    del t105
-    t110 = t107.reshape((d_V**2, L*n_batch))
-    del t107
-    t111 = t106.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t106
-    t112 = t108.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t108
-    t113 = torch.cat([t109, t110], dim=-1)
-    del t109, t110
-    t114 = torch.cat([t111, t112], dim=-2)
-    del t111, t112
-    t104[...] = ((t113 @ t114).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t104, t113, t114
-    t115 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t116 = t115.view((d_V, d_K, d_V, d_H))
-    del t115
-    t117 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t84
-    t118 = ((t64.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t64
-    t119 = (X.reshape((L*n_batch, d_V)) @ t117.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t117
-    t120 = (t119.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t121 = (1/(math.sqrt(d_K)*n_batch)) * t84
-    del t84
-    t122 = M_2.permute(3, 2, 0, 1)
-    t123 = (X.reshape((L*n_batch, d_V)) @ t121.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t121
-    t124 = (t123.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t69.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
-    t116[...] = ((t120.reshape((d_K*d_V, L*n_batch)) @ t118.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
-    del t118, t120
-    t116 += ((t122.reshape((d_V**2, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
-    del t116, t122, t124
-    t125 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t126 = t125.view((d_V, d_K, d_H, d_V))
-    del t125
-    t127 = ((t76 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t76
-    t128 = (t119.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t75.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
-    del t119
-    t129 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t130 = (t123.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    del t123
-    t126[...] = ((t128.reshape((d_H*d_K, L*n_batch)) @ t127.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
-    del t127, t128
-    t126 += ((t129.reshape((d_H*d_V, L*n_batch)) @ t130.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
-    del t126, t129, t130
-    t131 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t132 = t131.view((d_V, d_H, d_V, d_K))
-    del t131
-    t133 = M_1.transpose(-1, -2)
-    t134 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t133
-    t135 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t136 = ((W_K.permute(1, 0) @ t135.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
-    del t135
-    t137 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t134.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t138 = t69.transpose(-1, -2)
-    del t69
-    t139 = (1/(math.sqrt(d_K)*n_batch)) * t138
-    del t138
-    t140 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t139.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t141 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t132[...] = ((t137.reshape((d_V**2, L*n_batch)) @ t136.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
-    del t136, t137
-    t132 += ((t140.reshape((d_H*d_V, L*n_batch)) @ t141.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t132, t140, t141
-    t142 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t143 = t142.view((d_V, d_H, d_V, d_K))
-    del t142
-    t144 = (t16 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    del t16
-    t145 = (t47.reshape((1, d_K, n_batch, L)) * t134.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t134
-    t146 = M_2.permute(2, 3, 0, 1)
-    t147 = (t47.reshape((1, d_K, n_batch, L)) * t139.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    del t139
-    t143[...] = ((t144.reshape((d_H*d_V, L*n_batch)) @ t145.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t144, t145
-    t143 += ((t146.reshape((d_V**2, L*n_batch)) @ t147.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
-    del t143, t146, t147
-    t148 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t149 = t148.view((d_V, d_H, d_V, d_H))
-    del t148
-    t150 = t133 @ M_1
-    t151 = W_O @ t13
-    t152 = (2/(L*d_V*n_batch)) * t151
-    del t151
-    torch.mul(t152.reshape((1, d_H, 1, d_H)), t150.sum((0,)).reshape((d_V, 1, d_V, 1)), out=t149)
-    del t149, t150, t152
-    t153 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t154 = t153.view((d_V, d_H, d_H, d_V))
-    del t153
-    t155 = (2/(L*d_V*n_batch)) * t133
-    t156 = (t155.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t75.reshape((L*n_batch, d_H)))
-    del t155
-    t157 = t154.diagonal(0, 1, 2)
-    t158 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t159 = (1/n_batch) * t158
-    del t158
-    t160 = (t133.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
-    del t133
-    torch.mul(W_O.reshape((1, d_H, 1, d_V)), t156.reshape((d_V, 1, d_H, 1)), out=t154)
-    del t154, t156
-    t157.addcmul_(t159.reshape((1, 1, d_H)), t160.reshape((d_V, d_V, 1)))
-    del t157, t160
-    t161 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t162 = t161.view((d_H, d_V, d_V, d_K))
-    del t161
-    t163 = t75.transpose(-1, -2)
-    t164 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t163
-    t165 = (t14.permute(1, 0) @ t13.permute(1, 0))
-    t166 = (t165.permute(1, 0) @ t87.permute(3, 0, 1, 2).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))
+    t92 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t90.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t3, t90
+    t93 = (t47.reshape((1, d_K, n_batch, L)) * t92.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t47, t92
+    t94 = t87.reshape((d_V**2, L*n_batch))
     del t87
-    t167 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t164.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t168 = G.transpose(-1, -2)
-    del G
-    t169 = (1/(math.sqrt(d_K)*n_batch)) * t168
-    t170 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t171 = ((W_K.permute(1, 0) @ t170.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
-    del t170
-    t172 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t169.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t162[...] = ((t167.reshape((d_H*d_V, L*n_batch)) @ t166.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t166, t167
-    t162 += ((t172.reshape((d_V**2, L*n_batch)) @ t171.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
-    del t162, t171, t172
-    t173 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t174 = t173.view((d_H, d_V, d_V, d_K))
-    del t173
-    t175 = (t165.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    del t165
-    t176 = (t47.reshape((1, d_K, n_batch, L)) * t164.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    del t164
-    t177 = (t14 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    del M_2, t14
-    t178 = (t47.reshape((1, d_K, n_batch, L)) * t169.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t169, t47
-    t174[...] = ((t175.reshape((d_V**2, L*n_batch)) @ t176.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
-    del t175, t176
-    t174 += ((t177.reshape((d_H*d_V, L*n_batch)) @ t178.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t174, t177, t178
-    t179 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t180 = t179.view((d_H, d_V, d_V, d_H))
-    del t179
-    t181 = t163 @ M_1
-    t182 = (2/(L*d_V*n_batch)) * t13
+    t95 = t91.reshape((d_V**2, L*n_batch))
+    del t91
+    t96 = t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t89
+    t97 = t93.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t93
+    t98 = torch.cat([t94, t95], dim=-1)
+    del t94, t95
+    t99 = torch.cat([t96, t97], dim=-2)
+    del t96, t97
+    t83[...] = ((t98 @ t99).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t83, t98, t99
+    t100 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t101 = t100.view((d_V, d_K, d_V, d_H))
+    t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t84
+    t103 = ((t64.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t64
+    t104 = (X.reshape((L*n_batch, d_V)) @ t102.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t102
+    t105 = (t104.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t106 = (1/(math.sqrt(d_K)*n_batch)) * t84
+    del t84
+    t107 = M_2.permute(3, 2, 0, 1)
+    t108 = (X.reshape((L*n_batch, d_V)) @ t106.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t106
+    t109 = (t108.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t69.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    del t69
+    t101[...] = ((t105.reshape((d_K*d_V, L*n_batch)) @ t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+    del t103, t105
+    t101 += ((t107.reshape((d_V**2, L*n_batch)) @ t109.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    del t101, t107, t109
+    t110 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t111 = t110.view((d_V, d_K, d_H, d_V))
+    t112 = ((t76 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del t76
+    t113 = (t104.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t75.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    del t104
+    t114 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del M_2
+    t115 = (t108.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t108
+    t111[...] = ((t113.reshape((d_H*d_K, L*n_batch)) @ t112.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+    del t112, t113
+    t111 += ((t114.reshape((d_H*d_V, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    del t111, t114, t115
+    t116 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t117 = t116.view((d_V, d_H, d_V, d_H))
+    del t116
+    t118 = M_1.transpose(-1, -2)
+    t119 = t118 @ M_1
+    del M_1
+    t120 = W_O @ t13
     del t13
-    t183 = t180.diagonal(0, 0, 3)
-    t184 = t168 @ M_1
-    del M_1, t168
-    torch.mul(t182.reshape((1, d_V, 1, d_H)), t181.sum((0,)).reshape((d_H, 1, d_V, 1)), out=t180)
-    del t180, t181, t182
-    t183.addcmul_(t159.reshape((1, 1, d_H)), t184.sum((0,)).reshape((d_V, d_V, 1)))
-    del t159, t183, t184
-    t185 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t185[...] = 0
-    t186 = t185.view((d_H, d_V, d_H, d_V))
-    del t185
-    t187 = t186.diagonal(0, 1, 3)
-    del t186
-    t188 = t163 @ t75
-    del t163, t75
-    t189 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t190 = (2/(L*d_V*n_batch)) * t189
-    del t189
-    t187.addcmul_(t190.reshape((1, 1, d_V)), t188.sum((0,)).reshape((d_H, d_H, 1)))
-    del t187, t188, t190
+    t121 = (2/(L*d_V*n_batch)) * t120
+    del t120
+    torch.mul(t121.reshape((1, d_H, 1, d_H)), t119.sum((0,)).reshape((d_V, 1, d_V, 1)), out=t117)
+    del t117, t119, t121
+    t122 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t123 = t122.view((d_V, d_H, d_H, d_V))
+    t124 = (2/(L*d_V*n_batch)) * t118
+    t125 = (t124.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t75.reshape((L*n_batch, d_H)))
+    del t124
+    t126 = t123.diagonal(0, 1, 2)
+    t127 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t128 = (1/n_batch) * t127
+    del t127
+    t129 = (t118.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
+    del G, t118
+    torch.mul(W_O.reshape((1, d_H, 1, d_V)), t125.reshape((d_V, 1, d_H, 1)), out=t123)
+    del t123, t125
+    t126.addcmul_(t128.reshape((1, 1, d_H)), t129.reshape((d_V, d_V, 1)))
+    del t126, t128, t129
+    t130 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t130[...] = 0
+    t131 = t130.view((d_H, d_V, d_H, d_V))
+    del t130
+    t132 = t131.diagonal(0, 1, 3)
+    del t131
+    t133 = t75.transpose(-1, -2)
+    t134 = t133 @ t75
+    del t133, t75
+    t135 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t136 = (2/(L*d_V*n_batch)) * t135
+    del t135
+    t132.addcmul_(t136.reshape((1, 1, d_V)), t134.sum((0,)).reshape((d_H, d_H, 1)))
+    del t132, t134, t136
+    t137 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t44, t137)
+    del t137, t44
+    t138 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t62, t138)
+    del t138, t62
+    t139 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t100, t139)
+    del t100, t139
+    t140 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t73, t140)
+    del t140, t73
+    t141 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t110, t141)
+    del t110, t141
+    t142 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    _transpose_into(t122, t142)
+    del t122, t142
     return H
 
 
@@ -18422,78 +18234,72 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t52 = ((W_V.permute(1, 0) @ t51.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t53 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t50[...] = ((t52.reshape((d_H*d_K, L*n_batch)) @ t53.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
-    t54 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t55 = t54.view((d_V, d_K, d_V, d_K))
     t56 = W_Q.transpose(-1, -2)
     t57 = (1/(d_K*n_batch)) * t56
-    t58 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t58 = M_3.permute(2, 3, 0, 1)
     t59 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t57.permute(1, 0)).reshape((n_batch, L, d_K))
-    t60 = (t59.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t61 = t55.diagonal(0, 1, 3)
-    t62 = t39.transpose(-1, -2)
-    t55[...] = ((t60.reshape((d_K*d_V, L*n_batch)) @ t58.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t61.addcmul_(t41.reshape((1, 1, d_K)), t62.sum((0,)).reshape((d_V, d_V, 1)))
-    t63 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t64 = t63.view((d_V, d_K, d_V, d_K))
-    t65 = M_3.permute(2, 3, 0, 1)
-    t66 = (t35.reshape((1, d_K, n_batch, L)) * t59.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    t64[...] = ((t65.reshape((d_V**2, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t68 = t67.view((d_V, d_K, d_V, d_H))
-    t69 = (1/(math.sqrt(d_K)*n_batch)) * t56
-    t70 = M_2.permute(3, 2, 0, 1)
-    t71 = (X.reshape((L*n_batch, d_V)) @ t69.permute(1, 0)).reshape((n_batch, L, d_K))
-    t72 = (t71.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t45.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
-    t68[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
-    t73 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t74 = t73.view((d_V, d_K, d_H, d_V))
-    t75 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t76 = (t71.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t74[...] = ((t75.reshape((d_H*d_V, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
-    t77 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t60 = (t35.reshape((1, d_K, n_batch, L)) * t59.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t55[...] = ((t58.reshape((d_V**2, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t61 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t62 = t61.view((d_V, d_K, d_V, d_H))
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t56
+    t64 = M_2.permute(3, 2, 0, 1)
+    t65 = (X.reshape((L*n_batch, d_V)) @ t63.permute(1, 0)).reshape((n_batch, L, d_K))
+    t66 = (t65.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t45.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    t62[...] = ((t64.reshape((d_V**2, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    t67 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t68 = t67.view((d_V, d_K, d_H, d_V))
+    t69 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t70 = (t65.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t68[...] = ((t69.reshape((d_H*d_V, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    t71 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t72 = t71.view((d_V, d_H, d_V, d_K))
+    t73 = t45.transpose(-1, -2)
+    t74 = (1/(math.sqrt(d_K)*n_batch)) * t73
+    t75 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t74.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    t76 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t72[...] = ((t75.reshape((d_H*d_V, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t77 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t78 = t77.view((d_V, d_H, d_V, d_K))
-    t79 = t45.transpose(-1, -2)
-    t80 = (1/(math.sqrt(d_K)*n_batch)) * t79
-    t81 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t80.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t82 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t78[...] = ((t81.reshape((d_H*d_V, L*n_batch)) @ t82.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t84 = t83.view((d_V, d_H, d_V, d_K))
-    t85 = M_2.permute(2, 3, 0, 1)
-    t86 = (t35.reshape((1, d_K, n_batch, L)) * t80.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t84[...] = ((t85.reshape((d_V**2, L*n_batch)) @ t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
-    t87 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t87[...] = 0
-    t88 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t88[...] = 0
-    t89 = t88.view((d_V, d_H, d_H, d_V))
-    t90 = t89.diagonal(0, 1, 2)
-    t91 = M_1.transpose(-1, -2)
-    t92 = t91 @ G
-    t93 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t94 = (1/n_batch) * t93
-    t90.addcmul_(t94.reshape((1, 1, d_H)), t92.sum((0,)).reshape((d_V, d_V, 1)))
-    t95 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t96 = t95.view((d_H, d_V, d_V, d_K))
-    t97 = G.transpose(-1, -2)
-    t98 = (1/(math.sqrt(d_K)*n_batch)) * t97
-    t99 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t100 = ((W_K.permute(1, 0) @ t99.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
-    t101 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t98.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t96[...] = ((t101.reshape((d_V**2, L*n_batch)) @ t100.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
-    t102 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t103 = t102.view((d_H, d_V, d_V, d_K))
-    t104 = (t20 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    t105 = (t35.reshape((1, d_K, n_batch, L)) * t98.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t103[...] = ((t104.reshape((d_H*d_V, L*n_batch)) @ t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t106 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t106[...] = 0
-    t107 = t106.view((d_H, d_V, d_V, d_H))
-    t108 = t107.diagonal(0, 0, 3)
-    t109 = t92.transpose(-1, -2)
-    t108.addcmul_(t94.reshape((1, 1, d_H)), t109.sum((0,)).reshape((d_V, d_V, 1)))
-    t110 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t110[...] = 0
+    t79 = M_2.permute(2, 3, 0, 1)
+    t80 = (t35.reshape((1, d_K, n_batch, L)) * t74.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    t78[...] = ((t79.reshape((d_V**2, L*n_batch)) @ t80.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
+    t81 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t81[...] = 0
+    t82 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t82[...] = 0
+    t83 = t82.view((d_V, d_H, d_H, d_V))
+    t84 = t83.diagonal(0, 1, 2)
+    t85 = M_1.transpose(-1, -2)
+    t86 = t85 @ G
+    t87 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t88 = (1/n_batch) * t87
+    t84.addcmul_(t88.reshape((1, 1, d_H)), t86.sum((0,)).reshape((d_V, d_V, 1)))
+    t89 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t90 = t89.view((d_H, d_V, d_V, d_K))
+    t91 = G.transpose(-1, -2)
+    t92 = (1/(math.sqrt(d_K)*n_batch)) * t91
+    t93 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
+    t94 = ((W_K.permute(1, 0) @ t93.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
+    t95 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t92.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t90[...] = ((t95.reshape((d_V**2, L*n_batch)) @ t94.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
+    t96 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t97 = t96.view((d_H, d_V, d_V, d_K))
+    t98 = (t20 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    t99 = (t35.reshape((1, d_K, n_batch, L)) * t92.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t97[...] = ((t98.reshape((d_H*d_V, L*n_batch)) @ t99.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t100 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t100[...] = 0
+    t101 = t100.view((d_H, d_V, d_V, d_H))
+    t102 = t101.diagonal(0, 0, 3)
+    t103 = t86.transpose(-1, -2)
+    t102.addcmul_(t88.reshape((1, 1, d_H)), t103.sum((0,)).reshape((d_V, d_V, 1)))
+    t104 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t104[...] = 0
+    t105 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t32, t105)
     return H
 
 
@@ -27848,78 +27654,72 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t54 = ((W_V.permute(1, 0) @ t53.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t55 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t52[...] = ((t54.reshape((d_H*d_K, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
-    t56 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t57 = t56.view((d_V, d_K, d_V, d_K))
     t58 = W_Q.transpose(-1, -2)
     t59 = (1/(d_K*n_batch)) * t58
-    t60 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t60 = M_3.permute(2, 3, 0, 1)
     t61 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t59.permute(1, 0)).reshape((n_batch, L, d_K))
-    t62 = (t61.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t63 = t57.diagonal(0, 1, 3)
-    t64 = t41.transpose(-1, -2)
-    t57[...] = ((t62.reshape((d_K*d_V, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t63.addcmul_(t43.reshape((1, 1, d_K)), t64.sum((0,)).reshape((d_V, d_V, 1)))
-    t65 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t66 = t65.view((d_V, d_K, d_V, d_K))
-    t67 = M_3.permute(2, 3, 0, 1)
-    t68 = (t37.reshape((1, d_K, n_batch, L)) * t61.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    t66[...] = ((t67.reshape((d_V**2, L*n_batch)) @ t68.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    t69 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t70 = t69.view((d_V, d_K, d_V, d_H))
-    t71 = (1/(math.sqrt(d_K)*n_batch)) * t58
-    t72 = M_2.permute(3, 2, 0, 1)
-    t73 = (X.reshape((L*n_batch, d_V)) @ t71.permute(1, 0)).reshape((n_batch, L, d_K))
-    t74 = (t73.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t47.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
-    t70[...] = ((t72.reshape((d_V**2, L*n_batch)) @ t74.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
-    t75 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t76 = t75.view((d_V, d_K, d_H, d_V))
-    t77 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t78 = (t73.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t76[...] = ((t77.reshape((d_H*d_V, L*n_batch)) @ t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
-    t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t62 = (t37.reshape((1, d_K, n_batch, L)) * t61.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t57[...] = ((t60.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t63 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t64 = t63.view((d_V, d_K, d_V, d_H))
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t58
+    t66 = M_2.permute(3, 2, 0, 1)
+    t67 = (X.reshape((L*n_batch, d_V)) @ t65.permute(1, 0)).reshape((n_batch, L, d_K))
+    t68 = (t67.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t47.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    t64[...] = ((t66.reshape((d_V**2, L*n_batch)) @ t68.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    t69 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t70 = t69.view((d_V, d_K, d_H, d_V))
+    t71 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t72 = (t67.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t70[...] = ((t71.reshape((d_H*d_V, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    t73 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t74 = t73.view((d_V, d_H, d_V, d_K))
+    t75 = t47.transpose(-1, -2)
+    t76 = (1/(math.sqrt(d_K)*n_batch)) * t75
+    t77 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t76.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    t78 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t74[...] = ((t77.reshape((d_H*d_V, L*n_batch)) @ t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t80 = t79.view((d_V, d_H, d_V, d_K))
-    t81 = t47.transpose(-1, -2)
-    t82 = (1/(math.sqrt(d_K)*n_batch)) * t81
-    t83 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t82.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t84 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t80[...] = ((t83.reshape((d_H*d_V, L*n_batch)) @ t84.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t85 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t86 = t85.view((d_V, d_H, d_V, d_K))
-    t87 = M_2.permute(2, 3, 0, 1)
-    t88 = (t37.reshape((1, d_K, n_batch, L)) * t82.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t86[...] = ((t87.reshape((d_V**2, L*n_batch)) @ t88.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
-    t89 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t89[...] = 0
-    t90 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t90[...] = 0
-    t91 = t90.view((d_V, d_H, d_H, d_V))
-    t92 = t91.diagonal(0, 1, 2)
-    t93 = M_1.transpose(-1, -2)
-    t94 = t93 @ G
-    t95 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t96 = (1/n_batch) * t95
-    t92.addcmul_(t96.reshape((1, 1, d_H)), t94.sum((0,)).reshape((d_V, d_V, 1)))
-    t97 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t98 = t97.view((d_H, d_V, d_V, d_K))
-    t99 = G.transpose(-1, -2)
-    t100 = (1/(math.sqrt(d_K)*n_batch)) * t99
-    t101 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t102 = ((W_K.permute(1, 0) @ t101.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
-    t103 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t100.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t98[...] = ((t103.reshape((d_V**2, L*n_batch)) @ t102.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
-    t104 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t105 = t104.view((d_H, d_V, d_V, d_K))
-    t106 = (t22 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    t107 = (t37.reshape((1, d_K, n_batch, L)) * t100.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t105[...] = ((t106.reshape((d_H*d_V, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t108 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t108[...] = 0
-    t109 = t108.view((d_H, d_V, d_V, d_H))
-    t110 = t109.diagonal(0, 0, 3)
-    t111 = t94.transpose(-1, -2)
-    t110.addcmul_(t96.reshape((1, 1, d_H)), t111.sum((0,)).reshape((d_V, d_V, 1)))
-    t112 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t112[...] = 0
+    t81 = M_2.permute(2, 3, 0, 1)
+    t82 = (t37.reshape((1, d_K, n_batch, L)) * t76.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    t80[...] = ((t81.reshape((d_V**2, L*n_batch)) @ t82.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
+    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t83[...] = 0
+    t84 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t84[...] = 0
+    t85 = t84.view((d_V, d_H, d_H, d_V))
+    t86 = t85.diagonal(0, 1, 2)
+    t87 = M_1.transpose(-1, -2)
+    t88 = t87 @ G
+    t89 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t90 = (1/n_batch) * t89
+    t86.addcmul_(t90.reshape((1, 1, d_H)), t88.sum((0,)).reshape((d_V, d_V, 1)))
+    t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t92 = t91.view((d_H, d_V, d_V, d_K))
+    t93 = G.transpose(-1, -2)
+    t94 = (1/(math.sqrt(d_K)*n_batch)) * t93
+    t95 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
+    t96 = ((W_K.permute(1, 0) @ t95.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
+    t97 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t94.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t92[...] = ((t97.reshape((d_V**2, L*n_batch)) @ t96.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
+    t98 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t99 = t98.view((d_H, d_V, d_V, d_K))
+    t100 = (t22 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    t101 = (t37.reshape((1, d_K, n_batch, L)) * t94.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t99[...] = ((t100.reshape((d_H*d_V, L*n_batch)) @ t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t102 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t102[...] = 0
+    t103 = t102.view((d_H, d_V, d_V, d_H))
+    t104 = t103.diagonal(0, 0, 3)
+    t105 = t88.transpose(-1, -2)
+    t104.addcmul_(t90.reshape((1, 1, d_H)), t105.sum((0,)).reshape((d_V, d_V, 1)))
+    t106 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t106[...] = 0
+    t107 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t34, t107)
     return H
 
 
