@@ -166,11 +166,11 @@ SPLIT_PAIRWISE_MAX_TERMS = 64
 # attention CE (W_K, W_Q) block (16 operands) got slower (54.0 → 61.5 ms), so it stays computed.
 MIRROR_MIN_TERMS = 3
 MIRROR_MIN_OPERANDS = 16
-# … and in a routine without a slab version (every row block by block), where no slab-vs-block
-# comparison depends on it: blocks of more than one network. With the tiled transpose
-# (symhess.smallk) the dense attention-family Hessians took 16-38 % less (L = 16, d = 24);
-# with this threshold everywhere the comparisons shifted post-LN rows and the FFN's CE row to
-# blocks, 13 % and 50 % slower at the sizes (BENCHMARKS.md, eleventh session)
+# … and in the block-by-block version as printed (where no slab-vs-block comparison depends
+# on it): blocks of more than one network. With the tiled transpose (symhess.smallk) the
+# dense attention-family Hessians took 15-31 % less (L = 16, d = 24); counted with this
+# threshold the comparisons moved post-LN rows and the FFN's CE row to blocks, 13 % and 50 %
+# slower at the sizes (BENCHMARKS.md, eleventh session)
 MIRROR_MIN_TERMS_BLOCKS = 1
 
 
@@ -275,13 +275,15 @@ class Variant:
         names = self.d.layer.param_names
         doc = f"The full {part} Hessian, parameters in declared order {', '.join(names)}."
         rows = []                                 # entries each row writes block by block
-        rt, written, _ = self._hessian_into(part, rows)
-        fn = self.function(f"hessian__{part}", rt, "H", doc, out=True)
+        _, written, _ = self._hessian_into(part, rows)
         srt, s_written, per_seq = self._hessian_into(part, rows, slabs=True)
         limit = int((written - s_written + per_seq) // per_seq) if per_seq else 0
-        if limit < 1:               # blocks only: more of the lower ones copied
-            rt, _, _ = self._hessian_into(part, [], mirror_terms=MIRROR_MIN_TERMS_BLOCKS)
-            return self.function(f"hessian__{part}", rt, "H", doc, out=True)
+        # the block version as printed copies more of the lower blocks; ``rows`` and
+        # ``written`` (the comparisons with the slabs) stay those of MIRROR_MIN_TERMS
+        rt, _, _ = self._hessian_into(part, [], mirror_terms=MIRROR_MIN_TERMS_BLOCKS)
+        fn = self.function(f"hessian__{part}", rt, "H", doc, out=True)
+        if limit < 1:
+            return fn
         body = [f"if n_batch <= {limit}:    # row slabs (their operands grow with the batch)"]
         body += ["    " + ln for ln in srt.pruned("H")] + ["    return H"]
         return Function(fn.name, fn.args, self.header(rt) + body + rt.pruned("H"), "H", doc)

@@ -293,10 +293,10 @@ def test_mismatched_devices_are_named():
 
 
 def test_block_only_hessians_copy_lower_blocks_of_more_than_one_network(monkeypatch):
-    """A full Hessian without a slab version (attention: no slab pays) copies every block
-    below the diagonal with more than ``MIRROR_MIN_TERMS_BLOCKS`` networks from its transpose;
-    routines with a slab version keep ``MIRROR_MIN_TERMS`` for their block rows, so that the
-    slab-or-block comparison is unchanged."""
+    """The block-by-block version of a full Hessian as printed (attention's only one: no slab
+    pays) copies every block below the diagonal with more than ``MIRROR_MIN_TERMS_BLOCKS``
+    networks from its transpose; the slab-or-block comparisons still count blocks by
+    ``MIRROR_MIN_TERMS``."""
     seen = []
     real = codegen.Variant._row
 

@@ -808,28 +808,17 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     t22 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t20.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     np.multiply(np.reshape(W_2, (1, d_ff, 1, d_V)), np.reshape(t15, (d_V, d_ff, d_ff, 1)), out=t12)
     t16 += (np.reshape((np.reshape(t21, (d_ff, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
-    t23 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t24 = np.reshape(t23, (d_ff, d_V, d_V, d_ff), copy=False)
-    t26 = np.swapaxes(t13, -1, -2)
-    t27 = (2/(L*d_V*n_batch)) * X
-    t28 = (np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t26.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t29 = np.reshape((np.reshape(t28.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
-    t30 = np.einsum('abca->abc', t24)
-    t31 = np.swapaxes(G, -1, -2)
-    t32 = np.swapaxes(t4, -1, -2)
-    t33 = (1/n_batch) * t31
-    t34 = t32.transpose(1, 0, 2)
-    t35 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t33.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    np.multiply(np.reshape(t5, (1, d_V, 1, d_ff)), np.reshape(t29, (d_ff, 1, d_V, d_ff)), out=t24)
-    t30 += np.reshape((np.reshape(t34, (d_ff, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
-    t36 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t36[...] = 0
-    t37 = np.reshape(t36, (d_ff, d_V, d_ff, d_V), copy=False)
-    t38 = np.einsum('abcb->abc', t37)
-    t39 = t26 @ t13
-    t40 = np.ones((d_V,), dtype=X.dtype)
-    t41 = (2/(L*d_V*n_batch)) * t40
-    t38 += np.reshape(t41, (1, d_V, 1)) * np.reshape(t39.sum((0,)), (d_ff, 1, d_ff))
+    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t23[...] = 0
+    t24 = np.reshape(t23, (d_ff, d_V, d_ff, d_V), copy=False)
+    t25 = np.einsum('abcb->abc', t24)
+    t27 = np.swapaxes(t13, -1, -2)
+    t28 = t27 @ t13
+    t29 = np.ones((d_V,), dtype=X.dtype)
+    t30 = (2/(L*d_V*n_batch)) * t29
+    t25 += np.reshape(t30, (1, d_V, 1)) * np.reshape(t28.sum((0,)), (d_ff, 1, d_ff))
+    t31 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    _transpose_into(t11, t31)
     return H
 
 
@@ -2420,26 +2409,15 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     t32 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t30.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t20[...] = (np.reshape((np.reshape(t21, (d_V*d_ff, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))).transpose(0, 2, 1, 3)
     t24 += (np.reshape((np.reshape(t31, (d_ff, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
-    t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t34 = np.reshape(t33, (d_ff, d_V, d_V, d_ff), copy=False)
+    t33 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t34 = np.reshape(t33, (d_ff, d_V, d_ff, d_V), copy=False)
     t36 = np.swapaxes(t7, -1, -2)
     t37 = (1/(L*n_batch)) * t6
-    t38 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t36.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
-    t39 = (dA * np.reshape(t37, (n_batch, L, d_V, 1)))
-    t40 = ((t16.transpose(1, 2, 0, 3) @ t39.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t41 = np.einsum('abca->abc', t34)
-    t42 = np.swapaxes(G, -1, -2)
-    t43 = np.swapaxes(t4, -1, -2)
-    t44 = (1/n_batch) * t42
-    t45 = t43.transpose(1, 0, 2)
-    t46 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t44.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t34[...] = (np.reshape((np.reshape(t38, (d_V*d_ff, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
-    t41 += np.reshape((np.reshape(t45, (d_ff, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
-    t47 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t48 = np.reshape(t47, (d_ff, d_V, d_ff, d_V), copy=False)
-    t49 = (dA.transpose(2, 3, 0, 1) * np.reshape(t37.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-    t50 = (np.reshape(t7.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t36.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
-    t48[...] = (np.reshape((np.reshape(t50, (d_ff**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
+    t38 = (dA.transpose(2, 3, 0, 1) * np.reshape(t37.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t39 = (np.reshape(t7.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t36.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
+    t34[...] = (np.reshape((np.reshape(t39, (d_ff**2, L*n_batch)) @ np.reshape(t38.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
+    t40 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    _transpose_into(t19, t40)
     return H
 
 

@@ -1781,70 +1781,41 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     t45 = ((G.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
     t37[...] = (np.reshape((np.reshape(t41, (d_V**2, n_batch)) @ np.reshape(t42.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t37 += (np.reshape((np.reshape(t44, (d_K*d_V, n_batch)) @ np.reshape(t45.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t46 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
-    t48 = t2 @ t27
-    t49 = t7 @ t10
+    t48 = t9 @ X
+    t49 = t2 @ t48
     t50 = np.swapaxes(t18, -1, -2)
-    t51 = t50 @ X
-    t52 = (2/(L*d_K*d_V*n_batch)) * t48
-    t53 = t51.transpose(1, 2, 0)
-    t54 = ((t49.transpose(0, 2, 1) @ t52.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t55 = np.einsum('abcb->abc', t47)
-    t56 = np.swapaxes(G, -1, -2)
-    t57 = t56 @ X
-    t58 = (np.reshape(t48.transpose(1, 0, 2), (d_V, d_V*n_batch)) @ np.reshape(t57, (d_V*n_batch, d_V)))
-    t47[...] = (np.reshape((np.reshape(t53, (d_K*d_V, n_batch)) @ np.reshape(t54.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t55 += np.reshape(t34, (1, d_K, 1)) * np.reshape(t58, (d_V, 1, d_V))
-    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t60 = np.reshape(t59, (d_V, d_K, d_V, d_K), copy=False)
-    t61 = t9 @ X
-    t62 = t2 @ t61
-    t63 = t50 @ t18
-    t64 = (2/(L*d_K*d_V*n_batch)) * t62
-    t65 = t64.transpose(1, 2, 0)
-    t66 = t63.transpose(1, 2, 0)
-    t60[...] = (np.reshape((np.reshape(t65, (d_V**2, n_batch)) @ np.reshape(t66.transpose(2, 0, 1), (n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t68 = np.reshape(t67, (d_V, d_K, d_V, d_V), copy=False)
-    t69 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t70 = t3.transpose(1, 2, 0)
-    t71 = ((G.transpose(0, 2, 1) @ t69.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
-    t73 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t3.transpose(2, 1, 0), (d_V, d_V*n_batch))), (d_V, d_V, n_batch))).transpose(1, 0, 2)
-    t74 = ((t39.transpose(0, 2, 1) @ t72.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t68[...] = (np.reshape((np.reshape(t70, (d_V**2, n_batch)) @ np.reshape(t71.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    t68 += (np.reshape((np.reshape(t74, (d_K*d_V, n_batch)) @ np.reshape(t73.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t76 = np.reshape(t75, (d_V, d_V, d_V, d_K), copy=False)
-    t77 = np.swapaxes(T, -1, -2)
-    t78 = t77 @ X
-    t79 = t49.transpose(1, 2, 0)
-    t80 = ((t78.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t81 = t57.transpose(1, 2, 0)
-    t82 = ((t10.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t76[...] = (np.reshape((np.reshape(t80, (d_V**2, n_batch)) @ np.reshape(t79.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t76 += (np.reshape((np.reshape(t81, (d_V**2, n_batch)) @ np.reshape(t82.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t84 = np.reshape(t83, (d_V, d_V, d_V, d_K), copy=False)
-    t85 = t56 @ t18
-    t86 = t85.transpose(1, 2, 0)
-    t87 = ((X.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t88 = t77 @ t18
-    t89 = np.swapaxes(t48, -1, -2)
-    t90 = t89.transpose(1, 2, 0)
-    t91 = ((t88.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t84[...] = (np.reshape((np.reshape(t87, (d_V**2, n_batch)) @ np.reshape(t86.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t84 += (np.reshape((np.reshape(t90, (d_V**2, n_batch)) @ np.reshape(t91.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t92[...] = 0
-    t93 = np.reshape(t92, (d_V, d_V, d_V, d_V), copy=False)
-    t94 = np.einsum('abcb->abc', t93)
-    t95 = np.swapaxes(t39, -1, -2)
-    t96 = t95 @ t39
-    t97 = np.ones((d_V,), dtype=X.dtype)
-    t98 = (2/(L*d_V*n_batch)) * t97
-    t94 += np.reshape(t98, (1, d_V, 1)) * np.reshape(t96.sum((0,)), (d_V, 1, d_V))
+    t51 = t50 @ t18
+    t52 = (2/(L*d_K*d_V*n_batch)) * t49
+    t53 = t52.transpose(1, 2, 0)
+    t54 = t51.transpose(1, 2, 0)
+    t47[...] = (np.reshape((np.reshape(t53, (d_V**2, n_batch)) @ np.reshape(t54.transpose(2, 0, 1), (n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56 = np.reshape(t55, (d_V, d_K, d_V, d_V), copy=False)
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t58 = t3.transpose(1, 2, 0)
+    t59 = ((G.transpose(0, 2, 1) @ t57.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
+    t61 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t3.transpose(2, 1, 0), (d_V, d_V*n_batch))), (d_V, d_V, n_batch))).transpose(1, 0, 2)
+    t62 = ((t39.transpose(0, 2, 1) @ t60.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t56[...] = (np.reshape((np.reshape(t58, (d_V**2, n_batch)) @ np.reshape(t59.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t56 += (np.reshape((np.reshape(t62, (d_K*d_V, n_batch)) @ np.reshape(t61.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t63[...] = 0
+    t64 = np.reshape(t63, (d_V, d_V, d_V, d_V), copy=False)
+    t65 = np.einsum('abcb->abc', t64)
+    t66 = np.swapaxes(t39, -1, -2)
+    t67 = t66 @ t39
+    t68 = np.ones((d_V,), dtype=X.dtype)
+    t69 = (2/(L*d_V*n_batch)) * t68
+    t65 += np.reshape(t69, (1, d_V, 1)) * np.reshape(t67.sum((0,)), (d_V, 1, d_V))
+    t70 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t16, t70)
+    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t36, t71)
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t55, t72)
     return H
 
 
@@ -5200,7 +5171,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     t46 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t4.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t36[...] = (np.reshape((np.reshape(t42, (d_V**2, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t36 += (np.reshape((np.reshape(t46, (d_K*d_V, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
     t49 = np.swapaxes(t18, -1, -2)
     t50 = np.swapaxes(Mcausal, -1, -2)
@@ -5208,61 +5179,36 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     t52 = (np.reshape(t50.transpose(1, 0), (L, L, 1)) * np.reshape(t51.transpose(1, 0), (L, 1, L)))
     t53 = (np.reshape(t52.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t54 = np.reshape((np.reshape(t53.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t55 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t56 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t49.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
-    t57 = np.einsum('abcb->abc', t48)
-    t58 = np.swapaxes(t29, -1, -2)
-    t59 = t58 * t50
-    t60 = t59 @ X
-    t61 = (np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t60, (L*n_batch, d_V)))
-    t48[...] = (np.reshape((np.reshape(t56, (d_K*d_V, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t57 += np.reshape(t33, (1, d_K, 1)) * np.reshape(t61, (d_V, 1, d_V))
-    t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t63 = np.reshape(t62, (d_V, d_K, d_V, d_K), copy=False)
-    t64 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t65 = (np.reshape(t18.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t49.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
-    t63[...] = (np.reshape((np.reshape(t64, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    t66 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t67 = np.reshape(t66, (d_V, d_K, d_V, d_V), copy=False)
-    t68 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t69 = (np.reshape(t68, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
-    t70 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t69.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t71 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t49.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
-    t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
-    t73 = (np.reshape(t72, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
-    t74 = (np.reshape((t39.transpose(1, 0, 2) @ np.reshape(t73.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t75 = (np.reshape(t37.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t49.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
-    t67[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    t67 += (np.reshape((np.reshape(t75, (d_K*d_V, L*n_batch)) @ np.reshape(t74.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t77 = np.reshape(t76, (d_V, d_V, d_V, d_K), copy=False)
-    t78 = np.swapaxes(T, -1, -2)
-    t79 = t50 * t78
-    t80 = (t79.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
-    t81 = (np.reshape(t80.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t82 = (np.reshape(t38.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t6.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
-    t83 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t82.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t84 = np.swapaxes(G, -1, -2)
-    t85 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t69.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t86 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t84.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t77[...] = (np.reshape((np.reshape(t81, (d_V**2, L*n_batch)) @ np.reshape(t83.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t77 += (np.reshape((np.reshape(t86, (d_V**2, L*n_batch)) @ np.reshape(t85.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t88 = np.reshape(t87, (d_V, d_V, d_V, d_K), copy=False)
-    t89 = (np.reshape(t80.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t18.transpose(2, 0, 1), (1, d_K, n_batch, L)))
-    t90 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t82.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t91 = (np.reshape(t18.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t84.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t88[...] = (np.reshape((np.reshape(t90, (d_V**2, L*n_batch)) @ np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t88 += (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t92[...] = 0
-    t93 = np.reshape(t92, (d_V, d_V, d_V, d_V), copy=False)
-    t94 = np.einsum('abcb->abc', t93)
-    t95 = np.swapaxes(t37, -1, -2)
-    t96 = t95 @ t37
-    t97 = np.ones((d_V,), dtype=X.dtype)
-    t98 = (2/(L*d_V*n_batch)) * t97
-    t94 += np.reshape(t98, (1, d_V, 1)) * np.reshape(t96.sum((0,)), (d_V, 1, d_V))
+    t55 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t56 = (np.reshape(t18.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t49.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t48[...] = (np.reshape((np.reshape(t55, (d_V**2, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t57 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t58 = np.reshape(t57, (d_V, d_K, d_V, d_V), copy=False)
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t60 = (np.reshape(t59, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
+    t61 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t60.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t62 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t49.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
+    t64 = (np.reshape(t63, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
+    t65 = (np.reshape((t39.transpose(1, 0, 2) @ np.reshape(t64.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t66 = (np.reshape(t37.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t49.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t58[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t58 += (np.reshape((np.reshape(t66, (d_K*d_V, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t67[...] = 0
+    t68 = np.reshape(t67, (d_V, d_V, d_V, d_V), copy=False)
+    t69 = np.einsum('abcb->abc', t68)
+    t70 = np.swapaxes(t37, -1, -2)
+    t71 = t70 @ t37
+    t72 = np.ones((d_V,), dtype=X.dtype)
+    t73 = (2/(L*d_V*n_batch)) * t72
+    t69 += np.reshape(t73, (1, d_V, 1)) * np.reshape(t71.sum((0,)), (d_V, 1, d_V))
+    t74 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t16, t74)
+    t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t35, t75)
+    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t57, t76)
     return H
 
 
@@ -9202,7 +9148,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     t51 = ((G.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
     t41[...] = (np.reshape((np.reshape(t45, (d_V**2, L*n_batch)) @ np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t41 += (np.reshape((np.reshape(t50, (d_K*d_V, n_batch)) @ np.reshape(t51.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t52 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
     t54 = np.swapaxes(t25, -1, -2)
     t55 = np.swapaxes(t23, -1, -2)
@@ -9210,62 +9156,36 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     t57 = t56.sum(-2, keepdims=True)
     t58 = np.broadcast_to(t57, t57.shape[:-2] + (d_V, t57.shape[-1]))
     t59 = (1/(L*d_K*n_batch)) * t55
-    t60 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t60 = (np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t61 = (np.reshape(t58, (n_batch, d_V, L, 1)) * np.reshape(t54.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
-    t62 = ((t19.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t63 = np.einsum('abcb->abc', t53)
-    t64 = np.swapaxes(G, -1, -2)
-    t65 = (t64.transpose(0, 2, 1) @ t54.transpose(0, 2, 1))
-    t66 = (np.reshape(t65.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
-    t53[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t63 += np.reshape(t38, (1, d_K, 1)) * np.reshape(t66, (d_V, 1, d_V))
-    t67 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t68 = np.reshape(t67, (d_V, d_K, d_V, d_K), copy=False)
-    t69 = (np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
-    t70 = ((t27.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t68[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    t71 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t72 = np.reshape(t71, (d_V, d_K, d_V, d_V), copy=False)
-    t73 = t2 @ X
-    t74 = (1/(math.sqrt(d_K)*n_batch)) * t55
-    t75 = t73.transpose(1, 2, 0)
-    t76 = ((G.transpose(0, 2, 1) @ t74.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
-    t78 = (np.reshape(t43.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t77.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
-    t79 = (dA * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
-    t80 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t73.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
-    t81 = (np.reshape((t80.transpose(1, 2, 0) @ np.reshape(t79.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
-    t72[...] = (np.reshape((np.reshape(t75, (d_V**2, n_batch)) @ np.reshape(t76.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    t72 += (np.reshape((np.reshape(t78, (d_K*d_V, L*n_batch)) @ np.reshape(t81.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t82 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t83 = np.reshape(t82, (d_V, d_V, d_V, d_K), copy=False)
-    t84 = np.swapaxes(t4, -1, -2)
-    t85 = t64 @ X
-    t86 = t85.transpose(1, 2, 0)
-    t87 = ((t84.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t88 = np.swapaxes(T, -1, -2)
-    t89 = (1/(L*math.sqrt(d_K)*n_batch)) * t88
-    t90 = (np.reshape((t15.transpose(0, 2, 1) @ np.reshape(t46.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t91 = (t89.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
-    t92 = (np.reshape(t91.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t83[...] = (np.reshape((np.reshape(t86, (d_V**2, n_batch)) @ np.reshape(t87.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t83 += (np.reshape((np.reshape(t92, (d_V**2, L*n_batch)) @ np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t94 = np.reshape(t93, (d_V, d_V, d_V, d_K), copy=False)
-    t95 = t64 @ t23
-    t96 = t95.transpose(1, 2, 0)
-    t97 = ((X.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t98 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t46.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t99 = (np.reshape(t91.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)))
-    t94[...] = (np.reshape((np.reshape(t97, (d_V**2, n_batch)) @ np.reshape(t96.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t94 += (np.reshape((np.reshape(t98, (d_V**2, L*n_batch)) @ np.reshape(t99.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t100 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t101 = np.reshape(t100, (d_V, d_V, d_V, d_V), copy=False)
-    t102 = np.swapaxes(t43, -1, -2)
-    t103 = (1/(L*n_batch)) * t102
-    t104 = (dA.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-    t105 = (np.reshape(t43.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t103.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t101[...] = (np.reshape((np.reshape(t105, (d_V**2, L*n_batch)) @ np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t62 = ((t27.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t53[...] = (np.reshape((np.reshape(t62, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t63 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t64 = np.reshape(t63, (d_V, d_K, d_V, d_V), copy=False)
+    t65 = t2 @ X
+    t66 = (1/(math.sqrt(d_K)*n_batch)) * t55
+    t67 = t65.transpose(1, 2, 0)
+    t68 = ((G.transpose(0, 2, 1) @ t66.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
+    t70 = (np.reshape(t43.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t69.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t71 = (dA * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+    t72 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t65.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+    t73 = (np.reshape((t72.transpose(1, 2, 0) @ np.reshape(t71.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
+    t64[...] = (np.reshape((np.reshape(t67, (d_V**2, n_batch)) @ np.reshape(t68.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t64 += (np.reshape((np.reshape(t70, (d_K*d_V, L*n_batch)) @ np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t75 = np.reshape(t74, (d_V, d_V, d_V, d_V), copy=False)
+    t76 = np.swapaxes(t43, -1, -2)
+    t77 = (1/(L*n_batch)) * t76
+    t78 = (dA.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t79 = (np.reshape(t43.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t77.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t75[...] = (np.reshape((np.reshape(t79, (d_V**2, L*n_batch)) @ np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t80 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t21, t80)
+    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t40, t81)
+    t82 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t63, t82)
     return H
 
 
@@ -13514,7 +13434,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     t56 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t4.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t44[...] = (np.reshape((np.reshape(t47, (d_V**2, L*n_batch)) @ np.reshape(t52.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t44 += (np.reshape((np.reshape(t56, (d_K*d_V, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t57 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t57 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t58 = np.reshape(t57, (d_V, d_K, d_V, d_K), copy=False)
     t59 = np.swapaxes(t28, -1, -2)
     t60 = np.swapaxes(Mcausal, -1, -2)
@@ -13522,68 +13442,41 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     t62 = t61.sum(-2, keepdims=True)
     t63 = np.broadcast_to(t62, t62.shape[:-2] + (d_V, t62.shape[-1]))
     t64 = (1/(L*d_K*n_batch)) * t60
-    t65 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t65 = (np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t66 = (t19.transpose(0, 2, 3, 1) * np.reshape(t63.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t67 = np.reshape((np.reshape(t66.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
     t68 = (t67.transpose(1, 3, 0, 2) * np.reshape(t64.transpose(1, 0), (L, L, 1, 1)))
     t69 = (t68.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t70 = np.reshape((np.reshape(t69.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t71 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t70.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t72 = np.einsum('abcb->abc', t58)
-    t73 = np.swapaxes(t37, -1, -2)
-    t74 = t73 * t60
-    t75 = (t74.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
-    t76 = (np.reshape(t75.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
-    t58[...] = (np.reshape((np.reshape(t65, (d_K*d_V, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t72 += np.reshape(t41, (1, d_K, 1)) * np.reshape(t76, (d_V, 1, d_V))
-    t77 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t78 = np.reshape(t77, (d_V, d_K, d_V, d_K), copy=False)
-    t79 = (np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
-    t80 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t70.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t78[...] = (np.reshape((np.reshape(t80, (d_V**2, L*n_batch)) @ np.reshape(t79.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    t81 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t82 = np.reshape(t81, (d_V, d_K, d_V, d_V), copy=False)
-    t83 = (1/(math.sqrt(d_K)*n_batch)) * t60
-    t84 = (np.reshape(t83, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
-    t85 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t84.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t86 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
-    t87 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
-    t88 = (np.reshape(t45.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
-    t89 = (np.reshape(t48, (d_V, n_batch, L, 1)) * np.reshape(t63.transpose(1, 0, 2), (d_V, n_batch, 1, L)))
-    t90 = (t89.transpose(1, 3, 2, 0) @ dA)
-    t91 = (t90.transpose(1, 2, 0, 3) * np.reshape(t87.transpose(1, 0), (L, L, 1, 1)))
-    t92 = (np.reshape((t2 @ np.reshape(t91.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
-    t82[...] = (np.reshape((np.reshape(t85, (d_V**2, L*n_batch)) @ np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    t82 += (np.reshape((np.reshape(t88, (d_K*d_V, L*n_batch)) @ np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t94 = np.reshape(t93, (d_V, d_V, d_V, d_K), copy=False)
-    t95 = np.swapaxes(T, -1, -2)
-    t96 = t60 * t95
-    t97 = (t96.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
-    t98 = (np.reshape(t97.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t99 = (t19.transpose(1, 2, 0, 3) * np.reshape(t46.transpose(1, 0), (L, L, 1, 1)))
-    t100 = np.reshape((np.reshape(t99.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
-    t101 = (t100.transpose(2, 3, 0, 1) * np.reshape(t7.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-    t102 = np.swapaxes(G, -1, -2)
-    t103 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t84.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t104 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t102.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t94[...] = (np.reshape((np.reshape(t98, (d_V**2, L*n_batch)) @ np.reshape(t101.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t94 += (np.reshape((np.reshape(t104, (d_V**2, L*n_batch)) @ np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t106 = np.reshape(t105, (d_V, d_V, d_V, d_K), copy=False)
-    t107 = (np.reshape(t97.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)))
-    t108 = np.reshape((np.reshape(t99.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t109 = (t108.transpose(2, 3, 0, 1) * np.reshape(t7.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-    t110 = (np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t102.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t106[...] = (np.reshape((np.reshape(t109, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t106 += (np.reshape((np.reshape(t85, (d_V**2, L*n_batch)) @ np.reshape(t110.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t111 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t112 = np.reshape(t111, (d_V, d_V, d_V, d_V), copy=False)
-    t113 = np.swapaxes(t45, -1, -2)
-    t114 = (1/(L*n_batch)) * t113
-    t115 = (dA.transpose(2, 3, 0, 1) * np.reshape(t7.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-    t116 = (np.reshape(t45.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t114.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t112[...] = (np.reshape((np.reshape(t116, (d_V**2, L*n_batch)) @ np.reshape(t115.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t71 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t70.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t58[...] = (np.reshape((np.reshape(t71, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t72 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t73 = np.reshape(t72, (d_V, d_K, d_V, d_V), copy=False)
+    t74 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t75 = (np.reshape(t74, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
+    t76 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t75.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t77 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t78 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t79 = (np.reshape(t45.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t80 = (np.reshape(t48, (d_V, n_batch, L, 1)) * np.reshape(t63.transpose(1, 0, 2), (d_V, n_batch, 1, L)))
+    t81 = (t80.transpose(1, 3, 2, 0) @ dA)
+    t82 = (t81.transpose(1, 2, 0, 3) * np.reshape(t78.transpose(1, 0), (L, L, 1, 1)))
+    t83 = (np.reshape((t2 @ np.reshape(t82.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
+    t73[...] = (np.reshape((np.reshape(t76, (d_V**2, L*n_batch)) @ np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t73 += (np.reshape((np.reshape(t79, (d_K*d_V, L*n_batch)) @ np.reshape(t83.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t84 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t85 = np.reshape(t84, (d_V, d_V, d_V, d_V), copy=False)
+    t86 = np.swapaxes(t45, -1, -2)
+    t87 = (1/(L*n_batch)) * t86
+    t88 = (dA.transpose(2, 3, 0, 1) * np.reshape(t7.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t89 = (np.reshape(t45.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t87.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t85[...] = (np.reshape((np.reshape(t89, (d_V**2, L*n_batch)) @ np.reshape(t88.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t90 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t26, t90)
+    t91 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t43, t91)
+    t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t72, t92)
     return H
 
 

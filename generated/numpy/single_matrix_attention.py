@@ -5200,23 +5200,15 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
     t49 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t47.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t44[...] = (np.reshape((np.reshape(t46, (d_V**2, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t44 += (np.reshape((np.reshape(t48, (d_V**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t50 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t50 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t51 = np.reshape(t50, (d_V, d_V, d_V, d_V), copy=False)
-    t52 = np.swapaxes(G, -1, -2)
-    t53 = (1/n_batch) * t52
-    t54 = M_2.transpose(2, 3, 0, 1)
-    t55 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t53.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t56 = np.swapaxes(M_1, -1, -2)
-    t57 = (1/(L*n_batch)) * t56
-    t58 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t57.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t59 = ((t21 @ t19.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t51[...] = (np.reshape((np.reshape(t55, (d_V**2, L*n_batch)) @ np.reshape(t54.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t51 += (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
-    t60 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t61 = np.reshape(t60, (d_V, d_V, d_V, d_V), copy=False)
-    t62 = (dA15.transpose(2, 3, 0, 1) * np.reshape(t9.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-    t63 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t57.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t61[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t52 = np.swapaxes(M_1, -1, -2)
+    t53 = (1/(L*n_batch)) * t52
+    t54 = (dA15.transpose(2, 3, 0, 1) * np.reshape(t9.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t55 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t53.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t51[...] = (np.reshape((np.reshape(t55, (d_V**2, L*n_batch)) @ np.reshape(t54.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t56 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    _transpose_into(t43, t56)
     return H
 
 
@@ -7584,23 +7576,15 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
     t51 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t49.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t46[...] = (np.reshape((np.reshape(t48, (d_V**2, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t46 += (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t52 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t52 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t53 = np.reshape(t52, (d_V, d_V, d_V, d_V), copy=False)
-    t54 = np.swapaxes(G, -1, -2)
-    t55 = (1/n_batch) * t54
-    t56 = M_2.transpose(2, 3, 0, 1)
-    t57 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t55.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t58 = np.swapaxes(M_1, -1, -2)
-    t59 = (1/(L*n_batch)) * t58
-    t60 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t61 = ((t23 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t53[...] = (np.reshape((np.reshape(t57, (d_V**2, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t53 += (np.reshape((np.reshape(t60, (d_V**2, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
-    t62 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t63 = np.reshape(t62, (d_V, d_V, d_V, d_V), copy=False)
-    t64 = (dA17.transpose(2, 3, 0, 1) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
-    t65 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t63[...] = (np.reshape((np.reshape(t65, (d_V**2, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t54 = np.swapaxes(M_1, -1, -2)
+    t55 = (1/(L*n_batch)) * t54
+    t56 = (dA17.transpose(2, 3, 0, 1) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t57 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t55.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t53[...] = (np.reshape((np.reshape(t57, (d_V**2, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t58 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    _transpose_into(t45, t58)
     return H
 
 

@@ -20617,9 +20617,8 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t1, t48, t49
     t50 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t51 = np.reshape(t50, (d_V, d_K, d_V, d_K), copy=False)
-    del t50
     t52 = ((t26 @ t25)).transpose(2, 3, 0, 1)
-    del t26
+    del t25, t26
     t53 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t54 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t55 = np.reshape((t40 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -20648,10 +20647,9 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t51[...] = (np.reshape((t66 @ t67), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     del t51, t66, t67
     t57 += np.reshape(t61, (1, d_K, 1)) * np.reshape(t59.sum((0,)), (d_V, 1, d_V))
-    del t57
+    del t57, t59, t61
     t68 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t69 = np.reshape(t68, (d_V, d_K, d_V, d_H), copy=False)
-    del t68
     t70 = np.swapaxes(W_O, -1, -2)
     t71 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t72 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t71.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -20672,7 +20670,6 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t69, t79, t80
     t81 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t82 = np.reshape(t81, (d_V, d_K, d_H, d_V), copy=False)
-    del t81
     t83 = M_1 @ W_V
     t84 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
     t85 = np.reshape((t84 @ np.reshape(t72.transpose(2, 0, 1, 3), (d_V, L*d_K*n_batch))), (d_V, n_batch, L, d_K))
@@ -20689,7 +20686,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t86, t87
     t82 += (np.reshape((np.reshape(t89, (d_H*d_K, L*n_batch)) @ np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     del t82, t89, t90
-    t91 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t91 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t92 = np.reshape(t91, (d_V, d_K, d_V, d_K), copy=False)
     del t91
     t93 = np.swapaxes(W_Q, -1, -2)
@@ -20700,220 +20697,128 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t95
     t97 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))
     del t20
-    t98 = (t97 @ t96)
-    t99 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t98.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    del t98
-    t100 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t94.transpose(1, 0)), (n_batch, L, d_K))
-    del t94
-    t101 = (np.reshape(t100.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t102 = (1/(d_K*n_batch)) * t93
-    t103 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t104 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t102.transpose(1, 0)), (n_batch, L, d_K))
-    del t102, t3
-    t105 = (np.reshape(t104.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t106 = np.einsum('abcb->abc', t92)
-    t107 = np.swapaxes(t59, -1, -2)
-    del t59
-    t108 = np.reshape(t101, (d_K*d_V, L*n_batch))
-    del t101
-    t109 = np.reshape(t105, (d_K*d_V, L*n_batch))
-    del t105
-    t110 = np.reshape(t99.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t99
-    t111 = np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t103
-    t112 = np.concatenate([t108, t109], axis=-1)
-    del t108, t109
-    t113 = np.concatenate([t110, t111], axis=-2)
-    del t110, t111
-    t92[...] = (np.reshape((t112 @ t113), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t112, t113, t92
-    t106 += np.reshape(t61, (1, d_K, 1)) * np.reshape(t107.sum((0,)), (d_V, 1, d_V))
-    del t106, t107, t61
-    t114 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t115 = np.reshape(t114, (d_V, d_K, d_V, d_K), copy=False)
-    del t114
-    t116 = ((t97 @ t96)).transpose(3, 2, 0, 1)
+    t98 = ((t97 @ t96)).transpose(3, 2, 0, 1)
     del t97
-    t117 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t100.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t100
-    t118 = M_3.transpose(2, 3, 0, 1)
+    t99 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t94.transpose(1, 0)), (n_batch, L, d_K))
+    del t94
+    t100 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t99.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t99
+    t101 = (1/(d_K*n_batch)) * t93
+    t102 = M_3.transpose(2, 3, 0, 1)
     del M_3
-    t119 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t104.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t103 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t101.transpose(1, 0)), (n_batch, L, d_K))
+    del t101, t3
+    t104 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t103.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t103, t53
+    t105 = np.reshape(t98, (d_V**2, L*n_batch))
+    del t98
+    t106 = np.reshape(t102, (d_V**2, L*n_batch))
+    del t102
+    t107 = np.reshape(t100.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t100
+    t108 = np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     del t104
-    t120 = np.reshape(t116, (d_V**2, L*n_batch))
-    del t116
-    t121 = np.reshape(t118, (d_V**2, L*n_batch))
-    del t118
-    t122 = np.reshape(t117.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t117
-    t123 = np.reshape(t119.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t119
-    t124 = np.concatenate([t120, t121], axis=-1)
-    del t120, t121
-    t125 = np.concatenate([t122, t123], axis=-2)
-    del t122, t123
-    t115[...] = (np.reshape((t124 @ t125), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    del t115, t124, t125
-    t126 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t127 = np.reshape(t126, (d_V, d_K, d_V, d_H), copy=False)
-    del t126
-    t128 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
-    t129 = (np.reshape((t70.transpose(1, 0) @ np.reshape(t96.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t109 = np.concatenate([t105, t106], axis=-1)
+    del t105, t106
+    t110 = np.concatenate([t107, t108], axis=-2)
+    del t107, t108
+    t92[...] = (np.reshape((t109 @ t110), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t109, t110, t92
+    t111 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t112 = np.reshape(t111, (d_V, d_K, d_V, d_H), copy=False)
+    t113 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
+    t114 = (np.reshape((t70.transpose(1, 0) @ np.reshape(t96.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     del t96
-    t130 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t128.transpose(1, 0)), (n_batch, L, d_K))
-    del t128
-    t131 = (np.reshape(t130.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t132 = (1/(math.sqrt(d_K)*n_batch)) * t93
+    t115 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t113.transpose(1, 0)), (n_batch, L, d_K))
+    del t113
+    t116 = (np.reshape(t115.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t117 = (1/(math.sqrt(d_K)*n_batch)) * t93
     del t93
-    t133 = M_2.transpose(3, 2, 0, 1)
-    t134 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t132.transpose(1, 0)), (n_batch, L, d_K))
-    del t132
-    t135 = (np.reshape(t134.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t77.transpose(2, 0, 1), (1, d_H, n_batch, L)))
-    t127[...] = (np.reshape((np.reshape(t131, (d_K*d_V, L*n_batch)) @ np.reshape(t129.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
-    del t129, t131
-    t127 += (np.reshape((np.reshape(t133, (d_V**2, L*n_batch)) @ np.reshape(t135.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
-    del t127, t133, t135
-    t136 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t137 = np.reshape(t136, (d_V, d_K, d_H, d_V), copy=False)
-    del t136
-    t138 = np.reshape((t84 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    del t84
-    t139 = ((t138.transpose(1, 2, 3, 0) @ t23)).transpose(2, 3, 0, 1)
-    del t138
-    t140 = (np.reshape(t130.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t83.transpose(2, 0, 1), (1, d_H, n_batch, L)))
-    del t130
-    t141 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t142 = (np.reshape(t134.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    del t134
-    t137[...] = (np.reshape((np.reshape(t140, (d_H*d_K, L*n_batch)) @ np.reshape(t139.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
-    del t139, t140
-    t137 += (np.reshape((np.reshape(t141, (d_H*d_V, L*n_batch)) @ np.reshape(t142.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
-    del t137, t141, t142
-    t143 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t144 = np.reshape(t143, (d_V, d_H, d_V, d_K), copy=False)
-    del t143
-    t145 = np.swapaxes(t77, -1, -2)
+    t118 = M_2.transpose(3, 2, 0, 1)
+    t119 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t117.transpose(1, 0)), (n_batch, L, d_K))
+    del t117
+    t120 = (np.reshape(t119.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t77.transpose(2, 0, 1), (1, d_H, n_batch, L)))
     del t77
-    t146 = (1/(math.sqrt(d_K)*n_batch)) * t145
-    del t145
-    t147 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t146.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t148 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t149 = np.swapaxes(M_1, -1, -2)
-    t150 = (1/(L*math.sqrt(d_K)*n_batch)) * t149
-    t151 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t150.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t152 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t153 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t152.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
-    del t152
-    t144[...] = (np.reshape((np.reshape(t147, (d_H*d_V, L*n_batch)) @ np.reshape(t148.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t147, t148
-    t144 += (np.reshape((np.reshape(t151, (d_V**2, L*n_batch)) @ np.reshape(t153.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
-    del t144, t151, t153
-    t154 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t155 = np.reshape(t154, (d_V, d_H, d_V, d_K), copy=False)
-    del t154
-    t156 = M_2.transpose(2, 3, 0, 1)
-    t157 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t146.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    t112[...] = (np.reshape((np.reshape(t116, (d_K*d_V, L*n_batch)) @ np.reshape(t114.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+    del t114, t116
+    t112 += (np.reshape((np.reshape(t118, (d_V**2, L*n_batch)) @ np.reshape(t120.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    del t112, t118, t120
+    t121 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t122 = np.reshape(t121, (d_V, d_K, d_H, d_V), copy=False)
+    t123 = np.reshape((t84 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t84
+    t124 = ((t123.transpose(1, 2, 3, 0) @ t23)).transpose(2, 3, 0, 1)
+    del t123
+    t125 = (np.reshape(t115.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t83.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    del t115
+    t126 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del M_2
+    t127 = (np.reshape(t119.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t119
+    t122[...] = (np.reshape((np.reshape(t125, (d_H*d_K, L*n_batch)) @ np.reshape(t124.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t124, t125
+    t122 += (np.reshape((np.reshape(t126, (d_H*d_V, L*n_batch)) @ np.reshape(t127.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t122, t126, t127
+    t128 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t129 = np.reshape(t128, (d_V, d_H, d_V, d_H), copy=False)
+    del t128
+    t130 = np.swapaxes(M_1, -1, -2)
+    t131 = (1/(L*n_batch)) * t130
+    t132 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t131.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del M_1
+    t133 = (np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1)) * np.reshape(W_O.transpose(1, 0), (d_V, 1, 1, d_H)))
+    t134 = np.reshape((t70.transpose(1, 0) @ np.reshape(dA19.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))
+    del t70
+    t135 = ((t134.transpose(1, 2, 0, 3) @ t133.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    del t133, t134
+    t129[...] = (np.reshape((np.reshape(t132, (d_V**2, L*n_batch)) @ np.reshape(t135.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
+    del t129, t132, t135
+    t136 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t137 = np.reshape(t136, (d_V, d_H, d_H, d_V), copy=False)
+    t138 = (np.reshape(t83.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t131.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t131
+    t139 = np.reshape((W_O @ np.reshape(t23.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    del t23
+    t140 = np.einsum('abbc->abc', t137)
+    t141 = np.ones((d_H,), dtype=X.dtype)
+    t142 = (1/n_batch) * t141
+    del t141
+    t143 = (np.reshape(t130.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
+    del G, t130
+    t137[...] = (np.reshape((np.reshape(t138, (d_H*d_V, L*n_batch)) @ np.reshape(t139.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
+    del t137, t138, t139
+    t140 += np.reshape(t142, (1, d_H, 1)) * np.reshape(t143, (d_V, 1, d_V))
+    del t140, t142, t143
+    t144 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t145 = np.reshape(t144, (d_H, d_V, d_H, d_V), copy=False)
+    del t144
+    t146 = np.swapaxes(t83, -1, -2)
+    t147 = (1/(L*n_batch)) * t146
     del t146
-    t158 = np.reshape((W_O @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    del t25
-    t159 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t150.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t150
-    t155[...] = (np.reshape((np.reshape(t156, (d_V**2, L*n_batch)) @ np.reshape(t157.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
-    del t156, t157
-    t155 += (np.reshape((np.reshape(t158, (d_H*d_V, L*n_batch)) @ np.reshape(t159.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t155, t158, t159
-    t160 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t161 = np.reshape(t160, (d_V, d_H, d_V, d_H), copy=False)
-    del t160
-    t162 = (1/(L*n_batch)) * t149
-    t163 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t162.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t164 = (np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1)) * np.reshape(W_O.transpose(1, 0), (d_V, 1, 1, d_H)))
-    t165 = np.reshape((t70.transpose(1, 0) @ np.reshape(dA19.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))
-    t166 = ((t165.transpose(1, 2, 0, 3) @ t164.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    del t164, t165
-    t161[...] = (np.reshape((np.reshape(t163, (d_V**2, L*n_batch)) @ np.reshape(t166.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
-    del t161, t163, t166
-    t167 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t168 = np.reshape(t167, (d_V, d_H, d_H, d_V), copy=False)
-    del t167
-    t169 = (np.reshape(t83.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t162.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t162
-    t170 = np.reshape((W_O @ np.reshape(t23.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    t171 = np.einsum('abbc->abc', t168)
-    t172 = np.ones((d_H,), dtype=X.dtype)
-    t173 = (1/n_batch) * t172
-    del t172
-    t174 = (np.reshape(t149.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
-    del t149
-    t168[...] = (np.reshape((np.reshape(t169, (d_H*d_V, L*n_batch)) @ np.reshape(t170.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    del t168, t169, t170
-    t171 += np.reshape(t173, (1, d_H, 1)) * np.reshape(t174, (d_V, 1, d_V))
-    del t171, t174
-    t175 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t176 = np.reshape(t175, (d_H, d_V, d_V, d_K), copy=False)
-    del t175
-    t177 = np.swapaxes(G, -1, -2)
-    del G
-    t178 = np.swapaxes(W_V, -1, -2)
-    t179 = (1/(math.sqrt(d_K)*n_batch)) * t177
-    t180 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t178.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t181 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t180.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
-    del t180
-    t182 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t179.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t183 = np.swapaxes(t83, -1, -2)
-    t184 = (1/(L*math.sqrt(d_K)*n_batch)) * t183
-    t185 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t184.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t186 = (t178.transpose(1, 0) @ t70.transpose(1, 0))
-    t187 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
-    t188 = np.reshape((t186 @ np.reshape(t23.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t189 = ((t188.transpose(1, 2, 3, 0) @ t187.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
-    del t187, t188
-    t176[...] = (np.reshape((np.reshape(t182, (d_V**2, L*n_batch)) @ np.reshape(t181.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
-    del t181, t182
-    t176 += (np.reshape((np.reshape(t185, (d_H*d_V, L*n_batch)) @ np.reshape(t189.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t176, t185, t189
-    t190 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t191 = np.reshape(t190, (d_H, d_V, d_V, d_K), copy=False)
-    del t190
-    t192 = np.reshape((t178 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    del t178
-    t193 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t179.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t179
-    t194 = (np.reshape(t53, (1, d_K, n_batch, L)) * np.reshape(t184.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    del t184, t53
-    t195 = np.reshape((t186.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    del M_2, t186
-    t196 = ((t195.transpose(1, 2, 3, 0) @ t23.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    del t195
-    t191[...] = (np.reshape((np.reshape(t192, (d_H*d_V, L*n_batch)) @ np.reshape(t193.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t192, t193
-    t191 += (np.reshape((np.reshape(t196, (d_V**2, L*n_batch)) @ np.reshape(t194.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
-    del t191, t194, t196
-    t197 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t198 = np.reshape(t197, (d_H, d_V, d_V, d_H), copy=False)
-    del t197
-    t199 = (1/(L*n_batch)) * t183
-    del t183
-    t200 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t199.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t201 = (np.reshape((t70.transpose(1, 0) @ np.reshape(t23.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    del t23, t70
-    t202 = np.einsum('abca->abc', t198)
-    t203 = t177 @ M_1
-    del M_1, t177
-    t198[...] = (np.reshape((np.reshape(t200, (d_H*d_V, L*n_batch)) @ np.reshape(t201.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
-    del t198, t200, t201
-    t202 += np.reshape(t173, (d_H, 1, 1)) * np.reshape(t203.sum((0,)), (1, d_V, d_V))
-    del t173, t202, t203
-    t204 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t205 = np.reshape(t204, (d_H, d_V, d_H, d_V), copy=False)
-    del t204
-    t206 = (dA19.transpose(2, 3, 0, 1) * np.reshape(t13.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t148 = (dA19.transpose(2, 3, 0, 1) * np.reshape(t13.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     del dA19, t13
-    t207 = (np.reshape(t83.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t199.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    del t199, t83
-    t205[...] = (np.reshape((np.reshape(t207, (d_H**2, L*n_batch)) @ np.reshape(t206.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
-    del t205, t206, t207
+    t149 = (np.reshape(t83.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t147.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    del t147, t83
+    t145[...] = (np.reshape((np.reshape(t149, (d_H**2, L*n_batch)) @ np.reshape(t148.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
+    del t145, t148, t149
+    t150 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t50, t150)
+    del t150, t50
+    t151 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t68, t151)
+    del t151, t68
+    t152 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t111, t152)
+    del t111, t152
+    t153 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t81, t153)
+    del t153, t81
+    t154 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t121, t154)
+    del t121, t154
+    t155 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    _transpose_into(t136, t155)
+    del t136, t155
     return H
 
 
@@ -30111,9 +30016,8 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t1, t50, t51
     t52 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
-    del t52
     t54 = ((t28 @ t27)).transpose(2, 3, 0, 1)
-    del t28
+    del t27, t28
     t55 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t56 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t57 = np.reshape((t42 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -30142,10 +30046,9 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t53[...] = (np.reshape((t68 @ t69), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     del t53, t68, t69
     t59 += np.reshape(t63, (1, d_K, 1)) * np.reshape(t61.sum((0,)), (d_V, 1, d_V))
-    del t59
+    del t59, t61, t63
     t70 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t71 = np.reshape(t70, (d_V, d_K, d_V, d_H), copy=False)
-    del t70
     t72 = np.swapaxes(W_O, -1, -2)
     t73 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t74 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t73.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -30166,7 +30069,6 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t71, t81, t82
     t83 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t84 = np.reshape(t83, (d_V, d_K, d_H, d_V), copy=False)
-    del t83
     t85 = M_1 @ W_V
     t86 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
     t87 = np.reshape((t86 @ np.reshape(t74.transpose(2, 0, 1, 3), (d_V, L*d_K*n_batch))), (d_V, n_batch, L, d_K))
@@ -30183,7 +30085,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t88, t89
     t84 += (np.reshape((np.reshape(t91, (d_H*d_K, L*n_batch)) @ np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     del t84, t91, t92
-    t93 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t93 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t94 = np.reshape(t93, (d_V, d_K, d_V, d_K), copy=False)
     del t93
     t95 = np.swapaxes(W_Q, -1, -2)
@@ -30194,220 +30096,128 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t97
     t99 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))
     del t22
-    t100 = (t99 @ t98)
-    t101 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t100.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    del t100
-    t102 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t96.transpose(1, 0)), (n_batch, L, d_K))
-    del t96
-    t103 = (np.reshape(t102.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t104 = (1/(d_K*n_batch)) * t95
-    t105 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t106 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t104.transpose(1, 0)), (n_batch, L, d_K))
-    del t104, t3
-    t107 = (np.reshape(t106.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t108 = np.einsum('abcb->abc', t94)
-    t109 = np.swapaxes(t61, -1, -2)
-    del t61
-    t110 = np.reshape(t103, (d_K*d_V, L*n_batch))
-    del t103
-    t111 = np.reshape(t107, (d_K*d_V, L*n_batch))
-    del t107
-    t112 = np.reshape(t101.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t101
-    t113 = np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    del t105
-    t114 = np.concatenate([t110, t111], axis=-1)
-    del t110, t111
-    t115 = np.concatenate([t112, t113], axis=-2)
-    del t112, t113
-    t94[...] = (np.reshape((t114 @ t115), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t114, t115, t94
-    t108 += np.reshape(t63, (1, d_K, 1)) * np.reshape(t109.sum((0,)), (d_V, 1, d_V))
-    del t108, t109, t63
-    t116 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t117 = np.reshape(t116, (d_V, d_K, d_V, d_K), copy=False)
-    del t116
-    t118 = ((t99 @ t98)).transpose(3, 2, 0, 1)
+    t100 = ((t99 @ t98)).transpose(3, 2, 0, 1)
     del t99
-    t119 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t102.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
-    del t102
-    t120 = M_3.transpose(2, 3, 0, 1)
+    t101 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t96.transpose(1, 0)), (n_batch, L, d_K))
+    del t96
+    t102 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t101.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t101
+    t103 = (1/(d_K*n_batch)) * t95
+    t104 = M_3.transpose(2, 3, 0, 1)
     del M_3
-    t121 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t106.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    t105 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t103.transpose(1, 0)), (n_batch, L, d_K))
+    del t103, t3
+    t106 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t105.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
+    del t105, t55
+    t107 = np.reshape(t100, (d_V**2, L*n_batch))
+    del t100
+    t108 = np.reshape(t104, (d_V**2, L*n_batch))
+    del t104
+    t109 = np.reshape(t102.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    del t102
+    t110 = np.reshape(t106.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     del t106
-    t122 = np.reshape(t118, (d_V**2, L*n_batch))
-    del t118
-    t123 = np.reshape(t120, (d_V**2, L*n_batch))
-    del t120
-    t124 = np.reshape(t119.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t119
-    t125 = np.reshape(t121.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
-    del t121
-    t126 = np.concatenate([t122, t123], axis=-1)
-    del t122, t123
-    t127 = np.concatenate([t124, t125], axis=-2)
-    del t124, t125
-    t117[...] = (np.reshape((t126 @ t127), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
-    del t117, t126, t127
-    t128 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t129 = np.reshape(t128, (d_V, d_K, d_V, d_H), copy=False)
-    del t128
-    t130 = (1/(L*math.sqrt(d_K)*n_batch)) * t95
-    t131 = (np.reshape((t72.transpose(1, 0) @ np.reshape(t98.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t111 = np.concatenate([t107, t108], axis=-1)
+    del t107, t108
+    t112 = np.concatenate([t109, t110], axis=-2)
+    del t109, t110
+    t94[...] = (np.reshape((t111 @ t112), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    del t111, t112, t94
+    t113 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t114 = np.reshape(t113, (d_V, d_K, d_V, d_H), copy=False)
+    t115 = (1/(L*math.sqrt(d_K)*n_batch)) * t95
+    t116 = (np.reshape((t72.transpose(1, 0) @ np.reshape(t98.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     del t98
-    t132 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t130.transpose(1, 0)), (n_batch, L, d_K))
-    del t130
-    t133 = (np.reshape(t132.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    t134 = (1/(math.sqrt(d_K)*n_batch)) * t95
+    t117 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t115.transpose(1, 0)), (n_batch, L, d_K))
+    del t115
+    t118 = (np.reshape(t117.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t119 = (1/(math.sqrt(d_K)*n_batch)) * t95
     del t95
-    t135 = M_2.transpose(3, 2, 0, 1)
-    t136 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t134.transpose(1, 0)), (n_batch, L, d_K))
-    del t134
-    t137 = (np.reshape(t136.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t79.transpose(2, 0, 1), (1, d_H, n_batch, L)))
-    t129[...] = (np.reshape((np.reshape(t133, (d_K*d_V, L*n_batch)) @ np.reshape(t131.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
-    del t131, t133
-    t129 += (np.reshape((np.reshape(t135, (d_V**2, L*n_batch)) @ np.reshape(t137.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
-    del t129, t135, t137
-    t138 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t139 = np.reshape(t138, (d_V, d_K, d_H, d_V), copy=False)
-    del t138
-    t140 = np.reshape((t86 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    del t86
-    t141 = ((t140.transpose(1, 2, 3, 0) @ t25)).transpose(2, 3, 0, 1)
-    del t140
-    t142 = (np.reshape(t132.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t85.transpose(2, 0, 1), (1, d_H, n_batch, L)))
-    del t132
-    t143 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t144 = (np.reshape(t136.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
-    del t136
-    t139[...] = (np.reshape((np.reshape(t142, (d_H*d_K, L*n_batch)) @ np.reshape(t141.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
-    del t141, t142
-    t139 += (np.reshape((np.reshape(t143, (d_H*d_V, L*n_batch)) @ np.reshape(t144.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
-    del t139, t143, t144
-    t145 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t146 = np.reshape(t145, (d_V, d_H, d_V, d_K), copy=False)
-    del t145
-    t147 = np.swapaxes(t79, -1, -2)
+    t120 = M_2.transpose(3, 2, 0, 1)
+    t121 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t119.transpose(1, 0)), (n_batch, L, d_K))
+    del t119
+    t122 = (np.reshape(t121.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t79.transpose(2, 0, 1), (1, d_H, n_batch, L)))
     del t79
-    t148 = (1/(math.sqrt(d_K)*n_batch)) * t147
-    del t147
-    t149 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t148.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t150 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t151 = np.swapaxes(M_1, -1, -2)
-    t152 = (1/(L*math.sqrt(d_K)*n_batch)) * t151
-    t153 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t152.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t154 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t155 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t154.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
-    del t154
-    t146[...] = (np.reshape((np.reshape(t149, (d_H*d_V, L*n_batch)) @ np.reshape(t150.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t149, t150
-    t146 += (np.reshape((np.reshape(t153, (d_V**2, L*n_batch)) @ np.reshape(t155.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
-    del t146, t153, t155
-    t156 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t157 = np.reshape(t156, (d_V, d_H, d_V, d_K), copy=False)
-    del t156
-    t158 = M_2.transpose(2, 3, 0, 1)
-    t159 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t148.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    t114[...] = (np.reshape((np.reshape(t118, (d_K*d_V, L*n_batch)) @ np.reshape(t116.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
+    del t116, t118
+    t114 += (np.reshape((np.reshape(t120, (d_V**2, L*n_batch)) @ np.reshape(t122.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
+    del t114, t120, t122
+    t123 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t124 = np.reshape(t123, (d_V, d_K, d_H, d_V), copy=False)
+    t125 = np.reshape((t86 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    del t86
+    t126 = ((t125.transpose(1, 2, 3, 0) @ t25)).transpose(2, 3, 0, 1)
+    del t125
+    t127 = (np.reshape(t117.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(t85.transpose(2, 0, 1), (1, d_H, n_batch, L)))
+    del t117
+    t128 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    del M_2
+    t129 = (np.reshape(t121.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    del t121
+    t124[...] = (np.reshape((np.reshape(t127, (d_H*d_K, L*n_batch)) @ np.reshape(t126.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
+    del t126, t127
+    t124 += (np.reshape((np.reshape(t128, (d_H*d_V, L*n_batch)) @ np.reshape(t129.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
+    del t124, t128, t129
+    t130 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t131 = np.reshape(t130, (d_V, d_H, d_V, d_H), copy=False)
+    del t130
+    t132 = np.swapaxes(M_1, -1, -2)
+    t133 = (1/(L*n_batch)) * t132
+    t134 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t133.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del M_1
+    t135 = (np.reshape(t15.transpose(2, 0, 1), (d_V, n_batch, L, 1)) * np.reshape(W_O.transpose(1, 0), (d_V, 1, 1, d_H)))
+    t136 = np.reshape((t72.transpose(1, 0) @ np.reshape(dA21.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))
+    del t72
+    t137 = ((t136.transpose(1, 2, 0, 3) @ t135.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    del t135, t136
+    t131[...] = (np.reshape((np.reshape(t134, (d_V**2, L*n_batch)) @ np.reshape(t137.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
+    del t131, t134, t137
+    t138 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t139 = np.reshape(t138, (d_V, d_H, d_H, d_V), copy=False)
+    t140 = (np.reshape(t85.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t133.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    del t133
+    t141 = np.reshape((W_O @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
+    del t25
+    t142 = np.einsum('abbc->abc', t139)
+    t143 = np.ones((d_H,), dtype=X.dtype)
+    t144 = (1/n_batch) * t143
+    del t143
+    t145 = (np.reshape(t132.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
+    del G, t132
+    t139[...] = (np.reshape((np.reshape(t140, (d_H*d_V, L*n_batch)) @ np.reshape(t141.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
+    del t139, t140, t141
+    t142 += np.reshape(t144, (1, d_H, 1)) * np.reshape(t145, (d_V, 1, d_V))
+    del t142, t144, t145
+    t146 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t147 = np.reshape(t146, (d_H, d_V, d_H, d_V), copy=False)
+    del t146
+    t148 = np.swapaxes(t85, -1, -2)
+    t149 = (1/(L*n_batch)) * t148
     del t148
-    t160 = np.reshape((W_O @ np.reshape(t27.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    del t27
-    t161 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t152.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t152
-    t157[...] = (np.reshape((np.reshape(t158, (d_V**2, L*n_batch)) @ np.reshape(t159.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
-    del t158, t159
-    t157 += (np.reshape((np.reshape(t160, (d_H*d_V, L*n_batch)) @ np.reshape(t161.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    del t157, t160, t161
-    t162 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t163 = np.reshape(t162, (d_V, d_H, d_V, d_H), copy=False)
-    del t162
-    t164 = (1/(L*n_batch)) * t151
-    t165 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t164.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t166 = (np.reshape(t15.transpose(2, 0, 1), (d_V, n_batch, L, 1)) * np.reshape(W_O.transpose(1, 0), (d_V, 1, 1, d_H)))
-    t167 = np.reshape((t72.transpose(1, 0) @ np.reshape(dA21.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))
-    t168 = ((t167.transpose(1, 2, 0, 3) @ t166.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    del t166, t167
-    t163[...] = (np.reshape((np.reshape(t165, (d_V**2, L*n_batch)) @ np.reshape(t168.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
-    del t163, t165, t168
-    t169 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t170 = np.reshape(t169, (d_V, d_H, d_H, d_V), copy=False)
-    del t169
-    t171 = (np.reshape(t85.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t164.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t164
-    t172 = np.reshape((W_O @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    t173 = np.einsum('abbc->abc', t170)
-    t174 = np.ones((d_H,), dtype=X.dtype)
-    t175 = (1/n_batch) * t174
-    del t174
-    t176 = (np.reshape(t151.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
-    del t151
-    t170[...] = (np.reshape((np.reshape(t171, (d_H*d_V, L*n_batch)) @ np.reshape(t172.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    del t170, t171, t172
-    t173 += np.reshape(t175, (1, d_H, 1)) * np.reshape(t176, (d_V, 1, d_V))
-    del t173, t176
-    t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t178 = np.reshape(t177, (d_H, d_V, d_V, d_K), copy=False)
-    del t177
-    t179 = np.swapaxes(G, -1, -2)
-    del G
-    t180 = np.swapaxes(W_V, -1, -2)
-    t181 = (1/(math.sqrt(d_K)*n_batch)) * t179
-    t182 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t180.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t183 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t182.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
-    del t182
-    t184 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t181.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    t185 = np.swapaxes(t85, -1, -2)
-    t186 = (1/(L*math.sqrt(d_K)*n_batch)) * t185
-    t187 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t186.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t188 = (t180.transpose(1, 0) @ t72.transpose(1, 0))
-    t189 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
-    t190 = np.reshape((t188 @ np.reshape(t25.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t191 = ((t190.transpose(1, 2, 3, 0) @ t189.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
-    del t189, t190
-    t178[...] = (np.reshape((np.reshape(t184, (d_V**2, L*n_batch)) @ np.reshape(t183.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
-    del t183, t184
-    t178 += (np.reshape((np.reshape(t187, (d_H*d_V, L*n_batch)) @ np.reshape(t191.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t178, t187, t191
-    t192 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t193 = np.reshape(t192, (d_H, d_V, d_V, d_K), copy=False)
-    del t192
-    t194 = np.reshape((t180 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
-    del t180
-    t195 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t181.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
-    del t181
-    t196 = (np.reshape(t55, (1, d_K, n_batch, L)) * np.reshape(t186.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    del t186, t55
-    t197 = np.reshape((t188.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    del M_2, t188
-    t198 = ((t197.transpose(1, 2, 3, 0) @ t25.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    del t197
-    t193[...] = (np.reshape((np.reshape(t194, (d_H*d_V, L*n_batch)) @ np.reshape(t195.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    del t194, t195
-    t193 += (np.reshape((np.reshape(t198, (d_V**2, L*n_batch)) @ np.reshape(t196.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
-    del t193, t196, t198
-    t199 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t200 = np.reshape(t199, (d_H, d_V, d_V, d_H), copy=False)
-    del t199
-    t201 = (1/(L*n_batch)) * t185
-    del t185
-    t202 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t201.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    t203 = (np.reshape((t72.transpose(1, 0) @ np.reshape(t25.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    del t25, t72
-    t204 = np.einsum('abca->abc', t200)
-    t205 = t179 @ M_1
-    del M_1, t179
-    t200[...] = (np.reshape((np.reshape(t202, (d_H*d_V, L*n_batch)) @ np.reshape(t203.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
-    del t200, t202, t203
-    t204 += np.reshape(t175, (d_H, 1, 1)) * np.reshape(t205.sum((0,)), (1, d_V, d_V))
-    del t175, t204, t205
-    t206 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t207 = np.reshape(t206, (d_H, d_V, d_H, d_V), copy=False)
-    del t206
-    t208 = (dA21.transpose(2, 3, 0, 1) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t150 = (dA21.transpose(2, 3, 0, 1) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     del dA21, t15
-    t209 = (np.reshape(t85.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t201.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
-    del t201, t85
-    t207[...] = (np.reshape((np.reshape(t209, (d_H**2, L*n_batch)) @ np.reshape(t208.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
-    del t207, t208, t209
+    t151 = (np.reshape(t85.transpose(2, 0, 1), (1, d_H, n_batch, L)) * np.reshape(t149.transpose(1, 0, 2), (d_H, 1, n_batch, L)))
+    del t149, t85
+    t147[...] = (np.reshape((np.reshape(t151, (d_H**2, L*n_batch)) @ np.reshape(t150.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
+    del t147, t150, t151
+    t152 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t52, t152)
+    del t152, t52
+    t153 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t70, t153)
+    del t153, t70
+    t154 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t113, t154)
+    del t113, t154
+    t155 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t83, t155)
+    del t155, t83
+    t156 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t123, t156)
+    del t123, t156
+    t157 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    _transpose_into(t138, t157)
+    del t138, t157
     return H
 
 

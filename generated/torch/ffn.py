@@ -816,28 +816,17 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     t22 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t20.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     torch.mul(W_2.reshape((1, d_ff, 1, d_V)), t15.reshape((d_V, d_ff, d_ff, 1)), out=t12)
     t16 += (t22.reshape((d_V**2, L*n_batch)) @ t21.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    t23 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t24 = t23.view((d_ff, d_V, d_V, d_ff))
-    t26 = t13.transpose(-1, -2)
-    t27 = (2/(L*d_V*n_batch)) * X
-    t28 = (t27.reshape((n_batch, L, d_V, 1)) * t26.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t29 = (t28.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-    t30 = t24.diagonal(0, 0, 3)
-    t31 = G.transpose(-1, -2)
-    t32 = t4.transpose(-1, -2)
-    t33 = (1/n_batch) * t31
-    t34 = t32.permute(1, 0, 2)
-    t35 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t33.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    torch.mul(t5.reshape((1, d_V, 1, d_ff)), t29.reshape((d_ff, 1, d_V, d_ff)), out=t24)
-    t30 += (t35.reshape((d_V**2, L*n_batch)) @ t34.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    t36 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t36[...] = 0
-    t37 = t36.view((d_ff, d_V, d_ff, d_V))
-    t38 = t37.diagonal(0, 1, 3)
-    t39 = t26 @ t13
-    t40 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t41 = (2/(L*d_V*n_batch)) * t40
-    t38.addcmul_(t41.reshape((1, 1, d_V)), t39.sum((0,)).reshape((d_ff, d_ff, 1)))
+    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t23[...] = 0
+    t24 = t23.view((d_ff, d_V, d_ff, d_V))
+    t25 = t24.diagonal(0, 1, 3)
+    t27 = t13.transpose(-1, -2)
+    t28 = t27 @ t13
+    t29 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t30 = (2/(L*d_V*n_batch)) * t29
+    t25.addcmul_(t30.reshape((1, 1, d_V)), t28.sum((0,)).reshape((d_ff, d_ff, 1)))
+    t31 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    _transpose_into(t11, t31)
     return H
 
 
@@ -2420,26 +2409,15 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     t32 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t30.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t20[...] = ((t21.reshape((d_V*d_ff, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
     t24 += (t32.reshape((d_V**2, L*n_batch)) @ t31.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t34 = t33.view((d_ff, d_V, d_V, d_ff))
+    t33 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t34 = t33.view((d_ff, d_V, d_ff, d_V))
     t36 = t7.transpose(-1, -2)
     t37 = (1/(L*n_batch)) * t6
-    t38 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t36.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    t39 = (dA * t37.reshape((n_batch, L, d_V, 1)))
-    t40 = ((t16.permute(1, 2, 0, 3) @ t39.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t41 = t34.diagonal(0, 0, 3)
-    t42 = G.transpose(-1, -2)
-    t43 = t4.transpose(-1, -2)
-    t44 = (1/n_batch) * t42
-    t45 = t43.permute(1, 0, 2)
-    t46 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t44.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t34[...] = ((t38.reshape((d_V*d_ff, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
-    t41 += (t46.reshape((d_V**2, L*n_batch)) @ t45.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    t47 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t48 = t47.view((d_ff, d_V, d_ff, d_V))
-    t49 = (dA.permute(2, 3, 0, 1) * t37.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-    t50 = (t7.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t36.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    t48[...] = ((t50.reshape((d_ff**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+    t38 = (dA.permute(2, 3, 0, 1) * t37.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t39 = (t7.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t36.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    t34[...] = ((t39.reshape((d_ff**2, L*n_batch)) @ t38.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+    t40 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    _transpose_into(t19, t40)
     return H
 
 

@@ -1107,9 +1107,9 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t186 = (t185.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t43.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     del t185
     t187 = (t186.permute(1, 2, 0, 3) @ t53.permute(1, 2, 0, 3))
-    del t53
+    del t186, t53
     t188 = (t187.permute(0, 1, 3, 2) @ S46)
-    del t187
+    del S46, t187
     t191 = (2/(L*d_V*n_batch)) * t168
     t192 = (t73.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t191.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     del t191
@@ -1120,10 +1120,11 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t196 = (2/(L*d_V*n_batch)) * t195
     del t195
     t197 = (t168.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t73.reshape((L*n_batch, d_V)))
-    del t168
+    del t168, t73
     t198 = S182.permute(2, 0, 1, 3)
     t201 = (t42.reshape((n_batch, L, 1, d_ff)) * W_1.reshape((1, 1, d_V, d_ff)))
     t202 = S47.permute(1, 0)
+    del S47
     t203 = (t106 @ t201.permute(3, 0, 1, 2).reshape((d_ff, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V)) + (t202 @ t188.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     del t106, t188, t201, t202
     t204 = ((t198.permute(1, 2, 0, 3) @ t203.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
@@ -1131,12 +1132,11 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t181[...] = ((t183.reshape((d_V**2, L*n_batch)) @ t204.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     del t183, t204
     t181 += ((t192.reshape((d_V**2, L*n_batch)) @ t193.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    del t181, t192
+    del t181, t192, t193
     t194.addcmul_(t196.reshape((1, 1, d_V)), t197.reshape((d_V, d_V, 1)))
     del t194, t197
     t205 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
     t206 = t205.view((d_V, d_V, d_V, d_ff))
-    del t205
     # S: compact tensor ('L', 'd_V', 'd_V')
     S207 = (2/(L*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S182 @ t120)
     del S182, t120, t21, t22
@@ -1148,7 +1148,6 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     del t206, t208, t210
     t211 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
     t212 = t211.view((d_V, d_V, d_ff, d_V))
-    del t211
     t213 = S207.permute(2, 3, 0, 1)
     del S207
     t214 = (t130.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t170.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
@@ -1185,104 +1184,78 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     del t224
     t227[...] = ((t229.reshape((d_V*d_ff, L*n_batch)) @ t228.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     del t227, t228, t229
-    t230 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t231 = t230.view((d_V, d_ff, d_V, d_V))
+    t230 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t231 = t230.view((d_V, d_ff, d_V, d_ff))
     del t230
-    t232 = (2/(L*d_V*n_batch)) * t217
+    t232 = W_2 @ t43
+    t233 = (2/(L*d_V*n_batch)) * t217
     del t217
-    t233 = (t73.reshape((n_batch, L, d_V, 1)) * t232.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t234 = ((t42.permute(2, 0, 1).reshape((d_ff, L*n_batch)) @ t233.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_V, d_V))).permute(1, 0, 2)
-    del t233
-    t235 = (t73.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t232.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t236 = (t186.permute(1, 2, 3, 0) @ S46)
-    del S46, t186
-    t237 = (t236.reshape((L*d_V*n_batch, d_V)) @ S47).reshape((n_batch, L, d_V, d_V))
-    del S47, t236
-    t238 = (t237.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    del t237
-    t239 = (t238.permute(3, 2, 0, 1) * t42.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-    del t238
-    torch.mul(W_2.reshape((1, d_ff, 1, d_V)), t234.reshape((d_V, d_ff, d_V, 1)), out=t231)
-    del t234
-    t231 += ((t235.reshape((d_V**2, L*n_batch)) @ t239.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(0, 2, 1, 3)
-    del t231, t235, t239
-    t240 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t241 = t240.view((d_V, d_ff, d_V, d_ff))
-    del t240
-    t242 = W_2 @ t43
-    t243 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t232.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t244 = (t242.reshape((d_ff, d_ff, 1, 1)) * t42.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-    del t242
-    t245 = (t244 * t42.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)))
-    del t244
-    t241[...] = ((t243.reshape((d_V**2, L*n_batch)) @ t245.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
-    del t241, t243, t245
-    t246 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t247 = t246.view((d_V, d_ff, d_ff, d_V))
-    del t246
-    t248 = (t42.reshape((n_batch, L, d_ff, 1)) * t232.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t234 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t233.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t235 = (t232.reshape((d_ff, d_ff, 1, 1)) * t42.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     del t232
-    t249 = (t248.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t130.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
-    del t248
-    torch.mul(W_2.reshape((1, d_ff, 1, d_V)), t249.reshape((d_V, d_ff, d_ff, 1)), out=t247)
-    del t247, t249
-    t250 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-    t251 = t250.view((d_ff, d_V, d_V, d_K))
-    del t250
-    t253 = t130.transpose(-1, -2)
-    t254 = (1/n_batch) * t56
+    t236 = (t235 * t42.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)))
+    del t235
+    t231[...] = ((t234.reshape((d_V**2, L*n_batch)) @ t236.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
+    del t231, t234, t236
+    t237 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t238 = t237.view((d_V, d_ff, d_ff, d_V))
+    del t237
+    t239 = (t42.reshape((n_batch, L, d_ff, 1)) * t233.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    del t233
+    t240 = (t239.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t130.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    del t239
+    torch.mul(W_2.reshape((1, d_ff, 1, d_V)), t240.reshape((d_V, d_ff, d_ff, 1)), out=t238)
+    del t238, t240
+    t241 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+    t242 = t241.view((d_ff, d_V, d_V, d_K))
+    del t241
+    t244 = t130.transpose(-1, -2)
+    t245 = (1/n_batch) * t56
     del t56
-    t255 = (t254.permute(0, 2, 1) @ S218.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    del S218, t254
-    t256 = ((t172.permute(0, 2, 1, 3) @ t255.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t246 = (t245.permute(0, 2, 1) @ S218.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    del S218, t245
+    t247 = ((t172.permute(0, 2, 1, 3) @ t246.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
     del t172
-    t257 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t253.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    t248 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t244.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
     del N_1
-    t251[...] = ((t257.reshape((d_V*d_ff, L*n_batch)) @ t256.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t251, t256, t257
-    t258 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t259 = t258.view((d_ff, d_V, d_V, d_K))
-    del t258
-    t260 = ((t177.permute(0, 2, 1, 3) @ t255.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    del t177, t255
-    t261 = (t68.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t253.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    t242[...] = ((t248.reshape((d_V*d_ff, L*n_batch)) @ t247.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    del t242, t247, t248
+    t249 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    t250 = t249.view((d_ff, d_V, d_V, d_K))
+    del t249
+    t251 = ((t177.permute(0, 2, 1, 3) @ t246.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    del t177, t246
+    t252 = (t68.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t244.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
     del t68
-    t259[...] = ((t260.reshape((d_V**2, L*n_batch)) @ t261.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-    del t259, t260, t261
-    t262 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t263 = t262.view((d_ff, d_V, d_V, d_V))
-    del t262
-    t264 = (2/(L*d_V*n_batch)) * t73
-    t265 = (t264.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t253.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    del t264
-    t266 = t263.diagonal(0, 1, 3)
-    t267 = (t253.permute(1, 0, 2).reshape((d_ff, L*n_batch)) @ t73.reshape((L*n_batch, d_V)))
-    del t73
-    t263[...] = ((t265.reshape((d_V*d_ff, L*n_batch)) @ t193.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    del t193, t263, t265
-    t266.addcmul_(t196.reshape((1, 1, d_V)), t267.reshape((d_ff, d_V, 1)))
-    del t266, t267
-    t268 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t269 = t268.view((d_ff, d_V, d_V, d_ff))
-    del t268
-    t270 = (2/(L*d_V*n_batch)) * N_2
+    t250[...] = ((t251.reshape((d_V**2, L*n_batch)) @ t252.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+    del t250, t251, t252
+    t253 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t254 = t253.view((d_ff, d_V, d_V, d_ff))
+    del t253
+    t255 = (2/(L*d_V*n_batch)) * N_2
     del N_2
-    t271 = (t270.reshape((n_batch, L, d_V, 1)) * t253.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    del t270
-    t272 = (t271.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t42.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-    del t271, t42
-    torch.mul(t43.reshape((1, d_V, 1, d_ff)), t272.reshape((d_ff, 1, d_V, d_ff)), out=t269)
-    del t269, t272, t43
-    t273 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t273[...] = 0
-    t274 = t273.view((d_ff, d_V, d_ff, d_V))
-    del t273
-    t275 = t274.diagonal(0, 1, 3)
-    del t274
-    t276 = t253 @ t130
-    del t130, t253
-    t275.addcmul_(t196.reshape((1, 1, d_V)), t276.sum((0,)).reshape((d_ff, d_ff, 1)))
-    del t196, t275, t276
+    t256 = (t255.reshape((n_batch, L, d_V, 1)) * t244.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    del t255
+    t257 = (t256.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t42.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    del t256, t42
+    torch.mul(t43.reshape((1, d_V, 1, d_ff)), t257.reshape((d_ff, 1, d_V, d_ff)), out=t254)
+    del t254, t257, t43
+    t258 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t258[...] = 0
+    t259 = t258.view((d_ff, d_V, d_ff, d_V))
+    del t258
+    t260 = t259.diagonal(0, 1, 3)
+    del t259
+    t261 = t244 @ t130
+    del t130, t244
+    t260.addcmul_(t196.reshape((1, 1, d_V)), t261.sum((0,)).reshape((d_ff, d_ff, 1)))
+    del t196, t260, t261
+    t262 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    _transpose_into(t205, t262)
+    del t205, t262
+    t263 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    _transpose_into(t211, t263)
+    del t211, t263
     return H
 
 
@@ -14952,6 +14925,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t45 = W_2.transpose(-1, -2)
     t46 = G @ t45
     t47 = t39 * t46
+    del t46
     t48 = W_1.transpose(-1, -2)
     t49 = t47 @ t48
     t50 = t35 * t49 * M_N_2
@@ -14975,6 +14949,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     S60 = (t21.reshape((1, 1, d_V, d_V)) * t52.reshape((n_batch, L, d_V, 1))) + (t54.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V))) + (t59.permute(2, 3, 0, 1) @ S58)
     del S58, t54
     t61 = t35 * M_N_2
+    del t35
     t62 = (t23.reshape((d_V, d_V, 1, 1)) * t61.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S63 = (t21.reshape((1, 1, d_V, d_V)) * P_N_2.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t62.permute(2, 3, 0, 1) * M_N_2.reshape((n_batch, L, 1, d_V)))
@@ -14992,6 +14967,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t69 = (t65 @ S63)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S70 = (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (t69.reshape((L*d_V*n_batch, d_V)) @ S).reshape((n_batch, L, d_V, d_V))
+    del t69
     t71 = (W_2.reshape((d_ff, d_V, 1, 1)) * t39.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t72 = (t71.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
     del t71
@@ -15007,10 +14983,10 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t78 = (t77.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
     del t77
     t79 = t52 * M_N_2
-    del t52
+    del M_N_2, t52
     t80 = (2/(math.sqrt(d_K)*d_V**2)) * t79
     t81 = t49 * P_N_2
-    del t49
+    del P_N_2, t49
     t82 = (1/(math.sqrt(d_K)*d_V)) * t81
     t83 = -t80 - t82
     del t80, t82
@@ -15043,12 +15019,12 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t98 = (S95.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t14.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     del S95
     t99 = ((t96.permute(0, 2, 1) @ t98.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
+    del t96
     t100 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t97.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t100.reshape((d_V**2, L*n_batch)) @ t99.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     del t1, t100, t99
     t101 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t102 = t101.view((d_V, d_K, d_V, d_K))
-    del t101
     t103 = N_1 @ W_Q
     t104 = ((N_1.permute(0, 2, 1) @ t98.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     del t98
@@ -15060,10 +15036,11 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t109 = (1/n_batch) * t108
     del t108
     t110 = (t12.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t107.reshape((L*n_batch, d_V)))
+    del t107
     t102[...] = ((t104.reshape((d_K*d_V, L*n_batch)) @ t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     del t102, t104, t105
     t106.addcmul_(t109.reshape((1, 1, d_K)), t110.reshape((d_V, d_V, 1)))
-    del t106, t110
+    del t106, t109, t110
     t111 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t112 = t111.view((d_V, d_K, d_V, d_V))
     t113 = ((1/2)*d_V) * t81
@@ -15148,7 +15125,6 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     del t112, t134, t170
     t171 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
     t172 = t171.view((d_V, d_K, d_V, d_ff))
-    del t171
     t173 = (1/(math.sqrt(d_K)*n_batch)) * t12
     t174 = (S.permute(1, 0) @ t20.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t175 = (t174.permute(1, 2, 0) @ S67.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -15175,7 +15151,6 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     del t172, t182, t187
     t188 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
     t189 = t188.view((d_V, d_K, d_ff, d_V))
-    del t188
     t190 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t173.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     del t173
     t191 = (t176.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
@@ -15191,13 +15166,13 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     del t190, t193
     t189 += ((t195.reshape((d_V*d_ff, L*n_batch)) @ t194.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
     del t189, t194, t195
-    t196 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t196 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t197 = t196.view((d_V, d_K, d_V, d_K))
     del t196
     t198 = t103.transpose(-1, -2)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S199 = S70 + (S135 @ t73)
-    del S135, t73
+    del S135, S70, t73
     t200 = (2/(L*d_K*d_V*n_batch)) * t198
     t201 = (S199.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     del S199, t20
@@ -15209,10 +15184,14 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     del t203
     t205 = (t204.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     del t204
-    t206 = ((t96.permute(0, 2, 1) @ t205.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t207 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t200.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t206 = ((N_1.permute(0, 2, 1) @ t205.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    del t205
+    t207 = (t103.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t200.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    del t200
     t208 = (t75.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V))
+    del t75
     t209 = (t208 @ S60.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    del t208
     t210 = (t209.reshape((n_batch, L**2, d_V)) @ t174.permute(1, 0, 2)).reshape((n_batch, L, L, L))
     del t174, t209
     t211 = (t210.permute(0, 2, 3, 1) @ dA)
@@ -15223,406 +15202,246 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t213 = (2/(d_K*d_V*n_batch)) * t12
     t214 = (S212.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t213.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     del S212, t213
-    t215 = ((t96.permute(0, 2, 1) @ t214.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t216 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t198.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    t217 = t197.diagonal(0, 1, 3)
-    t218 = t107.transpose(-1, -2)
-    del t107
-    t219 = (t218.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-    del t218
-    t220 = t207.reshape((d_K*d_V, L*n_batch))
-    del t207
-    t221 = t216.reshape((d_K*d_V, L*n_batch))
-    del t216
-    t222 = t206.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t206
-    t223 = t215.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t215
-    t224 = torch.cat([t220, t221], dim=-1)
-    del t220, t221
-    t225 = torch.cat([t222, t223], dim=-2)
-    del t222, t223
-    t197[...] = ((t224 @ t225).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t197, t224, t225
-    t217.addcmul_(t109.reshape((1, 1, d_K)), t219.reshape((d_V, d_V, 1)))
-    del t109, t217, t219
-    t226 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t227 = t226.view((d_V, d_K, d_V, d_K))
-    del t226
-    t228 = ((N_1.permute(0, 2, 1) @ t205.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    del t205
-    t229 = (t103.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t200.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    del t200
-    t230 = ((N_1.permute(0, 2, 1) @ t214.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t215 = ((N_1.permute(0, 2, 1) @ t214.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     del t214
-    t231 = (t103.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t198.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    t232 = t228.reshape((d_V**2, L*n_batch))
-    del t228
-    t233 = t230.reshape((d_V**2, L*n_batch))
-    del t230
-    t234 = t229.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t229
-    t235 = t231.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t231
-    t236 = torch.cat([t232, t233], dim=-1)
-    del t232, t233
-    t237 = torch.cat([t234, t235], dim=-2)
-    del t234, t235
-    t227[...] = ((t236 @ t237).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t227, t236, t237
-    t238 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t239 = t238.view((d_V, d_K, d_V, d_V))
-    t240 = (1/n_batch) * t198
-    t241 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t242 = ((N_1.permute(0, 2, 1) @ t241.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t243 = (S119.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t240.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t216 = (t103.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t198.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    del t103
+    t217 = t206.reshape((d_V**2, L*n_batch))
+    del t206
+    t218 = t215.reshape((d_V**2, L*n_batch))
+    del t215
+    t219 = t207.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t207
+    t220 = t216.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t216
+    t221 = torch.cat([t217, t218], dim=-1)
+    del t217, t218
+    t222 = torch.cat([t219, t220], dim=-2)
+    del t219, t220
+    t197[...] = ((t221 @ t222).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t197, t221, t222
+    t223 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t224 = t223.view((d_V, d_K, d_V, d_V))
+    t225 = (1/n_batch) * t198
+    t226 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t227 = ((N_1.permute(0, 2, 1) @ t226.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    del N_1
+    t228 = (S119.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t225.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     del S119
-    t244 = ((t12 @ t129.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t229 = ((t12 @ t129.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     del t129
-    t245 = (t124.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t240.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    del t240
-    t246 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t198
-    t248 = (t124.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t246.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    t239[...] = ((t242.reshape((d_V**2, L*n_batch)) @ t243.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    del t242, t243
-    t239 += ((t245.reshape((d_K*d_V, L*n_batch)) @ t244.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    del t244, t245
-    t252 = ((t12 @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(1, 0, 2, 3)
-    t253 = t12.permute(1, 0, 2)
-    t254 = ((t125.permute(1, 0, 2) @ t252.permute(1, 3, 0, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3) + ((t253.permute(1, 0, 2) @ t169.permute(1, 3, 0, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3) + ((t252.permute(1, 2, 0, 3) @ t159.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
-    del t125, t159, t169, t252, t253
-    t239 += ((t248.reshape((d_K*d_V, L*n_batch)) @ t254.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    del t239, t248, t254
-    t255 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t256 = t255.view((d_V, d_K, d_V, d_ff))
-    del t255
-    t257 = (1/(math.sqrt(d_K)*n_batch)) * t198
-    del t198
-    t258 = ((t12 @ t176.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
-    del t176
-    t259 = (t47.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t257.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    t260 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t246.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    t261 = ((t12 @ t186.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
-    del t186
-    t256[...] = ((t258.reshape((d_V**2, L*n_batch)) @ t259.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
-    del t258, t259
-    t256 += ((t260.reshape((d_K*d_V, L*n_batch)) @ t261.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    del t256, t260, t261
-    t262 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t263 = t262.view((d_V, d_K, d_ff, d_V))
-    del t262
-    t264 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t257.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    del t257
-    t265 = ((t12 @ t192.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
-    del t12, t192
-    t266 = ((t183 @ t241)).permute(3, 2, 0, 1)
-    del t183, t241
-    t267 = (t40.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t246.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
-    del t246
-    t263[...] = ((t265.reshape((d_V*d_ff, L*n_batch)) @ t264.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
-    del t264, t265
-    t263 += ((t267.reshape((d_K*d_ff, L*n_batch)) @ t266.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    del t263, t266, t267
-    t268 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t269 = t268.view((d_V, d_V, d_V, d_V))
-    del t268
-    t270 = t124.transpose(-1, -2)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S271 = (2/d_V) * S60 + (-2/d_V**2) * ((t23 @ S60.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t65 @ S63)
-    del S60, t65
-    t272 = (1/n_batch) * t270
-    t273 = (t124.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t272.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S275 = (d_K) * S68
-    del S68
-    t277 = (t48.reshape((d_ff, d_V, 1, 1)) * t39.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-    t278 = (t277.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t45.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
-    del t277
-    t279 = (t278.permute(1, 2, 0, 3) @ t72.permute(1, 2, 0, 3))
-    del t278, t72
-    t280 = (t279.permute(0, 1, 3, 2) @ S63)
-    del S63, t279
-    t283 = t269.diagonal(0, 1, 3)
-    t284 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t285 = (2/(L*d_V*n_batch)) * t284
-    del t284
-    t286 = (t270.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t124.reshape((L*n_batch, d_V)))
-    t287 = S271.permute(2, 0, 1, 3)
-    del S271
-    t288 = S.permute(1, 0)
-    t289 = S275.permute(2, 0, 1, 3)
-    t292 = (t39.reshape((n_batch, L, 1, d_ff)) * W_1.reshape((1, 1, d_V, d_ff)))
-    t293 = (t160 @ t292.permute(3, 0, 1, 2).reshape((d_ff, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V)) + (t288 @ t280.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    del t160, t280, t292
-    t294 = ((t288 @ t287.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3) + ((t289.permute(1, 2, 0, 3) @ t293.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
-    del t287, t288, t289, t293
-    t269[...] = ((t273.reshape((d_V**2, L*n_batch)) @ t294.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    del t269, t273, t294
-    t283.addcmul_(t285.reshape((1, 1, d_V)), t286.reshape((d_V, d_V, 1)))
-    del t283, t286
-    t295 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t296 = t295.view((d_V, d_V, d_V, d_ff))
-    t297 = (t47.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t272.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t47
-    t298 = (S @ S67.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S299 = (2/(L*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S275 @ t180)
-    del S275
-    t300 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t272.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t301 = (t45.permute(1, 0) @ S299.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
-    del S299
-    t302 = (t301.permute(3, 0, 1, 2) * t39.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)))
-    del t301
-    t296[...] = ((t298.reshape((d_V**2, L*n_batch)) @ t297.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    del t297, t298
-    t296 += ((t300.reshape((d_V**2, L*n_batch)) @ t302.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
-    del t296, t300, t302
-    t303 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t304 = t303.view((d_V, d_V, d_ff, d_V))
-    del t303
-    t305 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t272.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t272
-    t306 = (S67.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t307 = ((t179.permute(1, 2, 0, 3) @ t306)).permute(3, 2, 0, 1)
-    del t179, t306
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S308 = (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S67 @ t180)
-    del t22
-    t309 = (2/(L*d_V*n_batch)) * t270
-    t310 = S308.permute(2, 3, 0, 1)
-    del S308
-    t311 = (t40.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t309.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t309
-    t312 = (-2/(L*d_V**2*n_batch)) * t270
-    del t270
-    t313 = (t40.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t312.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t312
-    t314 = (S67.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    del S67
-    t315 = ((t180.permute(0, 1, 3, 2) @ t314)).permute(3, 2, 0, 1)
-    del t180, t314
-    t304[...] = ((t307.reshape((d_V*d_ff, L*n_batch)) @ t305.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    del t305, t307
-    t316 = t311.reshape((d_V*d_ff, L*n_batch))
-    del t311
-    t317 = t313.reshape((d_V*d_ff, L*n_batch))
-    del t313
-    t318 = t310.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    del t310
-    t319 = t315.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    del t315
-    t320 = torch.cat([t316, t317], dim=-1)
-    del t316, t317
-    t321 = torch.cat([t318, t319], dim=-2)
-    del t318, t319
-    t304 += ((t320 @ t321).reshape((d_V, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
-    del t304, t320, t321
-    t322 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-    t323 = t322.view((d_V, d_ff, d_V, d_K))
-    del t322
-    t325 = t39.transpose(-1, -2)
-    t326 = t46.transpose(-1, -2)
-    del t46
-    t327 = t325 * t326
-    del t326
-    t328 = P_N_2.transpose(-1, -2)
-    del P_N_2
-    t330 = t35.transpose(-1, -2)
-    del t35
-    t331 = M_N_2.transpose(-1, -2)
-    del M_N_2
-    t332 = t330 * t331
-    del t330
-    t333 = (t23.reshape((d_V, d_V, 1, 1)) * t332.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t23, t332
-    # S: compact tensor ('d_V', 'L', 'd_V')
-    S334 = (t21.reshape((1, d_V, 1, d_V)) * t328.reshape((n_batch, d_V, L, 1))) + (2/d_V) * (t333.permute(2, 0, 3, 1) * t331.permute(0, 2, 1).reshape((n_batch, 1, L, d_V)))
-    del t21, t328, t331, t333
-    t335 = (1/(math.sqrt(d_K)*n_batch)) * S
-    t336 = (t75.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t335.permute(1, 0)).reshape((n_batch, L, d_V))
-    del t335
-    t337 = (t336 @ S334.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, d_V, L))
-    del t336
-    t338 = (t337.permute(0, 3, 2, 1) @ dA)
-    del t337
-    t339 = (t338.reshape((n_batch, L*d_V, L)) @ t96).reshape((n_batch, L, d_V, d_K))
-    t340 = (t339.permute(2, 3, 0, 1).reshape((d_V, 1, d_K, n_batch, L)) * N_1.permute(2, 0, 1).reshape((1, d_V, 1, n_batch, L)))
-    del t339
-    t341 = t327.permute(1, 0, 2)
-    del t327
-    t342 = N_2.transpose(-1, -2)
-    t343 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t342
-    t344 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t343.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t345 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t75.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t346 = (t345 @ S70.permute(0, 1, 3, 2))
-    del t345
-    t347 = (t346.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-    del t346
-    t348 = (t347.permute(0, 1, 3, 2) * t39.reshape((n_batch, L, d_ff, 1)))
-    del t347
-    t349 = ((t96.permute(0, 2, 1) @ t348.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
-    t350 = t341.reshape((1, d_ff, L*n_batch))
-    del t341
-    t351 = t323.view((d_V, d_ff, d_K*d_V))
-    _matmul_into(t350.expand(*(d_V,), *t350.shape[-2:]), t340.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t351)
-    del t340, t351
-    t323 += ((t344.reshape((d_V**2, L*n_batch)) @ t349.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
-    del t323, t344, t349
-    t352 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t353 = t352.view((d_V, d_ff, d_V, d_K))
-    del t352
-    t354 = (t338.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-    del t338
-    t355 = (t354.permute(2, 3, 0, 1).reshape((d_V, d_V, 1, n_batch, L)) * t103.permute(2, 0, 1).reshape((1, 1, d_K, n_batch, L)))
-    del t354
-    t356 = (t103.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t343.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t343
-    t357 = ((N_1.permute(0, 2, 1) @ t348.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
-    del t348
-    t358 = t353.view((d_V, d_ff, d_K*d_V))
-    _matmul_into(t350.expand(*(d_V,), *t350.shape[-2:]), t355.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_K*d_V)), t358)
-    del t350, t355, t358
-    t353 += ((t357.reshape((d_V*d_ff, L*n_batch)) @ t356.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t353, t356, t357
-    t359 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t360 = t359.view((d_V, d_ff, d_V, d_ff))
-    del t359
-    t361 = W_2 @ t45
-    t362 = (2/(L*d_V*n_batch)) * t342
-    t363 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t362.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t364 = (t361.reshape((d_ff, d_ff, 1, 1)) * t39.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
-    del t361
-    t365 = (t364 * t39.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)))
-    del t364
-    t360[...] = ((t363.reshape((d_V**2, L*n_batch)) @ t365.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
-    del t360, t363, t365
-    t366 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t367 = t366.view((d_V, d_ff, d_ff, d_V))
-    del t366
-    t368 = (t39.reshape((n_batch, L, d_ff, 1)) * t362.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    del t362
-    t369 = (t368.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t40.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
-    del t368
-    t370 = t367.diagonal(0, 1, 2)
-    t371 = (1/n_batch) * t342
-    del t342
-    t372 = t39.permute(2, 0, 1)
-    t373 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t371.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t371
-    torch.mul(W_2.reshape((1, d_ff, 1, d_V)), t369.reshape((d_V, d_ff, d_ff, 1)), out=t367)
-    del t367, t369
-    t370 += (t373.reshape((d_V**2, L*n_batch)) @ t372.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    del t370, t372, t373
-    t374 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-    t375 = t374.view((d_ff, d_V, d_V, d_K))
-    del t374
-    t376 = t40.transpose(-1, -2)
-    t377 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t75
-    del t75
-    t378 = (t377.permute(0, 2, 1) @ S70.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    del S70, t377
-    t379 = (t96.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
-    t380 = ((t379.permute(0, 2, 1, 3) @ t378.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    del t379
-    t381 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t376.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    t382 = G.transpose(-1, -2)
-    del G
-    t383 = (1/(math.sqrt(d_K)*n_batch)) * t382
-    t384 = (N_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t383.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t385 = (t208.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-    del t208
-    t386 = (t385.permute(0, 2, 3, 1) @ S334.permute(0, 2, 3, 1))
-    del t385
-    t387 = (t386.reshape((L**2*n_batch, d_V)) @ t48.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-    del t386
-    t388 = (t387.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ t96).reshape((n_batch, L, d_ff, d_K))
-    del t96
-    t389 = (t388.permute(2, 3, 0, 1) * t325.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    del t388
-    t375[...] = ((t381.reshape((d_V*d_ff, L*n_batch)) @ t380.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t380, t381
-    t375 += ((t384.reshape((d_V**2, L*n_batch)) @ t389.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-    del t375, t384, t389
-    t390 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t391 = t390.view((d_ff, d_V, d_V, d_K))
-    del t390
-    t392 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+    t230 = (t124.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t225.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    del t225
+    t231 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t198
+    t233 = (t124.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t231.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t224[...] = ((t227.reshape((d_V**2, L*n_batch)) @ t228.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    del t227, t228
+    t224 += ((t230.reshape((d_K*d_V, L*n_batch)) @ t229.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    del t229, t230
+    t237 = ((t12 @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(1, 0, 2, 3)
     del dA
-    t393 = ((t392.permute(0, 2, 1, 3) @ t378.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    del t378, t392
-    t394 = (t103.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t376.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    t395 = (t103.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t383.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t103, t383
-    t396 = (t387.permute(0, 1, 3, 2).reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-    del N_1, t387
-    t397 = (t396.permute(2, 3, 0, 1) * t325.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    del t396
-    t391[...] = ((t393.reshape((d_V**2, L*n_batch)) @ t394.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-    del t393, t394
-    t391 += ((t397.reshape((d_V*d_ff, L*n_batch)) @ t395.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t391, t395, t397
-    t398 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t399 = t398.view((d_ff, d_V, d_V, d_V))
-    del t398
-    t400 = (2/(L*d_V*n_batch)) * t124
-    t401 = (t400.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t376.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    del t400
-    t402 = ((S.permute(1, 0) @ t69.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t69
-    t403 = (1/n_batch) * t382
-    del t382
-    t404 = (t124.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t403.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t405 = (t48.reshape((d_ff, d_V, 1, 1)) * t325.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    t238 = t12.permute(1, 0, 2)
+    t239 = ((t125.permute(1, 0, 2) @ t237.permute(1, 3, 0, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3) + ((t238.permute(1, 0, 2) @ t169.permute(1, 3, 0, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3) + ((t237.permute(1, 2, 0, 3) @ t159.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
+    del t125, t159, t169, t237, t238
+    t224 += ((t233.reshape((d_K*d_V, L*n_batch)) @ t239.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    del t224, t233, t239
+    t240 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t241 = t240.view((d_V, d_K, d_V, d_ff))
+    t242 = (1/(math.sqrt(d_K)*n_batch)) * t198
+    del t198
+    t243 = ((t12 @ t176.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    del t176
+    t244 = (t47.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t242.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t245 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t231.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t246 = ((t12 @ t186.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
+    del t186
+    t241[...] = ((t243.reshape((d_V**2, L*n_batch)) @ t244.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
+    del t243, t244
+    t241 += ((t245.reshape((d_K*d_V, L*n_batch)) @ t246.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    del t241, t245, t246
+    t247 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t248 = t247.view((d_V, d_K, d_ff, d_V))
+    t249 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t242.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    del t242
+    t250 = ((t12 @ t192.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
+    del t12, t192
+    t251 = ((t183 @ t226)).permute(3, 2, 0, 1)
+    del t183, t226
+    t252 = (t40.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t231.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    del t231
+    t248[...] = ((t250.reshape((d_V*d_ff, L*n_batch)) @ t249.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
+    del t249, t250
+    t248 += ((t252.reshape((d_K*d_ff, L*n_batch)) @ t251.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    del t248, t251, t252
+    t253 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t254 = t253.view((d_V, d_V, d_V, d_V))
+    del t253
+    t255 = t124.transpose(-1, -2)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S256 = (2/d_V) * S60 + (-2/d_V**2) * ((t23 @ S60.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/(L*d_V)) * (t65 @ S63)
+    del S60, t65
+    t257 = (1/n_batch) * t255
+    t258 = (t124.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t257.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S260 = (d_K) * S68
+    del S68
+    t262 = (t48.reshape((d_ff, d_V, 1, 1)) * t39.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     del t48
-    t406 = (S.permute(1, 0) @ S334.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, d_V, L))
-    del S, S334
-    t407 = ((t406.permute(1, 3, 0, 2) @ t405.permute(2, 3, 1, 0))).permute(3, 2, 0, 1)
-    del t405, t406
-    t408 = t399.diagonal(0, 1, 3)
-    t409 = (t376.permute(1, 0, 2).reshape((d_ff, L*n_batch)) @ t124.reshape((L*n_batch, d_V)))
+    t263 = (t262.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t45.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+    del t262
+    t264 = (t263.permute(1, 2, 0, 3) @ t72.permute(1, 2, 0, 3))
+    del t263, t72
+    t265 = (t264.permute(0, 1, 3, 2) @ S63)
+    del S63, t264
+    t268 = t254.diagonal(0, 1, 3)
+    t269 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t270 = (2/(L*d_V*n_batch)) * t269
+    del t269
+    t271 = (t255.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t124.reshape((L*n_batch, d_V)))
     del t124
-    t399[...] = ((t401.reshape((d_V*d_ff, L*n_batch)) @ t402.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    del t401, t402
-    t399 += ((t404.reshape((d_V**2, L*n_batch)) @ t407.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 0, 1, 3)
-    del t399, t404, t407
-    t408.addcmul_(t285.reshape((1, 1, d_V)), t409.reshape((d_ff, d_V, 1)))
-    del t408, t409
-    t410 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t411 = t410.view((d_ff, d_V, d_V, d_ff))
-    del t410
-    t412 = (2/(L*d_V*n_batch)) * N_2
-    t413 = (t412.reshape((n_batch, L, d_V, 1)) * t376.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    del t412
-    t414 = (t413.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t39.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-    del t39, t413
-    t415 = t411.diagonal(0, 0, 3)
-    t416 = t325.permute(1, 0, 2)
-    del t325
-    t417 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t403.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del N_2, t403
-    torch.mul(t45.reshape((1, d_V, 1, d_ff)), t414.reshape((d_ff, 1, d_V, d_ff)), out=t411)
-    del t411, t414, t45
-    t415 += (t417.reshape((d_V**2, L*n_batch)) @ t416.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    del t415, t416, t417
-    t418 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t418[...] = 0
-    t419 = t418.view((d_ff, d_V, d_ff, d_V))
-    del t418
-    t420 = t419.diagonal(0, 1, 3)
-    del t419
-    t421 = t376 @ t40
-    del t376, t40
-    t420.addcmul_(t285.reshape((1, 1, d_V)), t421.sum((0,)).reshape((d_ff, d_ff, 1)))
-    del t285, t420, t421
-    t422 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    _transpose_into(t111, t422)
-    del t111, t422
-    t423 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    _transpose_into(t238, t423)
-    del t238, t423
-    t424 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    _transpose_into(t295, t424)
-    del t295, t424
+    t272 = S256.permute(2, 0, 1, 3)
+    del S256
+    t273 = S.permute(1, 0)
+    t274 = S260.permute(2, 0, 1, 3)
+    t277 = (t39.reshape((n_batch, L, 1, d_ff)) * W_1.reshape((1, 1, d_V, d_ff)))
+    t278 = (t160 @ t277.permute(3, 0, 1, 2).reshape((d_ff, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V)) + (t273 @ t265.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t160, t265, t277
+    t279 = ((t273 @ t272.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3) + ((t274.permute(1, 2, 0, 3) @ t278.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
+    del t272, t273, t274, t278
+    t254[...] = ((t258.reshape((d_V**2, L*n_batch)) @ t279.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    del t254, t258, t279
+    t268.addcmul_(t270.reshape((1, 1, d_V)), t271.reshape((d_V, d_V, 1)))
+    del t268, t271
+    t280 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t281 = t280.view((d_V, d_V, d_V, d_ff))
+    t282 = (t47.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t257.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t47
+    t283 = (S @ S67.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S284 = (2/(L*d_V)) * (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S260 @ t180)
+    del S260
+    t285 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t257.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t286 = (t45.permute(1, 0) @ S284.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
+    del S284
+    t287 = (t286.permute(3, 0, 1, 2) * t39.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)))
+    del t286
+    t281[...] = ((t283.reshape((d_V**2, L*n_batch)) @ t282.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    del t282, t283
+    t281 += ((t285.reshape((d_V**2, L*n_batch)) @ t287.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
+    del t281, t285, t287
+    t288 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t289 = t288.view((d_V, d_V, d_ff, d_V))
+    t290 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t257.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t257
+    t291 = (S67.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    del S
+    t292 = ((t179.permute(1, 2, 0, 3) @ t291)).permute(3, 2, 0, 1)
+    del t179, t291
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S293 = (t22.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (S67 @ t180)
+    del t21, t22
+    t294 = (2/(L*d_V*n_batch)) * t255
+    t295 = S293.permute(2, 3, 0, 1)
+    del S293
+    t296 = (t40.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t294.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t294
+    t297 = (-2/(L*d_V**2*n_batch)) * t255
+    del t255
+    t298 = (t40.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t297.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t297
+    t299 = (S67.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    del S67, t23
+    t300 = ((t180.permute(0, 1, 3, 2) @ t299)).permute(3, 2, 0, 1)
+    del t180, t299
+    t289[...] = ((t292.reshape((d_V*d_ff, L*n_batch)) @ t290.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    del t290, t292
+    t301 = t296.reshape((d_V*d_ff, L*n_batch))
+    del t296
+    t302 = t298.reshape((d_V*d_ff, L*n_batch))
+    del t298
+    t303 = t295.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    del t295
+    t304 = t300.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    del t300
+    t305 = torch.cat([t301, t302], dim=-1)
+    del t301, t302
+    t306 = torch.cat([t303, t304], dim=-2)
+    del t303, t304
+    t289 += ((t305 @ t306).reshape((d_V, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+    del t289, t305, t306
+    t307 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t308 = t307.view((d_V, d_ff, d_V, d_ff))
+    del t307
+    t309 = N_2.transpose(-1, -2)
+    t310 = W_2 @ t45
+    del t45
+    t311 = (2/(L*d_V*n_batch)) * t309
+    t312 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t311.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del N_2
+    t313 = (t310.reshape((d_ff, d_ff, 1, 1)) * t39.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+    del t310
+    t314 = (t313 * t39.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)))
+    del t313
+    t308[...] = ((t312.reshape((d_V**2, L*n_batch)) @ t314.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
+    del t308, t312, t314
+    t315 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t316 = t315.view((d_V, d_ff, d_ff, d_V))
+    t317 = (t39.reshape((n_batch, L, d_ff, 1)) * t311.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    del t311
+    t318 = (t317.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t40.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    del t317
+    t319 = t316.diagonal(0, 1, 2)
+    t320 = (1/n_batch) * t309
+    del t309
+    t321 = t39.permute(2, 0, 1)
+    del t39
+    t322 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t320.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del G, t320
+    torch.mul(W_2.reshape((1, d_ff, 1, d_V)), t318.reshape((d_V, d_ff, d_ff, 1)), out=t316)
+    del t316, t318
+    t319 += (t322.reshape((d_V**2, L*n_batch)) @ t321.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    del t319, t321, t322
+    t323 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t323[...] = 0
+    t324 = t323.view((d_ff, d_V, d_ff, d_V))
+    del t323
+    t325 = t324.diagonal(0, 1, 3)
+    del t324
+    t327 = t40.transpose(-1, -2)
+    t328 = t327 @ t40
+    del t327, t40
+    t325.addcmul_(t270.reshape((1, 1, d_V)), t328.sum((0,)).reshape((d_ff, d_ff, 1)))
+    del t270, t325, t328
+    t329 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t101, t329)
+    del t101, t329
+    t330 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t111, t330)
+    del t111, t330
+    t331 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t223, t331)
+    del t223, t331
+    t332 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+    _transpose_into(t171, t332)
+    del t171, t332
+    t333 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t240, t333)
+    del t240, t333
+    t334 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    _transpose_into(t280, t334)
+    del t280, t334
+    t335 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+    _transpose_into(t188, t335)
+    del t188, t335
+    t336 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t247, t336)
+    del t247, t336
+    t337 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    _transpose_into(t288, t337)
+    del t288, t337
+    t338 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    _transpose_into(t315, t338)
+    del t315, t338
     return H
 
 
@@ -45337,16 +45156,16 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t298 = N_2.transpose(-1, -2)
     t299 = (1/(L*n_batch)) * t298
     t300 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t299.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del N_2
     t301 = (W_2.reshape((d_ff, d_V, 1, 1)) * t38.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t302 = (t301.permute(2, 3, 0, 1) @ t151)
     del t301
     t303 = ((t302 @ t78.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
-    del t302
+    del t302, t78
     t297[...] = ((t300.reshape((d_V**2, L*n_batch)) @ t303.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     del t297, t300, t303
     t304 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
     t305 = t304.view((d_V, d_ff, d_ff, d_V))
-    del t304
     t306 = (t41.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t299.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     del t299
     t307 = (t151.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
@@ -45357,73 +45176,55 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     t310 = (1/n_batch) * t298
     del t298
     t311 = t38.permute(2, 0, 1)
+    del t38
     t312 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t310.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t310
+    del G, t310
     t305[...] = ((t306.reshape((d_V*d_ff, L*n_batch)) @ t308.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
     del t305, t306, t308
     t309 += (t312.reshape((d_V**2, L*n_batch)) @ t311.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     del t309, t311, t312
-    t313 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t314 = t313.view((d_ff, d_V, d_V, d_ff))
+    t313 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t314 = t313.view((d_ff, d_V, d_ff, d_V))
     del t313
     t316 = t41.transpose(-1, -2)
     t317 = (1/(L*n_batch)) * t40
     del t40
-    t318 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t316.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
-    t319 = (dA75 * t317.reshape((n_batch, L, d_V, 1)))
-    t320 = ((t78.permute(1, 2, 0, 3) @ t319.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    del t319, t78
-    t321 = t314.diagonal(0, 0, 3)
-    t322 = G.transpose(-1, -2)
-    del G
-    t323 = t38.transpose(-1, -2)
-    del t38
-    t324 = (1/n_batch) * t322
-    del t322
-    t325 = t323.permute(1, 0, 2)
-    del t323
-    t326 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t324.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del N_2, t324
-    t314[...] = ((t318.reshape((d_V*d_ff, L*n_batch)) @ t320.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
-    del t314, t318, t320
-    t321 += (t326.reshape((d_V**2, L*n_batch)) @ t325.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    del t321, t325, t326
-    t327 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t328 = t327.view((d_ff, d_V, d_ff, d_V))
-    del t327
-    t329 = (dA75.permute(2, 3, 0, 1) * t317.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t318 = (dA75.permute(2, 3, 0, 1) * t317.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     del dA75, t317
-    t330 = (t41.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t316.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    t319 = (t41.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t316.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
     del t316, t41
-    t328[...] = ((t330.reshape((d_ff**2, L*n_batch)) @ t329.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
-    del t328, t329, t330
-    t331 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    _transpose_into(t111, t331)
-    del t111, t331
-    t332 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    _transpose_into(t121, t332)
-    del t121, t332
-    t333 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    _transpose_into(t222, t333)
-    del t222, t333
-    t334 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-    _transpose_into(t166, t334)
-    del t166, t334
-    t335 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    _transpose_into(t241, t335)
-    del t241, t335
-    t336 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    _transpose_into(t281, t336)
-    del t281, t336
-    t337 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-    _transpose_into(t181, t337)
-    del t181, t337
-    t338 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    _transpose_into(t248, t338)
-    del t248, t338
-    t339 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    _transpose_into(t290, t339)
-    del t290, t339
+    t314[...] = ((t319.reshape((d_ff**2, L*n_batch)) @ t318.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+    del t314, t318, t319
+    t320 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t111, t320)
+    del t111, t320
+    t321 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    _transpose_into(t121, t321)
+    del t121, t321
+    t322 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t222, t322)
+    del t222, t322
+    t323 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+    _transpose_into(t166, t323)
+    del t166, t323
+    t324 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t241, t324)
+    del t241, t324
+    t325 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    _transpose_into(t281, t325)
+    del t281, t325
+    t326 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+    _transpose_into(t181, t326)
+    del t181, t326
+    t327 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t248, t327)
+    del t248, t327
+    t328 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    _transpose_into(t290, t328)
+    del t290, t328
+    t329 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    _transpose_into(t304, t329)
+    del t304, t329
     return H
 
 

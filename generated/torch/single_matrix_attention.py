@@ -5208,23 +5208,15 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
     t49 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t47.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t44[...] = ((t46.reshape((d_V**2, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t44 += ((t48.reshape((d_V**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t50 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t50 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t51 = t50.view((d_V, d_V, d_V, d_V))
-    t52 = G.transpose(-1, -2)
-    t53 = (1/n_batch) * t52
-    t54 = M_2.permute(2, 3, 0, 1)
-    t55 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t53.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t56 = M_1.transpose(-1, -2)
-    t57 = (1/(L*n_batch)) * t56
-    t58 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t57.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t59 = ((t21 @ t19.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t51[...] = ((t55.reshape((d_V**2, L*n_batch)) @ t54.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t51 += ((t58.reshape((d_V**2, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    t60 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t61 = t60.view((d_V, d_V, d_V, d_V))
-    t62 = (dA15.permute(2, 3, 0, 1) * t9.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-    t63 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t57.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t61[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t52 = M_1.transpose(-1, -2)
+    t53 = (1/(L*n_batch)) * t52
+    t54 = (dA15.permute(2, 3, 0, 1) * t9.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t55 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t53.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t51[...] = ((t55.reshape((d_V**2, L*n_batch)) @ t54.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t56 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    _transpose_into(t43, t56)
     return H
 
 
@@ -7588,23 +7580,15 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
     t51 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t49.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t46[...] = ((t48.reshape((d_V**2, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t46 += ((t50.reshape((d_V**2, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t52 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t52 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t53 = t52.view((d_V, d_V, d_V, d_V))
-    t54 = G.transpose(-1, -2)
-    t55 = (1/n_batch) * t54
-    t56 = M_2.permute(2, 3, 0, 1)
-    t57 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t55.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t58 = M_1.transpose(-1, -2)
-    t59 = (1/(L*n_batch)) * t58
-    t60 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t59.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t61 = ((t23 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t53[...] = ((t57.reshape((d_V**2, L*n_batch)) @ t56.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t53 += ((t60.reshape((d_V**2, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    t62 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t63 = t62.view((d_V, d_V, d_V, d_V))
-    t64 = (dA17.permute(2, 3, 0, 1) * t11.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-    t65 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t59.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t63[...] = ((t65.reshape((d_V**2, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t54 = M_1.transpose(-1, -2)
+    t55 = (1/(L*n_batch)) * t54
+    t56 = (dA17.permute(2, 3, 0, 1) * t11.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t57 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t55.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t53[...] = ((t57.reshape((d_V**2, L*n_batch)) @ t56.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t58 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    _transpose_into(t45, t58)
     return H
 
 

@@ -20629,9 +20629,8 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t1, t48, t49
     t50 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t51 = t50.view((d_V, d_K, d_V, d_K))
-    del t50
     t52 = ((t26 @ t25)).permute(2, 3, 0, 1)
-    del t26
+    del t25, t26
     t53 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t54 = (t53.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t55 = (t40 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -20660,10 +20659,9 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t51[...] = ((t66 @ t67).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     del t51, t66, t67
     t57.addcmul_(t61.reshape((1, 1, d_K)), t59.sum((0,)).reshape((d_V, d_V, 1)))
-    del t57
+    del t57, t59, t61
     t68 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t69 = t68.view((d_V, d_K, d_V, d_H))
-    del t68
     t70 = W_O.transpose(-1, -2)
     t71 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t72 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t71.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -20684,7 +20682,6 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t69, t79, t80
     t81 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t82 = t81.view((d_V, d_K, d_H, d_V))
-    del t81
     t83 = M_1 @ W_V
     t84 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
     t85 = (t84 @ t72.permute(2, 0, 1, 3).reshape((d_V, L*d_K*n_batch))).reshape((d_V, n_batch, L, d_K))
@@ -20701,7 +20698,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t86, t87
     t82 += ((t89.reshape((d_H*d_K, L*n_batch)) @ t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     del t82, t89, t90
-    t91 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t91 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t92 = t91.view((d_V, d_K, d_V, d_K))
     del t91
     t93 = W_Q.transpose(-1, -2)
@@ -20712,220 +20709,128 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t95
     t97 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     del t20
-    t98 = (t97 @ t96)
-    t99 = ((W_K.permute(1, 0) @ t98.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t98
-    t100 = (X.reshape((L*n_batch, d_V)) @ t94.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t94
-    t101 = (t100.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t102 = (1/(d_K*n_batch)) * t93
-    t103 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t104 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t102.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t102, t3
-    t105 = (t104.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t106 = t92.diagonal(0, 1, 3)
-    t107 = t59.transpose(-1, -2)
-    del t59
-    t108 = t101.reshape((d_K*d_V, L*n_batch))
-    del t101
-    t109 = t105.reshape((d_K*d_V, L*n_batch))
-    del t105
-    t110 = t99.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t99
-    t111 = t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t103
-    t112 = torch.cat([t108, t109], dim=-1)
-    del t108, t109
-    t113 = torch.cat([t110, t111], dim=-2)
-    del t110, t111
-    t92[...] = ((t112 @ t113).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t112, t113, t92
-    t106.addcmul_(t61.reshape((1, 1, d_K)), t107.sum((0,)).reshape((d_V, d_V, 1)))
-    del t106, t107, t61
-    t114 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t115 = t114.view((d_V, d_K, d_V, d_K))
-    del t114
-    t116 = ((t97 @ t96)).permute(3, 2, 0, 1)
+    t98 = ((t97 @ t96)).permute(3, 2, 0, 1)
     del t97
-    t117 = (t53.reshape((1, d_K, n_batch, L)) * t100.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t100
-    t118 = M_3.permute(2, 3, 0, 1)
+    t99 = (X.reshape((L*n_batch, d_V)) @ t94.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t94
+    t100 = (t53.reshape((1, d_K, n_batch, L)) * t99.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t99
+    t101 = (1/(d_K*n_batch)) * t93
+    t102 = M_3.permute(2, 3, 0, 1)
     del M_3
-    t119 = (t53.reshape((1, d_K, n_batch, L)) * t104.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t103 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t101.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t101, t3
+    t104 = (t53.reshape((1, d_K, n_batch, L)) * t103.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t103, t53
+    t105 = t98.reshape((d_V**2, L*n_batch))
+    del t98
+    t106 = t102.reshape((d_V**2, L*n_batch))
+    del t102
+    t107 = t100.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t100
+    t108 = t104.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     del t104
-    t120 = t116.reshape((d_V**2, L*n_batch))
-    del t116
-    t121 = t118.reshape((d_V**2, L*n_batch))
-    del t118
-    t122 = t117.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t117
-    t123 = t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t119
-    t124 = torch.cat([t120, t121], dim=-1)
-    del t120, t121
-    t125 = torch.cat([t122, t123], dim=-2)
-    del t122, t123
-    t115[...] = ((t124 @ t125).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t115, t124, t125
-    t126 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t127 = t126.view((d_V, d_K, d_V, d_H))
-    del t126
-    t128 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
-    t129 = ((t70.permute(1, 0) @ t96.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t109 = torch.cat([t105, t106], dim=-1)
+    del t105, t106
+    t110 = torch.cat([t107, t108], dim=-2)
+    del t107, t108
+    t92[...] = ((t109 @ t110).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t109, t110, t92
+    t111 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t112 = t111.view((d_V, d_K, d_V, d_H))
+    t113 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
+    t114 = ((t70.permute(1, 0) @ t96.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     del t96
-    t130 = (X.reshape((L*n_batch, d_V)) @ t128.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t128
-    t131 = (t130.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t132 = (1/(math.sqrt(d_K)*n_batch)) * t93
+    t115 = (X.reshape((L*n_batch, d_V)) @ t113.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t113
+    t116 = (t115.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t117 = (1/(math.sqrt(d_K)*n_batch)) * t93
     del t93
-    t133 = M_2.permute(3, 2, 0, 1)
-    t134 = (X.reshape((L*n_batch, d_V)) @ t132.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t132
-    t135 = (t134.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t77.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
-    t127[...] = ((t131.reshape((d_K*d_V, L*n_batch)) @ t129.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
-    del t129, t131
-    t127 += ((t133.reshape((d_V**2, L*n_batch)) @ t135.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
-    del t127, t133, t135
-    t136 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t137 = t136.view((d_V, d_K, d_H, d_V))
-    del t136
-    t138 = (t84 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    del t84
-    t139 = ((t138.permute(1, 2, 3, 0) @ t23)).permute(2, 3, 0, 1)
-    del t138
-    t140 = (t130.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t83.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
-    del t130
-    t141 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t142 = (t134.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    del t134
-    t137[...] = ((t140.reshape((d_H*d_K, L*n_batch)) @ t139.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
-    del t139, t140
-    t137 += ((t141.reshape((d_H*d_V, L*n_batch)) @ t142.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
-    del t137, t141, t142
-    t143 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t144 = t143.view((d_V, d_H, d_V, d_K))
-    del t143
-    t145 = t77.transpose(-1, -2)
+    t118 = M_2.permute(3, 2, 0, 1)
+    t119 = (X.reshape((L*n_batch, d_V)) @ t117.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t117
+    t120 = (t119.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t77.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
     del t77
-    t146 = (1/(math.sqrt(d_K)*n_batch)) * t145
-    del t145
-    t147 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t146.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t148 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t149 = M_1.transpose(-1, -2)
-    t150 = (1/(L*math.sqrt(d_K)*n_batch)) * t149
-    t151 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t150.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t152 = (t25.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t153 = ((W_K.permute(1, 0) @ t152.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
-    del t152
-    t144[...] = ((t147.reshape((d_H*d_V, L*n_batch)) @ t148.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t147, t148
-    t144 += ((t151.reshape((d_V**2, L*n_batch)) @ t153.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
-    del t144, t151, t153
-    t154 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t155 = t154.view((d_V, d_H, d_V, d_K))
-    del t154
-    t156 = M_2.permute(2, 3, 0, 1)
-    t157 = (t53.reshape((1, d_K, n_batch, L)) * t146.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    t112[...] = ((t116.reshape((d_K*d_V, L*n_batch)) @ t114.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+    del t114, t116
+    t112 += ((t118.reshape((d_V**2, L*n_batch)) @ t120.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    del t112, t118, t120
+    t121 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t122 = t121.view((d_V, d_K, d_H, d_V))
+    t123 = (t84 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t84
+    t124 = ((t123.permute(1, 2, 3, 0) @ t23)).permute(2, 3, 0, 1)
+    del t123
+    t125 = (t115.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t83.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    del t115
+    t126 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del M_2
+    t127 = (t119.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t119
+    t122[...] = ((t125.reshape((d_H*d_K, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+    del t124, t125
+    t122 += ((t126.reshape((d_H*d_V, L*n_batch)) @ t127.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    del t122, t126, t127
+    t128 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t129 = t128.view((d_V, d_H, d_V, d_H))
+    del t128
+    t130 = M_1.transpose(-1, -2)
+    t131 = (1/(L*n_batch)) * t130
+    t132 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t131.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del M_1
+    t133 = (t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1)) * W_O.permute(1, 0).reshape((d_V, 1, 1, d_H)))
+    t134 = (t70.permute(1, 0) @ dA19.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))
+    del t70
+    t135 = ((t134.permute(1, 2, 0, 3) @ t133.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    del t133, t134
+    t129[...] = ((t132.reshape((d_V**2, L*n_batch)) @ t135.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
+    del t129, t132, t135
+    t136 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t137 = t136.view((d_V, d_H, d_H, d_V))
+    t138 = (t83.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t131.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t131
+    t139 = (W_O @ t23.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    del t23
+    t140 = t137.diagonal(0, 1, 2)
+    t141 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t142 = (1/n_batch) * t141
+    del t141
+    t143 = (t130.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
+    del G, t130
+    t137[...] = ((t138.reshape((d_H*d_V, L*n_batch)) @ t139.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
+    del t137, t138, t139
+    t140.addcmul_(t142.reshape((1, 1, d_H)), t143.reshape((d_V, d_V, 1)))
+    del t140, t142, t143
+    t144 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t145 = t144.view((d_H, d_V, d_H, d_V))
+    del t144
+    t146 = t83.transpose(-1, -2)
+    t147 = (1/(L*n_batch)) * t146
     del t146
-    t158 = (W_O @ t25.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    del t25
-    t159 = (t53.reshape((1, d_K, n_batch, L)) * t150.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t150
-    t155[...] = ((t156.reshape((d_V**2, L*n_batch)) @ t157.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
-    del t156, t157
-    t155 += ((t158.reshape((d_H*d_V, L*n_batch)) @ t159.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t155, t158, t159
-    t160 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t161 = t160.view((d_V, d_H, d_V, d_H))
-    del t160
-    t162 = (1/(L*n_batch)) * t149
-    t163 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t162.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t164 = (t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1)) * W_O.permute(1, 0).reshape((d_V, 1, 1, d_H)))
-    t165 = (t70.permute(1, 0) @ dA19.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))
-    t166 = ((t165.permute(1, 2, 0, 3) @ t164.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    del t164, t165
-    t161[...] = ((t163.reshape((d_V**2, L*n_batch)) @ t166.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
-    del t161, t163, t166
-    t167 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t168 = t167.view((d_V, d_H, d_H, d_V))
-    del t167
-    t169 = (t83.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t162.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t162
-    t170 = (W_O @ t23.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    t171 = t168.diagonal(0, 1, 2)
-    t172 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t173 = (1/n_batch) * t172
-    del t172
-    t174 = (t149.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
-    del t149
-    t168[...] = ((t169.reshape((d_H*d_V, L*n_batch)) @ t170.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
-    del t168, t169, t170
-    t171.addcmul_(t173.reshape((1, 1, d_H)), t174.reshape((d_V, d_V, 1)))
-    del t171, t174
-    t175 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t176 = t175.view((d_H, d_V, d_V, d_K))
-    del t175
-    t177 = G.transpose(-1, -2)
-    del G
-    t178 = W_V.transpose(-1, -2)
-    t179 = (1/(math.sqrt(d_K)*n_batch)) * t177
-    t180 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t178.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t181 = ((W_K.permute(1, 0) @ t180.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
-    del t180
-    t182 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t179.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t183 = t83.transpose(-1, -2)
-    t184 = (1/(L*math.sqrt(d_K)*n_batch)) * t183
-    t185 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t184.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t186 = (t178.permute(1, 0) @ t70.permute(1, 0))
-    t187 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
-    t188 = (t186 @ t23.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t189 = ((t188.permute(1, 2, 3, 0) @ t187.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
-    del t187, t188
-    t176[...] = ((t182.reshape((d_V**2, L*n_batch)) @ t181.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
-    del t181, t182
-    t176 += ((t185.reshape((d_H*d_V, L*n_batch)) @ t189.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t176, t185, t189
-    t190 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t191 = t190.view((d_H, d_V, d_V, d_K))
-    del t190
-    t192 = (t178 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    del t178
-    t193 = (t53.reshape((1, d_K, n_batch, L)) * t179.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t179
-    t194 = (t53.reshape((1, d_K, n_batch, L)) * t184.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    del t184, t53
-    t195 = (t186.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    del M_2, t186
-    t196 = ((t195.permute(1, 2, 3, 0) @ t23.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    del t195
-    t191[...] = ((t192.reshape((d_H*d_V, L*n_batch)) @ t193.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t192, t193
-    t191 += ((t196.reshape((d_V**2, L*n_batch)) @ t194.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
-    del t191, t194, t196
-    t197 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t198 = t197.view((d_H, d_V, d_V, d_H))
-    del t197
-    t199 = (1/(L*n_batch)) * t183
-    del t183
-    t200 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t199.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t201 = ((t70.permute(1, 0) @ t23.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t23, t70
-    t202 = t198.diagonal(0, 0, 3)
-    t203 = t177 @ M_1
-    del M_1, t177
-    t198[...] = ((t200.reshape((d_H*d_V, L*n_batch)) @ t201.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
-    del t198, t200, t201
-    t202.addcmul_(t173.reshape((1, 1, d_H)), t203.sum((0,)).reshape((d_V, d_V, 1)))
-    del t173, t202, t203
-    t204 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t205 = t204.view((d_H, d_V, d_H, d_V))
-    del t204
-    t206 = (dA19.permute(2, 3, 0, 1) * t13.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t148 = (dA19.permute(2, 3, 0, 1) * t13.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     del dA19, t13
-    t207 = (t83.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t199.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    del t199, t83
-    t205[...] = ((t207.reshape((d_H**2, L*n_batch)) @ t206.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
-    del t205, t206, t207
+    t149 = (t83.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t147.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    del t147, t83
+    t145[...] = ((t149.reshape((d_H**2, L*n_batch)) @ t148.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
+    del t145, t148, t149
+    t150 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t50, t150)
+    del t150, t50
+    t151 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t68, t151)
+    del t151, t68
+    t152 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t111, t152)
+    del t111, t152
+    t153 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t81, t153)
+    del t153, t81
+    t154 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t121, t154)
+    del t121, t154
+    t155 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    _transpose_into(t136, t155)
+    del t136, t155
     return H
 
 
@@ -30123,9 +30028,8 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t1, t50, t51
     t52 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = t52.view((d_V, d_K, d_V, d_K))
-    del t52
     t54 = ((t28 @ t27)).permute(2, 3, 0, 1)
-    del t28
+    del t27, t28
     t55 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t56 = (t55.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t57 = (t42 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -30154,10 +30058,9 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t53[...] = ((t68 @ t69).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     del t53, t68, t69
     t59.addcmul_(t63.reshape((1, 1, d_K)), t61.sum((0,)).reshape((d_V, d_V, 1)))
-    del t59
+    del t59, t61, t63
     t70 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t71 = t70.view((d_V, d_K, d_V, d_H))
-    del t70
     t72 = W_O.transpose(-1, -2)
     t73 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t74 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t73.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -30178,7 +30081,6 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t71, t81, t82
     t83 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t84 = t83.view((d_V, d_K, d_H, d_V))
-    del t83
     t85 = M_1 @ W_V
     t86 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
     t87 = (t86 @ t74.permute(2, 0, 1, 3).reshape((d_V, L*d_K*n_batch))).reshape((d_V, n_batch, L, d_K))
@@ -30195,7 +30097,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t88, t89
     t84 += ((t91.reshape((d_H*d_K, L*n_batch)) @ t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     del t84, t91, t92
-    t93 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t93 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t94 = t93.view((d_V, d_K, d_V, d_K))
     del t93
     t95 = W_Q.transpose(-1, -2)
@@ -30206,220 +30108,128 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     del t97
     t99 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     del t22
-    t100 = (t99 @ t98)
-    t101 = ((W_K.permute(1, 0) @ t100.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t100
-    t102 = (X.reshape((L*n_batch, d_V)) @ t96.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t96
-    t103 = (t102.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t104 = (1/(d_K*n_batch)) * t95
-    t105 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t106 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t104.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t104, t3
-    t107 = (t106.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t108 = t94.diagonal(0, 1, 3)
-    t109 = t61.transpose(-1, -2)
-    del t61
-    t110 = t103.reshape((d_K*d_V, L*n_batch))
-    del t103
-    t111 = t107.reshape((d_K*d_V, L*n_batch))
-    del t107
-    t112 = t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t101
-    t113 = t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    del t105
-    t114 = torch.cat([t110, t111], dim=-1)
-    del t110, t111
-    t115 = torch.cat([t112, t113], dim=-2)
-    del t112, t113
-    t94[...] = ((t114 @ t115).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t114, t115, t94
-    t108.addcmul_(t63.reshape((1, 1, d_K)), t109.sum((0,)).reshape((d_V, d_V, 1)))
-    del t108, t109, t63
-    t116 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t117 = t116.view((d_V, d_K, d_V, d_K))
-    del t116
-    t118 = ((t99 @ t98)).permute(3, 2, 0, 1)
+    t100 = ((t99 @ t98)).permute(3, 2, 0, 1)
     del t99
-    t119 = (t55.reshape((1, d_K, n_batch, L)) * t102.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
-    del t102
-    t120 = M_3.permute(2, 3, 0, 1)
+    t101 = (X.reshape((L*n_batch, d_V)) @ t96.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t96
+    t102 = (t55.reshape((1, d_K, n_batch, L)) * t101.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t101
+    t103 = (1/(d_K*n_batch)) * t95
+    t104 = M_3.permute(2, 3, 0, 1)
     del M_3
-    t121 = (t55.reshape((1, d_K, n_batch, L)) * t106.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t105 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t103.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t103, t3
+    t106 = (t55.reshape((1, d_K, n_batch, L)) * t105.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    del t105, t55
+    t107 = t100.reshape((d_V**2, L*n_batch))
+    del t100
+    t108 = t104.reshape((d_V**2, L*n_batch))
+    del t104
+    t109 = t102.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    del t102
+    t110 = t106.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     del t106
-    t122 = t118.reshape((d_V**2, L*n_batch))
-    del t118
-    t123 = t120.reshape((d_V**2, L*n_batch))
-    del t120
-    t124 = t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t119
-    t125 = t121.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    del t121
-    t126 = torch.cat([t122, t123], dim=-1)
-    del t122, t123
-    t127 = torch.cat([t124, t125], dim=-2)
-    del t124, t125
-    t117[...] = ((t126 @ t127).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    del t117, t126, t127
-    t128 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t129 = t128.view((d_V, d_K, d_V, d_H))
-    del t128
-    t130 = (1/(L*math.sqrt(d_K)*n_batch)) * t95
-    t131 = ((t72.permute(1, 0) @ t98.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t111 = torch.cat([t107, t108], dim=-1)
+    del t107, t108
+    t112 = torch.cat([t109, t110], dim=-2)
+    del t109, t110
+    t94[...] = ((t111 @ t112).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    del t111, t112, t94
+    t113 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t114 = t113.view((d_V, d_K, d_V, d_H))
+    t115 = (1/(L*math.sqrt(d_K)*n_batch)) * t95
+    t116 = ((t72.permute(1, 0) @ t98.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     del t98
-    t132 = (X.reshape((L*n_batch, d_V)) @ t130.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t130
-    t133 = (t132.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t134 = (1/(math.sqrt(d_K)*n_batch)) * t95
+    t117 = (X.reshape((L*n_batch, d_V)) @ t115.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t115
+    t118 = (t117.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t119 = (1/(math.sqrt(d_K)*n_batch)) * t95
     del t95
-    t135 = M_2.permute(3, 2, 0, 1)
-    t136 = (X.reshape((L*n_batch, d_V)) @ t134.permute(1, 0)).reshape((n_batch, L, d_K))
-    del t134
-    t137 = (t136.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t79.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
-    t129[...] = ((t133.reshape((d_K*d_V, L*n_batch)) @ t131.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
-    del t131, t133
-    t129 += ((t135.reshape((d_V**2, L*n_batch)) @ t137.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
-    del t129, t135, t137
-    t138 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t139 = t138.view((d_V, d_K, d_H, d_V))
-    del t138
-    t140 = (t86 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    del t86
-    t141 = ((t140.permute(1, 2, 3, 0) @ t25)).permute(2, 3, 0, 1)
-    del t140
-    t142 = (t132.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t85.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
-    del t132
-    t143 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t144 = (t136.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    del t136
-    t139[...] = ((t142.reshape((d_H*d_K, L*n_batch)) @ t141.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
-    del t141, t142
-    t139 += ((t143.reshape((d_H*d_V, L*n_batch)) @ t144.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
-    del t139, t143, t144
-    t145 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t146 = t145.view((d_V, d_H, d_V, d_K))
-    del t145
-    t147 = t79.transpose(-1, -2)
+    t120 = M_2.permute(3, 2, 0, 1)
+    t121 = (X.reshape((L*n_batch, d_V)) @ t119.permute(1, 0)).reshape((n_batch, L, d_K))
+    del t119
+    t122 = (t121.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t79.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
     del t79
-    t148 = (1/(math.sqrt(d_K)*n_batch)) * t147
-    del t147
-    t149 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t148.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t150 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t151 = M_1.transpose(-1, -2)
-    t152 = (1/(L*math.sqrt(d_K)*n_batch)) * t151
-    t153 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t152.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t154 = (t27.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t155 = ((W_K.permute(1, 0) @ t154.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
-    del t154
-    t146[...] = ((t149.reshape((d_H*d_V, L*n_batch)) @ t150.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t149, t150
-    t146 += ((t153.reshape((d_V**2, L*n_batch)) @ t155.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
-    del t146, t153, t155
-    t156 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t157 = t156.view((d_V, d_H, d_V, d_K))
-    del t156
-    t158 = M_2.permute(2, 3, 0, 1)
-    t159 = (t55.reshape((1, d_K, n_batch, L)) * t148.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    t114[...] = ((t118.reshape((d_K*d_V, L*n_batch)) @ t116.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
+    del t116, t118
+    t114 += ((t120.reshape((d_V**2, L*n_batch)) @ t122.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
+    del t114, t120, t122
+    t123 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t124 = t123.view((d_V, d_K, d_H, d_V))
+    t125 = (t86 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    del t86
+    t126 = ((t125.permute(1, 2, 3, 0) @ t25)).permute(2, 3, 0, 1)
+    del t125
+    t127 = (t117.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * t85.permute(2, 0, 1).reshape((1, d_H, n_batch, L)))
+    del t117
+    t128 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    del M_2
+    t129 = (t121.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    del t121
+    t124[...] = ((t127.reshape((d_H*d_K, L*n_batch)) @ t126.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
+    del t126, t127
+    t124 += ((t128.reshape((d_H*d_V, L*n_batch)) @ t129.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
+    del t124, t128, t129
+    t130 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t131 = t130.view((d_V, d_H, d_V, d_H))
+    del t130
+    t132 = M_1.transpose(-1, -2)
+    t133 = (1/(L*n_batch)) * t132
+    t134 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t133.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del M_1
+    t135 = (t15.permute(2, 0, 1).reshape((d_V, n_batch, L, 1)) * W_O.permute(1, 0).reshape((d_V, 1, 1, d_H)))
+    t136 = (t72.permute(1, 0) @ dA21.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))
+    del t72
+    t137 = ((t136.permute(1, 2, 0, 3) @ t135.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    del t135, t136
+    t131[...] = ((t134.reshape((d_V**2, L*n_batch)) @ t137.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
+    del t131, t134, t137
+    t138 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t139 = t138.view((d_V, d_H, d_H, d_V))
+    t140 = (t85.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t133.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    del t133
+    t141 = (W_O @ t25.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
+    del t25
+    t142 = t139.diagonal(0, 1, 2)
+    t143 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t144 = (1/n_batch) * t143
+    del t143
+    t145 = (t132.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
+    del G, t132
+    t139[...] = ((t140.reshape((d_H*d_V, L*n_batch)) @ t141.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
+    del t139, t140, t141
+    t142.addcmul_(t144.reshape((1, 1, d_H)), t145.reshape((d_V, d_V, 1)))
+    del t142, t144, t145
+    t146 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t147 = t146.view((d_H, d_V, d_H, d_V))
+    del t146
+    t148 = t85.transpose(-1, -2)
+    t149 = (1/(L*n_batch)) * t148
     del t148
-    t160 = (W_O @ t27.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    del t27
-    t161 = (t55.reshape((1, d_K, n_batch, L)) * t152.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t152
-    t157[...] = ((t158.reshape((d_V**2, L*n_batch)) @ t159.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
-    del t158, t159
-    t157 += ((t160.reshape((d_H*d_V, L*n_batch)) @ t161.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    del t157, t160, t161
-    t162 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t163 = t162.view((d_V, d_H, d_V, d_H))
-    del t162
-    t164 = (1/(L*n_batch)) * t151
-    t165 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t164.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t166 = (t15.permute(2, 0, 1).reshape((d_V, n_batch, L, 1)) * W_O.permute(1, 0).reshape((d_V, 1, 1, d_H)))
-    t167 = (t72.permute(1, 0) @ dA21.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))
-    t168 = ((t167.permute(1, 2, 0, 3) @ t166.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    del t166, t167
-    t163[...] = ((t165.reshape((d_V**2, L*n_batch)) @ t168.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
-    del t163, t165, t168
-    t169 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t170 = t169.view((d_V, d_H, d_H, d_V))
-    del t169
-    t171 = (t85.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t164.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t164
-    t172 = (W_O @ t25.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    t173 = t170.diagonal(0, 1, 2)
-    t174 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t175 = (1/n_batch) * t174
-    del t174
-    t176 = (t151.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
-    del t151
-    t170[...] = ((t171.reshape((d_H*d_V, L*n_batch)) @ t172.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
-    del t170, t171, t172
-    t173.addcmul_(t175.reshape((1, 1, d_H)), t176.reshape((d_V, d_V, 1)))
-    del t173, t176
-    t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t178 = t177.view((d_H, d_V, d_V, d_K))
-    del t177
-    t179 = G.transpose(-1, -2)
-    del G
-    t180 = W_V.transpose(-1, -2)
-    t181 = (1/(math.sqrt(d_K)*n_batch)) * t179
-    t182 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t180.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t183 = ((W_K.permute(1, 0) @ t182.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
-    del t182
-    t184 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t181.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t185 = t85.transpose(-1, -2)
-    t186 = (1/(L*math.sqrt(d_K)*n_batch)) * t185
-    t187 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t186.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t188 = (t180.permute(1, 0) @ t72.permute(1, 0))
-    t189 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
-    t190 = (t188 @ t25.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t191 = ((t190.permute(1, 2, 3, 0) @ t189.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
-    del t189, t190
-    t178[...] = ((t184.reshape((d_V**2, L*n_batch)) @ t183.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
-    del t183, t184
-    t178 += ((t187.reshape((d_H*d_V, L*n_batch)) @ t191.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t178, t187, t191
-    t192 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t193 = t192.view((d_H, d_V, d_V, d_K))
-    del t192
-    t194 = (t180 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
-    del t180
-    t195 = (t55.reshape((1, d_K, n_batch, L)) * t181.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    del t181
-    t196 = (t55.reshape((1, d_K, n_batch, L)) * t186.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    del t186, t55
-    t197 = (t188.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    del M_2, t188
-    t198 = ((t197.permute(1, 2, 3, 0) @ t25.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    del t197
-    t193[...] = ((t194.reshape((d_H*d_V, L*n_batch)) @ t195.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    del t194, t195
-    t193 += ((t198.reshape((d_V**2, L*n_batch)) @ t196.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
-    del t193, t196, t198
-    t199 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t200 = t199.view((d_H, d_V, d_V, d_H))
-    del t199
-    t201 = (1/(L*n_batch)) * t185
-    del t185
-    t202 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t201.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    t203 = ((t72.permute(1, 0) @ t25.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    del t25, t72
-    t204 = t200.diagonal(0, 0, 3)
-    t205 = t179 @ M_1
-    del M_1, t179
-    t200[...] = ((t202.reshape((d_H*d_V, L*n_batch)) @ t203.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
-    del t200, t202, t203
-    t204.addcmul_(t175.reshape((1, 1, d_H)), t205.sum((0,)).reshape((d_V, d_V, 1)))
-    del t175, t204, t205
-    t206 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t207 = t206.view((d_H, d_V, d_H, d_V))
-    del t206
-    t208 = (dA21.permute(2, 3, 0, 1) * t15.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t150 = (dA21.permute(2, 3, 0, 1) * t15.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     del dA21, t15
-    t209 = (t85.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t201.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
-    del t201, t85
-    t207[...] = ((t209.reshape((d_H**2, L*n_batch)) @ t208.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
-    del t207, t208, t209
+    t151 = (t85.permute(2, 0, 1).reshape((1, d_H, n_batch, L)) * t149.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
+    del t149, t85
+    t147[...] = ((t151.reshape((d_H**2, L*n_batch)) @ t150.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
+    del t147, t150, t151
+    t152 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t52, t152)
+    del t152, t52
+    t153 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t70, t153)
+    del t153, t70
+    t154 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t113, t154)
+    del t113, t154
+    t155 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    _transpose_into(t83, t155)
+    del t155, t83
+    t156 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    _transpose_into(t123, t156)
+    del t123, t156
+    t157 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    _transpose_into(t138, t157)
+    del t138, t157
     return H
 
 
