@@ -49,14 +49,14 @@ def _row_blocks(rt, a, b, dest, m):
     takes any number)."""
     rows = rt.size(m)
     limit = rt.t.get("slab_gemm_rows", SLAB_GEMM_ROWS)
-    if limit is None or sp.sympify(m).is_number and int(m) <= SLAB_GEMM_ROWS:
+    if limit is None or sp.sympify(m).is_number and int(m) <= limit:
         return [rt.fmt("matmul_into", a, b, dest)]
     r = rt.fresh("r0")
-    k = f"min({SLAB_GEMM_ROWS}, {rows} - {r})"
-    return [f"if {rows} <= {SLAB_GEMM_ROWS}:",
+    k = f"min({limit}, {rows} - {r})"
+    return [f"if {rows} <= {limit}:",
             "    " + rt.fmt("matmul_into", a, b, dest),
             "else:",
-            f"    for {r} in range(0, {rows}, {SLAB_GEMM_ROWS}):",
+            f"    for {r} in range(0, {rows}, {limit}):",
             "        " + rt.fmt("matmul_into", _narrowed(rt, a, 2, r, k), b,
                                 _narrowed(rt, dest, 2, r, k))]
 
@@ -181,6 +181,11 @@ MIRROR_MIN_TERMS_BLOCKS = 1
 # computed its W_2 row block by block; with 1, as a slab with its three blocks left of the
 # diagonal copied: 15.3 → 12.7 ms eager, 13.2 → 10.6 traced (BENCHMARKS.md, eleventh session)
 MIRROR_PASSES = 1
+
+
+def _count_copy(rt, offs, i, j):
+    """Count block (i, j), copied from its transpose, as ``MIRROR_PASSES`` writes."""
+    rt.written += MIRROR_PASSES * _prod_rep(rt, (offs[i + 1] - offs[i]) * (offs[j + 1] - offs[j]))
 
 
 def _prod_rep(rt, n):
@@ -334,7 +339,7 @@ class Variant:
             terms, r, c = self.low.terms(names[i], q, part)
             if j < i and _mirrored(terms, mirror_terms):
                 mirrored.append((i, j))   # H(q, p) = H(p, q)ᵀ: copied once that is written
-                rt.written += MIRROR_PASSES * _prod_rep(rt, (offs[i + 1] - offs[i]) * (offs[j + 1] - offs[j]))
+                _count_copy(rt, offs, i, j)
                 continue
             rt.dense_into(block(i, j), terms, r, c, fresh=True)
         return mirrored
@@ -349,9 +354,9 @@ class Variant:
         blocks with such terms (a leading run of them) are left out of R and of the GEMM and
         copied from their transposes above the diagonal, which the earlier rows wrote (X
         depends on earlier parameters, so those blocks are where the product-rule terms
-        are).  Returns (the entries written into R per sequence (R
-        holds each sequence's terms when X reads data), the blocks (i, j) to be copied), or
-        None (nothing written) when no leaf is shared by the row's terms."""
+        are).  Returns (the entries written into R per sequence (R holds each sequence's
+        terms when X reads data), the blocks (i, j) to be copied), or None (nothing written)
+        when no leaf is shared by the row's terms."""
         p = names[i]
         lw = self.low.lw
         per_q, leads, keys = [], [], {}
@@ -368,7 +373,7 @@ class Variant:
         key = max(keys, key=lambda k: (keys[k], str(k)))
         s_size = key[2]
         S = lw.labels.new(s_size)
-        n_rest = sp.simplify(self.numel(p) / self.d.param(p).shape[0])
+        n_rest = sp.simplify(self.numel(p) / m)
         slab_terms, direct, firsts = [], [], []
         for (terms, r, c), row_leads in zip(per_q, leads):
             mine, other = [], []
@@ -473,7 +478,7 @@ class Variant:
         rt.line(f"del {R}")
         below = [(i, j) for j in range(lo)]
         for _, j in below:
-            rt.written += MIRROR_PASSES * _prod_rep(rt, (offs[i + 1] - offs[i]) * (offs[j + 1] - offs[j]))
+            _count_copy(rt, offs, i, j)
         for j in range(lo, len(per_q)):
             terms, r, c = per_q[j]
             if direct[j]:

@@ -95,18 +95,24 @@ def _kernel(k: int, add: bool = False):
         return kern
 
 
-def _call(k, add, *args) -> bool:
-    """Run the loop nest for inner dimension ``k``; False where numba cannot compile it
-    (before anything is written): one warning, and BLAS for every product from then on."""
+def _compiled(kernel, what, instead, *args) -> bool:
+    """Run ``kernel()`` (compiled on first use) on ``args``; False where numba cannot compile
+    it (before anything is written): one warning naming ``what``, and ``instead`` (BLAS, the
+    strided copy) for every product and transpose from then on."""
     try:
-        _kernel(k, add)(*args)
+        kernel()(*args)
         return True
     except numba.core.errors.NumbaError as e:
         _disabled.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-        warnings.warn(f"symhess.smallk: numba could not compile the loop nest for K={k} "
-                      f"({_disabled[-1]}); products use BLAS from now on (same numbers)",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"symhess.smallk: numba could not compile {what} ({_disabled[-1]}); "
+                      f"{instead} from now on (same numbers)", RuntimeWarning, stacklevel=4)
         return False
+
+
+def _call(k, add, *args) -> bool:
+    """Run the loop nest for inner dimension ``k`` (``_compiled``)."""
+    return _compiled(lambda: _kernel(k, add), f"the loop nest for K={k}", "products use BLAS",
+                     *args)
 
 
 _transpose: list = []       # the compiled transpose (one per process, made on first use)
@@ -180,17 +186,9 @@ def _transpose_kernel():
 
 
 def _transpose_call(src_flat, so, ss, dst_flat, do, ds, k, m) -> bool:
-    """Run the compiled transpose; False where numba cannot compile it (one warning, then the
-    strided copy for every transpose as for every product)."""
-    try:
-        _transpose_kernel()(src_flat, so, ss, dst_flat, do, ds, k, m)
-        return True
-    except numba.core.errors.NumbaError as e:
-        _disabled.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-        warnings.warn(f"symhess.smallk: numba could not compile the transpose ({_disabled[-1]}); "
-                      "the strided copy is used from now on (same numbers)", RuntimeWarning,
-                      stacklevel=3)
-        return False
+    """Run the compiled transpose (``_compiled``)."""
+    return _compiled(lambda: _transpose_kernel(), "the transpose", "the strided copy is used",
+                     src_flat, so, ss, dst_flat, do, ds, k, m)
 
 
 def _layout(shape, strides, written):

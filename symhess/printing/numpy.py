@@ -30,8 +30,8 @@ NUMPY = {
     "matmul_into": "np.matmul({0}, {1}, out={2})",
     "mm_into": "np.matmul({0}, {1}, out={2})",
     "bmm_into": "np.matmul({0}, {1}, out={2})",
-    # {1}[...] = {0}ᵀ for two blocks of the Hessian (one copied from its transpose): eight
-    # rows and columns at a time (symhess.smallk), ≈ 3× the strided copy
+    # {1}[...] = {0}ᵀ for two blocks of the Hessian (one copied from its transpose): 8 × 8
+    # tiles transposed in registers (symhess.smallk), ≈ 6× the strided copy
     "transpose_into": "_transpose_into({0}, {1})",
     "reshape": "np.reshape({0}, {1})",
     "permute": "{0}.transpose({1})",

@@ -57,8 +57,8 @@ TORCH = {
     "addmm_into": "_matmul_into({0}, {1}, {2}, add=True)",
     "bmm_into": "_matmul_into({0}, {1}, {2})",
     "addbmm_into": "_matmul_into({0}, {1}, {2}, add=True)",
-    # {1}[...] = {0}ᵀ for two blocks of the Hessian (one copied from its transpose): eight
-    # rows and columns at a time (symhess.smallk), ≈ 3× the strided copy
+    # {1}[...] = {0}ᵀ for two blocks of the Hessian (one copied from its transpose): 8 × 8
+    # tiles transposed in registers (symhess.smallk), ≈ 6× the strided copy
     "transpose_into": "_transpose_into({0}, {1})",
     "reshape": "{0}.reshape({1})",
     "permute": "{0}.permute({1})",
