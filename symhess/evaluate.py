@@ -12,10 +12,7 @@ import numpy as np
 import sympy as sp
 
 from . import expr as E
-
-
-class InputError(ValueError):
-    """Bad values given for evaluation (wrong names, shapes, non-finite entries)."""
+from .errors import InputError
 
 
 def _is_tensor(x):

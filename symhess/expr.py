@@ -16,6 +16,7 @@ from functools import lru_cache
 
 import sympy as sp
 
+from .errors import ShapeError
 from .scalarfn import ScalarFn, get_function
 
 __all__ = [
@@ -25,10 +26,6 @@ __all__ = [
     "softmax_rows", "log_softmax_rows", "diag", "diag_part", "vec_r",
     "named", "rowsum", "sum_all", "power",
 ]
-
-
-class ShapeError(ValueError):
-    """A declaration or value whose shapes do not conform."""
 
 
 def dim(name: str) -> sp.Symbol:
