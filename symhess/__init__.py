@@ -1,12 +1,13 @@
 """symhess: derive exact loss Hessians of Transformer sub-layers symbolically."""
-from . import expr
-from .expr import ShapeError
-from .hessian import Derivation, derive
-from .layers import LAYERS, Layer, layer, register_layer
-from . import variants, transformer, models  # noqa: F401  (register the built-in layers)
-from .kernels import kernel
-
 __version__ = "0.1.0"
 
-__all__ = ["expr", "ShapeError", "Derivation", "derive", "Layer", "layer", "register_layer",
-           "LAYERS", "kernel", "__version__"]
+from . import expr  # noqa: E402
+from .errors import BudgetError, DeclarationError, InputError, ShapeError, SymhessError  # noqa: E402
+from .hessian import Derivation, derive  # noqa: E402
+from .layers import LAYERS, Layer, layer, register_layer  # noqa: E402
+from . import variants, transformer, models  # noqa: E402,F401  (register the built-in layers)
+from .kernels import kernel  # noqa: E402
+
+__all__ = ["expr", "ShapeError", "SymhessError", "DeclarationError", "InputError", "BudgetError",
+           "Derivation", "derive", "Layer", "layer", "register_layer", "LAYERS", "kernel",
+           "__version__"]

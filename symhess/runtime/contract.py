@@ -1,0 +1,212 @@
+"""Contract one index network at the sizes of the call: plan, fit the budget, execute.
+
+A network is  Σ_{summed labels} Π_k T_k[labels_k], its result laid out over the
+output labels ``out`` (distinct; labels of ``out`` that no operand carries are left out of
+the result and broadcast by the caller).  Labels are small integers.
+
+* **plan** — the pairwise contraction order is chosen by opt_einsum for the operands'
+  actual shapes (``optimizer``: dynamic programming over connected sub-networks up to
+  ``DP_MAX`` operands, greedy beyond), with no intermediate above ``limit`` entries.
+  Plans are cached by the network's canonical form (labels renumbered by first
+  appearance) and sizes, so a routine called again at the same sizes plans nothing.
+* **slice** — when no order keeps every intermediate under the limit, the label with the
+  largest size among the plan's largest intermediate is cut into chunks (summed labels
+  accumulate, output labels fill their slice of the result), recursively.  A result that
+  alone exceeds the limit raises ``BudgetError`` naming the sizes.
+* **execute** — each pairwise step is one batched matrix product: labels only one side
+  carries are summed first, shared labels still needed later are batch axes, the other
+  shared labels the inner dimension; a step with no inner dimension is a broadcast product.
+
+Cost: the planned flop count (opt_einsum's, about 2·Π sizes per product) is ``Plan.flops``;
+the peak memory of a step is its operands plus its result.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import opt_einsum as oe
+
+from ..errors import BudgetError
+
+# dynamic programming finds the cheapest order; its cost grows quickly with the operands
+DP_MAX = 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A pairwise order (opt_einsum path) with its cost at the planned sizes."""
+
+    path: tuple
+    flops: int
+    largest: int          # entries of the largest intermediate (the result included)
+
+
+def _canonical(labels, out):
+    """(labels renumbered by first appearance, out renumbered, the renumbering)."""
+    ren = {}
+    for lab in [x for ls in labels for x in ls] + list(out):
+        if lab not in ren:
+            ren[lab] = len(ren)
+    return (tuple(tuple(ren[x] for x in ls) for ls in labels), tuple(ren[x] for x in out), ren)
+
+
+def plan(labels, out, sizes, limit=None) -> Plan:
+    """The cheapest pairwise order for ``labels`` → ``out`` at ``sizes`` (label → size) with
+    no intermediate above ``limit`` entries (None: unlimited); ``largest`` tells whether it
+    fits (a step over more than two operands means no order does)."""
+    can_l, can_o, ren = _canonical(labels, out)
+    size_t = tuple(sizes[lab] for lab in sorted(ren, key=ren.get))
+    return _plan(can_l, can_o, size_t, limit)
+
+
+@lru_cache(maxsize=65536)
+def _plan(labels, out, sizes, limit):
+    sym = [oe.get_symbol(i) for i in range(len(sizes))]
+    eq = ",".join("".join(sym[x] for x in ls) for ls in labels) + "->" + "".join(sym[x] for x in out)
+    shapes = [tuple(sizes[x] for x in ls) for ls in labels]
+    if len(labels) == 1:
+        path = ((0,),)
+        flops = math.prod(sizes[x] for x in set(labels[0]))
+        return Plan(path, flops, math.prod(sizes[x] for x in out))
+    opt = oe.paths.DynamicProgramming(minimize="flops", search_outer=True) \
+        if len(labels) <= DP_MAX else "greedy"
+    mem = None if limit is None else max(int(limit), math.prod(sizes[x] for x in out))
+    path, info = oe.contract_path(eq, *shapes, shapes=True, optimize=opt, memory_limit=mem)
+    largest = int(info.largest_intermediate)
+    if any(len(step) > 2 for step in path):     # no pairwise order fits the limit
+        _, free = oe.contract_path(eq, *shapes, shapes=True, optimize="greedy")
+        largest = max(largest, int(free.largest_intermediate), mem + 1)
+    return Plan(tuple(tuple(s) for s in path), int(info.opt_cost), largest)
+
+
+def network_sizes(ops, arrays, labels):
+    """label → size from the operands' shapes (a clash raises: it is a bug in the caller)."""
+    sizes = {}
+    for a, ls in zip(arrays, labels):
+        for lab, s in zip(ls, ops.shape(a)):
+            if sizes.setdefault(lab, s) != s:
+                raise RuntimeError(f"label {lab} has sizes {sizes[lab]} and {s}")
+    return sizes
+
+
+def contract(ops, arrays, labels, out, limit=None, sizes=None):
+    """Σ Π arrays over ``labels`` → an array over the labels of ``out`` that some operand
+    carries (in ``out``'s order); ``limit``: most entries of any intermediate."""
+    if sizes is None:
+        sizes = network_sizes(ops, arrays, labels)
+    present = set(x for ls in labels for x in ls)
+    out = tuple(x for x in out if x in present)
+    return _run(ops, list(arrays), [tuple(ls) for ls in labels], out, sizes, limit)
+
+
+def _run(ops, arrays, labels, out, sizes, limit):
+    p = plan(labels, out, sizes, limit)
+    if limit is None or p.largest <= max(limit, math.prod(sizes[x] for x in out)):
+        return execute(ops, arrays, labels, out, p.path)
+    lab = _slice_label(labels, out, sizes, limit)
+    if lab is None:
+        desc = ", ".join(f"{sizes[x]}" for x in out) or "a scalar"
+        raise BudgetError(f"a contraction does not fit the memory budget of {limit:,} entries "
+                          f"even when sliced (result {desc}); raise the budget")
+    size = sizes[lab]
+    chunks = min(size, max(2, math.ceil(p.largest / limit)))
+    step = math.ceil(size / chunks)
+    sub = dict(sizes)
+    result = None
+    for start in range(0, size, step):
+        n = min(step, size - start)
+        sub[lab] = n
+        part = [ops.narrow(a, ls.index(lab), start, n) if lab in ls else a
+                for a, ls in zip(arrays, labels)]
+        r = _run(ops, part, labels, out, sub, limit)
+        if lab in out:
+            if result is None:
+                shape = [sizes[x] for x in out]
+                result = ops.zeros(shape, like=r)
+            ops.narrow(result, out.index(lab), start, n)[...] = r
+        else:
+            result = r if result is None else result + r
+    return result
+
+
+def _slice_label(labels, out, sizes, limit):
+    """The label to cut: the largest one whose chunks shrink every big intermediate (any
+    label of size > 1 carried by more than one operand, or an output label)."""
+    counts = {}
+    for ls in labels:
+        for x in set(ls):
+            counts[x] = counts.get(x, 0) + 1
+    out_size = math.prod(sizes[x] for x in out)
+    if out_size > limit:
+        return None          # the result alone does not fit
+    cands = [x for x in counts if sizes[x] > 1 and (counts[x] > 1 or x in out)]
+    if not cands:
+        return None
+    return max(cands, key=lambda x: (sizes[x], counts[x], -x))
+
+
+def execute(ops, arrays, labels, out, path):
+    """Run an opt_einsum ``path`` (positions into the current operand list; the result of a
+    step is appended) with pairwise batched products."""
+    arrays, labels = list(arrays), [tuple(ls) for ls in labels]
+    for step in path:
+        taken = [(arrays.pop(i), labels.pop(i)) for i in sorted(step, reverse=True)]
+        needed = set(out).union(*labels)
+        a, la = taken[0]
+        if len(taken) == 1:
+            a, la = _reduce(ops, a, la, needed)
+        for i in range(1, len(taken)):
+            b, lb = taken[i]
+            later = set(x for _, ls in taken[i + 1:] for x in ls)
+            a, la = pairwise(ops, a, la, b, lb, needed | later)
+        arrays.append(a)
+        labels.append(la)
+    (a,), (la,) = arrays, labels
+    a, la = _reduce(ops, a, la, set(out))
+    if la != tuple(out):
+        a = ops.transpose(a, [la.index(x) for x in out])
+    return a
+
+
+def _reduce(ops, a, la, keep):
+    """Sum the labels of ``a`` that are not kept; repeated labels become a diagonal first."""
+    if len(set(la)) < len(la):
+        a, la = ops.diagonal(a, la)
+    drop = [i for i, x in enumerate(la) if x not in keep]
+    if drop:
+        a = ops.sum(a, drop)
+        la = tuple(x for x in la if x in keep)
+    return a, la
+
+
+def pairwise(ops, a, la, b, lb, keep):
+    """One step: Σ over the shared labels that are not kept, as a batched matrix product."""
+    a, la = _reduce(ops, a, la, keep | set(lb))
+    b, lb = _reduce(ops, b, lb, keep | set(la))
+    shared = [x for x in la if x in lb]
+    batch = [x for x in shared if x in keep]
+    inner = [x for x in shared if x not in keep]
+    left = [x for x in la if x not in lb]
+    right = [x for x in lb if x not in la]
+    sa = dict(zip(la, ops.shape(a)))
+    sb = dict(zip(lb, ops.shape(b)))
+    size = lambda d, xs: math.prod(d[x] for x in xs)
+    nb, m, k, n = size(sa, batch), size(sa, left), size(sa, inner), size(sb, right)
+    shape = [sa[x] for x in batch] + [sa[x] for x in left] + [sb[x] for x in right]
+    if not inner:
+        x = ops.reshape(_perm(ops, a, la, batch + left), (nb, m, 1))
+        y = ops.reshape(_perm(ops, b, lb, batch + right), (nb, 1, n))
+        r = x * y
+    else:
+        x = ops.reshape(_perm(ops, a, la, batch + left + inner), (nb, m, k))
+        y = ops.reshape(_perm(ops, b, lb, batch + inner + right), (nb, k, n))
+        r = ops.matmul(x, y)
+    return ops.reshape(r, shape), tuple(batch + left + right)
+
+
+def _perm(ops, a, la, order):
+    if list(la) == list(order):
+        return a
+    return ops.transpose(a, [la.index(x) for x in order])

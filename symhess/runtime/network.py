@@ -1,0 +1,393 @@
+"""Index networks as data, and the reductions the kernels need from them.
+
+A generated routine describes a Hessian block (or a Jacobian, or a compact per-token
+tensor) as a list of networks, each written ``net(coef, "nia,nij,njb->ab|ce", X, A, K)``:
+coef · Σ_{summed labels} Π operands, laid out over output *groups* (``|``-separated; a block
+has two, its rows and its columns, each the C-order index atoms of a parameter).  A label
+may appear in two groups (a Kronecker delta between them: the block is zero off that
+diagonal) and in no operand (the block is constant along it; ``free`` gives its size).
+
+Operands are arrays (with a leading batch axis ``n`` where they depend on the data),
+``Compact`` tensors (a sum of networks of their own, materialised or inlined at the call's
+sizes, see ``resolve``), ``ONES`` (an all-ones operand: dropped, its labels counted) and
+``EYE`` (an identity: its two labels are identified).
+
+Reductions of Σ_t N_t, every one a contraction of networks (never the dense block unless
+asked for):
+
+* dense:  out[r, c] = Σ_t N_t[r, c];
+* diag:   the column atoms identified with the row atoms, out[r] = Σ_t N_t[r, r];
+* trace:  the same, summed;
+* inner:  ⟨N_s, N_t⟩ = Σ_{r,c} N_s[r, c] N_t[r, c], one network of both (the second's
+  internal labels renamed), so ‖Σ_t N_t‖²_F = Σ_{s,t} ⟨N_s, N_t⟩.
+
+Groups that must be identified but are split into atoms differently (rows (d, k) against a
+single atom d·k) are refined to their common C-order factorisation first (operands reshaped).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from . import contract as C
+
+
+class _Marker:
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+ONES = _Marker("ONES")      # an all-ones operand
+EYE = _Marker("EYE")        # an identity over two labels of one size
+
+
+@lru_cache(maxsize=None)
+def parse(spec):
+    """("nia,nij->ab|ce") → (operand label tuples, output groups, letters), labels as ints."""
+    ins, _, outs = spec.partition("->")
+    letters = {}
+
+    def lab(ch):
+        return letters.setdefault(ch, len(letters))
+
+    labels = tuple(tuple(lab(ch) for ch in part) for part in ins.split(",")) if ins else ()
+    groups = tuple(tuple(lab(ch) for ch in g) for g in outs.split("|"))
+    return labels, groups, dict(letters)
+
+
+class Net:
+    """coef · Π operands over ``labels``, output ``groups`` (tuples of labels), ``sizes``."""
+
+    __slots__ = ("coef", "ops", "labels", "groups", "sizes")
+
+    def __init__(self, coef, ops, labels, groups, sizes):
+        self.coef, self.ops, self.labels = coef, list(ops), [tuple(ls) for ls in labels]
+        self.groups, self.sizes = tuple(tuple(g) for g in groups), dict(sizes)
+
+    def __repr__(self):
+        return f"<net {self.coef:g} · {len(self.ops)} operands → {self.groups}>"
+
+    @property
+    def top(self):
+        return max(self.sizes, default=-1) + 1
+
+    def renamed(self, ren):
+        """Labels mapped through ``ren`` (missing ones unchanged)."""
+        f = lambda ls: tuple(ren.get(x, x) for x in ls)
+        sizes = {ren.get(k, k): v for k, v in self.sizes.items()}
+        return Net(self.coef, self.ops, [f(ls) for ls in self.labels], [f(g) for g in self.groups],
+                   sizes)
+
+    def shifted(self, k):
+        return self.renamed({x: x + k for x in self.sizes})
+
+    def scaled(self, c):
+        return Net(self.coef * c, self.ops, self.labels, self.groups, self.sizes)
+
+    def transposed(self):
+        """The network of the transposed block (rows and columns swapped)."""
+        g = self.groups
+        return Net(self.coef, self.ops, self.labels, (g[1], g[0]) + g[2:], self.sizes)
+
+
+def net(coef, spec, *operands, free=None):
+    """A network from its spec (see the module docstring); ``free``: sizes by letter of the
+    labels no array operand carries."""
+    labels, groups, letters = parse(spec)
+    if len(labels) != len(operands):
+        raise RuntimeError(f"network {spec!r} has {len(labels)} operand specs for "
+                           f"{len(operands)} operands")
+    sizes = {letters[k]: int(v) for k, v in (free or {}).items()}
+    ops, labs, unions, ones = [], [], {}, []
+    for op, ls in zip(operands, labels):
+        if op is EYE:
+            unions[ls[1]] = ls[0]
+        elif op is ONES:
+            ones.extend(ls)
+        else:
+            for x, s in zip(ls, _shape(op)):
+                sizes[x] = int(s)
+            ops.append(op)
+            labs.append(ls)
+    root = lambda x: x if x not in unions else root(unions[x])
+    ren = {x: root(x) for x in sizes}
+    ren.update({x: root(x) for x in unions})
+    out = Net(coef, ops, labs, groups, {x: s for x, s in sizes.items()}).renamed(ren)
+    carried = set(x for ls in out.labels for x in ls) | set(x for g in out.groups for x in g)
+    for x in set(ren.get(y, y) for y in ones):
+        if x not in carried:           # a summed all-ones label: a factor of its size
+            out.coef *= out.sizes[x]
+    return out
+
+
+def _shape(op):
+    return op.shape
+
+
+class Compact:
+    """A tensor defined as a sum of networks over one output group (its axes), e.g. the
+    per-token second moments M_2 as an (n, L, d, d) array.  ``array(state)`` materialises it
+    once; ``resolve`` inlines its networks instead where that is cheaper at the call's sizes
+    or the tensor would not fit the budget."""
+
+    def __init__(self, name, nets):
+        self.name, self.nets = name, list(nets)
+        first = self.nets[0]
+        self.shape = tuple(first.sizes[x] for x in first.groups[0])
+        self._array = None
+        self._cost = None
+
+    def __repr__(self):
+        return f"<compact {self.name} {self.shape}, {len(self.nets)} networks>"
+
+    @property
+    def entries(self):
+        return math.prod(self.shape)
+
+    @property
+    def materialised(self):
+        return self._array is not None
+
+    def array(self, state):
+        if self._array is None:
+            acc = None
+            for n in self.nets:
+                acc = accumulate(state, n, (0,), acc, self.shape)
+            self._array = acc
+        return self._array
+
+    def cost(self, state):
+        """Planned flops to materialise it (0 once done)."""
+        if self._array is not None:
+            return 0
+        if self._cost is None:
+            self._cost = sum(_flops(state, m, (0,))
+                             for n in self.nets for m in _expand(state, n, (0,)))
+        return self._cost
+
+
+# ----------------------------------------------------------------------------- compacts
+def resolve(state, n, groups):
+    """``n`` as networks over arrays only: every Compact operand is materialised or its
+    networks are inlined, whichever the plan says is cheaper at these sizes (materialising
+    only if the tensor fits ``state.schedule.compact_limit``).  ``groups``: the output
+    groups the result is wanted over (inlining may identify labels: read them from the
+    returned networks)."""
+    return [_materialised(state, m) for m in _expand(state, n, tuple(groups))]
+
+
+def _expand(state, n, groups, start=0):
+    """``n`` with the Compact operands from position ``start`` on either kept (to be
+    materialised) or inlined; no side effects."""
+    k = next((i for i in range(start, len(n.ops)) if isinstance(n.ops[i], Compact)), None)
+    if k is None:
+        return [n]
+    if _keep(state, n, k, groups):
+        return _expand(state, n, groups, k + 1)
+    return [r for m in n.ops[k].nets for r in _expand(state, inline(n, k, m), groups, k)]
+
+
+def _keep(state, n, k, groups):
+    """Whether the compact operand k of ``n`` is materialised rather than inlined."""
+    c, sched = n.ops[k], state.schedule
+    if c.materialised:
+        return True
+    if sched.materialise == "never" or c.entries > sched.compact_limit:
+        return False
+    if sched.materialise == "always":
+        return True
+    as_array = _flops(state, n, groups) + c.cost(state)
+    inlined = sum(_flops(state, inline(n, k, m), groups) for m in c.nets)
+    return as_array <= inlined
+
+
+def _materialised(state, n):
+    if not any(isinstance(op, Compact) for op in n.ops):
+        return n
+    ops = [op.array(state) if isinstance(op, Compact) else op for op in n.ops]
+    return Net(n.coef, ops, n.labels, n.groups, n.sizes)
+
+
+def _with_array(n, k, a):
+    ops = list(n.ops)
+    ops[k] = a
+    return Net(n.coef, ops, n.labels, n.groups, n.sizes)
+
+
+def inline(n, k, m):
+    """``n`` with its k-th operand (a Compact over labels ``n.labels[k]``) replaced by the
+    compact's network ``m``: m's output labels become those labels (a label m repeats
+    identifies the corresponding labels of ``n``), its other labels are renamed apart."""
+    m = m.shifted(n.top)
+    to_m, to_n = {}, {}
+    for x, y in zip(m.groups[0], n.labels[k]):
+        y = to_n.get(y, y)
+        if x not in to_m:
+            to_m[x] = y
+        elif to_m[x] != y:
+            to_n[y] = to_m[x]
+    if to_n:
+        n = n.renamed(to_n)
+    m = m.renamed(to_m)
+    ops = n.ops[:k] + n.ops[k + 1:] + m.ops
+    labels = n.labels[:k] + n.labels[k + 1:] + m.labels
+    sizes = dict(m.sizes)
+    sizes.update(n.sizes)
+    return Net(n.coef * m.coef, ops, labels, n.groups, sizes)
+
+
+def _flops(state, n, groups):
+    """The planned flops of one network (Compact operands counted as arrays)."""
+    if not n.ops:
+        return 0
+    present = set(x for ls in n.labels for x in ls)
+    o = tuple(dict.fromkeys(x for g in groups for x in n.groups[g] if x in present))
+    return C.plan(n.labels, o, n.sizes, state.schedule.limit).flops
+
+
+# ----------------------------------------------------------------------------- evaluation
+def accumulate(state, n, groups, acc=None, shape=None):
+    """acc += Σ n laid out over its output ``groups`` (indices; a label that repeats: the
+    diagonal of those axes; a label no operand carries: broadcast).  Returns acc (made with
+    ``shape``, the sizes of the groups' labels, when None)."""
+    ops = state.ops
+    for m in resolve(state, n, groups):
+        out = tuple(x for g in groups for x in m.groups[g])
+        uniq = tuple(dict.fromkeys(out))
+        present = set(x for ls in m.labels for x in ls)
+        if m.ops:
+            r = C.contract(ops, m.ops, m.labels, uniq, state.schedule.limit, m.sizes)
+            kept = [x for x in uniq if x in present]
+        else:
+            r, kept = ops.scalar(1.0, like=state.like), []
+        r = ops.expand_dims(r, [uniq.index(x) for x in kept], len(uniq))
+        if acc is None:
+            acc = ops.zeros(shape if shape is not None else [m.sizes[x] for x in out], like=state.like)
+        view = ops.diagonal_view(acc, out) if len(uniq) < len(out) else acc
+        ops.add_scaled(view, r, m.coef)
+    return acc
+
+
+def dense(state, nets, groups=(0, 1)):
+    """Σ nets laid out over the atoms of ``groups`` (C order), reshaped to one axis per group."""
+    if not nets:
+        return None
+    first = nets[0]
+    shape = [first.sizes[x] for g in groups for x in first.groups[g]]
+    acc = None
+    for n in nets:
+        if [n.sizes[x] for g in groups for x in n.groups[g]] != shape:
+            raise RuntimeError("the networks of one block disagree on its layout")
+        acc = accumulate(state, n, groups, acc, shape)
+    flat = [math.prod(first.sizes[x] for x in first.groups[g]) for g in groups]
+    return state.ops.reshape(acc, flat)
+
+
+def identified(state, n, a, b):
+    """``n`` with output group ``b``'s atoms identified with group ``a``'s (refining labels so
+    both factorise their common size the same way)."""
+    ga, gb = list(n.groups[a]), list(n.groups[b])
+    while ga or gb:
+        if not (ga and gb):
+            raise RuntimeError("groups of different sizes cannot be identified")
+        x, y = ga.pop(0), gb.pop(0)
+        sx, sy = n.sizes[x], n.sizes[y]
+        if x == y:
+            continue
+        if sx == sy:
+            n = n.renamed({y: x})
+            ga = [x if z == y else z for z in ga]
+            gb = [x if z == y else z for z in gb]
+        elif sx % sy == 0:
+            n, (x1, x2) = _split(state, n, x, (sy, sx // sy))
+            n = n.renamed({y: x1})
+            ga, gb = [x2] + _sub(ga, x, (x1, x2)), _sub(gb, x, (x1, x2))
+            gb = [x1 if z == y else z for z in gb]
+        elif sy % sx == 0:
+            n, (y1, y2) = _split(state, n, y, (sx, sy // sx))
+            n = n.renamed({y1: x})
+            ga, gb = _sub(ga, y, (x, y2)), [y2] + _sub(gb, y, (x, y2))
+        else:
+            raise RuntimeError(f"index atoms of sizes {sx} and {sy} cannot be aligned")
+    return n
+
+
+def _sub(g, x, parts):
+    out = []
+    for z in g:
+        out.extend(parts if z == x else (z,))
+    return out
+
+
+def _split(state, n, x, parts):
+    """Refine label x into labels of sizes ``parts`` (C order): operands carrying it are
+    reshaped (a Compact operand is materialised first)."""
+    if any(isinstance(op, Compact) and x in ls for op, ls in zip(n.ops, n.labels)):
+        k = next(i for i, (op, ls) in enumerate(zip(n.ops, n.labels)) if isinstance(op, Compact) and x in ls)
+        n = _with_array(n, k, n.ops[k].array(state))
+        return _split(state, n, x, parts)
+    new = tuple(range(n.top, n.top + len(parts)))
+    sizes = dict(n.sizes)
+    del sizes[x]
+    sizes.update(zip(new, parts))
+    ops, labels = [], []
+    for op, ls in zip(n.ops, n.labels):
+        if x in ls:
+            shape = []
+            for z, s in zip(ls, state.ops.shape(op)):
+                shape.extend(parts if z == x else (s,))
+            op = state.ops.reshape(op, shape)
+            ls = tuple(_sub(ls, x, new))
+        ops.append(op)
+        labels.append(ls)
+    groups = [tuple(_sub(g, x, new)) for g in n.groups]
+    return Net(n.coef, ops, labels, groups, sizes), new
+
+
+def paired(state, a, b):
+    """The network ⟨a, b⟩ = Σ_out a[out] b[out] (both over the same groups)."""
+    b = b.shifted(a.top)
+    both = Net(a.coef * b.coef, a.ops + b.ops, a.labels + b.labels,
+               a.groups + b.groups, {**a.sizes, **b.sizes})
+    k = len(a.groups)
+    for g in range(k):
+        both = identified(state, both, g, k + g)
+    return closed(both)
+
+
+def closed(n):
+    """``n`` summed over all its output labels: a label no operand carries contributes
+    its size (Σ over it of 1)."""
+    carried = set(x for ls in n.labels for x in ls)
+    free = set(x for g in n.groups for x in g) - carried
+    return Net(n.coef * math.prod(n.sizes[x] for x in free), n.ops, n.labels, (), n.sizes)
+
+
+def scalar(state, nets):
+    """Σ over every network of its full contraction (no output labels)."""
+    total = 0.0
+    for n in nets:
+        for m in resolve(state, n, ()):
+            if m.ops:
+                v = C.contract(state.ops, m.ops, m.labels, (), state.schedule.limit, m.sizes)
+                total += m.coef * state.ops.item(v)
+            else:
+                total += m.coef
+    return total
+
+
+def frobenius_sq(state, first, second=None):
+    """‖Σ first‖²_F (or ⟨Σ first, Σ second⟩) as a sum over pairs of networks."""
+    total = 0.0
+    for i, a in enumerate(first):
+        if second is None:
+            total += scalar(state, [paired(state, a, a)])
+            total += 2 * scalar(state, [paired(state, a, b) for b in first[i + 1:]])
+        else:
+            total += scalar(state, [paired(state, a, b) for b in second])
+    return total

@@ -1,0 +1,209 @@
+"""The NumPy backend: the array operations the generated modules call, and the ones the
+contraction engine needs (``OPS``).  Imports neither torch nor numba.
+
+Arrays carrying data have a leading batch axis (one sequence per entry); parameters do
+not, and every operation broadcasts over it.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import scipy.special
+
+from . import chain
+from .network import EYE, ONES, Compact, net      # noqa: F401  (used by generated modules)
+from .state import Forward, leaf                   # noqa: F401
+
+__all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff", "softmax_diff2",
+           "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
+           "causal_mask", "diag", "diag_part", "vec_r", "unvec_r", "mean0", "unflat",
+           "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "cosh", "sinh", "cos",
+           "sin", "absolute", "net", "Compact", "ONES", "EYE", "Forward", "leaf", "OPS"]
+
+exp, log, tanh, sqrt, cosh, sinh, cos, sin = np.exp, np.log, np.tanh, np.sqrt, np.cosh, np.sinh, np.cos, np.sin
+absolute = np.abs
+sigmoid, erf = scipy.special.expit, scipy.special.erf
+
+
+def heaviside(x, at0):
+    return np.heaviside(x, at0)
+
+
+def mm(*xs):
+    """F₁⋯F_k, bracketed for the sizes of the call (``symhess.runtime.chain``)."""
+    return chain.multiply(xs, np.matmul, np.shape)
+
+
+def tr(x):
+    return np.swapaxes(x, -1, -2)
+
+
+def sum_last(x):
+    return x.sum(-1, keepdims=True)
+
+
+def sum_rows(x):
+    return x.sum(-2, keepdims=True)
+
+
+def bcast_last(x, n):
+    return np.broadcast_to(x, x.shape[:-1] + (n,))
+
+
+def bcast_rows(x, n):
+    return np.broadcast_to(x, x.shape[:-2] + (n, x.shape[-1]))
+
+
+def softmax_rows(t, causal=False):
+    """Row-wise softmax (entries j > i masked to exactly 0 when ``causal``)."""
+    if causal:
+        t = np.where(np.triu(np.ones(t.shape[-2:], dtype=bool), 1), -np.inf, t)
+    z = np.exp(t - t.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+
+
+def log_softmax_rows(t):
+    z = t - t.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def softmax_diff(a, e):
+    """dA[E] = A ∘ (E − rowsum(A ∘ E))."""
+    return a * (e - (a * e).sum(-1, keepdims=True))
+
+
+def softmax_diff2(a, e, f):
+    """d²A[E, F] = w − A rowsum(w), w = dA[E] ∘ (F − rowsum(A ∘ F))."""
+    w = softmax_diff(a, e) * (f - (a * f).sum(-1, keepdims=True))
+    return w - a * w.sum(-1, keepdims=True)
+
+
+def eye(n, like):
+    return np.eye(n, dtype=like.dtype)
+
+
+def zeros(shape, like):
+    return np.zeros(shape, dtype=like.dtype)
+
+
+def ones(shape, like):
+    return np.ones(shape, dtype=like.dtype)
+
+
+def causal_mask(n, like):
+    """M[i, j] = [j ≤ i]."""
+    return np.tril(np.ones((n, n), dtype=like.dtype))
+
+
+def diag(v):
+    """diag(v) for column vectors v (..., n, 1)."""
+    return v * np.eye(v.shape[-2], dtype=v.dtype)
+
+
+def diag_part(a):
+    return np.diagonal(a, 0, -2, -1)[..., None]
+
+
+def vec_r(x):
+    return np.reshape(x, x.shape[:-2] + (x.shape[-2] * x.shape[-1], 1))
+
+
+def unvec_r(x, m, n):
+    return np.reshape(x, x.shape[:-2] + (m, n))
+
+
+def unflat(x, rows, cols):
+    """The matrix axes of x split into index atoms (C order): (…, R, C) → (…, *rows, *cols)."""
+    return np.reshape(x, x.shape[:-2] + tuple(rows) + tuple(cols))
+
+
+def mean0(x, batched):
+    """The batch mean of a per-sequence result (``batched``: it carries the batch axis)."""
+    return x.mean(0) if batched else x
+
+
+class _Ops:
+    """What ``symhess.runtime.contract`` and ``network`` need of a backend."""
+
+    name = "numpy"
+
+    @staticmethod
+    def shape(a):
+        return a.shape
+
+    @staticmethod
+    def transpose(a, perm):
+        return np.transpose(a, perm)
+
+    @staticmethod
+    def reshape(a, shape):
+        return np.reshape(a, tuple(shape))
+
+    @staticmethod
+    def matmul(a, b):
+        if a.shape[0] == 1:
+            return np.matmul(a[0], b[0])[None]
+        return np.matmul(a, b)
+
+    @staticmethod
+    def sum(a, axes):
+        return a.sum(axis=tuple(axes))
+
+    @staticmethod
+    def narrow(a, axis, start, n):
+        return a[(slice(None),) * axis + (slice(start, start + n),)]
+
+    @staticmethod
+    def zeros(shape, like):
+        return np.zeros(tuple(shape), dtype=like.dtype)
+
+    @staticmethod
+    def diagonal(a, labels):
+        """(view, distinct labels): a repeated label becomes one axis (the diagonal)."""
+        uniq = tuple(dict.fromkeys(labels))
+        return _strided(a, labels, uniq, writeable=False), uniq
+
+    @staticmethod
+    def diagonal_view(a, labels):
+        """A writeable view of ``a`` over its distinct labels (repeats: the diagonal)."""
+        return _strided(a, labels, tuple(dict.fromkeys(labels)), writeable=True)
+
+    @staticmethod
+    def expand_dims(r, positions, ndim):
+        shape = [1] * ndim
+        for p, s in zip(positions, np.shape(r)):
+            shape[p] = s
+        return np.reshape(r, shape)
+
+    @staticmethod
+    def add_scaled(view, r, c):
+        if c == 1:
+            view += r
+        else:
+            view += c * r
+
+    @staticmethod
+    def concat(xs):
+        return np.concatenate(list(xs))
+
+    @staticmethod
+    def scalar(v, like):
+        return np.asarray(v, dtype=like.dtype)
+
+    @staticmethod
+    def item(v):
+        return float(v)
+
+
+def _strided(a, labels, uniq, writeable):
+    strides = [0] * len(uniq)
+    shape = [0] * len(uniq)
+    for lab, st, s in zip(labels, a.strides, a.shape):
+        k = uniq.index(lab)
+        strides[k] += st
+        shape[k] = s
+    return np.lib.stride_tricks.as_strided(a, tuple(shape), tuple(strides), writeable=writeable)
+
+
+OPS = _Ops()

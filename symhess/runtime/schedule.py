@@ -1,0 +1,77 @@
+"""The schedule: every tunable of the kernels' runtime in one place, with one switch.
+
+* ``memory_budget`` — bytes any single intermediate (and any materialised compact tensor)
+  may take; a contraction that needs more is sliced, a result that alone needs more raises
+  ``BudgetError``.  Default: an eighth of the machine's memory, at most 2 GiB.
+* ``materialise`` — compact per-token tensors (the block-diagonal moments, LayerNorm
+  Jacobians): ``"auto"`` compares, at the call's sizes, the planned flops of computing the
+  tensor once against inlining its networks into every network that uses it; ``"always"``
+  materialises every one that fits the budget; ``"never"`` inlines them all.
+* ``mirror`` — a dense Hessian's blocks below the diagonal are copied from the transposed
+  blocks above it (``False``: computed from their own networks).
+
+``Schedule.plain()`` is the switch: no cost comparisons (compacts materialised when they fit),
+no mirrored blocks.  The results agree with the default schedule to rounding; the
+environment variable ``SYMHESS_SCHEDULE=plain`` selects it for a whole process.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from ..errors import DeclarationError
+
+MATERIALISE = ("auto", "always", "never")
+
+
+def _machine_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2 ** 30
+
+
+DEFAULT_BUDGET = min(2 * 2 ** 30, _machine_memory() // 8)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    memory_budget: int = DEFAULT_BUDGET
+    itemsize: int = 8
+    materialise: str = "auto"
+    mirror: bool = True
+
+    def __post_init__(self):
+        if self.materialise not in MATERIALISE:
+            raise DeclarationError(f"unknown materialise setting {self.materialise!r}; valid: "
+                                   f"{', '.join(MATERIALISE)}")
+        if not isinstance(self.memory_budget, int) or self.memory_budget <= 0:
+            raise DeclarationError(f"memory_budget must be a positive number of bytes, got "
+                                   f"{self.memory_budget!r}")
+
+    @property
+    def limit(self) -> int:
+        """Entries of the largest intermediate."""
+        return max(1, self.memory_budget // self.itemsize)
+
+    @property
+    def compact_limit(self) -> int:
+        return self.limit
+
+    @classmethod
+    def plain(cls, **kw) -> "Schedule":
+        return cls(materialise="always", mirror=False, **kw)
+
+    @classmethod
+    def default(cls, memory_budget=None, itemsize=8) -> "Schedule":
+        """The process default (``SYMHESS_SCHEDULE=plain`` selects ``plain()``)."""
+        kw = {"itemsize": itemsize}
+        if memory_budget is not None:
+            kw["memory_budget"] = memory_budget
+        mode = os.environ.get("SYMHESS_SCHEDULE", "tuned")
+        if mode not in ("tuned", "plain"):
+            raise DeclarationError(f"SYMHESS_SCHEDULE={mode!r} is not valid; valid: tuned, plain")
+        return cls.plain(**kw) if mode == "plain" else cls(**kw)
+
+    def with_itemsize(self, itemsize) -> "Schedule":
+        return replace(self, itemsize=itemsize)

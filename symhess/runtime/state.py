@@ -1,0 +1,160 @@
+"""Prepared values: one generated variant bound to the arrays of one call.
+
+A generated module defines, per (loss, options) variant, a subclass of ``Forward`` whose
+
+* ``@leaf`` methods are the forward quantities (A, M_1, the output gradient G, …), each
+  computed on first use and kept: an iterative method (Lanczos, CG) calling ``hvp`` again
+  and again at the same values computes them once;
+* ``block__P__Q__PART`` methods (P not after Q in the declared order, PART ``outer`` or
+  ``functional``) return the block's index networks (``symhess.runtime.network``); a block
+  with no method is the zero block; H(Q, P) = H(P, Q)ᵀ for every part;
+* ``hvp__PART``, ``gradient``, ``loss`` are matrix-view routines; ``jacobian__P`` returns the
+  Jacobian's networks over (batch | rows of F | atoms of W_P); ``check_inputs`` the inputs of
+  the layer's value checks.
+
+Every public method below is exact and reads ``self.schedule`` (memory budget, compacts).
+Costs, with T the networks of a block and c(N) the planned cost of contracting N:
+hessian_block Σ_T c(N → block) (+ writing it); diag Σ_T c(N with columns = rows → rows);
+trace likewise to a scalar; frobenius_norm Σ_{s≤t} c(⟨N_s, N_t⟩) (no block built); hvp: the
+matrix-view statements (about a gradient's products).
+"""
+from __future__ import annotations
+
+import math
+from functools import cached_property
+
+from . import network as N
+from ..errors import InputError
+
+leaf = cached_property
+
+
+def _part(part):
+    if part not in ("outer", "functional", "full"):
+        raise InputError(f"unknown part {part!r}; valid: outer, functional, full")
+    return part
+
+
+class Forward:
+    """The values of one call bound to a variant (made by ``Kernel.prepare``)."""
+
+    PARAMS = ()           # parameter names in declared order (set by the generated class)
+
+    def __init__(self, arrays, dims, n_batch, ops, schedule, like):
+        self.__dict__.update(arrays)
+        self.__dict__.update(dims)
+        self.n_batch = n_batch
+        self.ops, self.schedule, self.like = ops, schedule, like
+        self._nets = {}
+
+    def __repr__(self):
+        return f"<prepared {type(self).__qualname__}: {self.n_batch} sequence(s)>"
+
+    # -- blocks as networks ---------------------------------------------------------------
+    def _param(self, p):
+        if p not in self.PARAMS:
+            raise InputError(f"unknown block {p!r}; valid: {', '.join(self.PARAMS)}")
+        return p
+
+    def numel(self, p):
+        return math.prod(self.ops.shape(getattr(self, self._param(p))))
+
+    def nets(self, p, q, part="full"):
+        """The index networks whose sum is H_part(p, q) (rows: W_p's atoms, columns: W_q's)."""
+        self._param(p), self._param(q), _part(part)
+        if part == "full":
+            return self.nets(p, q, "outer") + self.nets(p, q, "functional")
+        key = (p, q, part)
+        if key not in self._nets:
+            if self.PARAMS.index(p) <= self.PARAMS.index(q):
+                fn = getattr(self, f"block__{p}__{q}__{part}", None)
+                self._nets[key] = list(fn()) if fn is not None else []
+            else:
+                self._nets[key] = [n.transposed() for n in self.nets(q, p, part)]
+        return self._nets[key]
+
+    # -- dense ------------------------------------------------------------------------------
+    def hessian_block(self, p, q, part="full"):
+        """H_part(p, q) as a dense (numel p × numel q) array, vec_r layout."""
+        nets = self.nets(p, q, part)
+        if not nets:
+            return self.ops.zeros((self.numel(p), self.numel(q)), like=self.like)
+        return N.dense(self, nets)
+
+    def hessian(self, part="full", out=None):
+        """The whole Hessian, parameters in declared order (written into ``out`` if given)."""
+        _part(part)
+        sizes = [self.numel(p) for p in self.PARAMS]
+        offs = [0]
+        for s in sizes:
+            offs.append(offs[-1] + s)
+        if out is None:
+            out = self.ops.zeros((offs[-1], offs[-1]), like=self.like)
+        for i, p in enumerate(self.PARAMS):
+            for j, q in enumerate(self.PARAMS):
+                view = out[offs[i]:offs[i + 1], offs[j]:offs[j + 1]]
+                if j < i and self.schedule.mirror:
+                    view[...] = out[offs[j]:offs[j + 1], offs[i]:offs[i + 1]].T
+                    continue
+                view[...] = 0
+                nets = self.nets(p, q, part)
+                if nets:
+                    first = nets[0]
+                    shape = [first.sizes[x] for g in first.groups[:2] for x in g]
+                    acc = self.ops.reshape(view, shape)
+                    for n in nets:
+                        N.accumulate(self, n, (0, 1), acc, shape)
+        return out
+
+    # -- reductions --------------------------------------------------------------------------
+    def diag(self, p, part="full"):
+        """diag H_part(p, p) (vec_r order), without the block."""
+        nets = [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)]
+        if not nets:
+            return self.ops.zeros((self.numel(p),), like=self.like)
+        return N.dense(self, nets, groups=(0,))
+
+    def trace(self, p, part="full"):
+        """tr H_part(p, p), without the block."""
+        nets = [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)]
+        return N.scalar(self, [N.closed(n) for n in nets])
+
+    def frobenius_norm(self, p, q, part="full"):
+        """‖H_part(p, q)‖_F, exact, from pairs of networks (no block built)."""
+        return math.sqrt(max(N.frobenius_sq(self, self.nets(p, q, part)), 0.0))
+
+    def frobenius_split(self, p, q):
+        """{outer, functional, full: ‖H_part(p, q)‖_F}; the full norm costs only the cross
+        term ⟨H_o, H_f⟩ more: ‖H‖² = ‖H_o‖² + ‖H_f‖² + 2⟨H_o, H_f⟩."""
+        o, f = self.nets(p, q, "outer"), self.nets(p, q, "functional")
+        oo, ff = N.frobenius_sq(self, o), N.frobenius_sq(self, f)
+        of = N.frobenius_sq(self, o, f) if o and f else 0.0
+        root = lambda v: math.sqrt(max(v, 0.0))
+        return {"outer": root(oo), "functional": root(ff), "full": root(oo + ff + 2 * of)}
+
+    def frobenius_norms(self, part="full"):
+        """{(p, q): ‖H_part(p, q)‖_F} for every block (H(q, p) = H(p, q)ᵀ computed once)."""
+        out = {}
+        for i, p in enumerate(self.PARAMS):
+            for q in self.PARAMS[i:]:
+                out[(p, q)] = out[(q, p)] = self.frobenius_norm(p, q, part)
+        return {(p, q): out[(p, q)] for p in self.PARAMS for q in self.PARAMS}
+
+    # -- matrix view -------------------------------------------------------------------------
+    def hvp(self, v, part="full"):
+        """H_part v for a flat vector v (parameters in declared order), no block built."""
+        _part(part)
+        dirs, off = [], 0
+        for p in self.PARAMS:
+            shape = self.ops.shape(getattr(self, p))
+            k = math.prod(shape)
+            dirs.append(self.ops.reshape(v[off:off + k], shape))
+            off += k
+        outs = getattr(self, f"hvp__{part}")(*dirs)
+        return self._flat(outs)
+
+    def _flat(self, outs):
+        return self.ops.concat([self.ops.reshape(o, (-1,)) for o in outs])
+
+    def gradient_flat(self):
+        return self._flat(self.gradient())

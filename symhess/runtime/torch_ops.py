@@ -1,0 +1,202 @@
+"""The torch backend: the same operations as ``numpy_ops``, on tensors of any device and
+float dtype (``OPS`` for the contraction engine)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import chain
+from .network import EYE, ONES, Compact, net      # noqa: F401  (used by generated modules)
+from .state import Forward, leaf                   # noqa: F401
+
+__all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff", "softmax_diff2",
+           "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
+           "causal_mask", "diag", "diag_part", "vec_r", "unvec_r", "mean0", "unflat",
+           "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "cosh", "sinh", "cos",
+           "sin", "absolute", "net", "Compact", "ONES", "EYE", "Forward", "leaf", "OPS"]
+
+exp, log, tanh, sqrt, cosh, sinh, cos, sin = (torch.exp, torch.log, torch.tanh, torch.sqrt,
+                                              torch.cosh, torch.sinh, torch.cos, torch.sin)
+absolute, sigmoid, erf = torch.abs, torch.sigmoid, torch.special.erf
+
+
+def heaviside(x, at0):
+    """The step function (comparisons: autograd has no derivative for aten::heaviside)."""
+    return (x > 0).to(x.dtype) + float(at0) * (x == 0).to(x.dtype)
+
+
+def mm(*xs):
+    """F₁⋯F_k, bracketed for the sizes of the call (``symhess.runtime.chain``)."""
+    return chain.multiply(xs, torch.matmul, lambda x: tuple(x.shape))
+
+
+def tr(x):
+    return x.transpose(-1, -2)
+
+
+def sum_last(x):
+    return x.sum(-1, keepdim=True)
+
+
+def sum_rows(x):
+    return x.sum(-2, keepdim=True)
+
+
+def bcast_last(x, n):
+    return x.expand(*x.shape[:-1], n)
+
+
+def bcast_rows(x, n):
+    return x.expand(*x.shape[:-2], n, x.shape[-1])
+
+
+def softmax_rows(t, causal=False):
+    """Row-wise softmax (entries j > i masked to exactly 0 when ``causal``)."""
+    if causal:
+        n, m = t.shape[-2:]
+        mask = torch.triu(torch.ones((n, m), dtype=torch.bool, device=t.device), 1)
+        t = t.masked_fill(mask, -math.inf)
+    return torch.softmax(t, -1)
+
+
+def log_softmax_rows(t):
+    return torch.log_softmax(t, -1)
+
+
+def softmax_diff(a, e):
+    """dA[E] = A ∘ (E − rowsum(A ∘ E))."""
+    return a * (e - (a * e).sum(-1, keepdim=True))
+
+
+def softmax_diff2(a, e, f):
+    """d²A[E, F] = w − A rowsum(w), w = dA[E] ∘ (F − rowsum(A ∘ F))."""
+    w = softmax_diff(a, e) * (f - (a * f).sum(-1, keepdim=True))
+    return w - a * w.sum(-1, keepdim=True)
+
+
+def eye(n, like):
+    return torch.eye(n, dtype=like.dtype, device=like.device)
+
+
+def zeros(shape, like):
+    return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+
+def ones(shape, like):
+    return torch.ones(shape, dtype=like.dtype, device=like.device)
+
+
+def causal_mask(n, like):
+    """M[i, j] = [j ≤ i]."""
+    return torch.tril(torch.ones((n, n), dtype=like.dtype, device=like.device))
+
+
+def diag(v):
+    """diag(v) for column vectors v (..., n, 1)."""
+    return v * torch.eye(v.shape[-2], dtype=v.dtype, device=v.device)
+
+
+def diag_part(a):
+    return torch.diagonal(a, 0, -2, -1)[..., None]
+
+
+def vec_r(x):
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1], 1)
+
+
+def unvec_r(x, m, n):
+    return x.reshape(*x.shape[:-2], m, n)
+
+
+def unflat(x, rows, cols):
+    """The matrix axes of x split into index atoms (C order): (…, R, C) → (…, *rows, *cols)."""
+    return x.reshape(*x.shape[:-2], *rows, *cols)
+
+
+def mean0(x, batched):
+    """The batch mean of a per-sequence result (``batched``: it carries the batch axis)."""
+    return x.mean(0) if batched else x
+
+
+class _Ops:
+    """What ``symhess.runtime.contract`` and ``network`` need of a backend."""
+
+    name = "torch"
+
+    @staticmethod
+    def shape(a):
+        return tuple(a.shape)
+
+    @staticmethod
+    def transpose(a, perm):
+        return a.permute(*perm)
+
+    @staticmethod
+    def reshape(a, shape):
+        return a.reshape(tuple(shape))
+
+    @staticmethod
+    def matmul(a, b):
+        if a.shape[0] == 1:
+            return torch.mm(a[0], b[0])[None]
+        return torch.bmm(a, b)
+
+    @staticmethod
+    def sum(a, axes):
+        return a.sum(dim=tuple(axes))
+
+    @staticmethod
+    def narrow(a, axis, start, n):
+        return a.narrow(axis, start, n)
+
+    @staticmethod
+    def zeros(shape, like):
+        return torch.zeros(tuple(shape), dtype=like.dtype, device=like.device)
+
+    @staticmethod
+    def diagonal(a, labels):
+        """(view, distinct labels): a repeated label becomes one axis (the diagonal)."""
+        uniq = tuple(dict.fromkeys(labels))
+        return _strided(a, labels, uniq), uniq
+
+    @staticmethod
+    def diagonal_view(a, labels):
+        """A writeable view of ``a`` over its distinct labels (repeats: the diagonal)."""
+        return _strided(a, labels, tuple(dict.fromkeys(labels)))
+
+    @staticmethod
+    def expand_dims(r, positions, ndim):
+        shape = [1] * ndim
+        for p, s in zip(positions, r.shape):
+            shape[p] = s
+        return r.reshape(shape)
+
+    @staticmethod
+    def add_scaled(view, r, c):
+        view.add_(r, alpha=c)
+
+    @staticmethod
+    def concat(xs):
+        return torch.cat(list(xs))
+
+    @staticmethod
+    def scalar(v, like):
+        return torch.tensor(v, dtype=like.dtype, device=like.device)
+
+    @staticmethod
+    def item(v):
+        return float(v)
+
+
+def _strided(a, labels, uniq):
+    strides = [0] * len(uniq)
+    shape = [0] * len(uniq)
+    for lab, st, s in zip(labels, a.stride(), a.shape):
+        k = uniq.index(lab)
+        strides[k] += st
+        shape[k] = s
+    return a.as_strided(shape, strides, a.storage_offset())
+
+
+OPS = _Ops()
