@@ -67,7 +67,8 @@ def test_wrong_rank_or_empty(bad, needle):
 def test_non_finite_inputs_are_rejected(backend, bad):
     xb = x.copy()
     xb[1, 2] = bad
-    with pytest.raises(InputError, match=r"X contains non-finite entries \(NaN or inf\)"):
+    with pytest.raises(InputError, match=rf"X contains non-finite entries \(NaN or inf\): {bad} at "
+                                         r"index \(1, 2\), 1 of 12 entries"):
         evaluate(F, {"X": xb, "W": w}, backend=backend)
     with pytest.raises(InputError, match="X contains non-finite"):
         evaluate(F, {"X": torch.as_tensor(xb), "W": w}, backend=backend)
@@ -87,14 +88,33 @@ def test_non_numeric_inputs_are_rejected(bad):
         evaluate(F, {"X": bad, "W": w})
 
 
-def test_acceptable_inputs_are_converted():
-    """Lists, integer and boolean arrays, and tensors that require grad are fine."""
+def test_acceptable_inputs_are_used_as_given():
+    """float64 lists, float32 arrays and tensors that require grad are fine."""
     ref = evaluate(F, {"X": x, "W": w})
     assert np.allclose(evaluate(F, {"X": x.tolist(), "W": w}), ref, rtol=0, atol=0)
-    assert np.array_equal(evaluate(X @ W, {"X": (x > 0).astype(int), "W": w}),
-                          evaluate(X @ W, {"X": (x > 0), "W": w}))
     t = torch.as_tensor(x).requires_grad_(True)
     assert np.array_equal(evaluate(F, {"X": t, "W": w}), ref)
+    got32 = evaluate(F, {"X": x.astype(np.float32), "W": w.astype(np.float32)})
+    assert got32.dtype == np.float32 and np.allclose(got32, ref, rtol=1e-5, atol=1e-6)
+    t32 = evaluate(F, {"X": x.astype(np.float32), "W": w.astype(np.float32)}, backend="torch")
+    assert t32.dtype == torch.float32 and np.allclose(t32.numpy(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("bad", [(x > 0).astype(int), x > 0, x.astype(np.float16),
+                                 torch.as_tensor(x).to(torch.bfloat16), torch.as_tensor(x > 0),
+                                 [[1, 2, 3, 4]] * 3])
+def test_integer_boolean_and_half_inputs_are_refused_not_cast(backend, bad):
+    """One dtype policy: float32 and float64 only; the message names the array, its dtype
+    and the accepted dtypes."""
+    dt = str(bad.dtype).removeprefix("torch.") if hasattr(bad, "dtype") else "int64"
+    with pytest.raises(InputError, match=rf"^X has dtype {dt}; symhess computes in float32 or float64"):
+        evaluate(F, {"X": bad, "W": w}, backend=backend)
+
+
+def test_mixed_dtypes_are_refused_naming_each():
+    with pytest.raises(InputError, match="all values must share one dtype, got W: float64, X: float32"):
+        evaluate(F, {"X": x.astype(np.float32), "W": w})
 
 
 def test_unknown_backend_lists_valid():
