@@ -36,12 +36,21 @@ class CLIError(SymhessError, ValueError):
     """A user error found by the command line itself: printed as one line, exit status 2."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default in its help unless it is None or False (nothing to say)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with one-line usage errors (``symhess: error: …``, exit status 2) and every
     option's default shown in ``--help``."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *args, **kwargs):
@@ -262,7 +271,10 @@ def cmd_report(args):
     lay = layer_from_args(args)
     out = Path(args.output)
     _check_writable(out)
-    path = write_report(lay, out, losses=_losses(args.loss), progress=_progress())
+    try:
+        path = write_report(lay, out, losses=_losses(args.loss), progress=_progress())
+    except OSError as exc:    # the temporary file's name would say less than -o's
+        raise CLIError(f"cannot write {out}: {exc.strerror or exc}") from exc
     print(f"wrote {path}")
     if args.pdf:
         print(f"wrote {compile_pdf(path)}")

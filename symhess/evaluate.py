@@ -87,6 +87,15 @@ def _first_non_finite(a):
     return tuple(int(i) for i in np.unravel_index(flat, a.shape)), float(a.reshape(-1)[flat]), int(bad.sum())
 
 
+def _check_mapping(arrays):
+    if not isinstance(arrays, Mapping):
+        raise InputError(f"values must be a mapping from names to arrays (e.g. {{'X': x}}), "
+                         f"got {type(arrays).__name__}")
+    bad_keys = [k for k in arrays if not isinstance(k, str)]
+    if bad_keys:
+        raise InputError(f"value names must be strings, got {', '.join(map(repr, bad_keys))}")
+
+
 def check_values(arrays, check_finite=True) -> dict:
     """Check values against symhess's one value policy; returns {name: array}.
 
@@ -106,12 +115,7 @@ def check_values(arrays, check_finite=True) -> dict:
     Shapes are not checked here (``bind_dims`` does that).  Every violation is an
     ``InputError`` whose message names the array.
     """
-    if not isinstance(arrays, Mapping):
-        raise InputError(f"values must be a mapping from names to arrays (e.g. {{'X': x}}), "
-                         f"got {type(arrays).__name__}")
-    bad_keys = [k for k in arrays if not isinstance(k, str)]
-    if bad_keys:
-        raise InputError(f"value names must be strings, got {', '.join(map(repr, bad_keys))}")
+    _check_mapping(arrays)
     out = {}
     for name, x in arrays.items():
         a = real_array(x, name)
@@ -396,8 +400,7 @@ def evaluate(expr, values, backend="numpy", env=None, check_finite=True, what=No
     if not isinstance(expr, E.Expr):
         raise DeclarationError(f"evaluate needs a symhess expression (symhess.expr), "
                                f"got {type(expr).__name__} {_short(expr)}")
-    if not isinstance(values, Mapping):
-        check_values(values)        # raises: values must be a mapping
+    _check_mapping(values)
     variables = leaves(expr)
     missing = [v.name for v in variables if v.name not in values]
     if missing:

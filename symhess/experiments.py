@@ -538,6 +538,8 @@ def build_parser():
 def run_experiment(argv) -> int:
     """``symhess experiment ARGV…``: bad input raises a SymhessError (the CLI prints it)."""
     args = build_parser().parse_args(argv)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise OptionError(f"--out {args.out} is a file, not a directory")
     retain_freed_memory()         # this command owns its process: reuse freed temporaries
     return args.func(args)
 
