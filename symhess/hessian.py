@@ -254,5 +254,8 @@ def derive(layer, loss: str = "mse") -> Derivation:
     if isinstance(layer, str):
         from .layers import layer as get_layer
         layer = get_layer(layer)
+    if not isinstance(layer, Layer):
+        raise DeclarationError(f"derive needs a symhess Layer or a registered layer's name, "
+                               f"got {type(layer).__name__} {layer!r:.40}")
     get_loss(loss)
     return Derivation(layer, loss)

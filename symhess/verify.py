@@ -31,6 +31,8 @@ def dimension_symbols(derivation: Derivation):
 
 def random_sizes(derivation, seed=0, low=2, sizes=None):
     """Distinct sizes for distinct dimensions (so a swapped K_{m,n} cannot pass)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise DeclarationError(f"seed must be a non-negative integer, got {seed!r}")
     rng = np.random.default_rng(seed)
     syms = dimension_symbols(derivation)
     pool = rng.permutation(np.arange(low, low + max(5, len(syms))))

@@ -307,6 +307,8 @@ def test_a_dimension_inside_a_product_is_solved_from_the_known_factor():
     (lambda: symhess.Layer("x", X @ W, ("W",)), r"layer 'x': parameter 'W' is not a variable"),
     (lambda: symhess.Layer("x", X @ W, (W,), ("X",)), r"layer 'x': input 'X' is not a variable"),
     (lambda: symhess.Layer("", X @ W, (W,)), r"a layer's name must be a non-empty string"),
+    (lambda: symhess.derive(3.0), r"derive needs a symhess Layer or a registered layer's name, got float"),
+    (lambda: random_values(symhess.derive("attention"), seed=-1), r"seed must be a non-negative integer, got -1"),
 ])
 def test_bad_declarations_are_declaration_errors(make, needle):
     with pytest.raises(DeclarationError, match=needle):
