@@ -79,6 +79,10 @@ USER_ERRORS = {
                                  "the model's parameters and one batch would take about 298.8 GiB at --d-model "
                                  "100000, --d-head 100000, --d-mlp 512, --batch 64, more than the memory budget "
                                  "of 64.0 GiB"),
+    "experiment: huge bounds": (["experiment", "bounds", "--d-model", "300", "--d-head", "300"],
+                                {"SYMHESS_MEMORY_BUDGET": "1GiB"},
+                                "the full attention Hessian of the bounds experiment would take about 1.1 TiB "
+                                "at --length 6, --d-model 300, --d-head 300"),
     "experiment: huge histogram": (["experiment", "histogram", "--d-model", "200"], {"SYMHESS_MEMORY_BUDGET": "8GiB"},
                                    "the dense W_Q and W_V blocks of the histogram would take about"),
 }
