@@ -1,21 +1,87 @@
-"""The ``symhess`` command line: layers, derive, verify, report, generate, run."""
+"""The ``symhess`` command line: layers, derive, verify, report, generate, run, experiment.
+
+A LAYER argument is a registered layer name (``symhess layers``) or a user's declaration,
+``FILE.py:ATTR`` or ``package.module:ATTR``, where ATTR is a ``Layer`` or a factory returning
+one (``--set KEY=VALUE`` options are passed to the factory; ``symhess.layer_specs``).
+
+Exit status: 0 done; 1 a check failed (a block disagrees with autograd, a committed kernel
+is stale); 2 bad input — one line ``symhess: error: …`` on stderr that names the problem
+(a ``symhess.errors.SymhessError``, an operating-system error with its path, or a usage
+error); 3 an internal error — the traceback, and a request to report it.
+
+Long work (verify, report) shows a progress bar on stderr when stderr is a terminal.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
 from . import __version__
+from .errors import OptionError, SymhessError
 from .hessian import PARTS, derive
-from .layers import LAYERS, layer, layer_options
+from .layer_specs import is_user_spec
+from .layers import LAYERS, resolve_layer, spec_options
 from .losses import LOSSES
 
 
 GENERATED = Path(__file__).resolve().parent.parent / "generated"
+BUG = "this is a bug in symhess; please report it with the command and the traceback"
+EXIT_BAD_INPUT, EXIT_BUG = 2, 3
+TRUE, FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
-class CLIError(Exception):
-    """A user error: printed as one line, exit status 2."""
+class CLIError(SymhessError, ValueError):
+    """A user error found by the command line itself: printed as one line, exit status 2."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default in its help unless it is None or False (nothing to say)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (``symhess: error: …``, exit status 2) and every
+    option's default shown in ``--help``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        default = kwargs.get("default")
+        if ("help" not in kwargs and args and str(args[0]).startswith("-")
+                and default is not None and default is not False and default is not argparse.SUPPRESS):
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(EXIT_BAD_INPUT, f"symhess: error: {message} (see '{self.prog} --help')\n")
+
+
+def positive_int(text):
+    """argparse type: an integer >= 1 (the error names the option)."""
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def nonnegative_int(text):
+    """argparse type: an integer >= 0 (seeds)."""
+    return _int_at_least(text, 0, "a non-negative integer")
+
+
+def _int_at_least(text, low, what):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
 
 
 def _parse_value(text):
@@ -34,22 +100,39 @@ def _parse_value(text):
     return text
 
 
+def _parse_option(key, text, default):
+    """A --set value: an option whose default is True/False takes true/false (yes/no, on/off,
+    1/0) only; anything else is read as a number, None or a string."""
+    if isinstance(default, bool):
+        low = text.lower()
+        if low in TRUE:
+            return True
+        if low in FALSE:
+            return False
+        raise OptionError(f"option {key} expects true or false, got {text!r}")
+    return _parse_value(text)
+
+
 def options_from_args(args) -> dict:
-    """Layer options from --causal and --set KEY=VALUE (validated against the layer)."""
+    """Layer options from --causal and --set KEY=VALUE, parsed by each option's default and
+    validated against the layer (an error names the option and the valid ones)."""
+    defaults = spec_options(args.layer)
     options = {}
     for item in args.set or []:
-        if "=" not in item:
-            raise CLIError(f"--set expects KEY=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
-        options[key.strip()] = _parse_value(value.strip())
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise CLIError(f"--set expects KEY=VALUE with a non-empty KEY, got {item!r}; "
+                           f"options of {args.layer}: {', '.join(defaults) or 'none'}")
+        options[key] = _parse_option(key, value.strip(), defaults.get(key))
     if getattr(args, "causal", False):
         options["causal"] = True
-    layer(args.layer, **options)  # validate names and options early
+    resolve_layer(args.layer, options)  # validate names and options early
     return options
 
 
 def layer_from_args(args):
-    return layer(args.layer, **options_from_args(args))
+    return resolve_layer(args.layer, options_from_args(args))
 
 
 def _losses(choice):
@@ -57,13 +140,18 @@ def _losses(choice):
     return ["mse", "ce"] if choice == "both" else [choice]
 
 
+def _progress() -> bool:
+    return sys.stderr.isatty()
+
+
 def cmd_layers(args):
-    for name in sorted(LAYERS):
-        lay = layer(name)
-        opts = ", ".join(f"{k}={v!r}" for k, v in layer_options(name).items()) or "none"
-        print(f"{name}")
+    specs = args.layers or sorted(LAYERS)
+    for spec in specs:
+        lay = resolve_layer(spec, {})
+        opts = ", ".join(f"{k}={v!r}" for k, v in spec_options(spec).items()) or "none"
+        print(f"{spec}" if spec == lay.name else f"{spec} ({lay.name})")
         print(f"  parameters: {', '.join(f'{p.name} ({p.rows}×{p.cols})' for p in lay.params)}")
-        print(f"  inputs:     {', '.join(f'{v.name} ({v.rows}×{v.cols})' for v in lay.inputs)}")
+        print(f"  inputs:     {', '.join(f'{v.name} ({v.rows}×{v.cols})' for v in lay.inputs) or 'none'}")
         print(f"  options:    {opts}")
         if lay.description:
             print(f"  {lay.description.strip().splitlines()[0]}")
@@ -131,21 +219,22 @@ def print_latex_blocks(d, keys):
 def verification_table(lay_name, losses, seed, options, out=print, derived=None):
     """Run verify for the given settings; returns True when every error is within tolerance.
 
-    ``derived``: {(loss, sorted option items): Derivation} already made (not derived again).
+    ``lay_name``: a layer spec (``resolve_layer``).  ``derived``: {(loss, sorted option
+    items): Derivation} already made (not derived again).
     """
     from .verify import TOLERANCE, verify
 
     ok = True
     settings = [{}]
-    if "causal" in layer_options(lay_name) and "causal" not in options:
+    if "causal" in spec_options(lay_name) and "causal" not in options:
         settings = [{"causal": False}, {"causal": True}]
     for loss in losses:
         for extra in settings:
             key = (loss, tuple(sorted({**options, **extra}.items())))
             d = (derived or {}).get(key)
             if d is None:
-                d = derive(layer(lay_name, **{**options, **extra}), loss)
-            checks, values = verify(d, seed=seed)
+                d = derive(resolve_layer(lay_name, {**options, **extra}), loss)
+            checks, values = verify(d, seed=seed, progress=_progress())
             shapes = ", ".join(f"{k} {v.shape[0]}×{v.shape[1]}" for k, v in sorted(values.items()))
             label = ", ".join(f"{k}={v}" for k, v in {**options, **extra}.items()) or "defaults"
             out(f"\n{lay_name} · loss={loss} · {label} · seed={seed} · {shapes}")
@@ -165,20 +254,35 @@ def cmd_verify(args):
     return 0 if ok else 1
 
 
+def _check_writable(path: Path):
+    """A CLIError naming the path when it is a directory or a parent of it is a file."""
+    if path.is_dir():
+        raise CLIError(f"cannot write {path}: it is a directory")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CLIError(f"cannot write {path}: {parent} is a file, not a directory")
+            return
+
+
 def cmd_report(args):
-    from .report import write_report
+    from .report import compile_pdf, write_report
 
     lay = layer_from_args(args)
-    path = write_report(lay, args.output, losses=_losses(args.loss), pdf=args.pdf)
+    out = Path(args.output)
+    _check_writable(out)
+    try:
+        path = write_report(lay, out, losses=_losses(args.loss), progress=_progress())
+    except OSError as exc:    # the temporary file's name would say less than -o's
+        raise CLIError(f"cannot write {out}: {exc.strerror or exc}") from exc
     print(f"wrote {path}")
+    if args.pdf:
+        print(f"wrote {compile_pdf(path)}")
     return 0
 
 
 def cmd_generate(args):
-    try:
-        from .codegen import main_generate
-    except ImportError as exc:  # pragma: no cover - until code generation lands
-        raise CLIError(f"code generation is not available: {exc}")
+    from .codegen import main_generate
     return main_generate(check=args.check, out_dir=GENERATED)
 
 
@@ -188,7 +292,7 @@ def cmd_run(args):
     import time
 
     opts = options_from_args(args)
-    lay = layer(args.layer, **opts)
+    lay = resolve_layer(args.layer, opts)
     derived = {}
     for loss in _losses(args.loss):
         t0 = time.perf_counter()
@@ -202,31 +306,34 @@ def cmd_run(args):
     ok = verification_table(args.layer, _losses(args.loss), args.seed, opts, derived=derived)
     status = 0 if ok else 1
     print()
+    if is_user_spec(args.layer):
+        print(f"{args.layer}: a declaration outside the registry has no committed kernels")
+        return status
     from .codegen import main_check_layer
     return status or main_check_layer(args.layer, out_dir=GENERATED)
 
 
-def cmd_experiment(args):
-    try:
-        from .experiments import main_experiment
-    except ImportError as exc:  # pragma: no cover - until the experiments land
-        raise CLIError(f"experiments are not available: {exc}")
-    return main_experiment(args.rest)
+def loss_help(both: bool) -> str:
+    names = ", ".join(sorted(LOSSES))
+    return f"the loss: {names}" + (", or both (mse and ce)" if both else "")
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="symhess", description="Derive exact loss Hessians of "
-                                 "Transformer sub-layers symbolically, print LaTeX, verify, generate kernels.")
+    ap = ArgumentParser(prog="symhess", description="Derive exact loss Hessians of Transformer "
+                        "sub-layers symbolically, print LaTeX, verify, generate kernels.")
     ap.add_argument("--version", action="version", version=f"symhess {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    layer_help = "a registered layer (see `symhess layers`), FILE.py:ATTR or MODULE:ATTR"
 
     def layer_args(p, loss_default="mse"):
-        p.add_argument("layer", help="layer name (see `symhess layers`)")
-        p.add_argument("--loss", default=loss_default, help="mse, ce" + (" or both" if loss_default == "both" else ""))
+        p.add_argument("layer", metavar="LAYER", help=layer_help)
+        p.add_argument("--loss", default=loss_default, help=loss_help(loss_default == "both"))
         p.add_argument("--causal", action="store_true", help="use the causal mask")
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help="layer option (repeatable)")
 
-    sub.add_parser("layers", help="list the declared layers").set_defaults(func=cmd_layers)
+    p = sub.add_parser("layers", help="list the declared layers")
+    p.add_argument("layers", nargs="*", metavar="LAYER", help=layer_help + " (default: all registered)")
+    p.set_defaults(func=cmd_layers)
 
     p = sub.add_parser("derive", help="print Hessian blocks")
     layer_args(p)
@@ -238,45 +345,75 @@ def build_parser():
 
     p = sub.add_parser("verify", help="compare every block with torch autograd (float64)")
     layer_args(p, "both")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random values")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("report", help="write a LaTeX document with every block")
     layer_args(p, "both")
     p.add_argument("-o", "--output", required=True, help="output .tex file")
-    p.add_argument("--pdf", action="store_true", help="also compile with pdflatex")
+    p.add_argument("--pdf", action="store_true", help="also compile it with pdflatex")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("generate", help="write NumPy and torch kernels into generated/")
     p.add_argument("--check", action="store_true", help="only check that generated/ is up to date")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("experiment", help="the papers' curvature experiments (scaling, histogram, bounds)",
-                       add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_experiment)
+    # `symhess experiment …` is dispatched before parsing (main), to its own parser
+    sub.add_parser("experiment", help="the papers' curvature experiments (scaling, histogram, "
+                   "bounds); see `symhess experiment --help`", add_help=False)
 
     p = sub.add_parser("run", help="main job: derive + LaTeX + verify (+ kernel check)")
     layer_args(p, "both")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random values")
     p.set_defaults(func=cmd_run)
     return ap
 
 
-def main(argv=None) -> int:
+def _check_loss(args):
+    if not hasattr(args, "loss"):
+        return
+    both = args.command in ("verify", "report", "run")
+    if args.loss not in LOSSES and not (both and args.loss == "both"):
+        raise CLIError(f"unknown loss {args.loss!r}; valid: {', '.join(sorted(LOSSES))}"
+                       + (", both" if both else ""))
+
+
+def _os_error(exc: OSError) -> str:
+    """An OS error as one line with its path(s) and reason."""
+    if exc.filename is None:
+        return str(exc) or type(exc).__name__
+    path = str(exc.filename) + (f" -> {exc.filename2}" if exc.filename2 else "")
+    return f"{path}: {exc.strerror or type(exc).__name__}"
+
+
+def _dispatch(argv):
+    if argv[:1] == ["experiment"]:
+        from .experiments import run_experiment
+        return run_experiment(argv[1:])
     args = build_parser().parse_args(argv)
-    if hasattr(args, "loss") and args.loss not in (*LOSSES, "both"):
-        print(f"symhess: error: unknown loss {args.loss!r}; valid: {', '.join(sorted(LOSSES))}"
-              + (", both" if args.command in ("verify", "report", "run") else ""), file=sys.stderr)
-        return 2
-    if getattr(args, "loss", None) == "both" and args.command == "derive":
-        print("symhess: error: derive takes one loss: mse or ce", file=sys.stderr)
-        return 2
+    _check_loss(args)
+    return args.func(args)
+
+
+def main(argv=None) -> int:
+    """The console entry point; returns the exit status (module docstring)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        return args.func(args)
+        return _dispatch(argv)
+    except SystemExit as exc:   # argparse: --help, --version (0) and usage errors (2)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_BAD_INPUT)
     except BrokenPipeError:  # e.g. `symhess verify … | head`
         return 0
-    except (CLIError, KeyError, ValueError, TypeError, NotImplementedError, OSError) as exc:
-        msg = exc.args[0] if exc.args else str(exc)
-        print(f"symhess: error: {msg}", file=sys.stderr)
-        return 2
+    except SymhessError as exc:
+        print(f"symhess: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as exc:
+        print(f"symhess: error: {_os_error(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("symhess: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print(BUG, file=sys.stderr)
+        return EXIT_BUG

@@ -5,25 +5,49 @@ is a ``SymhessError``: the CLI prints its message as one line and exits with sta
 API users can catch the one base class.  Anything else that escapes is a bug.
 
 * ``DeclarationError`` — a layer, expression, option, name or dimension that is not valid;
+  * ``UnknownNameError`` — a name that is not declared (layer, loss, block, intermediate,
+    elementwise function …); the message lists the valid names;
+  * ``OptionError``      — an option a layer does not take, or a value it does not accept
+    (``causal="maybe"``); the message lists the valid options or values;
+  * ``DuplicateNameError`` — a second registration under a name already taken;
 * ``ShapeError``       — shapes that do not conform (in a declaration or in the values);
 * ``InputError``       — values that cannot be used (names, dtypes, non-finite entries …);
 * ``BudgetError``      — work whose memory estimate exceeds the budget (the message names
   the sizes, the estimate and the budget).
 
 The first three are also ``ValueError`` s and ``BudgetError`` is a ``MemoryError``, so code
-that caught the built-in types keeps working.
+that caught the built-in types keeps working; for the same reason ``UnknownNameError`` is also
+a ``KeyError`` (a registry miss), as is ``DuplicateNameError``, and ``OptionError`` also a ``TypeError`` (what Python raises
+for an unexpected keyword argument).  ``str()`` of every one of them is its message (a plain
+``KeyError`` would quote it).
 """
 from __future__ import annotations
 
-__all__ = ["SymhessError", "DeclarationError", "ShapeError", "InputError", "BudgetError"]
+__all__ = ["SymhessError", "DeclarationError", "UnknownNameError", "OptionError",
+           "DuplicateNameError", "ShapeError", "InputError", "BudgetError"]
 
 
 class SymhessError(Exception):
     """Base class: an error caused by the user's input (one line, CLI exit status 2)."""
 
+    def __str__(self):
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
 
 class DeclarationError(SymhessError, ValueError):
     """A declaration, option, name or dimension that is not valid."""
+
+
+class UnknownNameError(DeclarationError, KeyError):
+    """A name that is not declared (layer, loss, block, intermediate …); lists the valid ones."""
+
+
+class OptionError(DeclarationError, TypeError):
+    """An option a layer does not take, or an option value it does not accept."""
+
+
+class DuplicateNameError(DeclarationError, KeyError):
+    """A second registration under a name that is already registered."""
 
 
 class ShapeError(SymhessError, ValueError):

@@ -13,7 +13,6 @@ A block the engine derives as the Zero node is reported as a structural zero, no
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import os
@@ -26,6 +25,8 @@ import numpy as np
 from . import data
 from . import expr as E
 from . import models  # noqa: F401  (registers addition_block and the answer losses)
+from .budget import check_budget
+from .errors import OptionError
 from .evaluate import Interpreter, _Torch
 from .hessian import derive
 from .layers import layer
@@ -73,13 +74,30 @@ class Config:
     def validate(self):
         for name in ("d_model", "d_head", "d_mlp", "batch"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+                raise OptionError(f"--{name.replace('_', '-')} must be a positive integer")
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+            raise OptionError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda":
             import torch
             if not torch.cuda.is_available():
-                raise ValueError("--device cuda requested but torch sees no CUDA device")
+                raise OptionError("--device cuda requested but torch sees no CUDA device")
+
+    def memory_bytes(self, dense_blocks=()) -> int:
+        """Bytes of the experiment's own arrays: the parameters, embeddings and masks, one
+        batch, and the dense blocks ``dense_blocks`` (three block-sized arrays each while it
+        is assembled: the columns, their concatenation and the NumPy copy)."""
+        item = 4 if self.dtype == "float32" else 8
+        numel = {n: r * c for n, (r, c) in shapes(self).items()}
+        n = sum(numel.values()) + (data.VOCAB + data.N_CTX) * self.d_model + 2 * data.N_CTX ** 2
+        n += 2 * self.batch * data.N_CTX * data.VOCAB
+        n += sum(3 * numel[p] ** 2 for p in dense_blocks)
+        return n * item
+
+    def check_memory(self, what, dense_blocks=()):
+        """A BudgetError, before anything is allocated, when ``memory_bytes`` exceeds the budget."""
+        sizes = (f"--d-model {self.d_model}, --d-head {self.d_head}, --d-mlp {self.d_mlp}, "
+                 f"--batch {self.batch}")
+        check_budget(self.memory_bytes(dense_blocks), what, sizes, device=self.device)
 
 
 def shapes(cfg: Config) -> dict:
@@ -156,6 +174,7 @@ class Experiment:
 
     def __init__(self, cfg: Config):
         cfg.validate()
+        cfg.check_memory("the model's parameters and one batch")
         self.cfg = cfg
         self.derivation = derive(layer("addition_block", attention=cfg.attention, norm=cfg.norm), cfg.loss)
         self._cols = {}
@@ -327,10 +346,10 @@ def cmd_scaling(args):
     cfg = config_from(args)
     sigmas = parse_sigmas(args.sigmas)
     seeds = [args.seed + r for r in range(args.seeds)]
+    os.makedirs(args.out, exist_ok=True)       # before the sweep: a bad --out fails at once
     t0 = time.perf_counter()
     rows = scaling(cfg, sigmas, seeds, progress=not args.quiet)
     elapsed = time.perf_counter() - t0
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"scaling_{cfg.kind}")
     write_csv(rows, stem + ".csv")
     summary = summarise(rows, args.fit_max)
@@ -361,6 +380,7 @@ def cmd_histogram(args):
     medians = {}
     for ax, attention in zip(axes, ("softmax", "linear")):
         cfg = config_from(args, attention=attention, norm="none")
+        cfg.check_memory("the dense W_Q and W_V blocks of the histogram", dense_blocks=BLOCKS)
         exp = Experiment(cfg)
         bins = np.logspace(-16, 1, 70)
         for p, color in (("W_V", "tab:blue"), ("W_Q", "tab:orange")):
@@ -421,6 +441,9 @@ def cmd_bounds(args):
     names = d.layer.param_names
     pairs = {"VV": ("W_V", "W_V"), "QQ": ("W_Q", "W_Q"), "VQ": ("W_V", "W_Q"), "QK": ("W_Q", "W_K")}
     sizes = {"L": args.length, "d_V": args.d_model, "d_K": args.d_head}
+    n = 2 * args.d_model * args.d_head + args.d_model ** 2      # entries of W_Q, W_K, W_V
+    check_budget(8 * 2 * n * n, "the full attention Hessian of the bounds experiment",
+                 f"--length {args.length}, --d-model {args.d_model}, --d-head {args.d_head}")
     print(f"single attention layer, MSE, L={args.length}, d_V={args.d_model}, d_K={args.d_head}; "
           "norms are spectral; ratio = bound / exact")
     print(f"{'trial':>5} {'block':>5} {'exact':>11} {'bound':>11} {'ratio':>9}")
@@ -456,9 +479,9 @@ def parse_sigmas(text):
         else:
             out = [float(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise ValueError(f"--sigmas: expected 'logspace:A:B:N' or 's1,s2,...', got {text!r}") from None
+        raise OptionError(f"--sigmas: expected 'logspace:A:B:N' or 's1,s2,...', got {text!r}") from None
     if not out or min(out) <= 0:
-        raise ValueError(f"--sigmas must be positive numbers, got {text!r}")
+        raise OptionError(f"--sigmas must be positive numbers, got {text!r}")
     return out
 
 
@@ -471,24 +494,25 @@ def config_from(args, **over) -> Config:
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="symhess experiment", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    from .cli import ArgumentParser, nonnegative_int, positive_int
+    p = ArgumentParser(prog="symhess experiment", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="EXPERIMENT")
 
     def common(sp, d_model, d_mlp, batch):
-        sp.add_argument("--seed", type=int, default=0, help="first model/data seed (model seed 1234+seed)")
+        sp.add_argument("--seed", type=nonnegative_int, default=0, help="first model/data seed (model seed 1234+seed)")
         sp.add_argument("--out", default="experiments_out", help="output directory")
         sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-        sp.add_argument("--d-model", type=int, default=d_model)
-        sp.add_argument("--d-head", type=int, default=0, help="default: d_model")
-        sp.add_argument("--d-mlp", type=int, default=d_mlp)
-        sp.add_argument("--batch", type=int, default=batch)
-        sp.add_argument("--chunk", type=int, default=0, help="basis directions per vectorised call")
+        sp.add_argument("--d-model", type=positive_int, default=d_model)
+        sp.add_argument("--d-head", type=nonnegative_int, default=0, help="0: d_model")
+        sp.add_argument("--d-mlp", type=positive_int, default=d_mlp)
+        sp.add_argument("--batch", type=positive_int, default=batch)
+        sp.add_argument("--chunk", type=nonnegative_int, default=0, help="basis directions per vectorised call (0: automatic)")
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
 
     s = sub.add_parser("scaling", help="‖H‖, ‖H_o‖, ‖H_f‖ of the W_Q, W_V blocks against σ (Fig. 3)")
     common(s, 128, 512, 64)
     s.add_argument("--sigmas", default=DEFAULT_SIGMAS, help="'logspace:A:B:N' or 's1,s2,...'")
-    s.add_argument("--seeds", type=int, default=3)
+    s.add_argument("--seeds", type=positive_int, default=3)
     s.add_argument("--attention", default="softmax", choices=("softmax", "linear"))
     s.add_argument("--norm", default="none", choices=("none", "pre"))
     s.add_argument("--fit-max", type=float, default=0.1, help="fit slopes over σ ≤ this")
@@ -500,27 +524,31 @@ def build_parser():
     h.set_defaults(func=cmd_histogram)
 
     b = sub.add_parser("bounds", help="exact spectral norms vs the published Theorem 1 bound")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--trials", type=int, default=3)
-    b.add_argument("--length", type=int, default=6)
-    b.add_argument("--d-model", type=int, default=5)
-    b.add_argument("--d-head", type=int, default=4)
+    b.add_argument("--seed", type=nonnegative_int, default=0)
+    b.add_argument("--trials", type=positive_int, default=3)
+    b.add_argument("--length", type=positive_int, default=6)
+    b.add_argument("--d-model", type=positive_int, default=5)
+    b.add_argument("--d-head", type=positive_int, default=4)
     b.add_argument("--sigma", type=float, default=1.0, help="scale of the random X")
     b.add_argument("--out", default="experiments_out")
     b.set_defaults(func=cmd_bounds)
     return p
 
 
-def main_experiment(argv=None) -> int:
-    """Entry point for ``symhess experiment ...``; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def run_experiment(argv) -> int:
+    """``symhess experiment ARGV…``: bad input raises a SymhessError (the CLI prints it)."""
+    args = build_parser().parse_args(argv)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise OptionError(f"--out {args.out} is a file, not a directory")
     retain_freed_memory()         # this command owns its process: reuse freed temporaries
-    try:
-        return args.func(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return args.func(args)
+
+
+def main_experiment(argv=None) -> int:
+    """Entry point for ``symhess experiment ...``; returns the exit status (``symhess.cli.main``:
+    one line ``symhess: error: …`` and status 2 for bad input)."""
+    from .cli import main
+    return main(["experiment", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -12,11 +12,12 @@ This module imports nothing from rules or printers.
 from __future__ import annotations
 
 import hashlib
+import keyword
 from functools import lru_cache
 
 import sympy as sp
 
-from .errors import ShapeError
+from .errors import DeclarationError, ShapeError
 from .scalarfn import ScalarFn, get_function
 
 __all__ = [
@@ -29,13 +30,28 @@ __all__ = [
 
 
 def dim(name: str) -> sp.Symbol:
-    """A symbolic dimension (positive integer)."""
+    """A symbolic dimension (positive integer); ``name`` is a Python identifier (L, d_V)."""
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+        raise DeclarationError(f"dimension name {name!r} is not an identifier (letters, digits "
+                               f"and _, not starting with a digit), e.g. dims('L d_V')")
     return sp.Symbol(name, positive=True, integer=True)
 
 
 def dims(names: str):
-    """Several symbolic dimensions: ``L, d_V = dims("L d_V")``."""
+    """Several symbolic dimensions: ``L, d_V = dims("L d_V")`` (names separated by spaces)."""
+    if not isinstance(names, str) or not names.split():
+        raise DeclarationError(f"dims expects names separated by spaces, e.g. dims('L d_V'), "
+                               f"got {names!r}")
     return tuple(dim(n) for n in names.split())
+
+
+def _operands(op, items):
+    """A DeclarationError unless every operand of ``op`` is an expression (``kron(X, 3)``)."""
+    for i, x in enumerate(items, 1):
+        if not isinstance(x, Expr):
+            hint = " (scale by a number with 3 * A)" if isinstance(x, (int, float, sp.Number)) else ""
+            raise DeclarationError(f"{op}: operand {i} is {type(x).__name__} {x!r:.40}, not a "
+                                   f"symhess expression{hint}")
 
 
 # structural sort keys longer than this keep a prefix and a digest (Expr.key)
@@ -182,7 +198,7 @@ class Expr:
 
     def __truediv__(self, other):
         if isinstance(other, Expr):
-            raise TypeError("divide by an expression with power(expr, -1) and hadamard")
+            raise DeclarationError("divide by an expression with power(expr, -1) and hadamard")
         return scale(1 / _d(other), self)
 
     @property
@@ -666,6 +682,7 @@ def _commute(a, b):
 def matmul(*factors) -> Expr:
     if not factors:
         raise TypeError("matmul needs at least one factor")
+    _operands("matmul", factors)
     coef = sp.Integer(1)
     flat = []
     for f in factors:
@@ -712,6 +729,7 @@ def matmul(*factors) -> Expr:
 def add(*terms) -> Expr:
     if not terms:
         raise TypeError("add needs at least one term")
+    _operands("add", terms)
     flat = []
     for t in terms:
         flat.extend(t.args if isinstance(t, Add) else (t,))
@@ -738,6 +756,7 @@ def transpose(a) -> Expr:
     """Push transposes to the leaves: (AB)ᵀ = BᵀAᵀ, (A⊗B)ᵀ = Aᵀ⊗Bᵀ, K_{m,n}ᵀ = K_{n,m}.
     Memoised on the node: a derivation's expressions are DAGs whose shared subexpressions
     would otherwise be transposed once per path to them (exponential in depth)."""
+    _operands("transpose", (a,))
     if a._t is None:
         a._t = _transpose(a)
     return a._t
@@ -772,6 +791,9 @@ def _transpose(a) -> Expr:
 
 
 def kron(*factors) -> Expr:
+    if not factors:
+        raise TypeError("kron needs at least one factor")
+    _operands("kron", factors)
     coef = sp.Integer(1)
     flat = []
     for f in factors:
@@ -804,6 +826,7 @@ def kron(*factors) -> Expr:
 def hadamard(*factors) -> Expr:
     if not factors:
         raise TypeError("hadamard needs at least one factor")
+    _operands("hadamard", factors)
     coef = sp.Integer(1)
     flat = []
     for f in factors:
@@ -825,6 +848,7 @@ def hadamard(*factors) -> Expr:
 
 
 def elementwise(fn, a) -> Expr:
+    _operands("elementwise", (a,))
     fn = get_function(fn) if isinstance(fn, str) else fn
     if fn.is_zero:
         return Zero(*a.shape)
@@ -841,10 +865,14 @@ def power(a, p) -> Expr:
 
 
 def softmax_rows(t, causal=False) -> Expr:
+    _operands("softmax_rows", (t,))
+    if not isinstance(causal, bool):
+        raise DeclarationError(f"softmax_rows: causal must be True or False, got {causal!r}")
     return SoftmaxRows(t, causal)
 
 
 def log_softmax_rows(t) -> Expr:
+    _operands("log_softmax_rows", (t,))
     return LogSoftmaxRows(t)
 
 
@@ -866,6 +894,7 @@ def softmax_diff2(a, e, f) -> Expr:
 
 
 def diag(v) -> Expr:
+    _operands("diag", (v,))
     if isinstance(v, Zero):
         return Zero(v.rows, v.rows)
     c, core = _split(v)
@@ -873,6 +902,7 @@ def diag(v) -> Expr:
 
 
 def diag_part(a) -> Expr:
+    _operands("diag_part", (a,))
     if isinstance(a, Zero):
         return Zero(a.rows, 1)
     c, core = _split(a)
@@ -882,6 +912,7 @@ def diag_part(a) -> Expr:
 
 
 def vec_r(a) -> Expr:
+    _operands("vec_r", (a,))
     if isinstance(a, Zero):
         return Zero(a.rows * a.cols, 1)
     if same(a.cols, 1):
@@ -911,6 +942,7 @@ def kron_contract(g, c, side, rows, cols) -> Expr:
 
 def named(inner, name, tex=None, frozen=False, symmetric=False, shown=()) -> Expr:
     """Give a sub-expression a name for printing (and, if frozen, for differentiation)."""
+    _operands("named", (inner,))
     if isinstance(inner, Zero):
         return inner
     return Named(inner, name, tex or name, frozen, symmetric, tuple(shown))
@@ -918,11 +950,13 @@ def named(inner, name, tex=None, frozen=False, symmetric=False, shown=()) -> Exp
 
 def rowsum(a) -> Expr:
     """A 1 1ᵀ: every entry replaced by its row's sum (shape kept)."""
+    _operands("rowsum", (a,))
     return matmul(a, Ones(a.cols, a.cols))
 
 
 def sum_all(a) -> Expr:
     """1ᵀ A 1 as a 1×1 matrix."""
+    _operands("sum_all", (a,))
     return matmul(Ones(1, a.rows), a, Ones(a.cols, 1))
 
 

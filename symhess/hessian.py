@@ -21,9 +21,8 @@ from .layers import Layer
 from .losses import get_loss
 from .rules import differential
 from .simplify import definitions, simplify
-from .evaluate import InputError, bind_dims, evaluate, real_array
-
-import numpy as np
+from .errors import DeclarationError, UnknownNameError
+from .evaluate import InputError, bind_dims, check_values, evaluate
 
 PARTS = ("outer", "functional", "full")
 
@@ -132,7 +131,8 @@ class Derivation:
         if at is not None:
             out = self._functional_at(p, q, at, dq) if part != "outer" else None
             if out is None:
-                raise ValueError("a split at an intermediate gives the functional part only")
+                raise DeclarationError("a split at an intermediate gives the functional part "
+                                       "only; use part='functional'")
         elif part == "functional":
             out = vec_jacobian(differential(self.gradient(p), {wq: dq}), dq)
         elif part == "outer":
@@ -148,13 +148,13 @@ class Derivation:
     def _functional_at(self, p, q, at, dq):
         node = self.layer.intermediates.get(at)
         if node is None:
-            raise KeyError(f"unknown intermediate {at!r}; valid: "
+            raise UnknownNameError(f"unknown intermediate {at!r}; valid: "
                            f"{', '.join(self.layer.intermediates) or 'none'}")
         hole = E.Var(f"__{at}", node.rows, node.cols, "placeholder")
         dn = _direction(hole)
         f_hole = E.substitute(self.F, {node: hole})
         if not f_hole.depends_on(hole):   # else the split would silently give Zero
-            raise ValueError(f"intermediate {at!r} is not a node of the output (canonicalisation "
+            raise DeclarationError(f"intermediate {at!r} is not a node of the output (canonicalisation "
                              f"merged it into a larger product); declare it with expr.named(...)")
         g_node = adjoint(differential(f_hole, {hole: dn}), dn, self.output_gradient.inner)
         g_node = E.named(E.substitute(g_node, {hole: node}), f"G_{at}",
@@ -187,17 +187,16 @@ class Derivation:
     def variable_names(self):
         return sorted(set(self.layer.variables) | {"Y"})
 
-    def dimension_env(self, values):
-        """Bind the symbolic dimensions from every layer variable present in ``values``."""
-        unknown = sorted(set(values) - set(self.variable_names))
+    def dimension_env(self, values, check_finite=True):
+        """Bind the symbolic dimensions from every layer variable present in ``values``, after
+        checking every value (also those a block does not read, like Y in H_o) against the
+        value policy (``evaluate.check_values``) and the layer's own checks."""
+        arrays = check_values(values, check_finite)
+        unknown = sorted(set(arrays) - set(self.variable_names))
         if unknown:
             raise InputError(f"unknown value name(s) {', '.join(unknown)} for layer "
                              f"{self.layer.name!r}; valid: {', '.join(self.variable_names)}")
-        vars_ = [v for v in list(self.layer.variables.values()) + [self.Y] if v.name in values]
-        arrays = {v.name: real_array(values[v.name], v.name) for v in vars_}
-        for name, a in arrays.items():   # also values this block does not read (Y in H_o)
-            if not bool((a.isfinite() if hasattr(a, "isfinite") else np.isfinite(a)).all()):
-                raise InputError(f"{name} contains non-finite entries (NaN or inf)")
+        vars_ = [v for v in list(self.layer.variables.values()) + [self.Y] if v.name in arrays]
         env = bind_dims(vars_, arrays)
         self.layer.validate(values)
         return env
@@ -232,10 +231,13 @@ class Block:
     def definitions(self):
         return definitions(self.expr)
 
-    def evaluate(self, values, backend="numpy"):
-        """Dense (numel(p) × numel(q)) array for the given values."""
-        env = self.derivation.dimension_env(values)
-        return evaluate(self.expr, values, backend=backend, env=env)
+    def evaluate(self, values, backend="numpy", check_finite=True):
+        """Dense (numel(p) × numel(q)) array for the given values (``evaluate.check_values``:
+        float32/float64 of one dtype; ``check_finite=False`` skips the NaN/inf scans)."""
+        env = self.derivation.dimension_env(values, check_finite)
+        p, q, part = self.label
+        return evaluate(self.expr, values, backend=backend, env=env, check_finite=check_finite,
+                        what=f"the {part} block ({p}, {q})")
 
     def __repr__(self):
         p, q, part = self.label
@@ -244,7 +246,7 @@ class Block:
 
 def check_part(part):
     if part not in PARTS:
-        raise ValueError(f"unknown part {part!r}; valid: {', '.join(PARTS)}")
+        raise UnknownNameError(f"unknown part {part!r}; valid: {', '.join(PARTS)}")
 
 
 def derive(layer, loss: str = "mse") -> Derivation:
@@ -252,5 +254,8 @@ def derive(layer, loss: str = "mse") -> Derivation:
     if isinstance(layer, str):
         from .layers import layer as get_layer
         layer = get_layer(layer)
+    if not isinstance(layer, Layer):
+        raise DeclarationError(f"derive needs a symhess Layer or a registered layer's name, "
+                               f"got {type(layer).__name__} {layer!r:.40}")
     get_loss(loss)
     return Derivation(layer, loss)

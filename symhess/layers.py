@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 from . import expr as E
+from .errors import DeclarationError, OptionError, UnknownNameError
 from .registry import Registry
 
 
@@ -33,24 +34,36 @@ class Layer:
     typical_sizes: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        object.__setattr__(self, "params", tuple(self.params))
-        object.__setattr__(self, "inputs", tuple(self.inputs))
+        if not isinstance(self.name, str) or not self.name:
+            raise DeclarationError(f"a layer's name must be a non-empty string, got {self.name!r}")
+        for field_name in ("params", "inputs"):   # one variable or a sequence of them
+            value = getattr(self, field_name)
+            object.__setattr__(self, field_name, (value,) if isinstance(value, E.Expr) else tuple(value))
         object.__setattr__(self, "checks", tuple(self.checks))
+        if not isinstance(self.output, E.Expr):
+            raise DeclarationError(f"layer {self.name!r}: the output must be a symhess expression "
+                                   f"(built with symhess.expr), got {type(self.output).__name__} "
+                                   f"{self.output!r:.40}")
+        if not self.params:
+            raise DeclarationError(f"layer {self.name!r} needs at least one parameter")
+        for kind, seq in (("parameter", self.params), ("input", self.inputs)):
+            for p in seq:
+                if not isinstance(p, E.Var):
+                    raise DeclarationError(f"layer {self.name!r}: {kind} {p!r:.60} is not a variable "
+                                           f"(declare it with symhess.expr.param or matrix)")
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
-            raise ValueError(f"layer {self.name!r}: parameter names repeat: {names}")
+            raise DeclarationError(f"layer {self.name!r}: parameter names repeat: {names}")
         free = self.output.free_vars
         for p in self.params:
-            if not isinstance(p, E.Var):
-                raise TypeError(f"layer {self.name!r}: parameter {p!r} is not a variable")
             if p not in free:
-                raise ValueError(f"layer {self.name!r}: the output does not depend on {p.name}")
+                raise DeclarationError(f"layer {self.name!r}: the output does not depend on {p.name}")
 
     def param(self, name) -> E.Var:
         for p in self.params:
             if p.name == name:
                 return p
-        raise KeyError(f"unknown block {name!r} for layer {self.name!r}; "
+        raise UnknownNameError(f"unknown block {name!r} for layer {self.name!r}; "
                        f"valid: {', '.join(self.param_names)}")
 
     @property
@@ -90,14 +103,46 @@ def _factory(name):
 
 
 def layer(name, **options) -> Layer:
-    """A declared layer by name, e.g. ``layer("attention", causal=True)``."""
+    """A declared layer by name, e.g. ``layer("attention", causal=True)``.
+
+    Options are checked against the factory's signature (``OptionError``, also a TypeError):
+    unknown names are refused, and an option whose default is True or False takes only
+    True or False (``causal="false"`` would otherwise be truthy)."""
     fn = _factory(name)
-    valid = layer_options(name)
+    check_options(f"layer {name!r}", layer_options(name), options)
+    return fn(**options)
+
+
+def check_options(what, valid, options) -> None:
+    """An OptionError for options not in ``valid`` ({name: default}) or a non-bool value of
+    an option whose default is a bool."""
     bad = [k for k in options if k not in valid]
     if bad:
-        raise TypeError(f"unknown option(s) {', '.join(bad)} for layer {name!r}; "
-                        f"valid: {', '.join(valid) or 'none'}")
-    return fn(**options)
+        raise OptionError(f"unknown option(s) {', '.join(map(repr, bad))} for {what}; "
+                          f"valid: {', '.join(valid) or 'none'}")
+    for k, v in options.items():
+        if isinstance(valid[k], bool) and not isinstance(v, bool):
+            raise OptionError(f"{k} must be True or False for {what}, got {v!r}")
+
+
+def resolve_layer(spec, options=None) -> Layer:
+    """The layer a command line names, with ``options`` ({name: value}, e.g. from --set):
+
+    * a registered name: ``"attention"`` (``layer(name, **options)``);
+    * a user's declaration: ``"mymodels.py:gated"`` (a file) or ``"mypkg.mymodels:gated"`` (an
+      importable module; the current directory is searched too), where the attribute is a
+      ``Layer`` or a factory returning one (called with ``options``).
+
+    A missing file, module or attribute, an attribute that is neither, or options a factory
+    does not take are one-line ``DeclarationError`` s (see ``symhess.layer_specs``)."""
+    from .layer_specs import resolve
+    return resolve(spec, options or {})
+
+
+def spec_options(spec) -> dict:
+    """The options of the layer ``spec`` names (``resolve_layer``) with their defaults."""
+    from .layer_specs import options_of
+    return options_of(spec)
 
 
 def scale_constant(scale, default, dims=()):
@@ -108,13 +153,13 @@ def scale_constant(scale, default, dims=()):
     try:
         value = sp.sympify(scale, locals=allowed)
     except (sp.SympifyError, TypeError, SyntaxError) as exc:
-        raise ValueError(f"scale {scale!r} is not a number or an expression: {exc}") from None
+        raise OptionError(f"scale {scale!r} is not a number or an expression: {exc}") from None
     extra = sorted(s.name for s in value.free_symbols if s.name not in allowed or s != allowed[s.name])
     if extra:
-        raise ValueError(f"scale {scale!r} uses unknown symbols {', '.join(extra)}; "
+        raise OptionError(f"scale {scale!r} uses unknown symbols {', '.join(extra)}; "
                          f"valid dimensions: {', '.join(allowed) or 'none'}")
     if value.is_number and (not value.is_real or value == 0):
-        raise ValueError(f"scale {scale!r} must be a non-zero real number")
+        raise OptionError(f"scale {scale!r} must be a non-zero real number")
     return value
 
 

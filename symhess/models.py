@@ -16,6 +16,7 @@ from __future__ import annotations
 import sympy as sp
 
 from . import expr as E
+from .errors import OptionError
 from .layers import Layer, register_layer
 from .losses import loss
 
@@ -40,9 +41,9 @@ def layer_norm(x, eps=LN_EPS):
 def addition_block(attention: str = "softmax", norm: str = "none") -> Layer:
     """One-block Transformer on one-hot tokens: embedding, attention (+W_O), ReLU MLP, unembedding."""
     if attention not in ("softmax", "linear"):
-        raise ValueError(f"attention must be 'softmax' or 'linear', got {attention!r}")
+        raise OptionError(f"attention must be 'softmax' or 'linear', got {attention!r}")
     if norm not in ("none", "pre"):
-        raise ValueError(f"norm must be 'none' or 'pre', got {norm!r}")
+        raise OptionError(f"norm must be 'none' or 'pre', got {norm!r}")
     L, V, d, d_h, d_m = E.dims("L V d d_h d_m")
     O = E.matrix("O", L, V)
     W_E, P = E.const("W_E", V, d), E.const("P", L, d)

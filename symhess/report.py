@@ -48,10 +48,13 @@ def _terms(block, p, q, names=None, shared=()):
     return out
 
 
-def _section(lay, loss):
+def _section(lay, loss, progress=False):
+    from tqdm import tqdm
     d = derive(lay, loss)
     pairs = [(p, q) for p in lay.param_names for q in lay.param_names]
-    parts = {(p, q): (d.block(p, q, "outer"), d.block(p, q, "functional")) for p, q in pairs}
+    parts = {(p, q): (d.block(p, q, "outer"), d.block(p, q, "functional"))
+             for p, q in tqdm(pairs, desc=f"report {lay.name} ({loss})", unit="block",
+                              disable=not progress, leave=False)}
     shared, tex_names = share_if_long([b.expr for bs in parts.values() for b in bs], d.latex_names,
                                       MAX_TERM_CHARS, hints=lambda: jacobian_names(d))
     blocks, named = [], {}
@@ -74,20 +77,21 @@ def _section(lay, loss):
             "shared": [{"lhs": s.symbol, "rhs": s.tex} for s in shared]}
 
 
-def render_report(lay, losses=("mse", "ce")) -> str:
+def render_report(lay, losses=("mse", "ce"), progress=False) -> str:
+    """The LaTeX document; ``progress`` shows a bar per loss over the blocks on stderr."""
     opts = ", ".join(f"{k}={v}" for k, v in lay.options.items() if v not in (None, False))
     return template_env().get_template("report.tex.j2").render(
         version=__version__, layer_name=lay.name, layer_tt=lay.name.replace("_", r"\_"),
         options_text=f" ({opts})" if opts else "",
         output=lay.output.latex({v: bold_name(k) for k, v in lay.intermediates.items()}),
         params=", ".join(p.latex() for p in lay.params),
-        sections=[_section(lay, loss) for loss in losses])
+        sections=[_section(lay, loss, progress) for loss in losses])
 
 
-def write_report(lay, path, losses=("mse", "ce"), pdf=False) -> Path:
+def write_report(lay, path, losses=("mse", "ce"), pdf=False, progress=False) -> Path:
     """Write the .tex file atomically; with ``pdf`` compile it with pdflatex."""
     path = Path(path)
-    text = render_report(lay, losses)
+    text = render_report(lay, losses, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tex.tmp")
     with os.fdopen(fd, "w") as fh:

@@ -10,6 +10,8 @@ from functools import lru_cache
 
 import sympy as sp
 
+from .errors import DeclarationError, UnknownNameError
+
 x = sp.Symbol("x", real=True)
 
 __all__ = ["ScalarFn", "get_function", "FUNCTIONS", "x"]
@@ -139,10 +141,10 @@ def get_function(name: str, power=None) -> ScalarFn:
         except (sp.SympifyError, TypeError, ValueError):
             p = None
         if not isinstance(p, sp.Expr) or not p.is_number or not p.is_real:
-            raise ValueError(f"pow needs a real number as exponent, got {power!r}")
+            raise DeclarationError(f"pow needs a real number as exponent, got {power!r}")
         return _named_for(x**p, f"pow{p}", rf"(\cdot)^{{{sp.latex(p)}}}")
     if name not in FUNCTIONS:
-        raise ValueError(f"unknown elementwise function {name!r}; valid: {', '.join(sorted(FUNCTIONS))}, pow")
+        raise UnknownNameError(f"unknown elementwise function {name!r}; valid: {', '.join(sorted(FUNCTIONS))}, pow")
     expr, tex = FUNCTIONS[name]
     return ScalarFn(name, expr, tex)
 

@@ -27,6 +27,7 @@ import numpy as np
 import sympy as sp
 
 from . import expr as E
+from .errors import DeclarationError, OptionError, UnknownNameError
 from .evaluate import InputError, evaluate
 from .adjoint import adjoint
 from .kron import vec_jacobian
@@ -45,23 +46,23 @@ ZERO_VARIANCE_RTOL = 1e-12
 # ----------------------------------------------------------------------------- options
 def check_activation(activation) -> str:
     if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; valid: {', '.join(ACTIVATIONS)}")
+        raise OptionError(f"unknown activation {activation!r}; valid: {', '.join(ACTIVATIONS)}")
     return activation
 
 
 def check_eps(eps) -> sp.Expr:
     """ε as an exact sympy number (floats become rationals so LaTeX stays readable)."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float, sp.Number)):
-        raise ValueError(f"eps must be a real number >= 0 (0 is the papers' LayerNorm, "
+        raise OptionError(f"eps must be a real number >= 0 (0 is the papers' LayerNorm, "
                          f"1e-5 is torch's default), got {eps!r}")
     if not math.isfinite(float(eps)) or float(eps) < 0:
-        raise ValueError(f"eps must be a finite real number >= 0, got {eps!r}")
+        raise OptionError(f"eps must be a finite real number >= 0, got {eps!r}")
     return sp.nsimplify(eps, rational=True) if isinstance(eps, float) else sp.sympify(eps)
 
 
 def check_affine(affine) -> str:
     if affine not in AFFINE:
-        raise ValueError(f"unknown affine option {affine!r}; valid: {', '.join(AFFINE)} "
+        raise OptionError(f"unknown affine option {affine!r}; valid: {', '.join(AFFINE)} "
                          f"(none: γ=1, β=0; const: γ, β given with the values; param: "
                          f"γ, β are Hessian parameters)")
     return affine
@@ -172,7 +173,7 @@ def feed_forward(Y, W1, W2, activation="relu", b1=None, b2=None):
 def _ffn_params(d, d_ff, bias):
     W1, W2 = E.param("W_1", d, d_ff), E.param("W_2", d_ff, d)
     if not isinstance(bias, bool):
-        raise ValueError(f"bias must be True or False, got {bias!r}")
+        raise OptionError(f"bias must be True or False, got {bias!r}")
     if bias:
         return W1, W2, E.param("b_1", 1, d_ff), E.param("b_2", 1, d)
     return W1, W2, None, None
@@ -293,10 +294,10 @@ def _resolve(expr, wrt):
     elif isinstance(wrt, str):
         found = {v.name: v for v in E.walk(expr) if isinstance(v, E.Var)}
         if wrt not in found:
-            raise KeyError(f"the expression has no variable {wrt!r}; valid: {', '.join(sorted(found))}")
+            raise UnknownNameError(f"the expression has no variable {wrt!r}; valid: {', '.join(sorted(found))}")
         wrt = found[wrt]
     if not expr.depends_on(wrt):
-        raise ValueError(f"the expression does not depend on {wrt.name}")
+        raise DeclarationError(f"the expression does not depend on {wrt.name}")
     return expr, wrt
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sympy as sp
 
 from . import expr as E
+from .errors import OptionError
 from .layers import Layer, register_layer
 
 
@@ -27,20 +28,20 @@ def resolve_scale(scale, default, dims, fixed=None):
     try:
         value = sp.sympify(scale, locals=names) if isinstance(scale, str) else sp.sympify(scale)
     except (sp.SympifyError, TypeError, SyntaxError) as exc:
-        raise ValueError(f"scale {scale!r} is not a number or an expression: {exc}") from None
+        raise OptionError(f"scale {scale!r} is not a number or an expression: {exc}") from None
     unknown = value.free_symbols - set(names.values())
     if unknown:
         hint = "; pass it as an option, e.g. d_K=4" if "d_K" in {str(s) for s in unknown} else ""
-        raise ValueError(f"scale {scale!r} uses {', '.join(sorted(map(str, unknown)))}, which this "
+        raise OptionError(f"scale {scale!r} uses {', '.join(sorted(map(str, unknown)))}, which this "
                          f"layer does not have (valid: {', '.join(sorted(names))}){hint}")
     if value.is_positive is not True:
-        raise ValueError(f"scale {scale!r} must be positive")
+        raise OptionError(f"scale {scale!r} must be positive")
     return value
 
 
 def _check_causal(causal):
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+        raise OptionError(f"causal must be True or False, got {causal!r}")
 
 
 def _logits_qk(X, d_V, d_K, c, tag=""):
@@ -85,7 +86,7 @@ def multihead_attention(heads: int = 2, causal: bool = False, scale=None) -> Lay
     """F = Σ_h softmax_rows(c X W_Q^h W_K^hᵀ Xᵀ) X W_V^h W_O^h (concatenate heads, project by W_O)."""
     _check_causal(causal)
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-        raise ValueError(f"heads must be a positive integer, got {heads!r}")
+        raise OptionError(f"heads must be a positive integer, got {heads!r}")
     L, d_V, d_K, d_H = E.dims("L d_V d_K d_H")
     X = E.matrix("X", L, d_V)
     c = resolve_scale(scale, "1/sqrt(d_K)", (L, d_V, d_K, d_H))

@@ -13,7 +13,9 @@ import numpy as np
 import sympy as sp
 
 from . import expr as E
-from .evaluate import evaluate
+from .budget import check_budget
+from .errors import DeclarationError
+from .evaluate import check_values, evaluate
 from .hessian import PARTS, Derivation
 
 TOLERANCE = 1e-10
@@ -29,11 +31,15 @@ def dimension_symbols(derivation: Derivation):
 
 def random_sizes(derivation, seed=0, low=2, sizes=None):
     """Distinct sizes for distinct dimensions (so a swapped K_{m,n} cannot pass)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise DeclarationError(f"seed must be a non-negative integer, got {seed!r}")
     rng = np.random.default_rng(seed)
     syms = dimension_symbols(derivation)
     pool = rng.permutation(np.arange(low, low + max(5, len(syms))))
     env = {s: int(pool[i]) for i, s in enumerate(syms)}
-    for name, value in (sizes or {}).items():
+    for name, value in (sizes or {}).items():   # names of other layers' dimensions are ignored
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise DeclarationError(f"size {name} must be a positive integer, got {value!r}")
         env[E.dim(name)] = int(value)
     return env
 
@@ -56,11 +62,35 @@ def random_values(derivation, seed=0, sizes=None, scale=None):
     return values
 
 
+def _numel(var, env) -> int:
+    r, c = (int(sp.sympify(d).subs(env)) for d in var.shape)
+    return r * c
+
+
+def verification_bytes(derivation: Derivation, env) -> int:
+    """What ``autograd_blocks`` keeps alive at the sizes ``env``, in bytes (float64): the
+    values, the Hessian (P × P for P parameter entries) with its outer and functional parts
+    and their NumPy copies, the output Jacobian (numel F × P) and the loss Hessian in F."""
+    variables = list(derivation.layer.variables.values()) + [derivation.Y]
+    n_values = sum(_numel(v, env) for v in variables)
+    n_params = sum(_numel(p, env) for p in derivation.layer.params)
+    n_out = _numel(derivation.Y, env)
+    return 8 * (n_values + 5 * n_params ** 2 + 2 * n_out * n_params + n_out ** 2)
+
+
+def _check_verification_budget(derivation, env):
+    sizes = ", ".join(f"{k} = {v}" for k, v in sorted(env.items(), key=lambda kv: str(kv[0])))
+    check_budget(verification_bytes(derivation, env),
+                 f"verifying {derivation.layer.name!r} against autograd", sizes)
+
+
 def autograd_blocks(derivation: Derivation, values: dict):
-    """{(p, q, part): array} from torch.func, float64."""
+    """{(p, q, part): array} from torch.func, float64 (values follow ``check_values``)."""
     import torch
     from torch.func import jacrev
 
+    check_values(values)
+    _check_verification_budget(derivation, derivation.dimension_env(values))
     names = derivation.layer.param_names
     tv = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in values.items()}
     params = tuple(tv[p] for p in names)
@@ -120,17 +150,24 @@ class Check:
         return self.error <= TOLERANCE
 
 
-def verify(derivation: Derivation, seed=0, sizes=None):
-    """Compare every ordered block pair and part with autograd; returns a list of Checks."""
+def verify(derivation: Derivation, seed=0, sizes=None, progress=False):
+    """Compare every ordered block pair and part with autograd; returns a list of Checks.
+
+    Refuses sizes whose memory estimate exceeds the budget (``BudgetError``) before
+    allocating; ``progress`` shows a bar over the blocks on stderr (tqdm)."""
+    from tqdm import tqdm
+
+    _check_verification_budget(derivation, random_sizes(derivation, seed, sizes=sizes))
     values = random_values(derivation, seed, sizes)
     ref = autograd_blocks(derivation, values)
     names = derivation.layer.param_names
     checks = []
-    for p in names:
-        for q in names:
-            scale = max(float(np.linalg.norm(ref[(p, q, part)])) for part in PARTS)
-            for part in PARTS:
-                b = derivation.block(p, q, part)
-                got = b.evaluate(values)
-                checks.append(Check((p, q), part, relative_error(got, ref[(p, q, part)], scale), b.is_zero))
+    pairs = [(p, q) for p in names for q in names]
+    label = f"verify {derivation.layer.name} ({derivation.loss})"
+    for p, q in tqdm(pairs, desc=label, unit="block", disable=not progress, leave=False):
+        scale = max(float(np.linalg.norm(ref[(p, q, part)])) for part in PARTS)
+        for part in PARTS:
+            b = derivation.block(p, q, part)
+            got = b.evaluate(values)
+            checks.append(Check((p, q), part, relative_error(got, ref[(p, q, part)], scale), b.is_zero))
     return checks, values

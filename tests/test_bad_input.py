@@ -1,5 +1,5 @@
-"""Bad input at evaluation time: a clear InputError naming the problem, never a deep
-numpy traceback or a silently wrong number."""
+"""Bad input through the API: a documented symhess.errors exception that names the problem
+(never a deep numpy traceback, a bare MemoryError or a silently wrong number)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,9 @@ import torch
 
 import symhess
 from symhess import expr as E
-from symhess.evaluate import InputError, evaluate
+from symhess.errors import (BudgetError, DeclarationError, DuplicateNameError, OptionError,
+                            ShapeError, SymhessError, UnknownNameError)
+from symhess.evaluate import InputError, check_values, evaluate
 from symhess.verify import random_values
 
 m, n, p = E.dims("m n p")
@@ -67,7 +69,8 @@ def test_wrong_rank_or_empty(bad, needle):
 def test_non_finite_inputs_are_rejected(backend, bad):
     xb = x.copy()
     xb[1, 2] = bad
-    with pytest.raises(InputError, match=r"X contains non-finite entries \(NaN or inf\)"):
+    with pytest.raises(InputError, match=rf"X contains non-finite entries \(NaN or inf\): {bad} at "
+                                         r"index \(1, 2\), 1 of 12 entries"):
         evaluate(F, {"X": xb, "W": w}, backend=backend)
     with pytest.raises(InputError, match="X contains non-finite"):
         evaluate(F, {"X": torch.as_tensor(xb), "W": w}, backend=backend)
@@ -87,14 +90,33 @@ def test_non_numeric_inputs_are_rejected(bad):
         evaluate(F, {"X": bad, "W": w})
 
 
-def test_acceptable_inputs_are_converted():
-    """Lists, integer and boolean arrays, and tensors that require grad are fine."""
+def test_acceptable_inputs_are_used_as_given():
+    """float64 lists, float32 arrays and tensors that require grad are fine."""
     ref = evaluate(F, {"X": x, "W": w})
     assert np.allclose(evaluate(F, {"X": x.tolist(), "W": w}), ref, rtol=0, atol=0)
-    assert np.array_equal(evaluate(X @ W, {"X": (x > 0).astype(int), "W": w}),
-                          evaluate(X @ W, {"X": (x > 0), "W": w}))
     t = torch.as_tensor(x).requires_grad_(True)
     assert np.array_equal(evaluate(F, {"X": t, "W": w}), ref)
+    got32 = evaluate(F, {"X": x.astype(np.float32), "W": w.astype(np.float32)})
+    assert got32.dtype == np.float32 and np.allclose(got32, ref, rtol=1e-5, atol=1e-6)
+    t32 = evaluate(F, {"X": x.astype(np.float32), "W": w.astype(np.float32)}, backend="torch")
+    assert t32.dtype == torch.float32 and np.allclose(t32.numpy(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("bad", [(x > 0).astype(int), x > 0, x.astype(np.float16),
+                                 torch.as_tensor(x).to(torch.bfloat16), torch.as_tensor(x > 0),
+                                 [[1, 2, 3, 4]] * 3])
+def test_integer_boolean_and_half_inputs_are_refused_not_cast(backend, bad):
+    """One dtype policy: float32 and float64 only; the message names the array, its dtype
+    and the accepted dtypes."""
+    dt = str(bad.dtype).removeprefix("torch.") if hasattr(bad, "dtype") else "int64"
+    with pytest.raises(InputError, match=rf"^X has dtype {dt}; symhess computes in float32 or float64"):
+        evaluate(F, {"X": bad, "W": w}, backend=backend)
+
+
+def test_mixed_dtypes_are_refused_naming_each():
+    with pytest.raises(InputError, match="all values must share one dtype, got W: float64, X: float32"):
+        evaluate(F, {"X": x.astype(np.float32), "W": w})
 
 
 def test_unknown_backend_lists_valid():
@@ -136,23 +158,33 @@ def test_block_non_finite_rejected_even_if_unread(attention, name):
 
 
 def test_unknown_names_list_the_valid_ones(attention):
+    """Each is a documented symhess.errors type and keeps its built-in base class."""
     der, _ = attention
-    with pytest.raises(KeyError, match="unknown layer 'attn'; valid: .*attention"):
+    with pytest.raises(UnknownNameError, match="unknown layer 'attn'; valid: .*attention") as err:
         symhess.layer("attn")
-    with pytest.raises(KeyError, match="unknown loss 'l2'; valid: ce, .*mse"):
+    assert isinstance(err.value, KeyError) and str(err.value).startswith("unknown layer")
+    with pytest.raises(UnknownNameError, match="unknown loss 'l2'; valid: ce, .*mse"):
         symhess.derive(symhess.layer("attention"), "l2")
-    with pytest.raises(KeyError, match="unknown block 'W_Z' for layer 'attention'; valid: W_Q, W_K, W_V"):
+    with pytest.raises(UnknownNameError, match="unknown block 'W_Z' for layer 'attention'; valid: W_Q, W_K, W_V"):
         der.block("W_Z", "W_Q")
-    with pytest.raises(KeyError, match="unknown block 'W_O'"):
+    with pytest.raises(UnknownNameError, match="unknown block 'W_O'"):
         der.block("W_Q", "W_O", "outer")
-    with pytest.raises(ValueError, match="unknown part 'both'; valid: outer, functional, full"):
+    with pytest.raises(UnknownNameError, match="unknown part 'both'; valid: outer, functional, full") as err:
         der.block("W_Q", "W_Q", "both")
-    with pytest.raises(KeyError, match="unknown intermediate 'Q'; valid: T, A"):
+    assert isinstance(err.value, ValueError)
+    with pytest.raises(UnknownNameError, match="unknown intermediate 'Q'; valid: T, A"):
         der.block("W_Q", "W_K", "functional", at="Q")
-    with pytest.raises(TypeError, match="unknown option.*mask.*valid: causal, scale"):
+    with pytest.raises(OptionError, match="unknown option.*'mask'.*valid: causal, scale") as err:
         symhess.layer("attention", mask=True)
-    with pytest.raises(ValueError, match="unknown part 'all'"):
+    assert isinstance(err.value, TypeError)
+    with pytest.raises(UnknownNameError, match="unknown part 'all'"):
         der.hvp_expressions("all")
+    with pytest.raises(DeclarationError, match="functional part only"):
+        der.block("W_Q", "W_K", "outer", at="T")
+    with pytest.raises(UnknownNameError, match="unknown elementwise function 'tan'; valid: exp"):
+        E.elementwise("tan", X)
+    with pytest.raises(DuplicateNameError, match="layer 'attention' is already registered"):
+        symhess.register_layer("attention")(lambda: None)
 
 
 def test_user_layer_values_validated():
@@ -183,3 +215,168 @@ def test_bare_evaluate_names_the_node_that_turns_non_finite():
     u[1] = 2.5                                    # row 1 has zero variance
     with pytest.raises(InputError, match=r"non-finite.*rsqrt\(sigma2_Y\)"):
         evaluate(ln, {"U": u})
+
+
+# ----------------------------------------------------------------------------- the value policy
+def test_check_values_names_the_first_bad_index_in_any_rank():
+    """The kernels take a leading batch axis: the index has as many entries as the array."""
+    a = np.zeros((2, 3, 4))
+    a[1, 0, 2], a[1, 2, 3] = np.inf, np.nan
+    with pytest.raises(InputError, match=r"^X contains non-finite entries \(NaN or inf\): inf at "
+                                         r"index \(1, 0, 2\), 2 of 24 entries"):
+        check_values({"X": a})
+    t = torch.as_tensor(a)
+    with pytest.raises(InputError, match=r"inf at index \(1, 0, 2\), 2 of 24"):
+        check_values({"W": np.ones(3), "X": t})
+    big = np.full((2, 2), 1e308)     # the sum overflows, the entries are finite
+    assert check_values({"X": big})["X"] is big
+
+
+def test_check_values_returns_arrays_as_given():
+    t = torch.ones(2, 2, dtype=torch.float32)
+    out = check_values({"A": x, "B": x.tolist()})
+    assert out["A"] is x and isinstance(out["B"], np.ndarray) and out["B"].dtype == np.float64
+    assert check_values({"T": t})["T"] is t
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ([1, 2], "values must be a mapping from names to arrays"),
+    ({1: x}, "value names must be strings, got 1"),
+])
+def test_values_must_be_a_mapping_of_names(bad, needle, attention):
+    with pytest.raises(InputError, match=needle):
+        evaluate(F, bad)
+    der, _ = attention
+    with pytest.raises(InputError, match=needle):
+        der.block("W_Q", "W_Q").evaluate(bad)
+
+
+def test_check_finite_false_skips_the_scans():
+    """The escape hatch: NaN propagates into the result instead of an error."""
+    xb = x.copy()
+    xb[0, 0] = np.nan
+    out = evaluate(F, {"X": xb, "W": w}, check_finite=False)
+    assert np.isnan(out[0]).all() and np.isfinite(out[1:]).all()
+    lay = symhess.Layer("mine", E.elementwise("tanh", X @ W), (W,), (X,))
+    blk = symhess.derive(lay, "mse").block("W", "W", "full")
+    got = blk.evaluate({"X": xb, "W": w, "Y": np.zeros((3, 5))}, check_finite=False)
+    assert np.isnan(got).any()
+
+
+def test_evaluate_needs_an_expression():
+    with pytest.raises(DeclarationError, match=r"evaluate needs a symhess expression .*got list \[1, 2\]"):
+        evaluate([1, 2], {"X": x})
+
+
+# ----------------------------------------------------------------------------- dimensions in products
+def test_a_dimension_inside_a_product_is_solved_from_the_known_factor():
+    L, b, d = E.dims("L b d")
+    C0, P0 = E.matrix("C0", L * b, d), E.matrix("P0", L, 1)
+    Wd = E.param("Wd", d, 1)
+    expr = C0 @ Wd + E.kron(P0, E.ones(b, 1))
+    c0, p0, wd = rng.standard_normal((6, 3)), rng.standard_normal((2, 1)), rng.standard_normal((3, 1))
+    got = evaluate(expr, {"C0": c0, "P0": p0, "Wd": wd})                 # L = 2 from P0: b = 3
+    assert np.allclose(got, c0 @ wd + np.kron(p0, np.ones((3, 1))), rtol=0, atol=1e-15)
+    assert np.allclose(evaluate(C0 @ Wd, {"C0": c0, "Wd": wd}, env={L: 3}), c0 @ wd)
+    with pytest.raises(InputError, match=r"cannot infer L, b from C0 \(shape \(6, 3\), declared "
+                                         r"\(L\*b × d\)\): L\*b = 6 has 2 unknown factors"):
+        evaluate(C0 @ Wd, {"C0": c0, "Wd": wd})
+    with pytest.raises(InputError, match=r"no positive integer b gives L\*b = 6 with L = 4"):
+        evaluate(C0 @ Wd, {"C0": c0, "Wd": wd}, env={L: 4})
+    S = E.matrix("S", b * b, 1)
+    assert evaluate(S, {"S": np.ones((9, 1))}).shape == (9, 1)               # b² = 9: b = 3
+    with pytest.raises(InputError, match=r"no positive integer b gives b\*\*2 = 8"):
+        evaluate(S, {"S": np.ones((8, 1))})
+
+
+# ----------------------------------------------------------------------------- declarations
+@pytest.mark.parametrize("make, needle", [
+    (lambda: E.dims("1a"), r"dimension name '1a' is not an identifier"),
+    (lambda: E.dims("L, d"), r"dimension name 'L,' is not an identifier"),
+    (lambda: E.dims(""), r"dims expects names separated by spaces"),
+    (lambda: E.dim("lambda"), r"dimension name 'lambda' is not an identifier"),
+    (lambda: E.kron(X, 3), r"kron: operand 2 is int 3, not a symhess expression \(scale by"),
+    (lambda: E.matmul(X, np.ones((4, 5))), r"matmul: operand 2 is ndarray"),
+    (lambda: X + 1.5, r"add: operand 2 is float 1.5"),
+    (lambda: E.hadamard("X", X), r"hadamard: operand 1 is str 'X'"),
+    (lambda: E.elementwise("exp", 2.0), r"elementwise: operand 1 is float 2.0"),
+    (lambda: E.softmax_rows(X @ X.T, causal="false"), r"softmax_rows: causal must be True or False, got 'false'"),
+    (lambda: X / X, r"divide by an expression"),
+    (lambda: symhess.Layer("x", 3.0, (W,)), r"layer 'x': the output must be a symhess expression .*got float 3.0"),
+    (lambda: symhess.Layer("x", X @ W, ()), r"layer 'x' needs at least one parameter"),
+    (lambda: symhess.Layer("x", X @ W, ("W",)), r"layer 'x': parameter 'W' is not a variable"),
+    (lambda: symhess.Layer("x", X @ W, (W,), ("X",)), r"layer 'x': input 'X' is not a variable"),
+    (lambda: symhess.Layer("", X @ W, (W,)), r"a layer's name must be a non-empty string"),
+    (lambda: symhess.derive(3.0), r"derive needs a symhess Layer or a registered layer's name, got float"),
+    (lambda: random_values(symhess.derive("attention"), seed=-1), r"seed must be a non-negative integer, got -1"),
+])
+def test_bad_declarations_are_declaration_errors(make, needle):
+    with pytest.raises(DeclarationError, match=needle):
+        make()
+
+
+def test_a_single_parameter_need_not_be_a_tuple():
+    assert symhess.Layer("x", X @ W, W, X).params == (W,)
+
+
+def _bool_options():
+    from symhess.layers import layer_options
+    return [(name, key) for name in sorted(symhess.LAYERS)
+            for key, default in layer_options(name).items() if isinstance(default, bool)]
+
+
+@pytest.mark.parametrize("name, key", _bool_options())
+@pytest.mark.parametrize("value", ["false", "maybe", 0, 1, None])
+def test_bool_options_take_only_true_or_false(name, key, value):
+    """causal="false" was truthy: it applied the mask."""
+    with pytest.raises(OptionError, match=rf"{key} must be True or False for layer '{name}', got {value!r}"):
+        symhess.layer(name, **{key: value})
+
+
+def test_every_causal_layer_is_covered():
+    assert {n for n, k in _bool_options() if k == "causal"} >= {
+        "attention", "linear_attention", "single_matrix_attention", "multihead_attention",
+        "value_output_attention", "post_ln_block", "pre_ln_block"}
+
+
+def test_symhess_errors_are_one_family():
+    for cls in (DeclarationError, UnknownNameError, OptionError, DuplicateNameError, ShapeError,
+                InputError, BudgetError):
+        assert issubclass(cls, SymhessError)
+    assert issubclass(ShapeError, ValueError) and issubclass(BudgetError, MemoryError)
+
+
+# ----------------------------------------------------------------------------- memory budget
+def test_evaluate_refuses_work_beyond_the_budget_before_allocating(monkeypatch):
+    """X ⊗ X at 1000 × 1000 is 7.3 TiB: a BudgetError naming the sizes, not a MemoryError."""
+    monkeypatch.delenv("SYMHESS_MEMORY_BUDGET", raising=False)
+    m_, n_ = E.dims("m n")
+    Xm = E.matrix("X", m_, n_)
+    with pytest.raises(BudgetError, match=r"would take about 7\.3 TiB at m = 1000, n = 1000, "
+                                          r"more than the memory budget") as err:
+        evaluate(E.kron(Xm, Xm), {"X": np.zeros((1000, 1000))})
+    assert "Kron of 1000000 × 1000000" in str(err.value)
+
+
+def test_the_budget_can_be_set(monkeypatch, attention):
+    der, values = attention
+    monkeypatch.setenv("SYMHESS_MEMORY_BUDGET", "1KiB")
+    with pytest.raises(BudgetError, match=r"evaluating the full block \(W_Q, W_K\) .*more than the "
+                                          r"memory budget of 1\.0 KiB \(SYMHESS_MEMORY_BUDGET"):
+        der.block("W_Q", "W_K").evaluate(values)
+    monkeypatch.setenv("SYMHESS_MEMORY_BUDGET", "none")
+    assert der.block("W_Q", "W_K").evaluate(values).shape[0] == values["W_Q"].size
+    monkeypatch.setenv("SYMHESS_MEMORY_BUDGET", "lots")
+    with pytest.raises(DeclarationError, match="SYMHESS_MEMORY_BUDGET='lots' is not a size"):
+        der.block("W_Q", "W_K").evaluate(values)
+
+
+def test_verify_refuses_sizes_beyond_the_budget(monkeypatch):
+    from symhess.verify import verify
+    monkeypatch.delenv("SYMHESS_MEMORY_BUDGET", raising=False)
+    der = symhess.derive(symhess.layer("attention"), "mse")
+    with pytest.raises(BudgetError, match=r"verifying 'attention' against autograd would take about "
+                                          r".* at L = 4, d_K = 300, d_V = 300"):
+        verify(der, sizes={"L": 4, "d_V": 300, "d_K": 300})
+    with pytest.raises(DeclarationError, match="size L must be a positive integer, got 0"):
+        verify(der, sizes={"L": 0})

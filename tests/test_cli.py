@@ -33,7 +33,7 @@ def test_derive_definitions(capsys):
     (("derive", "attention", "--block", "W_X,W_Q"), "unknown block 'W_X' for layer 'attention'; valid: W_Q, W_K, W_V"),
     (("derive", "attention", "--part", "bogus"), "unknown part 'bogus'; valid: outer, functional, full"),
     (("derive", "attention", "--loss", "l1"), "unknown loss 'l1'; valid: ce, "),
-    (("derive", "attention", "--set", "dropout=1"), "unknown option(s) dropout for layer 'attention'"),
+    (("derive", "attention", "--set", "dropout=1"), "unknown option(s) 'dropout' for layer 'attention'"),
     (("derive", "attention", "--block", "W_Q"), "--block expects P,Q"),
 ])
 def test_bad_input_is_one_readable_line(capsys, argv, needle):

@@ -1,0 +1,200 @@
+"""The installed ``symhess`` entry point, run as a separate process: exit statuses, one-line
+errors on stderr, help texts, progress bars and the bug report path."""
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+SYMHESS = Path(sys.executable).parent / "symhess"
+if not SYMHESS.exists():                      # an installation outside a virtual environment
+    SYMHESS = Path(shutil.which("symhess") or SYMHESS)
+pytestmark = pytest.mark.skipif(not SYMHESS.exists(), reason="the symhess entry point is not installed")
+
+BUG = "this is a bug in symhess; please report it with the command and the traceback"
+
+
+def symhess(*argv, env=None, cwd=None, timeout=300):
+    """(exit status, stdout, stderr) of ``symhess ARGV…``."""
+    proc = subprocess.run([str(SYMHESS), *map(str, argv)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def afile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "afile"
+    path.write_text("not a directory\n")
+    return path
+
+
+# one row per user error: (argv, extra environment, what the one stderr line must contain)
+USER_ERRORS = {
+    "unknown layer": (["derive", "nolayer"], {}, "unknown layer 'nolayer'; valid: addition_block, attention"),
+    "unknown block": (["derive", "attention", "--block", "W_X,W_Q"], {},
+                      "unknown block 'W_X' for layer 'attention'; valid: W_Q, W_K, W_V"),
+    "unknown part": (["derive", "attention", "--part", "bogus"], {}, "unknown part 'bogus'; valid: outer, functional, full"),
+    "unknown loss": (["derive", "attention", "--loss", "l1"], {}, "unknown loss 'l1'; valid: ce, ce_answer, mse, mse_sum"),
+    "unknown option": (["derive", "attention", "--set", "heads=2"], {},
+                       "unknown option(s) 'heads' for layer 'attention'; valid: causal, scale"),
+    "causal where none": (["derive", "ffn", "--causal"], {}, "unknown option(s) 'causal' for layer 'ffn'"),
+    "causal=maybe": (["derive", "attention", "--set", "causal=maybe"], {}, "option causal expects true or false, got 'maybe'"),
+    "empty --set key": (["derive", "attention", "--set", "=1"], {},
+                        "--set expects KEY=VALUE with a non-empty KEY, got '=1'; options of attention: causal, scale"),
+    "bad option value": (["derive", "multihead_attention", "--set", "heads=0"], {}, "heads must be a positive integer, got 0"),
+    "bad scale": (["derive", "attention", "--set", "scale=abc"], {}, "scale 'abc' uses unknown symbols abc"),
+    "negative seed": (["verify", "attention", "--seed", "-1"], {},
+                      "argument --seed: must be a non-negative integer, got '-1' (see 'symhess verify --help')"),
+    "missing layer": (["derive"], {}, "the following arguments are required: LAYER"),
+    "no command": ([], {}, "the following arguments are required: COMMAND"),
+    "bad format": (["derive", "attention", "--format", "pdf"], {}, "argument --format: invalid choice: 'pdf'"),
+    "--block P": (["derive", "attention", "--block", "W_Q"], {}, "--block expects P,Q"),
+    "layers: unknown": (["layers", "attn"], {}, "unknown layer 'attn'"),
+    "report into a file": (["report", "attention", "-o", "{afile}/x.tex"], {},
+                           "cannot write {afile}/x.tex: {afile} is a file, not a directory"),
+    "report onto a directory": (["report", "attention", "-o", "{dir}"], {}, "cannot write {dir}: it is a directory"),
+    "report where nothing can be written": (["report", "attention", "-o", "/proc/x.tex"], {},
+                                            "cannot write /proc/x.tex: No such file or directory"),
+    "verify beyond the budget": (["verify", "attention", "--loss", "mse"], {"SYMHESS_MEMORY_BUDGET": "1KiB"},
+                                 "verifying 'attention' against autograd would take about"),
+    "bad budget": (["verify", "attention"], {"SYMHESS_MEMORY_BUDGET": "lots"}, "SYMHESS_MEMORY_BUDGET='lots' is not a size"),
+    "experiment: negative seed": (["experiment", "scaling", "--seed", "-1"], {},
+                                  "argument --seed: must be a non-negative integer, got '-1' "
+                                  "(see 'symhess experiment scaling --help')"),
+    "experiment: zero batch": (["experiment", "scaling", "--batch", "0"], {}, "argument --batch: must be a positive integer"),
+    "experiment: bad sigmas": (["experiment", "scaling", "--sigmas", "abc"], {}, "--sigmas: expected 'logspace:A:B:N'"),
+    "experiment: unknown": (["experiment", "bogus"], {}, "argument EXPERIMENT: invalid choice: 'bogus'"),
+    "experiment: none": (["experiment"], {}, "the following arguments are required: EXPERIMENT"),
+    "experiment: --out a file": (["experiment", "scaling", "--out", "{afile}"], {}, "--out {afile} is a file, not a directory"),
+    "experiment: huge d_model": (["experiment", "scaling", "--d-model", "100000"], {"SYMHESS_MEMORY_BUDGET": "64GiB"},
+                                 "the model's parameters and one batch would take about 298.8 GiB at --d-model "
+                                 "100000, --d-head 100000, --d-mlp 512, --batch 64, more than the memory budget "
+                                 "of 64.0 GiB"),
+    "experiment: huge bounds": (["experiment", "bounds", "--d-model", "300", "--d-head", "300"],
+                                {"SYMHESS_MEMORY_BUDGET": "1GiB"},
+                                "the full attention Hessian of the bounds experiment would take about 1.1 TiB "
+                                "at --length 6, --d-model 300, --d-head 300"),
+    "experiment: huge histogram": (["experiment", "histogram", "--d-model", "200"], {"SYMHESS_MEMORY_BUDGET": "8GiB"},
+                                   "the dense W_Q and W_V blocks of the histogram would take about"),
+}
+
+
+@pytest.fixture(scope="module")
+def user_errors(afile, tmp_path_factory):
+    """Every USER_ERRORS row run once, four processes at a time."""
+    d = tmp_path_factory.mktemp("outdir")
+
+    def one(item):
+        key, (argv, env, needle) = item
+        fill = {"afile": afile, "dir": d}
+        rc, out, err = symhess(*(a.format(**fill) for a in argv), env=env, cwd=d)
+        return key, (rc, out, err, needle.format(**fill))
+
+    with ThreadPoolExecutor(4) as pool:
+        return dict(pool.map(one, USER_ERRORS.items()))
+
+
+@pytest.mark.parametrize("key", list(USER_ERRORS))
+def test_user_errors_are_one_line_and_exit_2(user_errors, key):
+    rc, out, err, needle = user_errors[key]
+    lines = err.splitlines()
+    assert rc == 2, (rc, err)
+    assert len(lines) == 1, err
+    assert lines[0].startswith("symhess: error: ") and needle in lines[0], lines[0]
+    assert "Traceback" not in err and out == ""
+
+
+def test_experiment_help_exits_0_and_shows_defaults():
+    for argv in (["experiment", "--help"], ["experiment", "-h"]):
+        rc, out, err = symhess(*argv)
+        assert rc == 0 and err == "" and "scaling" in out and "histogram" in out and "bounds" in out
+    rc, out, _ = symhess("experiment", "scaling", "--help")
+    flat = " ".join(out.split())
+    assert rc == 0
+    for needle in ("--d-model D_MODEL (default: 128)", "--seeds SEEDS (default: 3)",
+                   "(default: logspace:-2:1:20)", "--batch BATCH (default: 64)"):
+        assert needle in flat, needle
+
+
+def test_loss_help_lists_every_registered_loss():
+    rc, out, _ = symhess("verify", "--help")
+    flat = " ".join(out.split())
+    assert rc == 0 and "ce, ce_answer, mse, mse_sum, or both" in flat and "(default: both)" in flat
+
+
+def test_layers_prints_none_for_a_layer_without_inputs():
+    rc, out, err = symhess("layers", "layernorm", "attention")
+    assert rc == 0 and err == ""
+    assert "inputs:     none" in out and "inputs:     X (L×d_V)" in out
+    assert "inputs:     \n" not in out
+
+
+def test_report_prints_the_pdf_path(tmp_path):
+    """A stand-in pdflatex (first on PATH) writes the PDF; the command names both files."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    fake = tools / "pdflatex"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do f="$a"; done\n'
+                    'printf "%%PDF-1.4 stand-in" > "$(basename "$f" .tex).pdf"\n')
+    fake.chmod(0o755)
+    out_tex = tmp_path / "doc" / "attention.tex"
+    rc, out, err = symhess("report", "attention", "--loss", "mse", "-o", out_tex, "--pdf",
+                           env={"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"})
+    assert rc == 0, err
+    assert out.splitlines() == [f"wrote {out_tex}", f"wrote {out_tex.with_suffix('.pdf')}"]
+    assert out_tex.with_suffix(".pdf").read_bytes().startswith(b"%PDF")
+
+
+@pytest.mark.parametrize("exc", ["RuntimeError('boom')", "ValueError('an internal check')",
+                                 "KeyError('internal')"])
+def test_an_internal_error_shows_its_traceback_and_asks_for_a_report(tmp_path, exc):
+    """Bare ValueError/KeyError are no longer turned into one-line 'user errors'."""
+    (tmp_path / "broken.py").write_text(
+        "import symhess as sh\nfrom symhess import expr as E, hessian\n"
+        "def fail(self, *a, **k):\n"
+        f"    raise {exc}\n"
+        "hessian.Derivation.block = fail\n"
+        "X = E.matrix('X', 2, 3)\nW = E.param('W', 3, 2)\n"
+        "lay = sh.Layer('lay', X @ W, (W,), (X,))\n")
+    rc, out, err = symhess("derive", "broken.py:lay", cwd=tmp_path)
+    assert rc == 3
+    assert "Traceback (most recent call last)" in err and exc.split("(")[0] in err
+    assert err.strip().splitlines()[-1] == BUG
+
+
+def _on_a_terminal(argv):
+    """stderr of ``symhess ARGV…`` written to a pseudo-terminal (tqdm draws only there)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))   # 24 × 100
+    proc = subprocess.Popen([str(SYMHESS), *argv], stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    proc.wait(timeout=300)
+    os.close(master)
+    return proc.returncode, b"".join(chunks).decode(errors="replace")
+
+
+def test_verify_and_report_show_progress_on_a_terminal(tmp_path):
+    rc, err = _on_a_terminal(["verify", "attention", "--loss", "mse", "--set", "causal=false"])
+    assert rc == 0 and "verify attention (mse)" in err and "/9 [" in err
+    rc, err = _on_a_terminal(["report", "attention", "--loss", "ce", "-o", str(tmp_path / "a.tex")])
+    assert rc == 0 and "report attention (ce)" in err
+    rc, _, err = symhess("verify", "attention", "--loss", "mse", "--set", "causal=false")  # a pipe: no bar
+    assert rc == 0 and err == ""
