@@ -20,13 +20,15 @@ import numpy as np
 import sympy as sp
 
 from . import codegen
-from .errors import BudgetError, DeclarationError, InputError
-from .evaluate import bind_dims
+from .budget import check_budget
+from .errors import DeclarationError, InputError, UnknownNameError
+from .evaluate import bind_dims, check_values
 from .hessian import check_part, derive
 from .layers import Layer, layer as get_layer, layer_options
 from .losses import get_loss
-from .runtime import network as N
-from .runtime.schedule import Schedule, _machine_memory
+from .runtime import network as N  # noqa: F401
+from .runtime.jacobian import CompactJacobian
+from .runtime.schedule import Schedule
 
 BACKENDS = codegen.BACKENDS
 FLOATS = ("float32", "float64")
@@ -72,6 +74,7 @@ class Kernel:
         self._vars = variables
         self.names = sorted(variables)
         self._cls = None
+        self._dims_seen = {}
 
     def __repr__(self):
         return f"<symhess kernel {self.layer.name} ({self.backend}, {self.loss_name})>"
@@ -94,23 +97,15 @@ class Kernel:
 
     # -- values --------------------------------------------------------------------------
     def _array(self, name, x):
+        """``x`` as the backend's array type (a tensor that requires grad is detached)."""
         if self.backend == "torch":
             import torch
             if not isinstance(x, torch.Tensor):
-                if type(x).__module__.startswith("torch"):
-                    raise InputError(f"{name} is a {type(x).__name__}; pass a tensor")
                 x = torch.as_tensor(np.asarray(x))
-            if x.requires_grad:
-                x = x.detach()
-            dtype = str(x.dtype).replace("torch.", "")
-        else:
-            if type(x).__module__.startswith("torch"):
-                raise InputError(f"{name} is a torch tensor; use backend='torch' or pass a NumPy array")
-            x = np.asarray(x)
-            dtype = str(x.dtype)
-        if dtype not in FLOATS:
-            raise InputError(f"{name} has dtype {dtype}; accepted: {', '.join(FLOATS)}")
-        return x
+            return x.detach() if x.requires_grad else x
+        if type(x).__module__.startswith("torch"):
+            raise InputError(f"{name} is a torch tensor; use backend='torch' or pass a NumPy array")
+        return np.asarray(x)
 
     def prepare(self, values, check_finite=True, memory_budget=None, need_target=True):
         """The values bound to the generated variant: a state whose methods (``hvp``,
@@ -132,7 +127,7 @@ class Kernel:
             raise InputError(f"missing value(s) {', '.join(missing)}; needed: {', '.join(needed)}")
         names = [n for n in self.names if n in values]
         arrays = {n: self._array(n, values[n]) for n in names}
-        _same(arrays, "dtype", lambda a: a.dtype)
+        check_values(arrays, check_finite=False)       # dtypes (finiteness after the shapes)
         if self.backend == "torch":
             _same(arrays, "device", lambda a: a.device)
         data = [n for n in self._data if n in arrays]
@@ -153,14 +148,16 @@ class Kernel:
         if n_batch == 0:
             raise InputError("the batch is empty (N = 0 sequences); give at least one")
         order = data + list(self.params) + [n for n in names if n not in data and n not in self.params]
-        shapes = {n: _Shape(arrays[n].shape[-2:]) for n in order}
-        env = bind_dims([self._vars[n] for n in order], shapes)
+        key = tuple((n, tuple(arrays[n].shape[-2:])) for n in order)
+        if key not in self._dims_seen:         # shapes checked once need no sympy again
+            shapes = {n: _Shape(shape) for n, shape in key}
+            self._dims_seen[key] = bind_dims([self._vars[n] for n in order], shapes)
+        env = self._dims_seen[key]
         if check_finite:
-            for n in order:
-                _check_finite(n, arrays[n], self.backend)
+            check_values(arrays)
         like = arrays[self.params[0]]
         itemsize = 4 if "32" in str(like.dtype) else 8
-        sched = Schedule.default(memory_budget, itemsize)
+        sched = Schedule.default(memory_budget, itemsize, getattr(like, "device", None))
         dims = {s.name: int(v) for s, v in env.items()}
         state = self.variant(arrays, dims, n_batch, self.ops, sched, like)
         state.dims = dims
@@ -184,7 +181,7 @@ class Kernel:
 
     def _param(self, p):
         if p not in self.params:
-            raise InputError(f"unknown block {p!r} for layer {self.layer.name!r}; "
+            raise UnknownNameError(f"unknown block {p!r} for layer {self.layer.name!r}; "
                              f"valid: {', '.join(self.params)}")
         return p
 
@@ -297,47 +294,8 @@ class Kernel:
         F = self.layer.output
         dims = {sp.Symbol(k, positive=True, integer=True): v for k, v in st.dims.items()}
         numel_f = int(sp.sympify(F.rows * F.cols).subs(dims))
-        jac = CompactJacobian(st, nets, p, batched, numel_f)
+        jac = CompactJacobian(st, nets, numel_f, st.numel(p), batched)
         return jac if compact else jac.dense()
-
-
-class CompactJacobian:
-    """A Jacobian as its index networks over (batch | atoms of F | atoms of W_p); ``dense()``
-    expands it, ``nets`` and ``factors`` show its structure (a single network's operands)."""
-
-    def __init__(self, state, nets, p, batched, numel_f):
-        self.state, self.nets, self.param, self.batched = state, nets, p, batched
-        self.numel_f = numel_f
-
-    def __repr__(self):
-        return f"<CompactJacobian ∂F/∂{self.param}: {len(self.nets)} network(s)>"
-
-    @property
-    def factors(self):
-        """(array, labels) of each operand when the Jacobian is one network, else None."""
-        if len(self.nets) != 1:
-            return None
-        n = self.nets[0]
-        return list(zip(n.ops, n.labels))
-
-    def dense(self):
-        st = self.state
-        if not self.nets:
-            z = st.ops.zeros((self.numel_f, st.numel(self.param)), like=st.like)
-            return _per_seq(st, z, self.batched, False)
-        has_batch = bool(self.nets[0].groups[0])
-        out = N.dense(st, self.nets, (0, 1, 2) if has_batch else (1, 2))
-        return _per_seq(st, out, self.batched, has_batch)
-
-
-def _per_seq(st, a, batched, has_batch):
-    if has_batch and not batched:
-        return a[0]
-    if batched and not has_batch:
-        shape = (st.n_batch,) + tuple(a.shape)
-        return a.expand(*shape) if hasattr(a, "expand") and not isinstance(a, np.ndarray) \
-            else np.broadcast_to(a, shape)
-    return a
 
 
 def _same(arrays, what, get):
@@ -347,30 +305,11 @@ def _same(arrays, what, get):
         raise InputError(f"all values must share one {what}, got {desc}")
 
 
-def _check_finite(name, a, backend):
-    if backend == "torch":
-        import torch
-        bad = ~torch.isfinite(a)
-        if bool(bad.any()):
-            idx = tuple(int(i) for i in torch.nonzero(bad)[0])
-            raise InputError(f"{name} has a non-finite entry (NaN or inf) at index {idx}; "
-                             "pass check_finite=False to skip this check")
-    else:
-        bad = ~np.isfinite(a)
-        if bad.any():
-            idx = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise InputError(f"{name} has a non-finite entry (NaN or inf) at index {idx}; "
-                             "pass check_finite=False to skip this check")
-
-
 def _fits(st, shapes):
-    """Refuse results that cannot fit the machine's memory (one line with the estimate)."""
+    """Refuse results beyond the memory budget (one line naming the sizes and the estimate)."""
     need = sum(math.prod(s) for s in shapes) * st.schedule.itemsize
-    have = _machine_memory()
-    if need > have:
-        desc = " and ".join(" × ".join(str(x) for x in s) for s in shapes)
-        raise BudgetError(f"the result ({desc} entries, {need / 2 ** 30:.1f} GiB) exceeds this "
-                          f"machine's memory ({have / 2 ** 30:.1f} GiB)")
+    desc = " and ".join(" × ".join(str(x) for x in s) for s in shapes)
+    check_budget(need, f"the result ({desc} entries)", device=getattr(st.like, "device", None))
 
 
 def _declared(var):

@@ -2,7 +2,10 @@ import os
 
 from hypothesis import settings
 
-# A fixed, derandomised Hypothesis profile: property tests are reproducible in CI.
+# Fixed, derandomised Hypothesis profiles: property tests are reproducible in CI
+# ("symhess"); "symhess-long" runs many more examples locally.
 settings.register_profile("symhess", derandomize=True, max_examples=15, deadline=None,
+                          print_blob=True)
+settings.register_profile("symhess-long", derandomize=True, max_examples=300, deadline=None,
                           print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "symhess"))

@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "1507843b1f3cd68499c6460e"
+    STAMP = "254ec2668e61311b4a1b563e"
 
     @leaf
     def t(s):
@@ -251,7 +251,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "78dffea81ef3cbd0fae9fd8a"
+    STAMP = "199692f13ee34c0548ca3101"
 
     @leaf
     def t(s):
@@ -482,7 +482,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "cecdd0df8ab5e7b140df6c93"
+    STAMP = "c444b96421c9accc5294f1c9"
 
     @leaf
     def t(s):
@@ -721,7 +721,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "9cfefe7593effaf88a06b25e"
+    STAMP = "a3ab4c568cab12082bc9f8df"
 
     @leaf
     def t(s):
@@ -962,4 +962,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "01bccfa354f94eedc4ed741f"
+CHECKSUM = "f6acda66e414d872169ae42b"

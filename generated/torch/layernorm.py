@@ -20,7 +20,7 @@ class mse(Forward):
     """loss=mse, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "c7b47a2788ef7aa224003edf"
+    STAMP = "17a09a729dae1b1c2003b745"
 
     @leaf
     def M_Z(s):
@@ -218,14 +218,14 @@ class mse(Forward):
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
-        return (mean0(s.X, False),)
+        return (s.X,)
 
 
 class ce(Forward):
     """loss=ce, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "40919af4e751a2b18fbc8f6f"
+    STAMP = "9a6eea4675da9ea0a1df80fc"
 
     @leaf
     def t(s):
@@ -448,11 +448,11 @@ class ce(Forward):
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
-        return (mean0(s.X, False),)
+        return (s.X,)
 
 
 VARIANTS = {
     ('mse', (('affine', 'none'), ('eps', 0))): mse,
     ('ce', (('affine', 'none'), ('eps', 0))): ce,
 }
-CHECKSUM = "fa45eba1ca417146a4a04f62"
+CHECKSUM = "74feade1564f472dd9d37706"

@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "1857a92aab60b57e1a3716ff"
+    STAMP = "6bb4b1feff31ce9c888a713d"
 
     @leaf
     def t(s):
@@ -243,7 +243,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b6fd51974c2bf475f276d6d6"
+    STAMP = "b06b8626c3d74ccf97537ec4"
 
     @leaf
     def t(s):
@@ -455,7 +455,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "fa0290ebc622a2d19cde6767"
+    STAMP = "98d346d7664775619bd671bf"
 
     @leaf
     def t(s):
@@ -670,7 +670,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "795b70111235bd32eaf23cb2"
+    STAMP = "fb0640e1b5ebdacdb9fe7e39"
 
     @leaf
     def t(s):
@@ -895,4 +895,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "d6b917cb56f2bb2d64bf4288"
+CHECKSUM = "249f1934c9a090cb3719477c"

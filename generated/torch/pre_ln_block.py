@@ -20,7 +20,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "7de39d18be8f76205df5dda8"
+    STAMP = "b2078270df834b789e1cb6e7"
 
     @leaf
     def M_N_1(s):
@@ -763,14 +763,14 @@ class mse_bias0_causal0(Forward):
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
-        return (mean0(s.X, True), mean0(s.Y_2, True),)
+        return (s.X, s.Y_2,)
 
 
 class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "4e22210bfe428a47d1f1377e"
+    STAMP = "35c9e6cdf1a581e9dac678f2"
 
     @leaf
     def M_N_1(s):
@@ -1513,14 +1513,14 @@ class mse_bias0_causal1(Forward):
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
-        return (mean0(s.X, True), mean0(s.Y_2, True),)
+        return (s.X, s.Y_2,)
 
 
 class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "229e3274ac7891adb64cb0c6"
+    STAMP = "b7f1c6ec0153d04d1ecb87f3"
 
     @leaf
     def M_N_1(s):
@@ -2255,14 +2255,14 @@ class ce_bias0_causal0(Forward):
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
-        return (mean0(s.X, True), mean0(s.Y_2, True),)
+        return (s.X, s.Y_2,)
 
 
 class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "9b16acfc4986a8b5067afa5a"
+    STAMP = "bc6b3b62bb92e18819e0c74c"
 
     @leaf
     def M_N_1(s):
@@ -2997,7 +2997,7 @@ class ce_bias0_causal1(Forward):
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
-        return (mean0(s.X, True), mean0(s.Y_2, True),)
+        return (s.X, s.Y_2,)
 
 
 VARIANTS = {
@@ -3006,4 +3006,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "a5b901e6533db709aa022b18"
+CHECKSUM = "d77f36875f1a0327eba5a9fe"

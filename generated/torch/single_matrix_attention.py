@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "9acc9374a9e78bac30a19428"
+    STAMP = "4d82c17d36564ccfc8f33e79"
 
     @leaf
     def t(s):
@@ -182,7 +182,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "0634d91a81c9486c14ba367c"
+    STAMP = "ed1e38bd4a7dbcd5a69c0e4f"
 
     @leaf
     def t(s):
@@ -344,7 +344,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "e5fefc096d1ae05ef271d186"
+    STAMP = "916a9b31582b3898363dc27e"
 
     @leaf
     def t(s):
@@ -514,7 +514,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "b53c15660301092a8ed055e3"
+    STAMP = "eeee5a92e2b68c40055d8e21"
 
     @leaf
     def t(s):
@@ -686,4 +686,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "ac6f978c4e86b5202d450d10"
+CHECKSUM = "5f2ef3fb7984ec1d2e52f71b"

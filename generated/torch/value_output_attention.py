@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "c1d305b52a0991c8330f7b6a"
+    STAMP = "806b7d45bdf79c3bb16683a7"
 
     @leaf
     def t(s):
@@ -345,7 +345,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "63da521f85bdcf7f1cb8fa2c"
+    STAMP = "292abad4a54c8ea223bc7535"
 
     @leaf
     def t(s):
@@ -670,7 +670,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "efc28e7c843e4faf2950f9d5"
+    STAMP = "a60814014246c351f4ae6a75"
 
     @leaf
     def t(s):
@@ -986,7 +986,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "d63fb03107942c72ef0cfa6f"
+    STAMP = "7463d2014b3d0d67e8b8cd8d"
 
     @leaf
     def t(s):
@@ -1304,4 +1304,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "1fc9d5078602108a33776fa5"
+CHECKSUM = "013684ea83de4fb95ef927aa"

@@ -180,6 +180,10 @@ class Lowering:
         if is_leaf(n):
             return [t.copy(factors=t.factors + (Factor(n, tuple(rows) + tuple(cols)),))]
         fn = _LOWER.get(type(n))
+        if fn is None and not isinstance(n, STRUCTURED):
+            # a plain operation (softmax, an entrywise function …) of structured arguments
+            # (a Kronecker product inside a softmax): computed as a matrix, an operand
+            return [t.copy(factors=t.factors + (Factor(n, tuple(rows) + tuple(cols)),))]
         if fn is None:
             raise NotImplementedError(f"index lowering has no rule for {type(n).__name__}")
         return fn(self, n, rows, cols, t)

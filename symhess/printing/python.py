@@ -195,7 +195,7 @@ class Printer:
         outs = []
         for e in exprs:
             c = self.code(e)
-            outs.append(f"mean0({c}, {self.batched(e)})")
+            outs.append(c if name == "check_inputs" else f"mean0({c}, {self.batched(e)})")
         if name == "loss":
             ret = f"{outs[0]}[..., 0, 0]"
         else:
@@ -479,6 +479,29 @@ def _unvec_r(pr, n):
     return f"unvec_r({pr.code(n.args[0])}, {pr.size(n.rows)}, {pr.size(n.cols)})"
 
 
+@rule(E.Kron)
+def _kron(pr, n):
+    return "kron(" + ", ".join(pr.code(a) for a in n.args) + ")"
+
+
+@rule(E.KronContract)
+def _kron_contract(pr, n):
+    side, rows, cols = n.params
+    return (f"kron_contract({pr.code(n.args[0])}, {pr.code(n.args[1])}, {side!r}, "
+            f"{pr.size(rows)}, {pr.size(cols)})")
+
+
+@rule(E.Commutation)
+def _commutation(pr, n):
+    m, k = n.params
+    return f"commutation({pr.size(m)}, {pr.size(k)}, s.like)"
+
+
+@rule(E.DiagSelector)
+def _diag_selector(pr, n):
+    return f"diag_selector({pr.size(n.params[0])}, s.like)"
+
+
 # ----------------------------------------------------------------------------- scalar functions
 _FUNCTIONS = {"exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "cosh": "cosh",
               "sinh": "sinh", "cos": "cos", "sin": "sin", "abs": "absolute", "erf": "erf",
@@ -487,6 +510,9 @@ _FUNCTIONS = {"exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "cosh"
 
 def scalar_code(expr, arg):
     """An entrywise sympy function of x as code applied to ``arg``."""
+    if not re.fullmatch(r"[\w.]+", arg):
+        arg = f"({arg})"
+
     def p(e):
         if e == scalarfn.x:
             return arg

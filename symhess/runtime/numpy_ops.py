@@ -18,6 +18,7 @@ from .state import Forward, leaf                   # noqa: F401
 __all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff", "softmax_diff2",
            "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
            "causal_mask", "diag", "diag_part", "vec_r", "unvec_r", "mean0", "unflat",
+           "kron", "kron_contract", "commutation", "diag_selector",
            "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "cosh", "sinh", "cos",
            "sin", "absolute", "net", "Compact", "ONES", "EYE", "Forward", "leaf", "OPS"]
 
@@ -121,6 +122,42 @@ def unflat(x, rows, cols):
 def mean0(x, batched):
     """The batch mean of a per-sequence result (``batched``: it carries the batch axis)."""
     return x.mean(0) if batched else x
+
+
+def kron(*xs):
+    """A ⊗ B ⊗ … of (batched) matrices."""
+    out = xs[0]
+    for b in xs[1:]:
+        a = out
+        lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        t = a[..., :, None, :, None] * b[..., None, :, None, :]
+        out = np.reshape(t, lead + (a.shape[-2] * b.shape[-2], a.shape[-1] * b.shape[-1]))
+    return out
+
+
+def kron_contract(g, c, side, rows, cols):
+    """Σ_ab C[a,b] G[(a,i),(b,j)] (side "right") or Σ_ab C[a,b] G[(i,a),(j,b)] ("left")."""
+    a, b = c.shape[-2:]
+    if side == "right":
+        g4 = np.reshape(g, g.shape[:-2] + (a, rows, b, cols))
+        return np.einsum("...aibj,...ab->...ij", g4, c)
+    g4 = np.reshape(g, g.shape[:-2] + (rows, a, cols, b))
+    return np.einsum("...iajb,...ab->...ij", g4, c)
+
+
+def commutation(m, n, like):
+    """K_{m,n} (mn × mn): K vec_r(B) = vec_r(Bᵀ) for B of shape n × m."""
+    k = np.zeros((m * n, m * n), dtype=like.dtype)
+    i, j = np.meshgrid(np.arange(m), np.arange(n), indexing="ij")
+    k[(i * n + j).ravel(), (j * m + i).ravel()] = 1
+    return k
+
+
+def diag_selector(n, like):
+    """E_n (n² × n): vec_r(diag v) = E_n v."""
+    e = np.zeros((n * n, n), dtype=like.dtype)
+    e[np.arange(n) * (n + 1), np.arange(n)] = 1
+    return e
 
 
 class _Ops:

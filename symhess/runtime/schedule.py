@@ -2,7 +2,8 @@
 
 * ``memory_budget`` — bytes any single intermediate (and any materialised compact tensor)
   may take; a contraction that needs more is sliced, a result that alone needs more raises
-  ``BudgetError``.  Default: an eighth of the machine's memory, at most 2 GiB.
+  ``BudgetError``.  Default: a quarter of the memory budget (``symhess.budget``: the
+  available memory, or ``SYMHESS_MEMORY_BUDGET``), at most 2 GiB.
 * ``materialise`` — compact per-token tensors (the block-diagonal moments, LayerNorm
   Jacobians): ``"auto"`` compares, at the call's sizes, the planned flops of computing the
   tensor once against inlining its networks into every network that uses it; ``"always"``
@@ -24,19 +25,19 @@ from ..errors import DeclarationError
 MATERIALISE = ("auto", "always", "never")
 
 
-def _machine_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 * 2 ** 30
+MAX_INTERMEDIATE = 2 * 2 ** 30
 
 
-DEFAULT_BUDGET = min(2 * 2 ** 30, _machine_memory() // 8)
+def default_budget(device=None) -> int:
+    """A quarter of the memory budget, at most ``MAX_INTERMEDIATE`` bytes."""
+    from ..budget import memory_budget
+    total, _ = memory_budget(device)
+    return MAX_INTERMEDIATE if total is None else max(1, min(MAX_INTERMEDIATE, total // 4))
 
 
 @dataclass(frozen=True)
 class Schedule:
-    memory_budget: int = DEFAULT_BUDGET
+    memory_budget: int = MAX_INTERMEDIATE
     itemsize: int = 8
     materialise: str = "auto"
     mirror: bool = True
@@ -63,11 +64,10 @@ class Schedule:
         return cls(materialise="always", mirror=False, **kw)
 
     @classmethod
-    def default(cls, memory_budget=None, itemsize=8) -> "Schedule":
+    def default(cls, memory_budget=None, itemsize=8, device=None) -> "Schedule":
         """The process default (``SYMHESS_SCHEDULE=plain`` selects ``plain()``)."""
-        kw = {"itemsize": itemsize}
-        if memory_budget is not None:
-            kw["memory_budget"] = memory_budget
+        kw = {"itemsize": itemsize,
+              "memory_budget": memory_budget if memory_budget is not None else default_budget(device)}
         mode = os.environ.get("SYMHESS_SCHEDULE", "tuned")
         if mode not in ("tuned", "plain"):
             raise DeclarationError(f"SYMHESS_SCHEDULE={mode!r} is not valid; valid: tuned, plain")

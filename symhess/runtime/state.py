@@ -24,14 +24,14 @@ import math
 from functools import cached_property
 
 from . import network as N
-from ..errors import InputError
+from ..errors import InputError, UnknownNameError
 
 leaf = cached_property
 
 
 def _part(part):
     if part not in ("outer", "functional", "full"):
-        raise InputError(f"unknown part {part!r}; valid: outer, functional, full")
+        raise UnknownNameError(f"unknown part {part!r}; valid: outer, functional, full")
     return part
 
 
@@ -53,7 +53,7 @@ class Forward:
     # -- blocks as networks ---------------------------------------------------------------
     def _param(self, p):
         if p not in self.PARAMS:
-            raise InputError(f"unknown block {p!r}; valid: {', '.join(self.PARAMS)}")
+            raise UnknownNameError(f"unknown block {p!r}; valid: {', '.join(self.PARAMS)}")
         return p
 
     def numel(self, p):

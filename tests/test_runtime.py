@@ -1,0 +1,136 @@
+"""The kernels' runtime against NumPy's einsum and dense algebra: contraction at any budget,
+matrix chains, network reductions, compact tensors materialised or inlined."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from symhess.runtime import chain, contract as C, network as N
+from symhess.runtime.numpy_ops import OPS as NP, mm as np_mm
+from symhess.runtime.schedule import Schedule
+from symhess.runtime.torch_ops import OPS as TORCH, mm as torch_mm
+
+LETTERS = "abcdefgh"
+
+
+@st.composite
+def networks(draw):
+    """A random network: 1-4 operands over up to 6 labels (repeats inside an operand
+    allowed), a random subset of the labels as output."""
+    n_labels = draw(st.integers(1, 6))
+    sizes = [draw(st.integers(1, 4)) for _ in range(n_labels)]
+    ops = []
+    for _ in range(draw(st.integers(1, 4))):
+        k = draw(st.integers(1, 4))
+        ops.append(tuple(draw(st.integers(0, n_labels - 1)) for _ in range(k)))
+    used = sorted(set(x for o in ops for x in o))
+    out = tuple(draw(st.permutations(used))[:draw(st.integers(0, len(used)))])
+    seed = draw(st.integers(0, 2 ** 16))
+    return sizes, ops, out, seed
+
+
+def _arrays(sizes, ops, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal([sizes[x] for x in o]) for o in ops]
+
+
+def _einsum(arrays, ops, out):
+    eq = ",".join("".join(LETTERS[x] for x in o) for o in ops) + "->" + "".join(LETTERS[x] for x in out)
+    return np.einsum(eq, *arrays)
+
+
+@given(networks(), st.sampled_from([None, 1, 3, 10 ** 6]))
+def test_contract_matches_einsum_at_any_budget(net, limit):
+    sizes, ops, out, seed = net
+    arrays = _arrays(sizes, ops, seed)
+    want = _einsum(arrays, ops, out)
+    size_of = dict(enumerate(sizes))
+    got = C.contract(NP, arrays, ops, out, limit, size_of)
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-12)
+    got_t = C.contract(TORCH, [torch.tensor(a) for a in arrays], ops, out, limit, size_of)
+    assert np.allclose(got_t.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_limit_of_one_entry_slices_down_to_scalars():
+    rng = np.random.default_rng(5)
+    a, b, c = rng.standard_normal((6, 7)), rng.standard_normal((7, 5)), rng.standard_normal((5, 6))
+    got = C.contract(NP, [a, b, c], [(0, 1), (1, 2), (2, 0)], (), limit=1)
+    assert np.isclose(got, np.trace(a @ b @ c))
+
+
+def test_slicing_keeps_every_intermediate_under_the_limit():
+    """An outer product whose result fits but whose natural order does not is sliced."""
+    rng = np.random.default_rng(0)
+    a, b, c = rng.standard_normal((30, 40)), rng.standard_normal((40, 50)), rng.standard_normal((50, 30))
+    ops, out = [(0, 1), (1, 2), (2, 3)], (0, 3)
+    p = C.plan(ops, out, {0: 30, 1: 40, 2: 50, 3: 30}, None)
+    assert p.largest > 900
+    got = C.contract(NP, [a, b, c], ops, out, limit=900)
+    assert np.allclose(got, a @ b @ c)
+
+
+def test_matrix_chain_order_and_values():
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal(s) for s in [(50, 4), (4, 60), (60, 3), (3, 70)]]
+    assert np.allclose(np_mm(*xs), np.linalg.multi_dot(xs))
+    assert chain.order(((50, 4), (4, 60), (60, 3), (3, 70))) == ((0, (1, 2)), 3)
+    batched = [rng.standard_normal((2, 5, 6)), rng.standard_normal((6, 7)), rng.standard_normal((7, 3))]
+    want = batched[0] @ batched[1] @ batched[2]
+    assert np.allclose(np_mm(*batched), want)
+    assert np.allclose(torch_mm(*[torch.tensor(x) for x in batched]).numpy(), want)
+
+
+class _State:
+    """The part of a prepared state the reductions read."""
+
+    def __init__(self, materialise="auto", limit_bytes=2 ** 30):
+        self.ops, self.like = NP, np.zeros(1)
+        self.schedule = Schedule(memory_budget=limit_bytes, materialise=materialise)
+
+
+def test_reductions_of_a_delta_block():
+    """B = (P ⊗ I_k) + (u vᵀ ⊗ w zᵀ): dense, diagonal, trace and Frobenius norms."""
+    rng = np.random.default_rng(2)
+    m, k = 3, 4
+    P = rng.standard_normal((m, m))
+    u, v, w, z = (rng.standard_normal(s) for s in (m, m, k, k))
+    dense = np.kron(P, np.eye(k)) + np.kron(np.outer(u, v), np.outer(w, z))
+    s = _State()
+    nets = [N.net(1.0, "ac->ab|cb", P, free={"b": k}),
+            N.net(1.0, "a,c,b,d->ab|cd", u, v, w, z)]
+    assert np.allclose(N.dense(s, nets), dense)
+    diag = [N.identified(s, n, 0, 1) for n in nets]
+    assert np.allclose(N.dense(s, diag, (0,)), np.diag(dense))
+    assert np.isclose(N.scalar(s, [N.closed(n) for n in diag]), np.trace(dense))
+    assert np.isclose(N.frobenius_sq(s, nets), np.sum(dense ** 2))
+    assert np.isclose(N.frobenius_sq(s, nets[:1], nets[1:]),
+                      np.sum(np.kron(P, np.eye(k)) * np.kron(np.outer(u, v), np.outer(w, z))))
+
+
+def test_identification_refines_atoms():
+    """Rows (m, k) against columns (m·k): the diagonal needs the column atom split."""
+    rng = np.random.default_rng(3)
+    m, k = 3, 5
+    M = rng.standard_normal((m, k, m * k))
+    s = _State()
+    n = N.net(2.0, "abc->ab|c", M)
+    want = 2.0 * np.diag(M.reshape(m * k, m * k))
+    assert np.allclose(N.dense(s, [N.identified(s, n, 0, 1)], (0,)), want)
+
+
+@pytest.mark.parametrize("materialise", ["auto", "always", "never"])
+def test_compact_tensors_materialised_or_inlined(materialise):
+    """A per-row block-diagonal sum (δ_jk a_j − a_j a_k per row) used inside a network."""
+    rng = np.random.default_rng(4)
+    L, d = 5, 3
+    A = rng.random((L, L))
+    X = rng.standard_normal((L, d))
+    comp = N.Compact("S", [N.net(1.0, "ij,jk->ijk", A, N.EYE, free={"k": L}),
+                           N.net(-1.0, "ij,ik->ijk", A, A)])
+    jac = np.stack([np.diag(A[i]) - np.outer(A[i], A[i]) for i in range(L)])
+    want = np.einsum("ijk,ja,kb->iab", jac, X, X)
+    s = _State(materialise)
+    got = N.dense(s, [N.net(1.0, "ijk,ja,kb->i|a|b", comp, X, X)], (0, 1, 2))
+    assert np.allclose(got.reshape(L, d, d), want)
