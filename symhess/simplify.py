@@ -12,6 +12,27 @@ of *named* rewrites on product chains, each an exact identity:
 
 Here X is any input matrix that sits on both sides; A = softmax_rows(T).  Every rewrite
 is an equality of matrices, so simplified blocks evaluate to the same numbers.
+
+Termination (by construction, no cap).  ``simplify`` visits each node of the DAG once,
+children first, and rewrites each product chain f = (f_1, …, f_n) in three stages, each a
+loop of one rewrite whose measure (a natural number) every application strictly decreases:
+
+1. commutations outward, (C⊗D) K S → K (D⊗C) S and S K (C⊗D) → S (D⊗C) K for a
+   structured S (a softmax Jacobian or Hessian); measure ``commutation_measure``: the number
+   of (K, S) neighbours in the chain.  The rewrite is *oriented*: it applies only when the
+   moved K does not land next to another structured operator, so it removes the pair it
+   acts on and creates none (the chain's length is unchanged; the new Kronecker factor is
+   not a K).  Without that guard S·K·(A⊗B)·S' and S·(B⊗A)·K·S' rewrite into each other
+   for ever (two softmax Jacobians in one chain: every second-order block of stacked
+   attention layers);
+2. moments M_2, M_3 (``_sandwich``); measure ``structured_measure``: the number of softmax
+   Jacobian/Hessian nodes in the chain's factor trees outside a ``Named`` node.  Each
+   rewrite moves one into a ``Named`` node and builds the new Kronecker factors from
+   sub-trees of the old ones (the canonical constructors never create structured nodes);
+3. Z_1, Z_2 (``_z_forms``); measure ``moment_measure``: the number of ``Named`` M_2/M_3
+   nodes in the factor trees outside another ``Named`` node; each rewrite wraps one.
+
+The measures are exposed so that tests can check the strict decrease step by step.
 """
 from __future__ import annotations
 
@@ -153,48 +174,117 @@ def _z_forms(f):
 _STRUCTURED = (E.SoftmaxJac, E.SoftmaxHess)
 
 
+def _kron_swap_left(f, i):
+    """(C⊗D) K_{c_C,c_D} at f[i-1], f[i] → K_{r_C,r_D} (D⊗C), or None."""
+    c, d = f[i - 1].args
+    k = f[i]
+    if k.params != (c.cols, d.cols):
+        return None
+    return f[:i - 1] + [E.commutation(c.rows, d.rows), E.kron(d, c)] + f[i + 1:]
+
+
+def _kron_swap_right(f, i):
+    """K_{r_D,r_C} (C⊗D) at f[i], f[i+1] → (D⊗C) K_{c_D,c_C}, or None."""
+    c, d = f[i + 1].args
+    k = f[i]
+    if k.params != (d.rows, c.rows):
+        return None
+    return f[:i] + [E.kron(d, c), E.commutation(d.cols, c.cols)] + f[i + 2:]
+
+
+def _structured_at(f, i):
+    return 0 <= i < len(f) and isinstance(f[i], _STRUCTURED)
+
+
+def commutation_measure(f) -> int:
+    """The number of (commutation, structured operator) neighbours in the chain f."""
+    return sum(1 for i, k in enumerate(f) if isinstance(k, E.Commutation)
+               for j in (i - 1, i + 1) if _structured_at(f, j))
+
+
 def _commutations_outward(f):
     """Move K past a Kronecker product, away from a structured operator:
 
-    (C⊗D) K_{c_C,c_D} = K_{r_C,r_D} (D⊗C)   (and the mirror image on the right).
+    (C⊗D) K_{c_C,c_D} = K_{r_C,r_D} (D⊗C)   (and the mirror image on the right),
+
+    only where K does not land next to another structured operator (so that
+    ``commutation_measure`` strictly decreases; see the module docstring).
     """
     f = list(f)
     for i, k in enumerate(f):
         if not isinstance(k, E.Commutation):
             continue
-        if 0 < i < len(f) - 1 and isinstance(f[i + 1], _STRUCTURED) and _kron2(f[i - 1]):
-            c, d = f[i - 1].args
-            if k.params == (c.cols, d.cols):
-                f[i - 1:i + 1] = [E.commutation(c.rows, d.rows), E.kron(d, c)]
-                return f
-        if 0 < i < len(f) - 1 and isinstance(f[i - 1], _STRUCTURED) and _kron2(f[i + 1]):
-            c, d = f[i + 1].args
-            if k.params == (d.rows, c.rows):
-                f[i:i + 2] = [E.kron(d, c), E.commutation(d.cols, c.cols)]
-                return f
+        if _structured_at(f, i + 1) and i > 0 and _kron2(f[i - 1]) and not _structured_at(f, i - 2):
+            new = _kron_swap_left(f, i)
+            if new is not None:
+                return new
+        if _structured_at(f, i - 1) and i + 1 < len(f) and _kron2(f[i + 1]) and not _structured_at(f, i + 2):
+            new = _kron_swap_right(f, i)
+            if new is not None:
+                return new
     return None
+
+
+def _unnamed_count(f, pred) -> int:
+    """Nodes satisfying ``pred`` in the factor trees of f, not descending into Named nodes
+    (a node counts once per path: a tree count)."""
+    memo = {}
+
+    def count(node):
+        if node in memo:
+            return memo[node]
+        n = 1 if pred(node) else 0
+        if not isinstance(node, E.Named):
+            n += sum(count(a) for a in node.args)
+        memo[node] = n
+        return n
+    return sum(count(x) for x in f)
+
+
+def structured_measure(f) -> int:
+    """Softmax Jacobian/Hessian nodes in the chain's factor trees outside a Named node."""
+    return _unnamed_count(f, lambda n: isinstance(n, _STRUCTURED))
+
+
+def moment_measure(f) -> int:
+    """Named M_2/M_3 nodes in the chain's factor trees outside another Named node."""
+    return _unnamed_count(f, lambda n: isinstance(n, E.Named) and n.name in ("M_2", "M_3"))
+
+
+def _first_sandwich(f):
+    for i in range(len(f)):
+        new = _sandwich(f, i)
+        if new is not None:
+            return new
+    return None
+
+
+# the rewrite stages of a product chain, each with the measure it strictly decreases
+STAGES = ((_commutations_outward, commutation_measure),
+          (_first_sandwich, structured_measure),
+          (_z_forms, moment_measure))
+
+
+def rewrite_steps(factors):
+    """The chains a product's factors go through: yields (measure, before, after) for every
+    rewrite, ``measure`` being the one its stage strictly decreases (see the module docstring)."""
+    return _steps(_moment_m1(list(factors)))
+
+
+def _steps(f):
+    for rewrite, measure in STAGES:
+        while True:
+            new = rewrite(f)
+            if new is None:
+                break
+            yield measure, f, new
+            f = new
 
 
 def _rewrite_chain(mm):
     f = _moment_m1(list(mm.args))
-    while True:
-        new = _commutations_outward(f)
-        if new is None:
-            break
-        f = new
-    changed = True
-    while changed:
-        changed = False
-        for i in range(len(f)):
-            new = _sandwich(f, i)
-            if new is not None:
-                f, changed = new, True
-                break
-    while True:
-        new = _z_forms(f)
-        if new is None:
-            break
-        f = new
+    for _measure, _before, f in _steps(f):
+        pass
     return E.matmul(*f)
 
 

@@ -18,6 +18,11 @@ nodes are shared because ``Expr`` hashes structurally):
 4. order the definitions so each comes after the names it uses, and print each in
    terms of the names before it.
 
+Termination: the pass rewrites nothing; step 2 visits each printed node once, and its
+inner loop (``_Chooser.shrink``) names one more of the node's printed children per
+iteration (a node is never named twice) or stops, so it ends after at most as many
+iterations as the node has children.
+
 Every name is a plain substitution (the symbol stands for exactly its definition), so
 substituting the definitions back gives the original expression (see ``expand``).
 Everything is ordered by the printing order, never by hashes: the output is
