@@ -80,6 +80,8 @@ ON_DEMAND = {
     "addition_block": "the experiments model: its losses are the custom ce_answer/mse_sum and "
                       "its 7 parameters give 49 blocks through LayerNorm; kernels are rendered "
                       "in memory on first use",
+    "attention_stack": "a deep model (3·depth parameters): kernels rendered on demand",
+    "post_ln_stack": "a deep model (5·depth parameters): kernels rendered on demand",
 }
 # layers committed at their default options only (both losses); every other option value,
 # causal included, is rendered in memory on first use (with the reason)

@@ -273,12 +273,12 @@ def latex(expr, names=None, definitions=()) -> str:
 
 def _named_quantities(lay):
     """(tex, node) for the layer's intermediates and the named nodes of its output (M_Y, P_Z …)."""
-    from .latex import bold_name
+    from .latex import RESERVED_TEX, intermediate_tex
 
-    out = {bold_name(k): node for k, node in lay.intermediates.items()}
+    out = {intermediate_tex(k): node for k, node in lay.intermediates.items()}
     for node in E.walk(lay.output):
         if isinstance(node, E.Named) and not node.frozen and len(node.args) == 1:
-            out.setdefault(node.tex, node)
+            out.setdefault(RESERVED_TEX.get(node.tex, node.tex), node)
     return out
 
 
