@@ -56,11 +56,18 @@ class Shared:
 
 
 class _MemoPrinter(LatexPrinter):
-    """LaTeX printer that prints each node once and records the nodes each node prints."""
+    """LaTeX printer that prints each node once and records the nodes each node prints.
 
-    def __init__(self, names):
+    With ``cap`` every node's text is cut to ``cap`` characters: a node prints longer than
+    ``cap − 1`` exactly when its capped text has ``cap`` characters (a node's text contains
+    the texts of the children it shows), and the texts stay short when the full ones would
+    not fit in memory (the unnamed terms of stacked blocks, whose DAGs share sub-expressions
+    along exponentially many paths)."""
+
+    def __init__(self, names, cap=None):
         super().__init__(names)
         self.memo, self.children, self.order, self._stack = {}, {}, [], []
+        self.cap = cap
 
     def doprint(self, node) -> str:
         if self._stack:
@@ -70,9 +77,10 @@ class _MemoPrinter(LatexPrinter):
         if node not in self.memo:
             self._stack.append(node)
             try:
-                self.memo[node] = Printer.doprint(self, node)
+                text = Printer.doprint(self, node)
             finally:
                 self._stack.pop()
+            self.memo[node] = text if self.cap is None else text[:self.cap]
             self.order.append(node)
         return self.memo[node]
 
@@ -96,7 +104,7 @@ class _Chooser:
         self.base = dict(names or {})
         self.hints = dict(hints or {})
         self.min_chars, self.max_chars = min_chars, max_chars
-        rec = _MemoPrinter(self.base)
+        rec = _MemoPrinter(self.base, cap=max_chars + 1)   # only its records are used
         for r in roots:
             rec.doprint(r)
         self.children, self.order = rec.children, rec.order
@@ -318,7 +326,8 @@ def share_if_long(exprs, names=None, limit=4000, hints=None):
     """
     names = dict(names or {})
     ts = [t for e in exprs for t in terms(e)]
-    if all(len(LatexPrinter(names).doprint(t)) <= limit for t in ts):
+    printer = _MemoPrinter(names, cap=limit + 1)
+    if all(len(printer.doprint(t)) <= limit for t in ts):
         return [], names
     return share(ts, names, hints=hints() if callable(hints) else hints)
 
