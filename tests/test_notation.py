@@ -96,6 +96,13 @@ def test_every_report_symbol_is_defined_once_and_means_what_the_blocks_use(name)
     assert defs
 
 
+@pytest.mark.slow
+def test_post_ln_stack_report_symbols():
+    d = sh.derive(sh.layer("post_ln_stack", depth=2), "ce")
+    defs = {df.symbol for df in check_notation(d, report_expressions(d))}
+    assert {r"\mathbf Y^{(1)}", r"\mathbf Y^{(2)}", r"\mathbf M_1^{(2)}", r"\mathbf X^{(2)}"} <= defs
+
+
 def test_multihead_moments_are_per_head():
     d = sh.derive(sh.layer("multihead_attention"), "mse")
     defs = {df.symbol: df for df in check_notation(d, report_expressions(d))}
