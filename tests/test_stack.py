@@ -70,8 +70,7 @@ def test_compose_equals_plain_python_composition():
     """The helpers compose by hand as well: one sub-layer's function applied to another's output."""
     lay = compose("attention_then_ffn", [residual_attention(), ffn(residual=True)])
     att = residual_attention()
-    X = att.inputs[0]
-    L, d_V, d_ff = E.dims("L d_V d_ff")
+    d_V, d_ff = E.dims("d_V d_ff")
     W1, W2 = E.param("W_1_2", d_V, d_ff), E.param("W_2_2", d_ff, d_V)
     renamed = {p: E.param(f"{p.name}_1", p.rows, p.cols) for p in att.params}
     U = E.substitute(att.output, renamed)

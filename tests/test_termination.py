@@ -10,7 +10,6 @@ that the simplified chain has the same value.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given, strategies as st
 
 import symhess as sh
