@@ -6,8 +6,9 @@ from .errors import BudgetError, DeclarationError, InputError, ShapeError, Symhe
 from .hessian import Derivation, derive  # noqa: E402
 from .layers import LAYERS, Layer, layer, register_layer  # noqa: E402
 from . import variants, transformer, models  # noqa: E402,F401  (register the built-in layers)
+from .stack import compose, stack  # noqa: E402
 from .kernels import kernel  # noqa: E402
 
 __all__ = ["expr", "ShapeError", "SymhessError", "DeclarationError", "InputError", "BudgetError",
            "Derivation", "derive", "Layer", "layer", "register_layer", "LAYERS", "kernel",
-           "__version__"]
+           "compose", "stack", "__version__"]

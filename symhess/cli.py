@@ -190,13 +190,9 @@ def cmd_derive(args):
         for p, q, part in keys:
             print(f"H_{part}({p}, {q}) = {d.block(p, q, part).text()}")
     if args.format == "latex" and args.definitions:
-        seen = set()
-        for p, q in _pairs(lay, args.block):
-            for part in parts:
-                for n in d.block(p, q, part).definitions():
-                    if n.name not in seen:
-                        seen.add(n.name)
-                        print(f"{n.latex()} := {n.inner.latex()}")
+        from .notation import definitions
+        for n in definitions([d.block(*k).expr for k in keys], d.latex_names):
+            print(f"{n.symbol} := {n.tex}{n.note or ''}")
     return 0
 
 

@@ -56,6 +56,8 @@ VARIED_OPTIONS = ("causal",)
 ON_DEMAND = {
     "addition_block": "the experiments' model: its losses are the custom ce_answer/mse_sum; "
                       "its kernels are rendered into the user cache on first use",
+    "attention_stack": "a deep model (3·depth parameters): kernels rendered on demand",
+    "post_ln_stack": "a deep model (5·depth parameters): kernels rendered on demand",
 }
 # the sources whose code decides what a module contains (part of every stamp)
 ENGINE = ("expr.py", "rules.py", "kron.py", "adjoint.py", "hessian.py", "simplify.py",

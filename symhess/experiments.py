@@ -1,6 +1,6 @@
 """Curvature experiments of Ormaniec et al. (experiments.md §1.3–1.5) as commands.
 
-    python -m symhess.experiments scaling   [--sigmas ...] [--seeds 3] [--batch 64] ...
+    python -m symhess.experiments scaling   [--sigmas ...] [--seeds 3] [--batch 64] [--depth N] ...
     python -m symhess.experiments histogram [--d-model 16] ...
     python -m symhess.experiments bounds    [--trials 5] ...
 
@@ -10,6 +10,11 @@ Hessian-vector product H_part(p, p)·V is derived from the ``addition_block`` de
 the batch and over the basis directions V = e_i.  The columns H e_i give the dense block
 (histograms) or are reduced chunk by chunk to ‖H‖_F without keeping the block (scaling).
 A block the engine derives as the Zero node is reported as a structural zero, not computed.
+
+``--depth N`` stacks N blocks (``addition_block(depth=N)``, parameters W_Q_1 … W_V_N) and
+sweeps the W_Q and W_V blocks of every layer.  Their norms come from the engine's block
+columns (``exact_norms``): rendering the deep model's kernels on demand took 385 s at depth 2
+(the one-block model's kernels render in seconds), the columns ≈ 0.5 s per block and part.
 """
 from __future__ import annotations
 
@@ -46,6 +51,36 @@ REFERENCE_SLOPES = {
 }
 
 
+def reference_slopes(kind, depth=1):
+    """{(block kind, part): slope} predicted for every layer of a depth-n model (§1.3–1.4):
+    softmax with residuals keeps 2 / 6 / 5; linear attention without residual outputs
+    ~X^{3^n}, so every H_o block grows as σ^{2·3^n}."""
+    if depth == 1:
+        return REFERENCE_SLOPES.get(kind, {})
+    if kind == "linear":
+        return {("W_V", "outer"): 2 * 3 ** depth, ("W_Q", "outer"): 2 * 3 ** depth}
+    if kind == "softmax":
+        return {("W_V", "outer"): 2, ("W_Q", "outer"): 6, ("W_Q", "functional"): 5}
+    return {}
+
+
+def block_names(depth=1):
+    """The swept blocks: W_Q, W_V (one block) or W_Q_k, W_V_k of every layer k."""
+    if depth == 1:
+        return BLOCKS
+    return tuple(f"{p}_{k}" for k in range(1, depth + 1) for p in BLOCKS)
+
+
+def block_kind(p):
+    """'W_Q' for W_Q and W_Q_k (the reference-slope key), likewise W_V."""
+    return p[:3]
+
+
+def layer_of(p):
+    """The layer index of a swept block (1 for the one-block names)."""
+    return int(p.rsplit("_", 1)[1]) if p.count("_") == 2 else 1
+
+
 # ----------------------------------------------------------------------------- configuration
 @dataclass
 class Config:
@@ -60,6 +95,7 @@ class Config:
     device: str = "cpu"
     dtype: str = "float64"
     chunk: int = 0                      # directions per vmap call (0: automatic)
+    depth: int = 1                      # stacked blocks
     extra: dict = field(default_factory=dict)
 
     @property
@@ -72,7 +108,7 @@ class Config:
         return "pre" if self.norm == "pre" else self.attention
 
     def validate(self):
-        for name in ("d_model", "d_head", "d_mlp", "batch"):
+        for name in ("d_model", "d_head", "d_mlp", "batch", "depth"):
             if int(getattr(self, name)) < 1:
                 raise OptionError(f"--{name.replace('_', '-')} must be a positive integer")
         if self.device not in ("cpu", "cuda"):
@@ -101,10 +137,13 @@ class Config:
 
 
 def shapes(cfg: Config) -> dict:
-    """Parameter and constant shapes of addition_block for ``cfg``."""
+    """Parameter shapes of addition_block for ``cfg`` (layer by layer, then W_U)."""
     d, h, m, v = cfg.d_model, cfg.d_head, cfg.d_mlp, data.VOCAB
-    return {"W_Q": (d, h), "W_K": (d, h), "W_V": (d, h), "W_O": (h, d), "W_1": (d, m),
-            "W_2": (m, d), "W_U": (d, v)}
+    block = {"W_Q": (d, h), "W_K": (d, h), "W_V": (d, h), "W_O": (h, d), "W_1": (d, m), "W_2": (m, d)}
+    if cfg.depth == 1:
+        return {**block, "W_U": (d, v)}
+    out = {f"{n}_{k}": s for k in range(1, cfg.depth + 1) for n, s in block.items()}
+    return {**out, "W_U": (d, v)}
 
 
 def init_values(cfg: Config, sigma: float, seed: int) -> dict:
@@ -115,7 +154,9 @@ def init_values(cfg: Config, sigma: float, seed: int) -> dict:
     vals["W_E"] = sigma * rng.standard_normal((data.VOCAB, cfg.d_model))
     vals["P"] = sigma * rng.standard_normal((data.N_CTX, cfg.d_model))
     if cfg.attention == "linear":
-        vals["M"] = np.tril(np.ones((data.N_CTX, data.N_CTX)))
+        masks = ["M"] if cfg.depth == 1 else [f"M_{k}" for k in range(1, cfg.depth + 1)]
+        for m in masks:
+            vals[m] = np.tril(np.ones((data.N_CTX, data.N_CTX)))
         vals["R"] = data.answer_mask()
     return vals
 
@@ -157,7 +198,7 @@ class BlockColumns:
     def columns(self, values, O, Y, dirs, env):
         """mean_b H_b dirs: dirs (n, r, c) → (n, r, c); O, Y carry the batch in dim 0."""
         import torch
-        xp = _Torch(values["W_Q"])
+        xp = _Torch(values[self.p])
         expr, vname = self.expr, self.direction.name
 
         def one(o, y, v):
@@ -176,7 +217,10 @@ class Experiment:
         cfg.validate()
         cfg.check_memory("the model's parameters and one batch")
         self.cfg = cfg
-        self.derivation = derive(layer("addition_block", attention=cfg.attention, norm=cfg.norm), cfg.loss)
+        depth = {"depth": cfg.depth} if cfg.depth != 1 else {}
+        self.derivation = derive(layer("addition_block", attention=cfg.attention, norm=cfg.norm,
+                                       **depth), cfg.loss)
+        self.blocks = block_names(cfg.depth)
         self._cols = {}
         self._kernel = None
 
@@ -234,6 +278,14 @@ class Experiment:
                                   attention=self.cfg.attention, norm=self.cfg.norm)
         return self._kernel
 
+    def exact_norms(self, p, sigma, seed):
+        """{part: ‖H_part(p, p)‖_F}, exact: the generated reduction for one block, the block
+        columns of the engine's matrix-view products for a stack (its kernels would have to be
+        rendered on demand, minutes per configuration)."""
+        if self.cfg.depth == 1:
+            return self.frobenius_norms(p, sigma, seed)
+        return self.frobenius_norms_by_columns(p, sigma, seed)
+
     def frobenius_norms(self, p, sigma, seed):
         """{part: ‖H_part(p, p)‖_F} exact, from the generated structure-aware reduction: the
         block's index networks paired with themselves (Σ over pairs of sequences), no block."""
@@ -277,8 +329,8 @@ def scaling(cfg: Config, sigmas, seeds, progress=True):
     rows = []
     grid = [(s, r) for r in seeds for s in sigmas]
     for sigma, seed in tqdm(grid, desc=f"scaling {cfg.kind}", disable=not progress, unit="σ"):
-        for p in BLOCKS:
-            norms = exp.frobenius_norms(p, sigma, seed)
+        for p in exp.blocks:
+            norms = exp.exact_norms(p, sigma, seed)
             for part in PARTS:
                 rows.append({"sigma": sigma, "seed": seed, "block": p, "part": part,
                              "norm": norms[part], "structural_zero": exp.structural_zero(p, part)})
@@ -288,7 +340,7 @@ def scaling(cfg: Config, sigmas, seeds, progress=True):
 def summarise(rows, sigma_max):
     """{(block, part): (sigmas, mean, sem, slope, structural_zero)} averaged over seeds."""
     out = {}
-    for p in BLOCKS:
+    for p in dict.fromkeys(r["block"] for r in rows):
         for part in PARTS:
             sel = [r for r in rows if r["block"] == p and r["part"] == part]
             sigmas = sorted({r["sigma"] for r in sel})
@@ -308,31 +360,41 @@ def write_csv(rows, path):
         w.writerows(rows)
 
 
-def plot_scaling(summary, kind, path, title):
-    """2 × 3 log-log panels (W_V, W_Q × H_o, H_f, H): mean ± SEM, dashed reference slopes."""
+def plot_scaling(summary, kind, path, title, depth=1):
+    """2 × 3 log-log panels (W_V, W_Q × H_o, H_f, H): mean ± SEM, one curve per layer, dashed
+    reference slopes (a guide anchored at the first layer's smallest σ, not a fit)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(2, 3, figsize=(12, 7), sharex=True)
-    ref = REFERENCE_SLOPES.get(kind, {})
-    for i, p in enumerate(("W_V", "W_Q")):
+    ref = reference_slopes(kind, depth)
+    blocks = list(dict.fromkeys(p for p, _ in summary))
+    for i, kind_p in enumerate(("W_V", "W_Q")):
+        layer_blocks = [p for p in blocks if block_kind(p) == kind_p]
         for j, part in enumerate(("outer", "functional", "full")):
             ax = axes[i, j]
-            s, mean, sem, slope, zero = summary[(p, part)]
             ax.set_xscale("log")
             ax.axvline(1.0, color="grey", ls=":", lw=0.8)
-            ax.set_title(f"‖{PART_LABEL[part]}({p})‖_F")
-            if zero:
+            ax.set_title(f"‖{PART_LABEL[part]}({kind_p})‖_F" + (" per layer" if depth > 1 else ""))
+            curves = [(p, summary[(p, part)]) for p in layer_blocks]
+            if all(c[4] for _, c in curves):
                 ax.text(0.5, 0.5, "identically 0\n(structural Zero)", ha="center", va="center",
                         transform=ax.transAxes)
                 ax.set_yticks([])
                 continue
             ax.set_yscale("log")
-            ax.errorbar(s, mean, yerr=sem, fmt="o-", ms=3, capsize=2, label=f"fit slope {slope:.2f}")
-            k = ref.get((p, part))
-            if k is not None:
-                # reference line σ^k anchored at the smallest σ (a slope guide, not a fit)
-                ax.plot(s, mean[0] * (s / s[0]) ** k, "k--", lw=0.8, label=f"slope {k} (paper)")
+            for p, (s, mean, sem, slope, zero) in curves:
+                if zero:
+                    continue
+                who = f"layer {layer_of(p)}: " if depth > 1 else ""
+                ax.errorbar(s, mean, yerr=sem, fmt="o-", ms=3, capsize=2,
+                            label=f"{who}fit slope {slope:.2f}")
+            k = ref.get((kind_p, part))
+            s, mean = curves[0][1][0], curves[0][1][1]
+            finite = np.isfinite(mean) & (mean > 0)
+            if k is not None and finite.any():
+                i0 = int(np.argmax(finite))
+                ax.plot(s, mean[i0] * (s / s[i0]) ** k, "k--", lw=0.8, label=f"slope {k} (paper)")
             ax.legend(fontsize=8)
             if i == 1:
                 ax.set_xlabel("embedding std σ")
@@ -340,6 +402,11 @@ def plot_scaling(summary, kind, path, title):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def scaling_stem(cfg) -> str:
+    """scaling_<kind> for one block, scaling_<kind>_depth<N> for a stack."""
+    return f"scaling_{cfg.kind}" + (f"_depth{cfg.depth}" if cfg.depth > 1 else "")
 
 
 def cmd_scaling(args):
@@ -350,19 +417,20 @@ def cmd_scaling(args):
     t0 = time.perf_counter()
     rows = scaling(cfg, sigmas, seeds, progress=not args.quiet)
     elapsed = time.perf_counter() - t0
-    stem = os.path.join(args.out, f"scaling_{cfg.kind}")
+    stem = os.path.join(args.out, scaling_stem(cfg))
     write_csv(rows, stem + ".csv")
     summary = summarise(rows, args.fit_max)
+    layers = f"{cfg.depth} layers, " if cfg.depth > 1 else ""
     plot_scaling(summary, cfg.kind, stem + ".png",
-                 f"{cfg.kind} attention, d_model={cfg.d_model}, d_head={cfg.d_head}, d_mlp={cfg.d_mlp}, "
-                 f"batch={cfg.batch}, {len(seeds)} seed(s)")
-    ref = REFERENCE_SLOPES.get(cfg.kind, {})
+                 f"{cfg.kind} attention, {layers}d_model={cfg.d_model}, d_head={cfg.d_head}, "
+                 f"d_mlp={cfg.d_mlp}, batch={cfg.batch}, {len(seeds)} seed(s)", cfg.depth)
+    ref = reference_slopes(cfg.kind, cfg.depth)
     print(f"fitted slopes for σ ≤ {args.fit_max:g} ({cfg.kind}; {elapsed:.1f} s):")
-    for p in BLOCKS:
+    for p in block_names(cfg.depth):
         for part in PARTS:
             _, _, _, slope, zero = summary[(p, part)]
             shown = "identically 0 (structural Zero)" if zero else f"{slope:6.3f}"
-            r = ref.get((p, part))
+            r = ref.get((block_kind(p), part))
             print(f"  {PART_LABEL[part]:>3}({p}): {shown}" + (f"   (paper: {r})" if r is not None else ""))
     print(f"wrote {stem}.csv and {stem}.png")
     return 0
@@ -488,7 +556,7 @@ def parse_sigmas(text):
 def config_from(args, **over) -> Config:
     kw = dict(d_model=args.d_model, d_head=args.d_head or args.d_model, d_mlp=args.d_mlp,
               attention=getattr(args, "attention", "softmax"), norm=getattr(args, "norm", "none"),
-              batch=args.batch, device=args.device, chunk=args.chunk)
+              batch=args.batch, device=args.device, chunk=args.chunk, depth=getattr(args, "depth", 1))
     kw.update(over)
     return Config(**kw)
 
@@ -516,6 +584,7 @@ def build_parser():
     s.add_argument("--attention", default="softmax", choices=("softmax", "linear"))
     s.add_argument("--norm", default="none", choices=("none", "pre"))
     s.add_argument("--fit-max", type=float, default=0.1, help="fit slopes over σ ≤ this")
+    s.add_argument("--depth", type=int, default=1, help="stacked blocks (the W_Q, W_V blocks of every layer)")
     s.set_defaults(func=cmd_scaling)
 
     h = sub.add_parser("histogram", help="|entries| of the W_Q, W_V blocks, softmax vs linear (Fig. 1a/4)")

@@ -7,6 +7,18 @@ compare and hash structurally.  Use the factory functions (``matmul``, ``add``,
 identities, collect like terms, sort commutative operands) and check shapes, so an
 error points at the declaration that caused it.
 
+Termination of the canonical constructors (no cap anywhere).  ``add``, ``kron``,
+``hadamard``, ``scale`` and the other factories make one pass over their flattened operands;
+``transpose`` recurses on strictly smaller nodes.  ``matmul`` merges neighbours with a work
+list (nested products flattened, identities dropped, (A⊗B)(C⊗D) → AC⊗BD,
+K_{m,n}K_{n,m} → I, 1·1 → k·1).  Let n(e) count the nodes of e's tree other than
+``MatMul`` and ``Scale``.  A call's result has n ≤ the sum over its operands (induction on n:
+the mixed-product rule replaces two Kron nodes by one over recursive products of strictly
+smaller operands, K K by nothing, 1·1 by one node), and every step of the loop strictly
+decreases (n of the work list and output, the number of MatMul nodes on the work list, the
+length of the work list) lexicographically: a merge lowers the first, flattening a product the
+second without raising the first, moving an operand to the output the third.
+
 This module imports nothing from rules or printers.
 """
 from __future__ import annotations
@@ -57,6 +69,18 @@ def _operands(op, items):
 # structural sort keys longer than this keep a prefix and a digest (Expr.key)
 KEY_MAX = 512
 KEY_PREFIX = 256
+
+
+def _params_repr(params) -> str:
+    """repr of a node's params, cached (sympy's printer is slow and the same shapes,
+    coefficients and names recur across a derivation's nodes); keyed with the types too,
+    so params that compare equal but print differently (1 and 1.0) keep their own text."""
+    return _typed_repr(params, tuple(map(type, params)))
+
+
+@lru_cache(maxsize=65536)
+def _typed_repr(params, _types) -> str:
+    return repr(params)
 
 
 def _d(x) -> sp.Expr:
@@ -139,7 +163,7 @@ class Expr:
         two keys agree on their whole prefix."""
         if self._key is None:
             inner = ",".join(a.key for a in self.args)
-            key = f"{type(self).__name__}[{self.params!r}]({inner})"
+            key = f"{type(self).__name__}[{_params_repr(self.params)}]({inner})"
             if len(key) > KEY_MAX:
                 digest = hashlib.blake2b(key.encode(), digest_size=12).hexdigest()
                 key = f"{key[:KEY_PREFIX]}#{digest}"

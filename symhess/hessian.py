@@ -82,7 +82,7 @@ class Derivation:
         if key not in self._cache:
             w = self.param(p)
             d = _direction(w)
-            self._cache[key] = simplify(vec_jacobian(differential(self.F, {w: d}), d))
+            self._cache[key] = simplify(vec_jacobian(differential(self.F, {w: d}), d), self.layer)
         return self._cache[key]
 
     def gradient(self, p, cot=None):
@@ -174,13 +174,13 @@ class Derivation:
     @cached_property
     def latex_names(self):
         """LaTeX symbols for the layer's named intermediates (e.g. A, T)."""
-        from .printing.latex import bold_name
+        from .printing.latex import intermediate_tex
         from .simplify import simplify as simp
         names = {}
         for key, node in self.layer.intermediates.items():
-            for form in (node, simp(node)):
-                names[form] = bold_name(key)
-                names.setdefault(E.transpose(form), bold_name(key) + r"^\top")
+            for form in (node, simp(node, self.layer)):
+                names[form] = intermediate_tex(key)
+                names.setdefault(E.transpose(form), _transposed(intermediate_tex(key)))
         return names
 
     @property
@@ -242,6 +242,11 @@ class Block:
     def __repr__(self):
         p, q, part = self.label
         return f"<block H_{part[0]}({p}, {q}) = {self.expr!r}>"
+
+
+def _transposed(tex):
+    """A symbol with ᵀ (a symbol that has a superscript is braced first)."""
+    return ("{" + tex + "}" if "^" in tex else tex) + r"^\top"
 
 
 def check_part(part):

@@ -32,6 +32,9 @@ class Layer:
     # sizes the layer is typically run at ({"L": 18, "d": 128, "batch": 64}); code generation
     # chooses its contraction orders for them (a Frobenius pairing's cost grows with batch²)
     typical_sizes: dict = field(default_factory=dict)
+    # named intermediates that attention moments are taken over besides the input variables
+    # (the input of each sub-layer of a composition, symhess.stack); see symhess.simplify
+    moment_inputs: tuple = ()
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -51,6 +54,8 @@ class Layer:
                 if not isinstance(p, E.Var):
                     raise DeclarationError(f"layer {self.name!r}: {kind} {p!r:.60} is not a variable "
                                            f"(declare it with symhess.expr.param or matrix)")
+        object.__setattr__(self, "moment_inputs", tuple(self.moment_inputs))
+        _check_reserved(self.name, (*self.output.free_vars, *self.params, *self.inputs))
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
             raise DeclarationError(f"layer {self.name!r}: parameter names repeat: {names}")
@@ -86,6 +91,21 @@ class Layer:
     def variables(self):
         """Every variable the output reads, by name."""
         return {v.name: v for v in E.walk(self.output) if isinstance(v, E.Var)}
+
+
+# the loss target and the output gradient ∂ℓ/∂F of every derivation (symhess.hessian)
+RESERVED_NAMES = {"Y": "the loss target", "G": "the output gradient ∂ℓ/∂F"}
+
+
+def _check_reserved(layer_name, variables):
+    """A layer variable may not be called Y or G: a derivation gives those names to the loss
+    target and the output gradient, and values are passed by name."""
+    for v in variables:
+        if isinstance(v, E.Var) and v.name in RESERVED_NAMES:
+            raise DeclarationError(
+                f"layer {layer_name!r}: variable name {v.name!r} is reserved for "
+                f"{RESERVED_NAMES[v.name]}; rename the {v.role} (reserved: "
+                f"{', '.join(RESERVED_NAMES)})")
 
 
 LAYERS = Registry("layer")

@@ -16,9 +16,10 @@ from __future__ import annotations
 import sympy as sp
 
 from . import expr as E
-from .errors import OptionError
+from .errors import DeclarationError, OptionError
 from .layers import Layer, register_layer
 from .losses import loss
+from .stack import stack
 
 LN_EPS = sp.Rational(1, 10 ** 5)
 N_ANSWER = 6
@@ -37,23 +38,23 @@ def layer_norm(x, eps=LN_EPS):
     return E.hadamard(centred, E.elementwise("rsqrt", var + E.scale(eps, E.ones(x.rows, x.cols))))
 
 
-@register_layer("addition_block")
-def addition_block(attention: str = "softmax", norm: str = "none") -> Layer:
-    """One-block Transformer on one-hot tokens: embedding, attention (+W_O), ReLU MLP, unembedding."""
+def transformer_block(attention: str = "softmax", norm: str = "none") -> Layer:
+    """One block on the residual stream X (L × d): attention with W_O, then the ReLU MLP.
+
+    softmax: X1 = X + A X_a W_V W_O;  linear: X1 = A X_a W_V W_O (skip scaled by 0, §1.4);
+    X2 = X1 + relu(X_m W_1) W_2 (X_a, X_m = X, X1, or their LayerNorms pre-LN)."""
     if attention not in ("softmax", "linear"):
         raise OptionError(f"attention must be 'softmax' or 'linear', got {attention!r}")
     if norm not in ("none", "pre"):
         raise OptionError(f"norm must be 'none' or 'pre', got {norm!r}")
-    L, V, d, d_h, d_m = E.dims("L V d d_h d_m")
-    O = E.matrix("O", L, V)
-    W_E, P = E.const("W_E", V, d), E.const("P", L, d)
+    L, d, d_h, d_m = E.dims("L d d_h d_m")
+    X = E.matrix("X", L, d)
     W_Q, W_K, W_V = (E.param(n, d, d_h) for n in ("W_Q", "W_K", "W_V"))
-    W_O, W_1, W_2, W_U = E.param("W_O", d_h, d), E.param("W_1", d, d_m), E.param("W_2", d_m, d), E.param("W_U", d, V)
+    W_O, W_1, W_2 = E.param("W_O", d_h, d), E.param("W_1", d, d_m), E.param("W_2", d_m, d)
     ln = layer_norm if norm == "pre" else (lambda x: x)
-    X = O @ W_E + P
     Xa = ln(X)
     T = E.scale(1 / sp.sqrt(d_h), Xa @ W_Q @ W_K.T @ Xa.T)
-    inputs = [O, W_E, P]
+    inputs = [X]
     if attention == "softmax":
         A = E.softmax_rows(T, causal=True)
         X1 = X + A @ Xa @ W_V @ W_O
@@ -64,14 +65,38 @@ def addition_block(attention: str = "softmax", norm: str = "none") -> Layer:
         inputs.append(M)
     H = X1 @ W_1 if norm == "none" else ln(X1) @ W_1
     X2 = X1 + E.elementwise("relu", H) @ W_2
-    Z = ln(X2) @ W_U
+    return Layer("transformer_block", X2, (W_Q, W_K, W_V, W_O, W_1, W_2), tuple(inputs),
+                 {"T": T, "A": A}, {"attention": attention, "norm": norm},
+                 transformer_block.__doc__)
+
+
+@register_layer("addition_block")
+def addition_block(attention: str = "softmax", norm: str = "none", depth: int = 1) -> Layer:
+    """Transformer on one-hot tokens: embedding, depth × (attention (+W_O), ReLU MLP), unembedding."""
+    block = transformer_block(attention, norm)
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise OptionError(f"depth must be a positive integer, got {depth!r}")
+    # one block keeps its plain names (W_Q …); a stack indexes them by layer (W_Q_1 …, A^(1) …)
+    body = block if depth == 1 else stack("addition_stack", block, depth)
+    L, V, d = E.dims("L V d")
+    O = E.matrix("O", L, V)
+    W_E, P = E.const("W_E", V, d), E.const("P", L, d)
+    W_U = E.param("W_U", d, V)
+    X = O @ W_E + P
+    embed = {body.inputs[0]: X}
+    ln = layer_norm if norm == "pre" else (lambda x: x)
+    Z = ln(E.substitute(body.output, embed)) @ W_U
+    inputs = [O, W_E, P] + list(body.inputs[1:])
     if attention == "linear":
         R = E.const("R", L, V)
         Z = E.hadamard(R, Z)
         inputs.append(R)
-    return Layer("addition_block", Z, (W_Q, W_K, W_V, W_O, W_1, W_2, W_U), tuple(inputs),
-                 {"T": T, "A": A, "X": X}, {"attention": attention, "norm": norm},
-                 addition_block.__doc__, typical_sizes=TYPICAL_SIZES)
+    inter = {k: E.substitute(v, embed) for k, v in body.intermediates.items()}
+    inter["X"] = X
+    return Layer("addition_block", Z, tuple(body.params) + (W_U,), tuple(inputs), inter,
+                 {"attention": attention, "norm": norm, "depth": depth},
+                 addition_block.__doc__, typical_sizes=TYPICAL_SIZES,
+                 moment_inputs=tuple(E.substitute(v, embed) for v in body.moment_inputs))
 
 
 @loss("ce_answer")

@@ -11,10 +11,10 @@ import jinja2
 
 from . import __version__
 from .hessian import derive
-from .printing.latex import bold_name
+from .notation import definitions
+from .printing.latex import intermediate_tex
 from .printing.latex_cse import jacobian_names, share_if_long, terms
 from .printing.latex_cse import latex as shared_latex
-from .simplify import DEFINITIONS, simplify
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -48,32 +48,38 @@ def _terms(block, p, q, names=None, shared=()):
     return out
 
 
-def _section(lay, loss, progress=False):
+def _parts(d, progress=False):
+    """{(p, q): (H_o block, H_f block)} for every ordered pair of parameters."""
     from tqdm import tqdm
+    names = d.layer.param_names
+    pairs = [(p, q) for p in names for q in names]
+    return {(p, q): (d.block(p, q, "outer"), d.block(p, q, "functional"))
+            for p, q in tqdm(pairs, desc=f"report {d.layer.name} ({d.loss})", unit="block",
+                             disable=not progress, leave=False)}
+
+
+def report_expressions(d) -> list:
+    """What a report section prints with symbols: the layer's intermediates and every block."""
+    return list(d.layer.intermediates.values()) + [b.expr for bs in _parts(d).values() for b in bs]
+
+
+def _section(lay, loss, progress=False):
     d = derive(lay, loss)
-    pairs = [(p, q) for p in lay.param_names for q in lay.param_names]
-    parts = {(p, q): (d.block(p, q, "outer"), d.block(p, q, "functional"))
-             for p, q in tqdm(pairs, desc=f"report {lay.name} ({loss})", unit="block",
-                              disable=not progress, leave=False)}
+    parts = _parts(d, progress)
+    pairs = list(parts)
     shared, tex_names = share_if_long([b.expr for bs in parts.values() for b in bs], d.latex_names,
                                       MAX_TERM_CHARS, hints=lambda: jacobian_names(d))
-    blocks, named = [], {}
+    blocks = []
     for p, q in pairs:
         bo, bf = parts[p, q]
-        for b in (bo, bf):
-            for n in b.definitions():
-                named.setdefault(n.name, n)
         blocks.append({"p": lay.param(p).latex(), "q": lay.param(q).latex(),
                        "outer": _terms(bo, p, q, tex_names, shared),
                        "functional": _terms(bf, p, q, tex_names, shared)})
-    names = d.latex_names
-    defs = [{"lhs": n.latex(names), "rhs": n.inner.latex(names), "note": DEFINITIONS.get(n.name)}
-            for n in named.values()]
-    inter = [{"lhs": bold_name(k), "rhs": v.latex({u: t for u, t in names.items() if u != v}), "note": None}
-             for k, v in lay.intermediates.items()]
+    defs = [{"lhs": n.symbol, "rhs": n.tex, "note": n.note}
+            for n in definitions(report_expressions(d), d.latex_names)]
     fp = d._loss_parts[0]
     return {"title": LOSS_TITLES.get(loss, r"\texttt{" + loss.replace("_", r"\_") + "}"), "loss": d._loss_fn(fp, d.Y).latex(),
-            "blocks": blocks, "definitions": inter + defs,
+            "blocks": blocks, "definitions": defs,
             "shared": [{"lhs": s.symbol, "rhs": s.tex} for s in shared]}
 
 
@@ -83,7 +89,7 @@ def render_report(lay, losses=("mse", "ce"), progress=False) -> str:
     return template_env().get_template("report.tex.j2").render(
         version=__version__, layer_name=lay.name, layer_tt=lay.name.replace("_", r"\_"),
         options_text=f" ({opts})" if opts else "",
-        output=lay.output.latex({v: bold_name(k) for k, v in lay.intermediates.items()}),
+        output=lay.output.latex({v: intermediate_tex(k) for k, v in lay.intermediates.items()}),
         params=", ".join(p.latex() for p in lay.params),
         sections=[_section(lay, loss, progress) for loss in losses])
 

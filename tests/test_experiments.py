@@ -159,3 +159,85 @@ def test_cli_histogram_and_bounds(tmp_path, capsys):
 def test_cli_bad_input(argv, msg, capsys):
     assert main_experiment(argv + ["--quiet"]) == 2
     assert msg in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- depth
+def _forward_deep(v, attention, depth):
+    """Independent torch forward of the depth-n model without LayerNorm (no symhess code)."""
+    X = v["O"] @ v["W_E"] + v["P"]
+    L = X.shape[0]
+    for k in range(1, depth + 1):
+        w = {n: v[f"{n}_{k}"] for n in ("W_Q", "W_K", "W_V", "W_O", "W_1", "W_2")}
+        T = X @ w["W_Q"] @ w["W_K"].T @ X.T / math.sqrt(w["W_Q"].shape[1])
+        if attention == "softmax":
+            A = torch.softmax(T.masked_fill(torch.triu(torch.ones(L, L, dtype=torch.bool), 1), -math.inf), 1)
+            X = X + A @ X @ w["W_V"] @ w["W_O"]
+        else:
+            X = (T * v[f"M_{k}"]) @ X @ w["W_V"] @ w["W_O"]
+        X = X + torch.relu(X @ w["W_1"]) @ w["W_2"]
+    Z = X @ v["W_U"]
+    return Z * v["R"] if attention == "linear" else Z
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_two_layer_blocks_match_autograd(attention, monkeypatch):
+    exp = Experiment(Config(attention=attention, depth=2, **SMALL))
+    assert exp.blocks == ("W_Q_1", "W_V_1", "W_Q_2", "W_V_2")
+    monkeypatch.setitem(globals(), "_forward", lambda v, a, n: _forward_deep(v, a, 2))
+    for p in ("W_Q_1", "W_V_2"):                     # across layers: the first and the last
+        ref = _autograd_block(exp, 0.8, 1, p)
+        got = exp.exact_norms(p, 0.8, 1)
+        for part in ("outer", "functional", "full"):
+            want = float(ref[part].norm())
+            assert abs(got[part] - want) <= 1e-10 * float(ref["full"].norm() + ref["outer"].norm()), (p, part)
+
+
+def _deep_slopes(attention, depth, sigmas):
+    exp = Experiment(Config(attention=attention, depth=depth, **dict(SMALL, d_model=5, d_head=4, d_mlp=6)))
+    out = {}
+    for p in exp.blocks:
+        norms = [exp.exact_norms(p, s, 0) for s in sigmas]
+        for part in ("outer", "functional", "full"):
+            zero = exp.structural_zero(p, part)
+            out[(p, part)] = "zero" if zero else fit_slope(sigmas, [n[part] for n in norms], 0.1)
+    return out
+
+
+def test_linear_attention_two_layers_slope_eighteen():
+    """No residual around linear attention: the output is ~X^9, every H_o block grows as σ^18;
+    the first layer's functional blocks as σ^9 (the residual F − Y → −Y), the last layer's
+    diagonal ones are structurally zero."""
+    s = _deep_slopes("linear", 2, list(10 ** np.linspace(-2, -1, 3)))
+    for p in ("W_Q_1", "W_V_1", "W_Q_2", "W_V_2"):
+        assert s[(p, "outer")] == pytest.approx(18, abs=0.01), p
+    for p in ("W_Q_1", "W_V_1"):
+        assert s[(p, "functional")] == pytest.approx(9, abs=0.01), p
+    assert s[("W_Q_2", "functional")] == s[("W_V_2", "functional")] == "zero"
+
+
+def test_softmax_two_layers_keep_the_one_layer_slopes():
+    s = _deep_slopes("softmax", 2, list(10 ** np.linspace(-2.5, -1, 4)))
+    for k in (1, 2):
+        assert s[(f"W_V_{k}", "outer")] == pytest.approx(2, abs=0.15)
+        assert s[(f"W_Q_{k}", "outer")] == pytest.approx(6, abs=0.15)
+        assert s[(f"W_Q_{k}", "functional")] == pytest.approx(5, abs=0.15)
+
+
+@pytest.mark.slow
+def test_linear_attention_three_layers_slope_fifty_four():
+    s = _deep_slopes("linear", 3, list(10 ** np.linspace(-2, -1, 3)))
+    for k in (1, 2, 3):
+        for p in ("W_Q", "W_V"):
+            assert s[(f"{p}_{k}", "outer")] == pytest.approx(54, abs=0.05)
+
+
+def test_cli_scaling_depth_writes_per_layer_rows(tmp_path, capsys):
+    rc = main_experiment(["scaling", "--attention", "linear", "--depth", "2", "--d-model", "4",
+                          "--d-head", "3", "--d-mlp", "5", "--batch", "2", "--seeds", "1",
+                          "--sigmas", "0.01,0.1", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "H_o(W_Q_2): 18.000   (paper: 18)" in text
+    assert (tmp_path / "scaling_linear_depth2.png").stat().st_size > 10000
+    lines = (tmp_path / "scaling_linear_depth2.csv").read_text().splitlines()
+    assert len(lines) == 1 + 2 * 4 * 3

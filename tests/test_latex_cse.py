@@ -48,10 +48,11 @@ def test_definitions_are_in_dependency_order(post_ln):
 
 
 def test_recurring_jacobians_are_named_by_what_they_are(post_ln):
-    """∂vec_r Y/∂vec_r W_Q (a LayerNorm output w.r.t. a weight) recurs: it is named so."""
+    """∂vec_r Y/∂vec_r W_Q (a LayerNorm output w.r.t. a weight) recurs: it is named so (Y with a
+    tilde: the plain symbol is the loss target)."""
     d, _, defs, _ = post_ln
     symbols = {s.symbol: s for s in defs}
-    s = symbols[r"\frac{\partial \mathbf Y}{\partial \mathbf W_{Q}}"]
+    s = symbols[r"\frac{\partial \widetilde{\mathbf Y}}{\partial \mathbf W_{Q}}"]
     assert C.jacobian_names(d)[s.node] == s.symbol
     numbered = [x for x in defs if x.symbol.startswith(r"\mathcal")]
     assert len(numbered) == len({x.symbol for x in numbered}) and len(numbered) < len(defs)
@@ -135,7 +136,7 @@ def test_post_ln_report_compiles_without_summaries(tmp_path):
     out = write_report(sh.layer("post_ln_block"), tmp_path / "post.tex", losses=("mse",), pdf=True)
     text = out.read_text()
     assert "LaTeX characters; print it with" not in text and "Shared sub-expressions" in text
-    assert r"\frac{\partial \mathbf Y}{\partial \mathbf W_{Q}} := " in text
+    assert r"\frac{\partial \widetilde{\mathbf Y}}{\partial \mathbf W_{Q}} := " in text
     assert max(len(line) for line in text.splitlines()) <= MAX_TERM_CHARS
     assert text.count(r"\mathbf H_o(") == 25 and text.count(r"\mathbf H_f(") == 25
     pdf = out.with_suffix(".pdf").read_bytes()

@@ -1,6 +1,8 @@
 """LaTeX printer in the papers' notation: bold matrices, ⊗, K_{m,n}, M_1…M_3, Z_1, Z_2."""
 from __future__ import annotations
 
+import re
+
 import sympy as sp
 
 from .base import Printer
@@ -20,6 +22,25 @@ def bold_name(name: str) -> str:
     if sup:
         out += "^{" + sup + "}"
     return out
+
+
+# symbols a derivation gives to the loss target and the output gradient: a layer quantity
+# that would print as one of them is printed with a tilde instead (variables with these
+# names are refused when a layer is declared, symhess.layers.RESERVED_NAMES)
+RESERVED_TEX = {r"\mathbf Y": r"\widetilde{\mathbf Y}", r"\mathbf G": r"\widetilde{\mathbf G}"}
+
+
+def intermediate_tex(key: str) -> str:
+    """The symbol of a layer's intermediate from its key: 'T' → \\mathbf T, 'A1' (head 1)
+    → \\mathbf A^{1}, 'A^(2)' (sub-layer 2) → \\mathbf A^{(2)}, 'A1^(2)' → \\mathbf A^{1,(2)};
+    'Y' → \\widetilde{\\mathbf Y} (not the loss target)."""
+    m = re.fullmatch(r"([A-Za-z])(\d+)(?:\^(.+))?", key)
+    if m:
+        sup = ",".join(x for x in (m.group(2), m.group(3)) if x)
+        tex = rf"\mathbf {m.group(1)}^{{{sup}}}"
+    else:
+        tex = bold_name(key)
+    return RESERVED_TEX.get(tex, tex)
 
 
 def dim_tex(d) -> str:
@@ -127,6 +148,8 @@ class LatexPrinter(Printer):
         if den is None:
             return rf"\mathbf J^{{({order})}}_{{\operatorname{{softmax}}}}\left({self.doprint(a.args[0])}\right)"
         sq = "^2" if order == 2 else ""
+        if sq and "^" in den:
+            den = "{" + den + "}"   # T^{(2)}: a second superscript is a TeX error
         return rf"\frac{{\partial{sq}{num}}}{{\partial{den}{sq}}}"
 
     def _print_SoftmaxJac(self, n):
@@ -154,6 +177,8 @@ class LatexPrinter(Printer):
     def _print_Named(self, n):
         if len(n.args) > 1:
             return n.tex.format(*(self.doprint(a) for a in n.args[1:]))
+        if not n.frozen:   # the derivation's own G is frozen
+            return RESERVED_TEX.get(n.tex, n.tex)
         return n.tex
 
 

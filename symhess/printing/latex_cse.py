@@ -18,6 +18,11 @@ nodes are shared because ``Expr`` hashes structurally):
 4. order the definitions so each comes after the names it uses, and print each in
    terms of the names before it.
 
+Termination: the pass rewrites nothing; step 2 visits each printed node once, and its
+inner loop (``_Chooser.shrink``) names one more of the node's printed children per
+iteration (a node is never named twice) or stops, so it ends after at most as many
+iterations as the node has children.
+
 Every name is a plain substitution (the symbol stands for exactly its definition), so
 substituting the definitions back gives the original expression (see ``expand``).
 Everything is ordered by the printing order, never by hashes: the output is
@@ -51,11 +56,18 @@ class Shared:
 
 
 class _MemoPrinter(LatexPrinter):
-    """LaTeX printer that prints each node once and records the nodes each node prints."""
+    """LaTeX printer that prints each node once and records the nodes each node prints.
 
-    def __init__(self, names):
+    With ``cap`` every node's text is cut to ``cap`` characters: a node prints longer than
+    ``cap − 1`` exactly when its capped text has ``cap`` characters (a node's text contains
+    the texts of the children it shows), and the texts stay short when the full ones would
+    not fit in memory (the unnamed terms of stacked blocks, whose DAGs share sub-expressions
+    along exponentially many paths)."""
+
+    def __init__(self, names, cap=None):
         super().__init__(names)
         self.memo, self.children, self.order, self._stack = {}, {}, [], []
+        self.cap = cap
 
     def doprint(self, node) -> str:
         if self._stack:
@@ -65,9 +77,10 @@ class _MemoPrinter(LatexPrinter):
         if node not in self.memo:
             self._stack.append(node)
             try:
-                self.memo[node] = Printer.doprint(self, node)
+                text = Printer.doprint(self, node)
             finally:
                 self._stack.pop()
+            self.memo[node] = text if self.cap is None else text[:self.cap]
             self.order.append(node)
         return self.memo[node]
 
@@ -91,7 +104,7 @@ class _Chooser:
         self.base = dict(names or {})
         self.hints = dict(hints or {})
         self.min_chars, self.max_chars = min_chars, max_chars
-        rec = _MemoPrinter(self.base)
+        rec = _MemoPrinter(self.base, cap=max_chars + 1)   # only its records are used
         for r in roots:
             rec.doprint(r)
         self.children, self.order = rec.children, rec.order
@@ -268,12 +281,12 @@ def latex(expr, names=None, definitions=()) -> str:
 
 def _named_quantities(lay):
     """(tex, node) for the layer's intermediates and the named nodes of its output (M_Y, P_Z …)."""
-    from .latex import bold_name
+    from .latex import RESERVED_TEX, intermediate_tex
 
-    out = {bold_name(k): node for k, node in lay.intermediates.items()}
+    out = {intermediate_tex(k): node for k, node in lay.intermediates.items()}
     for node in E.walk(lay.output):
         if isinstance(node, E.Named) and not node.frozen and len(node.args) == 1:
-            out.setdefault(node.tex, node)
+            out.setdefault(RESERVED_TEX.get(node.tex, node.tex), node)
     return out
 
 
@@ -313,7 +326,8 @@ def share_if_long(exprs, names=None, limit=4000, hints=None):
     """
     names = dict(names or {})
     ts = [t for e in exprs for t in terms(e)]
-    if all(len(LatexPrinter(names).doprint(t)) <= limit for t in ts):
+    printer = _MemoPrinter(names, cap=limit + 1)
+    if all(len(printer.doprint(t)) <= limit for t in ts):
         return [], names
     return share(ts, names, hints=hints() if callable(hints) else hints)
 

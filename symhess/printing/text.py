@@ -1,6 +1,8 @@
 """Plain-text printer (repr and ``--format text``)."""
 from __future__ import annotations
 
+import re
+
 import sympy as sp
 
 from .base import Printer
@@ -85,9 +87,16 @@ class TextPrinter(Printer):
         return f"kron_contract_{n.params[0]}({self.doprint(n.args[0])}, {self.doprint(n.args[1])})"
 
     def _print_Named(self, n):
+        name = n.name + _label(n.tex)
         if len(n.args) > 1:
-            return f"{n.name}[{', '.join(self.doprint(a) for a in n.args[1:])}]"
-        return n.name
+            return f"{name}[{', '.join(self.doprint(a) for a in n.args[1:])}]"
+        return name
+
+
+def _label(tex) -> str:
+    """The per-head / per-sub-layer label of a moment's symbol (\\mathbf M_1^{(2)} → ^(2))."""
+    m = re.match(r"\\mathbf [MZ]_[123]\^\{\{?([^{}]*)\}?\}", tex or "")
+    return f"^{m.group(1)}" if m else ""
 
 
 def text(expr) -> str:
