@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "806b7d45bdf79c3bb16683a7"
+    STAMP = "d3162986053c84187148d8e2"
 
     @leaf
     def t(s):
@@ -345,7 +345,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "292abad4a54c8ea223bc7535"
+    STAMP = "9ceb05a3c13596b54a114997"
 
     @leaf
     def t(s):
@@ -670,7 +670,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "a60814014246c351f4ae6a75"
+    STAMP = "10ac27e102c5ff38ea8d2c34"
 
     @leaf
     def t(s):
@@ -986,7 +986,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "7463d2014b3d0d67e8b8cd8d"
+    STAMP = "46208b5af00548f7cb899b19"
 
     @leaf
     def t(s):
@@ -1304,4 +1304,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "4b778c90697cafa9d418c067"
+CHECKSUM = "67ce5451670660bfd392f2f5"

@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "254ec2668e61311b4a1b563e"
+    STAMP = "7425f4220332f6560dc4b686"
 
     @leaf
     def t(s):
@@ -251,7 +251,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "199692f13ee34c0548ca3101"
+    STAMP = "4fd7f662fc6ec192c2c964c5"
 
     @leaf
     def t(s):
@@ -482,7 +482,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "c444b96421c9accc5294f1c9"
+    STAMP = "b3f88064798be6822ace8aaa"
 
     @leaf
     def t(s):
@@ -721,7 +721,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "a3ab4c568cab12082bc9f8df"
+    STAMP = "d0e018bb12ea83f5d6419b95"
 
     @leaf
     def t(s):
@@ -962,4 +962,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "56b396b9c2eadbe7209daaf3"
+CHECKSUM = "e52fb45d061dd12fa793db60"

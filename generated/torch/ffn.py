@@ -20,7 +20,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "0bb7736abf256d367251faf5"
+    STAMP = "0d1da7da62e8556f36e02338"
 
     @leaf
     def H(s):
@@ -131,7 +131,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "ffdcdf20ce7c2489340c3252"
+    STAMP = "545962f73eeacb4b30edc603"
 
     @leaf
     def H(s):
@@ -249,4 +249,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "e8d04b65ab96d51af2a3f988"
+CHECKSUM = "593460cc142b0d829216bf9d"

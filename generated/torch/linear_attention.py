@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "6bb4b1feff31ce9c888a713d"
+    STAMP = "65cf3e423ee2163ada469d49"
 
     @leaf
     def t(s):
@@ -243,7 +243,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b06b8626c3d74ccf97537ec4"
+    STAMP = "f5a1520cb32c503b4521a223"
 
     @leaf
     def t(s):
@@ -455,7 +455,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "98d346d7664775619bd671bf"
+    STAMP = "0075b1a786391f5ce2813cb0"
 
     @leaf
     def t(s):
@@ -670,7 +670,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "fb0640e1b5ebdacdb9fe7e39"
+    STAMP = "2b4a991be4f01d4bd3beb1cb"
 
     @leaf
     def t(s):
@@ -895,4 +895,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "249f1934c9a090cb3719477c"
+CHECKSUM = "da896fa242d9e03c87c9ccac"

@@ -20,7 +20,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "b2078270df834b789e1cb6e7"
+    STAMP = "97de348f4ddc0a146cca76f6"
 
     @leaf
     def M_N_1(s):
@@ -716,7 +716,7 @@ class mse_bias0_causal0(Forward):
         t_82 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
         t_83 = mm(tr(s.W_V), tr(s.N_1), tr(t_64))
         t_84 = (-(1/s.d_V) * bcast_rows(sum_rows((t_82 + t_83)), s.d_V) + t_82 + t_83)
-        t_85 = ((-0.5 * (tr(s.sigma2_N_2) ** -1.5)) * bcast_rows(sum_rows((t_84 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_85 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_84 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_86 = ((t_84 * tr(s.P_N_2)) + (2/s.d_V) * t_85)
         t_87 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_86)) * heaviside(s.t_24, 0.0))
         return (mean0(t_77, True), mean0(t_78, True), mean0(t_81, True), mean0((mm(t_86, s.t_10) + mm(tr(s.N_2), t_61)), True), mean0(mm(t_87, s.G), True),)
@@ -755,7 +755,7 @@ class mse_bias0_causal0(Forward):
         t_127 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
         t_128 = mm(tr(s.W_V), tr(s.N_1), tr(t_99))
         t_129 = (-(1/s.d_V) * bcast_rows(sum_rows((t_127 + t_128)), s.d_V) + t_127 + t_128)
-        t_130 = ((-0.5 * (tr(s.sigma2_N_2) ** -1.5)) * bcast_rows(sum_rows((t_129 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_130 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_129 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_131 = ((t_129 * tr(s.P_N_2)) + (2/s.d_V) * t_130)
         t_132 = mm(s.t_25, t_106)
         t_133 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_131)) * heaviside(s.t_24, 0.0))
@@ -770,7 +770,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "35c9e6cdf1a581e9dac678f2"
+    STAMP = "6d5f1526939205932e25f645"
 
     @leaf
     def M_N_1(s):
@@ -1466,7 +1466,7 @@ class mse_bias0_causal1(Forward):
         t_82 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
         t_83 = mm(tr(s.W_V), tr(s.N_1), tr(t_64))
         t_84 = (-(1/s.d_V) * bcast_rows(sum_rows((t_82 + t_83)), s.d_V) + t_82 + t_83)
-        t_85 = ((-0.5 * (tr(s.sigma2_N_2) ** -1.5)) * bcast_rows(sum_rows((t_84 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_85 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_84 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_86 = ((t_84 * tr(s.P_N_2)) + (2/s.d_V) * t_85)
         t_87 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_86)) * heaviside(s.t_24, 0.0))
         return (mean0(t_77, True), mean0(t_78, True), mean0(t_81, True), mean0((mm(t_86, s.t_10) + mm(tr(s.N_2), t_61)), True), mean0(mm(t_87, s.G), True),)
@@ -1505,7 +1505,7 @@ class mse_bias0_causal1(Forward):
         t_127 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
         t_128 = mm(tr(s.W_V), tr(s.N_1), tr(t_100))
         t_129 = (-(1/s.d_V) * bcast_rows(sum_rows((t_127 + t_128)), s.d_V) + t_127 + t_128)
-        t_130 = ((-0.5 * (tr(s.sigma2_N_2) ** -1.5)) * bcast_rows(sum_rows((t_129 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_130 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_129 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_131 = ((t_129 * tr(s.P_N_2)) + (2/s.d_V) * t_130)
         t_132 = mm(s.t_25, t_107)
         t_133 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_131)) * heaviside(s.t_24, 0.0))
@@ -1520,7 +1520,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "b7f1c6ec0153d04d1ecb87f3"
+    STAMP = "fcb7b83629bc6c90bda85322"
 
     @leaf
     def M_N_1(s):
@@ -2210,7 +2210,7 @@ class ce_bias0_causal0(Forward):
         t_79 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
         t_80 = mm(tr(s.W_V), tr(s.N_1), tr(t_61))
         t_81 = (-(1/s.d_V) * bcast_rows(sum_rows((t_79 + t_80)), s.d_V) + t_79 + t_80)
-        t_82 = ((-0.5 * (tr(s.sigma2_N_2) ** -1.5)) * bcast_rows(sum_rows((t_81 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_82 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_81 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_83 = ((t_81 * tr(s.P_N_2)) + (2/s.d_V) * t_82)
         t_84 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_83)) * heaviside(s.t_25, 0.0))
         return (mean0(t_74, True), mean0(t_75, True), mean0(t_78, True), mean0((mm(t_83, s.t_12) + mm(tr(s.N_2), t_58)), True), mean0(mm(t_84, s.G), True),)
@@ -2248,7 +2248,7 @@ class ce_bias0_causal0(Forward):
         t_122 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
         t_123 = mm(tr(s.W_V), tr(s.N_1), tr(t_95))
         t_124 = (-(1/s.d_V) * bcast_rows(sum_rows((t_122 + t_123)), s.d_V) + t_122 + t_123)
-        t_125 = ((-0.5 * (tr(s.sigma2_N_2) ** -1.5)) * bcast_rows(sum_rows((t_124 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_125 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_124 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_126 = ((t_124 * tr(s.P_N_2)) + (2/s.d_V) * t_125)
         t_127 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_126)) * heaviside(s.t_25, 0.0))
         return (mean0(t_115, True), mean0(t_116, True), mean0(t_121, True), mean0((mm(t_126, s.t_85) + mm(tr(s.N_2), t_103)), True), mean0(((1/s.L) * mm(s.t_26, t_102) + mm(t_127, s.G)), True),)
@@ -2262,7 +2262,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "bc6b3b62bb92e18819e0c74c"
+    STAMP = "064f7cc4d196de25738c257a"
 
     @leaf
     def M_N_1(s):
@@ -2952,7 +2952,7 @@ class ce_bias0_causal1(Forward):
         t_79 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
         t_80 = mm(tr(s.W_V), tr(s.N_1), tr(t_61))
         t_81 = (-(1/s.d_V) * bcast_rows(sum_rows((t_79 + t_80)), s.d_V) + t_79 + t_80)
-        t_82 = ((-0.5 * (tr(s.sigma2_N_2) ** -1.5)) * bcast_rows(sum_rows((t_81 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_82 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_81 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_83 = ((t_81 * tr(s.P_N_2)) + (2/s.d_V) * t_82)
         t_84 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_83)) * heaviside(s.t_25, 0.0))
         return (mean0(t_74, True), mean0(t_75, True), mean0(t_78, True), mean0((mm(t_83, s.t_12) + mm(tr(s.N_2), t_58)), True), mean0(mm(t_84, s.G), True),)
@@ -2990,7 +2990,7 @@ class ce_bias0_causal1(Forward):
         t_122 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
         t_123 = mm(tr(s.W_V), tr(s.N_1), tr(t_95))
         t_124 = (-(1/s.d_V) * bcast_rows(sum_rows((t_122 + t_123)), s.d_V) + t_122 + t_123)
-        t_125 = ((-0.5 * (tr(s.sigma2_N_2) ** -1.5)) * bcast_rows(sum_rows((t_124 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_125 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_124 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_126 = ((t_124 * tr(s.P_N_2)) + (2/s.d_V) * t_125)
         t_127 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_126)) * heaviside(s.t_25, 0.0))
         return (mean0(t_115, True), mean0(t_116, True), mean0(t_121, True), mean0((mm(t_126, s.t_85) + mm(tr(s.N_2), t_103)), True), mean0(((1/s.L) * mm(s.t_26, t_102) + mm(t_127, s.G)), True),)
@@ -3006,4 +3006,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "d77f36875f1a0327eba5a9fe"
+CHECKSUM = "bec64ca950467d720fe86cd8"

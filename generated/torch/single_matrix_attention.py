@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "4d82c17d36564ccfc8f33e79"
+    STAMP = "c280275913dfc18912cb884f"
 
     @leaf
     def t(s):
@@ -182,7 +182,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "ed1e38bd4a7dbcd5a69c0e4f"
+    STAMP = "8653a2b44e2e0aaf21929181"
 
     @leaf
     def t(s):
@@ -344,7 +344,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "916a9b31582b3898363dc27e"
+    STAMP = "828f08eaf1283b8716804b7f"
 
     @leaf
     def t(s):
@@ -514,7 +514,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "eeee5a92e2b68c40055d8e21"
+    STAMP = "41984b61f125ea13ca13afa5"
 
     @leaf
     def t(s):
@@ -686,4 +686,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "5f2ef3fb7984ec1d2e52f71b"
+CHECKSUM = "d40b4a331d701076e0f57a33"

@@ -140,6 +140,27 @@ class Forward:
                 out[(p, q)] = out[(q, p)] = self.frobenius_norm(p, q, part)
         return {(p, q): out[(p, q)] for p in self.PARAMS for q in self.PARAMS}
 
+    def block_hvp(self, p, q, v, part="full"):
+        """H_part(p, q) v for v of shape (numel q,) or (numel q, k), without the block: each
+        network contracted with v over the column atoms."""
+        nets = self.nets(p, q, part)
+        k = None if len(self.ops.shape(v)) == 1 else self.ops.shape(v)[1]
+        shape = (self.numel(p),) if k is None else (self.numel(p), k)
+        if not nets:
+            return self.ops.zeros(shape, like=self.like)
+        acc = None
+        for n in nets:
+            cols = n.groups[1]
+            extra = () if k is None else (n.top,)
+            vv = self.ops.reshape(v, [n.sizes[x] for x in cols] + ([k] if k else []))
+            sizes = dict(n.sizes)
+            if k:
+                sizes[n.top] = k
+            m = N.Net(n.coef, n.ops + [vv], n.labels + [tuple(cols) + extra],
+                      (tuple(n.groups[0]) + extra,), sizes)
+            acc = N.accumulate(self, m, (0,), acc, [n.sizes[x] for x in n.groups[0]] + ([k] if k else []))
+        return self.ops.reshape(acc, shape)
+
     # -- matrix view -------------------------------------------------------------------------
     def hvp(self, v, part="full"):
         """H_part v for a flat vector v (parameters in declared order), no block built."""
