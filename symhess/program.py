@@ -34,7 +34,8 @@ HALVES = ("outer", "functional")
 @dataclass
 class Operand:
     """``kind``: leaf (a plain-matrix Expr ``ref`` over ``rows`` + ``cols`` atoms),
-    compact (``ref`` the Named/structured node, ``rows`` its axes), ones, eye."""
+    compact (``ref`` the Named/structured node, ``rows`` the atoms of its axes, ``cols`` how
+    many atoms each axis has: more than one where the user refines an axis), ones, eye."""
 
     kind: str
     ref: object
@@ -57,11 +58,12 @@ class Program:
     compacts: dict = field(default_factory=dict)     # node -> [Term] over its axes
     compact_order: list = field(default_factory=list)
     sizes: dict = field(default_factory=dict)        # atom -> symbolic size
+    lowering: Lowering = None                          # the lowering (labels, intermediates)
 
     @classmethod
     def build(cls, derivation, jacobians=True):
         prog = cls(derivation)
-        lw = Lowering()
+        lw = prog.lowering = Lowering()
         d = derivation
         names = d.layer.param_names
         for i, p in enumerate(names):
@@ -90,7 +92,8 @@ class Program:
             ref = f.ref
             if isinstance(ref, tuple) and ref[0] == "inter":
                 self._compact(lw, ref[1])
-                ops.append(Operand("compact", ref[1], atoms))
+                per_axis = tuple(len(lw.resolve(t, [ax])) for ax in f.labels)
+                ops.append(Operand("compact", ref[1], atoms, per_axis))
             elif isinstance(ref, tuple):
                 ops.append(Operand(ref[0], None, atoms))
             else:

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 import symhess as sh
-from symhess import codegen, expr as E
+from symhess import expr as E
+from symhess.program import Program
 from symhess.evaluate import evaluate
 from symhess.printing.index import factored, grouped, Lowering
 
@@ -69,8 +70,8 @@ def test_terms_sharing_an_end_are_factored_in_groups():
 def test_post_ln_centring_is_not_distributed():
     """H(W_V, W_1) of the post-LN block: the first LayerNorm's centring stays one factor
     (14 lowered terms before sums were factored in groups, 3 after)."""
-    low = codegen.lowered("post_ln_block", "mse", ())
-    terms, _, _ = low.terms("W_V", "W_1", "full")
+    prog = Program.build(sh.derive(sh.layer("post_ln_block"), "mse"), jacobians=False)
+    terms = prog.blocks[("W_V", "W_1", "outer")] + prog.blocks[("W_V", "W_1", "functional")]
     assert len(terms) <= 3
 
 
@@ -78,12 +79,13 @@ def test_post_ln_centring_is_not_distributed():
 def test_experiment_blocks_lower_to_one_network(attention):
     """The chain rule through the MLP, residuals and unembedding leaves one network per part."""
     loss = "ce_answer" if attention == "softmax" else "mse_sum"
-    low = codegen.lowered("addition_block", loss, (("attention", attention), ("norm", "none")))
+    d = sh.derive(sh.layer("addition_block", attention=attention), loss)
+    prog = Program.build(d, jacobians=False)
     for p in ("W_Q", "W_V"):
         for part in ("outer", "functional"):
-            terms, _, _ = low.terms(p, p, part)
+            terms = prog.blocks[(p, p, part)]
             assert len(terms) <= 1, (p, part, len(terms))
-            assert (len(terms) == 0) == low.d.block(p, p, part).is_zero
+            assert (len(terms) == 0) == d.block(p, p, part).is_zero
 
 
 def test_block_diagonal_sum_becomes_a_compact_tensor():
@@ -118,11 +120,8 @@ def test_an_identity_factor_is_not_carried_by_the_compact_tensor():
 def test_post_ln_compact_tensors_carry_no_pure_identity_axis():
     """Every compact tensor of the post-LN lowering depends on each of its axes: an axis
     that only identified a row with a column (I_{d_ff} ⊗ C) is left to a δ."""
-    low = codegen.lowered("post_ln_block", "mse", ())
-    for p in ("W_1", "W_2"):
-        for q in ("W_Q", "W_2"):
-            low.terms(p, q, "full")
-    lw, seen = low.lw, 0
+    prog = Program.build(sh.derive(sh.layer("post_ln_block"), "mse"), jacobians=False)
+    lw, seen = prog.lowering, 0
     for inter in lw.intermediates.values():
         if inter is None:
             continue

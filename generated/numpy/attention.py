@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "7425f4220332f6560dc4b686"
+    STAMP = "81500d160de263de39aa00d9"
 
     @leaf
     def t(s):
@@ -251,7 +251,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "4fd7f662fc6ec192c2c964c5"
+    STAMP = "2f3f0190e85620a11bc8cd0c"
 
     @leaf
     def t(s):
@@ -482,7 +482,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b3f88064798be6822ace8aaa"
+    STAMP = "a13d819c8552888a6217d756"
 
     @leaf
     def t(s):
@@ -721,7 +721,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "d0e018bb12ea83f5d6419b95"
+    STAMP = "11ff9308edfc0e40bf794eac"
 
     @leaf
     def t(s):
@@ -962,4 +962,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "54f2fc3a49f15eb2cda03c2e"
+CHECKSUM = "6a541e077304b9aceca12bc7"

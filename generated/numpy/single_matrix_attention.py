@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "c280275913dfc18912cb884f"
+    STAMP = "b6bbc48ef8a9abb68296984c"
 
     @leaf
     def t(s):
@@ -182,7 +182,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "8653a2b44e2e0aaf21929181"
+    STAMP = "3709a2bf1cae114a171c5fac"
 
     @leaf
     def t(s):
@@ -344,7 +344,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "828f08eaf1283b8716804b7f"
+    STAMP = "d9335605f9b80380a09730d0"
 
     @leaf
     def t(s):
@@ -514,7 +514,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "41984b61f125ea13ca13afa5"
+    STAMP = "3b15dfc33d4db6f1691c2e43"
 
     @leaf
     def t(s):
@@ -686,4 +686,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "cbeaefcaca953aa5ed50149f"
+CHECKSUM = "834a5b9d4bd4eea1c031547e"

@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "d3162986053c84187148d8e2"
+    STAMP = "1177021dff56f84b9bc83fcd"
 
     @leaf
     def t(s):
@@ -345,7 +345,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "9ceb05a3c13596b54a114997"
+    STAMP = "279e2d5b4a43ba387e11ea4c"
 
     @leaf
     def t(s):
@@ -670,7 +670,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "10ac27e102c5ff38ea8d2c34"
+    STAMP = "e6857915a73c11cce3e57383"
 
     @leaf
     def t(s):
@@ -986,7 +986,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "46208b5af00548f7cb899b19"
+    STAMP = "32aaf61d47f651b0ad929d77"
 
     @leaf
     def t(s):
@@ -1304,4 +1304,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "67ce5451670660bfd392f2f5"
+CHECKSUM = "35a0cfb58d2e18d87e1490f3"

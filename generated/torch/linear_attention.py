@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "65cf3e423ee2163ada469d49"
+    STAMP = "86c32c89b0111ad65f6dafb9"
 
     @leaf
     def t(s):
@@ -243,7 +243,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "f5a1520cb32c503b4521a223"
+    STAMP = "85412aca5bd31d8ee290e68c"
 
     @leaf
     def t(s):
@@ -455,7 +455,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "0075b1a786391f5ce2813cb0"
+    STAMP = "a54dae812ad5e7c64740b14d"
 
     @leaf
     def t(s):
@@ -670,7 +670,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "2b4a991be4f01d4bd3beb1cb"
+    STAMP = "4206fc3e89a55145ff0f014e"
 
     @leaf
     def t(s):
@@ -895,4 +895,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "da896fa242d9e03c87c9ccac"
+CHECKSUM = "4002631d872248160b4f6060"

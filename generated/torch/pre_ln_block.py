@@ -20,7 +20,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "97de348f4ddc0a146cca76f6"
+    STAMP = "acffeba795ac302ea4c7e8b3"
 
     @leaf
     def M_N_1(s):
@@ -770,7 +770,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "6d5f1526939205932e25f645"
+    STAMP = "aca0ed7c483eff678b29054a"
 
     @leaf
     def M_N_1(s):
@@ -1520,7 +1520,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "fcb7b83629bc6c90bda85322"
+    STAMP = "cb88a8ff441b6963ae44b547"
 
     @leaf
     def M_N_1(s):
@@ -2262,7 +2262,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "064f7cc4d196de25738c257a"
+    STAMP = "1dba13f7c205b83be0bf033f"
 
     @leaf
     def M_N_1(s):
@@ -3006,4 +3006,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "bec64ca950467d720fe86cd8"
+CHECKSUM = "d7fabe4fa9003976ea969ff4"

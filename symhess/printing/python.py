@@ -233,6 +233,9 @@ class Printer:
                 b = self.compact_batched(op.ref)
                 code = f"s.{compacts[op.ref]}"
                 atoms = op.rows
+                if any(k != 1 for k in op.cols):      # an axis split into several atoms
+                    sizes = "".join(f"{self.size(self.prog.sizes[a])}, " for a in atoms)
+                    code = f"refined(s, {code}, ({sizes}), {b})"
             else:
                 b, code, atoms = False, op.kind.upper(), op.rows
             batched_any |= b

@@ -171,6 +171,30 @@ class Compact:
         return self._cost
 
 
+def refined(state, c, sizes, batched=False):
+    """The compact ``c`` with its axes split into atoms of ``sizes`` (C order; after the
+    batch axis when ``batched``): a compact of its own, whose networks carry the split labels."""
+    sizes = ((c.shape[0],) if batched else ()) + tuple(int(x) for x in sizes)
+    if sizes == tuple(c.shape):
+        return c
+    return Compact(c.name, [_refined_group(state, n, 0, sizes) for n in c.nets])
+
+
+def _refined_group(state, n, g, sizes):
+    """``n`` with output group g's labels split so their sizes are ``sizes``."""
+    labels, target = list(n.groups[g]), list(sizes)
+    while labels:
+        x, t = labels.pop(0), target.pop(0)
+        sx = n.sizes[x]
+        if sx == t:
+            continue
+        if sx % t:
+            raise RuntimeError(f"an axis of size {sx} cannot be split at {t}")
+        n, (x1, x2) = _split(state, n, x, (t, sx // t))
+        labels = [x2] + _sub(labels, x, (x1, x2))
+    return n
+
+
 # ----------------------------------------------------------------------------- compacts
 def resolve(state, n, groups):
     """``n`` as networks over arrays only: every Compact operand is materialised or its

@@ -12,13 +12,13 @@ import numpy as np
 import scipy.special
 
 from . import chain
-from .network import EYE, ONES, Compact, net      # noqa: F401  (used by generated modules)
+from .network import EYE, ONES, Compact, net, refined      # noqa: F401  (used by generated modules)
 from .state import Forward, leaf                   # noqa: F401
 
 __all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff", "softmax_diff2",
            "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
            "causal_mask", "diag", "diag_part", "vec_r", "unvec_r", "mean0", "unflat",
-           "kron", "kron_contract", "commutation", "diag_selector",
+           "kron", "kron_contract", "commutation", "diag_selector", "refined",
            "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "cosh", "sinh", "cos",
            "sin", "absolute", "net", "Compact", "ONES", "EYE", "Forward", "leaf", "OPS"]
 
