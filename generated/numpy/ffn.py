@@ -20,7 +20,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "f931b9c29e16a65f9a4c8560"
+    STAMP = "891ffd49b5841cff8a58051e"
 
     @leaf
     def H(s):
@@ -131,7 +131,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "e9b410d7441963133c0de651"
+    STAMP = "c5297af63d08c9b45e92c741"
 
     @leaf
     def H(s):
@@ -249,4 +249,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "383c7c4b2b804b42db76717b"
+CHECKSUM = "112c89cd46ec57b139836909"

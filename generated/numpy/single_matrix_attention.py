@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "b6bbc48ef8a9abb68296984c"
+    STAMP = "f427dd8129b5873541152d89"
 
     @leaf
     def t(s):
@@ -155,9 +155,9 @@ class mse_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_6 = mm(s.X, V_W_QK, tr(s.X))
         t_7 = softmax_diff(s.A, t_6)
-        t_8 = ((2/(s.L*s.d_V)) * mm(t_7, s.X, s.W_V) + (2/(s.L*s.d_V)) * mm(s.A, s.X, V_W_V))
-        t_9 = mm(t_8, tr(s.W_V), tr(s.X))
-        t_10 = mm(tr(s.X), tr(s.A), t_8)
+        t_8 = ((2/(s.L*s.d_V)) * s.mm_kept(2, '011', t_7, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm_kept(3, '110', s.A, s.X, V_W_V))
+        t_9 = s.mm_kept(1, '011', t_8, tr(s.W_V), tr(s.X))
+        t_10 = s.mm_kept(4, '110', tr(s.X), tr(s.A), t_8)
         return (mean0(mm(tr(s.X), softmax_diff(s.A, t_9), s.X), True), mean0(t_10, True),)
 
     def hvp__functional(s, V_W_QK, V_W_V):
@@ -171,10 +171,10 @@ class mse_causal0(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_14 = mm(s.X, V_W_QK, tr(s.X))
         t_15 = softmax_diff(s.A, t_14)
-        t_16 = ((2/(s.L*s.d_V)) * mm(t_15, s.X, s.W_V) + (2/(s.L*s.d_V)) * mm(s.A, s.X, V_W_V))
-        t_17 = mm(t_16, tr(s.W_V), tr(s.X))
+        t_16 = ((2/(s.L*s.d_V)) * s.mm_kept(6, '011', t_15, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm_kept(7, '110', s.A, s.X, V_W_V))
+        t_17 = s.mm_kept(5, '011', t_16, tr(s.W_V), tr(s.X))
         t_18 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, (t_17 + mm(s.G_2, tr(V_W_V), tr(s.X)))))
-        t_19 = mm(tr(s.X), tr(s.A), t_16)
+        t_19 = s.mm_kept(8, '110', tr(s.X), tr(s.A), t_16)
         return (mean0(mm(tr(s.X), t_18, s.X), True), mean0((mm(tr(s.X), tr(t_15), s.G_2) + t_19), True),)
 
 
@@ -182,7 +182,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "3709a2bf1cae114a171c5fac"
+    STAMP = "8404c62626c534e821a79858"
 
     @leaf
     def t(s):
@@ -317,9 +317,9 @@ class mse_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_6 = mm(s.X, V_W_QK, tr(s.X))
         t_7 = softmax_diff(s.A, t_6)
-        t_8 = ((2/(s.L*s.d_V)) * mm(t_7, s.X, s.W_V) + (2/(s.L*s.d_V)) * mm(s.A, s.X, V_W_V))
-        t_9 = mm(t_8, tr(s.W_V), tr(s.X))
-        t_10 = mm(tr(s.X), tr(s.A), t_8)
+        t_8 = ((2/(s.L*s.d_V)) * s.mm_kept(2, '011', t_7, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm_kept(3, '110', s.A, s.X, V_W_V))
+        t_9 = s.mm_kept(1, '011', t_8, tr(s.W_V), tr(s.X))
+        t_10 = s.mm_kept(4, '110', tr(s.X), tr(s.A), t_8)
         return (mean0(mm(tr(s.X), softmax_diff(s.A, t_9), s.X), True), mean0(t_10, True),)
 
     def hvp__functional(s, V_W_QK, V_W_V):
@@ -333,10 +333,10 @@ class mse_causal1(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_14 = mm(s.X, V_W_QK, tr(s.X))
         t_15 = softmax_diff(s.A, t_14)
-        t_16 = ((2/(s.L*s.d_V)) * mm(t_15, s.X, s.W_V) + (2/(s.L*s.d_V)) * mm(s.A, s.X, V_W_V))
-        t_17 = mm(t_16, tr(s.W_V), tr(s.X))
+        t_16 = ((2/(s.L*s.d_V)) * s.mm_kept(6, '011', t_15, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm_kept(7, '110', s.A, s.X, V_W_V))
+        t_17 = s.mm_kept(5, '011', t_16, tr(s.W_V), tr(s.X))
         t_18 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, (t_17 + mm(s.G_2, tr(V_W_V), tr(s.X)))))
-        t_19 = mm(tr(s.X), tr(s.A), t_16)
+        t_19 = s.mm_kept(8, '110', tr(s.X), tr(s.A), t_16)
         return (mean0(mm(tr(s.X), t_18, s.X), True), mean0((mm(tr(s.X), tr(t_15), s.G_2) + t_19), True),)
 
 
@@ -344,7 +344,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "d9335605f9b80380a09730d0"
+    STAMP = "b3bc04756d2f789ce8b310b4"
 
     @leaf
     def t(s):
@@ -487,10 +487,10 @@ class ce_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_6 = mm(s.X, V_W_QK, tr(s.X))
         t_7 = softmax_diff(s.A, t_6)
-        t_8 = (mm(t_7, s.X, s.W_V) + mm(s.A, s.X, V_W_V))
+        t_8 = (s.mm_kept(2, '011', t_7, s.X, s.W_V) + s.mm_kept(3, '110', s.A, s.X, V_W_V))
         t_9 = (s.t * softmax_diff(softmax_rows(s.F_2), t_8))
-        t_10 = (1/s.L) * mm(tr(s.X), softmax_diff(s.A, mm(t_9, tr(s.W_V), tr(s.X))), s.X)
-        return (mean0(t_10, True), mean0((1/s.L) * mm(tr(s.X), tr(s.A), t_9), True),)
+        t_10 = mm(tr(s.X), softmax_diff(s.A, s.mm_kept(1, '011', t_9, tr(s.W_V), tr(s.X))), s.X)
+        return (mean0((1/s.L) * t_10, True), mean0((1/s.L) * s.mm_kept(4, '110', tr(s.X), tr(s.A), t_9), True),)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
@@ -503,18 +503,19 @@ class ce_causal0(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_14 = mm(s.X, V_W_QK, tr(s.X))
         t_15 = softmax_diff(s.A, t_14)
-        t_16 = (mm(t_15, s.X, s.W_V) + mm(s.A, s.X, V_W_V))
+        t_16 = (s.mm_kept(6, '011', t_15, s.X, s.W_V) + s.mm_kept(7, '110', s.A, s.X, V_W_V))
         t_17 = (s.t * softmax_diff(s.t_4, t_16))
-        t_18 = softmax_diff(s.A, (mm(s.G_2, tr(V_W_V), tr(s.X)) + (1/s.L) * mm(t_17, tr(s.W_V), tr(s.X))))
-        t_19 = mm(tr(s.X), (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + t_18), s.X)
-        return (mean0(t_19, True), mean0((mm(tr(s.X), tr(t_15), s.G_2) + (1/s.L) * mm(tr(s.X), tr(s.A), t_17)), True),)
+        t_18 = (mm(s.G_2, tr(V_W_V), tr(s.X)) + (1/s.L) * s.mm_kept(5, '011', t_17, tr(s.W_V), tr(s.X)))
+        t_19 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, t_18))
+        t_20 = (mm(tr(s.X), tr(t_15), s.G_2) + (1/s.L) * s.mm_kept(8, '110', tr(s.X), tr(s.A), t_17))
+        return (mean0(mm(tr(s.X), t_19, s.X), True), mean0(t_20, True),)
 
 
 class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "3b15dfc33d4db6f1691c2e43"
+    STAMP = "efe7c9cc7a60a7731b3a0ce9"
 
     @leaf
     def t(s):
@@ -657,10 +658,10 @@ class ce_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_6 = mm(s.X, V_W_QK, tr(s.X))
         t_7 = softmax_diff(s.A, t_6)
-        t_8 = (mm(t_7, s.X, s.W_V) + mm(s.A, s.X, V_W_V))
+        t_8 = (s.mm_kept(2, '011', t_7, s.X, s.W_V) + s.mm_kept(3, '110', s.A, s.X, V_W_V))
         t_9 = (s.t * softmax_diff(softmax_rows(s.F_2), t_8))
-        t_10 = (1/s.L) * mm(tr(s.X), softmax_diff(s.A, mm(t_9, tr(s.W_V), tr(s.X))), s.X)
-        return (mean0(t_10, True), mean0((1/s.L) * mm(tr(s.X), tr(s.A), t_9), True),)
+        t_10 = mm(tr(s.X), softmax_diff(s.A, s.mm_kept(1, '011', t_9, tr(s.W_V), tr(s.X))), s.X)
+        return (mean0((1/s.L) * t_10, True), mean0((1/s.L) * s.mm_kept(4, '110', tr(s.X), tr(s.A), t_9), True),)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
@@ -673,11 +674,12 @@ class ce_causal1(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_14 = mm(s.X, V_W_QK, tr(s.X))
         t_15 = softmax_diff(s.A, t_14)
-        t_16 = (mm(t_15, s.X, s.W_V) + mm(s.A, s.X, V_W_V))
+        t_16 = (s.mm_kept(6, '011', t_15, s.X, s.W_V) + s.mm_kept(7, '110', s.A, s.X, V_W_V))
         t_17 = (s.t * softmax_diff(s.t_4, t_16))
-        t_18 = softmax_diff(s.A, (mm(s.G_2, tr(V_W_V), tr(s.X)) + (1/s.L) * mm(t_17, tr(s.W_V), tr(s.X))))
-        t_19 = mm(tr(s.X), (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + t_18), s.X)
-        return (mean0(t_19, True), mean0((mm(tr(s.X), tr(t_15), s.G_2) + (1/s.L) * mm(tr(s.X), tr(s.A), t_17)), True),)
+        t_18 = (mm(s.G_2, tr(V_W_V), tr(s.X)) + (1/s.L) * s.mm_kept(5, '011', t_17, tr(s.W_V), tr(s.X)))
+        t_19 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, t_18))
+        t_20 = (mm(tr(s.X), tr(t_15), s.G_2) + (1/s.L) * s.mm_kept(8, '110', tr(s.X), tr(s.A), t_17))
+        return (mean0(mm(tr(s.X), t_19, s.X), True), mean0(t_20, True),)
 
 
 VARIANTS = {
@@ -686,4 +688,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "834a5b9d4bd4eea1c031547e"
+CHECKSUM = "0d2fbc2035d5b82afb818b99"

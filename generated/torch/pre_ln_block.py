@@ -20,7 +20,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "acffeba795ac302ea4c7e8b3"
+    STAMP = "6ec12f5a38339d219aed8525"
 
     @leaf
     def M_N_1(s):
@@ -223,44 +223,44 @@ class mse_bias0_causal0(Forward):
         return (bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), s.t_35)), s.d_V) + mm(tr(s.N_1), tr(s.A), s.t_36))
 
     @leaf
-    def t_88(s):
+    def t_91(s):
         return (s.t_7 * mm(s.G, tr(s.W_2)))
 
     @leaf
-    def t_89(s):
-        return mm(s.t_88, tr(s.W_1))
-
-    @leaf
-    def t_90(s):
-        return bcast_last(sum_last((s.t_6 * s.t_89 * s.M_N_2)), s.d_V)
-
-    @leaf
-    def t_91(s):
-        return (s.t_90 * s.M_N_2)
-
-    @leaf
     def t_92(s):
-        return (s.t_89 * s.P_N_2)
+        return mm(s.t_91, tr(s.W_1))
 
     @leaf
     def t_93(s):
-        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_91 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_92)
+        return bcast_last(sum_last((s.t_6 * s.t_92 * s.M_N_2)), s.d_V)
 
     @leaf
     def t_94(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_91 + (1/math.sqrt(s.d_K)) * s.t_92 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+        return (s.t_93 * s.M_N_2)
 
     @leaf
     def t_95(s):
-        return (sum_last(s.t_93) * sum_rows(s.t_3) + mm(s.t_94, tr(s.W_V), tr(s.N_1)))
+        return (s.t_92 * s.P_N_2)
 
     @leaf
-    def t_119(s):
-        return softmax_diff(s.A, s.t_95)
+    def t_96(s):
+        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_94 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_95)
 
     @leaf
-    def t_123(s):
-        return ((2/s.d_V) * s.t_91 + s.t_92 + (2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+    def t_97(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_94 + (1/math.sqrt(s.d_K)) * s.t_95 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+
+    @leaf
+    def t_98(s):
+        return (sum_last(s.t_96) * sum_rows(s.t_3) + mm(s.t_97, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_122(s):
+        return softmax_diff(s.A, s.t_98)
+
+    @leaf
+    def t_126(s):
+        return ((2/s.d_V) * s.t_94 + s.t_95 + (2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
 
     @leaf
     def dA(s):
@@ -666,10 +666,10 @@ class mse_bias0_causal0(Forward):
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_38 = mm(s.t_8, V_W_2)
-        t_39 = ((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * mm(s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_39 = ((1/math.sqrt(s.d_K)) * s.mm_kept(3, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_40 = softmax_diff(s.A, t_39)
-        t_41 = mm(t_40, s.N_1, s.W_V)
-        t_42 = mm(s.A, s.N_1, V_W_V)
+        t_41 = s.mm_kept(2, '011', t_40, s.N_1, s.W_V)
+        t_42 = s.mm_kept(5, '110', s.A, s.N_1, V_W_V)
         t_43 = (-(1/s.d_V) * bcast_last(sum_last((t_41 + t_42)), s.d_V) + t_41 + t_42)
         t_44 = bcast_last(sum_last((t_43 * s.M_N_2)), s.d_V)
         t_45 = (mm(((t_43 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_44 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
@@ -682,84 +682,88 @@ class mse_bias0_causal0(Forward):
         t_52 = (t_50 * s.P_N_2)
         t_53 = (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * t_51 - (1/(math.sqrt(s.d_K)*s.d_V)) * t_52)
         t_54 = ((2/(math.sqrt(s.d_K)*s.d_V)) * t_51 + (1/math.sqrt(s.d_K)) * t_52 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_38 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_46 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_41 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_42)
-        t_55 = softmax_diff(s.A, (sum_last(t_53) * sum_rows(s.t_3) + mm(t_54, tr(s.W_V), tr(s.N_1))))
-        t_56 = bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), (-(2/s.d_V**2) * t_51 - (1/s.d_V) * t_52))), s.d_V)
-        t_57 = ((2/s.d_V) * t_51 + t_52 + (2/(s.L*s.d_V)) * t_38 + (2/(s.L*s.d_V)) * t_46 + (2/(s.L*s.d_V)) * t_41 + (2/(s.L*s.d_V)) * t_42)
-        t_58 = mm(s.t_25, t_47)
-        return (mean0(mm(tr(s.N_1), t_55, s.N_1, s.W_K), True), mean0(mm(tr(s.N_1), tr(t_55), s.N_1, s.W_Q), True), mean0((t_56 + mm(tr(s.N_1), tr(s.A), t_57)), True), mean0(mm(tr(s.N_2), t_49), True), mean0(t_58, True),)
+        t_55 = (sum_last(t_53) * sum_rows(s.t_3) + s.mm_kept(6, '011', t_54, tr(s.W_V), tr(s.N_1)))
+        t_56 = softmax_diff(s.A, t_55)
+        t_57 = s.mm_kept(8, '110', tr(s.N_1), tr(s.A), (-(2/s.d_V**2) * t_51 - (1/s.d_V) * t_52))
+        t_58 = ((2/s.d_V) * t_51 + t_52 + (2/(s.L*s.d_V)) * t_38 + (2/(s.L*s.d_V)) * t_46 + (2/(s.L*s.d_V)) * t_41 + (2/(s.L*s.d_V)) * t_42)
+        t_59 = (bcast_last(sum_last(t_57), s.d_V) + s.mm_kept(9, '110', tr(s.N_1), tr(s.A), t_58))
+        t_60 = mm(s.t_25, t_47)
+        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_56, s.N_1, s.W_K), True), mean0(s.mm_kept(7, '1011', tr(s.N_1), tr(t_56), s.N_1, s.W_Q), True), mean0(t_59, True), mean0(mm(tr(s.N_2), t_49), True), mean0(t_60, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_59 = ((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * mm(s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_60 = softmax_diff2(s.A, s.t_17, t_59)
-        t_61 = (s.t_7 * mm(s.G, tr(V_W_2)))
-        t_62 = (mm(s.t_10, tr(V_W_1)) + mm(t_61, tr(s.W_1)))
-        t_63 = (t_62 * s.P_N_2)
-        t_64 = softmax_diff(s.A, t_59)
-        t_65 = mm(t_64, s.N_1, s.W_V)
-        t_66 = mm(s.A, s.N_1, V_W_V)
-        t_67 = (-(1/s.d_V) * bcast_last(sum_last((t_65 + t_66)), s.d_V) + t_65 + t_66)
-        t_68 = (t_67 * s.t_12)
-        t_69 = bcast_last(sum_last((t_67 * s.M_N_2)), s.d_V)
-        t_70 = (s.t_6 * t_69 * s.t_11)
-        t_71 = ((t_62 * s.t_6 * s.M_N_2) + (t_67 * s.t_6 * s.t_11) + (2/s.d_V) * (s.t_30 * t_69 * s.t_11 * s.M_N_2))
-        t_72 = (bcast_last(sum_last(t_71), s.d_V) * s.M_N_2)
-        t_73 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_63 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_68 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_72)
-        t_74 = ((1/math.sqrt(s.d_K)) * t_63 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_68 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_72)
-        t_75 = (sum_last(t_73) * sum_rows(s.t_3) + sum_last(s.t_15) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + mm(t_74, tr(s.W_V), tr(s.N_1)) + mm(s.t_16, tr(V_W_V), tr(s.N_1)))
-        t_76 = softmax_diff(s.A, t_75)
-        t_77 = (mm(tr(s.N_1), (t_60 + t_76), s.N_1, s.W_K) + mm(tr(s.N_1), s.t_18, s.N_1, V_W_K))
-        t_78 = (mm(tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q) + mm(tr(s.N_1), (tr(t_60) + tr(t_76)), s.N_1, s.W_Q))
-        t_79 = mm(tr(s.N_1), tr(s.A), (t_63 + (2/s.d_V) * t_68 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72))
-        t_80 = (-(1/s.d_V) * t_63 - (2/s.d_V**2) * t_68 - (2/s.d_V**2) * t_70 - (2/s.d_V**2) * t_72)
-        t_81 = (t_79 + bcast_last(sum_last(mm(tr(s.N_1), tr(t_64), s.t_35)), s.d_V) + mm(tr(s.N_1), tr(t_64), s.t_36) + bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), t_80)), s.d_V))
-        t_82 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_83 = mm(tr(s.W_V), tr(s.N_1), tr(t_64))
-        t_84 = (-(1/s.d_V) * bcast_rows(sum_rows((t_82 + t_83)), s.d_V) + t_82 + t_83)
-        t_85 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_84 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_86 = ((t_84 * tr(s.P_N_2)) + (2/s.d_V) * t_85)
-        t_87 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_86)) * heaviside(s.t_24, 0.0))
-        return (mean0(t_77, True), mean0(t_78, True), mean0(t_81, True), mean0((mm(t_86, s.t_10) + mm(tr(s.N_2), t_61)), True), mean0(mm(t_87, s.G), True),)
+        t_61 = ((1/math.sqrt(s.d_K)) * s.mm_kept(11, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(12, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_62 = softmax_diff2(s.A, s.t_17, t_61)
+        t_63 = (s.t_7 * mm(s.G, tr(V_W_2)))
+        t_64 = (mm(s.t_10, tr(V_W_1)) + mm(t_63, tr(s.W_1)))
+        t_65 = (t_64 * s.P_N_2)
+        t_66 = softmax_diff(s.A, t_61)
+        t_67 = s.mm_kept(13, '011', t_66, s.N_1, s.W_V)
+        t_68 = s.mm_kept(14, '110', s.A, s.N_1, V_W_V)
+        t_69 = (-(1/s.d_V) * bcast_last(sum_last((t_67 + t_68)), s.d_V) + t_67 + t_68)
+        t_70 = (t_69 * s.t_12)
+        t_71 = bcast_last(sum_last((t_69 * s.M_N_2)), s.d_V)
+        t_72 = (s.t_6 * t_71 * s.t_11)
+        t_73 = ((t_64 * s.t_6 * s.M_N_2) + (t_69 * s.t_6 * s.t_11) + (2/s.d_V) * (s.t_30 * t_71 * s.t_11 * s.M_N_2))
+        t_74 = (bcast_last(sum_last(t_73), s.d_V) * s.M_N_2)
+        t_75 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_65 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_72 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_74)
+        t_76 = ((1/math.sqrt(s.d_K)) * t_65 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_72 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_74)
+        t_77 = (sum_last(t_75) * sum_rows(s.t_3) + sum_last(s.t_15) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(15, '011', t_76, tr(s.W_V), tr(s.N_1)) + mm(s.t_16, tr(V_W_V), tr(s.N_1)))
+        t_78 = softmax_diff(s.A, t_77)
+        t_79 = (s.mm_kept(10, '1011', tr(s.N_1), (t_62 + t_78), s.N_1, s.W_K) + s.mm_kept(16, '1110', tr(s.N_1), s.t_18, s.N_1, V_W_K))
+        t_80 = (s.mm_kept(17, '1110', tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q) + s.mm_kept(18, '1011', tr(s.N_1), (tr(t_62) + tr(t_78)), s.N_1, s.W_Q))
+        t_81 = s.mm_kept(19, '110', tr(s.N_1), tr(s.A), (t_65 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74))
+        t_82 = (-(1/s.d_V) * t_65 - (2/s.d_V**2) * t_70 - (2/s.d_V**2) * t_72 - (2/s.d_V**2) * t_74)
+        t_83 = bcast_last(sum_last(s.mm_kept(20, '110', tr(s.N_1), tr(s.A), t_82)), s.d_V)
+        t_84 = (t_81 + bcast_last(sum_last(mm(tr(s.N_1), tr(t_66), s.t_35)), s.d_V) + mm(tr(s.N_1), tr(t_66), s.t_36) + t_83)
+        t_85 = s.mm_kept(21, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_86 = s.mm_kept(22, '110', tr(s.W_V), tr(s.N_1), tr(t_66))
+        t_87 = (-(1/s.d_V) * bcast_rows(sum_rows((t_85 + t_86)), s.d_V) + t_85 + t_86)
+        t_88 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_87 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_89 = ((t_87 * tr(s.P_N_2)) + (2/s.d_V) * t_88)
+        t_90 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_89)) * heaviside(s.t_24, 0.0))
+        return (mean0(t_79, True), mean0(t_80, True), mean0(t_84, True), mean0((mm(t_89, s.t_10) + mm(tr(s.N_2), t_63)), True), mean0(mm(t_90, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_96 = ((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * mm(s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_97 = softmax_diff2(s.A, s.t_95, t_96)
-        t_98 = mm(s.t_8, V_W_2)
-        t_99 = softmax_diff(s.A, t_96)
-        t_100 = mm(t_99, s.N_1, s.W_V)
-        t_101 = mm(s.A, s.N_1, V_W_V)
-        t_102 = (-(1/s.d_V) * bcast_last(sum_last((t_100 + t_101)), s.d_V) + t_100 + t_101)
-        t_103 = bcast_last(sum_last((t_102 * s.M_N_2)), s.d_V)
-        t_104 = (mm(((t_102 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_103 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
-        t_105 = mm((t_104 * s.t_7), s.W_2)
-        t_106 = ((2/(s.L*s.d_V)) * t_98 + (2/(s.L*s.d_V)) * t_105 + (2/(s.L*s.d_V)) * t_100 + (2/(s.L*s.d_V)) * t_101)
-        t_107 = mm(t_106, tr(s.W_2))
-        t_108 = ((t_107 + mm(s.G, tr(V_W_2))) * s.t_7)
-        t_109 = (mm(t_108, tr(s.W_1)) + mm(s.t_88, tr(V_W_1)))
-        t_110 = (t_109 * s.P_N_2)
-        t_111 = (t_102 * s.t_90)
-        t_112 = (s.t_6 * t_103 * s.t_89)
-        t_113 = ((t_109 * s.t_6 * s.M_N_2) + (t_102 * s.t_6 * s.t_89) + (2/s.d_V) * (s.t_30 * t_103 * s.t_89 * s.M_N_2))
-        t_114 = (bcast_last(sum_last(t_113), s.d_V) * s.M_N_2)
-        t_115 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_110 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_111 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_112 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_114)
-        t_116 = ((1/math.sqrt(s.d_K)) * t_110 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_111 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_112 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_114 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_98 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_105 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_100 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_101)
-        t_117 = (sum_last(t_115) * sum_rows(s.t_3) + sum_last(s.t_93) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + mm(t_116, tr(s.W_V), tr(s.N_1)) + mm(s.t_94, tr(V_W_V), tr(s.N_1)))
-        t_118 = softmax_diff(s.A, t_117)
-        t_120 = (mm(tr(s.N_1), (t_97 + t_118), s.N_1, s.W_K) + mm(tr(s.N_1), s.t_119, s.N_1, V_W_K))
-        t_121 = (mm(tr(s.N_1), tr(s.t_119), s.N_1, V_W_Q) + mm(tr(s.N_1), (tr(t_97) + tr(t_118)), s.N_1, s.W_Q))
-        t_122 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_99), (-(2/s.d_V**2) * s.t_91 - (1/s.d_V) * s.t_92))), s.d_V)
-        t_124 = (t_110 + (2/s.d_V) * t_111 + (2/s.d_V) * t_112 + (2/s.d_V) * t_114 + (2/(s.L*s.d_V)) * t_98 + (2/(s.L*s.d_V)) * t_105 + (2/(s.L*s.d_V)) * t_100 + (2/(s.L*s.d_V)) * t_101)
-        t_125 = (-(1/s.d_V) * t_110 - (2/s.d_V**2) * t_111 - (2/s.d_V**2) * t_112 - (2/s.d_V**2) * t_114)
-        t_126 = (t_122 + mm(tr(s.N_1), tr(t_99), s.t_123) + mm(tr(s.N_1), tr(s.A), t_124) + bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), t_125)), s.d_V))
-        t_127 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_128 = mm(tr(s.W_V), tr(s.N_1), tr(t_99))
-        t_129 = (-(1/s.d_V) * bcast_rows(sum_rows((t_127 + t_128)), s.d_V) + t_127 + t_128)
-        t_130 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_129 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_131 = ((t_129 * tr(s.P_N_2)) + (2/s.d_V) * t_130)
-        t_132 = mm(s.t_25, t_106)
-        t_133 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_131)) * heaviside(s.t_24, 0.0))
-        return (mean0(t_120, True), mean0(t_121, True), mean0(t_126, True), mean0((mm(t_131, s.t_88) + mm(tr(s.N_2), t_108)), True), mean0((t_132 + mm(t_133, s.G)), True),)
+        t_99 = ((1/math.sqrt(s.d_K)) * s.mm_kept(24, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(25, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_100 = softmax_diff2(s.A, s.t_98, t_99)
+        t_101 = mm(s.t_8, V_W_2)
+        t_102 = softmax_diff(s.A, t_99)
+        t_103 = s.mm_kept(26, '011', t_102, s.N_1, s.W_V)
+        t_104 = s.mm_kept(27, '110', s.A, s.N_1, V_W_V)
+        t_105 = (-(1/s.d_V) * bcast_last(sum_last((t_103 + t_104)), s.d_V) + t_103 + t_104)
+        t_106 = bcast_last(sum_last((t_105 * s.M_N_2)), s.d_V)
+        t_107 = (mm(((t_105 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_106 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
+        t_108 = mm((t_107 * s.t_7), s.W_2)
+        t_109 = ((2/(s.L*s.d_V)) * t_101 + (2/(s.L*s.d_V)) * t_108 + (2/(s.L*s.d_V)) * t_103 + (2/(s.L*s.d_V)) * t_104)
+        t_110 = mm(t_109, tr(s.W_2))
+        t_111 = ((t_110 + mm(s.G, tr(V_W_2))) * s.t_7)
+        t_112 = (mm(t_111, tr(s.W_1)) + mm(s.t_91, tr(V_W_1)))
+        t_113 = (t_112 * s.P_N_2)
+        t_114 = (t_105 * s.t_93)
+        t_115 = (s.t_6 * t_106 * s.t_92)
+        t_116 = ((t_112 * s.t_6 * s.M_N_2) + (t_105 * s.t_6 * s.t_92) + (2/s.d_V) * (s.t_30 * t_106 * s.t_92 * s.M_N_2))
+        t_117 = (bcast_last(sum_last(t_116), s.d_V) * s.M_N_2)
+        t_118 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_113 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_114 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_115 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_117)
+        t_119 = ((1/math.sqrt(s.d_K)) * t_113 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_114 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_115 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_117 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_101 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_108 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_103 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_104)
+        t_120 = (sum_last(t_118) * sum_rows(s.t_3) + sum_last(s.t_96) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(28, '011', t_119, tr(s.W_V), tr(s.N_1)) + mm(s.t_97, tr(V_W_V), tr(s.N_1)))
+        t_121 = softmax_diff(s.A, t_120)
+        t_123 = (s.mm_kept(23, '1011', tr(s.N_1), (t_100 + t_121), s.N_1, s.W_K) + s.mm_kept(29, '1110', tr(s.N_1), s.t_122, s.N_1, V_W_K))
+        t_124 = (s.mm_kept(30, '1110', tr(s.N_1), tr(s.t_122), s.N_1, V_W_Q) + s.mm_kept(31, '1011', tr(s.N_1), (tr(t_100) + tr(t_121)), s.N_1, s.W_Q))
+        t_125 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_102), (-(2/s.d_V**2) * s.t_94 - (1/s.d_V) * s.t_95))), s.d_V)
+        t_127 = (t_113 + (2/s.d_V) * t_114 + (2/s.d_V) * t_115 + (2/s.d_V) * t_117 + (2/(s.L*s.d_V)) * t_101 + (2/(s.L*s.d_V)) * t_108 + (2/(s.L*s.d_V)) * t_103 + (2/(s.L*s.d_V)) * t_104)
+        t_128 = (-(1/s.d_V) * t_113 - (2/s.d_V**2) * t_114 - (2/s.d_V**2) * t_115 - (2/s.d_V**2) * t_117)
+        t_129 = bcast_last(sum_last(s.mm_kept(33, '110', tr(s.N_1), tr(s.A), t_128)), s.d_V)
+        t_130 = (t_125 + mm(tr(s.N_1), tr(t_102), s.t_126) + s.mm_kept(32, '110', tr(s.N_1), tr(s.A), t_127) + t_129)
+        t_131 = s.mm_kept(34, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_132 = s.mm_kept(35, '110', tr(s.W_V), tr(s.N_1), tr(t_102))
+        t_133 = (-(1/s.d_V) * bcast_rows(sum_rows((t_131 + t_132)), s.d_V) + t_131 + t_132)
+        t_134 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_133 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_135 = ((t_133 * tr(s.P_N_2)) + (2/s.d_V) * t_134)
+        t_136 = mm(s.t_25, t_109)
+        t_137 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_135)) * heaviside(s.t_24, 0.0))
+        return (mean0(t_123, True), mean0(t_124, True), mean0(t_130, True), mean0((mm(t_135, s.t_91) + mm(tr(s.N_2), t_111)), True), mean0((t_136 + mm(t_137, s.G)), True),)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -770,7 +774,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "aca0ed7c483eff678b29054a"
+    STAMP = "27eb8160e38c5ce602f04fb0"
 
     @leaf
     def M_N_1(s):
@@ -973,44 +977,44 @@ class mse_bias0_causal1(Forward):
         return (mm(tr(s.N_1), tr(s.A), s.t_35) + bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), s.t_36)), s.d_V))
 
     @leaf
-    def t_88(s):
+    def t_91(s):
         return (s.t_7 * mm(s.G, tr(s.W_2)))
 
     @leaf
-    def t_89(s):
-        return mm(s.t_88, tr(s.W_1))
-
-    @leaf
-    def t_90(s):
-        return bcast_last(sum_last((s.t_6 * s.t_89 * s.M_N_2)), s.d_V)
-
-    @leaf
-    def t_91(s):
-        return (s.t_90 * s.M_N_2)
-
-    @leaf
     def t_92(s):
-        return (s.t_89 * s.P_N_2)
+        return mm(s.t_91, tr(s.W_1))
 
     @leaf
     def t_93(s):
-        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_91 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_92)
+        return bcast_last(sum_last((s.t_6 * s.t_92 * s.M_N_2)), s.d_V)
 
     @leaf
     def t_94(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_91 + (1/math.sqrt(s.d_K)) * s.t_92 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+        return (s.t_93 * s.M_N_2)
 
     @leaf
     def t_95(s):
-        return (sum_last(s.t_93) * sum_rows(s.t_3) + mm(s.t_94, tr(s.W_V), tr(s.N_1)))
+        return (s.t_92 * s.P_N_2)
 
     @leaf
     def t_96(s):
-        return softmax_diff(s.A, s.t_95)
+        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_94 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_95)
 
     @leaf
-    def t_122(s):
-        return ((2/s.d_V) * s.t_91 + s.t_92 + (2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+    def t_97(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_94 + (1/math.sqrt(s.d_K)) * s.t_95 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+
+    @leaf
+    def t_98(s):
+        return (sum_last(s.t_96) * sum_rows(s.t_3) + mm(s.t_97, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_99(s):
+        return softmax_diff(s.A, s.t_98)
+
+    @leaf
+    def t_125(s):
+        return ((2/s.d_V) * s.t_94 + s.t_95 + (2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
 
     @leaf
     def dA(s):
@@ -1416,10 +1420,10 @@ class mse_bias0_causal1(Forward):
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_38 = mm(s.t_8, V_W_2)
-        t_39 = ((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * mm(s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_39 = ((1/math.sqrt(s.d_K)) * s.mm_kept(3, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_40 = softmax_diff(s.A, t_39)
-        t_41 = mm(t_40, s.N_1, s.W_V)
-        t_42 = mm(s.A, s.N_1, V_W_V)
+        t_41 = s.mm_kept(2, '011', t_40, s.N_1, s.W_V)
+        t_42 = s.mm_kept(5, '110', s.A, s.N_1, V_W_V)
         t_43 = (-(1/s.d_V) * bcast_last(sum_last((t_41 + t_42)), s.d_V) + t_41 + t_42)
         t_44 = bcast_last(sum_last((t_43 * s.M_N_2)), s.d_V)
         t_45 = (mm(((t_43 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_44 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
@@ -1432,84 +1436,88 @@ class mse_bias0_causal1(Forward):
         t_52 = (t_50 * s.P_N_2)
         t_53 = (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * t_51 - (1/(math.sqrt(s.d_K)*s.d_V)) * t_52)
         t_54 = ((2/(math.sqrt(s.d_K)*s.d_V)) * t_51 + (1/math.sqrt(s.d_K)) * t_52 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_38 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_46 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_41 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_42)
-        t_55 = softmax_diff(s.A, (sum_last(t_53) * sum_rows(s.t_3) + mm(t_54, tr(s.W_V), tr(s.N_1))))
-        t_56 = ((2/s.d_V) * t_51 + t_52 + (2/(s.L*s.d_V)) * t_38 + (2/(s.L*s.d_V)) * t_46 + (2/(s.L*s.d_V)) * t_41 + (2/(s.L*s.d_V)) * t_42)
-        t_57 = bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), (-(2/s.d_V**2) * t_51 - (1/s.d_V) * t_52))), s.d_V)
-        t_58 = mm(s.t_25, t_47)
-        return (mean0(mm(tr(s.N_1), t_55, s.N_1, s.W_K), True), mean0(mm(tr(s.N_1), tr(t_55), s.N_1, s.W_Q), True), mean0((mm(tr(s.N_1), tr(s.A), t_56) + t_57), True), mean0(mm(tr(s.N_2), t_49), True), mean0(t_58, True),)
+        t_55 = (sum_last(t_53) * sum_rows(s.t_3) + s.mm_kept(6, '011', t_54, tr(s.W_V), tr(s.N_1)))
+        t_56 = softmax_diff(s.A, t_55)
+        t_57 = ((2/s.d_V) * t_51 + t_52 + (2/(s.L*s.d_V)) * t_38 + (2/(s.L*s.d_V)) * t_46 + (2/(s.L*s.d_V)) * t_41 + (2/(s.L*s.d_V)) * t_42)
+        t_58 = s.mm_kept(9, '110', tr(s.N_1), tr(s.A), (-(2/s.d_V**2) * t_51 - (1/s.d_V) * t_52))
+        t_59 = (s.mm_kept(8, '110', tr(s.N_1), tr(s.A), t_57) + bcast_last(sum_last(t_58), s.d_V))
+        t_60 = mm(s.t_25, t_47)
+        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_56, s.N_1, s.W_K), True), mean0(s.mm_kept(7, '1011', tr(s.N_1), tr(t_56), s.N_1, s.W_Q), True), mean0(t_59, True), mean0(mm(tr(s.N_2), t_49), True), mean0(t_60, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_59 = ((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * mm(s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_60 = softmax_diff2(s.A, s.t_17, t_59)
-        t_61 = (s.t_7 * mm(s.G, tr(V_W_2)))
-        t_62 = (mm(s.t_10, tr(V_W_1)) + mm(t_61, tr(s.W_1)))
-        t_63 = (t_62 * s.P_N_2)
-        t_64 = softmax_diff(s.A, t_59)
-        t_65 = mm(t_64, s.N_1, s.W_V)
-        t_66 = mm(s.A, s.N_1, V_W_V)
-        t_67 = (-(1/s.d_V) * bcast_last(sum_last((t_65 + t_66)), s.d_V) + t_65 + t_66)
-        t_68 = (t_67 * s.t_12)
-        t_69 = bcast_last(sum_last((t_67 * s.M_N_2)), s.d_V)
-        t_70 = (s.t_6 * t_69 * s.t_11)
-        t_71 = ((t_62 * s.t_6 * s.M_N_2) + (t_67 * s.t_6 * s.t_11) + (2/s.d_V) * (s.t_30 * t_69 * s.t_11 * s.M_N_2))
-        t_72 = (bcast_last(sum_last(t_71), s.d_V) * s.M_N_2)
-        t_73 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_63 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_68 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_72)
-        t_74 = ((1/math.sqrt(s.d_K)) * t_63 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_68 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_72)
-        t_75 = (sum_last(t_73) * sum_rows(s.t_3) + sum_last(s.t_15) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + mm(t_74, tr(s.W_V), tr(s.N_1)) + mm(s.t_16, tr(V_W_V), tr(s.N_1)))
-        t_76 = softmax_diff(s.A, t_75)
-        t_77 = (mm(tr(s.N_1), s.t_18, s.N_1, V_W_K) + mm(tr(s.N_1), (t_60 + t_76), s.N_1, s.W_K))
-        t_78 = (mm(tr(s.N_1), (tr(t_60) + tr(t_76)), s.N_1, s.W_Q) + mm(tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q))
-        t_79 = (-(1/s.d_V) * t_63 - (2/s.d_V**2) * t_68 - (2/s.d_V**2) * t_70 - (2/s.d_V**2) * t_72)
-        t_80 = mm(tr(s.N_1), tr(s.A), (t_63 + (2/s.d_V) * t_68 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72))
-        t_81 = (bcast_last(sum_last(mm(tr(s.N_1), tr(t_64), s.t_36)), s.d_V) + mm(tr(s.N_1), tr(t_64), s.t_35) + bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), t_79)), s.d_V) + t_80)
-        t_82 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_83 = mm(tr(s.W_V), tr(s.N_1), tr(t_64))
-        t_84 = (-(1/s.d_V) * bcast_rows(sum_rows((t_82 + t_83)), s.d_V) + t_82 + t_83)
-        t_85 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_84 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_86 = ((t_84 * tr(s.P_N_2)) + (2/s.d_V) * t_85)
-        t_87 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_86)) * heaviside(s.t_24, 0.0))
-        return (mean0(t_77, True), mean0(t_78, True), mean0(t_81, True), mean0((mm(t_86, s.t_10) + mm(tr(s.N_2), t_61)), True), mean0(mm(t_87, s.G), True),)
+        t_61 = ((1/math.sqrt(s.d_K)) * s.mm_kept(12, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(13, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_62 = softmax_diff2(s.A, s.t_17, t_61)
+        t_63 = (s.t_7 * mm(s.G, tr(V_W_2)))
+        t_64 = (mm(s.t_10, tr(V_W_1)) + mm(t_63, tr(s.W_1)))
+        t_65 = (t_64 * s.P_N_2)
+        t_66 = softmax_diff(s.A, t_61)
+        t_67 = s.mm_kept(14, '011', t_66, s.N_1, s.W_V)
+        t_68 = s.mm_kept(15, '110', s.A, s.N_1, V_W_V)
+        t_69 = (-(1/s.d_V) * bcast_last(sum_last((t_67 + t_68)), s.d_V) + t_67 + t_68)
+        t_70 = (t_69 * s.t_12)
+        t_71 = bcast_last(sum_last((t_69 * s.M_N_2)), s.d_V)
+        t_72 = (s.t_6 * t_71 * s.t_11)
+        t_73 = ((t_64 * s.t_6 * s.M_N_2) + (t_69 * s.t_6 * s.t_11) + (2/s.d_V) * (s.t_30 * t_71 * s.t_11 * s.M_N_2))
+        t_74 = (bcast_last(sum_last(t_73), s.d_V) * s.M_N_2)
+        t_75 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_65 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_72 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_74)
+        t_76 = ((1/math.sqrt(s.d_K)) * t_65 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_72 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_74)
+        t_77 = (sum_last(t_75) * sum_rows(s.t_3) + sum_last(s.t_15) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(16, '011', t_76, tr(s.W_V), tr(s.N_1)) + mm(s.t_16, tr(V_W_V), tr(s.N_1)))
+        t_78 = softmax_diff(s.A, t_77)
+        t_79 = (s.mm_kept(10, '1110', tr(s.N_1), s.t_18, s.N_1, V_W_K) + s.mm_kept(11, '1011', tr(s.N_1), (t_62 + t_78), s.N_1, s.W_K))
+        t_80 = (s.mm_kept(17, '1011', tr(s.N_1), (tr(t_62) + tr(t_78)), s.N_1, s.W_Q) + s.mm_kept(18, '1110', tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q))
+        t_81 = (-(1/s.d_V) * t_65 - (2/s.d_V**2) * t_70 - (2/s.d_V**2) * t_72 - (2/s.d_V**2) * t_74)
+        t_82 = bcast_last(sum_last(s.mm_kept(19, '110', tr(s.N_1), tr(s.A), t_81)), s.d_V)
+        t_83 = s.mm_kept(20, '110', tr(s.N_1), tr(s.A), (t_65 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74))
+        t_84 = (bcast_last(sum_last(mm(tr(s.N_1), tr(t_66), s.t_36)), s.d_V) + mm(tr(s.N_1), tr(t_66), s.t_35) + t_82 + t_83)
+        t_85 = s.mm_kept(21, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_86 = s.mm_kept(22, '110', tr(s.W_V), tr(s.N_1), tr(t_66))
+        t_87 = (-(1/s.d_V) * bcast_rows(sum_rows((t_85 + t_86)), s.d_V) + t_85 + t_86)
+        t_88 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_87 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_89 = ((t_87 * tr(s.P_N_2)) + (2/s.d_V) * t_88)
+        t_90 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_89)) * heaviside(s.t_24, 0.0))
+        return (mean0(t_79, True), mean0(t_80, True), mean0(t_84, True), mean0((mm(t_89, s.t_10) + mm(tr(s.N_2), t_63)), True), mean0(mm(t_90, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_97 = ((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * mm(s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_98 = softmax_diff2(s.A, s.t_95, t_97)
-        t_99 = mm(s.t_8, V_W_2)
-        t_100 = softmax_diff(s.A, t_97)
-        t_101 = mm(t_100, s.N_1, s.W_V)
-        t_102 = mm(s.A, s.N_1, V_W_V)
-        t_103 = (-(1/s.d_V) * bcast_last(sum_last((t_101 + t_102)), s.d_V) + t_101 + t_102)
-        t_104 = bcast_last(sum_last((t_103 * s.M_N_2)), s.d_V)
-        t_105 = (mm(((t_103 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_104 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
-        t_106 = mm((t_105 * s.t_7), s.W_2)
-        t_107 = ((2/(s.L*s.d_V)) * t_99 + (2/(s.L*s.d_V)) * t_106 + (2/(s.L*s.d_V)) * t_101 + (2/(s.L*s.d_V)) * t_102)
-        t_108 = mm(t_107, tr(s.W_2))
-        t_109 = ((t_108 + mm(s.G, tr(V_W_2))) * s.t_7)
-        t_110 = (mm(t_109, tr(s.W_1)) + mm(s.t_88, tr(V_W_1)))
-        t_111 = (t_110 * s.P_N_2)
-        t_112 = (t_103 * s.t_90)
-        t_113 = (s.t_6 * t_104 * s.t_89)
-        t_114 = ((t_110 * s.t_6 * s.M_N_2) + (t_103 * s.t_6 * s.t_89) + (2/s.d_V) * (s.t_30 * t_104 * s.t_89 * s.M_N_2))
-        t_115 = (bcast_last(sum_last(t_114), s.d_V) * s.M_N_2)
-        t_116 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_111 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_112 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_113 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_115)
-        t_117 = ((1/math.sqrt(s.d_K)) * t_111 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_112 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_113 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_115 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_99 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_106 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_101 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_102)
-        t_118 = (sum_last(t_116) * sum_rows(s.t_3) + sum_last(s.t_93) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + mm(t_117, tr(s.W_V), tr(s.N_1)) + mm(s.t_94, tr(V_W_V), tr(s.N_1)))
-        t_119 = softmax_diff(s.A, t_118)
-        t_120 = (mm(tr(s.N_1), s.t_96, s.N_1, V_W_K) + mm(tr(s.N_1), (t_98 + t_119), s.N_1, s.W_K))
-        t_121 = (mm(tr(s.N_1), (tr(t_98) + tr(t_119)), s.N_1, s.W_Q) + mm(tr(s.N_1), tr(s.t_96), s.N_1, V_W_Q))
-        t_123 = (-(1/s.d_V) * t_111 - (2/s.d_V**2) * t_112 - (2/s.d_V**2) * t_113 - (2/s.d_V**2) * t_115)
-        t_124 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_100), (-(2/s.d_V**2) * s.t_91 - (1/s.d_V) * s.t_92))), s.d_V)
-        t_125 = (t_111 + (2/s.d_V) * t_112 + (2/s.d_V) * t_113 + (2/s.d_V) * t_115 + (2/(s.L*s.d_V)) * t_99 + (2/(s.L*s.d_V)) * t_106 + (2/(s.L*s.d_V)) * t_101 + (2/(s.L*s.d_V)) * t_102)
-        t_126 = (mm(tr(s.N_1), tr(t_100), s.t_122) + bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), t_123)), s.d_V) + t_124 + mm(tr(s.N_1), tr(s.A), t_125))
-        t_127 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_128 = mm(tr(s.W_V), tr(s.N_1), tr(t_100))
-        t_129 = (-(1/s.d_V) * bcast_rows(sum_rows((t_127 + t_128)), s.d_V) + t_127 + t_128)
-        t_130 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_129 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_131 = ((t_129 * tr(s.P_N_2)) + (2/s.d_V) * t_130)
-        t_132 = mm(s.t_25, t_107)
-        t_133 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_131)) * heaviside(s.t_24, 0.0))
-        return (mean0(t_120, True), mean0(t_121, True), mean0(t_126, True), mean0((mm(t_131, s.t_88) + mm(tr(s.N_2), t_109)), True), mean0((t_132 + mm(t_133, s.G)), True),)
+        t_100 = ((1/math.sqrt(s.d_K)) * s.mm_kept(25, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(26, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_101 = softmax_diff2(s.A, s.t_98, t_100)
+        t_102 = mm(s.t_8, V_W_2)
+        t_103 = softmax_diff(s.A, t_100)
+        t_104 = s.mm_kept(27, '011', t_103, s.N_1, s.W_V)
+        t_105 = s.mm_kept(28, '110', s.A, s.N_1, V_W_V)
+        t_106 = (-(1/s.d_V) * bcast_last(sum_last((t_104 + t_105)), s.d_V) + t_104 + t_105)
+        t_107 = bcast_last(sum_last((t_106 * s.M_N_2)), s.d_V)
+        t_108 = (mm(((t_106 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_107 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
+        t_109 = mm((t_108 * s.t_7), s.W_2)
+        t_110 = ((2/(s.L*s.d_V)) * t_102 + (2/(s.L*s.d_V)) * t_109 + (2/(s.L*s.d_V)) * t_104 + (2/(s.L*s.d_V)) * t_105)
+        t_111 = mm(t_110, tr(s.W_2))
+        t_112 = ((t_111 + mm(s.G, tr(V_W_2))) * s.t_7)
+        t_113 = (mm(t_112, tr(s.W_1)) + mm(s.t_91, tr(V_W_1)))
+        t_114 = (t_113 * s.P_N_2)
+        t_115 = (t_106 * s.t_93)
+        t_116 = (s.t_6 * t_107 * s.t_92)
+        t_117 = ((t_113 * s.t_6 * s.M_N_2) + (t_106 * s.t_6 * s.t_92) + (2/s.d_V) * (s.t_30 * t_107 * s.t_92 * s.M_N_2))
+        t_118 = (bcast_last(sum_last(t_117), s.d_V) * s.M_N_2)
+        t_119 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_114 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_115 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_116 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_118)
+        t_120 = ((1/math.sqrt(s.d_K)) * t_114 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_115 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_116 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_118 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_102 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_109 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_104 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_105)
+        t_121 = (sum_last(t_119) * sum_rows(s.t_3) + sum_last(s.t_96) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(29, '011', t_120, tr(s.W_V), tr(s.N_1)) + mm(s.t_97, tr(V_W_V), tr(s.N_1)))
+        t_122 = softmax_diff(s.A, t_121)
+        t_123 = (s.mm_kept(23, '1110', tr(s.N_1), s.t_99, s.N_1, V_W_K) + s.mm_kept(24, '1011', tr(s.N_1), (t_101 + t_122), s.N_1, s.W_K))
+        t_124 = (s.mm_kept(30, '1011', tr(s.N_1), (tr(t_101) + tr(t_122)), s.N_1, s.W_Q) + s.mm_kept(31, '1110', tr(s.N_1), tr(s.t_99), s.N_1, V_W_Q))
+        t_126 = (-(1/s.d_V) * t_114 - (2/s.d_V**2) * t_115 - (2/s.d_V**2) * t_116 - (2/s.d_V**2) * t_118)
+        t_127 = bcast_last(sum_last(s.mm_kept(32, '110', tr(s.N_1), tr(s.A), t_126)), s.d_V)
+        t_128 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_103), (-(2/s.d_V**2) * s.t_94 - (1/s.d_V) * s.t_95))), s.d_V)
+        t_129 = (t_114 + (2/s.d_V) * t_115 + (2/s.d_V) * t_116 + (2/s.d_V) * t_118 + (2/(s.L*s.d_V)) * t_102 + (2/(s.L*s.d_V)) * t_109 + (2/(s.L*s.d_V)) * t_104 + (2/(s.L*s.d_V)) * t_105)
+        t_130 = (mm(tr(s.N_1), tr(t_103), s.t_125) + t_127 + t_128 + s.mm_kept(33, '110', tr(s.N_1), tr(s.A), t_129))
+        t_131 = s.mm_kept(34, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_132 = s.mm_kept(35, '110', tr(s.W_V), tr(s.N_1), tr(t_103))
+        t_133 = (-(1/s.d_V) * bcast_rows(sum_rows((t_131 + t_132)), s.d_V) + t_131 + t_132)
+        t_134 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_133 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_135 = ((t_133 * tr(s.P_N_2)) + (2/s.d_V) * t_134)
+        t_136 = mm(s.t_25, t_110)
+        t_137 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_135)) * heaviside(s.t_24, 0.0))
+        return (mean0(t_123, True), mean0(t_124, True), mean0(t_130, True), mean0((mm(t_135, s.t_91) + mm(tr(s.N_2), t_112)), True), mean0((t_136 + mm(t_137, s.G)), True),)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -1520,7 +1528,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "cb88a8ff441b6963ae44b547"
+    STAMP = "b165729c2155563f6f248de2"
 
     @leaf
     def M_N_1(s):
@@ -1723,40 +1731,40 @@ class ce_bias0_causal0(Forward):
         return (bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), s.t_35)), s.d_V) + mm(tr(s.N_1), tr(s.A), s.t_36))
 
     @leaf
-    def t_85(s):
+    def t_87(s):
         return (s.t_8 * mm(s.G, tr(s.W_2)))
 
     @leaf
-    def t_86(s):
-        return mm(s.t_85, tr(s.W_1))
-
-    @leaf
-    def t_87(s):
-        return bcast_last(sum_last((s.t_7 * s.t_86 * s.M_N_2)), s.d_V)
-
-    @leaf
     def t_88(s):
-        return (s.t_87 * s.M_N_2)
+        return mm(s.t_87, tr(s.W_1))
 
     @leaf
     def t_89(s):
-        return (s.t_86 * s.P_N_2)
+        return bcast_last(sum_last((s.t_7 * s.t_88 * s.M_N_2)), s.d_V)
 
     @leaf
     def t_90(s):
-        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_88 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_89)
+        return (s.t_89 * s.M_N_2)
 
     @leaf
     def t_91(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_88 + (1/math.sqrt(s.d_K)) * s.t_89 + (1/(s.L*math.sqrt(s.d_K))) * s.t_11 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
+        return (s.t_88 * s.P_N_2)
 
     @leaf
     def t_92(s):
-        return (sum_last(s.t_90) * sum_rows(s.t_4) + mm(s.t_91, tr(s.W_V), tr(s.N_1)))
+        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_90 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_91)
 
     @leaf
-    def t_114(s):
-        return softmax_diff(s.A, s.t_92)
+    def t_93(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_90 + (1/math.sqrt(s.d_K)) * s.t_91 + (1/(s.L*math.sqrt(s.d_K))) * s.t_11 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
+
+    @leaf
+    def t_94(s):
+        return (sum_last(s.t_92) * sum_rows(s.t_4) + mm(s.t_93, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_116(s):
+        return softmax_diff(s.A, s.t_94)
 
     @leaf
     def dA(s):
@@ -2162,10 +2170,10 @@ class ce_bias0_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_38 = ((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * mm(s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_38 = ((1/math.sqrt(s.d_K)) * s.mm_kept(3, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_39 = softmax_diff(s.A, t_38)
-        t_40 = mm(t_39, s.N_1, s.W_V)
-        t_41 = mm(s.A, s.N_1, V_W_V)
+        t_40 = s.mm_kept(2, '011', t_39, s.N_1, s.W_V)
+        t_41 = s.mm_kept(5, '110', s.A, s.N_1, V_W_V)
         t_42 = (-(1/s.d_V) * bcast_last(sum_last((t_40 + t_41)), s.d_V) + t_40 + t_41)
         t_43 = bcast_last(sum_last((t_42 * s.M_N_2)), s.d_V)
         t_44 = (mm(((t_42 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_43 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
@@ -2177,81 +2185,84 @@ class ce_bias0_causal0(Forward):
         t_50 = (t_48 * s.P_N_2)
         t_51 = (-(2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_49 - (1/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_50)
         t_52 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_49 + (1/(s.L*math.sqrt(s.d_K))) * t_50 + (1/(s.L*math.sqrt(s.d_K))) * t_46)
-        t_53 = softmax_diff(s.A, (sum_last(t_51) * sum_rows(s.t_4) + mm(t_52, tr(s.W_V), tr(s.N_1))))
-        t_54 = mm(tr(s.N_1), tr(s.A), ((2/(s.L*s.d_V)) * t_49 + (1/s.L) * t_50 + (1/s.L) * t_46))
-        t_55 = mm(tr(s.N_1), tr(s.A), (-(2/(s.L*s.d_V**2)) * t_49 - (1/(s.L*s.d_V)) * t_50))
-        return (mean0(mm(tr(s.N_1), t_53, s.N_1, s.W_K), True), mean0(mm(tr(s.N_1), tr(t_53), s.N_1, s.W_Q), True), mean0((t_54 + bcast_last(sum_last(t_55), s.d_V)), True), mean0((1/s.L) * mm(tr(s.N_2), t_47), True), mean0((1/s.L) * mm(s.t_26, t_46), True),)
+        t_53 = (sum_last(t_51) * sum_rows(s.t_4) + s.mm_kept(6, '011', t_52, tr(s.W_V), tr(s.N_1)))
+        t_54 = softmax_diff(s.A, t_53)
+        t_55 = s.mm_kept(8, '110', tr(s.N_1), tr(s.A), ((2/(s.L*s.d_V)) * t_49 + (1/s.L) * t_50 + (1/s.L) * t_46))
+        t_56 = s.mm_kept(9, '110', tr(s.N_1), tr(s.A), (-(2/(s.L*s.d_V**2)) * t_49 - (1/(s.L*s.d_V)) * t_50))
+        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_54, s.N_1, s.W_K), True), mean0(s.mm_kept(7, '1011', tr(s.N_1), tr(t_54), s.N_1, s.W_Q), True), mean0((t_55 + bcast_last(sum_last(t_56), s.d_V)), True), mean0((1/s.L) * mm(tr(s.N_2), t_47), True), mean0((1/s.L) * mm(s.t_26, t_46), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_56 = ((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * mm(s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_57 = softmax_diff2(s.A, s.t_19, t_56)
-        t_58 = (s.t_8 * mm(s.G, tr(V_W_2)))
-        t_59 = (mm(t_58, tr(s.W_1)) + mm(s.t_12, tr(V_W_1)))
-        t_60 = (t_59 * s.P_N_2)
-        t_61 = softmax_diff(s.A, t_56)
-        t_62 = mm(t_61, s.N_1, s.W_V)
-        t_63 = mm(s.A, s.N_1, V_W_V)
-        t_64 = (-(1/s.d_V) * bcast_last(sum_last((t_62 + t_63)), s.d_V) + t_62 + t_63)
-        t_65 = (t_64 * s.t_14)
-        t_66 = bcast_last(sum_last((t_64 * s.M_N_2)), s.d_V)
-        t_67 = (s.t_7 * t_66 * s.t_13)
-        t_68 = ((t_59 * s.t_7 * s.M_N_2) + (t_64 * s.t_7 * s.t_13) + (2/s.d_V) * (s.t_31 * t_66 * s.t_13 * s.M_N_2))
-        t_69 = (bcast_last(sum_last(t_68), s.d_V) * s.M_N_2)
-        t_70 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_60 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_65 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_67 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_69)
-        t_71 = ((1/math.sqrt(s.d_K)) * t_60 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_65 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_67 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_69)
-        t_72 = (sum_last(t_70) * sum_rows(s.t_4) + sum_last(s.t_17) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + mm(t_71, tr(s.W_V), tr(s.N_1)) + mm(s.t_18, tr(V_W_V), tr(s.N_1)))
-        t_73 = softmax_diff(s.A, t_72)
-        t_74 = (mm(tr(s.N_1), s.t_20, s.N_1, V_W_K) + mm(tr(s.N_1), (t_57 + t_73), s.N_1, s.W_K))
-        t_75 = (mm(tr(s.N_1), (tr(t_57) + tr(t_73)), s.N_1, s.W_Q) + mm(tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q))
-        t_76 = mm(tr(s.N_1), tr(s.A), (t_60 + (2/s.d_V) * t_65 + (2/s.d_V) * t_67 + (2/s.d_V) * t_69))
-        t_77 = (-(1/s.d_V) * t_60 - (2/s.d_V**2) * t_65 - (2/s.d_V**2) * t_67 - (2/s.d_V**2) * t_69)
-        t_78 = (t_76 + bcast_last(sum_last(mm(tr(s.N_1), tr(t_61), s.t_35)), s.d_V) + bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), t_77)), s.d_V) + mm(tr(s.N_1), tr(t_61), s.t_36))
-        t_79 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_80 = mm(tr(s.W_V), tr(s.N_1), tr(t_61))
-        t_81 = (-(1/s.d_V) * bcast_rows(sum_rows((t_79 + t_80)), s.d_V) + t_79 + t_80)
-        t_82 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_81 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_83 = ((t_81 * tr(s.P_N_2)) + (2/s.d_V) * t_82)
-        t_84 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_83)) * heaviside(s.t_25, 0.0))
-        return (mean0(t_74, True), mean0(t_75, True), mean0(t_78, True), mean0((mm(t_83, s.t_12) + mm(tr(s.N_2), t_58)), True), mean0(mm(t_84, s.G), True),)
+        t_57 = ((1/math.sqrt(s.d_K)) * s.mm_kept(12, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(13, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_58 = softmax_diff2(s.A, s.t_19, t_57)
+        t_59 = (s.t_8 * mm(s.G, tr(V_W_2)))
+        t_60 = (mm(t_59, tr(s.W_1)) + mm(s.t_12, tr(V_W_1)))
+        t_61 = (t_60 * s.P_N_2)
+        t_62 = softmax_diff(s.A, t_57)
+        t_63 = s.mm_kept(14, '011', t_62, s.N_1, s.W_V)
+        t_64 = s.mm_kept(15, '110', s.A, s.N_1, V_W_V)
+        t_65 = (-(1/s.d_V) * bcast_last(sum_last((t_63 + t_64)), s.d_V) + t_63 + t_64)
+        t_66 = (t_65 * s.t_14)
+        t_67 = bcast_last(sum_last((t_65 * s.M_N_2)), s.d_V)
+        t_68 = (s.t_7 * t_67 * s.t_13)
+        t_69 = ((t_60 * s.t_7 * s.M_N_2) + (t_65 * s.t_7 * s.t_13) + (2/s.d_V) * (s.t_31 * t_67 * s.t_13 * s.M_N_2))
+        t_70 = (bcast_last(sum_last(t_69), s.d_V) * s.M_N_2)
+        t_71 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_61 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_66 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_68 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70)
+        t_72 = ((1/math.sqrt(s.d_K)) * t_61 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_66 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_68 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70)
+        t_73 = (sum_last(t_71) * sum_rows(s.t_4) + sum_last(s.t_17) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(16, '011', t_72, tr(s.W_V), tr(s.N_1)) + mm(s.t_18, tr(V_W_V), tr(s.N_1)))
+        t_74 = softmax_diff(s.A, t_73)
+        t_75 = (s.mm_kept(10, '1110', tr(s.N_1), s.t_20, s.N_1, V_W_K) + s.mm_kept(11, '1011', tr(s.N_1), (t_58 + t_74), s.N_1, s.W_K))
+        t_76 = (s.mm_kept(17, '1011', tr(s.N_1), (tr(t_58) + tr(t_74)), s.N_1, s.W_Q) + s.mm_kept(18, '1110', tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q))
+        t_77 = s.mm_kept(19, '110', tr(s.N_1), tr(s.A), (t_61 + (2/s.d_V) * t_66 + (2/s.d_V) * t_68 + (2/s.d_V) * t_70))
+        t_78 = (-(1/s.d_V) * t_61 - (2/s.d_V**2) * t_66 - (2/s.d_V**2) * t_68 - (2/s.d_V**2) * t_70)
+        t_79 = bcast_last(sum_last(s.mm_kept(20, '110', tr(s.N_1), tr(s.A), t_78)), s.d_V)
+        t_80 = (t_77 + bcast_last(sum_last(mm(tr(s.N_1), tr(t_62), s.t_35)), s.d_V) + t_79 + mm(tr(s.N_1), tr(t_62), s.t_36))
+        t_81 = s.mm_kept(21, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_82 = s.mm_kept(22, '110', tr(s.W_V), tr(s.N_1), tr(t_62))
+        t_83 = (-(1/s.d_V) * bcast_rows(sum_rows((t_81 + t_82)), s.d_V) + t_81 + t_82)
+        t_84 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_83 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_85 = ((t_83 * tr(s.P_N_2)) + (2/s.d_V) * t_84)
+        t_86 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_85)) * heaviside(s.t_25, 0.0))
+        return (mean0(t_75, True), mean0(t_76, True), mean0(t_80, True), mean0((mm(t_85, s.t_12) + mm(tr(s.N_2), t_59)), True), mean0(mm(t_86, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_93 = ((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * mm(s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_94 = softmax_diff2(s.A, s.t_92, t_93)
-        t_95 = softmax_diff(s.A, t_93)
-        t_96 = mm(t_95, s.N_1, s.W_V)
-        t_97 = mm(s.A, s.N_1, V_W_V)
-        t_98 = (-(1/s.d_V) * bcast_last(sum_last((t_96 + t_97)), s.d_V) + t_96 + t_97)
-        t_99 = bcast_last(sum_last((t_98 * s.M_N_2)), s.d_V)
-        t_100 = (mm(((t_98 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_99 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
-        t_101 = (mm(s.t_9, V_W_2) + mm((t_100 * s.t_8), s.W_2) + t_96 + t_97)
-        t_102 = (s.t_3 * softmax_diff(s.t_10, t_101))
-        t_103 = ((mm(s.G, tr(V_W_2)) + (1/s.L) * mm(t_102, tr(s.W_2))) * s.t_8)
-        t_104 = (mm(t_103, tr(s.W_1)) + mm(s.t_85, tr(V_W_1)))
-        t_105 = (t_104 * s.P_N_2)
-        t_106 = (t_98 * s.t_87)
-        t_107 = (s.t_7 * t_99 * s.t_86)
-        t_108 = ((t_104 * s.t_7 * s.M_N_2) + (t_98 * s.t_7 * s.t_86) + (2/s.d_V) * (s.t_31 * t_99 * s.t_86 * s.M_N_2))
-        t_109 = (bcast_last(sum_last(t_108), s.d_V) * s.M_N_2)
-        t_110 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_105 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_106 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_107 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_109)
-        t_111 = ((1/math.sqrt(s.d_K)) * t_105 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_106 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_107 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_109 + (1/(s.L*math.sqrt(s.d_K))) * t_102)
-        t_112 = (sum_last(t_110) * sum_rows(s.t_4) + sum_last(s.t_90) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + mm(t_111, tr(s.W_V), tr(s.N_1)) + mm(s.t_91, tr(V_W_V), tr(s.N_1)))
-        t_113 = softmax_diff(s.A, t_112)
-        t_115 = (mm(tr(s.N_1), (t_94 + t_113), s.N_1, s.W_K) + mm(tr(s.N_1), s.t_114, s.N_1, V_W_K))
-        t_116 = (mm(tr(s.N_1), tr(s.t_114), s.N_1, V_W_Q) + mm(tr(s.N_1), (tr(t_94) + tr(t_113)), s.N_1, s.W_Q))
-        t_117 = (-(1/s.d_V) * t_105 - (2/s.d_V**2) * t_106 - (2/s.d_V**2) * t_107 - (2/s.d_V**2) * t_109)
-        t_118 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_95), (-(2/s.d_V**2) * s.t_88 - (1/s.d_V) * s.t_89))), s.d_V)
-        t_119 = (t_105 + (2/s.d_V) * t_106 + (2/s.d_V) * t_107 + (2/s.d_V) * t_109 + (1/s.L) * t_102)
-        t_120 = mm(tr(s.N_1), tr(t_95), ((2/s.d_V) * s.t_88 + s.t_89 + (1/s.L) * s.t_11 - (1/s.L) * s.Y))
-        t_121 = (bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), t_117)), s.d_V) + t_118 + mm(tr(s.N_1), tr(s.A), t_119) + t_120)
-        t_122 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_123 = mm(tr(s.W_V), tr(s.N_1), tr(t_95))
-        t_124 = (-(1/s.d_V) * bcast_rows(sum_rows((t_122 + t_123)), s.d_V) + t_122 + t_123)
-        t_125 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_124 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_126 = ((t_124 * tr(s.P_N_2)) + (2/s.d_V) * t_125)
-        t_127 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_126)) * heaviside(s.t_25, 0.0))
-        return (mean0(t_115, True), mean0(t_116, True), mean0(t_121, True), mean0((mm(t_126, s.t_85) + mm(tr(s.N_2), t_103)), True), mean0(((1/s.L) * mm(s.t_26, t_102) + mm(t_127, s.G)), True),)
+        t_95 = ((1/math.sqrt(s.d_K)) * s.mm_kept(24, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(25, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_96 = softmax_diff2(s.A, s.t_94, t_95)
+        t_97 = softmax_diff(s.A, t_95)
+        t_98 = s.mm_kept(26, '011', t_97, s.N_1, s.W_V)
+        t_99 = s.mm_kept(27, '110', s.A, s.N_1, V_W_V)
+        t_100 = (-(1/s.d_V) * bcast_last(sum_last((t_98 + t_99)), s.d_V) + t_98 + t_99)
+        t_101 = bcast_last(sum_last((t_100 * s.M_N_2)), s.d_V)
+        t_102 = (mm(((t_100 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_101 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
+        t_103 = (mm(s.t_9, V_W_2) + mm((t_102 * s.t_8), s.W_2) + t_98 + t_99)
+        t_104 = (s.t_3 * softmax_diff(s.t_10, t_103))
+        t_105 = ((mm(s.G, tr(V_W_2)) + (1/s.L) * mm(t_104, tr(s.W_2))) * s.t_8)
+        t_106 = (mm(t_105, tr(s.W_1)) + mm(s.t_87, tr(V_W_1)))
+        t_107 = (t_106 * s.P_N_2)
+        t_108 = (t_100 * s.t_89)
+        t_109 = (s.t_7 * t_101 * s.t_88)
+        t_110 = ((t_106 * s.t_7 * s.M_N_2) + (t_100 * s.t_7 * s.t_88) + (2/s.d_V) * (s.t_31 * t_101 * s.t_88 * s.M_N_2))
+        t_111 = (bcast_last(sum_last(t_110), s.d_V) * s.M_N_2)
+        t_112 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_107 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_108 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_109 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_111)
+        t_113 = ((1/math.sqrt(s.d_K)) * t_107 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_108 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_109 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_111 + (1/(s.L*math.sqrt(s.d_K))) * t_104)
+        t_114 = (sum_last(t_112) * sum_rows(s.t_4) + sum_last(s.t_92) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(28, '011', t_113, tr(s.W_V), tr(s.N_1)) + mm(s.t_93, tr(V_W_V), tr(s.N_1)))
+        t_115 = softmax_diff(s.A, t_114)
+        t_117 = (s.mm_kept(23, '1011', tr(s.N_1), (t_96 + t_115), s.N_1, s.W_K) + s.mm_kept(29, '1110', tr(s.N_1), s.t_116, s.N_1, V_W_K))
+        t_118 = (s.mm_kept(30, '1110', tr(s.N_1), tr(s.t_116), s.N_1, V_W_Q) + s.mm_kept(31, '1011', tr(s.N_1), (tr(t_96) + tr(t_115)), s.N_1, s.W_Q))
+        t_119 = (-(1/s.d_V) * t_107 - (2/s.d_V**2) * t_108 - (2/s.d_V**2) * t_109 - (2/s.d_V**2) * t_111)
+        t_120 = bcast_last(sum_last(s.mm_kept(32, '110', tr(s.N_1), tr(s.A), t_119)), s.d_V)
+        t_121 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_97), (-(2/s.d_V**2) * s.t_90 - (1/s.d_V) * s.t_91))), s.d_V)
+        t_122 = (t_107 + (2/s.d_V) * t_108 + (2/s.d_V) * t_109 + (2/s.d_V) * t_111 + (1/s.L) * t_104)
+        t_123 = mm(tr(s.N_1), tr(t_97), ((2/s.d_V) * s.t_90 + s.t_91 + (1/s.L) * s.t_11 - (1/s.L) * s.Y))
+        t_124 = (t_120 + t_121 + s.mm_kept(33, '110', tr(s.N_1), tr(s.A), t_122) + t_123)
+        t_125 = s.mm_kept(34, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_126 = s.mm_kept(35, '110', tr(s.W_V), tr(s.N_1), tr(t_97))
+        t_127 = (-(1/s.d_V) * bcast_rows(sum_rows((t_125 + t_126)), s.d_V) + t_125 + t_126)
+        t_128 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_127 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_129 = ((t_127 * tr(s.P_N_2)) + (2/s.d_V) * t_128)
+        t_130 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_129)) * heaviside(s.t_25, 0.0))
+        return (mean0(t_117, True), mean0(t_118, True), mean0(t_124, True), mean0((mm(t_129, s.t_87) + mm(tr(s.N_2), t_105)), True), mean0(((1/s.L) * mm(s.t_26, t_104) + mm(t_130, s.G)), True),)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -2262,7 +2273,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "1dba13f7c205b83be0bf033f"
+    STAMP = "372a3c8aa450c87a36cf2ec0"
 
     @leaf
     def M_N_1(s):
@@ -2465,40 +2476,40 @@ class ce_bias0_causal1(Forward):
         return (mm(tr(s.N_1), tr(s.A), s.t_35) + bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), s.t_36)), s.d_V))
 
     @leaf
-    def t_85(s):
+    def t_87(s):
         return (s.t_8 * mm(s.G, tr(s.W_2)))
 
     @leaf
-    def t_86(s):
-        return mm(s.t_85, tr(s.W_1))
-
-    @leaf
-    def t_87(s):
-        return bcast_last(sum_last((s.t_7 * s.t_86 * s.M_N_2)), s.d_V)
-
-    @leaf
     def t_88(s):
-        return (s.t_87 * s.M_N_2)
+        return mm(s.t_87, tr(s.W_1))
 
     @leaf
     def t_89(s):
-        return (s.t_86 * s.P_N_2)
+        return bcast_last(sum_last((s.t_7 * s.t_88 * s.M_N_2)), s.d_V)
 
     @leaf
     def t_90(s):
-        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_88 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_89)
+        return (s.t_89 * s.M_N_2)
 
     @leaf
     def t_91(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_88 + (1/math.sqrt(s.d_K)) * s.t_89 + (1/(s.L*math.sqrt(s.d_K))) * s.t_11 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
+        return (s.t_88 * s.P_N_2)
 
     @leaf
     def t_92(s):
-        return (sum_last(s.t_90) * sum_rows(s.t_4) + mm(s.t_91, tr(s.W_V), tr(s.N_1)))
+        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_90 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_91)
 
     @leaf
-    def t_114(s):
-        return softmax_diff(s.A, s.t_92)
+    def t_93(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_90 + (1/math.sqrt(s.d_K)) * s.t_91 + (1/(s.L*math.sqrt(s.d_K))) * s.t_11 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
+
+    @leaf
+    def t_94(s):
+        return (sum_last(s.t_92) * sum_rows(s.t_4) + mm(s.t_93, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_116(s):
+        return softmax_diff(s.A, s.t_94)
 
     @leaf
     def dA(s):
@@ -2904,10 +2915,10 @@ class ce_bias0_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_38 = ((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * mm(s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_38 = ((1/math.sqrt(s.d_K)) * s.mm_kept(3, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_39 = softmax_diff(s.A, t_38)
-        t_40 = mm(t_39, s.N_1, s.W_V)
-        t_41 = mm(s.A, s.N_1, V_W_V)
+        t_40 = s.mm_kept(2, '011', t_39, s.N_1, s.W_V)
+        t_41 = s.mm_kept(5, '110', s.A, s.N_1, V_W_V)
         t_42 = (-(1/s.d_V) * bcast_last(sum_last((t_40 + t_41)), s.d_V) + t_40 + t_41)
         t_43 = bcast_last(sum_last((t_42 * s.M_N_2)), s.d_V)
         t_44 = (mm(((t_42 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_43 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
@@ -2919,81 +2930,84 @@ class ce_bias0_causal1(Forward):
         t_50 = (t_48 * s.P_N_2)
         t_51 = (-(2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_49 - (1/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_50)
         t_52 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_49 + (1/(s.L*math.sqrt(s.d_K))) * t_50 + (1/(s.L*math.sqrt(s.d_K))) * t_46)
-        t_53 = softmax_diff(s.A, (sum_last(t_51) * sum_rows(s.t_4) + mm(t_52, tr(s.W_V), tr(s.N_1))))
-        t_54 = mm(tr(s.N_1), tr(s.A), (-(2/(s.L*s.d_V**2)) * t_49 - (1/(s.L*s.d_V)) * t_50))
-        t_55 = mm(tr(s.N_1), tr(s.A), ((2/(s.L*s.d_V)) * t_49 + (1/s.L) * t_50 + (1/s.L) * t_46))
-        return (mean0(mm(tr(s.N_1), t_53, s.N_1, s.W_K), True), mean0(mm(tr(s.N_1), tr(t_53), s.N_1, s.W_Q), True), mean0((bcast_last(sum_last(t_54), s.d_V) + t_55), True), mean0((1/s.L) * mm(tr(s.N_2), t_47), True), mean0((1/s.L) * mm(s.t_26, t_46), True),)
+        t_53 = (sum_last(t_51) * sum_rows(s.t_4) + s.mm_kept(6, '011', t_52, tr(s.W_V), tr(s.N_1)))
+        t_54 = softmax_diff(s.A, t_53)
+        t_55 = s.mm_kept(8, '110', tr(s.N_1), tr(s.A), (-(2/(s.L*s.d_V**2)) * t_49 - (1/(s.L*s.d_V)) * t_50))
+        t_56 = s.mm_kept(9, '110', tr(s.N_1), tr(s.A), ((2/(s.L*s.d_V)) * t_49 + (1/s.L) * t_50 + (1/s.L) * t_46))
+        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_54, s.N_1, s.W_K), True), mean0(s.mm_kept(7, '1011', tr(s.N_1), tr(t_54), s.N_1, s.W_Q), True), mean0((bcast_last(sum_last(t_55), s.d_V) + t_56), True), mean0((1/s.L) * mm(tr(s.N_2), t_47), True), mean0((1/s.L) * mm(s.t_26, t_46), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_56 = ((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * mm(s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_57 = softmax_diff2(s.A, s.t_19, t_56)
-        t_58 = (s.t_8 * mm(s.G, tr(V_W_2)))
-        t_59 = (mm(s.t_12, tr(V_W_1)) + mm(t_58, tr(s.W_1)))
-        t_60 = (t_59 * s.P_N_2)
-        t_61 = softmax_diff(s.A, t_56)
-        t_62 = mm(t_61, s.N_1, s.W_V)
-        t_63 = mm(s.A, s.N_1, V_W_V)
-        t_64 = (-(1/s.d_V) * bcast_last(sum_last((t_62 + t_63)), s.d_V) + t_62 + t_63)
-        t_65 = (t_64 * s.t_14)
-        t_66 = bcast_last(sum_last((t_64 * s.M_N_2)), s.d_V)
-        t_67 = (s.t_7 * t_66 * s.t_13)
-        t_68 = ((t_59 * s.t_7 * s.M_N_2) + (t_64 * s.t_7 * s.t_13) + (2/s.d_V) * (s.t_31 * t_66 * s.t_13 * s.M_N_2))
-        t_69 = (bcast_last(sum_last(t_68), s.d_V) * s.M_N_2)
-        t_70 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_60 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_65 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_67 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_69)
-        t_71 = ((1/math.sqrt(s.d_K)) * t_60 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_65 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_67 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_69)
-        t_72 = (sum_last(t_70) * sum_rows(s.t_4) + sum_last(s.t_17) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + mm(t_71, tr(s.W_V), tr(s.N_1)) + mm(s.t_18, tr(V_W_V), tr(s.N_1)))
-        t_73 = softmax_diff(s.A, t_72)
-        t_74 = (mm(tr(s.N_1), s.t_20, s.N_1, V_W_K) + mm(tr(s.N_1), (t_57 + t_73), s.N_1, s.W_K))
-        t_75 = (mm(tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q) + mm(tr(s.N_1), (tr(t_57) + tr(t_73)), s.N_1, s.W_Q))
-        t_76 = (-(1/s.d_V) * t_60 - (2/s.d_V**2) * t_65 - (2/s.d_V**2) * t_67 - (2/s.d_V**2) * t_69)
-        t_77 = mm(tr(s.N_1), tr(s.A), (t_60 + (2/s.d_V) * t_65 + (2/s.d_V) * t_67 + (2/s.d_V) * t_69))
-        t_78 = (bcast_last(sum_last(mm(tr(s.N_1), tr(t_61), s.t_36)), s.d_V) + bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), t_76)), s.d_V) + mm(tr(s.N_1), tr(t_61), s.t_35) + t_77)
-        t_79 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_80 = mm(tr(s.W_V), tr(s.N_1), tr(t_61))
-        t_81 = (-(1/s.d_V) * bcast_rows(sum_rows((t_79 + t_80)), s.d_V) + t_79 + t_80)
-        t_82 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_81 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_83 = ((t_81 * tr(s.P_N_2)) + (2/s.d_V) * t_82)
-        t_84 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_83)) * heaviside(s.t_25, 0.0))
-        return (mean0(t_74, True), mean0(t_75, True), mean0(t_78, True), mean0((mm(t_83, s.t_12) + mm(tr(s.N_2), t_58)), True), mean0(mm(t_84, s.G), True),)
+        t_57 = ((1/math.sqrt(s.d_K)) * s.mm_kept(12, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(13, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_58 = softmax_diff2(s.A, s.t_19, t_57)
+        t_59 = (s.t_8 * mm(s.G, tr(V_W_2)))
+        t_60 = (mm(s.t_12, tr(V_W_1)) + mm(t_59, tr(s.W_1)))
+        t_61 = (t_60 * s.P_N_2)
+        t_62 = softmax_diff(s.A, t_57)
+        t_63 = s.mm_kept(14, '011', t_62, s.N_1, s.W_V)
+        t_64 = s.mm_kept(15, '110', s.A, s.N_1, V_W_V)
+        t_65 = (-(1/s.d_V) * bcast_last(sum_last((t_63 + t_64)), s.d_V) + t_63 + t_64)
+        t_66 = (t_65 * s.t_14)
+        t_67 = bcast_last(sum_last((t_65 * s.M_N_2)), s.d_V)
+        t_68 = (s.t_7 * t_67 * s.t_13)
+        t_69 = ((t_60 * s.t_7 * s.M_N_2) + (t_65 * s.t_7 * s.t_13) + (2/s.d_V) * (s.t_31 * t_67 * s.t_13 * s.M_N_2))
+        t_70 = (bcast_last(sum_last(t_69), s.d_V) * s.M_N_2)
+        t_71 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_61 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_66 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_68 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70)
+        t_72 = ((1/math.sqrt(s.d_K)) * t_61 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_66 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_68 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70)
+        t_73 = (sum_last(t_71) * sum_rows(s.t_4) + sum_last(s.t_17) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(16, '011', t_72, tr(s.W_V), tr(s.N_1)) + mm(s.t_18, tr(V_W_V), tr(s.N_1)))
+        t_74 = softmax_diff(s.A, t_73)
+        t_75 = (s.mm_kept(10, '1110', tr(s.N_1), s.t_20, s.N_1, V_W_K) + s.mm_kept(11, '1011', tr(s.N_1), (t_58 + t_74), s.N_1, s.W_K))
+        t_76 = (s.mm_kept(17, '1110', tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q) + s.mm_kept(18, '1011', tr(s.N_1), (tr(t_58) + tr(t_74)), s.N_1, s.W_Q))
+        t_77 = (-(1/s.d_V) * t_61 - (2/s.d_V**2) * t_66 - (2/s.d_V**2) * t_68 - (2/s.d_V**2) * t_70)
+        t_78 = bcast_last(sum_last(s.mm_kept(19, '110', tr(s.N_1), tr(s.A), t_77)), s.d_V)
+        t_79 = s.mm_kept(20, '110', tr(s.N_1), tr(s.A), (t_61 + (2/s.d_V) * t_66 + (2/s.d_V) * t_68 + (2/s.d_V) * t_70))
+        t_80 = (bcast_last(sum_last(mm(tr(s.N_1), tr(t_62), s.t_36)), s.d_V) + t_78 + mm(tr(s.N_1), tr(t_62), s.t_35) + t_79)
+        t_81 = s.mm_kept(21, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_82 = s.mm_kept(22, '110', tr(s.W_V), tr(s.N_1), tr(t_62))
+        t_83 = (-(1/s.d_V) * bcast_rows(sum_rows((t_81 + t_82)), s.d_V) + t_81 + t_82)
+        t_84 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_83 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_85 = ((t_83 * tr(s.P_N_2)) + (2/s.d_V) * t_84)
+        t_86 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_85)) * heaviside(s.t_25, 0.0))
+        return (mean0(t_75, True), mean0(t_76, True), mean0(t_80, True), mean0((mm(t_85, s.t_12) + mm(tr(s.N_2), t_59)), True), mean0(mm(t_86, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_93 = ((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * mm(s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_94 = softmax_diff2(s.A, s.t_92, t_93)
-        t_95 = softmax_diff(s.A, t_93)
-        t_96 = mm(t_95, s.N_1, s.W_V)
-        t_97 = mm(s.A, s.N_1, V_W_V)
-        t_98 = (-(1/s.d_V) * bcast_last(sum_last((t_96 + t_97)), s.d_V) + t_96 + t_97)
-        t_99 = bcast_last(sum_last((t_98 * s.M_N_2)), s.d_V)
-        t_100 = (mm(((t_98 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_99 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
-        t_101 = (mm(s.t_9, V_W_2) + mm((t_100 * s.t_8), s.W_2) + t_96 + t_97)
-        t_102 = (s.t_3 * softmax_diff(s.t_10, t_101))
-        t_103 = ((mm(s.G, tr(V_W_2)) + (1/s.L) * mm(t_102, tr(s.W_2))) * s.t_8)
-        t_104 = (mm(t_103, tr(s.W_1)) + mm(s.t_85, tr(V_W_1)))
-        t_105 = (t_104 * s.P_N_2)
-        t_106 = (t_98 * s.t_87)
-        t_107 = (s.t_7 * t_99 * s.t_86)
-        t_108 = ((t_104 * s.t_7 * s.M_N_2) + (t_98 * s.t_7 * s.t_86) + (2/s.d_V) * (s.t_31 * t_99 * s.t_86 * s.M_N_2))
-        t_109 = (bcast_last(sum_last(t_108), s.d_V) * s.M_N_2)
-        t_110 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_105 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_106 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_107 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_109)
-        t_111 = ((1/math.sqrt(s.d_K)) * t_105 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_106 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_107 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_109 + (1/(s.L*math.sqrt(s.d_K))) * t_102)
-        t_112 = (sum_last(t_110) * sum_rows(s.t_4) + sum_last(s.t_90) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + mm(t_111, tr(s.W_V), tr(s.N_1)) + mm(s.t_91, tr(V_W_V), tr(s.N_1)))
-        t_113 = softmax_diff(s.A, t_112)
-        t_115 = (mm(tr(s.N_1), (t_94 + t_113), s.N_1, s.W_K) + mm(tr(s.N_1), s.t_114, s.N_1, V_W_K))
-        t_116 = (mm(tr(s.N_1), tr(s.t_114), s.N_1, V_W_Q) + mm(tr(s.N_1), (tr(t_94) + tr(t_113)), s.N_1, s.W_Q))
-        t_117 = (-(1/s.d_V) * t_105 - (2/s.d_V**2) * t_106 - (2/s.d_V**2) * t_107 - (2/s.d_V**2) * t_109)
-        t_118 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_95), (-(2/s.d_V**2) * s.t_88 - (1/s.d_V) * s.t_89))), s.d_V)
-        t_119 = mm(tr(s.N_1), tr(t_95), ((2/s.d_V) * s.t_88 + s.t_89 + (1/s.L) * s.t_11 - (1/s.L) * s.Y))
-        t_120 = (t_105 + (2/s.d_V) * t_106 + (2/s.d_V) * t_107 + (2/s.d_V) * t_109 + (1/s.L) * t_102)
-        t_121 = (bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), t_117)), s.d_V) + t_118 + t_119 + mm(tr(s.N_1), tr(s.A), t_120))
-        t_122 = mm(tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_123 = mm(tr(s.W_V), tr(s.N_1), tr(t_95))
-        t_124 = (-(1/s.d_V) * bcast_rows(sum_rows((t_122 + t_123)), s.d_V) + t_122 + t_123)
-        t_125 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_124 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_126 = ((t_124 * tr(s.P_N_2)) + (2/s.d_V) * t_125)
-        t_127 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_126)) * heaviside(s.t_25, 0.0))
-        return (mean0(t_115, True), mean0(t_116, True), mean0(t_121, True), mean0((mm(t_126, s.t_85) + mm(tr(s.N_2), t_103)), True), mean0(((1/s.L) * mm(s.t_26, t_102) + mm(t_127, s.G)), True),)
+        t_95 = ((1/math.sqrt(s.d_K)) * s.mm_kept(24, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(25, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_96 = softmax_diff2(s.A, s.t_94, t_95)
+        t_97 = softmax_diff(s.A, t_95)
+        t_98 = s.mm_kept(26, '011', t_97, s.N_1, s.W_V)
+        t_99 = s.mm_kept(27, '110', s.A, s.N_1, V_W_V)
+        t_100 = (-(1/s.d_V) * bcast_last(sum_last((t_98 + t_99)), s.d_V) + t_98 + t_99)
+        t_101 = bcast_last(sum_last((t_100 * s.M_N_2)), s.d_V)
+        t_102 = (mm(((t_100 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_101 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
+        t_103 = (mm(s.t_9, V_W_2) + mm((t_102 * s.t_8), s.W_2) + t_98 + t_99)
+        t_104 = (s.t_3 * softmax_diff(s.t_10, t_103))
+        t_105 = ((mm(s.G, tr(V_W_2)) + (1/s.L) * mm(t_104, tr(s.W_2))) * s.t_8)
+        t_106 = (mm(t_105, tr(s.W_1)) + mm(s.t_87, tr(V_W_1)))
+        t_107 = (t_106 * s.P_N_2)
+        t_108 = (t_100 * s.t_89)
+        t_109 = (s.t_7 * t_101 * s.t_88)
+        t_110 = ((t_106 * s.t_7 * s.M_N_2) + (t_100 * s.t_7 * s.t_88) + (2/s.d_V) * (s.t_31 * t_101 * s.t_88 * s.M_N_2))
+        t_111 = (bcast_last(sum_last(t_110), s.d_V) * s.M_N_2)
+        t_112 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_107 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_108 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_109 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_111)
+        t_113 = ((1/math.sqrt(s.d_K)) * t_107 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_108 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_109 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_111 + (1/(s.L*math.sqrt(s.d_K))) * t_104)
+        t_114 = (sum_last(t_112) * sum_rows(s.t_4) + sum_last(s.t_92) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(28, '011', t_113, tr(s.W_V), tr(s.N_1)) + mm(s.t_93, tr(V_W_V), tr(s.N_1)))
+        t_115 = softmax_diff(s.A, t_114)
+        t_117 = (s.mm_kept(23, '1011', tr(s.N_1), (t_96 + t_115), s.N_1, s.W_K) + s.mm_kept(29, '1110', tr(s.N_1), s.t_116, s.N_1, V_W_K))
+        t_118 = (s.mm_kept(30, '1110', tr(s.N_1), tr(s.t_116), s.N_1, V_W_Q) + s.mm_kept(31, '1011', tr(s.N_1), (tr(t_96) + tr(t_115)), s.N_1, s.W_Q))
+        t_119 = (-(1/s.d_V) * t_107 - (2/s.d_V**2) * t_108 - (2/s.d_V**2) * t_109 - (2/s.d_V**2) * t_111)
+        t_120 = bcast_last(sum_last(s.mm_kept(32, '110', tr(s.N_1), tr(s.A), t_119)), s.d_V)
+        t_121 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_97), (-(2/s.d_V**2) * s.t_90 - (1/s.d_V) * s.t_91))), s.d_V)
+        t_122 = mm(tr(s.N_1), tr(t_97), ((2/s.d_V) * s.t_90 + s.t_91 + (1/s.L) * s.t_11 - (1/s.L) * s.Y))
+        t_123 = (t_107 + (2/s.d_V) * t_108 + (2/s.d_V) * t_109 + (2/s.d_V) * t_111 + (1/s.L) * t_104)
+        t_124 = (t_120 + t_121 + t_122 + s.mm_kept(33, '110', tr(s.N_1), tr(s.A), t_123))
+        t_125 = s.mm_kept(34, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_126 = s.mm_kept(35, '110', tr(s.W_V), tr(s.N_1), tr(t_97))
+        t_127 = (-(1/s.d_V) * bcast_rows(sum_rows((t_125 + t_126)), s.d_V) + t_125 + t_126)
+        t_128 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_127 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_129 = ((t_127 * tr(s.P_N_2)) + (2/s.d_V) * t_128)
+        t_130 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_129)) * heaviside(s.t_25, 0.0))
+        return (mean0(t_117, True), mean0(t_118, True), mean0(t_124, True), mean0((mm(t_129, s.t_87) + mm(tr(s.N_2), t_105)), True), mean0(((1/s.L) * mm(s.t_26, t_104) + mm(t_130, s.G)), True),)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -3006,4 +3020,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "d7fabe4fa9003976ea969ff4"
+CHECKSUM = "642dc4707a590e0d48b23194"

@@ -28,7 +28,7 @@ from ..registry import Registry
 
 MAX_INLINE = 72        # longer sub-expressions get a name of their own
 BATCH = "n"            # the batch label of printed network specs
-RESERVED = {"s", "n_batch", "ops", "schedule", "like", "PARAMS", "LOSS", "OPTIONS", "STAMP"}
+RESERVED = {"s", "n_batch", "ops", "schedule", "like", "dims", "PARAMS", "LOSS", "OPTIONS", "STAMP"}
 
 RULES = Registry("matrix printing rule for")
 rule = RULES.register
@@ -71,6 +71,7 @@ class Printer:
         self.leaf_defs = []        # (name, code, doc)
         self.local_names = None    # node -> name inside the routine being printed
         self.local_defs = None
+        self.chains = 0            # products with kept runs of fixed factors (their keys)
         self.refs = _references(program)
         for node in self.refs:              # a named quantity's definition takes its name
             if isinstance(node, E.Named):
@@ -365,6 +366,10 @@ def _matmul(pr, n):
     f = list(n.args)
     j = next((i for i, x in enumerate(f) if isinstance(x, E.Ones)), None)
     if j is None:
+        fixed = "".join("0" if pr.depends_on_arguments(x) else "1" for x in f)
+        if pr.local_names is not None and "0" in fixed and "11" in fixed:
+            pr.chains += 1              # a routine's chain: fixed runs kept across its calls
+            return f"s.mm_kept({pr.chains}, {fixed!r}, " + ", ".join(pr.code(x) for x in f) + ")"
         return "mm(" + ", ".join(pr.code(x) for x in f) + ")"
     left, ones, right = f[:j], f[j], f[j + 1:]
     lv = f"sum_last({pr.code(E.matmul(*left))})" if left else None

@@ -82,8 +82,11 @@ def _plan(labels, out, sizes, limit):
     if int(info.opt_cost) > SEARCH_FLOPS and len(labels) > 2:
         opt = oe.paths.DynamicProgramming(minimize="flops") if len(labels) <= DP_MAX else \
             oe.path_random.RandomGreedy(max_repeats=RANDOM_REPEATS)
-        p2, i2 = oe.contract_path(eq, *shapes, shapes=True, optimize=opt, memory_limit=mem)
-        if int(i2.opt_cost) < int(info.opt_cost) and all(len(st) <= 2 for st in p2):
+        try:
+            p2, i2 = oe.contract_path(eq, *shapes, shapes=True, optimize=opt, memory_limit=mem)
+        except RuntimeError:            # no order within the limit: greedy's (sliced) stays
+            p2 = None
+        if p2 is not None and int(i2.opt_cost) < int(info.opt_cost) and all(len(st) <= 2 for st in p2):
             path, info = p2, i2
     largest = int(info.largest_intermediate)
     if any(len(step) > 2 for step in path):     # no pairwise order fits the limit

@@ -9,8 +9,10 @@ diagonal) and in no operand (the block is constant along it; ``free`` gives its 
 
 Operands are arrays (with a leading batch axis ``n`` where they depend on the data),
 ``Compact`` tensors (a sum of networks of their own, materialised or inlined at the call's
-sizes, see ``resolve``), ``ONES`` (an all-ones operand: dropped, its labels counted) and
-``EYE`` (an identity: its two labels are identified).
+sizes, see ``resolve``), ``ONES`` (an all-ones operand: dropped) and ``EYE`` (an identity:
+its two labels are identified).  Invariant: ``Net.sizes`` holds exactly the labels of the
+network; one that no operand carries is a sum of ones (``free_factor``) unless it is an
+output label (then the result is constant along it).
 
 Reductions of Σ_t N_t, every one a contraction of networks (never the dense block unless
 asked for):
@@ -117,12 +119,7 @@ def net(coef, spec, *operands, free=None):
     root = lambda x: x if x not in unions else root(unions[x])
     ren = {x: root(x) for x in sizes}
     ren.update({x: root(x) for x in unions})
-    out = Net(coef, ops, labs, groups, {x: s for x, s in sizes.items()}).renamed(ren)
-    carried = set(x for ls in out.labels for x in ls) | set(x for g in out.groups for x in g)
-    for x in set(ren.get(y, y) for y in ones):
-        if x not in carried:           # a summed all-ones label: a factor of its size
-            out.coef *= out.sizes[x]
-    return out
+    return Net(coef, ops, labs, groups, {x: s for x, s in sizes.items()}).renamed(ren)
 
 
 def _shape(op):
@@ -248,16 +245,24 @@ def inline(n, k, m):
     compact's network ``m``: m's output labels become those labels (a label m repeats
     identifies the corresponding labels of ``n``), its other labels are renamed apart."""
     m = m.shifted(n.top)
-    to_m, to_n = {}, {}
+    parent = {}
+
+    def find(y):
+        while parent.get(y, y) != y:
+            y = parent[y]
+        return y
+
+    to_m = {}
     for x, y in zip(m.groups[0], n.labels[k]):
-        y = to_n.get(y, y)
         if x not in to_m:
             to_m[x] = y
-        elif to_m[x] != y:
-            to_n[y] = to_m[x]
-    if to_n:
-        n = n.renamed(to_n)
-    m = m.renamed(to_m)
+        else:                            # m is zero off this diagonal: identify n's labels
+            a, b = find(to_m[x]), find(y)
+            if a != b:
+                parent[b] = a
+    if parent:
+        n = n.renamed({y: find(y) for y in parent})
+    m = m.renamed({x: find(y) for x, y in to_m.items()})
     ops = n.ops[:k] + n.ops[k + 1:] + m.ops
     labels = n.labels[:k] + n.labels[k + 1:] + m.labels
     sizes = dict(m.sizes)
@@ -293,7 +298,7 @@ def accumulate(state, n, groups, acc=None, shape=None):
         if acc is None:
             acc = ops.zeros(shape if shape is not None else [m.sizes[x] for x in out], like=state.like)
         view = ops.diagonal_view(acc, out) if len(uniq) < len(out) else acc
-        ops.add_scaled(view, r, m.coef)
+        ops.add_scaled(view, r, m.coef * free_factor(m, out))
     return acc
 
 
@@ -385,11 +390,16 @@ def paired(state, a, b):
 
 
 def closed(n):
-    """``n`` summed over all its output labels: a label no operand carries contributes
-    its size (Σ over it of 1)."""
-    carried = set(x for ls in n.labels for x in ls)
-    free = set(x for g in n.groups for x in g) - carried
-    return Net(n.coef * math.prod(n.sizes[x] for x in free), n.ops, n.labels, (), n.sizes)
+    """``n`` summed over all its output labels."""
+    return Net(n.coef, n.ops, n.labels, (), n.sizes)
+
+
+def free_factor(n, out):
+    """Σ over the labels of ``n`` that no operand carries and ``out`` leaves summed: each
+    contributes its size (a sum of ones: an all-ones operand, a compact tensor constant along
+    the batch axis once inlined, an output label closed by a trace or a pairing)."""
+    carried = set(x for ls in n.labels for x in ls) | set(out)
+    return math.prod(s for x, s in n.sizes.items() if x not in carried)
 
 
 def scalar(state, nets):
@@ -397,11 +407,12 @@ def scalar(state, nets):
     total = 0.0
     for n in nets:
         for m in resolve(state, n, ()):
+            c = m.coef * free_factor(m, ())
             if m.ops:
                 v = C.contract(state.ops, m.ops, m.labels, (), state.schedule.limit, m.sizes)
-                total += m.coef * state.ops.item(v)
+                total += c * state.ops.item(v)
             else:
-                total += m.coef
+                total += c
     return total
 
 

@@ -220,6 +220,8 @@ class _Ops:
         else:
             view += c * r
 
+    matmul2 = staticmethod(np.matmul)
+
     @staticmethod
     def concat(xs):
         return np.concatenate(list(xs))

@@ -57,7 +57,9 @@ class Schedule:
 
     @property
     def compact_limit(self) -> int:
-        return self.limit
+        """Entries of the largest compact tensor kept materialised (it lives as long as the
+        prepared state, so a quarter of the intermediate limit)."""
+        return max(1, self.limit // 4)
 
     @classmethod
     def plain(cls, **kw) -> "Schedule":

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from functools import cached_property
 
+from . import chain
 from . import network as N
 from ..errors import InputError, UnknownNameError
 
@@ -46,6 +47,7 @@ class Forward:
         self.n_batch = n_batch
         self.ops, self.schedule, self.like = ops, schedule, like
         self._nets = {}
+        self._kept = {}
 
     def __repr__(self):
         return f"<prepared {type(self).__qualname__}: {self.n_batch} sequence(s)>"
@@ -162,6 +164,13 @@ class Forward:
         return self.ops.reshape(acc, shape)
 
     # -- matrix view -------------------------------------------------------------------------
+    def mm_kept(self, key, fixed, *xs):
+        """F₁⋯F_k in the cheapest order at these sizes, where the products of consecutive
+        factors marked fixed ("1": they do not depend on the routine's arguments) are
+        computed once per state and kept (``runtime.chain``)."""
+        return chain.multiply(xs, self.ops.matmul2, self.ops.shape,
+                              fixed=tuple(c == "1" for c in fixed), memo=self._kept, key=key)
+
     def hvp(self, v, part="full"):
         """H_part v for a flat vector v (parameters in declared order), no block built."""
         _part(part)

@@ -215,6 +215,8 @@ class _Ops:
     def add_scaled(view, r, c):
         view.add_(r, alpha=c)
 
+    matmul2 = staticmethod(torch.matmul)
+
     @staticmethod
     def concat(xs):
         return torch.cat(list(xs))
