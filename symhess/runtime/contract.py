@@ -4,10 +4,11 @@ A network is  Σ_{summed labels} Π_k T_k[labels_k], its result laid out over th
 output labels ``out`` (distinct; labels of ``out`` that no operand carries are left out of
 the result and broadcast by the caller).  Labels are small integers.
 
-* **plan** — the pairwise contraction order is chosen by opt_einsum for the operands'
-  actual shapes, with no intermediate above ``limit`` entries: greedy, then — when the
-  greedy order is expensive (``SEARCH_FLOPS``) — dynamic programming (up to ``DP_MAX``
-  operands) or randomised greedy runs, keeping the cheapest.
+* **plan** — the pairwise contraction order is chosen for the operands' actual shapes, with
+  no intermediate above ``limit`` entries: first the contractions whose result is no
+  larger than their larger operand (``_shrink``), then opt_einsum's greedy order and — when
+  that is expensive (``SEARCH_FLOPS``) — dynamic programming (up to ``DP_MAX`` operands) or
+  randomised greedy runs, keeping the cheapest.
   Plans are cached by the network's canonical form (labels renumbered by first
   appearance) and sizes, so a routine called again at the same sizes plans nothing.
 * **slice** — when no order keeps every intermediate under the limit, the largest label
@@ -32,12 +33,13 @@ import opt_einsum as oe
 
 from ..errors import BudgetError
 
-# planning effort follows the work: a greedy order first; when it costs more than this many
-# flops, dynamic programming (up to DP_MAX operands) or 64 randomised greedy runs look for a
-# cheaper one (on attention's Frobenius networks at L = 256 they find orders 50× cheaper
-# than greedy; at toy sizes they would cost more time than they save)
+# planning effort follows the work: the contractions that cost no memory first (``_shrink``),
+# then a greedy order; when that costs more than SEARCH_FLOPS flops, dynamic programming (up
+# to DP_MAX operands) or 64 randomised greedy runs look for a cheaper one (on attention's
+# Frobenius networks at L = 256 they find orders 20-50× cheaper than greedy; at toy sizes
+# they would cost more time than they save)
 SEARCH_FLOPS = 2 * 10 ** 7
-DP_MAX = 10
+DP_MAX = 16
 RANDOM_REPEATS = 64
 
 
@@ -70,17 +72,19 @@ def plan(labels, out, sizes, limit=None) -> Plan:
 
 @lru_cache(maxsize=65536)
 def _plan(labels, out, sizes, limit):
-    sym = [oe.get_symbol(i) for i in range(len(sizes))]
-    eq = ",".join("".join(sym[x] for x in ls) for ls in labels) + "->" + "".join(sym[x] for x in out)
-    shapes = [tuple(sizes[x] for x in ls) for ls in labels]
     if len(labels) == 1:
-        path = ((0,),)
         flops = math.prod(sizes[x] for x in set(labels[0]))
-        return Plan(path, flops, math.prod(sizes[x] for x in out))
+        return Plan(((0,),), flops, math.prod(sizes[x] for x in out))
     mem = None if limit is None else max(int(limit), math.prod(sizes[x] for x in out))
+    prefix, rest, pre_flops, pre_largest = _shrink(labels, out, sizes)
+    if len(rest) == 1:
+        return Plan(tuple(prefix) + ((0,),), pre_flops, max(pre_largest, math.prod(sizes[x] for x in out)))
+    sym = [oe.get_symbol(i) for i in range(len(sizes))]
+    eq = ",".join("".join(sym[x] for x in ls) for ls in rest) + "->" + "".join(sym[x] for x in out)
+    shapes = [tuple(sizes[x] for x in ls) for ls in rest]
     path, info = oe.contract_path(eq, *shapes, shapes=True, optimize="greedy", memory_limit=mem)
-    if int(info.opt_cost) > SEARCH_FLOPS and len(labels) > 2:
-        opt = oe.paths.DynamicProgramming(minimize="flops") if len(labels) <= DP_MAX else \
+    if int(info.opt_cost) > SEARCH_FLOPS and len(rest) > 2:
+        opt = oe.paths.DynamicProgramming(minimize="flops") if len(rest) <= DP_MAX else \
             oe.path_random.RandomGreedy(max_repeats=RANDOM_REPEATS)
         try:
             p2, i2 = oe.contract_path(eq, *shapes, shapes=True, optimize=opt, memory_limit=mem)
@@ -88,11 +92,42 @@ def _plan(labels, out, sizes, limit):
             p2 = None
         if p2 is not None and int(i2.opt_cost) < int(info.opt_cost) and all(len(st) <= 2 for st in p2):
             path, info = p2, i2
-    largest = int(info.largest_intermediate)
+    largest = max(int(info.largest_intermediate), pre_largest)
     if any(len(step) > 2 for step in path):     # no pairwise order fits the limit
         _, free = oe.contract_path(eq, *shapes, shapes=True, optimize="greedy")
-        largest = max(largest, int(free.largest_intermediate), mem + 1)
-    return Plan(tuple(tuple(s) for s in path), int(info.opt_cost), largest)
+        largest = max(largest, int(free.largest_intermediate), (mem or 0) + 1)
+    return Plan(tuple(prefix) + tuple(tuple(s) for s in path), pre_flops + int(info.opt_cost), largest)
+
+
+def _shrink(labels, out, sizes):
+    """Contract, cheapest first, the pairs of operands that share a label and whose result
+    is no larger than the larger of them (X W_K, X t): never a memory cost, and the networks
+    left for the search are smaller.  Returns (path steps, remaining label lists, flops,
+    largest result)."""
+    labels = [tuple(ls) for ls in labels]
+    steps, flops, largest = [], 0, 0
+    size = lambda ls: math.prod(sizes[x] for x in set(ls))
+    while len(labels) > 1:
+        best = None
+        for i in range(len(labels)):
+            for j in range(i + 1, len(labels)):
+                a, b = labels[i], labels[j]
+                if not set(a) & set(b):
+                    continue
+                keep = set(out).union(*(labels[k] for k in range(len(labels)) if k not in (i, j)))
+                res = tuple(dict.fromkeys(x for x in a + b if x in keep))
+                if size(res) <= max(size(a), size(b)):
+                    cost = size(a + b)
+                    if best is None or cost < best[0]:
+                        best = (cost, i, j, res)
+        if best is None:
+            break
+        cost, i, j, res = best
+        steps.append((i, j))
+        flops += 2 * cost
+        largest = max(largest, size(res))
+        labels = [ls for k, ls in enumerate(labels) if k not in (i, j)] + [res]
+    return steps, labels, flops, largest
 
 
 def network_sizes(ops, arrays, labels):
