@@ -16,7 +16,7 @@ from .printing.latex import intermediate_tex
 from .printing.latex_cse import jacobian_names, share_if_long, terms
 from .printing.latex_cse import latex as shared_latex
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 LOSS_TITLES = {"mse": "mean squared error", "ce": "row-wise cross-entropy"}
 
