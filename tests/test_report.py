@@ -15,7 +15,7 @@ def test_report_has_every_block_and_both_losses():
     text = render_report(sh.layer("attention"), losses=("mse", "ce"))
     assert text.count(r"\mathbf H_o(") == 18 and text.count(r"\mathbf H_f(") == 18
     assert "mean squared error" in text and "cross-entropy" in text
-    assert r"\mathbf M_2 :=" in text and r"\mathbf Z_1 :=" in text
+    assert r"\mathbf M_2 &:=" in text and r"\mathbf Z_1 &:=" in text
     assert text == render_report(sh.layer("attention"), losses=("mse", "ce"))  # deterministic
 
 
@@ -33,8 +33,8 @@ def test_terms_too_wide_to_typeset_are_summarised(monkeypatch):
     monkeypatch.setattr(rep, "MAX_TERM_CHARS", 200)
     text = render_report(sh.layer("attention"), losses=("mse",))
     assert "LaTeX characters; print it with" in text and r"symhess derive attention --block W\_Q,W\_K" in text
-    # every H_f line of a two-term block is split, the second line starts with '+'
-    assert r"\fiteq{+" in text
+    # every term of a block is a row of its align*, a further term starting with '+'
+    assert "\n&\\quad +" in text
 
 
 def test_templates_ship_inside_the_package():
