@@ -103,6 +103,13 @@ def _without(names, node):
     return {u: t for u, t in names.items() if u != node and u != E.transpose(node)}
 
 
+def _rhs(expr, names, node):
+    """A definition's right-hand side: the other symbols, named sums folded into larger sums."""
+    from .printing.latex_cse import latex, named_sums
+    others = _without(names, node)
+    return latex(expr, others, sums=named_sums(others))
+
+
 def definitions(exprs, names) -> list:
     """One ``Definition`` per symbol the expressions use, definitions before their uses.
 
@@ -117,11 +124,11 @@ def definitions(exprs, names) -> list:
             node = node.args[0]
         if isinstance(node, E.Named):
             symbol = LatexPrinter(names).doprint(node)
-            rhs = node.inner.latex(_without(names, node))
+            rhs = _rhs(node.inner, names, node)
             note = moment_note(node, names)
         elif node in symbol_of:
             symbol = symbol_of[node]
-            rhs = node.latex(_without(names, node))
+            rhs = _rhs(node, names, node)
             note = None
         else:
             continue
@@ -192,6 +199,10 @@ GLOSSARY = {
                   r"(x+0.044715x^3))\bigr)$"),
     "sigmoid": r"$\operatorname{sigmoid}(x)=1/(1+e^{-x})$",
     "prime": r"$f'$ and $f''$ are the first and second derivatives of a scalar function $f$",
+    "head_label": (r"a superscript $1, 2, \dots$ on a symbol ($\mathbf W_{Q}^{1}$, $\mathbf A^{1}$) "
+                   r"numbers the attention head it belongs to, not a power"),
+    "layer_label": (r"a superscript $(1), (2), \dots$ on a symbol ($\mathbf W_{Q}^{(1)}$, "
+                    r"$\mathbf A^{(2)}$) numbers the sub-layer it belongs to, not a power"),
 }
 
 _FUNCTION_KEYS = {"relu": "relu", "step": "step", "gelu": "gelu", "gelu_tanh": "gelu_tanh",
@@ -216,8 +227,25 @@ def _elementwise_keys(node, printer):
     return keys
 
 
+def _labels(tex):
+    """The glossary keys of the head / sub-layer superscripts in a symbol (W_Q^{1}, A^{1,(2)})."""
+    keys = []
+    for sup in re.findall(r"\^\{([^{}]*(?:\([^{}]*\))?[^{}]*)\}", tex):
+        parts = sup.split(",")
+        if any(part.isdigit() for part in parts):
+            keys.append("head_label")
+        if any(re.fullmatch(r"\(\d+\)", part) for part in parts):
+            keys.append("layer_label")
+    return keys
+
+
 def _named_keys(node, printer):
-    return ("G",) if node.frozen and node.name == "G" else ()
+    keys = ["G"] if node.frozen and node.name == "G" else []
+    return keys + _labels(node.tex)      # the symbol itself, not the arguments it shows
+
+
+def _symbol_keys(node, printer):
+    return _labels(printer.doprint(node))
 
 
 # node type -> the glossary keys its printed form uses
@@ -242,6 +270,7 @@ _USES = {
     "KronContract": lambda n, p: ("kron_contract",),
     "Elementwise": _elementwise_keys,
     "Named": _named_keys,
+    "Var": _symbol_keys,
 }
 
 
@@ -260,6 +289,8 @@ def glossary(exprs, names) -> list[str]:
             rule = _USES.get(type(node).__name__)
             if rule is not None:
                 used.update(rule(node, printer))
+            if node in names:
+                used.update(_labels(names[node]))
     return [text for key, text in GLOSSARY.items() if key in used]
 
 

@@ -13,7 +13,7 @@ from . import __version__
 from .hessian import derive
 from .notation import GLOSSARY, definitions, glossary
 from .printing.latex import intermediate_tex
-from .printing.latex_cse import jacobian_names, share_if_long, terms
+from .printing.latex_cse import jacobian_names, named_sums, share_if_long, terms
 from .printing.latex_cse import latex as shared_latex
 from .printing.latex_lines import break_lines, width
 
@@ -69,7 +69,7 @@ def _terms(block, p, q, names=None, shared=()):
     names = block.derivation.latex_names if names is None else names
     out = []
     for t in terms(block.expr):
-        tex = shared_latex(t, names, shared)
+        tex = shared_latex(t, names, shared, named_sums(block.derivation.latex_names))
         if len(tex) > MAX_TERM_CHARS:
             cmd = f"symhess derive {block.derivation.layer.name} --block {p},{q}".replace("_", "\\_")
             tex = rf"\text{{[a term of {len(tex):,} LaTeX characters; print it with \texttt{{{cmd}}}]}}"
@@ -97,7 +97,8 @@ def _section(lay, loss, progress=False):
     parts = _parts(d, progress)
     pairs = list(parts)
     shared, tex_names = share_if_long([b.expr for bs in parts.values() for b in bs], d.latex_names,
-                                      SHARE_CHARS, hints=lambda: jacobian_names(d))
+                                      SHARE_CHARS, hints=lambda: jacobian_names(d),
+                                      sums=named_sums(d.latex_names))
     blocks = []
     for p, q in pairs:
         bo, bf = parts[p, q]
@@ -137,7 +138,8 @@ def render_report(lay, losses=("mse", "ce"), progress=False) -> str:
         section, printed, names = _section(lay, loss, progress)
         sections.append(section)
         notation.update(glossary(printed, names))
-    output = lay.output.latex({v: intermediate_tex(k) for k, v in lay.intermediates.items()})
+    names = {v: intermediate_tex(k) for k, v in lay.intermediates.items()}
+    output = shared_latex(lay.output, names, sums=named_sums(names))
     return template_env().get_template("report.tex.j2").render(
         version=__version__, layer_name=lay.name, layer_tt=lay.name.replace("_", r"\_"),
         options_text=f" ({opts})" if opts else "", paper=PAPER, margin=f"{MARGIN_CM}cm",

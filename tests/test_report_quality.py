@@ -230,3 +230,20 @@ def test_rsqrt_derivatives_are_explicit(layernorm_report):
     assert function_tex(get_function("tanh").derivative().derivative()) == r"\tanh''"
     assert r"(\boldsymbol\sigma^2_Z)^{-3/2}" in layernorm_report
     assert not re.search(r"\^\{[^{}]*\}'", layernorm_report)
+
+
+def test_head_and_sub_layer_superscripts_are_explained():
+    """W_Q^{1} (head 1) and A^{(2)} (sub-layer 2) are labels, and the notation says so."""
+    heads = render_report(sh.layer("multihead_attention"), losses=("mse",)).split(r"\section{")[0]
+    assert GLOSSARY["head_label"] in heads and GLOSSARY["layer_label"] not in heads
+    stack = render_report(sh.layer("attention_stack"), losses=("mse",)).split(r"\section{")[0]
+    assert GLOSSARY["layer_label"] in stack and GLOSSARY["head_label"] not in stack
+    plain = render_report(sh.layer("attention"), losses=("mse",)).split(r"\section{")[0]
+    assert GLOSSARY["head_label"] not in plain and GLOSSARY["layer_label"] not in plain
+
+
+def test_a_sum_prints_a_positive_term_first():
+    """M_Z := X − (1/d_V) X 1, not −(1/d_V) X 1 + X."""
+    text = render_report(sh.layer("layernorm"), losses=("mse",))
+    assert r"\mathbf M_Z &:= \mathbf X- \frac{1}{d_{V}}" in text
+    assert not re.search(r"&:= -", text)

@@ -44,7 +44,7 @@ def intermediate_tex(key: str) -> str:
 
 
 def dim_tex(d) -> str:
-    return sp.latex(sp.sympify(d))
+    return sp.latex(sp.sympify(d), fold_frac_powers=True)
 
 
 # how the LaTeX printer writes some entrywise functions (amssymb has no blackboard-bold 1)
@@ -97,6 +97,17 @@ def function_tex(fn) -> str:
     return m.group(1) + "'" * order + (m.group(2) or "")
 
 
+def signed_sum(texts, plus="+", minus="-") -> str:
+    """Printed terms joined by their signs, a positive term first where there is one
+    (X − ½X1, not −½X1 + X); the order is otherwise the canonical one."""
+    first = next((i for i, t in enumerate(texts) if not t.startswith("-")), 0)
+    texts = [texts[first]] + texts[:first] + texts[first + 1:]
+    out = texts[0]
+    for t in texts[1:]:
+        out += minus + t[1:] if t.startswith("-") else plus + t
+    return out
+
+
 class LatexPrinter(Printer):
     plus, minus = "+", "-"
     """``names`` maps sub-expressions (a layer's intermediates) to their LaTeX symbols."""
@@ -146,6 +157,9 @@ class LatexPrinter(Printer):
     def _print_DiagSelector(self, n):
         return rf"\mathbf E_{{{dim_tex(n.params[0])}}}"
 
+    def _print_Add(self, n):
+        return signed_sum([self.doprint(t) for t in n.args], self.plus, self.minus)
+
     def _print_MatMul(self, n):
         return "".join(self.paren(a, n.precedence + 1) for a in n.args)
 
@@ -154,7 +168,7 @@ class LatexPrinter(Printer):
         inner = self.paren(n.args[0], n.precedence + 1)
         if c == -1:
             return "-" + inner
-        ctex = sp.latex(c)
+        ctex = sp.latex(c, fold_frac_powers=True)
         if isinstance(c, sp.Add):
             ctex = rf"\left({ctex}\right)"
         return ctex + inner
