@@ -110,6 +110,14 @@ def test_break_lines_inside_brackets_uses_fixed_sizes():
     assert restored == tex
 
 
+def test_break_lines_ends_with_a_width_too_small_for_anything():
+    """Each line end moves the line start forward: a tiny width gives one piece per line."""
+    tex = r"\mathbf A\left(\mathbf B+\mathbf C\right)\otimes \mathbf D-\frac{1}{2}\mathbf E"
+    lines = break_lines(tex, 0.1)
+    assert all(line.strip() for line in lines) and len(lines) >= 4
+    assert "".join(lines).replace(r"\bigl(", r"\left(").replace(r"\bigr)", r"\right)") == tex
+
+
 def test_break_lines_leaves_unreadable_input_whole():
     tex = r"\left(" + r"\mathbf A+" * 100 + r"\mathbf B"        # no \right
     assert break_lines(tex, 10) == [tex]

@@ -457,7 +457,7 @@ def break_lines(tex: str, first: float, rest: float | None = None) -> list[str]:
     for a, b in zip(starts, starts[1:] + [len(pieces)]):
         text = "".join(_resized(p, sizes[id(p.group)]) if p.kind in ("open", "close")
                        and p.group.sized and id(p.group) in sizes else p.text for p in pieces[a:b])
-        lines.append(text.strip())
+        lines.append(text)
     return lines
 
 
