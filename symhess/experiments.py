@@ -107,6 +107,11 @@ class Config:
     def kind(self):
         return "pre" if self.norm == "pre" else self.attention
 
+    @property
+    def model_name(self):
+        """How a figure names the model: "softmax attention", "pre-LN softmax attention" …"""
+        return ("pre-LN " if self.norm == "pre" else "") + f"{self.attention} attention"
+
     def validate(self):
         for name in ("d_model", "d_head", "d_mlp", "batch", "depth"):
             if int(getattr(self, name)) < 1:
@@ -400,13 +405,20 @@ def plot_scaling(summary, kind, path, title, depth=1):
                 ax.set_xlabel("embedding std σ")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Title": title})
     plt.close(fig)
 
 
 def scaling_stem(cfg) -> str:
     """scaling_<kind> for one block, scaling_<kind>_depth<N> for a stack."""
     return f"scaling_{cfg.kind}" + (f"_depth{cfg.depth}" if cfg.depth > 1 else "")
+
+
+def scaling_title(cfg, seeds) -> str:
+    """The scaling figure's title: the model and its sizes."""
+    layers = f"{cfg.depth} layers, " if cfg.depth > 1 else ""
+    return (f"{cfg.model_name}, {layers}d_model={cfg.d_model}, d_head={cfg.d_head}, "
+            f"d_mlp={cfg.d_mlp}, batch={cfg.batch}, {seeds} seed(s)")
 
 
 def cmd_scaling(args):
@@ -420,10 +432,7 @@ def cmd_scaling(args):
     stem = os.path.join(args.out, scaling_stem(cfg))
     write_csv(rows, stem + ".csv")
     summary = summarise(rows, args.fit_max)
-    layers = f"{cfg.depth} layers, " if cfg.depth > 1 else ""
-    plot_scaling(summary, cfg.kind, stem + ".png",
-                 f"{cfg.kind} attention, {layers}d_model={cfg.d_model}, d_head={cfg.d_head}, "
-                 f"d_mlp={cfg.d_mlp}, batch={cfg.batch}, {len(seeds)} seed(s)", cfg.depth)
+    plot_scaling(summary, cfg.kind, stem + ".png", scaling_title(cfg, len(seeds)), cfg.depth)
     ref = reference_slopes(cfg.kind, cfg.depth)
     print(f"fitted slopes for σ ≤ {args.fit_max:g} ({cfg.kind}; {elapsed:.1f} s):")
     for p in block_names(cfg.depth):

@@ -11,12 +11,13 @@ import jinja2
 
 from . import __version__
 from .hessian import derive
-from .notation import definitions
+from .notation import GLOSSARY, definitions, glossary
 from .printing.latex import intermediate_tex
-from .printing.latex_cse import jacobian_names, share_if_long, terms
+from .printing.latex_cse import jacobian_names, named_sums, share_if_long, terms
 from .printing.latex_cse import latex as shared_latex
+from .printing.latex_lines import break_lines, width
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 LOSS_TITLES = {"mse": "mean squared error", "ce": "row-wise cross-entropy"}
 
@@ -32,7 +33,35 @@ def template_env() -> jinja2.Environment:
         autoescape=False, undefined=jinja2.StrictUndefined)
 
 
-MAX_TERM_CHARS = 4000  # wider terms exceed TeX's largest dimension even before scaling
+MAX_TERM_CHARS = 4000  # a longer term is summarised (print it with `symhess derive`)
+SHARE_CHARS = 1200     # where a term is longer (≈ two lines), recurring sub-expressions are named
+# the page: US letter landscape (11 in wide) with 2 cm margins, 10 pt type (1 em = 10 pt)
+PAPER, MARGIN_CM = "letterpaper", 2
+LINE_EM = (11 * 72.27 - 2 * MARGIN_CM / 2.54 * 72.27) / 10   # the text width in em: 68.1
+FILL = 0.9             # lines are broken at this fraction of the width (widths are estimates)
+INDENT_EM = 1.0        # \quad before a further term, \qquad\quad before a term's continuation
+
+
+def align_rows(lhs, rel, terms_tex, lhs_width=None):
+    """Rows of an ``align*`` for ``lhs rel t_1 + t_2 + …``: one term per row, a term too wide
+    for the line continued on further rows (``symhess.printing.latex_lines``)."""
+    avail = FILL * LINE_EM - (width(lhs) if lhs_width is None else lhs_width)
+    rows = []
+    for k, t in enumerate(terms_tex):
+        if k == 0:
+            head, first = f"{lhs} &{rel} ", avail - width(rel)
+        else:
+            t = t if t.startswith("-") else "+" + t
+            head, first = r"&\quad ", avail - INDENT_EM
+        lines = break_lines(t, first, avail - 3 * INDENT_EM)
+        rows.append(head + lines[0])
+        rows.extend(r"&\qquad\quad " + line for line in lines[1:])
+    return rows
+
+
+def align(rows) -> str:
+    """The body of an ``align*`` environment."""
+    return " \\\\\n".join(rows)
 
 
 def _terms(block, p, q, names=None, shared=()):
@@ -40,7 +69,7 @@ def _terms(block, p, q, names=None, shared=()):
     names = block.derivation.latex_names if names is None else names
     out = []
     for t in terms(block.expr):
-        tex = shared_latex(t, names, shared)
+        tex = shared_latex(t, names, shared, named_sums(block.derivation.latex_names))
         if len(tex) > MAX_TERM_CHARS:
             cmd = f"symhess derive {block.derivation.layer.name} --block {p},{q}".replace("_", "\\_")
             tex = rf"\text{{[a term of {len(tex):,} LaTeX characters; print it with \texttt{{{cmd}}}]}}"
@@ -68,30 +97,55 @@ def _section(lay, loss, progress=False):
     parts = _parts(d, progress)
     pairs = list(parts)
     shared, tex_names = share_if_long([b.expr for bs in parts.values() for b in bs], d.latex_names,
-                                      MAX_TERM_CHARS, hints=lambda: jacobian_names(d))
+                                      SHARE_CHARS, hints=lambda: jacobian_names(d),
+                                      sums=named_sums(d.latex_names))
     blocks = []
     for p, q in pairs:
         bo, bf = parts[p, q]
-        blocks.append({"p": lay.param(p).latex(), "q": lay.param(q).latex(),
-                       "outer": _terms(bo, p, q, tex_names, shared),
-                       "functional": _terms(bf, p, q, tex_names, shared)})
-    defs = [{"lhs": n.symbol, "rhs": n.tex, "note": n.note}
-            for n in definitions(report_expressions(d), d.latex_names)]
-    fp = d._loss_parts[0]
-    return {"title": LOSS_TITLES.get(loss, r"\texttt{" + loss.replace("_", r"\_") + "}"), "loss": d._loss_fn(fp, d.Y).latex(),
-            "blocks": blocks, "definitions": defs,
-            "shared": [{"lhs": s.symbol, "rhs": s.tex} for s in shared]}
+        tp, tq = lay.param(p).latex(), lay.param(q).latex()
+        rows = []
+        for part, b in (("o", bo), ("f", bf)):
+            lhs = rf"\mathbf H_{part}({tp},{tq})"
+            rows += align_rows(lhs, "=", _terms(b, p, q, tex_names, shared))
+        blocks.append({"p": tp, "q": tq, "align": align(rows)})
+    printed = report_expressions(d)
+    defs = definitions(printed, d.latex_names)
+    loss_expr = d._loss_fn(d._loss_parts[0], d.Y)
+    section = {"title": LOSS_TITLES.get(loss, r"\texttt{" + loss.replace("_", r"\_") + "}"),
+               "loss": align(align_rows(r"\ell", "=", [loss_expr.latex()])),
+               "blocks": blocks,
+               "definitions": _definition_rows([(n.symbol, n.tex + (n.note or "")) for n in defs]),
+               "shared": _definition_rows([(s.symbol, s.tex) for s in shared])}
+    return section, printed + [loss_expr], d.latex_names
+
+
+def _definition_rows(pairs) -> str:
+    """``symbol := definition`` rows aligned at :=, long definitions continued on further rows."""
+    if not pairs:
+        return ""
+    lhs_width = max(width(lhs) for lhs, _ in pairs)
+    return align([row for lhs, rhs in pairs for row in align_rows(lhs, ":=", [rhs], lhs_width)])
 
 
 def render_report(lay, losses=("mse", "ce"), progress=False) -> str:
-    """The LaTeX document; ``progress`` shows a bar per loss over the blocks on stderr."""
+    """The LaTeX document; ``progress`` shows a bar per loss over the blocks on stderr.
+
+    Its notation paragraph explains exactly the notation that the document prints
+    (``symhess.notation.glossary`` over every printed expression of every section)."""
     opts = ", ".join(f"{k}={v}" for k, v in lay.options.items() if v not in (None, False))
+    sections, notation = [], set()
+    for loss in losses:
+        section, printed, names = _section(lay, loss, progress)
+        sections.append(section)
+        notation.update(glossary(printed, names))
+    names = {v: intermediate_tex(k) for k, v in lay.intermediates.items()}
+    output = shared_latex(lay.output, names, sums=named_sums(names))
     return template_env().get_template("report.tex.j2").render(
         version=__version__, layer_name=lay.name, layer_tt=lay.name.replace("_", r"\_"),
-        options_text=f" ({opts})" if opts else "",
-        output=lay.output.latex({v: intermediate_tex(k) for k, v in lay.intermediates.items()}),
-        params=", ".join(p.latex() for p in lay.params),
-        sections=[_section(lay, loss, progress) for loss in losses])
+        options_text=f" ({opts})" if opts else "", paper=PAPER, margin=f"{MARGIN_CM}cm",
+        output=align(align_rows(r"\mathbf F", "=", [output])),
+        params=", ".join(f"${p.latex()}$" for p in lay.params),
+        notation=[text for text in GLOSSARY.values() if text in notation], sections=sections)
 
 
 def write_report(lay, path, losses=("mse", "ce"), pdf=False, progress=False) -> Path:

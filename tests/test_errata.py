@@ -45,3 +45,13 @@ def test_errata_page_is_current():
     page = (PATH.parent / "errata.md").read_text()
     for key in evs:
         assert f"\n## {key}\n" in page
+
+
+def test_evidence_labels_do_not_repeat_the_column():
+    """Labels print after "published" / "symhess": they do not start with the same word again."""
+    _, evs = evidence()
+    for ev in evs.values():
+        assert not any(k.lower().startswith("symhess") for k in ev.symhess), ev.key
+        assert not any(k.lower().startswith("published") for k in ev.published), ev.key
+    page = (PATH.parent / "errata.md").read_text()
+    assert "symhess symhess" not in page and "symhess, symhess" not in page

@@ -141,6 +141,31 @@ def test_cli_scaling_writes_csv_and_png(tmp_path, capsys):
     assert (tmp_path / "scaling_softmax.png").stat().st_size > 10000
     lines = (tmp_path / "scaling_softmax.csv").read_text().splitlines()
     assert lines[0] == "sigma,seed,block,part,norm,structural_zero" and len(lines) == 1 + 3 * 2 * 2 * 3
+    from PIL import Image
+    title = Image.open(tmp_path / "scaling_softmax.png").text["Title"]
+    assert title == "softmax attention, d_model=4, d_head=3, d_mlp=5, batch=2, 2 seed(s)"
+
+
+@pytest.mark.parametrize("norm,attention,name", [("pre", "softmax", "pre-LN softmax attention"),
+                                                  ("pre", "linear", "pre-LN linear attention"),
+                                                  ("none", "linear", "linear attention")])
+def test_scaling_title_names_the_model(norm, attention, name):
+    from symhess.experiments import Config, scaling_title
+    cfg = Config(d_model=8, d_mlp=32, batch=8, norm=norm, attention=attention)
+    assert scaling_title(cfg, 3) == f"{name}, d_model=8, d_head=128, d_mlp=32, batch=8, 3 seed(s)"
+
+
+@pytest.mark.slow
+def test_scaling_figure_names_the_model(tmp_path, capsys):
+    """The pre-LN figure's title names the model (pre-LN softmax attention), stored in the PNG."""
+    from PIL import Image
+
+    rc = main_experiment(["scaling", "--norm", "pre", "--d-model", "4", "--d-head", "3", "--d-mlp", "5",
+                          "--batch", "2", "--seeds", "1", "--sigmas", "0.01,0.1", "--out", str(tmp_path),
+                          "--quiet"])
+    assert rc == 0
+    title = Image.open(tmp_path / "scaling_pre.png").text["Title"]
+    assert title.startswith("pre-LN softmax attention, d_model=4"), title
 
 
 def test_cli_histogram_and_bounds(tmp_path, capsys):

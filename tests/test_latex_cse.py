@@ -136,7 +136,7 @@ def test_post_ln_report_compiles_without_summaries(tmp_path):
     out = write_report(sh.layer("post_ln_block"), tmp_path / "post.tex", losses=("mse",), pdf=True)
     text = out.read_text()
     assert "LaTeX characters; print it with" not in text and "Shared sub-expressions" in text
-    assert r"\frac{\partial \widetilde{\mathbf Y}}{\partial \mathbf W_{Q}} := " in text
+    assert r"\frac{\partial \widetilde{\mathbf Y}}{\partial \mathbf W_{Q}} &:= " in text
     assert max(len(line) for line in text.splitlines()) <= MAX_TERM_CHARS
     assert text.count(r"\mathbf H_o(") == 25 and text.count(r"\mathbf H_f(") == 25
     pdf = out.with_suffix(".pdf").read_bytes()

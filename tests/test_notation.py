@@ -130,16 +130,16 @@ def test_cross_attention_moments_use_the_key_value_input():
 
 def test_post_ln_intermediate_is_not_the_loss_target():
     text = render_report(sh.layer("post_ln_block"), losses=("mse",))
-    lhs = re.findall(r"\\fiteq\{(.*?) := ", text)
+    lhs = re.findall(r"^(.*?) &:= ", text, flags=re.M)
     assert len(lhs) == len(set(lhs))
     assert r"\widetilde{\mathbf Y}" in lhs and r"\mathbf Y" not in lhs and r"\mathbf S" in lhs
-    assert r"\mathbf Y := \mathbf Y" not in text and r"\mathbf S := \mathbf S" not in text
+    assert r"\mathbf Y &:= \mathbf Y" not in text and r"\mathbf S &:= \mathbf S" not in text
 
 
 def test_report_defines_each_symbol_once_per_section():
     text = render_report(sh.layer("multihead_attention"), losses=("mse", "ce"))
     for section in text.split(r"\section{")[1:]:
-        lhs = re.findall(r"\\fiteq\{(.*?) := ", section)
+        lhs = re.findall(r"^(.*?) &:= ", section, flags=re.M)
         assert len(lhs) == len(set(lhs))
         assert r"\mathbf M_1^{1}" in lhs and r"\mathbf M_1^{2}" in lhs
 

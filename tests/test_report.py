@@ -15,7 +15,7 @@ def test_report_has_every_block_and_both_losses():
     text = render_report(sh.layer("attention"), losses=("mse", "ce"))
     assert text.count(r"\mathbf H_o(") == 18 and text.count(r"\mathbf H_f(") == 18
     assert "mean squared error" in text and "cross-entropy" in text
-    assert r"\mathbf M_2 :=" in text and r"\mathbf Z_1 :=" in text
+    assert r"\mathbf M_2 &:=" in text and r"\mathbf Z_1 &:=" in text
     assert text == render_report(sh.layer("attention"), losses=("mse", "ce"))  # deterministic
 
 
@@ -33,5 +33,24 @@ def test_terms_too_wide_to_typeset_are_summarised(monkeypatch):
     monkeypatch.setattr(rep, "MAX_TERM_CHARS", 200)
     text = render_report(sh.layer("attention"), losses=("mse",))
     assert "LaTeX characters; print it with" in text and r"symhess derive attention --block W\_Q,W\_K" in text
-    # every H_f line of a two-term block is split, the second line starts with '+'
-    assert r"\fiteq{+" in text
+    # every term of a block is a row of its align*, a further term starting with '+'
+    assert "\n&\\quad +" in text
+
+
+def test_templates_ship_inside_the_package():
+    """The report's template lies in the package and the wheel's package data covers it."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    import symhess.report as rep
+
+    package = Path(sh.__file__).resolve().parent
+    assert rep.TEMPLATES.resolve().parent == package
+    assert (rep.TEMPLATES / "report.tex.j2").is_file()
+    root = package.parent
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["symhess"]
+    for path in rep.TEMPLATES.iterdir():
+        rel = path.relative_to(package).as_posix()
+        assert any(fnmatch.fnmatch(rel, pat) for pat in data), rel
+    assert not (root / "templates").exists()

@@ -44,7 +44,68 @@ def intermediate_tex(key: str) -> str:
 
 
 def dim_tex(d) -> str:
-    return sp.latex(sp.sympify(d))
+    return sp.latex(sp.sympify(d), fold_frac_powers=True)
+
+
+# how the LaTeX printer writes some entrywise functions (amssymb has no blackboard-bold 1)
+FUNCTION_TEX = {"step": r"\operatorname{step}"}
+
+
+def _exponent_tex(q) -> str:
+    """An exponent as the function table writes it: -1/2, not \\frac{-1}{2}."""
+    q = sp.nsimplify(q)
+    return f"{q.p}/{q.q}" if isinstance(q, sp.Rational) and q.q != 1 else sp.latex(q)
+
+
+def _explicit_tex(expr) -> str:
+    """A function of x in (·) notation: c(·)^q for a monomial (parenthesised when c < 0,
+    being an operand of products), else sympy's LaTeX with x written (·)."""
+    from ..scalarfn import x
+    c, q = expr.as_coeff_exponent(x)
+    if c != 0 and not c.has(x) and sp.simplify(c * x**q - expr) == 0:
+        if q == 0:
+            return sp.latex(c)
+        base = r"(\cdot)" if q == 1 else rf"(\cdot)^{{{_exponent_tex(q)}}}"
+        coef = "" if c == 1 else "-" if c == -1 else sp.latex(c).replace(r"\frac", r"\tfrac")
+        out = coef + base
+    else:
+        out = sp.latex(expr.subs(x, sp.Symbol(r"(\cdot)")))
+    return rf"\left({out}\right)" if out.startswith("-") or "+" in out else out
+
+
+def function_tex(fn) -> str:
+    """How an entrywise function prints (its template, \\cdot standing for the argument).
+
+    A derivative of a function written with (·) (powers, square root) is printed as the
+    explicit function, (·)^{-1/2} → -½(·)^{-3/2}; a derivative of a named function gets
+    primes before the name's subscript, tanh → tanh′, GELU_{tanh} → GELU′_{tanh}.  (The
+    function's own ``tex`` marks a derivative as {f}′, which on a power reads as a prime
+    on the exponent.)
+    """
+    base = fn.name.rstrip("'")
+    order = len(fn.name) - len(base)
+    if order == 0:
+        return FUNCTION_TEX.get(fn.name, fn.tex)
+    tex = fn.tex
+    for _ in range(order):                    # {{f}'}' → f
+        if tex.startswith("{") and tex.endswith("}'"):
+            tex = tex[1:-2]
+    tex = FUNCTION_TEX.get(base, tex)
+    if r"\cdot" in tex:
+        return _explicit_tex(fn.expr)
+    m = re.fullmatch(r"(.*?)(_\{[^{}]*\})?", tex)
+    return m.group(1) + "'" * order + (m.group(2) or "")
+
+
+def signed_sum(texts, plus="+", minus="-") -> str:
+    """Printed terms joined by their signs, a positive term first where there is one
+    (X − ½X1, not −½X1 + X); the order is otherwise the canonical one."""
+    first = next((i for i, t in enumerate(texts) if not t.startswith("-")), 0)
+    texts = [texts[first]] + texts[:first] + texts[first + 1:]
+    out = texts[0]
+    for t in texts[1:]:
+        out += minus + t[1:] if t.startswith("-") else plus + t
+    return out
 
 
 class LatexPrinter(Printer):
@@ -96,6 +157,9 @@ class LatexPrinter(Printer):
     def _print_DiagSelector(self, n):
         return rf"\mathbf E_{{{dim_tex(n.params[0])}}}"
 
+    def _print_Add(self, n):
+        return signed_sum([self.doprint(t) for t in n.args], self.plus, self.minus)
+
     def _print_MatMul(self, n):
         return "".join(self.paren(a, n.precedence + 1) for a in n.args)
 
@@ -104,7 +168,7 @@ class LatexPrinter(Printer):
         inner = self.paren(n.args[0], n.precedence + 1)
         if c == -1:
             return "-" + inner
-        ctex = sp.latex(c)
+        ctex = sp.latex(c, fold_frac_powers=True)
         if isinstance(c, sp.Add):
             ctex = rf"\left({ctex}\right)"
         return ctex + inner
@@ -122,7 +186,7 @@ class LatexPrinter(Printer):
         return r"\odot ".join(self.paren(a, n.precedence + 1) for a in n.args)
 
     def _print_Elementwise(self, n):
-        tex = n.fn.tex
+        tex = function_tex(n.fn)
         arg = self.doprint(n.args[0])
         if r"\cdot" in tex:
             return tex.replace(r"\cdot", arg)

@@ -37,7 +37,7 @@ import sympy as sp
 
 from .. import expr as E
 from .base import Printer
-from .latex import LatexPrinter
+from .latex import LatexPrinter, signed_sum
 
 MIN_CHARS = 160    # a recurring sub-expression shorter than this stays inline
 HINT_CHARS = 80    # a sub-expression with a meaningful name (a Jacobian) is named above this
@@ -190,12 +190,7 @@ class SharedPrinter(LatexPrinter):
         return super().paren(node, parent_precedence)
 
     def _print_Add(self, n):
-        items = _fold(n, self.sums)
-        out = self.doprint(items[0])
-        for t in items[1:]:
-            s = self.doprint(t)
-            out += self.minus + s[1:] if s.startswith("-") else self.plus + s
-        return out
+        return signed_sum([self.doprint(t) for t in _fold(n, self.sums)], self.plus, self.minus)
 
 
 def _fold(node, sums):
@@ -252,7 +247,7 @@ def _dependency_order(chosen, names, sums):
     return order
 
 
-def share(roots, names=None, min_chars=MIN_CHARS, max_chars=MAX_CHARS, hints=None):
+def share(roots, names=None, min_chars=MIN_CHARS, max_chars=MAX_CHARS, hints=None, sums=()):
     """(definitions, names): the named sub-expressions of ``roots`` and the printer names.
 
     ``names`` are the symbols already in use (a layer's intermediates); the returned
@@ -260,11 +255,12 @@ def share(roots, names=None, min_chars=MIN_CHARS, max_chars=MAX_CHARS, hints=Non
     prints a root in terms of the definitions.  Definitions are in dependency order.
     ``hints`` gives meaningful symbols for some nodes (see ``jacobian_names``); the rest
     are numbered \\mathcal J_k (Kronecker-view operators) and \\mathcal S_k (matrices).
+    ``sums``: further named sums the definitions fold (see ``latex``).
     """
     roots = list(dict.fromkeys(roots))
     names = dict(names or {})
     chosen = _Chooser(roots, names, min_chars, max_chars, hints).run()
-    sums = _sums(chosen)
+    sums = _sums(list(chosen) + list(sums))
     order = _dependency_order(chosen, names, sums)
     out_names = {**names, **_symbols(chosen, order)}
     printer = SharedPrinter(out_names, sums)
@@ -274,9 +270,18 @@ def share(roots, names=None, min_chars=MIN_CHARS, max_chars=MAX_CHARS, hints=Non
     return defs, out_names
 
 
-def latex(expr, names=None, definitions=()) -> str:
-    """LaTeX of ``expr`` in terms of the names (named sums folded into larger sums)."""
-    return SharedPrinter(names, _sums(d.node for d in definitions)).doprint(expr)
+def latex(expr, names=None, definitions=(), sums=()) -> str:
+    """LaTeX of ``expr`` in terms of the names (named sums folded into larger sums).
+
+    ``sums`` are further named sums to fold, e.g. ``named_sums(names)``: the layer's
+    intermediates that are sums (X := O W_E + P prints A X W_V W_O + O W_E + P as
+    A X W_V W_O + X)."""
+    return SharedPrinter(names, _sums([d.node for d in definitions] + list(sums))).doprint(expr)
+
+
+def named_sums(names) -> list:
+    """The sums among the printer's named nodes (their symbols stand for them inside larger sums)."""
+    return [node for node in (names or {}) if isinstance(node, E.Add)]
 
 
 def _named_quantities(lay):
@@ -319,7 +324,7 @@ def terms(expr):
     return list(expr.args) if isinstance(expr, E.Add) else [expr]
 
 
-def share_if_long(exprs, names=None, limit=4000, hints=None):
+def share_if_long(exprs, names=None, limit=4000, hints=None, sums=()):
     """``share`` over the terms of ``exprs`` when some term prints longer than ``limit``, else ([], names).
 
     ``hints`` may be a callable (e.g. ``lambda: jacobian_names(d)``), called only when needed.
@@ -329,7 +334,7 @@ def share_if_long(exprs, names=None, limit=4000, hints=None):
     printer = _MemoPrinter(names, cap=limit + 1)
     if all(len(printer.doprint(t)) <= limit for t in ts):
         return [], names
-    return share(ts, names, hints=hints() if callable(hints) else hints)
+    return share(ts, names, hints=hints() if callable(hints) else hints, sums=sums)
 
 
 def _rebuilt(expr, args):
