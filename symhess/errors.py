@@ -15,6 +15,10 @@ API users can catch the one base class.  Anything else that escapes is a bug.
 * ``BudgetError``      — work whose memory estimate exceeds the budget (the message names
   the sizes, the estimate and the budget).
 
+``SaturationWarning`` (a ``UserWarning``, not an error) says that a kernel met softmax rows so
+close to one-hot (1 − max a below √ε of the dtype, but not exactly 0) that the W_Q/W_K blocks
+lose relative accuracy (differences of nearly equal numbers); the interpreter stays accurate.
+
 The first three are also ``ValueError`` s and ``BudgetError`` is a ``MemoryError``, so code
 that caught the built-in types keeps working; for the same reason ``UnknownNameError`` is also
 a ``KeyError`` (a registry miss), as is ``DuplicateNameError``, and ``OptionError`` also a ``TypeError`` (what Python raises
@@ -24,7 +28,7 @@ for an unexpected keyword argument).  ``str()`` of every one of them is its mess
 from __future__ import annotations
 
 __all__ = ["SymhessError", "DeclarationError", "UnknownNameError", "OptionError",
-           "DuplicateNameError", "ShapeError", "InputError", "BudgetError"]
+           "DuplicateNameError", "ShapeError", "InputError", "BudgetError", "SaturationWarning"]
 
 
 class SymhessError(Exception):
@@ -60,3 +64,7 @@ class InputError(SymhessError, ValueError):
 
 class BudgetError(SymhessError, MemoryError):
     """Work whose estimated memory exceeds the budget."""
+
+
+class SaturationWarning(UserWarning):
+    """Softmax rows within √ε of one-hot: kernel results lose relative accuracy there."""

@@ -201,3 +201,26 @@ def test_attention_blocks_at_sigma_30_match_a_200_digit_reference(loss, causal, 
         {k: torch.as_tensor(v) for k, v in values.items()}, backend="torch")
     scale = np.linalg.norm(ref[("W_Q", "W_K", "functional")])
     assert relative_error(torch_got.numpy(), ref[("W_Q", "W_K", "functional")], scale) < 1e-12
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_kernels_warn_where_softmax_saturates(backend):
+    """The kernels use the textbook forms; rows within √ε of one-hot raise SaturationWarning,
+    ordinary rows (and rows that are exactly one-hot, as the first causal row) do not."""
+    import warnings
+    k = sh.kernel("attention", backend, "mse")
+    d = sh.derive(sh.layer("attention"), "mse")
+    values = random_values(d, seed=3, sizes={"L": 4, "d_V": 3, "d_K": 2})
+    conv = (lambda v: torch.as_tensor(v)) if backend == "torch" else (lambda v: v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        k.hvp({n: conv(v) for n, v in values.items()}, conv(np.ones(sum(values[p].size for p in NAMES))))
+        k.prepare({n: conv(v) for n, v in values.items()})
+    # scores 1e3 apart in one entry per row: 1 − max a ≈ e^{-22} ≈ 3e-10 < √ε
+    t = _saturated_logits(4, 4, False)
+    ops = __import__(f"symhess.runtime.{backend}_ops", fromlist=["softmax_rows"])
+    with pytest.warns(sh.SaturationWarning):
+        ops.softmax_rows(conv(t * 0.45))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.softmax_rows(conv(_saturated_logits(4, 4, True) * 0.0 + np.triu(np.ones((4, 4)), 1)), causal=True)

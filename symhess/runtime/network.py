@@ -416,8 +416,76 @@ def scalar(state, nets):
     return total
 
 
+def merged(state, nets):
+    """The networks of one block with the same *skeleton* combined into one.
+
+    The skeleton of a network are its operands that carry an output label and share a label
+    with another such operand (X[n,i,a] and X[n,i,a′] of H_o(W_Q, W_Q), tied by the token
+    (n, i)); the rest contracts to a *core* over the labels it shares with them and the output
+    labels it carries (the per-token dk × dk matrices C_iC_iᵀ).  Networks whose skeletons
+    are the same arrays over the same labels differ only in their cores, which add up:
+    Σ_t skeleton · core_t = skeleton · Σ_t core_t, so a Frobenius norm pairs one network
+    instead of all T² pairs of terms.  A core larger than the intermediate limit is not
+    formed (that network stays as it is)."""
+    out, groups = [], {}
+    for n in nets:
+        for m in resolve(state, n, (0, 1)):
+            split = _skeleton(state, m)
+            if split is None:
+                out.append(m)
+                continue
+            key, skel, core_net = split
+            if key in groups:
+                g = groups[key]
+                c = core_net.shifted(max(g["net"].top, core_net.top))   # apart from the first
+                g["cores"].append(c.renamed(dict(zip(c.groups[0], g["core_labels"]))))
+            else:
+                groups[key] = {"net": m, "skel": skel, "core_labels": core_net.groups[0],
+                               "cores": [core_net]}
+    for g in groups.values():
+        m, labels = g["net"], g["core_labels"]
+        shape = [m.sizes[x] for x in labels]
+        acc = None
+        for c in g["cores"]:
+            acc = accumulate(state, c, (0,), acc, shape)
+        ops = [m.ops[i] for i in g["skel"]] + [acc]
+        lab = [m.labels[i] for i in g["skel"]] + [tuple(labels)]
+        kept = set(x for ls in lab for x in ls) | set(x for grp in m.groups for x in grp)
+        out.append(Net(1.0, ops, lab, m.groups, {x: m.sizes[x] for x in kept}))
+    return out
+
+
+def _skeleton(state, m):
+    """(key, skeleton positions, core network) of a resolved network, or None."""
+    outer = set(m.groups[0]) | set(m.groups[1])
+    carriers = [i for i, ls in enumerate(m.labels) if outer & set(ls)]
+    skel = [i for i in carriers
+            if any(set(m.labels[i]) & set(m.labels[j]) - outer for j in carriers if j != i)]
+    rest = [i for i in range(len(m.ops)) if i not in skel]
+    if not skel or len(rest) < 2:
+        return None
+    skel_labels = set(x for i in skel for x in m.labels[i])
+    rest_labels = set(x for i in rest for x in m.labels[i])
+    core = tuple(sorted((rest_labels & skel_labels) | (rest_labels & outer)))
+    if math.prod(m.sizes[x] for x in core) > state.schedule.limit:
+        return None
+    # the skeleton in canonical labels: the output positions, then first appearance
+    canon = {x: ("o", k) for k, x in enumerate(m.groups[0] + m.groups[1])}
+    for i in skel:
+        for x in m.labels[i]:
+            canon.setdefault(x, ("s", len(canon)))
+    key = (tuple((id(m.ops[i]), tuple(canon[x] for x in m.labels[i])) for i in skel),
+           tuple(canon[x] for x in core))
+    core_net = Net(m.coef, [m.ops[i] for i in rest], [m.labels[i] for i in rest], (core,),
+                   {x: m.sizes[x] for x in rest_labels})
+    return key, skel, core_net
+
+
 def frobenius_sq(state, first, second=None):
-    """‖Σ first‖²_F (or ⟨Σ first, Σ second⟩) as a sum over pairs of networks."""
+    """‖Σ first‖²_F (or ⟨Σ first, Σ second⟩) as a sum over pairs of networks (networks with
+    one skeleton merged first, see ``merged``)."""
+    first = merged(state, first)
+    second = merged(state, second) if second is not None else None
     total = 0.0
     for i, a in enumerate(first):
         if second is None:

@@ -7,6 +7,7 @@ not, and every operation broadcasts over it.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import scipy.special
@@ -14,6 +15,7 @@ import scipy.special
 from . import chain
 from .network import EYE, ONES, Compact, net, refined      # noqa: F401  (used by generated modules)
 from .state import Forward, leaf                   # noqa: F401
+from ..errors import SaturationWarning
 
 __all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff", "softmax_diff2",
            "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
@@ -56,12 +58,20 @@ def bcast_rows(x, n):
     return np.broadcast_to(x, x.shape[:-2] + (n, x.shape[-1]))
 
 
+SATURATED = ("softmax rows within sqrt(eps) of one-hot: the kernel's W_Q/W_K blocks lose "
+             "relative accuracy there (the interpreter, symhess.evaluate, stays accurate)")
+
+
 def softmax_rows(t, causal=False):
     """Row-wise softmax (entries j > i masked to exactly 0 when ``causal``)."""
     if causal:
         t = np.where(np.triu(np.ones(t.shape[-2:], dtype=bool), 1), -np.inf, t)
     z = np.exp(t - t.max(-1, keepdims=True))
-    return z / z.sum(-1, keepdims=True)
+    total = z.sum(-1, keepdims=True)
+    rest = (total[..., 0] - 1.0) / total[..., 0]         # 1 − max a (the largest z is 1)
+    if np.any((rest > 0) & (rest < math.sqrt(np.finfo(z.dtype).eps))):
+        warnings.warn(SATURATED, SaturationWarning, stacklevel=2)
+    return z / total
 
 
 def log_softmax_rows(t):

@@ -3,12 +3,15 @@ float dtype (``OPS`` for the contraction engine)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
 from . import chain
 from .network import EYE, ONES, Compact, net, refined      # noqa: F401  (used by generated modules)
 from .state import Forward, leaf                   # noqa: F401
+from .numpy_ops import SATURATED
+from ..errors import SaturationWarning
 
 __all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff", "softmax_diff2",
            "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
@@ -58,7 +61,11 @@ def softmax_rows(t, causal=False):
         n, m = t.shape[-2:]
         mask = torch.triu(torch.ones((n, m), dtype=torch.bool, device=t.device), 1)
         t = t.masked_fill(mask, -math.inf)
-    return torch.softmax(t, -1)
+    a = torch.softmax(t, -1)
+    rest = 1.0 - a.amax(-1)                                # 1 − max a
+    if bool(((rest > 0) & (rest < math.sqrt(torch.finfo(a.dtype).eps))).any()):
+        warnings.warn(SATURATED, SaturationWarning, stacklevel=2)
+    return a
 
 
 def log_softmax_rows(t):
