@@ -298,6 +298,9 @@ class _NumpyOps:
     def shape(self, x):
         return self.np.shape(x)
 
+    def reshape(self, x, shape):
+        return self.np.reshape(x, shape)
+
     def zeros(self, shape, like):
         return self.np.zeros(shape, dtype=like.dtype)
 
@@ -316,6 +319,9 @@ class _TorchOps:
 
     def shape(self, x):
         return tuple(x.shape)
+
+    def reshape(self, x, shape):
+        return x.reshape(shape)
 
     def zeros(self, shape, like):
         return self.torch.zeros(shape, dtype=like.dtype, device=like.device)
