@@ -51,6 +51,99 @@ FROBENIUS = ("auto", "dense", "pairs")
 METHODS = ("auto", "matview", "kernel")
 
 
+class Values:
+    """One batch's values checked and bound to the layer's sizes without the generated kernels
+    (what block products in the matrix view need): the arrays as attributes (data with a leading
+    batch axis), ``dims``, ``like``, ``n_batch``.  The same checks as ``Kernel.prepare``: names,
+    dtypes, one device, shapes (the dimensions bound), non-finite entries, the layer's own value
+    checks (one sequence at a time)."""
+
+    def __init__(self, kernel, values, check_finite=True):
+        from .errors import InputError as IE
+        from .evaluate import bind_dims, check_values
+        from .kernels import _Shape
+        if not isinstance(values, Mapping):
+            raise IE(f"values must be a dict of arrays by name ({', '.join(kernel.names)})")
+        unknown = sorted(set(values) - set(kernel.names), key=str)
+        if unknown:
+            raise IE(f"unknown value name(s) {', '.join(map(str, unknown))} for layer "
+                     f"{kernel.layer.name!r}; valid: {', '.join(kernel.names)}")
+        missing = [n for n in kernel.names if n not in values]
+        if missing:
+            raise IE(f"missing value(s) {', '.join(missing)}; needed: {', '.join(kernel.names)}")
+        arrays = {n: kernel._array(n, values[n]) for n in kernel.names}
+        check_values(arrays, check_finite=False)
+        if kernel.backend == "torch" and len({str(a.device) for a in arrays.values()}) > 1:
+            desc = ", ".join(f"{n}: {a.device}" for n, a in arrays.items())
+            raise IE(f"all values must share one device, got {desc}")
+        data = [n for n in kernel._data if n in arrays]
+        sizes = set()
+        for n in data:
+            a = arrays[n]
+            if a.ndim == 2:
+                arrays[n] = a[None]
+            elif a.ndim != 3:
+                raise IE(f"{n} must have shape ({kernel._vars[n].rows} × {kernel._vars[n].cols}) "
+                         f"or (N, …) with a batch axis, got shape {tuple(a.shape)}")
+            sizes.add(arrays[n].shape[0])
+        if len(sizes) > 1:
+            desc = ", ".join(f"{n}: {tuple(arrays[n].shape)}" for n in data)
+            raise IE(f"the data values need the same leading batch size, got {desc}")
+        self.n_batch = sizes.pop() if sizes else 1
+        if self.n_batch == 0:
+            raise IE("the batch is empty (N = 0 sequences); give at least one")
+        order = data + [n for n in kernel.names if n not in data]
+        shapes = {n: _Shape(arrays[n].shape[-2:]) for n in order}
+        env = bind_dims([kernel._vars[n] for n in order], shapes)
+        if check_finite:
+            check_values(arrays)
+        self.__dict__.update(arrays)
+        self.dims = {str(k): int(v) for k, v in env.items()}
+        self.like = arrays[kernel.params[0]]
+        if kernel.layer.checks:
+            host = {n: (a.detach().cpu().numpy() if hasattr(a, "detach") else a)
+                    for n, a in arrays.items()}
+            for i in range(self.n_batch):
+                kernel.layer.validate({n: (a[i] if n in data else a) for n, a in host.items()})
+
+    def _param(self, p):
+        return p
+
+
+class Batch:
+    """One batch: its values checked (``values``) and, when a reduction needs them, the
+    generated kernel's prepared state (``state``); both kept as long as the batch is."""
+
+    def __init__(self, dataset, values):
+        self.dataset, self._values = dataset, values
+        self._light = self._state = None
+
+    @property
+    def light(self):
+        if self._state is not None:
+            return self._state
+        if self._light is None:
+            ds = self.dataset
+            self._light = Values(ds.kernel, self._values, ds.check_finite)
+        return self._light
+
+    @property
+    def state(self):
+        if self._state is None:
+            ds = self.dataset
+            self._state = ds.kernel.prepare(self._values, check_finite=ds.check_finite,
+                                            memory_budget=ds.memory_budget)
+        return self._state
+
+    @property
+    def n(self):
+        return self.light.n_batch
+
+    @property
+    def nbytes(self):
+        return sum(state_bytes(x) for x in (self._light, self._state) if x is not None)
+
+
 class Dataset:
     """A kernel's quantities over a dataset (module docstring)."""
 
@@ -145,35 +238,35 @@ class Dataset:
             a = torch.as_tensor(np.asarray(a))
         return a.to(dev) if dev is not None and a.device != dev else a
 
-    def _prepare(self, values):
-        return self.kernel.prepare(values, check_finite=self.check_finite,
-                                   memory_budget=self.memory_budget)
-
-    def states(self, desc=None):
-        """Yields (prepared state, number of sequences) for every batch of this process."""
+    def batches(self, desc=None):
+        """Yields every batch of this process (``Batch``: checked values, prepared state)."""
         if self._single is not None:
             if self._kept is None:
-                st = self._prepare(self._single)
-                self._kept = [(st, st.n_batch)]
+                self._kept = [Batch(self, self._single)]
             yield from self._kept
             return
         if self._kept is not None:
             yield from self._kept
             return
         kept, size, count = [], 0, 0
-        for batch in self._progress(self._data, desc):
-            st = self._prepare(self._values(batch))
-            count += st.n_batch
-            yield st, st.n_batch
+        for raw in self._progress(self._data, desc):
+            b = Batch(self, self._values(raw))
+            count += 1
+            yield b
             if kept is not None:
-                kept.append((st, st.n_batch))
-                size += state_bytes(st, self._bound)
+                kept.append(b)
+                size += b.nbytes
                 if size > self._keep_limit:
                     kept = None
         if count == 0:
             raise InputError("the data hold no batch" + (" in this process" if self.reducer.world > 1 else ""))
         if kept is not None:
             self._kept = kept
+
+    def states(self, desc=None):
+        """Yields (prepared state, number of sequences) for every batch of this process."""
+        for b in self.batches(desc):
+            yield b.state, b.n
 
     def _progress(self, it, desc):
         if not self.progressbar:
@@ -190,18 +283,30 @@ class Dataset:
         self._total = total
 
     def first(self):
-        """The first batch's prepared state (sizes, dtype, device)."""
+        """The first batch's checked values (sizes, dtype, device)."""
         if self._first is None:
-            for st, _ in self.states("sizes"):
-                self._first = st
+            for b in self.batches("sizes"):
+                self._first = b.light
                 break
         return self._first
 
+    def numel_of(self, p):
+        import math as _m
+        return _m.prod(tuple(getattr(self.first(), self._param(p)).shape))
+
+    def _param(self, p):
+        if p not in self.params_names:
+            from .errors import UnknownNameError
+            raise UnknownNameError(f"unknown block {p!r}; valid: {', '.join(self.params_names)}")
+        return p
+
     # -- reductions --------------------------------------------------------------------------
-    def _mean(self, per_batch, desc):
-        """Σ_b N_b f(state_b) / N for f returning a list of arrays/floats; one all-reduce."""
+    def _mean(self, per_batch, desc, light=False):
+        """Σ_b N_b f(state_b) / N for f returning a list of arrays/floats; one all-reduce.
+        ``light``: f needs only the checked values (``Values``), not the kernel's state."""
         acc, n = None, 0
-        for st, nb in self.states(desc):
+        for b in self.batches(desc):
+            st, nb = (b.light if light else b.state), b.n
             vals = per_batch(st)
             if acc is None:
                 acc = [_scaled(v, nb) for v in vals]
@@ -215,8 +320,7 @@ class Dataset:
 
     @property
     def numel(self):
-        st = self.first()
-        return {p: st.numel(p) for p in self.params_names}
+        return {p: self.numel_of(p) for p in self.params_names}
 
     def loss(self):
         return float(self._mean(lambda st: [float(st.loss())], "loss")[0])
@@ -239,14 +343,14 @@ class Dataset:
         offs = self._offsets()
         parts = [(q, v[offs[q][0]:offs[q][1]]) for q in self.params_names]
         return self._mean(lambda st: [sum_of(self._apply(st, p, q, part, vq) for q, vq in parts)],
-                          "hvp")[0]
+                          "hvp", light=True)[0]
 
     def block_hvp(self, p, q, v, part="full", method="auto"):
         """H_part(p, q) v for v of shape (numel q,) or (numel q, k)."""
         check_part(part)
         if _method(method) == "kernel":
             return self._mean(lambda st: [st.block_hvp(p, q, v, part)], "hvp")[0]
-        return self._mean(lambda st: [self._apply(st, p, q, part, v)], "hvp")[0]
+        return self._mean(lambda st: [self._apply(st, p, q, part, v)], "hvp", light=True)[0]
 
     def _apply(self, st, p, q, part, v):
         """H_part,b(p, q) v on one batch through the matrix view (columns one by one)."""
@@ -264,7 +368,7 @@ class Dataset:
         key = (p, q, part)
         if key not in self._products:
             from .hessian import derive
-            st._param(p), st._param(q)
+            self._param(p), self._param(q)
             self._products[key] = BlockProduct(derive(self.kernel.layer, self.kernel.loss_name),
                                                p, q, part)
         bkey = (id(st),) + key
@@ -284,8 +388,7 @@ class Dataset:
     def hessian_block(self, p, q, part="full"):
         """The dense mean block (numel p × numel q); refused beyond the memory budget."""
         check_part(part)
-        st = self.first()
-        _fits(st, st.numel(p) * st.numel(q))
+        _fits(self.first(), self.numel_of(p) * self.numel_of(q))
         return self._mean(lambda s: [s.hessian_block(p, q, part)], "block")[0]
 
     def frobenius_norm(self, p, q, part="full", method="auto"):
@@ -296,13 +399,15 @@ class Dataset:
         check_part(part)
         if method not in FROBENIUS:
             raise InputError(f"unknown Frobenius method {method!r}; valid: {', '.join(FROBENIUS)}")
-        st = self.first()
         if self._single is not None:
+            st = next(self.batches()).state
             return float(st.frobenius_norm(p, q, part)) ** 2
+        st = next(self.batches()).state
+        entries = self.numel_of(p) * self.numel_of(q)
         if method == "auto":
-            method = "dense" if _dense_fits(st, st.numel(p) * st.numel(q)) else "pairs"
+            method = "dense" if _dense_fits(st, entries) else "pairs"
         if method == "dense":
-            _fits(st, st.numel(p) * st.numel(q))
+            _fits(st, entries)
             H = self._mean(lambda s: [s.hessian_block(p, q, part)], "block")[0]
             return float((H * H).sum())
         return self._frobenius_pairs(p, q, part)
@@ -328,7 +433,7 @@ class Dataset:
             return total / n ** 2
         # processes: every batch is sent to all processes in turn and paired with theirs
         for values, na in self.reducer.each_batch(self._raw_batches()):
-            sa = self._prepare(values)
+            sa = Batch(self, self._values(values)).state
             n += na
             for sb, nb in self.states("pairs"):
                 total += cross(sa, na, sb, nb)
@@ -337,14 +442,15 @@ class Dataset:
 
     def _raw_batches(self):
         """(values as host arrays, sequences) of this process's batches (to send)."""
-        for st, nb in self.states("send"):
+        for b in self.batches("send"):
+            st = b.light
             vals = {k: _host(getattr(st, k)) for k in self._data_names}
-            yield vals, nb
+            yield vals, b.n
 
     def _offsets(self):
         offs, o = {}, 0
         for p in self.params_names:
-            k = self.first().numel(p)
+            k = self.numel_of(p)
             offs[p] = (o, o + k)
             o += k
         return offs
@@ -393,13 +499,17 @@ def _host(a):
     return a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
 
 
+def _itemsize(st):
+    return 4 if "32" in str(st.like.dtype) else 8
+
+
 def _dense_fits(st, entries):
-    return entries * st.schedule.itemsize <= st.schedule.memory_budget
+    return entries * _itemsize(st) <= st.schedule.memory_budget
 
 
 def _fits(st, entries):
     from .budget import check_budget
-    check_budget(entries * st.schedule.itemsize, f"the dense block ({entries} entries)",
+    check_budget(entries * _itemsize(st), f"the dense block ({entries} entries)",
                  device=getattr(st.like, "device", None))
 
 

@@ -64,7 +64,7 @@ class HessianOperator(LinearOperator):
         self.dataset, self.p, self.q, self.part, self.method = dataset, p, q, part, method
         st = dataset.first()
         self._like = st.like
-        numel = {n: st.numel(n) for n in names}
+        numel = {n: dataset.numel_of(n) for n in names}
         total = sum(numel.values())
         rows = total if p is None else numel[p]
         cols = total if q is None else numel[q]
@@ -127,9 +127,7 @@ class HessianOperator(LinearOperator):
         if not transpose:
             return self._columns(x, lambda v: ds.row_hvp(p, v, part, self.method))
         # H(p, ·)ᵀ x = H(·, p) x: every block (r, p) applied to x
-        ops = ds.first().ops
-        outs = [ds.block_hvp(r, p, x, part, self.method) for r in ds.params_names]
-        return ops.concat(outs) if len(ops.shape(x)) == 1 else _vstack(outs)
+        return _vstack([ds.block_hvp(r, p, x, part, self.method) for r in ds.params_names])
 
     def _columns(self, x, f):
         if len(self._shape_of(x)) == 1:
@@ -208,6 +206,9 @@ class HessianOperator(LinearOperator):
         cols = names if self.q is None else [self.q]
         from .dataset import _fits
         _fits(ds.first(), self.shape[0] * self.shape[1])
+        if self.kind == "block":          # block products: no generated kernel needed
+            eye = np.eye(self.shape[1], dtype=self.dtype)
+            return np.asarray(self.matmat(eye))
         blocks = {(a, b): ds.hessian_block(a, b, part) for a in rows for b in cols}
         host = lambda m: m.detach().cpu().numpy() if _is_torch(m) else np.asarray(m)  # noqa: E731
         return np.block([[host(blocks[(a, b)]) for b in cols] for a in rows])

@@ -164,8 +164,12 @@ def density(op, num_points=1024, ncv=128, num_repeats=1, kappa=3.0, margin=0.05,
             boundaries=None, seed=0, tol=1e-2):
     """(grid λ, density p(λ)) by stochastic Lanczos quadrature (module docstring) as NumPy
     arrays; ``boundaries``: (λ_min, λ_max) if known (else estimated to relative ``tol``)."""
+    import warnings
+
     import torch
-    from curvlinops import lanczos_approximate_spectrum
+    with warnings.catch_warnings():     # its dependencies import torch.jit.script, deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        from curvlinops import lanczos_approximate_spectrum
 
     if not getattr(op, "symmetric", op.shape[0] == op.shape[1]):
         raise InputError("the spectral density needs a symmetric operator (a diagonal block, "
