@@ -117,6 +117,7 @@ class Batch:
     def __init__(self, dataset, values):
         self.dataset, self._values = dataset, values
         self._light = self._state = None
+        self.bound = {}          # (p, q, part) → BoundProduct (no reference back: no cycle)
 
     @property
     def light(self):
@@ -141,7 +142,7 @@ class Batch:
 
     @property
     def nbytes(self):
-        return sum(state_bytes(x) for x in (self._light, self._state) if x is not None)
+        return state_bytes(*(x for x in (self._light, self._state, self.bound) if x is not None))
 
 
 class Dataset:
@@ -194,7 +195,6 @@ class Dataset:
         self._keep_limit = _keep_limit(keep)
         self._kept = None           # [(state, n)] once the whole dataset is kept
         self._products = {}         # (p, q, part) → BlockProduct
-        self._bound = {}            # (id(state), p, q, part) → BoundProduct (kept states)
         self._first = None
         self._total = None
 
@@ -306,8 +306,8 @@ class Dataset:
         ``light``: f needs only the checked values (``Values``), not the kernel's state."""
         acc, n = None, 0
         for b in self.batches(desc):
-            st, nb = (b.light if light else b.state), b.n
-            vals = per_batch(st)
+            nb = b.n
+            vals = per_batch(b if light else b.state)
             if acc is None:
                 acc = [_scaled(v, nb) for v in vals]
             else:
@@ -352,9 +352,10 @@ class Dataset:
             return self._mean(lambda st: [st.block_hvp(p, q, v, part)], "hvp")[0]
         return self._mean(lambda st: [self._apply(st, p, q, part, v)], "hvp", light=True)[0]
 
-    def _apply(self, st, p, q, part, v):
+    def _apply(self, b, p, q, part, v):
         """H_part,b(p, q) v on one batch through the matrix view (columns one by one)."""
-        bound = self._bound_product(st, p, q, part)
+        bound = self._bound_product(b, p, q, part)
+        st = b.light
         ops = bound.ops
         shape_q = tuple(ops.shape(getattr(st, q)))
         vs = ops.shape(v)
@@ -364,18 +365,16 @@ class Dataset:
                 for j in range(vs[1])]
         return _hstack(cols)
 
-    def _bound_product(self, st, p, q, part):
+    def _bound_product(self, b, p, q, part):
         key = (p, q, part)
         if key not in self._products:
             from .hessian import derive
             self._param(p), self._param(q)
             self._products[key] = BlockProduct(derive(self.kernel.layer, self.kernel.loss_name),
                                                p, q, part)
-        bkey = (id(st),) + key
-        if bkey not in self._bound:
-            self._bound[bkey] = self._products[key].bind(st, self._data_names)
-            st.__dict__.setdefault("_symhess_bound", []).append(self._bound[bkey])
-        return self._bound[bkey]
+        if key not in b.bound:
+            b.bound[key] = self._products[key].bind(b.light, self._data_names)
+        return b.bound[key]
 
     def diag(self, p, part="full"):
         check_part(part)
@@ -522,8 +521,9 @@ def _nbytes(x):
     return 0, None
 
 
-def state_bytes(st, bound=None):
-    """Bytes of the arrays a prepared state (and its bound block products) keeps."""
+def state_bytes(*objs):
+    """Bytes of the arrays that prepared batches (states, checked values, bound block
+    products) keep, each array counted once."""
     seen, total = set(), 0
 
     def add(x):
@@ -549,9 +549,11 @@ def state_bytes(st, bound=None):
             seen.add(key)
             total += n
 
-    for k, v in st.__dict__.items():
-        if k not in ("ops", "schedule", "like"):
-            add(v)
+    for o in objs:
+        if isinstance(o, dict):
+            add(o)
+        else:
+            add({k: v for k, v in vars(o).items() if k not in ("ops", "schedule", "like")})
     return total
 
 
