@@ -79,6 +79,20 @@ class HessianOperator(LinearOperator):
         return (f"<symhess {self.part} {what} of {self.dataset.kernel.layer.name}: "
                 f"{self.shape[0]}×{self.shape[1]}, {self.dtype}>")
 
+    @property
+    def is_zero(self):
+        """Whether the engine derives this block as the Zero node (a structural zero)."""
+        if self.kind != "block":
+            return False
+        from .hessian import derive
+        from .matview import BlockProduct
+        ds = self.dataset
+        key = (self.p, self.q, self.part)
+        if key not in ds._products:
+            ds._products[key] = BlockProduct(derive(ds.kernel.layer, ds.kernel.loss_name),
+                                             self.p, self.q, self.part)
+        return ds._products[key].is_zero
+
     # -- conventions -------------------------------------------------------------------
     @property
     def device(self):

@@ -23,7 +23,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, SymhessError
+
+
+class ConvergenceError(SymhessError, RuntimeError):
+    """ARPACK did not converge within ``maxiter`` (raise it, or the tolerance)."""
 
 DENSE_MAX = 64
 WHICH = ("LA", "SA", "LM", "BE")
@@ -70,9 +74,18 @@ def spectrum(op, k=5, which="LA", tol=0.0, method="auto", seed=0, ncv=None, maxi
         method = "eigh" if (max(op.shape) <= DENSE_MAX or k >= small - 1) else "eigsh"
     if method == "eigsh" and k >= small:
         raise InputError(f"eigsh needs k < {small} (the operator's size); use method='eigh'")
-    if symmetric:
-        return _eigen(op, n, k, which, tol, method, seed, ncv, maxiter, return_eigenvectors)
-    return _singular(op, k, tol, method, seed, ncv, maxiter, return_eigenvectors)
+    if getattr(op, "is_zero", False):        # a structural zero: nothing to iterate on
+        kind = "eigenvalues" if symmetric else "singular values"
+        return Spectrum(np.zeros(k), kind, which, "structural zero", n)
+    from scipy.sparse.linalg import ArpackNoConvergence
+    try:
+        if symmetric:
+            return _eigen(op, n, k, which, tol, method, seed, ncv, maxiter, return_eigenvectors)
+        return _singular(op, k, tol, method, seed, ncv, maxiter, return_eigenvectors)
+    except ArpackNoConvergence as exc:
+        raise ConvergenceError(f"eigsh did not converge ({len(exc.eigenvalues)} of {k} "
+                               f"eigenvalues within maxiter = {maxiter or 'the default'}); "
+                               f"raise maxiter or tol") from None
 
 
 def _check_square_or_block(op):
@@ -116,12 +129,36 @@ def _eigen(op, n, k, which, tol, method, seed, ncv, maxiter, vectors):
         return Spectrum(vals[idx], "eigenvalues", which, "eigh", n, vecs[:, idx] if vectors else None)
     from scipy.sparse.linalg import eigsh
     v0 = start_vector(n, op.dtype, seed)
-    out = eigsh(op, k=k, which=which, tol=tol, v0=v0, ncv=ncv, maxiter=maxiter,
-                return_eigenvectors=vectors)
-    vals, vecs = (out if vectors else (out, None))
+    kw = dict(tol=tol, v0=v0, ncv=ncv, maxiter=maxiter, return_eigenvectors=vectors)
+    if which in ("SA", "BE"):
+        vals, vecs = _bottom(op, n, k if which == "SA" else k // 2, kw)
+        if which == "BE":
+            hi = eigsh(op, k=k - k // 2, which="LA", **kw)
+            hv, hvec = (hi if vectors else (hi, None))
+            vals = np.concatenate([vals, hv])
+            vecs = None if not vectors else np.concatenate([vecs, hvec], 1)
+    else:
+        out = eigsh(op, k=k, which=which, **kw)
+        vals, vecs = (out if vectors else (out, None))
     order = np.argsort(vals)[::-1]
     return Spectrum(np.asarray(vals)[order], "eigenvalues", which, "eigsh", n,
                     None if vecs is None else vecs[:, order])
+
+
+def _bottom(op, n, k, kw):
+    """The k smallest eigenvalues as the largest of s I − H, s ≥ ‖H‖₂ (from one "LM" run):
+    the tolerance then holds relative to the spectrum's scale, and a cluster of eigenvalues
+    near 0 (rank-deficient Gauss–Newton blocks) does not stall ARPACK as "SA" does."""
+    from scipy.sparse.linalg import LinearOperator, eigsh
+    if k == 0:
+        return np.zeros(0), np.zeros((n, 0))
+    lm = eigsh(op, k=1, which="LM", **{**kw, "return_eigenvectors": False})
+    s = float(abs(lm[0])) * (1 + 1e-3) or 1.0
+    shifted = LinearOperator(op.shape, dtype=op.dtype, matvec=lambda x: s * x - op @ x,
+                             matmat=lambda X: s * X - op @ X)
+    out = eigsh(shifted, k=k, which="LA", **kw)
+    vals, vecs = (out if kw["return_eigenvectors"] else (out, None))
+    return s - np.asarray(vals), vecs
 
 
 def _singular(op, k, tol, method, seed, ncv, maxiter, vectors):
