@@ -12,4 +12,18 @@ from .kernels import kernel  # noqa: E402
 
 __all__ = ["expr", "ShapeError", "SymhessError", "DeclarationError", "InputError", "BudgetError", "SaturationWarning",
            "Derivation", "derive", "Layer", "layer", "register_layer", "LAYERS", "kernel",
-           "compose", "stack", "__version__"]
+           "compose", "stack", "__version__", "operator", "spectrum", "density", "Dataset",
+           "from_module"]
+
+_LAZY = {"operator": ("operators", "operator"), "spectrum": ("spectra", "spectrum"),
+         "density": ("spectra", "density"), "Dataset": ("dataset", "Dataset"),
+         "from_module": ("modules", "from_module")}
+
+
+def __getattr__(name):
+    """The curvature tools load on first use (scipy.sparse.linalg, torch.nn)."""
+    if name in _LAZY:
+        import importlib
+        mod, attr = _LAZY[name]
+        return getattr(importlib.import_module(f".{mod}", __name__), attr)
+    raise AttributeError(f"module 'symhess' has no attribute {name!r}")

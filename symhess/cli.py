@@ -9,7 +9,11 @@ is stale); 2 bad input — one line ``symhess: error: …`` on stderr that names
 (a ``symhess.errors.SymhessError``, an operating-system error with its path, or a usage
 error); 3 an internal error — the traceback, and a request to report it.
 
-Long work (verify, report) shows a progress bar on stderr when stderr is a terminal.
+``symhess spectrum LAYER`` (``symhess.spectrum_cli``): the top eigenvalues of every Hessian
+block and part over a dataset, beside the layer's spectral-norm bound; it runs under
+``torchrun --nproc-per-node N`` too.
+
+Long work (verify, report, spectrum) shows a progress bar on stderr when stderr is a terminal.
 """
 from __future__ import annotations
 
@@ -357,6 +361,9 @@ def build_parser():
     # `symhess experiment …` is dispatched before parsing (main), to its own parser
     sub.add_parser("experiment", help="the papers' curvature experiments (scaling, histogram, "
                    "bounds); see `symhess experiment --help`", add_help=False)
+
+    from .spectrum_cli import add_parser as add_spectrum
+    add_spectrum(sub, layer_args, positive_int, nonnegative_int)
 
     p = sub.add_parser("run", help="main job: derive + LaTeX + verify (+ kernel check)")
     layer_args(p, "both")

@@ -1,0 +1,235 @@
+"""Spectra of Hessian operators: extreme eigenvalues and spectral densities.
+
+* ``spectrum(op, k=5, which="LA")`` — the k largest ("LA"), smallest ("SA"), largest in
+  magnitude ("LM") or both ends ("BE") eigenvalues of a symmetric operator by ARPACK's
+  implicitly restarted Lanczos (``scipy.sparse.linalg.eigsh``), or, with ``method="eigh"``,
+  from the dense matrix by LAPACK (exact to rounding: the check for small blocks).  An
+  off-diagonal block H(p, q) is not symmetric: its k largest *singular values* are returned
+  (``svds`` / ``svd``), ``kind`` says which.  ``method="auto"`` takes eigh when the operator
+  has at most ``DENSE_MAX`` columns or k is too close to the size for ARPACK.
+* ``density(op)`` — the spectral density p(λ) = (1/n) Σ_i δ(λ − λ_i), smoothed by Gaussians,
+  by stochastic Lanczos quadrature.  The quadrature is curvlinops' implementation of
+  Papyan (2020)'s algorithm (``curvlinops.lanczos_approximate_spectrum``, Lanczos without
+  reorthogonalisation, Gaussian kernels of width set by ``kappa``), called through a small
+  torch view of the operator; the spectrum's ends come from ``spectrum`` (so every process
+  of a distributed run uses the same numbers).
+
+Every random start vector is drawn from ``seed``: runs are reproducible, and processes that
+share a distributed operator iterate identically.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import InputError, SymhessError
+
+
+class ConvergenceError(SymhessError, RuntimeError):
+    """ARPACK did not converge within ``maxiter`` (raise it, or the tolerance)."""
+
+DENSE_MAX = 64
+WHICH = ("LA", "SA", "LM", "BE")
+METHODS = ("auto", "eigsh", "eigh")
+
+
+@dataclass
+class Spectrum:
+    """Extreme eigenvalues (or singular values) of an operator, in decreasing order."""
+
+    values: np.ndarray
+    kind: str                      # "eigenvalues" or "singular values"
+    which: str
+    method: str
+    n: int
+    vectors: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def top(self) -> float:
+        return float(self.values[0])
+
+    @property
+    def spectral_norm(self) -> float:
+        """max |λ| among the values found (the spectral norm when they include both ends
+        or the block is positive semi-definite, or for singular values)."""
+        return float(np.max(np.abs(self.values)))
+
+
+def spectrum(op, k=5, which="LA", tol=0.0, method="auto", seed=0, ncv=None, maxiter=None,
+             return_eigenvectors=False) -> Spectrum:
+    """Extreme eigenvalues of a symmetric operator (singular values of a non-symmetric one)."""
+    n = _check_square_or_block(op)
+    if which not in WHICH:
+        raise InputError(f"unknown which {which!r}; valid: {', '.join(WHICH)}")
+    if method not in METHODS:
+        raise InputError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise InputError(f"k must be a positive integer, got {k!r}")
+    symmetric = getattr(op, "symmetric", op.shape[0] == op.shape[1])
+    small = min(op.shape)
+    if k > small:
+        raise InputError(f"k = {k} exceeds the operator's size {small}")
+    if method == "auto":
+        method = "eigh" if (max(op.shape) <= DENSE_MAX or k >= small - 1) else "eigsh"
+    if method == "eigsh" and k >= small:
+        raise InputError(f"eigsh needs k < {small} (the operator's size); use method='eigh'")
+    if getattr(op, "is_zero", False):        # a structural zero: nothing to iterate on
+        kind = "eigenvalues" if symmetric else "singular values"
+        return Spectrum(np.zeros(k), kind, which, "structural zero", n)
+    from scipy.sparse.linalg import ArpackNoConvergence
+    try:
+        if symmetric:
+            return _eigen(op, n, k, which, tol, method, seed, ncv, maxiter, return_eigenvectors)
+        return _singular(op, k, tol, method, seed, ncv, maxiter, return_eigenvectors)
+    except ArpackNoConvergence as exc:
+        raise ConvergenceError(f"eigsh did not converge ({len(exc.eigenvalues)} of {k} "
+                               f"eigenvalues within maxiter = {maxiter or 'the default'}); "
+                               f"raise maxiter or tol") from None
+
+
+def _check_square_or_block(op):
+    if not hasattr(op, "shape") or len(op.shape) != 2:
+        raise InputError(f"expected a linear operator, got {type(op).__name__}")
+    return op.shape[1]
+
+
+def start_vector(n, dtype, seed):
+    """The deterministic Lanczos start vector (the same in every process)."""
+    return np.random.default_rng(seed).standard_normal(n).astype(dtype)
+
+
+def _dense(op):
+    if hasattr(op, "to_dense"):
+        return np.asarray(op.to_dense(), dtype=np.float64)
+    from .budget import check_budget
+    check_budget(8 * op.shape[0] * op.shape[1], "the dense operator")
+    return np.asarray(op @ np.eye(op.shape[1], dtype=op.dtype), dtype=np.float64)
+
+
+def _select(vals, k, which):
+    """Indices of the k values ``which`` asks for (vals ascending), returned in decreasing order."""
+    m = len(vals)
+    if which == "LA":
+        idx = np.arange(m - k, m)
+    elif which == "SA":
+        idx = np.arange(0, k)
+    elif which == "LM":
+        idx = np.argsort(np.abs(vals))[m - k:]
+    else:                     # BE: alternately from the high and the low end
+        hi, lo = k - k // 2, k // 2
+        idx = np.concatenate([np.arange(0, lo), np.arange(m - hi, m)])
+    return idx[np.argsort(vals[idx])[::-1]]
+
+
+def _eigen(op, n, k, which, tol, method, seed, ncv, maxiter, vectors):
+    if method == "eigh":
+        vals, vecs = np.linalg.eigh(_dense(op))
+        idx = _select(vals, k, which)
+        return Spectrum(vals[idx], "eigenvalues", which, "eigh", n, vecs[:, idx] if vectors else None)
+    from scipy.sparse.linalg import eigsh
+    v0 = start_vector(n, op.dtype, seed)
+    kw = dict(tol=tol, v0=v0, ncv=ncv, maxiter=maxiter, return_eigenvectors=vectors)
+    if which in ("SA", "BE"):
+        vals, vecs = _bottom(op, n, k if which == "SA" else k // 2, kw)
+        if which == "BE":
+            hi = eigsh(op, k=k - k // 2, which="LA", **kw)
+            hv, hvec = (hi if vectors else (hi, None))
+            vals = np.concatenate([vals, hv])
+            vecs = None if not vectors else np.concatenate([vecs, hvec], 1)
+    else:
+        out = eigsh(op, k=k, which=which, **kw)
+        vals, vecs = (out if vectors else (out, None))
+    order = np.argsort(vals)[::-1]
+    return Spectrum(np.asarray(vals)[order], "eigenvalues", which, "eigsh", n,
+                    None if vecs is None else vecs[:, order])
+
+
+def _bottom(op, n, k, kw):
+    """The k smallest eigenvalues as the largest of s I − H, s ≥ ‖H‖₂ (from one "LM" run):
+    the tolerance then holds relative to the spectrum's scale, and a cluster of eigenvalues
+    near 0 (rank-deficient Gauss–Newton blocks) does not stall ARPACK as "SA" does."""
+    from scipy.sparse.linalg import LinearOperator, eigsh
+    if k == 0:
+        return np.zeros(0), np.zeros((n, 0))
+    lm = eigsh(op, k=1, which="LM", **{**kw, "return_eigenvectors": False})
+    s = float(abs(lm[0])) * (1 + 1e-3) or 1.0
+    shifted = LinearOperator(op.shape, dtype=op.dtype, matvec=lambda x: s * x - op @ x,
+                             matmat=lambda X: s * X - op @ X)
+    out = eigsh(shifted, k=k, which="LA", **kw)
+    vals, vecs = (out if kw["return_eigenvectors"] else (out, None))
+    return s - np.asarray(vals), vecs
+
+
+def _singular(op, k, tol, method, seed, ncv, maxiter, vectors):
+    if method == "eigh":
+        u, s, vt = np.linalg.svd(_dense(op))
+        return Spectrum(s[:k], "singular values", "LM", "svd", min(op.shape),
+                        u[:, :k] if vectors else None)
+    from scipy.sparse.linalg import svds
+    v0 = start_vector(min(op.shape), op.dtype, seed)
+    out = svds(op, k=k, which="LM", tol=tol, v0=v0, ncv=ncv, maxiter=maxiter,
+               return_singular_vectors="u" if vectors else False, solver="arpack")
+    s = out[1] if vectors else out
+    order = np.argsort(s)[::-1]
+    return Spectrum(np.asarray(s)[order], "singular values", "LM", "svds", min(op.shape),
+                    out[0][:, order] if vectors else None)
+
+
+# ----------------------------------------------------------------------------- density
+class _TorchView:
+    """The operator as curvlinops' spectral routines use one: ``shape``, ``device``,
+    ``dtype`` (torch), ``A @ v`` on tensors."""
+
+    def __init__(self, op):
+        import torch
+        self.op, self.shape = op, op.shape
+        dev = getattr(op, "device", "cpu")
+        self.device = torch.device(str(dev))
+        self.dtype = getattr(torch, str(np.dtype(op.dtype)))
+
+    def __matmul__(self, v):
+        import torch
+        out = self.op @ v
+        return out if isinstance(out, torch.Tensor) else torch.as_tensor(out, device=self.device)
+
+    def to_scipy(self):
+        return self.op
+
+
+def density(op, num_points=1024, ncv=128, num_repeats=1, kappa=3.0, margin=0.05,
+            boundaries=None, seed=0, tol=1e-2):
+    """(grid λ, density p(λ)) by stochastic Lanczos quadrature (module docstring) as NumPy
+    arrays; ``boundaries``: (λ_min, λ_max) if known (else estimated to relative ``tol``)."""
+    import warnings
+
+    import torch
+    with warnings.catch_warnings():     # its dependencies import torch.jit.script, deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        from curvlinops import lanczos_approximate_spectrum
+
+    if not getattr(op, "symmetric", op.shape[0] == op.shape[1]):
+        raise InputError("the spectral density needs a symmetric operator (a diagonal block, "
+                         "a whole Hessian or one of its parts)")
+    n = op.shape[0]
+    if isinstance(ncv, bool) or not isinstance(ncv, int) or ncv < 2:
+        raise InputError(f"ncv must be an integer >= 2, got {ncv!r}")
+    ncv = min(ncv, n)
+    if boundaries is None:
+        s = spectrum(op, k=2, which="BE", tol=tol, seed=seed) if n > 2 else \
+            spectrum(op, k=n, which="LA", method="eigh")
+        boundaries = (float(s.values.min()), float(s.values.max()))
+    lo, hi = boundaries
+    if hi - lo <= 1e-300:
+        hi, lo = hi + max(abs(hi), 1.0) * 1e-3, lo - max(abs(lo), 1.0) * 1e-3
+    view = _TorchView(op)
+    devices = [view.device.index or 0] if view.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        grid, dens = lanczos_approximate_spectrum(view, ncv, num_points=num_points,
+                                                  num_repeats=num_repeats, kappa=kappa,
+                                                  boundaries=(lo, hi), margin=margin)
+    return grid.detach().cpu().numpy(), dens.detach().cpu().numpy()
+
+
+__all__ = ["spectrum", "Spectrum", "density", "start_vector"]
