@@ -1,5 +1,5 @@
 """The NumPy backend: the array operations the generated modules call, and the ones the
-contraction engine needs (``OPS``).  Imports neither torch nor numba.
+contraction engine needs (``OPS``).  Does not import torch.
 
 Arrays carrying data have a leading batch axis (one sequence per entry); parameters do
 not, and every operation broadcasts over it.
