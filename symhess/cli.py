@@ -282,8 +282,36 @@ def cmd_report(args):
 
 
 def cmd_generate(args):
-    from .codegen import main_generate
-    return main_generate(check=args.check, out_dir=GENERATED)
+    """Without LAYER: every committed module into generated/ (a source tree only).  With
+    LAYER: that declaration's module for each backend, as DIR/{numpy,torch}/NAME.py."""
+    from .codegen import BACKENDS, main_generate, render_module, render_variant, write_atomic
+    progress = None
+    if _progress():
+        from tqdm import tqdm
+
+        def progress(xs):
+            return tqdm(xs, desc="generate", unit="layer", file=sys.stderr)
+    if args.layer is None:
+        if args.out is not None:
+            raise CLIError("--out needs a LAYER (the committed modules go to generated/)")
+        if not GENERATED.is_dir():
+            raise CLIError(f"no generated/ beside the installed package ({GENERATED}); "
+                                   "give a LAYER and --out DIR")
+        return main_generate(check=args.check, out_dir=GENERATED, progress=progress)
+    if args.check:
+        raise CLIError("--check compares the committed modules; it takes no LAYER")
+    opts = options_from_args(args)
+    lay = resolve_layer(args.layer, opts)
+    losses = _losses(args.loss)
+    items = [(loss, tuple(sorted(opts.items()))) for loss in losses]
+    entries = [render_variant(lay, loss, o) for loss, o in (progress(items) if progress else items)]
+    out = Path(args.out or ".")
+    desc = " ".join((lay.description or "").split())
+    for backend in BACKENDS:
+        path = out / backend / f"{lay.name}.py"
+        write_atomic(path, render_module(lay.name, backend, entries, desc))
+        print(f"written: {path}")
+    return 0
 
 
 def cmd_run(args):
@@ -308,6 +336,15 @@ def cmd_run(args):
     print()
     if is_user_spec(args.layer):
         print(f"{args.layer}: a declaration outside the registry has no committed kernels")
+        return status
+    if not GENERATED.is_dir():          # an installed package: no committed modules beside it
+        from .codegen import BACKENDS, cache_dir
+        from .kernels import kernel
+        for backend in BACKENDS:
+            for loss in _losses(args.loss):
+                kernel(lay, backend, loss)
+        print(f"kernels of {lay.name} rendered and loaded from the user cache {cache_dir()} "
+              "(no generated/ beside the installed package)")
         return status
     from .codegen import main_check_layer
     return status or main_check_layer(args.layer, out_dir=GENERATED)
@@ -354,7 +391,15 @@ def build_parser():
     p.add_argument("--pdf", action="store_true", help="also compile it with pdflatex")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("generate", help="write NumPy and torch kernels into generated/")
+    p = sub.add_parser("generate", help="write NumPy and torch kernels: every committed layer "
+                       "into generated/, or one LAYER into --out DIR")
+    p.add_argument("layer", metavar="LAYER", nargs="?", default=None,
+                   help=layer_help + "; omitted: every committed layer into generated/")
+    p.add_argument("--loss", default="both", help=loss_help(True) + " (with LAYER)")
+    p.add_argument("--causal", action="store_true", help="use the causal mask (with LAYER)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="layer option (repeatable)")
+    p.add_argument("--out", "-o", metavar="DIR", default=None,
+                   help="with LAYER: write DIR/{numpy,torch}/NAME.py (default: the current folder)")
     p.add_argument("--check", action="store_true", help="only check that generated/ is up to date")
     p.set_defaults(func=cmd_generate)
 
@@ -375,7 +420,7 @@ def build_parser():
 def _check_loss(args):
     if not hasattr(args, "loss"):
         return
-    both = args.command in ("verify", "report", "run")
+    both = args.command in ("verify", "report", "run", "generate")
     if args.loss not in LOSSES and not (both and args.loss == "both"):
         raise CLIError(f"unknown loss {args.loss!r}; valid: {', '.join(sorted(LOSSES))}"
                        + (", both" if both else ""))
