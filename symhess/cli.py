@@ -342,7 +342,7 @@ def cmd_run(args):
         from .kernels import kernel
         for backend in BACKENDS:
             for loss in _losses(args.loss):
-                kernel(lay, backend, loss)
+                kernel(lay, backend, loss).variant       # renders (or loads) the module
         print(f"kernels of {lay.name} rendered and loaded from the user cache {cache_dir()} "
               "(no generated/ beside the installed package)")
         return status
