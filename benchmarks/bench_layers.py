@@ -1,6 +1,9 @@
 """Kernel ratios against autograd for every declared layer (variants and blocks), one run.
 
-    python -m benchmarks.bench_layers [LAYER ...] [--size small|medium]
+    python -m benchmarks.bench_layers [LAYER ...] [--size small|medium|dense]
+
+(``--size dense``: L = 16, d = d_K = 32, the size of the dense-Hessian comparison in
+BENCHMARKS.md.)
 
 For each layer the reference is torch.func applied to the layer's own forward (the
 declaration evaluated in torch, float64), measured in the same run as the kernel:
@@ -23,7 +26,8 @@ from symhess.verify import random_values
 from .timing import best as _best
 
 SIZES = {"small": {"L": 8, "d_V": 12, "d_K": 10, "d_H": 6, "d_ff": 16},
-         "medium": {"L": 16, "d_V": 24, "d_K": 16, "d_H": 12, "d_ff": 48}}
+         "medium": {"L": 16, "d_V": 24, "d_K": 16, "d_H": 12, "d_ff": 48},
+         "dense": {"L": 16, "d_V": 32, "d_K": 32, "d_H": 16, "d_ff": 64}}
 DEFAULT_LAYERS = ["attention", "linear_attention", "single_matrix_attention", "multihead_attention",
                   "value_output_attention", "ffn", "post_ln_block", "pre_ln_block"]
 

@@ -69,37 +69,3 @@ def device_label(device):
         return str(dev)
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     return f"cuda:{idx} ({torch.cuda.get_device_name(idx)})"
-
-
-def cuda_graph_replay(fn, device):
-    """A callable that replays one CUDA-graph capture of the zero-argument ``fn`` on
-    ``device`` (its inputs fixed at capture), or the reason it cannot be captured.
-
-    For autograd references measured on the same footing as ``Kernel.with_cuda_graphs()``:
-    both then pay no launch overhead. Returns (replay or None, message)."""
-    from symhess.graphs import capture
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return None, "CUDA graphs need a CUDA device"
-    try:
-        graph, _ = capture(fn, dev)
-    except Exception as e:          # e.g. an operation that synchronises with the host
-        return None, f"not capturable ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-    return graph.replay, "captured"
-
-
-def graph_comparison(kernel_fn, auto_fn, t_auto, device, repeat=10, indent="  "):
-    """On CUDA: time ``kernel_fn`` (a call of a ``with_cuda_graphs()`` kernel) against the
-    eager autograd time ``t_auto`` and against ``auto_fn`` replayed from a CUDA graph, and
-    print both ratios. Returns (kernel time, replayed autograd time or None)."""
-    t_graph = best(kernel_fn, repeat, device)
-    print(f"{indent}kernel with CUDA graphs {t_graph * 1e3:.3f} ms → {t_auto / t_graph:.1f}× "
-          f"faster than eager autograd ({t_auto * 1e3:.3f} ms)")
-    replay, why = cuda_graph_replay(auto_fn, device)
-    if replay is None:
-        print(f"{indent}autograd in a CUDA graph: {why}")
-        return t_graph, None
-    t_ad = best(replay, repeat, device)
-    print(f"{indent}autograd replayed from a CUDA graph {t_ad * 1e3:.3f} ms → kernel with graphs "
-          f"{t_ad / t_graph:.1f}× faster (both replayed)")
-    return t_graph, t_ad

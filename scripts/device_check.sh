@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One run on a CUDA machine: the CUDA tests, a few quick CPU tests, and the kernel
-# benchmarks (kernels, Jacobians, full block, batched calls) with --device cuda.  Run from the repository root:
+# One run on a CUDA machine: the CUDA tests, a few quick CPU tests, and the realistic-size
+# benchmarks (hvp, diagonal, Frobenius norms against autograd and Hutchinson) with --device cuda.  Run from the repository root:
 #     bash scripts/device_check.sh
 # Everything is tee'd into "$OUT/device_log.txt" (OUT defaults to /tmp/out).  A failing
 # step does not stop the others; the script exits 1 if any step failed.  Nothing is
@@ -54,14 +54,15 @@ step test_cuda 150 env SYMHESS_TEST_DEVICE=cuda "$PY" -m pytest -p no:cacheprovi
     --durations=5 tests/test_cuda.py
 # ... and a few quick device-independent tests (the slow whole-folder regeneration excluded)
 step tests_cpu 120 "$PY" -m pytest -p no:cacheprovider -q -x tests/test_codegen.py \
-    tests/test_jacobian_kernels.py -k "not generate_check and not deterministic"
+    tests/test_jacobian_kernels.py tests/test_runtime.py
 
-# benchmarks: torch kernels and autograd on CUDA (eager and replayed from CUDA graphs),
-# NumPy parts on the CPU
-step bench_kernels 150 "$PY" -m benchmarks.bench_kernels --device cuda --no-generation
-step bench_jacobians 120 "$PY" -m benchmarks.bench_jacobians --device cuda
-step bench_full_block 120 "$PY" -m benchmarks.bench_full_block --device cuda
-step bench_batch 120 "$PY" -m benchmarks.bench_batch --device cuda
+# benchmarks at the sizes models are trained at: torch kernels and autograd on CUDA, eager
+step scale_attention_hvp_diag 240 "$PY" -m benchmarks.bench_scale --device cuda --what hvp,diag \
+    --L 512 --d 512 --batch 8 --rounds 3
+step scale_attention_frob 150 "$PY" -m benchmarks.bench_scale --device cuda --what frob \
+    --L 256 --d 256 --batch 8 --rounds 1
+step scale_post_ln 150 "$PY" -m benchmarks.bench_scale --device cuda --layer post_ln_block \
+    --what hvp,diag --L 256 --d 256 --dff 1024 --batch 8 --rounds 3
 
 log ""
 if [ "${#FAILED[@]}" -ne 0 ]; then
