@@ -134,3 +134,38 @@ def test_compact_tensors_materialised_or_inlined(materialise):
     s = _State(materialise)
     got = N.dense(s, [N.net(1.0, "ijk,ja,kb->i|a|b", comp, X, X)], (0, 1, 2))
     assert np.allclose(got.reshape(L, d, d), want)
+
+
+def _every_method(state, params, v):
+    """Every kernel method of a prepared state, as one list of arrays."""
+    out = [state.hessian("full"), state.hvp(v, "outer")]
+    for p in params:
+        out += [state.diag(p, "functional"), np.asarray(state.trace(p, "full"))]
+        for q in params:
+            split = state.frobenius_split(p, q)
+            out += [np.array([split[part] for part in sorted(split)]), state.hessian_block(p, q, "outer")]
+    return [np.asarray(x, dtype=float) for x in out]
+
+
+@pytest.mark.parametrize("name", ["attention", "post_ln_block", "multihead_attention", "ffn"])
+def test_every_tunable_off_gives_the_same_numbers(name, monkeypatch):
+    """SYMHESS_SCHEDULE=plain (no cost comparisons, no mirrored blocks) and a memory budget
+    small enough to slice contractions give the default schedule's numbers to 1e-12."""
+    import symhess as sh
+    from symhess.verify import random_values
+    d = sh.derive(sh.layer(name), "mse")
+    values = random_values(d, seed=5)
+    values = {k: (np.stack([v, v[::-1] * 0.7]) if k in ("X", "Y") else v) for k, v in values.items()}
+    k = sh.kernel(name, "numpy", "mse")
+    params = d.layer.param_names
+    n = sum(values[p].size for p in params)
+    v = np.random.default_rng(0).standard_normal(n)
+    tuned = _every_method(k.prepare(values), params, v)
+    monkeypatch.setenv("SYMHESS_SCHEDULE", "plain")
+    plain = _every_method(k.prepare(values), params, v)
+    monkeypatch.delenv("SYMHESS_SCHEDULE")
+    sliced = _every_method(k.prepare(values, memory_budget=4096), params, v)
+    for a, b, c in zip(tuned, plain, sliced):
+        scale = max(np.abs(a).max(), 1e-300)
+        assert np.abs(a - b).max() <= 1e-12 * scale
+        assert np.abs(a - c).max() <= 1e-12 * scale
