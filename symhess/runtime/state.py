@@ -113,11 +113,17 @@ class Forward:
         """diag H_part(p, p) (vec_r order), without the block."""
         nets = [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)]
         if not nets:
-            return self.ops.zeros((self.numel(p),), like=self.like)
-        return N.dense(self, nets, groups=(0,))
+            out = self.ops.zeros((self.numel(p),), like=self.like)
+        else:
+            out = N.dense(self, nets, groups=(0,))
+        self.__dict__.setdefault("_diag_sums", {})[(p, part)] = out.sum()
+        return out
 
     def trace(self, p, part="full"):
-        """tr H_part(p, p), without the block."""
+        """tr H_part(p, p), without the block (the sum of ``diag`` when it was computed)."""
+        known = self.__dict__.get("_diag_sums", {}).get((p, part))
+        if known is not None:
+            return float(known)
         nets = [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)]
         return N.scalar(self, [N.closed(n) for n in nets])
 
