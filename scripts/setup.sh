@@ -8,5 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[test]"
+# constraints.txt keeps torch at the CPU build: curvlinops' dependency backpack asks for
+# torchvision, whose newest release would pull a newer (CUDA) torch
+.venv/bin/python -m pip install -q -c scripts/constraints.txt torch==2.13.0
+.venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[test]"
