@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import InputError, SymhessError
+from .errors import DeclarationError, InputError, SymhessError
 
 
 class ConvergenceError(SymhessError, RuntimeError):
@@ -206,7 +206,11 @@ def density(op, num_points=1024, ncv=128, num_repeats=1, kappa=3.0, margin=0.05,
     import torch
     with warnings.catch_warnings():     # its dependencies import torch.jit.script, deprecated
         warnings.simplefilter("ignore", FutureWarning)
-        from curvlinops import lanczos_approximate_spectrum
+        try:
+            from curvlinops import lanczos_approximate_spectrum
+        except ImportError:
+            raise DeclarationError("the spectral density needs curvlinops: pip install "
+                                   "'symhess[spectra]' (or curvlinops-for-pytorch)") from None
 
     if not getattr(op, "symmetric", op.shape[0] == op.shape[1]):
         raise InputError("the spectral density needs a symmetric operator (a diagonal block, "
