@@ -16,7 +16,8 @@ Side by side in one process, float64, interleaved rounds (minimum of ``--rounds`
   Hutchinson estimate with ``--probes`` probes per column block (one HVP and one
   Gauss–Newton product per probe);
 * fit — the exact routines' cost exponents in L, d and B (log-log least squares over
-  L = 64 … 512, d = 64 … 256, B = 1 … 8, the other sizes fixed).
+  L = 64 … 512, d = 64 … 256, B = 1 … 8, the others at L = d = 128, B = 2), measured and of
+  the planned flops (``symhess.runtime.cost``) side by side.
 
 The torch reference forward is written out for each layer and checked against the kernel's
 loss before anything is timed.
@@ -34,6 +35,7 @@ from torch.func import grad, jvp, linearize, vjp
 
 import symhess as sh
 from benchmarks.timing import interleaved, synchronize
+from symhess.runtime.cost import counting
 
 
 # ----------------------------------------------------------------------------- references
@@ -216,13 +218,17 @@ def timed(fn, device):
     return out, time.perf_counter() - t
 
 
+GRIDS = {"L": [64, 128, 256, 512], "d": [64, 128, 256], "B": [1, 2, 4, 8]}
+BASE = {"L": 128, "d": 128, "B": 2}
+
+
 def fit(args, device):
     """Cost exponents of diag+trace and frobenius_split in L, d and B."""
-    grids = {"L": [64, 128, 256, 512], "d": [64, 128, 256], "B": [1, 2, 4, 8]}
-    base = {"L": 128, "d": 128, "B": 2}
+    grids = GRIDS
+    base = BASE
     for kind in ("diag", "frob", "hvp"):
         for var, grid in grids.items():
-            times = []
+            times, flops = [], []
             for x in grid:
                 sz = dict(base, **{var: x})
                 values, params, _ = problem(args.layer, sz["L"], sz["d"], min(args.dk, sz["d"]),
@@ -237,10 +243,15 @@ def fit(args, device):
                     n = sum(p.numel() for p in params)
                     v = torch.randn(n, dtype=torch.float64, device=device)
                     fn = lambda: k.hvp(values, v)
-                fn()                                   # plans for these sizes
+                with counting() as c:
+                    fn()                               # plans for these sizes
+                flops.append(c.flops)
                 times.append(min(timed(fn, device)[1] for _ in range(2)))
             slope = np.polyfit(np.log(grid), np.log(times), 1)[0]
-            print(f"  {kind:5s} in {var}: exponent {slope:.2f}  ({', '.join(f'{t:.3g}' for t in times)} s)")
+            planned = np.polyfit(np.log(grid), np.log(flops), 1)[0]
+            print(f"  {kind:5s} in {var}: measured exponent {slope:.2f}, planned flops' {planned:.2f}  "
+                  f"({', '.join(f'{t:.3g}' for t in times)} s; "
+                  f"{', '.join(f'{f:.2g}' for f in flops)} flops)")
 
 
 def main(argv=None):

@@ -169,3 +169,19 @@ def test_every_tunable_off_gives_the_same_numbers(name, monkeypatch):
         scale = max(np.abs(a).max(), 1e-300)
         assert np.abs(a - b).max() <= 1e-12 * scale
         assert np.abs(a - c).max() <= 1e-12 * scale
+
+
+def test_counting_reports_planned_flops_and_nothing_outside():
+    """A chain (2,3)(3,4)(4,5) bracketed left: 2·2·3·4 + 2·2·4·5 flops; a contraction reports
+    its plan; outside a counting block nothing is recorded."""
+    from symhess.runtime import cost
+    a, b, c = np.ones((2, 3)), np.ones((3, 4)), np.ones((4, 5))
+    with cost.counting() as n:
+        np_mm(a, b, c)
+    assert n.flops == 2 * 2 * 3 * 4 + 2 * 2 * 4 * 5 and n.largest == 10
+    x, y = np.ones((6, 7)), np.ones((7, 8))
+    with cost.counting() as m:
+        C.contract(NP, [x, y], [(0, 1), (1, 2)], (0, 2))
+    assert m.flops == C.plan([(0, 1), (1, 2)], (0, 2), {0: 6, 1: 7, 2: 8}).flops > 0
+    np_mm(a, b, c)
+    assert n.flops == 2 * 2 * 3 * 4 + 2 * 2 * 4 * 5

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from . import cost
+
 
 @lru_cache(maxsize=16384)
 def order(shapes, fixed=None):
@@ -59,6 +61,13 @@ def multiply(xs, matmul, shape, fixed=None, memo=None, key=None):
     kept in ``memo`` under (key, i, j) and reused by later calls."""
     if len(xs) == 1:
         return xs[0]
+    if cost._ACTIVE and not getattr(matmul, "counted", False):   # count (runtime.cost)
+        inner = matmul
+
+        def matmul(a, b):
+            cost.add_matmul(tuple(shape(a)), tuple(shape(b)))
+            return inner(a, b)
+        matmul.counted = True
     if fixed is None and len(xs) == 2:
         return matmul(xs[0], xs[1])
     t = order(tuple(tuple(shape(x)) for x in xs), tuple(fixed) if fixed else None)

@@ -32,6 +32,7 @@ from functools import lru_cache
 import opt_einsum as oe
 
 from ..errors import BudgetError
+from . import cost
 
 # planning effort follows the work: the contractions that cost no memory first (``_shrink``),
 # then a greedy order; when that costs more than SEARCH_FLOPS flops, dynamic programming (up
@@ -155,6 +156,7 @@ def contract(ops, arrays, labels, out, limit=None, sizes=None):
 def _run(ops, arrays, labels, out, sizes, limit):
     p = plan(labels, out, sizes, limit)
     if limit is None or p.largest <= max(limit, math.prod(sizes[x] for x in out)):
+        cost.add(p.flops, p.largest)
         return execute(ops, arrays, labels, out, p.path)
     lab = _slice_label(labels, out, sizes, limit)
     if lab is None:
