@@ -58,6 +58,9 @@ def test_every_kernel_matches_autograd(backend, loss, causal):
         H = full(d, ref, part)
         scale = np.linalg.norm(full(d, ref, "full"))
         assert rel(k.hessian(vals, part), H, scale) <= TOL64
+        out = np.full(H.shape, np.nan)                     # every entry written, none read
+        out = torch.tensor(out) if backend == "torch" else out
+        assert rel(k.hessian(vals, part, out=out), H, scale) <= TOL64
         v = rng.standard_normal(H.shape[0])
         vv = torch.tensor(v) if backend == "torch" else v
         assert rel(k.hvp(vals, vv, part), H @ v, scale * np.linalg.norm(v)) <= TOL64

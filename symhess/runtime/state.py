@@ -90,7 +90,8 @@ class Forward:
         offs = [0]
         for s in sizes:
             offs.append(offs[-1] + s)
-        if out is None:
+        fresh = out is None
+        if fresh:
             out = self.ops.zeros((offs[-1], offs[-1]), like=self.like)
         for i, p in enumerate(self.PARAMS):
             for j, q in enumerate(self.PARAMS):
@@ -98,7 +99,8 @@ class Forward:
                 if j < i and self.schedule.mirror:
                     view[...] = out[offs[j]:offs[j + 1], offs[i]:offs[i + 1]].T
                     continue
-                view[...] = 0
+                if not fresh:
+                    view[...] = 0
                 nets = self.nets(p, q, part)
                 if nets:
                     first = nets[0]
