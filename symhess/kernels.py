@@ -240,6 +240,7 @@ class Kernel:
         """H_part v for a flat vector v (parameters in declared order), no block built."""
         check_part(part)
         st = self.prepare(values)
+        st._one_shot = True
         return st.hvp(self.vector(st, v), part)
 
     def vector(self, st, v, name="v"):

@@ -40,6 +40,7 @@ class Forward:
     """The values of one call bound to a variant (made by ``Kernel.prepare``)."""
 
     PARAMS = ()           # parameter names in declared order (set by the generated class)
+    _one_shot = False     # made for a single call: nothing is worth keeping (``mm_kept``)
 
     def __init__(self, arrays, dims, n_batch, ops, schedule, like):
         self.__dict__.update(arrays)
@@ -175,7 +176,10 @@ class Forward:
     def mm_kept(self, key, fixed, *xs):
         """F₁⋯F_k in the cheapest order at these sizes, where the products of consecutive
         factors marked fixed ("1": they do not depend on the routine's arguments) are
-        computed once per state and kept (``runtime.chain``)."""
+        computed once per state and kept (``runtime.chain``).  A state made for one call
+        (``_one_shot``) keeps nothing: its chains take the cheapest order for one product."""
+        if self._one_shot:
+            return chain.multiply(xs, self.ops.matmul2, self.ops.shape)
         return chain.multiply(xs, self.ops.matmul2, self.ops.shape,
                               fixed=tuple(c == "1" for c in fixed), memo=self._kept, key=key)
 
