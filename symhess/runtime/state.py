@@ -78,7 +78,10 @@ class Forward:
 
     # -- dense ------------------------------------------------------------------------------
     def hessian_block(self, p, q, part="full"):
-        """H_part(p, q) as a dense (numel p × numel q) array, vec_r layout."""
+        """H_part(p, q) as a dense (numel p × numel q) array, vec_r layout.
+
+        Cost: each network contracted to the block's rows and columns (planned at these sizes;
+        ``runtime.cost`` counts it); memory: the block plus the largest intermediate."""
         nets = self.nets(p, q, part)
         if not nets:
             return self.ops.zeros((self.numel(p), self.numel(q)), like=self.like)
@@ -113,7 +116,12 @@ class Forward:
 
     # -- reductions --------------------------------------------------------------------------
     def diag(self, p, part="full"):
-        """diag H_part(p, p) (vec_r order), without the block."""
+        """diag H_part(p, p) (vec_r order), without the block.
+
+        Cost: the block's networks with column atoms identified with row atoms, contracted to
+        the rows; for attention's H_o(W_Q) that is the per-token C_i = Σ_j A_ij k_j (v_j − μ_i)ᵀ,
+        O(B L² d_K d_V) flops (H_o(W_K) about twice that, the functional parts O(B L² d)),
+        memory O(B L d_K d_V) or less when sliced to the schedule's limit."""
         nets = [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)]
         if not nets:
             out = self.ops.zeros((self.numel(p),), like=self.like)
@@ -136,12 +144,21 @@ class Forward:
 
     def frobenius_split(self, p, q):
         """{outer, functional, full: ‖H_part(p, q)‖_F}; the full norm costs only the cross
-        term ⟨H_o, H_f⟩ more: ‖H‖² = ‖H_o‖² + ‖H_f‖² + 2⟨H_o, H_f⟩."""
+        term ⟨H_o, H_f⟩ more: ‖H‖² = ‖H_o‖² + ‖H_f‖² + 2⟨H_o, H_f⟩.  Kept per state, so
+        H(q, p) after H(p, q) costs nothing.
+
+        Cost: Σ over pairs of the block's (merged) networks of their planned contraction,
+        token Gram matrices over the batch's B·L tokens: for attention's blocks O((B L)² d²)
+        flops (W_K, W_V rows and columns), O((B L)² (d + d_K d_V)) for H_o(W_Q, W_Q)."""
+        known = self.__dict__.setdefault("_splits", {})
+        if (q, p) in known:                   # ‖H(q, p)‖ = ‖H(p, q)ᵀ‖
+            return dict(known[(q, p)])
         o, f = self.nets(p, q, "outer"), self.nets(p, q, "functional")
         oo, ff = N.frobenius_sq(self, o), N.frobenius_sq(self, f)
         of = N.frobenius_sq(self, o, f) if o and f else 0.0
         root = lambda v: math.sqrt(max(v, 0.0))
-        return {"outer": root(oo), "functional": root(ff), "full": root(oo + ff + 2 * of)}
+        known[(p, q)] = {"outer": root(oo), "functional": root(ff), "full": root(oo + ff + 2 * of)}
+        return dict(known[(p, q)])
 
     def frobenius_norms(self, part="full"):
         """{(p, q): ‖H_part(p, q)‖_F} for every block (H(q, p) = H(p, q)ᵀ computed once)."""
@@ -184,7 +201,11 @@ class Forward:
                               fixed=tuple(c == "1" for c in fixed), memo=self._kept, key=key)
 
     def hvp(self, v, part="full"):
-        """H_part v for a flat vector v (parameters in declared order), no block built."""
+        """H_part v for a flat vector v (parameters in declared order), no block built.
+
+        Cost: the matrix-view statements, products of size B L² d or B L d² (attention: 16 of
+        them and about 20 of size B L² d_K for a state's first call, about 10 for later calls,
+        which reuse the kept products of fixed factors)."""
         _part(part)
         dirs, off = [], 0
         for p in self.PARAMS:
