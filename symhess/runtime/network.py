@@ -193,34 +193,36 @@ def _refined_group(state, n, g, sizes):
 
 
 # ----------------------------------------------------------------------------- compacts
-def resolve(state, n, groups):
+def resolve(state, n, groups, paired=False):
     """``n`` as networks over arrays only: every Compact operand is materialised or its
     networks are inlined, whichever the plan says is cheaper at these sizes (materialising
     only if the tensor fits ``state.schedule.compact_limit``).  ``groups``: the output
     groups the result is wanted over (inlining may identify labels: read them from the
-    returned networks)."""
-    return [_materialised(state, m) for m in _expand(state, n, tuple(groups))]
+    returned networks).  ``paired``: the networks will be paired with each other (a
+    Frobenius norm), where an inlined compact appears on both sides: every compact that
+    fits is materialised (at L = 64, d = 128 inlining cost 700× the flops there)."""
+    return [_materialised(state, m) for m in _expand(state, n, tuple(groups), paired=paired)]
 
 
-def _expand(state, n, groups, start=0):
+def _expand(state, n, groups, start=0, paired=False):
     """``n`` with the Compact operands from position ``start`` on either kept (to be
     materialised) or inlined; no side effects."""
     k = next((i for i in range(start, len(n.ops)) if isinstance(n.ops[i], Compact)), None)
     if k is None:
         return [n]
-    if _keep(state, n, k, groups):
-        return _expand(state, n, groups, k + 1)
-    return [r for m in n.ops[k].nets for r in _expand(state, inline(n, k, m), groups, k)]
+    if _keep(state, n, k, groups, paired):
+        return _expand(state, n, groups, k + 1, paired)
+    return [r for m in n.ops[k].nets for r in _expand(state, inline(n, k, m), groups, k, paired)]
 
 
-def _keep(state, n, k, groups):
+def _keep(state, n, k, groups, paired=False):
     """Whether the compact operand k of ``n`` is materialised rather than inlined."""
     c, sched = n.ops[k], state.schedule
     if c.materialised:
         return True
     if sched.materialise == "never" or c.entries > sched.compact_limit:
         return False
-    if sched.materialise == "always":
+    if sched.materialise == "always" or paired:
         return True
     as_array = _flops(state, n, groups) + c.cost(state)
     inlined = sum(_flops(state, inline(n, k, m), groups) for m in c.nets)
@@ -429,7 +431,7 @@ def merged(state, nets):
     formed (that network stays as it is)."""
     out, groups = [], {}
     for n in nets:
-        for m in resolve(state, n, (0, 1)):
+        for m in resolve(state, n, (0, 1), paired=True):
             split = _skeleton(state, m)
             if split is None:
                 out.append(m)
