@@ -3,6 +3,7 @@
     python -m benchmarks.bench_scale [--layer attention|post_ln_block] [--what hvp,diag,frob,fit]
                                      [--L 512] [--d 512] [--dk 64] [--dff 1024] [--batch 8]
                                      [--loss mse] [--probes 100] [--threads 1] [--device cpu]
+                                     [--fit-kinds diag,frob,hvp]
 
 Side by side in one process, float64, interleaved rounds (minimum of ``--rounds``):
 
@@ -226,7 +227,7 @@ def fit(args, device):
     """Cost exponents of diag+trace and frobenius_split in L, d and B."""
     grids = GRIDS
     base = BASE
-    for kind in ("diag", "frob", "hvp"):
+    for kind in args.fit_kinds.split(","):
         for var, grid in grids.items():
             times, flops = [], []
             for x in grid:
@@ -268,6 +269,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--fit-kinds", default="diag,frob,hvp", help="the routines the fit times")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
