@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "a0995bbfb3fc5311a68d94c1"
+    STAMP = "ee975eae25874ccba1498793"
 
     @leaf
     def t(s):
@@ -212,48 +212,48 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_8 = ((1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(5, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_8 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_9 = softmax_diff(s.A, t_8)
         t_10 = s.mm_kept(3, '011', t_9, s.X, s.W_V)
-        t_11 = s.mm_kept(6, '110', s.A, s.X, V_W_V)
+        t_11 = s.mm_kept(5, '110', s.A, s.X, V_W_V)
         t_12 = ((2/(s.L*s.d_V)) * t_10 + (2/(s.L*s.d_V)) * t_11)
         t_13 = softmax_diff(s.A, s.mm_kept(2, '011', t_12, tr(s.W_V), tr(s.X)))
-        t_14 = (1/math.sqrt(s.d_K)) * s.mm_kept(7, '1011', tr(s.X), tr(t_13), s.X, s.W_Q)
-        t_15 = s.mm_kept(8, '110', tr(s.X), tr(s.A), t_12)
+        t_14 = (1/math.sqrt(s.d_K)) * s.mm_kept(6, '1011', tr(s.X), tr(t_13), s.X, s.W_Q)
+        t_15 = s.mm_kept(7, '110', tr(s.X), tr(s.A), t_12)
         return (mean0((1/math.sqrt(s.d_K)) * s.mm_kept(1, '1011', tr(s.X), t_13, s.X, s.W_K), True), mean0(t_14, True), mean0(t_15, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = ((1/math.sqrt(s.d_K)) * s.mm_kept(10, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(11, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = s.mm_sum(9, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_17 = softmax_diff2(s.A, t_16, s.t_6)
         t_18 = softmax_diff(s.A, mm(s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = ((1/math.sqrt(s.d_K)) * s.mm_kept(9, '1011', tr(s.X), (t_17 + t_18), s.X, s.W_K) + (1/math.sqrt(s.d_K)) * s.mm_kept(12, '1110', tr(s.X), s.t_7, s.X, V_W_K))
-        t_20 = ((1/math.sqrt(s.d_K)) * s.mm_kept(13, '1011', tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q) + (1/math.sqrt(s.d_K)) * s.mm_kept(14, '1110', tr(s.X), tr(s.t_7), s.X, V_W_Q))
+        t_19 = s.mm_sum(8, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_17 + t_18), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_7, s.X, V_W_K))
+        t_20 = s.mm_sum(10, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_7), s.X, V_W_Q))
         t_21 = softmax_diff(s.A, t_16)
         return (mean0(t_19, True), mean0(t_20, True), mean0(mm(tr(s.X), tr(t_21), s.G_2), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = ((1/math.sqrt(s.d_K)) * s.mm_kept(16, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(17, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = s.mm_sum(12, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_25 = softmax_diff2(s.A, t_22, s.t_24)
         t_26 = softmax_diff(s.A, t_22)
-        t_27 = s.mm_kept(19, '011', t_26, s.X, s.W_V)
-        t_28 = s.mm_kept(20, '110', s.A, s.X, V_W_V)
+        t_27 = s.mm_kept(14, '011', t_26, s.X, s.W_V)
+        t_28 = s.mm_kept(15, '110', s.A, s.X, V_W_V)
         t_29 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_28)
-        t_30 = (s.mm_kept(18, '011', t_29, tr(s.W_V), tr(s.X)) + mm(s.t_23, tr(V_W_V), tr(s.X)))
+        t_30 = s.mm_sum(13, 'r', (1, '011', t_29, tr(s.W_V), tr(s.X)), (1, '101', s.t_23, tr(V_W_V), tr(s.X)))
         t_31 = softmax_diff(s.A, t_30)
-        t_33 = (s.mm_kept(15, '1011', tr(s.X), (t_25 + t_31), s.X, s.W_K) + s.mm_kept(21, '1110', tr(s.X), s.t_32, s.X, V_W_K))
-        t_34 = (s.mm_kept(22, '1011', tr(s.X), (tr(t_25) + tr(t_31)), s.X, s.W_Q) + s.mm_kept(23, '1110', tr(s.X), tr(s.t_32), s.X, V_W_Q))
+        t_33 = s.mm_sum(11, 'l', (1, '1011', tr(s.X), (t_25 + t_31), s.X, s.W_K), (1, '1110', tr(s.X), s.t_32, s.X, V_W_K))
+        t_34 = s.mm_sum(16, 'l', (1, '1011', tr(s.X), (tr(t_25) + tr(t_31)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_32), s.X, V_W_Q))
         t_35 = ((2/(s.L*s.d_V)) * t_27 + (2/(s.L*s.d_V)) * t_28)
-        t_36 = s.mm_kept(24, '110', tr(s.X), tr(s.A), t_35)
-        return (mean0(t_33, True), mean0(t_34, True), mean0((mm(tr(s.X), tr(t_26), s.G_2) + t_36), True),)
+        t_36 = s.mm_sum(17, 'l', (1, '101', tr(s.X), tr(t_26), s.G_2), (1, '110', tr(s.X), tr(s.A), t_35))
+        return (mean0(t_33, True), mean0(t_34, True), mean0(t_36, True),)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "01a87a09ad9940e855a33710"
+    STAMP = "25d7ac51ec9e458849ba374b"
 
     @leaf
     def t(s):
@@ -445,48 +445,48 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_8 = ((1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(5, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_8 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_9 = softmax_diff(s.A, t_8)
         t_10 = s.mm_kept(3, '011', t_9, s.X, s.W_V)
-        t_11 = s.mm_kept(6, '110', s.A, s.X, V_W_V)
+        t_11 = s.mm_kept(5, '110', s.A, s.X, V_W_V)
         t_12 = ((2/(s.L*s.d_V)) * t_10 + (2/(s.L*s.d_V)) * t_11)
         t_13 = softmax_diff(s.A, s.mm_kept(2, '011', t_12, tr(s.W_V), tr(s.X)))
-        t_14 = (1/math.sqrt(s.d_K)) * s.mm_kept(7, '1011', tr(s.X), tr(t_13), s.X, s.W_Q)
-        t_15 = s.mm_kept(8, '110', tr(s.X), tr(s.A), t_12)
+        t_14 = (1/math.sqrt(s.d_K)) * s.mm_kept(6, '1011', tr(s.X), tr(t_13), s.X, s.W_Q)
+        t_15 = s.mm_kept(7, '110', tr(s.X), tr(s.A), t_12)
         return (mean0((1/math.sqrt(s.d_K)) * s.mm_kept(1, '1011', tr(s.X), t_13, s.X, s.W_K), True), mean0(t_14, True), mean0(t_15, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = ((1/math.sqrt(s.d_K)) * s.mm_kept(10, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(11, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = s.mm_sum(9, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_17 = softmax_diff2(s.A, t_16, s.t_6)
         t_18 = softmax_diff(s.A, mm(s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = ((1/math.sqrt(s.d_K)) * s.mm_kept(9, '1011', tr(s.X), (t_17 + t_18), s.X, s.W_K) + (1/math.sqrt(s.d_K)) * s.mm_kept(12, '1110', tr(s.X), s.t_7, s.X, V_W_K))
-        t_20 = ((1/math.sqrt(s.d_K)) * s.mm_kept(13, '1011', tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q) + (1/math.sqrt(s.d_K)) * s.mm_kept(14, '1110', tr(s.X), tr(s.t_7), s.X, V_W_Q))
+        t_19 = s.mm_sum(8, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_17 + t_18), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_7, s.X, V_W_K))
+        t_20 = s.mm_sum(10, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_7), s.X, V_W_Q))
         t_21 = softmax_diff(s.A, t_16)
         return (mean0(t_19, True), mean0(t_20, True), mean0(mm(tr(s.X), tr(t_21), s.G_2), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = ((1/math.sqrt(s.d_K)) * s.mm_kept(16, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(17, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = s.mm_sum(12, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_25 = softmax_diff2(s.A, t_22, s.t_24)
         t_26 = softmax_diff(s.A, t_22)
-        t_27 = s.mm_kept(19, '011', t_26, s.X, s.W_V)
-        t_28 = s.mm_kept(20, '110', s.A, s.X, V_W_V)
+        t_27 = s.mm_kept(14, '011', t_26, s.X, s.W_V)
+        t_28 = s.mm_kept(15, '110', s.A, s.X, V_W_V)
         t_29 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_28)
-        t_30 = (s.mm_kept(18, '011', t_29, tr(s.W_V), tr(s.X)) + mm(s.t_23, tr(V_W_V), tr(s.X)))
+        t_30 = s.mm_sum(13, 'r', (1, '011', t_29, tr(s.W_V), tr(s.X)), (1, '101', s.t_23, tr(V_W_V), tr(s.X)))
         t_31 = softmax_diff(s.A, t_30)
-        t_33 = (s.mm_kept(15, '1011', tr(s.X), (t_25 + t_31), s.X, s.W_K) + s.mm_kept(21, '1110', tr(s.X), s.t_32, s.X, V_W_K))
-        t_34 = (s.mm_kept(22, '1011', tr(s.X), (tr(t_25) + tr(t_31)), s.X, s.W_Q) + s.mm_kept(23, '1110', tr(s.X), tr(s.t_32), s.X, V_W_Q))
+        t_33 = s.mm_sum(11, 'l', (1, '1011', tr(s.X), (t_25 + t_31), s.X, s.W_K), (1, '1110', tr(s.X), s.t_32, s.X, V_W_K))
+        t_34 = s.mm_sum(16, 'l', (1, '1011', tr(s.X), (tr(t_25) + tr(t_31)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_32), s.X, V_W_Q))
         t_35 = ((2/(s.L*s.d_V)) * t_27 + (2/(s.L*s.d_V)) * t_28)
-        t_36 = s.mm_kept(24, '110', tr(s.X), tr(s.A), t_35)
-        return (mean0(t_33, True), mean0(t_34, True), mean0((mm(tr(s.X), tr(t_26), s.G_2) + t_36), True),)
+        t_36 = s.mm_sum(17, 'l', (1, '101', tr(s.X), tr(t_26), s.G_2), (1, '110', tr(s.X), tr(s.A), t_35))
+        return (mean0(t_33, True), mean0(t_34, True), mean0(t_36, True),)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "32cbb215be69f4b5df094003"
+    STAMP = "12de3e24e146b3b1b22392b2"
 
     @leaf
     def t(s):
@@ -690,37 +690,37 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_9 = ((1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(5, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_9 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_10 = softmax_diff(s.A, t_9)
-        t_11 = (s.mm_kept(3, '011', t_10, s.X, s.W_V) + s.mm_kept(6, '110', s.A, s.X, V_W_V))
+        t_11 = (s.mm_kept(3, '011', t_10, s.X, s.W_V) + s.mm_kept(5, '110', s.A, s.X, V_W_V))
         t_12 = (s.t * softmax_diff(softmax_rows(s.F_2), t_11))
         t_13 = softmax_diff(s.A, s.mm_kept(2, '011', t_12, tr(s.W_V), tr(s.X)))
         t_14 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(1, '1011', tr(s.X), t_13, s.X, s.W_K)
-        t_15 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(7, '1011', tr(s.X), tr(t_13), s.X, s.W_Q)
-        return (mean0(t_14, True), mean0(t_15, True), mean0((1/s.L) * s.mm_kept(8, '110', tr(s.X), tr(s.A), t_12), True),)
+        t_15 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(6, '1011', tr(s.X), tr(t_13), s.X, s.W_Q)
+        return (mean0(t_14, True), mean0(t_15, True), mean0((1/s.L) * s.mm_kept(7, '110', tr(s.X), tr(s.A), t_12), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = ((1/math.sqrt(s.d_K)) * s.mm_kept(10, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(11, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = s.mm_sum(9, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_17 = softmax_diff2(s.A, t_16, s.t_7)
         t_18 = softmax_diff(s.A, mm(s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = ((1/math.sqrt(s.d_K)) * s.mm_kept(9, '1011', tr(s.X), (t_17 + t_18), s.X, s.W_K) + (1/math.sqrt(s.d_K)) * s.mm_kept(12, '1110', tr(s.X), s.t_8, s.X, V_W_K))
-        t_20 = ((1/math.sqrt(s.d_K)) * s.mm_kept(13, '1011', tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q) + (1/math.sqrt(s.d_K)) * s.mm_kept(14, '1110', tr(s.X), tr(s.t_8), s.X, V_W_Q))
+        t_19 = s.mm_sum(8, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_17 + t_18), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_8, s.X, V_W_K))
+        t_20 = s.mm_sum(10, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_8), s.X, V_W_Q))
         t_21 = softmax_diff(s.A, t_16)
         return (mean0(t_19, True), mean0(t_20, True), mean0(mm(tr(s.X), tr(t_21), s.G_2), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = ((1/math.sqrt(s.d_K)) * s.mm_kept(16, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(17, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = s.mm_sum(12, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_25 = softmax_diff2(s.A, t_22, s.t_24)
         t_26 = softmax_diff(s.A, t_22)
-        t_27 = (s.mm_kept(19, '011', t_26, s.X, s.W_V) + s.mm_kept(20, '110', s.A, s.X, V_W_V))
+        t_27 = (s.mm_kept(14, '011', t_26, s.X, s.W_V) + s.mm_kept(15, '110', s.A, s.X, V_W_V))
         t_28 = (s.t * softmax_diff(s.t_5, t_27))
-        t_29 = (mm(s.t_23, tr(V_W_V), tr(s.X)) + (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(18, '011', t_28, tr(s.W_V), tr(s.X)))
+        t_29 = s.mm_sum(13, 'r', (1, '101', s.t_23, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), '011', t_28, tr(s.W_V), tr(s.X)))
         t_30 = softmax_diff(s.A, t_29)
-        t_32 = (s.mm_kept(15, '1011', tr(s.X), (t_25 + t_30), s.X, s.W_K) + s.mm_kept(21, '1110', tr(s.X), s.t_31, s.X, V_W_K))
-        t_33 = (s.mm_kept(22, '1011', tr(s.X), (tr(t_25) + tr(t_30)), s.X, s.W_Q) + s.mm_kept(23, '1110', tr(s.X), tr(s.t_31), s.X, V_W_Q))
-        t_34 = (mm(tr(s.X), tr(t_26), s.G_2) + (1/s.L) * s.mm_kept(24, '110', tr(s.X), tr(s.A), t_28))
+        t_32 = s.mm_sum(11, 'l', (1, '1011', tr(s.X), (t_25 + t_30), s.X, s.W_K), (1, '1110', tr(s.X), s.t_31, s.X, V_W_K))
+        t_33 = s.mm_sum(16, 'l', (1, '1011', tr(s.X), (tr(t_25) + tr(t_30)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_31), s.X, V_W_Q))
+        t_34 = s.mm_sum(17, 'l', (1, '101', tr(s.X), tr(t_26), s.G_2), ((1/s.L), '110', tr(s.X), tr(s.A), t_28))
         return (mean0(t_32, True), mean0(t_33, True), mean0(t_34, True),)
 
 
@@ -728,7 +728,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "2bc83cd2f2437a333ea30393"
+    STAMP = "942bfb890f3fec18a03642b9"
 
     @leaf
     def t(s):
@@ -932,37 +932,37 @@ class ce_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_9 = ((1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(5, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_9 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_10 = softmax_diff(s.A, t_9)
-        t_11 = (s.mm_kept(3, '011', t_10, s.X, s.W_V) + s.mm_kept(6, '110', s.A, s.X, V_W_V))
+        t_11 = (s.mm_kept(3, '011', t_10, s.X, s.W_V) + s.mm_kept(5, '110', s.A, s.X, V_W_V))
         t_12 = (s.t * softmax_diff(softmax_rows(s.F_2), t_11))
         t_13 = softmax_diff(s.A, s.mm_kept(2, '011', t_12, tr(s.W_V), tr(s.X)))
         t_14 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(1, '1011', tr(s.X), t_13, s.X, s.W_K)
-        t_15 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(7, '1011', tr(s.X), tr(t_13), s.X, s.W_Q)
-        return (mean0(t_14, True), mean0(t_15, True), mean0((1/s.L) * s.mm_kept(8, '110', tr(s.X), tr(s.A), t_12), True),)
+        t_15 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(6, '1011', tr(s.X), tr(t_13), s.X, s.W_Q)
+        return (mean0(t_14, True), mean0(t_15, True), mean0((1/s.L) * s.mm_kept(7, '110', tr(s.X), tr(s.A), t_12), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = ((1/math.sqrt(s.d_K)) * s.mm_kept(10, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(11, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = s.mm_sum(9, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_17 = softmax_diff2(s.A, t_16, s.t_7)
         t_18 = softmax_diff(s.A, mm(s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = ((1/math.sqrt(s.d_K)) * s.mm_kept(9, '1011', tr(s.X), (t_17 + t_18), s.X, s.W_K) + (1/math.sqrt(s.d_K)) * s.mm_kept(12, '1110', tr(s.X), s.t_8, s.X, V_W_K))
-        t_20 = ((1/math.sqrt(s.d_K)) * s.mm_kept(13, '1011', tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q) + (1/math.sqrt(s.d_K)) * s.mm_kept(14, '1110', tr(s.X), tr(s.t_8), s.X, V_W_Q))
+        t_19 = s.mm_sum(8, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_17 + t_18), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_8, s.X, V_W_K))
+        t_20 = s.mm_sum(10, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_8), s.X, V_W_Q))
         t_21 = softmax_diff(s.A, t_16)
         return (mean0(t_19, True), mean0(t_20, True), mean0(mm(tr(s.X), tr(t_21), s.G_2), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = ((1/math.sqrt(s.d_K)) * s.mm_kept(16, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(17, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = s.mm_sum(12, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_25 = softmax_diff2(s.A, t_22, s.t_24)
         t_26 = softmax_diff(s.A, t_22)
-        t_27 = (s.mm_kept(19, '011', t_26, s.X, s.W_V) + s.mm_kept(20, '110', s.A, s.X, V_W_V))
+        t_27 = (s.mm_kept(14, '011', t_26, s.X, s.W_V) + s.mm_kept(15, '110', s.A, s.X, V_W_V))
         t_28 = (s.t * softmax_diff(s.t_5, t_27))
-        t_29 = (mm(s.t_23, tr(V_W_V), tr(s.X)) + (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(18, '011', t_28, tr(s.W_V), tr(s.X)))
+        t_29 = s.mm_sum(13, 'r', (1, '101', s.t_23, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), '011', t_28, tr(s.W_V), tr(s.X)))
         t_30 = softmax_diff(s.A, t_29)
-        t_32 = (s.mm_kept(15, '1011', tr(s.X), (t_25 + t_30), s.X, s.W_K) + s.mm_kept(21, '1110', tr(s.X), s.t_31, s.X, V_W_K))
-        t_33 = (s.mm_kept(22, '1011', tr(s.X), (tr(t_25) + tr(t_30)), s.X, s.W_Q) + s.mm_kept(23, '1110', tr(s.X), tr(s.t_31), s.X, V_W_Q))
-        t_34 = (mm(tr(s.X), tr(t_26), s.G_2) + (1/s.L) * s.mm_kept(24, '110', tr(s.X), tr(s.A), t_28))
+        t_32 = s.mm_sum(11, 'l', (1, '1011', tr(s.X), (t_25 + t_30), s.X, s.W_K), (1, '1110', tr(s.X), s.t_31, s.X, V_W_K))
+        t_33 = s.mm_sum(16, 'l', (1, '1011', tr(s.X), (tr(t_25) + tr(t_30)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_31), s.X, V_W_Q))
+        t_34 = s.mm_sum(17, 'l', (1, '101', tr(s.X), tr(t_26), s.G_2), ((1/s.L), '110', tr(s.X), tr(s.A), t_28))
         return (mean0(t_32, True), mean0(t_33, True), mean0(t_34, True),)
 
 
@@ -972,4 +972,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "6cba24210232a43a0517b87b"
+CHECKSUM = "165d26503ff2f46cd089a323"

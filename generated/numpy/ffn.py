@@ -20,7 +20,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "891ffd49b5841cff8a58051e"
+    STAMP = "7d314bf49c1cd8d26739394b"
 
     @leaf
     def H(s):
@@ -131,7 +131,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "c5297af63d08c9b45e92c741"
+    STAMP = "d4917bef4a6cd03c8fc2bcf7"
 
     @leaf
     def H(s):
@@ -249,4 +249,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "112c89cd46ec57b139836909"
+CHECKSUM = "d0ea5cfab8bf5d351def815c"

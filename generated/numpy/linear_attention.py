@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "0c9e9a008fa9ee733ea63054"
+    STAMP = "e1b4e5e89159add1e514bfd9"
 
     @leaf
     def t(s):
@@ -204,47 +204,47 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = ((1/math.sqrt(s.d_K)) * s.mm_kept(3, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(4, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_21 = s.mm_sum(3, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_22 = s.mm_kept(2, '011', t_21, s.X, s.W_V)
-        t_23 = s.mm_kept(5, '110', s.A, s.X, V_W_V)
+        t_23 = s.mm_kept(4, '110', s.A, s.X, V_W_V)
         t_24 = ((2/(s.L*s.d_V)) * t_22 + (2/(s.L*s.d_V)) * t_23)
         t_25 = (1/math.sqrt(s.d_K)) * s.mm_kept(1, '101111', tr(s.X), t_24, tr(s.W_V), tr(s.X), s.X, s.W_K)
-        t_26 = s.mm_kept(7, '011', tr(V_W_V), tr(s.X), tr(s.A))
-        t_27 = ((1/math.sqrt(s.d_K)) * s.mm_kept(9, '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(10, '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_28 = s.mm_kept(8, '110', tr(s.W_V), tr(s.X), t_27)
-        t_29 = s.mm_kept(6, '111011', tr(s.X), s.X, s.W_V, ((2/(s.L*s.d_V)) * t_26 + (2/(s.L*s.d_V)) * t_28), s.X, s.W_Q)
-        t_30 = s.mm_kept(11, '110', tr(s.X), tr(s.A), t_24)
+        t_26 = s.mm_kept(6, '011', tr(V_W_V), tr(s.X), tr(s.A))
+        t_27 = s.mm_sum(8, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_28 = s.mm_kept(7, '110', tr(s.W_V), tr(s.X), t_27)
+        t_29 = s.mm_kept(5, '111011', tr(s.X), s.X, s.W_V, ((2/(s.L*s.d_V)) * t_26 + (2/(s.L*s.d_V)) * t_28), s.X, s.W_Q)
+        t_30 = s.mm_kept(9, '110', tr(s.X), tr(s.A), t_24)
         return (mean0(t_25, True), mean0((1/math.sqrt(s.d_K)) * t_29, True), mean0(t_30, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = ((1/math.sqrt(s.d_K)) * s.mm_kept(12, '111110', tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K) + (1/math.sqrt(s.d_K)) * s.mm_kept(13, '110111', tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K))
-        t_32 = ((1/math.sqrt(s.d_K)) * s.mm_kept(14, '110111', tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q) + (1/math.sqrt(s.d_K)) * s.mm_kept(15, '111110', tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q))
-        t_33 = ((1/math.sqrt(s.d_K)) * s.mm_kept(16, '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(17, '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_31 = s.mm_sum(10, 'l', ((1/math.sqrt(s.d_K)), '111110', tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/math.sqrt(s.d_K)), '110111', tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K))
+        t_32 = s.mm_sum(11, 'l', ((1/math.sqrt(s.d_K)), '110111', tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '111110', tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q))
+        t_33 = s.mm_sum(12, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
         return (mean0(t_31, True), mean0(t_32, True), mean0(mm(tr(s.X), t_33, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_34 = ((1/math.sqrt(s.d_K)) * s.mm_kept(20, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(21, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_35 = s.mm_kept(19, '011', t_34, s.X, s.W_V)
-        t_36 = s.mm_kept(22, '110', s.A, s.X, V_W_V)
+        t_34 = s.mm_sum(15, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_35 = s.mm_kept(14, '011', t_34, s.X, s.W_V)
+        t_36 = s.mm_kept(16, '110', s.A, s.X, V_W_V)
         t_37 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_35 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_36)
-        t_39 = (s.mm_kept(18, '101111', tr(s.X), t_37, tr(s.W_V), tr(s.X), s.X, s.W_K) + s.mm_kept(23, '111110', tr(s.X), s.t_38, tr(s.W_V), tr(s.X), s.X, V_W_K) + s.mm_kept(24, '110111', tr(s.X), s.t_38, tr(V_W_V), tr(s.X), s.X, s.W_K))
-        t_41 = s.mm_kept(27, '011', tr(V_W_V), tr(s.X), tr(s.A))
-        t_42 = ((1/math.sqrt(s.d_K)) * s.mm_kept(29, '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(30, '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_43 = s.mm_kept(28, '110', tr(s.W_V), tr(s.X), t_42)
+        t_39 = s.mm_sum(13, 'l', (1, '101111', tr(s.X), t_37, tr(s.W_V), tr(s.X), s.X, s.W_K), (1, '111110', tr(s.X), s.t_38, tr(s.W_V), tr(s.X), s.X, V_W_K), (1, '110111', tr(s.X), s.t_38, tr(V_W_V), tr(s.X), s.X, s.W_K))
+        t_41 = s.mm_kept(18, '011', tr(V_W_V), tr(s.X), tr(s.A))
+        t_42 = s.mm_sum(20, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_43 = s.mm_kept(19, '110', tr(s.W_V), tr(s.X), t_42)
         t_44 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_41 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_43)
-        t_45 = (s.mm_kept(25, '110111', tr(s.X), s.X, V_W_V, s.t_40, s.X, s.W_Q) + s.mm_kept(26, '111011', tr(s.X), s.X, s.W_V, t_44, s.X, s.W_Q) + s.mm_kept(31, '111110', tr(s.X), s.X, s.W_V, s.t_40, s.X, V_W_Q))
+        t_45 = s.mm_sum(17, 'l', (1, '110111', tr(s.X), s.X, V_W_V, s.t_40, s.X, s.W_Q), (1, '111011', tr(s.X), s.X, s.W_V, t_44, s.X, s.W_Q), (1, '111110', tr(s.X), s.X, s.W_V, s.t_40, s.X, V_W_Q))
         t_46 = ((2/(s.L*s.d_V)) * t_35 + (2/(s.L*s.d_V)) * t_36)
-        t_47 = s.mm_kept(32, '110', tr(s.X), tr(s.A), t_46)
-        return (mean0(t_39, True), mean0(t_45, True), mean0((mm(tr(s.X), t_42, s.G) + t_47), True),)
+        t_47 = s.mm_sum(21, 'l', (1, '101', tr(s.X), t_42, s.G), (1, '110', tr(s.X), tr(s.A), t_46))
+        return (mean0(t_39, True), mean0(t_45, True), mean0(t_47, True),)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "ce6783f5404f01be839f4859"
+    STAMP = "822f7742334e12c7cbf9841b"
 
     @leaf
     def t(s):
@@ -323,11 +323,11 @@ class mse_causal1(Forward):
         return (mm(s.X, s.W_V, tr(s.G)) * tr(s.t_2))
 
     @leaf
-    def t_38(s):
+    def t_36(s):
         return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
 
     @leaf
-    def t_41(s):
+    def t_39(s):
         return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * tr(s.F) - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * tr(s.Y))
 
     def block__W_Q__W_Q__outer(s):
@@ -412,55 +412,53 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = ((1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(5, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_17 = s.mm_kept(3, '011', (t_16 * s.t_2), s.X, s.W_V)
-        t_18 = s.mm_kept(6, '110', s.A, s.X, V_W_V)
+        t_18 = s.mm_kept(5, '110', s.A, s.X, V_W_V)
         t_19 = ((2/(s.L*s.d_V)) * t_17 + (2/(s.L*s.d_V)) * t_18)
         t_20 = s.mm_kept(1, '1011', tr(s.X), (s.t_2 * s.mm_kept(2, '011', t_19, tr(s.W_V), tr(s.X))), s.X, s.W_K)
-        t_21 = s.mm_kept(9, '011', tr(V_W_V), tr(s.X), s.t_11)
-        t_22 = ((1/math.sqrt(s.d_K)) * s.mm_kept(11, '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(12, '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_21 = s.mm_kept(8, '011', tr(V_W_V), tr(s.X), s.t_11)
+        t_22 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
         t_23 = (t_22 * tr(s.t_2))
-        t_24 = s.mm_kept(10, '110', tr(s.W_V), tr(s.X), t_23)
-        t_25 = s.mm_kept(8, '110', s.X, s.W_V, ((2/(s.L*s.d_V)) * t_21 + (2/(s.L*s.d_V)) * t_24))
-        t_26 = (1/math.sqrt(s.d_K)) * s.mm_kept(7, '1011', tr(s.X), (t_25 * tr(s.t_2)), s.X, s.W_Q)
-        t_27 = s.mm_kept(13, '110', tr(s.X), s.t_11, t_19)
+        t_24 = s.mm_kept(9, '110', tr(s.W_V), tr(s.X), t_23)
+        t_25 = s.mm_kept(7, '110', s.X, s.W_V, ((2/(s.L*s.d_V)) * t_21 + (2/(s.L*s.d_V)) * t_24))
+        t_26 = (1/math.sqrt(s.d_K)) * s.mm_kept(6, '1011', tr(s.X), (t_25 * tr(s.t_2)), s.X, s.W_Q)
+        t_27 = s.mm_kept(11, '110', tr(s.X), s.t_11, t_19)
         return (mean0((1/math.sqrt(s.d_K)) * t_20, True), mean0(t_26, True), mean0(t_27, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_28 = s.mm_kept(14, '1011', tr(s.X), (s.t_2 * mm(s.G, tr(V_W_V), tr(s.X))), s.X, s.W_K)
-        t_29 = ((1/math.sqrt(s.d_K)) * t_28 + (1/math.sqrt(s.d_K)) * s.mm_kept(15, '1110', tr(s.X), s.t_6, s.X, V_W_K))
-        t_30 = s.mm_kept(16, '1011', tr(s.X), (mm(s.X, V_W_V, tr(s.G)) * tr(s.t_2)), s.X, s.W_Q)
-        t_31 = ((1/math.sqrt(s.d_K)) * t_30 + (1/math.sqrt(s.d_K)) * s.mm_kept(17, '1110', tr(s.X), s.t_15, s.X, V_W_Q))
-        t_32 = ((1/math.sqrt(s.d_K)) * s.mm_kept(18, '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(19, '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_33 = (t_32 * tr(s.t_2))
-        return (mean0(t_29, True), mean0(t_31, True), mean0(mm(tr(s.X), t_33, s.G), True),)
+        t_28 = s.mm_sum(12, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (s.t_2 * mm(s.G, tr(V_W_V), tr(s.X))), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_6, s.X, V_W_K))
+        t_29 = s.mm_sum(13, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (mm(s.X, V_W_V, tr(s.G)) * tr(s.t_2)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_15, s.X, V_W_Q))
+        t_30 = s.mm_sum(14, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_31 = (t_30 * tr(s.t_2))
+        return (mean0(t_28, True), mean0(t_29, True), mean0(mm(tr(s.X), t_31, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_34 = ((1/math.sqrt(s.d_K)) * s.mm_kept(23, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(24, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_35 = s.mm_kept(22, '011', (t_34 * s.t_2), s.X, s.W_V)
-        t_36 = s.mm_kept(25, '110', s.A, s.X, V_W_V)
-        t_37 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_35 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_36)
-        t_39 = (s.mm_kept(21, '011', t_37, tr(s.W_V), tr(s.X)) + mm(s.t_38, tr(V_W_V), tr(s.X)))
-        t_40 = s.mm_kept(26, '1110', tr(s.X), (s.t_2 * mm(s.t_38, tr(s.W_V), tr(s.X))), s.X, V_W_K)
-        t_42 = s.mm_kept(29, '011', tr(V_W_V), tr(s.X), s.t_11)
-        t_43 = ((1/math.sqrt(s.d_K)) * s.mm_kept(31, '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(32, '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_44 = (t_43 * tr(s.t_2))
-        t_45 = s.mm_kept(30, '110', tr(s.W_V), tr(s.X), t_44)
-        t_46 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_42 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_45)
-        t_47 = ((mm(s.X, V_W_V, s.t_41) + s.mm_kept(28, '110', s.X, s.W_V, t_46)) * tr(s.t_2))
-        t_48 = s.mm_kept(33, '1110', tr(s.X), (mm(s.X, s.W_V, s.t_41) * tr(s.t_2)), s.X, V_W_Q)
-        t_49 = ((2/(s.L*s.d_V)) * t_35 + (2/(s.L*s.d_V)) * t_36)
-        t_50 = s.mm_kept(34, '110', tr(s.X), s.t_11, t_49)
-        return (mean0((s.mm_kept(20, '1011', tr(s.X), (t_39 * s.t_2), s.X, s.W_K) + t_40), True), mean0((s.mm_kept(27, '1011', tr(s.X), t_47, s.X, s.W_Q) + t_48), True), mean0((mm(tr(s.X), t_44, s.G) + t_50), True),)
+        t_32 = s.mm_sum(18, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_33 = s.mm_kept(17, '011', (t_32 * s.t_2), s.X, s.W_V)
+        t_34 = s.mm_kept(19, '110', s.A, s.X, V_W_V)
+        t_35 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_33 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_34)
+        t_37 = s.mm_sum(16, 'r', (1, '011', t_35, tr(s.W_V), tr(s.X)), (1, '101', s.t_36, tr(V_W_V), tr(s.X)))
+        t_38 = s.mm_sum(15, 'l', (1, '1011', tr(s.X), (t_37 * s.t_2), s.X, s.W_K), (1, '1110', tr(s.X), (s.t_2 * mm(s.t_36, tr(s.W_V), tr(s.X))), s.X, V_W_K))
+        t_40 = s.mm_kept(22, '011', tr(V_W_V), tr(s.X), s.t_11)
+        t_41 = s.mm_sum(24, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_42 = (t_41 * tr(s.t_2))
+        t_43 = s.mm_kept(23, '110', tr(s.W_V), tr(s.X), t_42)
+        t_44 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_40 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_43)
+        t_45 = s.mm_sum(21, 'l', (1, '101', s.X, V_W_V, s.t_39), (1, '110', s.X, s.W_V, t_44))
+        t_46 = s.mm_sum(20, 'l', (1, '1011', tr(s.X), (t_45 * tr(s.t_2)), s.X, s.W_Q), (1, '1110', tr(s.X), (mm(s.X, s.W_V, s.t_39) * tr(s.t_2)), s.X, V_W_Q))
+        t_47 = ((2/(s.L*s.d_V)) * t_33 + (2/(s.L*s.d_V)) * t_34)
+        t_48 = s.mm_sum(25, 'l', (1, '101', tr(s.X), t_42, s.G), (1, '110', tr(s.X), s.t_11, t_47))
+        return (mean0(t_38, True), mean0(t_46, True), mean0(t_48, True),)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "317b789c68ee123923bf8852"
+    STAMP = "41fe16a3ade7ff4643feb88a"
 
     @leaf
     def t(s):
@@ -644,40 +642,39 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = ((1/math.sqrt(s.d_K)) * s.mm_kept(3, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(4, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_20 = (s.mm_kept(2, '011', t_19, s.X, s.W_V) + s.mm_kept(5, '110', s.A, s.X, V_W_V))
+        t_19 = s.mm_sum(3, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_20 = (s.mm_kept(2, '011', t_19, s.X, s.W_V) + s.mm_kept(4, '110', s.A, s.X, V_W_V))
         t_21 = softmax_diff(s.t_18, t_20)
         t_22 = (s.t_2 * t_21)
         t_23 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(1, '101111', tr(s.X), t_22, tr(s.W_V), tr(s.X), s.X, s.W_K)
-        t_24 = s.mm_kept(6, '111011', tr(s.X), s.X, s.W_V, (s.t_14 * tr(t_21)), s.X, s.W_Q)
-        return (mean0(t_23, True), mean0((1/(s.L*math.sqrt(s.d_K))) * t_24, True), mean0((1/s.L) * s.mm_kept(7, '110', tr(s.X), tr(s.A), t_22), True),)
+        t_24 = s.mm_kept(5, '111011', tr(s.X), s.X, s.W_V, (s.t_14 * tr(t_21)), s.X, s.W_Q)
+        return (mean0(t_23, True), mean0((1/(s.L*math.sqrt(s.d_K))) * t_24, True), mean0((1/s.L) * s.mm_kept(6, '110', tr(s.X), tr(s.A), t_22), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = ((1/math.sqrt(s.d_K)) * s.mm_kept(8, '110111', tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K) + (1/math.sqrt(s.d_K)) * s.mm_kept(9, '111110', tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K))
-        t_26 = ((1/math.sqrt(s.d_K)) * s.mm_kept(10, '110111', tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q) + (1/math.sqrt(s.d_K)) * s.mm_kept(11, '111110', tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q))
-        t_27 = ((1/math.sqrt(s.d_K)) * s.mm_kept(12, '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(13, '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_25 = s.mm_sum(7, 'l', ((1/math.sqrt(s.d_K)), '110111', tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '111110', tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K))
+        t_26 = s.mm_sum(8, 'l', ((1/math.sqrt(s.d_K)), '110111', tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '111110', tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q))
+        t_27 = s.mm_sum(9, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
         return (mean0(t_25, True), mean0(t_26, True), mean0(mm(tr(s.X), t_27, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_29 = ((1/math.sqrt(s.d_K)) * s.mm_kept(18, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(19, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_30 = (s.mm_kept(17, '011', t_29, s.X, s.W_V) + s.mm_kept(20, '110', s.A, s.X, V_W_V))
+        t_29 = s.mm_sum(12, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_30 = (s.mm_kept(11, '011', t_29, s.X, s.W_V) + s.mm_kept(13, '110', s.A, s.X, V_W_V))
         t_31 = softmax_diff(s.t_6, t_30)
         t_32 = (s.t_2 * t_31)
-        t_33 = (s.mm_kept(14, '110111', tr(s.X), s.t_28, tr(V_W_V), tr(s.X), s.X, s.W_K) + s.mm_kept(15, '111110', tr(s.X), s.t_28, tr(s.W_V), tr(s.X), s.X, V_W_K) + (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(16, '101111', tr(s.X), t_32, tr(s.W_V), tr(s.X), s.X, s.W_K))
-        t_35 = s.mm_kept(23, '111011', tr(s.X), s.X, s.W_V, (s.t_14 * tr(t_31)), s.X, s.W_Q)
-        t_36 = (s.mm_kept(21, '110111', tr(s.X), s.X, V_W_V, s.t_34, s.X, s.W_Q) + s.mm_kept(22, '111110', tr(s.X), s.X, s.W_V, s.t_34, s.X, V_W_Q) + (1/(s.L*math.sqrt(s.d_K))) * t_35)
-        t_37 = ((1/math.sqrt(s.d_K)) * s.mm_kept(24, '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(25, '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_38 = (mm(tr(s.X), t_37, s.G) + (1/s.L) * s.mm_kept(26, '110', tr(s.X), tr(s.A), t_32))
-        return (mean0(t_33, True), mean0(t_36, True), mean0(t_38, True),)
+        t_33 = s.mm_sum(10, 'l', (1, '110111', tr(s.X), s.t_28, tr(V_W_V), tr(s.X), s.X, s.W_K), (1, '111110', tr(s.X), s.t_28, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/(s.L*math.sqrt(s.d_K))), '101111', tr(s.X), t_32, tr(s.W_V), tr(s.X), s.X, s.W_K))
+        t_35 = s.mm_sum(14, 'l', (1, '110111', tr(s.X), s.X, V_W_V, s.t_34, s.X, s.W_Q), (1, '111110', tr(s.X), s.X, s.W_V, s.t_34, s.X, V_W_Q), ((1/(s.L*math.sqrt(s.d_K))), '111011', tr(s.X), s.X, s.W_V, (s.t_14 * tr(t_31)), s.X, s.W_Q))
+        t_36 = s.mm_sum(16, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_37 = s.mm_sum(15, 'l', (1, '101', tr(s.X), t_36, s.G), ((1/s.L), '110', tr(s.X), tr(s.A), t_32))
+        return (mean0(t_33, True), mean0(t_35, True), mean0(t_37, True),)
 
 
 class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "63206e7554f681cb8cc0f2e6"
+    STAMP = "563dee2f266513153ca3e86d"
 
     @leaf
     def t(s):
@@ -768,11 +765,11 @@ class ce_causal1(Forward):
         return (mm(s.X, s.W_V, tr(s.G)) * tr(s.t_2))
 
     @leaf
-    def t_31(s):
+    def t_29(s):
         return ((1/(s.L*math.sqrt(s.d_K))) * s.t_9 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
 
     @leaf
-    def t_38(s):
+    def t_36(s):
         return ((1/(s.L*math.sqrt(s.d_K))) * (s.t_14 * tr(s.t_8)) - (1/(s.L*math.sqrt(s.d_K))) * tr(s.Y))
 
     @leaf
@@ -865,38 +862,36 @@ class ce_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = ((1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(5, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_20 = (s.mm_kept(3, '011', (t_19 * s.t_2), s.X, s.W_V) + s.mm_kept(6, '110', s.A, s.X, V_W_V))
+        t_19 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_20 = (s.mm_kept(3, '011', (t_19 * s.t_2), s.X, s.W_V) + s.mm_kept(5, '110', s.A, s.X, V_W_V))
         t_21 = softmax_diff(s.t_17, t_20)
         t_22 = (s.t_4 * t_21)
         t_23 = s.mm_kept(1, '1011', tr(s.X), (s.t_2 * s.mm_kept(2, '011', t_22, tr(s.W_V), tr(s.X))), s.X, s.W_K)
-        t_24 = s.mm_kept(7, '1011', tr(s.X), (s.mm_kept(8, '110', s.X, s.W_V, (s.t_14 * tr(t_21))) * tr(s.t_2)), s.X, s.W_Q)
-        return (mean0((1/(s.L*math.sqrt(s.d_K))) * t_23, True), mean0((1/(s.L*math.sqrt(s.d_K))) * t_24, True), mean0((1/s.L) * s.mm_kept(9, '110', tr(s.X), s.t_15, t_22), True),)
+        t_24 = s.mm_kept(6, '1011', tr(s.X), (s.mm_kept(7, '110', s.X, s.W_V, (s.t_14 * tr(t_21))) * tr(s.t_2)), s.X, s.W_Q)
+        return (mean0((1/(s.L*math.sqrt(s.d_K))) * t_23, True), mean0((1/(s.L*math.sqrt(s.d_K))) * t_24, True), mean0((1/s.L) * s.mm_kept(8, '110', tr(s.X), s.t_15, t_22), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_kept(11, '1011', tr(s.X), (s.t_2 * mm(s.G, tr(V_W_V), tr(s.X))), s.X, s.W_K)
-        t_26 = ((1/math.sqrt(s.d_K)) * s.mm_kept(10, '1110', tr(s.X), s.t_10, s.X, V_W_K) + (1/math.sqrt(s.d_K)) * t_25)
-        t_27 = s.mm_kept(12, '1011', tr(s.X), (mm(s.X, V_W_V, tr(s.G)) * tr(s.t_2)), s.X, s.W_Q)
-        t_28 = ((1/math.sqrt(s.d_K)) * t_27 + (1/math.sqrt(s.d_K)) * s.mm_kept(13, '1110', tr(s.X), s.t_18, s.X, V_W_Q))
-        t_29 = ((1/math.sqrt(s.d_K)) * s.mm_kept(14, '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(15, '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_30 = (t_29 * tr(s.t_2))
-        return (mean0(t_26, True), mean0(t_28, True), mean0(mm(tr(s.X), t_30, s.G), True),)
+        t_25 = s.mm_sum(9, 'l', ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_10, s.X, V_W_K), ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (s.t_2 * mm(s.G, tr(V_W_V), tr(s.X))), s.X, s.W_K))
+        t_26 = s.mm_sum(10, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (mm(s.X, V_W_V, tr(s.G)) * tr(s.t_2)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_18, s.X, V_W_Q))
+        t_27 = s.mm_sum(11, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_28 = (t_27 * tr(s.t_2))
+        return (mean0(t_25, True), mean0(t_26, True), mean0(mm(tr(s.X), t_28, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_32 = ((1/math.sqrt(s.d_K)) * s.mm_kept(19, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(20, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_33 = (s.mm_kept(18, '011', (t_32 * s.t_2), s.X, s.W_V) + s.mm_kept(21, '110', s.A, s.X, V_W_V))
-        t_34 = softmax_diff(s.t_8, t_33)
-        t_35 = (s.t_4 * t_34)
-        t_36 = (mm(s.t_31, tr(V_W_V), tr(s.X)) + (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(17, '011', t_35, tr(s.W_V), tr(s.X)))
-        t_37 = s.mm_kept(22, '1110', tr(s.X), (s.t_2 * mm(s.t_31, tr(s.W_V), tr(s.X))), s.X, V_W_K)
-        t_39 = (mm(s.X, V_W_V, s.t_38) + (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(24, '110', s.X, s.W_V, (s.t_14 * tr(t_34))))
-        t_40 = s.mm_kept(25, '1110', tr(s.X), (mm(s.X, s.W_V, s.t_38) * tr(s.t_2)), s.X, V_W_Q)
-        t_41 = ((1/math.sqrt(s.d_K)) * s.mm_kept(26, '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(27, '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_42 = (t_41 * tr(s.t_2))
-        t_43 = (mm(tr(s.X), t_42, s.G) + (1/s.L) * s.mm_kept(28, '110', tr(s.X), s.t_15, t_35))
-        return (mean0((s.mm_kept(16, '1011', tr(s.X), (t_36 * s.t_2), s.X, s.W_K) + t_37), True), mean0((s.mm_kept(23, '1011', tr(s.X), (t_39 * tr(s.t_2)), s.X, s.W_Q) + t_40), True), mean0(t_43, True),)
+        t_30 = s.mm_sum(15, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_31 = (s.mm_kept(14, '011', (t_30 * s.t_2), s.X, s.W_V) + s.mm_kept(16, '110', s.A, s.X, V_W_V))
+        t_32 = softmax_diff(s.t_8, t_31)
+        t_33 = (s.t_4 * t_32)
+        t_34 = s.mm_sum(13, 'r', (1, '101', s.t_29, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), '011', t_33, tr(s.W_V), tr(s.X)))
+        t_35 = s.mm_sum(12, 'l', (1, '1011', tr(s.X), (t_34 * s.t_2), s.X, s.W_K), (1, '1110', tr(s.X), (s.t_2 * mm(s.t_29, tr(s.W_V), tr(s.X))), s.X, V_W_K))
+        t_37 = s.mm_sum(18, 'l', (1, '101', s.X, V_W_V, s.t_36), ((1/(s.L*math.sqrt(s.d_K))), '110', s.X, s.W_V, (s.t_14 * tr(t_32))))
+        t_38 = s.mm_sum(17, 'l', (1, '1011', tr(s.X), (t_37 * tr(s.t_2)), s.X, s.W_Q), (1, '1110', tr(s.X), (mm(s.X, s.W_V, s.t_36) * tr(s.t_2)), s.X, V_W_Q))
+        t_39 = s.mm_sum(20, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_40 = (t_39 * tr(s.t_2))
+        t_41 = s.mm_sum(19, 'l', (1, '101', tr(s.X), t_40, s.G), ((1/s.L), '110', tr(s.X), s.t_15, t_33))
+        return (mean0(t_35, True), mean0(t_38, True), mean0(t_41, True),)
 
 
 VARIANTS = {
@@ -905,4 +900,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "6ed007da4dbf89bcfbcc8e4c"
+CHECKSUM = "6d6c0b634c101d91e8751312"

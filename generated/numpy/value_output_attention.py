@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "ecb0904c766b5193d6e7f0bd"
+    STAMP = "7a625c8e87286e3d32e0243b"
 
     @leaf
     def t(s):
@@ -111,16 +111,16 @@ class mse_causal0(Forward):
         return softmax_diff(s.A, s.t_15)
 
     @leaf
-    def t_37(s):
+    def t_35(s):
         return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F_2 - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
 
     @leaf
-    def t_38(s):
-        return mm(s.t_37, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_36(s):
+        return mm(s.t_35, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_47(s):
-        return softmax_diff(s.A, s.t_38)
+    def t_43(s):
+        return softmax_diff(s.A, s.t_36)
 
     @leaf
     def dA(s):
@@ -296,57 +296,52 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = ((1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(5, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_17 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_18 = softmax_diff(s.A, t_17)
-        t_19 = s.mm_kept(3, '0111', t_18, s.X, s.W_V, s.W_O)
-        t_20 = s.mm_kept(6, '1101', s.A, s.X, V_W_V, s.W_O)
-        t_21 = s.mm_kept(7, '1110', s.A, s.X, s.W_V, V_W_O)
-        t_22 = ((2/(s.L*s.d_V)) * t_19 + (2/(s.L*s.d_V)) * t_20 + (2/(s.L*s.d_V)) * t_21)
-        t_23 = softmax_diff(s.A, s.mm_kept(2, '0111', t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_24 = (1/math.sqrt(s.d_K)) * s.mm_kept(8, '1011', tr(s.X), tr(t_23), s.X, s.W_Q)
-        t_25 = s.mm_kept(9, '1101', tr(s.X), tr(s.A), t_22, tr(s.W_O))
-        t_26 = s.mm_kept(10, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_22)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm_kept(1, '1011', tr(s.X), t_23, s.X, s.W_K), True), mean0(t_24, True), mean0(t_25, True), mean0(t_26, True),)
+        t_19 = s.mm_kept(5, '1110', s.A, s.X, s.W_V, V_W_O)
+        t_20 = (s.mm_sum(3, 'r', ((2/(s.L*s.d_V)), '0111', t_18, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), '1101', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_19)
+        t_21 = softmax_diff(s.A, s.mm_kept(2, '0111', t_20, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_22 = (1/math.sqrt(s.d_K)) * s.mm_kept(6, '1011', tr(s.X), tr(t_21), s.X, s.W_Q)
+        t_23 = s.mm_kept(7, '1101', tr(s.X), tr(s.A), t_20, tr(s.W_O))
+        t_24 = s.mm_kept(8, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_20)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm_kept(1, '1011', tr(s.X), t_21, s.X, s.W_K), True), mean0(t_22, True), mean0(t_23, True), mean0(t_24, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_27 = ((1/math.sqrt(s.d_K)) * s.mm_kept(12, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(13, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_28 = softmax_diff2(s.A, t_27, s.t_15)
-        t_29 = (s.mm_kept(14, '1011', s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)) + s.mm_kept(15, '1101', s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_30 = softmax_diff(s.A, t_29)
-        t_31 = ((1/math.sqrt(s.d_K)) * s.mm_kept(11, '1011', tr(s.X), (t_28 + t_30), s.X, s.W_K) + (1/math.sqrt(s.d_K)) * s.mm_kept(16, '1110', tr(s.X), s.t_16, s.X, V_W_K))
-        t_32 = ((1/math.sqrt(s.d_K)) * s.mm_kept(17, '1011', tr(s.X), (tr(t_28) + tr(t_30)), s.X, s.W_Q) + (1/math.sqrt(s.d_K)) * s.mm_kept(18, '1110', tr(s.X), tr(s.t_16), s.X, V_W_Q))
-        t_33 = softmax_diff(s.A, t_27)
-        t_34 = (s.mm_kept(19, '1011', tr(s.X), tr(t_33), s.G_2, tr(s.W_O)) + s.mm_kept(20, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_35 = (s.mm_kept(21, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2) + s.mm_kept(22, '1101', tr(s.W_V), tr(s.X), tr(t_33), s.G_2))
-        return (mean0(t_31, True), mean0(t_32, True), mean0(t_34, True), mean0(t_35, True),)
+        t_25 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = softmax_diff2(s.A, t_25, s.t_15)
+        t_27 = s.mm_sum(11, 'r', (1, '1011', s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, '1101', s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_28 = softmax_diff(s.A, t_27)
+        t_29 = s.mm_sum(9, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_26 + t_28), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_16, s.X, V_W_K))
+        t_30 = s.mm_sum(12, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_26) + tr(t_28)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_16), s.X, V_W_Q))
+        t_31 = softmax_diff(s.A, t_25)
+        t_32 = s.mm_sum(13, 'l', (1, '1011', tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_33 = s.mm_sum(14, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_31), s.G_2))
+        return (mean0(t_29, True), mean0(t_30, True), mean0(t_32, True), mean0(t_33, True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_36 = ((1/math.sqrt(s.d_K)) * s.mm_kept(24, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(25, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_39 = softmax_diff2(s.A, t_36, s.t_38)
-        t_40 = softmax_diff(s.A, t_36)
-        t_41 = s.mm_kept(27, '0111', t_40, s.X, s.W_V, s.W_O)
-        t_42 = s.mm_kept(28, '1101', s.A, s.X, V_W_V, s.W_O)
-        t_43 = s.mm_kept(29, '1110', s.A, s.X, s.W_V, V_W_O)
-        t_44 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_41 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_42 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_43)
-        t_45 = (s.mm_kept(26, '0111', t_44, tr(s.W_O), tr(s.W_V), tr(s.X)) + s.mm_kept(30, '1011', s.t_37, tr(V_W_O), tr(s.W_V), tr(s.X)) + s.mm_kept(31, '1101', s.t_37, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_46 = softmax_diff(s.A, t_45)
-        t_48 = (s.mm_kept(23, '1011', tr(s.X), (t_39 + t_46), s.X, s.W_K) + s.mm_kept(32, '1110', tr(s.X), s.t_47, s.X, V_W_K))
-        t_49 = (s.mm_kept(33, '1011', tr(s.X), (tr(t_39) + tr(t_46)), s.X, s.W_Q) + s.mm_kept(34, '1110', tr(s.X), tr(s.t_47), s.X, V_W_Q))
-        t_50 = ((2/(s.L*s.d_V)) * t_41 + (2/(s.L*s.d_V)) * t_42 + (2/(s.L*s.d_V)) * t_43)
-        t_51 = s.mm_kept(37, '1101', tr(s.X), tr(s.A), t_50, tr(s.W_O))
-        t_52 = (s.mm_kept(35, '1011', tr(s.X), tr(t_40), s.G_2, tr(s.W_O)) + s.mm_kept(36, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)) + t_51)
-        t_53 = s.mm_kept(40, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_50)
-        t_54 = (s.mm_kept(38, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2) + s.mm_kept(39, '1101', tr(s.W_V), tr(s.X), tr(t_40), s.G_2) + t_53)
-        return (mean0(t_48, True), mean0(t_49, True), mean0(t_52, True), mean0(t_54, True),)
+        t_34 = s.mm_sum(16, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_37 = softmax_diff2(s.A, t_34, s.t_36)
+        t_38 = softmax_diff(s.A, t_34)
+        t_39 = s.mm_kept(19, '1110', s.A, s.X, s.W_V, V_W_O)
+        t_40 = (s.mm_sum(18, 'r', ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), '0111', t_38, s.X, s.W_V, s.W_O), ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), '1101', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_39)
+        t_41 = s.mm_sum(17, 'r', (1, '0111', t_40, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, '1011', s.t_35, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, '1101', s.t_35, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_42 = softmax_diff(s.A, t_41)
+        t_44 = s.mm_sum(15, 'l', (1, '1011', tr(s.X), (t_37 + t_42), s.X, s.W_K), (1, '1110', tr(s.X), s.t_43, s.X, V_W_K))
+        t_45 = s.mm_sum(20, 'l', (1, '1011', tr(s.X), (tr(t_37) + tr(t_42)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_43), s.X, V_W_Q))
+        t_46 = (s.mm_sum(22, 'r', ((2/(s.L*s.d_V)), '0111', t_38, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), '1101', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_39)
+        t_47 = s.mm_sum(21, 'l', (1, '1011', tr(s.X), tr(t_38), s.G_2, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), (1, '1101', tr(s.X), tr(s.A), t_46, tr(s.W_O)))
+        t_48 = s.mm_kept(24, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_46)
+        t_49 = (s.mm_sum(23, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_38), s.G_2)) + t_48)
+        return (mean0(t_44, True), mean0(t_45, True), mean0(t_47, True), mean0(t_49, True),)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "5386656e4be4e61161671bff"
+    STAMP = "7ede42a6f513d8ef1bda7fbb"
 
     @leaf
     def t(s):
@@ -437,16 +432,16 @@ class mse_causal1(Forward):
         return softmax_diff(s.A, s.t_15)
 
     @leaf
-    def t_37(s):
+    def t_35(s):
         return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F_2 - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
 
     @leaf
-    def t_38(s):
-        return mm(s.t_37, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_36(s):
+        return mm(s.t_35, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_47(s):
-        return softmax_diff(s.A, s.t_38)
+    def t_43(s):
+        return softmax_diff(s.A, s.t_36)
 
     @leaf
     def dA(s):
@@ -622,57 +617,52 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = ((1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(5, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_17 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_18 = softmax_diff(s.A, t_17)
-        t_19 = s.mm_kept(3, '0111', t_18, s.X, s.W_V, s.W_O)
-        t_20 = s.mm_kept(6, '1101', s.A, s.X, V_W_V, s.W_O)
-        t_21 = s.mm_kept(7, '1110', s.A, s.X, s.W_V, V_W_O)
-        t_22 = ((2/(s.L*s.d_V)) * t_19 + (2/(s.L*s.d_V)) * t_20 + (2/(s.L*s.d_V)) * t_21)
-        t_23 = softmax_diff(s.A, s.mm_kept(2, '0111', t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_24 = (1/math.sqrt(s.d_K)) * s.mm_kept(8, '1011', tr(s.X), tr(t_23), s.X, s.W_Q)
-        t_25 = s.mm_kept(9, '1101', tr(s.X), tr(s.A), t_22, tr(s.W_O))
-        t_26 = s.mm_kept(10, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_22)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm_kept(1, '1011', tr(s.X), t_23, s.X, s.W_K), True), mean0(t_24, True), mean0(t_25, True), mean0(t_26, True),)
+        t_19 = s.mm_kept(5, '1110', s.A, s.X, s.W_V, V_W_O)
+        t_20 = (s.mm_sum(3, 'r', ((2/(s.L*s.d_V)), '0111', t_18, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), '1101', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_19)
+        t_21 = softmax_diff(s.A, s.mm_kept(2, '0111', t_20, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_22 = (1/math.sqrt(s.d_K)) * s.mm_kept(6, '1011', tr(s.X), tr(t_21), s.X, s.W_Q)
+        t_23 = s.mm_kept(7, '1101', tr(s.X), tr(s.A), t_20, tr(s.W_O))
+        t_24 = s.mm_kept(8, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_20)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm_kept(1, '1011', tr(s.X), t_21, s.X, s.W_K), True), mean0(t_22, True), mean0(t_23, True), mean0(t_24, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_27 = ((1/math.sqrt(s.d_K)) * s.mm_kept(12, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(13, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_28 = softmax_diff2(s.A, t_27, s.t_15)
-        t_29 = (s.mm_kept(14, '1011', s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)) + s.mm_kept(15, '1101', s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_30 = softmax_diff(s.A, t_29)
-        t_31 = ((1/math.sqrt(s.d_K)) * s.mm_kept(11, '1011', tr(s.X), (t_28 + t_30), s.X, s.W_K) + (1/math.sqrt(s.d_K)) * s.mm_kept(16, '1110', tr(s.X), s.t_16, s.X, V_W_K))
-        t_32 = ((1/math.sqrt(s.d_K)) * s.mm_kept(17, '1011', tr(s.X), (tr(t_28) + tr(t_30)), s.X, s.W_Q) + (1/math.sqrt(s.d_K)) * s.mm_kept(18, '1110', tr(s.X), tr(s.t_16), s.X, V_W_Q))
-        t_33 = softmax_diff(s.A, t_27)
-        t_34 = (s.mm_kept(19, '1011', tr(s.X), tr(t_33), s.G_2, tr(s.W_O)) + s.mm_kept(20, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_35 = (s.mm_kept(21, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2) + s.mm_kept(22, '1101', tr(s.W_V), tr(s.X), tr(t_33), s.G_2))
-        return (mean0(t_31, True), mean0(t_32, True), mean0(t_34, True), mean0(t_35, True),)
+        t_25 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = softmax_diff2(s.A, t_25, s.t_15)
+        t_27 = s.mm_sum(11, 'r', (1, '1011', s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, '1101', s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_28 = softmax_diff(s.A, t_27)
+        t_29 = s.mm_sum(9, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_26 + t_28), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_16, s.X, V_W_K))
+        t_30 = s.mm_sum(12, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_26) + tr(t_28)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_16), s.X, V_W_Q))
+        t_31 = softmax_diff(s.A, t_25)
+        t_32 = s.mm_sum(13, 'l', (1, '1011', tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_33 = s.mm_sum(14, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_31), s.G_2))
+        return (mean0(t_29, True), mean0(t_30, True), mean0(t_32, True), mean0(t_33, True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_36 = ((1/math.sqrt(s.d_K)) * s.mm_kept(24, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(25, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_39 = softmax_diff2(s.A, t_36, s.t_38)
-        t_40 = softmax_diff(s.A, t_36)
-        t_41 = s.mm_kept(27, '0111', t_40, s.X, s.W_V, s.W_O)
-        t_42 = s.mm_kept(28, '1101', s.A, s.X, V_W_V, s.W_O)
-        t_43 = s.mm_kept(29, '1110', s.A, s.X, s.W_V, V_W_O)
-        t_44 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_41 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_42 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_43)
-        t_45 = (s.mm_kept(26, '0111', t_44, tr(s.W_O), tr(s.W_V), tr(s.X)) + s.mm_kept(30, '1011', s.t_37, tr(V_W_O), tr(s.W_V), tr(s.X)) + s.mm_kept(31, '1101', s.t_37, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_46 = softmax_diff(s.A, t_45)
-        t_48 = (s.mm_kept(23, '1011', tr(s.X), (t_39 + t_46), s.X, s.W_K) + s.mm_kept(32, '1110', tr(s.X), s.t_47, s.X, V_W_K))
-        t_49 = (s.mm_kept(33, '1011', tr(s.X), (tr(t_39) + tr(t_46)), s.X, s.W_Q) + s.mm_kept(34, '1110', tr(s.X), tr(s.t_47), s.X, V_W_Q))
-        t_50 = ((2/(s.L*s.d_V)) * t_41 + (2/(s.L*s.d_V)) * t_42 + (2/(s.L*s.d_V)) * t_43)
-        t_51 = s.mm_kept(36, '1101', tr(s.X), tr(s.A), t_50, tr(s.W_O))
-        t_52 = (s.mm_kept(35, '1011', tr(s.X), tr(t_40), s.G_2, tr(s.W_O)) + t_51 + s.mm_kept(37, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_53 = s.mm_kept(40, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_50)
-        t_54 = (s.mm_kept(38, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2) + s.mm_kept(39, '1101', tr(s.W_V), tr(s.X), tr(t_40), s.G_2) + t_53)
-        return (mean0(t_48, True), mean0(t_49, True), mean0(t_52, True), mean0(t_54, True),)
+        t_34 = s.mm_sum(16, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_37 = softmax_diff2(s.A, t_34, s.t_36)
+        t_38 = softmax_diff(s.A, t_34)
+        t_39 = s.mm_kept(19, '1110', s.A, s.X, s.W_V, V_W_O)
+        t_40 = (s.mm_sum(18, 'r', ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), '0111', t_38, s.X, s.W_V, s.W_O), ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), '1101', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_39)
+        t_41 = s.mm_sum(17, 'r', (1, '0111', t_40, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, '1011', s.t_35, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, '1101', s.t_35, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_42 = softmax_diff(s.A, t_41)
+        t_44 = s.mm_sum(15, 'l', (1, '1011', tr(s.X), (t_37 + t_42), s.X, s.W_K), (1, '1110', tr(s.X), s.t_43, s.X, V_W_K))
+        t_45 = s.mm_sum(20, 'l', (1, '1011', tr(s.X), (tr(t_37) + tr(t_42)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_43), s.X, V_W_Q))
+        t_46 = (s.mm_sum(22, 'r', ((2/(s.L*s.d_V)), '0111', t_38, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), '1101', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_39)
+        t_47 = s.mm_sum(21, 'l', (1, '1011', tr(s.X), tr(t_38), s.G_2, tr(s.W_O)), (1, '1101', tr(s.X), tr(s.A), t_46, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_48 = s.mm_kept(24, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_46)
+        t_49 = (s.mm_sum(23, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_38), s.G_2)) + t_48)
+        return (mean0(t_44, True), mean0(t_45, True), mean0(t_47, True), mean0(t_49, True),)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "a473fdf7482c106e2477670a"
+    STAMP = "a729976805973178cd2a35ba"
 
     @leaf
     def t(s):
@@ -948,41 +938,41 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = ((1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(5, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_15 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_16 = softmax_diff(s.A, t_15)
-        t_17 = (s.mm_kept(3, '0111', t_16, s.X, s.W_V, s.W_O) + s.mm_kept(6, '1101', s.A, s.X, V_W_V, s.W_O) + s.mm_kept(7, '1110', s.A, s.X, s.W_V, V_W_O))
+        t_17 = (s.mm_sum(3, 'r', (1, '0111', t_16, s.X, s.W_V, s.W_O), (1, '1101', s.A, s.X, V_W_V, s.W_O)) + s.mm_kept(5, '1110', s.A, s.X, s.W_V, V_W_O))
         t_18 = (s.t_2 * softmax_diff(softmax_rows(s.F_2), t_17))
         t_19 = softmax_diff(s.A, s.mm_kept(2, '0111', t_18, tr(s.W_O), tr(s.W_V), tr(s.X)))
         t_20 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(1, '1011', tr(s.X), t_19, s.X, s.W_K)
-        t_21 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(8, '1011', tr(s.X), tr(t_19), s.X, s.W_Q)
-        return (mean0(t_20, True), mean0(t_21, True), mean0((1/s.L) * s.mm_kept(9, '1101', tr(s.X), tr(s.A), t_18, tr(s.W_O)), True), mean0((1/s.L) * s.mm_kept(10, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_18), True),)
+        t_21 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(6, '1011', tr(s.X), tr(t_19), s.X, s.W_Q)
+        return (mean0(t_20, True), mean0(t_21, True), mean0((1/s.L) * s.mm_kept(7, '1101', tr(s.X), tr(s.A), t_18, tr(s.W_O)), True), mean0((1/s.L) * s.mm_kept(8, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_18), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = ((1/math.sqrt(s.d_K)) * s.mm_kept(12, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(13, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_23 = softmax_diff2(s.A, t_22, s.t_13)
-        t_24 = (s.mm_kept(14, '1101', s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)) + s.mm_kept(15, '1011', s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_24 = s.mm_sum(11, 'r', (1, '1101', s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, '1011', s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
         t_25 = softmax_diff(s.A, t_24)
-        t_26 = ((1/math.sqrt(s.d_K)) * s.mm_kept(11, '1011', tr(s.X), (t_23 + t_25), s.X, s.W_K) + (1/math.sqrt(s.d_K)) * s.mm_kept(16, '1110', tr(s.X), s.t_14, s.X, V_W_K))
-        t_27 = ((1/math.sqrt(s.d_K)) * s.mm_kept(17, '1011', tr(s.X), (tr(t_23) + tr(t_25)), s.X, s.W_Q) + (1/math.sqrt(s.d_K)) * s.mm_kept(18, '1110', tr(s.X), tr(s.t_14), s.X, V_W_Q))
+        t_26 = s.mm_sum(9, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_23 + t_25), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_14, s.X, V_W_K))
+        t_27 = s.mm_sum(12, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_23) + tr(t_25)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_14), s.X, V_W_Q))
         t_28 = softmax_diff(s.A, t_22)
-        t_29 = (s.mm_kept(19, '1011', tr(s.X), tr(t_28), s.G_2, tr(s.W_O)) + s.mm_kept(20, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_30 = (s.mm_kept(21, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2) + s.mm_kept(22, '1101', tr(s.W_V), tr(s.X), tr(t_28), s.G_2))
+        t_29 = s.mm_sum(13, 'l', (1, '1011', tr(s.X), tr(t_28), s.G_2, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_30 = s.mm_sum(14, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_28), s.G_2))
         return (mean0(t_26, True), mean0(t_27, True), mean0(t_29, True), mean0(t_30, True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = ((1/math.sqrt(s.d_K)) * s.mm_kept(24, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(25, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_31 = s.mm_sum(16, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_34 = softmax_diff2(s.A, t_31, s.t_33)
         t_35 = softmax_diff(s.A, t_31)
-        t_36 = (s.mm_kept(29, '0111', t_35, s.X, s.W_V, s.W_O) + s.mm_kept(30, '1101', s.A, s.X, V_W_V, s.W_O) + s.mm_kept(31, '1110', s.A, s.X, s.W_V, V_W_O))
+        t_36 = (s.mm_sum(18, 'r', (1, '0111', t_35, s.X, s.W_V, s.W_O), (1, '1101', s.A, s.X, V_W_V, s.W_O)) + s.mm_kept(19, '1110', s.A, s.X, s.W_V, V_W_O))
         t_37 = (s.t_2 * softmax_diff(s.t_11, t_36))
-        t_38 = (s.mm_kept(26, '1011', s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)) + s.mm_kept(27, '1101', s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)) + (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(28, '0111', t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_38 = s.mm_sum(17, 'r', (1, '1011', s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, '1101', s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), '0111', t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
         t_39 = softmax_diff(s.A, t_38)
-        t_41 = (s.mm_kept(23, '1011', tr(s.X), (t_34 + t_39), s.X, s.W_K) + s.mm_kept(32, '1110', tr(s.X), s.t_40, s.X, V_W_K))
-        t_42 = (s.mm_kept(33, '1011', tr(s.X), (tr(t_34) + tr(t_39)), s.X, s.W_Q) + s.mm_kept(34, '1110', tr(s.X), tr(s.t_40), s.X, V_W_Q))
-        t_43 = (s.mm_kept(35, '1011', tr(s.X), tr(t_35), s.G_2, tr(s.W_O)) + s.mm_kept(36, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)) + (1/s.L) * s.mm_kept(37, '1101', tr(s.X), tr(s.A), t_37, tr(s.W_O)))
-        t_44 = (s.mm_kept(38, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2) + s.mm_kept(39, '1101', tr(s.W_V), tr(s.X), tr(t_35), s.G_2) + (1/s.L) * s.mm_kept(40, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_37))
+        t_41 = s.mm_sum(15, 'l', (1, '1011', tr(s.X), (t_34 + t_39), s.X, s.W_K), (1, '1110', tr(s.X), s.t_40, s.X, V_W_K))
+        t_42 = s.mm_sum(20, 'l', (1, '1011', tr(s.X), (tr(t_34) + tr(t_39)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_40), s.X, V_W_Q))
+        t_43 = s.mm_sum(21, 'l', (1, '1011', tr(s.X), tr(t_35), s.G_2, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), ((1/s.L), '1101', tr(s.X), tr(s.A), t_37, tr(s.W_O)))
+        t_44 = (s.mm_sum(22, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_35), s.G_2)) + (1/s.L) * s.mm_kept(23, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_37))
         return (mean0(t_41, True), mean0(t_42, True), mean0(t_43, True), mean0(t_44, True),)
 
 
@@ -990,7 +980,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "cde82899bf35bf14250d1210"
+    STAMP = "1a1730c389248cfb88c86645"
 
     @leaf
     def t(s):
@@ -1266,41 +1256,41 @@ class ce_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = ((1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(5, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_15 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_16 = softmax_diff(s.A, t_15)
-        t_17 = (s.mm_kept(3, '0111', t_16, s.X, s.W_V, s.W_O) + s.mm_kept(6, '1101', s.A, s.X, V_W_V, s.W_O) + s.mm_kept(7, '1110', s.A, s.X, s.W_V, V_W_O))
+        t_17 = (s.mm_sum(3, 'r', (1, '0111', t_16, s.X, s.W_V, s.W_O), (1, '1101', s.A, s.X, V_W_V, s.W_O)) + s.mm_kept(5, '1110', s.A, s.X, s.W_V, V_W_O))
         t_18 = (s.t_2 * softmax_diff(softmax_rows(s.F_2), t_17))
         t_19 = softmax_diff(s.A, s.mm_kept(2, '0111', t_18, tr(s.W_O), tr(s.W_V), tr(s.X)))
         t_20 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(1, '1011', tr(s.X), t_19, s.X, s.W_K)
-        t_21 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(8, '1011', tr(s.X), tr(t_19), s.X, s.W_Q)
-        return (mean0(t_20, True), mean0(t_21, True), mean0((1/s.L) * s.mm_kept(9, '1101', tr(s.X), tr(s.A), t_18, tr(s.W_O)), True), mean0((1/s.L) * s.mm_kept(10, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_18), True),)
+        t_21 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(6, '1011', tr(s.X), tr(t_19), s.X, s.W_Q)
+        return (mean0(t_20, True), mean0(t_21, True), mean0((1/s.L) * s.mm_kept(7, '1101', tr(s.X), tr(s.A), t_18, tr(s.W_O)), True), mean0((1/s.L) * s.mm_kept(8, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_18), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = ((1/math.sqrt(s.d_K)) * s.mm_kept(12, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(13, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_23 = softmax_diff2(s.A, t_22, s.t_13)
-        t_24 = (s.mm_kept(14, '1101', s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)) + s.mm_kept(15, '1011', s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_24 = s.mm_sum(11, 'r', (1, '1101', s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, '1011', s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
         t_25 = softmax_diff(s.A, t_24)
-        t_26 = ((1/math.sqrt(s.d_K)) * s.mm_kept(11, '1011', tr(s.X), (t_23 + t_25), s.X, s.W_K) + (1/math.sqrt(s.d_K)) * s.mm_kept(16, '1110', tr(s.X), s.t_14, s.X, V_W_K))
-        t_27 = ((1/math.sqrt(s.d_K)) * s.mm_kept(17, '1011', tr(s.X), (tr(t_23) + tr(t_25)), s.X, s.W_Q) + (1/math.sqrt(s.d_K)) * s.mm_kept(18, '1110', tr(s.X), tr(s.t_14), s.X, V_W_Q))
+        t_26 = s.mm_sum(9, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_23 + t_25), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_14, s.X, V_W_K))
+        t_27 = s.mm_sum(12, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_23) + tr(t_25)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_14), s.X, V_W_Q))
         t_28 = softmax_diff(s.A, t_22)
-        t_29 = (s.mm_kept(19, '1011', tr(s.X), tr(t_28), s.G_2, tr(s.W_O)) + s.mm_kept(20, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_30 = (s.mm_kept(21, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2) + s.mm_kept(22, '1101', tr(s.W_V), tr(s.X), tr(t_28), s.G_2))
+        t_29 = s.mm_sum(13, 'l', (1, '1011', tr(s.X), tr(t_28), s.G_2, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_30 = s.mm_sum(14, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_28), s.G_2))
         return (mean0(t_26, True), mean0(t_27, True), mean0(t_29, True), mean0(t_30, True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = ((1/math.sqrt(s.d_K)) * s.mm_kept(24, '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)) + (1/math.sqrt(s.d_K)) * s.mm_kept(25, '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_31 = s.mm_sum(16, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_34 = softmax_diff2(s.A, t_31, s.t_33)
         t_35 = softmax_diff(s.A, t_31)
-        t_36 = (s.mm_kept(29, '0111', t_35, s.X, s.W_V, s.W_O) + s.mm_kept(30, '1101', s.A, s.X, V_W_V, s.W_O) + s.mm_kept(31, '1110', s.A, s.X, s.W_V, V_W_O))
+        t_36 = (s.mm_sum(18, 'r', (1, '0111', t_35, s.X, s.W_V, s.W_O), (1, '1101', s.A, s.X, V_W_V, s.W_O)) + s.mm_kept(19, '1110', s.A, s.X, s.W_V, V_W_O))
         t_37 = (s.t_2 * softmax_diff(s.t_11, t_36))
-        t_38 = (s.mm_kept(26, '1101', s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)) + s.mm_kept(27, '1011', s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)) + (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(28, '0111', t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_38 = s.mm_sum(17, 'r', (1, '1101', s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, '1011', s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), '0111', t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
         t_39 = softmax_diff(s.A, t_38)
-        t_41 = (s.mm_kept(23, '1011', tr(s.X), (t_34 + t_39), s.X, s.W_K) + s.mm_kept(32, '1110', tr(s.X), s.t_40, s.X, V_W_K))
-        t_42 = (s.mm_kept(33, '1011', tr(s.X), (tr(t_34) + tr(t_39)), s.X, s.W_Q) + s.mm_kept(34, '1110', tr(s.X), tr(s.t_40), s.X, V_W_Q))
-        t_43 = (s.mm_kept(35, '1011', tr(s.X), tr(t_35), s.G_2, tr(s.W_O)) + (1/s.L) * s.mm_kept(36, '1101', tr(s.X), tr(s.A), t_37, tr(s.W_O)) + s.mm_kept(37, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_44 = (s.mm_kept(38, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2) + s.mm_kept(39, '1101', tr(s.W_V), tr(s.X), tr(t_35), s.G_2) + (1/s.L) * s.mm_kept(40, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_37))
+        t_41 = s.mm_sum(15, 'l', (1, '1011', tr(s.X), (t_34 + t_39), s.X, s.W_K), (1, '1110', tr(s.X), s.t_40, s.X, V_W_K))
+        t_42 = s.mm_sum(20, 'l', (1, '1011', tr(s.X), (tr(t_34) + tr(t_39)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_40), s.X, V_W_Q))
+        t_43 = s.mm_sum(21, 'l', (1, '1011', tr(s.X), tr(t_35), s.G_2, tr(s.W_O)), ((1/s.L), '1101', tr(s.X), tr(s.A), t_37, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_44 = (s.mm_sum(22, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_35), s.G_2)) + (1/s.L) * s.mm_kept(23, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_37))
         return (mean0(t_41, True), mean0(t_42, True), mean0(t_43, True), mean0(t_44, True),)
 
 
@@ -1310,4 +1300,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "54df8e75c5a273eb485e28f3"
+CHECKSUM = "6e199e2c079d979d65eef149"

@@ -20,7 +20,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "6ec12f5a38339d219aed8525"
+    STAMP = "cb239802c91ceaac373557bd"
 
     @leaf
     def M_N_1(s):
@@ -255,7 +255,7 @@ class mse_bias0_causal0(Forward):
         return (sum_last(s.t_96) * sum_rows(s.t_3) + mm(s.t_97, tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_122(s):
+    def t_123(s):
         return softmax_diff(s.A, s.t_98)
 
     @leaf
@@ -666,10 +666,10 @@ class mse_bias0_causal0(Forward):
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_38 = mm(s.t_8, V_W_2)
-        t_39 = ((1/math.sqrt(s.d_K)) * s.mm_kept(3, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_39 = s.mm_sum(3, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_40 = softmax_diff(s.A, t_39)
         t_41 = s.mm_kept(2, '011', t_40, s.N_1, s.W_V)
-        t_42 = s.mm_kept(5, '110', s.A, s.N_1, V_W_V)
+        t_42 = s.mm_kept(4, '110', s.A, s.N_1, V_W_V)
         t_43 = (-(1/s.d_V) * bcast_last(sum_last((t_41 + t_42)), s.d_V) + t_41 + t_42)
         t_44 = bcast_last(sum_last((t_43 * s.M_N_2)), s.d_V)
         t_45 = (mm(((t_43 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_44 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
@@ -682,56 +682,56 @@ class mse_bias0_causal0(Forward):
         t_52 = (t_50 * s.P_N_2)
         t_53 = (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * t_51 - (1/(math.sqrt(s.d_K)*s.d_V)) * t_52)
         t_54 = ((2/(math.sqrt(s.d_K)*s.d_V)) * t_51 + (1/math.sqrt(s.d_K)) * t_52 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_38 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_46 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_41 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_42)
-        t_55 = (sum_last(t_53) * sum_rows(s.t_3) + s.mm_kept(6, '011', t_54, tr(s.W_V), tr(s.N_1)))
+        t_55 = (sum_last(t_53) * sum_rows(s.t_3) + s.mm_kept(5, '011', t_54, tr(s.W_V), tr(s.N_1)))
         t_56 = softmax_diff(s.A, t_55)
-        t_57 = s.mm_kept(8, '110', tr(s.N_1), tr(s.A), (-(2/s.d_V**2) * t_51 - (1/s.d_V) * t_52))
+        t_57 = s.mm_kept(7, '110', tr(s.N_1), tr(s.A), (-(2/s.d_V**2) * t_51 - (1/s.d_V) * t_52))
         t_58 = ((2/s.d_V) * t_51 + t_52 + (2/(s.L*s.d_V)) * t_38 + (2/(s.L*s.d_V)) * t_46 + (2/(s.L*s.d_V)) * t_41 + (2/(s.L*s.d_V)) * t_42)
-        t_59 = (bcast_last(sum_last(t_57), s.d_V) + s.mm_kept(9, '110', tr(s.N_1), tr(s.A), t_58))
+        t_59 = (bcast_last(sum_last(t_57), s.d_V) + s.mm_kept(8, '110', tr(s.N_1), tr(s.A), t_58))
         t_60 = mm(s.t_25, t_47)
-        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_56, s.N_1, s.W_K), True), mean0(s.mm_kept(7, '1011', tr(s.N_1), tr(t_56), s.N_1, s.W_Q), True), mean0(t_59, True), mean0(mm(tr(s.N_2), t_49), True), mean0(t_60, True),)
+        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_56, s.N_1, s.W_K), True), mean0(s.mm_kept(6, '1011', tr(s.N_1), tr(t_56), s.N_1, s.W_Q), True), mean0(t_59, True), mean0(mm(tr(s.N_2), t_49), True), mean0(t_60, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_61 = ((1/math.sqrt(s.d_K)) * s.mm_kept(11, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(12, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_61 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_62 = softmax_diff2(s.A, s.t_17, t_61)
         t_63 = (s.t_7 * mm(s.G, tr(V_W_2)))
         t_64 = (mm(s.t_10, tr(V_W_1)) + mm(t_63, tr(s.W_1)))
         t_65 = (t_64 * s.P_N_2)
         t_66 = softmax_diff(s.A, t_61)
-        t_67 = s.mm_kept(13, '011', t_66, s.N_1, s.W_V)
-        t_68 = s.mm_kept(14, '110', s.A, s.N_1, V_W_V)
+        t_67 = s.mm_kept(12, '011', t_66, s.N_1, s.W_V)
+        t_68 = s.mm_kept(13, '110', s.A, s.N_1, V_W_V)
         t_69 = (-(1/s.d_V) * bcast_last(sum_last((t_67 + t_68)), s.d_V) + t_67 + t_68)
         t_70 = (t_69 * s.t_12)
         t_71 = bcast_last(sum_last((t_69 * s.M_N_2)), s.d_V)
         t_72 = (s.t_6 * t_71 * s.t_11)
         t_73 = ((t_64 * s.t_6 * s.M_N_2) + (t_69 * s.t_6 * s.t_11) + (2/s.d_V) * (s.t_30 * t_71 * s.t_11 * s.M_N_2))
         t_74 = (bcast_last(sum_last(t_73), s.d_V) * s.M_N_2)
-        t_75 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_65 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_72 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_74)
-        t_76 = ((1/math.sqrt(s.d_K)) * t_65 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_72 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_74)
-        t_77 = (sum_last(t_75) * sum_rows(s.t_3) + sum_last(s.t_15) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(15, '011', t_76, tr(s.W_V), tr(s.N_1)) + mm(s.t_16, tr(V_W_V), tr(s.N_1)))
-        t_78 = softmax_diff(s.A, t_77)
-        t_79 = (s.mm_kept(10, '1011', tr(s.N_1), (t_62 + t_78), s.N_1, s.W_K) + s.mm_kept(16, '1110', tr(s.N_1), s.t_18, s.N_1, V_W_K))
-        t_80 = (s.mm_kept(17, '1110', tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q) + s.mm_kept(18, '1011', tr(s.N_1), (tr(t_62) + tr(t_78)), s.N_1, s.W_Q))
-        t_81 = s.mm_kept(19, '110', tr(s.N_1), tr(s.A), (t_65 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74))
+        t_75 = ((1/math.sqrt(s.d_K)) * t_65 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_72 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_74)
+        t_76 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_65 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_72 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_74)
+        t_77 = (sum_last(t_76) * sum_rows(s.t_3) + sum_last(s.t_15) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
+        t_78 = (s.mm_sum(11, 'r', (1, '011', t_75, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_16, tr(V_W_V), tr(s.N_1))) + t_77)
+        t_79 = softmax_diff(s.A, t_78)
+        t_80 = s.mm_sum(9, 'l', (1, '1011', tr(s.N_1), (t_62 + t_79), s.N_1, s.W_K), (1, '1110', tr(s.N_1), s.t_18, s.N_1, V_W_K))
+        t_81 = s.mm_sum(14, 'l', (1, '1110', tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q), (1, '1011', tr(s.N_1), (tr(t_62) + tr(t_79)), s.N_1, s.W_Q))
         t_82 = (-(1/s.d_V) * t_65 - (2/s.d_V**2) * t_70 - (2/s.d_V**2) * t_72 - (2/s.d_V**2) * t_74)
-        t_83 = bcast_last(sum_last(s.mm_kept(20, '110', tr(s.N_1), tr(s.A), t_82)), s.d_V)
-        t_84 = (t_81 + bcast_last(sum_last(mm(tr(s.N_1), tr(t_66), s.t_35)), s.d_V) + mm(tr(s.N_1), tr(t_66), s.t_36) + t_83)
-        t_85 = s.mm_kept(21, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_86 = s.mm_kept(22, '110', tr(s.W_V), tr(s.N_1), tr(t_66))
+        t_83 = bcast_last(sum_last(s.mm_kept(16, '110', tr(s.N_1), tr(s.A), t_82)), s.d_V)
+        t_84 = (s.mm_sum(15, 'l', (1, '110', tr(s.N_1), tr(s.A), (t_65 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74)), (1, '101', tr(s.N_1), tr(t_66), s.t_36)) + (bcast_last(sum_last(mm(tr(s.N_1), tr(t_66), s.t_35)), s.d_V) + t_83))
+        t_85 = s.mm_kept(17, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_86 = s.mm_kept(18, '110', tr(s.W_V), tr(s.N_1), tr(t_66))
         t_87 = (-(1/s.d_V) * bcast_rows(sum_rows((t_85 + t_86)), s.d_V) + t_85 + t_86)
         t_88 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_87 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_89 = ((t_87 * tr(s.P_N_2)) + (2/s.d_V) * t_88)
         t_90 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_89)) * heaviside(s.t_24, 0.0))
-        return (mean0(t_79, True), mean0(t_80, True), mean0(t_84, True), mean0((mm(t_89, s.t_10) + mm(tr(s.N_2), t_63)), True), mean0(mm(t_90, s.G), True),)
+        return (mean0(t_80, True), mean0(t_81, True), mean0(t_84, True), mean0((mm(t_89, s.t_10) + mm(tr(s.N_2), t_63)), True), mean0(mm(t_90, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_99 = ((1/math.sqrt(s.d_K)) * s.mm_kept(24, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(25, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_99 = s.mm_sum(20, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_100 = softmax_diff2(s.A, s.t_98, t_99)
         t_101 = mm(s.t_8, V_W_2)
         t_102 = softmax_diff(s.A, t_99)
-        t_103 = s.mm_kept(26, '011', t_102, s.N_1, s.W_V)
-        t_104 = s.mm_kept(27, '110', s.A, s.N_1, V_W_V)
+        t_103 = s.mm_kept(22, '011', t_102, s.N_1, s.W_V)
+        t_104 = s.mm_kept(23, '110', s.A, s.N_1, V_W_V)
         t_105 = (-(1/s.d_V) * bcast_last(sum_last((t_103 + t_104)), s.d_V) + t_103 + t_104)
         t_106 = bcast_last(sum_last((t_105 * s.M_N_2)), s.d_V)
         t_107 = (mm(((t_105 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_106 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
@@ -745,25 +745,26 @@ class mse_bias0_causal0(Forward):
         t_115 = (s.t_6 * t_106 * s.t_92)
         t_116 = ((t_112 * s.t_6 * s.M_N_2) + (t_105 * s.t_6 * s.t_92) + (2/s.d_V) * (s.t_30 * t_106 * s.t_92 * s.M_N_2))
         t_117 = (bcast_last(sum_last(t_116), s.d_V) * s.M_N_2)
-        t_118 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_113 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_114 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_115 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_117)
-        t_119 = ((1/math.sqrt(s.d_K)) * t_113 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_114 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_115 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_117 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_101 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_108 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_103 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_104)
-        t_120 = (sum_last(t_118) * sum_rows(s.t_3) + sum_last(s.t_96) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(28, '011', t_119, tr(s.W_V), tr(s.N_1)) + mm(s.t_97, tr(V_W_V), tr(s.N_1)))
-        t_121 = softmax_diff(s.A, t_120)
-        t_123 = (s.mm_kept(23, '1011', tr(s.N_1), (t_100 + t_121), s.N_1, s.W_K) + s.mm_kept(29, '1110', tr(s.N_1), s.t_122, s.N_1, V_W_K))
-        t_124 = (s.mm_kept(30, '1110', tr(s.N_1), tr(s.t_122), s.N_1, V_W_Q) + s.mm_kept(31, '1011', tr(s.N_1), (tr(t_100) + tr(t_121)), s.N_1, s.W_Q))
-        t_125 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_102), (-(2/s.d_V**2) * s.t_94 - (1/s.d_V) * s.t_95))), s.d_V)
+        t_118 = ((1/math.sqrt(s.d_K)) * t_113 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_114 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_115 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_117 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_101 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_108 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_103 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_104)
+        t_119 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_113 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_114 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_115 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_117)
+        t_120 = (sum_last(t_119) * sum_rows(s.t_3) + sum_last(s.t_96) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
+        t_121 = (s.mm_sum(21, 'r', (1, '011', t_118, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_97, tr(V_W_V), tr(s.N_1))) + t_120)
+        t_122 = softmax_diff(s.A, t_121)
+        t_124 = s.mm_sum(19, 'l', (1, '1011', tr(s.N_1), (t_100 + t_122), s.N_1, s.W_K), (1, '1110', tr(s.N_1), s.t_123, s.N_1, V_W_K))
+        t_125 = s.mm_sum(24, 'l', (1, '1110', tr(s.N_1), tr(s.t_123), s.N_1, V_W_Q), (1, '1011', tr(s.N_1), (tr(t_100) + tr(t_122)), s.N_1, s.W_Q))
         t_127 = (t_113 + (2/s.d_V) * t_114 + (2/s.d_V) * t_115 + (2/s.d_V) * t_117 + (2/(s.L*s.d_V)) * t_101 + (2/(s.L*s.d_V)) * t_108 + (2/(s.L*s.d_V)) * t_103 + (2/(s.L*s.d_V)) * t_104)
-        t_128 = (-(1/s.d_V) * t_113 - (2/s.d_V**2) * t_114 - (2/s.d_V**2) * t_115 - (2/s.d_V**2) * t_117)
-        t_129 = bcast_last(sum_last(s.mm_kept(33, '110', tr(s.N_1), tr(s.A), t_128)), s.d_V)
-        t_130 = (t_125 + mm(tr(s.N_1), tr(t_102), s.t_126) + s.mm_kept(32, '110', tr(s.N_1), tr(s.A), t_127) + t_129)
-        t_131 = s.mm_kept(34, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_132 = s.mm_kept(35, '110', tr(s.W_V), tr(s.N_1), tr(t_102))
-        t_133 = (-(1/s.d_V) * bcast_rows(sum_rows((t_131 + t_132)), s.d_V) + t_131 + t_132)
-        t_134 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_133 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_135 = ((t_133 * tr(s.P_N_2)) + (2/s.d_V) * t_134)
-        t_136 = mm(s.t_25, t_109)
-        t_137 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_135)) * heaviside(s.t_24, 0.0))
-        return (mean0(t_123, True), mean0(t_124, True), mean0(t_130, True), mean0((mm(t_135, s.t_91) + mm(tr(s.N_2), t_111)), True), mean0((t_136 + mm(t_137, s.G)), True),)
+        t_128 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_102), (-(2/s.d_V**2) * s.t_94 - (1/s.d_V) * s.t_95))), s.d_V)
+        t_129 = (-(1/s.d_V) * t_113 - (2/s.d_V**2) * t_114 - (2/s.d_V**2) * t_115 - (2/s.d_V**2) * t_117)
+        t_130 = bcast_last(sum_last(s.mm_kept(26, '110', tr(s.N_1), tr(s.A), t_129)), s.d_V)
+        t_131 = (s.mm_sum(25, 'l', (1, '101', tr(s.N_1), tr(t_102), s.t_126), (1, '110', tr(s.N_1), tr(s.A), t_127)) + (t_128 + t_130))
+        t_132 = s.mm_kept(27, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_133 = s.mm_kept(28, '110', tr(s.W_V), tr(s.N_1), tr(t_102))
+        t_134 = (-(1/s.d_V) * bcast_rows(sum_rows((t_132 + t_133)), s.d_V) + t_132 + t_133)
+        t_135 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_134 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_136 = ((t_134 * tr(s.P_N_2)) + (2/s.d_V) * t_135)
+        t_137 = mm(s.t_25, t_109)
+        t_138 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_136)) * heaviside(s.t_24, 0.0))
+        return (mean0(t_124, True), mean0(t_125, True), mean0(t_131, True), mean0((mm(t_136, s.t_91) + mm(tr(s.N_2), t_111)), True), mean0((t_137 + mm(t_138, s.G)), True),)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -774,7 +775,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "27eb8160e38c5ce602f04fb0"
+    STAMP = "2a9d470a1190d473b3977570"
 
     @leaf
     def M_N_1(s):
@@ -1013,7 +1014,7 @@ class mse_bias0_causal1(Forward):
         return softmax_diff(s.A, s.t_98)
 
     @leaf
-    def t_125(s):
+    def t_126(s):
         return ((2/s.d_V) * s.t_94 + s.t_95 + (2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
 
     @leaf
@@ -1420,10 +1421,10 @@ class mse_bias0_causal1(Forward):
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_38 = mm(s.t_8, V_W_2)
-        t_39 = ((1/math.sqrt(s.d_K)) * s.mm_kept(3, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_39 = s.mm_sum(3, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_40 = softmax_diff(s.A, t_39)
         t_41 = s.mm_kept(2, '011', t_40, s.N_1, s.W_V)
-        t_42 = s.mm_kept(5, '110', s.A, s.N_1, V_W_V)
+        t_42 = s.mm_kept(4, '110', s.A, s.N_1, V_W_V)
         t_43 = (-(1/s.d_V) * bcast_last(sum_last((t_41 + t_42)), s.d_V) + t_41 + t_42)
         t_44 = bcast_last(sum_last((t_43 * s.M_N_2)), s.d_V)
         t_45 = (mm(((t_43 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_44 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
@@ -1436,56 +1437,56 @@ class mse_bias0_causal1(Forward):
         t_52 = (t_50 * s.P_N_2)
         t_53 = (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * t_51 - (1/(math.sqrt(s.d_K)*s.d_V)) * t_52)
         t_54 = ((2/(math.sqrt(s.d_K)*s.d_V)) * t_51 + (1/math.sqrt(s.d_K)) * t_52 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_38 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_46 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_41 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_42)
-        t_55 = (sum_last(t_53) * sum_rows(s.t_3) + s.mm_kept(6, '011', t_54, tr(s.W_V), tr(s.N_1)))
+        t_55 = (sum_last(t_53) * sum_rows(s.t_3) + s.mm_kept(5, '011', t_54, tr(s.W_V), tr(s.N_1)))
         t_56 = softmax_diff(s.A, t_55)
         t_57 = ((2/s.d_V) * t_51 + t_52 + (2/(s.L*s.d_V)) * t_38 + (2/(s.L*s.d_V)) * t_46 + (2/(s.L*s.d_V)) * t_41 + (2/(s.L*s.d_V)) * t_42)
-        t_58 = s.mm_kept(9, '110', tr(s.N_1), tr(s.A), (-(2/s.d_V**2) * t_51 - (1/s.d_V) * t_52))
-        t_59 = (s.mm_kept(8, '110', tr(s.N_1), tr(s.A), t_57) + bcast_last(sum_last(t_58), s.d_V))
+        t_58 = s.mm_kept(8, '110', tr(s.N_1), tr(s.A), (-(2/s.d_V**2) * t_51 - (1/s.d_V) * t_52))
+        t_59 = (s.mm_kept(7, '110', tr(s.N_1), tr(s.A), t_57) + bcast_last(sum_last(t_58), s.d_V))
         t_60 = mm(s.t_25, t_47)
-        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_56, s.N_1, s.W_K), True), mean0(s.mm_kept(7, '1011', tr(s.N_1), tr(t_56), s.N_1, s.W_Q), True), mean0(t_59, True), mean0(mm(tr(s.N_2), t_49), True), mean0(t_60, True),)
+        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_56, s.N_1, s.W_K), True), mean0(s.mm_kept(6, '1011', tr(s.N_1), tr(t_56), s.N_1, s.W_Q), True), mean0(t_59, True), mean0(mm(tr(s.N_2), t_49), True), mean0(t_60, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_61 = ((1/math.sqrt(s.d_K)) * s.mm_kept(12, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(13, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_61 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_62 = softmax_diff2(s.A, s.t_17, t_61)
         t_63 = (s.t_7 * mm(s.G, tr(V_W_2)))
         t_64 = (mm(s.t_10, tr(V_W_1)) + mm(t_63, tr(s.W_1)))
         t_65 = (t_64 * s.P_N_2)
         t_66 = softmax_diff(s.A, t_61)
-        t_67 = s.mm_kept(14, '011', t_66, s.N_1, s.W_V)
-        t_68 = s.mm_kept(15, '110', s.A, s.N_1, V_W_V)
+        t_67 = s.mm_kept(12, '011', t_66, s.N_1, s.W_V)
+        t_68 = s.mm_kept(13, '110', s.A, s.N_1, V_W_V)
         t_69 = (-(1/s.d_V) * bcast_last(sum_last((t_67 + t_68)), s.d_V) + t_67 + t_68)
         t_70 = (t_69 * s.t_12)
         t_71 = bcast_last(sum_last((t_69 * s.M_N_2)), s.d_V)
         t_72 = (s.t_6 * t_71 * s.t_11)
         t_73 = ((t_64 * s.t_6 * s.M_N_2) + (t_69 * s.t_6 * s.t_11) + (2/s.d_V) * (s.t_30 * t_71 * s.t_11 * s.M_N_2))
         t_74 = (bcast_last(sum_last(t_73), s.d_V) * s.M_N_2)
-        t_75 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_65 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_72 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_74)
-        t_76 = ((1/math.sqrt(s.d_K)) * t_65 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_72 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_74)
-        t_77 = (sum_last(t_75) * sum_rows(s.t_3) + sum_last(s.t_15) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(16, '011', t_76, tr(s.W_V), tr(s.N_1)) + mm(s.t_16, tr(V_W_V), tr(s.N_1)))
-        t_78 = softmax_diff(s.A, t_77)
-        t_79 = (s.mm_kept(10, '1110', tr(s.N_1), s.t_18, s.N_1, V_W_K) + s.mm_kept(11, '1011', tr(s.N_1), (t_62 + t_78), s.N_1, s.W_K))
-        t_80 = (s.mm_kept(17, '1011', tr(s.N_1), (tr(t_62) + tr(t_78)), s.N_1, s.W_Q) + s.mm_kept(18, '1110', tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q))
-        t_81 = (-(1/s.d_V) * t_65 - (2/s.d_V**2) * t_70 - (2/s.d_V**2) * t_72 - (2/s.d_V**2) * t_74)
-        t_82 = bcast_last(sum_last(s.mm_kept(19, '110', tr(s.N_1), tr(s.A), t_81)), s.d_V)
-        t_83 = s.mm_kept(20, '110', tr(s.N_1), tr(s.A), (t_65 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74))
-        t_84 = (bcast_last(sum_last(mm(tr(s.N_1), tr(t_66), s.t_36)), s.d_V) + mm(tr(s.N_1), tr(t_66), s.t_35) + t_82 + t_83)
-        t_85 = s.mm_kept(21, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_86 = s.mm_kept(22, '110', tr(s.W_V), tr(s.N_1), tr(t_66))
+        t_75 = ((1/math.sqrt(s.d_K)) * t_65 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_72 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_74)
+        t_76 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_65 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_72 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_74)
+        t_77 = (sum_last(t_76) * sum_rows(s.t_3) + sum_last(s.t_15) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
+        t_78 = (s.mm_sum(11, 'r', (1, '011', t_75, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_16, tr(V_W_V), tr(s.N_1))) + t_77)
+        t_79 = softmax_diff(s.A, t_78)
+        t_80 = s.mm_sum(9, 'l', (1, '1110', tr(s.N_1), s.t_18, s.N_1, V_W_K), (1, '1011', tr(s.N_1), (t_62 + t_79), s.N_1, s.W_K))
+        t_81 = s.mm_sum(14, 'l', (1, '1011', tr(s.N_1), (tr(t_62) + tr(t_79)), s.N_1, s.W_Q), (1, '1110', tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q))
+        t_82 = (-(1/s.d_V) * t_65 - (2/s.d_V**2) * t_70 - (2/s.d_V**2) * t_72 - (2/s.d_V**2) * t_74)
+        t_83 = bcast_last(sum_last(s.mm_kept(16, '110', tr(s.N_1), tr(s.A), t_82)), s.d_V)
+        t_84 = (s.mm_sum(15, 'l', (1, '101', tr(s.N_1), tr(t_66), s.t_35), (1, '110', tr(s.N_1), tr(s.A), (t_65 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74))) + (bcast_last(sum_last(mm(tr(s.N_1), tr(t_66), s.t_36)), s.d_V) + t_83))
+        t_85 = s.mm_kept(17, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_86 = s.mm_kept(18, '110', tr(s.W_V), tr(s.N_1), tr(t_66))
         t_87 = (-(1/s.d_V) * bcast_rows(sum_rows((t_85 + t_86)), s.d_V) + t_85 + t_86)
         t_88 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_87 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_89 = ((t_87 * tr(s.P_N_2)) + (2/s.d_V) * t_88)
         t_90 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_89)) * heaviside(s.t_24, 0.0))
-        return (mean0(t_79, True), mean0(t_80, True), mean0(t_84, True), mean0((mm(t_89, s.t_10) + mm(tr(s.N_2), t_63)), True), mean0(mm(t_90, s.G), True),)
+        return (mean0(t_80, True), mean0(t_81, True), mean0(t_84, True), mean0((mm(t_89, s.t_10) + mm(tr(s.N_2), t_63)), True), mean0(mm(t_90, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_100 = ((1/math.sqrt(s.d_K)) * s.mm_kept(25, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(26, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_100 = s.mm_sum(20, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_101 = softmax_diff2(s.A, s.t_98, t_100)
         t_102 = mm(s.t_8, V_W_2)
         t_103 = softmax_diff(s.A, t_100)
-        t_104 = s.mm_kept(27, '011', t_103, s.N_1, s.W_V)
-        t_105 = s.mm_kept(28, '110', s.A, s.N_1, V_W_V)
+        t_104 = s.mm_kept(22, '011', t_103, s.N_1, s.W_V)
+        t_105 = s.mm_kept(23, '110', s.A, s.N_1, V_W_V)
         t_106 = (-(1/s.d_V) * bcast_last(sum_last((t_104 + t_105)), s.d_V) + t_104 + t_105)
         t_107 = bcast_last(sum_last((t_106 * s.M_N_2)), s.d_V)
         t_108 = (mm(((t_106 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_107 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
@@ -1499,25 +1500,26 @@ class mse_bias0_causal1(Forward):
         t_116 = (s.t_6 * t_107 * s.t_92)
         t_117 = ((t_113 * s.t_6 * s.M_N_2) + (t_106 * s.t_6 * s.t_92) + (2/s.d_V) * (s.t_30 * t_107 * s.t_92 * s.M_N_2))
         t_118 = (bcast_last(sum_last(t_117), s.d_V) * s.M_N_2)
-        t_119 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_114 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_115 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_116 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_118)
-        t_120 = ((1/math.sqrt(s.d_K)) * t_114 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_115 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_116 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_118 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_102 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_109 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_104 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_105)
-        t_121 = (sum_last(t_119) * sum_rows(s.t_3) + sum_last(s.t_96) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(29, '011', t_120, tr(s.W_V), tr(s.N_1)) + mm(s.t_97, tr(V_W_V), tr(s.N_1)))
-        t_122 = softmax_diff(s.A, t_121)
-        t_123 = (s.mm_kept(23, '1110', tr(s.N_1), s.t_99, s.N_1, V_W_K) + s.mm_kept(24, '1011', tr(s.N_1), (t_101 + t_122), s.N_1, s.W_K))
-        t_124 = (s.mm_kept(30, '1011', tr(s.N_1), (tr(t_101) + tr(t_122)), s.N_1, s.W_Q) + s.mm_kept(31, '1110', tr(s.N_1), tr(s.t_99), s.N_1, V_W_Q))
-        t_126 = (-(1/s.d_V) * t_114 - (2/s.d_V**2) * t_115 - (2/s.d_V**2) * t_116 - (2/s.d_V**2) * t_118)
-        t_127 = bcast_last(sum_last(s.mm_kept(32, '110', tr(s.N_1), tr(s.A), t_126)), s.d_V)
-        t_128 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_103), (-(2/s.d_V**2) * s.t_94 - (1/s.d_V) * s.t_95))), s.d_V)
-        t_129 = (t_114 + (2/s.d_V) * t_115 + (2/s.d_V) * t_116 + (2/s.d_V) * t_118 + (2/(s.L*s.d_V)) * t_102 + (2/(s.L*s.d_V)) * t_109 + (2/(s.L*s.d_V)) * t_104 + (2/(s.L*s.d_V)) * t_105)
-        t_130 = (mm(tr(s.N_1), tr(t_103), s.t_125) + t_127 + t_128 + s.mm_kept(33, '110', tr(s.N_1), tr(s.A), t_129))
-        t_131 = s.mm_kept(34, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_132 = s.mm_kept(35, '110', tr(s.W_V), tr(s.N_1), tr(t_103))
-        t_133 = (-(1/s.d_V) * bcast_rows(sum_rows((t_131 + t_132)), s.d_V) + t_131 + t_132)
-        t_134 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_133 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_135 = ((t_133 * tr(s.P_N_2)) + (2/s.d_V) * t_134)
-        t_136 = mm(s.t_25, t_110)
-        t_137 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_135)) * heaviside(s.t_24, 0.0))
-        return (mean0(t_123, True), mean0(t_124, True), mean0(t_130, True), mean0((mm(t_135, s.t_91) + mm(tr(s.N_2), t_112)), True), mean0((t_136 + mm(t_137, s.G)), True),)
+        t_119 = ((1/math.sqrt(s.d_K)) * t_114 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_115 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_116 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_118 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_102 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_109 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_104 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_105)
+        t_120 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_114 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_115 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_116 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_118)
+        t_121 = (sum_last(t_120) * sum_rows(s.t_3) + sum_last(s.t_96) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
+        t_122 = (s.mm_sum(21, 'r', (1, '011', t_119, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_97, tr(V_W_V), tr(s.N_1))) + t_121)
+        t_123 = softmax_diff(s.A, t_122)
+        t_124 = s.mm_sum(19, 'l', (1, '1110', tr(s.N_1), s.t_99, s.N_1, V_W_K), (1, '1011', tr(s.N_1), (t_101 + t_123), s.N_1, s.W_K))
+        t_125 = s.mm_sum(24, 'l', (1, '1011', tr(s.N_1), (tr(t_101) + tr(t_123)), s.N_1, s.W_Q), (1, '1110', tr(s.N_1), tr(s.t_99), s.N_1, V_W_Q))
+        t_127 = (t_114 + (2/s.d_V) * t_115 + (2/s.d_V) * t_116 + (2/s.d_V) * t_118 + (2/(s.L*s.d_V)) * t_102 + (2/(s.L*s.d_V)) * t_109 + (2/(s.L*s.d_V)) * t_104 + (2/(s.L*s.d_V)) * t_105)
+        t_128 = (-(1/s.d_V) * t_114 - (2/s.d_V**2) * t_115 - (2/s.d_V**2) * t_116 - (2/s.d_V**2) * t_118)
+        t_129 = bcast_last(sum_last(s.mm_kept(26, '110', tr(s.N_1), tr(s.A), t_128)), s.d_V)
+        t_130 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_103), (-(2/s.d_V**2) * s.t_94 - (1/s.d_V) * s.t_95))), s.d_V)
+        t_131 = (s.mm_sum(25, 'l', (1, '101', tr(s.N_1), tr(t_103), s.t_126), (1, '110', tr(s.N_1), tr(s.A), t_127)) + (t_129 + t_130))
+        t_132 = s.mm_kept(27, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_133 = s.mm_kept(28, '110', tr(s.W_V), tr(s.N_1), tr(t_103))
+        t_134 = (-(1/s.d_V) * bcast_rows(sum_rows((t_132 + t_133)), s.d_V) + t_132 + t_133)
+        t_135 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_134 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_136 = ((t_134 * tr(s.P_N_2)) + (2/s.d_V) * t_135)
+        t_137 = mm(s.t_25, t_110)
+        t_138 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_136)) * heaviside(s.t_24, 0.0))
+        return (mean0(t_124, True), mean0(t_125, True), mean0(t_131, True), mean0((mm(t_136, s.t_91) + mm(tr(s.N_2), t_112)), True), mean0((t_137 + mm(t_138, s.G)), True),)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -1528,7 +1530,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "b165729c2155563f6f248de2"
+    STAMP = "035e72733db14bdd90186e72"
 
     @leaf
     def M_N_1(s):
@@ -1763,7 +1765,7 @@ class ce_bias0_causal0(Forward):
         return (sum_last(s.t_92) * sum_rows(s.t_4) + mm(s.t_93, tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_116(s):
+    def t_117(s):
         return softmax_diff(s.A, s.t_94)
 
     @leaf
@@ -2170,10 +2172,10 @@ class ce_bias0_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_38 = ((1/math.sqrt(s.d_K)) * s.mm_kept(3, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_38 = s.mm_sum(3, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_39 = softmax_diff(s.A, t_38)
         t_40 = s.mm_kept(2, '011', t_39, s.N_1, s.W_V)
-        t_41 = s.mm_kept(5, '110', s.A, s.N_1, V_W_V)
+        t_41 = s.mm_kept(4, '110', s.A, s.N_1, V_W_V)
         t_42 = (-(1/s.d_V) * bcast_last(sum_last((t_40 + t_41)), s.d_V) + t_40 + t_41)
         t_43 = bcast_last(sum_last((t_42 * s.M_N_2)), s.d_V)
         t_44 = (mm(((t_42 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_43 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
@@ -2185,53 +2187,53 @@ class ce_bias0_causal0(Forward):
         t_50 = (t_48 * s.P_N_2)
         t_51 = (-(2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_49 - (1/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_50)
         t_52 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_49 + (1/(s.L*math.sqrt(s.d_K))) * t_50 + (1/(s.L*math.sqrt(s.d_K))) * t_46)
-        t_53 = (sum_last(t_51) * sum_rows(s.t_4) + s.mm_kept(6, '011', t_52, tr(s.W_V), tr(s.N_1)))
+        t_53 = (sum_last(t_51) * sum_rows(s.t_4) + s.mm_kept(5, '011', t_52, tr(s.W_V), tr(s.N_1)))
         t_54 = softmax_diff(s.A, t_53)
-        t_55 = s.mm_kept(8, '110', tr(s.N_1), tr(s.A), ((2/(s.L*s.d_V)) * t_49 + (1/s.L) * t_50 + (1/s.L) * t_46))
-        t_56 = s.mm_kept(9, '110', tr(s.N_1), tr(s.A), (-(2/(s.L*s.d_V**2)) * t_49 - (1/(s.L*s.d_V)) * t_50))
-        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_54, s.N_1, s.W_K), True), mean0(s.mm_kept(7, '1011', tr(s.N_1), tr(t_54), s.N_1, s.W_Q), True), mean0((t_55 + bcast_last(sum_last(t_56), s.d_V)), True), mean0((1/s.L) * mm(tr(s.N_2), t_47), True), mean0((1/s.L) * mm(s.t_26, t_46), True),)
+        t_55 = s.mm_kept(7, '110', tr(s.N_1), tr(s.A), ((2/(s.L*s.d_V)) * t_49 + (1/s.L) * t_50 + (1/s.L) * t_46))
+        t_56 = s.mm_kept(8, '110', tr(s.N_1), tr(s.A), (-(2/(s.L*s.d_V**2)) * t_49 - (1/(s.L*s.d_V)) * t_50))
+        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_54, s.N_1, s.W_K), True), mean0(s.mm_kept(6, '1011', tr(s.N_1), tr(t_54), s.N_1, s.W_Q), True), mean0((t_55 + bcast_last(sum_last(t_56), s.d_V)), True), mean0((1/s.L) * mm(tr(s.N_2), t_47), True), mean0((1/s.L) * mm(s.t_26, t_46), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_57 = ((1/math.sqrt(s.d_K)) * s.mm_kept(12, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(13, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_57 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_58 = softmax_diff2(s.A, s.t_19, t_57)
         t_59 = (s.t_8 * mm(s.G, tr(V_W_2)))
         t_60 = (mm(t_59, tr(s.W_1)) + mm(s.t_12, tr(V_W_1)))
         t_61 = (t_60 * s.P_N_2)
         t_62 = softmax_diff(s.A, t_57)
-        t_63 = s.mm_kept(14, '011', t_62, s.N_1, s.W_V)
-        t_64 = s.mm_kept(15, '110', s.A, s.N_1, V_W_V)
+        t_63 = s.mm_kept(12, '011', t_62, s.N_1, s.W_V)
+        t_64 = s.mm_kept(13, '110', s.A, s.N_1, V_W_V)
         t_65 = (-(1/s.d_V) * bcast_last(sum_last((t_63 + t_64)), s.d_V) + t_63 + t_64)
         t_66 = (t_65 * s.t_14)
         t_67 = bcast_last(sum_last((t_65 * s.M_N_2)), s.d_V)
         t_68 = (s.t_7 * t_67 * s.t_13)
         t_69 = ((t_60 * s.t_7 * s.M_N_2) + (t_65 * s.t_7 * s.t_13) + (2/s.d_V) * (s.t_31 * t_67 * s.t_13 * s.M_N_2))
         t_70 = (bcast_last(sum_last(t_69), s.d_V) * s.M_N_2)
-        t_71 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_61 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_66 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_68 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70)
-        t_72 = ((1/math.sqrt(s.d_K)) * t_61 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_66 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_68 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70)
-        t_73 = (sum_last(t_71) * sum_rows(s.t_4) + sum_last(s.t_17) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(16, '011', t_72, tr(s.W_V), tr(s.N_1)) + mm(s.t_18, tr(V_W_V), tr(s.N_1)))
-        t_74 = softmax_diff(s.A, t_73)
-        t_75 = (s.mm_kept(10, '1110', tr(s.N_1), s.t_20, s.N_1, V_W_K) + s.mm_kept(11, '1011', tr(s.N_1), (t_58 + t_74), s.N_1, s.W_K))
-        t_76 = (s.mm_kept(17, '1011', tr(s.N_1), (tr(t_58) + tr(t_74)), s.N_1, s.W_Q) + s.mm_kept(18, '1110', tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q))
-        t_77 = s.mm_kept(19, '110', tr(s.N_1), tr(s.A), (t_61 + (2/s.d_V) * t_66 + (2/s.d_V) * t_68 + (2/s.d_V) * t_70))
+        t_71 = ((1/math.sqrt(s.d_K)) * t_61 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_66 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_68 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70)
+        t_72 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_61 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_66 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_68 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70)
+        t_73 = (sum_last(t_72) * sum_rows(s.t_4) + sum_last(s.t_17) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
+        t_74 = (s.mm_sum(11, 'r', (1, '011', t_71, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_18, tr(V_W_V), tr(s.N_1))) + t_73)
+        t_75 = softmax_diff(s.A, t_74)
+        t_76 = s.mm_sum(9, 'l', (1, '1110', tr(s.N_1), s.t_20, s.N_1, V_W_K), (1, '1011', tr(s.N_1), (t_58 + t_75), s.N_1, s.W_K))
+        t_77 = s.mm_sum(14, 'l', (1, '1011', tr(s.N_1), (tr(t_58) + tr(t_75)), s.N_1, s.W_Q), (1, '1110', tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q))
         t_78 = (-(1/s.d_V) * t_61 - (2/s.d_V**2) * t_66 - (2/s.d_V**2) * t_68 - (2/s.d_V**2) * t_70)
-        t_79 = bcast_last(sum_last(s.mm_kept(20, '110', tr(s.N_1), tr(s.A), t_78)), s.d_V)
-        t_80 = (t_77 + bcast_last(sum_last(mm(tr(s.N_1), tr(t_62), s.t_35)), s.d_V) + t_79 + mm(tr(s.N_1), tr(t_62), s.t_36))
-        t_81 = s.mm_kept(21, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_82 = s.mm_kept(22, '110', tr(s.W_V), tr(s.N_1), tr(t_62))
+        t_79 = bcast_last(sum_last(s.mm_kept(16, '110', tr(s.N_1), tr(s.A), t_78)), s.d_V)
+        t_80 = (s.mm_sum(15, 'l', (1, '110', tr(s.N_1), tr(s.A), (t_61 + (2/s.d_V) * t_66 + (2/s.d_V) * t_68 + (2/s.d_V) * t_70)), (1, '101', tr(s.N_1), tr(t_62), s.t_36)) + (bcast_last(sum_last(mm(tr(s.N_1), tr(t_62), s.t_35)), s.d_V) + t_79))
+        t_81 = s.mm_kept(17, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_82 = s.mm_kept(18, '110', tr(s.W_V), tr(s.N_1), tr(t_62))
         t_83 = (-(1/s.d_V) * bcast_rows(sum_rows((t_81 + t_82)), s.d_V) + t_81 + t_82)
         t_84 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_83 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_85 = ((t_83 * tr(s.P_N_2)) + (2/s.d_V) * t_84)
         t_86 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_85)) * heaviside(s.t_25, 0.0))
-        return (mean0(t_75, True), mean0(t_76, True), mean0(t_80, True), mean0((mm(t_85, s.t_12) + mm(tr(s.N_2), t_59)), True), mean0(mm(t_86, s.G), True),)
+        return (mean0(t_76, True), mean0(t_77, True), mean0(t_80, True), mean0((mm(t_85, s.t_12) + mm(tr(s.N_2), t_59)), True), mean0(mm(t_86, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_95 = ((1/math.sqrt(s.d_K)) * s.mm_kept(24, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(25, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_95 = s.mm_sum(20, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_96 = softmax_diff2(s.A, s.t_94, t_95)
         t_97 = softmax_diff(s.A, t_95)
-        t_98 = s.mm_kept(26, '011', t_97, s.N_1, s.W_V)
-        t_99 = s.mm_kept(27, '110', s.A, s.N_1, V_W_V)
+        t_98 = s.mm_kept(22, '011', t_97, s.N_1, s.W_V)
+        t_99 = s.mm_kept(23, '110', s.A, s.N_1, V_W_V)
         t_100 = (-(1/s.d_V) * bcast_last(sum_last((t_98 + t_99)), s.d_V) + t_98 + t_99)
         t_101 = bcast_last(sum_last((t_100 * s.M_N_2)), s.d_V)
         t_102 = (mm(((t_100 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_101 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
@@ -2244,25 +2246,25 @@ class ce_bias0_causal0(Forward):
         t_109 = (s.t_7 * t_101 * s.t_88)
         t_110 = ((t_106 * s.t_7 * s.M_N_2) + (t_100 * s.t_7 * s.t_88) + (2/s.d_V) * (s.t_31 * t_101 * s.t_88 * s.M_N_2))
         t_111 = (bcast_last(sum_last(t_110), s.d_V) * s.M_N_2)
-        t_112 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_107 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_108 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_109 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_111)
-        t_113 = ((1/math.sqrt(s.d_K)) * t_107 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_108 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_109 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_111 + (1/(s.L*math.sqrt(s.d_K))) * t_104)
-        t_114 = (sum_last(t_112) * sum_rows(s.t_4) + sum_last(s.t_92) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(28, '011', t_113, tr(s.W_V), tr(s.N_1)) + mm(s.t_93, tr(V_W_V), tr(s.N_1)))
-        t_115 = softmax_diff(s.A, t_114)
-        t_117 = (s.mm_kept(23, '1011', tr(s.N_1), (t_96 + t_115), s.N_1, s.W_K) + s.mm_kept(29, '1110', tr(s.N_1), s.t_116, s.N_1, V_W_K))
-        t_118 = (s.mm_kept(30, '1110', tr(s.N_1), tr(s.t_116), s.N_1, V_W_Q) + s.mm_kept(31, '1011', tr(s.N_1), (tr(t_96) + tr(t_115)), s.N_1, s.W_Q))
-        t_119 = (-(1/s.d_V) * t_107 - (2/s.d_V**2) * t_108 - (2/s.d_V**2) * t_109 - (2/s.d_V**2) * t_111)
-        t_120 = bcast_last(sum_last(s.mm_kept(32, '110', tr(s.N_1), tr(s.A), t_119)), s.d_V)
-        t_121 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_97), (-(2/s.d_V**2) * s.t_90 - (1/s.d_V) * s.t_91))), s.d_V)
-        t_122 = (t_107 + (2/s.d_V) * t_108 + (2/s.d_V) * t_109 + (2/s.d_V) * t_111 + (1/s.L) * t_104)
-        t_123 = mm(tr(s.N_1), tr(t_97), ((2/s.d_V) * s.t_90 + s.t_91 + (1/s.L) * s.t_11 - (1/s.L) * s.Y))
-        t_124 = (t_120 + t_121 + s.mm_kept(33, '110', tr(s.N_1), tr(s.A), t_122) + t_123)
-        t_125 = s.mm_kept(34, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_126 = s.mm_kept(35, '110', tr(s.W_V), tr(s.N_1), tr(t_97))
+        t_112 = ((1/math.sqrt(s.d_K)) * t_107 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_108 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_109 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_111 + (1/(s.L*math.sqrt(s.d_K))) * t_104)
+        t_113 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_107 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_108 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_109 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_111)
+        t_114 = (sum_last(t_113) * sum_rows(s.t_4) + sum_last(s.t_92) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
+        t_115 = (s.mm_sum(21, 'r', (1, '011', t_112, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_93, tr(V_W_V), tr(s.N_1))) + t_114)
+        t_116 = softmax_diff(s.A, t_115)
+        t_118 = s.mm_sum(19, 'l', (1, '1011', tr(s.N_1), (t_96 + t_116), s.N_1, s.W_K), (1, '1110', tr(s.N_1), s.t_117, s.N_1, V_W_K))
+        t_119 = s.mm_sum(24, 'l', (1, '1110', tr(s.N_1), tr(s.t_117), s.N_1, V_W_Q), (1, '1011', tr(s.N_1), (tr(t_96) + tr(t_116)), s.N_1, s.W_Q))
+        t_120 = (t_107 + (2/s.d_V) * t_108 + (2/s.d_V) * t_109 + (2/s.d_V) * t_111 + (1/s.L) * t_104)
+        t_121 = (-(1/s.d_V) * t_107 - (2/s.d_V**2) * t_108 - (2/s.d_V**2) * t_109 - (2/s.d_V**2) * t_111)
+        t_122 = bcast_last(sum_last(s.mm_kept(26, '110', tr(s.N_1), tr(s.A), t_121)), s.d_V)
+        t_123 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_97), (-(2/s.d_V**2) * s.t_90 - (1/s.d_V) * s.t_91))), s.d_V)
+        t_124 = (s.mm_sum(25, 'l', (1, '110', tr(s.N_1), tr(s.A), t_120), (1, '101', tr(s.N_1), tr(t_97), ((2/s.d_V) * s.t_90 + s.t_91 + (1/s.L) * s.t_11 - (1/s.L) * s.Y))) + (t_122 + t_123))
+        t_125 = s.mm_kept(27, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_126 = s.mm_kept(28, '110', tr(s.W_V), tr(s.N_1), tr(t_97))
         t_127 = (-(1/s.d_V) * bcast_rows(sum_rows((t_125 + t_126)), s.d_V) + t_125 + t_126)
         t_128 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_127 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_129 = ((t_127 * tr(s.P_N_2)) + (2/s.d_V) * t_128)
         t_130 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_129)) * heaviside(s.t_25, 0.0))
-        return (mean0(t_117, True), mean0(t_118, True), mean0(t_124, True), mean0((mm(t_129, s.t_87) + mm(tr(s.N_2), t_105)), True), mean0(((1/s.L) * mm(s.t_26, t_104) + mm(t_130, s.G)), True),)
+        return (mean0(t_118, True), mean0(t_119, True), mean0(t_124, True), mean0((mm(t_129, s.t_87) + mm(tr(s.N_2), t_105)), True), mean0(((1/s.L) * mm(s.t_26, t_104) + mm(t_130, s.G)), True),)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -2273,7 +2275,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "372a3c8aa450c87a36cf2ec0"
+    STAMP = "53f4c2d637a139fa9faf2924"
 
     @leaf
     def M_N_1(s):
@@ -2508,7 +2510,7 @@ class ce_bias0_causal1(Forward):
         return (sum_last(s.t_92) * sum_rows(s.t_4) + mm(s.t_93, tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_116(s):
+    def t_117(s):
         return softmax_diff(s.A, s.t_94)
 
     @leaf
@@ -2915,10 +2917,10 @@ class ce_bias0_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_38 = ((1/math.sqrt(s.d_K)) * s.mm_kept(3, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(4, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_38 = s.mm_sum(3, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_39 = softmax_diff(s.A, t_38)
         t_40 = s.mm_kept(2, '011', t_39, s.N_1, s.W_V)
-        t_41 = s.mm_kept(5, '110', s.A, s.N_1, V_W_V)
+        t_41 = s.mm_kept(4, '110', s.A, s.N_1, V_W_V)
         t_42 = (-(1/s.d_V) * bcast_last(sum_last((t_40 + t_41)), s.d_V) + t_40 + t_41)
         t_43 = bcast_last(sum_last((t_42 * s.M_N_2)), s.d_V)
         t_44 = (mm(((t_42 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_43 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
@@ -2930,53 +2932,53 @@ class ce_bias0_causal1(Forward):
         t_50 = (t_48 * s.P_N_2)
         t_51 = (-(2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_49 - (1/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_50)
         t_52 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_49 + (1/(s.L*math.sqrt(s.d_K))) * t_50 + (1/(s.L*math.sqrt(s.d_K))) * t_46)
-        t_53 = (sum_last(t_51) * sum_rows(s.t_4) + s.mm_kept(6, '011', t_52, tr(s.W_V), tr(s.N_1)))
+        t_53 = (sum_last(t_51) * sum_rows(s.t_4) + s.mm_kept(5, '011', t_52, tr(s.W_V), tr(s.N_1)))
         t_54 = softmax_diff(s.A, t_53)
-        t_55 = s.mm_kept(8, '110', tr(s.N_1), tr(s.A), (-(2/(s.L*s.d_V**2)) * t_49 - (1/(s.L*s.d_V)) * t_50))
-        t_56 = s.mm_kept(9, '110', tr(s.N_1), tr(s.A), ((2/(s.L*s.d_V)) * t_49 + (1/s.L) * t_50 + (1/s.L) * t_46))
-        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_54, s.N_1, s.W_K), True), mean0(s.mm_kept(7, '1011', tr(s.N_1), tr(t_54), s.N_1, s.W_Q), True), mean0((bcast_last(sum_last(t_55), s.d_V) + t_56), True), mean0((1/s.L) * mm(tr(s.N_2), t_47), True), mean0((1/s.L) * mm(s.t_26, t_46), True),)
+        t_55 = s.mm_kept(7, '110', tr(s.N_1), tr(s.A), (-(2/(s.L*s.d_V**2)) * t_49 - (1/(s.L*s.d_V)) * t_50))
+        t_56 = s.mm_kept(8, '110', tr(s.N_1), tr(s.A), ((2/(s.L*s.d_V)) * t_49 + (1/s.L) * t_50 + (1/s.L) * t_46))
+        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_54, s.N_1, s.W_K), True), mean0(s.mm_kept(6, '1011', tr(s.N_1), tr(t_54), s.N_1, s.W_Q), True), mean0((bcast_last(sum_last(t_55), s.d_V) + t_56), True), mean0((1/s.L) * mm(tr(s.N_2), t_47), True), mean0((1/s.L) * mm(s.t_26, t_46), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_57 = ((1/math.sqrt(s.d_K)) * s.mm_kept(12, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(13, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_57 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_58 = softmax_diff2(s.A, s.t_19, t_57)
         t_59 = (s.t_8 * mm(s.G, tr(V_W_2)))
         t_60 = (mm(s.t_12, tr(V_W_1)) + mm(t_59, tr(s.W_1)))
         t_61 = (t_60 * s.P_N_2)
         t_62 = softmax_diff(s.A, t_57)
-        t_63 = s.mm_kept(14, '011', t_62, s.N_1, s.W_V)
-        t_64 = s.mm_kept(15, '110', s.A, s.N_1, V_W_V)
+        t_63 = s.mm_kept(12, '011', t_62, s.N_1, s.W_V)
+        t_64 = s.mm_kept(13, '110', s.A, s.N_1, V_W_V)
         t_65 = (-(1/s.d_V) * bcast_last(sum_last((t_63 + t_64)), s.d_V) + t_63 + t_64)
         t_66 = (t_65 * s.t_14)
         t_67 = bcast_last(sum_last((t_65 * s.M_N_2)), s.d_V)
         t_68 = (s.t_7 * t_67 * s.t_13)
         t_69 = ((t_60 * s.t_7 * s.M_N_2) + (t_65 * s.t_7 * s.t_13) + (2/s.d_V) * (s.t_31 * t_67 * s.t_13 * s.M_N_2))
         t_70 = (bcast_last(sum_last(t_69), s.d_V) * s.M_N_2)
-        t_71 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_61 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_66 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_68 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70)
-        t_72 = ((1/math.sqrt(s.d_K)) * t_61 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_66 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_68 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70)
-        t_73 = (sum_last(t_71) * sum_rows(s.t_4) + sum_last(s.t_17) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(16, '011', t_72, tr(s.W_V), tr(s.N_1)) + mm(s.t_18, tr(V_W_V), tr(s.N_1)))
-        t_74 = softmax_diff(s.A, t_73)
-        t_75 = (s.mm_kept(10, '1110', tr(s.N_1), s.t_20, s.N_1, V_W_K) + s.mm_kept(11, '1011', tr(s.N_1), (t_58 + t_74), s.N_1, s.W_K))
-        t_76 = (s.mm_kept(17, '1110', tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q) + s.mm_kept(18, '1011', tr(s.N_1), (tr(t_58) + tr(t_74)), s.N_1, s.W_Q))
-        t_77 = (-(1/s.d_V) * t_61 - (2/s.d_V**2) * t_66 - (2/s.d_V**2) * t_68 - (2/s.d_V**2) * t_70)
-        t_78 = bcast_last(sum_last(s.mm_kept(19, '110', tr(s.N_1), tr(s.A), t_77)), s.d_V)
-        t_79 = s.mm_kept(20, '110', tr(s.N_1), tr(s.A), (t_61 + (2/s.d_V) * t_66 + (2/s.d_V) * t_68 + (2/s.d_V) * t_70))
-        t_80 = (bcast_last(sum_last(mm(tr(s.N_1), tr(t_62), s.t_36)), s.d_V) + t_78 + mm(tr(s.N_1), tr(t_62), s.t_35) + t_79)
-        t_81 = s.mm_kept(21, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_82 = s.mm_kept(22, '110', tr(s.W_V), tr(s.N_1), tr(t_62))
+        t_71 = ((1/math.sqrt(s.d_K)) * t_61 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_66 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_68 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70)
+        t_72 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_61 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_66 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_68 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70)
+        t_73 = (sum_last(t_72) * sum_rows(s.t_4) + sum_last(s.t_17) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
+        t_74 = (s.mm_sum(11, 'r', (1, '011', t_71, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_18, tr(V_W_V), tr(s.N_1))) + t_73)
+        t_75 = softmax_diff(s.A, t_74)
+        t_76 = s.mm_sum(9, 'l', (1, '1110', tr(s.N_1), s.t_20, s.N_1, V_W_K), (1, '1011', tr(s.N_1), (t_58 + t_75), s.N_1, s.W_K))
+        t_77 = s.mm_sum(14, 'l', (1, '1110', tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q), (1, '1011', tr(s.N_1), (tr(t_58) + tr(t_75)), s.N_1, s.W_Q))
+        t_78 = (-(1/s.d_V) * t_61 - (2/s.d_V**2) * t_66 - (2/s.d_V**2) * t_68 - (2/s.d_V**2) * t_70)
+        t_79 = bcast_last(sum_last(s.mm_kept(16, '110', tr(s.N_1), tr(s.A), t_78)), s.d_V)
+        t_80 = (s.mm_sum(15, 'l', (1, '101', tr(s.N_1), tr(t_62), s.t_35), (1, '110', tr(s.N_1), tr(s.A), (t_61 + (2/s.d_V) * t_66 + (2/s.d_V) * t_68 + (2/s.d_V) * t_70))) + (bcast_last(sum_last(mm(tr(s.N_1), tr(t_62), s.t_36)), s.d_V) + t_79))
+        t_81 = s.mm_kept(17, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_82 = s.mm_kept(18, '110', tr(s.W_V), tr(s.N_1), tr(t_62))
         t_83 = (-(1/s.d_V) * bcast_rows(sum_rows((t_81 + t_82)), s.d_V) + t_81 + t_82)
         t_84 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_83 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_85 = ((t_83 * tr(s.P_N_2)) + (2/s.d_V) * t_84)
         t_86 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_85)) * heaviside(s.t_25, 0.0))
-        return (mean0(t_75, True), mean0(t_76, True), mean0(t_80, True), mean0((mm(t_85, s.t_12) + mm(tr(s.N_2), t_59)), True), mean0(mm(t_86, s.G), True),)
+        return (mean0(t_76, True), mean0(t_77, True), mean0(t_80, True), mean0((mm(t_85, s.t_12) + mm(tr(s.N_2), t_59)), True), mean0(mm(t_86, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_95 = ((1/math.sqrt(s.d_K)) * s.mm_kept(24, '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)) + (1/math.sqrt(s.d_K)) * s.mm_kept(25, '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_95 = s.mm_sum(20, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_96 = softmax_diff2(s.A, s.t_94, t_95)
         t_97 = softmax_diff(s.A, t_95)
-        t_98 = s.mm_kept(26, '011', t_97, s.N_1, s.W_V)
-        t_99 = s.mm_kept(27, '110', s.A, s.N_1, V_W_V)
+        t_98 = s.mm_kept(22, '011', t_97, s.N_1, s.W_V)
+        t_99 = s.mm_kept(23, '110', s.A, s.N_1, V_W_V)
         t_100 = (-(1/s.d_V) * bcast_last(sum_last((t_98 + t_99)), s.d_V) + t_98 + t_99)
         t_101 = bcast_last(sum_last((t_100 * s.M_N_2)), s.d_V)
         t_102 = (mm(((t_100 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_101 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
@@ -2989,25 +2991,25 @@ class ce_bias0_causal1(Forward):
         t_109 = (s.t_7 * t_101 * s.t_88)
         t_110 = ((t_106 * s.t_7 * s.M_N_2) + (t_100 * s.t_7 * s.t_88) + (2/s.d_V) * (s.t_31 * t_101 * s.t_88 * s.M_N_2))
         t_111 = (bcast_last(sum_last(t_110), s.d_V) * s.M_N_2)
-        t_112 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_107 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_108 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_109 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_111)
-        t_113 = ((1/math.sqrt(s.d_K)) * t_107 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_108 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_109 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_111 + (1/(s.L*math.sqrt(s.d_K))) * t_104)
-        t_114 = (sum_last(t_112) * sum_rows(s.t_4) + sum_last(s.t_92) * sum_rows(mm(tr(V_W_V), tr(s.N_1))) + s.mm_kept(28, '011', t_113, tr(s.W_V), tr(s.N_1)) + mm(s.t_93, tr(V_W_V), tr(s.N_1)))
-        t_115 = softmax_diff(s.A, t_114)
-        t_117 = (s.mm_kept(23, '1011', tr(s.N_1), (t_96 + t_115), s.N_1, s.W_K) + s.mm_kept(29, '1110', tr(s.N_1), s.t_116, s.N_1, V_W_K))
-        t_118 = (s.mm_kept(30, '1110', tr(s.N_1), tr(s.t_116), s.N_1, V_W_Q) + s.mm_kept(31, '1011', tr(s.N_1), (tr(t_96) + tr(t_115)), s.N_1, s.W_Q))
-        t_119 = (-(1/s.d_V) * t_107 - (2/s.d_V**2) * t_108 - (2/s.d_V**2) * t_109 - (2/s.d_V**2) * t_111)
-        t_120 = bcast_last(sum_last(s.mm_kept(32, '110', tr(s.N_1), tr(s.A), t_119)), s.d_V)
-        t_121 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_97), (-(2/s.d_V**2) * s.t_90 - (1/s.d_V) * s.t_91))), s.d_V)
-        t_122 = mm(tr(s.N_1), tr(t_97), ((2/s.d_V) * s.t_90 + s.t_91 + (1/s.L) * s.t_11 - (1/s.L) * s.Y))
-        t_123 = (t_107 + (2/s.d_V) * t_108 + (2/s.d_V) * t_109 + (2/s.d_V) * t_111 + (1/s.L) * t_104)
-        t_124 = (t_120 + t_121 + t_122 + s.mm_kept(33, '110', tr(s.N_1), tr(s.A), t_123))
-        t_125 = s.mm_kept(34, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_126 = s.mm_kept(35, '110', tr(s.W_V), tr(s.N_1), tr(t_97))
+        t_112 = ((1/math.sqrt(s.d_K)) * t_107 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_108 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_109 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_111 + (1/(s.L*math.sqrt(s.d_K))) * t_104)
+        t_113 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_107 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_108 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_109 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_111)
+        t_114 = (sum_last(t_113) * sum_rows(s.t_4) + sum_last(s.t_92) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
+        t_115 = (s.mm_sum(21, 'r', (1, '011', t_112, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_93, tr(V_W_V), tr(s.N_1))) + t_114)
+        t_116 = softmax_diff(s.A, t_115)
+        t_118 = s.mm_sum(19, 'l', (1, '1011', tr(s.N_1), (t_96 + t_116), s.N_1, s.W_K), (1, '1110', tr(s.N_1), s.t_117, s.N_1, V_W_K))
+        t_119 = s.mm_sum(24, 'l', (1, '1110', tr(s.N_1), tr(s.t_117), s.N_1, V_W_Q), (1, '1011', tr(s.N_1), (tr(t_96) + tr(t_116)), s.N_1, s.W_Q))
+        t_120 = (t_107 + (2/s.d_V) * t_108 + (2/s.d_V) * t_109 + (2/s.d_V) * t_111 + (1/s.L) * t_104)
+        t_121 = (-(1/s.d_V) * t_107 - (2/s.d_V**2) * t_108 - (2/s.d_V**2) * t_109 - (2/s.d_V**2) * t_111)
+        t_122 = bcast_last(sum_last(s.mm_kept(26, '110', tr(s.N_1), tr(s.A), t_121)), s.d_V)
+        t_123 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_97), (-(2/s.d_V**2) * s.t_90 - (1/s.d_V) * s.t_91))), s.d_V)
+        t_124 = (s.mm_sum(25, 'l', (1, '101', tr(s.N_1), tr(t_97), ((2/s.d_V) * s.t_90 + s.t_91 + (1/s.L) * s.t_11 - (1/s.L) * s.Y)), (1, '110', tr(s.N_1), tr(s.A), t_120)) + (t_122 + t_123))
+        t_125 = s.mm_kept(27, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_126 = s.mm_kept(28, '110', tr(s.W_V), tr(s.N_1), tr(t_97))
         t_127 = (-(1/s.d_V) * bcast_rows(sum_rows((t_125 + t_126)), s.d_V) + t_125 + t_126)
         t_128 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_127 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
         t_129 = ((t_127 * tr(s.P_N_2)) + (2/s.d_V) * t_128)
         t_130 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_129)) * heaviside(s.t_25, 0.0))
-        return (mean0(t_117, True), mean0(t_118, True), mean0(t_124, True), mean0((mm(t_129, s.t_87) + mm(tr(s.N_2), t_105)), True), mean0(((1/s.L) * mm(s.t_26, t_104) + mm(t_130, s.G)), True),)
+        return (mean0(t_118, True), mean0(t_119, True), mean0(t_124, True), mean0((mm(t_129, s.t_87) + mm(tr(s.N_2), t_105)), True), mean0(((1/s.L) * mm(s.t_26, t_104) + mm(t_130, s.G)), True),)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -3020,4 +3022,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "642dc4707a590e0d48b23194"
+CHECKSUM = "25f9019f22bff0d960014c24"

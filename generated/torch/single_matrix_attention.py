@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "f427dd8129b5873541152d89"
+    STAMP = "791f8deb5c2f3e7550172fb6"
 
     @leaf
     def t(s):
@@ -172,17 +172,17 @@ class mse_causal0(Forward):
         t_14 = mm(s.X, V_W_QK, tr(s.X))
         t_15 = softmax_diff(s.A, t_14)
         t_16 = ((2/(s.L*s.d_V)) * s.mm_kept(6, '011', t_15, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm_kept(7, '110', s.A, s.X, V_W_V))
-        t_17 = s.mm_kept(5, '011', t_16, tr(s.W_V), tr(s.X))
-        t_18 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, (t_17 + mm(s.G_2, tr(V_W_V), tr(s.X)))))
-        t_19 = s.mm_kept(8, '110', tr(s.X), tr(s.A), t_16)
-        return (mean0(mm(tr(s.X), t_18, s.X), True), mean0((mm(tr(s.X), tr(t_15), s.G_2) + t_19), True),)
+        t_17 = s.mm_sum(5, 'r', (1, '011', t_16, tr(s.W_V), tr(s.X)), (1, '101', s.G_2, tr(V_W_V), tr(s.X)))
+        t_18 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, t_17))
+        t_19 = s.mm_sum(8, 'l', (1, '101', tr(s.X), tr(t_15), s.G_2), (1, '110', tr(s.X), tr(s.A), t_16))
+        return (mean0(mm(tr(s.X), t_18, s.X), True), mean0(t_19, True),)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "8404c62626c534e821a79858"
+    STAMP = "2a75dfc713173c36510da75c"
 
     @leaf
     def t(s):
@@ -334,17 +334,17 @@ class mse_causal1(Forward):
         t_14 = mm(s.X, V_W_QK, tr(s.X))
         t_15 = softmax_diff(s.A, t_14)
         t_16 = ((2/(s.L*s.d_V)) * s.mm_kept(6, '011', t_15, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm_kept(7, '110', s.A, s.X, V_W_V))
-        t_17 = s.mm_kept(5, '011', t_16, tr(s.W_V), tr(s.X))
-        t_18 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, (t_17 + mm(s.G_2, tr(V_W_V), tr(s.X)))))
-        t_19 = s.mm_kept(8, '110', tr(s.X), tr(s.A), t_16)
-        return (mean0(mm(tr(s.X), t_18, s.X), True), mean0((mm(tr(s.X), tr(t_15), s.G_2) + t_19), True),)
+        t_17 = s.mm_sum(5, 'r', (1, '011', t_16, tr(s.W_V), tr(s.X)), (1, '101', s.G_2, tr(V_W_V), tr(s.X)))
+        t_18 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, t_17))
+        t_19 = s.mm_sum(8, 'l', (1, '101', tr(s.X), tr(t_15), s.G_2), (1, '110', tr(s.X), tr(s.A), t_16))
+        return (mean0(mm(tr(s.X), t_18, s.X), True), mean0(t_19, True),)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "b3bc04756d2f789ce8b310b4"
+    STAMP = "611e45dc6359be2643deb832"
 
     @leaf
     def t(s):
@@ -505,9 +505,9 @@ class ce_causal0(Forward):
         t_15 = softmax_diff(s.A, t_14)
         t_16 = (s.mm_kept(6, '011', t_15, s.X, s.W_V) + s.mm_kept(7, '110', s.A, s.X, V_W_V))
         t_17 = (s.t * softmax_diff(s.t_4, t_16))
-        t_18 = (mm(s.G_2, tr(V_W_V), tr(s.X)) + (1/s.L) * s.mm_kept(5, '011', t_17, tr(s.W_V), tr(s.X)))
+        t_18 = s.mm_sum(5, 'r', (1, '101', s.G_2, tr(V_W_V), tr(s.X)), ((1/s.L), '011', t_17, tr(s.W_V), tr(s.X)))
         t_19 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, t_18))
-        t_20 = (mm(tr(s.X), tr(t_15), s.G_2) + (1/s.L) * s.mm_kept(8, '110', tr(s.X), tr(s.A), t_17))
+        t_20 = s.mm_sum(8, 'l', (1, '101', tr(s.X), tr(t_15), s.G_2), ((1/s.L), '110', tr(s.X), tr(s.A), t_17))
         return (mean0(mm(tr(s.X), t_19, s.X), True), mean0(t_20, True),)
 
 
@@ -515,7 +515,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "efe7c9cc7a60a7731b3a0ce9"
+    STAMP = "0a04cfc0c467fa9dbaf35559"
 
     @leaf
     def t(s):
@@ -676,9 +676,9 @@ class ce_causal1(Forward):
         t_15 = softmax_diff(s.A, t_14)
         t_16 = (s.mm_kept(6, '011', t_15, s.X, s.W_V) + s.mm_kept(7, '110', s.A, s.X, V_W_V))
         t_17 = (s.t * softmax_diff(s.t_4, t_16))
-        t_18 = (mm(s.G_2, tr(V_W_V), tr(s.X)) + (1/s.L) * s.mm_kept(5, '011', t_17, tr(s.W_V), tr(s.X)))
+        t_18 = s.mm_sum(5, 'r', (1, '101', s.G_2, tr(V_W_V), tr(s.X)), ((1/s.L), '011', t_17, tr(s.W_V), tr(s.X)))
         t_19 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, t_18))
-        t_20 = (mm(tr(s.X), tr(t_15), s.G_2) + (1/s.L) * s.mm_kept(8, '110', tr(s.X), tr(s.A), t_17))
+        t_20 = s.mm_sum(8, 'l', (1, '101', tr(s.X), tr(t_15), s.G_2), ((1/s.L), '110', tr(s.X), tr(s.A), t_17))
         return (mean0(mm(tr(s.X), t_19, s.X), True), mean0(t_20, True),)
 
 
@@ -688,4 +688,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "9a1bb0745d6cc7c80edd37fe"
+CHECKSUM = "79d36bb463f4c6429b97daae"

@@ -383,8 +383,40 @@ def _matmul(pr, n):
     return f"ones(({pr.size(n.rows)}, {pr.size(n.cols)}), s.like)"
 
 
+def _shared_end(terms):
+    """(side, positions) of the largest group (≥ 2) of plain product terms that share their
+    last ("r") or first ("l") factor, the last factor preferred; None if there is none."""
+    best = None
+    for side, at in (("r", -1), ("l", 0)):
+        groups = {}
+        for i, t in enumerate(terms):
+            core = E._split(t)[1]
+            if isinstance(core, E.MatMul) and not any(isinstance(x, E.Ones) for x in core.args):
+                groups.setdefault(core.args[at], []).append(i)
+        for members in groups.values():
+            if len(members) >= 2 and (best is None or len(members) > len(best[1])):
+                best = (side, members)
+    return best
+
+
 @rule(E.Add)
 def _add(pr, n):
+    """A sum; in a routine, the product terms that share an end factor go to ``mm_sum``,
+    which factors them out when that multiplies less at the call's sizes."""
+    shared = _shared_end(n.args) if pr.local_names is not None else None
+    if shared is not None:
+        side, members = shared
+        pr.chains += 1
+        key, items = pr.chains, []
+        for i in members:
+            c, core = E._split(n.args[i])
+            fixed = "".join("0" if pr.depends_on_arguments(x) else "1" for x in core.args)
+            items.append(f"({_py_coef(pr, c)}, {fixed!r}, " + ", ".join(pr.code(x) for x in core.args) + ")")
+        head = f"s.mm_sum({key}, {side!r}, " + ", ".join(items) + ")"
+        rest = [t for i, t in enumerate(n.args) if i not in members]
+        if not rest:
+            return head
+        return "(" + head + " + " + pr.code(E.add(*rest)) + ")"
     out = []
     for t in n.args:
         c, core = E._split(t)
@@ -393,6 +425,12 @@ def _add(pr, n):
         out.append(("- " if neg else "+ ") + body)
     text = " ".join(out)
     return "(" + (text[2:] if text.startswith("+ ") else "-" + text[2:]) + ")"
+
+
+def _py_coef(pr, c):
+    """A term's coefficient as Python source."""
+    c = sp.sympify(c)
+    return "1" if c == 1 else f"({pr.coef(c)})"
 
 
 def _scaled(pr, c, code):

@@ -16,14 +16,23 @@ from functools import lru_cache
 from . import cost
 
 
-@lru_cache(maxsize=16384)
 def order(shapes, fixed=None):
     """A nested tuple of factor positions, ((0, 1), 2) = (F₀F₁)F₂; a kept product of fixed
     factors i … j appears as ("kept", i, j).  ``shapes``: tuples (rows, cols) or
     (batch, rows, cols); ``fixed``: a tuple of booleans, or None."""
+    return _solve(tuple(shapes), fixed)[1]
+
+
+def chain_cost(shapes, fixed=None):
+    """The multiply-adds of the chain in ``order``'s bracketing (kept products free)."""
+    return _solve(tuple(shapes), fixed)[0]
+
+
+@lru_cache(maxsize=16384)
+def _solve(shapes, fixed=None):
     k = len(shapes)
     if k == 1:
-        return 0
+        return 0, 0
     fixed = fixed or (False,) * k
     dims = [s[-2] for s in shapes] + [shapes[-1][-1]]
     batch = [s[0] if len(s) == 3 else 1 for s in shapes]
@@ -52,7 +61,7 @@ def order(shapes, fixed=None):
         s = split[i, j]
         return (tree(i, s), tree(s + 1, j))
 
-    return tree(0, k - 1)
+    return cost[0, k - 1], tree(0, k - 1)
 
 
 def multiply(xs, matmul, shape, fixed=None, memo=None, key=None):

@@ -200,6 +200,38 @@ class Forward:
         return chain.multiply(xs, self.ops.matmul2, self.ops.shape,
                               fixed=tuple(c == "1" for c in fixed), memo=self._kept, key=key)
 
+    def mm_sum(self, key, side, *terms):
+        """Σ_t c_t F_t,1 ⋯ F_t,k for terms ``(c_t, fixed_t, F_t,1, …)`` that share their last
+        (``side`` "r") or first ("l") factor F: computed as written or as (Σ_t c_t F_t,1 ⋯
+        F_t,k−1) F (F (Σ …) on the left), whichever multiplies less at these sizes (products of
+        fixed factors kept as in ``mm_kept``).  Factoring t W_Vᵀ Xᵀ + t′ V_Vᵀ Xᵀ saves a
+        product of size L² d; factoring X V_Q W_Kᵀ Xᵀ + X W_Q V_Kᵀ Xᵀ would cost L d² more."""
+        shape = lambda x: tuple(self.ops.shape(x))         # noqa: E731
+        flags = lambda f: None if self._one_shot else tuple(c == "1" for c in f)   # noqa: E731
+        cut = (lambda xs: xs[:-1]) if side == "r" else (lambda xs: xs[1:])        # noqa: E731
+        as_written = sum(chain.chain_cost(tuple(shape(x) for x in t[2:]), flags(t[1])) for t in terms)
+        parts = [(t[0], cut(t[1]), cut(t[2:])) for t in terms]
+        shared = terms[0][2:][-1] if side == "r" else terms[0][2]
+        inner = sum(chain.chain_cost(tuple(shape(x) for x in fs), flags(f)) for _, f, fs in parts)
+        rows = max((shape(fs[0]) for _, _, fs in parts), key=len)
+        cols = max((shape(fs[-1]) for _, _, fs in parts), key=len)
+        s_shape = shape(shared)
+        batch = max(x[0] if len(x) == 3 else 1 for x in (rows, cols, s_shape))
+        last = batch * (rows[-2] * cols[-1] * s_shape[-1] if side == "r" else
+                        s_shape[-2] * s_shape[-1] * cols[-1])
+        if inner + last < as_written:
+            acc = None
+            for i, (c, f, fs) in enumerate(parts):
+                x = c * (self.mm_kept((key, "l" + side, i), f, *fs) if len(fs) > 1 else fs[0])
+                acc = x if acc is None else acc + x
+            return chain.multiply((acc, shared) if side == "r" else (shared, acc),
+                                  self.ops.matmul2, self.ops.shape)
+        acc = None
+        for i, t in enumerate(terms):
+            x = t[0] * self.mm_kept((key, i), t[1], *t[2:])
+            acc = x if acc is None else acc + x
+        return acc
+
     def hvp(self, v, part="full"):
         """H_part v for a flat vector v (parameters in declared order), no block built.
 
