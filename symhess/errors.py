@@ -16,8 +16,9 @@ API users can catch the one base class.  Anything else that escapes is a bug.
   the sizes, the estimate and the budget).
 
 ``SaturationWarning`` (a ``UserWarning``, not an error) says that a kernel met softmax rows so
-close to one-hot (1 − max a below √ε of the dtype, but not exactly 0) that the W_Q/W_K blocks
-lose relative accuracy (differences of nearly equal numbers); the interpreter stays accurate.
+close to one-hot (1 − max a below √ε of the dtype, but not exactly 0) that the Hessian terms
+through that softmax (attention's W_Q/W_K blocks, a cross-entropy loss's diag(a) − a aᵀ) lose
+relative accuracy (differences of nearly equal numbers); the interpreter stays accurate.
 
 The first three are also ``ValueError`` s and ``BudgetError`` is a ``MemoryError``, so code
 that caught the built-in types keeps working; for the same reason ``UnknownNameError`` is also

@@ -58,8 +58,9 @@ def bcast_rows(x, n):
     return np.broadcast_to(x, x.shape[:-2] + (n, x.shape[-1]))
 
 
-SATURATED = ("softmax rows within sqrt(eps) of one-hot: the kernel's W_Q/W_K blocks lose "
-             "relative accuracy there (the interpreter, symhess.evaluate, stays accurate)")
+SATURATED = ("softmax rows within sqrt(eps) of one-hot: the kernel's Hessian terms through "
+             "this softmax (diag(a) - a a^T) lose relative accuracy there (the interpreter, "
+             "symhess.evaluate, stays accurate)")
 
 
 def softmax_rows(t, causal=False):
