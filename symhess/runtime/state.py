@@ -235,9 +235,9 @@ class Forward:
     def hvp(self, v, part="full"):
         """H_part v for a flat vector v (parameters in declared order), no block built.
 
-        Cost: the matrix-view statements, products of size B L² d or B L d² (attention: 16 of
-        them and about 20 of size B L² d_K for a state's first call, about 10 for later calls,
-        which reuse the kept products of fixed factors)."""
+        Cost: the matrix-view statements, products of size B L² d or B L d² (attention: 14 of
+        them and about 20 of size B L² d_K for a one-off call, about 10 for a prepared state's
+        later calls, which reuse the kept products of fixed factors)."""
         _part(part)
         dirs, off = [], 0
         for p in self.PARAMS:
