@@ -296,7 +296,7 @@ def cmd_generate(args):
             raise CLIError("--out needs a LAYER (the committed modules go to generated/)")
         if not GENERATED.is_dir():
             raise CLIError(f"no generated/ beside the installed package ({GENERATED}); "
-                                   "give a LAYER and --out DIR")
+                           "give a LAYER and --out DIR")
         return main_generate(check=args.check, out_dir=GENERATED, progress=progress)
     if args.check:
         raise CLIError("--check compares the committed modules; it takes no LAYER")

@@ -76,12 +76,13 @@ def plan(labels, out, sizes, limit=None) -> Plan:
 
 @lru_cache(maxsize=65536)
 def _plan(labels, out, sizes, limit):
-    """The order within ``limit``, unless keeping to it costs more than ``SLICE_RATIO`` times
-    the unlimited order's flops: then the unlimited order, which ``_run`` slices."""
-    within = _plan_within(labels, out, sizes, limit)
-    if limit is None or len(labels) == 1:
-        return within
+    """The unlimited order when it fits ``limit``; else the order within ``limit``, unless
+    keeping to it costs more than ``SLICE_RATIO`` times the unlimited order's flops: then the
+    unlimited order, which ``_run`` slices."""
     free = _plan_within(labels, out, sizes, None)
+    if limit is None or free.largest <= max(int(limit), math.prod(sizes[x] for x in out)):
+        return free
+    within = _plan_within(labels, out, sizes, limit)
     return free if within.flops > SLICE_RATIO * free.flops else within
 
 

@@ -49,6 +49,8 @@ class Forward:
         self.ops, self.schedule, self.like = ops, schedule, like
         self._nets = {}
         self._kept = {}
+        self._diag_sums = {}      # (p, part) → Σ diag, so a later trace costs nothing
+        self._splits = {}         # (p, q) → frobenius_split, so H(q, p) costs nothing
 
     def __repr__(self):
         return f"<prepared {type(self).__qualname__}: {self.n_batch} sequence(s)>"
@@ -127,12 +129,12 @@ class Forward:
             out = self.ops.zeros((self.numel(p),), like=self.like)
         else:
             out = N.dense(self, nets, groups=(0,))
-        self.__dict__.setdefault("_diag_sums", {})[(p, part)] = out.sum()
+        self._diag_sums[(p, part)] = out.sum()
         return out
 
     def trace(self, p, part="full"):
         """tr H_part(p, p), without the block (the sum of ``diag`` when it was computed)."""
-        known = self.__dict__.get("_diag_sums", {}).get((p, part))
+        known = self._diag_sums.get((p, part))
         if known is not None:
             return float(known)
         nets = [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)]
@@ -150,7 +152,7 @@ class Forward:
         Cost: Σ over pairs of the block's (merged) networks of their planned contraction,
         token Gram matrices over the batch's B·L tokens: for attention's blocks O((B L)² d²)
         flops (W_K, W_V rows and columns), O((B L)² (d + d_K d_V)) for H_o(W_Q, W_Q)."""
-        known = self.__dict__.setdefault("_splits", {})
+        known = self._splits
         if (q, p) in known:                   # ‖H(q, p)‖ = ‖H(p, q)ᵀ‖
             return dict(known[(q, p)])
         o, f = self.nets(p, q, "outer"), self.nets(p, q, "functional")
