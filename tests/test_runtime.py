@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from symhess.runtime import chain, contract as C, network as N
 from symhess.runtime.numpy_ops import OPS as NP, mm as np_mm
@@ -17,12 +17,12 @@ LETTERS = "abcdefgh"
 
 @st.composite
 def networks(draw):
-    """A random network: 1-4 operands over up to 6 labels (repeats inside an operand
+    """A random network: 1-6 operands over up to 6 labels (repeats inside an operand
     allowed), a random subset of the labels as output."""
     n_labels = draw(st.integers(1, 6))
     sizes = [draw(st.integers(1, 4)) for _ in range(n_labels)]
     ops = []
-    for _ in range(draw(st.integers(1, 4))):
+    for _ in range(draw(st.integers(1, 6))):
         k = draw(st.integers(1, 4))
         ops.append(tuple(draw(st.integers(0, n_labels - 1)) for _ in range(k)))
     used = sorted(set(x for o in ops for x in o))
@@ -32,8 +32,10 @@ def networks(draw):
 
 
 def _arrays(sizes, ops, seed):
+    """Random operands, every other one laid out in reverse axis order (a strided view)."""
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal([sizes[x] for x in o]) for o in ops]
+    out = [rng.standard_normal([sizes[x] for x in o]) for o in ops]
+    return [np.asfortranarray(a) if i % 2 else a for i, a in enumerate(out)]
 
 
 def _einsum(arrays, ops, out):
@@ -42,15 +44,21 @@ def _einsum(arrays, ops, out):
 
 
 @given(networks(), st.sampled_from([None, 1, 3, 10 ** 6]))
+@example(([2], [(0, 0), (0,), (0, 0)], (), 0), 1)          # a sliced label repeated in an operand
+@example(([2, 1, 1, 2], [(0, 0, 0, 3), (0,), (1, 3)], (0,), 0), 1)
 def test_contract_matches_einsum_at_any_budget(net, limit):
     sizes, ops, out, seed = net
     arrays = _arrays(sizes, ops, seed)
     want = _einsum(arrays, ops, out)
     size_of = dict(enumerate(sizes))
+    before = [a.copy() for a in arrays]
     got = C.contract(NP, arrays, ops, out, limit, size_of)
     assert np.allclose(got, want, rtol=1e-12, atol=1e-12)
-    got_t = C.contract(TORCH, [torch.tensor(a) for a in arrays], ops, out, limit, size_of)
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, before))      # operands untouched
+    tensors = [torch.from_numpy(a) for a in arrays]                     # same strides
+    got_t = C.contract(TORCH, tensors, ops, out, limit, size_of)
     assert np.allclose(got_t.numpy(), want, rtol=1e-12, atol=1e-12)
+    assert all(np.array_equal(t.numpy(), b) for t, b in zip(tensors, before))
 
 
 def test_a_limit_of_one_entry_slices_down_to_scalars():

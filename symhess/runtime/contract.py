@@ -184,8 +184,7 @@ def _run(ops, arrays, labels, out, sizes, limit):
     for start in range(0, size, step):
         n = min(step, size - start)
         sub[lab] = n
-        part = [ops.narrow(a, ls.index(lab), start, n) if lab in ls else a
-                for a, ls in zip(arrays, labels)]
+        part = [_narrow(ops, a, ls, lab, start, n) for a, ls in zip(arrays, labels)]
         r = _run(ops, part, labels, out, sub, limit)
         if lab in out:
             if result is None:
@@ -195,6 +194,14 @@ def _run(ops, arrays, labels, out, sizes, limit):
         else:
             result = r if result is None else result + r
     return result
+
+
+def _narrow(ops, a, ls, lab, start, n):
+    """``a`` restricted to entries start … start + n − 1 of ``lab`` on every axis carrying it."""
+    for axis, x in enumerate(ls):
+        if x == lab:
+            a = ops.narrow(a, axis, start, n)
+    return a
 
 
 def _slice_label(labels, out, sizes, limit, largest):
@@ -223,25 +230,55 @@ def _slice_label(labels, out, sizes, limit, largest):
 
 def execute(ops, arrays, labels, out, path):
     """Run an opt_einsum ``path`` (positions into the current operand list; the result of a
-    step is appended) with pairwise batched products."""
+    step is appended) with pairwise batched products, each result laid out so that the step
+    consuming it can take it as a view (``_next_inner``)."""
     arrays, labels = list(arrays), [tuple(ls) for ls in labels]
-    for step in path:
-        taken = [(arrays.pop(i), labels.pop(i)) for i in sorted(step, reverse=True)]
+    hints = _next_inner(labels, out, path)
+    owned = [False] * len(arrays)          # results of earlier steps may be overwritten
+    for si, step in enumerate(path):
+        taken = [(arrays.pop(i), labels.pop(i), owned.pop(i)) for i in sorted(step, reverse=True)]
         needed = set(out).union(*labels)
-        a, la = taken[0]
+        a, la, mine = taken[0]
         if len(taken) == 1:
             a, la = _reduce(ops, a, la, needed)
         for i in range(1, len(taken)):
-            b, lb = taken[i]
-            later = set(x for _, ls in taken[i + 1:] for x in ls)
-            a, la = pairwise(ops, a, la, b, lb, needed | later)
+            b, lb, theirs = taken[i]
+            later = set(x for _, ls, _ in taken[i + 1:] for x in ls)
+            a, la = pairwise(ops, a, la, b, lb, needed | later, hints.get(si, ()), mine, theirs)
+            mine = True
         arrays.append(a)
         labels.append(la)
+        owned.append(mine and len(taken) > 1)
     (a,), (la,) = arrays, labels
     a, la = _reduce(ops, a, la, set(out))
     if la != tuple(out):
         a = ops.transpose(a, [la.index(x) for x in out])
     return a
+
+
+def _next_inner(labels, out, path):
+    """step → the labels summed over by the first step that multiplies its result (a scaling
+    in between keeps the layout, so it passes the labels of the step after it)."""
+    sets, made_by = [set(ls) for ls in labels], [None] * len(labels)
+    inner, consumer, result = {}, {}, {}
+    for si, step in enumerate(path):
+        taken = [(sets.pop(i), made_by.pop(i)) for i in sorted(step, reverse=True)]
+        needed = set(out).union(*sets)
+        inner[si] = (taken[0][0] & taken[1][0]) - needed if len(taken) == 2 else set()
+        for _, producer in taken:
+            if producer is not None:
+                consumer[producer] = si
+        result[si] = set().union(*(t for t, _ in taken)) & needed
+        sets.append(result[si])
+        made_by.append(si)
+    hints = {}
+    for si in reversed(range(len(path))):
+        c = consumer.get(si)
+        if c is None:
+            continue
+        scaling = not inner[c] and result[c] == result[si]
+        hints[si] = hints.get(c, set()) if scaling else inner[c]
+    return hints
 
 
 def _reduce(ops, a, la, keep):
@@ -255,29 +292,91 @@ def _reduce(ops, a, la, keep):
     return a, la
 
 
-def pairwise(ops, a, la, b, lb, keep):
-    """One step: Σ over the shared labels that are not kept, as a batched matrix product."""
+def pairwise(ops, a, la, b, lb, keep, then=(), a_owned=False, b_owned=False):
+    """One step: Σ over the shared labels that are not kept, as a batched matrix product.
+
+    Layouts are followed, not imposed.  The shared labels take the larger operand's order; an
+    operand laid out as (batch, rows, inner) or (batch, inner, rows) enters as a view, and the
+    product is computed as A B or as (Bᵀ Aᵀ)ᵀ, whichever transposes the smaller operand (BLAS
+    runs fastest on an operand in its own layout).  A step whose smaller operand carries no
+    label of its own — a scaling, or a matrix-vector product over a larger operand in neither
+    layout — is a broadcast product (summed over the inner labels) in the larger operand's
+    layout.  Only an operand that fits no layout is copied; ``then`` (the labels the next step
+    sums over) orders the rows of such an operand, so the result is a view for that step.
+    An operand marked owned (a temporary of the network) may be overwritten."""
     a, la = _reduce(ops, a, la, keep | set(lb))
     b, lb = _reduce(ops, b, lb, keep | set(la))
-    shared = [x for x in la if x in lb]
+    sa = dict(zip(la, ops.shape(a)))
+    sb = dict(zip(lb, ops.shape(b)))
+    size = lambda d, xs: math.prod(d[x] for x in xs)        # noqa: E731
+    na, nb_ = size(sa, la), size(sb, lb)
+    ref, other = (la, lb) if na >= nb_ else (lb, la)
+    shared = [x for x in ref if x in other]
     batch = [x for x in shared if x in keep]
     inner = [x for x in shared if x not in keep]
     left = [x for x in la if x not in lb]
     right = [x for x in lb if x not in la]
-    sa = dict(zip(la, ops.shape(a)))
-    sb = dict(zip(lb, ops.shape(b)))
-    size = lambda d, xs: math.prod(d[x] for x in xs)
+    fa, fb = _fit(la, batch, left, inner), _fit(lb, batch, right, inner)
+    big_fits = fa if na >= nb_ else fb
+    if not (right if na >= nb_ else left) and not (inner and big_fits):
+        order = list(ref) + [x for x in other if x not in ref]
+        x, y = _aligned(ops, a, la, order), _aligned(ops, b, lb, order)
+        if (a_owned if na >= nb_ else b_owned):         # a temporary of this network
+            r = ops.scale_(x, y) if na >= nb_ else ops.scale_(y, x)
+        else:
+            r = x * y
+        if inner:
+            r = ops.sum(r, [order.index(x) for x in inner])
+        return r, tuple(x for x in order if x not in inner)
+    if then and not fa:
+        left = [x for x in left if x in then] + [x for x in left if x not in then]
+    if then and not fb:
+        right = [x for x in right if x not in then] + [x for x in right if x in then]
     nb, m, k, n = size(sa, batch), size(sa, left), size(sa, inner), size(sb, right)
-    shape = [sa[x] for x in batch] + [sa[x] for x in left] + [sb[x] for x in right]
     if not inner:
         x = ops.reshape(_perm(ops, a, la, batch + left), (nb, m, 1))
         y = ops.reshape(_perm(ops, b, lb, batch + right), (nb, 1, n))
-        r = x * y
-    else:
-        x = ops.reshape(_perm(ops, a, la, batch + left + inner), (nb, m, k))
-        y = ops.reshape(_perm(ops, b, lb, batch + inner + right), (nb, k, n))
+        r = ops.product(x, y)
+        return ops.reshape(r, [sa[x] for x in batch + left] + [sb[x] for x in right]), tuple(batch + left + right)
+    # A B transposes a laid out (batch, inner, rows) and b laid out (batch, cols, inner);
+    # (Bᵀ Aᵀ)ᵀ the other way round
+    moved_ab = (na if fa == "KM" else 0) + (nb_ if fb == "NK" else 0)
+    moved_ba = (na if fa == "MK" else 0) + (nb_ if fb == "KN" else 0)
+    if moved_ba < moved_ab:
+        x = _matrix(ops, b, lb, batch, right, inner, (nb, n, k))
+        y = _matrix(ops, a, la, batch, inner, left, (nb, k, m))
         r = ops.matmul(x, y)
-    return ops.reshape(r, shape), tuple(batch + left + right)
+        return (ops.reshape(r, [sb[x] for x in batch + right] + [sa[x] for x in left]),
+                tuple(batch + right + left))
+    x = _matrix(ops, a, la, batch, left, inner, (nb, m, k))
+    y = _matrix(ops, b, lb, batch, inner, right, (nb, k, n))
+    r = ops.matmul(x, y)
+    return ops.reshape(r, [sa[x] for x in batch + left] + [sb[x] for x in right]), tuple(batch + left + right)
+
+
+def _fit(labels, batch, rows, inner):
+    """"MK" if ``labels`` is laid out (batch, rows, inner), "KM" if (batch, inner, rows),
+    else "" (the operand must be copied to enter a product)."""
+    labels = list(labels)
+    if labels == batch + rows + inner:
+        return "MK"
+    return "KM" if labels == batch + inner + rows else ""
+
+
+def _aligned(ops, a, la, order):
+    """``a`` with its labels in ``order``'s order and size-one axes for the labels it lacks."""
+    sizes = dict(zip(la, ops.shape(a)))
+    return ops.reshape(_perm(ops, a, la, [x for x in order if x in sizes]), [sizes.get(x, 1) for x in order])
+
+
+def _matrix(ops, a, la, batch, rows, cols, shape):
+    """``a`` as a (batch, rows, cols) stack: a view of a (batch, rows, cols) or (batch, cols,
+    rows) layout (the latter transposed), a permuted copy otherwise."""
+    la = list(la)
+    if la == batch + cols + rows and la != batch + rows + cols:
+        t = ops.reshape(a, (shape[0], shape[2], shape[1]))
+        return ops.transpose(t, (0, 2, 1))
+    return ops.reshape(_perm(ops, a, la, batch + rows + cols), shape)
 
 
 def _perm(ops, a, la, order):

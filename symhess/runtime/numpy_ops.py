@@ -189,6 +189,19 @@ class _Ops:
         return np.reshape(a, tuple(shape))
 
     @staticmethod
+    def product(a, b):
+        """The broadcast product a * b, laid out in order (not in the operands' strides)."""
+        return np.multiply(a, b, order="C")
+
+    @staticmethod
+    def scale_(a, b):
+        """a *= b in place (b broadcast), returning a (a product when a is a NumPy scalar or
+        a read-only view)."""
+        if not isinstance(a, np.ndarray) or not a.flags.writeable:
+            return a * b
+        return np.multiply(a, b, out=a)
+
+    @staticmethod
     def matmul(a, b):
         if a.shape[0] == 1:
             return np.matmul(a[0], b[0])[None]

@@ -183,6 +183,17 @@ class _Ops:
         return a.reshape(tuple(shape))
 
     @staticmethod
+    def product(a, b):
+        """The broadcast product a * b, laid out in order (not in the operands' strides)."""
+        shape = torch.broadcast_shapes(a.shape, b.shape)
+        return torch.mul(a, b, out=torch.empty(shape, dtype=torch.result_type(a, b), device=a.device))
+
+    @staticmethod
+    def scale_(a, b):
+        """a *= b in place (b broadcast), returning a."""
+        return a.mul_(b)
+
+    @staticmethod
     def matmul(a, b):
         if a.shape[0] == 1:
             return torch.mm(a[0], b[0])[None]
