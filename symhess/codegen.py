@@ -143,10 +143,12 @@ def _template():
 def render_variant(layer: Layer, loss: str, options=()):
     """The template's data for one variant's class."""
     prog = Program.build(derive(layer, loss))
-    members = Printer(prog).members()
+    printer = Printer(prog)
+    members = printer.members()
     return {"cls": class_name(loss, options), "loss": loss, "options": dict(options),
             "key": repr((loss, tuple(options))), "params": repr(tuple(layer.param_names)),
-            "stamp": stamp(layer, loss), "members": members}
+            "stamp": stamp(layer, loss), "members": members,
+            "runs": [f"{run!r}: {n}," for run, n in printer.shared_runs().items()]}
 
 
 def render_module(name: str, backend: str, entries, description: str = "") -> str:

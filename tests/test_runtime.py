@@ -9,7 +9,9 @@ from hypothesis import example, given, strategies as st
 
 from symhess.runtime import chain, contract as C, network as N
 from symhess.runtime.numpy_ops import OPS as NP, mm as np_mm
+from symhess.runtime.cost import counting
 from symhess.runtime.schedule import Schedule
+from symhess.runtime.state import Forward
 from symhess.runtime.torch_ops import OPS as TORCH, mm as torch_mm
 
 LETTERS = "abcdefgh"
@@ -77,6 +79,31 @@ def test_slicing_keeps_every_intermediate_under_the_limit():
     assert p.largest > 900
     got = C.contract(NP, [a, b, c], ops, out, limit=900)
     assert np.allclose(got, a @ b @ c)
+
+
+class _Chains(Forward):
+    """A bare prepared state whose products P Q and (P Q)ᵀ are shared by two chains."""
+
+    RUNS = {"P Q": 2}
+
+
+def test_shared_runs_are_formed_once_and_found_in_either_orientation():
+    rng = np.random.default_rng(3)
+    P, Q, R, V = (rng.standard_normal(s) for s in [(2, 5, 7), (7, 3), (3, 30), (2, 6, 5)])
+    for one_shot in (True, False):
+        st = _Chains({"P": P, "Q": Q, "R": R}, {}, 2, NP, Schedule(), P)
+        st._one_shot = one_shot
+        with counting() as first:
+            a = st.mm("P Q R", st.P, st.Q, st.R)
+        assert np.allclose(a, P @ Q @ R, rtol=1e-13)
+        with counting() as second:           # (P Q)ᵀ found, only the product with V is new
+            b = st.mm("Q' P' _", Q.T, np.swapaxes(P, 1, 2), np.swapaxes(V, 1, 2))
+        assert np.allclose(b, np.swapaxes(P @ Q, 1, 2) @ np.swapaxes(V, 1, 2), rtol=1e-13)
+        assert second.flops == 2 * 2 * 3 * 5 * 6 < first.flops
+        c = st.mm_sum("r", (2.0, "P Q _", st.P, st.Q, R), (-1.0, "_ R", P @ Q, st.R))
+        assert np.allclose(c, P @ Q @ R, rtol=1e-13)
+    with pytest.raises(ValueError, match="names 3 factors, 2 given"):
+        st.mm("P Q R", st.P, st.Q)
 
 
 def test_matrix_chain_order_and_values():

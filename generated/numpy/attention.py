@@ -20,23 +20,39 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "ee975eae25874ccba1498793"
+    STAMP = "b2f4ce582d9162e72256394d"
+    RUNS = {
+        'A X': 7,
+        "W_K' X'": 8,
+        "W_Q' X'": 8,
+        "W_V' X'": 8,
+        "X' t_32": 2,
+        "X' t_32 X": 2,
+        "X' t_32'": 2,
+        "X' t_7": 4,
+        "X' t_7 X": 4,
+        "X' t_7'": 4,
+    }
 
     @leaf
     def t(s):
-        return mm(s.W_V, tr(s.W_V))
+        return s.mm("W_V W_V'", s.W_V, tr(s.W_V))
+
+    @leaf
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X W_Q W_K' X'", s.X, s.W_Q, tr(s.W_K), tr(s.X))
 
     @leaf
     def A(s):
-        return softmax_rows((1/math.sqrt(s.d_K)) * mm(s.X, s.W_Q, tr(s.W_K), tr(s.X)))
+        return softmax_rows(s.T)
 
     @leaf
     def M_1(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def F(s):
-        return mm(s.M_1, s.W_V)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def G(s):
@@ -44,19 +60,19 @@ class mse_causal0(Forward):
 
     @leaf
     def t_2(s):
-        return softmax_diff(s.A, mm(s.G, tr(s.W_V), tr(s.X)))
+        return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_3(s):
-        return mm(tr(s.X), s.t_2, s.X)
+        return s.mm("X' t_2 X", tr(s.X), s.t_2, s.X)
 
     @leaf
     def t_4(s):
-        return mm(tr(s.M_1), s.M_1)
+        return s.mm("M_1' M_1", tr(s.M_1), s.M_1)
 
     @leaf
     def F_2(s):
-        return mm(s.A, s.X, s.W_V)
+        return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
     def t_5(s):
@@ -68,11 +84,15 @@ class mse_causal0(Forward):
 
     @leaf
     def t_6(s):
-        return mm(s.G_2, tr(s.W_V), tr(s.X))
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
     def t_7(s):
         return softmax_diff(s.A, s.t_6)
+
+    @leaf
+    def t_8(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_7' X W_Q", tr(s.X), tr(s.t_7), s.X, s.W_Q)
 
     @leaf
     def t_23(s):
@@ -80,7 +100,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_24(s):
-        return mm(s.t_23, tr(s.W_V), tr(s.X))
+        return s.mm("t_23 W_V' X'", s.t_23, tr(s.W_V), tr(s.X))
 
     @leaf
     def t_32(s):
@@ -208,44 +228,43 @@ class mse_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.t_7, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), tr(s.t_7), s.X, s.W_Q), True), mean0(mm(tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_7 X W_K", tr(s.X), s.t_7, s.X, s.W_K), True), mean0(s.t_8, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_8 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_9 = softmax_diff(s.A, t_8)
-        t_10 = s.mm_kept(3, '011', t_9, s.X, s.W_V)
-        t_11 = s.mm_kept(5, '110', s.A, s.X, V_W_V)
-        t_12 = ((2/(s.L*s.d_V)) * t_10 + (2/(s.L*s.d_V)) * t_11)
-        t_13 = softmax_diff(s.A, s.mm_kept(2, '011', t_12, tr(s.W_V), tr(s.X)))
-        t_14 = (1/math.sqrt(s.d_K)) * s.mm_kept(6, '1011', tr(s.X), tr(t_13), s.X, s.W_Q)
-        t_15 = s.mm_kept(7, '110', tr(s.X), tr(s.A), t_12)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm_kept(1, '1011', tr(s.X), t_13, s.X, s.W_K), True), mean0(t_14, True), mean0(t_15, True),)
+        t_9 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_10 = softmax_diff(s.A, t_9)
+        t_11 = s.mm('_ X W_V', t_10, s.X, s.W_V)
+        t_12 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_13 = ((2/(s.L*s.d_V)) * t_11 + (2/(s.L*s.d_V)) * t_12)
+        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X)))
+        t_15 = s.mm("X' A' _", tr(s.X), tr(s.A), t_13)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q), True), mean0(t_15, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm_sum(9, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_17 = softmax_diff2(s.A, t_16, s.t_6)
-        t_18 = softmax_diff(s.A, mm(s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = s.mm_sum(8, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_17 + t_18), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_7, s.X, V_W_K))
-        t_20 = s.mm_sum(10, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_7), s.X, V_W_Q))
+        t_18 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_19 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_17 + t_18), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_7 X _", tr(s.X), s.t_7, s.X, V_W_K))
+        t_20 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_7' X _", tr(s.X), tr(s.t_7), s.X, V_W_Q))
         t_21 = softmax_diff(s.A, t_16)
-        return (mean0(t_19, True), mean0(t_20, True), mean0(mm(tr(s.X), tr(t_21), s.G_2), True),)
+        return (mean0(t_19, True), mean0(t_20, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_21), s.G_2), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = s.mm_sum(12, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_25 = softmax_diff2(s.A, t_22, s.t_24)
         t_26 = softmax_diff(s.A, t_22)
-        t_27 = s.mm_kept(14, '011', t_26, s.X, s.W_V)
-        t_28 = s.mm_kept(15, '110', s.A, s.X, V_W_V)
+        t_27 = s.mm('_ X W_V', t_26, s.X, s.W_V)
+        t_28 = s.mm('A X _', s.A, s.X, V_W_V)
         t_29 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_28)
-        t_30 = s.mm_sum(13, 'r', (1, '011', t_29, tr(s.W_V), tr(s.X)), (1, '101', s.t_23, tr(V_W_V), tr(s.X)))
+        t_30 = s.mm_sum('r', (1, "_ W_V' X'", t_29, tr(s.W_V), tr(s.X)), (1, "t_23 _ X'", s.t_23, tr(V_W_V), tr(s.X)))
         t_31 = softmax_diff(s.A, t_30)
-        t_33 = s.mm_sum(11, 'l', (1, '1011', tr(s.X), (t_25 + t_31), s.X, s.W_K), (1, '1110', tr(s.X), s.t_32, s.X, V_W_K))
-        t_34 = s.mm_sum(16, 'l', (1, '1011', tr(s.X), (tr(t_25) + tr(t_31)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_32), s.X, V_W_Q))
+        t_33 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_25 + t_31), s.X, s.W_K), (1, "X' t_32 X _", tr(s.X), s.t_32, s.X, V_W_K))
+        t_34 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_25) + tr(t_31)), s.X, s.W_Q), (1, "X' t_32' X _", tr(s.X), tr(s.t_32), s.X, V_W_Q))
         t_35 = ((2/(s.L*s.d_V)) * t_27 + (2/(s.L*s.d_V)) * t_28)
-        t_36 = s.mm_sum(17, 'l', (1, '101', tr(s.X), tr(t_26), s.G_2), (1, '110', tr(s.X), tr(s.A), t_35))
+        t_36 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_26), s.G_2), (1, "X' A' _", tr(s.X), tr(s.A), t_35))
         return (mean0(t_33, True), mean0(t_34, True), mean0(t_36, True),)
 
 
@@ -253,23 +272,39 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "25d7ac51ec9e458849ba374b"
+    STAMP = "b9d54749eee6c83ad6ef9213"
+    RUNS = {
+        'A X': 7,
+        "W_K' X'": 8,
+        "W_Q' X'": 8,
+        "W_V' X'": 8,
+        "X' t_32": 2,
+        "X' t_32 X": 2,
+        "X' t_32'": 2,
+        "X' t_7": 4,
+        "X' t_7 X": 4,
+        "X' t_7'": 4,
+    }
 
     @leaf
     def t(s):
-        return mm(s.W_V, tr(s.W_V))
+        return s.mm("W_V W_V'", s.W_V, tr(s.W_V))
+
+    @leaf
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X W_Q W_K' X'", s.X, s.W_Q, tr(s.W_K), tr(s.X))
 
     @leaf
     def A(s):
-        return softmax_rows((1/math.sqrt(s.d_K)) * mm(s.X, s.W_Q, tr(s.W_K), tr(s.X)), causal=True)
+        return softmax_rows(s.T, causal=True)
 
     @leaf
     def M_1(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def F(s):
-        return mm(s.M_1, s.W_V)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def G(s):
@@ -277,19 +312,19 @@ class mse_causal1(Forward):
 
     @leaf
     def t_2(s):
-        return softmax_diff(s.A, mm(s.G, tr(s.W_V), tr(s.X)))
+        return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_3(s):
-        return mm(tr(s.X), s.t_2, s.X)
+        return s.mm("X' t_2 X", tr(s.X), s.t_2, s.X)
 
     @leaf
     def t_4(s):
-        return mm(tr(s.M_1), s.M_1)
+        return s.mm("M_1' M_1", tr(s.M_1), s.M_1)
 
     @leaf
     def F_2(s):
-        return mm(s.A, s.X, s.W_V)
+        return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
     def t_5(s):
@@ -301,11 +336,15 @@ class mse_causal1(Forward):
 
     @leaf
     def t_6(s):
-        return mm(s.G_2, tr(s.W_V), tr(s.X))
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
     def t_7(s):
         return softmax_diff(s.A, s.t_6)
+
+    @leaf
+    def t_8(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_7' X W_Q", tr(s.X), tr(s.t_7), s.X, s.W_Q)
 
     @leaf
     def t_23(s):
@@ -313,7 +352,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_24(s):
-        return mm(s.t_23, tr(s.W_V), tr(s.X))
+        return s.mm("t_23 W_V' X'", s.t_23, tr(s.W_V), tr(s.X))
 
     @leaf
     def t_32(s):
@@ -441,44 +480,43 @@ class mse_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.t_7, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), tr(s.t_7), s.X, s.W_Q), True), mean0(mm(tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_7 X W_K", tr(s.X), s.t_7, s.X, s.W_K), True), mean0(s.t_8, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_8 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_9 = softmax_diff(s.A, t_8)
-        t_10 = s.mm_kept(3, '011', t_9, s.X, s.W_V)
-        t_11 = s.mm_kept(5, '110', s.A, s.X, V_W_V)
-        t_12 = ((2/(s.L*s.d_V)) * t_10 + (2/(s.L*s.d_V)) * t_11)
-        t_13 = softmax_diff(s.A, s.mm_kept(2, '011', t_12, tr(s.W_V), tr(s.X)))
-        t_14 = (1/math.sqrt(s.d_K)) * s.mm_kept(6, '1011', tr(s.X), tr(t_13), s.X, s.W_Q)
-        t_15 = s.mm_kept(7, '110', tr(s.X), tr(s.A), t_12)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm_kept(1, '1011', tr(s.X), t_13, s.X, s.W_K), True), mean0(t_14, True), mean0(t_15, True),)
+        t_9 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_10 = softmax_diff(s.A, t_9)
+        t_11 = s.mm('_ X W_V', t_10, s.X, s.W_V)
+        t_12 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_13 = ((2/(s.L*s.d_V)) * t_11 + (2/(s.L*s.d_V)) * t_12)
+        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X)))
+        t_15 = s.mm("X' A' _", tr(s.X), tr(s.A), t_13)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q), True), mean0(t_15, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm_sum(9, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_17 = softmax_diff2(s.A, t_16, s.t_6)
-        t_18 = softmax_diff(s.A, mm(s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = s.mm_sum(8, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_17 + t_18), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_7, s.X, V_W_K))
-        t_20 = s.mm_sum(10, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_7), s.X, V_W_Q))
+        t_18 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_19 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_17 + t_18), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_7 X _", tr(s.X), s.t_7, s.X, V_W_K))
+        t_20 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_7' X _", tr(s.X), tr(s.t_7), s.X, V_W_Q))
         t_21 = softmax_diff(s.A, t_16)
-        return (mean0(t_19, True), mean0(t_20, True), mean0(mm(tr(s.X), tr(t_21), s.G_2), True),)
+        return (mean0(t_19, True), mean0(t_20, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_21), s.G_2), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = s.mm_sum(12, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_25 = softmax_diff2(s.A, t_22, s.t_24)
         t_26 = softmax_diff(s.A, t_22)
-        t_27 = s.mm_kept(14, '011', t_26, s.X, s.W_V)
-        t_28 = s.mm_kept(15, '110', s.A, s.X, V_W_V)
+        t_27 = s.mm('_ X W_V', t_26, s.X, s.W_V)
+        t_28 = s.mm('A X _', s.A, s.X, V_W_V)
         t_29 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_28)
-        t_30 = s.mm_sum(13, 'r', (1, '011', t_29, tr(s.W_V), tr(s.X)), (1, '101', s.t_23, tr(V_W_V), tr(s.X)))
+        t_30 = s.mm_sum('r', (1, "_ W_V' X'", t_29, tr(s.W_V), tr(s.X)), (1, "t_23 _ X'", s.t_23, tr(V_W_V), tr(s.X)))
         t_31 = softmax_diff(s.A, t_30)
-        t_33 = s.mm_sum(11, 'l', (1, '1011', tr(s.X), (t_25 + t_31), s.X, s.W_K), (1, '1110', tr(s.X), s.t_32, s.X, V_W_K))
-        t_34 = s.mm_sum(16, 'l', (1, '1011', tr(s.X), (tr(t_25) + tr(t_31)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_32), s.X, V_W_Q))
+        t_33 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_25 + t_31), s.X, s.W_K), (1, "X' t_32 X _", tr(s.X), s.t_32, s.X, V_W_K))
+        t_34 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_25) + tr(t_31)), s.X, s.W_Q), (1, "X' t_32' X _", tr(s.X), tr(s.t_32), s.X, V_W_Q))
         t_35 = ((2/(s.L*s.d_V)) * t_27 + (2/(s.L*s.d_V)) * t_28)
-        t_36 = s.mm_sum(17, 'l', (1, '101', tr(s.X), tr(t_26), s.G_2), (1, '110', tr(s.X), tr(s.A), t_35))
+        t_36 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_26), s.G_2), (1, "X' A' _", tr(s.X), tr(s.A), t_35))
         return (mean0(t_33, True), mean0(t_34, True), mean0(t_36, True),)
 
 
@@ -486,23 +524,39 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "12de3e24e146b3b1b22392b2"
+    STAMP = "ac42c0cb3761ddc0d2fe0a35"
+    RUNS = {
+        'A X': 7,
+        "W_K' X'": 8,
+        "W_Q' X'": 8,
+        "W_V' X'": 8,
+        "X' t_32": 2,
+        "X' t_32 X": 2,
+        "X' t_32'": 2,
+        "X' t_8": 4,
+        "X' t_8 X": 4,
+        "X' t_8'": 4,
+    }
 
     @leaf
     def t(s):
         return bcast_last(sum_last(s.Y), s.d_V)
 
     @leaf
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X W_Q W_K' X'", s.X, s.W_Q, tr(s.W_K), tr(s.X))
+
+    @leaf
     def A(s):
-        return softmax_rows((1/math.sqrt(s.d_K)) * mm(s.X, s.W_Q, tr(s.W_K), tr(s.X)))
+        return softmax_rows(s.T)
 
     @leaf
     def M_1(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def F(s):
-        return mm(s.M_1, s.W_V)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def G(s):
@@ -510,11 +564,11 @@ class ce_causal0(Forward):
 
     @leaf
     def t_2(s):
-        return softmax_diff(s.A, mm(s.G, tr(s.W_V), tr(s.X)))
+        return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_3(s):
-        return mm(tr(s.X), s.t_2, s.X)
+        return s.mm("X' t_2 X", tr(s.X), s.t_2, s.X)
 
     @leaf
     def t_4(s):
@@ -522,7 +576,7 @@ class ce_causal0(Forward):
 
     @leaf
     def F_2(s):
-        return mm(s.A, s.X, s.W_V)
+        return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
     def t_5(s):
@@ -538,23 +592,27 @@ class ce_causal0(Forward):
 
     @leaf
     def t_7(s):
-        return mm(s.G_2, tr(s.W_V), tr(s.X))
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
     def t_8(s):
         return softmax_diff(s.A, s.t_7)
 
     @leaf
-    def t_23(s):
-        return ((1/(s.L*math.sqrt(s.d_K))) * s.t_6 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
+    def t_9(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_8' X W_Q", tr(s.X), tr(s.t_8), s.X, s.W_Q)
 
     @leaf
     def t_24(s):
-        return mm(s.t_23, tr(s.W_V), tr(s.X))
+        return ((1/(s.L*math.sqrt(s.d_K))) * s.t_6 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
 
     @leaf
-    def t_31(s):
-        return softmax_diff(s.A, s.t_24)
+    def t_25(s):
+        return s.mm("t_24 W_V' X'", s.t_24, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_32(s):
+        return softmax_diff(s.A, s.t_25)
 
     @leaf
     def dA(s):
@@ -686,65 +744,81 @@ class ce_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.t_8, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), tr(s.t_8), s.X, s.W_Q), True), mean0(mm(tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_8 X W_K", tr(s.X), s.t_8, s.X, s.W_K), True), mean0(s.t_9, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_9 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_10 = softmax_diff(s.A, t_9)
-        t_11 = (s.mm_kept(3, '011', t_10, s.X, s.W_V) + s.mm_kept(5, '110', s.A, s.X, V_W_V))
-        t_12 = (s.t * softmax_diff(softmax_rows(s.F_2), t_11))
-        t_13 = softmax_diff(s.A, s.mm_kept(2, '011', t_12, tr(s.W_V), tr(s.X)))
-        t_14 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(1, '1011', tr(s.X), t_13, s.X, s.W_K)
-        t_15 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(6, '1011', tr(s.X), tr(t_13), s.X, s.W_Q)
-        return (mean0(t_14, True), mean0(t_15, True), mean0((1/s.L) * s.mm_kept(7, '110', tr(s.X), tr(s.A), t_12), True),)
+        t_10 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_11 = softmax_diff(s.A, t_10)
+        t_12 = (s.mm('_ X W_V', t_11, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_13 = (s.t * softmax_diff(softmax_rows(s.F_2), t_12))
+        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X)))
+        t_15 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K)
+        t_16 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q)
+        return (mean0(t_15, True), mean0(t_16, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_13), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm_sum(9, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_17 = softmax_diff2(s.A, t_16, s.t_7)
-        t_18 = softmax_diff(s.A, mm(s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = s.mm_sum(8, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_17 + t_18), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_8, s.X, V_W_K))
-        t_20 = s.mm_sum(10, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_8), s.X, V_W_Q))
-        t_21 = softmax_diff(s.A, t_16)
-        return (mean0(t_19, True), mean0(t_20, True), mean0(mm(tr(s.X), tr(t_21), s.G_2), True),)
+        t_17 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_18 = softmax_diff2(s.A, t_17, s.t_7)
+        t_19 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_20 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_18 + t_19), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_8 X _", tr(s.X), s.t_8, s.X, V_W_K))
+        t_21 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_18) + tr(t_19)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_8' X _", tr(s.X), tr(s.t_8), s.X, V_W_Q))
+        t_22 = softmax_diff(s.A, t_17)
+        return (mean0(t_20, True), mean0(t_21, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_22), s.G_2), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = s.mm_sum(12, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = softmax_diff2(s.A, t_22, s.t_24)
-        t_26 = softmax_diff(s.A, t_22)
-        t_27 = (s.mm_kept(14, '011', t_26, s.X, s.W_V) + s.mm_kept(15, '110', s.A, s.X, V_W_V))
-        t_28 = (s.t * softmax_diff(s.t_5, t_27))
-        t_29 = s.mm_sum(13, 'r', (1, '101', s.t_23, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), '011', t_28, tr(s.W_V), tr(s.X)))
-        t_30 = softmax_diff(s.A, t_29)
-        t_32 = s.mm_sum(11, 'l', (1, '1011', tr(s.X), (t_25 + t_30), s.X, s.W_K), (1, '1110', tr(s.X), s.t_31, s.X, V_W_K))
-        t_33 = s.mm_sum(16, 'l', (1, '1011', tr(s.X), (tr(t_25) + tr(t_30)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_31), s.X, V_W_Q))
-        t_34 = s.mm_sum(17, 'l', (1, '101', tr(s.X), tr(t_26), s.G_2), ((1/s.L), '110', tr(s.X), tr(s.A), t_28))
-        return (mean0(t_32, True), mean0(t_33, True), mean0(t_34, True),)
+        t_23 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = softmax_diff2(s.A, t_23, s.t_25)
+        t_27 = softmax_diff(s.A, t_23)
+        t_28 = (s.mm('_ X W_V', t_27, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_29 = (s.t * softmax_diff(s.t_5, t_28))
+        t_30 = s.mm_sum('r', (1, "t_24 _ X'", s.t_24, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_29, tr(s.W_V), tr(s.X)))
+        t_31 = softmax_diff(s.A, t_30)
+        t_33 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_26 + t_31), s.X, s.W_K), (1, "X' t_32 X _", tr(s.X), s.t_32, s.X, V_W_K))
+        t_34 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_26) + tr(t_31)), s.X, s.W_Q), (1, "X' t_32' X _", tr(s.X), tr(s.t_32), s.X, V_W_Q))
+        t_35 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_27), s.G_2), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_29))
+        return (mean0(t_33, True), mean0(t_34, True), mean0(t_35, True),)
 
 
 class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "942bfb890f3fec18a03642b9"
+    STAMP = "e1405f3d2dcd9b8b9b90d02f"
+    RUNS = {
+        'A X': 7,
+        "W_K' X'": 8,
+        "W_Q' X'": 8,
+        "W_V' X'": 8,
+        "X' t_32": 2,
+        "X' t_32 X": 2,
+        "X' t_32'": 2,
+        "X' t_8": 4,
+        "X' t_8 X": 4,
+        "X' t_8'": 4,
+    }
 
     @leaf
     def t(s):
         return bcast_last(sum_last(s.Y), s.d_V)
 
     @leaf
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X W_Q W_K' X'", s.X, s.W_Q, tr(s.W_K), tr(s.X))
+
+    @leaf
     def A(s):
-        return softmax_rows((1/math.sqrt(s.d_K)) * mm(s.X, s.W_Q, tr(s.W_K), tr(s.X)), causal=True)
+        return softmax_rows(s.T, causal=True)
 
     @leaf
     def M_1(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def F(s):
-        return mm(s.M_1, s.W_V)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def G(s):
@@ -752,11 +826,11 @@ class ce_causal1(Forward):
 
     @leaf
     def t_2(s):
-        return softmax_diff(s.A, mm(s.G, tr(s.W_V), tr(s.X)))
+        return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_3(s):
-        return mm(tr(s.X), s.t_2, s.X)
+        return s.mm("X' t_2 X", tr(s.X), s.t_2, s.X)
 
     @leaf
     def t_4(s):
@@ -764,7 +838,7 @@ class ce_causal1(Forward):
 
     @leaf
     def F_2(s):
-        return mm(s.A, s.X, s.W_V)
+        return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
     def t_5(s):
@@ -780,23 +854,27 @@ class ce_causal1(Forward):
 
     @leaf
     def t_7(s):
-        return mm(s.G_2, tr(s.W_V), tr(s.X))
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
     def t_8(s):
         return softmax_diff(s.A, s.t_7)
 
     @leaf
-    def t_23(s):
-        return ((1/(s.L*math.sqrt(s.d_K))) * s.t_6 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
+    def t_9(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_8' X W_Q", tr(s.X), tr(s.t_8), s.X, s.W_Q)
 
     @leaf
     def t_24(s):
-        return mm(s.t_23, tr(s.W_V), tr(s.X))
+        return ((1/(s.L*math.sqrt(s.d_K))) * s.t_6 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
 
     @leaf
-    def t_31(s):
-        return softmax_diff(s.A, s.t_24)
+    def t_25(s):
+        return s.mm("t_24 W_V' X'", s.t_24, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_32(s):
+        return softmax_diff(s.A, s.t_25)
 
     @leaf
     def dA(s):
@@ -928,42 +1006,42 @@ class ce_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.t_8, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), tr(s.t_8), s.X, s.W_Q), True), mean0(mm(tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_8 X W_K", tr(s.X), s.t_8, s.X, s.W_K), True), mean0(s.t_9, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_9 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_10 = softmax_diff(s.A, t_9)
-        t_11 = (s.mm_kept(3, '011', t_10, s.X, s.W_V) + s.mm_kept(5, '110', s.A, s.X, V_W_V))
-        t_12 = (s.t * softmax_diff(softmax_rows(s.F_2), t_11))
-        t_13 = softmax_diff(s.A, s.mm_kept(2, '011', t_12, tr(s.W_V), tr(s.X)))
-        t_14 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(1, '1011', tr(s.X), t_13, s.X, s.W_K)
-        t_15 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(6, '1011', tr(s.X), tr(t_13), s.X, s.W_Q)
-        return (mean0(t_14, True), mean0(t_15, True), mean0((1/s.L) * s.mm_kept(7, '110', tr(s.X), tr(s.A), t_12), True),)
+        t_10 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_11 = softmax_diff(s.A, t_10)
+        t_12 = (s.mm('_ X W_V', t_11, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_13 = (s.t * softmax_diff(softmax_rows(s.F_2), t_12))
+        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X)))
+        t_15 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K)
+        t_16 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q)
+        return (mean0(t_15, True), mean0(t_16, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_13), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm_sum(9, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_17 = softmax_diff2(s.A, t_16, s.t_7)
-        t_18 = softmax_diff(s.A, mm(s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = s.mm_sum(8, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_17 + t_18), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_8, s.X, V_W_K))
-        t_20 = s.mm_sum(10, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_8), s.X, V_W_Q))
-        t_21 = softmax_diff(s.A, t_16)
-        return (mean0(t_19, True), mean0(t_20, True), mean0(mm(tr(s.X), tr(t_21), s.G_2), True),)
+        t_17 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_18 = softmax_diff2(s.A, t_17, s.t_7)
+        t_19 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_20 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_18 + t_19), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_8 X _", tr(s.X), s.t_8, s.X, V_W_K))
+        t_21 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_18) + tr(t_19)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_8' X _", tr(s.X), tr(s.t_8), s.X, V_W_Q))
+        t_22 = softmax_diff(s.A, t_17)
+        return (mean0(t_20, True), mean0(t_21, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_22), s.G_2), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = s.mm_sum(12, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = softmax_diff2(s.A, t_22, s.t_24)
-        t_26 = softmax_diff(s.A, t_22)
-        t_27 = (s.mm_kept(14, '011', t_26, s.X, s.W_V) + s.mm_kept(15, '110', s.A, s.X, V_W_V))
-        t_28 = (s.t * softmax_diff(s.t_5, t_27))
-        t_29 = s.mm_sum(13, 'r', (1, '101', s.t_23, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), '011', t_28, tr(s.W_V), tr(s.X)))
-        t_30 = softmax_diff(s.A, t_29)
-        t_32 = s.mm_sum(11, 'l', (1, '1011', tr(s.X), (t_25 + t_30), s.X, s.W_K), (1, '1110', tr(s.X), s.t_31, s.X, V_W_K))
-        t_33 = s.mm_sum(16, 'l', (1, '1011', tr(s.X), (tr(t_25) + tr(t_30)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_31), s.X, V_W_Q))
-        t_34 = s.mm_sum(17, 'l', (1, '101', tr(s.X), tr(t_26), s.G_2), ((1/s.L), '110', tr(s.X), tr(s.A), t_28))
-        return (mean0(t_32, True), mean0(t_33, True), mean0(t_34, True),)
+        t_23 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = softmax_diff2(s.A, t_23, s.t_25)
+        t_27 = softmax_diff(s.A, t_23)
+        t_28 = (s.mm('_ X W_V', t_27, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_29 = (s.t * softmax_diff(s.t_5, t_28))
+        t_30 = s.mm_sum('r', (1, "t_24 _ X'", s.t_24, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_29, tr(s.W_V), tr(s.X)))
+        t_31 = softmax_diff(s.A, t_30)
+        t_33 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_26 + t_31), s.X, s.W_K), (1, "X' t_32 X _", tr(s.X), s.t_32, s.X, V_W_K))
+        t_34 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_26) + tr(t_31)), s.X, s.W_Q), (1, "X' t_32' X _", tr(s.X), tr(s.t_32), s.X, V_W_Q))
+        t_35 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_27), s.G_2), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_29))
+        return (mean0(t_33, True), mean0(t_34, True), mean0(t_35, True),)
 
 
 VARIANTS = {
@@ -972,4 +1050,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "165d26503ff2f46cd089a323"
+CHECKSUM = "8ad8a03a346d966c172f3805"

@@ -20,11 +20,14 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "7d314bf49c1cd8d26739394b"
+    STAMP = "6ad53815d9ba0e612b74500d"
+    RUNS = {
+        "W_1' X'": 2,
+    }
 
     @leaf
     def H(s):
-        return mm(s.X, s.W_1)
+        return s.mm('X W_1', s.X, s.W_1)
 
     @leaf
     def t(s):
@@ -32,7 +35,7 @@ class mse_bias0_residual0(Forward):
 
     @leaf
     def t_2(s):
-        return mm(s.W_2, tr(s.W_2))
+        return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
     def t_3(s):
@@ -40,7 +43,7 @@ class mse_bias0_residual0(Forward):
 
     @leaf
     def F(s):
-        return mm(s.t_3, s.W_2)
+        return s.mm('t_3 W_2', s.t_3, s.W_2)
 
     @leaf
     def G(s):
@@ -48,7 +51,7 @@ class mse_bias0_residual0(Forward):
 
     @leaf
     def t_4(s):
-        return mm(tr(s.W_1), tr(s.X))
+        return s.mm("W_1' X'", tr(s.W_1), tr(s.X))
 
     @leaf
     def t_5(s):
@@ -56,11 +59,15 @@ class mse_bias0_residual0(Forward):
 
     @leaf
     def t_6(s):
-        return mm(s.t_5, s.t_3)
+        return s.mm('t_5 t_3', s.t_5, s.t_3)
 
     @leaf
     def t_7(s):
         return (s.F - s.Y)
+
+    @leaf
+    def t_8(s):
+        return (s.t * s.mm("G W_2'", s.G, tr(s.W_2)))
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1) = 2/(L*d_V)*((X.T ⊗ I[d_ff]) @ diag(vec_r(step(X @ W_1))) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(step(X @ W_1))) @ (X ⊗ I[d_ff]))"""
@@ -104,38 +111,41 @@ class mse_bias0_residual0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(mm(tr(s.X), (s.t * mm(s.G, tr(s.W_2)))), True), mean0(mm(s.t_5, s.G), True),)
+        return (mean0(s.mm("X' t_8", tr(s.X), s.t_8), True), mean0(s.mm('t_5 G', s.t_5, s.G), True),)
 
     def hvp__outer(s, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_8 = ((2/(s.L*s.d_V)) * mm(s.t_3, V_W_2) + (2/(s.L*s.d_V)) * mm((s.t * mm(s.X, V_W_1)), s.W_2))
-        t_9 = mm(t_8, tr(s.W_2))
-        t_10 = mm(s.t_5, t_8)
-        return (mean0(mm(tr(s.X), (s.t * t_9)), True), mean0(t_10, True),)
+        t_9 = ((2/(s.L*s.d_V)) * s.mm('t_3 _', s.t_3, V_W_2) + (2/(s.L*s.d_V)) * s.mm('_ W_2', (s.t * s.mm('X _', s.X, V_W_1)), s.W_2))
+        t_10 = s.mm("_ W_2'", t_9, tr(s.W_2))
+        t_11 = s.mm('t_5 _', s.t_5, t_9)
+        return (mean0(s.mm("X' _", tr(s.X), (s.t * t_10)), True), mean0(t_11, True),)
 
     def hvp__functional(s, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = (heaviside(s.t_4, 0.0) * mm(tr(V_W_1), tr(s.X)))
-        return (mean0(mm(tr(s.X), (s.t * mm(s.G, tr(V_W_2)))), True), mean0(mm(t_11, s.G), True),)
+        t_12 = (heaviside(s.t_4, 0.0) * s.mm("_ X'", tr(V_W_1), tr(s.X)))
+        return (mean0(s.mm("X' _", tr(s.X), (s.t * s.mm('G _', s.G, tr(V_W_2)))), True), mean0(s.mm('_ G', t_12, s.G), True),)
 
     def hvp__full(s, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_12 = ((2/(s.L*s.d_V)) * mm(s.t_3, V_W_2) + (2/(s.L*s.d_V)) * mm((s.t * mm(s.X, V_W_1)), s.W_2))
-        t_13 = mm(t_12, tr(s.W_2))
-        t_14 = mm(s.t_5, t_12)
-        t_15 = (heaviside(s.t_4, 0.0) * mm(tr(V_W_1), tr(s.X)))
-        return (mean0(mm(tr(s.X), ((t_13 + mm(s.G, tr(V_W_2))) * s.t)), True), mean0((t_14 + mm(t_15, s.G)), True),)
+        t_13 = ((2/(s.L*s.d_V)) * s.mm('t_3 _', s.t_3, V_W_2) + (2/(s.L*s.d_V)) * s.mm('_ W_2', (s.t * s.mm('X _', s.X, V_W_1)), s.W_2))
+        t_14 = s.mm("_ W_2'", t_13, tr(s.W_2))
+        t_15 = s.mm('t_5 _', s.t_5, t_13)
+        t_16 = (heaviside(s.t_4, 0.0) * s.mm("_ X'", tr(V_W_1), tr(s.X)))
+        return (mean0(s.mm("X' _", tr(s.X), ((t_14 + s.mm('G _', s.G, tr(V_W_2))) * s.t)), True), mean0((t_15 + s.mm('_ G', t_16, s.G)), True),)
 
 
 class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "d4917bef4a6cd03c8fc2bcf7"
+    STAMP = "2ee7df32aaa52909d7b844e7"
+    RUNS = {
+        "W_1' X'": 2,
+    }
 
     @leaf
     def H(s):
-        return mm(s.X, s.W_1)
+        return s.mm('X W_1', s.X, s.W_1)
 
     @leaf
     def t(s):
@@ -151,7 +161,7 @@ class ce_bias0_residual0(Forward):
 
     @leaf
     def F(s):
-        return mm(s.t_3, s.W_2)
+        return s.mm('t_3 W_2', s.t_3, s.W_2)
 
     @leaf
     def t_4(s):
@@ -163,7 +173,7 @@ class ce_bias0_residual0(Forward):
 
     @leaf
     def t_5(s):
-        return mm(tr(s.W_1), tr(s.X))
+        return s.mm("W_1' X'", tr(s.W_1), tr(s.X))
 
     @leaf
     def t_6(s):
@@ -172,6 +182,10 @@ class ce_bias0_residual0(Forward):
     @leaf
     def t_7(s):
         return softmax_rows(s.F)
+
+    @leaf
+    def t_8(s):
+        return (s.t * s.mm("G W_2'", s.G, tr(s.W_2)))
 
     @leaf
     def dA(s):
@@ -223,30 +237,30 @@ class ce_bias0_residual0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(mm(tr(s.X), (s.t * mm(s.G, tr(s.W_2)))), True), mean0(mm(s.t_6, s.G), True),)
+        return (mean0(s.mm("X' t_8", tr(s.X), s.t_8), True), mean0(s.mm('t_6 G', s.t_6, s.G), True),)
 
     def hvp__outer(s, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_8 = (mm(s.t_3, V_W_2) + mm((s.t * mm(s.X, V_W_1)), s.W_2))
-        t_9 = (s.t_2 * softmax_diff(s.t_7, t_8))
-        return (mean0((1/s.L) * mm(tr(s.X), (s.t * mm(t_9, tr(s.W_2)))), True), mean0((1/s.L) * mm(s.t_6, t_9), True),)
+        t_9 = (s.mm('t_3 _', s.t_3, V_W_2) + s.mm('_ W_2', (s.t * s.mm('X _', s.X, V_W_1)), s.W_2))
+        t_10 = (s.t_2 * softmax_diff(s.t_7, t_9))
+        return (mean0((1/s.L) * s.mm("X' _", tr(s.X), (s.t * s.mm("_ W_2'", t_10, tr(s.W_2)))), True), mean0((1/s.L) * s.mm('t_6 _', s.t_6, t_10), True),)
 
     def hvp__functional(s, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_10 = (heaviside(s.t_5, 0.0) * mm(tr(V_W_1), tr(s.X)))
-        return (mean0(mm(tr(s.X), (s.t * mm(s.G, tr(V_W_2)))), True), mean0(mm(t_10, s.G), True),)
+        t_11 = (heaviside(s.t_5, 0.0) * s.mm("_ X'", tr(V_W_1), tr(s.X)))
+        return (mean0(s.mm("X' _", tr(s.X), (s.t * s.mm('G _', s.G, tr(V_W_2)))), True), mean0(s.mm('_ G', t_11, s.G), True),)
 
     def hvp__full(s, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = (mm(s.t_3, V_W_2) + mm((s.t * mm(s.X, V_W_1)), s.W_2))
-        t_12 = (s.t_2 * softmax_diff(s.t_4, t_11))
-        t_13 = mm(tr(s.X), ((mm(s.G, tr(V_W_2)) + (1/s.L) * mm(t_12, tr(s.W_2))) * s.t))
-        t_14 = (heaviside(s.t_5, 0.0) * mm(tr(V_W_1), tr(s.X)))
-        return (mean0(t_13, True), mean0(((1/s.L) * mm(s.t_6, t_12) + mm(t_14, s.G)), True),)
+        t_12 = (s.mm('t_3 _', s.t_3, V_W_2) + s.mm('_ W_2', (s.t * s.mm('X _', s.X, V_W_1)), s.W_2))
+        t_13 = (s.t_2 * softmax_diff(s.t_4, t_12))
+        t_14 = (s.mm('G _', s.G, tr(V_W_2)) + (1/s.L) * s.mm("_ W_2'", t_13, tr(s.W_2)))
+        t_15 = (heaviside(s.t_5, 0.0) * s.mm("_ X'", tr(V_W_1), tr(s.X)))
+        return (mean0(s.mm("X' _", tr(s.X), (t_14 * s.t)), True), mean0(((1/s.L) * s.mm('t_6 _', s.t_6, t_13) + s.mm('_ G', t_15, s.G)), True),)
 
 
 VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "d0ea5cfab8bf5d351def815c"
+CHECKSUM = "af1ca4ecff7e0524fec1b57d"

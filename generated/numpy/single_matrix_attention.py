@@ -20,15 +20,21 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "791f8deb5c2f3e7550172fb6"
+    STAMP = "d4f5bc9f7eccd83e30175c99"
+    RUNS = {
+        'A X': 7,
+        "G_2 W_V'": 2,
+        "G_2 W_V' X'": 2,
+        "W_V' X'": 8,
+    }
 
     @leaf
     def t(s):
-        return mm(s.W_V, tr(s.W_V))
+        return s.mm("W_V W_V'", s.W_V, tr(s.W_V))
 
     @leaf
     def T(s):
-        return mm(s.X, s.W_QK, tr(s.X))
+        return s.mm("X W_QK X'", s.X, s.W_QK, tr(s.X))
 
     @leaf
     def A(s):
@@ -36,11 +42,11 @@ class mse_causal0(Forward):
 
     @leaf
     def M_1(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def F(s):
-        return mm(s.M_1, s.W_V)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def G(s):
@@ -48,15 +54,15 @@ class mse_causal0(Forward):
 
     @leaf
     def t_2(s):
-        return mm(tr(s.M_1), s.M_1)
+        return s.mm("M_1' M_1", tr(s.M_1), s.M_1)
 
     @leaf
     def t_3(s):
-        return softmax_diff(s.A, mm(s.G, tr(s.W_V), tr(s.X)))
+        return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def F_2(s):
-        return mm(s.A, s.X, s.W_V)
+        return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
     def t_4(s):
@@ -68,7 +74,11 @@ class mse_causal0(Forward):
 
     @leaf
     def t_5(s):
-        return mm(s.G_2, tr(s.W_V), tr(s.X))
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_6(s):
+        return softmax_diff(s.A, s.t_5)
 
     @leaf
     def dA(s):
@@ -149,48 +159,54 @@ class mse_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(mm(tr(s.X), softmax_diff(s.A, s.t_5), s.X), True), mean0(mm(tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.mm("X' t_6 X", tr(s.X), s.t_6, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_6 = mm(s.X, V_W_QK, tr(s.X))
-        t_7 = softmax_diff(s.A, t_6)
-        t_8 = ((2/(s.L*s.d_V)) * s.mm_kept(2, '011', t_7, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm_kept(3, '110', s.A, s.X, V_W_V))
-        t_9 = s.mm_kept(1, '011', t_8, tr(s.W_V), tr(s.X))
-        t_10 = s.mm_kept(4, '110', tr(s.X), tr(s.A), t_8)
-        return (mean0(mm(tr(s.X), softmax_diff(s.A, t_9), s.X), True), mean0(t_10, True),)
+        t_7 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_8 = softmax_diff(s.A, t_7)
+        t_9 = ((2/(s.L*s.d_V)) * s.mm('_ X W_V', t_8, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm('A X _', s.A, s.X, V_W_V))
+        t_10 = s.mm("_ W_V' X'", t_9, tr(s.W_V), tr(s.X))
+        t_11 = s.mm("X' A' _", tr(s.X), tr(s.A), t_9)
+        return (mean0(s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_10), s.X), True), mean0(t_11, True),)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = mm(s.X, V_W_QK, tr(s.X))
-        t_12 = (softmax_diff2(s.A, s.t_5, t_11) + softmax_diff(s.A, mm(s.G_2, tr(V_W_V), tr(s.X))))
-        t_13 = softmax_diff(s.A, t_11)
-        return (mean0(mm(tr(s.X), t_12, s.X), True), mean0(mm(tr(s.X), tr(t_13), s.G_2), True),)
+        t_12 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_13 = (softmax_diff2(s.A, s.t_5, t_12) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        t_14 = softmax_diff(s.A, t_12)
+        return (mean0(s.mm("X' _ X", tr(s.X), t_13, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_14), s.G_2), True),)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = mm(s.X, V_W_QK, tr(s.X))
-        t_15 = softmax_diff(s.A, t_14)
-        t_16 = ((2/(s.L*s.d_V)) * s.mm_kept(6, '011', t_15, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm_kept(7, '110', s.A, s.X, V_W_V))
-        t_17 = s.mm_sum(5, 'r', (1, '011', t_16, tr(s.W_V), tr(s.X)), (1, '101', s.G_2, tr(V_W_V), tr(s.X)))
-        t_18 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, t_17))
-        t_19 = s.mm_sum(8, 'l', (1, '101', tr(s.X), tr(t_15), s.G_2), (1, '110', tr(s.X), tr(s.A), t_16))
-        return (mean0(mm(tr(s.X), t_18, s.X), True), mean0(t_19, True),)
+        t_15 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_16 = softmax_diff(s.A, t_15)
+        t_17 = ((2/(s.L*s.d_V)) * s.mm('_ X W_V', t_16, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm('A X _', s.A, s.X, V_W_V))
+        t_18 = s.mm_sum('r', (1, "_ W_V' X'", t_17, tr(s.W_V), tr(s.X)), (1, "G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_19 = (softmax_diff2(s.A, s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X)), t_15) + softmax_diff(s.A, t_18))
+        t_20 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_16), s.G_2), (1, "X' A' _", tr(s.X), tr(s.A), t_17))
+        return (mean0(s.mm("X' _ X", tr(s.X), t_19, s.X), True), mean0(t_20, True),)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "2a75dfc713173c36510da75c"
+    STAMP = "5aa6c4981b89c8b3818086e6"
+    RUNS = {
+        'A X': 7,
+        "G_2 W_V'": 2,
+        "G_2 W_V' X'": 2,
+        "W_V' X'": 8,
+    }
 
     @leaf
     def t(s):
-        return mm(s.W_V, tr(s.W_V))
+        return s.mm("W_V W_V'", s.W_V, tr(s.W_V))
 
     @leaf
     def T(s):
-        return mm(s.X, s.W_QK, tr(s.X))
+        return s.mm("X W_QK X'", s.X, s.W_QK, tr(s.X))
 
     @leaf
     def A(s):
@@ -198,11 +214,11 @@ class mse_causal1(Forward):
 
     @leaf
     def M_1(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def F(s):
-        return mm(s.M_1, s.W_V)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def G(s):
@@ -210,15 +226,15 @@ class mse_causal1(Forward):
 
     @leaf
     def t_2(s):
-        return mm(tr(s.M_1), s.M_1)
+        return s.mm("M_1' M_1", tr(s.M_1), s.M_1)
 
     @leaf
     def t_3(s):
-        return softmax_diff(s.A, mm(s.G, tr(s.W_V), tr(s.X)))
+        return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def F_2(s):
-        return mm(s.A, s.X, s.W_V)
+        return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
     def t_4(s):
@@ -230,7 +246,11 @@ class mse_causal1(Forward):
 
     @leaf
     def t_5(s):
-        return mm(s.G_2, tr(s.W_V), tr(s.X))
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_6(s):
+        return softmax_diff(s.A, s.t_5)
 
     @leaf
     def dA(s):
@@ -311,40 +331,46 @@ class mse_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(mm(tr(s.X), softmax_diff(s.A, s.t_5), s.X), True), mean0(mm(tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.mm("X' t_6 X", tr(s.X), s.t_6, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_6 = mm(s.X, V_W_QK, tr(s.X))
-        t_7 = softmax_diff(s.A, t_6)
-        t_8 = ((2/(s.L*s.d_V)) * s.mm_kept(2, '011', t_7, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm_kept(3, '110', s.A, s.X, V_W_V))
-        t_9 = s.mm_kept(1, '011', t_8, tr(s.W_V), tr(s.X))
-        t_10 = s.mm_kept(4, '110', tr(s.X), tr(s.A), t_8)
-        return (mean0(mm(tr(s.X), softmax_diff(s.A, t_9), s.X), True), mean0(t_10, True),)
+        t_7 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_8 = softmax_diff(s.A, t_7)
+        t_9 = ((2/(s.L*s.d_V)) * s.mm('_ X W_V', t_8, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm('A X _', s.A, s.X, V_W_V))
+        t_10 = s.mm("_ W_V' X'", t_9, tr(s.W_V), tr(s.X))
+        t_11 = s.mm("X' A' _", tr(s.X), tr(s.A), t_9)
+        return (mean0(s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_10), s.X), True), mean0(t_11, True),)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = mm(s.X, V_W_QK, tr(s.X))
-        t_12 = (softmax_diff2(s.A, s.t_5, t_11) + softmax_diff(s.A, mm(s.G_2, tr(V_W_V), tr(s.X))))
-        t_13 = softmax_diff(s.A, t_11)
-        return (mean0(mm(tr(s.X), t_12, s.X), True), mean0(mm(tr(s.X), tr(t_13), s.G_2), True),)
+        t_12 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_13 = (softmax_diff2(s.A, s.t_5, t_12) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        t_14 = softmax_diff(s.A, t_12)
+        return (mean0(s.mm("X' _ X", tr(s.X), t_13, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_14), s.G_2), True),)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = mm(s.X, V_W_QK, tr(s.X))
-        t_15 = softmax_diff(s.A, t_14)
-        t_16 = ((2/(s.L*s.d_V)) * s.mm_kept(6, '011', t_15, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm_kept(7, '110', s.A, s.X, V_W_V))
-        t_17 = s.mm_sum(5, 'r', (1, '011', t_16, tr(s.W_V), tr(s.X)), (1, '101', s.G_2, tr(V_W_V), tr(s.X)))
-        t_18 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, t_17))
-        t_19 = s.mm_sum(8, 'l', (1, '101', tr(s.X), tr(t_15), s.G_2), (1, '110', tr(s.X), tr(s.A), t_16))
-        return (mean0(mm(tr(s.X), t_18, s.X), True), mean0(t_19, True),)
+        t_15 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_16 = softmax_diff(s.A, t_15)
+        t_17 = ((2/(s.L*s.d_V)) * s.mm('_ X W_V', t_16, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm('A X _', s.A, s.X, V_W_V))
+        t_18 = s.mm_sum('r', (1, "_ W_V' X'", t_17, tr(s.W_V), tr(s.X)), (1, "G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_19 = (softmax_diff2(s.A, s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X)), t_15) + softmax_diff(s.A, t_18))
+        t_20 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_16), s.G_2), (1, "X' A' _", tr(s.X), tr(s.A), t_17))
+        return (mean0(s.mm("X' _ X", tr(s.X), t_19, s.X), True), mean0(t_20, True),)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "611e45dc6359be2643deb832"
+    STAMP = "a8ea490a74e6750f1782a42a"
+    RUNS = {
+        'A X': 7,
+        "G_2 W_V'": 2,
+        "G_2 W_V' X'": 2,
+        "W_V' X'": 8,
+    }
 
     @leaf
     def t(s):
@@ -352,7 +378,7 @@ class ce_causal0(Forward):
 
     @leaf
     def T(s):
-        return mm(s.X, s.W_QK, tr(s.X))
+        return s.mm("X W_QK X'", s.X, s.W_QK, tr(s.X))
 
     @leaf
     def A(s):
@@ -360,11 +386,11 @@ class ce_causal0(Forward):
 
     @leaf
     def M_1(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def F(s):
-        return mm(s.M_1, s.W_V)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def G(s):
@@ -376,11 +402,11 @@ class ce_causal0(Forward):
 
     @leaf
     def t_3(s):
-        return softmax_diff(s.A, mm(s.G, tr(s.W_V), tr(s.X)))
+        return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def F_2(s):
-        return mm(s.A, s.X, s.W_V)
+        return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
     def t_4(s):
@@ -392,7 +418,11 @@ class ce_causal0(Forward):
 
     @leaf
     def t_5(s):
-        return mm(s.G_2, tr(s.W_V), tr(s.X))
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_6(s):
+        return softmax_diff(s.A, s.t_5)
 
     @leaf
     def dA(s):
@@ -481,41 +511,47 @@ class ce_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(mm(tr(s.X), softmax_diff(s.A, s.t_5), s.X), True), mean0(mm(tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.mm("X' t_6 X", tr(s.X), s.t_6, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_6 = mm(s.X, V_W_QK, tr(s.X))
-        t_7 = softmax_diff(s.A, t_6)
-        t_8 = (s.mm_kept(2, '011', t_7, s.X, s.W_V) + s.mm_kept(3, '110', s.A, s.X, V_W_V))
-        t_9 = (s.t * softmax_diff(softmax_rows(s.F_2), t_8))
-        t_10 = mm(tr(s.X), softmax_diff(s.A, s.mm_kept(1, '011', t_9, tr(s.W_V), tr(s.X))), s.X)
-        return (mean0((1/s.L) * t_10, True), mean0((1/s.L) * s.mm_kept(4, '110', tr(s.X), tr(s.A), t_9), True),)
+        t_7 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_8 = softmax_diff(s.A, t_7)
+        t_9 = (s.mm('_ X W_V', t_8, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_10 = (s.t * softmax_diff(softmax_rows(s.F_2), t_9))
+        t_11 = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_10, tr(s.W_V), tr(s.X))), s.X)
+        return (mean0((1/s.L) * t_11, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_10), True),)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = mm(s.X, V_W_QK, tr(s.X))
-        t_12 = (softmax_diff2(s.A, s.t_5, t_11) + softmax_diff(s.A, mm(s.G_2, tr(V_W_V), tr(s.X))))
-        t_13 = softmax_diff(s.A, t_11)
-        return (mean0(mm(tr(s.X), t_12, s.X), True), mean0(mm(tr(s.X), tr(t_13), s.G_2), True),)
+        t_12 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_13 = (softmax_diff2(s.A, s.t_5, t_12) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        t_14 = softmax_diff(s.A, t_12)
+        return (mean0(s.mm("X' _ X", tr(s.X), t_13, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_14), s.G_2), True),)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = mm(s.X, V_W_QK, tr(s.X))
-        t_15 = softmax_diff(s.A, t_14)
-        t_16 = (s.mm_kept(6, '011', t_15, s.X, s.W_V) + s.mm_kept(7, '110', s.A, s.X, V_W_V))
-        t_17 = (s.t * softmax_diff(s.t_4, t_16))
-        t_18 = s.mm_sum(5, 'r', (1, '101', s.G_2, tr(V_W_V), tr(s.X)), ((1/s.L), '011', t_17, tr(s.W_V), tr(s.X)))
-        t_19 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, t_18))
-        t_20 = s.mm_sum(8, 'l', (1, '101', tr(s.X), tr(t_15), s.G_2), ((1/s.L), '110', tr(s.X), tr(s.A), t_17))
-        return (mean0(mm(tr(s.X), t_19, s.X), True), mean0(t_20, True),)
+        t_15 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_16 = softmax_diff(s.A, t_15)
+        t_17 = (s.mm('_ X W_V', t_16, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_18 = (s.t * softmax_diff(s.t_4, t_17))
+        t_19 = s.mm_sum('r', (1, "G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_18, tr(s.W_V), tr(s.X)))
+        t_20 = (softmax_diff2(s.A, s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X)), t_15) + softmax_diff(s.A, t_19))
+        t_21 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_16), s.G_2), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_18))
+        return (mean0(s.mm("X' _ X", tr(s.X), t_20, s.X), True), mean0(t_21, True),)
 
 
 class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "0a04cfc0c467fa9dbaf35559"
+    STAMP = "137c68947de18cf70ef5a2a0"
+    RUNS = {
+        'A X': 7,
+        "G_2 W_V'": 2,
+        "G_2 W_V' X'": 2,
+        "W_V' X'": 8,
+    }
 
     @leaf
     def t(s):
@@ -523,7 +559,7 @@ class ce_causal1(Forward):
 
     @leaf
     def T(s):
-        return mm(s.X, s.W_QK, tr(s.X))
+        return s.mm("X W_QK X'", s.X, s.W_QK, tr(s.X))
 
     @leaf
     def A(s):
@@ -531,11 +567,11 @@ class ce_causal1(Forward):
 
     @leaf
     def M_1(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def F(s):
-        return mm(s.M_1, s.W_V)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def G(s):
@@ -547,11 +583,11 @@ class ce_causal1(Forward):
 
     @leaf
     def t_3(s):
-        return softmax_diff(s.A, mm(s.G, tr(s.W_V), tr(s.X)))
+        return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def F_2(s):
-        return mm(s.A, s.X, s.W_V)
+        return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
     def t_4(s):
@@ -563,7 +599,11 @@ class ce_causal1(Forward):
 
     @leaf
     def t_5(s):
-        return mm(s.G_2, tr(s.W_V), tr(s.X))
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_6(s):
+        return softmax_diff(s.A, s.t_5)
 
     @leaf
     def dA(s):
@@ -652,34 +692,34 @@ class ce_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(mm(tr(s.X), softmax_diff(s.A, s.t_5), s.X), True), mean0(mm(tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.mm("X' t_6 X", tr(s.X), s.t_6, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_6 = mm(s.X, V_W_QK, tr(s.X))
-        t_7 = softmax_diff(s.A, t_6)
-        t_8 = (s.mm_kept(2, '011', t_7, s.X, s.W_V) + s.mm_kept(3, '110', s.A, s.X, V_W_V))
-        t_9 = (s.t * softmax_diff(softmax_rows(s.F_2), t_8))
-        t_10 = mm(tr(s.X), softmax_diff(s.A, s.mm_kept(1, '011', t_9, tr(s.W_V), tr(s.X))), s.X)
-        return (mean0((1/s.L) * t_10, True), mean0((1/s.L) * s.mm_kept(4, '110', tr(s.X), tr(s.A), t_9), True),)
+        t_7 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_8 = softmax_diff(s.A, t_7)
+        t_9 = (s.mm('_ X W_V', t_8, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_10 = (s.t * softmax_diff(softmax_rows(s.F_2), t_9))
+        t_11 = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_10, tr(s.W_V), tr(s.X))), s.X)
+        return (mean0((1/s.L) * t_11, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_10), True),)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = mm(s.X, V_W_QK, tr(s.X))
-        t_12 = (softmax_diff2(s.A, s.t_5, t_11) + softmax_diff(s.A, mm(s.G_2, tr(V_W_V), tr(s.X))))
-        t_13 = softmax_diff(s.A, t_11)
-        return (mean0(mm(tr(s.X), t_12, s.X), True), mean0(mm(tr(s.X), tr(t_13), s.G_2), True),)
+        t_12 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_13 = (softmax_diff2(s.A, s.t_5, t_12) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        t_14 = softmax_diff(s.A, t_12)
+        return (mean0(s.mm("X' _ X", tr(s.X), t_13, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_14), s.G_2), True),)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = mm(s.X, V_W_QK, tr(s.X))
-        t_15 = softmax_diff(s.A, t_14)
-        t_16 = (s.mm_kept(6, '011', t_15, s.X, s.W_V) + s.mm_kept(7, '110', s.A, s.X, V_W_V))
-        t_17 = (s.t * softmax_diff(s.t_4, t_16))
-        t_18 = s.mm_sum(5, 'r', (1, '101', s.G_2, tr(V_W_V), tr(s.X)), ((1/s.L), '011', t_17, tr(s.W_V), tr(s.X)))
-        t_19 = (softmax_diff2(s.A, mm(s.G_2, tr(s.W_V), tr(s.X)), t_14) + softmax_diff(s.A, t_18))
-        t_20 = s.mm_sum(8, 'l', (1, '101', tr(s.X), tr(t_15), s.G_2), ((1/s.L), '110', tr(s.X), tr(s.A), t_17))
-        return (mean0(mm(tr(s.X), t_19, s.X), True), mean0(t_20, True),)
+        t_15 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_16 = softmax_diff(s.A, t_15)
+        t_17 = (s.mm('_ X W_V', t_16, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_18 = (s.t * softmax_diff(s.t_4, t_17))
+        t_19 = s.mm_sum('r', (1, "G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_18, tr(s.W_V), tr(s.X)))
+        t_20 = (softmax_diff2(s.A, s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X)), t_15) + softmax_diff(s.A, t_19))
+        t_21 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_16), s.G_2), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_18))
+        return (mean0(s.mm("X' _ X", tr(s.X), t_20, s.X), True), mean0(t_21, True),)
 
 
 VARIANTS = {
@@ -688,4 +728,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "53856afa0d87c6a4c3fd2867"
+CHECKSUM = "3cc90e330dae4374524194d9"

@@ -20,23 +20,52 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "7a625c8e87286e3d32e0243b"
+    STAMP = "d88d0732b0061b2be218ef81"
+    RUNS = {
+        'A X': 17,
+        'A X W_V': 6,
+        "A' G_2": 6,
+        "G W_O'": 2,
+        "G_2 W_O'": 5,
+        "G_2' A X": 6,
+        'M_1 W_V': 4,
+        "M_1' M_1": 3,
+        "M_1' M_1 W_V": 2,
+        "W_K' X'": 8,
+        "W_O W_O'": 3,
+        "W_O W_O' W_V'": 2,
+        "W_O t_36'": 2,
+        "W_O' W_V'": 14,
+        "W_O' W_V' X'": 9,
+        "W_Q' X'": 8,
+        "W_V' X'": 18,
+        "X' t_16": 4,
+        "X' t_16 X": 4,
+        "X' t_16'": 4,
+        "X' t_44": 2,
+        "X' t_44 X": 2,
+        "X' t_44'": 2,
+    }
 
     @leaf
     def t(s):
-        return mm(s.W_V, s.W_O, tr(s.W_O), tr(s.W_V))
+        return s.mm("W_V W_O W_O' W_V'", s.W_V, s.W_O, tr(s.W_O), tr(s.W_V))
+
+    @leaf
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X W_Q W_K' X'", s.X, s.W_Q, tr(s.W_K), tr(s.X))
 
     @leaf
     def A(s):
-        return softmax_rows((1/math.sqrt(s.d_K)) * mm(s.X, s.W_Q, tr(s.W_K), tr(s.X)))
+        return softmax_rows(s.T)
 
     @leaf
     def M_1(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def F(s):
-        return mm(s.M_1, s.W_V, s.W_O)
+        return s.mm('M_1 W_V W_O', s.M_1, s.W_V, s.W_O)
 
     @leaf
     def G(s):
@@ -44,55 +73,55 @@ class mse_causal0(Forward):
 
     @leaf
     def t_2(s):
-        return softmax_diff(s.A, mm(s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        return softmax_diff(s.A, s.mm("G W_O' W_V' X'", s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_3(s):
-        return mm(tr(s.X), s.t_2, s.X)
+        return s.mm("X' t_2 X", tr(s.X), s.t_2, s.X)
 
     @leaf
     def t_4(s):
-        return mm(s.W_V, s.W_O, tr(s.W_O))
+        return s.mm("W_V W_O W_O'", s.W_V, s.W_O, tr(s.W_O))
 
     @leaf
     def t_5(s):
-        return mm(s.G, tr(s.W_O))
+        return s.mm("G W_O'", s.G, tr(s.W_O))
 
     @leaf
     def t_6(s):
-        return mm(s.M_1, s.W_V)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def t_7(s):
-        return mm(s.W_V, s.W_O)
+        return s.mm('W_V W_O', s.W_V, s.W_O)
 
     @leaf
     def t_8(s):
-        return mm(tr(s.M_1), s.M_1)
+        return s.mm("M_1' M_1", tr(s.M_1), s.M_1)
 
     @leaf
     def t_9(s):
-        return mm(s.W_O, tr(s.W_O))
+        return s.mm("W_O W_O'", s.W_O, tr(s.W_O))
 
     @leaf
     def t_10(s):
-        return mm(tr(s.M_1), s.M_1, s.W_V)
+        return s.mm("M_1' M_1 W_V", tr(s.M_1), s.M_1, s.W_V)
 
     @leaf
     def t_11(s):
-        return mm(tr(s.M_1), s.G)
+        return s.mm("M_1' G", tr(s.M_1), s.G)
 
     @leaf
     def t_12(s):
-        return mm(tr(s.W_V), tr(s.M_1), s.M_1, s.W_V)
+        return s.mm("W_V' M_1' M_1 W_V", tr(s.W_V), tr(s.M_1), s.M_1, s.W_V)
 
     @leaf
     def t_13(s):
-        return mm(tr(s.W_O), tr(s.W_V))
+        return s.mm("W_O' W_V'", tr(s.W_O), tr(s.W_V))
 
     @leaf
     def F_2(s):
-        return mm(s.A, s.X, s.W_V, s.W_O)
+        return s.mm('A X W_V W_O', s.A, s.X, s.W_V, s.W_O)
 
     @leaf
     def t_14(s):
@@ -104,23 +133,31 @@ class mse_causal0(Forward):
 
     @leaf
     def t_15(s):
-        return mm(s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
     def t_16(s):
         return softmax_diff(s.A, s.t_15)
 
     @leaf
-    def t_35(s):
-        return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F_2 - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+    def t_17(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_16 X W_K", tr(s.X), s.t_16, s.X, s.W_K)
+
+    @leaf
+    def t_18(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_16' X W_Q", tr(s.X), tr(s.t_16), s.X, s.W_Q)
 
     @leaf
     def t_36(s):
-        return mm(s.t_35, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F_2 - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
 
     @leaf
-    def t_43(s):
-        return softmax_diff(s.A, s.t_36)
+    def t_37(s):
+        return s.mm("t_36 W_O' W_V' X'", s.t_36, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_44(s):
+        return softmax_diff(s.A, s.t_37)
 
     @leaf
     def dA(s):
@@ -292,72 +329,100 @@ class mse_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.t_16, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), tr(s.t_16), s.X, s.W_Q), True), mean0(mm(tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(mm(tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.t_17, True), mean0(s.t_18, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_18 = softmax_diff(s.A, t_17)
-        t_19 = s.mm_kept(5, '1110', s.A, s.X, s.W_V, V_W_O)
-        t_20 = (s.mm_sum(3, 'r', ((2/(s.L*s.d_V)), '0111', t_18, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), '1101', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_19)
-        t_21 = softmax_diff(s.A, s.mm_kept(2, '0111', t_20, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_22 = (1/math.sqrt(s.d_K)) * s.mm_kept(6, '1011', tr(s.X), tr(t_21), s.X, s.W_Q)
-        t_23 = s.mm_kept(7, '1101', tr(s.X), tr(s.A), t_20, tr(s.W_O))
-        t_24 = s.mm_kept(8, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_20)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm_kept(1, '1011', tr(s.X), t_21, s.X, s.W_K), True), mean0(t_22, True), mean0(t_23, True), mean0(t_24, True),)
+        t_19 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_20 = softmax_diff(s.A, t_19)
+        t_21 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
+        t_22 = (s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_20, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_21)
+        t_23 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_24 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_22, tr(s.W_O))
+        t_25 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_22)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), True), mean0(t_24, True), mean0(t_25, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = softmax_diff2(s.A, t_25, s.t_15)
-        t_27 = s.mm_sum(11, 'r', (1, '1011', s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, '1101', s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_28 = softmax_diff(s.A, t_27)
-        t_29 = s.mm_sum(9, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_26 + t_28), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_16, s.X, V_W_K))
-        t_30 = s.mm_sum(12, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_26) + tr(t_28)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_16), s.X, V_W_Q))
-        t_31 = softmax_diff(s.A, t_25)
-        t_32 = s.mm_sum(13, 'l', (1, '1011', tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_33 = s.mm_sum(14, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_31), s.G_2))
-        return (mean0(t_29, True), mean0(t_30, True), mean0(t_32, True), mean0(t_33, True),)
+        t_26 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_27 = softmax_diff2(s.A, t_26, s.t_15)
+        t_28 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_29 = softmax_diff(s.A, t_28)
+        t_30 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_27 + t_29), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_16 X _", tr(s.X), s.t_16, s.X, V_W_K))
+        t_31 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_27) + tr(t_29)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_16' X _", tr(s.X), tr(s.t_16), s.X, V_W_Q))
+        t_32 = softmax_diff(s.A, t_26)
+        t_33 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_32), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_34 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_32), s.G_2))
+        return (mean0(t_30, True), mean0(t_31, True), mean0(t_33, True), mean0(t_34, True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_34 = s.mm_sum(16, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_37 = softmax_diff2(s.A, t_34, s.t_36)
-        t_38 = softmax_diff(s.A, t_34)
-        t_39 = s.mm_kept(19, '1110', s.A, s.X, s.W_V, V_W_O)
-        t_40 = (s.mm_sum(18, 'r', ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), '0111', t_38, s.X, s.W_V, s.W_O), ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), '1101', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_39)
-        t_41 = s.mm_sum(17, 'r', (1, '0111', t_40, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, '1011', s.t_35, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, '1101', s.t_35, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_42 = softmax_diff(s.A, t_41)
-        t_44 = s.mm_sum(15, 'l', (1, '1011', tr(s.X), (t_37 + t_42), s.X, s.W_K), (1, '1110', tr(s.X), s.t_43, s.X, V_W_K))
-        t_45 = s.mm_sum(20, 'l', (1, '1011', tr(s.X), (tr(t_37) + tr(t_42)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_43), s.X, V_W_Q))
-        t_46 = (s.mm_sum(22, 'r', ((2/(s.L*s.d_V)), '0111', t_38, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), '1101', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_39)
-        t_47 = s.mm_sum(21, 'l', (1, '1011', tr(s.X), tr(t_38), s.G_2, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), (1, '1101', tr(s.X), tr(s.A), t_46, tr(s.W_O)))
-        t_48 = s.mm_kept(24, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_46)
-        t_49 = (s.mm_sum(23, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_38), s.G_2)) + t_48)
-        return (mean0(t_44, True), mean0(t_45, True), mean0(t_47, True), mean0(t_49, True),)
+        t_35 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_38 = softmax_diff2(s.A, t_35, s.t_37)
+        t_39 = softmax_diff(s.A, t_35)
+        t_40 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
+        t_41 = (s.mm_sum('r', ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), '_ X W_V W_O', t_39, s.X, s.W_V, s.W_O), ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_40)
+        t_42 = s.mm_sum('r', (1, "_ W_O' W_V' X'", t_41, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_36 _ W_V' X'", s.t_36, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_36 W_O' _ X'", s.t_36, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_43 = softmax_diff(s.A, t_42)
+        t_45 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_38 + t_43), s.X, s.W_K), (1, "X' t_44 X _", tr(s.X), s.t_44, s.X, V_W_K))
+        t_46 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_38) + tr(t_43)), s.X, s.W_Q), (1, "X' t_44' X _", tr(s.X), tr(s.t_44), s.X, V_W_Q))
+        t_47 = (s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_39, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_40)
+        t_48 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_39), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), t_47, tr(s.W_O)))
+        t_49 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_47)
+        t_50 = (s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_39), s.G_2)) + t_49)
+        return (mean0(t_45, True), mean0(t_46, True), mean0(t_48, True), mean0(t_50, True),)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "7ede42a6f513d8ef1bda7fbb"
+    STAMP = "6f653aff6a860c5534063060"
+    RUNS = {
+        'A X': 17,
+        'A X W_V': 6,
+        "A' G_2": 6,
+        "G W_O'": 2,
+        "G_2 W_O'": 5,
+        "G_2' A X": 6,
+        'M_1 W_V': 4,
+        "M_1' M_1": 3,
+        "M_1' M_1 W_V": 2,
+        "W_K' X'": 8,
+        "W_O W_O'": 3,
+        "W_O W_O' W_V'": 2,
+        "W_O t_36'": 2,
+        "W_O' W_V'": 14,
+        "W_O' W_V' X'": 9,
+        "W_Q' X'": 8,
+        "W_V' X'": 18,
+        "X' t_16": 4,
+        "X' t_16 X": 4,
+        "X' t_16'": 4,
+        "X' t_44": 2,
+        "X' t_44 X": 2,
+        "X' t_44'": 2,
+    }
 
     @leaf
     def t(s):
-        return mm(s.W_V, s.W_O, tr(s.W_O), tr(s.W_V))
+        return s.mm("W_V W_O W_O' W_V'", s.W_V, s.W_O, tr(s.W_O), tr(s.W_V))
+
+    @leaf
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X W_Q W_K' X'", s.X, s.W_Q, tr(s.W_K), tr(s.X))
 
     @leaf
     def A(s):
-        return softmax_rows((1/math.sqrt(s.d_K)) * mm(s.X, s.W_Q, tr(s.W_K), tr(s.X)), causal=True)
+        return softmax_rows(s.T, causal=True)
 
     @leaf
     def M_1(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def F(s):
-        return mm(s.M_1, s.W_V, s.W_O)
+        return s.mm('M_1 W_V W_O', s.M_1, s.W_V, s.W_O)
 
     @leaf
     def G(s):
@@ -365,55 +430,55 @@ class mse_causal1(Forward):
 
     @leaf
     def t_2(s):
-        return softmax_diff(s.A, mm(s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        return softmax_diff(s.A, s.mm("G W_O' W_V' X'", s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_3(s):
-        return mm(tr(s.X), s.t_2, s.X)
+        return s.mm("X' t_2 X", tr(s.X), s.t_2, s.X)
 
     @leaf
     def t_4(s):
-        return mm(s.W_V, s.W_O, tr(s.W_O))
+        return s.mm("W_V W_O W_O'", s.W_V, s.W_O, tr(s.W_O))
 
     @leaf
     def t_5(s):
-        return mm(s.G, tr(s.W_O))
+        return s.mm("G W_O'", s.G, tr(s.W_O))
 
     @leaf
     def t_6(s):
-        return mm(s.M_1, s.W_V)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def t_7(s):
-        return mm(s.W_V, s.W_O)
+        return s.mm('W_V W_O', s.W_V, s.W_O)
 
     @leaf
     def t_8(s):
-        return mm(tr(s.M_1), s.M_1)
+        return s.mm("M_1' M_1", tr(s.M_1), s.M_1)
 
     @leaf
     def t_9(s):
-        return mm(s.W_O, tr(s.W_O))
+        return s.mm("W_O W_O'", s.W_O, tr(s.W_O))
 
     @leaf
     def t_10(s):
-        return mm(tr(s.M_1), s.M_1, s.W_V)
+        return s.mm("M_1' M_1 W_V", tr(s.M_1), s.M_1, s.W_V)
 
     @leaf
     def t_11(s):
-        return mm(tr(s.M_1), s.G)
+        return s.mm("M_1' G", tr(s.M_1), s.G)
 
     @leaf
     def t_12(s):
-        return mm(tr(s.W_V), tr(s.M_1), s.M_1, s.W_V)
+        return s.mm("W_V' M_1' M_1 W_V", tr(s.W_V), tr(s.M_1), s.M_1, s.W_V)
 
     @leaf
     def t_13(s):
-        return mm(tr(s.W_O), tr(s.W_V))
+        return s.mm("W_O' W_V'", tr(s.W_O), tr(s.W_V))
 
     @leaf
     def F_2(s):
-        return mm(s.A, s.X, s.W_V, s.W_O)
+        return s.mm('A X W_V W_O', s.A, s.X, s.W_V, s.W_O)
 
     @leaf
     def t_14(s):
@@ -425,23 +490,31 @@ class mse_causal1(Forward):
 
     @leaf
     def t_15(s):
-        return mm(s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
     def t_16(s):
         return softmax_diff(s.A, s.t_15)
 
     @leaf
-    def t_35(s):
-        return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F_2 - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+    def t_17(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_16 X W_K", tr(s.X), s.t_16, s.X, s.W_K)
+
+    @leaf
+    def t_18(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_16' X W_Q", tr(s.X), tr(s.t_16), s.X, s.W_Q)
 
     @leaf
     def t_36(s):
-        return mm(s.t_35, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F_2 - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
 
     @leaf
-    def t_43(s):
-        return softmax_diff(s.A, s.t_36)
+    def t_37(s):
+        return s.mm("t_36 W_O' W_V' X'", s.t_36, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_44(s):
+        return softmax_diff(s.A, s.t_37)
 
     @leaf
     def dA(s):
@@ -613,60 +686,80 @@ class mse_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.t_16, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), tr(s.t_16), s.X, s.W_Q), True), mean0(mm(tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(mm(tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.t_17, True), mean0(s.t_18, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_18 = softmax_diff(s.A, t_17)
-        t_19 = s.mm_kept(5, '1110', s.A, s.X, s.W_V, V_W_O)
-        t_20 = (s.mm_sum(3, 'r', ((2/(s.L*s.d_V)), '0111', t_18, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), '1101', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_19)
-        t_21 = softmax_diff(s.A, s.mm_kept(2, '0111', t_20, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_22 = (1/math.sqrt(s.d_K)) * s.mm_kept(6, '1011', tr(s.X), tr(t_21), s.X, s.W_Q)
-        t_23 = s.mm_kept(7, '1101', tr(s.X), tr(s.A), t_20, tr(s.W_O))
-        t_24 = s.mm_kept(8, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_20)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm_kept(1, '1011', tr(s.X), t_21, s.X, s.W_K), True), mean0(t_22, True), mean0(t_23, True), mean0(t_24, True),)
+        t_19 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_20 = softmax_diff(s.A, t_19)
+        t_21 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
+        t_22 = (s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_20, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_21)
+        t_23 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_24 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_22, tr(s.W_O))
+        t_25 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_22)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), True), mean0(t_24, True), mean0(t_25, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = softmax_diff2(s.A, t_25, s.t_15)
-        t_27 = s.mm_sum(11, 'r', (1, '1011', s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, '1101', s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_28 = softmax_diff(s.A, t_27)
-        t_29 = s.mm_sum(9, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_26 + t_28), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_16, s.X, V_W_K))
-        t_30 = s.mm_sum(12, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_26) + tr(t_28)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_16), s.X, V_W_Q))
-        t_31 = softmax_diff(s.A, t_25)
-        t_32 = s.mm_sum(13, 'l', (1, '1011', tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_33 = s.mm_sum(14, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_31), s.G_2))
-        return (mean0(t_29, True), mean0(t_30, True), mean0(t_32, True), mean0(t_33, True),)
+        t_26 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_27 = softmax_diff2(s.A, t_26, s.t_15)
+        t_28 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_29 = softmax_diff(s.A, t_28)
+        t_30 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_27 + t_29), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_16 X _", tr(s.X), s.t_16, s.X, V_W_K))
+        t_31 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_27) + tr(t_29)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_16' X _", tr(s.X), tr(s.t_16), s.X, V_W_Q))
+        t_32 = softmax_diff(s.A, t_26)
+        t_33 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_32), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_34 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_32), s.G_2))
+        return (mean0(t_30, True), mean0(t_31, True), mean0(t_33, True), mean0(t_34, True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_34 = s.mm_sum(16, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_37 = softmax_diff2(s.A, t_34, s.t_36)
-        t_38 = softmax_diff(s.A, t_34)
-        t_39 = s.mm_kept(19, '1110', s.A, s.X, s.W_V, V_W_O)
-        t_40 = (s.mm_sum(18, 'r', ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), '0111', t_38, s.X, s.W_V, s.W_O), ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), '1101', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_39)
-        t_41 = s.mm_sum(17, 'r', (1, '0111', t_40, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, '1011', s.t_35, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, '1101', s.t_35, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_42 = softmax_diff(s.A, t_41)
-        t_44 = s.mm_sum(15, 'l', (1, '1011', tr(s.X), (t_37 + t_42), s.X, s.W_K), (1, '1110', tr(s.X), s.t_43, s.X, V_W_K))
-        t_45 = s.mm_sum(20, 'l', (1, '1011', tr(s.X), (tr(t_37) + tr(t_42)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_43), s.X, V_W_Q))
-        t_46 = (s.mm_sum(22, 'r', ((2/(s.L*s.d_V)), '0111', t_38, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), '1101', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_39)
-        t_47 = s.mm_sum(21, 'l', (1, '1011', tr(s.X), tr(t_38), s.G_2, tr(s.W_O)), (1, '1101', tr(s.X), tr(s.A), t_46, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_48 = s.mm_kept(24, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_46)
-        t_49 = (s.mm_sum(23, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_38), s.G_2)) + t_48)
-        return (mean0(t_44, True), mean0(t_45, True), mean0(t_47, True), mean0(t_49, True),)
+        t_35 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_38 = softmax_diff2(s.A, t_35, s.t_37)
+        t_39 = softmax_diff(s.A, t_35)
+        t_40 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
+        t_41 = (s.mm_sum('r', ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), '_ X W_V W_O', t_39, s.X, s.W_V, s.W_O), ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_40)
+        t_42 = s.mm_sum('r', (1, "_ W_O' W_V' X'", t_41, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_36 _ W_V' X'", s.t_36, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_36 W_O' _ X'", s.t_36, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_43 = softmax_diff(s.A, t_42)
+        t_45 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_38 + t_43), s.X, s.W_K), (1, "X' t_44 X _", tr(s.X), s.t_44, s.X, V_W_K))
+        t_46 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_38) + tr(t_43)), s.X, s.W_Q), (1, "X' t_44' X _", tr(s.X), tr(s.t_44), s.X, V_W_Q))
+        t_47 = (s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_39, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_40)
+        t_48 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_39), s.G_2, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), t_47, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_49 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_47)
+        t_50 = (s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_39), s.G_2)) + t_49)
+        return (mean0(t_45, True), mean0(t_46, True), mean0(t_48, True), mean0(t_50, True),)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "a729976805973178cd2a35ba"
+    STAMP = "05919d1db99135cbcd553a06"
+    RUNS = {
+        'A X': 16,
+        'A X W_V': 6,
+        "A' G_2": 6,
+        "G W_O'": 2,
+        "G_2 W_O'": 5,
+        "G_2' A X": 6,
+        'M_1 W_V': 3,
+        "W_K' X'": 8,
+        "W_O t_34'": 2,
+        "W_O' W_V'": 11,
+        "W_O' W_V' X'": 8,
+        "W_Q' X'": 8,
+        "W_V' X'": 17,
+        "X' t_14": 4,
+        "X' t_14 X": 4,
+        "X' t_14'": 4,
+        "X' t_42": 2,
+        "X' t_42 X": 2,
+        "X' t_42'": 2,
+    }
 
     @leaf
     def t(s):
-        return mm(s.W_V, s.W_O)
+        return s.mm('W_V W_O', s.W_V, s.W_O)
 
     @leaf
     def t_2(s):
@@ -674,19 +767,23 @@ class ce_causal0(Forward):
 
     @leaf
     def t_3(s):
-        return mm(tr(s.W_O), tr(s.W_V))
+        return s.mm("W_O' W_V'", tr(s.W_O), tr(s.W_V))
+
+    @leaf
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X W_Q W_K' X'", s.X, s.W_Q, tr(s.W_K), tr(s.X))
 
     @leaf
     def A(s):
-        return softmax_rows((1/math.sqrt(s.d_K)) * mm(s.X, s.W_Q, tr(s.W_K), tr(s.X)))
+        return softmax_rows(s.T)
 
     @leaf
     def M_1(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def F(s):
-        return mm(s.M_1, s.W_V, s.W_O)
+        return s.mm('M_1 W_V W_O', s.M_1, s.W_V, s.W_O)
 
     @leaf
     def G(s):
@@ -694,27 +791,27 @@ class ce_causal0(Forward):
 
     @leaf
     def t_4(s):
-        return softmax_diff(s.A, mm(s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        return softmax_diff(s.A, s.mm("G W_O' W_V' X'", s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_5(s):
-        return mm(tr(s.X), s.t_4, s.X)
+        return s.mm("X' t_4 X", tr(s.X), s.t_4, s.X)
 
     @leaf
     def t_6(s):
-        return mm(s.G, tr(s.W_O))
+        return s.mm("G W_O'", s.G, tr(s.W_O))
 
     @leaf
     def t_7(s):
-        return mm(s.M_1, s.W_V)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def t_8(s):
-        return mm(tr(s.M_1), s.G)
+        return s.mm("M_1' G", tr(s.M_1), s.G)
 
     @leaf
     def t_9(s):
-        return mm(tr(s.W_V), tr(s.M_1))
+        return s.mm("W_V' M_1'", tr(s.W_V), tr(s.M_1))
 
     @leaf
     def t_10(s):
@@ -722,7 +819,7 @@ class ce_causal0(Forward):
 
     @leaf
     def F_2(s):
-        return mm(s.A, s.X, s.W_V, s.W_O)
+        return s.mm('A X W_V W_O', s.A, s.X, s.W_V, s.W_O)
 
     @leaf
     def t_11(s):
@@ -738,23 +835,31 @@ class ce_causal0(Forward):
 
     @leaf
     def t_13(s):
-        return mm(s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
     def t_14(s):
         return softmax_diff(s.A, s.t_13)
 
     @leaf
-    def t_32(s):
+    def t_15(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_14 X W_K", tr(s.X), s.t_14, s.X, s.W_K)
+
+    @leaf
+    def t_16(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_14' X W_Q", tr(s.X), tr(s.t_14), s.X, s.W_Q)
+
+    @leaf
+    def t_34(s):
         return ((1/(s.L*math.sqrt(s.d_K))) * s.t_12 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
 
     @leaf
-    def t_33(s):
-        return mm(s.t_32, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_35(s):
+        return s.mm("t_34 W_O' W_V' X'", s.t_34, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_40(s):
-        return softmax_diff(s.A, s.t_33)
+    def t_42(s):
+        return softmax_diff(s.A, s.t_35)
 
     @leaf
     def dA(s):
@@ -934,57 +1039,78 @@ class ce_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.t_14, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), tr(s.t_14), s.X, s.W_Q), True), mean0(mm(tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(mm(tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.t_15, True), mean0(s.t_16, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_16 = softmax_diff(s.A, t_15)
-        t_17 = (s.mm_sum(3, 'r', (1, '0111', t_16, s.X, s.W_V, s.W_O), (1, '1101', s.A, s.X, V_W_V, s.W_O)) + s.mm_kept(5, '1110', s.A, s.X, s.W_V, V_W_O))
-        t_18 = (s.t_2 * softmax_diff(softmax_rows(s.F_2), t_17))
-        t_19 = softmax_diff(s.A, s.mm_kept(2, '0111', t_18, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_20 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(1, '1011', tr(s.X), t_19, s.X, s.W_K)
-        t_21 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(6, '1011', tr(s.X), tr(t_19), s.X, s.W_Q)
-        return (mean0(t_20, True), mean0(t_21, True), mean0((1/s.L) * s.mm_kept(7, '1101', tr(s.X), tr(s.A), t_18, tr(s.W_O)), True), mean0((1/s.L) * s.mm_kept(8, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_18), True),)
+        t_17 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_18 = softmax_diff(s.A, t_17)
+        t_19 = (s.mm_sum('r', (1, '_ X W_V W_O', t_18, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
+        t_20 = (s.t_2 * softmax_diff(softmax_rows(s.F_2), t_19))
+        t_21 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_20, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_22 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_21, s.X, s.W_K)
+        t_23 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_21), s.X, s.W_Q)
+        return (mean0(t_22, True), mean0(t_23, True), mean0((1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_20, tr(s.W_O)), True), mean0((1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_20), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_23 = softmax_diff2(s.A, t_22, s.t_13)
-        t_24 = s.mm_sum(11, 'r', (1, '1101', s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, '1011', s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_25 = softmax_diff(s.A, t_24)
-        t_26 = s.mm_sum(9, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_23 + t_25), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_14, s.X, V_W_K))
-        t_27 = s.mm_sum(12, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_23) + tr(t_25)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_14), s.X, V_W_Q))
-        t_28 = softmax_diff(s.A, t_22)
-        t_29 = s.mm_sum(13, 'l', (1, '1011', tr(s.X), tr(t_28), s.G_2, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_30 = s.mm_sum(14, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_28), s.G_2))
-        return (mean0(t_26, True), mean0(t_27, True), mean0(t_29, True), mean0(t_30, True),)
+        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = softmax_diff2(s.A, t_24, s.t_13)
+        t_26 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_27 = softmax_diff(s.A, t_26)
+        t_28 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_25 + t_27), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_14 X _", tr(s.X), s.t_14, s.X, V_W_K))
+        t_29 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_25) + tr(t_27)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_14' X _", tr(s.X), tr(s.t_14), s.X, V_W_Q))
+        t_30 = softmax_diff(s.A, t_24)
+        t_31 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_32 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2))
+        return (mean0(t_28, True), mean0(t_29, True), mean0(t_31, True), mean0(t_32, True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum(16, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_34 = softmax_diff2(s.A, t_31, s.t_33)
-        t_35 = softmax_diff(s.A, t_31)
-        t_36 = (s.mm_sum(18, 'r', (1, '0111', t_35, s.X, s.W_V, s.W_O), (1, '1101', s.A, s.X, V_W_V, s.W_O)) + s.mm_kept(19, '1110', s.A, s.X, s.W_V, V_W_O))
-        t_37 = (s.t_2 * softmax_diff(s.t_11, t_36))
-        t_38 = s.mm_sum(17, 'r', (1, '1011', s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, '1101', s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), '0111', t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_39 = softmax_diff(s.A, t_38)
-        t_41 = s.mm_sum(15, 'l', (1, '1011', tr(s.X), (t_34 + t_39), s.X, s.W_K), (1, '1110', tr(s.X), s.t_40, s.X, V_W_K))
-        t_42 = s.mm_sum(20, 'l', (1, '1011', tr(s.X), (tr(t_34) + tr(t_39)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_40), s.X, V_W_Q))
-        t_43 = s.mm_sum(21, 'l', (1, '1011', tr(s.X), tr(t_35), s.G_2, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), ((1/s.L), '1101', tr(s.X), tr(s.A), t_37, tr(s.W_O)))
-        t_44 = (s.mm_sum(22, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_35), s.G_2)) + (1/s.L) * s.mm_kept(23, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_37))
-        return (mean0(t_41, True), mean0(t_42, True), mean0(t_43, True), mean0(t_44, True),)
+        t_33 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_36 = softmax_diff2(s.A, t_33, s.t_35)
+        t_37 = softmax_diff(s.A, t_33)
+        t_38 = (s.mm_sum('r', (1, '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
+        t_39 = (s.t_2 * softmax_diff(s.t_11, t_38))
+        t_40 = s.mm_sum('r', (1, "t_34 _ W_V' X'", s.t_34, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_34 W_O' _ X'", s.t_34, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_39, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_41 = softmax_diff(s.A, t_40)
+        t_43 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_36 + t_41), s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K))
+        t_44 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_36) + tr(t_41)), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q))
+        t_45 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_37), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_39, tr(s.W_O)))
+        t_46 = (s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_37), s.G_2)) + (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_39))
+        return (mean0(t_43, True), mean0(t_44, True), mean0(t_45, True), mean0(t_46, True),)
 
 
 class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "1a1730c389248cfb88c86645"
+    STAMP = "05cee9fb4b5ed8f36401b559"
+    RUNS = {
+        'A X': 16,
+        'A X W_V': 6,
+        "A' G_2": 6,
+        "G W_O'": 2,
+        "G_2 W_O'": 5,
+        "G_2' A X": 6,
+        'M_1 W_V': 3,
+        "W_K' X'": 8,
+        "W_O t_34'": 2,
+        "W_O' W_V'": 11,
+        "W_O' W_V' X'": 8,
+        "W_Q' X'": 8,
+        "W_V' X'": 17,
+        "X' t_14": 4,
+        "X' t_14 X": 4,
+        "X' t_14'": 4,
+        "X' t_42": 2,
+        "X' t_42 X": 2,
+        "X' t_42'": 2,
+    }
 
     @leaf
     def t(s):
-        return mm(s.W_V, s.W_O)
+        return s.mm('W_V W_O', s.W_V, s.W_O)
 
     @leaf
     def t_2(s):
@@ -992,19 +1118,23 @@ class ce_causal1(Forward):
 
     @leaf
     def t_3(s):
-        return mm(tr(s.W_O), tr(s.W_V))
+        return s.mm("W_O' W_V'", tr(s.W_O), tr(s.W_V))
+
+    @leaf
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X W_Q W_K' X'", s.X, s.W_Q, tr(s.W_K), tr(s.X))
 
     @leaf
     def A(s):
-        return softmax_rows((1/math.sqrt(s.d_K)) * mm(s.X, s.W_Q, tr(s.W_K), tr(s.X)), causal=True)
+        return softmax_rows(s.T, causal=True)
 
     @leaf
     def M_1(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def F(s):
-        return mm(s.M_1, s.W_V, s.W_O)
+        return s.mm('M_1 W_V W_O', s.M_1, s.W_V, s.W_O)
 
     @leaf
     def G(s):
@@ -1012,27 +1142,27 @@ class ce_causal1(Forward):
 
     @leaf
     def t_4(s):
-        return softmax_diff(s.A, mm(s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        return softmax_diff(s.A, s.mm("G W_O' W_V' X'", s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_5(s):
-        return mm(tr(s.X), s.t_4, s.X)
+        return s.mm("X' t_4 X", tr(s.X), s.t_4, s.X)
 
     @leaf
     def t_6(s):
-        return mm(s.G, tr(s.W_O))
+        return s.mm("G W_O'", s.G, tr(s.W_O))
 
     @leaf
     def t_7(s):
-        return mm(s.M_1, s.W_V)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def t_8(s):
-        return mm(tr(s.M_1), s.G)
+        return s.mm("M_1' G", tr(s.M_1), s.G)
 
     @leaf
     def t_9(s):
-        return mm(tr(s.W_V), tr(s.M_1))
+        return s.mm("W_V' M_1'", tr(s.W_V), tr(s.M_1))
 
     @leaf
     def t_10(s):
@@ -1040,7 +1170,7 @@ class ce_causal1(Forward):
 
     @leaf
     def F_2(s):
-        return mm(s.A, s.X, s.W_V, s.W_O)
+        return s.mm('A X W_V W_O', s.A, s.X, s.W_V, s.W_O)
 
     @leaf
     def t_11(s):
@@ -1056,23 +1186,31 @@ class ce_causal1(Forward):
 
     @leaf
     def t_13(s):
-        return mm(s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
     def t_14(s):
         return softmax_diff(s.A, s.t_13)
 
     @leaf
-    def t_32(s):
+    def t_15(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_14 X W_K", tr(s.X), s.t_14, s.X, s.W_K)
+
+    @leaf
+    def t_16(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_14' X W_Q", tr(s.X), tr(s.t_14), s.X, s.W_Q)
+
+    @leaf
+    def t_34(s):
         return ((1/(s.L*math.sqrt(s.d_K))) * s.t_12 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
 
     @leaf
-    def t_33(s):
-        return mm(s.t_32, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_35(s):
+        return s.mm("t_34 W_O' W_V' X'", s.t_34, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_40(s):
-        return softmax_diff(s.A, s.t_33)
+    def t_42(s):
+        return softmax_diff(s.A, s.t_35)
 
     @leaf
     def dA(s):
@@ -1252,46 +1390,46 @@ class ce_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.t_14, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), tr(s.t_14), s.X, s.W_Q), True), mean0(mm(tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(mm(tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.t_15, True), mean0(s.t_16, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_16 = softmax_diff(s.A, t_15)
-        t_17 = (s.mm_sum(3, 'r', (1, '0111', t_16, s.X, s.W_V, s.W_O), (1, '1101', s.A, s.X, V_W_V, s.W_O)) + s.mm_kept(5, '1110', s.A, s.X, s.W_V, V_W_O))
-        t_18 = (s.t_2 * softmax_diff(softmax_rows(s.F_2), t_17))
-        t_19 = softmax_diff(s.A, s.mm_kept(2, '0111', t_18, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_20 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(1, '1011', tr(s.X), t_19, s.X, s.W_K)
-        t_21 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(6, '1011', tr(s.X), tr(t_19), s.X, s.W_Q)
-        return (mean0(t_20, True), mean0(t_21, True), mean0((1/s.L) * s.mm_kept(7, '1101', tr(s.X), tr(s.A), t_18, tr(s.W_O)), True), mean0((1/s.L) * s.mm_kept(8, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_18), True),)
+        t_17 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_18 = softmax_diff(s.A, t_17)
+        t_19 = (s.mm_sum('r', (1, '_ X W_V W_O', t_18, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
+        t_20 = (s.t_2 * softmax_diff(softmax_rows(s.F_2), t_19))
+        t_21 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_20, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_22 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_21, s.X, s.W_K)
+        t_23 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_21), s.X, s.W_Q)
+        return (mean0(t_22, True), mean0(t_23, True), mean0((1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_20, tr(s.W_O)), True), mean0((1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_20), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_23 = softmax_diff2(s.A, t_22, s.t_13)
-        t_24 = s.mm_sum(11, 'r', (1, '1101', s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, '1011', s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_25 = softmax_diff(s.A, t_24)
-        t_26 = s.mm_sum(9, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (t_23 + t_25), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_14, s.X, V_W_K))
-        t_27 = s.mm_sum(12, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (tr(t_23) + tr(t_25)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), tr(s.t_14), s.X, V_W_Q))
-        t_28 = softmax_diff(s.A, t_22)
-        t_29 = s.mm_sum(13, 'l', (1, '1011', tr(s.X), tr(t_28), s.G_2, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_30 = s.mm_sum(14, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_28), s.G_2))
-        return (mean0(t_26, True), mean0(t_27, True), mean0(t_29, True), mean0(t_30, True),)
+        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = softmax_diff2(s.A, t_24, s.t_13)
+        t_26 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_27 = softmax_diff(s.A, t_26)
+        t_28 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_25 + t_27), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_14 X _", tr(s.X), s.t_14, s.X, V_W_K))
+        t_29 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_25) + tr(t_27)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_14' X _", tr(s.X), tr(s.t_14), s.X, V_W_Q))
+        t_30 = softmax_diff(s.A, t_24)
+        t_31 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_32 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2))
+        return (mean0(t_28, True), mean0(t_29, True), mean0(t_31, True), mean0(t_32, True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum(16, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_34 = softmax_diff2(s.A, t_31, s.t_33)
-        t_35 = softmax_diff(s.A, t_31)
-        t_36 = (s.mm_sum(18, 'r', (1, '0111', t_35, s.X, s.W_V, s.W_O), (1, '1101', s.A, s.X, V_W_V, s.W_O)) + s.mm_kept(19, '1110', s.A, s.X, s.W_V, V_W_O))
-        t_37 = (s.t_2 * softmax_diff(s.t_11, t_36))
-        t_38 = s.mm_sum(17, 'r', (1, '1101', s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, '1011', s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), '0111', t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_39 = softmax_diff(s.A, t_38)
-        t_41 = s.mm_sum(15, 'l', (1, '1011', tr(s.X), (t_34 + t_39), s.X, s.W_K), (1, '1110', tr(s.X), s.t_40, s.X, V_W_K))
-        t_42 = s.mm_sum(20, 'l', (1, '1011', tr(s.X), (tr(t_34) + tr(t_39)), s.X, s.W_Q), (1, '1110', tr(s.X), tr(s.t_40), s.X, V_W_Q))
-        t_43 = s.mm_sum(21, 'l', (1, '1011', tr(s.X), tr(t_35), s.G_2, tr(s.W_O)), ((1/s.L), '1101', tr(s.X), tr(s.A), t_37, tr(s.W_O)), (1, '1110', tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_44 = (s.mm_sum(22, 'r', (1, '0111', tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, '1101', tr(s.W_V), tr(s.X), tr(t_35), s.G_2)) + (1/s.L) * s.mm_kept(23, '1110', tr(s.W_V), tr(s.X), tr(s.A), t_37))
-        return (mean0(t_41, True), mean0(t_42, True), mean0(t_43, True), mean0(t_44, True),)
+        t_33 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_36 = softmax_diff2(s.A, t_33, s.t_35)
+        t_37 = softmax_diff(s.A, t_33)
+        t_38 = (s.mm_sum('r', (1, '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
+        t_39 = (s.t_2 * softmax_diff(s.t_11, t_38))
+        t_40 = s.mm_sum('r', (1, "t_34 W_O' _ X'", s.t_34, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "t_34 _ W_V' X'", s.t_34, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_39, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_41 = softmax_diff(s.A, t_40)
+        t_43 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_36 + t_41), s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K))
+        t_44 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_36) + tr(t_41)), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q))
+        t_45 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_37), s.G_2, tr(s.W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_39, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_46 = (s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_37), s.G_2)) + (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_39))
+        return (mean0(t_43, True), mean0(t_44, True), mean0(t_45, True), mean0(t_46, True),)
 
 
 VARIANTS = {
@@ -1300,4 +1438,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "6e199e2c079d979d65eef149"
+CHECKSUM = "24493a6f60fd12f7900caaea"

@@ -20,31 +20,63 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "e1b4e5e89159add1e514bfd9"
+    STAMP = "fd4342255b5abb51b387c0b2"
+    RUNS = {
+        "G W_V'": 5,
+        "G W_V' X'": 5,
+        "G W_V' X' X": 5,
+        "G' X": 9,
+        "G' X W_Q": 3,
+        'T X': 12,
+        "T' X": 2,
+        "W_K' X'": 16,
+        "W_K' X' X": 10,
+        "W_K' X' X W_V": 7,
+        "W_K' X' X W_V W_V'": 2,
+        "W_K' X' X W_V W_V' X'": 2,
+        "W_K' X' X W_V W_V' X' X": 2,
+        "W_Q' X'": 16,
+        "W_Q' X' X": 2,
+        "W_V G' X": 5,
+        "W_V W_V'": 3,
+        "W_V W_V' X'": 3,
+        "W_V W_V' X' X": 3,
+        "W_V' X'": 23,
+        "W_V' X' X": 18,
+        "X W_V G' X": 5,
+        "X W_V W_V' X'": 3,
+        "X W_V W_V' X' X": 3,
+        "X' G W_V' X' X": 5,
+        "X' T X": 2,
+        "X' X": 26,
+        "X' X W_V W_V' X' X": 3,
+        "X' t_40": 2,
+        "X' t_42'": 2,
+    }
 
     @leaf
     def t(s):
-        return mm(tr(s.X), s.X)
+        return s.mm("X' X", tr(s.X), s.X)
 
     @leaf
     def t_2(s):
-        return mm(tr(s.W_K), tr(s.X), s.X, s.W_V, tr(s.W_V), tr(s.X), s.X, s.W_K)
+        return s.mm("W_K' X' X W_V W_V' X' X W_K", tr(s.W_K), tr(s.X), s.X, s.W_V, tr(s.W_V), tr(s.X), s.X, s.W_K)
 
     @leaf
     def t_3(s):
-        return mm(tr(s.X), s.X, s.W_Q)
+        return s.mm("X' X W_Q", tr(s.X), s.X, s.W_Q)
 
     @leaf
     def t_4(s):
-        return mm(tr(s.W_K), tr(s.X), s.X, s.W_V, tr(s.W_V), tr(s.X), s.X)
+        return s.mm("W_K' X' X W_V W_V' X' X", tr(s.W_K), tr(s.X), s.X, s.W_V, tr(s.W_V), tr(s.X), s.X)
 
     @leaf
-    def A(s):
-        return (1/math.sqrt(s.d_K)) * mm(s.X, s.W_Q, tr(s.W_K), tr(s.X))
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X W_Q W_K' X'", s.X, s.W_Q, tr(s.W_K), tr(s.X))
 
     @leaf
     def F(s):
-        return mm(s.A, s.X, s.W_V)
+        return s.mm('T X W_V', s.T, s.X, s.W_V)
 
     @leaf
     def G(s):
@@ -52,74 +84,82 @@ class mse_causal0(Forward):
 
     @leaf
     def t_5(s):
-        return mm(tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X)
+        return s.mm("X' G W_V' X' X", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X)
 
     @leaf
     def t_6(s):
-        return mm(tr(s.X), s.A, s.X)
+        return s.mm("X' T X", tr(s.X), s.T, s.X)
 
     @leaf
     def t_7(s):
-        return mm(tr(s.W_K), tr(s.X), s.X, s.W_V)
+        return s.mm("W_K' X' X W_V", tr(s.W_K), tr(s.X), s.X, s.W_V)
 
     @leaf
     def t_8(s):
-        return mm(tr(s.X), s.G)
+        return s.mm("X' G", tr(s.X), s.G)
 
     @leaf
     def t_9(s):
-        return mm(tr(s.W_K), tr(s.X), s.X)
+        return s.mm("W_K' X' X", tr(s.W_K), tr(s.X), s.X)
 
     @leaf
     def t_10(s):
-        return mm(tr(s.X), s.X, s.W_V, tr(s.W_V), tr(s.X), s.X)
+        return s.mm("X' X W_V W_V' X' X", tr(s.X), s.X, s.W_V, tr(s.W_V), tr(s.X), s.X)
 
     @leaf
     def t_11(s):
-        return mm(tr(s.W_Q), tr(s.X), s.X, s.W_Q)
+        return s.mm("W_Q' X' X W_Q", tr(s.W_Q), tr(s.X), s.X, s.W_Q)
 
     @leaf
     def t_12(s):
-        return mm(tr(s.X), s.X, s.W_V)
+        return s.mm("X' X W_V", tr(s.X), s.X, s.W_V)
 
     @leaf
     def t_13(s):
-        return mm(tr(s.W_Q), tr(s.X), s.A, s.X)
+        return s.mm("W_Q' X' T X", tr(s.W_Q), tr(s.X), s.T, s.X)
 
     @leaf
     def t_14(s):
-        return mm(tr(s.W_Q), tr(s.X), s.G)
+        return s.mm("W_Q' X' G", tr(s.W_Q), tr(s.X), s.G)
 
     @leaf
     def t_15(s):
-        return mm(tr(s.X), tr(s.A), s.A, s.X)
+        return s.mm("X' T' T X", tr(s.X), tr(s.T), s.T, s.X)
 
     @leaf
     def t_16(s):
-        return mm(tr(s.W_V), tr(s.X), s.X, s.W_K)
+        return s.mm("W_V' X' X W_K", tr(s.W_V), tr(s.X), s.X, s.W_K)
 
     @leaf
     def t_17(s):
-        return mm(s.X, s.W_Q)
+        return s.mm('X W_Q', s.X, s.W_Q)
 
     @leaf
     def t_18(s):
-        return mm(tr(s.W_V), tr(s.X), s.X)
+        return s.mm("W_V' X' X", tr(s.W_V), tr(s.X), s.X)
 
     @leaf
     def t_19(s):
-        return mm(s.A, s.X)
+        return s.mm('T X', s.T, s.X)
 
     @leaf
     def t_20(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_38(s):
-        return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+    def t_21(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' G W_V' X' X W_K", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, s.W_K)
+
+    @leaf
+    def t_22(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' X W_V G' X W_Q", tr(s.X), s.X, s.W_V, tr(s.G), s.X, s.W_Q)
 
     @leaf
     def t_40(s):
+        return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+
+    @leaf
+    def t_42(s):
         return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * tr(s.F) - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * tr(s.Y))
 
     def block__W_Q__W_Q__outer(s):
@@ -200,55 +240,70 @@ class mse_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.X, s.W_V, tr(s.G), s.X, s.W_Q), True), mean0(mm(tr(s.X), tr(s.A), s.G), True),)
+        return (mean0(s.t_21, True), mean0(s.t_22, True), mean0(s.mm("X' T' G", tr(s.X), tr(s.T), s.G), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum(3, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = s.mm_kept(2, '011', t_21, s.X, s.W_V)
-        t_23 = s.mm_kept(4, '110', s.A, s.X, V_W_V)
-        t_24 = ((2/(s.L*s.d_V)) * t_22 + (2/(s.L*s.d_V)) * t_23)
-        t_25 = (1/math.sqrt(s.d_K)) * s.mm_kept(1, '101111', tr(s.X), t_24, tr(s.W_V), tr(s.X), s.X, s.W_K)
-        t_26 = s.mm_kept(6, '011', tr(V_W_V), tr(s.X), tr(s.A))
-        t_27 = s.mm_sum(8, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_28 = s.mm_kept(7, '110', tr(s.W_V), tr(s.X), t_27)
-        t_29 = s.mm_kept(5, '111011', tr(s.X), s.X, s.W_V, ((2/(s.L*s.d_V)) * t_26 + (2/(s.L*s.d_V)) * t_28), s.X, s.W_Q)
-        t_30 = s.mm_kept(9, '110', tr(s.X), tr(s.A), t_24)
-        return (mean0(t_25, True), mean0((1/math.sqrt(s.d_K)) * t_29, True), mean0(t_30, True),)
+        t_23 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_24 = s.mm('_ X W_V', t_23, s.X, s.W_V)
+        t_25 = s.mm('T X _', s.T, s.X, V_W_V)
+        t_26 = ((2/(s.L*s.d_V)) * t_24 + (2/(s.L*s.d_V)) * t_25)
+        t_27 = s.mm("X' _ W_V' X' X W_K", tr(s.X), t_26, tr(s.W_V), tr(s.X), s.X, s.W_K)
+        t_28 = s.mm("_ X' T'", tr(V_W_V), tr(s.X), tr(s.T))
+        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_30 = s.mm("W_V' X' _", tr(s.W_V), tr(s.X), t_29)
+        t_31 = s.mm("X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, ((2/(s.L*s.d_V)) * t_28 + (2/(s.L*s.d_V)) * t_30), s.X, s.W_Q)
+        t_32 = s.mm("X' T' _", tr(s.X), tr(s.T), t_26)
+        return (mean0((1/math.sqrt(s.d_K)) * t_27, True), mean0((1/math.sqrt(s.d_K)) * t_31, True), mean0(t_32, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum(10, 'l', ((1/math.sqrt(s.d_K)), '111110', tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/math.sqrt(s.d_K)), '110111', tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K))
-        t_32 = s.mm_sum(11, 'l', ((1/math.sqrt(s.d_K)), '110111', tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '111110', tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q))
-        t_33 = s.mm_sum(12, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        return (mean0(t_31, True), mean0(t_32, True), mean0(mm(tr(s.X), t_33, s.G), True),)
+        t_33 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K))
+        t_34 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q))
+        t_35 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        return (mean0(t_33, True), mean0(t_34, True), mean0(s.mm("X' _ G", tr(s.X), t_35, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_34 = s.mm_sum(15, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_35 = s.mm_kept(14, '011', t_34, s.X, s.W_V)
-        t_36 = s.mm_kept(16, '110', s.A, s.X, V_W_V)
-        t_37 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_35 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_36)
-        t_39 = s.mm_sum(13, 'l', (1, '101111', tr(s.X), t_37, tr(s.W_V), tr(s.X), s.X, s.W_K), (1, '111110', tr(s.X), s.t_38, tr(s.W_V), tr(s.X), s.X, V_W_K), (1, '110111', tr(s.X), s.t_38, tr(V_W_V), tr(s.X), s.X, s.W_K))
-        t_41 = s.mm_kept(18, '011', tr(V_W_V), tr(s.X), tr(s.A))
-        t_42 = s.mm_sum(20, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_43 = s.mm_kept(19, '110', tr(s.W_V), tr(s.X), t_42)
-        t_44 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_41 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_43)
-        t_45 = s.mm_sum(17, 'l', (1, '110111', tr(s.X), s.X, V_W_V, s.t_40, s.X, s.W_Q), (1, '111011', tr(s.X), s.X, s.W_V, t_44, s.X, s.W_Q), (1, '111110', tr(s.X), s.X, s.W_V, s.t_40, s.X, V_W_Q))
-        t_46 = ((2/(s.L*s.d_V)) * t_35 + (2/(s.L*s.d_V)) * t_36)
-        t_47 = s.mm_sum(21, 'l', (1, '101', tr(s.X), t_42, s.G), (1, '110', tr(s.X), tr(s.A), t_46))
-        return (mean0(t_39, True), mean0(t_45, True), mean0(t_47, True),)
+        t_36 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_37 = s.mm('_ X W_V', t_36, s.X, s.W_V)
+        t_38 = s.mm('T X _', s.T, s.X, V_W_V)
+        t_39 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_37 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_38)
+        t_41 = s.mm_sum('l', (1, "X' _ W_V' X' X W_K", tr(s.X), t_39, tr(s.W_V), tr(s.X), s.X, s.W_K), (1, "X' t_40 W_V' X' X _", tr(s.X), s.t_40, tr(s.W_V), tr(s.X), s.X, V_W_K), (1, "X' t_40 _ X' X W_K", tr(s.X), s.t_40, tr(V_W_V), tr(s.X), s.X, s.W_K))
+        t_43 = s.mm("_ X' T'", tr(V_W_V), tr(s.X), tr(s.T))
+        t_44 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_45 = s.mm("W_V' X' _", tr(s.W_V), tr(s.X), t_44)
+        t_46 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_43 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_45)
+        t_47 = s.mm_sum('l', (1, "X' X _ t_42 X W_Q", tr(s.X), s.X, V_W_V, s.t_42, s.X, s.W_Q), (1, "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, t_46, s.X, s.W_Q), (1, "X' X W_V t_42 X _", tr(s.X), s.X, s.W_V, s.t_42, s.X, V_W_Q))
+        t_48 = ((2/(s.L*s.d_V)) * t_37 + (2/(s.L*s.d_V)) * t_38)
+        t_49 = s.mm_sum('l', (1, "X' _ G", tr(s.X), t_44, s.G), (1, "X' T' _", tr(s.X), tr(s.T), t_48))
+        return (mean0(t_41, True), mean0(t_47, True), mean0(t_49, True),)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "822f7742334e12c7cbf9841b"
+    STAMP = "792a3ef24388a2cb206967c5"
+    RUNS = {
+        'A X': 5,
+        "G W_V'": 2,
+        "G W_V' X'": 2,
+        "W_K' X'": 12,
+        "W_Q' X'": 12,
+        "W_V' X'": 16,
+        "X' t_11": 6,
+        "X' t_15": 2,
+        "X' t_15 X": 2,
+        "X' t_15'": 2,
+        "X' t_6": 3,
+        "X' t_6 X": 3,
+        "X' t_6'": 3,
+    }
 
     @leaf
     def t(s):
-        return mm(tr(s.W_K), tr(s.X))
+        return s.mm("W_K' X'", tr(s.W_K), tr(s.X))
 
     @leaf
     def t_2(s):
@@ -256,19 +311,19 @@ class mse_causal1(Forward):
 
     @leaf
     def t_3(s):
-        return mm(s.X, s.W_V, tr(s.W_V), tr(s.X))
+        return s.mm("X W_V W_V' X'", s.X, s.W_V, tr(s.W_V), tr(s.X))
 
     @leaf
     def t_4(s):
-        return mm(s.X, s.W_K)
+        return s.mm('X W_K', s.X, s.W_K)
 
     @leaf
     def t_5(s):
-        return mm(s.X, s.W_Q)
+        return s.mm('X W_Q', s.X, s.W_Q)
 
     @leaf
     def T(s):
-        return (1/math.sqrt(s.d_K)) * mm(s.X, s.W_Q, tr(s.W_K), tr(s.X))
+        return (1/math.sqrt(s.d_K)) * s.mm("X W_Q W_K' X'", s.X, s.W_Q, tr(s.W_K), tr(s.X))
 
     @leaf
     def A(s):
@@ -276,7 +331,7 @@ class mse_causal1(Forward):
 
     @leaf
     def F(s):
-        return mm(s.A, s.X, s.W_V)
+        return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
     def G(s):
@@ -284,23 +339,23 @@ class mse_causal1(Forward):
 
     @leaf
     def t_6(s):
-        return (s.t_2 * mm(s.G, tr(s.W_V), tr(s.X)))
+        return (s.t_2 * s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_7(s):
-        return mm(tr(s.X), s.t_6, s.X)
+        return s.mm("X' t_6 X", tr(s.X), s.t_6, s.X)
 
     @leaf
     def t_8(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def t_9(s):
-        return mm(s.X, s.W_V)
+        return s.mm('X W_V', s.X, s.W_V)
 
     @leaf
     def t_10(s):
-        return mm(tr(s.W_Q), tr(s.X))
+        return s.mm("W_Q' X'", tr(s.W_Q), tr(s.X))
 
     @leaf
     def t_11(s):
@@ -308,11 +363,11 @@ class mse_causal1(Forward):
 
     @leaf
     def t_12(s):
-        return mm(tr(s.X), s.t_11, s.A, s.X)
+        return s.mm("X' t_11 A X", tr(s.X), s.t_11, s.A, s.X)
 
     @leaf
     def t_13(s):
-        return mm(tr(s.W_V), tr(s.X))
+        return s.mm("W_V' X'", tr(s.W_V), tr(s.X))
 
     @leaf
     def t_14(s):
@@ -320,15 +375,27 @@ class mse_causal1(Forward):
 
     @leaf
     def t_15(s):
-        return (mm(s.X, s.W_V, tr(s.G)) * tr(s.t_2))
+        return (s.mm("X W_V G'", s.X, s.W_V, tr(s.G)) * tr(s.t_2))
 
     @leaf
-    def t_36(s):
+    def t_16(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_15 X W_Q", tr(s.X), s.t_15, s.X, s.W_Q)
+
+    @leaf
+    def t_37(s):
         return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
 
     @leaf
     def t_39(s):
+        return (s.t_2 * s.mm("t_37 W_V' X'", s.t_37, tr(s.W_V), tr(s.X)))
+
+    @leaf
+    def t_41(s):
         return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * tr(s.F) - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * tr(s.Y))
+
+    @leaf
+    def t_48(s):
+        return (s.mm('X W_V t_41', s.X, s.W_V, s.t_41) * tr(s.t_2))
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 2/(L*d_K*d_V)*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V @ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X ⊗ X @ W_K))"""
@@ -408,61 +475,81 @@ class mse_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.t_6, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.t_15, s.X, s.W_Q), True), mean0(mm(tr(s.X), s.t_11, s.G), True),)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_6 X W_K", tr(s.X), s.t_6, s.X, s.W_K), True), mean0(s.t_16, True), mean0(s.mm("X' t_11 G", tr(s.X), s.t_11, s.G), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_17 = s.mm_kept(3, '011', (t_16 * s.t_2), s.X, s.W_V)
-        t_18 = s.mm_kept(5, '110', s.A, s.X, V_W_V)
-        t_19 = ((2/(s.L*s.d_V)) * t_17 + (2/(s.L*s.d_V)) * t_18)
-        t_20 = s.mm_kept(1, '1011', tr(s.X), (s.t_2 * s.mm_kept(2, '011', t_19, tr(s.W_V), tr(s.X))), s.X, s.W_K)
-        t_21 = s.mm_kept(8, '011', tr(V_W_V), tr(s.X), s.t_11)
-        t_22 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_23 = (t_22 * tr(s.t_2))
-        t_24 = s.mm_kept(9, '110', tr(s.W_V), tr(s.X), t_23)
-        t_25 = s.mm_kept(7, '110', s.X, s.W_V, ((2/(s.L*s.d_V)) * t_21 + (2/(s.L*s.d_V)) * t_24))
-        t_26 = (1/math.sqrt(s.d_K)) * s.mm_kept(6, '1011', tr(s.X), (t_25 * tr(s.t_2)), s.X, s.W_Q)
-        t_27 = s.mm_kept(11, '110', tr(s.X), s.t_11, t_19)
-        return (mean0((1/math.sqrt(s.d_K)) * t_20, True), mean0(t_26, True), mean0(t_27, True),)
+        t_17 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_18 = s.mm('_ X W_V', (t_17 * s.t_2), s.X, s.W_V)
+        t_19 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_20 = ((2/(s.L*s.d_V)) * t_18 + (2/(s.L*s.d_V)) * t_19)
+        t_21 = s.mm("X' _ X W_K", tr(s.X), (s.t_2 * s.mm("_ W_V' X'", t_20, tr(s.W_V), tr(s.X))), s.X, s.W_K)
+        t_22 = s.mm("_ X' t_11", tr(V_W_V), tr(s.X), s.t_11)
+        t_23 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_24 = (t_23 * tr(s.t_2))
+        t_25 = s.mm("W_V' X' _", tr(s.W_V), tr(s.X), t_24)
+        t_26 = s.mm('X W_V _', s.X, s.W_V, ((2/(s.L*s.d_V)) * t_22 + (2/(s.L*s.d_V)) * t_25))
+        t_27 = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), (t_26 * tr(s.t_2)), s.X, s.W_Q)
+        t_28 = s.mm("X' t_11 _", tr(s.X), s.t_11, t_20)
+        return (mean0((1/math.sqrt(s.d_K)) * t_21, True), mean0(t_27, True), mean0(t_28, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_28 = s.mm_sum(12, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (s.t_2 * mm(s.G, tr(V_W_V), tr(s.X))), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_6, s.X, V_W_K))
-        t_29 = s.mm_sum(13, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (mm(s.X, V_W_V, tr(s.G)) * tr(s.t_2)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_15, s.X, V_W_Q))
-        t_30 = s.mm_sum(14, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_31 = (t_30 * tr(s.t_2))
-        return (mean0(t_28, True), mean0(t_29, True), mean0(mm(tr(s.X), t_31, s.G), True),)
+        t_29 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X))), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_6 X _", tr(s.X), s.t_6, s.X, V_W_K))
+        t_30 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (s.mm("X _ G'", s.X, V_W_V, tr(s.G)) * tr(s.t_2)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_15 X _", tr(s.X), s.t_15, s.X, V_W_Q))
+        t_31 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_32 = (t_31 * tr(s.t_2))
+        return (mean0(t_29, True), mean0(t_30, True), mean0(s.mm("X' _ G", tr(s.X), t_32, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_32 = s.mm_sum(18, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_33 = s.mm_kept(17, '011', (t_32 * s.t_2), s.X, s.W_V)
-        t_34 = s.mm_kept(19, '110', s.A, s.X, V_W_V)
-        t_35 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_33 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_34)
-        t_37 = s.mm_sum(16, 'r', (1, '011', t_35, tr(s.W_V), tr(s.X)), (1, '101', s.t_36, tr(V_W_V), tr(s.X)))
-        t_38 = s.mm_sum(15, 'l', (1, '1011', tr(s.X), (t_37 * s.t_2), s.X, s.W_K), (1, '1110', tr(s.X), (s.t_2 * mm(s.t_36, tr(s.W_V), tr(s.X))), s.X, V_W_K))
-        t_40 = s.mm_kept(22, '011', tr(V_W_V), tr(s.X), s.t_11)
-        t_41 = s.mm_sum(24, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_42 = (t_41 * tr(s.t_2))
-        t_43 = s.mm_kept(23, '110', tr(s.W_V), tr(s.X), t_42)
-        t_44 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_40 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_43)
-        t_45 = s.mm_sum(21, 'l', (1, '101', s.X, V_W_V, s.t_39), (1, '110', s.X, s.W_V, t_44))
-        t_46 = s.mm_sum(20, 'l', (1, '1011', tr(s.X), (t_45 * tr(s.t_2)), s.X, s.W_Q), (1, '1110', tr(s.X), (mm(s.X, s.W_V, s.t_39) * tr(s.t_2)), s.X, V_W_Q))
-        t_47 = ((2/(s.L*s.d_V)) * t_33 + (2/(s.L*s.d_V)) * t_34)
-        t_48 = s.mm_sum(25, 'l', (1, '101', tr(s.X), t_42, s.G), (1, '110', tr(s.X), s.t_11, t_47))
-        return (mean0(t_38, True), mean0(t_46, True), mean0(t_48, True),)
+        t_33 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_34 = s.mm('_ X W_V', (t_33 * s.t_2), s.X, s.W_V)
+        t_35 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_36 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_34 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_35)
+        t_38 = s.mm_sum('r', (1, "_ W_V' X'", t_36, tr(s.W_V), tr(s.X)), (1, "t_37 _ X'", s.t_37, tr(V_W_V), tr(s.X)))
+        t_40 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_38 * s.t_2), s.X, s.W_K), (1, "X' t_39 X _", tr(s.X), s.t_39, s.X, V_W_K))
+        t_42 = s.mm("_ X' t_11", tr(V_W_V), tr(s.X), s.t_11)
+        t_43 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_44 = (t_43 * tr(s.t_2))
+        t_45 = s.mm("W_V' X' _", tr(s.W_V), tr(s.X), t_44)
+        t_46 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_42 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_45)
+        t_47 = s.mm_sum('l', (1, 'X _ t_41', s.X, V_W_V, s.t_41), (1, 'X W_V _', s.X, s.W_V, t_46))
+        t_49 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (t_47 * tr(s.t_2)), s.X, s.W_Q), (1, "X' t_48 X _", tr(s.X), s.t_48, s.X, V_W_Q))
+        t_50 = ((2/(s.L*s.d_V)) * t_34 + (2/(s.L*s.d_V)) * t_35)
+        t_51 = s.mm_sum('l', (1, "X' _ G", tr(s.X), t_44, s.G), (1, "X' t_11 _", tr(s.X), s.t_11, t_50))
+        return (mean0(t_40, True), mean0(t_49, True), mean0(t_51, True),)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "41fe16a3ade7ff4643feb88a"
+    STAMP = "2c5d505c92b7e03cd28bf06d"
+    RUNS = {
+        "G W_V'": 5,
+        "G W_V' X'": 5,
+        "G W_V' X' X": 5,
+        "G' X": 9,
+        "G' X W_Q": 3,
+        'T X': 8,
+        "W_K' X'": 13,
+        "W_K' X' X": 8,
+        "W_K' X' X W_V": 5,
+        "W_Q' X'": 13,
+        "W_V G' X": 5,
+        "W_V' X'": 18,
+        "W_V' X' X": 15,
+        "X W_V G' X": 5,
+        "X' G W_V' X' X": 5,
+        "X' X": 21,
+        "X' t_30": 2,
+        "X' t_36'": 2,
+    }
 
     @leaf
     def t(s):
-        return mm(tr(s.W_K), tr(s.X), s.X, s.W_V)
+        return s.mm("W_K' X' X W_V", tr(s.W_K), tr(s.X), s.X, s.W_V)
 
     @leaf
     def t_2(s):
@@ -470,23 +557,23 @@ class ce_causal0(Forward):
 
     @leaf
     def t_3(s):
-        return mm(tr(s.W_V), tr(s.X), s.X, s.W_K)
+        return s.mm("W_V' X' X W_K", tr(s.W_V), tr(s.X), s.X, s.W_K)
 
     @leaf
     def t_4(s):
-        return mm(s.X, s.W_Q)
+        return s.mm('X W_Q', s.X, s.W_Q)
 
     @leaf
     def t_5(s):
-        return mm(tr(s.W_V), tr(s.X), s.X)
+        return s.mm("W_V' X' X", tr(s.W_V), tr(s.X), s.X)
 
     @leaf
-    def A(s):
-        return (1/math.sqrt(s.d_K)) * mm(s.X, s.W_Q, tr(s.W_K), tr(s.X))
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X W_Q W_K' X'", s.X, s.W_Q, tr(s.W_K), tr(s.X))
 
     @leaf
     def F(s):
-        return mm(s.A, s.X, s.W_V)
+        return s.mm('T X W_V', s.T, s.X, s.W_V)
 
     @leaf
     def t_6(s):
@@ -502,27 +589,27 @@ class ce_causal0(Forward):
 
     @leaf
     def t_8(s):
-        return mm(tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X)
+        return s.mm("X' G W_V' X' X", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X)
 
     @leaf
     def t_9(s):
-        return mm(s.A, s.X)
+        return s.mm('T X', s.T, s.X)
 
     @leaf
     def t_10(s):
-        return mm(tr(s.X), s.G)
+        return s.mm("X' G", tr(s.X), s.G)
 
     @leaf
     def t_11(s):
-        return mm(tr(s.W_K), tr(s.X), s.X)
+        return s.mm("W_K' X' X", tr(s.W_K), tr(s.X), s.X)
 
     @leaf
     def t_12(s):
-        return mm(tr(s.X), s.X, s.W_V)
+        return s.mm("X' X W_V", tr(s.X), s.X, s.W_V)
 
     @leaf
     def t_13(s):
-        return mm(tr(s.W_Q), tr(s.X))
+        return s.mm("W_Q' X'", tr(s.W_Q), tr(s.X))
 
     @leaf
     def t_14(s):
@@ -530,26 +617,34 @@ class ce_causal0(Forward):
 
     @leaf
     def t_15(s):
-        return mm(tr(s.X), s.X)
+        return s.mm("X' X", tr(s.X), s.X)
 
     @leaf
     def t_16(s):
-        return mm(tr(s.W_Q), tr(s.X), s.G)
+        return s.mm("W_Q' X' G", tr(s.W_Q), tr(s.X), s.G)
 
     @leaf
     def t_17(s):
-        return mm(tr(s.X), tr(s.A))
+        return s.mm("X' T'", tr(s.X), tr(s.T))
 
     @leaf
     def t_18(s):
         return softmax_rows(s.F)
 
     @leaf
-    def t_28(s):
+    def t_19(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' G W_V' X' X W_K", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, s.W_K)
+
+    @leaf
+    def t_20(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' X W_V G' X W_Q", tr(s.X), s.X, s.W_V, tr(s.G), s.X, s.W_Q)
+
+    @leaf
+    def t_30(s):
         return ((1/(s.L*math.sqrt(s.d_K))) * s.t_7 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
 
     @leaf
-    def t_34(s):
+    def t_36(s):
         return ((1/(s.L*math.sqrt(s.d_K))) * (s.t_14 * tr(s.t_6)) - (1/(s.L*math.sqrt(s.d_K))) * tr(s.Y))
 
     @leaf
@@ -638,47 +733,62 @@ class ce_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.X, s.W_V, tr(s.G), s.X, s.W_Q), True), mean0(mm(tr(s.X), tr(s.A), s.G), True),)
+        return (mean0(s.t_19, True), mean0(s.t_20, True), mean0(s.mm("X' T' G", tr(s.X), tr(s.T), s.G), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = s.mm_sum(3, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_20 = (s.mm_kept(2, '011', t_19, s.X, s.W_V) + s.mm_kept(4, '110', s.A, s.X, V_W_V))
-        t_21 = softmax_diff(s.t_18, t_20)
-        t_22 = (s.t_2 * t_21)
-        t_23 = (1/(s.L*math.sqrt(s.d_K))) * s.mm_kept(1, '101111', tr(s.X), t_22, tr(s.W_V), tr(s.X), s.X, s.W_K)
-        t_24 = s.mm_kept(5, '111011', tr(s.X), s.X, s.W_V, (s.t_14 * tr(t_21)), s.X, s.W_Q)
-        return (mean0(t_23, True), mean0((1/(s.L*math.sqrt(s.d_K))) * t_24, True), mean0((1/s.L) * s.mm_kept(6, '110', tr(s.X), tr(s.A), t_22), True),)
+        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = (s.mm('_ X W_V', t_21, s.X, s.W_V) + s.mm('T X _', s.T, s.X, V_W_V))
+        t_23 = softmax_diff(s.t_18, t_22)
+        t_24 = (s.t_2 * t_23)
+        t_25 = s.mm("X' _ W_V' X' X W_K", tr(s.X), t_24, tr(s.W_V), tr(s.X), s.X, s.W_K)
+        t_26 = s.mm("X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (s.t_14 * tr(t_23)), s.X, s.W_Q)
+        return (mean0((1/(s.L*math.sqrt(s.d_K))) * t_25, True), mean0((1/(s.L*math.sqrt(s.d_K))) * t_26, True), mean0((1/s.L) * s.mm("X' T' _", tr(s.X), tr(s.T), t_24), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum(7, 'l', ((1/math.sqrt(s.d_K)), '110111', tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), '111110', tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K))
-        t_26 = s.mm_sum(8, 'l', ((1/math.sqrt(s.d_K)), '110111', tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '111110', tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q))
-        t_27 = s.mm_sum(9, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        return (mean0(t_25, True), mean0(t_26, True), mean0(mm(tr(s.X), t_27, s.G), True),)
+        t_27 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K))
+        t_28 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q))
+        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        return (mean0(t_27, True), mean0(t_28, True), mean0(s.mm("X' _ G", tr(s.X), t_29, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_29 = s.mm_sum(12, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_30 = (s.mm_kept(11, '011', t_29, s.X, s.W_V) + s.mm_kept(13, '110', s.A, s.X, V_W_V))
-        t_31 = softmax_diff(s.t_6, t_30)
-        t_32 = (s.t_2 * t_31)
-        t_33 = s.mm_sum(10, 'l', (1, '110111', tr(s.X), s.t_28, tr(V_W_V), tr(s.X), s.X, s.W_K), (1, '111110', tr(s.X), s.t_28, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/(s.L*math.sqrt(s.d_K))), '101111', tr(s.X), t_32, tr(s.W_V), tr(s.X), s.X, s.W_K))
-        t_35 = s.mm_sum(14, 'l', (1, '110111', tr(s.X), s.X, V_W_V, s.t_34, s.X, s.W_Q), (1, '111110', tr(s.X), s.X, s.W_V, s.t_34, s.X, V_W_Q), ((1/(s.L*math.sqrt(s.d_K))), '111011', tr(s.X), s.X, s.W_V, (s.t_14 * tr(t_31)), s.X, s.W_Q))
-        t_36 = s.mm_sum(16, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_37 = s.mm_sum(15, 'l', (1, '101', tr(s.X), t_36, s.G), ((1/s.L), '110', tr(s.X), tr(s.A), t_32))
-        return (mean0(t_33, True), mean0(t_35, True), mean0(t_37, True),)
+        t_31 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_32 = (s.mm('_ X W_V', t_31, s.X, s.W_V) + s.mm('T X _', s.T, s.X, V_W_V))
+        t_33 = softmax_diff(s.t_6, t_32)
+        t_34 = (s.t_2 * t_33)
+        t_35 = s.mm_sum('l', (1, "X' t_30 _ X' X W_K", tr(s.X), s.t_30, tr(V_W_V), tr(s.X), s.X, s.W_K), (1, "X' t_30 W_V' X' X _", tr(s.X), s.t_30, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/(s.L*math.sqrt(s.d_K))), "X' _ W_V' X' X W_K", tr(s.X), t_34, tr(s.W_V), tr(s.X), s.X, s.W_K))
+        t_37 = s.mm_sum('l', (1, "X' X _ t_36 X W_Q", tr(s.X), s.X, V_W_V, s.t_36, s.X, s.W_Q), (1, "X' X W_V t_36 X _", tr(s.X), s.X, s.W_V, s.t_36, s.X, V_W_Q), ((1/(s.L*math.sqrt(s.d_K))), "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (s.t_14 * tr(t_33)), s.X, s.W_Q))
+        t_38 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_39 = s.mm_sum('l', (1, "X' _ G", tr(s.X), t_38, s.G), ((1/s.L), "X' T' _", tr(s.X), tr(s.T), t_34))
+        return (mean0(t_35, True), mean0(t_37, True), mean0(t_39, True),)
 
 
 class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "563dee2f266513153ca3e86d"
+    STAMP = "64dcdfc4cc69f2dccfd6bd6a"
+    RUNS = {
+        'A X': 4,
+        "G W_V'": 2,
+        "G W_V' X'": 2,
+        "W_K' X'": 11,
+        "W_Q' X'": 11,
+        "W_V' X'": 13,
+        "X' t_10": 3,
+        "X' t_10 X": 3,
+        "X' t_10'": 3,
+        "X' t_15": 4,
+        "X' t_19": 2,
+        "X' t_19 X": 2,
+        "X' t_19'": 2,
+    }
 
     @leaf
     def t(s):
-        return mm(tr(s.W_K), tr(s.X))
+        return s.mm("W_K' X'", tr(s.W_K), tr(s.X))
 
     @leaf
     def t_2(s):
@@ -686,7 +796,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_3(s):
-        return mm(s.X, s.W_V)
+        return s.mm('X W_V', s.X, s.W_V)
 
     @leaf
     def t_4(s):
@@ -694,19 +804,19 @@ class ce_causal1(Forward):
 
     @leaf
     def t_5(s):
-        return mm(tr(s.W_V), tr(s.X))
+        return s.mm("W_V' X'", tr(s.W_V), tr(s.X))
 
     @leaf
     def t_6(s):
-        return mm(s.X, s.W_K)
+        return s.mm('X W_K', s.X, s.W_K)
 
     @leaf
     def t_7(s):
-        return mm(s.X, s.W_Q)
+        return s.mm('X W_Q', s.X, s.W_Q)
 
     @leaf
     def T(s):
-        return (1/math.sqrt(s.d_K)) * mm(s.X, s.W_Q, tr(s.W_K), tr(s.X))
+        return (1/math.sqrt(s.d_K)) * s.mm("X W_Q W_K' X'", s.X, s.W_Q, tr(s.W_K), tr(s.X))
 
     @leaf
     def A(s):
@@ -714,7 +824,7 @@ class ce_causal1(Forward):
 
     @leaf
     def F(s):
-        return mm(s.A, s.X, s.W_V)
+        return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
     def t_8(s):
@@ -730,19 +840,19 @@ class ce_causal1(Forward):
 
     @leaf
     def t_10(s):
-        return (s.t_2 * mm(s.G, tr(s.W_V), tr(s.X)))
+        return (s.t_2 * s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_11(s):
-        return mm(tr(s.X), s.t_10, s.X)
+        return s.mm("X' t_10 X", tr(s.X), s.t_10, s.X)
 
     @leaf
     def t_12(s):
-        return mm(s.A, s.X)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def t_13(s):
-        return mm(tr(s.W_Q), tr(s.X))
+        return s.mm("W_Q' X'", tr(s.W_Q), tr(s.X))
 
     @leaf
     def t_14(s):
@@ -754,7 +864,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_16(s):
-        return mm(tr(s.X), s.t_15)
+        return s.mm("X' t_15", tr(s.X), s.t_15)
 
     @leaf
     def t_17(s):
@@ -762,15 +872,31 @@ class ce_causal1(Forward):
 
     @leaf
     def t_18(s):
-        return (mm(s.X, s.W_V, tr(s.G)) * tr(s.t_2))
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_10 X W_K", tr(s.X), s.t_10, s.X, s.W_K)
 
     @leaf
-    def t_29(s):
+    def t_19(s):
+        return (s.mm("X W_V G'", s.X, s.W_V, tr(s.G)) * tr(s.t_2))
+
+    @leaf
+    def t_20(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_19 X W_Q", tr(s.X), s.t_19, s.X, s.W_Q)
+
+    @leaf
+    def t_31(s):
         return ((1/(s.L*math.sqrt(s.d_K))) * s.t_9 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
 
     @leaf
-    def t_36(s):
+    def t_37(s):
+        return (s.t_2 * s.mm("t_31 W_V' X'", s.t_31, tr(s.W_V), tr(s.X)))
+
+    @leaf
+    def t_39(s):
         return ((1/(s.L*math.sqrt(s.d_K))) * (s.t_14 * tr(s.t_8)) - (1/(s.L*math.sqrt(s.d_K))) * tr(s.Y))
+
+    @leaf
+    def t_41(s):
+        return (s.mm('X W_V t_39', s.X, s.W_V, s.t_39) * tr(s.t_2))
 
     @leaf
     def dA(s):
@@ -858,40 +984,40 @@ class ce_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.t_10, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * mm(tr(s.X), s.t_18, s.X, s.W_Q), True), mean0(mm(tr(s.X), s.t_15, s.G), True),)
+        return (mean0(s.t_18, True), mean0(s.t_20, True), mean0(s.mm("X' t_15 G", tr(s.X), s.t_15, s.G), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = s.mm_sum(4, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_20 = (s.mm_kept(3, '011', (t_19 * s.t_2), s.X, s.W_V) + s.mm_kept(5, '110', s.A, s.X, V_W_V))
-        t_21 = softmax_diff(s.t_17, t_20)
-        t_22 = (s.t_4 * t_21)
-        t_23 = s.mm_kept(1, '1011', tr(s.X), (s.t_2 * s.mm_kept(2, '011', t_22, tr(s.W_V), tr(s.X))), s.X, s.W_K)
-        t_24 = s.mm_kept(6, '1011', tr(s.X), (s.mm_kept(7, '110', s.X, s.W_V, (s.t_14 * tr(t_21))) * tr(s.t_2)), s.X, s.W_Q)
-        return (mean0((1/(s.L*math.sqrt(s.d_K))) * t_23, True), mean0((1/(s.L*math.sqrt(s.d_K))) * t_24, True), mean0((1/s.L) * s.mm_kept(8, '110', tr(s.X), s.t_15, t_22), True),)
+        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = (s.mm('_ X W_V', (t_21 * s.t_2), s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_23 = softmax_diff(s.t_17, t_22)
+        t_24 = (s.t_4 * t_23)
+        t_25 = s.mm("X' _ X W_K", tr(s.X), (s.t_2 * s.mm("_ W_V' X'", t_24, tr(s.W_V), tr(s.X))), s.X, s.W_K)
+        t_26 = s.mm("X' _ X W_Q", tr(s.X), (s.mm('X W_V _', s.X, s.W_V, (s.t_14 * tr(t_23))) * tr(s.t_2)), s.X, s.W_Q)
+        return (mean0((1/(s.L*math.sqrt(s.d_K))) * t_25, True), mean0((1/(s.L*math.sqrt(s.d_K))) * t_26, True), mean0((1/s.L) * s.mm("X' t_15 _", tr(s.X), s.t_15, t_24), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum(9, 'l', ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_10, s.X, V_W_K), ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (s.t_2 * mm(s.G, tr(V_W_V), tr(s.X))), s.X, s.W_K))
-        t_26 = s.mm_sum(10, 'l', ((1/math.sqrt(s.d_K)), '1011', tr(s.X), (mm(s.X, V_W_V, tr(s.G)) * tr(s.t_2)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), '1110', tr(s.X), s.t_18, s.X, V_W_Q))
-        t_27 = s.mm_sum(11, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_28 = (t_27 * tr(s.t_2))
-        return (mean0(t_25, True), mean0(t_26, True), mean0(mm(tr(s.X), t_28, s.G), True),)
+        t_27 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' t_10 X _", tr(s.X), s.t_10, s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X))), s.X, s.W_K))
+        t_28 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (s.mm("X _ G'", s.X, V_W_V, tr(s.G)) * tr(s.t_2)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19 X _", tr(s.X), s.t_19, s.X, V_W_Q))
+        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_30 = (t_29 * tr(s.t_2))
+        return (mean0(t_27, True), mean0(t_28, True), mean0(s.mm("X' _ G", tr(s.X), t_30, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_30 = s.mm_sum(15, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_31 = (s.mm_kept(14, '011', (t_30 * s.t_2), s.X, s.W_V) + s.mm_kept(16, '110', s.A, s.X, V_W_V))
-        t_32 = softmax_diff(s.t_8, t_31)
-        t_33 = (s.t_4 * t_32)
-        t_34 = s.mm_sum(13, 'r', (1, '101', s.t_29, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), '011', t_33, tr(s.W_V), tr(s.X)))
-        t_35 = s.mm_sum(12, 'l', (1, '1011', tr(s.X), (t_34 * s.t_2), s.X, s.W_K), (1, '1110', tr(s.X), (s.t_2 * mm(s.t_29, tr(s.W_V), tr(s.X))), s.X, V_W_K))
-        t_37 = s.mm_sum(18, 'l', (1, '101', s.X, V_W_V, s.t_36), ((1/(s.L*math.sqrt(s.d_K))), '110', s.X, s.W_V, (s.t_14 * tr(t_32))))
-        t_38 = s.mm_sum(17, 'l', (1, '1011', tr(s.X), (t_37 * tr(s.t_2)), s.X, s.W_Q), (1, '1110', tr(s.X), (mm(s.X, s.W_V, s.t_36) * tr(s.t_2)), s.X, V_W_Q))
-        t_39 = s.mm_sum(20, 'r', ((1/math.sqrt(s.d_K)), '1011', s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), '1101', s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_40 = (t_39 * tr(s.t_2))
-        t_41 = s.mm_sum(19, 'l', (1, '101', tr(s.X), t_40, s.G), ((1/s.L), '110', tr(s.X), s.t_15, t_33))
-        return (mean0(t_35, True), mean0(t_38, True), mean0(t_41, True),)
+        t_32 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_33 = (s.mm('_ X W_V', (t_32 * s.t_2), s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_34 = softmax_diff(s.t_8, t_33)
+        t_35 = (s.t_4 * t_34)
+        t_36 = s.mm_sum('r', (1, "t_31 _ X'", s.t_31, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_35, tr(s.W_V), tr(s.X)))
+        t_38 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_36 * s.t_2), s.X, s.W_K), (1, "X' t_37 X _", tr(s.X), s.t_37, s.X, V_W_K))
+        t_40 = s.mm_sum('l', (1, 'X _ t_39', s.X, V_W_V, s.t_39), ((1/(s.L*math.sqrt(s.d_K))), 'X W_V _', s.X, s.W_V, (s.t_14 * tr(t_34))))
+        t_42 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (t_40 * tr(s.t_2)), s.X, s.W_Q), (1, "X' t_41 X _", tr(s.X), s.t_41, s.X, V_W_Q))
+        t_43 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_44 = (t_43 * tr(s.t_2))
+        t_45 = s.mm_sum('l', (1, "X' _ G", tr(s.X), t_44, s.G), ((1/s.L), "X' t_15 _", tr(s.X), s.t_15, t_35))
+        return (mean0(t_38, True), mean0(t_42, True), mean0(t_45, True),)
 
 
 VARIANTS = {
@@ -900,4 +1026,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "daee63fcc5620c5c2648c4c4"
+CHECKSUM = "6fa03c94498800f441d2ee69"

@@ -20,7 +20,21 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "cb239802c91ceaac373557bd"
+    STAMP = "f5c0843e557093a93426459c"
+    RUNS = {
+        'A N_1': 16,
+        "G W_2'": 2,
+        'N_1 W_K': 10,
+        'N_1 W_Q': 10,
+        'N_1 W_V': 13,
+        "N_1' t_124": 2,
+        "N_1' t_124 N_1": 2,
+        "N_1' t_124'": 2,
+        "N_1' t_18": 4,
+        "N_1' t_18 N_1": 4,
+        "N_1' t_18'": 5,
+        'N_2 W_1': 2,
+    }
 
     @leaf
     def M_N_1(s):
@@ -40,31 +54,35 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def t(s):
-        return mm(tr(s.W_K), tr(s.N_1))
+        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
 
     @leaf
     def t_2(s):
-        return mm(s.N_1, s.W_V)
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
     def t_3(s):
-        return mm(tr(s.W_V), tr(s.N_1))
+        return s.mm("W_V' N_1'", tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_4(s):
-        return mm(s.N_1, s.W_K)
+        return s.mm('N_1 W_K', s.N_1, s.W_K)
 
     @leaf
     def t_5(s):
-        return mm(s.N_1, s.W_Q)
+        return s.mm('N_1 W_Q', s.N_1, s.W_Q)
+
+    @leaf
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("N_1 W_Q W_K' N_1'", s.N_1, s.W_Q, tr(s.W_K), tr(s.N_1))
 
     @leaf
     def A(s):
-        return softmax_rows((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(s.W_K), tr(s.N_1)))
+        return softmax_rows(s.T)
 
     @leaf
     def Y_2(s):
-        return (mm(s.A, s.N_1, s.W_V) + s.X)
+        return (s.mm('A N_1 W_V', s.A, s.N_1, s.W_V) + s.X)
 
     @leaf
     def M_N_2(s):
@@ -88,7 +106,7 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def H(s):
-        return mm(s.N_2, s.W_1)
+        return s.mm('N_2 W_1', s.N_2, s.W_1)
 
     @leaf
     def t_7(s):
@@ -100,7 +118,7 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def t_9(s):
-        return mm(s.t_8, s.W_2)
+        return s.mm('t_8 W_2', s.t_8, s.W_2)
 
     @leaf
     def F(s):
@@ -112,11 +130,11 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def t_10(s):
-        return (s.t_7 * mm(s.G, tr(s.W_2)))
+        return (s.t_7 * s.mm("G W_2'", s.G, tr(s.W_2)))
 
     @leaf
     def t_11(s):
-        return mm(s.t_10, tr(s.W_1))
+        return s.mm("t_10 W_1'", s.t_10, tr(s.W_1))
 
     @leaf
     def t_12(s):
@@ -140,7 +158,7 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def t_17(s):
-        return (sum_last(s.t_15) * sum_rows(s.t_3) + mm(s.t_16, tr(s.W_V), tr(s.N_1)))
+        return (sum_last(s.t_15) * sum_rows(s.t_3) + s.mm("t_16 W_V' N_1'", s.t_16, tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_18(s):
@@ -148,27 +166,27 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def t_19(s):
-        return mm(s.t_18, s.N_1)
+        return s.mm('t_18 N_1', s.t_18, s.N_1)
 
     @leaf
     def t_20(s):
-        return mm(s.A, s.N_1)
+        return s.mm('A N_1', s.A, s.N_1)
 
     @leaf
     def t_21(s):
-        return mm(tr(s.W_Q), tr(s.N_1))
+        return s.mm("W_Q' N_1'", tr(s.W_Q), tr(s.N_1))
 
     @leaf
     def t_22(s):
-        return mm(tr(s.N_1), tr(s.A))
+        return s.mm("N_1' A'", tr(s.N_1), tr(s.A))
 
     @leaf
     def t_23(s):
-        return mm(s.W_2, tr(s.W_2))
+        return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
     def t_24(s):
-        return mm(tr(s.W_1), tr(s.N_2))
+        return s.mm("W_1' N_2'", tr(s.W_1), tr(s.N_2))
 
     @leaf
     def t_25(s):
@@ -176,7 +194,7 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def t_26(s):
-        return mm(s.t_25, s.t_8)
+        return s.mm('t_25 t_8', s.t_25, s.t_8)
 
     @leaf
     def t_27(s):
@@ -216,51 +234,55 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def t_36(s):
-        return ((2/s.d_V) * s.t_13 + s.t_14 + s.G)
+        return bcast_last(sum_last(s.mm("N_1' A' t_35", tr(s.N_1), tr(s.A), s.t_35)), s.d_V)
 
     @leaf
     def t_37(s):
-        return (bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), s.t_35)), s.d_V) + mm(tr(s.N_1), tr(s.A), s.t_36))
-
-    @leaf
-    def t_91(s):
-        return (s.t_7 * mm(s.G, tr(s.W_2)))
+        return ((2/s.d_V) * s.t_13 + s.t_14 + s.G)
 
     @leaf
     def t_92(s):
-        return mm(s.t_91, tr(s.W_1))
+        return (s.t_7 * s.mm("G W_2'", s.G, tr(s.W_2)))
 
     @leaf
     def t_93(s):
-        return bcast_last(sum_last((s.t_6 * s.t_92 * s.M_N_2)), s.d_V)
+        return s.mm("t_92 W_1'", s.t_92, tr(s.W_1))
 
     @leaf
     def t_94(s):
-        return (s.t_93 * s.M_N_2)
+        return bcast_last(sum_last((s.t_6 * s.t_93 * s.M_N_2)), s.d_V)
 
     @leaf
     def t_95(s):
-        return (s.t_92 * s.P_N_2)
+        return (s.t_94 * s.M_N_2)
 
     @leaf
     def t_96(s):
-        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_94 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_95)
+        return (s.t_93 * s.P_N_2)
 
     @leaf
     def t_97(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_94 + (1/math.sqrt(s.d_K)) * s.t_95 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_95 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_96)
 
     @leaf
     def t_98(s):
-        return (sum_last(s.t_96) * sum_rows(s.t_3) + mm(s.t_97, tr(s.W_V), tr(s.N_1)))
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_95 + (1/math.sqrt(s.d_K)) * s.t_96 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
 
     @leaf
-    def t_123(s):
-        return softmax_diff(s.A, s.t_98)
+    def t_99(s):
+        return (sum_last(s.t_97) * sum_rows(s.t_3) + s.mm("t_98 W_V' N_1'", s.t_98, tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_126(s):
-        return ((2/s.d_V) * s.t_94 + s.t_95 + (2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+    def t_124(s):
+        return softmax_diff(s.A, s.t_99)
+
+    @leaf
+    def t_127(s):
+        return ((2/s.d_V) * s.t_95 + s.t_96 + (2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+
+    @leaf
+    def t_129(s):
+        return (-(2/s.d_V**2) * s.t_95 - (1/s.d_V) * s.t_96)
 
     @leaf
     def dA(s):
@@ -661,45 +683,45 @@ class mse_bias0_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(mm(tr(s.N_1), s.t_18, s.N_1, s.W_K), True), mean0(mm(tr(s.N_1), tr(s.t_18), s.N_1, s.W_Q), True), mean0(s.t_37, True), mean0(mm(tr(s.N_2), s.t_10), True), mean0(mm(s.t_25, s.G), True),)
+        return (mean0(s.mm("N_1' t_18 N_1 W_K", tr(s.N_1), s.t_18, s.N_1, s.W_K), True), mean0(s.mm("N_1' t_18' N_1 W_Q", tr(s.N_1), tr(s.t_18), s.N_1, s.W_Q), True), mean0((s.t_36 + s.mm("N_1' A' t_37", tr(s.N_1), tr(s.A), s.t_37)), True), mean0(s.mm("N_2' t_10", tr(s.N_2), s.t_10), True), mean0(s.mm('t_25 G', s.t_25, s.G), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_38 = mm(s.t_8, V_W_2)
-        t_39 = s.mm_sum(3, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_38 = s.mm('t_8 _', s.t_8, V_W_2)
+        t_39 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_40 = softmax_diff(s.A, t_39)
-        t_41 = s.mm_kept(2, '011', t_40, s.N_1, s.W_V)
-        t_42 = s.mm_kept(4, '110', s.A, s.N_1, V_W_V)
+        t_41 = s.mm('_ N_1 W_V', t_40, s.N_1, s.W_V)
+        t_42 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
         t_43 = (-(1/s.d_V) * bcast_last(sum_last((t_41 + t_42)), s.d_V) + t_41 + t_42)
         t_44 = bcast_last(sum_last((t_43 * s.M_N_2)), s.d_V)
-        t_45 = (mm(((t_43 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_44 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
-        t_46 = mm((t_45 * s.t_7), s.W_2)
+        t_45 = s.mm('_ W_1', ((t_43 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_44 * s.M_N_2)), s.W_1)
+        t_46 = s.mm('_ W_2', ((t_45 + s.mm('N_2 _', s.N_2, V_W_1)) * s.t_7), s.W_2)
         t_47 = ((2/(s.L*s.d_V)) * t_38 + (2/(s.L*s.d_V)) * t_46 + (2/(s.L*s.d_V)) * t_41 + (2/(s.L*s.d_V)) * t_42)
-        t_48 = mm(t_47, tr(s.W_2))
+        t_48 = s.mm("_ W_2'", t_47, tr(s.W_2))
         t_49 = (s.t_7 * t_48)
-        t_50 = mm(t_49, tr(s.W_1))
+        t_50 = s.mm("_ W_1'", t_49, tr(s.W_1))
         t_51 = (bcast_last(sum_last((s.t_6 * t_50 * s.M_N_2)), s.d_V) * s.M_N_2)
         t_52 = (t_50 * s.P_N_2)
         t_53 = (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * t_51 - (1/(math.sqrt(s.d_K)*s.d_V)) * t_52)
         t_54 = ((2/(math.sqrt(s.d_K)*s.d_V)) * t_51 + (1/math.sqrt(s.d_K)) * t_52 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_38 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_46 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_41 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_42)
-        t_55 = (sum_last(t_53) * sum_rows(s.t_3) + s.mm_kept(5, '011', t_54, tr(s.W_V), tr(s.N_1)))
+        t_55 = (sum_last(t_53) * sum_rows(s.t_3) + s.mm("_ W_V' N_1'", t_54, tr(s.W_V), tr(s.N_1)))
         t_56 = softmax_diff(s.A, t_55)
-        t_57 = s.mm_kept(7, '110', tr(s.N_1), tr(s.A), (-(2/s.d_V**2) * t_51 - (1/s.d_V) * t_52))
+        t_57 = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (-(2/s.d_V**2) * t_51 - (1/s.d_V) * t_52))
         t_58 = ((2/s.d_V) * t_51 + t_52 + (2/(s.L*s.d_V)) * t_38 + (2/(s.L*s.d_V)) * t_46 + (2/(s.L*s.d_V)) * t_41 + (2/(s.L*s.d_V)) * t_42)
-        t_59 = (bcast_last(sum_last(t_57), s.d_V) + s.mm_kept(8, '110', tr(s.N_1), tr(s.A), t_58))
-        t_60 = mm(s.t_25, t_47)
-        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_56, s.N_1, s.W_K), True), mean0(s.mm_kept(6, '1011', tr(s.N_1), tr(t_56), s.N_1, s.W_Q), True), mean0(t_59, True), mean0(mm(tr(s.N_2), t_49), True), mean0(t_60, True),)
+        t_59 = (bcast_last(sum_last(t_57), s.d_V) + s.mm("N_1' A' _", tr(s.N_1), tr(s.A), t_58))
+        t_60 = s.mm('t_25 _', s.t_25, t_47)
+        return (mean0(s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_56, s.N_1, s.W_K), True), mean0(s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_56), s.N_1, s.W_Q), True), mean0(t_59, True), mean0(s.mm("N_2' _", tr(s.N_2), t_49), True), mean0(t_60, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_61 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_61 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_62 = softmax_diff2(s.A, s.t_17, t_61)
-        t_63 = (s.t_7 * mm(s.G, tr(V_W_2)))
-        t_64 = (mm(s.t_10, tr(V_W_1)) + mm(t_63, tr(s.W_1)))
+        t_63 = (s.t_7 * s.mm('G _', s.G, tr(V_W_2)))
+        t_64 = (s.mm('t_10 _', s.t_10, tr(V_W_1)) + s.mm("_ W_1'", t_63, tr(s.W_1)))
         t_65 = (t_64 * s.P_N_2)
         t_66 = softmax_diff(s.A, t_61)
-        t_67 = s.mm_kept(12, '011', t_66, s.N_1, s.W_V)
-        t_68 = s.mm_kept(13, '110', s.A, s.N_1, V_W_V)
+        t_67 = s.mm('_ N_1 W_V', t_66, s.N_1, s.W_V)
+        t_68 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
         t_69 = (-(1/s.d_V) * bcast_last(sum_last((t_67 + t_68)), s.d_V) + t_67 + t_68)
         t_70 = (t_69 * s.t_12)
         t_71 = bcast_last(sum_last((t_69 * s.M_N_2)), s.d_V)
@@ -708,63 +730,65 @@ class mse_bias0_causal0(Forward):
         t_74 = (bcast_last(sum_last(t_73), s.d_V) * s.M_N_2)
         t_75 = ((1/math.sqrt(s.d_K)) * t_65 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_72 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_74)
         t_76 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_65 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_72 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_74)
-        t_77 = (sum_last(t_76) * sum_rows(s.t_3) + sum_last(s.t_15) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
-        t_78 = (s.mm_sum(11, 'r', (1, '011', t_75, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_16, tr(V_W_V), tr(s.N_1))) + t_77)
+        t_77 = (sum_last(t_76) * sum_rows(s.t_3) + sum_last(s.t_15) * sum_rows(s.mm("_ N_1'", tr(V_W_V), tr(s.N_1))))
+        t_78 = (s.mm_sum('r', (1, "_ W_V' N_1'", t_75, tr(s.W_V), tr(s.N_1)), (1, "t_16 _ N_1'", s.t_16, tr(V_W_V), tr(s.N_1))) + t_77)
         t_79 = softmax_diff(s.A, t_78)
-        t_80 = s.mm_sum(9, 'l', (1, '1011', tr(s.N_1), (t_62 + t_79), s.N_1, s.W_K), (1, '1110', tr(s.N_1), s.t_18, s.N_1, V_W_K))
-        t_81 = s.mm_sum(14, 'l', (1, '1110', tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q), (1, '1011', tr(s.N_1), (tr(t_62) + tr(t_79)), s.N_1, s.W_Q))
-        t_82 = (-(1/s.d_V) * t_65 - (2/s.d_V**2) * t_70 - (2/s.d_V**2) * t_72 - (2/s.d_V**2) * t_74)
-        t_83 = bcast_last(sum_last(s.mm_kept(16, '110', tr(s.N_1), tr(s.A), t_82)), s.d_V)
-        t_84 = (s.mm_sum(15, 'l', (1, '110', tr(s.N_1), tr(s.A), (t_65 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74)), (1, '101', tr(s.N_1), tr(t_66), s.t_36)) + (bcast_last(sum_last(mm(tr(s.N_1), tr(t_66), s.t_35)), s.d_V) + t_83))
-        t_85 = s.mm_kept(17, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_86 = s.mm_kept(18, '110', tr(s.W_V), tr(s.N_1), tr(t_66))
-        t_87 = (-(1/s.d_V) * bcast_rows(sum_rows((t_85 + t_86)), s.d_V) + t_85 + t_86)
-        t_88 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_87 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_89 = ((t_87 * tr(s.P_N_2)) + (2/s.d_V) * t_88)
-        t_90 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_89)) * heaviside(s.t_24, 0.0))
-        return (mean0(t_80, True), mean0(t_81, True), mean0(t_84, True), mean0((mm(t_89, s.t_10) + mm(tr(s.N_2), t_63)), True), mean0(mm(t_90, s.G), True),)
+        t_80 = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_62 + t_79), s.N_1, s.W_K), (1, "N_1' t_18 N_1 _", tr(s.N_1), s.t_18, s.N_1, V_W_K))
+        t_81 = s.mm_sum('l', (1, "N_1' t_18' N_1 _", tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_62) + tr(t_79)), s.N_1, s.W_Q))
+        t_82 = bcast_last(sum_last(s.mm("N_1' _ t_35", tr(s.N_1), tr(t_66), s.t_35)), s.d_V)
+        t_83 = (-(1/s.d_V) * t_65 - (2/s.d_V**2) * t_70 - (2/s.d_V**2) * t_72 - (2/s.d_V**2) * t_74)
+        t_84 = (t_82 + bcast_last(sum_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), t_83)), s.d_V))
+        t_85 = (s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), (t_65 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74)), (1, "N_1' _ t_37", tr(s.N_1), tr(t_66), s.t_37)) + t_84)
+        t_86 = s.mm("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_87 = s.mm("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_66))
+        t_88 = (-(1/s.d_V) * bcast_rows(sum_rows((t_86 + t_87)), s.d_V) + t_86 + t_87)
+        t_89 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_88 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_90 = ((t_88 * tr(s.P_N_2)) + (2/s.d_V) * t_89)
+        t_91 = ((s.mm("_ N_2'", tr(V_W_1), tr(s.N_2)) + s.mm("W_1' _", tr(s.W_1), t_90)) * heaviside(s.t_24, 0.0))
+        return (mean0(t_80, True), mean0(t_81, True), mean0(t_85, True), mean0((s.mm('_ t_10', t_90, s.t_10) + s.mm("N_2' _", tr(s.N_2), t_63)), True), mean0(s.mm('_ G', t_91, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_99 = s.mm_sum(20, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_100 = softmax_diff2(s.A, s.t_98, t_99)
-        t_101 = mm(s.t_8, V_W_2)
-        t_102 = softmax_diff(s.A, t_99)
-        t_103 = s.mm_kept(22, '011', t_102, s.N_1, s.W_V)
-        t_104 = s.mm_kept(23, '110', s.A, s.N_1, V_W_V)
-        t_105 = (-(1/s.d_V) * bcast_last(sum_last((t_103 + t_104)), s.d_V) + t_103 + t_104)
-        t_106 = bcast_last(sum_last((t_105 * s.M_N_2)), s.d_V)
-        t_107 = (mm(((t_105 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_106 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
-        t_108 = mm((t_107 * s.t_7), s.W_2)
-        t_109 = ((2/(s.L*s.d_V)) * t_101 + (2/(s.L*s.d_V)) * t_108 + (2/(s.L*s.d_V)) * t_103 + (2/(s.L*s.d_V)) * t_104)
-        t_110 = mm(t_109, tr(s.W_2))
-        t_111 = ((t_110 + mm(s.G, tr(V_W_2))) * s.t_7)
-        t_112 = (mm(t_111, tr(s.W_1)) + mm(s.t_91, tr(V_W_1)))
-        t_113 = (t_112 * s.P_N_2)
-        t_114 = (t_105 * s.t_93)
-        t_115 = (s.t_6 * t_106 * s.t_92)
-        t_116 = ((t_112 * s.t_6 * s.M_N_2) + (t_105 * s.t_6 * s.t_92) + (2/s.d_V) * (s.t_30 * t_106 * s.t_92 * s.M_N_2))
-        t_117 = (bcast_last(sum_last(t_116), s.d_V) * s.M_N_2)
-        t_118 = ((1/math.sqrt(s.d_K)) * t_113 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_114 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_115 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_117 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_101 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_108 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_103 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_104)
-        t_119 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_113 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_114 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_115 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_117)
-        t_120 = (sum_last(t_119) * sum_rows(s.t_3) + sum_last(s.t_96) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
-        t_121 = (s.mm_sum(21, 'r', (1, '011', t_118, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_97, tr(V_W_V), tr(s.N_1))) + t_120)
-        t_122 = softmax_diff(s.A, t_121)
-        t_124 = s.mm_sum(19, 'l', (1, '1011', tr(s.N_1), (t_100 + t_122), s.N_1, s.W_K), (1, '1110', tr(s.N_1), s.t_123, s.N_1, V_W_K))
-        t_125 = s.mm_sum(24, 'l', (1, '1110', tr(s.N_1), tr(s.t_123), s.N_1, V_W_Q), (1, '1011', tr(s.N_1), (tr(t_100) + tr(t_122)), s.N_1, s.W_Q))
-        t_127 = (t_113 + (2/s.d_V) * t_114 + (2/s.d_V) * t_115 + (2/s.d_V) * t_117 + (2/(s.L*s.d_V)) * t_101 + (2/(s.L*s.d_V)) * t_108 + (2/(s.L*s.d_V)) * t_103 + (2/(s.L*s.d_V)) * t_104)
-        t_128 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_102), (-(2/s.d_V**2) * s.t_94 - (1/s.d_V) * s.t_95))), s.d_V)
-        t_129 = (-(1/s.d_V) * t_113 - (2/s.d_V**2) * t_114 - (2/s.d_V**2) * t_115 - (2/s.d_V**2) * t_117)
-        t_130 = bcast_last(sum_last(s.mm_kept(26, '110', tr(s.N_1), tr(s.A), t_129)), s.d_V)
-        t_131 = (s.mm_sum(25, 'l', (1, '101', tr(s.N_1), tr(t_102), s.t_126), (1, '110', tr(s.N_1), tr(s.A), t_127)) + (t_128 + t_130))
-        t_132 = s.mm_kept(27, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_133 = s.mm_kept(28, '110', tr(s.W_V), tr(s.N_1), tr(t_102))
-        t_134 = (-(1/s.d_V) * bcast_rows(sum_rows((t_132 + t_133)), s.d_V) + t_132 + t_133)
-        t_135 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_134 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_136 = ((t_134 * tr(s.P_N_2)) + (2/s.d_V) * t_135)
-        t_137 = mm(s.t_25, t_109)
-        t_138 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_136)) * heaviside(s.t_24, 0.0))
-        return (mean0(t_124, True), mean0(t_125, True), mean0(t_131, True), mean0((mm(t_136, s.t_91) + mm(tr(s.N_2), t_111)), True), mean0((t_137 + mm(t_138, s.G)), True),)
+        t_100 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_101 = softmax_diff2(s.A, s.t_99, t_100)
+        t_102 = s.mm('t_8 _', s.t_8, V_W_2)
+        t_103 = softmax_diff(s.A, t_100)
+        t_104 = s.mm('_ N_1 W_V', t_103, s.N_1, s.W_V)
+        t_105 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_106 = (-(1/s.d_V) * bcast_last(sum_last((t_104 + t_105)), s.d_V) + t_104 + t_105)
+        t_107 = bcast_last(sum_last((t_106 * s.M_N_2)), s.d_V)
+        t_108 = s.mm('_ W_1', ((t_106 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_107 * s.M_N_2)), s.W_1)
+        t_109 = s.mm('_ W_2', ((t_108 + s.mm('N_2 _', s.N_2, V_W_1)) * s.t_7), s.W_2)
+        t_110 = ((2/(s.L*s.d_V)) * t_102 + (2/(s.L*s.d_V)) * t_109 + (2/(s.L*s.d_V)) * t_104 + (2/(s.L*s.d_V)) * t_105)
+        t_111 = s.mm("_ W_2'", t_110, tr(s.W_2))
+        t_112 = ((t_111 + s.mm('G _', s.G, tr(V_W_2))) * s.t_7)
+        t_113 = (s.mm("_ W_1'", t_112, tr(s.W_1)) + s.mm('t_92 _', s.t_92, tr(V_W_1)))
+        t_114 = (t_113 * s.P_N_2)
+        t_115 = (t_106 * s.t_94)
+        t_116 = (s.t_6 * t_107 * s.t_93)
+        t_117 = ((t_113 * s.t_6 * s.M_N_2) + (t_106 * s.t_6 * s.t_93) + (2/s.d_V) * (s.t_30 * t_107 * s.t_93 * s.M_N_2))
+        t_118 = (bcast_last(sum_last(t_117), s.d_V) * s.M_N_2)
+        t_119 = ((1/math.sqrt(s.d_K)) * t_114 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_115 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_116 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_118 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_102 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_109 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_104 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_105)
+        t_120 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_114 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_115 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_116 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_118)
+        t_121 = (sum_last(t_120) * sum_rows(s.t_3) + sum_last(s.t_97) * sum_rows(s.mm("_ N_1'", tr(V_W_V), tr(s.N_1))))
+        t_122 = (s.mm_sum('r', (1, "_ W_V' N_1'", t_119, tr(s.W_V), tr(s.N_1)), (1, "t_98 _ N_1'", s.t_98, tr(V_W_V), tr(s.N_1))) + t_121)
+        t_123 = softmax_diff(s.A, t_122)
+        t_125 = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_101 + t_123), s.N_1, s.W_K), (1, "N_1' t_124 N_1 _", tr(s.N_1), s.t_124, s.N_1, V_W_K))
+        t_126 = s.mm_sum('l', (1, "N_1' t_124' N_1 _", tr(s.N_1), tr(s.t_124), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_101) + tr(t_123)), s.N_1, s.W_Q))
+        t_128 = (t_114 + (2/s.d_V) * t_115 + (2/s.d_V) * t_116 + (2/s.d_V) * t_118 + (2/(s.L*s.d_V)) * t_102 + (2/(s.L*s.d_V)) * t_109 + (2/(s.L*s.d_V)) * t_104 + (2/(s.L*s.d_V)) * t_105)
+        t_130 = bcast_last(sum_last(s.mm("N_1' _ t_129", tr(s.N_1), tr(t_103), s.t_129)), s.d_V)
+        t_131 = (-(1/s.d_V) * t_114 - (2/s.d_V**2) * t_115 - (2/s.d_V**2) * t_116 - (2/s.d_V**2) * t_118)
+        t_132 = bcast_last(sum_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), t_131)), s.d_V)
+        t_133 = (s.mm_sum('l', (1, "N_1' _ t_127", tr(s.N_1), tr(t_103), s.t_127), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_128)) + (t_130 + t_132))
+        t_134 = s.mm("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_135 = s.mm("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_103))
+        t_136 = (-(1/s.d_V) * bcast_rows(sum_rows((t_134 + t_135)), s.d_V) + t_134 + t_135)
+        t_137 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_136 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_138 = ((t_136 * tr(s.P_N_2)) + (2/s.d_V) * t_137)
+        t_139 = s.mm('t_25 _', s.t_25, t_110)
+        t_140 = (s.mm("_ N_2'", tr(V_W_1), tr(s.N_2)) + s.mm("W_1' _", tr(s.W_1), t_138))
+        t_141 = (t_140 * heaviside(s.t_24, 0.0))
+        return (mean0(t_125, True), mean0(t_126, True), mean0(t_133, True), mean0((s.mm('_ t_92', t_138, s.t_92) + s.mm("N_2' _", tr(s.N_2), t_112)), True), mean0((t_139 + s.mm('_ G', t_141, s.G)), True),)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -775,7 +799,21 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "2a9d470a1190d473b3977570"
+    STAMP = "1cac3cfa61665a0a06f70943"
+    RUNS = {
+        'A N_1': 16,
+        "G W_2'": 2,
+        'N_1 W_K': 10,
+        'N_1 W_Q': 10,
+        'N_1 W_V': 13,
+        "N_1' t_100": 2,
+        "N_1' t_100 N_1": 2,
+        "N_1' t_100'": 2,
+        "N_1' t_18": 4,
+        "N_1' t_18 N_1": 4,
+        "N_1' t_18'": 5,
+        'N_2 W_1': 2,
+    }
 
     @leaf
     def M_N_1(s):
@@ -795,31 +833,35 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def t(s):
-        return mm(tr(s.W_K), tr(s.N_1))
+        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
 
     @leaf
     def t_2(s):
-        return mm(s.N_1, s.W_V)
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
     def t_3(s):
-        return mm(tr(s.W_V), tr(s.N_1))
+        return s.mm("W_V' N_1'", tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_4(s):
-        return mm(s.N_1, s.W_K)
+        return s.mm('N_1 W_K', s.N_1, s.W_K)
 
     @leaf
     def t_5(s):
-        return mm(s.N_1, s.W_Q)
+        return s.mm('N_1 W_Q', s.N_1, s.W_Q)
+
+    @leaf
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("N_1 W_Q W_K' N_1'", s.N_1, s.W_Q, tr(s.W_K), tr(s.N_1))
 
     @leaf
     def A(s):
-        return softmax_rows((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(s.W_K), tr(s.N_1)), causal=True)
+        return softmax_rows(s.T, causal=True)
 
     @leaf
     def Y_2(s):
-        return (mm(s.A, s.N_1, s.W_V) + s.X)
+        return (s.mm('A N_1 W_V', s.A, s.N_1, s.W_V) + s.X)
 
     @leaf
     def M_N_2(s):
@@ -843,7 +885,7 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def H(s):
-        return mm(s.N_2, s.W_1)
+        return s.mm('N_2 W_1', s.N_2, s.W_1)
 
     @leaf
     def t_7(s):
@@ -855,7 +897,7 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def t_9(s):
-        return mm(s.t_8, s.W_2)
+        return s.mm('t_8 W_2', s.t_8, s.W_2)
 
     @leaf
     def F(s):
@@ -867,11 +909,11 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def t_10(s):
-        return (s.t_7 * mm(s.G, tr(s.W_2)))
+        return (s.t_7 * s.mm("G W_2'", s.G, tr(s.W_2)))
 
     @leaf
     def t_11(s):
-        return mm(s.t_10, tr(s.W_1))
+        return s.mm("t_10 W_1'", s.t_10, tr(s.W_1))
 
     @leaf
     def t_12(s):
@@ -895,7 +937,7 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def t_17(s):
-        return (sum_last(s.t_15) * sum_rows(s.t_3) + mm(s.t_16, tr(s.W_V), tr(s.N_1)))
+        return (sum_last(s.t_15) * sum_rows(s.t_3) + s.mm("t_16 W_V' N_1'", s.t_16, tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_18(s):
@@ -903,27 +945,27 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def t_19(s):
-        return mm(s.t_18, s.N_1)
+        return s.mm('t_18 N_1', s.t_18, s.N_1)
 
     @leaf
     def t_20(s):
-        return mm(s.A, s.N_1)
+        return s.mm('A N_1', s.A, s.N_1)
 
     @leaf
     def t_21(s):
-        return mm(tr(s.W_Q), tr(s.N_1))
+        return s.mm("W_Q' N_1'", tr(s.W_Q), tr(s.N_1))
 
     @leaf
     def t_22(s):
-        return mm(tr(s.N_1), tr(s.A))
+        return s.mm("N_1' A'", tr(s.N_1), tr(s.A))
 
     @leaf
     def t_23(s):
-        return mm(s.W_2, tr(s.W_2))
+        return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
     def t_24(s):
-        return mm(tr(s.W_1), tr(s.N_2))
+        return s.mm("W_1' N_2'", tr(s.W_1), tr(s.N_2))
 
     @leaf
     def t_25(s):
@@ -931,7 +973,7 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def t_26(s):
-        return mm(s.t_25, s.t_8)
+        return s.mm('t_25 t_8', s.t_25, s.t_8)
 
     @leaf
     def t_27(s):
@@ -975,47 +1017,51 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def t_37(s):
-        return (mm(tr(s.N_1), tr(s.A), s.t_35) + bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), s.t_36)), s.d_V))
-
-    @leaf
-    def t_91(s):
-        return (s.t_7 * mm(s.G, tr(s.W_2)))
+        return bcast_last(sum_last(s.mm("N_1' A' t_36", tr(s.N_1), tr(s.A), s.t_36)), s.d_V)
 
     @leaf
     def t_92(s):
-        return mm(s.t_91, tr(s.W_1))
+        return (s.t_7 * s.mm("G W_2'", s.G, tr(s.W_2)))
 
     @leaf
     def t_93(s):
-        return bcast_last(sum_last((s.t_6 * s.t_92 * s.M_N_2)), s.d_V)
+        return s.mm("t_92 W_1'", s.t_92, tr(s.W_1))
 
     @leaf
     def t_94(s):
-        return (s.t_93 * s.M_N_2)
+        return bcast_last(sum_last((s.t_6 * s.t_93 * s.M_N_2)), s.d_V)
 
     @leaf
     def t_95(s):
-        return (s.t_92 * s.P_N_2)
+        return (s.t_94 * s.M_N_2)
 
     @leaf
     def t_96(s):
-        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_94 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_95)
+        return (s.t_93 * s.P_N_2)
 
     @leaf
     def t_97(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_94 + (1/math.sqrt(s.d_K)) * s.t_95 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_95 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_96)
 
     @leaf
     def t_98(s):
-        return (sum_last(s.t_96) * sum_rows(s.t_3) + mm(s.t_97, tr(s.W_V), tr(s.N_1)))
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_95 + (1/math.sqrt(s.d_K)) * s.t_96 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
 
     @leaf
     def t_99(s):
-        return softmax_diff(s.A, s.t_98)
+        return (sum_last(s.t_97) * sum_rows(s.t_3) + s.mm("t_98 W_V' N_1'", s.t_98, tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_126(s):
-        return ((2/s.d_V) * s.t_94 + s.t_95 + (2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+    def t_100(s):
+        return softmax_diff(s.A, s.t_99)
+
+    @leaf
+    def t_127(s):
+        return ((2/s.d_V) * s.t_95 + s.t_96 + (2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+
+    @leaf
+    def t_131(s):
+        return (-(2/s.d_V**2) * s.t_95 - (1/s.d_V) * s.t_96)
 
     @leaf
     def dA(s):
@@ -1416,45 +1462,45 @@ class mse_bias0_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(mm(tr(s.N_1), s.t_18, s.N_1, s.W_K), True), mean0(mm(tr(s.N_1), tr(s.t_18), s.N_1, s.W_Q), True), mean0(s.t_37, True), mean0(mm(tr(s.N_2), s.t_10), True), mean0(mm(s.t_25, s.G), True),)
+        return (mean0(s.mm("N_1' t_18 N_1 W_K", tr(s.N_1), s.t_18, s.N_1, s.W_K), True), mean0(s.mm("N_1' t_18' N_1 W_Q", tr(s.N_1), tr(s.t_18), s.N_1, s.W_Q), True), mean0((s.mm("N_1' A' t_35", tr(s.N_1), tr(s.A), s.t_35) + s.t_37), True), mean0(s.mm("N_2' t_10", tr(s.N_2), s.t_10), True), mean0(s.mm('t_25 G', s.t_25, s.G), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_38 = mm(s.t_8, V_W_2)
-        t_39 = s.mm_sum(3, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_38 = s.mm('t_8 _', s.t_8, V_W_2)
+        t_39 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_40 = softmax_diff(s.A, t_39)
-        t_41 = s.mm_kept(2, '011', t_40, s.N_1, s.W_V)
-        t_42 = s.mm_kept(4, '110', s.A, s.N_1, V_W_V)
+        t_41 = s.mm('_ N_1 W_V', t_40, s.N_1, s.W_V)
+        t_42 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
         t_43 = (-(1/s.d_V) * bcast_last(sum_last((t_41 + t_42)), s.d_V) + t_41 + t_42)
         t_44 = bcast_last(sum_last((t_43 * s.M_N_2)), s.d_V)
-        t_45 = (mm(((t_43 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_44 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
-        t_46 = mm((t_45 * s.t_7), s.W_2)
+        t_45 = s.mm('_ W_1', ((t_43 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_44 * s.M_N_2)), s.W_1)
+        t_46 = s.mm('_ W_2', ((t_45 + s.mm('N_2 _', s.N_2, V_W_1)) * s.t_7), s.W_2)
         t_47 = ((2/(s.L*s.d_V)) * t_38 + (2/(s.L*s.d_V)) * t_46 + (2/(s.L*s.d_V)) * t_41 + (2/(s.L*s.d_V)) * t_42)
-        t_48 = mm(t_47, tr(s.W_2))
+        t_48 = s.mm("_ W_2'", t_47, tr(s.W_2))
         t_49 = (s.t_7 * t_48)
-        t_50 = mm(t_49, tr(s.W_1))
+        t_50 = s.mm("_ W_1'", t_49, tr(s.W_1))
         t_51 = (bcast_last(sum_last((s.t_6 * t_50 * s.M_N_2)), s.d_V) * s.M_N_2)
         t_52 = (t_50 * s.P_N_2)
         t_53 = (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * t_51 - (1/(math.sqrt(s.d_K)*s.d_V)) * t_52)
         t_54 = ((2/(math.sqrt(s.d_K)*s.d_V)) * t_51 + (1/math.sqrt(s.d_K)) * t_52 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_38 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_46 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_41 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_42)
-        t_55 = (sum_last(t_53) * sum_rows(s.t_3) + s.mm_kept(5, '011', t_54, tr(s.W_V), tr(s.N_1)))
+        t_55 = (sum_last(t_53) * sum_rows(s.t_3) + s.mm("_ W_V' N_1'", t_54, tr(s.W_V), tr(s.N_1)))
         t_56 = softmax_diff(s.A, t_55)
         t_57 = ((2/s.d_V) * t_51 + t_52 + (2/(s.L*s.d_V)) * t_38 + (2/(s.L*s.d_V)) * t_46 + (2/(s.L*s.d_V)) * t_41 + (2/(s.L*s.d_V)) * t_42)
-        t_58 = s.mm_kept(8, '110', tr(s.N_1), tr(s.A), (-(2/s.d_V**2) * t_51 - (1/s.d_V) * t_52))
-        t_59 = (s.mm_kept(7, '110', tr(s.N_1), tr(s.A), t_57) + bcast_last(sum_last(t_58), s.d_V))
-        t_60 = mm(s.t_25, t_47)
-        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_56, s.N_1, s.W_K), True), mean0(s.mm_kept(6, '1011', tr(s.N_1), tr(t_56), s.N_1, s.W_Q), True), mean0(t_59, True), mean0(mm(tr(s.N_2), t_49), True), mean0(t_60, True),)
+        t_58 = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (-(2/s.d_V**2) * t_51 - (1/s.d_V) * t_52))
+        t_59 = (s.mm("N_1' A' _", tr(s.N_1), tr(s.A), t_57) + bcast_last(sum_last(t_58), s.d_V))
+        t_60 = s.mm('t_25 _', s.t_25, t_47)
+        return (mean0(s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_56, s.N_1, s.W_K), True), mean0(s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_56), s.N_1, s.W_Q), True), mean0(t_59, True), mean0(s.mm("N_2' _", tr(s.N_2), t_49), True), mean0(t_60, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_61 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_61 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_62 = softmax_diff2(s.A, s.t_17, t_61)
-        t_63 = (s.t_7 * mm(s.G, tr(V_W_2)))
-        t_64 = (mm(s.t_10, tr(V_W_1)) + mm(t_63, tr(s.W_1)))
+        t_63 = (s.t_7 * s.mm('G _', s.G, tr(V_W_2)))
+        t_64 = (s.mm('t_10 _', s.t_10, tr(V_W_1)) + s.mm("_ W_1'", t_63, tr(s.W_1)))
         t_65 = (t_64 * s.P_N_2)
         t_66 = softmax_diff(s.A, t_61)
-        t_67 = s.mm_kept(12, '011', t_66, s.N_1, s.W_V)
-        t_68 = s.mm_kept(13, '110', s.A, s.N_1, V_W_V)
+        t_67 = s.mm('_ N_1 W_V', t_66, s.N_1, s.W_V)
+        t_68 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
         t_69 = (-(1/s.d_V) * bcast_last(sum_last((t_67 + t_68)), s.d_V) + t_67 + t_68)
         t_70 = (t_69 * s.t_12)
         t_71 = bcast_last(sum_last((t_69 * s.M_N_2)), s.d_V)
@@ -1463,63 +1509,65 @@ class mse_bias0_causal1(Forward):
         t_74 = (bcast_last(sum_last(t_73), s.d_V) * s.M_N_2)
         t_75 = ((1/math.sqrt(s.d_K)) * t_65 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_72 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_74)
         t_76 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_65 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_72 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_74)
-        t_77 = (sum_last(t_76) * sum_rows(s.t_3) + sum_last(s.t_15) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
-        t_78 = (s.mm_sum(11, 'r', (1, '011', t_75, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_16, tr(V_W_V), tr(s.N_1))) + t_77)
+        t_77 = (sum_last(t_76) * sum_rows(s.t_3) + sum_last(s.t_15) * sum_rows(s.mm("_ N_1'", tr(V_W_V), tr(s.N_1))))
+        t_78 = (s.mm_sum('r', (1, "_ W_V' N_1'", t_75, tr(s.W_V), tr(s.N_1)), (1, "t_16 _ N_1'", s.t_16, tr(V_W_V), tr(s.N_1))) + t_77)
         t_79 = softmax_diff(s.A, t_78)
-        t_80 = s.mm_sum(9, 'l', (1, '1110', tr(s.N_1), s.t_18, s.N_1, V_W_K), (1, '1011', tr(s.N_1), (t_62 + t_79), s.N_1, s.W_K))
-        t_81 = s.mm_sum(14, 'l', (1, '1011', tr(s.N_1), (tr(t_62) + tr(t_79)), s.N_1, s.W_Q), (1, '1110', tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q))
-        t_82 = (-(1/s.d_V) * t_65 - (2/s.d_V**2) * t_70 - (2/s.d_V**2) * t_72 - (2/s.d_V**2) * t_74)
-        t_83 = bcast_last(sum_last(s.mm_kept(16, '110', tr(s.N_1), tr(s.A), t_82)), s.d_V)
-        t_84 = (s.mm_sum(15, 'l', (1, '101', tr(s.N_1), tr(t_66), s.t_35), (1, '110', tr(s.N_1), tr(s.A), (t_65 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74))) + (bcast_last(sum_last(mm(tr(s.N_1), tr(t_66), s.t_36)), s.d_V) + t_83))
-        t_85 = s.mm_kept(17, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_86 = s.mm_kept(18, '110', tr(s.W_V), tr(s.N_1), tr(t_66))
-        t_87 = (-(1/s.d_V) * bcast_rows(sum_rows((t_85 + t_86)), s.d_V) + t_85 + t_86)
-        t_88 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_87 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_89 = ((t_87 * tr(s.P_N_2)) + (2/s.d_V) * t_88)
-        t_90 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_89)) * heaviside(s.t_24, 0.0))
-        return (mean0(t_80, True), mean0(t_81, True), mean0(t_84, True), mean0((mm(t_89, s.t_10) + mm(tr(s.N_2), t_63)), True), mean0(mm(t_90, s.G), True),)
+        t_80 = s.mm_sum('l', (1, "N_1' t_18 N_1 _", tr(s.N_1), s.t_18, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_62 + t_79), s.N_1, s.W_K))
+        t_81 = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_62) + tr(t_79)), s.N_1, s.W_Q), (1, "N_1' t_18' N_1 _", tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q))
+        t_82 = bcast_last(sum_last(s.mm("N_1' _ t_36", tr(s.N_1), tr(t_66), s.t_36)), s.d_V)
+        t_83 = (-(1/s.d_V) * t_65 - (2/s.d_V**2) * t_70 - (2/s.d_V**2) * t_72 - (2/s.d_V**2) * t_74)
+        t_84 = (t_82 + bcast_last(sum_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), t_83)), s.d_V))
+        t_85 = (s.mm_sum('l', (1, "N_1' _ t_35", tr(s.N_1), tr(t_66), s.t_35), (1, "N_1' A' _", tr(s.N_1), tr(s.A), (t_65 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74))) + t_84)
+        t_86 = s.mm("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_87 = s.mm("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_66))
+        t_88 = (-(1/s.d_V) * bcast_rows(sum_rows((t_86 + t_87)), s.d_V) + t_86 + t_87)
+        t_89 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_88 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_90 = ((t_88 * tr(s.P_N_2)) + (2/s.d_V) * t_89)
+        t_91 = ((s.mm("_ N_2'", tr(V_W_1), tr(s.N_2)) + s.mm("W_1' _", tr(s.W_1), t_90)) * heaviside(s.t_24, 0.0))
+        return (mean0(t_80, True), mean0(t_81, True), mean0(t_85, True), mean0((s.mm('_ t_10', t_90, s.t_10) + s.mm("N_2' _", tr(s.N_2), t_63)), True), mean0(s.mm('_ G', t_91, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_100 = s.mm_sum(20, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_101 = softmax_diff2(s.A, s.t_98, t_100)
-        t_102 = mm(s.t_8, V_W_2)
-        t_103 = softmax_diff(s.A, t_100)
-        t_104 = s.mm_kept(22, '011', t_103, s.N_1, s.W_V)
-        t_105 = s.mm_kept(23, '110', s.A, s.N_1, V_W_V)
-        t_106 = (-(1/s.d_V) * bcast_last(sum_last((t_104 + t_105)), s.d_V) + t_104 + t_105)
-        t_107 = bcast_last(sum_last((t_106 * s.M_N_2)), s.d_V)
-        t_108 = (mm(((t_106 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_107 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
-        t_109 = mm((t_108 * s.t_7), s.W_2)
-        t_110 = ((2/(s.L*s.d_V)) * t_102 + (2/(s.L*s.d_V)) * t_109 + (2/(s.L*s.d_V)) * t_104 + (2/(s.L*s.d_V)) * t_105)
-        t_111 = mm(t_110, tr(s.W_2))
-        t_112 = ((t_111 + mm(s.G, tr(V_W_2))) * s.t_7)
-        t_113 = (mm(t_112, tr(s.W_1)) + mm(s.t_91, tr(V_W_1)))
-        t_114 = (t_113 * s.P_N_2)
-        t_115 = (t_106 * s.t_93)
-        t_116 = (s.t_6 * t_107 * s.t_92)
-        t_117 = ((t_113 * s.t_6 * s.M_N_2) + (t_106 * s.t_6 * s.t_92) + (2/s.d_V) * (s.t_30 * t_107 * s.t_92 * s.M_N_2))
-        t_118 = (bcast_last(sum_last(t_117), s.d_V) * s.M_N_2)
-        t_119 = ((1/math.sqrt(s.d_K)) * t_114 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_115 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_116 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_118 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_102 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_109 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_104 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_105)
-        t_120 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_114 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_115 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_116 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_118)
-        t_121 = (sum_last(t_120) * sum_rows(s.t_3) + sum_last(s.t_96) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
-        t_122 = (s.mm_sum(21, 'r', (1, '011', t_119, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_97, tr(V_W_V), tr(s.N_1))) + t_121)
-        t_123 = softmax_diff(s.A, t_122)
-        t_124 = s.mm_sum(19, 'l', (1, '1110', tr(s.N_1), s.t_99, s.N_1, V_W_K), (1, '1011', tr(s.N_1), (t_101 + t_123), s.N_1, s.W_K))
-        t_125 = s.mm_sum(24, 'l', (1, '1011', tr(s.N_1), (tr(t_101) + tr(t_123)), s.N_1, s.W_Q), (1, '1110', tr(s.N_1), tr(s.t_99), s.N_1, V_W_Q))
-        t_127 = (t_114 + (2/s.d_V) * t_115 + (2/s.d_V) * t_116 + (2/s.d_V) * t_118 + (2/(s.L*s.d_V)) * t_102 + (2/(s.L*s.d_V)) * t_109 + (2/(s.L*s.d_V)) * t_104 + (2/(s.L*s.d_V)) * t_105)
-        t_128 = (-(1/s.d_V) * t_114 - (2/s.d_V**2) * t_115 - (2/s.d_V**2) * t_116 - (2/s.d_V**2) * t_118)
-        t_129 = bcast_last(sum_last(s.mm_kept(26, '110', tr(s.N_1), tr(s.A), t_128)), s.d_V)
-        t_130 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_103), (-(2/s.d_V**2) * s.t_94 - (1/s.d_V) * s.t_95))), s.d_V)
-        t_131 = (s.mm_sum(25, 'l', (1, '101', tr(s.N_1), tr(t_103), s.t_126), (1, '110', tr(s.N_1), tr(s.A), t_127)) + (t_129 + t_130))
-        t_132 = s.mm_kept(27, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_133 = s.mm_kept(28, '110', tr(s.W_V), tr(s.N_1), tr(t_103))
-        t_134 = (-(1/s.d_V) * bcast_rows(sum_rows((t_132 + t_133)), s.d_V) + t_132 + t_133)
-        t_135 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_134 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_136 = ((t_134 * tr(s.P_N_2)) + (2/s.d_V) * t_135)
-        t_137 = mm(s.t_25, t_110)
-        t_138 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_136)) * heaviside(s.t_24, 0.0))
-        return (mean0(t_124, True), mean0(t_125, True), mean0(t_131, True), mean0((mm(t_136, s.t_91) + mm(tr(s.N_2), t_112)), True), mean0((t_137 + mm(t_138, s.G)), True),)
+        t_101 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_102 = softmax_diff2(s.A, s.t_99, t_101)
+        t_103 = s.mm('t_8 _', s.t_8, V_W_2)
+        t_104 = softmax_diff(s.A, t_101)
+        t_105 = s.mm('_ N_1 W_V', t_104, s.N_1, s.W_V)
+        t_106 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_107 = (-(1/s.d_V) * bcast_last(sum_last((t_105 + t_106)), s.d_V) + t_105 + t_106)
+        t_108 = bcast_last(sum_last((t_107 * s.M_N_2)), s.d_V)
+        t_109 = s.mm('_ W_1', ((t_107 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_108 * s.M_N_2)), s.W_1)
+        t_110 = s.mm('_ W_2', ((t_109 + s.mm('N_2 _', s.N_2, V_W_1)) * s.t_7), s.W_2)
+        t_111 = ((2/(s.L*s.d_V)) * t_103 + (2/(s.L*s.d_V)) * t_110 + (2/(s.L*s.d_V)) * t_105 + (2/(s.L*s.d_V)) * t_106)
+        t_112 = s.mm("_ W_2'", t_111, tr(s.W_2))
+        t_113 = ((t_112 + s.mm('G _', s.G, tr(V_W_2))) * s.t_7)
+        t_114 = (s.mm("_ W_1'", t_113, tr(s.W_1)) + s.mm('t_92 _', s.t_92, tr(V_W_1)))
+        t_115 = (t_114 * s.P_N_2)
+        t_116 = (t_107 * s.t_94)
+        t_117 = (s.t_6 * t_108 * s.t_93)
+        t_118 = ((t_114 * s.t_6 * s.M_N_2) + (t_107 * s.t_6 * s.t_93) + (2/s.d_V) * (s.t_30 * t_108 * s.t_93 * s.M_N_2))
+        t_119 = (bcast_last(sum_last(t_118), s.d_V) * s.M_N_2)
+        t_120 = ((1/math.sqrt(s.d_K)) * t_115 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_116 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_117 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_119 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_103 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_110 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_105 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_106)
+        t_121 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_115 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_116 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_117 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_119)
+        t_122 = (sum_last(t_121) * sum_rows(s.t_3) + sum_last(s.t_97) * sum_rows(s.mm("_ N_1'", tr(V_W_V), tr(s.N_1))))
+        t_123 = (s.mm_sum('r', (1, "_ W_V' N_1'", t_120, tr(s.W_V), tr(s.N_1)), (1, "t_98 _ N_1'", s.t_98, tr(V_W_V), tr(s.N_1))) + t_122)
+        t_124 = softmax_diff(s.A, t_123)
+        t_125 = s.mm_sum('l', (1, "N_1' t_100 N_1 _", tr(s.N_1), s.t_100, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_102 + t_124), s.N_1, s.W_K))
+        t_126 = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_102) + tr(t_124)), s.N_1, s.W_Q), (1, "N_1' t_100' N_1 _", tr(s.N_1), tr(s.t_100), s.N_1, V_W_Q))
+        t_128 = (t_115 + (2/s.d_V) * t_116 + (2/s.d_V) * t_117 + (2/s.d_V) * t_119 + (2/(s.L*s.d_V)) * t_103 + (2/(s.L*s.d_V)) * t_110 + (2/(s.L*s.d_V)) * t_105 + (2/(s.L*s.d_V)) * t_106)
+        t_129 = (-(1/s.d_V) * t_115 - (2/s.d_V**2) * t_116 - (2/s.d_V**2) * t_117 - (2/s.d_V**2) * t_119)
+        t_130 = bcast_last(sum_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), t_129)), s.d_V)
+        t_132 = bcast_last(sum_last(s.mm("N_1' _ t_131", tr(s.N_1), tr(t_104), s.t_131)), s.d_V)
+        t_133 = (s.mm_sum('l', (1, "N_1' _ t_127", tr(s.N_1), tr(t_104), s.t_127), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_128)) + (t_130 + t_132))
+        t_134 = s.mm("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_135 = s.mm("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_104))
+        t_136 = (-(1/s.d_V) * bcast_rows(sum_rows((t_134 + t_135)), s.d_V) + t_134 + t_135)
+        t_137 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_136 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_138 = ((t_136 * tr(s.P_N_2)) + (2/s.d_V) * t_137)
+        t_139 = s.mm('t_25 _', s.t_25, t_111)
+        t_140 = (s.mm("_ N_2'", tr(V_W_1), tr(s.N_2)) + s.mm("W_1' _", tr(s.W_1), t_138))
+        t_141 = (t_140 * heaviside(s.t_24, 0.0))
+        return (mean0(t_125, True), mean0(t_126, True), mean0(t_133, True), mean0((s.mm('_ t_92', t_138, s.t_92) + s.mm("N_2' _", tr(s.N_2), t_113)), True), mean0((t_139 + s.mm('_ G', t_141, s.G)), True),)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -1530,7 +1578,21 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "035e72733db14bdd90186e72"
+    STAMP = "ec64016c52bb5cf0bd41b942"
+    RUNS = {
+        'A N_1': 16,
+        "G W_2'": 2,
+        'N_1 W_K': 10,
+        'N_1 W_Q': 10,
+        'N_1 W_V': 13,
+        "N_1' t_119": 2,
+        "N_1' t_119 N_1": 2,
+        "N_1' t_119'": 2,
+        "N_1' t_20": 4,
+        "N_1' t_20 N_1": 4,
+        "N_1' t_20'": 5,
+        'N_2 W_1': 2,
+    }
 
     @leaf
     def M_N_1(s):
@@ -1550,11 +1612,11 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def t(s):
-        return mm(tr(s.W_K), tr(s.N_1))
+        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
 
     @leaf
     def t_2(s):
-        return mm(s.N_1, s.W_V)
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
     def t_3(s):
@@ -1562,23 +1624,27 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def t_4(s):
-        return mm(tr(s.W_V), tr(s.N_1))
+        return s.mm("W_V' N_1'", tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_5(s):
-        return mm(s.N_1, s.W_K)
+        return s.mm('N_1 W_K', s.N_1, s.W_K)
 
     @leaf
     def t_6(s):
-        return mm(s.N_1, s.W_Q)
+        return s.mm('N_1 W_Q', s.N_1, s.W_Q)
+
+    @leaf
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("N_1 W_Q W_K' N_1'", s.N_1, s.W_Q, tr(s.W_K), tr(s.N_1))
 
     @leaf
     def A(s):
-        return softmax_rows((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(s.W_K), tr(s.N_1)))
+        return softmax_rows(s.T)
 
     @leaf
     def Y_2(s):
-        return (mm(s.A, s.N_1, s.W_V) + s.X)
+        return (s.mm('A N_1 W_V', s.A, s.N_1, s.W_V) + s.X)
 
     @leaf
     def M_N_2(s):
@@ -1602,7 +1668,7 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def H(s):
-        return mm(s.N_2, s.W_1)
+        return s.mm('N_2 W_1', s.N_2, s.W_1)
 
     @leaf
     def t_8(s):
@@ -1614,7 +1680,7 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def F(s):
-        return (mm(s.t_9, s.W_2) + s.Y_2)
+        return (s.mm('t_9 W_2', s.t_9, s.W_2) + s.Y_2)
 
     @leaf
     def t_10(s):
@@ -1630,11 +1696,11 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def t_12(s):
-        return (s.t_8 * mm(s.G, tr(s.W_2)))
+        return (s.t_8 * s.mm("G W_2'", s.G, tr(s.W_2)))
 
     @leaf
     def t_13(s):
-        return mm(s.t_12, tr(s.W_1))
+        return s.mm("t_12 W_1'", s.t_12, tr(s.W_1))
 
     @leaf
     def t_14(s):
@@ -1658,7 +1724,7 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def t_19(s):
-        return (sum_last(s.t_17) * sum_rows(s.t_4) + mm(s.t_18, tr(s.W_V), tr(s.N_1)))
+        return (sum_last(s.t_17) * sum_rows(s.t_4) + s.mm("t_18 W_V' N_1'", s.t_18, tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_20(s):
@@ -1666,23 +1732,23 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def t_21(s):
-        return mm(s.t_20, s.N_1)
+        return s.mm('t_20 N_1', s.t_20, s.N_1)
 
     @leaf
     def t_22(s):
-        return mm(s.A, s.N_1)
+        return s.mm('A N_1', s.A, s.N_1)
 
     @leaf
     def t_23(s):
-        return mm(tr(s.W_Q), tr(s.N_1))
+        return s.mm("W_Q' N_1'", tr(s.W_Q), tr(s.N_1))
 
     @leaf
     def t_24(s):
-        return mm(tr(s.N_1), tr(s.A))
+        return s.mm("N_1' A'", tr(s.N_1), tr(s.A))
 
     @leaf
     def t_25(s):
-        return mm(tr(s.W_1), tr(s.N_2))
+        return s.mm("W_1' N_2'", tr(s.W_1), tr(s.N_2))
 
     @leaf
     def t_26(s):
@@ -1726,47 +1792,55 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def t_36(s):
-        return ((2/s.d_V) * s.t_15 + s.t_16 + s.G)
+        return bcast_last(sum_last(s.mm("N_1' A' t_35", tr(s.N_1), tr(s.A), s.t_35)), s.d_V)
 
     @leaf
     def t_37(s):
-        return (bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), s.t_35)), s.d_V) + mm(tr(s.N_1), tr(s.A), s.t_36))
-
-    @leaf
-    def t_87(s):
-        return (s.t_8 * mm(s.G, tr(s.W_2)))
+        return ((2/s.d_V) * s.t_15 + s.t_16 + s.G)
 
     @leaf
     def t_88(s):
-        return mm(s.t_87, tr(s.W_1))
+        return (s.t_8 * s.mm("G W_2'", s.G, tr(s.W_2)))
 
     @leaf
     def t_89(s):
-        return bcast_last(sum_last((s.t_7 * s.t_88 * s.M_N_2)), s.d_V)
+        return s.mm("t_88 W_1'", s.t_88, tr(s.W_1))
 
     @leaf
     def t_90(s):
-        return (s.t_89 * s.M_N_2)
+        return bcast_last(sum_last((s.t_7 * s.t_89 * s.M_N_2)), s.d_V)
 
     @leaf
     def t_91(s):
-        return (s.t_88 * s.P_N_2)
+        return (s.t_90 * s.M_N_2)
 
     @leaf
     def t_92(s):
-        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_90 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_91)
+        return (s.t_89 * s.P_N_2)
 
     @leaf
     def t_93(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_90 + (1/math.sqrt(s.d_K)) * s.t_91 + (1/(s.L*math.sqrt(s.d_K))) * s.t_11 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
+        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_91 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_92)
 
     @leaf
     def t_94(s):
-        return (sum_last(s.t_92) * sum_rows(s.t_4) + mm(s.t_93, tr(s.W_V), tr(s.N_1)))
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_91 + (1/math.sqrt(s.d_K)) * s.t_92 + (1/(s.L*math.sqrt(s.d_K))) * s.t_11 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
 
     @leaf
-    def t_117(s):
-        return softmax_diff(s.A, s.t_94)
+    def t_95(s):
+        return (sum_last(s.t_93) * sum_rows(s.t_4) + s.mm("t_94 W_V' N_1'", s.t_94, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_119(s):
+        return softmax_diff(s.A, s.t_95)
+
+    @leaf
+    def t_123(s):
+        return ((2/s.d_V) * s.t_91 + s.t_92 + (1/s.L) * s.t_11 - (1/s.L) * s.Y)
+
+    @leaf
+    def t_126(s):
+        return (-(2/s.d_V**2) * s.t_91 - (1/s.d_V) * s.t_92)
 
     @leaf
     def dA(s):
@@ -2168,41 +2242,41 @@ class ce_bias0_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(mm(tr(s.N_1), s.t_20, s.N_1, s.W_K), True), mean0(mm(tr(s.N_1), tr(s.t_20), s.N_1, s.W_Q), True), mean0(s.t_37, True), mean0(mm(tr(s.N_2), s.t_12), True), mean0(mm(s.t_26, s.G), True),)
+        return (mean0(s.mm("N_1' t_20 N_1 W_K", tr(s.N_1), s.t_20, s.N_1, s.W_K), True), mean0(s.mm("N_1' t_20' N_1 W_Q", tr(s.N_1), tr(s.t_20), s.N_1, s.W_Q), True), mean0((s.t_36 + s.mm("N_1' A' t_37", tr(s.N_1), tr(s.A), s.t_37)), True), mean0(s.mm("N_2' t_12", tr(s.N_2), s.t_12), True), mean0(s.mm('t_26 G', s.t_26, s.G), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_38 = s.mm_sum(3, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_38 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_39 = softmax_diff(s.A, t_38)
-        t_40 = s.mm_kept(2, '011', t_39, s.N_1, s.W_V)
-        t_41 = s.mm_kept(4, '110', s.A, s.N_1, V_W_V)
+        t_40 = s.mm('_ N_1 W_V', t_39, s.N_1, s.W_V)
+        t_41 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
         t_42 = (-(1/s.d_V) * bcast_last(sum_last((t_40 + t_41)), s.d_V) + t_40 + t_41)
         t_43 = bcast_last(sum_last((t_42 * s.M_N_2)), s.d_V)
-        t_44 = (mm(((t_42 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_43 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
-        t_45 = (mm(s.t_9, V_W_2) + mm((t_44 * s.t_8), s.W_2) + t_40 + t_41)
+        t_44 = s.mm('_ W_1', ((t_42 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_43 * s.M_N_2)), s.W_1)
+        t_45 = (s.mm('t_9 _', s.t_9, V_W_2) + s.mm('_ W_2', ((t_44 + s.mm('N_2 _', s.N_2, V_W_1)) * s.t_8), s.W_2) + t_40 + t_41)
         t_46 = (s.t_3 * softmax_diff(s.t_29, t_45))
-        t_47 = (s.t_8 * mm(t_46, tr(s.W_2)))
-        t_48 = mm(t_47, tr(s.W_1))
+        t_47 = (s.t_8 * s.mm("_ W_2'", t_46, tr(s.W_2)))
+        t_48 = s.mm("_ W_1'", t_47, tr(s.W_1))
         t_49 = (bcast_last(sum_last((s.t_7 * t_48 * s.M_N_2)), s.d_V) * s.M_N_2)
         t_50 = (t_48 * s.P_N_2)
         t_51 = (-(2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_49 - (1/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_50)
         t_52 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_49 + (1/(s.L*math.sqrt(s.d_K))) * t_50 + (1/(s.L*math.sqrt(s.d_K))) * t_46)
-        t_53 = (sum_last(t_51) * sum_rows(s.t_4) + s.mm_kept(5, '011', t_52, tr(s.W_V), tr(s.N_1)))
+        t_53 = (sum_last(t_51) * sum_rows(s.t_4) + s.mm("_ W_V' N_1'", t_52, tr(s.W_V), tr(s.N_1)))
         t_54 = softmax_diff(s.A, t_53)
-        t_55 = s.mm_kept(7, '110', tr(s.N_1), tr(s.A), ((2/(s.L*s.d_V)) * t_49 + (1/s.L) * t_50 + (1/s.L) * t_46))
-        t_56 = s.mm_kept(8, '110', tr(s.N_1), tr(s.A), (-(2/(s.L*s.d_V**2)) * t_49 - (1/(s.L*s.d_V)) * t_50))
-        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_54, s.N_1, s.W_K), True), mean0(s.mm_kept(6, '1011', tr(s.N_1), tr(t_54), s.N_1, s.W_Q), True), mean0((t_55 + bcast_last(sum_last(t_56), s.d_V)), True), mean0((1/s.L) * mm(tr(s.N_2), t_47), True), mean0((1/s.L) * mm(s.t_26, t_46), True),)
+        t_55 = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), ((2/(s.L*s.d_V)) * t_49 + (1/s.L) * t_50 + (1/s.L) * t_46))
+        t_56 = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (-(2/(s.L*s.d_V**2)) * t_49 - (1/(s.L*s.d_V)) * t_50))
+        return (mean0(s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_54, s.N_1, s.W_K), True), mean0(s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_54), s.N_1, s.W_Q), True), mean0((t_55 + bcast_last(sum_last(t_56), s.d_V)), True), mean0((1/s.L) * s.mm("N_2' _", tr(s.N_2), t_47), True), mean0((1/s.L) * s.mm('t_26 _', s.t_26, t_46), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_57 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_57 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_58 = softmax_diff2(s.A, s.t_19, t_57)
-        t_59 = (s.t_8 * mm(s.G, tr(V_W_2)))
-        t_60 = (mm(t_59, tr(s.W_1)) + mm(s.t_12, tr(V_W_1)))
+        t_59 = (s.t_8 * s.mm('G _', s.G, tr(V_W_2)))
+        t_60 = (s.mm("_ W_1'", t_59, tr(s.W_1)) + s.mm('t_12 _', s.t_12, tr(V_W_1)))
         t_61 = (t_60 * s.P_N_2)
         t_62 = softmax_diff(s.A, t_57)
-        t_63 = s.mm_kept(12, '011', t_62, s.N_1, s.W_V)
-        t_64 = s.mm_kept(13, '110', s.A, s.N_1, V_W_V)
+        t_63 = s.mm('_ N_1 W_V', t_62, s.N_1, s.W_V)
+        t_64 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
         t_65 = (-(1/s.d_V) * bcast_last(sum_last((t_63 + t_64)), s.d_V) + t_63 + t_64)
         t_66 = (t_65 * s.t_14)
         t_67 = bcast_last(sum_last((t_65 * s.M_N_2)), s.d_V)
@@ -2211,60 +2285,63 @@ class ce_bias0_causal0(Forward):
         t_70 = (bcast_last(sum_last(t_69), s.d_V) * s.M_N_2)
         t_71 = ((1/math.sqrt(s.d_K)) * t_61 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_66 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_68 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70)
         t_72 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_61 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_66 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_68 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70)
-        t_73 = (sum_last(t_72) * sum_rows(s.t_4) + sum_last(s.t_17) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
-        t_74 = (s.mm_sum(11, 'r', (1, '011', t_71, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_18, tr(V_W_V), tr(s.N_1))) + t_73)
+        t_73 = (sum_last(t_72) * sum_rows(s.t_4) + sum_last(s.t_17) * sum_rows(s.mm("_ N_1'", tr(V_W_V), tr(s.N_1))))
+        t_74 = (s.mm_sum('r', (1, "_ W_V' N_1'", t_71, tr(s.W_V), tr(s.N_1)), (1, "t_18 _ N_1'", s.t_18, tr(V_W_V), tr(s.N_1))) + t_73)
         t_75 = softmax_diff(s.A, t_74)
-        t_76 = s.mm_sum(9, 'l', (1, '1110', tr(s.N_1), s.t_20, s.N_1, V_W_K), (1, '1011', tr(s.N_1), (t_58 + t_75), s.N_1, s.W_K))
-        t_77 = s.mm_sum(14, 'l', (1, '1011', tr(s.N_1), (tr(t_58) + tr(t_75)), s.N_1, s.W_Q), (1, '1110', tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q))
-        t_78 = (-(1/s.d_V) * t_61 - (2/s.d_V**2) * t_66 - (2/s.d_V**2) * t_68 - (2/s.d_V**2) * t_70)
-        t_79 = bcast_last(sum_last(s.mm_kept(16, '110', tr(s.N_1), tr(s.A), t_78)), s.d_V)
-        t_80 = (s.mm_sum(15, 'l', (1, '110', tr(s.N_1), tr(s.A), (t_61 + (2/s.d_V) * t_66 + (2/s.d_V) * t_68 + (2/s.d_V) * t_70)), (1, '101', tr(s.N_1), tr(t_62), s.t_36)) + (bcast_last(sum_last(mm(tr(s.N_1), tr(t_62), s.t_35)), s.d_V) + t_79))
-        t_81 = s.mm_kept(17, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_82 = s.mm_kept(18, '110', tr(s.W_V), tr(s.N_1), tr(t_62))
-        t_83 = (-(1/s.d_V) * bcast_rows(sum_rows((t_81 + t_82)), s.d_V) + t_81 + t_82)
-        t_84 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_83 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_85 = ((t_83 * tr(s.P_N_2)) + (2/s.d_V) * t_84)
-        t_86 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_85)) * heaviside(s.t_25, 0.0))
-        return (mean0(t_76, True), mean0(t_77, True), mean0(t_80, True), mean0((mm(t_85, s.t_12) + mm(tr(s.N_2), t_59)), True), mean0(mm(t_86, s.G), True),)
+        t_76 = s.mm_sum('l', (1, "N_1' t_20 N_1 _", tr(s.N_1), s.t_20, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_58 + t_75), s.N_1, s.W_K))
+        t_77 = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_58) + tr(t_75)), s.N_1, s.W_Q), (1, "N_1' t_20' N_1 _", tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q))
+        t_78 = bcast_last(sum_last(s.mm("N_1' _ t_35", tr(s.N_1), tr(t_62), s.t_35)), s.d_V)
+        t_79 = (-(1/s.d_V) * t_61 - (2/s.d_V**2) * t_66 - (2/s.d_V**2) * t_68 - (2/s.d_V**2) * t_70)
+        t_80 = (t_78 + bcast_last(sum_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), t_79)), s.d_V))
+        t_81 = (s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), (t_61 + (2/s.d_V) * t_66 + (2/s.d_V) * t_68 + (2/s.d_V) * t_70)), (1, "N_1' _ t_37", tr(s.N_1), tr(t_62), s.t_37)) + t_80)
+        t_82 = s.mm("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_83 = s.mm("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_62))
+        t_84 = (-(1/s.d_V) * bcast_rows(sum_rows((t_82 + t_83)), s.d_V) + t_82 + t_83)
+        t_85 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_84 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_86 = ((t_84 * tr(s.P_N_2)) + (2/s.d_V) * t_85)
+        t_87 = ((s.mm("_ N_2'", tr(V_W_1), tr(s.N_2)) + s.mm("W_1' _", tr(s.W_1), t_86)) * heaviside(s.t_25, 0.0))
+        return (mean0(t_76, True), mean0(t_77, True), mean0(t_81, True), mean0((s.mm('_ t_12', t_86, s.t_12) + s.mm("N_2' _", tr(s.N_2), t_59)), True), mean0(s.mm('_ G', t_87, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_95 = s.mm_sum(20, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_96 = softmax_diff2(s.A, s.t_94, t_95)
-        t_97 = softmax_diff(s.A, t_95)
-        t_98 = s.mm_kept(22, '011', t_97, s.N_1, s.W_V)
-        t_99 = s.mm_kept(23, '110', s.A, s.N_1, V_W_V)
-        t_100 = (-(1/s.d_V) * bcast_last(sum_last((t_98 + t_99)), s.d_V) + t_98 + t_99)
-        t_101 = bcast_last(sum_last((t_100 * s.M_N_2)), s.d_V)
-        t_102 = (mm(((t_100 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_101 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
-        t_103 = (mm(s.t_9, V_W_2) + mm((t_102 * s.t_8), s.W_2) + t_98 + t_99)
-        t_104 = (s.t_3 * softmax_diff(s.t_10, t_103))
-        t_105 = ((mm(s.G, tr(V_W_2)) + (1/s.L) * mm(t_104, tr(s.W_2))) * s.t_8)
-        t_106 = (mm(t_105, tr(s.W_1)) + mm(s.t_87, tr(V_W_1)))
-        t_107 = (t_106 * s.P_N_2)
-        t_108 = (t_100 * s.t_89)
-        t_109 = (s.t_7 * t_101 * s.t_88)
-        t_110 = ((t_106 * s.t_7 * s.M_N_2) + (t_100 * s.t_7 * s.t_88) + (2/s.d_V) * (s.t_31 * t_101 * s.t_88 * s.M_N_2))
-        t_111 = (bcast_last(sum_last(t_110), s.d_V) * s.M_N_2)
-        t_112 = ((1/math.sqrt(s.d_K)) * t_107 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_108 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_109 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_111 + (1/(s.L*math.sqrt(s.d_K))) * t_104)
-        t_113 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_107 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_108 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_109 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_111)
-        t_114 = (sum_last(t_113) * sum_rows(s.t_4) + sum_last(s.t_92) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
-        t_115 = (s.mm_sum(21, 'r', (1, '011', t_112, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_93, tr(V_W_V), tr(s.N_1))) + t_114)
-        t_116 = softmax_diff(s.A, t_115)
-        t_118 = s.mm_sum(19, 'l', (1, '1011', tr(s.N_1), (t_96 + t_116), s.N_1, s.W_K), (1, '1110', tr(s.N_1), s.t_117, s.N_1, V_W_K))
-        t_119 = s.mm_sum(24, 'l', (1, '1110', tr(s.N_1), tr(s.t_117), s.N_1, V_W_Q), (1, '1011', tr(s.N_1), (tr(t_96) + tr(t_116)), s.N_1, s.W_Q))
-        t_120 = (t_107 + (2/s.d_V) * t_108 + (2/s.d_V) * t_109 + (2/s.d_V) * t_111 + (1/s.L) * t_104)
-        t_121 = (-(1/s.d_V) * t_107 - (2/s.d_V**2) * t_108 - (2/s.d_V**2) * t_109 - (2/s.d_V**2) * t_111)
-        t_122 = bcast_last(sum_last(s.mm_kept(26, '110', tr(s.N_1), tr(s.A), t_121)), s.d_V)
-        t_123 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_97), (-(2/s.d_V**2) * s.t_90 - (1/s.d_V) * s.t_91))), s.d_V)
-        t_124 = (s.mm_sum(25, 'l', (1, '110', tr(s.N_1), tr(s.A), t_120), (1, '101', tr(s.N_1), tr(t_97), ((2/s.d_V) * s.t_90 + s.t_91 + (1/s.L) * s.t_11 - (1/s.L) * s.Y))) + (t_122 + t_123))
-        t_125 = s.mm_kept(27, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_126 = s.mm_kept(28, '110', tr(s.W_V), tr(s.N_1), tr(t_97))
-        t_127 = (-(1/s.d_V) * bcast_rows(sum_rows((t_125 + t_126)), s.d_V) + t_125 + t_126)
-        t_128 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_127 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_129 = ((t_127 * tr(s.P_N_2)) + (2/s.d_V) * t_128)
-        t_130 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_129)) * heaviside(s.t_25, 0.0))
-        return (mean0(t_118, True), mean0(t_119, True), mean0(t_124, True), mean0((mm(t_129, s.t_87) + mm(tr(s.N_2), t_105)), True), mean0(((1/s.L) * mm(s.t_26, t_104) + mm(t_130, s.G)), True),)
+        t_96 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_97 = softmax_diff2(s.A, s.t_95, t_96)
+        t_98 = softmax_diff(s.A, t_96)
+        t_99 = s.mm('_ N_1 W_V', t_98, s.N_1, s.W_V)
+        t_100 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_101 = (-(1/s.d_V) * bcast_last(sum_last((t_99 + t_100)), s.d_V) + t_99 + t_100)
+        t_102 = bcast_last(sum_last((t_101 * s.M_N_2)), s.d_V)
+        t_103 = s.mm('_ W_1', ((t_101 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_102 * s.M_N_2)), s.W_1)
+        t_104 = (s.mm('t_9 _', s.t_9, V_W_2) + s.mm('_ W_2', ((t_103 + s.mm('N_2 _', s.N_2, V_W_1)) * s.t_8), s.W_2) + t_99 + t_100)
+        t_105 = (s.t_3 * softmax_diff(s.t_10, t_104))
+        t_106 = (s.mm('G _', s.G, tr(V_W_2)) + (1/s.L) * s.mm("_ W_2'", t_105, tr(s.W_2)))
+        t_107 = (t_106 * s.t_8)
+        t_108 = (s.mm("_ W_1'", t_107, tr(s.W_1)) + s.mm('t_88 _', s.t_88, tr(V_W_1)))
+        t_109 = (t_108 * s.P_N_2)
+        t_110 = (t_101 * s.t_90)
+        t_111 = (s.t_7 * t_102 * s.t_89)
+        t_112 = ((t_108 * s.t_7 * s.M_N_2) + (t_101 * s.t_7 * s.t_89) + (2/s.d_V) * (s.t_31 * t_102 * s.t_89 * s.M_N_2))
+        t_113 = (bcast_last(sum_last(t_112), s.d_V) * s.M_N_2)
+        t_114 = ((1/math.sqrt(s.d_K)) * t_109 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_110 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_111 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_113 + (1/(s.L*math.sqrt(s.d_K))) * t_105)
+        t_115 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_109 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_110 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_111 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_113)
+        t_116 = (sum_last(t_115) * sum_rows(s.t_4) + sum_last(s.t_93) * sum_rows(s.mm("_ N_1'", tr(V_W_V), tr(s.N_1))))
+        t_117 = (s.mm_sum('r', (1, "_ W_V' N_1'", t_114, tr(s.W_V), tr(s.N_1)), (1, "t_94 _ N_1'", s.t_94, tr(V_W_V), tr(s.N_1))) + t_116)
+        t_118 = softmax_diff(s.A, t_117)
+        t_120 = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_97 + t_118), s.N_1, s.W_K), (1, "N_1' t_119 N_1 _", tr(s.N_1), s.t_119, s.N_1, V_W_K))
+        t_121 = s.mm_sum('l', (1, "N_1' t_119' N_1 _", tr(s.N_1), tr(s.t_119), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_97) + tr(t_118)), s.N_1, s.W_Q))
+        t_122 = (t_109 + (2/s.d_V) * t_110 + (2/s.d_V) * t_111 + (2/s.d_V) * t_113 + (1/s.L) * t_105)
+        t_124 = (-(1/s.d_V) * t_109 - (2/s.d_V**2) * t_110 - (2/s.d_V**2) * t_111 - (2/s.d_V**2) * t_113)
+        t_125 = bcast_last(sum_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), t_124)), s.d_V)
+        t_127 = bcast_last(sum_last(s.mm("N_1' _ t_126", tr(s.N_1), tr(t_98), s.t_126)), s.d_V)
+        t_128 = (s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_122), (1, "N_1' _ t_123", tr(s.N_1), tr(t_98), s.t_123)) + (t_125 + t_127))
+        t_129 = s.mm("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_130 = s.mm("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_98))
+        t_131 = (-(1/s.d_V) * bcast_rows(sum_rows((t_129 + t_130)), s.d_V) + t_129 + t_130)
+        t_132 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_131 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_133 = ((t_131 * tr(s.P_N_2)) + (2/s.d_V) * t_132)
+        t_134 = (s.mm("_ N_2'", tr(V_W_1), tr(s.N_2)) + s.mm("W_1' _", tr(s.W_1), t_133))
+        t_135 = (t_134 * heaviside(s.t_25, 0.0))
+        return (mean0(t_120, True), mean0(t_121, True), mean0(t_128, True), mean0((s.mm('_ t_88', t_133, s.t_88) + s.mm("N_2' _", tr(s.N_2), t_107)), True), mean0(((1/s.L) * s.mm('t_26 _', s.t_26, t_105) + s.mm('_ G', t_135, s.G)), True),)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -2275,7 +2352,21 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "53f4c2d637a139fa9faf2924"
+    STAMP = "484c7e5e07cd6fca12073e11"
+    RUNS = {
+        'A N_1': 16,
+        "G W_2'": 2,
+        'N_1 W_K': 10,
+        'N_1 W_Q': 10,
+        'N_1 W_V': 13,
+        "N_1' t_119": 2,
+        "N_1' t_119 N_1": 2,
+        "N_1' t_119'": 2,
+        "N_1' t_20": 4,
+        "N_1' t_20 N_1": 4,
+        "N_1' t_20'": 5,
+        'N_2 W_1': 2,
+    }
 
     @leaf
     def M_N_1(s):
@@ -2295,11 +2386,11 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def t(s):
-        return mm(tr(s.W_K), tr(s.N_1))
+        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
 
     @leaf
     def t_2(s):
-        return mm(s.N_1, s.W_V)
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
     def t_3(s):
@@ -2307,23 +2398,27 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def t_4(s):
-        return mm(tr(s.W_V), tr(s.N_1))
+        return s.mm("W_V' N_1'", tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_5(s):
-        return mm(s.N_1, s.W_K)
+        return s.mm('N_1 W_K', s.N_1, s.W_K)
 
     @leaf
     def t_6(s):
-        return mm(s.N_1, s.W_Q)
+        return s.mm('N_1 W_Q', s.N_1, s.W_Q)
+
+    @leaf
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("N_1 W_Q W_K' N_1'", s.N_1, s.W_Q, tr(s.W_K), tr(s.N_1))
 
     @leaf
     def A(s):
-        return softmax_rows((1/math.sqrt(s.d_K)) * mm(s.N_1, s.W_Q, tr(s.W_K), tr(s.N_1)), causal=True)
+        return softmax_rows(s.T, causal=True)
 
     @leaf
     def Y_2(s):
-        return (mm(s.A, s.N_1, s.W_V) + s.X)
+        return (s.mm('A N_1 W_V', s.A, s.N_1, s.W_V) + s.X)
 
     @leaf
     def M_N_2(s):
@@ -2347,7 +2442,7 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def H(s):
-        return mm(s.N_2, s.W_1)
+        return s.mm('N_2 W_1', s.N_2, s.W_1)
 
     @leaf
     def t_8(s):
@@ -2359,7 +2454,7 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def F(s):
-        return (mm(s.t_9, s.W_2) + s.Y_2)
+        return (s.mm('t_9 W_2', s.t_9, s.W_2) + s.Y_2)
 
     @leaf
     def t_10(s):
@@ -2375,11 +2470,11 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def t_12(s):
-        return (s.t_8 * mm(s.G, tr(s.W_2)))
+        return (s.t_8 * s.mm("G W_2'", s.G, tr(s.W_2)))
 
     @leaf
     def t_13(s):
-        return mm(s.t_12, tr(s.W_1))
+        return s.mm("t_12 W_1'", s.t_12, tr(s.W_1))
 
     @leaf
     def t_14(s):
@@ -2403,7 +2498,7 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def t_19(s):
-        return (sum_last(s.t_17) * sum_rows(s.t_4) + mm(s.t_18, tr(s.W_V), tr(s.N_1)))
+        return (sum_last(s.t_17) * sum_rows(s.t_4) + s.mm("t_18 W_V' N_1'", s.t_18, tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_20(s):
@@ -2411,23 +2506,23 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def t_21(s):
-        return mm(s.t_20, s.N_1)
+        return s.mm('t_20 N_1', s.t_20, s.N_1)
 
     @leaf
     def t_22(s):
-        return mm(s.A, s.N_1)
+        return s.mm('A N_1', s.A, s.N_1)
 
     @leaf
     def t_23(s):
-        return mm(tr(s.W_Q), tr(s.N_1))
+        return s.mm("W_Q' N_1'", tr(s.W_Q), tr(s.N_1))
 
     @leaf
     def t_24(s):
-        return mm(tr(s.N_1), tr(s.A))
+        return s.mm("N_1' A'", tr(s.N_1), tr(s.A))
 
     @leaf
     def t_25(s):
-        return mm(tr(s.W_1), tr(s.N_2))
+        return s.mm("W_1' N_2'", tr(s.W_1), tr(s.N_2))
 
     @leaf
     def t_26(s):
@@ -2475,43 +2570,51 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def t_37(s):
-        return (mm(tr(s.N_1), tr(s.A), s.t_35) + bcast_last(sum_last(mm(tr(s.N_1), tr(s.A), s.t_36)), s.d_V))
-
-    @leaf
-    def t_87(s):
-        return (s.t_8 * mm(s.G, tr(s.W_2)))
+        return bcast_last(sum_last(s.mm("N_1' A' t_36", tr(s.N_1), tr(s.A), s.t_36)), s.d_V)
 
     @leaf
     def t_88(s):
-        return mm(s.t_87, tr(s.W_1))
+        return (s.t_8 * s.mm("G W_2'", s.G, tr(s.W_2)))
 
     @leaf
     def t_89(s):
-        return bcast_last(sum_last((s.t_7 * s.t_88 * s.M_N_2)), s.d_V)
+        return s.mm("t_88 W_1'", s.t_88, tr(s.W_1))
 
     @leaf
     def t_90(s):
-        return (s.t_89 * s.M_N_2)
+        return bcast_last(sum_last((s.t_7 * s.t_89 * s.M_N_2)), s.d_V)
 
     @leaf
     def t_91(s):
-        return (s.t_88 * s.P_N_2)
+        return (s.t_90 * s.M_N_2)
 
     @leaf
     def t_92(s):
-        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_90 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_91)
+        return (s.t_89 * s.P_N_2)
 
     @leaf
     def t_93(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_90 + (1/math.sqrt(s.d_K)) * s.t_91 + (1/(s.L*math.sqrt(s.d_K))) * s.t_11 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
+        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_91 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_92)
 
     @leaf
     def t_94(s):
-        return (sum_last(s.t_92) * sum_rows(s.t_4) + mm(s.t_93, tr(s.W_V), tr(s.N_1)))
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_91 + (1/math.sqrt(s.d_K)) * s.t_92 + (1/(s.L*math.sqrt(s.d_K))) * s.t_11 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
 
     @leaf
-    def t_117(s):
-        return softmax_diff(s.A, s.t_94)
+    def t_95(s):
+        return (sum_last(s.t_93) * sum_rows(s.t_4) + s.mm("t_94 W_V' N_1'", s.t_94, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_119(s):
+        return softmax_diff(s.A, s.t_95)
+
+    @leaf
+    def t_122(s):
+        return ((2/s.d_V) * s.t_91 + s.t_92 + (1/s.L) * s.t_11 - (1/s.L) * s.Y)
+
+    @leaf
+    def t_126(s):
+        return (-(2/s.d_V**2) * s.t_91 - (1/s.d_V) * s.t_92)
 
     @leaf
     def dA(s):
@@ -2913,41 +3016,41 @@ class ce_bias0_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(mm(tr(s.N_1), s.t_20, s.N_1, s.W_K), True), mean0(mm(tr(s.N_1), tr(s.t_20), s.N_1, s.W_Q), True), mean0(s.t_37, True), mean0(mm(tr(s.N_2), s.t_12), True), mean0(mm(s.t_26, s.G), True),)
+        return (mean0(s.mm("N_1' t_20 N_1 W_K", tr(s.N_1), s.t_20, s.N_1, s.W_K), True), mean0(s.mm("N_1' t_20' N_1 W_Q", tr(s.N_1), tr(s.t_20), s.N_1, s.W_Q), True), mean0((s.mm("N_1' A' t_35", tr(s.N_1), tr(s.A), s.t_35) + s.t_37), True), mean0(s.mm("N_2' t_12", tr(s.N_2), s.t_12), True), mean0(s.mm('t_26 G', s.t_26, s.G), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_38 = s.mm_sum(3, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_38 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_39 = softmax_diff(s.A, t_38)
-        t_40 = s.mm_kept(2, '011', t_39, s.N_1, s.W_V)
-        t_41 = s.mm_kept(4, '110', s.A, s.N_1, V_W_V)
+        t_40 = s.mm('_ N_1 W_V', t_39, s.N_1, s.W_V)
+        t_41 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
         t_42 = (-(1/s.d_V) * bcast_last(sum_last((t_40 + t_41)), s.d_V) + t_40 + t_41)
         t_43 = bcast_last(sum_last((t_42 * s.M_N_2)), s.d_V)
-        t_44 = (mm(((t_42 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_43 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
-        t_45 = (mm(s.t_9, V_W_2) + mm((t_44 * s.t_8), s.W_2) + t_40 + t_41)
+        t_44 = s.mm('_ W_1', ((t_42 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_43 * s.M_N_2)), s.W_1)
+        t_45 = (s.mm('t_9 _', s.t_9, V_W_2) + s.mm('_ W_2', ((t_44 + s.mm('N_2 _', s.N_2, V_W_1)) * s.t_8), s.W_2) + t_40 + t_41)
         t_46 = (s.t_3 * softmax_diff(s.t_29, t_45))
-        t_47 = (s.t_8 * mm(t_46, tr(s.W_2)))
-        t_48 = mm(t_47, tr(s.W_1))
+        t_47 = (s.t_8 * s.mm("_ W_2'", t_46, tr(s.W_2)))
+        t_48 = s.mm("_ W_1'", t_47, tr(s.W_1))
         t_49 = (bcast_last(sum_last((s.t_7 * t_48 * s.M_N_2)), s.d_V) * s.M_N_2)
         t_50 = (t_48 * s.P_N_2)
         t_51 = (-(2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_49 - (1/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_50)
         t_52 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_49 + (1/(s.L*math.sqrt(s.d_K))) * t_50 + (1/(s.L*math.sqrt(s.d_K))) * t_46)
-        t_53 = (sum_last(t_51) * sum_rows(s.t_4) + s.mm_kept(5, '011', t_52, tr(s.W_V), tr(s.N_1)))
+        t_53 = (sum_last(t_51) * sum_rows(s.t_4) + s.mm("_ W_V' N_1'", t_52, tr(s.W_V), tr(s.N_1)))
         t_54 = softmax_diff(s.A, t_53)
-        t_55 = s.mm_kept(7, '110', tr(s.N_1), tr(s.A), (-(2/(s.L*s.d_V**2)) * t_49 - (1/(s.L*s.d_V)) * t_50))
-        t_56 = s.mm_kept(8, '110', tr(s.N_1), tr(s.A), ((2/(s.L*s.d_V)) * t_49 + (1/s.L) * t_50 + (1/s.L) * t_46))
-        return (mean0(s.mm_kept(1, '1011', tr(s.N_1), t_54, s.N_1, s.W_K), True), mean0(s.mm_kept(6, '1011', tr(s.N_1), tr(t_54), s.N_1, s.W_Q), True), mean0((bcast_last(sum_last(t_55), s.d_V) + t_56), True), mean0((1/s.L) * mm(tr(s.N_2), t_47), True), mean0((1/s.L) * mm(s.t_26, t_46), True),)
+        t_55 = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (-(2/(s.L*s.d_V**2)) * t_49 - (1/(s.L*s.d_V)) * t_50))
+        t_56 = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), ((2/(s.L*s.d_V)) * t_49 + (1/s.L) * t_50 + (1/s.L) * t_46))
+        return (mean0(s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_54, s.N_1, s.W_K), True), mean0(s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_54), s.N_1, s.W_Q), True), mean0((bcast_last(sum_last(t_55), s.d_V) + t_56), True), mean0((1/s.L) * s.mm("N_2' _", tr(s.N_2), t_47), True), mean0((1/s.L) * s.mm('t_26 _', s.t_26, t_46), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_57 = s.mm_sum(10, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_57 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_58 = softmax_diff2(s.A, s.t_19, t_57)
-        t_59 = (s.t_8 * mm(s.G, tr(V_W_2)))
-        t_60 = (mm(s.t_12, tr(V_W_1)) + mm(t_59, tr(s.W_1)))
+        t_59 = (s.t_8 * s.mm('G _', s.G, tr(V_W_2)))
+        t_60 = (s.mm('t_12 _', s.t_12, tr(V_W_1)) + s.mm("_ W_1'", t_59, tr(s.W_1)))
         t_61 = (t_60 * s.P_N_2)
         t_62 = softmax_diff(s.A, t_57)
-        t_63 = s.mm_kept(12, '011', t_62, s.N_1, s.W_V)
-        t_64 = s.mm_kept(13, '110', s.A, s.N_1, V_W_V)
+        t_63 = s.mm('_ N_1 W_V', t_62, s.N_1, s.W_V)
+        t_64 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
         t_65 = (-(1/s.d_V) * bcast_last(sum_last((t_63 + t_64)), s.d_V) + t_63 + t_64)
         t_66 = (t_65 * s.t_14)
         t_67 = bcast_last(sum_last((t_65 * s.M_N_2)), s.d_V)
@@ -2956,60 +3059,63 @@ class ce_bias0_causal1(Forward):
         t_70 = (bcast_last(sum_last(t_69), s.d_V) * s.M_N_2)
         t_71 = ((1/math.sqrt(s.d_K)) * t_61 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_66 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_68 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_70)
         t_72 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_61 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_66 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_68 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_70)
-        t_73 = (sum_last(t_72) * sum_rows(s.t_4) + sum_last(s.t_17) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
-        t_74 = (s.mm_sum(11, 'r', (1, '011', t_71, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_18, tr(V_W_V), tr(s.N_1))) + t_73)
+        t_73 = (sum_last(t_72) * sum_rows(s.t_4) + sum_last(s.t_17) * sum_rows(s.mm("_ N_1'", tr(V_W_V), tr(s.N_1))))
+        t_74 = (s.mm_sum('r', (1, "_ W_V' N_1'", t_71, tr(s.W_V), tr(s.N_1)), (1, "t_18 _ N_1'", s.t_18, tr(V_W_V), tr(s.N_1))) + t_73)
         t_75 = softmax_diff(s.A, t_74)
-        t_76 = s.mm_sum(9, 'l', (1, '1110', tr(s.N_1), s.t_20, s.N_1, V_W_K), (1, '1011', tr(s.N_1), (t_58 + t_75), s.N_1, s.W_K))
-        t_77 = s.mm_sum(14, 'l', (1, '1110', tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q), (1, '1011', tr(s.N_1), (tr(t_58) + tr(t_75)), s.N_1, s.W_Q))
-        t_78 = (-(1/s.d_V) * t_61 - (2/s.d_V**2) * t_66 - (2/s.d_V**2) * t_68 - (2/s.d_V**2) * t_70)
-        t_79 = bcast_last(sum_last(s.mm_kept(16, '110', tr(s.N_1), tr(s.A), t_78)), s.d_V)
-        t_80 = (s.mm_sum(15, 'l', (1, '101', tr(s.N_1), tr(t_62), s.t_35), (1, '110', tr(s.N_1), tr(s.A), (t_61 + (2/s.d_V) * t_66 + (2/s.d_V) * t_68 + (2/s.d_V) * t_70))) + (bcast_last(sum_last(mm(tr(s.N_1), tr(t_62), s.t_36)), s.d_V) + t_79))
-        t_81 = s.mm_kept(17, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_82 = s.mm_kept(18, '110', tr(s.W_V), tr(s.N_1), tr(t_62))
-        t_83 = (-(1/s.d_V) * bcast_rows(sum_rows((t_81 + t_82)), s.d_V) + t_81 + t_82)
-        t_84 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_83 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_85 = ((t_83 * tr(s.P_N_2)) + (2/s.d_V) * t_84)
-        t_86 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_85)) * heaviside(s.t_25, 0.0))
-        return (mean0(t_76, True), mean0(t_77, True), mean0(t_80, True), mean0((mm(t_85, s.t_12) + mm(tr(s.N_2), t_59)), True), mean0(mm(t_86, s.G), True),)
+        t_76 = s.mm_sum('l', (1, "N_1' t_20 N_1 _", tr(s.N_1), s.t_20, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_58 + t_75), s.N_1, s.W_K))
+        t_77 = s.mm_sum('l', (1, "N_1' t_20' N_1 _", tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_58) + tr(t_75)), s.N_1, s.W_Q))
+        t_78 = bcast_last(sum_last(s.mm("N_1' _ t_36", tr(s.N_1), tr(t_62), s.t_36)), s.d_V)
+        t_79 = (-(1/s.d_V) * t_61 - (2/s.d_V**2) * t_66 - (2/s.d_V**2) * t_68 - (2/s.d_V**2) * t_70)
+        t_80 = (t_78 + bcast_last(sum_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), t_79)), s.d_V))
+        t_81 = (s.mm_sum('l', (1, "N_1' _ t_35", tr(s.N_1), tr(t_62), s.t_35), (1, "N_1' A' _", tr(s.N_1), tr(s.A), (t_61 + (2/s.d_V) * t_66 + (2/s.d_V) * t_68 + (2/s.d_V) * t_70))) + t_80)
+        t_82 = s.mm("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_83 = s.mm("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_62))
+        t_84 = (-(1/s.d_V) * bcast_rows(sum_rows((t_82 + t_83)), s.d_V) + t_82 + t_83)
+        t_85 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_84 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_86 = ((t_84 * tr(s.P_N_2)) + (2/s.d_V) * t_85)
+        t_87 = ((s.mm("_ N_2'", tr(V_W_1), tr(s.N_2)) + s.mm("W_1' _", tr(s.W_1), t_86)) * heaviside(s.t_25, 0.0))
+        return (mean0(t_76, True), mean0(t_77, True), mean0(t_81, True), mean0((s.mm('_ t_12', t_86, s.t_12) + s.mm("N_2' _", tr(s.N_2), t_59)), True), mean0(s.mm('_ G', t_87, s.G), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_95 = s.mm_sum(20, 'r', ((1/math.sqrt(s.d_K)), '1101', s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), '1011', s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_96 = softmax_diff2(s.A, s.t_94, t_95)
-        t_97 = softmax_diff(s.A, t_95)
-        t_98 = s.mm_kept(22, '011', t_97, s.N_1, s.W_V)
-        t_99 = s.mm_kept(23, '110', s.A, s.N_1, V_W_V)
-        t_100 = (-(1/s.d_V) * bcast_last(sum_last((t_98 + t_99)), s.d_V) + t_98 + t_99)
-        t_101 = bcast_last(sum_last((t_100 * s.M_N_2)), s.d_V)
-        t_102 = (mm(((t_100 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_101 * s.M_N_2)), s.W_1) + mm(s.N_2, V_W_1))
-        t_103 = (mm(s.t_9, V_W_2) + mm((t_102 * s.t_8), s.W_2) + t_98 + t_99)
-        t_104 = (s.t_3 * softmax_diff(s.t_10, t_103))
-        t_105 = ((mm(s.G, tr(V_W_2)) + (1/s.L) * mm(t_104, tr(s.W_2))) * s.t_8)
-        t_106 = (mm(t_105, tr(s.W_1)) + mm(s.t_87, tr(V_W_1)))
-        t_107 = (t_106 * s.P_N_2)
-        t_108 = (t_100 * s.t_89)
-        t_109 = (s.t_7 * t_101 * s.t_88)
-        t_110 = ((t_106 * s.t_7 * s.M_N_2) + (t_100 * s.t_7 * s.t_88) + (2/s.d_V) * (s.t_31 * t_101 * s.t_88 * s.M_N_2))
-        t_111 = (bcast_last(sum_last(t_110), s.d_V) * s.M_N_2)
-        t_112 = ((1/math.sqrt(s.d_K)) * t_107 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_108 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_109 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_111 + (1/(s.L*math.sqrt(s.d_K))) * t_104)
-        t_113 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_107 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_108 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_109 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_111)
-        t_114 = (sum_last(t_113) * sum_rows(s.t_4) + sum_last(s.t_92) * sum_rows(mm(tr(V_W_V), tr(s.N_1))))
-        t_115 = (s.mm_sum(21, 'r', (1, '011', t_112, tr(s.W_V), tr(s.N_1)), (1, '101', s.t_93, tr(V_W_V), tr(s.N_1))) + t_114)
-        t_116 = softmax_diff(s.A, t_115)
-        t_118 = s.mm_sum(19, 'l', (1, '1011', tr(s.N_1), (t_96 + t_116), s.N_1, s.W_K), (1, '1110', tr(s.N_1), s.t_117, s.N_1, V_W_K))
-        t_119 = s.mm_sum(24, 'l', (1, '1110', tr(s.N_1), tr(s.t_117), s.N_1, V_W_Q), (1, '1011', tr(s.N_1), (tr(t_96) + tr(t_116)), s.N_1, s.W_Q))
-        t_120 = (t_107 + (2/s.d_V) * t_108 + (2/s.d_V) * t_109 + (2/s.d_V) * t_111 + (1/s.L) * t_104)
-        t_121 = (-(1/s.d_V) * t_107 - (2/s.d_V**2) * t_108 - (2/s.d_V**2) * t_109 - (2/s.d_V**2) * t_111)
-        t_122 = bcast_last(sum_last(s.mm_kept(26, '110', tr(s.N_1), tr(s.A), t_121)), s.d_V)
-        t_123 = bcast_last(sum_last(mm(tr(s.N_1), tr(t_97), (-(2/s.d_V**2) * s.t_90 - (1/s.d_V) * s.t_91))), s.d_V)
-        t_124 = (s.mm_sum(25, 'l', (1, '101', tr(s.N_1), tr(t_97), ((2/s.d_V) * s.t_90 + s.t_91 + (1/s.L) * s.t_11 - (1/s.L) * s.Y)), (1, '110', tr(s.N_1), tr(s.A), t_120)) + (t_122 + t_123))
-        t_125 = s.mm_kept(27, '011', tr(V_W_V), tr(s.N_1), tr(s.A))
-        t_126 = s.mm_kept(28, '110', tr(s.W_V), tr(s.N_1), tr(t_97))
-        t_127 = (-(1/s.d_V) * bcast_rows(sum_rows((t_125 + t_126)), s.d_V) + t_125 + t_126)
-        t_128 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_127 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
-        t_129 = ((t_127 * tr(s.P_N_2)) + (2/s.d_V) * t_128)
-        t_130 = ((mm(tr(V_W_1), tr(s.N_2)) + mm(tr(s.W_1), t_129)) * heaviside(s.t_25, 0.0))
-        return (mean0(t_118, True), mean0(t_119, True), mean0(t_124, True), mean0((mm(t_129, s.t_87) + mm(tr(s.N_2), t_105)), True), mean0(((1/s.L) * mm(s.t_26, t_104) + mm(t_130, s.G)), True),)
+        t_96 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_97 = softmax_diff2(s.A, s.t_95, t_96)
+        t_98 = softmax_diff(s.A, t_96)
+        t_99 = s.mm('_ N_1 W_V', t_98, s.N_1, s.W_V)
+        t_100 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_101 = (-(1/s.d_V) * bcast_last(sum_last((t_99 + t_100)), s.d_V) + t_99 + t_100)
+        t_102 = bcast_last(sum_last((t_101 * s.M_N_2)), s.d_V)
+        t_103 = s.mm('_ W_1', ((t_101 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_102 * s.M_N_2)), s.W_1)
+        t_104 = (s.mm('t_9 _', s.t_9, V_W_2) + s.mm('_ W_2', ((t_103 + s.mm('N_2 _', s.N_2, V_W_1)) * s.t_8), s.W_2) + t_99 + t_100)
+        t_105 = (s.t_3 * softmax_diff(s.t_10, t_104))
+        t_106 = (s.mm('G _', s.G, tr(V_W_2)) + (1/s.L) * s.mm("_ W_2'", t_105, tr(s.W_2)))
+        t_107 = (t_106 * s.t_8)
+        t_108 = (s.mm("_ W_1'", t_107, tr(s.W_1)) + s.mm('t_88 _', s.t_88, tr(V_W_1)))
+        t_109 = (t_108 * s.P_N_2)
+        t_110 = (t_101 * s.t_90)
+        t_111 = (s.t_7 * t_102 * s.t_89)
+        t_112 = ((t_108 * s.t_7 * s.M_N_2) + (t_101 * s.t_7 * s.t_89) + (2/s.d_V) * (s.t_31 * t_102 * s.t_89 * s.M_N_2))
+        t_113 = (bcast_last(sum_last(t_112), s.d_V) * s.M_N_2)
+        t_114 = ((1/math.sqrt(s.d_K)) * t_109 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_110 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_111 + (2/(math.sqrt(s.d_K)*s.d_V)) * t_113 + (1/(s.L*math.sqrt(s.d_K))) * t_105)
+        t_115 = (-(1/(math.sqrt(s.d_K)*s.d_V)) * t_109 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_110 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_111 - (2/(math.sqrt(s.d_K)*s.d_V**2)) * t_113)
+        t_116 = (sum_last(t_115) * sum_rows(s.t_4) + sum_last(s.t_93) * sum_rows(s.mm("_ N_1'", tr(V_W_V), tr(s.N_1))))
+        t_117 = (s.mm_sum('r', (1, "_ W_V' N_1'", t_114, tr(s.W_V), tr(s.N_1)), (1, "t_94 _ N_1'", s.t_94, tr(V_W_V), tr(s.N_1))) + t_116)
+        t_118 = softmax_diff(s.A, t_117)
+        t_120 = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_97 + t_118), s.N_1, s.W_K), (1, "N_1' t_119 N_1 _", tr(s.N_1), s.t_119, s.N_1, V_W_K))
+        t_121 = s.mm_sum('l', (1, "N_1' t_119' N_1 _", tr(s.N_1), tr(s.t_119), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_97) + tr(t_118)), s.N_1, s.W_Q))
+        t_123 = (t_109 + (2/s.d_V) * t_110 + (2/s.d_V) * t_111 + (2/s.d_V) * t_113 + (1/s.L) * t_105)
+        t_124 = (-(1/s.d_V) * t_109 - (2/s.d_V**2) * t_110 - (2/s.d_V**2) * t_111 - (2/s.d_V**2) * t_113)
+        t_125 = bcast_last(sum_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), t_124)), s.d_V)
+        t_127 = bcast_last(sum_last(s.mm("N_1' _ t_126", tr(s.N_1), tr(t_98), s.t_126)), s.d_V)
+        t_128 = (s.mm_sum('l', (1, "N_1' _ t_122", tr(s.N_1), tr(t_98), s.t_122), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_123)) + (t_125 + t_127))
+        t_129 = s.mm("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))
+        t_130 = s.mm("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_98))
+        t_131 = (-(1/s.d_V) * bcast_rows(sum_rows((t_129 + t_130)), s.d_V) + t_129 + t_130)
+        t_132 = ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * bcast_rows(sum_rows((t_131 * tr(s.M_N_2))), s.d_V) * tr(s.M_N_2))
+        t_133 = ((t_131 * tr(s.P_N_2)) + (2/s.d_V) * t_132)
+        t_134 = (s.mm("_ N_2'", tr(V_W_1), tr(s.N_2)) + s.mm("W_1' _", tr(s.W_1), t_133))
+        t_135 = (t_134 * heaviside(s.t_25, 0.0))
+        return (mean0(t_120, True), mean0(t_121, True), mean0(t_128, True), mean0((s.mm('_ t_88', t_133, s.t_88) + s.mm("N_2' _", tr(s.N_2), t_107)), True), mean0(((1/s.L) * s.mm('t_26 _', s.t_26, t_105) + s.mm('_ G', t_135, s.G)), True),)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -3022,4 +3128,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "25f9019f22bff0d960014c24"
+CHECKSUM = "c10d7b7aa221e155e38ddf94"

@@ -25,6 +25,7 @@ from .. import expr as E
 from .. import scalarfn
 from ..errors import DeclarationError
 from ..registry import Registry
+from ..runtime import chain
 
 MAX_INLINE = 72        # longer sub-expressions get a name of their own
 BATCH = "n"            # the batch label of printed network specs
@@ -71,7 +72,7 @@ class Printer:
         self.leaf_defs = []        # (name, code, doc)
         self.local_names = None    # node -> name inside the routine being printed
         self.local_defs = None
-        self.chains = 0            # products with kept runs of fixed factors (their keys)
+        self.chain_keys = []       # the factor names of every printed product (``shared_runs``)
         self.refs = _references(program)
         for node in self.refs:              # a named quantity's definition takes its name
             if isinstance(node, E.Named):
@@ -206,6 +207,16 @@ class Printer:
         doc = _ROUTINE_DOCS.get(name.split("__")[0], "").format(part=name.split("__")[-1])
         args = ", ".join(["s"] + [v.name for v in dirs])
         return "\n".join([f"def {name}({args}):", f'    """{doc}"""'] + ["    " + b for b in body])
+
+    def shared_runs(self):
+        """{run of named factors: number of printed products holding it} for the runs that
+        more than one holds (the class's ``RUNS``; a run and its transpose are one)."""
+        counts = {}
+        for names in self.chain_keys:
+            _, runs = chain.runs(" ".join(names))
+            for name in {name for name, _ in runs.values()}:
+                counts[name] = counts.get(name, 0) + 1
+        return {k: v for k, v in sorted(counts.items()) if v > 1}
 
     # -- networks ---------------------------------------------------------------------
     def _net(self, t, kind, compacts, node=None):
@@ -359,18 +370,36 @@ def _named(pr, n):
     return pr.code(n.inner)
 
 
+def _factors(pr, factors):
+    """(codes, chain key) of a product's factors: a factor that does not depend on the
+    routine's arguments is a member (``s.name``, or ``tr(s.name)``) and is named in the key
+    (``name``, ``name'``), any other one is ``_`` (``Forward.mm`` shares the products of
+    named runs).  Every key is recorded for the class's ``RUNS``."""
+    codes, names = [], []
+    for x in factors:
+        if pr.depends_on_arguments(x):
+            codes.append(pr.code(x))
+            names.append("_")
+        elif isinstance(x, E.Transpose):
+            inner = pr.leaf(x.args[0])
+            codes.append(f"tr({inner})")
+            names.append(inner[2:] + "'")
+        else:
+            codes.append(pr.leaf(x))
+            names.append(codes[-1][2:])
+    pr.chain_keys.append(tuple(names))
+    return codes, " ".join(names)
+
+
 @rule(E.MatMul)
 def _matmul(pr, n):
-    """Products bracketed at run time; an all-ones factor becomes row/column sums:
-    P 1 Q = rowsum(P) · colsum(Q)."""
+    """Products bracketed at run time (``Forward.mm``, products of named runs shared); an
+    all-ones factor becomes row/column sums: P 1 Q = rowsum(P) · colsum(Q)."""
     f = list(n.args)
     j = next((i for i, x in enumerate(f) if isinstance(x, E.Ones)), None)
     if j is None:
-        fixed = "".join("0" if pr.depends_on_arguments(x) else "1" for x in f)
-        if pr.local_names is not None and "0" in fixed and "11" in fixed:
-            pr.chains += 1              # a routine's chain: fixed runs kept across its calls
-            return f"s.mm_kept({pr.chains}, {fixed!r}, " + ", ".join(pr.code(x) for x in f) + ")"
-        return "mm(" + ", ".join(pr.code(x) for x in f) + ")"
+        codes, names = _factors(pr, f)
+        return f"s.mm({names!r}, " + ", ".join(codes) + ")"
     left, ones, right = f[:j], f[j], f[j + 1:]
     lv = f"sum_last({pr.code(E.matmul(*left))})" if left else None
     rv = f"sum_rows({pr.code(E.matmul(*right))})" if right else None
@@ -406,13 +435,12 @@ def _add(pr, n):
     shared = _shared_end(n.args) if pr.local_names is not None else None
     if shared is not None:
         side, members = shared
-        pr.chains += 1
-        key, items = pr.chains, []
+        items = []
         for i in members:
             c, core = E._split(n.args[i])
-            fixed = "".join("0" if pr.depends_on_arguments(x) else "1" for x in core.args)
-            items.append(f"({_py_coef(pr, c)}, {fixed!r}, " + ", ".join(pr.code(x) for x in core.args) + ")")
-        head = f"s.mm_sum({key}, {side!r}, " + ", ".join(items) + ")"
+            codes, names = _factors(pr, core.args)
+            items.append(f"({_py_coef(pr, c)}, {names!r}, " + ", ".join(codes) + ")")
+        head = f"s.mm_sum({side!r}, " + ", ".join(items) + ")"
         rest = [t for i, t in enumerate(n.args) if i not in members]
         if not rest:
             return head

@@ -483,11 +483,12 @@ def _skeleton(state, m):
     return key, skel, core_net
 
 
-def frobenius_sq(state, first, second=None):
+def frobenius_sq(state, first, second=None, premerged=False):
     """‖Σ first‖²_F (or ⟨Σ first, Σ second⟩) as a sum over pairs of networks (networks with
-    one skeleton merged first, see ``merged``)."""
-    first = merged(state, first)
-    second = merged(state, second) if second is not None else None
+    one skeleton merged first, see ``merged``, unless ``premerged`` says they are)."""
+    if not premerged:
+        first = merged(state, first)
+        second = merged(state, second) if second is not None else None
     total = 0.0
     for i, a in enumerate(first):
         if second is None:

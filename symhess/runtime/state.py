@@ -30,6 +30,13 @@ from ..errors import InputError, UnknownNameError
 leaf = cached_property
 
 
+def _tr(ops, a):
+    """aᵀ over the last two axes (a view)."""
+    perm = list(range(len(ops.shape(a))))
+    perm[-1], perm[-2] = perm[-2], perm[-1]
+    return ops.transpose(a, perm)
+
+
 def _part(part):
     if part not in ("outer", "functional", "full"):
         raise UnknownNameError(f"unknown part {part!r}; valid: outer, functional, full")
@@ -40,7 +47,8 @@ class Forward:
     """The values of one call bound to a variant (made by ``Kernel.prepare``)."""
 
     PARAMS = ()           # parameter names in declared order (set by the generated class)
-    _one_shot = False     # made for a single call: nothing is worth keeping (``mm_kept``)
+    RUNS = {}             # named runs of factors held by several chains → their number (``mm``)
+    _one_shot = False     # made for a single call: only products shared within it are kept
 
     def __init__(self, arrays, dims, n_batch, ops, schedule, like):
         self.__dict__.update(arrays)
@@ -48,7 +56,7 @@ class Forward:
         self.n_batch = n_batch
         self.ops, self.schedule, self.like = ops, schedule, like
         self._nets = {}
-        self._kept = {}
+        self._runs = {}           # products of named factors (``mm``), by name
         self._diag_sums = {}      # (p, part) → Σ diag, so a later trace costs nothing
         self._splits = {}         # (p, q) → frobenius_split, so H(q, p) costs nothing
 
@@ -155,9 +163,9 @@ class Forward:
         known = self._splits
         if (q, p) in known:                   # ‖H(q, p)‖ = ‖H(p, q)ᵀ‖
             return dict(known[(q, p)])
-        o, f = self.nets(p, q, "outer"), self.nets(p, q, "functional")
-        oo, ff = N.frobenius_sq(self, o), N.frobenius_sq(self, f)
-        of = N.frobenius_sq(self, o, f) if o and f else 0.0
+        o, f = N.merged(self, self.nets(p, q, "outer")), N.merged(self, self.nets(p, q, "functional"))
+        oo, ff = N.frobenius_sq(self, o, premerged=True), N.frobenius_sq(self, f, premerged=True)
+        of = N.frobenius_sq(self, o, f, premerged=True) if o and f else 0.0
         root = lambda v: math.sqrt(max(v, 0.0))
         known[(p, q)] = {"outer": root(oo), "functional": root(ff), "full": root(oo + ff + 2 * of)}
         return dict(known[(p, q)])
@@ -192,29 +200,60 @@ class Forward:
         return self.ops.reshape(acc, shape)
 
     # -- matrix view -------------------------------------------------------------------------
-    def mm_kept(self, key, fixed, *xs):
-        """F₁⋯F_k in the cheapest order at these sizes, where the products of consecutive
-        factors marked fixed ("1": they do not depend on the routine's arguments) are
-        computed once per state and kept (``runtime.chain``).  A state made for one call
-        (``_one_shot``) keeps nothing: its chains take the cheapest order for one product."""
-        if self._one_shot:
-            return chain.multiply(xs, self.ops.matmul2, self.ops.shape)
-        return chain.multiply(xs, self.ops.matmul2, self.ops.shape,
-                              fixed=tuple(c == "1" for c in fixed), memo=self._kept, key=key)
+    def mm(self, key, *xs):
+        """F₁⋯F_k in the cheapest order at these sizes (``runtime.chain``).  ``key`` names
+        the factors, one word each: a factor that does not depend on the routine's arguments
+        by its member name (' for its transpose), any other factor by _ ("_ X W_V").
 
-    def mm_sum(self, key, side, *terms):
-        """Σ_t c_t F_t,1 ⋯ F_t,k for terms ``(c_t, fixed_t, F_t,1, …)`` that share their last
-        (``side`` "r") or first ("l") factor F: computed as written or as (Σ_t c_t F_t,1 ⋯
-        F_t,k−1) F (F (Σ …) on the left), whichever multiplies less at these sizes (products of
-        fixed factors kept as in ``mm_kept``).  Factoring t W_Vᵀ Xᵀ + t′ V_Vᵀ Xᵀ saves a
-        product of size L² d; factoring X V_Q W_Kᵀ Xᵀ + X W_Q V_Kᵀ Xᵀ would cost L d² more."""
+        Products of consecutive named factors are shared: formed once per state and found by
+        every later chain that holds them, in either orientation (t W_Vᵀ Xᵀ finds X W_V).  A
+        chain prices a run that ``RUNS`` counts in n chains at 1/n of its cost, so the first
+        chain forms it even where its own orders tie; in a prepared state's routines a run
+        is kept across the calls and priced as free (a one-off state keeps only the shared)."""
+        n, runs = chain.runs(key)
+        if len(xs) != n:
+            raise ValueError(f"chain key {key!r} names {n} factors, {len(xs)} given")
+        free, shared = self._prices(key)
+        ops = self.ops
+
+        def fetch(i, j):
+            name, flipped = runs[i, j]
+            got = self._runs.get(name)
+            if got is None:
+                return None
+            return _tr(ops, got) if flipped else got
+
+        def store(i, j, product):
+            name, flipped = runs[i, j]
+            self._runs[name] = _tr(ops, product) if flipped else product
+
+        return chain.multiply(xs, ops.matmul2, ops.shape, free, shared, fetch, store)
+
+    def _prices(self, key):
+        """(free intervals, shared intervals with their counts) of a chain key, now."""
+        _, runs = chain.runs(key)
+        routine = "_" in key.split()
+        free, shared = [], []
+        for (i, j), (name, _) in runs.items():
+            if name in self._runs or (routine and not self._one_shot):
+                free.append((i, j))
+            elif self.RUNS.get(name, 1) > 1:
+                shared.append((i, j, self.RUNS[name]))
+        return tuple(free), tuple(shared)
+
+    def mm_sum(self, side, *terms):
+        """Σ_t c_t F_t,1 ⋯ F_t,k for terms ``(c_t, key_t, F_t,1, …)`` (keys as in ``mm``) that
+        share their last (``side`` "r") or first ("l") factor F: computed as written or as
+        (Σ_t c_t F_t,1 ⋯ F_t,k−1) F (F (Σ …) on the left), whichever multiplies less at these
+        sizes.  Factoring t W_Vᵀ Xᵀ + t′ V_Vᵀ Xᵀ saves a product of size L² d; factoring
+        X V_Q W_Kᵀ Xᵀ + X W_Q V_Kᵀ Xᵀ would cost L d² more."""
         shape = lambda x: tuple(self.ops.shape(x))         # noqa: E731
-        flags = lambda f: None if self._one_shot else tuple(c == "1" for c in f)   # noqa: E731
+        cost = lambda key, xs: chain.chain_cost(tuple(shape(x) for x in xs), *self._prices(key))  # noqa: E731
+        as_written = sum(cost(t[1], t[2:]) for t in terms)
         cut = (lambda xs: xs[:-1]) if side == "r" else (lambda xs: xs[1:])        # noqa: E731
-        as_written = sum(chain.chain_cost(tuple(shape(x) for x in t[2:]), flags(t[1])) for t in terms)
-        parts = [(t[0], cut(t[1]), cut(t[2:])) for t in terms]
+        parts = [(t[0], " ".join(cut(t[1].split())), cut(t[2:])) for t in terms]
         shared = terms[0][2:][-1] if side == "r" else terms[0][2]
-        inner = sum(chain.chain_cost(tuple(shape(x) for x in fs), flags(f)) for _, f, fs in parts)
+        inner = sum(cost(k, fs) for _, k, fs in parts if len(fs) > 1)
         rows = max((shape(fs[0]) for _, _, fs in parts), key=len)
         cols = max((shape(fs[-1]) for _, _, fs in parts), key=len)
         s_shape = shape(shared)
@@ -223,14 +262,14 @@ class Forward:
                         s_shape[-2] * s_shape[-1] * cols[-1])
         if inner + last < as_written:
             acc = None
-            for i, (c, f, fs) in enumerate(parts):
-                x = c * (self.mm_kept((key, "l" + side, i), f, *fs) if len(fs) > 1 else fs[0])
+            for c, k, fs in parts:
+                x = c * (self.mm(k, *fs) if len(fs) > 1 else fs[0])
                 acc = x if acc is None else acc + x
             return chain.multiply((acc, shared) if side == "r" else (shared, acc),
                                   self.ops.matmul2, self.ops.shape)
         acc = None
-        for i, t in enumerate(terms):
-            x = t[0] * self.mm_kept((key, i), t[1], *t[2:])
+        for t in terms:
+            x = t[0] * self.mm(t[1], *t[2:])
             acc = x if acc is None else acc + x
         return acc
 
