@@ -428,7 +428,8 @@ def merged(state, nets):
     are the same arrays over the same labels differ only in their cores, which add up:
     Σ_t skeleton · core_t = skeleton · Σ_t core_t, so a Frobenius norm pairs one network
     instead of all T² pairs of terms.  A core larger than the intermediate limit is not
-    formed (that network stays as it is)."""
+    formed, nor the core of a lone network unless forming it once and pairing the skeleton
+    plans fewer flops than pairing the network as it is (``_core_pays``)."""
     out, groups = [], {}
     for n in nets:
         for m in resolve(state, n, (0, 1), paired=True):
@@ -446,6 +447,9 @@ def merged(state, nets):
                                "cores": [core_net]}
     for g in groups.values():
         m, labels = g["net"], g["core_labels"]
+        if len(g["cores"]) == 1 and not _core_pays(state, m, g["skel"], g["cores"][0]):
+            out.append(m)
+            continue
         shape = [m.sizes[x] for x in labels]
         acc = None
         for c in g["cores"]:
@@ -455,6 +459,29 @@ def merged(state, nets):
         kept = set(x for ls in lab for x in ls) | set(x for grp in m.groups for x in grp)
         out.append(Net(1.0, ops, lab, m.groups, {x: m.sizes[x] for x in kept}))
     return out
+
+
+def _self_pair_flops(state, labels, groups, sizes):
+    """Planned flops of ⟨N, N⟩ for a network N over ``labels`` with output ``groups``."""
+    top = max(sizes, default=-1) + 1
+    out = [x for g in groups for x in g]
+    ren = {x: (x if x in out else x + top) for x in sizes}
+    both = list(labels) + [tuple(ren[x] for x in ls) for ls in labels]
+    return C.plan(both, (), {**sizes, **{ren[x]: s for x, s in sizes.items()}}, state.schedule.limit).flops
+
+
+def _core_pays(state, m, skel, core_net):
+    """Whether a lone network's core is worth forming: its formation plus the pairing of the
+    skeleton with it against the pairing of the network as it is.  At L = 16, d = 32 the core
+    of H_o(W_K, W_K) (W_Q's rows with t, per token) has 10³ times the entries of its skeleton
+    and pairs at 500× the flops; at L = d = 128, B = 8 the per-token d_K × d_K core of
+    H_o(W_Q, W_Q) cuts that block's flops by a third."""
+    limit = state.schedule.limit
+    core = tuple(core_net.groups[0])
+    form = C.plan(core_net.labels, core, core_net.sizes, limit).flops
+    labels = [m.labels[i] for i in skel] + [core]
+    merged = _self_pair_flops(state, labels, m.groups, m.sizes)
+    return form + merged < _self_pair_flops(state, m.labels, m.groups, m.sizes)
 
 
 def _skeleton(state, m):
