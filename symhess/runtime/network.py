@@ -204,19 +204,25 @@ def resolve(state, n, groups, paired=False):
     return [_materialised(state, m) for m in _expand(state, n, tuple(groups), paired=paired)]
 
 
-def _expand(state, n, groups, start=0, paired=False):
+def _expand(state, n, groups, start=0, paired=False, copies=1):
     """``n`` with the Compact operands from position ``start`` on either kept (to be
-    materialised) or inlined; no side effects."""
+    materialised) or inlined; no side effects.  ``copies``: how many networks of the
+    expansion hold this one's compacts (inlining a compact of T networks makes T copies of
+    the rest, and a compact materialised once serves them all)."""
     k = next((i for i in range(start, len(n.ops)) if isinstance(n.ops[i], Compact)), None)
     if k is None:
         return [n]
-    if _keep(state, n, k, groups, paired):
-        return _expand(state, n, groups, k + 1, paired)
-    return [r for m in n.ops[k].nets for r in _expand(state, inline(n, k, m), groups, k, paired)]
+    if _keep(state, n, k, groups, paired, copies):
+        return _expand(state, n, groups, k + 1, paired, copies)
+    nets = n.ops[k].nets
+    return [r for m in nets
+            for r in _expand(state, inline(n, k, m), groups, k, paired, copies * len(nets))]
 
 
-def _keep(state, n, k, groups, paired=False):
-    """Whether the compact operand k of ``n`` is materialised rather than inlined."""
+def _keep(state, n, k, groups, paired=False, copies=1):
+    """Whether the compact operand k of ``n`` is materialised rather than inlined: its cost,
+    shared by the ``copies`` networks that hold it, plus contracting ``n`` with it, against
+    contracting its networks inlined."""
     c, sched = n.ops[k], state.schedule
     if c.materialised:
         return True
@@ -224,7 +230,7 @@ def _keep(state, n, k, groups, paired=False):
         return False
     if sched.materialise == "always" or paired:
         return True
-    as_array = _flops(state, n, groups) + c.cost(state)
+    as_array = _flops(state, n, groups) + c.cost(state) / copies
     inlined = sum(_flops(state, inline(n, k, m), groups) for m in c.nets)
     return as_array <= inlined
 
