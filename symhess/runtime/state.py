@@ -130,8 +130,9 @@ class Forward:
 
         Cost: the block's networks with column atoms identified with row atoms, contracted to
         the rows; for attention's H_o(W_Q) that is the per-token C_i = Σ_j A_ij k_j (v_j − μ_i)ᵀ,
-        O(B L² d_K d_V) flops (H_o(W_K) about twice that, the functional parts O(B L² d)),
-        memory O(B L d_K d_V) or less when sliced to the schedule's limit."""
+        O(B L² d_K d_V) flops, for H_o(W_K) two contractions of B L² d_K d (over the query
+        token first, then with the value Gram matrix), the functional parts O(B L² d); memory
+        O(B L d_K d_V) or less when sliced to the schedule's limit."""
         nets = [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)]
         if not nets:
             out = self.ops.zeros((self.numel(p),), like=self.like)
@@ -159,7 +160,7 @@ class Forward:
 
         Cost: Σ over pairs of the block's (merged) networks of their planned contraction,
         token Gram matrices over the batch's B·L tokens: for attention's blocks O((B L)² d²)
-        flops (W_K, W_V rows and columns), O((B L)² (d + d_K d_V)) for H_o(W_Q, W_Q)."""
+        flops (W_K, W_V rows and columns), O((B L)² (d + d_K²)) for H_o(W_Q, W_Q)."""
         known = self._splits
         if (q, p) in known:                   # ‖H(q, p)‖ = ‖H(p, q)ᵀ‖
             return dict(known[(q, p)])
@@ -276,9 +277,10 @@ class Forward:
     def hvp(self, v, part="full"):
         """H_part v for a flat vector v (parameters in declared order), no block built.
 
-        Cost: the matrix-view statements, products of size B L² d or B L d² (attention: 14 of
-        them and about 20 of size B L² d_K for a one-off call, about 10 for a prepared state's
-        later calls, which reuse the kept products of fixed factors)."""
+        Cost: the matrix-view statements, products of size B L² d or B L d² (attention: 12 of
+        them and about 20 of size B L² d_K for a one-off call, where X W_V is formed once for
+        its three products; 8 for a prepared state's later calls, which reuse the kept
+        products of named factors)."""
         _part(part)
         dirs, off = [], 0
         for p in self.PARAMS:
