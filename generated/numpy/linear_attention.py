@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "fd4342255b5abb51b387c0b2"
+    STAMP = "028dba7f8250de98aef63b2c"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -284,7 +284,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "792a3ef24388a2cb206967c5"
+    STAMP = "8234c7d276c27277dfce5781"
     RUNS = {
         'A X': 5,
         "G W_V'": 2,
@@ -525,7 +525,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "2c5d505c92b7e03cd28bf06d"
+    STAMP = "b4ba82ee330a6dfb0b85de58"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -769,7 +769,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "64dcdfc4cc69f2dccfd6bd6a"
+    STAMP = "b9063993e9f0366abf4ce34d"
     RUNS = {
         'A X': 4,
         "G W_V'": 2,
@@ -1026,4 +1026,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "7e7a8de93d20b2902b3e895e"
+CHECKSUM = "7ba5d05e3fa27f2d646caf1b"

@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "d4f5bc9f7eccd83e30175c99"
+    STAMP = "e309e2718cceb8f6dd32e5d4"
     RUNS = {
         'A X': 7,
         "G_2 W_V'": 2,
@@ -192,7 +192,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "5aa6c4981b89c8b3818086e6"
+    STAMP = "8643a6c791604a4a04fe952e"
     RUNS = {
         'A X': 7,
         "G_2 W_V'": 2,
@@ -364,7 +364,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "a8ea490a74e6750f1782a42a"
+    STAMP = "1caa37d8a6a19a152a3e98f4"
     RUNS = {
         'A X': 7,
         "G_2 W_V'": 2,
@@ -545,7 +545,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "137c68947de18cf70ef5a2a0"
+    STAMP = "ca87248c2bece3bf08f0bdb5"
     RUNS = {
         'A X': 7,
         "G_2 W_V'": 2,
@@ -728,4 +728,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "3cc90e330dae4374524194d9"
+CHECKSUM = "8894ec913db88304f651430b"

@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "d88d0732b0061b2be218ef81"
+    STAMP = "f28eef96b060b1f240973c0b"
     RUNS = {
         'A X': 17,
         'A X W_V': 6,
@@ -377,7 +377,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "6f653aff6a860c5534063060"
+    STAMP = "aac68573743372c675a9a725"
     RUNS = {
         'A X': 17,
         'A X W_V': 6,
@@ -734,7 +734,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "05919d1db99135cbcd553a06"
+    STAMP = "2a08c22f33ce9e9e480167d8"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1085,7 +1085,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "05cee9fb4b5ed8f36401b559"
+    STAMP = "cba726fa84a3f7cb67c8e10f"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1438,4 +1438,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "24493a6f60fd12f7900caaea"
+CHECKSUM = "89214b076d4f18fdce001529"

@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b2f4ce582d9162e72256394d"
+    STAMP = "71650fd13c4fb8e8356768dd"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -272,7 +272,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b9d54749eee6c83ad6ef9213"
+    STAMP = "988bee932a122f4240d1874c"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -524,7 +524,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "ac42c0cb3761ddc0d2fe0a35"
+    STAMP = "baa5bac6418568805b2b02fe"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -786,7 +786,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "e1405f3d2dcd9b8b9b90d02f"
+    STAMP = "df2ac4fac09bc72d64f56314"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -1050,4 +1050,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "e50fd9ad48a4874c59098def"
+CHECKSUM = "5be67663ecdfbc48c52015b7"

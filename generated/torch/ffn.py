@@ -20,7 +20,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "6ad53815d9ba0e612b74500d"
+    STAMP = "45f0ff3a00c3309d19906f99"
     RUNS = {
         "W_1' X'": 2,
     }
@@ -138,7 +138,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "2ee7df32aaa52909d7b844e7"
+    STAMP = "77434d0d1bd68d8a04b7d413"
     RUNS = {
         "W_1' X'": 2,
     }
@@ -263,4 +263,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "dd5afa4a9f6279b6465e556d"
+CHECKSUM = "51aceaae6153d0d3b316d43f"

@@ -20,7 +20,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "f5c0843e557093a93426459c"
+    STAMP = "53c096ce9ce1d1ab2f3c8e6f"
     RUNS = {
         'A N_1': 16,
         "G W_2'": 2,
@@ -799,7 +799,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "1cac3cfa61665a0a06f70943"
+    STAMP = "b5371b2120f3663f5b9279d5"
     RUNS = {
         'A N_1': 16,
         "G W_2'": 2,
@@ -1578,7 +1578,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "ec64016c52bb5cf0bd41b942"
+    STAMP = "a6138c12d7ee71431df3dfcf"
     RUNS = {
         'A N_1': 16,
         "G W_2'": 2,
@@ -2352,7 +2352,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "484c7e5e07cd6fca12073e11"
+    STAMP = "df98d23cb36aa1e64fb4f8dc"
     RUNS = {
         'A N_1': 16,
         "G W_2'": 2,
@@ -3128,4 +3128,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "c10d7b7aa221e155e38ddf94"
+CHECKSUM = "882149ca3fafabdb0f6e52a0"

@@ -311,7 +311,8 @@ def _plain(dim, atoms):
 
 
 def _references(program):
-    """How many distinct parents (and network operands, counted once each) use each node."""
+    """How many distinct parents (and network operands, counted once each) use each node; the
+    operand of a scaling counts the scaling's users (a sum writes c · A with A inline)."""
     refs = {}
     roots = program.leaves() + [e for exprs, _ in program.routines().values() for e in exprs]
     nodes = {}
@@ -323,6 +324,9 @@ def _references(program):
             refs[a] = refs.get(a, 0) + 1
     for r in roots:
         refs[r] = refs.get(r, 0) + 1
+    for node in nodes:             # a sum prints c · A as its term: A is used where c · A is
+        if isinstance(node, E.Scale) and refs.get(node, 0) > 1:
+            refs[node.args[0]] = max(refs.get(node.args[0], 0), refs[node])
     return refs
 
 
