@@ -333,25 +333,24 @@ def pairwise(ops, a, la, b, lb, keep, then=(), a_owned=False, b_owned=False):
     if then and not fb:
         right = [x for x in right if x not in then] + [x for x in right if x in then]
     nb, m, k, n = size(sa, batch), size(sa, left), size(sa, inner), size(sb, right)
-    if not inner:
-        x = ops.reshape(_perm(ops, a, la, batch + left), (nb, m, 1))
-        y = ops.reshape(_perm(ops, b, lb, batch + right), (nb, 1, n))
-        r = ops.product(x, y)
-        return ops.reshape(r, [sa[x] for x in batch + left] + [sb[x] for x in right]), tuple(batch + left + right)
     # A B transposes a laid out (batch, inner, rows) and b laid out (batch, cols, inner);
     # (Bᵀ Aᵀ)ᵀ the other way round
     moved_ab = (na if fa == "KM" else 0) + (nb_ if fb == "NK" else 0)
     moved_ba = (na if fa == "MK" else 0) + (nb_ if fb == "KN" else 0)
-    if moved_ba < moved_ab:
+    if not inner:
+        x = ops.reshape(_perm(ops, a, la, batch + left), (nb, m, 1))
+        y = ops.reshape(_perm(ops, b, lb, batch + right), (nb, 1, n))
+        r, out = ops.product(x, y), batch + left + right
+    elif moved_ba < moved_ab:
         x = _matrix(ops, b, lb, batch, right, inner, (nb, n, k))
         y = _matrix(ops, a, la, batch, inner, left, (nb, k, m))
-        r = ops.matmul(x, y)
-        return (ops.reshape(r, [sb[x] for x in batch + right] + [sa[x] for x in left]),
-                tuple(batch + right + left))
-    x = _matrix(ops, a, la, batch, left, inner, (nb, m, k))
-    y = _matrix(ops, b, lb, batch, inner, right, (nb, k, n))
-    r = ops.matmul(x, y)
-    return ops.reshape(r, [sa[x] for x in batch + left] + [sb[x] for x in right]), tuple(batch + left + right)
+        r, out = ops.matmul(x, y), batch + right + left
+    else:
+        x = _matrix(ops, a, la, batch, left, inner, (nb, m, k))
+        y = _matrix(ops, b, lb, batch, inner, right, (nb, k, n))
+        r, out = ops.matmul(x, y), batch + left + right
+    sizes = {**sa, **sb}
+    return ops.reshape(r, [sizes[x] for x in out]), tuple(out)
 
 
 def _fit(labels, batch, rows, inner):
