@@ -467,27 +467,17 @@ def merged(state, nets):
     return out
 
 
-def _self_pair_flops(state, labels, groups, sizes):
-    """Planned flops of ⟨N, N⟩ for a network N over ``labels`` with output ``groups``."""
-    top = max(sizes, default=-1) + 1
-    out = [x for g in groups for x in g]
-    ren = {x: (x if x in out else x + top) for x in sizes}
-    both = list(labels) + [tuple(ren[x] for x in ls) for ls in labels]
-    return C.plan(both, (), {**sizes, **{ren[x]: s for x, s in sizes.items()}}, state.schedule.limit).flops
-
-
 def _core_pays(state, m, skel, core_net):
     """Whether a lone network's core is worth forming: its formation plus the pairing of the
     skeleton with it against the pairing of the network as it is.  At L = 16, d = 32 the core
     of H_o(W_K, W_K) (W_Q's rows with t, per token) has 10³ times the entries of its skeleton
     and pairs at 500× the flops; at L = d = 128, B = 8 the per-token d_K × d_K core of
     H_o(W_Q, W_Q) cuts that block's flops by a third."""
-    limit = state.schedule.limit
     core = tuple(core_net.groups[0])
-    form = C.plan(core_net.labels, core, core_net.sizes, limit).flops
-    labels = [m.labels[i] for i in skel] + [core]
-    merged = _self_pair_flops(state, labels, m.groups, m.sizes)
-    return form + merged < _self_pair_flops(state, m.labels, m.groups, m.sizes)
+    lean = Net(m.coef, [m.ops[i] for i in skel] + [None], [m.labels[i] for i in skel] + [core],
+               m.groups, m.sizes)                     # the skeleton with the core to come
+    with_core = _flops(state, core_net, (0,)) + _flops(state, paired(state, lean, lean), ())
+    return with_core < _flops(state, paired(state, m, m), ())
 
 
 def _skeleton(state, m):

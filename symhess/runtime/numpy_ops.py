@@ -245,6 +245,7 @@ class _Ops:
             view += c * r
 
     matmul2 = staticmethod(np.matmul)
+    tr = staticmethod(tr)                 # aᵀ over the last two axes (a view)
 
     @staticmethod
     def concat(xs):

@@ -30,13 +30,6 @@ from ..errors import InputError, UnknownNameError
 leaf = cached_property
 
 
-def _tr(ops, a):
-    """aᵀ over the last two axes (a view)."""
-    perm = list(range(len(ops.shape(a))))
-    perm[-1], perm[-2] = perm[-2], perm[-1]
-    return ops.transpose(a, perm)
-
-
 def _part(part):
     if part not in ("outer", "functional", "full"):
         raise UnknownNameError(f"unknown part {part!r}; valid: outer, functional, full")
@@ -222,11 +215,11 @@ class Forward:
             got = self._runs.get(name)
             if got is None:
                 return None
-            return _tr(ops, got) if flipped else got
+            return ops.tr(got) if flipped else got
 
         def store(i, j, product):
             name, flipped = runs[i, j]
-            self._runs[name] = _tr(ops, product) if flipped else product
+            self._runs[name] = ops.tr(product) if flipped else product
 
         return chain.multiply(xs, ops.matmul2, ops.shape, free, shared, fetch, store)
 

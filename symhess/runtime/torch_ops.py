@@ -234,6 +234,7 @@ class _Ops:
         view.add_(r, alpha=c)
 
     matmul2 = staticmethod(torch.matmul)
+    tr = staticmethod(tr)                 # aᵀ over the last two axes (a view)
 
     @staticmethod
     def concat(xs):
