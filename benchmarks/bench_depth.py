@@ -32,7 +32,7 @@ LOSSES = ("mse", "ce")
 def child(spec):
     """Derive every block of one configuration; print a JSON line of what was measured."""
     import symhess as sh
-    from symhess import expr as E
+    from symhess.expr import nodes as E
 
     name, depth = spec.split(":")
     t0 = time.perf_counter()

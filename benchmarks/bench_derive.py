@@ -14,7 +14,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import symhess as sh  # noqa: E402
-from symhess.hessian import PARTS  # noqa: E402
+from symhess.calculus.hessian import PARTS  # noqa: E402
 
 
 def derive_all(layer_name, loss, options):

@@ -3,7 +3,7 @@
     python -m benchmarks.bench_distributed [--L 64] [--d 64] [--dk 16] [--seqs 64] [--batch 8]
 
 The dataset (``--seqs`` sequences in batches of ``--batch``) is sharded over the processes
-(``symhess.distributed.shard``); each process runs with torch.set_num_threads(1).  Timed, in
+(``symhess.curvature.distributed.shard``); each process runs with torch.set_num_threads(1).  Timed, in
 the same script for 1 and 2 processes (both spawned, both through torch.distributed with
 gloo): the top eigenvalue of the W_Q block (eigsh, k=1, tol 1e-8: every product one
 all-reduce) and 20 Hessian-vector products of the whole Hessian, after one product of each
@@ -37,7 +37,7 @@ def worker(rank, world, port, a, path):
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     import symhess as sh
-    from symhess import distributed as D
+    from symhess.curvature import distributed as D
     batches, W = data(a)
     k = sh.kernel("attention", backend="torch", loss="mse")
     ds = sh.Dataset(k, D.shard(batches), params=W, distributed=True)

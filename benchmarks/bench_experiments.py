@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from symhess.experiments import BLOCKS, PARTS, Config, Experiment  # noqa: E402
+from symhess.cli.experiments import BLOCKS, PARTS, Config, Experiment  # noqa: E402
 
 N_ANSWER = 6
 

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 import symhess as sh
-from symhess.evaluate import evaluate
-from symhess.verify import random_values
+from symhess.expr.evaluate import evaluate
+from symhess.calculus.verify import random_values
 
-from .timing import best as _best
+from benchmarks.timing import best as _best
 
 SIZES = {"small": {"L": 8, "d_V": 12, "d_K": 10, "d_H": 6, "d_ff": 16},
          "medium": {"L": 16, "d_V": 24, "d_K": 16, "d_H": 12, "d_ff": 48},

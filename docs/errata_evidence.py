@@ -29,9 +29,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import symhess as sh  # noqa: E402
-from symhess import expr as E  # noqa: E402
-from symhess import transformer as T  # noqa: E402
-from symhess.evaluate import evaluate  # noqa: E402
+from symhess.expr import nodes as E  # noqa: E402
+from symhess.layers import transformer as T  # noqa: E402
+from symhess.expr.evaluate import evaluate  # noqa: E402
 
 SIZES = {"L": 3, "d_V": 5, "d_K": 2, "d_ff": 4}   # distinct, so swapped subscripts cannot pass
 PASS, FAIL = 1e-10, 1e-3                           # symhess must be below PASS, published above FAIL

@@ -1,4 +1,4 @@
-"""Regenerate docs/scaling.md, the small-σ exponents of every variant's blocks (symhess.scaling).
+"""Regenerate docs/scaling.md, the small-σ exponents of every variant's blocks (symhess.cli.scaling).
 
 Usage (from the repository root):  python docs/scaling_table.py [--check]
 """
@@ -9,7 +9,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from symhess.scaling import markdown  # noqa: E402
+from symhess.cli.scaling import markdown  # noqa: E402
 
 TARGET = ROOT / "docs" / "scaling.md"
 

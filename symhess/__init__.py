@@ -1,27 +1,40 @@
-"""symhess: derive exact loss Hessians of Transformer sub-layers symbolically."""
-__version__ = "0.1.0"
+"""symhess: derive exact loss Hessians of Transformer sub-layers symbolically.
+
+The package is a pipeline; each stage imports only from the stages before it:
+
+    expr/       the expression language: nodes, scalar functions, Layer, interpreter
+    calculus/   differential rules, matrix and Kronecker views, the Hessian split, moments
+    layers/     declarations: built-in layers, stacks, torch modules
+    printing/   LaTeX documents of derivations: line breaking, shared sub-expressions, notation
+    runtime/    the library generated kernels run on: index networks, planner, executors
+    codegen/    lowering to index networks and emission of kernel modules
+    curvature/  kernels on data: Hessian-vector products, reductions, operators, spectra
+    cli/        the ``symhess`` command, reports and the papers' experiments
+"""
+from ._version import __version__  # noqa: E402,F401
 
 from . import expr  # noqa: E402
 from .errors import (BudgetError, DeclarationError, InputError, SaturationWarning,  # noqa: E402
                      ShapeError, SymhessError)
-from .hessian import Derivation, derive  # noqa: E402
-from .layers import LAYERS, Layer, layer, register_layer  # noqa: E402
-from . import variants, transformer, models  # noqa: E402,F401  (register the built-in layers)
-from .stack import compose, stack  # noqa: E402
-from .kernels import kernel  # noqa: E402
+from .calculus.hessian import Derivation  # noqa: E402
+from .expr.layer import Layer  # noqa: E402
+from .layers import LAYERS, derive, layer, register_layer  # noqa: E402  (registers the built-in layers)
+from .layers.stack import compose, stack  # noqa: E402
+from .curvature.kernels import kernel  # noqa: E402
 
 __all__ = ["expr", "ShapeError", "SymhessError", "DeclarationError", "InputError", "BudgetError", "SaturationWarning",
            "Derivation", "derive", "Layer", "layer", "register_layer", "LAYERS", "kernel",
            "compose", "stack", "__version__", "operator", "spectrum", "density", "Dataset",
-           "from_module"]
+           "from_module", "verify", "random_values"]
 
-_LAZY = {"operator": ("operators", "operator"), "spectrum": ("spectra", "spectrum"),
-         "density": ("spectra", "density"), "Dataset": ("dataset", "Dataset"),
-         "from_module": ("modules", "from_module")}
+_LAZY = {"operator": ("curvature.operators", "operator"), "spectrum": ("curvature.spectra", "spectrum"),
+         "density": ("curvature.spectra", "density"), "Dataset": ("curvature.dataset", "Dataset"),
+         "from_module": ("layers.modules", "from_module"),
+         "verify": ("calculus.verify", "verify"), "random_values": ("calculus.verify", "random_values")}
 
 
 def __getattr__(name):
-    """The curvature tools load on first use (scipy.sparse.linalg, torch.nn)."""
+    """The curvature tools and the autograd reference load on first use (scipy.sparse.linalg, torch)."""
     if name in _LAZY:
         import importlib
         mod, attr = _LAZY[name]

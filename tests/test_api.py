@@ -4,8 +4,8 @@ import pytest
 
 import symhess as sh
 from symhess import expr as E
-from symhess.evaluate import InputError
-from symhess.verify import TOLERANCE, random_values, verify
+from symhess.expr.evaluate import InputError
+from symhess.calculus.verify import TOLERANCE, random_values, verify
 
 
 def my_gated_layer():

@@ -4,7 +4,7 @@ import pytest
 
 import symhess as sh
 from symhess import expr as E
-from symhess.verify import TOLERANCE, autograd_blocks, random_values, verify
+from symhess.calculus.verify import TOLERANCE, autograd_blocks, random_values, verify
 
 PARAMS = ("W_Q", "W_K", "W_V")
 
@@ -78,7 +78,7 @@ def test_simplified_and_raw_blocks_agree():
     for p in PARAMS:
         for q in PARAMS:
             for part in ("outer", "functional"):
-                raw = sh.hessian.Block(d.raw_block(p, q, part), d, (p, q, part)).evaluate(values)
+                raw = sh.calculus.hessian.Block(d.raw_block(p, q, part), d, (p, q, part)).evaluate(values)
                 np.testing.assert_allclose(d.block(p, q, part).evaluate(values), raw, rtol=1e-12, atol=1e-14)
 
 

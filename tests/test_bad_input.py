@@ -8,10 +8,9 @@ import torch
 
 import symhess
 from symhess import expr as E
-from symhess.errors import (BudgetError, DeclarationError, DuplicateNameError, OptionError,
-                            ShapeError, SymhessError, UnknownNameError)
-from symhess.evaluate import InputError, check_values, evaluate
-from symhess.verify import random_values
+from symhess.errors import BudgetError, DeclarationError, DuplicateNameError, OptionError, ShapeError, SymhessError, UnknownNameError
+from symhess.expr.evaluate import InputError, check_values, evaluate
+from symhess.calculus.verify import random_values
 
 m, n, p = E.dims("m n p")
 X, W = E.matrix("X", m, n), E.param("W", n, p)
@@ -204,9 +203,9 @@ def test_bare_evaluate_names_the_node_that_turns_non_finite():
     """evaluate() of a LayerNorm expression on a constant row raises, naming the node (no NaN out)."""
     import numpy as np
     import pytest
-    from symhess import expr as E
-    from symhess.evaluate import InputError, evaluate
-    from symhess.transformer import layer_norm
+    from symhess.expr import nodes as E
+    from symhess.expr.evaluate import InputError, evaluate
+    from symhess.layers.transformer import layer_norm
 
     L, d = E.dims("L d")
     ln, _ = layer_norm(E.matrix("U", L, d), eps=0)
@@ -320,7 +319,7 @@ def test_a_single_parameter_need_not_be_a_tuple():
 
 
 def _bool_options():
-    from symhess.layers import layer_options
+    from symhess.layers.registry import layer_options
     return [(name, key) for name in sorted(symhess.LAYERS)
             for key, default in layer_options(name).items() if isinstance(default, bool)]
 
@@ -372,7 +371,7 @@ def test_the_budget_can_be_set(monkeypatch, attention):
 
 
 def test_verify_refuses_sizes_beyond_the_budget(monkeypatch):
-    from symhess.verify import verify
+    from symhess.calculus.verify import verify
     monkeypatch.delenv("SYMHESS_MEMORY_BUDGET", raising=False)
     der = symhess.derive(symhess.layer("attention"), "mse")
     with pytest.raises(BudgetError, match=r"verifying 'attention' against autograd would take about "

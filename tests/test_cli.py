@@ -1,7 +1,7 @@
 """The command line: every subcommand, exit codes and one-line errors."""
 import pytest
 
-from symhess.cli import main
+from symhess.cli.main import main
 
 
 def run(capsys, *argv):
@@ -52,7 +52,7 @@ def test_verify_prints_a_table_and_passes(capsys):
 
 
 def test_verify_exits_one_when_a_block_is_wrong(capsys, monkeypatch):
-    import symhess.verify as v
+    import symhess.calculus.verify as v
     real = v.relative_error
     monkeypatch.setattr(v, "relative_error", lambda got, ref, scale: real(got, ref, scale) + 1.0)
     code, out, _ = run(capsys, "verify", "attention", "--loss", "ce")
@@ -64,7 +64,7 @@ def test_run_checks_only_its_own_layer_kernels(capsys, monkeypatch, tmp_path):
     layer's committed modules are current; a stale one is named and the exit code is 1."""
     import shutil
 
-    from symhess import cli
+    from symhess.cli import main as cli
     code, out, _ = run(capsys, "run", "ffn", "--loss", "mse")
     assert code == 0
     assert "all blocks agree with autograd" in out
@@ -81,7 +81,7 @@ def test_run_checks_only_its_own_layer_kernels(capsys, monkeypatch, tmp_path):
 
 
 def test_run_on_a_layer_without_committed_kernels_says_so(capsys):
-    from symhess import codegen
+    from symhess.codegen import render as codegen
     assert codegen.check_layer("addition_block") == []
     assert codegen.main_check_layer("addition_block") == 0
     assert "not committed" in capsys.readouterr().out

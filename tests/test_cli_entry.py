@@ -164,7 +164,7 @@ def test_report_prints_the_pdf_path(tmp_path):
 def test_an_internal_error_shows_its_traceback_and_asks_for_a_report(tmp_path, exc):
     """Bare ValueError/KeyError are no longer turned into one-line 'user errors'."""
     (tmp_path / "broken.py").write_text(
-        "import symhess as sh\nfrom symhess import expr as E, hessian\n"
+        "import symhess as sh\nfrom symhess import expr as E\nfrom symhess.calculus import hessian\n"
         "def fail(self, *a, **k):\n"
         f"    raise {exc}\n"
         "hessian.Derivation.block = fail\n"
@@ -226,8 +226,8 @@ def test_generate_writes_a_user_declaration_kernels_byte_identical(tmp_path, mon
 
     import numpy as np
     import symhess as sh
-    from symhess.evaluate import evaluate
-    from symhess.verify import random_values
+    from symhess.expr.evaluate import evaluate
+    from symhess.calculus.verify import random_values
     spec = importlib.util.spec_from_file_location("mymodels_gen", tmp_path / "mymodels.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import symhess as sh
-from symhess import codegen
-from symhess.evaluate import InputError
-from symhess.hessian import PARTS
-from symhess.verify import autograd_blocks, random_values
+from symhess.codegen import render as codegen
+from symhess.expr.evaluate import InputError
+from symhess.calculus.hessian import PARTS
+from symhess.calculus.verify import autograd_blocks, random_values
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = [("mse", False), ("mse", True), ("ce", False), ("ce", True)]
@@ -251,7 +251,7 @@ def test_writes_are_atomic_keep_the_umask_and_clean_up(tmp_path):
 
 def test_generation_is_deterministic_across_processes():
     """A fresh interpreter with another hash seed renders the committed bytes."""
-    code = ("import sys; from symhess import codegen; "
+    code = ("import sys; from symhess.codegen import render as codegen; "
             "sys.stdout.write(codegen.render_layer('attention')['torch/attention.py'])")
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(ROOT))
     a = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -301,7 +301,7 @@ def test_a_module_of_another_declaration_is_refused(monkeypatch, tmp_path):
 
 def test_user_layers_render_into_the_cache(monkeypatch, tmp_path):
     cache = _cached(monkeypatch, tmp_path)
-    from symhess import expr as E
+    from symhess.expr import nodes as E
     L, d_ = E.dims("L d")
     X, W = E.matrix("X", L, d_), E.param("W", d_, d_)
     lay = sh.Layer("mine", E.elementwise("tanh", X @ W), params=(W,), inputs=(X,))
@@ -320,7 +320,7 @@ def _umask():
 
 def test_the_numpy_backend_imports_neither_torch_nor_numba():
     code = ("import sys; import numpy as np; import symhess as sh; "
-            "from symhess.verify import random_values; "
+            "from symhess.calculus.verify import random_values; "
             "d = sh.derive(sh.layer('attention'), 'mse'); v = random_values(d, seed=0); "
             "sh.kernel('attention', 'numpy', 'mse').hessian(v); "
             "print('torch' in sys.modules, 'numba' in sys.modules)")

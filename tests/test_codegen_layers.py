@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import symhess as sh
-from symhess import codegen
-from symhess.layers import LAYERS
-from symhess.verify import autograd_blocks, random_values
+from symhess.codegen import render as codegen
+from symhess.layers.registry import LAYERS
+from symhess.calculus.verify import autograd_blocks, random_values
 
 COMMITTED = sorted(n for n in LAYERS if n not in codegen.ON_DEMAND)
 PART = "full"

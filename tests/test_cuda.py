@@ -15,10 +15,10 @@ import torch
 from torch.func import hessian, jacrev
 
 import symhess as sh
-from symhess.evaluate import InputError, evaluate
-from symhess.hessian import PARTS
+from symhess.expr.evaluate import InputError, evaluate
+from symhess.calculus.hessian import PARTS
 from symhess.runtime.jacobian import CompactJacobian
-from symhess.verify import random_values
+from symhess.calculus.verify import random_values
 from test_codegen import CASES, TOL32, TOL64, case as attention_case, tensors
 from test_jacobian_kernels import case as jacobian_case, key
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from symhess import data
+from symhess.cli import data
 
 
 def _number(digits):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import symhess as sh
-from symhess import distributed as D
-from symhess.dataset import Dataset
+from symhess.curvature import distributed as D
+from symhess.curvature.dataset import Dataset
 
 L, DM, DK, N, B = 5, 4, 3, 3, 5        # 5 batches of 3 sequences: shards of 3 and 2 batches
 

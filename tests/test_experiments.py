@@ -5,8 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from symhess import data, models  # noqa: F401  (registers addition_block)
-from symhess.experiments import Config, Experiment, BlockColumns, fit_slope, main_experiment
+from symhess.cli import data  # noqa: F401  (registers addition_block)
+from symhess.layers import models
+from symhess.cli.experiments import Config, Experiment, BlockColumns, fit_slope
+from symhess.cli.main import main
+
+
+def main_experiment(argv):
+    return main(["experiment", *argv])
 
 SMALL = dict(d_model=4, d_head=3, d_mlp=5, batch=2)
 
@@ -150,7 +156,7 @@ def test_cli_scaling_writes_csv_and_png(tmp_path, capsys):
                                                   ("pre", "linear", "pre-LN linear attention"),
                                                   ("none", "linear", "linear attention")])
 def test_scaling_title_names_the_model(norm, attention, name):
-    from symhess.experiments import Config, scaling_title
+    from symhess.cli.experiments import Config, scaling_title
     cfg = Config(d_model=8, d_mlp=32, batch=8, norm=norm, attention=attention)
     assert scaling_title(cfg, 3) == f"{name}, d_model=8, d_head=128, d_mlp=32, batch=8, 3 seed(s)"
 

@@ -9,8 +9,8 @@ import torch
 from torch.func import jacrev
 
 import symhess as sh
-from symhess.evaluate import InputError, evaluate
-from symhess.verify import random_values
+from symhess.expr.evaluate import InputError, evaluate
+from symhess.calculus.verify import random_values
 
 TOL = 1e-10
 CASES = [

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import symhess as sh
-from symhess.evaluate import InputError
-from symhess.verify import random_values
+from symhess.expr.evaluate import InputError
+from symhess.calculus.verify import random_values
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])

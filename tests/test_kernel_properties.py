@@ -20,8 +20,8 @@ from torch.func import jacrev
 
 import symhess as sh
 from symhess import expr as E
-from symhess.evaluate import evaluate
-from symhess.verify import autograd_blocks, random_values
+from symhess.expr.evaluate import evaluate
+from symhess.calculus.verify import autograd_blocks, random_values
 
 TOL = 1e-10
 L, D, H = E.dims("L d h")

@@ -10,11 +10,11 @@ import pytest
 
 import symhess as sh
 from symhess import expr as E
-from symhess.evaluate import evaluate
+from symhess.expr.evaluate import evaluate
 from symhess.printing import latex_cse as C
-from symhess.printing.latex import latex
-from symhess.report import MAX_TERM_CHARS, render_report, write_report
-from symhess.verify import random_values
+from symhess.expr.latex import latex
+from symhess.cli.report import MAX_TERM_CHARS, render_report, write_report
+from symhess.calculus.verify import random_values
 
 ROOT = Path(__file__).resolve().parent.parent
 NEED_TEX = os.environ.get("CI") == "true"

@@ -1,5 +1,5 @@
 """A user's declaration named on the command line: FILE.py:ATTR and MODULE:ATTR
-(symhess.layers.resolve_layer), through the API and the installed entry point."""
+(symhess.layers.specs.resolve_layer), through the API and the installed entry point."""
 from __future__ import annotations
 
 import textwrap
@@ -9,7 +9,7 @@ import pytest
 
 import symhess as sh
 from symhess.errors import DeclarationError, OptionError, UnknownNameError
-from symhess.layers import resolve_layer, spec_options
+from symhess.layers.specs import resolve_layer, spec_options
 
 from test_cli_entry import symhess
 
@@ -130,7 +130,7 @@ def test_cli_spec_errors_are_one_line(project, argv, needle):
 
 def test_user_layer_blocks_match_autograd(project):
     """The resolved declaration is an ordinary Layer: its blocks verify in float64."""
-    from symhess.verify import verify
+    from symhess.calculus.verify import verify
     checks, _ = verify(sh.derive(resolve_layer(f"{project}/mymodels.py:gated", {"act": "tanh"}), "ce"), seed=5)
     assert checks and all(c.ok for c in checks), [c for c in checks if not c.ok]
     assert max(c.error for c in checks) < 1e-10 and np.isfinite([c.error for c in checks]).all()

@@ -4,9 +4,9 @@ import pytest
 
 import symhess as sh
 from symhess import expr as E
-from symhess.program import Program
-from symhess.evaluate import evaluate
-from symhess.printing.index import factored, grouped, Lowering
+from symhess.codegen.program import Program
+from symhess.expr.evaluate import evaluate
+from symhess.codegen.index import factored, grouped, Lowering
 
 
 def _values(names_shapes, seed=0):
@@ -135,7 +135,7 @@ def test_post_ln_compact_tensors_carry_no_pure_identity_axis():
 
 def test_frobenius_split_matches_the_per_part_norms():
     d = sh.derive(sh.layer("attention", causal=True), "ce")
-    from symhess.verify import random_values
+    from symhess.calculus.verify import random_values
     vals = random_values(d, seed=3, sizes={"L": 5, "d_V": 4, "d_K": 3})
     k = sh.kernel("attention", "numpy", "ce", causal=True)
     for p, q in (("W_Q", "W_Q"), ("W_Q", "W_K"), ("W_V", "W_Q")):

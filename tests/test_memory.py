@@ -1,16 +1,16 @@
-"""symhess.memory.retain_freed_memory: freed large temporaries are reused, not re-mapped."""
+"""symhess.runtime.memory.retain_freed_memory: freed large temporaries are reused, not re-mapped."""
 import ctypes.util
 import subprocess
 import sys
 
 import pytest
 
-from symhess.memory import retain_freed_memory
+from symhess.runtime.memory import retain_freed_memory
 
 PROBE = """
 import resource, sys
 import torch
-from symhess.memory import retain_freed_memory
+from symhess.runtime.memory import retain_freed_memory
 if sys.argv[1] == "1":
     assert retain_freed_memory()
 def faults():

@@ -16,13 +16,13 @@ import pytest
 
 import symhess as sh
 from symhess import expr as E
-from symhess.cli import main
+from symhess.cli.main import main
 from symhess.errors import DeclarationError
-from symhess.evaluate import evaluate
-from symhess.notation import definitions
-from symhess.printing.latex import LatexPrinter
-from symhess.report import render_report, report_expressions
-from symhess.verify import random_values
+from symhess.expr.evaluate import evaluate
+from symhess.printing.notation import definitions
+from symhess.expr.latex import LatexPrinter
+from symhess.cli.report import render_report, report_expressions
+from symhess.calculus.verify import random_values
 
 
 def cross_attention():

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import symhess as sh
-from symhess.dataset import Dataset
+from symhess.curvature.dataset import Dataset
 from symhess.errors import InputError
-from symhess.hessian import derive
-from symhess.verify import autograd_blocks
+from symhess.calculus.hessian import derive
+from symhess.calculus.verify import autograd_blocks
 
 L, D, DK, N = 5, 4, 3, 7
 PARTS = ("outer", "functional", "full")

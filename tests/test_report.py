@@ -5,8 +5,8 @@ import shutil
 import pytest
 
 import symhess as sh
-from symhess.cli import main
-from symhess.report import render_report
+from symhess.cli.main import main
+from symhess.cli.report import render_report
 
 NEED_TEX = os.environ.get("CI") == "true"
 
@@ -29,7 +29,7 @@ def test_report_compiles_to_pdf(tmp_path, capsys):
 
 
 def test_terms_too_wide_to_typeset_are_summarised(monkeypatch):
-    import symhess.report as rep
+    import symhess.cli.report as rep
     monkeypatch.setattr(rep, "MAX_TERM_CHARS", 200)
     text = render_report(sh.layer("attention"), losses=("mse",))
     assert "LaTeX characters; print it with" in text and r"symhess derive attention --block W\_Q,W\_K" in text
@@ -43,10 +43,10 @@ def test_templates_ship_inside_the_package():
     import tomllib
     from pathlib import Path
 
-    import symhess.report as rep
+    import symhess.cli.report as rep
 
     package = Path(sh.__file__).resolve().parent
-    assert rep.TEMPLATES.resolve().parent == package
+    assert rep.TEMPLATES.resolve().parent == package / "cli"
     assert (rep.TEMPLATES / "report.tex.j2").is_file()
     root = package.parent
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["symhess"]

@@ -15,12 +15,12 @@ import sympy as sp
 
 import symhess as sh
 from symhess import expr as E
-from symhess.evaluate import evaluate
-from symhess.notation import GLOSSARY, definitions
+from symhess.expr.evaluate import evaluate
+from symhess.printing.notation import GLOSSARY, definitions
 from symhess.printing.latex_lines import break_lines, width
-from symhess.report import FILL, LINE_EM, render_report, report_expressions
-from symhess.printing.latex import function_tex
-from symhess.scalarfn import FUNCTIONS, get_function
+from symhess.cli.report import FILL, LINE_EM, render_report, report_expressions
+from symhess.expr.latex import function_tex
+from symhess.expr.scalarfn import FUNCTIONS, get_function
 
 NEED_TEX = os.environ.get("CI") == "true"
 HAVE_TEX = shutil.which("pdflatex") is not None or NEED_TEX
@@ -216,7 +216,7 @@ def test_derivatives_of_entrywise_functions_print_readably(name):
 
 def test_explicit_derivatives_are_the_derivatives():
     """The printed (·) form of a derivative, read back by sympy, is the derivative."""
-    from symhess.scalarfn import x
+    from symhess.expr.scalarfn import x
     for name in ("rsqrt", "sqrt", "recip", "square"):
         for g in _derivatives(name)[1:]:
             tex = function_tex(g)

@@ -187,7 +187,7 @@ def test_every_tunable_off_gives_the_same_numbers(name, monkeypatch):
     """SYMHESS_SCHEDULE=plain (no cost comparisons, no mirrored blocks) and a memory budget
     small enough to slice contractions give the default schedule's numbers to 1e-12."""
     import symhess as sh
-    from symhess.verify import random_values
+    from symhess.calculus.verify import random_values
     d = sh.derive(sh.layer(name), "mse")
     values = random_values(d, seed=5)
     values = {k: (np.stack([v, v[::-1] * 0.7]) if k in ("X", "Y") else v) for k, v in values.items()}

@@ -3,7 +3,7 @@ import pathlib
 
 import pytest
 
-from symhess import scaling
+from symhess.cli import scaling
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

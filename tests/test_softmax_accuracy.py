@@ -3,7 +3,7 @@
 When a softmax row saturates (one probability p_* → 1, the others of size δ ≪ 1), the
 textbook forms of its derivatives cancel: e_* − Σ_k p_k e_k and p_* − p_*² are differences
 of O(1) numbers whose results are O(δ).  The interpreter evaluates the softmax nodes in a
-form without that cancellation (symhess/evaluate.py, module docstring).  These tests use rows
+form without that cancellation (symhess/expr/evaluate.py, module docstring).  These tests use rows
 saturated to δ ≈ 1e-20 and attention at input scale σ = 30, where the textbook forms are
 wrong by 85 % (nodes) and 170-720 % (blocks), and require the float64 accuracy autograd reaches.
 """
@@ -16,8 +16,8 @@ import torch
 
 import symhess as sh
 from symhess import expr as E
-from symhess.evaluate import evaluate
-from symhess.verify import autograd_blocks, random_values, relative_error
+from symhess.expr.evaluate import evaluate
+from symhess.calculus.verify import autograd_blocks, random_values, relative_error
 
 def _saturated_logits(rows, cols, causal, seed=1):
     """Logits whose every row has one entry ≈ 50 above the others (δ ≈ 1e-21), among the

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import symhess as sh
-from symhess.cli import main
-from symhess.dataset import Dataset
-from symhess.hessian import derive
-from symhess.spectrum_cli import random_dataset
+from symhess.cli.main import main
+from symhess.curvature.dataset import Dataset
+from symhess.calculus.hessian import derive
+from symhess.cli.spectrum import random_dataset
 
 
 def run(capsys, *argv):

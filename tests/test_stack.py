@@ -1,4 +1,4 @@
-"""Deep models declared as compositions (symhess.stack), verified against torch autograd.
+"""Deep models declared as compositions (symhess.layers.stack), verified against torch autograd.
 
 The default run keeps one seeded check of every block × part of two stacked attention
 layers; the heavy checks (every block × part × loss of attention_stack at depths 2 and 3
@@ -12,10 +12,10 @@ import pytest
 import symhess as sh
 from symhess import expr as E
 from symhess.errors import DeclarationError, InputError, ShapeError
-from symhess.evaluate import evaluate
-from symhess.stack import compose, residual_attention
-from symhess.transformer import ffn, feed_forward
-from symhess.verify import TOLERANCE, random_values, verify
+from symhess.expr.evaluate import evaluate
+from symhess.layers.stack import compose, residual_attention
+from symhess.layers.transformer import ffn, feed_forward
+from symhess.calculus.verify import TOLERANCE, random_values, verify
 
 
 def _worst(d, seed):

@@ -1,4 +1,4 @@
-"""Every rewrite system terminates by construction (symhess.simplify's module docstring).
+"""Every rewrite system terminates by construction (symhess.calculus.simplify's module docstring).
 
 The display simplifier rewrites product chains in stages, each strictly decreasing a
 natural-number measure.  The regression cases are chains with two softmax Jacobians, where
@@ -14,9 +14,9 @@ from hypothesis import given, strategies as st
 
 import symhess as sh
 from symhess import expr as E
-from symhess import simplify as S
-from symhess.evaluate import evaluate
-from symhess.verify import TOLERANCE, verify
+from symhess.calculus import simplify as S
+from symhess.expr.evaluate import evaluate
+from symhess.calculus.verify import TOLERANCE, verify
 
 
 def two_softmax_layer():
@@ -85,7 +85,7 @@ def test_simplify_terminates_with_decreasing_measures_and_keeps_values(idx, seed
 
 # ----------------------------------------------------------------------------- canonical products
 def _size(e, memo=None):
-    """n(e): nodes of e's tree other than MatMul and Scale (the expr.py measure)."""
+    """n(e): nodes of e's tree other than MatMul and Scale (the expr/nodes.py measure)."""
     memo = {} if memo is None else memo
     if e not in memo:
         own = 0 if isinstance(e, (E.MatMul, E.Scale)) else 1

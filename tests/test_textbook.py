@@ -26,12 +26,12 @@ from torch.func import hessian, jacrev
 
 import symhess
 from symhess import expr as E
-from symhess.adjoint import adjoint
-from symhess.evaluate import bind_dims, evaluate, leaves
-from symhess.kron import vec_jacobian
-from symhess.rules import differential
-from symhess.scalarfn import FUNCTIONS, get_function
-from symhess.verify import autograd_blocks
+from symhess.calculus.adjoint import adjoint
+from symhess.expr.evaluate import bind_dims, evaluate, leaves
+from symhess.calculus.kron import vec_jacobian
+from symhess.calculus.rules import differential
+from symhess.expr.scalarfn import FUNCTIONS, get_function
+from symhess.calculus.verify import autograd_blocks
 
 TOL = 1e-10
 m, n, p, q, k = E.dims("m n p q k")

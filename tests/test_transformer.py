@@ -1,6 +1,6 @@
 """LayerNorm, FFN and full Transformer blocks against torch autograd (float64).
 
-Oracles share no derivative code with the engine: ``symhess.verify`` differentiates the
+Oracles share no derivative code with the engine: ``symhess.calculus.verify`` differentiates the
 forward evaluation with reverse-over-reverse ``torch.func.jacrev`` (safe for LayerNorm),
 and the LayerNorm forward itself is checked against ``torch.nn.functional.layer_norm``.
 
@@ -16,10 +16,10 @@ import torch
 from torch.func import jacrev
 
 import symhess as sh
-from symhess import transformer as T
-from symhess.evaluate import InputError, evaluate
-from symhess.scalarfn import get_function
-from symhess.verify import autograd_blocks, random_values, relative_error
+from symhess.layers import transformer as T
+from symhess.expr.evaluate import InputError, evaluate
+from symhess.expr.scalarfn import get_function
+from symhess.calculus.verify import autograd_blocks, random_values, relative_error
 
 TOL = 1e-10
 KINK_MARGIN = 1e-3
@@ -48,8 +48,8 @@ def check_all_blocks(der, seed=0):
     worst = 0.0
     for p in names:
         for q in names:
-            scale = max(float(np.linalg.norm(ref[(p, q, part)])) for part in sh.hessian.PARTS)
-            for part in sh.hessian.PARTS:
+            scale = max(float(np.linalg.norm(ref[(p, q, part)])) for part in sh.calculus.hessian.PARTS)
+            for part in sh.calculus.hessian.PARTS:
                 got = der.block(p, q, part).evaluate(values)
                 err = relative_error(got, ref[(p, q, part)], scale)
                 assert err <= TOL, f"{der.layer.name} {p},{q} {part}: {err:.2e}"

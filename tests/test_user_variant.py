@@ -6,7 +6,7 @@ import pytest
 
 import symhess as sh
 from symhess import expr as E
-from symhess.verify import TOLERANCE, verify
+from symhess.calculus.verify import TOLERANCE, verify
 
 
 def sigmoid_attention(causal=False):

@@ -5,11 +5,11 @@ import sympy as sp
 
 import symhess as sh
 from symhess import expr as E
-from symhess.adjoint import adjoint
-from symhess.evaluate import evaluate
-from symhess.kron import vec_jacobian
-from symhess.rules import differential
-from symhess.verify import TOLERANCE, autograd_blocks, random_values, verify
+from symhess.calculus.adjoint import adjoint
+from symhess.expr.evaluate import evaluate
+from symhess.calculus.kron import vec_jacobian
+from symhess.calculus.rules import differential
+from symhess.calculus.verify import TOLERANCE, autograd_blocks, random_values, verify
 
 VARIANTS = ["linear_attention", "single_matrix_attention", "multihead_attention",
             "value_output_attention"]

@@ -23,7 +23,7 @@ SCRIPT = '''
 import numpy as np, torch
 import symhess as sh
 from symhess import expr as E
-from symhess.verify import autograd_blocks, random_values
+from symhess.calculus.verify import autograd_blocks, random_values
 
 X = E.matrix("X", "L", "d")
 W_1, W_2 = E.param("W_1", "d", "h"), E.param("W_2", "h", "d")
@@ -75,7 +75,7 @@ def _env(work):
 
 def test_wheel_holds_the_templates_and_runs_the_main_job(fresh):
     python, work, purelib = fresh
-    assert (purelib / "symhess" / "templates" / "kernels.py.j2").is_file()
+    assert (purelib / "symhess" / "codegen" / "templates" / "kernels.py.j2").is_file()
     proc = subprocess.run([str(python.parent / "symhess"), "run", "attention", "--loss", "mse"],
                           cwd=work, env=_env(work), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

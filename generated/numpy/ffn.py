@@ -20,7 +20,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "45f0ff3a00c3309d19906f99"
+    STAMP = "370b0e5462ee81c4f7a9919e"
     RUNS = {
         "W_1' X'": 2,
     }
@@ -138,7 +138,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "77434d0d1bd68d8a04b7d413"
+    STAMP = "0797a86ad9b153f70f4e4177"
     RUNS = {
         "W_1' X'": 2,
     }
@@ -263,4 +263,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "259eefd8cdef0a1a054b566f"
+CHECKSUM = "469949ed92e0b1ac46c6ab13"

@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "028dba7f8250de98aef63b2c"
+    STAMP = "868d6fdb78c12764bdb18ab4"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -284,7 +284,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "8234c7d276c27277dfce5781"
+    STAMP = "f7776fb12a53c0b4d346a8e3"
     RUNS = {
         'A X': 5,
         "G W_V'": 2,
@@ -525,7 +525,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b4ba82ee330a6dfb0b85de58"
+    STAMP = "205c4927d0ecda41f0451003"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -769,7 +769,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b9063993e9f0366abf4ce34d"
+    STAMP = "b5ceaf56d79050692e7c5bff"
     RUNS = {
         'A X': 4,
         "G W_V'": 2,
@@ -1026,4 +1026,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "7ba5d05e3fa27f2d646caf1b"
+CHECKSUM = "beb99bd22bfde13f589b469d"

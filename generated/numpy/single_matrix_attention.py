@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "e309e2718cceb8f6dd32e5d4"
+    STAMP = "3f3416d7a5e8698e332b006b"
     RUNS = {
         'A X': 7,
         "G_2 W_V'": 2,
@@ -192,7 +192,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "8643a6c791604a4a04fe952e"
+    STAMP = "ff5945dce6da5397dd6ebb10"
     RUNS = {
         'A X': 7,
         "G_2 W_V'": 2,
@@ -364,7 +364,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "1caa37d8a6a19a152a3e98f4"
+    STAMP = "8cbcd4172c253137b9695eed"
     RUNS = {
         'A X': 7,
         "G_2 W_V'": 2,
@@ -545,7 +545,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "ca87248c2bece3bf08f0bdb5"
+    STAMP = "997379dc9bdda410201af416"
     RUNS = {
         'A X': 7,
         "G_2 W_V'": 2,
@@ -728,4 +728,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "8894ec913db88304f651430b"
+CHECKSUM = "942c99940b294125eeb2b9d9"

@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "71650fd13c4fb8e8356768dd"
+    STAMP = "31b473350681a89c1a4aebd7"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -272,7 +272,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "988bee932a122f4240d1874c"
+    STAMP = "8453efd7d782e450f3b24205"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -524,7 +524,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "baa5bac6418568805b2b02fe"
+    STAMP = "5917fe99b2781b9044634bf7"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -786,7 +786,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "df2ac4fac09bc72d64f56314"
+    STAMP = "21cee7408181c058a0f7b672"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -1050,4 +1050,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "5be67663ecdfbc48c52015b7"
+CHECKSUM = "1a3d9d9e9f56bba0f96a984f"

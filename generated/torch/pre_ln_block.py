@@ -20,7 +20,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "53c096ce9ce1d1ab2f3c8e6f"
+    STAMP = "df41fdae25c66ac5fad57f71"
     RUNS = {
         'A N_1': 16,
         "G W_2'": 2,
@@ -799,7 +799,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "b5371b2120f3663f5b9279d5"
+    STAMP = "1b30178e3139c7bf890f197e"
     RUNS = {
         'A N_1': 16,
         "G W_2'": 2,
@@ -1578,7 +1578,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "a6138c12d7ee71431df3dfcf"
+    STAMP = "5ee5b30787534e39b131e3eb"
     RUNS = {
         'A N_1': 16,
         "G W_2'": 2,
@@ -2352,7 +2352,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "df98d23cb36aa1e64fb4f8dc"
+    STAMP = "76b4cd6c6fac502ae81aa223"
     RUNS = {
         'A N_1': 16,
         "G W_2'": 2,
@@ -3128,4 +3128,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "882149ca3fafabdb0f6e52a0"
+CHECKSUM = "638fba4f464b4f0fdb1ccad6"

@@ -20,7 +20,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "f28eef96b060b1f240973c0b"
+    STAMP = "4625011106fb507c998448a4"
     RUNS = {
         'A X': 17,
         'A X W_V': 6,
@@ -377,7 +377,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "aac68573743372c675a9a725"
+    STAMP = "da1cc332eddf846f9d53db1e"
     RUNS = {
         'A X': 17,
         'A X W_V': 6,
@@ -734,7 +734,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "2a08c22f33ce9e9e480167d8"
+    STAMP = "31e03fa8a990b34d8e44279d"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1085,7 +1085,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "cba726fa84a3f7cb67c8e10f"
+    STAMP = "e09e37d0542f200e36c404b8"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1438,4 +1438,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "f53368cdd7802209bbb86780"
+CHECKSUM = "0968f22a9c87b0e9fa0ac36f"

@@ -7,8 +7,8 @@ accumulated once per node of the DAG (reverse mode).
 """
 from __future__ import annotations
 
-from . import expr as E
-from .registry import Registry
+from ..expr import nodes as E
+from ..expr.registry import Registry
 
 ADJOINTS = Registry("adjoint rule for")   # how a cotangent passes from a linear node to a child
 adjoint_rule = ADJOINTS.register

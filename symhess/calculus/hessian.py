@@ -14,15 +14,15 @@ from __future__ import annotations
 
 from functools import cached_property
 
-from . import expr as E
+from ..expr import nodes as E
 from .adjoint import adjoint
 from .kron import vec_jacobian
-from .layers import Layer
+from ..expr.layer import Layer
 from .losses import get_loss
 from .rules import differential
 from .simplify import definitions, simplify
-from .errors import DeclarationError, UnknownNameError
-from .evaluate import InputError, bind_dims, check_values, evaluate
+from ..errors import DeclarationError, UnknownNameError
+from ..expr.evaluate import InputError, bind_dims, check_values, evaluate
 
 PARTS = ("outer", "functional", "full")
 
@@ -174,7 +174,7 @@ class Derivation:
     @cached_property
     def latex_names(self):
         """LaTeX symbols for the layer's named intermediates (e.g. A, T)."""
-        from .printing.latex import intermediate_tex
+        from ..expr.latex import intermediate_tex
         from .simplify import simplify as simp
         names = {}
         for key, node in self.layer.intermediates.items():
@@ -255,10 +255,8 @@ def check_part(part):
 
 
 def derive(layer, loss: str = "mse") -> Derivation:
-    """Derive the Hessian of ``loss(layer.output, Y)`` (blocks are computed on demand)."""
-    if isinstance(layer, str):
-        from .layers import layer as get_layer
-        layer = get_layer(layer)
+    """Derive the Hessian of ``loss(layer.output, Y)`` (blocks are computed on demand); a
+    registered layer by name is ``symhess.derive`` (``symhess.layers.derive``)."""
     if not isinstance(layer, Layer):
         raise DeclarationError(f"derive needs a symhess Layer or a registered layer's name, "
                                f"got {type(layer).__name__} {layer!r:.40}")

@@ -5,8 +5,8 @@ products, commutation matrices, identities, softmax Jacobians …), the papers' 
 """
 from __future__ import annotations
 
-from . import expr as E
-from .registry import Registry
+from ..expr import nodes as E
+from ..expr.registry import Registry
 
 VECTORISERS = Registry("vectorisation rule for")
 vectoriser = VECTORISERS.register

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import sympy as sp
 
-from . import expr as E
-from .registry import Registry
+from ..expr import nodes as E
+from ..expr.registry import Registry
 
 LOSSES = Registry("loss")
 loss = LOSSES.register          # register a loss ``fn(F, Y) -> 1×1 expression``

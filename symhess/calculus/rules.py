@@ -2,13 +2,13 @@
 
 A rule states the differential of its node, dN, given the node and the differentials
 of its children (``d``): a matrix expression that is linear in the directions.  The
-Kronecker view (``kron.py``) and the matrix (gradient) view (``adjoint.py``) both follow
+Kronecker view (``calculus/kron.py``) and the matrix (gradient) view (``calculus/adjoint.py``) both follow
 from this one linear map, and a second derivative is the differential of a first.
 """
 from __future__ import annotations
 
-from . import expr as E
-from .registry import Registry
+from ..expr import nodes as E
+from ..expr.registry import Registry
 
 RULES = Registry("differential rule for")
 rule = RULES.register

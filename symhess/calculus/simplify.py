@@ -39,7 +39,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from . import expr as E
+from ..expr import nodes as E
 
 DEFINITIONS = {
     "M_1": r"\mathbf A\mathbf X,\ \text{rows }\boldsymbol\mu_i=\textstyle\sum_j A_{ij}\mathbf x_j",

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import sympy as sp
 
-from . import expr as E
-from .budget import check_budget
-from .errors import DeclarationError
-from .evaluate import check_values, evaluate
+from ..expr import nodes as E
+from ..expr.budget import check_budget
+from ..errors import DeclarationError
+from ..expr.evaluate import check_values, evaluate
 from .hessian import PARTS, Derivation
 
 TOLERANCE = 1e-10

@@ -1,12 +1,12 @@
 """Curvature experiments of Ormaniec et al. (experiments.md §1.3–1.5) as commands.
 
-    python -m symhess.experiments scaling   [--sigmas ...] [--seeds 3] [--batch 64] [--depth N] ...
-    python -m symhess.experiments histogram [--d-model 16] ...
-    python -m symhess.experiments bounds    [--trials 5] ...
+    python -m symhess.cli.experiments scaling   [--sigmas ...] [--seeds 3] [--batch 64] [--depth N] ...
+    python -m symhess.cli.experiments histogram [--d-model 16] ...
+    python -m symhess.cli.experiments bounds    [--trials 5] ...
 
 Every Hessian number is exact and comes from the engine: the block's matrix-view
 Hessian-vector product H_part(p, p)·V is derived from the ``addition_block`` declaration
-(symhess.models) and evaluated by the interpreter, vectorised with ``torch.func.vmap`` over
+(symhess.layers.models) and evaluated by the interpreter, vectorised with ``torch.func.vmap`` over
 the batch and over the basis directions V = e_i.  The columns H e_i give the dense block
 (histograms) or are reduced chunk by chunk to ‖H‖_F without keeping the block (scaling).
 A block the engine derives as the Zero node is reported as a structural zero, not computed.
@@ -21,22 +21,21 @@ from __future__ import annotations
 import csv
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import data
-from . import expr as E
-from . import models  # noqa: F401  (registers addition_block and the answer losses)
-from .budget import check_budget
-from .errors import OptionError
-from .evaluate import Interpreter, _Torch
-from .hessian import derive
-from .layers import layer
-from .memory import retain_freed_memory
-from .rules import differential
+from ..expr import nodes as E
+from ..layers import models  # noqa: F401  (registers addition_block and the answer losses)
+from ..expr.budget import check_budget
+from ..errors import OptionError
+from ..expr.evaluate import Interpreter, _Torch
+from ..calculus.hessian import derive
+from ..layers.registry import layer
+from ..runtime.memory import retain_freed_memory
+from ..calculus.rules import differential
 
 PARTS = ("outer", "functional", "full")
 PART_LABEL = {"outer": "H_o", "functional": "H_f", "full": "H"}
@@ -278,7 +277,7 @@ class Experiment:
     def kernel(self):
         """The generated torch kernels of this configuration's model (rendered on first use)."""
         if self._kernel is None:
-            from .kernels import kernel
+            from ..curvature.kernels import kernel
             self._kernel = kernel("addition_block", "torch", self.cfg.loss,
                                   attention=self.cfg.attention, norm=self.cfg.norm)
         return self._kernel
@@ -513,7 +512,7 @@ def _softmax(t):
 
 def cmd_bounds(args):
     """Exact spectral norms of the single-attention-layer MSE Hessian blocks vs Theorem 1."""
-    from .verify import random_values
+    from ..calculus.verify import random_values
     d = derive(layer("attention"), "mse")
     names = d.layer.param_names
     pairs = {"VV": ("W_V", "W_V"), "QQ": ("W_Q", "W_Q"), "VQ": ("W_V", "W_Q"), "QK": ("W_Q", "W_K")}
@@ -571,7 +570,7 @@ def config_from(args, **over) -> Config:
 
 
 def build_parser():
-    from .cli import ArgumentParser, nonnegative_int, positive_int
+    from .args import ArgumentParser, nonnegative_int, positive_int
     p = ArgumentParser(prog="symhess experiment", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="EXPERIMENT")
 
@@ -620,14 +619,3 @@ def run_experiment(argv) -> int:
         raise OptionError(f"--out {args.out} is a file, not a directory")
     retain_freed_memory()         # this command owns its process: reuse freed temporaries
     return args.func(args)
-
-
-def main_experiment(argv=None) -> int:
-    """Entry point for ``symhess experiment ...``; returns the exit status (``symhess.cli.main``:
-    one line ``symhess: error: …`` and status 2 for bad input)."""
-    from .cli import main
-    return main(["experiment", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main_experiment(sys.argv[1:]))

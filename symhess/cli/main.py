@@ -2,14 +2,14 @@
 
 A LAYER argument is a registered layer name (``symhess layers``) or a user's declaration,
 ``FILE.py:ATTR`` or ``package.module:ATTR``, where ATTR is a ``Layer`` or a factory returning
-one (``--set KEY=VALUE`` options are passed to the factory; ``symhess.layer_specs``).
+one (``--set KEY=VALUE`` options are passed to the factory; ``symhess.layers.specs``).
 
 Exit status: 0 done; 1 a check failed (a block disagrees with autograd, a committed kernel
 is stale); 2 bad input — one line ``symhess: error: …`` on stderr that names the problem
 (a ``symhess.errors.SymhessError``, an operating-system error with its path, or a usage
 error); 3 an internal error — the traceback, and a request to report it.
 
-``symhess spectrum LAYER`` (``symhess.spectrum_cli``): the top eigenvalues of every Hessian
+``symhess spectrum LAYER`` (``symhess.cli.spectrum``): the top eigenvalues of every Hessian
 block and part over a dataset, beside the layer's spectral-norm bound; it runs under
 ``torchrun --nproc-per-node N`` too.
 
@@ -17,135 +17,27 @@ Long work (verify, report, spectrum) shows a progress bar on stderr when stderr 
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import traceback
 from pathlib import Path
 
-from . import __version__
-from .errors import OptionError, SymhessError
-from .hessian import PARTS, derive
-from .layer_specs import is_user_spec
-from .layers import LAYERS, resolve_layer, spec_options
-from .losses import LOSSES
+from .._version import __version__
+from ..errors import SymhessError
+from ..calculus.hessian import PARTS, derive
+from ..layers.specs import is_user_spec
+from ..layers.registry import LAYERS
+from ..layers.specs import resolve_layer, spec_options
+from .args import (BUG, EXIT_BAD_INPUT, EXIT_BUG, ArgumentParser, CLIError, _progress,
+                   layer_from_args, nonnegative_int, options_from_args, positive_int)
+from ..calculus.losses import LOSSES
 
 
-GENERATED = Path(__file__).resolve().parent.parent / "generated"
-BUG = "this is a bug in symhess; please report it with the command and the traceback"
-EXIT_BAD_INPUT, EXIT_BUG = 2, 3
-TRUE, FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-
-
-class CLIError(SymhessError, ValueError):
-    """A user error found by the command line itself: printed as one line, exit status 2."""
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default in its help unless it is None or False (nothing to say)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with one-line usage errors (``symhess: error: …``, exit status 2) and every
-    option's default shown in ``--help``."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def add_argument(self, *args, **kwargs):
-        default = kwargs.get("default")
-        if ("help" not in kwargs and args and str(args[0]).startswith("-")
-                and default is not None and default is not False and default is not argparse.SUPPRESS):
-            kwargs["help"] = "(default: %(default)s)"
-        return super().add_argument(*args, **kwargs)
-
-    def error(self, message):
-        self.exit(EXIT_BAD_INPUT, f"symhess: error: {message} (see '{self.prog} --help')\n")
-
-
-def positive_int(text):
-    """argparse type: an integer >= 1 (the error names the option)."""
-    return _int_at_least(text, 1, "a positive integer")
-
-
-def nonnegative_int(text):
-    """argparse type: an integer >= 0 (seeds)."""
-    return _int_at_least(text, 0, "a non-negative integer")
-
-
-def _int_at_least(text, low, what):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-    return value
-
-
-def _parse_value(text):
-    low = text.lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    if low in ("none", "null"):
-        return None
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _parse_option(key, text, default):
-    """A --set value: an option whose default is True/False takes true/false (yes/no, on/off,
-    1/0) only; anything else is read as a number, None or a string."""
-    if isinstance(default, bool):
-        low = text.lower()
-        if low in TRUE:
-            return True
-        if low in FALSE:
-            return False
-        raise OptionError(f"option {key} expects true or false, got {text!r}")
-    return _parse_value(text)
-
-
-def options_from_args(args) -> dict:
-    """Layer options from --causal and --set KEY=VALUE, parsed by each option's default and
-    validated against the layer (an error names the option and the valid ones)."""
-    defaults = spec_options(args.layer)
-    options = {}
-    for item in args.set or []:
-        key, eq, value = item.partition("=")
-        key = key.strip()
-        if not eq or not key:
-            raise CLIError(f"--set expects KEY=VALUE with a non-empty KEY, got {item!r}; "
-                           f"options of {args.layer}: {', '.join(defaults) or 'none'}")
-        options[key] = _parse_option(key, value.strip(), defaults.get(key))
-    if getattr(args, "causal", False):
-        options["causal"] = True
-    resolve_layer(args.layer, options)  # validate names and options early
-    return options
-
-
-def layer_from_args(args):
-    return resolve_layer(args.layer, options_from_args(args))
+GENERATED = Path(__file__).resolve().parents[2] / "generated"
 
 
 def _losses(choice):
     """'both' means the two standard losses (MSE and cross-entropy)."""
     return ["mse", "ce"] if choice == "both" else [choice]
-
-
-def _progress() -> bool:
-    return sys.stderr.isatty()
 
 
 def cmd_layers(args):
@@ -194,7 +86,7 @@ def cmd_derive(args):
         for p, q, part in keys:
             print(f"H_{part}({p}, {q}) = {d.block(p, q, part).text()}")
     if args.format == "latex" and args.definitions:
-        from .notation import definitions
+        from ..printing.notation import definitions
         for n in definitions([d.block(*k).expr for k in keys], d.latex_names):
             print(f"{n.symbol} := {n.tex}{n.note or ''}")
     return 0
@@ -203,7 +95,7 @@ def cmd_derive(args):
 def print_latex_blocks(d, keys):
     """Print the blocks ``keys`` ((p, q, part) …) of a derivation as LaTeX; when some term is
     too long to read, recurring sub-expressions are named and their definitions come first."""
-    from .printing.latex_cse import jacobian_names, latex, share_if_long
+    from ..printing.latex_cse import jacobian_names, latex, share_if_long
     from .report import MAX_TERM_CHARS
 
     blocks = {k: d.block(*k) for k in keys}
@@ -222,7 +114,7 @@ def verification_table(lay_name, losses, seed, options, out=print, derived=None)
     ``lay_name``: a layer spec (``resolve_layer``).  ``derived``: {(loss, sorted option
     items): Derivation} already made (not derived again).
     """
-    from .verify import TOLERANCE, verify
+    from ..calculus.verify import TOLERANCE, verify
 
     ok = True
     settings = [{}]
@@ -284,7 +176,7 @@ def cmd_report(args):
 def cmd_generate(args):
     """Without LAYER: every committed module into generated/ (a source tree only).  With
     LAYER: that declaration's module for each backend, as DIR/{numpy,torch}/NAME.py."""
-    from .codegen import BACKENDS, main_generate, render_module, render_variant, write_atomic
+    from ..codegen.render import BACKENDS, main_generate, render_module, render_variant, write_atomic
     progress = None
     if _progress():
         from tqdm import tqdm
@@ -338,15 +230,15 @@ def cmd_run(args):
         print(f"{args.layer}: a declaration outside the registry has no committed kernels")
         return status
     if not GENERATED.is_dir():          # an installed package: no committed modules beside it
-        from .codegen import BACKENDS, cache_dir
-        from .kernels import kernel
+        from ..codegen.render import BACKENDS, cache_dir
+        from ..curvature.kernels import kernel
         for backend in BACKENDS:
             for loss in _losses(args.loss):
                 kernel(lay, backend, loss).variant       # renders (or loads) the module
         print(f"kernels of {lay.name} rendered and loaded from the user cache {cache_dir()} "
               "(no generated/ beside the installed package)")
         return status
-    from .codegen import main_check_layer
+    from ..codegen.render import main_check_layer
     return status or main_check_layer(args.layer, out_dir=GENERATED)
 
 
@@ -407,7 +299,7 @@ def build_parser():
     sub.add_parser("experiment", help="the papers' curvature experiments (scaling, histogram, "
                    "bounds); see `symhess experiment --help`", add_help=False)
 
-    from .spectrum_cli import add_parser as add_spectrum
+    from .spectrum import add_parser as add_spectrum
     add_spectrum(sub, layer_args, positive_int, nonnegative_int)
 
     p = sub.add_parser("run", help="main job: derive + LaTeX + verify (+ kernel check)")

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import jinja2
 
-from . import __version__
-from .hessian import derive
-from .notation import GLOSSARY, definitions, glossary
-from .printing.latex import intermediate_tex
-from .printing.latex_cse import jacobian_names, named_sums, share_if_long, terms
-from .printing.latex_cse import latex as shared_latex
-from .printing.latex_lines import break_lines, width
+from .._version import __version__
+from ..calculus.hessian import derive
+from ..printing.notation import GLOSSARY, definitions, glossary
+from ..expr.latex import intermediate_tex
+from ..printing.latex_cse import jacobian_names, named_sums, share_if_long, terms
+from ..printing.latex_cse import latex as shared_latex
+from ..printing.latex_lines import break_lines, width
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -131,7 +131,7 @@ def render_report(lay, losses=("mse", "ce"), progress=False) -> str:
     """The LaTeX document; ``progress`` shows a bar per loss over the blocks on stderr.
 
     Its notation paragraph explains exactly the notation that the document prints
-    (``symhess.notation.glossary`` over every printed expression of every section)."""
+    (``symhess.printing.notation.glossary`` over every printed expression of every section)."""
     opts = ", ".join(f"{k}={v}" for k, v in lay.options.items() if v not in (None, False))
     sections, notation = [], set()
     for loss in losses:

@@ -2,10 +2,10 @@
 
 For each block (the diagonal blocks by default; ``--block P,Q``; ``--block all``: every block
 p ≤ q and the whole Hessian) and part (outer, functional, full), the k largest eigenvalues by
-Lanczos (``symhess.spectra.spectrum``) and the one of largest magnitude, the spectral norm
+Lanczos (``symhess.curvature.spectra.spectrum``) and the one of largest magnitude, the spectral norm
 ‖H‖₂; an off-diagonal block's k largest singular values (‖H‖₂ the
 first).  Where the layer has a published spectral-norm bound (the single attention layer with
-MSE: Theorem 1's per-block terms, ``symhess.experiments.theorem1_terms``) the table shows it
+MSE: Theorem 1's per-block terms, ``symhess.cli.experiments.theorem1_terms``) the table shows it
 beside the exact norm and their ratio; for a dataset the bound is the mean of the per-sequence
 bounds (‖mean_n H_n‖ ≤ mean_n ‖H_n‖ ≤ mean_n bound_n).
 
@@ -13,7 +13,7 @@ Data (``--data``): ``random`` (seeded normal inputs and targets, distributions f
 cross-entropy; parameters as in ``symhess verify``) or ``addition`` (the experiments'
 one-block model on digit-addition batches, ``addition_block`` only).  ``--batches B --batch N``
 sequences of length ``--length``.  Under ``torchrun --nproc-per-node N`` every process builds
-the same batches, keeps every N-th one (``symhess.distributed.shard``) and the products are
+the same batches, keeps every N-th one (``symhess.curvature.distributed.shard``) and the products are
 all-reduced; process 0 prints and writes.
 
 Output: the table on stdout; with ``--out DIR``: ``spectrum.csv``, ``spectrum.png`` (the
@@ -25,11 +25,10 @@ from __future__ import annotations
 import csv
 import math
 import os
-import sys
 
 import numpy as np
 
-from .errors import OptionError
+from ..errors import OptionError
 
 PARTS = ("outer", "functional", "full")
 BOUND_KEYS = {("W_V", "W_V"): "VV", ("W_Q", "W_Q"): "QQ", ("W_V", "W_Q"): "VQ",
@@ -81,9 +80,9 @@ def _sizes(items):
 
 
 def random_dataset(derivation, sizes, length, batches, batch, seed):
-    """(params, [batch dicts]): parameters as ``symhess.verify.random_values``, data normal
+    """(params, [batch dicts]): parameters as ``symhess.calculus.verify.random_values``, data normal
     (targets: row distributions for cross-entropy), all float64."""
-    from .verify import random_values
+    from ..calculus.verify import random_values
     lay = derivation.layer
     dims = dict(sizes)
     dims.setdefault("L", length)
@@ -171,12 +170,12 @@ def _label(p, q):
 def cmd_spectrum(args):
     from tqdm import tqdm
 
-    from . import distributed as D
-    from .cli import _progress, layer_from_args
-    from .hessian import derive
-    from .kernels import kernel
-    from .operators import operator
-    from .spectra import density, spectrum
+    from ..curvature import distributed as D
+    from .args import _progress, layer_from_args
+    from ..calculus.hessian import derive
+    from ..curvature.kernels import kernel
+    from ..curvature.operators import operator
+    from ..curvature.spectra import density, spectrum
 
     rank, world = D.init_from_env()
     lay = layer_from_args(args)
@@ -208,7 +207,7 @@ def cmd_spectrum(args):
         conv = lambda a: a                           # noqa: E731
     params = {n: conv(v) for n, v in params.items()}
     mine = D.shard([{n: conv(v) for n, v in b.items()} for b in batches], rank, world)
-    from .dataset import Dataset
+    from ..curvature.dataset import Dataset
     ds = Dataset(k, mine, params=params)
     tasks = [(p, q, part) for p, q in blocks for part in parts]
     rows, dens = [], {}
@@ -356,11 +355,6 @@ def plot_densities(dens, path, title):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def main_spectrum(argv=None):
-    from .cli import main
-    return main(["spectrum", *(sys.argv[1:] if argv is None else argv)])
 
 
 __all__ = ["add_parser", "cmd_spectrum", "random_dataset", "addition_dataset", "bounds_for"]

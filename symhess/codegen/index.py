@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
-from .. import expr as E
+from ..expr import nodes as E
 
 STRUCTURED = (E.Kron, E.Commutation, E.DiagSelector, E.SoftmaxJac, E.SoftmaxHess, E.Diag,
               E.VecR, E.UnvecR, E.KronContract, E.Identity)

@@ -13,7 +13,7 @@ its matrix-view routines.
 
 and collects the plain-matrix *leaves* the operands read (A, X W_K, the output gradient …)
 and the matrix-view routines (loss, gradient, Hessian–vector products, the layer's check
-inputs).  ``printing.python`` turns it into source.
+inputs).  ``codegen.python`` turns it into source.
 
 Operands carry index *atoms* (integers with symbolic sizes, ``sizes``); data-dependent
 operands additionally carry the batch axis, which the printer adds.
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
-from . import expr as E
-from .hessian import Derivation
-from .printing.index import Lowering
+from ..expr import nodes as E
+from ..calculus.hessian import Derivation
+from .index import Lowering
 
 HALVES = ("outer", "functional")
 

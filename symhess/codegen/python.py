@@ -21,10 +21,10 @@ import re
 import opt_einsum as oe
 import sympy as sp
 
-from .. import expr as E
-from .. import scalarfn
+from ..expr import nodes as E
+from ..expr import scalarfn
 from ..errors import DeclarationError
-from ..registry import Registry
+from ..expr.registry import Registry
 from ..runtime import chain
 
 MAX_INLINE = 72        # longer sub-expressions get a name of their own

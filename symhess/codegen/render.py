@@ -1,7 +1,7 @@
 """Kernel modules: render a declaration's variants as source, commit, cache and load them.
 
 A module holds one ``Forward`` class per variant (loss, options) of a layer
-(``printing.python`` prints its members, the Jinja template ``kernels.py.j2`` the file
+(``codegen.python`` prints its members, the Jinja template ``templates/kernels.py.j2`` the file
 skeleton).  Each class carries a ``STAMP``: the hash of the symhess version, the engine's
 code-generating sources and the variant's declaration (output expression, parameters in
 order, inputs, loss, options); each module ends with a ``CHECKSUM`` of its own text.
@@ -36,15 +36,17 @@ from pathlib import Path
 
 import jinja2
 
-from . import __version__
-from .errors import DeclarationError
-from .hessian import derive
-from .layers import LAYERS, Layer, layer as get_layer, layer_options
-from .printing.python import Printer
+from .._version import __version__
+from ..errors import DeclarationError
+from ..calculus.hessian import derive
+from ..layers.registry import LAYERS, layer as get_layer, layer_options
+from ..expr.layer import Layer
+from .python import Printer
 from .program import Program
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]      # the symhess package
 ROOT = PACKAGE.parent
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 GENERATED = ROOT / "generated"
 BACKENDS = ("numpy", "torch")
 TMP_PREFIX = ".symhess-tmp-"
@@ -60,9 +62,10 @@ ON_DEMAND = {
     "post_ln_stack": "a deep model (5·depth parameters): kernels rendered on demand",
 }
 # the sources whose code decides what a module contains (part of every stamp)
-ENGINE = ("expr.py", "rules.py", "kron.py", "adjoint.py", "hessian.py", "simplify.py",
-          "losses.py", "scalarfn.py", "program.py", "codegen.py", "printing/index.py",
-          "printing/python.py", "templates/kernels.py.j2")
+ENGINE = ("expr/nodes.py", "expr/scalarfn.py", "calculus/rules.py", "calculus/kron.py",
+          "calculus/adjoint.py", "calculus/hessian.py", "calculus/simplify.py",
+          "calculus/losses.py", "codegen/program.py", "codegen/render.py", "codegen/index.py",
+          "codegen/python.py", "codegen/templates/kernels.py.j2")
 
 
 # ----------------------------------------------------------------------------- variants
@@ -134,7 +137,7 @@ def _checksum_ok(text: str) -> bool:
 # ----------------------------------------------------------------------------- rendering
 @lru_cache(maxsize=None)
 def _template():
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(PACKAGE / "templates")),
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              autoescape=False, trim_blocks=True)
     return env.get_template("kernels.py.j2")

@@ -30,7 +30,7 @@ the first pass and later passes neither read the data nor recompute the forward 
 
 **Processes.**  With ``torch.distributed`` initialised (and ``distributed`` not False), each
 process passes its own shard of the data (e.g. a ``DistributedSampler``) and every result is
-reduced with one all-reduce (``symhess.distributed``); every process gets the dataset mean.
+reduced with one all-reduce (``symhess.curvature.distributed``); every process gets the dataset mean.
 Every process must make the same calls in the same order.
 """
 from __future__ import annotations
@@ -41,9 +41,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import distributed as D
-from .budget import memory_budget
-from .errors import InputError
-from .hessian import check_part
+from ..expr.budget import memory_budget
+from ..errors import InputError
+from ..calculus.hessian import check_part
 from .matview import BlockProduct
 
 KEEP_MAX = 2 ** 30
@@ -59,8 +59,8 @@ class Values:
     checks (one sequence at a time)."""
 
     def __init__(self, kernel, values, check_finite=True):
-        from .errors import InputError as IE
-        from .evaluate import bind_dims, check_values
+        from ..errors import InputError as IE
+        from ..expr.evaluate import bind_dims, check_values
         from .kernels import _Shape
         if not isinstance(values, Mapping):
             raise IE(f"values must be a dict of arrays by name ({', '.join(kernel.names)})")
@@ -296,7 +296,7 @@ class Dataset:
 
     def _param(self, p):
         if p not in self.params_names:
-            from .errors import UnknownNameError
+            from ..errors import UnknownNameError
             raise UnknownNameError(f"unknown block {p!r}; valid: {', '.join(self.params_names)}")
         return p
 
@@ -368,7 +368,7 @@ class Dataset:
     def _bound_product(self, b, p, q, part):
         key = (p, q, part)
         if key not in self._products:
-            from .hessian import derive
+            from ..calculus.hessian import derive
             self._param(p), self._param(q)
             self._products[key] = BlockProduct(derive(self.kernel.layer, self.kernel.loss_name),
                                                p, q, part)
@@ -412,7 +412,7 @@ class Dataset:
         return self._frobenius_pairs(p, q, part)
 
     def _frobenius_pairs(self, p, q, part):
-        from .runtime import network as N
+        from ..runtime import network as N
         total, n = 0.0, 0
 
         def cross(sa, na, sb, nb):
@@ -507,7 +507,7 @@ def _dense_fits(st, entries):
 
 
 def _fits(st, entries):
-    from .budget import check_budget
+    from ..expr.budget import check_budget
     check_budget(entries * _itemsize(st), f"the dense block ({entries} entries)",
                  device=getattr(st.like, "device", None))
 

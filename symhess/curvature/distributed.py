@@ -1,12 +1,12 @@
 """Dataset reductions across processes with ``torch.distributed``.
 
 Each process passes its own shard of the data (``shard`` below, or a ``DistributedSampler``);
-``symhess.dataset.Dataset`` sums the weighted per-batch results of its shard and reduces them
+``symhess.curvature.dataset.Dataset`` sums the weighted per-batch results of its shard and reduces them
 with **one all-reduce per product**: the results and the shard's number of sequences are packed
 into one flat buffer (the values' dtype, on their device; NumPy kernels use the CPU, so the
 process group must be gloo), summed over the processes, and unpacked.  Every process then holds
 the dataset mean, so an eigensolver runs the same iteration in every process; it must be given
-the same starting vector everywhere (``symhess.spectra`` seeds it).
+the same starting vector everywhere (``symhess.curvature.spectra`` seeds it).
 
 The Frobenius norm of a mean block by pairs of batches needs batches of other processes: each
 process sends its batches in turn (``broadcast_object_list``), every process pairs them with
@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
 
 MODES = ("auto", True, False)
 

@@ -19,16 +19,17 @@ import math
 import numpy as np
 import sympy as sp
 
-from . import codegen
-from .budget import check_budget
-from .errors import DeclarationError, InputError, UnknownNameError
-from .evaluate import bind_dims, check_values
-from .hessian import check_part, derive
-from .layers import Layer, layer as get_layer, layer_options
-from .losses import get_loss
-from .runtime import network as N  # noqa: F401
-from .runtime.jacobian import CompactJacobian
-from .runtime.schedule import Schedule
+from ..codegen import render as codegen
+from ..expr.budget import check_budget
+from ..errors import DeclarationError, InputError, UnknownNameError
+from ..expr.evaluate import bind_dims, check_values
+from ..calculus.hessian import check_part, derive
+from ..expr.layer import Layer
+from ..layers.registry import layer as get_layer, layer_options
+from ..calculus.losses import get_loss
+from ..runtime import network as N  # noqa: F401
+from ..runtime.jacobian import CompactJacobian
+from ..runtime.schedule import Schedule
 
 BACKENDS = codegen.BACKENDS
 FLOATS = ("float32", "float64")
@@ -90,9 +91,9 @@ class Kernel:
     @property
     def ops(self):
         if self.backend == "torch":
-            from .runtime.torch_ops import OPS
+            from ..runtime.torch_ops import OPS
         else:
-            from .runtime.numpy_ops import OPS
+            from ..runtime.numpy_ops import OPS
         return OPS
 
     # -- values --------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 
     R(V) = H_part(p, q)[V]          (V ∈ R^{shape of W_q}, R ∈ R^{shape of W_p})
 
-from the same differential rules as every block (``symhess.hessian``):
+from the same differential rules as every block (``symhess.calculus.hessian``):
 
 * functional: R = d g_p[V on W_q] with G = ∂ℓ/∂F frozen;
 * outer:      R = g_p with G replaced by ∂²ℓ/∂F²[dF[V on W_q]];
@@ -32,10 +32,10 @@ import math
 
 import sympy as sp
 
-from . import expr as E
-from .errors import DeclarationError
-from .hessian import check_part
-from .rules import differential
+from ..expr import nodes as E
+from ..errors import DeclarationError
+from ..calculus.hessian import check_part
+from ..calculus.rules import differential
 
 _DIR = "__symhess_direction__"
 
@@ -289,7 +289,7 @@ def _chain_cost(shapes):
 class _NumpyOps:
     def __init__(self):
         import numpy as np
-        from .runtime import numpy_ops as m
+        from ..runtime import numpy_ops as m
         self.np, self.m = np, m
 
     def __getattr__(self, name):
@@ -311,7 +311,7 @@ class _NumpyOps:
 class _TorchOps:
     def __init__(self):
         import torch
-        from .runtime import torch_ops as m
+        from ..runtime import torch_ops as m
         self.torch, self.m = torch, m
 
     def __getattr__(self, name):

@@ -8,7 +8,7 @@
 
 ``part``: "full", "outer" (the Gauss–Newton / GGN part) or "functional" (the rest).
 ``data``: one batch (a dict of all values) or batches of (X, Y) / dicts with ``params``, as in
-``symhess.dataset`` (whose conventions follow curvlinops: ``num_data``, data as an iterable
+``symhess.curvature.dataset`` (whose conventions follow curvlinops: ``num_data``, data as an iterable
 of (X, Y), ``progressbar``); every product is the dataset mean, reduced across processes when
 ``torch.distributed`` is initialised.
 
@@ -21,7 +21,7 @@ NumPy.
 Products reuse the prepared forward quantities: a single batch (and a dataset whose prepared
 batches fit ``keep`` bytes) is prepared once, so an eigensolver's thousand products compute
 the softmax, the moments and the output gradient once.  Block products run in the matrix
-view (``symhess.matview``), the whole Hessian and block rows through the generated kernel's
+view (``symhess.curvature.matview``), the whole Hessian and block rows through the generated kernel's
 Hessian-vector product.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ import numpy as np
 from scipy.sparse.linalg import LinearOperator
 
 from .dataset import Dataset, sum_of
-from .errors import InputError
-from .hessian import check_part
+from ..errors import InputError
+from ..calculus.hessian import check_part
 
 
 def operator(kernel, data, p=None, q=None, part="full", params=None, num_data=None,
@@ -84,7 +84,7 @@ class HessianOperator(LinearOperator):
         """Whether the engine derives this block as the Zero node (a structural zero)."""
         if self.kind != "block":
             return False
-        from .hessian import derive
+        from ..calculus.hessian import derive
         from .matview import BlockProduct
         ds = self.dataset
         key = (self.p, self.q, self.part)
@@ -213,7 +213,7 @@ class HessianOperator(LinearOperator):
     # -- dense -----------------------------------------------------------------------------
     def to_dense(self):
         """The dense matrix (NumPy), refused beyond the memory budget: the exact reference
-        for small blocks (``symhess.spectra`` uses it for ``method="eigh"``)."""
+        for small blocks (``symhess.curvature.spectra`` uses it for ``method="eigh"``)."""
         ds, part = self.dataset, self.part
         names = ds.params_names
         rows = names if self.p is None else [self.p]

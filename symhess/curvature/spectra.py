@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import DeclarationError, InputError, SymhessError
+from ..errors import DeclarationError, InputError, SymhessError
 
 
 class ConvergenceError(SymhessError, RuntimeError):
@@ -102,7 +102,7 @@ def start_vector(n, dtype, seed):
 def _dense(op):
     if hasattr(op, "to_dense"):
         return np.asarray(op.to_dense(), dtype=np.float64)
-    from .budget import check_budget
+    from ..expr.budget import check_budget
     check_budget(8 * op.shape[0] * op.shape[1], "the dense operator")
     return np.asarray(op @ np.eye(op.shape[1], dtype=op.dtype), dtype=np.float64)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import BudgetError, DeclarationError
+from ..errors import BudgetError, DeclarationError
 
 ENV = "SYMHESS_MEMORY_BUDGET"
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,

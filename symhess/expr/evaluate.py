@@ -9,7 +9,7 @@ mapping from names to real float32 or float64 arrays of one dtype (integer, bool
 and complex arrays are refused, never cast), without NaN or inf entries (the error names the
 array and the first bad index; ``check_finite=False`` skips that scan).  Before allocating,
 ``evaluate`` estimates the memory of the work and refuses it with a ``BudgetError`` beyond
-the budget (``symhess.budget``).
+the budget (``symhess.expr.budget``).
 
 **Softmax nodes are evaluated in a cancellation-free form.**  Every softmax derivative
 contains the centring  c_p(e) = e − rowsum(p ∘ e)  and the Jacobian's diagonal p ∘ (1 − p).
@@ -35,9 +35,9 @@ from collections.abc import Mapping
 import numpy as np
 import sympy as sp
 
-from . import expr as E
+from . import nodes as E
 from .budget import check_budget
-from .errors import DeclarationError, InputError, UnknownNameError
+from ..errors import DeclarationError, InputError, UnknownNameError
 
 ACCEPTED_DTYPES = ("float32", "float64")
 

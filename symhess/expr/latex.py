@@ -5,7 +5,7 @@ import re
 
 import sympy as sp
 
-from .base import Printer
+from .printer import Printer
 
 
 def bold_name(name: str) -> str:
@@ -60,7 +60,7 @@ def _exponent_tex(q) -> str:
 def _explicit_tex(expr) -> str:
     """A function of x in (·) notation: c(·)^q for a monomial (parenthesised when c < 0,
     being an operand of products), else sympy's LaTeX with x written (·)."""
-    from ..scalarfn import x
+    from .scalarfn import x
     c, q = expr.as_coeff_exponent(x)
     if c != 0 and not c.has(x) and sp.simplify(c * x**q - expr) == 0:
         if q == 0:

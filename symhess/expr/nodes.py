@@ -19,7 +19,9 @@ decreases (n of the work list and output, the number of MatMul nodes on the work
 length of the work list) lexicographically: a merge lowers the first, flattening a product the
 second without raising the first, moving an operand to the output the third.
 
-This module imports nothing from rules or printers.
+This module imports nothing from the calculus; its text and LaTeX forms are ``text.py`` and
+``latex.py`` (which dispatch on class names and import no node).  ``Expr.evaluate`` is bound
+by the package (``symhess.expr``), since the interpreter imports the nodes.
 """
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ from functools import lru_cache
 
 import sympy as sp
 
-from .errors import DeclarationError, ShapeError
+from ..errors import DeclarationError, ShapeError
+from .latex import latex
 from .scalarfn import ScalarFn, get_function
+from .text import text
 
 __all__ = [
     "ShapeError", "Expr", "dim", "dims", "matrix", "param", "const",
@@ -196,7 +200,6 @@ class Expr:
         return self.shape[1]
 
     def __repr__(self):
-        from .printing.text import text
         return text(self)
 
     # -- operators ---------------------------------------------------------------
@@ -229,14 +232,8 @@ class Expr:
     def T(self):
         return transpose(self)
 
-    # -- conveniences that delegate to other modules -------------------------------
     def latex(self, names=None) -> str:
-        from .printing.latex import latex
         return latex(self, names)
-
-    def evaluate(self, values, backend="numpy"):
-        from .evaluate import evaluate
-        return evaluate(self, values, backend=backend)
 
 
 # ----------------------------------------------------------------------------- leaves

@@ -1,7 +1,7 @@
 """A small registry: named entries, refusing silent overwrites, listing valid names on a miss."""
 from __future__ import annotations
 
-from .errors import DuplicateNameError, UnknownNameError
+from ..errors import DuplicateNameError, UnknownNameError
 
 
 class Registry(dict):

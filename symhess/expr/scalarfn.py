@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import sympy as sp
 
-from .errors import DeclarationError, UnknownNameError
+from ..errors import DeclarationError, UnknownNameError
 
 x = sp.Symbol("x", real=True)
 

@@ -5,7 +5,7 @@ import re
 
 import sympy as sp
 
-from .base import Printer
+from .printer import Printer
 
 
 class TextPrinter(Printer):

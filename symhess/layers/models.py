@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import sympy as sp
 
-from . import expr as E
-from .errors import DeclarationError, OptionError
-from .layers import Layer, register_layer
-from .losses import loss
+from ..expr import nodes as E
+from ..errors import DeclarationError, OptionError
+from ..expr.layer import Layer
+from .registry import register_layer
+from ..calculus.losses import loss
 from .stack import stack
 
 LN_EPS = sp.Rational(1, 10 ** 5)

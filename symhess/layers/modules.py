@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import sympy as sp
 
-from . import expr as E
-from .errors import DeclarationError, InputError
-from .layers import Layer
+from ..expr import nodes as E
+from ..errors import DeclarationError, InputError
+from ..expr.layer import Layer
 from .transformer import layer_norm
 
 CHECK_TOLERANCE = 1e-10
@@ -431,15 +431,11 @@ class ModuleLayer:
         ``symhess.operator`` / ``Dataset``, iterable again whenever ``data`` is."""
         return _Mapped(data, lambda b: self.batch(*b))
 
-    def kernel(self, backend="torch", loss="mse"):
-        from .kernels import kernel
-        return kernel(self.layer, backend, loss)
-
     # -- forward ---------------------------------------------------------------------------
     def forward(self, x, params=None):
         """The declaration's output for module input x (module layout), by the interpreter."""
         import torch
-        from .evaluate import evaluate
+        from ..expr.evaluate import evaluate
         vals = self.params(params)
         X = self._seq_first(x, "x")
         outs = [evaluate(self.layer.output, dict(vals, X=X[i]), backend="torch")
@@ -572,7 +568,7 @@ def _check_forward(ml):
             f"{type(ml.module).__name__}: the declared {ml.layer.description.lower()} "
             f"({'pre' if ml.spec.pre_ln else 'post'}-LN, causal={ml.causal}) differs from the "
             f"module's forward (relative error {err:.2e}); from_module recognises blocks that "
-            f"compute exactly the forms in symhess.modules")
+            f"compute exactly the forms in symhess.layers.modules")
 
 
 __all__ = ["from_module", "ModuleLayer"]

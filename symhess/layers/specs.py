@@ -29,10 +29,11 @@ import sysconfig
 import traceback
 from pathlib import Path
 
-from .errors import DeclarationError, OptionError, SymhessError, UnknownNameError
-from .layers import LAYERS, Layer, check_options, layer, layer_options
+from ..errors import DeclarationError, OptionError, SymhessError, UnknownNameError
+from .registry import LAYERS, layer, layer_options
+from ..expr.layer import Layer, check_options
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]   # the symhess package
 _FILES = {}   # resolved path -> module, so a file that registers layers loads once
 
 
@@ -155,7 +156,7 @@ def target(spec):
     return obj, spec
 
 
-def options_of(spec) -> dict:
+def spec_options(spec) -> dict:
     """{option: default} of the layer or factory ``spec`` names ({} for a Layer)."""
     obj, _ = target(spec)
     if not is_user_spec(spec):
@@ -175,8 +176,17 @@ def _signature_options(fn, label):
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def resolve(spec, options) -> Layer:
-    """The Layer ``spec`` names, built with ``options`` (layers.resolve_layer)."""
+def resolve_layer(spec, options=None) -> Layer:
+    """The layer a command line names, with ``options`` ({name: value}, e.g. from --set):
+
+    * a registered name: ``"attention"`` (``layer(name, **options)``);
+    * a user's declaration: ``"mymodels.py:gated"`` (a file) or ``"mypkg.mymodels:gated"`` (an
+      importable module; the current directory is searched too), where the attribute is a
+      ``Layer`` or a factory returning one (called with ``options``).
+
+    A missing file, module or attribute, an attribute that is neither, or options a factory
+    does not take are one-line ``DeclarationError`` s."""
+    options = options or {}
     if not isinstance(spec, str) or not spec:
         raise DeclarationError(f"a layer is named by a non-empty string, got {spec!r}")
     if not is_user_spec(spec):

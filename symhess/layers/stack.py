@@ -13,7 +13,7 @@ declares is indexed by its position k, so equal sub-layers stay apart:
   superscript is extended: W_Q^1 of head 1 → W_Q^{1,(k)});
 * named sub-expressions (LayerNorm's M_Y, P_Y, Y …): ``Y`` → ``Y^(k)``, printed \\mathbf Y^{(k)};
 * intermediates: key ``T`` → ``T^(k)`` (so the softmax of sub-layer k prints as A^{(k)} and
-  its moments as M_1^{(k)}, M_2^{(k)} …, see ``symhess.simplify.softmax_labels``);
+  its moments as M_1^{(k)}, M_2^{(k)} …, see ``symhess.calculus.simplify.softmax_labels``);
 * value checks with an input expression (LayerNorm's zero-variance check) follow their input.
 
 The input of sub-layer k ≥ 2 is the previous output, named X^{(k)} unless it already is a
@@ -25,17 +25,19 @@ Registered here (kernels rendered on demand, ``codegen.ON_DEMAND``):
 
 * ``attention_stack(depth=2)``: attention-only Transformer with residuals,
   X^{(k+1)} = X^{(k)} + softmax_rows(c X^{(k)} W_Q^{(k)} W_K^{(k)ᵀ} X^{(k)ᵀ}) X^{(k)} W_V^{(k)};
-* ``post_ln_stack(depth=2)``: ``depth`` post-LN blocks (``symhess.transformer.post_ln_block``).
+* ``post_ln_stack(depth=2)``: ``depth`` post-LN blocks (``symhess.layers.transformer.post_ln_block``).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from . import expr as E
-from .errors import DeclarationError, ShapeError
-from .layers import Layer, attention, register_layer
-from .printing.latex import bold_name
-from .simplify import superscript
+from ..expr import nodes as E
+from ..errors import DeclarationError, ShapeError
+from ..expr.layer import Layer
+from .variants import attention
+from .registry import register_layer
+from ..expr.latex import bold_name
+from ..calculus.simplify import superscript
 from .transformer import FFN_TYPICAL_SIZES, post_ln_block
 
 

@@ -26,14 +26,16 @@ from dataclasses import dataclass
 import numpy as np
 import sympy as sp
 
-from . import expr as E
-from .errors import DeclarationError, OptionError, UnknownNameError
-from .evaluate import InputError, evaluate
-from .adjoint import adjoint
-from .kron import vec_jacobian
-from .layers import Layer, attention, register_layer
-from .printing.latex import bold_name
-from .rules import differential
+from ..expr import nodes as E
+from ..errors import DeclarationError, OptionError, UnknownNameError
+from ..expr.evaluate import InputError, evaluate
+from ..calculus.adjoint import adjoint
+from ..calculus.kron import vec_jacobian
+from ..expr.layer import Layer
+from .variants import attention
+from .registry import register_layer
+from ..expr.latex import bold_name
+from ..calculus.rules import differential
 
 ACTIVATIONS = ("relu", "gelu")
 AFFINE = ("none", "const", "param")

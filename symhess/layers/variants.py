@@ -14,9 +14,25 @@ from __future__ import annotations
 
 import sympy as sp
 
-from . import expr as E
-from .errors import OptionError
-from .layers import Layer, register_layer
+from ..expr import nodes as E
+from ..errors import OptionError
+from ..expr.layer import Layer
+from .registry import register_layer, scale_constant
+
+
+# ----------------------------------------------------------------------------- attention
+@register_layer("attention")
+def attention(causal: bool = False, scale=None) -> Layer:
+    """Softmax self-attention F = softmax_rows(c X W_Q W_Kᵀ Xᵀ) X W_V, c = 1/√d_K by default."""
+    L, d_V, d_K = E.dims("L d_V d_K")
+    X = E.matrix("X", L, d_V)
+    W_Q, W_K, W_V = E.param("W_Q", d_V, d_K), E.param("W_K", d_V, d_K), E.param("W_V", d_V, d_V)
+    c = scale_constant(scale, 1 / sp.sqrt(d_K), (L, d_V, d_K))
+    T = c * (X @ W_Q @ W_K.T @ X.T)
+    A = E.softmax_rows(T, causal=causal)
+    F = A @ X @ W_V
+    return Layer("attention", F, (W_Q, W_K, W_V), (X,), {"T": T, "A": A},
+                 {"causal": causal, "scale": scale}, attention.__doc__)
 
 
 def resolve_scale(scale, default, dims, fixed=None):

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .. import expr as E
-from .base import Printer
-from .latex import LatexPrinter, signed_sum
+from ..expr import nodes as E
+from ..expr.printer import Printer
+from ..expr.latex import LatexPrinter, signed_sum
 
 MIN_CHARS = 160    # a recurring sub-expression shorter than this stays inline
 HINT_CHARS = 80    # a sub-expression with a meaningful name (a Jacobian) is named above this
@@ -286,7 +286,7 @@ def named_sums(names) -> list:
 
 def _named_quantities(lay):
     """(tex, node) for the layer's intermediates and the named nodes of its output (M_Y, P_Z …)."""
-    from .latex import RESERVED_TEX, intermediate_tex
+    from ..expr.latex import RESERVED_TEX, intermediate_tex
 
     out = {intermediate_tex(k): node for k, node in lay.intermediates.items()}
     for node in E.walk(lay.output):
@@ -302,9 +302,9 @@ def jacobian_names(derivation) -> dict:
     differential, display-simplified); where one recurs inside a block it is named by
     what it is rather than by a number.
     """
-    from ..kron import vec_jacobian
-    from ..rules import differential
-    from ..simplify import simplify
+    from ..calculus.kron import vec_jacobian
+    from ..calculus.rules import differential
+    from ..calculus.simplify import simplify
 
     lay, out = derivation.layer, {}
     quantities = _named_quantities(lay)

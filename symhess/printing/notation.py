@@ -22,9 +22,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from . import expr as E
-from .printing.latex import LatexPrinter, function_tex
-from .simplify import MOMENT_TEX, moment_softmax
+from ..expr import nodes as E
+from ..expr.latex import LatexPrinter, function_tex
+from ..calculus.simplify import MOMENT_TEX, moment_softmax
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def _without(names, node):
 
 def _rhs(expr, names, node):
     """A definition's right-hand side: the other symbols, named sums folded into larger sums."""
-    from .printing.latex_cse import latex, named_sums
+    from .latex_cse import latex, named_sums
     others = _without(names, node)
     return latex(expr, others, sums=named_sums(others))
 

@@ -7,5 +7,6 @@
 * ``chain`` — matrix-chain brackets for the matrix-view routines;
 * ``schedule`` — the budget and the tunables, with one switch;
 * ``state`` — ``Forward``, the base class of every generated variant (prepared values);
-* ``numpy_ops`` / ``torch_ops`` — the backends (the NumPy one imports no torch).
+* ``numpy_ops`` / ``torch_ops`` — the backends (the NumPy one imports no torch);
+* ``memory`` — keeping freed memory for reuse in long runs (glibc).
 """

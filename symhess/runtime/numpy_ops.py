@@ -13,8 +13,8 @@ import numpy as np
 import scipy.special
 
 from . import chain
-from .network import EYE, ONES, Compact, net, refined      # noqa: F401  (used by generated modules)
-from .state import Forward, leaf                   # noqa: F401
+from .network import EYE, ONES, Compact, net, refined  # noqa: F401  (used by generated modules)
+from .state import Forward, leaf  # noqa: F401
 from ..errors import SaturationWarning
 
 __all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff", "softmax_diff2",
@@ -60,7 +60,7 @@ def bcast_rows(x, n):
 
 SATURATED = ("softmax rows within sqrt(eps) of one-hot: the kernel's Hessian terms through "
              "this softmax (diag(a) - a a^T) lose relative accuracy there (the interpreter, "
-             "symhess.evaluate, stays accurate)")
+             "symhess.expr.evaluate, stays accurate)")
 
 
 def softmax_rows(t, causal=False):

@@ -2,7 +2,7 @@
 
 * ``memory_budget`` — bytes any single intermediate (and any materialised compact tensor)
   may take; a contraction that needs more is sliced, a result that alone needs more raises
-  ``BudgetError``.  Default: a quarter of the memory budget (``symhess.budget``: the
+  ``BudgetError``.  Default: a quarter of the memory budget (``symhess.expr.budget``: the
   available memory, or ``SYMHESS_MEMORY_BUDGET``), at most 512 MiB: a routine's peak is a
   few of its largest intermediates, and slicing contractions of that size costs little (the
   exact diagonal of attention at L = d = 512, B = 8: the same time as with 2 GiB, peak 1.6
@@ -33,7 +33,7 @@ MAX_INTERMEDIATE = 512 * 2 ** 20
 
 def default_budget(device=None) -> int:
     """A quarter of the memory budget, at most ``MAX_INTERMEDIATE`` bytes."""
-    from ..budget import memory_budget
+    from ..expr.budget import memory_budget
     total, _ = memory_budget(device)
     return MAX_INTERMEDIATE if total is None else max(1, min(MAX_INTERMEDIATE, total // 4))
 

@@ -8,8 +8,8 @@ import warnings
 import torch
 
 from . import chain
-from .network import EYE, ONES, Compact, net, refined      # noqa: F401  (used by generated modules)
-from .state import Forward, leaf                   # noqa: F401
+from .network import EYE, ONES, Compact, net, refined  # noqa: F401  (used by generated modules)
+from .state import Forward, leaf  # noqa: F401
 from .numpy_ops import SATURATED
 from ..errors import SaturationWarning
 
