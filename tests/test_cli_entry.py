@@ -69,8 +69,6 @@ USER_ERRORS = {
     "bad budget": (["verify", "attention"], {"SYMHESS_MEMORY_BUDGET": "lots"}, "SYMHESS_MEMORY_BUDGET='lots' is not a size"),
     "generate: --out without a layer": (["generate", "--out", "{dir}"], {},
                                         "--out needs a LAYER (the committed modules go to generated/)"),
-    "generate: --check with a layer": (["generate", "attention", "--check"], {},
-                                       "--check compares the committed modules; it takes no LAYER"),
     "generate: unknown layer": (["generate", "nolayer"], {}, "unknown layer 'nolayer'; valid: addition_block"),
     "experiment: negative seed": (["experiment", "scaling", "--seed", "-1"], {},
                                   "argument --seed: must be a non-negative integer, got '-1' "
@@ -206,9 +204,10 @@ def test_verify_and_report_show_progress_on_a_terminal(tmp_path):
 
 
 def test_generate_writes_a_user_declaration_kernels_byte_identical(tmp_path, monkeypatch):
-    """``generate FILE.py:ATTR --out DIR`` writes both backends' modules of the declaration;
-    a second run gives the same bytes, and the kernel the module holds computes the loss the
-    interpreter computes."""
+    """``generate FILE.py:ATTR --out DIR`` writes the declaration's module (one file for both
+    backends); a second run gives the same bytes, ``--check`` finds it current and then stale
+    after an edit, and ``symhess.kernel(…, module=PATH)`` loads it on either backend with the
+    loss the interpreter computes."""
     (tmp_path / "mymodels.py").write_text(
         "import symhess as sh\nfrom symhess import expr as E\n"
         "X = E.matrix('X', 'L', 'd')\n"
@@ -216,26 +215,35 @@ def test_generate_writes_a_user_declaration_kernels_byte_identical(tmp_path, mon
         "gated = sh.Layer('gated', E.hadamard(X @ W_1, X @ W_3) @ W_2, params=(W_3, W_1, W_2), inputs=(X,))\n")
     rc, out, err = symhess("generate", "mymodels.py:gated", "--loss", "mse", "--out", "k", cwd=tmp_path)
     assert rc == 0, err
-    files = [tmp_path / "k" / b / "gated.py" for b in ("numpy", "torch")]
-    assert out.split() == ["written:", "k/numpy/gated.py", "written:", "k/torch/gated.py"]
-    first = [f.read_bytes() for f in files]
+    path = tmp_path / "k" / "gated.py"
+    assert out.split() == ["written:", "k/gated.py"]
+    assert sorted(p.name for p in (tmp_path / "k").iterdir()) == ["gated.py"]
+    first = path.read_bytes()
     assert symhess("generate", "mymodels.py:gated", "--loss", "mse", "-o", "k", cwd=tmp_path)[0] == 0
-    assert [f.read_bytes() for f in files] == first
-    # the module is the one symhess.kernel renders for the declaration, and its loss is right
-    import importlib.util
-
+    assert path.read_bytes() == first
+    rc, out, _ = symhess("generate", "mymodels.py:gated", "--loss", "mse", "--out", "k", "--check", cwd=tmp_path)
+    assert (rc, out.strip()) == (0, "k/gated.py is up to date")
     import numpy as np
+    import torch
+
     import symhess as sh
     from symhess.expr.evaluate import evaluate
     from symhess.calculus.verify import random_values
+    import importlib.util
     spec = importlib.util.spec_from_file_location("mymodels_gen", tmp_path / "mymodels.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     monkeypatch.setenv("SYMHESS_CACHE_DIR", str(tmp_path / "cache"))
-    k = sh.kernel(mod.gated, "numpy", "mse")
     values = random_values(sh.derive(mod.gated, "mse"), seed=1)
-    got = np.asarray(k.loss(values)).item()
     want = np.asarray(evaluate(sh.derive(mod.gated, "mse").loss_expr, values)).item()
-    assert abs(got - want) <= 1e-12 * abs(want)
-    cached = list((tmp_path / "cache").rglob("gated-mse-*.py"))
-    assert [c.read_bytes() for c in cached] == [first[0]]
+    got_np = np.asarray(sh.kernel(mod.gated, "numpy", "mse", module=path).loss(values)).item()
+    kt = sh.kernel(mod.gated, "torch", "mse", module=path)
+    got_t = kt.loss({k: torch.as_tensor(v) for k, v in values.items()}).item()
+    assert abs(got_np - want) <= 1e-12 * abs(want) and abs(got_t - want) <= 1e-12 * abs(want)
+    assert not (tmp_path / "cache").exists()          # the given module was used, nothing rendered
+    cached_k = sh.kernel(mod.gated, "numpy", "mse")
+    assert abs(np.asarray(cached_k.loss(values)).item() - want) <= 1e-12 * abs(want)
+    assert [c.read_bytes() for c in (tmp_path / "cache").rglob("gated-mse-*.py")] == [first]
+    path.write_text(path.read_text().replace("return ", "return 2 * ", 1))
+    rc, out, _ = symhess("generate", "mymodels.py:gated", "--loss", "mse", "--out", "k", "--check", cwd=tmp_path)
+    assert (rc, out.strip()) == (1, "stale: k/gated.py")

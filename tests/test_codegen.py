@@ -160,7 +160,7 @@ def test_kernel_for_options_that_were_not_generated():
 
 # ----------------------------------------------------------------------------- the source
 def sources():
-    return {f"{p.parent.name}/{p.name}": p.read_text() for p in (ROOT / "generated").rglob("*.py")}
+    return {p.name: p.read_text() for p in (ROOT / "generated").rglob("*.py")}
 
 
 def test_generated_source_is_compact_and_has_no_dense_structure():
@@ -179,7 +179,7 @@ def test_generated_source_is_compact_and_has_no_dense_structure():
 
 def test_each_moment_is_one_leaf():
     """M_1, M_2, M_3 are defined once per variant and shared by every routine."""
-    text = (ROOT / "generated" / "numpy" / "attention.py").read_text()
+    text = (ROOT / "generated" / "attention.py").read_text()
     first = text.split("\nclass ")[1]
     for name in ("M_1", "M_2", "M_3"):
         assert first.count(f"def {name}(s):") == 1, name
@@ -201,24 +201,25 @@ def test_generate_check_on_committed_folder(monkeypatch, tmp_path, capsys):
     # a modified and an extra file are both reported, and --check exits 1
     out = tmp_path / "generated"
     assert len(codegen.generate(out)) == len(rendered())
-    target = out / "numpy" / "attention.py"
+    target = out / "attention.py"
     target.write_text(target.read_text().replace("return [", "return [  ", 1))
-    (out / "torch" / "extra.py").write_text("")
+    (out / "torch").mkdir()
+    (out / "torch" / "extra.py").write_text("")     # the per-backend layout is no longer generated
     stale = codegen.generate(out, check=True)
     assert sorted(stale) == sorted([str(target), str(out / "torch" / "extra.py")])
     assert codegen.main_generate(True, out_dir=out) == 1
     assert "stale:" in capsys.readouterr().out
     # regeneration repairs it, byte-identical to the committed folder
     codegen.generate(out)
-    assert not (out / "torch" / "extra.py").exists()
+    assert not (out / "torch").exists()
     for rel_path, src in rendered().items():
         assert (out / rel_path).read_text() == (ROOT / "generated" / rel_path).read_text() == src
 
 
 def test_generation_failure_leaves_old_files(monkeypatch, tmp_path):
     out = tmp_path / "generated"
-    (out / "numpy").mkdir(parents=True)
-    (out / "numpy" / "attention.py").write_text("old")
+    out.mkdir()
+    (out / "attention.py").write_text("old")
 
     def boom(progress=None):
         raise RuntimeError("printer failed")
@@ -226,7 +227,7 @@ def test_generation_failure_leaves_old_files(monkeypatch, tmp_path):
     monkeypatch.setattr(codegen, "render_all", boom)
     with pytest.raises(RuntimeError):
         codegen.generate(out)
-    assert (out / "numpy" / "attention.py").read_text() == "old"
+    assert (out / "attention.py").read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["generated"]
 
 
@@ -252,11 +253,11 @@ def test_writes_are_atomic_keep_the_umask_and_clean_up(tmp_path):
 def test_generation_is_deterministic_across_processes():
     """A fresh interpreter with another hash seed renders the committed bytes."""
     code = ("import sys; from symhess.codegen import render as codegen; "
-            "sys.stdout.write(codegen.render_layer('attention')['torch/attention.py'])")
+            "sys.stdout.write(codegen.render_layer('attention')['attention.py'])")
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(ROOT))
     a = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        check=True).stdout
-    assert a == (ROOT / "generated" / "torch" / "attention.py").read_text()
+    assert a == (ROOT / "generated" / "attention.py").read_text()
 
 
 def _cached(monkeypatch, tmp_path):
@@ -288,12 +289,10 @@ def test_a_module_of_another_declaration_is_refused(monkeypatch, tmp_path):
     gen = tmp_path / "generated"
     gen.mkdir()
     monkeypatch.setattr(codegen, "GENERATED", gen)
-    for backend in codegen.BACKENDS:
-        (gen / backend).mkdir()
-        text = (ROOT / "generated" / backend / "attention.py").read_text()
-        body = text.rpartition('CHECKSUM = "')[0]
-        stamp = re.search(r'STAMP = "(\w+)"', body).group(1)
-        (gen / backend / "attention.py").write_text(codegen._with_checksum(body.replace(stamp, "0" * len(stamp))))
+    text = (ROOT / "generated" / "attention.py").read_text()
+    body = text.rpartition('CHECKSUM = "')[0]
+    stamp = re.search(r'STAMP = "(\w+)"', body).group(1)
+    (gen / "attention.py").write_text(codegen._with_checksum(body.replace(stamp, "0" * len(stamp))))
     _, values, _ = case("mse", False)
     with pytest.warns(UserWarning, match="another declaration or symhess version"):
         sh.kernel("attention", "numpy", "mse").loss(values)
@@ -370,3 +369,36 @@ def test_mismatched_devices_are_named():
     tv["W_Q"] = tv["W_Q"].to("meta")
     with pytest.raises(InputError, match="one device.*meta"):
         kt.hessian(tv)
+
+
+def test_one_module_serves_both_backends(monkeypatch, tmp_path):
+    """A committed module names the backends' operations without importing them; loaded for
+    NumPy and for torch it gives the same numbers as autograd (and as each other)."""
+    _cached(monkeypatch, tmp_path)
+    text = (ROOT / "generated" / "attention.py").read_text()
+    assert not re.search(r"^(import|from) ", text, re.M)
+    d, values, ref = case("mse", True)
+    kn = sh.kernel("attention", "numpy", "mse", causal=True)
+    kt = sh.kernel("attention", "torch", "mse", causal=True)
+    assert kn.variant is not kt.variant and kn.variant.__name__ == kt.variant.__name__
+    assert not (tmp_path / "cache").exists()             # both came from generated/attention.py
+    tv = {k: torch.as_tensor(v) for k, v in values.items()}
+    want = full(d, ref, "full")
+    assert rel(kn.hessian(values, "full"), want, 1e-12) <= TOL64
+    assert rel(kt.hessian(tv, "full").numpy(), want, 1e-12) <= TOL64
+
+
+def test_a_given_module_must_hold_the_declaration(tmp_path):
+    """``kernel(…, module=PATH)`` never falls back to rendering: a missing, edited or foreign
+    file is a one-line DeclarationError naming it."""
+    src = (ROOT / "generated" / "attention.py").read_text()
+    with pytest.raises(sh.DeclarationError, match="does not exist"):
+        sh.kernel("attention", "numpy", "mse", module=tmp_path / "none.py")
+    edited = tmp_path / "edited.py"
+    edited.write_text(src.replace("return ", "return 2 * ", 1))
+    with pytest.raises(sh.DeclarationError, match="was modified after it was generated"):
+        sh.kernel("attention", "numpy", "mse", module=edited)
+    with pytest.raises(sh.DeclarationError, match="holds no variant of this declaration"):
+        sh.kernel("attention", "numpy", "mse", scale=2, module=ROOT / "generated" / "attention.py")
+    with pytest.raises(sh.DeclarationError, match="holds no variant"):
+        sh.kernel("ffn", "torch", "ce", module=ROOT / "generated" / "attention.py")

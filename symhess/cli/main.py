@@ -175,8 +175,9 @@ def cmd_report(args):
 
 def cmd_generate(args):
     """Without LAYER: every committed module into generated/ (a source tree only).  With
-    LAYER: that declaration's module for each backend, as DIR/{numpy,torch}/NAME.py."""
-    from ..codegen.render import BACKENDS, main_generate, render_module, render_variant, write_atomic
+    LAYER: that declaration's module, one file for both backends, as DIR/NAME.py (with
+    --check: compare DIR/NAME.py with a fresh rendering instead; exit status 1 if it differs)."""
+    from ..codegen.render import main_generate, render_module, render_variant, write_atomic
     progress = None
     if _progress():
         from tqdm import tqdm
@@ -190,19 +191,22 @@ def cmd_generate(args):
             raise CLIError(f"no generated/ beside the installed package ({GENERATED}); "
                            "give a LAYER and --out DIR")
         return main_generate(check=args.check, out_dir=GENERATED, progress=progress)
-    if args.check:
-        raise CLIError("--check compares the committed modules; it takes no LAYER")
     opts = options_from_args(args)
     lay = resolve_layer(args.layer, opts)
-    losses = _losses(args.loss)
-    items = [(loss, tuple(sorted(opts.items()))) for loss in losses]
+    if not is_user_spec(args.layer):      # the variant key symhess.kernel(name, …) looks up
+        opts = {**spec_options(args.layer), **opts}
+    items = [(loss, tuple(sorted(opts.items()))) for loss in _losses(args.loss)]
     entries = [render_variant(lay, loss, o) for loss, o in (progress(items) if progress else items)]
-    out = Path(args.out or ".")
-    desc = " ".join((lay.description or "").split())
-    for backend in BACKENDS:
-        path = out / backend / f"{lay.name}.py"
-        write_atomic(path, render_module(lay.name, backend, entries, desc))
-        print(f"written: {path}")
+    path = Path(args.out or ".") / f"{lay.name}.py"
+    text = render_module(lay.name, entries, " ".join((lay.description or "").split()))
+    if args.check:
+        if path.is_file() and path.read_text(encoding="utf-8") == text:
+            print(f"{path} is up to date")
+            return 0
+        print(f"stale: {path}" if path.exists() else f"missing: {path}")
+        return 1
+    write_atomic(path, text)
+    print(f"written: {path}")
     return 0
 
 
@@ -291,8 +295,8 @@ def build_parser():
     p.add_argument("--causal", action="store_true", help="use the causal mask (with LAYER)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="layer option (repeatable)")
     p.add_argument("--out", "-o", metavar="DIR", default=None,
-                   help="with LAYER: write DIR/{numpy,torch}/NAME.py (default: the current folder)")
-    p.add_argument("--check", action="store_true", help="only check that generated/ is up to date")
+                   help="with LAYER: write (or with --check compare) DIR/NAME.py (default: the current folder)")
+    p.add_argument("--check", action="store_true", help="only check: generated/ (without LAYER) or DIR/NAME.py (with LAYER) is up to date; exit status 1 if not")
     p.set_defaults(func=cmd_generate)
 
     # `symhess experiment …` is dispatched before parsing (main), to its own parser

@@ -8,13 +8,19 @@ order, inputs, loss, options); each module ends with a ``CHECKSUM`` of its own t
 
 Where modules come from (``variant_class``):
 
-1. ``generated/<backend>/<layer>.py`` of a source checkout, for registered layers at the
-   committed options (``variants``): the golden set that reviews see and CI keeps current
+1. ``generated/<layer>.py`` of a source checkout, for registered layers at the committed
+   options (``variants``): the golden set that reviews see and CI keeps current
    (``symhess generate --check``);
 2. else the user cache (``cache_dir()``: ``$SYMHESS_CACHE_DIR``, else
    ``$XDG_CACHE_HOME/symhess``, else ``~/.cache/symhess``), one file per variant named by
    its stamp;
 3. else it is rendered, written to the cache atomically, and loaded.
+
+A module is written once for both backends: its source names the backend's operations
+(``Forward``, ``net``, ``softmax_rows`` …) without importing them, and the loader executes it
+in a namespace holding the chosen backend's op table (``symhess.runtime.numpy_ops`` or
+``torch_ops``, their ``__all__``), so one file gives a NumPy class and a torch class.
+``load_module(path, backend)`` loads a file written by ``symhess generate LAYER --out DIR``.
 
 A module whose checksum or stamp disagree (edited by hand, or left behind by a change of
 the declaration or of symhess) is not used: a warning names it and the variant is rendered
@@ -154,21 +160,20 @@ def render_variant(layer: Layer, loss: str, options=()):
             "runs": [f"{run!r}: {n}," for run, n in printer.shared_runs().items()]}
 
 
-def render_module(name: str, backend: str, entries, description: str = "") -> str:
+def render_module(name: str, entries, description: str = "") -> str:
     """A module's source from rendered variants (``render_variant`` results)."""
-    body = _template().render(version=__version__, backend=backend, layer=name,
+    body = _template().render(version=__version__, layer=name,
                               description=description or f"The layer {name}.",
                               variants=entries)
     return _with_checksum(body)
 
 
 def render_layer(name: str):
-    """{relative path: source} of a registered layer's committed modules (both backends)."""
+    """{relative path: source} of a registered layer's committed module (both backends)."""
     entries = [render_variant(get_layer(name, **dict(opts)), loss, opts)
                for loss, opts in variants(name)]
     desc = " ".join((get_layer(name).description or "").split())
-    return {f"{backend}/{name}.py": render_module(name, backend, entries, desc)
-            for backend in BACKENDS}
+    return {f"{name}.py": render_module(name, entries, desc)}
 
 
 def render_all(progress=None):
@@ -234,6 +239,8 @@ def generate(out_dir=GENERATED, check=False, progress=None) -> list:
         p = Path(path)
         if p.exists() and str(p.relative_to(out_dir)) not in files:
             p.unlink()
+            if p.parent != out_dir and not any(p.parent.iterdir()):
+                p.parent.rmdir()
     return stale
 
 
@@ -261,16 +268,15 @@ def main_check_layer(name, out_dir=GENERATED) -> int:
         print(f"{len(stale)} generated file(s) of {name} differ from a fresh generation; "
               "run `symhess generate`")
         return 1
-    print(f"generated/{{numpy,torch}}/{name}.py are up to date")
+    print(f"generated/{name}.py is up to date")
     return 0
 
 
 def main_generate(check: bool, out_dir=GENERATED, progress=None) -> int:
     """CLI entry: generate (or check); prints the stale files; exit code 1 if check finds any."""
     stale = generate(out_dir, check=check, progress=progress)
-    verb = "stale" if check else "written"
     for path in stale:
-        print(f"{verb}: {path}")
+        print(f"{'stale' if check else 'written' if Path(path).exists() else 'removed'}: {path}")
     if check and stale:
         print(f"{len(stale)} generated file(s) differ from a fresh generation; run `symhess generate`")
         return 1
@@ -293,13 +299,29 @@ def cache_dir() -> Path:
     return Path(base) / "symhess"
 
 
-def _exec(text, filename, name):
-    ns = {"__name__": name, "__file__": filename}
-    exec(compile(text, filename, "exec"), ns)   # exec'd, not imported: no __pycache__ written
+def backend_names(backend: str) -> dict:
+    """The names a kernel module uses, from the backend's op table (its ``__all__``)."""
+    if backend not in BACKENDS:
+        raise DeclarationError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend == "torch":
+        from ..runtime import torch_ops as ops
+    else:
+        from ..runtime import numpy_ops as ops
+    return {n: getattr(ops, n) for n in ops.__all__}
+
+
+@lru_cache(maxsize=64)
+def _compiled(text, filename):
+    return compile(text, filename, "exec")     # once for both backends
+
+
+def _exec(text, filename, name, backend):
+    ns = {**backend_names(backend), "__name__": name, "__file__": filename}
+    exec(_compiled(text, filename), ns)   # exec'd, not imported: no __pycache__ written
     return ns
 
 
-def _from_file(path: Path, key, want):
+def _from_file(path: Path, key, want, backend):
     """The class for ``key`` in a module file, if the file is intact and stamped ``want``."""
     if not path.exists():
         return None
@@ -308,7 +330,7 @@ def _from_file(path: Path, key, want):
         warnings.warn(f"{path} was modified after it was generated (its CHECKSUM does not "
                       "match); it is not used and the kernels are rendered afresh", stacklevel=4)
         return None
-    ns = _exec(text, str(path), f"symhess_kernels_{path.stem}")
+    ns = _exec(text, str(path), f"symhess_kernels_{path.stem}", backend)
     cls = ns.get("VARIANTS", {}).get(key)
     if cls is None:
         return None
@@ -318,6 +340,30 @@ def _from_file(path: Path, key, want):
                       "are rendered afresh (run `symhess generate`)", stacklevel=4)
         return None
     return cls
+
+
+def module_class(path, layer: Layer, backend: str, loss: str):
+    """The class of ``layer``'s variant for ``loss`` in a given module file (``symhess generate
+    LAYER --out DIR``), bound to ``backend`` and found by its stamp (the declaration, loss and
+    symhess version); a ``DeclarationError`` when the file is missing, was modified, or holds
+    no such variant (nothing is rendered instead)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DeclarationError(f"kernel module {path} does not exist (write it with "
+                               f"`symhess generate LAYER --out DIR`)")
+    text = path.read_text(encoding="utf-8")
+    if not _checksum_ok(text):
+        raise DeclarationError(f"kernel module {path} was modified after it was generated (its "
+                               "CHECKSUM does not match); generate it again")
+    want = stamp(layer, loss)
+    found = _exec(text, str(path), f"symhess_kernels_{path.stem}", backend).get("VARIANTS", {})
+    for (lo, _), cls in found.items():
+        if lo == loss and cls.STAMP == want:
+            return cls
+    have = ", ".join(f"loss={k[0]} options={dict(k[1])}" for k in found) or "none"
+    raise DeclarationError(f"kernel module {path} holds no variant of this declaration of "
+                           f"{layer.name!r} for loss={loss} and symhess {__version__} (it "
+                           f"holds: {have}); generate it again")
 
 
 _LOADED = {}
@@ -334,20 +380,19 @@ def variant_class(layer: Layer, backend: str, loss: str, options=(), registered=
     key = (loss, tuple(options))
     cls = None
     if registered is not None and registered not in ON_DEMAND:
-        cls = _from_file(GENERATED / backend / f"{registered}.py", key, want)
-    path = cache_dir() / __version__ / backend / f"{_ident(layer.name)}-{loss}-{want}.py"
+        cls = _from_file(GENERATED / f"{registered}.py", key, want, backend)
+    path = cache_dir() / __version__ / f"{_ident(layer.name)}-{loss}-{want}.py"
     if cls is None:
-        cls = _from_file(path, key, want)
+        cls = _from_file(path, key, want, backend)
     if cls is None:
         entry = render_variant(layer, loss, options)
-        text = render_module(layer.name, backend, [entry],
-                             " ".join((layer.description or "").split()))
+        text = render_module(layer.name, [entry], " ".join((layer.description or "").split()))
         try:
             remove_stale_temporaries(path.parent)
             write_atomic(path, text)
         except OSError as exc:          # an unwritable cache costs a re-render next time
             warnings.warn(f"could not cache the kernels in {path}: {exc.strerror}", stacklevel=3)
-        cls = _exec(text, str(path), f"symhess_kernels_{path.stem}")["VARIANTS"][key]
+        cls = _exec(text, str(path), f"symhess_kernels_{path.stem}", backend)["VARIANTS"][key]
     _LOADED[mem_key] = cls
     return cls
 

@@ -43,9 +43,12 @@ class _Shape:
         self.ndim = len(self.shape)
 
 
-def kernel(layer, backend="numpy", loss="mse", **options) -> "Kernel":
+def kernel(layer, backend="numpy", loss="mse", *, module=None, **options) -> "Kernel":
     """Kernels of a registered layer by name (with its options) or of a ``Layer`` object,
-    e.g. ``kernel("attention", "torch", "ce", causal=True)`` or ``kernel(my_layer, "numpy")``."""
+    e.g. ``kernel("attention", "torch", "ce", causal=True)`` or ``kernel(my_layer, "numpy")``.
+    ``module``: the path of a kernel module written by ``symhess generate LAYER --out DIR``,
+    used instead of the committed, cached or freshly rendered one (it must hold this
+    declaration's variant for ``loss``: a ``DeclarationError`` otherwise)."""
     if backend not in BACKENDS:
         raise DeclarationError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     get_loss(loss)
@@ -53,28 +56,29 @@ def kernel(layer, backend="numpy", loss="mse", **options) -> "Kernel":
         if options:
             raise DeclarationError("options are given to the layer's factory, not to kernel() "
                                    "with a Layer object")
-        return Kernel(layer, backend, loss, (), None)
+        return Kernel(layer, backend, loss, (), None, module)
     if not isinstance(layer, str):
         raise DeclarationError(f"kernel() takes a layer name or a Layer, got {type(layer).__name__}")
     lay = get_layer(layer, **options)
     opts = dict(layer_options(layer))
     opts.update(options)
-    return Kernel(lay, backend, loss, tuple(sorted(opts.items())), layer)
+    return Kernel(lay, backend, loss, tuple(sorted(opts.items())), layer, module)
 
 
 class Kernel:
     """Exact curvature of one layer, loss and backend; see ``prepare``."""
 
-    def __init__(self, layer, backend, loss, options, registered):
+    def __init__(self, layer, backend, loss, options, registered, module=None):
         self.layer, self.backend, self.loss_name = layer, backend, loss
-        self.options, self.registered = options, registered
+        self.options, self.registered, self.module = options, registered, module
         self.params = layer.param_names
         self._data = [v.name for v in layer.inputs if v.role == "input"] + ["Y"]
         variables = dict(layer.variables)
         variables["Y"] = derive(layer, loss).Y
         self._vars = variables
         self.names = sorted(variables)
-        self._cls = None
+        self._cls = None if module is None else \
+            codegen.module_class(module, layer, backend, loss)
         self._dims_seen = {}
 
     def __repr__(self):
