@@ -402,3 +402,24 @@ def test_a_given_module_must_hold_the_declaration(tmp_path):
         sh.kernel("attention", "numpy", "mse", scale=2, module=ROOT / "generated" / "attention.py")
     with pytest.raises(sh.DeclarationError, match="holds no variant"):
         sh.kernel("ffn", "torch", "ce", module=ROOT / "generated" / "attention.py")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_results_are_of_the_backend(dtype):
+    """Every result is the backend's type in the data's dtype: torch tensors (0-d for scalars,
+    so nothing waits for the device) and NumPy arrays or NumPy scalars, never Python floats."""
+    d, values, _ = case("mse", False)
+    values = {k: v.astype(dtype) for k, v in values.items()}
+    tv = {k: torch.as_tensor(v) for k, v in values.items()}
+    for backend, vals, kind in (("numpy", values, (np.ndarray, np.generic)), ("torch", tv, torch.Tensor)):
+        st = sh.kernel("attention", backend, "mse").prepare(vals)
+        v = st.gradient() if hasattr(st, "gradient") else None
+        results = {"loss": st.loss(), "trace": st.trace("W_Q", "outer"),
+                   "trace after diag": (st.diag("W_K"), st.trace("W_K"))[1],
+                   "frobenius_norm": st.frobenius_norm("W_Q", "W_K"),
+                   **{f"split {k}": x for k, x in st.frobenius_split("W_V", "W_Q").items()},
+                   "zero block": st.frobenius_norm("W_V", "W_V", "functional")}
+        for what, x in results.items():
+            assert isinstance(x, kind) and str(x.dtype).endswith(dtype), (backend, what, type(x))
+            assert np.ndim(x) == 0, (backend, what)
+        assert float(results["zero block"]) == 0.0

@@ -411,16 +411,17 @@ def free_factor(n, out):
 
 
 def scalar(state, nets):
-    """Σ over every network of its full contraction (no output labels)."""
-    total = 0.0
+    """Σ over every network of its full contraction (no output labels), a 0-d value of the
+    backend (an array's scalar or a tensor on the data's device: no host synchronisation)."""
+    total = state.ops.scalar(0.0, state.like)
     for n in nets:
         for m in resolve(state, n, ()):
             c = m.coef * free_factor(m, ())
             if m.ops:
                 v = C.contract(state.ops, m.ops, m.labels, (), state.schedule.limit, m.sizes)
-                total += c * state.ops.item(v)
+                total = total + c * v.reshape(())
             else:
-                total += c
+                total = total + c
     return total
 
 
@@ -512,7 +513,7 @@ def frobenius_sq(state, first, second=None, premerged=False):
     if not premerged:
         first = merged(state, first)
         second = merged(state, second) if second is not None else None
-    total = 0.0
+    total = state.ops.scalar(0.0, state.like)
     for i, a in enumerate(first):
         if second is None:
             total += scalar(state, [paired(state, a, a)])

@@ -259,6 +259,11 @@ class _Ops:
     def item(v):
         return float(v)
 
+    @staticmethod
+    def root(v):
+        """√max(v, 0) of a 0-d result (a squared norm that rounding may leave below 0)."""
+        return np.sqrt(np.maximum(v, 0.0))
+
 
 def _strided(a, labels, uniq, writeable):
     strides = [0] * len(uniq)

@@ -138,13 +138,13 @@ class Forward:
         """tr H_part(p, p), without the block (the sum of ``diag`` when it was computed)."""
         known = self._diag_sums.get((p, part))
         if known is not None:
-            return float(known)
+            return known
         nets = [N.identified(self, n, 0, 1) for n in self.nets(p, p, part)]
         return N.scalar(self, [N.closed(n) for n in nets])
 
     def frobenius_norm(self, p, q, part="full"):
         """‖H_part(p, q)‖_F, exact, from pairs of networks (no block built)."""
-        return math.sqrt(max(N.frobenius_sq(self, self.nets(p, q, part)), 0.0))
+        return self.ops.root(N.frobenius_sq(self, self.nets(p, q, part)))
 
     def frobenius_split(self, p, q):
         """{outer, functional, full: ‖H_part(p, q)‖_F}; the full norm costs only the cross
@@ -160,7 +160,7 @@ class Forward:
         o, f = N.merged(self, self.nets(p, q, "outer")), N.merged(self, self.nets(p, q, "functional"))
         oo, ff = N.frobenius_sq(self, o, premerged=True), N.frobenius_sq(self, f, premerged=True)
         of = N.frobenius_sq(self, o, f, premerged=True) if o and f else 0.0
-        root = lambda v: math.sqrt(max(v, 0.0))
+        root = self.ops.root
         known[(p, q)] = {"outer": root(oo), "functional": root(ff), "full": root(oo + ff + 2 * of)}
         return dict(known[(p, q)])
 

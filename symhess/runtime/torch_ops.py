@@ -248,6 +248,11 @@ class _Ops:
     def item(v):
         return float(v)
 
+    @staticmethod
+    def root(v):
+        """√max(v, 0) of a 0-d result (a squared norm that rounding may leave below 0)."""
+        return torch.sqrt(torch.clamp(torch.as_tensor(v), min=0))
+
 
 def _strided(a, labels, uniq):
     strides = [0] * len(uniq)
