@@ -20,28 +20,23 @@ class CLIError(SymhessError, ValueError):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default in its help unless it is None or False (nothing to say)."""
+    """Shows an option's default in its help unless it is None or False (nothing to say) or
+    the help already says what the default means ("… (default: …)")."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with one-line usage errors (``symhess: error: …``, exit status 2) and every
-    option's default shown in ``--help``."""
+    option's default shown in ``--help`` (every argument has a help text that says what it
+    means)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
-
-    def add_argument(self, *args, **kwargs):
-        default = kwargs.get("default")
-        if ("help" not in kwargs and args and str(args[0]).startswith("-")
-                and default is not None and default is not False and default is not argparse.SUPPRESS):
-            kwargs["help"] = "(default: %(default)s)"
-        return super().add_argument(*args, **kwargs)
 
     def error(self, message):
         self.exit(EXIT_BAD_INPUT, f"symhess: error: {message} (see '{self.prog} --help')\n")

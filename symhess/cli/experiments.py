@@ -1,8 +1,8 @@
-"""Curvature experiments of Ormaniec et al. (experiments.md §1.3–1.5) as commands.
+"""The curvature experiments of Ormaniec et al. as commands (docs/experiments.md).
 
-    python -m symhess.cli.experiments scaling   [--sigmas ...] [--seeds 3] [--batch 64] [--depth N] ...
-    python -m symhess.cli.experiments histogram [--d-model 16] ...
-    python -m symhess.cli.experiments bounds    [--trials 5] ...
+    symhess experiment scaling   [--sigmas ...] [--seeds 3] [--batch 64] [--depth N] [--out DIR] ...
+    symhess experiment histogram [--d-model 16] [--out DIR] ...
+    symhess experiment bounds    [--trials 5] ...
 
 Every Hessian number is exact and comes from the engine: the block's matrix-view
 Hessian-vector product H_part(p, p)·V is derived from the ``addition_block`` declaration
@@ -577,37 +577,36 @@ def build_parser():
     def common(sp, d_model, d_mlp, batch):
         sp.add_argument("--seed", type=nonnegative_int, default=0, help="first model/data seed (model seed 1234+seed)")
         sp.add_argument("--out", default="experiments_out", help="output directory")
-        sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-        sp.add_argument("--d-model", type=positive_int, default=d_model)
-        sp.add_argument("--d-head", type=nonnegative_int, default=0, help="0: d_model")
-        sp.add_argument("--d-mlp", type=positive_int, default=d_mlp)
-        sp.add_argument("--batch", type=positive_int, default=batch)
+        sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where torch computes")
+        sp.add_argument("--d-model", type=positive_int, default=d_model, help="model (residual) width")
+        sp.add_argument("--d-head", type=nonnegative_int, default=0, help="attention head width; 0: d_model")
+        sp.add_argument("--d-mlp", type=positive_int, default=d_mlp, help="MLP hidden width")
+        sp.add_argument("--batch", type=positive_int, default=batch, help="sequences per Hessian (one batch)")
         sp.add_argument("--chunk", type=nonnegative_int, default=0, help="basis directions per vectorised call (0: automatic)")
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
 
     s = sub.add_parser("scaling", help="‖H‖, ‖H_o‖, ‖H_f‖ of the W_Q, W_V blocks against σ (Fig. 3)")
     common(s, 128, 512, 64)
     s.add_argument("--sigmas", default=DEFAULT_SIGMAS, help="'logspace:A:B:N' or 's1,s2,...'")
-    s.add_argument("--seeds", type=positive_int, default=3)
-    s.add_argument("--attention", default="softmax", choices=("softmax", "linear"))
-    s.add_argument("--norm", default="none", choices=("none", "pre"))
+    s.add_argument("--seeds", type=positive_int, default=3, help="seeds per σ (seed, seed+1, …)")
+    s.add_argument("--attention", default="softmax", choices=("softmax", "linear"), help="the attention of the model")
+    s.add_argument("--norm", default="none", choices=("none", "pre"), help="no LayerNorm, or pre-LN")
     s.add_argument("--fit-max", type=float, default=0.1, help="fit slopes over σ ≤ this")
     s.add_argument("--depth", type=int, default=1, help="stacked blocks (the W_Q, W_V blocks of every layer)")
     s.set_defaults(func=cmd_scaling)
 
     h = sub.add_parser("histogram", help="|entries| of the W_Q, W_V blocks, softmax vs linear (Fig. 1a/4)")
     common(h, 16, 64, 64)
-    h.add_argument("--sigma", type=float, default=0.0, help="embedding std (default 0.8/√d_model)")
+    h.add_argument("--sigma", type=float, default=0.0, help="embedding std; 0: 0.8/√d_model (default: 0)")
     h.set_defaults(func=cmd_histogram)
 
     b = sub.add_parser("bounds", help="exact spectral norms vs the published Theorem 1 bound")
-    b.add_argument("--seed", type=nonnegative_int, default=0)
-    b.add_argument("--trials", type=positive_int, default=3)
-    b.add_argument("--length", type=positive_int, default=6)
-    b.add_argument("--d-model", type=positive_int, default=5)
-    b.add_argument("--d-head", type=positive_int, default=4)
+    b.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the first trial")
+    b.add_argument("--trials", type=positive_int, default=3, help="random (X, W, Y) draws")
+    b.add_argument("--length", type=positive_int, default=6, help="sequence length L")
+    b.add_argument("--d-model", type=positive_int, default=5, help="token width d_V")
+    b.add_argument("--d-head", type=positive_int, default=4, help="query/key width d_K")
     b.add_argument("--sigma", type=float, default=1.0, help="scale of the random X")
-    b.add_argument("--out", default="experiments_out")
     b.set_defaults(func=cmd_bounds)
     return p
 
@@ -615,7 +614,8 @@ def build_parser():
 def run_experiment(argv) -> int:
     """``symhess experiment ARGV…``: bad input raises a SymhessError (the CLI prints it)."""
     args = build_parser().parse_args(argv)
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise OptionError(f"--out {args.out} is a file, not a directory")
+    out = getattr(args, "out", None)       # bounds only prints
+    if out is not None and os.path.exists(out) and not os.path.isdir(out):
+        raise OptionError(f"--out {out} is a file, not a directory")
     retain_freed_memory()         # this command owns its process: reuse freed temporaries
     return args.func(args)

@@ -254,7 +254,8 @@ def loss_help(both: bool) -> str:
 def build_parser():
     ap = ArgumentParser(prog="symhess", description="Derive exact loss Hessians of Transformer "
                         "sub-layers symbolically, print LaTeX, verify, generate kernels.")
-    ap.add_argument("--version", action="version", version=f"symhess {__version__}")
+    ap.add_argument("--version", action="version", version=f"symhess {__version__}",
+                    help="print the version and exit")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     layer_help = "a registered layer (see `symhess layers`), FILE.py:ATTR or MODULE:ATTR"
 
@@ -262,7 +263,8 @@ def build_parser():
         p.add_argument("layer", metavar="LAYER", help=layer_help)
         p.add_argument("--loss", default=loss_default, help=loss_help(loss_default == "both"))
         p.add_argument("--causal", action="store_true", help="use the causal mask")
-        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="layer option (repeatable)")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="a layer option, e.g. scale=0.5 (repeatable; `symhess layers` lists them)")
 
     p = sub.add_parser("layers", help="list the declared layers")
     p.add_argument("layers", nargs="*", metavar="LAYER", help=layer_help + " (default: all registered)")
@@ -272,7 +274,8 @@ def build_parser():
     layer_args(p)
     p.add_argument("--block", default="all", help="P,Q (e.g. W_Q,W_K) or all")
     p.add_argument("--part", default="full", help="outer, functional, full or all")
-    p.add_argument("--format", default="latex", choices=["latex", "text"])
+    p.add_argument("--format", default="latex", choices=["latex", "text"],
+                   help="LaTeX (paper notation) or plain text")
     p.add_argument("--definitions", action="store_true", help="also print the named quantities")
     p.set_defaults(func=cmd_derive)
 
@@ -293,7 +296,7 @@ def build_parser():
                    help=layer_help + "; omitted: every committed layer into generated/")
     p.add_argument("--loss", default="both", help=loss_help(True) + " (with LAYER)")
     p.add_argument("--causal", action="store_true", help="use the causal mask (with LAYER)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="layer option (repeatable)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a layer option (repeatable; with LAYER)")
     p.add_argument("--out", "-o", metavar="DIR", default=None,
                    help="with LAYER: write (or with --check compare) DIR/NAME.py (default: the current folder)")
     p.add_argument("--check", action="store_true", help="only check: generated/ (without LAYER) or DIR/NAME.py (with LAYER) is up to date; exit status 1 if not")

@@ -47,8 +47,8 @@ def add_parser(sub, layer_args, positive_int, nonnegative_int):
     p.add_argument("--size", action="append", metavar="DIM=N",
                    help="a dimension's size, e.g. d_V=16 (repeatable; others as in verify)")
     p.add_argument("--sigma", type=float, default=0.0,
-                   help="embedding std of the addition model (default 0.8/sqrt(d))")
-    p.add_argument("--seed", type=nonnegative_int, default=0)
+                   help="embedding std of the addition model; 0: 0.8/sqrt(d) (default: 0)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the data and parameters")
     p.add_argument("--block", default="diag", help="P,Q; diag (every diagonal block); or all "
                    "(every block p<=q and the whole Hessian)")
     p.add_argument("--part", default="all", help="outer, functional, full or all")
@@ -56,7 +56,8 @@ def add_parser(sub, layer_args, positive_int, nonnegative_int):
     p.add_argument("--tol", type=float, default=1e-8, help="eigsh's relative tolerance")
     p.add_argument("--density", action="store_true", help="also the spectral densities (SLQ)")
     p.add_argument("--ncv", type=positive_int, default=64, help="Lanczos steps of the density")
-    p.add_argument("--backend", default="torch", choices=("torch", "numpy"))
+    p.add_argument("--backend", default="torch", choices=("torch", "numpy"),
+                   help="the kernels' backend")
     p.add_argument("--out", default=None, help="directory for the CSV and PNG files")
     p.set_defaults(func=cmd_spectrum)
     return p
