@@ -1,6 +1,7 @@
 """Softmax attention: every block and part against torch autograd, and symbolic facts."""
 import numpy as np
 import pytest
+import sympy as sp
 
 import symhess as sh
 from symhess import expr as E
@@ -117,5 +118,26 @@ def test_scale_option_is_a_declared_constant():
     b = sh.derive(sh.layer("attention", scale="1/sqrt(d_V)"), "mse").block("W_Q", "W_Q", "outer").expr
     L, d_V = E.dims("L d_V")
     assert sp.simplify(b.coef - 2 / (L * d_V**2)) == 0
-    with pytest.raises(ValueError, match="unknown symbols"):
-        sh.layer("attention", scale="1/sqrt(d_model)")
+    with pytest.raises(ValueError, match="which this layer does not have"):
+        sh.layer("attention", scale="1/sqrt(d_ff)")
+
+
+@pytest.mark.parametrize("name", ["attention", "linear_attention", "multihead_attention",
+                                  "value_output_attention", "single_matrix_attention",
+                                  "attention_stack"])
+def test_every_attention_reads_scale_with_one_parser(name):
+    """The temperature is positive for every variant, and the named choices mean the same."""
+    for bad in (-1, "-1", 0, "-1/sqrt(d_V)"):
+        with pytest.raises(ValueError, match="must be positive"):
+            sh.layer(name, scale=bad)
+    d_V = E.dim("d_V")
+    T = next(v for k, v in sh.layer(name, scale="1/sqrt(d_model)").intermediates.items()
+             if k.startswith("T"))
+    assert next(n.coef for n in E.walk(T) if isinstance(n, E.Scale)) == 1 / sp.sqrt(d_V)
+
+
+def test_a_negative_scale_on_the_command_line_is_one_line(capsys):
+    from symhess.cli.main import main
+    assert main(["derive", "attention", "--set", "scale=-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "symhess: error: scale -1 must be positive"

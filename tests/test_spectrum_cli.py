@@ -84,3 +84,24 @@ def test_torchrun_two_processes(tmp_path):
     table = lambda s: [ln for ln in s.splitlines() if ln.startswith("  (")]  # noqa: E731
     assert table(one.stdout) == table(two.stdout)
     assert "2 processes" in two.stdout
+
+
+def test_header_counts_the_sequences_when_every_block_is_a_structural_zero(capsys):
+    """No product is computed for a structural zero; the header still counts the data."""
+    code, out, err = run(capsys, "spectrum", "attention", "--block", "W_V,W_V", "--part",
+                         "functional", "--batches", "3", "--batch", "2")
+    assert code == 0, err
+    assert "attention · loss=mse · 6 sequences in 3 batches" in out and "None" not in out
+    assert "≡0 (structural zero)" in out
+
+
+def test_density_without_curvlinops_fails_before_any_work(capsys, tmp_path, monkeypatch):
+    """A missing optional dependency is reported at once: nothing is computed or written
+    (with it, these sizes take a minute to compute)."""
+    monkeypatch.setitem(sys.modules, "curvlinops", None)       # `import curvlinops` fails
+    out_dir = tmp_path / "new"
+    code, out, err = run(capsys, "spectrum", "attention", "--size", "d_V=64", "--size",
+                         "d_K=32", "--length", "64", "--batches", "8", "--batch", "8",
+                         "--density", "--out", str(out_dir))
+    assert code == 2 and "curvlinops" in err and len(err.strip().splitlines()) == 1
+    assert out == "" and not out_dir.exists()

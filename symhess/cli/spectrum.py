@@ -176,8 +176,10 @@ def cmd_spectrum(args):
     from ..calculus.hessian import derive
     from ..curvature.kernels import kernel
     from ..curvature.operators import operator
-    from ..curvature.spectra import density, spectrum
+    from ..curvature.spectra import density, require_curvlinops, spectrum
 
+    if args.density:
+        require_curvlinops()            # before any work: the density needs it
     rank, world = D.init_from_env()
     lay = layer_from_args(args)
     sizes = _sizes(args.size)
@@ -235,7 +237,8 @@ def cmd_spectrum(args):
                                          boundaries=(float(low), float(top.values[0])))
     if rank != 0:
         return 0
-    header = (f"{lay.name} · loss={loss} · {ds._total} sequences in {args.batches} batches"
+    total = sum(_sequences(b) for b in batches)      # every process built every batch
+    header = (f"{lay.name} · loss={loss} · {total} sequences in {args.batches} batches"
               f"{f' · {world} processes' if world > 1 else ''} · {args.backend} · k={args.k}")
     print(header)
     _print_table(rows, args.k)
@@ -250,6 +253,11 @@ def cmd_spectrum(args):
             plot_densities(dens, path, header)
             print(f"wrote {path}")
     return 0
+
+
+def _sequences(batch):
+    """The number of sequences of a batch (its data's leading axis)."""
+    return int(next(iter(batch.values())).shape[0])
 
 
 def _row(p, q, part, values, norm, kind, bounds, zero=False):

@@ -197,13 +197,10 @@ class _TorchView:
         return self.op
 
 
-def density(op, num_points=1024, ncv=128, num_repeats=1, kappa=3.0, margin=0.05,
-            boundaries=None, seed=0, tol=1e-2):
-    """(grid λ, density p(λ)) by stochastic Lanczos quadrature (module docstring) as NumPy
-    arrays; ``boundaries``: (λ_min, λ_max) if known (else estimated to relative ``tol``)."""
+def require_curvlinops():
+    """curvlinops' ``lanczos_approximate_spectrum``, or a one-line error saying how to install it
+    (callers check this before any work that only the density would use)."""
     import warnings
-
-    import torch
     with warnings.catch_warnings():     # its dependencies import torch.jit.script, deprecated
         warnings.simplefilter("ignore", FutureWarning)
         try:
@@ -211,7 +208,15 @@ def density(op, num_points=1024, ncv=128, num_repeats=1, kappa=3.0, margin=0.05,
         except ImportError:
             raise DeclarationError("the spectral density needs curvlinops: pip install "
                                    "'symhess[spectra]' (or curvlinops-for-pytorch)") from None
+    return lanczos_approximate_spectrum
 
+
+def density(op, num_points=1024, ncv=128, num_repeats=1, kappa=3.0, margin=0.05,
+            boundaries=None, seed=0, tol=1e-2):
+    """(grid λ, density p(λ)) by stochastic Lanczos quadrature (module docstring) as NumPy
+    arrays; ``boundaries``: (λ_min, λ_max) if known (else estimated to relative ``tol``)."""
+    import torch
+    lanczos_approximate_spectrum = require_curvlinops()
     if not getattr(op, "symmetric", op.shape[0] == op.shape[1]):
         raise InputError("the spectral density needs a symmetric operator (a diagonal block, "
                          "a whole Hessian or one of its parts)")
@@ -236,4 +241,4 @@ def density(op, num_points=1024, ncv=128, num_repeats=1, kappa=3.0, margin=0.05,
     return grid.detach().cpu().numpy(), dens.detach().cpu().numpy()
 
 
-__all__ = ["spectrum", "Spectrum", "density", "start_vector"]
+__all__ = ["spectrum", "Spectrum", "density", "start_vector", "require_curvlinops"]

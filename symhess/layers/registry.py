@@ -11,6 +11,7 @@ import inspect
 import sympy as sp
 
 from ..errors import OptionError
+from ..expr import nodes as E
 from ..expr.layer import Layer, check_options
 from ..expr.registry import Registry
 
@@ -40,19 +41,25 @@ def layer(name, **options) -> Layer:
     return fn(**options)
 
 
-def scale_constant(scale, default, dims=()):
-    """A declared scalar constant: a number or an expression in the layer's dimensions."""
-    if scale is None:
-        return default
-    allowed = {d.name: d for d in dims}
+def resolve_scale(scale, default, dims, fixed=None):
+    """The temperature c of an attention layer's logits as a positive sympy scalar: ``scale``
+    (None: ``default``) is a positive number or an expression in the layer's dimensions
+    ``dims`` (strings may also name d_model, the token width d_V, and the sizes in ``fixed``).
+    Every attention variant reads its ``scale`` option with this one parser."""
+    scale = default if scale is None else scale
+    names = {str(d): d for d in dims}
+    names["d_model"] = E.dim("d_V")
+    names.update({k: sp.Integer(v) for k, v in (fixed or {}).items() if v is not None})
     try:
-        value = sp.sympify(scale, locals=allowed)
+        value = sp.sympify(scale, locals=names) if isinstance(scale, str) else sp.sympify(scale)
     except (sp.SympifyError, TypeError, SyntaxError) as exc:
         raise OptionError(f"scale {scale!r} is not a number or an expression: {exc}") from None
-    extra = sorted(s.name for s in value.free_symbols if s.name not in allowed or s != allowed[s.name])
-    if extra:
-        raise OptionError(f"scale {scale!r} uses unknown symbols {', '.join(extra)}; "
-                         f"valid dimensions: {', '.join(allowed) or 'none'}")
-    if value.is_number and (not value.is_real or value == 0):
-        raise OptionError(f"scale {scale!r} must be a non-zero real number")
+    unknown = value.free_symbols - set(names.values())
+    if unknown:
+        hint = "; pass it as an option, e.g. d_K=4" if "d_K" in {str(s) for s in unknown} else ""
+        raise OptionError(f"scale {scale!r} uses {', '.join(sorted(map(str, unknown)))}, which this "
+                         f"layer does not have (valid: {', '.join(sorted(names))}){hint}")
+    if value.is_positive is not True:
+        raise OptionError(f"scale {scale!r} must be positive")
     return value
+

@@ -17,7 +17,7 @@ import sympy as sp
 from ..expr import nodes as E
 from ..errors import OptionError
 from ..expr.layer import Layer
-from .registry import register_layer, scale_constant
+from .registry import register_layer, resolve_scale
 
 
 # ----------------------------------------------------------------------------- attention
@@ -27,32 +27,12 @@ def attention(causal: bool = False, scale=None) -> Layer:
     L, d_V, d_K = E.dims("L d_V d_K")
     X = E.matrix("X", L, d_V)
     W_Q, W_K, W_V = E.param("W_Q", d_V, d_K), E.param("W_K", d_V, d_K), E.param("W_V", d_V, d_V)
-    c = scale_constant(scale, 1 / sp.sqrt(d_K), (L, d_V, d_K))
+    c = resolve_scale(scale, "1/sqrt(d_K)", (L, d_V, d_K))
     T = c * (X @ W_Q @ W_K.T @ X.T)
     A = E.softmax_rows(T, causal=causal)
     F = A @ X @ W_V
     return Layer("attention", F, (W_Q, W_K, W_V), (X,), {"T": T, "A": A},
                  {"causal": causal, "scale": scale}, attention.__doc__)
-
-
-def resolve_scale(scale, default, dims, fixed=None):
-    """The temperature c as a positive sympy scalar; strings may name the dims and d_model."""
-    scale = default if scale is None else scale
-    names = {str(d): d for d in dims}
-    names["d_model"] = E.dim("d_V")
-    names.update({k: sp.Integer(v) for k, v in (fixed or {}).items() if v is not None})
-    try:
-        value = sp.sympify(scale, locals=names) if isinstance(scale, str) else sp.sympify(scale)
-    except (sp.SympifyError, TypeError, SyntaxError) as exc:
-        raise OptionError(f"scale {scale!r} is not a number or an expression: {exc}") from None
-    unknown = value.free_symbols - set(names.values())
-    if unknown:
-        hint = "; pass it as an option, e.g. d_K=4" if "d_K" in {str(s) for s in unknown} else ""
-        raise OptionError(f"scale {scale!r} uses {', '.join(sorted(map(str, unknown)))}, which this "
-                         f"layer does not have (valid: {', '.join(sorted(names))}){hint}")
-    if value.is_positive is not True:
-        raise OptionError(f"scale {scale!r} must be positive")
-    return value
 
 
 def _check_causal(causal):
