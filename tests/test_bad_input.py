@@ -379,3 +379,25 @@ def test_verify_refuses_sizes_beyond_the_budget(monkeypatch):
         verify(der, sizes={"L": 4, "d_V": 300, "d_K": 300})
     with pytest.raises(DeclarationError, match="size L must be a positive integer, got 0"):
         verify(der, sizes={"L": 0})
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_kernel_names_a_bad_entry_by_the_index_of_the_array_given(backend):
+    """Data without a batch axis get one inside the kernel; the error still indexes the
+    caller's array: (row, column) for 2-D data, (sequence, row, column) for 3-D."""
+    from symhess.curvature.dataset import Dataset
+    k = symhess.kernel("attention", backend, "mse")
+    values = symhess.random_values(symhess.derive(symhess.layer("attention"), "mse"), seed=0)
+    conv = (lambda a: torch.as_tensor(a)) if backend == "torch" else (lambda a: a)
+    x = values["X"].copy()
+    x[1, 2] = np.nan
+    n = x.size
+    with pytest.raises(InputError, match=rf"^X contains non-finite entries \(NaN or inf\): nan at "
+                                         rf"index \(1, 2\), 1 of {n} entries"):
+        k.prepare({**{k_: conv(v) for k_, v in values.items()}, "X": conv(x)})
+    with pytest.raises(InputError, match=rf"nan at index \(1, 2\), 1 of {n} entries"):
+        Dataset(k, {**{k_: conv(v) for k_, v in values.items()}, "X": conv(x)}).loss()
+    xb = np.stack([values["X"], x])
+    yb = np.stack([values["Y"], values["Y"]])
+    with pytest.raises(InputError, match=rf"nan at index \(1, 1, 2\), 1 of {2 * n} entries"):
+        k.prepare({**{k_: conv(v) for k_, v in values.items()}, "X": conv(xb), "Y": conv(yb)})

@@ -134,3 +134,16 @@ def test_user_layer_blocks_match_autograd(project):
     checks, _ = verify(sh.derive(resolve_layer(f"{project}/mymodels.py:gated", {"act": "tanh"}), "ce"), seed=5)
     assert checks and all(c.ok for c in checks), [c for c in checks if not c.ok]
     assert max(c.error for c in checks) < 1e-10 and np.isfinite([c.error for c in checks]).all()
+
+
+def test_verify_names_the_options_a_layer_object_was_built_with(tmp_path, capsys):
+    """A Layer built with options and named by FILE.py:ATTR is verified as built, and the
+    table's header says so (not "defaults")."""
+    from symhess.cli.main import main
+    (tmp_path / "built.py").write_text("import symhess as sh\n"
+                                       "lay = sh.layer('attention', causal=True, scale=0.5)\n")
+    assert main(["verify", f"{tmp_path / 'built.py'}:lay", "--loss", "mse"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith(str(tmp_path)))
+    assert "· causal=True, scale=0.5 ·" in header and "defaults" not in out
+    assert out.count("loss=mse") == 1        # the layer as built: no causal=False run is added

@@ -128,7 +128,7 @@ def verification_table(lay_name, losses, seed, options, out=print, derived=None)
                 d = derive(resolve_layer(lay_name, {**options, **extra}), loss)
             checks, values = verify(d, seed=seed, progress=_progress())
             shapes = ", ".join(f"{k} {v.shape[0]}×{v.shape[1]}" for k, v in sorted(values.items()))
-            label = ", ".join(f"{k}={v}" for k, v in {**options, **extra}.items()) or "defaults"
+            label = _options_label(d.layer, spec_options(lay_name), {**options, **extra})
             out(f"\n{lay_name} · loss={loss} · {label} · seed={seed} · {shapes}")
             out(f"  {'block':<18}{'part':<12}{'rel. error':>12}  {'':<6}")
             for c in checks:
@@ -139,6 +139,16 @@ def verification_table(lay_name, losses, seed, options, out=print, derived=None)
     out(f"\n{'all blocks agree with autograd' if ok else 'SOME BLOCKS DISAGREE'} "
         f"(tolerance {TOLERANCE:.0e}, float64)")
     return ok
+
+
+def _options_label(lay, defaults, given) -> str:
+    """The options a layer was built with: those given and those that differ from the spec's
+    defaults (a Layer object named by FILE.py:ATTR has none, so all of its own are shown)."""
+    missing = object()
+    shown = dict(given)
+    shown.update((k, v) for k, v in lay.options.items()
+                 if k not in given and defaults.get(k, missing) != v)
+    return ", ".join(f"{k}={v}" for k, v in shown.items()) or "defaults"
 
 
 def cmd_verify(args):

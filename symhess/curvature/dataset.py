@@ -73,6 +73,7 @@ class Values:
             raise IE(f"missing value(s) {', '.join(missing)}; needed: {', '.join(kernel.names)}")
         arrays = {n: kernel._array(n, values[n]) for n in kernel.names}
         check_values(arrays, check_finite=False)
+        given = dict(arrays)            # as the caller shaped them: a bad entry's index is theirs
         if kernel.backend == "torch" and len({str(a.device) for a in arrays.values()}) > 1:
             desc = ", ".join(f"{n}: {a.device}" for n, a in arrays.items())
             raise IE(f"all values must share one device, got {desc}")
@@ -96,7 +97,7 @@ class Values:
         shapes = {n: _Shape(arrays[n].shape[-2:]) for n in order}
         env = bind_dims([kernel._vars[n] for n in order], shapes)
         if check_finite:
-            check_values(arrays)
+            check_values(given)
         self.__dict__.update(arrays)
         self.dims = {str(k): int(v) for k, v in env.items()}
         self.like = arrays[kernel.params[0]]

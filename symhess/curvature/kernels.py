@@ -133,6 +133,7 @@ class Kernel:
         names = [n for n in self.names if n in values]
         arrays = {n: self._array(n, values[n]) for n in names}
         check_values(arrays, check_finite=False)       # dtypes (finiteness after the shapes)
+        given = dict(arrays)            # as the caller shaped them: a bad entry's index is theirs
         if self.backend == "torch":
             _same(arrays, "device", lambda a: a.device)
         data = [n for n in self._data if n in arrays]
@@ -159,7 +160,7 @@ class Kernel:
             self._dims_seen[key] = bind_dims([self._vars[n] for n in order], shapes)
         env = self._dims_seen[key]
         if check_finite:
-            check_values(arrays)
+            check_values(given)
         like = arrays[self.params[0]]
         itemsize = 4 if "32" in str(like.dtype) else 8
         sched = Schedule.default(memory_budget, itemsize, getattr(like, "device", None))
