@@ -58,7 +58,26 @@ def test_t_functional_term_is_part_of_the_functional_block(derivation):
     assert np.linalg.norm(t_term) > 1e-6 * np.linalg.norm(ref[("W_Q", "W_K", "functional")])
     rest = derivation.block("W_Q", "W_K", "functional").expr
     # the remaining term is the second-order softmax term, printed through Z_2
-    assert "Z_2" in repr(rest) and "dA[" in repr(rest)
+    assert "Z_2" in repr(rest) and "∂softmax_rows(" in repr(rest)
+
+
+def test_text_labels_softmax_derivatives_by_their_argument():
+    """The plain-text printer names a softmax derivative after the softmax it differentiates:
+    A = softmax_rows(S) gives ∂A/∂S, not a fixed dA/dT; an unnamed argument is written out."""
+    L, d = E.dims("L d_V")
+    X = E.matrix("X", L, d)
+    W = E.param("W_S", d, d)
+    S = E.named(X @ W @ X.T, "S")
+    A = E.softmax_rows(S)
+    assert repr(E.SoftmaxJac(A)) == "∂softmax_rows(S)/∂S"
+    assert repr(E.SoftmaxHess(A, X @ X.T)) == "∂²softmax_rows(S)/∂S²[X @ X.T]"
+    assert repr(E.SoftmaxJac(E.softmax_rows(X @ X.T))) == "J_softmax(X @ X.T)"
+    # in a derivation: the Jacobian of the cross-entropy's softmax over the output F = M_1 W_V
+    text = sh.derive(sh.layer("attention"), "ce").block("W_Q", "W_V", "outer").text()
+    assert "J_softmax(M_1 @ W_V)" in text and "dA" not in text and "/dT" not in text
+    # and a layer whose softmax argument is a declared name
+    lay = sh.Layer("named_logits", A @ X, (W,), (X,), {"S": S, "A": A})
+    assert repr(sh.derive(lay, "mse").gradient("W_S")) == "X.T @ ∂softmax_rows(S)[G @ X.T] @ X"
 
 
 def test_latex_uses_paper_notation():

@@ -59,17 +59,33 @@ class TextPrinter(Printer):
     def _print_LogSoftmaxRows(self, n):
         return f"log_softmax_rows({self.doprint(n.args[0])})"
 
+    def _softmax_parts(self, a):
+        """(the softmax A = softmax_rows(S) as printed, S when it is a name or a variable, else
+        None): derivatives are labelled by their actual argument."""
+        s = a.args[0]
+        named = not s.args or (type(s).__name__ == "Named" and len(s.args) == 1)
+        return self.doprint(a), self.doprint(s) if named else None
+
     def _print_SoftmaxDiff(self, n):
-        return f"dA[{self.doprint(n.args[1])}]"
+        a, _ = self._softmax_parts(n.args[0])
+        return f"∂{a}[{self.doprint(n.args[1])}]"
 
     def _print_SoftmaxDiff2(self, n):
-        return f"d2A[{self.doprint(n.args[1])}, {self.doprint(n.args[2])}]"
+        a, _ = self._softmax_parts(n.args[0])
+        return f"∂²{a}[{self.doprint(n.args[1])}, {self.doprint(n.args[2])}]"
+
+    def _jac(self, a, order):
+        """∂A/∂S (∂²A/∂S²) for a named argument S, else J_softmax(S) (J2_softmax(S))."""
+        num, den = self._softmax_parts(a)
+        if den is None:
+            return f"J{order if order > 1 else ''}_softmax({self.doprint(a.args[0])})"
+        return f"∂{num}/∂{den}" if order == 1 else f"∂²{num}/∂{den}²"
 
     def _print_SoftmaxJac(self, n):
-        return "dA/dT"
+        return self._jac(n.args[0], 1)
 
     def _print_SoftmaxHess(self, n):
-        return f"d2A/dT2[{self.doprint(n.args[1])}]"
+        return f"{self._jac(n.args[0], 2)}[{self.doprint(n.args[1])}]"
 
     def _print_Diag(self, n):
         return f"diag({self.doprint(n.args[0])})"
