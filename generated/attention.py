@@ -160,7 +160,7 @@ class mse_causal0(Forward):
         ]
 
     def block__W_Q__W_K__functional(s):
-        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ dA[G @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T))[G @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_3, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
@@ -412,7 +412,7 @@ class mse_causal1(Forward):
         ]
 
     def block__W_Q__W_K__functional(s):
-        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ dA[G @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T), causal)[G @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_3, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
@@ -658,7 +658,7 @@ class ce_causal0(Forward):
         ])
 
     def block__W_Q__W_Q__outer(s):
-        """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
+        """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X, s.W_K),
         ]
@@ -670,20 +670,20 @@ class ce_causal0(Forward):
         ]
 
     def block__W_Q__W_K__outer(s):
-        """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_K__functional(s):
-        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ dA[G @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T))[G @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_3, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_V__outer(s):
-        """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ I[d_V]))"""
+        """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.M_1),
         ]
@@ -695,7 +695,7 @@ class ce_causal0(Forward):
         ]
 
     def block__W_K__W_K__outer(s):
-        """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
         ]
@@ -707,7 +707,7 @@ class ce_causal0(Forward):
         ]
 
     def block__W_K__W_V__outer(s):
-        """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ I[d_V]))"""
+        """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.M_1),
         ]
@@ -719,7 +719,7 @@ class ce_causal0(Forward):
         ]
 
     def block__W_V__W_V__outer(s):
-        """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ I[d_V]))"""
+        """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae->bc|ed', s.M_1, s.t, s.dA_2, s.M_1),
         ]
@@ -920,7 +920,7 @@ class ce_causal1(Forward):
         ])
 
     def block__W_Q__W_Q__outer(s):
-        """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
+        """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X, s.W_K),
         ]
@@ -932,20 +932,20 @@ class ce_causal1(Forward):
         ]
 
     def block__W_Q__W_K__outer(s):
-        """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_K__functional(s):
-        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ dA[G @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T), causal)[G @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_3, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_V__outer(s):
-        """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ I[d_V]))"""
+        """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.M_1),
         ]
@@ -957,7 +957,7 @@ class ce_causal1(Forward):
         ]
 
     def block__W_K__W_K__outer(s):
-        """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
         ]
@@ -969,7 +969,7 @@ class ce_causal1(Forward):
         ]
 
     def block__W_K__W_V__outer(s):
-        """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ I[d_V]))"""
+        """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.M_1),
         ]
@@ -981,7 +981,7 @@ class ce_causal1(Forward):
         ]
 
     def block__W_V__W_V__outer(s):
-        """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ I[d_V]))"""
+        """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae->bc|ed', s.M_1, s.t, s.dA_2, s.M_1),
         ]
@@ -1054,4 +1054,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "59539a30c214f0af21b59f46"
+CHECKSUM = "cace249674286bc46eb301db"

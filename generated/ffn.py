@@ -200,13 +200,13 @@ class ce_bias0_residual0(Forward):
         ])
 
     def block__W_1__W_1__outer(s):
-        """H_o(W_1, W_1) = 1/L*((X.T ⊗ I[d_ff]) @ diag(vec_r(step(X @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_2.T) @ diag(vec_r(step(X @ W_1))) @ (X ⊗ I[d_ff]))"""
+        """H_o(W_1, W_1) = 1/L*((X.T ⊗ I[d_ff]) @ diag(vec_r(step(X @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(X @ W_1) @ W_2) @ (I[L] ⊗ W_2.T) @ diag(vec_r(step(X @ W_1))) @ (X ⊗ I[d_ff]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.X, s.t, s.W_2, s.t_2, s.dA, s.W_2, s.t, s.X),
         ]
 
     def block__W_1__W_2__outer(s):
-        """H_o(W_1, W_2) = 1/L*((X.T ⊗ I[d_ff]) @ diag(vec_r(step(X @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (relu(X @ W_1) ⊗ I[d_V]))"""
+        """H_o(W_1, W_2) = 1/L*((X.T ⊗ I[d_ff]) @ diag(vec_r(step(X @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(X @ W_1) @ W_2) @ (relu(X @ W_1) ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.X, s.t, s.W_2, s.t_2, s.dA, s.t_3),
         ]
@@ -218,7 +218,7 @@ class ce_bias0_residual0(Forward):
         ]
 
     def block__W_2__W_2__outer(s):
-        """H_o(W_2, W_2) = 1/L*((relu(W_1.T @ X.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (relu(X @ W_1) ⊗ I[d_V]))"""
+        """H_o(W_2, W_2) = 1/L*((relu(W_1.T @ X.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(X @ W_1) @ W_2) @ (relu(X @ W_1) ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_6, s.t_2, s.dA, s.t_3),
         ]
@@ -267,4 +267,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "022fbc3ba4982f0e381840f1"
+CHECKSUM = "b66aff926b953c19a41fdeb2"

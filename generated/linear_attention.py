@@ -660,13 +660,13 @@ class ce_causal0(Forward):
         ])
 
     def block__W_Q__W_Q__outer(s):
-        """H_o(W_Q, W_Q) = 1/(L*d_K)*((X.T ⊗ W_K.T @ X.T @ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (X ⊗ W_V.T @ X.T @ X @ W_K))"""
+        """H_o(W_Q, W_Q) = 1/(L*d_K)*((X.T ⊗ W_K.T @ X.T @ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(T @ X @ W_V) @ (X ⊗ W_V.T @ X.T @ X @ W_K))"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,nad,nade,naf,neg->bc|fg', s.X, s.t, s.t_2, s.dA, s.X, s.t_3),
         ]
 
     def block__W_Q__W_K__outer(s):
-        """H_o(W_Q, W_K) = 1/(L*d_K)*((X.T ⊗ W_K.T @ X.T @ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (X @ W_Q ⊗ W_V.T @ X.T @ X) @ K[d_K,d_V])"""
+        """H_o(W_Q, W_K) = 1/(L*d_K)*((X.T ⊗ W_K.T @ X.T @ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(T @ X @ W_V) @ (X @ W_Q ⊗ W_V.T @ X.T @ X) @ K[d_K,d_V])"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,nad,nade,naf,neg->bc|gf', s.X, s.t, s.t_2, s.dA, s.t_4, s.t_5),
         ]
@@ -678,7 +678,7 @@ class ce_causal0(Forward):
         ]
 
     def block__W_Q__W_V__outer(s):
-        """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_K.T @ X.T @ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (T @ X ⊗ I[d_V]))"""
+        """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_K.T @ X.T @ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(T @ X @ W_V) @ (T @ X ⊗ I[d_V]))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,nad,nade,naf->bc|fe', s.X, s.t, s.t_2, s.dA, s.t_9),
         ]
@@ -690,13 +690,13 @@ class ce_causal0(Forward):
         ]
 
     def block__W_K__W_K__outer(s):
-        """H_o(W_K, W_K) = 1/(L*d_K)*((X.T @ X @ W_V ⊗ W_Q.T @ X.T) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ dA/dT @ (X @ W_Q ⊗ W_V.T @ X.T @ X) @ K[d_K,d_V])"""
+        """H_o(W_K, W_K) = 1/(L*d_K)*((X.T @ X @ W_V ⊗ W_Q.T @ X.T) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax(T @ X @ W_V) @ (X @ W_Q ⊗ W_V.T @ X.T @ X) @ K[d_K,d_V])"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,nbd,ndbe,ndf,neg->ac|gf', s.t_12, s.t_13, s.t_14, s.dA, s.t_4, s.t_5),
         ]
 
     def block__W_K__W_V__outer(s):
-        """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*((X.T @ X @ W_V ⊗ W_Q.T @ X.T) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ dA/dT @ (T @ X ⊗ I[d_V]))"""
+        """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*((X.T @ X @ W_V ⊗ W_Q.T @ X.T) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax(T @ X @ W_V) @ (T @ X ⊗ I[d_V]))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,nbd,ndbe,ndf->ac|fe', s.t_12, s.t_13, s.t_14, s.dA, s.t_9),
         ]
@@ -708,7 +708,7 @@ class ce_causal0(Forward):
         ]
 
     def block__W_V__W_V__outer(s):
-        """H_o(W_V, W_V) = 1/L*((X.T @ T.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (T @ X ⊗ I[d_V]))"""
+        """H_o(W_V, W_V) = 1/L*((X.T @ T.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(T @ X @ W_V) @ (T @ X ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_17, s.t_2, s.dA, s.t_9),
         ]
@@ -911,13 +911,13 @@ class ce_causal1(Forward):
         ])
 
     def block__W_Q__W_Q__outer(s):
-        """H_o(W_Q, W_Q) = 1/(L*d_K)*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X ⊗ X @ W_K))"""
+        """H_o(W_Q, W_Q) = 1/(L*d_K)*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ (I[L] ⊗ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X ⊗ X @ W_K))"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,ad,nde,nae,naef,nfg,ag,nah,ngi->bc|hi', s.X, s.t, s.t_2, s.t_3, s.t_4, s.dA, s.t_5, s.t_2, s.X, s.t_6),
         ]
 
     def block__W_Q__W_K__outer(s):
-        """H_o(W_Q, W_K) = 1/(L*d_K)*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X @ W_Q ⊗ X) @ K[d_K,d_V])"""
+        """H_o(W_Q, W_K) = 1/(L*d_K)*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ (I[L] ⊗ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X @ W_Q ⊗ X) @ K[d_K,d_V])"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,ad,nde,nae,naef,nfg,ag,nah,ngi->bc|ih', s.X, s.t, s.t_2, s.t_3, s.t_4, s.dA, s.t_5, s.t_2, s.t_7, s.X),
         ]
@@ -929,7 +929,7 @@ class ce_causal1(Forward):
         ]
 
     def block__W_Q__W_V__outer(s):
-        """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
+        """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,ad,nde,nae,naef,nag->bc|gf', s.X, s.t, s.t_2, s.t_3, s.t_4, s.dA, s.t_12),
         ]
@@ -941,13 +941,13 @@ class ce_causal1(Forward):
         ]
 
     def block__W_K__W_K__outer(s):
-        """H_o(W_K, W_K) = 1/(L*d_K)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V ⊗ I[L]) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ dA/dT @ (I[L] ⊗ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X @ W_Q ⊗ X) @ K[d_K,d_V])"""
+        """H_o(W_K, W_K) = 1/(L*d_K)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V ⊗ I[L]) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ (I[L] ⊗ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X @ W_Q ⊗ X) @ K[d_K,d_V])"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,da,nae,ned,ndef,nfg,dg,ndh,ngi->bc|ih', s.X, s.t_13, s.t_2, s.t_3, s.t_14, s.dA, s.t_5, s.t_2, s.t_7, s.X),
         ]
 
     def block__W_K__W_V__outer(s):
-        """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V ⊗ I[L]) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ dA/dT @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
+        """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V ⊗ I[L]) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ned,ndef,ndg->bc|gf', s.X, s.t_13, s.t_2, s.t_3, s.t_14, s.dA, s.t_12),
         ]
@@ -959,7 +959,7 @@ class ce_causal1(Forward):
         ]
 
     def block__W_V__W_V__outer(s):
-        """H_o(W_V, W_V) = 1/L*((X.T @ (Mcausal[L].T ∘ T.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
+        """H_o(W_V, W_V) = 1/L*((X.T @ (Mcausal[L].T ∘ T.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_16, s.t_4, s.dA, s.t_12),
         ]
@@ -1030,4 +1030,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "ebdf440f9d24fe4fe55c4214"
+CHECKSUM = "bd1dd07fce58509338a52dbf"

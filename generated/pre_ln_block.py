@@ -2186,13 +2186,13 @@ class ce_bias0_causal0(Forward):
         ]
 
     def block__W_1__W_1__outer(s):
-        """H_o(W_1, W_1) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
+        """H_o(W_1, W_1) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (I[L] ⊗ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_8, s.W_2, s.t_3, s.dA_2, s.W_2, s.t_8, s.N_2),
         ]
 
     def block__W_1__W_2__outer(s):
-        """H_o(W_1, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
+        """H_o(W_1, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_8, s.W_2, s.t_3, s.dA_2, s.t_9),
         ]
@@ -2204,7 +2204,7 @@ class ce_bias0_causal0(Forward):
         ]
 
     def block__W_2__W_2__outer(s):
-        """H_o(W_2, W_2) = 1/L*((relu(W_1.T @ N_2.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
+        """H_o(W_2, W_2) = 1/L*((relu(W_1.T @ N_2.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_26, s.t_3, s.dA_2, s.t_9),
         ]
@@ -2960,13 +2960,13 @@ class ce_bias0_causal1(Forward):
         ]
 
     def block__W_1__W_1__outer(s):
-        """H_o(W_1, W_1) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
+        """H_o(W_1, W_1) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (I[L] ⊗ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_8, s.W_2, s.t_3, s.dA_2, s.W_2, s.t_8, s.N_2),
         ]
 
     def block__W_1__W_2__outer(s):
-        """H_o(W_1, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
+        """H_o(W_1, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_8, s.W_2, s.t_3, s.dA_2, s.t_9),
         ]
@@ -2978,7 +2978,7 @@ class ce_bias0_causal1(Forward):
         ]
 
     def block__W_2__W_2__outer(s):
-        """H_o(W_2, W_2) = 1/L*((relu(W_1.T @ N_2.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
+        """H_o(W_2, W_2) = 1/L*((relu(W_1.T @ N_2.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_26, s.t_3, s.dA_2, s.t_9),
         ]
@@ -3132,4 +3132,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "e1b7c4d8a7b83bc50ec1eed2"
+CHECKSUM = "973d4425d9fc409cb2a7f8ae"

@@ -468,7 +468,7 @@ class ce_causal0(Forward):
         ])
 
     def block__W_QK__W_QK__outer(s):
-        """H_o(W_QK, W_QK) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_V.T) @ Z_1)"""
+        """H_o(W_QK, W_QK) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1)"""
         return [
             net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,gf,nagh,nai->dc|ih', s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X),
         ]
@@ -480,7 +480,7 @@ class ce_causal0(Forward):
         ]
 
     def block__W_QK__W_V__outer(s):
-        """H_o(W_QK, W_V) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ I[d_V]))"""
+        """H_o(W_QK, W_V) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,nag->dc|gf', s.M_2, s.X, s.W_V, s.t, s.dA_2, s.M_1),
         ]
@@ -492,7 +492,7 @@ class ce_causal0(Forward):
         ]
 
     def block__W_V__W_V__outer(s):
-        """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ I[d_V]))"""
+        """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae->bc|ed', s.M_1, s.t, s.dA_2, s.M_1),
         ]
@@ -649,7 +649,7 @@ class ce_causal1(Forward):
         ])
 
     def block__W_QK__W_QK__outer(s):
-        """H_o(W_QK, W_QK) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_V.T) @ Z_1)"""
+        """H_o(W_QK, W_QK) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1)"""
         return [
             net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,gf,nagh,nai->dc|ih', s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X),
         ]
@@ -661,7 +661,7 @@ class ce_causal1(Forward):
         ]
 
     def block__W_QK__W_V__outer(s):
-        """H_o(W_QK, W_V) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ I[d_V]))"""
+        """H_o(W_QK, W_V) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,nag->dc|gf', s.M_2, s.X, s.W_V, s.t, s.dA_2, s.M_1),
         ]
@@ -673,7 +673,7 @@ class ce_causal1(Forward):
         ]
 
     def block__W_V__W_V__outer(s):
-        """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ I[d_V]))"""
+        """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae->bc|ed', s.M_1, s.t, s.dA_2, s.M_1),
         ]
@@ -732,4 +732,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "de22fc0148ecfe5c03139398"
+CHECKSUM = "6de14847950223f1e7ca854a"

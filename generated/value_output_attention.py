@@ -213,7 +213,7 @@ class mse_causal0(Forward):
         ]
 
     def block__W_Q__W_K__functional(s):
-        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ dA[G @ W_O.T @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_O.T @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T))[G @ W_O.T @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_O.T @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_3, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
@@ -570,7 +570,7 @@ class mse_causal1(Forward):
         ]
 
     def block__W_Q__W_K__functional(s):
-        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ dA[G @ W_O.T @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_O.T @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T), causal)[G @ W_O.T @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_O.T @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_3, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
@@ -905,7 +905,7 @@ class ce_causal0(Forward):
         ])
 
     def block__W_Q__W_Q__outer(s):
-        """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
+        """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_3, s.M_2, s.X, s.W_K),
         ]
@@ -917,20 +917,20 @@ class ce_causal0(Forward):
         ]
 
     def block__W_Q__W_K__outer(s):
-        """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_3, s.M_2, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_K__functional(s):
-        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ dA[G @ W_O.T @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_O.T @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T))[G @ W_O.T @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_O.T @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_5, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_V__outer(s):
-        """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ W_O.T))"""
+        """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch,ig->eb|hi', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.M_1, s.W_O),
         ]
@@ -942,7 +942,7 @@ class ce_causal0(Forward):
         ]
 
     def block__W_Q__W_O__outer(s):
-        """H_o(W_Q, W_O) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 @ W_V ⊗ I[d_V]))"""
+        """H_o(W_Q, W_O) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_7),
         ]
@@ -954,7 +954,7 @@ class ce_causal0(Forward):
         ]
 
     def block__W_K__W_K__outer(s):
-        """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_3, s.M_2, s.X, s.W_Q),
         ]
@@ -966,7 +966,7 @@ class ce_causal0(Forward):
         ]
 
     def block__W_K__W_V__outer(s):
-        """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ W_O.T))"""
+        """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch,ig->eb|hi', s.W_Q, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.M_1, s.W_O),
         ]
@@ -978,7 +978,7 @@ class ce_causal0(Forward):
         ]
 
     def block__W_K__W_O__outer(s):
-        """H_o(W_K, W_O) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 @ W_V ⊗ I[d_V]))"""
+        """H_o(W_K, W_O) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_7),
         ]
@@ -990,13 +990,13 @@ class ce_causal0(Forward):
         ]
 
     def block__W_V__W_V__outer(s):
-        """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ W_O.T))"""
+        """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf,ge->bc|fg', s.M_1, s.W_O, s.t_2, s.dA_2, s.M_1, s.W_O),
         ]
 
     def block__W_V__W_O__outer(s):
-        """H_o(W_V, W_O) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 @ W_V ⊗ I[d_V]))"""
+        """H_o(W_V, W_O) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf->bc|fe', s.M_1, s.W_O, s.t_2, s.dA_2, s.t_7),
         ]
@@ -1008,7 +1008,7 @@ class ce_causal0(Forward):
         ]
 
     def block__W_O__W_O__outer(s):
-        """H_o(W_O, W_O) = 1/L*((W_V.T @ M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 @ W_V ⊗ I[d_V]))"""
+        """H_o(W_O, W_O) = 1/L*((W_V.T @ M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_9, s.t_2, s.dA_2, s.t_7),
         ]
@@ -1256,7 +1256,7 @@ class ce_causal1(Forward):
         ])
 
     def block__W_Q__W_Q__outer(s):
-        """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
+        """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_3, s.M_2, s.X, s.W_K),
         ]
@@ -1268,20 +1268,20 @@ class ce_causal1(Forward):
         ]
 
     def block__W_Q__W_K__outer(s):
-        """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_3, s.M_2, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_K__functional(s):
-        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ dA[G @ W_O.T @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_O.T @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T), causal)[G @ W_O.T @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_O.T @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_5, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_V__outer(s):
-        """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ W_O.T))"""
+        """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch,ig->eb|hi', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.M_1, s.W_O),
         ]
@@ -1293,7 +1293,7 @@ class ce_causal1(Forward):
         ]
 
     def block__W_Q__W_O__outer(s):
-        """H_o(W_Q, W_O) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 @ W_V ⊗ I[d_V]))"""
+        """H_o(W_Q, W_O) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_7),
         ]
@@ -1305,7 +1305,7 @@ class ce_causal1(Forward):
         ]
 
     def block__W_K__W_K__outer(s):
-        """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
+        """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
             net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_3, s.M_2, s.X, s.W_Q),
         ]
@@ -1317,7 +1317,7 @@ class ce_causal1(Forward):
         ]
 
     def block__W_K__W_V__outer(s):
-        """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ W_O.T))"""
+        """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch,ig->eb|hi', s.W_Q, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.M_1, s.W_O),
         ]
@@ -1329,7 +1329,7 @@ class ce_causal1(Forward):
         ]
 
     def block__W_K__W_O__outer(s):
-        """H_o(W_K, W_O) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 @ W_V ⊗ I[d_V]))"""
+        """H_o(W_K, W_O) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
             net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_7),
         ]
@@ -1341,13 +1341,13 @@ class ce_causal1(Forward):
         ]
 
     def block__W_V__W_V__outer(s):
-        """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 ⊗ W_O.T))"""
+        """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf,ge->bc|fg', s.M_1, s.W_O, s.t_2, s.dA_2, s.M_1, s.W_O),
         ]
 
     def block__W_V__W_O__outer(s):
-        """H_o(W_V, W_O) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 @ W_V ⊗ I[d_V]))"""
+        """H_o(W_V, W_O) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf->bc|fe', s.M_1, s.W_O, s.t_2, s.dA_2, s.t_7),
         ]
@@ -1359,7 +1359,7 @@ class ce_causal1(Forward):
         ]
 
     def block__W_O__W_O__outer(s):
-        """H_o(W_O, W_O) = 1/L*((W_V.T @ M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ dA/dT @ (M_1 @ W_V ⊗ I[d_V]))"""
+        """H_o(W_O, W_O) = 1/L*((W_V.T @ M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
             net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_9, s.t_2, s.dA_2, s.t_7),
         ]
@@ -1442,4 +1442,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "9afb92f77703527d334fa254"
+CHECKSUM = "fdbe0c3a8f3882086c6b9874"
