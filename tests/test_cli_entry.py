@@ -247,3 +247,29 @@ def test_generate_writes_a_user_declaration_kernels_byte_identical(tmp_path, mon
     path.write_text(path.read_text().replace("return ", "return 2 * ", 1))
     rc, out, _ = symhess("generate", "mymodels.py:gated", "--loss", "mse", "--out", "k", "--check", cwd=tmp_path)
     assert (rc, out.strip()) == (1, "stale: k/gated.py")
+
+
+def test_progress_bars_are_drawn_on_a_terminal_only(tmp_path):
+    """A log file gets no bar (one long line of carriage returns): every command with a bar
+    draws it only when stderr is a terminal, the experiments included."""
+    argv = ["experiment", "scaling", "--d-model", "4", "--d-mlp", "8", "--batch", "2",
+            "--sigmas", "0.1,0.2", "--seeds", "1", "--out", str(tmp_path)]
+    rc, out, err = symhess(*argv)
+    assert rc == 0 and "\r" not in err and "scaling" not in err, err
+    rc, err = _on_a_terminal(argv)
+    assert rc == 0 and "scaling softmax" in err and "2/2" in err
+    rc, out, err = symhess("spectrum", "attention", "--block", "W_V,W_V", "--k", "1")
+    assert rc == 0 and err == ""
+
+
+def test_dataset_progress_bar_stays_out_of_a_log(capsys):
+    import numpy as np
+    import symhess as sh
+    from symhess.curvature.dataset import Dataset
+    d = sh.derive(sh.layer("attention"), "mse")
+    values = sh.random_values(d, seed=0)
+    params = {p: values[p] for p in d.layer.param_names}
+    batches = [{"X": values["X"][None], "Y": values["Y"][None]}] * 2
+    ds = Dataset(sh.kernel("attention", "numpy", "mse"), batches, params=params, progressbar=True)
+    assert np.isfinite(ds.loss())
+    assert capsys.readouterr().err == ""          # stderr is not a terminal here

@@ -154,7 +154,7 @@ def verify(derivation: Derivation, seed=0, sizes=None, progress=False):
     """Compare every ordered block pair and part with autograd; returns a list of Checks.
 
     Refuses sizes whose memory estimate exceeds the budget (``BudgetError``) before
-    allocating; ``progress`` shows a bar over the blocks on stderr (tqdm)."""
+    allocating; ``progress`` shows a bar over the blocks on stderr when it is a terminal (tqdm)."""
     from tqdm import tqdm
 
     _check_verification_budget(derivation, random_sizes(derivation, seed, sizes=sizes))
@@ -164,7 +164,7 @@ def verify(derivation: Derivation, seed=0, sizes=None, progress=False):
     checks = []
     pairs = [(p, q) for p in names for q in names]
     label = f"verify {derivation.layer.name} ({derivation.loss})"
-    for p, q in tqdm(pairs, desc=label, unit="block", disable=not progress, leave=False):
+    for p, q in tqdm(pairs, desc=label, unit="block", disable=None if progress else True, leave=False):
         scale = max(float(np.linalg.norm(ref[(p, q, part)])) for part in PARTS)
         for part in PARTS:
             b = derivation.block(p, q, part)

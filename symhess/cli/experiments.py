@@ -327,12 +327,14 @@ def fit_slope(sigmas, norms, sigma_max):
 
 
 def scaling(cfg: Config, sigmas, seeds, progress=True):
-    """Rows (sigma, seed, block, part, norm, structural_zero) over the σ × seed grid."""
+    """Rows (sigma, seed, block, part, norm, structural_zero) over the σ × seed grid;
+    ``progress``: a bar on stderr when it is a terminal."""
     from tqdm import tqdm
     exp = Experiment(cfg)
     rows = []
     grid = [(s, r) for r in seeds for s in sigmas]
-    for sigma, seed in tqdm(grid, desc=f"scaling {cfg.kind}", disable=not progress, unit="σ"):
+    for sigma, seed in tqdm(grid, desc=f"scaling {cfg.kind}", unit="σ",
+                            disable=None if progress else True):   # None: a terminal only
         for p in exp.blocks:
             norms = exp.exact_norms(p, sigma, seed)
             for part in PARTS:

@@ -84,7 +84,7 @@ def _parts(d, progress=False):
     pairs = [(p, q) for p in names for q in names]
     return {(p, q): (d.block(p, q, "outer"), d.block(p, q, "functional"))
             for p, q in tqdm(pairs, desc=f"report {d.layer.name} ({d.loss})", unit="block",
-                             disable=not progress, leave=False)}
+                             disable=None if progress else True, leave=False)}
 
 
 def report_expressions(d) -> list:
@@ -128,7 +128,8 @@ def _definition_rows(pairs) -> str:
 
 
 def render_report(lay, losses=("mse", "ce"), progress=False) -> str:
-    """The LaTeX document; ``progress`` shows a bar per loss over the blocks on stderr.
+    """The LaTeX document; ``progress`` shows a bar per loss over the blocks on stderr
+    when it is a terminal.
 
     Its notation paragraph explains exactly the notation that the document prints
     (``symhess.printing.notation.glossary`` over every printed expression of every section)."""

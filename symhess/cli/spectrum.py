@@ -172,7 +172,7 @@ def cmd_spectrum(args):
     from tqdm import tqdm
 
     from ..curvature import distributed as D
-    from .args import _progress, layer_from_args
+    from .args import layer_from_args
     from ..calculus.hessian import derive
     from ..curvature.kernels import kernel
     from ..curvature.operators import operator
@@ -214,8 +214,8 @@ def cmd_spectrum(args):
     ds = Dataset(k, mine, params=params)
     tasks = [(p, q, part) for p, q in blocks for part in parts]
     rows, dens = [], {}
-    show = _progress() and rank == 0
-    for p, q, part in tqdm(tasks, desc="spectrum", disable=not show, unit="block"):
+    for p, q, part in tqdm(tasks, desc="spectrum", unit="block",
+                           disable=None if rank == 0 else True):   # None: a terminal only
         op = operator(k, ds, p, q, part)
         if op.is_zero:
             rows.append(_row(p, q, part, np.zeros(min(args.k, min(op.shape))), 0.0,

@@ -273,7 +273,7 @@ class Dataset:
         if not self.progressbar:
             return it
         from tqdm import tqdm
-        return tqdm(it, desc=desc or "batches", leave=False)
+        return tqdm(it, desc=desc or "batches", leave=False, disable=None)   # a terminal only
 
     def _check_count(self, total):
         if self.num_data is not None and total != self.num_data:
