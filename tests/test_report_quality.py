@@ -164,9 +164,11 @@ USES = {
                                           ("multihead_attention", {})])
 def test_notation_paragraph_matches_the_body(name, options):
     text = render_report(sh.layer(name, **options))
-    head, body = text.split(r"\section{", 1)
+    head, rest = text.split(r"\noindent Notation:", 1)
+    notation, rest = rest.split(r"\section{", 1)
+    body = head + rest                        # the layer's definition and every section
     for key, mark in USES.items():
-        assert (GLOSSARY[key] in head) == bool(re.search(mark, body)), (key, mark)
+        assert (GLOSSARY[key] in notation) == bool(re.search(mark, body)), (key, mark)
 
 
 def test_commutation_sentence_holds():
@@ -255,3 +257,40 @@ def test_a_sum_prints_a_positive_term_first():
     text = render_report(sh.layer("layernorm"), losses=("mse",))
     assert r"\mathbf M_Z &:= \mathbf X- \frac{1}{d_{V}}" in text
     assert not re.search(r"&:= -", text)
+
+
+# ----------------------------------------------------------------------------- the layer
+def _used(symbol, tex):
+    return re.search(re.escape(symbol) + r"(?![A-Za-z0-9_{^])", tex) is not None
+
+
+@pytest.mark.parametrize("name", sorted(sh.LAYERS))
+def test_first_display_defines_the_layer_before_using_a_symbol(name):
+    """The report opens with the layer's definition: each named quantity it is built from,
+    defined once and before any use, and F last in those symbols."""
+    from symhess.cli.report import layer_definition
+    rows, defined = layer_definition(sh.layer(name))
+    lhs = [row.partition("&")[0].strip() for row in rows if not row.startswith("&")]
+    assert lhs[-1] == r"\mathbf F" and len(set(lhs)) == len(lhs) and set(lhs) == defined
+    for i, row in enumerate(r for r in rows if not r.startswith("&")):
+        rhs = row.partition("&")[2]
+        assert not any(_used(sym, rhs) for sym in lhs[i:]), (name, row)
+
+
+def test_post_ln_report_states_the_block_not_only_f_equals_z(layernorm_report):
+    """Post-LN's output is the name Z: the first display defines Y = LN(X + SA(X)) and
+    Z = LN(Y + FFN(Y)) through their parts instead of reading F = Z alone."""
+    from symhess.cli.report import layer_definition
+    rows, _ = layer_definition(sh.layer("post_ln_block"))
+    row = {r.partition("&")[0].strip(): r.partition("&")[2] for r in rows}
+    Y = r"\widetilde{\mathbf Y}"
+    assert r"\mathbf A\mathbf X\mathbf W_{V}" in row[r"\mathbf M_Y"] and "+\\mathbf X" in row[r"\mathbf M_Y"]
+    assert row[Y] == r":= \mathbf M_Y\odot \mathbf P_Y"
+    assert row[r"\mathbf S"] == r":= \operatorname{ReLU}\left(\mathbf H\right)\mathbf W_{2}+" + Y
+    assert row[r"\mathbf H"] == r":= " + Y + r"\mathbf W_{1}"
+    assert row[r"\mathbf Z"] == r":= \mathbf M_Z\odot \mathbf P_Z"
+    assert list(row)[-2:] == [r"\mathbf Z", r"\mathbf F"] and row[r"\mathbf F"] == r"= \mathbf Z"
+    # the same in a document: defined in the first display, not again under each loss
+    first = layernorm_report.split(r"\section{", 1)[0]
+    assert r"\mathbf Z &:= \mathbf M_Z\odot \mathbf P_Z" in first and r"\mathbf F &= \mathbf Z" in first
+    assert layernorm_report.count(r"\mathbf Z &:=") == 1 and r"\mathbf F &:=" not in layernorm_report

@@ -92,7 +92,22 @@ def report_expressions(d) -> list:
     return list(d.layer.intermediates.values()) + [b.expr for bs in _parts(d).values() for b in bs]
 
 
-def _section(lay, loss, progress=False):
+def layer_definition(lay):
+    """The document's first display, the layer as declared: every named quantity its output
+    is built from (intermediates such as T and A, a LayerNorm's M_Y, P_Y, Ỹ …), each defined
+    after the ones it uses, then F = the output in those symbols; so a layer whose output is
+    itself a name (post-LN's Z) is stated in full, like every other.
+
+    Returns (rows of an ``align*``, the symbols defined there)."""
+    names = {v: intermediate_tex(k) for k, v in lay.intermediates.items()}
+    pairs = [(n.symbol, ":=", n.tex + (n.note or "")) for n in definitions([lay.output], names)]
+    pairs.append((r"\mathbf F", "=", shared_latex(lay.output, names, sums=named_sums(names))))
+    lhs_width = max(width(lhs) for lhs, _, _ in pairs)
+    rows = [row for lhs, rel, rhs in pairs for row in align_rows(lhs, rel, [rhs], lhs_width)]
+    return rows, {lhs for lhs, _, _ in pairs}
+
+
+def _section(lay, loss, progress=False, defined=()):
     d = derive(lay, loss)
     parts = _parts(d, progress)
     pairs = list(parts)
@@ -109,7 +124,7 @@ def _section(lay, loss, progress=False):
             rows += align_rows(lhs, "=", _terms(b, p, q, tex_names, shared))
         blocks.append({"p": tp, "q": tq, "align": align(rows)})
     printed = report_expressions(d)
-    defs = definitions(printed, d.latex_names)
+    defs = [n for n in definitions(printed, d.latex_names) if n.symbol not in defined]
     loss_expr = d._loss_fn(d._loss_parts[0], d.Y)
     section = {"title": LOSS_TITLES.get(loss, r"\texttt{" + loss.replace("_", r"\_") + "}"),
                "loss": align(align_rows(r"\ell", "=", [loss_expr.latex()])),
@@ -135,16 +150,15 @@ def render_report(lay, losses=("mse", "ce"), progress=False) -> str:
     (``symhess.printing.notation.glossary`` over every printed expression of every section)."""
     opts = ", ".join(f"{k}={v}" for k, v in lay.options.items() if v not in (None, False))
     sections, notation = [], set()
+    layer_rows, defined = layer_definition(lay)
     for loss in losses:
-        section, printed, names = _section(lay, loss, progress)
+        section, printed, names = _section(lay, loss, progress, defined)
         sections.append(section)
         notation.update(glossary(printed, names))
-    names = {v: intermediate_tex(k) for k, v in lay.intermediates.items()}
-    output = shared_latex(lay.output, names, sums=named_sums(names))
     return template_env().get_template("report.tex.j2").render(
         version=__version__, layer_name=lay.name, layer_tt=lay.name.replace("_", r"\_"),
         options_text=f" ({opts})" if opts else "", paper=PAPER, margin=f"{MARGIN_CM}cm",
-        output=align(align_rows(r"\mathbf F", "=", [output])),
+        output=align(layer_rows),
         params=", ".join(f"${p.latex()}$" for p in lay.params),
         notation=[text for text in GLOSSARY.values() if text in notation], sections=sections)
 

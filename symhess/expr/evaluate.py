@@ -78,8 +78,9 @@ def _first_non_finite(a):
         flat = int(bad.reshape(-1).nonzero()[0, 0])
         idx = tuple(int(i) for i in np.unravel_index(flat, tuple(a.shape)))
         return idx, float(a.detach().reshape(-1)[flat]), int(bad.sum())
-    if np.isfinite(np.add.reduce(a, axis=None)):   # a finite sum has no NaN/inf term
-        return None
+    with np.errstate(all="ignore"):                  # the scan reports; numpy need not warn
+        if np.isfinite(np.add.reduce(a, axis=None)):   # a finite sum has no NaN/inf term
+            return None
     bad = ~np.isfinite(a)
     if not bad.any():                                # the sum overflowed, the entries are fine
         return None
@@ -415,7 +416,11 @@ def evaluate(expr, values, backend="numpy", env=None, check_finite=True, what=No
     itemsize = 8 if like is None else np.dtype(_dtype_name(like)).itemsize
     check_evaluation_budget(expr, env, itemsize, what, getattr(xp, "device", None))
     interp = Interpreter(xp, env, arrays)
-    out = interp.run(expr)
+    if check_finite:                     # a non-finite result raises below, naming its origin
+        with np.errstate(all="ignore"):
+            out = interp.run(expr)
+    else:
+        out = interp.run(expr)
     if check_finite and not xp.isfinite(out):
         raise InputError(_non_finite_origin(interp, expr))
     return out
