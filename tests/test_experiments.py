@@ -89,7 +89,8 @@ def test_engine_kronecker_block_agrees_with_columns():
         assert np.linalg.norm(got - ref) <= 1e-12 * np.linalg.norm(ref)
 
 
-@pytest.mark.parametrize("attention,norm", [("softmax", "none"), ("linear", "none"), ("softmax", "pre")])
+@pytest.mark.parametrize("attention,norm", [("softmax", "none"), ("linear", "none"),
+                                            pytest.param("softmax", "pre", marks=pytest.mark.slow)])
 def test_generated_frobenius_split_agrees_with_columns(attention, norm):
     """The scaling sweep's norms (generated pairings, no block) equal the block columns' norms."""
     exp = Experiment(Config(attention=attention, norm=norm, **dict(SMALL, batch=3)))
@@ -210,7 +211,7 @@ def _forward_deep(v, attention, depth):
     return Z * v["R"] if attention == "linear" else Z
 
 
-@pytest.mark.parametrize("attention", ["softmax", "linear"])
+@pytest.mark.parametrize("attention", ["softmax", pytest.param("linear", marks=pytest.mark.slow)])
 def test_two_layer_blocks_match_autograd(attention, monkeypatch):
     exp = Experiment(Config(attention=attention, depth=2, **SMALL))
     assert exp.blocks == ("W_Q_1", "W_V_1", "W_Q_2", "W_V_2")
@@ -246,6 +247,7 @@ def test_linear_attention_two_layers_slope_eighteen():
     assert s[("W_Q_2", "functional")] == s[("W_V_2", "functional")] == "zero"
 
 
+@pytest.mark.slow
 def test_softmax_two_layers_keep_the_one_layer_slopes():
     s = _deep_slopes("softmax", 2, list(10 ** np.linspace(-2.5, -1, 4)))
     for k in (1, 2):
@@ -262,6 +264,7 @@ def test_linear_attention_three_layers_slope_fifty_four():
             assert s[(f"{p}_{k}", "outer")] == pytest.approx(54, abs=0.05)
 
 
+@pytest.mark.slow
 def test_cli_scaling_depth_writes_per_layer_rows(tmp_path, capsys):
     rc = main_experiment(["scaling", "--attention", "linear", "--depth", "2", "--d-model", "4",
                           "--d-head", "3", "--d-mlp", "5", "--batch", "2", "--seeds", "1",

@@ -122,6 +122,7 @@ def _derive_cli(seed):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, check=True).stdout
 
 
+@pytest.mark.slow
 def test_naming_is_deterministic_across_processes():
     """Different hash seeds (set iteration order) give byte-identical LaTeX."""
     a, b = _derive_cli(1), _derive_cli(2)
@@ -132,6 +133,7 @@ def test_naming_is_deterministic_across_processes():
 
 
 @pytest.mark.skipif(shutil.which("pdflatex") is None and not NEED_TEX, reason="pdflatex not installed")
+@pytest.mark.slow
 def test_post_ln_report_compiles_without_summaries(tmp_path):
     out = write_report(sh.layer("post_ln_block"), tmp_path / "post.tex", losses=("mse",), pdf=True)
     text = out.read_text()

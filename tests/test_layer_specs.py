@@ -1,5 +1,5 @@
 """A user's declaration named on the command line: FILE.py:ATTR and MODULE:ATTR
-(symhess.layers.specs.resolve_layer), through the API and the installed entry point."""
+(symhess.layers.specs.resolve_layer), through the API and the command line."""
 from __future__ import annotations
 
 import textwrap
@@ -11,7 +11,7 @@ import symhess as sh
 from symhess.errors import DeclarationError, OptionError, UnknownNameError
 from symhess.layers.specs import resolve_layer, spec_options
 
-from test_cli_entry import symhess
+from symhess.cli.main import main
 
 MODELS = textwrap.dedent('''
     import symhess as sh
@@ -100,7 +100,13 @@ def test_bad_specs_are_one_line_errors(project, spec, options, error, needle):
     assert needle.format(p=project, line=LINE) in msg and "\n" not in msg, msg
 
 
-def test_the_cli_derives_verifies_reports_and_lists_a_user_layer(project, tmp_path):
+def test_the_cli_derives_verifies_reports_and_lists_a_user_layer(project, tmp_path, capsys, monkeypatch):
+    def symhess(*argv, cwd):
+        monkeypatch.chdir(cwd)
+        rc = main([str(a) for a in argv])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+
     rc, out, err = symhess("derive", "mymodels.py:gated", "--block", "W_3,W_3", "--part", "functional",
                            "--format", "text", cwd=project)
     assert rc == 0 and out.strip() == "H_functional(W_3, W_3) = 0[d*hxd*h]", err
@@ -122,8 +128,10 @@ def test_the_cli_derives_verifies_reports_and_lists_a_user_layer(project, tmp_pa
     (["layers", "mymodels.py:broken"], "ZeroDivisionError: division by zero (mymodels.py, line {line})"),
     (["derive", "mymodels.py:gated", "--set", "bias=maybe"], "option bias expects true or false, got 'maybe'"),
 ])
-def test_cli_spec_errors_are_one_line(project, argv, needle):
-    rc, out, err = symhess(*argv, cwd=project)
+def test_cli_spec_errors_are_one_line(project, argv, needle, capsys, monkeypatch):
+    monkeypatch.chdir(project)
+    rc = main(argv)                # what the entry point runs (tests/test_cli_entry.py runs it)
+    err = capsys.readouterr().err
     needle = needle.format(line=LINE)
     assert rc == 2 and err.count("\n") == 1 and needle in err and "Traceback" not in err, err
 

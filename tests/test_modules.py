@@ -91,7 +91,8 @@ def check_blocks(m, ml, x, y, pairs):
     return H
 
 
-@pytest.mark.parametrize("batch_first,causal,bias", [(True, False, True), (False, True, False)])
+@pytest.mark.parametrize("batch_first,causal,bias", [
+    pytest.param(True, False, True, marks=pytest.mark.slow), (False, True, False)])
 def test_multihead_attention(batch_first, causal, bias):
     torch.manual_seed(0)
     m = nn.MultiheadAttention(E, HEADS, bias=bias, batch_first=batch_first).double()
@@ -118,7 +119,7 @@ def test_multihead_attention(batch_first, causal, bias):
     assert per["in_proj_weight"].shape == (3 * E, E)
 
 
-@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("norm_first", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_transformer_block(norm_first):
     """nn.TransformerEncoderLayer, pre-LN and post-LN: every parameter kind, both directions."""
     torch.manual_seed(1)

@@ -182,7 +182,8 @@ def _every_method(state, params, v):
     return [np.asarray(x, dtype=float) for x in out]
 
 
-@pytest.mark.parametrize("name", ["attention", "post_ln_block", "multihead_attention", "ffn"])
+@pytest.mark.parametrize("name", ["attention", pytest.param("post_ln_block", marks=pytest.mark.slow),
+                                  pytest.param("multihead_attention", marks=pytest.mark.slow), "ffn"])
 def test_every_tunable_off_gives_the_same_numbers(name, monkeypatch):
     """SYMHESS_SCHEDULE=plain (no cost comparisons, no mirrored blocks) and a memory budget
     small enough to slice contractions give the default schedule's numbers to 1e-12."""

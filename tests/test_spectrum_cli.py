@@ -29,7 +29,7 @@ def test_spectrum_table_files_and_bounds(capsys, tmp_path):
     assert "(W_V, W_V)      functional  ≡0 (structural zero)" in out
     for f in ("spectrum.csv", "spectrum.png"):
         assert (tmp_path / f).stat().st_size > 0
-    rows = list(csv.DictReader(open(tmp_path / "spectrum.csv")))
+    rows = list(csv.DictReader((tmp_path / "spectrum.csv").read_text().splitlines()))
     # every eigenvalue in the CSV is the exact one of the dataset-mean block (eigh)
     d = derive(sh.layer("attention"), "mse")
     params, batches = random_dataset(d, {"d_V": 4, "d_K": 3}, 5, 2, 3, 0)

@@ -15,16 +15,18 @@ VARIANTS = ["linear_attention", "single_matrix_attention", "multihead_attention"
             "value_output_attention"]
 
 
-@pytest.mark.parametrize("loss", ["mse", "ce"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name,causal,loss", [
+    pytest.param(n, c, l, id=f"{n}-{c}-{l}",
+                 marks=pytest.mark.slow if (n == "multihead_attention" and c) else ())
+    for n in VARIANTS for c in (False, True) for l in ("mse", "ce")])   # causal heads: slow profile
 def test_every_block_matches_autograd(name, causal, loss):
     checks, _ = verify(sh.derive(sh.layer(name, causal=causal), loss), seed=3)
     worst = max(checks, key=lambda c: c.error)
     assert worst.error <= TOLERANCE, (worst.block, worst.part, worst.error)
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "multihead_attention" else n
+                                  for n in VARIANTS])
 def test_non_default_scale_matches_autograd(name):
     checks, _ = verify(sh.derive(sh.layer(name, scale=0.7), "mse"), seed=5)
     assert max(c.error for c in checks) <= TOLERANCE

@@ -20,6 +20,8 @@ import pytest
 import symhess as sh
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow     # a wheel build and a fresh environment: the package data check
+                                  # stays fast in tests/test_report.py
 
 SCRIPT = '''
 import numpy as np, torch
