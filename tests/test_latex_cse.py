@@ -79,7 +79,7 @@ def test_named_form_expands_back(post_ln):
     named = dict(values)
     for s in defs:
         named[s.var.name] = np.asarray(evaluate(C.definition_form(s, defs, d.latex_names), named, env=env))
-    for t in terms[::4]:
+    for t in terms[::8]:                    # every term structurally above; a sample numerically
         want = np.asarray(evaluate(t, values, env=env))
         got = np.asarray(evaluate(C.named_form(t, defs, d.latex_names), named, env=env))
         assert np.abs(got - want).max() <= 1e-12 * max(1.0, np.abs(want).max())

@@ -71,12 +71,14 @@ CASES = [
 ]
 
 
-# post-LN with cross-entropy repeats the mse case's checks through a second loss: slow profile
-SLOW_CASES = {("post_ln_block", "ce")}
+# post-LN with cross-entropy repeats the mse case's checks through a second loss, and pre-LN
+# with every option repeats the options the layernorm and ffn cases check: slow profile
+SLOW_CASES = [("post_ln_block", "ce", {}),
+              ("pre_ln_block", "mse", {"bias": True, "affine": "param", "eps": 1e-5})]
 
 
 @pytest.mark.parametrize("name,loss,opts", [
-    pytest.param(n, l, o, marks=pytest.mark.slow if (n, l) in SLOW_CASES else ()) for n, l, o in CASES],
+    pytest.param(n, l, o, marks=pytest.mark.slow if (n, l, o) in SLOW_CASES else ()) for n, l, o in CASES],
     ids=[f"{n}-{l}-{o}" for n, l, o in CASES])
 def test_blocks_match_autograd(name, loss, opts):
     der = derivation(name, loss, **opts)
