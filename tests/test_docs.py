@@ -7,7 +7,8 @@
   block's ``$ symhess …`` lines run, and print the lines shown ("..." stands for any lines,
   blank lines aside; numbers agree to 6 digits, round-off-sized ones (< 1e-12) only in size).
 * Markers in an HTML comment before a fence: ``<!-- docs-test: slow (why) -->`` runs the
-  block in the slow profile only (with the rest of its document); ``<!-- docs-test: excerpt
+  block in the slow profile only (a python block with the rest of its document, a command
+  shown with its output by itself; its parse check stays fast); ``<!-- docs-test: excerpt
   PATH -->`` says the block is an excerpt of PATH ("…" stands for any text), checked line by line.
 * A fence without a language is a diagram: it may hold no command.
 * Example commands never write into docs/: the committed figures come from
@@ -223,24 +224,26 @@ def _matches(expected, got):
 
 
 def _examples():
-    """(name, argv, expected output) of every command shown with its output."""
+    """pytest params (name, argv, expected output) of every command shown with its output."""
     out = []
     for b in SHELL:
+        marks = pytest.mark.slow if b.mark == "slow" else ()
         if b.lang == "console":
             parts = re.split(r"^\$ ", b.body, flags=re.M)[1:]
             for part in parts:
                 cmd, _, shown = part.partition("\n")
-                out.append((b.name, shlex.split(cmd), shown))
+                argv = shlex.split(cmd)
+                out.append(pytest.param(b.name, argv, shown, marks=marks, id=f"{b.name} {' '.join(argv[1:3])}"))
         elif b.output is not None:
             (argv,) = _commands(b.body)
-            out.append((b.name, argv, b.output))
+            out.append(pytest.param(b.name, argv, b.output, marks=marks, id=f"{b.name} {' '.join(argv[1:3])}"))
     return out
 
 
 EXAMPLES = _examples()
 
 
-@pytest.mark.parametrize("name,argv,shown", EXAMPLES, ids=[f"{n} {' '.join(a[1:3])}" for n, a, _ in EXAMPLES])
+@pytest.mark.parametrize("name,argv,shown", EXAMPLES)
 def test_commands_print_what_the_doc_shows(name, argv, shown, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = symhess_args(argv)
