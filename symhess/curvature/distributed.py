@@ -69,6 +69,10 @@ class Local:
     def each_batch(self, batches):
         yield from batches
 
+    def gather(self, item):
+        """Every process's ``item`` pair, as two lists in rank order."""
+        return [item[0]], [item[1]]
+
 
 class Processes:
     """The default process group: one all-reduce per reduction."""
@@ -119,6 +123,12 @@ class Processes:
                 out.append(float(part[0]))
         return out, int(round(float(buf[o])))
 
+    def gather(self, item):
+        """Every process's ``item`` pair (picklable), as two lists in rank order."""
+        out = [None] * self.world
+        self.dist.all_gather_object(out, item)
+        return [x[0] for x in out], [x[1] for x in out]
+
     def scalar(self, x):
         import torch
         t = torch.tensor([float(x)], dtype=torch.float64, device=self._device(None))
@@ -156,7 +166,7 @@ def init_from_env():
 
 class shard:
     """Every ``world``-th batch of ``batches`` from ``rank`` on (defaults: this process),
-    iterable again whenever ``batches`` is."""
+    iterable again whenever ``batches`` is (a one-shot iterator is refused: ``passes``)."""
 
     def __init__(self, batches, rank=None, world=None):
         if rank is None or world is None:
@@ -165,6 +175,13 @@ class shard:
                 rank, world = d.get_rank(), d.get_world_size()
             else:
                 rank, world = 0, 1
+        from .passes import refuse_one_shot
+        refuse_one_shot(batches, "symhess.distributed.shard")
+        for name, x in (("rank", rank), ("world", world)):
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise InputError(f"{name} must be an integer, got {x!r}")
+        if world < 1:
+            raise InputError(f"world must be a positive integer, got {world}")
         if not (0 <= rank < world):
             raise InputError(f"rank must lie in 0 … {world - 1}, got {rank}")
         self.batches, self.rank, self.world = batches, rank, world

@@ -27,6 +27,7 @@ from ..calculus.hessian import check_part, derive
 from ..expr.layer import Layer
 from ..layers.registry import layer as get_layer, layer_options
 from ..calculus.losses import get_loss
+from ..runtime import checks
 from ..runtime import network as N  # noqa: F401
 from ..runtime.jacobian import CompactJacobian
 from ..runtime.schedule import Schedule
@@ -251,15 +252,8 @@ class Kernel:
     def vector(self, st, v, name="v"):
         """``v`` validated as a flat vector over every parameter (declared order)."""
         n = sum(st.numel(p) for p in self.params)
-        v = self._array(name, v)
-        if tuple(v.shape) != (n,):
-            raise InputError(f"{name} must be a flat vector of length {n} (= numel of "
-                             f"{' + '.join(self.params)}), got shape {tuple(v.shape)}")
-        if v.dtype != st.like.dtype:
-            raise InputError(f"{name} has dtype {v.dtype} but the values have dtype {st.like.dtype}")
-        if self.backend == "torch" and v.device != st.like.device:
-            raise InputError(f"{name} is on {v.device} but the values are on {st.like.device}")
-        return v
+        return checks.vector(v, st.like, [(n,)], name,
+                             over=f"{', '.join(self.params)} in declared order, vec_r")
 
     def diag(self, values, p, part="full"):
         """diag H_part(p, p), vec_r order."""

@@ -74,10 +74,11 @@ def spectrum(op, k=5, which="LA", tol=0.0, method="auto", seed=0, ncv=None, maxi
         method = "eigh" if (max(op.shape) <= DENSE_MAX or k >= small - 1) else "eigsh"
     if method == "eigsh" and k >= small:
         raise InputError(f"eigsh needs k < {small} (the operator's size); use method='eigh'")
+    _check_iteration(k, small, tol, ncv, maxiter, seed)
     if getattr(op, "is_zero", False):        # a structural zero: nothing to iterate on
         kind = "eigenvalues" if symmetric else "singular values"
         return Spectrum(np.zeros(k), kind, which, "structural zero", n)
-    from scipy.sparse.linalg import ArpackNoConvergence
+    from scipy.sparse.linalg import ArpackError, ArpackNoConvergence
     try:
         if symmetric:
             return _eigen(op, n, k, which, tol, method, seed, ncv, maxiter, return_eigenvectors)
@@ -86,6 +87,27 @@ def spectrum(op, k=5, which="LA", tol=0.0, method="auto", seed=0, ncv=None, maxi
         raise ConvergenceError(f"eigsh did not converge ({len(exc.eigenvalues)} of {k} "
                                f"eigenvalues within maxiter = {maxiter or 'the default'}); "
                                f"raise maxiter or tol") from None
+    except ArpackError as exc:
+        raise ConvergenceError(f"ARPACK stopped: {' '.join(str(exc).split())} (k = {k}, "
+                               f"ncv = {ncv or 'the default'}, size {small}); try another k, "
+                               f"ncv or method='eigh' for a small operator") from None
+
+
+def _check_iteration(k, n, tol, ncv, maxiter, seed):
+    """One-line errors for the iteration's settings (before ARPACK sees them)."""
+    if isinstance(tol, bool) or not isinstance(tol, (int, float, np.floating)) \
+            or not np.isfinite(tol) or tol < 0:
+        raise InputError(f"tol must be a finite number >= 0 (0: machine precision), got {tol!r}")
+    if maxiter is not None and (isinstance(maxiter, bool) or not isinstance(maxiter, (int, np.integer))
+                                or maxiter < 1):
+        raise InputError(f"maxiter must be a positive integer or None (ARPACK's default), "
+                         f"got {maxiter!r}")
+    if ncv is not None and (isinstance(ncv, bool) or not isinstance(ncv, (int, np.integer))
+                            or not k < ncv <= n):
+        raise InputError(f"ncv (Lanczos vectors) must be an integer with k < ncv <= {n} "
+                         f"(k = {k}, the operator's size {n}) or None, got {ncv!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InputError(f"seed must be a non-negative integer, got {seed!r}")
 
 
 def _check_square_or_block(op):
@@ -218,6 +240,21 @@ def density(op, num_points=1024, ncv=128, num_repeats=1, kappa=3.0, margin=0.05,
     n = op.shape[0]
     if isinstance(ncv, bool) or not isinstance(ncv, int) or ncv < 2:
         raise InputError(f"ncv must be an integer >= 2, got {ncv!r}")
+    for name, x, low in (("num_points", num_points, 2), ("num_repeats", num_repeats, 1)):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < low:
+            raise InputError(f"{name} must be an integer >= {low}, got {x!r}")
+    for name, x, positive in (("kappa", kappa, True), ("margin", margin, False), ("tol", tol, True)):
+        if isinstance(x, bool) or not isinstance(x, (int, float, np.floating)) or not np.isfinite(x) \
+                or x < 0 or (positive and x == 0):
+            raise InputError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, "
+                             f"got {x!r}")
+    if boundaries is not None:
+        try:
+            lo, hi = (float(b) for b in boundaries)
+        except (TypeError, ValueError):
+            raise InputError(f"boundaries must be two numbers (λ_min, λ_max), got {boundaries!r}") from None
+        if not (np.isfinite(lo) and np.isfinite(hi) and lo <= hi):
+            raise InputError(f"boundaries must be finite with λ_min <= λ_max, got {boundaries!r}")
     ncv = min(ncv, n)
     if boundaries is None:
         s = spectrum(op, k=2, which="BE", tol=tol, seed=seed) if n > 2 else \

@@ -20,14 +20,37 @@ matrix-view statements (about a gradient's products).
 """
 from __future__ import annotations
 
+import functools
 import math
 from functools import cached_property
 
-from . import chain
+from . import chain, checks
 from . import network as N
 from ..errors import InputError, UnknownNameError
 
 leaf = cached_property
+
+# the public results, each checked once for NaN/inf (``runtime.checks.finite``) when it is
+# returned (a non-finite result from finite values: an overflow, named with its cause)
+RESULTS = ("loss", "gradient", "hvp", "block_hvp", "diag", "trace", "frobenius_norm",
+           "frobenius_split", "hessian_block", "hessian")
+
+
+def _checked(fn):
+    """``fn`` with its result checked for NaN/inf (the quantity named by the call)."""
+    @functools.wraps(fn)
+    def run(self, *args, **kw):
+        out = fn(self, *args, **kw)
+        parts = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else (out,)
+        if not all(checks._all_finite(x) for x in parts):
+            call = ", ".join(["v" if hasattr(a, "shape") else repr(a) for a in args]
+                             + [f"{k}={'v' if hasattr(v, 'shape') else repr(v)}" for k, v in kw.items()])
+            vec = {"v": a for a in list(args) + list(kw.values()) if hasattr(a, "shape")}
+            for x in parts:
+                checks.finite(x, f"{fn.__name__}({call})", {**self._values, **vec}, self.like)
+        return out
+    run.checked = True
+    return run
 
 
 def _part(part):
@@ -43,8 +66,16 @@ class Forward:
     RUNS = {}             # named runs of factors held by several chains → their number (``mm``)
     _one_shot = False     # made for a single call: only products shared within it are kept
 
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        for name in RESULTS:                      # the generated loss and gradient
+            fn = cls.__dict__.get(name)
+            if fn is not None and not getattr(fn, "checked", False):
+                setattr(cls, name, _checked(fn))
+
     def __init__(self, arrays, dims, n_batch, ops, schedule, like):
         self.__dict__.update(arrays)
+        self._values = arrays
         self.__dict__.update(dims)
         self.n_batch = n_batch
         self.ops, self.schedule, self.like = ops, schedule, like
@@ -176,7 +207,9 @@ class Forward:
         """H_part(p, q) v for v of shape (numel q,) or (numel q, k), without the block: each
         network contracted with v over the column atoms."""
         nets = self.nets(p, q, part)
-        k = None if len(self.ops.shape(v)) == 1 else self.ops.shape(v)[1]
+        nq = self.numel(q)
+        k = getattr(v, "shape", (None, None))[1] if len(getattr(v, "shape", ())) == 2 else None
+        v = checks.vector(v, self.like, [(nq,)] + ([(nq, k)] if k else []))
         shape = (self.numel(p),) if k is None else (self.numel(p), k)
         if not nets:
             return self.ops.zeros(shape, like=self.like)
@@ -275,6 +308,8 @@ class Forward:
         its three products; 8 for a prepared state's later calls, which reuse the kept
         products of named factors)."""
         _part(part)
+        n = sum(self.numel(p) for p in self.PARAMS)
+        v = checks.vector(v, self.like, [(n,)])
         dirs, off = [], 0
         for p in self.PARAMS:
             shape = self.ops.shape(getattr(self, p))
@@ -289,3 +324,8 @@ class Forward:
 
     def gradient_flat(self):
         return self._flat(self.gradient())
+
+
+for _name in RESULTS:                              # the results Forward defines itself
+    if _name in Forward.__dict__:
+        setattr(Forward, _name, _checked(Forward.__dict__[_name]))

@@ -1,0 +1,137 @@
+"""Vectors given to products are checked, and results that overflow from finite values are
+named: never a NaN, a dropped imaginary part or a SciPy message."""
+import numpy as np
+import pytest
+import torch
+
+import symhess as sh
+from symhess.errors import InputError
+from symhess.curvature.spectra import ConvergenceError
+from symhess.calculus.verify import random_values
+
+PARAMS = ("W_Q", "W_K", "W_V")
+
+
+@pytest.fixture(scope="module")
+def values():
+    return random_values(sh.derive(sh.layer("attention"), "mse"), seed=0)
+
+
+def _conv(backend, vals, dtype=np.float64):
+    if backend == "numpy":
+        return {k: v.astype(dtype) for k, v in vals.items()}
+    return {k: torch.as_tensor(v.astype(dtype)) for k, v in vals.items()}
+
+
+def _vec(backend, a):
+    return a if backend == "numpy" else torch.as_tensor(a)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_product_vectors_are_checked_at_every_entry_point(values, backend):
+    vals = _conv(backend, values)
+    k = sh.kernel("attention", backend, "mse")
+    st = k.prepare(vals)
+    n = sum(st.numel(p) for p in PARAMS)
+    nq = st.numel("W_K")
+    op = sh.operator(k, vals)
+    block = sh.operator(k, vals, "W_Q", "W_K")
+    def bad(m):
+        """Vectors refused where a flat vector of length m is expected."""
+        nan, inf = np.ones(m), np.ones(m)
+        nan[m // 2], inf[-1] = np.nan, -np.inf
+        return {"complex": (np.ones(m) * (1 + 1j), "complex"), "nan": (nan, "non-finite"),
+                "inf": (inf, "non-finite"), "short": (np.ones(m - 1), rf"got shape \({m - 1},\)"),
+                "long": (np.ones(m + 1), rf"got shape \({m + 1},\)"),
+                "rank 3": (np.ones((m, 2, 1)), r"got shape \(\d+, 2, 1\)")}
+
+    for v, needle in bad(n).values():
+        for call in (lambda v: st.hvp(_vec(backend, v)), lambda v: k.hvp(vals, _vec(backend, v)),
+                     lambda v: op @ v, lambda v: op.matvec(v), lambda v: op.dot(v),
+                     lambda v: op @ torch.as_tensor(v)):
+            with pytest.raises(InputError, match=needle):
+                call(v)
+    for w, needle in bad(nq).values():
+        for call in (lambda w: st.block_hvp("W_Q", "W_K", _vec(backend, w)), lambda w: block @ w):
+            with pytest.raises(InputError, match=needle):
+                call(w)
+    with pytest.raises(InputError, match=r"got shape \(31,\)"):    # Hᵀ takes W_Q's size
+        block.rmatvec(np.ones(st.numel("W_Q") + 1))
+    with pytest.raises(InputError, match="must be a real numeric array"):
+        op @ np.array(["a"] * n)
+    with pytest.raises(InputError, match=r"shape \(12,\) or \(12, 1\)|shape \(\d+,\) or"):
+        block @ np.ones(3)
+    if backend == "numpy":
+        with pytest.raises(InputError, match="is a torch tensor but the kernel is NumPy's"):
+            st.hvp(torch.ones(n, dtype=torch.float64))
+    # a correct vector (a list, a column, a float32 vector cast by the operator) gives H v
+    H = k.hessian(values if backend == "numpy" else vals)
+    H = H if backend == "numpy" else H.numpy()
+    x = np.linspace(-1, 1, n)
+    assert np.allclose(np.asarray(op @ list(x)), H @ x, rtol=1e-12, atol=1e-14)
+    assert np.allclose(np.asarray(op @ x[:, None])[:, 0], H @ x, rtol=1e-12, atol=1e-14)
+    assert np.allclose(np.asarray(op @ x.astype(np.float32)), H @ x.astype(np.float32), rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend, dtype, factor", [("numpy", np.float64, 1e200),
+                                                    ("torch", np.float64, 1e200),
+                                                    ("numpy", np.float32, 1e19),
+                                                    ("torch", np.float32, 1e19)])
+def test_overflow_from_finite_data_is_named_with_its_cause(values, backend, dtype, factor):
+    """X·1e200 (float64) or X·1e19 (float32) is finite but overflows inside: every quantity
+    raises naming itself, the dtype and the largest entries (X), like the interpreter does."""
+    big = dict(values, X=values["X"] * factor)
+    vals = _conv(backend, big, dtype)
+    with pytest.raises(InputError):                   # the interpreter refuses them too
+        sh.derive(sh.layer("attention"), "mse").block("W_Q", "W_Q").evaluate(_conv("numpy", big, dtype))
+    k = sh.kernel("attention", backend, "mse")
+    st = k.prepare(vals)
+    n = sum(st.numel(p) for p in PARAMS)
+    v = _vec(backend, np.ones(n, dtype=dtype))
+    dt = np.dtype(dtype).name
+    calls = {"loss": st.loss, "gradient": st.gradient, "hvp": lambda: st.hvp(v),
+             "diag": lambda: st.diag("W_Q"), "trace": lambda: st.trace("W_K", "outer"),
+             "frobenius_norm": lambda: st.frobenius_norm("W_Q", "W_K"),
+             "hessian_block": lambda: st.hessian_block("W_Q", "W_Q"),
+             "kernel.hvp": lambda: k.hvp(vals, v)}
+    for name, call in calls.items():
+        with np.errstate(all="ignore"), pytest.raises(
+                InputError, match=rf"not finite.*overflowed {dt}.*\|X\| ≤"):
+            call()
+    op = sh.operator(k, vals, "W_Q", "W_Q")
+    with np.errstate(all="ignore"), pytest.raises(InputError, match=rf"dataset mean of hvp.*overflowed {dt}"):
+        sh.spectrum(op, k=1, method="eigsh")
+
+
+def test_a_vector_that_overflows_the_product_is_named(values):
+    k = sh.kernel("attention", "numpy", "mse")
+    op = sh.operator(k, values)
+    n = op.shape[1]
+    with np.errstate(all="ignore"), pytest.raises(InputError, match=r"hvp\(v, 'full'\) is not finite.*overflowed float64.*\|v\| ≤ 1e\+308"):
+        op @ np.full(n, 1e308)
+    st = k.prepare(values)
+    with np.errstate(all="ignore"), pytest.raises(InputError, match=r"hvp\(v\) is not finite"):
+        st.hvp(np.full(n, 1e308))
+    f32 = sh.operator(k, {k_: v.astype(np.float32) for k_, v in values.items()})
+    with pytest.raises(InputError, match="non-finite entries.*beyond its range"):
+        f32 @ np.full(n, 1e300)          # finite in float64, inf once cast to float32
+
+
+def test_iteration_settings_are_checked_before_arpack(values):
+    k = sh.kernel("attention", "numpy", "mse")
+    op = sh.operator(k, values, "W_V", "W_V")
+    for kw, needle in [({"maxiter": 0}, "maxiter must be a positive integer"),
+                       ({"ncv": 1}, r"ncv .* k < ncv <= 25"),
+                       ({"ncv": 26}, r"k < ncv <= 25"),
+                       ({"tol": float("nan")}, "tol must be a finite number"),
+                       ({"tol": -1.0}, "tol must be"),
+                       ({"seed": -1}, "seed must be a non-negative integer")]:
+        with pytest.raises(InputError, match=needle):
+            sh.spectrum(op, k=2, method="eigsh", **kw)
+    with pytest.raises(ConvergenceError, match="did not converge"):
+        sh.spectrum(op, k=2, method="eigsh", maxiter=1, ncv=3, tol=1e-15)
+    for kw, needle in [({"num_points": 1}, "num_points"), ({"kappa": 0.0}, "kappa"),
+                       ({"margin": float("inf")}, "margin"), ({"boundaries": (1.0, 0.0)}, "boundaries"),
+                       ({"boundaries": "ab"}, "boundaries")]:
+        with pytest.raises(InputError, match=needle):
+            sh.density(op, ncv=4, **kw)
