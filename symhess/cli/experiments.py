@@ -33,6 +33,7 @@ from ..expr.budget import check_budget
 from ..errors import OptionError
 from ..expr.evaluate import Interpreter, _Torch
 from ..calculus.hessian import derive
+from ..codegen.files import atomic_open, save_figure
 from ..layers.registry import layer
 from ..runtime.memory import retain_freed_memory
 from ..calculus.rules import differential
@@ -358,7 +359,7 @@ def summarise(rows, sigma_max):
 
 
 def write_csv(rows, path):
-    with open(path, "w", newline="") as fh:
+    with atomic_open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
@@ -404,7 +405,7 @@ def plot_scaling(summary, kind, path, title, depth=1):
                 ax.set_xlabel("embedding std σ")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Title": title})
+    save_figure(fig, path, dpi=110, metadata={"Title": title})
     plt.close(fig)
 
 
@@ -423,6 +424,9 @@ def scaling_title(cfg, seeds) -> str:
 def cmd_scaling(args):
     cfg = config_from(args)
     sigmas = parse_sigmas(args.sigmas)
+    if sum(s <= args.fit_max * (1 + 1e-12) for s in sigmas) < 2:
+        raise OptionError(f"--fit-max {args.fit_max:g} keeps fewer than two of the σ values "
+                          f"({min(sigmas):g} … {max(sigmas):g}); a slope needs two")
     seeds = [args.seed + r for r in range(args.seeds)]
     os.makedirs(args.out, exist_ok=True)       # before the sweep: a bad --out fails at once
     t0 = time.perf_counter()
@@ -471,7 +475,7 @@ def cmd_histogram(args):
     axes[0].set_ylabel("count")
     fig.tight_layout()
     path = os.path.join(args.out, "histogram.png")
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     for attention in ("softmax", "linear"):
         v, q = medians[(attention, "W_V")], medians[(attention, "W_Q")]
@@ -556,8 +560,8 @@ def parse_sigmas(text):
             out = [float(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise OptionError(f"--sigmas: expected 'logspace:A:B:N' or 's1,s2,...', got {text!r}") from None
-    if not out or min(out) <= 0:
-        raise OptionError(f"--sigmas must be positive numbers, got {text!r}")
+    if not out or not all(math.isfinite(s) and s > 0 for s in out):
+        raise OptionError(f"--sigmas must be finite positive numbers, got {text!r}")
     return out
 
 
@@ -570,7 +574,7 @@ def config_from(args, **over) -> Config:
 
 
 def build_parser():
-    from .args import ArgumentParser, nonnegative_int, positive_int
+    from .args import ArgumentParser, nonnegative_float, nonnegative_int, positive_float, positive_int
     p = ArgumentParser(prog="symhess experiment", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="EXPERIMENT")
 
@@ -591,13 +595,13 @@ def build_parser():
     s.add_argument("--seeds", type=positive_int, default=3)
     s.add_argument("--attention", default="softmax", choices=("softmax", "linear"))
     s.add_argument("--norm", default="none", choices=("none", "pre"))
-    s.add_argument("--fit-max", type=float, default=0.1, help="fit slopes over σ ≤ this")
-    s.add_argument("--depth", type=int, default=1, help="stacked blocks (the W_Q, W_V blocks of every layer)")
+    s.add_argument("--fit-max", type=positive_float, default=0.1, help="fit slopes over σ ≤ this")
+    s.add_argument("--depth", type=positive_int, default=1, help="stacked blocks (the W_Q, W_V blocks of every layer)")
     s.set_defaults(func=cmd_scaling)
 
     h = sub.add_parser("histogram", help="|entries| of the W_Q, W_V blocks, softmax vs linear (Fig. 1a/4)")
     common(h, 16, 64, 64)
-    h.add_argument("--sigma", type=float, default=0.0, help="embedding std (default 0.8/√d_model)")
+    h.add_argument("--sigma", type=nonnegative_float, default=0.0, help="embedding std (default 0.8/√d_model)")
     h.set_defaults(func=cmd_histogram)
 
     b = sub.add_parser("bounds", help="exact spectral norms vs the published Theorem 1 bound")
@@ -606,7 +610,7 @@ def build_parser():
     b.add_argument("--length", type=positive_int, default=6)
     b.add_argument("--d-model", type=positive_int, default=5)
     b.add_argument("--d-head", type=positive_int, default=4)
-    b.add_argument("--sigma", type=float, default=1.0, help="scale of the random X")
+    b.add_argument("--sigma", type=positive_float, default=1.0, help="scale of the random X")
     b.add_argument("--out", default="experiments_out")
     b.set_defaults(func=cmd_bounds)
     return p
