@@ -34,6 +34,7 @@ from ..errors import OptionError
 from ..expr.evaluate import Interpreter, _Torch
 from ..calculus.hessian import derive
 from ..codegen.files import atomic_open, save_figure
+from ..expr.layer import check_count
 from ..layers.registry import layer
 from ..runtime.memory import retain_freed_memory
 from ..calculus.rules import differential
@@ -116,6 +117,7 @@ class Config:
         for name in ("d_model", "d_head", "d_mlp", "batch", "depth"):
             if int(getattr(self, name)) < 1:
                 raise OptionError(f"--{name.replace('_', '-')} must be a positive integer")
+        check_count("depth", self.depth, 6, "addition_block")      # 6 parameters per block
         if self.device not in ("cpu", "cuda"):
             raise OptionError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda":
