@@ -379,3 +379,38 @@ def test_verify_refuses_sizes_beyond_the_budget(monkeypatch):
         verify(der, sizes={"L": 4, "d_V": 300, "d_K": 300})
     with pytest.raises(DeclarationError, match="size L must be a positive integer, got 0"):
         verify(der, sizes={"L": 0})
+
+
+def test_a_budget_too_small_to_slice_raises_at_the_floor(monkeypatch):
+    """SYMHESS_MEMORY_BUDGET=1000 leaves 31 entries per intermediate: keeping to it would cut
+    the diagonal's contractions into thousands of pieces (minutes of overhead); the slicing
+    floor counts them before anything runs and raises."""
+    from symhess.runtime import contract as C
+    from symhess.runtime.numpy_ops import OPS
+    rng = np.random.default_rng(0)
+    L_, d_ = 50, 8
+    vals = {"X": rng.standard_normal((L_, d_)), "Y": rng.standard_normal((L_, d_)),
+            "W_Q": rng.standard_normal((d_, 4)), "W_K": rng.standard_normal((d_, 4)),
+            "W_V": rng.standard_normal((d_, d_))}
+    monkeypatch.setenv("SYMHESS_MEMORY_BUDGET", "1000")
+    k = symhess.kernel("attention", "numpy", "mse")
+    with pytest.raises(BudgetError, match=r"memory budget of 31 entries would cut a contraction "
+                                          r"into .* slices \(the most is 1,024"):
+        k.diag(vals, "W_Q")
+    monkeypatch.delenv("SYMHESS_MEMORY_BUDGET")
+    # the floor is per contraction: a contraction sliced into few pieces still runs exactly
+    a, b = rng.standard_normal((40, 30)), rng.standard_normal((30, 40))
+    assert np.allclose(C.contract(OPS, [a, b], [(0, 1), (1, 2)], (0, 2), limit=400), a @ b)
+    c = rng.standard_normal((40, 40))              # tr(a b c) at one entry: thousands of pieces
+    with pytest.raises(BudgetError, match="into more than 2,048 slices"):
+        C.contract(OPS, [a, b, c], [(0, 1), (1, 2), (2, 0)], (), limit=1)
+    assert np.isclose(C.contract(OPS, [a, b, c], [(0, 1), (1, 2), (2, 0)], (), limit=40),
+                      np.trace(a @ b @ c))
+
+
+def test_a_budget_beyond_any_machine_is_named(monkeypatch, attention):
+    der, values = attention
+    for text in ("1e400", "1e30TiB"):
+        monkeypatch.setenv("SYMHESS_MEMORY_BUDGET", text)
+        with pytest.raises(DeclarationError, match=rf"SYMHESS_MEMORY_BUDGET='{text}' is beyond any machine"):
+            der.block("W_Q", "W_K").evaluate(values)

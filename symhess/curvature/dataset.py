@@ -225,11 +225,13 @@ class Dataset:
         else:
             raise InputError(f"a batch must be a dict of data by name or a pair (X, Y), got "
                              f"{type(batch).__name__}")
-        return {**self._fixed, **{k: self._convert(v) for k, v in vals.items()}}
+        return {**self._fixed, **{k: self._convert(k, v) for k, v in vals.items()}}
 
-    def _convert(self, a):
+    def _convert(self, name, a):
         """Data on the parameters' side: host arrays for NumPy kernels, tensors on the
-        parameters' device for torch kernels (no dtype is changed)."""
+        parameters' device for torch kernels (no dtype is changed; what is not a real
+        numeric array is an InputError naming it)."""
+        from ..expr.evaluate import real_array
         if self.kernel.backend == "numpy":
             if hasattr(a, "detach"):
                 return a.detach().cpu().numpy()
@@ -238,7 +240,7 @@ class Dataset:
         like = self._fixed.get(self.params_names[0])
         dev = like.device if isinstance(like, torch.Tensor) else None
         if not isinstance(a, torch.Tensor):
-            a = torch.as_tensor(np.asarray(a))
+            a = torch.as_tensor(real_array(a, name))
         return a.to(dev) if dev is not None and a.device != dev else a
 
     def batches(self, desc=None):

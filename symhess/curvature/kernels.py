@@ -107,7 +107,8 @@ class Kernel:
         if self.backend == "torch":
             import torch
             if not isinstance(x, torch.Tensor):
-                x = torch.as_tensor(np.asarray(x))
+                from ..expr.evaluate import real_array
+                x = torch.as_tensor(real_array(x, name))
             return x.detach() if x.requires_grad else x
         if type(x).__module__.startswith("torch"):
             raise InputError(f"{name} is a torch tensor; use backend='torch' or pass a NumPy array")
@@ -137,6 +138,7 @@ class Kernel:
         if self.backend == "torch":
             _same(arrays, "device", lambda a: a.device)
         data = [n for n in self._data if n in arrays]
+        given = ", ".join(f"{n}: {tuple(arrays[n].shape)}" for n in data)
         batch = {}
         for n in names:
             a = arrays[n]
@@ -148,8 +150,8 @@ class Kernel:
                 want = f"{_declared(self._vars[n])}" + (" or (N, …) with a batch axis" if n in data else "")
                 raise InputError(f"{n} must have shape {want}, got shape {tuple(a.shape)}")
         if len(set(batch.values())) > 1 or (batch and len(batch) < len(data)):
-            desc = ", ".join(f"{n}: {tuple(arrays[n].shape)}" for n in data)
-            raise InputError(f"the data values need the same leading batch size, got {desc}")
+            raise InputError(f"the data values need the same leading batch axis (every one "
+                             f"(N, …) with the same N, or none), got {given}")
         n_batch = next(iter(batch.values()), 1) if data else 1
         if n_batch == 0:
             raise InputError("the batch is empty (N = 0 sequences); give at least one")

@@ -164,6 +164,8 @@ class HessianOperator(LinearOperator):
         if matrix is None:
             matrix = len(shape) == 2 and shape[1] != 1
         k = shape[1] if len(shape) == 2 else 1
+        if k == 0:
+            raise InputError(f"the matrix has no columns (shape {shape}); give at least one")
         xb = self._to_backend(x, [(n, k)] if matrix else [(n,), (n, 1)])
         col = not matrix and len(shape) == 2
         if col:
