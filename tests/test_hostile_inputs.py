@@ -169,7 +169,7 @@ def test_kernel_methods_and_prepared_states_refuse_or_are_right(data, backend, n
         return
     if status == "error":   # refused: where the numbers overflow, or one datum alone batched
         assert (kind == "scaled" and ("not finite" in out or "non-finite" in out)) or \
-            (kind == "batch of one" and "same leading batch axis" in out), out
+            (kind == "batch of one" and "same leading batch size" in out), out
         return
     clean = {**BASE, name: np.reshape(np.asarray(bad, dtype=np.float64), BASE[name].shape)}
     if entry in ("loss", "gradient"):

@@ -135,3 +135,18 @@ def test_iteration_settings_are_checked_before_arpack(values):
                        ({"boundaries": "ab"}, "boundaries")]:
         with pytest.raises(InputError, match=needle):
             sh.density(op, ncv=4, **kw)
+
+
+@pytest.mark.parametrize("method", ["pairs", "dense"])
+def test_dataset_results_that_overflow_are_named(values, method):
+    """A dataset whose first batch overflows: reductions and the Frobenius norm by pairs
+    of batches raise instead of returning NaN."""
+    batches = [{"X": values["X"] * 1e200, "Y": values["Y"]}, {"X": values["X"], "Y": values["Y"]}]
+    ds = sh.Dataset(sh.kernel("attention", "numpy", "mse"), batches,
+                    params={p: values[p] for p in PARAMS})
+    with np.errstate(all="ignore"):
+        with pytest.raises(InputError, match=r"not finite.*overflowed float64.*\|X\| ≤ 2\.\d+e\+200"):
+            ds.frobenius_norm("W_Q", "W_K", "full", method)
+        for call in (ds.loss, ds.gradient, lambda: ds.diag("W_V"), lambda: ds.trace("W_Q")):
+            with pytest.raises(InputError, match="not finite"):
+                call()

@@ -333,7 +333,7 @@ class Dataset:
 
     def agree(self):
         """Once, before the first reduction across processes: every process checks that all
-        hold a batch and the same kernel and parameters (``symhess.passes``); a difference or
+        hold a batch and the same kernel and parameters (``symhess.curvature.passes``); a difference or
         an error on any process raises the same InputError on every process."""
         if self._agreed:
             return
@@ -471,7 +471,11 @@ class Dataset:
 
     def frobenius_norm(self, p, q, part="full", method="auto"):
         """‖H_part(p, q)‖_F of the dataset-mean block, exact (module docstring)."""
-        return math.sqrt(max(self.frobenius_sq(p, q, part, method), 0.0))
+        sq = self.frobenius_sq(p, q, part, method)
+        first = self.first()
+        checks.finite(sq, f"the dataset's frobenius_norm({p!r}, {q!r}, {part!r})",
+                      {k: getattr(first, k) for k in self.kernel.names}, first.like)
+        return math.sqrt(max(sq, 0.0))
 
     def frobenius_sq(self, p, q, part="full", method="auto"):
         check_part(part)

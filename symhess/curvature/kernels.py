@@ -150,7 +150,7 @@ class Kernel:
                 want = f"{_declared(self._vars[n])}" + (" or (N, …) with a batch axis" if n in data else "")
                 raise InputError(f"{n} must have shape {want}, got shape {tuple(a.shape)}")
         if len(set(batch.values())) > 1 or (batch and len(batch) < len(data)):
-            raise InputError(f"the data values need the same leading batch axis (every one "
+            raise InputError(f"the data values need the same leading batch size (every one "
                              f"(N, …) with the same N, or none), got {given}")
         n_batch = next(iter(batch.values()), 1) if data else 1
         if n_batch == 0:
