@@ -12,7 +12,10 @@ A generated module defines, per (loss, options) variant, a subclass of ``Forward
   Jacobian's networks over (batch | rows of F | atoms of W_P); ``check_inputs`` the inputs of
   the layer's value checks.
 
-Every public method below is exact and reads ``self.schedule`` (memory budget, compacts).
+Every public method below is exact and reads ``self.schedule`` (memory budget, compacts);
+its result (``RESULTS``) is checked once for NaN/inf and its vectors for shape, dtype and
+finiteness (``runtime.checks``): an overflow from finite values is an ``InputError`` naming
+the quantity and its likely cause.
 Costs, with T the networks of a block and c(N) the planned cost of contracting N:
 hessian_block Σ_T c(N → block) (+ writing it); diag Σ_T c(N with columns = rows → rows);
 trace likewise to a scalar; frobenius_norm Σ_{s≤t} c(⟨N_s, N_t⟩) (no block built); hvp: the
