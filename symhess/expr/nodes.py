@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import keyword
+import operator
 from functools import lru_cache
 
 import sympy as sp
@@ -149,6 +150,13 @@ class Expr:
     def __eq__(self, other):
         if self is other:
             return True
+        if not (type(self) is type(other) and hash(self) == hash(other)
+                and self.params == other.params and self.shape == other.shape
+                and len(self.args) == len(other.args)):
+            return False
+        if all(map(operator.is_, self.args, other.args)):
+            other.args = self.args
+            return True
         pairs, seen, equal = [(self, other)], set(), []
         while pairs:
             a, b = pairs.pop()
@@ -186,8 +194,11 @@ class Expr:
     def free_vars(self) -> frozenset:
         """The variables this expression depends on (frozen names hide theirs)."""
         if self._free is None:
-            _fill(self, "_free", lambda n: n.free_vars if not type(n).free_vars.fget is
-                  Expr.free_vars.fget else frozenset().union(*(a.free_vars for a in n.args)))
+            if all(a._free is not None or not a.args for a in self.args):   # the usual case
+                self._free = frozenset().union(*(a.free_vars for a in self.args))
+            else:
+                _fill(self, "_free", lambda n: n.free_vars if type(n).free_vars.fget is not
+                      Expr.free_vars.fget else frozenset().union(*(a.free_vars for a in n.args)))
         return self._free
 
     def depends_on(self, var) -> bool:
@@ -245,6 +256,9 @@ class Expr:
 def _fill(root, slot, compute):
     """Set ``slot`` (a cached property's slot) on ``root`` and every descendant lacking it,
     children first, with an explicit stack; ``compute(node)`` reads only its children's."""
+    if None not in map(operator.attrgetter(slot), root.args):
+        setattr(root, slot, compute(root))          # the usual case: children known
+        return
     stack = [(root, False)]
     while stack:
         node, ready = stack.pop()
