@@ -82,8 +82,11 @@ def test_overflow_from_finite_data_is_named_with_its_cause(values, backend, dtyp
     raises naming itself, the dtype and the largest entries (X), like the interpreter does."""
     big = dict(values, X=values["X"] * factor)
     vals = _conv(backend, big, dtype)
-    with pytest.raises(InputError):                   # the interpreter refuses them too
-        sh.derive(sh.layer("attention"), "mse").block("W_Q", "W_Q").evaluate(_conv("numpy", big, dtype))
+    dt = np.dtype(dtype).name
+    with np.errstate(all="ignore"), pytest.raises(    # the interpreter refuses them too
+            InputError, match=rf"@ X.T overflowed {dt} .* from operands as large as \d"):
+        sh.derive(sh.layer("attention"), "mse").block("W_Q", "W_Q").evaluate(_conv(backend, big, dtype),
+                                                                             backend=backend)
     k = sh.kernel("attention", backend, "mse")
     st = k.prepare(vals)
     n = sum(st.numel(p) for p in PARAMS)
@@ -93,7 +96,11 @@ def test_overflow_from_finite_data_is_named_with_its_cause(values, backend, dtyp
              "diag": lambda: st.diag("W_Q"), "trace": lambda: st.trace("W_K", "outer"),
              "frobenius_norm": lambda: st.frobenius_norm("W_Q", "W_K"),
              "hessian_block": lambda: st.hessian_block("W_Q", "W_Q"),
-             "kernel.hvp": lambda: k.hvp(vals, v)}
+             "frobenius_split": lambda: st.frobenius_split("W_V", "W_Q"),
+             "frobenius_norms": st.frobenius_norms, "hessian": st.hessian,
+             "kernel.hvp": lambda: k.hvp(vals, v),
+             "jacobian": lambda: k.jacobian(vals, "W_Q"),
+             "compact jacobian": lambda: k.jacobian(vals, "W_Q", compact=True)}
     for name, call in calls.items():
         with np.errstate(all="ignore"), pytest.raises(
                 InputError, match=rf"not finite.*overflowed {dt}.*\|X\| ≤"):
@@ -150,3 +157,47 @@ def test_dataset_results_that_overflow_are_named(values, method):
         for call in (ds.loss, ds.gradient, lambda: ds.diag("W_V"), lambda: ds.trace("W_Q")):
             with pytest.raises(InputError, match="not finite"):
                 call()
+
+
+def test_a_prepared_torch_state_reads_one_flag_per_result(values):
+    """The result check of a prepared torch state costs one read of a flag on the host per
+    call (the results and the vector reduced on their device, read together): a trace or a
+    norm stays a 0-d tensor and nothing else waits for the device.  Counted as the tensor
+    reads torch dispatches (``aten._local_scalar_dense``), after the forward quantities."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    k = sh.kernel("attention", "torch", "mse")
+    st = k.prepare(_conv("torch", values))
+    st.loss()                                  # the forward (its one saturation check)
+    n = sum(st.numel(p) for p in PARAMS)
+    v = torch.linspace(-1, 1, n, dtype=torch.float64)
+    calls = {"loss": st.loss, "gradient": st.gradient, "trace": lambda: st.trace("W_Q"),
+             "diag": lambda: st.diag("W_K"), "trace after diag": lambda: st.trace("W_K"),
+             "frobenius_norm": lambda: st.frobenius_norm("W_Q", "W_K"),
+             "frobenius_split": lambda: st.frobenius_split("W_V", "W_Q"),
+             "frobenius_norms": st.frobenius_norms, "hvp": lambda: st.hvp(v),
+             "block_hvp": lambda: st.block_hvp("W_Q", "W_K", v[:st.numel("W_K")]),
+             "hessian_block": lambda: st.hessian_block("W_Q", "W_K"), "hessian": st.hessian}
+    for name, call in calls.items():
+        with Reads() as reads:
+            out = call()
+        assert reads.n == 1, (name, reads.n)
+        if name in ("trace", "frobenius_norm"):
+            assert isinstance(out, torch.Tensor) and out.ndim == 0
+    bad = v.clone()
+    bad[3] = float("nan")                      # the vector's flag is read with the result's
+    with pytest.raises(InputError, match="v contains non-finite entries"):
+        st.hvp(bad)
+    with pytest.raises(InputError, match="v contains non-finite entries"):
+        st.block_hvp("W_V", "W_V", torch.full((st.numel("W_V"),), float("inf"), dtype=torch.float64),
+                     "functional")               # a zero block: nothing multiplies v
+

@@ -296,7 +296,7 @@ class Kernel:
         F = self.layer.output
         dims = {sp.Symbol(k, positive=True, integer=True): v for k, v in st.dims.items()}
         numel_f = int(sp.sympify(F.rows * F.cols).subs(dims))
-        jac = CompactJacobian(st, nets, numel_f, st.numel(p), batched)
+        jac = CompactJacobian(st, nets, numel_f, st.numel(p), batched, f"jacobian({p!r})")
         return jac if compact else jac.dense()
 
 

@@ -10,6 +10,10 @@
   result, nothing per operation).  From finite values a non-finite result means the
   computation overflowed the dtype; the ``InputError`` names the quantity, the dtype, the
   largest entries of the values (and of the vector) as the likely cause and what to do.
+* ``all_finite(xs)`` — whether results and vectors are all finite: one reduction each and,
+  for torch tensors, one host read of their combined flag.  A prepared state's call reads
+  that one flag (``vector(..., deferred=[])`` leaves a vector's flag to it): on an
+  accelerator it is the one synchronisation of the call; the results stay on the device.
 """
 from __future__ import annotations
 
@@ -30,11 +34,13 @@ def _dtype(a):
     return str(a.dtype).removeprefix("torch.")
 
 
-def vector(v, like, shapes, name="v", convert=False, over=""):
+def vector(v, like, shapes, name="v", convert=False, over="", deferred=None):
     """``v`` checked for a product with values like ``like`` (module docstring); ``shapes``:
     the allowed shapes (tuples).  ``convert``: cast to the values' dtype and move to their
     device (operators); otherwise a different dtype or device is an InputError.  ``over``:
-    what the entries are (for the message, e.g. "W_Q, W_K, W_V in declared order")."""
+    what the entries are (for the message, e.g. "W_Q, W_K, W_V in declared order").
+    ``deferred``: a list that receives (name, vector) for the result's message; a torch
+    vector's finiteness is then read later with the result's (``vector_finite`` raising)."""
     from ..expr.evaluate import real_array
     torch_kernel = _is_tensor(like)
     if not torch_kernel and _is_tensor(v):
@@ -62,6 +68,16 @@ def vector(v, like, shapes, name="v", convert=False, over=""):
         a = a.to(device=like.device, dtype=like.dtype)
     else:
         a = np.asarray(a, dtype=like.dtype)
+    if deferred is not None:                 # named with the result; a tensor read with it
+        deferred.append((name, a))
+        if torch_kernel:
+            return a
+    return vector_finite(name, a, like)
+
+
+def vector_finite(name, a, like):
+    """``a``, or the InputError of a vector with NaN/inf entries (after the cast to the
+    values' dtype: 1e300 is inf in float32)."""
     if not _all_finite(a):
         raise InputError(f"{name} contains non-finite entries (NaN or inf) in {_dtype(like)}"
                          f"{'' if _dtype(like) == 'float64' else ' (or entries beyond its range)'}; "
@@ -76,6 +92,21 @@ def _all_finite(x):
         import torch
         return bool(torch.isfinite(x).all())
     return bool(np.isfinite(x).all())
+
+
+def all_finite(xs):
+    """Whether every array, tensor or number in ``xs`` is finite; torch tensors are reduced
+    on their device and read once, together (module docstring)."""
+    flags = []
+    for x in xs:
+        if _is_tensor(x):
+            flags.append(x.detach().isfinite().all())
+        elif not _all_finite(x):
+            return False
+    if not flags:
+        return True
+    import torch
+    return bool(torch.stack(flags).all()) if len(flags) > 1 else bool(flags[0])
 
 
 def _max_abs(a):
@@ -104,4 +135,4 @@ def finite(x, what, values, like):
                      f"{' or compute in float64' if dt == 'float32' else ''}")
 
 
-__all__ = ["vector", "finite"]
+__all__ = ["vector", "vector_finite", "finite", "all_finite"]
