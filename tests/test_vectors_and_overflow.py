@@ -138,6 +138,7 @@ def test_iteration_settings_are_checked_before_arpack(values):
     with pytest.raises(ConvergenceError, match="did not converge"):
         sh.spectrum(op, k=2, method="eigsh", maxiter=1, ncv=3, tol=1e-15)
     for kw, needle in [({"num_points": 1}, "num_points"), ({"kappa": 0.0}, "kappa"),
+                       ({"kappa": 0.5}, r"kappa must be a finite number > 1, got 0.5"),
                        ({"margin": float("inf")}, "margin"), ({"boundaries": (1.0, 0.0)}, "boundaries"),
                        ({"boundaries": "ab"}, "boundaries")]:
         with pytest.raises(InputError, match=needle):
@@ -201,3 +202,33 @@ def test_a_prepared_torch_state_reads_one_flag_per_result(values):
         st.block_hvp("W_V", "W_V", torch.full((st.numel("W_V"),), float("inf"), dtype=torch.float64),
                      "functional")               # a zero block: nothing multiplies v
 
+
+def test_an_operator_that_is_not_symmetric_is_refused_by_spectrum_and_density():
+    """A NumPy matrix or SciPy operator does not say whether it is symmetric: a square one
+    that is not would give Lanczos numbers that are no eigenvalues (eigh reads one triangle),
+    so it is refused; a symmetric one gives its eigenvalues and density."""
+    from scipy.sparse.linalg import aslinearoperator
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((40, 40))
+    S = A + A.T
+    ev = np.linalg.eigvalsh(S)
+    for op in (np.triu(S), aslinearoperator(np.triu(S)), np.array([[0.0, 1.0], [0.0, 0.0]])):
+        with pytest.raises(InputError, match=r"operator is not symmetric"):
+            sh.spectrum(op, k=1)
+        with pytest.raises(InputError, match=r"operator is not symmetric"):
+            sh.density(op, num_points=8, ncv=4)
+    for op in (S, aslinearoperator(S)):
+        got = sh.spectrum(op, k=3, which="BE", method="eigsh").values
+        assert np.allclose(np.sort(got), np.sort(np.r_[ev[:1], ev[-2:]]), rtol=1e-10)
+        grid, dens = sh.density(op, num_points=64, ncv=20)
+        assert grid[0] <= ev[0] and grid[-1] >= ev[-1] and np.isfinite(dens).all()
+
+
+def test_a_density_whose_lanczos_iteration_breaks_down_is_a_convergence_error():
+    """The identity has one eigenvalue: Lanczos stops after one step and its nodes are NaN;
+    the density raises instead of returning them (or torch's distribution error)."""
+    with pytest.raises(ConvergenceError, match="fewer than ncv = 3 distinct eigenvalues"):
+        sh.density(np.eye(3), num_points=4, ncv=3)
+    grid, dens = sh.density(np.diag([1.0, 2.0, 3.0]), num_points=61, ncv=3, kappa=100.0)
+    peaks = grid[1:-1][(dens[1:-1] > dens[:-2]) & (dens[1:-1] > dens[2:])]
+    assert np.allclose(peaks, [1.0, 2.0, 3.0], atol=0.05)

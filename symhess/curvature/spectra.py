@@ -15,7 +15,11 @@
   of a distributed run uses the same numbers).
 
 Every random start vector is drawn from ``seed``: runs are reproducible, and processes that
-share a distributed operator iterate identically.
+share a distributed operator iterate identically.  An operator that does not say whether it
+is symmetric (``op.symmetric``: a NumPy matrix, a SciPy operator) is checked before Lanczos
+trusts it: a matrix against its transpose, an operator by one pair of products
+|uᵀAv − vᵀAu| ≤ √ε (‖u‖‖Av‖ + ‖v‖‖Au‖) for random u, v; a square one that is not symmetric
+is an ``InputError`` (Lanczos would return numbers that are no eigenvalues).
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ def spectrum(op, k=5, which="LA", tol=0.0, method="auto", seed=0, ncv=None, maxi
         raise InputError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise InputError(f"k must be a positive integer, got {k!r}")
-    symmetric = getattr(op, "symmetric", op.shape[0] == op.shape[1])
+    symmetric = _symmetric(op)
     small = min(op.shape)
     if k > small:
         raise InputError(f"k = {k} exceeds the operator's size {small}")
@@ -114,6 +118,36 @@ def _check_square_or_block(op):
     if not hasattr(op, "shape") or len(op.shape) != 2:
         raise InputError(f"expected a linear operator, got {type(op).__name__}")
     return op.shape[1]
+
+
+def _symmetric(op):
+    """``op.symmetric`` where the operator says; otherwise a square operator is checked (module
+    docstring: two products for an operator, a comparison for a matrix) and a non-square one
+    is not symmetric."""
+    known = getattr(op, "symmetric", None)
+    if known is not None:
+        return bool(known)
+    n = op.shape[0]
+    if n != op.shape[1]:
+        return False
+    dtype = np.dtype(getattr(op, "dtype", np.float64))
+    eps = np.finfo(dtype if dtype.kind == "f" else np.float64).eps
+    if isinstance(op, np.ndarray):
+        gap = float(np.abs(op - op.T).max()) if op.size else 0.0
+        size = float(np.abs(op).max()) if op.size else 0.0
+        if gap <= np.sqrt(eps) * size:
+            return True
+        how = f"max |A − Aᵀ| = {gap:.3g}, max |A| = {size:.3g}"
+    else:
+        u, v = np.random.default_rng(0).standard_normal((2, n)).astype(dtype)
+        au, av = (np.asarray(op @ x, dtype=np.float64).reshape(-1) for x in (u, v))
+        gap = abs(float(u @ av) - float(v @ au))
+        size = np.linalg.norm(u) * np.linalg.norm(av) + np.linalg.norm(v) * np.linalg.norm(au)
+        if gap <= np.sqrt(eps) * size:
+            return True
+        how = f"uᵀAv − vᵀAu = {gap:.3g} for random u, v, against {size:.3g}"
+    raise InputError(f"the {n} × {n} operator is not symmetric ({how}); its eigenvalues are "
+                     f"not what Lanczos computes: pass a symmetric one, e.g. (A + Aᵀ)/2")
 
 
 def start_vector(n, dtype, seed):
@@ -212,7 +246,8 @@ class _TorchView:
 
     def __matmul__(self, v):
         import torch
-        out = self.op @ v
+        native = hasattr(self.op, "device") and not isinstance(self.op, np.ndarray)  # symhess's
+        out = self.op @ (v if native else v.detach().cpu().numpy())
         return out if isinstance(out, torch.Tensor) else torch.as_tensor(out, device=self.device)
 
     def to_scipy(self):
@@ -234,7 +269,8 @@ def density(op, num_points=1024, ncv=128, num_repeats=1, kappa=3.0, margin=0.05,
             raise DeclarationError("the spectral density needs curvlinops: pip install "
                                    "'symhess[spectra]' (or curvlinops-for-pytorch)") from None
 
-    if not getattr(op, "symmetric", op.shape[0] == op.shape[1]):
+    _check_square_or_block(op)
+    if not _symmetric(op):
         raise InputError("the spectral density needs a symmetric operator (a diagonal block, "
                          "a whole Hessian or one of its parts)")
     n = op.shape[0]
@@ -243,10 +279,13 @@ def density(op, num_points=1024, ncv=128, num_repeats=1, kappa=3.0, margin=0.05,
     for name, x, low in (("num_points", num_points, 2), ("num_repeats", num_repeats, 1)):
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < low:
             raise InputError(f"{name} must be an integer >= {low}, got {x!r}")
-    for name, x, positive in (("kappa", kappa, True), ("margin", margin, False), ("tol", tol, True)):
+    if n < 2:
+        raise InputError(f"the spectral density needs an operator of size >= 2, got {n} × {n}")
+    for name, x, low, strict in (("kappa", kappa, 1, True), ("margin", margin, 0, False),
+                                 ("tol", tol, 0, True)):     # bumps of width ∝ 1/√(8 log κ)
         if isinstance(x, bool) or not isinstance(x, (int, float, np.floating)) or not np.isfinite(x) \
-                or x < 0 or (positive and x == 0):
-            raise InputError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, "
+                or x < low or (strict and x == low):
+            raise InputError(f"{name} must be a finite number {'>' if strict else '>='} {low}, "
                              f"got {x!r}")
     if boundaries is not None:
         try:
@@ -267,9 +306,19 @@ def density(op, num_points=1024, ncv=128, num_repeats=1, kappa=3.0, margin=0.05,
     devices = [view.device.index or 0] if view.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        grid, dens = lanczos_approximate_spectrum(view, ncv, num_points=num_points,
-                                                  num_repeats=num_repeats, kappa=kappa,
-                                                  boundaries=(lo, hi), margin=margin)
+        try:
+            grid, dens = lanczos_approximate_spectrum(view, ncv, num_points=num_points,
+                                                      num_repeats=num_repeats, kappa=kappa,
+                                                      boundaries=(lo, hi), margin=margin)
+        except SymhessError:
+            raise
+        except ValueError:           # NaN Lanczos nodes, refused by torch's Normal
+            dens = None
+    if dens is None or not bool(torch.isfinite(dens).all()):
+        raise ConvergenceError(f"the Lanczos iteration of the density broke down (NaN nodes): "
+                               f"the operator has fewer than ncv = {ncv} distinct eigenvalues "
+                               f"reachable from the start vector; lower ncv, or use "
+                               f"spectrum() for so few eigenvalues")
     return grid.detach().cpu().numpy(), dens.detach().cpu().numpy()
 
 
