@@ -414,3 +414,33 @@ def test_a_budget_beyond_any_machine_is_named(monkeypatch, attention):
         monkeypatch.setenv("SYMHESS_MEMORY_BUDGET", text)
         with pytest.raises(DeclarationError, match=rf"SYMHESS_MEMORY_BUDGET='{text}' is beyond any machine"):
             der.block("W_Q", "W_K").evaluate(values)
+
+
+def test_verify_and_random_values_check_what_they_are_given(monkeypatch):
+    """A layer name instead of a derivation, sizes or scales that are no dicts or no finite
+    numbers, and values too large for memory: one line each, before anything is drawn."""
+    der = symhess.derive(symhess.layer("attention"), "mse")
+    for call in (lambda: symhess.verify("attention"), lambda: random_values("attention")):
+        with pytest.raises(DeclarationError, match="takes a derivation .*got str"):
+            call()
+    with pytest.raises(DeclarationError, match="sizes must be a dict of dimension sizes"):
+        random_values(der, sizes="L=3")
+    with pytest.raises(DeclarationError, match="scale must be a dict"):
+        random_values(der, scale=2.0)
+    with pytest.raises(DeclarationError, match=r"scale X must be a finite number >= 0, got nan"):
+        random_values(der, scale={"X": float("nan")})
+    with pytest.raises(DeclarationError, match=r"scale 'Z': no such value; valid: W_K, W_Q, W_V, X"):
+        random_values(der, scale={"Z": 1.0})
+    monkeypatch.setenv("SYMHESS_MEMORY_BUDGET", "1GiB")
+    with pytest.raises(BudgetError, match="the random values would take about"):
+        random_values(der, sizes={"L": 10 ** 12})
+    monkeypatch.delenv("SYMHESS_MEMORY_BUDGET")
+    assert np.allclose(random_values(der, scale={"X": 2.0})["X"], 2 * random_values(der)["X"])
+
+
+def test_an_unknown_product_method_is_refused_by_the_operator():
+    der = symhess.derive(symhess.layer("attention"), "mse")
+    vals = random_values(der)
+    k = symhess.kernel("attention", "numpy", "mse")
+    with pytest.raises(InputError, match="unknown product method 'bogus'; valid: auto, matview, kernel"):
+        symhess.operator(k, vals, method="bogus")

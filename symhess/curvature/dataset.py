@@ -550,7 +550,7 @@ def _keep_limit(keep):
     if keep is None:
         total, _ = memory_budget(None)
         return KEEP_MAX if total is None else min(KEEP_MAX, total // 8)
-    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or keep < 0:
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not keep >= 0:
         raise InputError(f"keep must be a number of bytes >= 0, got {keep!r}")
     return keep
 

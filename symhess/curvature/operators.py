@@ -31,7 +31,7 @@ import numbers
 import numpy as np
 from scipy.sparse.linalg import LinearOperator
 
-from .dataset import Dataset, sum_of
+from .dataset import Dataset, _method, sum_of
 from ..errors import InputError
 from ..calculus.hessian import check_part
 from ..runtime import checks
@@ -64,6 +64,7 @@ class HessianOperator(LinearOperator):
                 raise InputError(f"unknown block {x!r}; valid: {', '.join(names)}")
         if p is None and q is not None:
             raise InputError("give p with q (a block H(p, q)), p alone (a block row) or neither")
+        _method(method)
         self.dataset, self.p, self.q, self.part, self.method = dataset, p, q, part, method
         st = dataset.first()
         self._like = st.like
