@@ -1,5 +1,6 @@
 """Random hostile input at every public entry point: non-finite, complex, mis-typed and
-mis-shaped values, vectors, batches and settings.  Each call must either raise a one-line
+mis-shaped values, vectors, batches and settings (kernels, prepared states, the interpreter,
+operators, datasets, shards, spectra, densities, random values, modules).  Each call must either raise a one-line
 ``SymhessError`` or return the right number (torch autograd of the declaration, float64);
 never a wrong number, never another exception.  Sizes are tiny (attention, L = 3)."""
 import warnings
@@ -53,6 +54,21 @@ def reference(values):
 
     H = torch.func.hessian(of_flat)(flat).numpy()
     return H if np.isfinite(H).all() else None
+
+
+def output_jacobian(values, p="W_Q"):
+    """∂vec_r F/∂vec_r W_p of the attention output F = softmax(X W_Q W_Kᵀ Xᵀ/√d_K) X W_V
+    from torch.func (float64), shape (numel F, numel W_p)."""
+    t = _tensors(values)
+
+    def out(w):
+        ws = {**{q: t[q] for q in PARAMS}, p: w}
+        X = t["X"]
+        A = torch.softmax(X @ ws["W_Q"] @ ws["W_K"].T @ X.T / ws["W_Q"].shape[1] ** 0.5, -1)
+        return A @ X @ ws["W_V"]
+
+    J = torch.func.jacrev(out)(t[p])
+    return J.reshape(out(t[p]).numel(), t[p].numel()).numpy()
 
 
 def loss_and_gradient(values):
@@ -123,7 +139,7 @@ def mutated(draw, a, name):
     elif kind == "empty":
         a = a[:0]
     elif kind == "scaled":
-        a = a * 10.0 ** draw(st.integers(-320, 320))
+        a = a * 10.0 ** draw(st.integers(-320, 300))
     elif kind == "list":
         a = a.tolist()
     elif kind == "batch of one":
@@ -142,7 +158,8 @@ def as_backend(backend, x, kind):
 
 # ----------------------------------------------------------------------------- kernels
 ENTRY = ("loss", "gradient", "hvp", "diag", "trace", "frobenius_norm", "hessian_block",
-         "state.hvp", "state.block_hvp", "state.diag")
+         "hessian", "frobenius_split", "jacobian", "state.hvp", "state.block_hvp", "state.diag",
+         "state.trace", "interpreter")
 
 
 @SETTINGS
@@ -160,18 +177,31 @@ def test_kernel_methods_and_prepared_states_refuse_or_are_right(data, backend, n
              "trace": lambda: k.trace(values, "W_K"),
              "frobenius_norm": lambda: k.frobenius_norm(values, "W_Q", "W_V"),
              "hessian_block": lambda: k.hessian_block(values, "W_K", "W_Q"),
+             "hessian": lambda: k.hessian(values),
+             "frobenius_split": lambda: k.frobenius_split(values, "W_Q", "W_V")["full"],
+             "jacobian": lambda: k.jacobian(values, "W_Q"),
              "state.hvp": lambda: k.prepare(values).hvp(vb),
              "state.block_hvp": lambda: k.prepare(values).block_hvp("W_Q", "W_V", vb[12:]),
-             "state.diag": lambda: k.prepare(values).diag("W_V")}
+             "state.diag": lambda: k.prepare(values).diag("W_V"),
+             "state.trace": lambda: k.prepare(values).trace("W_V"),
+             "interpreter": lambda: DERIVATION.block("W_K", "W_Q").evaluate(values, backend=backend)}
     status, out = outcome(calls[entry])
     if kind in BREAK:
         assert status == "error", (kind, name, entry)
         return
     if status == "error":   # refused: where the numbers overflow, or one datum alone batched
         assert (kind == "scaled" and ("not finite" in out or "non-finite" in out)) or \
-            (kind == "batch of one" and "same leading batch size" in out), out
+            (kind == "batch of one" and "same leading batch size" in out) or \
+            (kind == "batch of one" and entry == "interpreter" and "must be a 2-D array" in out), out
         return
     clean = {**BASE, name: np.reshape(np.asarray(bad, dtype=np.float64), BASE[name].shape)}
+    if entry == "jacobian":
+        with np.errstate(all="ignore"):
+            J = output_jacobian(clean)
+        assert np.isfinite(J).all(), (kind, name, entry)   # autograd overflows: refuse
+        got = _host(out)
+        assert close(np.reshape(got, J.shape) if got.size == J.size else got, J, np.abs(J).max())
+        return
     if entry in ("loss", "gradient"):
         with np.errstate(all="ignore"):
             ell, grad = loss_and_gradient(clean)
@@ -193,10 +223,16 @@ def test_kernel_methods_and_prepared_states_refuse_or_are_right(data, backend, n
     elif entry in ("diag", "state.diag"):
         sl = slice(0, 6) if entry == "diag" else slice(12, 21)
         assert close(out, np.diag(H)[sl], np.abs(H).max())
-    elif entry == "hessian_block":
+    elif entry in ("hessian_block", "interpreter"):
         assert close(out, H[6:12, :6], np.abs(H).max())
+    elif entry == "hessian":
+        assert close(out, H, np.abs(H).max())
+    elif entry == "frobenius_split":
+        assert abs(float(out) - np.linalg.norm(H[:6, 12:])) <= 1e-8 * np.abs(H).max() * 10
     elif entry == "trace":
-        assert abs(out - np.trace(H[6:12, 6:12])) <= 1e-8 * np.abs(H).max() * 6
+        assert abs(float(out) - np.trace(H[6:12, 6:12])) <= 1e-8 * np.abs(H).max() * 6
+    elif entry == "state.trace":
+        assert abs(float(out) - np.trace(H[12:, 12:])) <= 1e-8 * np.abs(H).max() * 9
 
 
 # ----------------------------------------------------------------------------- operators
@@ -293,6 +329,118 @@ def test_datasets_refuse_bad_batches_or_are_right(data, wrapper, which, at):
     assert torch.isfinite(want), (kind, out)        # the module overflows: we must refuse
     if status == "ok":
         assert abs(out[0] - float(want)) <= 1e-10 * float(want)
+
+
+def _sequences():
+    """Two batches of two sequences (BASE's parameters) and the Hessian of their mean loss:
+    the mean of the four per-sequence Hessians (torch.func, float64)."""
+    rng = np.random.default_rng(3)
+    X, Y = rng.standard_normal((2, 2, 3, 3)), rng.standard_normal((2, 2, 3, 3))
+    H = np.mean([reference({**BASE, "X": X[b, i], "Y": Y[b, i]}) for b in range(2) for i in range(2)], 0)
+    return X, Y, H
+
+
+SEQ_X, SEQ_Y, H_DATA = _sequences()
+MAY_REFUSE = ("list", "column", "float32", "matrix", "tensor")    # exact types are asked for
+
+
+@SETTINGS
+@given(data=st.data(), backend=st.sampled_from(["numpy", "torch"]),
+       entry=st.sampled_from(["hvp", "row_hvp", "block_hvp", "block_hvp matview", "operator @",
+                              "block operator matvec"]))
+def test_dataset_products_refuse_bad_vectors_or_are_right(data, backend, entry):
+    """A dataset's products and its operators with a hostile vector: a one-line error or the
+    mean Hessian's product (torch.func over every sequence)."""
+    conv = (lambda a: a) if backend == "numpy" else torch.as_tensor
+    batches = [{"X": conv(SEQ_X[b]), "Y": conv(SEQ_Y[b])} for b in range(2)]
+    k = sh.kernel("attention", backend, "mse")
+    params = {p: conv(BASE[p]) for p in PARAMS}
+    ds = Dataset(k, batches, params=params)
+    rows, cols = {"hvp": (slice(0, 21), slice(0, 21)), "row_hvp": (slice(12, 21), slice(0, 21)),
+                  "operator @": (slice(0, 21), slice(0, 21))}.get(entry, (slice(0, 6), slice(6, 12)))
+    H = H_DATA[rows, cols]
+    kind, x = data.draw(vectors(H.shape[1]))
+    call = {"hvp": lambda: ds.hvp(x), "row_hvp": lambda: ds.row_hvp("W_V", x),
+            "block_hvp": lambda: ds.block_hvp("W_Q", "W_K", x),
+            "block_hvp matview": lambda: ds.block_hvp("W_Q", "W_K", x, method="matview"),
+            "operator @": lambda: sh.operator(k, batches, params=params) @ x,
+            "block operator matvec": lambda: sh.operator(k, batches, "W_Q", "W_K", params=params).matvec(x)}[entry]
+    status, out = outcome(call)
+    xs = None if kind in ("nan", "inf", "complex", "short", "long", "text", "rank 3", "matrix k=0") \
+        else np.asarray(_host(x), dtype=np.float64)
+    if xs is None:
+        assert status == "error", (kind, entry)
+        return
+    if status == "error" and kind in MAY_REFUSE:
+        return
+    with np.errstate(all="ignore"):
+        want = H @ xs
+    if not np.isfinite(want).all() or status == "error":
+        assert status == "error" and "not finite" in out and kind == "huge", (kind, entry, out)
+        return
+    assert close(np.reshape(_host(out), np.shape(want)), want, np.abs(H).max() * np.abs(xs).sum())
+
+
+@st.composite
+def settings_of(draw, good, bad):
+    """Keyword settings: valid ones from ``good`` ({name: values}), at most two of them
+    replaced by hostile ones from ``bad`` (so that valid calls are drawn as often)."""
+    out = {name: draw(st.sampled_from(vals)) for name, vals in good.items()}
+    for name in draw(st.sets(st.sampled_from(sorted(bad)), max_size=2)):
+        out[name] = draw(st.sampled_from(bad[name]))
+    return out
+
+
+@SETTINGS
+@given(kw=settings_of({"name": ["L", "d_V", "d_K", "d_Z"], "size": [1, 2, 3], "seed": [0, 5],
+                       "scale": [None, {"X": 2.0}, {"W_V": 0.0}]},
+                      {"name": [3, ""], "size": [0, -1, 1.5, float("nan"), True, "3", None, 10 ** 12],
+                       "seed": [-1, 1.5, None, "0", True],
+                       "scale": [{"X": float("nan")}, {"X": -1.0}, {"Z": 1.0}, 2.0, "X"]}))
+def test_random_values_refuse_bad_settings_or_have_the_asked_shapes(kw):
+    """sizes, seed and scale of ``sh.random_values``: a one-line error or finite values of the
+    asked sizes (names of dimensions the layer lacks are ignored, so one dict serves several
+    layers) and standard deviations."""
+    name, size, seed, scale = kw["name"], kw["size"], kw["seed"], kw["scale"]
+    status, out = outcome(lambda: sh.random_values(DERIVATION, seed=seed, sizes={name: size}, scale=scale))
+    if status == "error":
+        return
+    assert isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0
+    assert isinstance(size, int) and not isinstance(size, bool) and 1 <= size < 10 ** 12
+    assert scale is None or (isinstance(scale, dict) and set(scale) <= set(BASE)
+                             and all(0 <= s < np.inf for s in scale.values()))
+    assert all(np.isfinite(a).all() for a in out.values())
+    axis = {"L": ("X", 0), "d_V": ("W_V", 1), "d_K": ("W_Q", 1)}.get(name)
+    if axis:
+        assert out[axis[0]].shape[axis[1]] == size
+    if scale == {"W_V": 0.0}:
+        assert not out["W_V"].any()
+
+
+@SETTINGS
+@given(kw=settings_of({"num_points": [2, 16], "ncv": [2, 5, 50, None], "num_repeats": [1, 2],
+                       "kappa": [3.0, 1.5], "margin": [0.05, 0.0], "boundaries": [None, (-1.0, 2.0)],
+                       "tol": [1e-2, 1e-6]},
+                      {"num_points": [1, 0, 2.5, float("nan")], "ncv": [1, 0, 2.5],
+                       "num_repeats": [0, -1, 1.5], "kappa": [1.0, 0.5, 0.0, float("nan"), float("inf")],
+                       "margin": [-0.1, float("inf")],
+                       "boundaries": [(2.0, -1.0), (float("nan"), 1.0), (0.0,), "ab"],
+                       "tol": [0.0, float("nan"), -1.0]}))
+def test_density_refuses_bad_settings_or_is_a_density(kw):
+    """``sh.density`` settings: a one-line error or a finite, non-negative density on an
+    increasing grid that spans the block's eigenvalues (or the boundaries given)."""
+    op = sh.operator(sh.kernel("attention", "numpy", "mse"), BASE, "W_V", "W_V")
+    status, out = outcome(lambda: sh.density(op, **kw))
+    if status == "error":
+        return
+    grid, dens = out
+    n = kw["num_points"]
+    assert isinstance(n, int) and n >= 2 and len(grid) == len(dens) == n
+    assert np.isfinite(grid).all() and np.isfinite(dens).all() and (dens >= 0).all()
+    assert (np.diff(grid) > 0).all()
+    ev = np.linalg.eigvalsh(H_BASE[12:, 12:])
+    lo, hi = kw["boundaries"] if kw["boundaries"] is not None else (ev[0], ev[-1])
+    assert grid[0] <= lo + 1e-6 * (hi - lo) and grid[-1] >= hi - 1e-6 * (hi - lo)
 
 
 @SETTINGS

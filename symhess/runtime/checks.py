@@ -54,6 +54,9 @@ def vector(v, like, shapes, name="v", convert=False, over="", deferred=None):
         else:
             want = f"shape {want}{f' ({over})' if over else ''}"
         raise InputError(f"{name} must be {want}, got shape {tuple(a.shape)}")
+    if a.ndim == 2 and a.shape[1] == 0:
+        raise InputError(f"{name} is a matrix of no columns (shape {tuple(a.shape)}); give at "
+                         f"least one")
     if torch_kernel:
         import torch
         if not _is_tensor(a):
