@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "d6ee5dc3abaa0d1dea6cec0a"
+    STAMP = "b918443ef01afa5037baa846"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -276,7 +276,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "d99fac9cccae41acba93c8cf"
+    STAMP = "5e62475026139f1076c16cca"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -528,7 +528,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "2ced1c0fda8fabf7b12b4acf"
+    STAMP = "f8eff982c73b59d6d94ce033"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -790,7 +790,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "bb737fdcfb66c84aab6c2c6f"
+    STAMP = "bb47502c09edaee1be1d0a51"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -1054,4 +1054,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "cace249674286bc46eb301db"
+CHECKSUM = "83e7f67dfca5f2ba46d30a3d"

@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "37c2c14223679cc850ab671c"
+    STAMP = "6adf288597ad449fac515e18"
     RUNS = {
         "W_1' X'": 2,
     }
@@ -142,7 +142,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "3359049e56aeb19cb865c67a"
+    STAMP = "c6d4d5131ad9f1176ebf19c4"
     RUNS = {
         "W_1' X'": 2,
     }
@@ -267,4 +267,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "b66aff926b953c19a41fdeb2"
+CHECKSUM = "ac5eb290e6950fa05d7fe983"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "f7a2c4bbfcccd62bcadc7886"
+    STAMP = "aeec3bfe783dd71b40e6e23d"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -288,7 +288,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "81727e1748008719bb2474b8"
+    STAMP = "bf94906e68820dc6d385bd0b"
     RUNS = {
         'A X': 5,
         "G W_V'": 2,
@@ -529,7 +529,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "d3c2ce1d4af2b2dee1a2d776"
+    STAMP = "f2ccd0367cec61c0e1b9b542"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -773,7 +773,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "da6e3797ff34a316dcea6140"
+    STAMP = "c8e153fb69d8e1b7133c24fd"
     RUNS = {
         'A X': 4,
         "G W_V'": 2,
@@ -1030,4 +1030,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "bd1dd07fce58509338a52dbf"
+CHECKSUM = "91ea33db3d8bc80f88d825d4"

@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "a35acfebdf065d89b97c4031"
+    STAMP = "a0c74df2028482daa411a5b0"
     RUNS = {
         'A N_1': 16,
         "G W_2'": 2,
@@ -803,7 +803,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "35fd7e2e0ffeb340cba04c58"
+    STAMP = "1539a6505d63efad624989bc"
     RUNS = {
         'A N_1': 16,
         "G W_2'": 2,
@@ -1582,7 +1582,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "b7013cb00df1561c92e96188"
+    STAMP = "9e0e867e721ce17a85deff3d"
     RUNS = {
         'A N_1': 16,
         "G W_2'": 2,
@@ -2356,7 +2356,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "4ccd7b8bb353c1f3972b2765"
+    STAMP = "4bc27c60e962bb1e4e48da6a"
     RUNS = {
         'A N_1': 16,
         "G W_2'": 2,
@@ -3132,4 +3132,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "973d4425d9fc409cb2a7f8ae"
+CHECKSUM = "07720dec6e62b2d280c1095d"

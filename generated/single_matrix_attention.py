@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "c94078f3f48d6763ba4fee4b"
+    STAMP = "d10d6782e8cc20745bbca496"
     RUNS = {
         'A X': 7,
         "G_2 W_V'": 2,
@@ -196,7 +196,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "cfc96bf2132bb3f1c1e67532"
+    STAMP = "f27faa12255b55f64fc680dd"
     RUNS = {
         'A X': 7,
         "G_2 W_V'": 2,
@@ -368,7 +368,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "419d76d6f8a6dc3736288e4b"
+    STAMP = "dedc65fdb9443c256f75e991"
     RUNS = {
         'A X': 7,
         "G_2 W_V'": 2,
@@ -549,7 +549,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "949979863dfc1d9f9894e26c"
+    STAMP = "58fbfa35e2387a55190daf61"
     RUNS = {
         'A X': 7,
         "G_2 W_V'": 2,
@@ -732,4 +732,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "6de14847950223f1e7ca854a"
+CHECKSUM = "2fbc155788fd12e5518fb949"

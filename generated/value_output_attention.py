@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "fd298065cad13fbc2eebd0f6"
+    STAMP = "1c6727d760f08ef736bba3bd"
     RUNS = {
         'A X': 17,
         'A X W_V': 6,
@@ -381,7 +381,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "64b18c441ef7eeceea2fe343"
+    STAMP = "aa13a85171d2c1f42b00ddd8"
     RUNS = {
         'A X': 17,
         'A X W_V': 6,
@@ -738,7 +738,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "5560fa5f1dc42bcd46cbf6a3"
+    STAMP = "1b4712d8982369a2477de537"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1089,7 +1089,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "a0282644c2195f1a99b7a313"
+    STAMP = "ff3f3574ba47bd7c1e2f6ef8"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1442,4 +1442,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "fdbe0c3a8f3882086c6b9874"
+CHECKSUM = "c23a5705ab0cf9ee17ff6fc2"

@@ -14,15 +14,16 @@ The package is a pipeline; each stage imports only from the stages before it:
 from ._version import __version__  # noqa: E402,F401
 
 from . import expr  # noqa: E402
-from .errors import (BudgetError, DeclarationError, InputError, SaturationWarning,  # noqa: E402
-                     ShapeError, SymhessError)
+from .errors import (BudgetError, DeclarationError, InputError, ProcessError,  # noqa: E402
+                     SaturationWarning, ShapeError, SymhessError)
 from .calculus.hessian import Derivation  # noqa: E402
 from .expr.layer import Layer  # noqa: E402
 from .layers import LAYERS, derive, layer, register_layer  # noqa: E402  (registers the built-in layers)
 from .layers.stack import compose, stack  # noqa: E402
 from .curvature.kernels import kernel  # noqa: E402
 
-__all__ = ["expr", "ShapeError", "SymhessError", "DeclarationError", "InputError", "BudgetError", "SaturationWarning",
+__all__ = ["expr", "ShapeError", "SymhessError", "DeclarationError", "InputError", "BudgetError", "ProcessError",
+           "SaturationWarning",
            "Derivation", "derive", "Layer", "layer", "register_layer", "LAYERS", "kernel",
            "compose", "stack", "__version__", "operator", "spectrum", "density", "Dataset",
            "from_module", "verify", "random_values"]

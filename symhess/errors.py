@@ -13,14 +13,18 @@ API users can catch the one base class.  Anything else that escapes is a bug.
 * ``ShapeError``       — shapes that do not conform (in a declaration or in the values);
 * ``InputError``       — values that cannot be used (names, dtypes, non-finite entries …);
 * ``BudgetError``      — work whose memory estimate exceeds the budget (the message names
-  the sizes, the estimate and the budget).
+  the sizes, the estimate and the budget), or that would be sliced into more pieces than
+  the slicing floor allows;
+* ``ProcessError``     — a reduction across ``torch.distributed`` processes failed because
+  another process stopped (its own one-line error says why).
 
 ``SaturationWarning`` (a ``UserWarning``, not an error) says that a kernel met softmax rows so
 close to one-hot (1 − max a below √ε of the dtype, but not exactly 0) that the Hessian terms
 through that softmax (attention's W_Q/W_K blocks, a cross-entropy loss's diag(a) − a aᵀ) lose
 relative accuracy (differences of nearly equal numbers); the interpreter stays accurate.
 
-The first three are also ``ValueError`` s and ``BudgetError`` is a ``MemoryError``, so code
+The first three are also ``ValueError`` s, ``BudgetError`` is a ``MemoryError`` and
+``ProcessError`` a ``RuntimeError`` (what a failed collective raises), so code
 that caught the built-in types keeps working; for the same reason ``UnknownNameError`` is also
 a ``KeyError`` (a registry miss), as is ``DuplicateNameError``, and ``OptionError`` also a ``TypeError`` (what Python raises
 for an unexpected keyword argument).  ``str()`` of every one of them is its message (a plain
@@ -29,7 +33,8 @@ for an unexpected keyword argument).  ``str()`` of every one of them is its mess
 from __future__ import annotations
 
 __all__ = ["SymhessError", "DeclarationError", "UnknownNameError", "OptionError",
-           "DuplicateNameError", "ShapeError", "InputError", "BudgetError", "SaturationWarning"]
+           "DuplicateNameError", "ShapeError", "InputError", "BudgetError", "ProcessError",
+           "SaturationWarning"]
 
 
 class SymhessError(Exception):
@@ -65,6 +70,10 @@ class InputError(SymhessError, ValueError):
 
 class BudgetError(SymhessError, MemoryError):
     """Work whose estimated memory exceeds the budget."""
+
+
+class ProcessError(SymhessError, RuntimeError):
+    """A reduction across processes failed: another process stopped (see its error)."""
 
 
 class SaturationWarning(UserWarning):

@@ -401,3 +401,68 @@ def test_kernel_names_a_bad_entry_by_the_index_of_the_array_given(backend):
     yb = np.stack([values["Y"], values["Y"]])
     with pytest.raises(InputError, match=rf"nan at index \(1, 1, 2\), 1 of {2 * n} entries"):
         k.prepare({**{k_: conv(v) for k_, v in values.items()}, "X": conv(xb), "Y": conv(yb)})
+
+
+def test_a_budget_too_small_to_slice_raises_at_the_floor(monkeypatch):
+    """SYMHESS_MEMORY_BUDGET=1000 leaves 31 entries per intermediate: keeping to it would cut
+    the diagonal's contractions into thousands of pieces (minutes of overhead); the slicing
+    floor counts them before anything runs and raises."""
+    from symhess.runtime import contract as C
+    from symhess.runtime.numpy_ops import OPS
+    rng = np.random.default_rng(0)
+    L_, d_ = 50, 8
+    vals = {"X": rng.standard_normal((L_, d_)), "Y": rng.standard_normal((L_, d_)),
+            "W_Q": rng.standard_normal((d_, 4)), "W_K": rng.standard_normal((d_, 4)),
+            "W_V": rng.standard_normal((d_, d_))}
+    monkeypatch.setenv("SYMHESS_MEMORY_BUDGET", "1000")
+    k = symhess.kernel("attention", "numpy", "mse")
+    with pytest.raises(BudgetError, match=r"memory budget of 31 entries would cut a contraction "
+                                          r"into .* slices \(the most is 1,024"):
+        k.diag(vals, "W_Q")
+    monkeypatch.delenv("SYMHESS_MEMORY_BUDGET")
+    # the floor is per contraction: a contraction sliced into few pieces still runs exactly
+    a, b = rng.standard_normal((40, 30)), rng.standard_normal((30, 40))
+    assert np.allclose(C.contract(OPS, [a, b], [(0, 1), (1, 2)], (0, 2), limit=400), a @ b)
+    c = rng.standard_normal((40, 40))              # tr(a b c) at one entry: thousands of pieces
+    with pytest.raises(BudgetError, match="into more than 2,048 slices"):
+        C.contract(OPS, [a, b, c], [(0, 1), (1, 2), (2, 0)], (), limit=1)
+    assert np.isclose(C.contract(OPS, [a, b, c], [(0, 1), (1, 2), (2, 0)], (), limit=40),
+                      np.trace(a @ b @ c))
+
+
+def test_a_budget_beyond_any_machine_is_named(monkeypatch, attention):
+    der, values = attention
+    for text in ("1e400", "1e30TiB"):
+        monkeypatch.setenv("SYMHESS_MEMORY_BUDGET", text)
+        with pytest.raises(DeclarationError, match=rf"SYMHESS_MEMORY_BUDGET='{text}' is beyond any machine"):
+            der.block("W_Q", "W_K").evaluate(values)
+
+
+def test_verify_and_random_values_check_what_they_are_given(monkeypatch):
+    """A layer name instead of a derivation, sizes or scales that are no dicts or no finite
+    numbers, and values too large for memory: one line each, before anything is drawn."""
+    der = symhess.derive(symhess.layer("attention"), "mse")
+    for call in (lambda: symhess.verify("attention"), lambda: random_values("attention")):
+        with pytest.raises(DeclarationError, match="takes a derivation .*got str"):
+            call()
+    with pytest.raises(DeclarationError, match="sizes must be a dict of dimension sizes"):
+        random_values(der, sizes="L=3")
+    with pytest.raises(DeclarationError, match="scale must be a dict"):
+        random_values(der, scale=2.0)
+    with pytest.raises(DeclarationError, match=r"scale X must be a finite number >= 0, got nan"):
+        random_values(der, scale={"X": float("nan")})
+    with pytest.raises(DeclarationError, match=r"scale 'Z': no such value; valid: W_K, W_Q, W_V, X"):
+        random_values(der, scale={"Z": 1.0})
+    monkeypatch.setenv("SYMHESS_MEMORY_BUDGET", "1GiB")
+    with pytest.raises(BudgetError, match="the random values would take about"):
+        random_values(der, sizes={"L": 10 ** 12})
+    monkeypatch.delenv("SYMHESS_MEMORY_BUDGET")
+    assert np.allclose(random_values(der, scale={"X": 2.0})["X"], 2 * random_values(der)["X"])
+
+
+def test_an_unknown_product_method_is_refused_by_the_operator():
+    der = symhess.derive(symhess.layer("attention"), "mse")
+    vals = random_values(der)
+    k = symhess.kernel("attention", "numpy", "mse")
+    with pytest.raises(InputError, match="unknown product method 'bogus'; valid: auto, matview, kernel"):
+        symhess.operator(k, vals, method="bogus")

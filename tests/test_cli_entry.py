@@ -88,6 +88,40 @@ USER_ERRORS = {
                                 "at --length 6, --d-model 300, --d-head 300"),
     "experiment: huge histogram": (["experiment", "histogram", "--d-model", "200"], {"SYMHESS_MEMORY_BUDGET": "8GiB"},
                                    "the dense W_Q and W_V blocks of the histogram would take about"),
+    "experiment: --fit-max nan": (["experiment", "scaling", "--fit-max", "nan"], {},
+                                  "argument --fit-max: must be a finite number > 0, got 'nan'"),
+    "experiment: --fit-max below every σ": (["experiment", "scaling", "--fit-max", "1e-9"], {},
+                                            "--fit-max 1e-09 keeps fewer than two of the σ values"),
+    "experiment: bounds --sigma 0": (["experiment", "bounds", "--sigma", "0"], {},
+                                     "argument --sigma: must be a finite number > 0, got '0'"),
+    "experiment: bounds --sigma nan": (["experiment", "bounds", "--sigma", "nan"], {},
+                                       "argument --sigma: must be a finite number > 0, got 'nan'"),
+    "experiment: bounds --sigma inf": (["experiment", "bounds", "--sigma", "inf"], {},
+                                       "argument --sigma: must be a finite number > 0, got 'inf'"),
+    "experiment: absurd depth": (["experiment", "scaling", "--depth", "100000000"], {},
+                                 "depth=100000000 for addition_block would declare"),
+    "spectrum: no such dimension": (["spectrum", "attention", "--size", "d_Z=4"], {},
+                                    "--size d_Z: layer 'attention' has no dimension d_Z; its dimensions: L, d_K, d_V"),
+    "spectrum: huge data": (["spectrum", "attention", "--length", "100000", "--batch", "100000"],
+                            {"SYMHESS_MEMORY_BUDGET": "64GiB"},
+                            "the random dataset (2 batches of 100000 sequences) would take about"),
+    "spectrum: huge size": (["spectrum", "attention", "--size", "d_V=100000000"], {"SYMHESS_MEMORY_BUDGET": "64GiB"},
+                            "the random dataset (2 batches of 4 sequences) would take about"),
+    "spectrum: tol nan": (["spectrum", "attention", "--tol", "nan"], {},
+                          "argument --tol: must be a finite number >= 0, got 'nan'"),
+    "absurd depth": (["derive", "attention_stack", "--set", "depth=100000000"], {},
+                     "depth=100000000 for stack 'attention_stack' would declare 300,000,000 parameters; "
+                     "at most 128 are derived (depth <= 42)"),
+    "absurd heads": (["derive", "multihead_attention", "--set", "heads=1000000"], {},
+                     "heads=1000000 for multihead_attention would declare"),
+    "budget beyond any machine": (["verify", "attention"], {"SYMHESS_MEMORY_BUDGET": "1e400"},
+                                  "SYMHESS_MEMORY_BUDGET='1e400' is beyond any machine"),
+    "a declaration that exits": (["derive", "{exits}:layer"], {},
+                                 "loading {exits} failed: it called sys.exit(0) (exits.py, line 2); "
+                                 "a declaration must define layers, not end the program"),
+    "a file without :ATTR": (["verify", "{exits}"], {},
+                             "unknown layer '{exits}': a declaration in a file or module is named "
+                             "with its attribute, {exits}:ATTR"),
 }
 
 
@@ -103,7 +137,7 @@ def user_errors(afile, tmp_path_factory):
 
     def one(key):
         argv, env, needle = USER_ERRORS[key]
-        fill = {"afile": afile, "dir": d}
+        fill = {"afile": afile, "dir": d, "exits": _exits(d)}
         rc, out, err = symhess(*(a.format(**fill) for a in argv), env=env, cwd=d)
         return key, (rc, out, err, needle.format(**fill))
 
@@ -111,10 +145,17 @@ def user_errors(afile, tmp_path_factory):
         return dict(pool.map(one, THROUGH_THE_ENTRY_POINT))
 
 
+def _exits(d):
+    """A declaration file that calls sys.exit when it is loaded."""
+    exits = d / "exits.py"
+    exits.write_text("import sys\nsys.exit(0)\n")
+    return exits
+
+
 def _in_process(key, afile, tmp_path, monkeypatch, capsys):
     from symhess.cli.main import main
     argv, env, needle = USER_ERRORS[key]
-    fill = {"afile": afile, "dir": tmp_path}
+    fill = {"afile": afile, "dir": tmp_path, "exits": _exits(tmp_path)}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.chdir(tmp_path)

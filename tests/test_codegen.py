@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -252,11 +253,13 @@ def test_generation_failure_leaves_old_files(monkeypatch, tmp_path):
 
 def test_writes_are_atomic_keep_the_umask_and_clean_up(tmp_path):
     """Each file is replaced in one step; modes follow the umask; temporaries that a killed
-    run left behind are removed by the next one."""
+    run left behind (an hour ago) are removed by the next one."""
     out = tmp_path / "generated"
     (out / "numpy").mkdir(parents=True)
     stale = out / "numpy" / (codegen.TMP_PREFIX + "abc")
     stale.write_text("left behind")
+    hour = time.time() - 3601
+    os.utime(stale, (hour, hour))             # older than any write still in progress
     old = os.umask(0o022)
     try:
         codegen.write_atomic(out / "numpy" / "x.py", "x = 1\n")

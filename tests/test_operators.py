@@ -197,14 +197,14 @@ def test_bad_input_is_one_line():
     k = sh.kernel("attention", backend="torch", loss="mse")
     with pytest.raises(InputError, match="params .* are needed with batches"):
         Dataset(k, [(X, Y)])
-    with pytest.raises(InputError, match="iterable more than once"):
+    with pytest.raises(InputError, match="read more than once"):
         Dataset(k, ((X, Y) for _ in range(2)), params=W)
     with pytest.raises(InputError, match="unknown block 'W_Z'"):
         sh.operator(k, {"X": X, "Y": Y, **W}, "W_Z")
     with pytest.raises(InputError, match="give p with q"):
         sh.operator(k, {"X": X, "Y": Y, **W}, None, "W_Q")
     op = sh.operator(k, {"X": X, "Y": Y, **W}, "W_Q", "W_Q")
-    with pytest.raises(InputError, match=r"expected a vector of shape \(12,\)"):
+    with pytest.raises(InputError, match=r"must be shape \(12,\) or \(12, 1\), got shape \(5,\)"):
         op @ torch.ones(5, dtype=torch.float64)
     with pytest.raises(InputError, match="k = 13 exceeds"):
         sh.spectrum(op, k=13)

@@ -33,7 +33,7 @@ def vec_jacobian(lin: E.Expr, direction: E.Var) -> E.Expr:
         memo[node] = out
         return out
 
-    return jac(lin)
+    return E.bottom_up(jac, lin, lambda n: n.depends_on(direction))
 
 
 def kron_right_jacobian(p, x):

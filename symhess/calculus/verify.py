@@ -29,15 +29,27 @@ def dimension_symbols(derivation: Derivation):
     return sorted(syms, key=lambda s: s.name)
 
 
+def _check_derivation(derivation, who):
+    if not isinstance(derivation, Derivation):
+        raise DeclarationError(f"{who} takes a derivation (symhess.derive(layer, loss)), got "
+                               f"{type(derivation).__name__}")
+
+
 def random_sizes(derivation, seed=0, low=2, sizes=None):
-    """Distinct sizes for distinct dimensions (so a swapped K_{m,n} cannot pass)."""
+    """Distinct sizes for distinct dimensions (so a swapped K_{m,n} cannot pass); ``sizes``
+    ({name: int}) fixes some of them (names the layer does not have are ignored, so that one
+    dict serves several layers)."""
+    _check_derivation(derivation, "random_sizes")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise DeclarationError(f"seed must be a non-negative integer, got {seed!r}")
+    if sizes is not None and not isinstance(sizes, dict):
+        raise DeclarationError(f"sizes must be a dict of dimension sizes by name (e.g. "
+                               f"{{'L': 4}}), got {type(sizes).__name__}")
     rng = np.random.default_rng(seed)
     syms = dimension_symbols(derivation)
     pool = rng.permutation(np.arange(low, low + max(5, len(syms))))
     env = {s: int(pool[i]) for i, s in enumerate(syms)}
-    for name, value in (sizes or {}).items():   # names of other layers' dimensions are ignored
+    for name, value in (sizes or {}).items():
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise DeclarationError(f"size {name} must be a positive integer, got {value!r}")
         env[E.dim(name)] = int(value)
@@ -45,21 +57,45 @@ def random_sizes(derivation, seed=0, low=2, sizes=None):
 
 
 def random_values(derivation, seed=0, sizes=None, scale=None):
-    """Random float64 inputs, parameters and targets for a derivation."""
+    """Random float64 inputs, parameters and targets for a derivation; ``scale``: {value
+    name: standard deviation} for some of them (finite numbers >= 0).  Sizes whose values
+    would exceed the memory budget raise ``BudgetError`` before anything is drawn."""
+    _check_derivation(derivation, "random_values")
     env = random_sizes(derivation, seed, sizes=sizes)
+    variables = sorted(derivation.layer.variables.values(), key=lambda v: v.name)
+    scale = _check_scale(scale, [v.name for v in variables])
+    shapes = {v.name: tuple(int(sp.sympify(d).subs(env)) for d in v.shape)
+              for v in variables + [derivation.Y]}
+    check_budget(8 * sum(m * n for m, n in shapes.values()), "the random values",
+                 ", ".join(f"{k} = {v}" for k, v in sorted(env.items(), key=lambda kv: str(kv[0]))))
     rng = np.random.default_rng(seed + 1)
     values = {}
-    for v in sorted(derivation.layer.variables.values(), key=lambda v: v.name):
-        m, n = (int(sp.sympify(d).subs(env)) for d in v.shape)
+    for v in variables:
+        m, n = shapes[v.name]
         s = 1.0 if v.role == "input" else 1.0 / np.sqrt(max(m, 1))
-        values[v.name] = rng.standard_normal((m, n)) * (scale or {}).get(v.name, s)
-    m, n = (int(sp.sympify(d).subs(env)) for d in derivation.Y.shape)
+        values[v.name] = rng.standard_normal((m, n)) * scale.get(v.name, s)
+    m, n = shapes[derivation.Y.name]
     if derivation.loss == "ce":
         y = rng.random((m, n)) + 0.1
         values["Y"] = y / y.sum(1, keepdims=True)
     else:
         values["Y"] = rng.standard_normal((m, n))
     return values
+
+
+def _check_scale(scale, names):
+    if scale is None:
+        return {}
+    if not isinstance(scale, dict):
+        raise DeclarationError(f"scale must be a dict of standard deviations by value name "
+                               f"(e.g. {{'X': 2.0}}), got {type(scale).__name__}")
+    for name, s in scale.items():
+        if name not in names:
+            raise DeclarationError(f"scale {name!r}: no such value; valid: {', '.join(names)}")
+        if isinstance(s, bool) or not isinstance(s, (int, float, np.integer, np.floating)) \
+                or not 0 <= s < float("inf"):
+            raise DeclarationError(f"scale {name} must be a finite number >= 0, got {s!r}")
+    return scale
 
 
 def _numel(var, env) -> int:
@@ -157,6 +193,7 @@ def verify(derivation: Derivation, seed=0, sizes=None, progress=False):
     allocating; ``progress`` shows a bar over the blocks on stderr when it is a terminal (tqdm)."""
     from tqdm import tqdm
 
+    _check_derivation(derivation, "verify")
     _check_verification_budget(derivation, random_sizes(derivation, seed, sizes=sizes))
     values = random_values(derivation, seed, sizes)
     ref = autograd_blocks(derivation, values)

@@ -4,6 +4,7 @@ terminal only.  Exit statuses: 2 bad input (``EXIT_BAD_INPUT``), 3 a bug (``EXIT
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from ..errors import OptionError, SymhessError
@@ -50,6 +51,26 @@ def positive_int(text):
 def nonnegative_int(text):
     """argparse type: an integer >= 0 (seeds)."""
     return _int_at_least(text, 0, "a non-negative integer")
+
+
+def positive_float(text):
+    """argparse type: a finite number > 0 (σ, tolerances)."""
+    return _finite_float(text, lambda x: x > 0, "a finite number > 0")
+
+
+def nonnegative_float(text):
+    """argparse type: a finite number >= 0 (0 often meaning a default)."""
+    return _finite_float(text, lambda x: x >= 0, "a finite number >= 0")
+
+
+def _finite_float(text, ok, what):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not math.isfinite(value) or not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
 
 
 def _int_at_least(text, low, what):

@@ -33,6 +33,8 @@ from ..expr.budget import check_budget
 from ..errors import OptionError
 from ..expr.evaluate import Interpreter, _Torch
 from ..calculus.hessian import derive
+from ..codegen.files import atomic_open, save_figure
+from ..expr.layer import check_count
 from ..layers.registry import layer
 from ..runtime.memory import retain_freed_memory
 from ..calculus.rules import differential
@@ -115,6 +117,7 @@ class Config:
         for name in ("d_model", "d_head", "d_mlp", "batch", "depth"):
             if int(getattr(self, name)) < 1:
                 raise OptionError(f"--{name.replace('_', '-')} must be a positive integer")
+        check_count("depth", self.depth, 6, "addition_block")      # 6 parameters per block
         if self.device not in ("cpu", "cuda"):
             raise OptionError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda":
@@ -360,7 +363,7 @@ def summarise(rows, sigma_max):
 
 
 def write_csv(rows, path):
-    with open(path, "w", newline="") as fh:
+    with atomic_open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
@@ -406,7 +409,7 @@ def plot_scaling(summary, kind, path, title, depth=1):
                 ax.set_xlabel("embedding std σ")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Title": title})
+    save_figure(fig, path, dpi=110, metadata={"Title": title})
     plt.close(fig)
 
 
@@ -425,6 +428,9 @@ def scaling_title(cfg, seeds) -> str:
 def cmd_scaling(args):
     cfg = config_from(args)
     sigmas = parse_sigmas(args.sigmas)
+    if sum(s <= args.fit_max * (1 + 1e-12) for s in sigmas) < 2:
+        raise OptionError(f"--fit-max {args.fit_max:g} keeps fewer than two of the σ values "
+                          f"({min(sigmas):g} … {max(sigmas):g}); a slope needs two")
     seeds = [args.seed + r for r in range(args.seeds)]
     os.makedirs(args.out, exist_ok=True)       # before the sweep: a bad --out fails at once
     t0 = time.perf_counter()
@@ -473,7 +479,7 @@ def cmd_histogram(args):
     axes[0].set_ylabel("count")
     fig.tight_layout()
     path = os.path.join(args.out, "histogram.png")
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     for attention in ("softmax", "linear"):
         v, q = medians[(attention, "W_V")], medians[(attention, "W_Q")]
@@ -558,8 +564,8 @@ def parse_sigmas(text):
             out = [float(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise OptionError(f"--sigmas: expected 'logspace:A:B:N' or 's1,s2,...', got {text!r}") from None
-    if not out or min(out) <= 0:
-        raise OptionError(f"--sigmas must be positive numbers, got {text!r}")
+    if not out or not all(math.isfinite(s) and s > 0 for s in out):
+        raise OptionError(f"--sigmas must be finite positive numbers, got {text!r}")
     return out
 
 
@@ -572,7 +578,7 @@ def config_from(args, **over) -> Config:
 
 
 def build_parser():
-    from .args import ArgumentParser, nonnegative_int, positive_int
+    from .args import ArgumentParser, nonnegative_float, nonnegative_int, positive_float, positive_int
     p = ArgumentParser(prog="symhess experiment", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="EXPERIMENT")
 
@@ -593,13 +599,13 @@ def build_parser():
     s.add_argument("--seeds", type=positive_int, default=3, help="seeds per σ (seed, seed+1, …)")
     s.add_argument("--attention", default="softmax", choices=("softmax", "linear"), help="the attention of the model")
     s.add_argument("--norm", default="none", choices=("none", "pre"), help="no LayerNorm, or pre-LN")
-    s.add_argument("--fit-max", type=float, default=0.1, help="fit slopes over σ ≤ this")
-    s.add_argument("--depth", type=int, default=1, help="stacked blocks (the W_Q, W_V blocks of every layer)")
+    s.add_argument("--fit-max", type=positive_float, default=0.1, help="fit slopes over σ ≤ this")
+    s.add_argument("--depth", type=positive_int, default=1, help="stacked blocks (the W_Q, W_V blocks of every layer)")
     s.set_defaults(func=cmd_scaling)
 
     h = sub.add_parser("histogram", help="|entries| of the W_Q, W_V blocks, softmax vs linear (Fig. 1a/4)")
     common(h, 16, 64, 64)
-    h.add_argument("--sigma", type=float, default=0.0, help="embedding std; 0: 0.8/√d_model (default: 0)")
+    h.add_argument("--sigma", type=nonnegative_float, default=0.0, help="embedding std; 0: 0.8/√d_model (default: 0)")
     h.set_defaults(func=cmd_histogram)
 
     b = sub.add_parser("bounds", help="exact spectral norms vs the published Theorem 1 bound")
@@ -608,7 +614,7 @@ def build_parser():
     b.add_argument("--length", type=positive_int, default=6, help="sequence length L")
     b.add_argument("--d-model", type=positive_int, default=5, help="token width d_V")
     b.add_argument("--d-head", type=positive_int, default=4, help="query/key width d_K")
-    b.add_argument("--sigma", type=float, default=1.0, help="scale of the random X")
+    b.add_argument("--sigma", type=positive_float, default=1.0, help="scale of the random X")
     b.set_defaults(func=cmd_bounds)
     return p
 

@@ -1,7 +1,6 @@
 """A LaTeX document with every Hessian block of a layer (rendered from a Jinja template)."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import tempfile
@@ -11,6 +10,7 @@ import jinja2
 
 from .._version import __version__
 from ..calculus.hessian import derive
+from ..codegen.files import write_atomic
 from ..printing.notation import GLOSSARY, definitions, glossary
 from ..expr.latex import intermediate_tex
 from ..printing.latex_cse import jacobian_names, named_sums, share_if_long, terms
@@ -167,11 +167,7 @@ def write_report(lay, path, losses=("mse", "ce"), pdf=False, progress=False) -> 
     """Write the .tex file atomically; with ``pdf`` compile it with pdflatex."""
     path = Path(path)
     text = render_report(lay, losses, progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tex.tmp")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    write_atomic(path, text)
     if pdf:
         compile_pdf(path)
     return path
@@ -190,6 +186,5 @@ def compile_pdf(tex_path: Path) -> Path:
         if proc.returncode != 0 or not pdf.exists():
             tail = "\n".join(proc.stdout.splitlines()[-15:])
             raise OSError(f"pdflatex failed on {tex_path}:\n{tail}")
-        out = tex_path.with_suffix(".pdf")
-        shutil.move(str(pdf), out)
+        out = write_atomic(tex_path.with_suffix(".pdf"), pdf.read_bytes())
     return out

@@ -28,6 +28,7 @@ import os
 
 import numpy as np
 
+from ..codegen.files import atomic_open, save_figure
 from ..errors import OptionError
 
 PARTS = ("outer", "functional", "full")
@@ -36,6 +37,7 @@ BOUND_KEYS = {("W_V", "W_V"): "VV", ("W_Q", "W_Q"): "QQ", ("W_V", "W_Q"): "VQ",
 
 
 def add_parser(sub, layer_args, positive_int, nonnegative_int):
+    from .args import nonnegative_float
     p = sub.add_parser("spectrum", help="top eigenvalues of every Hessian block and part over "
                        "a dataset (Lanczos), beside the layer's spectral-norm bound")
     layer_args(p)
@@ -46,14 +48,14 @@ def add_parser(sub, layer_args, positive_int, nonnegative_int):
     p.add_argument("--length", type=positive_int, default=8, help="sequence length L (random data)")
     p.add_argument("--size", action="append", metavar="DIM=N",
                    help="a dimension's size, e.g. d_V=16 (repeatable; others as in verify)")
-    p.add_argument("--sigma", type=float, default=0.0,
+    p.add_argument("--sigma", type=nonnegative_float, default=0.0,
                    help="embedding std of the addition model; 0: 0.8/sqrt(d) (default: 0)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the data and parameters")
     p.add_argument("--block", default="diag", help="P,Q; diag (every diagonal block); or all "
                    "(every block p<=q and the whole Hessian)")
     p.add_argument("--part", default="all", help="outer, functional, full or all")
     p.add_argument("--k", type=positive_int, default=5, help="eigenvalues per block and part")
-    p.add_argument("--tol", type=float, default=1e-8, help="eigsh's relative tolerance")
+    p.add_argument("--tol", type=nonnegative_float, default=1e-8, help="eigsh's relative tolerance")
     p.add_argument("--density", action="store_true", help="also the spectral densities (SLQ)")
     p.add_argument("--ncv", type=positive_int, default=64, help="Lanczos steps of the density")
     p.add_argument("--backend", default="torch", choices=("torch", "numpy"),
@@ -80,13 +82,33 @@ def _sizes(items):
     return out
 
 
+def check_sizes(sizes, valid, what):
+    """An OptionError for a --size naming no dimension of ``what`` (``valid``: the names)."""
+    bad = sorted(set(sizes) - set(valid))
+    if bad:
+        raise OptionError(f"--size {bad[0]}: {what} has no dimension {bad[0]}; its dimensions: "
+                          f"{', '.join(sorted(valid))}")
+
+
 def random_dataset(derivation, sizes, length, batches, batch, seed):
     """(params, [batch dicts]): parameters as ``symhess.calculus.verify.random_values``, data normal
-    (targets: row distributions for cross-entropy), all float64."""
-    from ..calculus.verify import random_values
+    (targets: row distributions for cross-entropy), all float64.  Sizes must name the
+    layer's dimensions; the arrays are checked against the memory budget before any is made."""
+    import sympy as sp
+
+    from ..calculus.verify import dimension_symbols, random_sizes, random_values
+    from ..expr.budget import check_budget
     lay = derivation.layer
+    check_sizes(sizes, [s.name for s in dimension_symbols(derivation)], f"layer {lay.name!r}")
     dims = dict(sizes)
     dims.setdefault("L", length)
+    env = random_sizes(derivation, seed, sizes=dims)
+    data_names = {v.name for v in lay.inputs if v.role == "input"} | {"Y"}
+    numel = {v.name: int(sp.sympify(v.rows * v.cols).subs(env))
+             for v in list(lay.variables.values()) + [derivation.Y]}
+    entries = sum(n * (batches * batch + 1 if k in data_names else 1) for k, n in numel.items())
+    check_budget(8 * entries, f"the random dataset ({batches} batches of {batch} sequences)",
+                 ", ".join(f"{k} = {v}" for k, v in sorted(env.items(), key=lambda kv: str(kv[0]))))
     vals = random_values(derivation, seed, sizes=dims)
     data_names = [v.name for v in lay.inputs if v.role == "input"] + ["Y"]
     params = {k: v for k, v in vals.items() if k not in data_names}
@@ -112,10 +134,13 @@ def addition_dataset(layer, sizes, batches, batch, seed, sigma):
     if layer.name != "addition_block" or opts.get("depth", 1) != 1:
         raise OptionError("--data addition is the experiments' one-block model: use LAYER "
                           "addition_block (depth 1)")
+    check_sizes(sizes, ("d", "d_h", "d_m"), "the addition model")
     d = sizes.get("d", 16)
     cfg = X.Config(d_model=d, d_head=sizes.get("d_h", d), d_mlp=sizes.get("d_m", 4 * d),
                    attention=opts.get("attention", "softmax"), norm=opts.get("norm", "none"),
                    batch=batch)
+    cfg.validate()
+    cfg.check_memory(f"the addition model's data ({batches} batches of {batch} sequences)")
     sig = sigma if sigma else 0.8 / math.sqrt(d)
     params = X.init_values(cfg, sig, seed)
     out = []
@@ -281,7 +306,7 @@ def _print_table(rows, k):
 
 
 def _write_csv(rows, path):
-    with open(path, "w", newline="") as fh:
+    with atomic_open(path, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["block", "part", "kind", "rank", "value", "spectral_norm", "bound", "ratio"])
         for r in rows:
@@ -337,7 +362,7 @@ def plot_eigenvalues(rows, path, title):
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -362,7 +387,7 @@ def plot_densities(dens, path, title):
         ax.axis("off")
     fig.suptitle(title + " · spectral density (SLQ)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

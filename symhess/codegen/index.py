@@ -17,9 +17,15 @@ When a label list must be split at a size that falls inside a label (rows L·d_V
 a label of size L·d_V), the label is refined into two; every term keeps its own
 refinements and identifications (``Term.subst``), so sums of differently-structured
 terms stay exact.
+
+Lowering does not use the Python stack per level of nesting: each rule is a generator that
+*yields* the sub-lowerings it needs, ``(expr, rows, cols, term)``, and receives their terms;
+``Lowering._lower`` runs them with an explicit stack (exceptions are thrown back into the
+rule that asked), so deep expressions do not meet Python's recursion limit.
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 from functools import lru_cache
 from dataclasses import dataclass, field
@@ -175,6 +181,40 @@ class Lowering:
         return self._lower(expr, list(rows), list(cols), term)
 
     def _lower(self, n, rows, cols, t):
+        """The terms of n[rows, cols] (times ``t``): the rules' generators run on an
+        explicit stack (module docstring)."""
+        first = self._step(n, rows, cols, t)
+        if not inspect.isgenerator(first):
+            return first
+        stack, value, error = [first], None, None
+        while True:
+            try:
+                request = stack[-1].throw(error) if error is not None else stack[-1].send(value)
+            except StopIteration as stop:
+                stack.pop()
+                value, error = stop.value, None
+                if not stack:
+                    return value
+                continue
+            except BaseException as exc:        # thrown back into the rule that asked
+                stack.pop()
+                if not stack:
+                    raise
+                value, error = None, exc
+                continue
+            try:
+                step = self._step(*request)
+            except BaseException as exc:        # thrown into the rule that asked
+                value, error = None, exc
+                continue
+            if inspect.isgenerator(step):
+                stack.append(step)
+                value = None
+            else:                               # a leaf or a rule without sub-lowerings
+                value = step
+
+    def _step(self, n, rows, cols, t):
+        """One node's terms, or the generator of its rule (which yields sub-lowerings)."""
         if isinstance(n, E.Zero):
             return []
         if is_leaf(n):
@@ -189,10 +229,14 @@ class Lowering:
         return fn(self, n, rows, cols, t)
 
     def thread(self, parts, t):
-        """Lower ``[(expr, rows, cols), …]`` one after the other (a product)."""
+        """Lower ``[(expr, rows, cols), …]`` one after the other (a product); a generator
+        for the rules (``yield from``)."""
         terms = [t]
         for e, r, c in parts:
-            terms = [out for s in terms for out in self._lower(e, r, c, s)]
+            new = []
+            for s in terms:
+                new += yield e, r, c, s
+            terms = new
             if self.budget is not None and len(terms) > self.budget:
                 raise _OverBudget
         return terms
@@ -219,9 +263,12 @@ _LEAF = {}
 
 
 def is_leaf(n) -> bool:
-    """A plain matrix: no structured operator inside (computed by the matrix printer)."""
+    """A plain matrix: no structured operator inside (computed by the matrix printer);
+    children first over the nodes not yet known."""
     if n not in _LEAF:
-        _LEAF[n] = not isinstance(n, STRUCTURED) and all(is_leaf(a) for a in n.args)
+        for m in E.walk(n, descend=lambda x: x not in _LEAF):
+            if m not in _LEAF:
+                _LEAF[m] = not isinstance(m, STRUCTURED) and all(_LEAF[a] for a in m.args)
     return _LEAF[n]
 
 
@@ -238,7 +285,7 @@ def _rule(t):
 @_rule(E.Scale)
 def _scale(lw, n, rows, cols, t):
     """c·A: the coefficient multiplies the term."""
-    return lw._lower(n.args[0], rows, cols, t.copy(coef=t.coef * n.coef))
+    return (yield n.args[0], rows, cols, t.copy(coef=t.coef * n.coef))
 
 
 @_rule(E.Add)
@@ -246,11 +293,11 @@ def _add(lw, n, rows, cols, t):
     """A + B: common outer factors pulled out (P A Q + P B Q = P (A + B) Q), then one compact
     factor when the remaining sum collapses, else the terms of both."""
     if lw.budget is not None:
-        return _add_terms(lw, n, rows, cols, t)
+        return (yield from _add_terms(lw, n, rows, cols, t))
     f = factored(n)
     if not f == n:
-        return lw._lower(f, rows, cols, t)
-    return _compactable(lw, n, rows, cols, t, _grouped_terms)
+        return (yield f, rows, cols, t)
+    return (yield from _compactable(lw, n, rows, cols, t, _grouped_terms))
 
 
 def _grouped_terms(lw, n, rows, cols, t):
@@ -258,8 +305,11 @@ def _grouped_terms(lw, n, rows, cols, t):
     end factors first (``grouped``)."""
     g = grouped(n)
     if g is None:
-        return _add_terms(lw, n, rows, cols, t)
-    return [out for a in g for out in lw._lower(a, rows, cols, t.copy())]
+        return (yield from _add_terms(lw, n, rows, cols, t))
+    out = []
+    for a in g:
+        out += yield a, rows, cols, t.copy()
+    return out
 
 
 @lru_cache(maxsize=None)
@@ -325,7 +375,10 @@ def _monic(f):
     return c0, E.add(*(E.scale(1 / c0, t) for t in f.args))
 
 
-@lru_cache(maxsize=None)
+_FACTORED = {}
+_CHAINED = (E.Add, E.Scale, E.MatMul, E.Kron)      # the nodes ``_chain`` looks into
+
+
 def factored(n):
     """Σ_t c_t P F_t Q as P (Σ_t c_t F_t) Q with the longest common prefix P and suffix Q.
 
@@ -333,7 +386,20 @@ def factored(n):
     instead of once per term through the whole product (and it may become a compact factor).
     Kronecker factors are peeled by the mixed-product rule, (A ⊗ B C) = (I ⊗ B)(A ⊗ C), so a
     common part inside them moves out too.
+
+    Kept per sum; the sums below (through the nodes ``_chain`` looks into) are factored
+    first, children first, so the nested calls find them done (no recursion per level).
     """
+    got = _FACTORED.get(n)
+    if got is None:
+        for m in E.walk(n, descend=lambda x: x not in _FACTORED and isinstance(x, _CHAINED)):
+            if isinstance(m, E.Add) and m not in _FACTORED:
+                _FACTORED[m] = _factored(m)
+        got = _FACTORED[n]
+    return got
+
+
+def _factored(n):
     _FACTORING.add(n)
     try:
         chains = [list(_chain(a)) for a in n.args]
@@ -418,13 +484,16 @@ def _peel_kron(chains, out, front):
 
 def _add_terms(lw, n, rows, cols, t):
     """The terms of every summand (each with its own identifications)."""
-    return [out for a in n.args for out in lw._lower(a, rows, cols, t.copy())]
+    out = []
+    for a in n.args:
+        out += yield a, rows, cols, t.copy()
+    return out
 
 
 @_rule(E.Transpose)
 def _transpose(lw, n, rows, cols, t):
     """Aᵀ[r, c] = A[c, r]."""
-    return lw._lower(n.args[0], cols, rows, t)
+    return (yield n.args[0], cols, rows, t)
 
 
 @_rule(E.MatMul)
@@ -433,13 +502,13 @@ def _matmul(lw, n, rows, cols, t):
     f = n.args
     inner = [lw.labels.fresh(x.cols) for x in f[:-1]]
     bounds = [rows] + inner + [cols]
-    return lw.thread([(x, bounds[i], bounds[i + 1]) for i, x in enumerate(f)], t)
+    return (yield from lw.thread([(x, bounds[i], bounds[i + 1]) for i, x in enumerate(f)], t))
 
 
 @_rule(E.Hadamard)
 def _hadamard(lw, n, rows, cols, t):
     """(A∘B)[r, c] = A[r, c] B[r, c]."""
-    return lw.thread([(x, rows, cols) for x in n.args], t)
+    return (yield from lw.thread([(x, rows, cols) for x in n.args], t))
 
 
 @_rule(E.Kron)
@@ -448,7 +517,7 @@ def _kron(lw, n, rows, cols, t):
     t = t.copy()
     rg = lw.split(t, rows, [x.rows for x in n.args])
     cg = lw.split(t, cols, [x.cols for x in n.args])
-    return lw.thread([(x, rg[i], cg[i]) for i, x in enumerate(n.args)], t)
+    return (yield from lw.thread([(x, rg[i], cg[i]) for i, x in enumerate(n.args)], t))
 
 
 @_rule(E.Identity)
@@ -492,13 +561,13 @@ def _diag(lw, n, rows, cols, t):
     """diag(v)[r, c] = δ_rc v[r]."""
     t = t.copy()
     lw.unify(t, rows, cols)
-    return lw._lower(n.args[0], rows, [], t)
+    return (yield n.args[0], rows, [], t)
 
 
 @_rule(E.DiagPart)
 def _diag_part(lw, n, rows, cols, t):
     """diagpart(A)[r] = A[r, r]."""
-    return lw._lower(n.args[0], rows, rows, t)
+    return (yield n.args[0], rows, rows, t)
 
 
 @_rule(E.VecR)
@@ -507,13 +576,13 @@ def _vec_r(lw, n, rows, cols, t):
     a = n.args[0]
     t = t.copy()
     r1, r2 = lw.split(t, rows, [a.rows, a.cols])
-    return lw._lower(a, r1, r2, t)
+    return (yield a, r1, r2, t)
 
 
 @_rule(E.UnvecR)
 def _unvec_r(lw, n, rows, cols, t):
     """unvec(v)[i, j] = v[(i,j)]."""
-    return lw._lower(n.args[0], list(rows) + list(cols), [], t)
+    return (yield n.args[0], list(rows) + list(cols), [], t)
 
 
 @_rule(E.KronContract)
@@ -523,7 +592,7 @@ def _kron_contract(lw, n, rows, cols, t):
     side = n.params[0]
     a, b = lw.labels.fresh(c.rows), lw.labels.fresh(c.cols)
     gr, gc = (a + list(rows), b + list(cols)) if side == "right" else (list(rows) + a, list(cols) + b)
-    return lw.thread([(c, a, b), (g, gr, gc)], t)
+    return (yield from lw.thread([(c, a, b), (g, gr, gc)], t))
 
 
 def _row_blocks(lw, a, rows, cols, t):
@@ -538,7 +607,7 @@ def _row_blocks(lw, a, rows, cols, t):
 @_rule(E.SoftmaxJac)
 def _softmax_jac(lw, n, rows, cols, t):
     """∂A/∂T as one compact L×L×L factor (see ``_softmax_jac_terms``)."""
-    return _compactable(lw, n, rows, cols, t, _softmax_jac_terms)
+    return (yield from _compactable(lw, n, rows, cols, t, _softmax_jac_terms))
 
 
 def _softmax_jac_terms(lw, n, rows, cols, t):
@@ -547,14 +616,14 @@ def _softmax_jac_terms(lw, n, rows, cols, t):
     t, i, j, k = _row_blocks(lw, a, rows, cols, t)
     diag_term = t.copy()
     lw.unify(diag_term, j, k)
-    out = lw._lower(a, i, j, diag_term)
-    return out + lw.thread([(a, i, j), (a, i, k)], t.copy(coef=-t.coef))
+    out = yield a, i, j, diag_term
+    return out + (yield from lw.thread([(a, i, j), (a, i, k)], t.copy(coef=-t.coef)))
 
 
 @_rule(E.SoftmaxHess)
 def _softmax_hess(lw, n, rows, cols, t):
     """∂²A/∂T²[E] as one compact L×L×L factor (see ``_softmax_hess_terms``)."""
-    return _compactable(lw, n, rows, cols, t, _softmax_hess_terms)
+    return (yield from _compactable(lw, n, rows, cols, t, _softmax_hess_terms))
 
 
 def _softmax_hess_terms(lw, n, rows, cols, t):
@@ -564,10 +633,10 @@ def _softmax_hess_terms(lw, n, rows, cols, t):
     t, i, j, k = _row_blocks(lw, a, rows, cols, t)
     diag_term = t.copy()
     lw.unify(diag_term, j, k)
-    out = lw._lower(u, i, j, diag_term)
+    out = yield u, i, j, diag_term
     neg = t.copy(coef=-t.coef)
-    out += lw.thread([(u, i, j), (a, i, k)], neg.copy())
-    out += lw.thread([(a, i, j), (u, i, k)], neg.copy())
+    out += yield from lw.thread([(u, i, j), (a, i, k)], neg.copy())
+    out += yield from lw.thread([(a, i, j), (u, i, k)], neg.copy())
     return out
 
 
@@ -592,12 +661,12 @@ class Intermediate:
 @_rule(E.Named)
 def _named(lw, n, rows, cols, t):
     """Compact block-diagonal names (M_2 as L×d×d); inline the others."""
-    return _compactable(lw, n, rows, cols, t, _inline)
+    return (yield from _compactable(lw, n, rows, cols, t, _inline))
 
 
 def _inline(lw, n, rows, cols, t):
     """A name's definition, lowered in place."""
-    return lw._lower(n.inner, rows, cols, t)
+    return (yield n.inner, rows, cols, t)
 
 
 def _use_intermediate(lw, n, inter, rows, cols, t):
@@ -621,9 +690,9 @@ def _compactable(lw, n, rows, cols, t, rule):
     """A multi-term node (a sum, ∂A/∂T, ∂²A/∂T²[E]) kept as one compact factor when its terms
     share identifications (a block-diagonal sum stays an L×d×d tensor instead of being
     distributed through every product it sits in); otherwise its terms, via ``rule``."""
-    inter = lw.intermediate(n) if lw.budget is None else None
+    inter = (yield from lw.intermediate(n)) if lw.budget is None else None
     if inter is None:
-        return rule(lw, n, rows, cols, t)
+        return (yield from rule(lw, n, rows, cols, t))
     return _use_intermediate(lw, n, inter, rows, cols, t)
 
 
@@ -647,7 +716,7 @@ def _merge_sizes(a, b):
 
 def _inner_terms(lw, n, rows, cols):
     inner = n.inner if isinstance(n, E.Named) else n
-    return lw._lower(inner, list(rows), list(cols), Term())
+    return (yield inner, list(rows), list(cols), Term())
 
 
 def _intermediate(lw, n):
@@ -668,7 +737,7 @@ def _intermediate(lw, n):
         rows = [lab for s in row_sizes for lab in lw.labels.fresh(s)]
         cols = [lab for s in col_sizes for lab in lw.labels.fresh(s)]
         try:
-            terms = _inner_terms(lw, n, rows, cols)
+            terms = yield from _inner_terms(lw, n, rows, cols)
         except NotImplementedError:
             return None
         if not terms or (len(terms) == 1 and not isinstance(n, E.Named)):

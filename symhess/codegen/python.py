@@ -13,9 +13,15 @@
 The printed names are backend-neutral (``mm``, ``tr``, ``softmax_rows``, ``exp`` …): each
 backend module (``runtime.numpy_ops``, ``runtime.torch_ops``) defines them.  Nodes without a
 rule raise; nothing falls back to ``str()``.
+
+The matrix rules are generators: a rule *yields* ``("code", node)`` or ``("leaf", node)`` for
+each sub-expression it prints and receives its text; ``Printer.code`` and ``Printer.leaf``
+run them on an explicit stack, in the order a recursive printer would, so deep expressions
+do not meet Python's recursion limit.
 """
 from __future__ import annotations
 
+import inspect
 import re
 
 import opt_einsum as oe
@@ -98,6 +104,31 @@ class Printer:
 
     def code(self, node) -> str:
         """The code of a node: a reference when it has a name, else its expression."""
+        return self._run(self._code(node))
+
+    def _run(self, top):
+        """Run a rule generator and the sub-expressions it asks for on an explicit stack."""
+        stack, value, error = [top], None, None
+        while True:
+            try:
+                request = stack[-1].throw(error) if error is not None else stack[-1].send(value)
+            except StopIteration as stop:
+                stack.pop()
+                value, error = stop.value, None
+                if not stack:
+                    return value
+                continue
+            except BaseException as exc:        # thrown back into the rule that asked
+                stack.pop()
+                if not stack:
+                    raise
+                value, error = None, exc
+                continue
+            kind, node = request
+            stack.append(self._code(node) if kind == "code" else self._leaf(node))
+            value = None
+
+    def _code(self, node):
         if isinstance(node, E.Var):
             return _var(self, node)
         if node in self.leaf_names:
@@ -109,6 +140,8 @@ class Printer:
             raise NotImplementedError(f"the kernel printer has no rule for {type(node).__name__} "
                                       "(a structured operator in a matrix-view expression)")
         text = fn(self, node)
+        if inspect.isgenerator(text):
+            text = yield from text
         if self.needs_name(node, text):
             return self.define(node, text)
         return text
@@ -135,11 +168,14 @@ class Printer:
 
     def leaf(self, node) -> str:
         """A named leaf (network operands are always names)."""
+        return self._run(self._leaf(node))
+
+    def _leaf(self, node):
         if isinstance(node, E.Var):
             return _var(self, node)
         if node in self.leaf_names:
             return f"s.{self.leaf_names[node]}"
-        text = self.code(node)
+        text = yield "code", node
         if re.fullmatch(r"s\.\w+", text):
             self.leaf_names[node] = text[2:]
             return text
@@ -371,7 +407,15 @@ def _var(pr, n):
 
 @rule(E.Named)
 def _named(pr, n):
-    return pr.code(n.inner)
+    return (yield "code", n.inner)
+
+
+def _codes(nodes):
+    """The codes of ``nodes``, in order (a rule's sub-expressions)."""
+    out = []
+    for x in nodes:
+        out.append((yield "code", x))
+    return out
 
 
 def _factors(pr, factors):
@@ -382,14 +426,14 @@ def _factors(pr, factors):
     codes, names = [], []
     for x in factors:
         if pr.depends_on_arguments(x):
-            codes.append(pr.code(x))
+            codes.append((yield "code", x))
             names.append("_")
         elif isinstance(x, E.Transpose):
-            inner = pr.leaf(x.args[0])
+            inner = yield "leaf", x.args[0]
             codes.append(f"tr({inner})")
             names.append(inner[2:] + "'")
         else:
-            codes.append(pr.leaf(x))
+            codes.append((yield "leaf", x))
             names.append(codes[-1][2:])
     pr.chain_keys.append(tuple(names))
     return codes, " ".join(names)
@@ -402,11 +446,11 @@ def _matmul(pr, n):
     f = list(n.args)
     j = next((i for i, x in enumerate(f) if isinstance(x, E.Ones)), None)
     if j is None:
-        codes, names = _factors(pr, f)
+        codes, names = yield from _factors(pr, f)
         return f"s.mm({names!r}, " + ", ".join(codes) + ")"
     left, ones, right = f[:j], f[j], f[j + 1:]
-    lv = f"sum_last({pr.code(E.matmul(*left))})" if left else None
-    rv = f"sum_rows({pr.code(E.matmul(*right))})" if right else None
+    lv = f"sum_last({(yield 'code', E.matmul(*left))})" if left else None
+    rv = f"sum_rows({(yield 'code', E.matmul(*right))})" if right else None
     if lv and rv:
         return f"{lv} * {rv}"
     if lv:
@@ -442,18 +486,18 @@ def _add(pr, n):
         items = []
         for i in members:
             c, core = E._split(n.args[i])
-            codes, names = _factors(pr, core.args)
+            codes, names = yield from _factors(pr, core.args)
             items.append(f"({_py_coef(pr, c)}, {names!r}, " + ", ".join(codes) + ")")
         head = f"s.mm_sum({side!r}, " + ", ".join(items) + ")"
         rest = [t for i, t in enumerate(n.args) if i not in members]
         if not rest:
             return head
-        return "(" + head + " + " + pr.code(E.add(*rest)) + ")"
+        return "(" + head + " + " + (yield "code", E.add(*rest)) + ")"
     out = []
     for t in n.args:
         c, core = E._split(t)
         neg = sp.sympify(c).could_extract_minus_sign()
-        body = _scaled(pr, -c if neg else c, pr.code(core))
+        body = _scaled(pr, -c if neg else c, (yield "code", core))
         out.append(("- " if neg else "+ ") + body)
     text = " ".join(out)
     return "(" + (text[2:] if text.startswith("+ ") else "-" + text[2:]) + ")"
@@ -475,7 +519,7 @@ def _scaled(pr, c, code):
 @rule(E.Scale)
 def _scale(pr, n):
     c = sp.sympify(n.coef)
-    inner = pr.code(n.args[0])
+    inner = yield "code", n.args[0]
     if c == -1:
         return f"(-{inner})"
     return _scaled(pr, c, inner)
@@ -483,38 +527,39 @@ def _scale(pr, n):
 
 @rule(E.Transpose)
 def _transpose(pr, n):
-    return f"tr({pr.code(n.args[0])})"
+    return f"tr({(yield 'code', n.args[0])})"
 
 
 @rule(E.Hadamard)
 def _hadamard(pr, n):
-    return "(" + " * ".join(pr.code(a) for a in n.args) + ")"
+    return "(" + " * ".join((yield from _codes(n.args))) + ")"
 
 
 @rule(E.Elementwise)
 def _elementwise(pr, n):
-    return scalar_code(n.fn.expr, pr.code(n.args[0]))
+    return scalar_code(n.fn.expr, (yield "code", n.args[0]))
 
 
 @rule(E.SoftmaxRows)
 def _softmax(pr, n):
-    t = pr.code(n.args[0])
+    t = yield "code", n.args[0]
     return f"softmax_rows({t}, causal=True)" if n.causal else f"softmax_rows({t})"
 
 
 @rule(E.LogSoftmaxRows)
 def _log_softmax(pr, n):
-    return f"log_softmax_rows({pr.code(n.args[0])})"
+    return f"log_softmax_rows({(yield 'code', n.args[0])})"
 
 
 @rule(E.SoftmaxDiff)
 def _softmax_diff(pr, n):
-    return f"softmax_diff({pr.code(n.args[0])}, {pr.code(n.args[1])})"
+    a, e = yield from _codes(n.args)
+    return f"softmax_diff({a}, {e})"
 
 
 @rule(E.SoftmaxDiff2)
 def _softmax_diff2(pr, n):
-    return "softmax_diff2(" + ", ".join(pr.code(a) for a in n.args) + ")"
+    return "softmax_diff2(" + ", ".join((yield from _codes(n.args))) + ")"
 
 
 @rule(E.Identity)
@@ -539,34 +584,34 @@ def _causal_mask(pr, n):
 
 @rule(E.Diag)
 def _diag(pr, n):
-    return f"diag({pr.code(n.args[0])})"
+    return f"diag({(yield 'code', n.args[0])})"
 
 
 @rule(E.DiagPart)
 def _diag_part(pr, n):
-    return f"diag_part({pr.code(n.args[0])})"
+    return f"diag_part({(yield 'code', n.args[0])})"
 
 
 @rule(E.VecR)
 def _vec_r(pr, n):
-    return f"vec_r({pr.code(n.args[0])})"
+    return f"vec_r({(yield 'code', n.args[0])})"
 
 
 @rule(E.UnvecR)
 def _unvec_r(pr, n):
-    return f"unvec_r({pr.code(n.args[0])}, {pr.size(n.rows)}, {pr.size(n.cols)})"
+    return f"unvec_r({(yield 'code', n.args[0])}, {pr.size(n.rows)}, {pr.size(n.cols)})"
 
 
 @rule(E.Kron)
 def _kron(pr, n):
-    return "kron(" + ", ".join(pr.code(a) for a in n.args) + ")"
+    return "kron(" + ", ".join((yield from _codes(n.args))) + ")"
 
 
 @rule(E.KronContract)
 def _kron_contract(pr, n):
     side, rows, cols = n.params
-    return (f"kron_contract({pr.code(n.args[0])}, {pr.code(n.args[1])}, {side!r}, "
-            f"{pr.size(rows)}, {pr.size(cols)})")
+    g, c = yield from _codes(n.args)
+    return f"kron_contract({g}, {c}, {side!r}, {pr.size(rows)}, {pr.size(cols)})"
 
 
 @rule(E.Commutation)

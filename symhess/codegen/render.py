@@ -24,9 +24,12 @@ in a namespace holding the chosen backend's op table (``symhess.runtime.numpy_op
 
 A module whose checksum or stamp disagree (edited by hand, or left behind by a change of
 the declaration or of symhess) is not used: a warning names it and the variant is rendered
-afresh.  Every write is atomic for readers (a temporary file in the same folder, then
-``os.replace``), keeps the umask's modes, and temporaries that a killed run left behind are
-removed by the next one.
+afresh, and the cache file is replaced (so a corrupt file, e.g. bytes that are not text, is
+repaired by the next run).  Every write goes through ``symhess.codegen.files.write_atomic``: atomic
+for readers (a temporary file in the same folder, then ``os.replace``), the umask's modes,
+never through a symbolic link; processes that render the same variant at once each replace
+the file with the same text, and temporaries that a killed run left behind are removed by a
+later one once they are an hour old (a younger one may be another process's write).
 """
 from __future__ import annotations
 
@@ -35,7 +38,6 @@ import hashlib
 import itertools
 import json
 import os
-import tempfile
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -44,6 +46,7 @@ import jinja2
 
 from .._version import __version__
 from ..errors import DeclarationError
+from .files import TMP_PREFIX, remove_stale_temporaries, write_atomic  # noqa: F401
 from ..calculus.hessian import derive
 from ..layers.registry import LAYERS, layer as get_layer, layer_options
 from ..expr.layer import Layer
@@ -55,7 +58,6 @@ ROOT = PACKAGE.parent
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 GENERATED = ROOT / "generated"
 BACKENDS = ("numpy", "torch")
-TMP_PREFIX = ".symhess-tmp-"
 
 DEFAULT_LOSSES = ("mse", "ce")
 # options whose every value is committed; others are committed at their defaults
@@ -186,39 +188,6 @@ def render_all(progress=None):
 
 
 # ----------------------------------------------------------------------------- files
-def write_atomic(path: Path, text: str):
-    """Replace ``path`` by ``text`` in one step for readers (mode from the umask)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def remove_stale_temporaries(folder: Path):
-    """Delete the temporaries of writes that never finished (a killed run)."""
-    folder = Path(folder)
-    if folder.exists():
-        for p in folder.rglob(TMP_PREFIX + "*"):
-            try:
-                p.unlink()
-            except OSError:
-                pass
-
-
 def generate(out_dir=GENERATED, check=False, progress=None) -> list:
     """Write (or with ``check`` only compare) every committed module; returns the stale
     paths (missing, different, or no longer generated).  Each file is replaced atomically."""
@@ -253,7 +222,7 @@ def check_layer(name, out_dir=GENERATED) -> list:
 
 def _differing(out_dir, files):
     return [str(out_dir / rel) for rel, src in files.items()
-            if not (out_dir / rel).exists() or (out_dir / rel).read_text() != src]
+            if not (out_dir / rel).is_file() or (out_dir / rel).read_bytes() != src.encode()]
 
 
 def main_check_layer(name, out_dir=GENERATED) -> int:
@@ -323,12 +292,22 @@ def _exec(text, filename, name, backend):
 
 def _from_file(path: Path, key, want, backend):
     """The class for ``key`` in a module file, if the file is intact and stamped ``want``."""
-    if not path.exists():
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
         return None
-    text = path.read_text(encoding="utf-8")
-    if not _checksum_ok(text):
-        warnings.warn(f"{path} was modified after it was generated (its CHECKSUM does not "
-                      "match); it is not used and the kernels are rendered afresh", stacklevel=4)
+    except OSError as exc:
+        warnings.warn(f"{path} cannot be read ({exc.strerror}); the kernels are rendered "
+                      "afresh", stacklevel=4)
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or not _checksum_ok(text):
+        why = "is not UTF-8 text" if text is None else "does not match its CHECKSUM"
+        warnings.warn(f"{path} was modified after it was generated (it {why}); it is not "
+                      "used and the kernels are rendered afresh", stacklevel=4)
         return None
     ns = _exec(text, str(path), f"symhess_kernels_{path.stem}", backend)
     cls = ns.get("VARIANTS", {}).get(key)
@@ -351,10 +330,14 @@ def module_class(path, layer: Layer, backend: str, loss: str):
     if not path.is_file():
         raise DeclarationError(f"kernel module {path} does not exist (write it with "
                                f"`symhess generate LAYER --out DIR`)")
-    text = path.read_text(encoding="utf-8")
-    if not _checksum_ok(text):
-        raise DeclarationError(f"kernel module {path} was modified after it was generated (its "
-                               "CHECKSUM does not match); generate it again")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or not _checksum_ok(text):
+        why = "is not UTF-8 text" if text is None else "its CHECKSUM does not match"
+        raise DeclarationError(f"kernel module {path} was modified after it was generated ({why}); "
+                               "generate it again")
     want = stamp(layer, loss)
     found = _exec(text, str(path), f"symhess_kernels_{path.stem}", backend).get("VARIANTS", {})
     for (lo, _), cls in found.items():

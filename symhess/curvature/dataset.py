@@ -42,10 +42,13 @@ import numpy as np
 
 from . import distributed as D
 from ..expr.budget import memory_budget
-from ..errors import InputError
+from ..errors import InputError, SymhessError
 from ..calculus.hessian import check_part
+from ..runtime import checks
 from .matview import BlockProduct
+from .passes import Fingerprint, agreement, describe, refuse_one_shot
 
+_END = object()
 KEEP_MAX = 2 ** 30
 FROBENIUS = ("auto", "dense", "pairs")
 METHODS = ("auto", "matview", "kernel")
@@ -175,14 +178,11 @@ class Dataset:
                                  f"{', '.join(self.params_names)}) are needed with batches of data")
             if not isinstance(params, Mapping):
                 raise InputError(f"params must be a dict of arrays by name, got {type(params).__name__}")
-            try:
-                it = iter(data)
-            except TypeError:
+            if not (hasattr(type(data), "__iter__") or hasattr(type(data), "__getitem__")) \
+                    or isinstance(data, (str, bytes)):
                 raise InputError(f"data must be a dict of values or an iterable of batches, got "
-                                 f"{type(data).__name__}") from None
-            if it is data:
-                raise InputError("data must be iterable more than once (a list of batches or a "
-                                 "DataLoader), not a one-shot iterator or generator")
+                                 f"{type(data).__name__}")
+            refuse_one_shot(data, "a dataset")
             self._single, self._data = None, data
             bad = sorted(set(params) & set(self._data_names))
             if bad:
@@ -197,6 +197,9 @@ class Dataset:
         self._kept = None           # [(state, n)] once the whole dataset is kept
         self._products = {}         # (p, q, part) → BlockProduct
         self._first = None
+        self._probe = None          # (first Batch, the live iterator) read by ``first``
+        self._pass = None           # the first complete pass's Fingerprint
+        self._agreed = self.reducer.world == 1
         self._total = None
 
     # -- batches ---------------------------------------------------------------------------
@@ -223,11 +226,13 @@ class Dataset:
         else:
             raise InputError(f"a batch must be a dict of data by name or a pair (X, Y), got "
                              f"{type(batch).__name__}")
-        return {**self._fixed, **{k: self._convert(v) for k, v in vals.items()}}
+        return {**self._fixed, **{k: self._convert(k, v) for k, v in vals.items()}}
 
-    def _convert(self, a):
+    def _convert(self, name, a):
         """Data on the parameters' side: host arrays for NumPy kernels, tensors on the
-        parameters' device for torch kernels (no dtype is changed)."""
+        parameters' device for torch kernels (no dtype is changed; what is not a real
+        numeric array is an InputError naming it)."""
+        from ..expr.evaluate import real_array
         if self.kernel.backend == "numpy":
             if hasattr(a, "detach"):
                 return a.detach().cpu().numpy()
@@ -236,7 +241,7 @@ class Dataset:
         like = self._fixed.get(self.params_names[0])
         dev = like.device if isinstance(like, torch.Tensor) else None
         if not isinstance(a, torch.Tensor):
-            a = torch.as_tensor(np.asarray(a))
+            a = torch.as_tensor(real_array(a, name))
         return a.to(dev) if dev is not None and a.device != dev else a
 
     def batches(self, desc=None):
@@ -249,20 +254,35 @@ class Dataset:
         if self._kept is not None:
             yield from self._kept
             return
-        kept, size, count = [], 0, 0
-        for raw in self._progress(self._data, desc):
-            b = Batch(self, self._values(raw))
-            count += 1
+        kept, size, fp = [], 0, Fingerprint()
+        for b in self._read(desc):
             yield b
+            st = b._state if b._state is not None else b.light
+            fp.add([getattr(st, k) for k in self._data_names])
             if kept is not None:
                 kept.append(b)
                 size += b.nbytes
                 if size > self._keep_limit:
                     kept = None
-        if count == 0:
-            raise InputError("the data hold no batch" + (" in this process" if self.reducer.world > 1 else ""))
+        if fp.count == 0 and self._pass is None:
+            raise InputError("the data hold no batch" + (" in this process (fewer batches than "
+                             "processes?)" if self.reducer.world > 1 else ""))
+        fp.check_against(self._pass)
+        self._pass = self._pass or fp
         if kept is not None:
             self._kept = kept
+
+    def _read(self, desc):
+        """The batches of one pass, starting with the one ``first`` read (nothing read is
+        dropped: a source that cannot be read again still gives every batch once)."""
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            b, it = probe
+            yield b
+        else:
+            it = iter(self._data)
+        for raw in self._progress(it, desc):
+            yield Batch(self, self._values(raw))
 
     def states(self, desc=None):
         """Yields (prepared state, number of sequences) for every batch of this process."""
@@ -284,12 +304,50 @@ class Dataset:
         self._total = total
 
     def first(self):
-        """The first batch's checked values (sizes, dtype, device)."""
+        """The first batch's checked values (sizes, dtype, device).  The batch is read from
+        a live iterator that the next pass continues, so no batch is read and dropped.
+        Across processes the first call is where they agree (``agree``)."""
+        self.agree()
+        return self._first_local()
+
+    def _first_local(self):
         if self._first is None:
-            for b in self.batches("sizes"):
+            if self._single is not None or self._kept is not None:
+                self._first = next(self.batches()).light
+            else:
+                it = iter(self._data)
+                raw = next(it, _END)
+                if raw is _END:
+                    raise InputError("the data hold no batch" + (
+                        " in this process (fewer batches than processes?)"
+                        if self.reducer.world > 1 else ""))
+                b = Batch(self, self._values(raw))
                 self._first = b.light
-                break
+                self._probe = (b, it)
         return self._first
+
+    def schedule(self):
+        """The kernels' schedule at the first batch's dtype and device (memory limits)."""
+        from ..runtime.schedule import Schedule
+        st = self.first()
+        return Schedule.default(self.memory_budget, _itemsize(st), getattr(st.like, "device", None))
+
+    def agree(self):
+        """Once, before the first reduction across processes: every process checks that all
+        hold a batch and the same kernel and parameters (``symhess.curvature.passes``); a difference or
+        an error on any process raises the same InputError on every process."""
+        if self._agreed:
+            return
+        self._agreed = True
+        err = None
+        try:
+            self._first_local()
+        except SymhessError as exc:
+            err = str(exc)
+        descs, errors = self.reducer.gather((describe(self.kernel, self._fixed), err))
+        bad = agreement(descs, errors)
+        if bad is not None:
+            raise bad
 
     def numel_of(self, p):
         import math as _m
@@ -302,9 +360,10 @@ class Dataset:
         return p
 
     # -- reductions --------------------------------------------------------------------------
-    def _mean(self, per_batch, desc, light=False):
+    def _mean(self, per_batch, desc, light=False, vector=None):
         """Σ_b N_b f(state_b) / N for f returning a list of arrays/floats; one all-reduce.
         ``light``: f needs only the checked values (``Values``), not the kernel's state."""
+        self.agree()
         acc, n = None, 0
         for b in self.batches(desc):
             nb = b.n
@@ -315,9 +374,21 @@ class Dataset:
                 for i, v in enumerate(vals):
                     acc[i] = _add(acc[i], _scaled(v, nb))
             n += nb
-        acc, n = self.reducer.sum(acc, n, like=self.first().like)
+        first = self.first()
+        acc, n = self.reducer.sum(acc, n, like=first.like)
         self._check_count(n)
-        return [_scaled(a, 1.0 / n) for a in acc]
+        out = [_scaled(a, 1.0 / n) for a in acc]
+        for a in out:                  # one check of each result (an overflow is named)
+            checks.finite(a, f"the dataset mean of {desc}", {
+                **{k: getattr(first, k) for k in self.kernel.names}, **(vector or {})}, first.like)
+        return out
+
+    def _vector(self, v, shapes):
+        """A vector given to a product, checked once (``runtime.checks.vector``)."""
+        return checks.vector(v, self.first().like, shapes)
+
+    def _total_numel(self):
+        return sum(self.numel_of(p) for p in self.params_names)
 
     @property
     def numel(self):
@@ -333,25 +404,33 @@ class Dataset:
     def hvp(self, v, part="full"):
         """H_part v over every parameter (flat v, declared order)."""
         check_part(part)
-        return self._mean(lambda st: [st.hvp(v, part)], "hvp")[0]
+        v = self._vector(v, [(self._total_numel(),)])
+        return self._mean(lambda st: [st.hvp(v, part)], "hvp", vector={"v": v})[0]
 
     def row_hvp(self, p, v, part="full", method="auto"):
         """Σ_q H_part(p, q) v_q (flat v over every parameter)."""
         check_part(part)
-        if _method(method) == "kernel":
-            offs = self._offsets()
-            return self._mean(lambda st: [st.hvp(v, part)[offs[p][0]:offs[p][1]]], "hvp")[0]
+        self._param(p)
+        v = self._vector(v, [(self._total_numel(),)])
         offs = self._offsets()
+        if _method(method) == "kernel":
+            return self._mean(lambda st: [st.hvp(v, part)[offs[p][0]:offs[p][1]]], "hvp",
+                              vector={"v": v})[0]
         parts = [(q, v[offs[q][0]:offs[q][1]]) for q in self.params_names]
         return self._mean(lambda st: [sum_of(self._apply(st, p, q, part, vq) for q, vq in parts)],
-                          "hvp", light=True)[0]
+                          "hvp", light=True, vector={"v": v})[0]
 
     def block_hvp(self, p, q, v, part="full", method="auto"):
         """H_part(p, q) v for v of shape (numel q,) or (numel q, k)."""
         check_part(part)
+        nq = self.numel_of(q)
+        self._param(p)
+        k = tuple(getattr(v, "shape", ()))[1:2]
+        v = self._vector(v, [(nq,)] + ([(nq,) + k] if k else []))
         if _method(method) == "kernel":
-            return self._mean(lambda st: [st.block_hvp(p, q, v, part)], "hvp")[0]
-        return self._mean(lambda st: [self._apply(st, p, q, part, v)], "hvp", light=True)[0]
+            return self._mean(lambda st: [st.block_hvp(p, q, v, part)], "hvp", vector={"v": v})[0]
+        return self._mean(lambda st: [self._apply(st, p, q, part, v)], "hvp", light=True,
+                          vector={"v": v})[0]
 
     def _apply(self, b, p, q, part, v):
         """H_part,b(p, q) v on one batch through the matrix view (columns one by one)."""
@@ -393,7 +472,11 @@ class Dataset:
 
     def frobenius_norm(self, p, q, part="full", method="auto"):
         """‖H_part(p, q)‖_F of the dataset-mean block, exact (module docstring)."""
-        return math.sqrt(max(self.frobenius_sq(p, q, part, method), 0.0))
+        sq = self.frobenius_sq(p, q, part, method)
+        first = self.first()
+        checks.finite(sq, f"the dataset's frobenius_norm({p!r}, {q!r}, {part!r})",
+                      {k: getattr(first, k) for k in self.kernel.names}, first.like)
+        return math.sqrt(max(sq, 0.0))
 
     def frobenius_sq(self, p, q, part="full", method="auto"):
         check_part(part)
@@ -402,18 +485,19 @@ class Dataset:
         if self._single is not None:
             st = next(self.batches()).state
             return float(st.frobenius_norm(p, q, part)) ** 2
-        st = next(self.batches()).state
         entries = self.numel_of(p) * self.numel_of(q)
         if method == "auto":
-            method = "dense" if _dense_fits(st, entries) else "pairs"
+            sched = self.schedule()
+            method = "dense" if entries * sched.itemsize <= sched.memory_budget else "pairs"
         if method == "dense":
-            _fits(st, entries)
+            _fits(self.first(), entries)
             H = self._mean(lambda s: [s.hessian_block(p, q, part)], "block")[0]
             return float((H * H).sum())
         return self._frobenius_pairs(p, q, part)
 
     def _frobenius_pairs(self, p, q, part):
         from ..runtime import network as N
+        self.agree()
         total, n = 0.0, 0
 
         def cross(sa, na, sb, nb):
@@ -467,7 +551,7 @@ def _keep_limit(keep):
     if keep is None:
         total, _ = memory_budget(None)
         return KEEP_MAX if total is None else min(KEEP_MAX, total // 8)
-    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or keep < 0:
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not keep >= 0:
         raise InputError(f"keep must be a number of bytes >= 0, got {keep!r}")
     return keep
 
@@ -501,10 +585,6 @@ def _host(a):
 
 def _itemsize(st):
     return 4 if "32" in str(st.like.dtype) else 8
-
-
-def _dense_fits(st, entries):
-    return entries * _itemsize(st) <= st.schedule.memory_budget
 
 
 def _fits(st, entries):

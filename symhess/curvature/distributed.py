@@ -12,6 +12,13 @@ The Frobenius norm of a mean block by pairs of batches needs batches of other pr
 process sends its batches in turn (``broadcast_object_list``), every process pairs them with
 its own, and the partial sums are all-reduced once.
 
+Before its first reduction a dataset checks once that the processes agree
+(``symhess.curvature.passes``: the kernel, every parameter's shape, dtype and checksum, and that each
+process has a batch); a difference raises the same ``InputError`` on every process before a
+collective with mismatched buffers could abort or hang.  An error that only one process meets
+later (its data changed between passes) is raised there; the others' reduction then fails
+and raises ``ProcessError`` instead of a backend traceback.
+
 ``init_from_env()`` starts the process group the way ``torchrun`` describes it (WORLD_SIZE,
 RANK, MASTER_ADDR …): NCCL when CUDA is available, gloo otherwise.
 """
@@ -21,7 +28,7 @@ import os
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, ProcessError
 
 MODES = ("auto", True, False)
 
@@ -69,14 +76,29 @@ class Local:
     def each_batch(self, batches):
         yield from batches
 
+    def gather(self, item):
+        """Every process's ``item`` pair, as two lists in rank order."""
+        return [item[0]], [item[1]]
+
 
 class Processes:
-    """The default process group: one all-reduce per reduction."""
+    """The default process group: one all-reduce per reduction.  A collective that fails
+    (another process stopped: gloo's "connection closed", NCCL's abort) raises
+    ``ProcessError`` naming this process, so the one real error is the failing process's."""
 
     def __init__(self):
         dist = _dist()
         self.dist = dist
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
+
+    def _run(self, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except RuntimeError as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ProcessError(f"process {self.rank} of {self.world}: a reduction across the "
+                               f"processes failed ({first[:160]}); another process stopped, "
+                               f"and its own error says why") from None
 
     def _device(self, like):
         if like is not None and hasattr(like, "device"):
@@ -105,7 +127,7 @@ class Processes:
                 pieces.append(torch.tensor([float(a)], dtype=dtype, device=device))
         pieces.append(torch.tensor([float(n)], dtype=dtype, device=device))
         buf = torch.cat(pieces)
-        self.dist.all_reduce(buf)
+        self._run(self.dist.all_reduce, buf)
         out, o = [], 0
         for kind, shape in kinds:
             k = int(np.prod(shape)) if shape else 1
@@ -119,10 +141,16 @@ class Processes:
                 out.append(float(part[0]))
         return out, int(round(float(buf[o])))
 
+    def gather(self, item):
+        """Every process's ``item`` pair (picklable), as two lists in rank order."""
+        out = [None] * self.world
+        self._run(self.dist.all_gather_object, out, item)
+        return [x[0] for x in out], [x[1] for x in out]
+
     def scalar(self, x):
         import torch
         t = torch.tensor([float(x)], dtype=torch.float64, device=self._device(None))
-        self.dist.all_reduce(t)
+        self._run(self.dist.all_reduce, t)
         return float(t[0])
 
     def each_batch(self, batches):
@@ -132,7 +160,7 @@ class Processes:
         for src in range(self.world):
             while True:
                 box = [next(it, None) if self.rank == src else None]
-                self.dist.broadcast_object_list(box, src=src, device=device)
+                self._run(self.dist.broadcast_object_list, box, src=src, device=device)
                 if box[0] is None:
                     break
                 yield box[0]
@@ -156,7 +184,7 @@ def init_from_env():
 
 class shard:
     """Every ``world``-th batch of ``batches`` from ``rank`` on (defaults: this process),
-    iterable again whenever ``batches`` is."""
+    iterable again whenever ``batches`` is (a one-shot iterator is refused: ``passes``)."""
 
     def __init__(self, batches, rank=None, world=None):
         if rank is None or world is None:
@@ -165,6 +193,13 @@ class shard:
                 rank, world = d.get_rank(), d.get_world_size()
             else:
                 rank, world = 0, 1
+        from .passes import refuse_one_shot
+        refuse_one_shot(batches, "symhess.distributed.shard")
+        for name, x in (("rank", rank), ("world", world)):
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise InputError(f"{name} must be an integer, got {x!r}")
+        if world < 1:
+            raise InputError(f"world must be a positive integer, got {world}")
         if not (0 <= rank < world):
             raise InputError(f"rank must lie in 0 … {world - 1}, got {rank}")
         self.batches, self.rank, self.world = batches, rank, world

@@ -27,6 +27,7 @@ from ..calculus.hessian import check_part, derive
 from ..expr.layer import Layer
 from ..layers.registry import layer as get_layer, layer_options
 from ..calculus.losses import get_loss
+from ..runtime import checks
 from ..runtime import network as N  # noqa: F401
 from ..runtime.jacobian import CompactJacobian
 from ..runtime.schedule import Schedule
@@ -106,7 +107,8 @@ class Kernel:
         if self.backend == "torch":
             import torch
             if not isinstance(x, torch.Tensor):
-                x = torch.as_tensor(np.asarray(x))
+                from ..expr.evaluate import real_array
+                x = torch.as_tensor(real_array(x, name))
             return x.detach() if x.requires_grad else x
         if type(x).__module__.startswith("torch"):
             raise InputError(f"{name} is a torch tensor; use backend='torch' or pass a NumPy array")
@@ -137,6 +139,7 @@ class Kernel:
         if self.backend == "torch":
             _same(arrays, "device", lambda a: a.device)
         data = [n for n in self._data if n in arrays]
+        given = ", ".join(f"{n}: {tuple(arrays[n].shape)}" for n in data)
         batch = {}
         for n in names:
             a = arrays[n]
@@ -148,8 +151,8 @@ class Kernel:
                 want = f"{_declared(self._vars[n])}" + (" or (N, …) with a batch axis" if n in data else "")
                 raise InputError(f"{n} must have shape {want}, got shape {tuple(a.shape)}")
         if len(set(batch.values())) > 1 or (batch and len(batch) < len(data)):
-            desc = ", ".join(f"{n}: {tuple(arrays[n].shape)}" for n in data)
-            raise InputError(f"the data values need the same leading batch size, got {desc}")
+            raise InputError(f"the data values need the same leading batch size (every one "
+                             f"(N, …) with the same N, or none), got {given}")
         n_batch = next(iter(batch.values()), 1) if data else 1
         if n_batch == 0:
             raise InputError("the batch is empty (N = 0 sequences); give at least one")
@@ -252,15 +255,8 @@ class Kernel:
     def vector(self, st, v, name="v"):
         """``v`` validated as a flat vector over every parameter (declared order)."""
         n = sum(st.numel(p) for p in self.params)
-        v = self._array(name, v)
-        if tuple(v.shape) != (n,):
-            raise InputError(f"{name} must be a flat vector of length {n} (= numel of "
-                             f"{' + '.join(self.params)}), got shape {tuple(v.shape)}")
-        if v.dtype != st.like.dtype:
-            raise InputError(f"{name} has dtype {v.dtype} but the values have dtype {st.like.dtype}")
-        if self.backend == "torch" and v.device != st.like.device:
-            raise InputError(f"{name} is on {v.device} but the values are on {st.like.device}")
-        return v
+        return checks.vector(v, st.like, [(n,)], name,
+                             over=f"{', '.join(self.params)} in declared order, vec_r")
 
     def diag(self, values, p, part="full"):
         """diag H_part(p, p), vec_r order."""
@@ -301,7 +297,7 @@ class Kernel:
         F = self.layer.output
         dims = {sp.Symbol(k, positive=True, integer=True): v for k, v in st.dims.items()}
         numel_f = int(sp.sympify(F.rows * F.cols).subs(dims))
-        jac = CompactJacobian(st, nets, numel_f, st.numel(p), batched)
+        jac = CompactJacobian(st, nets, numel_f, st.numel(p), batched, f"jacobian({p!r})")
         return jac if compact else jac.dense()
 
 

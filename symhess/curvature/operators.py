@@ -26,12 +26,15 @@ Hessian-vector product.
 """
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 from scipy.sparse.linalg import LinearOperator
 
-from .dataset import Dataset, sum_of
+from .dataset import Dataset, _method, sum_of
 from ..errors import InputError
 from ..calculus.hessian import check_part
+from ..runtime import checks
 
 
 def operator(kernel, data, p=None, q=None, part="full", params=None, num_data=None,
@@ -61,6 +64,7 @@ class HessianOperator(LinearOperator):
                 raise InputError(f"unknown block {x!r}; valid: {', '.join(names)}")
         if p is None and q is not None:
             raise InputError("give p with q (a block H(p, q)), p alone (a block row) or neither")
+        _method(method)
         self.dataset, self.p, self.q, self.part, self.method = dataset, p, q, part, method
         st = dataset.first()
         self._like = st.like
@@ -109,15 +113,13 @@ class HessianOperator(LinearOperator):
         return self
 
     # -- backend conversions -------------------------------------------------------------
-    def _to_backend(self, x):
-        if self.dataset.kernel.backend == "torch":
-            import torch
-            if not isinstance(x, torch.Tensor):
-                x = torch.as_tensor(np.asarray(x))
-            return x.to(device=self._like.device, dtype=self._like.dtype)
-        if _is_torch(x):
+    def _to_backend(self, x, shapes):
+        """``x`` checked (real, one of ``shapes``, finite) and converted to the kernel's
+        backend, dtype and device (``runtime.checks.vector``)."""
+        if _is_torch(x) and self.dataset.kernel.backend == "numpy":
             x = x.detach().cpu().numpy()
-        return np.asarray(x, dtype=self.dtype)
+        return checks.vector(x, self._like, shapes, "the vector" if len(shapes[0]) == 1
+                             else "the matrix", convert=True)
 
     def _from_backend(self, y, like):
         if _is_torch(like):
@@ -154,14 +156,19 @@ class HessianOperator(LinearOperator):
         return tuple(x.shape)
 
     def _call(self, x, transpose, matrix):
+        """Every product's entry: x checked (shape, real, finite), H x (or Hᵀ x) in the
+        kernel's backend, returned like x (NumPy or a tensor on x's device)."""
         n = self.shape[0] if transpose else self.shape[1]
-        shape = tuple(x.shape)
-        if matrix and (len(shape) != 2 or shape[0] != n):
-            raise InputError(f"expected a matrix of shape ({n}, k), got {shape}")
-        if not matrix and shape not in ((n,), (n, 1)):
-            raise InputError(f"expected a vector of shape ({n},) or ({n}, 1), got {shape}")
+        if not (hasattr(x, "shape") or _is_torch(x)):
+            x = np.asarray(x)
+        shape = tuple(getattr(x, "shape", ()))
+        if matrix is None:
+            matrix = len(shape) == 2 and shape[1] != 1
+        k = shape[1] if len(shape) == 2 else 1
+        if k == 0:
+            raise InputError(f"the matrix has no columns (shape {shape}); give at least one")
+        xb = self._to_backend(x, [(n, k)] if matrix else [(n,), (n, 1)])
         col = not matrix and len(shape) == 2
-        xb = self._to_backend(x)
         if col:
             xb = xb.reshape(-1)
         y = self._product(xb, transpose)
@@ -169,18 +176,18 @@ class HessianOperator(LinearOperator):
             y = y.reshape(-1, 1)
         return self._from_backend(y, x)
 
-    # scipy's private entry points (NumPy arrays)
+    # scipy's private entry points (called by scipy with arrays it made)
     def _matvec(self, x):
-        return self._from_backend(self._product(self._to_backend(np.ravel(x)), False), x)
+        return self._call(np.ravel(x), False, False)
 
     def _rmatvec(self, x):
-        return self._from_backend(self._product(self._to_backend(np.ravel(x)), True), x)
+        return self._call(np.ravel(x), True, False)
 
     def _matmat(self, X):
-        return self._from_backend(self._product(self._to_backend(X), False), X)
+        return self._call(X, False, True)
 
     def _rmatmat(self, X):
-        return self._from_backend(self._product(self._to_backend(X), True), X)
+        return self._call(X, True, True)
 
     def _adjoint(self):
         if self.symmetric:
@@ -189,25 +196,31 @@ class HessianOperator(LinearOperator):
             return HessianOperator(self.dataset, self.q, self.p, self.part, self.method)
         return _Transposed(self)
 
-    # public entry points: torch tensors stay tensors
+    # public entry points: every vector is checked; torch tensors stay tensors
     def matvec(self, x):
-        return self._call(x, False, False) if _is_torch(x) else super().matvec(x)
+        return self._call(x, False, False)
 
     def rmatvec(self, x):
-        return self._call(x, True, False) if _is_torch(x) else super().rmatvec(x)
+        return self._call(x, True, False)
 
     def matmat(self, X):
-        return self._call(X, False, True) if _is_torch(X) else super().matmat(X)
+        return self._call(X, False, True)
 
     def rmatmat(self, X):
-        return self._call(X, True, True) if _is_torch(X) else super().rmatmat(X)
+        return self._call(X, True, True)
 
     def dot(self, x):
-        if _is_torch(x):
-            return self._call(x, False, x.ndim == 2)
-        return super().dot(x)
+        if isinstance(x, (LinearOperator, numbers.Number)):
+            return super().dot(x)
+        return self._call(x, False, None)
 
     def __matmul__(self, x):
+        return self.dot(x)
+
+    def __mul__(self, x):
+        return self.dot(x)
+
+    def __call__(self, x):
         return self.dot(x)
 
     # -- dense -----------------------------------------------------------------------------

@@ -15,7 +15,11 @@
   of a distributed run uses the same numbers).
 
 Every random start vector is drawn from ``seed``: runs are reproducible, and processes that
-share a distributed operator iterate identically.
+share a distributed operator iterate identically.  An operator that does not say whether it
+is symmetric (``op.symmetric``: a NumPy matrix, a SciPy operator) is checked before Lanczos
+trusts it: a matrix against its transpose, an operator by one pair of products
+|uᵀAv − vᵀAu| ≤ √ε (‖u‖‖Av‖ + ‖v‖‖Au‖) for random u, v; a square one that is not symmetric
+is an ``InputError`` (Lanczos would return numbers that are no eigenvalues).
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ def spectrum(op, k=5, which="LA", tol=0.0, method="auto", seed=0, ncv=None, maxi
         raise InputError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise InputError(f"k must be a positive integer, got {k!r}")
-    symmetric = getattr(op, "symmetric", op.shape[0] == op.shape[1])
+    symmetric = _symmetric(op)
     small = min(op.shape)
     if k > small:
         raise InputError(f"k = {k} exceeds the operator's size {small}")
@@ -74,10 +78,11 @@ def spectrum(op, k=5, which="LA", tol=0.0, method="auto", seed=0, ncv=None, maxi
         method = "eigh" if (max(op.shape) <= DENSE_MAX or k >= small - 1) else "eigsh"
     if method == "eigsh" and k >= small:
         raise InputError(f"eigsh needs k < {small} (the operator's size); use method='eigh'")
+    _check_iteration(k, small, tol, ncv, maxiter, seed)
     if getattr(op, "is_zero", False):        # a structural zero: nothing to iterate on
         kind = "eigenvalues" if symmetric else "singular values"
         return Spectrum(np.zeros(k), kind, which, "structural zero", n)
-    from scipy.sparse.linalg import ArpackNoConvergence
+    from scipy.sparse.linalg import ArpackError, ArpackNoConvergence
     try:
         if symmetric:
             return _eigen(op, n, k, which, tol, method, seed, ncv, maxiter, return_eigenvectors)
@@ -86,12 +91,63 @@ def spectrum(op, k=5, which="LA", tol=0.0, method="auto", seed=0, ncv=None, maxi
         raise ConvergenceError(f"eigsh did not converge ({len(exc.eigenvalues)} of {k} "
                                f"eigenvalues within maxiter = {maxiter or 'the default'}); "
                                f"raise maxiter or tol") from None
+    except ArpackError as exc:
+        raise ConvergenceError(f"ARPACK stopped: {' '.join(str(exc).split())} (k = {k}, "
+                               f"ncv = {ncv or 'the default'}, size {small}); try another k, "
+                               f"ncv or method='eigh' for a small operator") from None
+
+
+def _check_iteration(k, n, tol, ncv, maxiter, seed):
+    """One-line errors for the iteration's settings (before ARPACK sees them)."""
+    if isinstance(tol, bool) or not isinstance(tol, (int, float, np.floating)) \
+            or not np.isfinite(tol) or tol < 0:
+        raise InputError(f"tol must be a finite number >= 0 (0: machine precision), got {tol!r}")
+    if maxiter is not None and (isinstance(maxiter, bool) or not isinstance(maxiter, (int, np.integer))
+                                or maxiter < 1):
+        raise InputError(f"maxiter must be a positive integer or None (ARPACK's default), "
+                         f"got {maxiter!r}")
+    if ncv is not None and (isinstance(ncv, bool) or not isinstance(ncv, (int, np.integer))
+                            or not k < ncv <= n):
+        raise InputError(f"ncv (Lanczos vectors) must be an integer with k < ncv <= {n} "
+                         f"(k = {k}, the operator's size {n}) or None, got {ncv!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InputError(f"seed must be a non-negative integer, got {seed!r}")
 
 
 def _check_square_or_block(op):
     if not hasattr(op, "shape") or len(op.shape) != 2:
         raise InputError(f"expected a linear operator, got {type(op).__name__}")
     return op.shape[1]
+
+
+def _symmetric(op):
+    """``op.symmetric`` where the operator says; otherwise a square operator is checked (module
+    docstring: two products for an operator, a comparison for a matrix) and a non-square one
+    is not symmetric."""
+    known = getattr(op, "symmetric", None)
+    if known is not None:
+        return bool(known)
+    n = op.shape[0]
+    if n != op.shape[1]:
+        return False
+    dtype = np.dtype(getattr(op, "dtype", np.float64))
+    eps = np.finfo(dtype if dtype.kind == "f" else np.float64).eps
+    if isinstance(op, np.ndarray):
+        gap = float(np.abs(op - op.T).max()) if op.size else 0.0
+        size = float(np.abs(op).max()) if op.size else 0.0
+        if gap <= np.sqrt(eps) * size:
+            return True
+        how = f"max |A − Aᵀ| = {gap:.3g}, max |A| = {size:.3g}"
+    else:
+        u, v = np.random.default_rng(0).standard_normal((2, n)).astype(dtype)
+        au, av = (np.asarray(op @ x, dtype=np.float64).reshape(-1) for x in (u, v))
+        gap = abs(float(u @ av) - float(v @ au))
+        size = np.linalg.norm(u) * np.linalg.norm(av) + np.linalg.norm(v) * np.linalg.norm(au)
+        if gap <= np.sqrt(eps) * size:
+            return True
+        how = f"uᵀAv − vᵀAu = {gap:.3g} for random u, v, against {size:.3g}"
+    raise InputError(f"the {n} × {n} operator is not symmetric ({how}); its eigenvalues are "
+                     f"not what Lanczos computes: pass a symmetric one, e.g. (A + Aᵀ)/2")
 
 
 def start_vector(n, dtype, seed):
@@ -190,7 +246,8 @@ class _TorchView:
 
     def __matmul__(self, v):
         import torch
-        out = self.op @ v
+        native = hasattr(self.op, "device") and not isinstance(self.op, np.ndarray)  # symhess's
+        out = self.op @ (v if native else v.detach().cpu().numpy())
         return out if isinstance(out, torch.Tensor) else torch.as_tensor(out, device=self.device)
 
     def to_scipy(self):
@@ -217,12 +274,31 @@ def density(op, num_points=1024, ncv=128, num_repeats=1, kappa=3.0, margin=0.05,
     arrays; ``boundaries``: (λ_min, λ_max) if known (else estimated to relative ``tol``)."""
     import torch
     lanczos_approximate_spectrum = require_curvlinops()
-    if not getattr(op, "symmetric", op.shape[0] == op.shape[1]):
+    _check_square_or_block(op)
+    if not _symmetric(op):
         raise InputError("the spectral density needs a symmetric operator (a diagonal block, "
                          "a whole Hessian or one of its parts)")
     n = op.shape[0]
     if isinstance(ncv, bool) or not isinstance(ncv, int) or ncv < 2:
         raise InputError(f"ncv must be an integer >= 2, got {ncv!r}")
+    for name, x, low in (("num_points", num_points, 2), ("num_repeats", num_repeats, 1)):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < low:
+            raise InputError(f"{name} must be an integer >= {low}, got {x!r}")
+    if n < 2:
+        raise InputError(f"the spectral density needs an operator of size >= 2, got {n} × {n}")
+    for name, x, low, strict in (("kappa", kappa, 1, True), ("margin", margin, 0, False),
+                                 ("tol", tol, 0, True)):     # bumps of width ∝ 1/√(8 log κ)
+        if isinstance(x, bool) or not isinstance(x, (int, float, np.floating)) or not np.isfinite(x) \
+                or x < low or (strict and x == low):
+            raise InputError(f"{name} must be a finite number {'>' if strict else '>='} {low}, "
+                             f"got {x!r}")
+    if boundaries is not None:
+        try:
+            lo, hi = (float(b) for b in boundaries)
+        except (TypeError, ValueError):
+            raise InputError(f"boundaries must be two numbers (λ_min, λ_max), got {boundaries!r}") from None
+        if not (np.isfinite(lo) and np.isfinite(hi) and lo <= hi):
+            raise InputError(f"boundaries must be finite with λ_min <= λ_max, got {boundaries!r}")
     ncv = min(ncv, n)
     if boundaries is None:
         s = spectrum(op, k=2, which="BE", tol=tol, seed=seed) if n > 2 else \
@@ -235,9 +311,19 @@ def density(op, num_points=1024, ncv=128, num_repeats=1, kappa=3.0, margin=0.05,
     devices = [view.device.index or 0] if view.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        grid, dens = lanczos_approximate_spectrum(view, ncv, num_points=num_points,
-                                                  num_repeats=num_repeats, kappa=kappa,
-                                                  boundaries=(lo, hi), margin=margin)
+        try:
+            grid, dens = lanczos_approximate_spectrum(view, ncv, num_points=num_points,
+                                                      num_repeats=num_repeats, kappa=kappa,
+                                                      boundaries=(lo, hi), margin=margin)
+        except SymhessError:
+            raise
+        except ValueError:           # NaN Lanczos nodes, refused by torch's Normal
+            dens = None
+    if dens is None or not bool(torch.isfinite(dens).all()):
+        raise ConvergenceError(f"the Lanczos iteration of the density broke down (NaN nodes): "
+                               f"the operator has fewer than ncv = {ncv} distinct eigenvalues "
+                               f"reachable from the start vector; lower ncv, or use "
+                               f"spectrum() for so few eigenvalues")
     return grid.detach().cpu().numpy(), dens.detach().cpu().numpy()
 
 

@@ -18,12 +18,14 @@ refusal is never spurious.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 
 from ..errors import BudgetError, DeclarationError
 
 ENV = "SYMHESS_MEMORY_BUDGET"
+MAX_BYTES = 2 ** 60
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
@@ -35,7 +37,11 @@ def parse_bytes(text) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise DeclarationError(f"{ENV}={text!r} is not a size; use bytes or a number with a "
                                f"unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB), or none")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(value) or value > MAX_BYTES:
+        raise DeclarationError(f"{ENV}={text!r} is beyond any machine (more than 1 EiB); give "
+                               f"a size such as 64GiB, or none for no limit")
+    return int(value)
 
 
 def format_bytes(n) -> str:

@@ -431,9 +431,15 @@ def _short(x) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+# sums and products: finite operands give a non-finite value only by overflowing the dtype
+_ARITHMETIC = (E.MatMul, E.Add, E.Scale, E.Hadamard, E.Kron, E.Transpose)
+
+
 def _non_finite_origin(interp, expr):
-    """Name the first sub-expression that turned finite values into NaN/inf (e.g. the
-    rsqrt of a LayerNorm row of zero variance), instead of returning a wrong number."""
+    """Name the first sub-expression that turned finite values into NaN/inf: a sum or
+    product overflowed the dtype (named with its largest operand entry), or a function is
+    undefined there (the rsqrt of a LayerNorm row of zero variance), instead of returning a
+    wrong number."""
     for node in E.walk(expr):
         val = interp.memo.get(node)
         if val is None or interp.xp.isfinite(val):
@@ -442,6 +448,14 @@ def _non_finite_origin(interp, expr):
             what = node.name if isinstance(node, E.Named) else repr(node)
             if len(what) > 160:
                 what = what[:157] + "..."
+            if isinstance(node, _ARITHMETIC):
+                dt = _dtype_name(val)
+                big = max((float(abs(interp.memo[a]).max()) for a in node.args
+                           if math.prod(interp.memo[a].shape)), default=0.0)
+                return (f"the values give a non-finite (NaN or inf) result: {what} overflowed "
+                        f"{dt} (largest {float(np.finfo(dt).max):.3g}) from operands as large as "
+                        f"{big:.3g}; scale the values down"
+                        f"{' or compute in float64' if dt == 'float32' else ''}")
             return (f"the values give a non-finite (NaN or inf) result: {what} is undefined here "
                     f"(e.g. a LayerNorm row of zero variance with eps = 0, or a division by zero)")
     return "the values give a non-finite (NaN or inf) result"

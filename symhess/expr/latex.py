@@ -122,6 +122,14 @@ class LatexPrinter(Printer):
             return self.names[node]
         return super().doprint(node)
 
+    def shown(self, node):
+        """A named sub-expression is its symbol (no children)."""
+        return () if node in self.names else self.children_of(node)
+
+    def children_of(self, node):
+        """A name shows its arguments only."""
+        return node.args[1:] if type(node).__name__ == "Named" else node.args
+
     def paren(self, node, parent_precedence) -> str:
         if node in self.names:  # a named intermediate is a symbol: no brackets
             return self.names[node]
@@ -247,4 +255,4 @@ class LatexPrinter(Printer):
 
 
 def latex(expr, names=None) -> str:
-    return LatexPrinter(names).doprint(expr)
+    return LatexPrinter(names).print(expr)

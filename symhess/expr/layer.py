@@ -102,6 +102,25 @@ def _check_reserved(layer_name, variables):
                 f"{', '.join(RESERVED_NAMES)})")
 
 
+# the most parameters a count option (depth, heads) may give a declaration: its P² ordered
+# Hessian blocks are derived symbolically (attention_stack at depth 30, 90 parameters, takes
+# about 5 minutes for all of them); a count beyond it is refused before anything is built
+MAX_PARAMS = 128
+
+
+def check_count(option, value, per, what) -> int:
+    """``value`` when it is a positive integer giving at most ``MAX_PARAMS`` parameters at
+    ``per`` parameters each; else an OptionError naming the option and the largest value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptionError(f"{option} must be a positive integer, got {value!r}")
+    most = max(1, MAX_PARAMS // per)
+    if value > most:
+        raise OptionError(f"{option}={value} for {what} would declare {value * per:,} parameters; "
+                          f"at most {MAX_PARAMS} are derived ({option} <= {most}): every "
+                          f"ordered pair of them is a Hessian block derived symbolically")
+    return value
+
+
 def check_options(what, valid, options) -> None:
     """An OptionError for options not in ``valid`` ({name: default}) or a non-bool value of
     an option whose default is a bool."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import keyword
+import operator
 from functools import lru_cache
 
 import sympy as sp
@@ -141,21 +142,41 @@ class Expr:
         """The same node type and params over new args (canonicalising)."""
         return type(self)(*args, *self.params) if args else self
 
+    # The structural properties below (equality, hash, key, free variables) are computed
+    # without recursion: a DAG's height (hundreds of levels in a deep stack) never meets
+    # Python's recursion limit.  Each is cached on the node and filled children-first
+    # (``_fill``) over the nodes that lack it.
+
     def __eq__(self, other):
         if self is other:
             return True
         if not (type(self) is type(other) and hash(self) == hash(other)
-                and self.params == other.params and self.args == other.args
-                and self.shape == other.shape):
+                and self.params == other.params and self.shape == other.shape
+                and len(self.args) == len(other.args)):
             return False
+        if all(map(operator.is_, self.args, other.args)):
+            other.args = self.args
+            return True
+        pairs, seen, equal = [(self, other)], set(), []
+        while pairs:
+            a, b = pairs.pop()
+            if a is b or (id(a), id(b)) in seen:
+                continue
+            if not (type(a) is type(b) and hash(a) == hash(b) and a.params == b.params
+                    and a.shape == b.shape and len(a.args) == len(b.args)):
+                return False
+            seen.add((id(a), id(b)))
+            equal.append((a, b))
+            pairs.extend(zip(a.args, b.args))
         # equal DAGs built separately: share the children so that comparing them again
         # is an identity check (without this, comparing DAGs is exponential in depth)
-        other.args = self.args
+        for a, b in equal:
+            b.args = a.args
         return True
 
     def __hash__(self):
         if self._hash is None:
-            self._hash = hash((type(self).__name__, self.params, self.args, self.shape))
+            _fill(self, "_hash", lambda n: hash((type(n).__name__, n.params, n.args, n.shape)))
         return self._hash
 
     @property
@@ -166,22 +187,18 @@ class Expr:
         for the post-LN block), the bounded ones stay short and sort the same way unless
         two keys agree on their whole prefix."""
         if self._key is None:
-            inner = ",".join(a.key for a in self.args)
-            key = f"{type(self).__name__}[{_params_repr(self.params)}]({inner})"
-            if len(key) > KEY_MAX:
-                digest = hashlib.blake2b(key.encode(), digest_size=12).hexdigest()
-                key = f"{key[:KEY_PREFIX]}#{digest}"
-            self._key = key
+            _fill(self, "_key", _make_key)
         return self._key
 
     @property
     def free_vars(self) -> frozenset:
         """The variables this expression depends on (frozen names hide theirs)."""
         if self._free is None:
-            out = frozenset()
-            for a in self.args:
-                out |= a.free_vars
-            self._free = out
+            if all(a._free is not None or not a.args for a in self.args):   # the usual case
+                self._free = frozenset().union(*(a.free_vars for a in self.args))
+            else:
+                _fill(self, "_free", lambda n: n.free_vars if type(n).free_vars.fget is not
+                      Expr.free_vars.fget else frozenset().union(*(a.free_vars for a in n.args)))
         return self._free
 
     def depends_on(self, var) -> bool:
@@ -234,6 +251,33 @@ class Expr:
 
     def latex(self, names=None) -> str:
         return latex(self, names)
+
+
+def _fill(root, slot, compute):
+    """Set ``slot`` (a cached property's slot) on ``root`` and every descendant lacking it,
+    children first, with an explicit stack; ``compute(node)`` reads only its children's."""
+    if None not in map(operator.attrgetter(slot), root.args):
+        setattr(root, slot, compute(root))          # the usual case: children known
+        return
+    stack = [(root, False)]
+    while stack:
+        node, ready = stack.pop()
+        if getattr(node, slot, None) is not None:
+            continue
+        if ready:
+            setattr(node, slot, compute(node))
+            continue
+        stack.append((node, True))
+        stack.extend((a, False) for a in node.args if getattr(a, slot, None) is None)
+
+
+def _make_key(n):
+    inner = ",".join(a._key for a in n.args)
+    key = f"{type(n).__name__}[{_params_repr(n.params)}]({inner})"
+    if len(key) > KEY_MAX:
+        digest = hashlib.blake2b(key.encode(), digest_size=12).hexdigest()
+        key = f"{key[:KEY_PREFIX]}#{digest}"
+    return key
 
 
 # ----------------------------------------------------------------------------- leaves
@@ -982,23 +1026,36 @@ def sum_all(a) -> Expr:
 
 
 def substitute(expr, mapping: dict, _memo=None):
-    """Replace sub-expressions (usually variables) structurally."""
+    """Replace sub-expressions (usually variables) structurally (children first, no
+    recursion: deep DAGs do not meet Python's recursion limit)."""
     memo = {} if _memo is None else _memo
-    if expr in mapping:
-        return mapping[expr]
-    if expr in memo:
-        return memo[expr]
     only_vars = all(isinstance(k, Var) for k in mapping)
-    if not expr.args or (only_vars and not (expr.free_vars & mapping.keys())):
-        out = expr
-    else:
-        out = expr.rebuild(tuple(substitute(a, mapping, memo) for a in expr.args))
-    memo[expr] = out
-    return out
+    keys = mapping.keys()
+    stack = [(expr, False)]
+    while stack:
+        node, ready = stack.pop()
+        if node in memo:
+            continue
+        if node in mapping:
+            memo[node] = mapping[node]
+        elif not node.args or (only_vars and not (node.free_vars & keys)):
+            memo[node] = node
+        elif ready:
+            memo[node] = node.rebuild(tuple(memo[a] for a in node.args))
+        else:
+            stack.append((node, True))
+            stack.extend((a, False) for a in node.args if a not in memo)
+    return memo[expr]
 
 
-def walk(expr):
-    """Every distinct node of the DAG once, children before parents."""
+def walk(expr, descend=None, children=None):
+    """Every distinct node of the DAG once, children before parents; ``descend(node)``
+    False keeps a node's children out (unless another path reaches them), ``children(node)``
+    (default: its args) names the children to visit.
+
+    Recursive rules over a DAG (a node's result from its children's, memoised) are run
+    along this order first (``bottom_up``), so each call finds its children done and the
+    recursion depth does not grow with the DAG's height."""
     seen, order, stack = set(), [], [(expr, False)]
     while stack:
         node, done = stack.pop()
@@ -1009,5 +1066,17 @@ def walk(expr):
             continue
         seen.add(node)
         stack.append((node, True))
-        stack.extend((a, False) for a in reversed(node.args))
+        if descend is None or descend(node):
+            kids = node.args if children is None else tuple(children(node))
+            stack.extend((a, False) for a in reversed(kids))
     return order
+
+
+def bottom_up(fn, expr, descend=None, children=None):
+    """``fn(expr)`` for a memoised recursive ``fn``, called first on every node below
+    (``walk`` order, children first) so that no call recurses more than one level deep:
+    deep expressions do not depend on Python's recursion limit."""
+    out = None
+    for node in walk(expr, descend, children):
+        out = fn(node)
+    return out

@@ -10,6 +10,14 @@ from .printer import Printer
 
 class TextPrinter(Printer):
     plus, minus = " + ", " - "
+
+    def shown(self, n):
+        """Softmax derivatives print their direction(s) only, a name its shown arguments."""
+        kind = type(n).__name__
+        if kind in ("SoftmaxDiff", "SoftmaxDiff2", "SoftmaxHess", "Named"):
+            return n.args[1:]
+        return () if kind == "SoftmaxJac" else n.args
+
     def _print_Var(self, n):
         return n.name
 
@@ -116,4 +124,4 @@ def _label(tex) -> str:
 
 
 def text(expr) -> str:
-    return TextPrinter().doprint(expr)
+    return TextPrinter().print(expr)

@@ -17,7 +17,7 @@ import sympy as sp
 
 from ..expr import nodes as E
 from ..errors import DeclarationError, OptionError
-from ..expr.layer import Layer
+from ..expr.layer import Layer, check_count
 from .registry import register_layer
 from ..calculus.losses import loss
 from .stack import stack
@@ -75,8 +75,7 @@ def transformer_block(attention: str = "softmax", norm: str = "none") -> Layer:
 def addition_block(attention: str = "softmax", norm: str = "none", depth: int = 1) -> Layer:
     """Transformer on one-hot tokens: embedding, depth × (attention (+W_O), ReLU MLP), unembedding."""
     block = transformer_block(attention, norm)
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-        raise OptionError(f"depth must be a positive integer, got {depth!r}")
+    check_count("depth", depth, len(block.params), "addition_block")
     # one block keeps its plain names (W_Q …); a stack indexes them by layer (W_Q_1 …, A^(1) …)
     body = block if depth == 1 else stack("addition_stack", block, depth)
     L, V, d = E.dims("L V d")

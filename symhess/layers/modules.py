@@ -408,6 +408,12 @@ class ModuleLayer:
         return out
 
     def _seq_first(self, t, what):
+        if not hasattr(t, "ndim") or not hasattr(t, "transpose") or isinstance(t, np.ndarray):
+            try:
+                t = _as_torch(t)
+            except (TypeError, ValueError, RuntimeError):
+                raise InputError(f"{what} must be a tensor of shape (N, L, d) or (L, d), got "
+                                 f"{type(t).__name__}") from None
         if t.ndim == 2:
             return t[None]
         if t.ndim != 3:
@@ -428,8 +434,20 @@ class ModuleLayer:
 
     def batches(self, data):
         """``data`` (an iterable of (x, y) in the module's layout) as batches of dicts for
-        ``symhess.operator`` / ``Dataset``, iterable again whenever ``data`` is."""
-        return _Mapped(data, lambda b: self.batch(*b))
+        ``symhess.operator`` / ``Dataset``, iterable again whenever ``data`` is (a one-shot
+        iterator is refused, not hidden: ``symhess.curvature.passes``)."""
+        from collections.abc import Iterator
+        if isinstance(data, Iterator):
+            raise InputError(f"ModuleLayer.batches needs data it can read more than once (a "
+                             f"list of batches, a DataLoader), not a one-shot "
+                             f"{type(data).__name__}: every product reads the data again")
+        return _Mapped(data, self._pair)
+
+    def _pair(self, b):
+        if not (isinstance(b, (tuple, list)) and len(b) == 2):
+            raise InputError(f"a batch of ModuleLayer.batches must be a pair (x, y), got "
+                             f"{type(b).__name__}")
+        return self.batch(*b)
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, x, params=None):
@@ -541,12 +559,30 @@ def from_module(module, causal=False, attn_mask=None, is_causal=None, check=True
     nn = _nn()
     if not isinstance(module, nn.Module):
         raise DeclarationError(f"from_module takes a torch.nn.Module, got {type(module).__name__}")
+    _check_tensors(module)
     causal = _causal_from(attn_mask, is_causal, causal)
     spec = _recognise(module, causal)
     ml = ModuleLayer(module, spec, _declare(spec))
     if check:
         _check_forward(ml)
     return ml
+
+
+def _check_tensors(module):
+    """Parameters the declaration can read: values (not the meta device), plain tensors (not
+    parametrizations, whose weights are computed on each forward)."""
+    from torch.nn.utils import parametrize
+    meta = [n for n, p in module.named_parameters() if p.is_meta]
+    if meta:
+        raise DeclarationError(f"{type(module).__name__}: parameter {meta[0]} is on the meta "
+                               f"device (no values); materialise the module first "
+                               f"(module.to_empty(device='cpu') and initialise it)")
+    para = [n for n, m in module.named_modules() if parametrize.is_parametrized(m)]
+    if para:
+        raise DeclarationError(f"{type(module).__name__}: {para[0] or 'the module'} has "
+                               f"parametrized weights (torch.nn.utils.parametrize); remove them "
+                               f"with parametrize.remove_parametrizations(..., leave_parametrized="
+                               f"True) first, so the weights are plain parameters")
 
 
 def _check_forward(ml):

@@ -78,6 +78,25 @@ def _user_error(exc, what):
     return DeclarationError(f"{what}: {type(exc).__name__}: {exc}{where}")
 
 
+def _exit_error(exc, what):
+    """A declaration that calls sys.exit while symhess loads or calls it: a DeclarationError
+    (symhess would otherwise end silently with the declaration's status)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _library(f.filename)]
+    where = f" ({Path(frames[-1].filename).name}, line {frames[-1].lineno})" if frames else ""
+    return DeclarationError(f"{what}: it called sys.exit({exc.code!r}){where}; a declaration "
+                            f"must define layers, not end the program")
+
+
+def _registered(spec):
+    """The registered factory ``spec`` names; a miss that looks like a file or module path
+    says how to name a declaration in it (FILE.py:ATTR, MODULE:ATTR)."""
+    if spec not in LAYERS and (spec.endswith(".py") or os.sep in spec or Path(spec).exists()):
+        raise UnknownNameError(f"unknown layer {spec!r}: a declaration in a file or module is "
+                               f"named with its attribute, {spec}:ATTR (FILE.py:ATTR or "
+                               f"MODULE:ATTR); registered layers: {', '.join(sorted(LAYERS))}")
+    return LAYERS.lookup(spec)
+
+
 def _load_file(path_text):
     path = Path(path_text).expanduser()
     if not path.is_file():
@@ -93,6 +112,9 @@ def _load_file(path_text):
     sys.path.insert(0, str(key.parent))
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:
+        del sys.modules[name]
+        raise _exit_error(exc, f"loading {path_text} failed") from None
     except Exception as exc:
         del sys.modules[name]
         err = _user_error(exc, f"loading {path_text} failed")
@@ -117,6 +139,8 @@ def _import_module(name):
         if err is None:
             raise
         raise err from exc
+    except SystemExit as exc:
+        raise _exit_error(exc, f"importing {name} failed") from None
     except Exception as exc:
         err = _user_error(exc, f"importing {name} failed")
         if err is None:
@@ -140,7 +164,7 @@ def _candidates(module):
 def target(spec):
     """(the Layer or factory ``spec`` names, a label for messages)."""
     if not is_user_spec(spec):
-        return LAYERS.lookup(spec), repr(spec)
+        return _registered(spec), repr(spec)
     where, attr = _split(spec)
     module = _load_file(where) if where.endswith(".py") or os.sep in where else _import_module(where)
     obj = module
@@ -190,6 +214,7 @@ def resolve_layer(spec, options=None) -> Layer:
     if not isinstance(spec, str) or not spec:
         raise DeclarationError(f"a layer is named by a non-empty string, got {spec!r}")
     if not is_user_spec(spec):
+        _registered(spec)
         return layer(spec, **options)
     obj, label = target(spec)
     if isinstance(obj, Layer):
@@ -212,6 +237,8 @@ def resolve_layer(spec, options=None) -> Layer:
             raise OptionError(f"{label}: {exc} (pass it with --set KEY=VALUE)") from None
     try:
         out = obj(**options)
+    except SystemExit as exc:
+        raise _exit_error(exc, f"{label} failed") from None
     except Exception as exc:
         err = _user_error(exc, f"{label} failed")
         if err is None:

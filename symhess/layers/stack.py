@@ -33,7 +33,7 @@ import dataclasses
 
 from ..expr import nodes as E
 from ..errors import DeclarationError, ShapeError
-from ..expr.layer import Layer
+from ..expr.layer import Layer, check_count
 from .variants import attention
 from .registry import register_layer
 from ..expr.latex import bold_name
@@ -134,8 +134,9 @@ def compose(name, layers, options=None, description="", typical_sizes=None) -> L
 
 def stack(name, layer, depth, options=None, description="") -> Layer:
     """``compose`` of ``depth`` copies of ``layer`` (parameters W_Q_1, …, W_Q_depth …)."""
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-        raise DeclarationError(f"depth must be a positive integer, got {depth!r}")
+    if not isinstance(layer, Layer):
+        raise DeclarationError(f"stack {name!r}: give a Layer to repeat, got {type(layer).__name__}")
+    check_count("depth", depth, len(layer.params), f"stack {name!r}")
     return compose(name, [layer] * depth, options, description)
 
 

@@ -16,7 +16,7 @@ import sympy as sp
 
 from ..expr import nodes as E
 from ..errors import OptionError
-from ..expr.layer import Layer
+from ..expr.layer import Layer, check_count
 from .registry import register_layer, resolve_scale
 
 
@@ -81,8 +81,7 @@ def single_matrix_attention(causal: bool = False, scale=None, d_K=None) -> Layer
 def multihead_attention(heads: int = 2, causal: bool = False, scale=None) -> Layer:
     """F = Σ_h softmax_rows(c X W_Q^h W_K^hᵀ Xᵀ) X W_V^h W_O^h (concatenate heads, project by W_O)."""
     _check_causal(causal)
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-        raise OptionError(f"heads must be a positive integer, got {heads!r}")
+    check_count("heads", heads, 4, "multihead_attention")
     L, d_V, d_K, d_H = E.dims("L d_V d_K d_H")
     X = E.matrix("X", L, d_V)
     c = resolve_scale(scale, "1/sqrt(d_K)", (L, d_V, d_K, d_H))

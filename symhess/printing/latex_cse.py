@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ..expr import nodes as E
-from ..expr.printer import Printer
 from ..expr.latex import LatexPrinter, signed_sum
 
 MIN_CHARS = 160    # a recurring sub-expression shorter than this stays inline
@@ -77,7 +76,7 @@ class _MemoPrinter(LatexPrinter):
         if node not in self.memo:
             self._stack.append(node)
             try:
-                text = Printer.doprint(self, node)
+                text = self._dispatch(node)
             finally:
                 self._stack.pop()
             self.memo[node] = text if self.cap is None else text[:self.cap]
@@ -106,7 +105,7 @@ class _Chooser:
         self.min_chars, self.max_chars = min_chars, max_chars
         rec = _MemoPrinter(self.base, cap=max_chars + 1)   # only its records are used
         for r in roots:
-            rec.doprint(r)
+            rec.print(r)
         self.children, self.order = rec.children, rec.order
         self.uses = {}
         for kids in rec.children.values():
@@ -192,6 +191,10 @@ class SharedPrinter(LatexPrinter):
     def _print_Add(self, n):
         return signed_sum([self.doprint(t) for t in _fold(n, self.sums)], self.plus, self.minus)
 
+    def children_of(self, node):
+        """A sum shows its folded terms."""
+        return _fold(node, self.sums) if isinstance(node, E.Add) else super().children_of(node)
+
 
 def _fold(node, sums):
     """The terms of a sum, every named sum whose terms it all has taken as one term (in place of its first)."""
@@ -232,7 +235,7 @@ def _dependency_order(chosen, names, sums):
     deps = {}
     for node in chosen:
         printer = SharedPrinter(provisional, sums)
-        Printer.doprint(printer, node)
+        printer.define(node)
         deps[node] = [u for u in printer.used if u in chosen and u is not node]
     order, done = [], set()
 
@@ -264,7 +267,7 @@ def share(roots, names=None, min_chars=MIN_CHARS, max_chars=MAX_CHARS, hints=Non
     order = _dependency_order(chosen, names, sums)
     out_names = {**names, **_symbols(chosen, order)}
     printer = SharedPrinter(out_names, sums)
-    defs = [Shared(out_names[n], n, Printer.doprint(printer, n),
+    defs = [Shared(out_names[n], n, printer.define(n),
                    E.Var(f"cse_{i}", n.rows, n.cols, "placeholder", out_names[n]))
             for i, n in enumerate(order)]
     return defs, out_names
@@ -276,7 +279,7 @@ def latex(expr, names=None, definitions=(), sums=()) -> str:
     ``sums`` are further named sums to fold, e.g. ``named_sums(names)``: the layer's
     intermediates that are sums (X := O W_E + P prints A X W_V W_O + O W_E + P as
     A X W_V W_O + X)."""
-    return SharedPrinter(names, _sums([d.node for d in definitions] + list(sums))).doprint(expr)
+    return SharedPrinter(names, _sums([d.node for d in definitions] + list(sums))).print(expr)
 
 
 def named_sums(names) -> list:
@@ -332,7 +335,7 @@ def share_if_long(exprs, names=None, limit=4000, hints=None, sums=()):
     names = dict(names or {})
     ts = [t for e in exprs for t in terms(e)]
     printer = _MemoPrinter(names, cap=limit + 1)
-    if all(len(printer.doprint(t)) <= limit for t in ts):
+    if all(len(printer.print(t)) <= limit for t in ts):
         return [], names
     return share(ts, names, hints=hints() if callable(hints) else hints, sums=sums)
 

@@ -14,8 +14,13 @@ the result and broadcast by the caller).  Labels are small integers.
 * **slice** — when no order keeps every intermediate under the limit, the largest label
   shared by operands (or of the output) is cut into chunks (summed labels accumulate,
   output labels fill their slice of the result), recursively.  The result itself is not
-  limited (callers check it against the memory budget); ``BudgetError`` is raised only when
-  chunks of size one still do not fit.
+  limited (callers check it against the memory budget); ``BudgetError`` is raised when
+  chunks of size one still do not fit, and at the floor: when keeping to the limit would
+  cut one contraction into more than ``MAX_SLICES`` pieces (counted before anything runs,
+  ``_pieces``: the plans of the chunk sizes, which repeat, so the count costs a few plans),
+  where the fixed cost of each piece (≈ 1–3 ms of planning, loops and small products) would
+  make the work run for minutes instead of a fraction of a second (a budget of 1000 bytes
+  made attention's exact diagonal at L = 50 take 18 s instead of 0.3 s).
 * **execute** — each pairwise step is one batched matrix product: labels only one side
   carries are summed first, shared labels still needed later are batch axes, the other
   shared labels the inner dimension; a step with no inner dimension is a broadcast product.
@@ -45,6 +50,8 @@ SEARCH_FLOPS = 2 * 10 ** 7
 SLICE_RATIO = 4
 DP_MAX = 16
 RANDOM_REPEATS = 64
+# the floor of slicing: one contraction is cut into at most this many pieces
+MAX_SLICES = 1024
 
 
 @dataclass(frozen=True)
@@ -164,7 +171,38 @@ def contract(ops, arrays, labels, out, limit=None, sizes=None):
         limit = max(1, int(limit))
     present = set(x for ls in labels for x in ls)
     out = tuple(x for x in out if x in present)
-    return _run(ops, list(arrays), [tuple(ls) for ls in labels], out, sizes, limit)
+    labels = [tuple(ls) for ls in labels]
+    if limit is not None:
+        n = _pieces(labels, out, sizes, limit, {})
+        if n > MAX_SLICES:
+            largest = plan(labels, out, sizes, limit).largest
+            raise BudgetError(f"keeping every intermediate under the memory budget of {limit:,} "
+                              f"entries would cut a contraction into {'more than ' if n > 2 * MAX_SLICES else ''}"
+                              f"{min(n, 2 * MAX_SLICES):,} slices (the most is {MAX_SLICES:,}; its "
+                              f"largest intermediate has {largest:,} entries); raise the memory "
+                              f"budget (SYMHESS_MEMORY_BUDGET or memory_budget=)")
+    return _run(ops, list(arrays), labels, out, sizes, limit)
+
+
+def _pieces(labels, out, sizes, limit, memo):
+    """How many pieces ``_run`` cuts the contraction into (counted up to 2 · MAX_SLICES)."""
+    key = tuple(sorted(sizes.items()))
+    if key in memo:
+        return memo[key]
+    p = plan(labels, out, sizes, limit)
+    choice = None
+    if p.largest > max(limit, math.prod(sizes[x] for x in out)):
+        choice = _slice_label(labels, out, sizes, limit, p.largest)
+    if choice is None:
+        memo[key] = 1
+        return 1
+    lab, step = choice
+    full, rest = divmod(sizes[lab], step)
+    total = full * _pieces(labels, out, {**sizes, lab: step}, limit, memo)
+    if rest and total <= 2 * MAX_SLICES:
+        total += _pieces(labels, out, {**sizes, lab: rest}, limit, memo)
+    memo[key] = total
+    return total
 
 
 def _run(ops, arrays, labels, out, sizes, limit):

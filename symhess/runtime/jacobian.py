@@ -12,10 +12,12 @@ not read the data), F's index atoms (rows) and W_p's (columns).
   networks is one factor, the compact tensor itself.
 
 ``CompactJacobian.dense()`` expands to (N,) numel F × numel W_p (axes no factor carries hold
-the value 1).
+the value 1).  The factors, ``tensor()`` and ``dense()`` are checked once for NaN/inf
+(``runtime.checks.finite``): finite values that overflow are an ``InputError`` naming the cause.
 """
 from __future__ import annotations
 
+from . import checks
 from . import contract as C
 from . import network as N
 
@@ -27,8 +29,8 @@ class CompactJacobian:
     compact shape; ``axes[f]``: the compact axes of ``factors[f]`` (after a leading batch axis
     when ``batched``)."""
 
-    def __init__(self, state, nets, numel_f, numel_w, per_sequence):
-        self.state, self.nets = state, list(nets)
+    def __init__(self, state, nets, numel_f, numel_w, per_sequence, what="the Jacobian"):
+        self.state, self.nets, self.what = state, list(nets), what
         self.numel_f, self.numel_w, self.per_sequence = numel_f, numel_w, per_sequence
         self.batched = bool(self.nets and self.nets[0].groups[0])
         if not self.nets:
@@ -48,6 +50,11 @@ class CompactJacobian:
             self.axes, self.factors = self._components(self.nets[0], per_net[0], cls)
         else:
             self.axes, self.factors = (tuple(range(len(self.shape))),), (self._summed(per_net, cls),)
+        for f in self.factors:
+            self._finite(f)
+
+    def _finite(self, a):
+        return checks.finite(a, self.what, self.state._values, self.state.like)
 
     def __repr__(self):
         return (f"<CompactJacobian shape {self.shape}, rows → axes {self.row_axes}, "
@@ -123,7 +130,7 @@ class CompactJacobian:
             f = st.ops.reshape(f, shape)
             out = f if out is None else out * f
         full = ([st.n_batch] if nl else []) + list(self.shape)
-        return out + st.ops.zeros(full, like=st.like)
+        return self._finite(out + st.ops.zeros(full, like=st.like))
 
     def dense(self):
         """(N,) numel F × numel W_p, per sequence when the data carry a batch axis."""
@@ -132,7 +139,7 @@ class CompactJacobian:
             z = st.ops.zeros((self.numel_f, self.numel_w), like=st.like)
             return _per_sequence(st, z, self.per_sequence, False)
         groups = (0, 1, 2) if self.batched else (1, 2)
-        out = N.dense(st, self.nets, groups)
+        out = self._finite(N.dense(st, self.nets, groups))
         return _per_sequence(st, out, self.per_sequence, self.batched)
 
 

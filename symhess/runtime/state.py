@@ -12,7 +12,11 @@ A generated module defines, per (loss, options) variant, a subclass of ``Forward
   Jacobian's networks over (batch | rows of F | atoms of W_P); ``check_inputs`` the inputs of
   the layer's value checks.
 
-Every public method below is exact and reads ``self.schedule`` (memory budget, compacts).
+Every public method below is exact and reads ``self.schedule`` (memory budget, compacts);
+its result (``RESULTS``) is checked once for NaN/inf and its vectors for shape, dtype and
+finiteness (``runtime.checks``): an overflow from finite values is an ``InputError`` naming
+the quantity and its likely cause.  Result and vector flags are read together, once per call
+(on a device the call's one host synchronisation; traces and norms stay 0-d tensors).
 Costs, with T the networks of a block and c(N) the planned cost of contracting N:
 hessian_block Σ_T c(N → block) (+ writing it); diag Σ_T c(N with columns = rows → rows);
 trace likewise to a scalar; frobenius_norm Σ_{s≤t} c(⟨N_s, N_t⟩) (no block built); hvp: the
@@ -20,14 +24,45 @@ matrix-view statements (about a gradient's products).
 """
 from __future__ import annotations
 
+import functools
 import math
 from functools import cached_property
 
-from . import chain
+from . import chain, checks
 from . import network as N
 from ..errors import InputError, UnknownNameError
 
 leaf = cached_property
+
+# the public results, each checked once for NaN/inf (``runtime.checks.finite``) when it is
+# returned (a non-finite result from finite values: an overflow, named with its cause)
+RESULTS = ("loss", "gradient", "hvp", "block_hvp", "diag", "trace", "frobenius_norm",
+           "frobenius_split", "frobenius_norms", "hessian_block", "hessian")
+
+
+def _checked(fn):
+    """``fn`` with its result and vectors checked for NaN/inf at once, by one flag read on
+    the host (``checks.all_finite``); a checked call made by another skips its own check."""
+    @functools.wraps(fn)
+    def run(self, *args, **kw):
+        if self._deferred is not None:
+            return fn(self, *args, **kw)
+        self._deferred = deferred = []
+        try:
+            out = fn(self, *args, **kw)
+        finally:
+            self._deferred = None
+        parts = list(out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else (out,))
+        if not checks.all_finite(parts + [a for _, a in deferred]):
+            for name, a in deferred:
+                checks.vector_finite(name, a, self.like)
+            call = ", ".join(["v" if hasattr(a, "shape") else repr(a) for a in args]
+                             + [f"{k}={'v' if hasattr(v, 'shape') else repr(v)}" for k, v in kw.items()])
+            for x in parts:
+                checks.finite(x, f"{fn.__name__}({call})", {**self._values, **dict(deferred)}, self.like)
+        return out
+    run.checked = True
+    return run
 
 
 def _part(part):
@@ -42,9 +77,18 @@ class Forward:
     PARAMS = ()           # parameter names in declared order (set by the generated class)
     RUNS = {}             # named runs of factors held by several chains → their number (``mm``)
     _one_shot = False     # made for a single call: only products shared within it are kept
+    _deferred = None      # during a checked call: the vectors whose finiteness it reads
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        for name in RESULTS:                      # the generated loss and gradient
+            fn = cls.__dict__.get(name)
+            if fn is not None and not getattr(fn, "checked", False):
+                setattr(cls, name, _checked(fn))
 
     def __init__(self, arrays, dims, n_batch, ops, schedule, like):
         self.__dict__.update(arrays)
+        self._values = arrays
         self.__dict__.update(dims)
         self.n_batch = n_batch
         self.ops, self.schedule, self.like = ops, schedule, like
@@ -176,7 +220,9 @@ class Forward:
         """H_part(p, q) v for v of shape (numel q,) or (numel q, k), without the block: each
         network contracted with v over the column atoms."""
         nets = self.nets(p, q, part)
-        k = None if len(self.ops.shape(v)) == 1 else self.ops.shape(v)[1]
+        nq = self.numel(q)
+        k = getattr(v, "shape", (None, None))[1] if len(getattr(v, "shape", ())) == 2 else None
+        v = checks.vector(v, self.like, [(nq,)] + ([(nq, k)] if k else []), deferred=self._deferred)
         shape = (self.numel(p),) if k is None else (self.numel(p), k)
         if not nets:
             return self.ops.zeros(shape, like=self.like)
@@ -275,6 +321,8 @@ class Forward:
         its three products; 8 for a prepared state's later calls, which reuse the kept
         products of named factors)."""
         _part(part)
+        n = sum(self.numel(p) for p in self.PARAMS)
+        v = checks.vector(v, self.like, [(n,)], deferred=self._deferred)
         dirs, off = [], 0
         for p in self.PARAMS:
             shape = self.ops.shape(getattr(self, p))
@@ -289,3 +337,8 @@ class Forward:
 
     def gradient_flat(self):
         return self._flat(self.gradient())
+
+
+for _name in RESULTS:                              # the results Forward defines itself
+    if _name in Forward.__dict__:
+        setattr(Forward, _name, _checked(Forward.__dict__[_name]))
