@@ -499,7 +499,9 @@ def _elementwise(pr, n):
 @rule(E.SoftmaxRows)
 def _softmax(pr, n):
     t = pr.code(n.args[0])
-    return f"softmax_rows({t}, causal=True)" if n.causal else f"softmax_rows({t})"
+    extra = (", causal=True" if n.causal else "") + \
+        (f", mask={pr.code(n.mask)}" if n.mask is not None else "")
+    return f"softmax_rows({t}{extra})"
 
 
 @rule(E.LogSoftmaxRows)

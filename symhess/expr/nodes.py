@@ -438,18 +438,30 @@ class Elementwise(Expr):
 
 
 class SoftmaxRows(Expr):
-    """Row-wise softmax; with ``causal`` entries j > i are masked (exactly 0)."""
+    """Row-wise softmax; with ``causal`` entries j > i are masked (exactly 0); with a
+    ``mask`` (a constant 0/1 matrix of T's shape, ``args[1]``) the entries where it is 0 are
+    masked (exactly 0): a_ij = m_ij e^{t_ij} / Σ_k m_ik e^{t_ik}."""
 
     __slots__ = ()
 
-    def __init__(self, t, causal=False):
+    def __init__(self, t, causal=False, mask=None):
         if causal and not same(t.rows, t.cols):
             raise ShapeError(f"causal softmax needs a square input, got {_fmt(t.shape)}")
-        super().__init__((t,), (bool(causal),), t.shape)
+        if mask is not None and not (same(mask.rows, t.rows) and same(mask.cols, t.cols)):
+            raise ShapeError(f"softmax mask {_fmt(mask.shape)} differs from its input {_fmt(t.shape)}")
+        super().__init__((t,) if mask is None else (t, mask), (bool(causal),), t.shape)
 
     @property
     def causal(self):
         return self.params[0]
+
+    @property
+    def mask(self):
+        """The 0/1 mask (a constant expression), or None."""
+        return self.args[1] if len(self.args) > 1 else None
+
+    def rebuild(self, args):
+        return SoftmaxRows(args[0], self.causal, args[1] if len(args) > 1 else None)
 
 
 class LogSoftmaxRows(Expr):
@@ -885,11 +897,14 @@ def power(a, p) -> Expr:
     return elementwise(get_function("pow", p), a)
 
 
-def softmax_rows(t, causal=False) -> Expr:
-    _operands("softmax_rows", (t,))
+def softmax_rows(t, causal=False, mask=None) -> Expr:
+    """Row softmax of T; ``mask``: a constant 0/1 matrix (entries where it is 0 are exactly 0)."""
+    _operands("softmax_rows", (t,) if mask is None else (t, mask))
     if not isinstance(causal, bool):
         raise DeclarationError(f"softmax_rows: causal must be True or False, got {causal!r}")
-    return SoftmaxRows(t, causal)
+    if mask is not None and mask.free_vars and any(v.role == "param" for v in mask.free_vars):
+        raise DeclarationError("softmax_rows: the mask must be a constant (not a parameter)")
+    return SoftmaxRows(t, causal, mask)
 
 
 def log_softmax_rows(t) -> Expr:

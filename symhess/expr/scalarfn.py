@@ -52,6 +52,7 @@ FUNCTIONS = {
     "gelu": (x / 2 * (1 + sp.erf(x / sp.sqrt(2))), r"\operatorname{GELU}"),
     "gelu_tanh": (x / 2 * (1 + sp.tanh(sp.sqrt(2 / sp.pi) * (x + sp.Rational(44715, 1000000) * x**3))),
                   r"\operatorname{GELU}_{\tanh}"),
+    "silu": (x * Sigmoid(x), r"\operatorname{SiLU}"),
     "square": (x**2, r"(\cdot)^{2}"),
     "sqrt": (sp.sqrt(x), r"\sqrt{\cdot}"),  # \sqrt needs a braced argument in LaTeX
     "rsqrt": (1 / sp.sqrt(x), r"(\cdot)^{-1/2}"),

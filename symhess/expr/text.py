@@ -54,7 +54,8 @@ class TextPrinter(Printer):
         return f"{n.fn.name}({self.doprint(n.args[0])})"
 
     def _print_SoftmaxRows(self, n):
-        return f"softmax_rows({self.doprint(n.args[0])}{', causal' if n.causal else ''})"
+        mask = f", mask={self.doprint(n.mask)}" if n.mask is not None else ""
+        return f"softmax_rows({self.doprint(n.args[0])}{', causal' if n.causal else ''}{mask})"
 
     def _print_LogSoftmaxRows(self, n):
         return f"log_softmax_rows({self.doprint(n.args[0])})"
