@@ -86,10 +86,23 @@ class Derivation:
         return self._cache[key]
 
     def gradient(self, p, cot=None):
-        """g_p = (∂F/∂W_p)ᵀ G as a matrix expression (no Kronecker product)."""
-        w = self.param(p)
-        d = _direction(w)
-        return adjoint(differential(self.F, {w: d}), d, self.output_gradient if cot is None else cot)
+        """g_p = (∂F/∂W_p)ᵀ G as a matrix expression (no Kronecker product); cached, since
+        every block (p, ·) and every Hessian–vector product starts from it."""
+        key = ("gradient", p, cot)
+        if key not in self._cache:
+            w = self.param(p)
+            d = _direction(w)
+            self._cache[key] = adjoint(differential(self.F, {w: d}), d,
+                                       self.output_gradient if cot is None else cot)
+        return self._cache[key]
+
+    def _dF(self, q, dq):
+        """dF[D_q] and ∂²ℓ[dF[D_q]] (cached per q: shared by the blocks (·, q))."""
+        key = ("dF", q, dq)
+        if key not in self._cache:
+            dF = differential(self.F, {self.param(q): dq})
+            self._cache[key] = self.loss_hessian_map(dF)
+        return self._cache[key]
 
     def hvp_directions(self):
         """The direction variables V_q (one per parameter) used by ``hvp_expressions``."""
@@ -137,8 +150,7 @@ class Derivation:
             out = vec_jacobian(differential(self.gradient(p), {wq: dq}), dq)
         elif part == "outer":
             g = self.output_gradient
-            dF = differential(self.F, {wq: dq})
-            lin = E.substitute(self.gradient(p), {g: self.loss_hessian_map(dF)})
+            lin = E.substitute(self.gradient(p), {g: self._dF(q, dq)})
             out = vec_jacobian(lin, dq)
         else:
             out = E.add(self.raw_block(p, q, "outer"), self.raw_block(p, q, "functional"))

@@ -26,6 +26,7 @@ from ..expr import scalarfn
 from ..errors import DeclarationError
 from ..expr.registry import Registry
 from ..runtime import chain
+from .text import short_text
 
 MAX_INLINE = 72        # longer sub-expressions get a name of their own
 BATCH = "n"            # the batch label of printed network specs
@@ -44,8 +45,13 @@ def _ident(name):
 class Printer:
     """Prints the class members of one variant (see the module docstring)."""
 
-    def __init__(self, program):
+    def __init__(self, program, known=None, suffix=""):
+        """``known``: {node key: member name} of the leaves of the variant this program is a
+        part of (a part rendered on first use reads them instead of recomputing them);
+        ``suffix``: appended to every name this printer makes (parts' names never clash)."""
         self.prog = program
+        self.known = dict(known or {})
+        self.suffix = suffix
         d = program.derivation
         lay = d.layer
         self.variables = dict(lay.variables)
@@ -79,10 +85,11 @@ class Printer:
                 self.hints.setdefault(node.inner, node.name)
         self.size_subs = {s: sp.Symbol(f"s.{s.name}") for s in self.dims}
         self.size_subs[N_BATCH] = sp.Symbol("s.n_batch")
+        self._coef_code = {}
 
     # -- names ------------------------------------------------------------------------
     def fresh(self, hint):
-        base = _ident(hint)
+        base = _ident(hint) + self.suffix
         name, k = base, 1
         while name in self.taken or name in RESERVED:
             k += 1
@@ -101,6 +108,9 @@ class Printer:
         if isinstance(node, E.Var):
             return _var(self, node)
         if node in self.leaf_names:
+            return f"s.{self.leaf_names[node]}"
+        if self.known and not isinstance(node, E.Constant) and node.key in self.known:
+            self.leaf_names[node] = self.known[node.key]
             return f"s.{self.leaf_names[node]}"
         if self.local_names is not None and node in self.local_names:
             return self.local_names[node]
@@ -139,6 +149,9 @@ class Printer:
             return _var(self, node)
         if node in self.leaf_names:
             return f"s.{self.leaf_names[node]}"
+        if self.known and node.key in self.known:
+            self.leaf_names[node] = self.known[node.key]
+            return f"s.{self.leaf_names[node]}"
         text = self.code(node)
         if re.fullmatch(r"s\.\w+", text):
             self.leaf_names[node] = text[2:]
@@ -146,10 +159,14 @@ class Printer:
         return self.define(node, text, force_leaf=True)
 
     def size(self, d) -> str:
-        return _py(sp.sympify(d).subs(self.size_subs))
+        return self.coef(d)
 
     def coef(self, c) -> str:
-        return _py(sp.sympify(c).subs(self.size_subs))
+        """A coefficient or size as Python source (cached: the same few recur in every network)."""
+        key = sp.sympify(c)
+        if key not in self._coef_code:
+            self._coef_code[key] = _py(key.subs(self.size_subs))
+        return self._coef_code[key]
 
     # -- members ----------------------------------------------------------------------
     def members(self):
@@ -166,11 +183,16 @@ class Printer:
         leaves = [_leaf_member(name, text, doc) for name, text, doc in self.leaf_defs]
         return leaves + comps + blocks + jacs + routines
 
+    def leaf_keys(self):
+        """{node key: member name} of every leaf printed (for the parts of a variant)."""
+        return {node.key: name for node, name in sorted(self.leaf_names.items(),
+                                                          key=lambda kv: kv[1])}
+
     def _block(self, p, q, part, terms, compacts):
         nets = [self._net(t, "block", compacts) for t in terms]
         sym = {"outer": "H_o", "functional": "H_f"}[part]
-        text = self.prog.derivation.block(p, q, part).text()
-        doc = f"{sym}({p}, {q}) = {text}" if len(text) <= 240 else \
+        text = short_text(self.prog.derivation.block(p, q, part).expr, 240)
+        doc = f"{sym}({p}, {q}) = {text}" if text is not None else \
             f"{sym}({p}, {q}): {len(terms)} networks (the formula: `symhess derive`)"
         return _method(f"block__{p}__{q}__{part}", [], doc, nets)
 

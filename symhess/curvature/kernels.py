@@ -295,7 +295,7 @@ class Kernel:
         p = self._param(p)
         st = self.prepare(values, need_target=False)
         batched = any(np.ndim(values[n]) == 3 for n in self._data if n in values and n != "Y")
-        fn = getattr(st, f"jacobian__{p}", None)
+        fn = st.member(f"jacobian__{p}", ("jacobian", p))
         nets = fn() if fn is not None else []
         F = self.layer.output
         dims = {sp.Symbol(k, positive=True, integer=True): v for k, v in st.dims.items()}

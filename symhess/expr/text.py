@@ -102,3 +102,22 @@ def _label(tex) -> str:
 
 def text(expr) -> str:
     return TextPrinter().doprint(expr)
+
+
+def short_text(expr, limit) -> str | None:
+    """``text(expr)`` when it is at most ``limit`` characters, else None — decided without
+    printing large expressions: a printed expression has at least as many characters as its
+    tree has leaves, and a derivation's DAGs can have exponentially many (counted per node
+    once, capped at ``limit``)."""
+    memo = {}
+
+    def leaves(n):
+        if n not in memo:
+            args = n.args[1:] if type(n).__name__ == "Named" else n.args    # a name prints as itself
+            memo[n] = 1 if not args else min(limit + 1, 1 + sum(leaves(a) for a in args))
+        return memo[n]
+
+    if leaves(expr) > limit:
+        return None
+    s = text(expr)
+    return s if len(s) <= limit else None
