@@ -497,6 +497,7 @@ def _result(ctx, out, X, x_kinds, x):
     else:
         for k, (T, A) in enumerate(ctx.softmaxes, 1):
             inter[f"T{k}"], inter[f"A{k}"] = T, A
+    F, inter = _shared_projections(F, inter)
     F, inter, checks, ordered, pieces = _renamed(ctx, F, inter)
     L = x.shape[x_kinds.index("pos")]
     B = x.shape[x_kinds.index("batch")] if "batch" in x_kinds else 1
@@ -506,6 +507,32 @@ def _result(ctx, out, X, x_kinds, x):
                    {k: v for k, v in ctx.seq_values.items() if k in used},
                    list(dict.fromkeys(ctx.casts)), checks, inter, x_kinds, y_kinds, B, L,
                    {str(s): n for n, s in ctx.size_syms.items()}, ctx.cast_eps)
+
+
+def _shared_projections(F, inter):
+    """A projection used both as it is and times a constant (a head's query U W and its
+    rotate_half U W R) becomes one named quantity P_k: the derivatives then form d(U W) once
+    and multiply it by R, instead of expanding d(U W R) into products of their own."""
+    nodes = {n: None for n in E.walk(F)}
+    found = []
+    for n in nodes:
+        if isinstance(n, E.MatMul) and len(n.args) >= 3 and _const(n.args[-1]) and \
+                isinstance(n.args[-2], E.Var) and n.args[-2].role == "param":
+            core = E.matmul(*n.args[:-1])
+            if core in nodes and core not in found:
+                found.append(core)
+    if not found:
+        return F, inter
+    mapping = {core: E.named(core, f"P_{k}", rf"\mathbf P_{{{k}}}") for k, core in enumerate(found, 1)}
+    for n in nodes:
+        if isinstance(n, E.MatMul) and len(n.args) >= 3 and E.matmul(*n.args[:-1]) in mapping:
+            mapping[n] = E.matmul(mapping[E.matmul(*n.args[:-1])], n.args[-1])
+    sub = lambda e: E.substitute(e, mapping)  # noqa: E731
+    return sub(F), {k: sub(v) for k, v in inter.items()}
+
+
+def _const(e):
+    return isinstance(e, E.Var) and e.role == "const"
 
 
 def _renamed(ctx, F, inter):

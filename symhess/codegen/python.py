@@ -17,6 +17,7 @@ rule raise; nothing falls back to ``str()``.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 import opt_einsum as oe
 import sympy as sp
@@ -114,6 +115,16 @@ class Printer:
             return f"s.{self.leaf_names[node]}"
         if self.local_names is not None and node in self.local_names:
             return self.local_names[node]
+        scaled = _monic_sum(node) if self.local_names is not None else None
+        if scaled is not None and self.refs.get(scaled[1], 0) > 1:
+            c, monic = scaled                            # c · S with S named once for all c
+            return _scaled(self, c, self.code(monic))
+        if isinstance(node, E.MatMul):                 # a product whose transpose has a name
+            t = E.transpose(node)
+            if t in self.leaf_names:
+                return f"tr(s.{self.leaf_names[t]})"
+            if self.local_names is not None and t in self.local_names:
+                return f"tr({self.local_names[t]})"
         fn = RULES.get(type(node))
         if fn is None:
             raise NotImplementedError(f"the kernel printer has no rule for {type(node).__name__} "
@@ -346,10 +357,30 @@ def _references(program):
             refs[a] = refs.get(a, 0) + 1
     for r in roots:
         refs[r] = refs.get(r, 0) + 1
+    for node in nodes:             # a product and its transpose are one quantity (X V, Vᵀ Xᵀ)
+        if isinstance(node, E.MatMul):
+            t = E.transpose(node)
+            if t in nodes and t is not node and t != node:
+                refs[node] = refs[t] = refs.get(node, 0) + refs.get(t, 0)
+    for node in nodes:             # c·S₁ and c′·S₁ (scalars sit on a sum's terms) share S₁
+        scaled = _monic_sum(node)
+        if scaled is not None:
+            refs[scaled[1]] = refs.get(scaled[1], 0) + refs.get(node, 0)
     for node in nodes:             # a sum prints c · A as its term: A is used where c · A is
         if isinstance(node, E.Scale) and refs.get(node, 0) > 1:
             refs[node.args[0]] = max(refs.get(node.args[0], 0), refs[node])
     return refs
+
+
+@lru_cache(maxsize=None)
+def _monic_sum(node):
+    """(c, S) with a sum = c·S and S's first term unscaled, or None (not a sum, or c = 1)."""
+    if not isinstance(node, E.Add):
+        return None
+    c0 = node.args[0].coef if isinstance(node.args[0], E.Scale) else sp.Integer(1)
+    if c0 == 1:
+        return None
+    return c0, E.add(*(E.scale(1 / c0, t) for t in node.args))
 
 
 def _compact_hint(node):
@@ -427,8 +458,8 @@ def _matmul(pr, n):
         codes, names = _factors(pr, f)
         return f"s.mm({names!r}, " + ", ".join(codes) + ")"
     left, ones, right = f[:j], f[j], f[j + 1:]
-    lv = f"sum_last({pr.code(E.matmul(*left))})" if left else None
-    rv = f"sum_rows({pr.code(E.matmul(*right))})" if right else None
+    lv = _summed(pr, left, "sum_last") if left else None
+    rv = _summed(pr, right, "sum_rows") if right else None
     if lv and rv:
         return f"{lv} * {rv}"
     if lv:
@@ -436,6 +467,20 @@ def _matmul(pr, n):
     if rv:
         return rv if E.same(ones.rows, 1) else f"bcast_rows({rv}, {pr.size(ones.rows)})"
     return f"ones(({pr.size(n.rows)}, {pr.size(n.cols)}), s.like)"
+
+
+def _summed(pr, factors, how):
+    """P 1 (``sum_last``) or 1ᵀ Q (``sum_rows``) of a product: the factor next to the ones is
+    summed first, so the product is a vector's (1ᵀ A B = (1ᵀ A) B costs a row of A B)."""
+    at = -1 if how == "sum_last" else 0
+    if len(factors) == 1 or pr.depends_on_arguments(factors[at]) is None:
+        return f"{how}({pr.code(E.matmul(*factors))})"
+    near = f"{how}({pr.code(factors[at])})"
+    rest = factors[:-1] if at == -1 else factors[1:]
+    codes, names = _factors(pr, rest)
+    if at == -1:
+        return f"s.mm({(names + ' _')!r}, " + ", ".join(codes + [near]) + ")"
+    return f"s.mm({('_ ' + names)!r}, " + ", ".join([near] + codes) + ")"
 
 
 def _shared_end(terms):
