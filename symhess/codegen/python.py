@@ -673,6 +673,9 @@ def scalar_code(expr, arg):
             base, ex = e.args
             if ex == sp.Rational(1, 2):
                 return f"sqrt({p(base)})"
+            if ex in (2, 3):                         # a product: pow is several times slower
+                b = p(base)
+                return "(" + " * ".join([b] * int(ex)) + ")"
             return f"({p(base)} ** {p(ex)})"
         if isinstance(e, sp.Heaviside):
             h0 = e.args[1] if len(e.args) > 1 else sp.Rational(1, 2)
