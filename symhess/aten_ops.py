@@ -263,6 +263,8 @@ def _stack(ctx, node, xs, dim=0):
 
 # ----------------------------------------------------------------------------- arithmetic
 def _binary(ctx, a, b, kind):
+    from .capture import Piece
+    a, b = (piece_row(ctx, v) if isinstance(v, Piece) else v for v in (a, b))
     if isinstance(a, Sym) and _is_scalar(b):
         return O.scalar(ctx, a, kind, _value(b))
     if isinstance(b, Sym) and _is_scalar(a):
