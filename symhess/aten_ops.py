@@ -560,7 +560,8 @@ def _sdpa(ctx, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     """softmax(c Q Kᵀ + mask) V per head, c = 1/√d_h unless given; grouped-query heads share
     K, V."""
     if dropout_p:
-        raise ctx.fail(f"attention dropout {dropout_p} is random; call module.eval()")
+        raise ctx.fail(f"attention dropout {dropout_p} in training mode is random; call "
+                       f"module.eval() (or set the dropout to 0)")
     import torch
     d_h = q.shape[-1]
     c = 1 / math.sqrt(d_h) if scale is None else scale

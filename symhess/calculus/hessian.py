@@ -20,7 +20,7 @@ from .kron import vec_jacobian
 from ..expr.layer import Layer
 from .losses import get_loss
 from .rules import differential
-from .simplify import definitions, simplify
+from .simplify import Simplifier, definitions, simplify
 from ..errors import DeclarationError, UnknownNameError
 from ..expr.evaluate import InputError, bind_dims, check_values, evaluate
 
@@ -42,6 +42,7 @@ class Derivation:
         self.Y = E.matrix("Y", F.rows, F.cols)
         self._loss_fn = get_loss(loss)
         self._cache = {}
+        self._simplifier = Simplifier(layer)     # blocks share sub-expressions: rewrite once
 
     # -- the loss side -------------------------------------------------------------------
     @cached_property
@@ -82,7 +83,7 @@ class Derivation:
         if key not in self._cache:
             w = self.param(p)
             d = _direction(w)
-            self._cache[key] = simplify(vec_jacobian(differential(self.F, {w: d}), d), self.layer)
+            self._cache[key] = simplify(vec_jacobian(differential(self.F, {w: d}), d), self.layer, self._simplifier)
         return self._cache[key]
 
     def gradient(self, p, cot=None):
@@ -180,7 +181,7 @@ class Derivation:
         """The (p, q) Hessian block in vec_r layout, simplified for display."""
         key = ("block", p, q, part, at)
         if key not in self._cache:
-            self._cache[key] = Block(simplify(self.raw_block(p, q, part, at), self.layer), self, (p, q, part))
+            self._cache[key] = Block(simplify(self.raw_block(p, q, part, at), self.layer, self._simplifier), self, (p, q, part))
         return self._cache[key]
 
     @cached_property

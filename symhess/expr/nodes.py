@@ -88,7 +88,7 @@ def _typed_repr(params, _types) -> str:
 
 
 def _d(x) -> sp.Expr:
-    return sp.sympify(x)
+    return x if isinstance(x, sp.Basic) else sp.sympify(x)
 
 
 def _fmt(shape) -> str:
@@ -678,7 +678,19 @@ def _split(e):
     """(coef, core) with e = coef · core."""
     if isinstance(e, Scale):
         return e.coef, e.args[0]
-    return sp.Integer(1), e
+    return ONE, e
+
+
+ONE = sp.Integer(1)
+
+
+def _times(a, b):
+    """a·b for sympy scalars, without sympy's arithmetic when one of them is 1."""
+    if b is ONE or b == 1:
+        return a
+    if a is ONE or a == 1:
+        return b
+    return a * b
 
 
 def scale(coef, a) -> Expr:
@@ -686,7 +698,7 @@ def scale(coef, a) -> Expr:
     if coef == 0 or isinstance(a, Zero):
         return Zero(*a.shape)
     c0, core = _split(a)
-    coef = coef * c0
+    coef = _times(coef, c0)
     if coef == 1:
         return core
     if isinstance(core, Add):  # canonical: scalars sit on the terms of a sum
@@ -720,7 +732,7 @@ def matmul(*factors) -> Expr:
     flat = []
     for f in factors:
         c, f = _split(f)
-        coef *= c
+        coef = _times(coef, c)
         flat.extend(f.args if isinstance(f, MatMul) else (f,))
     for a, b in zip(flat, flat[1:]):
         if not same(a.cols, b.rows):
@@ -733,7 +745,7 @@ def matmul(*factors) -> Expr:
     while todo:
         f = todo.pop()
         c, f = _split(f)
-        coef *= c
+        coef = _times(coef, c)
         if isinstance(f, Zero):
             return Zero(rows, cols)
         if isinstance(f, Identity):
@@ -831,7 +843,7 @@ def kron(*factors) -> Expr:
     flat = []
     for f in factors:
         c, f = _split(f)
-        coef *= c
+        coef = _times(coef, c)
         flat.extend(f.args if isinstance(f, Kron) else (f,))
     if any(isinstance(f, Zero) for f in flat):
         r, c = sp.Integer(1), sp.Integer(1)
@@ -864,7 +876,7 @@ def hadamard(*factors) -> Expr:
     flat = []
     for f in factors:
         c, f = _split(f)
-        coef *= c
+        coef = _times(coef, c)
         flat.extend(f.args if isinstance(f, Hadamard) else (f,))
     shape = flat[0].shape
     for f in flat[1:]:

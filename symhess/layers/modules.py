@@ -53,8 +53,11 @@ def from_module(module, example_inputs=None, kwargs=None, *, causal=False, attn_
     from torch import nn
     if not isinstance(module, nn.Module):
         raise DeclarationError(f"from_module takes a torch.nn.Module, got {type(module).__name__}")
+    default = None
     if example_inputs is None:
         example_inputs, kwargs = _default_call(module, causal, attn_mask, is_causal)
+        if attn_mask is None:                   # the call at any length: the causal mask of it
+            default = lambda x: _default_call(module, causal, None, is_causal, x)  # noqa: E731
     elif causal or attn_mask is not None or is_causal:
         raise DeclarationError("causal, attn_mask and is_causal describe the default call of "
                                "nn.MultiheadAttention / nn.TransformerEncoderLayer; with "
@@ -65,12 +68,15 @@ def from_module(module, example_inputs=None, kwargs=None, *, causal=False, attn_
     with torch.no_grad():
         cap = capture(module, args, kwargs, batch_dim)
     ml = ModuleLayer(module, cap, args, kwargs)
+    ml._default = default
     if check:
         _check_forward(ml)
     return ml
 
 
-def _default_call(module, causal, attn_mask, is_causal):
+def _default_call(module, causal, attn_mask, is_causal, x=None):
+    """(args, kwargs) of nn.MultiheadAttention / nn.TransformerEncoderLayer called on x (a
+    random (2, 5, d) input when None) with the mask asked for."""
     import torch
     from torch import nn
     if isinstance(module, nn.MultiheadAttention):
@@ -81,10 +87,11 @@ def _default_call(module, causal, attn_mask, is_causal):
         raise DeclarationError(f"from_module({type(module).__name__}) needs example_inputs (the "
                                f"hidden states, and the other arguments of its forward); without "
                                f"them it takes nn.MultiheadAttention and nn.TransformerEncoderLayer")
-    g = torch.Generator().manual_seed(0)
-    L = 5
-    x = torch.randn((2, L, d) if first else (L, 2, d), generator=g,
-                    dtype=next(module.parameters()).dtype)
+    if x is None:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn((2, 5, d) if first else (5, 2, d), generator=g,
+                        dtype=next(module.parameters()).dtype)
+    L = x.shape[-2] if (first or x.ndim == 2) else x.shape[0]
     mask = _mask(attn_mask, causal or bool(is_causal), L)
     if isinstance(module, nn.MultiheadAttention):
         kw = {"need_weights": False}
@@ -112,6 +119,7 @@ class ModuleLayer:
         self.module, self.capture = module, cap
         self.args, self.kwargs = args, kwargs
         self._x = next(a for a in args if hasattr(a, "ndim"))
+        self._default = None
         self.casts = list(cap.casts)
         self.batch_first = cap.x_perm[0] != "pos"
         self.layer = Layer(f"module_{_ident(type(module).__name__)}", cap.output, tuple(cap.params),
@@ -254,6 +262,8 @@ class ModuleLayer:
         tensors cast to x's dtype)."""
         from torch.utils import _pytree as pytree
         x = _as_torch(x)
+        if getattr(self, "_default", None) is not None:
+            return self._default(x)
         cast = lambda t: t.to(x.dtype) if hasattr(t, "is_floating_point") and t.is_floating_point() else t  # noqa: E731
         return pytree.tree_map(lambda t: x if t is self._x else cast(t), (self.args, self.kwargs))
 
