@@ -82,11 +82,22 @@ def _sizes(items):
 def random_dataset(derivation, sizes, length, batches, batch, seed):
     """(params, [batch dicts]): parameters as ``symhess.calculus.verify.random_values``, data normal
     (targets: row distributions for cross-entropy), all float64."""
+    from ..layers.modules import module_layer_of
     from ..calculus.verify import random_values
     lay = derivation.layer
     dims = dict(sizes)
+    ml = module_layer_of(lay)
+    if ml is not None:                     # a captured module: its own sizes and parameters
+        if ml.capture.seq_consts:
+            raise OptionError(f"{lay.name}: constants that differ between the example's "
+                              f"sequences ({', '.join(ml.capture.seq_consts)}) have no random data")
+        dims = {**ml.capture.dims, **dims}
+        if ml.capture.consts:
+            dims["L"] = ml.capture.example_length
     dims.setdefault("L", length)
     vals = random_values(derivation, seed, sizes=dims)
+    if ml is not None:
+        vals.update({k: v.detach().to(torch_float64()).numpy() for k, v in ml.params().items()})
     data_names = [v.name for v in lay.inputs if v.role == "input"] + ["Y"]
     params = {k: v for k, v in vals.items() if k not in data_names}
     rng = np.random.default_rng(seed + 1000)
@@ -102,6 +113,11 @@ def random_dataset(derivation, sizes, length, batches, batch, seed):
                 b[n] = rng.standard_normal((batch,) + shape)
         out.append(b)
     return params, out
+
+
+def torch_float64():
+    import torch
+    return torch.float64
 
 
 def addition_dataset(layer, sizes, batches, batch, seed, sigma):

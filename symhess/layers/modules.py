@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 
 import numpy as np
 
@@ -69,9 +70,19 @@ def from_module(module, example_inputs=None, kwargs=None, *, causal=False, attn_
         cap = capture(module, args, kwargs, batch_dim)
     ml = ModuleLayer(module, cap, args, kwargs)
     ml._default = default
+    _OF_LAYER[ml.layer] = ml
     if check:
         _check_forward(ml)
     return ml
+
+
+_OF_LAYER = weakref.WeakKeyDictionary()
+
+
+def module_layer_of(layer):
+    """The ``ModuleLayer`` a declared layer was captured into (None for other layers): the
+    command line takes the module's parameters and constants from it."""
+    return _OF_LAYER.get(layer)
 
 
 def _default_call(module, causal, attn_mask, is_causal, x=None):
