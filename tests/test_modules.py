@@ -400,3 +400,37 @@ def test_constants_bind_the_length():
                         {"position_embeddings": pe, "attention_mask": causal_additive()})
     with pytest.raises(InputError, match="captured with 4"):
         ml.batch(torch.randn(B, L + 1, D, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- command line
+FACTORIES = '''
+import torch
+from torch import nn
+
+def block():
+    torch.manual_seed(0)
+    m = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=True, norm_first=True)
+    return m.double().eval(), (torch.randn(2, 4, 8, dtype=torch.float64),)
+
+mha = nn.MultiheadAttention(8, 1, bias=False, batch_first=True).double()
+
+def training():
+    return nn.MultiheadAttention(8, 2, dropout=0.5), (torch.randn(2, 4, 8),) * 3
+'''
+
+
+def test_command_line_takes_module_factories(tmp_path, capsys):
+    from symhess.cli import main
+    (tmp_path / "mods.py").write_text(FACTORIES)
+    spec = str(tmp_path / "mods.py")
+    code = main(["derive", f"{spec}:block", "--block", "norm1_weight,linear2_bias", "--part", "outer",
+                 "--format", "text"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("H_outer(norm1_weight, linear2_bias) = ")
+    code = main(["verify", f"{spec}:mha"])
+    out = capsys.readouterr().out
+    assert code == 0 and "all blocks agree with autograd" in out and "in_proj_weight_3" in out
+    code = main(["derive", f"{spec}:training"])
+    err = capsys.readouterr().err
+    assert code == 2 and "dropout 0.5 in training mode is random; call module.eval()" in err
+    assert len(err.strip().splitlines()) == 1
