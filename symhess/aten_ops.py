@@ -99,8 +99,9 @@ def _identity(ctx, node, x, *a, **k):
 
 @op("aten.to.dtype", "aten._to_copy.default", "aten.to.dtype_layout", "aten.type_as.default")
 def _cast(ctx, node, x, *a, **k):
-    """A dtype cast: the identity (the declaration is the mathematics in the caller's dtype);
-    a cast to less precision than the caller's is recorded (``Capture.casts``)."""
+    """A dtype cast: the identity, recorded when it lowers the caller's precision.
+
+    The declaration states the mathematics in the caller's dtype (``Capture.casts``)."""
     ctx.note_cast(node, x, a, k)
     return x
 
@@ -341,8 +342,7 @@ def _rpow(ctx, node, c, a):
 
 @op("aten.masked_fill.Scalar", "aten.masked_fill.Tensor")
 def _masked_fill(ctx, node, x, mask, value):
-    """x with entries where the constant boolean mask holds set to ``value``: −∞ (or
-    ≤ −max/2) masks attention logits; a finite value is x ∘ (1 − m) + value·m."""
+    """x with a constant mask's entries set to v: −∞ masks logits; finite, x∘(1 − m) + v m."""
     if not isinstance(x, Sym) or isinstance(mask, Sym):
         raise ctx.fail("masked_fill with a mask that depends on the input")
     v = _value(value)
@@ -428,6 +428,12 @@ def _sum(ctx, node, x, dims, keepdim=False, dtype=None):
     """Sum over axes: the columns (U 1), the rows or heads."""
     dims = [dims] if isinstance(dims, int) else dims
     return O.reduce(ctx, x, dims, keepdim, False)
+
+
+@op("aten.var.dim")
+def _var_dim(ctx, node, x, dims=None, unbiased=True, keepdim=False):
+    """Variance over the columns, with (unbiased) or without Bessel's correction."""
+    return _var(ctx, node, x, dims, 1 if unbiased else 0, keepdim)
 
 
 @op("aten.var.correction")
@@ -557,8 +563,7 @@ def _rms_norm(ctx, node, x, shape, w=None, eps=None):
 @op("aten.scaled_dot_product_attention.default")
 def _sdpa(ctx, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False):
-    """softmax(c Q Kᵀ + mask) V per head, c = 1/√d_h unless given; grouped-query heads share
-    K, V."""
+    """softmax(c Q Kᵀ + mask) V per head, c = 1/√d_h unless given (GQA: shared K, V)."""
     if dropout_p:
         raise ctx.fail(f"attention dropout {dropout_p} in training mode is random; call "
                        f"module.eval() (or set the dropout to 0)")

@@ -434,3 +434,45 @@ def test_command_line_takes_module_factories(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "dropout 0.5 in training mode is random; call module.eval()" in err
     assert len(err.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- the op table
+class Zoo(nn.Module):
+    """Many table entries in one forward: chunk, var, div, sqrt, baddbmm with a (B, L, L)
+    additive mask, where (a boolean mask to −∞), masked_fill with a finite value, stack and a
+    sum over the stacked axis, cat, repeat_interleave of heads, rsub, reciprocal, square, sin,
+    cos, erf, pow of a number, log_softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, 2 * D)
+        self.q = nn.Linear(D, D, bias=False)
+        self.k = nn.Linear(D, D // 2, bias=False)
+        self.gamma = nn.Parameter(torch.rand(D) + 0.5)
+
+    def forward(self, x, bias, keep, fill):
+        a, b = self.lin(x).chunk(2, -1)
+        gate = (1 - torch.sigmoid(a)) * torch.sin(b) + torch.cos(a) * torch.erf(b).square()
+        var = x.var(-1, keepdim=True, unbiased=False)
+        n = (x - x.mean(-1, keepdim=True)) / torch.sqrt(var + 1e-5) * self.gamma
+        q = self.q(n).view(B, L, 2, D // 2).transpose(1, 2)              # 2 query heads
+        k = self.k(n).view(B, L, 1, D // 2).transpose(1, 2)              # 1 key head
+        k = k.repeat_interleave(2, dim=1)
+        s = torch.baddbmm(bias, q.reshape(B * 2, L, D // 2), k.reshape(B * 2, L, D // 2).transpose(1, 2))
+        s = torch.where(keep, s.view(B, 2, L, L), torch.tensor(-torch.inf, dtype=s.dtype))
+        att = torch.softmax(s, -1) @ q
+        mixed = torch.stack([att[:, 0], att[:, 1]], 1).sum(1)
+        mixed = torch.cat([mixed, 2 * mixed[..., :2], -mixed[..., 2:]], -1)
+        out = mixed.masked_fill(fill, 0.25) + torch.reciprocal(2.0 + gate ** 2) + 2.0 ** (0.1 * gate)
+        return torch.log_softmax(out, -1)
+
+
+def test_a_module_of_many_ops():
+    torch.manual_seed(9)
+    x = hidden()
+    bias = torch.randn(B * 2, L, L, dtype=torch.float64)
+    keep = torch.tril(torch.ones(L, L, dtype=torch.bool)) | (torch.rand(B, 1, L, L) > 0.5)
+    fill = torch.zeros(B, L, D, dtype=torch.bool)
+    fill[0, 1, 2] = True
+    ml = check(Zoo().double(), (x, bias, keep, fill))
+    assert {v.name[0] for v in ml.layer.inputs[1:]} >= {"M", "C"}

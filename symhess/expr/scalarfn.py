@@ -175,6 +175,8 @@ def _lambdify(expr, backend):
     mods = [{"Heaviside": heaviside, "erf": either(torch.special.erf, math.erf),
              "exp": either(torch.exp, math.exp), "log": either(torch.log, math.log),
              "tanh": either(torch.tanh, math.tanh), "sqrt": either(torch.sqrt, math.sqrt),
+             "sin": either(torch.sin, math.sin), "cos": either(torch.cos, math.cos),
+             "sinh": either(torch.sinh, math.sinh), "cosh": either(torch.cosh, math.cosh),
              "Sigmoid": either(torch.sigmoid, lambda a: 1 / (1 + math.exp(-a))),
              "pi": float(sp.pi)}, "math"]
     return sp.lambdify(x, expr, modules=mods)
