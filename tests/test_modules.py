@@ -476,3 +476,15 @@ def test_a_module_of_many_ops():
     fill[0, 1, 2] = True
     ml = check(Zoo().double(), (x, bias, keep, fill))
     assert {v.name[0] for v in ml.layer.inputs[1:]} >= {"M", "C"}
+
+
+def test_the_docs_list_every_op():
+    """docs/modules.md names every entry of the op table."""
+    from pathlib import Path
+
+    from symhess.aten_ops import OPS
+    text = (Path(__file__).resolve().parent.parent / "docs" / "modules.md").read_text()
+    table = text[text.index("| ATen op | declares |"):text.index("## Module-level constructs")]
+    missing = [n for n in OPS if n != "<built-in function getitem>" and
+               f"`{n.split('.')[1]}" not in table and f"`{n.removeprefix('aten.')}`" not in table]
+    assert not missing
