@@ -11,7 +11,7 @@ gpt2 and llama; float64, eval mode, eager attention for transformers' blocks.
 
 * setup: ``from_module`` (torch.export capture, translation, the forward check), then the
   kernels' first use in a fresh cache: derivation and rendering of the routines (a variant
-  of more than 8 declared parameters renders its blocks on first use, ``symhess.codegen``),
+  of more than 8 declared parameters renders its blocks on first use, ``symhess.codegen.render``),
   and of one diagonal block;
 * hvp: a stateless ``Kernel.hvp`` against ``torch.func.jvp(grad(loss))`` of the module
   (``functional_call`` over its parameters, MSE of its output), relative error of the two;
@@ -20,7 +20,7 @@ gpt2 and llama; float64, eval mode, eager attention for transformers' blocks.
 
 Both sides run in one process, threads pinned to 1, interleaved rounds, minimum
 (``benchmarks.timing``).  Llama's float32 steps are neutralised in the reference
-(``symhess.modules.no_downcasts``) so that both compute the same float64 mathematics.
+(``symhess.layers.modules.no_downcasts``) so that both compute the same float64 mathematics.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from torch.func import functional_call, grad, jvp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import symhess as sh
-from symhess.modules import no_downcasts
+from symhess.layers.modules import no_downcasts
 
 from .timing import interleaved
 

@@ -6,7 +6,7 @@ the refusals.
 The reference differentiates ``module(*args, **kwargs)`` itself (``functional_call`` over its
 parameters, MSE of its output) by double backward; modules that compute steps in float32
 inside a float64 run (Llama's RMSNorm, the eager softmax upcast) are differentiated under
-``symhess.modules.no_downcasts`` (their own forward with those casts made no-ops), which is
+``symhess.layers.modules.no_downcasts`` (their own forward with those casts made no-ops), which is
 the mathematics the declaration states.  Sizes are tiny (L = 4, d = 8, 2 heads)."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import symhess as sh
 from symhess.errors import DeclarationError, InputError
-from symhess.modules import no_downcasts
+from symhess.layers.modules import no_downcasts
 
 B, L, D, HEADS, DFF = 2, 4, 8, 2, 12
 TOL = 1e-10
@@ -420,7 +420,7 @@ def training():
 
 
 def test_command_line_takes_module_factories(tmp_path, capsys):
-    from symhess.cli import main
+    from symhess.cli.main import main
     (tmp_path / "mods.py").write_text(FACTORIES)
     spec = str(tmp_path / "mods.py")
     code = main(["derive", f"{spec}:block", "--block", "norm1_weight,linear2_bias", "--part", "outer",
@@ -482,7 +482,7 @@ def test_the_docs_list_every_op():
     """docs/modules.md names every entry of the op table."""
     from pathlib import Path
 
-    from symhess.aten_ops import OPS
+    from symhess.layers.capture.aten import OPS
     text = (Path(__file__).resolve().parent.parent / "docs" / "modules.md").read_text()
     table = text[text.index("| ATen op | declares |"):text.index("## Module-level constructs")]
     missing = [n for n in OPS if n != "<built-in function getitem>" and

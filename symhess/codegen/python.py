@@ -27,7 +27,7 @@ from ..expr import scalarfn
 from ..errors import DeclarationError
 from ..expr.registry import Registry
 from ..runtime import chain
-from .text import short_text
+from ..expr.text import short_text
 
 MAX_INLINE = 72        # longer sub-expressions get a name of their own
 BATCH = "n"            # the batch label of printed network specs

@@ -1,7 +1,7 @@
 """torch modules as declared layers: ``symhess.from_module(module, example_inputs, kwargs)``.
 
 The module's forward is captured as an ATen graph and translated into a declaration
-(``symhess.capture``; the ops: ``symhess.aten_ops``; docs/modules.md).  The result, a
+(``symhess.layers.capture``; the op table: ``capture.aten``; docs/modules.md).  The result, a
 ``ModuleLayer``, holds the declared ``Layer`` and the maps between the declaration and the
 module:
 
@@ -65,7 +65,7 @@ def from_module(module, example_inputs=None, kwargs=None, *, causal=False, attn_
                                "example_inputs pass the mask in kwargs")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(kwargs or {})
-    from ..capture import capture
+    from .capture import capture
     with torch.no_grad():
         cap = capture(module, args, kwargs, batch_dim)
     ml = ModuleLayer(module, cap, args, kwargs)

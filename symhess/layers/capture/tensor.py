@@ -37,14 +37,28 @@ grouped-query ``repeat_kv`` is a replication of block references (no copy, no op
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 import sympy as sp
 
-from .expr import nodes as E
-from .errors import DeclarationError
-from .expr.scalarfn import ScalarFn, x as X_SYM, get_function, FUNCTIONS
+from ...expr import nodes as E
+from ...errors import DeclarationError
+from ...expr.scalarfn import ScalarFn, x as X_SYM, get_function, FUNCTIONS
+
+
+MASK_FRACTION = 0.5      # additive entries ≤ −MASK_FRACTION · max(dtype) (or −∞) mask
+
+
+@dataclass
+class Piece:
+    """Entries of module parameter ``name``: ``idx`` (an int tensor of any shape) holds flat
+    positions inside it, ``value`` the entries (for constant folding of view operations)."""
+
+    name: str
+    idx: object
+    value: object
 
 
 class Atom:
@@ -198,7 +212,7 @@ def scalar_fn(f):
     for name, (g, _) in FUNCTIONS.items():
         if _same_fn(f, g):
             return get_function(name)
-    from .expr.latex import _explicit_tex
+    from ...expr.latex import _explicit_tex
     return ScalarFn(f"[{sp.sstr(f)}]", f, _explicit_tex(f))
 
 
