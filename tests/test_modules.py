@@ -198,14 +198,15 @@ def test_multihead_attention_default_call():
 
 @pytest.mark.parametrize("norm_first,activation,causal", [(True, "gelu", True), (False, "relu", False)])
 def test_transformer_encoder_layer(norm_first, activation, causal):
+    """Both norm orders, every block; one head (the head split of its nn.MultiheadAttention
+    is test_multihead_attention's)."""
     torch.manual_seed(1)
-    m = nn.TransformerEncoderLayer(D, HEADS, DFF, dropout=0.0, activation=activation,
+    m = nn.TransformerEncoderLayer(D, 1, DFF, dropout=0.0, activation=activation,
                                    batch_first=True, norm_first=norm_first).double().eval()
     kw = {"src_mask": nn.Transformer.generate_square_subsequent_mask(L).double(),
           "is_causal": True} if causal else {}
-    names = ["self_attn_in_proj_weight_1", "self_attn_in_proj_weight_5", "linear1_weight",
-             "norm2_bias"]
-    check(m, (hidden(),), kw, blocks=[(p, q) for p in names for q in names])
+    ml = check(m, (hidden(),), kw)
+    assert ml.causal == causal and len(ml.layer.params) == 16
 
 
 # ----------------------------------------------------------------------------- transformers
@@ -430,6 +431,13 @@ def test_command_line_takes_module_factories(tmp_path, capsys):
     code = main(["verify", f"{spec}:mha"])
     out = capsys.readouterr().out
     assert code == 0 and "all blocks agree with autograd" in out and "in_proj_weight_3" in out
+    code = main(["report", f"{spec}:mha", "--loss", "mse", "-o", str(tmp_path / "mha.tex")])
+    tex = (tmp_path / "mha.tex").read_text()
+    assert code == 0 and r"\begin{document}" in tex and "in_proj_weight" in tex.replace(r"\_", "_")
+    code = main(["spectrum", f"{spec}:mha", "--block", "out_proj_weight,out_proj_weight", "--part",
+                 "full", "--k", "2", "--batches", "1", "--batch", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "(out_proj_weight, out_proj_weight)" in out
     code = main(["derive", f"{spec}:training"])
     err = capsys.readouterr().err
     assert code == 2 and "dropout 0.5 in training mode is random; call module.eval()" in err
