@@ -312,10 +312,12 @@ def test_llama_submodules():
 
 
 def test_a_family_not_in_the_required_list():
-    """Qwen2 (biased q/k/v, grouped-query attention, rotary) and GPT-NeoX (partial rotary,
-    parallel residual) go in without anything specific to them."""
+    """Qwen2 (biased q/k/v, grouped-query attention, rotary), Qwen3 (RMSNorms of each head's
+    query and key) and GPT-NeoX (partial rotary, parallel residual) go in without anything
+    specific to them."""
     from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXLayer, GPTNeoXRotaryEmbedding
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
     torch.manual_seed(8)
     x = hidden()
     pos = torch.arange(L)[None].expand(B, L)
@@ -327,6 +329,14 @@ def test_a_family_not_in_the_required_list():
     check(Qwen2DecoderLayer(cfg, 0).double().eval(), (x,),
           {"position_embeddings": pe, "attention_mask": causal_additive()},
           blocks=[(p, q) for p in names for q in names])
+    cfg = transformers.Qwen3Config(hidden_size=D, num_attention_heads=2, num_key_value_heads=1,
+                                   head_dim=D // 2, intermediate_size=DFF)
+    cfg._attn_implementation = "eager"
+    pe = Qwen3RotaryEmbedding(cfg).double()(x, pos)
+    q, k = "self_attn_q_norm_weight", "self_attn_k_norm_weight"      # one γ for every head
+    check(Qwen3DecoderLayer(cfg, 0).double().eval(), (x,),
+          {"position_embeddings": pe, "attention_mask": causal_additive()},
+          blocks=[(q, k), (q, "self_attn_q_proj_weight_1"), (k, k)])
     cfg = transformers.GPTNeoXConfig(hidden_size=D, num_attention_heads=2, intermediate_size=DFF,
                                      rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0)
     cfg._attn_implementation = "eager"
