@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "438b160372e5609617ec3226"
+    STAMP = "6cfed454db014965a11cfd95"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -287,7 +287,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "e1ea5386b1216419b5debd4e"
+    STAMP = "4db02f0b9f2969e3d58045e2"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -550,7 +550,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "dd74988d279c85f470b671d9"
+    STAMP = "d1b7a2419b54cf52ae56d983"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -832,7 +832,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "016c564a5aaed0434aa1aba8"
+    STAMP = "97d2055c9ef0a2c50222af2c"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -1116,4 +1116,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "7977975cc362052ab11b55c0"
+CHECKSUM = "e2a94dfe136005595df57ec0"

@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "784df5e917c4e1c1611a5325"
+    STAMP = "69f0b04eee8d050d2a1b8de5"
 
     @leaf
     def H(s):
@@ -142,7 +142,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "a18e846b960d23530f8b0a2f"
+    STAMP = "0fd64b6e50906a1c18c4fdd8"
 
     @leaf
     def H(s):
@@ -267,4 +267,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "f80e3c74ae810842c32c800d"
+CHECKSUM = "d5b4ee3f8af8d51168152726"

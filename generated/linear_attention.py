@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "929bad1fa3e0a2dd86f401cc"
+    STAMP = "bc76c865ce22fbed88d44954"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -295,7 +295,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "8c7401bc22acda50b2d892ca"
+    STAMP = "cc2a0f562bfb7c33bb9675c8"
     RUNS = {
         'A X': 5,
         "W_K' X'": 10,
@@ -548,7 +548,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "e4a7a6854d027e6964e08cea"
+    STAMP = "61d0d23d4d59a486e9031bf5"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -808,7 +808,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "d6cc34f7bc67cf9723abd050"
+    STAMP = "fc7dbd5928872541437fb3c9"
     RUNS = {
         'A X': 4,
         "W_K' X'": 10,
@@ -1089,4 +1089,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "2d267b97a3539c585ac25513"
+CHECKSUM = "099e1ba6ec6badd2235c2863"

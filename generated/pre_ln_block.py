@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "b8d98577794f999246340c9b"
+    STAMP = "884629b9703385591b6a81c9"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -803,7 +803,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "13e62066f02b94c1ec548251"
+    STAMP = "ba74a3292e43456615c7b0c4"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -1582,7 +1582,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "de0e9b4f3daec810779b7fe8"
+    STAMP = "8461e21d62192f32418c0504"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -2361,7 +2361,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "a58c2db8875b6a504b00cafa"
+    STAMP = "fb815fafb6155e27e6d7969d"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -3142,4 +3142,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "aec9588507271dccbe83737d"
+CHECKSUM = "afbe04e8e7f6a2fdff907e68"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "ae542483633bafd17316ffe5"
+    STAMP = "ce519a96c7584b6087cf05b1"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -206,7 +206,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "f50770811f01d0fe7419e093"
+    STAMP = "b3745165280e538e58b8085c"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -388,7 +388,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "2b9be25b6015dffa89630eef"
+    STAMP = "64061b55a3cb2f8ec00ae3da"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -583,7 +583,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "2ffd3ca5606990a12890ba1d"
+    STAMP = "8980ef8775ef4902fe306eaa"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -780,4 +780,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "7edf2a6ee54acbaea2e91fa3"
+CHECKSUM = "efc13c4797993283e2c44431"

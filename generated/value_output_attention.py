@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "975c116d9b28aa464a4ca6d2"
+    STAMP = "99dfed91e272d040c1be44ce"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -395,7 +395,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "fbaea1229467c0992cb14ee2"
+    STAMP = "062454f0587f63b3ede160cf"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -766,7 +766,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "16d914f8c1072a8524b9b961"
+    STAMP = "d1ec0ac1f7b9ca1ccb932a62"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1135,7 +1135,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "d71253ae464aa2beb16dc482"
+    STAMP = "9d1c559b840da9849a48cd73"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1506,4 +1506,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "363aa0c5fc3b6af1247687d0"
+CHECKSUM = "0863b9fad44114ce79cfcc04"

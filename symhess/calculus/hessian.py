@@ -121,15 +121,17 @@ class Derivation:
         vs = self.hvp_directions()
         dirs = {self.param(q): v for q, v in vs.items()}
         g = self.output_gradient
-        out = {}
+        out, memo = {}, {}            # one memo: the gradients share their backward pass
+        if part == "outer":
+            hdF = self.loss_hessian_map(differential(self.F, dirs))
         for p in self.layer.param_names:
             grad = self.gradient(p)
             if part == "functional":
-                out[p] = differential(grad, dirs)
+                out[p] = differential(grad, dirs, memo)
             elif part == "outer":
-                out[p] = E.substitute(grad, {g: self.loss_hessian_map(differential(self.F, dirs))})
+                out[p] = E.substitute(grad, {g: hdF}, memo)
             else:
-                out[p] = differential(self.gradient(p, cot=g.inner), dirs)
+                out[p] = differential(self.gradient(p, cot=g.inner), dirs, memo)
         self._cache[key] = out
         return out
 

@@ -60,6 +60,7 @@ class Program:
     sizes: dict = field(default_factory=dict)        # atom -> symbolic size
     lowering: Lowering = None                          # the lowering (labels, intermediates)
     with_routines: bool = True
+    _routines: dict = field(default=None, repr=False)   # ``routines()``, formed once
 
     @classmethod
     def build(cls, derivation, jacobians=True, pairs=None, routines=True):
@@ -135,9 +136,15 @@ class Program:
         return list(seen)
 
     def routines(self):
-        """{name: (expressions, directions)} of the matrix-view routines."""
+        """{name: (expressions, directions)} of the matrix-view routines (formed once: the
+        printer counts their references and then prints them)."""
         if not self.with_routines:
             return {}
+        if self._routines is None:
+            self._routines = self._form_routines()
+        return self._routines
+
+    def _form_routines(self):
         d = self.derivation
         out = {"loss": ([d.loss_expr], []), "gradient": ([d.gradient(p) for p in d.layer.param_names], [])}
         dirs = list(d.hvp_directions().values())

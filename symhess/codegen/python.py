@@ -74,6 +74,7 @@ class Printer:
             raise DeclarationError(f"name(s) {', '.join(sorted(clash))} are reserved by the kernels; "
                                    "rename the variables or dimensions")
         self.taken = set(taken)
+        self._next = {}            # hint → the number its last fresh name had (``fresh``)
         self.hints = {node: key for key, node in lay.intermediates.items()}
         self.leaf_names = {}       # node -> name (a @leaf member)
         self.leaf_defs = []        # (name, code, doc)
@@ -90,13 +91,22 @@ class Printer:
 
     # -- names ------------------------------------------------------------------------
     def fresh(self, hint):
+        """The first free name of ``hint``, ``hint_2``, ``hint_3`` …; the search for a hint
+        resumes where its last one ended (names are only ever taken, so nothing before it is
+        free: the same names as a search from the start, in time linear in the names)."""
         base = _ident(hint) + self.suffix
-        name, k = base, 1
+        k = self._next.get(base, 1)
+        name = base if k == 1 else self._numbered(base, k)
         while name in self.taken or name in RESERVED:
             k += 1
-            name = f"{base}_{k}" if not base.endswith(tuple("0123456789")) else f"{base}x{k}"
+            name = self._numbered(base, k)
+        self._next[base] = k
         self.taken.add(name)
         return name
+
+    @staticmethod
+    def _numbered(base, k):
+        return f"{base}_{k}" if not base.endswith(tuple("0123456789")) else f"{base}x{k}"
 
     def batched(self, node) -> bool:
         return bool(node.free_vars & self.data)
@@ -350,7 +360,7 @@ def _references(program):
     roots = program.leaves() + [e for exprs, _ in program.routines().values() for e in exprs]
     nodes = {}
     for r in roots:                     # deterministic order (sets of nodes hash per process)
-        for n in E.walk(r):
+        for n in E.walk(r, skip=nodes):   # what an earlier root holds is there already
             nodes.setdefault(n, None)
     for node in nodes:
         for a in node.args:

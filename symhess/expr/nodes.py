@@ -1024,15 +1024,16 @@ def substitute(expr, mapping: dict, _memo=None):
     return out
 
 
-def walk(expr):
-    """Every distinct node of the DAG once, children before parents."""
+def walk(expr, skip=()):
+    """Every distinct node of the DAG once, children before parents; nodes in ``skip`` (and
+    what lies below them only) are left out."""
     seen, order, stack = set(), [], [(expr, False)]
     while stack:
         node, done = stack.pop()
         if done:
             order.append(node)
             continue
-        if node in seen:
+        if node in seen or node in skip:
             continue
         seen.add(node)
         stack.append((node, True))
