@@ -189,10 +189,15 @@ def mul(ctx, a, b):
 
 
 def _fn_form(ctx, block, R, C):
-    """(base, f) with block = f(base)."""
+    """(base, f) with block = f(base); a scaled expression c·U is f = c·x of U (GPT-2's
+    0.5·u·(1 + tanh(…u…)) is then one function of u: GELU_tanh)."""
     if isinstance(block, Fn):
         return block.base, block.f
-    return ctx.expr(block, R, C), XS
+    e = ctx.expr(block, R, C)
+    first = e.args[0] if isinstance(e, E.Add) else e        # a scaled sum is a sum of scaled terms
+    if isinstance(first, E.Scale) and first.coef != 1:
+        return E.scale(1 / first.coef, e), first.coef * XS
+    return e, XS
 
 
 def _mul(ctx, x, y, R, C, fa, fb):
