@@ -370,6 +370,21 @@ def test_an_unsupported_op_names_itself_the_module_and_the_line():
         sh.from_module(Cumulative().double(), (hidden(),))
 
 
+class Positions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.proj(x)[:, 1:]
+
+
+def test_a_refusal_inside_a_rule_names_the_op_the_module_and_the_line():
+    with pytest.raises(DeclarationError, match=r"^aten\.slice\.Tensor: a slice of the pos 4 axis .*"
+                                               r"in the module, test_modules\.py:\d+: return self\.proj"):
+        sh.from_module(Positions().double(), (hidden(),))
+
+
 class Overlapping(nn.Module):
     def __init__(self):
         super().__init__()

@@ -45,7 +45,8 @@ class Context:
         self.intermediates = {}
         self.n_norm = 0
         self.n_attn = 0
-        self.where = ""
+        self.where = ""           # the node being translated: module path, file:line: code
+        self.op = ""              # … and its ATen op
         self.memo = {}            # id(Lin) → (Lin, expression)
         self.softmaxes = []       # (T, A) of every softmax, in graph order
         self.caller_dtype = None
@@ -93,6 +94,10 @@ class Context:
         return self.atom_size(sym.row), self.atom_size(sym.col)
 
     def fail(self, msg):
+        """The refusal of the node being translated: its ATen op, the message, and where the
+        node comes from (module path, file:line: code)."""
+        if self.op and not msg.startswith(self.op):
+            msg = f"{self.op}: {msg}"
         return DeclarationError(f"{msg} ({self.where})" if self.where else msg)
 
     # -- parameters ------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def capture(module, args, kwargs=None, batch_dim=None) -> Capture:
         if node.op == "placeholder":
             env[node] = _placeholder(ctx, ep, spec[node.name], inputs, xsym, params)
         elif node.op == "call_function":
-            ctx.where = _where(node)
+            ctx.where, ctx.op = _where(node), op_name(node.target)
             a = _map(node.args, env)
             k = _map(node.kwargs, env)
             env[node] = _dispatch(ctx, node, a, k, OPS, VIEWS, op_name)
@@ -106,7 +106,7 @@ def capture(module, args, kwargs=None, batch_dim=None) -> Capture:
             out = _map(node.args[0], env)
         elif node.op == "get_attr":
             env[node] = getattr(ep.graph_module, node.target)
-    ctx.where = ""
+    ctx.where = ctx.op = ""
     return _result(ctx, out, X, x_kinds, x)
 
 
