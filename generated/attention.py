@@ -24,18 +24,18 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b918443ef01afa5037baa846"
+    STAMP = "21b3ebc75a855b571c74a521"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
-        "X' t_32": 2,
-        "X' t_32 X": 2,
-        "X' t_32'": 2,
-        "X' t_7": 4,
-        "X' t_7 X": 4,
-        "X' t_7'": 4,
+        "X' t_34": 2,
+        "X' t_34 X": 2,
+        "X' t_34'": 2,
+        "X' t_9": 4,
+        "X' t_9 X": 4,
+        "X' t_9'": 4,
     }
 
     @leaf
@@ -83,32 +83,44 @@ class mse_causal0(Forward):
         return (s.F_2 - s.Y)
 
     @leaf
-    def G_2(s):
-        return ((2/(s.L*s.d_V)) * s.F_2 - (2/(s.L*s.d_V)) * s.Y)
-
-    @leaf
     def t_6(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_7(s):
-        return softmax_diff(s.A, s.t_6)
+        return (s.F_2 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (2/(s.L*s.d_V)) * s.t_7
 
     @leaf
     def t_8(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_7' X W_Q", tr(s.X), tr(s.t_7), s.X, s.W_Q)
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_23(s):
-        return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F_2 - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+    def t_9(s):
+        return softmax_diff(s.A, s.t_8)
 
     @leaf
-    def t_24(s):
-        return s.mm("t_23 W_V' X'", s.t_23, tr(s.W_V), tr(s.X))
+    def t_10(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_9' X W_Q", tr(s.X), tr(s.t_9), s.X, s.W_Q)
 
     @leaf
-    def t_32(s):
-        return softmax_diff(s.A, s.t_24)
+    def t_25(s):
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_7
+
+    @leaf
+    def t_26(s):
+        return s.mm("t_25 W_V' X'", s.t_25, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_34(s):
+        return softmax_diff(s.A, s.t_26)
+
+    @leaf
+    def G_3(s):
+        return (2/(s.L*s.d_V)) * s.t_7
 
     @leaf
     def dA(s):
@@ -228,66 +240,65 @@ class mse_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * sum_rows(sum_last((s.t_5 * s.t_5))), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_6', sum_rows((s.t_5 * s.t_5)), s.t_6), True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_7 X W_K", tr(s.X), s.t_7, s.X, s.W_K), True), mean0(s.t_8, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_9 X W_K", tr(s.X), s.t_9, s.X, s.W_K), True), mean0(s.t_10, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_9 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_10 = softmax_diff(s.A, t_9)
-        t_11 = s.mm('_ X W_V', t_10, s.X, s.W_V)
-        t_12 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_13 = ((2/(s.L*s.d_V)) * t_11 + (2/(s.L*s.d_V)) * t_12)
-        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X)))
-        t_15 = s.mm("X' A' _", tr(s.X), tr(s.A), t_13)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q), True), mean0(t_15, True),)
+        t_11 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_12 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_11)
+        t_13 = s.mm('_ X W_V', t_12, s.X, s.W_V)
+        t_14 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_15 = (t_13 + t_14)
+        t_16 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_15, tr(s.W_V), tr(s.X)))
+        t_17 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_15)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_16, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_16), s.X, s.W_Q), True), mean0(t_17, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_17 = softmax_diff2(s.A, t_16, s.t_6)
-        t_18 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_17 + t_18), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_7 X _", tr(s.X), s.t_7, s.X, V_W_K))
-        t_20 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_7' X _", tr(s.X), tr(s.t_7), s.X, V_W_Q))
-        t_21 = softmax_diff(s.A, t_16)
-        return (mean0(t_19, True), mean0(t_20, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_21), s.G_2), True),)
+        t_18 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_19 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_18, s.t_8)
+        t_20 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_21 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_19 + t_20), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_9 X _", tr(s.X), s.t_9, s.X, V_W_K))
+        t_22 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_19) + tr(t_20)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_9' X _", tr(s.X), tr(s.t_9), s.X, V_W_Q))
+        t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_18)
+        return (mean0(t_21, True), mean0(t_22, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_23), s.G_2), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = softmax_diff2(s.A, t_22, s.t_24)
-        t_26 = softmax_diff(s.A, t_22)
-        t_27 = s.mm('_ X W_V', t_26, s.X, s.W_V)
-        t_28 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_29 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_28)
-        t_30 = s.mm_sum('r', (1, "_ W_V' X'", t_29, tr(s.W_V), tr(s.X)), (1, "t_23 _ X'", s.t_23, tr(V_W_V), tr(s.X)))
-        t_31 = softmax_diff(s.A, t_30)
-        t_33 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_25 + t_31), s.X, s.W_K), (1, "X' t_32 X _", tr(s.X), s.t_32, s.X, V_W_K))
-        t_34 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_25) + tr(t_31)), s.X, s.W_Q), (1, "X' t_32' X _", tr(s.X), tr(s.t_32), s.X, V_W_Q))
-        t_35 = ((2/(s.L*s.d_V)) * t_27 + (2/(s.L*s.d_V)) * t_28)
-        t_36 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_26), s.G_2), (1, "X' A' _", tr(s.X), tr(s.A), t_35))
-        return (mean0(t_33, True), mean0(t_34, True), mean0(t_36, True),)
+        t_24 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_26)
+        t_28 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
+        t_29 = s.mm('_ X W_V', t_28, s.X, s.W_V)
+        t_30 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_31 = (t_29 + t_30)
+        t_32 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_31, tr(s.W_V), tr(s.X)), (1, "t_25 _ X'", s.t_25, tr(V_W_V), tr(s.X)))
+        t_33 = softmax_diff(s.A, t_32)
+        t_35 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_27 + t_33), s.X, s.W_K), (1, "X' t_34 X _", tr(s.X), s.t_34, s.X, V_W_K))
+        t_36 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_27) + tr(t_33)), s.X, s.W_Q), (1, "X' t_34' X _", tr(s.X), tr(s.t_34), s.X, V_W_Q))
+        t_37 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_28), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_31))
+        return (mean0(t_35, True), mean0(t_36, True), mean0(t_37, True),)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "5e62475026139f1076c16cca"
+    STAMP = "17d49e0ea880db3038b4ab69"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
-        "X' t_32": 2,
-        "X' t_32 X": 2,
-        "X' t_32'": 2,
-        "X' t_7": 4,
-        "X' t_7 X": 4,
-        "X' t_7'": 4,
+        "X' t_34": 2,
+        "X' t_34 X": 2,
+        "X' t_34'": 2,
+        "X' t_9": 4,
+        "X' t_9 X": 4,
+        "X' t_9'": 4,
     }
 
     @leaf
@@ -335,32 +346,44 @@ class mse_causal1(Forward):
         return (s.F_2 - s.Y)
 
     @leaf
-    def G_2(s):
-        return ((2/(s.L*s.d_V)) * s.F_2 - (2/(s.L*s.d_V)) * s.Y)
-
-    @leaf
     def t_6(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_7(s):
-        return softmax_diff(s.A, s.t_6)
+        return (s.F_2 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (2/(s.L*s.d_V)) * s.t_7
 
     @leaf
     def t_8(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_7' X W_Q", tr(s.X), tr(s.t_7), s.X, s.W_Q)
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_23(s):
-        return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F_2 - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+    def t_9(s):
+        return softmax_diff(s.A, s.t_8)
 
     @leaf
-    def t_24(s):
-        return s.mm("t_23 W_V' X'", s.t_23, tr(s.W_V), tr(s.X))
+    def t_10(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_9' X W_Q", tr(s.X), tr(s.t_9), s.X, s.W_Q)
 
     @leaf
-    def t_32(s):
-        return softmax_diff(s.A, s.t_24)
+    def t_25(s):
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_7
+
+    @leaf
+    def t_26(s):
+        return s.mm("t_25 W_V' X'", s.t_25, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_34(s):
+        return softmax_diff(s.A, s.t_26)
+
+    @leaf
+    def G_3(s):
+        return (2/(s.L*s.d_V)) * s.t_7
 
     @leaf
     def dA(s):
@@ -480,66 +503,65 @@ class mse_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * sum_rows(sum_last((s.t_5 * s.t_5))), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_6', sum_rows((s.t_5 * s.t_5)), s.t_6), True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_7 X W_K", tr(s.X), s.t_7, s.X, s.W_K), True), mean0(s.t_8, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_9 X W_K", tr(s.X), s.t_9, s.X, s.W_K), True), mean0(s.t_10, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_9 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_10 = softmax_diff(s.A, t_9)
-        t_11 = s.mm('_ X W_V', t_10, s.X, s.W_V)
-        t_12 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_13 = ((2/(s.L*s.d_V)) * t_11 + (2/(s.L*s.d_V)) * t_12)
-        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X)))
-        t_15 = s.mm("X' A' _", tr(s.X), tr(s.A), t_13)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q), True), mean0(t_15, True),)
+        t_11 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_12 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_11)
+        t_13 = s.mm('_ X W_V', t_12, s.X, s.W_V)
+        t_14 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_15 = (t_13 + t_14)
+        t_16 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_15, tr(s.W_V), tr(s.X)))
+        t_17 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_15)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_16, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_16), s.X, s.W_Q), True), mean0(t_17, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_17 = softmax_diff2(s.A, t_16, s.t_6)
-        t_18 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_17 + t_18), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_7 X _", tr(s.X), s.t_7, s.X, V_W_K))
-        t_20 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_17) + tr(t_18)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_7' X _", tr(s.X), tr(s.t_7), s.X, V_W_Q))
-        t_21 = softmax_diff(s.A, t_16)
-        return (mean0(t_19, True), mean0(t_20, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_21), s.G_2), True),)
+        t_18 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_19 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_18, s.t_8)
+        t_20 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_21 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_19 + t_20), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_9 X _", tr(s.X), s.t_9, s.X, V_W_K))
+        t_22 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_19) + tr(t_20)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_9' X _", tr(s.X), tr(s.t_9), s.X, V_W_Q))
+        t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_18)
+        return (mean0(t_21, True), mean0(t_22, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_23), s.G_2), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = softmax_diff2(s.A, t_22, s.t_24)
-        t_26 = softmax_diff(s.A, t_22)
-        t_27 = s.mm('_ X W_V', t_26, s.X, s.W_V)
-        t_28 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_29 = ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27 + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_28)
-        t_30 = s.mm_sum('r', (1, "_ W_V' X'", t_29, tr(s.W_V), tr(s.X)), (1, "t_23 _ X'", s.t_23, tr(V_W_V), tr(s.X)))
-        t_31 = softmax_diff(s.A, t_30)
-        t_33 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_25 + t_31), s.X, s.W_K), (1, "X' t_32 X _", tr(s.X), s.t_32, s.X, V_W_K))
-        t_34 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_25) + tr(t_31)), s.X, s.W_Q), (1, "X' t_32' X _", tr(s.X), tr(s.t_32), s.X, V_W_Q))
-        t_35 = ((2/(s.L*s.d_V)) * t_27 + (2/(s.L*s.d_V)) * t_28)
-        t_36 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_26), s.G_2), (1, "X' A' _", tr(s.X), tr(s.A), t_35))
-        return (mean0(t_33, True), mean0(t_34, True), mean0(t_36, True),)
+        t_24 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_26)
+        t_28 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
+        t_29 = s.mm('_ X W_V', t_28, s.X, s.W_V)
+        t_30 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_31 = (t_29 + t_30)
+        t_32 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_31, tr(s.W_V), tr(s.X)), (1, "t_25 _ X'", s.t_25, tr(V_W_V), tr(s.X)))
+        t_33 = softmax_diff(s.A, t_32)
+        t_35 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_27 + t_33), s.X, s.W_K), (1, "X' t_34 X _", tr(s.X), s.t_34, s.X, V_W_K))
+        t_36 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_27) + tr(t_33)), s.X, s.W_Q), (1, "X' t_34' X _", tr(s.X), tr(s.t_34), s.X, V_W_Q))
+        t_37 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_28), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_31))
+        return (mean0(t_35, True), mean0(t_36, True), mean0(t_37, True),)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "f8eff982c73b59d6d94ce033"
+    STAMP = "25d3b12816a46a1155c0fec2"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
-        "X' t_32": 2,
-        "X' t_32 X": 2,
-        "X' t_32'": 2,
-        "X' t_8": 4,
-        "X' t_8 X": 4,
-        "X' t_8'": 4,
+        "X' t_11": 4,
+        "X' t_11 X": 4,
+        "X' t_11'": 4,
+        "X' t_36": 2,
+        "X' t_36 X": 2,
+        "X' t_36'": 2,
     }
 
     @leaf
@@ -584,39 +606,59 @@ class ce_causal0(Forward):
 
     @leaf
     def t_5(s):
-        return softmax_rows(s.F_2)
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_6(s):
-        return (s.t * s.t_5)
-
-    @leaf
-    def G_2(s):
-        return ((1/s.L) * s.t_6 - (1/s.L) * s.Y)
+        return (-1/s.L) * s.mm('_ t_5', sum_rows((log_softmax_rows(s.F_2) * s.Y)), s.t_5)
 
     @leaf
     def t_7(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_8(s):
-        return softmax_diff(s.A, s.t_7)
+        return (s.t * s.t_7)
 
     @leaf
     def t_9(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_8' X W_Q", tr(s.X), tr(s.t_8), s.X, s.W_Q)
+        return (s.t_8 - s.Y)
 
     @leaf
-    def t_24(s):
-        return ((1/(s.L*math.sqrt(s.d_K))) * s.t_6 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
+    def G_2(s):
+        return (1/s.L) * s.t_9
 
     @leaf
-    def t_25(s):
-        return s.mm("t_24 W_V' X'", s.t_24, tr(s.W_V), tr(s.X))
+    def t_10(s):
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_32(s):
-        return softmax_diff(s.A, s.t_25)
+    def t_11(s):
+        return softmax_diff(s.A, s.t_10)
+
+    @leaf
+    def t_12(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_11 X W_K", tr(s.X), s.t_11, s.X, s.W_K)
+
+    @leaf
+    def t_13(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_11' X W_Q", tr(s.X), tr(s.t_11), s.X, s.W_Q)
+
+    @leaf
+    def t_28(s):
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_9
+
+    @leaf
+    def t_29(s):
+        return s.mm("t_28 W_V' X'", s.t_28, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_36(s):
+        return softmax_diff(s.A, s.t_29)
+
+    @leaf
+    def G_3(s):
+        return (1/s.L) * s.t_9
 
     @leaf
     def dA(s):
@@ -744,64 +786,64 @@ class ce_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * sum_rows(sum_last((log_softmax_rows(s.F_2) * s.Y))), True)[..., 0, 0]
+        return mean0(s.t_6, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_8 X W_K", tr(s.X), s.t_8, s.X, s.W_K), True), mean0(s.t_9, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.t_12, True), mean0(s.t_13, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_10 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_11 = softmax_diff(s.A, t_10)
-        t_12 = (s.mm('_ X W_V', t_11, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_13 = (s.t * softmax_diff(softmax_rows(s.F_2), t_12))
-        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X)))
-        t_15 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K)
-        t_16 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q)
-        return (mean0(t_15, True), mean0(t_16, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_13), True),)
+        t_14 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_15 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_14)
+        t_16 = (s.mm('_ X W_V', t_15, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_17 = (s.t * softmax_diff(softmax_rows(s.F_2), t_16))
+        t_18 = softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X)))
+        t_19 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_18, s.X, s.W_K)
+        t_20 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q)
+        return (mean0(t_19, True), mean0(t_20, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_18 = softmax_diff2(s.A, t_17, s.t_7)
-        t_19 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_20 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_18 + t_19), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_8 X _", tr(s.X), s.t_8, s.X, V_W_K))
-        t_21 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_18) + tr(t_19)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_8' X _", tr(s.X), tr(s.t_8), s.X, V_W_Q))
-        t_22 = softmax_diff(s.A, t_17)
-        return (mean0(t_20, True), mean0(t_21, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_22), s.G_2), True),)
+        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_21, s.t_10)
+        t_23 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_24 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_22 + t_23), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K))
+        t_25 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_22) + tr(t_23)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q))
+        t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
+        return (mean0(t_24, True), mean0(t_25, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_26), s.G_2), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_23 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = softmax_diff2(s.A, t_23, s.t_25)
-        t_27 = softmax_diff(s.A, t_23)
-        t_28 = (s.mm('_ X W_V', t_27, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_29 = (s.t * softmax_diff(s.t_5, t_28))
-        t_30 = s.mm_sum('r', (1, "t_24 _ X'", s.t_24, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_29, tr(s.W_V), tr(s.X)))
-        t_31 = softmax_diff(s.A, t_30)
-        t_33 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_26 + t_31), s.X, s.W_K), (1, "X' t_32 X _", tr(s.X), s.t_32, s.X, V_W_K))
-        t_34 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_26) + tr(t_31)), s.X, s.W_Q), (1, "X' t_32' X _", tr(s.X), tr(s.t_32), s.X, V_W_Q))
-        t_35 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_27), s.G_2), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_29))
-        return (mean0(t_33, True), mean0(t_34, True), mean0(t_35, True),)
+        t_27 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_30 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_27, s.t_29)
+        t_31 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_27)
+        t_32 = (s.mm('_ X W_V', t_31, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_33 = (s.t * softmax_diff(s.t_7, t_32))
+        t_34 = s.mm_sum('r', (1, "t_28 _ X'", s.t_28, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_33, tr(s.W_V), tr(s.X)))
+        t_35 = softmax_diff(s.A, t_34)
+        t_37 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_30 + t_35), s.X, s.W_K), (1, "X' t_36 X _", tr(s.X), s.t_36, s.X, V_W_K))
+        t_38 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_30) + tr(t_35)), s.X, s.W_Q), (1, "X' t_36' X _", tr(s.X), tr(s.t_36), s.X, V_W_Q))
+        t_39 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_31), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_33))
+        return (mean0(t_37, True), mean0(t_38, True), mean0(t_39, True),)
 
 
 class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "bb47502c09edaee1be1d0a51"
+    STAMP = "2853bdd2472b8ee8e5a4edd9"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
-        "X' t_32": 2,
-        "X' t_32 X": 2,
-        "X' t_32'": 2,
-        "X' t_8": 4,
-        "X' t_8 X": 4,
-        "X' t_8'": 4,
+        "X' t_11": 4,
+        "X' t_11 X": 4,
+        "X' t_11'": 4,
+        "X' t_36": 2,
+        "X' t_36 X": 2,
+        "X' t_36'": 2,
     }
 
     @leaf
@@ -846,39 +888,59 @@ class ce_causal1(Forward):
 
     @leaf
     def t_5(s):
-        return softmax_rows(s.F_2)
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_6(s):
-        return (s.t * s.t_5)
-
-    @leaf
-    def G_2(s):
-        return ((1/s.L) * s.t_6 - (1/s.L) * s.Y)
+        return (-1/s.L) * s.mm('_ t_5', sum_rows((log_softmax_rows(s.F_2) * s.Y)), s.t_5)
 
     @leaf
     def t_7(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_8(s):
-        return softmax_diff(s.A, s.t_7)
+        return (s.t * s.t_7)
 
     @leaf
     def t_9(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_8' X W_Q", tr(s.X), tr(s.t_8), s.X, s.W_Q)
+        return (s.t_8 - s.Y)
 
     @leaf
-    def t_24(s):
-        return ((1/(s.L*math.sqrt(s.d_K))) * s.t_6 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
+    def G_2(s):
+        return (1/s.L) * s.t_9
 
     @leaf
-    def t_25(s):
-        return s.mm("t_24 W_V' X'", s.t_24, tr(s.W_V), tr(s.X))
+    def t_10(s):
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_32(s):
-        return softmax_diff(s.A, s.t_25)
+    def t_11(s):
+        return softmax_diff(s.A, s.t_10)
+
+    @leaf
+    def t_12(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_11 X W_K", tr(s.X), s.t_11, s.X, s.W_K)
+
+    @leaf
+    def t_13(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_11' X W_Q", tr(s.X), tr(s.t_11), s.X, s.W_Q)
+
+    @leaf
+    def t_28(s):
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_9
+
+    @leaf
+    def t_29(s):
+        return s.mm("t_28 W_V' X'", s.t_28, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_36(s):
+        return softmax_diff(s.A, s.t_29)
+
+    @leaf
+    def G_3(s):
+        return (1/s.L) * s.t_9
 
     @leaf
     def dA(s):
@@ -1006,46 +1068,46 @@ class ce_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * sum_rows(sum_last((log_softmax_rows(s.F_2) * s.Y))), True)[..., 0, 0]
+        return mean0(s.t_6, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_8 X W_K", tr(s.X), s.t_8, s.X, s.W_K), True), mean0(s.t_9, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.t_12, True), mean0(s.t_13, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_10 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_11 = softmax_diff(s.A, t_10)
-        t_12 = (s.mm('_ X W_V', t_11, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_13 = (s.t * softmax_diff(softmax_rows(s.F_2), t_12))
-        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X)))
-        t_15 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K)
-        t_16 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q)
-        return (mean0(t_15, True), mean0(t_16, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_13), True),)
+        t_14 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_15 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_14)
+        t_16 = (s.mm('_ X W_V', t_15, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_17 = (s.t * softmax_diff(softmax_rows(s.F_2), t_16))
+        t_18 = softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X)))
+        t_19 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_18, s.X, s.W_K)
+        t_20 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q)
+        return (mean0(t_19, True), mean0(t_20, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_18 = softmax_diff2(s.A, t_17, s.t_7)
-        t_19 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_20 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_18 + t_19), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_8 X _", tr(s.X), s.t_8, s.X, V_W_K))
-        t_21 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_18) + tr(t_19)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_8' X _", tr(s.X), tr(s.t_8), s.X, V_W_Q))
-        t_22 = softmax_diff(s.A, t_17)
-        return (mean0(t_20, True), mean0(t_21, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_22), s.G_2), True),)
+        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_21, s.t_10)
+        t_23 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_24 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_22 + t_23), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K))
+        t_25 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_22) + tr(t_23)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q))
+        t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
+        return (mean0(t_24, True), mean0(t_25, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_26), s.G_2), True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_23 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = softmax_diff2(s.A, t_23, s.t_25)
-        t_27 = softmax_diff(s.A, t_23)
-        t_28 = (s.mm('_ X W_V', t_27, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_29 = (s.t * softmax_diff(s.t_5, t_28))
-        t_30 = s.mm_sum('r', (1, "t_24 _ X'", s.t_24, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_29, tr(s.W_V), tr(s.X)))
-        t_31 = softmax_diff(s.A, t_30)
-        t_33 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_26 + t_31), s.X, s.W_K), (1, "X' t_32 X _", tr(s.X), s.t_32, s.X, V_W_K))
-        t_34 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_26) + tr(t_31)), s.X, s.W_Q), (1, "X' t_32' X _", tr(s.X), tr(s.t_32), s.X, V_W_Q))
-        t_35 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_27), s.G_2), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_29))
-        return (mean0(t_33, True), mean0(t_34, True), mean0(t_35, True),)
+        t_27 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_30 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_27, s.t_29)
+        t_31 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_27)
+        t_32 = (s.mm('_ X W_V', t_31, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_33 = (s.t * softmax_diff(s.t_7, t_32))
+        t_34 = s.mm_sum('r', (1, "t_28 _ X'", s.t_28, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_33, tr(s.W_V), tr(s.X)))
+        t_35 = softmax_diff(s.A, t_34)
+        t_37 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_30 + t_35), s.X, s.W_K), (1, "X' t_36 X _", tr(s.X), s.t_36, s.X, V_W_K))
+        t_38 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_30) + tr(t_35)), s.X, s.W_Q), (1, "X' t_36' X _", tr(s.X), tr(s.t_36), s.X, V_W_Q))
+        t_39 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_31), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_33))
+        return (mean0(t_37, True), mean0(t_38, True), mean0(t_39, True),)
 
 
 VARIANTS = {
@@ -1054,4 +1116,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "83e7f67dfca5f2ba46d30a3d"
+CHECKSUM = "871c847826d27471ee754393"

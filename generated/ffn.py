@@ -24,10 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "6adf288597ad449fac515e18"
-    RUNS = {
-        "W_1' X'": 2,
-    }
+    STAMP = "81244f7570548a7f96c60a0e"
 
     @leaf
     def H(s):
@@ -55,19 +52,19 @@ class mse_bias0_residual0(Forward):
 
     @leaf
     def t_4(s):
-        return s.mm("W_1' X'", tr(s.W_1), tr(s.X))
+        return ((tr(s.H)) * heaviside((tr(s.H)), 0.0))
 
     @leaf
     def t_5(s):
-        return (s.t_4 * heaviside(s.t_4, 0.0))
+        return s.mm('t_4 t_3', s.t_4, s.t_3)
 
     @leaf
     def t_6(s):
-        return s.mm('t_5 t_3', s.t_5, s.t_3)
+        return (s.F - s.Y)
 
     @leaf
     def t_7(s):
-        return (s.F - s.Y)
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_8(s):
@@ -94,7 +91,7 @@ class mse_bias0_residual0(Forward):
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 2/(L*d_V)*(relu(W_1.T @ X.T) @ relu(X @ W_1) ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_6, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_5, free={'c': s.d_V}),
         ]
 
     def jacobian__W_1(s):
@@ -111,41 +108,41 @@ class mse_bias0_residual0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * sum_rows(sum_last((s.t_7 * s.t_7))), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_7', sum_rows((s.t_6 * s.t_6)), s.t_7), True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("X' t_8", tr(s.X), s.t_8), True), mean0(s.mm('t_5 G', s.t_5, s.G), True),)
+        return (mean0(s.mm("X' t_8", tr(s.X), s.t_8), True), mean0(s.mm('t_4 G', s.t_4, s.G), True),)
 
     def hvp__outer(s, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_9 = ((2/(s.L*s.d_V)) * s.mm('t_3 _', s.t_3, V_W_2) + (2/(s.L*s.d_V)) * s.mm('_ W_2', (s.t * s.mm('X _', s.X, V_W_1)), s.W_2))
-        t_10 = s.mm("_ W_2'", t_9, tr(s.W_2))
-        t_11 = s.mm('t_5 _', s.t_5, t_9)
-        return (mean0(s.mm("X' _", tr(s.X), (s.t * t_10)), True), mean0(t_11, True),)
+        t_9 = s.mm('X _', s.X, V_W_1)
+        t_10 = (s.mm('t_3 _', s.t_3, V_W_2) + s.mm('_ W_2', (s.t * t_9), s.W_2))
+        t_11 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_10, tr(s.W_2))
+        t_12 = s.mm('t_4 _', s.t_4, (2/(s.L*s.d_V)) * t_10)
+        return (mean0(s.mm("X' _", tr(s.X), (s.t * t_11)), True), mean0(t_12, True),)
 
     def hvp__functional(s, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_12 = (heaviside(s.t_4, 0.0) * s.mm("_ X'", tr(V_W_1), tr(s.X)))
-        return (mean0(s.mm("X' _", tr(s.X), (s.t * s.mm('G _', s.G, tr(V_W_2)))), True), mean0(s.mm('_ G', t_12, s.G), True),)
+        t_13 = s.mm("_ X'", tr(V_W_1), tr(s.X))
+        t_14 = (heaviside((tr(s.H)), 0.0) * t_13)
+        return (mean0(s.mm("X' _", tr(s.X), (s.t * s.mm('G _', s.G, tr(V_W_2)))), True), mean0(s.mm('_ G', t_14, s.G), True),)
 
     def hvp__full(s, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_13 = ((2/(s.L*s.d_V)) * s.mm('t_3 _', s.t_3, V_W_2) + (2/(s.L*s.d_V)) * s.mm('_ W_2', (s.t * s.mm('X _', s.X, V_W_1)), s.W_2))
-        t_14 = s.mm("_ W_2'", t_13, tr(s.W_2))
-        t_15 = s.mm('t_5 _', s.t_5, t_13)
-        t_16 = (heaviside(s.t_4, 0.0) * s.mm("_ X'", tr(V_W_1), tr(s.X)))
-        return (mean0(s.mm("X' _", tr(s.X), ((t_14 + s.mm('G _', s.G, tr(V_W_2))) * s.t)), True), mean0((t_15 + s.mm('_ G', t_16, s.G)), True),)
+        t_15 = s.mm('X _', s.X, V_W_1)
+        t_16 = (s.mm('t_3 _', s.t_3, V_W_2) + s.mm('_ W_2', (s.t * t_15), s.W_2))
+        t_17 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_16, tr(s.W_2))
+        t_18 = s.mm('t_4 _', s.t_4, (2/(s.L*s.d_V)) * t_16)
+        t_19 = (heaviside((tr(s.H)), 0.0) * tr(t_15))
+        return (mean0(s.mm("X' _", tr(s.X), ((t_17 + s.mm('G _', s.G, tr(V_W_2))) * s.t)), True), mean0((t_18 + s.mm('_ G', t_19, s.G)), True),)
 
 
 class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "c6d4d5131ad9f1176ebf19c4"
-    RUNS = {
-        "W_1' X'": 2,
-    }
+    STAMP = "867d0049297c913fc49d1f79"
 
     @leaf
     def H(s):
@@ -177,15 +174,15 @@ class ce_bias0_residual0(Forward):
 
     @leaf
     def t_5(s):
-        return s.mm("W_1' X'", tr(s.W_1), tr(s.X))
+        return ((tr(s.H)) * heaviside((tr(s.H)), 0.0))
 
     @leaf
     def t_6(s):
-        return (s.t_5 * heaviside(s.t_5, 0.0))
+        return softmax_rows(s.F)
 
     @leaf
     def t_7(s):
-        return softmax_rows(s.F)
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_8(s):
@@ -195,8 +192,8 @@ class ce_bias0_residual0(Forward):
     def dA(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA', [
-            net(1, 'nab,bc->nabc', s.t_7, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_7, s.t_7),
+            net(1, 'nab,bc->nabc', s.t_6, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_6, s.t_6),
         ])
 
     def block__W_1__W_1__outer(s):
@@ -220,7 +217,7 @@ class ce_bias0_residual0(Forward):
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 1/L*((relu(W_1.T @ X.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(X @ W_1) @ W_2) @ (relu(X @ W_1) ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_6, s.t_2, s.dA, s.t_3),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_5, s.t_2, s.dA, s.t_3),
         ]
 
     def jacobian__W_1(s):
@@ -237,34 +234,37 @@ class ce_bias0_residual0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * sum_rows(sum_last((log_softmax_rows(s.F) * s.Y))), True)[..., 0, 0]
+        return mean0((-1/s.L) * s.mm('_ t_7', sum_rows((log_softmax_rows(s.F) * s.Y)), s.t_7), True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("X' t_8", tr(s.X), s.t_8), True), mean0(s.mm('t_6 G', s.t_6, s.G), True),)
+        return (mean0(s.mm("X' t_8", tr(s.X), s.t_8), True), mean0(s.mm('t_5 G', s.t_5, s.G), True),)
 
     def hvp__outer(s, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_9 = (s.mm('t_3 _', s.t_3, V_W_2) + s.mm('_ W_2', (s.t * s.mm('X _', s.X, V_W_1)), s.W_2))
-        t_10 = (s.t_2 * softmax_diff(s.t_7, t_9))
-        return (mean0((1/s.L) * s.mm("X' _", tr(s.X), (s.t * s.mm("_ W_2'", t_10, tr(s.W_2)))), True), mean0((1/s.L) * s.mm('t_6 _', s.t_6, t_10), True),)
+        t_9 = s.mm('X _', s.X, V_W_1)
+        t_10 = (s.mm('t_3 _', s.t_3, V_W_2) + s.mm('_ W_2', (s.t * t_9), s.W_2))
+        t_11 = (s.t_2 * softmax_diff(s.t_6, t_10))
+        return (mean0((1/s.L) * s.mm("X' _", tr(s.X), (s.t * s.mm("_ W_2'", t_11, tr(s.W_2)))), True), mean0((1/s.L) * s.mm('t_5 _', s.t_5, t_11), True),)
 
     def hvp__functional(s, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = (heaviside(s.t_5, 0.0) * s.mm("_ X'", tr(V_W_1), tr(s.X)))
-        return (mean0(s.mm("X' _", tr(s.X), (s.t * s.mm('G _', s.G, tr(V_W_2)))), True), mean0(s.mm('_ G', t_11, s.G), True),)
+        t_12 = s.mm("_ X'", tr(V_W_1), tr(s.X))
+        t_13 = (heaviside((tr(s.H)), 0.0) * t_12)
+        return (mean0(s.mm("X' _", tr(s.X), (s.t * s.mm('G _', s.G, tr(V_W_2)))), True), mean0(s.mm('_ G', t_13, s.G), True),)
 
     def hvp__full(s, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_12 = (s.mm('t_3 _', s.t_3, V_W_2) + s.mm('_ W_2', (s.t * s.mm('X _', s.X, V_W_1)), s.W_2))
-        t_13 = (s.t_2 * softmax_diff(s.t_4, t_12))
-        t_14 = (s.mm('G _', s.G, tr(V_W_2)) + (1/s.L) * s.mm("_ W_2'", t_13, tr(s.W_2)))
-        t_15 = (heaviside(s.t_5, 0.0) * s.mm("_ X'", tr(V_W_1), tr(s.X)))
-        return (mean0(s.mm("X' _", tr(s.X), (t_14 * s.t)), True), mean0(((1/s.L) * s.mm('t_6 _', s.t_6, t_13) + s.mm('_ G', t_15, s.G)), True),)
+        t_14 = s.mm('X _', s.X, V_W_1)
+        t_15 = (s.mm('t_3 _', s.t_3, V_W_2) + s.mm('_ W_2', (s.t * t_14), s.W_2))
+        t_16 = (s.t_2 * softmax_diff(s.t_4, t_15))
+        t_17 = (s.mm('G _', s.G, tr(V_W_2)) + (1/s.L) * s.mm("_ W_2'", t_16, tr(s.W_2)))
+        t_18 = (heaviside((tr(s.H)), 0.0) * tr(t_14))
+        return (mean0(s.mm("X' _", tr(s.X), (t_17 * s.t)), True), mean0(((1/s.L) * s.mm('t_5 _', s.t_5, t_16) + s.mm('_ G', t_18, s.G)), True),)
 
 
 VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "ac5eb290e6950fa05d7fe983"
+CHECKSUM = "55b36c386edfade1ce6e1e12"

@@ -24,11 +24,9 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "d10d6782e8cc20745bbca496"
+    STAMP = "f51089b4c4604735b2014a4f"
     RUNS = {
         'A X': 7,
-        "G_2 W_V'": 2,
-        "G_2 W_V' X'": 2,
         "W_V' X'": 8,
     }
 
@@ -73,16 +71,28 @@ class mse_causal0(Forward):
         return (s.F_2 - s.Y)
 
     @leaf
-    def G_2(s):
-        return ((2/(s.L*s.d_V)) * s.F_2 - (2/(s.L*s.d_V)) * s.Y)
-
-    @leaf
     def t_5(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_6(s):
-        return softmax_diff(s.A, s.t_5)
+        return (s.F_2 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (2/(s.L*s.d_V)) * s.t_6
+
+    @leaf
+    def t_7(s):
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_8(s):
+        return softmax_diff(s.A, s.t_7)
+
+    @leaf
+    def G_3(s):
+        return (2/(s.L*s.d_V)) * s.t_6
 
     @leaf
     def dA(s):
@@ -159,48 +169,46 @@ class mse_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * sum_rows(sum_last((s.t_4 * s.t_4))), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_5', sum_rows((s.t_4 * s.t_4)), s.t_5), True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("X' t_6 X", tr(s.X), s.t_6, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.mm("X' t_8 X", tr(s.X), s.t_8, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_7 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_8 = softmax_diff(s.A, t_7)
-        t_9 = ((2/(s.L*s.d_V)) * s.mm('_ X W_V', t_8, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm('A X _', s.A, s.X, V_W_V))
-        t_10 = s.mm("_ W_V' X'", t_9, tr(s.W_V), tr(s.X))
-        t_11 = s.mm("X' A' _", tr(s.X), tr(s.A), t_9)
-        return (mean0(s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_10), s.X), True), mean0(t_11, True),)
+        t_9 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_10 = softmax_diff(s.A, t_9)
+        t_11 = (s.mm('_ X W_V', t_10, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_12 = s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_11, tr(s.W_V), tr(s.X))
+        t_13 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_11)
+        return (mean0(s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_12), s.X), True), mean0(t_13, True),)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_12 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_13 = (softmax_diff2(s.A, s.t_5, t_12) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        t_14 = softmax_diff(s.A, t_12)
-        return (mean0(s.mm("X' _ X", tr(s.X), t_13, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_14), s.G_2), True),)
+        t_14 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_15 = (softmax_diff2(s.A, s.t_7, t_14) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        t_16 = softmax_diff(s.A, t_14)
+        return (mean0(s.mm("X' _ X", tr(s.X), t_15, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_16), s.G_2), True),)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_16 = softmax_diff(s.A, t_15)
-        t_17 = ((2/(s.L*s.d_V)) * s.mm('_ X W_V', t_16, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm('A X _', s.A, s.X, V_W_V))
-        t_18 = s.mm_sum('r', (1, "_ W_V' X'", t_17, tr(s.W_V), tr(s.X)), (1, "G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = (softmax_diff2(s.A, s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X)), t_15) + softmax_diff(s.A, t_18))
-        t_20 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_16), s.G_2), (1, "X' A' _", tr(s.X), tr(s.A), t_17))
-        return (mean0(s.mm("X' _ X", tr(s.X), t_19, s.X), True), mean0(t_20, True),)
+        t_17 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_18 = softmax_diff(s.A, t_17)
+        t_19 = (s.mm('_ X W_V', t_18, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_20 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_19, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
+        t_21 = (softmax_diff2(s.A, s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X)), t_17) + softmax_diff(s.A, t_20))
+        t_22 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_18), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_19))
+        return (mean0(s.mm("X' _ X", tr(s.X), t_21, s.X), True), mean0(t_22, True),)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "f27faa12255b55f64fc680dd"
+    STAMP = "ac5e08aff4b91da87afb0991"
     RUNS = {
         'A X': 7,
-        "G_2 W_V'": 2,
-        "G_2 W_V' X'": 2,
         "W_V' X'": 8,
     }
 
@@ -245,16 +253,28 @@ class mse_causal1(Forward):
         return (s.F_2 - s.Y)
 
     @leaf
-    def G_2(s):
-        return ((2/(s.L*s.d_V)) * s.F_2 - (2/(s.L*s.d_V)) * s.Y)
-
-    @leaf
     def t_5(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_6(s):
-        return softmax_diff(s.A, s.t_5)
+        return (s.F_2 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (2/(s.L*s.d_V)) * s.t_6
+
+    @leaf
+    def t_7(s):
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_8(s):
+        return softmax_diff(s.A, s.t_7)
+
+    @leaf
+    def G_3(s):
+        return (2/(s.L*s.d_V)) * s.t_6
 
     @leaf
     def dA(s):
@@ -331,48 +351,46 @@ class mse_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * sum_rows(sum_last((s.t_4 * s.t_4))), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_5', sum_rows((s.t_4 * s.t_4)), s.t_5), True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("X' t_6 X", tr(s.X), s.t_6, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.mm("X' t_8 X", tr(s.X), s.t_8, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_7 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_8 = softmax_diff(s.A, t_7)
-        t_9 = ((2/(s.L*s.d_V)) * s.mm('_ X W_V', t_8, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm('A X _', s.A, s.X, V_W_V))
-        t_10 = s.mm("_ W_V' X'", t_9, tr(s.W_V), tr(s.X))
-        t_11 = s.mm("X' A' _", tr(s.X), tr(s.A), t_9)
-        return (mean0(s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_10), s.X), True), mean0(t_11, True),)
+        t_9 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_10 = softmax_diff(s.A, t_9)
+        t_11 = (s.mm('_ X W_V', t_10, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_12 = s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_11, tr(s.W_V), tr(s.X))
+        t_13 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_11)
+        return (mean0(s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_12), s.X), True), mean0(t_13, True),)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_12 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_13 = (softmax_diff2(s.A, s.t_5, t_12) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        t_14 = softmax_diff(s.A, t_12)
-        return (mean0(s.mm("X' _ X", tr(s.X), t_13, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_14), s.G_2), True),)
+        t_14 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_15 = (softmax_diff2(s.A, s.t_7, t_14) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        t_16 = softmax_diff(s.A, t_14)
+        return (mean0(s.mm("X' _ X", tr(s.X), t_15, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_16), s.G_2), True),)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_16 = softmax_diff(s.A, t_15)
-        t_17 = ((2/(s.L*s.d_V)) * s.mm('_ X W_V', t_16, s.X, s.W_V) + (2/(s.L*s.d_V)) * s.mm('A X _', s.A, s.X, V_W_V))
-        t_18 = s.mm_sum('r', (1, "_ W_V' X'", t_17, tr(s.W_V), tr(s.X)), (1, "G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = (softmax_diff2(s.A, s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X)), t_15) + softmax_diff(s.A, t_18))
-        t_20 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_16), s.G_2), (1, "X' A' _", tr(s.X), tr(s.A), t_17))
-        return (mean0(s.mm("X' _ X", tr(s.X), t_19, s.X), True), mean0(t_20, True),)
+        t_17 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_18 = softmax_diff(s.A, t_17)
+        t_19 = (s.mm('_ X W_V', t_18, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_20 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_19, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
+        t_21 = (softmax_diff2(s.A, s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X)), t_17) + softmax_diff(s.A, t_20))
+        t_22 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_18), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_19))
+        return (mean0(s.mm("X' _ X", tr(s.X), t_21, s.X), True), mean0(t_22, True),)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "dedc65fdb9443c256f75e991"
+    STAMP = "c0e8c6487bbf234a904f352e"
     RUNS = {
         'A X': 7,
-        "G_2 W_V'": 2,
-        "G_2 W_V' X'": 2,
         "W_V' X'": 8,
     }
 
@@ -414,19 +432,35 @@ class ce_causal0(Forward):
 
     @leaf
     def t_4(s):
-        return softmax_rows(s.F_2)
-
-    @leaf
-    def G_2(s):
-        return ((1/s.L) * (s.t * s.t_4) - (1/s.L) * s.Y)
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_5(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+        return (-1/s.L) * s.mm('_ t_4', sum_rows((log_softmax_rows(s.F_2) * s.Y)), s.t_4)
 
     @leaf
     def t_6(s):
-        return softmax_diff(s.A, s.t_5)
+        return softmax_rows(s.F_2)
+
+    @leaf
+    def t_7(s):
+        return ((s.t * s.t_6) - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_7
+
+    @leaf
+    def t_8(s):
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_9(s):
+        return softmax_diff(s.A, s.t_8)
+
+    @leaf
+    def G_3(s):
+        return (1/s.L) * s.t_7
 
     @leaf
     def dA(s):
@@ -511,49 +545,47 @@ class ce_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * sum_rows(sum_last((log_softmax_rows(s.F_2) * s.Y))), True)[..., 0, 0]
+        return mean0(s.t_5, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("X' t_6 X", tr(s.X), s.t_6, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.mm("X' t_9 X", tr(s.X), s.t_9, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_7 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_8 = softmax_diff(s.A, t_7)
-        t_9 = (s.mm('_ X W_V', t_8, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_10 = (s.t * softmax_diff(softmax_rows(s.F_2), t_9))
-        t_11 = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_10, tr(s.W_V), tr(s.X))), s.X)
-        return (mean0((1/s.L) * t_11, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_10), True),)
+        t_10 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_11 = softmax_diff(s.A, t_10)
+        t_12 = (s.mm('_ X W_V', t_11, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_13 = (s.t * softmax_diff(softmax_rows(s.F_2), t_12))
+        t_14 = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X))), s.X)
+        return (mean0((1/s.L) * t_14, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_13), True),)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_12 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_13 = (softmax_diff2(s.A, s.t_5, t_12) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        t_14 = softmax_diff(s.A, t_12)
-        return (mean0(s.mm("X' _ X", tr(s.X), t_13, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_14), s.G_2), True),)
+        t_15 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_16 = (softmax_diff2(s.A, s.t_8, t_15) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        t_17 = softmax_diff(s.A, t_15)
+        return (mean0(s.mm("X' _ X", tr(s.X), t_16, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_17), s.G_2), True),)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_16 = softmax_diff(s.A, t_15)
-        t_17 = (s.mm('_ X W_V', t_16, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_18 = (s.t * softmax_diff(s.t_4, t_17))
-        t_19 = s.mm_sum('r', (1, "G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_18, tr(s.W_V), tr(s.X)))
-        t_20 = (softmax_diff2(s.A, s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X)), t_15) + softmax_diff(s.A, t_19))
-        t_21 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_16), s.G_2), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_18))
-        return (mean0(s.mm("X' _ X", tr(s.X), t_20, s.X), True), mean0(t_21, True),)
+        t_18 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_19 = softmax_diff(s.A, t_18)
+        t_20 = (s.mm('_ X W_V', t_19, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_21 = (s.t * softmax_diff(s.t_6, t_20))
+        t_22 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_21, tr(s.W_V), tr(s.X)))
+        t_23 = (softmax_diff2(s.A, s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X)), t_18) + softmax_diff(s.A, t_22))
+        t_24 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_19), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_21))
+        return (mean0(s.mm("X' _ X", tr(s.X), t_23, s.X), True), mean0(t_24, True),)
 
 
 class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "58fbfa35e2387a55190daf61"
+    STAMP = "438c13322bb55befeadc9d14"
     RUNS = {
         'A X': 7,
-        "G_2 W_V'": 2,
-        "G_2 W_V' X'": 2,
         "W_V' X'": 8,
     }
 
@@ -595,19 +627,35 @@ class ce_causal1(Forward):
 
     @leaf
     def t_4(s):
-        return softmax_rows(s.F_2)
-
-    @leaf
-    def G_2(s):
-        return ((1/s.L) * (s.t * s.t_4) - (1/s.L) * s.Y)
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_5(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+        return (-1/s.L) * s.mm('_ t_4', sum_rows((log_softmax_rows(s.F_2) * s.Y)), s.t_4)
 
     @leaf
     def t_6(s):
-        return softmax_diff(s.A, s.t_5)
+        return softmax_rows(s.F_2)
+
+    @leaf
+    def t_7(s):
+        return ((s.t * s.t_6) - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_7
+
+    @leaf
+    def t_8(s):
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_9(s):
+        return softmax_diff(s.A, s.t_8)
+
+    @leaf
+    def G_3(s):
+        return (1/s.L) * s.t_7
 
     @leaf
     def dA(s):
@@ -692,38 +740,38 @@ class ce_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * sum_rows(sum_last((log_softmax_rows(s.F_2) * s.Y))), True)[..., 0, 0]
+        return mean0(s.t_5, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("X' t_6 X", tr(s.X), s.t_6, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.mm("X' t_9 X", tr(s.X), s.t_9, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_7 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_8 = softmax_diff(s.A, t_7)
-        t_9 = (s.mm('_ X W_V', t_8, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_10 = (s.t * softmax_diff(softmax_rows(s.F_2), t_9))
-        t_11 = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_10, tr(s.W_V), tr(s.X))), s.X)
-        return (mean0((1/s.L) * t_11, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_10), True),)
+        t_10 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_11 = softmax_diff(s.A, t_10)
+        t_12 = (s.mm('_ X W_V', t_11, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_13 = (s.t * softmax_diff(softmax_rows(s.F_2), t_12))
+        t_14 = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X))), s.X)
+        return (mean0((1/s.L) * t_14, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_13), True),)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_12 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_13 = (softmax_diff2(s.A, s.t_5, t_12) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        t_14 = softmax_diff(s.A, t_12)
-        return (mean0(s.mm("X' _ X", tr(s.X), t_13, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_14), s.G_2), True),)
+        t_15 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_16 = (softmax_diff2(s.A, s.t_8, t_15) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        t_17 = softmax_diff(s.A, t_15)
+        return (mean0(s.mm("X' _ X", tr(s.X), t_16, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_17), s.G_2), True),)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_16 = softmax_diff(s.A, t_15)
-        t_17 = (s.mm('_ X W_V', t_16, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_18 = (s.t * softmax_diff(s.t_4, t_17))
-        t_19 = s.mm_sum('r', (1, "G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_18, tr(s.W_V), tr(s.X)))
-        t_20 = (softmax_diff2(s.A, s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X)), t_15) + softmax_diff(s.A, t_19))
-        t_21 = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_16), s.G_2), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_18))
-        return (mean0(s.mm("X' _ X", tr(s.X), t_20, s.X), True), mean0(t_21, True),)
+        t_18 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_19 = softmax_diff(s.A, t_18)
+        t_20 = (s.mm('_ X W_V', t_19, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_21 = (s.t * softmax_diff(s.t_6, t_20))
+        t_22 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_21, tr(s.W_V), tr(s.X)))
+        t_23 = (softmax_diff2(s.A, s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X)), t_18) + softmax_diff(s.A, t_22))
+        t_24 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_19), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_21))
+        return (mean0(s.mm("X' _ X", tr(s.X), t_23, s.X), True), mean0(t_24, True),)
 
 
 VARIANTS = {
@@ -732,4 +780,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "2fbc155788fd12e5518fb949"
+CHECKSUM = "bfe36f5fe33c2e60706abf2e"

@@ -24,31 +24,33 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "1c6727d760f08ef736bba3bd"
+    STAMP = "0957dd4825bea62399cfeb9f"
     RUNS = {
-        'A X': 17,
+        'A X': 16,
         'A X W_V': 6,
-        "A' G_2": 6,
+        "A' G_2": 4,
+        "A' G_3": 2,
         "G W_O'": 2,
-        "G_2 W_O'": 5,
-        "G_2' A X": 6,
+        "G_2 W_O'": 4,
+        "G_2' A X": 4,
+        "G_3' A X": 2,
         'M_1 W_V': 4,
         "M_1' M_1": 3,
         "M_1' M_1 W_V": 2,
         "W_K' X'": 8,
         "W_O W_O'": 3,
         "W_O W_O' W_V'": 2,
-        "W_O t_36'": 2,
-        "W_O' W_V'": 14,
-        "W_O' W_V' X'": 9,
+        "W_O t_39'": 2,
+        "W_O' W_V'": 12,
+        "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
-        "W_V' X'": 18,
-        "X' t_16": 4,
-        "X' t_16 X": 4,
-        "X' t_16'": 4,
-        "X' t_44": 2,
-        "X' t_44 X": 2,
-        "X' t_44'": 2,
+        "W_V' X'": 17,
+        "X' t_18": 4,
+        "X' t_18 X": 4,
+        "X' t_18'": 4,
+        "X' t_47": 2,
+        "X' t_47 X": 2,
+        "X' t_47'": 2,
     }
 
     @leaf
@@ -121,7 +123,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_13(s):
-        return s.mm("W_O' W_V'", tr(s.W_O), tr(s.W_V))
+        return tr(s.t_7)
 
     @leaf
     def F_2(s):
@@ -132,36 +134,48 @@ class mse_causal0(Forward):
         return (s.F_2 - s.Y)
 
     @leaf
-    def G_2(s):
-        return ((2/(s.L*s.d_V)) * s.F_2 - (2/(s.L*s.d_V)) * s.Y)
-
-    @leaf
     def t_15(s):
-        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_16(s):
-        return softmax_diff(s.A, s.t_15)
+        return (s.F_2 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (2/(s.L*s.d_V)) * s.t_16
 
     @leaf
     def t_17(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_16 X W_K", tr(s.X), s.t_16, s.X, s.W_K)
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
     def t_18(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_16' X W_Q", tr(s.X), tr(s.t_16), s.X, s.W_Q)
+        return softmax_diff(s.A, s.t_17)
 
     @leaf
-    def t_36(s):
-        return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F_2 - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+    def t_19(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_18 X W_K", tr(s.X), s.t_18, s.X, s.W_K)
 
     @leaf
-    def t_37(s):
-        return s.mm("t_36 W_O' W_V' X'", s.t_36, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_20(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_18' X W_Q", tr(s.X), tr(s.t_18), s.X, s.W_Q)
 
     @leaf
-    def t_44(s):
-        return softmax_diff(s.A, s.t_37)
+    def t_39(s):
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_16
+
+    @leaf
+    def t_40(s):
+        return s.mm("t_39 W_O' W_V' X'", s.t_39, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_47(s):
+        return softmax_diff(s.A, s.t_40)
+
+    @leaf
+    def G_3(s):
+        return (2/(s.L*s.d_V)) * s.t_16
 
     @leaf
     def dA(s):
@@ -329,83 +343,85 @@ class mse_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * sum_rows(sum_last((s.t_14 * s.t_14))), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_15', sum_rows((s.t_14 * s.t_14)), s.t_15), True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.t_17, True), mean0(s.t_18, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.t_19, True), mean0(s.t_20, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_20 = softmax_diff(s.A, t_19)
-        t_21 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
-        t_22 = (s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_20, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_21)
-        t_23 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_24 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_22, tr(s.W_O))
-        t_25 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_22)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), True), mean0(t_24, True), mean0(t_25, True),)
+        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
+        t_23 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
+        t_24 = (s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + t_23)
+        t_25 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_24, tr(s.W_O), tr(s.W_V), tr(s.X))
+        t_26 = softmax_diff(s.A, t_25)
+        t_27 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24, tr(s.W_O))
+        t_28 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_26, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_26), s.X, s.W_Q), True), mean0(t_27, True), mean0(t_28, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_26 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_27 = softmax_diff2(s.A, t_26, s.t_15)
-        t_28 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_29 = softmax_diff(s.A, t_28)
-        t_30 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_27 + t_29), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_16 X _", tr(s.X), s.t_16, s.X, V_W_K))
-        t_31 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_27) + tr(t_29)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_16' X _", tr(s.X), tr(s.t_16), s.X, V_W_Q))
-        t_32 = softmax_diff(s.A, t_26)
-        t_33 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_32), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_34 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_32), s.G_2))
-        return (mean0(t_30, True), mean0(t_31, True), mean0(t_33, True), mean0(t_34, True),)
+        t_29 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_30 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_29, s.t_17)
+        t_31 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_32 = softmax_diff(s.A, t_31)
+        t_33 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_30 + t_32), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_18 X _", tr(s.X), s.t_18, s.X, V_W_K))
+        t_34 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_30) + tr(t_32)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_18' X _", tr(s.X), tr(s.t_18), s.X, V_W_Q))
+        t_35 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_29)
+        t_36 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_35), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_37 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_35), s.G_2))
+        return (mean0(t_33, True), mean0(t_34, True), mean0(t_36, True), mean0(t_37, True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_35 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_38 = softmax_diff2(s.A, t_35, s.t_37)
-        t_39 = softmax_diff(s.A, t_35)
-        t_40 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
-        t_41 = (s.mm_sum('r', ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), '_ X W_V W_O', t_39, s.X, s.W_V, s.W_O), ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_40)
-        t_42 = s.mm_sum('r', (1, "_ W_O' W_V' X'", t_41, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_36 _ W_V' X'", s.t_36, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_36 W_O' _ X'", s.t_36, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_43 = softmax_diff(s.A, t_42)
-        t_45 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_38 + t_43), s.X, s.W_K), (1, "X' t_44 X _", tr(s.X), s.t_44, s.X, V_W_K))
-        t_46 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_38) + tr(t_43)), s.X, s.W_Q), (1, "X' t_44' X _", tr(s.X), tr(s.t_44), s.X, V_W_Q))
-        t_47 = (s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_39, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_40)
-        t_48 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_39), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), t_47, tr(s.W_O)))
-        t_49 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_47)
-        t_50 = (s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_39), s.G_2)) + t_49)
-        return (mean0(t_45, True), mean0(t_46, True), mean0(t_48, True), mean0(t_50, True),)
+        t_38 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_41 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_38, s.t_40)
+        t_42 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_38)
+        t_43 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
+        t_44 = (s.mm_sum('r', (1, '_ X W_V W_O', t_42, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + t_43)
+        t_45 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_44, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_39 _ W_V' X'", s.t_39, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_39 W_O' _ X'", s.t_39, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_46 = softmax_diff(s.A, t_45)
+        t_48 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_41 + t_46), s.X, s.W_K), (1, "X' t_47 X _", tr(s.X), s.t_47, s.X, V_W_K))
+        t_49 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_41) + tr(t_46)), s.X, s.W_Q), (1, "X' t_47' X _", tr(s.X), tr(s.t_47), s.X, V_W_Q))
+        t_50 = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_42), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_44, tr(s.W_O)))
+        t_51 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_44)
+        t_52 = (s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_42), s.G_3)) + t_51)
+        return (mean0(t_48, True), mean0(t_49, True), mean0(t_50, True), mean0(t_52, True),)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "aa13a85171d2c1f42b00ddd8"
+    STAMP = "44edd50b73113d59bb8faac6"
     RUNS = {
-        'A X': 17,
+        'A X': 16,
         'A X W_V': 6,
-        "A' G_2": 6,
+        "A' G_2": 4,
+        "A' G_3": 2,
         "G W_O'": 2,
-        "G_2 W_O'": 5,
-        "G_2' A X": 6,
+        "G_2 W_O'": 4,
+        "G_2' A X": 4,
+        "G_3' A X": 2,
         'M_1 W_V': 4,
         "M_1' M_1": 3,
         "M_1' M_1 W_V": 2,
         "W_K' X'": 8,
         "W_O W_O'": 3,
         "W_O W_O' W_V'": 2,
-        "W_O t_36'": 2,
-        "W_O' W_V'": 14,
-        "W_O' W_V' X'": 9,
+        "W_O t_39'": 2,
+        "W_O' W_V'": 12,
+        "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
-        "W_V' X'": 18,
-        "X' t_16": 4,
-        "X' t_16 X": 4,
-        "X' t_16'": 4,
-        "X' t_44": 2,
-        "X' t_44 X": 2,
-        "X' t_44'": 2,
+        "W_V' X'": 17,
+        "X' t_18": 4,
+        "X' t_18 X": 4,
+        "X' t_18'": 4,
+        "X' t_47": 2,
+        "X' t_47 X": 2,
+        "X' t_47'": 2,
     }
 
     @leaf
@@ -478,7 +494,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_13(s):
-        return s.mm("W_O' W_V'", tr(s.W_O), tr(s.W_V))
+        return tr(s.t_7)
 
     @leaf
     def F_2(s):
@@ -489,36 +505,48 @@ class mse_causal1(Forward):
         return (s.F_2 - s.Y)
 
     @leaf
-    def G_2(s):
-        return ((2/(s.L*s.d_V)) * s.F_2 - (2/(s.L*s.d_V)) * s.Y)
-
-    @leaf
     def t_15(s):
-        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_16(s):
-        return softmax_diff(s.A, s.t_15)
+        return (s.F_2 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (2/(s.L*s.d_V)) * s.t_16
 
     @leaf
     def t_17(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_16 X W_K", tr(s.X), s.t_16, s.X, s.W_K)
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
     def t_18(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_16' X W_Q", tr(s.X), tr(s.t_16), s.X, s.W_Q)
+        return softmax_diff(s.A, s.t_17)
 
     @leaf
-    def t_36(s):
-        return ((2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.F_2 - (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.Y)
+    def t_19(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_18 X W_K", tr(s.X), s.t_18, s.X, s.W_K)
 
     @leaf
-    def t_37(s):
-        return s.mm("t_36 W_O' W_V' X'", s.t_36, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_20(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_18' X W_Q", tr(s.X), tr(s.t_18), s.X, s.W_Q)
 
     @leaf
-    def t_44(s):
-        return softmax_diff(s.A, s.t_37)
+    def t_39(s):
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_16
+
+    @leaf
+    def t_40(s):
+        return s.mm("t_39 W_O' W_V' X'", s.t_39, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_47(s):
+        return softmax_diff(s.A, s.t_40)
+
+    @leaf
+    def G_3(s):
+        return (2/(s.L*s.d_V)) * s.t_16
 
     @leaf
     def dA(s):
@@ -686,79 +714,81 @@ class mse_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * sum_rows(sum_last((s.t_14 * s.t_14))), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_15', sum_rows((s.t_14 * s.t_14)), s.t_15), True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.t_17, True), mean0(s.t_18, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.t_19, True), mean0(s.t_20, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_20 = softmax_diff(s.A, t_19)
-        t_21 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
-        t_22 = (s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_20, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_21)
-        t_23 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_24 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_22, tr(s.W_O))
-        t_25 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_22)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), True), mean0(t_24, True), mean0(t_25, True),)
+        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
+        t_23 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
+        t_24 = (s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + t_23)
+        t_25 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_24, tr(s.W_O), tr(s.W_V), tr(s.X))
+        t_26 = softmax_diff(s.A, t_25)
+        t_27 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24, tr(s.W_O))
+        t_28 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24)
+        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_26, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_26), s.X, s.W_Q), True), mean0(t_27, True), mean0(t_28, True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_26 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_27 = softmax_diff2(s.A, t_26, s.t_15)
-        t_28 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_29 = softmax_diff(s.A, t_28)
-        t_30 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_27 + t_29), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_16 X _", tr(s.X), s.t_16, s.X, V_W_K))
-        t_31 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_27) + tr(t_29)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_16' X _", tr(s.X), tr(s.t_16), s.X, V_W_Q))
-        t_32 = softmax_diff(s.A, t_26)
-        t_33 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_32), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_34 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_32), s.G_2))
-        return (mean0(t_30, True), mean0(t_31, True), mean0(t_33, True), mean0(t_34, True),)
+        t_29 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_30 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_29, s.t_17)
+        t_31 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_32 = softmax_diff(s.A, t_31)
+        t_33 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_30 + t_32), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_18 X _", tr(s.X), s.t_18, s.X, V_W_K))
+        t_34 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_30) + tr(t_32)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_18' X _", tr(s.X), tr(s.t_18), s.X, V_W_Q))
+        t_35 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_29)
+        t_36 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_35), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_37 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_35), s.G_2))
+        return (mean0(t_33, True), mean0(t_34, True), mean0(t_36, True), mean0(t_37, True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_35 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_38 = softmax_diff2(s.A, t_35, s.t_37)
-        t_39 = softmax_diff(s.A, t_35)
-        t_40 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
-        t_41 = (s.mm_sum('r', ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), '_ X W_V W_O', t_39, s.X, s.W_V, s.W_O), ((2/(s.L*math.sqrt(s.d_K)*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_40)
-        t_42 = s.mm_sum('r', (1, "_ W_O' W_V' X'", t_41, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_36 _ W_V' X'", s.t_36, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_36 W_O' _ X'", s.t_36, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_43 = softmax_diff(s.A, t_42)
-        t_45 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_38 + t_43), s.X, s.W_K), (1, "X' t_44 X _", tr(s.X), s.t_44, s.X, V_W_K))
-        t_46 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_38) + tr(t_43)), s.X, s.W_Q), (1, "X' t_44' X _", tr(s.X), tr(s.t_44), s.X, V_W_Q))
-        t_47 = (s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_39, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + (2/(s.L*s.d_V)) * t_40)
-        t_48 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_39), s.G_2, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), t_47, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_49 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_47)
-        t_50 = (s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_39), s.G_2)) + t_49)
-        return (mean0(t_45, True), mean0(t_46, True), mean0(t_48, True), mean0(t_50, True),)
+        t_38 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_41 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_38, s.t_40)
+        t_42 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_38)
+        t_43 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
+        t_44 = (s.mm_sum('r', (1, '_ X W_V W_O', t_42, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + t_43)
+        t_45 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_44, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_39 _ W_V' X'", s.t_39, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_39 W_O' _ X'", s.t_39, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_46 = softmax_diff(s.A, t_45)
+        t_48 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_41 + t_46), s.X, s.W_K), (1, "X' t_47 X _", tr(s.X), s.t_47, s.X, V_W_K))
+        t_49 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_41) + tr(t_46)), s.X, s.W_Q), (1, "X' t_47' X _", tr(s.X), tr(s.t_47), s.X, V_W_Q))
+        t_50 = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_42), s.G_3, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_44, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)))
+        t_51 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_44)
+        t_52 = (s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_42), s.G_3)) + t_51)
+        return (mean0(t_48, True), mean0(t_49, True), mean0(t_50, True), mean0(t_52, True),)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "1b4712d8982369a2477de537"
+    STAMP = "c192566c164843720817bae6"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
-        "A' G_2": 6,
+        "A' G_2": 4,
+        "A' G_3": 2,
         "G W_O'": 2,
-        "G_2 W_O'": 5,
-        "G_2' A X": 6,
-        'M_1 W_V': 3,
+        "G_2 W_O'": 4,
+        "G_2' A X": 4,
+        "G_3' A X": 2,
+        'M_1 W_V': 2,
         "W_K' X'": 8,
-        "W_O t_34'": 2,
-        "W_O' W_V'": 11,
+        "W_O t_37'": 2,
+        "W_O' W_V'": 10,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
-        "X' t_14": 4,
-        "X' t_14 X": 4,
-        "X' t_14'": 4,
-        "X' t_42": 2,
-        "X' t_42 X": 2,
-        "X' t_42'": 2,
+        "X' t_17": 4,
+        "X' t_17 X": 4,
+        "X' t_17'": 4,
+        "X' t_45": 2,
+        "X' t_45 X": 2,
+        "X' t_45'": 2,
     }
 
     @leaf
@@ -771,7 +801,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_3(s):
-        return s.mm("W_O' W_V'", tr(s.W_O), tr(s.W_V))
+        return tr(s.t)
 
     @leaf
     def T(s):
@@ -815,7 +845,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_9(s):
-        return s.mm("W_V' M_1'", tr(s.W_V), tr(s.M_1))
+        return tr(s.t_7)
 
     @leaf
     def t_10(s):
@@ -827,43 +857,59 @@ class ce_causal0(Forward):
 
     @leaf
     def t_11(s):
-        return softmax_rows(s.F_2)
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_12(s):
-        return (s.t_2 * s.t_11)
-
-    @leaf
-    def G_2(s):
-        return ((1/s.L) * s.t_12 - (1/s.L) * s.Y)
+        return (-1/s.L) * s.mm('_ t_11', sum_rows((log_softmax_rows(s.F_2) * s.Y)), s.t_11)
 
     @leaf
     def t_13(s):
-        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_14(s):
-        return softmax_diff(s.A, s.t_13)
+        return (s.t_2 * s.t_13)
 
     @leaf
     def t_15(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_14 X W_K", tr(s.X), s.t_14, s.X, s.W_K)
+        return (s.t_14 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_15
 
     @leaf
     def t_16(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_14' X W_Q", tr(s.X), tr(s.t_14), s.X, s.W_Q)
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_34(s):
-        return ((1/(s.L*math.sqrt(s.d_K))) * s.t_12 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
+    def t_17(s):
+        return softmax_diff(s.A, s.t_16)
 
     @leaf
-    def t_35(s):
-        return s.mm("t_34 W_O' W_V' X'", s.t_34, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_18(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_17 X W_K", tr(s.X), s.t_17, s.X, s.W_K)
 
     @leaf
-    def t_42(s):
-        return softmax_diff(s.A, s.t_35)
+    def t_19(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_17' X W_Q", tr(s.X), tr(s.t_17), s.X, s.W_Q)
+
+    @leaf
+    def t_37(s):
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_15
+
+    @leaf
+    def t_38(s):
+        return s.mm("t_37 W_O' W_V' X'", s.t_37, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_45(s):
+        return softmax_diff(s.A, s.t_38)
+
+    @leaf
+    def G_3(s):
+        return (1/s.L) * s.t_15
 
     @leaf
     def dA(s):
@@ -1039,77 +1085,79 @@ class ce_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * sum_rows(sum_last((log_softmax_rows(s.F_2) * s.Y))), True)[..., 0, 0]
+        return mean0(s.t_12, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.t_15, True), mean0(s.t_16, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.t_18, True), mean0(s.t_19, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_18 = softmax_diff(s.A, t_17)
-        t_19 = (s.mm_sum('r', (1, '_ X W_V W_O', t_18, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
-        t_20 = (s.t_2 * softmax_diff(softmax_rows(s.F_2), t_19))
-        t_21 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_20, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_22 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_21, s.X, s.W_K)
-        t_23 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_21), s.X, s.W_Q)
-        return (mean0(t_22, True), mean0(t_23, True), mean0((1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_20, tr(s.W_O)), True), mean0((1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_20), True),)
+        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
+        t_22 = (s.mm_sum('r', (1, '_ X W_V W_O', t_21, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
+        t_23 = (s.t_2 * softmax_diff(softmax_rows(s.F_2), t_22))
+        t_24 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_23, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_25 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_24, s.X, s.W_K)
+        t_26 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q)
+        return (mean0(t_25, True), mean0(t_26, True), mean0((1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_23, tr(s.W_O)), True), mean0((1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_23), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = softmax_diff2(s.A, t_24, s.t_13)
-        t_26 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_27 = softmax_diff(s.A, t_26)
-        t_28 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_25 + t_27), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_14 X _", tr(s.X), s.t_14, s.X, V_W_K))
-        t_29 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_25) + tr(t_27)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_14' X _", tr(s.X), tr(s.t_14), s.X, V_W_Q))
-        t_30 = softmax_diff(s.A, t_24)
-        t_31 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_32 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2))
-        return (mean0(t_28, True), mean0(t_29, True), mean0(t_31, True), mean0(t_32, True),)
+        t_27 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_27, s.t_16)
+        t_29 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_30 = softmax_diff(s.A, t_29)
+        t_31 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_28 + t_30), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_17 X _", tr(s.X), s.t_17, s.X, V_W_K))
+        t_32 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_28) + tr(t_30)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_17' X _", tr(s.X), tr(s.t_17), s.X, V_W_Q))
+        t_33 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_27)
+        t_34 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_33), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_35 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_33), s.G_2))
+        return (mean0(t_31, True), mean0(t_32, True), mean0(t_34, True), mean0(t_35, True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_33 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_36 = softmax_diff2(s.A, t_33, s.t_35)
-        t_37 = softmax_diff(s.A, t_33)
-        t_38 = (s.mm_sum('r', (1, '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
-        t_39 = (s.t_2 * softmax_diff(s.t_11, t_38))
-        t_40 = s.mm_sum('r', (1, "t_34 _ W_V' X'", s.t_34, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_34 W_O' _ X'", s.t_34, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_39, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_41 = softmax_diff(s.A, t_40)
-        t_43 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_36 + t_41), s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K))
-        t_44 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_36) + tr(t_41)), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q))
-        t_45 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_37), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_39, tr(s.W_O)))
-        t_46 = (s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_37), s.G_2)) + (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_39))
-        return (mean0(t_43, True), mean0(t_44, True), mean0(t_45, True), mean0(t_46, True),)
+        t_36 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_39 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_36, s.t_38)
+        t_40 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_36)
+        t_41 = (s.mm_sum('r', (1, '_ X W_V W_O', t_40, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
+        t_42 = (s.t_2 * softmax_diff(s.t_13, t_41))
+        t_43 = s.mm_sum('r', (1, "t_37 _ W_V' X'", s.t_37, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_37 W_O' _ X'", s.t_37, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_42, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_44 = softmax_diff(s.A, t_43)
+        t_46 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_39 + t_44), s.X, s.W_K), (1, "X' t_45 X _", tr(s.X), s.t_45, s.X, V_W_K))
+        t_47 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_39) + tr(t_44)), s.X, s.W_Q), (1, "X' t_45' X _", tr(s.X), tr(s.t_45), s.X, V_W_Q))
+        t_48 = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_40), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_42, tr(s.W_O)))
+        t_49 = (s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_40), s.G_3)) + (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_42))
+        return (mean0(t_46, True), mean0(t_47, True), mean0(t_48, True), mean0(t_49, True),)
 
 
 class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "ff3f3574ba47bd7c1e2f6ef8"
+    STAMP = "8540306eedbcbcb10628f1d2"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
-        "A' G_2": 6,
+        "A' G_2": 4,
+        "A' G_3": 2,
         "G W_O'": 2,
-        "G_2 W_O'": 5,
-        "G_2' A X": 6,
-        'M_1 W_V': 3,
+        "G_2 W_O'": 4,
+        "G_2' A X": 4,
+        "G_3' A X": 2,
+        'M_1 W_V': 2,
         "W_K' X'": 8,
-        "W_O t_34'": 2,
-        "W_O' W_V'": 11,
+        "W_O t_37'": 2,
+        "W_O' W_V'": 10,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
-        "X' t_14": 4,
-        "X' t_14 X": 4,
-        "X' t_14'": 4,
-        "X' t_42": 2,
-        "X' t_42 X": 2,
-        "X' t_42'": 2,
+        "X' t_17": 4,
+        "X' t_17 X": 4,
+        "X' t_17'": 4,
+        "X' t_45": 2,
+        "X' t_45 X": 2,
+        "X' t_45'": 2,
     }
 
     @leaf
@@ -1122,7 +1170,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_3(s):
-        return s.mm("W_O' W_V'", tr(s.W_O), tr(s.W_V))
+        return tr(s.t)
 
     @leaf
     def T(s):
@@ -1166,7 +1214,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_9(s):
-        return s.mm("W_V' M_1'", tr(s.W_V), tr(s.M_1))
+        return tr(s.t_7)
 
     @leaf
     def t_10(s):
@@ -1178,43 +1226,59 @@ class ce_causal1(Forward):
 
     @leaf
     def t_11(s):
-        return softmax_rows(s.F_2)
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t_12(s):
-        return (s.t_2 * s.t_11)
-
-    @leaf
-    def G_2(s):
-        return ((1/s.L) * s.t_12 - (1/s.L) * s.Y)
+        return (-1/s.L) * s.mm('_ t_11', sum_rows((log_softmax_rows(s.F_2) * s.Y)), s.t_11)
 
     @leaf
     def t_13(s):
-        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_14(s):
-        return softmax_diff(s.A, s.t_13)
+        return (s.t_2 * s.t_13)
 
     @leaf
     def t_15(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_14 X W_K", tr(s.X), s.t_14, s.X, s.W_K)
+        return (s.t_14 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_15
 
     @leaf
     def t_16(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_14' X W_Q", tr(s.X), tr(s.t_14), s.X, s.W_Q)
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_34(s):
-        return ((1/(s.L*math.sqrt(s.d_K))) * s.t_12 - (1/(s.L*math.sqrt(s.d_K))) * s.Y)
+    def t_17(s):
+        return softmax_diff(s.A, s.t_16)
 
     @leaf
-    def t_35(s):
-        return s.mm("t_34 W_O' W_V' X'", s.t_34, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_18(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_17 X W_K", tr(s.X), s.t_17, s.X, s.W_K)
 
     @leaf
-    def t_42(s):
-        return softmax_diff(s.A, s.t_35)
+    def t_19(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("X' t_17' X W_Q", tr(s.X), tr(s.t_17), s.X, s.W_Q)
+
+    @leaf
+    def t_37(s):
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_15
+
+    @leaf
+    def t_38(s):
+        return s.mm("t_37 W_O' W_V' X'", s.t_37, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_45(s):
+        return softmax_diff(s.A, s.t_38)
+
+    @leaf
+    def G_3(s):
+        return (1/s.L) * s.t_15
 
     @leaf
     def dA(s):
@@ -1390,50 +1454,50 @@ class ce_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * sum_rows(sum_last((log_softmax_rows(s.F_2) * s.Y))), True)[..., 0, 0]
+        return mean0(s.t_12, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.t_15, True), mean0(s.t_16, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
+        return (mean0(s.t_18, True), mean0(s.t_19, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_18 = softmax_diff(s.A, t_17)
-        t_19 = (s.mm_sum('r', (1, '_ X W_V W_O', t_18, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
-        t_20 = (s.t_2 * softmax_diff(softmax_rows(s.F_2), t_19))
-        t_21 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_20, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_22 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_21, s.X, s.W_K)
-        t_23 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_21), s.X, s.W_Q)
-        return (mean0(t_22, True), mean0(t_23, True), mean0((1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_20, tr(s.W_O)), True), mean0((1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_20), True),)
+        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
+        t_22 = (s.mm_sum('r', (1, '_ X W_V W_O', t_21, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
+        t_23 = (s.t_2 * softmax_diff(softmax_rows(s.F_2), t_22))
+        t_24 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_23, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_25 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_24, s.X, s.W_K)
+        t_26 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q)
+        return (mean0(t_25, True), mean0(t_26, True), mean0((1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_23, tr(s.W_O)), True), mean0((1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_23), True),)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = softmax_diff2(s.A, t_24, s.t_13)
-        t_26 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_27 = softmax_diff(s.A, t_26)
-        t_28 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_25 + t_27), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_14 X _", tr(s.X), s.t_14, s.X, V_W_K))
-        t_29 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_25) + tr(t_27)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_14' X _", tr(s.X), tr(s.t_14), s.X, V_W_Q))
-        t_30 = softmax_diff(s.A, t_24)
-        t_31 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_32 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2))
-        return (mean0(t_28, True), mean0(t_29, True), mean0(t_31, True), mean0(t_32, True),)
+        t_27 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_27, s.t_16)
+        t_29 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_30 = softmax_diff(s.A, t_29)
+        t_31 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_28 + t_30), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_17 X _", tr(s.X), s.t_17, s.X, V_W_K))
+        t_32 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_28) + tr(t_30)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_17' X _", tr(s.X), tr(s.t_17), s.X, V_W_Q))
+        t_33 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_27)
+        t_34 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_33), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
+        t_35 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_33), s.G_2))
+        return (mean0(t_31, True), mean0(t_32, True), mean0(t_34, True), mean0(t_35, True),)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_33 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_36 = softmax_diff2(s.A, t_33, s.t_35)
-        t_37 = softmax_diff(s.A, t_33)
-        t_38 = (s.mm_sum('r', (1, '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
-        t_39 = (s.t_2 * softmax_diff(s.t_11, t_38))
-        t_40 = s.mm_sum('r', (1, "t_34 W_O' _ X'", s.t_34, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "t_34 _ W_V' X'", s.t_34, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_39, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_41 = softmax_diff(s.A, t_40)
-        t_43 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_36 + t_41), s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K))
-        t_44 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_36) + tr(t_41)), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q))
-        t_45 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_37), s.G_2, tr(s.W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_39, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_46 = (s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_37), s.G_2)) + (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_39))
-        return (mean0(t_43, True), mean0(t_44, True), mean0(t_45, True), mean0(t_46, True),)
+        t_36 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_39 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_36, s.t_38)
+        t_40 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_36)
+        t_41 = (s.mm_sum('r', (1, '_ X W_V W_O', t_40, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
+        t_42 = (s.t_2 * softmax_diff(s.t_13, t_41))
+        t_43 = s.mm_sum('r', (1, "t_37 W_O' _ X'", s.t_37, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "t_37 _ W_V' X'", s.t_37, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_42, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_44 = softmax_diff(s.A, t_43)
+        t_46 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_39 + t_44), s.X, s.W_K), (1, "X' t_45 X _", tr(s.X), s.t_45, s.X, V_W_K))
+        t_47 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_39) + tr(t_44)), s.X, s.W_Q), (1, "X' t_45' X _", tr(s.X), tr(s.t_45), s.X, V_W_Q))
+        t_48 = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_40), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_42, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)))
+        t_49 = (s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_40), s.G_3)) + (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_42))
+        return (mean0(t_46, True), mean0(t_47, True), mean0(t_48, True), mean0(t_49, True),)
 
 
 VARIANTS = {
@@ -1442,4 +1506,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "c23a5705ab0cf9ee17ff6fc2"
+CHECKSUM = "6b7a9c50d637247931d492e2"

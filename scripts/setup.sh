@@ -22,4 +22,11 @@ rm -f "$stamp"
 # torchvision, whose newest release would pull a newer (CUDA) torch
 .venv/bin/python -m pip install -q -c scripts/constraints.txt torch==2.13.0
 .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[test]"
+# transformers (a test extra) imports torchvision when it is installed; a torchvision built
+# for another torch (curvlinops' backpack pulls one in) cannot load and breaks that import,
+# and nothing here uses torchvision: remove one that does not load
+if .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchvision') is None)" \
+    && ! .venv/bin/python -c "import torchvision" >/dev/null 2>&1; then
+  .venv/bin/python -m pip uninstall -q -y torchvision
+fi
 echo "$want" > "$stamp"

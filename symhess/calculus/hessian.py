@@ -20,7 +20,7 @@ from .kron import vec_jacobian
 from ..expr.layer import Layer
 from .losses import get_loss
 from .rules import differential
-from .simplify import definitions, simplify
+from .simplify import Simplifier, definitions, simplify
 from ..errors import DeclarationError, UnknownNameError
 from ..expr.evaluate import InputError, bind_dims, check_values, evaluate
 
@@ -42,6 +42,7 @@ class Derivation:
         self.Y = E.matrix("Y", F.rows, F.cols)
         self._loss_fn = get_loss(loss)
         self._cache = {}
+        self._simplifier = Simplifier(layer)     # blocks share sub-expressions: rewrite once
 
     # -- the loss side -------------------------------------------------------------------
     @cached_property
@@ -82,14 +83,27 @@ class Derivation:
         if key not in self._cache:
             w = self.param(p)
             d = _direction(w)
-            self._cache[key] = simplify(vec_jacobian(differential(self.F, {w: d}), d), self.layer)
+            self._cache[key] = simplify(vec_jacobian(differential(self.F, {w: d}), d), self.layer, self._simplifier)
         return self._cache[key]
 
     def gradient(self, p, cot=None):
-        """g_p = (∂F/∂W_p)ᵀ G as a matrix expression (no Kronecker product)."""
-        w = self.param(p)
-        d = _direction(w)
-        return adjoint(differential(self.F, {w: d}), d, self.output_gradient if cot is None else cot)
+        """g_p = (∂F/∂W_p)ᵀ G as a matrix expression (no Kronecker product); cached, since
+        every block (p, ·) and every Hessian–vector product starts from it."""
+        key = ("gradient", p, cot)
+        if key not in self._cache:
+            w = self.param(p)
+            d = _direction(w)
+            self._cache[key] = adjoint(differential(self.F, {w: d}), d,
+                                       self.output_gradient if cot is None else cot)
+        return self._cache[key]
+
+    def _dF(self, q, dq):
+        """dF[D_q] and ∂²ℓ[dF[D_q]] (cached per q: shared by the blocks (·, q))."""
+        key = ("dF", q, dq)
+        if key not in self._cache:
+            dF = differential(self.F, {self.param(q): dq})
+            self._cache[key] = self.loss_hessian_map(dF)
+        return self._cache[key]
 
     def hvp_directions(self):
         """The direction variables V_q (one per parameter) used by ``hvp_expressions``."""
@@ -107,15 +121,17 @@ class Derivation:
         vs = self.hvp_directions()
         dirs = {self.param(q): v for q, v in vs.items()}
         g = self.output_gradient
-        out = {}
+        out, memo = {}, {}            # one memo: the gradients share their backward pass
+        if part == "outer":
+            hdF = self.loss_hessian_map(differential(self.F, dirs))
         for p in self.layer.param_names:
             grad = self.gradient(p)
             if part == "functional":
-                out[p] = differential(grad, dirs)
+                out[p] = differential(grad, dirs, memo)
             elif part == "outer":
-                out[p] = E.substitute(grad, {g: self.loss_hessian_map(differential(self.F, dirs))})
+                out[p] = E.substitute(grad, {g: hdF}, memo)
             else:
-                out[p] = differential(self.gradient(p, cot=g.inner), dirs)
+                out[p] = differential(self.gradient(p, cot=g.inner), dirs, memo)
         self._cache[key] = out
         return out
 
@@ -137,8 +153,7 @@ class Derivation:
             out = vec_jacobian(differential(self.gradient(p), {wq: dq}), dq)
         elif part == "outer":
             g = self.output_gradient
-            dF = differential(self.F, {wq: dq})
-            lin = E.substitute(self.gradient(p), {g: self.loss_hessian_map(dF)})
+            lin = E.substitute(self.gradient(p), {g: self._dF(q, dq)})
             out = vec_jacobian(lin, dq)
         else:
             out = E.add(self.raw_block(p, q, "outer"), self.raw_block(p, q, "functional"))
@@ -168,7 +183,7 @@ class Derivation:
         """The (p, q) Hessian block in vec_r layout, simplified for display."""
         key = ("block", p, q, part, at)
         if key not in self._cache:
-            self._cache[key] = Block(simplify(self.raw_block(p, q, part, at), self.layer), self, (p, q, part))
+            self._cache[key] = Block(simplify(self.raw_block(p, q, part, at), self.layer, self._simplifier), self, (p, q, part))
         return self._cache[key]
 
     @cached_property

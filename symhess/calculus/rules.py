@@ -14,11 +14,14 @@ RULES = Registry("differential rule for")
 rule = RULES.register
 
 
-def differential(expr: E.Expr, directions: dict) -> E.Expr:
-    """dF: the differential of ``expr`` along ``directions`` (Var → direction expression)."""
+def differential(expr: E.Expr, directions: dict, memo=None) -> E.Expr:
+    """dF: the differential of ``expr`` along ``directions`` (Var → direction expression).
+    ``memo``: {node: its differential}, a dict shared by calls with the same directions, so
+    that expressions sharing sub-DAGs (every parameter's gradient shares the backward pass)
+    differentiate each shared node once."""
     wrt = frozenset(directions)
-    memo = {}
-    for node in E.walk(expr):
+    memo = {} if memo is None else memo
+    for node in E.walk(expr, skip=memo):
         if not (node.free_vars & wrt) or (isinstance(node, E.Named) and node.frozen):
             memo[node] = E.zero(*node.shape)
         elif isinstance(node, E.Var):

@@ -52,11 +52,28 @@ DEFINITIONS = {
 }
 
 
-def simplify(expr, layer=None):
+def simplify(expr, layer=None, shared=None):
     """Apply the named-moment catalogue bottom-up (``layer`` gives the moment labels and the
-    named sub-layer inputs, see ``Moments``)."""
-    ctx = Moments(layer)
-    memo = {}
+    named sub-layer inputs, see ``Moments``).  ``shared``: a ``Simplifier`` whose results
+    earlier calls of the same layer already hold (a derivation's blocks share sub-DAGs)."""
+    if shared is None:
+        shared = Simplifier(layer)
+    return shared(expr)
+
+
+class Simplifier:
+    """``simplify`` for one layer, remembering every node it has rewritten (the result for a
+    node depends only on the node and the layer)."""
+
+    def __init__(self, layer=None):
+        self.ctx = Moments(layer)
+        self.memo = {}
+
+    def __call__(self, expr):
+        return _simplify(expr, self.ctx, self.memo)
+
+
+def _simplify(expr, ctx, memo):
     for node in E.walk(expr):
         if node in memo:
             continue

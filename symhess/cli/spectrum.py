@@ -96,11 +96,20 @@ def random_dataset(derivation, sizes, length, batches, batch, seed):
     layer's dimensions; the arrays are checked against the memory budget before any is made."""
     import sympy as sp
 
+    from ..layers.modules import module_layer_of
     from ..calculus.verify import dimension_symbols, random_sizes, random_values
     from ..expr.budget import check_budget
     lay = derivation.layer
     check_sizes(sizes, [s.name for s in dimension_symbols(derivation)], f"layer {lay.name!r}")
     dims = dict(sizes)
+    ml = module_layer_of(lay)
+    if ml is not None:                     # a captured module: its own sizes and parameters
+        if ml.capture.seq_consts:
+            raise OptionError(f"{lay.name}: constants that differ between the example's "
+                              f"sequences ({', '.join(ml.capture.seq_consts)}) have no random data")
+        dims = {**ml.capture.dims, **dims}
+        if ml.capture.consts:
+            dims["L"] = ml.capture.example_length
     dims.setdefault("L", length)
     env = random_sizes(derivation, seed, sizes=dims)
     data_names = {v.name for v in lay.inputs if v.role == "input"} | {"Y"}
@@ -110,6 +119,8 @@ def random_dataset(derivation, sizes, length, batches, batch, seed):
     check_budget(8 * entries, f"the random dataset ({batches} batches of {batch} sequences)",
                  ", ".join(f"{k} = {v}" for k, v in sorted(env.items(), key=lambda kv: str(kv[0]))))
     vals = random_values(derivation, seed, sizes=dims)
+    if ml is not None:
+        vals.update({k: v.detach().to(torch_float64()).numpy() for k, v in ml.params().items()})
     data_names = [v.name for v in lay.inputs if v.role == "input"] + ["Y"]
     params = {k: v for k, v in vals.items() if k not in data_names}
     rng = np.random.default_rng(seed + 1000)
@@ -125,6 +136,11 @@ def random_dataset(derivation, sizes, length, batches, batch, seed):
                 b[n] = rng.standard_normal((batch,) + shape)
         out.append(b)
     return params, out
+
+
+def torch_float64():
+    import torch
+    return torch.float64
 
 
 def addition_dataset(layer, sizes, batches, batch, seed, sigma):

@@ -59,21 +59,27 @@ class Program:
     compact_order: list = field(default_factory=list)
     sizes: dict = field(default_factory=dict)        # atom -> symbolic size
     lowering: Lowering = None                          # the lowering (labels, intermediates)
+    with_routines: bool = True
+    _routines: dict = field(default=None, repr=False)   # ``routines()``, formed once
 
     @classmethod
-    def build(cls, derivation, jacobians=True):
-        prog = cls(derivation)
+    def build(cls, derivation, jacobians=True, pairs=None, routines=True):
+        """``pairs``: the blocks (p, q) to lower (default: every p not after q);
+        ``jacobians``: True (every parameter), False or a list of parameters; ``routines``:
+        whether the matrix-view routines belong to the program (a part of a variant rendered
+        on first use holds blocks only)."""
+        prog = cls(derivation, with_routines=routines)
         lw = prog.lowering = Lowering()
         d = derivation
         names = d.layer.param_names
-        for i, p in enumerate(names):
-            for q in names[i:]:
-                for part in HALVES:
-                    expr = d.block(p, q, part).expr
-                    prog.blocks[(p, q, part)] = prog._lower(lw, expr, d.param(p).shape, d.param(q).shape)
-        if jacobians:
-            for p in names:
-                prog.jacobians[p] = prog._lower(lw, d.jacobian(p), d.F.shape, d.param(p).shape)
+        if pairs is None:
+            pairs = [(p, q) for i, p in enumerate(names) for q in names[i:]]
+        for p, q in pairs:
+            for part in HALVES:
+                expr = d.block(p, q, part).expr
+                prog.blocks[(p, q, part)] = prog._lower(lw, expr, d.param(p).shape, d.param(q).shape)
+        for p in (names if jacobians is True else jacobians or ()):
+            prog.jacobians[p] = prog._lower(lw, d.jacobian(p), d.F.shape, d.param(p).shape)
         return prog
 
     def _lower(self, lw, expr, row_shape, col_shape):
@@ -130,7 +136,15 @@ class Program:
         return list(seen)
 
     def routines(self):
-        """{name: (expressions, directions)} of the matrix-view routines."""
+        """{name: (expressions, directions)} of the matrix-view routines (formed once: the
+        printer counts their references and then prints them)."""
+        if not self.with_routines:
+            return {}
+        if self._routines is None:
+            self._routines = self._form_routines()
+        return self._routines
+
+    def _form_routines(self):
         d = self.derivation
         out = {"loss": ([d.loss_expr], []), "gradient": ([d.gradient(p) for p in d.layer.param_names], [])}
         dirs = list(d.hvp_directions().values())

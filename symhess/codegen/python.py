@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from functools import lru_cache
 
 import opt_einsum as oe
 import sympy as sp
@@ -32,6 +33,7 @@ from ..expr import scalarfn
 from ..errors import DeclarationError
 from ..expr.registry import Registry
 from ..runtime import chain
+from ..expr.text import short_text
 
 MAX_INLINE = 72        # longer sub-expressions get a name of their own
 BATCH = "n"            # the batch label of printed network specs
@@ -50,8 +52,13 @@ def _ident(name):
 class Printer:
     """Prints the class members of one variant (see the module docstring)."""
 
-    def __init__(self, program):
+    def __init__(self, program, known=None, suffix=""):
+        """``known``: {node key: member name} of the leaves of the variant this program is a
+        part of (a part rendered on first use reads them instead of recomputing them);
+        ``suffix``: appended to every name this printer makes (parts' names never clash)."""
         self.prog = program
+        self.known = dict(known or {})
+        self.suffix = suffix
         d = program.derivation
         lay = d.layer
         self.variables = dict(lay.variables)
@@ -73,6 +80,7 @@ class Printer:
             raise DeclarationError(f"name(s) {', '.join(sorted(clash))} are reserved by the kernels; "
                                    "rename the variables or dimensions")
         self.taken = set(taken)
+        self._next = {}            # hint → the number its last fresh name had (``fresh``)
         self.hints = {node: key for key, node in lay.intermediates.items()}
         self.leaf_names = {}       # node -> name (a @leaf member)
         self.leaf_defs = []        # (name, code, doc)
@@ -85,16 +93,26 @@ class Printer:
                 self.hints.setdefault(node.inner, node.name)
         self.size_subs = {s: sp.Symbol(f"s.{s.name}") for s in self.dims}
         self.size_subs[N_BATCH] = sp.Symbol("s.n_batch")
+        self._coef_code = {}
 
     # -- names ------------------------------------------------------------------------
     def fresh(self, hint):
-        base = _ident(hint)
-        name, k = base, 1
+        """The first free name of ``hint``, ``hint_2``, ``hint_3`` …; the search for a hint
+        resumes where its last one ended (names are only ever taken, so nothing before it is
+        free: the same names as a search from the start, in time linear in the names)."""
+        base = _ident(hint) + self.suffix
+        k = self._next.get(base, 1)
+        name = base if k == 1 else self._numbered(base, k)
         while name in self.taken or name in RESERVED:
             k += 1
-            name = f"{base}_{k}" if not base.endswith(tuple("0123456789")) else f"{base}x{k}"
+            name = self._numbered(base, k)
+        self._next[base] = k
         self.taken.add(name)
         return name
+
+    @staticmethod
+    def _numbered(base, k):
+        return f"{base}_{k}" if not base.endswith(tuple("0123456789")) else f"{base}x{k}"
 
     def batched(self, node) -> bool:
         return bool(node.free_vars & self.data)
@@ -133,8 +151,21 @@ class Printer:
             return _var(self, node)
         if node in self.leaf_names:
             return f"s.{self.leaf_names[node]}"
+        if self.known and not isinstance(node, E.Constant) and node.key in self.known:
+            self.leaf_names[node] = self.known[node.key]
+            return f"s.{self.leaf_names[node]}"
         if self.local_names is not None and node in self.local_names:
             return self.local_names[node]
+        scaled = _monic_sum(node) if self.local_names is not None else None
+        if scaled is not None and self.refs.get(scaled[1], 0) > 1:
+            c, monic = scaled                            # c · S with S named once for all c
+            return _scaled(self, c, (yield "code", monic))
+        if isinstance(node, E.MatMul):                 # a product whose transpose has a name
+            t = E.transpose(node)
+            if t in self.leaf_names:
+                return f"tr(s.{self.leaf_names[t]})"
+            if self.local_names is not None and t in self.local_names:
+                return f"tr({self.local_names[t]})"
         fn = RULES.get(type(node))
         if fn is None:
             raise NotImplementedError(f"the kernel printer has no rule for {type(node).__name__} "
@@ -175,6 +206,9 @@ class Printer:
             return _var(self, node)
         if node in self.leaf_names:
             return f"s.{self.leaf_names[node]}"
+        if self.known and node.key in self.known:
+            self.leaf_names[node] = self.known[node.key]
+            return f"s.{self.leaf_names[node]}"
         text = yield "code", node
         if re.fullmatch(r"s\.\w+", text):
             self.leaf_names[node] = text[2:]
@@ -182,10 +216,14 @@ class Printer:
         return self.define(node, text, force_leaf=True)
 
     def size(self, d) -> str:
-        return _py(sp.sympify(d).subs(self.size_subs))
+        return self.coef(d)
 
     def coef(self, c) -> str:
-        return _py(sp.sympify(c).subs(self.size_subs))
+        """A coefficient or size as Python source (cached: the same few recur in every network)."""
+        key = sp.sympify(c)
+        if key not in self._coef_code:
+            self._coef_code[key] = _py(key.subs(self.size_subs))
+        return self._coef_code[key]
 
     # -- members ----------------------------------------------------------------------
     def members(self):
@@ -202,11 +240,16 @@ class Printer:
         leaves = [_leaf_member(name, text, doc) for name, text, doc in self.leaf_defs]
         return leaves + comps + blocks + jacs + routines
 
+    def leaf_keys(self):
+        """{node key: member name} of every leaf printed (for the parts of a variant)."""
+        return {node.key: name for node, name in sorted(self.leaf_names.items(),
+                                                          key=lambda kv: kv[1])}
+
     def _block(self, p, q, part, terms, compacts):
         nets = [self._net(t, "block", compacts) for t in terms]
         sym = {"outer": "H_o", "functional": "H_f"}[part]
-        text = self.prog.derivation.block(p, q, part).text()
-        doc = f"{sym}({p}, {q}) = {text}" if len(text) <= 240 else \
+        text = short_text(self.prog.derivation.block(p, q, part).expr, 240)
+        doc = f"{sym}({p}, {q}) = {text}" if text is not None else \
             f"{sym}({p}, {q}): {len(terms)} networks (the formula: `symhess derive`)"
         return _method(f"block__{p}__{q}__{part}", [], doc, nets)
 
@@ -353,17 +396,37 @@ def _references(program):
     roots = program.leaves() + [e for exprs, _ in program.routines().values() for e in exprs]
     nodes = {}
     for r in roots:                     # deterministic order (sets of nodes hash per process)
-        for n in E.walk(r):
+        for n in E.walk(r, skip=nodes):   # what an earlier root holds is there already
             nodes.setdefault(n, None)
     for node in nodes:
         for a in node.args:
             refs[a] = refs.get(a, 0) + 1
     for r in roots:
         refs[r] = refs.get(r, 0) + 1
+    for node in nodes:             # a product and its transpose are one quantity (X V, Vᵀ Xᵀ)
+        if isinstance(node, E.MatMul):
+            t = E.transpose(node)
+            if t in nodes and t is not node and t != node:
+                refs[node] = refs[t] = refs.get(node, 0) + refs.get(t, 0)
+    for node in nodes:             # c·S₁ and c′·S₁ (scalars sit on a sum's terms) share S₁
+        scaled = _monic_sum(node)
+        if scaled is not None:
+            refs[scaled[1]] = refs.get(scaled[1], 0) + refs.get(node, 0)
     for node in nodes:             # a sum prints c · A as its term: A is used where c · A is
         if isinstance(node, E.Scale) and refs.get(node, 0) > 1:
             refs[node.args[0]] = max(refs.get(node.args[0], 0), refs[node])
     return refs
+
+
+@lru_cache(maxsize=None)
+def _monic_sum(node):
+    """(c, S) with a sum = c·S and S's first term unscaled, or None (not a sum, or c = 1)."""
+    if not isinstance(node, E.Add):
+        return None
+    c0 = node.args[0].coef if isinstance(node.args[0], E.Scale) else sp.Integer(1)
+    if c0 == 1:
+        return None
+    return c0, E.add(*(E.scale(1 / c0, t) for t in node.args))
 
 
 def _compact_hint(node):
@@ -449,8 +512,8 @@ def _matmul(pr, n):
         codes, names = yield from _factors(pr, f)
         return f"s.mm({names!r}, " + ", ".join(codes) + ")"
     left, ones, right = f[:j], f[j], f[j + 1:]
-    lv = f"sum_last({(yield 'code', E.matmul(*left))})" if left else None
-    rv = f"sum_rows({(yield 'code', E.matmul(*right))})" if right else None
+    lv = (yield from _summed(pr, left, "sum_last")) if left else None
+    rv = (yield from _summed(pr, right, "sum_rows")) if right else None
     if lv and rv:
         return f"{lv} * {rv}"
     if lv:
@@ -458,6 +521,20 @@ def _matmul(pr, n):
     if rv:
         return rv if E.same(ones.rows, 1) else f"bcast_rows({rv}, {pr.size(ones.rows)})"
     return f"ones(({pr.size(n.rows)}, {pr.size(n.cols)}), s.like)"
+
+
+def _summed(pr, factors, how):
+    """P 1 (``sum_last``) or 1ᵀ Q (``sum_rows``) of a product: the factor next to the ones is
+    summed first, so the product is a vector's (1ᵀ A B = (1ᵀ A) B costs a row of A B)."""
+    at = -1 if how == "sum_last" else 0
+    if len(factors) == 1:
+        return f"{how}({(yield 'code', E.matmul(*factors))})"
+    near = f"{how}({(yield 'code', factors[at])})"
+    rest = factors[:-1] if at == -1 else factors[1:]
+    codes, names = yield from _factors(pr, rest)
+    if at == -1:
+        return f"s.mm({(names + ' _')!r}, " + ", ".join(codes + [near]) + ")"
+    return f"s.mm({('_ ' + names)!r}, " + ", ".join([near] + codes) + ")"
 
 
 def _shared_end(terms):
@@ -543,7 +620,9 @@ def _elementwise(pr, n):
 @rule(E.SoftmaxRows)
 def _softmax(pr, n):
     t = yield "code", n.args[0]
-    return f"softmax_rows({t}, causal=True)" if n.causal else f"softmax_rows({t})"
+    extra = (", causal=True" if n.causal else "") + \
+        (f", mask={(yield 'code', n.mask)}" if n.mask is not None else "")
+    return f"softmax_rows({t}{extra})"
 
 
 @rule(E.LogSoftmaxRows)
@@ -649,6 +728,9 @@ def scalar_code(expr, arg):
             base, ex = e.args
             if ex == sp.Rational(1, 2):
                 return f"sqrt({p(base)})"
+            if ex in (2, 3):                         # a product: pow is several times slower
+                b = p(base)
+                return "(" + " * ".join([b] * int(ex)) + ")"
             return f"({p(base)} ** {p(ex)})"
         if isinstance(e, sp.Heaviside):
             h0 = e.args[1] if len(e.args) > 1 else sp.Rational(1, 2)

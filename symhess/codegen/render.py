@@ -73,7 +73,12 @@ ON_DEMAND = {
 ENGINE = ("expr/nodes.py", "expr/scalarfn.py", "calculus/rules.py", "calculus/kron.py",
           "calculus/adjoint.py", "calculus/hessian.py", "calculus/simplify.py",
           "calculus/losses.py", "codegen/program.py", "codegen/render.py", "codegen/index.py",
-          "codegen/python.py", "codegen/templates/kernels.py.j2")
+          "codegen/python.py", "codegen/templates/kernels.py.j2", "codegen/templates/part.py.j2")
+# a declaration with more parameters than this, rendered on first use, is rendered in parts:
+# its forward quantities and matrix-view routines (loss, gradient, Hessian–vector products)
+# at once, each pair's blocks and each Jacobian when first asked for (their number grows with
+# the square of the parameters: 300 blocks for the 24 pieces of a captured block's heads)
+PARTS_ABOVE = 8
 
 
 # ----------------------------------------------------------------------------- variants
@@ -144,22 +149,70 @@ def _checksum_ok(text: str) -> bool:
 
 # ----------------------------------------------------------------------------- rendering
 @lru_cache(maxsize=None)
-def _template():
+def _template(name="kernels.py.j2"):
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              autoescape=False, trim_blocks=True)
-    return env.get_template("kernels.py.j2")
+    return env.get_template(name)
 
 
-def render_variant(layer: Layer, loss: str, options=()):
-    """The template's data for one variant's class."""
-    prog = Program.build(derive(layer, loss))
+def render_variant(layer: Layer, loss: str, options=(), parts=False):
+    """The template's data for one variant's class (``parts``: its forward quantities and
+    routines only; blocks and Jacobians come from ``render_part`` on first use)."""
+    d = _derivation(layer, loss)
+    prog = Program.build(d, jacobians=not parts, pairs=[] if parts else None)
     printer = Printer(prog)
     members = printer.members()
-    return {"cls": class_name(loss, options), "loss": loss, "options": dict(options),
-            "key": repr((loss, tuple(options))), "params": repr(tuple(layer.param_names)),
-            "stamp": stamp(layer, loss), "members": members,
-            "runs": [f"{run!r}: {n}," for run, n in printer.shared_runs().items()]}
+    out = {"cls": class_name(loss, options), "loss": loss, "options": dict(options),
+           "key": repr((loss, tuple(options))), "params": repr(tuple(layer.param_names)),
+           "stamp": stamp(layer, loss), "members": members,
+           "runs": [f"{run!r}: {n}," for run, n in printer.shared_runs().items()]}
+    if parts:
+        out["leaf_keys"] = [f"{k!r}: {v!r}," for k, v in printer.leaf_keys().items()]
+    return out
+
+
+_DERIVATIONS = {}
+
+
+def _derivation(layer, loss):
+    """One derivation per declaration and loss in a process: the parts of a variant rendered
+    on first use share its gradients and output differentials."""
+    key = (stamp(layer, loss), loss)
+    if key not in _DERIVATIONS:
+        _DERIVATIONS.clear()                       # keep one: derivations hold large DAGs
+        _DERIVATIONS[key] = derive(layer, loss)
+    return _DERIVATIONS[key]
+
+
+def part_name(what):
+    return "__".join(what)
+
+
+def render_part(layer: Layer, loss: str, what, leaf_keys, base_stamp, variant):
+    """The source of one part of a variant rendered in parts: ("block", p, q) — both parts of
+    H(p, q) —, ("jacobian", p), or ("blocks",) — every block at once (one lowering, whose
+    shared sub-expressions and compact tensors serve all blocks)."""
+    d = _derivation(layer, loss)
+    if what[0] == "blocks":
+        prog = Program.build(d, jacobians=False, routines=False)
+    elif what[0] == "block":
+        prog = Program.build(d, jacobians=False, pairs=[(what[1], what[2])], routines=False)
+    else:
+        prog = Program.build(d, jacobians=[what[1]], pairs=[], routines=False)
+    printer = Printer(prog, known=leaf_keys, suffix="__" + part_name(what))
+    members = printer.members()
+    desc = {"blocks": "every block (outer and functional)",
+            "block": f"the blocks H({', '.join(what[1:])}) (outer and functional)",
+            "jacobian": f"the Jacobian ∂F/∂{what[-1]}"}[what[0]]
+    body = _template("part.py.j2").render(version=__version__, layer=layer.name,
+                                          variant=variant, what=desc, base_stamp=base_stamp,
+                                          stamp=_part_stamp(base_stamp, what), members=members)
+    return _with_checksum(body)
+
+
+def _part_stamp(base, what):
+    return hashlib.sha256((base + "\0" + part_name(what)).encode()).hexdigest()[:24]
 
 
 def render_module(name: str, entries, description: str = "") -> str:
@@ -368,7 +421,7 @@ def variant_class(layer: Layer, backend: str, loss: str, options=(), registered=
     if cls is None:
         cls = _from_file(path, key, want, backend)
     if cls is None:
-        entry = render_variant(layer, loss, options)
+        entry = render_variant(layer, loss, options, parts=len(layer.params) > PARTS_ABOVE)
         text = render_module(layer.name, [entry], " ".join((layer.description or "").split()))
         try:
             remove_stale_temporaries(path.parent)
@@ -376,8 +429,41 @@ def variant_class(layer: Layer, backend: str, loss: str, options=(), registered=
         except OSError as exc:          # an unwritable cache costs a re-render next time
             warnings.warn(f"could not cache the kernels in {path}: {exc.strerror}", stacklevel=3)
         cls = _exec(text, str(path), f"symhess_kernels_{path.stem}", backend)["VARIANTS"][key]
+    if getattr(cls, "LEAF_KEYS", None) is not None:
+        folder = path.parent / path.stem
+        cls.LAZY = staticmethod(lambda what: _part_class(layer, backend, loss, cls, folder, what))
     _LOADED[mem_key] = cls
     return cls
+
+
+def _part_class(layer, backend, loss, cls, folder, what):
+    """The mixin class of one part of a variant rendered in parts: loaded from the cache
+    folder of the variant, or rendered and written there."""
+    mem_key = (backend, cls.STAMP, what)
+    if mem_key in _LOADED:
+        return _LOADED[mem_key]
+    want = _part_stamp(cls.STAMP, what)
+    path = folder / f"{part_name(what)}.py"
+    ns = None
+    if path.exists():
+        text = path.read_text(encoding="utf-8")
+        if _checksum_ok(text):
+            ns = _exec(text, str(path), f"symhess_part_{path.stem}", backend)
+            if getattr(ns.get("Part"), "STAMP_PART", None) != want:
+                ns = None
+        else:
+            warnings.warn(f"{path} was modified after it was generated (its CHECKSUM does not "
+                          "match); it is not used and the part is rendered afresh", stacklevel=4)
+    if ns is None:
+        text = render_part(layer, loss, what, cls.LEAF_KEYS, cls.STAMP, cls.__name__)
+        try:
+            write_atomic(path, text)
+        except OSError as exc:
+            warnings.warn(f"could not cache the kernels in {path}: {exc.strerror}", stacklevel=4)
+        ns = _exec(text, str(path), f"symhess_part_{path.stem}", backend)
+    part = ns["Part"]
+    _LOADED[mem_key] = part
+    return part
 
 
 def _ident(name):

@@ -139,7 +139,7 @@ class Kernel:
         if self.backend == "torch":
             _same(arrays, "device", lambda a: a.device)
         data = [n for n in self._data if n in arrays]
-        given = ", ".join(f"{n}: {tuple(arrays[n].shape)}" for n in data)
+        shapes_given = ", ".join(f"{n}: {tuple(arrays[n].shape)}" for n in data)
         batch = {}
         for n in names:
             a = arrays[n]
@@ -152,7 +152,7 @@ class Kernel:
                 raise InputError(f"{n} must have shape {want}, got shape {tuple(a.shape)}")
         if len(set(batch.values())) > 1 or (batch and len(batch) < len(data)):
             raise InputError(f"the data values need the same leading batch size (every one "
-                             f"(N, …) with the same N, or none), got {given}")
+                             f"(N, …) with the same N, or none), got {shapes_given}")
         n_batch = next(iter(batch.values()), 1) if data else 1
         if n_batch == 0:
             raise InputError("the batch is empty (N = 0 sequences); give at least one")

@@ -198,7 +198,8 @@ class BoundProduct:
         if t is E.Elementwise:
             return _fn(n.fn, ops)(self._eval(n.args[0], v, memo))
         if t is E.SoftmaxRows:
-            return ops.softmax_rows(self._eval(n.args[0], v, memo), n.params[0])
+            mask = self._eval(n.args[1], v, memo) if len(n.args) > 1 else None
+            return ops.softmax_rows(self._eval(n.args[0], v, memo), n.params[0], mask)
         if t is E.LogSoftmaxRows:
             return ops.log_softmax_rows(self._eval(n.args[0], v, memo))
         if t is E.SoftmaxDiff:

@@ -547,7 +547,7 @@ class Interpreter:
         if t is E.Elementwise:
             return xp.fn(n.fn)(a[0])
         if t is E.SoftmaxRows:
-            return self.softmax(a[0], n.causal)
+            return self.softmax(a[0], n.causal, a[1] if len(a) > 1 else None)
         if t is E.LogSoftmaxRows:
             z = a[0] - xp.max_rows(a[0])
             s = xp.exp(z).sum(1)
@@ -592,10 +592,12 @@ class Interpreter:
             return a[0]
         raise NotImplementedError(f"the interpreter does not know {t.__name__}")
 
-    def softmax(self, t, causal):
+    def softmax(self, t, causal, mask=None):
         xp = self.xp
         if causal:
             t = xp.where(xp.triu_mask(t.shape[0]), -math.inf, t)
+        if mask is not None:           # masked entries: exp(−∞) = 0 exactly (rows keep ≥ 1 entry)
+            t = xp.where(mask == 0, -math.inf, t)
         z = xp.exp(t - xp.max_rows(t))
         return z / z.sum(1).reshape(-1, 1)
 

@@ -202,6 +202,8 @@ class LatexPrinter(Printer):
 
     def _print_SoftmaxRows(self, n):
         name = r"\operatorname{softmax}_{\mathrm{causal}}" if n.causal else r"\operatorname{softmax}"
+        if n.mask is not None:
+            name = rf"\operatorname{{softmax}}_{{{self.doprint(n.mask)}}}"
         return rf"{name}\left({self.doprint(n.args[0])}\right)"
 
     def _print_LogSoftmaxRows(self, n):

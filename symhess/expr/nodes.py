@@ -89,7 +89,7 @@ def _typed_repr(params, _types) -> str:
 
 
 def _d(x) -> sp.Expr:
-    return sp.sympify(x)
+    return x if isinstance(x, sp.Basic) else sp.sympify(x)
 
 
 def _fmt(shape) -> str:
@@ -482,18 +482,30 @@ class Elementwise(Expr):
 
 
 class SoftmaxRows(Expr):
-    """Row-wise softmax; with ``causal`` entries j > i are masked (exactly 0)."""
+    """Row-wise softmax; with ``causal`` entries j > i are masked (exactly 0); with a
+    ``mask`` (a constant 0/1 matrix of T's shape, ``args[1]``) the entries where it is 0 are
+    masked (exactly 0): a_ij = m_ij e^{t_ij} / Σ_k m_ik e^{t_ik}."""
 
     __slots__ = ()
 
-    def __init__(self, t, causal=False):
+    def __init__(self, t, causal=False, mask=None):
         if causal and not same(t.rows, t.cols):
             raise ShapeError(f"causal softmax needs a square input, got {_fmt(t.shape)}")
-        super().__init__((t,), (bool(causal),), t.shape)
+        if mask is not None and not (same(mask.rows, t.rows) and same(mask.cols, t.cols)):
+            raise ShapeError(f"softmax mask {_fmt(mask.shape)} differs from its input {_fmt(t.shape)}")
+        super().__init__((t,) if mask is None else (t, mask), (bool(causal),), t.shape)
 
     @property
     def causal(self):
         return self.params[0]
+
+    @property
+    def mask(self):
+        """The 0/1 mask (a constant expression), or None."""
+        return self.args[1] if len(self.args) > 1 else None
+
+    def rebuild(self, args):
+        return SoftmaxRows(args[0], self.causal, args[1] if len(args) > 1 else None)
 
 
 class LogSoftmaxRows(Expr):
@@ -710,7 +722,19 @@ def _split(e):
     """(coef, core) with e = coef · core."""
     if isinstance(e, Scale):
         return e.coef, e.args[0]
-    return sp.Integer(1), e
+    return ONE, e
+
+
+ONE = sp.Integer(1)
+
+
+def _times(a, b):
+    """a·b for sympy scalars, without sympy's arithmetic when one of them is 1."""
+    if b is ONE or b == 1:
+        return a
+    if a is ONE or a == 1:
+        return b
+    return a * b
 
 
 def scale(coef, a) -> Expr:
@@ -718,7 +742,7 @@ def scale(coef, a) -> Expr:
     if coef == 0 or isinstance(a, Zero):
         return Zero(*a.shape)
     c0, core = _split(a)
-    coef = coef * c0
+    coef = _times(coef, c0)
     if coef == 1:
         return core
     if isinstance(core, Add):  # canonical: scalars sit on the terms of a sum
@@ -752,7 +776,7 @@ def matmul(*factors) -> Expr:
     flat = []
     for f in factors:
         c, f = _split(f)
-        coef *= c
+        coef = _times(coef, c)
         flat.extend(f.args if isinstance(f, MatMul) else (f,))
     for a, b in zip(flat, flat[1:]):
         if not same(a.cols, b.rows):
@@ -765,7 +789,7 @@ def matmul(*factors) -> Expr:
     while todo:
         f = todo.pop()
         c, f = _split(f)
-        coef *= c
+        coef = _times(coef, c)
         if isinstance(f, Zero):
             return Zero(rows, cols)
         if isinstance(f, Identity):
@@ -863,7 +887,7 @@ def kron(*factors) -> Expr:
     flat = []
     for f in factors:
         c, f = _split(f)
-        coef *= c
+        coef = _times(coef, c)
         flat.extend(f.args if isinstance(f, Kron) else (f,))
     if any(isinstance(f, Zero) for f in flat):
         r, c = sp.Integer(1), sp.Integer(1)
@@ -896,7 +920,7 @@ def hadamard(*factors) -> Expr:
     flat = []
     for f in factors:
         c, f = _split(f)
-        coef *= c
+        coef = _times(coef, c)
         flat.extend(f.args if isinstance(f, Hadamard) else (f,))
     shape = flat[0].shape
     for f in flat[1:]:
@@ -929,11 +953,14 @@ def power(a, p) -> Expr:
     return elementwise(get_function("pow", p), a)
 
 
-def softmax_rows(t, causal=False) -> Expr:
-    _operands("softmax_rows", (t,))
+def softmax_rows(t, causal=False, mask=None) -> Expr:
+    """Row softmax of T; ``mask``: a constant 0/1 matrix (entries where it is 0 are exactly 0)."""
+    _operands("softmax_rows", (t,) if mask is None else (t, mask))
     if not isinstance(causal, bool):
         raise DeclarationError(f"softmax_rows: causal must be True or False, got {causal!r}")
-    return SoftmaxRows(t, causal)
+    if mask is not None and mask.free_vars and any(v.role == "param" for v in mask.free_vars):
+        raise DeclarationError("softmax_rows: the mask must be a constant (not a parameter)")
+    return SoftmaxRows(t, causal, mask)
 
 
 def log_softmax_rows(t) -> Expr:
@@ -1048,10 +1075,11 @@ def substitute(expr, mapping: dict, _memo=None):
     return memo[expr]
 
 
-def walk(expr, descend=None, children=None):
+def walk(expr, descend=None, children=None, skip=()):
     """Every distinct node of the DAG once, children before parents; ``descend(node)``
     False keeps a node's children out (unless another path reaches them), ``children(node)``
-    (default: its args) names the children to visit.
+    (default: its args) names the children to visit; nodes in ``skip`` (and what lies below
+    them only) are left out.
 
     Recursive rules over a DAG (a node's result from its children's, memoised) are run
     along this order first (``bottom_up``), so each call finds its children done and the
@@ -1062,7 +1090,7 @@ def walk(expr, descend=None, children=None):
         if done:
             order.append(node)
             continue
-        if node in seen:
+        if node in seen or node in skip:
             continue
         seen.add(node)
         stack.append((node, True))

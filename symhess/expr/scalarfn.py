@@ -52,6 +52,7 @@ FUNCTIONS = {
     "gelu": (x / 2 * (1 + sp.erf(x / sp.sqrt(2))), r"\operatorname{GELU}"),
     "gelu_tanh": (x / 2 * (1 + sp.tanh(sp.sqrt(2 / sp.pi) * (x + sp.Rational(44715, 1000000) * x**3))),
                   r"\operatorname{GELU}_{\tanh}"),
+    "silu": (x * Sigmoid(x), r"\operatorname{SiLU}"),
     "square": (x**2, r"(\cdot)^{2}"),
     "sqrt": (sp.sqrt(x), r"\sqrt{\cdot}"),  # \sqrt needs a braced argument in LaTeX
     "rsqrt": (1 / sp.sqrt(x), r"(\cdot)^{-1/2}"),
@@ -174,6 +175,8 @@ def _lambdify(expr, backend):
     mods = [{"Heaviside": heaviside, "erf": either(torch.special.erf, math.erf),
              "exp": either(torch.exp, math.exp), "log": either(torch.log, math.log),
              "tanh": either(torch.tanh, math.tanh), "sqrt": either(torch.sqrt, math.sqrt),
+             "sin": either(torch.sin, math.sin), "cos": either(torch.cos, math.cos),
+             "sinh": either(torch.sinh, math.sinh), "cosh": either(torch.cosh, math.cosh),
              "Sigmoid": either(torch.sigmoid, lambda a: 1 / (1 + math.exp(-a))),
              "pi": float(sp.pi)}, "math"]
     return sp.lambdify(x, expr, modules=mods)

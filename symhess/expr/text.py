@@ -62,7 +62,8 @@ class TextPrinter(Printer):
         return f"{n.fn.name}({self.doprint(n.args[0])})"
 
     def _print_SoftmaxRows(self, n):
-        return f"softmax_rows({self.doprint(n.args[0])}{', causal' if n.causal else ''})"
+        mask = f", mask={self.doprint(n.mask)}" if n.mask is not None else ""
+        return f"softmax_rows({self.doprint(n.args[0])}{', causal' if n.causal else ''}{mask})"
 
     def _print_LogSoftmaxRows(self, n):
         return f"log_softmax_rows({self.doprint(n.args[0])})"
@@ -125,3 +126,19 @@ def _label(tex) -> str:
 
 def text(expr) -> str:
     return TextPrinter().print(expr)
+
+
+def short_text(expr, limit) -> str | None:
+    """``text(expr)`` when it is at most ``limit`` characters, else None — decided without
+    printing large expressions: a printed expression has at least as many characters as its
+    tree has leaves, and a derivation's DAGs can have exponentially many (counted per node
+    once, children first, capped at ``limit``)."""
+    from .nodes import walk
+    leaves = {}
+    for n in walk(expr):
+        args = n.args[1:] if type(n).__name__ == "Named" else n.args    # a name prints as itself
+        leaves[n] = 1 if not args else min(limit + 1, 1 + sum(leaves[a] for a in args))
+    if leaves[expr] > limit:
+        return None
+    s = text(expr)
+    return s if len(s) <= limit else None

@@ -10,7 +10,9 @@ A spec is one of
   is searched as well, like ``python -m``).
 
 ATTR (may be dotted) is a ``Layer`` or a factory (any callable) that returns one; a factory is
-called with the options (``--set KEY=VALUE``), checked against its signature first.  Every
+called with the options (``--set KEY=VALUE``), checked against its signature first.  ATTR may
+also be a torch module, or a factory returning a module, ``(module, example_inputs)`` or
+``(module, example_inputs, kwargs)``: its declaration is ``symhess.from_module``'s.  Every
 failure that is the user's — a missing file or module, a missing attribute, something that is
 neither a Layer nor a factory, a factory that does not return a Layer, an exception raised by
 the user's own code while loading or calling it — is a one-line ``DeclarationError`` (an
@@ -185,7 +187,7 @@ def spec_options(spec) -> dict:
     obj, _ = target(spec)
     if not is_user_spec(spec):
         return layer_options(spec)
-    if isinstance(obj, Layer):
+    if isinstance(obj, Layer) or _torch_module(obj):
         return {}
     return _signature_options(obj, spec)
 
@@ -200,13 +202,38 @@ def _signature_options(fn, label):
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
+def _torch_module(obj) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+def _module_call(out):
+    """(module, example_inputs, kwargs) when a factory returned a module (alone or with its
+    example call), else None."""
+    if _torch_module(out):
+        return out, None, None
+    if isinstance(out, tuple) and 2 <= len(out) <= 3 and _torch_module(out[0]):
+        return out[0], out[1], (out[2] if len(out) == 3 else None)
+    return None
+
+
+def _captured(call, label):
+    from .modules import from_module
+    module, args, kwargs = call
+    try:
+        return from_module(module, args, kwargs).layer
+    except SymhessError as exc:
+        raise type(exc)(f"{label}: {exc}") from None
+
+
 def resolve_layer(spec, options=None) -> Layer:
     """The layer a command line names, with ``options`` ({name: value}, e.g. from --set):
 
     * a registered name: ``"attention"`` (``layer(name, **options)``);
     * a user's declaration: ``"mymodels.py:gated"`` (a file) or ``"mypkg.mymodels:gated"`` (an
       importable module; the current directory is searched too), where the attribute is a
-      ``Layer`` or a factory returning one (called with ``options``).
+      ``Layer``, a factory returning one (called with ``options``), a torch module or a
+      factory returning ``(module, example_inputs[, kwargs])`` (``symhess.from_module``).
 
     A missing file, module or attribute, an attribute that is neither, or options a factory
     does not take are one-line ``DeclarationError`` s."""
@@ -217,6 +244,11 @@ def resolve_layer(spec, options=None) -> Layer:
         _registered(spec)
         return layer(spec, **options)
     obj, label = target(spec)
+    if _torch_module(obj):
+        if options:
+            raise OptionError(f"{label} is a torch module, which takes no options; declare a "
+                              f"factory to take options")
+        return _captured((obj, None, None), label)
     if isinstance(obj, Layer):
         if options:
             raise OptionError(f"{label} is a Layer, which takes no options (got "
@@ -244,7 +276,11 @@ def resolve_layer(spec, options=None) -> Layer:
         if err is None:
             raise
         raise err from exc
+    call = _module_call(out)
+    if call is not None:
+        return _captured(call, label)
     if not isinstance(out, Layer):
         raise DeclarationError(f"{label} returned {type(out).__name__} {out!r:.40}, not a "
-                               f"symhess Layer")
+                               f"symhess Layer, a torch module or (module, example_inputs"
+                               f"[, kwargs])")
     return out

@@ -164,6 +164,8 @@ GLOSSARY = {
     "softmax": r"$\operatorname{softmax}$ acts on each row separately",
     "softmax_causal": (r"$\operatorname{softmax}_{\mathrm{causal}}$ is the row softmax with the entries "
                        r"above the diagonal masked (exactly $0$)"),
+    "softmax_masked": (r"$\operatorname{softmax}_{\mathbf M}$ is the row softmax with the entries "
+                       r"where the constant $0/1$ mask $\mathbf M$ is $0$ masked (exactly $0$)"),
     "log_softmax": r"$\log\operatorname{softmax}$ is its entrywise logarithm",
     "softmax_jac": (r"$\frac{\partial\mathbf A}{\partial\mathbf T}=\operatorname{blockdiag}_i"
                     r"(\operatorname{diag}\mathbf a_i-\mathbf a_i\mathbf a_i^\top)$ is the Jacobian of "
@@ -261,7 +263,8 @@ _USES = {
     "VecR": lambda n, p: ("vec",),
     "UnvecR": lambda n, p: ("vec", "unvec"),
     "CausalMask": lambda n, p: ("causal_mask",),
-    "SoftmaxRows": lambda n, p: ("softmax_causal",) if n.causal else ("softmax",),
+    "SoftmaxRows": lambda n, p: (("softmax_causal",) if n.causal else ("softmax",)) +
+    (("softmax_masked",) if n.mask is not None else ()),
     "LogSoftmaxRows": lambda n, p: ("softmax", "log_softmax"),
     "SoftmaxJac": _softmax_keys,
     "SoftmaxHess": _softmax_keys,

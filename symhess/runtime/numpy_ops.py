@@ -63,10 +63,13 @@ SATURATED = ("softmax rows within sqrt(eps) of one-hot: the kernel's Hessian ter
              "symhess.expr.evaluate, stays accurate)")
 
 
-def softmax_rows(t, causal=False):
-    """Row-wise softmax (entries j > i masked to exactly 0 when ``causal``)."""
+def softmax_rows(t, causal=False, mask=None):
+    """Row-wise softmax (entries j > i masked to exactly 0 when ``causal``, entries where the
+    0/1 ``mask`` is 0 likewise: exp(−∞) = 0 in the forward pass only, the derivatives read A)."""
     if causal:
         t = np.where(np.triu(np.ones(t.shape[-2:], dtype=bool), 1), -np.inf, t)
+    if mask is not None:
+        t = np.where(mask == 0, -np.inf, t)
     z = np.exp(t - t.max(-1, keepdims=True))
     total = z.sum(-1, keepdims=True)
     rest = (total[..., 0] - 1.0) / total[..., 0]         # 1 − max a (the largest z is 1)

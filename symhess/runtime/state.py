@@ -77,6 +77,9 @@ class Forward:
     PARAMS = ()           # parameter names in declared order (set by the generated class)
     RUNS = {}             # named runs of factors held by several chains → their number (``mm``)
     _one_shot = False     # made for a single call: only products shared within it are kept
+    # a variant rendered in parts: LAZY(what) → the class of that part (blocks of a pair of
+    # parameters, ("block", p, q), or a Jacobian, ("jacobian", p)), rendered on first use
+    LAZY = None
     _deferred = None      # during a checked call: the vectors whose finiteness it reads
 
     def __init_subclass__(cls, **kw):
@@ -96,6 +99,7 @@ class Forward:
         self._runs = {}           # products of named factors (``mm``), by name
         self._diag_sums = {}      # (p, part) → Σ diag, so a later trace costs nothing
         self._splits = {}         # (p, q) → frobenius_split, so H(q, p) costs nothing
+        self._parts = set()       # parts of a variant rendered in parts, loaded into this state
 
     def __repr__(self):
         return f"<prepared {type(self).__qualname__}: {self.n_batch} sequence(s)>"
@@ -105,6 +109,19 @@ class Forward:
         if p not in self.PARAMS:
             raise UnknownNameError(f"unknown block {p!r}; valid: {', '.join(self.PARAMS)}")
         return p
+
+    def member(self, name, part):
+        """The generated method ``name`` (None if the variant has none: a zero block); in a
+        variant rendered in parts, the ``part`` that holds it is rendered (or loaded) first and
+        this state's class extended by it."""
+        fn = getattr(self, name, None)
+        if fn is None and self.LAZY is not None and part not in self._parts:
+            self._parts.add(part)
+            extra = type(self).LAZY(part)
+            if extra is not None:
+                self.__class__ = type(type(self).__name__, (extra, type(self)), {})
+            fn = getattr(self, name, None)
+        return fn
 
     def numel(self, p):
         return math.prod(self.ops.shape(getattr(self, self._param(p))))
@@ -117,7 +134,7 @@ class Forward:
         key = (p, q, part)
         if key not in self._nets:
             if self.PARAMS.index(p) <= self.PARAMS.index(q):
-                fn = getattr(self, f"block__{p}__{q}__{part}", None)
+                fn = self.member(f"block__{p}__{q}__{part}", ("block", p, q))
                 self._nets[key] = list(fn()) if fn is not None else []
             else:
                 self._nets[key] = [n.transposed() for n in self.nets(q, p, part)]
@@ -134,9 +151,17 @@ class Forward:
             return self.ops.zeros((self.numel(p), self.numel(q)), like=self.like)
         return N.dense(self, nets)
 
+    def all_blocks(self):
+        """In a variant rendered in parts, every block rendered at once (one lowering for all:
+        what a whole Hessian or all Frobenius norms need)."""
+        if self.LAZY is not None:
+            self.member("block__", ("blocks",))
+            self._parts.update(("block", p, q) for p in self.PARAMS for q in self.PARAMS)
+
     def hessian(self, part="full", out=None):
         """The whole Hessian, parameters in declared order (written into ``out`` if given)."""
         _part(part)
+        self.all_blocks()
         sizes = [self.numel(p) for p in self.PARAMS]
         offs = [0]
         for s in sizes:
@@ -210,6 +235,7 @@ class Forward:
 
     def frobenius_norms(self, part="full"):
         """{(p, q): ‖H_part(p, q)‖_F} for every block (H(q, p) = H(p, q)ᵀ computed once)."""
+        self.all_blocks()
         out = {}
         for i, p in enumerate(self.PARAMS):
             for q in self.PARAMS[i:]:

@@ -55,12 +55,15 @@ def bcast_rows(x, n):
     return x.expand(*x.shape[:-2], n, x.shape[-1])
 
 
-def softmax_rows(t, causal=False):
-    """Row-wise softmax (entries j > i masked to exactly 0 when ``causal``)."""
+def softmax_rows(t, causal=False, mask=None):
+    """Row-wise softmax (entries j > i masked to exactly 0 when ``causal``, entries where the
+    0/1 ``mask`` is 0 likewise: exp(−∞) = 0 in the forward pass only, the derivatives read A)."""
     if causal:
         n, m = t.shape[-2:]
-        mask = torch.triu(torch.ones((n, m), dtype=torch.bool, device=t.device), 1)
-        t = t.masked_fill(mask, -math.inf)
+        upper = torch.triu(torch.ones((n, m), dtype=torch.bool, device=t.device), 1)
+        t = t.masked_fill(upper, -math.inf)
+    if mask is not None:
+        t = t.masked_fill(mask == 0, -math.inf)
     a = torch.softmax(t, -1)
     rest = 1.0 - a.amax(-1)                                # 1 − max a
     if bool(((rest > 0) & (rest < math.sqrt(torch.finfo(a.dtype).eps))).any()):

@@ -1,0 +1,200 @@
+"""Captured torch modules: capture, derive and render times, and exact curvature against
+torch.func on the module itself.
+
+    python -m benchmarks.bench_modules [MODULE ...] [--L 128] [--d 128] [--batch 4] [--heads 4]
+                                       [--what setup,blocks,hvp,diag] [--rounds 3]
+
+MODULE ∈ mha (nn.MultiheadAttention), encoder (nn.TransformerEncoderLayer, pre-LN, GELU),
+gpt2 (GPT2Block), bert (BertLayer), llama (LlamaDecoderLayer, grouped-query attention with
+heads/2 key-value heads, rotary embeddings, RMSNorm, SwiGLU); d_ff = 4d; causal masks for
+gpt2 and llama; float64, eval mode, eager attention for transformers' blocks.
+
+* setup: ``from_module`` (torch.export capture, translation, the forward check), then the
+  kernels' first use in a fresh cache: derivation and rendering of the routines (a variant
+  of more than 8 declared parameters renders its blocks on first use, ``symhess.codegen.render``);
+  with ``blocks`` also the rendering of every block at once (``all_blocks``, what
+  ``hessian()`` needs; a smaller variant rendered everything with its routines);
+* hvp: a stateless ``Kernel.hvp`` against ``torch.func.jvp(grad(loss))`` of the module
+  (``functional_call`` over its parameters, MSE of its output), relative error of the two;
+* diag: the exact diagonal of every declared parameter (prepared state, parts rendered
+  beforehand) against a 100-probe Hutchinson estimate by the same jvp(grad).
+
+Both sides run in one process, threads pinned to 1, interleaved rounds, minimum
+(``benchmarks.timing``).  Llama's float32 steps are neutralised in the reference
+(``symhess.layers.modules.no_downcasts``) so that both compute the same float64 mathematics.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+from torch.func import functional_call, grad, jvp
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import symhess as sh
+from symhess.layers.modules import no_downcasts
+
+from .timing import interleaved
+
+MODULES = ("mha", "encoder", "gpt2", "bert", "llama")
+
+
+def build(name, L, d, heads, B, seed=0):
+    """(module, example args, kwargs) in float64, eval mode."""
+    torch.manual_seed(seed)
+    x = torch.randn(B, L, d, dtype=torch.float64)
+    causal = torch.triu(torch.full((L, L), torch.finfo(torch.float64).min, dtype=torch.float64), 1)
+    causal = causal[None, None].expand(B, 1, L, L)
+    if name == "mha":
+        m = torch.nn.MultiheadAttention(d, heads, batch_first=True)
+        return m.double().eval(), (x, x, x), {"need_weights": False}
+    if name == "encoder":
+        m = torch.nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, activation="gelu",
+                                             batch_first=True, norm_first=True)
+        return m.double().eval(), (x,), {}
+    if name == "gpt2":
+        from transformers import GPT2Config
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+        cfg = GPT2Config(n_embd=d, n_head=heads, n_inner=4 * d, n_layer=1, n_positions=max(L, 8),
+                         attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+        cfg._attn_implementation = "eager"
+        return GPT2Block(cfg).double().eval(), (x,), {"attention_mask": causal}
+    if name == "bert":
+        from transformers import BertConfig
+        from transformers.models.bert.modeling_bert import BertLayer
+        cfg = BertConfig(hidden_size=d, num_attention_heads=heads, intermediate_size=4 * d,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        cfg._attn_implementation = "eager"
+        return BertLayer(cfg).double().eval(), (x,), {}
+    if name == "llama":
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+        cfg = LlamaConfig(hidden_size=d, num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1),
+                          intermediate_size=4 * d, max_position_embeddings=max(L, 8))
+        cfg._attn_implementation = "eager"
+        rot = LlamaRotaryEmbedding(cfg).double()
+        cos, sin = rot(x, torch.arange(L)[None].expand(B, L))
+        return (LlamaDecoderLayer(cfg, 0).double().eval(), (x,),
+                {"position_embeddings": (cos, sin), "attention_mask": causal})
+    raise SystemExit(f"unknown module {name!r}; valid: {', '.join(MODULES)}")
+
+
+class Reference:
+    """The module's MSE loss over its parameters, and torch.func products of it."""
+
+    def __init__(self, ml, x, y):
+        self.m, self.ml, self.y = ml.module, ml, y
+        self.names = [n for n, _ in self.m.named_parameters()]
+        self.params = tuple(p.detach() for _, p in self.m.named_parameters())
+        self.args, self.kwargs = ml.call_args(x)
+        self.grad = grad(self.loss)
+
+    def loss(self, params):
+        with no_downcasts(), sdpa_kernel(SDPBackend.MATH):
+            out = functional_call(self.m, dict(zip(self.names, params)), self.args, self.kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return ((out - self.y) ** 2).mean()
+
+    def hvp(self, v):
+        return jvp(self.grad, (self.params,), (v,))[1]
+
+
+def _module_vector(ml, v_decl):
+    """A declared-order vector as the module's parameter tuple (entries no piece covers: 0)."""
+    per = ml.to_parameters(v_decl)
+    return tuple(per[n] for n, _ in ml.module.named_parameters())
+
+
+def run(name, args):
+    m, xargs, kwargs = build(name, args.L, args.d, args.heads, args.batch)
+    x = xargs[0]
+    y = torch.randn(ml_shape(m, xargs, kwargs), dtype=torch.float64)
+    t = time.perf_counter()
+    ml = sh.from_module(m, xargs, kwargs)
+    t_capture = time.perf_counter() - t
+    k = sh.kernel(ml.layer, "torch", "mse")
+    values = ml.values((x, y))
+    P = len(ml.layer.params)
+    print(f"{name}: {type(m).__name__}, {P} declared parameters, L = {args.L}, d = {args.d}, "
+          f"heads = {args.heads}, B = {args.batch}")
+    what = args.what.split(",")
+    if "setup" in what:
+        t = time.perf_counter()
+        st = k.prepare(values)
+        t_render = time.perf_counter() - t
+        line = f"  capture + check {t_capture:.1f} s, derive + render routines {t_render:.1f} s"
+        if "blocks" in what:
+            t = time.perf_counter()
+            st.all_blocks()
+            line += f", render every block {time.perf_counter() - t:.1f} s"
+        print(line)
+    ref = Reference(ml, x, y)
+    vals = ml.params()
+    n = sum(vals[p].numel() for p in ml.layer.param_names)
+    v = torch.randn(n, dtype=torch.float64)
+    vm = _module_vector(ml, v)
+    if "hvp" in what:
+        ours = k.hvp(values, v)
+        theirs = torch.cat([t.reshape(-1) for t in ref.hvp(vm)])
+        mine = torch.zeros(ml.module_numel, dtype=torch.float64)
+        mine[torch.as_tensor(ml.index)] = ours
+        err = float((mine - theirs).norm() / theirs.norm())
+        tm = interleaved({"symhess hvp": lambda: k.hvp(values, v), "jvp(grad)": lambda: ref.hvp(vm)},
+                         rounds=args.rounds)
+        print(f"  hvp {tm['symhess hvp']:.3f} s vs jvp(grad) {tm['jvp(grad)']:.3f} s → "
+              f"{tm['jvp(grad)'] / tm['symhess hvp']:.2f}×  (rel. error {err:.1e})")
+    if "diag" in what:
+        st = k.prepare(values)
+        for p in ml.layer.param_names:
+            st.nets(p, p)                                   # render the parts beforehand
+
+        def exact():
+            s = k.prepare(values)
+            return [s.diag(p) for p in ml.layer.param_names]
+
+        g = torch.Generator().manual_seed(0)
+        probes = [tuple(torch.randint(0, 2, p.shape, generator=g, dtype=torch.float64) * 2 - 1
+                        for p in ref.params) for _ in range(args.probes)]
+
+        def hutchinson():
+            acc = [torch.zeros_like(p) for p in ref.params]
+            for z in probes:
+                hz = ref.hvp(z)
+                for a, zi, hi in zip(acc, z, hz):
+                    a += zi * hi
+            return [a / len(probes) for a in acc]
+
+        tm = interleaved({"exact": exact, "hutchinson": hutchinson}, rounds=max(1, args.rounds // 2))
+        print(f"  diag of all {P} parameters {tm['exact']:.2f} s vs {args.probes}-probe Hutchinson "
+              f"{tm['hutchinson']:.2f} s → {tm['hutchinson'] / tm['exact']:.2f}×")
+
+
+def ml_shape(m, xargs, kwargs):
+    with torch.no_grad(), no_downcasts():
+        out = m(*xargs, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    return tuple(out.shape)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("modules", nargs="*", default=list(MODULES))
+    ap.add_argument("--L", type=int, default=128)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--what", default="setup,blocks,hvp,diag")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--probes", type=int, default=100)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    os.environ.setdefault("SYMHESS_CACHE_DIR", tempfile.mkdtemp(prefix="symhess-bench-"))
+    for name in args.modules:
+        run(name, args)
+
+
+if __name__ == "__main__":
+    main()
