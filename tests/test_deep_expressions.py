@@ -67,7 +67,7 @@ def test_deep_expressions_do_not_depend_on_the_recursion_limit(case):
         got = evaluate(g, values)
         block = der.block("W_Q_1", "W_K_1", "functional")
         assert not block.is_zero
-        assert "dA[G @ W_V_6.T" in text(g) and r"\mathbf W" in g.latex()
+        assert "[G @ W_V_6.T @ X^(6).T]" in text(g) and r"\mathbf W" in g.latex()
         shared, _ = share_if_long([g], der.latex_names, 4000)
         assert shared                           # long enough to name sub-expressions
         with contextlib.redirect_stdout(io.StringIO()) as out:

@@ -174,8 +174,18 @@ def parse(args):
 SHELL = [b for b in ALL if b.lang in ("bash", "console")]
 
 
+FILE_BLOCK = re.compile(r"# (?P<file>\w+\.py)\n")
+
+
 @pytest.mark.parametrize("block", SHELL, ids=lambda b: b.name)
-def test_shell_commands_are_real(block):
+def test_shell_commands_are_real(block, tmp_path, monkeypatch):
+    """(In a scratch folder holding the files the document shows: a python block whose first
+    line is ``# NAME.py`` is that file.)"""
+    monkeypatch.chdir(tmp_path)
+    for b in blocks(block.doc):
+        m = FILE_BLOCK.match(b.body) if b.lang == "python" else None
+        if m:
+            (tmp_path / m["file"]).write_text(b.body)
     commands = _commands(block.body)
     assert commands, f"{block.name}: no command"
     for argv in commands:

@@ -70,7 +70,8 @@ def vector(v, like, shapes, name="v", convert=False, over="", deferred=None):
     if torch_kernel:
         a = a.to(device=like.device, dtype=like.dtype)
     else:
-        a = np.asarray(a, dtype=like.dtype)
+        with np.errstate(over="ignore"):        # beyond the dtype's range: inf, named below
+            a = np.asarray(a, dtype=like.dtype)
     if deferred is not None:                 # named with the result; a tensor read with it
         deferred.append((name, a))
         if torch_kernel:
