@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "21b3ebc75a855b571c74a521"
+    STAMP = "2b23fae0e13583d41c30c421"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -287,7 +287,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "17d49e0ea880db3038b4ab69"
+    STAMP = "7aa6e5d6c7efbd92456d1748"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -550,7 +550,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "25d3b12816a46a1155c0fec2"
+    STAMP = "cb4dc5a642d20cba94d5b39a"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -832,7 +832,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "2853bdd2472b8ee8e5a4edd9"
+    STAMP = "52829d7fe3f5ddb9d3464ea0"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -1116,4 +1116,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "871c847826d27471ee754393"
+CHECKSUM = "3dfb79ef3ee361230d5e51de"

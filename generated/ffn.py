@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "81244f7570548a7f96c60a0e"
+    STAMP = "1eb8f4d9496991d43a387fa0"
 
     @leaf
     def H(s):
@@ -142,7 +142,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "867d0049297c913fc49d1f79"
+    STAMP = "2c5e06d34d686edf8c9c8663"
 
     @leaf
     def H(s):
@@ -267,4 +267,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "55b36c386edfade1ce6e1e12"
+CHECKSUM = "972f6ca7e9e97bf45a1f56e5"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "77b23168c1bba2658ec6d814"
+    STAMP = "0713e07e9b2e983bfd23d435"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -295,7 +295,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "ccd082fc9a697bebe2c46ba0"
+    STAMP = "33c5c077077e55b92462f754"
     RUNS = {
         'A X': 5,
         "W_K' X'": 10,
@@ -548,7 +548,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "c24f0ff120d12801ce35bd8a"
+    STAMP = "6ff3d836f4d175ef1dfb3381"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -808,7 +808,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "2368cd039ec61e9bd5cb74a5"
+    STAMP = "426be5598214d860ae6ff3c1"
     RUNS = {
         'A X': 4,
         "W_K' X'": 10,
@@ -1089,4 +1089,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "ebcb09cb5c2af71c3ef7266d"
+CHECKSUM = "f270f74b2078c16a342c2680"

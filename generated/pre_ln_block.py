@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "21792b39008fe52acd44ed2b"
+    STAMP = "f020186081ec34876156233b"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -803,7 +803,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "cab7817ce3da7bcd90f60cab"
+    STAMP = "18198cbb8e94667be51de714"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -1582,7 +1582,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "6f6a4d6becf0b5f08d534e9a"
+    STAMP = "3ca287130304d1ebf44b756e"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -2361,7 +2361,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "c8d8d4d07633c444f5bb79d7"
+    STAMP = "d0e8151665dfd909f1170fbd"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -3142,4 +3142,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "1be7a397b79cd74b4ccefced"
+CHECKSUM = "3ddd79ea4747c741a9be1465"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "f51089b4c4604735b2014a4f"
+    STAMP = "6833038c179fb23c7d212b24"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -206,7 +206,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "ac5e08aff4b91da87afb0991"
+    STAMP = "156fa82dd2139c69aae0f93b"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -388,7 +388,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "c0e8c6487bbf234a904f352e"
+    STAMP = "abce2465b55d2c219b1ed022"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -583,7 +583,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "438c13322bb55befeadc9d14"
+    STAMP = "600c131515888518fe718103"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -780,4 +780,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "bfe36f5fe33c2e60706abf2e"
+CHECKSUM = "ded8d79e3ab4ba7c9c62b400"

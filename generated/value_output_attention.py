@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "0957dd4825bea62399cfeb9f"
+    STAMP = "1ec8508f7de16b4c4a11974b"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -395,7 +395,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "44edd50b73113d59bb8faac6"
+    STAMP = "c00f8eb0bc3fb8ad75c0766e"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -766,7 +766,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "c192566c164843720817bae6"
+    STAMP = "b1c9d27a253865146440fa6c"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1135,7 +1135,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "8540306eedbcbcb10628f1d2"
+    STAMP = "355165d14efd04ed531b9357"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1506,4 +1506,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "6b7a9c50d637247931d492e2"
+CHECKSUM = "0bd852750594e9b8cf8367d8"

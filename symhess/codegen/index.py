@@ -25,7 +25,6 @@ rule that asked), so deep expressions do not meet Python's recursion limit.
 """
 from __future__ import annotations
 
-import inspect
 import itertools
 from functools import lru_cache
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 from ..expr import nodes as E
+from ..expr.stackwalk import run_rules
 
 STRUCTURED = (E.Kron, E.Commutation, E.DiagSelector, E.SoftmaxJac, E.SoftmaxHess, E.Diag,
               E.VecR, E.UnvecR, E.KronContract, E.Identity)
@@ -183,35 +183,7 @@ class Lowering:
     def _lower(self, n, rows, cols, t):
         """The terms of n[rows, cols] (times ``t``): the rules' generators run on an
         explicit stack (module docstring)."""
-        first = self._step(n, rows, cols, t)
-        if not inspect.isgenerator(first):
-            return first
-        stack, value, error = [first], None, None
-        while True:
-            try:
-                request = stack[-1].throw(error) if error is not None else stack[-1].send(value)
-            except StopIteration as stop:
-                stack.pop()
-                value, error = stop.value, None
-                if not stack:
-                    return value
-                continue
-            except BaseException as exc:        # thrown back into the rule that asked
-                stack.pop()
-                if not stack:
-                    raise
-                value, error = None, exc
-                continue
-            try:
-                step = self._step(*request)
-            except BaseException as exc:        # thrown into the rule that asked
-                value, error = None, exc
-                continue
-            if inspect.isgenerator(step):
-                stack.append(step)
-                value = None
-            else:                               # a leaf or a rule without sub-lowerings
-                value = step
+        return run_rules(self._step(n, rows, cols, t), self._step)
 
     def _step(self, n, rows, cols, t):
         """One node's terms, or the generator of its rule (which yields sub-lowerings)."""

@@ -32,6 +32,7 @@ from ..expr import nodes as E
 from ..expr import scalarfn
 from ..errors import DeclarationError
 from ..expr.registry import Registry
+from ..expr.stackwalk import run_rules
 from ..runtime import chain
 from ..expr.text import short_text
 
@@ -126,25 +127,7 @@ class Printer:
 
     def _run(self, top):
         """Run a rule generator and the sub-expressions it asks for on an explicit stack."""
-        stack, value, error = [top], None, None
-        while True:
-            try:
-                request = stack[-1].throw(error) if error is not None else stack[-1].send(value)
-            except StopIteration as stop:
-                stack.pop()
-                value, error = stop.value, None
-                if not stack:
-                    return value
-                continue
-            except BaseException as exc:        # thrown back into the rule that asked
-                stack.pop()
-                if not stack:
-                    raise
-                value, error = None, exc
-                continue
-            kind, node = request
-            stack.append(self._code(node) if kind == "code" else self._leaf(node))
-            value = None
+        return run_rules(top, lambda kind, node: self._code(node) if kind == "code" else self._leaf(node))
 
     def _code(self, node):
         if isinstance(node, E.Var):

@@ -35,6 +35,7 @@ import sympy as sp
 from ..errors import DeclarationError, ShapeError
 from .latex import latex
 from .scalarfn import ScalarFn, get_function
+from .stackwalk import children_first
 from .text import text
 
 __all__ = [
@@ -1084,20 +1085,11 @@ def walk(expr, descend=None, children=None, skip=()):
     Recursive rules over a DAG (a node's result from its children's, memoised) are run
     along this order first (``bottom_up``), so each call finds its children done and the
     recursion depth does not grow with the DAG's height."""
-    seen, order, stack = set(), [], [(expr, False)]
-    while stack:
-        node, done = stack.pop()
-        if done:
-            order.append(node)
-            continue
-        if node in seen or node in skip:
-            continue
-        seen.add(node)
-        stack.append((node, True))
-        if descend is None or descend(node):
-            kids = node.args if children is None else tuple(children(node))
-            stack.extend((a, False) for a in reversed(kids))
-    return order
+    def kids(node):
+        if descend is not None and not descend(node):
+            return ()
+        return node.args if children is None else children(node)
+    return children_first(expr, kids, skip)
 
 
 def bottom_up(fn, expr, descend=None, children=None):

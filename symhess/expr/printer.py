@@ -8,6 +8,8 @@ recursion limit.
 """
 from __future__ import annotations
 
+from .stackwalk import children_first
+
 
 class Printer:
     """Subclasses define ``_print_<NodeType>(node)``; unknown node types raise.
@@ -33,7 +35,7 @@ class Printer:
     def print(self, expr) -> str:
         """``doprint(expr)`` with the nodes below printed first (module docstring)."""
         out = None
-        for node in _children_first(expr, self.shown):
+        for node in children_first(expr, self.shown):
             out = self.doprint(node)
         return out
 
@@ -61,20 +63,3 @@ class Printer:
             s = self.doprint(t)
             out += self.minus + s[1:] if s.startswith("-") else self.plus + s
         return out
-
-
-def _children_first(root, children):
-    """Every distinct node below ``root`` that ``children`` reaches, once, children before
-    parents (the order ``nodes.walk`` gives; printers import no node module)."""
-    seen, order, stack = set(), [], [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        if done:
-            order.append(node)
-            continue
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.append((node, True))
-        stack.extend((a, False) for a in reversed(tuple(children(node))))
-    return order
