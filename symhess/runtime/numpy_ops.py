@@ -18,7 +18,7 @@ from .state import Forward, leaf  # noqa: F401
 from ..errors import SaturationWarning
 
 __all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff", "softmax_diff2",
-           "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
+           "lin", "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
            "causal_mask", "diag", "diag_part", "vec_r", "unvec_r", "mean0", "unflat",
            "kron", "kron_contract", "commutation", "diag_selector", "refined",
            "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "cosh", "sinh", "cos",
@@ -40,6 +40,25 @@ def mm(*xs):
 
 def tr(x):
     return np.swapaxes(x, -1, -2)
+
+
+def lin(*terms):
+    """Σ_k c_k x_k (∘ y_k) for terms (c, x) or (c, x, y), broadcast, accumulated in place in
+    one fresh array (a term spanning the result's shape first)."""
+    shape = np.broadcast_shapes(*(np.shape(a) for t in terms for a in t[1:]))
+    spans = [np.broadcast_shapes(*(np.shape(a) for a in t[1:])) == shape for t in terms]
+    order = sorted(range(len(terms)), key=lambda i: not spans[i])
+    acc = None
+    for i in order:
+        t = terms[i]
+        x = t[1] if len(t) == 2 else t[1] * t[2]
+        if acc is None:
+            acc = np.multiply(x, t[0]) if spans[i] else np.broadcast_to(t[0] * x, shape).copy()
+        elif t[0] == 1:
+            acc += x
+        else:
+            acc += t[0] * x
+    return acc
 
 
 def sum_last(x):
@@ -248,6 +267,27 @@ class _Ops:
             view += c * r
 
     matmul2 = staticmethod(np.matmul)
+
+    @staticmethod
+    def matmul_mean(a, b):
+        """mean_n a_n b_n for batched (n, ·, ·) or plain operands (as in ``torch_ops``)."""
+        if a.ndim == 3 and b.ndim == 3:
+            n, r, k = a.shape
+            c = b.shape[-1]
+            at = a.transpose(0, 2, 1)
+            copies = (0 if at.flags.c_contiguous else a.size) + (0 if b.flags.c_contiguous else b.size)
+            if copies <= n * r * c:
+                return (at.reshape(n * k, r).T @ b.reshape(n * k, c)) / n
+            return np.matmul(a, b).mean(0)
+        if a.ndim == 3:
+            return a.mean(0) @ b
+        if b.ndim == 3:
+            return a @ b.mean(0)
+        return a @ b
+
+    @staticmethod
+    def batch_mean(x):
+        return x.mean(0) if x.ndim == 3 else x
     tr = staticmethod(tr)                 # aᵀ over the last two axes (a view)
 
     @staticmethod

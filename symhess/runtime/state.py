@@ -266,8 +266,10 @@ class Forward:
         return self.ops.reshape(acc, shape)
 
     # -- matrix view -------------------------------------------------------------------------
-    def mm(self, key, *xs):
-        """F₁⋯F_k in the cheapest order at these sizes (``runtime.chain``).  ``key`` names
+    def mm(self, key, *xs, mean=False):
+        """F₁⋯F_k in the cheapest order at these sizes (``runtime.chain``); ``mean``: its
+        batch mean, the batch folded into the last product (``ops.matmul_mean``: one product
+        over the n·L tokens, no per-sequence results).  ``key`` names
         the factors, one word each: a factor that does not depend on the routine's arguments
         by its member name (' for its transpose), any other factor by _ ("_ X W_V").
 
@@ -293,7 +295,8 @@ class Forward:
             name, flipped = runs[i, j]
             self._runs[name] = ops.tr(product) if flipped else product
 
-        return chain.multiply(xs, ops.matmul2, ops.shape, free, shared, fetch, store)
+        fold = (ops.matmul_mean, ops.batch_mean) if mean else None
+        return chain.multiply(xs, ops.matmul2, ops.shape, free, shared, fetch, store, fold=fold)
 
     def _prices(self, key):
         """(free intervals, shared intervals with their counts) of a chain key, now."""
@@ -307,12 +310,13 @@ class Forward:
                 shared.append((i, j, self.RUNS[name]))
         return tuple(free), tuple(shared)
 
-    def mm_sum(self, side, *terms):
+    def mm_sum(self, side, *terms, mean=False):
         """Σ_t c_t F_t,1 ⋯ F_t,k for terms ``(c_t, key_t, F_t,1, …)`` (keys as in ``mm``) that
         share their last (``side`` "r") or first ("l") factor F: computed as written or as
         (Σ_t c_t F_t,1 ⋯ F_t,k−1) F (F (Σ …) on the left), whichever multiplies less at these
         sizes.  Factoring t W_Vᵀ Xᵀ + t′ V_Vᵀ Xᵀ saves a product of size L² d; factoring
-        X V_Q W_Kᵀ Xᵀ + X W_Q V_Kᵀ Xᵀ would cost L d² more."""
+        X V_Q W_Kᵀ Xᵀ + X W_Q V_Kᵀ Xᵀ would cost L d² more.  ``mean``: the batch mean (as
+        in ``mm``)."""
         shape = lambda x: tuple(self.ops.shape(x))         # noqa: E731
         cost = lambda key, xs: chain.chain_cost(tuple(shape(x) for x in xs), *self._prices(key))  # noqa: E731
         as_written = sum(cost(t[1], t[2:]) for t in terms)
@@ -331,11 +335,12 @@ class Forward:
             for c, k, fs in parts:
                 x = c * (self.mm(k, *fs) if len(fs) > 1 else fs[0])
                 acc = x if acc is None else acc + x
+            fold = (self.ops.matmul_mean, self.ops.batch_mean) if mean else None
             return chain.multiply((acc, shared) if side == "r" else (shared, acc),
-                                  self.ops.matmul2, self.ops.shape)
+                                  self.ops.matmul2, self.ops.shape, fold=fold)
         acc = None
         for t in terms:
-            x = t[0] * self.mm(t[1], *t[2:])
+            x = t[0] * self.mm(t[1], *t[2:], mean=mean)
             acc = x if acc is None else acc + x
         return acc
 

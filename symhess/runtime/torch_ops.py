@@ -14,7 +14,7 @@ from .numpy_ops import SATURATED
 from ..errors import SaturationWarning
 
 __all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff", "softmax_diff2",
-           "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
+           "lin", "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
            "causal_mask", "diag", "diag_part", "vec_r", "unvec_r", "mean0", "unflat",
            "kron", "kron_contract", "commutation", "diag_selector", "refined",
            "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "cosh", "sinh", "cos",
@@ -37,6 +37,36 @@ def mm(*xs):
 
 def tr(x):
     return x.transpose(-1, -2)
+
+
+def lin(*terms):
+    """Σ_k c_k x_k (∘ y_k) for terms (c, x) or (c, x, y), broadcast: one fresh array (a term
+    spanning the result's shape, a unit one preferred), then one in-place pass per term
+    (``add_`` with alpha, ``addcmul_``); the first coefficient is factored out and put back
+    last when it is not 1."""
+    shape = torch.broadcast_shapes(*(a.shape for t in terms for a in t[1:]))
+    spans = [torch.broadcast_shapes(*(a.shape for a in t[1:])) == shape for t in terms]
+    order = sorted(range(len(terms)), key=lambda i: (not spans[i], len(terms[i]) != 2, terms[i][0] != 1))
+    first, rest = terms[order[0]], [terms[i] for i in order[1:]]
+    c0 = first[0]
+    if len(first) == 3:
+        acc = torch.mul(first[1], first[2])
+    elif rest and len(rest[0]) == 2:
+        acc = torch.add(first[1], rest[0][1], alpha=rest[0][0] / c0)
+        rest = rest[1:]
+    elif rest:
+        acc = torch.addcmul(first[1], rest[0][1], rest[0][2], value=rest[0][0] / c0)
+        rest = rest[1:]
+    else:
+        acc = first[1].clone(memory_format=torch.contiguous_format)
+    if tuple(acc.shape) != tuple(shape):
+        acc = acc.expand(shape).clone()
+    for t in rest:
+        if len(t) == 2:
+            acc.add_(t[1], alpha=t[0] / c0)
+        else:
+            acc.addcmul_(t[1], t[2], value=t[0] / c0)
+    return acc if c0 == 1 else acc.mul_(c0)
 
 
 def sum_last(x):
@@ -237,6 +267,31 @@ class _Ops:
         view.add_(r, alpha=c)
 
     matmul2 = staticmethod(torch.matmul)
+
+    @staticmethod
+    def matmul_mean(a, b):
+        """mean_n a_n b_n for batched (n, ·, ·) or plain operands.  Both batched: the batch
+        joins the inner dimension, (R × n·K)(n·K × C), one product and no per-sequence
+        results, unless laying the operands out for it copies more than those results
+        would take; one batched: its mean first."""
+        if a.dim() == 3 and b.dim() == 3:
+            n, r, k = a.shape
+            c = b.shape[-1]
+            copies = (0 if a.transpose(1, 2).is_contiguous() else a.numel()) + \
+                (0 if b.is_contiguous() else b.numel())
+            if copies <= n * r * c:
+                out = torch.mm(a.transpose(1, 2).reshape(n * k, r).T, b.reshape(n * k, c))
+                return out.div_(n)
+            return torch.matmul(a, b).mean(0)
+        if a.dim() == 3:
+            return torch.matmul(a.mean(0), b)
+        if b.dim() == 3:
+            return torch.matmul(a, b.mean(0))
+        return torch.matmul(a, b)
+
+    @staticmethod
+    def batch_mean(x):
+        return x.mean(0) if x.dim() == 3 else x
     tr = staticmethod(tr)                 # aᵀ over the last two axes (a view)
 
     @staticmethod
