@@ -221,3 +221,47 @@ def test_counting_reports_planned_flops_and_nothing_outside():
     assert m.flops == C.plan([(0, 1), (1, 2)], (0, 2), {0: 6, 1: 7, 2: 8}).flops > 0
     np_mm(a, b, c)
     assert n.flops == 2 * 2 * 3 * 4 + 2 * 2 * 4 * 5
+
+
+_LIN_SHAPES = [((2, 3, 4),), ((2, 3, 1), (2, 3, 4)), ((2, 1, 4), (2, 3, 1))]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("unit", [True, False])
+def test_lin_is_the_broadcast_linear_combination(backend, unit):
+    """lin((c, x), (c, x, y), …) = Σ c x (∘ y) for broadcast operands, whatever term comes
+    first (a per-token column first, no unit coefficient, a product first), and leaves its
+    operands untouched."""
+    from symhess.runtime import numpy_ops, torch_ops
+    rng = np.random.default_rng(4)
+    a, b, c = rng.standard_normal((2, 3, 1)), rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 1, 4))
+    c0 = 1 if unit else -0.5
+    want = c0 * a + 2.5 * b * c - 3 * b + 0.25 * a * c
+    conv = (lambda x: x) if backend == "numpy" else torch.tensor
+    lin = numpy_ops.lin if backend == "numpy" else torch_ops.lin
+    xa, xb, xc = conv(a), conv(b), conv(c)
+    copies = [np.array(x) for x in (a, b, c)]
+    for terms in ([(c0, xa), (2.5, xb, xc), (-3, xb), (0.25, xa, xc)],
+                  [(2.5, xb, xc), (c0, xa), (0.25, xa, xc), (-3, xb)],
+                  [(0.25, xa, xc), (-3, xb), (2.5, xb, xc), (c0, xa)]):
+        got = np.asarray(lin(*terms))
+        assert got.shape == want.shape
+        assert np.abs(got - want).max() <= 1e-13
+    for x, y in zip((xa, xb, xc), copies):
+        assert np.array_equal(np.asarray(x), y)
+
+
+@pytest.mark.parametrize("ops", [NP, TORCH], ids=["numpy", "torch"])
+def test_matmul_mean_is_the_batch_mean_of_the_products(ops):
+    """mean_n a_n b_n for every layout the fold meets: a laid out (n, K, R) transposed, a
+    contiguous (copied or not), one operand unbatched."""
+    rng = np.random.default_rng(5)
+    conv = (lambda x: x) if ops is NP else torch.tensor
+    a, b = rng.standard_normal((3, 4, 5)), rng.standard_normal((3, 5, 6))
+    want = np.matmul(a, b).mean(0)
+    at = conv(np.ascontiguousarray(a.transpose(0, 2, 1)))
+    for x in (conv(a), ops.tr(at)):
+        assert np.abs(np.asarray(ops.matmul_mean(x, conv(b))) - want).max() <= 1e-13
+    w = rng.standard_normal((5, 2))
+    assert np.abs(np.asarray(ops.matmul_mean(conv(a), conv(w))) - np.matmul(a, w).mean(0)).max() <= 1e-13
+    assert np.abs(np.asarray(ops.matmul_mean(conv(w.T), conv(b))) - np.matmul(w.T, b).mean(0)).max() <= 1e-13
