@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "5036964f226a0595d451f431"
+    STAMP = "7e52422bc12965c679efe8da"
     RUNS = {
         'A X': 8,
         "W_K' X'": 8,
@@ -297,7 +297,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "4a037680346fcf609a2cb738"
+    STAMP = "bf66418ebcc962e80aec0c1b"
     RUNS = {
         'A X': 8,
         "W_K' X'": 8,
@@ -570,7 +570,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "74ccdb1cbaadb77be877ea48"
+    STAMP = "c3c0f25a45a70cd578c5d210"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -867,7 +867,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "a06447f590a0d7f80a9a1524"
+    STAMP = "f864a09a56b6e23ae9c50ba8"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -1166,4 +1166,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "bc918e92c9302ee915f19026"
+CHECKSUM = "65ef49c3fda0022593aa37e6"

@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "c3a4a07fc536e20208c87b86"
+    STAMP = "93c08a2981abf5a157270071"
 
     @leaf
     def H(s):
@@ -163,7 +163,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "9f964d9f2df2da32f5b57a2c"
+    STAMP = "fdec60f020ab49b947f9b104"
 
     @leaf
     def H(s):
@@ -321,4 +321,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "773385c0e54a8dd40d41a5c0"
+CHECKSUM = "dc1f8637d605ee5e2be98a1d"

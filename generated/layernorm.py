@@ -24,7 +24,7 @@ class mse(Forward):
     """loss=mse, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "d287bc106a3ff43e75449b19"
+    STAMP = "fafbf6667111000c81b9b6d1"
 
     @leaf
     def one(s):
@@ -52,15 +52,11 @@ class mse(Forward):
 
     @leaf
     def t_3(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
-    def t_4(s):
         return (-0.5 * (s.sigma2_Z ** -1.5))
 
     @leaf
-    def t_5(s):
-        return (s.t_4 * s.M_Z)
+    def t_4(s):
+        return (s.t_3 * s.M_Z)
 
     @leaf
     def Z(s):
@@ -71,75 +67,75 @@ class mse(Forward):
         return lin((2/(s.L*s.d_V), s.Z), (-2/(s.L*s.d_V), s.Y))
 
     @leaf
-    def t_6(s):
-        return (s.t_4 * s.G)
+    def t_5(s):
+        return (s.t_3 * s.G)
 
     @leaf
-    def t_7(s):
+    def t_6(s):
         return (0.75 * (s.sigma2_Z ** -2.5))
 
     @leaf
+    def t_7(s):
+        return (s.t_6 * s.G * s.M_Z)
+
+    @leaf
     def t_8(s):
-        return (s.t_7 * s.G * s.M_Z)
+        return (s.t_3 * s.G * s.M_Z)
 
     @leaf
     def t_9(s):
-        return (s.t_4 * s.G * s.M_Z)
+        return s.mm('t_8 one', s.t_8, s.one)
 
     @leaf
     def t_10(s):
-        return s.mm('t_9 one', s.t_9, s.one)
-
-    @leaf
-    def t_11(s):
-        return bcast_last(s.t_10, s.d_V)
+        return bcast_last(s.t_9, s.d_V)
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_12(s):
+    def t_11(s):
         return (s.Z - s.Y)
+
+    @leaf
+    def t_12(s):
+        return (s.t_11 * s.t_11)
 
     @leaf
     def t_13(s):
-        return (s.t_12 * s.t_12)
+        return s.mm('one_2 t_12 one', s.one_2, s.t_12, s.one)
 
     @leaf
     def t_14(s):
-        return s.mm('one_2 t_13 one', s.one_2, s.t_13, s.one)
+        return lin((1, s.t_9, s.M_Z), ((1/2)*s.d_V, s.P_Z, s.G))
 
     @leaf
     def t_15(s):
-        return lin((1, s.t_10, s.M_Z), ((1/2)*s.d_V, s.P_Z, s.G))
+        return (-2/s.d_V**2) * s.t_14
 
     @leaf
     def t_16(s):
-        return (-2/s.d_V**2) * s.t_15
+        return s.mm('t_15 one', s.t_15, s.one)
 
     @leaf
-    def t_17(s):
-        return s.mm('t_16 one', s.t_16, s.one)
-
-    @leaf
-    def t_28(s):
+    def t_27(s):
         return (s.Z - s.Y)
 
     @leaf
-    def t_29(s):
-        return (s.t_4 * (4/(s.L*s.d_V**2)) * s.t_28 * s.M_Z)
+    def t_28(s):
+        return (s.t_3 * (4/(s.L*s.d_V**2)) * s.t_27 * s.M_Z)
 
     @leaf
-    def t_30(s):
-        return s.mm('t_29 one', s.t_29, s.one)
+    def t_29(s):
+        return s.mm('t_28 one', s.t_28, s.one)
 
     @leaf
     def S(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
             net(1, 'ab,bc->abc', s.t_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'ab,bc,ac->abc', s.M_Z, s.t_3, s.t_5),
+            net(2/s.d_V, 'ab,bc,ac->abc', s.M_Z, ONES, s.t_4),
         ])
 
     @leaf
@@ -147,8 +143,8 @@ class mse(Forward):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
             net(2/(s.L*s.d_V), 'ab,bc->abc', s.t_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'ab,bc,ac->abc', s.M_Z, s.t_3, s.t_5),
-            net(-2/(s.L*s.d_V**2), 'ab,cbd->cad', s.t_3, s.S),
+            net(4/(s.L*s.d_V**2), 'ab,bc,ac->abc', s.M_Z, ONES, s.t_4),
+            net(-2/(s.L*s.d_V**2), 'ab,cbd->cad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -156,7 +152,7 @@ class mse(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'ab,bc->abc', s.t_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'ab,bc,ac->abc', s.t_5, s.t_3, s.M_Z),
+            net(2/s.d_V, 'ab,bc,ac->abc', s.t_4, ONES, s.M_Z),
         ])
 
     @leaf
@@ -164,34 +160,34 @@ class mse(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_3),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_5(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
-            net(1, 'nab,bc->nabc', s.t_6, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_8, s.t_3, s.M_Z),
+            net(1, 'nab,bc->nabc', s.t_5, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_7, ONES, s.M_Z),
         ])
 
     @leaf
     def S_6(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_6', [
-            net(1, 'nab,bc->nabc', s.t_11, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,ac->nabc', s.t_6, s.t_3, s.M_Z),
-            net(1, 'ab,bc,nacd->nabd', s.M_Z, s.t_3, s.S_5),
+            net(1, 'nab,bc->nabc', s.t_10, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,ac->nabc', s.t_5, ONES, s.M_Z),
+            net(1, 'ab,bc,nacd->nabd', s.M_Z, ONES, s.S_5),
         ])
 
     @leaf
     def S_7(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_7', [
-            net(2/s.d_V, 'nab,bc->nabc', s.t_11, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_6, s.t_3, s.M_Z),
-            net(2/s.d_V, 'ab,bc,nacd->nabd', s.M_Z, s.t_3, s.S_5),
-            net(-2/s.d_V**2, 'ab,ncbd->ncad', s.t_3, s.S_6),
+            net(2/s.d_V, 'nab,bc->nabc', s.t_10, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_5, ONES, s.M_Z),
+            net(2/s.d_V, 'ab,bc,nacd->nabd', s.M_Z, ONES, s.S_5),
+            net(-2/s.d_V**2, 'ab,ncbd->ncad', ONES, s.S_6, free={'a': s.d_V}),
         ])
 
     def block__X__X__outer(s):
@@ -214,43 +210,43 @@ class mse(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_14, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_13, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * s.t_15, True)), (1, bcast_last(mean0(s.t_17, True), s.d_V)))
+        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * s.t_14, True)), (1, bcast_last(mean0(s.t_16, True), s.d_V)))
         return (out_X,)
 
     def hvp__outer(s, V_X):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_18 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
-        t_19 = s.mm('_ one', ((-1/s.d_V) * t_18 * s.M_Z), s.one)
-        t_20 = lin((2/(s.L*s.d_V), s.P_Z, (-1/s.d_V) * t_18), (4/(s.L*s.d_V**2), (s.t_4 * t_19), s.M_Z))
-        t_21 = (s.P_Z * t_20)
-        t_22 = lin((1, t_21), (2/s.d_V, s.mm('_ one', (s.t_4 * t_20 * s.M_Z), s.one), s.M_Z))
-        t_23 = lin((-s.d_V, (-1/s.d_V) * t_22), (1, s.mm('_ one', (-1/s.d_V) * t_22, s.one)))
-        out_X = t_23
+        t_17 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_18 = s.mm('_ one', ((-1/s.d_V) * t_17 * s.M_Z), s.one)
+        t_19 = lin((2/(s.L*s.d_V), s.P_Z, (-1/s.d_V) * t_17), (4/(s.L*s.d_V**2), (s.t_3 * t_18), s.M_Z))
+        t_20 = (s.P_Z * t_19)
+        t_21 = lin((1, t_20), (2/s.d_V, s.mm('_ one', (s.t_3 * t_19 * s.M_Z), s.one), s.M_Z))
+        t_22 = lin((-s.d_V, (-1/s.d_V) * t_21), (1, s.mm('_ one', (-1/s.d_V) * t_21, s.one)))
+        out_X = t_22
         return (out_X,)
 
     def hvp__functional(s, V_X):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
-        t_25 = s.mm('_ one', ((-1/s.d_V) * t_24 * s.M_Z), s.one)
-        t_26 = lin((1, (s.t_4 * (-1/s.d_V) * t_24), s.G), (2/s.d_V, (s.t_7 * t_25 * s.G), s.M_Z))
-        t_27 = lin((1, s.t_10, (-1/s.d_V) * t_24), (1, (s.t_4 * t_25), s.G), (1, s.mm('_ one', t_26, s.one), s.M_Z))
-        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_27, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_27, s.one), True), s.d_V)))
+        t_23 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_24 = s.mm('_ one', ((-1/s.d_V) * t_23 * s.M_Z), s.one)
+        t_25 = lin((1, (s.t_3 * (-1/s.d_V) * t_23), s.G), (2/s.d_V, (s.t_6 * t_24 * s.G), s.M_Z))
+        t_26 = lin((1, s.t_9, (-1/s.d_V) * t_23), (1, (s.t_3 * t_24), s.G), (1, s.mm('_ one', t_25, s.one), s.M_Z))
+        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_26, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_26, s.one), True), s.d_V)))
         return (out_X,)
 
     def hvp__full(s, V_X):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
-        t_32 = s.mm('_ one', ((-1/s.d_V) * t_31 * s.M_Z), s.one)
-        t_33 = lin((2/(s.L*s.d_V), s.P_Z, (-1/s.d_V) * t_31), (4/(s.L*s.d_V**2), (s.t_4 * t_32), s.M_Z))
-        t_34 = (s.P_Z * t_33)
-        t_35 = lin((1, s.P_Z, (-1/s.d_V) * t_31), (2/s.d_V, (s.t_4 * t_32), s.M_Z))
-        t_36 = lin((1, (s.t_4 * (-1/s.d_V) * t_31), (4/(s.L*s.d_V**2)) * s.t_28), (1, (s.t_4 * (4/(s.L*s.d_V**2)) * t_35), s.M_Z), (2/s.d_V, (s.t_7 * t_32 * (4/(s.L*s.d_V**2)) * s.t_28), s.M_Z))
-        t_37 = lin((1, s.t_30, (-1/s.d_V) * t_31), (1, t_34), (2/s.d_V, (s.t_4 * t_32), s.G), (1, s.mm('_ one', t_36, s.one), s.M_Z))
-        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_37, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_37, s.one), True), s.d_V)))
+        t_30 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_31 = s.mm('_ one', ((-1/s.d_V) * t_30 * s.M_Z), s.one)
+        t_32 = lin((2/(s.L*s.d_V), s.P_Z, (-1/s.d_V) * t_30), (4/(s.L*s.d_V**2), (s.t_3 * t_31), s.M_Z))
+        t_33 = (s.P_Z * t_32)
+        t_34 = lin((1, s.P_Z, (-1/s.d_V) * t_30), (2/s.d_V, (s.t_3 * t_31), s.M_Z))
+        t_35 = lin((1, (s.t_3 * (-1/s.d_V) * t_30), (4/(s.L*s.d_V**2)) * s.t_27), (1, (s.t_3 * (4/(s.L*s.d_V**2)) * t_34), s.M_Z), (2/s.d_V, (s.t_6 * t_31 * (4/(s.L*s.d_V**2)) * s.t_27), s.M_Z))
+        t_36 = lin((1, s.t_29, (-1/s.d_V) * t_30), (1, t_33), (2/s.d_V, (s.t_3 * t_31), s.G), (1, s.mm('_ one', t_35, s.one), s.M_Z))
+        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_36, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_36, s.one), True), s.d_V)))
         return (out_X,)
 
     def check_inputs(s):
@@ -262,7 +258,7 @@ class ce(Forward):
     """loss=ce, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "93d3fbc8bf79fcdf15bc2bf5"
+    STAMP = "0c2e0a421e336a9a8fb9553b"
 
     @leaf
     def one(s):
@@ -298,114 +294,110 @@ class ce(Forward):
 
     @leaf
     def t_5(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
-    def t_6(s):
         return (-0.5 * (s.sigma2_Z ** -1.5))
 
     @leaf
-    def t_7(s):
-        return (s.t_6 * s.t * s.M_Z)
+    def t_6(s):
+        return (s.t_5 * s.t * s.M_Z)
 
     @leaf
     def Z(s):
         return (s.P_Z * s.M_Z)
 
     @leaf
-    def t_8(s):
+    def t_7(s):
         return softmax_rows(s.Z)
 
     @leaf
-    def t_9(s):
+    def t_8(s):
         return bcast_last(s.P_Z, s.d_V)
 
     @leaf
-    def t_10(s):
-        return (s.t_6 * s.M_Z)
+    def t_9(s):
+        return (s.t_5 * s.M_Z)
 
     @leaf
-    def t_11(s):
+    def t_10(s):
         return softmax_rows(s.Z)
 
     @leaf
     def G(s):
-        return lin((1/s.L, s.t, s.t_11), (-1/s.L, s.Y))
+        return lin((1/s.L, s.t, s.t_10), (-1/s.L, s.Y))
+
+    @leaf
+    def t_11(s):
+        return (s.t_5 * s.G)
 
     @leaf
     def t_12(s):
-        return (s.t_6 * s.G)
-
-    @leaf
-    def t_13(s):
         return (0.75 * (s.sigma2_Z ** -2.5))
 
     @leaf
+    def t_13(s):
+        return (s.t_12 * s.G * s.M_Z)
+
+    @leaf
     def t_14(s):
-        return (s.t_13 * s.G * s.M_Z)
+        return (s.t_5 * s.G * s.M_Z)
 
     @leaf
     def t_15(s):
-        return (s.t_6 * s.G * s.M_Z)
+        return s.mm('t_14 one', s.t_14, s.one)
 
     @leaf
     def t_16(s):
-        return s.mm('t_15 one', s.t_15, s.one)
-
-    @leaf
-    def t_17(s):
-        return bcast_last(s.t_16, s.d_V)
+        return bcast_last(s.t_15, s.d_V)
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_18(s):
+    def t_17(s):
         return log_softmax_rows(s.Z)
 
     @leaf
+    def t_18(s):
+        return (s.t_17 * s.Y)
+
+    @leaf
     def t_19(s):
-        return (s.t_18 * s.Y)
+        return s.mm('one_2 t_18 one', s.one_2, s.t_18, s.one)
 
     @leaf
     def t_20(s):
-        return s.mm('one_2 t_19 one', s.one_2, s.t_19, s.one)
+        return lin((1, s.t_15, s.M_Z), ((1/2)*s.d_V, s.P_Z, s.G))
 
     @leaf
     def t_21(s):
-        return lin((1, s.t_16, s.M_Z), ((1/2)*s.d_V, s.P_Z, s.G))
+        return (-2/s.d_V**2) * s.t_20
 
     @leaf
     def t_22(s):
-        return (-2/s.d_V**2) * s.t_21
+        return s.mm('t_21 one', s.t_21, s.one)
 
     @leaf
-    def t_23(s):
-        return s.mm('t_22 one', s.t_22, s.one)
+    def t_32(s):
+        return (s.t * s.t_10)
 
     @leaf
     def t_33(s):
-        return (s.t * s.t_11)
+        return (s.t_32 - s.Y)
 
     @leaf
     def t_34(s):
-        return (s.t_33 - s.Y)
+        return (s.t_5 * (2/(s.L*s.d_V)) * s.t_33 * s.M_Z)
 
     @leaf
     def t_35(s):
-        return (s.t_6 * (2/(s.L*s.d_V)) * s.t_34 * s.M_Z)
-
-    @leaf
-    def t_36(s):
-        return s.mm('t_35 one', s.t_35, s.one)
+        return s.mm('t_34 one', s.t_34, s.one)
 
     @leaf
     def S(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
             net(1, 'nab,bc->nabc', s.t_4, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'ab,bc,nac->nabc', s.M_Z, s.t_5, s.t_7),
+            net(2/s.d_V, 'ab,bc,nac->nabc', s.M_Z, ONES, s.t_6),
         ])
 
     @leaf
@@ -413,24 +405,24 @@ class ce(Forward):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
             net(1/s.L, 'nab,bc->nabc', s.t_4, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'ab,bc,nac->nabc', s.M_Z, s.t_5, s.t_7),
-            net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', s.t_5, s.S),
+            net(2/(s.L*s.d_V), 'ab,bc,nac->nabc', s.M_Z, ONES, s.t_6),
+            net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
     def dA(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA', [
-            net(1, 'ab,bc->abc', s.t_8, EYE, free={'c': s.d_V}),
-            net(-1, 'ab,ac->abc', s.t_8, s.t_8),
+            net(1, 'ab,bc->abc', s.t_7, EYE, free={'c': s.d_V}),
+            net(-1, 'ab,ac->abc', s.t_7, s.t_7),
         ])
 
     @leaf
     def S_3(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
-            net(1, 'ab,bc->abc', s.t_9, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'ab,bc,ac->abc', s.t_10, s.t_5, s.M_Z),
+            net(1, 'ab,bc->abc', s.t_8, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'ab,bc,ac->abc', s.t_9, ONES, s.M_Z),
         ])
 
     @leaf
@@ -438,34 +430,34 @@ class ce(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_5),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_5(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
-            net(1, 'nab,bc->nabc', s.t_12, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_14, s.t_5, s.M_Z),
+            net(1, 'nab,bc->nabc', s.t_11, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_13, ONES, s.M_Z),
         ])
 
     @leaf
     def S_6(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_6', [
-            net(1, 'nab,bc->nabc', s.t_17, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,ac->nabc', s.t_12, s.t_5, s.M_Z),
-            net(1, 'ab,bc,nacd->nabd', s.M_Z, s.t_5, s.S_5),
+            net(1, 'nab,bc->nabc', s.t_16, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,ac->nabc', s.t_11, ONES, s.M_Z),
+            net(1, 'ab,bc,nacd->nabd', s.M_Z, ONES, s.S_5),
         ])
 
     @leaf
     def S_7(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_7', [
-            net(2/s.d_V, 'nab,bc->nabc', s.t_17, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_12, s.t_5, s.M_Z),
-            net(2/s.d_V, 'ab,bc,nacd->nabd', s.M_Z, s.t_5, s.S_5),
-            net(-2/s.d_V**2, 'ab,ncbd->ncad', s.t_5, s.S_6),
+            net(2/s.d_V, 'nab,bc->nabc', s.t_16, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_11, ONES, s.M_Z),
+            net(2/s.d_V, 'ab,bc,nacd->nabd', s.M_Z, ONES, s.S_5),
+            net(-2/s.d_V**2, 'ab,ncbd->ncad', ONES, s.S_6, free={'a': s.d_V}),
         ])
 
     def block__X__X__outer(s):
@@ -488,41 +480,41 @@ class ce(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_20, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_19, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * s.t_21, True)), (1, bcast_last(mean0(s.t_23, True), s.d_V)))
+        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * s.t_20, True)), (1, bcast_last(mean0(s.t_22, True), s.d_V)))
         return (out_X,)
 
     def hvp__outer(s, V_X):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
-        t_25 = s.mm('_ one', ((-1/s.d_V) * t_24 * s.M_Z), s.one)
-        t_26 = lin((1, s.P_Z, (-1/s.d_V) * t_24), (2/s.d_V, (s.t_6 * t_25), s.M_Z))
-        t_27 = softmax_diff(s.t_8, t_26)
-        t_28 = lin((1, s.mm('_ one', (s.t_6 * s.t * s.M_Z * t_27), s.one), s.M_Z), ((1/2)*s.d_V, (s.t * s.P_Z), t_27))
-        out_X = lin((-s.d_V, mean0((-2/(s.L*s.d_V**2)) * t_28, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/(s.L*s.d_V**2)) * t_28, s.one), True), s.d_V)))
+        t_23 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_24 = s.mm('_ one', ((-1/s.d_V) * t_23 * s.M_Z), s.one)
+        t_25 = lin((1, s.P_Z, (-1/s.d_V) * t_23), (2/s.d_V, (s.t_5 * t_24), s.M_Z))
+        t_26 = softmax_diff(s.t_7, t_25)
+        t_27 = lin((1, s.mm('_ one', (s.t_5 * s.t * s.M_Z * t_26), s.one), s.M_Z), ((1/2)*s.d_V, (s.t * s.P_Z), t_26))
+        out_X = lin((-s.d_V, mean0((-2/(s.L*s.d_V**2)) * t_27, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/(s.L*s.d_V**2)) * t_27, s.one), True), s.d_V)))
         return (out_X,)
 
     def hvp__functional(s, V_X):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_29 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
-        t_30 = s.mm('_ one', ((-1/s.d_V) * t_29 * s.M_Z), s.one)
-        t_31 = lin((1, (s.t_6 * (-1/s.d_V) * t_29), s.G), (2/s.d_V, (s.t_13 * t_30 * s.G), s.M_Z))
-        t_32 = lin((1, s.t_16, (-1/s.d_V) * t_29), (1, (s.t_6 * t_30), s.G), (1, s.mm('_ one', t_31, s.one), s.M_Z))
-        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_32, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_32, s.one), True), s.d_V)))
+        t_28 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_29 = s.mm('_ one', ((-1/s.d_V) * t_28 * s.M_Z), s.one)
+        t_30 = lin((1, (s.t_5 * (-1/s.d_V) * t_28), s.G), (2/s.d_V, (s.t_12 * t_29 * s.G), s.M_Z))
+        t_31 = lin((1, s.t_15, (-1/s.d_V) * t_28), (1, (s.t_5 * t_29), s.G), (1, s.mm('_ one', t_30, s.one), s.M_Z))
+        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_31, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_31, s.one), True), s.d_V)))
         return (out_X,)
 
     def hvp__full(s, V_X):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_37 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
-        t_38 = s.mm('_ one', ((-1/s.d_V) * t_37 * s.M_Z), s.one)
-        t_39 = lin((1, s.P_Z, (-1/s.d_V) * t_37), (2/s.d_V, (s.t_6 * t_38), s.M_Z))
-        t_40 = softmax_diff(s.t_11, t_39)
-        t_41 = lin((1, (s.t_6 * (-1/s.d_V) * t_37), (2/(s.L*s.d_V)) * s.t_34), (2/s.d_V, (s.t_13 * t_38 * (2/(s.L*s.d_V)) * s.t_34), s.M_Z), (2/(s.L*s.d_V), (s.t_6 * s.t * s.M_Z), t_40))
-        t_42 = lin((1, s.t_36, (-1/s.d_V) * t_37), (2/s.d_V, (s.t_6 * t_38), s.G), (1, s.mm('_ one', t_41, s.one), s.M_Z), (1/s.L, (s.t * s.P_Z), t_40))
-        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_42, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_42, s.one), True), s.d_V)))
+        t_36 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_37 = s.mm('_ one', ((-1/s.d_V) * t_36 * s.M_Z), s.one)
+        t_38 = lin((1, s.P_Z, (-1/s.d_V) * t_36), (2/s.d_V, (s.t_5 * t_37), s.M_Z))
+        t_39 = softmax_diff(s.t_10, t_38)
+        t_40 = lin((1, (s.t_5 * (-1/s.d_V) * t_36), (2/(s.L*s.d_V)) * s.t_33), (2/s.d_V, (s.t_12 * t_37 * (2/(s.L*s.d_V)) * s.t_33), s.M_Z), (2/(s.L*s.d_V), (s.t_5 * s.t * s.M_Z), t_39))
+        t_41 = lin((1, s.t_35, (-1/s.d_V) * t_36), (2/s.d_V, (s.t_5 * t_37), s.G), (1, s.mm('_ one', t_40, s.one), s.M_Z), (1/s.L, (s.t * s.P_Z), t_39))
+        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_41, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_41, s.one), True), s.d_V)))
         return (out_X,)
 
     def check_inputs(s):
@@ -534,4 +526,4 @@ VARIANTS = {
     ('mse', (('affine', 'none'), ('eps', 0))): mse,
     ('ce', (('affine', 'none'), ('eps', 0))): ce,
 }
-CHECKSUM = "1ae504ba61a7abb39a468e01"
+CHECKSUM = "ae342176afff54e9d8148831"

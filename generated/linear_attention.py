@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "22aac1646e84a89f84f80130"
+    STAMP = "8931b60ed8ae026a76ac4483"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -301,7 +301,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "309dc68bb04f3fe0ffb0edd8"
+    STAMP = "bce115de2f259155983fe0f7"
     RUNS = {
         'A X': 8,
         "W_K' X'": 9,
@@ -548,7 +548,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "74c272f95ca08897dc793383"
+    STAMP = "b29674a241966d9ac0cfbfb4"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -822,7 +822,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "f49b27fcbf76e506c1aa5a30"
+    STAMP = "ed8a422a07fa52d57d2852f8"
     RUNS = {
         'A X': 7,
         "W_K' X'": 9,
@@ -1101,4 +1101,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "e1c4e5d5794cc1819cc753c0"
+CHECKSUM = "48e5e775fc865dd474ecd816"

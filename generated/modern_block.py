@@ -24,7 +24,1845 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "fb72b1bc03ae4fff9366b174"
+    STAMP = "d15bda5f8caac8eaf994ef83"
+    RUNS = {
+        'A1 N_1': 22,
+        'A1 N_1 W_V': 9,
+        "A1' t_282": 2,
+        "A1' t_56": 5,
+        'A2 N_1': 20,
+        'A2 N_1 W_V': 9,
+        "A2' t_282": 2,
+        "A2' t_56": 5,
+        "G W_2'": 2,
+        'N_1 W_K': 2,
+        'N_1 W_Q1': 2,
+        'N_1 W_Q2': 2,
+        'N_1 W_V': 61,
+        'N_1 W_V W_O1': 17,
+        'N_1 W_V W_O2': 15,
+        "N_1' A1' t_282": 2,
+        "N_1' A1' t_56": 4,
+        "N_1' A2' t_282": 2,
+        "N_1' A2' t_56": 4,
+        "W_O1 t_222'": 2,
+        "W_O1 t_268'": 2,
+        "W_O1 t_36'": 3,
+        "W_O1 t_56'": 3,
+        "W_O1 t_78'": 2,
+        "W_O1' W_V'": 18,
+        "W_O2 t_222'": 2,
+        "W_O2 t_268'": 2,
+        "W_O2 t_36'": 3,
+        "W_O2 t_56'": 3,
+        "W_O2 t_78'": 2,
+        "W_O2' W_V'": 16,
+    }
+
+    @leaf
+    def t(s):
+        return (s.X * s.X)
+
+    @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
+    def ms_N_1(s):
+        return (1/s.d_V) * s.mm('t one', s.t, s.one)
+
+    @leaf
+    def R_N_1(s):
+        return ((lin((1, s.ms_N_1), (1/1000000, ones((s.L, s.d_V), s.like)))) ** -0.5)
+
+    @leaf
+    def N_1(s):
+        return (s.R_N_1 * s.X)
+
+    @leaf
+    def t_2(s):
+        return s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1))
+
+    @leaf
+    def t_3(s):
+        return (s.t_2 * tr(s.S))
+
+    @leaf
+    def t_4(s):
+        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
+
+    @leaf
+    def t_5(s):
+        return (s.t_4 * tr(s.C))
+
+    @leaf
+    def t_6(s):
+        return (s.t_3 + s.t_5)
+
+    @leaf
+    def t_7(s):
+        return s.mm('N_1 W_V W_O1', s.N_1, s.W_V, s.W_O1)
+
+    @leaf
+    def t_8(s):
+        return tr(s.t_7)
+
+    @leaf
+    def t_9(s):
+        return tr(s.t_6)
+
+    @leaf
+    def t_10(s):
+        return s.mm("W_O2' W_V' N_1'", tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_11(s):
+        return s.mm('N_1 W_Q1', s.N_1, s.W_Q1)
+
+    @leaf
+    def t_12(s):
+        return (s.t_11 * s.C)
+
+    @leaf
+    def t_13(s):
+        return s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R)
+
+    @leaf
+    def t_14(s):
+        return (s.t_13 * s.S)
+
+    @leaf
+    def t_15(s):
+        return (s.t_12 + s.t_14)
+
+    @leaf
+    def t_16(s):
+        return s.mm('N_1 W_Q2', s.N_1, s.W_Q2)
+
+    @leaf
+    def t_17(s):
+        return (s.t_16 * s.C)
+
+    @leaf
+    def t_18(s):
+        return s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R)
+
+    @leaf
+    def t_19(s):
+        return (s.t_18 * s.S)
+
+    @leaf
+    def t_20(s):
+        return (s.t_17 + s.t_19)
+
+    @leaf
+    def T1(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("t_15 t_9'", s.t_15, tr(s.t_9))
+
+    @leaf
+    def A1(s):
+        return softmax_rows(s.T1)
+
+    @leaf
+    def T2(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("t_20 t_9'", s.t_20, tr(s.t_9))
+
+    @leaf
+    def A2(s):
+        return softmax_rows(s.T2)
+
+    @leaf
+    def Y_2(s):
+        return lin((1, s.mm('A1 N_1 W_V W_O1', s.A1, s.N_1, s.W_V, s.W_O1)), (1, s.mm('A2 N_1 W_V W_O2', s.A2, s.N_1, s.W_V, s.W_O2)), (1, s.X))
+
+    @leaf
+    def t_21(s):
+        return (s.Y_2 * s.Y_2)
+
+    @leaf
+    def ms_N_2(s):
+        return (1/s.d_V) * s.mm('t_21 one', s.t_21, s.one)
+
+    @leaf
+    def t_22(s):
+        return lin((1, s.ms_N_2), (1/1000000, ones((s.L, s.d_V), s.like)))
+
+    @leaf
+    def R_N_2(s):
+        return (s.t_22 ** -0.5)
+
+    @leaf
+    def N_2(s):
+        return (s.R_N_2 * s.Y_2)
+
+    @leaf
+    def t_23(s):
+        return s.mm('N_2 W_1', s.N_2, s.W_1)
+
+    @leaf
+    def t_24(s):
+        return ((1.0 + (-1.0 * sigmoid(s.t_23))) * sigmoid(s.t_23))
+
+    @leaf
+    def t_25(s):
+        return sigmoid(s.t_23)
+
+    @leaf
+    def t_26(s):
+        return s.mm('N_2 W_3', s.N_2, s.W_3)
+
+    @leaf
+    def t_27(s):
+        return (s.t_25 * s.t_23 * s.t_26)
+
+    @leaf
+    def F(s):
+        return (s.mm('t_27 W_2', s.t_27, s.W_2) + s.Y_2)
+
+    @leaf
+    def G(s):
+        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
+
+    @leaf
+    def t_28(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
+
+    @leaf
+    def t_29(s):
+        return ((s.t_24 * s.t_28 * s.t_23 * s.t_26) + (s.t_25 * s.t_28 * s.t_26))
+
+    @leaf
+    def t_30(s):
+        return (s.t_25 * s.t_28 * s.t_23)
+
+    @leaf
+    def t_31(s):
+        return lin((1/math.sqrt(s.d_K), s.mm("t_29 W_1'", s.t_29, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_30 W_3'", s.t_30, tr(s.W_3))))
+
+    @leaf
+    def t_32(s):
+        return (2/s.d_V) * s.t_31
+
+    @leaf
+    def t_33(s):
+        return (-0.5 * (s.t_22 ** -1.5))
+
+    @leaf
+    def t_34(s):
+        return (s.t_32 * s.t_33 * s.Y_2)
+
+    @leaf
+    def t_35(s):
+        return s.mm('t_34 one', s.t_34, s.one)
+
+    @leaf
+    def t_36(s):
+        return lin((1, s.t_31, s.R_N_2), (1, s.t_35, s.Y_2), (1/math.sqrt(s.d_K), s.G))
+
+    @leaf
+    def t_37(s):
+        return s.mm("t_36 W_O1' W_V' N_1'", s.t_36, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_38(s):
+        return softmax_diff(s.A1, s.t_37)
+
+    @leaf
+    def t_39(s):
+        return s.mm('W_V W_O1', s.W_V, s.W_O1)
+
+    @leaf
+    def t_40(s):
+        return s.mm("t_36 W_O1'", s.t_36, tr(s.W_O1))
+
+    @leaf
+    def t_41(s):
+        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
+
+    @leaf
+    def t_42(s):
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
+
+    @leaf
+    def t_43(s):
+        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
+
+    @leaf
+    def t_44(s):
+        return (s.t_25 * s.t_23)
+
+    @leaf
+    def t_45(s):
+        return tr(s.t_10)
+
+    @leaf
+    def t_46(s):
+        return s.mm("t_36 W_O2' W_V' N_1'", s.t_36, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_47(s):
+        return softmax_diff(s.A2, s.t_46)
+
+    @leaf
+    def t_48(s):
+        return s.mm('W_V W_O2', s.W_V, s.W_O2)
+
+    @leaf
+    def t_49(s):
+        return s.mm("t_36 W_O2'", s.t_36, tr(s.W_O2))
+
+    @leaf
+    def t_50(s):
+        return tr(s.t_15)
+
+    @leaf
+    def t_51(s):
+        return tr(s.t_20)
+
+    @leaf
+    def t_52(s):
+        return (math.sqrt(s.d_K)) * s.t_31
+
+    @leaf
+    def t_53(s):
+        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_31
+
+    @leaf
+    def t_54(s):
+        return (s.t_53 * s.t_33 * s.Y_2)
+
+    @leaf
+    def t_55(s):
+        return s.mm('t_54 one', s.t_54, s.one)
+
+    @leaf
+    def t_56(s):
+        return lin((1, s.t_52, s.R_N_2), (1, s.t_55, s.Y_2), (1, s.G))
+
+    @leaf
+    def t_57(s):
+        return s.mm("t_56 W_O1'", s.t_56, tr(s.W_O1))
+
+    @leaf
+    def t_58(s):
+        return s.mm("t_56 W_O2'", s.t_56, tr(s.W_O2))
+
+    @leaf
+    def t_59(s):
+        return s.mm("A1' t_56", tr(s.A1), s.t_56)
+
+    @leaf
+    def t_60(s):
+        return s.mm("A2' t_56", tr(s.A2), s.t_56)
+
+    @leaf
+    def t_61(s):
+        return tr(s.t_41)
+
+    @leaf
+    def t_62(s):
+        return tr(s.t_43)
+
+    @leaf
+    def t_63(s):
+        return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
+
+    @leaf
+    def t_64(s):
+        return s.mm("t_27' t_27", tr(s.t_27), s.t_27)
+
+    @leaf
+    def t_65(s):
+        return (s.t_33 * s.Y_2)
+
+    @leaf
+    def t_66(s):
+        return (s.t_24 * s.t_23 * s.t_26)
+
+    @leaf
+    def t_67(s):
+        return (s.t_25 * s.t_26)
+
+    @leaf
+    def t_68(s):
+        return ((((1.0 + (-1.0 * sigmoid(s.t_23))) * (1.0 + (-1.0 * sigmoid(s.t_23)))) * sigmoid(s.t_23)) + (-1.0 * (sigmoid(s.t_23) * sigmoid(s.t_23)) * (1.0 + (-1.0 * sigmoid(s.t_23)))))
+
+    @leaf
+    def t_69(s):
+        return (s.t_68 * s.t_28 * s.t_23 * s.t_26)
+
+    @leaf
+    def t_70(s):
+        return (s.t_24 * s.t_28 * s.t_26)
+
+    @leaf
+    def t_71(s):
+        return (s.t_24 * s.t_28 * s.t_23)
+
+    @leaf
+    def t_72(s):
+        return (s.t_25 * s.t_28)
+
+    @leaf
+    def t_73(s):
+        return (s.t_32 * s.t_33)
+
+    @leaf
+    def t_74(s):
+        return (0.75 * (s.t_22 ** -2.5))
+
+    @leaf
+    def t_75(s):
+        return (s.t_32 * s.t_74 * s.Y_2)
+
+    @leaf
+    def t_76(s):
+        return bcast_last(s.t_35, s.d_V)
+
+    @leaf
+    def t_77(s):
+        return (s.t_31 * s.t_33)
+
+    @leaf
+    def t_78(s):
+        return (1/math.sqrt(s.d_K)) * s.t_56
+
+    @leaf
+    def t_79(s):
+        return s.mm("t_78 W_O1' W_V' N_1'", s.t_78, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_80(s):
+        return softmax_diff(s.A1, s.t_79)
+
+    @leaf
+    def t_81(s):
+        return (s.t_53 * s.t_33)
+
+    @leaf
+    def t_82(s):
+        return (s.t_53 * s.t_74 * s.Y_2)
+
+    @leaf
+    def t_83(s):
+        return bcast_last(s.t_55, s.d_V)
+
+    @leaf
+    def t_84(s):
+        return (s.t_52 * s.t_33)
+
+    @leaf
+    def t_85(s):
+        return s.mm("t_78 W_O2' W_V' N_1'", s.t_78, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_86(s):
+        return softmax_diff(s.A2, s.t_85)
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.L), s.like)
+
+    @leaf
+    def t_87(s):
+        return (s.F - s.Y)
+
+    @leaf
+    def t_88(s):
+        return (s.t_87 * s.t_87)
+
+    @leaf
+    def t_89(s):
+        return s.mm('one_2 t_88 one', s.one_2, s.t_88, s.one)
+
+    @leaf
+    def t_90(s):
+        return s.mm("t_38 t_6'", s.t_38, tr(s.t_6))
+
+    @leaf
+    def t_91(s):
+        return (s.t_90 * s.C)
+
+    @leaf
+    def t_92(s):
+        return (s.t_90 * s.S)
+
+    @leaf
+    def t_93(s):
+        return s.mm("t_47 t_6'", s.t_47, tr(s.t_6))
+
+    @leaf
+    def t_94(s):
+        return (s.t_93 * s.S)
+
+    @leaf
+    def t_95(s):
+        return (s.t_93 * s.C)
+
+    @leaf
+    def t_96(s):
+        return s.mm("t_80' t_50'", tr(s.t_80), tr(s.t_50))
+
+    @leaf
+    def t_97(s):
+        return s.mm("t_86' t_51'", tr(s.t_86), tr(s.t_51))
+
+    @leaf
+    def t_98(s):
+        return (s.t_96 + s.t_97)
+
+    @leaf
+    def t_99(s):
+        return (s.t_98 * s.S)
+
+    @leaf
+    def t_100(s):
+        return (s.t_98 * s.C)
+
+    @leaf
+    def t_211(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
+
+    @leaf
+    def t_212(s):
+        return (s.t_24 * s.t_211 * s.t_23 * s.t_26)
+
+    @leaf
+    def t_213(s):
+        return (s.t_25 * s.t_211 * s.t_26)
+
+    @leaf
+    def t_214(s):
+        return (s.t_212 + s.t_213)
+
+    @leaf
+    def t_215(s):
+        return s.mm("t_214 W_1'", s.t_214, tr(s.W_1))
+
+    @leaf
+    def t_216(s):
+        return (s.t_25 * s.t_211 * s.t_23)
+
+    @leaf
+    def t_217(s):
+        return s.mm("t_216 W_3'", s.t_216, tr(s.W_3))
+
+    @leaf
+    def t_218(s):
+        return lin((1/math.sqrt(s.d_K), s.t_215), (1/math.sqrt(s.d_K), s.t_217))
+
+    @leaf
+    def t_219(s):
+        return (math.sqrt(s.d_K)) * s.t_218
+
+    @leaf
+    def t_220(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_219 * s.t_33 * s.Y_2)
+
+    @leaf
+    def t_221(s):
+        return s.mm('t_220 one', s.t_220, s.one)
+
+    @leaf
+    def t_222(s):
+        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_218, s.R_N_2), (1, s.t_221, s.Y_2))
+
+    @leaf
+    def t_223(s):
+        return s.mm("t_222 W_O1' W_V' N_1'", s.t_222, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_259(s):
+        return softmax_diff(s.A1, s.t_223)
+
+    @leaf
+    def t_261(s):
+        return s.mm("t_222 W_O2' W_V' N_1'", s.t_222, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_264(s):
+        return softmax_diff(s.A2, s.t_261)
+
+    @leaf
+    def t_266(s):
+        return ((2/s.d_V) * s.t_219 * s.t_33 * s.Y_2)
+
+    @leaf
+    def t_267(s):
+        return s.mm('t_266 one', s.t_266, s.one)
+
+    @leaf
+    def t_268(s):
+        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_219, s.R_N_2), (1/math.sqrt(s.d_K), s.t_267, s.Y_2))
+
+    @leaf
+    def t_269(s):
+        return s.mm("t_268 W_O1' W_V' N_1'", s.t_268, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_275(s):
+        return s.mm("t_268 W_O2' W_V' N_1'", s.t_268, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_279(s):
+        return softmax_diff(s.A1, s.t_269)
+
+    @leaf
+    def t_280(s):
+        return softmax_diff(s.A2, s.t_275)
+
+    @leaf
+    def t_282(s):
+        return (math.sqrt(s.d_K)) * s.t_268
+
+    @leaf
+    def S_2(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_2', [
+            net(2/(s.L*s.d_K*s.d_V), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(2/(s.L*s.d_K*s.d_V), 'ab,cb->cab', s.R, s.S),
+        ])
+
+    @leaf
+    def dA(s):
+        """∂A/∂T as a compact tensor (2 networks)."""
+        return Compact('dA', [
+            net(1, 'nab,bc->nabc', s.A1, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.A1, s.A1),
+        ])
+
+    @leaf
+    def S_3(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_3', [
+            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_65),
+        ])
+
+    @leaf
+    def S_4(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_4', [
+            net(1, 'nab->nab', s.t_66),
+            net(1, 'nab->nab', s.t_67),
+        ])
+
+    @leaf
+    def S_5(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_5', [
+            net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_44),
+        ])
+
+    @leaf
+    def S_6(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_6', [
+            net(1, 'nab,cb->nabc', s.S_4, s.W_1),
+            net(1, 'nab,cb->nabc', s.t_44, s.W_3),
+        ])
+
+    @leaf
+    def S_7(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_7', [
+            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_65, ONES, s.Y_2),
+        ])
+
+    @leaf
+    def S_8(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_8', [
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'ab,ncad,ncde->ncbe', s.W_2, s.S_6, s.S_7),
+        ])
+
+    @leaf
+    def S_9(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_9', [
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nacd,de,naef->nabf', s.S_3, s.S_5, s.W_2, s.S_8),
+            net(1, 'ab,ncad,ncde->ncbe', s.W_2, s.S_6, s.S_7),
+        ])
+
+    @leaf
+    def S_10(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_10', [
+            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1, 'ab,cb->abc', s.S, s.R),
+        ])
+
+    @leaf
+    def S_11(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_11', [
+            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
+        ])
+
+    @leaf
+    def S_12(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_12', [
+            net(1, 'nab->nab', s.t_69),
+            net(2, 'nab->nab', s.t_70),
+        ])
+
+    @leaf
+    def S_13(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_13', [
+            net(1, 'nab->nab', s.t_71),
+            net(1, 'nab->nab', s.t_72),
+        ])
+
+    @leaf
+    def S_14(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_14', [
+            net(1, 'nab,cb->nabc', s.S_12, s.W_1),
+            net(1, 'nab,cb->nabc', s.S_13, s.W_3),
+        ])
+
+    @leaf
+    def S_15(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_15', [
+            net(1, 'ab,ncbd->ncad', s.W_1, s.S_14),
+            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_13, s.W_1),
+        ])
+
+    @leaf
+    def S_16(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_16', [
+            net(1, 'nab,bc->nabc', s.t_73, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_75, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_65, s.S_15, s.S_7),
+        ])
+
+    @leaf
+    def S_17(s):
+        """A sum as a compact tensor (4 networks)."""
+        return Compact('S_17', [
+            net(1, 'nab,bc->nabc', s.t_76, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_77, ONES, s.Y_2),
+            net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
+        ])
+
+    @leaf
+    def d2A(s):
+        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
+        return Compact('d2A', [
+            net(1, 'nab,bc->nabc', s.t_38, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_38, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_38),
+        ])
+
+    @leaf
+    def S_18(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_18', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_7, s.S_17, s.t_8, s.dA),
+            net(1, 'nabc->nabc', s.d2A),
+        ])
+
+    @leaf
+    def dA_2(s):
+        """∂A/∂T as a compact tensor (2 networks)."""
+        return Compact('dA_2', [
+            net(1, 'nab,bc->nabc', s.A2, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.A2, s.A2),
+        ])
+
+    @leaf
+    def S_19(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_19', [
+            net(1, 'ab,bc->bac', s.C, EYE, free={'c': s.d_K}),
+            net(1, 'ab,cb->bac', s.S, s.R),
+        ])
+
+    @leaf
+    def S_20(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_20', [
+            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(1, 'ab,cb->cab', s.R, s.S),
+        ])
+
+    @leaf
+    def S_21(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_21', [
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,cb->cab', s.R, s.S),
+        ])
+
+    @leaf
+    def S_22(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_22', [
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nacd,de->nabe', s.S_3, s.S_5, s.W_2),
+        ])
+
+    @leaf
+    def S_23(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_23', [
+            net(1, 'ab,ncb->ncab', s.W_1, s.S_12),
+            net(1, 'ab,ncb->ncab', s.W_3, s.S_13),
+        ])
+
+    @leaf
+    def d2A_2(s):
+        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
+        return Compact('d2A_2', [
+            net(1, 'nab,bc->nabc', s.t_47, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_47, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_47),
+        ])
+
+    @leaf
+    def S_24(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_24', [
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_45, s.S_17, s.t_10, s.dA_2),
+            net(1, 'nabc->nabc', s.d2A_2),
+        ])
+
+    @leaf
+    def d2A_3(s):
+        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
+        return Compact('d2A_3', [
+            net(1, 'nab,bc->nabc', s.t_80, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_80, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_80),
+        ])
+
+    @leaf
+    def S_25(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_25', [
+            net(1, 'nab,bc->nabc', s.t_81, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_82, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_65, s.S_15, s.S_7),
+        ])
+
+    @leaf
+    def S_26(s):
+        """A sum as a compact tensor (4 networks)."""
+        return Compact('S_26', [
+            net(1, 'nab,bc->nabc', s.t_83, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_84, ONES, s.Y_2),
+            net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_25),
+        ])
+
+    @leaf
+    def d2A_4(s):
+        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
+        return Compact('d2A_4', [
+            net(1, 'nab,bc->nabc', s.t_86, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_86, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_86),
+        ])
+
+    @leaf
+    def S_27(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_27', [
+            net(2/(s.L*s.d_V), 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_65),
+        ])
+
+    @leaf
+    def S_28(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_28', [
+            net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nacd,de,naef->nabf', s.S_27, s.S_5, s.W_2, s.S_8),
+            net(2/(s.L*s.d_V), 'ab,ncad,ncde->ncbe', s.W_2, s.S_6, s.S_7),
+        ])
+
+    @leaf
+    def S_29(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_29', [
+            net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,nacd,de->nabe', s.S_27, s.S_5, s.W_2),
+        ])
+
+    @leaf
+    def S_30(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_30', [
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_66),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_67),
+        ])
+
+    @leaf
+    def S_31(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_31', [
+            net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde->ncbe', s.W_2, s.S_6, s.S_7),
+        ])
+
+    def block__W_Q1__W_Q1__outer(s):
+        """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_9, s.t_8, s.dA, s.t_9, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_Q1__functional(s):
+        """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_6, s.S_18, s.t_9, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_Q2__outer(s):
+        """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_9, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_Q2__functional(s):
+        """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_17, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_K__outer(s):
+        """H_o(W_Q1, W_K): 8 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+        ]
+
+    def block__W_Q1__W_K__functional(s):
+        """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_6, s.d2A, s.t_15, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_38, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q1__W_V__outer(s):
+        """H_o(W_Q1, W_V): 8 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_Q1__W_V__functional(s):
+        """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_39, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_39, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_40),
+        ]
+
+    def block__W_Q1__W_O1__outer(s):
+        """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_9, s.t_41),
+        ]
+
+    def block__W_Q1__W_O1__functional(s):
+        """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA, s.t_42, s.t_36),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_6, s.dA, s.t_42, s.W_O1, s.S_17, s.t_41),
+        ]
+
+    def block__W_Q1__W_O2__outer(s):
+        """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_9, s.t_43),
+        ]
+
+    def block__W_Q1__W_O2__functional(s):
+        """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_43),
+        ]
+
+    def block__W_Q1__W_1__outer(s):
+        """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_22, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_Q1__W_1__functional(s):
+        """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.S_23, s.N_2),
+        ]
+
+    def block__W_Q1__W_3__outer(s):
+        """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_22, s.W_2, s.t_44, s.N_2),
+        ]
+
+    def block__W_Q1__W_3__functional(s):
+        """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_Q1__W_2__outer(s):
+        """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_22, s.t_27),
+        ]
+
+    def block__W_Q1__W_2__functional(s):
+        """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_Q2__W_Q2__outer(s):
+        """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_9, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q2__W_Q2__functional(s):
+        """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_6, s.S_24, s.t_9, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q2__W_K__outer(s):
+        """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+        ]
+
+    def block__W_Q2__W_K__functional(s):
+        """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_6, s.d2A_2, s.t_20, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_45, s.S_17, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_45, s.S_17, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_47, s.S_10, s.N_1),
+        ]
+
+    def block__W_Q2__W_V__outer(s):
+        """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_Q2__W_V__functional(s):
+        """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA_2, s.N_1, s.t_48, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA_2, s.N_1, s.t_48, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA_2, s.N_1, s.t_49),
+        ]
+
+    def block__W_Q2__W_O1__outer(s):
+        """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_9, s.t_41),
+        ]
+
+    def block__W_Q2__W_O1__functional(s):
+        """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_45, s.S_17, s.t_41),
+        ]
+
+    def block__W_Q2__W_O2__outer(s):
+        """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_9, s.t_43),
+        ]
+
+    def block__W_Q2__W_O2__functional(s):
+        """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_42, s.t_36),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_42, s.W_O2, s.S_17, s.t_43),
+        ]
+
+    def block__W_Q2__W_1__outer(s):
+        """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_22, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_Q2__W_1__functional(s):
+        """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_23, s.N_2),
+        ]
+
+    def block__W_Q2__W_3__outer(s):
+        """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_22, s.W_2, s.t_44, s.N_2),
+        ]
+
+    def block__W_Q2__W_3__functional(s):
+        """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_Q2__W_2__outer(s):
+        """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_22, s.t_27),
+        ]
+
+    def block__W_Q2__W_2__functional(s):
+        """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_K__W_K__outer(s):
+        """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+        ]
+
+    def block__W_K__W_K__functional(s):
+        """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_50, s.d2A_3, s.t_15, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_26, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_26, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_51, s.d2A_4, s.t_20, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_26, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_26, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+        ]
+
+    def block__W_K__W_V__outer(s):
+        """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_K__W_V__functional(s):
+        """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_50, s.dA, s.N_1, s.t_39, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_50, s.dA, s.N_1, s.t_39, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_50, s.dA, s.N_1, s.t_57),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_51, s.dA_2, s.N_1, s.t_48, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_51, s.dA_2, s.N_1, s.t_48, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_51, s.dA_2, s.N_1, s.t_58),
+        ]
+
+    def block__W_K__W_O1__outer(s):
+        """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_9, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_9, s.t_41),
+        ]
+
+    def block__W_K__W_O1__functional(s):
+        """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_50, s.dA, s.t_42, s.t_56),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_50, s.dA, s.t_42, s.W_O1, s.S_26, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_26, s.t_41),
+        ]
+
+    def block__W_K__W_O2__outer(s):
+        """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_9, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_9, s.t_43),
+        ]
+
+    def block__W_K__W_O2__functional(s):
+        """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_26, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_42, s.t_56),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_42, s.W_O2, s.S_26, s.t_43),
+        ]
+
+    def block__W_K__W_1__outer(s):
+        """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_22, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_K__W_1__functional(s):
+        """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_23, s.N_2),
+        ]
+
+    def block__W_K__W_3__outer(s):
+        """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_22, s.W_2, s.t_44, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_22, s.W_2, s.t_44, s.N_2),
+        ]
+
+    def block__W_K__W_3__functional(s):
+        """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_K__W_2__outer(s):
+        """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_22, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_22, s.t_27),
+        ]
+
+    def block__W_K__W_2__functional(s):
+        """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_V__W_V__outer(s):
+        """H_o(W_V, W_V): 16 networks (the formula: `symhess derive`)"""
+        return [
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_V__W_V__functional(s):
+        """H_f(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_26, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def block__W_V__W_O1__outer(s):
+        """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_41),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_41),
+        ]
+
+    def block__W_V__W_O1__functional(s):
+        """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_59, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_41),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_41),
+        ]
+
+    def block__W_V__W_O2__outer(s):
+        """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_43),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_43),
+        ]
+
+    def block__W_V__W_O2__functional(s):
+        """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_60, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_43),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_43),
+        ]
+
+    def block__W_V__W_1__outer(s):
+        """H_o(W_V, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_V__W_1__functional(s):
+        """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_23, s.N_2),
+        ]
+
+    def block__W_V__W_3__outer(s):
+        """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_44, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_44, s.N_2),
+        ]
+
+    def block__W_V__W_3__functional(s):
+        """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_30),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_30),
+            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_V__W_2__outer(s):
+        """H_o(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_22, s.t_27),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_22, s.t_27),
+        ]
+
+    def block__W_V__W_2__functional(s):
+        """H_f(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_O1__W_O1__outer(s):
+        """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_28, s.t_41),
+        ]
+
+    def block__W_O1__W_O1__functional(s):
+        """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_26, s.t_41),
+        ]
+
+    def block__W_O1__W_O2__outer(s):
+        """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_28, s.t_43),
+        ]
+
+    def block__W_O1__W_O2__functional(s):
+        """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_26, s.t_43),
+        ]
+
+    def block__W_O1__W_1__outer(s):
+        """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_61, s.S_29, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_O1__W_1__functional(s):
+        """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_61, s.S_3, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_61, s.S_3, s.S_23, s.N_2),
+        ]
+
+    def block__W_O1__W_3__outer(s):
+        """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_61, s.S_29, s.W_2, s.t_44, s.N_2),
+        ]
+
+    def block__W_O1__W_3__functional(s):
+        """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_61, s.S_3, s.t_30),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_61, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_O1__W_2__outer(s):
+        """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_29, s.t_27),
+        ]
+
+    def block__W_O1__W_2__functional(s):
+        """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_61, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_O2__W_O2__outer(s):
+        """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_62, s.S_28, s.t_43),
+        ]
+
+    def block__W_O2__W_O2__functional(s):
+        """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_62, s.S_26, s.t_43),
+        ]
+
+    def block__W_O2__W_1__outer(s):
+        """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_62, s.S_29, s.W_2, s.S_4, s.N_2),
+        ]
+
+    def block__W_O2__W_1__functional(s):
+        """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_62, s.S_3, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_62, s.S_3, s.S_23, s.N_2),
+        ]
+
+    def block__W_O2__W_3__outer(s):
+        """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_62, s.S_29, s.W_2, s.t_44, s.N_2),
+        ]
+
+    def block__W_O2__W_3__functional(s):
+        """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_62, s.S_3, s.t_30),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_62, s.S_3, s.W_1, s.S_13, s.N_2),
+        ]
+
+    def block__W_O2__W_2__outer(s):
+        """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_62, s.S_29, s.t_27),
+        ]
+
+    def block__W_O2__W_2__functional(s):
+        """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_62, s.S_3, s.S_5, s.G),
+        ]
+
+    def block__W_1__W_1__outer(s):
+        """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_63, s.S_4, s.N_2),
+        ]
+
+    def block__W_1__W_1__functional(s):
+        """H_f(W_1, W_1) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid''(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff]) + 2*(diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff])))"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_12, s.N_2),
+        ]
+
+    def block__W_1__W_3__outer(s):
+        """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_63, s.t_44, s.N_2),
+        ]
+
+    def block__W_1__W_3__functional(s):
+        """H_f(W_1, W_3) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]) + diag(vec_r(sigmoid(N_2 @ W_1) ∘ G @ W_2.T)) @ (N_2 ⊗ I[d_ff]))"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_13, s.N_2),
+        ]
+
+    def block__W_1__W_2__outer(s):
+        """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad,ce->bc|de', s.N_2, s.S_30, s.t_27, s.W_2),
+        ]
+
+    def block__W_1__W_2__functional(s):
+        """H_f(W_1, W_2) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff] + diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_3)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff])"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.S_4, s.G),
+        ]
+
+    def block__W_3__W_3__outer(s):
+        """H_o(W_3, W_3) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]))"""
+        return [
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_44, s.t_63, s.t_44, s.N_2),
+        ]
+
+    def block__W_3__W_2__outer(s):
+        """H_o(W_3, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ W_2))"""
+        return [
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_44, s.t_27, s.W_2),
+        ]
+
+    def block__W_3__W_2__functional(s):
+        """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_44, s.G),
+        ]
+
+    def block__W_2__W_2__outer(s):
+        """H_o(W_2, W_2) = 2/(L*d_V)*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) ⊗ I[d_V])"""
+        return [
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_64, free={'c': s.d_V}),
+        ]
+
+    def jacobian__W_Q1(s):
+        """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_8, s.dA, s.t_9, s.S_10, s.N_1),
+        ]
+
+    def jacobian__W_Q2(s):
+        """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
+        ]
+
+    def jacobian__W_K(s):
+        """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+        ]
+
+    def jacobian__W_V(s):
+        """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
+            net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
+            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+        ]
+
+    def jacobian__W_O1(s):
+        """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_41),
+        ]
+
+    def jacobian__W_O2(s):
+        """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_43),
+        ]
+
+    def jacobian__W_1(s):
+        """∂vec_r F/∂vec_r W_1, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.S_4, s.N_2),
+        ]
+
+    def jacobian__W_3(s):
+        """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_44, s.N_2),
+        ]
+
+    def jacobian__W_2(s):
+        """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nab->n|ac|bc', s.t_27, free={'c': s.d_V}),
+        ]
+
+    def loss(s):
+        """The loss, batch mean."""
+        return mean0((1/(s.L*s.d_V)) * s.t_89, True)[..., 0, 0]
+
+    def gradient(s):
+        """(∂ℓ/∂W_p for p in the parameters), batch mean."""
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_91", tr(s.N_1), s.t_91), (1, "N_1' t_92 R'", tr(s.N_1), s.t_92, tr(s.R)), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_94 R'", tr(s.N_1), s.t_94, tr(s.R)), (1, "N_1' t_95", tr(s.N_1), s.t_95), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_99 R'", tr(s.N_1), s.t_99, tr(s.R)), (1, "N_1' t_100", tr(s.N_1), s.t_100), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_56 W_O1'", tr(s.N_1), tr(s.A1), s.t_56, tr(s.W_O1)), (1, "N_1' A2' t_56 W_O2'", tr(s.N_1), tr(s.A2), s.t_56, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_56", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_56, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_56", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_56, mean=True)
+        out_W_1 = s.mm("N_2' t_29", tr(s.N_2), s.t_29, mean=True)
+        out_W_3 = s.mm("N_2' t_30", tr(s.N_2), s.t_30, mean=True)
+        out_W_2 = s.mm("t_27' G", tr(s.t_27), s.G, mean=True)
+        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
+
+    def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
+        """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
+        t_101 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
+        t_102 = (t_101 * tr(s.S))
+        t_103 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
+        t_104 = (t_103 * tr(s.C))
+        t_105 = (t_102 + t_104)
+        t_106 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_107 = (s.mm("t_50' _", tr(s.t_50), t_105) + s.mm("_ t_9'", t_106, tr(s.t_9)))
+        t_108 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_107)
+        t_109 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_110 = (s.mm("_ t_9'", t_109, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_105))
+        t_111 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_110)
+        t_112 = s.mm('_ N_1 W_V W_O2', t_111, s.N_1, s.W_V, s.W_O2)
+        t_113 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
+        t_114 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
+        t_115 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
+        t_116 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_108, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_112), (1, t_113), (1, t_114), (1, t_115))
+        t_117 = (t_116 * s.R_N_2)
+        t_118 = (t_116 * s.Y_2)
+        t_119 = s.mm('_ one', t_118, s.one)
+        t_120 = (t_119 * s.t_33 * s.Y_2)
+        t_121 = lin((1, t_117), (2/s.d_V, t_120))
+        t_122 = s.mm('_ W_1', t_121, s.W_1)
+        t_123 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_124 = (t_122 + t_123)
+        t_125 = (t_124 * s.t_24 * s.t_23 * s.t_26)
+        t_126 = s.mm('_ W_3', t_121, s.W_3)
+        t_127 = s.mm('N_2 _', s.N_2, V_W_3)
+        t_128 = (t_126 + t_127)
+        t_129 = (t_128 * s.t_25 * s.t_23)
+        t_130 = (t_124 * s.t_25 * s.t_26)
+        t_131 = lin((1, t_125), (1, t_129), (1, t_130))
+        t_132 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_108, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.mm('_ W_2', t_131, s.W_2)), (1, s.mm('t_27 _', s.t_27, V_W_2)), (1, t_112), (1, t_113), (1, t_114), (1, t_115))
+        t_133 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_132, tr(s.W_2))
+        t_134 = ((s.t_24 * t_133 * s.t_23 * s.t_26) + (s.t_25 * t_133 * s.t_26))
+        t_135 = (s.t_25 * t_133 * s.t_23)
+        t_136 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_134, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_135, tr(s.W_3))))
+        t_137 = (math.sqrt(s.d_K)) * t_136
+        t_138 = s.mm('_ one', ((2/(math.sqrt(s.d_K)*s.d_V)) * t_137 * s.t_33 * s.Y_2), s.one)
+        t_139 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_132), (1, t_136, s.R_N_2), (1, t_138, s.Y_2))
+        t_140 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_139, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_141 = s.mm("_ t_6'", t_140, tr(s.t_6))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_141 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_141 * s.C)), mean=True)
+        t_142 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_139, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_143 = s.mm("_ t_6'", t_142, tr(s.t_6))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_143 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_143 * s.S), tr(s.R)), mean=True)
+        t_144 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_132), (1/math.sqrt(s.d_K), t_137, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', ((2/s.d_V) * t_137 * s.t_33 * s.Y_2), s.one), s.Y_2))
+        t_145 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_146 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_147 = (s.mm("_ t_50'", tr(t_145), tr(s.t_50)) + s.mm("_ t_51'", tr(t_146), tr(s.t_51)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), mean=True)
+        t_148 = (math.sqrt(s.d_K)) * t_144
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_148, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_148, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_148, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_148, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_134, mean=True)
+        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_135, mean=True)
+        t_149 = s.mm("t_27' _", tr(s.t_27), (2/(s.L*s.d_V)) * t_132)
+        out_W_2 = mean0(t_149, True)
+        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
+
+    def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
+        """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
+        t_150 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
+        t_151 = (t_150 * tr(s.S))
+        t_152 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
+        t_153 = (t_152 * tr(s.C))
+        t_154 = (t_151 + t_153)
+        t_155 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_156 = (s.mm("t_50' _", tr(s.t_50), t_154) + s.mm("_ t_9'", t_155, tr(s.t_9)))
+        t_157 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_156)
+        t_158 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_159 = (s.mm("_ t_9'", t_158, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_154))
+        t_160 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_159)
+        t_161 = s.mm('_ N_1 W_V W_O2', t_160, s.N_1, s.W_V, s.W_O2)
+        t_162 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
+        t_163 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
+        t_164 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
+        t_165 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_157, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_161), (1, t_162), (1, t_163), (1, t_164))
+        t_166 = (t_165 * s.R_N_2)
+        t_167 = (t_165 * s.Y_2)
+        t_168 = s.mm('_ one', t_167, s.one)
+        t_169 = (t_168 * s.t_33 * s.Y_2)
+        t_170 = lin((1, t_166), (2/s.d_V, t_169))
+        t_171 = s.mm('_ W_3', t_170, s.W_3)
+        t_172 = s.mm('N_2 _', s.N_2, V_W_3)
+        t_173 = (t_171 + t_172)
+        t_174 = s.mm('_ W_1', t_170, s.W_1)
+        t_175 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_176 = (t_174 + t_175)
+        t_177 = s.mm('G _', s.G, tr(V_W_2))
+        t_178 = lin((1, (t_173 * s.t_24 * s.t_28), s.t_23), (1, (t_176 * s.t_68 * s.t_28 * s.t_23), s.t_26), (1, (t_173 * s.t_25), s.t_28), (2, (t_176 * s.t_24 * s.t_28), s.t_26), (1, (s.t_24 * t_177 * s.t_23), s.t_26), (1, (s.t_25 * t_177), s.t_26))
+        t_179 = lin((1, (t_176 * s.t_24 * s.t_28), s.t_23), (1, (t_176 * s.t_25), s.t_28), (1, (s.t_25 * t_177), s.t_23))
+        t_180 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_178, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_179, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_29 _', s.t_29, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_30 _', s.t_30, tr(V_W_3))))
+        t_181 = (math.sqrt(s.d_K)) * t_180
+        t_182 = lin((1, (t_165 * s.t_32), s.t_33), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_181 * s.t_33), s.Y_2), (2/s.d_V, (t_168 * s.t_32 * s.t_74), s.Y_2))
+        t_183 = lin((1, s.t_35, t_165), (1, t_180, s.R_N_2), (2/s.d_V, (t_168 * s.t_31), s.t_33), (1, s.mm('_ one', t_182, s.one), s.Y_2))
+        t_184 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_183, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_36 W_O1' _ N_1'", s.t_36, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_36 _ W_V' N_1'", s.t_36, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_185 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_156, s.t_37) + softmax_diff(s.A1, t_184))
+        t_186 = (s.mm("_ t_6'", t_185, tr(s.t_6)) + s.mm('t_38 _', s.t_38, tr(t_154)))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_186 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_186 * s.C)), mean=True)
+        t_187 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_183, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_36 W_O2' _ N_1'", s.t_36, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_36 _ W_V' N_1'", s.t_36, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_188 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_159, s.t_46) + softmax_diff(s.A2, t_187))
+        t_189 = (s.mm("_ t_6'", t_188, tr(s.t_6)) + s.mm('t_47 _', s.t_47, tr(t_154)))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_189 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), mean=True)
+        t_190 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_156, s.t_79)
+        t_191 = lin((1, (t_165 * s.t_53), s.t_33), (1, ((2/s.d_V) * t_181 * s.t_33), s.Y_2), (2/s.d_V, (t_168 * s.t_53 * s.t_74), s.Y_2))
+        t_192 = lin((1/math.sqrt(s.d_K), t_181, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_168 * s.t_52), s.t_33), (1/math.sqrt(s.d_K), s.t_55, t_165), (1/math.sqrt(s.d_K), s.mm('_ one', t_191, s.one), s.Y_2))
+        t_193 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_192, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_78 W_O1' _ N_1'", s.t_78, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_78 _ W_V' N_1'", s.t_78, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_194 = softmax_diff(s.A1, t_193)
+        t_195 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_159, s.t_85)
+        t_196 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_192, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_78 _ W_V' N_1'", s.t_78, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_78 W_O2' _ N_1'", s.t_78, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_197 = softmax_diff(s.A2, t_196)
+        t_198 = lin((1, s.mm("_ t_50'", (tr(t_190) + tr(t_194)), tr(s.t_50))), (1, s.mm("_ t_51'", (tr(t_195) + tr(t_197)), tr(s.t_51))), (1, s.mm("t_80' _", tr(s.t_80), t_155)), (1, s.mm("t_86' _", tr(s.t_86), t_158)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_198 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_198 * s.S), tr(s.R)), mean=True)
+        t_199 = (math.sqrt(s.d_K)) * t_192
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_199, tr(s.W_O2)), (1, "N_1' _ t_56 W_O2'", tr(s.N_1), tr(t_160), s.t_56, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_199, tr(s.W_O1)), (1, "N_1' A1' t_56 _", tr(s.N_1), tr(s.A1), s.t_56, tr(V_W_O1)), (1, "N_1' _ t_56 W_O1'", tr(s.N_1), tr(t_157), s.t_56, tr(s.W_O1)), (1, "N_1' A2' t_56 _", tr(s.N_1), tr(s.A2), s.t_56, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_56", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_56), (1, "W_V' N_1' _ t_56", tr(s.W_V), tr(s.N_1), tr(t_157), s.t_56), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_199, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_56", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_56), (1, "W_V' N_1' _ t_56", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_56), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_199, mean=True)))
+        out_W_1 = (s.mm('_ t_29', tr(t_170), s.t_29, mean=True) + s.mm("N_2' _", tr(s.N_2), t_178, mean=True))
+        out_W_3 = (s.mm('_ t_30', tr(t_170), s.t_30, mean=True) + s.mm("N_2' _", tr(s.N_2), t_179, mean=True))
+        t_200 = (tr(t_176) * tr(s.t_24) * tr(s.t_23) * tr(s.t_26))
+        t_201 = (tr(t_176) * tr(s.t_25) * tr(s.t_26))
+        t_202 = (tr(t_173) * tr(s.t_25) * tr(s.t_23))
+        t_203 = lin((1, t_200), (1, t_201), (1, t_202))
+        out_W_2 = s.mm('_ G', t_203, s.G, mean=True)
+        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
+
+    def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
+        """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
+        t_204 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
+        t_205 = (t_204 * tr(s.S))
+        t_206 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
+        t_207 = (t_206 * tr(s.C))
+        t_208 = (t_205 + t_207)
+        t_209 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_210 = (s.mm("t_50' _", tr(s.t_50), t_208) + s.mm("_ t_9'", t_209, tr(s.t_9)))
+        t_224 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_210)
+        t_225 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_226 = (s.mm("_ t_9'", t_225, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_208))
+        t_227 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_226)
+        t_228 = s.mm('_ N_1 W_V W_O2', t_227, s.N_1, s.W_V, s.W_O2)
+        t_229 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
+        t_230 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
+        t_231 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
+        t_232 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_224, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_228), (1, t_229), (1, t_230), (1, t_231))
+        t_233 = (t_232 * s.R_N_2)
+        t_234 = (t_232 * s.Y_2)
+        t_235 = s.mm('_ one', t_234, s.one)
+        t_236 = (t_235 * s.t_33 * s.Y_2)
+        t_237 = lin((1, t_233), (2/s.d_V, t_236))
+        t_238 = s.mm('_ W_1', t_237, s.W_1)
+        t_239 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_240 = (t_238 + t_239)
+        t_241 = (t_240 * s.t_24 * s.t_23 * s.t_26)
+        t_242 = s.mm('_ W_3', t_237, s.W_3)
+        t_243 = s.mm('N_2 _', s.N_2, V_W_3)
+        t_244 = (t_242 + t_243)
+        t_245 = (t_244 * s.t_25 * s.t_23)
+        t_246 = (t_240 * s.t_25 * s.t_26)
+        t_247 = lin((1, t_241), (1, t_245), (1, t_246))
+        t_248 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_224, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.mm('_ W_2', t_247, s.W_2)), (1, s.mm('t_27 _', s.t_27, V_W_2)), (1, t_228), (1, t_229), (1, t_230), (1, t_231))
+        t_249 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_248, tr(s.W_2))
+        t_250 = (t_249 + s.mm('G _', s.G, tr(V_W_2)))
+        t_251 = lin((1, (t_244 * s.t_25), s.t_211), (1, (t_240 * s.t_68 * s.t_211 * s.t_23), s.t_26), (2, (t_240 * s.t_24 * s.t_211), s.t_26), (1, (t_244 * s.t_24 * s.t_211), s.t_23), (1, (t_250 * s.t_25), s.t_26), (1, (t_250 * s.t_24 * s.t_23), s.t_26))
+        t_252 = lin((1, (t_240 * s.t_25), s.t_211), (1, (t_240 * s.t_24 * s.t_211), s.t_23), (1, (t_250 * s.t_25), s.t_23))
+        t_253 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_251, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_252, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_214 _', s.t_214, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_216 _', s.t_216, tr(V_W_3))))
+        t_254 = (math.sqrt(s.d_K)) * t_253
+        t_255 = lin((1, (t_232 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_219), s.t_33), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_254 * s.t_33), s.Y_2), (2/s.d_V, (t_235 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_219 * s.t_74), s.Y_2))
+        t_256 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_248), (1, s.t_221, t_232), (1, t_253, s.R_N_2), (2/s.d_V, (t_235 * s.t_218), s.t_33), (1, s.mm('_ one', t_255, s.one), s.Y_2))
+        t_257 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_256, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_222 _ W_V' N_1'", s.t_222, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_222 W_O1' _ N_1'", s.t_222, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_258 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_210, s.t_223) + softmax_diff(s.A1, t_257))
+        t_260 = (s.mm("_ t_6'", t_258, tr(s.t_6)) + s.mm('t_259 _', s.t_259, tr(t_208)))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_260 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_260 * s.C)), mean=True)
+        t_262 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_256, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_222 W_O2' _ N_1'", s.t_222, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_222 _ W_V' N_1'", s.t_222, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_263 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_226, s.t_261) + softmax_diff(s.A2, t_262))
+        t_265 = (s.mm("_ t_6'", t_263, tr(s.t_6)) + s.mm('t_264 _', s.t_264, tr(t_208)))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_265 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_265 * s.C)), mean=True)
+        t_270 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_210, s.t_269)
+        t_271 = lin((1, (t_232 * (2/s.d_V) * s.t_219), s.t_33), (1, ((2/s.d_V) * t_254 * s.t_33), s.Y_2), (2/s.d_V, (t_235 * (2/s.d_V) * s.t_219 * s.t_74), s.Y_2))
+        t_272 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_248), (1/math.sqrt(s.d_K), t_254, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_235 * s.t_219), s.t_33), (1/math.sqrt(s.d_K), s.t_267, t_232), (1/math.sqrt(s.d_K), s.mm('_ one', t_271, s.one), s.Y_2))
+        t_273 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_272, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_268 _ W_V' N_1'", s.t_268, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_268 W_O1' _ N_1'", s.t_268, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_274 = softmax_diff(s.A1, t_273)
+        t_276 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_226, s.t_275)
+        t_277 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_272, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_268 W_O2' _ N_1'", s.t_268, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_268 _ W_V' N_1'", s.t_268, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_278 = softmax_diff(s.A2, t_277)
+        t_281 = lin((1, s.mm("_ t_50'", (tr(t_270) + tr(t_274)), tr(s.t_50))), (1, s.mm("_ t_51'", (tr(t_276) + tr(t_278)), tr(s.t_51))), (1, s.mm("t_279' _", tr(s.t_279), t_209)), (1, s.mm("t_280' _", tr(s.t_280), t_225)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_281 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_281 * s.S), tr(s.R)), mean=True)
+        t_283 = (math.sqrt(s.d_K)) * t_272
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_282 _", tr(s.N_1), tr(s.A2), s.t_282, tr(V_W_O2)), (1, "N_1' A1' t_282 _", tr(s.N_1), tr(s.A1), s.t_282, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_283, tr(s.W_O1)), (1, "N_1' _ t_282 W_O1'", tr(s.N_1), tr(t_224), s.t_282, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_283, tr(s.W_O2)), (1, "N_1' _ t_282 W_O2'", tr(s.N_1), tr(t_227), s.t_282, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_282", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_282), (1, "W_V' N_1' _ t_282", tr(s.W_V), tr(s.N_1), tr(t_224), s.t_282), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_283, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_282", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_282), (1, "W_V' N_1' _ t_282", tr(s.W_V), tr(s.N_1), tr(t_227), s.t_282), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_283, mean=True)))
+        out_W_1 = (s.mm('_ t_214', tr(t_237), s.t_214, mean=True) + s.mm("N_2' _", tr(s.N_2), t_251, mean=True))
+        out_W_3 = (s.mm('_ t_216', tr(t_237), s.t_216, mean=True) + s.mm("N_2' _", tr(s.N_2), t_252, mean=True))
+        t_284 = s.mm("t_27' _", tr(s.t_27), (2/(s.L*s.d_V)) * t_248)
+        out_W_2 = (s.mm('_ G', tr(t_247), s.G, mean=True) + mean0(t_284, True))
+        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
+
+
+class mse_causal1(Forward):
+    """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
+
+    PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
+    STAMP = "cdd4f593ba6e4bff4aa4ff9a"
     RUNS = {
         'A1 N_1': 22,
         'A1 N_1 W_V': 9,
@@ -45,1859 +1883,17 @@ class mse_causal0(Forward):
         "N_1' A1' t_56": 4,
         "N_1' A2' t_283": 2,
         "N_1' A2' t_56": 4,
-        "W_O1 t_223'": 2,
-        "W_O1 t_269'": 2,
+        "W_O1 t_222'": 2,
+        "W_O1 t_268'": 2,
         "W_O1 t_36'": 3,
         "W_O1 t_56'": 3,
-        "W_O1 t_79'": 2,
+        "W_O1 t_78'": 2,
         "W_O1' W_V'": 18,
-        "W_O2 t_223'": 2,
-        "W_O2 t_269'": 2,
+        "W_O2 t_222'": 2,
+        "W_O2 t_268'": 2,
         "W_O2 t_36'": 3,
         "W_O2 t_56'": 3,
-        "W_O2 t_79'": 2,
-        "W_O2' W_V'": 16,
-    }
-
-    @leaf
-    def t(s):
-        return (s.X * s.X)
-
-    @leaf
-    def one(s):
-        return ones((s.d_V, 1), s.like)
-
-    @leaf
-    def ms_N_1(s):
-        return (1/s.d_V) * s.mm('t one', s.t, s.one)
-
-    @leaf
-    def R_N_1(s):
-        return ((lin((1, s.ms_N_1), (1/1000000, ones((s.L, s.d_V), s.like)))) ** -0.5)
-
-    @leaf
-    def N_1(s):
-        return (s.R_N_1 * s.X)
-
-    @leaf
-    def t_2(s):
-        return s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1))
-
-    @leaf
-    def t_3(s):
-        return (s.t_2 * tr(s.S))
-
-    @leaf
-    def t_4(s):
-        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
-
-    @leaf
-    def t_5(s):
-        return (s.t_4 * tr(s.C))
-
-    @leaf
-    def t_6(s):
-        return (s.t_3 + s.t_5)
-
-    @leaf
-    def t_7(s):
-        return s.mm('N_1 W_V W_O1', s.N_1, s.W_V, s.W_O1)
-
-    @leaf
-    def t_8(s):
-        return tr(s.t_7)
-
-    @leaf
-    def t_9(s):
-        return tr(s.t_6)
-
-    @leaf
-    def t_10(s):
-        return s.mm("W_O2' W_V' N_1'", tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_11(s):
-        return s.mm('N_1 W_Q1', s.N_1, s.W_Q1)
-
-    @leaf
-    def t_12(s):
-        return (s.t_11 * s.C)
-
-    @leaf
-    def t_13(s):
-        return s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R)
-
-    @leaf
-    def t_14(s):
-        return (s.t_13 * s.S)
-
-    @leaf
-    def t_15(s):
-        return (s.t_12 + s.t_14)
-
-    @leaf
-    def t_16(s):
-        return s.mm('N_1 W_Q2', s.N_1, s.W_Q2)
-
-    @leaf
-    def t_17(s):
-        return (s.t_16 * s.C)
-
-    @leaf
-    def t_18(s):
-        return s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R)
-
-    @leaf
-    def t_19(s):
-        return (s.t_18 * s.S)
-
-    @leaf
-    def t_20(s):
-        return (s.t_17 + s.t_19)
-
-    @leaf
-    def T1(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_15 t_9'", s.t_15, tr(s.t_9))
-
-    @leaf
-    def A1(s):
-        return softmax_rows(s.T1)
-
-    @leaf
-    def T2(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_20 t_9'", s.t_20, tr(s.t_9))
-
-    @leaf
-    def A2(s):
-        return softmax_rows(s.T2)
-
-    @leaf
-    def Y_2(s):
-        return lin((1, s.mm('A1 N_1 W_V W_O1', s.A1, s.N_1, s.W_V, s.W_O1)), (1, s.mm('A2 N_1 W_V W_O2', s.A2, s.N_1, s.W_V, s.W_O2)), (1, s.X))
-
-    @leaf
-    def t_21(s):
-        return (s.Y_2 * s.Y_2)
-
-    @leaf
-    def ms_N_2(s):
-        return (1/s.d_V) * s.mm('t_21 one', s.t_21, s.one)
-
-    @leaf
-    def t_22(s):
-        return lin((1, s.ms_N_2), (1/1000000, ones((s.L, s.d_V), s.like)))
-
-    @leaf
-    def R_N_2(s):
-        return (s.t_22 ** -0.5)
-
-    @leaf
-    def N_2(s):
-        return (s.R_N_2 * s.Y_2)
-
-    @leaf
-    def t_23(s):
-        return s.mm('N_2 W_1', s.N_2, s.W_1)
-
-    @leaf
-    def t_24(s):
-        return ((1.0 + (-1.0 * sigmoid(s.t_23))) * sigmoid(s.t_23))
-
-    @leaf
-    def t_25(s):
-        return sigmoid(s.t_23)
-
-    @leaf
-    def t_26(s):
-        return s.mm('N_2 W_3', s.N_2, s.W_3)
-
-    @leaf
-    def t_27(s):
-        return (s.t_25 * s.t_23 * s.t_26)
-
-    @leaf
-    def F(s):
-        return (s.mm('t_27 W_2', s.t_27, s.W_2) + s.Y_2)
-
-    @leaf
-    def G(s):
-        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
-
-    @leaf
-    def t_28(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
-
-    @leaf
-    def t_29(s):
-        return ((s.t_24 * s.t_28 * s.t_23 * s.t_26) + (s.t_25 * s.t_28 * s.t_26))
-
-    @leaf
-    def t_30(s):
-        return (s.t_25 * s.t_28 * s.t_23)
-
-    @leaf
-    def t_31(s):
-        return lin((1/math.sqrt(s.d_K), s.mm("t_29 W_1'", s.t_29, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_30 W_3'", s.t_30, tr(s.W_3))))
-
-    @leaf
-    def t_32(s):
-        return (2/s.d_V) * s.t_31
-
-    @leaf
-    def t_33(s):
-        return (-0.5 * (s.t_22 ** -1.5))
-
-    @leaf
-    def t_34(s):
-        return (s.t_32 * s.t_33 * s.Y_2)
-
-    @leaf
-    def t_35(s):
-        return s.mm('t_34 one', s.t_34, s.one)
-
-    @leaf
-    def t_36(s):
-        return lin((1, s.t_31, s.R_N_2), (1, s.t_35, s.Y_2), (1/math.sqrt(s.d_K), s.G))
-
-    @leaf
-    def t_37(s):
-        return s.mm("t_36 W_O1' W_V' N_1'", s.t_36, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_38(s):
-        return softmax_diff(s.A1, s.t_37)
-
-    @leaf
-    def t_39(s):
-        return s.mm('W_V W_O1', s.W_V, s.W_O1)
-
-    @leaf
-    def t_40(s):
-        return s.mm("t_36 W_O1'", s.t_36, tr(s.W_O1))
-
-    @leaf
-    def t_41(s):
-        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
-
-    @leaf
-    def t_42(s):
-        return s.mm('N_1 W_V', s.N_1, s.W_V)
-
-    @leaf
-    def t_43(s):
-        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
-
-    @leaf
-    def t_44(s):
-        return (s.t_25 * s.t_23)
-
-    @leaf
-    def t_45(s):
-        return tr(s.t_10)
-
-    @leaf
-    def t_46(s):
-        return s.mm("t_36 W_O2' W_V' N_1'", s.t_36, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_47(s):
-        return softmax_diff(s.A2, s.t_46)
-
-    @leaf
-    def t_48(s):
-        return s.mm('W_V W_O2', s.W_V, s.W_O2)
-
-    @leaf
-    def t_49(s):
-        return s.mm("t_36 W_O2'", s.t_36, tr(s.W_O2))
-
-    @leaf
-    def t_50(s):
-        return tr(s.t_15)
-
-    @leaf
-    def t_51(s):
-        return tr(s.t_20)
-
-    @leaf
-    def t_52(s):
-        return (math.sqrt(s.d_K)) * s.t_31
-
-    @leaf
-    def t_53(s):
-        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_31
-
-    @leaf
-    def t_54(s):
-        return (s.t_53 * s.t_33 * s.Y_2)
-
-    @leaf
-    def t_55(s):
-        return s.mm('t_54 one', s.t_54, s.one)
-
-    @leaf
-    def t_56(s):
-        return lin((1, s.t_52, s.R_N_2), (1, s.t_55, s.Y_2), (1, s.G))
-
-    @leaf
-    def t_57(s):
-        return s.mm("t_56 W_O1'", s.t_56, tr(s.W_O1))
-
-    @leaf
-    def t_58(s):
-        return s.mm("t_56 W_O2'", s.t_56, tr(s.W_O2))
-
-    @leaf
-    def t_59(s):
-        return s.mm("A1' t_56", tr(s.A1), s.t_56)
-
-    @leaf
-    def t_60(s):
-        return s.mm("A2' t_56", tr(s.A2), s.t_56)
-
-    @leaf
-    def t_61(s):
-        return tr(s.t_41)
-
-    @leaf
-    def t_62(s):
-        return tr(s.t_43)
-
-    @leaf
-    def t_63(s):
-        return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
-
-    @leaf
-    def t_64(s):
-        return s.mm("t_27' t_27", tr(s.t_27), s.t_27)
-
-    @leaf
-    def t_65(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
-    def t_66(s):
-        return (s.t_33 * s.Y_2)
-
-    @leaf
-    def t_67(s):
-        return (s.t_24 * s.t_23 * s.t_26)
-
-    @leaf
-    def t_68(s):
-        return (s.t_25 * s.t_26)
-
-    @leaf
-    def t_69(s):
-        return ((((1.0 + (-1.0 * sigmoid(s.t_23))) * (1.0 + (-1.0 * sigmoid(s.t_23)))) * sigmoid(s.t_23)) + (-1.0 * (sigmoid(s.t_23) * sigmoid(s.t_23)) * (1.0 + (-1.0 * sigmoid(s.t_23)))))
-
-    @leaf
-    def t_70(s):
-        return (s.t_69 * s.t_28 * s.t_23 * s.t_26)
-
-    @leaf
-    def t_71(s):
-        return (s.t_24 * s.t_28 * s.t_26)
-
-    @leaf
-    def t_72(s):
-        return (s.t_24 * s.t_28 * s.t_23)
-
-    @leaf
-    def t_73(s):
-        return (s.t_25 * s.t_28)
-
-    @leaf
-    def t_74(s):
-        return (s.t_32 * s.t_33)
-
-    @leaf
-    def t_75(s):
-        return (0.75 * (s.t_22 ** -2.5))
-
-    @leaf
-    def t_76(s):
-        return (s.t_32 * s.t_75 * s.Y_2)
-
-    @leaf
-    def t_77(s):
-        return bcast_last(s.t_35, s.d_V)
-
-    @leaf
-    def t_78(s):
-        return (s.t_31 * s.t_33)
-
-    @leaf
-    def t_79(s):
-        return (1/math.sqrt(s.d_K)) * s.t_56
-
-    @leaf
-    def t_80(s):
-        return s.mm("t_79 W_O1' W_V' N_1'", s.t_79, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_81(s):
-        return softmax_diff(s.A1, s.t_80)
-
-    @leaf
-    def t_82(s):
-        return (s.t_53 * s.t_33)
-
-    @leaf
-    def t_83(s):
-        return (s.t_53 * s.t_75 * s.Y_2)
-
-    @leaf
-    def t_84(s):
-        return bcast_last(s.t_55, s.d_V)
-
-    @leaf
-    def t_85(s):
-        return (s.t_52 * s.t_33)
-
-    @leaf
-    def t_86(s):
-        return s.mm("t_79 W_O2' W_V' N_1'", s.t_79, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_87(s):
-        return softmax_diff(s.A2, s.t_86)
-
-    @leaf
-    def one_2(s):
-        return ones((1, s.L), s.like)
-
-    @leaf
-    def t_88(s):
-        return (s.F - s.Y)
-
-    @leaf
-    def t_89(s):
-        return (s.t_88 * s.t_88)
-
-    @leaf
-    def t_90(s):
-        return s.mm('one_2 t_89 one', s.one_2, s.t_89, s.one)
-
-    @leaf
-    def t_91(s):
-        return s.mm("t_38 t_6'", s.t_38, tr(s.t_6))
-
-    @leaf
-    def t_92(s):
-        return (s.t_91 * s.C)
-
-    @leaf
-    def t_93(s):
-        return (s.t_91 * s.S)
-
-    @leaf
-    def t_94(s):
-        return s.mm("t_47 t_6'", s.t_47, tr(s.t_6))
-
-    @leaf
-    def t_95(s):
-        return (s.t_94 * s.S)
-
-    @leaf
-    def t_96(s):
-        return (s.t_94 * s.C)
-
-    @leaf
-    def t_97(s):
-        return s.mm("t_81' t_50'", tr(s.t_81), tr(s.t_50))
-
-    @leaf
-    def t_98(s):
-        return s.mm("t_87' t_51'", tr(s.t_87), tr(s.t_51))
-
-    @leaf
-    def t_99(s):
-        return (s.t_97 + s.t_98)
-
-    @leaf
-    def t_100(s):
-        return (s.t_99 * s.S)
-
-    @leaf
-    def t_101(s):
-        return (s.t_99 * s.C)
-
-    @leaf
-    def t_212(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
-
-    @leaf
-    def t_213(s):
-        return (s.t_24 * s.t_212 * s.t_23 * s.t_26)
-
-    @leaf
-    def t_214(s):
-        return (s.t_25 * s.t_212 * s.t_26)
-
-    @leaf
-    def t_215(s):
-        return (s.t_213 + s.t_214)
-
-    @leaf
-    def t_216(s):
-        return s.mm("t_215 W_1'", s.t_215, tr(s.W_1))
-
-    @leaf
-    def t_217(s):
-        return (s.t_25 * s.t_212 * s.t_23)
-
-    @leaf
-    def t_218(s):
-        return s.mm("t_217 W_3'", s.t_217, tr(s.W_3))
-
-    @leaf
-    def t_219(s):
-        return lin((1/math.sqrt(s.d_K), s.t_216), (1/math.sqrt(s.d_K), s.t_218))
-
-    @leaf
-    def t_220(s):
-        return (math.sqrt(s.d_K)) * s.t_219
-
-    @leaf
-    def t_221(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_220 * s.t_33 * s.Y_2)
-
-    @leaf
-    def t_222(s):
-        return s.mm('t_221 one', s.t_221, s.one)
-
-    @leaf
-    def t_223(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_219, s.R_N_2), (1, s.t_222, s.Y_2))
-
-    @leaf
-    def t_224(s):
-        return s.mm("t_223 W_O1' W_V' N_1'", s.t_223, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_260(s):
-        return softmax_diff(s.A1, s.t_224)
-
-    @leaf
-    def t_262(s):
-        return s.mm("t_223 W_O2' W_V' N_1'", s.t_223, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_265(s):
-        return softmax_diff(s.A2, s.t_262)
-
-    @leaf
-    def t_267(s):
-        return ((2/s.d_V) * s.t_220 * s.t_33 * s.Y_2)
-
-    @leaf
-    def t_268(s):
-        return s.mm('t_267 one', s.t_267, s.one)
-
-    @leaf
-    def t_269(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_220, s.R_N_2), (1/math.sqrt(s.d_K), s.t_268, s.Y_2))
-
-    @leaf
-    def t_270(s):
-        return s.mm("t_269 W_O1' W_V' N_1'", s.t_269, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_276(s):
-        return s.mm("t_269 W_O2' W_V' N_1'", s.t_269, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_280(s):
-        return softmax_diff(s.A1, s.t_270)
-
-    @leaf
-    def t_281(s):
-        return softmax_diff(s.A2, s.t_276)
-
-    @leaf
-    def t_283(s):
-        return (math.sqrt(s.d_K)) * s.t_269
-
-    @leaf
-    def S_2(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_2', [
-            net(2/(s.L*s.d_K*s.d_V), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(2/(s.L*s.d_K*s.d_V), 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def dA(s):
-        """∂A/∂T as a compact tensor (2 networks)."""
-        return Compact('dA', [
-            net(1, 'nab,bc->nabc', s.A1, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.A1, s.A1),
-        ])
-
-    @leaf
-    def S_3(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_3', [
-            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, s.t_65, s.t_66),
-        ])
-
-    @leaf
-    def S_4(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_4', [
-            net(1, 'nab->nab', s.t_67),
-            net(1, 'nab->nab', s.t_68),
-        ])
-
-    @leaf
-    def S_5(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_5', [
-            net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_44),
-        ])
-
-    @leaf
-    def S_6(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_6', [
-            net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_44, s.W_3),
-        ])
-
-    @leaf
-    def S_7(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, s.t_65, s.Y_2),
-        ])
-
-    @leaf
-    def S_8(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_8', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,ncad,ncde->ncbe', s.W_2, s.S_6, s.S_7),
-        ])
-
-    @leaf
-    def S_9(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_9', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de,naef->nabf', s.S_3, s.S_5, s.W_2, s.S_8),
-            net(1, 'ab,ncad,ncde->ncbe', s.W_2, s.S_6, s.S_7),
-        ])
-
-    @leaf
-    def S_10(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_10', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->abc', s.S, s.R),
-        ])
-
-    @leaf
-    def S_11(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_11', [
-            net(1/math.sqrt(s.d_K), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1/math.sqrt(s.d_K), 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_12(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_12', [
-            net(1, 'nab->nab', s.t_70),
-            net(2, 'nab->nab', s.t_71),
-        ])
-
-    @leaf
-    def S_13(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_13', [
-            net(1, 'nab->nab', s.t_72),
-            net(1, 'nab->nab', s.t_73),
-        ])
-
-    @leaf
-    def S_14(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_14', [
-            net(1, 'nab,cb->nabc', s.S_12, s.W_1),
-            net(1, 'nab,cb->nabc', s.S_13, s.W_3),
-        ])
-
-    @leaf
-    def S_15(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_15', [
-            net(1, 'ab,ncbd->ncad', s.W_1, s.S_14),
-            net(1, 'ab,ncb,db->ncad', s.W_3, s.S_13, s.W_1),
-        ])
-
-    @leaf
-    def S_16(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_74, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_76, s.t_65, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_66, s.S_15, s.S_7),
-        ])
-
-    @leaf
-    def S_17(s):
-        """A sum as a compact tensor (4 networks)."""
-        return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_77, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_78, s.t_65, s.Y_2),
-            net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, s.t_65, s.S_16),
-        ])
-
-    @leaf
-    def d2A(s):
-        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
-        return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_38, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_38, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_38),
-        ])
-
-    @leaf
-    def S_18(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_18', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_7, s.S_17, s.t_8, s.dA),
-            net(1, 'nabc->nabc', s.d2A),
-        ])
-
-    @leaf
-    def dA_2(s):
-        """∂A/∂T as a compact tensor (2 networks)."""
-        return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.A2, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.A2, s.A2),
-        ])
-
-    @leaf
-    def S_19(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_19', [
-            net(1, 'ab,bc->bac', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->bac', s.S, s.R),
-        ])
-
-    @leaf
-    def S_20(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_20', [
-            net(1, 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(1, 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_21(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_21', [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,bc->abc', s.C, EYE, free={'c': s.d_K}),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,cb->cab', s.R, s.S),
-        ])
-
-    @leaf
-    def S_22(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_22', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de->nabe', s.S_3, s.S_5, s.W_2),
-        ])
-
-    @leaf
-    def S_23(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_23', [
-            net(1, 'ab,ncb->ncab', s.W_1, s.S_12),
-            net(1, 'ab,ncb->ncab', s.W_3, s.S_13),
-        ])
-
-    @leaf
-    def d2A_2(s):
-        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
-        return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_47, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_47, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_47),
-        ])
-
-    @leaf
-    def S_24(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_24', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_45, s.S_17, s.t_10, s.dA_2),
-            net(1, 'nabc->nabc', s.d2A_2),
-        ])
-
-    @leaf
-    def d2A_3(s):
-        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
-        return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_81, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_81, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_81),
-        ])
-
-    @leaf
-    def S_25(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_82, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_83, s.t_65, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_66, s.S_15, s.S_7),
-        ])
-
-    @leaf
-    def S_26(s):
-        """A sum as a compact tensor (4 networks)."""
-        return Compact('S_26', [
-            net(1, 'nab,bc->nabc', s.t_84, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_85, s.t_65, s.Y_2),
-            net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, s.t_65, s.S_25),
-        ])
-
-    @leaf
-    def d2A_4(s):
-        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
-        return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_87, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_87, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_87),
-        ])
-
-    @leaf
-    def S_27(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_27', [
-            net(2/(s.L*s.d_V), 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, s.t_65, s.t_66),
-        ])
-
-    @leaf
-    def S_28(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_28', [
-            net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de,naef->nabf', s.S_27, s.S_5, s.W_2, s.S_8),
-            net(2/(s.L*s.d_V), 'ab,ncad,ncde->ncbe', s.W_2, s.S_6, s.S_7),
-        ])
-
-    @leaf
-    def S_29(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_29', [
-            net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,nacd,de->nabe', s.S_27, s.S_5, s.W_2),
-        ])
-
-    @leaf
-    def S_30(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_30', [
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_67),
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_68),
-        ])
-
-    @leaf
-    def S_31(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_31', [
-            net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde->ncbe', s.W_2, s.S_6, s.S_7),
-        ])
-
-    def block__W_Q1__W_Q1__outer(s):
-        """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_9, s.t_8, s.dA, s.t_9, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_Q1__functional(s):
-        """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_6, s.S_18, s.t_9, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_Q2__outer(s):
-        """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_9, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_Q2__functional(s):
-        """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_17, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_K__outer(s):
-        """H_o(W_Q1, W_K): 8 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-        ]
-
-    def block__W_Q1__W_K__functional(s):
-        """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_6, s.d2A, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_38, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q1__W_V__outer(s):
-        """H_o(W_Q1, W_V): 8 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_Q1__W_V__functional(s):
-        """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_39, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_39, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_40),
-        ]
-
-    def block__W_Q1__W_O1__outer(s):
-        """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_9, s.t_41),
-        ]
-
-    def block__W_Q1__W_O1__functional(s):
-        """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA, s.t_42, s.t_36),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_6, s.dA, s.t_42, s.W_O1, s.S_17, s.t_41),
-        ]
-
-    def block__W_Q1__W_O2__outer(s):
-        """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_9, s.t_43),
-        ]
-
-    def block__W_Q1__W_O2__functional(s):
-        """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_43),
-        ]
-
-    def block__W_Q1__W_1__outer(s):
-        """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_22, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_Q1__W_1__functional(s):
-        """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.S_23, s.N_2),
-        ]
-
-    def block__W_Q1__W_3__outer(s):
-        """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_22, s.W_2, s.t_44, s.N_2),
-        ]
-
-    def block__W_Q1__W_3__functional(s):
-        """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_Q1__W_2__outer(s):
-        """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_22, s.t_27),
-        ]
-
-    def block__W_Q1__W_2__functional(s):
-        """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_Q2__W_Q2__outer(s):
-        """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_9, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q2__W_Q2__functional(s):
-        """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_6, s.S_24, s.t_9, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q2__W_K__outer(s):
-        """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-        ]
-
-    def block__W_Q2__W_K__functional(s):
-        """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_6, s.d2A_2, s.t_20, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_45, s.S_17, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_45, s.S_17, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_47, s.S_10, s.N_1),
-        ]
-
-    def block__W_Q2__W_V__outer(s):
-        """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_Q2__W_V__functional(s):
-        """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA_2, s.N_1, s.t_48, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA_2, s.N_1, s.t_48, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA_2, s.N_1, s.t_49),
-        ]
-
-    def block__W_Q2__W_O1__outer(s):
-        """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_9, s.t_41),
-        ]
-
-    def block__W_Q2__W_O1__functional(s):
-        """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_45, s.S_17, s.t_41),
-        ]
-
-    def block__W_Q2__W_O2__outer(s):
-        """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_9, s.t_43),
-        ]
-
-    def block__W_Q2__W_O2__functional(s):
-        """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_42, s.t_36),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_42, s.W_O2, s.S_17, s.t_43),
-        ]
-
-    def block__W_Q2__W_1__outer(s):
-        """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_22, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_Q2__W_1__functional(s):
-        """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_23, s.N_2),
-        ]
-
-    def block__W_Q2__W_3__outer(s):
-        """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_22, s.W_2, s.t_44, s.N_2),
-        ]
-
-    def block__W_Q2__W_3__functional(s):
-        """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_Q2__W_2__outer(s):
-        """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_22, s.t_27),
-        ]
-
-    def block__W_Q2__W_2__functional(s):
-        """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_K__W_K__outer(s):
-        """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-        ]
-
-    def block__W_K__W_K__functional(s):
-        """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_50, s.d2A_3, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_26, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_26, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_51, s.d2A_4, s.t_20, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_26, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_26, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-        ]
-
-    def block__W_K__W_V__outer(s):
-        """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_K__W_V__functional(s):
-        """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_50, s.dA, s.N_1, s.t_39, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_50, s.dA, s.N_1, s.t_39, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_50, s.dA, s.N_1, s.t_57),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_51, s.dA_2, s.N_1, s.t_48, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_51, s.dA_2, s.N_1, s.t_48, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_51, s.dA_2, s.N_1, s.t_58),
-        ]
-
-    def block__W_K__W_O1__outer(s):
-        """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_9, s.t_41),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_9, s.t_41),
-        ]
-
-    def block__W_K__W_O1__functional(s):
-        """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_50, s.dA, s.t_42, s.t_56),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_50, s.dA, s.t_42, s.W_O1, s.S_26, s.t_41),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_26, s.t_41),
-        ]
-
-    def block__W_K__W_O2__outer(s):
-        """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_9, s.t_43),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_9, s.t_43),
-        ]
-
-    def block__W_K__W_O2__functional(s):
-        """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_26, s.t_43),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_42, s.t_56),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_42, s.W_O2, s.S_26, s.t_43),
-        ]
-
-    def block__W_K__W_1__outer(s):
-        """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_22, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_22, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_K__W_1__functional(s):
-        """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_23, s.N_2),
-        ]
-
-    def block__W_K__W_3__outer(s):
-        """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_22, s.W_2, s.t_44, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_22, s.W_2, s.t_44, s.N_2),
-        ]
-
-    def block__W_K__W_3__functional(s):
-        """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_K__W_2__outer(s):
-        """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_22, s.t_27),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_22, s.t_27),
-        ]
-
-    def block__W_K__W_2__functional(s):
-        """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_V__W_V__outer(s):
-        """H_o(W_V, W_V): 16 networks (the formula: `symhess derive`)"""
-        return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A1, s.W_O1, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A1, s.W_O1, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A1, s.W_O1, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A2, s.W_O2, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncf,ge,nfh->bd|hg', s.N_1, s.A2, s.W_O2, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncfg,gh,ih,ncij,ncjk,ncl,mk,nlo->bd|om', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,fe,ncfg,ncgh,nci,jh,nik->bd|kj', s.N_1, s.A2, s.W_O2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_V__W_V__functional(s):
-        """H_f(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A1, s.W_O1, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg,hf,ngi->bd|ih', s.N_1, s.A2, s.W_O2, s.S_26, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def block__W_V__W_O1__outer(s):
-        """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_41),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_41),
-        ]
-
-    def block__W_V__W_O1__functional(s):
-        """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_59, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_41),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_41),
-        ]
-
-    def block__W_V__W_O2__outer(s):
-        """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_43),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_43),
-        ]
-
-    def block__W_V__W_O2__functional(s):
-        """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_60, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_43),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_43),
-        ]
-
-    def block__W_V__W_1__outer(s):
-        """H_o(W_V, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.S_4, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_V__W_1__functional(s):
-        """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_23, s.N_2),
-        ]
-
-    def block__W_V__W_3__outer(s):
-        """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_44, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_44, s.N_2),
-        ]
-
-    def block__W_V__W_3__functional(s):
-        """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_V__W_2__outer(s):
-        """H_o(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_22, s.t_27),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_22, s.t_27),
-        ]
-
-    def block__W_V__W_2__functional(s):
-        """H_f(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A1, s.W_O1, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|gh', s.N_1, s.A2, s.W_O2, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_O1__W_O1__outer(s):
-        """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_28, s.t_41),
-        ]
-
-    def block__W_O1__W_O1__functional(s):
-        """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_26, s.t_41),
-        ]
-
-    def block__W_O1__W_O2__outer(s):
-        """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_28, s.t_43),
-        ]
-
-    def block__W_O1__W_O2__functional(s):
-        """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_26, s.t_43),
-        ]
-
-    def block__W_O1__W_1__outer(s):
-        """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_61, s.S_29, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_O1__W_1__functional(s):
-        """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_61, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_61, s.S_3, s.S_23, s.N_2),
-        ]
-
-    def block__W_O1__W_3__outer(s):
-        """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_61, s.S_29, s.W_2, s.t_44, s.N_2),
-        ]
-
-    def block__W_O1__W_3__functional(s):
-        """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_61, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_61, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_O1__W_2__outer(s):
-        """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_29, s.t_27),
-        ]
-
-    def block__W_O1__W_2__functional(s):
-        """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_61, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_O2__W_O2__outer(s):
-        """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_62, s.S_28, s.t_43),
-        ]
-
-    def block__W_O2__W_O2__functional(s):
-        """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_62, s.S_26, s.t_43),
-        ]
-
-    def block__W_O2__W_1__outer(s):
-        """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_62, s.S_29, s.W_2, s.S_4, s.N_2),
-        ]
-
-    def block__W_O2__W_1__functional(s):
-        """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_62, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_62, s.S_3, s.S_23, s.N_2),
-        ]
-
-    def block__W_O2__W_3__outer(s):
-        """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_62, s.S_29, s.W_2, s.t_44, s.N_2),
-        ]
-
-    def block__W_O2__W_3__functional(s):
-        """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_62, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_62, s.S_3, s.W_1, s.S_13, s.N_2),
-        ]
-
-    def block__W_O2__W_2__outer(s):
-        """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_62, s.S_29, s.t_27),
-        ]
-
-    def block__W_O2__W_2__functional(s):
-        """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_62, s.S_3, s.S_5, s.G),
-        ]
-
-    def block__W_1__W_1__outer(s):
-        """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_63, s.S_4, s.N_2),
-        ]
-
-    def block__W_1__W_1__functional(s):
-        """H_f(W_1, W_1) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid''(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff]) + 2*(diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_3)) @ (N_2 ⊗ I[d_ff])))"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_12, s.N_2),
-        ]
-
-    def block__W_1__W_3__outer(s):
-        """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_63, s.t_44, s.N_2),
-        ]
-
-    def block__W_1__W_3__functional(s):
-        """H_f(W_1, W_3) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ G @ W_2.T ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]) + diag(vec_r(sigmoid(N_2 @ W_1) ∘ G @ W_2.T)) @ (N_2 ⊗ I[d_ff]))"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|dc', s.N_2, s.S_13, s.N_2),
-        ]
-
-    def block__W_1__W_2__outer(s):
-        """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad,ce->bc|de', s.N_2, s.S_30, s.t_27, s.W_2),
-        ]
-
-    def block__W_1__W_2__functional(s):
-        """H_f(W_1, W_2) = (N_2.T ⊗ I[d_ff]) @ (diag(vec_r(sigmoid'(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff] + diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_3)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff])"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.S_4, s.G),
-        ]
-
-    def block__W_3__W_3__outer(s):
-        """H_o(W_3, W_3) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]))"""
-        return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_44, s.t_63, s.t_44, s.N_2),
-        ]
-
-    def block__W_3__W_2__outer(s):
-        """H_o(W_3, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ W_2))"""
-        return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_44, s.t_27, s.W_2),
-        ]
-
-    def block__W_3__W_2__functional(s):
-        """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_44, s.G),
-        ]
-
-    def block__W_2__W_2__outer(s):
-        """H_o(W_2, W_2) = 2/(L*d_V)*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) ⊗ I[d_V])"""
-        return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_64, free={'c': s.d_V}),
-        ]
-
-    def jacobian__W_Q1(s):
-        """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_8, s.dA, s.t_9, s.S_10, s.N_1),
-        ]
-
-    def jacobian__W_Q2(s):
-        """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
-        ]
-
-    def jacobian__W_K(s):
-        """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-        ]
-
-    def jacobian__W_V(s):
-        """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nab,cd,nbe->n|ad|ec', s.A1, s.W_O1, s.N_1),
-            net(1, 'nab,cd,nbe->n|ad|ec', s.A2, s.W_O2, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1, 'ab,ncad,ncde,ncf,ge,nfh->n|cb|hg', s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-        ]
-
-    def jacobian__W_O1(s):
-        """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_41),
-        ]
-
-    def jacobian__W_O2(s):
-        """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_43),
-        ]
-
-    def jacobian__W_1(s):
-        """∂vec_r F/∂vec_r W_1, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.S_4, s.N_2),
-        ]
-
-    def jacobian__W_3(s):
-        """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_44, s.N_2),
-        ]
-
-    def jacobian__W_2(s):
-        """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nab->n|ac|bc', s.t_27, free={'c': s.d_V}),
-        ]
-
-    def loss(s):
-        """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_90, True)[..., 0, 0]
-
-    def gradient(s):
-        """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_92", tr(s.N_1), s.t_92), (1, "N_1' t_93 R'", tr(s.N_1), s.t_93, tr(s.R)), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_95 R'", tr(s.N_1), s.t_95, tr(s.R)), (1, "N_1' t_96", tr(s.N_1), s.t_96), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_100 R'", tr(s.N_1), s.t_100, tr(s.R)), (1, "N_1' t_101", tr(s.N_1), s.t_101), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_56 W_O1'", tr(s.N_1), tr(s.A1), s.t_56, tr(s.W_O1)), (1, "N_1' A2' t_56 W_O2'", tr(s.N_1), tr(s.A2), s.t_56, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_56", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_56, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_56", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_56, mean=True)
-        out_W_1 = s.mm("N_2' t_29", tr(s.N_2), s.t_29, mean=True)
-        out_W_3 = s.mm("N_2' t_30", tr(s.N_2), s.t_30, mean=True)
-        out_W_2 = s.mm("t_27' G", tr(s.t_27), s.G, mean=True)
-        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
-
-    def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
-        """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_102 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_103 = (t_102 * tr(s.S))
-        t_104 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_105 = (t_104 * tr(s.C))
-        t_106 = (t_103 + t_105)
-        t_107 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_108 = (s.mm("t_50' _", tr(s.t_50), t_106) + s.mm("_ t_9'", t_107, tr(s.t_9)))
-        t_109 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_108)
-        t_110 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_111 = (s.mm("_ t_9'", t_110, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_106))
-        t_112 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_111)
-        t_113 = s.mm('_ N_1 W_V W_O2', t_112, s.N_1, s.W_V, s.W_O2)
-        t_114 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_115 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_116 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_117 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_109, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_113), (1, t_114), (1, t_115), (1, t_116))
-        t_118 = (t_117 * s.R_N_2)
-        t_119 = (t_117 * s.Y_2)
-        t_120 = s.mm('_ one', t_119, s.one)
-        t_121 = (t_120 * s.t_33 * s.Y_2)
-        t_122 = lin((1, t_118), (2/s.d_V, t_121))
-        t_123 = s.mm('_ W_1', t_122, s.W_1)
-        t_124 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_125 = (t_123 + t_124)
-        t_126 = (t_125 * s.t_24 * s.t_23 * s.t_26)
-        t_127 = s.mm('_ W_3', t_122, s.W_3)
-        t_128 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_129 = (t_127 + t_128)
-        t_130 = (t_129 * s.t_25 * s.t_23)
-        t_131 = (t_125 * s.t_25 * s.t_26)
-        t_132 = lin((1, t_126), (1, t_130), (1, t_131))
-        t_133 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_109, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.mm('_ W_2', t_132, s.W_2)), (1, s.mm('t_27 _', s.t_27, V_W_2)), (1, t_113), (1, t_114), (1, t_115), (1, t_116))
-        t_134 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_133, tr(s.W_2))
-        t_135 = ((s.t_24 * t_134 * s.t_23 * s.t_26) + (s.t_25 * t_134 * s.t_26))
-        t_136 = (s.t_25 * t_134 * s.t_23)
-        t_137 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_135, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_136, tr(s.W_3))))
-        t_138 = (math.sqrt(s.d_K)) * t_137
-        t_139 = s.mm('_ one', ((2/(math.sqrt(s.d_K)*s.d_V)) * t_138 * s.t_33 * s.Y_2), s.one)
-        t_140 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_133), (1, t_137, s.R_N_2), (1, t_139, s.Y_2))
-        t_141 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_140, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_142 = s.mm("_ t_6'", t_141, tr(s.t_6))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_142 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_142 * s.C)), mean=True)
-        t_143 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_140, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_144 = s.mm("_ t_6'", t_143, tr(s.t_6))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_144 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), mean=True)
-        t_145 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_133), (1/math.sqrt(s.d_K), t_138, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', ((2/s.d_V) * t_138 * s.t_33 * s.Y_2), s.one), s.Y_2))
-        t_146 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_145, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_147 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_145, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_148 = (s.mm("_ t_50'", tr(t_146), tr(s.t_50)) + s.mm("_ t_51'", tr(t_147), tr(s.t_51)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_148 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_148 * s.C)), mean=True)
-        t_149 = (math.sqrt(s.d_K)) * t_145
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_149, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_149, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_149, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_149, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_135, mean=True)
-        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_136, mean=True)
-        t_150 = s.mm("t_27' _", tr(s.t_27), (2/(s.L*s.d_V)) * t_133)
-        out_W_2 = mean0(t_150, True)
-        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
-
-    def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
-        """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_151 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_152 = (t_151 * tr(s.S))
-        t_153 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_154 = (t_153 * tr(s.C))
-        t_155 = (t_152 + t_154)
-        t_156 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_157 = (s.mm("t_50' _", tr(s.t_50), t_155) + s.mm("_ t_9'", t_156, tr(s.t_9)))
-        t_158 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_157)
-        t_159 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_160 = (s.mm("_ t_9'", t_159, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_155))
-        t_161 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_160)
-        t_162 = s.mm('_ N_1 W_V W_O2', t_161, s.N_1, s.W_V, s.W_O2)
-        t_163 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_164 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_165 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_166 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_158, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_162), (1, t_163), (1, t_164), (1, t_165))
-        t_167 = (t_166 * s.R_N_2)
-        t_168 = (t_166 * s.Y_2)
-        t_169 = s.mm('_ one', t_168, s.one)
-        t_170 = (t_169 * s.t_33 * s.Y_2)
-        t_171 = lin((1, t_167), (2/s.d_V, t_170))
-        t_172 = s.mm('_ W_3', t_171, s.W_3)
-        t_173 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_174 = (t_172 + t_173)
-        t_175 = s.mm('_ W_1', t_171, s.W_1)
-        t_176 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_177 = (t_175 + t_176)
-        t_178 = s.mm('G _', s.G, tr(V_W_2))
-        t_179 = lin((1, (t_174 * s.t_24 * s.t_28), s.t_23), (1, (t_177 * s.t_69 * s.t_28 * s.t_23), s.t_26), (1, (t_174 * s.t_25), s.t_28), (2, (t_177 * s.t_24 * s.t_28), s.t_26), (1, (s.t_24 * t_178 * s.t_23), s.t_26), (1, (s.t_25 * t_178), s.t_26))
-        t_180 = lin((1, (t_177 * s.t_24 * s.t_28), s.t_23), (1, (t_177 * s.t_25), s.t_28), (1, (s.t_25 * t_178), s.t_23))
-        t_181 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_179, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_180, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_29 _', s.t_29, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_30 _', s.t_30, tr(V_W_3))))
-        t_182 = (math.sqrt(s.d_K)) * t_181
-        t_183 = lin((1, (t_166 * s.t_32), s.t_33), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_182 * s.t_33), s.Y_2), (2/s.d_V, (t_169 * s.t_32 * s.t_75), s.Y_2))
-        t_184 = lin((1, s.t_35, t_166), (1, t_181, s.R_N_2), (2/s.d_V, (t_169 * s.t_31), s.t_33), (1, s.mm('_ one', t_183, s.one), s.Y_2))
-        t_185 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_184, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_36 W_O1' _ N_1'", s.t_36, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_36 _ W_V' N_1'", s.t_36, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_186 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_157, s.t_37) + softmax_diff(s.A1, t_185))
-        t_187 = (s.mm("_ t_6'", t_186, tr(s.t_6)) + s.mm('t_38 _', s.t_38, tr(t_155)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_187 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_187 * s.C)), mean=True)
-        t_188 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_184, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_36 W_O2' _ N_1'", s.t_36, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_36 _ W_V' N_1'", s.t_36, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_189 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_160, s.t_46) + softmax_diff(s.A2, t_188))
-        t_190 = (s.mm("_ t_6'", t_189, tr(s.t_6)) + s.mm('t_47 _', s.t_47, tr(t_155)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_190 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_190 * s.S), tr(s.R)), mean=True)
-        t_191 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_157, s.t_80)
-        t_192 = lin((1, (t_166 * s.t_53), s.t_33), (1, ((2/s.d_V) * t_182 * s.t_33), s.Y_2), (2/s.d_V, (t_169 * s.t_53 * s.t_75), s.Y_2))
-        t_193 = lin((1/math.sqrt(s.d_K), t_182, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_169 * s.t_52), s.t_33), (1/math.sqrt(s.d_K), s.t_55, t_166), (1/math.sqrt(s.d_K), s.mm('_ one', t_192, s.one), s.Y_2))
-        t_194 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_193, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_79 W_O1' _ N_1'", s.t_79, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_79 _ W_V' N_1'", s.t_79, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_195 = softmax_diff(s.A1, t_194)
-        t_196 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_160, s.t_86)
-        t_197 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_193, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_79 _ W_V' N_1'", s.t_79, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_79 W_O2' _ N_1'", s.t_79, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_198 = softmax_diff(s.A2, t_197)
-        t_199 = lin((1, s.mm("_ t_50'", (tr(t_191) + tr(t_195)), tr(s.t_50))), (1, s.mm("_ t_51'", (tr(t_196) + tr(t_198)), tr(s.t_51))), (1, s.mm("t_81' _", tr(s.t_81), t_156)), (1, s.mm("t_87' _", tr(s.t_87), t_159)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_199 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_199 * s.S), tr(s.R)), mean=True)
-        t_200 = (math.sqrt(s.d_K)) * t_193
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_200, tr(s.W_O2)), (1, "N_1' _ t_56 W_O2'", tr(s.N_1), tr(t_161), s.t_56, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_200, tr(s.W_O1)), (1, "N_1' A1' t_56 _", tr(s.N_1), tr(s.A1), s.t_56, tr(V_W_O1)), (1, "N_1' _ t_56 W_O1'", tr(s.N_1), tr(t_158), s.t_56, tr(s.W_O1)), (1, "N_1' A2' t_56 _", tr(s.N_1), tr(s.A2), s.t_56, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_56", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_56), (1, "W_V' N_1' _ t_56", tr(s.W_V), tr(s.N_1), tr(t_158), s.t_56), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_200, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_56", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_56), (1, "W_V' N_1' _ t_56", tr(s.W_V), tr(s.N_1), tr(t_161), s.t_56), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_200, mean=True)))
-        out_W_1 = (s.mm('_ t_29', tr(t_171), s.t_29, mean=True) + s.mm("N_2' _", tr(s.N_2), t_179, mean=True))
-        out_W_3 = (s.mm('_ t_30', tr(t_171), s.t_30, mean=True) + s.mm("N_2' _", tr(s.N_2), t_180, mean=True))
-        t_201 = (tr(t_177) * tr(s.t_24) * tr(s.t_23) * tr(s.t_26))
-        t_202 = (tr(t_177) * tr(s.t_25) * tr(s.t_26))
-        t_203 = (tr(t_174) * tr(s.t_25) * tr(s.t_23))
-        t_204 = lin((1, t_201), (1, t_202), (1, t_203))
-        out_W_2 = s.mm('_ G', t_204, s.G, mean=True)
-        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
-
-    def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
-        """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_205 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_206 = (t_205 * tr(s.S))
-        t_207 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_208 = (t_207 * tr(s.C))
-        t_209 = (t_206 + t_208)
-        t_210 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_211 = (s.mm("t_50' _", tr(s.t_50), t_209) + s.mm("_ t_9'", t_210, tr(s.t_9)))
-        t_225 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_211)
-        t_226 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_227 = (s.mm("_ t_9'", t_226, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_209))
-        t_228 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_227)
-        t_229 = s.mm('_ N_1 W_V W_O2', t_228, s.N_1, s.W_V, s.W_O2)
-        t_230 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_231 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_232 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_233 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_225, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_229), (1, t_230), (1, t_231), (1, t_232))
-        t_234 = (t_233 * s.R_N_2)
-        t_235 = (t_233 * s.Y_2)
-        t_236 = s.mm('_ one', t_235, s.one)
-        t_237 = (t_236 * s.t_33 * s.Y_2)
-        t_238 = lin((1, t_234), (2/s.d_V, t_237))
-        t_239 = s.mm('_ W_1', t_238, s.W_1)
-        t_240 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_241 = (t_239 + t_240)
-        t_242 = (t_241 * s.t_24 * s.t_23 * s.t_26)
-        t_243 = s.mm('_ W_3', t_238, s.W_3)
-        t_244 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_245 = (t_243 + t_244)
-        t_246 = (t_245 * s.t_25 * s.t_23)
-        t_247 = (t_241 * s.t_25 * s.t_26)
-        t_248 = lin((1, t_242), (1, t_246), (1, t_247))
-        t_249 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_225, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.mm('_ W_2', t_248, s.W_2)), (1, s.mm('t_27 _', s.t_27, V_W_2)), (1, t_229), (1, t_230), (1, t_231), (1, t_232))
-        t_250 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_249, tr(s.W_2))
-        t_251 = (t_250 + s.mm('G _', s.G, tr(V_W_2)))
-        t_252 = lin((1, (t_245 * s.t_25), s.t_212), (1, (t_241 * s.t_69 * s.t_212 * s.t_23), s.t_26), (2, (t_241 * s.t_24 * s.t_212), s.t_26), (1, (t_245 * s.t_24 * s.t_212), s.t_23), (1, (t_251 * s.t_25), s.t_26), (1, (t_251 * s.t_24 * s.t_23), s.t_26))
-        t_253 = lin((1, (t_241 * s.t_25), s.t_212), (1, (t_241 * s.t_24 * s.t_212), s.t_23), (1, (t_251 * s.t_25), s.t_23))
-        t_254 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_252, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_253, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_215 _', s.t_215, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_217 _', s.t_217, tr(V_W_3))))
-        t_255 = (math.sqrt(s.d_K)) * t_254
-        t_256 = lin((1, (t_233 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_220), s.t_33), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_255 * s.t_33), s.Y_2), (2/s.d_V, (t_236 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_220 * s.t_75), s.Y_2))
-        t_257 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_249), (1, s.t_222, t_233), (1, t_254, s.R_N_2), (2/s.d_V, (t_236 * s.t_219), s.t_33), (1, s.mm('_ one', t_256, s.one), s.Y_2))
-        t_258 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_257, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_223 _ W_V' N_1'", s.t_223, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_223 W_O1' _ N_1'", s.t_223, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_259 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_211, s.t_224) + softmax_diff(s.A1, t_258))
-        t_261 = (s.mm("_ t_6'", t_259, tr(s.t_6)) + s.mm('t_260 _', s.t_260, tr(t_209)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_261 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_261 * s.C)), mean=True)
-        t_263 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_257, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_223 W_O2' _ N_1'", s.t_223, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_223 _ W_V' N_1'", s.t_223, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_264 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_227, s.t_262) + softmax_diff(s.A2, t_263))
-        t_266 = (s.mm("_ t_6'", t_264, tr(s.t_6)) + s.mm('t_265 _', s.t_265, tr(t_209)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_266 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_266 * s.C)), mean=True)
-        t_271 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_211, s.t_270)
-        t_272 = lin((1, (t_233 * (2/s.d_V) * s.t_220), s.t_33), (1, ((2/s.d_V) * t_255 * s.t_33), s.Y_2), (2/s.d_V, (t_236 * (2/s.d_V) * s.t_220 * s.t_75), s.Y_2))
-        t_273 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_249), (1/math.sqrt(s.d_K), t_255, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_236 * s.t_220), s.t_33), (1/math.sqrt(s.d_K), s.t_268, t_233), (1/math.sqrt(s.d_K), s.mm('_ one', t_272, s.one), s.Y_2))
-        t_274 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_273, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_269 _ W_V' N_1'", s.t_269, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_269 W_O1' _ N_1'", s.t_269, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_275 = softmax_diff(s.A1, t_274)
-        t_277 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_227, s.t_276)
-        t_278 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_273, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_269 W_O2' _ N_1'", s.t_269, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_269 _ W_V' N_1'", s.t_269, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_279 = softmax_diff(s.A2, t_278)
-        t_282 = lin((1, s.mm("_ t_50'", (tr(t_271) + tr(t_275)), tr(s.t_50))), (1, s.mm("_ t_51'", (tr(t_277) + tr(t_279)), tr(s.t_51))), (1, s.mm("t_280' _", tr(s.t_280), t_210)), (1, s.mm("t_281' _", tr(s.t_281), t_226)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_282 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_282 * s.S), tr(s.R)), mean=True)
-        t_284 = (math.sqrt(s.d_K)) * t_273
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_283 _", tr(s.N_1), tr(s.A2), s.t_283, tr(V_W_O2)), (1, "N_1' A1' t_283 _", tr(s.N_1), tr(s.A1), s.t_283, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_284, tr(s.W_O1)), (1, "N_1' _ t_283 W_O1'", tr(s.N_1), tr(t_225), s.t_283, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_284, tr(s.W_O2)), (1, "N_1' _ t_283 W_O2'", tr(s.N_1), tr(t_228), s.t_283, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_283", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_283), (1, "W_V' N_1' _ t_283", tr(s.W_V), tr(s.N_1), tr(t_225), s.t_283), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_284, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_283", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_283), (1, "W_V' N_1' _ t_283", tr(s.W_V), tr(s.N_1), tr(t_228), s.t_283), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_284, mean=True)))
-        out_W_1 = (s.mm('_ t_215', tr(t_238), s.t_215, mean=True) + s.mm("N_2' _", tr(s.N_2), t_252, mean=True))
-        out_W_3 = (s.mm('_ t_217', tr(t_238), s.t_217, mean=True) + s.mm("N_2' _", tr(s.N_2), t_253, mean=True))
-        t_285 = s.mm("t_27' _", tr(s.t_27), (2/(s.L*s.d_V)) * t_249)
-        out_W_2 = (s.mm('_ G', tr(t_248), s.G, mean=True) + mean0(t_285, True))
-        return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
-
-
-class mse_causal1(Forward):
-    """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
-
-    PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "ddc43f02d4d03de148a274e2"
-    RUNS = {
-        'A1 N_1': 22,
-        'A1 N_1 W_V': 9,
-        "A1' t_284": 2,
-        "A1' t_56": 5,
-        'A2 N_1': 20,
-        'A2 N_1 W_V': 9,
-        "A2' t_284": 2,
-        "A2' t_56": 5,
-        "G W_2'": 2,
-        'N_1 W_K': 2,
-        'N_1 W_Q1': 2,
-        'N_1 W_Q2': 2,
-        'N_1 W_V': 61,
-        'N_1 W_V W_O1': 17,
-        'N_1 W_V W_O2': 15,
-        "N_1' A1' t_284": 2,
-        "N_1' A1' t_56": 4,
-        "N_1' A2' t_284": 2,
-        "N_1' A2' t_56": 4,
-        "W_O1 t_223'": 2,
-        "W_O1 t_269'": 2,
-        "W_O1 t_36'": 3,
-        "W_O1 t_56'": 3,
-        "W_O1 t_79'": 2,
-        "W_O1' W_V'": 18,
-        "W_O2 t_223'": 2,
-        "W_O2 t_269'": 2,
-        "W_O2 t_36'": 3,
-        "W_O2 t_56'": 3,
-        "W_O2 t_79'": 2,
+        "W_O2 t_78'": 2,
         "W_O2' W_V'": 16,
     }
 
@@ -2215,251 +2211,247 @@ class mse_causal1(Forward):
 
     @leaf
     def t_65(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
-    def t_66(s):
         return (s.t_33 * s.Y_2)
 
     @leaf
-    def t_67(s):
+    def t_66(s):
         return (s.t_24 * s.t_23 * s.t_26)
 
     @leaf
-    def t_68(s):
+    def t_67(s):
         return (s.t_25 * s.t_26)
 
     @leaf
-    def t_69(s):
+    def t_68(s):
         return ((((1.0 + (-1.0 * sigmoid(s.t_23))) * (1.0 + (-1.0 * sigmoid(s.t_23)))) * sigmoid(s.t_23)) + (-1.0 * (sigmoid(s.t_23) * sigmoid(s.t_23)) * (1.0 + (-1.0 * sigmoid(s.t_23)))))
 
     @leaf
-    def t_70(s):
-        return (s.t_69 * s.t_28 * s.t_23 * s.t_26)
+    def t_69(s):
+        return (s.t_68 * s.t_28 * s.t_23 * s.t_26)
 
     @leaf
-    def t_71(s):
+    def t_70(s):
         return (s.t_24 * s.t_28 * s.t_26)
 
     @leaf
-    def t_72(s):
+    def t_71(s):
         return (s.t_24 * s.t_28 * s.t_23)
 
     @leaf
-    def t_73(s):
+    def t_72(s):
         return (s.t_25 * s.t_28)
 
     @leaf
-    def t_74(s):
+    def t_73(s):
         return (s.t_32 * s.t_33)
 
     @leaf
-    def t_75(s):
+    def t_74(s):
         return (0.75 * (s.t_22 ** -2.5))
 
     @leaf
-    def t_76(s):
-        return (s.t_32 * s.t_75 * s.Y_2)
+    def t_75(s):
+        return (s.t_32 * s.t_74 * s.Y_2)
 
     @leaf
-    def t_77(s):
+    def t_76(s):
         return bcast_last(s.t_35, s.d_V)
 
     @leaf
-    def t_78(s):
+    def t_77(s):
         return (s.t_31 * s.t_33)
 
     @leaf
-    def t_79(s):
+    def t_78(s):
         return (1/math.sqrt(s.d_K)) * s.t_56
 
     @leaf
+    def t_79(s):
+        return s.mm("t_78 W_O1' W_V' N_1'", s.t_78, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
     def t_80(s):
-        return s.mm("t_79 W_O1' W_V' N_1'", s.t_79, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return softmax_diff(s.A1, s.t_79)
 
     @leaf
     def t_81(s):
-        return softmax_diff(s.A1, s.t_80)
-
-    @leaf
-    def t_82(s):
         return (s.t_53 * s.t_33)
 
     @leaf
-    def t_83(s):
-        return (s.t_53 * s.t_75 * s.Y_2)
+    def t_82(s):
+        return (s.t_53 * s.t_74 * s.Y_2)
 
     @leaf
-    def t_84(s):
+    def t_83(s):
         return bcast_last(s.t_55, s.d_V)
 
     @leaf
-    def t_85(s):
+    def t_84(s):
         return (s.t_52 * s.t_33)
 
     @leaf
-    def t_86(s):
-        return s.mm("t_79 W_O2' W_V' N_1'", s.t_79, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_85(s):
+        return s.mm("t_78 W_O2' W_V' N_1'", s.t_78, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_87(s):
-        return softmax_diff(s.A2, s.t_86)
+    def t_86(s):
+        return softmax_diff(s.A2, s.t_85)
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_88(s):
+    def t_87(s):
         return (s.F - s.Y)
 
     @leaf
+    def t_88(s):
+        return (s.t_87 * s.t_87)
+
+    @leaf
     def t_89(s):
-        return (s.t_88 * s.t_88)
+        return s.mm('one_2 t_88 one', s.one_2, s.t_88, s.one)
 
     @leaf
     def t_90(s):
-        return s.mm('one_2 t_89 one', s.one_2, s.t_89, s.one)
-
-    @leaf
-    def t_91(s):
         return s.mm("t_38 t_6'", s.t_38, tr(s.t_6))
 
     @leaf
+    def t_91(s):
+        return (s.t_90 * s.C)
+
+    @leaf
     def t_92(s):
-        return (s.t_91 * s.C)
+        return (s.t_90 * s.S)
 
     @leaf
     def t_93(s):
-        return (s.t_91 * s.S)
-
-    @leaf
-    def t_94(s):
         return s.mm("t_47 t_6'", s.t_47, tr(s.t_6))
 
     @leaf
+    def t_94(s):
+        return (s.t_93 * s.S)
+
+    @leaf
     def t_95(s):
-        return (s.t_94 * s.S)
+        return (s.t_93 * s.C)
 
     @leaf
     def t_96(s):
-        return (s.t_94 * s.C)
+        return s.mm("t_80' t_50'", tr(s.t_80), tr(s.t_50))
 
     @leaf
     def t_97(s):
-        return s.mm("t_81' t_50'", tr(s.t_81), tr(s.t_50))
+        return s.mm("t_86' t_51'", tr(s.t_86), tr(s.t_51))
 
     @leaf
     def t_98(s):
-        return s.mm("t_87' t_51'", tr(s.t_87), tr(s.t_51))
+        return (s.t_96 + s.t_97)
 
     @leaf
     def t_99(s):
-        return (s.t_97 + s.t_98)
+        return (s.t_98 * s.S)
 
     @leaf
     def t_100(s):
-        return (s.t_99 * s.S)
+        return (s.t_98 * s.C)
 
     @leaf
-    def t_101(s):
-        return (s.t_99 * s.C)
-
-    @leaf
-    def t_212(s):
+    def t_211(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_212(s):
+        return (s.t_24 * s.t_211 * s.t_23 * s.t_26)
+
+    @leaf
     def t_213(s):
-        return (s.t_24 * s.t_212 * s.t_23 * s.t_26)
+        return (s.t_25 * s.t_211 * s.t_26)
 
     @leaf
     def t_214(s):
-        return (s.t_25 * s.t_212 * s.t_26)
+        return (s.t_212 + s.t_213)
 
     @leaf
     def t_215(s):
-        return (s.t_213 + s.t_214)
+        return s.mm("t_214 W_1'", s.t_214, tr(s.W_1))
 
     @leaf
     def t_216(s):
-        return s.mm("t_215 W_1'", s.t_215, tr(s.W_1))
+        return (s.t_25 * s.t_211 * s.t_23)
 
     @leaf
     def t_217(s):
-        return (s.t_25 * s.t_212 * s.t_23)
+        return s.mm("t_216 W_3'", s.t_216, tr(s.W_3))
 
     @leaf
     def t_218(s):
-        return s.mm("t_217 W_3'", s.t_217, tr(s.W_3))
+        return lin((1/math.sqrt(s.d_K), s.t_215), (1/math.sqrt(s.d_K), s.t_217))
 
     @leaf
     def t_219(s):
-        return lin((1/math.sqrt(s.d_K), s.t_216), (1/math.sqrt(s.d_K), s.t_218))
+        return (math.sqrt(s.d_K)) * s.t_218
 
     @leaf
     def t_220(s):
-        return (math.sqrt(s.d_K)) * s.t_219
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_219 * s.t_33 * s.Y_2)
 
     @leaf
     def t_221(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_220 * s.t_33 * s.Y_2)
+        return s.mm('t_220 one', s.t_220, s.one)
 
     @leaf
     def t_222(s):
-        return s.mm('t_221 one', s.t_221, s.one)
+        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_218, s.R_N_2), (1, s.t_221, s.Y_2))
 
     @leaf
     def t_223(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_219, s.R_N_2), (1, s.t_222, s.Y_2))
+        return s.mm("t_222 W_O1' W_V' N_1'", s.t_222, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_224(s):
-        return s.mm("t_223 W_O1' W_V' N_1'", s.t_223, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_259(s):
+        return softmax_diff(s.A1, s.t_223)
 
     @leaf
-    def t_260(s):
-        return softmax_diff(s.A1, s.t_224)
+    def t_261(s):
+        return s.mm("t_222 W_O2' W_V' N_1'", s.t_222, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_262(s):
-        return s.mm("t_223 W_O2' W_V' N_1'", s.t_223, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_264(s):
+        return softmax_diff(s.A2, s.t_261)
 
     @leaf
-    def t_265(s):
-        return softmax_diff(s.A2, s.t_262)
+    def t_266(s):
+        return ((2/s.d_V) * s.t_219 * s.t_33 * s.Y_2)
 
     @leaf
     def t_267(s):
-        return ((2/s.d_V) * s.t_220 * s.t_33 * s.Y_2)
+        return s.mm('t_266 one', s.t_266, s.one)
 
     @leaf
     def t_268(s):
-        return s.mm('t_267 one', s.t_267, s.one)
+        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_219, s.R_N_2), (1/math.sqrt(s.d_K), s.t_267, s.Y_2))
 
     @leaf
     def t_269(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_220, s.R_N_2), (1/math.sqrt(s.d_K), s.t_268, s.Y_2))
+        return s.mm("t_268 W_O1' W_V' N_1'", s.t_268, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_270(s):
-        return s.mm("t_269 W_O1' W_V' N_1'", s.t_269, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_275(s):
+        return s.mm("t_268 W_O2' W_V' N_1'", s.t_268, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_276(s):
-        return s.mm("t_269 W_O2' W_V' N_1'", s.t_269, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_279(s):
+        return softmax_diff(s.A1, s.t_269)
 
     @leaf
     def t_280(s):
-        return softmax_diff(s.A1, s.t_270)
+        return softmax_diff(s.A2, s.t_275)
 
     @leaf
-    def t_281(s):
-        return softmax_diff(s.A2, s.t_276)
-
-    @leaf
-    def t_284(s):
-        return (math.sqrt(s.d_K)) * s.t_269
+    def t_283(s):
+        return (math.sqrt(s.d_K)) * s.t_268
 
     @leaf
     def S_2(s):
@@ -2482,15 +2474,15 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, s.t_65, s.t_66),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_65),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
+            net(1, 'nab->nab', s.t_66),
             net(1, 'nab->nab', s.t_67),
-            net(1, 'nab->nab', s.t_68),
         ])
 
     @leaf
@@ -2514,7 +2506,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, s.t_65, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_65, ONES, s.Y_2),
         ])
 
     @leaf
@@ -2554,16 +2546,16 @@ class mse_causal1(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_70),
-            net(2, 'nab->nab', s.t_71),
+            net(1, 'nab->nab', s.t_69),
+            net(2, 'nab->nab', s.t_70),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
+            net(1, 'nab->nab', s.t_71),
             net(1, 'nab->nab', s.t_72),
-            net(1, 'nab->nab', s.t_73),
         ])
 
     @leaf
@@ -2586,19 +2578,19 @@ class mse_causal1(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_74, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_76, s.t_65, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_66, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_73, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_75, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_65, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_77, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_78, s.t_65, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_76, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_77, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, s.t_65, s.S_16),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
 
     @leaf
@@ -2687,37 +2679,37 @@ class mse_causal1(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_81, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_81, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_81),
+            net(1, 'nab,bc->nabc', s.t_80, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_80, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_80),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_82, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_83, s.t_65, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_66, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_81, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_82, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_65, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_26(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_26', [
-            net(1, 'nab,bc->nabc', s.t_84, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_85, s.t_65, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_83, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_84, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, s.t_65, s.S_25),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_25),
         ])
 
     @leaf
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_87, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_87, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_87),
+            net(1, 'nab,bc->nabc', s.t_86, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_86, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_86),
         ])
 
     @leaf
@@ -2725,7 +2717,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_27', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, s.t_65, s.t_66),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_65),
         ])
 
     @leaf
@@ -2749,8 +2741,8 @@ class mse_causal1(Forward):
     def S_30(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_30', [
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_66),
             net(2/(s.L*s.d_V), 'nab->nab', s.t_67),
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_68),
         ])
 
     @leaf
@@ -3489,13 +3481,13 @@ class mse_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_90, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_89, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_92", tr(s.N_1), s.t_92), (1, "N_1' t_93 R'", tr(s.N_1), s.t_93, tr(s.R)), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_95 R'", tr(s.N_1), s.t_95, tr(s.R)), (1, "N_1' t_96", tr(s.N_1), s.t_96), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_100 R'", tr(s.N_1), s.t_100, tr(s.R)), (1, "N_1' t_101", tr(s.N_1), s.t_101), mean=True)
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_91", tr(s.N_1), s.t_91), (1, "N_1' t_92 R'", tr(s.N_1), s.t_92, tr(s.R)), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_94 R'", tr(s.N_1), s.t_94, tr(s.R)), (1, "N_1' t_95", tr(s.N_1), s.t_95), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_99 R'", tr(s.N_1), s.t_99, tr(s.R)), (1, "N_1' t_100", tr(s.N_1), s.t_100), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' A2' t_56 W_O2'", tr(s.N_1), tr(s.A2), s.t_56, tr(s.W_O2)), (1, "N_1' A1' t_56 W_O1'", tr(s.N_1), tr(s.A1), s.t_56, tr(s.W_O1)), mean=True)
         out_W_O1 = s.mm("W_V' N_1' A1' t_56", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_56, mean=True)
         out_W_O2 = s.mm("W_V' N_1' A2' t_56", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_56, mean=True)
@@ -3506,201 +3498,201 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_102 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_103 = (t_102 * tr(s.S))
-        t_104 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_105 = (t_104 * tr(s.C))
-        t_106 = (t_103 + t_105)
-        t_107 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_108 = (s.mm("t_50' _", tr(s.t_50), t_106) + s.mm("_ t_9'", t_107, tr(s.t_9)))
-        t_109 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_108)
-        t_110 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_111 = (s.mm("_ t_9'", t_110, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_106))
-        t_112 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_111)
-        t_113 = s.mm('_ N_1 W_V W_O2', t_112, s.N_1, s.W_V, s.W_O2)
-        t_114 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_115 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_116 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_117 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_109, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_113), (1, t_114), (1, t_115), (1, t_116))
-        t_118 = (t_117 * s.R_N_2)
-        t_119 = (t_117 * s.Y_2)
-        t_120 = s.mm('_ one', t_119, s.one)
-        t_121 = (t_120 * s.t_33 * s.Y_2)
-        t_122 = lin((1, t_118), (2/s.d_V, t_121))
-        t_123 = s.mm('_ W_3', t_122, s.W_3)
-        t_124 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_125 = (t_123 + t_124)
-        t_126 = (t_125 * s.t_25 * s.t_23)
-        t_127 = s.mm('_ W_1', t_122, s.W_1)
-        t_128 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_129 = (t_127 + t_128)
-        t_130 = (t_129 * s.t_24 * s.t_23 * s.t_26)
-        t_131 = (t_129 * s.t_25 * s.t_26)
-        t_132 = lin((1, t_126), (1, t_130), (1, t_131))
-        t_133 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_109, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.mm('_ W_2', t_132, s.W_2)), (1, s.mm('t_27 _', s.t_27, V_W_2)), (1, t_113), (1, t_114), (1, t_115), (1, t_116))
-        t_134 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_133, tr(s.W_2))
-        t_135 = ((s.t_24 * t_134 * s.t_23 * s.t_26) + (s.t_25 * t_134 * s.t_26))
-        t_136 = (s.t_25 * t_134 * s.t_23)
-        t_137 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_135, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_136, tr(s.W_3))))
-        t_138 = (math.sqrt(s.d_K)) * t_137
-        t_139 = s.mm('_ one', ((2/(math.sqrt(s.d_K)*s.d_V)) * t_138 * s.t_33 * s.Y_2), s.one)
-        t_140 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_133), (1, t_137, s.R_N_2), (1, t_139, s.Y_2))
-        t_141 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_140, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_142 = s.mm("_ t_6'", t_141, tr(s.t_6))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_142 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_142 * s.C)), mean=True)
-        t_143 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_140, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_144 = s.mm("_ t_6'", t_143, tr(s.t_6))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_144 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), mean=True)
-        t_145 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_133), (1/math.sqrt(s.d_K), t_138, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', ((2/s.d_V) * t_138 * s.t_33 * s.Y_2), s.one), s.Y_2))
-        t_146 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_145, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_147 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_145, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_148 = (s.mm("_ t_50'", tr(t_146), tr(s.t_50)) + s.mm("_ t_51'", tr(t_147), tr(s.t_51)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_148 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_148 * s.C)), mean=True)
-        t_149 = (math.sqrt(s.d_K)) * t_145
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_149, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_149, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_149, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_149, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_135, mean=True)
-        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_136, mean=True)
-        t_150 = s.mm("t_27' _", tr(s.t_27), (2/(s.L*s.d_V)) * t_133)
-        out_W_2 = mean0(t_150, True)
+        t_101 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
+        t_102 = (t_101 * tr(s.S))
+        t_103 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
+        t_104 = (t_103 * tr(s.C))
+        t_105 = (t_102 + t_104)
+        t_106 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_107 = (s.mm("t_50' _", tr(s.t_50), t_105) + s.mm("_ t_9'", t_106, tr(s.t_9)))
+        t_108 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_107)
+        t_109 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_110 = (s.mm("_ t_9'", t_109, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_105))
+        t_111 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_110)
+        t_112 = s.mm('_ N_1 W_V W_O2', t_111, s.N_1, s.W_V, s.W_O2)
+        t_113 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
+        t_114 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
+        t_115 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
+        t_116 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_108, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_112), (1, t_113), (1, t_114), (1, t_115))
+        t_117 = (t_116 * s.R_N_2)
+        t_118 = (t_116 * s.Y_2)
+        t_119 = s.mm('_ one', t_118, s.one)
+        t_120 = (t_119 * s.t_33 * s.Y_2)
+        t_121 = lin((1, t_117), (2/s.d_V, t_120))
+        t_122 = s.mm('_ W_3', t_121, s.W_3)
+        t_123 = s.mm('N_2 _', s.N_2, V_W_3)
+        t_124 = (t_122 + t_123)
+        t_125 = (t_124 * s.t_25 * s.t_23)
+        t_126 = s.mm('_ W_1', t_121, s.W_1)
+        t_127 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_128 = (t_126 + t_127)
+        t_129 = (t_128 * s.t_24 * s.t_23 * s.t_26)
+        t_130 = (t_128 * s.t_25 * s.t_26)
+        t_131 = lin((1, t_125), (1, t_129), (1, t_130))
+        t_132 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_108, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.mm('_ W_2', t_131, s.W_2)), (1, s.mm('t_27 _', s.t_27, V_W_2)), (1, t_112), (1, t_113), (1, t_114), (1, t_115))
+        t_133 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_132, tr(s.W_2))
+        t_134 = ((s.t_24 * t_133 * s.t_23 * s.t_26) + (s.t_25 * t_133 * s.t_26))
+        t_135 = (s.t_25 * t_133 * s.t_23)
+        t_136 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_134, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_135, tr(s.W_3))))
+        t_137 = (math.sqrt(s.d_K)) * t_136
+        t_138 = s.mm('_ one', ((2/(math.sqrt(s.d_K)*s.d_V)) * t_137 * s.t_33 * s.Y_2), s.one)
+        t_139 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_132), (1, t_136, s.R_N_2), (1, t_138, s.Y_2))
+        t_140 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_139, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_141 = s.mm("_ t_6'", t_140, tr(s.t_6))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_141 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_141 * s.C)), mean=True)
+        t_142 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_139, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_143 = s.mm("_ t_6'", t_142, tr(s.t_6))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_143 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_143 * s.S), tr(s.R)), mean=True)
+        t_144 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_132), (1/math.sqrt(s.d_K), t_137, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', ((2/s.d_V) * t_137 * s.t_33 * s.Y_2), s.one), s.Y_2))
+        t_145 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_146 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_147 = (s.mm("_ t_50'", tr(t_145), tr(s.t_50)) + s.mm("_ t_51'", tr(t_146), tr(s.t_51)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), mean=True)
+        t_148 = (math.sqrt(s.d_K)) * t_144
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_148, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_148, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_148, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_148, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_134, mean=True)
+        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_135, mean=True)
+        t_149 = s.mm("t_27' _", tr(s.t_27), (2/(s.L*s.d_V)) * t_132)
+        out_W_2 = mean0(t_149, True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_151 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_152 = (t_151 * tr(s.S))
-        t_153 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_154 = (t_153 * tr(s.C))
-        t_155 = (t_152 + t_154)
-        t_156 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_157 = (s.mm("t_50' _", tr(s.t_50), t_155) + s.mm("_ t_9'", t_156, tr(s.t_9)))
-        t_158 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_157)
-        t_159 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_160 = (s.mm("_ t_9'", t_159, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_155))
-        t_161 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_160)
-        t_162 = s.mm('_ N_1 W_V W_O2', t_161, s.N_1, s.W_V, s.W_O2)
-        t_163 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_164 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_165 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_166 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_158, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_162), (1, t_163), (1, t_164), (1, t_165))
-        t_167 = (t_166 * s.R_N_2)
-        t_168 = (t_166 * s.Y_2)
-        t_169 = s.mm('_ one', t_168, s.one)
-        t_170 = (t_169 * s.t_33 * s.Y_2)
-        t_171 = lin((1, t_167), (2/s.d_V, t_170))
-        t_172 = s.mm('_ W_1', t_171, s.W_1)
-        t_173 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_174 = (t_172 + t_173)
-        t_175 = s.mm('G _', s.G, tr(V_W_2))
-        t_176 = lin((1, (t_174 * s.t_24 * s.t_28), s.t_23), (1, (t_174 * s.t_25), s.t_28), (1, (s.t_25 * t_175), s.t_23))
-        t_177 = s.mm('_ W_3', t_171, s.W_3)
-        t_178 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_179 = (t_177 + t_178)
-        t_180 = lin((1, (t_179 * s.t_25), s.t_28), (1, (t_174 * s.t_69 * s.t_28 * s.t_23), s.t_26), (1, (t_179 * s.t_24 * s.t_28), s.t_23), (2, (t_174 * s.t_24 * s.t_28), s.t_26), (1, (s.t_24 * t_175 * s.t_23), s.t_26), (1, (s.t_25 * t_175), s.t_26))
-        t_181 = lin((1/math.sqrt(s.d_K), s.mm("_ W_3'", t_176, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm("_ W_1'", t_180, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm('t_29 _', s.t_29, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_30 _', s.t_30, tr(V_W_3))))
-        t_182 = (math.sqrt(s.d_K)) * t_181
-        t_183 = lin((1, (t_166 * s.t_32), s.t_33), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_182 * s.t_33), s.Y_2), (2/s.d_V, (t_169 * s.t_32 * s.t_75), s.Y_2))
-        t_184 = lin((1, s.t_35, t_166), (1, t_181, s.R_N_2), (2/s.d_V, (t_169 * s.t_31), s.t_33), (1, s.mm('_ one', t_183, s.one), s.Y_2))
-        t_185 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_184, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_36 _ W_V' N_1'", s.t_36, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_36 W_O1' _ N_1'", s.t_36, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_186 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_157, s.t_37) + softmax_diff(s.A1, t_185))
-        t_187 = (s.mm("_ t_6'", t_186, tr(s.t_6)) + s.mm('t_38 _', s.t_38, tr(t_155)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_187 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_187 * s.C)), mean=True)
-        t_188 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_184, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_36 _ W_V' N_1'", s.t_36, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_36 W_O2' _ N_1'", s.t_36, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_189 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_160, s.t_46) + softmax_diff(s.A2, t_188))
-        t_190 = (s.mm("_ t_6'", t_189, tr(s.t_6)) + s.mm('t_47 _', s.t_47, tr(t_155)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_190 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_190 * s.C)), mean=True)
-        t_191 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_157, s.t_80)
-        t_192 = lin((1, (t_166 * s.t_53), s.t_33), (1, ((2/s.d_V) * t_182 * s.t_33), s.Y_2), (2/s.d_V, (t_169 * s.t_53 * s.t_75), s.Y_2))
-        t_193 = lin((1/math.sqrt(s.d_K), t_182, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_169 * s.t_52), s.t_33), (1/math.sqrt(s.d_K), s.t_55, t_166), (1/math.sqrt(s.d_K), s.mm('_ one', t_192, s.one), s.Y_2))
-        t_194 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_193, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_79 _ W_V' N_1'", s.t_79, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_79 W_O1' _ N_1'", s.t_79, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_195 = softmax_diff(s.A1, t_194)
-        t_196 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_160, s.t_86)
-        t_197 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_193, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_79 W_O2' _ N_1'", s.t_79, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_79 _ W_V' N_1'", s.t_79, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_198 = softmax_diff(s.A2, t_197)
-        t_199 = lin((1, s.mm("_ t_50'", (tr(t_191) + tr(t_195)), tr(s.t_50))), (1, s.mm("_ t_51'", (tr(t_196) + tr(t_198)), tr(s.t_51))), (1, s.mm("t_81' _", tr(s.t_81), t_156)), (1, s.mm("t_87' _", tr(s.t_87), t_159)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_199 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_199 * s.S), tr(s.R)), mean=True)
-        t_200 = (math.sqrt(s.d_K)) * t_193
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_56 W_O2'", tr(s.N_1), tr(t_161), s.t_56, tr(s.W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_200, tr(s.W_O2)), (1, "N_1' A1' t_56 _", tr(s.N_1), tr(s.A1), s.t_56, tr(V_W_O1)), (1, "N_1' _ t_56 W_O1'", tr(s.N_1), tr(t_158), s.t_56, tr(s.W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_200, tr(s.W_O1)), (1, "N_1' A2' t_56 _", tr(s.N_1), tr(s.A2), s.t_56, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_56", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_56), (1, "W_V' N_1' _ t_56", tr(s.W_V), tr(s.N_1), tr(t_158), s.t_56), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_200, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_56", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_56), (1, "W_V' N_1' _ t_56", tr(s.W_V), tr(s.N_1), tr(t_161), s.t_56), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_200, mean=True)))
-        out_W_1 = (s.mm('_ t_29', tr(t_171), s.t_29, mean=True) + s.mm("N_2' _", tr(s.N_2), t_180, mean=True))
-        out_W_3 = (s.mm('_ t_30', tr(t_171), s.t_30, mean=True) + s.mm("N_2' _", tr(s.N_2), t_176, mean=True))
-        t_201 = (tr(t_174) * tr(s.t_25) * tr(s.t_26))
-        t_202 = (tr(t_174) * tr(s.t_24) * tr(s.t_23) * tr(s.t_26))
-        t_203 = (tr(t_179) * tr(s.t_25) * tr(s.t_23))
-        t_204 = lin((1, t_201), (1, t_202), (1, t_203))
-        out_W_2 = s.mm('_ G', t_204, s.G, mean=True)
+        t_150 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
+        t_151 = (t_150 * tr(s.S))
+        t_152 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
+        t_153 = (t_152 * tr(s.C))
+        t_154 = (t_151 + t_153)
+        t_155 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_156 = (s.mm("t_50' _", tr(s.t_50), t_154) + s.mm("_ t_9'", t_155, tr(s.t_9)))
+        t_157 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_156)
+        t_158 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_159 = (s.mm("_ t_9'", t_158, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_154))
+        t_160 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_159)
+        t_161 = s.mm('_ N_1 W_V W_O2', t_160, s.N_1, s.W_V, s.W_O2)
+        t_162 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
+        t_163 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
+        t_164 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
+        t_165 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_157, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_161), (1, t_162), (1, t_163), (1, t_164))
+        t_166 = (t_165 * s.R_N_2)
+        t_167 = (t_165 * s.Y_2)
+        t_168 = s.mm('_ one', t_167, s.one)
+        t_169 = (t_168 * s.t_33 * s.Y_2)
+        t_170 = lin((1, t_166), (2/s.d_V, t_169))
+        t_171 = s.mm('_ W_1', t_170, s.W_1)
+        t_172 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_173 = (t_171 + t_172)
+        t_174 = s.mm('G _', s.G, tr(V_W_2))
+        t_175 = lin((1, (t_173 * s.t_24 * s.t_28), s.t_23), (1, (t_173 * s.t_25), s.t_28), (1, (s.t_25 * t_174), s.t_23))
+        t_176 = s.mm('_ W_3', t_170, s.W_3)
+        t_177 = s.mm('N_2 _', s.N_2, V_W_3)
+        t_178 = (t_176 + t_177)
+        t_179 = lin((1, (t_178 * s.t_25), s.t_28), (1, (t_173 * s.t_68 * s.t_28 * s.t_23), s.t_26), (1, (t_178 * s.t_24 * s.t_28), s.t_23), (2, (t_173 * s.t_24 * s.t_28), s.t_26), (1, (s.t_24 * t_174 * s.t_23), s.t_26), (1, (s.t_25 * t_174), s.t_26))
+        t_180 = lin((1/math.sqrt(s.d_K), s.mm("_ W_3'", t_175, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm("_ W_1'", t_179, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm('t_29 _', s.t_29, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_30 _', s.t_30, tr(V_W_3))))
+        t_181 = (math.sqrt(s.d_K)) * t_180
+        t_182 = lin((1, (t_165 * s.t_32), s.t_33), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_181 * s.t_33), s.Y_2), (2/s.d_V, (t_168 * s.t_32 * s.t_74), s.Y_2))
+        t_183 = lin((1, s.t_35, t_165), (1, t_180, s.R_N_2), (2/s.d_V, (t_168 * s.t_31), s.t_33), (1, s.mm('_ one', t_182, s.one), s.Y_2))
+        t_184 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_183, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_36 _ W_V' N_1'", s.t_36, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_36 W_O1' _ N_1'", s.t_36, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_185 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_156, s.t_37) + softmax_diff(s.A1, t_184))
+        t_186 = (s.mm("_ t_6'", t_185, tr(s.t_6)) + s.mm('t_38 _', s.t_38, tr(t_154)))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_186 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_186 * s.C)), mean=True)
+        t_187 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_183, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_36 _ W_V' N_1'", s.t_36, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_36 W_O2' _ N_1'", s.t_36, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_188 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_159, s.t_46) + softmax_diff(s.A2, t_187))
+        t_189 = (s.mm("_ t_6'", t_188, tr(s.t_6)) + s.mm('t_47 _', s.t_47, tr(t_154)))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_189 * s.C)), mean=True)
+        t_190 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_156, s.t_79)
+        t_191 = lin((1, (t_165 * s.t_53), s.t_33), (1, ((2/s.d_V) * t_181 * s.t_33), s.Y_2), (2/s.d_V, (t_168 * s.t_53 * s.t_74), s.Y_2))
+        t_192 = lin((1/math.sqrt(s.d_K), t_181, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_168 * s.t_52), s.t_33), (1/math.sqrt(s.d_K), s.t_55, t_165), (1/math.sqrt(s.d_K), s.mm('_ one', t_191, s.one), s.Y_2))
+        t_193 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_192, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_78 _ W_V' N_1'", s.t_78, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_78 W_O1' _ N_1'", s.t_78, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_194 = softmax_diff(s.A1, t_193)
+        t_195 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_159, s.t_85)
+        t_196 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_192, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_78 W_O2' _ N_1'", s.t_78, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_78 _ W_V' N_1'", s.t_78, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_197 = softmax_diff(s.A2, t_196)
+        t_198 = lin((1, s.mm("_ t_50'", (tr(t_190) + tr(t_194)), tr(s.t_50))), (1, s.mm("_ t_51'", (tr(t_195) + tr(t_197)), tr(s.t_51))), (1, s.mm("t_80' _", tr(s.t_80), t_155)), (1, s.mm("t_86' _", tr(s.t_86), t_158)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_198 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_198 * s.S), tr(s.R)), mean=True)
+        t_199 = (math.sqrt(s.d_K)) * t_192
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_56 W_O2'", tr(s.N_1), tr(t_160), s.t_56, tr(s.W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_199, tr(s.W_O2)), (1, "N_1' A1' t_56 _", tr(s.N_1), tr(s.A1), s.t_56, tr(V_W_O1)), (1, "N_1' _ t_56 W_O1'", tr(s.N_1), tr(t_157), s.t_56, tr(s.W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_199, tr(s.W_O1)), (1, "N_1' A2' t_56 _", tr(s.N_1), tr(s.A2), s.t_56, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_56", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_56), (1, "W_V' N_1' _ t_56", tr(s.W_V), tr(s.N_1), tr(t_157), s.t_56), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_199, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_56", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_56), (1, "W_V' N_1' _ t_56", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_56), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_199, mean=True)))
+        out_W_1 = (s.mm('_ t_29', tr(t_170), s.t_29, mean=True) + s.mm("N_2' _", tr(s.N_2), t_179, mean=True))
+        out_W_3 = (s.mm('_ t_30', tr(t_170), s.t_30, mean=True) + s.mm("N_2' _", tr(s.N_2), t_175, mean=True))
+        t_200 = (tr(t_173) * tr(s.t_25) * tr(s.t_26))
+        t_201 = (tr(t_173) * tr(s.t_24) * tr(s.t_23) * tr(s.t_26))
+        t_202 = (tr(t_178) * tr(s.t_25) * tr(s.t_23))
+        t_203 = lin((1, t_200), (1, t_201), (1, t_202))
+        out_W_2 = s.mm('_ G', t_203, s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_205 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_206 = (t_205 * tr(s.S))
-        t_207 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_208 = (t_207 * tr(s.C))
-        t_209 = (t_206 + t_208)
-        t_210 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_211 = (s.mm("t_50' _", tr(s.t_50), t_209) + s.mm("_ t_9'", t_210, tr(s.t_9)))
-        t_225 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_211)
-        t_226 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_227 = (s.mm("_ t_9'", t_226, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_209))
-        t_228 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_227)
-        t_229 = s.mm('_ N_1 W_V W_O2', t_228, s.N_1, s.W_V, s.W_O2)
-        t_230 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_231 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_232 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_233 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_225, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_229), (1, t_230), (1, t_231), (1, t_232))
-        t_234 = (t_233 * s.R_N_2)
-        t_235 = (t_233 * s.Y_2)
-        t_236 = s.mm('_ one', t_235, s.one)
-        t_237 = (t_236 * s.t_33 * s.Y_2)
-        t_238 = lin((1, t_234), (2/s.d_V, t_237))
-        t_239 = s.mm('_ W_3', t_238, s.W_3)
-        t_240 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_241 = (t_239 + t_240)
-        t_242 = (t_241 * s.t_25 * s.t_23)
-        t_243 = s.mm('_ W_1', t_238, s.W_1)
-        t_244 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_245 = (t_243 + t_244)
-        t_246 = (t_245 * s.t_24 * s.t_23 * s.t_26)
-        t_247 = (t_245 * s.t_25 * s.t_26)
-        t_248 = lin((1, t_242), (1, t_246), (1, t_247))
-        t_249 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_225, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.mm('_ W_2', t_248, s.W_2)), (1, s.mm('t_27 _', s.t_27, V_W_2)), (1, t_229), (1, t_230), (1, t_231), (1, t_232))
-        t_250 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_249, tr(s.W_2))
-        t_251 = (t_250 + s.mm('G _', s.G, tr(V_W_2)))
-        t_252 = lin((1, (t_245 * s.t_25), s.t_212), (1, (t_245 * s.t_24 * s.t_212), s.t_23), (1, (t_251 * s.t_25), s.t_23))
-        t_253 = lin((1, (t_245 * s.t_24 * s.t_212), s.t_26), (1/2, (t_241 * s.t_24 * s.t_212), s.t_23), (1/2, (t_245 * s.t_69 * s.t_212 * s.t_23), s.t_26), (1/2, (t_241 * s.t_25), s.t_212), (1/2, (t_251 * s.t_25), s.t_26), (1/2, (t_251 * s.t_24 * s.t_23), s.t_26))
-        t_254 = lin((1/math.sqrt(s.d_K), s.mm("_ W_3'", t_252, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_215 _', s.t_215, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_1'", 2 * t_253, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm('t_217 _', s.t_217, tr(V_W_3))))
-        t_255 = (math.sqrt(s.d_K)) * t_254
-        t_256 = lin((1, (t_233 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_220), s.t_33), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_255 * s.t_33), s.Y_2), (2/s.d_V, (t_236 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_220 * s.t_75), s.Y_2))
-        t_257 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_249), (1, s.t_222, t_233), (1, t_254, s.R_N_2), (2/s.d_V, (t_236 * s.t_219), s.t_33), (1, s.mm('_ one', t_256, s.one), s.Y_2))
-        t_258 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_257, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_223 W_O1' _ N_1'", s.t_223, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_223 _ W_V' N_1'", s.t_223, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_259 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_211, s.t_224) + softmax_diff(s.A1, t_258))
-        t_261 = (s.mm("_ t_6'", t_259, tr(s.t_6)) + s.mm('t_260 _', s.t_260, tr(t_209)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_261 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_261 * s.C)), mean=True)
-        t_263 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_257, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_223 W_O2' _ N_1'", s.t_223, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_223 _ W_V' N_1'", s.t_223, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_264 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_227, s.t_262) + softmax_diff(s.A2, t_263))
-        t_266 = (s.mm("_ t_6'", t_264, tr(s.t_6)) + s.mm('t_265 _', s.t_265, tr(t_209)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_266 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_266 * s.S), tr(s.R)), mean=True)
-        t_271 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_211, s.t_270)
-        t_272 = lin((1, (t_233 * (2/s.d_V) * s.t_220), s.t_33), (1, ((2/s.d_V) * t_255 * s.t_33), s.Y_2), (2/s.d_V, (t_236 * (2/s.d_V) * s.t_220 * s.t_75), s.Y_2))
-        t_273 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_249), (1/math.sqrt(s.d_K), t_255, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_236 * s.t_220), s.t_33), (1/math.sqrt(s.d_K), s.t_268, t_233), (1/math.sqrt(s.d_K), s.mm('_ one', t_272, s.one), s.Y_2))
-        t_274 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_273, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_269 W_O1' _ N_1'", s.t_269, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_269 _ W_V' N_1'", s.t_269, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_275 = softmax_diff(s.A1, t_274)
-        t_277 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_227, s.t_276)
-        t_278 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_273, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_269 _ W_V' N_1'", s.t_269, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_269 W_O2' _ N_1'", s.t_269, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_279 = softmax_diff(s.A2, t_278)
-        t_282 = lin((1, s.mm("_ t_50'", (tr(t_271) + tr(t_275)), tr(s.t_50))), (1, s.mm("_ t_51'", (tr(t_277) + tr(t_279)), tr(s.t_51))), (1, s.mm("t_280' _", tr(s.t_280), t_210)), (1, s.mm("t_281' _", tr(s.t_281), t_226)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_282 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_282 * s.C)), mean=True)
-        t_283 = (math.sqrt(s.d_K)) * t_273
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_283, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_283, tr(s.W_O1)), (1, "N_1' _ t_284 W_O1'", tr(s.N_1), tr(t_225), s.t_284, tr(s.W_O1)), (1, "N_1' A1' t_284 _", tr(s.N_1), tr(s.A1), s.t_284, tr(V_W_O1)), (1, "N_1' A2' t_284 _", tr(s.N_1), tr(s.A2), s.t_284, tr(V_W_O2)), (1, "N_1' _ t_284 W_O2'", tr(s.N_1), tr(t_228), s.t_284, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_284", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_284), (1, "W_V' N_1' _ t_284", tr(s.W_V), tr(s.N_1), tr(t_225), s.t_284), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_283, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_284", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_284), (1, "W_V' N_1' _ t_284", tr(s.W_V), tr(s.N_1), tr(t_228), s.t_284), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_283, mean=True)))
-        out_W_1 = (s.mm('_ t_215', tr(t_238), s.t_215, mean=True) + s.mm("N_2' _", tr(s.N_2), 2 * t_253, mean=True))
-        out_W_3 = (s.mm('_ t_217', tr(t_238), s.t_217, mean=True) + s.mm("N_2' _", tr(s.N_2), t_252, mean=True))
-        t_285 = s.mm("t_27' _", tr(s.t_27), (2/(s.L*s.d_V)) * t_249)
-        out_W_2 = (s.mm('_ G', tr(t_248), s.G, mean=True) + mean0(t_285, True))
+        t_204 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
+        t_205 = (t_204 * tr(s.S))
+        t_206 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
+        t_207 = (t_206 * tr(s.C))
+        t_208 = (t_205 + t_207)
+        t_209 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_210 = (s.mm("t_50' _", tr(s.t_50), t_208) + s.mm("_ t_9'", t_209, tr(s.t_9)))
+        t_224 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_210)
+        t_225 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_226 = (s.mm("_ t_9'", t_225, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_208))
+        t_227 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_226)
+        t_228 = s.mm('_ N_1 W_V W_O2', t_227, s.N_1, s.W_V, s.W_O2)
+        t_229 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
+        t_230 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
+        t_231 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
+        t_232 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_224, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_228), (1, t_229), (1, t_230), (1, t_231))
+        t_233 = (t_232 * s.R_N_2)
+        t_234 = (t_232 * s.Y_2)
+        t_235 = s.mm('_ one', t_234, s.one)
+        t_236 = (t_235 * s.t_33 * s.Y_2)
+        t_237 = lin((1, t_233), (2/s.d_V, t_236))
+        t_238 = s.mm('_ W_3', t_237, s.W_3)
+        t_239 = s.mm('N_2 _', s.N_2, V_W_3)
+        t_240 = (t_238 + t_239)
+        t_241 = (t_240 * s.t_25 * s.t_23)
+        t_242 = s.mm('_ W_1', t_237, s.W_1)
+        t_243 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_244 = (t_242 + t_243)
+        t_245 = (t_244 * s.t_24 * s.t_23 * s.t_26)
+        t_246 = (t_244 * s.t_25 * s.t_26)
+        t_247 = lin((1, t_241), (1, t_245), (1, t_246))
+        t_248 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_224, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.mm('_ W_2', t_247, s.W_2)), (1, s.mm('t_27 _', s.t_27, V_W_2)), (1, t_228), (1, t_229), (1, t_230), (1, t_231))
+        t_249 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_248, tr(s.W_2))
+        t_250 = (t_249 + s.mm('G _', s.G, tr(V_W_2)))
+        t_251 = lin((1, (t_244 * s.t_25), s.t_211), (1, (t_244 * s.t_24 * s.t_211), s.t_23), (1, (t_250 * s.t_25), s.t_23))
+        t_252 = lin((1, (t_244 * s.t_24 * s.t_211), s.t_26), (1/2, (t_240 * s.t_24 * s.t_211), s.t_23), (1/2, (t_244 * s.t_68 * s.t_211 * s.t_23), s.t_26), (1/2, (t_240 * s.t_25), s.t_211), (1/2, (t_250 * s.t_25), s.t_26), (1/2, (t_250 * s.t_24 * s.t_23), s.t_26))
+        t_253 = lin((1/math.sqrt(s.d_K), s.mm("_ W_3'", t_251, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_214 _', s.t_214, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_1'", 2 * t_252, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm('t_216 _', s.t_216, tr(V_W_3))))
+        t_254 = (math.sqrt(s.d_K)) * t_253
+        t_255 = lin((1, (t_232 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_219), s.t_33), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_254 * s.t_33), s.Y_2), (2/s.d_V, (t_235 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_219 * s.t_74), s.Y_2))
+        t_256 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_248), (1, s.t_221, t_232), (1, t_253, s.R_N_2), (2/s.d_V, (t_235 * s.t_218), s.t_33), (1, s.mm('_ one', t_255, s.one), s.Y_2))
+        t_257 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_256, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_222 W_O1' _ N_1'", s.t_222, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_222 _ W_V' N_1'", s.t_222, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_258 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_210, s.t_223) + softmax_diff(s.A1, t_257))
+        t_260 = (s.mm("_ t_6'", t_258, tr(s.t_6)) + s.mm('t_259 _', s.t_259, tr(t_208)))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_260 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_260 * s.C)), mean=True)
+        t_262 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_256, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_222 W_O2' _ N_1'", s.t_222, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_222 _ W_V' N_1'", s.t_222, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_263 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_226, s.t_261) + softmax_diff(s.A2, t_262))
+        t_265 = (s.mm("_ t_6'", t_263, tr(s.t_6)) + s.mm('t_264 _', s.t_264, tr(t_208)))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_265 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_265 * s.S), tr(s.R)), mean=True)
+        t_270 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_210, s.t_269)
+        t_271 = lin((1, (t_232 * (2/s.d_V) * s.t_219), s.t_33), (1, ((2/s.d_V) * t_254 * s.t_33), s.Y_2), (2/s.d_V, (t_235 * (2/s.d_V) * s.t_219 * s.t_74), s.Y_2))
+        t_272 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_248), (1/math.sqrt(s.d_K), t_254, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_235 * s.t_219), s.t_33), (1/math.sqrt(s.d_K), s.t_267, t_232), (1/math.sqrt(s.d_K), s.mm('_ one', t_271, s.one), s.Y_2))
+        t_273 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_272, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_268 W_O1' _ N_1'", s.t_268, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_268 _ W_V' N_1'", s.t_268, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_274 = softmax_diff(s.A1, t_273)
+        t_276 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_226, s.t_275)
+        t_277 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_272, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_268 _ W_V' N_1'", s.t_268, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_268 W_O2' _ N_1'", s.t_268, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_278 = softmax_diff(s.A2, t_277)
+        t_281 = lin((1, s.mm("_ t_50'", (tr(t_270) + tr(t_274)), tr(s.t_50))), (1, s.mm("_ t_51'", (tr(t_276) + tr(t_278)), tr(s.t_51))), (1, s.mm("t_279' _", tr(s.t_279), t_209)), (1, s.mm("t_280' _", tr(s.t_280), t_225)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_281 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_281 * s.C)), mean=True)
+        t_282 = (math.sqrt(s.d_K)) * t_272
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_282, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_282, tr(s.W_O1)), (1, "N_1' _ t_283 W_O1'", tr(s.N_1), tr(t_224), s.t_283, tr(s.W_O1)), (1, "N_1' A1' t_283 _", tr(s.N_1), tr(s.A1), s.t_283, tr(V_W_O1)), (1, "N_1' A2' t_283 _", tr(s.N_1), tr(s.A2), s.t_283, tr(V_W_O2)), (1, "N_1' _ t_283 W_O2'", tr(s.N_1), tr(t_227), s.t_283, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_283", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_283), (1, "W_V' N_1' _ t_283", tr(s.W_V), tr(s.N_1), tr(t_224), s.t_283), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_282, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_283", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_283), (1, "W_V' N_1' _ t_283", tr(s.W_V), tr(s.N_1), tr(t_227), s.t_283), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_282, mean=True)))
+        out_W_1 = (s.mm('_ t_214', tr(t_237), s.t_214, mean=True) + s.mm("N_2' _", tr(s.N_2), 2 * t_252, mean=True))
+        out_W_3 = (s.mm('_ t_216', tr(t_237), s.t_216, mean=True) + s.mm("N_2' _", tr(s.N_2), t_251, mean=True))
+        t_284 = s.mm("t_27' _", tr(s.t_27), (2/(s.L*s.d_V)) * t_248)
+        out_W_2 = (s.mm('_ G', tr(t_247), s.G, mean=True) + mean0(t_284, True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -3708,15 +3700,15 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "ddbecce639973878ff8a2627"
+    STAMP = "77643b0948ae6357396a4219"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_286": 2,
+        "A1' t_285": 2,
         "A1' t_59": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_286": 2,
+        "A2' t_285": 2,
         "A2' t_59": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
@@ -3725,21 +3717,21 @@ class ce_causal0(Forward):
         'N_1 W_V': 59,
         'N_1 W_V W_O1': 15,
         'N_1 W_V W_O2': 15,
-        "N_1' A1' t_286": 2,
+        "N_1' A1' t_285": 2,
         "N_1' A1' t_59": 4,
-        "N_1' A2' t_286": 2,
+        "N_1' A2' t_285": 2,
         "N_1' A2' t_59": 4,
-        "W_O1 t_226'": 2,
-        "W_O1 t_272'": 2,
+        "W_O1 t_225'": 2,
+        "W_O1 t_271'": 2,
         "W_O1 t_39'": 3,
         "W_O1 t_59'": 3,
-        "W_O1 t_82'": 2,
+        "W_O1 t_81'": 2,
         "W_O1' W_V'": 16,
-        "W_O2 t_226'": 2,
-        "W_O2 t_272'": 2,
+        "W_O2 t_225'": 2,
+        "W_O2 t_271'": 2,
         "W_O2 t_39'": 3,
         "W_O2 t_59'": 3,
-        "W_O2 t_82'": 2,
+        "W_O2 t_81'": 2,
         "W_O2' W_V'": 16,
     }
 
@@ -4065,255 +4057,251 @@ class ce_causal0(Forward):
 
     @leaf
     def t_67(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
-    def t_68(s):
         return (s.t_36 * s.Y_2)
 
     @leaf
-    def t_69(s):
+    def t_68(s):
         return (s.t_26 * s.t_25 * s.t_28)
 
     @leaf
-    def t_70(s):
+    def t_69(s):
         return (s.t_27 * s.t_28)
 
     @leaf
-    def t_71(s):
+    def t_70(s):
         return softmax_rows(s.F)
 
     @leaf
-    def t_72(s):
+    def t_71(s):
         return ((((1.0 + (-1.0 * sigmoid(s.t_25))) * (1.0 + (-1.0 * sigmoid(s.t_25)))) * sigmoid(s.t_25)) + (-1.0 * (sigmoid(s.t_25) * sigmoid(s.t_25)) * (1.0 + (-1.0 * sigmoid(s.t_25)))))
 
     @leaf
-    def t_73(s):
-        return (s.t_72 * s.t_31 * s.t_25 * s.t_28)
+    def t_72(s):
+        return (s.t_71 * s.t_31 * s.t_25 * s.t_28)
 
     @leaf
-    def t_74(s):
+    def t_73(s):
         return (s.t_26 * s.t_31 * s.t_28)
 
     @leaf
-    def t_75(s):
+    def t_74(s):
         return (s.t_26 * s.t_31 * s.t_25)
 
     @leaf
-    def t_76(s):
+    def t_75(s):
         return (s.t_27 * s.t_31)
 
     @leaf
-    def t_77(s):
+    def t_76(s):
         return (s.t_35 * s.t_36)
 
     @leaf
-    def t_78(s):
+    def t_77(s):
         return (0.75 * (s.t_24 ** -2.5))
 
     @leaf
-    def t_79(s):
-        return (s.t_35 * s.t_78 * s.Y_2)
+    def t_78(s):
+        return (s.t_35 * s.t_77 * s.Y_2)
 
     @leaf
-    def t_80(s):
+    def t_79(s):
         return bcast_last(s.t_38, s.d_V)
 
     @leaf
-    def t_81(s):
+    def t_80(s):
         return (s.t_34 * s.t_36)
 
     @leaf
-    def t_82(s):
+    def t_81(s):
         return (1/math.sqrt(s.d_K)) * s.t_59
 
     @leaf
+    def t_82(s):
+        return s.mm("t_81 W_O1' W_V' N_1'", s.t_81, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
     def t_83(s):
-        return s.mm("t_82 W_O1' W_V' N_1'", s.t_82, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return softmax_diff(s.A1, s.t_82)
 
     @leaf
     def t_84(s):
-        return softmax_diff(s.A1, s.t_83)
-
-    @leaf
-    def t_85(s):
         return (s.t_56 * s.t_36)
 
     @leaf
-    def t_86(s):
-        return (s.t_56 * s.t_78 * s.Y_2)
+    def t_85(s):
+        return (s.t_56 * s.t_77 * s.Y_2)
 
     @leaf
-    def t_87(s):
+    def t_86(s):
         return bcast_last(s.t_58, s.d_V)
 
     @leaf
-    def t_88(s):
+    def t_87(s):
         return (s.t_55 * s.t_36)
 
     @leaf
-    def t_89(s):
-        return s.mm("t_82 W_O2' W_V' N_1'", s.t_82, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_88(s):
+        return s.mm("t_81 W_O2' W_V' N_1'", s.t_81, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_90(s):
-        return softmax_diff(s.A2, s.t_89)
+    def t_89(s):
+        return softmax_diff(s.A2, s.t_88)
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_91(s):
+    def t_90(s):
         return log_softmax_rows(s.F)
 
     @leaf
+    def t_91(s):
+        return (s.t_90 * s.Y)
+
+    @leaf
     def t_92(s):
-        return (s.t_91 * s.Y)
+        return s.mm('one_2 t_91 one', s.one_2, s.t_91, s.one)
 
     @leaf
     def t_93(s):
-        return s.mm('one_2 t_92 one', s.one_2, s.t_92, s.one)
-
-    @leaf
-    def t_94(s):
         return s.mm("t_41 t_6'", s.t_41, tr(s.t_6))
 
     @leaf
+    def t_94(s):
+        return (s.t_93 * s.C)
+
+    @leaf
     def t_95(s):
-        return (s.t_94 * s.C)
+        return (s.t_93 * s.S)
 
     @leaf
     def t_96(s):
-        return (s.t_94 * s.S)
-
-    @leaf
-    def t_97(s):
         return s.mm("t_50 t_6'", s.t_50, tr(s.t_6))
 
     @leaf
+    def t_97(s):
+        return (s.t_96 * s.C)
+
+    @leaf
     def t_98(s):
-        return (s.t_97 * s.C)
+        return (s.t_96 * s.S)
 
     @leaf
     def t_99(s):
-        return (s.t_97 * s.S)
+        return s.mm("t_83' t_53'", tr(s.t_83), tr(s.t_53))
 
     @leaf
     def t_100(s):
-        return s.mm("t_84' t_53'", tr(s.t_84), tr(s.t_53))
+        return s.mm("t_89' t_54'", tr(s.t_89), tr(s.t_54))
 
     @leaf
     def t_101(s):
-        return s.mm("t_90' t_54'", tr(s.t_90), tr(s.t_54))
+        return (s.t_99 + s.t_100)
 
     @leaf
     def t_102(s):
-        return (s.t_100 + s.t_101)
+        return (s.t_101 * s.S)
 
     @leaf
     def t_103(s):
-        return (s.t_102 * s.S)
+        return (s.t_101 * s.C)
 
     @leaf
-    def t_104(s):
-        return (s.t_102 * s.C)
-
-    @leaf
-    def t_215(s):
+    def t_214(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_215(s):
+        return (s.t_26 * s.t_214 * s.t_25 * s.t_28)
+
+    @leaf
     def t_216(s):
-        return (s.t_26 * s.t_215 * s.t_25 * s.t_28)
+        return (s.t_27 * s.t_214 * s.t_28)
 
     @leaf
     def t_217(s):
-        return (s.t_27 * s.t_215 * s.t_28)
+        return (s.t_215 + s.t_216)
 
     @leaf
     def t_218(s):
-        return (s.t_216 + s.t_217)
+        return s.mm("t_217 W_1'", s.t_217, tr(s.W_1))
 
     @leaf
     def t_219(s):
-        return s.mm("t_218 W_1'", s.t_218, tr(s.W_1))
+        return (s.t_27 * s.t_214 * s.t_25)
 
     @leaf
     def t_220(s):
-        return (s.t_27 * s.t_215 * s.t_25)
+        return s.mm("t_219 W_3'", s.t_219, tr(s.W_3))
 
     @leaf
     def t_221(s):
-        return s.mm("t_220 W_3'", s.t_220, tr(s.W_3))
+        return lin((1/math.sqrt(s.d_K), s.t_218), (1/math.sqrt(s.d_K), s.t_220))
 
     @leaf
     def t_222(s):
-        return lin((1/math.sqrt(s.d_K), s.t_219), (1/math.sqrt(s.d_K), s.t_221))
+        return (math.sqrt(s.d_K)) * s.t_221
 
     @leaf
     def t_223(s):
-        return (math.sqrt(s.d_K)) * s.t_222
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_222 * s.t_36 * s.Y_2)
 
     @leaf
     def t_224(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_223 * s.t_36 * s.Y_2)
+        return s.mm('t_223 one', s.t_223, s.one)
 
     @leaf
     def t_225(s):
-        return s.mm('t_224 one', s.t_224, s.one)
+        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_221, s.R_N_2), (1, s.t_224, s.Y_2))
 
     @leaf
     def t_226(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_222, s.R_N_2), (1, s.t_225, s.Y_2))
+        return s.mm("t_225 W_O1' W_V' N_1'", s.t_225, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_227(s):
-        return s.mm("t_226 W_O1' W_V' N_1'", s.t_226, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_262(s):
+        return softmax_diff(s.A1, s.t_226)
 
     @leaf
-    def t_263(s):
-        return softmax_diff(s.A1, s.t_227)
+    def t_264(s):
+        return s.mm("t_225 W_O2' W_V' N_1'", s.t_225, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_265(s):
-        return s.mm("t_226 W_O2' W_V' N_1'", s.t_226, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_267(s):
+        return softmax_diff(s.A2, s.t_264)
 
     @leaf
-    def t_268(s):
-        return softmax_diff(s.A2, s.t_265)
+    def t_269(s):
+        return ((2/s.d_V) * s.t_222 * s.t_36 * s.Y_2)
 
     @leaf
     def t_270(s):
-        return ((2/s.d_V) * s.t_223 * s.t_36 * s.Y_2)
+        return s.mm('t_269 one', s.t_269, s.one)
 
     @leaf
     def t_271(s):
-        return s.mm('t_270 one', s.t_270, s.one)
+        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_222, s.R_N_2), (1/math.sqrt(s.d_K), s.t_270, s.Y_2))
 
     @leaf
     def t_272(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_223, s.R_N_2), (1/math.sqrt(s.d_K), s.t_271, s.Y_2))
+        return s.mm("t_271 W_O1' W_V' N_1'", s.t_271, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_273(s):
-        return s.mm("t_272 W_O1' W_V' N_1'", s.t_272, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_278(s):
+        return s.mm("t_271 W_O2' W_V' N_1'", s.t_271, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_279(s):
-        return s.mm("t_272 W_O2' W_V' N_1'", s.t_272, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_282(s):
+        return softmax_diff(s.A1, s.t_272)
 
     @leaf
     def t_283(s):
-        return softmax_diff(s.A1, s.t_273)
+        return softmax_diff(s.A2, s.t_278)
 
     @leaf
-    def t_284(s):
-        return softmax_diff(s.A2, s.t_279)
-
-    @leaf
-    def t_286(s):
-        return (math.sqrt(s.d_K)) * s.t_272
+    def t_285(s):
+        return (math.sqrt(s.d_K)) * s.t_271
 
     @leaf
     def S_2(s):
@@ -4336,15 +4324,15 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, s.t_67, s.t_68),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_67),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
+            net(1, 'nab->nab', s.t_68),
             net(1, 'nab->nab', s.t_69),
-            net(1, 'nab->nab', s.t_70),
         ])
 
     @leaf
@@ -4367,8 +4355,8 @@ class ce_causal0(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_71, s.t_71),
+            net(1, 'nab,bc->nabc', s.t_70, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_70, s.t_70),
         ])
 
     @leaf
@@ -4384,7 +4372,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_68, s.t_67, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
         ])
 
     @leaf
@@ -4415,16 +4403,16 @@ class ce_causal0(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_73),
-            net(2, 'nab->nab', s.t_74),
+            net(1, 'nab->nab', s.t_72),
+            net(2, 'nab->nab', s.t_73),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
+            net(1, 'nab->nab', s.t_74),
             net(1, 'nab->nab', s.t_75),
-            net(1, 'nab->nab', s.t_76),
         ])
 
     @leaf
@@ -4447,19 +4435,19 @@ class ce_causal0(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_77, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_79, s.t_67, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_68, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_76, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_78, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_67, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_80, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_81, s.t_67, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_79, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_80, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, s.t_67, s.S_16),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
 
     @leaf
@@ -4540,37 +4528,37 @@ class ce_causal0(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_84, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_84, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_84),
+            net(1, 'nab,bc->nabc', s.t_83, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_83, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_83),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_24', [
-            net(1, 'nab,bc->nabc', s.t_85, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_86, s.t_67, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_68, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_84, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_85, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_67, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_87, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_88, s.t_67, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_86, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_87, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, s.t_67, s.S_24),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_24),
         ])
 
     @leaf
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_90, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_90, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_90),
+            net(1, 'nab,bc->nabc', s.t_89, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_89, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_89),
         ])
 
     @leaf
@@ -4578,7 +4566,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_26', [
             net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, s.t_67, s.t_68),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_67),
         ])
 
     @leaf
@@ -4593,8 +4581,8 @@ class ce_causal0(Forward):
     def S_28(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_28', [
+            net(1/s.L, 'nab->nab', s.t_68),
             net(1/s.L, 'nab->nab', s.t_69),
-            net(1/s.L, 'nab->nab', s.t_70),
         ])
 
     @leaf
@@ -5293,13 +5281,13 @@ class ce_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_93, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_92, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_95", tr(s.N_1), s.t_95), (1, "N_1' t_96 R'", tr(s.N_1), s.t_96, tr(s.R)), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_98", tr(s.N_1), s.t_98), (1, "N_1' t_99 R'", tr(s.N_1), s.t_99, tr(s.R)), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_103 R'", tr(s.N_1), s.t_103, tr(s.R)), (1, "N_1' t_104", tr(s.N_1), s.t_104), mean=True)
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_94", tr(s.N_1), s.t_94), (1, "N_1' t_95 R'", tr(s.N_1), s.t_95, tr(s.R)), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_97", tr(s.N_1), s.t_97), (1, "N_1' t_98 R'", tr(s.N_1), s.t_98, tr(s.R)), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_102 R'", tr(s.N_1), s.t_102, tr(s.R)), (1, "N_1' t_103", tr(s.N_1), s.t_103), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' A1' t_59 W_O1'", tr(s.N_1), tr(s.A1), s.t_59, tr(s.W_O1)), (1, "N_1' A2' t_59 W_O2'", tr(s.N_1), tr(s.A2), s.t_59, tr(s.W_O2)), mean=True)
         out_W_O1 = s.mm("W_V' N_1' A1' t_59", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_59, mean=True)
         out_W_O2 = s.mm("W_V' N_1' A2' t_59", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_59, mean=True)
@@ -5310,200 +5298,200 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_105 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_106 = (t_105 * tr(s.S))
-        t_107 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_108 = (t_107 * tr(s.C))
-        t_109 = (t_106 + t_108)
-        t_110 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_111 = (s.mm("t_53' _", tr(s.t_53), t_109) + s.mm("_ t_11'", t_110, tr(s.t_11)))
-        t_112 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_111)
-        t_113 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_114 = (s.mm("_ t_11'", t_113, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_109))
-        t_115 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_114)
-        t_116 = s.mm('_ N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)
-        t_117 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_118 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_119 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_120 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_112, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_116), (1, t_117), (1, t_118), (1, t_119))
-        t_121 = (t_120 * s.R_N_2)
-        t_122 = (t_120 * s.Y_2)
-        t_123 = s.mm('_ one', t_122, s.one)
-        t_124 = (t_123 * s.t_36 * s.Y_2)
-        t_125 = lin((1, t_121), (2/s.d_V, t_124))
-        t_126 = s.mm('_ W_1', t_125, s.W_1)
-        t_127 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_128 = (t_126 + t_127)
-        t_129 = (t_128 * s.t_26 * s.t_25 * s.t_28)
-        t_130 = s.mm('_ W_3', t_125, s.W_3)
-        t_131 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_132 = (t_130 + t_131)
-        t_133 = (t_132 * s.t_27 * s.t_25)
-        t_134 = (t_128 * s.t_27 * s.t_28)
-        t_135 = lin((1, t_129), (1, t_133), (1, t_134))
-        t_136 = lin((1, t_120), (1, s.mm('_ W_2', t_135, s.W_2)), (1, s.mm("t_66' _", tr(s.t_66), V_W_2)))
-        t_137 = (s.t_8 * softmax_diff(s.t_71, t_136))
-        t_138 = s.mm("_ W_2'", t_137, tr(s.W_2))
-        t_139 = ((s.t_26 * t_138 * s.t_25 * s.t_28) + (s.t_27 * t_138 * s.t_28))
-        t_140 = (s.t_27 * t_138 * s.t_25)
-        t_141 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", (1/s.L) * t_139, tr(s.W_1))), (1/(s.L*math.sqrt(s.d_K)), s.mm("_ W_3'", t_140, tr(s.W_3))))
-        t_142 = (math.sqrt(s.d_K)) * t_141
-        t_143 = s.mm('_ one', ((2/(math.sqrt(s.d_K)*s.d_V)) * t_142 * s.t_36 * s.Y_2), s.one)
-        t_144 = lin((1, t_141, s.R_N_2), (1, t_143, s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_137))
-        t_145 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_146 = s.mm("_ t_6'", t_145, tr(s.t_6))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_146 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_146 * s.S), tr(s.R)), mean=True)
-        t_147 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_148 = s.mm("_ t_6'", t_147, tr(s.t_6))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_148 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_148 * s.C)), mean=True)
-        t_149 = lin((1/math.sqrt(s.d_K), t_142, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', ((2/s.d_V) * t_142 * s.t_36 * s.Y_2), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_137))
-        t_150 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_149, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_151 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_149, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_152 = (s.mm("_ t_53'", tr(t_150), tr(s.t_53)) + s.mm("_ t_54'", tr(t_151), tr(s.t_54)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_152 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_152 * s.C)), mean=True)
-        t_153 = (math.sqrt(s.d_K)) * t_149
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_153, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_153, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_153, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_153, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), (1/s.L) * t_139, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_140, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_29' _", tr(s.t_29), t_137, mean=True)
+        t_104 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
+        t_105 = (t_104 * tr(s.S))
+        t_106 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
+        t_107 = (t_106 * tr(s.C))
+        t_108 = (t_105 + t_107)
+        t_109 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_110 = (s.mm("t_53' _", tr(s.t_53), t_108) + s.mm("_ t_11'", t_109, tr(s.t_11)))
+        t_111 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_110)
+        t_112 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_113 = (s.mm("_ t_11'", t_112, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_108))
+        t_114 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_113)
+        t_115 = s.mm('_ N_1 W_V W_O2', t_114, s.N_1, s.W_V, s.W_O2)
+        t_116 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
+        t_117 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
+        t_118 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
+        t_119 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_111, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_115), (1, t_116), (1, t_117), (1, t_118))
+        t_120 = (t_119 * s.R_N_2)
+        t_121 = (t_119 * s.Y_2)
+        t_122 = s.mm('_ one', t_121, s.one)
+        t_123 = (t_122 * s.t_36 * s.Y_2)
+        t_124 = lin((1, t_120), (2/s.d_V, t_123))
+        t_125 = s.mm('_ W_1', t_124, s.W_1)
+        t_126 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_127 = (t_125 + t_126)
+        t_128 = (t_127 * s.t_26 * s.t_25 * s.t_28)
+        t_129 = s.mm('_ W_3', t_124, s.W_3)
+        t_130 = s.mm('N_2 _', s.N_2, V_W_3)
+        t_131 = (t_129 + t_130)
+        t_132 = (t_131 * s.t_27 * s.t_25)
+        t_133 = (t_127 * s.t_27 * s.t_28)
+        t_134 = lin((1, t_128), (1, t_132), (1, t_133))
+        t_135 = lin((1, t_119), (1, s.mm('_ W_2', t_134, s.W_2)), (1, s.mm("t_66' _", tr(s.t_66), V_W_2)))
+        t_136 = (s.t_8 * softmax_diff(s.t_70, t_135))
+        t_137 = s.mm("_ W_2'", t_136, tr(s.W_2))
+        t_138 = ((s.t_26 * t_137 * s.t_25 * s.t_28) + (s.t_27 * t_137 * s.t_28))
+        t_139 = (s.t_27 * t_137 * s.t_25)
+        t_140 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", (1/s.L) * t_138, tr(s.W_1))), (1/(s.L*math.sqrt(s.d_K)), s.mm("_ W_3'", t_139, tr(s.W_3))))
+        t_141 = (math.sqrt(s.d_K)) * t_140
+        t_142 = s.mm('_ one', ((2/(math.sqrt(s.d_K)*s.d_V)) * t_141 * s.t_36 * s.Y_2), s.one)
+        t_143 = lin((1, t_140, s.R_N_2), (1, t_142, s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_136))
+        t_144 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_143, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_145 = s.mm("_ t_6'", t_144, tr(s.t_6))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_145 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_145 * s.S), tr(s.R)), mean=True)
+        t_146 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_143, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_147 = s.mm("_ t_6'", t_146, tr(s.t_6))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), mean=True)
+        t_148 = lin((1/math.sqrt(s.d_K), t_141, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', ((2/s.d_V) * t_141 * s.t_36 * s.Y_2), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_136))
+        t_149 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_148, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_150 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_148, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_151 = (s.mm("_ t_53'", tr(t_149), tr(s.t_53)) + s.mm("_ t_54'", tr(t_150), tr(s.t_54)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_151 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_151 * s.C)), mean=True)
+        t_152 = (math.sqrt(s.d_K)) * t_148
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_152, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_152, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_152, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_152, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), (1/s.L) * t_138, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_139, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_29' _", tr(s.t_29), t_136, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_154 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_155 = (t_154 * tr(s.S))
-        t_156 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_157 = (t_156 * tr(s.C))
-        t_158 = (t_155 + t_157)
-        t_159 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_160 = (s.mm("t_53' _", tr(s.t_53), t_158) + s.mm("_ t_11'", t_159, tr(s.t_11)))
-        t_161 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_160)
-        t_162 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_163 = (s.mm("_ t_11'", t_162, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_158))
-        t_164 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_163)
-        t_165 = s.mm('_ N_1 W_V W_O2', t_164, s.N_1, s.W_V, s.W_O2)
-        t_166 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_167 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_168 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_169 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_161, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_165), (1, t_166), (1, t_167), (1, t_168))
-        t_170 = (t_169 * s.R_N_2)
-        t_171 = (t_169 * s.Y_2)
-        t_172 = s.mm('_ one', t_171, s.one)
-        t_173 = (t_172 * s.t_36 * s.Y_2)
-        t_174 = lin((1, t_170), (2/s.d_V, t_173))
-        t_175 = s.mm('_ W_1', t_174, s.W_1)
-        t_176 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_177 = (t_175 + t_176)
-        t_178 = s.mm('G _', s.G, tr(V_W_2))
-        t_179 = lin((1, (t_177 * s.t_26 * s.t_31), s.t_25), (1, (t_177 * s.t_27), s.t_31), (1, (s.t_27 * t_178), s.t_25))
-        t_180 = s.mm('_ W_3', t_174, s.W_3)
-        t_181 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_182 = (t_180 + t_181)
-        t_183 = lin((1, (t_182 * s.t_27), s.t_31), (1, (t_177 * s.t_72 * s.t_31 * s.t_25), s.t_28), (1, (t_182 * s.t_26 * s.t_31), s.t_25), (2, (t_177 * s.t_26 * s.t_31), s.t_28), (1, (s.t_26 * t_178 * s.t_25), s.t_28), (1, (s.t_27 * t_178), s.t_28))
-        t_184 = lin((1/math.sqrt(s.d_K), s.mm("_ W_3'", t_179, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm("_ W_1'", t_183, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm('t_32 _', s.t_32, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_33 _', s.t_33, tr(V_W_3))))
-        t_185 = (math.sqrt(s.d_K)) * t_184
-        t_186 = lin((1, (t_169 * s.t_35), s.t_36), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_185 * s.t_36), s.Y_2), (2/s.d_V, (t_172 * s.t_35 * s.t_78), s.Y_2))
-        t_187 = lin((1, s.t_38, t_169), (1, t_184, s.R_N_2), (2/s.d_V, (t_172 * s.t_34), s.t_36), (1, s.mm('_ one', t_186, s.one), s.Y_2))
-        t_188 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_187, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O1' _ N_1'", s.t_39, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_39 _ W_V' N_1'", s.t_39, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_189 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_160, s.t_40) + softmax_diff(s.A1, t_188))
-        t_190 = (s.mm("_ t_6'", t_189, tr(s.t_6)) + s.mm('t_41 _', s.t_41, tr(t_158)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_190 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_190 * s.S), tr(s.R)), mean=True)
-        t_191 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_187, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O2' _ N_1'", s.t_39, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_39 _ W_V' N_1'", s.t_39, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_192 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_163, s.t_49) + softmax_diff(s.A2, t_191))
-        t_193 = (s.mm("_ t_6'", t_192, tr(s.t_6)) + s.mm('t_50 _', s.t_50, tr(t_158)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_193 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_193 * s.C)), mean=True)
-        t_194 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_160, s.t_83)
-        t_195 = lin((1, (t_169 * s.t_56), s.t_36), (1, ((2/s.d_V) * t_185 * s.t_36), s.Y_2), (2/s.d_V, (t_172 * s.t_56 * s.t_78), s.Y_2))
-        t_196 = lin((1/math.sqrt(s.d_K), t_185, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_172 * s.t_55), s.t_36), (1/math.sqrt(s.d_K), s.t_58, t_169), (1/math.sqrt(s.d_K), s.mm('_ one', t_195, s.one), s.Y_2))
-        t_197 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_196, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_82 _ W_V' N_1'", s.t_82, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_82 W_O1' _ N_1'", s.t_82, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_198 = softmax_diff(s.A1, t_197)
-        t_199 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_163, s.t_89)
-        t_200 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_196, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_82 _ W_V' N_1'", s.t_82, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_82 W_O2' _ N_1'", s.t_82, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_201 = softmax_diff(s.A2, t_200)
-        t_202 = lin((1, s.mm("_ t_53'", (tr(t_194) + tr(t_198)), tr(s.t_53))), (1, s.mm("_ t_54'", (tr(t_199) + tr(t_201)), tr(s.t_54))), (1, s.mm("t_84' _", tr(s.t_84), t_159)), (1, s.mm("t_90' _", tr(s.t_90), t_162)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_202 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), mean=True)
-        t_203 = (math.sqrt(s.d_K)) * t_196
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_59 W_O1'", tr(s.N_1), tr(t_161), s.t_59, tr(s.W_O1)), (1, "N_1' A1' t_59 _", tr(s.N_1), tr(s.A1), s.t_59, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_203, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_203, tr(s.W_O1)), (1, "N_1' _ t_59 W_O2'", tr(s.N_1), tr(t_164), s.t_59, tr(s.W_O2)), (1, "N_1' A2' t_59 _", tr(s.N_1), tr(s.A2), s.t_59, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_59", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_59), (1, "W_V' N_1' _ t_59", tr(s.W_V), tr(s.N_1), tr(t_161), s.t_59), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_203, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_59", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_59), (1, "W_V' N_1' _ t_59", tr(s.W_V), tr(s.N_1), tr(t_164), s.t_59), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_203, mean=True)))
-        out_W_1 = (s.mm('_ t_32', tr(t_174), s.t_32, mean=True) + s.mm("N_2' _", tr(s.N_2), t_183, mean=True))
-        out_W_3 = (s.mm('_ t_33', tr(t_174), s.t_33, mean=True) + s.mm("N_2' _", tr(s.N_2), t_179, mean=True))
-        t_204 = (tr(t_177) * tr(s.t_26) * tr(s.t_25) * tr(s.t_28))
-        t_205 = (tr(t_177) * tr(s.t_27) * tr(s.t_28))
-        t_206 = (tr(t_182) * tr(s.t_27) * tr(s.t_25))
-        t_207 = lin((1, t_204), (1, t_205), (1, t_206))
-        out_W_2 = s.mm('_ G', t_207, s.G, mean=True)
+        t_153 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
+        t_154 = (t_153 * tr(s.S))
+        t_155 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
+        t_156 = (t_155 * tr(s.C))
+        t_157 = (t_154 + t_156)
+        t_158 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_159 = (s.mm("t_53' _", tr(s.t_53), t_157) + s.mm("_ t_11'", t_158, tr(s.t_11)))
+        t_160 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_159)
+        t_161 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_162 = (s.mm("_ t_11'", t_161, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_157))
+        t_163 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_162)
+        t_164 = s.mm('_ N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)
+        t_165 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
+        t_166 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
+        t_167 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
+        t_168 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_160, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_164), (1, t_165), (1, t_166), (1, t_167))
+        t_169 = (t_168 * s.R_N_2)
+        t_170 = (t_168 * s.Y_2)
+        t_171 = s.mm('_ one', t_170, s.one)
+        t_172 = (t_171 * s.t_36 * s.Y_2)
+        t_173 = lin((1, t_169), (2/s.d_V, t_172))
+        t_174 = s.mm('_ W_1', t_173, s.W_1)
+        t_175 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_176 = (t_174 + t_175)
+        t_177 = s.mm('G _', s.G, tr(V_W_2))
+        t_178 = lin((1, (t_176 * s.t_26 * s.t_31), s.t_25), (1, (t_176 * s.t_27), s.t_31), (1, (s.t_27 * t_177), s.t_25))
+        t_179 = s.mm('_ W_3', t_173, s.W_3)
+        t_180 = s.mm('N_2 _', s.N_2, V_W_3)
+        t_181 = (t_179 + t_180)
+        t_182 = lin((1, (t_181 * s.t_27), s.t_31), (1, (t_176 * s.t_71 * s.t_31 * s.t_25), s.t_28), (1, (t_181 * s.t_26 * s.t_31), s.t_25), (2, (t_176 * s.t_26 * s.t_31), s.t_28), (1, (s.t_26 * t_177 * s.t_25), s.t_28), (1, (s.t_27 * t_177), s.t_28))
+        t_183 = lin((1/math.sqrt(s.d_K), s.mm("_ W_3'", t_178, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm("_ W_1'", t_182, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm('t_32 _', s.t_32, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_33 _', s.t_33, tr(V_W_3))))
+        t_184 = (math.sqrt(s.d_K)) * t_183
+        t_185 = lin((1, (t_168 * s.t_35), s.t_36), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_184 * s.t_36), s.Y_2), (2/s.d_V, (t_171 * s.t_35 * s.t_77), s.Y_2))
+        t_186 = lin((1, s.t_38, t_168), (1, t_183, s.R_N_2), (2/s.d_V, (t_171 * s.t_34), s.t_36), (1, s.mm('_ one', t_185, s.one), s.Y_2))
+        t_187 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_186, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O1' _ N_1'", s.t_39, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_39 _ W_V' N_1'", s.t_39, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_188 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_159, s.t_40) + softmax_diff(s.A1, t_187))
+        t_189 = (s.mm("_ t_6'", t_188, tr(s.t_6)) + s.mm('t_41 _', s.t_41, tr(t_157)))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_189 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), mean=True)
+        t_190 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_186, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O2' _ N_1'", s.t_39, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_39 _ W_V' N_1'", s.t_39, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_191 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_49) + softmax_diff(s.A2, t_190))
+        t_192 = (s.mm("_ t_6'", t_191, tr(s.t_6)) + s.mm('t_50 _', s.t_50, tr(t_157)))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_192 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_192 * s.C)), mean=True)
+        t_193 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_159, s.t_82)
+        t_194 = lin((1, (t_168 * s.t_56), s.t_36), (1, ((2/s.d_V) * t_184 * s.t_36), s.Y_2), (2/s.d_V, (t_171 * s.t_56 * s.t_77), s.Y_2))
+        t_195 = lin((1/math.sqrt(s.d_K), t_184, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_171 * s.t_55), s.t_36), (1/math.sqrt(s.d_K), s.t_58, t_168), (1/math.sqrt(s.d_K), s.mm('_ one', t_194, s.one), s.Y_2))
+        t_196 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_195, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_81 _ W_V' N_1'", s.t_81, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_81 W_O1' _ N_1'", s.t_81, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_197 = softmax_diff(s.A1, t_196)
+        t_198 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_88)
+        t_199 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_195, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_81 _ W_V' N_1'", s.t_81, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_81 W_O2' _ N_1'", s.t_81, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_200 = softmax_diff(s.A2, t_199)
+        t_201 = lin((1, s.mm("_ t_53'", (tr(t_193) + tr(t_197)), tr(s.t_53))), (1, s.mm("_ t_54'", (tr(t_198) + tr(t_200)), tr(s.t_54))), (1, s.mm("t_83' _", tr(s.t_83), t_158)), (1, s.mm("t_89' _", tr(s.t_89), t_161)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_201 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_201 * s.S), tr(s.R)), mean=True)
+        t_202 = (math.sqrt(s.d_K)) * t_195
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_59 W_O1'", tr(s.N_1), tr(t_160), s.t_59, tr(s.W_O1)), (1, "N_1' A1' t_59 _", tr(s.N_1), tr(s.A1), s.t_59, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_202, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_202, tr(s.W_O1)), (1, "N_1' _ t_59 W_O2'", tr(s.N_1), tr(t_163), s.t_59, tr(s.W_O2)), (1, "N_1' A2' t_59 _", tr(s.N_1), tr(s.A2), s.t_59, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_59", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_59), (1, "W_V' N_1' _ t_59", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_59), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_202, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_59", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_59), (1, "W_V' N_1' _ t_59", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_59), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_202, mean=True)))
+        out_W_1 = (s.mm('_ t_32', tr(t_173), s.t_32, mean=True) + s.mm("N_2' _", tr(s.N_2), t_182, mean=True))
+        out_W_3 = (s.mm('_ t_33', tr(t_173), s.t_33, mean=True) + s.mm("N_2' _", tr(s.N_2), t_178, mean=True))
+        t_203 = (tr(t_176) * tr(s.t_26) * tr(s.t_25) * tr(s.t_28))
+        t_204 = (tr(t_176) * tr(s.t_27) * tr(s.t_28))
+        t_205 = (tr(t_181) * tr(s.t_27) * tr(s.t_25))
+        t_206 = lin((1, t_203), (1, t_204), (1, t_205))
+        out_W_2 = s.mm('_ G', t_206, s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_208 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_209 = (t_208 * tr(s.S))
-        t_210 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_211 = (t_210 * tr(s.C))
-        t_212 = (t_209 + t_211)
-        t_213 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_214 = (s.mm("t_53' _", tr(s.t_53), t_212) + s.mm("_ t_11'", t_213, tr(s.t_11)))
-        t_228 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_214)
-        t_229 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_230 = (s.mm("_ t_11'", t_229, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_212))
-        t_231 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_230)
-        t_232 = s.mm('_ N_1 W_V W_O2', t_231, s.N_1, s.W_V, s.W_O2)
-        t_233 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_234 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_235 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_236 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_228, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_232), (1, t_233), (1, t_234), (1, t_235))
-        t_237 = (t_236 * s.R_N_2)
-        t_238 = (t_236 * s.Y_2)
-        t_239 = s.mm('_ one', t_238, s.one)
-        t_240 = (t_239 * s.t_36 * s.Y_2)
-        t_241 = lin((1, t_237), (2/s.d_V, t_240))
-        t_242 = s.mm('_ W_1', t_241, s.W_1)
-        t_243 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_244 = (t_242 + t_243)
-        t_245 = (t_244 * s.t_26 * s.t_25 * s.t_28)
-        t_246 = s.mm('_ W_3', t_241, s.W_3)
-        t_247 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_248 = (t_246 + t_247)
-        t_249 = (t_248 * s.t_27 * s.t_25)
-        t_250 = (t_244 * s.t_27 * s.t_28)
-        t_251 = lin((1, t_245), (1, t_249), (1, t_250))
-        t_252 = lin((1, t_236), (1, s.mm('_ W_2', t_251, s.W_2)), (1, s.mm("t_66' _", tr(s.t_66), V_W_2)))
-        t_253 = (s.t_8 * softmax_diff(s.t_30, t_252))
-        t_254 = lin((1, s.mm('G _', s.G, tr(V_W_2))), (1/s.L, s.mm("_ W_2'", t_253, tr(s.W_2))))
-        t_255 = lin((1, (t_244 * s.t_26 * s.t_215), s.t_25), (1, (t_244 * s.t_27), s.t_215), (1, (t_254 * s.t_27), s.t_25))
-        t_256 = lin((1, (t_248 * s.t_26 * s.t_215), s.t_25), (2, (t_244 * s.t_26 * s.t_215), s.t_28), (1, (t_244 * s.t_72 * s.t_215 * s.t_25), s.t_28), (1, (t_248 * s.t_27), s.t_215), (1, (t_254 * s.t_27), s.t_28), (1, (t_254 * s.t_26 * s.t_25), s.t_28))
-        t_257 = lin((1/math.sqrt(s.d_K), s.mm("_ W_3'", t_255, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm("_ W_1'", t_256, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm('t_218 _', s.t_218, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_220 _', s.t_220, tr(V_W_3))))
-        t_258 = (math.sqrt(s.d_K)) * t_257
-        t_259 = lin((1, (t_236 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_223), s.t_36), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_258 * s.t_36), s.Y_2), (2/s.d_V, (t_239 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_223 * s.t_78), s.Y_2))
-        t_260 = lin((1, s.t_225, t_236), (1, t_257, s.R_N_2), (2/s.d_V, (t_239 * s.t_222), s.t_36), (1, s.mm('_ one', t_259, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_253))
-        t_261 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_260, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_226 _ W_V' N_1'", s.t_226, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_226 W_O1' _ N_1'", s.t_226, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_262 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_214, s.t_227) + softmax_diff(s.A1, t_261))
-        t_264 = (s.mm("_ t_6'", t_262, tr(s.t_6)) + s.mm('t_263 _', s.t_263, tr(t_212)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_264 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_264 * s.S), tr(s.R)), mean=True)
-        t_266 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_260, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_226 _ W_V' N_1'", s.t_226, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_226 W_O2' _ N_1'", s.t_226, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_267 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_230, s.t_265) + softmax_diff(s.A2, t_266))
-        t_269 = (s.mm("_ t_6'", t_267, tr(s.t_6)) + s.mm('t_268 _', s.t_268, tr(t_212)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_269 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_269 * s.C)), mean=True)
-        t_274 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_214, s.t_273)
-        t_275 = lin((1, (t_236 * (2/s.d_V) * s.t_223), s.t_36), (1, ((2/s.d_V) * t_258 * s.t_36), s.Y_2), (2/s.d_V, (t_239 * (2/s.d_V) * s.t_223 * s.t_78), s.Y_2))
-        t_276 = lin((1/math.sqrt(s.d_K), t_258, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_239 * s.t_223), s.t_36), (1/math.sqrt(s.d_K), s.t_271, t_236), (1/math.sqrt(s.d_K), s.mm('_ one', t_275, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_253))
-        t_277 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_276, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_272 W_O1' _ N_1'", s.t_272, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_272 _ W_V' N_1'", s.t_272, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_278 = softmax_diff(s.A1, t_277)
-        t_280 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_230, s.t_279)
-        t_281 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_276, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_272 W_O2' _ N_1'", s.t_272, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_272 _ W_V' N_1'", s.t_272, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_282 = softmax_diff(s.A2, t_281)
-        t_285 = lin((1, s.mm("_ t_53'", (tr(t_274) + tr(t_278)), tr(s.t_53))), (1, s.mm("_ t_54'", (tr(t_280) + tr(t_282)), tr(s.t_54))), (1, s.mm("t_283' _", tr(s.t_283), t_213)), (1, s.mm("t_284' _", tr(s.t_284), t_229)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_285 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_285 * s.S), tr(s.R)), mean=True)
-        t_287 = (math.sqrt(s.d_K)) * t_276
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_286 W_O2'", tr(s.N_1), tr(t_231), s.t_286, tr(s.W_O2)), (1, "N_1' A2' t_286 _", tr(s.N_1), tr(s.A2), s.t_286, tr(V_W_O2)), (1, "N_1' A1' t_286 _", tr(s.N_1), tr(s.A1), s.t_286, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_287, tr(s.W_O1)), (1, "N_1' _ t_286 W_O1'", tr(s.N_1), tr(t_228), s.t_286, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_287, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_286", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_286), (1, "W_V' N_1' _ t_286", tr(s.W_V), tr(s.N_1), tr(t_228), s.t_286), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_287, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_286", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_286), (1, "W_V' N_1' _ t_286", tr(s.W_V), tr(s.N_1), tr(t_231), s.t_286), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_287, mean=True)))
-        out_W_1 = (s.mm('_ t_218', tr(t_241), s.t_218, mean=True) + s.mm("N_2' _", tr(s.N_2), t_256, mean=True))
-        out_W_3 = (s.mm('_ t_220', tr(t_241), s.t_220, mean=True) + s.mm("N_2' _", tr(s.N_2), t_255, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_251), s.G, mean=True)), (1/s.L, s.mm("t_29' _", tr(s.t_29), t_253, mean=True)))
+        t_207 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
+        t_208 = (t_207 * tr(s.S))
+        t_209 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
+        t_210 = (t_209 * tr(s.C))
+        t_211 = (t_208 + t_210)
+        t_212 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_213 = (s.mm("t_53' _", tr(s.t_53), t_211) + s.mm("_ t_11'", t_212, tr(s.t_11)))
+        t_227 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_213)
+        t_228 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_229 = (s.mm("_ t_11'", t_228, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_211))
+        t_230 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_229)
+        t_231 = s.mm('_ N_1 W_V W_O2', t_230, s.N_1, s.W_V, s.W_O2)
+        t_232 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
+        t_233 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
+        t_234 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
+        t_235 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_227, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_231), (1, t_232), (1, t_233), (1, t_234))
+        t_236 = (t_235 * s.R_N_2)
+        t_237 = (t_235 * s.Y_2)
+        t_238 = s.mm('_ one', t_237, s.one)
+        t_239 = (t_238 * s.t_36 * s.Y_2)
+        t_240 = lin((1, t_236), (2/s.d_V, t_239))
+        t_241 = s.mm('_ W_1', t_240, s.W_1)
+        t_242 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_243 = (t_241 + t_242)
+        t_244 = (t_243 * s.t_26 * s.t_25 * s.t_28)
+        t_245 = s.mm('_ W_3', t_240, s.W_3)
+        t_246 = s.mm('N_2 _', s.N_2, V_W_3)
+        t_247 = (t_245 + t_246)
+        t_248 = (t_247 * s.t_27 * s.t_25)
+        t_249 = (t_243 * s.t_27 * s.t_28)
+        t_250 = lin((1, t_244), (1, t_248), (1, t_249))
+        t_251 = lin((1, t_235), (1, s.mm('_ W_2', t_250, s.W_2)), (1, s.mm("t_66' _", tr(s.t_66), V_W_2)))
+        t_252 = (s.t_8 * softmax_diff(s.t_30, t_251))
+        t_253 = lin((1, s.mm('G _', s.G, tr(V_W_2))), (1/s.L, s.mm("_ W_2'", t_252, tr(s.W_2))))
+        t_254 = lin((1, (t_243 * s.t_26 * s.t_214), s.t_25), (1, (t_243 * s.t_27), s.t_214), (1, (t_253 * s.t_27), s.t_25))
+        t_255 = lin((1, (t_247 * s.t_26 * s.t_214), s.t_25), (2, (t_243 * s.t_26 * s.t_214), s.t_28), (1, (t_243 * s.t_71 * s.t_214 * s.t_25), s.t_28), (1, (t_247 * s.t_27), s.t_214), (1, (t_253 * s.t_27), s.t_28), (1, (t_253 * s.t_26 * s.t_25), s.t_28))
+        t_256 = lin((1/math.sqrt(s.d_K), s.mm("_ W_3'", t_254, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm("_ W_1'", t_255, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm('t_217 _', s.t_217, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_219 _', s.t_219, tr(V_W_3))))
+        t_257 = (math.sqrt(s.d_K)) * t_256
+        t_258 = lin((1, (t_235 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_222), s.t_36), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_257 * s.t_36), s.Y_2), (2/s.d_V, (t_238 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_222 * s.t_77), s.Y_2))
+        t_259 = lin((1, s.t_224, t_235), (1, t_256, s.R_N_2), (2/s.d_V, (t_238 * s.t_221), s.t_36), (1, s.mm('_ one', t_258, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_252))
+        t_260 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_259, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_225 _ W_V' N_1'", s.t_225, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_225 W_O1' _ N_1'", s.t_225, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_261 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_213, s.t_226) + softmax_diff(s.A1, t_260))
+        t_263 = (s.mm("_ t_6'", t_261, tr(s.t_6)) + s.mm('t_262 _', s.t_262, tr(t_211)))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_263 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_263 * s.S), tr(s.R)), mean=True)
+        t_265 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_259, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_225 _ W_V' N_1'", s.t_225, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_225 W_O2' _ N_1'", s.t_225, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_266 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_229, s.t_264) + softmax_diff(s.A2, t_265))
+        t_268 = (s.mm("_ t_6'", t_266, tr(s.t_6)) + s.mm('t_267 _', s.t_267, tr(t_211)))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_268 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_268 * s.C)), mean=True)
+        t_273 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_213, s.t_272)
+        t_274 = lin((1, (t_235 * (2/s.d_V) * s.t_222), s.t_36), (1, ((2/s.d_V) * t_257 * s.t_36), s.Y_2), (2/s.d_V, (t_238 * (2/s.d_V) * s.t_222 * s.t_77), s.Y_2))
+        t_275 = lin((1/math.sqrt(s.d_K), t_257, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_238 * s.t_222), s.t_36), (1/math.sqrt(s.d_K), s.t_270, t_235), (1/math.sqrt(s.d_K), s.mm('_ one', t_274, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_252))
+        t_276 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_275, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_271 W_O1' _ N_1'", s.t_271, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_271 _ W_V' N_1'", s.t_271, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_277 = softmax_diff(s.A1, t_276)
+        t_279 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_229, s.t_278)
+        t_280 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_275, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_271 W_O2' _ N_1'", s.t_271, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_271 _ W_V' N_1'", s.t_271, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_281 = softmax_diff(s.A2, t_280)
+        t_284 = lin((1, s.mm("_ t_53'", (tr(t_273) + tr(t_277)), tr(s.t_53))), (1, s.mm("_ t_54'", (tr(t_279) + tr(t_281)), tr(s.t_54))), (1, s.mm("t_282' _", tr(s.t_282), t_212)), (1, s.mm("t_283' _", tr(s.t_283), t_228)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_284 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_284 * s.S), tr(s.R)), mean=True)
+        t_286 = (math.sqrt(s.d_K)) * t_275
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_285 W_O2'", tr(s.N_1), tr(t_230), s.t_285, tr(s.W_O2)), (1, "N_1' A2' t_285 _", tr(s.N_1), tr(s.A2), s.t_285, tr(V_W_O2)), (1, "N_1' A1' t_285 _", tr(s.N_1), tr(s.A1), s.t_285, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_286, tr(s.W_O1)), (1, "N_1' _ t_285 W_O1'", tr(s.N_1), tr(t_227), s.t_285, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_286, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_285", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_285), (1, "W_V' N_1' _ t_285", tr(s.W_V), tr(s.N_1), tr(t_227), s.t_285), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_286, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_285", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_285), (1, "W_V' N_1' _ t_285", tr(s.W_V), tr(s.N_1), tr(t_230), s.t_285), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_286, mean=True)))
+        out_W_1 = (s.mm('_ t_217', tr(t_240), s.t_217, mean=True) + s.mm("N_2' _", tr(s.N_2), t_255, mean=True))
+        out_W_3 = (s.mm('_ t_219', tr(t_240), s.t_219, mean=True) + s.mm("N_2' _", tr(s.N_2), t_254, mean=True))
+        out_W_2 = lin((1, s.mm('_ G', tr(t_250), s.G, mean=True)), (1/s.L, s.mm("t_29' _", tr(s.t_29), t_252, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -5511,15 +5499,15 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "992d1dc3c9b88ea7cf00fc51"
+    STAMP = "da6737e5ff0a375da5452dcf"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_286": 2,
+        "A1' t_285": 2,
         "A1' t_59": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_286": 2,
+        "A2' t_285": 2,
         "A2' t_59": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
@@ -5528,21 +5516,21 @@ class ce_causal1(Forward):
         'N_1 W_V': 59,
         'N_1 W_V W_O1': 15,
         'N_1 W_V W_O2': 15,
-        "N_1' A1' t_286": 2,
+        "N_1' A1' t_285": 2,
         "N_1' A1' t_59": 4,
-        "N_1' A2' t_286": 2,
+        "N_1' A2' t_285": 2,
         "N_1' A2' t_59": 4,
-        "W_O1 t_226'": 2,
-        "W_O1 t_272'": 2,
+        "W_O1 t_225'": 2,
+        "W_O1 t_271'": 2,
         "W_O1 t_39'": 3,
         "W_O1 t_59'": 3,
-        "W_O1 t_82'": 2,
+        "W_O1 t_81'": 2,
         "W_O1' W_V'": 16,
-        "W_O2 t_226'": 2,
-        "W_O2 t_272'": 2,
+        "W_O2 t_225'": 2,
+        "W_O2 t_271'": 2,
         "W_O2 t_39'": 3,
         "W_O2 t_59'": 3,
-        "W_O2 t_82'": 2,
+        "W_O2 t_81'": 2,
         "W_O2' W_V'": 16,
     }
 
@@ -5868,255 +5856,251 @@ class ce_causal1(Forward):
 
     @leaf
     def t_67(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
-    def t_68(s):
         return (s.t_36 * s.Y_2)
 
     @leaf
-    def t_69(s):
+    def t_68(s):
         return (s.t_26 * s.t_25 * s.t_28)
 
     @leaf
-    def t_70(s):
+    def t_69(s):
         return (s.t_27 * s.t_28)
 
     @leaf
-    def t_71(s):
+    def t_70(s):
         return softmax_rows(s.F)
 
     @leaf
-    def t_72(s):
+    def t_71(s):
         return ((((1.0 + (-1.0 * sigmoid(s.t_25))) * (1.0 + (-1.0 * sigmoid(s.t_25)))) * sigmoid(s.t_25)) + (-1.0 * (sigmoid(s.t_25) * sigmoid(s.t_25)) * (1.0 + (-1.0 * sigmoid(s.t_25)))))
 
     @leaf
-    def t_73(s):
-        return (s.t_72 * s.t_31 * s.t_25 * s.t_28)
+    def t_72(s):
+        return (s.t_71 * s.t_31 * s.t_25 * s.t_28)
 
     @leaf
-    def t_74(s):
+    def t_73(s):
         return (s.t_26 * s.t_31 * s.t_28)
 
     @leaf
-    def t_75(s):
+    def t_74(s):
         return (s.t_26 * s.t_31 * s.t_25)
 
     @leaf
-    def t_76(s):
+    def t_75(s):
         return (s.t_27 * s.t_31)
 
     @leaf
-    def t_77(s):
+    def t_76(s):
         return (s.t_35 * s.t_36)
 
     @leaf
-    def t_78(s):
+    def t_77(s):
         return (0.75 * (s.t_24 ** -2.5))
 
     @leaf
-    def t_79(s):
-        return (s.t_35 * s.t_78 * s.Y_2)
+    def t_78(s):
+        return (s.t_35 * s.t_77 * s.Y_2)
 
     @leaf
-    def t_80(s):
+    def t_79(s):
         return bcast_last(s.t_38, s.d_V)
 
     @leaf
-    def t_81(s):
+    def t_80(s):
         return (s.t_34 * s.t_36)
 
     @leaf
-    def t_82(s):
+    def t_81(s):
         return (1/math.sqrt(s.d_K)) * s.t_59
 
     @leaf
+    def t_82(s):
+        return s.mm("t_81 W_O1' W_V' N_1'", s.t_81, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
     def t_83(s):
-        return s.mm("t_82 W_O1' W_V' N_1'", s.t_82, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return softmax_diff(s.A1, s.t_82)
 
     @leaf
     def t_84(s):
-        return softmax_diff(s.A1, s.t_83)
-
-    @leaf
-    def t_85(s):
         return (s.t_56 * s.t_36)
 
     @leaf
-    def t_86(s):
-        return (s.t_56 * s.t_78 * s.Y_2)
+    def t_85(s):
+        return (s.t_56 * s.t_77 * s.Y_2)
 
     @leaf
-    def t_87(s):
+    def t_86(s):
         return bcast_last(s.t_58, s.d_V)
 
     @leaf
-    def t_88(s):
+    def t_87(s):
         return (s.t_55 * s.t_36)
 
     @leaf
-    def t_89(s):
-        return s.mm("t_82 W_O2' W_V' N_1'", s.t_82, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_88(s):
+        return s.mm("t_81 W_O2' W_V' N_1'", s.t_81, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_90(s):
-        return softmax_diff(s.A2, s.t_89)
+    def t_89(s):
+        return softmax_diff(s.A2, s.t_88)
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_91(s):
+    def t_90(s):
         return log_softmax_rows(s.F)
 
     @leaf
+    def t_91(s):
+        return (s.t_90 * s.Y)
+
+    @leaf
     def t_92(s):
-        return (s.t_91 * s.Y)
+        return s.mm('one_2 t_91 one', s.one_2, s.t_91, s.one)
 
     @leaf
     def t_93(s):
-        return s.mm('one_2 t_92 one', s.one_2, s.t_92, s.one)
-
-    @leaf
-    def t_94(s):
         return s.mm("t_41 t_6'", s.t_41, tr(s.t_6))
 
     @leaf
+    def t_94(s):
+        return (s.t_93 * s.S)
+
+    @leaf
     def t_95(s):
-        return (s.t_94 * s.S)
+        return (s.t_93 * s.C)
 
     @leaf
     def t_96(s):
-        return (s.t_94 * s.C)
-
-    @leaf
-    def t_97(s):
         return s.mm("t_50 t_6'", s.t_50, tr(s.t_6))
 
     @leaf
+    def t_97(s):
+        return (s.t_96 * s.C)
+
+    @leaf
     def t_98(s):
-        return (s.t_97 * s.C)
+        return (s.t_96 * s.S)
 
     @leaf
     def t_99(s):
-        return (s.t_97 * s.S)
+        return s.mm("t_83' t_53'", tr(s.t_83), tr(s.t_53))
 
     @leaf
     def t_100(s):
-        return s.mm("t_84' t_53'", tr(s.t_84), tr(s.t_53))
+        return s.mm("t_89' t_54'", tr(s.t_89), tr(s.t_54))
 
     @leaf
     def t_101(s):
-        return s.mm("t_90' t_54'", tr(s.t_90), tr(s.t_54))
+        return (s.t_99 + s.t_100)
 
     @leaf
     def t_102(s):
-        return (s.t_100 + s.t_101)
+        return (s.t_101 * s.C)
 
     @leaf
     def t_103(s):
-        return (s.t_102 * s.C)
+        return (s.t_101 * s.S)
 
     @leaf
-    def t_104(s):
-        return (s.t_102 * s.S)
-
-    @leaf
-    def t_215(s):
+    def t_214(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_215(s):
+        return (s.t_26 * s.t_214 * s.t_25 * s.t_28)
+
+    @leaf
     def t_216(s):
-        return (s.t_26 * s.t_215 * s.t_25 * s.t_28)
+        return (s.t_27 * s.t_214 * s.t_28)
 
     @leaf
     def t_217(s):
-        return (s.t_27 * s.t_215 * s.t_28)
+        return (s.t_215 + s.t_216)
 
     @leaf
     def t_218(s):
-        return (s.t_216 + s.t_217)
+        return s.mm("t_217 W_1'", s.t_217, tr(s.W_1))
 
     @leaf
     def t_219(s):
-        return s.mm("t_218 W_1'", s.t_218, tr(s.W_1))
+        return (s.t_27 * s.t_214 * s.t_25)
 
     @leaf
     def t_220(s):
-        return (s.t_27 * s.t_215 * s.t_25)
+        return s.mm("t_219 W_3'", s.t_219, tr(s.W_3))
 
     @leaf
     def t_221(s):
-        return s.mm("t_220 W_3'", s.t_220, tr(s.W_3))
+        return lin((1/math.sqrt(s.d_K), s.t_218), (1/math.sqrt(s.d_K), s.t_220))
 
     @leaf
     def t_222(s):
-        return lin((1/math.sqrt(s.d_K), s.t_219), (1/math.sqrt(s.d_K), s.t_221))
+        return (math.sqrt(s.d_K)) * s.t_221
 
     @leaf
     def t_223(s):
-        return (math.sqrt(s.d_K)) * s.t_222
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_222 * s.t_36 * s.Y_2)
 
     @leaf
     def t_224(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_223 * s.t_36 * s.Y_2)
+        return s.mm('t_223 one', s.t_223, s.one)
 
     @leaf
     def t_225(s):
-        return s.mm('t_224 one', s.t_224, s.one)
+        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_221, s.R_N_2), (1, s.t_224, s.Y_2))
 
     @leaf
     def t_226(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_222, s.R_N_2), (1, s.t_225, s.Y_2))
+        return s.mm("t_225 W_O1' W_V' N_1'", s.t_225, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_227(s):
-        return s.mm("t_226 W_O1' W_V' N_1'", s.t_226, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_262(s):
+        return softmax_diff(s.A1, s.t_226)
 
     @leaf
-    def t_263(s):
-        return softmax_diff(s.A1, s.t_227)
+    def t_264(s):
+        return s.mm("t_225 W_O2' W_V' N_1'", s.t_225, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_265(s):
-        return s.mm("t_226 W_O2' W_V' N_1'", s.t_226, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_267(s):
+        return softmax_diff(s.A2, s.t_264)
 
     @leaf
-    def t_268(s):
-        return softmax_diff(s.A2, s.t_265)
+    def t_269(s):
+        return ((2/s.d_V) * s.t_222 * s.t_36 * s.Y_2)
 
     @leaf
     def t_270(s):
-        return ((2/s.d_V) * s.t_223 * s.t_36 * s.Y_2)
+        return s.mm('t_269 one', s.t_269, s.one)
 
     @leaf
     def t_271(s):
-        return s.mm('t_270 one', s.t_270, s.one)
+        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_222, s.R_N_2), (1/math.sqrt(s.d_K), s.t_270, s.Y_2))
 
     @leaf
     def t_272(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_223, s.R_N_2), (1/math.sqrt(s.d_K), s.t_271, s.Y_2))
+        return s.mm("t_271 W_O1' W_V' N_1'", s.t_271, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_273(s):
-        return s.mm("t_272 W_O1' W_V' N_1'", s.t_272, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_278(s):
+        return s.mm("t_271 W_O2' W_V' N_1'", s.t_271, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_279(s):
-        return s.mm("t_272 W_O2' W_V' N_1'", s.t_272, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_282(s):
+        return softmax_diff(s.A1, s.t_272)
 
     @leaf
     def t_283(s):
-        return softmax_diff(s.A1, s.t_273)
+        return softmax_diff(s.A2, s.t_278)
 
     @leaf
-    def t_284(s):
-        return softmax_diff(s.A2, s.t_279)
-
-    @leaf
-    def t_286(s):
-        return (math.sqrt(s.d_K)) * s.t_272
+    def t_285(s):
+        return (math.sqrt(s.d_K)) * s.t_271
 
     @leaf
     def S_2(s):
@@ -6139,15 +6123,15 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, s.t_67, s.t_68),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_67),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
+            net(1, 'nab->nab', s.t_68),
             net(1, 'nab->nab', s.t_69),
-            net(1, 'nab->nab', s.t_70),
         ])
 
     @leaf
@@ -6170,8 +6154,8 @@ class ce_causal1(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_71, s.t_71),
+            net(1, 'nab,bc->nabc', s.t_70, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_70, s.t_70),
         ])
 
     @leaf
@@ -6187,7 +6171,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_68, s.t_67, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
         ])
 
     @leaf
@@ -6218,16 +6202,16 @@ class ce_causal1(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_73),
-            net(2, 'nab->nab', s.t_74),
+            net(1, 'nab->nab', s.t_72),
+            net(2, 'nab->nab', s.t_73),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
+            net(1, 'nab->nab', s.t_74),
             net(1, 'nab->nab', s.t_75),
-            net(1, 'nab->nab', s.t_76),
         ])
 
     @leaf
@@ -6250,19 +6234,19 @@ class ce_causal1(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_77, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_79, s.t_67, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_68, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_76, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_78, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_67, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_80, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_81, s.t_67, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_79, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_80, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, s.t_67, s.S_16),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
 
     @leaf
@@ -6343,37 +6327,37 @@ class ce_causal1(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_84, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_84, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_84),
+            net(1, 'nab,bc->nabc', s.t_83, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_83, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_83),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_24', [
-            net(1, 'nab,bc->nabc', s.t_85, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_86, s.t_67, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_68, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_84, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_85, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_67, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_87, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_88, s.t_67, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_86, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_87, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
-            net(1, 'nab,bc,nacd->nabd', s.Y_2, s.t_67, s.S_24),
+            net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_24),
         ])
 
     @leaf
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_90, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_90, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_90),
+            net(1, 'nab,bc->nabc', s.t_89, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_89, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_89),
         ])
 
     @leaf
@@ -6381,7 +6365,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_26', [
             net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, s.t_67, s.t_68),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_67),
         ])
 
     @leaf
@@ -6396,8 +6380,8 @@ class ce_causal1(Forward):
     def S_28(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_28', [
+            net(1/s.L, 'nab->nab', s.t_68),
             net(1/s.L, 'nab->nab', s.t_69),
-            net(1/s.L, 'nab->nab', s.t_70),
         ])
 
     @leaf
@@ -7096,13 +7080,13 @@ class ce_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_93, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_92, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_95 R'", tr(s.N_1), s.t_95, tr(s.R)), (1, "N_1' t_96", tr(s.N_1), s.t_96), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_98", tr(s.N_1), s.t_98), (1, "N_1' t_99 R'", tr(s.N_1), s.t_99, tr(s.R)), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_103", tr(s.N_1), s.t_103), (1, "N_1' t_104 R'", tr(s.N_1), s.t_104, tr(s.R)), mean=True)
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_94 R'", tr(s.N_1), s.t_94, tr(s.R)), (1, "N_1' t_95", tr(s.N_1), s.t_95), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_97", tr(s.N_1), s.t_97), (1, "N_1' t_98 R'", tr(s.N_1), s.t_98, tr(s.R)), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_102", tr(s.N_1), s.t_102), (1, "N_1' t_103 R'", tr(s.N_1), s.t_103, tr(s.R)), mean=True)
         out_W_V = s.mm_sum('l', (1, "N_1' A2' t_59 W_O2'", tr(s.N_1), tr(s.A2), s.t_59, tr(s.W_O2)), (1, "N_1' A1' t_59 W_O1'", tr(s.N_1), tr(s.A1), s.t_59, tr(s.W_O1)), mean=True)
         out_W_O1 = s.mm("W_V' N_1' A1' t_59", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_59, mean=True)
         out_W_O2 = s.mm("W_V' N_1' A2' t_59", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_59, mean=True)
@@ -7113,200 +7097,200 @@ class ce_causal1(Forward):
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_105 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_106 = (t_105 * tr(s.S))
-        t_107 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_108 = (t_107 * tr(s.C))
-        t_109 = (t_106 + t_108)
-        t_110 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_111 = (s.mm("t_53' _", tr(s.t_53), t_109) + s.mm("_ t_11'", t_110, tr(s.t_11)))
-        t_112 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_111)
-        t_113 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_114 = (s.mm("_ t_11'", t_113, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_109))
-        t_115 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_114)
-        t_116 = s.mm('_ N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)
-        t_117 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_118 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_119 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_120 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_112, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_116), (1, t_117), (1, t_118), (1, t_119))
-        t_121 = (t_120 * s.R_N_2)
-        t_122 = (t_120 * s.Y_2)
-        t_123 = s.mm('_ one', t_122, s.one)
-        t_124 = (t_123 * s.t_36 * s.Y_2)
-        t_125 = lin((1, t_121), (2/s.d_V, t_124))
-        t_126 = s.mm('_ W_3', t_125, s.W_3)
-        t_127 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_128 = (t_126 + t_127)
-        t_129 = (t_128 * s.t_27 * s.t_25)
-        t_130 = s.mm('_ W_1', t_125, s.W_1)
-        t_131 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_132 = (t_130 + t_131)
-        t_133 = (t_132 * s.t_26 * s.t_25 * s.t_28)
-        t_134 = (t_132 * s.t_27 * s.t_28)
-        t_135 = lin((1, t_129), (1, t_133), (1, t_134))
-        t_136 = lin((1, t_120), (1, s.mm('_ W_2', t_135, s.W_2)), (1, s.mm("t_66' _", tr(s.t_66), V_W_2)))
-        t_137 = (s.t_8 * softmax_diff(s.t_71, t_136))
-        t_138 = s.mm("_ W_2'", t_137, tr(s.W_2))
-        t_139 = ((s.t_26 * t_138 * s.t_25 * s.t_28) + (s.t_27 * t_138 * s.t_28))
-        t_140 = (s.t_27 * t_138 * s.t_25)
-        t_141 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", (1/s.L) * t_139, tr(s.W_1))), (1/(s.L*math.sqrt(s.d_K)), s.mm("_ W_3'", t_140, tr(s.W_3))))
-        t_142 = (math.sqrt(s.d_K)) * t_141
-        t_143 = s.mm('_ one', ((2/(math.sqrt(s.d_K)*s.d_V)) * t_142 * s.t_36 * s.Y_2), s.one)
-        t_144 = lin((1, t_141, s.R_N_2), (1, t_143, s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_137))
-        t_145 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_146 = s.mm("_ t_6'", t_145, tr(s.t_6))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_146 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_146 * s.C)), mean=True)
-        t_147 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_148 = s.mm("_ t_6'", t_147, tr(s.t_6))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_148 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_148 * s.S), tr(s.R)), mean=True)
-        t_149 = lin((1/math.sqrt(s.d_K), t_142, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', ((2/s.d_V) * t_142 * s.t_36 * s.Y_2), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_137))
-        t_150 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_149, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_151 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_149, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_152 = (s.mm("_ t_53'", tr(t_150), tr(s.t_53)) + s.mm("_ t_54'", tr(t_151), tr(s.t_54)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_152 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_152 * s.S), tr(s.R)), mean=True)
-        t_153 = (math.sqrt(s.d_K)) * t_149
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_153, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_153, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_153, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_153, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), (1/s.L) * t_139, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_140, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_29' _", tr(s.t_29), t_137, mean=True)
+        t_104 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
+        t_105 = (t_104 * tr(s.S))
+        t_106 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
+        t_107 = (t_106 * tr(s.C))
+        t_108 = (t_105 + t_107)
+        t_109 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_110 = (s.mm("t_53' _", tr(s.t_53), t_108) + s.mm("_ t_11'", t_109, tr(s.t_11)))
+        t_111 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_110)
+        t_112 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_113 = (s.mm("_ t_11'", t_112, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_108))
+        t_114 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_113)
+        t_115 = s.mm('_ N_1 W_V W_O2', t_114, s.N_1, s.W_V, s.W_O2)
+        t_116 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
+        t_117 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
+        t_118 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
+        t_119 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_111, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_115), (1, t_116), (1, t_117), (1, t_118))
+        t_120 = (t_119 * s.R_N_2)
+        t_121 = (t_119 * s.Y_2)
+        t_122 = s.mm('_ one', t_121, s.one)
+        t_123 = (t_122 * s.t_36 * s.Y_2)
+        t_124 = lin((1, t_120), (2/s.d_V, t_123))
+        t_125 = s.mm('_ W_3', t_124, s.W_3)
+        t_126 = s.mm('N_2 _', s.N_2, V_W_3)
+        t_127 = (t_125 + t_126)
+        t_128 = (t_127 * s.t_27 * s.t_25)
+        t_129 = s.mm('_ W_1', t_124, s.W_1)
+        t_130 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_131 = (t_129 + t_130)
+        t_132 = (t_131 * s.t_26 * s.t_25 * s.t_28)
+        t_133 = (t_131 * s.t_27 * s.t_28)
+        t_134 = lin((1, t_128), (1, t_132), (1, t_133))
+        t_135 = lin((1, t_119), (1, s.mm('_ W_2', t_134, s.W_2)), (1, s.mm("t_66' _", tr(s.t_66), V_W_2)))
+        t_136 = (s.t_8 * softmax_diff(s.t_70, t_135))
+        t_137 = s.mm("_ W_2'", t_136, tr(s.W_2))
+        t_138 = ((s.t_26 * t_137 * s.t_25 * s.t_28) + (s.t_27 * t_137 * s.t_28))
+        t_139 = (s.t_27 * t_137 * s.t_25)
+        t_140 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", (1/s.L) * t_138, tr(s.W_1))), (1/(s.L*math.sqrt(s.d_K)), s.mm("_ W_3'", t_139, tr(s.W_3))))
+        t_141 = (math.sqrt(s.d_K)) * t_140
+        t_142 = s.mm('_ one', ((2/(math.sqrt(s.d_K)*s.d_V)) * t_141 * s.t_36 * s.Y_2), s.one)
+        t_143 = lin((1, t_140, s.R_N_2), (1, t_142, s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_136))
+        t_144 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_143, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_145 = s.mm("_ t_6'", t_144, tr(s.t_6))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_145 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_145 * s.C)), mean=True)
+        t_146 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_143, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_147 = s.mm("_ t_6'", t_146, tr(s.t_6))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), mean=True)
+        t_148 = lin((1/math.sqrt(s.d_K), t_141, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', ((2/s.d_V) * t_141 * s.t_36 * s.Y_2), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_136))
+        t_149 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_148, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_150 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_148, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_151 = (s.mm("_ t_53'", tr(t_149), tr(s.t_53)) + s.mm("_ t_54'", tr(t_150), tr(s.t_54)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_151 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_151 * s.S), tr(s.R)), mean=True)
+        t_152 = (math.sqrt(s.d_K)) * t_148
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_152, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_152, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_152, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_152, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), (1/s.L) * t_138, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_139, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_29' _", tr(s.t_29), t_136, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_154 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_155 = (t_154 * tr(s.S))
-        t_156 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_157 = (t_156 * tr(s.C))
-        t_158 = (t_155 + t_157)
-        t_159 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_160 = (s.mm("t_53' _", tr(s.t_53), t_158) + s.mm("_ t_11'", t_159, tr(s.t_11)))
-        t_161 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_160)
-        t_162 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_163 = (s.mm("_ t_11'", t_162, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_158))
-        t_164 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_163)
-        t_165 = s.mm('_ N_1 W_V W_O2', t_164, s.N_1, s.W_V, s.W_O2)
-        t_166 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_167 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_168 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_169 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_161, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_165), (1, t_166), (1, t_167), (1, t_168))
-        t_170 = (t_169 * s.R_N_2)
-        t_171 = (t_169 * s.Y_2)
-        t_172 = s.mm('_ one', t_171, s.one)
-        t_173 = (t_172 * s.t_36 * s.Y_2)
-        t_174 = lin((1, t_170), (2/s.d_V, t_173))
-        t_175 = s.mm('_ W_3', t_174, s.W_3)
-        t_176 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_177 = (t_175 + t_176)
-        t_178 = s.mm('_ W_1', t_174, s.W_1)
-        t_179 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_180 = (t_178 + t_179)
-        t_181 = s.mm('G _', s.G, tr(V_W_2))
-        t_182 = lin((1, (t_177 * s.t_27), s.t_31), (2, (t_180 * s.t_26 * s.t_31), s.t_28), (1, (t_177 * s.t_26 * s.t_31), s.t_25), (1, (t_180 * s.t_72 * s.t_31 * s.t_25), s.t_28), (1, (s.t_26 * t_181 * s.t_25), s.t_28), (1, (s.t_27 * t_181), s.t_28))
-        t_183 = lin((1, (t_180 * s.t_26 * s.t_31), s.t_25), (1, (t_180 * s.t_27), s.t_31), (1, (s.t_27 * t_181), s.t_25))
-        t_184 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_182, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_183, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_32 _', s.t_32, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_33 _', s.t_33, tr(V_W_3))))
-        t_185 = (math.sqrt(s.d_K)) * t_184
-        t_186 = lin((1, (t_169 * s.t_35), s.t_36), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_185 * s.t_36), s.Y_2), (2/s.d_V, (t_172 * s.t_35 * s.t_78), s.Y_2))
-        t_187 = lin((1, s.t_38, t_169), (1, t_184, s.R_N_2), (2/s.d_V, (t_172 * s.t_34), s.t_36), (1, s.mm('_ one', t_186, s.one), s.Y_2))
-        t_188 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_187, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 _ W_V' N_1'", s.t_39, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O1' _ N_1'", s.t_39, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_189 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_160, s.t_40) + softmax_diff(s.A1, t_188))
-        t_190 = (s.mm("_ t_6'", t_189, tr(s.t_6)) + s.mm('t_41 _', s.t_41, tr(t_158)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_190 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_190 * s.S), tr(s.R)), mean=True)
-        t_191 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_187, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 _ W_V' N_1'", s.t_39, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O2' _ N_1'", s.t_39, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_192 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_163, s.t_49) + softmax_diff(s.A2, t_191))
-        t_193 = (s.mm("_ t_6'", t_192, tr(s.t_6)) + s.mm('t_50 _', s.t_50, tr(t_158)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_193 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_193 * s.C)), mean=True)
-        t_194 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_160, s.t_83)
-        t_195 = lin((1, (t_169 * s.t_56), s.t_36), (1, ((2/s.d_V) * t_185 * s.t_36), s.Y_2), (2/s.d_V, (t_172 * s.t_56 * s.t_78), s.Y_2))
-        t_196 = lin((1/math.sqrt(s.d_K), t_185, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_172 * s.t_55), s.t_36), (1/math.sqrt(s.d_K), s.t_58, t_169), (1/math.sqrt(s.d_K), s.mm('_ one', t_195, s.one), s.Y_2))
-        t_197 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_196, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_82 _ W_V' N_1'", s.t_82, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_82 W_O1' _ N_1'", s.t_82, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_198 = softmax_diff(s.A1, t_197)
-        t_199 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_163, s.t_89)
-        t_200 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_196, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_82 _ W_V' N_1'", s.t_82, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_82 W_O2' _ N_1'", s.t_82, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_201 = softmax_diff(s.A2, t_200)
-        t_202 = lin((1, s.mm("_ t_53'", (tr(t_194) + tr(t_198)), tr(s.t_53))), (1, s.mm("_ t_54'", (tr(t_199) + tr(t_201)), tr(s.t_54))), (1, s.mm("t_84' _", tr(s.t_84), t_159)), (1, s.mm("t_90' _", tr(s.t_90), t_162)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_202 * s.C)), mean=True)
-        t_203 = (math.sqrt(s.d_K)) * t_196
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_59 _", tr(s.N_1), tr(s.A2), s.t_59, tr(V_W_O2)), (1, "N_1' _ t_59 W_O1'", tr(s.N_1), tr(t_161), s.t_59, tr(s.W_O1)), (1, "N_1' A1' t_59 _", tr(s.N_1), tr(s.A1), s.t_59, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_203, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_203, tr(s.W_O1)), (1, "N_1' _ t_59 W_O2'", tr(s.N_1), tr(t_164), s.t_59, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_59", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_59), (1, "W_V' N_1' _ t_59", tr(s.W_V), tr(s.N_1), tr(t_161), s.t_59), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_203, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_59", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_59), (1, "W_V' N_1' _ t_59", tr(s.W_V), tr(s.N_1), tr(t_164), s.t_59), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_203, mean=True)))
-        out_W_1 = (s.mm('_ t_32', tr(t_174), s.t_32, mean=True) + s.mm("N_2' _", tr(s.N_2), t_182, mean=True))
-        out_W_3 = (s.mm('_ t_33', tr(t_174), s.t_33, mean=True) + s.mm("N_2' _", tr(s.N_2), t_183, mean=True))
-        t_204 = (tr(t_180) * tr(s.t_27) * tr(s.t_28))
-        t_205 = (tr(t_180) * tr(s.t_26) * tr(s.t_25) * tr(s.t_28))
-        t_206 = (tr(t_177) * tr(s.t_27) * tr(s.t_25))
-        t_207 = lin((1, t_204), (1, t_205), (1, t_206))
-        out_W_2 = s.mm('_ G', t_207, s.G, mean=True)
+        t_153 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
+        t_154 = (t_153 * tr(s.S))
+        t_155 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
+        t_156 = (t_155 * tr(s.C))
+        t_157 = (t_154 + t_156)
+        t_158 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_159 = (s.mm("t_53' _", tr(s.t_53), t_157) + s.mm("_ t_11'", t_158, tr(s.t_11)))
+        t_160 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_159)
+        t_161 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_162 = (s.mm("_ t_11'", t_161, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_157))
+        t_163 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_162)
+        t_164 = s.mm('_ N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)
+        t_165 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
+        t_166 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
+        t_167 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
+        t_168 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_160, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_164), (1, t_165), (1, t_166), (1, t_167))
+        t_169 = (t_168 * s.R_N_2)
+        t_170 = (t_168 * s.Y_2)
+        t_171 = s.mm('_ one', t_170, s.one)
+        t_172 = (t_171 * s.t_36 * s.Y_2)
+        t_173 = lin((1, t_169), (2/s.d_V, t_172))
+        t_174 = s.mm('_ W_3', t_173, s.W_3)
+        t_175 = s.mm('N_2 _', s.N_2, V_W_3)
+        t_176 = (t_174 + t_175)
+        t_177 = s.mm('_ W_1', t_173, s.W_1)
+        t_178 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_179 = (t_177 + t_178)
+        t_180 = s.mm('G _', s.G, tr(V_W_2))
+        t_181 = lin((1, (t_176 * s.t_27), s.t_31), (2, (t_179 * s.t_26 * s.t_31), s.t_28), (1, (t_176 * s.t_26 * s.t_31), s.t_25), (1, (t_179 * s.t_71 * s.t_31 * s.t_25), s.t_28), (1, (s.t_26 * t_180 * s.t_25), s.t_28), (1, (s.t_27 * t_180), s.t_28))
+        t_182 = lin((1, (t_179 * s.t_26 * s.t_31), s.t_25), (1, (t_179 * s.t_27), s.t_31), (1, (s.t_27 * t_180), s.t_25))
+        t_183 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_181, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_182, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_32 _', s.t_32, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_33 _', s.t_33, tr(V_W_3))))
+        t_184 = (math.sqrt(s.d_K)) * t_183
+        t_185 = lin((1, (t_168 * s.t_35), s.t_36), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_184 * s.t_36), s.Y_2), (2/s.d_V, (t_171 * s.t_35 * s.t_77), s.Y_2))
+        t_186 = lin((1, s.t_38, t_168), (1, t_183, s.R_N_2), (2/s.d_V, (t_171 * s.t_34), s.t_36), (1, s.mm('_ one', t_185, s.one), s.Y_2))
+        t_187 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_186, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 _ W_V' N_1'", s.t_39, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O1' _ N_1'", s.t_39, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_188 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_159, s.t_40) + softmax_diff(s.A1, t_187))
+        t_189 = (s.mm("_ t_6'", t_188, tr(s.t_6)) + s.mm('t_41 _', s.t_41, tr(t_157)))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_189 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), mean=True)
+        t_190 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_186, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 _ W_V' N_1'", s.t_39, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O2' _ N_1'", s.t_39, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_191 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_49) + softmax_diff(s.A2, t_190))
+        t_192 = (s.mm("_ t_6'", t_191, tr(s.t_6)) + s.mm('t_50 _', s.t_50, tr(t_157)))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_192 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_192 * s.C)), mean=True)
+        t_193 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_159, s.t_82)
+        t_194 = lin((1, (t_168 * s.t_56), s.t_36), (1, ((2/s.d_V) * t_184 * s.t_36), s.Y_2), (2/s.d_V, (t_171 * s.t_56 * s.t_77), s.Y_2))
+        t_195 = lin((1/math.sqrt(s.d_K), t_184, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_171 * s.t_55), s.t_36), (1/math.sqrt(s.d_K), s.t_58, t_168), (1/math.sqrt(s.d_K), s.mm('_ one', t_194, s.one), s.Y_2))
+        t_196 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_195, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_81 _ W_V' N_1'", s.t_81, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_81 W_O1' _ N_1'", s.t_81, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_197 = softmax_diff(s.A1, t_196)
+        t_198 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_88)
+        t_199 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_195, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_81 _ W_V' N_1'", s.t_81, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_81 W_O2' _ N_1'", s.t_81, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_200 = softmax_diff(s.A2, t_199)
+        t_201 = lin((1, s.mm("_ t_53'", (tr(t_193) + tr(t_197)), tr(s.t_53))), (1, s.mm("_ t_54'", (tr(t_198) + tr(t_200)), tr(s.t_54))), (1, s.mm("t_83' _", tr(s.t_83), t_158)), (1, s.mm("t_89' _", tr(s.t_89), t_161)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_201 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_201 * s.C)), mean=True)
+        t_202 = (math.sqrt(s.d_K)) * t_195
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_59 _", tr(s.N_1), tr(s.A2), s.t_59, tr(V_W_O2)), (1, "N_1' _ t_59 W_O1'", tr(s.N_1), tr(t_160), s.t_59, tr(s.W_O1)), (1, "N_1' A1' t_59 _", tr(s.N_1), tr(s.A1), s.t_59, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_202, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_202, tr(s.W_O1)), (1, "N_1' _ t_59 W_O2'", tr(s.N_1), tr(t_163), s.t_59, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_59", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_59), (1, "W_V' N_1' _ t_59", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_59), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_202, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_59", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_59), (1, "W_V' N_1' _ t_59", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_59), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_202, mean=True)))
+        out_W_1 = (s.mm('_ t_32', tr(t_173), s.t_32, mean=True) + s.mm("N_2' _", tr(s.N_2), t_181, mean=True))
+        out_W_3 = (s.mm('_ t_33', tr(t_173), s.t_33, mean=True) + s.mm("N_2' _", tr(s.N_2), t_182, mean=True))
+        t_203 = (tr(t_179) * tr(s.t_27) * tr(s.t_28))
+        t_204 = (tr(t_179) * tr(s.t_26) * tr(s.t_25) * tr(s.t_28))
+        t_205 = (tr(t_176) * tr(s.t_27) * tr(s.t_25))
+        t_206 = lin((1, t_203), (1, t_204), (1, t_205))
+        out_W_2 = s.mm('_ G', t_206, s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_208 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_209 = (t_208 * tr(s.S))
-        t_210 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_211 = (t_210 * tr(s.C))
-        t_212 = (t_209 + t_211)
-        t_213 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_214 = (s.mm("t_53' _", tr(s.t_53), t_212) + s.mm("_ t_11'", t_213, tr(s.t_11)))
-        t_228 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_214)
-        t_229 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_230 = (s.mm("_ t_11'", t_229, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_212))
-        t_231 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_230)
-        t_232 = s.mm('_ N_1 W_V W_O2', t_231, s.N_1, s.W_V, s.W_O2)
-        t_233 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_234 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_235 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_236 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_228, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_232), (1, t_233), (1, t_234), (1, t_235))
-        t_237 = (t_236 * s.R_N_2)
-        t_238 = (t_236 * s.Y_2)
-        t_239 = s.mm('_ one', t_238, s.one)
-        t_240 = (t_239 * s.t_36 * s.Y_2)
-        t_241 = lin((1, t_237), (2/s.d_V, t_240))
-        t_242 = s.mm('_ W_1', t_241, s.W_1)
-        t_243 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_244 = (t_242 + t_243)
-        t_245 = s.mm('_ W_3', t_241, s.W_3)
-        t_246 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_247 = (t_245 + t_246)
-        t_248 = (t_247 * s.t_27 * s.t_25)
-        t_249 = (t_244 * s.t_26 * s.t_25 * s.t_28)
-        t_250 = (t_244 * s.t_27 * s.t_28)
-        t_251 = lin((1, t_248), (1, t_249), (1, t_250))
-        t_252 = lin((1, t_236), (1, s.mm('_ W_2', t_251, s.W_2)), (1, s.mm("t_66' _", tr(s.t_66), V_W_2)))
-        t_253 = (s.t_8 * softmax_diff(s.t_30, t_252))
-        t_254 = lin((1, s.mm('G _', s.G, tr(V_W_2))), (1/s.L, s.mm("_ W_2'", t_253, tr(s.W_2))))
-        t_255 = lin((1, (t_244 * s.t_72 * s.t_215 * s.t_25), s.t_28), (1, (t_247 * s.t_26 * s.t_215), s.t_25), (1, (t_247 * s.t_27), s.t_215), (2, (t_244 * s.t_26 * s.t_215), s.t_28), (1, (t_254 * s.t_26 * s.t_25), s.t_28), (1, (t_254 * s.t_27), s.t_28))
-        t_256 = lin((1, (t_244 * s.t_27), s.t_215), (1, (t_244 * s.t_26 * s.t_215), s.t_25), (1, (t_254 * s.t_27), s.t_25))
-        t_257 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_255, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_256, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_218 _', s.t_218, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_220 _', s.t_220, tr(V_W_3))))
-        t_258 = (math.sqrt(s.d_K)) * t_257
-        t_259 = lin((1, (t_236 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_223), s.t_36), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_258 * s.t_36), s.Y_2), (2/s.d_V, (t_239 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_223 * s.t_78), s.Y_2))
-        t_260 = lin((1, s.t_225, t_236), (1, t_257, s.R_N_2), (2/s.d_V, (t_239 * s.t_222), s.t_36), (1, s.mm('_ one', t_259, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_253))
-        t_261 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_260, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_226 _ W_V' N_1'", s.t_226, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_226 W_O1' _ N_1'", s.t_226, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_262 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_214, s.t_227) + softmax_diff(s.A1, t_261))
-        t_264 = (s.mm("_ t_6'", t_262, tr(s.t_6)) + s.mm('t_263 _', s.t_263, tr(t_212)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_264 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_264 * s.C)), mean=True)
-        t_266 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_260, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_226 _ W_V' N_1'", s.t_226, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_226 W_O2' _ N_1'", s.t_226, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_267 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_230, s.t_265) + softmax_diff(s.A2, t_266))
-        t_269 = (s.mm("_ t_6'", t_267, tr(s.t_6)) + s.mm('t_268 _', s.t_268, tr(t_212)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_269 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_269 * s.C)), mean=True)
-        t_274 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_214, s.t_273)
-        t_275 = lin((1, (t_236 * (2/s.d_V) * s.t_223), s.t_36), (1, ((2/s.d_V) * t_258 * s.t_36), s.Y_2), (2/s.d_V, (t_239 * (2/s.d_V) * s.t_223 * s.t_78), s.Y_2))
-        t_276 = lin((1/math.sqrt(s.d_K), t_258, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_239 * s.t_223), s.t_36), (1/math.sqrt(s.d_K), s.t_271, t_236), (1/math.sqrt(s.d_K), s.mm('_ one', t_275, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_253))
-        t_277 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_276, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_272 W_O1' _ N_1'", s.t_272, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_272 _ W_V' N_1'", s.t_272, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_278 = softmax_diff(s.A1, t_277)
-        t_280 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_230, s.t_279)
-        t_281 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_276, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_272 W_O2' _ N_1'", s.t_272, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_272 _ W_V' N_1'", s.t_272, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_282 = softmax_diff(s.A2, t_281)
-        t_285 = lin((1, s.mm("_ t_53'", (tr(t_274) + tr(t_278)), tr(s.t_53))), (1, s.mm("_ t_54'", (tr(t_280) + tr(t_282)), tr(s.t_54))), (1, s.mm("t_283' _", tr(s.t_283), t_213)), (1, s.mm("t_284' _", tr(s.t_284), t_229)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_285 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_285 * s.C)), mean=True)
-        t_287 = (math.sqrt(s.d_K)) * t_276
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_286 _", tr(s.N_1), tr(s.A2), s.t_286, tr(V_W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_287, tr(s.W_O1)), (1, "N_1' _ t_286 W_O1'", tr(s.N_1), tr(t_228), s.t_286, tr(s.W_O1)), (1, "N_1' A1' t_286 _", tr(s.N_1), tr(s.A1), s.t_286, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_287, tr(s.W_O2)), (1, "N_1' _ t_286 W_O2'", tr(s.N_1), tr(t_231), s.t_286, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_286", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_286), (1, "W_V' N_1' _ t_286", tr(s.W_V), tr(s.N_1), tr(t_228), s.t_286), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_287, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_286", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_286), (1, "W_V' N_1' _ t_286", tr(s.W_V), tr(s.N_1), tr(t_231), s.t_286), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_287, mean=True)))
-        out_W_1 = (s.mm('_ t_218', tr(t_241), s.t_218, mean=True) + s.mm("N_2' _", tr(s.N_2), t_255, mean=True))
-        out_W_3 = (s.mm('_ t_220', tr(t_241), s.t_220, mean=True) + s.mm("N_2' _", tr(s.N_2), t_256, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_251), s.G, mean=True)), (1/s.L, s.mm("t_29' _", tr(s.t_29), t_253, mean=True)))
+        t_207 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
+        t_208 = (t_207 * tr(s.S))
+        t_209 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
+        t_210 = (t_209 * tr(s.C))
+        t_211 = (t_208 + t_210)
+        t_212 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_213 = (s.mm("t_53' _", tr(s.t_53), t_211) + s.mm("_ t_11'", t_212, tr(s.t_11)))
+        t_227 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_213)
+        t_228 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_229 = (s.mm("_ t_11'", t_228, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_211))
+        t_230 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_229)
+        t_231 = s.mm('_ N_1 W_V W_O2', t_230, s.N_1, s.W_V, s.W_O2)
+        t_232 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
+        t_233 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
+        t_234 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
+        t_235 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_227, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_231), (1, t_232), (1, t_233), (1, t_234))
+        t_236 = (t_235 * s.R_N_2)
+        t_237 = (t_235 * s.Y_2)
+        t_238 = s.mm('_ one', t_237, s.one)
+        t_239 = (t_238 * s.t_36 * s.Y_2)
+        t_240 = lin((1, t_236), (2/s.d_V, t_239))
+        t_241 = s.mm('_ W_1', t_240, s.W_1)
+        t_242 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_243 = (t_241 + t_242)
+        t_244 = s.mm('_ W_3', t_240, s.W_3)
+        t_245 = s.mm('N_2 _', s.N_2, V_W_3)
+        t_246 = (t_244 + t_245)
+        t_247 = (t_246 * s.t_27 * s.t_25)
+        t_248 = (t_243 * s.t_26 * s.t_25 * s.t_28)
+        t_249 = (t_243 * s.t_27 * s.t_28)
+        t_250 = lin((1, t_247), (1, t_248), (1, t_249))
+        t_251 = lin((1, t_235), (1, s.mm('_ W_2', t_250, s.W_2)), (1, s.mm("t_66' _", tr(s.t_66), V_W_2)))
+        t_252 = (s.t_8 * softmax_diff(s.t_30, t_251))
+        t_253 = lin((1, s.mm('G _', s.G, tr(V_W_2))), (1/s.L, s.mm("_ W_2'", t_252, tr(s.W_2))))
+        t_254 = lin((1, (t_243 * s.t_71 * s.t_214 * s.t_25), s.t_28), (1, (t_246 * s.t_26 * s.t_214), s.t_25), (1, (t_246 * s.t_27), s.t_214), (2, (t_243 * s.t_26 * s.t_214), s.t_28), (1, (t_253 * s.t_26 * s.t_25), s.t_28), (1, (t_253 * s.t_27), s.t_28))
+        t_255 = lin((1, (t_243 * s.t_27), s.t_214), (1, (t_243 * s.t_26 * s.t_214), s.t_25), (1, (t_253 * s.t_27), s.t_25))
+        t_256 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_254, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_255, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_217 _', s.t_217, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_219 _', s.t_219, tr(V_W_3))))
+        t_257 = (math.sqrt(s.d_K)) * t_256
+        t_258 = lin((1, (t_235 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_222), s.t_36), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_257 * s.t_36), s.Y_2), (2/s.d_V, (t_238 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_222 * s.t_77), s.Y_2))
+        t_259 = lin((1, s.t_224, t_235), (1, t_256, s.R_N_2), (2/s.d_V, (t_238 * s.t_221), s.t_36), (1, s.mm('_ one', t_258, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_252))
+        t_260 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_259, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_225 _ W_V' N_1'", s.t_225, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_225 W_O1' _ N_1'", s.t_225, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_261 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_213, s.t_226) + softmax_diff(s.A1, t_260))
+        t_263 = (s.mm("_ t_6'", t_261, tr(s.t_6)) + s.mm('t_262 _', s.t_262, tr(t_211)))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_263 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_263 * s.C)), mean=True)
+        t_265 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_259, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_225 _ W_V' N_1'", s.t_225, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_225 W_O2' _ N_1'", s.t_225, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_266 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_229, s.t_264) + softmax_diff(s.A2, t_265))
+        t_268 = (s.mm("_ t_6'", t_266, tr(s.t_6)) + s.mm('t_267 _', s.t_267, tr(t_211)))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_268 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_268 * s.C)), mean=True)
+        t_273 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_213, s.t_272)
+        t_274 = lin((1, (t_235 * (2/s.d_V) * s.t_222), s.t_36), (1, ((2/s.d_V) * t_257 * s.t_36), s.Y_2), (2/s.d_V, (t_238 * (2/s.d_V) * s.t_222 * s.t_77), s.Y_2))
+        t_275 = lin((1/math.sqrt(s.d_K), t_257, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_238 * s.t_222), s.t_36), (1/math.sqrt(s.d_K), s.t_270, t_235), (1/math.sqrt(s.d_K), s.mm('_ one', t_274, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_252))
+        t_276 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_275, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_271 W_O1' _ N_1'", s.t_271, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_271 _ W_V' N_1'", s.t_271, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_277 = softmax_diff(s.A1, t_276)
+        t_279 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_229, s.t_278)
+        t_280 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_275, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_271 W_O2' _ N_1'", s.t_271, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_271 _ W_V' N_1'", s.t_271, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_281 = softmax_diff(s.A2, t_280)
+        t_284 = lin((1, s.mm("_ t_53'", (tr(t_273) + tr(t_277)), tr(s.t_53))), (1, s.mm("_ t_54'", (tr(t_279) + tr(t_281)), tr(s.t_54))), (1, s.mm("t_282' _", tr(s.t_282), t_212)), (1, s.mm("t_283' _", tr(s.t_283), t_228)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_284 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_284 * s.C)), mean=True)
+        t_286 = (math.sqrt(s.d_K)) * t_275
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_285 _", tr(s.N_1), tr(s.A2), s.t_285, tr(V_W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_286, tr(s.W_O1)), (1, "N_1' _ t_285 W_O1'", tr(s.N_1), tr(t_227), s.t_285, tr(s.W_O1)), (1, "N_1' A1' t_285 _", tr(s.N_1), tr(s.A1), s.t_285, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_286, tr(s.W_O2)), (1, "N_1' _ t_285 W_O2'", tr(s.N_1), tr(t_230), s.t_285, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_285", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_285), (1, "W_V' N_1' _ t_285", tr(s.W_V), tr(s.N_1), tr(t_227), s.t_285), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_286, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_285", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_285), (1, "W_V' N_1' _ t_285", tr(s.W_V), tr(s.N_1), tr(t_230), s.t_285), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_286, mean=True)))
+        out_W_1 = (s.mm('_ t_217', tr(t_240), s.t_217, mean=True) + s.mm("N_2' _", tr(s.N_2), t_254, mean=True))
+        out_W_3 = (s.mm('_ t_219', tr(t_240), s.t_219, mean=True) + s.mm("N_2' _", tr(s.N_2), t_255, mean=True))
+        out_W_2 = lin((1, s.mm('_ G', tr(t_250), s.G, mean=True)), (1/s.L, s.mm("t_29' _", tr(s.t_29), t_252, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -7316,4 +7300,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "19ac2658ece2c0195bd67d05"
+CHECKSUM = "6a0c341b35a6f5983e89ae1d"

@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "26929877870e780f489de146"
+    STAMP = "c83d346f4941e12f7fd60467"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -33,19 +33,19 @@ class mse_bias0_causal0(Forward):
         'N_1 W_V': 15,
         "N_1 W_V one_2'": 5,
         "N_1 W_V one_2' one'": 5,
-        "N_1' t_131": 2,
-        "N_1' t_131 N_1": 2,
-        "N_1' t_131'": 2,
+        "N_1' t_130": 2,
+        "N_1' t_130 N_1": 2,
+        "N_1' t_130'": 2,
         "N_1' t_19": 4,
         "N_1' t_19 N_1": 4,
         "N_1' t_19'": 5,
         "W_V one_2'": 5,
         "W_V one_2' one'": 5,
         'one one_2': 7,
-        "one' t_101'": 2,
+        "one' t_100'": 2,
         "one' t_15'": 2,
-        "one' t_40'": 2,
-        "one_2' one' t_101'": 2,
+        "one' t_39'": 2,
+        "one_2' one' t_100'": 2,
         "one_2' one' t_15'": 2,
     }
 
@@ -219,119 +219,949 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def t_27(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
-    def t_28(s):
         return (s.t_8 * s.M_N_2)
 
     @leaf
-    def t_29(s):
+    def t_28(s):
         return (s.t_8 * s.t_12)
 
     @leaf
-    def t_30(s):
+    def t_29(s):
         return (0.75 * (s.sigma2_N_2 ** -2.5))
 
     @leaf
-    def t_31(s):
-        return (s.t_30 * s.t_12 * s.M_N_2)
+    def t_30(s):
+        return (s.t_29 * s.t_12 * s.M_N_2)
 
     @leaf
-    def t_32(s):
+    def t_31(s):
         return bcast_last(s.t_14, s.d_V)
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return ((1/2)*math.sqrt(s.d_K)*s.d_V) * s.t_17
 
     @leaf
-    def t_34(s):
+    def t_33(s):
         return (-1/2*math.sqrt(s.d_K)*s.d_V**2) * s.t_15
 
     @leaf
-    def t_35(s):
-        return s.mm('t_34 one', s.t_34, s.one)
+    def t_34(s):
+        return s.mm('t_33 one', s.t_33, s.one)
 
     @leaf
-    def t_36(s):
-        return bcast_last(s.t_35, s.d_V)
+    def t_35(s):
+        return bcast_last(s.t_34, s.d_V)
 
     @leaf
     def one_3(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_37(s):
+    def t_36(s):
         return (s.F - s.Y)
 
     @leaf
+    def t_37(s):
+        return (s.t_36 * s.t_36)
+
+    @leaf
     def t_38(s):
-        return (s.t_37 * s.t_37)
+        return s.mm('one_3 t_37 one', s.one_3, s.t_37, s.one)
 
     @leaf
     def t_39(s):
-        return s.mm('one_3 t_38 one', s.one_3, s.t_38, s.one)
+        return (-2/s.d_V**2) * s.t_33
 
     @leaf
     def t_40(s):
-        return (-2/s.d_V**2) * s.t_34
+        return s.mm("N_1' A' t_39 one", tr(s.N_1), tr(s.A), s.t_39, s.one)
+
+    @leaf
+    def t_41(s):
+        return (2/s.d_V) * s.t_32
+
+    @leaf
+    def t_95(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
+
+    @leaf
+    def t_96(s):
+        return (s.t_9 * s.t_95)
+
+    @leaf
+    def t_97(s):
+        return s.mm("t_96 W_1'", s.t_96, tr(s.W_1))
+
+    @leaf
+    def t_98(s):
+        return (s.t_8 * s.t_97 * s.M_N_2)
+
+    @leaf
+    def t_99(s):
+        return s.mm('t_98 one', s.t_98, s.one)
+
+    @leaf
+    def t_100(s):
+        return lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_99, s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, s.t_97))
+
+    @leaf
+    def t_101(s):
+        return lin((1/math.sqrt(s.d_K), s.G), (-s.d_V, s.t_100))
+
+    @leaf
+    def t_102(s):
+        return s.mm_sum('r', (1, "t_100 one one_2 W_V' N_1'", s.t_100, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_101 W_V' N_1'", s.t_101, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_130(s):
+        return softmax_diff(s.A, s.t_102)
+
+    @leaf
+    def t_131(s):
+        return lin((1, s.t_99, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_97), (1/s.L, s.F), (-1/s.L, s.Y))
+
+    @leaf
+    def t_132(s):
+        return (2/s.d_V) * s.t_131
+
+    @leaf
+    def t_134(s):
+        return lin((1, s.t_99, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_97))
+
+    @leaf
+    def t_135(s):
+        return (-2/s.d_V**2) * s.t_134
+
+    @leaf
+    def dA(s):
+        """∂A/∂T as a compact tensor (2 networks)."""
+        return Compact('dA', [
+            net(1, 'nab,bc->nabc', s.A, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.A, s.A),
+        ])
+
+    @leaf
+    def S(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S', [
+            net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_27),
+        ])
+
+    @leaf
+    def S_2(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_2', [
+            net(2/(s.L*s.d_K*s.d_V), 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
+            net(4/(s.L*s.d_K*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_27),
+            net(-2/(s.L*s.d_K*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
+        ])
+
+    @leaf
+    def S_3(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_3', [
+            net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_27, ONES, s.M_N_2),
+        ])
+
+    @leaf
+    def S_4(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_4', [
+            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+        ])
+
+    @leaf
+    def S_5(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_5', [
+            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
+        ])
+
+    @leaf
+    def S_6(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_6', [
+            net(2/(s.L*s.d_K*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,cd,nad,de,naef->nabf', s.S_2, s.W_1, s.t_9, s.W_2, s.S_5),
+            net(2/(s.L*s.d_K*s.d_V), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
+        ])
+
+    @leaf
+    def S_7(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_7', [
+            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
+        ])
+
+    @leaf
+    def S_8(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_8', [
+            net(1, 'nab,bc->nabc', s.t_31, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,nac->nabc', s.t_28, ONES, s.M_N_2),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
+        ])
+
+    @leaf
+    def d2A(s):
+        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
+        return Compact('d2A', [
+            net(1, 'nab,bc->nabc', s.t_19, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_19, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_19),
+        ])
+
+    @leaf
+    def S_9(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_9', [
+            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_8, s.S_4, s.t_4, s.dA),
+            net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
+        ])
+
+    @leaf
+    def S_10(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_10', [
+            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_8, s.S_4, s.t_4, s.dA),
+            net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
+        ])
+
+    @leaf
+    def S_11(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_11', [
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
+            net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_27),
+            net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
+        ])
+
+    @leaf
+    def S_12(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_12', [
+            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+        ])
+
+    @leaf
+    def S_13(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_13', [
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_32),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_35),
+        ])
+
+    @leaf
+    def S_14(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_14', [
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+        ])
+
+    @leaf
+    def S_15(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_15', [
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_9, s.W_2),
+        ])
+
+    @leaf
+    def S_16(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_16', [
+            net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+        ])
+
+    @leaf
+    def S_17(s):
+        """A sum as a compact tensor (3 networks)."""
+        return Compact('S_17', [
+            net(2/(s.L*s.d_V), 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_27),
+            net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
+        ])
+
+    @leaf
+    def S_18(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_18', [
+            net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
+            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
+        ])
+
+    @leaf
+    def S_19(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_19', [
+            net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_9, s.W_2),
+        ])
+
+    @leaf
+    def S_20(s):
+        """A sum as a compact tensor (2 networks)."""
+        return Compact('S_20', [
+            net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
+            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
+        ])
+
+    def block__W_Q__W_Q__outer(s):
+        """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.N_1, s.t_5),
+        ]
+
+    def block__W_Q__W_Q__functional(s):
+        """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_5),
+        ]
+
+    def block__W_Q__W_K__outer(s):
+        """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
+        ]
+
+    def block__W_Q__W_K__functional(s):
+        """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_20, free={'d': s.d_K}),
+            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_6, s.N_1),
+        ]
+
+    def block__W_Q__W_V__outer(s):
+        """H_o(W_Q, W_V): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_21),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_21),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
+        ]
+
+    def block__W_Q__W_V__functional(s):
+        """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_21, s.S_12),
+        ]
+
+    def block__W_Q__W_1__outer(s):
+        """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
+        ]
+
+    def block__W_Q__W_1__functional(s):
+        """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.t_11),
+        ]
+
+    def block__W_Q__W_2__outer(s):
+        """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.S_15, s.t_10),
+        ]
+
+    def block__W_Q__W_2__functional(s):
+        """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
+        ]
+
+    def block__W_K__W_K__outer(s):
+        """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_22, s.N_1, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
+        ]
+
+    def block__W_K__W_K__functional(s):
+        """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_22, s.S_9, s.t_6, s.N_1),
+        ]
+
+    def block__W_K__W_V__outer(s):
+        """H_o(W_K, W_V): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_22, s.N_1, s.dA, s.t_3, s.t_21),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_22, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_21),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_22, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_22, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
+        ]
+
+    def block__W_K__W_V__functional(s):
+        """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_22, s.N_1, s.dA, s.N_1, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_22, s.N_1, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_21, s.S_12),
+        ]
+
+    def block__W_K__W_1__outer(s):
+        """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_22, s.N_1, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
+        ]
+
+    def block__W_K__W_1__functional(s):
+        """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_22, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_11),
+        ]
+
+    def block__W_K__W_2__outer(s):
+        """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_22, s.N_1, s.dA, s.t_3, s.S_15, s.t_10),
+        ]
+
+    def block__W_K__W_2__functional(s):
+        """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_22, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
+        ]
+
+    def block__W_V__W_V__outer(s):
+        """H_o(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
+        return [
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_23, s.t_21, free={'d': s.d_V}),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_23, s.S_17, s.W_1, s.t_9, s.W_2, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_23, s.S_17, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_23, s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
+        ]
+
+    def block__W_V__W_V__functional(s):
+        """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_23, s.S_18, s.S_8, s.t_21, s.S_12),
+        ]
+
+    def block__W_V__W_1__outer(s):
+        """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_23, s.S_19, s.W_2, s.t_9, s.N_2),
+        ]
+
+    def block__W_V__W_1__functional(s):
+        """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_23, s.S_4, s.S, s.t_11),
+        ]
+
+    def block__W_V__W_2__outer(s):
+        """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_23, s.S_19, s.t_10),
+        ]
+
+    def block__W_V__W_2__functional(s):
+        """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
+        return [
+            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_23, s.S_4, s.S, s.W_1, s.t_9, s.G),
+        ]
+
+    def block__W_1__W_1__outer(s):
+        """H_o(W_1, W_1) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
+        return [
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_9, s.t_24, s.t_9, s.N_2),
+        ]
+
+    def block__W_1__W_2__outer(s):
+        """H_o(W_1, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (relu(N_2 @ W_1) ⊗ W_2))"""
+        return [
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_9, s.t_10, s.W_2),
+        ]
+
+    def block__W_1__W_2__functional(s):
+        """H_f(W_1, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
+        return [
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_9, s.G),
+        ]
+
+    def block__W_2__W_2__outer(s):
+        """H_o(W_2, W_2) = 2/(L*d_V)*(relu(W_1.T @ N_2.T) @ relu(N_2 @ W_1) ⊗ I[d_V])"""
+        return [
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_25, free={'c': s.d_V}),
+        ]
+
+    def jacobian__W_Q(s):
+        """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_4, s.dA, s.N_1, s.t_5),
+        ]
+
+    def jacobian__W_K(s):
+        """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_4, s.dA, s.t_6, s.N_1),
+        ]
+
+    def jacobian__W_V(s):
+        """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nab->n|ac|bc', s.t_21, free={'c': s.d_V}),
+            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
+        ]
+
+    def jacobian__W_1(s):
+        """∂vec_r F/∂vec_r W_1, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_9, s.N_2),
+        ]
+
+    def jacobian__W_2(s):
+        """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
+        return [
+            net(1, 'nab->n|ac|bc', s.t_10, free={'c': s.d_V}),
+        ]
+
+    def loss(s):
+        """The loss, batch mean."""
+        return mean0((1/(s.L*s.d_V)) * s.t_38, True)[..., 0, 0]
+
+    def gradient(s):
+        """(∂ℓ/∂W_p for p in the parameters), batch mean."""
+        out_W_Q = s.mm("N_1' t_19 N_1 W_K", tr(s.N_1), s.t_19, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' t_19' N_1 W_Q", tr(s.N_1), tr(s.t_19), s.N_1, s.W_Q, mean=True)
+        out_W_V = (bcast_last(mean0(s.t_40, True), s.d_V) + s.mm("N_1' A' t_41", tr(s.N_1), tr(s.A), s.t_41, mean=True))
+        out_W_1 = s.mm("N_2' t_11", tr(s.N_2), s.t_11, mean=True)
+        out_W_2 = s.mm("t_10' G", tr(s.t_10), s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
+
+    def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
+        """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
+        t_42 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_43 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_42)
+        t_44 = s.mm('_ N_1 W_V', t_43, s.N_1, s.W_V)
+        t_45 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_46 = (t_44 + t_45)
+        t_47 = s.mm('_ one', t_46, s.one)
+        t_48 = lin((1, t_47), (-s.d_V, t_44), (-s.d_V, t_45))
+        t_49 = (s.P_N_2 * (-1/s.d_V) * t_48)
+        t_50 = ((-1/s.d_V) * t_48 * s.M_N_2)
+        t_51 = s.mm('_ one', t_50, s.one)
+        t_52 = (s.t_8 * t_51 * s.M_N_2)
+        t_53 = lin((1, t_49), (2/s.d_V, t_52))
+        t_54 = s.mm('_ W_1', t_53, s.W_1)
+        t_55 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_56 = (t_54 + t_55)
+        t_57 = (t_56 * s.t_9)
+        t_58 = lin((1, s.mm('t_10 _', s.t_10, V_W_2)), (1, s.mm('_ W_2', t_57, s.W_2)), (1, t_44), (1, t_45))
+        t_59 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_58, tr(s.W_2))
+        t_60 = (s.t_9 * t_59)
+        t_61 = s.mm("_ W_1'", t_60, tr(s.W_1))
+        t_62 = lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', (s.t_8 * t_61 * s.M_N_2), s.one), s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_61))
+        t_63 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_58), (-s.d_V, t_62))
+        t_64 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_62, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_63, tr(s.W_V), tr(s.N_1)))
+        t_65 = softmax_diff(s.A, t_64)
+        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_65, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_65), s.N_1, s.W_Q, mean=True)
+        t_66 = lin((1, s.mm('_ one', (s.t_8 * t_61 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_61))
+        t_67 = lin((1, s.mm('_ one', (s.t_8 * t_61 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_61), (1/s.L, s.mm('t_10 _', s.t_10, V_W_2)), (1/s.L, s.mm('_ W_2', t_57, s.W_2)), (1/s.L, t_44), (1/s.L, t_45))
+        out_W_V = (bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/s.d_V**2) * t_66, s.one), True), s.d_V) + s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_67, mean=True))
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_60, mean=True)
+        t_68 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_58)
+        out_W_2 = mean0(t_68, True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
+
+    def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
+        """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
+        t_69 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_70 = softmax_diff2(s.A, s.t_18, (1/math.sqrt(s.d_K)) * t_69)
+        t_71 = (s.t_9 * s.mm('G _', s.G, tr(V_W_2)))
+        t_72 = (s.mm('t_11 _', s.t_11, tr(V_W_1)) + s.mm("_ W_1'", t_71, tr(s.W_1)))
+        t_73 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_69)
+        t_74 = s.mm('_ N_1 W_V', t_73, s.N_1, s.W_V)
+        t_75 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_76 = (t_74 + t_75)
+        t_77 = s.mm('_ one', t_76, s.one)
+        t_78 = lin((1, t_77), (-s.d_V, t_74), (-s.d_V, t_75))
+        t_79 = ((-1/s.d_V) * t_78 * s.M_N_2)
+        t_80 = s.mm('_ one', t_79, s.one)
+        t_81 = lin((1, (s.t_8 * t_72), s.M_N_2), (1, (s.t_8 * (-1/s.d_V) * t_78), s.t_12), (2/s.d_V, (s.t_29 * t_80 * s.t_12), s.M_N_2))
+        t_82 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_72), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_14, (-1/s.d_V) * t_78), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_8 * t_80), s.t_12), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_81, s.one), s.M_N_2))
+        t_83 = (-math.sqrt(s.d_K)*s.d_V) * t_82
+        t_84 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_82, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_15 one one_2 _ N_1'", s.t_15, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_83, tr(s.W_V), tr(s.N_1)), (1, "t_17 _ N_1'", s.t_17, tr(V_W_V), tr(s.N_1)))
+        t_85 = softmax_diff(s.A, t_84)
+        t_86 = (t_70 + t_85)
+        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_86, s.N_1, s.W_K), (1, "N_1' t_19 N_1 _", tr(s.N_1), s.t_19, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_19' N_1 _", tr(s.N_1), tr(s.t_19), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_86), s.N_1, s.W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_83), (1, "N_1' _ t_41", tr(s.N_1), tr(t_73), s.t_41), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_39 one", tr(s.N_1), tr(t_73), s.t_39, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_83, s.one), True), s.d_V)))
+        t_87 = lin((1, tr(t_77)), (-s.d_V, tr(t_75)), (-s.d_V, tr(t_74)))
+        t_88 = (tr(s.P_N_2) * (-1/s.d_V) * t_87)
+        t_89 = (tr(s.t_8) * tr(t_80) * tr(s.M_N_2))
+        t_90 = lin((1, t_88), (2/s.d_V, t_89))
+        out_W_1 = (s.mm('_ t_11', t_90, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_71, mean=True))
+        t_91 = s.mm("_ N_2'", tr(V_W_1), tr(s.N_2))
+        t_92 = s.mm("W_1' _", tr(s.W_1), t_90)
+        t_93 = (t_91 + t_92)
+        t_94 = (t_93 * tr(s.t_9))
+        out_W_2 = s.mm('_ G', t_94, s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
+
+    def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
+        """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
+        t_103 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_104 = softmax_diff2(s.A, s.t_102, (1/math.sqrt(s.d_K)) * t_103)
+        t_105 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_103)
+        t_106 = s.mm('_ N_1 W_V', t_105, s.N_1, s.W_V)
+        t_107 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_108 = (t_106 + t_107)
+        t_109 = s.mm('_ one', t_108, s.one)
+        t_110 = lin((1, t_109), (-s.d_V, t_106), (-s.d_V, t_107))
+        t_111 = (s.P_N_2 * (-1/s.d_V) * t_110)
+        t_112 = ((-1/s.d_V) * t_110 * s.M_N_2)
+        t_113 = s.mm('_ one', t_112, s.one)
+        t_114 = (s.t_8 * t_113 * s.M_N_2)
+        t_115 = lin((1, t_111), (2/s.d_V, t_114))
+        t_116 = s.mm('_ W_1', t_115, s.W_1)
+        t_117 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_118 = (t_116 + t_117)
+        t_119 = (t_118 * s.t_9)
+        t_120 = lin((1, s.mm('t_10 _', s.t_10, V_W_2)), (1, s.mm('_ W_2', t_119, s.W_2)), (1, t_106), (1, t_107))
+        t_121 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_120, tr(s.W_2))
+        t_122 = ((t_121 + s.mm('G _', s.G, tr(V_W_2))) * s.t_9)
+        t_123 = (s.mm("_ W_1'", t_122, tr(s.W_1)) + s.mm('t_96 _', s.t_96, tr(V_W_1)))
+        t_124 = lin((1, (s.t_8 * t_123), s.M_N_2), (1, (s.t_8 * (-1/s.d_V) * t_110), s.t_97), (2/s.d_V, (s.t_29 * t_113 * s.t_97), s.M_N_2))
+        t_125 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_123), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_99, (-1/s.d_V) * t_110), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_8 * t_113), s.t_97), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_124, s.one), s.M_N_2))
+        t_126 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_120), (-s.d_V, t_125))
+        t_127 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_125, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_100 one one_2 _ N_1'", s.t_100, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_126, tr(s.W_V), tr(s.N_1)), (1, "t_101 _ N_1'", s.t_101, tr(V_W_V), tr(s.N_1)))
+        t_128 = softmax_diff(s.A, t_127)
+        t_129 = (t_104 + t_128)
+        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_129, s.N_1, s.W_K), (1, "N_1' t_130 N_1 _", tr(s.N_1), s.t_130, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_130' N_1 _", tr(s.N_1), tr(s.t_130), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_129), s.N_1, s.W_Q), mean=True)
+        t_133 = (math.sqrt(s.d_K)) * t_126
+        t_136 = lin((1, s.P_N_2, t_123), (2/s.d_V, s.t_99, (-1/s.d_V) * t_110), (2/s.d_V, (s.t_8 * t_113), s.t_97), (2/s.d_V, s.mm('_ one', t_124, s.one), s.M_N_2))
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_132", tr(s.N_1), tr(t_105), s.t_132), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_133), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_135 one", tr(s.N_1), tr(t_105), s.t_135, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_136, s.one), True), s.d_V)))
+        out_W_1 = (s.mm('_ t_96', tr(t_115), s.t_96, mean=True) + s.mm("N_2' _", tr(s.N_2), t_122, mean=True))
+        t_137 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_120)
+        out_W_2 = (mean0(t_137, True) + s.mm('_ G', tr(t_119), s.G, mean=True))
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
+
+    def check_inputs(s):
+        """The inputs of the layer's value checks, for every sequence."""
+        return (s.X, s.Y_2,)
+
+
+class mse_bias0_causal1(Forward):
+    """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
+
+    PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
+    STAMP = "79935f17d606de2c55a6e8a3"
+    RUNS = {
+        'A N_1': 13,
+        "G W_2'": 2,
+        'N_1 W_K': 9,
+        'N_1 W_Q': 9,
+        'N_1 W_V': 15,
+        "N_1 W_V one_2'": 5,
+        "N_1 W_V one_2' one'": 5,
+        "N_1' t_103": 2,
+        "N_1' t_103 N_1": 2,
+        "N_1' t_103'": 2,
+        "N_1' t_19": 4,
+        "N_1' t_19 N_1": 4,
+        "N_1' t_19'": 5,
+        "W_V one_2'": 5,
+        "W_V one_2' one'": 5,
+        'one one_2': 7,
+        "one' t_100'": 2,
+        "one' t_15'": 2,
+        "one' t_40'": 2,
+        "one_2' one' t_100'": 2,
+        "one_2' one' t_15'": 2,
+    }
+
+    @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
+    def M_N_1(s):
+        return lin((-1/s.d_V, s.mm('X one', s.X, s.one)), (1, s.X))
+
+    @leaf
+    def t(s):
+        return (s.M_N_1 * s.M_N_1)
+
+    @leaf
+    def sigma2_N_1(s):
+        return (1/s.d_V) * s.mm('t one', s.t, s.one)
+
+    @leaf
+    def P_N_1(s):
+        return (s.sigma2_N_1 ** -0.5)
+
+    @leaf
+    def N_1(s):
+        return (s.P_N_1 * s.M_N_1)
+
+    @leaf
+    def t_2(s):
+        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
+
+    @leaf
+    def t_3(s):
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
+
+    @leaf
+    def t_4(s):
+        return tr(s.t_3)
+
+    @leaf
+    def t_5(s):
+        return tr(s.t_2)
+
+    @leaf
+    def t_6(s):
+        return s.mm('N_1 W_Q', s.N_1, s.W_Q)
+
+    @leaf
+    def T(s):
+        return (1/math.sqrt(s.d_K)) * s.mm("N_1 W_Q W_K' N_1'", s.N_1, s.W_Q, tr(s.W_K), tr(s.N_1))
+
+    @leaf
+    def A(s):
+        return softmax_rows(s.T, causal=True)
+
+    @leaf
+    def Y_2(s):
+        return (s.mm('A N_1 W_V', s.A, s.N_1, s.W_V) + s.X)
+
+    @leaf
+    def M_N_2(s):
+        return lin((-1/s.d_V, s.mm('Y_2 one', s.Y_2, s.one)), (1, s.Y_2))
+
+    @leaf
+    def t_7(s):
+        return (s.M_N_2 * s.M_N_2)
+
+    @leaf
+    def sigma2_N_2(s):
+        return (1/s.d_V) * s.mm('t_7 one', s.t_7, s.one)
+
+    @leaf
+    def t_8(s):
+        return (-0.5 * (s.sigma2_N_2 ** -1.5))
+
+    @leaf
+    def P_N_2(s):
+        return (s.sigma2_N_2 ** -0.5)
+
+    @leaf
+    def N_2(s):
+        return (s.P_N_2 * s.M_N_2)
+
+    @leaf
+    def H(s):
+        return s.mm('N_2 W_1', s.N_2, s.W_1)
+
+    @leaf
+    def t_9(s):
+        return heaviside(s.H, 0.0)
+
+    @leaf
+    def t_10(s):
+        return (s.H * heaviside(s.H, 0.0))
+
+    @leaf
+    def F(s):
+        return (s.mm('t_10 W_2', s.t_10, s.W_2) + s.Y_2)
+
+    @leaf
+    def G(s):
+        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
+
+    @leaf
+    def t_11(s):
+        return (s.t_9 * s.mm("G W_2'", s.G, tr(s.W_2)))
+
+    @leaf
+    def t_12(s):
+        return s.mm("t_11 W_1'", s.t_11, tr(s.W_1))
+
+    @leaf
+    def t_13(s):
+        return (s.t_8 * s.t_12 * s.M_N_2)
+
+    @leaf
+    def t_14(s):
+        return s.mm('t_13 one', s.t_13, s.one)
+
+    @leaf
+    def t_15(s):
+        return lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_14, s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, s.t_12))
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.d_V), s.like)
+
+    @leaf
+    def t_16(s):
+        return s.mm("t_15 one one_2 W_V' N_1'", s.t_15, s.one, s.one_2, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_17(s):
+        return lin((-s.d_V, s.t_15), (1/math.sqrt(s.d_K), s.G))
+
+    @leaf
+    def t_18(s):
+        return (s.t_16 + s.mm("t_17 W_V' N_1'", s.t_17, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_19(s):
+        return softmax_diff(s.A, s.t_18)
+
+    @leaf
+    def t_20(s):
+        return s.mm('t_19 N_1', s.t_19, s.N_1)
+
+    @leaf
+    def t_21(s):
+        return s.mm('A N_1', s.A, s.N_1)
+
+    @leaf
+    def t_22(s):
+        return tr(s.t_6)
+
+    @leaf
+    def t_23(s):
+        return tr(s.t_21)
+
+    @leaf
+    def t_24(s):
+        return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
+
+    @leaf
+    def t_25(s):
+        return s.mm("t_10' t_10", tr(s.t_10), s.t_10)
+
+    @leaf
+    def t_26(s):
+        return bcast_last(s.P_N_2, s.d_V)
+
+    @leaf
+    def t_27(s):
+        return (s.t_8 * s.M_N_2)
+
+    @leaf
+    def t_28(s):
+        return (s.t_8 * s.t_12)
+
+    @leaf
+    def t_29(s):
+        return (0.75 * (s.sigma2_N_2 ** -2.5))
+
+    @leaf
+    def t_30(s):
+        return (s.t_29 * s.t_12 * s.M_N_2)
+
+    @leaf
+    def t_31(s):
+        return bcast_last(s.t_14, s.d_V)
+
+    @leaf
+    def t_32(s):
+        return ((1/2)*math.sqrt(s.d_K)*s.d_V) * s.t_17
+
+    @leaf
+    def t_33(s):
+        return (-1/2*math.sqrt(s.d_K)*s.d_V**2) * s.t_15
+
+    @leaf
+    def t_34(s):
+        return s.mm('t_33 one', s.t_33, s.one)
+
+    @leaf
+    def t_35(s):
+        return bcast_last(s.t_34, s.d_V)
+
+    @leaf
+    def one_3(s):
+        return ones((1, s.L), s.like)
+
+    @leaf
+    def t_36(s):
+        return (s.F - s.Y)
+
+    @leaf
+    def t_37(s):
+        return (s.t_36 * s.t_36)
+
+    @leaf
+    def t_38(s):
+        return s.mm('one_3 t_37 one', s.one_3, s.t_37, s.one)
+
+    @leaf
+    def t_39(s):
+        return (2/s.d_V) * s.t_32
+
+    @leaf
+    def t_40(s):
+        return (-2/s.d_V**2) * s.t_33
 
     @leaf
     def t_41(s):
         return s.mm("N_1' A' t_40 one", tr(s.N_1), tr(s.A), s.t_40, s.one)
 
     @leaf
-    def t_42(s):
-        return (2/s.d_V) * s.t_33
-
-    @leaf
-    def t_96(s):
+    def t_95(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_96(s):
+        return (s.t_9 * s.t_95)
+
+    @leaf
     def t_97(s):
-        return (s.t_9 * s.t_96)
+        return s.mm("t_96 W_1'", s.t_96, tr(s.W_1))
 
     @leaf
     def t_98(s):
-        return s.mm("t_97 W_1'", s.t_97, tr(s.W_1))
+        return (s.t_8 * s.t_97 * s.M_N_2)
 
     @leaf
     def t_99(s):
-        return (s.t_8 * s.t_98 * s.M_N_2)
+        return s.mm('t_98 one', s.t_98, s.one)
 
     @leaf
     def t_100(s):
-        return s.mm('t_99 one', s.t_99, s.one)
+        return lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_99, s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, s.t_97))
 
     @leaf
     def t_101(s):
-        return lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_100, s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, s.t_98))
+        return lin((1/math.sqrt(s.d_K), s.G), (-s.d_V, s.t_100))
 
     @leaf
     def t_102(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (-s.d_V, s.t_101))
+        return s.mm_sum('r', (1, "t_100 one one_2 W_V' N_1'", s.t_100, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_101 W_V' N_1'", s.t_101, tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_103(s):
-        return s.mm_sum('r', (1, "t_101 one one_2 W_V' N_1'", s.t_101, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_102 W_V' N_1'", s.t_102, tr(s.W_V), tr(s.N_1)))
+        return softmax_diff(s.A, s.t_102)
 
     @leaf
     def t_131(s):
-        return softmax_diff(s.A, s.t_103)
+        return lin((1, s.t_99, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_97), (1/s.L, s.F), (-1/s.L, s.Y))
 
     @leaf
     def t_132(s):
-        return lin((1, s.t_100, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_98), (1/s.L, s.F), (-1/s.L, s.Y))
-
-    @leaf
-    def t_133(s):
-        return (2/s.d_V) * s.t_132
+        return (2/s.d_V) * s.t_131
 
     @leaf
     def t_135(s):
-        return lin((1, s.t_100, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_98))
+        return lin((1, s.t_99, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_97))
 
     @leaf
     def t_136(s):
@@ -350,7 +1180,7 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
             net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, s.t_27, s.t_28),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_27),
         ])
 
     @leaf
@@ -358,8 +1188,8 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
             net(2/(s.L*s.d_K*s.d_V), 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_K*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, s.t_27, s.t_28),
-            net(-2/(s.L*s.d_K*s.d_V**2), 'ab,ncbd->ncad', s.t_27, s.S),
+            net(4/(s.L*s.d_K*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_27),
+            net(-2/(s.L*s.d_K*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -367,7 +1197,7 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_28, s.t_27, s.M_N_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_27, ONES, s.M_N_2),
         ])
 
     @leaf
@@ -375,7 +1205,7 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_27),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -399,17 +1229,17 @@ class mse_bias0_causal0(Forward):
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, s.t_27, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
         ])
 
     @leaf
     def S_8(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,nac->nabc', s.t_29, s.t_27, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, s.t_27, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_31, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,nac->nabc', s.t_28, ONES, s.M_N_2),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
     @leaf
@@ -442,8 +1272,8 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_11', [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
-            net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, s.t_27, s.t_28),
-            net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', s.t_27, s.S),
+            net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_27),
+            net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -451,15 +1281,15 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_27),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_33),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_36),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_32),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_35),
         ])
 
     @leaf
@@ -467,7 +1297,7 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
             net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', s.t_27),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -483,7 +1313,7 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_16', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', s.t_27),
+            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -491,8 +1321,8 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_17', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, s.t_27, s.t_28),
-            net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', s.t_27, s.S),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_27),
+            net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -500,7 +1330,7 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_18', [
             net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/s.d_V**2, 'ab->ab', s.t_27),
+            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -732,92 +1562,92 @@ class mse_bias0_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_39, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_38, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
         out_W_Q = s.mm("N_1' t_19 N_1 W_K", tr(s.N_1), s.t_19, s.N_1, s.W_K, mean=True)
         out_W_K = s.mm("N_1' t_19' N_1 W_Q", tr(s.N_1), tr(s.t_19), s.N_1, s.W_Q, mean=True)
-        out_W_V = (bcast_last(mean0(s.t_41, True), s.d_V) + s.mm("N_1' A' t_42", tr(s.N_1), tr(s.A), s.t_42, mean=True))
+        out_W_V = (s.mm("N_1' A' t_39", tr(s.N_1), tr(s.A), s.t_39, mean=True) + bcast_last(mean0(s.t_41, True), s.d_V))
         out_W_1 = s.mm("N_2' t_11", tr(s.N_2), s.t_11, mean=True)
         out_W_2 = s.mm("t_10' G", tr(s.t_10), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_43 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_44 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_43)
-        t_45 = s.mm('_ N_1 W_V', t_44, s.N_1, s.W_V)
-        t_46 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_47 = (t_45 + t_46)
-        t_48 = s.mm('_ one', t_47, s.one)
-        t_49 = lin((1, t_48), (-s.d_V, t_45), (-s.d_V, t_46))
-        t_50 = (s.P_N_2 * (-1/s.d_V) * t_49)
-        t_51 = ((-1/s.d_V) * t_49 * s.M_N_2)
-        t_52 = s.mm('_ one', t_51, s.one)
-        t_53 = (s.t_8 * t_52 * s.M_N_2)
-        t_54 = lin((1, t_50), (2/s.d_V, t_53))
-        t_55 = s.mm('_ W_1', t_54, s.W_1)
-        t_56 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_57 = (t_55 + t_56)
-        t_58 = (t_57 * s.t_9)
-        t_59 = lin((1, s.mm('t_10 _', s.t_10, V_W_2)), (1, s.mm('_ W_2', t_58, s.W_2)), (1, t_45), (1, t_46))
-        t_60 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_59, tr(s.W_2))
-        t_61 = (s.t_9 * t_60)
-        t_62 = s.mm("_ W_1'", t_61, tr(s.W_1))
-        t_63 = lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', (s.t_8 * t_62 * s.M_N_2), s.one), s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_62))
-        t_64 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_59), (-s.d_V, t_63))
-        t_65 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_63, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_64, tr(s.W_V), tr(s.N_1)))
-        t_66 = softmax_diff(s.A, t_65)
-        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_66, s.N_1, s.W_K, mean=True)
-        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_66), s.N_1, s.W_Q, mean=True)
-        t_67 = lin((1, s.mm('_ one', (s.t_8 * t_62 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_62))
-        t_68 = lin((1, s.mm('_ one', (s.t_8 * t_62 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_62), (1/s.L, s.mm('t_10 _', s.t_10, V_W_2)), (1/s.L, s.mm('_ W_2', t_58, s.W_2)), (1/s.L, t_45), (1/s.L, t_46))
-        out_W_V = (bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/s.d_V**2) * t_67, s.one), True), s.d_V) + s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_68, mean=True))
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_61, mean=True)
-        t_69 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_59)
-        out_W_2 = mean0(t_69, True)
+        t_42 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_43 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_42)
+        t_44 = s.mm('_ N_1 W_V', t_43, s.N_1, s.W_V)
+        t_45 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_46 = (t_44 + t_45)
+        t_47 = s.mm('_ one', t_46, s.one)
+        t_48 = lin((1, t_47), (-s.d_V, t_44), (-s.d_V, t_45))
+        t_49 = (s.P_N_2 * (-1/s.d_V) * t_48)
+        t_50 = ((-1/s.d_V) * t_48 * s.M_N_2)
+        t_51 = s.mm('_ one', t_50, s.one)
+        t_52 = (s.t_8 * t_51 * s.M_N_2)
+        t_53 = lin((1, t_49), (2/s.d_V, t_52))
+        t_54 = s.mm('_ W_1', t_53, s.W_1)
+        t_55 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_56 = (t_54 + t_55)
+        t_57 = (t_56 * s.t_9)
+        t_58 = lin((1, s.mm('t_10 _', s.t_10, V_W_2)), (1, s.mm('_ W_2', t_57, s.W_2)), (1, t_44), (1, t_45))
+        t_59 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_58, tr(s.W_2))
+        t_60 = (s.t_9 * t_59)
+        t_61 = s.mm("_ W_1'", t_60, tr(s.W_1))
+        t_62 = lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', (s.t_8 * t_61 * s.M_N_2), s.one), s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_61))
+        t_63 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_58), (-s.d_V, t_62))
+        t_64 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_62, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_63, tr(s.W_V), tr(s.N_1)))
+        t_65 = softmax_diff(s.A, t_64)
+        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_65, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_65), s.N_1, s.W_Q, mean=True)
+        t_66 = lin((1, s.mm('_ one', (s.t_8 * t_61 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_61), (1/s.L, s.mm('t_10 _', s.t_10, V_W_2)), (1/s.L, s.mm('_ W_2', t_57, s.W_2)), (1/s.L, t_44), (1/s.L, t_45))
+        t_67 = lin((1, s.mm('_ one', (s.t_8 * t_61 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_61))
+        out_W_V = (s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_66, mean=True) + bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/s.d_V**2) * t_67, s.one), True), s.d_V))
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_60, mean=True)
+        t_68 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_58)
+        out_W_2 = mean0(t_68, True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_70 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_71 = softmax_diff2(s.A, s.t_18, (1/math.sqrt(s.d_K)) * t_70)
-        t_72 = (s.t_9 * s.mm('G _', s.G, tr(V_W_2)))
-        t_73 = (s.mm('t_11 _', s.t_11, tr(V_W_1)) + s.mm("_ W_1'", t_72, tr(s.W_1)))
-        t_74 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_70)
-        t_75 = s.mm('_ N_1 W_V', t_74, s.N_1, s.W_V)
-        t_76 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_77 = (t_75 + t_76)
-        t_78 = s.mm('_ one', t_77, s.one)
-        t_79 = lin((1, t_78), (-s.d_V, t_75), (-s.d_V, t_76))
-        t_80 = ((-1/s.d_V) * t_79 * s.M_N_2)
-        t_81 = s.mm('_ one', t_80, s.one)
-        t_82 = lin((1, (s.t_8 * t_73), s.M_N_2), (1, (s.t_8 * (-1/s.d_V) * t_79), s.t_12), (2/s.d_V, (s.t_30 * t_81 * s.t_12), s.M_N_2))
-        t_83 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_73), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_14, (-1/s.d_V) * t_79), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_8 * t_81), s.t_12), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_82, s.one), s.M_N_2))
-        t_84 = (-math.sqrt(s.d_K)*s.d_V) * t_83
-        t_85 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_83, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_15 one one_2 _ N_1'", s.t_15, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_84, tr(s.W_V), tr(s.N_1)), (1, "t_17 _ N_1'", s.t_17, tr(V_W_V), tr(s.N_1)))
-        t_86 = softmax_diff(s.A, t_85)
-        t_87 = (t_71 + t_86)
-        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_87, s.N_1, s.W_K), (1, "N_1' t_19 N_1 _", tr(s.N_1), s.t_19, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_19' N_1 _", tr(s.N_1), tr(s.t_19), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_87), s.N_1, s.W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_84), (1, "N_1' _ t_42", tr(s.N_1), tr(t_74), s.t_42), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_40 one", tr(s.N_1), tr(t_74), s.t_40, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_84, s.one), True), s.d_V)))
-        t_88 = lin((1, tr(t_78)), (-s.d_V, tr(t_76)), (-s.d_V, tr(t_75)))
-        t_89 = (tr(s.P_N_2) * (-1/s.d_V) * t_88)
-        t_90 = (tr(s.t_8) * tr(t_81) * tr(s.M_N_2))
-        t_91 = lin((1, t_89), (2/s.d_V, t_90))
-        out_W_1 = (s.mm('_ t_11', t_91, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_72, mean=True))
-        t_92 = s.mm("_ N_2'", tr(V_W_1), tr(s.N_2))
-        t_93 = s.mm("W_1' _", tr(s.W_1), t_91)
-        t_94 = (t_92 + t_93)
-        t_95 = (t_94 * tr(s.t_9))
-        out_W_2 = s.mm('_ G', t_95, s.G, mean=True)
+        t_69 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_70 = softmax_diff2(s.A, s.t_18, (1/math.sqrt(s.d_K)) * t_69)
+        t_71 = (s.t_9 * s.mm('G _', s.G, tr(V_W_2)))
+        t_72 = (s.mm('t_11 _', s.t_11, tr(V_W_1)) + s.mm("_ W_1'", t_71, tr(s.W_1)))
+        t_73 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_69)
+        t_74 = s.mm('_ N_1 W_V', t_73, s.N_1, s.W_V)
+        t_75 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_76 = (t_74 + t_75)
+        t_77 = s.mm('_ one', t_76, s.one)
+        t_78 = lin((1, t_77), (-s.d_V, t_74), (-s.d_V, t_75))
+        t_79 = ((-1/s.d_V) * t_78 * s.M_N_2)
+        t_80 = s.mm('_ one', t_79, s.one)
+        t_81 = lin((1, (s.t_8 * t_72), s.M_N_2), (1, (s.t_8 * (-1/s.d_V) * t_78), s.t_12), (2/s.d_V, (s.t_29 * t_80 * s.t_12), s.M_N_2))
+        t_82 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_72), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_14, (-1/s.d_V) * t_78), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_8 * t_80), s.t_12), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_81, s.one), s.M_N_2))
+        t_83 = (-math.sqrt(s.d_K)*s.d_V) * t_82
+        t_84 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_82, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_15 one one_2 _ N_1'", s.t_15, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_83, tr(s.W_V), tr(s.N_1)), (1, "t_17 _ N_1'", s.t_17, tr(V_W_V), tr(s.N_1)))
+        t_85 = softmax_diff(s.A, t_84)
+        t_86 = (t_70 + t_85)
+        out_W_Q = s.mm_sum('l', (1, "N_1' t_19 N_1 _", tr(s.N_1), s.t_19, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_86, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_86), s.N_1, s.W_Q), (1, "N_1' t_19' N_1 _", tr(s.N_1), tr(s.t_19), s.N_1, V_W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_39", tr(s.N_1), tr(t_73), s.t_39), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_83), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_40 one", tr(s.N_1), tr(t_73), s.t_40, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_83, s.one), True), s.d_V)))
+        t_87 = lin((1, tr(t_77)), (-s.d_V, tr(t_75)), (-s.d_V, tr(t_74)))
+        t_88 = (tr(s.P_N_2) * (-1/s.d_V) * t_87)
+        t_89 = (tr(s.t_8) * tr(t_80) * tr(s.M_N_2))
+        t_90 = lin((1, t_88), (2/s.d_V, t_89))
+        out_W_1 = (s.mm('_ t_11', t_90, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_71, mean=True))
+        t_91 = s.mm("_ N_2'", tr(V_W_1), tr(s.N_2))
+        t_92 = s.mm("W_1' _", tr(s.W_1), t_90)
+        t_93 = (t_91 + t_92)
+        t_94 = (t_93 * tr(s.t_9))
+        out_W_2 = s.mm('_ G', t_94, s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_104 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_105 = softmax_diff2(s.A, s.t_103, (1/math.sqrt(s.d_K)) * t_104)
+        t_105 = softmax_diff2(s.A, s.t_102, (1/math.sqrt(s.d_K)) * t_104)
         t_106 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_104)
         t_107 = s.mm('_ N_1 W_V', t_106, s.N_1, s.W_V)
         t_108 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
@@ -836,859 +1666,21 @@ class mse_bias0_causal0(Forward):
         t_121 = lin((1, s.mm('t_10 _', s.t_10, V_W_2)), (1, s.mm('_ W_2', t_120, s.W_2)), (1, t_107), (1, t_108))
         t_122 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_121, tr(s.W_2))
         t_123 = ((t_122 + s.mm('G _', s.G, tr(V_W_2))) * s.t_9)
-        t_124 = (s.mm("_ W_1'", t_123, tr(s.W_1)) + s.mm('t_97 _', s.t_97, tr(V_W_1)))
-        t_125 = lin((1, (s.t_8 * t_124), s.M_N_2), (1, (s.t_8 * (-1/s.d_V) * t_111), s.t_98), (2/s.d_V, (s.t_30 * t_114 * s.t_98), s.M_N_2))
-        t_126 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_124), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_100, (-1/s.d_V) * t_111), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_8 * t_114), s.t_98), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_125, s.one), s.M_N_2))
+        t_124 = (s.mm("_ W_1'", t_123, tr(s.W_1)) + s.mm('t_96 _', s.t_96, tr(V_W_1)))
+        t_125 = lin((1, (s.t_8 * t_124), s.M_N_2), (1, (s.t_8 * (-1/s.d_V) * t_111), s.t_97), (2/s.d_V, (s.t_29 * t_114 * s.t_97), s.M_N_2))
+        t_126 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_124), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_99, (-1/s.d_V) * t_111), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_8 * t_114), s.t_97), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_125, s.one), s.M_N_2))
         t_127 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_121), (-s.d_V, t_126))
-        t_128 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_126, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_101 one one_2 _ N_1'", s.t_101, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_127, tr(s.W_V), tr(s.N_1)), (1, "t_102 _ N_1'", s.t_102, tr(V_W_V), tr(s.N_1)))
+        t_128 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_126, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_100 one one_2 _ N_1'", s.t_100, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_127, tr(s.W_V), tr(s.N_1)), (1, "t_101 _ N_1'", s.t_101, tr(V_W_V), tr(s.N_1)))
         t_129 = softmax_diff(s.A, t_128)
         t_130 = (t_105 + t_129)
-        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_130, s.N_1, s.W_K), (1, "N_1' t_131 N_1 _", tr(s.N_1), s.t_131, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_131' N_1 _", tr(s.N_1), tr(s.t_131), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_130), s.N_1, s.W_Q), mean=True)
-        t_134 = (math.sqrt(s.d_K)) * t_127
-        t_137 = lin((1, s.P_N_2, t_124), (2/s.d_V, s.t_100, (-1/s.d_V) * t_111), (2/s.d_V, (s.t_8 * t_114), s.t_98), (2/s.d_V, s.mm('_ one', t_125, s.one), s.M_N_2))
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_133", tr(s.N_1), tr(t_106), s.t_133), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_134), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_136 one", tr(s.N_1), tr(t_106), s.t_136, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_137, s.one), True), s.d_V)))
-        out_W_1 = (s.mm('_ t_97', tr(t_116), s.t_97, mean=True) + s.mm("N_2' _", tr(s.N_2), t_123, mean=True))
-        t_138 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_121)
-        out_W_2 = (mean0(t_138, True) + s.mm('_ G', tr(t_120), s.G, mean=True))
-        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
-
-    def check_inputs(s):
-        """The inputs of the layer's value checks, for every sequence."""
-        return (s.X, s.Y_2,)
-
-
-class mse_bias0_causal1(Forward):
-    """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
-
-    PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "398f6d7caf49c42ca9529e83"
-    RUNS = {
-        'A N_1': 13,
-        "G W_2'": 2,
-        'N_1 W_K': 9,
-        'N_1 W_Q': 9,
-        'N_1 W_V': 15,
-        "N_1 W_V one_2'": 5,
-        "N_1 W_V one_2' one'": 5,
-        "N_1' t_104": 2,
-        "N_1' t_104 N_1": 2,
-        "N_1' t_104'": 2,
-        "N_1' t_19": 4,
-        "N_1' t_19 N_1": 4,
-        "N_1' t_19'": 5,
-        "W_V one_2'": 5,
-        "W_V one_2' one'": 5,
-        'one one_2': 7,
-        "one' t_101'": 2,
-        "one' t_15'": 2,
-        "one' t_41'": 2,
-        "one_2' one' t_101'": 2,
-        "one_2' one' t_15'": 2,
-    }
-
-    @leaf
-    def one(s):
-        return ones((s.d_V, 1), s.like)
-
-    @leaf
-    def M_N_1(s):
-        return lin((-1/s.d_V, s.mm('X one', s.X, s.one)), (1, s.X))
-
-    @leaf
-    def t(s):
-        return (s.M_N_1 * s.M_N_1)
-
-    @leaf
-    def sigma2_N_1(s):
-        return (1/s.d_V) * s.mm('t one', s.t, s.one)
-
-    @leaf
-    def P_N_1(s):
-        return (s.sigma2_N_1 ** -0.5)
-
-    @leaf
-    def N_1(s):
-        return (s.P_N_1 * s.M_N_1)
-
-    @leaf
-    def t_2(s):
-        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
-
-    @leaf
-    def t_3(s):
-        return s.mm('N_1 W_V', s.N_1, s.W_V)
-
-    @leaf
-    def t_4(s):
-        return tr(s.t_3)
-
-    @leaf
-    def t_5(s):
-        return tr(s.t_2)
-
-    @leaf
-    def t_6(s):
-        return s.mm('N_1 W_Q', s.N_1, s.W_Q)
-
-    @leaf
-    def T(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("N_1 W_Q W_K' N_1'", s.N_1, s.W_Q, tr(s.W_K), tr(s.N_1))
-
-    @leaf
-    def A(s):
-        return softmax_rows(s.T, causal=True)
-
-    @leaf
-    def Y_2(s):
-        return (s.mm('A N_1 W_V', s.A, s.N_1, s.W_V) + s.X)
-
-    @leaf
-    def M_N_2(s):
-        return lin((-1/s.d_V, s.mm('Y_2 one', s.Y_2, s.one)), (1, s.Y_2))
-
-    @leaf
-    def t_7(s):
-        return (s.M_N_2 * s.M_N_2)
-
-    @leaf
-    def sigma2_N_2(s):
-        return (1/s.d_V) * s.mm('t_7 one', s.t_7, s.one)
-
-    @leaf
-    def t_8(s):
-        return (-0.5 * (s.sigma2_N_2 ** -1.5))
-
-    @leaf
-    def P_N_2(s):
-        return (s.sigma2_N_2 ** -0.5)
-
-    @leaf
-    def N_2(s):
-        return (s.P_N_2 * s.M_N_2)
-
-    @leaf
-    def H(s):
-        return s.mm('N_2 W_1', s.N_2, s.W_1)
-
-    @leaf
-    def t_9(s):
-        return heaviside(s.H, 0.0)
-
-    @leaf
-    def t_10(s):
-        return (s.H * heaviside(s.H, 0.0))
-
-    @leaf
-    def F(s):
-        return (s.mm('t_10 W_2', s.t_10, s.W_2) + s.Y_2)
-
-    @leaf
-    def G(s):
-        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
-
-    @leaf
-    def t_11(s):
-        return (s.t_9 * s.mm("G W_2'", s.G, tr(s.W_2)))
-
-    @leaf
-    def t_12(s):
-        return s.mm("t_11 W_1'", s.t_11, tr(s.W_1))
-
-    @leaf
-    def t_13(s):
-        return (s.t_8 * s.t_12 * s.M_N_2)
-
-    @leaf
-    def t_14(s):
-        return s.mm('t_13 one', s.t_13, s.one)
-
-    @leaf
-    def t_15(s):
-        return lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_14, s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, s.t_12))
-
-    @leaf
-    def one_2(s):
-        return ones((1, s.d_V), s.like)
-
-    @leaf
-    def t_16(s):
-        return s.mm("t_15 one one_2 W_V' N_1'", s.t_15, s.one, s.one_2, tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_17(s):
-        return lin((-s.d_V, s.t_15), (1/math.sqrt(s.d_K), s.G))
-
-    @leaf
-    def t_18(s):
-        return (s.t_16 + s.mm("t_17 W_V' N_1'", s.t_17, tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_19(s):
-        return softmax_diff(s.A, s.t_18)
-
-    @leaf
-    def t_20(s):
-        return s.mm('t_19 N_1', s.t_19, s.N_1)
-
-    @leaf
-    def t_21(s):
-        return s.mm('A N_1', s.A, s.N_1)
-
-    @leaf
-    def t_22(s):
-        return tr(s.t_6)
-
-    @leaf
-    def t_23(s):
-        return tr(s.t_21)
-
-    @leaf
-    def t_24(s):
-        return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
-
-    @leaf
-    def t_25(s):
-        return s.mm("t_10' t_10", tr(s.t_10), s.t_10)
-
-    @leaf
-    def t_26(s):
-        return bcast_last(s.P_N_2, s.d_V)
-
-    @leaf
-    def t_27(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
-    def t_28(s):
-        return (s.t_8 * s.M_N_2)
-
-    @leaf
-    def t_29(s):
-        return (s.t_8 * s.t_12)
-
-    @leaf
-    def t_30(s):
-        return (0.75 * (s.sigma2_N_2 ** -2.5))
-
-    @leaf
-    def t_31(s):
-        return (s.t_30 * s.t_12 * s.M_N_2)
-
-    @leaf
-    def t_32(s):
-        return bcast_last(s.t_14, s.d_V)
-
-    @leaf
-    def t_33(s):
-        return ((1/2)*math.sqrt(s.d_K)*s.d_V) * s.t_17
-
-    @leaf
-    def t_34(s):
-        return (-1/2*math.sqrt(s.d_K)*s.d_V**2) * s.t_15
-
-    @leaf
-    def t_35(s):
-        return s.mm('t_34 one', s.t_34, s.one)
-
-    @leaf
-    def t_36(s):
-        return bcast_last(s.t_35, s.d_V)
-
-    @leaf
-    def one_3(s):
-        return ones((1, s.L), s.like)
-
-    @leaf
-    def t_37(s):
-        return (s.F - s.Y)
-
-    @leaf
-    def t_38(s):
-        return (s.t_37 * s.t_37)
-
-    @leaf
-    def t_39(s):
-        return s.mm('one_3 t_38 one', s.one_3, s.t_38, s.one)
-
-    @leaf
-    def t_40(s):
-        return (2/s.d_V) * s.t_33
-
-    @leaf
-    def t_41(s):
-        return (-2/s.d_V**2) * s.t_34
-
-    @leaf
-    def t_42(s):
-        return s.mm("N_1' A' t_41 one", tr(s.N_1), tr(s.A), s.t_41, s.one)
-
-    @leaf
-    def t_96(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
-
-    @leaf
-    def t_97(s):
-        return (s.t_9 * s.t_96)
-
-    @leaf
-    def t_98(s):
-        return s.mm("t_97 W_1'", s.t_97, tr(s.W_1))
-
-    @leaf
-    def t_99(s):
-        return (s.t_8 * s.t_98 * s.M_N_2)
-
-    @leaf
-    def t_100(s):
-        return s.mm('t_99 one', s.t_99, s.one)
-
-    @leaf
-    def t_101(s):
-        return lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_100, s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, s.t_98))
-
-    @leaf
-    def t_102(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (-s.d_V, s.t_101))
-
-    @leaf
-    def t_103(s):
-        return s.mm_sum('r', (1, "t_101 one one_2 W_V' N_1'", s.t_101, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_102 W_V' N_1'", s.t_102, tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_104(s):
-        return softmax_diff(s.A, s.t_103)
-
-    @leaf
-    def t_132(s):
-        return lin((1, s.t_100, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_98), (1/s.L, s.F), (-1/s.L, s.Y))
-
-    @leaf
-    def t_133(s):
-        return (2/s.d_V) * s.t_132
-
-    @leaf
-    def t_136(s):
-        return lin((1, s.t_100, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_98))
-
-    @leaf
-    def t_137(s):
-        return (-2/s.d_V**2) * s.t_136
-
-    @leaf
-    def dA(s):
-        """∂A/∂T as a compact tensor (2 networks)."""
-        return Compact('dA', [
-            net(1, 'nab,bc->nabc', s.A, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.A, s.A),
-        ])
-
-    @leaf
-    def S(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S', [
-            net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, s.t_27, s.t_28),
-        ])
-
-    @leaf
-    def S_2(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_2', [
-            net(2/(s.L*s.d_K*s.d_V), 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_K*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, s.t_27, s.t_28),
-            net(-2/(s.L*s.d_K*s.d_V**2), 'ab,ncbd->ncad', s.t_27, s.S),
-        ])
-
-    @leaf
-    def S_3(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_3', [
-            net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_28, s.t_27, s.M_N_2),
-        ])
-
-    @leaf
-    def S_4(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_4', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_27),
-        ])
-
-    @leaf
-    def S_5(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_5', [
-            net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
-        ])
-
-    @leaf
-    def S_6(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_6', [
-            net(2/(s.L*s.d_K*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de,naef->nabf', s.S_2, s.W_1, s.t_9, s.W_2, s.S_5),
-            net(2/(s.L*s.d_K*s.d_V), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
-        ])
-
-    @leaf
-    def S_7(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, s.t_27, s.M_N_2),
-        ])
-
-    @leaf
-    def S_8(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,nac->nabc', s.t_29, s.t_27, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, s.t_27, s.S_7),
-        ])
-
-    @leaf
-    def d2A(s):
-        """∂²A/∂T²[E] as a compact tensor (3 networks)."""
-        return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_19, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_19, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_19),
-        ])
-
-    @leaf
-    def S_9(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_9', [
-            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_8, s.S_4, s.t_4, s.dA),
-            net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
-        ])
-
-    @leaf
-    def S_10(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_10', [
-            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_8, s.S_4, s.t_4, s.dA),
-            net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
-        ])
-
-    @leaf
-    def S_11(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_11', [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
-            net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, s.t_27, s.t_28),
-            net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', s.t_27, s.S),
-        ])
-
-    @leaf
-    def S_12(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_12', [
-            net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_27),
-        ])
-
-    @leaf
-    def S_13(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_13', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_33),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_36),
-        ])
-
-    @leaf
-    def S_14(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_14', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', s.t_27),
-        ])
-
-    @leaf
-    def S_15(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_15', [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_9, s.W_2),
-        ])
-
-    @leaf
-    def S_16(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_16', [
-            net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', s.t_27),
-        ])
-
-    @leaf
-    def S_17(s):
-        """A sum as a compact tensor (3 networks)."""
-        return Compact('S_17', [
-            net(2/(s.L*s.d_V), 'nab,bc->nabc', s.t_26, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, s.t_27, s.t_28),
-            net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', s.t_27, s.S),
-        ])
-
-    @leaf
-    def S_18(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_18', [
-            net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/s.d_V**2, 'ab->ab', s.t_27),
-        ])
-
-    @leaf
-    def S_19(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_19', [
-            net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_9, s.W_2),
-        ])
-
-    @leaf
-    def S_20(s):
-        """A sum as a compact tensor (2 networks)."""
-        return Compact('S_20', [
-            net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
-        ])
-
-    def block__W_Q__W_Q__outer(s):
-        """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.N_1, s.t_5),
-        ]
-
-    def block__W_Q__W_Q__functional(s):
-        """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_5),
-        ]
-
-    def block__W_Q__W_K__outer(s):
-        """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
-        ]
-
-    def block__W_Q__W_K__functional(s):
-        """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_20, free={'d': s.d_K}),
-            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_6, s.N_1),
-        ]
-
-    def block__W_Q__W_V__outer(s):
-        """H_o(W_Q, W_V): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_21),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_21),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
-        ]
-
-    def block__W_Q__W_V__functional(s):
-        """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_21, s.S_12),
-        ]
-
-    def block__W_Q__W_1__outer(s):
-        """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
-        ]
-
-    def block__W_Q__W_1__functional(s):
-        """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.t_11),
-        ]
-
-    def block__W_Q__W_2__outer(s):
-        """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.S_15, s.t_10),
-        ]
-
-    def block__W_Q__W_2__functional(s):
-        """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
-        ]
-
-    def block__W_K__W_K__outer(s):
-        """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_22, s.N_1, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
-        ]
-
-    def block__W_K__W_K__functional(s):
-        """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_22, s.S_9, s.t_6, s.N_1),
-        ]
-
-    def block__W_K__W_V__outer(s):
-        """H_o(W_K, W_V): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_22, s.N_1, s.dA, s.t_3, s.t_21),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_22, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_21),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_22, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_22, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
-        ]
-
-    def block__W_K__W_V__functional(s):
-        """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_22, s.N_1, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_22, s.N_1, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_21, s.S_12),
-        ]
-
-    def block__W_K__W_1__outer(s):
-        """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_22, s.N_1, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
-        ]
-
-    def block__W_K__W_1__functional(s):
-        """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_22, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_11),
-        ]
-
-    def block__W_K__W_2__outer(s):
-        """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_22, s.N_1, s.dA, s.t_3, s.S_15, s.t_10),
-        ]
-
-    def block__W_K__W_2__functional(s):
-        """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_22, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
-        ]
-
-    def block__W_V__W_V__outer(s):
-        """H_o(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
-        return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_23, s.t_21, free={'d': s.d_V}),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_23, s.S_17, s.W_1, s.t_9, s.W_2, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_23, s.S_17, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_23, s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
-        ]
-
-    def block__W_V__W_V__functional(s):
-        """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_23, s.S_18, s.S_8, s.t_21, s.S_12),
-        ]
-
-    def block__W_V__W_1__outer(s):
-        """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_23, s.S_19, s.W_2, s.t_9, s.N_2),
-        ]
-
-    def block__W_V__W_1__functional(s):
-        """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_23, s.S_4, s.S, s.t_11),
-        ]
-
-    def block__W_V__W_2__outer(s):
-        """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_23, s.S_19, s.t_10),
-        ]
-
-    def block__W_V__W_2__functional(s):
-        """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
-        return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_23, s.S_4, s.S, s.W_1, s.t_9, s.G),
-        ]
-
-    def block__W_1__W_1__outer(s):
-        """H_o(W_1, W_1) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
-        return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_9, s.t_24, s.t_9, s.N_2),
-        ]
-
-    def block__W_1__W_2__outer(s):
-        """H_o(W_1, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (relu(N_2 @ W_1) ⊗ W_2))"""
-        return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_9, s.t_10, s.W_2),
-        ]
-
-    def block__W_1__W_2__functional(s):
-        """H_f(W_1, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
-        return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_9, s.G),
-        ]
-
-    def block__W_2__W_2__outer(s):
-        """H_o(W_2, W_2) = 2/(L*d_V)*(relu(W_1.T @ N_2.T) @ relu(N_2 @ W_1) ⊗ I[d_V])"""
-        return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_25, free={'c': s.d_V}),
-        ]
-
-    def jacobian__W_Q(s):
-        """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_4, s.dA, s.N_1, s.t_5),
-        ]
-
-    def jacobian__W_K(s):
-        """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_4, s.dA, s.t_6, s.N_1),
-        ]
-
-    def jacobian__W_V(s):
-        """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nab->n|ac|bc', s.t_21, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_21, s.S_12),
-        ]
-
-    def jacobian__W_1(s):
-        """∂vec_r F/∂vec_r W_1, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_9, s.N_2),
-        ]
-
-    def jacobian__W_2(s):
-        """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
-        return [
-            net(1, 'nab->n|ac|bc', s.t_10, free={'c': s.d_V}),
-        ]
-
-    def loss(s):
-        """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_39, True)[..., 0, 0]
-
-    def gradient(s):
-        """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = s.mm("N_1' t_19 N_1 W_K", tr(s.N_1), s.t_19, s.N_1, s.W_K, mean=True)
-        out_W_K = s.mm("N_1' t_19' N_1 W_Q", tr(s.N_1), tr(s.t_19), s.N_1, s.W_Q, mean=True)
-        out_W_V = (s.mm("N_1' A' t_40", tr(s.N_1), tr(s.A), s.t_40, mean=True) + bcast_last(mean0(s.t_42, True), s.d_V))
-        out_W_1 = s.mm("N_2' t_11", tr(s.N_2), s.t_11, mean=True)
-        out_W_2 = s.mm("t_10' G", tr(s.t_10), s.G, mean=True)
-        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
-
-    def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
-        """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_43 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_44 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_43)
-        t_45 = s.mm('_ N_1 W_V', t_44, s.N_1, s.W_V)
-        t_46 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_47 = (t_45 + t_46)
-        t_48 = s.mm('_ one', t_47, s.one)
-        t_49 = lin((1, t_48), (-s.d_V, t_45), (-s.d_V, t_46))
-        t_50 = (s.P_N_2 * (-1/s.d_V) * t_49)
-        t_51 = ((-1/s.d_V) * t_49 * s.M_N_2)
-        t_52 = s.mm('_ one', t_51, s.one)
-        t_53 = (s.t_8 * t_52 * s.M_N_2)
-        t_54 = lin((1, t_50), (2/s.d_V, t_53))
-        t_55 = s.mm('_ W_1', t_54, s.W_1)
-        t_56 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_57 = (t_55 + t_56)
-        t_58 = (t_57 * s.t_9)
-        t_59 = lin((1, s.mm('t_10 _', s.t_10, V_W_2)), (1, s.mm('_ W_2', t_58, s.W_2)), (1, t_45), (1, t_46))
-        t_60 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_59, tr(s.W_2))
-        t_61 = (s.t_9 * t_60)
-        t_62 = s.mm("_ W_1'", t_61, tr(s.W_1))
-        t_63 = lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', (s.t_8 * t_62 * s.M_N_2), s.one), s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_62))
-        t_64 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_59), (-s.d_V, t_63))
-        t_65 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_63, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_64, tr(s.W_V), tr(s.N_1)))
-        t_66 = softmax_diff(s.A, t_65)
-        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_66, s.N_1, s.W_K, mean=True)
-        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_66), s.N_1, s.W_Q, mean=True)
-        t_67 = lin((1, s.mm('_ one', (s.t_8 * t_62 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_62), (1/s.L, s.mm('t_10 _', s.t_10, V_W_2)), (1/s.L, s.mm('_ W_2', t_58, s.W_2)), (1/s.L, t_45), (1/s.L, t_46))
-        t_68 = lin((1, s.mm('_ one', (s.t_8 * t_62 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_62))
-        out_W_V = (s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_67, mean=True) + bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/s.d_V**2) * t_68, s.one), True), s.d_V))
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_61, mean=True)
-        t_69 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_59)
-        out_W_2 = mean0(t_69, True)
-        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
-
-    def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
-        """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_70 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_71 = softmax_diff2(s.A, s.t_18, (1/math.sqrt(s.d_K)) * t_70)
-        t_72 = (s.t_9 * s.mm('G _', s.G, tr(V_W_2)))
-        t_73 = (s.mm('t_11 _', s.t_11, tr(V_W_1)) + s.mm("_ W_1'", t_72, tr(s.W_1)))
-        t_74 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_70)
-        t_75 = s.mm('_ N_1 W_V', t_74, s.N_1, s.W_V)
-        t_76 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_77 = (t_75 + t_76)
-        t_78 = s.mm('_ one', t_77, s.one)
-        t_79 = lin((1, t_78), (-s.d_V, t_75), (-s.d_V, t_76))
-        t_80 = ((-1/s.d_V) * t_79 * s.M_N_2)
-        t_81 = s.mm('_ one', t_80, s.one)
-        t_82 = lin((1, (s.t_8 * t_73), s.M_N_2), (1, (s.t_8 * (-1/s.d_V) * t_79), s.t_12), (2/s.d_V, (s.t_30 * t_81 * s.t_12), s.M_N_2))
-        t_83 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_73), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_14, (-1/s.d_V) * t_79), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_8 * t_81), s.t_12), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_82, s.one), s.M_N_2))
-        t_84 = (-math.sqrt(s.d_K)*s.d_V) * t_83
-        t_85 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_83, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_15 one one_2 _ N_1'", s.t_15, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_84, tr(s.W_V), tr(s.N_1)), (1, "t_17 _ N_1'", s.t_17, tr(V_W_V), tr(s.N_1)))
-        t_86 = softmax_diff(s.A, t_85)
-        t_87 = (t_71 + t_86)
-        out_W_Q = s.mm_sum('l', (1, "N_1' t_19 N_1 _", tr(s.N_1), s.t_19, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_87, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_87), s.N_1, s.W_Q), (1, "N_1' t_19' N_1 _", tr(s.N_1), tr(s.t_19), s.N_1, V_W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_40", tr(s.N_1), tr(t_74), s.t_40), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_84), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_41 one", tr(s.N_1), tr(t_74), s.t_41, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_84, s.one), True), s.d_V)))
-        t_88 = lin((1, tr(t_78)), (-s.d_V, tr(t_76)), (-s.d_V, tr(t_75)))
-        t_89 = (tr(s.P_N_2) * (-1/s.d_V) * t_88)
-        t_90 = (tr(s.t_8) * tr(t_81) * tr(s.M_N_2))
-        t_91 = lin((1, t_89), (2/s.d_V, t_90))
-        out_W_1 = (s.mm('_ t_11', t_91, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_72, mean=True))
-        t_92 = s.mm("_ N_2'", tr(V_W_1), tr(s.N_2))
-        t_93 = s.mm("W_1' _", tr(s.W_1), t_91)
-        t_94 = (t_92 + t_93)
-        t_95 = (t_94 * tr(s.t_9))
-        out_W_2 = s.mm('_ G', t_95, s.G, mean=True)
-        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
-
-    def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
-        """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_105 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_106 = softmax_diff2(s.A, s.t_103, (1/math.sqrt(s.d_K)) * t_105)
-        t_107 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_105)
-        t_108 = s.mm('_ N_1 W_V', t_107, s.N_1, s.W_V)
-        t_109 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_110 = (t_108 + t_109)
-        t_111 = s.mm('_ one', t_110, s.one)
-        t_112 = lin((1, t_111), (-s.d_V, t_108), (-s.d_V, t_109))
-        t_113 = (s.P_N_2 * (-1/s.d_V) * t_112)
-        t_114 = ((-1/s.d_V) * t_112 * s.M_N_2)
-        t_115 = s.mm('_ one', t_114, s.one)
-        t_116 = (s.t_8 * t_115 * s.M_N_2)
-        t_117 = lin((1, t_113), (2/s.d_V, t_116))
-        t_118 = s.mm('_ W_1', t_117, s.W_1)
-        t_119 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_120 = (t_118 + t_119)
-        t_121 = (t_120 * s.t_9)
-        t_122 = lin((1, s.mm('t_10 _', s.t_10, V_W_2)), (1, s.mm('_ W_2', t_121, s.W_2)), (1, t_108), (1, t_109))
-        t_123 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_122, tr(s.W_2))
-        t_124 = ((t_123 + s.mm('G _', s.G, tr(V_W_2))) * s.t_9)
-        t_125 = (s.mm("_ W_1'", t_124, tr(s.W_1)) + s.mm('t_97 _', s.t_97, tr(V_W_1)))
-        t_126 = lin((1, (s.t_8 * t_125), s.M_N_2), (1, (s.t_8 * (-1/s.d_V) * t_112), s.t_98), (2/s.d_V, (s.t_30 * t_115 * s.t_98), s.M_N_2))
-        t_127 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_125), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_100, (-1/s.d_V) * t_112), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_8 * t_115), s.t_98), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_126, s.one), s.M_N_2))
-        t_128 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_122), (-s.d_V, t_127))
-        t_129 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_127, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_101 one one_2 _ N_1'", s.t_101, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_128, tr(s.W_V), tr(s.N_1)), (1, "t_102 _ N_1'", s.t_102, tr(V_W_V), tr(s.N_1)))
-        t_130 = softmax_diff(s.A, t_129)
-        t_131 = (t_106 + t_130)
-        out_W_Q = s.mm_sum('l', (1, "N_1' t_104 N_1 _", tr(s.N_1), s.t_104, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_131, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_131), s.N_1, s.W_Q), (1, "N_1' t_104' N_1 _", tr(s.N_1), tr(s.t_104), s.N_1, V_W_Q), mean=True)
-        t_134 = (math.sqrt(s.d_K)) * t_128
-        t_135 = lin((1, s.P_N_2, t_125), (2/s.d_V, s.t_100, (-1/s.d_V) * t_112), (2/s.d_V, (s.t_8 * t_115), s.t_98), (2/s.d_V, s.mm('_ one', t_126, s.one), s.M_N_2))
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_133", tr(s.N_1), tr(t_107), s.t_133), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_134), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_135, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_137 one", tr(s.N_1), tr(t_107), s.t_137, s.one), True), s.d_V)))
-        out_W_1 = (s.mm('_ t_97', tr(t_117), s.t_97, mean=True) + s.mm("N_2' _", tr(s.N_2), t_124, mean=True))
-        t_138 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_122)
-        out_W_2 = (mean0(t_138, True) + s.mm('_ G', tr(t_121), s.G, mean=True))
+        out_W_Q = s.mm_sum('l', (1, "N_1' t_103 N_1 _", tr(s.N_1), s.t_103, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_130, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_130), s.N_1, s.W_Q), (1, "N_1' t_103' N_1 _", tr(s.N_1), tr(s.t_103), s.N_1, V_W_Q), mean=True)
+        t_133 = (math.sqrt(s.d_K)) * t_127
+        t_134 = lin((1, s.P_N_2, t_124), (2/s.d_V, s.t_99, (-1/s.d_V) * t_111), (2/s.d_V, (s.t_8 * t_114), s.t_97), (2/s.d_V, s.mm('_ one', t_125, s.one), s.M_N_2))
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_132", tr(s.N_1), tr(t_106), s.t_132), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_133), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_134, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_136 one", tr(s.N_1), tr(t_106), s.t_136, s.one), True), s.d_V)))
+        out_W_1 = (s.mm('_ t_96', tr(t_116), s.t_96, mean=True) + s.mm("N_2' _", tr(s.N_2), t_123, mean=True))
+        t_137 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_121)
+        out_W_2 = (mean0(t_137, True) + s.mm('_ G', tr(t_120), s.G, mean=True))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -1700,7 +1692,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "1fa350ca855e170e9bd0f865"
+    STAMP = "6135952d0efc1c9c121d3aa7"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -1709,19 +1701,19 @@ class ce_bias0_causal0(Forward):
         'N_1 W_V': 15,
         "N_1 W_V one_2'": 5,
         "N_1 W_V one_2' one'": 5,
-        "N_1' t_135": 2,
-        "N_1' t_135 N_1": 2,
-        "N_1' t_135'": 2,
+        "N_1' t_134": 2,
+        "N_1' t_134 N_1": 2,
+        "N_1' t_134'": 2,
         "N_1' t_22": 4,
         "N_1' t_22 N_1": 4,
         "N_1' t_22'": 5,
         "W_V one_2'": 5,
         "W_V one_2' one'": 5,
         'one one_2': 7,
-        "one' t_104'": 2,
+        "one' t_103'": 2,
         "one' t_18'": 2,
-        "one' t_43'": 2,
-        "one_2' one' t_104'": 2,
+        "one' t_42'": 2,
+        "one_2' one' t_103'": 2,
         "one_2' one' t_18'": 2,
     }
 
@@ -1903,127 +1895,123 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def t_29(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
-    def t_30(s):
         return (s.t_10 * s.M_N_2)
 
     @leaf
-    def t_31(s):
+    def t_30(s):
         return softmax_rows(s.F)
 
     @leaf
-    def t_32(s):
+    def t_31(s):
         return (s.t_10 * s.t_15)
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return (0.75 * (s.sigma2_N_2 ** -2.5))
 
     @leaf
-    def t_34(s):
-        return (s.t_33 * s.t_15 * s.M_N_2)
+    def t_33(s):
+        return (s.t_32 * s.t_15 * s.M_N_2)
 
     @leaf
-    def t_35(s):
+    def t_34(s):
         return bcast_last(s.t_17, s.d_V)
 
     @leaf
-    def t_36(s):
+    def t_35(s):
         return ((1/2)*math.sqrt(s.d_K)*s.d_V) * s.t_20
 
     @leaf
-    def t_37(s):
+    def t_36(s):
         return (-1/2*math.sqrt(s.d_K)*s.d_V**2) * s.t_18
 
     @leaf
-    def t_38(s):
-        return s.mm('t_37 one', s.t_37, s.one)
+    def t_37(s):
+        return s.mm('t_36 one', s.t_36, s.one)
 
     @leaf
-    def t_39(s):
-        return bcast_last(s.t_38, s.d_V)
+    def t_38(s):
+        return bcast_last(s.t_37, s.d_V)
 
     @leaf
     def one_3(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_40(s):
+    def t_39(s):
         return log_softmax_rows(s.F)
 
     @leaf
+    def t_40(s):
+        return (s.t_39 * s.Y)
+
+    @leaf
     def t_41(s):
-        return (s.t_40 * s.Y)
+        return s.mm('one_3 t_40 one', s.one_3, s.t_40, s.one)
 
     @leaf
     def t_42(s):
-        return s.mm('one_3 t_41 one', s.one_3, s.t_41, s.one)
+        return (-2/s.d_V**2) * s.t_36
 
     @leaf
     def t_43(s):
-        return (-2/s.d_V**2) * s.t_37
+        return s.mm("N_1' A' t_42 one", tr(s.N_1), tr(s.A), s.t_42, s.one)
 
     @leaf
     def t_44(s):
-        return s.mm("N_1' A' t_43 one", tr(s.N_1), tr(s.A), s.t_43, s.one)
+        return (2/s.d_V) * s.t_35
 
     @leaf
-    def t_45(s):
-        return (2/s.d_V) * s.t_36
-
-    @leaf
-    def t_99(s):
+    def t_98(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_99(s):
+        return (s.t_11 * s.t_98)
+
+    @leaf
     def t_100(s):
-        return (s.t_11 * s.t_99)
+        return s.mm("t_99 W_1'", s.t_99, tr(s.W_1))
 
     @leaf
     def t_101(s):
-        return s.mm("t_100 W_1'", s.t_100, tr(s.W_1))
+        return (s.t_10 * s.t_100 * s.M_N_2)
 
     @leaf
     def t_102(s):
-        return (s.t_10 * s.t_101 * s.M_N_2)
+        return s.mm('t_101 one', s.t_101, s.one)
 
     @leaf
     def t_103(s):
-        return s.mm('t_102 one', s.t_102, s.one)
+        return lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_102, s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, s.t_100))
 
     @leaf
     def t_104(s):
-        return lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_103, s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, s.t_101))
+        return lin((1/math.sqrt(s.d_K), s.G), (-s.d_V, s.t_103))
 
     @leaf
     def t_105(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (-s.d_V, s.t_104))
+        return s.mm_sum('r', (1, "t_103 one one_2 W_V' N_1'", s.t_103, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_104 W_V' N_1'", s.t_104, tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_106(s):
-        return s.mm_sum('r', (1, "t_104 one one_2 W_V' N_1'", s.t_104, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_105 W_V' N_1'", s.t_105, tr(s.W_V), tr(s.N_1)))
+    def t_134(s):
+        return softmax_diff(s.A, s.t_105)
 
     @leaf
-    def t_135(s):
-        return softmax_diff(s.A, s.t_106)
+    def t_136(s):
+        return lin((1, s.t_102, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_100), ((1/2)*s.d_V/s.L, s.t_4, s.t_13), (-1/2*s.d_V/s.L, s.Y))
 
     @leaf
     def t_137(s):
-        return lin((1, s.t_103, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_101), ((1/2)*s.d_V/s.L, s.t_4, s.t_13), (-1/2*s.d_V/s.L, s.Y))
+        return (2/s.d_V) * s.t_136
 
     @leaf
-    def t_138(s):
-        return (2/s.d_V) * s.t_137
+    def t_139(s):
+        return lin((1, s.t_102, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_100))
 
     @leaf
     def t_140(s):
-        return lin((1, s.t_103, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_101))
-
-    @leaf
-    def t_141(s):
-        return (-2/s.d_V**2) * s.t_140
+        return (-2/s.d_V**2) * s.t_139
 
     @leaf
     def dA(s):
@@ -2038,7 +2026,7 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
             net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, s.t_29, s.t_30),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
         ])
 
     @leaf
@@ -2046,8 +2034,8 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
             net(1/(s.L*s.d_K), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_K*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, s.t_29, s.t_30),
-            net(-1/(s.L*s.d_K*s.d_V), 'ab,ncbd->ncad', s.t_29, s.S),
+            net(2/(s.L*s.d_K*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(-1/(s.L*s.d_K*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -2062,8 +2050,8 @@ class ce_bias0_causal0(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_31, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_31, s.t_31),
+            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_30, s.t_30),
         ])
 
     @leaf
@@ -2071,7 +2059,7 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
             net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, s.t_29, s.M_N_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_29, ONES, s.M_N_2),
         ])
 
     @leaf
@@ -2079,7 +2067,7 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_29),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -2094,17 +2082,17 @@ class ce_bias0_causal0(Forward):
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_34, s.t_29, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_31, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_33, ONES, s.M_N_2),
         ])
 
     @leaf
     def S_8(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,nac->nabc', s.t_32, s.t_29, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, s.t_29, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_34, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,nac->nabc', s.t_31, ONES, s.M_N_2),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
     @leaf
@@ -2137,8 +2125,8 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_11', [
             net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, s.t_29, s.t_30),
-            net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', s.t_29, s.S),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -2154,15 +2142,15 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_29),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_36),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_39),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_35),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_38),
         ])
 
     @leaf
@@ -2170,7 +2158,7 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
             net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', s.t_29),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -2178,7 +2166,7 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_16', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', s.t_29),
+            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -2186,8 +2174,8 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_17', [
             net(1/s.L, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, s.t_29, s.t_30),
-            net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', s.t_29, s.S),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -2203,7 +2191,7 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_19', [
             net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/s.d_V**2, 'ab->ab', s.t_29),
+            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -2421,125 +2409,125 @@ class ce_bias0_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_42, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_41, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
         out_W_Q = s.mm("N_1' t_22 N_1 W_K", tr(s.N_1), s.t_22, s.N_1, s.W_K, mean=True)
         out_W_K = s.mm("N_1' t_22' N_1 W_Q", tr(s.N_1), tr(s.t_22), s.N_1, s.W_Q, mean=True)
-        out_W_V = (bcast_last(mean0(s.t_44, True), s.d_V) + s.mm("N_1' A' t_45", tr(s.N_1), tr(s.A), s.t_45, mean=True))
+        out_W_V = (bcast_last(mean0(s.t_43, True), s.d_V) + s.mm("N_1' A' t_44", tr(s.N_1), tr(s.A), s.t_44, mean=True))
         out_W_1 = s.mm("N_2' t_14", tr(s.N_2), s.t_14, mean=True)
         out_W_2 = s.mm("t_12' G", tr(s.t_12), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_46 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_47 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_46)
-        t_48 = s.mm('_ N_1 W_V', t_47, s.N_1, s.W_V)
-        t_49 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_50 = (t_48 + t_49)
-        t_51 = s.mm('_ one', t_50, s.one)
-        t_52 = lin((1, t_51), (-s.d_V, t_48), (-s.d_V, t_49))
-        t_53 = (s.P_N_2 * (-1/s.d_V) * t_52)
-        t_54 = ((-1/s.d_V) * t_52 * s.M_N_2)
-        t_55 = s.mm('_ one', t_54, s.one)
-        t_56 = (s.t_10 * t_55 * s.M_N_2)
-        t_57 = lin((1, t_53), (2/s.d_V, t_56))
-        t_58 = s.mm('_ W_1', t_57, s.W_1)
-        t_59 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_60 = (t_58 + t_59)
-        t_61 = (t_60 * s.t_11)
-        t_62 = lin((1, t_50), (1, s.mm("t_27' _", tr(s.t_27), V_W_2)), (1, s.mm('_ W_2', t_61, s.W_2)))
-        t_63 = (s.t_4 * softmax_diff(s.t_31, t_62))
-        t_64 = (s.t_11 * s.mm("_ W_2'", t_63, tr(s.W_2)))
-        t_65 = s.mm("_ W_1'", t_64, tr(s.W_1))
-        t_66 = lin((-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', (s.t_10 * t_65 * s.M_N_2), s.one), s.M_N_2), (-1/(s.L*math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_65))
-        t_67 = lin((-s.d_V, t_66), (1/(s.L*math.sqrt(s.d_K)), t_63))
-        t_68 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_66, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_67, tr(s.W_V), tr(s.N_1)))
-        t_69 = softmax_diff(s.A, t_68)
-        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_69, s.N_1, s.W_K, mean=True)
-        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_69), s.N_1, s.W_Q, mean=True)
-        t_70 = lin((1, s.mm('_ one', (s.t_10 * t_65 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_65), ((1/2)*s.d_V, t_63))
-        t_71 = lin((1, s.mm('_ one', (s.t_10 * t_65 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_65))
-        t_72 = s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/(s.L*s.d_V**2)) * t_71, s.one)
-        out_W_V = (s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_70, mean=True) + bcast_last(mean0(t_72, True), s.d_V))
-        out_W_1 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_64, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_12' _", tr(s.t_12), t_63, mean=True)
+        t_45 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_46 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_45)
+        t_47 = s.mm('_ N_1 W_V', t_46, s.N_1, s.W_V)
+        t_48 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_49 = (t_47 + t_48)
+        t_50 = s.mm('_ one', t_49, s.one)
+        t_51 = lin((1, t_50), (-s.d_V, t_47), (-s.d_V, t_48))
+        t_52 = (s.P_N_2 * (-1/s.d_V) * t_51)
+        t_53 = ((-1/s.d_V) * t_51 * s.M_N_2)
+        t_54 = s.mm('_ one', t_53, s.one)
+        t_55 = (s.t_10 * t_54 * s.M_N_2)
+        t_56 = lin((1, t_52), (2/s.d_V, t_55))
+        t_57 = s.mm('_ W_1', t_56, s.W_1)
+        t_58 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_59 = (t_57 + t_58)
+        t_60 = (t_59 * s.t_11)
+        t_61 = lin((1, t_49), (1, s.mm("t_27' _", tr(s.t_27), V_W_2)), (1, s.mm('_ W_2', t_60, s.W_2)))
+        t_62 = (s.t_4 * softmax_diff(s.t_30, t_61))
+        t_63 = (s.t_11 * s.mm("_ W_2'", t_62, tr(s.W_2)))
+        t_64 = s.mm("_ W_1'", t_63, tr(s.W_1))
+        t_65 = lin((-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', (s.t_10 * t_64 * s.M_N_2), s.one), s.M_N_2), (-1/(s.L*math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_64))
+        t_66 = lin((-s.d_V, t_65), (1/(s.L*math.sqrt(s.d_K)), t_62))
+        t_67 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_65, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_66, tr(s.W_V), tr(s.N_1)))
+        t_68 = softmax_diff(s.A, t_67)
+        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_68, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_68), s.N_1, s.W_Q, mean=True)
+        t_69 = lin((1, s.mm('_ one', (s.t_10 * t_64 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_64), ((1/2)*s.d_V, t_62))
+        t_70 = lin((1, s.mm('_ one', (s.t_10 * t_64 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_64))
+        t_71 = s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/(s.L*s.d_V**2)) * t_70, s.one)
+        out_W_V = (s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_69, mean=True) + bcast_last(mean0(t_71, True), s.d_V))
+        out_W_1 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_63, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_12' _", tr(s.t_12), t_62, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_73 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_74 = softmax_diff2(s.A, s.t_21, (1/math.sqrt(s.d_K)) * t_73)
-        t_75 = (s.t_11 * s.mm('G _', s.G, tr(V_W_2)))
-        t_76 = (s.mm("_ W_1'", t_75, tr(s.W_1)) + s.mm('t_14 _', s.t_14, tr(V_W_1)))
-        t_77 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_73)
-        t_78 = s.mm('_ N_1 W_V', t_77, s.N_1, s.W_V)
-        t_79 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_80 = (t_78 + t_79)
-        t_81 = s.mm('_ one', t_80, s.one)
-        t_82 = lin((1, t_81), (-s.d_V, t_78), (-s.d_V, t_79))
-        t_83 = ((-1/s.d_V) * t_82 * s.M_N_2)
-        t_84 = s.mm('_ one', t_83, s.one)
-        t_85 = lin((1, (s.t_10 * t_76), s.M_N_2), (1, (s.t_10 * (-1/s.d_V) * t_82), s.t_15), (2/s.d_V, (s.t_33 * t_84 * s.t_15), s.M_N_2))
-        t_86 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_76), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_17, (-1/s.d_V) * t_82), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_10 * t_84), s.t_15), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_85, s.one), s.M_N_2))
-        t_87 = (-math.sqrt(s.d_K)*s.d_V) * t_86
-        t_88 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_86, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_18 one one_2 _ N_1'", s.t_18, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_87, tr(s.W_V), tr(s.N_1)), (1, "t_20 _ N_1'", s.t_20, tr(V_W_V), tr(s.N_1)))
-        t_89 = softmax_diff(s.A, t_88)
-        t_90 = (t_74 + t_89)
-        out_W_Q = s.mm_sum('l', (1, "N_1' t_22 N_1 _", tr(s.N_1), s.t_22, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_90, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_90), s.N_1, s.W_Q), (1, "N_1' t_22' N_1 _", tr(s.N_1), tr(s.t_22), s.N_1, V_W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_87), (1, "N_1' _ t_45", tr(s.N_1), tr(t_77), s.t_45), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_43 one", tr(s.N_1), tr(t_77), s.t_43, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_87, s.one), True), s.d_V)))
-        t_91 = lin((1, tr(t_81)), (-s.d_V, tr(t_79)), (-s.d_V, tr(t_78)))
-        t_92 = (tr(s.P_N_2) * (-1/s.d_V) * t_91)
-        t_93 = (tr(s.t_10) * tr(t_84) * tr(s.M_N_2))
-        t_94 = lin((1, t_92), (2/s.d_V, t_93))
-        out_W_1 = (s.mm('_ t_14', t_94, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_75, mean=True))
-        t_95 = s.mm("_ N_2'", tr(V_W_1), tr(s.N_2))
-        t_96 = s.mm("W_1' _", tr(s.W_1), t_94)
-        t_97 = (t_95 + t_96)
-        t_98 = (t_97 * tr(s.t_11))
-        out_W_2 = s.mm('_ G', t_98, s.G, mean=True)
+        t_72 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_73 = softmax_diff2(s.A, s.t_21, (1/math.sqrt(s.d_K)) * t_72)
+        t_74 = (s.t_11 * s.mm('G _', s.G, tr(V_W_2)))
+        t_75 = (s.mm("_ W_1'", t_74, tr(s.W_1)) + s.mm('t_14 _', s.t_14, tr(V_W_1)))
+        t_76 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_72)
+        t_77 = s.mm('_ N_1 W_V', t_76, s.N_1, s.W_V)
+        t_78 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_79 = (t_77 + t_78)
+        t_80 = s.mm('_ one', t_79, s.one)
+        t_81 = lin((1, t_80), (-s.d_V, t_77), (-s.d_V, t_78))
+        t_82 = ((-1/s.d_V) * t_81 * s.M_N_2)
+        t_83 = s.mm('_ one', t_82, s.one)
+        t_84 = lin((1, (s.t_10 * t_75), s.M_N_2), (1, (s.t_10 * (-1/s.d_V) * t_81), s.t_15), (2/s.d_V, (s.t_32 * t_83 * s.t_15), s.M_N_2))
+        t_85 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_75), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_17, (-1/s.d_V) * t_81), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_10 * t_83), s.t_15), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_84, s.one), s.M_N_2))
+        t_86 = (-math.sqrt(s.d_K)*s.d_V) * t_85
+        t_87 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_85, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_18 one one_2 _ N_1'", s.t_18, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_86, tr(s.W_V), tr(s.N_1)), (1, "t_20 _ N_1'", s.t_20, tr(V_W_V), tr(s.N_1)))
+        t_88 = softmax_diff(s.A, t_87)
+        t_89 = (t_73 + t_88)
+        out_W_Q = s.mm_sum('l', (1, "N_1' t_22 N_1 _", tr(s.N_1), s.t_22, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_89, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_89), s.N_1, s.W_Q), (1, "N_1' t_22' N_1 _", tr(s.N_1), tr(s.t_22), s.N_1, V_W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_86), (1, "N_1' _ t_44", tr(s.N_1), tr(t_76), s.t_44), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_42 one", tr(s.N_1), tr(t_76), s.t_42, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_86, s.one), True), s.d_V)))
+        t_90 = lin((1, tr(t_80)), (-s.d_V, tr(t_78)), (-s.d_V, tr(t_77)))
+        t_91 = (tr(s.P_N_2) * (-1/s.d_V) * t_90)
+        t_92 = (tr(s.t_10) * tr(t_83) * tr(s.M_N_2))
+        t_93 = lin((1, t_91), (2/s.d_V, t_92))
+        out_W_1 = (s.mm('_ t_14', t_93, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_74, mean=True))
+        t_94 = s.mm("_ N_2'", tr(V_W_1), tr(s.N_2))
+        t_95 = s.mm("W_1' _", tr(s.W_1), t_93)
+        t_96 = (t_94 + t_95)
+        t_97 = (t_96 * tr(s.t_11))
+        out_W_2 = s.mm('_ G', t_97, s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_107 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_108 = softmax_diff2(s.A, s.t_106, (1/math.sqrt(s.d_K)) * t_107)
-        t_109 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_107)
-        t_110 = s.mm('_ N_1 W_V', t_109, s.N_1, s.W_V)
-        t_111 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_112 = (t_110 + t_111)
-        t_113 = s.mm('_ one', t_112, s.one)
-        t_114 = lin((1, t_113), (-s.d_V, t_110), (-s.d_V, t_111))
-        t_115 = (s.P_N_2 * (-1/s.d_V) * t_114)
-        t_116 = ((-1/s.d_V) * t_114 * s.M_N_2)
-        t_117 = s.mm('_ one', t_116, s.one)
-        t_118 = (s.t_10 * t_117 * s.M_N_2)
-        t_119 = lin((1, t_115), (2/s.d_V, t_118))
-        t_120 = s.mm('_ W_1', t_119, s.W_1)
-        t_121 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_122 = (t_120 + t_121)
-        t_123 = (t_122 * s.t_11)
-        t_124 = lin((1, t_112), (1, s.mm("t_27' _", tr(s.t_27), V_W_2)), (1, s.mm('_ W_2', t_123, s.W_2)))
-        t_125 = (s.t_4 * softmax_diff(s.t_13, t_124))
-        t_126 = lin((1, s.mm('G _', s.G, tr(V_W_2))), (1/s.L, s.mm("_ W_2'", t_125, tr(s.W_2))))
-        t_127 = (t_126 * s.t_11)
-        t_128 = (s.mm("_ W_1'", t_127, tr(s.W_1)) + s.mm('t_100 _', s.t_100, tr(V_W_1)))
-        t_129 = lin((1, (s.t_10 * t_128), s.M_N_2), (1, (s.t_10 * (-1/s.d_V) * t_114), s.t_101), (2/s.d_V, (s.t_33 * t_117 * s.t_101), s.M_N_2))
-        t_130 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_128), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_103, (-1/s.d_V) * t_114), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_10 * t_117), s.t_101), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_129, s.one), s.M_N_2))
-        t_131 = lin((-s.d_V, t_130), (1/(s.L*math.sqrt(s.d_K)), t_125))
-        t_132 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_130, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_104 one one_2 _ N_1'", s.t_104, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_131, tr(s.W_V), tr(s.N_1)), (1, "t_105 _ N_1'", s.t_105, tr(V_W_V), tr(s.N_1)))
-        t_133 = softmax_diff(s.A, t_132)
-        t_134 = (t_108 + t_133)
-        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_134, s.N_1, s.W_K), (1, "N_1' t_135 N_1 _", tr(s.N_1), s.t_135, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_135' N_1 _", tr(s.N_1), tr(s.t_135), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_134), s.N_1, s.W_Q), mean=True)
-        t_136 = (math.sqrt(s.d_K)) * t_131
-        t_139 = lin((1, s.P_N_2, t_128), (2/s.d_V, s.t_103, (-1/s.d_V) * t_114), (2/s.d_V, (s.t_10 * t_117), s.t_101), (2/s.d_V, s.mm('_ one', t_129, s.one), s.M_N_2))
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_136), (1, "N_1' _ t_138", tr(s.N_1), tr(t_109), s.t_138), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_139, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_141 one", tr(s.N_1), tr(t_109), s.t_141, s.one), True), s.d_V)))
-        out_W_1 = (s.mm('_ t_100', tr(t_119), s.t_100, mean=True) + s.mm("N_2' _", tr(s.N_2), t_127, mean=True))
-        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_125, mean=True)), (1, s.mm('_ G', tr(t_123), s.G, mean=True)))
+        t_106 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_107 = softmax_diff2(s.A, s.t_105, (1/math.sqrt(s.d_K)) * t_106)
+        t_108 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_106)
+        t_109 = s.mm('_ N_1 W_V', t_108, s.N_1, s.W_V)
+        t_110 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_111 = (t_109 + t_110)
+        t_112 = s.mm('_ one', t_111, s.one)
+        t_113 = lin((1, t_112), (-s.d_V, t_109), (-s.d_V, t_110))
+        t_114 = (s.P_N_2 * (-1/s.d_V) * t_113)
+        t_115 = ((-1/s.d_V) * t_113 * s.M_N_2)
+        t_116 = s.mm('_ one', t_115, s.one)
+        t_117 = (s.t_10 * t_116 * s.M_N_2)
+        t_118 = lin((1, t_114), (2/s.d_V, t_117))
+        t_119 = s.mm('_ W_1', t_118, s.W_1)
+        t_120 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_121 = (t_119 + t_120)
+        t_122 = (t_121 * s.t_11)
+        t_123 = lin((1, t_111), (1, s.mm("t_27' _", tr(s.t_27), V_W_2)), (1, s.mm('_ W_2', t_122, s.W_2)))
+        t_124 = (s.t_4 * softmax_diff(s.t_13, t_123))
+        t_125 = lin((1, s.mm('G _', s.G, tr(V_W_2))), (1/s.L, s.mm("_ W_2'", t_124, tr(s.W_2))))
+        t_126 = (t_125 * s.t_11)
+        t_127 = (s.mm("_ W_1'", t_126, tr(s.W_1)) + s.mm('t_99 _', s.t_99, tr(V_W_1)))
+        t_128 = lin((1, (s.t_10 * t_127), s.M_N_2), (1, (s.t_10 * (-1/s.d_V) * t_113), s.t_100), (2/s.d_V, (s.t_32 * t_116 * s.t_100), s.M_N_2))
+        t_129 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_127), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_102, (-1/s.d_V) * t_113), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_10 * t_116), s.t_100), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_128, s.one), s.M_N_2))
+        t_130 = lin((-s.d_V, t_129), (1/(s.L*math.sqrt(s.d_K)), t_124))
+        t_131 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_129, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_103 one one_2 _ N_1'", s.t_103, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_130, tr(s.W_V), tr(s.N_1)), (1, "t_104 _ N_1'", s.t_104, tr(V_W_V), tr(s.N_1)))
+        t_132 = softmax_diff(s.A, t_131)
+        t_133 = (t_107 + t_132)
+        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_133, s.N_1, s.W_K), (1, "N_1' t_134 N_1 _", tr(s.N_1), s.t_134, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_134' N_1 _", tr(s.N_1), tr(s.t_134), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_133), s.N_1, s.W_Q), mean=True)
+        t_135 = (math.sqrt(s.d_K)) * t_130
+        t_138 = lin((1, s.P_N_2, t_127), (2/s.d_V, s.t_102, (-1/s.d_V) * t_113), (2/s.d_V, (s.t_10 * t_116), s.t_100), (2/s.d_V, s.mm('_ one', t_128, s.one), s.M_N_2))
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_135), (1, "N_1' _ t_137", tr(s.N_1), tr(t_108), s.t_137), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_138, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_140 one", tr(s.N_1), tr(t_108), s.t_140, s.one), True), s.d_V)))
+        out_W_1 = (s.mm('_ t_99', tr(t_118), s.t_99, mean=True) + s.mm("N_2' _", tr(s.N_2), t_126, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_124, mean=True)), (1, s.mm('_ G', tr(t_122), s.G, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -2551,7 +2539,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "b979b93a7f52c2d65a415069"
+    STAMP = "91cdbaab2856f2208a7b7027"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -2560,19 +2548,19 @@ class ce_bias0_causal1(Forward):
         'N_1 W_V': 15,
         "N_1 W_V one_2'": 5,
         "N_1 W_V one_2' one'": 5,
-        "N_1' t_135": 2,
-        "N_1' t_135 N_1": 2,
-        "N_1' t_135'": 2,
+        "N_1' t_134": 2,
+        "N_1' t_134 N_1": 2,
+        "N_1' t_134'": 2,
         "N_1' t_22": 4,
         "N_1' t_22 N_1": 4,
         "N_1' t_22'": 5,
         "W_V one_2'": 5,
         "W_V one_2' one'": 5,
         'one one_2': 7,
-        "one' t_104'": 2,
+        "one' t_103'": 2,
         "one' t_18'": 2,
-        "one' t_44'": 2,
-        "one_2' one' t_104'": 2,
+        "one' t_43'": 2,
+        "one_2' one' t_103'": 2,
         "one_2' one' t_18'": 2,
     }
 
@@ -2754,127 +2742,123 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def t_29(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
-    def t_30(s):
         return (s.t_10 * s.M_N_2)
 
     @leaf
-    def t_31(s):
+    def t_30(s):
         return softmax_rows(s.F)
 
     @leaf
-    def t_32(s):
+    def t_31(s):
         return (s.t_10 * s.t_15)
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return (0.75 * (s.sigma2_N_2 ** -2.5))
 
     @leaf
-    def t_34(s):
-        return (s.t_33 * s.t_15 * s.M_N_2)
+    def t_33(s):
+        return (s.t_32 * s.t_15 * s.M_N_2)
 
     @leaf
-    def t_35(s):
+    def t_34(s):
         return bcast_last(s.t_17, s.d_V)
 
     @leaf
-    def t_36(s):
+    def t_35(s):
         return ((1/2)*math.sqrt(s.d_K)*s.d_V) * s.t_20
 
     @leaf
-    def t_37(s):
+    def t_36(s):
         return (-1/2*math.sqrt(s.d_K)*s.d_V**2) * s.t_18
 
     @leaf
-    def t_38(s):
-        return s.mm('t_37 one', s.t_37, s.one)
+    def t_37(s):
+        return s.mm('t_36 one', s.t_36, s.one)
 
     @leaf
-    def t_39(s):
-        return bcast_last(s.t_38, s.d_V)
+    def t_38(s):
+        return bcast_last(s.t_37, s.d_V)
 
     @leaf
     def one_3(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_40(s):
+    def t_39(s):
         return log_softmax_rows(s.F)
 
     @leaf
+    def t_40(s):
+        return (s.t_39 * s.Y)
+
+    @leaf
     def t_41(s):
-        return (s.t_40 * s.Y)
+        return s.mm('one_3 t_40 one', s.one_3, s.t_40, s.one)
 
     @leaf
     def t_42(s):
-        return s.mm('one_3 t_41 one', s.one_3, s.t_41, s.one)
+        return (2/s.d_V) * s.t_35
 
     @leaf
     def t_43(s):
-        return (2/s.d_V) * s.t_36
+        return (-2/s.d_V**2) * s.t_36
 
     @leaf
     def t_44(s):
-        return (-2/s.d_V**2) * s.t_37
+        return s.mm("N_1' A' t_43 one", tr(s.N_1), tr(s.A), s.t_43, s.one)
 
     @leaf
-    def t_45(s):
-        return s.mm("N_1' A' t_44 one", tr(s.N_1), tr(s.A), s.t_44, s.one)
-
-    @leaf
-    def t_99(s):
+    def t_98(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_99(s):
+        return (s.t_11 * s.t_98)
+
+    @leaf
     def t_100(s):
-        return (s.t_11 * s.t_99)
+        return s.mm("t_99 W_1'", s.t_99, tr(s.W_1))
 
     @leaf
     def t_101(s):
-        return s.mm("t_100 W_1'", s.t_100, tr(s.W_1))
+        return (s.t_10 * s.t_100 * s.M_N_2)
 
     @leaf
     def t_102(s):
-        return (s.t_10 * s.t_101 * s.M_N_2)
+        return s.mm('t_101 one', s.t_101, s.one)
 
     @leaf
     def t_103(s):
-        return s.mm('t_102 one', s.t_102, s.one)
+        return lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_102, s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, s.t_100))
 
     @leaf
     def t_104(s):
-        return lin((-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_103, s.M_N_2), (-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, s.t_101))
+        return lin((1/math.sqrt(s.d_K), s.G), (-s.d_V, s.t_103))
 
     @leaf
     def t_105(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (-s.d_V, s.t_104))
+        return s.mm_sum('r', (1, "t_103 one one_2 W_V' N_1'", s.t_103, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_104 W_V' N_1'", s.t_104, tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_106(s):
-        return s.mm_sum('r', (1, "t_104 one one_2 W_V' N_1'", s.t_104, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_105 W_V' N_1'", s.t_105, tr(s.W_V), tr(s.N_1)))
+    def t_134(s):
+        return softmax_diff(s.A, s.t_105)
 
     @leaf
     def t_135(s):
-        return softmax_diff(s.A, s.t_106)
+        return lin((1, s.t_102, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_100), ((1/2)*s.d_V/s.L, s.t_4, s.t_13), (-1/2*s.d_V/s.L, s.Y))
 
     @leaf
     def t_136(s):
-        return lin((1, s.t_103, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_101), ((1/2)*s.d_V/s.L, s.t_4, s.t_13), (-1/2*s.d_V/s.L, s.Y))
+        return (2/s.d_V) * s.t_135
 
     @leaf
-    def t_137(s):
-        return (2/s.d_V) * s.t_136
+    def t_139(s):
+        return lin((1, s.t_102, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_100))
 
     @leaf
     def t_140(s):
-        return lin((1, s.t_103, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_101))
-
-    @leaf
-    def t_141(s):
-        return (-2/s.d_V**2) * s.t_140
+        return (-2/s.d_V**2) * s.t_139
 
     @leaf
     def dA(s):
@@ -2889,7 +2873,7 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
             net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, s.t_29, s.t_30),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
         ])
 
     @leaf
@@ -2897,8 +2881,8 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
             net(1/(s.L*s.d_K), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_K*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, s.t_29, s.t_30),
-            net(-1/(s.L*s.d_K*s.d_V), 'ab,ncbd->ncad', s.t_29, s.S),
+            net(2/(s.L*s.d_K*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(-1/(s.L*s.d_K*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -2913,8 +2897,8 @@ class ce_bias0_causal1(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_31, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_31, s.t_31),
+            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_30, s.t_30),
         ])
 
     @leaf
@@ -2922,7 +2906,7 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
             net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, s.t_29, s.M_N_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_29, ONES, s.M_N_2),
         ])
 
     @leaf
@@ -2930,7 +2914,7 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_29),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -2945,17 +2929,17 @@ class ce_bias0_causal1(Forward):
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_34, s.t_29, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_31, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_33, ONES, s.M_N_2),
         ])
 
     @leaf
     def S_8(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,nac->nabc', s.t_32, s.t_29, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, s.t_29, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_34, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,nac->nabc', s.t_31, ONES, s.M_N_2),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
     @leaf
@@ -2988,8 +2972,8 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_11', [
             net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, s.t_29, s.t_30),
-            net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', s.t_29, s.S),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -3005,15 +2989,15 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_29),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_36),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_39),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_35),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_38),
         ])
 
     @leaf
@@ -3021,7 +3005,7 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
             net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', s.t_29),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -3029,7 +3013,7 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_16', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', s.t_29),
+            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -3037,8 +3021,8 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_17', [
             net(1/s.L, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, s.t_29, s.t_30),
-            net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', s.t_29, s.S),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -3054,7 +3038,7 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_19', [
             net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/s.d_V**2, 'ab->ab', s.t_29),
+            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -3272,125 +3256,125 @@ class ce_bias0_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_42, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_41, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
         out_W_Q = s.mm("N_1' t_22 N_1 W_K", tr(s.N_1), s.t_22, s.N_1, s.W_K, mean=True)
         out_W_K = s.mm("N_1' t_22' N_1 W_Q", tr(s.N_1), tr(s.t_22), s.N_1, s.W_Q, mean=True)
-        out_W_V = (s.mm("N_1' A' t_43", tr(s.N_1), tr(s.A), s.t_43, mean=True) + bcast_last(mean0(s.t_45, True), s.d_V))
+        out_W_V = (s.mm("N_1' A' t_42", tr(s.N_1), tr(s.A), s.t_42, mean=True) + bcast_last(mean0(s.t_44, True), s.d_V))
         out_W_1 = s.mm("N_2' t_14", tr(s.N_2), s.t_14, mean=True)
         out_W_2 = s.mm("t_12' G", tr(s.t_12), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_46 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_47 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_46)
-        t_48 = s.mm('_ N_1 W_V', t_47, s.N_1, s.W_V)
-        t_49 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_50 = (t_48 + t_49)
-        t_51 = s.mm('_ one', t_50, s.one)
-        t_52 = lin((1, t_51), (-s.d_V, t_48), (-s.d_V, t_49))
-        t_53 = (s.P_N_2 * (-1/s.d_V) * t_52)
-        t_54 = ((-1/s.d_V) * t_52 * s.M_N_2)
-        t_55 = s.mm('_ one', t_54, s.one)
-        t_56 = (s.t_10 * t_55 * s.M_N_2)
-        t_57 = lin((1, t_53), (2/s.d_V, t_56))
-        t_58 = s.mm('_ W_1', t_57, s.W_1)
-        t_59 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_60 = (t_58 + t_59)
-        t_61 = (t_60 * s.t_11)
-        t_62 = lin((1, t_50), (1, s.mm("t_27' _", tr(s.t_27), V_W_2)), (1, s.mm('_ W_2', t_61, s.W_2)))
-        t_63 = (s.t_4 * softmax_diff(s.t_31, t_62))
-        t_64 = (s.t_11 * s.mm("_ W_2'", t_63, tr(s.W_2)))
-        t_65 = s.mm("_ W_1'", t_64, tr(s.W_1))
-        t_66 = lin((-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', (s.t_10 * t_65 * s.M_N_2), s.one), s.M_N_2), (-1/(s.L*math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_65))
-        t_67 = lin((-s.d_V, t_66), (1/(s.L*math.sqrt(s.d_K)), t_63))
-        t_68 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_66, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_67, tr(s.W_V), tr(s.N_1)))
-        t_69 = softmax_diff(s.A, t_68)
-        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_69, s.N_1, s.W_K, mean=True)
-        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_69), s.N_1, s.W_Q, mean=True)
-        t_70 = lin((1, s.mm('_ one', (s.t_10 * t_65 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_65))
-        t_71 = s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/(s.L*s.d_V**2)) * t_70, s.one)
-        t_72 = lin((1, s.mm('_ one', (s.t_10 * t_65 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_65), ((1/2)*s.d_V, t_63))
-        out_W_V = (bcast_last(mean0(t_71, True), s.d_V) + s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_72, mean=True))
-        out_W_1 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_64, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_12' _", tr(s.t_12), t_63, mean=True)
+        t_45 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_46 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_45)
+        t_47 = s.mm('_ N_1 W_V', t_46, s.N_1, s.W_V)
+        t_48 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_49 = (t_47 + t_48)
+        t_50 = s.mm('_ one', t_49, s.one)
+        t_51 = lin((1, t_50), (-s.d_V, t_47), (-s.d_V, t_48))
+        t_52 = (s.P_N_2 * (-1/s.d_V) * t_51)
+        t_53 = ((-1/s.d_V) * t_51 * s.M_N_2)
+        t_54 = s.mm('_ one', t_53, s.one)
+        t_55 = (s.t_10 * t_54 * s.M_N_2)
+        t_56 = lin((1, t_52), (2/s.d_V, t_55))
+        t_57 = s.mm('_ W_1', t_56, s.W_1)
+        t_58 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_59 = (t_57 + t_58)
+        t_60 = (t_59 * s.t_11)
+        t_61 = lin((1, t_49), (1, s.mm("t_27' _", tr(s.t_27), V_W_2)), (1, s.mm('_ W_2', t_60, s.W_2)))
+        t_62 = (s.t_4 * softmax_diff(s.t_30, t_61))
+        t_63 = (s.t_11 * s.mm("_ W_2'", t_62, tr(s.W_2)))
+        t_64 = s.mm("_ W_1'", t_63, tr(s.W_1))
+        t_65 = lin((-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', (s.t_10 * t_64 * s.M_N_2), s.one), s.M_N_2), (-1/(s.L*math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_64))
+        t_66 = lin((-s.d_V, t_65), (1/(s.L*math.sqrt(s.d_K)), t_62))
+        t_67 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_65, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_66, tr(s.W_V), tr(s.N_1)))
+        t_68 = softmax_diff(s.A, t_67)
+        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_68, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_68), s.N_1, s.W_Q, mean=True)
+        t_69 = lin((1, s.mm('_ one', (s.t_10 * t_64 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_64))
+        t_70 = s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/(s.L*s.d_V**2)) * t_69, s.one)
+        t_71 = lin((1, s.mm('_ one', (s.t_10 * t_64 * s.M_N_2), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_64), ((1/2)*s.d_V, t_62))
+        out_W_V = (bcast_last(mean0(t_70, True), s.d_V) + s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_71, mean=True))
+        out_W_1 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_63, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_12' _", tr(s.t_12), t_62, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_73 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_74 = softmax_diff2(s.A, s.t_21, (1/math.sqrt(s.d_K)) * t_73)
-        t_75 = (s.t_11 * s.mm('G _', s.G, tr(V_W_2)))
-        t_76 = (s.mm('t_14 _', s.t_14, tr(V_W_1)) + s.mm("_ W_1'", t_75, tr(s.W_1)))
-        t_77 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_73)
-        t_78 = s.mm('_ N_1 W_V', t_77, s.N_1, s.W_V)
-        t_79 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_80 = (t_78 + t_79)
-        t_81 = s.mm('_ one', t_80, s.one)
-        t_82 = lin((1, t_81), (-s.d_V, t_78), (-s.d_V, t_79))
-        t_83 = ((-1/s.d_V) * t_82 * s.M_N_2)
-        t_84 = s.mm('_ one', t_83, s.one)
-        t_85 = lin((1, (s.t_10 * t_76), s.M_N_2), (1, (s.t_10 * (-1/s.d_V) * t_82), s.t_15), (2/s.d_V, (s.t_33 * t_84 * s.t_15), s.M_N_2))
-        t_86 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_76), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_17, (-1/s.d_V) * t_82), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_10 * t_84), s.t_15), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_85, s.one), s.M_N_2))
-        t_87 = (-math.sqrt(s.d_K)*s.d_V) * t_86
-        t_88 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_86, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_18 one one_2 _ N_1'", s.t_18, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_87, tr(s.W_V), tr(s.N_1)), (1, "t_20 _ N_1'", s.t_20, tr(V_W_V), tr(s.N_1)))
-        t_89 = softmax_diff(s.A, t_88)
-        t_90 = (t_74 + t_89)
-        out_W_Q = s.mm_sum('l', (1, "N_1' t_22 N_1 _", tr(s.N_1), s.t_22, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_90, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_22' N_1 _", tr(s.N_1), tr(s.t_22), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_90), s.N_1, s.W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_43", tr(s.N_1), tr(t_77), s.t_43), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_87), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_44 one", tr(s.N_1), tr(t_77), s.t_44, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_87, s.one), True), s.d_V)))
-        t_91 = lin((1, tr(t_81)), (-s.d_V, tr(t_79)), (-s.d_V, tr(t_78)))
-        t_92 = (tr(s.P_N_2) * (-1/s.d_V) * t_91)
-        t_93 = (tr(s.t_10) * tr(t_84) * tr(s.M_N_2))
-        t_94 = lin((1, t_92), (2/s.d_V, t_93))
-        out_W_1 = (s.mm('_ t_14', t_94, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_75, mean=True))
-        t_95 = s.mm("_ N_2'", tr(V_W_1), tr(s.N_2))
-        t_96 = s.mm("W_1' _", tr(s.W_1), t_94)
-        t_97 = (t_95 + t_96)
-        t_98 = (t_97 * tr(s.t_11))
-        out_W_2 = s.mm('_ G', t_98, s.G, mean=True)
+        t_72 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_73 = softmax_diff2(s.A, s.t_21, (1/math.sqrt(s.d_K)) * t_72)
+        t_74 = (s.t_11 * s.mm('G _', s.G, tr(V_W_2)))
+        t_75 = (s.mm('t_14 _', s.t_14, tr(V_W_1)) + s.mm("_ W_1'", t_74, tr(s.W_1)))
+        t_76 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_72)
+        t_77 = s.mm('_ N_1 W_V', t_76, s.N_1, s.W_V)
+        t_78 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_79 = (t_77 + t_78)
+        t_80 = s.mm('_ one', t_79, s.one)
+        t_81 = lin((1, t_80), (-s.d_V, t_77), (-s.d_V, t_78))
+        t_82 = ((-1/s.d_V) * t_81 * s.M_N_2)
+        t_83 = s.mm('_ one', t_82, s.one)
+        t_84 = lin((1, (s.t_10 * t_75), s.M_N_2), (1, (s.t_10 * (-1/s.d_V) * t_81), s.t_15), (2/s.d_V, (s.t_32 * t_83 * s.t_15), s.M_N_2))
+        t_85 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_75), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_17, (-1/s.d_V) * t_81), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_10 * t_83), s.t_15), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_84, s.one), s.M_N_2))
+        t_86 = (-math.sqrt(s.d_K)*s.d_V) * t_85
+        t_87 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_85, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_18 one one_2 _ N_1'", s.t_18, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_86, tr(s.W_V), tr(s.N_1)), (1, "t_20 _ N_1'", s.t_20, tr(V_W_V), tr(s.N_1)))
+        t_88 = softmax_diff(s.A, t_87)
+        t_89 = (t_73 + t_88)
+        out_W_Q = s.mm_sum('l', (1, "N_1' t_22 N_1 _", tr(s.N_1), s.t_22, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_89, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_22' N_1 _", tr(s.N_1), tr(s.t_22), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_89), s.N_1, s.W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_42", tr(s.N_1), tr(t_76), s.t_42), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_86), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_43 one", tr(s.N_1), tr(t_76), s.t_43, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_86, s.one), True), s.d_V)))
+        t_90 = lin((1, tr(t_80)), (-s.d_V, tr(t_78)), (-s.d_V, tr(t_77)))
+        t_91 = (tr(s.P_N_2) * (-1/s.d_V) * t_90)
+        t_92 = (tr(s.t_10) * tr(t_83) * tr(s.M_N_2))
+        t_93 = lin((1, t_91), (2/s.d_V, t_92))
+        out_W_1 = (s.mm('_ t_14', t_93, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_74, mean=True))
+        t_94 = s.mm("_ N_2'", tr(V_W_1), tr(s.N_2))
+        t_95 = s.mm("W_1' _", tr(s.W_1), t_93)
+        t_96 = (t_94 + t_95)
+        t_97 = (t_96 * tr(s.t_11))
+        out_W_2 = s.mm('_ G', t_97, s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_107 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_108 = softmax_diff2(s.A, s.t_106, (1/math.sqrt(s.d_K)) * t_107)
-        t_109 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_107)
-        t_110 = s.mm('_ N_1 W_V', t_109, s.N_1, s.W_V)
-        t_111 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_112 = (t_110 + t_111)
-        t_113 = s.mm('_ one', t_112, s.one)
-        t_114 = lin((1, t_113), (-s.d_V, t_110), (-s.d_V, t_111))
-        t_115 = (s.P_N_2 * (-1/s.d_V) * t_114)
-        t_116 = ((-1/s.d_V) * t_114 * s.M_N_2)
-        t_117 = s.mm('_ one', t_116, s.one)
-        t_118 = (s.t_10 * t_117 * s.M_N_2)
-        t_119 = lin((1, t_115), (2/s.d_V, t_118))
-        t_120 = s.mm('_ W_1', t_119, s.W_1)
-        t_121 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_122 = (t_120 + t_121)
-        t_123 = (t_122 * s.t_11)
-        t_124 = lin((1, t_112), (1, s.mm("t_27' _", tr(s.t_27), V_W_2)), (1, s.mm('_ W_2', t_123, s.W_2)))
-        t_125 = (s.t_4 * softmax_diff(s.t_13, t_124))
-        t_126 = lin((1, s.mm('G _', s.G, tr(V_W_2))), (1/s.L, s.mm("_ W_2'", t_125, tr(s.W_2))))
-        t_127 = (t_126 * s.t_11)
-        t_128 = (s.mm("_ W_1'", t_127, tr(s.W_1)) + s.mm('t_100 _', s.t_100, tr(V_W_1)))
-        t_129 = lin((1, (s.t_10 * t_128), s.M_N_2), (1, (s.t_10 * (-1/s.d_V) * t_114), s.t_101), (2/s.d_V, (s.t_33 * t_117 * s.t_101), s.M_N_2))
-        t_130 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_128), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_103, (-1/s.d_V) * t_114), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_10 * t_117), s.t_101), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_129, s.one), s.M_N_2))
-        t_131 = lin((-s.d_V, t_130), (1/(s.L*math.sqrt(s.d_K)), t_125))
-        t_132 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_130, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_104 one one_2 _ N_1'", s.t_104, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_131, tr(s.W_V), tr(s.N_1)), (1, "t_105 _ N_1'", s.t_105, tr(V_W_V), tr(s.N_1)))
-        t_133 = softmax_diff(s.A, t_132)
-        t_134 = (t_108 + t_133)
-        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_134, s.N_1, s.W_K), (1, "N_1' t_135 N_1 _", tr(s.N_1), s.t_135, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_135' N_1 _", tr(s.N_1), tr(s.t_135), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_134), s.N_1, s.W_Q), mean=True)
-        t_138 = (math.sqrt(s.d_K)) * t_131
-        t_139 = lin((1, s.P_N_2, t_128), (2/s.d_V, s.t_103, (-1/s.d_V) * t_114), (2/s.d_V, (s.t_10 * t_117), s.t_101), (2/s.d_V, s.mm('_ one', t_129, s.one), s.M_N_2))
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_137", tr(s.N_1), tr(t_109), s.t_137), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_138), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_139, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_141 one", tr(s.N_1), tr(t_109), s.t_141, s.one), True), s.d_V)))
-        out_W_1 = (s.mm('_ t_100', tr(t_119), s.t_100, mean=True) + s.mm("N_2' _", tr(s.N_2), t_127, mean=True))
-        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_125, mean=True)), (1, s.mm('_ G', tr(t_123), s.G, mean=True)))
+        t_106 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_107 = softmax_diff2(s.A, s.t_105, (1/math.sqrt(s.d_K)) * t_106)
+        t_108 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_106)
+        t_109 = s.mm('_ N_1 W_V', t_108, s.N_1, s.W_V)
+        t_110 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
+        t_111 = (t_109 + t_110)
+        t_112 = s.mm('_ one', t_111, s.one)
+        t_113 = lin((1, t_112), (-s.d_V, t_109), (-s.d_V, t_110))
+        t_114 = (s.P_N_2 * (-1/s.d_V) * t_113)
+        t_115 = ((-1/s.d_V) * t_113 * s.M_N_2)
+        t_116 = s.mm('_ one', t_115, s.one)
+        t_117 = (s.t_10 * t_116 * s.M_N_2)
+        t_118 = lin((1, t_114), (2/s.d_V, t_117))
+        t_119 = s.mm('_ W_1', t_118, s.W_1)
+        t_120 = s.mm('N_2 _', s.N_2, V_W_1)
+        t_121 = (t_119 + t_120)
+        t_122 = (t_121 * s.t_11)
+        t_123 = lin((1, t_111), (1, s.mm("t_27' _", tr(s.t_27), V_W_2)), (1, s.mm('_ W_2', t_122, s.W_2)))
+        t_124 = (s.t_4 * softmax_diff(s.t_13, t_123))
+        t_125 = lin((1, s.mm('G _', s.G, tr(V_W_2))), (1/s.L, s.mm("_ W_2'", t_124, tr(s.W_2))))
+        t_126 = (t_125 * s.t_11)
+        t_127 = (s.mm("_ W_1'", t_126, tr(s.W_1)) + s.mm('t_99 _', s.t_99, tr(V_W_1)))
+        t_128 = lin((1, (s.t_10 * t_127), s.M_N_2), (1, (s.t_10 * (-1/s.d_V) * t_113), s.t_100), (2/s.d_V, (s.t_32 * t_116 * s.t_100), s.M_N_2))
+        t_129 = lin((-1/(math.sqrt(s.d_K)*s.d_V), s.P_N_2, t_127), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.t_102, (-1/s.d_V) * t_113), (-2/(math.sqrt(s.d_K)*s.d_V**2), (s.t_10 * t_116), s.t_100), (-2/(math.sqrt(s.d_K)*s.d_V**2), s.mm('_ one', t_128, s.one), s.M_N_2))
+        t_130 = lin((-s.d_V, t_129), (1/(s.L*math.sqrt(s.d_K)), t_124))
+        t_131 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", t_129, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_103 one one_2 _ N_1'", s.t_103, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", t_130, tr(s.W_V), tr(s.N_1)), (1, "t_104 _ N_1'", s.t_104, tr(V_W_V), tr(s.N_1)))
+        t_132 = softmax_diff(s.A, t_131)
+        t_133 = (t_107 + t_132)
+        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_133, s.N_1, s.W_K), (1, "N_1' t_134 N_1 _", tr(s.N_1), s.t_134, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_134' N_1 _", tr(s.N_1), tr(s.t_134), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_133), s.N_1, s.W_Q), mean=True)
+        t_137 = (math.sqrt(s.d_K)) * t_130
+        t_138 = lin((1, s.P_N_2, t_127), (2/s.d_V, s.t_102, (-1/s.d_V) * t_113), (2/s.d_V, (s.t_10 * t_116), s.t_100), (2/s.d_V, s.mm('_ one', t_128, s.one), s.M_N_2))
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_136", tr(s.N_1), tr(t_108), s.t_136), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_137), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_138, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_140 one", tr(s.N_1), tr(t_108), s.t_140, s.one), True), s.d_V)))
+        out_W_1 = (s.mm('_ t_99', tr(t_118), s.t_99, mean=True) + s.mm("N_2' _", tr(s.N_2), t_126, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_124, mean=True)), (1, s.mm('_ G', tr(t_122), s.G, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -3404,4 +3388,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "eaec22f40f7ad9f133ebd2f0"
+CHECKSUM = "083fd9d864fd457dc82d98ef"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "80b56245d68fda780646a275"
+    STAMP = "2392b56b11ee16d3a9e7f396"
     RUNS = {
         'A X': 18,
         'A X W_V': 7,
@@ -401,7 +401,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "ab9ce8c49e86244cd2fbd9bd"
+    STAMP = "6e3a22016c73d011b6c7286e"
     RUNS = {
         'A X': 18,
         'A X W_V': 7,
@@ -778,7 +778,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "2c26c20c9e24a68ed690c749"
+    STAMP = "d8e858557b62b6756e819816"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1161,7 +1161,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "9fd9c9196ae0b00bab4bd507"
+    STAMP = "17ca9e8092ac4c7a40146759"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1546,4 +1546,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "c60f6d1356119b01f03d4bd7"
+CHECKSUM = "a9ef55f6c180873173654785"

@@ -10,7 +10,7 @@ import torch
 
 import symhess as sh
 from symhess.errors import InputError, OptionError
-from symhess.evaluate import evaluate
+from symhess.expr.evaluate import evaluate
 
 
 def _rotary(L, dk):
