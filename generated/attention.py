@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "7e52422bc12965c679efe8da"
+    STAMP = "0483a8f4cbec55a2fba3d573"
     RUNS = {
         'A X': 8,
         "W_K' X'": 8,
@@ -257,7 +257,7 @@ class mse_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_11 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_12 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_11)
-        t_13 = lin((2/(s.L*s.d_V), s.mm('_ X W_V', t_12, s.X, s.W_V)), (2/(s.L*s.d_V), s.mm('A X _', s.A, s.X, V_W_V)))
+        t_13 = lin((2/(s.L*s.d_V), s.prod('_ X W_V', t_12, s.X, s.W_V)), (2/(s.L*s.d_V), s.prod('A X _', s.A, s.X, V_W_V)))
         t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X)))
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K, mean=True)
         out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q, mean=True)
@@ -282,13 +282,13 @@ class mse_causal0(Forward):
         t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_25 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_21, s.t_24)
         t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
-        t_27 = (s.mm('_ X W_V', t_26, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_27 = lin((1, s.prod('_ X W_V', t_26, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_28 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27, tr(s.W_V), tr(s.X)), (1, "t_23 _ X'", s.t_23, tr(V_W_V), tr(s.X)))
         t_29 = softmax_diff(s.A, t_28)
         t_30 = (t_25 + t_29)
         out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), (1, "X' t_31 X _", tr(s.X), s.t_31, s.X, V_W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), (1, "X' t_31' X _", tr(s.X), tr(s.t_31), s.X, V_W_Q), mean=True)
-        t_32 = lin((2/(s.L*s.d_V), s.mm('_ X W_V', t_26, s.X, s.W_V)), (2/(s.L*s.d_V), s.mm('A X _', s.A, s.X, V_W_V)))
+        t_32 = lin((2/(s.L*s.d_V), s.prod('_ X W_V', t_26, s.X, s.W_V)), (2/(s.L*s.d_V), s.prod('A X _', s.A, s.X, V_W_V)))
         out_W_V = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_26), s.G_2), (1, "X' A' _", tr(s.X), tr(s.A), t_32), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
@@ -297,7 +297,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "bf66418ebcc962e80aec0c1b"
+    STAMP = "51fbcada4d6394311036cd3b"
     RUNS = {
         'A X': 8,
         "W_K' X'": 8,
@@ -530,7 +530,7 @@ class mse_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_11 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_12 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_11)
-        t_13 = lin((2/(s.L*s.d_V), s.mm('_ X W_V', t_12, s.X, s.W_V)), (2/(s.L*s.d_V), s.mm('A X _', s.A, s.X, V_W_V)))
+        t_13 = lin((2/(s.L*s.d_V), s.prod('_ X W_V', t_12, s.X, s.W_V)), (2/(s.L*s.d_V), s.prod('A X _', s.A, s.X, V_W_V)))
         t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X)))
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K, mean=True)
         out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q, mean=True)
@@ -555,13 +555,13 @@ class mse_causal1(Forward):
         t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_25 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_21, s.t_24)
         t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
-        t_27 = (s.mm('_ X W_V', t_26, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_27 = lin((1, s.prod('_ X W_V', t_26, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_28 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27, tr(s.W_V), tr(s.X)), (1, "t_23 _ X'", s.t_23, tr(V_W_V), tr(s.X)))
         t_29 = softmax_diff(s.A, t_28)
         t_30 = (t_25 + t_29)
         out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), (1, "X' t_31 X _", tr(s.X), s.t_31, s.X, V_W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), (1, "X' t_31' X _", tr(s.X), tr(s.t_31), s.X, V_W_Q), mean=True)
-        t_32 = lin((2/(s.L*s.d_V), s.mm('_ X W_V', t_26, s.X, s.W_V)), (2/(s.L*s.d_V), s.mm('A X _', s.A, s.X, V_W_V)))
+        t_32 = lin((2/(s.L*s.d_V), s.prod('_ X W_V', t_26, s.X, s.W_V)), (2/(s.L*s.d_V), s.prod('A X _', s.A, s.X, V_W_V)))
         out_W_V = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_26), s.G_2), (1, "X' A' _", tr(s.X), tr(s.A), t_32), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
@@ -570,7 +570,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "c3c0f25a45a70cd578c5d210"
+    STAMP = "41e0452bbe3bdf426f8979c1"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -827,7 +827,7 @@ class ce_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_13 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_14 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_13)
-        t_15 = (s.mm('_ X W_V', t_14, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_15 = lin((1, s.prod('_ X W_V', t_14, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_16 = (s.t * softmax_diff(s.t_12, t_15))
         t_17 = softmax_diff(s.A, s.mm("_ W_V' X'", t_16, tr(s.W_V), tr(s.X)))
         out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_17, s.X, s.W_K, mean=True)
@@ -852,7 +852,7 @@ class ce_causal0(Forward):
         t_23 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_23, s.t_27)
         t_29 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_23)
-        t_30 = (s.mm('_ X W_V', t_29, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_30 = lin((1, s.prod('_ X W_V', t_29, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_31 = (s.t * softmax_diff(s.t_9, t_30))
         t_32 = s.mm_sum('r', (1, "t_26 _ X'", s.t_26, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_31, tr(s.W_V), tr(s.X)))
         t_33 = softmax_diff(s.A, t_32)
@@ -867,7 +867,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "f864a09a56b6e23ae9c50ba8"
+    STAMP = "ee2bece7e68a244feaa564ec"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -1124,7 +1124,7 @@ class ce_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_13 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_14 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_13)
-        t_15 = (s.mm('_ X W_V', t_14, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_15 = lin((1, s.prod('_ X W_V', t_14, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_16 = (s.t * softmax_diff(s.t_12, t_15))
         t_17 = softmax_diff(s.A, s.mm("_ W_V' X'", t_16, tr(s.W_V), tr(s.X)))
         out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_17, s.X, s.W_K, mean=True)
@@ -1149,7 +1149,7 @@ class ce_causal1(Forward):
         t_23 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_23, s.t_27)
         t_29 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_23)
-        t_30 = (s.mm('_ X W_V', t_29, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_30 = lin((1, s.prod('_ X W_V', t_29, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_31 = (s.t * softmax_diff(s.t_9, t_30))
         t_32 = s.mm_sum('r', (1, "t_26 _ X'", s.t_26, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_31, tr(s.W_V), tr(s.X)))
         t_33 = softmax_diff(s.A, t_32)
@@ -1166,4 +1166,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "65ef49c3fda0022593aa37e6"
+CHECKSUM = "cd417ff5da99feed6e1d69b1"

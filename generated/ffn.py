@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "93c08a2981abf5a157270071"
+    STAMP = "8981b6480cdc419bf86efc67"
 
     @leaf
     def H(s):
@@ -40,7 +40,7 @@ class mse_bias0_residual0(Forward):
 
     @leaf
     def t_3(s):
-        return (s.H * heaviside(s.H, 0.0))
+        return relu(s.H)
 
     @leaf
     def F(s):
@@ -130,32 +130,29 @@ class mse_bias0_residual0(Forward):
 
     def hvp__outer(s, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = s.mm('X _', s.X, V_W_1)
-        t_12 = (s.t * t_11)
-        t_13 = (s.mm('t_3 _', s.t_3, V_W_2) + s.mm('_ W_2', t_12, s.W_2))
-        t_14 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_13, tr(s.W_2))
-        out_W_1 = s.mm("X' _", tr(s.X), (s.t * t_14), mean=True)
-        t_15 = s.mm("t_3' _", tr(s.t_3), (2/(s.L*s.d_V)) * t_13)
-        out_W_2 = mean0(t_15, True)
+        t_11 = (s.t * s.mm('X _', s.X, V_W_1))
+        t_12 = lin((1, s.prod('t_3 _', s.t_3, V_W_2)), (1, s.prod('_ W_2', t_11, s.W_2)))
+        t_13 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_12, tr(s.W_2))
+        out_W_1 = s.mm("X' _", tr(s.X), (s.t * t_13), mean=True)
+        t_14 = s.mm("t_3' _", tr(s.t_3), (2/(s.L*s.d_V)) * t_12)
+        out_W_2 = mean0(t_14, True)
         return (out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         out_W_1 = s.mm("X' _", tr(s.X), (s.t * s.mm('G _', s.G, tr(V_W_2))), mean=True)
-        t_16 = s.mm("_ X'", tr(V_W_1), tr(s.X))
-        t_17 = (tr(s.t) * t_16)
-        out_W_2 = s.mm('_ G', t_17, s.G, mean=True)
+        t_15 = (tr(s.t) * s.mm("_ X'", tr(V_W_1), tr(s.X)))
+        out_W_2 = s.mm('_ G', t_15, s.G, mean=True)
         return (out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_18 = s.mm('X _', s.X, V_W_1)
-        t_19 = (s.t * t_18)
-        t_20 = (s.mm('t_3 _', s.t_3, V_W_2) + s.mm('_ W_2', t_19, s.W_2))
-        t_21 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_20, tr(s.W_2))
-        out_W_1 = s.mm("X' _", tr(s.X), ((t_21 + s.mm('G _', s.G, tr(V_W_2))) * s.t), mean=True)
-        t_22 = s.mm("t_3' _", tr(s.t_3), (2/(s.L*s.d_V)) * t_20)
-        out_W_2 = (mean0(t_22, True) + s.mm('_ G', tr(t_19), s.G, mean=True))
+        t_16 = (s.t * s.mm('X _', s.X, V_W_1))
+        t_17 = lin((1, s.prod('t_3 _', s.t_3, V_W_2)), (1, s.prod('_ W_2', t_16, s.W_2)))
+        t_18 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_17, tr(s.W_2))
+        out_W_1 = s.mm("X' _", tr(s.X), (lin((1, t_18), (1, s.prod('G _', s.G, tr(V_W_2)))) * s.t), mean=True)
+        t_19 = s.mm("t_3' _", tr(s.t_3), (2/(s.L*s.d_V)) * t_17)
+        out_W_2 = (mean0(t_19, True) + s.mm('_ G', tr(t_16), s.G, mean=True))
         return (out_W_1, out_W_2,)
 
 
@@ -163,7 +160,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "fdec60f020ab49b947f9b104"
+    STAMP = "a35b7b3dd16f4469acf7f98c"
 
     @leaf
     def H(s):
@@ -187,7 +184,7 @@ class ce_bias0_residual0(Forward):
 
     @leaf
     def t_4(s):
-        return (s.H * heaviside(s.H, 0.0))
+        return relu(s.H)
 
     @leaf
     def F(s):
@@ -289,31 +286,28 @@ class ce_bias0_residual0(Forward):
 
     def hvp__outer(s, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_13 = s.mm('X _', s.X, V_W_1)
-        t_14 = (s.t * t_13)
-        t_15 = (s.mm("t_6' _", tr(s.t_6), V_W_2) + s.mm('_ W_2', t_14, s.W_2))
-        t_16 = (s.t_2 * softmax_diff(s.t_7, t_15))
-        out_W_1 = (1/s.L) * s.mm("X' _", tr(s.X), (s.t * s.mm("_ W_2'", t_16, tr(s.W_2))), mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_4' _", tr(s.t_4), t_16, mean=True)
+        t_13 = (s.t * s.mm('X _', s.X, V_W_1))
+        t_14 = lin((1, s.prod("t_6' _", tr(s.t_6), V_W_2)), (1, s.prod('_ W_2', t_13, s.W_2)))
+        t_15 = (s.t_2 * softmax_diff(s.t_7, t_14))
+        out_W_1 = (1/s.L) * s.mm("X' _", tr(s.X), (s.t * s.mm("_ W_2'", t_15, tr(s.W_2))), mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_4' _", tr(s.t_4), t_15, mean=True)
         return (out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         out_W_1 = s.mm("X' _", tr(s.X), (s.t * s.mm('G _', s.G, tr(V_W_2))), mean=True)
-        t_17 = s.mm("_ X'", tr(V_W_1), tr(s.X))
-        t_18 = (tr(s.t) * t_17)
-        out_W_2 = s.mm('_ G', t_18, s.G, mean=True)
+        t_16 = (tr(s.t) * s.mm("_ X'", tr(V_W_1), tr(s.X)))
+        out_W_2 = s.mm('_ G', t_16, s.G, mean=True)
         return (out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = s.mm('X _', s.X, V_W_1)
-        t_20 = (s.t * t_19)
-        t_21 = (s.mm("t_6' _", tr(s.t_6), V_W_2) + s.mm('_ W_2', t_20, s.W_2))
-        t_22 = (s.t_2 * softmax_diff(s.t_5, t_21))
-        t_23 = lin((1, s.mm('G _', s.G, tr(V_W_2))), (1/s.L, s.mm("_ W_2'", t_22, tr(s.W_2))))
-        out_W_1 = s.mm("X' _", tr(s.X), (t_23 * s.t), mean=True)
-        out_W_2 = lin((1/s.L, s.mm("t_4' _", tr(s.t_4), t_22, mean=True)), (1, s.mm('_ G', tr(t_20), s.G, mean=True)))
+        t_17 = (s.t * s.mm('X _', s.X, V_W_1))
+        t_18 = lin((1, s.prod("t_6' _", tr(s.t_6), V_W_2)), (1, s.prod('_ W_2', t_17, s.W_2)))
+        t_19 = (s.t_2 * softmax_diff(s.t_5, t_18))
+        t_20 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_19, tr(s.W_2))))
+        out_W_1 = s.mm("X' _", tr(s.X), (t_20 * s.t), mean=True)
+        out_W_2 = lin((1/s.L, s.mm("t_4' _", tr(s.t_4), t_19, mean=True)), (1, s.mm('_ G', tr(t_17), s.G, mean=True)))
         return (out_W_1, out_W_2,)
 
 
@@ -321,4 +315,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "dc1f8637d605ee5e2be98a1d"
+CHECKSUM = "2f4a02af0bffbc94eb830a0f"

@@ -24,7 +24,7 @@ class mse(Forward):
     """loss=mse, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "fafbf6667111000c81b9b6d1"
+    STAMP = "9a9b1beb215f129b5b96d828"
 
     @leaf
     def one(s):
@@ -76,11 +76,11 @@ class mse(Forward):
 
     @leaf
     def t_7(s):
-        return (s.t_6 * s.G * s.M_Z)
+        return mul(s.t_6, s.G, s.M_Z)
 
     @leaf
     def t_8(s):
-        return (s.t_3 * s.G * s.M_Z)
+        return mul(s.t_3, s.G, s.M_Z)
 
     @leaf
     def t_9(s):
@@ -124,11 +124,23 @@ class mse(Forward):
 
     @leaf
     def t_28(s):
-        return (s.t_3 * (4/(s.L*s.d_V**2)) * s.t_27 * s.M_Z)
+        return mul(s.t_3, (4/(s.L*s.d_V**2)) * s.t_27, s.M_Z)
 
     @leaf
     def t_29(s):
         return s.mm('t_28 one', s.t_28, s.one)
+
+    @leaf
+    def t_34(s):
+        return (s.t_3 * s.G)
+
+    @leaf
+    def t_35(s):
+        return (s.t_3 * (4/(s.L*s.d_V**2)) * s.t_27)
+
+    @leaf
+    def t_37(s):
+        return mul(s.t_6, (4/(s.L*s.d_V**2)) * s.t_27, s.M_Z)
 
     @leaf
     def S(s):
@@ -221,9 +233,9 @@ class mse(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_17 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
         t_18 = s.mm('_ one', ((-1/s.d_V) * t_17 * s.M_Z), s.one)
-        t_19 = lin((2/(s.L*s.d_V), s.P_Z, (-1/s.d_V) * t_17), (4/(s.L*s.d_V**2), (s.t_3 * t_18), s.M_Z))
+        t_19 = lin((2/(s.L*s.d_V), s.P_Z, (-1/s.d_V) * t_17), (4/(s.L*s.d_V**2), t_18, s.t_4))
         t_20 = (s.P_Z * t_19)
-        t_21 = lin((1, t_20), (2/s.d_V, s.mm('_ one', (s.t_3 * t_19 * s.M_Z), s.one), s.M_Z))
+        t_21 = lin((1, t_20), (2/s.d_V, s.mm('_ one', (s.t_4 * t_19), s.one), s.M_Z))
         t_22 = lin((-s.d_V, (-1/s.d_V) * t_21), (1, s.mm('_ one', (-1/s.d_V) * t_21, s.one)))
         out_X = t_22
         return (out_X,)
@@ -232,8 +244,8 @@ class mse(Forward):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_23 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
         t_24 = s.mm('_ one', ((-1/s.d_V) * t_23 * s.M_Z), s.one)
-        t_25 = lin((1, (s.t_3 * (-1/s.d_V) * t_23), s.G), (2/s.d_V, (s.t_6 * t_24 * s.G), s.M_Z))
-        t_26 = lin((1, s.t_9, (-1/s.d_V) * t_23), (1, (s.t_3 * t_24), s.G), (1, s.mm('_ one', t_25, s.one), s.M_Z))
+        t_25 = s.mm('_ one', lin((1, s.t_5, (-1/s.d_V) * t_23), (2/s.d_V, t_24, s.t_7)), s.one)
+        t_26 = lin((1, s.t_9, (-1/s.d_V) * t_23), (1, t_24, s.t_5), (1, t_25, s.M_Z))
         out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_26, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_26, s.one), True), s.d_V)))
         return (out_X,)
 
@@ -241,12 +253,12 @@ class mse(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_30 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
         t_31 = s.mm('_ one', ((-1/s.d_V) * t_30 * s.M_Z), s.one)
-        t_32 = lin((2/(s.L*s.d_V), s.P_Z, (-1/s.d_V) * t_30), (4/(s.L*s.d_V**2), (s.t_3 * t_31), s.M_Z))
+        t_32 = lin((2/(s.L*s.d_V), s.P_Z, (-1/s.d_V) * t_30), (4/(s.L*s.d_V**2), t_31, s.t_4))
         t_33 = (s.P_Z * t_32)
-        t_34 = lin((1, s.P_Z, (-1/s.d_V) * t_30), (2/s.d_V, (s.t_3 * t_31), s.M_Z))
-        t_35 = lin((1, (s.t_3 * (-1/s.d_V) * t_30), (4/(s.L*s.d_V**2)) * s.t_27), (1, (s.t_3 * (4/(s.L*s.d_V**2)) * t_34), s.M_Z), (2/s.d_V, (s.t_6 * t_31 * (4/(s.L*s.d_V**2)) * s.t_27), s.M_Z))
-        t_36 = lin((1, s.t_29, (-1/s.d_V) * t_30), (1, t_33), (2/s.d_V, (s.t_3 * t_31), s.G), (1, s.mm('_ one', t_35, s.one), s.M_Z))
-        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_36, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_36, s.one), True), s.d_V)))
+        t_36 = lin((1, s.P_Z, (-1/s.d_V) * t_30), (2/s.d_V, t_31, s.t_4))
+        t_38 = lin((1, s.t_35, (-1/s.d_V) * t_30), (1, s.t_4, (4/(s.L*s.d_V**2)) * t_36), (2/s.d_V, t_31, s.t_37))
+        t_39 = lin((1, s.t_29, (-1/s.d_V) * t_30), (1, t_33), (2/s.d_V, t_31, s.t_34), (1, s.mm('_ one', t_38, s.one), s.M_Z))
+        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_39, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_39, s.one), True), s.d_V)))
         return (out_X,)
 
     def check_inputs(s):
@@ -258,7 +270,7 @@ class ce(Forward):
     """loss=ce, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "0c2e0a421e336a9a8fb9553b"
+    STAMP = "52db63c9c2f7b7f8cdadbbc5"
 
     @leaf
     def one(s):
@@ -298,7 +310,7 @@ class ce(Forward):
 
     @leaf
     def t_6(s):
-        return (s.t_5 * s.t * s.M_Z)
+        return mul(s.t_5, s.t, s.M_Z)
 
     @leaf
     def Z(s):
@@ -334,11 +346,11 @@ class ce(Forward):
 
     @leaf
     def t_13(s):
-        return (s.t_12 * s.G * s.M_Z)
+        return mul(s.t_12, s.G, s.M_Z)
 
     @leaf
     def t_14(s):
-        return (s.t_5 * s.G * s.M_Z)
+        return mul(s.t_5, s.G, s.M_Z)
 
     @leaf
     def t_15(s):
@@ -386,11 +398,23 @@ class ce(Forward):
 
     @leaf
     def t_34(s):
-        return (s.t_5 * (2/(s.L*s.d_V)) * s.t_33 * s.M_Z)
+        return mul(s.t_5, (2/(s.L*s.d_V)) * s.t_33, s.M_Z)
 
     @leaf
     def t_35(s):
         return s.mm('t_34 one', s.t_34, s.one)
+
+    @leaf
+    def t_38(s):
+        return (s.t_5 * s.G)
+
+    @leaf
+    def t_39(s):
+        return (s.t_5 * (2/(s.L*s.d_V)) * s.t_33)
+
+    @leaf
+    def t_40(s):
+        return mul(s.t_12, (2/(s.L*s.d_V)) * s.t_33, s.M_Z)
 
     @leaf
     def S(s):
@@ -491,9 +515,9 @@ class ce(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_23 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
         t_24 = s.mm('_ one', ((-1/s.d_V) * t_23 * s.M_Z), s.one)
-        t_25 = lin((1, s.P_Z, (-1/s.d_V) * t_23), (2/s.d_V, (s.t_5 * t_24), s.M_Z))
+        t_25 = lin((1, s.P_Z, (-1/s.d_V) * t_23), (2/s.d_V, t_24, s.t_9))
         t_26 = softmax_diff(s.t_7, t_25)
-        t_27 = lin((1, s.mm('_ one', (s.t_5 * s.t * s.M_Z * t_26), s.one), s.M_Z), ((1/2)*s.d_V, (s.t * s.P_Z), t_26))
+        t_27 = lin((1, s.mm('_ one', (s.t_6 * t_26), s.one), s.M_Z), ((1/2)*s.d_V, s.t_3, t_26))
         out_X = lin((-s.d_V, mean0((-2/(s.L*s.d_V**2)) * t_27, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/(s.L*s.d_V**2)) * t_27, s.one), True), s.d_V)))
         return (out_X,)
 
@@ -501,8 +525,8 @@ class ce(Forward):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_28 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
         t_29 = s.mm('_ one', ((-1/s.d_V) * t_28 * s.M_Z), s.one)
-        t_30 = lin((1, (s.t_5 * (-1/s.d_V) * t_28), s.G), (2/s.d_V, (s.t_12 * t_29 * s.G), s.M_Z))
-        t_31 = lin((1, s.t_15, (-1/s.d_V) * t_28), (1, (s.t_5 * t_29), s.G), (1, s.mm('_ one', t_30, s.one), s.M_Z))
+        t_30 = s.mm('_ one', lin((1, s.t_11, (-1/s.d_V) * t_28), (2/s.d_V, t_29, s.t_13)), s.one)
+        t_31 = lin((1, s.t_15, (-1/s.d_V) * t_28), (1, t_29, s.t_11), (1, t_30, s.M_Z))
         out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_31, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_31, s.one), True), s.d_V)))
         return (out_X,)
 
@@ -510,11 +534,11 @@ class ce(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_36 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
         t_37 = s.mm('_ one', ((-1/s.d_V) * t_36 * s.M_Z), s.one)
-        t_38 = lin((1, s.P_Z, (-1/s.d_V) * t_36), (2/s.d_V, (s.t_5 * t_37), s.M_Z))
-        t_39 = softmax_diff(s.t_10, t_38)
-        t_40 = lin((1, (s.t_5 * (-1/s.d_V) * t_36), (2/(s.L*s.d_V)) * s.t_33), (2/s.d_V, (s.t_12 * t_37 * (2/(s.L*s.d_V)) * s.t_33), s.M_Z), (2/(s.L*s.d_V), (s.t_5 * s.t * s.M_Z), t_39))
-        t_41 = lin((1, s.t_35, (-1/s.d_V) * t_36), (2/s.d_V, (s.t_5 * t_37), s.G), (1, s.mm('_ one', t_40, s.one), s.M_Z), (1/s.L, (s.t * s.P_Z), t_39))
-        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_41, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_41, s.one), True), s.d_V)))
+        t_41 = lin((1, s.P_Z, (-1/s.d_V) * t_36), (2/s.d_V, t_37, s.t_9))
+        t_42 = softmax_diff(s.t_10, t_41)
+        t_43 = lin((1, s.t_39, (-1/s.d_V) * t_36), (2/s.d_V, t_37, s.t_40), (2/(s.L*s.d_V), s.t_6, t_42))
+        t_44 = lin((1, s.t_35, (-1/s.d_V) * t_36), (2/s.d_V, t_37, s.t_38), (1, s.mm('_ one', t_43, s.one), s.M_Z), (1/s.L, s.t_3, t_42))
+        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_44, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_44, s.one), True), s.d_V)))
         return (out_X,)
 
     def check_inputs(s):
@@ -526,4 +550,4 @@ VARIANTS = {
     ('mse', (('affine', 'none'), ('eps', 0))): mse,
     ('ce', (('affine', 'none'), ('eps', 0))): ce,
 }
-CHECKSUM = "ae342176afff54e9d8148831"
+CHECKSUM = "c1747e7103ab2f4c7936bd9d"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "8931b60ed8ae026a76ac4483"
+    STAMP = "70f906ee87e1b311c4615797"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -301,18 +301,18 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "bce115de2f259155983fe0f7"
+    STAMP = "65ac427df87cd1e2e06cbdb4"
     RUNS = {
         'A X': 8,
         "W_K' X'": 9,
         "W_Q' X'": 9,
         "W_V' X'": 9,
-        "X' t_40": 2,
-        "X' t_40 X": 2,
-        "X' t_40'": 2,
-        "X' t_7": 5,
-        "X' t_7 X": 5,
-        "X' t_7'": 5,
+        "X' t_37": 2,
+        "X' t_37 X": 2,
+        "X' t_37'": 2,
+        "X' t_6": 5,
+        "X' t_6 X": 5,
+        "X' t_6'": 5,
     }
 
     @leaf
@@ -353,71 +353,67 @@ class mse_causal1(Forward):
 
     @leaf
     def t_6(s):
-        return s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X))
+        return (s.t_2 * s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_7(s):
-        return (s.t_2 * s.t_6)
+        return s.mm("X' t_6 X", tr(s.X), s.t_6, s.X)
 
     @leaf
     def t_8(s):
-        return s.mm("X' t_7 X", tr(s.X), s.t_7, s.X)
-
-    @leaf
-    def t_9(s):
         return s.mm('A X', s.A, s.X)
 
     @leaf
-    def t_10(s):
+    def t_9(s):
         return s.mm('X W_V', s.X, s.W_V)
 
     @leaf
-    def t_11(s):
+    def t_10(s):
         return tr(s.t_5)
 
     @leaf
-    def t_12(s):
+    def t_11(s):
         return s.mm("X' A' A X", tr(s.X), tr(s.A), s.A, s.X)
 
     @leaf
-    def t_13(s):
-        return tr(s.t_10)
+    def t_12(s):
+        return tr(s.t_9)
 
     @leaf
     def one(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_14(s):
+    def t_13(s):
         return (s.F - s.Y)
+
+    @leaf
+    def t_14(s):
+        return (s.t_13 * s.t_13)
 
     @leaf
     def t_15(s):
-        return (s.t_14 * s.t_14)
-
-    @leaf
-    def t_16(s):
         return ones((s.d_V, 1), s.like)
 
     @leaf
-    def t_17(s):
-        return s.mm('one t_15 t_16', s.one, s.t_15, s.t_16)
+    def t_16(s):
+        return s.mm('one t_14 t_15', s.one, s.t_14, s.t_15)
 
     @leaf
-    def t_35(s):
+    def t_32(s):
         return (s.F - s.Y)
 
     @leaf
+    def t_33(s):
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_32
+
+    @leaf
     def t_36(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_35
+        return s.mm("t_33 W_V' X'", s.t_33, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_39(s):
-        return s.mm("t_36 W_V' X'", s.t_36, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_40(s):
-        return (s.t_2 * s.t_39)
+    def t_37(s):
+        return (s.t_2 * s.t_36)
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 2/(L*d_K*d_V)*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V @ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X ⊗ X @ W_K))"""
@@ -434,13 +430,13 @@ class mse_causal1(Forward):
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ (Mcausal[L] ∘ G @ W_V.T @ X.T) @ X ⊗ I[d_K])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_8, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_7, free={'c': s.d_K}),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 2/(L*sqrt(d_K)*d_V)*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ ((Mcausal[L] ∘ T) @ X ⊗ X @ W_V))"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,ad,nae,ndf->bc|ef', s.X, s.t, s.t_2, s.t_9, s.t_10),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,ad,nae,ndf->bc|ef', s.X, s.t, s.t_2, s.t_8, s.t_9),
         ]
 
     def block__W_Q__W_V__functional(s):
@@ -452,95 +448,93 @@ class mse_causal1(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 2/(L*d_K*d_V)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V @ W_V.T @ X.T ⊗ I[L]) @ diag(vec_r(Mcausal[L].T)) @ (X ⊗ X @ W_Q))"""
         return [
-            net(2/(s.L*s.d_K*s.d_V*s.n_batch), 'nab,ncd,da,nae,de,nef,ndg->bc|fg', s.X, s.t_11, s.t_2, s.t_3, s.t_2, s.X, s.t_5),
+            net(2/(s.L*s.d_K*s.d_V*s.n_batch), 'nab,ncd,da,nae,de,nef,ndg->bc|fg', s.X, s.t_10, s.t_2, s.t_3, s.t_2, s.X, s.t_5),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 2/(L*sqrt(d_K)*d_V)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V ⊗ (Mcausal[L] ∘ T) @ X) @ K[d_V,d_V])"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,da,nae,ndf->bc|fe', s.X, s.t_11, s.t_2, s.t_10, s.t_9),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,da,nae,ndf->bc|fe', s.X, s.t_10, s.t_2, s.t_9, s.t_8),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V) = 1/sqrt(d_K)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X ⊗ G))"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ndf->bc|ef', s.X, s.t_11, s.t_2, s.X, s.G),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ndf->bc|ef', s.X, s.t_10, s.t_2, s.X, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 2/(L*d_V)*(X.T @ (Mcausal[L].T ∘ T.T) @ (Mcausal[L] ∘ T) @ X ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_12, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_11, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|de', s.t_13, s.t_2, s.X, s.t_4),
+            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|de', s.t_12, s.t_2, s.X, s.t_4),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|ed', s.t_13, s.t_2, s.t_5, s.X),
+            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|ed', s.t_12, s.t_2, s.t_5, s.X),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_9, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_8, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_17, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_16, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_7 X W_K", tr(s.X), s.t_7, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_7' X W_Q", tr(s.X), tr(s.t_7), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_6 X W_K", tr(s.X), s.t_6, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_6' X W_Q", tr(s.X), tr(s.t_6), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G", tr(s.X), tr(s.A), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_18 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_19 = ((1/math.sqrt(s.d_K)) * t_18 * s.t_2)
-        t_20 = s.mm('_ X W_V', t_19, s.X, s.W_V)
-        t_21 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_22 = lin((2/(s.L*s.d_V), t_20), (2/(s.L*s.d_V), t_21))
-        t_23 = s.mm("_ W_V' X'", t_22, tr(s.W_V), tr(s.X))
-        t_24 = (s.t_2 * t_23)
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
-        t_25 = s.mm("X' A' _", tr(s.X), tr(s.A), t_22)
-        out_W_V = mean0(t_25, True)
+        t_17 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_18 = (t_17 * s.t_2)
+        t_19 = s.mm('_ X W_V', t_18, s.X, s.W_V)
+        t_20 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_21 = lin((2/(s.L*s.d_V), t_19), (2/(s.L*s.d_V), t_20))
+        t_22 = (s.t_2 * s.mm("_ W_V' X'", t_21, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_22, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q, mean=True)
+        t_23 = s.mm("X' A' _", tr(s.X), tr(s.A), t_21)
+        out_W_V = mean0(t_23, True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_26 = s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X))
-        t_27 = (s.t_2 * t_26)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_27, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_7 X _", tr(s.X), s.t_7, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_7' X _", tr(s.X), tr(s.t_7), s.X, V_W_Q), mean=True)
-        t_28 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_29 = ((1/math.sqrt(s.d_K)) * t_28 * tr(s.t_2))
-        out_W_V = s.mm("X' _ G", tr(s.X), t_29, s.G, mean=True)
+        t_24 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_24, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_6 X _", tr(s.X), s.t_6, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_6' X _", tr(s.X), tr(s.t_6), s.X, V_W_Q), mean=True)
+        t_25 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_26 = (t_25 * tr(s.t_2))
+        out_W_V = s.mm("X' _ G", tr(s.X), t_26, s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_30 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_31 = ((1/math.sqrt(s.d_K)) * t_30 * s.t_2)
-        t_32 = s.mm('_ X W_V', t_31, s.X, s.W_V)
-        t_33 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_34 = (t_32 + t_33)
-        t_37 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_34, tr(s.W_V), tr(s.X)), (1, "t_36 _ X'", s.t_36, tr(V_W_V), tr(s.X)))
-        t_38 = (t_37 * s.t_2)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_38, s.X, s.W_K), (1, "X' t_40 X _", tr(s.X), s.t_40, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_38), s.X, s.W_Q), (1, "X' t_40' X _", tr(s.X), tr(s.t_40), s.X, V_W_Q), mean=True)
-        t_41 = lin((2/(s.L*s.d_V), t_32), (2/(s.L*s.d_V), t_33))
-        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_31), s.G), (1, "X' A' _", tr(s.X), tr(s.A), t_41), mean=True)
+        t_27 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_28 = (t_27 * s.t_2)
+        t_29 = s.mm('_ X W_V', t_28, s.X, s.W_V)
+        t_30 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_31 = (t_29 + t_30)
+        t_34 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_31, tr(s.W_V), tr(s.X)), (1, "t_33 _ X'", s.t_33, tr(V_W_V), tr(s.X)))
+        t_35 = (t_34 * s.t_2)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_35, s.X, s.W_K), (1, "X' t_37 X _", tr(s.X), s.t_37, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_35), s.X, s.W_Q), (1, "X' t_37' X _", tr(s.X), tr(s.t_37), s.X, V_W_Q), mean=True)
+        t_38 = lin((2/(s.L*s.d_V), t_29), (2/(s.L*s.d_V), t_30))
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_28), s.G), (1, "X' A' _", tr(s.X), tr(s.A), t_38), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -548,7 +542,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b29674a241966d9ac0cfbfb4"
+    STAMP = "654d0e130c69a60253c1faf7"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -789,7 +783,7 @@ class ce_causal0(Forward):
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_24 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = (s.mm('_ X W_V', (1/math.sqrt(s.d_K)) * t_24, s.X, s.W_V) + s.mm('T X _', s.T, s.X, V_W_V))
+        t_25 = lin((1, s.prod('_ X W_V', (1/math.sqrt(s.d_K)) * t_24, s.X, s.W_V)), (1, s.prod('T X _', s.T, s.X, V_W_V)))
         t_26 = softmax_diff(s.t_20, t_25)
         t_27 = (s.t_2 * t_26)
         out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ W_V' X' X W_K", tr(s.X), t_27, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
@@ -808,7 +802,7 @@ class ce_causal0(Forward):
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_32 = (s.mm('_ X W_V', (1/math.sqrt(s.d_K)) * t_31, s.X, s.W_V) + s.mm('T X _', s.T, s.X, V_W_V))
+        t_32 = lin((1, s.prod('_ X W_V', (1/math.sqrt(s.d_K)) * t_31, s.X, s.W_V)), (1, s.prod('T X _', s.T, s.X, V_W_V)))
         t_33 = softmax_diff(s.t_7, t_32)
         t_34 = (s.t_2 * t_33)
         out_W_Q = s.mm_sum('l', (1, "X' t_30 _ X' X W_K", tr(s.X), s.t_30, tr(V_W_V), tr(s.X), s.X, s.W_K), (1, "X' t_30 W_V' X' X _", tr(s.X), s.t_30, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/(s.L*math.sqrt(s.d_K))), "X' _ W_V' X' X W_K", tr(s.X), t_34, tr(s.W_V), tr(s.X), s.X, s.W_K), mean=True)
@@ -822,18 +816,18 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "ed8a422a07fa52d57d2852f8"
+    STAMP = "0be314ec477f3e1715047a3f"
     RUNS = {
         'A X': 7,
         "W_K' X'": 9,
         "W_Q' X'": 9,
         "W_V' X'": 8,
-        "X' t_12": 5,
-        "X' t_12 X": 5,
-        "X' t_12'": 5,
-        "X' t_44": 2,
-        "X' t_44 X": 2,
-        "X' t_44'": 2,
+        "X' t_11": 5,
+        "X' t_11 X": 5,
+        "X' t_11'": 5,
+        "X' t_41": 2,
+        "X' t_41 X": 2,
+        "X' t_41'": 2,
     }
 
     @leaf
@@ -898,38 +892,34 @@ class ce_causal1(Forward):
 
     @leaf
     def t_11(s):
-        return s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X))
+        return (s.t_2 * s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_12(s):
-        return (s.t_2 * s.t_11)
+        return s.mm("X' t_11 X", tr(s.X), s.t_11, s.X)
 
     @leaf
     def t_13(s):
-        return s.mm("X' t_12 X", tr(s.X), s.t_12, s.X)
-
-    @leaf
-    def t_14(s):
         return s.mm('A X', s.A, s.X)
 
     @leaf
-    def t_15(s):
+    def t_14(s):
         return tr(s.t_8)
 
     @leaf
-    def t_16(s):
+    def t_15(s):
         return tr(s.t_4)
 
     @leaf
+    def t_16(s):
+        return bcast_rows(s.t_15, s.d_V)
+
+    @leaf
     def t_17(s):
-        return bcast_rows(s.t_16, s.d_V)
+        return tr(s.t_13)
 
     @leaf
     def t_18(s):
-        return tr(s.t_14)
-
-    @leaf
-    def t_19(s):
         return softmax_rows(s.F)
 
     @leaf
@@ -937,39 +927,39 @@ class ce_causal1(Forward):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_20(s):
+    def t_19(s):
         return log_softmax_rows(s.F)
 
     @leaf
+    def t_20(s):
+        return (s.t_19 * s.Y)
+
+    @leaf
     def t_21(s):
-        return (s.t_20 * s.Y)
+        return s.mm('one_2 t_20 one', s.one_2, s.t_20, s.one)
 
     @leaf
-    def t_22(s):
-        return s.mm('one_2 t_21 one', s.one_2, s.t_21, s.one)
-
-    @leaf
-    def t_34(s):
+    def t_31(s):
         return (s.t_10 - s.Y)
 
     @leaf
-    def t_35(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_34
+    def t_32(s):
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_31
 
     @leaf
-    def t_43(s):
-        return s.mm("t_35 W_V' X'", s.t_35, tr(s.W_V), tr(s.X))
+    def t_40(s):
+        return s.mm("t_32 W_V' X'", s.t_32, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_44(s):
-        return (s.t_2 * s.t_43)
+    def t_41(s):
+        return (s.t_2 * s.t_40)
 
     @leaf
     def dA(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA', [
-            net(1, 'nab,bc->nabc', s.t_19, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_19, s.t_19),
+            net(1, 'nab,bc->nabc', s.t_18, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_18, s.t_18),
         ])
 
     def block__W_Q__W_Q__outer(s):
@@ -987,13 +977,13 @@ class ce_causal1(Forward):
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ (Mcausal[L] ∘ G @ W_V.T @ X.T) @ X ⊗ I[d_K])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_13, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_12, free={'c': s.d_K}),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,ad,nde,nae,naef,nag->bc|gf', s.X, s.t, s.t_2, s.t_3, s.t_5, s.dA, s.t_14),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,ad,nde,nae,naef,nag->bc|gf', s.X, s.t, s.t_2, s.t_3, s.t_5, s.dA, s.t_13),
         ]
 
     def block__W_Q__W_V__functional(s):
@@ -1005,25 +995,25 @@ class ce_causal1(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 1/(L*d_K)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V ⊗ I[L]) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ (I[L] ⊗ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X @ W_Q ⊗ X) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,da,nae,ned,ndef,nfg,dg,ndh,ngi->bc|ih', s.X, s.t_15, s.t_2, s.t_3, s.t_17, s.dA, s.t_6, s.t_2, s.t_8, s.X),
+            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,da,nae,ned,ndef,nfg,dg,ndh,ngi->bc|ih', s.X, s.t_14, s.t_2, s.t_3, s.t_16, s.dA, s.t_6, s.t_2, s.t_8, s.X),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V ⊗ I[L]) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ned,ndef,ndg->bc|gf', s.X, s.t_15, s.t_2, s.t_3, s.t_17, s.dA, s.t_14),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ned,ndef,ndg->bc|gf', s.X, s.t_14, s.t_2, s.t_3, s.t_16, s.dA, s.t_13),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V) = 1/sqrt(d_K)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X ⊗ G))"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ndf->bc|ef', s.X, s.t_15, s.t_2, s.X, s.G),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ndf->bc|ef', s.X, s.t_14, s.t_2, s.X, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 1/L*((X.T @ (Mcausal[L].T ∘ T.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_18, s.t_5, s.dA, s.t_14),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_17, s.t_5, s.dA, s.t_13),
         ]
 
     def jacobian__W_Q(s):
@@ -1041,57 +1031,55 @@ class ce_causal1(Forward):
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_14, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_13, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_22, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_21, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_12 X W_K", tr(s.X), s.t_12, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_12' X W_Q", tr(s.X), tr(s.t_12), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_11 X W_K", tr(s.X), s.t_11, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_11' X W_Q", tr(s.X), tr(s.t_11), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G", tr(s.X), tr(s.A), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_23 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_24 = ((1/math.sqrt(s.d_K)) * t_23 * s.t_2)
-        t_25 = (s.mm('_ X W_V', t_24, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_26 = softmax_diff(s.t_19, t_25)
-        t_27 = (s.t_4 * t_26)
-        t_28 = s.mm("_ W_V' X'", t_27, tr(s.W_V), tr(s.X))
-        t_29 = (s.t_2 * t_28)
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_29, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_27, mean=True)
+        t_22 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_23 = (t_22 * s.t_2)
+        t_24 = lin((1, s.prod('_ X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_25 = softmax_diff(s.t_18, t_24)
+        t_26 = (s.t_4 * t_25)
+        t_27 = (s.t_2 * s.mm("_ W_V' X'", t_26, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_27, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_26, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_30 = s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X))
-        t_31 = (s.t_2 * t_30)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' t_12 X _", tr(s.X), s.t_12, s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_31, s.X, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_31), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_12' X _", tr(s.X), tr(s.t_12), s.X, V_W_Q), mean=True)
-        t_32 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_33 = ((1/math.sqrt(s.d_K)) * t_32 * tr(s.t_2))
-        out_W_V = s.mm("X' _ G", tr(s.X), t_33, s.G, mean=True)
+        t_28 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_28, s.X, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_28), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
+        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_30 = (t_29 * tr(s.t_2))
+        out_W_V = s.mm("X' _ G", tr(s.X), t_30, s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_36 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_37 = ((1/math.sqrt(s.d_K)) * t_36 * s.t_2)
-        t_38 = (s.mm('_ X W_V', t_37, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_39 = softmax_diff(s.t_9, t_38)
-        t_40 = (s.t_4 * t_39)
-        t_41 = s.mm_sum('r', (1, "t_35 _ X'", s.t_35, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_40, tr(s.W_V), tr(s.X)))
-        t_42 = (t_41 * s.t_2)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_42, s.X, s.W_K), (1, "X' t_44 X _", tr(s.X), s.t_44, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_42), s.X, s.W_Q), (1, "X' t_44' X _", tr(s.X), tr(s.t_44), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_37), s.G), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_40), mean=True)
+        t_33 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_34 = (t_33 * s.t_2)
+        t_35 = lin((1, s.prod('_ X W_V', t_34, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_36 = softmax_diff(s.t_9, t_35)
+        t_37 = (s.t_4 * t_36)
+        t_38 = s.mm_sum('r', (1, "t_32 _ X'", s.t_32, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_37, tr(s.W_V), tr(s.X)))
+        t_39 = (t_38 * s.t_2)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_39, s.X, s.W_K), (1, "X' t_41 X _", tr(s.X), s.t_41, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), (1, "X' t_41' X _", tr(s.X), tr(s.t_41), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_34), s.G), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_37), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -1101,4 +1089,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "48e5e775fc865dd474ecd816"
+CHECKSUM = "6c4859d8050050a2ea6b9795"

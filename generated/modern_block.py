@@ -24,39 +24,39 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "d15bda5f8caac8eaf994ef83"
+    STAMP = "eb0150eda96a479ce14ef4f0"
     RUNS = {
-        'A1 N_1': 22,
-        'A1 N_1 W_V': 9,
-        "A1' t_282": 2,
-        "A1' t_56": 5,
-        'A2 N_1': 20,
-        'A2 N_1 W_V': 9,
-        "A2' t_282": 2,
-        "A2' t_56": 5,
+        'A1 N_1': 24,
+        'A1 N_1 W_V': 11,
+        "A1' t_232": 2,
+        "A1' t_44": 5,
+        'A2 N_1': 24,
+        'A2 N_1 W_V': 11,
+        "A2' t_232": 2,
+        "A2' t_44": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
         'N_1 W_Q2': 2,
-        'N_1 W_V': 61,
+        'N_1 W_V': 67,
         'N_1 W_V W_O1': 17,
-        'N_1 W_V W_O2': 15,
-        "N_1' A1' t_282": 2,
-        "N_1' A1' t_56": 4,
-        "N_1' A2' t_282": 2,
-        "N_1' A2' t_56": 4,
-        "W_O1 t_222'": 2,
-        "W_O1 t_268'": 2,
-        "W_O1 t_36'": 3,
-        "W_O1 t_56'": 3,
-        "W_O1 t_78'": 2,
+        'N_1 W_V W_O2': 17,
+        "N_1' A1' t_232": 2,
+        "N_1' A1' t_44": 4,
+        "N_1' A2' t_232": 2,
+        "N_1' A2' t_44": 4,
+        "W_O1 t_175'": 2,
+        "W_O1 t_215'": 2,
+        "W_O1 t_24'": 3,
+        "W_O1 t_44'": 3,
+        "W_O1 t_66'": 2,
         "W_O1' W_V'": 18,
-        "W_O2 t_222'": 2,
-        "W_O2 t_268'": 2,
-        "W_O2 t_36'": 3,
-        "W_O2 t_56'": 3,
-        "W_O2 t_78'": 2,
-        "W_O2' W_V'": 16,
+        "W_O2 t_175'": 2,
+        "W_O2 t_215'": 2,
+        "W_O2 t_24'": 3,
+        "W_O2 t_44'": 3,
+        "W_O2 t_66'": 2,
+        "W_O2' W_V'": 18,
     }
 
     @leaf
@@ -81,83 +81,35 @@ class mse_causal0(Forward):
 
     @leaf
     def t_2(s):
-        return s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1))
+        return ((s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1)) * tr(s.C)))
 
     @leaf
     def t_3(s):
-        return (s.t_2 * tr(s.S))
-
-    @leaf
-    def t_4(s):
-        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
-
-    @leaf
-    def t_5(s):
-        return (s.t_4 * tr(s.C))
-
-    @leaf
-    def t_6(s):
-        return (s.t_3 + s.t_5)
-
-    @leaf
-    def t_7(s):
         return s.mm('N_1 W_V W_O1', s.N_1, s.W_V, s.W_O1)
 
     @leaf
-    def t_8(s):
-        return tr(s.t_7)
+    def t_4(s):
+        return tr(s.t_3)
 
     @leaf
-    def t_9(s):
-        return tr(s.t_6)
+    def t_5(s):
+        return tr(s.t_2)
 
     @leaf
-    def t_10(s):
+    def t_6(s):
         return s.mm("W_O2' W_V' N_1'", tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_11(s):
-        return s.mm('N_1 W_Q1', s.N_1, s.W_Q1)
+    def t_7(s):
+        return ((s.mm('N_1 W_Q1', s.N_1, s.W_Q1) * s.C) + (s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R) * s.S))
 
     @leaf
-    def t_12(s):
-        return (s.t_11 * s.C)
-
-    @leaf
-    def t_13(s):
-        return s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R)
-
-    @leaf
-    def t_14(s):
-        return (s.t_13 * s.S)
-
-    @leaf
-    def t_15(s):
-        return (s.t_12 + s.t_14)
-
-    @leaf
-    def t_16(s):
-        return s.mm('N_1 W_Q2', s.N_1, s.W_Q2)
-
-    @leaf
-    def t_17(s):
-        return (s.t_16 * s.C)
-
-    @leaf
-    def t_18(s):
-        return s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R)
-
-    @leaf
-    def t_19(s):
-        return (s.t_18 * s.S)
-
-    @leaf
-    def t_20(s):
-        return (s.t_17 + s.t_19)
+    def t_8(s):
+        return ((s.mm('N_1 W_Q2', s.N_1, s.W_Q2) * s.C) + (s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R) * s.S))
 
     @leaf
     def T1(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_15 t_9'", s.t_15, tr(s.t_9))
+        return (1/math.sqrt(s.d_K)) * s.mm("t_7 t_5'", s.t_7, tr(s.t_5))
 
     @leaf
     def A1(s):
@@ -165,7 +117,7 @@ class mse_causal0(Forward):
 
     @leaf
     def T2(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_20 t_9'", s.t_20, tr(s.t_9))
+        return (1/math.sqrt(s.d_K)) * s.mm("t_8 t_5'", s.t_8, tr(s.t_5))
 
     @leaf
     def A2(s):
@@ -176,444 +128,500 @@ class mse_causal0(Forward):
         return lin((1, s.mm('A1 N_1 W_V W_O1', s.A1, s.N_1, s.W_V, s.W_O1)), (1, s.mm('A2 N_1 W_V W_O2', s.A2, s.N_1, s.W_V, s.W_O2)), (1, s.X))
 
     @leaf
-    def t_21(s):
+    def t_9(s):
         return (s.Y_2 * s.Y_2)
 
     @leaf
     def ms_N_2(s):
-        return (1/s.d_V) * s.mm('t_21 one', s.t_21, s.one)
+        return (1/s.d_V) * s.mm('t_9 one', s.t_9, s.one)
 
     @leaf
-    def t_22(s):
+    def t_10(s):
         return lin((1, s.ms_N_2), (1/1000000, ones((s.L, s.d_V), s.like)))
 
     @leaf
     def R_N_2(s):
-        return (s.t_22 ** -0.5)
+        return (s.t_10 ** -0.5)
 
     @leaf
     def N_2(s):
         return (s.R_N_2 * s.Y_2)
 
     @leaf
-    def t_23(s):
+    def t_11(s):
         return s.mm('N_2 W_1', s.N_2, s.W_1)
 
     @leaf
-    def t_24(s):
-        return ((1.0 + (-1.0 * sigmoid(s.t_23))) * sigmoid(s.t_23))
+    def t_12(s):
+        return sigmoid(s.t_11)
 
     @leaf
-    def t_25(s):
-        return sigmoid(s.t_23)
+    def t_13(s):
+        return ((1.0 - s.t_12) * s.t_12)
 
     @leaf
-    def t_26(s):
+    def t_14(s):
         return s.mm('N_2 W_3', s.N_2, s.W_3)
 
     @leaf
-    def t_27(s):
-        return (s.t_25 * s.t_23 * s.t_26)
+    def t_15(s):
+        return mul(s.t_12, s.t_11, s.t_14)
 
     @leaf
     def F(s):
-        return (s.mm('t_27 W_2', s.t_27, s.W_2) + s.Y_2)
+        return (s.mm('t_15 W_2', s.t_15, s.W_2) + s.Y_2)
 
     @leaf
     def G(s):
         return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
 
     @leaf
-    def t_28(s):
+    def t_16(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_29(s):
-        return ((s.t_24 * s.t_28 * s.t_23 * s.t_26) + (s.t_25 * s.t_28 * s.t_26))
+    def t_17(s):
+        return (mul(s.t_13, s.t_16, s.t_11, s.t_14) + mul(s.t_12, s.t_16, s.t_14))
 
     @leaf
-    def t_30(s):
-        return (s.t_25 * s.t_28 * s.t_23)
+    def t_18(s):
+        return mul(s.t_12, s.t_16, s.t_11)
 
     @leaf
-    def t_31(s):
-        return lin((1/math.sqrt(s.d_K), s.mm("t_29 W_1'", s.t_29, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_30 W_3'", s.t_30, tr(s.W_3))))
+    def t_19(s):
+        return lin((1/math.sqrt(s.d_K), s.mm("t_17 W_1'", s.t_17, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_18 W_3'", s.t_18, tr(s.W_3))))
 
     @leaf
-    def t_32(s):
-        return (2/s.d_V) * s.t_31
+    def t_20(s):
+        return (2/s.d_V) * s.t_19
 
     @leaf
-    def t_33(s):
-        return (-0.5 * (s.t_22 ** -1.5))
+    def t_21(s):
+        return (-0.5 * (s.t_10 ** -1.5))
 
     @leaf
-    def t_34(s):
-        return (s.t_32 * s.t_33 * s.Y_2)
+    def t_22(s):
+        return mul(s.t_20, s.t_21, s.Y_2)
 
     @leaf
-    def t_35(s):
-        return s.mm('t_34 one', s.t_34, s.one)
+    def t_23(s):
+        return s.mm('t_22 one', s.t_22, s.one)
 
     @leaf
-    def t_36(s):
-        return lin((1, s.t_31, s.R_N_2), (1, s.t_35, s.Y_2), (1/math.sqrt(s.d_K), s.G))
+    def t_24(s):
+        return lin((1, s.t_19, s.R_N_2), (1, s.t_23, s.Y_2), (1/math.sqrt(s.d_K), s.G))
 
     @leaf
-    def t_37(s):
-        return s.mm("t_36 W_O1' W_V' N_1'", s.t_36, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_25(s):
+        return s.mm("t_24 W_O1' W_V' N_1'", s.t_24, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_38(s):
-        return softmax_diff(s.A1, s.t_37)
+    def t_26(s):
+        return softmax_diff(s.A1, s.t_25)
 
     @leaf
-    def t_39(s):
+    def t_27(s):
         return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
-    def t_40(s):
-        return s.mm("t_36 W_O1'", s.t_36, tr(s.W_O1))
+    def t_28(s):
+        return s.mm("t_24 W_O1'", s.t_24, tr(s.W_O1))
 
     @leaf
-    def t_41(s):
+    def t_29(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_42(s):
+    def t_30(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_43(s):
+    def t_31(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_44(s):
-        return (s.t_25 * s.t_23)
+    def t_32(s):
+        return (s.t_12 * s.t_11)
 
     @leaf
-    def t_45(s):
-        return tr(s.t_10)
+    def t_33(s):
+        return tr(s.t_6)
 
     @leaf
-    def t_46(s):
-        return s.mm("t_36 W_O2' W_V' N_1'", s.t_36, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_34(s):
+        return s.mm("t_24 W_O2' W_V' N_1'", s.t_24, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_47(s):
-        return softmax_diff(s.A2, s.t_46)
+    def t_35(s):
+        return softmax_diff(s.A2, s.t_34)
 
     @leaf
-    def t_48(s):
+    def t_36(s):
         return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
+    def t_37(s):
+        return s.mm("t_24 W_O2'", s.t_24, tr(s.W_O2))
+
+    @leaf
+    def t_38(s):
+        return tr(s.t_7)
+
+    @leaf
+    def t_39(s):
+        return tr(s.t_8)
+
+    @leaf
+    def t_40(s):
+        return (math.sqrt(s.d_K)) * s.t_19
+
+    @leaf
+    def t_41(s):
+        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_19
+
+    @leaf
+    def t_42(s):
+        return mul(s.t_41, s.t_21, s.Y_2)
+
+    @leaf
+    def t_43(s):
+        return s.mm('t_42 one', s.t_42, s.one)
+
+    @leaf
+    def t_44(s):
+        return lin((1, s.t_40, s.R_N_2), (1, s.t_43, s.Y_2), (1, s.G))
+
+    @leaf
+    def t_45(s):
+        return s.mm("t_44 W_O1'", s.t_44, tr(s.W_O1))
+
+    @leaf
+    def t_46(s):
+        return s.mm("t_44 W_O2'", s.t_44, tr(s.W_O2))
+
+    @leaf
+    def t_47(s):
+        return s.mm("A1' t_44", tr(s.A1), s.t_44)
+
+    @leaf
+    def t_48(s):
+        return s.mm("A2' t_44", tr(s.A2), s.t_44)
+
+    @leaf
     def t_49(s):
-        return s.mm("t_36 W_O2'", s.t_36, tr(s.W_O2))
+        return tr(s.t_29)
 
     @leaf
     def t_50(s):
-        return tr(s.t_15)
+        return tr(s.t_31)
 
     @leaf
     def t_51(s):
-        return tr(s.t_20)
-
-    @leaf
-    def t_52(s):
-        return (math.sqrt(s.d_K)) * s.t_31
-
-    @leaf
-    def t_53(s):
-        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_31
-
-    @leaf
-    def t_54(s):
-        return (s.t_53 * s.t_33 * s.Y_2)
-
-    @leaf
-    def t_55(s):
-        return s.mm('t_54 one', s.t_54, s.one)
-
-    @leaf
-    def t_56(s):
-        return lin((1, s.t_52, s.R_N_2), (1, s.t_55, s.Y_2), (1, s.G))
-
-    @leaf
-    def t_57(s):
-        return s.mm("t_56 W_O1'", s.t_56, tr(s.W_O1))
-
-    @leaf
-    def t_58(s):
-        return s.mm("t_56 W_O2'", s.t_56, tr(s.W_O2))
-
-    @leaf
-    def t_59(s):
-        return s.mm("A1' t_56", tr(s.A1), s.t_56)
-
-    @leaf
-    def t_60(s):
-        return s.mm("A2' t_56", tr(s.A2), s.t_56)
-
-    @leaf
-    def t_61(s):
-        return tr(s.t_41)
-
-    @leaf
-    def t_62(s):
-        return tr(s.t_43)
-
-    @leaf
-    def t_63(s):
         return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
+    def t_52(s):
+        return s.mm("t_15' t_15", tr(s.t_15), s.t_15)
+
+    @leaf
+    def t_53(s):
+        return (s.t_21 * s.Y_2)
+
+    @leaf
+    def t_54(s):
+        return mul(s.t_13, s.t_11, s.t_14)
+
+    @leaf
+    def t_55(s):
+        return (s.t_12 * s.t_14)
+
+    @leaf
+    def t_56(s):
+        return (((2.0 * s.t_12) - 1.0) * (s.t_12 - 1.0) * s.t_12)
+
+    @leaf
+    def t_57(s):
+        return mul(s.t_56, s.t_16, s.t_11, s.t_14)
+
+    @leaf
+    def t_58(s):
+        return mul(s.t_13, s.t_16, s.t_14)
+
+    @leaf
+    def t_59(s):
+        return mul(s.t_13, s.t_16, s.t_11)
+
+    @leaf
+    def t_60(s):
+        return (s.t_12 * s.t_16)
+
+    @leaf
+    def t_61(s):
+        return (s.t_20 * s.t_21)
+
+    @leaf
+    def t_62(s):
+        return (0.75 * (s.t_10 ** -2.5))
+
+    @leaf
+    def t_63(s):
+        return mul(s.t_20, s.t_62, s.Y_2)
+
+    @leaf
     def t_64(s):
-        return s.mm("t_27' t_27", tr(s.t_27), s.t_27)
+        return bcast_last(s.t_23, s.d_V)
 
     @leaf
     def t_65(s):
-        return (s.t_33 * s.Y_2)
+        return (s.t_19 * s.t_21)
 
     @leaf
     def t_66(s):
-        return (s.t_24 * s.t_23 * s.t_26)
+        return (1/math.sqrt(s.d_K)) * s.t_44
 
     @leaf
     def t_67(s):
-        return (s.t_25 * s.t_26)
+        return s.mm("t_66 W_O1' W_V' N_1'", s.t_66, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_68(s):
-        return ((((1.0 + (-1.0 * sigmoid(s.t_23))) * (1.0 + (-1.0 * sigmoid(s.t_23)))) * sigmoid(s.t_23)) + (-1.0 * (sigmoid(s.t_23) * sigmoid(s.t_23)) * (1.0 + (-1.0 * sigmoid(s.t_23)))))
+        return softmax_diff(s.A1, s.t_67)
 
     @leaf
     def t_69(s):
-        return (s.t_68 * s.t_28 * s.t_23 * s.t_26)
+        return (s.t_41 * s.t_21)
 
     @leaf
     def t_70(s):
-        return (s.t_24 * s.t_28 * s.t_26)
+        return mul(s.t_41, s.t_62, s.Y_2)
 
     @leaf
     def t_71(s):
-        return (s.t_24 * s.t_28 * s.t_23)
+        return bcast_last(s.t_43, s.d_V)
 
     @leaf
     def t_72(s):
-        return (s.t_25 * s.t_28)
+        return (s.t_40 * s.t_21)
 
     @leaf
     def t_73(s):
-        return (s.t_32 * s.t_33)
+        return s.mm("t_66 W_O2' W_V' N_1'", s.t_66, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_74(s):
-        return (0.75 * (s.t_22 ** -2.5))
-
-    @leaf
-    def t_75(s):
-        return (s.t_32 * s.t_74 * s.Y_2)
-
-    @leaf
-    def t_76(s):
-        return bcast_last(s.t_35, s.d_V)
-
-    @leaf
-    def t_77(s):
-        return (s.t_31 * s.t_33)
-
-    @leaf
-    def t_78(s):
-        return (1/math.sqrt(s.d_K)) * s.t_56
-
-    @leaf
-    def t_79(s):
-        return s.mm("t_78 W_O1' W_V' N_1'", s.t_78, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_80(s):
-        return softmax_diff(s.A1, s.t_79)
-
-    @leaf
-    def t_81(s):
-        return (s.t_53 * s.t_33)
-
-    @leaf
-    def t_82(s):
-        return (s.t_53 * s.t_74 * s.Y_2)
-
-    @leaf
-    def t_83(s):
-        return bcast_last(s.t_55, s.d_V)
-
-    @leaf
-    def t_84(s):
-        return (s.t_52 * s.t_33)
-
-    @leaf
-    def t_85(s):
-        return s.mm("t_78 W_O2' W_V' N_1'", s.t_78, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_86(s):
-        return softmax_diff(s.A2, s.t_85)
+        return softmax_diff(s.A2, s.t_73)
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_87(s):
+    def t_75(s):
         return (s.F - s.Y)
 
     @leaf
+    def t_76(s):
+        return (s.t_75 * s.t_75)
+
+    @leaf
+    def t_77(s):
+        return s.mm('one_2 t_76 one', s.one_2, s.t_76, s.one)
+
+    @leaf
+    def t_78(s):
+        return s.mm("t_26 t_2'", s.t_26, tr(s.t_2))
+
+    @leaf
+    def t_79(s):
+        return (s.t_78 * s.C)
+
+    @leaf
+    def t_80(s):
+        return (s.t_78 * s.S)
+
+    @leaf
+    def t_81(s):
+        return s.mm("t_35 t_2'", s.t_35, tr(s.t_2))
+
+    @leaf
+    def t_82(s):
+        return (s.t_81 * s.S)
+
+    @leaf
+    def t_83(s):
+        return (s.t_81 * s.C)
+
+    @leaf
+    def t_84(s):
+        return s.mm("t_68' t_38'", tr(s.t_68), tr(s.t_38))
+
+    @leaf
+    def t_85(s):
+        return s.mm("t_74' t_39'", tr(s.t_74), tr(s.t_39))
+
+    @leaf
+    def t_86(s):
+        return (s.t_84 + s.t_85)
+
+    @leaf
+    def t_87(s):
+        return (s.t_86 * s.S)
+
+    @leaf
     def t_88(s):
-        return (s.t_87 * s.t_87)
-
-    @leaf
-    def t_89(s):
-        return s.mm('one_2 t_88 one', s.one_2, s.t_88, s.one)
-
-    @leaf
-    def t_90(s):
-        return s.mm("t_38 t_6'", s.t_38, tr(s.t_6))
-
-    @leaf
-    def t_91(s):
-        return (s.t_90 * s.C)
-
-    @leaf
-    def t_92(s):
-        return (s.t_90 * s.S)
+        return (s.t_86 * s.C)
 
     @leaf
     def t_93(s):
-        return s.mm("t_47 t_6'", s.t_47, tr(s.t_6))
+        return (s.t_54 + s.t_55)
 
     @leaf
-    def t_94(s):
-        return (s.t_93 * s.S)
+    def t_129(s):
+        return lin((1, s.t_57), (2, s.t_58))
 
     @leaf
-    def t_95(s):
-        return (s.t_93 * s.C)
+    def t_135(s):
+        return (s.t_59 + s.t_60)
 
     @leaf
-    def t_96(s):
-        return s.mm("t_80' t_50'", tr(s.t_80), tr(s.t_50))
+    def t_159(s):
+        return (tr(s.t_12) * tr(s.t_11))
 
     @leaf
-    def t_97(s):
-        return s.mm("t_86' t_51'", tr(s.t_86), tr(s.t_51))
-
-    @leaf
-    def t_98(s):
-        return (s.t_96 + s.t_97)
-
-    @leaf
-    def t_99(s):
-        return (s.t_98 * s.S)
-
-    @leaf
-    def t_100(s):
-        return (s.t_98 * s.C)
-
-    @leaf
-    def t_211(s):
+    def t_164(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_212(s):
-        return (s.t_24 * s.t_211 * s.t_23 * s.t_26)
+    def t_165(s):
+        return mul(s.t_13, s.t_164, s.t_11, s.t_14)
+
+    @leaf
+    def t_166(s):
+        return mul(s.t_12, s.t_164, s.t_14)
+
+    @leaf
+    def t_167(s):
+        return (s.t_165 + s.t_166)
+
+    @leaf
+    def t_168(s):
+        return s.mm("t_167 W_1'", s.t_167, tr(s.W_1))
+
+    @leaf
+    def t_169(s):
+        return mul(s.t_12, s.t_164, s.t_11)
+
+    @leaf
+    def t_170(s):
+        return s.mm("t_169 W_3'", s.t_169, tr(s.W_3))
+
+    @leaf
+    def t_171(s):
+        return lin((1/math.sqrt(s.d_K), s.t_168), (1/math.sqrt(s.d_K), s.t_170))
+
+    @leaf
+    def t_172(s):
+        return (math.sqrt(s.d_K)) * s.t_171
+
+    @leaf
+    def t_173(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_21, s.Y_2)
+
+    @leaf
+    def t_174(s):
+        return s.mm('t_173 one', s.t_173, s.one)
+
+    @leaf
+    def t_175(s):
+        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_171, s.R_N_2), (1, s.t_174, s.Y_2))
+
+    @leaf
+    def t_176(s):
+        return s.mm("t_175 W_O1' W_V' N_1'", s.t_175, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_189(s):
+        return lin((1, mul(s.t_56, s.t_164, s.t_11), s.t_14), (2, (s.t_13 * s.t_164), s.t_14))
+
+    @leaf
+    def t_192(s):
+        return mul(s.t_13, s.t_164, s.t_11)
+
+    @leaf
+    def t_193(s):
+        return (s.t_12 * s.t_164)
+
+    @leaf
+    def t_194(s):
+        return (s.t_192 + s.t_193)
+
+    @leaf
+    def t_198(s):
+        return (s.t_171 * s.t_21)
+
+    @leaf
+    def t_199(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172 * s.t_21)
+
+    @leaf
+    def t_201(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_62, s.Y_2)
+
+    @leaf
+    def t_206(s):
+        return softmax_diff(s.A1, s.t_176)
+
+    @leaf
+    def t_208(s):
+        return s.mm("t_175 W_O2' W_V' N_1'", s.t_175, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_211(s):
+        return softmax_diff(s.A2, s.t_208)
 
     @leaf
     def t_213(s):
-        return (s.t_25 * s.t_211 * s.t_26)
+        return mul((2/s.d_V) * s.t_172, s.t_21, s.Y_2)
 
     @leaf
     def t_214(s):
-        return (s.t_212 + s.t_213)
+        return s.mm('t_213 one', s.t_213, s.one)
 
     @leaf
     def t_215(s):
-        return s.mm("t_214 W_1'", s.t_214, tr(s.W_1))
+        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_172, s.R_N_2), (1/math.sqrt(s.d_K), s.t_214, s.Y_2))
 
     @leaf
     def t_216(s):
-        return (s.t_25 * s.t_211 * s.t_23)
-
-    @leaf
-    def t_217(s):
-        return s.mm("t_216 W_3'", s.t_216, tr(s.W_3))
+        return s.mm("t_215 W_O1' W_V' N_1'", s.t_215, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_218(s):
-        return lin((1/math.sqrt(s.d_K), s.t_215), (1/math.sqrt(s.d_K), s.t_217))
+        return (s.t_172 * s.t_21)
 
     @leaf
     def t_219(s):
-        return (math.sqrt(s.d_K)) * s.t_218
+        return ((2/s.d_V) * s.t_172 * s.t_21)
 
     @leaf
     def t_220(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_219 * s.t_33 * s.Y_2)
+        return mul((2/s.d_V) * s.t_172, s.t_62, s.Y_2)
 
     @leaf
-    def t_221(s):
-        return s.mm('t_220 one', s.t_220, s.one)
+    def t_225(s):
+        return s.mm("t_215 W_O2' W_V' N_1'", s.t_215, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_222(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_218, s.R_N_2), (1, s.t_221, s.Y_2))
+    def t_229(s):
+        return softmax_diff(s.A1, s.t_216)
 
     @leaf
-    def t_223(s):
-        return s.mm("t_222 W_O1' W_V' N_1'", s.t_222, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_230(s):
+        return softmax_diff(s.A2, s.t_225)
 
     @leaf
-    def t_259(s):
-        return softmax_diff(s.A1, s.t_223)
-
-    @leaf
-    def t_261(s):
-        return s.mm("t_222 W_O2' W_V' N_1'", s.t_222, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_264(s):
-        return softmax_diff(s.A2, s.t_261)
-
-    @leaf
-    def t_266(s):
-        return ((2/s.d_V) * s.t_219 * s.t_33 * s.Y_2)
-
-    @leaf
-    def t_267(s):
-        return s.mm('t_266 one', s.t_266, s.one)
-
-    @leaf
-    def t_268(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_219, s.R_N_2), (1/math.sqrt(s.d_K), s.t_267, s.Y_2))
-
-    @leaf
-    def t_269(s):
-        return s.mm("t_268 W_O1' W_V' N_1'", s.t_268, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_275(s):
-        return s.mm("t_268 W_O2' W_V' N_1'", s.t_268, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_279(s):
-        return softmax_diff(s.A1, s.t_269)
-
-    @leaf
-    def t_280(s):
-        return softmax_diff(s.A2, s.t_275)
-
-    @leaf
-    def t_282(s):
-        return (math.sqrt(s.d_K)) * s.t_268
+    def t_232(s):
+        return (math.sqrt(s.d_K)) * s.t_215
 
     @leaf
     def S_2(s):
@@ -636,15 +644,15 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_65),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_66),
-            net(1, 'nab->nab', s.t_67),
+            net(1, 'nab->nab', s.t_54),
+            net(1, 'nab->nab', s.t_55),
         ])
 
     @leaf
@@ -652,7 +660,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_44),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_32),
         ])
 
     @leaf
@@ -660,7 +668,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_44, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_32, s.W_3),
         ])
 
     @leaf
@@ -668,7 +676,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_65, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_53, ONES, s.Y_2),
         ])
 
     @leaf
@@ -708,16 +716,16 @@ class mse_causal0(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_69),
-            net(2, 'nab->nab', s.t_70),
+            net(1, 'nab->nab', s.t_57),
+            net(2, 'nab->nab', s.t_58),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_71),
-            net(1, 'nab->nab', s.t_72),
+            net(1, 'nab->nab', s.t_59),
+            net(1, 'nab->nab', s.t_60),
         ])
 
     @leaf
@@ -740,17 +748,17 @@ class mse_causal0(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_73, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_75, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_65, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_61, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_63, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_76, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_77, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_64, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_65, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -759,16 +767,16 @@ class mse_causal0(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_38, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_38, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_38),
+            net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_26, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_26),
         ])
 
     @leaf
     def S_18(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_18', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_7, s.S_17, s.t_8, s.dA),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_17, s.t_4, s.dA),
             net(1, 'nabc->nabc', s.d2A),
         ])
 
@@ -824,16 +832,16 @@ class mse_causal0(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_47, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_47, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_47),
+            net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_35, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_35),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_24', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_45, s.S_17, s.t_10, s.dA_2),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -841,26 +849,26 @@ class mse_causal0(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_80, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_80, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_80),
+            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_68, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_68),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_81, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_82, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_65, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_69, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_70, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_26(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_26', [
-            net(1, 'nab,bc->nabc', s.t_83, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_84, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_72, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_25),
         ])
@@ -869,9 +877,9 @@ class mse_causal0(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_86, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_86, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_86),
+            net(1, 'nab,bc->nabc', s.t_74, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_74, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_74),
         ])
 
     @leaf
@@ -879,7 +887,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_27', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_65),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
         ])
 
     @leaf
@@ -903,8 +911,8 @@ class mse_causal0(Forward):
     def S_30(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_30', [
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_66),
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_67),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_54),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_55),
         ])
 
     @leaf
@@ -918,389 +926,389 @@ class mse_causal0(Forward):
     def block__W_Q1__W_Q1__outer(s):
         """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_9, s.t_8, s.dA, s.t_9, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_9, s.t_4, s.dA, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q1__functional(s):
         """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_6, s.S_18, s.t_9, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_18, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__outer(s):
         """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_9, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__functional(s):
         """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_17, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_K__outer(s):
         """H_o(W_Q1, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_Q1__W_K__functional(s):
         """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_6, s.d2A, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_38, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_26, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
         """H_o(W_Q1, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_39, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_39, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_9, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_29),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA, s.t_42, s.t_36),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_6, s.dA, s.t_42, s.W_O1, s.S_17, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.t_24),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.W_O1, s.S_17, s.t_29),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_9, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_31),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_31),
         ]
 
     def block__W_Q1__W_1__outer(s):
         """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q1__W_1__functional(s):
         """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_22, s.W_2, s.t_44, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
         """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q1__W_2__outer(s):
         """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_22, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.t_15),
         ]
 
     def block__W_Q1__W_2__functional(s):
         """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_9, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
         """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_6, s.S_24, s.t_9, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_24, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_6, s.d2A_2, s.t_20, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_45, s.S_17, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_45, s.S_17, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_47, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_8, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_35, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA_2, s.N_1, s.t_48, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA_2, s.N_1, s.t_48, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA_2, s.N_1, s.t_49),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_36, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_36, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_37),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_9, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_29),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_45, s.S_17, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_29),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_9, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_31),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_42, s.t_36),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_42, s.W_O2, s.S_17, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.t_24),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.W_O2, s.S_17, s.t_31),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_22, s.W_2, s.t_44, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_22, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.t_15),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_50, s.d2A_3, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_26, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_26, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_51, s.d2A_4, s.t_20, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_26, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_26, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_38, s.d2A_3, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_39, s.d2A_4, s.t_8, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_50, s.dA, s.N_1, s.t_39, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_50, s.dA, s.N_1, s.t_39, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_50, s.dA, s.N_1, s.t_57),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_51, s.dA_2, s.N_1, s.t_48, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_51, s.dA_2, s.N_1, s.t_48, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_51, s.dA_2, s.N_1, s.t_58),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_27, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_27, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_45),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_2, s.N_1, s.t_36, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_2, s.N_1, s.t_36, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_2, s.N_1, s.t_46),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_9, s.t_41),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_9, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_9, s.t_29),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_50, s.dA, s.t_42, s.t_56),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_50, s.dA, s.t_42, s.W_O1, s.S_26, s.t_41),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_26, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.t_30, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_30, s.W_O1, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_26, s.t_29),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_9, s.t_43),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_9, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_9, s.t_31),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_26, s.t_43),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_42, s.t_56),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_42, s.W_O2, s.S_26, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_30, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_30, s.W_O2, s.S_26, s.t_31),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_22, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_22, s.W_2, s.t_44, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_22, s.W_2, s.t_44, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_22, s.t_27),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_22, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_22, s.t_15),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -1336,31 +1344,31 @@ class mse_causal0(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_41),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_41),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_29),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_29),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_59, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_41),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_41),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_47, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_29),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_43),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_43),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_31),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_31),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_60, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_43),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_43),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_48, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_31),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -1373,33 +1381,33 @@ class mse_causal0(Forward):
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_17),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_17),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_44, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_44, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
         """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_30),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_18),
             net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_30),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_18),
             net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_22, s.t_27),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_22, s.t_27),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_22, s.t_15),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_22, s.t_15),
         ]
 
     def block__W_V__W_2__functional(s):
@@ -1412,119 +1420,119 @@ class mse_causal0(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_28, s.t_41),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_29),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_26, s.t_41),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_29),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_28, s.t_43),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_31),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_26, s.t_43),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_31),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_61, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_49, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_61, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_61, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_49, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_49, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_61, s.S_29, s.W_2, s.t_44, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_49, s.S_29, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_61, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_61, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_49, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_49, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_29, s.t_27),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_29, s.t_15),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_61, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_49, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_62, s.S_28, s.t_43),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_28, s.t_31),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_62, s.S_26, s.t_43),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_26, s.t_31),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_62, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_50, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_62, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_62, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_50, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_62, s.S_29, s.W_2, s.t_44, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_50, s.S_29, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_62, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_62, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_50, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_62, s.S_29, s.t_27),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_29, s.t_15),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_62, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_50, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_63, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_51, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
@@ -1536,7 +1544,7 @@ class mse_causal0(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_63, s.t_44, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_51, s.t_32, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -1548,7 +1556,7 @@ class mse_causal0(Forward):
     def block__W_1__W_2__outer(s):
         """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad,ce->bc|de', s.N_2, s.S_30, s.t_27, s.W_2),
+            net(1/s.n_batch, 'nab,nac,nad,ce->bc|de', s.N_2, s.S_30, s.t_15, s.W_2),
         ]
 
     def block__W_1__W_2__functional(s):
@@ -1560,46 +1568,46 @@ class mse_causal0(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_44, s.t_63, s.t_44, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_32, s.t_51, s.t_32, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ W_2))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_44, s.t_27, s.W_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_32, s.t_15, s.W_2),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_44, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_32, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 2/(L*d_V)*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_64, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_52, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q1(s):
         """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_8, s.dA, s.t_9, s.S_10, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_4, s.dA, s.t_5, s.S_10, s.N_1),
         ]
 
     def jacobian__W_Q2(s):
         """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def jacobian__W_V(s):
@@ -1614,13 +1622,13 @@ class mse_causal0(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_41),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_29),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_43),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_31),
         ]
 
     def jacobian__W_1(s):
@@ -1632,229 +1640,177 @@ class mse_causal0(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_44, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_32, s.N_2),
         ]
 
     def jacobian__W_2(s):
         """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_27, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_15, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_89, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_77, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_91", tr(s.N_1), s.t_91), (1, "N_1' t_92 R'", tr(s.N_1), s.t_92, tr(s.R)), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_94 R'", tr(s.N_1), s.t_94, tr(s.R)), (1, "N_1' t_95", tr(s.N_1), s.t_95), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_99 R'", tr(s.N_1), s.t_99, tr(s.R)), (1, "N_1' t_100", tr(s.N_1), s.t_100), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_56 W_O1'", tr(s.N_1), tr(s.A1), s.t_56, tr(s.W_O1)), (1, "N_1' A2' t_56 W_O2'", tr(s.N_1), tr(s.A2), s.t_56, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_56", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_56, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_56", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_56, mean=True)
-        out_W_1 = s.mm("N_2' t_29", tr(s.N_2), s.t_29, mean=True)
-        out_W_3 = s.mm("N_2' t_30", tr(s.N_2), s.t_30, mean=True)
-        out_W_2 = s.mm("t_27' G", tr(s.t_27), s.G, mean=True)
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_79", tr(s.N_1), s.t_79), (1, "N_1' t_80 R'", tr(s.N_1), s.t_80, tr(s.R)), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_82 R'", tr(s.N_1), s.t_82, tr(s.R)), (1, "N_1' t_83", tr(s.N_1), s.t_83), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_87 R'", tr(s.N_1), s.t_87, tr(s.R)), (1, "N_1' t_88", tr(s.N_1), s.t_88), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_44 W_O1'", tr(s.N_1), tr(s.A1), s.t_44, tr(s.W_O1)), (1, "N_1' A2' t_44 W_O2'", tr(s.N_1), tr(s.A2), s.t_44, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_44", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_44, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_44", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_44, mean=True)
+        out_W_1 = s.mm("N_2' t_17", tr(s.N_2), s.t_17, mean=True)
+        out_W_3 = s.mm("N_2' t_18", tr(s.N_2), s.t_18, mean=True)
+        out_W_2 = s.mm("t_15' G", tr(s.t_15), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_101 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_102 = (t_101 * tr(s.S))
-        t_103 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_104 = (t_103 * tr(s.C))
-        t_105 = (t_102 + t_104)
-        t_106 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_107 = (s.mm("t_50' _", tr(s.t_50), t_105) + s.mm("_ t_9'", t_106, tr(s.t_9)))
-        t_108 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_107)
-        t_109 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_110 = (s.mm("_ t_9'", t_109, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_105))
-        t_111 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_110)
-        t_112 = s.mm('_ N_1 W_V W_O2', t_111, s.N_1, s.W_V, s.W_O2)
-        t_113 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_114 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_115 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_116 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_108, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_112), (1, t_113), (1, t_114), (1, t_115))
-        t_117 = (t_116 * s.R_N_2)
-        t_118 = (t_116 * s.Y_2)
-        t_119 = s.mm('_ one', t_118, s.one)
-        t_120 = (t_119 * s.t_33 * s.Y_2)
-        t_121 = lin((1, t_117), (2/s.d_V, t_120))
-        t_122 = s.mm('_ W_1', t_121, s.W_1)
-        t_123 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_124 = (t_122 + t_123)
-        t_125 = (t_124 * s.t_24 * s.t_23 * s.t_26)
-        t_126 = s.mm('_ W_3', t_121, s.W_3)
-        t_127 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_128 = (t_126 + t_127)
-        t_129 = (t_128 * s.t_25 * s.t_23)
-        t_130 = (t_124 * s.t_25 * s.t_26)
-        t_131 = lin((1, t_125), (1, t_129), (1, t_130))
-        t_132 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_108, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.mm('_ W_2', t_131, s.W_2)), (1, s.mm('t_27 _', s.t_27, V_W_2)), (1, t_112), (1, t_113), (1, t_114), (1, t_115))
-        t_133 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_132, tr(s.W_2))
-        t_134 = ((s.t_24 * t_133 * s.t_23 * s.t_26) + (s.t_25 * t_133 * s.t_26))
-        t_135 = (s.t_25 * t_133 * s.t_23)
-        t_136 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_134, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_135, tr(s.W_3))))
-        t_137 = (math.sqrt(s.d_K)) * t_136
-        t_138 = s.mm('_ one', ((2/(math.sqrt(s.d_K)*s.d_V)) * t_137 * s.t_33 * s.Y_2), s.one)
-        t_139 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_132), (1, t_136, s.R_N_2), (1, t_138, s.Y_2))
-        t_140 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_139, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_141 = s.mm("_ t_6'", t_140, tr(s.t_6))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_141 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_141 * s.C)), mean=True)
-        t_142 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_139, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_143 = s.mm("_ t_6'", t_142, tr(s.t_6))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_143 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_143 * s.S), tr(s.R)), mean=True)
-        t_144 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_132), (1/math.sqrt(s.d_K), t_137, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', ((2/s.d_V) * t_137 * s.t_33 * s.Y_2), s.one), s.Y_2))
-        t_145 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_146 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_147 = (s.mm("_ t_50'", tr(t_145), tr(s.t_50)) + s.mm("_ t_51'", tr(t_146), tr(s.t_51)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), mean=True)
-        t_148 = (math.sqrt(s.d_K)) * t_144
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_148, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_148, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_148, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_148, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_134, mean=True)
-        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_135, mean=True)
-        t_149 = s.mm("t_27' _", tr(s.t_27), (2/(s.L*s.d_V)) * t_132)
-        out_W_2 = mean0(t_149, True)
+        t_89 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_91 = lin((1, s.prod("t_38' _", tr(s.t_38), t_89)), (1, s.prod("_ t_5'", t_90, tr(s.t_5))))
+        t_92 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_91)
+        t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_95 = lin((1, s.prod("_ t_5'", t_94, tr(s.t_5))), (1, s.prod("t_39' _", tr(s.t_39), t_89)))
+        t_96 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_95)
+        t_97 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_96, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_98 = s.mm('_ one', (t_97 * s.Y_2), s.one)
+        t_99 = (t_98 * s.t_53)
+        t_100 = lin((1, t_97, s.R_N_2), (2/s.d_V, t_99))
+        t_101 = lin((1, s.prod('_ W_1', t_100, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_102 = lin((1, s.prod('_ W_3', t_100, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_103 = ((s.t_93 * t_101) + (s.t_32 * t_102))
+        t_104 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_103, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_96, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_105 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_104, tr(s.W_2))
+        t_106 = (s.t_93 * t_105)
+        t_107 = (s.t_32 * t_105)
+        t_108 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_106, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_107, tr(s.W_3))))
+        t_109 = (math.sqrt(s.d_K)) * t_108
+        t_110 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_104), (1, t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_109), s.one), s.Y_2))
+        t_111 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_110, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_112 = s.mm("_ t_2'", t_111, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_112 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_112 * s.S), tr(s.R)), mean=True)
+        t_113 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_110, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_114 = s.mm("_ t_2'", t_113, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_114 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_114 * s.S), tr(s.R)), mean=True)
+        t_115 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_104), (1/math.sqrt(s.d_K), t_109, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', (s.t_53 * (2/s.d_V) * t_109), s.one), s.Y_2))
+        t_116 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_115, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_117 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_115, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_118 = lin((1, s.prod("_ t_38'", tr(t_116), tr(s.t_38))), (1, s.prod("_ t_39'", tr(t_117), tr(s.t_39))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_118 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_118 * s.S), tr(s.R)), mean=True)
+        t_119 = (math.sqrt(s.d_K)) * t_115
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_119, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_119, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_119, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_119, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_106, mean=True)
+        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_107, mean=True)
+        t_120 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_104)
+        out_W_2 = mean0(t_120, True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_150 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_151 = (t_150 * tr(s.S))
-        t_152 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_153 = (t_152 * tr(s.C))
-        t_154 = (t_151 + t_153)
-        t_155 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_156 = (s.mm("t_50' _", tr(s.t_50), t_154) + s.mm("_ t_9'", t_155, tr(s.t_9)))
-        t_157 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_156)
-        t_158 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_159 = (s.mm("_ t_9'", t_158, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_154))
-        t_160 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_159)
-        t_161 = s.mm('_ N_1 W_V W_O2', t_160, s.N_1, s.W_V, s.W_O2)
-        t_162 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_163 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_164 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_165 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_157, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_161), (1, t_162), (1, t_163), (1, t_164))
-        t_166 = (t_165 * s.R_N_2)
-        t_167 = (t_165 * s.Y_2)
-        t_168 = s.mm('_ one', t_167, s.one)
-        t_169 = (t_168 * s.t_33 * s.Y_2)
-        t_170 = lin((1, t_166), (2/s.d_V, t_169))
-        t_171 = s.mm('_ W_3', t_170, s.W_3)
-        t_172 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_173 = (t_171 + t_172)
-        t_174 = s.mm('_ W_1', t_170, s.W_1)
-        t_175 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_176 = (t_174 + t_175)
-        t_177 = s.mm('G _', s.G, tr(V_W_2))
-        t_178 = lin((1, (t_173 * s.t_24 * s.t_28), s.t_23), (1, (t_176 * s.t_68 * s.t_28 * s.t_23), s.t_26), (1, (t_173 * s.t_25), s.t_28), (2, (t_176 * s.t_24 * s.t_28), s.t_26), (1, (s.t_24 * t_177 * s.t_23), s.t_26), (1, (s.t_25 * t_177), s.t_26))
-        t_179 = lin((1, (t_176 * s.t_24 * s.t_28), s.t_23), (1, (t_176 * s.t_25), s.t_28), (1, (s.t_25 * t_177), s.t_23))
-        t_180 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_178, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_179, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_29 _', s.t_29, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_30 _', s.t_30, tr(V_W_3))))
-        t_181 = (math.sqrt(s.d_K)) * t_180
-        t_182 = lin((1, (t_165 * s.t_32), s.t_33), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_181 * s.t_33), s.Y_2), (2/s.d_V, (t_168 * s.t_32 * s.t_74), s.Y_2))
-        t_183 = lin((1, s.t_35, t_165), (1, t_180, s.R_N_2), (2/s.d_V, (t_168 * s.t_31), s.t_33), (1, s.mm('_ one', t_182, s.one), s.Y_2))
-        t_184 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_183, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_36 W_O1' _ N_1'", s.t_36, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_36 _ W_V' N_1'", s.t_36, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_185 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_156, s.t_37) + softmax_diff(s.A1, t_184))
-        t_186 = (s.mm("_ t_6'", t_185, tr(s.t_6)) + s.mm('t_38 _', s.t_38, tr(t_154)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_186 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_186 * s.C)), mean=True)
-        t_187 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_183, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_36 W_O2' _ N_1'", s.t_36, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_36 _ W_V' N_1'", s.t_36, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_188 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_159, s.t_46) + softmax_diff(s.A2, t_187))
-        t_189 = (s.mm("_ t_6'", t_188, tr(s.t_6)) + s.mm('t_47 _', s.t_47, tr(t_154)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_189 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), mean=True)
-        t_190 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_156, s.t_79)
-        t_191 = lin((1, (t_165 * s.t_53), s.t_33), (1, ((2/s.d_V) * t_181 * s.t_33), s.Y_2), (2/s.d_V, (t_168 * s.t_53 * s.t_74), s.Y_2))
-        t_192 = lin((1/math.sqrt(s.d_K), t_181, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_168 * s.t_52), s.t_33), (1/math.sqrt(s.d_K), s.t_55, t_165), (1/math.sqrt(s.d_K), s.mm('_ one', t_191, s.one), s.Y_2))
-        t_193 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_192, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_78 W_O1' _ N_1'", s.t_78, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_78 _ W_V' N_1'", s.t_78, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_194 = softmax_diff(s.A1, t_193)
-        t_195 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_159, s.t_85)
-        t_196 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_192, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_78 _ W_V' N_1'", s.t_78, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_78 W_O2' _ N_1'", s.t_78, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_197 = softmax_diff(s.A2, t_196)
-        t_198 = lin((1, s.mm("_ t_50'", (tr(t_190) + tr(t_194)), tr(s.t_50))), (1, s.mm("_ t_51'", (tr(t_195) + tr(t_197)), tr(s.t_51))), (1, s.mm("t_80' _", tr(s.t_80), t_155)), (1, s.mm("t_86' _", tr(s.t_86), t_158)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_198 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_198 * s.S), tr(s.R)), mean=True)
-        t_199 = (math.sqrt(s.d_K)) * t_192
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_199, tr(s.W_O2)), (1, "N_1' _ t_56 W_O2'", tr(s.N_1), tr(t_160), s.t_56, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_199, tr(s.W_O1)), (1, "N_1' A1' t_56 _", tr(s.N_1), tr(s.A1), s.t_56, tr(V_W_O1)), (1, "N_1' _ t_56 W_O1'", tr(s.N_1), tr(t_157), s.t_56, tr(s.W_O1)), (1, "N_1' A2' t_56 _", tr(s.N_1), tr(s.A2), s.t_56, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_56", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_56), (1, "W_V' N_1' _ t_56", tr(s.W_V), tr(s.N_1), tr(t_157), s.t_56), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_199, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_56", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_56), (1, "W_V' N_1' _ t_56", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_56), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_199, mean=True)))
-        out_W_1 = (s.mm('_ t_29', tr(t_170), s.t_29, mean=True) + s.mm("N_2' _", tr(s.N_2), t_178, mean=True))
-        out_W_3 = (s.mm('_ t_30', tr(t_170), s.t_30, mean=True) + s.mm("N_2' _", tr(s.N_2), t_179, mean=True))
-        t_200 = (tr(t_176) * tr(s.t_24) * tr(s.t_23) * tr(s.t_26))
-        t_201 = (tr(t_176) * tr(s.t_25) * tr(s.t_26))
-        t_202 = (tr(t_173) * tr(s.t_25) * tr(s.t_23))
-        t_203 = lin((1, t_200), (1, t_201), (1, t_202))
-        out_W_2 = s.mm('_ G', t_203, s.G, mean=True)
+        t_121 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_122 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_123 = lin((1, s.prod("t_38' _", tr(s.t_38), t_121)), (1, s.prod("_ t_5'", t_122, tr(s.t_5))))
+        t_124 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_123)
+        t_125 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_126 = lin((1, s.prod("_ t_5'", t_125, tr(s.t_5))), (1, s.prod("t_39' _", tr(s.t_39), t_121)))
+        t_127 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_126)
+        t_128 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_124, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_127, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_130 = s.mm('_ one', (t_128 * s.Y_2), s.one)
+        t_131 = (t_130 * s.t_53)
+        t_132 = lin((1, t_128, s.R_N_2), (2/s.d_V, t_131))
+        t_133 = lin((1, s.prod('_ W_1', t_132, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_134 = s.mm('G _', s.G, tr(V_W_2))
+        t_136 = lin((1, s.prod('_ W_3', t_132, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_137 = lin((1, s.t_129, t_133), (1, s.t_93, t_134), (1, s.t_135, t_136))
+        t_138 = ((s.t_135 * t_133) + (s.t_32 * t_134))
+        t_139 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_137, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_138, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_17 _', s.t_17, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_18 _', s.t_18, tr(V_W_3))))
+        t_140 = (math.sqrt(s.d_K)) * t_139
+        t_141 = lin((1, s.t_61, t_128), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_140), (2/s.d_V, t_130, s.t_63))
+        t_142 = lin((1, s.t_23, t_128), (1, t_139, s.R_N_2), (2/s.d_V, t_130, s.t_65), (1, s.mm('_ one', t_141, s.one), s.Y_2))
+        t_143 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_142, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_24 W_O1' _ N_1'", s.t_24, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_24 _ W_V' N_1'", s.t_24, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_144 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_25) + softmax_diff(s.A1, t_143))
+        t_145 = lin((1, s.prod("_ t_2'", t_144, tr(s.t_2))), (1, s.prod('t_26 _', s.t_26, tr(t_121))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_145 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_145 * s.S), tr(s.R)), mean=True)
+        t_146 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_142, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_24 W_O2' _ N_1'", s.t_24, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_24 _ W_V' N_1'", s.t_24, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_147 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_34) + softmax_diff(s.A2, t_146))
+        t_148 = lin((1, s.prod("_ t_2'", t_147, tr(s.t_2))), (1, s.prod('t_35 _', s.t_35, tr(t_121))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_148 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_148 * s.C)), mean=True)
+        t_149 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_67)
+        t_150 = lin((1, s.t_69, t_128), (1, s.t_53, (2/s.d_V) * t_140), (2/s.d_V, t_130, s.t_70))
+        t_151 = lin((1/math.sqrt(s.d_K), t_140, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_130, s.t_72), (1/math.sqrt(s.d_K), s.t_43, t_128), (1/math.sqrt(s.d_K), s.mm('_ one', t_150, s.one), s.Y_2))
+        t_152 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_151, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O1' _ N_1'", s.t_66, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_153 = softmax_diff(s.A1, t_152)
+        t_154 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_73)
+        t_155 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_151, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O2' _ N_1'", s.t_66, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_156 = softmax_diff(s.A2, t_155)
+        t_157 = lin((1, s.prod("_ t_38'", (tr(t_149) + tr(t_153)), tr(s.t_38))), (1, s.prod("_ t_39'", (tr(t_154) + tr(t_156)), tr(s.t_39))), (1, s.prod("t_68' _", tr(s.t_68), t_122)), (1, s.prod("t_74' _", tr(s.t_74), t_125)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_157 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_157 * s.S), tr(s.R)), mean=True)
+        t_158 = (math.sqrt(s.d_K)) * t_151
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_44 W_O2'", tr(s.N_1), tr(t_127), s.t_44, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_158, tr(s.W_O1)), (1, "N_1' A1' t_44 _", tr(s.N_1), tr(s.A1), s.t_44, tr(V_W_O1)), (1, "N_1' _ t_44 W_O1'", tr(s.N_1), tr(t_124), s.t_44, tr(s.W_O1)), (1, "N_1' A2' t_44 _", tr(s.N_1), tr(s.A2), s.t_44, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_158, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_44", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_124), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_158, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_158, mean=True)))
+        out_W_1 = (s.mm('_ t_17', tr(t_132), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_137, mean=True))
+        out_W_3 = (s.mm('_ t_18', tr(t_132), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_138, mean=True))
+        t_160 = ((tr(s.t_93) * tr(t_133)) + (s.t_159 * tr(t_136)))
+        out_W_2 = s.mm('_ G', t_160, s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_204 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_205 = (t_204 * tr(s.S))
-        t_206 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_207 = (t_206 * tr(s.C))
-        t_208 = (t_205 + t_207)
-        t_209 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_210 = (s.mm("t_50' _", tr(s.t_50), t_208) + s.mm("_ t_9'", t_209, tr(s.t_9)))
-        t_224 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_210)
-        t_225 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_226 = (s.mm("_ t_9'", t_225, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_208))
-        t_227 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_226)
-        t_228 = s.mm('_ N_1 W_V W_O2', t_227, s.N_1, s.W_V, s.W_O2)
-        t_229 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_230 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_231 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_232 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_224, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_228), (1, t_229), (1, t_230), (1, t_231))
-        t_233 = (t_232 * s.R_N_2)
-        t_234 = (t_232 * s.Y_2)
-        t_235 = s.mm('_ one', t_234, s.one)
-        t_236 = (t_235 * s.t_33 * s.Y_2)
-        t_237 = lin((1, t_233), (2/s.d_V, t_236))
-        t_238 = s.mm('_ W_1', t_237, s.W_1)
-        t_239 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_240 = (t_238 + t_239)
-        t_241 = (t_240 * s.t_24 * s.t_23 * s.t_26)
-        t_242 = s.mm('_ W_3', t_237, s.W_3)
-        t_243 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_244 = (t_242 + t_243)
-        t_245 = (t_244 * s.t_25 * s.t_23)
-        t_246 = (t_240 * s.t_25 * s.t_26)
-        t_247 = lin((1, t_241), (1, t_245), (1, t_246))
-        t_248 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_224, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.mm('_ W_2', t_247, s.W_2)), (1, s.mm('t_27 _', s.t_27, V_W_2)), (1, t_228), (1, t_229), (1, t_230), (1, t_231))
-        t_249 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_248, tr(s.W_2))
-        t_250 = (t_249 + s.mm('G _', s.G, tr(V_W_2)))
-        t_251 = lin((1, (t_244 * s.t_25), s.t_211), (1, (t_240 * s.t_68 * s.t_211 * s.t_23), s.t_26), (2, (t_240 * s.t_24 * s.t_211), s.t_26), (1, (t_244 * s.t_24 * s.t_211), s.t_23), (1, (t_250 * s.t_25), s.t_26), (1, (t_250 * s.t_24 * s.t_23), s.t_26))
-        t_252 = lin((1, (t_240 * s.t_25), s.t_211), (1, (t_240 * s.t_24 * s.t_211), s.t_23), (1, (t_250 * s.t_25), s.t_23))
-        t_253 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_251, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_252, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_214 _', s.t_214, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_216 _', s.t_216, tr(V_W_3))))
-        t_254 = (math.sqrt(s.d_K)) * t_253
-        t_255 = lin((1, (t_232 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_219), s.t_33), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_254 * s.t_33), s.Y_2), (2/s.d_V, (t_235 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_219 * s.t_74), s.Y_2))
-        t_256 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_248), (1, s.t_221, t_232), (1, t_253, s.R_N_2), (2/s.d_V, (t_235 * s.t_218), s.t_33), (1, s.mm('_ one', t_255, s.one), s.Y_2))
-        t_257 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_256, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_222 _ W_V' N_1'", s.t_222, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_222 W_O1' _ N_1'", s.t_222, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_258 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_210, s.t_223) + softmax_diff(s.A1, t_257))
-        t_260 = (s.mm("_ t_6'", t_258, tr(s.t_6)) + s.mm('t_259 _', s.t_259, tr(t_208)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_260 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_260 * s.C)), mean=True)
-        t_262 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_256, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_222 W_O2' _ N_1'", s.t_222, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_222 _ W_V' N_1'", s.t_222, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_263 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_226, s.t_261) + softmax_diff(s.A2, t_262))
-        t_265 = (s.mm("_ t_6'", t_263, tr(s.t_6)) + s.mm('t_264 _', s.t_264, tr(t_208)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_265 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_265 * s.C)), mean=True)
-        t_270 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_210, s.t_269)
-        t_271 = lin((1, (t_232 * (2/s.d_V) * s.t_219), s.t_33), (1, ((2/s.d_V) * t_254 * s.t_33), s.Y_2), (2/s.d_V, (t_235 * (2/s.d_V) * s.t_219 * s.t_74), s.Y_2))
-        t_272 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_248), (1/math.sqrt(s.d_K), t_254, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_235 * s.t_219), s.t_33), (1/math.sqrt(s.d_K), s.t_267, t_232), (1/math.sqrt(s.d_K), s.mm('_ one', t_271, s.one), s.Y_2))
-        t_273 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_272, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_268 _ W_V' N_1'", s.t_268, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_268 W_O1' _ N_1'", s.t_268, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_274 = softmax_diff(s.A1, t_273)
-        t_276 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_226, s.t_275)
-        t_277 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_272, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_268 W_O2' _ N_1'", s.t_268, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_268 _ W_V' N_1'", s.t_268, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_278 = softmax_diff(s.A2, t_277)
-        t_281 = lin((1, s.mm("_ t_50'", (tr(t_270) + tr(t_274)), tr(s.t_50))), (1, s.mm("_ t_51'", (tr(t_276) + tr(t_278)), tr(s.t_51))), (1, s.mm("t_279' _", tr(s.t_279), t_209)), (1, s.mm("t_280' _", tr(s.t_280), t_225)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_281 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_281 * s.S), tr(s.R)), mean=True)
-        t_283 = (math.sqrt(s.d_K)) * t_272
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_282 _", tr(s.N_1), tr(s.A2), s.t_282, tr(V_W_O2)), (1, "N_1' A1' t_282 _", tr(s.N_1), tr(s.A1), s.t_282, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_283, tr(s.W_O1)), (1, "N_1' _ t_282 W_O1'", tr(s.N_1), tr(t_224), s.t_282, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_283, tr(s.W_O2)), (1, "N_1' _ t_282 W_O2'", tr(s.N_1), tr(t_227), s.t_282, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_282", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_282), (1, "W_V' N_1' _ t_282", tr(s.W_V), tr(s.N_1), tr(t_224), s.t_282), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_283, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_282", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_282), (1, "W_V' N_1' _ t_282", tr(s.W_V), tr(s.N_1), tr(t_227), s.t_282), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_283, mean=True)))
-        out_W_1 = (s.mm('_ t_214', tr(t_237), s.t_214, mean=True) + s.mm("N_2' _", tr(s.N_2), t_251, mean=True))
-        out_W_3 = (s.mm('_ t_216', tr(t_237), s.t_216, mean=True) + s.mm("N_2' _", tr(s.N_2), t_252, mean=True))
-        t_284 = s.mm("t_27' _", tr(s.t_27), (2/(s.L*s.d_V)) * t_248)
-        out_W_2 = (s.mm('_ G', tr(t_247), s.G, mean=True) + mean0(t_284, True))
+        t_161 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_162 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_163 = lin((1, s.prod("t_38' _", tr(s.t_38), t_161)), (1, s.prod("_ t_5'", t_162, tr(s.t_5))))
+        t_177 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_163)
+        t_178 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_179 = lin((1, s.prod("_ t_5'", t_178, tr(s.t_5))), (1, s.prod("t_39' _", tr(s.t_39), t_161)))
+        t_180 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_179)
+        t_181 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_177, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_180, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_182 = s.mm('_ one', (t_181 * s.Y_2), s.one)
+        t_183 = (t_182 * s.t_53)
+        t_184 = lin((1, t_181, s.R_N_2), (2/s.d_V, t_183))
+        t_185 = lin((1, s.prod('_ W_1', t_184, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_186 = lin((1, s.prod('_ W_3', t_184, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_187 = ((s.t_93 * t_185) + (s.t_32 * t_186))
+        t_188 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_177, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_187, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_180, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_190 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_188, tr(s.W_2))
+        t_191 = lin((1, t_190), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_195 = lin((1, s.t_189, t_185), (1, s.t_93, t_191), (1, s.t_194, t_186))
+        t_196 = ((s.t_194 * t_185) + (s.t_32 * t_191))
+        t_197 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_195, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_196, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_167 _', s.t_167, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_169 _', s.t_169, tr(V_W_3))))
+        t_200 = (math.sqrt(s.d_K)) * t_197
+        t_202 = lin((1, s.t_199, t_181), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_200), (2/s.d_V, t_182, s.t_201))
+        t_203 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_188), (1, s.t_174, t_181), (1, t_197, s.R_N_2), (2/s.d_V, t_182, s.t_198), (1, s.mm('_ one', t_202, s.one), s.Y_2))
+        t_204 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_203, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O1' _ N_1'", s.t_175, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_205 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_163, s.t_176) + softmax_diff(s.A1, t_204))
+        t_207 = lin((1, s.prod("_ t_2'", t_205, tr(s.t_2))), (1, s.prod('t_206 _', s.t_206, tr(t_161))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_207 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_207 * s.C)), mean=True)
+        t_209 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_203, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O2' _ N_1'", s.t_175, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_210 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_208) + softmax_diff(s.A2, t_209))
+        t_212 = lin((1, s.prod("_ t_2'", t_210, tr(s.t_2))), (1, s.prod('t_211 _', s.t_211, tr(t_161))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_212 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_212 * s.S), tr(s.R)), mean=True)
+        t_217 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_163, s.t_216)
+        t_221 = lin((1, s.t_219, t_181), (1, s.t_53, (2/s.d_V) * t_200), (2/s.d_V, t_182, s.t_220))
+        t_222 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_188), (1/math.sqrt(s.d_K), t_200, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_182, s.t_218), (1/math.sqrt(s.d_K), s.t_214, t_181), (1/math.sqrt(s.d_K), s.mm('_ one', t_221, s.one), s.Y_2))
+        t_223 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_222, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O1' _ N_1'", s.t_215, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_224 = softmax_diff(s.A1, t_223)
+        t_226 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_225)
+        t_227 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_222, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O2' _ N_1'", s.t_215, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_228 = softmax_diff(s.A2, t_227)
+        t_231 = lin((1, s.prod("_ t_38'", (tr(t_217) + tr(t_224)), tr(s.t_38))), (1, s.prod("_ t_39'", (tr(t_226) + tr(t_228)), tr(s.t_39))), (1, s.prod("t_229' _", tr(s.t_229), t_162)), (1, s.prod("t_230' _", tr(s.t_230), t_178)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_231 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_231 * s.C)), mean=True)
+        t_233 = (math.sqrt(s.d_K)) * t_222
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_232 _", tr(s.N_1), tr(s.A2), s.t_232, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_233, tr(s.W_O2)), (1, "N_1' A1' t_232 _", tr(s.N_1), tr(s.A1), s.t_232, tr(V_W_O1)), (1, "N_1' _ t_232 W_O1'", tr(s.N_1), tr(t_177), s.t_232, tr(s.W_O1)), (1, "N_1' _ t_232 W_O2'", tr(s.N_1), tr(t_180), s.t_232, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_233, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_232", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_232), (1, "W_V' N_1' _ t_232", tr(s.W_V), tr(s.N_1), tr(t_177), s.t_232), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_233, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_232", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_232), (1, "W_V' N_1' _ t_232", tr(s.W_V), tr(s.N_1), tr(t_180), s.t_232), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_233, mean=True)))
+        out_W_1 = (s.mm('_ t_167', tr(t_184), s.t_167, mean=True) + s.mm("N_2' _", tr(s.N_2), t_195, mean=True))
+        out_W_3 = (s.mm('_ t_169', tr(t_184), s.t_169, mean=True) + s.mm("N_2' _", tr(s.N_2), t_196, mean=True))
+        t_234 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_188)
+        out_W_2 = (s.mm('_ G', tr(t_187), s.G, mean=True) + mean0(t_234, True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -1862,39 +1818,39 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "cdd4f593ba6e4bff4aa4ff9a"
+    STAMP = "9858716f624fcda2b812c36b"
     RUNS = {
-        'A1 N_1': 22,
-        'A1 N_1 W_V': 9,
-        "A1' t_283": 2,
-        "A1' t_56": 5,
-        'A2 N_1': 20,
-        'A2 N_1 W_V': 9,
-        "A2' t_283": 2,
-        "A2' t_56": 5,
+        'A1 N_1': 24,
+        'A1 N_1 W_V': 11,
+        "A1' t_232": 2,
+        "A1' t_44": 5,
+        'A2 N_1': 24,
+        'A2 N_1 W_V': 11,
+        "A2' t_232": 2,
+        "A2' t_44": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
         'N_1 W_Q2': 2,
-        'N_1 W_V': 61,
+        'N_1 W_V': 67,
         'N_1 W_V W_O1': 17,
-        'N_1 W_V W_O2': 15,
-        "N_1' A1' t_283": 2,
-        "N_1' A1' t_56": 4,
-        "N_1' A2' t_283": 2,
-        "N_1' A2' t_56": 4,
-        "W_O1 t_222'": 2,
-        "W_O1 t_268'": 2,
-        "W_O1 t_36'": 3,
-        "W_O1 t_56'": 3,
-        "W_O1 t_78'": 2,
+        'N_1 W_V W_O2': 17,
+        "N_1' A1' t_232": 2,
+        "N_1' A1' t_44": 4,
+        "N_1' A2' t_232": 2,
+        "N_1' A2' t_44": 4,
+        "W_O1 t_175'": 2,
+        "W_O1 t_215'": 2,
+        "W_O1 t_24'": 3,
+        "W_O1 t_44'": 3,
+        "W_O1 t_66'": 2,
         "W_O1' W_V'": 18,
-        "W_O2 t_222'": 2,
-        "W_O2 t_268'": 2,
-        "W_O2 t_36'": 3,
-        "W_O2 t_56'": 3,
-        "W_O2 t_78'": 2,
-        "W_O2' W_V'": 16,
+        "W_O2 t_175'": 2,
+        "W_O2 t_215'": 2,
+        "W_O2 t_24'": 3,
+        "W_O2 t_44'": 3,
+        "W_O2 t_66'": 2,
+        "W_O2' W_V'": 18,
     }
 
     @leaf
@@ -1919,83 +1875,35 @@ class mse_causal1(Forward):
 
     @leaf
     def t_2(s):
-        return s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1))
+        return ((s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1)) * tr(s.C)))
 
     @leaf
     def t_3(s):
-        return (s.t_2 * tr(s.S))
-
-    @leaf
-    def t_4(s):
-        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
-
-    @leaf
-    def t_5(s):
-        return (s.t_4 * tr(s.C))
-
-    @leaf
-    def t_6(s):
-        return (s.t_3 + s.t_5)
-
-    @leaf
-    def t_7(s):
         return s.mm('N_1 W_V W_O1', s.N_1, s.W_V, s.W_O1)
 
     @leaf
-    def t_8(s):
-        return tr(s.t_7)
+    def t_4(s):
+        return tr(s.t_3)
 
     @leaf
-    def t_9(s):
-        return tr(s.t_6)
+    def t_5(s):
+        return tr(s.t_2)
 
     @leaf
-    def t_10(s):
+    def t_6(s):
         return s.mm("W_O2' W_V' N_1'", tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_11(s):
-        return s.mm('N_1 W_Q1', s.N_1, s.W_Q1)
+    def t_7(s):
+        return ((s.mm('N_1 W_Q1', s.N_1, s.W_Q1) * s.C) + (s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R) * s.S))
 
     @leaf
-    def t_12(s):
-        return (s.t_11 * s.C)
-
-    @leaf
-    def t_13(s):
-        return s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R)
-
-    @leaf
-    def t_14(s):
-        return (s.t_13 * s.S)
-
-    @leaf
-    def t_15(s):
-        return (s.t_12 + s.t_14)
-
-    @leaf
-    def t_16(s):
-        return s.mm('N_1 W_Q2', s.N_1, s.W_Q2)
-
-    @leaf
-    def t_17(s):
-        return (s.t_16 * s.C)
-
-    @leaf
-    def t_18(s):
-        return s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R)
-
-    @leaf
-    def t_19(s):
-        return (s.t_18 * s.S)
-
-    @leaf
-    def t_20(s):
-        return (s.t_17 + s.t_19)
+    def t_8(s):
+        return ((s.mm('N_1 W_Q2', s.N_1, s.W_Q2) * s.C) + (s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R) * s.S))
 
     @leaf
     def T1(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_15 t_9'", s.t_15, tr(s.t_9))
+        return (1/math.sqrt(s.d_K)) * s.mm("t_7 t_5'", s.t_7, tr(s.t_5))
 
     @leaf
     def A1(s):
@@ -2003,7 +1911,7 @@ class mse_causal1(Forward):
 
     @leaf
     def T2(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_20 t_9'", s.t_20, tr(s.t_9))
+        return (1/math.sqrt(s.d_K)) * s.mm("t_8 t_5'", s.t_8, tr(s.t_5))
 
     @leaf
     def A2(s):
@@ -2014,444 +1922,500 @@ class mse_causal1(Forward):
         return lin((1, s.mm('A1 N_1 W_V W_O1', s.A1, s.N_1, s.W_V, s.W_O1)), (1, s.mm('A2 N_1 W_V W_O2', s.A2, s.N_1, s.W_V, s.W_O2)), (1, s.X))
 
     @leaf
-    def t_21(s):
+    def t_9(s):
         return (s.Y_2 * s.Y_2)
 
     @leaf
     def ms_N_2(s):
-        return (1/s.d_V) * s.mm('t_21 one', s.t_21, s.one)
+        return (1/s.d_V) * s.mm('t_9 one', s.t_9, s.one)
 
     @leaf
-    def t_22(s):
+    def t_10(s):
         return lin((1, s.ms_N_2), (1/1000000, ones((s.L, s.d_V), s.like)))
 
     @leaf
     def R_N_2(s):
-        return (s.t_22 ** -0.5)
+        return (s.t_10 ** -0.5)
 
     @leaf
     def N_2(s):
         return (s.R_N_2 * s.Y_2)
 
     @leaf
-    def t_23(s):
+    def t_11(s):
         return s.mm('N_2 W_1', s.N_2, s.W_1)
 
     @leaf
-    def t_24(s):
-        return ((1.0 + (-1.0 * sigmoid(s.t_23))) * sigmoid(s.t_23))
+    def t_12(s):
+        return sigmoid(s.t_11)
 
     @leaf
-    def t_25(s):
-        return sigmoid(s.t_23)
+    def t_13(s):
+        return ((1.0 - s.t_12) * s.t_12)
 
     @leaf
-    def t_26(s):
+    def t_14(s):
         return s.mm('N_2 W_3', s.N_2, s.W_3)
 
     @leaf
-    def t_27(s):
-        return (s.t_25 * s.t_23 * s.t_26)
+    def t_15(s):
+        return mul(s.t_12, s.t_11, s.t_14)
 
     @leaf
     def F(s):
-        return (s.mm('t_27 W_2', s.t_27, s.W_2) + s.Y_2)
+        return (s.mm('t_15 W_2', s.t_15, s.W_2) + s.Y_2)
 
     @leaf
     def G(s):
         return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
 
     @leaf
-    def t_28(s):
+    def t_16(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_29(s):
-        return ((s.t_24 * s.t_28 * s.t_23 * s.t_26) + (s.t_25 * s.t_28 * s.t_26))
+    def t_17(s):
+        return (mul(s.t_13, s.t_16, s.t_11, s.t_14) + mul(s.t_12, s.t_16, s.t_14))
 
     @leaf
-    def t_30(s):
-        return (s.t_25 * s.t_28 * s.t_23)
+    def t_18(s):
+        return mul(s.t_12, s.t_16, s.t_11)
 
     @leaf
-    def t_31(s):
-        return lin((1/math.sqrt(s.d_K), s.mm("t_29 W_1'", s.t_29, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_30 W_3'", s.t_30, tr(s.W_3))))
+    def t_19(s):
+        return lin((1/math.sqrt(s.d_K), s.mm("t_17 W_1'", s.t_17, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_18 W_3'", s.t_18, tr(s.W_3))))
 
     @leaf
-    def t_32(s):
-        return (2/s.d_V) * s.t_31
+    def t_20(s):
+        return (2/s.d_V) * s.t_19
 
     @leaf
-    def t_33(s):
-        return (-0.5 * (s.t_22 ** -1.5))
+    def t_21(s):
+        return (-0.5 * (s.t_10 ** -1.5))
 
     @leaf
-    def t_34(s):
-        return (s.t_32 * s.t_33 * s.Y_2)
+    def t_22(s):
+        return mul(s.t_20, s.t_21, s.Y_2)
 
     @leaf
-    def t_35(s):
-        return s.mm('t_34 one', s.t_34, s.one)
+    def t_23(s):
+        return s.mm('t_22 one', s.t_22, s.one)
 
     @leaf
-    def t_36(s):
-        return lin((1, s.t_31, s.R_N_2), (1, s.t_35, s.Y_2), (1/math.sqrt(s.d_K), s.G))
+    def t_24(s):
+        return lin((1, s.t_19, s.R_N_2), (1, s.t_23, s.Y_2), (1/math.sqrt(s.d_K), s.G))
 
     @leaf
-    def t_37(s):
-        return s.mm("t_36 W_O1' W_V' N_1'", s.t_36, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_25(s):
+        return s.mm("t_24 W_O1' W_V' N_1'", s.t_24, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_38(s):
-        return softmax_diff(s.A1, s.t_37)
+    def t_26(s):
+        return softmax_diff(s.A1, s.t_25)
 
     @leaf
-    def t_39(s):
+    def t_27(s):
         return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
-    def t_40(s):
-        return s.mm("t_36 W_O1'", s.t_36, tr(s.W_O1))
+    def t_28(s):
+        return s.mm("t_24 W_O1'", s.t_24, tr(s.W_O1))
 
     @leaf
-    def t_41(s):
+    def t_29(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_42(s):
+    def t_30(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_43(s):
+    def t_31(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_44(s):
-        return (s.t_25 * s.t_23)
+    def t_32(s):
+        return (s.t_12 * s.t_11)
 
     @leaf
-    def t_45(s):
-        return tr(s.t_10)
+    def t_33(s):
+        return tr(s.t_6)
 
     @leaf
-    def t_46(s):
-        return s.mm("t_36 W_O2' W_V' N_1'", s.t_36, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_34(s):
+        return s.mm("t_24 W_O2' W_V' N_1'", s.t_24, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_47(s):
-        return softmax_diff(s.A2, s.t_46)
+    def t_35(s):
+        return softmax_diff(s.A2, s.t_34)
 
     @leaf
-    def t_48(s):
+    def t_36(s):
         return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
+    def t_37(s):
+        return s.mm("t_24 W_O2'", s.t_24, tr(s.W_O2))
+
+    @leaf
+    def t_38(s):
+        return tr(s.t_7)
+
+    @leaf
+    def t_39(s):
+        return tr(s.t_8)
+
+    @leaf
+    def t_40(s):
+        return (math.sqrt(s.d_K)) * s.t_19
+
+    @leaf
+    def t_41(s):
+        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_19
+
+    @leaf
+    def t_42(s):
+        return mul(s.t_41, s.t_21, s.Y_2)
+
+    @leaf
+    def t_43(s):
+        return s.mm('t_42 one', s.t_42, s.one)
+
+    @leaf
+    def t_44(s):
+        return lin((1, s.t_40, s.R_N_2), (1, s.t_43, s.Y_2), (1, s.G))
+
+    @leaf
+    def t_45(s):
+        return s.mm("t_44 W_O1'", s.t_44, tr(s.W_O1))
+
+    @leaf
+    def t_46(s):
+        return s.mm("t_44 W_O2'", s.t_44, tr(s.W_O2))
+
+    @leaf
+    def t_47(s):
+        return s.mm("A1' t_44", tr(s.A1), s.t_44)
+
+    @leaf
+    def t_48(s):
+        return s.mm("A2' t_44", tr(s.A2), s.t_44)
+
+    @leaf
     def t_49(s):
-        return s.mm("t_36 W_O2'", s.t_36, tr(s.W_O2))
+        return tr(s.t_29)
 
     @leaf
     def t_50(s):
-        return tr(s.t_15)
+        return tr(s.t_31)
 
     @leaf
     def t_51(s):
-        return tr(s.t_20)
-
-    @leaf
-    def t_52(s):
-        return (math.sqrt(s.d_K)) * s.t_31
-
-    @leaf
-    def t_53(s):
-        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_31
-
-    @leaf
-    def t_54(s):
-        return (s.t_53 * s.t_33 * s.Y_2)
-
-    @leaf
-    def t_55(s):
-        return s.mm('t_54 one', s.t_54, s.one)
-
-    @leaf
-    def t_56(s):
-        return lin((1, s.t_52, s.R_N_2), (1, s.t_55, s.Y_2), (1, s.G))
-
-    @leaf
-    def t_57(s):
-        return s.mm("t_56 W_O1'", s.t_56, tr(s.W_O1))
-
-    @leaf
-    def t_58(s):
-        return s.mm("t_56 W_O2'", s.t_56, tr(s.W_O2))
-
-    @leaf
-    def t_59(s):
-        return s.mm("A1' t_56", tr(s.A1), s.t_56)
-
-    @leaf
-    def t_60(s):
-        return s.mm("A2' t_56", tr(s.A2), s.t_56)
-
-    @leaf
-    def t_61(s):
-        return tr(s.t_41)
-
-    @leaf
-    def t_62(s):
-        return tr(s.t_43)
-
-    @leaf
-    def t_63(s):
         return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
+    def t_52(s):
+        return s.mm("t_15' t_15", tr(s.t_15), s.t_15)
+
+    @leaf
+    def t_53(s):
+        return (s.t_21 * s.Y_2)
+
+    @leaf
+    def t_54(s):
+        return mul(s.t_13, s.t_11, s.t_14)
+
+    @leaf
+    def t_55(s):
+        return (s.t_12 * s.t_14)
+
+    @leaf
+    def t_56(s):
+        return (((2.0 * s.t_12) - 1.0) * (s.t_12 - 1.0) * s.t_12)
+
+    @leaf
+    def t_57(s):
+        return mul(s.t_56, s.t_16, s.t_11, s.t_14)
+
+    @leaf
+    def t_58(s):
+        return mul(s.t_13, s.t_16, s.t_14)
+
+    @leaf
+    def t_59(s):
+        return mul(s.t_13, s.t_16, s.t_11)
+
+    @leaf
+    def t_60(s):
+        return (s.t_12 * s.t_16)
+
+    @leaf
+    def t_61(s):
+        return (s.t_20 * s.t_21)
+
+    @leaf
+    def t_62(s):
+        return (0.75 * (s.t_10 ** -2.5))
+
+    @leaf
+    def t_63(s):
+        return mul(s.t_20, s.t_62, s.Y_2)
+
+    @leaf
     def t_64(s):
-        return s.mm("t_27' t_27", tr(s.t_27), s.t_27)
+        return bcast_last(s.t_23, s.d_V)
 
     @leaf
     def t_65(s):
-        return (s.t_33 * s.Y_2)
+        return (s.t_19 * s.t_21)
 
     @leaf
     def t_66(s):
-        return (s.t_24 * s.t_23 * s.t_26)
+        return (1/math.sqrt(s.d_K)) * s.t_44
 
     @leaf
     def t_67(s):
-        return (s.t_25 * s.t_26)
+        return s.mm("t_66 W_O1' W_V' N_1'", s.t_66, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_68(s):
-        return ((((1.0 + (-1.0 * sigmoid(s.t_23))) * (1.0 + (-1.0 * sigmoid(s.t_23)))) * sigmoid(s.t_23)) + (-1.0 * (sigmoid(s.t_23) * sigmoid(s.t_23)) * (1.0 + (-1.0 * sigmoid(s.t_23)))))
+        return softmax_diff(s.A1, s.t_67)
 
     @leaf
     def t_69(s):
-        return (s.t_68 * s.t_28 * s.t_23 * s.t_26)
+        return (s.t_41 * s.t_21)
 
     @leaf
     def t_70(s):
-        return (s.t_24 * s.t_28 * s.t_26)
+        return mul(s.t_41, s.t_62, s.Y_2)
 
     @leaf
     def t_71(s):
-        return (s.t_24 * s.t_28 * s.t_23)
+        return bcast_last(s.t_43, s.d_V)
 
     @leaf
     def t_72(s):
-        return (s.t_25 * s.t_28)
+        return (s.t_40 * s.t_21)
 
     @leaf
     def t_73(s):
-        return (s.t_32 * s.t_33)
+        return s.mm("t_66 W_O2' W_V' N_1'", s.t_66, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_74(s):
-        return (0.75 * (s.t_22 ** -2.5))
-
-    @leaf
-    def t_75(s):
-        return (s.t_32 * s.t_74 * s.Y_2)
-
-    @leaf
-    def t_76(s):
-        return bcast_last(s.t_35, s.d_V)
-
-    @leaf
-    def t_77(s):
-        return (s.t_31 * s.t_33)
-
-    @leaf
-    def t_78(s):
-        return (1/math.sqrt(s.d_K)) * s.t_56
-
-    @leaf
-    def t_79(s):
-        return s.mm("t_78 W_O1' W_V' N_1'", s.t_78, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_80(s):
-        return softmax_diff(s.A1, s.t_79)
-
-    @leaf
-    def t_81(s):
-        return (s.t_53 * s.t_33)
-
-    @leaf
-    def t_82(s):
-        return (s.t_53 * s.t_74 * s.Y_2)
-
-    @leaf
-    def t_83(s):
-        return bcast_last(s.t_55, s.d_V)
-
-    @leaf
-    def t_84(s):
-        return (s.t_52 * s.t_33)
-
-    @leaf
-    def t_85(s):
-        return s.mm("t_78 W_O2' W_V' N_1'", s.t_78, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_86(s):
-        return softmax_diff(s.A2, s.t_85)
+        return softmax_diff(s.A2, s.t_73)
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_87(s):
+    def t_75(s):
         return (s.F - s.Y)
 
     @leaf
+    def t_76(s):
+        return (s.t_75 * s.t_75)
+
+    @leaf
+    def t_77(s):
+        return s.mm('one_2 t_76 one', s.one_2, s.t_76, s.one)
+
+    @leaf
+    def t_78(s):
+        return s.mm("t_26 t_2'", s.t_26, tr(s.t_2))
+
+    @leaf
+    def t_79(s):
+        return (s.t_78 * s.C)
+
+    @leaf
+    def t_80(s):
+        return (s.t_78 * s.S)
+
+    @leaf
+    def t_81(s):
+        return s.mm("t_35 t_2'", s.t_35, tr(s.t_2))
+
+    @leaf
+    def t_82(s):
+        return (s.t_81 * s.S)
+
+    @leaf
+    def t_83(s):
+        return (s.t_81 * s.C)
+
+    @leaf
+    def t_84(s):
+        return s.mm("t_68' t_38'", tr(s.t_68), tr(s.t_38))
+
+    @leaf
+    def t_85(s):
+        return s.mm("t_74' t_39'", tr(s.t_74), tr(s.t_39))
+
+    @leaf
+    def t_86(s):
+        return (s.t_84 + s.t_85)
+
+    @leaf
+    def t_87(s):
+        return (s.t_86 * s.S)
+
+    @leaf
     def t_88(s):
-        return (s.t_87 * s.t_87)
-
-    @leaf
-    def t_89(s):
-        return s.mm('one_2 t_88 one', s.one_2, s.t_88, s.one)
-
-    @leaf
-    def t_90(s):
-        return s.mm("t_38 t_6'", s.t_38, tr(s.t_6))
-
-    @leaf
-    def t_91(s):
-        return (s.t_90 * s.C)
-
-    @leaf
-    def t_92(s):
-        return (s.t_90 * s.S)
+        return (s.t_86 * s.C)
 
     @leaf
     def t_93(s):
-        return s.mm("t_47 t_6'", s.t_47, tr(s.t_6))
+        return (s.t_54 + s.t_55)
 
     @leaf
-    def t_94(s):
-        return (s.t_93 * s.S)
+    def t_129(s):
+        return lin((1, s.t_57), (2, s.t_58))
 
     @leaf
-    def t_95(s):
-        return (s.t_93 * s.C)
+    def t_135(s):
+        return (s.t_59 + s.t_60)
 
     @leaf
-    def t_96(s):
-        return s.mm("t_80' t_50'", tr(s.t_80), tr(s.t_50))
+    def t_159(s):
+        return (tr(s.t_12) * tr(s.t_11))
 
     @leaf
-    def t_97(s):
-        return s.mm("t_86' t_51'", tr(s.t_86), tr(s.t_51))
-
-    @leaf
-    def t_98(s):
-        return (s.t_96 + s.t_97)
-
-    @leaf
-    def t_99(s):
-        return (s.t_98 * s.S)
-
-    @leaf
-    def t_100(s):
-        return (s.t_98 * s.C)
-
-    @leaf
-    def t_211(s):
+    def t_164(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_212(s):
-        return (s.t_24 * s.t_211 * s.t_23 * s.t_26)
+    def t_165(s):
+        return mul(s.t_13, s.t_164, s.t_11, s.t_14)
+
+    @leaf
+    def t_166(s):
+        return mul(s.t_12, s.t_164, s.t_14)
+
+    @leaf
+    def t_167(s):
+        return (s.t_165 + s.t_166)
+
+    @leaf
+    def t_168(s):
+        return s.mm("t_167 W_1'", s.t_167, tr(s.W_1))
+
+    @leaf
+    def t_169(s):
+        return mul(s.t_12, s.t_164, s.t_11)
+
+    @leaf
+    def t_170(s):
+        return s.mm("t_169 W_3'", s.t_169, tr(s.W_3))
+
+    @leaf
+    def t_171(s):
+        return lin((1/math.sqrt(s.d_K), s.t_168), (1/math.sqrt(s.d_K), s.t_170))
+
+    @leaf
+    def t_172(s):
+        return (math.sqrt(s.d_K)) * s.t_171
+
+    @leaf
+    def t_173(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_21, s.Y_2)
+
+    @leaf
+    def t_174(s):
+        return s.mm('t_173 one', s.t_173, s.one)
+
+    @leaf
+    def t_175(s):
+        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_171, s.R_N_2), (1, s.t_174, s.Y_2))
+
+    @leaf
+    def t_176(s):
+        return s.mm("t_175 W_O1' W_V' N_1'", s.t_175, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_189(s):
+        return lin((1, mul(s.t_56, s.t_164, s.t_11), s.t_14), (2, (s.t_13 * s.t_164), s.t_14))
+
+    @leaf
+    def t_190(s):
+        return mul(s.t_13, s.t_164, s.t_11)
+
+    @leaf
+    def t_191(s):
+        return (s.t_12 * s.t_164)
+
+    @leaf
+    def t_192(s):
+        return (s.t_190 + s.t_191)
+
+    @leaf
+    def t_198(s):
+        return (s.t_171 * s.t_21)
+
+    @leaf
+    def t_199(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172 * s.t_21)
+
+    @leaf
+    def t_201(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_62, s.Y_2)
+
+    @leaf
+    def t_206(s):
+        return softmax_diff(s.A1, s.t_176)
+
+    @leaf
+    def t_208(s):
+        return s.mm("t_175 W_O2' W_V' N_1'", s.t_175, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_211(s):
+        return softmax_diff(s.A2, s.t_208)
 
     @leaf
     def t_213(s):
-        return (s.t_25 * s.t_211 * s.t_26)
+        return mul((2/s.d_V) * s.t_172, s.t_21, s.Y_2)
 
     @leaf
     def t_214(s):
-        return (s.t_212 + s.t_213)
+        return s.mm('t_213 one', s.t_213, s.one)
 
     @leaf
     def t_215(s):
-        return s.mm("t_214 W_1'", s.t_214, tr(s.W_1))
+        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_172, s.R_N_2), (1/math.sqrt(s.d_K), s.t_214, s.Y_2))
 
     @leaf
     def t_216(s):
-        return (s.t_25 * s.t_211 * s.t_23)
-
-    @leaf
-    def t_217(s):
-        return s.mm("t_216 W_3'", s.t_216, tr(s.W_3))
+        return s.mm("t_215 W_O1' W_V' N_1'", s.t_215, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_218(s):
-        return lin((1/math.sqrt(s.d_K), s.t_215), (1/math.sqrt(s.d_K), s.t_217))
+        return (s.t_172 * s.t_21)
 
     @leaf
     def t_219(s):
-        return (math.sqrt(s.d_K)) * s.t_218
+        return ((2/s.d_V) * s.t_172 * s.t_21)
 
     @leaf
     def t_220(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_219 * s.t_33 * s.Y_2)
+        return mul((2/s.d_V) * s.t_172, s.t_62, s.Y_2)
 
     @leaf
-    def t_221(s):
-        return s.mm('t_220 one', s.t_220, s.one)
+    def t_225(s):
+        return s.mm("t_215 W_O2' W_V' N_1'", s.t_215, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_222(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_218, s.R_N_2), (1, s.t_221, s.Y_2))
+    def t_229(s):
+        return softmax_diff(s.A1, s.t_216)
 
     @leaf
-    def t_223(s):
-        return s.mm("t_222 W_O1' W_V' N_1'", s.t_222, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_230(s):
+        return softmax_diff(s.A2, s.t_225)
 
     @leaf
-    def t_259(s):
-        return softmax_diff(s.A1, s.t_223)
-
-    @leaf
-    def t_261(s):
-        return s.mm("t_222 W_O2' W_V' N_1'", s.t_222, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_264(s):
-        return softmax_diff(s.A2, s.t_261)
-
-    @leaf
-    def t_266(s):
-        return ((2/s.d_V) * s.t_219 * s.t_33 * s.Y_2)
-
-    @leaf
-    def t_267(s):
-        return s.mm('t_266 one', s.t_266, s.one)
-
-    @leaf
-    def t_268(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_219, s.R_N_2), (1/math.sqrt(s.d_K), s.t_267, s.Y_2))
-
-    @leaf
-    def t_269(s):
-        return s.mm("t_268 W_O1' W_V' N_1'", s.t_268, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_275(s):
-        return s.mm("t_268 W_O2' W_V' N_1'", s.t_268, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_279(s):
-        return softmax_diff(s.A1, s.t_269)
-
-    @leaf
-    def t_280(s):
-        return softmax_diff(s.A2, s.t_275)
-
-    @leaf
-    def t_283(s):
-        return (math.sqrt(s.d_K)) * s.t_268
+    def t_232(s):
+        return (math.sqrt(s.d_K)) * s.t_215
 
     @leaf
     def S_2(s):
@@ -2474,15 +2438,15 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_65),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_66),
-            net(1, 'nab->nab', s.t_67),
+            net(1, 'nab->nab', s.t_54),
+            net(1, 'nab->nab', s.t_55),
         ])
 
     @leaf
@@ -2490,7 +2454,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_44),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_32),
         ])
 
     @leaf
@@ -2498,7 +2462,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_44, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_32, s.W_3),
         ])
 
     @leaf
@@ -2506,7 +2470,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_65, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_53, ONES, s.Y_2),
         ])
 
     @leaf
@@ -2546,16 +2510,16 @@ class mse_causal1(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_69),
-            net(2, 'nab->nab', s.t_70),
+            net(1, 'nab->nab', s.t_57),
+            net(2, 'nab->nab', s.t_58),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_71),
-            net(1, 'nab->nab', s.t_72),
+            net(1, 'nab->nab', s.t_59),
+            net(1, 'nab->nab', s.t_60),
         ])
 
     @leaf
@@ -2578,17 +2542,17 @@ class mse_causal1(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_73, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_75, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_65, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_61, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_63, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_76, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_77, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_64, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_65, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -2597,16 +2561,16 @@ class mse_causal1(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_38, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_38, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_38),
+            net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_26, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_26),
         ])
 
     @leaf
     def S_18(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_18', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_7, s.S_17, s.t_8, s.dA),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_17, s.t_4, s.dA),
             net(1, 'nabc->nabc', s.d2A),
         ])
 
@@ -2662,16 +2626,16 @@ class mse_causal1(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_47, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_47, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_47),
+            net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_35, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_35),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_24', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_45, s.S_17, s.t_10, s.dA_2),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -2679,26 +2643,26 @@ class mse_causal1(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_80, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_80, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_80),
+            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_68, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_68),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_81, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_82, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_65, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_69, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_70, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_26(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_26', [
-            net(1, 'nab,bc->nabc', s.t_83, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_84, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_72, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_25),
         ])
@@ -2707,9 +2671,9 @@ class mse_causal1(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_86, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_86, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_86),
+            net(1, 'nab,bc->nabc', s.t_74, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_74, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_74),
         ])
 
     @leaf
@@ -2717,7 +2681,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_27', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_65),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
         ])
 
     @leaf
@@ -2741,8 +2705,8 @@ class mse_causal1(Forward):
     def S_30(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_30', [
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_66),
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_67),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_54),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_55),
         ])
 
     @leaf
@@ -2756,389 +2720,389 @@ class mse_causal1(Forward):
     def block__W_Q1__W_Q1__outer(s):
         """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_9, s.t_8, s.dA, s.t_9, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_9, s.t_4, s.dA, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q1__functional(s):
         """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_6, s.S_18, s.t_9, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_18, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__outer(s):
         """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_9, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__functional(s):
         """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_17, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_K__outer(s):
         """H_o(W_Q1, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_Q1__W_K__functional(s):
         """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_6, s.d2A, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_38, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_26, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
         """H_o(W_Q1, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_39, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_39, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_9, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_29),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA, s.t_42, s.t_36),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_6, s.dA, s.t_42, s.W_O1, s.S_17, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.t_24),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.W_O1, s.S_17, s.t_29),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_9, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_31),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_31),
         ]
 
     def block__W_Q1__W_1__outer(s):
         """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q1__W_1__functional(s):
         """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_22, s.W_2, s.t_44, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
         """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q1__W_2__outer(s):
         """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_22, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.t_15),
         ]
 
     def block__W_Q1__W_2__functional(s):
         """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_9, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
         """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_6, s.S_24, s.t_9, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_24, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_6, s.d2A_2, s.t_20, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_45, s.S_17, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_45, s.S_17, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_47, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_8, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_35, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA_2, s.N_1, s.t_48, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA_2, s.N_1, s.t_48, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA_2, s.N_1, s.t_49),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_36, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_36, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_37),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_9, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_29),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_45, s.S_17, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_29),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_9, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_31),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_42, s.t_36),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_6, s.dA_2, s.t_42, s.W_O2, s.S_17, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.t_24),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.W_O2, s.S_17, s.t_31),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_22, s.W_2, s.t_44, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_6, s.dA_2, s.t_45, s.S_22, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.t_15),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_6, s.dA_2, s.t_45, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_50, s.d2A_3, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_26, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_26, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_51, s.d2A_4, s.t_20, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_26, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_26, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_38, s.d2A_3, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_39, s.d2A_4, s.t_8, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_50, s.dA, s.N_1, s.t_39, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_50, s.dA, s.N_1, s.t_39, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_50, s.dA, s.N_1, s.t_57),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_51, s.dA_2, s.N_1, s.t_48, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_51, s.dA_2, s.N_1, s.t_48, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_51, s.dA_2, s.N_1, s.t_58),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_27, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_27, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_45),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_2, s.N_1, s.t_36, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_2, s.N_1, s.t_36, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_2, s.N_1, s.t_46),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_9, s.t_41),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_9, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_9, s.t_29),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_50, s.dA, s.t_42, s.t_56),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_50, s.dA, s.t_42, s.W_O1, s.S_26, s.t_41),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_26, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.t_30, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_30, s.W_O1, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_26, s.t_29),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_9, s.t_43),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_9, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_9, s.t_31),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_26, s.t_43),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_42, s.t_56),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_42, s.W_O2, s.S_26, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_30, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_30, s.W_O2, s.S_26, s.t_31),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_22, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_22, s.W_2, s.t_44, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_22, s.W_2, s.t_44, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_50, s.dA, s.t_7, s.S_22, s.t_27),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_51, s.dA_2, s.t_45, s.S_22, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_22, s.t_15),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_50, s.dA, s.t_7, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_51, s.dA_2, s.t_45, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -3174,31 +3138,31 @@ class mse_causal1(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_41),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_41),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_29),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_29),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_59, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_41),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_41),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_47, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_29),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_43),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_43),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_31),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_31),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_60, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_43),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_43),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_48, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_31),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -3211,33 +3175,33 @@ class mse_causal1(Forward):
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_17),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_17),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_44, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_44, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
         """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_30),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_18),
             net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_30),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_18),
             net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_22, s.t_27),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_22, s.t_27),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_22, s.t_15),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_22, s.t_15),
         ]
 
     def block__W_V__W_2__functional(s):
@@ -3250,119 +3214,119 @@ class mse_causal1(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_28, s.t_41),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_29),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_26, s.t_41),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_29),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_28, s.t_43),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_31),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_26, s.t_43),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_31),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_61, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_49, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_61, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_61, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_49, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_49, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_61, s.S_29, s.W_2, s.t_44, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_49, s.S_29, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_61, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_61, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_49, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_49, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_61, s.S_29, s.t_27),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_29, s.t_15),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_61, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_49, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_62, s.S_28, s.t_43),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_28, s.t_31),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_62, s.S_26, s.t_43),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_26, s.t_31),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_62, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_50, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_62, s.S_3, s.t_29),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_62, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_50, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_62, s.S_29, s.W_2, s.t_44, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_50, s.S_29, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_62, s.S_3, s.t_30),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_62, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_50, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_62, s.S_29, s.t_27),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_29, s.t_15),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_62, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_50, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_63, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_51, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
@@ -3374,7 +3338,7 @@ class mse_causal1(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_63, s.t_44, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_51, s.t_32, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -3386,7 +3350,7 @@ class mse_causal1(Forward):
     def block__W_1__W_2__outer(s):
         """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad,ce->bc|de', s.N_2, s.S_30, s.t_27, s.W_2),
+            net(1/s.n_batch, 'nab,nac,nad,ce->bc|de', s.N_2, s.S_30, s.t_15, s.W_2),
         ]
 
     def block__W_1__W_2__functional(s):
@@ -3398,46 +3362,46 @@ class mse_causal1(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_44, s.t_63, s.t_44, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_32, s.t_51, s.t_32, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ W_2))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_44, s.t_27, s.W_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_32, s.t_15, s.W_2),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_44, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_32, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 2/(L*d_V)*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_64, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_52, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q1(s):
         """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_8, s.dA, s.t_9, s.S_10, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_4, s.dA, s.t_5, s.S_10, s.N_1),
         ]
 
     def jacobian__W_Q2(s):
         """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_10, s.dA_2, s.t_9, s.S_10, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_31, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_8, s.dA, s.t_15, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_10, s.dA_2, s.t_20, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def jacobian__W_V(s):
@@ -3452,13 +3416,13 @@ class mse_causal1(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_41),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_29),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_43),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_31),
         ]
 
     def jacobian__W_1(s):
@@ -3470,229 +3434,177 @@ class mse_causal1(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_44, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_32, s.N_2),
         ]
 
     def jacobian__W_2(s):
         """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_27, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_15, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_89, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_77, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_91", tr(s.N_1), s.t_91), (1, "N_1' t_92 R'", tr(s.N_1), s.t_92, tr(s.R)), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_94 R'", tr(s.N_1), s.t_94, tr(s.R)), (1, "N_1' t_95", tr(s.N_1), s.t_95), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_99 R'", tr(s.N_1), s.t_99, tr(s.R)), (1, "N_1' t_100", tr(s.N_1), s.t_100), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_56 W_O2'", tr(s.N_1), tr(s.A2), s.t_56, tr(s.W_O2)), (1, "N_1' A1' t_56 W_O1'", tr(s.N_1), tr(s.A1), s.t_56, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_56", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_56, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_56", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_56, mean=True)
-        out_W_1 = s.mm("N_2' t_29", tr(s.N_2), s.t_29, mean=True)
-        out_W_3 = s.mm("N_2' t_30", tr(s.N_2), s.t_30, mean=True)
-        out_W_2 = s.mm("t_27' G", tr(s.t_27), s.G, mean=True)
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_79", tr(s.N_1), s.t_79), (1, "N_1' t_80 R'", tr(s.N_1), s.t_80, tr(s.R)), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_82 R'", tr(s.N_1), s.t_82, tr(s.R)), (1, "N_1' t_83", tr(s.N_1), s.t_83), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_87 R'", tr(s.N_1), s.t_87, tr(s.R)), (1, "N_1' t_88", tr(s.N_1), s.t_88), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_44 W_O2'", tr(s.N_1), tr(s.A2), s.t_44, tr(s.W_O2)), (1, "N_1' A1' t_44 W_O1'", tr(s.N_1), tr(s.A1), s.t_44, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_44", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_44, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_44", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_44, mean=True)
+        out_W_1 = s.mm("N_2' t_17", tr(s.N_2), s.t_17, mean=True)
+        out_W_3 = s.mm("N_2' t_18", tr(s.N_2), s.t_18, mean=True)
+        out_W_2 = s.mm("t_15' G", tr(s.t_15), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_101 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_102 = (t_101 * tr(s.S))
-        t_103 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_104 = (t_103 * tr(s.C))
-        t_105 = (t_102 + t_104)
-        t_106 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_107 = (s.mm("t_50' _", tr(s.t_50), t_105) + s.mm("_ t_9'", t_106, tr(s.t_9)))
-        t_108 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_107)
-        t_109 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_110 = (s.mm("_ t_9'", t_109, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_105))
-        t_111 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_110)
-        t_112 = s.mm('_ N_1 W_V W_O2', t_111, s.N_1, s.W_V, s.W_O2)
-        t_113 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_114 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_115 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_116 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_108, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_112), (1, t_113), (1, t_114), (1, t_115))
-        t_117 = (t_116 * s.R_N_2)
-        t_118 = (t_116 * s.Y_2)
-        t_119 = s.mm('_ one', t_118, s.one)
-        t_120 = (t_119 * s.t_33 * s.Y_2)
-        t_121 = lin((1, t_117), (2/s.d_V, t_120))
-        t_122 = s.mm('_ W_3', t_121, s.W_3)
-        t_123 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_124 = (t_122 + t_123)
-        t_125 = (t_124 * s.t_25 * s.t_23)
-        t_126 = s.mm('_ W_1', t_121, s.W_1)
-        t_127 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_128 = (t_126 + t_127)
-        t_129 = (t_128 * s.t_24 * s.t_23 * s.t_26)
-        t_130 = (t_128 * s.t_25 * s.t_26)
-        t_131 = lin((1, t_125), (1, t_129), (1, t_130))
-        t_132 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_108, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.mm('_ W_2', t_131, s.W_2)), (1, s.mm('t_27 _', s.t_27, V_W_2)), (1, t_112), (1, t_113), (1, t_114), (1, t_115))
-        t_133 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_132, tr(s.W_2))
-        t_134 = ((s.t_24 * t_133 * s.t_23 * s.t_26) + (s.t_25 * t_133 * s.t_26))
-        t_135 = (s.t_25 * t_133 * s.t_23)
-        t_136 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_134, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_135, tr(s.W_3))))
-        t_137 = (math.sqrt(s.d_K)) * t_136
-        t_138 = s.mm('_ one', ((2/(math.sqrt(s.d_K)*s.d_V)) * t_137 * s.t_33 * s.Y_2), s.one)
-        t_139 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_132), (1, t_136, s.R_N_2), (1, t_138, s.Y_2))
-        t_140 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_139, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_141 = s.mm("_ t_6'", t_140, tr(s.t_6))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_141 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_141 * s.C)), mean=True)
-        t_142 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_139, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_143 = s.mm("_ t_6'", t_142, tr(s.t_6))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_143 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_143 * s.S), tr(s.R)), mean=True)
-        t_144 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_132), (1/math.sqrt(s.d_K), t_137, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', ((2/s.d_V) * t_137 * s.t_33 * s.Y_2), s.one), s.Y_2))
-        t_145 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_146 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_147 = (s.mm("_ t_50'", tr(t_145), tr(s.t_50)) + s.mm("_ t_51'", tr(t_146), tr(s.t_51)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), mean=True)
-        t_148 = (math.sqrt(s.d_K)) * t_144
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_148, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_148, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_148, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_148, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_134, mean=True)
-        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_135, mean=True)
-        t_149 = s.mm("t_27' _", tr(s.t_27), (2/(s.L*s.d_V)) * t_132)
-        out_W_2 = mean0(t_149, True)
+        t_89 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_91 = lin((1, s.prod("t_38' _", tr(s.t_38), t_89)), (1, s.prod("_ t_5'", t_90, tr(s.t_5))))
+        t_92 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_91)
+        t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_95 = lin((1, s.prod("_ t_5'", t_94, tr(s.t_5))), (1, s.prod("t_39' _", tr(s.t_39), t_89)))
+        t_96 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_95)
+        t_97 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_96, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_98 = s.mm('_ one', (t_97 * s.Y_2), s.one)
+        t_99 = (t_98 * s.t_53)
+        t_100 = lin((1, t_97, s.R_N_2), (2/s.d_V, t_99))
+        t_101 = lin((1, s.prod('_ W_1', t_100, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_102 = lin((1, s.prod('_ W_3', t_100, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_103 = ((s.t_93 * t_101) + (s.t_32 * t_102))
+        t_104 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_103, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_96, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_105 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_104, tr(s.W_2))
+        t_106 = (s.t_93 * t_105)
+        t_107 = (s.t_32 * t_105)
+        t_108 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_106, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_107, tr(s.W_3))))
+        t_109 = (math.sqrt(s.d_K)) * t_108
+        t_110 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_104), (1, t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_109), s.one), s.Y_2))
+        t_111 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_110, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_112 = s.mm("_ t_2'", t_111, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_112 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_112 * s.S), tr(s.R)), mean=True)
+        t_113 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_110, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_114 = s.mm("_ t_2'", t_113, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_114 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_114 * s.S), tr(s.R)), mean=True)
+        t_115 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_104), (1/math.sqrt(s.d_K), t_109, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', (s.t_53 * (2/s.d_V) * t_109), s.one), s.Y_2))
+        t_116 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_115, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_117 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_115, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_118 = lin((1, s.prod("_ t_38'", tr(t_116), tr(s.t_38))), (1, s.prod("_ t_39'", tr(t_117), tr(s.t_39))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_118 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_118 * s.S), tr(s.R)), mean=True)
+        t_119 = (math.sqrt(s.d_K)) * t_115
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_119, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_119, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_119, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_119, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_106, mean=True)
+        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_107, mean=True)
+        t_120 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_104)
+        out_W_2 = mean0(t_120, True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_150 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_151 = (t_150 * tr(s.S))
-        t_152 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_153 = (t_152 * tr(s.C))
-        t_154 = (t_151 + t_153)
-        t_155 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_156 = (s.mm("t_50' _", tr(s.t_50), t_154) + s.mm("_ t_9'", t_155, tr(s.t_9)))
-        t_157 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_156)
-        t_158 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_159 = (s.mm("_ t_9'", t_158, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_154))
-        t_160 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_159)
-        t_161 = s.mm('_ N_1 W_V W_O2', t_160, s.N_1, s.W_V, s.W_O2)
-        t_162 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_163 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_164 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_165 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_157, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_161), (1, t_162), (1, t_163), (1, t_164))
-        t_166 = (t_165 * s.R_N_2)
-        t_167 = (t_165 * s.Y_2)
-        t_168 = s.mm('_ one', t_167, s.one)
-        t_169 = (t_168 * s.t_33 * s.Y_2)
-        t_170 = lin((1, t_166), (2/s.d_V, t_169))
-        t_171 = s.mm('_ W_1', t_170, s.W_1)
-        t_172 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_173 = (t_171 + t_172)
-        t_174 = s.mm('G _', s.G, tr(V_W_2))
-        t_175 = lin((1, (t_173 * s.t_24 * s.t_28), s.t_23), (1, (t_173 * s.t_25), s.t_28), (1, (s.t_25 * t_174), s.t_23))
-        t_176 = s.mm('_ W_3', t_170, s.W_3)
-        t_177 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_178 = (t_176 + t_177)
-        t_179 = lin((1, (t_178 * s.t_25), s.t_28), (1, (t_173 * s.t_68 * s.t_28 * s.t_23), s.t_26), (1, (t_178 * s.t_24 * s.t_28), s.t_23), (2, (t_173 * s.t_24 * s.t_28), s.t_26), (1, (s.t_24 * t_174 * s.t_23), s.t_26), (1, (s.t_25 * t_174), s.t_26))
-        t_180 = lin((1/math.sqrt(s.d_K), s.mm("_ W_3'", t_175, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm("_ W_1'", t_179, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm('t_29 _', s.t_29, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_30 _', s.t_30, tr(V_W_3))))
-        t_181 = (math.sqrt(s.d_K)) * t_180
-        t_182 = lin((1, (t_165 * s.t_32), s.t_33), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_181 * s.t_33), s.Y_2), (2/s.d_V, (t_168 * s.t_32 * s.t_74), s.Y_2))
-        t_183 = lin((1, s.t_35, t_165), (1, t_180, s.R_N_2), (2/s.d_V, (t_168 * s.t_31), s.t_33), (1, s.mm('_ one', t_182, s.one), s.Y_2))
-        t_184 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_183, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_36 _ W_V' N_1'", s.t_36, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_36 W_O1' _ N_1'", s.t_36, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_185 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_156, s.t_37) + softmax_diff(s.A1, t_184))
-        t_186 = (s.mm("_ t_6'", t_185, tr(s.t_6)) + s.mm('t_38 _', s.t_38, tr(t_154)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_186 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_186 * s.C)), mean=True)
-        t_187 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_183, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_36 _ W_V' N_1'", s.t_36, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_36 W_O2' _ N_1'", s.t_36, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_188 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_159, s.t_46) + softmax_diff(s.A2, t_187))
-        t_189 = (s.mm("_ t_6'", t_188, tr(s.t_6)) + s.mm('t_47 _', s.t_47, tr(t_154)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_189 * s.C)), mean=True)
-        t_190 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_156, s.t_79)
-        t_191 = lin((1, (t_165 * s.t_53), s.t_33), (1, ((2/s.d_V) * t_181 * s.t_33), s.Y_2), (2/s.d_V, (t_168 * s.t_53 * s.t_74), s.Y_2))
-        t_192 = lin((1/math.sqrt(s.d_K), t_181, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_168 * s.t_52), s.t_33), (1/math.sqrt(s.d_K), s.t_55, t_165), (1/math.sqrt(s.d_K), s.mm('_ one', t_191, s.one), s.Y_2))
-        t_193 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_192, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_78 _ W_V' N_1'", s.t_78, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_78 W_O1' _ N_1'", s.t_78, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_194 = softmax_diff(s.A1, t_193)
-        t_195 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_159, s.t_85)
-        t_196 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_192, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_78 W_O2' _ N_1'", s.t_78, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_78 _ W_V' N_1'", s.t_78, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_197 = softmax_diff(s.A2, t_196)
-        t_198 = lin((1, s.mm("_ t_50'", (tr(t_190) + tr(t_194)), tr(s.t_50))), (1, s.mm("_ t_51'", (tr(t_195) + tr(t_197)), tr(s.t_51))), (1, s.mm("t_80' _", tr(s.t_80), t_155)), (1, s.mm("t_86' _", tr(s.t_86), t_158)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_198 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_198 * s.S), tr(s.R)), mean=True)
-        t_199 = (math.sqrt(s.d_K)) * t_192
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_56 W_O2'", tr(s.N_1), tr(t_160), s.t_56, tr(s.W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_199, tr(s.W_O2)), (1, "N_1' A1' t_56 _", tr(s.N_1), tr(s.A1), s.t_56, tr(V_W_O1)), (1, "N_1' _ t_56 W_O1'", tr(s.N_1), tr(t_157), s.t_56, tr(s.W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_199, tr(s.W_O1)), (1, "N_1' A2' t_56 _", tr(s.N_1), tr(s.A2), s.t_56, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_56", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_56), (1, "W_V' N_1' _ t_56", tr(s.W_V), tr(s.N_1), tr(t_157), s.t_56), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_199, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_56", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_56), (1, "W_V' N_1' _ t_56", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_56), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_199, mean=True)))
-        out_W_1 = (s.mm('_ t_29', tr(t_170), s.t_29, mean=True) + s.mm("N_2' _", tr(s.N_2), t_179, mean=True))
-        out_W_3 = (s.mm('_ t_30', tr(t_170), s.t_30, mean=True) + s.mm("N_2' _", tr(s.N_2), t_175, mean=True))
-        t_200 = (tr(t_173) * tr(s.t_25) * tr(s.t_26))
-        t_201 = (tr(t_173) * tr(s.t_24) * tr(s.t_23) * tr(s.t_26))
-        t_202 = (tr(t_178) * tr(s.t_25) * tr(s.t_23))
-        t_203 = lin((1, t_200), (1, t_201), (1, t_202))
-        out_W_2 = s.mm('_ G', t_203, s.G, mean=True)
+        t_121 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_122 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_123 = lin((1, s.prod("t_38' _", tr(s.t_38), t_121)), (1, s.prod("_ t_5'", t_122, tr(s.t_5))))
+        t_124 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_123)
+        t_125 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_126 = lin((1, s.prod("_ t_5'", t_125, tr(s.t_5))), (1, s.prod("t_39' _", tr(s.t_39), t_121)))
+        t_127 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_126)
+        t_128 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_124, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_127, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_130 = s.mm('_ one', (t_128 * s.Y_2), s.one)
+        t_131 = (t_130 * s.t_53)
+        t_132 = lin((1, t_128, s.R_N_2), (2/s.d_V, t_131))
+        t_133 = lin((1, s.prod('_ W_1', t_132, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_134 = s.mm('G _', s.G, tr(V_W_2))
+        t_136 = lin((1, s.prod('_ W_3', t_132, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_137 = lin((1, s.t_129, t_133), (1, s.t_93, t_134), (1, s.t_135, t_136))
+        t_138 = ((s.t_135 * t_133) + (s.t_32 * t_134))
+        t_139 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_137, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_138, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_17 _', s.t_17, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_18 _', s.t_18, tr(V_W_3))))
+        t_140 = (math.sqrt(s.d_K)) * t_139
+        t_141 = lin((1, s.t_61, t_128), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_140), (2/s.d_V, t_130, s.t_63))
+        t_142 = lin((1, s.t_23, t_128), (1, t_139, s.R_N_2), (2/s.d_V, t_130, s.t_65), (1, s.mm('_ one', t_141, s.one), s.Y_2))
+        t_143 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_142, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_24 _ W_V' N_1'", s.t_24, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_24 W_O1' _ N_1'", s.t_24, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_144 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_25) + softmax_diff(s.A1, t_143))
+        t_145 = lin((1, s.prod("_ t_2'", t_144, tr(s.t_2))), (1, s.prod('t_26 _', s.t_26, tr(t_121))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_145 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_145 * s.S), tr(s.R)), mean=True)
+        t_146 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_142, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_24 _ W_V' N_1'", s.t_24, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_24 W_O2' _ N_1'", s.t_24, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_147 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_34) + softmax_diff(s.A2, t_146))
+        t_148 = lin((1, s.prod("_ t_2'", t_147, tr(s.t_2))), (1, s.prod('t_35 _', s.t_35, tr(t_121))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_148 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_148 * s.S), tr(s.R)), mean=True)
+        t_149 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_67)
+        t_150 = lin((1, s.t_69, t_128), (1, s.t_53, (2/s.d_V) * t_140), (2/s.d_V, t_130, s.t_70))
+        t_151 = lin((1/math.sqrt(s.d_K), t_140, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_130, s.t_72), (1/math.sqrt(s.d_K), s.t_43, t_128), (1/math.sqrt(s.d_K), s.mm('_ one', t_150, s.one), s.Y_2))
+        t_152 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_151, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O1' _ N_1'", s.t_66, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_153 = softmax_diff(s.A1, t_152)
+        t_154 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_73)
+        t_155 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_151, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O2' _ N_1'", s.t_66, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_156 = softmax_diff(s.A2, t_155)
+        t_157 = lin((1, s.prod("_ t_38'", (tr(t_149) + tr(t_153)), tr(s.t_38))), (1, s.prod("_ t_39'", (tr(t_154) + tr(t_156)), tr(s.t_39))), (1, s.prod("t_68' _", tr(s.t_68), t_122)), (1, s.prod("t_74' _", tr(s.t_74), t_125)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_157 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_157 * s.C)), mean=True)
+        t_158 = (math.sqrt(s.d_K)) * t_151
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_44 W_O2'", tr(s.N_1), tr(t_127), s.t_44, tr(s.W_O2)), (1, "N_1' A1' t_44 _", tr(s.N_1), tr(s.A1), s.t_44, tr(V_W_O1)), (1, "N_1' _ t_44 W_O1'", tr(s.N_1), tr(t_124), s.t_44, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_158, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_158, tr(s.W_O1)), (1, "N_1' A2' t_44 _", tr(s.N_1), tr(s.A2), s.t_44, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_44", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_124), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_158, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_158, mean=True)))
+        out_W_1 = (s.mm('_ t_17', tr(t_132), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_137, mean=True))
+        out_W_3 = (s.mm('_ t_18', tr(t_132), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_138, mean=True))
+        t_160 = ((tr(s.t_93) * tr(t_133)) + (s.t_159 * tr(t_136)))
+        out_W_2 = s.mm('_ G', t_160, s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_204 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_205 = (t_204 * tr(s.S))
-        t_206 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_207 = (t_206 * tr(s.C))
-        t_208 = (t_205 + t_207)
-        t_209 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_210 = (s.mm("t_50' _", tr(s.t_50), t_208) + s.mm("_ t_9'", t_209, tr(s.t_9)))
-        t_224 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_210)
-        t_225 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_226 = (s.mm("_ t_9'", t_225, tr(s.t_9)) + s.mm("t_51' _", tr(s.t_51), t_208))
-        t_227 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_226)
-        t_228 = s.mm('_ N_1 W_V W_O2', t_227, s.N_1, s.W_V, s.W_O2)
-        t_229 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_230 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_231 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_232 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_224, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_228), (1, t_229), (1, t_230), (1, t_231))
-        t_233 = (t_232 * s.R_N_2)
-        t_234 = (t_232 * s.Y_2)
-        t_235 = s.mm('_ one', t_234, s.one)
-        t_236 = (t_235 * s.t_33 * s.Y_2)
-        t_237 = lin((1, t_233), (2/s.d_V, t_236))
-        t_238 = s.mm('_ W_3', t_237, s.W_3)
-        t_239 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_240 = (t_238 + t_239)
-        t_241 = (t_240 * s.t_25 * s.t_23)
-        t_242 = s.mm('_ W_1', t_237, s.W_1)
-        t_243 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_244 = (t_242 + t_243)
-        t_245 = (t_244 * s.t_24 * s.t_23 * s.t_26)
-        t_246 = (t_244 * s.t_25 * s.t_26)
-        t_247 = lin((1, t_241), (1, t_245), (1, t_246))
-        t_248 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_224, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.mm('_ W_2', t_247, s.W_2)), (1, s.mm('t_27 _', s.t_27, V_W_2)), (1, t_228), (1, t_229), (1, t_230), (1, t_231))
-        t_249 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_248, tr(s.W_2))
-        t_250 = (t_249 + s.mm('G _', s.G, tr(V_W_2)))
-        t_251 = lin((1, (t_244 * s.t_25), s.t_211), (1, (t_244 * s.t_24 * s.t_211), s.t_23), (1, (t_250 * s.t_25), s.t_23))
-        t_252 = lin((1, (t_244 * s.t_24 * s.t_211), s.t_26), (1/2, (t_240 * s.t_24 * s.t_211), s.t_23), (1/2, (t_244 * s.t_68 * s.t_211 * s.t_23), s.t_26), (1/2, (t_240 * s.t_25), s.t_211), (1/2, (t_250 * s.t_25), s.t_26), (1/2, (t_250 * s.t_24 * s.t_23), s.t_26))
-        t_253 = lin((1/math.sqrt(s.d_K), s.mm("_ W_3'", t_251, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_214 _', s.t_214, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_1'", 2 * t_252, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm('t_216 _', s.t_216, tr(V_W_3))))
-        t_254 = (math.sqrt(s.d_K)) * t_253
-        t_255 = lin((1, (t_232 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_219), s.t_33), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_254 * s.t_33), s.Y_2), (2/s.d_V, (t_235 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_219 * s.t_74), s.Y_2))
-        t_256 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_248), (1, s.t_221, t_232), (1, t_253, s.R_N_2), (2/s.d_V, (t_235 * s.t_218), s.t_33), (1, s.mm('_ one', t_255, s.one), s.Y_2))
-        t_257 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_256, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_222 W_O1' _ N_1'", s.t_222, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_222 _ W_V' N_1'", s.t_222, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_258 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_210, s.t_223) + softmax_diff(s.A1, t_257))
-        t_260 = (s.mm("_ t_6'", t_258, tr(s.t_6)) + s.mm('t_259 _', s.t_259, tr(t_208)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_260 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_260 * s.C)), mean=True)
-        t_262 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_256, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_222 W_O2' _ N_1'", s.t_222, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_222 _ W_V' N_1'", s.t_222, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_263 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_226, s.t_261) + softmax_diff(s.A2, t_262))
-        t_265 = (s.mm("_ t_6'", t_263, tr(s.t_6)) + s.mm('t_264 _', s.t_264, tr(t_208)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_265 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_265 * s.S), tr(s.R)), mean=True)
-        t_270 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_210, s.t_269)
-        t_271 = lin((1, (t_232 * (2/s.d_V) * s.t_219), s.t_33), (1, ((2/s.d_V) * t_254 * s.t_33), s.Y_2), (2/s.d_V, (t_235 * (2/s.d_V) * s.t_219 * s.t_74), s.Y_2))
-        t_272 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_248), (1/math.sqrt(s.d_K), t_254, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_235 * s.t_219), s.t_33), (1/math.sqrt(s.d_K), s.t_267, t_232), (1/math.sqrt(s.d_K), s.mm('_ one', t_271, s.one), s.Y_2))
-        t_273 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_272, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_268 W_O1' _ N_1'", s.t_268, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_268 _ W_V' N_1'", s.t_268, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_274 = softmax_diff(s.A1, t_273)
-        t_276 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_226, s.t_275)
-        t_277 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_272, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_268 _ W_V' N_1'", s.t_268, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_268 W_O2' _ N_1'", s.t_268, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_278 = softmax_diff(s.A2, t_277)
-        t_281 = lin((1, s.mm("_ t_50'", (tr(t_270) + tr(t_274)), tr(s.t_50))), (1, s.mm("_ t_51'", (tr(t_276) + tr(t_278)), tr(s.t_51))), (1, s.mm("t_279' _", tr(s.t_279), t_209)), (1, s.mm("t_280' _", tr(s.t_280), t_225)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_281 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_281 * s.C)), mean=True)
-        t_282 = (math.sqrt(s.d_K)) * t_272
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_282, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_282, tr(s.W_O1)), (1, "N_1' _ t_283 W_O1'", tr(s.N_1), tr(t_224), s.t_283, tr(s.W_O1)), (1, "N_1' A1' t_283 _", tr(s.N_1), tr(s.A1), s.t_283, tr(V_W_O1)), (1, "N_1' A2' t_283 _", tr(s.N_1), tr(s.A2), s.t_283, tr(V_W_O2)), (1, "N_1' _ t_283 W_O2'", tr(s.N_1), tr(t_227), s.t_283, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_283", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_283), (1, "W_V' N_1' _ t_283", tr(s.W_V), tr(s.N_1), tr(t_224), s.t_283), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_282, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_283", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_283), (1, "W_V' N_1' _ t_283", tr(s.W_V), tr(s.N_1), tr(t_227), s.t_283), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_282, mean=True)))
-        out_W_1 = (s.mm('_ t_214', tr(t_237), s.t_214, mean=True) + s.mm("N_2' _", tr(s.N_2), 2 * t_252, mean=True))
-        out_W_3 = (s.mm('_ t_216', tr(t_237), s.t_216, mean=True) + s.mm("N_2' _", tr(s.N_2), t_251, mean=True))
-        t_284 = s.mm("t_27' _", tr(s.t_27), (2/(s.L*s.d_V)) * t_248)
-        out_W_2 = (s.mm('_ G', tr(t_247), s.G, mean=True) + mean0(t_284, True))
+        t_161 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_162 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_163 = lin((1, s.prod("t_38' _", tr(s.t_38), t_161)), (1, s.prod("_ t_5'", t_162, tr(s.t_5))))
+        t_177 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_163)
+        t_178 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_179 = lin((1, s.prod("_ t_5'", t_178, tr(s.t_5))), (1, s.prod("t_39' _", tr(s.t_39), t_161)))
+        t_180 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_179)
+        t_181 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_177, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_180, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_182 = s.mm('_ one', (t_181 * s.Y_2), s.one)
+        t_183 = (t_182 * s.t_53)
+        t_184 = lin((1, t_181, s.R_N_2), (2/s.d_V, t_183))
+        t_185 = lin((1, s.prod('_ W_1', t_184, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_186 = lin((1, s.prod('_ W_3', t_184, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_187 = ((s.t_93 * t_185) + (s.t_32 * t_186))
+        t_188 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_177, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_187, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_180, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_193 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_188, tr(s.W_2))
+        t_194 = lin((1, t_193), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_195 = lin((1, s.t_189, t_185), (1, s.t_192, t_186), (1, s.t_93, t_194))
+        t_196 = ((s.t_192 * t_185) + (s.t_32 * t_194))
+        t_197 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_195, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_196, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_167 _', s.t_167, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_169 _', s.t_169, tr(V_W_3))))
+        t_200 = (math.sqrt(s.d_K)) * t_197
+        t_202 = lin((1, s.t_199, t_181), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_200), (2/s.d_V, t_182, s.t_201))
+        t_203 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_188), (1, s.t_174, t_181), (1, t_197, s.R_N_2), (2/s.d_V, t_182, s.t_198), (1, s.mm('_ one', t_202, s.one), s.Y_2))
+        t_204 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_203, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O1' _ N_1'", s.t_175, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_205 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_163, s.t_176) + softmax_diff(s.A1, t_204))
+        t_207 = lin((1, s.prod("_ t_2'", t_205, tr(s.t_2))), (1, s.prod('t_206 _', s.t_206, tr(t_161))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_207 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_207 * s.C)), mean=True)
+        t_209 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_203, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O2' _ N_1'", s.t_175, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_210 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_208) + softmax_diff(s.A2, t_209))
+        t_212 = lin((1, s.prod("_ t_2'", t_210, tr(s.t_2))), (1, s.prod('t_211 _', s.t_211, tr(t_161))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_212 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_212 * s.S), tr(s.R)), mean=True)
+        t_217 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_163, s.t_216)
+        t_221 = lin((1, s.t_219, t_181), (1, s.t_53, (2/s.d_V) * t_200), (2/s.d_V, t_182, s.t_220))
+        t_222 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_188), (1/math.sqrt(s.d_K), t_200, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_182, s.t_218), (1/math.sqrt(s.d_K), s.t_214, t_181), (1/math.sqrt(s.d_K), s.mm('_ one', t_221, s.one), s.Y_2))
+        t_223 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_222, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O1' _ N_1'", s.t_215, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_224 = softmax_diff(s.A1, t_223)
+        t_226 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_225)
+        t_227 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_222, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O2' _ N_1'", s.t_215, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_228 = softmax_diff(s.A2, t_227)
+        t_231 = lin((1, s.prod("_ t_38'", (tr(t_217) + tr(t_224)), tr(s.t_38))), (1, s.prod("_ t_39'", (tr(t_226) + tr(t_228)), tr(s.t_39))), (1, s.prod("t_229' _", tr(s.t_229), t_162)), (1, s.prod("t_230' _", tr(s.t_230), t_178)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_231 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_231 * s.S), tr(s.R)), mean=True)
+        t_233 = (math.sqrt(s.d_K)) * t_222
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_232 W_O1'", tr(s.N_1), tr(t_177), s.t_232, tr(s.W_O1)), (1, "N_1' A1' t_232 _", tr(s.N_1), tr(s.A1), s.t_232, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_233, tr(s.W_O2)), (1, "N_1' A2' t_232 _", tr(s.N_1), tr(s.A2), s.t_232, tr(V_W_O2)), (1, "N_1' _ t_232 W_O2'", tr(s.N_1), tr(t_180), s.t_232, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_233, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_232", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_232), (1, "W_V' N_1' _ t_232", tr(s.W_V), tr(s.N_1), tr(t_177), s.t_232), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_233, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_232", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_232), (1, "W_V' N_1' _ t_232", tr(s.W_V), tr(s.N_1), tr(t_180), s.t_232), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_233, mean=True)))
+        out_W_1 = (s.mm('_ t_167', tr(t_184), s.t_167, mean=True) + s.mm("N_2' _", tr(s.N_2), t_195, mean=True))
+        out_W_3 = (s.mm('_ t_169', tr(t_184), s.t_169, mean=True) + s.mm("N_2' _", tr(s.N_2), t_196, mean=True))
+        t_234 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_188)
+        out_W_2 = (s.mm('_ G', tr(t_187), s.G, mean=True) + mean0(t_234, True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -3700,16 +3612,16 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "77643b0948ae6357396a4219"
+    STAMP = "f3848bb683a091c453112111"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_285": 2,
-        "A1' t_59": 5,
+        "A1' t_236": 2,
+        "A1' t_47": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_285": 2,
-        "A2' t_59": 5,
+        "A2' t_236": 2,
+        "A2' t_47": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
@@ -3717,21 +3629,21 @@ class ce_causal0(Forward):
         'N_1 W_V': 59,
         'N_1 W_V W_O1': 15,
         'N_1 W_V W_O2': 15,
-        "N_1' A1' t_285": 2,
-        "N_1' A1' t_59": 4,
-        "N_1' A2' t_285": 2,
-        "N_1' A2' t_59": 4,
-        "W_O1 t_225'": 2,
-        "W_O1 t_271'": 2,
-        "W_O1 t_39'": 3,
-        "W_O1 t_59'": 3,
-        "W_O1 t_81'": 2,
+        "N_1' A1' t_236": 2,
+        "N_1' A1' t_47": 4,
+        "N_1' A2' t_236": 2,
+        "N_1' A2' t_47": 4,
+        "W_O1 t_179'": 2,
+        "W_O1 t_219'": 2,
+        "W_O1 t_27'": 3,
+        "W_O1 t_47'": 3,
+        "W_O1 t_69'": 2,
         "W_O1' W_V'": 16,
-        "W_O2 t_225'": 2,
-        "W_O2 t_271'": 2,
-        "W_O2 t_39'": 3,
-        "W_O2 t_59'": 3,
-        "W_O2 t_81'": 2,
+        "W_O2 t_179'": 2,
+        "W_O2 t_219'": 2,
+        "W_O2 t_27'": 3,
+        "W_O2 t_47'": 3,
+        "W_O2 t_69'": 2,
         "W_O2' W_V'": 16,
     }
 
@@ -3757,91 +3669,43 @@ class ce_causal0(Forward):
 
     @leaf
     def t_2(s):
-        return s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1))
+        return ((s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1)) * tr(s.C)))
 
     @leaf
     def t_3(s):
-        return (s.t_2 * tr(s.S))
-
-    @leaf
-    def t_4(s):
-        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
-
-    @leaf
-    def t_5(s):
-        return (s.t_4 * tr(s.C))
-
-    @leaf
-    def t_6(s):
-        return (s.t_3 + s.t_5)
-
-    @leaf
-    def t_7(s):
         return s.mm('N_1 W_V W_O1', s.N_1, s.W_V, s.W_O1)
 
     @leaf
-    def t_8(s):
+    def t_4(s):
         return s.mm('Y one', s.Y, s.one)
 
     @leaf
-    def t_9(s):
-        return bcast_last(s.t_8, s.d_V)
+    def t_5(s):
+        return bcast_last(s.t_4, s.d_V)
 
     @leaf
-    def t_10(s):
-        return tr(s.t_7)
+    def t_6(s):
+        return tr(s.t_3)
 
     @leaf
-    def t_11(s):
-        return tr(s.t_6)
+    def t_7(s):
+        return tr(s.t_2)
 
     @leaf
-    def t_12(s):
+    def t_8(s):
         return s.mm("W_O2' W_V' N_1'", tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_13(s):
-        return s.mm('N_1 W_Q1', s.N_1, s.W_Q1)
+    def t_9(s):
+        return ((s.mm('N_1 W_Q1', s.N_1, s.W_Q1) * s.C) + (s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R) * s.S))
 
     @leaf
-    def t_14(s):
-        return (s.t_13 * s.C)
-
-    @leaf
-    def t_15(s):
-        return s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R)
-
-    @leaf
-    def t_16(s):
-        return (s.t_15 * s.S)
-
-    @leaf
-    def t_17(s):
-        return (s.t_14 + s.t_16)
-
-    @leaf
-    def t_18(s):
-        return s.mm('N_1 W_Q2', s.N_1, s.W_Q2)
-
-    @leaf
-    def t_19(s):
-        return (s.t_18 * s.C)
-
-    @leaf
-    def t_20(s):
-        return s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R)
-
-    @leaf
-    def t_21(s):
-        return (s.t_20 * s.S)
-
-    @leaf
-    def t_22(s):
-        return (s.t_19 + s.t_21)
+    def t_10(s):
+        return ((s.mm('N_1 W_Q2', s.N_1, s.W_Q2) * s.C) + (s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R) * s.S))
 
     @leaf
     def T1(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_17 t_11'", s.t_17, tr(s.t_11))
+        return (1/math.sqrt(s.d_K)) * s.mm("t_9 t_7'", s.t_9, tr(s.t_7))
 
     @leaf
     def A1(s):
@@ -3849,7 +3713,7 @@ class ce_causal0(Forward):
 
     @leaf
     def T2(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_22 t_11'", s.t_22, tr(s.t_11))
+        return (1/math.sqrt(s.d_K)) * s.mm("t_10 t_7'", s.t_10, tr(s.t_7))
 
     @leaf
     def A2(s):
@@ -3860,448 +3724,508 @@ class ce_causal0(Forward):
         return lin((1, s.mm('A1 N_1 W_V W_O1', s.A1, s.N_1, s.W_V, s.W_O1)), (1, s.mm('A2 N_1 W_V W_O2', s.A2, s.N_1, s.W_V, s.W_O2)), (1, s.X))
 
     @leaf
-    def t_23(s):
+    def t_11(s):
         return (s.Y_2 * s.Y_2)
 
     @leaf
     def ms_N_2(s):
-        return (1/s.d_V) * s.mm('t_23 one', s.t_23, s.one)
+        return (1/s.d_V) * s.mm('t_11 one', s.t_11, s.one)
 
     @leaf
-    def t_24(s):
+    def t_12(s):
         return lin((1, s.ms_N_2), (1/1000000, ones((s.L, s.d_V), s.like)))
 
     @leaf
     def R_N_2(s):
-        return (s.t_24 ** -0.5)
+        return (s.t_12 ** -0.5)
 
     @leaf
     def N_2(s):
         return (s.R_N_2 * s.Y_2)
 
     @leaf
-    def t_25(s):
+    def t_13(s):
         return s.mm('N_2 W_1', s.N_2, s.W_1)
 
     @leaf
-    def t_26(s):
-        return ((1.0 + (-1.0 * sigmoid(s.t_25))) * sigmoid(s.t_25))
+    def t_14(s):
+        return sigmoid(s.t_13)
 
     @leaf
-    def t_27(s):
-        return sigmoid(s.t_25)
+    def t_15(s):
+        return ((1.0 - s.t_14) * s.t_14)
 
     @leaf
-    def t_28(s):
+    def t_16(s):
         return s.mm('N_2 W_3', s.N_2, s.W_3)
 
     @leaf
-    def t_29(s):
-        return (s.t_27 * s.t_25 * s.t_28)
+    def t_17(s):
+        return mul(s.t_14, s.t_13, s.t_16)
 
     @leaf
     def F(s):
-        return (s.mm('t_29 W_2', s.t_29, s.W_2) + s.Y_2)
+        return (s.mm('t_17 W_2', s.t_17, s.W_2) + s.Y_2)
 
     @leaf
-    def t_30(s):
+    def t_18(s):
         return softmax_rows(s.F)
 
     @leaf
     def G(s):
-        return lin((1/s.L, s.t_8, s.t_30), (-1/s.L, s.Y))
+        return lin((1/s.L, s.t_4, s.t_18), (-1/s.L, s.Y))
 
     @leaf
-    def t_31(s):
+    def t_19(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_32(s):
-        return ((s.t_26 * s.t_31 * s.t_25 * s.t_28) + (s.t_27 * s.t_31 * s.t_28))
+    def t_20(s):
+        return (mul(s.t_15, s.t_19, s.t_13, s.t_16) + mul(s.t_14, s.t_19, s.t_16))
 
     @leaf
-    def t_33(s):
-        return (s.t_27 * s.t_31 * s.t_25)
+    def t_21(s):
+        return mul(s.t_14, s.t_19, s.t_13)
 
     @leaf
-    def t_34(s):
-        return lin((1/math.sqrt(s.d_K), s.mm("t_32 W_1'", s.t_32, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_33 W_3'", s.t_33, tr(s.W_3))))
+    def t_22(s):
+        return lin((1/math.sqrt(s.d_K), s.mm("t_20 W_1'", s.t_20, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_21 W_3'", s.t_21, tr(s.W_3))))
 
     @leaf
-    def t_35(s):
-        return (2/s.d_V) * s.t_34
+    def t_23(s):
+        return (2/s.d_V) * s.t_22
 
     @leaf
-    def t_36(s):
-        return (-0.5 * (s.t_24 ** -1.5))
+    def t_24(s):
+        return (-0.5 * (s.t_12 ** -1.5))
 
     @leaf
-    def t_37(s):
-        return (s.t_35 * s.t_36 * s.Y_2)
+    def t_25(s):
+        return mul(s.t_23, s.t_24, s.Y_2)
 
     @leaf
-    def t_38(s):
-        return s.mm('t_37 one', s.t_37, s.one)
+    def t_26(s):
+        return s.mm('t_25 one', s.t_25, s.one)
 
     @leaf
-    def t_39(s):
-        return lin((1, s.t_34, s.R_N_2), (1, s.t_38, s.Y_2), (1/math.sqrt(s.d_K), s.G))
+    def t_27(s):
+        return lin((1, s.t_22, s.R_N_2), (1, s.t_26, s.Y_2), (1/math.sqrt(s.d_K), s.G))
 
     @leaf
-    def t_40(s):
-        return s.mm("t_39 W_O1' W_V' N_1'", s.t_39, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_28(s):
+        return s.mm("t_27 W_O1' W_V' N_1'", s.t_27, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_41(s):
-        return softmax_diff(s.A1, s.t_40)
+    def t_29(s):
+        return softmax_diff(s.A1, s.t_28)
 
     @leaf
-    def t_42(s):
+    def t_30(s):
         return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
-    def t_43(s):
-        return s.mm("t_39 W_O1'", s.t_39, tr(s.W_O1))
+    def t_31(s):
+        return s.mm("t_27 W_O1'", s.t_27, tr(s.W_O1))
 
     @leaf
-    def t_44(s):
+    def t_32(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_45(s):
+    def t_33(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_46(s):
+    def t_34(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_47(s):
-        return (s.t_27 * s.t_25)
+    def t_35(s):
+        return (s.t_14 * s.t_13)
 
     @leaf
-    def t_48(s):
-        return tr(s.t_12)
+    def t_36(s):
+        return tr(s.t_8)
 
     @leaf
-    def t_49(s):
-        return s.mm("t_39 W_O2' W_V' N_1'", s.t_39, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_37(s):
+        return s.mm("t_27 W_O2' W_V' N_1'", s.t_27, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_50(s):
-        return softmax_diff(s.A2, s.t_49)
+    def t_38(s):
+        return softmax_diff(s.A2, s.t_37)
 
     @leaf
-    def t_51(s):
+    def t_39(s):
         return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
+    def t_40(s):
+        return s.mm("t_27 W_O2'", s.t_27, tr(s.W_O2))
+
+    @leaf
+    def t_41(s):
+        return tr(s.t_9)
+
+    @leaf
+    def t_42(s):
+        return tr(s.t_10)
+
+    @leaf
+    def t_43(s):
+        return (math.sqrt(s.d_K)) * s.t_22
+
+    @leaf
+    def t_44(s):
+        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_22
+
+    @leaf
+    def t_45(s):
+        return mul(s.t_44, s.t_24, s.Y_2)
+
+    @leaf
+    def t_46(s):
+        return s.mm('t_45 one', s.t_45, s.one)
+
+    @leaf
+    def t_47(s):
+        return lin((1, s.t_43, s.R_N_2), (1, s.t_46, s.Y_2), (1, s.G))
+
+    @leaf
+    def t_48(s):
+        return s.mm("t_47 W_O1'", s.t_47, tr(s.W_O1))
+
+    @leaf
+    def t_49(s):
+        return s.mm("t_47 W_O2'", s.t_47, tr(s.W_O2))
+
+    @leaf
+    def t_50(s):
+        return s.mm("A1' t_47", tr(s.A1), s.t_47)
+
+    @leaf
+    def t_51(s):
+        return s.mm("A2' t_47", tr(s.A2), s.t_47)
+
+    @leaf
     def t_52(s):
-        return s.mm("t_39 W_O2'", s.t_39, tr(s.W_O2))
+        return tr(s.t_32)
 
     @leaf
     def t_53(s):
-        return tr(s.t_17)
+        return tr(s.t_34)
 
     @leaf
     def t_54(s):
-        return tr(s.t_22)
+        return tr(s.t_17)
 
     @leaf
     def t_55(s):
-        return (math.sqrt(s.d_K)) * s.t_34
+        return (s.t_24 * s.Y_2)
 
     @leaf
     def t_56(s):
-        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_34
+        return mul(s.t_15, s.t_13, s.t_16)
 
     @leaf
     def t_57(s):
-        return (s.t_56 * s.t_36 * s.Y_2)
+        return (s.t_14 * s.t_16)
 
     @leaf
     def t_58(s):
-        return s.mm('t_57 one', s.t_57, s.one)
-
-    @leaf
-    def t_59(s):
-        return lin((1, s.t_55, s.R_N_2), (1, s.t_58, s.Y_2), (1, s.G))
-
-    @leaf
-    def t_60(s):
-        return s.mm("t_59 W_O1'", s.t_59, tr(s.W_O1))
-
-    @leaf
-    def t_61(s):
-        return s.mm("t_59 W_O2'", s.t_59, tr(s.W_O2))
-
-    @leaf
-    def t_62(s):
-        return s.mm("A1' t_59", tr(s.A1), s.t_59)
-
-    @leaf
-    def t_63(s):
-        return s.mm("A2' t_59", tr(s.A2), s.t_59)
-
-    @leaf
-    def t_64(s):
-        return tr(s.t_44)
-
-    @leaf
-    def t_65(s):
-        return tr(s.t_46)
-
-    @leaf
-    def t_66(s):
-        return tr(s.t_29)
-
-    @leaf
-    def t_67(s):
-        return (s.t_36 * s.Y_2)
-
-    @leaf
-    def t_68(s):
-        return (s.t_26 * s.t_25 * s.t_28)
-
-    @leaf
-    def t_69(s):
-        return (s.t_27 * s.t_28)
-
-    @leaf
-    def t_70(s):
         return softmax_rows(s.F)
 
     @leaf
+    def t_59(s):
+        return (((2.0 * s.t_14) - 1.0) * (s.t_14 - 1.0) * s.t_14)
+
+    @leaf
+    def t_60(s):
+        return mul(s.t_59, s.t_19, s.t_13, s.t_16)
+
+    @leaf
+    def t_61(s):
+        return mul(s.t_15, s.t_19, s.t_16)
+
+    @leaf
+    def t_62(s):
+        return mul(s.t_15, s.t_19, s.t_13)
+
+    @leaf
+    def t_63(s):
+        return (s.t_14 * s.t_19)
+
+    @leaf
+    def t_64(s):
+        return (s.t_23 * s.t_24)
+
+    @leaf
+    def t_65(s):
+        return (0.75 * (s.t_12 ** -2.5))
+
+    @leaf
+    def t_66(s):
+        return mul(s.t_23, s.t_65, s.Y_2)
+
+    @leaf
+    def t_67(s):
+        return bcast_last(s.t_26, s.d_V)
+
+    @leaf
+    def t_68(s):
+        return (s.t_22 * s.t_24)
+
+    @leaf
+    def t_69(s):
+        return (1/math.sqrt(s.d_K)) * s.t_47
+
+    @leaf
+    def t_70(s):
+        return s.mm("t_69 W_O1' W_V' N_1'", s.t_69, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
     def t_71(s):
-        return ((((1.0 + (-1.0 * sigmoid(s.t_25))) * (1.0 + (-1.0 * sigmoid(s.t_25)))) * sigmoid(s.t_25)) + (-1.0 * (sigmoid(s.t_25) * sigmoid(s.t_25)) * (1.0 + (-1.0 * sigmoid(s.t_25)))))
+        return softmax_diff(s.A1, s.t_70)
 
     @leaf
     def t_72(s):
-        return (s.t_71 * s.t_31 * s.t_25 * s.t_28)
+        return (s.t_44 * s.t_24)
 
     @leaf
     def t_73(s):
-        return (s.t_26 * s.t_31 * s.t_28)
+        return mul(s.t_44, s.t_65, s.Y_2)
 
     @leaf
     def t_74(s):
-        return (s.t_26 * s.t_31 * s.t_25)
+        return bcast_last(s.t_46, s.d_V)
 
     @leaf
     def t_75(s):
-        return (s.t_27 * s.t_31)
+        return (s.t_43 * s.t_24)
 
     @leaf
     def t_76(s):
-        return (s.t_35 * s.t_36)
+        return s.mm("t_69 W_O2' W_V' N_1'", s.t_69, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_77(s):
-        return (0.75 * (s.t_24 ** -2.5))
-
-    @leaf
-    def t_78(s):
-        return (s.t_35 * s.t_77 * s.Y_2)
-
-    @leaf
-    def t_79(s):
-        return bcast_last(s.t_38, s.d_V)
-
-    @leaf
-    def t_80(s):
-        return (s.t_34 * s.t_36)
-
-    @leaf
-    def t_81(s):
-        return (1/math.sqrt(s.d_K)) * s.t_59
-
-    @leaf
-    def t_82(s):
-        return s.mm("t_81 W_O1' W_V' N_1'", s.t_81, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_83(s):
-        return softmax_diff(s.A1, s.t_82)
-
-    @leaf
-    def t_84(s):
-        return (s.t_56 * s.t_36)
-
-    @leaf
-    def t_85(s):
-        return (s.t_56 * s.t_77 * s.Y_2)
-
-    @leaf
-    def t_86(s):
-        return bcast_last(s.t_58, s.d_V)
-
-    @leaf
-    def t_87(s):
-        return (s.t_55 * s.t_36)
-
-    @leaf
-    def t_88(s):
-        return s.mm("t_81 W_O2' W_V' N_1'", s.t_81, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_89(s):
-        return softmax_diff(s.A2, s.t_88)
+        return softmax_diff(s.A2, s.t_76)
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_90(s):
+    def t_78(s):
         return log_softmax_rows(s.F)
 
     @leaf
+    def t_79(s):
+        return (s.t_78 * s.Y)
+
+    @leaf
+    def t_80(s):
+        return s.mm('one_2 t_79 one', s.one_2, s.t_79, s.one)
+
+    @leaf
+    def t_81(s):
+        return s.mm("t_29 t_2'", s.t_29, tr(s.t_2))
+
+    @leaf
+    def t_82(s):
+        return (s.t_81 * s.C)
+
+    @leaf
+    def t_83(s):
+        return (s.t_81 * s.S)
+
+    @leaf
+    def t_84(s):
+        return s.mm("t_38 t_2'", s.t_38, tr(s.t_2))
+
+    @leaf
+    def t_85(s):
+        return (s.t_84 * s.C)
+
+    @leaf
+    def t_86(s):
+        return (s.t_84 * s.S)
+
+    @leaf
+    def t_87(s):
+        return s.mm("t_71' t_41'", tr(s.t_71), tr(s.t_41))
+
+    @leaf
+    def t_88(s):
+        return s.mm("t_77' t_42'", tr(s.t_77), tr(s.t_42))
+
+    @leaf
+    def t_89(s):
+        return (s.t_87 + s.t_88)
+
+    @leaf
+    def t_90(s):
+        return (s.t_89 * s.S)
+
+    @leaf
     def t_91(s):
-        return (s.t_90 * s.Y)
+        return (s.t_89 * s.C)
 
     @leaf
     def t_92(s):
-        return s.mm('one_2 t_91 one', s.one_2, s.t_91, s.one)
-
-    @leaf
-    def t_93(s):
-        return s.mm("t_41 t_6'", s.t_41, tr(s.t_6))
-
-    @leaf
-    def t_94(s):
-        return (s.t_93 * s.C)
-
-    @leaf
-    def t_95(s):
-        return (s.t_93 * s.S)
-
-    @leaf
-    def t_96(s):
-        return s.mm("t_50 t_6'", s.t_50, tr(s.t_6))
-
-    @leaf
-    def t_97(s):
-        return (s.t_96 * s.C)
-
-    @leaf
-    def t_98(s):
-        return (s.t_96 * s.S)
-
-    @leaf
-    def t_99(s):
-        return s.mm("t_83' t_53'", tr(s.t_83), tr(s.t_53))
-
-    @leaf
-    def t_100(s):
-        return s.mm("t_89' t_54'", tr(s.t_89), tr(s.t_54))
+        return lin((1/s.L, s.t_56), (1/s.L, s.t_57))
 
     @leaf
     def t_101(s):
-        return (s.t_99 + s.t_100)
+        return (s.L) * s.t_92
 
     @leaf
-    def t_102(s):
-        return (s.t_101 * s.S)
+    def t_133(s):
+        return lin((1, s.t_60), (2, s.t_61))
 
     @leaf
-    def t_103(s):
-        return (s.t_101 * s.C)
+    def t_138(s):
+        return (s.t_62 + s.t_63)
 
     @leaf
-    def t_214(s):
+    def t_163(s):
+        return (tr(s.t_14) * tr(s.t_13))
+
+    @leaf
+    def t_168(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_215(s):
-        return (s.t_26 * s.t_214 * s.t_25 * s.t_28)
+    def t_169(s):
+        return mul(s.t_15, s.t_168, s.t_13, s.t_16)
 
     @leaf
-    def t_216(s):
-        return (s.t_27 * s.t_214 * s.t_28)
+    def t_170(s):
+        return mul(s.t_14, s.t_168, s.t_16)
+
+    @leaf
+    def t_171(s):
+        return (s.t_169 + s.t_170)
+
+    @leaf
+    def t_172(s):
+        return s.mm("t_171 W_1'", s.t_171, tr(s.W_1))
+
+    @leaf
+    def t_173(s):
+        return mul(s.t_14, s.t_168, s.t_13)
+
+    @leaf
+    def t_174(s):
+        return s.mm("t_173 W_3'", s.t_173, tr(s.W_3))
+
+    @leaf
+    def t_175(s):
+        return lin((1/math.sqrt(s.d_K), s.t_172), (1/math.sqrt(s.d_K), s.t_174))
+
+    @leaf
+    def t_176(s):
+        return (math.sqrt(s.d_K)) * s.t_175
+
+    @leaf
+    def t_177(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_176, s.t_24, s.Y_2)
+
+    @leaf
+    def t_178(s):
+        return s.mm('t_177 one', s.t_177, s.one)
+
+    @leaf
+    def t_179(s):
+        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_175, s.R_N_2), (1, s.t_178, s.Y_2))
+
+    @leaf
+    def t_180(s):
+        return s.mm("t_179 W_O1' W_V' N_1'", s.t_179, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_186(s):
+        return lin((1, mul(s.t_59, s.t_168, s.t_13), s.t_16), (2, (s.t_15 * s.t_168), s.t_16))
+
+    @leaf
+    def t_196(s):
+        return mul(s.t_15, s.t_168, s.t_13)
+
+    @leaf
+    def t_197(s):
+        return (s.t_14 * s.t_168)
+
+    @leaf
+    def t_198(s):
+        return (s.t_196 + s.t_197)
+
+    @leaf
+    def t_202(s):
+        return (s.t_175 * s.t_24)
+
+    @leaf
+    def t_203(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_176 * s.t_24)
+
+    @leaf
+    def t_205(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_176, s.t_65, s.Y_2)
+
+    @leaf
+    def t_210(s):
+        return softmax_diff(s.A1, s.t_180)
+
+    @leaf
+    def t_212(s):
+        return s.mm("t_179 W_O2' W_V' N_1'", s.t_179, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_215(s):
+        return softmax_diff(s.A2, s.t_212)
 
     @leaf
     def t_217(s):
-        return (s.t_215 + s.t_216)
+        return mul((2/s.d_V) * s.t_176, s.t_24, s.Y_2)
 
     @leaf
     def t_218(s):
-        return s.mm("t_217 W_1'", s.t_217, tr(s.W_1))
+        return s.mm('t_217 one', s.t_217, s.one)
 
     @leaf
     def t_219(s):
-        return (s.t_27 * s.t_214 * s.t_25)
+        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_176, s.R_N_2), (1/math.sqrt(s.d_K), s.t_218, s.Y_2))
 
     @leaf
     def t_220(s):
-        return s.mm("t_219 W_3'", s.t_219, tr(s.W_3))
-
-    @leaf
-    def t_221(s):
-        return lin((1/math.sqrt(s.d_K), s.t_218), (1/math.sqrt(s.d_K), s.t_220))
+        return s.mm("t_219 W_O1' W_V' N_1'", s.t_219, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_222(s):
-        return (math.sqrt(s.d_K)) * s.t_221
+        return (s.t_176 * s.t_24)
 
     @leaf
     def t_223(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_222 * s.t_36 * s.Y_2)
+        return ((2/s.d_V) * s.t_176 * s.t_24)
 
     @leaf
     def t_224(s):
-        return s.mm('t_223 one', s.t_223, s.one)
+        return mul((2/s.d_V) * s.t_176, s.t_65, s.Y_2)
 
     @leaf
-    def t_225(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_221, s.R_N_2), (1, s.t_224, s.Y_2))
+    def t_229(s):
+        return s.mm("t_219 W_O2' W_V' N_1'", s.t_219, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_226(s):
-        return s.mm("t_225 W_O1' W_V' N_1'", s.t_225, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_233(s):
+        return softmax_diff(s.A1, s.t_220)
 
     @leaf
-    def t_262(s):
-        return softmax_diff(s.A1, s.t_226)
+    def t_234(s):
+        return softmax_diff(s.A2, s.t_229)
 
     @leaf
-    def t_264(s):
-        return s.mm("t_225 W_O2' W_V' N_1'", s.t_225, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_267(s):
-        return softmax_diff(s.A2, s.t_264)
-
-    @leaf
-    def t_269(s):
-        return ((2/s.d_V) * s.t_222 * s.t_36 * s.Y_2)
-
-    @leaf
-    def t_270(s):
-        return s.mm('t_269 one', s.t_269, s.one)
-
-    @leaf
-    def t_271(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_222, s.R_N_2), (1/math.sqrt(s.d_K), s.t_270, s.Y_2))
-
-    @leaf
-    def t_272(s):
-        return s.mm("t_271 W_O1' W_V' N_1'", s.t_271, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_278(s):
-        return s.mm("t_271 W_O2' W_V' N_1'", s.t_271, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_282(s):
-        return softmax_diff(s.A1, s.t_272)
-
-    @leaf
-    def t_283(s):
-        return softmax_diff(s.A2, s.t_278)
-
-    @leaf
-    def t_285(s):
-        return (math.sqrt(s.d_K)) * s.t_271
+    def t_236(s):
+        return (math.sqrt(s.d_K)) * s.t_219
 
     @leaf
     def S_2(s):
@@ -4324,15 +4248,15 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_67),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_55),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_68),
-            net(1, 'nab->nab', s.t_69),
+            net(1, 'nab->nab', s.t_56),
+            net(1, 'nab->nab', s.t_57),
         ])
 
     @leaf
@@ -4340,7 +4264,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_47),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_35),
         ])
 
     @leaf
@@ -4355,8 +4279,8 @@ class ce_causal0(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_70, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_70, s.t_70),
+            net(1, 'nab,bc->nabc', s.t_58, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_58, s.t_58),
         ])
 
     @leaf
@@ -4364,7 +4288,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_47, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_35, s.W_3),
         ])
 
     @leaf
@@ -4372,7 +4296,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_55, ONES, s.Y_2),
         ])
 
     @leaf
@@ -4403,16 +4327,16 @@ class ce_causal0(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_72),
-            net(2, 'nab->nab', s.t_73),
+            net(1, 'nab->nab', s.t_60),
+            net(2, 'nab->nab', s.t_61),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_74),
-            net(1, 'nab->nab', s.t_75),
+            net(1, 'nab->nab', s.t_62),
+            net(1, 'nab->nab', s.t_63),
         ])
 
     @leaf
@@ -4435,17 +4359,17 @@ class ce_causal0(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_76, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_78, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_67, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_64, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_55, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_79, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_80, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_67, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_68, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -4454,16 +4378,16 @@ class ce_causal0(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_41, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_41, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_41),
+            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_29, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_29),
         ])
 
     @leaf
     def S_18(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_18', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_7, s.S_17, s.t_10, s.dA),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_17, s.t_6, s.dA),
             net(1, 'nabc->nabc', s.d2A),
         ])
 
@@ -4511,16 +4435,16 @@ class ce_causal0(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_50, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_50, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_50),
+            net(1, 'nab,bc->nabc', s.t_38, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_38, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_38),
         ])
 
     @leaf
     def S_23(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_23', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_48, s.S_17, s.t_12, s.dA_3),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -4528,26 +4452,26 @@ class ce_causal0(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_83, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_83, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_83),
+            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_71, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_71),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_24', [
-            net(1, 'nab,bc->nabc', s.t_84, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_85, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_67, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_72, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_73, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_55, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_86, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_87, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_74, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_75, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_24),
         ])
@@ -4556,9 +4480,9 @@ class ce_causal0(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_89, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_89, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_89),
+            net(1, 'nab,bc->nabc', s.t_77, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_77, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_77),
         ])
 
     @leaf
@@ -4566,7 +4490,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_26', [
             net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_67),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_55),
         ])
 
     @leaf
@@ -4581,8 +4505,8 @@ class ce_causal0(Forward):
     def S_28(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_28', [
-            net(1/s.L, 'nab->nab', s.t_68),
-            net(1/s.L, 'nab->nab', s.t_69),
+            net(1/s.L, 'nab->nab', s.t_56),
+            net(1/s.L, 'nab->nab', s.t_57),
         ])
 
     @leaf
@@ -4596,370 +4520,370 @@ class ce_causal0(Forward):
     def block__W_Q1__W_Q1__outer(s):
         """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_10, s.dA, s.t_11, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q1__functional(s):
         """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_6, s.S_18, s.t_11, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_18, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__outer(s):
         """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_12, s.dA_3, s.t_11, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__functional(s):
         """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_17, s.t_12, s.dA_3, s.t_11, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_K__outer(s):
         """H_o(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_Q1__W_K__functional(s):
         """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_6, s.d2A, s.t_17, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_41, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_29, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
         """H_o(W_Q1, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_42, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_42, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA, s.t_45, s.t_39),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_6, s.dA, s.t_45, s.W_O1, s.S_17, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.W_O1, s.S_17, s.t_32),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_34),
         ]
 
     def block__W_Q1__W_1__outer(s):
         """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q1__W_1__functional(s):
         """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
         """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.t_33),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q1__W_2__outer(s):
         """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q1__W_2__functional(s):
         """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_12, s.dA_3, s.t_11, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
         """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_6, s.S_23, s.t_11, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_23, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_6, s.d2A_2, s.t_22, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA_3, s.t_48, s.S_17, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA_3, s.t_48, s.S_17, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_50, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_38, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA_3, s.N_1, s.t_51, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA_3, s.N_1, s.t_51, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA_3, s.N_1, s.t_52),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_39, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_39, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_40),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_6, s.dA_3, s.t_48, s.S_17, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_32),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA_3, s.t_45, s.t_39),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_6, s.dA_3, s.t_45, s.W_O2, s.S_17, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.W_O2, s.S_17, s.t_34),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA_3, s.t_48, s.S_3, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA_3, s.t_48, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA_3, s.t_48, s.S_3, s.t_33),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA_3, s.t_48, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_6, s.dA_3, s.t_48, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_53, s.d2A_3, s.t_17, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_25, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_25, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_54, s.d2A_4, s.t_22, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_25, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_25, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_41, s.d2A_3, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_42, s.d2A_4, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_53, s.dA, s.N_1, s.t_42, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_53, s.dA, s.N_1, s.t_42, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_53, s.dA, s.N_1, s.t_60),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_54, s.dA_3, s.N_1, s.t_51, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_54, s.dA_3, s.N_1, s.t_51, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_54, s.dA_3, s.N_1, s.t_61),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA, s.N_1, s.t_30, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA, s.N_1, s.t_30, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA, s.N_1, s.t_48),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA_3, s.N_1, s.t_39, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA_3, s.N_1, s.t_39, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA_3, s.N_1, s.t_49),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_44),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_53, s.dA, s.t_45, s.t_59),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_53, s.dA, s.t_45, s.W_O1, s.S_25, s.t_44),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_25, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA, s.t_33, s.t_47),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA, s.t_33, s.W_O1, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_25, s.t_32),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_46),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_25, s.t_46),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_45, s.t_59),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_45, s.W_O2, s.S_25, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_33, s.t_47),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_33, s.W_O2, s.S_25, s.t_34),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_3, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_3, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_3, s.t_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_3, s.t_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_V__W_V__functional(s):
@@ -4974,70 +4898,70 @@ class ce_causal0(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_44),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_44),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_62, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_44),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_44),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_50, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_32),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_46),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_46),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_63, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_46),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_46),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_51, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_34),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_20),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_20),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
         """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_33),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_21),
             net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_33),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_21),
             net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.t_29),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.t_29),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_V__W_2__functional(s):
@@ -5050,119 +4974,119 @@ class ce_causal0(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_64, s.S_27, s.t_9, s.dA_2, s.S_9, s.t_44),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_64, s.S_25, s.t_44),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_32),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_64, s.S_27, s.t_9, s.dA_2, s.S_9, s.t_46),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_64, s.S_25, s.t_46),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_34),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_64, s.S_27, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_64, s.S_3, s.t_32),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_64, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_52, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_52, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_64, s.S_27, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_64, s.S_3, s.t_33),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_64, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_52, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_52, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_64, s.S_27, s.t_9, s.dA_2, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_52, s.S_27, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_64, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_52, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_65, s.S_27, s.t_9, s.dA_2, s.S_9, s.t_46),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_65, s.S_25, s.t_46),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_53, s.S_25, s.t_34),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_65, s.S_27, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_65, s.S_3, s.t_32),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_65, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_53, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_53, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_65, s.S_27, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_65, s.S_3, s.t_33),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_65, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_53, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_53, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_65, s.S_27, s.t_9, s.dA_2, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_53, s.S_27, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_65, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_53, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
@@ -5174,7 +5098,7 @@ class ce_causal0(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -5186,7 +5110,7 @@ class ce_causal0(Forward):
     def block__W_1__W_2__outer(s):
         """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.S_28, s.W_2, s.t_9, s.dA_2, s.t_29),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_1__W_2__functional(s):
@@ -5198,46 +5122,46 @@ class ce_causal0(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_47, s.W_2, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_47, s.W_2, s.t_9, s.dA_2, s.t_29),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_47, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_35, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 1/L*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_66, s.t_9, s.dA_2, s.t_29),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_54, s.t_5, s.dA_2, s.t_17),
         ]
 
     def jacobian__W_Q1(s):
         """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_10, s.dA, s.t_11, s.S_10, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
         ]
 
     def jacobian__W_Q2(s):
         """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_12, s.dA_3, s.t_11, s.S_10, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def jacobian__W_V(s):
@@ -5252,13 +5176,13 @@ class ce_causal0(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_44),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_32),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_46),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_34),
         ]
 
     def jacobian__W_1(s):
@@ -5270,228 +5194,176 @@ class ce_causal0(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_47, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_35, s.N_2),
         ]
 
     def jacobian__W_2(s):
         """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_29, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_17, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_92, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_80, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_94", tr(s.N_1), s.t_94), (1, "N_1' t_95 R'", tr(s.N_1), s.t_95, tr(s.R)), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_97", tr(s.N_1), s.t_97), (1, "N_1' t_98 R'", tr(s.N_1), s.t_98, tr(s.R)), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_102 R'", tr(s.N_1), s.t_102, tr(s.R)), (1, "N_1' t_103", tr(s.N_1), s.t_103), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_59 W_O1'", tr(s.N_1), tr(s.A1), s.t_59, tr(s.W_O1)), (1, "N_1' A2' t_59 W_O2'", tr(s.N_1), tr(s.A2), s.t_59, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_59", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_59, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_59", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_59, mean=True)
-        out_W_1 = s.mm("N_2' t_32", tr(s.N_2), s.t_32, mean=True)
-        out_W_3 = s.mm("N_2' t_33", tr(s.N_2), s.t_33, mean=True)
-        out_W_2 = s.mm("t_29' G", tr(s.t_29), s.G, mean=True)
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_82", tr(s.N_1), s.t_82), (1, "N_1' t_83 R'", tr(s.N_1), s.t_83, tr(s.R)), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_85", tr(s.N_1), s.t_85), (1, "N_1' t_86 R'", tr(s.N_1), s.t_86, tr(s.R)), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_90 R'", tr(s.N_1), s.t_90, tr(s.R)), (1, "N_1' t_91", tr(s.N_1), s.t_91), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_47 W_O1'", tr(s.N_1), tr(s.A1), s.t_47, tr(s.W_O1)), (1, "N_1' A2' t_47 W_O2'", tr(s.N_1), tr(s.A2), s.t_47, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_47", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_47, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_47", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_47, mean=True)
+        out_W_1 = s.mm("N_2' t_20", tr(s.N_2), s.t_20, mean=True)
+        out_W_3 = s.mm("N_2' t_21", tr(s.N_2), s.t_21, mean=True)
+        out_W_2 = s.mm("t_17' G", tr(s.t_17), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_104 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_105 = (t_104 * tr(s.S))
-        t_106 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_107 = (t_106 * tr(s.C))
-        t_108 = (t_105 + t_107)
-        t_109 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_110 = (s.mm("t_53' _", tr(s.t_53), t_108) + s.mm("_ t_11'", t_109, tr(s.t_11)))
-        t_111 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_110)
-        t_112 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_113 = (s.mm("_ t_11'", t_112, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_108))
-        t_114 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_113)
-        t_115 = s.mm('_ N_1 W_V W_O2', t_114, s.N_1, s.W_V, s.W_O2)
-        t_116 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_117 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_118 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_119 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_111, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_115), (1, t_116), (1, t_117), (1, t_118))
-        t_120 = (t_119 * s.R_N_2)
-        t_121 = (t_119 * s.Y_2)
-        t_122 = s.mm('_ one', t_121, s.one)
-        t_123 = (t_122 * s.t_36 * s.Y_2)
-        t_124 = lin((1, t_120), (2/s.d_V, t_123))
-        t_125 = s.mm('_ W_1', t_124, s.W_1)
-        t_126 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_127 = (t_125 + t_126)
-        t_128 = (t_127 * s.t_26 * s.t_25 * s.t_28)
-        t_129 = s.mm('_ W_3', t_124, s.W_3)
-        t_130 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_131 = (t_129 + t_130)
-        t_132 = (t_131 * s.t_27 * s.t_25)
-        t_133 = (t_127 * s.t_27 * s.t_28)
-        t_134 = lin((1, t_128), (1, t_132), (1, t_133))
-        t_135 = lin((1, t_119), (1, s.mm('_ W_2', t_134, s.W_2)), (1, s.mm("t_66' _", tr(s.t_66), V_W_2)))
-        t_136 = (s.t_8 * softmax_diff(s.t_70, t_135))
-        t_137 = s.mm("_ W_2'", t_136, tr(s.W_2))
-        t_138 = ((s.t_26 * t_137 * s.t_25 * s.t_28) + (s.t_27 * t_137 * s.t_28))
-        t_139 = (s.t_27 * t_137 * s.t_25)
-        t_140 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", (1/s.L) * t_138, tr(s.W_1))), (1/(s.L*math.sqrt(s.d_K)), s.mm("_ W_3'", t_139, tr(s.W_3))))
-        t_141 = (math.sqrt(s.d_K)) * t_140
-        t_142 = s.mm('_ one', ((2/(math.sqrt(s.d_K)*s.d_V)) * t_141 * s.t_36 * s.Y_2), s.one)
-        t_143 = lin((1, t_140, s.R_N_2), (1, t_142, s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_136))
-        t_144 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_143, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_145 = s.mm("_ t_6'", t_144, tr(s.t_6))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_145 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_145 * s.S), tr(s.R)), mean=True)
-        t_146 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_143, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_147 = s.mm("_ t_6'", t_146, tr(s.t_6))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), mean=True)
-        t_148 = lin((1/math.sqrt(s.d_K), t_141, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', ((2/s.d_V) * t_141 * s.t_36 * s.Y_2), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_136))
-        t_149 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_148, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_150 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_148, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_151 = (s.mm("_ t_53'", tr(t_149), tr(s.t_53)) + s.mm("_ t_54'", tr(t_150), tr(s.t_54)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_151 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_151 * s.C)), mean=True)
-        t_152 = (math.sqrt(s.d_K)) * t_148
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_152, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_152, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_152, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_152, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), (1/s.L) * t_138, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_139, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_29' _", tr(s.t_29), t_136, mean=True)
+        t_93 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_95 = lin((1, s.prod("t_41' _", tr(s.t_41), t_93)), (1, s.prod("_ t_7'", t_94, tr(s.t_7))))
+        t_96 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_95)
+        t_97 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_98 = lin((1, s.prod("_ t_7'", t_97, tr(s.t_7))), (1, s.prod("t_42' _", tr(s.t_42), t_93)))
+        t_99 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_98)
+        t_100 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_96, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_99, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_102 = s.mm('_ one', (t_100 * s.Y_2), s.one)
+        t_103 = (t_102 * s.t_55)
+        t_104 = lin((1, t_100, s.R_N_2), (2/s.d_V, t_103))
+        t_105 = lin((1, s.prod('_ W_1', t_104, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_106 = lin((1, s.prod('_ W_3', t_104, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_107 = ((s.t_101 * t_105) + (s.t_35 * t_106))
+        t_108 = lin((1, t_100), (1, s.prod('_ W_2', t_107, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_109 = (s.t_4 * softmax_diff(s.t_58, t_108))
+        t_110 = s.mm("_ W_2'", t_109, tr(s.W_2))
+        t_111 = (s.t_92 * t_110)
+        t_112 = (s.t_35 * t_110)
+        t_113 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_111, tr(s.W_1))), (1/(s.L*math.sqrt(s.d_K)), s.prod("_ W_3'", t_112, tr(s.W_3))))
+        t_114 = (math.sqrt(s.d_K)) * t_113
+        t_115 = lin((1, t_113, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_114), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_109))
+        t_116 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_115, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_117 = s.mm("_ t_2'", t_116, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_117 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_117 * s.S), tr(s.R)), mean=True)
+        t_118 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_115, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_119 = s.mm("_ t_2'", t_118, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_119 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_119 * s.C)), mean=True)
+        t_120 = lin((1/math.sqrt(s.d_K), t_114, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', (s.t_55 * (2/s.d_V) * t_114), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_109))
+        t_121 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_120, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_122 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_120, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_123 = lin((1, s.prod("_ t_41'", tr(t_121), tr(s.t_41))), (1, s.prod("_ t_42'", tr(t_122), tr(s.t_42))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_123 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_123 * s.S), tr(s.R)), mean=True)
+        t_124 = (math.sqrt(s.d_K)) * t_120
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_124, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_124, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_124, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_124, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_111, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_112, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_109, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_153 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_154 = (t_153 * tr(s.S))
-        t_155 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_156 = (t_155 * tr(s.C))
-        t_157 = (t_154 + t_156)
-        t_158 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_159 = (s.mm("t_53' _", tr(s.t_53), t_157) + s.mm("_ t_11'", t_158, tr(s.t_11)))
-        t_160 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_159)
-        t_161 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_162 = (s.mm("_ t_11'", t_161, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_157))
-        t_163 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_162)
-        t_164 = s.mm('_ N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)
-        t_165 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_166 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_167 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_168 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_160, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_164), (1, t_165), (1, t_166), (1, t_167))
-        t_169 = (t_168 * s.R_N_2)
-        t_170 = (t_168 * s.Y_2)
-        t_171 = s.mm('_ one', t_170, s.one)
-        t_172 = (t_171 * s.t_36 * s.Y_2)
-        t_173 = lin((1, t_169), (2/s.d_V, t_172))
-        t_174 = s.mm('_ W_1', t_173, s.W_1)
-        t_175 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_176 = (t_174 + t_175)
-        t_177 = s.mm('G _', s.G, tr(V_W_2))
-        t_178 = lin((1, (t_176 * s.t_26 * s.t_31), s.t_25), (1, (t_176 * s.t_27), s.t_31), (1, (s.t_27 * t_177), s.t_25))
-        t_179 = s.mm('_ W_3', t_173, s.W_3)
-        t_180 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_181 = (t_179 + t_180)
-        t_182 = lin((1, (t_181 * s.t_27), s.t_31), (1, (t_176 * s.t_71 * s.t_31 * s.t_25), s.t_28), (1, (t_181 * s.t_26 * s.t_31), s.t_25), (2, (t_176 * s.t_26 * s.t_31), s.t_28), (1, (s.t_26 * t_177 * s.t_25), s.t_28), (1, (s.t_27 * t_177), s.t_28))
-        t_183 = lin((1/math.sqrt(s.d_K), s.mm("_ W_3'", t_178, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm("_ W_1'", t_182, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm('t_32 _', s.t_32, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_33 _', s.t_33, tr(V_W_3))))
-        t_184 = (math.sqrt(s.d_K)) * t_183
-        t_185 = lin((1, (t_168 * s.t_35), s.t_36), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_184 * s.t_36), s.Y_2), (2/s.d_V, (t_171 * s.t_35 * s.t_77), s.Y_2))
-        t_186 = lin((1, s.t_38, t_168), (1, t_183, s.R_N_2), (2/s.d_V, (t_171 * s.t_34), s.t_36), (1, s.mm('_ one', t_185, s.one), s.Y_2))
-        t_187 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_186, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O1' _ N_1'", s.t_39, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_39 _ W_V' N_1'", s.t_39, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_188 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_159, s.t_40) + softmax_diff(s.A1, t_187))
-        t_189 = (s.mm("_ t_6'", t_188, tr(s.t_6)) + s.mm('t_41 _', s.t_41, tr(t_157)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_189 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), mean=True)
-        t_190 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_186, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O2' _ N_1'", s.t_39, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_39 _ W_V' N_1'", s.t_39, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_191 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_49) + softmax_diff(s.A2, t_190))
-        t_192 = (s.mm("_ t_6'", t_191, tr(s.t_6)) + s.mm('t_50 _', s.t_50, tr(t_157)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_192 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_192 * s.C)), mean=True)
-        t_193 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_159, s.t_82)
-        t_194 = lin((1, (t_168 * s.t_56), s.t_36), (1, ((2/s.d_V) * t_184 * s.t_36), s.Y_2), (2/s.d_V, (t_171 * s.t_56 * s.t_77), s.Y_2))
-        t_195 = lin((1/math.sqrt(s.d_K), t_184, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_171 * s.t_55), s.t_36), (1/math.sqrt(s.d_K), s.t_58, t_168), (1/math.sqrt(s.d_K), s.mm('_ one', t_194, s.one), s.Y_2))
-        t_196 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_195, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_81 _ W_V' N_1'", s.t_81, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_81 W_O1' _ N_1'", s.t_81, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_197 = softmax_diff(s.A1, t_196)
-        t_198 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_88)
-        t_199 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_195, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_81 _ W_V' N_1'", s.t_81, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_81 W_O2' _ N_1'", s.t_81, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_200 = softmax_diff(s.A2, t_199)
-        t_201 = lin((1, s.mm("_ t_53'", (tr(t_193) + tr(t_197)), tr(s.t_53))), (1, s.mm("_ t_54'", (tr(t_198) + tr(t_200)), tr(s.t_54))), (1, s.mm("t_83' _", tr(s.t_83), t_158)), (1, s.mm("t_89' _", tr(s.t_89), t_161)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_201 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_201 * s.S), tr(s.R)), mean=True)
-        t_202 = (math.sqrt(s.d_K)) * t_195
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_59 W_O1'", tr(s.N_1), tr(t_160), s.t_59, tr(s.W_O1)), (1, "N_1' A1' t_59 _", tr(s.N_1), tr(s.A1), s.t_59, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_202, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_202, tr(s.W_O1)), (1, "N_1' _ t_59 W_O2'", tr(s.N_1), tr(t_163), s.t_59, tr(s.W_O2)), (1, "N_1' A2' t_59 _", tr(s.N_1), tr(s.A2), s.t_59, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_59", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_59), (1, "W_V' N_1' _ t_59", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_59), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_202, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_59", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_59), (1, "W_V' N_1' _ t_59", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_59), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_202, mean=True)))
-        out_W_1 = (s.mm('_ t_32', tr(t_173), s.t_32, mean=True) + s.mm("N_2' _", tr(s.N_2), t_182, mean=True))
-        out_W_3 = (s.mm('_ t_33', tr(t_173), s.t_33, mean=True) + s.mm("N_2' _", tr(s.N_2), t_178, mean=True))
-        t_203 = (tr(t_176) * tr(s.t_26) * tr(s.t_25) * tr(s.t_28))
-        t_204 = (tr(t_176) * tr(s.t_27) * tr(s.t_28))
-        t_205 = (tr(t_181) * tr(s.t_27) * tr(s.t_25))
-        t_206 = lin((1, t_203), (1, t_204), (1, t_205))
-        out_W_2 = s.mm('_ G', t_206, s.G, mean=True)
+        t_125 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_126 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_127 = lin((1, s.prod("t_41' _", tr(s.t_41), t_125)), (1, s.prod("_ t_7'", t_126, tr(s.t_7))))
+        t_128 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_127)
+        t_129 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_130 = lin((1, s.prod("_ t_7'", t_129, tr(s.t_7))), (1, s.prod("t_42' _", tr(s.t_42), t_125)))
+        t_131 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_130)
+        t_132 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_128, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_131, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_134 = s.mm('_ one', (t_132 * s.Y_2), s.one)
+        t_135 = (t_134 * s.t_55)
+        t_136 = lin((1, t_132, s.R_N_2), (2/s.d_V, t_135))
+        t_137 = lin((1, s.prod('_ W_1', t_136, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_139 = lin((1, s.prod('_ W_3', t_136, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_140 = s.mm('G _', s.G, tr(V_W_2))
+        t_141 = lin((1, s.t_133, t_137), (1, s.t_138, t_139), (1, s.t_101, t_140))
+        t_142 = ((s.t_138 * t_137) + (s.t_35 * t_140))
+        t_143 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_141, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_142, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_20 _', s.t_20, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_21 _', s.t_21, tr(V_W_3))))
+        t_144 = (math.sqrt(s.d_K)) * t_143
+        t_145 = lin((1, s.t_64, t_132), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_144), (2/s.d_V, t_134, s.t_66))
+        t_146 = lin((1, s.t_26, t_132), (1, t_143, s.R_N_2), (2/s.d_V, t_134, s.t_68), (1, s.mm('_ one', t_145, s.one), s.Y_2))
+        t_147 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_146, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_27 W_O1' _ N_1'", s.t_27, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_27 _ W_V' N_1'", s.t_27, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_148 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_127, s.t_28) + softmax_diff(s.A1, t_147))
+        t_149 = lin((1, s.prod("_ t_2'", t_148, tr(s.t_2))), (1, s.prod('t_29 _', s.t_29, tr(t_125))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_149 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_149 * s.S), tr(s.R)), mean=True)
+        t_150 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_146, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_27 W_O2' _ N_1'", s.t_27, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_27 _ W_V' N_1'", s.t_27, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_151 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_130, s.t_37) + softmax_diff(s.A2, t_150))
+        t_152 = lin((1, s.prod("_ t_2'", t_151, tr(s.t_2))), (1, s.prod('t_38 _', s.t_38, tr(t_125))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_152 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_152 * s.C)), mean=True)
+        t_153 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_127, s.t_70)
+        t_154 = lin((1, s.t_72, t_132), (1, s.t_55, (2/s.d_V) * t_144), (2/s.d_V, t_134, s.t_73))
+        t_155 = lin((1/math.sqrt(s.d_K), t_144, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_134, s.t_75), (1/math.sqrt(s.d_K), s.t_46, t_132), (1/math.sqrt(s.d_K), s.mm('_ one', t_154, s.one), s.Y_2))
+        t_156 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_155, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O1' _ N_1'", s.t_69, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_157 = softmax_diff(s.A1, t_156)
+        t_158 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_130, s.t_76)
+        t_159 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_155, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O2' _ N_1'", s.t_69, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_160 = softmax_diff(s.A2, t_159)
+        t_161 = lin((1, s.prod("_ t_41'", (tr(t_153) + tr(t_157)), tr(s.t_41))), (1, s.prod("_ t_42'", (tr(t_158) + tr(t_160)), tr(s.t_42))), (1, s.prod("t_71' _", tr(s.t_71), t_126)), (1, s.prod("t_77' _", tr(s.t_77), t_129)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_161 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_161 * s.S), tr(s.R)), mean=True)
+        t_162 = (math.sqrt(s.d_K)) * t_155
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_47 W_O1'", tr(s.N_1), tr(t_128), s.t_47, tr(s.W_O1)), (1, "N_1' A1' t_47 _", tr(s.N_1), tr(s.A1), s.t_47, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_162, tr(s.W_O1)), (1, "N_1' _ t_47 W_O2'", tr(s.N_1), tr(t_131), s.t_47, tr(s.W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_162, tr(s.W_O2)), (1, "N_1' A2' t_47 _", tr(s.N_1), tr(s.A2), s.t_47, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_47", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_128), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_162, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_47", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_131), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_162, mean=True)))
+        out_W_1 = (s.mm('_ t_20', tr(t_136), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_141, mean=True))
+        out_W_3 = (s.mm('_ t_21', tr(t_136), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_142, mean=True))
+        t_164 = ((tr(s.t_101) * tr(t_137)) + (s.t_163 * tr(t_139)))
+        out_W_2 = s.mm('_ G', t_164, s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_207 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_208 = (t_207 * tr(s.S))
-        t_209 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_210 = (t_209 * tr(s.C))
-        t_211 = (t_208 + t_210)
-        t_212 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_213 = (s.mm("t_53' _", tr(s.t_53), t_211) + s.mm("_ t_11'", t_212, tr(s.t_11)))
-        t_227 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_213)
-        t_228 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_229 = (s.mm("_ t_11'", t_228, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_211))
-        t_230 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_229)
-        t_231 = s.mm('_ N_1 W_V W_O2', t_230, s.N_1, s.W_V, s.W_O2)
-        t_232 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_233 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_234 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_235 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_227, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_231), (1, t_232), (1, t_233), (1, t_234))
-        t_236 = (t_235 * s.R_N_2)
-        t_237 = (t_235 * s.Y_2)
-        t_238 = s.mm('_ one', t_237, s.one)
-        t_239 = (t_238 * s.t_36 * s.Y_2)
-        t_240 = lin((1, t_236), (2/s.d_V, t_239))
-        t_241 = s.mm('_ W_1', t_240, s.W_1)
-        t_242 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_243 = (t_241 + t_242)
-        t_244 = (t_243 * s.t_26 * s.t_25 * s.t_28)
-        t_245 = s.mm('_ W_3', t_240, s.W_3)
-        t_246 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_247 = (t_245 + t_246)
-        t_248 = (t_247 * s.t_27 * s.t_25)
-        t_249 = (t_243 * s.t_27 * s.t_28)
-        t_250 = lin((1, t_244), (1, t_248), (1, t_249))
-        t_251 = lin((1, t_235), (1, s.mm('_ W_2', t_250, s.W_2)), (1, s.mm("t_66' _", tr(s.t_66), V_W_2)))
-        t_252 = (s.t_8 * softmax_diff(s.t_30, t_251))
-        t_253 = lin((1, s.mm('G _', s.G, tr(V_W_2))), (1/s.L, s.mm("_ W_2'", t_252, tr(s.W_2))))
-        t_254 = lin((1, (t_243 * s.t_26 * s.t_214), s.t_25), (1, (t_243 * s.t_27), s.t_214), (1, (t_253 * s.t_27), s.t_25))
-        t_255 = lin((1, (t_247 * s.t_26 * s.t_214), s.t_25), (2, (t_243 * s.t_26 * s.t_214), s.t_28), (1, (t_243 * s.t_71 * s.t_214 * s.t_25), s.t_28), (1, (t_247 * s.t_27), s.t_214), (1, (t_253 * s.t_27), s.t_28), (1, (t_253 * s.t_26 * s.t_25), s.t_28))
-        t_256 = lin((1/math.sqrt(s.d_K), s.mm("_ W_3'", t_254, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm("_ W_1'", t_255, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm('t_217 _', s.t_217, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_219 _', s.t_219, tr(V_W_3))))
-        t_257 = (math.sqrt(s.d_K)) * t_256
-        t_258 = lin((1, (t_235 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_222), s.t_36), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_257 * s.t_36), s.Y_2), (2/s.d_V, (t_238 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_222 * s.t_77), s.Y_2))
-        t_259 = lin((1, s.t_224, t_235), (1, t_256, s.R_N_2), (2/s.d_V, (t_238 * s.t_221), s.t_36), (1, s.mm('_ one', t_258, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_252))
-        t_260 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_259, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_225 _ W_V' N_1'", s.t_225, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_225 W_O1' _ N_1'", s.t_225, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_261 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_213, s.t_226) + softmax_diff(s.A1, t_260))
-        t_263 = (s.mm("_ t_6'", t_261, tr(s.t_6)) + s.mm('t_262 _', s.t_262, tr(t_211)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_263 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_263 * s.S), tr(s.R)), mean=True)
-        t_265 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_259, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_225 _ W_V' N_1'", s.t_225, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_225 W_O2' _ N_1'", s.t_225, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_266 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_229, s.t_264) + softmax_diff(s.A2, t_265))
-        t_268 = (s.mm("_ t_6'", t_266, tr(s.t_6)) + s.mm('t_267 _', s.t_267, tr(t_211)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_268 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_268 * s.C)), mean=True)
-        t_273 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_213, s.t_272)
-        t_274 = lin((1, (t_235 * (2/s.d_V) * s.t_222), s.t_36), (1, ((2/s.d_V) * t_257 * s.t_36), s.Y_2), (2/s.d_V, (t_238 * (2/s.d_V) * s.t_222 * s.t_77), s.Y_2))
-        t_275 = lin((1/math.sqrt(s.d_K), t_257, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_238 * s.t_222), s.t_36), (1/math.sqrt(s.d_K), s.t_270, t_235), (1/math.sqrt(s.d_K), s.mm('_ one', t_274, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_252))
-        t_276 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_275, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_271 W_O1' _ N_1'", s.t_271, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_271 _ W_V' N_1'", s.t_271, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_277 = softmax_diff(s.A1, t_276)
-        t_279 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_229, s.t_278)
-        t_280 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_275, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_271 W_O2' _ N_1'", s.t_271, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_271 _ W_V' N_1'", s.t_271, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_281 = softmax_diff(s.A2, t_280)
-        t_284 = lin((1, s.mm("_ t_53'", (tr(t_273) + tr(t_277)), tr(s.t_53))), (1, s.mm("_ t_54'", (tr(t_279) + tr(t_281)), tr(s.t_54))), (1, s.mm("t_282' _", tr(s.t_282), t_212)), (1, s.mm("t_283' _", tr(s.t_283), t_228)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_284 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_284 * s.S), tr(s.R)), mean=True)
-        t_286 = (math.sqrt(s.d_K)) * t_275
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_285 W_O2'", tr(s.N_1), tr(t_230), s.t_285, tr(s.W_O2)), (1, "N_1' A2' t_285 _", tr(s.N_1), tr(s.A2), s.t_285, tr(V_W_O2)), (1, "N_1' A1' t_285 _", tr(s.N_1), tr(s.A1), s.t_285, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_286, tr(s.W_O1)), (1, "N_1' _ t_285 W_O1'", tr(s.N_1), tr(t_227), s.t_285, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_286, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_285", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_285), (1, "W_V' N_1' _ t_285", tr(s.W_V), tr(s.N_1), tr(t_227), s.t_285), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_286, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_285", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_285), (1, "W_V' N_1' _ t_285", tr(s.W_V), tr(s.N_1), tr(t_230), s.t_285), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_286, mean=True)))
-        out_W_1 = (s.mm('_ t_217', tr(t_240), s.t_217, mean=True) + s.mm("N_2' _", tr(s.N_2), t_255, mean=True))
-        out_W_3 = (s.mm('_ t_219', tr(t_240), s.t_219, mean=True) + s.mm("N_2' _", tr(s.N_2), t_254, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_250), s.G, mean=True)), (1/s.L, s.mm("t_29' _", tr(s.t_29), t_252, mean=True)))
+        t_165 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_166 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_167 = lin((1, s.prod("t_41' _", tr(s.t_41), t_165)), (1, s.prod("_ t_7'", t_166, tr(s.t_7))))
+        t_181 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_167)
+        t_182 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_183 = lin((1, s.prod("_ t_7'", t_182, tr(s.t_7))), (1, s.prod("t_42' _", tr(s.t_42), t_165)))
+        t_184 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_183)
+        t_185 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_181, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_184, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_187 = s.mm('_ one', (t_185 * s.Y_2), s.one)
+        t_188 = (t_187 * s.t_55)
+        t_189 = lin((1, t_185, s.R_N_2), (2/s.d_V, t_188))
+        t_190 = lin((1, s.prod('_ W_1', t_189, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_191 = lin((1, s.prod('_ W_3', t_189, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_192 = ((s.t_101 * t_190) + (s.t_35 * t_191))
+        t_193 = lin((1, t_185), (1, s.prod('_ W_2', t_192, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_194 = (s.t_4 * softmax_diff(s.t_18, t_193))
+        t_195 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_194, tr(s.W_2))))
+        t_199 = lin((1, s.t_186, t_190), (1, s.t_101, t_195), (1, s.t_198, t_191))
+        t_200 = ((s.t_198 * t_190) + (s.t_35 * t_195))
+        t_201 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_199, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_200, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_171 _', s.t_171, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_173 _', s.t_173, tr(V_W_3))))
+        t_204 = (math.sqrt(s.d_K)) * t_201
+        t_206 = lin((1, s.t_203, t_185), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_204), (2/s.d_V, t_187, s.t_205))
+        t_207 = lin((1, s.t_178, t_185), (1, t_201, s.R_N_2), (2/s.d_V, t_187, s.t_202), (1, s.mm('_ one', t_206, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_194))
+        t_208 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_207, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_179 _ W_V' N_1'", s.t_179, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_179 W_O1' _ N_1'", s.t_179, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_209 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_167, s.t_180) + softmax_diff(s.A1, t_208))
+        t_211 = lin((1, s.prod("_ t_2'", t_209, tr(s.t_2))), (1, s.prod('t_210 _', s.t_210, tr(t_165))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_211 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_211 * s.S), tr(s.R)), mean=True)
+        t_213 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_207, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_179 _ W_V' N_1'", s.t_179, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_179 W_O2' _ N_1'", s.t_179, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_214 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_183, s.t_212) + softmax_diff(s.A2, t_213))
+        t_216 = lin((1, s.prod("_ t_2'", t_214, tr(s.t_2))), (1, s.prod('t_215 _', s.t_215, tr(t_165))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_216 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_216 * s.S), tr(s.R)), mean=True)
+        t_221 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_167, s.t_220)
+        t_225 = lin((1, s.t_223, t_185), (1, s.t_55, (2/s.d_V) * t_204), (2/s.d_V, t_187, s.t_224))
+        t_226 = lin((1/math.sqrt(s.d_K), t_204, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_187, s.t_222), (1/math.sqrt(s.d_K), s.t_218, t_185), (1/math.sqrt(s.d_K), s.mm('_ one', t_225, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_194))
+        t_227 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_226, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_219 W_O1' _ N_1'", s.t_219, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_219 _ W_V' N_1'", s.t_219, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_228 = softmax_diff(s.A1, t_227)
+        t_230 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_183, s.t_229)
+        t_231 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_226, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_219 W_O2' _ N_1'", s.t_219, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_219 _ W_V' N_1'", s.t_219, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_232 = softmax_diff(s.A2, t_231)
+        t_235 = lin((1, s.prod("_ t_41'", (tr(t_221) + tr(t_228)), tr(s.t_41))), (1, s.prod("_ t_42'", (tr(t_230) + tr(t_232)), tr(s.t_42))), (1, s.prod("t_233' _", tr(s.t_233), t_166)), (1, s.prod("t_234' _", tr(s.t_234), t_182)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_235 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_235 * s.C)), mean=True)
+        t_237 = (math.sqrt(s.d_K)) * t_226
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_236 W_O2'", tr(s.N_1), tr(t_184), s.t_236, tr(s.W_O2)), (1, "N_1' A2' t_236 _", tr(s.N_1), tr(s.A2), s.t_236, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_237, tr(s.W_O2)), (1, "N_1' A1' t_236 _", tr(s.N_1), tr(s.A1), s.t_236, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_237, tr(s.W_O1)), (1, "N_1' _ t_236 W_O1'", tr(s.N_1), tr(t_181), s.t_236, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_236", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_236), (1, "W_V' N_1' _ t_236", tr(s.W_V), tr(s.N_1), tr(t_181), s.t_236), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_237, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_236", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_236), (1, "W_V' N_1' _ t_236", tr(s.W_V), tr(s.N_1), tr(t_184), s.t_236), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_237, mean=True)))
+        out_W_1 = (s.mm('_ t_171', tr(t_189), s.t_171, mean=True) + s.mm("N_2' _", tr(s.N_2), t_199, mean=True))
+        out_W_3 = (s.mm('_ t_173', tr(t_189), s.t_173, mean=True) + s.mm("N_2' _", tr(s.N_2), t_200, mean=True))
+        out_W_2 = lin((1, s.mm('_ G', tr(t_192), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_194, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -5499,16 +5371,16 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "da6737e5ff0a375da5452dcf"
+    STAMP = "8b4653eb8e07af3aab51fe52"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_285": 2,
-        "A1' t_59": 5,
+        "A1' t_236": 2,
+        "A1' t_47": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_285": 2,
-        "A2' t_59": 5,
+        "A2' t_236": 2,
+        "A2' t_47": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
@@ -5516,21 +5388,21 @@ class ce_causal1(Forward):
         'N_1 W_V': 59,
         'N_1 W_V W_O1': 15,
         'N_1 W_V W_O2': 15,
-        "N_1' A1' t_285": 2,
-        "N_1' A1' t_59": 4,
-        "N_1' A2' t_285": 2,
-        "N_1' A2' t_59": 4,
-        "W_O1 t_225'": 2,
-        "W_O1 t_271'": 2,
-        "W_O1 t_39'": 3,
-        "W_O1 t_59'": 3,
-        "W_O1 t_81'": 2,
+        "N_1' A1' t_236": 2,
+        "N_1' A1' t_47": 4,
+        "N_1' A2' t_236": 2,
+        "N_1' A2' t_47": 4,
+        "W_O1 t_179'": 2,
+        "W_O1 t_219'": 2,
+        "W_O1 t_27'": 3,
+        "W_O1 t_47'": 3,
+        "W_O1 t_69'": 2,
         "W_O1' W_V'": 16,
-        "W_O2 t_225'": 2,
-        "W_O2 t_271'": 2,
-        "W_O2 t_39'": 3,
-        "W_O2 t_59'": 3,
-        "W_O2 t_81'": 2,
+        "W_O2 t_179'": 2,
+        "W_O2 t_219'": 2,
+        "W_O2 t_27'": 3,
+        "W_O2 t_47'": 3,
+        "W_O2 t_69'": 2,
         "W_O2' W_V'": 16,
     }
 
@@ -5556,91 +5428,43 @@ class ce_causal1(Forward):
 
     @leaf
     def t_2(s):
-        return s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1))
+        return ((s.mm("R' W_K' N_1'", tr(s.R), tr(s.W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1)) * tr(s.C)))
 
     @leaf
     def t_3(s):
-        return (s.t_2 * tr(s.S))
-
-    @leaf
-    def t_4(s):
-        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
-
-    @leaf
-    def t_5(s):
-        return (s.t_4 * tr(s.C))
-
-    @leaf
-    def t_6(s):
-        return (s.t_3 + s.t_5)
-
-    @leaf
-    def t_7(s):
         return s.mm('N_1 W_V W_O1', s.N_1, s.W_V, s.W_O1)
 
     @leaf
-    def t_8(s):
+    def t_4(s):
         return s.mm('Y one', s.Y, s.one)
 
     @leaf
-    def t_9(s):
-        return bcast_last(s.t_8, s.d_V)
+    def t_5(s):
+        return bcast_last(s.t_4, s.d_V)
 
     @leaf
-    def t_10(s):
-        return tr(s.t_7)
+    def t_6(s):
+        return tr(s.t_3)
 
     @leaf
-    def t_11(s):
-        return tr(s.t_6)
+    def t_7(s):
+        return tr(s.t_2)
 
     @leaf
-    def t_12(s):
+    def t_8(s):
         return s.mm("W_O2' W_V' N_1'", tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_13(s):
-        return s.mm('N_1 W_Q1', s.N_1, s.W_Q1)
+    def t_9(s):
+        return ((s.mm('N_1 W_Q1', s.N_1, s.W_Q1) * s.C) + (s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R) * s.S))
 
     @leaf
-    def t_14(s):
-        return (s.t_13 * s.C)
-
-    @leaf
-    def t_15(s):
-        return s.mm('N_1 W_Q1 R', s.N_1, s.W_Q1, s.R)
-
-    @leaf
-    def t_16(s):
-        return (s.t_15 * s.S)
-
-    @leaf
-    def t_17(s):
-        return (s.t_14 + s.t_16)
-
-    @leaf
-    def t_18(s):
-        return s.mm('N_1 W_Q2', s.N_1, s.W_Q2)
-
-    @leaf
-    def t_19(s):
-        return (s.t_18 * s.C)
-
-    @leaf
-    def t_20(s):
-        return s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R)
-
-    @leaf
-    def t_21(s):
-        return (s.t_20 * s.S)
-
-    @leaf
-    def t_22(s):
-        return (s.t_19 + s.t_21)
+    def t_10(s):
+        return ((s.mm('N_1 W_Q2', s.N_1, s.W_Q2) * s.C) + (s.mm('N_1 W_Q2 R', s.N_1, s.W_Q2, s.R) * s.S))
 
     @leaf
     def T1(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_17 t_11'", s.t_17, tr(s.t_11))
+        return (1/math.sqrt(s.d_K)) * s.mm("t_9 t_7'", s.t_9, tr(s.t_7))
 
     @leaf
     def A1(s):
@@ -5648,7 +5472,7 @@ class ce_causal1(Forward):
 
     @leaf
     def T2(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("t_22 t_11'", s.t_22, tr(s.t_11))
+        return (1/math.sqrt(s.d_K)) * s.mm("t_10 t_7'", s.t_10, tr(s.t_7))
 
     @leaf
     def A2(s):
@@ -5659,448 +5483,508 @@ class ce_causal1(Forward):
         return lin((1, s.mm('A1 N_1 W_V W_O1', s.A1, s.N_1, s.W_V, s.W_O1)), (1, s.mm('A2 N_1 W_V W_O2', s.A2, s.N_1, s.W_V, s.W_O2)), (1, s.X))
 
     @leaf
-    def t_23(s):
+    def t_11(s):
         return (s.Y_2 * s.Y_2)
 
     @leaf
     def ms_N_2(s):
-        return (1/s.d_V) * s.mm('t_23 one', s.t_23, s.one)
+        return (1/s.d_V) * s.mm('t_11 one', s.t_11, s.one)
 
     @leaf
-    def t_24(s):
+    def t_12(s):
         return lin((1, s.ms_N_2), (1/1000000, ones((s.L, s.d_V), s.like)))
 
     @leaf
     def R_N_2(s):
-        return (s.t_24 ** -0.5)
+        return (s.t_12 ** -0.5)
 
     @leaf
     def N_2(s):
         return (s.R_N_2 * s.Y_2)
 
     @leaf
-    def t_25(s):
+    def t_13(s):
         return s.mm('N_2 W_1', s.N_2, s.W_1)
 
     @leaf
-    def t_26(s):
-        return ((1.0 + (-1.0 * sigmoid(s.t_25))) * sigmoid(s.t_25))
+    def t_14(s):
+        return sigmoid(s.t_13)
 
     @leaf
-    def t_27(s):
-        return sigmoid(s.t_25)
+    def t_15(s):
+        return ((1.0 - s.t_14) * s.t_14)
 
     @leaf
-    def t_28(s):
+    def t_16(s):
         return s.mm('N_2 W_3', s.N_2, s.W_3)
 
     @leaf
-    def t_29(s):
-        return (s.t_27 * s.t_25 * s.t_28)
+    def t_17(s):
+        return mul(s.t_14, s.t_13, s.t_16)
 
     @leaf
     def F(s):
-        return (s.mm('t_29 W_2', s.t_29, s.W_2) + s.Y_2)
+        return (s.mm('t_17 W_2', s.t_17, s.W_2) + s.Y_2)
 
     @leaf
-    def t_30(s):
+    def t_18(s):
         return softmax_rows(s.F)
 
     @leaf
     def G(s):
-        return lin((1/s.L, s.t_8, s.t_30), (-1/s.L, s.Y))
+        return lin((1/s.L, s.t_4, s.t_18), (-1/s.L, s.Y))
 
     @leaf
-    def t_31(s):
+    def t_19(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_32(s):
-        return ((s.t_26 * s.t_31 * s.t_25 * s.t_28) + (s.t_27 * s.t_31 * s.t_28))
+    def t_20(s):
+        return (mul(s.t_15, s.t_19, s.t_13, s.t_16) + mul(s.t_14, s.t_19, s.t_16))
 
     @leaf
-    def t_33(s):
-        return (s.t_27 * s.t_31 * s.t_25)
+    def t_21(s):
+        return mul(s.t_14, s.t_19, s.t_13)
 
     @leaf
-    def t_34(s):
-        return lin((1/math.sqrt(s.d_K), s.mm("t_32 W_1'", s.t_32, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_33 W_3'", s.t_33, tr(s.W_3))))
+    def t_22(s):
+        return lin((1/math.sqrt(s.d_K), s.mm("t_20 W_1'", s.t_20, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_21 W_3'", s.t_21, tr(s.W_3))))
 
     @leaf
-    def t_35(s):
-        return (2/s.d_V) * s.t_34
+    def t_23(s):
+        return (2/s.d_V) * s.t_22
 
     @leaf
-    def t_36(s):
-        return (-0.5 * (s.t_24 ** -1.5))
+    def t_24(s):
+        return (-0.5 * (s.t_12 ** -1.5))
 
     @leaf
-    def t_37(s):
-        return (s.t_35 * s.t_36 * s.Y_2)
+    def t_25(s):
+        return mul(s.t_23, s.t_24, s.Y_2)
 
     @leaf
-    def t_38(s):
-        return s.mm('t_37 one', s.t_37, s.one)
+    def t_26(s):
+        return s.mm('t_25 one', s.t_25, s.one)
 
     @leaf
-    def t_39(s):
-        return lin((1, s.t_34, s.R_N_2), (1, s.t_38, s.Y_2), (1/math.sqrt(s.d_K), s.G))
+    def t_27(s):
+        return lin((1, s.t_22, s.R_N_2), (1, s.t_26, s.Y_2), (1/math.sqrt(s.d_K), s.G))
 
     @leaf
-    def t_40(s):
-        return s.mm("t_39 W_O1' W_V' N_1'", s.t_39, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_28(s):
+        return s.mm("t_27 W_O1' W_V' N_1'", s.t_27, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_41(s):
-        return softmax_diff(s.A1, s.t_40)
+    def t_29(s):
+        return softmax_diff(s.A1, s.t_28)
 
     @leaf
-    def t_42(s):
+    def t_30(s):
         return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
-    def t_43(s):
-        return s.mm("t_39 W_O1'", s.t_39, tr(s.W_O1))
+    def t_31(s):
+        return s.mm("t_27 W_O1'", s.t_27, tr(s.W_O1))
 
     @leaf
-    def t_44(s):
+    def t_32(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_45(s):
+    def t_33(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_46(s):
+    def t_34(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_47(s):
-        return (s.t_27 * s.t_25)
+    def t_35(s):
+        return (s.t_14 * s.t_13)
 
     @leaf
-    def t_48(s):
-        return tr(s.t_12)
+    def t_36(s):
+        return tr(s.t_8)
 
     @leaf
-    def t_49(s):
-        return s.mm("t_39 W_O2' W_V' N_1'", s.t_39, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_37(s):
+        return s.mm("t_27 W_O2' W_V' N_1'", s.t_27, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_50(s):
-        return softmax_diff(s.A2, s.t_49)
+    def t_38(s):
+        return softmax_diff(s.A2, s.t_37)
 
     @leaf
-    def t_51(s):
+    def t_39(s):
         return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
+    def t_40(s):
+        return s.mm("t_27 W_O2'", s.t_27, tr(s.W_O2))
+
+    @leaf
+    def t_41(s):
+        return tr(s.t_9)
+
+    @leaf
+    def t_42(s):
+        return tr(s.t_10)
+
+    @leaf
+    def t_43(s):
+        return (math.sqrt(s.d_K)) * s.t_22
+
+    @leaf
+    def t_44(s):
+        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_22
+
+    @leaf
+    def t_45(s):
+        return mul(s.t_44, s.t_24, s.Y_2)
+
+    @leaf
+    def t_46(s):
+        return s.mm('t_45 one', s.t_45, s.one)
+
+    @leaf
+    def t_47(s):
+        return lin((1, s.t_43, s.R_N_2), (1, s.t_46, s.Y_2), (1, s.G))
+
+    @leaf
+    def t_48(s):
+        return s.mm("t_47 W_O1'", s.t_47, tr(s.W_O1))
+
+    @leaf
+    def t_49(s):
+        return s.mm("t_47 W_O2'", s.t_47, tr(s.W_O2))
+
+    @leaf
+    def t_50(s):
+        return s.mm("A1' t_47", tr(s.A1), s.t_47)
+
+    @leaf
+    def t_51(s):
+        return s.mm("A2' t_47", tr(s.A2), s.t_47)
+
+    @leaf
     def t_52(s):
-        return s.mm("t_39 W_O2'", s.t_39, tr(s.W_O2))
+        return tr(s.t_32)
 
     @leaf
     def t_53(s):
-        return tr(s.t_17)
+        return tr(s.t_34)
 
     @leaf
     def t_54(s):
-        return tr(s.t_22)
+        return tr(s.t_17)
 
     @leaf
     def t_55(s):
-        return (math.sqrt(s.d_K)) * s.t_34
+        return (s.t_24 * s.Y_2)
 
     @leaf
     def t_56(s):
-        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_34
+        return mul(s.t_15, s.t_13, s.t_16)
 
     @leaf
     def t_57(s):
-        return (s.t_56 * s.t_36 * s.Y_2)
+        return (s.t_14 * s.t_16)
 
     @leaf
     def t_58(s):
-        return s.mm('t_57 one', s.t_57, s.one)
-
-    @leaf
-    def t_59(s):
-        return lin((1, s.t_55, s.R_N_2), (1, s.t_58, s.Y_2), (1, s.G))
-
-    @leaf
-    def t_60(s):
-        return s.mm("t_59 W_O1'", s.t_59, tr(s.W_O1))
-
-    @leaf
-    def t_61(s):
-        return s.mm("t_59 W_O2'", s.t_59, tr(s.W_O2))
-
-    @leaf
-    def t_62(s):
-        return s.mm("A1' t_59", tr(s.A1), s.t_59)
-
-    @leaf
-    def t_63(s):
-        return s.mm("A2' t_59", tr(s.A2), s.t_59)
-
-    @leaf
-    def t_64(s):
-        return tr(s.t_44)
-
-    @leaf
-    def t_65(s):
-        return tr(s.t_46)
-
-    @leaf
-    def t_66(s):
-        return tr(s.t_29)
-
-    @leaf
-    def t_67(s):
-        return (s.t_36 * s.Y_2)
-
-    @leaf
-    def t_68(s):
-        return (s.t_26 * s.t_25 * s.t_28)
-
-    @leaf
-    def t_69(s):
-        return (s.t_27 * s.t_28)
-
-    @leaf
-    def t_70(s):
         return softmax_rows(s.F)
 
     @leaf
+    def t_59(s):
+        return (((2.0 * s.t_14) - 1.0) * (s.t_14 - 1.0) * s.t_14)
+
+    @leaf
+    def t_60(s):
+        return mul(s.t_59, s.t_19, s.t_13, s.t_16)
+
+    @leaf
+    def t_61(s):
+        return mul(s.t_15, s.t_19, s.t_16)
+
+    @leaf
+    def t_62(s):
+        return mul(s.t_15, s.t_19, s.t_13)
+
+    @leaf
+    def t_63(s):
+        return (s.t_14 * s.t_19)
+
+    @leaf
+    def t_64(s):
+        return (s.t_23 * s.t_24)
+
+    @leaf
+    def t_65(s):
+        return (0.75 * (s.t_12 ** -2.5))
+
+    @leaf
+    def t_66(s):
+        return mul(s.t_23, s.t_65, s.Y_2)
+
+    @leaf
+    def t_67(s):
+        return bcast_last(s.t_26, s.d_V)
+
+    @leaf
+    def t_68(s):
+        return (s.t_22 * s.t_24)
+
+    @leaf
+    def t_69(s):
+        return (1/math.sqrt(s.d_K)) * s.t_47
+
+    @leaf
+    def t_70(s):
+        return s.mm("t_69 W_O1' W_V' N_1'", s.t_69, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
     def t_71(s):
-        return ((((1.0 + (-1.0 * sigmoid(s.t_25))) * (1.0 + (-1.0 * sigmoid(s.t_25)))) * sigmoid(s.t_25)) + (-1.0 * (sigmoid(s.t_25) * sigmoid(s.t_25)) * (1.0 + (-1.0 * sigmoid(s.t_25)))))
+        return softmax_diff(s.A1, s.t_70)
 
     @leaf
     def t_72(s):
-        return (s.t_71 * s.t_31 * s.t_25 * s.t_28)
+        return (s.t_44 * s.t_24)
 
     @leaf
     def t_73(s):
-        return (s.t_26 * s.t_31 * s.t_28)
+        return mul(s.t_44, s.t_65, s.Y_2)
 
     @leaf
     def t_74(s):
-        return (s.t_26 * s.t_31 * s.t_25)
+        return bcast_last(s.t_46, s.d_V)
 
     @leaf
     def t_75(s):
-        return (s.t_27 * s.t_31)
+        return (s.t_43 * s.t_24)
 
     @leaf
     def t_76(s):
-        return (s.t_35 * s.t_36)
+        return s.mm("t_69 W_O2' W_V' N_1'", s.t_69, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_77(s):
-        return (0.75 * (s.t_24 ** -2.5))
-
-    @leaf
-    def t_78(s):
-        return (s.t_35 * s.t_77 * s.Y_2)
-
-    @leaf
-    def t_79(s):
-        return bcast_last(s.t_38, s.d_V)
-
-    @leaf
-    def t_80(s):
-        return (s.t_34 * s.t_36)
-
-    @leaf
-    def t_81(s):
-        return (1/math.sqrt(s.d_K)) * s.t_59
-
-    @leaf
-    def t_82(s):
-        return s.mm("t_81 W_O1' W_V' N_1'", s.t_81, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_83(s):
-        return softmax_diff(s.A1, s.t_82)
-
-    @leaf
-    def t_84(s):
-        return (s.t_56 * s.t_36)
-
-    @leaf
-    def t_85(s):
-        return (s.t_56 * s.t_77 * s.Y_2)
-
-    @leaf
-    def t_86(s):
-        return bcast_last(s.t_58, s.d_V)
-
-    @leaf
-    def t_87(s):
-        return (s.t_55 * s.t_36)
-
-    @leaf
-    def t_88(s):
-        return s.mm("t_81 W_O2' W_V' N_1'", s.t_81, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_89(s):
-        return softmax_diff(s.A2, s.t_88)
+        return softmax_diff(s.A2, s.t_76)
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_90(s):
+    def t_78(s):
         return log_softmax_rows(s.F)
 
     @leaf
+    def t_79(s):
+        return (s.t_78 * s.Y)
+
+    @leaf
+    def t_80(s):
+        return s.mm('one_2 t_79 one', s.one_2, s.t_79, s.one)
+
+    @leaf
+    def t_81(s):
+        return s.mm("t_29 t_2'", s.t_29, tr(s.t_2))
+
+    @leaf
+    def t_82(s):
+        return (s.t_81 * s.S)
+
+    @leaf
+    def t_83(s):
+        return (s.t_81 * s.C)
+
+    @leaf
+    def t_84(s):
+        return s.mm("t_38 t_2'", s.t_38, tr(s.t_2))
+
+    @leaf
+    def t_85(s):
+        return (s.t_84 * s.C)
+
+    @leaf
+    def t_86(s):
+        return (s.t_84 * s.S)
+
+    @leaf
+    def t_87(s):
+        return s.mm("t_71' t_41'", tr(s.t_71), tr(s.t_41))
+
+    @leaf
+    def t_88(s):
+        return s.mm("t_77' t_42'", tr(s.t_77), tr(s.t_42))
+
+    @leaf
+    def t_89(s):
+        return (s.t_87 + s.t_88)
+
+    @leaf
+    def t_90(s):
+        return (s.t_89 * s.C)
+
+    @leaf
     def t_91(s):
-        return (s.t_90 * s.Y)
+        return (s.t_89 * s.S)
 
     @leaf
     def t_92(s):
-        return s.mm('one_2 t_91 one', s.one_2, s.t_91, s.one)
-
-    @leaf
-    def t_93(s):
-        return s.mm("t_41 t_6'", s.t_41, tr(s.t_6))
-
-    @leaf
-    def t_94(s):
-        return (s.t_93 * s.S)
-
-    @leaf
-    def t_95(s):
-        return (s.t_93 * s.C)
-
-    @leaf
-    def t_96(s):
-        return s.mm("t_50 t_6'", s.t_50, tr(s.t_6))
-
-    @leaf
-    def t_97(s):
-        return (s.t_96 * s.C)
-
-    @leaf
-    def t_98(s):
-        return (s.t_96 * s.S)
-
-    @leaf
-    def t_99(s):
-        return s.mm("t_83' t_53'", tr(s.t_83), tr(s.t_53))
-
-    @leaf
-    def t_100(s):
-        return s.mm("t_89' t_54'", tr(s.t_89), tr(s.t_54))
+        return lin((1/s.L, s.t_56), (1/s.L, s.t_57))
 
     @leaf
     def t_101(s):
-        return (s.t_99 + s.t_100)
+        return (s.L) * s.t_92
 
     @leaf
-    def t_102(s):
-        return (s.t_101 * s.C)
+    def t_133(s):
+        return lin((1, s.t_60), (2, s.t_61))
 
     @leaf
-    def t_103(s):
-        return (s.t_101 * s.S)
+    def t_138(s):
+        return (s.t_62 + s.t_63)
 
     @leaf
-    def t_214(s):
+    def t_163(s):
+        return (tr(s.t_14) * tr(s.t_13))
+
+    @leaf
+    def t_168(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_215(s):
-        return (s.t_26 * s.t_214 * s.t_25 * s.t_28)
+    def t_169(s):
+        return mul(s.t_15, s.t_168, s.t_13, s.t_16)
 
     @leaf
-    def t_216(s):
-        return (s.t_27 * s.t_214 * s.t_28)
+    def t_170(s):
+        return mul(s.t_14, s.t_168, s.t_16)
+
+    @leaf
+    def t_171(s):
+        return (s.t_169 + s.t_170)
+
+    @leaf
+    def t_172(s):
+        return s.mm("t_171 W_1'", s.t_171, tr(s.W_1))
+
+    @leaf
+    def t_173(s):
+        return mul(s.t_14, s.t_168, s.t_13)
+
+    @leaf
+    def t_174(s):
+        return s.mm("t_173 W_3'", s.t_173, tr(s.W_3))
+
+    @leaf
+    def t_175(s):
+        return lin((1/math.sqrt(s.d_K), s.t_172), (1/math.sqrt(s.d_K), s.t_174))
+
+    @leaf
+    def t_176(s):
+        return (math.sqrt(s.d_K)) * s.t_175
+
+    @leaf
+    def t_177(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_176, s.t_24, s.Y_2)
+
+    @leaf
+    def t_178(s):
+        return s.mm('t_177 one', s.t_177, s.one)
+
+    @leaf
+    def t_179(s):
+        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_175, s.R_N_2), (1, s.t_178, s.Y_2))
+
+    @leaf
+    def t_180(s):
+        return s.mm("t_179 W_O1' W_V' N_1'", s.t_179, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_186(s):
+        return lin((1, mul(s.t_59, s.t_168, s.t_13), s.t_16), (2, (s.t_15 * s.t_168), s.t_16))
+
+    @leaf
+    def t_196(s):
+        return mul(s.t_15, s.t_168, s.t_13)
+
+    @leaf
+    def t_197(s):
+        return (s.t_14 * s.t_168)
+
+    @leaf
+    def t_198(s):
+        return (s.t_196 + s.t_197)
+
+    @leaf
+    def t_202(s):
+        return (s.t_175 * s.t_24)
+
+    @leaf
+    def t_203(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_176 * s.t_24)
+
+    @leaf
+    def t_205(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_176, s.t_65, s.Y_2)
+
+    @leaf
+    def t_210(s):
+        return softmax_diff(s.A1, s.t_180)
+
+    @leaf
+    def t_212(s):
+        return s.mm("t_179 W_O2' W_V' N_1'", s.t_179, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_215(s):
+        return softmax_diff(s.A2, s.t_212)
 
     @leaf
     def t_217(s):
-        return (s.t_215 + s.t_216)
+        return mul((2/s.d_V) * s.t_176, s.t_24, s.Y_2)
 
     @leaf
     def t_218(s):
-        return s.mm("t_217 W_1'", s.t_217, tr(s.W_1))
+        return s.mm('t_217 one', s.t_217, s.one)
 
     @leaf
     def t_219(s):
-        return (s.t_27 * s.t_214 * s.t_25)
+        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_176, s.R_N_2), (1/math.sqrt(s.d_K), s.t_218, s.Y_2))
 
     @leaf
     def t_220(s):
-        return s.mm("t_219 W_3'", s.t_219, tr(s.W_3))
-
-    @leaf
-    def t_221(s):
-        return lin((1/math.sqrt(s.d_K), s.t_218), (1/math.sqrt(s.d_K), s.t_220))
+        return s.mm("t_219 W_O1' W_V' N_1'", s.t_219, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_222(s):
-        return (math.sqrt(s.d_K)) * s.t_221
+        return (s.t_176 * s.t_24)
 
     @leaf
     def t_223(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_222 * s.t_36 * s.Y_2)
+        return ((2/s.d_V) * s.t_176 * s.t_24)
 
     @leaf
     def t_224(s):
-        return s.mm('t_223 one', s.t_223, s.one)
+        return mul((2/s.d_V) * s.t_176, s.t_65, s.Y_2)
 
     @leaf
-    def t_225(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_221, s.R_N_2), (1, s.t_224, s.Y_2))
+    def t_229(s):
+        return s.mm("t_219 W_O2' W_V' N_1'", s.t_219, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_226(s):
-        return s.mm("t_225 W_O1' W_V' N_1'", s.t_225, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_233(s):
+        return softmax_diff(s.A1, s.t_220)
 
     @leaf
-    def t_262(s):
-        return softmax_diff(s.A1, s.t_226)
+    def t_234(s):
+        return softmax_diff(s.A2, s.t_229)
 
     @leaf
-    def t_264(s):
-        return s.mm("t_225 W_O2' W_V' N_1'", s.t_225, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_267(s):
-        return softmax_diff(s.A2, s.t_264)
-
-    @leaf
-    def t_269(s):
-        return ((2/s.d_V) * s.t_222 * s.t_36 * s.Y_2)
-
-    @leaf
-    def t_270(s):
-        return s.mm('t_269 one', s.t_269, s.one)
-
-    @leaf
-    def t_271(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_222, s.R_N_2), (1/math.sqrt(s.d_K), s.t_270, s.Y_2))
-
-    @leaf
-    def t_272(s):
-        return s.mm("t_271 W_O1' W_V' N_1'", s.t_271, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_278(s):
-        return s.mm("t_271 W_O2' W_V' N_1'", s.t_271, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_282(s):
-        return softmax_diff(s.A1, s.t_272)
-
-    @leaf
-    def t_283(s):
-        return softmax_diff(s.A2, s.t_278)
-
-    @leaf
-    def t_285(s):
-        return (math.sqrt(s.d_K)) * s.t_271
+    def t_236(s):
+        return (math.sqrt(s.d_K)) * s.t_219
 
     @leaf
     def S_2(s):
@@ -6123,15 +6007,15 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_67),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_55),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_68),
-            net(1, 'nab->nab', s.t_69),
+            net(1, 'nab->nab', s.t_56),
+            net(1, 'nab->nab', s.t_57),
         ])
 
     @leaf
@@ -6139,7 +6023,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_47),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_35),
         ])
 
     @leaf
@@ -6154,8 +6038,8 @@ class ce_causal1(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_70, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_70, s.t_70),
+            net(1, 'nab,bc->nabc', s.t_58, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_58, s.t_58),
         ])
 
     @leaf
@@ -6163,7 +6047,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_47, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_35, s.W_3),
         ])
 
     @leaf
@@ -6171,7 +6055,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_55, ONES, s.Y_2),
         ])
 
     @leaf
@@ -6202,16 +6086,16 @@ class ce_causal1(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_72),
-            net(2, 'nab->nab', s.t_73),
+            net(1, 'nab->nab', s.t_60),
+            net(2, 'nab->nab', s.t_61),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_74),
-            net(1, 'nab->nab', s.t_75),
+            net(1, 'nab->nab', s.t_62),
+            net(1, 'nab->nab', s.t_63),
         ])
 
     @leaf
@@ -6234,17 +6118,17 @@ class ce_causal1(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_76, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_78, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_67, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_64, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_55, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_79, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_80, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_67, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_68, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -6253,16 +6137,16 @@ class ce_causal1(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_41, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_41, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_41),
+            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_29, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_29),
         ])
 
     @leaf
     def S_18(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_18', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_7, s.S_17, s.t_10, s.dA),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA, s.t_3, s.S_17, s.t_6, s.dA),
             net(1, 'nabc->nabc', s.d2A),
         ])
 
@@ -6310,16 +6194,16 @@ class ce_causal1(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_50, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_50, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_50),
+            net(1, 'nab,bc->nabc', s.t_38, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_38, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_38),
         ])
 
     @leaf
     def S_23(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_23', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_48, s.S_17, s.t_12, s.dA_3),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -6327,26 +6211,26 @@ class ce_causal1(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_83, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_83, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_83),
+            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_71, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_71),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_24', [
-            net(1, 'nab,bc->nabc', s.t_84, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_85, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_67, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_72, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_73, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_55, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_86, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_87, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_74, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_75, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_24),
         ])
@@ -6355,9 +6239,9 @@ class ce_causal1(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_89, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_89, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_89),
+            net(1, 'nab,bc->nabc', s.t_77, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_77, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_77),
         ])
 
     @leaf
@@ -6365,7 +6249,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_26', [
             net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_67),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_55),
         ])
 
     @leaf
@@ -6380,8 +6264,8 @@ class ce_causal1(Forward):
     def S_28(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_28', [
-            net(1/s.L, 'nab->nab', s.t_68),
-            net(1/s.L, 'nab->nab', s.t_69),
+            net(1/s.L, 'nab->nab', s.t_56),
+            net(1/s.L, 'nab->nab', s.t_57),
         ])
 
     @leaf
@@ -6395,370 +6279,370 @@ class ce_causal1(Forward):
     def block__W_Q1__W_Q1__outer(s):
         """H_o(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_10, s.dA, s.t_11, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q1__functional(s):
         """H_f(W_Q1, W_Q1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_6, s.S_18, s.t_11, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_18, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__outer(s):
         """H_o(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_12, s.dA_3, s.t_11, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_Q2__functional(s):
         """H_f(W_Q1, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_17, s.t_12, s.dA_3, s.t_11, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_K__outer(s):
         """H_o(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_Q1__W_K__functional(s):
         """H_f(W_Q1, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_6, s.d2A, s.t_17, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_41, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_29, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
         """H_o(W_Q1, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_42, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_42, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA, s.N_1, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA, s.t_45, s.t_39),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_6, s.dA, s.t_45, s.W_O1, s.S_17, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.W_O1, s.S_17, s.t_32),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_6, s.dA, s.t_7, s.S_17, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_34),
         ]
 
     def block__W_Q1__W_1__outer(s):
         """H_o(W_Q1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q1__W_1__functional(s):
         """H_f(W_Q1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
         """H_f(W_Q1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.t_33),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q1__W_2__outer(s):
         """H_o(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q1__W_2__functional(s):
         """H_f(W_Q1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_6, s.dA, s.t_7, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA, s.t_3, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_12, s.dA_3, s.t_11, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
         """H_f(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_6, s.S_23, s.t_11, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,agh,nai->bc|ih', s.N_1, s.S_11, s.t_2, s.S_23, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_6, s.d2A_2, s.t_22, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA_3, s.t_48, s.S_17, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_6, s.dA_3, s.t_48, s.S_17, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_50, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_38, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA_3, s.N_1, s.t_51, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_6, s.dA_3, s.N_1, s.t_51, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA_3, s.N_1, s.t_52),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_39, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_39, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_40),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_6, s.dA_3, s.t_48, s.S_17, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_32),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_6, s.dA_3, s.t_45, s.t_39),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_6, s.dA_3, s.t_45, s.W_O2, s.S_17, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.t_27),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.W_O2, s.S_17, s.t_34),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA_3, s.t_48, s.S_3, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA_3, s.t_48, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_6, s.dA_3, s.t_48, s.S_3, s.t_33),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_6, s.dA_3, s.t_48, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_6, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_6, s.dA_3, s.t_48, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_53, s.d2A_3, s.t_17, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_25, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_25, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_54, s.d2A_4, s.t_22, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_25, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_25, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_41, s.d2A_3, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_42, s.d2A_4, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_53, s.dA, s.N_1, s.t_42, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_53, s.dA, s.N_1, s.t_42, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_53, s.dA, s.N_1, s.t_60),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_54, s.dA_3, s.N_1, s.t_51, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_54, s.dA_3, s.N_1, s.t_51, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_54, s.dA_3, s.N_1, s.t_61),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA, s.N_1, s.t_30, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA, s.N_1, s.t_30, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA, s.N_1, s.t_48),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA_3, s.N_1, s.t_39, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA_3, s.N_1, s.t_39, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA_3, s.N_1, s.t_49),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_44),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_53, s.dA, s.t_45, s.t_59),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_53, s.dA, s.t_45, s.W_O1, s.S_25, s.t_44),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_25, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA, s.t_33, s.t_47),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA, s.t_33, s.W_O1, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_25, s.t_32),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_46),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_25, s.t_46),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_45, s.t_59),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_45, s.W_O2, s.S_25, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_33, s.t_47),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_33, s.W_O2, s.S_25, s.t_34),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_3, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_3, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_3, s.t_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_3, s.t_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_53, s.dA, s.t_7, s.S_6, s.t_9, s.dA_2, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_54, s.dA_3, s.t_48, s.S_6, s.t_9, s.dA_2, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_53, s.dA, s.t_7, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_54, s.dA_3, s.t_48, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch,ig,nhj->bd|ji', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nchi,ncij,nck,lj,nkm->bd|ml', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_V__W_V__functional(s):
@@ -6773,70 +6657,70 @@ class ce_causal1(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_44),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_44),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_62, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_44),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_44),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_50, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_32),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_46),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.S_9, s.t_46),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_63, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_46),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_46),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_51, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_34),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_20),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_20),
             net(1/s.n_batch, 'nab,nca,de,ncef,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
         """H_f(W_V, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_33),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A1, s.W_O1, s.S_3, s.t_21),
             net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_33),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|fg', s.N_1, s.A2, s.W_O2, s.S_3, s.t_21),
             net(1/s.n_batch, 'nab,nca,de,ncef,fg,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_6, s.t_9, s.dA_2, s.t_29),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_6, s.t_9, s.dA_2, s.t_29),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_V__W_2__functional(s):
@@ -6849,119 +6733,119 @@ class ce_causal1(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_64, s.S_27, s.t_9, s.dA_2, s.S_9, s.t_44),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_64, s.S_25, s.t_44),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_32),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_64, s.S_27, s.t_9, s.dA_2, s.S_9, s.t_46),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_64, s.S_25, s.t_46),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_34),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_64, s.S_27, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_64, s.S_3, s.t_32),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_64, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_52, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_52, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_64, s.S_27, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_64, s.S_3, s.t_33),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_64, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_52, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_52, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_64, s.S_27, s.t_9, s.dA_2, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_52, s.S_27, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_64, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_52, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_65, s.S_27, s.t_9, s.dA_2, s.S_9, s.t_46),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_65, s.S_25, s.t_46),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_53, s.S_25, s.t_34),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_65, s.S_27, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_65, s.S_3, s.t_32),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_65, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_53, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_53, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_65, s.S_27, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_65, s.S_3, s.t_33),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_65, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_53, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_53, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_65, s.S_27, s.t_9, s.dA_2, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_53, s.S_27, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_65, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_53, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_9, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
@@ -6973,7 +6857,7 @@ class ce_causal1(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -6985,7 +6869,7 @@ class ce_causal1(Forward):
     def block__W_1__W_2__outer(s):
         """H_o(W_1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.S_28, s.W_2, s.t_9, s.dA_2, s.t_29),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_1__W_2__functional(s):
@@ -6997,46 +6881,46 @@ class ce_causal1(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_47, s.W_2, s.t_9, s.dA_2, s.W_2, s.t_47, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_47, s.W_2, s.t_9, s.dA_2, s.t_29),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_47, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_35, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 1/L*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_66, s.t_9, s.dA_2, s.t_29),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_54, s.t_5, s.dA_2, s.t_17),
         ]
 
     def jacobian__W_Q1(s):
         """∂vec_r F/∂vec_r W_Q1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_10, s.dA, s.t_11, s.S_10, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_6, s.dA, s.t_7, s.S_10, s.N_1),
         ]
 
     def jacobian__W_Q2(s):
         """∂vec_r F/∂vec_r W_Q2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_12, s.dA_3, s.t_11, s.S_10, s.N_1),
+            net(1, 'nabc,ncd,nade,nef,afg,nah->n|ab|hg', s.S_29, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_10, s.dA, s.t_17, s.S_19, s.N_1),
-            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_12, s.dA_3, s.t_22, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'nab,ncbd,nce,edf,ndg->n|ca|gf', s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/math.sqrt(s.d_K), 'ab,ncad,ncde,nef,ncfg,nch,hgi,ngj->n|cb|ji', s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def jacobian__W_V(s):
@@ -7051,13 +6935,13 @@ class ce_causal1(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_44),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_32),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_46),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_34),
         ]
 
     def jacobian__W_1(s):
@@ -7069,228 +6953,176 @@ class ce_causal1(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_47, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_35, s.N_2),
         ]
 
     def jacobian__W_2(s):
         """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_29, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_17, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_92, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_80, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_94 R'", tr(s.N_1), s.t_94, tr(s.R)), (1, "N_1' t_95", tr(s.N_1), s.t_95), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_97", tr(s.N_1), s.t_97), (1, "N_1' t_98 R'", tr(s.N_1), s.t_98, tr(s.R)), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_102", tr(s.N_1), s.t_102), (1, "N_1' t_103 R'", tr(s.N_1), s.t_103, tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_59 W_O2'", tr(s.N_1), tr(s.A2), s.t_59, tr(s.W_O2)), (1, "N_1' A1' t_59 W_O1'", tr(s.N_1), tr(s.A1), s.t_59, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_59", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_59, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_59", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_59, mean=True)
-        out_W_1 = s.mm("N_2' t_32", tr(s.N_2), s.t_32, mean=True)
-        out_W_3 = s.mm("N_2' t_33", tr(s.N_2), s.t_33, mean=True)
-        out_W_2 = s.mm("t_29' G", tr(s.t_29), s.G, mean=True)
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_82 R'", tr(s.N_1), s.t_82, tr(s.R)), (1, "N_1' t_83", tr(s.N_1), s.t_83), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_85", tr(s.N_1), s.t_85), (1, "N_1' t_86 R'", tr(s.N_1), s.t_86, tr(s.R)), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_90", tr(s.N_1), s.t_90), (1, "N_1' t_91 R'", tr(s.N_1), s.t_91, tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_47 W_O2'", tr(s.N_1), tr(s.A2), s.t_47, tr(s.W_O2)), (1, "N_1' A1' t_47 W_O1'", tr(s.N_1), tr(s.A1), s.t_47, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_47", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_47, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_47", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_47, mean=True)
+        out_W_1 = s.mm("N_2' t_20", tr(s.N_2), s.t_20, mean=True)
+        out_W_3 = s.mm("N_2' t_21", tr(s.N_2), s.t_21, mean=True)
+        out_W_2 = s.mm("t_17' G", tr(s.t_17), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_104 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_105 = (t_104 * tr(s.S))
-        t_106 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_107 = (t_106 * tr(s.C))
-        t_108 = (t_105 + t_107)
-        t_109 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_110 = (s.mm("t_53' _", tr(s.t_53), t_108) + s.mm("_ t_11'", t_109, tr(s.t_11)))
-        t_111 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_110)
-        t_112 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_113 = (s.mm("_ t_11'", t_112, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_108))
-        t_114 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_113)
-        t_115 = s.mm('_ N_1 W_V W_O2', t_114, s.N_1, s.W_V, s.W_O2)
-        t_116 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_117 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_118 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_119 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_111, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_115), (1, t_116), (1, t_117), (1, t_118))
-        t_120 = (t_119 * s.R_N_2)
-        t_121 = (t_119 * s.Y_2)
-        t_122 = s.mm('_ one', t_121, s.one)
-        t_123 = (t_122 * s.t_36 * s.Y_2)
-        t_124 = lin((1, t_120), (2/s.d_V, t_123))
-        t_125 = s.mm('_ W_3', t_124, s.W_3)
-        t_126 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_127 = (t_125 + t_126)
-        t_128 = (t_127 * s.t_27 * s.t_25)
-        t_129 = s.mm('_ W_1', t_124, s.W_1)
-        t_130 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_131 = (t_129 + t_130)
-        t_132 = (t_131 * s.t_26 * s.t_25 * s.t_28)
-        t_133 = (t_131 * s.t_27 * s.t_28)
-        t_134 = lin((1, t_128), (1, t_132), (1, t_133))
-        t_135 = lin((1, t_119), (1, s.mm('_ W_2', t_134, s.W_2)), (1, s.mm("t_66' _", tr(s.t_66), V_W_2)))
-        t_136 = (s.t_8 * softmax_diff(s.t_70, t_135))
-        t_137 = s.mm("_ W_2'", t_136, tr(s.W_2))
-        t_138 = ((s.t_26 * t_137 * s.t_25 * s.t_28) + (s.t_27 * t_137 * s.t_28))
-        t_139 = (s.t_27 * t_137 * s.t_25)
-        t_140 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", (1/s.L) * t_138, tr(s.W_1))), (1/(s.L*math.sqrt(s.d_K)), s.mm("_ W_3'", t_139, tr(s.W_3))))
-        t_141 = (math.sqrt(s.d_K)) * t_140
-        t_142 = s.mm('_ one', ((2/(math.sqrt(s.d_K)*s.d_V)) * t_141 * s.t_36 * s.Y_2), s.one)
-        t_143 = lin((1, t_140, s.R_N_2), (1, t_142, s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_136))
-        t_144 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_143, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_145 = s.mm("_ t_6'", t_144, tr(s.t_6))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_145 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_145 * s.C)), mean=True)
-        t_146 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_143, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_147 = s.mm("_ t_6'", t_146, tr(s.t_6))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), mean=True)
-        t_148 = lin((1/math.sqrt(s.d_K), t_141, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', ((2/s.d_V) * t_141 * s.t_36 * s.Y_2), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_136))
-        t_149 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_148, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_150 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_148, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_151 = (s.mm("_ t_53'", tr(t_149), tr(s.t_53)) + s.mm("_ t_54'", tr(t_150), tr(s.t_54)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_151 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_151 * s.S), tr(s.R)), mean=True)
-        t_152 = (math.sqrt(s.d_K)) * t_148
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_152, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_152, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_152, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_152, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), (1/s.L) * t_138, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_139, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_29' _", tr(s.t_29), t_136, mean=True)
+        t_93 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_95 = lin((1, s.prod("t_41' _", tr(s.t_41), t_93)), (1, s.prod("_ t_7'", t_94, tr(s.t_7))))
+        t_96 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_95)
+        t_97 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_98 = lin((1, s.prod("_ t_7'", t_97, tr(s.t_7))), (1, s.prod("t_42' _", tr(s.t_42), t_93)))
+        t_99 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_98)
+        t_100 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_96, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_99, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_102 = s.mm('_ one', (t_100 * s.Y_2), s.one)
+        t_103 = (t_102 * s.t_55)
+        t_104 = lin((1, t_100, s.R_N_2), (2/s.d_V, t_103))
+        t_105 = lin((1, s.prod('_ W_1', t_104, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_106 = lin((1, s.prod('_ W_3', t_104, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_107 = ((s.t_101 * t_105) + (s.t_35 * t_106))
+        t_108 = lin((1, t_100), (1, s.prod('_ W_2', t_107, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_109 = (s.t_4 * softmax_diff(s.t_58, t_108))
+        t_110 = s.mm("_ W_2'", t_109, tr(s.W_2))
+        t_111 = (s.t_92 * t_110)
+        t_112 = (s.t_35 * t_110)
+        t_113 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_111, tr(s.W_1))), (1/(s.L*math.sqrt(s.d_K)), s.prod("_ W_3'", t_112, tr(s.W_3))))
+        t_114 = (math.sqrt(s.d_K)) * t_113
+        t_115 = lin((1, t_113, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_114), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_109))
+        t_116 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_115, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_117 = s.mm("_ t_2'", t_116, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_117 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_117 * s.S), tr(s.R)), mean=True)
+        t_118 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_115, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_119 = s.mm("_ t_2'", t_118, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_119 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_119 * s.S), tr(s.R)), mean=True)
+        t_120 = lin((1/math.sqrt(s.d_K), t_114, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', (s.t_55 * (2/s.d_V) * t_114), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_109))
+        t_121 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_120, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_122 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_120, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_123 = lin((1, s.prod("_ t_41'", tr(t_121), tr(s.t_41))), (1, s.prod("_ t_42'", tr(t_122), tr(s.t_42))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_123 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_123 * s.S), tr(s.R)), mean=True)
+        t_124 = (math.sqrt(s.d_K)) * t_120
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_124, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_124, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_124, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_124, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_111, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_112, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_109, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_153 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_154 = (t_153 * tr(s.S))
-        t_155 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_156 = (t_155 * tr(s.C))
-        t_157 = (t_154 + t_156)
-        t_158 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_159 = (s.mm("t_53' _", tr(s.t_53), t_157) + s.mm("_ t_11'", t_158, tr(s.t_11)))
-        t_160 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_159)
-        t_161 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_162 = (s.mm("_ t_11'", t_161, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_157))
-        t_163 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_162)
-        t_164 = s.mm('_ N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)
-        t_165 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_166 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_167 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_168 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_160, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_164), (1, t_165), (1, t_166), (1, t_167))
-        t_169 = (t_168 * s.R_N_2)
-        t_170 = (t_168 * s.Y_2)
-        t_171 = s.mm('_ one', t_170, s.one)
-        t_172 = (t_171 * s.t_36 * s.Y_2)
-        t_173 = lin((1, t_169), (2/s.d_V, t_172))
-        t_174 = s.mm('_ W_3', t_173, s.W_3)
-        t_175 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_176 = (t_174 + t_175)
-        t_177 = s.mm('_ W_1', t_173, s.W_1)
-        t_178 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_179 = (t_177 + t_178)
-        t_180 = s.mm('G _', s.G, tr(V_W_2))
-        t_181 = lin((1, (t_176 * s.t_27), s.t_31), (2, (t_179 * s.t_26 * s.t_31), s.t_28), (1, (t_176 * s.t_26 * s.t_31), s.t_25), (1, (t_179 * s.t_71 * s.t_31 * s.t_25), s.t_28), (1, (s.t_26 * t_180 * s.t_25), s.t_28), (1, (s.t_27 * t_180), s.t_28))
-        t_182 = lin((1, (t_179 * s.t_26 * s.t_31), s.t_25), (1, (t_179 * s.t_27), s.t_31), (1, (s.t_27 * t_180), s.t_25))
-        t_183 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_181, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_182, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_32 _', s.t_32, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_33 _', s.t_33, tr(V_W_3))))
-        t_184 = (math.sqrt(s.d_K)) * t_183
-        t_185 = lin((1, (t_168 * s.t_35), s.t_36), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_184 * s.t_36), s.Y_2), (2/s.d_V, (t_171 * s.t_35 * s.t_77), s.Y_2))
-        t_186 = lin((1, s.t_38, t_168), (1, t_183, s.R_N_2), (2/s.d_V, (t_171 * s.t_34), s.t_36), (1, s.mm('_ one', t_185, s.one), s.Y_2))
-        t_187 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_186, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 _ W_V' N_1'", s.t_39, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O1' _ N_1'", s.t_39, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_188 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_159, s.t_40) + softmax_diff(s.A1, t_187))
-        t_189 = (s.mm("_ t_6'", t_188, tr(s.t_6)) + s.mm('t_41 _', s.t_41, tr(t_157)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_189 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), mean=True)
-        t_190 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_186, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 _ W_V' N_1'", s.t_39, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_39 W_O2' _ N_1'", s.t_39, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_191 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_49) + softmax_diff(s.A2, t_190))
-        t_192 = (s.mm("_ t_6'", t_191, tr(s.t_6)) + s.mm('t_50 _', s.t_50, tr(t_157)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_192 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_192 * s.C)), mean=True)
-        t_193 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_159, s.t_82)
-        t_194 = lin((1, (t_168 * s.t_56), s.t_36), (1, ((2/s.d_V) * t_184 * s.t_36), s.Y_2), (2/s.d_V, (t_171 * s.t_56 * s.t_77), s.Y_2))
-        t_195 = lin((1/math.sqrt(s.d_K), t_184, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_171 * s.t_55), s.t_36), (1/math.sqrt(s.d_K), s.t_58, t_168), (1/math.sqrt(s.d_K), s.mm('_ one', t_194, s.one), s.Y_2))
-        t_196 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_195, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_81 _ W_V' N_1'", s.t_81, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_81 W_O1' _ N_1'", s.t_81, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_197 = softmax_diff(s.A1, t_196)
-        t_198 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_88)
-        t_199 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_195, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_81 _ W_V' N_1'", s.t_81, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_81 W_O2' _ N_1'", s.t_81, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_200 = softmax_diff(s.A2, t_199)
-        t_201 = lin((1, s.mm("_ t_53'", (tr(t_193) + tr(t_197)), tr(s.t_53))), (1, s.mm("_ t_54'", (tr(t_198) + tr(t_200)), tr(s.t_54))), (1, s.mm("t_83' _", tr(s.t_83), t_158)), (1, s.mm("t_89' _", tr(s.t_89), t_161)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_201 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_201 * s.C)), mean=True)
-        t_202 = (math.sqrt(s.d_K)) * t_195
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_59 _", tr(s.N_1), tr(s.A2), s.t_59, tr(V_W_O2)), (1, "N_1' _ t_59 W_O1'", tr(s.N_1), tr(t_160), s.t_59, tr(s.W_O1)), (1, "N_1' A1' t_59 _", tr(s.N_1), tr(s.A1), s.t_59, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_202, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_202, tr(s.W_O1)), (1, "N_1' _ t_59 W_O2'", tr(s.N_1), tr(t_163), s.t_59, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_59", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_59), (1, "W_V' N_1' _ t_59", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_59), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_202, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_59", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_59), (1, "W_V' N_1' _ t_59", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_59), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_202, mean=True)))
-        out_W_1 = (s.mm('_ t_32', tr(t_173), s.t_32, mean=True) + s.mm("N_2' _", tr(s.N_2), t_181, mean=True))
-        out_W_3 = (s.mm('_ t_33', tr(t_173), s.t_33, mean=True) + s.mm("N_2' _", tr(s.N_2), t_182, mean=True))
-        t_203 = (tr(t_179) * tr(s.t_27) * tr(s.t_28))
-        t_204 = (tr(t_179) * tr(s.t_26) * tr(s.t_25) * tr(s.t_28))
-        t_205 = (tr(t_176) * tr(s.t_27) * tr(s.t_25))
-        t_206 = lin((1, t_203), (1, t_204), (1, t_205))
-        out_W_2 = s.mm('_ G', t_206, s.G, mean=True)
+        t_125 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_126 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_127 = lin((1, s.prod("t_41' _", tr(s.t_41), t_125)), (1, s.prod("_ t_7'", t_126, tr(s.t_7))))
+        t_128 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_127)
+        t_129 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_130 = lin((1, s.prod("_ t_7'", t_129, tr(s.t_7))), (1, s.prod("t_42' _", tr(s.t_42), t_125)))
+        t_131 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_130)
+        t_132 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_128, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_131, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_134 = s.mm('_ one', (t_132 * s.Y_2), s.one)
+        t_135 = (t_134 * s.t_55)
+        t_136 = lin((1, t_132, s.R_N_2), (2/s.d_V, t_135))
+        t_137 = lin((1, s.prod('_ W_1', t_136, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_139 = lin((1, s.prod('_ W_3', t_136, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_140 = s.mm('G _', s.G, tr(V_W_2))
+        t_141 = lin((1, s.t_133, t_137), (1, s.t_138, t_139), (1, s.t_101, t_140))
+        t_142 = ((s.t_138 * t_137) + (s.t_35 * t_140))
+        t_143 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_141, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_142, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_20 _', s.t_20, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_21 _', s.t_21, tr(V_W_3))))
+        t_144 = (math.sqrt(s.d_K)) * t_143
+        t_145 = lin((1, s.t_64, t_132), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_144), (2/s.d_V, t_134, s.t_66))
+        t_146 = lin((1, s.t_26, t_132), (1, t_143, s.R_N_2), (2/s.d_V, t_134, s.t_68), (1, s.mm('_ one', t_145, s.one), s.Y_2))
+        t_147 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_146, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_27 _ W_V' N_1'", s.t_27, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_27 W_O1' _ N_1'", s.t_27, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_148 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_127, s.t_28) + softmax_diff(s.A1, t_147))
+        t_149 = lin((1, s.prod("_ t_2'", t_148, tr(s.t_2))), (1, s.prod('t_29 _', s.t_29, tr(t_125))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_149 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_149 * s.C)), mean=True)
+        t_150 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_146, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_27 _ W_V' N_1'", s.t_27, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_27 W_O2' _ N_1'", s.t_27, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_151 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_130, s.t_37) + softmax_diff(s.A2, t_150))
+        t_152 = lin((1, s.prod("_ t_2'", t_151, tr(s.t_2))), (1, s.prod('t_38 _', s.t_38, tr(t_125))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_152 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_152 * s.C)), mean=True)
+        t_153 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_127, s.t_70)
+        t_154 = lin((1, s.t_72, t_132), (1, s.t_55, (2/s.d_V) * t_144), (2/s.d_V, t_134, s.t_73))
+        t_155 = lin((1/math.sqrt(s.d_K), t_144, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_134, s.t_75), (1/math.sqrt(s.d_K), s.t_46, t_132), (1/math.sqrt(s.d_K), s.mm('_ one', t_154, s.one), s.Y_2))
+        t_156 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_155, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O1' _ N_1'", s.t_69, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_157 = softmax_diff(s.A1, t_156)
+        t_158 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_130, s.t_76)
+        t_159 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_155, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O2' _ N_1'", s.t_69, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_160 = softmax_diff(s.A2, t_159)
+        t_161 = lin((1, s.prod("_ t_41'", (tr(t_153) + tr(t_157)), tr(s.t_41))), (1, s.prod("_ t_42'", (tr(t_158) + tr(t_160)), tr(s.t_42))), (1, s.prod("t_71' _", tr(s.t_71), t_126)), (1, s.prod("t_77' _", tr(s.t_77), t_129)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_161 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_161 * s.S), tr(s.R)), mean=True)
+        t_162 = (math.sqrt(s.d_K)) * t_155
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_47 _", tr(s.N_1), tr(s.A2), s.t_47, tr(V_W_O2)), (1, "N_1' _ t_47 W_O1'", tr(s.N_1), tr(t_128), s.t_47, tr(s.W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_162, tr(s.W_O1)), (1, "N_1' A1' t_47 _", tr(s.N_1), tr(s.A1), s.t_47, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_162, tr(s.W_O2)), (1, "N_1' _ t_47 W_O2'", tr(s.N_1), tr(t_131), s.t_47, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_47", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_128), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_162, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_47", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_131), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_162, mean=True)))
+        out_W_1 = (s.mm('_ t_20', tr(t_136), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_141, mean=True))
+        out_W_3 = (s.mm('_ t_21', tr(t_136), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_142, mean=True))
+        t_164 = ((tr(s.t_101) * tr(t_137)) + (s.t_163 * tr(t_139)))
+        out_W_2 = s.mm('_ G', t_164, s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_207 = s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1))
-        t_208 = (t_207 * tr(s.S))
-        t_209 = s.mm("_ N_1'", tr(V_W_K), tr(s.N_1))
-        t_210 = (t_209 * tr(s.C))
-        t_211 = (t_208 + t_210)
-        t_212 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_213 = (s.mm("t_53' _", tr(s.t_53), t_211) + s.mm("_ t_11'", t_212, tr(s.t_11)))
-        t_227 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_213)
-        t_228 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_229 = (s.mm("_ t_11'", t_228, tr(s.t_11)) + s.mm("t_54' _", tr(s.t_54), t_211))
-        t_230 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_229)
-        t_231 = s.mm('_ N_1 W_V W_O2', t_230, s.N_1, s.W_V, s.W_O2)
-        t_232 = s.mm('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)
-        t_233 = s.mm('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)
-        t_234 = s.mm('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)
-        t_235 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_227, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, t_231), (1, t_232), (1, t_233), (1, t_234))
-        t_236 = (t_235 * s.R_N_2)
-        t_237 = (t_235 * s.Y_2)
-        t_238 = s.mm('_ one', t_237, s.one)
-        t_239 = (t_238 * s.t_36 * s.Y_2)
-        t_240 = lin((1, t_236), (2/s.d_V, t_239))
-        t_241 = s.mm('_ W_1', t_240, s.W_1)
-        t_242 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_243 = (t_241 + t_242)
-        t_244 = s.mm('_ W_3', t_240, s.W_3)
-        t_245 = s.mm('N_2 _', s.N_2, V_W_3)
-        t_246 = (t_244 + t_245)
-        t_247 = (t_246 * s.t_27 * s.t_25)
-        t_248 = (t_243 * s.t_26 * s.t_25 * s.t_28)
-        t_249 = (t_243 * s.t_27 * s.t_28)
-        t_250 = lin((1, t_247), (1, t_248), (1, t_249))
-        t_251 = lin((1, t_235), (1, s.mm('_ W_2', t_250, s.W_2)), (1, s.mm("t_66' _", tr(s.t_66), V_W_2)))
-        t_252 = (s.t_8 * softmax_diff(s.t_30, t_251))
-        t_253 = lin((1, s.mm('G _', s.G, tr(V_W_2))), (1/s.L, s.mm("_ W_2'", t_252, tr(s.W_2))))
-        t_254 = lin((1, (t_243 * s.t_71 * s.t_214 * s.t_25), s.t_28), (1, (t_246 * s.t_26 * s.t_214), s.t_25), (1, (t_246 * s.t_27), s.t_214), (2, (t_243 * s.t_26 * s.t_214), s.t_28), (1, (t_253 * s.t_26 * s.t_25), s.t_28), (1, (t_253 * s.t_27), s.t_28))
-        t_255 = lin((1, (t_243 * s.t_27), s.t_214), (1, (t_243 * s.t_26 * s.t_214), s.t_25), (1, (t_253 * s.t_27), s.t_25))
-        t_256 = lin((1/math.sqrt(s.d_K), s.mm("_ W_1'", t_254, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("_ W_3'", t_255, tr(s.W_3))), (1/math.sqrt(s.d_K), s.mm('t_217 _', s.t_217, tr(V_W_1))), (1/math.sqrt(s.d_K), s.mm('t_219 _', s.t_219, tr(V_W_3))))
-        t_257 = (math.sqrt(s.d_K)) * t_256
-        t_258 = lin((1, (t_235 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_222), s.t_36), (1, ((2/(math.sqrt(s.d_K)*s.d_V)) * t_257 * s.t_36), s.Y_2), (2/s.d_V, (t_238 * (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_222 * s.t_77), s.Y_2))
-        t_259 = lin((1, s.t_224, t_235), (1, t_256, s.R_N_2), (2/s.d_V, (t_238 * s.t_221), s.t_36), (1, s.mm('_ one', t_258, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_252))
-        t_260 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_259, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_225 _ W_V' N_1'", s.t_225, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_225 W_O1' _ N_1'", s.t_225, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_261 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_213, s.t_226) + softmax_diff(s.A1, t_260))
-        t_263 = (s.mm("_ t_6'", t_261, tr(s.t_6)) + s.mm('t_262 _', s.t_262, tr(t_211)))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_263 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_263 * s.C)), mean=True)
-        t_265 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_259, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_225 _ W_V' N_1'", s.t_225, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_225 W_O2' _ N_1'", s.t_225, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_266 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_229, s.t_264) + softmax_diff(s.A2, t_265))
-        t_268 = (s.mm("_ t_6'", t_266, tr(s.t_6)) + s.mm('t_267 _', s.t_267, tr(t_211)))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_268 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_268 * s.C)), mean=True)
-        t_273 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_213, s.t_272)
-        t_274 = lin((1, (t_235 * (2/s.d_V) * s.t_222), s.t_36), (1, ((2/s.d_V) * t_257 * s.t_36), s.Y_2), (2/s.d_V, (t_238 * (2/s.d_V) * s.t_222 * s.t_77), s.Y_2))
-        t_275 = lin((1/math.sqrt(s.d_K), t_257, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), (t_238 * s.t_222), s.t_36), (1/math.sqrt(s.d_K), s.t_270, t_235), (1/math.sqrt(s.d_K), s.mm('_ one', t_274, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_252))
-        t_276 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_275, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_271 W_O1' _ N_1'", s.t_271, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_271 _ W_V' N_1'", s.t_271, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_277 = softmax_diff(s.A1, t_276)
-        t_279 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_229, s.t_278)
-        t_280 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_275, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_271 W_O2' _ N_1'", s.t_271, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_271 _ W_V' N_1'", s.t_271, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_281 = softmax_diff(s.A2, t_280)
-        t_284 = lin((1, s.mm("_ t_53'", (tr(t_273) + tr(t_277)), tr(s.t_53))), (1, s.mm("_ t_54'", (tr(t_279) + tr(t_281)), tr(s.t_54))), (1, s.mm("t_282' _", tr(s.t_282), t_212)), (1, s.mm("t_283' _", tr(s.t_283), t_228)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_284 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_284 * s.C)), mean=True)
-        t_286 = (math.sqrt(s.d_K)) * t_275
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_285 _", tr(s.N_1), tr(s.A2), s.t_285, tr(V_W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_286, tr(s.W_O1)), (1, "N_1' _ t_285 W_O1'", tr(s.N_1), tr(t_227), s.t_285, tr(s.W_O1)), (1, "N_1' A1' t_285 _", tr(s.N_1), tr(s.A1), s.t_285, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_286, tr(s.W_O2)), (1, "N_1' _ t_285 W_O2'", tr(s.N_1), tr(t_230), s.t_285, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_285", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_285), (1, "W_V' N_1' _ t_285", tr(s.W_V), tr(s.N_1), tr(t_227), s.t_285), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_286, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_285", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_285), (1, "W_V' N_1' _ t_285", tr(s.W_V), tr(s.N_1), tr(t_230), s.t_285), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_286, mean=True)))
-        out_W_1 = (s.mm('_ t_217', tr(t_240), s.t_217, mean=True) + s.mm("N_2' _", tr(s.N_2), t_254, mean=True))
-        out_W_3 = (s.mm('_ t_219', tr(t_240), s.t_219, mean=True) + s.mm("N_2' _", tr(s.N_2), t_255, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_250), s.G, mean=True)), (1/s.L, s.mm("t_29' _", tr(s.t_29), t_252, mean=True)))
+        t_165 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_166 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_167 = lin((1, s.prod("t_41' _", tr(s.t_41), t_165)), (1, s.prod("_ t_7'", t_166, tr(s.t_7))))
+        t_181 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_167)
+        t_182 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_183 = lin((1, s.prod("_ t_7'", t_182, tr(s.t_7))), (1, s.prod("t_42' _", tr(s.t_42), t_165)))
+        t_184 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_183)
+        t_185 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_181, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_184, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_187 = s.mm('_ one', (t_185 * s.Y_2), s.one)
+        t_188 = (t_187 * s.t_55)
+        t_189 = lin((1, t_185, s.R_N_2), (2/s.d_V, t_188))
+        t_190 = lin((1, s.prod('_ W_1', t_189, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_191 = lin((1, s.prod('_ W_3', t_189, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_192 = ((s.t_101 * t_190) + (s.t_35 * t_191))
+        t_193 = lin((1, t_185), (1, s.prod('_ W_2', t_192, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_194 = (s.t_4 * softmax_diff(s.t_18, t_193))
+        t_195 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_194, tr(s.W_2))))
+        t_199 = lin((1, s.t_186, t_190), (1, s.t_101, t_195), (1, s.t_198, t_191))
+        t_200 = ((s.t_198 * t_190) + (s.t_35 * t_195))
+        t_201 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_199, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_200, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_171 _', s.t_171, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_173 _', s.t_173, tr(V_W_3))))
+        t_204 = (math.sqrt(s.d_K)) * t_201
+        t_206 = lin((1, s.t_203, t_185), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_204), (2/s.d_V, t_187, s.t_205))
+        t_207 = lin((1, s.t_178, t_185), (1, t_201, s.R_N_2), (2/s.d_V, t_187, s.t_202), (1, s.mm('_ one', t_206, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_194))
+        t_208 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_207, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_179 _ W_V' N_1'", s.t_179, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_179 W_O1' _ N_1'", s.t_179, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_209 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_167, s.t_180) + softmax_diff(s.A1, t_208))
+        t_211 = lin((1, s.prod("_ t_2'", t_209, tr(s.t_2))), (1, s.prod('t_210 _', s.t_210, tr(t_165))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_211 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_211 * s.S), tr(s.R)), mean=True)
+        t_213 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_207, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_179 _ W_V' N_1'", s.t_179, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_179 W_O2' _ N_1'", s.t_179, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_214 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_183, s.t_212) + softmax_diff(s.A2, t_213))
+        t_216 = lin((1, s.prod("_ t_2'", t_214, tr(s.t_2))), (1, s.prod('t_215 _', s.t_215, tr(t_165))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_216 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_216 * s.S), tr(s.R)), mean=True)
+        t_221 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_167, s.t_220)
+        t_225 = lin((1, s.t_223, t_185), (1, s.t_55, (2/s.d_V) * t_204), (2/s.d_V, t_187, s.t_224))
+        t_226 = lin((1/math.sqrt(s.d_K), t_204, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_187, s.t_222), (1/math.sqrt(s.d_K), s.t_218, t_185), (1/math.sqrt(s.d_K), s.mm('_ one', t_225, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_194))
+        t_227 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_226, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_219 W_O1' _ N_1'", s.t_219, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_219 _ W_V' N_1'", s.t_219, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_228 = softmax_diff(s.A1, t_227)
+        t_230 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_183, s.t_229)
+        t_231 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_226, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_219 W_O2' _ N_1'", s.t_219, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_219 _ W_V' N_1'", s.t_219, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_232 = softmax_diff(s.A2, t_231)
+        t_235 = lin((1, s.prod("_ t_41'", (tr(t_221) + tr(t_228)), tr(s.t_41))), (1, s.prod("_ t_42'", (tr(t_230) + tr(t_232)), tr(s.t_42))), (1, s.prod("t_233' _", tr(s.t_233), t_166)), (1, s.prod("t_234' _", tr(s.t_234), t_182)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_235 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_235 * s.C)), mean=True)
+        t_237 = (math.sqrt(s.d_K)) * t_226
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_236 _", tr(s.N_1), tr(s.A2), s.t_236, tr(V_W_O2)), (1, "N_1' _ t_236 W_O1'", tr(s.N_1), tr(t_181), s.t_236, tr(s.W_O1)), (1, "N_1' A1' t_236 _", tr(s.N_1), tr(s.A1), s.t_236, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_237, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_237, tr(s.W_O1)), (1, "N_1' _ t_236 W_O2'", tr(s.N_1), tr(t_184), s.t_236, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_236", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_236), (1, "W_V' N_1' _ t_236", tr(s.W_V), tr(s.N_1), tr(t_181), s.t_236), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_237, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_236", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_236), (1, "W_V' N_1' _ t_236", tr(s.W_V), tr(s.N_1), tr(t_184), s.t_236), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_237, mean=True)))
+        out_W_1 = (s.mm('_ t_171', tr(t_189), s.t_171, mean=True) + s.mm("N_2' _", tr(s.N_2), t_199, mean=True))
+        out_W_3 = (s.mm('_ t_173', tr(t_189), s.t_173, mean=True) + s.mm("N_2' _", tr(s.N_2), t_200, mean=True))
+        out_W_2 = lin((1, s.mm('_ G', tr(t_192), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_194, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -7300,4 +7132,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "6a0c341b35a6f5983e89ae1d"
+CHECKSUM = "a190af40274360d7b2f056df"

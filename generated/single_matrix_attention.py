@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "5b614fbd691d61b98d11ebd8"
+    STAMP = "6209a36bb3a072c6a226e62e"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -197,7 +197,7 @@ class mse_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_11 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
         t_12 = softmax_diff(s.A, t_11)
-        t_13 = (s.mm('_ X W_V', t_12, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_13 = lin((1, s.prod('_ X W_V', t_12, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_14 = s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_13, tr(s.W_V), tr(s.X))
         out_W_QK = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_14), s.X, mean=True)
         t_15 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_13)
@@ -217,7 +217,7 @@ class mse_causal0(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_20 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
         t_21 = softmax_diff(s.A, t_20)
-        t_22 = (s.mm('_ X W_V', t_21, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_22 = lin((1, s.prod('_ X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_23 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
         out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_19, t_20) + softmax_diff(s.A, t_23)), s.X, mean=True)
         out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_21), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22), mean=True)
@@ -228,7 +228,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "c6a4204e7f95909f346bb356"
+    STAMP = "f6873e679b9e41854b23ed85"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -401,7 +401,7 @@ class mse_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_11 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
         t_12 = softmax_diff(s.A, t_11)
-        t_13 = (s.mm('_ X W_V', t_12, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_13 = lin((1, s.prod('_ X W_V', t_12, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_14 = s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_13, tr(s.W_V), tr(s.X))
         out_W_QK = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_14), s.X, mean=True)
         t_15 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_13)
@@ -421,7 +421,7 @@ class mse_causal1(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_20 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
         t_21 = softmax_diff(s.A, t_20)
-        t_22 = (s.mm('_ X W_V', t_21, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_22 = lin((1, s.prod('_ X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_23 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
         out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_19, t_20) + softmax_diff(s.A, t_23)), s.X, mean=True)
         out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_21), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22), mean=True)
@@ -432,7 +432,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "382da6385c2a200558766435"
+    STAMP = "9c23ebcad64affd396e429c8"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -629,7 +629,7 @@ class ce_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_14 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
         t_15 = softmax_diff(s.A, t_14)
-        t_16 = (s.mm('_ X W_V', t_15, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_16 = lin((1, s.prod('_ X W_V', t_15, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_17 = (s.t * softmax_diff(s.t_13, t_16))
         out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X))), s.X, mean=True)
         out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17, mean=True)
@@ -648,7 +648,7 @@ class ce_causal0(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_22 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
         t_23 = softmax_diff(s.A, t_22)
-        t_24 = (s.mm('_ X W_V', t_23, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_24 = lin((1, s.prod('_ X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_25 = (s.t * softmax_diff(s.t_8, t_24))
         t_26 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_25, tr(s.W_V), tr(s.X)))
         out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_21, t_22) + softmax_diff(s.A, t_26)), s.X, mean=True)
@@ -660,7 +660,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "031dd4d8ef65b929bd7d4d54"
+    STAMP = "cd5a84512d8fa1485b8c384a"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -857,7 +857,7 @@ class ce_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_14 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
         t_15 = softmax_diff(s.A, t_14)
-        t_16 = (s.mm('_ X W_V', t_15, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_16 = lin((1, s.prod('_ X W_V', t_15, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_17 = (s.t * softmax_diff(s.t_13, t_16))
         out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X))), s.X, mean=True)
         out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17, mean=True)
@@ -876,7 +876,7 @@ class ce_causal1(Forward):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_22 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
         t_23 = softmax_diff(s.A, t_22)
-        t_24 = (s.mm('_ X W_V', t_23, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
+        t_24 = lin((1, s.prod('_ X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_25 = (s.t * softmax_diff(s.t_8, t_24))
         t_26 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_25, tr(s.W_V), tr(s.X)))
         out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_21, t_22) + softmax_diff(s.A, t_26)), s.X, mean=True)
@@ -890,4 +890,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "eec14f89440681873bafa129"
+CHECKSUM = "346a897eac868ffa4903a7ba"

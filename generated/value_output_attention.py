@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "2392b56b11ee16d3a9e7f396"
+    STAMP = "ae518c9e003dfb26aa8bf60c"
     RUNS = {
         'A X': 18,
         'A X W_V': 7,
@@ -355,7 +355,7 @@ class mse_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        t_22 = lin((1, s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_21, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (2/(s.L*s.d_V), s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_22 = lin((1, s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_21, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (2/(s.L*s.d_V), s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
         t_23 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
         out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q, mean=True)
@@ -384,13 +384,13 @@ class mse_causal0(Forward):
         t_32 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_36 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_32, s.t_35)
         t_37 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_32)
-        t_38 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_38 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
         t_39 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_38, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_34 _ W_V' X'", s.t_34, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_34 W_O' _ X'", s.t_34, tr(s.W_O), tr(V_W_V), tr(s.X)))
         t_40 = softmax_diff(s.A, t_39)
         t_41 = (t_36 + t_40)
         out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_41, s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
-        t_43 = lin((1, s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (2/(s.L*s.d_V), s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_43 = lin((1, s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (2/(s.L*s.d_V), s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
         out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_37), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), t_43, tr(s.W_O)), mean=True)
         t_44 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_43)
         out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_37), s.G_2), mean=True)), (1, mean0(t_44, True)))
@@ -401,7 +401,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "6e3a22016c73d011b6c7286e"
+    STAMP = "76e0d27811d3aec5781ced3b"
     RUNS = {
         'A X': 18,
         'A X W_V': 7,
@@ -732,7 +732,7 @@ class mse_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        t_22 = lin((1, s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_21, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (2/(s.L*s.d_V), s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_22 = lin((1, s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_21, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (2/(s.L*s.d_V), s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
         t_23 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
         out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q, mean=True)
@@ -761,13 +761,13 @@ class mse_causal1(Forward):
         t_32 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_36 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_32, s.t_35)
         t_37 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_32)
-        t_38 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_38 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
         t_39 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_38, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_34 _ W_V' X'", s.t_34, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_34 W_O' _ X'", s.t_34, tr(s.W_O), tr(V_W_V), tr(s.X)))
         t_40 = softmax_diff(s.A, t_39)
         t_41 = (t_36 + t_40)
         out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_41, s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
-        t_43 = lin((1, s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (2/(s.L*s.d_V), s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_43 = lin((1, s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (2/(s.L*s.d_V), s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
         out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_37), s.G_2, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), t_43, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
         t_44 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_43)
         out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_37), s.G_2), mean=True)), (1, mean0(t_44, True)))
@@ -778,7 +778,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "d8e858557b62b6756e819816"
+    STAMP = "8802d196e62468ba24c8e473"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1117,7 +1117,7 @@ class ce_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_19 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_20 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_19)
-        t_21 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_20, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_21 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_20, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
         t_22 = (s.t_2 * softmax_diff(s.t_18, t_21))
         t_23 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
         out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
@@ -1145,7 +1145,7 @@ class ce_causal0(Forward):
         t_30 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_35 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_30, s.t_34)
         t_36 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_30)
-        t_37 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_37 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
         t_38 = (s.t_2 * softmax_diff(s.t_15, t_37))
         t_39 = s.mm_sum('r', (1, "t_33 _ W_V' X'", s.t_33, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_33 W_O' _ X'", s.t_33, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)))
         t_40 = softmax_diff(s.A, t_39)
@@ -1161,7 +1161,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "17ca9e8092ac4c7a40146759"
+    STAMP = "9d4616c38bc9993ba0c9c97f"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1500,7 +1500,7 @@ class ce_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_19 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_20 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_19)
-        t_21 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_20, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_21 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_20, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
         t_22 = (s.t_2 * softmax_diff(s.t_18, t_21))
         t_23 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
         out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
@@ -1528,7 +1528,7 @@ class ce_causal1(Forward):
         t_30 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_35 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_30, s.t_34)
         t_36 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_30)
-        t_37 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_37 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
         t_38 = (s.t_2 * softmax_diff(s.t_15, t_37))
         t_39 = s.mm_sum('r', (1, "t_33 W_O' _ X'", s.t_33, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "t_33 _ W_V' X'", s.t_33, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)))
         t_40 = softmax_diff(s.A, t_39)
@@ -1546,4 +1546,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "a9ef55f6c180873173654785"
+CHECKSUM = "7ce513f1ed1de7190b2f7e46"

@@ -265,3 +265,55 @@ def test_matmul_mean_is_the_batch_mean_of_the_products(ops):
     w = rng.standard_normal((5, 2))
     assert np.abs(np.asarray(ops.matmul_mean(conv(a), conv(w))) - np.matmul(a, w).mean(0)).max() <= 1e-13
     assert np.abs(np.asarray(ops.matmul_mean(conv(w.T), conv(b))) - np.matmul(w.T, b).mean(0)).max() <= 1e-13
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_lin_accumulates_deferred_products_into_its_sum(backend):
+    """lin with deferred products (``Forward.prod``) = Σ c F₁⋯F_k + the other terms, for
+    every layout the accumulating GEMM meets (batched times plain, both batched, plain times
+    batched, a transposed view, a chain of three), the product first or later; the
+    operands are left untouched."""
+    from symhess.runtime import numpy_ops, torch_ops
+    mod, ops = (numpy_ops, NP) if backend == "numpy" else (torch_ops, TORCH)
+    conv = (lambda x: x) if backend == "numpy" else torch.tensor
+    rng = np.random.default_rng(6)
+    r = lambda *s: rng.standard_normal(s)                          # noqa: E731
+    a, w, bb, p, col = r(3, 4, 5), r(5, 6), r(3, 5, 6), r(4, 5), r(3, 4, 1)
+    at, v, x = r(3, 5, 4), r(6, 6), r(3, 4, 6)
+    s = Forward({}, {}, 3, ops, Schedule(), conv(a))
+    cases = [
+        ([("_ _", a, w), ("_ _", a, bb), ("_ _", p, bb)], a @ w + 2 * (a @ bb) - 0.5 * (p @ bb)),
+        ([("_ _", np.swapaxes(at, 1, 2), w), ("_ _ _", a, w, v)],
+         np.swapaxes(at, 1, 2) @ w + 2 * (a @ w @ v)),
+    ]
+    for prods, want_p in cases:
+        copies = [np.array(f) for _, *fs in prods for f in fs]
+        coefs = (1, 2, -0.5)
+        want = want_p + 0.25 * x - 3 * col * x
+        for order in (0, 1):
+            terms = [(c, s.prod(k, *map(conv, fs))) for c, (k, *fs) in zip(coefs, prods)]
+            terms += [(0.25, conv(x)), (-3, conv(col), conv(x))]
+            got = np.asarray(mod.lin(*(terms if order == 0 else terms[::-1])))
+            assert got.shape == want.shape
+            assert np.abs(got - want).max() <= 1e-12
+        flat = [f for _, *fs in prods for f in fs]
+        assert all(np.array_equal(f, c) for f, c in zip(flat, copies))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_mul_and_relu_are_the_entrywise_product_and_max(backend):
+    """mul(x₁, x₂, …) = x₁ ∘ x₂ ∘ ⋯ for broadcast operands in any order (a column first or
+    later), its operands untouched; relu(x) = x H(x)."""
+    from symhess.runtime import numpy_ops, torch_ops
+    mod = numpy_ops if backend == "numpy" else torch_ops
+    conv = (lambda x: x) if backend == "numpy" else torch.tensor
+    rng = np.random.default_rng(7)
+    col, full, row = rng.standard_normal((2, 3, 1)), rng.standard_normal((2, 3, 4)), rng.standard_normal((1, 4))
+    want = col * full * row * full
+    for xs in ((col, full, row, full), (full, col, full, row), (row, col, full, full)):
+        copies = [np.array(x) for x in xs]
+        got = np.asarray(mod.mul(*map(conv, xs)))
+        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-13
+        assert all(np.array_equal(x, c) for x, c in zip(xs, copies))
+    assert np.array_equal(np.asarray(mod.relu(conv(full))),
+                          np.asarray(conv(full) * mod.heaviside(conv(full), 0.0)) + 0.0)

@@ -480,11 +480,10 @@ def _references(roots, summands):
             continue
         nodes[node] = _children(node, summands)
         stack.extend(reversed(nodes[node]))
+    parents = {}
     for node, kids in nodes.items():
         for a in kids:
-            refs[a] = refs.get(a, 0) + 1
-    for r in roots:
-        refs[r] = refs.get(r, 0) + 1
+            parents.setdefault(a, []).append(node)
     twins = {}                     # P and Pᵀ both in the DAG: one is computed, the other is tr(…)
     for node in _children_first(roots):   # (transposes memoised children first: no deep recursion)
         if node not in nodes:
@@ -494,7 +493,17 @@ def _references(roots, summands):
         t = E.transpose(node)
         if t != node and t in nodes:
             twins[node], twins[t] = t, node
-            refs[node] = refs[t] = refs.get(node, 0) + refs.get(t, 0)
+    rep = {}                       # a parent and its twin are one user (the twin is tr(…) of it)
+    for node in nodes:
+        rep[node] = rep.get(twins.get(node), node) if node in twins else node
+    for node in nodes:
+        users = {rep[m] for m in parents.get(node, ())} | {rep[m] for m in parents.get(twins.get(node), ())}
+        if users:
+            refs[node] = len(users)
+    for r in roots:
+        refs[r] = refs.get(r, 0) + 1
+        if r in twins:
+            refs[twins[r]] = refs.get(twins[r], 0) + 1
     for node in nodes:             # c·S₁ and c′·S₁ (scalars sit on a sum's terms) share S₁
         scaled = _monic_sum(node)
         if scaled is not None:
@@ -794,7 +803,7 @@ def _sum_code(pr, n, mean=False):
     def code(t):
         return (yield from _mean_code(pr, t)) if mean else (yield "ccode", t)
     if head is None and len(items) == 2 and all(sp.sympify(c) in (1, -1) for c, _ in items) \
-            and sp.sympify(items[0][0]) == 1:
+            and sp.sympify(items[0][0]) == 1 and (mean or not any(_deferred(pr, t) for _, t in items)):
         a = yield from code(items[0][1])
         b = yield from code(items[1][1])
         return f"({a} {'+' if sp.sympify(items[1][0]) == 1 else '-'} {b})"
@@ -835,14 +844,27 @@ def _lin_term(pr, c, t, mean=False):
     coef = pr.coef(c)
     if mean:
         return f"({coef}, {(yield from _mean_code(pr, t))})"
+    if _deferred(pr, t):
+        codes, names = yield from _factors(pr, t.args)
+        return f"({coef}, s.prod({names!r}, " + ", ".join(codes) + "))"
     if isinstance(t, E.Hadamard) and not (pr.refs.get(t, 0) > 1 or t in pr.hints or
                                           t in pr.leaf_names or
                                           (pr.local_names is not None and t in pr.local_names)):
-        fs = sorted(t.args, key=lambda a: pr.form(a) is None)
-        codes = yield from _codes(fs, "ccode")
-        x = codes[0] if len(codes) == 2 else "(" + " * ".join(codes[:-1]) + ")"
+        codes = yield from _codes(_hadamard_factors(pr, t), "ccode")
+        x = codes[0] if len(codes) == 2 else "(" + " * ".join(codes[:-1]) + ")" if len(codes) == 3 \
+            else f"mul({', '.join(codes[:-1])})"
         return f"({coef}, {x}, {codes[-1]})"
     return f"({coef}, {(yield 'ccode', t)})"
+
+
+def _deferred(pr, t):
+    """Whether the term t of a routine's sum is a product to accumulate into the sum
+    (``Forward.prod``): it depends on the arguments, has no name of its own and no all-ones
+    factor, and is a full array."""
+    return (pr.local_names is not None and isinstance(t, E.MatMul) and pr.depends_on_arguments(t)
+            and not any(isinstance(x, E.Ones) for x in t.args) and pr.form(t) is None
+            and not (pr.refs.get(t, 0) > 1 or t in pr.hints or t in pr.local_names
+                     or pr.named_twin(t) is not None))
 
 
 def _py_coef(pr, c):
@@ -874,14 +896,40 @@ def _transpose(pr, n):
 
 @rule(E.Hadamard)
 def _hadamard(pr, n):
-    """A ∘ B ∘ …, the per-token columns (``form``) multiplied first (on R entries)."""
-    fs = sorted(n.args, key=lambda a: pr.form(a) is None)
-    return "(" + " * ".join((yield from _codes(fs, "ccode"))) + ")"
+    """A ∘ B ∘ …, the per-token columns (``form``) multiplied first (on R entries); three or
+    more factors as ``mul`` (one fresh array, the rest multiplied in place)."""
+    codes = yield from _codes(_hadamard_factors(pr, n), "ccode")
+    return f"mul({', '.join(codes)})" if len(codes) > 2 else "(" + " * ".join(codes) + ")"
+
+
+def _hadamard_factors(pr, n):
+    """The factors of A ∘ B ∘ …, per-token columns first; in a routine, the factors that do
+    not depend on its arguments are one factor (their product a leaf, formed once per
+    prepared state) when the others do."""
+    fs = list(n.args)
+    if pr.local_names is not None:
+        fixed = [a for a in fs if not pr.depends_on_arguments(a)]
+        if 2 <= len(fixed) < len(fs):
+            fs = [E.hadamard(*fixed)] + [a for a in fs if pr.depends_on_arguments(a)]
+    return sorted(fs, key=lambda a: pr.form(a) is None)
 
 
 @rule(E.Elementwise)
 def _elementwise(pr, n):
-    return scalar_code(n.fn.expr, (yield "ccode", n.args[0]))
+    """f(A) entrywise; the library functions g(x) inside f's expression (σ in σ' = σ(1 − σ))
+    are leaves of their own, g(A) formed once for every f that holds it."""
+    a = n.args[0]
+    subs = {}
+    if not pr.depends_on_arguments(a):
+        for g in sorted(n.fn.expr.atoms(sp.Function), key=str):
+            if g == n.fn.expr or g.args != (scalarfn.x,) or isinstance(g, sp.Heaviside):
+                continue
+            fn = next((scalarfn.get_function(k) for k, (e, _) in scalarfn.FUNCTIONS.items() if e == g),
+                      None) or scalarfn.ScalarFn(type(g).__name__.lower(), g, "")
+            node = E.elementwise(fn, a)
+            code = yield "ccode", node
+            subs[g] = code if re.fullmatch(r"s\.\w+", code) else pr.define(node, code, force_leaf=True)
+    return scalar_code(n.fn.expr, (yield "ccode", a), subs)
 
 
 @rule(E.SoftmaxRows)
@@ -977,19 +1025,50 @@ _FUNCTIONS = {"exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "cosh"
               "sigmoid": "sigmoid"}
 
 
-def scalar_code(expr, arg):
-    """An entrywise sympy function of x as code applied to ``arg``."""
+def _fewest_ops(expr):
+    """``expr`` or its factored form, whichever has fewer operations (σ'' = σ(1 − σ)(1 − 2σ),
+    4 passes instead of 11), the factored one only if it applies no function that ``expr``
+    does not (no exp(x²/2) from factoring out exp(−x²/2))."""
+    try:
+        f = sp.factor(expr)
+    except (sp.PolynomialError, NotImplementedError):
+        return expr
+    if sp.count_ops(f) < sp.count_ops(expr) and f.atoms(sp.Function) <= expr.atoms(sp.Function):
+        return f
+    return expr
+
+
+def scalar_code(expr, arg, subs=None):
+    """An entrywise sympy function of x as code applied to ``arg``; ``subs``: code for
+    sub-expressions already at hand."""
     if not re.fullmatch(r"[\w.]+", arg):
         arg = f"({arg})"
+    subs = subs or {}
+    expr = _fewest_ops(expr)
 
     def p(e):
+        if e in subs:
+            return subs[e]
         if e == scalarfn.x:
             return arg
         if e.is_number:
             return repr(float(e))
         if isinstance(e, sp.Add):
-            return "(" + " + ".join(p(a) for a in e.args) + ")"
+            terms = sorted(e.args, key=lambda a: a.could_extract_minus_sign())
+            out = p(terms[0])
+            for a in terms[1:]:
+                out += f" - {p(-a)}" if a.could_extract_minus_sign() else f" + {p(a)}"
+            return f"({out})"
+        if isinstance(e, sp.Mul) and e.has(scalarfn.x):
+            c, rest = e.as_independent(scalarfn.x, as_Add=False)
+            if c != 1:                          # the constants as one number: one pass
+                return f"({p(c)} * {p(rest)})"
+        if isinstance(e, sp.Mul) and e.could_extract_minus_sign():
+            return f"(-{p(-e)})"
         if isinstance(e, sp.Mul):
+            steps = [a for a in e.args if isinstance(a, sp.Heaviside)]
+            if len(e.args) == 2 and len(steps) == 1 and steps[0].args[0] in e.args:
+                return f"relu({p(steps[0].args[0])})"         # y H(y) = max(y, 0), any H(0)
             return "(" + " * ".join(p(a) for a in e.args) + ")"
         if isinstance(e, sp.Pow):
             base, ex = e.args

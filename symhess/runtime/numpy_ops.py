@@ -14,14 +14,14 @@ import scipy.special
 
 from . import chain
 from .network import EYE, ONES, Compact, net, refined  # noqa: F401  (used by generated modules)
-from .state import Forward, leaf  # noqa: F401
+from .state import Forward, Product, leaf  # noqa: F401
 from ..errors import SaturationWarning
 
 __all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff", "softmax_diff2",
-           "lin", "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
+           "lin", "mul", "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
            "causal_mask", "diag", "diag_part", "vec_r", "unvec_r", "mean0", "unflat",
            "kron", "kron_contract", "commutation", "diag_selector", "refined",
-           "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "cosh", "sinh", "cos",
+           "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "relu", "cosh", "sinh", "cos",
            "sin", "absolute", "net", "Compact", "ONES", "EYE", "Forward", "leaf", "OPS"]
 
 exp, log, tanh, sqrt, cosh, sinh, cos, sin = np.exp, np.log, np.tanh, np.sqrt, np.cosh, np.sinh, np.cos, np.sin
@@ -31,6 +31,11 @@ sigmoid, erf = scipy.special.expit, scipy.special.erf
 
 def heaviside(x, at0):
     return np.heaviside(x, at0)
+
+
+def relu(x):
+    """y H(y) = max(y, 0)."""
+    return np.maximum(x, 0)
 
 
 def mm(*xs):
@@ -43,8 +48,11 @@ def tr(x):
 
 
 def lin(*terms):
-    """Σ_k c_k x_k (∘ y_k) for terms (c, x) or (c, x, y), broadcast, accumulated in place in
-    one fresh array (a term spanning the result's shape first)."""
+    """Σ_k c_k x_k (∘ y_k) for terms (c, x) or (c, x, y), broadcast, x possibly a deferred
+    product (``Forward.prod``, formed here), accumulated in place in one fresh array (a term
+    spanning the result's shape first)."""
+    terms = [tuple(t[:1]) + tuple(a.value() if isinstance(a, Product) else a for a in t[1:])
+             for t in terms]
     shape = np.broadcast_shapes(*(np.shape(a) for t in terms for a in t[1:]))
     spans = [np.broadcast_shapes(*(np.shape(a) for a in t[1:])) == shape for t in terms]
     order = sorted(range(len(terms)), key=lambda i: not spans[i])
@@ -58,6 +66,18 @@ def lin(*terms):
             acc += x
         else:
             acc += t[0] * x
+    return acc
+
+
+def mul(*xs):
+    """x₁ ∘ x₂ ∘ ⋯, broadcast: one fresh array, the later factors multiplied in place once it
+    spans their shape."""
+    acc = np.multiply(xs[0], xs[1])
+    for x in xs[2:]:
+        if np.broadcast_shapes(acc.shape, np.shape(x)) == acc.shape:
+            np.multiply(acc, x, out=acc)
+        else:
+            acc = np.multiply(acc, x)
     return acc
 
 
@@ -267,6 +287,15 @@ class _Ops:
             view += c * r
 
     matmul2 = staticmethod(np.matmul)
+
+    @staticmethod
+    def addmm_(acc, a, b, c):
+        """acc += c · a b in place (NumPy's GEMM does not accumulate: formed, then added)."""
+        p = np.matmul(a, b)
+        if c != 1:
+            p *= c
+        acc += p
+        return acc
 
     @staticmethod
     def matmul_mean(a, b):

@@ -71,6 +71,26 @@ def _part(part):
     return part
 
 
+class Product:
+    """A product F₁⋯F_k of a routine not formed yet (``Forward.prod``): ``value()`` forms it
+    (a fresh array), ``into(acc, c)`` adds c times it to acc in place; ``shape`` is the
+    result's."""
+
+    __slots__ = ("state", "key", "xs", "shape")
+
+    def __init__(self, state, key, xs):
+        self.state, self.key, self.xs = state, key, xs
+        shapes = [tuple(state.ops.shape(x)) for x in xs]
+        batch = max((sh[0] for sh in shapes if len(sh) == 3), default=None)
+        self.shape = ((batch,) if batch is not None else ()) + (shapes[0][-2], shapes[-1][-1])
+
+    def value(self):
+        return self.state.mm(self.key, *self.xs)
+
+    def into(self, acc, c):
+        return self.state.mm(self.key, *self.xs, into=(acc, c))
+
+
 class Forward:
     """The values of one call bound to a variant (made by ``Kernel.prepare``)."""
 
@@ -266,10 +286,12 @@ class Forward:
         return self.ops.reshape(acc, shape)
 
     # -- matrix view -------------------------------------------------------------------------
-    def mm(self, key, *xs, mean=False):
+    def mm(self, key, *xs, mean=False, into=None):
         """F₁⋯F_k in the cheapest order at these sizes (``runtime.chain``); ``mean``: its
         batch mean, the batch folded into the last product (``ops.matmul_mean``: one product
-        over the n·L tokens, no per-sequence results).  ``key`` names
+        over the n·L tokens, no per-sequence results); ``into`` (acc, c): acc + c F₁⋯F_k
+        written into acc, the last product accumulated by the GEMM itself
+        (``ops.addmm_``: no array for the product, no pass to add it).  ``key`` names
         the factors, one word each: a factor that does not depend on the routine's arguments
         by its member name (' for its transpose), any other factor by _ ("_ X W_V").
 
@@ -296,7 +318,16 @@ class Forward:
             self._runs[name] = ops.tr(product) if flipped else product
 
         fold = (ops.matmul_mean, ops.batch_mean) if mean else None
+        if into is not None:
+            acc, c = into
+            fold = (lambda a, b: ops.addmm_(acc, a, b, c),
+                    lambda x: (ops.add_scaled(acc, x, c), acc)[1])
         return chain.multiply(xs, ops.matmul2, ops.shape, free, shared, fetch, store, fold=fold)
+
+    def prod(self, key, *xs):
+        """F₁⋯F_k deferred (``Product``): the backends' ``lin`` accumulates it into its sum
+        (``mm(…, into=…)``) or takes it as the sum's fresh array."""
+        return Product(self, key, xs)
 
     def _prices(self, key):
         """(free intervals, shared intervals with their counts) of a chain key, now."""
