@@ -28,7 +28,7 @@ import functools
 import math
 from functools import cached_property
 
-from . import chain, checks
+from . import chain, checks, chunk
 from . import network as N
 from ..errors import InputError, UnknownNameError
 
@@ -169,7 +169,7 @@ class Forward:
         nets = self.nets(p, q, part)
         if not nets:
             return self.ops.zeros((self.numel(p), self.numel(q)), like=self.like)
-        return N.dense(self, nets)
+        return chunk.dense(self, nets)
 
     def all_blocks(self):
         """In a variant rendered in parts, every block rendered at once (one lowering for all:
@@ -219,7 +219,7 @@ class Forward:
         if not nets:
             out = self.ops.zeros((self.numel(p),), like=self.like)
         else:
-            out = N.dense(self, nets, groups=(0,))
+            out = chunk.dense(self, nets, groups=(0,))
         self._diag_sums[(p, part)] = out.sum()
         return out
 
