@@ -24,15 +24,15 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "0483a8f4cbec55a2fba3d573"
+    STAMP = "459044ad1e4d63723ac7b153"
     RUNS = {
-        'A X': 8,
+        'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
-        "W_V' X'": 9,
-        "X' t_10": 4,
-        "X' t_10 X": 4,
-        "X' t_10'": 4,
+        "W_V' X'": 8,
+        "X' t_11": 4,
+        "X' t_11 X": 4,
+        "X' t_11'": 4,
         "X' t_31": 2,
         "X' t_31 X": 2,
         "X' t_31'": 2,
@@ -99,24 +99,24 @@ class mse_causal0(Forward):
         return s.mm('one t_6 t_7', s.one, s.t_6, s.t_7)
 
     @leaf
-    def G_2(s):
-        return lin((2/(s.L*s.d_V), s.F_2), (-2/(s.L*s.d_V), s.Y))
-
-    @leaf
     def t_9(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_10(s):
-        return softmax_diff(s.A, s.t_9)
-
-    @leaf
-    def t_22(s):
         return (s.F_2 - s.Y)
 
     @leaf
+    def G_2(s):
+        return (2/(s.L*s.d_V)) * s.t_9
+
+    @leaf
+    def t_10(s):
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_11(s):
+        return softmax_diff(s.A, s.t_10)
+
+    @leaf
     def t_23(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_22
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_9
 
     @leaf
     def t_24(s):
@@ -125,6 +125,10 @@ class mse_causal0(Forward):
     @leaf
     def t_31(s):
         return softmax_diff(s.A, s.t_24)
+
+    @leaf
+    def G_3(s):
+        return (2/(s.L*s.d_V)) * s.t_9
 
     @leaf
     def dA(s):
@@ -248,48 +252,47 @@ class mse_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_10 X W_K", tr(s.X), s.t_10, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_10' X W_Q", tr(s.X), tr(s.t_10), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_11 X W_K", tr(s.X), s.t_11, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_11' X W_Q", tr(s.X), tr(s.t_11), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_12 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_11)
-        t_13 = lin((2/(s.L*s.d_V), s.prod('_ X W_V', t_12, s.X, s.W_V)), (2/(s.L*s.d_V), s.prod('A X _', s.A, s.X, V_W_V)))
-        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q, mean=True)
-        t_15 = s.mm("X' A' _", tr(s.X), tr(s.A), t_13)
-        out_W_V = mean0(t_15, True)
+        t_12 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_13 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_12)
+        t_14 = lin((1, s.prod('_ X W_V', t_13, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_15 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_14, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_15, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_15), s.X, s.W_Q, mean=True)
+        t_16 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_14)
+        out_W_V = mean0(t_16, True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_17 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_16, s.t_9)
-        t_18 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = (t_17 + t_18)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_19, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_10 X _", tr(s.X), s.t_10, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_19), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_10' X _", tr(s.X), tr(s.t_10), s.X, V_W_Q), mean=True)
-        t_20 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_16)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_20), s.G_2, mean=True)
+        t_17 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_18 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_17, s.t_10)
+        t_19 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_20 = (t_18 + t_19)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_20, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_20), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
+        t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_17)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_21), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_21, s.t_24)
-        t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
+        t_22 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_22, s.t_24)
+        t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_22)
         t_27 = lin((1, s.prod('_ X W_V', t_26, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_28 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27, tr(s.W_V), tr(s.X)), (1, "t_23 _ X'", s.t_23, tr(V_W_V), tr(s.X)))
         t_29 = softmax_diff(s.A, t_28)
         t_30 = (t_25 + t_29)
         out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), (1, "X' t_31 X _", tr(s.X), s.t_31, s.X, V_W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), (1, "X' t_31' X _", tr(s.X), tr(s.t_31), s.X, V_W_Q), mean=True)
-        t_32 = lin((2/(s.L*s.d_V), s.prod('_ X W_V', t_26, s.X, s.W_V)), (2/(s.L*s.d_V), s.prod('A X _', s.A, s.X, V_W_V)))
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_26), s.G_2), (1, "X' A' _", tr(s.X), tr(s.A), t_32), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_26), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_27), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -297,15 +300,15 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "51fbcada4d6394311036cd3b"
+    STAMP = "9c6108cc8dbc00d78b2d3388"
     RUNS = {
-        'A X': 8,
+        'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
-        "W_V' X'": 9,
-        "X' t_10": 4,
-        "X' t_10 X": 4,
-        "X' t_10'": 4,
+        "W_V' X'": 8,
+        "X' t_11": 4,
+        "X' t_11 X": 4,
+        "X' t_11'": 4,
         "X' t_31": 2,
         "X' t_31 X": 2,
         "X' t_31'": 2,
@@ -372,24 +375,24 @@ class mse_causal1(Forward):
         return s.mm('one t_6 t_7', s.one, s.t_6, s.t_7)
 
     @leaf
-    def G_2(s):
-        return lin((2/(s.L*s.d_V), s.F_2), (-2/(s.L*s.d_V), s.Y))
-
-    @leaf
     def t_9(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_10(s):
-        return softmax_diff(s.A, s.t_9)
-
-    @leaf
-    def t_22(s):
         return (s.F_2 - s.Y)
 
     @leaf
+    def G_2(s):
+        return (2/(s.L*s.d_V)) * s.t_9
+
+    @leaf
+    def t_10(s):
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_11(s):
+        return softmax_diff(s.A, s.t_10)
+
+    @leaf
     def t_23(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_22
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_9
 
     @leaf
     def t_24(s):
@@ -398,6 +401,10 @@ class mse_causal1(Forward):
     @leaf
     def t_31(s):
         return softmax_diff(s.A, s.t_24)
+
+    @leaf
+    def G_3(s):
+        return (2/(s.L*s.d_V)) * s.t_9
 
     @leaf
     def dA(s):
@@ -521,48 +528,47 @@ class mse_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_10 X W_K", tr(s.X), s.t_10, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_10' X W_Q", tr(s.X), tr(s.t_10), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_11 X W_K", tr(s.X), s.t_11, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_11' X W_Q", tr(s.X), tr(s.t_11), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_12 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_11)
-        t_13 = lin((2/(s.L*s.d_V), s.prod('_ X W_V', t_12, s.X, s.W_V)), (2/(s.L*s.d_V), s.prod('A X _', s.A, s.X, V_W_V)))
-        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q, mean=True)
-        t_15 = s.mm("X' A' _", tr(s.X), tr(s.A), t_13)
-        out_W_V = mean0(t_15, True)
+        t_12 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_13 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_12)
+        t_14 = lin((1, s.prod('_ X W_V', t_13, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_15 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_14, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_15, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_15), s.X, s.W_Q, mean=True)
+        t_16 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_14)
+        out_W_V = mean0(t_16, True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_17 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_16, s.t_9)
-        t_18 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_19 = (t_17 + t_18)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_19, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_10 X _", tr(s.X), s.t_10, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_19), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_10' X _", tr(s.X), tr(s.t_10), s.X, V_W_Q), mean=True)
-        t_20 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_16)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_20), s.G_2, mean=True)
+        t_17 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_18 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_17, s.t_10)
+        t_19 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_20 = (t_18 + t_19)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_20, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_20), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
+        t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_17)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_21), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_21, s.t_24)
-        t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
+        t_22 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_22, s.t_24)
+        t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_22)
         t_27 = lin((1, s.prod('_ X W_V', t_26, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_28 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27, tr(s.W_V), tr(s.X)), (1, "t_23 _ X'", s.t_23, tr(V_W_V), tr(s.X)))
         t_29 = softmax_diff(s.A, t_28)
         t_30 = (t_25 + t_29)
         out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), (1, "X' t_31 X _", tr(s.X), s.t_31, s.X, V_W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), (1, "X' t_31' X _", tr(s.X), tr(s.t_31), s.X, V_W_Q), mean=True)
-        t_32 = lin((2/(s.L*s.d_V), s.prod('_ X W_V', t_26, s.X, s.W_V)), (2/(s.L*s.d_V), s.prod('A X _', s.A, s.X, V_W_V)))
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_26), s.G_2), (1, "X' A' _", tr(s.X), tr(s.A), t_32), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_26), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_27), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -570,15 +576,15 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "41e0452bbe3bdf426f8979c1"
+    STAMP = "8b62ae4c94d1ce04b6a2450a"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
-        "X' t_11": 4,
-        "X' t_11 X": 4,
-        "X' t_11'": 4,
+        "X' t_13": 4,
+        "X' t_13 X": 4,
+        "X' t_13'": 4,
         "X' t_35": 2,
         "X' t_35 X": 2,
         "X' t_35'": 2,
@@ -653,32 +659,32 @@ class ce_causal0(Forward):
         return softmax_rows(s.F_2)
 
     @leaf
-    def G_2(s):
-        return lin((1/s.L, s.t, s.t_9), (-1/s.L, s.Y))
-
-    @leaf
     def t_10(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_11(s):
-        return softmax_diff(s.A, s.t_10)
-
-    @leaf
-    def t_12(s):
-        return softmax_rows(s.F_2)
-
-    @leaf
-    def t_24(s):
         return (s.t * s.t_9)
 
     @leaf
-    def t_25(s):
-        return (s.t_24 - s.Y)
+    def t_11(s):
+        return (s.t_10 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_11
+
+    @leaf
+    def t_12(s):
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_13(s):
+        return softmax_diff(s.A, s.t_12)
+
+    @leaf
+    def t_14(s):
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_26(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_25
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_11
 
     @leaf
     def t_27(s):
@@ -687,6 +693,10 @@ class ce_causal0(Forward):
     @leaf
     def t_35(s):
         return softmax_diff(s.A, s.t_27)
+
+    @leaf
+    def G_3(s):
+        return (1/s.L) * s.t_11
 
     @leaf
     def dA(s):
@@ -818,40 +828,40 @@ class ce_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_11 X W_K", tr(s.X), s.t_11, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_11' X W_Q", tr(s.X), tr(s.t_11), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_13 X W_K", tr(s.X), s.t_13, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_13' X W_Q", tr(s.X), tr(s.t_13), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_13 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_14 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_13)
-        t_15 = lin((1, s.prod('_ X W_V', t_14, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_16 = (s.t * softmax_diff(s.t_12, t_15))
-        t_17 = softmax_diff(s.A, s.mm("_ W_V' X'", t_16, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_17, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_17), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_16, mean=True)
+        t_15 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_15)
+        t_17 = lin((1, s.prod('_ X W_V', t_16, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_18 = (s.t * softmax_diff(s.t_14, t_17))
+        t_19 = softmax_diff(s.A, s.mm("_ W_V' X'", t_18, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_19, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_19), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_18, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_18 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_19 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_18, s.t_10)
-        t_20 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_21 = (t_19 + t_20)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_21, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_21), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
-        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_18)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_22), s.G_2, mean=True)
+        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_21 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_12)
+        t_22 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_23 = (t_21 + t_22)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_23, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X _", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X _", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
+        t_24 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_24), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_23 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_23, s.t_27)
-        t_29 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_23)
+        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_27)
+        t_29 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
         t_30 = lin((1, s.prod('_ X W_V', t_29, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_31 = (s.t * softmax_diff(s.t_9, t_30))
         t_32 = s.mm_sum('r', (1, "t_26 _ X'", s.t_26, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_31, tr(s.W_V), tr(s.X)))
@@ -859,7 +869,7 @@ class ce_causal0(Forward):
         t_34 = (t_28 + t_33)
         out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_34, s.X, s.W_K), (1, "X' t_35 X _", tr(s.X), s.t_35, s.X, V_W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_34), s.X, s.W_Q), (1, "X' t_35' X _", tr(s.X), tr(s.t_35), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_29), s.G_2), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_31), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_29), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_31), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -867,15 +877,15 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "ee2bece7e68a244feaa564ec"
+    STAMP = "3352551860a503db5095c554"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
-        "X' t_11": 4,
-        "X' t_11 X": 4,
-        "X' t_11'": 4,
+        "X' t_13": 4,
+        "X' t_13 X": 4,
+        "X' t_13'": 4,
         "X' t_35": 2,
         "X' t_35 X": 2,
         "X' t_35'": 2,
@@ -950,32 +960,32 @@ class ce_causal1(Forward):
         return softmax_rows(s.F_2)
 
     @leaf
-    def G_2(s):
-        return lin((1/s.L, s.t, s.t_9), (-1/s.L, s.Y))
-
-    @leaf
     def t_10(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_11(s):
-        return softmax_diff(s.A, s.t_10)
-
-    @leaf
-    def t_12(s):
-        return softmax_rows(s.F_2)
-
-    @leaf
-    def t_24(s):
         return (s.t * s.t_9)
 
     @leaf
-    def t_25(s):
-        return (s.t_24 - s.Y)
+    def t_11(s):
+        return (s.t_10 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_11
+
+    @leaf
+    def t_12(s):
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_13(s):
+        return softmax_diff(s.A, s.t_12)
+
+    @leaf
+    def t_14(s):
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_26(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_25
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_11
 
     @leaf
     def t_27(s):
@@ -984,6 +994,10 @@ class ce_causal1(Forward):
     @leaf
     def t_35(s):
         return softmax_diff(s.A, s.t_27)
+
+    @leaf
+    def G_3(s):
+        return (1/s.L) * s.t_11
 
     @leaf
     def dA(s):
@@ -1115,40 +1129,40 @@ class ce_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_11 X W_K", tr(s.X), s.t_11, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_11' X W_Q", tr(s.X), tr(s.t_11), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_13 X W_K", tr(s.X), s.t_13, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_13' X W_Q", tr(s.X), tr(s.t_13), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_13 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_14 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_13)
-        t_15 = lin((1, s.prod('_ X W_V', t_14, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_16 = (s.t * softmax_diff(s.t_12, t_15))
-        t_17 = softmax_diff(s.A, s.mm("_ W_V' X'", t_16, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_17, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_17), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_16, mean=True)
+        t_15 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_15)
+        t_17 = lin((1, s.prod('_ X W_V', t_16, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_18 = (s.t * softmax_diff(s.t_14, t_17))
+        t_19 = softmax_diff(s.A, s.mm("_ W_V' X'", t_18, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_19, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_19), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_18, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_18 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_19 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_18, s.t_10)
-        t_20 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_21 = (t_19 + t_20)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_21, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_21), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
-        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_18)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_22), s.G_2, mean=True)
+        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_21 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_12)
+        t_22 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_23 = (t_21 + t_22)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_23, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X _", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X _", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
+        t_24 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_24), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_23 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_23, s.t_27)
-        t_29 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_23)
+        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_27)
+        t_29 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
         t_30 = lin((1, s.prod('_ X W_V', t_29, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
         t_31 = (s.t * softmax_diff(s.t_9, t_30))
         t_32 = s.mm_sum('r', (1, "t_26 _ X'", s.t_26, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_31, tr(s.W_V), tr(s.X)))
@@ -1156,7 +1170,7 @@ class ce_causal1(Forward):
         t_34 = (t_28 + t_33)
         out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_34, s.X, s.W_K), (1, "X' t_35 X _", tr(s.X), s.t_35, s.X, V_W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_34), s.X, s.W_Q), (1, "X' t_35' X _", tr(s.X), tr(s.t_35), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2", tr(s.X), tr(t_29), s.G_2), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_31), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_29), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_31), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -1166,4 +1180,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "cd417ff5da99feed6e1d69b1"
+CHECKSUM = "6d2c2b2211f7c788efb2963d"

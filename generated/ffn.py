@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "8981b6480cdc419bf86efc67"
+    STAMP = "ce54e0f6e48da15bfc22a579"
 
     @leaf
     def H(s):
@@ -160,7 +160,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "a35b7b3dd16f4469acf7f98c"
+    STAMP = "b6fab0206509a1db84b45c35"
 
     @leaf
     def H(s):
@@ -315,4 +315,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "2f4a02af0bffbc94eb830a0f"
+CHECKSUM = "d257c4c57342b861e0043c52"

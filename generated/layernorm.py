@@ -24,7 +24,7 @@ class mse(Forward):
     """loss=mse, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "9a9b1beb215f129b5b96d828"
+    STAMP = "72297598c867a5306ec9ce97"
 
     @leaf
     def one(s):
@@ -63,68 +63,68 @@ class mse(Forward):
         return (s.P_Z * s.M_Z)
 
     @leaf
-    def G(s):
-        return lin((2/(s.L*s.d_V), s.Z), (-2/(s.L*s.d_V), s.Y))
+    def t_5(s):
+        return (s.Z - s.Y)
 
     @leaf
-    def t_5(s):
-        return (s.t_3 * s.G)
+    def G(s):
+        return (2/(s.L*s.d_V)) * s.t_5
 
     @leaf
     def t_6(s):
-        return (0.75 * (s.sigma2_Z ** -2.5))
+        return (s.t_3 * s.G)
 
     @leaf
     def t_7(s):
-        return mul(s.t_6, s.G, s.M_Z)
+        return (0.75 * (s.sigma2_Z ** -2.5))
 
     @leaf
     def t_8(s):
-        return mul(s.t_3, s.G, s.M_Z)
+        return mul(s.t_7, s.G, s.M_Z)
 
     @leaf
     def t_9(s):
-        return s.mm('t_8 one', s.t_8, s.one)
+        return mul(s.t_3, s.G, s.M_Z)
 
     @leaf
     def t_10(s):
-        return bcast_last(s.t_9, s.d_V)
+        return s.mm('t_9 one', s.t_9, s.one)
+
+    @leaf
+    def t_11(s):
+        return bcast_last(s.t_10, s.d_V)
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_11(s):
-        return (s.Z - s.Y)
-
-    @leaf
     def t_12(s):
-        return (s.t_11 * s.t_11)
+        return (s.Z - s.Y)
 
     @leaf
     def t_13(s):
-        return s.mm('one_2 t_12 one', s.one_2, s.t_12, s.one)
+        return (s.t_12 * s.t_12)
 
     @leaf
     def t_14(s):
-        return lin((1, s.t_9, s.M_Z), ((1/2)*s.d_V, s.P_Z, s.G))
+        return s.mm('one_2 t_13 one', s.one_2, s.t_13, s.one)
 
     @leaf
     def t_15(s):
-        return (-2/s.d_V**2) * s.t_14
+        return lin((1, s.t_10, s.M_Z), ((1/2)*s.d_V, s.P_Z, s.G))
 
     @leaf
     def t_16(s):
-        return s.mm('t_15 one', s.t_15, s.one)
+        return (-2/s.d_V**2) * s.t_15
 
     @leaf
-    def t_27(s):
-        return (s.Z - s.Y)
+    def t_17(s):
+        return s.mm('t_16 one', s.t_16, s.one)
 
     @leaf
     def t_28(s):
-        return mul(s.t_3, (4/(s.L*s.d_V**2)) * s.t_27, s.M_Z)
+        return mul(s.t_3, (4/(s.L*s.d_V**2)) * s.t_5, s.M_Z)
 
     @leaf
     def t_29(s):
@@ -136,11 +136,11 @@ class mse(Forward):
 
     @leaf
     def t_35(s):
-        return (s.t_3 * (4/(s.L*s.d_V**2)) * s.t_27)
+        return (s.t_3 * (4/(s.L*s.d_V**2)) * s.t_5)
 
     @leaf
-    def t_37(s):
-        return mul(s.t_6, (4/(s.L*s.d_V**2)) * s.t_27, s.M_Z)
+    def t_36(s):
+        return mul(s.t_7, (4/(s.L*s.d_V**2)) * s.t_5, s.M_Z)
 
     @leaf
     def S(s):
@@ -179,16 +179,16 @@ class mse(Forward):
     def S_5(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
-            net(1, 'nab,bc->nabc', s.t_5, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_7, ONES, s.M_Z),
+            net(1, 'nab,bc->nabc', s.t_6, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_8, ONES, s.M_Z),
         ])
 
     @leaf
     def S_6(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_6', [
-            net(1, 'nab,bc->nabc', s.t_10, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,ac->nabc', s.t_5, ONES, s.M_Z),
+            net(1, 'nab,bc->nabc', s.t_11, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,ac->nabc', s.t_6, ONES, s.M_Z),
             net(1, 'ab,bc,nacd->nabd', s.M_Z, ONES, s.S_5),
         ])
 
@@ -196,8 +196,8 @@ class mse(Forward):
     def S_7(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_7', [
-            net(2/s.d_V, 'nab,bc->nabc', s.t_10, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_5, ONES, s.M_Z),
+            net(2/s.d_V, 'nab,bc->nabc', s.t_11, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_6, ONES, s.M_Z),
             net(2/s.d_V, 'ab,bc,nacd->nabd', s.M_Z, ONES, s.S_5),
             net(-2/s.d_V**2, 'ab,ncbd->ncad', ONES, s.S_6, free={'a': s.d_V}),
         ])
@@ -222,43 +222,42 @@ class mse(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_13, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_14, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * s.t_14, True)), (1, bcast_last(mean0(s.t_16, True), s.d_V)))
+        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * s.t_15, True)), (1, bcast_last(mean0(s.t_17, True), s.d_V)))
         return (out_X,)
 
     def hvp__outer(s, V_X):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
-        t_18 = s.mm('_ one', ((-1/s.d_V) * t_17 * s.M_Z), s.one)
-        t_19 = lin((2/(s.L*s.d_V), s.P_Z, (-1/s.d_V) * t_17), (4/(s.L*s.d_V**2), t_18, s.t_4))
-        t_20 = (s.P_Z * t_19)
-        t_21 = lin((1, t_20), (2/s.d_V, s.mm('_ one', (s.t_4 * t_19), s.one), s.M_Z))
-        t_22 = lin((-s.d_V, (-1/s.d_V) * t_21), (1, s.mm('_ one', (-1/s.d_V) * t_21, s.one)))
-        out_X = t_22
+        t_18 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_19 = s.mm('_ one', ((-1/s.d_V) * t_18 * s.M_Z), s.one)
+        t_20 = lin((1, s.P_Z, (-1/s.d_V) * t_18), (2/s.d_V, t_19, s.t_4))
+        t_21 = (s.P_Z * (2/(s.L*s.d_V)) * t_20)
+        t_22 = lin((1, t_21), (2/s.d_V, s.mm('_ one', (s.t_4 * (2/(s.L*s.d_V)) * t_20), s.one), s.M_Z))
+        t_23 = lin((-s.d_V, (-1/s.d_V) * t_22), (1, s.mm('_ one', (-1/s.d_V) * t_22, s.one)))
+        out_X = t_23
         return (out_X,)
 
     def hvp__functional(s, V_X):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_23 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
-        t_24 = s.mm('_ one', ((-1/s.d_V) * t_23 * s.M_Z), s.one)
-        t_25 = s.mm('_ one', lin((1, s.t_5, (-1/s.d_V) * t_23), (2/s.d_V, t_24, s.t_7)), s.one)
-        t_26 = lin((1, s.t_9, (-1/s.d_V) * t_23), (1, t_24, s.t_5), (1, t_25, s.M_Z))
-        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_26, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_26, s.one), True), s.d_V)))
+        t_24 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_25 = s.mm('_ one', ((-1/s.d_V) * t_24 * s.M_Z), s.one)
+        t_26 = s.mm('_ one', lin((1, s.t_6, (-1/s.d_V) * t_24), (2/s.d_V, t_25, s.t_8)), s.one)
+        t_27 = lin((1, s.t_10, (-1/s.d_V) * t_24), (1, t_25, s.t_6), (1, t_26, s.M_Z))
+        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_27, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_27, s.one), True), s.d_V)))
         return (out_X,)
 
     def hvp__full(s, V_X):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_30 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
         t_31 = s.mm('_ one', ((-1/s.d_V) * t_30 * s.M_Z), s.one)
-        t_32 = lin((2/(s.L*s.d_V), s.P_Z, (-1/s.d_V) * t_30), (4/(s.L*s.d_V**2), t_31, s.t_4))
-        t_33 = (s.P_Z * t_32)
-        t_36 = lin((1, s.P_Z, (-1/s.d_V) * t_30), (2/s.d_V, t_31, s.t_4))
-        t_38 = lin((1, s.t_35, (-1/s.d_V) * t_30), (1, s.t_4, (4/(s.L*s.d_V**2)) * t_36), (2/s.d_V, t_31, s.t_37))
-        t_39 = lin((1, s.t_29, (-1/s.d_V) * t_30), (1, t_33), (2/s.d_V, t_31, s.t_34), (1, s.mm('_ one', t_38, s.one), s.M_Z))
-        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_39, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_39, s.one), True), s.d_V)))
+        t_32 = lin((1, s.P_Z, (-1/s.d_V) * t_30), (2/s.d_V, t_31, s.t_4))
+        t_33 = (s.P_Z * (2/(s.L*s.d_V)) * t_32)
+        t_37 = lin((1, s.t_35, (-1/s.d_V) * t_30), (1, s.t_4, (4/(s.L*s.d_V**2)) * t_32), (2/s.d_V, t_31, s.t_36))
+        t_38 = lin((1, s.t_29, (-1/s.d_V) * t_30), (1, t_33), (2/s.d_V, t_31, s.t_34), (1, s.mm('_ one', t_37, s.one), s.M_Z))
+        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_38, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_38, s.one), True), s.d_V)))
         return (out_X,)
 
     def check_inputs(s):
@@ -270,7 +269,7 @@ class ce(Forward):
     """loss=ce, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "52db63c9c2f7b7f8cdadbbc5"
+    STAMP = "4e36baf0223dbd8b3a7d1408"
 
     @leaf
     def one(s):
@@ -333,88 +332,84 @@ class ce(Forward):
         return softmax_rows(s.Z)
 
     @leaf
-    def G(s):
-        return lin((1/s.L, s.t, s.t_10), (-1/s.L, s.Y))
+    def t_11(s):
+        return ((s.t * s.t_10) - s.Y)
 
     @leaf
-    def t_11(s):
-        return (s.t_5 * s.G)
+    def G(s):
+        return (1/s.L) * s.t_11
 
     @leaf
     def t_12(s):
-        return (0.75 * (s.sigma2_Z ** -2.5))
+        return (s.t_5 * s.G)
 
     @leaf
     def t_13(s):
-        return mul(s.t_12, s.G, s.M_Z)
+        return (0.75 * (s.sigma2_Z ** -2.5))
 
     @leaf
     def t_14(s):
-        return mul(s.t_5, s.G, s.M_Z)
+        return mul(s.t_13, s.G, s.M_Z)
 
     @leaf
     def t_15(s):
-        return s.mm('t_14 one', s.t_14, s.one)
+        return mul(s.t_5, s.G, s.M_Z)
 
     @leaf
     def t_16(s):
-        return bcast_last(s.t_15, s.d_V)
+        return s.mm('t_15 one', s.t_15, s.one)
+
+    @leaf
+    def t_17(s):
+        return bcast_last(s.t_16, s.d_V)
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_17(s):
+    def t_18(s):
         return log_softmax_rows(s.Z)
 
     @leaf
-    def t_18(s):
-        return (s.t_17 * s.Y)
-
-    @leaf
     def t_19(s):
-        return s.mm('one_2 t_18 one', s.one_2, s.t_18, s.one)
+        return (s.t_18 * s.Y)
 
     @leaf
     def t_20(s):
-        return lin((1, s.t_15, s.M_Z), ((1/2)*s.d_V, s.P_Z, s.G))
+        return s.mm('one_2 t_19 one', s.one_2, s.t_19, s.one)
 
     @leaf
     def t_21(s):
-        return (-2/s.d_V**2) * s.t_20
+        return lin((1, s.t_16, s.M_Z), ((1/2)*s.d_V, s.P_Z, s.G))
 
     @leaf
     def t_22(s):
-        return s.mm('t_21 one', s.t_21, s.one)
+        return (-2/s.d_V**2) * s.t_21
 
     @leaf
-    def t_32(s):
-        return (s.t * s.t_10)
+    def t_23(s):
+        return s.mm('t_22 one', s.t_22, s.one)
 
     @leaf
     def t_33(s):
-        return (s.t_32 - s.Y)
+        return mul(s.t_5, (2/(s.L*s.d_V)) * s.t_11, s.M_Z)
 
     @leaf
     def t_34(s):
-        return mul(s.t_5, (2/(s.L*s.d_V)) * s.t_33, s.M_Z)
+        return s.mm('t_33 one', s.t_33, s.one)
 
     @leaf
-    def t_35(s):
-        return s.mm('t_34 one', s.t_34, s.one)
-
-    @leaf
-    def t_38(s):
+    def t_37(s):
         return (s.t_5 * s.G)
 
     @leaf
-    def t_39(s):
-        return (s.t_5 * (2/(s.L*s.d_V)) * s.t_33)
+    def t_38(s):
+        return (s.t_5 * (2/(s.L*s.d_V)) * s.t_11)
 
     @leaf
-    def t_40(s):
-        return mul(s.t_12, (2/(s.L*s.d_V)) * s.t_33, s.M_Z)
+    def t_39(s):
+        return mul(s.t_13, (2/(s.L*s.d_V)) * s.t_11, s.M_Z)
 
     @leaf
     def S(s):
@@ -461,16 +456,16 @@ class ce(Forward):
     def S_5(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
-            net(1, 'nab,bc->nabc', s.t_11, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_13, ONES, s.M_Z),
+            net(1, 'nab,bc->nabc', s.t_12, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_14, ONES, s.M_Z),
         ])
 
     @leaf
     def S_6(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_6', [
-            net(1, 'nab,bc->nabc', s.t_16, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,ac->nabc', s.t_11, ONES, s.M_Z),
+            net(1, 'nab,bc->nabc', s.t_17, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,ac->nabc', s.t_12, ONES, s.M_Z),
             net(1, 'ab,bc,nacd->nabd', s.M_Z, ONES, s.S_5),
         ])
 
@@ -478,8 +473,8 @@ class ce(Forward):
     def S_7(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_7', [
-            net(2/s.d_V, 'nab,bc->nabc', s.t_16, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_11, ONES, s.M_Z),
+            net(2/s.d_V, 'nab,bc->nabc', s.t_17, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_12, ONES, s.M_Z),
             net(2/s.d_V, 'ab,bc,nacd->nabd', s.M_Z, ONES, s.S_5),
             net(-2/s.d_V**2, 'ab,ncbd->ncad', ONES, s.S_6, free={'a': s.d_V}),
         ])
@@ -504,41 +499,41 @@ class ce(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_19, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_20, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * s.t_20, True)), (1, bcast_last(mean0(s.t_22, True), s.d_V)))
+        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * s.t_21, True)), (1, bcast_last(mean0(s.t_23, True), s.d_V)))
         return (out_X,)
 
     def hvp__outer(s, V_X):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_23 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
-        t_24 = s.mm('_ one', ((-1/s.d_V) * t_23 * s.M_Z), s.one)
-        t_25 = lin((1, s.P_Z, (-1/s.d_V) * t_23), (2/s.d_V, t_24, s.t_9))
-        t_26 = softmax_diff(s.t_7, t_25)
-        t_27 = lin((1, s.mm('_ one', (s.t_6 * t_26), s.one), s.M_Z), ((1/2)*s.d_V, s.t_3, t_26))
-        out_X = lin((-s.d_V, mean0((-2/(s.L*s.d_V**2)) * t_27, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/(s.L*s.d_V**2)) * t_27, s.one), True), s.d_V)))
+        t_24 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_25 = s.mm('_ one', ((-1/s.d_V) * t_24 * s.M_Z), s.one)
+        t_26 = lin((1, s.P_Z, (-1/s.d_V) * t_24), (2/s.d_V, t_25, s.t_9))
+        t_27 = softmax_diff(s.t_7, t_26)
+        t_28 = lin((1, s.mm('_ one', (s.t_6 * t_27), s.one), s.M_Z), ((1/2)*s.d_V, s.t_3, t_27))
+        out_X = lin((-s.d_V, mean0((-2/(s.L*s.d_V**2)) * t_28, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/(s.L*s.d_V**2)) * t_28, s.one), True), s.d_V)))
         return (out_X,)
 
     def hvp__functional(s, V_X):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_28 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
-        t_29 = s.mm('_ one', ((-1/s.d_V) * t_28 * s.M_Z), s.one)
-        t_30 = s.mm('_ one', lin((1, s.t_11, (-1/s.d_V) * t_28), (2/s.d_V, t_29, s.t_13)), s.one)
-        t_31 = lin((1, s.t_15, (-1/s.d_V) * t_28), (1, t_29, s.t_11), (1, t_30, s.M_Z))
-        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_31, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_31, s.one), True), s.d_V)))
+        t_29 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_30 = s.mm('_ one', ((-1/s.d_V) * t_29 * s.M_Z), s.one)
+        t_31 = s.mm('_ one', lin((1, s.t_12, (-1/s.d_V) * t_29), (2/s.d_V, t_30, s.t_14)), s.one)
+        t_32 = lin((1, s.t_16, (-1/s.d_V) * t_29), (1, t_30, s.t_12), (1, t_31, s.M_Z))
+        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_32, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_32, s.one), True), s.d_V)))
         return (out_X,)
 
     def hvp__full(s, V_X):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_36 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
-        t_37 = s.mm('_ one', ((-1/s.d_V) * t_36 * s.M_Z), s.one)
-        t_41 = lin((1, s.P_Z, (-1/s.d_V) * t_36), (2/s.d_V, t_37, s.t_9))
-        t_42 = softmax_diff(s.t_10, t_41)
-        t_43 = lin((1, s.t_39, (-1/s.d_V) * t_36), (2/s.d_V, t_37, s.t_40), (2/(s.L*s.d_V), s.t_6, t_42))
-        t_44 = lin((1, s.t_35, (-1/s.d_V) * t_36), (2/s.d_V, t_37, s.t_38), (1, s.mm('_ one', t_43, s.one), s.M_Z), (1/s.L, s.t_3, t_42))
-        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_44, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_44, s.one), True), s.d_V)))
+        t_35 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_36 = s.mm('_ one', ((-1/s.d_V) * t_35 * s.M_Z), s.one)
+        t_40 = lin((1, s.P_Z, (-1/s.d_V) * t_35), (2/s.d_V, t_36, s.t_9))
+        t_41 = softmax_diff(s.t_10, t_40)
+        t_42 = lin((1, s.t_38, (-1/s.d_V) * t_35), (2/s.d_V, t_36, s.t_39), (2/(s.L*s.d_V), s.t_6, t_41))
+        t_43 = lin((1, s.t_34, (-1/s.d_V) * t_35), (2/s.d_V, t_36, s.t_37), (1, s.mm('_ one', t_42, s.one), s.M_Z), (1/s.L, s.t_3, t_41))
+        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_43, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_43, s.one), True), s.d_V)))
         return (out_X,)
 
     def check_inputs(s):
@@ -550,4 +545,4 @@ VARIANTS = {
     ('mse', (('affine', 'none'), ('eps', 0))): mse,
     ('ce', (('affine', 'none'), ('eps', 0))): ce,
 }
-CHECKSUM = "c1747e7103ab2f4c7936bd9d"
+CHECKSUM = "ba08a611c76d473b7c21d4f9"

@@ -24,15 +24,15 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "eb0150eda96a479ce14ef4f0"
+    STAMP = "5c903045ad61c5798ba6a925"
     RUNS = {
         'A1 N_1': 24,
         'A1 N_1 W_V': 11,
-        "A1' t_232": 2,
+        "A1' t_211": 2,
         "A1' t_44": 5,
         'A2 N_1': 24,
         'A2 N_1 W_V': 11,
-        "A2' t_232": 2,
+        "A2' t_211": 2,
         "A2' t_44": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
@@ -41,19 +41,19 @@ class mse_causal0(Forward):
         'N_1 W_V': 67,
         'N_1 W_V W_O1': 17,
         'N_1 W_V W_O2': 17,
-        "N_1' A1' t_232": 2,
+        "N_1' A1' t_211": 2,
         "N_1' A1' t_44": 4,
-        "N_1' A2' t_232": 2,
+        "N_1' A2' t_211": 2,
         "N_1' A2' t_44": 4,
-        "W_O1 t_175'": 2,
-        "W_O1 t_215'": 2,
-        "W_O1 t_24'": 3,
+        "W_O1 t_172'": 2,
+        "W_O1 t_212'": 2,
+        "W_O1 t_25'": 3,
         "W_O1 t_44'": 3,
         "W_O1 t_66'": 2,
         "W_O1' W_V'": 18,
-        "W_O2 t_175'": 2,
-        "W_O2 t_215'": 2,
-        "W_O2 t_24'": 3,
+        "W_O2 t_172'": 2,
+        "W_O2 t_212'": 2,
+        "W_O2 t_25'": 3,
         "W_O2 t_44'": 3,
         "W_O2 t_66'": 2,
         "W_O2' W_V'": 18,
@@ -189,99 +189,99 @@ class mse_causal0(Forward):
 
     @leaf
     def t_19(s):
-        return lin((1/math.sqrt(s.d_K), s.mm("t_17 W_1'", s.t_17, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_18 W_3'", s.t_18, tr(s.W_3))))
+        return (s.mm("t_17 W_1'", s.t_17, tr(s.W_1)) + s.mm("t_18 W_3'", s.t_18, tr(s.W_3)))
 
     @leaf
     def t_20(s):
-        return (2/s.d_V) * s.t_19
+        return (1/math.sqrt(s.d_K)) * s.t_19
 
     @leaf
     def t_21(s):
-        return (-0.5 * (s.t_10 ** -1.5))
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19
 
     @leaf
     def t_22(s):
-        return mul(s.t_20, s.t_21, s.Y_2)
+        return (-0.5 * (s.t_10 ** -1.5))
 
     @leaf
     def t_23(s):
-        return s.mm('t_22 one', s.t_22, s.one)
+        return mul(s.t_21, s.t_22, s.Y_2)
 
     @leaf
     def t_24(s):
-        return lin((1, s.t_19, s.R_N_2), (1, s.t_23, s.Y_2), (1/math.sqrt(s.d_K), s.G))
+        return s.mm('t_23 one', s.t_23, s.one)
 
     @leaf
     def t_25(s):
-        return s.mm("t_24 W_O1' W_V' N_1'", s.t_24, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return lin((1, s.t_20, s.R_N_2), (1, s.t_24, s.Y_2), (1/math.sqrt(s.d_K), s.G))
 
     @leaf
     def t_26(s):
-        return softmax_diff(s.A1, s.t_25)
+        return s.mm("t_25 W_O1' W_V' N_1'", s.t_25, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_27(s):
-        return s.mm('W_V W_O1', s.W_V, s.W_O1)
+        return softmax_diff(s.A1, s.t_26)
 
     @leaf
     def t_28(s):
-        return s.mm("t_24 W_O1'", s.t_24, tr(s.W_O1))
+        return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
     def t_29(s):
-        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
+        return s.mm("t_25 W_O1'", s.t_25, tr(s.W_O1))
 
     @leaf
     def t_30(s):
-        return s.mm('N_1 W_V', s.N_1, s.W_V)
+        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
     def t_31(s):
-        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
     def t_32(s):
-        return (s.t_12 * s.t_11)
+        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
     def t_33(s):
-        return tr(s.t_6)
+        return (s.t_12 * s.t_11)
 
     @leaf
     def t_34(s):
-        return s.mm("t_24 W_O2' W_V' N_1'", s.t_24, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return tr(s.t_6)
 
     @leaf
     def t_35(s):
-        return softmax_diff(s.A2, s.t_34)
+        return s.mm("t_25 W_O2' W_V' N_1'", s.t_25, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_36(s):
-        return s.mm('W_V W_O2', s.W_V, s.W_O2)
+        return softmax_diff(s.A2, s.t_35)
 
     @leaf
     def t_37(s):
-        return s.mm("t_24 W_O2'", s.t_24, tr(s.W_O2))
+        return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
     def t_38(s):
-        return tr(s.t_7)
+        return s.mm("t_25 W_O2'", s.t_25, tr(s.W_O2))
 
     @leaf
     def t_39(s):
-        return tr(s.t_8)
+        return tr(s.t_7)
 
     @leaf
     def t_40(s):
-        return (math.sqrt(s.d_K)) * s.t_19
+        return tr(s.t_8)
 
     @leaf
     def t_41(s):
-        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_19
+        return (2/s.d_V) * s.t_19
 
     @leaf
     def t_42(s):
-        return mul(s.t_41, s.t_21, s.Y_2)
+        return mul(s.t_41, s.t_22, s.Y_2)
 
     @leaf
     def t_43(s):
@@ -289,7 +289,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_44(s):
-        return lin((1, s.t_40, s.R_N_2), (1, s.t_43, s.Y_2), (1, s.G))
+        return lin((1, s.t_19, s.R_N_2), (1, s.t_43, s.Y_2), (1, s.G))
 
     @leaf
     def t_45(s):
@@ -309,11 +309,11 @@ class mse_causal0(Forward):
 
     @leaf
     def t_49(s):
-        return tr(s.t_29)
+        return tr(s.t_30)
 
     @leaf
     def t_50(s):
-        return tr(s.t_31)
+        return tr(s.t_32)
 
     @leaf
     def t_51(s):
@@ -325,7 +325,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_53(s):
-        return (s.t_21 * s.Y_2)
+        return (s.t_22 * s.Y_2)
 
     @leaf
     def t_54(s):
@@ -357,7 +357,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_61(s):
-        return (s.t_20 * s.t_21)
+        return (s.t_21 * s.t_22)
 
     @leaf
     def t_62(s):
@@ -365,15 +365,15 @@ class mse_causal0(Forward):
 
     @leaf
     def t_63(s):
-        return mul(s.t_20, s.t_62, s.Y_2)
+        return mul(s.t_21, s.t_62, s.Y_2)
 
     @leaf
     def t_64(s):
-        return bcast_last(s.t_23, s.d_V)
+        return bcast_last(s.t_24, s.d_V)
 
     @leaf
     def t_65(s):
-        return (s.t_19 * s.t_21)
+        return (s.t_20 * s.t_22)
 
     @leaf
     def t_66(s):
@@ -389,7 +389,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_69(s):
-        return (s.t_41 * s.t_21)
+        return (s.t_41 * s.t_22)
 
     @leaf
     def t_70(s):
@@ -401,7 +401,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_72(s):
-        return (s.t_40 * s.t_21)
+        return (s.t_19 * s.t_22)
 
     @leaf
     def t_73(s):
@@ -429,7 +429,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_78(s):
-        return s.mm("t_26 t_2'", s.t_26, tr(s.t_2))
+        return s.mm("t_27 t_2'", s.t_27, tr(s.t_2))
 
     @leaf
     def t_79(s):
@@ -441,7 +441,7 @@ class mse_causal0(Forward):
 
     @leaf
     def t_81(s):
-        return s.mm("t_35 t_2'", s.t_35, tr(s.t_2))
+        return s.mm("t_36 t_2'", s.t_36, tr(s.t_2))
 
     @leaf
     def t_82(s):
@@ -453,11 +453,11 @@ class mse_causal0(Forward):
 
     @leaf
     def t_84(s):
-        return s.mm("t_68' t_38'", tr(s.t_68), tr(s.t_38))
+        return s.mm("t_68' t_39'", tr(s.t_68), tr(s.t_39))
 
     @leaf
     def t_85(s):
-        return s.mm("t_74' t_39'", tr(s.t_74), tr(s.t_39))
+        return s.mm("t_74' t_40'", tr(s.t_74), tr(s.t_40))
 
     @leaf
     def t_86(s):
@@ -484,144 +484,140 @@ class mse_causal0(Forward):
         return (s.t_59 + s.t_60)
 
     @leaf
-    def t_159(s):
+    def t_157(s):
         return (tr(s.t_12) * tr(s.t_11))
 
     @leaf
-    def t_164(s):
+    def t_162(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_163(s):
+        return mul(s.t_13, s.t_162, s.t_11, s.t_14)
+
+    @leaf
+    def t_164(s):
+        return mul(s.t_12, s.t_162, s.t_14)
+
+    @leaf
     def t_165(s):
-        return mul(s.t_13, s.t_164, s.t_11, s.t_14)
+        return (s.t_163 + s.t_164)
 
     @leaf
     def t_166(s):
-        return mul(s.t_12, s.t_164, s.t_14)
+        return s.mm("t_165 W_1'", s.t_165, tr(s.W_1))
 
     @leaf
     def t_167(s):
-        return (s.t_165 + s.t_166)
+        return mul(s.t_12, s.t_162, s.t_11)
 
     @leaf
     def t_168(s):
-        return s.mm("t_167 W_1'", s.t_167, tr(s.W_1))
+        return s.mm("t_167 W_3'", s.t_167, tr(s.W_3))
 
     @leaf
     def t_169(s):
-        return mul(s.t_12, s.t_164, s.t_11)
+        return (s.t_166 + s.t_168)
 
     @leaf
     def t_170(s):
-        return s.mm("t_169 W_3'", s.t_169, tr(s.W_3))
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_169, s.t_22, s.Y_2)
 
     @leaf
     def t_171(s):
-        return lin((1/math.sqrt(s.d_K), s.t_168), (1/math.sqrt(s.d_K), s.t_170))
+        return s.mm('t_170 one', s.t_170, s.one)
 
     @leaf
     def t_172(s):
-        return (math.sqrt(s.d_K)) * s.t_171
+        return lin((1/math.sqrt(s.d_K), s.G), (1, (1/math.sqrt(s.d_K)) * s.t_169, s.R_N_2), (1, s.t_171, s.Y_2))
 
     @leaf
     def t_173(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_21, s.Y_2)
+        return s.mm("t_172 W_O1' W_V' N_1'", s.t_172, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_174(s):
-        return s.mm('t_173 one', s.t_173, s.one)
-
-    @leaf
-    def t_175(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_171, s.R_N_2), (1, s.t_174, s.Y_2))
-
-    @leaf
-    def t_176(s):
-        return s.mm("t_175 W_O1' W_V' N_1'", s.t_175, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_186(s):
+        return lin((1, mul(s.t_56, s.t_162, s.t_11), s.t_14), (2, (s.t_13 * s.t_162), s.t_14))
 
     @leaf
     def t_189(s):
-        return lin((1, mul(s.t_56, s.t_164, s.t_11), s.t_14), (2, (s.t_13 * s.t_164), s.t_14))
+        return mul(s.t_13, s.t_162, s.t_11)
 
     @leaf
-    def t_192(s):
-        return mul(s.t_13, s.t_164, s.t_11)
+    def t_190(s):
+        return (s.t_12 * s.t_162)
 
     @leaf
-    def t_193(s):
-        return (s.t_12 * s.t_164)
+    def t_191(s):
+        return (s.t_189 + s.t_190)
 
     @leaf
-    def t_194(s):
-        return (s.t_192 + s.t_193)
+    def t_195(s):
+        return ((1/math.sqrt(s.d_K)) * s.t_169 * s.t_22)
 
     @leaf
-    def t_198(s):
-        return (s.t_171 * s.t_21)
+    def t_196(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_169 * s.t_22)
 
     @leaf
-    def t_199(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172 * s.t_21)
+    def t_197(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_169, s.t_62, s.Y_2)
 
     @leaf
-    def t_201(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_62, s.Y_2)
+    def t_202(s):
+        return softmax_diff(s.A1, s.t_173)
 
     @leaf
-    def t_206(s):
-        return softmax_diff(s.A1, s.t_176)
+    def t_204(s):
+        return s.mm("t_172 W_O2' W_V' N_1'", s.t_172, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_208(s):
-        return s.mm("t_175 W_O2' W_V' N_1'", s.t_175, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_207(s):
+        return softmax_diff(s.A2, s.t_204)
+
+    @leaf
+    def t_209(s):
+        return mul((2/s.d_V) * s.t_169, s.t_22, s.Y_2)
+
+    @leaf
+    def t_210(s):
+        return s.mm('t_209 one', s.t_209, s.one)
 
     @leaf
     def t_211(s):
-        return softmax_diff(s.A2, s.t_208)
+        return lin((1, s.G), (1, s.t_169, s.R_N_2), (1, s.t_210, s.Y_2))
+
+    @leaf
+    def t_212(s):
+        return (1/math.sqrt(s.d_K)) * s.t_211
 
     @leaf
     def t_213(s):
-        return mul((2/s.d_V) * s.t_172, s.t_21, s.Y_2)
-
-    @leaf
-    def t_214(s):
-        return s.mm('t_213 one', s.t_213, s.one)
+        return s.mm("t_212 W_O1' W_V' N_1'", s.t_212, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_215(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_172, s.R_N_2), (1/math.sqrt(s.d_K), s.t_214, s.Y_2))
+        return (s.t_169 * s.t_22)
 
     @leaf
     def t_216(s):
-        return s.mm("t_215 W_O1' W_V' N_1'", s.t_215, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return ((2/s.d_V) * s.t_169 * s.t_22)
 
     @leaf
-    def t_218(s):
-        return (s.t_172 * s.t_21)
+    def t_217(s):
+        return mul((2/s.d_V) * s.t_169, s.t_62, s.Y_2)
 
     @leaf
-    def t_219(s):
-        return ((2/s.d_V) * s.t_172 * s.t_21)
+    def t_222(s):
+        return s.mm("t_212 W_O2' W_V' N_1'", s.t_212, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_220(s):
-        return mul((2/s.d_V) * s.t_172, s.t_62, s.Y_2)
+    def t_226(s):
+        return softmax_diff(s.A1, s.t_213)
 
     @leaf
-    def t_225(s):
-        return s.mm("t_215 W_O2' W_V' N_1'", s.t_215, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_229(s):
-        return softmax_diff(s.A1, s.t_216)
-
-    @leaf
-    def t_230(s):
-        return softmax_diff(s.A2, s.t_225)
-
-    @leaf
-    def t_232(s):
-        return (math.sqrt(s.d_K)) * s.t_215
+    def t_227(s):
+        return softmax_diff(s.A2, s.t_222)
 
     @leaf
     def S_2(s):
@@ -660,7 +656,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_32),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_33),
         ])
 
     @leaf
@@ -668,7 +664,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_32, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_33, s.W_3),
         ])
 
     @leaf
@@ -767,9 +763,9 @@ class mse_causal0(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_26, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_26),
+            net(1, 'nab,bc->nabc', s.t_27, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_27, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_27),
         ])
 
     @leaf
@@ -832,16 +828,16 @@ class mse_causal0(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_35, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_35),
+            net(1, 'nab,bc->nabc', s.t_36, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_36, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_36),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_24', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_34, s.S_17, s.t_6, s.dA_2),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -966,7 +962,7 @@ class mse_causal0(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_26, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_27, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -985,34 +981,34 @@ class mse_causal0(Forward):
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_29),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_30),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.t_24),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.W_O1, s.S_17, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.t_25),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.W_O1, s.S_17, s.t_30),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_32),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_32),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -1031,7 +1027,7 @@ class mse_causal0(Forward):
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_33, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -1056,7 +1052,7 @@ class mse_causal0(Forward):
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -1068,247 +1064,247 @@ class mse_causal0(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_35, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_34, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_34, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_36, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_36, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_36, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_37),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_37, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_37, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_38),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_9, s.t_30),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_34, s.S_17, s.t_30),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_9, s.t_32),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.t_24),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.W_O2, s.S_17, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.t_25),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.W_O2, s.S_17, s.t_32),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_22, s.W_2, s.t_33, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_22, s.t_15),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_38, s.d2A_3, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_39, s.d2A_4, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_39, s.d2A_3, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_40, s.d2A_4, s.t_8, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_27, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_27, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_45),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_2, s.N_1, s.t_36, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_2, s.N_1, s.t_36, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_2, s.N_1, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA, s.N_1, s.t_28, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA, s.N_1, s.t_28, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA, s.N_1, s.t_45),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA_2, s.N_1, s.t_37, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA_2, s.N_1, s.t_37, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA_2, s.N_1, s.t_46),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_9, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_9, s.t_30),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.t_30, s.t_44),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_30, s.W_O1, s.S_26, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA, s.t_31, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA, s.t_31, s.W_O1, s.S_26, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_26, s.t_30),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_9, s.t_31),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_9, s.t_32),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_26, s.t_31),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_30, s.t_44),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_30, s.W_O2, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_26, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_31, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_31, s.W_O2, s.S_26, s.t_32),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_22, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_22, s.W_2, s.t_33, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_22, s.t_15),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_22, s.t_15),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -1344,31 +1340,31 @@ class mse_causal0(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_29),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_29),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_30),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_30),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_47, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_29),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_30),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_30),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_31),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_31),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_32),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_32),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_48, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_31),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_32),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -1390,8 +1386,8 @@ class mse_causal0(Forward):
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_32, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_33, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_33, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -1420,25 +1416,25 @@ class mse_causal0(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_30),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_30),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_32),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_32),
         ]
 
     def block__W_O1__W_1__outer(s):
@@ -1457,7 +1453,7 @@ class mse_causal0(Forward):
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_49, s.S_29, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_49, s.S_29, s.W_2, s.t_33, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
@@ -1482,13 +1478,13 @@ class mse_causal0(Forward):
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_28, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_28, s.t_32),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_26, s.t_32),
         ]
 
     def block__W_O2__W_1__outer(s):
@@ -1507,7 +1503,7 @@ class mse_causal0(Forward):
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_50, s.S_29, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_50, s.S_29, s.W_2, s.t_33, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
@@ -1544,7 +1540,7 @@ class mse_causal0(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_51, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_51, s.t_33, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -1568,19 +1564,19 @@ class mse_causal0(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_32, s.t_51, s.t_32, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_33, s.t_51, s.t_33, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ W_2))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_32, s.t_15, s.W_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_33, s.t_15, s.W_2),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_32, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_33, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
@@ -1622,13 +1618,13 @@ class mse_causal0(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_29),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_30),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_31),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_32),
         ]
 
     def jacobian__W_1(s):
@@ -1640,7 +1636,7 @@ class mse_causal0(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_32, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_33, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -1670,10 +1666,10 @@ class mse_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_89 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_91 = lin((1, s.prod("t_38' _", tr(s.t_38), t_89)), (1, s.prod("_ t_5'", t_90, tr(s.t_5))))
+        t_91 = lin((1, s.prod("t_39' _", tr(s.t_39), t_89)), (1, s.prod("_ t_5'", t_90, tr(s.t_5))))
         t_92 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_91)
         t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_95 = lin((1, s.prod("_ t_5'", t_94, tr(s.t_5))), (1, s.prod("t_39' _", tr(s.t_39), t_89)))
+        t_95 = lin((1, s.prod("_ t_5'", t_94, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_89)))
         t_96 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_95)
         t_97 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_96, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_98 = s.mm('_ one', (t_97 * s.Y_2), s.one)
@@ -1681,29 +1677,29 @@ class mse_causal0(Forward):
         t_100 = lin((1, t_97, s.R_N_2), (2/s.d_V, t_99))
         t_101 = lin((1, s.prod('_ W_1', t_100, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
         t_102 = lin((1, s.prod('_ W_3', t_100, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_103 = ((s.t_93 * t_101) + (s.t_32 * t_102))
+        t_103 = ((s.t_93 * t_101) + (s.t_33 * t_102))
         t_104 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_103, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_96, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_105 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_104, tr(s.W_2))
         t_106 = (s.t_93 * t_105)
-        t_107 = (s.t_32 * t_105)
-        t_108 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_106, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_107, tr(s.W_3))))
-        t_109 = (math.sqrt(s.d_K)) * t_108
-        t_110 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_104), (1, t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_109), s.one), s.Y_2))
-        t_111 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_110, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_112 = s.mm("_ t_2'", t_111, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_112 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_112 * s.S), tr(s.R)), mean=True)
-        t_113 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_110, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_114 = s.mm("_ t_2'", t_113, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_114 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_114 * s.S), tr(s.R)), mean=True)
-        t_115 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_104), (1/math.sqrt(s.d_K), t_109, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', (s.t_53 * (2/s.d_V) * t_109), s.one), s.Y_2))
-        t_116 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_115, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_117 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_115, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_118 = lin((1, s.prod("_ t_38'", tr(t_116), tr(s.t_38))), (1, s.prod("_ t_39'", tr(t_117), tr(s.t_39))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_118 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_118 * s.S), tr(s.R)), mean=True)
-        t_119 = (math.sqrt(s.d_K)) * t_115
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_119, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_119, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_119, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_119, mean=True)
+        t_107 = (s.t_33 * t_105)
+        t_108 = lin((1, s.prod("_ W_1'", t_106, tr(s.W_1))), (1, s.prod("_ W_3'", t_107, tr(s.W_3))))
+        t_109 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_104), (1, (1/math.sqrt(s.d_K)) * t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_108), s.one), s.Y_2))
+        t_110 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_109, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_111 = s.mm("_ t_2'", t_110, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_111 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_111 * s.S), tr(s.R)), mean=True)
+        t_112 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_109, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_113 = s.mm("_ t_2'", t_112, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_113 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_113 * s.S), tr(s.R)), mean=True)
+        t_114 = lin((1, (2/(s.L*s.d_V)) * t_104), (1, t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_108), s.one), s.Y_2))
+        t_115 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_114, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        t_116 = softmax_diff(s.A1, t_115)
+        t_117 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_114, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        t_118 = softmax_diff(s.A2, t_117)
+        t_119 = lin((1, s.prod("_ t_39'", tr(t_116), tr(s.t_39))), (1, s.prod("_ t_40'", tr(t_118), tr(s.t_40))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_119 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_119 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_114, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_114, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_114, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_114, mean=True)
         out_W_1 = s.mm("N_2' _", tr(s.N_2), t_106, mean=True)
         out_W_3 = s.mm("N_2' _", tr(s.N_2), t_107, mean=True)
         t_120 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_104)
@@ -1714,10 +1710,10 @@ class mse_causal0(Forward):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_121 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_122 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_123 = lin((1, s.prod("t_38' _", tr(s.t_38), t_121)), (1, s.prod("_ t_5'", t_122, tr(s.t_5))))
+        t_123 = lin((1, s.prod("t_39' _", tr(s.t_39), t_121)), (1, s.prod("_ t_5'", t_122, tr(s.t_5))))
         t_124 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_123)
         t_125 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_126 = lin((1, s.prod("_ t_5'", t_125, tr(s.t_5))), (1, s.prod("t_39' _", tr(s.t_39), t_121)))
+        t_126 = lin((1, s.prod("_ t_5'", t_125, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_121)))
         t_127 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_126)
         t_128 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_124, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_127, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_130 = s.mm('_ one', (t_128 * s.Y_2), s.one)
@@ -1727,90 +1723,86 @@ class mse_causal0(Forward):
         t_134 = s.mm('G _', s.G, tr(V_W_2))
         t_136 = lin((1, s.prod('_ W_3', t_132, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
         t_137 = lin((1, s.t_129, t_133), (1, s.t_93, t_134), (1, s.t_135, t_136))
-        t_138 = ((s.t_135 * t_133) + (s.t_32 * t_134))
-        t_139 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_137, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_138, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_17 _', s.t_17, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_18 _', s.t_18, tr(V_W_3))))
-        t_140 = (math.sqrt(s.d_K)) * t_139
-        t_141 = lin((1, s.t_61, t_128), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_140), (2/s.d_V, t_130, s.t_63))
-        t_142 = lin((1, s.t_23, t_128), (1, t_139, s.R_N_2), (2/s.d_V, t_130, s.t_65), (1, s.mm('_ one', t_141, s.one), s.Y_2))
-        t_143 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_142, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_24 W_O1' _ N_1'", s.t_24, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_24 _ W_V' N_1'", s.t_24, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_144 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_25) + softmax_diff(s.A1, t_143))
-        t_145 = lin((1, s.prod("_ t_2'", t_144, tr(s.t_2))), (1, s.prod('t_26 _', s.t_26, tr(t_121))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_145 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_145 * s.S), tr(s.R)), mean=True)
-        t_146 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_142, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_24 W_O2' _ N_1'", s.t_24, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_24 _ W_V' N_1'", s.t_24, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_147 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_34) + softmax_diff(s.A2, t_146))
-        t_148 = lin((1, s.prod("_ t_2'", t_147, tr(s.t_2))), (1, s.prod('t_35 _', s.t_35, tr(t_121))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_148 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_148 * s.C)), mean=True)
-        t_149 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_67)
-        t_150 = lin((1, s.t_69, t_128), (1, s.t_53, (2/s.d_V) * t_140), (2/s.d_V, t_130, s.t_70))
-        t_151 = lin((1/math.sqrt(s.d_K), t_140, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_130, s.t_72), (1/math.sqrt(s.d_K), s.t_43, t_128), (1/math.sqrt(s.d_K), s.mm('_ one', t_150, s.one), s.Y_2))
-        t_152 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_151, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O1' _ N_1'", s.t_66, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_153 = softmax_diff(s.A1, t_152)
-        t_154 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_73)
-        t_155 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_151, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O2' _ N_1'", s.t_66, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_156 = softmax_diff(s.A2, t_155)
-        t_157 = lin((1, s.prod("_ t_38'", (tr(t_149) + tr(t_153)), tr(s.t_38))), (1, s.prod("_ t_39'", (tr(t_154) + tr(t_156)), tr(s.t_39))), (1, s.prod("t_68' _", tr(s.t_68), t_122)), (1, s.prod("t_74' _", tr(s.t_74), t_125)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_157 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_157 * s.S), tr(s.R)), mean=True)
-        t_158 = (math.sqrt(s.d_K)) * t_151
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_44 W_O2'", tr(s.N_1), tr(t_127), s.t_44, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_158, tr(s.W_O1)), (1, "N_1' A1' t_44 _", tr(s.N_1), tr(s.A1), s.t_44, tr(V_W_O1)), (1, "N_1' _ t_44 W_O1'", tr(s.N_1), tr(t_124), s.t_44, tr(s.W_O1)), (1, "N_1' A2' t_44 _", tr(s.N_1), tr(s.A2), s.t_44, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_158, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_44", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_124), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_158, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_158, mean=True)))
+        t_138 = ((s.t_135 * t_133) + (s.t_33 * t_134))
+        t_139 = lin((1, s.prod("_ W_1'", t_137, tr(s.W_1))), (1, s.prod("_ W_3'", t_138, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
+        t_140 = lin((1, s.t_61, t_128), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_139), (2/s.d_V, t_130, s.t_63))
+        t_141 = lin((1, s.t_24, t_128), (1, (1/math.sqrt(s.d_K)) * t_139, s.R_N_2), (2/s.d_V, t_130, s.t_65), (1, s.mm('_ one', t_140, s.one), s.Y_2))
+        t_142 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_141, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O1' _ N_1'", s.t_25, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_143 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_26) + softmax_diff(s.A1, t_142))
+        t_144 = lin((1, s.prod("_ t_2'", t_143, tr(s.t_2))), (1, s.prod('t_27 _', s.t_27, tr(t_121))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_144 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), mean=True)
+        t_145 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_141, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O2' _ N_1'", s.t_25, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_146 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_35) + softmax_diff(s.A2, t_145))
+        t_147 = lin((1, s.prod("_ t_2'", t_146, tr(s.t_2))), (1, s.prod('t_36 _', s.t_36, tr(t_121))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), mean=True)
+        t_148 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_67)
+        t_149 = lin((1, s.t_69, t_128), (1, s.t_53, (2/s.d_V) * t_139), (2/s.d_V, t_130, s.t_70))
+        t_150 = lin((1, t_139, s.R_N_2), (2/s.d_V, t_130, s.t_72), (1, s.t_43, t_128), (1, s.mm('_ one', t_149, s.one), s.Y_2))
+        t_151 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_150, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O1' _ N_1'", s.t_66, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_152 = softmax_diff(s.A1, t_151)
+        t_153 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_73)
+        t_154 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_150, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O2' _ N_1'", s.t_66, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_155 = softmax_diff(s.A2, t_154)
+        t_156 = lin((1, s.prod("_ t_39'", (tr(t_148) + tr(t_152)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_153) + tr(t_155)), tr(s.t_40))), (1, s.prod("t_68' _", tr(s.t_68), t_122)), (1, s.prod("t_74' _", tr(s.t_74), t_125)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_156 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_156 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_44 W_O2'", tr(s.N_1), tr(t_127), s.t_44, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_150, tr(s.W_O1)), (1, "N_1' A1' t_44 _", tr(s.N_1), tr(s.A1), s.t_44, tr(V_W_O1)), (1, "N_1' _ t_44 W_O1'", tr(s.N_1), tr(t_124), s.t_44, tr(s.W_O1)), (1, "N_1' A2' t_44 _", tr(s.N_1), tr(s.A2), s.t_44, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_150, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_44", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_124), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_150, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_150, mean=True)))
         out_W_1 = (s.mm('_ t_17', tr(t_132), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_137, mean=True))
         out_W_3 = (s.mm('_ t_18', tr(t_132), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_138, mean=True))
-        t_160 = ((tr(s.t_93) * tr(t_133)) + (s.t_159 * tr(t_136)))
-        out_W_2 = s.mm('_ G', t_160, s.G, mean=True)
+        t_158 = ((tr(s.t_93) * tr(t_133)) + (s.t_157 * tr(t_136)))
+        out_W_2 = s.mm('_ G', t_158, s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_161 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_162 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_163 = lin((1, s.prod("t_38' _", tr(s.t_38), t_161)), (1, s.prod("_ t_5'", t_162, tr(s.t_5))))
-        t_177 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_163)
-        t_178 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_179 = lin((1, s.prod("_ t_5'", t_178, tr(s.t_5))), (1, s.prod("t_39' _", tr(s.t_39), t_161)))
-        t_180 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_179)
-        t_181 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_177, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_180, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_182 = s.mm('_ one', (t_181 * s.Y_2), s.one)
-        t_183 = (t_182 * s.t_53)
-        t_184 = lin((1, t_181, s.R_N_2), (2/s.d_V, t_183))
-        t_185 = lin((1, s.prod('_ W_1', t_184, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_186 = lin((1, s.prod('_ W_3', t_184, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_187 = ((s.t_93 * t_185) + (s.t_32 * t_186))
-        t_188 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_177, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_187, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_180, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_190 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_188, tr(s.W_2))
-        t_191 = lin((1, t_190), (1, s.prod('G _', s.G, tr(V_W_2))))
-        t_195 = lin((1, s.t_189, t_185), (1, s.t_93, t_191), (1, s.t_194, t_186))
-        t_196 = ((s.t_194 * t_185) + (s.t_32 * t_191))
-        t_197 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_195, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_196, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_167 _', s.t_167, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_169 _', s.t_169, tr(V_W_3))))
-        t_200 = (math.sqrt(s.d_K)) * t_197
-        t_202 = lin((1, s.t_199, t_181), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_200), (2/s.d_V, t_182, s.t_201))
-        t_203 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_188), (1, s.t_174, t_181), (1, t_197, s.R_N_2), (2/s.d_V, t_182, s.t_198), (1, s.mm('_ one', t_202, s.one), s.Y_2))
-        t_204 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_203, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O1' _ N_1'", s.t_175, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_205 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_163, s.t_176) + softmax_diff(s.A1, t_204))
-        t_207 = lin((1, s.prod("_ t_2'", t_205, tr(s.t_2))), (1, s.prod('t_206 _', s.t_206, tr(t_161))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_207 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_207 * s.C)), mean=True)
-        t_209 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_203, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O2' _ N_1'", s.t_175, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_210 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_208) + softmax_diff(s.A2, t_209))
-        t_212 = lin((1, s.prod("_ t_2'", t_210, tr(s.t_2))), (1, s.prod('t_211 _', s.t_211, tr(t_161))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_212 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_212 * s.S), tr(s.R)), mean=True)
-        t_217 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_163, s.t_216)
-        t_221 = lin((1, s.t_219, t_181), (1, s.t_53, (2/s.d_V) * t_200), (2/s.d_V, t_182, s.t_220))
-        t_222 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_188), (1/math.sqrt(s.d_K), t_200, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_182, s.t_218), (1/math.sqrt(s.d_K), s.t_214, t_181), (1/math.sqrt(s.d_K), s.mm('_ one', t_221, s.one), s.Y_2))
-        t_223 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_222, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O1' _ N_1'", s.t_215, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_224 = softmax_diff(s.A1, t_223)
-        t_226 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_225)
-        t_227 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_222, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O2' _ N_1'", s.t_215, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_228 = softmax_diff(s.A2, t_227)
-        t_231 = lin((1, s.prod("_ t_38'", (tr(t_217) + tr(t_224)), tr(s.t_38))), (1, s.prod("_ t_39'", (tr(t_226) + tr(t_228)), tr(s.t_39))), (1, s.prod("t_229' _", tr(s.t_229), t_162)), (1, s.prod("t_230' _", tr(s.t_230), t_178)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_231 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_231 * s.C)), mean=True)
-        t_233 = (math.sqrt(s.d_K)) * t_222
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_232 _", tr(s.N_1), tr(s.A2), s.t_232, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_233, tr(s.W_O2)), (1, "N_1' A1' t_232 _", tr(s.N_1), tr(s.A1), s.t_232, tr(V_W_O1)), (1, "N_1' _ t_232 W_O1'", tr(s.N_1), tr(t_177), s.t_232, tr(s.W_O1)), (1, "N_1' _ t_232 W_O2'", tr(s.N_1), tr(t_180), s.t_232, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_233, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_232", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_232), (1, "W_V' N_1' _ t_232", tr(s.W_V), tr(s.N_1), tr(t_177), s.t_232), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_233, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_232", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_232), (1, "W_V' N_1' _ t_232", tr(s.W_V), tr(s.N_1), tr(t_180), s.t_232), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_233, mean=True)))
-        out_W_1 = (s.mm('_ t_167', tr(t_184), s.t_167, mean=True) + s.mm("N_2' _", tr(s.N_2), t_195, mean=True))
-        out_W_3 = (s.mm('_ t_169', tr(t_184), s.t_169, mean=True) + s.mm("N_2' _", tr(s.N_2), t_196, mean=True))
-        t_234 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_188)
-        out_W_2 = (s.mm('_ G', tr(t_187), s.G, mean=True) + mean0(t_234, True))
+        t_159 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_160 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_161 = lin((1, s.prod("t_39' _", tr(s.t_39), t_159)), (1, s.prod("_ t_5'", t_160, tr(s.t_5))))
+        t_174 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_161)
+        t_175 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_176 = lin((1, s.prod("_ t_5'", t_175, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_159)))
+        t_177 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_176)
+        t_178 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_174, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_177, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_179 = s.mm('_ one', (t_178 * s.Y_2), s.one)
+        t_180 = (t_179 * s.t_53)
+        t_181 = lin((1, t_178, s.R_N_2), (2/s.d_V, t_180))
+        t_182 = lin((1, s.prod('_ W_1', t_181, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_183 = lin((1, s.prod('_ W_3', t_181, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_184 = ((s.t_93 * t_182) + (s.t_33 * t_183))
+        t_185 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_174, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_184, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_177, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_187 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_185, tr(s.W_2))
+        t_188 = lin((1, t_187), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_192 = lin((1, s.t_186, t_182), (1, s.t_93, t_188), (1, s.t_191, t_183))
+        t_193 = ((s.t_191 * t_182) + (s.t_33 * t_188))
+        t_194 = lin((1, s.prod("_ W_1'", t_192, tr(s.W_1))), (1, s.prod("_ W_3'", t_193, tr(s.W_3))), (1, s.prod('t_165 _', s.t_165, tr(V_W_1))), (1, s.prod('t_167 _', s.t_167, tr(V_W_3))))
+        t_198 = lin((1, s.t_196, t_178), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_194), (2/s.d_V, t_179, s.t_197))
+        t_199 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_185), (1, s.t_171, t_178), (1, (1/math.sqrt(s.d_K)) * t_194, s.R_N_2), (2/s.d_V, t_179, s.t_195), (1, s.mm('_ one', t_198, s.one), s.Y_2))
+        t_200 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_199, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_172 _ W_V' N_1'", s.t_172, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_172 W_O1' _ N_1'", s.t_172, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_201 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_173) + softmax_diff(s.A1, t_200))
+        t_203 = lin((1, s.prod("_ t_2'", t_201, tr(s.t_2))), (1, s.prod('t_202 _', s.t_202, tr(t_159))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_203 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_203 * s.C)), mean=True)
+        t_205 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_199, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_172 W_O2' _ N_1'", s.t_172, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_172 _ W_V' N_1'", s.t_172, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_206 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_176, s.t_204) + softmax_diff(s.A2, t_205))
+        t_208 = lin((1, s.prod("_ t_2'", t_206, tr(s.t_2))), (1, s.prod('t_207 _', s.t_207, tr(t_159))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_208 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_208 * s.S), tr(s.R)), mean=True)
+        t_214 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_213)
+        t_218 = lin((1, s.t_216, t_178), (1, s.t_53, (2/s.d_V) * t_194), (2/s.d_V, t_179, s.t_217))
+        t_219 = lin((1, (2/(s.L*s.d_V)) * t_185), (1, t_194, s.R_N_2), (2/s.d_V, t_179, s.t_215), (1, s.t_210, t_178), (1, s.mm('_ one', t_218, s.one), s.Y_2))
+        t_220 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_219, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_212 _ W_V' N_1'", s.t_212, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_212 W_O1' _ N_1'", s.t_212, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_221 = softmax_diff(s.A1, t_220)
+        t_223 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_176, s.t_222)
+        t_224 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_219, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_212 W_O2' _ N_1'", s.t_212, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_212 _ W_V' N_1'", s.t_212, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_225 = softmax_diff(s.A2, t_224)
+        t_228 = lin((1, s.prod("_ t_39'", (tr(t_214) + tr(t_221)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_223) + tr(t_225)), tr(s.t_40))), (1, s.prod("t_226' _", tr(s.t_226), t_160)), (1, s.prod("t_227' _", tr(s.t_227), t_175)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_228 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_228 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_211 _", tr(s.N_1), tr(s.A2), s.t_211, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_219, tr(s.W_O2)), (1, "N_1' A1' t_211 _", tr(s.N_1), tr(s.A1), s.t_211, tr(V_W_O1)), (1, "N_1' _ t_211 W_O1'", tr(s.N_1), tr(t_174), s.t_211, tr(s.W_O1)), (1, "N_1' _ t_211 W_O2'", tr(s.N_1), tr(t_177), s.t_211, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_219, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_211", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_211), (1, "W_V' N_1' _ t_211", tr(s.W_V), tr(s.N_1), tr(t_174), s.t_211), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_219, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_211", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_211), (1, "W_V' N_1' _ t_211", tr(s.W_V), tr(s.N_1), tr(t_177), s.t_211), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_219, mean=True)))
+        out_W_1 = (s.mm('_ t_165', tr(t_181), s.t_165, mean=True) + s.mm("N_2' _", tr(s.N_2), t_192, mean=True))
+        out_W_3 = (s.mm('_ t_167', tr(t_181), s.t_167, mean=True) + s.mm("N_2' _", tr(s.N_2), t_193, mean=True))
+        t_229 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_185)
+        out_W_2 = (s.mm('_ G', tr(t_184), s.G, mean=True) + mean0(t_229, True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -1818,15 +1810,15 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "9858716f624fcda2b812c36b"
+    STAMP = "0de281506527660e7b3674a6"
     RUNS = {
         'A1 N_1': 24,
         'A1 N_1 W_V': 11,
-        "A1' t_232": 2,
+        "A1' t_211": 2,
         "A1' t_44": 5,
         'A2 N_1': 24,
         'A2 N_1 W_V': 11,
-        "A2' t_232": 2,
+        "A2' t_211": 2,
         "A2' t_44": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
@@ -1835,19 +1827,19 @@ class mse_causal1(Forward):
         'N_1 W_V': 67,
         'N_1 W_V W_O1': 17,
         'N_1 W_V W_O2': 17,
-        "N_1' A1' t_232": 2,
+        "N_1' A1' t_211": 2,
         "N_1' A1' t_44": 4,
-        "N_1' A2' t_232": 2,
+        "N_1' A2' t_211": 2,
         "N_1' A2' t_44": 4,
-        "W_O1 t_175'": 2,
-        "W_O1 t_215'": 2,
-        "W_O1 t_24'": 3,
+        "W_O1 t_172'": 2,
+        "W_O1 t_212'": 2,
+        "W_O1 t_25'": 3,
         "W_O1 t_44'": 3,
         "W_O1 t_66'": 2,
         "W_O1' W_V'": 18,
-        "W_O2 t_175'": 2,
-        "W_O2 t_215'": 2,
-        "W_O2 t_24'": 3,
+        "W_O2 t_172'": 2,
+        "W_O2 t_212'": 2,
+        "W_O2 t_25'": 3,
         "W_O2 t_44'": 3,
         "W_O2 t_66'": 2,
         "W_O2' W_V'": 18,
@@ -1983,99 +1975,99 @@ class mse_causal1(Forward):
 
     @leaf
     def t_19(s):
-        return lin((1/math.sqrt(s.d_K), s.mm("t_17 W_1'", s.t_17, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_18 W_3'", s.t_18, tr(s.W_3))))
+        return (s.mm("t_17 W_1'", s.t_17, tr(s.W_1)) + s.mm("t_18 W_3'", s.t_18, tr(s.W_3)))
 
     @leaf
     def t_20(s):
-        return (2/s.d_V) * s.t_19
+        return (1/math.sqrt(s.d_K)) * s.t_19
 
     @leaf
     def t_21(s):
-        return (-0.5 * (s.t_10 ** -1.5))
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_19
 
     @leaf
     def t_22(s):
-        return mul(s.t_20, s.t_21, s.Y_2)
+        return (-0.5 * (s.t_10 ** -1.5))
 
     @leaf
     def t_23(s):
-        return s.mm('t_22 one', s.t_22, s.one)
+        return mul(s.t_21, s.t_22, s.Y_2)
 
     @leaf
     def t_24(s):
-        return lin((1, s.t_19, s.R_N_2), (1, s.t_23, s.Y_2), (1/math.sqrt(s.d_K), s.G))
+        return s.mm('t_23 one', s.t_23, s.one)
 
     @leaf
     def t_25(s):
-        return s.mm("t_24 W_O1' W_V' N_1'", s.t_24, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return lin((1, s.t_20, s.R_N_2), (1, s.t_24, s.Y_2), (1/math.sqrt(s.d_K), s.G))
 
     @leaf
     def t_26(s):
-        return softmax_diff(s.A1, s.t_25)
+        return s.mm("t_25 W_O1' W_V' N_1'", s.t_25, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_27(s):
-        return s.mm('W_V W_O1', s.W_V, s.W_O1)
+        return softmax_diff(s.A1, s.t_26)
 
     @leaf
     def t_28(s):
-        return s.mm("t_24 W_O1'", s.t_24, tr(s.W_O1))
+        return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
     def t_29(s):
-        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
+        return s.mm("t_25 W_O1'", s.t_25, tr(s.W_O1))
 
     @leaf
     def t_30(s):
-        return s.mm('N_1 W_V', s.N_1, s.W_V)
+        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
     def t_31(s):
-        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
     def t_32(s):
-        return (s.t_12 * s.t_11)
+        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
     def t_33(s):
-        return tr(s.t_6)
+        return (s.t_12 * s.t_11)
 
     @leaf
     def t_34(s):
-        return s.mm("t_24 W_O2' W_V' N_1'", s.t_24, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return tr(s.t_6)
 
     @leaf
     def t_35(s):
-        return softmax_diff(s.A2, s.t_34)
+        return s.mm("t_25 W_O2' W_V' N_1'", s.t_25, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_36(s):
-        return s.mm('W_V W_O2', s.W_V, s.W_O2)
+        return softmax_diff(s.A2, s.t_35)
 
     @leaf
     def t_37(s):
-        return s.mm("t_24 W_O2'", s.t_24, tr(s.W_O2))
+        return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
     def t_38(s):
-        return tr(s.t_7)
+        return s.mm("t_25 W_O2'", s.t_25, tr(s.W_O2))
 
     @leaf
     def t_39(s):
-        return tr(s.t_8)
+        return tr(s.t_7)
 
     @leaf
     def t_40(s):
-        return (math.sqrt(s.d_K)) * s.t_19
+        return tr(s.t_8)
 
     @leaf
     def t_41(s):
-        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_19
+        return (2/s.d_V) * s.t_19
 
     @leaf
     def t_42(s):
-        return mul(s.t_41, s.t_21, s.Y_2)
+        return mul(s.t_41, s.t_22, s.Y_2)
 
     @leaf
     def t_43(s):
@@ -2083,7 +2075,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_44(s):
-        return lin((1, s.t_40, s.R_N_2), (1, s.t_43, s.Y_2), (1, s.G))
+        return lin((1, s.t_19, s.R_N_2), (1, s.t_43, s.Y_2), (1, s.G))
 
     @leaf
     def t_45(s):
@@ -2103,11 +2095,11 @@ class mse_causal1(Forward):
 
     @leaf
     def t_49(s):
-        return tr(s.t_29)
+        return tr(s.t_30)
 
     @leaf
     def t_50(s):
-        return tr(s.t_31)
+        return tr(s.t_32)
 
     @leaf
     def t_51(s):
@@ -2119,7 +2111,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_53(s):
-        return (s.t_21 * s.Y_2)
+        return (s.t_22 * s.Y_2)
 
     @leaf
     def t_54(s):
@@ -2151,7 +2143,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_61(s):
-        return (s.t_20 * s.t_21)
+        return (s.t_21 * s.t_22)
 
     @leaf
     def t_62(s):
@@ -2159,15 +2151,15 @@ class mse_causal1(Forward):
 
     @leaf
     def t_63(s):
-        return mul(s.t_20, s.t_62, s.Y_2)
+        return mul(s.t_21, s.t_62, s.Y_2)
 
     @leaf
     def t_64(s):
-        return bcast_last(s.t_23, s.d_V)
+        return bcast_last(s.t_24, s.d_V)
 
     @leaf
     def t_65(s):
-        return (s.t_19 * s.t_21)
+        return (s.t_20 * s.t_22)
 
     @leaf
     def t_66(s):
@@ -2183,7 +2175,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_69(s):
-        return (s.t_41 * s.t_21)
+        return (s.t_41 * s.t_22)
 
     @leaf
     def t_70(s):
@@ -2195,7 +2187,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_72(s):
-        return (s.t_40 * s.t_21)
+        return (s.t_19 * s.t_22)
 
     @leaf
     def t_73(s):
@@ -2223,7 +2215,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_78(s):
-        return s.mm("t_26 t_2'", s.t_26, tr(s.t_2))
+        return s.mm("t_27 t_2'", s.t_27, tr(s.t_2))
 
     @leaf
     def t_79(s):
@@ -2235,7 +2227,7 @@ class mse_causal1(Forward):
 
     @leaf
     def t_81(s):
-        return s.mm("t_35 t_2'", s.t_35, tr(s.t_2))
+        return s.mm("t_36 t_2'", s.t_36, tr(s.t_2))
 
     @leaf
     def t_82(s):
@@ -2247,11 +2239,11 @@ class mse_causal1(Forward):
 
     @leaf
     def t_84(s):
-        return s.mm("t_68' t_38'", tr(s.t_68), tr(s.t_38))
+        return s.mm("t_68' t_39'", tr(s.t_68), tr(s.t_39))
 
     @leaf
     def t_85(s):
-        return s.mm("t_74' t_39'", tr(s.t_74), tr(s.t_39))
+        return s.mm("t_74' t_40'", tr(s.t_74), tr(s.t_40))
 
     @leaf
     def t_86(s):
@@ -2278,144 +2270,140 @@ class mse_causal1(Forward):
         return (s.t_59 + s.t_60)
 
     @leaf
-    def t_159(s):
+    def t_157(s):
         return (tr(s.t_12) * tr(s.t_11))
 
     @leaf
-    def t_164(s):
+    def t_162(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_163(s):
+        return mul(s.t_13, s.t_162, s.t_11, s.t_14)
+
+    @leaf
+    def t_164(s):
+        return mul(s.t_12, s.t_162, s.t_14)
+
+    @leaf
     def t_165(s):
-        return mul(s.t_13, s.t_164, s.t_11, s.t_14)
+        return (s.t_163 + s.t_164)
 
     @leaf
     def t_166(s):
-        return mul(s.t_12, s.t_164, s.t_14)
+        return s.mm("t_165 W_1'", s.t_165, tr(s.W_1))
 
     @leaf
     def t_167(s):
-        return (s.t_165 + s.t_166)
+        return mul(s.t_12, s.t_162, s.t_11)
 
     @leaf
     def t_168(s):
-        return s.mm("t_167 W_1'", s.t_167, tr(s.W_1))
+        return s.mm("t_167 W_3'", s.t_167, tr(s.W_3))
 
     @leaf
     def t_169(s):
-        return mul(s.t_12, s.t_164, s.t_11)
+        return (s.t_166 + s.t_168)
 
     @leaf
     def t_170(s):
-        return s.mm("t_169 W_3'", s.t_169, tr(s.W_3))
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_169, s.t_22, s.Y_2)
 
     @leaf
     def t_171(s):
-        return lin((1/math.sqrt(s.d_K), s.t_168), (1/math.sqrt(s.d_K), s.t_170))
+        return s.mm('t_170 one', s.t_170, s.one)
 
     @leaf
     def t_172(s):
-        return (math.sqrt(s.d_K)) * s.t_171
+        return lin((1/math.sqrt(s.d_K), s.G), (1, (1/math.sqrt(s.d_K)) * s.t_169, s.R_N_2), (1, s.t_171, s.Y_2))
 
     @leaf
     def t_173(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_21, s.Y_2)
+        return s.mm("t_172 W_O1' W_V' N_1'", s.t_172, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_174(s):
-        return s.mm('t_173 one', s.t_173, s.one)
+    def t_186(s):
+        return lin((1, mul(s.t_56, s.t_162, s.t_11), s.t_14), (2, (s.t_13 * s.t_162), s.t_14))
 
     @leaf
-    def t_175(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_171, s.R_N_2), (1, s.t_174, s.Y_2))
+    def t_187(s):
+        return mul(s.t_13, s.t_162, s.t_11)
 
     @leaf
-    def t_176(s):
-        return s.mm("t_175 W_O1' W_V' N_1'", s.t_175, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_188(s):
+        return (s.t_12 * s.t_162)
 
     @leaf
     def t_189(s):
-        return lin((1, mul(s.t_56, s.t_164, s.t_11), s.t_14), (2, (s.t_13 * s.t_164), s.t_14))
+        return (s.t_187 + s.t_188)
 
     @leaf
-    def t_190(s):
-        return mul(s.t_13, s.t_164, s.t_11)
+    def t_195(s):
+        return ((1/math.sqrt(s.d_K)) * s.t_169 * s.t_22)
 
     @leaf
-    def t_191(s):
-        return (s.t_12 * s.t_164)
+    def t_196(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_169 * s.t_22)
 
     @leaf
-    def t_192(s):
-        return (s.t_190 + s.t_191)
+    def t_197(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_169, s.t_62, s.Y_2)
 
     @leaf
-    def t_198(s):
-        return (s.t_171 * s.t_21)
+    def t_202(s):
+        return softmax_diff(s.A1, s.t_173)
 
     @leaf
-    def t_199(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172 * s.t_21)
+    def t_204(s):
+        return s.mm("t_172 W_O2' W_V' N_1'", s.t_172, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_201(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_62, s.Y_2)
+    def t_207(s):
+        return softmax_diff(s.A2, s.t_204)
 
     @leaf
-    def t_206(s):
-        return softmax_diff(s.A1, s.t_176)
+    def t_209(s):
+        return mul((2/s.d_V) * s.t_169, s.t_22, s.Y_2)
 
     @leaf
-    def t_208(s):
-        return s.mm("t_175 W_O2' W_V' N_1'", s.t_175, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_210(s):
+        return s.mm('t_209 one', s.t_209, s.one)
 
     @leaf
     def t_211(s):
-        return softmax_diff(s.A2, s.t_208)
+        return lin((1, s.G), (1, s.t_169, s.R_N_2), (1, s.t_210, s.Y_2))
+
+    @leaf
+    def t_212(s):
+        return (1/math.sqrt(s.d_K)) * s.t_211
 
     @leaf
     def t_213(s):
-        return mul((2/s.d_V) * s.t_172, s.t_21, s.Y_2)
-
-    @leaf
-    def t_214(s):
-        return s.mm('t_213 one', s.t_213, s.one)
+        return s.mm("t_212 W_O1' W_V' N_1'", s.t_212, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_215(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_172, s.R_N_2), (1/math.sqrt(s.d_K), s.t_214, s.Y_2))
+        return (s.t_169 * s.t_22)
 
     @leaf
     def t_216(s):
-        return s.mm("t_215 W_O1' W_V' N_1'", s.t_215, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return ((2/s.d_V) * s.t_169 * s.t_22)
 
     @leaf
-    def t_218(s):
-        return (s.t_172 * s.t_21)
+    def t_217(s):
+        return mul((2/s.d_V) * s.t_169, s.t_62, s.Y_2)
 
     @leaf
-    def t_219(s):
-        return ((2/s.d_V) * s.t_172 * s.t_21)
+    def t_222(s):
+        return s.mm("t_212 W_O2' W_V' N_1'", s.t_212, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_220(s):
-        return mul((2/s.d_V) * s.t_172, s.t_62, s.Y_2)
+    def t_226(s):
+        return softmax_diff(s.A1, s.t_213)
 
     @leaf
-    def t_225(s):
-        return s.mm("t_215 W_O2' W_V' N_1'", s.t_215, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_229(s):
-        return softmax_diff(s.A1, s.t_216)
-
-    @leaf
-    def t_230(s):
-        return softmax_diff(s.A2, s.t_225)
-
-    @leaf
-    def t_232(s):
-        return (math.sqrt(s.d_K)) * s.t_215
+    def t_227(s):
+        return softmax_diff(s.A2, s.t_222)
 
     @leaf
     def S_2(s):
@@ -2454,7 +2442,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_32),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_33),
         ])
 
     @leaf
@@ -2462,7 +2450,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_32, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_33, s.W_3),
         ])
 
     @leaf
@@ -2561,9 +2549,9 @@ class mse_causal1(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_26, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_26),
+            net(1, 'nab,bc->nabc', s.t_27, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_27, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_27),
         ])
 
     @leaf
@@ -2626,16 +2614,16 @@ class mse_causal1(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_35, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_35),
+            net(1, 'nab,bc->nabc', s.t_36, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_36, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_36),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_24', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_34, s.S_17, s.t_6, s.dA_2),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -2760,7 +2748,7 @@ class mse_causal1(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_26, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_27, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -2779,34 +2767,34 @@ class mse_causal1(Forward):
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_29),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_30),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.t_24),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.W_O1, s.S_17, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.t_25),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.W_O1, s.S_17, s.t_30),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_32),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_32),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -2825,7 +2813,7 @@ class mse_causal1(Forward):
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_33, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -2850,7 +2838,7 @@ class mse_causal1(Forward):
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -2862,247 +2850,247 @@ class mse_causal1(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_35, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_34, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_34, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_36, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_36, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_36, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_37),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_37, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_37, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_38),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_9, s.t_30),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_34, s.S_17, s.t_30),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_9, s.t_32),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.t_24),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.W_O2, s.S_17, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.t_25),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.W_O2, s.S_17, s.t_32),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_22, s.W_2, s.t_33, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_22, s.t_15),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_38, s.d2A_3, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_39, s.d2A_4, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_39, s.d2A_3, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_40, s.d2A_4, s.t_8, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_27, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_27, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.N_1, s.t_45),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_2, s.N_1, s.t_36, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA_2, s.N_1, s.t_36, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_2, s.N_1, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA, s.N_1, s.t_28, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA, s.N_1, s.t_28, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA, s.N_1, s.t_45),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA_2, s.N_1, s.t_37, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA_2, s.N_1, s.t_37, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA_2, s.N_1, s.t_46),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_9, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_9, s.t_30),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA, s.t_30, s.t_44),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_30, s.W_O1, s.S_26, s.t_29),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA, s.t_31, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA, s.t_31, s.W_O1, s.S_26, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_26, s.t_30),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_9, s.t_31),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_9, s.t_32),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_26, s.t_31),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_30, s.t_44),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_30, s.W_O2, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_26, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_31, s.t_44),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_31, s.W_O2, s.S_26, s.t_32),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_22, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_22, s.W_2, s.t_33, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA, s.t_3, s.S_22, s.t_15),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA_2, s.t_33, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_22, s.t_15),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_38, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_39, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -3138,31 +3126,31 @@ class mse_causal1(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_29),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_29),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_30),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_30),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_47, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_29),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_30),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_30),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_31),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_31),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_32),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_32),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_48, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_31),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_32),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -3184,8 +3172,8 @@ class mse_causal1(Forward):
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_32, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_33, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_33, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -3214,25 +3202,25 @@ class mse_causal1(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_30),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_30),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_32),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_32),
         ]
 
     def block__W_O1__W_1__outer(s):
@@ -3251,7 +3239,7 @@ class mse_causal1(Forward):
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_49, s.S_29, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_49, s.S_29, s.W_2, s.t_33, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
@@ -3276,13 +3264,13 @@ class mse_causal1(Forward):
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_28, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_28, s.t_32),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_26, s.t_32),
         ]
 
     def block__W_O2__W_1__outer(s):
@@ -3301,7 +3289,7 @@ class mse_causal1(Forward):
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_50, s.S_29, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_50, s.S_29, s.W_2, s.t_33, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
@@ -3338,7 +3326,7 @@ class mse_causal1(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_51, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_51, s.t_33, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -3362,19 +3350,19 @@ class mse_causal1(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_32, s.t_51, s.t_32, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_33, s.t_51, s.t_33, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ W_2))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_32, s.t_15, s.W_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_33, s.t_15, s.W_2),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_32, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_33, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
@@ -3416,13 +3404,13 @@ class mse_causal1(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_29),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_30),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_31),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_32),
         ]
 
     def jacobian__W_1(s):
@@ -3434,7 +3422,7 @@ class mse_causal1(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_32, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_33, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -3464,10 +3452,10 @@ class mse_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_89 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_91 = lin((1, s.prod("t_38' _", tr(s.t_38), t_89)), (1, s.prod("_ t_5'", t_90, tr(s.t_5))))
+        t_91 = lin((1, s.prod("t_39' _", tr(s.t_39), t_89)), (1, s.prod("_ t_5'", t_90, tr(s.t_5))))
         t_92 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_91)
         t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_95 = lin((1, s.prod("_ t_5'", t_94, tr(s.t_5))), (1, s.prod("t_39' _", tr(s.t_39), t_89)))
+        t_95 = lin((1, s.prod("_ t_5'", t_94, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_89)))
         t_96 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_95)
         t_97 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_96, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_98 = s.mm('_ one', (t_97 * s.Y_2), s.one)
@@ -3475,29 +3463,29 @@ class mse_causal1(Forward):
         t_100 = lin((1, t_97, s.R_N_2), (2/s.d_V, t_99))
         t_101 = lin((1, s.prod('_ W_1', t_100, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
         t_102 = lin((1, s.prod('_ W_3', t_100, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_103 = ((s.t_93 * t_101) + (s.t_32 * t_102))
+        t_103 = ((s.t_93 * t_101) + (s.t_33 * t_102))
         t_104 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_103, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_96, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_105 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_104, tr(s.W_2))
         t_106 = (s.t_93 * t_105)
-        t_107 = (s.t_32 * t_105)
-        t_108 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_106, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_107, tr(s.W_3))))
-        t_109 = (math.sqrt(s.d_K)) * t_108
-        t_110 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_104), (1, t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_109), s.one), s.Y_2))
-        t_111 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_110, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_112 = s.mm("_ t_2'", t_111, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_112 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_112 * s.S), tr(s.R)), mean=True)
-        t_113 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_110, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_114 = s.mm("_ t_2'", t_113, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_114 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_114 * s.S), tr(s.R)), mean=True)
-        t_115 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_104), (1/math.sqrt(s.d_K), t_109, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', (s.t_53 * (2/s.d_V) * t_109), s.one), s.Y_2))
-        t_116 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_115, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_117 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_115, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_118 = lin((1, s.prod("_ t_38'", tr(t_116), tr(s.t_38))), (1, s.prod("_ t_39'", tr(t_117), tr(s.t_39))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_118 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_118 * s.S), tr(s.R)), mean=True)
-        t_119 = (math.sqrt(s.d_K)) * t_115
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_119, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_119, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_119, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_119, mean=True)
+        t_107 = (s.t_33 * t_105)
+        t_108 = lin((1, s.prod("_ W_1'", t_106, tr(s.W_1))), (1, s.prod("_ W_3'", t_107, tr(s.W_3))))
+        t_109 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_104), (1, (1/math.sqrt(s.d_K)) * t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_108), s.one), s.Y_2))
+        t_110 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_109, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_111 = s.mm("_ t_2'", t_110, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_111 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_111 * s.S), tr(s.R)), mean=True)
+        t_112 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_109, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_113 = s.mm("_ t_2'", t_112, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_113 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_113 * s.S), tr(s.R)), mean=True)
+        t_114 = lin((1, (2/(s.L*s.d_V)) * t_104), (1, t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_108), s.one), s.Y_2))
+        t_115 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_114, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        t_116 = softmax_diff(s.A1, t_115)
+        t_117 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_114, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        t_118 = softmax_diff(s.A2, t_117)
+        t_119 = lin((1, s.prod("_ t_39'", tr(t_116), tr(s.t_39))), (1, s.prod("_ t_40'", tr(t_118), tr(s.t_40))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_119 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_119 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_114, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_114, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_114, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_114, mean=True)
         out_W_1 = s.mm("N_2' _", tr(s.N_2), t_106, mean=True)
         out_W_3 = s.mm("N_2' _", tr(s.N_2), t_107, mean=True)
         t_120 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_104)
@@ -3508,10 +3496,10 @@ class mse_causal1(Forward):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_121 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_122 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_123 = lin((1, s.prod("t_38' _", tr(s.t_38), t_121)), (1, s.prod("_ t_5'", t_122, tr(s.t_5))))
+        t_123 = lin((1, s.prod("t_39' _", tr(s.t_39), t_121)), (1, s.prod("_ t_5'", t_122, tr(s.t_5))))
         t_124 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_123)
         t_125 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_126 = lin((1, s.prod("_ t_5'", t_125, tr(s.t_5))), (1, s.prod("t_39' _", tr(s.t_39), t_121)))
+        t_126 = lin((1, s.prod("_ t_5'", t_125, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_121)))
         t_127 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_126)
         t_128 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_124, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_127, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_130 = s.mm('_ one', (t_128 * s.Y_2), s.one)
@@ -3521,90 +3509,86 @@ class mse_causal1(Forward):
         t_134 = s.mm('G _', s.G, tr(V_W_2))
         t_136 = lin((1, s.prod('_ W_3', t_132, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
         t_137 = lin((1, s.t_129, t_133), (1, s.t_93, t_134), (1, s.t_135, t_136))
-        t_138 = ((s.t_135 * t_133) + (s.t_32 * t_134))
-        t_139 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_137, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_138, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_17 _', s.t_17, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_18 _', s.t_18, tr(V_W_3))))
-        t_140 = (math.sqrt(s.d_K)) * t_139
-        t_141 = lin((1, s.t_61, t_128), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_140), (2/s.d_V, t_130, s.t_63))
-        t_142 = lin((1, s.t_23, t_128), (1, t_139, s.R_N_2), (2/s.d_V, t_130, s.t_65), (1, s.mm('_ one', t_141, s.one), s.Y_2))
-        t_143 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_142, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_24 _ W_V' N_1'", s.t_24, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_24 W_O1' _ N_1'", s.t_24, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_144 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_25) + softmax_diff(s.A1, t_143))
-        t_145 = lin((1, s.prod("_ t_2'", t_144, tr(s.t_2))), (1, s.prod('t_26 _', s.t_26, tr(t_121))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_145 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_145 * s.S), tr(s.R)), mean=True)
-        t_146 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_142, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_24 _ W_V' N_1'", s.t_24, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_24 W_O2' _ N_1'", s.t_24, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_147 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_34) + softmax_diff(s.A2, t_146))
-        t_148 = lin((1, s.prod("_ t_2'", t_147, tr(s.t_2))), (1, s.prod('t_35 _', s.t_35, tr(t_121))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_148 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_148 * s.S), tr(s.R)), mean=True)
-        t_149 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_67)
-        t_150 = lin((1, s.t_69, t_128), (1, s.t_53, (2/s.d_V) * t_140), (2/s.d_V, t_130, s.t_70))
-        t_151 = lin((1/math.sqrt(s.d_K), t_140, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_130, s.t_72), (1/math.sqrt(s.d_K), s.t_43, t_128), (1/math.sqrt(s.d_K), s.mm('_ one', t_150, s.one), s.Y_2))
-        t_152 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_151, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O1' _ N_1'", s.t_66, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_153 = softmax_diff(s.A1, t_152)
-        t_154 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_73)
-        t_155 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_151, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O2' _ N_1'", s.t_66, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_156 = softmax_diff(s.A2, t_155)
-        t_157 = lin((1, s.prod("_ t_38'", (tr(t_149) + tr(t_153)), tr(s.t_38))), (1, s.prod("_ t_39'", (tr(t_154) + tr(t_156)), tr(s.t_39))), (1, s.prod("t_68' _", tr(s.t_68), t_122)), (1, s.prod("t_74' _", tr(s.t_74), t_125)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_157 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_157 * s.C)), mean=True)
-        t_158 = (math.sqrt(s.d_K)) * t_151
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_44 W_O2'", tr(s.N_1), tr(t_127), s.t_44, tr(s.W_O2)), (1, "N_1' A1' t_44 _", tr(s.N_1), tr(s.A1), s.t_44, tr(V_W_O1)), (1, "N_1' _ t_44 W_O1'", tr(s.N_1), tr(t_124), s.t_44, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_158, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_158, tr(s.W_O1)), (1, "N_1' A2' t_44 _", tr(s.N_1), tr(s.A2), s.t_44, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_44", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_124), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_158, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_158, mean=True)))
+        t_138 = ((s.t_135 * t_133) + (s.t_33 * t_134))
+        t_139 = lin((1, s.prod("_ W_1'", t_137, tr(s.W_1))), (1, s.prod("_ W_3'", t_138, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
+        t_140 = lin((1, s.t_61, t_128), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_139), (2/s.d_V, t_130, s.t_63))
+        t_141 = lin((1, s.t_24, t_128), (1, (1/math.sqrt(s.d_K)) * t_139, s.R_N_2), (2/s.d_V, t_130, s.t_65), (1, s.mm('_ one', t_140, s.one), s.Y_2))
+        t_142 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_141, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O1' _ N_1'", s.t_25, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_143 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_26) + softmax_diff(s.A1, t_142))
+        t_144 = lin((1, s.prod("_ t_2'", t_143, tr(s.t_2))), (1, s.prod('t_27 _', s.t_27, tr(t_121))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_144 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), mean=True)
+        t_145 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_141, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O2' _ N_1'", s.t_25, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_146 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_35) + softmax_diff(s.A2, t_145))
+        t_147 = lin((1, s.prod("_ t_2'", t_146, tr(s.t_2))), (1, s.prod('t_36 _', s.t_36, tr(t_121))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), mean=True)
+        t_148 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_67)
+        t_149 = lin((1, s.t_69, t_128), (1, s.t_53, (2/s.d_V) * t_139), (2/s.d_V, t_130, s.t_70))
+        t_150 = lin((1, t_139, s.R_N_2), (2/s.d_V, t_130, s.t_72), (1, s.t_43, t_128), (1, s.mm('_ one', t_149, s.one), s.Y_2))
+        t_151 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_150, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O1' _ N_1'", s.t_66, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_152 = softmax_diff(s.A1, t_151)
+        t_153 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_73)
+        t_154 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_150, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O2' _ N_1'", s.t_66, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_155 = softmax_diff(s.A2, t_154)
+        t_156 = lin((1, s.prod("_ t_39'", (tr(t_148) + tr(t_152)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_153) + tr(t_155)), tr(s.t_40))), (1, s.prod("t_68' _", tr(s.t_68), t_122)), (1, s.prod("t_74' _", tr(s.t_74), t_125)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_156 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_156 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_44 W_O2'", tr(s.N_1), tr(t_127), s.t_44, tr(s.W_O2)), (1, "N_1' A1' t_44 _", tr(s.N_1), tr(s.A1), s.t_44, tr(V_W_O1)), (1, "N_1' _ t_44 W_O1'", tr(s.N_1), tr(t_124), s.t_44, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_150, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_150, tr(s.W_O1)), (1, "N_1' A2' t_44 _", tr(s.N_1), tr(s.A2), s.t_44, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_44", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_124), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_150, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_150, mean=True)))
         out_W_1 = (s.mm('_ t_17', tr(t_132), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_137, mean=True))
         out_W_3 = (s.mm('_ t_18', tr(t_132), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_138, mean=True))
-        t_160 = ((tr(s.t_93) * tr(t_133)) + (s.t_159 * tr(t_136)))
-        out_W_2 = s.mm('_ G', t_160, s.G, mean=True)
+        t_158 = ((tr(s.t_93) * tr(t_133)) + (s.t_157 * tr(t_136)))
+        out_W_2 = s.mm('_ G', t_158, s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_161 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_162 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_163 = lin((1, s.prod("t_38' _", tr(s.t_38), t_161)), (1, s.prod("_ t_5'", t_162, tr(s.t_5))))
-        t_177 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_163)
-        t_178 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_179 = lin((1, s.prod("_ t_5'", t_178, tr(s.t_5))), (1, s.prod("t_39' _", tr(s.t_39), t_161)))
-        t_180 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_179)
-        t_181 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_177, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_180, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_182 = s.mm('_ one', (t_181 * s.Y_2), s.one)
-        t_183 = (t_182 * s.t_53)
-        t_184 = lin((1, t_181, s.R_N_2), (2/s.d_V, t_183))
-        t_185 = lin((1, s.prod('_ W_1', t_184, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_186 = lin((1, s.prod('_ W_3', t_184, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_187 = ((s.t_93 * t_185) + (s.t_32 * t_186))
-        t_188 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_177, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_187, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_180, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_193 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_188, tr(s.W_2))
-        t_194 = lin((1, t_193), (1, s.prod('G _', s.G, tr(V_W_2))))
-        t_195 = lin((1, s.t_189, t_185), (1, s.t_192, t_186), (1, s.t_93, t_194))
-        t_196 = ((s.t_192 * t_185) + (s.t_32 * t_194))
-        t_197 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_195, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_196, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_167 _', s.t_167, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_169 _', s.t_169, tr(V_W_3))))
-        t_200 = (math.sqrt(s.d_K)) * t_197
-        t_202 = lin((1, s.t_199, t_181), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_200), (2/s.d_V, t_182, s.t_201))
-        t_203 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_188), (1, s.t_174, t_181), (1, t_197, s.R_N_2), (2/s.d_V, t_182, s.t_198), (1, s.mm('_ one', t_202, s.one), s.Y_2))
-        t_204 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_203, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O1' _ N_1'", s.t_175, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_205 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_163, s.t_176) + softmax_diff(s.A1, t_204))
-        t_207 = lin((1, s.prod("_ t_2'", t_205, tr(s.t_2))), (1, s.prod('t_206 _', s.t_206, tr(t_161))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_207 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_207 * s.C)), mean=True)
-        t_209 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_203, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O2' _ N_1'", s.t_175, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_210 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_208) + softmax_diff(s.A2, t_209))
-        t_212 = lin((1, s.prod("_ t_2'", t_210, tr(s.t_2))), (1, s.prod('t_211 _', s.t_211, tr(t_161))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_212 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_212 * s.S), tr(s.R)), mean=True)
-        t_217 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_163, s.t_216)
-        t_221 = lin((1, s.t_219, t_181), (1, s.t_53, (2/s.d_V) * t_200), (2/s.d_V, t_182, s.t_220))
-        t_222 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_188), (1/math.sqrt(s.d_K), t_200, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_182, s.t_218), (1/math.sqrt(s.d_K), s.t_214, t_181), (1/math.sqrt(s.d_K), s.mm('_ one', t_221, s.one), s.Y_2))
-        t_223 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_222, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O1' _ N_1'", s.t_215, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_224 = softmax_diff(s.A1, t_223)
-        t_226 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_225)
-        t_227 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_222, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O2' _ N_1'", s.t_215, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_228 = softmax_diff(s.A2, t_227)
-        t_231 = lin((1, s.prod("_ t_38'", (tr(t_217) + tr(t_224)), tr(s.t_38))), (1, s.prod("_ t_39'", (tr(t_226) + tr(t_228)), tr(s.t_39))), (1, s.prod("t_229' _", tr(s.t_229), t_162)), (1, s.prod("t_230' _", tr(s.t_230), t_178)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_231 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_231 * s.S), tr(s.R)), mean=True)
-        t_233 = (math.sqrt(s.d_K)) * t_222
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_232 W_O1'", tr(s.N_1), tr(t_177), s.t_232, tr(s.W_O1)), (1, "N_1' A1' t_232 _", tr(s.N_1), tr(s.A1), s.t_232, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_233, tr(s.W_O2)), (1, "N_1' A2' t_232 _", tr(s.N_1), tr(s.A2), s.t_232, tr(V_W_O2)), (1, "N_1' _ t_232 W_O2'", tr(s.N_1), tr(t_180), s.t_232, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_233, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_232", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_232), (1, "W_V' N_1' _ t_232", tr(s.W_V), tr(s.N_1), tr(t_177), s.t_232), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_233, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_232", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_232), (1, "W_V' N_1' _ t_232", tr(s.W_V), tr(s.N_1), tr(t_180), s.t_232), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_233, mean=True)))
-        out_W_1 = (s.mm('_ t_167', tr(t_184), s.t_167, mean=True) + s.mm("N_2' _", tr(s.N_2), t_195, mean=True))
-        out_W_3 = (s.mm('_ t_169', tr(t_184), s.t_169, mean=True) + s.mm("N_2' _", tr(s.N_2), t_196, mean=True))
-        t_234 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_188)
-        out_W_2 = (s.mm('_ G', tr(t_187), s.G, mean=True) + mean0(t_234, True))
+        t_159 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_160 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_161 = lin((1, s.prod("t_39' _", tr(s.t_39), t_159)), (1, s.prod("_ t_5'", t_160, tr(s.t_5))))
+        t_174 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_161)
+        t_175 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_176 = lin((1, s.prod("_ t_5'", t_175, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_159)))
+        t_177 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_176)
+        t_178 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_174, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_177, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_179 = s.mm('_ one', (t_178 * s.Y_2), s.one)
+        t_180 = (t_179 * s.t_53)
+        t_181 = lin((1, t_178, s.R_N_2), (2/s.d_V, t_180))
+        t_182 = lin((1, s.prod('_ W_1', t_181, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_183 = lin((1, s.prod('_ W_3', t_181, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_184 = ((s.t_93 * t_182) + (s.t_33 * t_183))
+        t_185 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_174, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_184, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_177, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_190 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_185, tr(s.W_2))
+        t_191 = lin((1, t_190), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_192 = lin((1, s.t_186, t_182), (1, s.t_189, t_183), (1, s.t_93, t_191))
+        t_193 = ((s.t_189 * t_182) + (s.t_33 * t_191))
+        t_194 = lin((1, s.prod("_ W_1'", t_192, tr(s.W_1))), (1, s.prod("_ W_3'", t_193, tr(s.W_3))), (1, s.prod('t_165 _', s.t_165, tr(V_W_1))), (1, s.prod('t_167 _', s.t_167, tr(V_W_3))))
+        t_198 = lin((1, s.t_196, t_178), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_194), (2/s.d_V, t_179, s.t_197))
+        t_199 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_185), (1, s.t_171, t_178), (1, (1/math.sqrt(s.d_K)) * t_194, s.R_N_2), (2/s.d_V, t_179, s.t_195), (1, s.mm('_ one', t_198, s.one), s.Y_2))
+        t_200 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_199, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_172 W_O1' _ N_1'", s.t_172, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_172 _ W_V' N_1'", s.t_172, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_201 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_173) + softmax_diff(s.A1, t_200))
+        t_203 = lin((1, s.prod("_ t_2'", t_201, tr(s.t_2))), (1, s.prod('t_202 _', s.t_202, tr(t_159))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_203 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_203 * s.C)), mean=True)
+        t_205 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_199, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_172 W_O2' _ N_1'", s.t_172, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_172 _ W_V' N_1'", s.t_172, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_206 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_176, s.t_204) + softmax_diff(s.A2, t_205))
+        t_208 = lin((1, s.prod("_ t_2'", t_206, tr(s.t_2))), (1, s.prod('t_207 _', s.t_207, tr(t_159))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_208 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_208 * s.S), tr(s.R)), mean=True)
+        t_214 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_213)
+        t_218 = lin((1, s.t_216, t_178), (1, s.t_53, (2/s.d_V) * t_194), (2/s.d_V, t_179, s.t_217))
+        t_219 = lin((1, (2/(s.L*s.d_V)) * t_185), (1, t_194, s.R_N_2), (2/s.d_V, t_179, s.t_215), (1, s.t_210, t_178), (1, s.mm('_ one', t_218, s.one), s.Y_2))
+        t_220 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_219, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_212 W_O1' _ N_1'", s.t_212, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_212 _ W_V' N_1'", s.t_212, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_221 = softmax_diff(s.A1, t_220)
+        t_223 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_176, s.t_222)
+        t_224 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_219, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_212 _ W_V' N_1'", s.t_212, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_212 W_O2' _ N_1'", s.t_212, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_225 = softmax_diff(s.A2, t_224)
+        t_228 = lin((1, s.prod("_ t_39'", (tr(t_214) + tr(t_221)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_223) + tr(t_225)), tr(s.t_40))), (1, s.prod("t_226' _", tr(s.t_226), t_160)), (1, s.prod("t_227' _", tr(s.t_227), t_175)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_228 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_228 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_211 W_O1'", tr(s.N_1), tr(t_174), s.t_211, tr(s.W_O1)), (1, "N_1' A1' t_211 _", tr(s.N_1), tr(s.A1), s.t_211, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_219, tr(s.W_O2)), (1, "N_1' A2' t_211 _", tr(s.N_1), tr(s.A2), s.t_211, tr(V_W_O2)), (1, "N_1' _ t_211 W_O2'", tr(s.N_1), tr(t_177), s.t_211, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_219, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_211", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_211), (1, "W_V' N_1' _ t_211", tr(s.W_V), tr(s.N_1), tr(t_174), s.t_211), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_219, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_211", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_211), (1, "W_V' N_1' _ t_211", tr(s.W_V), tr(s.N_1), tr(t_177), s.t_211), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_219, mean=True)))
+        out_W_1 = (s.mm('_ t_165', tr(t_181), s.t_165, mean=True) + s.mm("N_2' _", tr(s.N_2), t_192, mean=True))
+        out_W_3 = (s.mm('_ t_167', tr(t_181), s.t_167, mean=True) + s.mm("N_2' _", tr(s.N_2), t_193, mean=True))
+        t_229 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_185)
+        out_W_2 = (s.mm('_ G', tr(t_184), s.G, mean=True) + mean0(t_229, True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -3612,15 +3596,15 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "f3848bb683a091c453112111"
+    STAMP = "49ad7ee22b955c4f4c70ec7a"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_236": 2,
+        "A1' t_214": 2,
         "A1' t_47": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_236": 2,
+        "A2' t_214": 2,
         "A2' t_47": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
@@ -3629,19 +3613,19 @@ class ce_causal0(Forward):
         'N_1 W_V': 59,
         'N_1 W_V W_O1': 15,
         'N_1 W_V W_O2': 15,
-        "N_1' A1' t_236": 2,
+        "N_1' A1' t_214": 2,
         "N_1' A1' t_47": 4,
-        "N_1' A2' t_236": 2,
+        "N_1' A2' t_214": 2,
         "N_1' A2' t_47": 4,
-        "W_O1 t_179'": 2,
-        "W_O1 t_219'": 2,
-        "W_O1 t_27'": 3,
+        "W_O1 t_175'": 2,
+        "W_O1 t_215'": 2,
+        "W_O1 t_28'": 3,
         "W_O1 t_47'": 3,
         "W_O1 t_69'": 2,
         "W_O1' W_V'": 16,
-        "W_O2 t_179'": 2,
-        "W_O2 t_219'": 2,
-        "W_O2 t_27'": 3,
+        "W_O2 t_175'": 2,
+        "W_O2 t_215'": 2,
+        "W_O2 t_28'": 3,
         "W_O2 t_47'": 3,
         "W_O2 t_69'": 2,
         "W_O2' W_V'": 16,
@@ -3789,99 +3773,99 @@ class ce_causal0(Forward):
 
     @leaf
     def t_22(s):
-        return lin((1/math.sqrt(s.d_K), s.mm("t_20 W_1'", s.t_20, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_21 W_3'", s.t_21, tr(s.W_3))))
+        return (s.mm("t_20 W_1'", s.t_20, tr(s.W_1)) + s.mm("t_21 W_3'", s.t_21, tr(s.W_3)))
 
     @leaf
     def t_23(s):
-        return (2/s.d_V) * s.t_22
+        return (1/math.sqrt(s.d_K)) * s.t_22
 
     @leaf
     def t_24(s):
-        return (-0.5 * (s.t_12 ** -1.5))
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22
 
     @leaf
     def t_25(s):
-        return mul(s.t_23, s.t_24, s.Y_2)
+        return (-0.5 * (s.t_12 ** -1.5))
 
     @leaf
     def t_26(s):
-        return s.mm('t_25 one', s.t_25, s.one)
+        return mul(s.t_24, s.t_25, s.Y_2)
 
     @leaf
     def t_27(s):
-        return lin((1, s.t_22, s.R_N_2), (1, s.t_26, s.Y_2), (1/math.sqrt(s.d_K), s.G))
+        return s.mm('t_26 one', s.t_26, s.one)
 
     @leaf
     def t_28(s):
-        return s.mm("t_27 W_O1' W_V' N_1'", s.t_27, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return lin((1, s.t_23, s.R_N_2), (1, s.t_27, s.Y_2), (1/math.sqrt(s.d_K), s.G))
 
     @leaf
     def t_29(s):
-        return softmax_diff(s.A1, s.t_28)
+        return s.mm("t_28 W_O1' W_V' N_1'", s.t_28, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_30(s):
-        return s.mm('W_V W_O1', s.W_V, s.W_O1)
+        return softmax_diff(s.A1, s.t_29)
 
     @leaf
     def t_31(s):
-        return s.mm("t_27 W_O1'", s.t_27, tr(s.W_O1))
+        return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
     def t_32(s):
-        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
+        return s.mm("t_28 W_O1'", s.t_28, tr(s.W_O1))
 
     @leaf
     def t_33(s):
-        return s.mm('N_1 W_V', s.N_1, s.W_V)
+        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
     def t_34(s):
-        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
     def t_35(s):
-        return (s.t_14 * s.t_13)
+        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
     def t_36(s):
-        return tr(s.t_8)
+        return (s.t_14 * s.t_13)
 
     @leaf
     def t_37(s):
-        return s.mm("t_27 W_O2' W_V' N_1'", s.t_27, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return tr(s.t_8)
 
     @leaf
     def t_38(s):
-        return softmax_diff(s.A2, s.t_37)
+        return s.mm("t_28 W_O2' W_V' N_1'", s.t_28, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_39(s):
-        return s.mm('W_V W_O2', s.W_V, s.W_O2)
+        return softmax_diff(s.A2, s.t_38)
 
     @leaf
     def t_40(s):
-        return s.mm("t_27 W_O2'", s.t_27, tr(s.W_O2))
+        return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
     def t_41(s):
-        return tr(s.t_9)
+        return s.mm("t_28 W_O2'", s.t_28, tr(s.W_O2))
 
     @leaf
     def t_42(s):
-        return tr(s.t_10)
+        return tr(s.t_9)
 
     @leaf
     def t_43(s):
-        return (math.sqrt(s.d_K)) * s.t_22
+        return tr(s.t_10)
 
     @leaf
     def t_44(s):
-        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_22
+        return (2/s.d_V) * s.t_22
 
     @leaf
     def t_45(s):
-        return mul(s.t_44, s.t_24, s.Y_2)
+        return mul(s.t_44, s.t_25, s.Y_2)
 
     @leaf
     def t_46(s):
@@ -3889,7 +3873,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_47(s):
-        return lin((1, s.t_43, s.R_N_2), (1, s.t_46, s.Y_2), (1, s.G))
+        return lin((1, s.t_22, s.R_N_2), (1, s.t_46, s.Y_2), (1, s.G))
 
     @leaf
     def t_48(s):
@@ -3909,11 +3893,11 @@ class ce_causal0(Forward):
 
     @leaf
     def t_52(s):
-        return tr(s.t_32)
+        return tr(s.t_33)
 
     @leaf
     def t_53(s):
-        return tr(s.t_34)
+        return tr(s.t_35)
 
     @leaf
     def t_54(s):
@@ -3921,7 +3905,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_55(s):
-        return (s.t_24 * s.Y_2)
+        return (s.t_25 * s.Y_2)
 
     @leaf
     def t_56(s):
@@ -3957,7 +3941,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_64(s):
-        return (s.t_23 * s.t_24)
+        return (s.t_24 * s.t_25)
 
     @leaf
     def t_65(s):
@@ -3965,15 +3949,15 @@ class ce_causal0(Forward):
 
     @leaf
     def t_66(s):
-        return mul(s.t_23, s.t_65, s.Y_2)
+        return mul(s.t_24, s.t_65, s.Y_2)
 
     @leaf
     def t_67(s):
-        return bcast_last(s.t_26, s.d_V)
+        return bcast_last(s.t_27, s.d_V)
 
     @leaf
     def t_68(s):
-        return (s.t_22 * s.t_24)
+        return (s.t_23 * s.t_25)
 
     @leaf
     def t_69(s):
@@ -3989,7 +3973,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_72(s):
-        return (s.t_44 * s.t_24)
+        return (s.t_44 * s.t_25)
 
     @leaf
     def t_73(s):
@@ -4001,7 +3985,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_75(s):
-        return (s.t_43 * s.t_24)
+        return (s.t_22 * s.t_25)
 
     @leaf
     def t_76(s):
@@ -4029,7 +4013,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_81(s):
-        return s.mm("t_29 t_2'", s.t_29, tr(s.t_2))
+        return s.mm("t_30 t_2'", s.t_30, tr(s.t_2))
 
     @leaf
     def t_82(s):
@@ -4041,7 +4025,7 @@ class ce_causal0(Forward):
 
     @leaf
     def t_84(s):
-        return s.mm("t_38 t_2'", s.t_38, tr(s.t_2))
+        return s.mm("t_39 t_2'", s.t_39, tr(s.t_2))
 
     @leaf
     def t_85(s):
@@ -4053,11 +4037,11 @@ class ce_causal0(Forward):
 
     @leaf
     def t_87(s):
-        return s.mm("t_71' t_41'", tr(s.t_71), tr(s.t_41))
+        return s.mm("t_71' t_42'", tr(s.t_71), tr(s.t_42))
 
     @leaf
     def t_88(s):
-        return s.mm("t_77' t_42'", tr(s.t_77), tr(s.t_42))
+        return s.mm("t_77' t_43'", tr(s.t_77), tr(s.t_43))
 
     @leaf
     def t_89(s):
@@ -4073,159 +4057,151 @@ class ce_causal0(Forward):
 
     @leaf
     def t_92(s):
-        return lin((1/s.L, s.t_56), (1/s.L, s.t_57))
+        return (s.t_56 + s.t_57)
 
     @leaf
-    def t_101(s):
-        return (s.L) * s.t_92
-
-    @leaf
-    def t_133(s):
+    def t_132(s):
         return lin((1, s.t_60), (2, s.t_61))
 
     @leaf
-    def t_138(s):
+    def t_137(s):
         return (s.t_62 + s.t_63)
 
     @leaf
-    def t_163(s):
+    def t_160(s):
         return (tr(s.t_14) * tr(s.t_13))
 
     @leaf
-    def t_168(s):
+    def t_165(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_166(s):
+        return mul(s.t_15, s.t_165, s.t_13, s.t_16)
+
+    @leaf
+    def t_167(s):
+        return mul(s.t_14, s.t_165, s.t_16)
+
+    @leaf
+    def t_168(s):
+        return (s.t_166 + s.t_167)
+
+    @leaf
     def t_169(s):
-        return mul(s.t_15, s.t_168, s.t_13, s.t_16)
+        return s.mm("t_168 W_1'", s.t_168, tr(s.W_1))
 
     @leaf
     def t_170(s):
-        return mul(s.t_14, s.t_168, s.t_16)
+        return mul(s.t_14, s.t_165, s.t_13)
 
     @leaf
     def t_171(s):
-        return (s.t_169 + s.t_170)
+        return s.mm("t_170 W_3'", s.t_170, tr(s.W_3))
 
     @leaf
     def t_172(s):
-        return s.mm("t_171 W_1'", s.t_171, tr(s.W_1))
+        return (s.t_169 + s.t_171)
 
     @leaf
     def t_173(s):
-        return mul(s.t_14, s.t_168, s.t_13)
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_25, s.Y_2)
 
     @leaf
     def t_174(s):
-        return s.mm("t_173 W_3'", s.t_173, tr(s.W_3))
+        return s.mm('t_173 one', s.t_173, s.one)
 
     @leaf
     def t_175(s):
-        return lin((1/math.sqrt(s.d_K), s.t_172), (1/math.sqrt(s.d_K), s.t_174))
+        return lin((1/math.sqrt(s.d_K), s.G), (1, (1/math.sqrt(s.d_K)) * s.t_172, s.R_N_2), (1, s.t_174, s.Y_2))
 
     @leaf
     def t_176(s):
-        return (math.sqrt(s.d_K)) * s.t_175
+        return s.mm("t_175 W_O1' W_V' N_1'", s.t_175, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_177(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_176, s.t_24, s.Y_2)
+    def t_182(s):
+        return lin((1, mul(s.t_59, s.t_165, s.t_13), s.t_16), (2, (s.t_15 * s.t_165), s.t_16))
 
     @leaf
-    def t_178(s):
-        return s.mm('t_177 one', s.t_177, s.one)
+    def t_192(s):
+        return mul(s.t_15, s.t_165, s.t_13)
 
     @leaf
-    def t_179(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_175, s.R_N_2), (1, s.t_178, s.Y_2))
+    def t_193(s):
+        return (s.t_14 * s.t_165)
 
     @leaf
-    def t_180(s):
-        return s.mm("t_179 W_O1' W_V' N_1'", s.t_179, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_186(s):
-        return lin((1, mul(s.t_59, s.t_168, s.t_13), s.t_16), (2, (s.t_15 * s.t_168), s.t_16))
-
-    @leaf
-    def t_196(s):
-        return mul(s.t_15, s.t_168, s.t_13)
-
-    @leaf
-    def t_197(s):
-        return (s.t_14 * s.t_168)
+    def t_194(s):
+        return (s.t_192 + s.t_193)
 
     @leaf
     def t_198(s):
-        return (s.t_196 + s.t_197)
+        return ((1/math.sqrt(s.d_K)) * s.t_172 * s.t_25)
 
     @leaf
-    def t_202(s):
-        return (s.t_175 * s.t_24)
+    def t_199(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172 * s.t_25)
 
     @leaf
-    def t_203(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_176 * s.t_24)
+    def t_200(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_65, s.Y_2)
 
     @leaf
     def t_205(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_176, s.t_65, s.Y_2)
+        return softmax_diff(s.A1, s.t_176)
+
+    @leaf
+    def t_207(s):
+        return s.mm("t_175 W_O2' W_V' N_1'", s.t_175, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_210(s):
-        return softmax_diff(s.A1, s.t_180)
+        return softmax_diff(s.A2, s.t_207)
 
     @leaf
     def t_212(s):
-        return s.mm("t_179 W_O2' W_V' N_1'", s.t_179, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return mul((2/s.d_V) * s.t_172, s.t_25, s.Y_2)
+
+    @leaf
+    def t_213(s):
+        return s.mm('t_212 one', s.t_212, s.one)
+
+    @leaf
+    def t_214(s):
+        return lin((1, s.G), (1, s.t_172, s.R_N_2), (1, s.t_213, s.Y_2))
 
     @leaf
     def t_215(s):
-        return softmax_diff(s.A2, s.t_212)
+        return (1/math.sqrt(s.d_K)) * s.t_214
 
     @leaf
-    def t_217(s):
-        return mul((2/s.d_V) * s.t_176, s.t_24, s.Y_2)
+    def t_216(s):
+        return s.mm("t_215 W_O1' W_V' N_1'", s.t_215, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_218(s):
-        return s.mm('t_217 one', s.t_217, s.one)
+        return (s.t_172 * s.t_25)
 
     @leaf
     def t_219(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_176, s.R_N_2), (1/math.sqrt(s.d_K), s.t_218, s.Y_2))
+        return ((2/s.d_V) * s.t_172 * s.t_25)
 
     @leaf
     def t_220(s):
-        return s.mm("t_219 W_O1' W_V' N_1'", s.t_219, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return mul((2/s.d_V) * s.t_172, s.t_65, s.Y_2)
 
     @leaf
-    def t_222(s):
-        return (s.t_176 * s.t_24)
-
-    @leaf
-    def t_223(s):
-        return ((2/s.d_V) * s.t_176 * s.t_24)
-
-    @leaf
-    def t_224(s):
-        return mul((2/s.d_V) * s.t_176, s.t_65, s.Y_2)
+    def t_225(s):
+        return s.mm("t_215 W_O2' W_V' N_1'", s.t_215, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_229(s):
-        return s.mm("t_219 W_O2' W_V' N_1'", s.t_219, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return softmax_diff(s.A1, s.t_216)
 
     @leaf
-    def t_233(s):
-        return softmax_diff(s.A1, s.t_220)
-
-    @leaf
-    def t_234(s):
-        return softmax_diff(s.A2, s.t_229)
-
-    @leaf
-    def t_236(s):
-        return (math.sqrt(s.d_K)) * s.t_219
+    def t_230(s):
+        return softmax_diff(s.A2, s.t_225)
 
     @leaf
     def S_2(s):
@@ -4264,7 +4240,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_35),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_36),
         ])
 
     @leaf
@@ -4288,7 +4264,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_35, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_36, s.W_3),
         ])
 
     @leaf
@@ -4378,9 +4354,9 @@ class ce_causal0(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_29, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_29),
+            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_30, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_30),
         ])
 
     @leaf
@@ -4435,16 +4411,16 @@ class ce_causal0(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_38, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_38, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_38),
+            net(1, 'nab,bc->nabc', s.t_39, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_39, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_39),
         ])
 
     @leaf
     def S_23(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_23', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_37, s.S_17, s.t_8, s.dA_3),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -4556,7 +4532,7 @@ class ce_causal0(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_9, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_29, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_30, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -4571,34 +4547,34 @@ class ce_causal0(Forward):
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_32),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.t_27),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.W_O1, s.S_17, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_34, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_34, s.W_O1, s.S_17, s.t_33),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_35),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -4617,7 +4593,7 @@ class ce_causal0(Forward):
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -4642,7 +4618,7 @@ class ce_causal0(Forward):
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -4654,223 +4630,223 @@ class ce_causal0(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_38, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_37, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_37, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_39, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_39, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_39, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_40, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_40, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_41),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_37, s.S_17, s.t_33),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.t_27),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.W_O2, s.S_17, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.W_O2, s.S_17, s.t_35),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_41, s.d2A_3, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_42, s.d2A_4, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_42, s.d2A_3, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_43, s.d2A_4, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA, s.N_1, s.t_30, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA, s.N_1, s.t_30, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA, s.N_1, s.t_48),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA_3, s.N_1, s.t_39, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA_3, s.N_1, s.t_39, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA_3, s.N_1, s.t_49),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA, s.N_1, s.t_31, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA, s.N_1, s.t_31, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA, s.N_1, s.t_48),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_43, s.dA_3, s.N_1, s.t_40, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_43, s.dA_3, s.N_1, s.t_40, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_43, s.dA_3, s.N_1, s.t_49),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA, s.t_33, s.t_47),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA, s.t_33, s.W_O1, s.S_25, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA, s.t_34, s.t_47),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA, s.t_34, s.W_O1, s.S_25, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_25, s.t_33),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_25, s.t_34),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_33, s.t_47),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_33, s.W_O2, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_25, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_34, s.t_47),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_34, s.W_O2, s.S_25, s.t_35),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -4898,31 +4874,31 @@ class ce_causal0(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_50, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_32),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_33),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_33),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_51, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_34),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_35),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_35),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -4944,8 +4920,8 @@ class ce_causal0(Forward):
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -4974,25 +4950,25 @@ class ce_causal0(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_33),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_33),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_35),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_35),
         ]
 
     def block__W_O1__W_1__outer(s):
@@ -5011,7 +4987,7 @@ class ce_causal0(Forward):
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
@@ -5036,13 +5012,13 @@ class ce_causal0(Forward):
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_35),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_53, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_53, s.S_25, s.t_35),
         ]
 
     def block__W_O2__W_1__outer(s):
@@ -5061,7 +5037,7 @@ class ce_causal0(Forward):
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
@@ -5098,7 +5074,7 @@ class ce_causal0(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -5122,19 +5098,19 @@ class ce_causal0(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_36, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_36, s.W_2, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_35, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_36, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
@@ -5176,13 +5152,13 @@ class ce_causal0(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_32),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_33),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_34),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_35),
         ]
 
     def jacobian__W_1(s):
@@ -5194,7 +5170,7 @@ class ce_causal0(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_35, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_36, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -5224,146 +5200,142 @@ class ce_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_93 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_95 = lin((1, s.prod("t_41' _", tr(s.t_41), t_93)), (1, s.prod("_ t_7'", t_94, tr(s.t_7))))
+        t_95 = lin((1, s.prod("t_42' _", tr(s.t_42), t_93)), (1, s.prod("_ t_7'", t_94, tr(s.t_7))))
         t_96 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_95)
         t_97 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_98 = lin((1, s.prod("_ t_7'", t_97, tr(s.t_7))), (1, s.prod("t_42' _", tr(s.t_42), t_93)))
+        t_98 = lin((1, s.prod("_ t_7'", t_97, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_93)))
         t_99 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_98)
         t_100 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_96, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_99, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_102 = s.mm('_ one', (t_100 * s.Y_2), s.one)
-        t_103 = (t_102 * s.t_55)
-        t_104 = lin((1, t_100, s.R_N_2), (2/s.d_V, t_103))
-        t_105 = lin((1, s.prod('_ W_1', t_104, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_106 = lin((1, s.prod('_ W_3', t_104, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_107 = ((s.t_101 * t_105) + (s.t_35 * t_106))
-        t_108 = lin((1, t_100), (1, s.prod('_ W_2', t_107, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_109 = (s.t_4 * softmax_diff(s.t_58, t_108))
-        t_110 = s.mm("_ W_2'", t_109, tr(s.W_2))
-        t_111 = (s.t_92 * t_110)
-        t_112 = (s.t_35 * t_110)
-        t_113 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_111, tr(s.W_1))), (1/(s.L*math.sqrt(s.d_K)), s.prod("_ W_3'", t_112, tr(s.W_3))))
-        t_114 = (math.sqrt(s.d_K)) * t_113
-        t_115 = lin((1, t_113, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_114), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_109))
-        t_116 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_115, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_101 = s.mm('_ one', (t_100 * s.Y_2), s.one)
+        t_102 = (t_101 * s.t_55)
+        t_103 = lin((1, t_100, s.R_N_2), (2/s.d_V, t_102))
+        t_104 = lin((1, s.prod('_ W_1', t_103, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_105 = lin((1, s.prod('_ W_3', t_103, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_106 = ((s.t_92 * t_104) + (s.t_36 * t_105))
+        t_107 = lin((1, t_100), (1, s.prod('_ W_2', t_106, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_108 = (s.t_4 * softmax_diff(s.t_58, t_107))
+        t_109 = s.mm("_ W_2'", t_108, tr(s.W_2))
+        t_110 = ((1/s.L) * s.t_92 * t_109)
+        t_111 = (s.t_36 * t_109)
+        t_112 = lin((1, s.prod("_ W_1'", t_110, tr(s.W_1))), (1/s.L, s.prod("_ W_3'", t_111, tr(s.W_3))))
+        t_113 = lin((1, (1/math.sqrt(s.d_K)) * t_112, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_112), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_108))
+        t_114 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_113, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_115 = s.mm("_ t_2'", t_114, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_115 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_115 * s.S), tr(s.R)), mean=True)
+        t_116 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_113, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
         t_117 = s.mm("_ t_2'", t_116, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_117 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_117 * s.S), tr(s.R)), mean=True)
-        t_118 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_115, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_119 = s.mm("_ t_2'", t_118, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_119 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_119 * s.C)), mean=True)
-        t_120 = lin((1/math.sqrt(s.d_K), t_114, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', (s.t_55 * (2/s.d_V) * t_114), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_109))
-        t_121 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_120, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_122 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_120, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_123 = lin((1, s.prod("_ t_41'", tr(t_121), tr(s.t_41))), (1, s.prod("_ t_42'", tr(t_122), tr(s.t_42))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_117 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_117 * s.C)), mean=True)
+        t_118 = lin((1, t_112, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/s.d_V) * t_112), s.one), s.Y_2), (1/s.L, t_108))
+        t_119 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_118, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        t_120 = softmax_diff(s.A1, t_119)
+        t_121 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_118, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        t_122 = softmax_diff(s.A2, t_121)
+        t_123 = lin((1, s.prod("_ t_42'", tr(t_120), tr(s.t_42))), (1, s.prod("_ t_43'", tr(t_122), tr(s.t_43))))
         out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_123 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_123 * s.S), tr(s.R)), mean=True)
-        t_124 = (math.sqrt(s.d_K)) * t_120
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_124, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_124, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_124, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_124, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_111, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_112, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_109, mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_118, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_118, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_118, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_118, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_110, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_111, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_108, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_125 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_126 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_127 = lin((1, s.prod("t_41' _", tr(s.t_41), t_125)), (1, s.prod("_ t_7'", t_126, tr(s.t_7))))
-        t_128 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_127)
-        t_129 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_130 = lin((1, s.prod("_ t_7'", t_129, tr(s.t_7))), (1, s.prod("t_42' _", tr(s.t_42), t_125)))
-        t_131 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_130)
-        t_132 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_128, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_131, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_134 = s.mm('_ one', (t_132 * s.Y_2), s.one)
-        t_135 = (t_134 * s.t_55)
-        t_136 = lin((1, t_132, s.R_N_2), (2/s.d_V, t_135))
-        t_137 = lin((1, s.prod('_ W_1', t_136, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_139 = lin((1, s.prod('_ W_3', t_136, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_140 = s.mm('G _', s.G, tr(V_W_2))
-        t_141 = lin((1, s.t_133, t_137), (1, s.t_138, t_139), (1, s.t_101, t_140))
-        t_142 = ((s.t_138 * t_137) + (s.t_35 * t_140))
-        t_143 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_141, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_142, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_20 _', s.t_20, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_21 _', s.t_21, tr(V_W_3))))
-        t_144 = (math.sqrt(s.d_K)) * t_143
-        t_145 = lin((1, s.t_64, t_132), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_144), (2/s.d_V, t_134, s.t_66))
-        t_146 = lin((1, s.t_26, t_132), (1, t_143, s.R_N_2), (2/s.d_V, t_134, s.t_68), (1, s.mm('_ one', t_145, s.one), s.Y_2))
-        t_147 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_146, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_27 W_O1' _ N_1'", s.t_27, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_27 _ W_V' N_1'", s.t_27, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_148 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_127, s.t_28) + softmax_diff(s.A1, t_147))
-        t_149 = lin((1, s.prod("_ t_2'", t_148, tr(s.t_2))), (1, s.prod('t_29 _', s.t_29, tr(t_125))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_149 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_149 * s.S), tr(s.R)), mean=True)
-        t_150 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_146, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_27 W_O2' _ N_1'", s.t_27, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_27 _ W_V' N_1'", s.t_27, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_151 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_130, s.t_37) + softmax_diff(s.A2, t_150))
-        t_152 = lin((1, s.prod("_ t_2'", t_151, tr(s.t_2))), (1, s.prod('t_38 _', s.t_38, tr(t_125))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_152 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_152 * s.C)), mean=True)
-        t_153 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_127, s.t_70)
-        t_154 = lin((1, s.t_72, t_132), (1, s.t_55, (2/s.d_V) * t_144), (2/s.d_V, t_134, s.t_73))
-        t_155 = lin((1/math.sqrt(s.d_K), t_144, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_134, s.t_75), (1/math.sqrt(s.d_K), s.t_46, t_132), (1/math.sqrt(s.d_K), s.mm('_ one', t_154, s.one), s.Y_2))
-        t_156 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_155, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O1' _ N_1'", s.t_69, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_157 = softmax_diff(s.A1, t_156)
-        t_158 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_130, s.t_76)
-        t_159 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_155, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O2' _ N_1'", s.t_69, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_160 = softmax_diff(s.A2, t_159)
-        t_161 = lin((1, s.prod("_ t_41'", (tr(t_153) + tr(t_157)), tr(s.t_41))), (1, s.prod("_ t_42'", (tr(t_158) + tr(t_160)), tr(s.t_42))), (1, s.prod("t_71' _", tr(s.t_71), t_126)), (1, s.prod("t_77' _", tr(s.t_77), t_129)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_161 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_161 * s.S), tr(s.R)), mean=True)
-        t_162 = (math.sqrt(s.d_K)) * t_155
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_47 W_O1'", tr(s.N_1), tr(t_128), s.t_47, tr(s.W_O1)), (1, "N_1' A1' t_47 _", tr(s.N_1), tr(s.A1), s.t_47, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_162, tr(s.W_O1)), (1, "N_1' _ t_47 W_O2'", tr(s.N_1), tr(t_131), s.t_47, tr(s.W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_162, tr(s.W_O2)), (1, "N_1' A2' t_47 _", tr(s.N_1), tr(s.A2), s.t_47, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_47", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_128), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_162, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_47", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_131), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_162, mean=True)))
-        out_W_1 = (s.mm('_ t_20', tr(t_136), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_141, mean=True))
-        out_W_3 = (s.mm('_ t_21', tr(t_136), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_142, mean=True))
-        t_164 = ((tr(s.t_101) * tr(t_137)) + (s.t_163 * tr(t_139)))
-        out_W_2 = s.mm('_ G', t_164, s.G, mean=True)
+        t_124 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_125 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_126 = lin((1, s.prod("t_42' _", tr(s.t_42), t_124)), (1, s.prod("_ t_7'", t_125, tr(s.t_7))))
+        t_127 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_126)
+        t_128 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_129 = lin((1, s.prod("_ t_7'", t_128, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_124)))
+        t_130 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_129)
+        t_131 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_127, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_130, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_133 = s.mm('_ one', (t_131 * s.Y_2), s.one)
+        t_134 = (t_133 * s.t_55)
+        t_135 = lin((1, t_131, s.R_N_2), (2/s.d_V, t_134))
+        t_136 = lin((1, s.prod('_ W_1', t_135, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_138 = lin((1, s.prod('_ W_3', t_135, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_139 = s.mm('G _', s.G, tr(V_W_2))
+        t_140 = lin((1, s.t_132, t_136), (1, s.t_137, t_138), (1, s.t_92, t_139))
+        t_141 = ((s.t_137 * t_136) + (s.t_36 * t_139))
+        t_142 = lin((1, s.prod("_ W_1'", t_140, tr(s.W_1))), (1, s.prod("_ W_3'", t_141, tr(s.W_3))), (1, s.prod('t_20 _', s.t_20, tr(V_W_1))), (1, s.prod('t_21 _', s.t_21, tr(V_W_3))))
+        t_143 = lin((1, s.t_64, t_131), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_142), (2/s.d_V, t_133, s.t_66))
+        t_144 = lin((1, s.t_27, t_131), (1, (1/math.sqrt(s.d_K)) * t_142, s.R_N_2), (2/s.d_V, t_133, s.t_68), (1, s.mm('_ one', t_143, s.one), s.Y_2))
+        t_145 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O1' _ N_1'", s.t_28, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_146 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_126, s.t_29) + softmax_diff(s.A1, t_145))
+        t_147 = lin((1, s.prod("_ t_2'", t_146, tr(s.t_2))), (1, s.prod('t_30 _', s.t_30, tr(t_124))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), mean=True)
+        t_148 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O2' _ N_1'", s.t_28, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_149 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_129, s.t_38) + softmax_diff(s.A2, t_148))
+        t_150 = lin((1, s.prod("_ t_2'", t_149, tr(s.t_2))), (1, s.prod('t_39 _', s.t_39, tr(t_124))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_150 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_150 * s.C)), mean=True)
+        t_151 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_126, s.t_70)
+        t_152 = lin((1, s.t_72, t_131), (1, s.t_55, (2/s.d_V) * t_142), (2/s.d_V, t_133, s.t_73))
+        t_153 = lin((1, t_142, s.R_N_2), (2/s.d_V, t_133, s.t_75), (1, s.t_46, t_131), (1, s.mm('_ one', t_152, s.one), s.Y_2))
+        t_154 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_153, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O1' _ N_1'", s.t_69, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_155 = softmax_diff(s.A1, t_154)
+        t_156 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_129, s.t_76)
+        t_157 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_153, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O2' _ N_1'", s.t_69, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_158 = softmax_diff(s.A2, t_157)
+        t_159 = lin((1, s.prod("_ t_42'", (tr(t_151) + tr(t_155)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_156) + tr(t_158)), tr(s.t_43))), (1, s.prod("t_71' _", tr(s.t_71), t_125)), (1, s.prod("t_77' _", tr(s.t_77), t_128)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_159 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_159 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_47 W_O1'", tr(s.N_1), tr(t_127), s.t_47, tr(s.W_O1)), (1, "N_1' A1' t_47 _", tr(s.N_1), tr(s.A1), s.t_47, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_153, tr(s.W_O1)), (1, "N_1' _ t_47 W_O2'", tr(s.N_1), tr(t_130), s.t_47, tr(s.W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_153, tr(s.W_O2)), (1, "N_1' A2' t_47 _", tr(s.N_1), tr(s.A2), s.t_47, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_47", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_153, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_47", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_130), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_153, mean=True)))
+        out_W_1 = (s.mm('_ t_20', tr(t_135), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_140, mean=True))
+        out_W_3 = (s.mm('_ t_21', tr(t_135), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_141, mean=True))
+        t_161 = ((tr(s.t_92) * tr(t_136)) + (s.t_160 * tr(t_138)))
+        out_W_2 = s.mm('_ G', t_161, s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_165 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_166 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_167 = lin((1, s.prod("t_41' _", tr(s.t_41), t_165)), (1, s.prod("_ t_7'", t_166, tr(s.t_7))))
-        t_181 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_167)
-        t_182 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_183 = lin((1, s.prod("_ t_7'", t_182, tr(s.t_7))), (1, s.prod("t_42' _", tr(s.t_42), t_165)))
-        t_184 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_183)
-        t_185 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_181, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_184, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_187 = s.mm('_ one', (t_185 * s.Y_2), s.one)
-        t_188 = (t_187 * s.t_55)
-        t_189 = lin((1, t_185, s.R_N_2), (2/s.d_V, t_188))
-        t_190 = lin((1, s.prod('_ W_1', t_189, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_191 = lin((1, s.prod('_ W_3', t_189, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_192 = ((s.t_101 * t_190) + (s.t_35 * t_191))
-        t_193 = lin((1, t_185), (1, s.prod('_ W_2', t_192, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_194 = (s.t_4 * softmax_diff(s.t_18, t_193))
-        t_195 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_194, tr(s.W_2))))
-        t_199 = lin((1, s.t_186, t_190), (1, s.t_101, t_195), (1, s.t_198, t_191))
-        t_200 = ((s.t_198 * t_190) + (s.t_35 * t_195))
-        t_201 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_199, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_200, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_171 _', s.t_171, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_173 _', s.t_173, tr(V_W_3))))
-        t_204 = (math.sqrt(s.d_K)) * t_201
-        t_206 = lin((1, s.t_203, t_185), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_204), (2/s.d_V, t_187, s.t_205))
-        t_207 = lin((1, s.t_178, t_185), (1, t_201, s.R_N_2), (2/s.d_V, t_187, s.t_202), (1, s.mm('_ one', t_206, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_194))
-        t_208 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_207, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_179 _ W_V' N_1'", s.t_179, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_179 W_O1' _ N_1'", s.t_179, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_209 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_167, s.t_180) + softmax_diff(s.A1, t_208))
-        t_211 = lin((1, s.prod("_ t_2'", t_209, tr(s.t_2))), (1, s.prod('t_210 _', s.t_210, tr(t_165))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_211 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_211 * s.S), tr(s.R)), mean=True)
-        t_213 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_207, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_179 _ W_V' N_1'", s.t_179, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_179 W_O2' _ N_1'", s.t_179, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_214 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_183, s.t_212) + softmax_diff(s.A2, t_213))
-        t_216 = lin((1, s.prod("_ t_2'", t_214, tr(s.t_2))), (1, s.prod('t_215 _', s.t_215, tr(t_165))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_216 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_216 * s.S), tr(s.R)), mean=True)
-        t_221 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_167, s.t_220)
-        t_225 = lin((1, s.t_223, t_185), (1, s.t_55, (2/s.d_V) * t_204), (2/s.d_V, t_187, s.t_224))
-        t_226 = lin((1/math.sqrt(s.d_K), t_204, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_187, s.t_222), (1/math.sqrt(s.d_K), s.t_218, t_185), (1/math.sqrt(s.d_K), s.mm('_ one', t_225, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_194))
-        t_227 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_226, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_219 W_O1' _ N_1'", s.t_219, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_219 _ W_V' N_1'", s.t_219, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_228 = softmax_diff(s.A1, t_227)
-        t_230 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_183, s.t_229)
-        t_231 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_226, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_219 W_O2' _ N_1'", s.t_219, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_219 _ W_V' N_1'", s.t_219, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_232 = softmax_diff(s.A2, t_231)
-        t_235 = lin((1, s.prod("_ t_41'", (tr(t_221) + tr(t_228)), tr(s.t_41))), (1, s.prod("_ t_42'", (tr(t_230) + tr(t_232)), tr(s.t_42))), (1, s.prod("t_233' _", tr(s.t_233), t_166)), (1, s.prod("t_234' _", tr(s.t_234), t_182)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_235 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_235 * s.C)), mean=True)
-        t_237 = (math.sqrt(s.d_K)) * t_226
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_236 W_O2'", tr(s.N_1), tr(t_184), s.t_236, tr(s.W_O2)), (1, "N_1' A2' t_236 _", tr(s.N_1), tr(s.A2), s.t_236, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_237, tr(s.W_O2)), (1, "N_1' A1' t_236 _", tr(s.N_1), tr(s.A1), s.t_236, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_237, tr(s.W_O1)), (1, "N_1' _ t_236 W_O1'", tr(s.N_1), tr(t_181), s.t_236, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_236", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_236), (1, "W_V' N_1' _ t_236", tr(s.W_V), tr(s.N_1), tr(t_181), s.t_236), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_237, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_236", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_236), (1, "W_V' N_1' _ t_236", tr(s.W_V), tr(s.N_1), tr(t_184), s.t_236), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_237, mean=True)))
-        out_W_1 = (s.mm('_ t_171', tr(t_189), s.t_171, mean=True) + s.mm("N_2' _", tr(s.N_2), t_199, mean=True))
-        out_W_3 = (s.mm('_ t_173', tr(t_189), s.t_173, mean=True) + s.mm("N_2' _", tr(s.N_2), t_200, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_192), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_194, mean=True)))
+        t_162 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_163 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_164 = lin((1, s.prod("t_42' _", tr(s.t_42), t_162)), (1, s.prod("_ t_7'", t_163, tr(s.t_7))))
+        t_177 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_164)
+        t_178 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_179 = lin((1, s.prod("_ t_7'", t_178, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_162)))
+        t_180 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_179)
+        t_181 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_177, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_180, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_183 = s.mm('_ one', (t_181 * s.Y_2), s.one)
+        t_184 = (t_183 * s.t_55)
+        t_185 = lin((1, t_181, s.R_N_2), (2/s.d_V, t_184))
+        t_186 = lin((1, s.prod('_ W_1', t_185, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_187 = lin((1, s.prod('_ W_3', t_185, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_188 = ((s.t_92 * t_186) + (s.t_36 * t_187))
+        t_189 = lin((1, t_181), (1, s.prod('_ W_2', t_188, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_190 = (s.t_4 * softmax_diff(s.t_18, t_189))
+        t_191 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_190, tr(s.W_2))))
+        t_195 = lin((1, s.t_182, t_186), (1, s.t_92, t_191), (1, s.t_194, t_187))
+        t_196 = ((s.t_194 * t_186) + (s.t_36 * t_191))
+        t_197 = lin((1, s.prod("_ W_1'", t_195, tr(s.W_1))), (1, s.prod("_ W_3'", t_196, tr(s.W_3))), (1, s.prod('t_168 _', s.t_168, tr(V_W_1))), (1, s.prod('t_170 _', s.t_170, tr(V_W_3))))
+        t_201 = lin((1, s.t_199, t_181), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_197), (2/s.d_V, t_183, s.t_200))
+        t_202 = lin((1, s.t_174, t_181), (1, (1/math.sqrt(s.d_K)) * t_197, s.R_N_2), (2/s.d_V, t_183, s.t_198), (1, s.mm('_ one', t_201, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_190))
+        t_203 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_202, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O1' _ N_1'", s.t_175, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_204 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_176) + softmax_diff(s.A1, t_203))
+        t_206 = lin((1, s.prod("_ t_2'", t_204, tr(s.t_2))), (1, s.prod('t_205 _', s.t_205, tr(t_162))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_206 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_206 * s.S), tr(s.R)), mean=True)
+        t_208 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_202, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O2' _ N_1'", s.t_175, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_209 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_207) + softmax_diff(s.A2, t_208))
+        t_211 = lin((1, s.prod("_ t_2'", t_209, tr(s.t_2))), (1, s.prod('t_210 _', s.t_210, tr(t_162))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_211 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_211 * s.S), tr(s.R)), mean=True)
+        t_217 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_216)
+        t_221 = lin((1, s.t_219, t_181), (1, s.t_55, (2/s.d_V) * t_197), (2/s.d_V, t_183, s.t_220))
+        t_222 = lin((1, t_197, s.R_N_2), (2/s.d_V, t_183, s.t_218), (1, s.t_213, t_181), (1, s.mm('_ one', t_221, s.one), s.Y_2), (1/s.L, t_190))
+        t_223 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_222, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O1' _ N_1'", s.t_215, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_224 = softmax_diff(s.A1, t_223)
+        t_226 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_225)
+        t_227 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_222, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O2' _ N_1'", s.t_215, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_228 = softmax_diff(s.A2, t_227)
+        t_231 = lin((1, s.prod("_ t_42'", (tr(t_217) + tr(t_224)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_226) + tr(t_228)), tr(s.t_43))), (1, s.prod("t_229' _", tr(s.t_229), t_163)), (1, s.prod("t_230' _", tr(s.t_230), t_178)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_231 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_231 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_214 W_O2'", tr(s.N_1), tr(t_180), s.t_214, tr(s.W_O2)), (1, "N_1' A2' t_214 _", tr(s.N_1), tr(s.A2), s.t_214, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_222, tr(s.W_O2)), (1, "N_1' A1' t_214 _", tr(s.N_1), tr(s.A1), s.t_214, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_222, tr(s.W_O1)), (1, "N_1' _ t_214 W_O1'", tr(s.N_1), tr(t_177), s.t_214, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_214", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_214), (1, "W_V' N_1' _ t_214", tr(s.W_V), tr(s.N_1), tr(t_177), s.t_214), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_222, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_214", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_214), (1, "W_V' N_1' _ t_214", tr(s.W_V), tr(s.N_1), tr(t_180), s.t_214), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_222, mean=True)))
+        out_W_1 = (s.mm('_ t_168', tr(t_185), s.t_168, mean=True) + s.mm("N_2' _", tr(s.N_2), t_195, mean=True))
+        out_W_3 = (s.mm('_ t_170', tr(t_185), s.t_170, mean=True) + s.mm("N_2' _", tr(s.N_2), t_196, mean=True))
+        out_W_2 = lin((1, s.mm('_ G', tr(t_188), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_190, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -5371,15 +5343,15 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "8b4653eb8e07af3aab51fe52"
+    STAMP = "98493d994a4a5860a5074aa5"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_236": 2,
+        "A1' t_214": 2,
         "A1' t_47": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_236": 2,
+        "A2' t_214": 2,
         "A2' t_47": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
@@ -5388,19 +5360,19 @@ class ce_causal1(Forward):
         'N_1 W_V': 59,
         'N_1 W_V W_O1': 15,
         'N_1 W_V W_O2': 15,
-        "N_1' A1' t_236": 2,
+        "N_1' A1' t_214": 2,
         "N_1' A1' t_47": 4,
-        "N_1' A2' t_236": 2,
+        "N_1' A2' t_214": 2,
         "N_1' A2' t_47": 4,
-        "W_O1 t_179'": 2,
-        "W_O1 t_219'": 2,
-        "W_O1 t_27'": 3,
+        "W_O1 t_175'": 2,
+        "W_O1 t_215'": 2,
+        "W_O1 t_28'": 3,
         "W_O1 t_47'": 3,
         "W_O1 t_69'": 2,
         "W_O1' W_V'": 16,
-        "W_O2 t_179'": 2,
-        "W_O2 t_219'": 2,
-        "W_O2 t_27'": 3,
+        "W_O2 t_175'": 2,
+        "W_O2 t_215'": 2,
+        "W_O2 t_28'": 3,
         "W_O2 t_47'": 3,
         "W_O2 t_69'": 2,
         "W_O2' W_V'": 16,
@@ -5548,99 +5520,99 @@ class ce_causal1(Forward):
 
     @leaf
     def t_22(s):
-        return lin((1/math.sqrt(s.d_K), s.mm("t_20 W_1'", s.t_20, tr(s.W_1))), (1/math.sqrt(s.d_K), s.mm("t_21 W_3'", s.t_21, tr(s.W_3))))
+        return (s.mm("t_20 W_1'", s.t_20, tr(s.W_1)) + s.mm("t_21 W_3'", s.t_21, tr(s.W_3)))
 
     @leaf
     def t_23(s):
-        return (2/s.d_V) * s.t_22
+        return (1/math.sqrt(s.d_K)) * s.t_22
 
     @leaf
     def t_24(s):
-        return (-0.5 * (s.t_12 ** -1.5))
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_22
 
     @leaf
     def t_25(s):
-        return mul(s.t_23, s.t_24, s.Y_2)
+        return (-0.5 * (s.t_12 ** -1.5))
 
     @leaf
     def t_26(s):
-        return s.mm('t_25 one', s.t_25, s.one)
+        return mul(s.t_24, s.t_25, s.Y_2)
 
     @leaf
     def t_27(s):
-        return lin((1, s.t_22, s.R_N_2), (1, s.t_26, s.Y_2), (1/math.sqrt(s.d_K), s.G))
+        return s.mm('t_26 one', s.t_26, s.one)
 
     @leaf
     def t_28(s):
-        return s.mm("t_27 W_O1' W_V' N_1'", s.t_27, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return lin((1, s.t_23, s.R_N_2), (1, s.t_27, s.Y_2), (1/math.sqrt(s.d_K), s.G))
 
     @leaf
     def t_29(s):
-        return softmax_diff(s.A1, s.t_28)
+        return s.mm("t_28 W_O1' W_V' N_1'", s.t_28, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_30(s):
-        return s.mm('W_V W_O1', s.W_V, s.W_O1)
+        return softmax_diff(s.A1, s.t_29)
 
     @leaf
     def t_31(s):
-        return s.mm("t_27 W_O1'", s.t_27, tr(s.W_O1))
+        return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
     def t_32(s):
-        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
+        return s.mm("t_28 W_O1'", s.t_28, tr(s.W_O1))
 
     @leaf
     def t_33(s):
-        return s.mm('N_1 W_V', s.N_1, s.W_V)
+        return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
     def t_34(s):
-        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
     def t_35(s):
-        return (s.t_14 * s.t_13)
+        return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
     def t_36(s):
-        return tr(s.t_8)
+        return (s.t_14 * s.t_13)
 
     @leaf
     def t_37(s):
-        return s.mm("t_27 W_O2' W_V' N_1'", s.t_27, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return tr(s.t_8)
 
     @leaf
     def t_38(s):
-        return softmax_diff(s.A2, s.t_37)
+        return s.mm("t_28 W_O2' W_V' N_1'", s.t_28, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_39(s):
-        return s.mm('W_V W_O2', s.W_V, s.W_O2)
+        return softmax_diff(s.A2, s.t_38)
 
     @leaf
     def t_40(s):
-        return s.mm("t_27 W_O2'", s.t_27, tr(s.W_O2))
+        return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
     def t_41(s):
-        return tr(s.t_9)
+        return s.mm("t_28 W_O2'", s.t_28, tr(s.W_O2))
 
     @leaf
     def t_42(s):
-        return tr(s.t_10)
+        return tr(s.t_9)
 
     @leaf
     def t_43(s):
-        return (math.sqrt(s.d_K)) * s.t_22
+        return tr(s.t_10)
 
     @leaf
     def t_44(s):
-        return (2*math.sqrt(s.d_K)/s.d_V) * s.t_22
+        return (2/s.d_V) * s.t_22
 
     @leaf
     def t_45(s):
-        return mul(s.t_44, s.t_24, s.Y_2)
+        return mul(s.t_44, s.t_25, s.Y_2)
 
     @leaf
     def t_46(s):
@@ -5648,7 +5620,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_47(s):
-        return lin((1, s.t_43, s.R_N_2), (1, s.t_46, s.Y_2), (1, s.G))
+        return lin((1, s.t_22, s.R_N_2), (1, s.t_46, s.Y_2), (1, s.G))
 
     @leaf
     def t_48(s):
@@ -5668,11 +5640,11 @@ class ce_causal1(Forward):
 
     @leaf
     def t_52(s):
-        return tr(s.t_32)
+        return tr(s.t_33)
 
     @leaf
     def t_53(s):
-        return tr(s.t_34)
+        return tr(s.t_35)
 
     @leaf
     def t_54(s):
@@ -5680,7 +5652,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_55(s):
-        return (s.t_24 * s.Y_2)
+        return (s.t_25 * s.Y_2)
 
     @leaf
     def t_56(s):
@@ -5716,7 +5688,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_64(s):
-        return (s.t_23 * s.t_24)
+        return (s.t_24 * s.t_25)
 
     @leaf
     def t_65(s):
@@ -5724,15 +5696,15 @@ class ce_causal1(Forward):
 
     @leaf
     def t_66(s):
-        return mul(s.t_23, s.t_65, s.Y_2)
+        return mul(s.t_24, s.t_65, s.Y_2)
 
     @leaf
     def t_67(s):
-        return bcast_last(s.t_26, s.d_V)
+        return bcast_last(s.t_27, s.d_V)
 
     @leaf
     def t_68(s):
-        return (s.t_22 * s.t_24)
+        return (s.t_23 * s.t_25)
 
     @leaf
     def t_69(s):
@@ -5748,7 +5720,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_72(s):
-        return (s.t_44 * s.t_24)
+        return (s.t_44 * s.t_25)
 
     @leaf
     def t_73(s):
@@ -5760,7 +5732,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_75(s):
-        return (s.t_43 * s.t_24)
+        return (s.t_22 * s.t_25)
 
     @leaf
     def t_76(s):
@@ -5788,7 +5760,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_81(s):
-        return s.mm("t_29 t_2'", s.t_29, tr(s.t_2))
+        return s.mm("t_30 t_2'", s.t_30, tr(s.t_2))
 
     @leaf
     def t_82(s):
@@ -5800,7 +5772,7 @@ class ce_causal1(Forward):
 
     @leaf
     def t_84(s):
-        return s.mm("t_38 t_2'", s.t_38, tr(s.t_2))
+        return s.mm("t_39 t_2'", s.t_39, tr(s.t_2))
 
     @leaf
     def t_85(s):
@@ -5812,11 +5784,11 @@ class ce_causal1(Forward):
 
     @leaf
     def t_87(s):
-        return s.mm("t_71' t_41'", tr(s.t_71), tr(s.t_41))
+        return s.mm("t_71' t_42'", tr(s.t_71), tr(s.t_42))
 
     @leaf
     def t_88(s):
-        return s.mm("t_77' t_42'", tr(s.t_77), tr(s.t_42))
+        return s.mm("t_77' t_43'", tr(s.t_77), tr(s.t_43))
 
     @leaf
     def t_89(s):
@@ -5832,159 +5804,151 @@ class ce_causal1(Forward):
 
     @leaf
     def t_92(s):
-        return lin((1/s.L, s.t_56), (1/s.L, s.t_57))
+        return (s.t_56 + s.t_57)
 
     @leaf
-    def t_101(s):
-        return (s.L) * s.t_92
-
-    @leaf
-    def t_133(s):
+    def t_132(s):
         return lin((1, s.t_60), (2, s.t_61))
 
     @leaf
-    def t_138(s):
+    def t_137(s):
         return (s.t_62 + s.t_63)
 
     @leaf
-    def t_163(s):
+    def t_160(s):
         return (tr(s.t_14) * tr(s.t_13))
 
     @leaf
-    def t_168(s):
+    def t_165(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_166(s):
+        return mul(s.t_15, s.t_165, s.t_13, s.t_16)
+
+    @leaf
+    def t_167(s):
+        return mul(s.t_14, s.t_165, s.t_16)
+
+    @leaf
+    def t_168(s):
+        return (s.t_166 + s.t_167)
+
+    @leaf
     def t_169(s):
-        return mul(s.t_15, s.t_168, s.t_13, s.t_16)
+        return s.mm("t_168 W_1'", s.t_168, tr(s.W_1))
 
     @leaf
     def t_170(s):
-        return mul(s.t_14, s.t_168, s.t_16)
+        return mul(s.t_14, s.t_165, s.t_13)
 
     @leaf
     def t_171(s):
-        return (s.t_169 + s.t_170)
+        return s.mm("t_170 W_3'", s.t_170, tr(s.W_3))
 
     @leaf
     def t_172(s):
-        return s.mm("t_171 W_1'", s.t_171, tr(s.W_1))
+        return (s.t_169 + s.t_171)
 
     @leaf
     def t_173(s):
-        return mul(s.t_14, s.t_168, s.t_13)
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_25, s.Y_2)
 
     @leaf
     def t_174(s):
-        return s.mm("t_173 W_3'", s.t_173, tr(s.W_3))
+        return s.mm('t_173 one', s.t_173, s.one)
 
     @leaf
     def t_175(s):
-        return lin((1/math.sqrt(s.d_K), s.t_172), (1/math.sqrt(s.d_K), s.t_174))
+        return lin((1/math.sqrt(s.d_K), s.G), (1, (1/math.sqrt(s.d_K)) * s.t_172, s.R_N_2), (1, s.t_174, s.Y_2))
 
     @leaf
     def t_176(s):
-        return (math.sqrt(s.d_K)) * s.t_175
+        return s.mm("t_175 W_O1' W_V' N_1'", s.t_175, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_177(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_176, s.t_24, s.Y_2)
+    def t_182(s):
+        return lin((1, mul(s.t_59, s.t_165, s.t_13), s.t_16), (2, (s.t_15 * s.t_165), s.t_16))
 
     @leaf
-    def t_178(s):
-        return s.mm('t_177 one', s.t_177, s.one)
+    def t_192(s):
+        return mul(s.t_15, s.t_165, s.t_13)
 
     @leaf
-    def t_179(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, s.t_175, s.R_N_2), (1, s.t_178, s.Y_2))
+    def t_193(s):
+        return (s.t_14 * s.t_165)
 
     @leaf
-    def t_180(s):
-        return s.mm("t_179 W_O1' W_V' N_1'", s.t_179, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_186(s):
-        return lin((1, mul(s.t_59, s.t_168, s.t_13), s.t_16), (2, (s.t_15 * s.t_168), s.t_16))
-
-    @leaf
-    def t_196(s):
-        return mul(s.t_15, s.t_168, s.t_13)
-
-    @leaf
-    def t_197(s):
-        return (s.t_14 * s.t_168)
+    def t_194(s):
+        return (s.t_192 + s.t_193)
 
     @leaf
     def t_198(s):
-        return (s.t_196 + s.t_197)
+        return ((1/math.sqrt(s.d_K)) * s.t_172 * s.t_25)
 
     @leaf
-    def t_202(s):
-        return (s.t_175 * s.t_24)
+    def t_199(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172 * s.t_25)
 
     @leaf
-    def t_203(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_176 * s.t_24)
+    def t_200(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_65, s.Y_2)
 
     @leaf
     def t_205(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_176, s.t_65, s.Y_2)
+        return softmax_diff(s.A1, s.t_176)
+
+    @leaf
+    def t_207(s):
+        return s.mm("t_175 W_O2' W_V' N_1'", s.t_175, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_210(s):
-        return softmax_diff(s.A1, s.t_180)
+        return softmax_diff(s.A2, s.t_207)
 
     @leaf
     def t_212(s):
-        return s.mm("t_179 W_O2' W_V' N_1'", s.t_179, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return mul((2/s.d_V) * s.t_172, s.t_25, s.Y_2)
+
+    @leaf
+    def t_213(s):
+        return s.mm('t_212 one', s.t_212, s.one)
+
+    @leaf
+    def t_214(s):
+        return lin((1, s.G), (1, s.t_172, s.R_N_2), (1, s.t_213, s.Y_2))
 
     @leaf
     def t_215(s):
-        return softmax_diff(s.A2, s.t_212)
+        return (1/math.sqrt(s.d_K)) * s.t_214
 
     @leaf
-    def t_217(s):
-        return mul((2/s.d_V) * s.t_176, s.t_24, s.Y_2)
+    def t_216(s):
+        return s.mm("t_215 W_O1' W_V' N_1'", s.t_215, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_218(s):
-        return s.mm('t_217 one', s.t_217, s.one)
+        return (s.t_172 * s.t_25)
 
     @leaf
     def t_219(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1/math.sqrt(s.d_K), s.t_176, s.R_N_2), (1/math.sqrt(s.d_K), s.t_218, s.Y_2))
+        return ((2/s.d_V) * s.t_172 * s.t_25)
 
     @leaf
     def t_220(s):
-        return s.mm("t_219 W_O1' W_V' N_1'", s.t_219, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return mul((2/s.d_V) * s.t_172, s.t_65, s.Y_2)
 
     @leaf
-    def t_222(s):
-        return (s.t_176 * s.t_24)
-
-    @leaf
-    def t_223(s):
-        return ((2/s.d_V) * s.t_176 * s.t_24)
-
-    @leaf
-    def t_224(s):
-        return mul((2/s.d_V) * s.t_176, s.t_65, s.Y_2)
+    def t_225(s):
+        return s.mm("t_215 W_O2' W_V' N_1'", s.t_215, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_229(s):
-        return s.mm("t_219 W_O2' W_V' N_1'", s.t_219, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return softmax_diff(s.A1, s.t_216)
 
     @leaf
-    def t_233(s):
-        return softmax_diff(s.A1, s.t_220)
-
-    @leaf
-    def t_234(s):
-        return softmax_diff(s.A2, s.t_229)
-
-    @leaf
-    def t_236(s):
-        return (math.sqrt(s.d_K)) * s.t_219
+    def t_230(s):
+        return softmax_diff(s.A2, s.t_225)
 
     @leaf
     def S_2(s):
@@ -6023,7 +5987,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_35),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_36),
         ])
 
     @leaf
@@ -6047,7 +6011,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_35, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_36, s.W_3),
         ])
 
     @leaf
@@ -6137,9 +6101,9 @@ class ce_causal1(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_29, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_29),
+            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_30, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_30),
         ])
 
     @leaf
@@ -6194,16 +6158,16 @@ class ce_causal1(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_38, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_38, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_38),
+            net(1, 'nab,bc->nabc', s.t_39, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_39, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_39),
         ])
 
     @leaf
     def S_23(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_23', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_37, s.S_17, s.t_8, s.dA_3),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -6315,7 +6279,7 @@ class ce_causal1(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_9, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_29, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_30, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -6330,34 +6294,34 @@ class ce_causal1(Forward):
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_32),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.t_27),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.W_O1, s.S_17, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_34, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_34, s.W_O1, s.S_17, s.t_33),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_35),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -6376,7 +6340,7 @@ class ce_causal1(Forward):
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -6401,7 +6365,7 @@ class ce_causal1(Forward):
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -6413,223 +6377,223 @@ class ce_causal1(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_38, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_37, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_37, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_39, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_39, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_39, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_40),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_40, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_40, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_41),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_37, s.S_17, s.t_33),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.t_27),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.W_O2, s.S_17, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.W_O2, s.S_17, s.t_35),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_41, s.d2A_3, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_42, s.d2A_4, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_42, s.d2A_3, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_43, s.d2A_4, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA, s.N_1, s.t_30, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA, s.N_1, s.t_30, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA, s.N_1, s.t_48),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA_3, s.N_1, s.t_39, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA_3, s.N_1, s.t_39, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA_3, s.N_1, s.t_49),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA, s.N_1, s.t_31, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA, s.N_1, s.t_31, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA, s.N_1, s.t_48),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_43, s.dA_3, s.N_1, s.t_40, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_43, s.dA_3, s.N_1, s.t_40, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_43, s.dA_3, s.N_1, s.t_49),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA, s.t_33, s.t_47),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA, s.t_33, s.W_O1, s.S_25, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA, s.t_34, s.t_47),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA, s.t_34, s.W_O1, s.S_25, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_25, s.t_33),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_25, s.t_34),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_33, s.t_47),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_33, s.W_O2, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_25, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_34, s.t_47),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_34, s.W_O2, s.S_25, s.t_35),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_41, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_42, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_41, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_42, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -6657,31 +6621,31 @@ class ce_causal1(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_50, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_32),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_33),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_33),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_51, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_34),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_35),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_35),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -6703,8 +6667,8 @@ class ce_causal1(Forward):
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -6733,25 +6697,25 @@ class ce_causal1(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_33),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_33),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_35),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_35),
         ]
 
     def block__W_O1__W_1__outer(s):
@@ -6770,7 +6734,7 @@ class ce_causal1(Forward):
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
@@ -6795,13 +6759,13 @@ class ce_causal1(Forward):
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_35),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_53, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_53, s.S_25, s.t_35),
         ]
 
     def block__W_O2__W_1__outer(s):
@@ -6820,7 +6784,7 @@ class ce_causal1(Forward):
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
@@ -6857,7 +6821,7 @@ class ce_causal1(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -6881,19 +6845,19 @@ class ce_causal1(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_36, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_36, s.W_2, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_35, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_36, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
@@ -6935,13 +6899,13 @@ class ce_causal1(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_32),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_33),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_34),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_35),
         ]
 
     def jacobian__W_1(s):
@@ -6953,7 +6917,7 @@ class ce_causal1(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_35, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_36, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -6983,146 +6947,142 @@ class ce_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_93 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_95 = lin((1, s.prod("t_41' _", tr(s.t_41), t_93)), (1, s.prod("_ t_7'", t_94, tr(s.t_7))))
+        t_95 = lin((1, s.prod("t_42' _", tr(s.t_42), t_93)), (1, s.prod("_ t_7'", t_94, tr(s.t_7))))
         t_96 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_95)
         t_97 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_98 = lin((1, s.prod("_ t_7'", t_97, tr(s.t_7))), (1, s.prod("t_42' _", tr(s.t_42), t_93)))
+        t_98 = lin((1, s.prod("_ t_7'", t_97, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_93)))
         t_99 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_98)
         t_100 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_96, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_99, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_102 = s.mm('_ one', (t_100 * s.Y_2), s.one)
-        t_103 = (t_102 * s.t_55)
-        t_104 = lin((1, t_100, s.R_N_2), (2/s.d_V, t_103))
-        t_105 = lin((1, s.prod('_ W_1', t_104, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_106 = lin((1, s.prod('_ W_3', t_104, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_107 = ((s.t_101 * t_105) + (s.t_35 * t_106))
-        t_108 = lin((1, t_100), (1, s.prod('_ W_2', t_107, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_109 = (s.t_4 * softmax_diff(s.t_58, t_108))
-        t_110 = s.mm("_ W_2'", t_109, tr(s.W_2))
-        t_111 = (s.t_92 * t_110)
-        t_112 = (s.t_35 * t_110)
-        t_113 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_111, tr(s.W_1))), (1/(s.L*math.sqrt(s.d_K)), s.prod("_ W_3'", t_112, tr(s.W_3))))
-        t_114 = (math.sqrt(s.d_K)) * t_113
-        t_115 = lin((1, t_113, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_114), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_109))
-        t_116 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_115, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_101 = s.mm('_ one', (t_100 * s.Y_2), s.one)
+        t_102 = (t_101 * s.t_55)
+        t_103 = lin((1, t_100, s.R_N_2), (2/s.d_V, t_102))
+        t_104 = lin((1, s.prod('_ W_1', t_103, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_105 = lin((1, s.prod('_ W_3', t_103, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_106 = ((s.t_92 * t_104) + (s.t_36 * t_105))
+        t_107 = lin((1, t_100), (1, s.prod('_ W_2', t_106, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_108 = (s.t_4 * softmax_diff(s.t_58, t_107))
+        t_109 = s.mm("_ W_2'", t_108, tr(s.W_2))
+        t_110 = ((1/s.L) * s.t_92 * t_109)
+        t_111 = (s.t_36 * t_109)
+        t_112 = lin((1, s.prod("_ W_1'", t_110, tr(s.W_1))), (1/s.L, s.prod("_ W_3'", t_111, tr(s.W_3))))
+        t_113 = lin((1, (1/math.sqrt(s.d_K)) * t_112, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_112), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_108))
+        t_114 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_113, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_115 = s.mm("_ t_2'", t_114, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_115 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_115 * s.S), tr(s.R)), mean=True)
+        t_116 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_113, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
         t_117 = s.mm("_ t_2'", t_116, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_117 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_117 * s.S), tr(s.R)), mean=True)
-        t_118 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_115, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_119 = s.mm("_ t_2'", t_118, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_119 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_119 * s.S), tr(s.R)), mean=True)
-        t_120 = lin((1/math.sqrt(s.d_K), t_114, s.R_N_2), (1/math.sqrt(s.d_K), s.mm('_ one', (s.t_55 * (2/s.d_V) * t_114), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_109))
-        t_121 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_120, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_122 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_120, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_123 = lin((1, s.prod("_ t_41'", tr(t_121), tr(s.t_41))), (1, s.prod("_ t_42'", tr(t_122), tr(s.t_42))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_117 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_117 * s.S), tr(s.R)), mean=True)
+        t_118 = lin((1, t_112, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/s.d_V) * t_112), s.one), s.Y_2), (1/s.L, t_108))
+        t_119 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_118, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        t_120 = softmax_diff(s.A1, t_119)
+        t_121 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_118, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        t_122 = softmax_diff(s.A2, t_121)
+        t_123 = lin((1, s.prod("_ t_42'", tr(t_120), tr(s.t_42))), (1, s.prod("_ t_43'", tr(t_122), tr(s.t_43))))
         out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_123 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_123 * s.S), tr(s.R)), mean=True)
-        t_124 = (math.sqrt(s.d_K)) * t_120
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_124, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_124, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_124, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_124, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_111, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_112, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_109, mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_118, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_118, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_118, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_118, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_110, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_111, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_108, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_125 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_126 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_127 = lin((1, s.prod("t_41' _", tr(s.t_41), t_125)), (1, s.prod("_ t_7'", t_126, tr(s.t_7))))
-        t_128 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_127)
-        t_129 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_130 = lin((1, s.prod("_ t_7'", t_129, tr(s.t_7))), (1, s.prod("t_42' _", tr(s.t_42), t_125)))
-        t_131 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_130)
-        t_132 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_128, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_131, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_134 = s.mm('_ one', (t_132 * s.Y_2), s.one)
-        t_135 = (t_134 * s.t_55)
-        t_136 = lin((1, t_132, s.R_N_2), (2/s.d_V, t_135))
-        t_137 = lin((1, s.prod('_ W_1', t_136, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_139 = lin((1, s.prod('_ W_3', t_136, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_140 = s.mm('G _', s.G, tr(V_W_2))
-        t_141 = lin((1, s.t_133, t_137), (1, s.t_138, t_139), (1, s.t_101, t_140))
-        t_142 = ((s.t_138 * t_137) + (s.t_35 * t_140))
-        t_143 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_141, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_142, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_20 _', s.t_20, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_21 _', s.t_21, tr(V_W_3))))
-        t_144 = (math.sqrt(s.d_K)) * t_143
-        t_145 = lin((1, s.t_64, t_132), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_144), (2/s.d_V, t_134, s.t_66))
-        t_146 = lin((1, s.t_26, t_132), (1, t_143, s.R_N_2), (2/s.d_V, t_134, s.t_68), (1, s.mm('_ one', t_145, s.one), s.Y_2))
-        t_147 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_146, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_27 _ W_V' N_1'", s.t_27, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_27 W_O1' _ N_1'", s.t_27, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_148 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_127, s.t_28) + softmax_diff(s.A1, t_147))
-        t_149 = lin((1, s.prod("_ t_2'", t_148, tr(s.t_2))), (1, s.prod('t_29 _', s.t_29, tr(t_125))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_149 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_149 * s.C)), mean=True)
-        t_150 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_146, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_27 _ W_V' N_1'", s.t_27, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_27 W_O2' _ N_1'", s.t_27, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_151 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_130, s.t_37) + softmax_diff(s.A2, t_150))
-        t_152 = lin((1, s.prod("_ t_2'", t_151, tr(s.t_2))), (1, s.prod('t_38 _', s.t_38, tr(t_125))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_152 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_152 * s.C)), mean=True)
-        t_153 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_127, s.t_70)
-        t_154 = lin((1, s.t_72, t_132), (1, s.t_55, (2/s.d_V) * t_144), (2/s.d_V, t_134, s.t_73))
-        t_155 = lin((1/math.sqrt(s.d_K), t_144, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_134, s.t_75), (1/math.sqrt(s.d_K), s.t_46, t_132), (1/math.sqrt(s.d_K), s.mm('_ one', t_154, s.one), s.Y_2))
-        t_156 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_155, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O1' _ N_1'", s.t_69, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_157 = softmax_diff(s.A1, t_156)
-        t_158 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_130, s.t_76)
-        t_159 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_155, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O2' _ N_1'", s.t_69, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_160 = softmax_diff(s.A2, t_159)
-        t_161 = lin((1, s.prod("_ t_41'", (tr(t_153) + tr(t_157)), tr(s.t_41))), (1, s.prod("_ t_42'", (tr(t_158) + tr(t_160)), tr(s.t_42))), (1, s.prod("t_71' _", tr(s.t_71), t_126)), (1, s.prod("t_77' _", tr(s.t_77), t_129)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_161 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_161 * s.S), tr(s.R)), mean=True)
-        t_162 = (math.sqrt(s.d_K)) * t_155
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_47 _", tr(s.N_1), tr(s.A2), s.t_47, tr(V_W_O2)), (1, "N_1' _ t_47 W_O1'", tr(s.N_1), tr(t_128), s.t_47, tr(s.W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_162, tr(s.W_O1)), (1, "N_1' A1' t_47 _", tr(s.N_1), tr(s.A1), s.t_47, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_162, tr(s.W_O2)), (1, "N_1' _ t_47 W_O2'", tr(s.N_1), tr(t_131), s.t_47, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_47", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_128), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_162, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_47", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_131), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_162, mean=True)))
-        out_W_1 = (s.mm('_ t_20', tr(t_136), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_141, mean=True))
-        out_W_3 = (s.mm('_ t_21', tr(t_136), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_142, mean=True))
-        t_164 = ((tr(s.t_101) * tr(t_137)) + (s.t_163 * tr(t_139)))
-        out_W_2 = s.mm('_ G', t_164, s.G, mean=True)
+        t_124 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_125 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_126 = lin((1, s.prod("t_42' _", tr(s.t_42), t_124)), (1, s.prod("_ t_7'", t_125, tr(s.t_7))))
+        t_127 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_126)
+        t_128 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_129 = lin((1, s.prod("_ t_7'", t_128, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_124)))
+        t_130 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_129)
+        t_131 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_127, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_130, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_133 = s.mm('_ one', (t_131 * s.Y_2), s.one)
+        t_134 = (t_133 * s.t_55)
+        t_135 = lin((1, t_131, s.R_N_2), (2/s.d_V, t_134))
+        t_136 = lin((1, s.prod('_ W_1', t_135, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_138 = lin((1, s.prod('_ W_3', t_135, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_139 = s.mm('G _', s.G, tr(V_W_2))
+        t_140 = lin((1, s.t_132, t_136), (1, s.t_137, t_138), (1, s.t_92, t_139))
+        t_141 = ((s.t_137 * t_136) + (s.t_36 * t_139))
+        t_142 = lin((1, s.prod("_ W_1'", t_140, tr(s.W_1))), (1, s.prod("_ W_3'", t_141, tr(s.W_3))), (1, s.prod('t_20 _', s.t_20, tr(V_W_1))), (1, s.prod('t_21 _', s.t_21, tr(V_W_3))))
+        t_143 = lin((1, s.t_64, t_131), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_142), (2/s.d_V, t_133, s.t_66))
+        t_144 = lin((1, s.t_27, t_131), (1, (1/math.sqrt(s.d_K)) * t_142, s.R_N_2), (2/s.d_V, t_133, s.t_68), (1, s.mm('_ one', t_143, s.one), s.Y_2))
+        t_145 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O1' _ N_1'", s.t_28, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_146 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_126, s.t_29) + softmax_diff(s.A1, t_145))
+        t_147 = lin((1, s.prod("_ t_2'", t_146, tr(s.t_2))), (1, s.prod('t_30 _', s.t_30, tr(t_124))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), mean=True)
+        t_148 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O2' _ N_1'", s.t_28, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_149 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_129, s.t_38) + softmax_diff(s.A2, t_148))
+        t_150 = lin((1, s.prod("_ t_2'", t_149, tr(s.t_2))), (1, s.prod('t_39 _', s.t_39, tr(t_124))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_150 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_150 * s.C)), mean=True)
+        t_151 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_126, s.t_70)
+        t_152 = lin((1, s.t_72, t_131), (1, s.t_55, (2/s.d_V) * t_142), (2/s.d_V, t_133, s.t_73))
+        t_153 = lin((1, t_142, s.R_N_2), (2/s.d_V, t_133, s.t_75), (1, s.t_46, t_131), (1, s.mm('_ one', t_152, s.one), s.Y_2))
+        t_154 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_153, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O1' _ N_1'", s.t_69, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_155 = softmax_diff(s.A1, t_154)
+        t_156 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_129, s.t_76)
+        t_157 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_153, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O2' _ N_1'", s.t_69, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_158 = softmax_diff(s.A2, t_157)
+        t_159 = lin((1, s.prod("_ t_42'", (tr(t_151) + tr(t_155)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_156) + tr(t_158)), tr(s.t_43))), (1, s.prod("t_71' _", tr(s.t_71), t_125)), (1, s.prod("t_77' _", tr(s.t_77), t_128)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_159 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_159 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_47 _", tr(s.N_1), tr(s.A2), s.t_47, tr(V_W_O2)), (1, "N_1' _ t_47 W_O1'", tr(s.N_1), tr(t_127), s.t_47, tr(s.W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_153, tr(s.W_O1)), (1, "N_1' A1' t_47 _", tr(s.N_1), tr(s.A1), s.t_47, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_153, tr(s.W_O2)), (1, "N_1' _ t_47 W_O2'", tr(s.N_1), tr(t_130), s.t_47, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_47", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_153, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_47", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_130), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_153, mean=True)))
+        out_W_1 = (s.mm('_ t_20', tr(t_135), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_140, mean=True))
+        out_W_3 = (s.mm('_ t_21', tr(t_135), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_141, mean=True))
+        t_161 = ((tr(s.t_92) * tr(t_136)) + (s.t_160 * tr(t_138)))
+        out_W_2 = s.mm('_ G', t_161, s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_165 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_166 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_167 = lin((1, s.prod("t_41' _", tr(s.t_41), t_165)), (1, s.prod("_ t_7'", t_166, tr(s.t_7))))
-        t_181 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_167)
-        t_182 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_183 = lin((1, s.prod("_ t_7'", t_182, tr(s.t_7))), (1, s.prod("t_42' _", tr(s.t_42), t_165)))
-        t_184 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_183)
-        t_185 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_181, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_184, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_187 = s.mm('_ one', (t_185 * s.Y_2), s.one)
-        t_188 = (t_187 * s.t_55)
-        t_189 = lin((1, t_185, s.R_N_2), (2/s.d_V, t_188))
-        t_190 = lin((1, s.prod('_ W_1', t_189, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_191 = lin((1, s.prod('_ W_3', t_189, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_192 = ((s.t_101 * t_190) + (s.t_35 * t_191))
-        t_193 = lin((1, t_185), (1, s.prod('_ W_2', t_192, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_194 = (s.t_4 * softmax_diff(s.t_18, t_193))
-        t_195 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_194, tr(s.W_2))))
-        t_199 = lin((1, s.t_186, t_190), (1, s.t_101, t_195), (1, s.t_198, t_191))
-        t_200 = ((s.t_198 * t_190) + (s.t_35 * t_195))
-        t_201 = lin((1/math.sqrt(s.d_K), s.prod("_ W_1'", t_199, tr(s.W_1))), (1/math.sqrt(s.d_K), s.prod("_ W_3'", t_200, tr(s.W_3))), (1/math.sqrt(s.d_K), s.prod('t_171 _', s.t_171, tr(V_W_1))), (1/math.sqrt(s.d_K), s.prod('t_173 _', s.t_173, tr(V_W_3))))
-        t_204 = (math.sqrt(s.d_K)) * t_201
-        t_206 = lin((1, s.t_203, t_185), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_204), (2/s.d_V, t_187, s.t_205))
-        t_207 = lin((1, s.t_178, t_185), (1, t_201, s.R_N_2), (2/s.d_V, t_187, s.t_202), (1, s.mm('_ one', t_206, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_194))
-        t_208 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_207, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_179 _ W_V' N_1'", s.t_179, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_179 W_O1' _ N_1'", s.t_179, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_209 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_167, s.t_180) + softmax_diff(s.A1, t_208))
-        t_211 = lin((1, s.prod("_ t_2'", t_209, tr(s.t_2))), (1, s.prod('t_210 _', s.t_210, tr(t_165))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_211 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_211 * s.S), tr(s.R)), mean=True)
-        t_213 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_207, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_179 _ W_V' N_1'", s.t_179, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_179 W_O2' _ N_1'", s.t_179, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_214 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_183, s.t_212) + softmax_diff(s.A2, t_213))
-        t_216 = lin((1, s.prod("_ t_2'", t_214, tr(s.t_2))), (1, s.prod('t_215 _', s.t_215, tr(t_165))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_216 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_216 * s.S), tr(s.R)), mean=True)
-        t_221 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_167, s.t_220)
-        t_225 = lin((1, s.t_223, t_185), (1, s.t_55, (2/s.d_V) * t_204), (2/s.d_V, t_187, s.t_224))
-        t_226 = lin((1/math.sqrt(s.d_K), t_204, s.R_N_2), (2/(math.sqrt(s.d_K)*s.d_V), t_187, s.t_222), (1/math.sqrt(s.d_K), s.t_218, t_185), (1/math.sqrt(s.d_K), s.mm('_ one', t_225, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_194))
-        t_227 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_226, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_219 W_O1' _ N_1'", s.t_219, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_219 _ W_V' N_1'", s.t_219, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_228 = softmax_diff(s.A1, t_227)
-        t_230 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_183, s.t_229)
-        t_231 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_226, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_219 W_O2' _ N_1'", s.t_219, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_219 _ W_V' N_1'", s.t_219, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_232 = softmax_diff(s.A2, t_231)
-        t_235 = lin((1, s.prod("_ t_41'", (tr(t_221) + tr(t_228)), tr(s.t_41))), (1, s.prod("_ t_42'", (tr(t_230) + tr(t_232)), tr(s.t_42))), (1, s.prod("t_233' _", tr(s.t_233), t_166)), (1, s.prod("t_234' _", tr(s.t_234), t_182)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_235 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_235 * s.C)), mean=True)
-        t_237 = (math.sqrt(s.d_K)) * t_226
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_236 _", tr(s.N_1), tr(s.A2), s.t_236, tr(V_W_O2)), (1, "N_1' _ t_236 W_O1'", tr(s.N_1), tr(t_181), s.t_236, tr(s.W_O1)), (1, "N_1' A1' t_236 _", tr(s.N_1), tr(s.A1), s.t_236, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_237, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_237, tr(s.W_O1)), (1, "N_1' _ t_236 W_O2'", tr(s.N_1), tr(t_184), s.t_236, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_236", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_236), (1, "W_V' N_1' _ t_236", tr(s.W_V), tr(s.N_1), tr(t_181), s.t_236), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_237, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_236", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_236), (1, "W_V' N_1' _ t_236", tr(s.W_V), tr(s.N_1), tr(t_184), s.t_236), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_237, mean=True)))
-        out_W_1 = (s.mm('_ t_171', tr(t_189), s.t_171, mean=True) + s.mm("N_2' _", tr(s.N_2), t_199, mean=True))
-        out_W_3 = (s.mm('_ t_173', tr(t_189), s.t_173, mean=True) + s.mm("N_2' _", tr(s.N_2), t_200, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_192), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_194, mean=True)))
+        t_162 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_163 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_164 = lin((1, s.prod("t_42' _", tr(s.t_42), t_162)), (1, s.prod("_ t_7'", t_163, tr(s.t_7))))
+        t_177 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_164)
+        t_178 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_179 = lin((1, s.prod("_ t_7'", t_178, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_162)))
+        t_180 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_179)
+        t_181 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_177, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_180, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_183 = s.mm('_ one', (t_181 * s.Y_2), s.one)
+        t_184 = (t_183 * s.t_55)
+        t_185 = lin((1, t_181, s.R_N_2), (2/s.d_V, t_184))
+        t_186 = lin((1, s.prod('_ W_1', t_185, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_187 = lin((1, s.prod('_ W_3', t_185, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_188 = ((s.t_92 * t_186) + (s.t_36 * t_187))
+        t_189 = lin((1, t_181), (1, s.prod('_ W_2', t_188, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_190 = (s.t_4 * softmax_diff(s.t_18, t_189))
+        t_191 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_190, tr(s.W_2))))
+        t_195 = lin((1, s.t_182, t_186), (1, s.t_92, t_191), (1, s.t_194, t_187))
+        t_196 = ((s.t_194 * t_186) + (s.t_36 * t_191))
+        t_197 = lin((1, s.prod("_ W_1'", t_195, tr(s.W_1))), (1, s.prod("_ W_3'", t_196, tr(s.W_3))), (1, s.prod('t_168 _', s.t_168, tr(V_W_1))), (1, s.prod('t_170 _', s.t_170, tr(V_W_3))))
+        t_201 = lin((1, s.t_199, t_181), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_197), (2/s.d_V, t_183, s.t_200))
+        t_202 = lin((1, s.t_174, t_181), (1, (1/math.sqrt(s.d_K)) * t_197, s.R_N_2), (2/s.d_V, t_183, s.t_198), (1, s.mm('_ one', t_201, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_190))
+        t_203 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_202, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O1' _ N_1'", s.t_175, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_204 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_176) + softmax_diff(s.A1, t_203))
+        t_206 = lin((1, s.prod("_ t_2'", t_204, tr(s.t_2))), (1, s.prod('t_205 _', s.t_205, tr(t_162))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_206 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_206 * s.S), tr(s.R)), mean=True)
+        t_208 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_202, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O2' _ N_1'", s.t_175, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_209 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_207) + softmax_diff(s.A2, t_208))
+        t_211 = lin((1, s.prod("_ t_2'", t_209, tr(s.t_2))), (1, s.prod('t_210 _', s.t_210, tr(t_162))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_211 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_211 * s.S), tr(s.R)), mean=True)
+        t_217 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_216)
+        t_221 = lin((1, s.t_219, t_181), (1, s.t_55, (2/s.d_V) * t_197), (2/s.d_V, t_183, s.t_220))
+        t_222 = lin((1, t_197, s.R_N_2), (2/s.d_V, t_183, s.t_218), (1, s.t_213, t_181), (1, s.mm('_ one', t_221, s.one), s.Y_2), (1/s.L, t_190))
+        t_223 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_222, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O1' _ N_1'", s.t_215, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_224 = softmax_diff(s.A1, t_223)
+        t_226 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_225)
+        t_227 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_222, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O2' _ N_1'", s.t_215, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_228 = softmax_diff(s.A2, t_227)
+        t_231 = lin((1, s.prod("_ t_42'", (tr(t_217) + tr(t_224)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_226) + tr(t_228)), tr(s.t_43))), (1, s.prod("t_229' _", tr(s.t_229), t_163)), (1, s.prod("t_230' _", tr(s.t_230), t_178)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_231 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_231 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_214 _", tr(s.N_1), tr(s.A2), s.t_214, tr(V_W_O2)), (1, "N_1' _ t_214 W_O1'", tr(s.N_1), tr(t_177), s.t_214, tr(s.W_O1)), (1, "N_1' A1' t_214 _", tr(s.N_1), tr(s.A1), s.t_214, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_222, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_222, tr(s.W_O1)), (1, "N_1' _ t_214 W_O2'", tr(s.N_1), tr(t_180), s.t_214, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_214", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_214), (1, "W_V' N_1' _ t_214", tr(s.W_V), tr(s.N_1), tr(t_177), s.t_214), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_222, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_214", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_214), (1, "W_V' N_1' _ t_214", tr(s.W_V), tr(s.N_1), tr(t_180), s.t_214), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_222, mean=True)))
+        out_W_1 = (s.mm('_ t_168', tr(t_185), s.t_168, mean=True) + s.mm("N_2' _", tr(s.N_2), t_195, mean=True))
+        out_W_3 = (s.mm('_ t_170', tr(t_185), s.t_170, mean=True) + s.mm("N_2' _", tr(s.N_2), t_196, mean=True))
+        out_W_2 = lin((1, s.mm('_ G', tr(t_188), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_190, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -7132,4 +7092,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "a190af40274360d7b2f056df"
+CHECKSUM = "c0fecc9e05bc5a6192fbeb5f"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "6209a36bb3a072c6a226e62e"
+    STAMP = "483db444021664cf254a37aa"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -228,7 +228,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "f6873e679b9e41854b23ed85"
+    STAMP = "e10792d4ded93ade61a4201f"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -432,7 +432,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "9c23ebcad64affd396e429c8"
+    STAMP = "b9f50eb7d86ebae18609caf8"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -660,7 +660,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "cd5a84512d8fa1485b8c384a"
+    STAMP = "c8a1f59d832c71eeae555458"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -890,4 +890,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "346a897eac868ffa4903a7ba"
+CHECKSUM = "7787b9570c4c47a1f805b619"

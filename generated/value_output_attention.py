@@ -24,31 +24,33 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "ae518c9e003dfb26aa8bf60c"
+    STAMP = "114d984ad7258b40ce5d617e"
     RUNS = {
-        'A X': 18,
-        'A X W_V': 7,
-        "A' G_2": 6,
+        'A X': 16,
+        'A X W_V': 6,
+        "A' G_2": 4,
+        "A' G_3": 2,
         "G W_O'": 2,
-        "G_2 W_O'": 5,
-        "G_2' A X": 6,
+        "G_2 W_O'": 4,
+        "G_2' A X": 4,
+        "G_3' A X": 2,
         'M_1 W_V': 4,
         "M_1' M_1": 3,
         "M_1' M_1 W_V": 2,
         "W_K' X'": 8,
         "W_O W_O'": 3,
         "W_O W_O' W_V'": 2,
-        "W_O t_34'": 2,
-        "W_O' W_V'": 13,
-        "W_O' W_V' X'": 9,
+        "W_O t_35'": 2,
+        "W_O' W_V'": 12,
+        "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
-        "W_V' X'": 19,
-        "X' t_19": 4,
-        "X' t_19 X": 4,
-        "X' t_19'": 4,
-        "X' t_42": 2,
-        "X' t_42 X": 2,
-        "X' t_42'": 2,
+        "W_V' X'": 17,
+        "X' t_20": 4,
+        "X' t_20 X": 4,
+        "X' t_20'": 4,
+        "X' t_43": 2,
+        "X' t_43 X": 2,
+        "X' t_43'": 2,
     }
 
     @leaf
@@ -148,32 +150,36 @@ class mse_causal0(Forward):
         return s.mm('one t_15 t_16', s.one, s.t_15, s.t_16)
 
     @leaf
-    def G_2(s):
-        return lin((2/(s.L*s.d_V), s.F_2), (-2/(s.L*s.d_V), s.Y))
-
-    @leaf
     def t_18(s):
-        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_19(s):
-        return softmax_diff(s.A, s.t_18)
-
-    @leaf
-    def t_33(s):
         return (s.F_2 - s.Y)
 
     @leaf
-    def t_34(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_33
+    def G_2(s):
+        return (2/(s.L*s.d_V)) * s.t_18
+
+    @leaf
+    def t_19(s):
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_20(s):
+        return softmax_diff(s.A, s.t_19)
 
     @leaf
     def t_35(s):
-        return s.mm("t_34 W_O' W_V' X'", s.t_34, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_18
 
     @leaf
-    def t_42(s):
-        return softmax_diff(s.A, s.t_35)
+    def t_36(s):
+        return s.mm("t_35 W_O' W_V' X'", s.t_35, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_43(s):
+        return softmax_diff(s.A, s.t_36)
+
+    @leaf
+    def G_3(s):
+        return (2/(s.L*s.d_V)) * s.t_18
 
     @leaf
     def dA(s):
@@ -345,55 +351,55 @@ class mse_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_19 X W_K", tr(s.X), s.t_19, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_19' X W_Q", tr(s.X), tr(s.t_19), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_20 X W_K", tr(s.X), s.t_20, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_20' X W_Q", tr(s.X), tr(s.t_20), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O), mean=True)
         out_W_O = s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        t_22 = lin((1, s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_21, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (2/(s.L*s.d_V), s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_23 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q, mean=True)
-        t_24 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_22, tr(s.W_O))
-        out_W_V = mean0(t_24, True)
-        t_25 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_22)
-        out_W_O = mean0(t_25, True)
+        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
+        t_23 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_24 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_23, tr(s.W_O), tr(s.W_V), tr(s.X))
+        t_25 = softmax_diff(s.A, t_24)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_25, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q, mean=True)
+        t_26 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_23, tr(s.W_O))
+        out_W_V = mean0(t_26, True)
+        t_27 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_23)
+        out_W_O = mean0(t_27, True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_26 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_26, s.t_18)
-        t_28 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_29 = softmax_diff(s.A, t_28)
-        t_30 = (t_27 + t_29)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X _", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X _", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
-        t_31 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_26)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_31), s.G_2), mean=True)
+        t_28 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_29 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_28, s.t_19)
+        t_30 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_31 = softmax_diff(s.A, t_30)
+        t_32 = (t_29 + t_31)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X _", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X _", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
+        t_33 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_28)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_33), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_33), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_32 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_36 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_32, s.t_35)
-        t_37 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_32)
-        t_38 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_39 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_38, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_34 _ W_V' X'", s.t_34, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_34 W_O' _ X'", s.t_34, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_40 = softmax_diff(s.A, t_39)
-        t_41 = (t_36 + t_40)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_41, s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
-        t_43 = lin((1, s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (2/(s.L*s.d_V), s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_37), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), t_43, tr(s.W_O)), mean=True)
-        t_44 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_43)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_37), s.G_2), mean=True)), (1, mean0(t_44, True)))
+        t_34 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_37 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_34, s.t_36)
+        t_38 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_34)
+        t_39 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_38, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_40 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_39, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_35 _ W_V' X'", s.t_35, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_35 W_O' _ X'", s.t_35, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_41 = softmax_diff(s.A, t_40)
+        t_42 = (t_37 + t_41)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_42, s.X, s.W_K), (1, "X' t_43 X _", tr(s.X), s.t_43, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_42), s.X, s.W_Q), (1, "X' t_43' X _", tr(s.X), tr(s.t_43), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_38), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_39, tr(s.W_O)), mean=True)
+        t_44 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_39)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_38), s.G_3), mean=True)), (1, mean0(t_44, True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -401,31 +407,33 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "76e0d27811d3aec5781ced3b"
+    STAMP = "3521fa79e897fa51350350ae"
     RUNS = {
-        'A X': 18,
-        'A X W_V': 7,
-        "A' G_2": 6,
+        'A X': 16,
+        'A X W_V': 6,
+        "A' G_2": 4,
+        "A' G_3": 2,
         "G W_O'": 2,
-        "G_2 W_O'": 5,
-        "G_2' A X": 6,
+        "G_2 W_O'": 4,
+        "G_2' A X": 4,
+        "G_3' A X": 2,
         'M_1 W_V': 4,
         "M_1' M_1": 3,
         "M_1' M_1 W_V": 2,
         "W_K' X'": 8,
         "W_O W_O'": 3,
         "W_O W_O' W_V'": 2,
-        "W_O t_34'": 2,
-        "W_O' W_V'": 13,
-        "W_O' W_V' X'": 9,
+        "W_O t_35'": 2,
+        "W_O' W_V'": 12,
+        "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
-        "W_V' X'": 19,
-        "X' t_19": 4,
-        "X' t_19 X": 4,
-        "X' t_19'": 4,
-        "X' t_42": 2,
-        "X' t_42 X": 2,
-        "X' t_42'": 2,
+        "W_V' X'": 17,
+        "X' t_20": 4,
+        "X' t_20 X": 4,
+        "X' t_20'": 4,
+        "X' t_43": 2,
+        "X' t_43 X": 2,
+        "X' t_43'": 2,
     }
 
     @leaf
@@ -525,32 +533,36 @@ class mse_causal1(Forward):
         return s.mm('one t_15 t_16', s.one, s.t_15, s.t_16)
 
     @leaf
-    def G_2(s):
-        return lin((2/(s.L*s.d_V), s.F_2), (-2/(s.L*s.d_V), s.Y))
-
-    @leaf
     def t_18(s):
-        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_19(s):
-        return softmax_diff(s.A, s.t_18)
-
-    @leaf
-    def t_33(s):
         return (s.F_2 - s.Y)
 
     @leaf
-    def t_34(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_33
+    def G_2(s):
+        return (2/(s.L*s.d_V)) * s.t_18
+
+    @leaf
+    def t_19(s):
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_20(s):
+        return softmax_diff(s.A, s.t_19)
 
     @leaf
     def t_35(s):
-        return s.mm("t_34 W_O' W_V' X'", s.t_34, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_18
 
     @leaf
-    def t_42(s):
-        return softmax_diff(s.A, s.t_35)
+    def t_36(s):
+        return s.mm("t_35 W_O' W_V' X'", s.t_35, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_43(s):
+        return softmax_diff(s.A, s.t_36)
+
+    @leaf
+    def G_3(s):
+        return (2/(s.L*s.d_V)) * s.t_18
 
     @leaf
     def dA(s):
@@ -722,55 +734,55 @@ class mse_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_19 X W_K", tr(s.X), s.t_19, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_19' X W_Q", tr(s.X), tr(s.t_19), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_20 X W_K", tr(s.X), s.t_20, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_20' X W_Q", tr(s.X), tr(s.t_20), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O), mean=True)
         out_W_O = s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        t_22 = lin((1, s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_21, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (2/(s.L*s.d_V), s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_23 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q, mean=True)
-        t_24 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_22, tr(s.W_O))
-        out_W_V = mean0(t_24, True)
-        t_25 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_22)
-        out_W_O = mean0(t_25, True)
+        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
+        t_23 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_24 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_23, tr(s.W_O), tr(s.W_V), tr(s.X))
+        t_25 = softmax_diff(s.A, t_24)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_25, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q, mean=True)
+        t_26 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_23, tr(s.W_O))
+        out_W_V = mean0(t_26, True)
+        t_27 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_23)
+        out_W_O = mean0(t_27, True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_26 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_26, s.t_18)
-        t_28 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_29 = softmax_diff(s.A, t_28)
-        t_30 = (t_27 + t_29)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X _", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X _", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
-        t_31 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_26)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_31), s.G_2), mean=True)
+        t_28 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_29 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_28, s.t_19)
+        t_30 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_31 = softmax_diff(s.A, t_30)
+        t_32 = (t_29 + t_31)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X _", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X _", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
+        t_33 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_28)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_33), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_33), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_32 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_36 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_32, s.t_35)
-        t_37 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_32)
-        t_38 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_39 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_38, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_34 _ W_V' X'", s.t_34, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_34 W_O' _ X'", s.t_34, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_40 = softmax_diff(s.A, t_39)
-        t_41 = (t_36 + t_40)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_41, s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
-        t_43 = lin((1, s.mm_sum('r', ((2/(s.L*s.d_V)), '_ X W_V W_O', t_37, s.X, s.W_V, s.W_O), ((2/(s.L*s.d_V)), 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (2/(s.L*s.d_V), s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_37), s.G_2, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), t_43, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        t_44 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_43)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_37), s.G_2), mean=True)), (1, mean0(t_44, True)))
+        t_34 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_37 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_34, s.t_36)
+        t_38 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_34)
+        t_39 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_38, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_40 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_39, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_35 _ W_V' X'", s.t_35, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_35 W_O' _ X'", s.t_35, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_41 = softmax_diff(s.A, t_40)
+        t_42 = (t_37 + t_41)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_42, s.X, s.W_K), (1, "X' t_43 X _", tr(s.X), s.t_43, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_42), s.X, s.W_Q), (1, "X' t_43' X _", tr(s.X), tr(s.t_43), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_38), s.G_3, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_39, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
+        t_44 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_39)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_38), s.G_3), mean=True)), (1, mean0(t_44, True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -778,14 +790,16 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "8802d196e62468ba24c8e473"
+    STAMP = "2a1cc6bb9da722703af915cd"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
-        "A' G_2": 6,
+        "A' G_2": 4,
+        "A' G_3": 2,
         "G W_O'": 2,
-        "G_2 W_O'": 5,
-        "G_2' A X": 6,
+        "G_2 W_O'": 4,
+        "G_2' A X": 4,
+        "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
         "W_O t_33'": 2,
@@ -793,9 +807,9 @@ class ce_causal0(Forward):
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
-        "X' t_17": 4,
-        "X' t_17 X": 4,
-        "X' t_17'": 4,
+        "X' t_19": 4,
+        "X' t_19 X": 4,
+        "X' t_19'": 4,
         "X' t_42": 2,
         "X' t_42 X": 2,
         "X' t_42'": 2,
@@ -894,32 +908,32 @@ class ce_causal0(Forward):
         return softmax_rows(s.F_2)
 
     @leaf
-    def G_2(s):
-        return lin((1/s.L, s.t_2, s.t_15), (-1/s.L, s.Y))
-
-    @leaf
     def t_16(s):
-        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_17(s):
-        return softmax_diff(s.A, s.t_16)
-
-    @leaf
-    def t_18(s):
-        return softmax_rows(s.F_2)
-
-    @leaf
-    def t_31(s):
         return (s.t_2 * s.t_15)
 
     @leaf
-    def t_32(s):
-        return (s.t_31 - s.Y)
+    def t_17(s):
+        return (s.t_16 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_17
+
+    @leaf
+    def t_18(s):
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_19(s):
+        return softmax_diff(s.A, s.t_18)
+
+    @leaf
+    def t_20(s):
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_33(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_32
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_17
 
     @leaf
     def t_34(s):
@@ -928,6 +942,10 @@ class ce_causal0(Forward):
     @leaf
     def t_42(s):
         return softmax_diff(s.A, s.t_34)
+
+    @leaf
+    def G_3(s):
+        return (1/s.L) * s.t_17
 
     @leaf
     def dA(s):
@@ -1107,44 +1125,44 @@ class ce_causal0(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_17 X W_K", tr(s.X), s.t_17, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_17' X W_Q", tr(s.X), tr(s.t_17), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_19 X W_K", tr(s.X), s.t_19, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_19' X W_Q", tr(s.X), tr(s.t_19), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O), mean=True)
         out_W_O = s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_20 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_19)
-        t_21 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_20, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_22 = (s.t_2 * softmax_diff(s.t_18, t_21))
-        t_23 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_22, tr(s.W_O), mean=True)
-        out_W_O = (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_22, mean=True)
+        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
+        t_23 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_24 = (s.t_2 * softmax_diff(s.t_20, t_23))
+        t_25 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_24, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_25, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_24, tr(s.W_O), mean=True)
+        out_W_O = (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_24, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_16)
-        t_26 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_27 = softmax_diff(s.A, t_26)
-        t_28 = (t_25 + t_27)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_28, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_17 X _", tr(s.X), s.t_17, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_28), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_17' X _", tr(s.X), tr(s.t_17), s.X, V_W_Q), mean=True)
-        t_29 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_29), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_29), s.G_2), mean=True)
+        t_26 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_26, s.t_18)
+        t_28 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_29 = softmax_diff(s.A, t_28)
+        t_30 = (t_27 + t_29)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X _", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X _", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
+        t_31 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_26)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_31), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_30 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_35 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_30, s.t_34)
-        t_36 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_30)
+        t_32 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_35 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_32, s.t_34)
+        t_36 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_32)
         t_37 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
         t_38 = (s.t_2 * softmax_diff(s.t_15, t_37))
         t_39 = s.mm_sum('r', (1, "t_33 _ W_V' X'", s.t_33, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_33 W_O' _ X'", s.t_33, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)))
@@ -1152,8 +1170,8 @@ class ce_causal0(Forward):
         t_41 = (t_35 + t_40)
         out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_41, s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_36), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_36), s.G_2), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_38, mean=True)))
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_36), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_36), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_38, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -1161,14 +1179,16 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "9d4616c38bc9993ba0c9c97f"
+    STAMP = "105c3127f73363ede29625d2"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
-        "A' G_2": 6,
+        "A' G_2": 4,
+        "A' G_3": 2,
         "G W_O'": 2,
-        "G_2 W_O'": 5,
-        "G_2' A X": 6,
+        "G_2 W_O'": 4,
+        "G_2' A X": 4,
+        "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
         "W_O t_33'": 2,
@@ -1176,9 +1196,9 @@ class ce_causal1(Forward):
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
-        "X' t_17": 4,
-        "X' t_17 X": 4,
-        "X' t_17'": 4,
+        "X' t_19": 4,
+        "X' t_19 X": 4,
+        "X' t_19'": 4,
         "X' t_42": 2,
         "X' t_42 X": 2,
         "X' t_42'": 2,
@@ -1277,32 +1297,32 @@ class ce_causal1(Forward):
         return softmax_rows(s.F_2)
 
     @leaf
-    def G_2(s):
-        return lin((1/s.L, s.t_2, s.t_15), (-1/s.L, s.Y))
-
-    @leaf
     def t_16(s):
-        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_17(s):
-        return softmax_diff(s.A, s.t_16)
-
-    @leaf
-    def t_18(s):
-        return softmax_rows(s.F_2)
-
-    @leaf
-    def t_31(s):
         return (s.t_2 * s.t_15)
 
     @leaf
-    def t_32(s):
-        return (s.t_31 - s.Y)
+    def t_17(s):
+        return (s.t_16 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_17
+
+    @leaf
+    def t_18(s):
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_19(s):
+        return softmax_diff(s.A, s.t_18)
+
+    @leaf
+    def t_20(s):
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_33(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_32
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_17
 
     @leaf
     def t_34(s):
@@ -1311,6 +1331,10 @@ class ce_causal1(Forward):
     @leaf
     def t_42(s):
         return softmax_diff(s.A, s.t_34)
+
+    @leaf
+    def G_3(s):
+        return (1/s.L) * s.t_17
 
     @leaf
     def dA(s):
@@ -1490,44 +1514,44 @@ class ce_causal1(Forward):
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_17 X W_K", tr(s.X), s.t_17, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_17' X W_Q", tr(s.X), tr(s.t_17), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_19 X W_K", tr(s.X), s.t_19, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_19' X W_Q", tr(s.X), tr(s.t_19), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O), mean=True)
         out_W_O = s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_20 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_19)
-        t_21 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_20, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_22 = (s.t_2 * softmax_diff(s.t_18, t_21))
-        t_23 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_22, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_22, tr(s.W_O), mean=True)
-        out_W_O = (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_22, mean=True)
+        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
+        t_23 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_24 = (s.t_2 * softmax_diff(s.t_20, t_23))
+        t_25 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_24, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_25, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_24, tr(s.W_O), mean=True)
+        out_W_O = (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_24, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_16)
-        t_26 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_27 = softmax_diff(s.A, t_26)
-        t_28 = (t_25 + t_27)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_28, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_17 X _", tr(s.X), s.t_17, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_28), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_17' X _", tr(s.X), tr(s.t_17), s.X, V_W_Q), mean=True)
-        t_29 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_29), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_29), s.G_2), mean=True)
+        t_26 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_26, s.t_18)
+        t_28 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_29 = softmax_diff(s.A, t_28)
+        t_30 = (t_27 + t_29)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X _", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X _", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
+        t_31 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_26)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_31), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_30 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_35 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_30, s.t_34)
-        t_36 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_30)
+        t_32 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_35 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_32, s.t_34)
+        t_36 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_32)
         t_37 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
         t_38 = (s.t_2 * softmax_diff(s.t_15, t_37))
         t_39 = s.mm_sum('r', (1, "t_33 W_O' _ X'", s.t_33, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "t_33 _ W_V' X'", s.t_33, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)))
@@ -1535,8 +1559,8 @@ class ce_causal1(Forward):
         t_41 = (t_35 + t_40)
         out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_41, s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_36), s.G_2, tr(s.W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_36), s.G_2), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_38, mean=True)))
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_36), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_36), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_38, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -1546,4 +1570,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "7ce513f1ed1de7190b2f7e46"
+CHECKSUM = "f2cd387c55a6df75d7b487bb"

@@ -92,9 +92,6 @@ class Printer:
         roots = program.leaves() + [e for exprs, _ in program.routines().values() for e in exprs]
         self.summands = _subsums(roots)
         self.refs, self.twins = _references(roots, self.summands)
-        # a sum that is r·m for an earlier sum m refers to m (``_subsums``); m is then printed
-        # by its own rule, never as c·S for its monic S (which may be that sum: a cycle)
-        self.whole = {items[0][1] for items in self.summands.values() if len(items) == 1}
         for node in self.refs:              # a named quantity's definition takes its name
             if isinstance(node, E.Named):
                 self.hints.setdefault(node.inner, node.name)
@@ -209,7 +206,7 @@ class Printer:
             return f"s.{self.leaf_names[node]}"
         if self.local_names is not None and node in self.local_names:
             return self.local_names[node]
-        scaled = _monic_sum(node) if self.local_names is not None and node not in self.whole else None
+        scaled = _monic_sum(node) if self.local_names is not None else None
         if scaled is not None and self.refs.get(scaled[1], 0) > 1:
             c, monic = scaled                            # c · S with S named once for all c
             return _scaled(self, c, (yield "ccode", monic))
@@ -537,8 +534,10 @@ def _subsums(roots):
     on all its terms (LayerNorm's centring writes u − (1/d) rowsum(u) 1ᵀ with u's terms
     spelled out in both; the algebra spreads a scalar over a sum's terms, so 2/d·u is a sum
     of its own).  The largest such S is taken first, then the largest in what is left.
-    Terminates: each step leaves fewer terms; a sum equal to another up to a factor
-    refers to the first of them in walk order only."""
+    Sums that are multiples of one monic sum S (first coefficient 1, ``_monic_sum``) that is
+    no sum of the DAG refer to S when there are two or more.  A whole sum n = r·m is taken
+    only for m monic and n not, so these references, like the printer's c·S for a monic S, lead to monic sums, which
+    refer to none by a whole match.  Terminates: each partial step leaves fewer terms."""
     order = [node for node in _children_first(roots) if isinstance(node, E.Add)]
     terms = {n: dict(E._split(t)[::-1] for t in n.args) for n in order}
     rank = {n: i for i, n in enumerate(order)}
@@ -555,9 +554,9 @@ def _subsums(roots):
             first = {m for core in left for m in by_core[core]}
             for m in sorted(first, key=rank.get):
                 tm = terms[m]
-                if m is n or len(tm) < 2 or len(tm) > len(left) or \
-                        (len(tm) == len(terms[n]) and rank[m] > rank[n]):
-                    continue
+                if m is n or len(tm) < 2 or len(tm) > len(left) or (len(tm) == len(terms[n]) and (
+                        _monic_sum(n) is None or _monic_sum(m) is not None)):
+                    continue                    # a whole sum: r·m for m monic, n not
                 r = _ratio(left, tm)
                 if r is not None and (best is None or len(tm) > len(terms[best[0]])):
                     best = (m, r)
@@ -569,6 +568,15 @@ def _subsums(roots):
                 del left[core]
         if items:
             out[n] = items + [(c, core) for core, c in left.items()]
+    monic = {}                     # c·S and c′·S with their monic S in no sum of the DAG: S
+    for n in order:                # is a sum of its own, their one child
+        ms = _monic_sum(n) if n not in out else None
+        if ms is not None and ms[1] not in rank:
+            monic.setdefault(ms[1], []).append((n, ms[0]))
+    for monic_sum, users in monic.items():
+        if len(users) >= 2:
+            for n, c in users:
+                out[n] = [(c, monic_sum)]
     return out
 
 
