@@ -1,6 +1,7 @@
 """Exact curvature at the sizes models are trained at, against what a user would run instead.
 
-    python -m benchmarks.bench_scale [--layer attention|post_ln_block] [--what hvp,diag,frob,fit]
+    python -m benchmarks.bench_scale [--layer attention|post_ln_block|pre_ln_block|modern_block]
+                                     [--what hvp,diag,frob,fit]
                                      [--L 512] [--d 512] [--dk 64] [--dff 1024] [--batch 8]
                                      [--loss mse] [--probes 100] [--threads 1] [--device cpu]
                                      [--fit-kinds diag,frob,hvp]
@@ -46,14 +47,53 @@ def _ln(u, eps=0.0):
     return c / torch.sqrt((c * c).mean(-1, keepdim=True) + eps)
 
 
-def forward(layer, params, X):
+def _rms(u, eps=1e-6):
+    return u * torch.rsqrt((u * u).mean(-1, keepdim=True) + eps)
+
+
+def _attention(U, WQ, WK, WV):
+    T = U @ WQ @ WK.T @ U.transpose(-1, -2) / math.sqrt(WQ.shape[1])
+    return torch.softmax(T, -1) @ U @ WV
+
+
+def rotary_constants(L, dk, device="cpu"):
+    """C, S (L × d_K) and the rotate-half signed permutation R (d_K × d_K): q ∘ C + (q R) ∘ S
+    rotates coordinate pairs (i, i + d_K/2) of token t by t θ_i, θ_i = 10000^(−2i/d_K)."""
+    half = dk // 2
+    theta = 10000.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / dk)
+    ang = torch.arange(L, dtype=torch.float64)[:, None] * theta[None, :]
+    C = torch.cat([ang.cos(), ang.cos()], -1)
+    S = torch.cat([ang.sin(), ang.sin()], -1)
+    R = torch.zeros(dk, dk, dtype=torch.float64)
+    R[torch.arange(half) + half, torch.arange(half)] = -1.0
+    R[torch.arange(half), torch.arange(half) + half] = 1.0
+    return C.to(device), S.to(device), R.to(device)
+
+
+def _rot(q, C, S, R):
+    return q * C + (q @ R) * S
+
+
+def forward(layer, params, X, consts=None):
     if layer == "attention":
-        WQ, WK, WV = params
-        T = X @ WQ @ WK.T @ X.transpose(-1, -2) / math.sqrt(WQ.shape[1])
-        return torch.softmax(T, -1) @ X @ WV
+        return _attention(X, *params)
+    if layer == "modern_block":
+        C, S, R = consts
+        WQ1, WQ2, WK, WV, WO1, WO2, W1, W3, W2 = params
+        N1 = _rms(X)
+        K = _rot(N1 @ WK, C, S, R)
+        V = N1 @ WV
+        Y = X
+        for WQ, WO in ((WQ1, WO1), (WQ2, WO2)):
+            T = _rot(N1 @ WQ, C, S, R) @ K.transpose(-1, -2) / math.sqrt(WQ.shape[1])
+            Y = Y + torch.softmax(T, -1) @ V @ WO
+        N2 = _rms(Y)
+        return Y + (torch.nn.functional.silu(N2 @ W1) * (N2 @ W3)) @ W2
     WQ, WK, WV, W1, W2 = params
-    T = X @ WQ @ WK.T @ X.transpose(-1, -2) / math.sqrt(WQ.shape[1])
-    Y1 = _ln(X + torch.softmax(T, -1) @ X @ WV)
+    if layer == "pre_ln_block":
+        Y = X + _attention(_ln(X), WQ, WK, WV)
+        return Y + torch.relu(_ln(Y) @ W1) @ W2
+    Y1 = _ln(X + _attention(X, WQ, WK, WV))
     return _ln(Y1 + torch.relu(Y1 @ W1) @ W2)
 
 
@@ -69,12 +109,30 @@ def problem(layer, L, d, dk, dff, B, loss, device, seed=0):
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
     X = r(B, L, d)
     Y = r(B, L, d) if loss == "mse" else torch.softmax(r(B, L, d), -1)
-    shapes = [(d, dk), (d, dk), (d, d)] + ([(d, dff), (dff, d)] if layer == "post_ln_block" else [])
+    shapes, names = LAYOUTS[layer](d, dk, dff)
     params = tuple(r(*s) / math.sqrt(s[0]) for s in shapes)
-    names = ("W_Q", "W_K", "W_V") + (("W_1", "W_2") if layer == "post_ln_block" else ())
     to = lambda t: t.to(device)
     values = {"X": to(X), "Y": to(Y), **{n: to(p) for n, p in zip(names, params)}}
+    if layer == "modern_block":
+        values.update(zip(("C", "S", "R"), rotary_constants(L, dk, device)))
     return values, tuple(to(p) for p in params), names
+
+
+def _block_layout(d, dk, dff):
+    return [(d, dk), (d, dk), (d, d), (d, dff), (dff, d)], ("W_Q", "W_K", "W_V", "W_1", "W_2")
+
+
+def _modern_layout(d, dk, dff):
+    """Two query heads of width d_K sharing one key and one value head of width d/2."""
+    h = d // 2
+    return ([(d, dk), (d, dk), (d, dk), (d, h), (h, d), (h, d), (d, dff), (d, dff), (dff, d)],
+            ("W_Q1", "W_Q2", "W_K", "W_V", "W_O1", "W_O2", "W_1", "W_3", "W_2"))
+
+
+# parameter shapes and names in each layer's declared order
+LAYOUTS = {"attention": lambda d, dk, dff: ([(d, dk), (d, dk), (d, d)], ("W_Q", "W_K", "W_V")),
+           "post_ln_block": _block_layout, "pre_ln_block": _block_layout,
+           "modern_block": _modern_layout}
 
 
 class Autograd:
@@ -83,16 +141,17 @@ class Autograd:
     def __init__(self, layer, values, params, loss):
         self.layer, self.loss_name, self.params = layer, loss, params
         self.X, self.Y = values["X"], values["Y"]
+        self.consts = tuple(values[n] for n in ("C", "S", "R")) if "R" in values else None
         self.grad = grad(self.loss)
 
     def loss(self, params):
-        return loss_of_output(forward(self.layer, params, self.X), self.Y, self.loss_name)
+        return loss_of_output(forward(self.layer, params, self.X, self.consts), self.Y, self.loss_name)
 
     def hvp(self, v):
         return jvp(self.grad, (self.params,), (v,))[1]
 
     def ggnvp(self, v):
-        f = lambda ps: forward(self.layer, ps, self.X)
+        f = lambda ps: forward(self.layer, ps, self.X, self.consts)
         F, JV = jvp(f, (self.params,), (v,))
         gF = grad(lambda F_: loss_of_output(F_, self.Y, self.loss_name))
         _, HJV = jvp(gF, (F,), (JV,))
@@ -257,7 +316,7 @@ def fit(args, device):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layer", default="attention", choices=["attention", "post_ln_block"])
+    ap.add_argument("--layer", default="attention", choices=sorted(LAYOUTS))
     ap.add_argument("--what", default="hvp,diag,frob")
     ap.add_argument("--L", type=int, default=512)
     ap.add_argument("--d", type=int, default=512)
@@ -274,7 +333,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(f"{args.layer}, {args.loss}: L={args.L}, d={args.d}, d_K={args.dk}"
-          + (f", d_ff={args.dff}" if args.layer == "post_ln_block" else "")
+          + (f", d_ff={args.dff}" if args.layer != "attention" else "")
           + f", B={args.batch}, {args.threads} thread(s), {device}, float64")
     values, params, names = problem(args.layer, args.L, args.d, args.dk, args.dff, args.batch,
                                     args.loss, device)

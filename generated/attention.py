@@ -24,18 +24,18 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "2b23fae0e13583d41c30c421"
+    STAMP = "fdce8a456b0f620538b751b8"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
-        "X' t_34": 2,
-        "X' t_34 X": 2,
-        "X' t_34'": 2,
-        "X' t_9": 4,
-        "X' t_9 X": 4,
-        "X' t_9'": 4,
+        "X' t_11": 4,
+        "X' t_11 X": 4,
+        "X' t_11'": 4,
+        "X' t_31": 2,
+        "X' t_31 X": 2,
+        "X' t_31'": 2,
     }
 
     @leaf
@@ -60,7 +60,7 @@ class mse_causal0(Forward):
 
     @leaf
     def G(s):
-        return ((2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
 
     @leaf
     def t_2(s):
@@ -75,6 +75,10 @@ class mse_causal0(Forward):
         return s.mm("M_1' M_1", tr(s.M_1), s.M_1)
 
     @leaf
+    def one(s):
+        return ones((1, s.L), s.like)
+
+    @leaf
     def F_2(s):
         return s.mm('A X W_V', s.A, s.X, s.W_V)
 
@@ -84,43 +88,47 @@ class mse_causal0(Forward):
 
     @leaf
     def t_6(s):
-        return ones((s.d_V, 1), s.like)
+        return (s.t_5 * s.t_5)
 
     @leaf
     def t_7(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
+    def t_8(s):
+        return s.mm('one t_6 t_7', s.one, s.t_6, s.t_7)
+
+    @leaf
+    def t_9(s):
         return (s.F_2 - s.Y)
 
     @leaf
     def G_2(s):
-        return (2/(s.L*s.d_V)) * s.t_7
-
-    @leaf
-    def t_8(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_9(s):
-        return softmax_diff(s.A, s.t_8)
+        return (2/(s.L*s.d_V)) * s.t_9
 
     @leaf
     def t_10(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_9' X W_Q", tr(s.X), tr(s.t_9), s.X, s.W_Q)
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_25(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_7
+    def t_11(s):
+        return softmax_diff(s.A, s.t_10)
 
     @leaf
-    def t_26(s):
-        return s.mm("t_25 W_V' X'", s.t_25, tr(s.W_V), tr(s.X))
+    def t_23(s):
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_9
 
     @leaf
-    def t_34(s):
-        return softmax_diff(s.A, s.t_26)
+    def t_24(s):
+        return s.mm("t_23 W_V' X'", s.t_23, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_31(s):
+        return softmax_diff(s.A, s.t_24)
 
     @leaf
     def G_3(s):
-        return (2/(s.L*s.d_V)) * s.t_7
+        return (2/(s.L*s.d_V)) * s.t_9
 
     @leaf
     def dA(s):
@@ -240,65 +248,70 @@ class mse_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_6', sum_rows((s.t_5 * s.t_5)), s.t_6), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_8, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_9 X W_K", tr(s.X), s.t_9, s.X, s.W_K), True), mean0(s.t_10, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_11 X W_K", tr(s.X), s.t_11, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_11' X W_Q", tr(s.X), tr(s.t_11), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_12 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_11)
-        t_13 = s.mm('_ X W_V', t_12, s.X, s.W_V)
-        t_14 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_15 = (t_13 + t_14)
-        t_16 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_15, tr(s.W_V), tr(s.X)))
-        t_17 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_15)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_16, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_16), s.X, s.W_Q), True), mean0(t_17, True),)
+        t_12 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_13 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_12)
+        t_14 = lin((1, s.prod('_ X W_V', t_13, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_15 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_14, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_15, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_15), s.X, s.W_Q, mean=True)
+        t_16 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_14)
+        out_W_V = mean0(t_16, True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_18 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_19 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_18, s.t_8)
-        t_20 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_21 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_19 + t_20), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_9 X _", tr(s.X), s.t_9, s.X, V_W_K))
-        t_22 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_19) + tr(t_20)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_9' X _", tr(s.X), tr(s.t_9), s.X, V_W_Q))
-        t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_18)
-        return (mean0(t_21, True), mean0(t_22, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_23), s.G_2), True),)
+        t_17 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_18 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_17, s.t_10)
+        t_19 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_20 = (t_18 + t_19)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_20, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_20), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
+        t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_17)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_21), s.G_2, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_26)
-        t_28 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
-        t_29 = s.mm('_ X W_V', t_28, s.X, s.W_V)
-        t_30 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_31 = (t_29 + t_30)
-        t_32 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_31, tr(s.W_V), tr(s.X)), (1, "t_25 _ X'", s.t_25, tr(V_W_V), tr(s.X)))
-        t_33 = softmax_diff(s.A, t_32)
-        t_35 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_27 + t_33), s.X, s.W_K), (1, "X' t_34 X _", tr(s.X), s.t_34, s.X, V_W_K))
-        t_36 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_27) + tr(t_33)), s.X, s.W_Q), (1, "X' t_34' X _", tr(s.X), tr(s.t_34), s.X, V_W_Q))
-        t_37 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_28), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_31))
-        return (mean0(t_35, True), mean0(t_36, True), mean0(t_37, True),)
+        t_22 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_22, s.t_24)
+        t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_22)
+        t_27 = lin((1, s.prod('_ X W_V', t_26, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_28 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27, tr(s.W_V), tr(s.X)), (1, "t_23 _ X'", s.t_23, tr(V_W_V), tr(s.X)))
+        t_29 = softmax_diff(s.A, t_28)
+        t_30 = (t_25 + t_29)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), (1, "X' t_31 X _", tr(s.X), s.t_31, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), (1, "X' t_31' X _", tr(s.X), tr(s.t_31), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_26), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_27), mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "7aa6e5d6c7efbd92456d1748"
+    STAMP = "6778379c8cccd998043d9aa2"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
-        "X' t_34": 2,
-        "X' t_34 X": 2,
-        "X' t_34'": 2,
-        "X' t_9": 4,
-        "X' t_9 X": 4,
-        "X' t_9'": 4,
+        "X' t_11": 4,
+        "X' t_11 X": 4,
+        "X' t_11'": 4,
+        "X' t_31": 2,
+        "X' t_31 X": 2,
+        "X' t_31'": 2,
     }
 
     @leaf
@@ -323,7 +336,7 @@ class mse_causal1(Forward):
 
     @leaf
     def G(s):
-        return ((2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
 
     @leaf
     def t_2(s):
@@ -338,6 +351,10 @@ class mse_causal1(Forward):
         return s.mm("M_1' M_1", tr(s.M_1), s.M_1)
 
     @leaf
+    def one(s):
+        return ones((1, s.L), s.like)
+
+    @leaf
     def F_2(s):
         return s.mm('A X W_V', s.A, s.X, s.W_V)
 
@@ -347,43 +364,47 @@ class mse_causal1(Forward):
 
     @leaf
     def t_6(s):
-        return ones((s.d_V, 1), s.like)
+        return (s.t_5 * s.t_5)
 
     @leaf
     def t_7(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
+    def t_8(s):
+        return s.mm('one t_6 t_7', s.one, s.t_6, s.t_7)
+
+    @leaf
+    def t_9(s):
         return (s.F_2 - s.Y)
 
     @leaf
     def G_2(s):
-        return (2/(s.L*s.d_V)) * s.t_7
-
-    @leaf
-    def t_8(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_9(s):
-        return softmax_diff(s.A, s.t_8)
+        return (2/(s.L*s.d_V)) * s.t_9
 
     @leaf
     def t_10(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_9' X W_Q", tr(s.X), tr(s.t_9), s.X, s.W_Q)
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_25(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_7
+    def t_11(s):
+        return softmax_diff(s.A, s.t_10)
 
     @leaf
-    def t_26(s):
-        return s.mm("t_25 W_V' X'", s.t_25, tr(s.W_V), tr(s.X))
+    def t_23(s):
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_9
 
     @leaf
-    def t_34(s):
-        return softmax_diff(s.A, s.t_26)
+    def t_24(s):
+        return s.mm("t_23 W_V' X'", s.t_23, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_31(s):
+        return softmax_diff(s.A, s.t_24)
 
     @leaf
     def G_3(s):
-        return (2/(s.L*s.d_V)) * s.t_7
+        return (2/(s.L*s.d_V)) * s.t_9
 
     @leaf
     def dA(s):
@@ -503,70 +524,83 @@ class mse_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_6', sum_rows((s.t_5 * s.t_5)), s.t_6), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_8, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_9 X W_K", tr(s.X), s.t_9, s.X, s.W_K), True), mean0(s.t_10, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_11 X W_K", tr(s.X), s.t_11, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_11' X W_Q", tr(s.X), tr(s.t_11), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_12 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_11)
-        t_13 = s.mm('_ X W_V', t_12, s.X, s.W_V)
-        t_14 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_15 = (t_13 + t_14)
-        t_16 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_15, tr(s.W_V), tr(s.X)))
-        t_17 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_15)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_16, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_16), s.X, s.W_Q), True), mean0(t_17, True),)
+        t_12 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_13 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_12)
+        t_14 = lin((1, s.prod('_ X W_V', t_13, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_15 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_14, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_15, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_15), s.X, s.W_Q, mean=True)
+        t_16 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_14)
+        out_W_V = mean0(t_16, True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_18 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_19 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_18, s.t_8)
-        t_20 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_21 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_19 + t_20), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_9 X _", tr(s.X), s.t_9, s.X, V_W_K))
-        t_22 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_19) + tr(t_20)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_9' X _", tr(s.X), tr(s.t_9), s.X, V_W_Q))
-        t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_18)
-        return (mean0(t_21, True), mean0(t_22, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_23), s.G_2), True),)
+        t_17 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_18 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_17, s.t_10)
+        t_19 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_20 = (t_18 + t_19)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_20, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_20), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
+        t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_17)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_21), s.G_2, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_26)
-        t_28 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
-        t_29 = s.mm('_ X W_V', t_28, s.X, s.W_V)
-        t_30 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_31 = (t_29 + t_30)
-        t_32 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_31, tr(s.W_V), tr(s.X)), (1, "t_25 _ X'", s.t_25, tr(V_W_V), tr(s.X)))
-        t_33 = softmax_diff(s.A, t_32)
-        t_35 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_27 + t_33), s.X, s.W_K), (1, "X' t_34 X _", tr(s.X), s.t_34, s.X, V_W_K))
-        t_36 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_27) + tr(t_33)), s.X, s.W_Q), (1, "X' t_34' X _", tr(s.X), tr(s.t_34), s.X, V_W_Q))
-        t_37 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_28), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_31))
-        return (mean0(t_35, True), mean0(t_36, True), mean0(t_37, True),)
+        t_22 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_22, s.t_24)
+        t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_22)
+        t_27 = lin((1, s.prod('_ X W_V', t_26, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_28 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27, tr(s.W_V), tr(s.X)), (1, "t_23 _ X'", s.t_23, tr(V_W_V), tr(s.X)))
+        t_29 = softmax_diff(s.A, t_28)
+        t_30 = (t_25 + t_29)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), (1, "X' t_31 X _", tr(s.X), s.t_31, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), (1, "X' t_31' X _", tr(s.X), tr(s.t_31), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_26), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_27), mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "cb4dc5a642d20cba94d5b39a"
+    STAMP = "24426dacc1aa5d2db046ff79"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
-        "X' t_11": 4,
-        "X' t_11 X": 4,
-        "X' t_11'": 4,
-        "X' t_36": 2,
-        "X' t_36 X": 2,
-        "X' t_36'": 2,
+        "X' t_13": 4,
+        "X' t_13 X": 4,
+        "X' t_13'": 4,
+        "X' t_35": 2,
+        "X' t_35 X": 2,
+        "X' t_35'": 2,
     }
 
     @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
     def t(s):
-        return bcast_last(sum_last(s.Y), s.d_V)
+        return s.mm('Y one', s.Y, s.one)
+
+    @leaf
+    def t_2(s):
+        return bcast_last(s.t, s.d_V)
 
     @leaf
     def T(s):
@@ -586,79 +620,83 @@ class ce_causal0(Forward):
 
     @leaf
     def G(s):
-        return ((1/s.L) * (s.t * softmax_rows(s.F)) - (1/s.L) * s.Y)
-
-    @leaf
-    def t_2(s):
-        return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
+        return lin((1/s.L, s.t, softmax_rows(s.F)), (-1/s.L, s.Y))
 
     @leaf
     def t_3(s):
-        return s.mm("X' t_2 X", tr(s.X), s.t_2, s.X)
+        return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_4(s):
+        return s.mm("X' t_3 X", tr(s.X), s.t_3, s.X)
+
+    @leaf
+    def t_5(s):
         return softmax_rows(s.F)
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def F_2(s):
         return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
-    def t_5(s):
-        return ones((s.d_V, 1), s.like)
-
-    @leaf
     def t_6(s):
-        return (-1/s.L) * s.mm('_ t_5', sum_rows((log_softmax_rows(s.F_2) * s.Y)), s.t_5)
+        return log_softmax_rows(s.F_2)
 
     @leaf
     def t_7(s):
-        return softmax_rows(s.F_2)
+        return (s.t_6 * s.Y)
 
     @leaf
     def t_8(s):
-        return (s.t * s.t_7)
+        return s.mm('one_2 t_7 one', s.one_2, s.t_7, s.one)
 
     @leaf
     def t_9(s):
-        return (s.t_8 - s.Y)
-
-    @leaf
-    def G_2(s):
-        return (1/s.L) * s.t_9
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_10(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+        return (s.t * s.t_9)
 
     @leaf
     def t_11(s):
-        return softmax_diff(s.A, s.t_10)
+        return (s.t_10 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_11
 
     @leaf
     def t_12(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_11 X W_K", tr(s.X), s.t_11, s.X, s.W_K)
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
     def t_13(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_11' X W_Q", tr(s.X), tr(s.t_11), s.X, s.W_Q)
+        return softmax_diff(s.A, s.t_12)
 
     @leaf
-    def t_28(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_9
+    def t_14(s):
+        return softmax_rows(s.F_2)
 
     @leaf
-    def t_29(s):
-        return s.mm("t_28 W_V' X'", s.t_28, tr(s.W_V), tr(s.X))
+    def t_26(s):
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_11
 
     @leaf
-    def t_36(s):
-        return softmax_diff(s.A, s.t_29)
+    def t_27(s):
+        return s.mm("t_26 W_V' X'", s.t_26, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_35(s):
+        return softmax_diff(s.A, s.t_27)
 
     @leaf
     def G_3(s):
-        return (1/s.L) * s.t_9
+        return (1/s.L) * s.t_11
 
     @leaf
     def dA(s):
@@ -679,17 +717,17 @@ class ce_causal0(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_4, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_4, s.t_4),
+            net(1, 'nab,bc->nabc', s.t_5, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_5, s.t_5),
         ])
 
     @leaf
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_2, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_2, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_2),
+            net(1, 'nab,bc->nabc', s.t_3, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_3, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_3),
         ])
 
     @leaf
@@ -702,7 +740,7 @@ class ce_causal0(Forward):
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X, s.W_K),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.W_K),
         ]
 
     def block__W_Q__W_Q__functional(s):
@@ -714,20 +752,20 @@ class ce_causal0(Forward):
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T))[G @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_3, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_4, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.M_1),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.M_1),
         ]
 
     def block__W_Q__W_V__functional(s):
@@ -739,7 +777,7 @@ class ce_causal0(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
         ]
 
     def block__W_K__W_K__functional(s):
@@ -751,7 +789,7 @@ class ce_causal0(Forward):
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.M_1),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.M_1),
         ]
 
     def block__W_K__W_V__functional(s):
@@ -763,7 +801,7 @@ class ce_causal0(Forward):
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae->bc|ed', s.M_1, s.t, s.dA_2, s.M_1),
+            net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae->bc|ed', s.M_1, s.t_2, s.dA_2, s.M_1),
         ]
 
     def jacobian__W_Q(s):
@@ -786,69 +824,84 @@ class ce_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0(s.t_6, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_8, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.t_12, True), mean0(s.t_13, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_13 X W_K", tr(s.X), s.t_13, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_13' X W_Q", tr(s.X), tr(s.t_13), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_15 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_14)
-        t_16 = (s.mm('_ X W_V', t_15, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_17 = (s.t * softmax_diff(softmax_rows(s.F_2), t_16))
-        t_18 = softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X)))
-        t_19 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_18, s.X, s.W_K)
-        t_20 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q)
-        return (mean0(t_19, True), mean0(t_20, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17), True),)
+        t_15 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_15)
+        t_17 = lin((1, s.prod('_ X W_V', t_16, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_18 = (s.t * softmax_diff(s.t_14, t_17))
+        t_19 = softmax_diff(s.A, s.mm("_ W_V' X'", t_18, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_19, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_19), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_18, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_21, s.t_10)
-        t_23 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_24 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_22 + t_23), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K))
-        t_25 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_22) + tr(t_23)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q))
-        t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
-        return (mean0(t_24, True), mean0(t_25, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_26), s.G_2), True),)
+        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_21 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_12)
+        t_22 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_23 = (t_21 + t_22)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_23, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X _", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X _", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
+        t_24 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_24), s.G_2, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_27 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_30 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_27, s.t_29)
-        t_31 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_27)
-        t_32 = (s.mm('_ X W_V', t_31, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_33 = (s.t * softmax_diff(s.t_7, t_32))
-        t_34 = s.mm_sum('r', (1, "t_28 _ X'", s.t_28, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_33, tr(s.W_V), tr(s.X)))
-        t_35 = softmax_diff(s.A, t_34)
-        t_37 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_30 + t_35), s.X, s.W_K), (1, "X' t_36 X _", tr(s.X), s.t_36, s.X, V_W_K))
-        t_38 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_30) + tr(t_35)), s.X, s.W_Q), (1, "X' t_36' X _", tr(s.X), tr(s.t_36), s.X, V_W_Q))
-        t_39 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_31), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_33))
-        return (mean0(t_37, True), mean0(t_38, True), mean0(t_39, True),)
+        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_27)
+        t_29 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
+        t_30 = lin((1, s.prod('_ X W_V', t_29, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_31 = (s.t * softmax_diff(s.t_9, t_30))
+        t_32 = s.mm_sum('r', (1, "t_26 _ X'", s.t_26, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_31, tr(s.W_V), tr(s.X)))
+        t_33 = softmax_diff(s.A, t_32)
+        t_34 = (t_28 + t_33)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_34, s.X, s.W_K), (1, "X' t_35 X _", tr(s.X), s.t_35, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_34), s.X, s.W_Q), (1, "X' t_35' X _", tr(s.X), tr(s.t_35), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_29), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_31), mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
 
 class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "52829d7fe3f5ddb9d3464ea0"
+    STAMP = "615198ff5bb3a2c6c224f0ff"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
-        "X' t_11": 4,
-        "X' t_11 X": 4,
-        "X' t_11'": 4,
-        "X' t_36": 2,
-        "X' t_36 X": 2,
-        "X' t_36'": 2,
+        "X' t_13": 4,
+        "X' t_13 X": 4,
+        "X' t_13'": 4,
+        "X' t_35": 2,
+        "X' t_35 X": 2,
+        "X' t_35'": 2,
     }
 
     @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
     def t(s):
-        return bcast_last(sum_last(s.Y), s.d_V)
+        return s.mm('Y one', s.Y, s.one)
+
+    @leaf
+    def t_2(s):
+        return bcast_last(s.t, s.d_V)
 
     @leaf
     def T(s):
@@ -868,79 +921,83 @@ class ce_causal1(Forward):
 
     @leaf
     def G(s):
-        return ((1/s.L) * (s.t * softmax_rows(s.F)) - (1/s.L) * s.Y)
-
-    @leaf
-    def t_2(s):
-        return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
+        return lin((1/s.L, s.t, softmax_rows(s.F)), (-1/s.L, s.Y))
 
     @leaf
     def t_3(s):
-        return s.mm("X' t_2 X", tr(s.X), s.t_2, s.X)
+        return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_4(s):
+        return s.mm("X' t_3 X", tr(s.X), s.t_3, s.X)
+
+    @leaf
+    def t_5(s):
         return softmax_rows(s.F)
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def F_2(s):
         return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
-    def t_5(s):
-        return ones((s.d_V, 1), s.like)
-
-    @leaf
     def t_6(s):
-        return (-1/s.L) * s.mm('_ t_5', sum_rows((log_softmax_rows(s.F_2) * s.Y)), s.t_5)
+        return log_softmax_rows(s.F_2)
 
     @leaf
     def t_7(s):
-        return softmax_rows(s.F_2)
+        return (s.t_6 * s.Y)
 
     @leaf
     def t_8(s):
-        return (s.t * s.t_7)
+        return s.mm('one_2 t_7 one', s.one_2, s.t_7, s.one)
 
     @leaf
     def t_9(s):
-        return (s.t_8 - s.Y)
-
-    @leaf
-    def G_2(s):
-        return (1/s.L) * s.t_9
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_10(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+        return (s.t * s.t_9)
 
     @leaf
     def t_11(s):
-        return softmax_diff(s.A, s.t_10)
+        return (s.t_10 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_11
 
     @leaf
     def t_12(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_11 X W_K", tr(s.X), s.t_11, s.X, s.W_K)
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
     def t_13(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_11' X W_Q", tr(s.X), tr(s.t_11), s.X, s.W_Q)
+        return softmax_diff(s.A, s.t_12)
 
     @leaf
-    def t_28(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_9
+    def t_14(s):
+        return softmax_rows(s.F_2)
 
     @leaf
-    def t_29(s):
-        return s.mm("t_28 W_V' X'", s.t_28, tr(s.W_V), tr(s.X))
+    def t_26(s):
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_11
 
     @leaf
-    def t_36(s):
-        return softmax_diff(s.A, s.t_29)
+    def t_27(s):
+        return s.mm("t_26 W_V' X'", s.t_26, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_35(s):
+        return softmax_diff(s.A, s.t_27)
 
     @leaf
     def G_3(s):
-        return (1/s.L) * s.t_9
+        return (1/s.L) * s.t_11
 
     @leaf
     def dA(s):
@@ -961,17 +1018,17 @@ class ce_causal1(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_4, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_4, s.t_4),
+            net(1, 'nab,bc->nabc', s.t_5, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_5, s.t_5),
         ])
 
     @leaf
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_2, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_2, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_2),
+            net(1, 'nab,bc->nabc', s.t_3, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_3, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_3),
         ])
 
     @leaf
@@ -984,7 +1041,7 @@ class ce_causal1(Forward):
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X, s.W_K),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.W_K),
         ]
 
     def block__W_Q__W_Q__functional(s):
@@ -996,20 +1053,20 @@ class ce_causal1(Forward):
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T), causal)[G @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_3, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_4, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.M_1),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.M_1),
         ]
 
     def block__W_Q__W_V__functional(s):
@@ -1021,7 +1078,7 @@ class ce_causal1(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,hg,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X, s.W_Q),
         ]
 
     def block__W_K__W_K__functional(s):
@@ -1033,7 +1090,7 @@ class ce_causal1(Forward):
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.W_V, s.t, s.dA_2, s.M_1),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.M_1),
         ]
 
     def block__W_K__W_V__functional(s):
@@ -1045,7 +1102,7 @@ class ce_causal1(Forward):
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae->bc|ed', s.M_1, s.t, s.dA_2, s.M_1),
+            net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae->bc|ed', s.M_1, s.t_2, s.dA_2, s.M_1),
         ]
 
     def jacobian__W_Q(s):
@@ -1068,46 +1125,53 @@ class ce_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0(s.t_6, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_8, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.t_12, True), mean0(s.t_13, True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_13 X W_K", tr(s.X), s.t_13, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_13' X W_Q", tr(s.X), tr(s.t_13), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_15 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_14)
-        t_16 = (s.mm('_ X W_V', t_15, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_17 = (s.t * softmax_diff(softmax_rows(s.F_2), t_16))
-        t_18 = softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X)))
-        t_19 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_18, s.X, s.W_K)
-        t_20 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q)
-        return (mean0(t_19, True), mean0(t_20, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17), True),)
+        t_15 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_15)
+        t_17 = lin((1, s.prod('_ X W_V', t_16, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_18 = (s.t * softmax_diff(s.t_14, t_17))
+        t_19 = softmax_diff(s.A, s.mm("_ W_V' X'", t_18, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_19, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_19), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_18, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_21, s.t_10)
-        t_23 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_24 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_22 + t_23), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K))
-        t_25 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_22) + tr(t_23)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q))
-        t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
-        return (mean0(t_24, True), mean0(t_25, True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_26), s.G_2), True),)
+        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_21 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_12)
+        t_22 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_23 = (t_21 + t_22)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_23, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X _", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X _", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
+        t_24 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_24), s.G_2, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_27 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_30 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_27, s.t_29)
-        t_31 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_27)
-        t_32 = (s.mm('_ X W_V', t_31, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_33 = (s.t * softmax_diff(s.t_7, t_32))
-        t_34 = s.mm_sum('r', (1, "t_28 _ X'", s.t_28, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_33, tr(s.W_V), tr(s.X)))
-        t_35 = softmax_diff(s.A, t_34)
-        t_37 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_30 + t_35), s.X, s.W_K), (1, "X' t_36 X _", tr(s.X), s.t_36, s.X, V_W_K))
-        t_38 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_30) + tr(t_35)), s.X, s.W_Q), (1, "X' t_36' X _", tr(s.X), tr(s.t_36), s.X, V_W_Q))
-        t_39 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_31), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_33))
-        return (mean0(t_37, True), mean0(t_38, True), mean0(t_39, True),)
+        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_27)
+        t_29 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
+        t_30 = lin((1, s.prod('_ X W_V', t_29, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_31 = (s.t * softmax_diff(s.t_9, t_30))
+        t_32 = s.mm_sum('r', (1, "t_26 _ X'", s.t_26, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_31, tr(s.W_V), tr(s.X)))
+        t_33 = softmax_diff(s.A, t_32)
+        t_34 = (t_28 + t_33)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_34, s.X, s.W_K), (1, "X' t_35 X _", tr(s.X), s.t_35, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_34), s.X, s.W_Q), (1, "X' t_35' X _", tr(s.X), tr(s.t_35), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_29), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_31), mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
 
 VARIANTS = {
@@ -1116,4 +1180,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "3dfb79ef3ee361230d5e51de"
+CHECKSUM = "82213543c8f161d61c6e8d7c"

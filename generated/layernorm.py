@@ -24,107 +24,147 @@ class mse(Forward):
     """loss=mse, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "9da82e7681c52126e5dc91a5"
+    STAMP = "305cd332e8bc99b82c06c422"
+
+    @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def M_Z(s):
-        return (-(1/s.d_V) * bcast_last(sum_last(s.X), s.d_V) + s.X)
+        return lin((-1/s.d_V, s.mm('X one', s.X, s.one)), (1, s.X))
+
+    @leaf
+    def t(s):
+        return (s.M_Z * s.M_Z)
 
     @leaf
     def sigma2_Z(s):
-        return (1/s.d_V) * bcast_last(sum_last((s.M_Z * s.M_Z)), s.d_V)
+        return (1/s.d_V) * s.mm('t one', s.t, s.one)
 
     @leaf
     def P_Z(s):
         return (s.sigma2_Z ** -0.5)
 
     @leaf
-    def t(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
     def t_2(s):
-        return (-0.5 * (s.sigma2_Z ** -1.5))
+        return bcast_last(s.P_Z, s.d_V)
 
     @leaf
     def t_3(s):
-        return (s.t_2 * s.M_Z)
-
-    @leaf
-    def Z(s):
-        return (s.M_Z * s.P_Z)
-
-    @leaf
-    def G(s):
-        return ((2/(s.L*s.d_V)) * s.Z - (2/(s.L*s.d_V)) * s.Y)
+        return (-0.5 * (s.sigma2_Z ** -1.5))
 
     @leaf
     def t_4(s):
-        return (s.t_2 * s.G)
+        return (s.t_3 * s.M_Z)
+
+    @leaf
+    def Z(s):
+        return (s.P_Z * s.M_Z)
 
     @leaf
     def t_5(s):
-        return (0.75 * (s.sigma2_Z ** -2.5))
+        return (s.Z - s.Y)
+
+    @leaf
+    def G(s):
+        return (2/(s.L*s.d_V)) * s.t_5
 
     @leaf
     def t_6(s):
-        return (s.t_5 * s.G * s.M_Z)
+        return (s.t_3 * s.G)
 
     @leaf
     def t_7(s):
-        return bcast_last(sum_last((s.t_2 * s.G * s.M_Z)), s.d_V)
+        return (0.75 * (s.sigma2_Z ** -2.5))
 
     @leaf
     def t_8(s):
-        return (s.Z - s.Y)
+        return mul(s.t_7, s.G, s.M_Z)
 
     @leaf
     def t_9(s):
-        return ones((s.d_V, 1), s.like)
+        return mul(s.t_3, s.G, s.M_Z)
 
     @leaf
     def t_10(s):
-        return (s.t_7 * s.M_Z)
+        return s.mm('t_9 one', s.t_9, s.one)
 
     @leaf
     def t_11(s):
-        return (s.G * s.P_Z)
+        return bcast_last(s.t_10, s.d_V)
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def t_12(s):
-        return bcast_last(sum_last((-(2/s.d_V**2) * s.t_10 - (1/s.d_V) * s.t_11)), s.d_V)
-
-    @leaf
-    def t_29(s):
         return (s.Z - s.Y)
 
     @leaf
-    def t_30(s):
-        return bcast_last(sum_last(((4/(s.L*s.d_V**2)) * s.t_29 * s.t_2 * s.M_Z)), s.d_V)
+    def t_13(s):
+        return (s.t_12 * s.t_12)
+
+    @leaf
+    def t_14(s):
+        return s.mm('one_2 t_13 one', s.one_2, s.t_13, s.one)
+
+    @leaf
+    def t_15(s):
+        return lin((1, s.t_10, s.M_Z), ((1/2)*s.d_V, s.P_Z, s.G))
+
+    @leaf
+    def t_16(s):
+        return (-2/s.d_V**2) * s.t_15
+
+    @leaf
+    def t_17(s):
+        return s.mm('t_16 one', s.t_16, s.one)
+
+    @leaf
+    def t_28(s):
+        return mul(s.t_3, (4/(s.L*s.d_V**2)) * s.t_5, s.M_Z)
+
+    @leaf
+    def t_29(s):
+        return s.mm('t_28 one', s.t_28, s.one)
+
+    @leaf
+    def t_34(s):
+        return (s.t_3 * s.G)
+
+    @leaf
+    def t_35(s):
+        return (s.t_3 * (4/(s.L*s.d_V**2)) * s.t_5)
+
+    @leaf
+    def t_36(s):
+        return mul(s.t_7, (4/(s.L*s.d_V**2)) * s.t_5, s.M_Z)
 
     @leaf
     def S(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
-            net(1, 'ab,bc->abc', s.P_Z, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'ab,bc,ac->abc', s.M_Z, s.t, s.t_3),
+            net(1, 'ab,bc->abc', s.t_2, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'ab,bc,ac->abc', s.M_Z, ONES, s.t_4),
         ])
 
     @leaf
     def S_2(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
-            net(2/(s.L*s.d_V), 'ab,bc->abc', s.P_Z, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'ab,bc,ac->abc', s.M_Z, s.t, s.t_3),
-            net(-2/(s.L*s.d_V**2), 'ab,cbd->cad', s.t, s.S),
+            net(2/(s.L*s.d_V), 'ab,bc->abc', s.t_2, EYE, free={'c': s.d_V}),
+            net(4/(s.L*s.d_V**2), 'ab,bc,ac->abc', s.M_Z, ONES, s.t_4),
+            net(-2/(s.L*s.d_V**2), 'ab,cbd->cad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
     def S_3(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
-            net(1, 'ab,bc->abc', s.P_Z, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'ab,bc,ac->abc', s.t_3, s.t, s.M_Z),
+            net(1, 'ab,bc->abc', s.t_2, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'ab,bc,ac->abc', s.t_4, ONES, s.M_Z),
         ])
 
     @leaf
@@ -132,34 +172,34 @@ class mse(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_5(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
-            net(1, 'nab,bc->nabc', s.t_4, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_6, s.t, s.M_Z),
+            net(1, 'nab,bc->nabc', s.t_6, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_8, ONES, s.M_Z),
         ])
 
     @leaf
     def S_6(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_6', [
-            net(1, 'nab,bc->nabc', s.t_7, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,ac->nabc', s.t_4, s.t, s.M_Z),
-            net(1, 'ab,bc,nacd->nabd', s.M_Z, s.t, s.S_5),
+            net(1, 'nab,bc->nabc', s.t_11, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,ac->nabc', s.t_6, ONES, s.M_Z),
+            net(1, 'ab,bc,nacd->nabd', s.M_Z, ONES, s.S_5),
         ])
 
     @leaf
     def S_7(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_7', [
-            net(2/s.d_V, 'nab,bc->nabc', s.t_7, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_4, s.t, s.M_Z),
-            net(2/s.d_V, 'ab,bc,nacd->nabd', s.M_Z, s.t, s.S_5),
-            net(-2/s.d_V**2, 'ab,ncbd->ncad', s.t, s.S_6),
+            net(2/s.d_V, 'nab,bc->nabc', s.t_11, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_6, ONES, s.M_Z),
+            net(2/s.d_V, 'ab,bc,nacd->nabd', s.M_Z, ONES, s.S_5),
+            net(-2/s.d_V**2, 'ab,ncbd->ncad', ONES, s.S_6, free={'a': s.d_V}),
         ])
 
     def block__X__X__outer(s):
@@ -182,50 +222,43 @@ class mse(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_9', sum_rows((s.t_8 * s.t_8)), s.t_9), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_14, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(((2/s.d_V) * s.t_10 + s.t_11 + s.t_12), True),)
+        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * s.t_15, True)), (1, bcast_last(mean0(s.t_17, True), s.d_V)))
+        return (out_X,)
 
     def hvp__outer(s, V_X):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_13 = (bcast_last(sum_last(V_X), s.d_V) - (s.d_V) * V_X)
-        t_14 = ((-1/s.d_V) * t_13 * s.P_Z)
-        t_15 = bcast_last(sum_last(((-1/s.d_V) * t_13 * s.M_Z)), s.d_V)
-        t_16 = (s.t_2 * t_15 * s.M_Z)
-        t_17 = (t_14 + (2/s.d_V) * t_16)
-        t_18 = ((2/(s.L*s.d_V)) * t_17 * s.P_Z)
-        t_19 = (bcast_last(sum_last(((2/(s.L*s.d_V)) * t_17 * s.t_2 * s.M_Z)), s.d_V) * s.M_Z)
-        t_20 = (t_18 + (2/s.d_V) * t_19 + bcast_last(sum_last((-(1/s.d_V) * t_18 - (2/s.d_V**2) * t_19)), s.d_V))
-        return (mean0(t_20, False),)
+        t_18 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_19 = s.mm('_ one', ((-1/s.d_V) * t_18 * s.M_Z), s.one)
+        t_20 = lin((1, s.P_Z, (-1/s.d_V) * t_18), (2/s.d_V, t_19, s.t_4))
+        t_21 = (s.P_Z * (2/(s.L*s.d_V)) * t_20)
+        t_22 = lin((1, t_21), (2/s.d_V, s.mm('_ one', (s.t_4 * (2/(s.L*s.d_V)) * t_20), s.one), s.M_Z))
+        t_23 = lin((-s.d_V, (-1/s.d_V) * t_22), (1, s.mm('_ one', (-1/s.d_V) * t_22, s.one)))
+        out_X = t_23
+        return (out_X,)
 
     def hvp__functional(s, V_X):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = (bcast_last(sum_last(V_X), s.d_V) - (s.d_V) * V_X)
-        t_22 = ((-1/s.d_V) * t_21 * s.t_7)
-        t_23 = bcast_last(sum_last(((-1/s.d_V) * t_21 * s.M_Z)), s.d_V)
-        t_24 = (s.t_2 * t_23 * s.G)
-        t_25 = (((-1/s.d_V) * t_21 * s.t_2 * s.G) + (2/s.d_V) * (s.t_5 * t_23 * s.G * s.M_Z))
-        t_26 = (bcast_last(sum_last(t_25), s.d_V) * s.M_Z)
-        t_27 = bcast_last(sum_last((-(2/s.d_V**2) * t_22 - (2/s.d_V**2) * t_24 - (2/s.d_V**2) * t_26)), s.d_V)
-        return (mean0(((2/s.d_V) * t_22 + (2/s.d_V) * t_24 + (2/s.d_V) * t_26 + t_27), True),)
+        t_24 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_25 = s.mm('_ one', ((-1/s.d_V) * t_24 * s.M_Z), s.one)
+        t_26 = s.mm('_ one', lin((1, s.t_6, (-1/s.d_V) * t_24), (2/s.d_V, t_25, s.t_8)), s.one)
+        t_27 = lin((1, s.t_10, (-1/s.d_V) * t_24), (1, t_25, s.t_6), (1, t_26, s.M_Z))
+        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_27, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_27, s.one), True), s.d_V)))
+        return (out_X,)
 
     def hvp__full(s, V_X):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_28 = (bcast_last(sum_last(V_X), s.d_V) - (s.d_V) * V_X)
-        t_31 = ((-1/s.d_V) * t_28 * s.t_30)
-        t_32 = ((-1/s.d_V) * t_28 * s.P_Z)
-        t_33 = bcast_last(sum_last(((-1/s.d_V) * t_28 * s.M_Z)), s.d_V)
-        t_34 = (s.t_2 * t_33 * s.M_Z)
-        t_35 = (t_32 + (2/s.d_V) * t_34)
-        t_36 = ((2/(s.L*s.d_V)) * t_35 * s.P_Z)
-        t_37 = (s.G * s.t_2 * t_33)
-        t_38 = (((-1/s.d_V) * t_28 * (4/(s.L*s.d_V**2)) * s.t_29 * s.t_2) + ((4/(s.L*s.d_V**2)) * t_35 * s.t_2 * s.M_Z) + (2/s.d_V) * ((4/(s.L*s.d_V**2)) * s.t_29 * s.t_5 * t_33 * s.M_Z))
-        t_39 = (bcast_last(sum_last(t_38), s.d_V) * s.M_Z)
-        t_40 = (-(1/s.d_V) * t_31 - (1/s.d_V) * t_36 - (2/s.d_V**2) * t_37 - (1/s.d_V) * t_39)
-        t_41 = (t_31 + t_36 + (2/s.d_V) * t_37 + t_39 + bcast_last(sum_last(t_40), s.d_V))
-        return (mean0(t_41, True),)
+        t_30 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_31 = s.mm('_ one', ((-1/s.d_V) * t_30 * s.M_Z), s.one)
+        t_32 = lin((1, s.P_Z, (-1/s.d_V) * t_30), (2/s.d_V, t_31, s.t_4))
+        t_33 = (s.P_Z * (2/(s.L*s.d_V)) * t_32)
+        t_37 = lin((1, s.t_35, (-1/s.d_V) * t_30), (1, s.t_4, (4/(s.L*s.d_V**2)) * t_32), (2/s.d_V, t_31, s.t_36))
+        t_38 = lin((1, s.t_29, (-1/s.d_V) * t_30), (1, t_33), (2/s.d_V, t_31, s.t_34), (1, s.mm('_ one', t_37, s.one), s.M_Z))
+        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_38, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_38, s.one), True), s.d_V)))
+        return (out_X,)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -236,135 +269,179 @@ class ce(Forward):
     """loss=ce, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "af0d8cc84198bf5962b89fcd"
+    STAMP = "22736b3b155ae4072843ce6e"
+
+    @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
 
     @leaf
     def t(s):
-        return bcast_last(sum_last(s.Y), s.d_V)
+        return s.mm('Y one', s.Y, s.one)
 
     @leaf
     def M_Z(s):
-        return (-(1/s.d_V) * bcast_last(sum_last(s.X), s.d_V) + s.X)
+        return lin((-1/s.d_V, s.mm('X one', s.X, s.one)), (1, s.X))
+
+    @leaf
+    def t_2(s):
+        return (s.M_Z * s.M_Z)
 
     @leaf
     def sigma2_Z(s):
-        return (1/s.d_V) * bcast_last(sum_last((s.M_Z * s.M_Z)), s.d_V)
+        return (1/s.d_V) * s.mm('t_2 one', s.t_2, s.one)
 
     @leaf
     def P_Z(s):
         return (s.sigma2_Z ** -0.5)
 
     @leaf
-    def t_2(s):
+    def t_3(s):
         return (s.t * s.P_Z)
 
     @leaf
-    def t_3(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
     def t_4(s):
-        return (-0.5 * (s.sigma2_Z ** -1.5))
+        return bcast_last(s.t_3, s.d_V)
 
     @leaf
     def t_5(s):
-        return (s.t_4 * s.t * s.M_Z)
-
-    @leaf
-    def Z(s):
-        return (s.M_Z * s.P_Z)
+        return (-0.5 * (s.sigma2_Z ** -1.5))
 
     @leaf
     def t_6(s):
-        return softmax_rows(s.Z)
+        return mul(s.t_5, s.t, s.M_Z)
+
+    @leaf
+    def Z(s):
+        return (s.P_Z * s.M_Z)
 
     @leaf
     def t_7(s):
-        return (s.t_4 * s.M_Z)
-
-    @leaf
-    def t_8(s):
         return softmax_rows(s.Z)
 
     @leaf
-    def t_9(s):
-        return (s.t * s.t_8)
+    def t_8(s):
+        return bcast_last(s.P_Z, s.d_V)
 
     @leaf
-    def G(s):
-        return ((1/s.L) * s.t_9 - (1/s.L) * s.Y)
+    def t_9(s):
+        return (s.t_5 * s.M_Z)
 
     @leaf
     def t_10(s):
-        return (s.t_4 * s.G)
+        return softmax_rows(s.Z)
 
     @leaf
     def t_11(s):
-        return (0.75 * (s.sigma2_Z ** -2.5))
+        return ((s.t * s.t_10) - s.Y)
+
+    @leaf
+    def G(s):
+        return (1/s.L) * s.t_11
 
     @leaf
     def t_12(s):
-        return (s.t_11 * s.G * s.M_Z)
+        return (s.t_5 * s.G)
 
     @leaf
     def t_13(s):
-        return bcast_last(sum_last((s.t_4 * s.G * s.M_Z)), s.d_V)
+        return (0.75 * (s.sigma2_Z ** -2.5))
 
     @leaf
     def t_14(s):
-        return ones((s.d_V, 1), s.like)
+        return mul(s.t_13, s.G, s.M_Z)
 
     @leaf
     def t_15(s):
-        return (-1/s.L) * s.mm('_ t_14', sum_rows((log_softmax_rows(s.Z) * s.Y)), s.t_14)
+        return mul(s.t_5, s.G, s.M_Z)
 
     @leaf
     def t_16(s):
-        return (s.t_13 * s.M_Z)
+        return s.mm('t_15 one', s.t_15, s.one)
 
     @leaf
     def t_17(s):
-        return (s.G * s.P_Z)
+        return bcast_last(s.t_16, s.d_V)
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def t_18(s):
-        return bcast_last(sum_last((-(2/s.d_V**2) * s.t_16 - (1/s.d_V) * s.t_17)), s.d_V)
+        return log_softmax_rows(s.Z)
+
+    @leaf
+    def t_19(s):
+        return (s.t_18 * s.Y)
+
+    @leaf
+    def t_20(s):
+        return s.mm('one_2 t_19 one', s.one_2, s.t_19, s.one)
+
+    @leaf
+    def t_21(s):
+        return lin((1, s.t_16, s.M_Z), ((1/2)*s.d_V, s.P_Z, s.G))
+
+    @leaf
+    def t_22(s):
+        return (-2/s.d_V**2) * s.t_21
+
+    @leaf
+    def t_23(s):
+        return s.mm('t_22 one', s.t_22, s.one)
+
+    @leaf
+    def t_33(s):
+        return mul(s.t_5, (2/(s.L*s.d_V)) * s.t_11, s.M_Z)
 
     @leaf
     def t_34(s):
-        return (s.t_9 - s.Y)
+        return s.mm('t_33 one', s.t_33, s.one)
+
+    @leaf
+    def t_37(s):
+        return (s.t_5 * s.G)
+
+    @leaf
+    def t_38(s):
+        return (s.t_5 * (2/(s.L*s.d_V)) * s.t_11)
+
+    @leaf
+    def t_39(s):
+        return mul(s.t_13, (2/(s.L*s.d_V)) * s.t_11, s.M_Z)
 
     @leaf
     def S(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
-            net(1, 'nab,bc->nabc', s.t_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'ab,bc,nac->nabc', s.M_Z, s.t_3, s.t_5),
+            net(1, 'nab,bc->nabc', s.t_4, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'ab,bc,nac->nabc', s.M_Z, ONES, s.t_6),
         ])
 
     @leaf
     def S_2(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
-            net(1/s.L, 'nab,bc->nabc', s.t_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'ab,bc,nac->nabc', s.M_Z, s.t_3, s.t_5),
-            net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', s.t_3, s.S),
+            net(1/s.L, 'nab,bc->nabc', s.t_4, EYE, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V), 'ab,bc,nac->nabc', s.M_Z, ONES, s.t_6),
+            net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
     def dA(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA', [
-            net(1, 'ab,bc->abc', s.t_6, EYE, free={'c': s.d_V}),
-            net(-1, 'ab,ac->abc', s.t_6, s.t_6),
+            net(1, 'ab,bc->abc', s.t_7, EYE, free={'c': s.d_V}),
+            net(-1, 'ab,ac->abc', s.t_7, s.t_7),
         ])
 
     @leaf
     def S_3(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
-            net(1, 'ab,bc->abc', s.P_Z, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'ab,bc,ac->abc', s.t_7, s.t_3, s.M_Z),
+            net(1, 'ab,bc->abc', s.t_8, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'ab,bc,ac->abc', s.t_9, ONES, s.M_Z),
         ])
 
     @leaf
@@ -372,34 +449,34 @@ class ce(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_3),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_5(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
-            net(1, 'nab,bc->nabc', s.t_10, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_12, s.t_3, s.M_Z),
+            net(1, 'nab,bc->nabc', s.t_12, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_14, ONES, s.M_Z),
         ])
 
     @leaf
     def S_6(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_6', [
-            net(1, 'nab,bc->nabc', s.t_13, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,ac->nabc', s.t_10, s.t_3, s.M_Z),
-            net(1, 'ab,bc,nacd->nabd', s.M_Z, s.t_3, s.S_5),
+            net(1, 'nab,bc->nabc', s.t_17, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,ac->nabc', s.t_12, ONES, s.M_Z),
+            net(1, 'ab,bc,nacd->nabd', s.M_Z, ONES, s.S_5),
         ])
 
     @leaf
     def S_7(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_7', [
-            net(2/s.d_V, 'nab,bc->nabc', s.t_13, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_10, s.t_3, s.M_Z),
-            net(2/s.d_V, 'ab,bc,nacd->nabd', s.M_Z, s.t_3, s.S_5),
-            net(-2/s.d_V**2, 'ab,ncbd->ncad', s.t_3, s.S_6),
+            net(2/s.d_V, 'nab,bc->nabc', s.t_17, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,ac->nabc', s.t_12, ONES, s.M_Z),
+            net(2/s.d_V, 'ab,bc,nacd->nabd', s.M_Z, ONES, s.S_5),
+            net(-2/s.d_V**2, 'ab,ncbd->ncad', ONES, s.S_6, free={'a': s.d_V}),
         ])
 
     def block__X__X__outer(s):
@@ -422,48 +499,42 @@ class ce(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0(s.t_15, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_20, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(((2/s.d_V) * s.t_16 + s.t_17 + s.t_18), True),)
+        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * s.t_21, True)), (1, bcast_last(mean0(s.t_23, True), s.d_V)))
+        return (out_X,)
 
     def hvp__outer(s, V_X):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = (bcast_last(sum_last(V_X), s.d_V) - (s.d_V) * V_X)
-        t_20 = bcast_last(sum_last(((-1/s.d_V) * t_19 * s.M_Z)), s.d_V)
-        t_21 = (((-1/s.d_V) * t_19 * s.P_Z) + (2/s.d_V) * (s.t_4 * t_20 * s.M_Z))
-        t_22 = softmax_diff(s.t_6, t_21)
-        t_23 = (bcast_last(sum_last((s.t_4 * s.t * s.M_Z * t_22)), s.d_V) * s.M_Z)
-        t_24 = (s.t * s.P_Z * t_22)
-        t_25 = bcast_last(sum_last((-(2/(s.L*s.d_V**2)) * t_23 - (1/(s.L*s.d_V)) * t_24)), s.d_V)
-        return (mean0(((2/(s.L*s.d_V)) * t_23 + (1/s.L) * t_24 + t_25), True),)
+        t_24 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_25 = s.mm('_ one', ((-1/s.d_V) * t_24 * s.M_Z), s.one)
+        t_26 = lin((1, s.P_Z, (-1/s.d_V) * t_24), (2/s.d_V, t_25, s.t_9))
+        t_27 = softmax_diff(s.t_7, t_26)
+        t_28 = lin((1, s.mm('_ one', (s.t_6 * t_27), s.one), s.M_Z), ((1/2)*s.d_V, s.t_3, t_27))
+        out_X = lin((-s.d_V, mean0((-2/(s.L*s.d_V**2)) * t_28, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/(s.L*s.d_V**2)) * t_28, s.one), True), s.d_V)))
+        return (out_X,)
 
     def hvp__functional(s, V_X):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_26 = (bcast_last(sum_last(V_X), s.d_V) - (s.d_V) * V_X)
-        t_27 = ((-1/s.d_V) * t_26 * s.t_13)
-        t_28 = bcast_last(sum_last(((-1/s.d_V) * t_26 * s.M_Z)), s.d_V)
-        t_29 = (s.t_4 * t_28 * s.G)
-        t_30 = (((-1/s.d_V) * t_26 * s.t_4 * s.G) + (2/s.d_V) * (s.t_11 * t_28 * s.G * s.M_Z))
-        t_31 = (bcast_last(sum_last(t_30), s.d_V) * s.M_Z)
-        t_32 = bcast_last(sum_last((-(2/s.d_V**2) * t_27 - (2/s.d_V**2) * t_29 - (2/s.d_V**2) * t_31)), s.d_V)
-        return (mean0(((2/s.d_V) * t_27 + (2/s.d_V) * t_29 + (2/s.d_V) * t_31 + t_32), True),)
+        t_29 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_30 = s.mm('_ one', ((-1/s.d_V) * t_29 * s.M_Z), s.one)
+        t_31 = s.mm('_ one', lin((1, s.t_12, (-1/s.d_V) * t_29), (2/s.d_V, t_30, s.t_14)), s.one)
+        t_32 = lin((1, s.t_16, (-1/s.d_V) * t_29), (1, t_30, s.t_12), (1, t_31, s.M_Z))
+        out_X = lin((-s.d_V, mean0((-2/s.d_V**2) * t_32, True)), (1, bcast_last(mean0(s.mm('_ one', (-2/s.d_V**2) * t_32, s.one), True), s.d_V)))
+        return (out_X,)
 
     def hvp__full(s, V_X):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_33 = (bcast_last(sum_last(V_X), s.d_V) - (s.d_V) * V_X)
-        t_35 = ((-1/s.d_V) * t_33 * bcast_last(sum_last(((2/(s.L*s.d_V)) * s.t_34 * s.t_4 * s.M_Z)), s.d_V))
-        t_36 = bcast_last(sum_last(((-1/s.d_V) * t_33 * s.M_Z)), s.d_V)
-        t_37 = (s.G * s.t_4 * t_36)
-        t_38 = (((-1/s.d_V) * t_33 * s.P_Z) + (2/s.d_V) * (s.t_4 * t_36 * s.M_Z))
-        t_39 = softmax_diff(s.t_8, t_38)
-        t_40 = (((-1/s.d_V) * t_33 * (2/(s.L*s.d_V)) * s.t_34 * s.t_4) + (2/s.d_V) * ((2/(s.L*s.d_V)) * s.t_34 * s.t_11 * t_36 * s.M_Z) + (2/(s.L*s.d_V)) * (s.t_4 * s.t * s.M_Z * t_39))
-        t_41 = (bcast_last(sum_last(t_40), s.d_V) * s.M_Z)
-        t_42 = (s.t * s.P_Z * t_39)
-        t_43 = (-(1/s.d_V) * t_35 - (2/s.d_V**2) * t_37 - (1/s.d_V) * t_41 - (1/(s.L*s.d_V)) * t_42)
-        t_44 = (t_35 + (2/s.d_V) * t_37 + t_41 + (1/s.L) * t_42 + bcast_last(sum_last(t_43), s.d_V))
-        return (mean0(t_44, True),)
+        t_35 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_36 = s.mm('_ one', ((-1/s.d_V) * t_35 * s.M_Z), s.one)
+        t_40 = lin((1, s.P_Z, (-1/s.d_V) * t_35), (2/s.d_V, t_36, s.t_9))
+        t_41 = softmax_diff(s.t_10, t_40)
+        t_42 = lin((1, s.t_38, (-1/s.d_V) * t_35), (2/s.d_V, t_36, s.t_39), (2/(s.L*s.d_V), s.t_6, t_41))
+        t_43 = lin((1, s.t_34, (-1/s.d_V) * t_35), (2/s.d_V, t_36, s.t_37), (1, s.mm('_ one', t_42, s.one), s.M_Z), (1/s.L, s.t_3, t_41))
+        out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_43, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_43, s.one), True), s.d_V)))
+        return (out_X,)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -474,4 +545,4 @@ VARIANTS = {
     ('mse', (('affine', 'none'), ('eps', 0))): mse,
     ('ce', (('affine', 'none'), ('eps', 0))): ce,
 }
-CHECKSUM = "1f4797ee4913ee9d9256f23d"
+CHECKSUM = "d5a91a511674afb27c3678fa"

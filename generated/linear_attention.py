@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "0713e07e9b2e983bfd23d435"
+    STAMP = "c32df81b09139c11f11b99bf"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -45,17 +45,22 @@ class mse_causal0(Forward):
         "W_V W_V'": 3,
         "W_V W_V' X'": 3,
         "W_V W_V' X' X": 3,
+        "W_V t_36'": 2,
+        "W_V t_36' X": 2,
         "W_V' X'": 19,
         "W_V' X' X": 16,
         "X W_V G' X": 5,
         "X W_V W_V' X'": 3,
         "X W_V W_V' X' X": 3,
+        "X W_V t_36'": 2,
+        "X W_V t_36' X": 2,
         "X' G W_V' X' X": 5,
         "X' T X": 2,
         "X' X": 24,
         "X' X W_V W_V' X' X": 3,
-        "X' t_40": 2,
-        "X' t_43'": 2,
+        "X' X W_V t_36'": 2,
+        "X' X W_V t_36' X": 2,
+        "X' t_36": 4,
     }
 
     @leaf
@@ -83,100 +88,96 @@ class mse_causal0(Forward):
         return s.mm('T X W_V', s.T, s.X, s.W_V)
 
     @leaf
-    def G(s):
-        return ((2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+    def t_5(s):
+        return (s.F - s.Y)
 
     @leaf
-    def t_5(s):
-        return s.mm("X' G W_V' X' X", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X)
+    def G(s):
+        return (2/(s.L*s.d_V)) * s.t_5
 
     @leaf
     def t_6(s):
-        return s.mm("X' T X", tr(s.X), s.T, s.X)
+        return s.mm("X' G W_V' X' X", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X)
 
     @leaf
     def t_7(s):
-        return s.mm("W_K' X' X W_V", tr(s.W_K), tr(s.X), s.X, s.W_V)
+        return s.mm("X' T X", tr(s.X), s.T, s.X)
 
     @leaf
     def t_8(s):
-        return s.mm("X' G", tr(s.X), s.G)
+        return s.mm("W_K' X' X W_V", tr(s.W_K), tr(s.X), s.X, s.W_V)
 
     @leaf
     def t_9(s):
-        return s.mm("W_K' X' X", tr(s.W_K), tr(s.X), s.X)
+        return s.mm("X' G", tr(s.X), s.G)
 
     @leaf
     def t_10(s):
-        return s.mm("X' X W_V W_V' X' X", tr(s.X), s.X, s.W_V, tr(s.W_V), tr(s.X), s.X)
+        return s.mm("W_K' X' X", tr(s.W_K), tr(s.X), s.X)
 
     @leaf
     def t_11(s):
-        return s.mm("W_Q' X' X W_Q", tr(s.W_Q), tr(s.X), s.X, s.W_Q)
+        return s.mm("X' X W_V W_V' X' X", tr(s.X), s.X, s.W_V, tr(s.W_V), tr(s.X), s.X)
 
     @leaf
     def t_12(s):
-        return s.mm("X' X W_V", tr(s.X), s.X, s.W_V)
+        return s.mm("W_Q' X' X W_Q", tr(s.W_Q), tr(s.X), s.X, s.W_Q)
 
     @leaf
     def t_13(s):
-        return s.mm("W_Q' X' T X", tr(s.W_Q), tr(s.X), s.T, s.X)
+        return s.mm("X' X W_V", tr(s.X), s.X, s.W_V)
 
     @leaf
     def t_14(s):
-        return s.mm("W_Q' X' G", tr(s.W_Q), tr(s.X), s.G)
+        return s.mm("W_Q' X' T X", tr(s.W_Q), tr(s.X), s.T, s.X)
 
     @leaf
     def t_15(s):
-        return s.mm("X' T' T X", tr(s.X), tr(s.T), s.T, s.X)
+        return s.mm("W_Q' X' G", tr(s.W_Q), tr(s.X), s.G)
 
     @leaf
     def t_16(s):
-        return tr(s.t_7)
+        return s.mm("X' T' T X", tr(s.X), tr(s.T), s.T, s.X)
 
     @leaf
     def t_17(s):
-        return s.mm('X W_Q', s.X, s.W_Q)
+        return tr(s.t_8)
 
     @leaf
     def t_18(s):
-        return tr(s.t_12)
+        return s.mm('X W_Q', s.X, s.W_Q)
 
     @leaf
     def t_19(s):
-        return s.mm('T X', s.T, s.X)
+        return tr(s.t_13)
 
     @leaf
     def t_20(s):
-        return (s.F - s.Y)
+        return s.mm('T X', s.T, s.X)
+
+    @leaf
+    def one(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def t_21(s):
-        return ones((s.d_V, 1), s.like)
-
-    @leaf
-    def t_22(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' G W_V' X' X W_K", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, s.W_K)
-
-    @leaf
-    def t_23(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' X W_V G' X W_Q", tr(s.X), s.X, s.W_V, tr(s.G), s.X, s.W_Q)
-
-    @leaf
-    def t_39(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_40(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_39
+    def t_22(s):
+        return (s.t_21 * s.t_21)
 
     @leaf
-    def t_42(s):
-        return (tr(s.F) - tr(s.Y))
+    def t_23(s):
+        return ones((s.d_V, 1), s.like)
 
     @leaf
-    def t_43(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_42
+    def t_24(s):
+        return s.mm('one t_22 t_23', s.one, s.t_22, s.t_23)
+
+    @leaf
+    def t_36(s):
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_5
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 2/(L*d_K*d_V)*(X.T @ X ⊗ W_K.T @ X.T @ X @ W_V @ W_V.T @ X.T @ X @ W_K)"""
@@ -193,121 +194,125 @@ class mse_causal0(Forward):
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ G @ W_V.T @ X.T @ X ⊗ I[d_K])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_5, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_6, free={'c': s.d_K}),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 2/(L*sqrt(d_K)*d_V)*(X.T @ T @ X ⊗ W_K.T @ X.T @ X @ W_V)"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd->ac|bd', s.t_6, s.t_7),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd->ac|bd', s.t_7, s.t_8),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V) = 1/sqrt(d_K)*((X.T @ G ⊗ W_K.T @ X.T @ X) @ K[d_V,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|db', s.t_8, s.t_9),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|db', s.t_9, s.t_10),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 2/(L*d_K*d_V)*(X.T @ X @ W_V @ W_V.T @ X.T @ X ⊗ W_Q.T @ X.T @ X @ W_Q)"""
         return [
-            net(2/(s.L*s.d_K*s.d_V*s.n_batch), 'nab,ncd->ac|bd', s.t_10, s.t_11),
+            net(2/(s.L*s.d_K*s.d_V*s.n_batch), 'nab,ncd->ac|bd', s.t_11, s.t_12),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 2/(L*sqrt(d_K)*d_V)*((X.T @ X @ W_V ⊗ W_Q.T @ X.T @ T @ X) @ K[d_V,d_V])"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd->ac|db', s.t_12, s.t_13),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd->ac|db', s.t_13, s.t_14),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V) = 1/sqrt(d_K)*(X.T @ X ⊗ W_Q.T @ X.T @ G)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|bd', s.t, s.t_14),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|bd', s.t, s.t_15),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 2/(L*d_V)*(X.T @ T.T @ T @ X ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_15, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_16, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncd->n|ac|bd', s.X, s.t_16),
+            net(1/math.sqrt(s.d_K), 'nab,ncd->n|ac|bd', s.X, s.t_17),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncd->n|ac|db', s.t_17, s.t_18),
+            net(1/math.sqrt(s.d_K), 'nab,ncd->n|ac|db', s.t_18, s.t_19),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_19, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_20, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_21', sum_rows((s.t_20 * s.t_20)), s.t_21), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_24, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.t_22, True), mean0(s.t_23, True), mean0(s.mm("X' T' G", tr(s.X), tr(s.T), s.G), True),)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' G W_V' X' X W_K", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' X W_V G' X W_Q", tr(s.X), s.X, s.W_V, tr(s.G), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' T' G", tr(s.X), tr(s.T), s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = s.mm('_ X W_V', t_24, s.X, s.W_V)
-        t_26 = s.mm('T X _', s.T, s.X, V_W_V)
-        t_27 = (t_25 + t_26)
-        t_28 = s.mm("X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*s.d_V)) * t_27, tr(s.W_V), tr(s.X), s.X, s.W_K)
-        t_29 = (tr(t_26) + tr(t_25))
-        t_30 = s.mm("X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (2/(s.L*s.d_V)) * t_29, s.X, s.W_Q)
-        t_31 = s.mm("X' T' _", tr(s.X), tr(s.T), (2/(s.L*s.d_V)) * t_27)
-        return (mean0((1/math.sqrt(s.d_K)) * t_28, True), mean0((1/math.sqrt(s.d_K)) * t_30, True), mean0(t_31, True),)
+        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = s.mm('_ X W_V', (1/math.sqrt(s.d_K)) * t_25, s.X, s.W_V)
+        t_27 = s.mm('T X _', s.T, s.X, V_W_V)
+        t_28 = (t_26 + t_27)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*s.d_V)) * t_28, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
+        t_29 = (tr(t_27) + tr(t_26))
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (2/(s.L*s.d_V)) * t_29, s.X, s.W_Q, mean=True)
+        t_30 = s.mm("X' T' _", tr(s.X), tr(s.T), (2/(s.L*s.d_V)) * t_28)
+        out_W_V = mean0(t_30, True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_32 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K))
-        t_33 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q))
-        t_34 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        return (mean0(t_32, True), mean0(t_33, True), mean0(s.mm("X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_34, s.G), True),)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), mean=True)
+        t_31 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm("X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_31, s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_35 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_36 = s.mm('_ X W_V', t_35, s.X, s.W_V)
-        t_37 = s.mm('T X _', s.T, s.X, V_W_V)
-        t_38 = (t_36 + t_37)
-        t_41 = s.mm_sum('l', (1, "X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_38, tr(s.W_V), tr(s.X), s.X, s.W_K), (1, "X' t_40 W_V' X' X _", tr(s.X), s.t_40, tr(s.W_V), tr(s.X), s.X, V_W_K), (1, "X' t_40 _ X' X W_K", tr(s.X), s.t_40, tr(V_W_V), tr(s.X), s.X, s.W_K))
-        t_44 = (tr(t_37) + tr(t_36))
-        t_45 = s.mm_sum('l', (1, "X' X _ t_43 X W_Q", tr(s.X), s.X, V_W_V, s.t_43, s.X, s.W_Q), (1, "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_44, s.X, s.W_Q), (1, "X' X W_V t_43 X _", tr(s.X), s.X, s.W_V, s.t_43, s.X, V_W_Q))
-        t_46 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_47 = s.mm_sum('l', (1, "X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_46, s.G), (1, "X' T' _", tr(s.X), tr(s.T), (2/(s.L*s.d_V)) * t_38))
-        return (mean0(t_41, True), mean0(t_45, True), mean0(t_47, True),)
+        t_32 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_33 = s.mm('_ X W_V', (1/math.sqrt(s.d_K)) * t_32, s.X, s.W_V)
+        t_34 = s.mm('T X _', s.T, s.X, V_W_V)
+        t_35 = (t_33 + t_34)
+        out_W_Q = s.mm_sum('l', (1, "X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_35, tr(s.W_V), tr(s.X), s.X, s.W_K), (1, "X' t_36 W_V' X' X _", tr(s.X), s.t_36, tr(s.W_V), tr(s.X), s.X, V_W_K), (1, "X' t_36 _ X' X W_K", tr(s.X), s.t_36, tr(V_W_V), tr(s.X), s.X, s.W_K), mean=True)
+        t_37 = (tr(t_34) + tr(t_33))
+        out_W_K = s.mm_sum('l', (1, "X' X _ t_36' X W_Q", tr(s.X), s.X, V_W_V, tr(s.t_36), s.X, s.W_Q), (1, "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_37, s.X, s.W_Q), (1, "X' X W_V t_36' X _", tr(s.X), s.X, s.W_V, tr(s.t_36), s.X, V_W_Q), mean=True)
+        t_38 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_38, s.G), (1, "X' T' _", tr(s.X), tr(s.T), (2/(s.L*s.d_V)) * t_35), mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "33c5c077077e55b92462f754"
+    STAMP = "68c931b1b202ebdab37544ff"
     RUNS = {
-        'A X': 5,
-        "W_K' X'": 10,
-        "W_Q' X'": 10,
-        "W_V' X'": 10,
-        "X' t_12": 4,
-        "X' t_17": 2,
-        "X' t_17 X": 2,
-        "X' t_17'": 2,
-        "X' t_7": 3,
-        "X' t_7 X": 3,
-        "X' t_7'": 3,
+        'A X': 8,
+        "W_K' X'": 9,
+        "W_Q' X'": 9,
+        "W_V' X'": 9,
+        "X' t_37": 2,
+        "X' t_37 X": 2,
+        "X' t_37'": 2,
+        "X' t_7": 5,
+        "X' t_7 X": 5,
+        "X' t_7'": 5,
     }
 
     @leaf
@@ -343,16 +348,16 @@ class mse_causal1(Forward):
         return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
-    def G(s):
-        return ((2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+    def t_6(s):
+        return (s.F - s.Y)
 
     @leaf
-    def t_6(s):
-        return s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X))
+    def G(s):
+        return (2/(s.L*s.d_V)) * s.t_6
 
     @leaf
     def t_7(s):
-        return (s.t_2 * s.t_6)
+        return (s.t_2 * s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_8(s):
@@ -372,19 +377,23 @@ class mse_causal1(Forward):
 
     @leaf
     def t_12(s):
-        return (tr(s.t_2) * tr(s.T))
+        return s.mm("X' A' A X", tr(s.X), tr(s.A), s.A, s.X)
 
     @leaf
     def t_13(s):
-        return s.mm("X' t_12 A X", tr(s.X), s.t_12, s.A, s.X)
-
-    @leaf
-    def t_14(s):
         return tr(s.t_10)
 
     @leaf
-    def t_15(s):
+    def one(s):
+        return ones((1, s.L), s.like)
+
+    @leaf
+    def t_14(s):
         return (s.F - s.Y)
+
+    @leaf
+    def t_15(s):
+        return (s.t_14 * s.t_14)
 
     @leaf
     def t_16(s):
@@ -392,39 +401,19 @@ class mse_causal1(Forward):
 
     @leaf
     def t_17(s):
-        return (tr(s.t_6) * tr(s.t_2))
+        return s.mm('one t_15 t_16', s.one, s.t_15, s.t_16)
 
     @leaf
-    def t_18(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_17 X W_Q", tr(s.X), s.t_17, s.X, s.W_Q)
+    def t_33(s):
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_6
 
     @leaf
     def t_36(s):
-        return (s.F - s.Y)
+        return s.mm("t_33 W_V' X'", s.t_33, tr(s.W_V), tr(s.X))
 
     @leaf
     def t_37(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_36
-
-    @leaf
-    def t_39(s):
-        return s.mm("t_37 W_V' X'", s.t_37, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_40(s):
-        return (s.t_2 * s.t_39)
-
-    @leaf
-    def t_42(s):
-        return (tr(s.F) - tr(s.Y))
-
-    @leaf
-    def t_43(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_42
-
-    @leaf
-    def t_46(s):
-        return (tr(s.t_39) * tr(s.t_2))
+        return (s.t_2 * s.t_36)
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 2/(L*d_K*d_V)*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V @ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X ⊗ X @ W_K))"""
@@ -477,19 +466,19 @@ class mse_causal1(Forward):
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 2/(L*d_V)*(X.T @ (Mcausal[L].T ∘ T.T) @ (Mcausal[L] ∘ T) @ X ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_13, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_12, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|de', s.t_14, s.t_2, s.X, s.t_4),
+            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|de', s.t_13, s.t_2, s.X, s.t_4),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|ed', s.t_14, s.t_2, s.t_5, s.X),
+            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|ed', s.t_13, s.t_2, s.t_5, s.X),
         ]
 
     def jacobian__W_V(s):
@@ -500,55 +489,59 @@ class mse_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_16', sum_rows((s.t_15 * s.t_15)), s.t_16), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_17, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' t_7 X W_K", tr(s.X), s.t_7, s.X, s.W_K), True), mean0(s.t_18, True), mean0(s.mm("X' t_12 G", tr(s.X), s.t_12, s.G), True),)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_7 X W_K", tr(s.X), s.t_7, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_7' X W_Q", tr(s.X), tr(s.t_7), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' G", tr(s.X), tr(s.A), s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_20 = s.mm('_ X W_V', (t_19 * s.t_2), s.X, s.W_V)
+        t_18 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_19 = (t_18 * s.t_2)
+        t_20 = s.mm('_ X W_V', t_19, s.X, s.W_V)
         t_21 = s.mm('A X _', s.A, s.X, V_W_V)
         t_22 = (t_20 + t_21)
-        t_23 = s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_V), tr(s.X))
-        t_24 = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), (s.t_2 * t_23), s.X, s.W_K)
-        t_25 = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), (tr(t_23) * tr(s.t_2)), s.X, s.W_Q)
-        t_26 = s.mm("X' t_12 _", tr(s.X), s.t_12, (2/(s.L*s.d_V)) * t_22)
-        return (mean0(t_24, True), mean0(t_25, True), mean0(t_26, True),)
+        t_23 = (s.t_2 * s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q, mean=True)
+        t_24 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22)
+        out_W_V = mean0(t_24, True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_27 = s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X))
-        t_28 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (s.t_2 * t_27), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_7 X _", tr(s.X), s.t_7, s.X, V_W_K))
-        t_29 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_27) * tr(s.t_2)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_17 X _", tr(s.X), s.t_17, s.X, V_W_Q))
-        t_30 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_31 = (t_30 * tr(s.t_2))
-        return (mean0(t_28, True), mean0(t_29, True), mean0(s.mm("X' _ G", tr(s.X), t_31, s.G), True),)
+        t_25 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_25, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_7 X _", tr(s.X), s.t_7, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_7' X _", tr(s.X), tr(s.t_7), s.X, V_W_Q), mean=True)
+        t_26 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_27 = (t_26 * tr(s.t_2))
+        out_W_V = s.mm("X' _ G", tr(s.X), t_27, s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_32 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_33 = s.mm('_ X W_V', (t_32 * s.t_2), s.X, s.W_V)
-        t_34 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_35 = (t_33 + t_34)
-        t_38 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_35, tr(s.W_V), tr(s.X)), (1, "t_37 _ X'", s.t_37, tr(V_W_V), tr(s.X)))
-        t_41 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_38 * s.t_2), s.X, s.W_K), (1, "X' t_40 X _", tr(s.X), s.t_40, s.X, V_W_K))
-        t_44 = (tr(t_34) + tr(t_33))
-        t_45 = s.mm_sum('l', (1, 'X _ t_43', s.X, V_W_V, s.t_43), (1, 'X W_V _', s.X, s.W_V, (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_44))
-        t_47 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (t_45 * tr(s.t_2)), s.X, s.W_Q), (1, "X' t_46 X _", tr(s.X), s.t_46, s.X, V_W_Q))
-        t_48 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_49 = (t_48 * tr(s.t_2))
-        t_50 = s.mm_sum('l', (1, "X' _ G", tr(s.X), t_49, s.G), (1, "X' t_12 _", tr(s.X), s.t_12, (2/(s.L*s.d_V)) * t_35))
-        return (mean0(t_41, True), mean0(t_47, True), mean0(t_50, True),)
+        t_28 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_29 = (t_28 * s.t_2)
+        t_30 = s.mm('_ X W_V', t_29, s.X, s.W_V)
+        t_31 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_32 = (t_30 + t_31)
+        t_34 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_32, tr(s.W_V), tr(s.X)), (1, "t_33 _ X'", s.t_33, tr(V_W_V), tr(s.X)))
+        t_35 = (t_34 * s.t_2)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_35, s.X, s.W_K), (1, "X' t_37 X _", tr(s.X), s.t_37, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_35), s.X, s.W_Q), (1, "X' t_37' X _", tr(s.X), tr(s.t_37), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_29), s.G), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_32), mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "6ff3d836f4d175ef1dfb3381"
+    STAMP = "12a6da579a9904fbceca945f"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -561,13 +554,18 @@ class ce_causal0(Forward):
         "W_K' X' X W_V": 4,
         "W_Q' X'": 12,
         "W_V G' X": 5,
+        "W_V t_30'": 2,
+        "W_V t_30' X": 2,
         "W_V' X'": 16,
         "W_V' X' X": 13,
         "X W_V G' X": 5,
+        "X W_V t_30'": 2,
+        "X W_V t_30' X": 2,
         "X' G W_V' X' X": 5,
         "X' X": 19,
-        "X' t_33": 2,
-        "X' t_40'": 2,
+        "X' X W_V t_30'": 2,
+        "X' X W_V t_30' X": 2,
+        "X' t_30": 4,
     }
 
     @leaf
@@ -575,19 +573,27 @@ class ce_causal0(Forward):
         return s.mm("W_K' X' X W_V", tr(s.W_K), tr(s.X), s.X, s.W_V)
 
     @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
     def t_2(s):
-        return bcast_last(sum_last(s.Y), s.d_V)
+        return s.mm('Y one', s.Y, s.one)
 
     @leaf
     def t_3(s):
-        return tr(s.t)
+        return bcast_last(s.t_2, s.d_V)
 
     @leaf
     def t_4(s):
-        return s.mm('X W_Q', s.X, s.W_Q)
+        return tr(s.t)
 
     @leaf
     def t_5(s):
+        return s.mm('X W_Q', s.X, s.W_Q)
+
+    @leaf
+    def t_6(s):
         return s.mm("W_V' X' X", tr(s.W_V), tr(s.X), s.X)
 
     @leaf
@@ -599,228 +605,228 @@ class ce_causal0(Forward):
         return s.mm('T X W_V', s.T, s.X, s.W_V)
 
     @leaf
-    def t_6(s):
-        return softmax_rows(s.F)
-
-    @leaf
     def t_7(s):
-        return (s.t_2 * s.t_6)
-
-    @leaf
-    def G(s):
-        return ((1/s.L) * s.t_7 - (1/s.L) * s.Y)
+        return softmax_rows(s.F)
 
     @leaf
     def t_8(s):
-        return s.mm("X' G W_V' X' X", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X)
+        return (s.t_2 * s.t_7)
 
     @leaf
     def t_9(s):
-        return s.mm('T X', s.T, s.X)
+        return (s.t_8 - s.Y)
+
+    @leaf
+    def G(s):
+        return (1/s.L) * s.t_9
 
     @leaf
     def t_10(s):
-        return s.mm("X' G", tr(s.X), s.G)
+        return s.mm("X' G W_V' X' X", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X)
 
     @leaf
     def t_11(s):
-        return s.mm("W_K' X' X", tr(s.W_K), tr(s.X), s.X)
+        return s.mm('T X', s.T, s.X)
 
     @leaf
     def t_12(s):
-        return tr(s.t_5)
+        return s.mm("X' G", tr(s.X), s.G)
 
     @leaf
     def t_13(s):
-        return tr(s.t_4)
+        return s.mm("W_K' X' X", tr(s.W_K), tr(s.X), s.X)
 
     @leaf
     def t_14(s):
-        return tr(s.t_2)
+        return tr(s.t_6)
 
     @leaf
     def t_15(s):
-        return s.mm("X' X", tr(s.X), s.X)
+        return tr(s.t_5)
 
     @leaf
     def t_16(s):
-        return s.mm("W_Q' X' G", tr(s.W_Q), tr(s.X), s.G)
+        return tr(s.t_2)
 
     @leaf
     def t_17(s):
-        return tr(s.t_9)
+        return bcast_rows(s.t_16, s.d_V)
 
     @leaf
     def t_18(s):
-        return softmax_rows(s.F)
+        return s.mm("X' X", tr(s.X), s.X)
 
     @leaf
     def t_19(s):
-        return ones((s.d_V, 1), s.like)
+        return s.mm("W_Q' X' G", tr(s.W_Q), tr(s.X), s.G)
 
     @leaf
     def t_20(s):
-        return (-1/s.L) * s.mm('_ t_19', sum_rows((log_softmax_rows(s.F) * s.Y)), s.t_19)
+        return tr(s.t_11)
 
     @leaf
     def t_21(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' G W_V' X' X W_K", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, s.W_K)
+        return softmax_rows(s.F)
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def t_22(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' X W_V G' X W_Q", tr(s.X), s.X, s.W_V, tr(s.G), s.X, s.W_Q)
+        return log_softmax_rows(s.F)
 
     @leaf
-    def t_32(s):
-        return (s.t_7 - s.Y)
+    def t_23(s):
+        return (s.t_22 * s.Y)
 
     @leaf
-    def t_33(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_32
+    def t_24(s):
+        return s.mm('one_2 t_23 one', s.one_2, s.t_23, s.one)
 
     @leaf
-    def t_39(s):
-        return ((s.t_14 * tr(s.t_6)) - tr(s.Y))
-
-    @leaf
-    def t_40(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_39
+    def t_30(s):
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_9
 
     @leaf
     def dA(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA', [
-            net(1, 'nab,bc->nabc', s.t_18, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_18, s.t_18),
+            net(1, 'nab,bc->nabc', s.t_21, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_21, s.t_21),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 1/(L*d_K)*((X.T ⊗ W_K.T @ X.T @ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(T @ X @ W_V) @ (X ⊗ W_V.T @ X.T @ X @ W_K))"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,nad,nade,naf,neg->bc|fg', s.X, s.t, s.t_2, s.dA, s.X, s.t_3),
+            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,nad,nade,naf,neg->bc|fg', s.X, s.t, s.t_3, s.dA, s.X, s.t_4),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K) = 1/(L*d_K)*((X.T ⊗ W_K.T @ X.T @ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(T @ X @ W_V) @ (X @ W_Q ⊗ W_V.T @ X.T @ X) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,nad,nade,naf,neg->bc|gf', s.X, s.t, s.t_2, s.dA, s.t_4, s.t_5),
+            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,nad,nade,naf,neg->bc|gf', s.X, s.t, s.t_3, s.dA, s.t_5, s.t_6),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ G @ W_V.T @ X.T @ X ⊗ I[d_K])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_8, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_10, free={'c': s.d_K}),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_K.T @ X.T @ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(T @ X @ W_V) @ (T @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,nad,nade,naf->bc|fe', s.X, s.t, s.t_2, s.dA, s.t_9),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,nad,nade,naf->bc|fe', s.X, s.t, s.t_3, s.dA, s.t_11),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V) = 1/sqrt(d_K)*((X.T @ G ⊗ W_K.T @ X.T @ X) @ K[d_V,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|db', s.t_10, s.t_11),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|db', s.t_12, s.t_13),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 1/(L*d_K)*((X.T @ X @ W_V ⊗ W_Q.T @ X.T) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax(T @ X @ W_V) @ (X @ W_Q ⊗ W_V.T @ X.T @ X) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,nbd,ndbe,ndf,neg->ac|gf', s.t_12, s.t_13, s.t_14, s.dA, s.t_4, s.t_5),
+            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,nbd,ndbe,ndf,neg->ac|gf', s.t_14, s.t_15, s.t_17, s.dA, s.t_5, s.t_6),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*((X.T @ X @ W_V ⊗ W_Q.T @ X.T) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax(T @ X @ W_V) @ (T @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,nbd,ndbe,ndf->ac|fe', s.t_12, s.t_13, s.t_14, s.dA, s.t_9),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,nbd,ndbe,ndf->ac|fe', s.t_14, s.t_15, s.t_17, s.dA, s.t_11),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V) = 1/sqrt(d_K)*(X.T @ X ⊗ W_Q.T @ X.T @ G)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|bd', s.t_15, s.t_16),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|bd', s.t_18, s.t_19),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 1/L*((X.T @ T.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(T @ X @ W_V) @ (T @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_17, s.t_2, s.dA, s.t_9),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_20, s.t_3, s.dA, s.t_11),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncd->n|ac|bd', s.X, s.t_3),
+            net(1/math.sqrt(s.d_K), 'nab,ncd->n|ac|bd', s.X, s.t_4),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncd->n|ac|db', s.t_4, s.t_5),
+            net(1/math.sqrt(s.d_K), 'nab,ncd->n|ac|db', s.t_5, s.t_6),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_9, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_11, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0(s.t_20, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_24, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.t_21, True), mean0(s.t_22, True), mean0(s.mm("X' T' G", tr(s.X), tr(s.T), s.G), True),)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' G W_V' X' X W_K", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' X W_V G' X W_Q", tr(s.X), s.X, s.W_V, tr(s.G), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' T' G", tr(s.X), tr(s.T), s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_23 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_24 = (s.mm('_ X W_V', t_23, s.X, s.W_V) + s.mm('T X _', s.T, s.X, V_W_V))
-        t_25 = softmax_diff(s.t_18, t_24)
-        t_26 = (s.t_2 * t_25)
-        t_27 = s.mm("X' _ W_V' X' X W_K", tr(s.X), t_26, tr(s.W_V), tr(s.X), s.X, s.W_K)
-        t_28 = s.mm("X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (s.t_14 * tr(t_25)), s.X, s.W_Q)
-        return (mean0((1/(s.L*math.sqrt(s.d_K))) * t_27, True), mean0((1/(s.L*math.sqrt(s.d_K))) * t_28, True), mean0((1/s.L) * s.mm("X' T' _", tr(s.X), tr(s.T), t_26), True),)
+        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = lin((1, s.prod('_ X W_V', (1/math.sqrt(s.d_K)) * t_25, s.X, s.W_V)), (1, s.prod('T X _', s.T, s.X, V_W_V)))
+        t_27 = softmax_diff(s.t_21, t_26)
+        t_28 = (s.t_2 * t_27)
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ W_V' X' X W_K", tr(s.X), t_28, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, tr(t_28), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' T' _", tr(s.X), tr(s.T), t_28, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_29 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K))
-        t_30 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q))
-        t_31 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        return (mean0(t_29, True), mean0(t_30, True), mean0(s.mm("X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_31, s.G), True),)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), mean=True)
+        t_29 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm("X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_29, s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_34 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_35 = (s.mm('_ X W_V', t_34, s.X, s.W_V) + s.mm('T X _', s.T, s.X, V_W_V))
-        t_36 = softmax_diff(s.t_6, t_35)
-        t_37 = (s.t_2 * t_36)
-        t_38 = s.mm_sum('l', (1, "X' t_33 _ X' X W_K", tr(s.X), s.t_33, tr(V_W_V), tr(s.X), s.X, s.W_K), (1, "X' t_33 W_V' X' X _", tr(s.X), s.t_33, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/(s.L*math.sqrt(s.d_K))), "X' _ W_V' X' X W_K", tr(s.X), t_37, tr(s.W_V), tr(s.X), s.X, s.W_K))
-        t_41 = s.mm_sum('l', (1, "X' X _ t_40 X W_Q", tr(s.X), s.X, V_W_V, s.t_40, s.X, s.W_Q), (1, "X' X W_V t_40 X _", tr(s.X), s.X, s.W_V, s.t_40, s.X, V_W_Q), ((1/(s.L*math.sqrt(s.d_K))), "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (s.t_14 * tr(t_36)), s.X, s.W_Q))
-        t_42 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_43 = s.mm_sum('l', (1, "X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_42, s.G), ((1/s.L), "X' T' _", tr(s.X), tr(s.T), t_37))
-        return (mean0(t_38, True), mean0(t_41, True), mean0(t_43, True),)
+        t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_32 = lin((1, s.prod('_ X W_V', (1/math.sqrt(s.d_K)) * t_31, s.X, s.W_V)), (1, s.prod('T X _', s.T, s.X, V_W_V)))
+        t_33 = softmax_diff(s.t_7, t_32)
+        t_34 = (s.t_2 * t_33)
+        out_W_Q = s.mm_sum('l', (1, "X' t_30 _ X' X W_K", tr(s.X), s.t_30, tr(V_W_V), tr(s.X), s.X, s.W_K), (1, "X' t_30 W_V' X' X _", tr(s.X), s.t_30, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/(s.L*math.sqrt(s.d_K))), "X' _ W_V' X' X W_K", tr(s.X), t_34, tr(s.W_V), tr(s.X), s.X, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' X _ t_30' X W_Q", tr(s.X), s.X, V_W_V, tr(s.t_30), s.X, s.W_Q), (1, "X' X W_V t_30' X _", tr(s.X), s.X, s.W_V, tr(s.t_30), s.X, V_W_Q), ((1/(s.L*math.sqrt(s.d_K))), "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, tr(t_34), s.X, s.W_Q), mean=True)
+        t_35 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_35, s.G), ((1/s.L), "X' T' _", tr(s.X), tr(s.T), t_34), mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
 
 class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "426be5598214d860ae6ff3c1"
+    STAMP = "f815ae0441bfeeb0ebdcdfeb"
     RUNS = {
-        'A X': 4,
-        "W_K' X'": 10,
-        "W_Q' X'": 10,
-        "W_V' X'": 9,
-        "X' t_11": 3,
-        "X' t_11 X": 3,
-        "X' t_11'": 3,
-        "X' t_21": 2,
-        "X' t_21 X": 2,
-        "X' t_21'": 2,
-        "X' t_23": 3,
+        'A X': 7,
+        "W_K' X'": 9,
+        "W_Q' X'": 9,
+        "W_V' X'": 8,
+        "X' t_12": 5,
+        "X' t_12 X": 5,
+        "X' t_12'": 5,
+        "X' t_41": 2,
+        "X' t_41 X": 2,
+        "X' t_41'": 2,
     }
 
     @leaf
@@ -836,19 +842,27 @@ class ce_causal1(Forward):
         return s.mm('X W_V', s.X, s.W_V)
 
     @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
     def t_4(s):
-        return bcast_last(sum_last(s.Y), s.d_V)
+        return s.mm('Y one', s.Y, s.one)
 
     @leaf
     def t_5(s):
-        return tr(s.t_3)
+        return bcast_last(s.t_4, s.d_V)
 
     @leaf
     def t_6(s):
-        return tr(s.t)
+        return tr(s.t_3)
 
     @leaf
     def t_7(s):
+        return tr(s.t)
+
+    @leaf
+    def t_8(s):
         return s.mm('X W_Q', s.X, s.W_Q)
 
     @leaf
@@ -864,131 +878,111 @@ class ce_causal1(Forward):
         return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
-    def t_8(s):
-        return softmax_rows(s.F)
-
-    @leaf
     def t_9(s):
-        return (s.t_4 * s.t_8)
-
-    @leaf
-    def G(s):
-        return ((1/s.L) * s.t_9 - (1/s.L) * s.Y)
+        return softmax_rows(s.F)
 
     @leaf
     def t_10(s):
-        return s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X))
+        return (s.t_4 * s.t_9)
 
     @leaf
     def t_11(s):
-        return (s.t_2 * s.t_10)
+        return (s.t_10 - s.Y)
+
+    @leaf
+    def G(s):
+        return (1/s.L) * s.t_11
 
     @leaf
     def t_12(s):
-        return s.mm("X' t_11 X", tr(s.X), s.t_11, s.X)
+        return (s.t_2 * s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_13(s):
-        return s.mm('A X', s.A, s.X)
+        return s.mm("X' t_12 X", tr(s.X), s.t_12, s.X)
 
     @leaf
     def t_14(s):
-        return tr(s.t_7)
+        return s.mm('A X', s.A, s.X)
 
     @leaf
     def t_15(s):
-        return tr(s.t_4)
+        return tr(s.t_8)
 
     @leaf
     def t_16(s):
-        return tr(s.t_13)
+        return tr(s.t_4)
 
     @leaf
     def t_17(s):
-        return softmax_rows(s.F)
+        return bcast_rows(s.t_16, s.d_V)
 
     @leaf
     def t_18(s):
-        return ones((s.d_V, 1), s.like)
+        return tr(s.t_14)
 
     @leaf
     def t_19(s):
-        return (-1/s.L) * s.mm('_ t_18', sum_rows((log_softmax_rows(s.F) * s.Y)), s.t_18)
+        return softmax_rows(s.F)
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def t_20(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_11 X W_K", tr(s.X), s.t_11, s.X, s.W_K)
+        return log_softmax_rows(s.F)
 
     @leaf
     def t_21(s):
-        return (tr(s.t_10) * tr(s.t_2))
+        return (s.t_20 * s.Y)
 
     @leaf
     def t_22(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_21 X W_Q", tr(s.X), s.t_21, s.X, s.W_Q)
+        return s.mm('one_2 t_21 one', s.one_2, s.t_21, s.one)
 
     @leaf
-    def t_23(s):
-        return (tr(s.t_2) * tr(s.T))
+    def t_32(s):
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_11
 
     @leaf
-    def t_36(s):
-        return (s.t_9 - s.Y)
+    def t_40(s):
+        return s.mm("t_32 W_V' X'", s.t_32, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_37(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_36
-
-    @leaf
-    def t_43(s):
-        return s.mm("t_37 W_V' X'", s.t_37, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_44(s):
-        return (s.t_2 * s.t_43)
-
-    @leaf
-    def t_46(s):
-        return ((s.t_15 * tr(s.t_8)) - tr(s.Y))
-
-    @leaf
-    def t_47(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_46
-
-    @leaf
-    def t_49(s):
-        return (tr(s.t_43) * tr(s.t_2))
+    def t_41(s):
+        return (s.t_2 * s.t_40)
 
     @leaf
     def dA(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA', [
-            net(1, 'nab,bc->nabc', s.t_17, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_17, s.t_17),
+            net(1, 'nab,bc->nabc', s.t_19, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_19, s.t_19),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 1/(L*d_K)*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ (I[L] ⊗ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X ⊗ X @ W_K))"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,ad,nde,nae,naef,nfg,ag,nah,ngi->bc|hi', s.X, s.t, s.t_2, s.t_3, s.t_4, s.dA, s.t_5, s.t_2, s.X, s.t_6),
+            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,ad,nde,nae,naef,nfg,ag,nah,ngi->bc|hi', s.X, s.t, s.t_2, s.t_3, s.t_5, s.dA, s.t_6, s.t_2, s.X, s.t_7),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K) = 1/(L*d_K)*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ (I[L] ⊗ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X @ W_Q ⊗ X) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,ad,nde,nae,naef,nfg,ag,nah,ngi->bc|ih', s.X, s.t, s.t_2, s.t_3, s.t_4, s.dA, s.t_5, s.t_2, s.t_7, s.X),
+            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,ad,nde,nae,naef,nfg,ag,nah,ngi->bc|ih', s.X, s.t, s.t_2, s.t_3, s.t_5, s.dA, s.t_6, s.t_2, s.t_8, s.X),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ (Mcausal[L] ∘ G @ W_V.T @ X.T) @ X ⊗ I[d_K])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_12, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_13, free={'c': s.d_K}),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,ad,nde,nae,naef,nag->bc|gf', s.X, s.t, s.t_2, s.t_3, s.t_4, s.dA, s.t_13),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,ad,nde,nae,naef,nag->bc|gf', s.X, s.t, s.t_2, s.t_3, s.t_5, s.dA, s.t_14),
         ]
 
     def block__W_Q__W_V__functional(s):
@@ -1000,87 +994,92 @@ class ce_causal1(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 1/(L*d_K)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V ⊗ I[L]) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ (I[L] ⊗ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X @ W_Q ⊗ X) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,da,nae,ned,ndef,nfg,dg,ndh,ngi->bc|ih', s.X, s.t_14, s.t_2, s.t_3, s.t_15, s.dA, s.t_5, s.t_2, s.t_7, s.X),
+            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,da,nae,ned,ndef,nfg,dg,ndh,ngi->bc|ih', s.X, s.t_15, s.t_2, s.t_3, s.t_17, s.dA, s.t_6, s.t_2, s.t_8, s.X),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V ⊗ I[L]) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ned,ndef,ndg->bc|gf', s.X, s.t_14, s.t_2, s.t_3, s.t_15, s.dA, s.t_13),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ned,ndef,ndg->bc|gf', s.X, s.t_15, s.t_2, s.t_3, s.t_17, s.dA, s.t_14),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V) = 1/sqrt(d_K)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X ⊗ G))"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ndf->bc|ef', s.X, s.t_14, s.t_2, s.X, s.G),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ndf->bc|ef', s.X, s.t_15, s.t_2, s.X, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 1/L*((X.T @ (Mcausal[L].T ∘ T.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_16, s.t_4, s.dA, s.t_13),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_18, s.t_5, s.dA, s.t_14),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|de', s.t_5, s.t_2, s.X, s.t_6),
+            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|de', s.t_6, s.t_2, s.X, s.t_7),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|ed', s.t_5, s.t_2, s.t_7, s.X),
+            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|ed', s.t_6, s.t_2, s.t_8, s.X),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_13, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_14, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0(s.t_19, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_22, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.t_20, True), mean0(s.t_22, True), mean0(s.mm("X' t_23 G", tr(s.X), s.t_23, s.G), True),)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_12 X W_K", tr(s.X), s.t_12, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_12' X W_Q", tr(s.X), tr(s.t_12), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' G", tr(s.X), tr(s.A), s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = (s.mm('_ X W_V', (t_24 * s.t_2), s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_26 = softmax_diff(s.t_17, t_25)
+        t_23 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_24 = (t_23 * s.t_2)
+        t_25 = lin((1, s.prod('_ X W_V', t_24, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_26 = softmax_diff(s.t_19, t_25)
         t_27 = (s.t_4 * t_26)
-        t_28 = s.mm("_ W_V' X'", t_27, tr(s.W_V), tr(s.X))
-        t_29 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), (s.t_2 * t_28), s.X, s.W_K)
-        t_30 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), (tr(t_28) * tr(s.t_2)), s.X, s.W_Q)
-        return (mean0(t_29, True), mean0(t_30, True), mean0((1/s.L) * s.mm("X' t_23 _", tr(s.X), s.t_23, t_27), True),)
+        t_28 = (s.t_2 * s.mm("_ W_V' X'", t_27, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_28, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_28), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_27, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X))
-        t_32 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (s.t_2 * t_31), s.X, s.W_K))
-        t_33 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_31) * tr(s.t_2)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_21 X _", tr(s.X), s.t_21, s.X, V_W_Q))
-        t_34 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_35 = (t_34 * tr(s.t_2))
-        return (mean0(t_32, True), mean0(t_33, True), mean0(s.mm("X' _ G", tr(s.X), t_35, s.G), True),)
+        t_29 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' t_12 X _", tr(s.X), s.t_12, s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_29, s.X, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_12' X _", tr(s.X), tr(s.t_12), s.X, V_W_Q), mean=True)
+        t_30 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_31 = (t_30 * tr(s.t_2))
+        out_W_V = s.mm("X' _ G", tr(s.X), t_31, s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_38 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_39 = (s.mm('_ X W_V', (t_38 * s.t_2), s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_40 = softmax_diff(s.t_8, t_39)
-        t_41 = (s.t_4 * t_40)
-        t_42 = s.mm_sum('r', (1, "t_37 _ X'", s.t_37, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_41, tr(s.W_V), tr(s.X)))
-        t_45 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_42 * s.t_2), s.X, s.W_K), (1, "X' t_44 X _", tr(s.X), s.t_44, s.X, V_W_K))
-        t_48 = s.mm_sum('l', (1, 'X _ t_47', s.X, V_W_V, s.t_47), ((1/(s.L*math.sqrt(s.d_K))), 'X W_V _', s.X, s.W_V, (s.t_15 * tr(t_40))))
-        t_50 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (t_48 * tr(s.t_2)), s.X, s.W_Q), (1, "X' t_49 X _", tr(s.X), s.t_49, s.X, V_W_Q))
-        t_51 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_52 = (t_51 * tr(s.t_2))
-        t_53 = s.mm_sum('l', (1, "X' _ G", tr(s.X), t_52, s.G), ((1/s.L), "X' t_23 _", tr(s.X), s.t_23, t_41))
-        return (mean0(t_45, True), mean0(t_50, True), mean0(t_53, True),)
+        t_33 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_34 = (t_33 * s.t_2)
+        t_35 = lin((1, s.prod('_ X W_V', t_34, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_36 = softmax_diff(s.t_9, t_35)
+        t_37 = (s.t_4 * t_36)
+        t_38 = s.mm_sum('r', (1, "t_32 _ X'", s.t_32, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_37, tr(s.W_V), tr(s.X)))
+        t_39 = (t_38 * s.t_2)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_39, s.X, s.W_K), (1, "X' t_41 X _", tr(s.X), s.t_41, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), (1, "X' t_41' X _", tr(s.X), tr(s.t_41), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_34), s.G), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_37), mean=True)
+        return (out_W_Q, out_W_K, out_W_V,)
 
 
 VARIANTS = {
@@ -1089,4 +1088,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "f270f74b2078c16a342c2680"
+CHECKSUM = "629d09362d518bc483dac006"

@@ -24,28 +24,46 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "f020186081ec34876156233b"
+    STAMP = "7181887cd46af676920da2b1"
     RUNS = {
-        'A N_1': 13,
+        'A N_1': 20,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
-        'N_1 W_V': 10,
-        "N_1' t_129": 2,
-        "N_1' t_129 N_1": 2,
-        "N_1' t_129'": 2,
-        "N_1' t_18": 4,
-        "N_1' t_18 N_1": 4,
-        "N_1' t_18'": 5,
+        'N_1 W_V': 22,
+        "N_1 W_V one_2'": 5,
+        "N_1 W_V one_2' one'": 5,
+        "N_1' t_111": 2,
+        "N_1' t_111 N_1": 2,
+        "N_1' t_111'": 2,
+        "N_1' t_21": 4,
+        "N_1' t_21 N_1": 4,
+        "N_1' t_21'": 5,
+        "W_V one_2'": 5,
+        "W_V one_2' one'": 5,
+        'one one_2': 7,
+        "one' t_16'": 2,
+        "one' t_39'": 2,
+        "one' t_85'": 2,
+        "one_2' one' t_16'": 2,
+        "one_2' one' t_85'": 2,
     }
 
     @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
     def M_N_1(s):
-        return (-(1/s.d_V) * bcast_last(sum_last(s.X), s.d_V) + s.X)
+        return lin((-1/s.d_V, s.mm('X one', s.X, s.one)), (1, s.X))
+
+    @leaf
+    def t(s):
+        return (s.M_N_1 * s.M_N_1)
 
     @leaf
     def sigma2_N_1(s):
-        return (1/s.d_V) * bcast_last(sum_last((s.M_N_1 * s.M_N_1)), s.d_V)
+        return (1/s.d_V) * s.mm('t one', s.t, s.one)
 
     @leaf
     def P_N_1(s):
@@ -53,26 +71,26 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def N_1(s):
-        return (s.M_N_1 * s.P_N_1)
-
-    @leaf
-    def t(s):
-        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
+        return (s.P_N_1 * s.M_N_1)
 
     @leaf
     def t_2(s):
-        return s.mm('N_1 W_V', s.N_1, s.W_V)
+        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
 
     @leaf
     def t_3(s):
-        return tr(s.t_2)
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
     def t_4(s):
-        return tr(s.t)
+        return tr(s.t_3)
 
     @leaf
     def t_5(s):
+        return tr(s.t_2)
+
+    @leaf
+    def t_6(s):
         return s.mm('N_1 W_Q', s.N_1, s.W_Q)
 
     @leaf
@@ -89,14 +107,18 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def M_N_2(s):
-        return (-(1/s.d_V) * bcast_last(sum_last(s.Y_2), s.d_V) + s.Y_2)
+        return lin((-1/s.d_V, s.mm('Y_2 one', s.Y_2, s.one)), (1, s.Y_2))
+
+    @leaf
+    def t_7(s):
+        return (s.M_N_2 * s.M_N_2)
 
     @leaf
     def sigma2_N_2(s):
-        return (1/s.d_V) * bcast_last(sum_last((s.M_N_2 * s.M_N_2)), s.d_V)
+        return (1/s.d_V) * s.mm('t_7 one', s.t_7, s.one)
 
     @leaf
-    def t_6(s):
+    def t_8(s):
         return (-0.5 * (s.sigma2_N_2 ** -1.5))
 
     @leaf
@@ -105,191 +127,223 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def N_2(s):
-        return (s.M_N_2 * s.P_N_2)
+        return (s.P_N_2 * s.M_N_2)
 
     @leaf
     def H(s):
         return s.mm('N_2 W_1', s.N_2, s.W_1)
 
     @leaf
-    def t_7(s):
+    def t_9(s):
         return heaviside(s.H, 0.0)
 
     @leaf
-    def t_8(s):
-        return (s.H * heaviside(s.H, 0.0))
-
-    @leaf
-    def t_9(s):
-        return s.mm('t_8 W_2', s.t_8, s.W_2)
+    def t_10(s):
+        return relu(s.H)
 
     @leaf
     def F(s):
-        return (s.t_9 + s.Y_2)
+        return (s.mm('t_10 W_2', s.t_10, s.W_2) + s.Y_2)
 
     @leaf
     def G(s):
-        return ((2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
-
-    @leaf
-    def t_10(s):
-        return (s.t_7 * s.mm("G W_2'", s.G, tr(s.W_2)))
+        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
 
     @leaf
     def t_11(s):
-        return s.mm("t_10 W_1'", s.t_10, tr(s.W_1))
+        return (s.t_9 * s.mm("G W_2'", s.G, tr(s.W_2)))
 
     @leaf
     def t_12(s):
-        return bcast_last(sum_last((s.t_6 * s.t_11 * s.M_N_2)), s.d_V)
+        return s.mm("t_11 W_1'", s.t_11, tr(s.W_1))
 
     @leaf
     def t_13(s):
-        return (s.t_12 * s.M_N_2)
+        return mul(s.t_8, s.t_12, s.M_N_2)
 
     @leaf
     def t_14(s):
-        return (s.t_11 * s.P_N_2)
+        return s.mm('t_13 one', s.t_13, s.one)
 
     @leaf
     def t_15(s):
-        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_13 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_14)
+        return lin((1, s.t_14, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_12))
 
     @leaf
     def t_16(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_13 + (1/math.sqrt(s.d_K)) * s.t_14 + (1/math.sqrt(s.d_K)) * s.G)
+        return (-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_15
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.d_V), s.like)
 
     @leaf
     def t_17(s):
-        return (sum_last(s.t_15) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1)) + s.mm("t_16 W_V' N_1'", s.t_16, tr(s.W_V), tr(s.N_1)))
+        return s.mm("t_16 one one_2 W_V' N_1'", s.t_16, s.one, s.one_2, tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_18(s):
-        return softmax_diff(s.A, s.t_17)
+        return lin((-1/2*math.sqrt(s.d_K)*s.d_V**2, s.t_16), ((1/2)*s.d_V, s.G))
 
     @leaf
     def t_19(s):
-        return s.mm('t_18 N_1', s.t_18, s.N_1)
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_18
 
     @leaf
     def t_20(s):
-        return s.mm('A N_1', s.A, s.N_1)
+        return (s.t_17 + s.mm("t_19 W_V' N_1'", s.t_19, tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_21(s):
-        return tr(s.t_5)
+        return softmax_diff(s.A, s.t_20)
 
     @leaf
     def t_22(s):
-        return tr(s.t_20)
+        return s.mm('t_21 N_1', s.t_21, s.N_1)
 
     @leaf
     def t_23(s):
-        return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
+        return s.mm('A N_1', s.A, s.N_1)
 
     @leaf
     def t_24(s):
-        return ((tr(s.H)) * heaviside((tr(s.H)), 0.0))
+        return tr(s.t_6)
 
     @leaf
     def t_25(s):
-        return s.mm('t_24 t_8', s.t_24, s.t_8)
+        return tr(s.t_23)
 
     @leaf
     def t_26(s):
-        return ones((s.d_V, s.d_V), s.like)
+        return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
     def t_27(s):
-        return (s.t_6 * s.M_N_2)
+        return s.mm("t_10' t_10", tr(s.t_10), s.t_10)
 
     @leaf
     def t_28(s):
-        return (s.t_6 * s.t_11)
+        return bcast_last(s.P_N_2, s.d_V)
 
     @leaf
     def t_29(s):
-        return (0.75 * (s.sigma2_N_2 ** -2.5))
+        return (s.t_8 * s.M_N_2)
 
     @leaf
     def t_30(s):
-        return (s.t_29 * s.t_11 * s.M_N_2)
+        return (s.t_8 * s.t_12)
 
     @leaf
     def t_31(s):
-        return (s.t_13 + ((1/2)*s.d_V) * s.t_14 + ((1/2)*s.d_V) * s.G)
+        return (0.75 * (s.sigma2_N_2 ** -2.5))
 
     @leaf
     def t_32(s):
-        return (s.t_13 + ((1/2)*s.d_V) * s.t_14)
+        return mul(s.t_31, s.t_12, s.M_N_2)
 
     @leaf
     def t_33(s):
-        return bcast_last(sum_last(s.t_32), s.d_V)
+        return bcast_last(s.t_14, s.d_V)
 
     @leaf
     def t_34(s):
-        return (s.t_9 + s.Y_2 - s.Y)
+        return s.mm('t_15 one', s.t_15, s.one)
 
     @leaf
     def t_35(s):
-        return ones((s.d_V, 1), s.like)
+        return bcast_last(s.t_34, s.d_V)
+
+    @leaf
+    def one_3(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def t_36(s):
-        return bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-2/s.d_V**2) * s.t_32)), s.d_V)
+        return (s.F - s.Y)
 
     @leaf
     def t_37(s):
-        return (2/s.d_V) * s.t_31
+        return (s.t_36 * s.t_36)
 
     @leaf
-    def t_92(s):
-        return (s.t_7 * s.mm("G W_2'", s.G, tr(s.W_2)))
+    def t_38(s):
+        return s.mm('one_3 t_37 one', s.one_3, s.t_37, s.one)
 
     @leaf
-    def t_93(s):
-        return s.mm("t_92 W_1'", s.t_92, tr(s.W_1))
+    def t_39(s):
+        return (-2/s.d_V**2) * s.t_15
 
     @leaf
-    def t_94(s):
-        return bcast_last(sum_last((s.t_6 * s.t_93 * s.M_N_2)), s.d_V)
+    def t_40(s):
+        return s.mm("N_1' A' t_39 one", tr(s.N_1), tr(s.A), s.t_39, s.one)
 
     @leaf
-    def t_95(s):
-        return (s.t_94 * s.M_N_2)
+    def t_41(s):
+        return (2/s.d_V) * s.t_18
 
     @leaf
-    def t_96(s):
-        return (s.t_93 * s.P_N_2)
+    def t_74(s):
+        return (tr(s.t_8) * tr(s.M_N_2))
 
     @leaf
-    def t_97(s):
-        return (s.t_95 + ((1/2)*s.d_V) * s.t_96)
+    def t_79(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_98(s):
-        return sum_last((-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_97) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
+    def t_80(s):
+        return (s.t_9 * s.t_79)
 
     @leaf
-    def t_99(s):
-        return (s.t_95 + ((1/2)*s.d_V) * s.t_96 + (1/s.L) * s.F - (1/s.L) * s.Y)
+    def t_81(s):
+        return s.mm("t_80 W_1'", s.t_80, tr(s.W_1))
 
     @leaf
-    def t_100(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_99
+    def t_82(s):
+        return mul(s.t_8, s.t_81, s.M_N_2)
 
     @leaf
-    def t_101(s):
-        return (s.t_98 + s.mm("t_100 W_V' N_1'", s.t_100, tr(s.W_V), tr(s.N_1)))
+    def t_83(s):
+        return s.mm('t_82 one', s.t_82, s.one)
 
     @leaf
-    def t_129(s):
-        return softmax_diff(s.A, s.t_101)
+    def t_84(s):
+        return lin((1, s.t_83, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_81))
 
     @leaf
-    def t_132(s):
-        return (2/s.d_V) * s.t_99
+    def t_85(s):
+        return (-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_84
+
+    @leaf
+    def t_86(s):
+        return lin((1, s.t_83, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_81), (1/s.L, s.F), (-1/s.L, s.Y))
+
+    @leaf
+    def t_87(s):
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_86
+
+    @leaf
+    def t_88(s):
+        return s.mm_sum('r', (1, "t_85 one one_2 W_V' N_1'", s.t_85, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_87 W_V' N_1'", s.t_87, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_103(s):
+        return (s.t_8 * s.t_81)
+
+    @leaf
+    def t_104(s):
+        return mul(s.t_31, s.t_81, s.M_N_2)
+
+    @leaf
+    def t_111(s):
+        return softmax_diff(s.A, s.t_88)
+
+    @leaf
+    def t_112(s):
+        return (2/s.d_V) * s.t_86
+
+    @leaf
+    def t_113(s):
+        return (-2/s.d_V**2) * s.t_84
 
     @leaf
     def dA(s):
@@ -303,25 +357,25 @@ class mse_bias0_causal0(Forward):
     def S(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
-            net(1, 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
+            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
         ])
 
     @leaf
     def S_2(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
-            net(2/(s.L*s.d_K*s.d_V), 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_K*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
-            net(-2/(s.L*s.d_K*s.d_V**2), 'ab,ncbd->ncad', s.t_26, s.S),
+            net(2/(s.L*s.d_K*s.d_V), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
+            net(4/(s.L*s.d_K*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(-2/(s.L*s.d_K*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
     def S_3(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
-            net(1, 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_27, s.t_26, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_29, ONES, s.M_N_2),
         ])
 
     @leaf
@@ -329,7 +383,7 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_26),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -337,7 +391,7 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_7, s.W_1, s.S_3, s.S_4),
+            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
         ])
 
     @leaf
@@ -345,41 +399,41 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_6', [
             net(2/(s.L*s.d_K*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de,naef->nabf', s.S_2, s.W_1, s.t_7, s.W_2, s.S_5),
-            net(2/(s.L*s.d_K*s.d_V), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_7, s.W_1, s.S_3, s.S_4),
+            net(1, 'nabc,cd,nad,de,naef->nabf', s.S_2, s.W_1, s.t_9, s.W_2, s.S_5),
+            net(2/(s.L*s.d_K*s.d_V), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
         ])
 
     @leaf
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, s.t_26, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_32, ONES, s.M_N_2),
         ])
 
     @leaf
     def S_8(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.t_12, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,nac->nabc', s.t_28, s.t_26, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, s.t_26, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_33, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
     @leaf
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_18, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_18, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_18),
+            net(1, 'nab,bc->nabc', s.t_21, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_21, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_21),
         ])
 
     @leaf
     def S_9(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_9', [
-            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_2, s.S_4, s.S_8, s.S_4, s.t_3, s.dA),
+            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_8, s.S_4, s.t_4, s.dA),
             net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
         ])
 
@@ -387,7 +441,7 @@ class mse_bias0_causal0(Forward):
     def S_10(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_10', [
-            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_2, s.S_4, s.S_8, s.S_4, s.t_3, s.dA),
+            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_8, s.S_4, s.t_4, s.dA),
             net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
         ])
 
@@ -395,9 +449,9 @@ class mse_bias0_causal0(Forward):
     def S_11(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_11', [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
-            net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', s.t_26, s.S),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
+            net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -405,15 +459,15 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_26),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_31),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_33),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_18),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_35),
         ])
 
     @leaf
@@ -421,7 +475,7 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
             net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', s.t_26),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -429,7 +483,7 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_7, s.W_2),
+            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_9, s.W_2),
         ])
 
     @leaf
@@ -437,16 +491,16 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_16', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', s.t_26),
+            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_17', [
-            net(2/(s.L*s.d_V), 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
-            net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', s.t_26, s.S),
+            net(2/(s.L*s.d_V), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -454,7 +508,7 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_18', [
             net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/s.d_V**2, 'ab->ab', s.t_26),
+            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -462,7 +516,7 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_19', [
             net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_7, s.W_2),
+            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_9, s.W_2),
         ])
 
     @leaf
@@ -470,329 +524,316 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_20', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_7, s.W_1, s.S_3, s.S_4),
+            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t, s.dA, s.t_2, s.S_6, s.t_3, s.dA, s.N_1, s.t_4),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.N_1, s.t_5),
         ]
 
     def block__W_Q__W_Q__functional(s):
         """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t, s.S_9, s.N_1, s.t_4),
+            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_5),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t, s.dA, s.t_2, s.S_6, s.t_3, s.dA, s.t_5, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_19, free={'d': s.d_K}),
-            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t, s.S_10, s.t_5, s.N_1),
+            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_22, free={'d': s.d_K}),
+            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t, s.dA, s.t_2, s.t_20),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t, s.dA, s.t_2, s.S_11, s.W_1, s.t_7, s.W_2, s.t_20),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t, s.dA, s.t_2, s.S_11, s.W_1, s.t_7, s.W_2, s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t, s.dA, s.t_2, s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_23),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_23),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_20, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_23, s.S_12),
         ]
 
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t, s.dA, s.t_2, s.S_15, s.W_2, s.t_7, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t, s.dA, s.t_2, s.S_16, s.S, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.t_11),
         ]
 
     def block__W_Q__W_2__outer(s):
         """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t, s.dA, s.t_2, s.S_15, s.t_8),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.S_15, s.t_10),
         ]
 
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t, s.dA, s.t_2, s.S_16, s.S, s.W_1, s.t_7, s.G),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_21, s.N_1, s.dA, s.t_2, s.S_6, s.t_3, s.dA, s.t_5, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_24, s.N_1, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_21, s.S_9, s.t_5, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_24, s.S_9, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_21, s.N_1, s.dA, s.t_2, s.t_20),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_21, s.N_1, s.dA, s.t_2, s.S_11, s.W_1, s.t_7, s.W_2, s.t_20),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_21, s.N_1, s.dA, s.t_2, s.S_11, s.W_1, s.t_7, s.W_2, s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_21, s.N_1, s.dA, s.t_2, s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_24, s.N_1, s.dA, s.t_3, s.t_23),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_24, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_23),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_24, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_24, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_21, s.N_1, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_21, s.N_1, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_20, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_24, s.N_1, s.dA, s.N_1, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_24, s.N_1, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_23, s.S_12),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_21, s.N_1, s.dA, s.t_2, s.S_15, s.W_2, s.t_7, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_24, s.N_1, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_21, s.N_1, s.dA, s.t_2, s.S_16, s.S, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_24, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_11),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_21, s.N_1, s.dA, s.t_2, s.S_15, s.t_8),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_24, s.N_1, s.dA, s.t_3, s.S_15, s.t_10),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_21, s.N_1, s.dA, s.t_2, s.S_16, s.S, s.W_1, s.t_7, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_24, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_22, s.t_20, free={'d': s.d_V}),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_22, s.S_17, s.W_1, s.t_7, s.W_2, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_22, s.S_17, s.W_1, s.t_7, s.W_2, s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_22, s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_25, s.t_23, free={'d': s.d_V}),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_25, s.S_17, s.W_1, s.t_9, s.W_2, s.t_23),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_25, s.S_17, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_25, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_22, s.S_18, s.S_8, s.t_20, s.S_12),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_25, s.S_18, s.S_8, s.t_23, s.S_12),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_22, s.S_19, s.W_2, s.t_7, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_25, s.S_19, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_22, s.S_4, s.S, s.t_10),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_25, s.S_4, s.S, s.t_11),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_22, s.S_19, s.t_8),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_25, s.S_19, s.t_10),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_22, s.S_4, s.S, s.W_1, s.t_7, s.G),
+            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_25, s.S_4, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_7, s.t_23, s.t_7, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_9, s.t_26, s.t_9, s.N_2),
         ]
 
     def block__W_1__W_2__outer(s):
         """H_o(W_1, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (relu(N_2 @ W_1) ⊗ W_2))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_7, s.t_8, s.W_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_9, s.t_10, s.W_2),
         ]
 
     def block__W_1__W_2__functional(s):
         """H_f(W_1, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_7, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_9, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 2/(L*d_V)*(relu(W_1.T @ N_2.T) @ relu(N_2 @ W_1) ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_25, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_27, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_3, s.dA, s.N_1, s.t_4),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_4, s.dA, s.N_1, s.t_5),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_3, s.dA, s.t_5, s.N_1),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_20, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
+            net(1, 'nab->n|ac|bc', s.t_23, free={'c': s.d_V}),
+            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
         ]
 
     def jacobian__W_1(s):
         """∂vec_r F/∂vec_r W_1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_7, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_9, s.N_2),
         ]
 
     def jacobian__W_2(s):
         """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_8, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_10, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_35', sum_rows((s.t_34 * s.t_34)), s.t_35), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_38, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("N_1' t_18 N_1 W_K", tr(s.N_1), s.t_18, s.N_1, s.W_K), True), mean0(s.mm("N_1' t_18' N_1 W_Q", tr(s.N_1), tr(s.t_18), s.N_1, s.W_Q), True), mean0((s.t_36 + s.mm("N_1' A' t_37", tr(s.N_1), tr(s.A), s.t_37)), True), mean0(s.mm("N_2' t_10", tr(s.N_2), s.t_10), True), mean0(s.mm('t_24 G', s.t_24, s.G), True),)
+        out_W_Q = s.mm("N_1' t_21 N_1 W_K", tr(s.N_1), s.t_21, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' t_21' N_1 W_Q", tr(s.N_1), tr(s.t_21), s.N_1, s.W_Q, mean=True)
+        out_W_V = (bcast_last(mean0(s.t_40, True), s.d_V) + s.mm("N_1' A' t_41", tr(s.N_1), tr(s.A), s.t_41, mean=True))
+        out_W_1 = s.mm("N_2' t_11", tr(s.N_2), s.t_11, mean=True)
+        out_W_2 = s.mm("t_10' G", tr(s.t_10), s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_38 = s.mm('t_8 _', s.t_8, V_W_2)
-        t_39 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_40 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_39)
-        t_41 = s.mm('_ N_1 W_V', t_40, s.N_1, s.W_V)
-        t_42 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_43 = bcast_last(sum_last((t_41 + t_42)), s.d_V)
-        t_44 = (t_43 - (s.d_V) * t_41 - (s.d_V) * t_42)
-        t_45 = bcast_last(sum_last(((-1/s.d_V) * t_44 * s.M_N_2)), s.d_V)
-        t_46 = s.mm('_ W_1', (((-1/s.d_V) * t_44 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_45 * s.M_N_2)), s.W_1)
-        t_47 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_48 = s.mm('_ W_2', ((t_46 + t_47) * s.t_7), s.W_2)
-        t_49 = (t_38 + t_48 + t_41 + t_42)
-        t_50 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_49, tr(s.W_2))
-        t_51 = (s.t_7 * t_50)
-        t_52 = s.mm("_ W_1'", t_51, tr(s.W_1))
-        t_53 = (bcast_last(sum_last((s.t_6 * t_52 * s.M_N_2)), s.d_V) * s.M_N_2)
-        t_54 = (t_52 * s.P_N_2)
-        t_55 = (t_53 + ((1/2)*s.d_V) * t_54)
-        t_56 = sum_last((-2/(math.sqrt(s.d_K)*s.d_V**2)) * t_55) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-        t_57 = (t_53 + ((1/2)*s.d_V) * t_54 + (1/s.L) * t_38 + (1/s.L) * t_48 + (1/s.L) * t_41 + (1/s.L) * t_42)
-        t_58 = s.mm("_ W_V' N_1'", (2/(math.sqrt(s.d_K)*s.d_V)) * t_57, tr(s.W_V), tr(s.N_1))
-        t_59 = softmax_diff(s.A, (t_56 + t_58))
-        t_60 = bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-2/s.d_V**2) * t_55)), s.d_V)
-        t_61 = s.mm('t_24 _', s.t_24, (2/(s.L*s.d_V)) * t_49)
-        return (mean0(s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_59, s.N_1, s.W_K), True), mean0(s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_59), s.N_1, s.W_Q), True), mean0((t_60 + s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_57)), True), mean0(s.mm("N_2' _", tr(s.N_2), t_51), True), mean0(t_61, True),)
+        t_42 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_43 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_42)
+        t_44 = lin((1, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_45 = lin((1, s.mm('_ one', t_44, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_46 = s.mm('_ one', ((-1/s.d_V) * t_45 * s.M_N_2), s.one)
+        t_47 = (t_46 * s.t_29)
+        t_48 = lin((1, s.P_N_2, (-1/s.d_V) * t_45), (2/s.d_V, t_47))
+        t_49 = lin((1, s.prod('_ W_1', t_48, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_50 = (t_49 * s.t_9)
+        t_51 = lin((1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_50, s.W_2)), (1, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_52 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_51, tr(s.W_2))
+        t_53 = (s.t_9 * t_52)
+        t_54 = s.mm("_ W_1'", t_53, tr(s.W_1))
+        t_55 = lin((1, s.mm('_ one', (s.t_29 * t_54), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_54))
+        t_56 = lin((1, s.mm('_ one', (s.t_29 * t_54), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_54), (1/s.L, s.prod('t_10 _', s.t_10, V_W_2)), (1/s.L, s.prod('_ W_2', t_50, s.W_2)), (1/s.L, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (1/s.L, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_57 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-2/(math.sqrt(s.d_K)*s.d_V**2)) * t_55, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (2/(math.sqrt(s.d_K)*s.d_V)) * t_56, tr(s.W_V), tr(s.N_1)))
+        t_58 = softmax_diff(s.A, t_57)
+        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_58, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_58), s.N_1, s.W_Q, mean=True)
+        out_W_V = (bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/s.d_V**2) * t_55, s.one), True), s.d_V) + s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_56, mean=True))
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_53, mean=True)
+        t_59 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_51)
+        out_W_2 = mean0(t_59, True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_62 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_63 = softmax_diff2(s.A, s.t_17, (1/math.sqrt(s.d_K)) * t_62)
-        t_64 = (s.t_7 * s.mm('G _', s.G, tr(V_W_2)))
-        t_65 = (s.mm('t_10 _', s.t_10, tr(V_W_1)) + s.mm("_ W_1'", t_64, tr(s.W_1)))
-        t_66 = (t_65 * s.P_N_2)
-        t_67 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_62)
-        t_68 = s.mm('_ N_1 W_V', t_67, s.N_1, s.W_V)
-        t_69 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_70 = bcast_last(sum_last((t_68 + t_69)), s.d_V)
-        t_71 = (t_70 - (s.d_V) * t_68 - (s.d_V) * t_69)
-        t_72 = ((-1/s.d_V) * t_71 * s.t_12)
-        t_73 = bcast_last(sum_last(((-1/s.d_V) * t_71 * s.M_N_2)), s.d_V)
-        t_74 = (s.t_6 * t_73 * s.t_11)
-        t_75 = ((t_65 * s.t_6 * s.M_N_2) + ((-1/s.d_V) * t_71 * s.t_6 * s.t_11) + (2/s.d_V) * (s.t_29 * t_73 * s.t_11 * s.M_N_2))
-        t_76 = (bcast_last(sum_last(t_75), s.d_V) * s.M_N_2)
-        t_77 = (t_66 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74 + (2/s.d_V) * t_76)
-        t_78 = sum_last((-1/(math.sqrt(s.d_K)*s.d_V)) * t_77) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-        t_79 = (t_78 + sum_last(s.t_15) * s.mm("_ N_1'", sum_rows(tr(V_W_V)), tr(s.N_1)))
-        t_80 = (s.mm_sum('r', (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_77, tr(s.W_V), tr(s.N_1)), (1, "t_16 _ N_1'", s.t_16, tr(V_W_V), tr(s.N_1))) + t_79)
-        t_81 = softmax_diff(s.A, t_80)
-        t_82 = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_63 + t_81), s.N_1, s.W_K), (1, "N_1' t_18 N_1 _", tr(s.N_1), s.t_18, s.N_1, V_W_K))
-        t_83 = s.mm_sum('l', (1, "N_1' t_18' N_1 _", tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_63) + tr(t_81)), s.N_1, s.W_Q))
-        t_84 = bcast_last(s.mm("N_1' _ _", tr(s.N_1), tr(t_67), sum_last((-2/s.d_V**2) * s.t_32)), s.d_V)
-        t_85 = bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-1/s.d_V) * t_77)), s.d_V)
-        t_86 = (s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_77), (1, "N_1' _ t_37", tr(s.N_1), tr(t_67), s.t_37)) + (t_84 + t_85))
-        t_87 = (tr(t_70) - (s.d_V) * tr(t_69) - (s.d_V) * tr(t_68))
-        t_88 = (((-1/s.d_V) * t_87 * tr(s.P_N_2)) + (2/s.d_V) * ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * tr(t_73) * tr(s.M_N_2)))
-        t_89 = s.mm("_ N_2'", tr(V_W_1), tr(s.N_2))
-        t_90 = s.mm("W_1' _", tr(s.W_1), t_88)
-        t_91 = ((t_89 + t_90) * heaviside((tr(s.H)), 0.0))
-        return (mean0(t_82, True), mean0(t_83, True), mean0(t_86, True), mean0((s.mm('_ t_10', t_88, s.t_10) + s.mm("N_2' _", tr(s.N_2), t_64)), True), mean0(s.mm('_ G', t_91, s.G), True),)
+        t_60 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_61 = softmax_diff2(s.A, s.t_20, (1/math.sqrt(s.d_K)) * t_60)
+        t_62 = (s.t_9 * s.mm('G _', s.G, tr(V_W_2)))
+        t_63 = lin((1, s.prod('t_11 _', s.t_11, tr(V_W_1))), (1, s.prod("_ W_1'", t_62, tr(s.W_1))))
+        t_64 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_60)
+        t_65 = lin((1, s.prod('_ N_1 W_V', t_64, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_66 = lin((1, s.mm('_ one', t_65, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_64, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_67 = s.mm('_ one', ((-1/s.d_V) * t_66 * s.M_N_2), s.one)
+        t_68 = lin((1, s.t_29, t_63), (1, s.t_30, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_32))
+        t_69 = lin((1, s.P_N_2, t_63), (2/s.d_V, s.t_14, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_30), (2/s.d_V, s.mm('_ one', t_68, s.one), s.M_N_2))
+        t_70 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_69, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_16 one one_2 _ N_1'", s.t_16, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_69, tr(s.W_V), tr(s.N_1)), (1, "t_19 _ N_1'", s.t_19, tr(V_W_V), tr(s.N_1)))
+        t_71 = softmax_diff(s.A, t_70)
+        t_72 = (t_61 + t_71)
+        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_72, s.N_1, s.W_K), (1, "N_1' t_21 N_1 _", tr(s.N_1), s.t_21, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_21' N_1 _", tr(s.N_1), tr(s.t_21), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_72), s.N_1, s.W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_69), (1, "N_1' _ t_41", tr(s.N_1), tr(t_64), s.t_41), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_39 one", tr(s.N_1), tr(t_64), s.t_39, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_69, s.one), True), s.d_V)))
+        t_73 = lin((1, s.mm('one_2 _', s.one_2, tr(t_65))), (-s.d_V, s.prod("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))), (-s.d_V, s.prod("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_64))))
+        t_75 = (tr(t_67) * s.t_74)
+        t_76 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_73), (2/s.d_V, t_75))
+        out_W_1 = (s.mm('_ t_11', t_76, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_62, mean=True))
+        t_77 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_76)))
+        t_78 = (t_77 * tr(s.t_9))
+        out_W_2 = s.mm('_ G', t_78, s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_102 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_103 = softmax_diff2(s.A, s.t_101, (1/math.sqrt(s.d_K)) * t_102)
-        t_104 = s.mm('t_8 _', s.t_8, V_W_2)
-        t_105 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_102)
-        t_106 = s.mm('_ N_1 W_V', t_105, s.N_1, s.W_V)
-        t_107 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_108 = bcast_last(sum_last((t_106 + t_107)), s.d_V)
-        t_109 = (t_108 - (s.d_V) * t_106 - (s.d_V) * t_107)
-        t_110 = bcast_last(sum_last(((-1/s.d_V) * t_109 * s.M_N_2)), s.d_V)
-        t_111 = s.mm('_ W_1', (((-1/s.d_V) * t_109 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_110 * s.M_N_2)), s.W_1)
-        t_112 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_113 = s.mm('_ W_2', ((t_111 + t_112) * s.t_7), s.W_2)
-        t_114 = (t_104 + t_113 + t_106 + t_107)
-        t_115 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_114, tr(s.W_2))
-        t_116 = ((t_115 + s.mm('G _', s.G, tr(V_W_2))) * s.t_7)
-        t_117 = (s.mm("_ W_1'", t_116, tr(s.W_1)) + s.mm('t_92 _', s.t_92, tr(V_W_1)))
-        t_118 = (t_117 * s.P_N_2)
-        t_119 = ((-1/s.d_V) * t_109 * s.t_94)
-        t_120 = (s.t_6 * t_110 * s.t_93)
-        t_121 = ((t_117 * s.t_6 * s.M_N_2) + ((-1/s.d_V) * t_109 * s.t_6 * s.t_93) + (2/s.d_V) * (s.t_29 * t_110 * s.t_93 * s.M_N_2))
-        t_122 = (bcast_last(sum_last(t_121), s.d_V) * s.M_N_2)
-        t_123 = (t_118 + (2/s.d_V) * t_119 + (2/s.d_V) * t_120 + (2/s.d_V) * t_122 + (2/(s.L*s.d_V)) * t_104 + (2/(s.L*s.d_V)) * t_113 + (2/(s.L*s.d_V)) * t_106 + (2/(s.L*s.d_V)) * t_107)
-        t_124 = (t_118 + (2/s.d_V) * t_119 + (2/s.d_V) * t_120 + (2/s.d_V) * t_122)
-        t_125 = sum_last((-1/(math.sqrt(s.d_K)*s.d_V)) * t_124) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-        t_126 = sum_last((-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_97) * s.mm("_ N_1'", sum_rows(tr(V_W_V)), tr(s.N_1))
-        t_127 = (s.mm_sum('r', (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_123, tr(s.W_V), tr(s.N_1)), (1, "t_100 _ N_1'", s.t_100, tr(V_W_V), tr(s.N_1))) + (t_125 + t_126))
-        t_128 = softmax_diff(s.A, t_127)
-        t_130 = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_103 + t_128), s.N_1, s.W_K), (1, "N_1' t_129 N_1 _", tr(s.N_1), s.t_129, s.N_1, V_W_K))
-        t_131 = s.mm_sum('l', (1, "N_1' t_129' N_1 _", tr(s.N_1), tr(s.t_129), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_103) + tr(t_128)), s.N_1, s.W_Q))
-        t_133 = bcast_last(s.mm("N_1' _ _", tr(s.N_1), tr(t_105), sum_last((-2/s.d_V**2) * s.t_97)), s.d_V)
-        t_134 = bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-1/s.d_V) * t_124)), s.d_V)
-        t_135 = (s.mm_sum('l', (1, "N_1' _ t_132", tr(s.N_1), tr(t_105), s.t_132), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_123)) + (t_133 + t_134))
-        t_136 = (tr(t_108) - (s.d_V) * tr(t_107) - (s.d_V) * tr(t_106))
-        t_137 = (((-1/s.d_V) * t_136 * tr(s.P_N_2)) + (2/s.d_V) * ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * tr(t_110) * tr(s.M_N_2)))
-        t_138 = s.mm('t_24 _', s.t_24, (2/(s.L*s.d_V)) * t_114)
-        t_139 = ((tr(t_112) + tr(t_111)) * heaviside((tr(s.H)), 0.0))
-        return (mean0(t_130, True), mean0(t_131, True), mean0(t_135, True), mean0((s.mm('_ t_92', t_137, s.t_92) + s.mm("N_2' _", tr(s.N_2), t_116)), True), mean0((t_138 + s.mm('_ G', t_139, s.G)), True),)
+        t_89 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_90 = softmax_diff2(s.A, s.t_88, (1/math.sqrt(s.d_K)) * t_89)
+        t_91 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_89)
+        t_92 = lin((1, s.prod('_ N_1 W_V', t_91, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_93 = lin((1, s.mm('_ one', t_92, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_91, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_94 = s.mm('_ one', ((-1/s.d_V) * t_93 * s.M_N_2), s.one)
+        t_95 = (t_94 * s.t_29)
+        t_96 = lin((1, s.P_N_2, (-1/s.d_V) * t_93), (2/s.d_V, t_95))
+        t_97 = lin((1, s.prod('_ W_1', t_96, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_98 = (t_97 * s.t_9)
+        t_99 = lin((1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_98, s.W_2)), (1, s.prod('_ N_1 W_V', t_91, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_100 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_99, tr(s.W_2))
+        t_101 = (lin((1, t_100), (1, s.prod('G _', s.G, tr(V_W_2)))) * s.t_9)
+        t_102 = lin((1, s.prod("_ W_1'", t_101, tr(s.W_1))), (1, s.prod('t_80 _', s.t_80, tr(V_W_1))))
+        t_105 = lin((1, s.t_29, t_102), (1, s.t_103, (-1/s.d_V) * t_93), (2/s.d_V, t_94, s.t_104))
+        t_106 = lin((1, s.P_N_2, t_102), (2/s.d_V, s.t_83, (-1/s.d_V) * t_93), (2/s.d_V, t_94, s.t_103), (2/s.d_V, s.mm('_ one', t_105, s.one), s.M_N_2))
+        t_107 = lin((1, (2/(s.L*s.d_V)) * t_99), (-math.sqrt(s.d_K)*s.d_V, (-1/(math.sqrt(s.d_K)*s.d_V)) * t_106))
+        t_108 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_106, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_85 one one_2 _ N_1'", s.t_85, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_107, tr(s.W_V), tr(s.N_1)), (1, "t_87 _ N_1'", s.t_87, tr(V_W_V), tr(s.N_1)))
+        t_109 = softmax_diff(s.A, t_108)
+        t_110 = (t_90 + t_109)
+        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_110, s.N_1, s.W_K), (1, "N_1' t_111 N_1 _", tr(s.N_1), s.t_111, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_111' N_1 _", tr(s.N_1), tr(s.t_111), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_110), s.N_1, s.W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_112", tr(s.N_1), tr(t_91), s.t_112), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_107), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_113 one", tr(s.N_1), tr(t_91), s.t_113, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_106, s.one), True), s.d_V)))
+        out_W_1 = (s.mm('_ t_80', tr(t_96), s.t_80, mean=True) + s.mm("N_2' _", tr(s.N_2), t_101, mean=True))
+        t_114 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_99)
+        out_W_2 = (mean0(t_114, True) + s.mm('_ G', tr(t_98), s.G, mean=True))
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -803,28 +844,46 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "18198cbb8e94667be51de714"
+    STAMP = "c197e2c710ee94061cbd102d"
     RUNS = {
-        'A N_1': 13,
+        'A N_1': 20,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
-        'N_1 W_V': 10,
-        "N_1' t_102": 2,
-        "N_1' t_102 N_1": 2,
-        "N_1' t_102'": 2,
-        "N_1' t_18": 4,
-        "N_1' t_18 N_1": 4,
-        "N_1' t_18'": 5,
+        'N_1 W_V': 22,
+        "N_1 W_V one_2'": 5,
+        "N_1 W_V one_2' one'": 5,
+        "N_1' t_21": 4,
+        "N_1' t_21 N_1": 4,
+        "N_1' t_21'": 5,
+        "N_1' t_89": 2,
+        "N_1' t_89 N_1": 2,
+        "N_1' t_89'": 2,
+        "W_V one_2'": 5,
+        "W_V one_2' one'": 5,
+        'one one_2': 7,
+        "one' t_16'": 2,
+        "one' t_40'": 2,
+        "one' t_85'": 2,
+        "one_2' one' t_16'": 2,
+        "one_2' one' t_85'": 2,
     }
 
     @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
     def M_N_1(s):
-        return (-(1/s.d_V) * bcast_last(sum_last(s.X), s.d_V) + s.X)
+        return lin((-1/s.d_V, s.mm('X one', s.X, s.one)), (1, s.X))
+
+    @leaf
+    def t(s):
+        return (s.M_N_1 * s.M_N_1)
 
     @leaf
     def sigma2_N_1(s):
-        return (1/s.d_V) * bcast_last(sum_last((s.M_N_1 * s.M_N_1)), s.d_V)
+        return (1/s.d_V) * s.mm('t one', s.t, s.one)
 
     @leaf
     def P_N_1(s):
@@ -832,26 +891,26 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def N_1(s):
-        return (s.M_N_1 * s.P_N_1)
-
-    @leaf
-    def t(s):
-        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
+        return (s.P_N_1 * s.M_N_1)
 
     @leaf
     def t_2(s):
-        return s.mm('N_1 W_V', s.N_1, s.W_V)
+        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
 
     @leaf
     def t_3(s):
-        return tr(s.t_2)
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
     def t_4(s):
-        return tr(s.t)
+        return tr(s.t_3)
 
     @leaf
     def t_5(s):
+        return tr(s.t_2)
+
+    @leaf
+    def t_6(s):
         return s.mm('N_1 W_Q', s.N_1, s.W_Q)
 
     @leaf
@@ -868,14 +927,18 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def M_N_2(s):
-        return (-(1/s.d_V) * bcast_last(sum_last(s.Y_2), s.d_V) + s.Y_2)
+        return lin((-1/s.d_V, s.mm('Y_2 one', s.Y_2, s.one)), (1, s.Y_2))
+
+    @leaf
+    def t_7(s):
+        return (s.M_N_2 * s.M_N_2)
 
     @leaf
     def sigma2_N_2(s):
-        return (1/s.d_V) * bcast_last(sum_last((s.M_N_2 * s.M_N_2)), s.d_V)
+        return (1/s.d_V) * s.mm('t_7 one', s.t_7, s.one)
 
     @leaf
-    def t_6(s):
+    def t_8(s):
         return (-0.5 * (s.sigma2_N_2 ** -1.5))
 
     @leaf
@@ -884,191 +947,223 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def N_2(s):
-        return (s.M_N_2 * s.P_N_2)
+        return (s.P_N_2 * s.M_N_2)
 
     @leaf
     def H(s):
         return s.mm('N_2 W_1', s.N_2, s.W_1)
 
     @leaf
-    def t_7(s):
+    def t_9(s):
         return heaviside(s.H, 0.0)
 
     @leaf
-    def t_8(s):
-        return (s.H * heaviside(s.H, 0.0))
-
-    @leaf
-    def t_9(s):
-        return s.mm('t_8 W_2', s.t_8, s.W_2)
+    def t_10(s):
+        return relu(s.H)
 
     @leaf
     def F(s):
-        return (s.t_9 + s.Y_2)
+        return (s.mm('t_10 W_2', s.t_10, s.W_2) + s.Y_2)
 
     @leaf
     def G(s):
-        return ((2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
-
-    @leaf
-    def t_10(s):
-        return (s.t_7 * s.mm("G W_2'", s.G, tr(s.W_2)))
+        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
 
     @leaf
     def t_11(s):
-        return s.mm("t_10 W_1'", s.t_10, tr(s.W_1))
+        return (s.t_9 * s.mm("G W_2'", s.G, tr(s.W_2)))
 
     @leaf
     def t_12(s):
-        return bcast_last(sum_last((s.t_6 * s.t_11 * s.M_N_2)), s.d_V)
+        return s.mm("t_11 W_1'", s.t_11, tr(s.W_1))
 
     @leaf
     def t_13(s):
-        return (s.t_12 * s.M_N_2)
+        return mul(s.t_8, s.t_12, s.M_N_2)
 
     @leaf
     def t_14(s):
-        return (s.t_11 * s.P_N_2)
+        return s.mm('t_13 one', s.t_13, s.one)
 
     @leaf
     def t_15(s):
-        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_13 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_14)
+        return lin((1, s.t_14, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_12))
 
     @leaf
     def t_16(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_13 + (1/math.sqrt(s.d_K)) * s.t_14 + (1/math.sqrt(s.d_K)) * s.G)
+        return (-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_15
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.d_V), s.like)
 
     @leaf
     def t_17(s):
-        return (sum_last(s.t_15) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1)) + s.mm("t_16 W_V' N_1'", s.t_16, tr(s.W_V), tr(s.N_1)))
+        return s.mm("t_16 one one_2 W_V' N_1'", s.t_16, s.one, s.one_2, tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_18(s):
-        return softmax_diff(s.A, s.t_17)
+        return lin((-1/2*math.sqrt(s.d_K)*s.d_V**2, s.t_16), ((1/2)*s.d_V, s.G))
 
     @leaf
     def t_19(s):
-        return s.mm('t_18 N_1', s.t_18, s.N_1)
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_18
 
     @leaf
     def t_20(s):
-        return s.mm('A N_1', s.A, s.N_1)
+        return (s.t_17 + s.mm("t_19 W_V' N_1'", s.t_19, tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_21(s):
-        return tr(s.t_5)
+        return softmax_diff(s.A, s.t_20)
 
     @leaf
     def t_22(s):
-        return tr(s.t_20)
+        return s.mm('t_21 N_1', s.t_21, s.N_1)
 
     @leaf
     def t_23(s):
-        return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
+        return s.mm('A N_1', s.A, s.N_1)
 
     @leaf
     def t_24(s):
-        return ((tr(s.H)) * heaviside((tr(s.H)), 0.0))
+        return tr(s.t_6)
 
     @leaf
     def t_25(s):
-        return s.mm('t_24 t_8', s.t_24, s.t_8)
+        return tr(s.t_23)
 
     @leaf
     def t_26(s):
-        return ones((s.d_V, s.d_V), s.like)
+        return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
     def t_27(s):
-        return (s.t_6 * s.M_N_2)
+        return s.mm("t_10' t_10", tr(s.t_10), s.t_10)
 
     @leaf
     def t_28(s):
-        return (s.t_6 * s.t_11)
+        return bcast_last(s.P_N_2, s.d_V)
 
     @leaf
     def t_29(s):
-        return (0.75 * (s.sigma2_N_2 ** -2.5))
+        return (s.t_8 * s.M_N_2)
 
     @leaf
     def t_30(s):
-        return (s.t_29 * s.t_11 * s.M_N_2)
+        return (s.t_8 * s.t_12)
 
     @leaf
     def t_31(s):
-        return (s.t_13 + ((1/2)*s.d_V) * s.t_14 + ((1/2)*s.d_V) * s.G)
+        return (0.75 * (s.sigma2_N_2 ** -2.5))
 
     @leaf
     def t_32(s):
-        return (s.t_13 + ((1/2)*s.d_V) * s.t_14)
+        return mul(s.t_31, s.t_12, s.M_N_2)
 
     @leaf
     def t_33(s):
-        return bcast_last(sum_last(s.t_32), s.d_V)
+        return bcast_last(s.t_14, s.d_V)
 
     @leaf
     def t_34(s):
-        return (s.t_9 + s.Y_2 - s.Y)
+        return s.mm('t_15 one', s.t_15, s.one)
 
     @leaf
     def t_35(s):
-        return ones((s.d_V, 1), s.like)
+        return bcast_last(s.t_34, s.d_V)
+
+    @leaf
+    def one_3(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def t_36(s):
-        return (2/s.d_V) * s.t_31
+        return (s.F - s.Y)
 
     @leaf
     def t_37(s):
-        return bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-2/s.d_V**2) * s.t_32)), s.d_V)
+        return (s.t_36 * s.t_36)
 
     @leaf
-    def t_92(s):
-        return (s.t_7 * s.mm("G W_2'", s.G, tr(s.W_2)))
+    def t_38(s):
+        return s.mm('one_3 t_37 one', s.one_3, s.t_37, s.one)
 
     @leaf
-    def t_93(s):
-        return s.mm("t_92 W_1'", s.t_92, tr(s.W_1))
+    def t_39(s):
+        return (2/s.d_V) * s.t_18
 
     @leaf
-    def t_94(s):
-        return bcast_last(sum_last((s.t_6 * s.t_93 * s.M_N_2)), s.d_V)
+    def t_40(s):
+        return (-2/s.d_V**2) * s.t_15
 
     @leaf
-    def t_95(s):
-        return (s.t_94 * s.M_N_2)
+    def t_41(s):
+        return s.mm("N_1' A' t_40 one", tr(s.N_1), tr(s.A), s.t_40, s.one)
 
     @leaf
-    def t_96(s):
-        return (s.t_93 * s.P_N_2)
+    def t_74(s):
+        return (tr(s.t_8) * tr(s.M_N_2))
 
     @leaf
-    def t_97(s):
-        return (s.t_95 + ((1/2)*s.d_V) * s.t_96)
+    def t_79(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
-    def t_98(s):
-        return sum_last((-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_97) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
+    def t_80(s):
+        return (s.t_9 * s.t_79)
 
     @leaf
-    def t_99(s):
-        return (s.t_95 + ((1/2)*s.d_V) * s.t_96 + (1/s.L) * s.F - (1/s.L) * s.Y)
+    def t_81(s):
+        return s.mm("t_80 W_1'", s.t_80, tr(s.W_1))
 
     @leaf
-    def t_100(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_99
+    def t_82(s):
+        return mul(s.t_8, s.t_81, s.M_N_2)
 
     @leaf
-    def t_101(s):
-        return (s.t_98 + s.mm("t_100 W_V' N_1'", s.t_100, tr(s.W_V), tr(s.N_1)))
+    def t_83(s):
+        return s.mm('t_82 one', s.t_82, s.one)
 
     @leaf
-    def t_102(s):
-        return softmax_diff(s.A, s.t_101)
+    def t_84(s):
+        return lin((1, s.t_83, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_81))
 
     @leaf
-    def t_132(s):
-        return (2/s.d_V) * s.t_99
+    def t_85(s):
+        return (-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_84
+
+    @leaf
+    def t_86(s):
+        return lin((1, s.t_83, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_81), (1/s.L, s.F), (-1/s.L, s.Y))
+
+    @leaf
+    def t_87(s):
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_86
+
+    @leaf
+    def t_88(s):
+        return s.mm_sum('r', (1, "t_85 one one_2 W_V' N_1'", s.t_85, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_87 W_V' N_1'", s.t_87, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_89(s):
+        return softmax_diff(s.A, s.t_88)
+
+    @leaf
+    def t_104(s):
+        return (s.t_8 * s.t_81)
+
+    @leaf
+    def t_105(s):
+        return mul(s.t_31, s.t_81, s.M_N_2)
+
+    @leaf
+    def t_112(s):
+        return (2/s.d_V) * s.t_86
+
+    @leaf
+    def t_113(s):
+        return (-2/s.d_V**2) * s.t_84
 
     @leaf
     def dA(s):
@@ -1082,25 +1177,25 @@ class mse_bias0_causal1(Forward):
     def S(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
-            net(1, 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
+            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
         ])
 
     @leaf
     def S_2(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
-            net(2/(s.L*s.d_K*s.d_V), 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_K*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
-            net(-2/(s.L*s.d_K*s.d_V**2), 'ab,ncbd->ncad', s.t_26, s.S),
+            net(2/(s.L*s.d_K*s.d_V), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
+            net(4/(s.L*s.d_K*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(-2/(s.L*s.d_K*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
     def S_3(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
-            net(1, 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_27, s.t_26, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_29, ONES, s.M_N_2),
         ])
 
     @leaf
@@ -1108,7 +1203,7 @@ class mse_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_26),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -1116,7 +1211,7 @@ class mse_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_7, s.W_1, s.S_3, s.S_4),
+            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
         ])
 
     @leaf
@@ -1124,41 +1219,41 @@ class mse_bias0_causal1(Forward):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_6', [
             net(2/(s.L*s.d_K*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de,naef->nabf', s.S_2, s.W_1, s.t_7, s.W_2, s.S_5),
-            net(2/(s.L*s.d_K*s.d_V), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_7, s.W_1, s.S_3, s.S_4),
+            net(1, 'nabc,cd,nad,de,naef->nabf', s.S_2, s.W_1, s.t_9, s.W_2, s.S_5),
+            net(2/(s.L*s.d_K*s.d_V), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
         ])
 
     @leaf
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, s.t_26, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_32, ONES, s.M_N_2),
         ])
 
     @leaf
     def S_8(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.t_12, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,nac->nabc', s.t_28, s.t_26, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, s.t_26, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_33, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
     @leaf
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_18, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_18, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_18),
+            net(1, 'nab,bc->nabc', s.t_21, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_21, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_21),
         ])
 
     @leaf
     def S_9(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_9', [
-            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_2, s.S_4, s.S_8, s.S_4, s.t_3, s.dA),
+            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_8, s.S_4, s.t_4, s.dA),
             net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
         ])
 
@@ -1166,7 +1261,7 @@ class mse_bias0_causal1(Forward):
     def S_10(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_10', [
-            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_2, s.S_4, s.S_8, s.S_4, s.t_3, s.dA),
+            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_4, s.S_8, s.S_4, s.t_4, s.dA),
             net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
         ])
 
@@ -1174,9 +1269,9 @@ class mse_bias0_causal1(Forward):
     def S_11(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_11', [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
-            net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', s.t_26, s.S),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
+            net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -1184,15 +1279,15 @@ class mse_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_26),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_31),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_33),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_18),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_35),
         ])
 
     @leaf
@@ -1200,7 +1295,7 @@ class mse_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
             net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', s.t_26),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -1208,7 +1303,7 @@ class mse_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
             net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_7, s.W_2),
+            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_9, s.W_2),
         ])
 
     @leaf
@@ -1216,16 +1311,16 @@ class mse_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_16', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', s.t_26),
+            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_17', [
-            net(2/(s.L*s.d_V), 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
-            net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', s.t_26, s.S),
+            net(2/(s.L*s.d_V), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -1233,7 +1328,7 @@ class mse_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_18', [
             net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/s.d_V**2, 'ab->ab', s.t_26),
+            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -1241,7 +1336,7 @@ class mse_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_19', [
             net(2/(s.L*s.d_V), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_7, s.W_2),
+            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_9, s.W_2),
         ])
 
     @leaf
@@ -1249,329 +1344,316 @@ class mse_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_20', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_7, s.W_1, s.S_3, s.S_4),
+            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_9, s.W_1, s.S_3, s.S_4),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t, s.dA, s.t_2, s.S_6, s.t_3, s.dA, s.N_1, s.t_4),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.N_1, s.t_5),
         ]
 
     def block__W_Q__W_Q__functional(s):
         """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t, s.S_9, s.N_1, s.t_4),
+            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_5),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t, s.dA, s.t_2, s.S_6, s.t_3, s.dA, s.t_5, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,ngh,nahi,naj,nik->bc|kj', s.N_1, s.t_2, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_19, free={'d': s.d_K}),
-            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t, s.S_10, s.t_5, s.N_1),
+            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_22, free={'d': s.d_K}),
+            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t, s.dA, s.t_2, s.t_20),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t, s.dA, s.t_2, s.S_11, s.W_1, s.t_7, s.W_2, s.t_20),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t, s.dA, s.t_2, s.S_11, s.W_1, s.t_7, s.W_2, s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t, s.dA, s.t_2, s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_23),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_23),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_20, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_23, s.S_12),
         ]
 
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t, s.dA, s.t_2, s.S_15, s.W_2, s.t_7, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,hg,nah,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t, s.dA, s.t_2, s.S_16, s.S, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.t_11),
         ]
 
     def block__W_Q__W_2__outer(s):
         """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t, s.dA, s.t_2, s.S_15, s.t_8),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nah->bc|hg', s.N_1, s.t_2, s.dA, s.t_3, s.S_15, s.t_10),
         ]
 
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t, s.dA, s.t_2, s.S_16, s.S, s.W_1, s.t_7, s.G),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_21, s.N_1, s.dA, s.t_2, s.S_6, s.t_3, s.dA, s.t_5, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_24, s.N_1, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_21, s.S_9, s.t_5, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_24, s.S_9, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_21, s.N_1, s.dA, s.t_2, s.t_20),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_21, s.N_1, s.dA, s.t_2, s.S_11, s.W_1, s.t_7, s.W_2, s.t_20),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_21, s.N_1, s.dA, s.t_2, s.S_11, s.W_1, s.t_7, s.W_2, s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_21, s.N_1, s.dA, s.t_2, s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_24, s.N_1, s.dA, s.t_3, s.t_23),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_24, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_23),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_24, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_24, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_21, s.N_1, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_21, s.N_1, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_20, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_24, s.N_1, s.dA, s.N_1, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_24, s.N_1, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_23, s.S_12),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_21, s.N_1, s.dA, s.t_2, s.S_15, s.W_2, s.t_7, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_24, s.N_1, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_21, s.N_1, s.dA, s.t_2, s.S_16, s.S, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_24, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_11),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_21, s.N_1, s.dA, s.t_2, s.S_15, s.t_8),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_24, s.N_1, s.dA, s.t_3, s.S_15, s.t_10),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_21, s.N_1, s.dA, s.t_2, s.S_16, s.S, s.W_1, s.t_7, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_24, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_22, s.t_20, free={'d': s.d_V}),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_22, s.S_17, s.W_1, s.t_7, s.W_2, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_22, s.S_17, s.W_1, s.t_7, s.W_2, s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_22, s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_25, s.t_23, free={'d': s.d_V}),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_25, s.S_17, s.W_1, s.t_9, s.W_2, s.t_23),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_25, s.S_17, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_25, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_22, s.S_18, s.S_8, s.t_20, s.S_12),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_25, s.S_18, s.S_8, s.t_23, s.S_12),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_22, s.S_19, s.W_2, s.t_7, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_25, s.S_19, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_22, s.S_4, s.S, s.t_10),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_25, s.S_4, s.S, s.t_11),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_22, s.S_19, s.t_8),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_25, s.S_19, s.t_10),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_22, s.S_4, s.S, s.W_1, s.t_7, s.G),
+            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_25, s.S_4, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_7, s.t_23, s.t_7, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_9, s.t_26, s.t_9, s.N_2),
         ]
 
     def block__W_1__W_2__outer(s):
         """H_o(W_1, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (relu(N_2 @ W_1) ⊗ W_2))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_7, s.t_8, s.W_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_9, s.t_10, s.W_2),
         ]
 
     def block__W_1__W_2__functional(s):
         """H_f(W_1, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_7, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_9, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 2/(L*d_V)*(relu(W_1.T @ N_2.T) @ relu(N_2 @ W_1) ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_25, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_27, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_3, s.dA, s.N_1, s.t_4),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_4, s.dA, s.N_1, s.t_5),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_3, s.dA, s.t_5, s.N_1),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_20, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_7, s.W_1, s.S_3, s.t_20, s.S_12),
+            net(1, 'nab->n|ac|bc', s.t_23, free={'c': s.d_V}),
+            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
         ]
 
     def jacobian__W_1(s):
         """∂vec_r F/∂vec_r W_1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_7, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_9, s.N_2),
         ]
 
     def jacobian__W_2(s):
         """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_8, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_10, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_35', sum_rows((s.t_34 * s.t_34)), s.t_35), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_38, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("N_1' t_18 N_1 W_K", tr(s.N_1), s.t_18, s.N_1, s.W_K), True), mean0(s.mm("N_1' t_18' N_1 W_Q", tr(s.N_1), tr(s.t_18), s.N_1, s.W_Q), True), mean0((s.mm("N_1' A' t_36", tr(s.N_1), tr(s.A), s.t_36) + s.t_37), True), mean0(s.mm("N_2' t_10", tr(s.N_2), s.t_10), True), mean0(s.mm('t_24 G', s.t_24, s.G), True),)
+        out_W_Q = s.mm("N_1' t_21 N_1 W_K", tr(s.N_1), s.t_21, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' t_21' N_1 W_Q", tr(s.N_1), tr(s.t_21), s.N_1, s.W_Q, mean=True)
+        out_W_V = (s.mm("N_1' A' t_39", tr(s.N_1), tr(s.A), s.t_39, mean=True) + bcast_last(mean0(s.t_41, True), s.d_V))
+        out_W_1 = s.mm("N_2' t_11", tr(s.N_2), s.t_11, mean=True)
+        out_W_2 = s.mm("t_10' G", tr(s.t_10), s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_38 = s.mm('t_8 _', s.t_8, V_W_2)
-        t_39 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_40 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_39)
-        t_41 = s.mm('_ N_1 W_V', t_40, s.N_1, s.W_V)
-        t_42 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_43 = bcast_last(sum_last((t_41 + t_42)), s.d_V)
-        t_44 = (t_43 - (s.d_V) * t_41 - (s.d_V) * t_42)
-        t_45 = bcast_last(sum_last(((-1/s.d_V) * t_44 * s.M_N_2)), s.d_V)
-        t_46 = s.mm('_ W_1', (((-1/s.d_V) * t_44 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_45 * s.M_N_2)), s.W_1)
-        t_47 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_48 = s.mm('_ W_2', ((t_46 + t_47) * s.t_7), s.W_2)
-        t_49 = (t_38 + t_48 + t_41 + t_42)
-        t_50 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_49, tr(s.W_2))
-        t_51 = (s.t_7 * t_50)
-        t_52 = s.mm("_ W_1'", t_51, tr(s.W_1))
-        t_53 = (bcast_last(sum_last((s.t_6 * t_52 * s.M_N_2)), s.d_V) * s.M_N_2)
-        t_54 = (t_52 * s.P_N_2)
-        t_55 = (t_53 + ((1/2)*s.d_V) * t_54)
-        t_56 = sum_last((-2/(math.sqrt(s.d_K)*s.d_V**2)) * t_55) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-        t_57 = (t_53 + ((1/2)*s.d_V) * t_54 + (1/s.L) * t_38 + (1/s.L) * t_48 + (1/s.L) * t_41 + (1/s.L) * t_42)
-        t_58 = s.mm("_ W_V' N_1'", (2/(math.sqrt(s.d_K)*s.d_V)) * t_57, tr(s.W_V), tr(s.N_1))
-        t_59 = softmax_diff(s.A, (t_56 + t_58))
-        t_60 = bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-2/s.d_V**2) * t_55)), s.d_V)
-        t_61 = s.mm('t_24 _', s.t_24, (2/(s.L*s.d_V)) * t_49)
-        return (mean0(s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_59, s.N_1, s.W_K), True), mean0(s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_59), s.N_1, s.W_Q), True), mean0((s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_57) + t_60), True), mean0(s.mm("N_2' _", tr(s.N_2), t_51), True), mean0(t_61, True),)
+        t_42 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_43 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_42)
+        t_44 = lin((1, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_45 = lin((1, s.mm('_ one', t_44, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_46 = s.mm('_ one', ((-1/s.d_V) * t_45 * s.M_N_2), s.one)
+        t_47 = (t_46 * s.t_29)
+        t_48 = lin((1, s.P_N_2, (-1/s.d_V) * t_45), (2/s.d_V, t_47))
+        t_49 = lin((1, s.prod('_ W_1', t_48, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_50 = (t_49 * s.t_9)
+        t_51 = lin((1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_50, s.W_2)), (1, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_52 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_51, tr(s.W_2))
+        t_53 = (s.t_9 * t_52)
+        t_54 = s.mm("_ W_1'", t_53, tr(s.W_1))
+        t_55 = lin((1, s.mm('_ one', (s.t_29 * t_54), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_54))
+        t_56 = lin((1, s.mm('_ one', (s.t_29 * t_54), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_54), (1/s.L, s.prod('t_10 _', s.t_10, V_W_2)), (1/s.L, s.prod('_ W_2', t_50, s.W_2)), (1/s.L, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (1/s.L, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_57 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-2/(math.sqrt(s.d_K)*s.d_V**2)) * t_55, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (2/(math.sqrt(s.d_K)*s.d_V)) * t_56, tr(s.W_V), tr(s.N_1)))
+        t_58 = softmax_diff(s.A, t_57)
+        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_58, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_58), s.N_1, s.W_Q, mean=True)
+        out_W_V = (s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_56, mean=True) + bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/s.d_V**2) * t_55, s.one), True), s.d_V))
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_53, mean=True)
+        t_59 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_51)
+        out_W_2 = mean0(t_59, True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_62 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_63 = softmax_diff2(s.A, s.t_17, (1/math.sqrt(s.d_K)) * t_62)
-        t_64 = (s.t_7 * s.mm('G _', s.G, tr(V_W_2)))
-        t_65 = (s.mm('t_10 _', s.t_10, tr(V_W_1)) + s.mm("_ W_1'", t_64, tr(s.W_1)))
-        t_66 = (t_65 * s.P_N_2)
-        t_67 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_62)
-        t_68 = s.mm('_ N_1 W_V', t_67, s.N_1, s.W_V)
-        t_69 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_70 = bcast_last(sum_last((t_68 + t_69)), s.d_V)
-        t_71 = (t_70 - (s.d_V) * t_68 - (s.d_V) * t_69)
-        t_72 = ((-1/s.d_V) * t_71 * s.t_12)
-        t_73 = bcast_last(sum_last(((-1/s.d_V) * t_71 * s.M_N_2)), s.d_V)
-        t_74 = (s.t_6 * t_73 * s.t_11)
-        t_75 = ((t_65 * s.t_6 * s.M_N_2) + ((-1/s.d_V) * t_71 * s.t_6 * s.t_11) + (2/s.d_V) * (s.t_29 * t_73 * s.t_11 * s.M_N_2))
-        t_76 = (bcast_last(sum_last(t_75), s.d_V) * s.M_N_2)
-        t_77 = (t_66 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74 + (2/s.d_V) * t_76)
-        t_78 = sum_last((-1/(math.sqrt(s.d_K)*s.d_V)) * t_77) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-        t_79 = (t_78 + sum_last(s.t_15) * s.mm("_ N_1'", sum_rows(tr(V_W_V)), tr(s.N_1)))
-        t_80 = (s.mm_sum('r', (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_77, tr(s.W_V), tr(s.N_1)), (1, "t_16 _ N_1'", s.t_16, tr(V_W_V), tr(s.N_1))) + t_79)
-        t_81 = softmax_diff(s.A, t_80)
-        t_82 = s.mm_sum('l', (1, "N_1' t_18 N_1 _", tr(s.N_1), s.t_18, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_63 + t_81), s.N_1, s.W_K))
-        t_83 = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_63) + tr(t_81)), s.N_1, s.W_Q), (1, "N_1' t_18' N_1 _", tr(s.N_1), tr(s.t_18), s.N_1, V_W_Q))
-        t_84 = bcast_last(s.mm("N_1' _ _", tr(s.N_1), tr(t_67), sum_last((-2/s.d_V**2) * s.t_32)), s.d_V)
-        t_85 = bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-1/s.d_V) * t_77)), s.d_V)
-        t_86 = (s.mm_sum('l', (1, "N_1' _ t_36", tr(s.N_1), tr(t_67), s.t_36), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_77)) + (t_84 + t_85))
-        t_87 = (tr(t_70) - (s.d_V) * tr(t_69) - (s.d_V) * tr(t_68))
-        t_88 = (((-1/s.d_V) * t_87 * tr(s.P_N_2)) + (2/s.d_V) * ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * tr(t_73) * tr(s.M_N_2)))
-        t_89 = s.mm("_ N_2'", tr(V_W_1), tr(s.N_2))
-        t_90 = s.mm("W_1' _", tr(s.W_1), t_88)
-        t_91 = ((t_89 + t_90) * heaviside((tr(s.H)), 0.0))
-        return (mean0(t_82, True), mean0(t_83, True), mean0(t_86, True), mean0((s.mm('_ t_10', t_88, s.t_10) + s.mm("N_2' _", tr(s.N_2), t_64)), True), mean0(s.mm('_ G', t_91, s.G), True),)
+        t_60 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_61 = softmax_diff2(s.A, s.t_20, (1/math.sqrt(s.d_K)) * t_60)
+        t_62 = (s.t_9 * s.mm('G _', s.G, tr(V_W_2)))
+        t_63 = lin((1, s.prod('t_11 _', s.t_11, tr(V_W_1))), (1, s.prod("_ W_1'", t_62, tr(s.W_1))))
+        t_64 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_60)
+        t_65 = lin((1, s.prod('_ N_1 W_V', t_64, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_66 = lin((1, s.mm('_ one', t_65, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_64, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_67 = s.mm('_ one', ((-1/s.d_V) * t_66 * s.M_N_2), s.one)
+        t_68 = lin((1, s.t_29, t_63), (1, s.t_30, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_32))
+        t_69 = lin((1, s.P_N_2, t_63), (2/s.d_V, s.t_14, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_30), (2/s.d_V, s.mm('_ one', t_68, s.one), s.M_N_2))
+        t_70 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_69, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_16 one one_2 _ N_1'", s.t_16, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_69, tr(s.W_V), tr(s.N_1)), (1, "t_19 _ N_1'", s.t_19, tr(V_W_V), tr(s.N_1)))
+        t_71 = softmax_diff(s.A, t_70)
+        t_72 = (t_61 + t_71)
+        out_W_Q = s.mm_sum('l', (1, "N_1' t_21 N_1 _", tr(s.N_1), s.t_21, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_72, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_72), s.N_1, s.W_Q), (1, "N_1' t_21' N_1 _", tr(s.N_1), tr(s.t_21), s.N_1, V_W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_39", tr(s.N_1), tr(t_64), s.t_39), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_69), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_40 one", tr(s.N_1), tr(t_64), s.t_40, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_69, s.one), True), s.d_V)))
+        t_73 = lin((1, s.mm('one_2 _', s.one_2, tr(t_65))), (-s.d_V, s.prod("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))), (-s.d_V, s.prod("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_64))))
+        t_75 = (tr(t_67) * s.t_74)
+        t_76 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_73), (2/s.d_V, t_75))
+        out_W_1 = (s.mm('_ t_11', t_76, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_62, mean=True))
+        t_77 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_76)))
+        t_78 = (t_77 * tr(s.t_9))
+        out_W_2 = s.mm('_ G', t_78, s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_103 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_104 = softmax_diff2(s.A, s.t_101, (1/math.sqrt(s.d_K)) * t_103)
-        t_105 = s.mm('t_8 _', s.t_8, V_W_2)
-        t_106 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_103)
-        t_107 = s.mm('_ N_1 W_V', t_106, s.N_1, s.W_V)
-        t_108 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_109 = bcast_last(sum_last((t_107 + t_108)), s.d_V)
-        t_110 = (t_109 - (s.d_V) * t_107 - (s.d_V) * t_108)
-        t_111 = bcast_last(sum_last(((-1/s.d_V) * t_110 * s.M_N_2)), s.d_V)
-        t_112 = s.mm('_ W_1', (((-1/s.d_V) * t_110 * s.P_N_2) + (2/s.d_V) * (s.t_6 * t_111 * s.M_N_2)), s.W_1)
-        t_113 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_114 = s.mm('_ W_2', ((t_112 + t_113) * s.t_7), s.W_2)
-        t_115 = (t_105 + t_114 + t_107 + t_108)
-        t_116 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_115, tr(s.W_2))
-        t_117 = ((t_116 + s.mm('G _', s.G, tr(V_W_2))) * s.t_7)
-        t_118 = (s.mm("_ W_1'", t_117, tr(s.W_1)) + s.mm('t_92 _', s.t_92, tr(V_W_1)))
-        t_119 = (t_118 * s.P_N_2)
-        t_120 = ((-1/s.d_V) * t_110 * s.t_94)
-        t_121 = (s.t_6 * t_111 * s.t_93)
-        t_122 = ((t_118 * s.t_6 * s.M_N_2) + ((-1/s.d_V) * t_110 * s.t_6 * s.t_93) + (2/s.d_V) * (s.t_29 * t_111 * s.t_93 * s.M_N_2))
-        t_123 = (bcast_last(sum_last(t_122), s.d_V) * s.M_N_2)
-        t_124 = (t_119 + (2/s.d_V) * t_120 + (2/s.d_V) * t_121 + (2/s.d_V) * t_123 + (2/(s.L*s.d_V)) * t_105 + (2/(s.L*s.d_V)) * t_114 + (2/(s.L*s.d_V)) * t_107 + (2/(s.L*s.d_V)) * t_108)
-        t_125 = (t_119 + (2/s.d_V) * t_120 + (2/s.d_V) * t_121 + (2/s.d_V) * t_123)
-        t_126 = sum_last((-1/(math.sqrt(s.d_K)*s.d_V)) * t_125) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-        t_127 = sum_last((-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_97) * s.mm("_ N_1'", sum_rows(tr(V_W_V)), tr(s.N_1))
-        t_128 = (s.mm_sum('r', (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_124, tr(s.W_V), tr(s.N_1)), (1, "t_100 _ N_1'", s.t_100, tr(V_W_V), tr(s.N_1))) + (t_126 + t_127))
-        t_129 = softmax_diff(s.A, t_128)
-        t_130 = s.mm_sum('l', (1, "N_1' t_102 N_1 _", tr(s.N_1), s.t_102, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_104 + t_129), s.N_1, s.W_K))
-        t_131 = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_104) + tr(t_129)), s.N_1, s.W_Q), (1, "N_1' t_102' N_1 _", tr(s.N_1), tr(s.t_102), s.N_1, V_W_Q))
-        t_133 = bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-1/s.d_V) * t_125)), s.d_V)
-        t_134 = bcast_last(s.mm("N_1' _ _", tr(s.N_1), tr(t_106), sum_last((-2/s.d_V**2) * s.t_97)), s.d_V)
-        t_135 = (s.mm_sum('l', (1, "N_1' _ t_132", tr(s.N_1), tr(t_106), s.t_132), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_124)) + (t_133 + t_134))
-        t_136 = (tr(t_109) - (s.d_V) * tr(t_108) - (s.d_V) * tr(t_107))
-        t_137 = (((-1/s.d_V) * t_136 * tr(s.P_N_2)) + (2/s.d_V) * ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * tr(t_111) * tr(s.M_N_2)))
-        t_138 = s.mm('t_24 _', s.t_24, (2/(s.L*s.d_V)) * t_115)
-        t_139 = ((tr(t_113) + tr(t_112)) * heaviside((tr(s.H)), 0.0))
-        return (mean0(t_130, True), mean0(t_131, True), mean0(t_135, True), mean0((s.mm('_ t_92', t_137, s.t_92) + s.mm("N_2' _", tr(s.N_2), t_117)), True), mean0((t_138 + s.mm('_ G', t_139, s.G)), True),)
+        t_90 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_91 = softmax_diff2(s.A, s.t_88, (1/math.sqrt(s.d_K)) * t_90)
+        t_92 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_90)
+        t_93 = lin((1, s.prod('_ N_1 W_V', t_92, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_94 = lin((1, s.mm('_ one', t_93, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_92, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_95 = s.mm('_ one', ((-1/s.d_V) * t_94 * s.M_N_2), s.one)
+        t_96 = (t_95 * s.t_29)
+        t_97 = lin((1, s.P_N_2, (-1/s.d_V) * t_94), (2/s.d_V, t_96))
+        t_98 = lin((1, s.prod('_ W_1', t_97, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_99 = (t_98 * s.t_9)
+        t_100 = lin((1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_99, s.W_2)), (1, s.prod('_ N_1 W_V', t_92, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_101 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_100, tr(s.W_2))
+        t_102 = (lin((1, t_101), (1, s.prod('G _', s.G, tr(V_W_2)))) * s.t_9)
+        t_103 = lin((1, s.prod("_ W_1'", t_102, tr(s.W_1))), (1, s.prod('t_80 _', s.t_80, tr(V_W_1))))
+        t_106 = lin((1, s.t_29, t_103), (1, s.t_104, (-1/s.d_V) * t_94), (2/s.d_V, t_95, s.t_105))
+        t_107 = lin((1, s.P_N_2, t_103), (2/s.d_V, s.t_83, (-1/s.d_V) * t_94), (2/s.d_V, t_95, s.t_104), (2/s.d_V, s.mm('_ one', t_106, s.one), s.M_N_2))
+        t_108 = lin((1, (2/(s.L*s.d_V)) * t_100), (-math.sqrt(s.d_K)*s.d_V, (-1/(math.sqrt(s.d_K)*s.d_V)) * t_107))
+        t_109 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_107, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_85 one one_2 _ N_1'", s.t_85, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_108, tr(s.W_V), tr(s.N_1)), (1, "t_87 _ N_1'", s.t_87, tr(V_W_V), tr(s.N_1)))
+        t_110 = softmax_diff(s.A, t_109)
+        t_111 = (t_91 + t_110)
+        out_W_Q = s.mm_sum('l', (1, "N_1' t_89 N_1 _", tr(s.N_1), s.t_89, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_111, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_111), s.N_1, s.W_Q), (1, "N_1' t_89' N_1 _", tr(s.N_1), tr(s.t_89), s.N_1, V_W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_112", tr(s.N_1), tr(t_92), s.t_112), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_108), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_107, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_113 one", tr(s.N_1), tr(t_92), s.t_113, s.one), True), s.d_V)))
+        out_W_1 = (s.mm('_ t_80', tr(t_97), s.t_80, mean=True) + s.mm("N_2' _", tr(s.N_2), t_102, mean=True))
+        t_114 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_100)
+        out_W_2 = (mean0(t_114, True) + s.mm('_ G', tr(t_99), s.G, mean=True))
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -1582,28 +1664,46 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "3ca287130304d1ebf44b756e"
+    STAMP = "4d50f434e381b59f1a33f83b"
     RUNS = {
-        'A N_1': 13,
+        'A N_1': 17,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
-        'N_1 W_V': 10,
-        "N_1' t_126": 2,
-        "N_1' t_126 N_1": 2,
-        "N_1' t_126'": 2,
-        "N_1' t_20": 4,
-        "N_1' t_20 N_1": 4,
-        "N_1' t_20'": 5,
+        'N_1 W_V': 19,
+        "N_1 W_V one_2'": 5,
+        "N_1 W_V one_2' one'": 5,
+        "N_1' t_115": 2,
+        "N_1' t_115 N_1": 2,
+        "N_1' t_115'": 2,
+        "N_1' t_24": 4,
+        "N_1' t_24 N_1": 4,
+        "N_1' t_24'": 5,
+        "W_V one_2'": 5,
+        "W_V one_2' one'": 5,
+        'one one_2': 7,
+        "one' t_19'": 2,
+        "one' t_42'": 2,
+        "one' t_88'": 2,
+        "one_2' one' t_19'": 2,
+        "one_2' one' t_88'": 2,
     }
 
     @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
     def M_N_1(s):
-        return (-(1/s.d_V) * bcast_last(sum_last(s.X), s.d_V) + s.X)
+        return lin((-1/s.d_V, s.mm('X one', s.X, s.one)), (1, s.X))
+
+    @leaf
+    def t(s):
+        return (s.M_N_1 * s.M_N_1)
 
     @leaf
     def sigma2_N_1(s):
-        return (1/s.d_V) * bcast_last(sum_last((s.M_N_1 * s.M_N_1)), s.d_V)
+        return (1/s.d_V) * s.mm('t one', s.t, s.one)
 
     @leaf
     def P_N_1(s):
@@ -1611,30 +1711,34 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def N_1(s):
-        return (s.M_N_1 * s.P_N_1)
-
-    @leaf
-    def t(s):
-        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
+        return (s.P_N_1 * s.M_N_1)
 
     @leaf
     def t_2(s):
-        return s.mm('N_1 W_V', s.N_1, s.W_V)
+        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
 
     @leaf
     def t_3(s):
-        return bcast_last(sum_last(s.Y), s.d_V)
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
     def t_4(s):
-        return tr(s.t_2)
+        return s.mm('Y one', s.Y, s.one)
 
     @leaf
     def t_5(s):
-        return tr(s.t)
+        return bcast_last(s.t_4, s.d_V)
 
     @leaf
     def t_6(s):
+        return tr(s.t_3)
+
+    @leaf
+    def t_7(s):
+        return tr(s.t_2)
+
+    @leaf
+    def t_8(s):
         return s.mm('N_1 W_Q', s.N_1, s.W_Q)
 
     @leaf
@@ -1651,14 +1755,18 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def M_N_2(s):
-        return (-(1/s.d_V) * bcast_last(sum_last(s.Y_2), s.d_V) + s.Y_2)
+        return lin((-1/s.d_V, s.mm('Y_2 one', s.Y_2, s.one)), (1, s.Y_2))
+
+    @leaf
+    def t_9(s):
+        return (s.M_N_2 * s.M_N_2)
 
     @leaf
     def sigma2_N_2(s):
-        return (1/s.d_V) * bcast_last(sum_last((s.M_N_2 * s.M_N_2)), s.d_V)
+        return (1/s.d_V) * s.mm('t_9 one', s.t_9, s.one)
 
     @leaf
-    def t_7(s):
+    def t_10(s):
         return (-0.5 * (s.sigma2_N_2 ** -1.5))
 
     @leaf
@@ -1667,191 +1775,227 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def N_2(s):
-        return (s.M_N_2 * s.P_N_2)
+        return (s.P_N_2 * s.M_N_2)
 
     @leaf
     def H(s):
         return s.mm('N_2 W_1', s.N_2, s.W_1)
 
     @leaf
-    def t_8(s):
+    def t_11(s):
         return heaviside(s.H, 0.0)
 
     @leaf
-    def t_9(s):
-        return (s.H * heaviside(s.H, 0.0))
+    def t_12(s):
+        return relu(s.H)
 
     @leaf
     def F(s):
-        return (s.mm('t_9 W_2', s.t_9, s.W_2) + s.Y_2)
-
-    @leaf
-    def t_10(s):
-        return softmax_rows(s.F)
-
-    @leaf
-    def t_11(s):
-        return (s.t_3 * s.t_10)
-
-    @leaf
-    def G(s):
-        return ((1/s.L) * s.t_11 - (1/s.L) * s.Y)
-
-    @leaf
-    def t_12(s):
-        return (s.t_8 * s.mm("G W_2'", s.G, tr(s.W_2)))
+        return (s.mm('t_12 W_2', s.t_12, s.W_2) + s.Y_2)
 
     @leaf
     def t_13(s):
-        return s.mm("t_12 W_1'", s.t_12, tr(s.W_1))
-
-    @leaf
-    def t_14(s):
-        return bcast_last(sum_last((s.t_7 * s.t_13 * s.M_N_2)), s.d_V)
-
-    @leaf
-    def t_15(s):
-        return (s.t_14 * s.M_N_2)
-
-    @leaf
-    def t_16(s):
-        return (s.t_13 * s.P_N_2)
-
-    @leaf
-    def t_17(s):
-        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_15 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_16)
-
-    @leaf
-    def t_18(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_15 + (1/math.sqrt(s.d_K)) * s.t_16 + (1/math.sqrt(s.d_K)) * s.G)
-
-    @leaf
-    def t_19(s):
-        return (sum_last(s.t_17) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1)) + s.mm("t_18 W_V' N_1'", s.t_18, tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_20(s):
-        return softmax_diff(s.A, s.t_19)
-
-    @leaf
-    def t_21(s):
-        return s.mm('t_20 N_1', s.t_20, s.N_1)
-
-    @leaf
-    def t_22(s):
-        return s.mm('A N_1', s.A, s.N_1)
-
-    @leaf
-    def t_23(s):
-        return tr(s.t_6)
-
-    @leaf
-    def t_24(s):
-        return tr(s.t_22)
-
-    @leaf
-    def t_25(s):
-        return ((tr(s.H)) * heaviside((tr(s.H)), 0.0))
-
-    @leaf
-    def t_26(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
-    def t_27(s):
-        return (s.t_7 * s.M_N_2)
-
-    @leaf
-    def t_28(s):
         return softmax_rows(s.F)
 
     @leaf
+    def G(s):
+        return lin((1/s.L, s.t_4, s.t_13), (-1/s.L, s.Y))
+
+    @leaf
+    def t_14(s):
+        return (s.t_11 * s.mm("G W_2'", s.G, tr(s.W_2)))
+
+    @leaf
+    def t_15(s):
+        return s.mm("t_14 W_1'", s.t_14, tr(s.W_1))
+
+    @leaf
+    def t_16(s):
+        return mul(s.t_10, s.t_15, s.M_N_2)
+
+    @leaf
+    def t_17(s):
+        return s.mm('t_16 one', s.t_16, s.one)
+
+    @leaf
+    def t_18(s):
+        return lin((1, s.t_17, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_15))
+
+    @leaf
+    def t_19(s):
+        return (-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_18
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.d_V), s.like)
+
+    @leaf
+    def t_20(s):
+        return s.mm("t_19 one one_2 W_V' N_1'", s.t_19, s.one, s.one_2, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_21(s):
+        return lin((-1/2*math.sqrt(s.d_K)*s.d_V**2, s.t_19), ((1/2)*s.d_V, s.G))
+
+    @leaf
+    def t_22(s):
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_21
+
+    @leaf
+    def t_23(s):
+        return (s.t_20 + s.mm("t_22 W_V' N_1'", s.t_22, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_24(s):
+        return softmax_diff(s.A, s.t_23)
+
+    @leaf
+    def t_25(s):
+        return s.mm('t_24 N_1', s.t_24, s.N_1)
+
+    @leaf
+    def t_26(s):
+        return s.mm('A N_1', s.A, s.N_1)
+
+    @leaf
+    def t_27(s):
+        return tr(s.t_8)
+
+    @leaf
+    def t_28(s):
+        return tr(s.t_26)
+
+    @leaf
     def t_29(s):
-        return (s.t_7 * s.t_13)
+        return tr(s.t_12)
 
     @leaf
     def t_30(s):
-        return (0.75 * (s.sigma2_N_2 ** -2.5))
+        return bcast_last(s.P_N_2, s.d_V)
 
     @leaf
     def t_31(s):
-        return (s.t_30 * s.t_13 * s.M_N_2)
+        return (s.t_10 * s.M_N_2)
 
     @leaf
     def t_32(s):
-        return (s.t_15 + ((1/2)*s.d_V) * s.t_16 + ((1/2)*s.d_V) * s.G)
+        return softmax_rows(s.F)
 
     @leaf
     def t_33(s):
-        return (s.t_15 + ((1/2)*s.d_V) * s.t_16)
+        return (s.t_10 * s.t_15)
 
     @leaf
     def t_34(s):
-        return bcast_last(sum_last(s.t_33), s.d_V)
+        return (0.75 * (s.sigma2_N_2 ** -2.5))
 
     @leaf
     def t_35(s):
-        return ones((s.d_V, 1), s.like)
+        return mul(s.t_34, s.t_15, s.M_N_2)
 
     @leaf
     def t_36(s):
-        return (-1/s.L) * s.mm('_ t_35', sum_rows((log_softmax_rows(s.F) * s.Y)), s.t_35)
+        return bcast_last(s.t_17, s.d_V)
 
     @leaf
     def t_37(s):
-        return bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-2/s.d_V**2) * s.t_33)), s.d_V)
+        return s.mm('t_18 one', s.t_18, s.one)
 
     @leaf
     def t_38(s):
-        return (2/s.d_V) * s.t_32
+        return bcast_last(s.t_37, s.d_V)
+
+    @leaf
+    def one_3(s):
+        return ones((1, s.L), s.like)
+
+    @leaf
+    def t_39(s):
+        return log_softmax_rows(s.F)
+
+    @leaf
+    def t_40(s):
+        return (s.t_39 * s.Y)
+
+    @leaf
+    def t_41(s):
+        return s.mm('one_3 t_40 one', s.one_3, s.t_40, s.one)
+
+    @leaf
+    def t_42(s):
+        return (-2/s.d_V**2) * s.t_18
+
+    @leaf
+    def t_43(s):
+        return s.mm("N_1' A' t_42 one", tr(s.N_1), tr(s.A), s.t_42, s.one)
+
+    @leaf
+    def t_44(s):
+        return (2/s.d_V) * s.t_21
+
+    @leaf
+    def t_77(s):
+        return (tr(s.t_10) * tr(s.M_N_2))
+
+    @leaf
+    def t_82(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
+
+    @leaf
+    def t_83(s):
+        return (s.t_11 * s.t_82)
+
+    @leaf
+    def t_84(s):
+        return s.mm("t_83 W_1'", s.t_83, tr(s.W_1))
+
+    @leaf
+    def t_85(s):
+        return mul(s.t_10, s.t_84, s.M_N_2)
+
+    @leaf
+    def t_86(s):
+        return s.mm('t_85 one', s.t_85, s.one)
+
+    @leaf
+    def t_87(s):
+        return lin((1, s.t_86, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_84))
+
+    @leaf
+    def t_88(s):
+        return (-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_87
+
+    @leaf
+    def t_89(s):
+        return lin((1, s.t_86, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_84), ((1/2)*s.d_V/s.L, s.t_4, s.t_13), (-1/2*s.d_V/s.L, s.Y))
 
     @leaf
     def t_90(s):
-        return (s.t_8 * s.mm("G W_2'", s.G, tr(s.W_2)))
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_89
 
     @leaf
     def t_91(s):
-        return s.mm("t_90 W_1'", s.t_90, tr(s.W_1))
+        return s.mm_sum('r', (1, "t_88 one one_2 W_V' N_1'", s.t_88, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_90 W_V' N_1'", s.t_90, tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_92(s):
-        return bcast_last(sum_last((s.t_7 * s.t_91 * s.M_N_2)), s.d_V)
+    def t_107(s):
+        return (s.t_10 * s.t_84)
 
     @leaf
-    def t_93(s):
-        return (s.t_92 * s.M_N_2)
+    def t_108(s):
+        return mul(s.t_34, s.t_84, s.M_N_2)
 
     @leaf
-    def t_94(s):
-        return (s.t_91 * s.P_N_2)
+    def t_115(s):
+        return softmax_diff(s.A, s.t_91)
 
     @leaf
-    def t_95(s):
-        return (s.t_93 + ((1/2)*s.d_V) * s.t_94)
+    def t_116(s):
+        return (2/s.d_V) * s.t_89
 
     @leaf
-    def t_96(s):
-        return sum_last((-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_95) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-
-    @leaf
-    def t_97(s):
-        return (s.t_93 + ((1/2)*s.d_V) * s.t_94 + ((1/2)*s.d_V/s.L) * s.t_11 - ((1/2)*s.d_V/s.L) * s.Y)
-
-    @leaf
-    def t_98(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_97
-
-    @leaf
-    def t_99(s):
-        return (s.t_96 + s.mm("t_98 W_V' N_1'", s.t_98, tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_126(s):
-        return softmax_diff(s.A, s.t_99)
-
-    @leaf
-    def t_129(s):
-        return (2/s.d_V) * s.t_97
+    def t_117(s):
+        return (-2/s.d_V**2) * s.t_87
 
     @leaf
     def dA(s):
@@ -1865,17 +2009,17 @@ class ce_bias0_causal0(Forward):
     def S(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
-            net(1, 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
+            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
         ])
 
     @leaf
     def S_2(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
-            net(1/(s.L*s.d_K), 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_K*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
-            net(-1/(s.L*s.d_K*s.d_V), 'ab,ncbd->ncad', s.t_26, s.S),
+            net(1/(s.L*s.d_K), 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(2/(s.L*s.d_K*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(-1/(s.L*s.d_K*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -1883,23 +2027,23 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1/(s.L*s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_2, s.W_1, s.t_8, s.W_2),
+            net(1, 'nabc,cd,nad,de->nabe', s.S_2, s.W_1, s.t_11, s.W_2),
         ])
 
     @leaf
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_28, s.t_28),
+            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_32, s.t_32),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_27, s.t_26, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, ONES, s.M_N_2),
         ])
 
     @leaf
@@ -1907,7 +2051,7 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_26),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -1915,40 +2059,40 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
             net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_8, s.W_1, s.S_4, s.S_5),
+            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_11, s.W_1, s.S_4, s.S_5),
         ])
 
     @leaf
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, s.t_26, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_33, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_35, ONES, s.M_N_2),
         ])
 
     @leaf
     def S_8(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.t_14, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,nac->nabc', s.t_29, s.t_26, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, s.t_26, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_36, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,nac->nabc', s.t_33, ONES, s.M_N_2),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
     @leaf
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_20, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_20, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_20),
+            net(1, 'nab,bc->nabc', s.t_24, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_24, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_24),
         ])
 
     @leaf
     def S_9(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_9', [
-            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_2, s.S_5, s.S_8, s.S_5, s.t_4, s.dA),
+            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_5, s.S_8, s.S_5, s.t_6, s.dA),
             net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
         ])
 
@@ -1956,7 +2100,7 @@ class ce_bias0_causal0(Forward):
     def S_10(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_10', [
-            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_2, s.S_5, s.S_8, s.S_5, s.t_4, s.dA),
+            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_5, s.S_8, s.S_5, s.t_6, s.dA),
             net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
         ])
 
@@ -1964,9 +2108,9 @@ class ce_bias0_causal0(Forward):
     def S_11(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_11', [
-            net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
-            net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', s.t_26, s.S),
+            net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -1974,7 +2118,7 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
             net(1/(s.L*math.sqrt(s.d_K)), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_8, s.W_2),
+            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_11, s.W_2),
         ])
 
     @leaf
@@ -1982,15 +2126,15 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_26),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_32),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_34),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_21),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_38),
         ])
 
     @leaf
@@ -1998,7 +2142,7 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
             net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', s.t_26),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -2006,16 +2150,16 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_16', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', s.t_26),
+            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_17', [
-            net(1/s.L, 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
-            net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', s.t_26, s.S),
+            net(1/s.L, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -2023,7 +2167,7 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_18', [
             net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_8, s.W_2),
+            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_11, s.W_2),
         ])
 
     @leaf
@@ -2031,7 +2175,7 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_19', [
             net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/s.d_V**2, 'ab->ab', s.t_26),
+            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -2039,318 +2183,310 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_20', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_8, s.W_1, s.S_4, s.S_5),
+            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_11, s.W_1, s.S_4, s.S_5),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|lm', s.N_1, s.t, s.dA, s.t_2, s.S_3, s.t_3, s.dA_2, s.S_6, s.t_4, s.dA, s.N_1, s.t_5),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.N_1, s.t_7),
         ]
 
     def block__W_Q__W_Q__functional(s):
         """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t, s.S_9, s.N_1, s.t_5),
+            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_7),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|ml', s.N_1, s.t, s.dA, s.t_2, s.S_3, s.t_3, s.dA_2, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|ml', s.N_1, s.t_2, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_21, free={'d': s.d_K}),
-            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t, s.S_10, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_25, free={'d': s.d_K}),
+            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_8, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.W_2, s.t_8, s.W_1, s.S_4, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_26),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_26, s.S_13),
         ]
 
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,naj->bc|ji', s.N_1, s.t, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.W_2, s.t_8, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t, s.dA, s.t_2, s.S_16, s.S, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.t_14),
         ]
 
     def block__W_Q__W_2__outer(s):
         """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.t_9),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t, s.dA, s.t_2, s.S_16, s.S, s.W_1, s.t_8, s.G),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_23, s.N_1, s.dA, s.t_2, s.S_3, s.t_3, s.dA_2, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_27, s.N_1, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_23, s.S_9, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_27, s.S_9, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_23, s.N_1, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.W_2, s.t_8, s.W_1, s.S_4, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_26),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_27, s.N_1, s.dA, s.N_1, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_27, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_26, s.S_13),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_23, s.N_1, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.W_2, s.t_8, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_23, s.N_1, s.dA, s.t_2, s.S_16, s.S, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_27, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_14),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.t_9),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_23, s.N_1, s.dA, s.t_2, s.S_16, s.S, s.W_1, s.t_8, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_27, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_24, s.S_18, s.t_3, s.dA_2, s.t_22),
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_24, s.S_18, s.t_3, s.dA_2, s.W_2, s.t_8, s.W_1, s.S_4, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_28, s.S_18, s.t_5, s.dA_2, s.t_26),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_28, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_24, s.S_19, s.S_8, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_28, s.S_19, s.S_8, s.t_26, s.S_13),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_24, s.S_18, s.t_3, s.dA_2, s.W_2, s.t_8, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_28, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_24, s.S_5, s.S, s.t_12),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_28, s.S_5, s.S, s.t_14),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_24, s.S_18, s.t_3, s.dA_2, s.t_9),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_28, s.S_18, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_24, s.S_5, s.S, s.W_1, s.t_8, s.G),
+            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_28, s.S_5, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (I[L] ⊗ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_8, s.W_2, s.t_3, s.dA_2, s.W_2, s.t_8, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_11, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_1__W_2__outer(s):
         """H_o(W_1, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_8, s.W_2, s.t_3, s.dA_2, s.t_9),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_11, s.W_2, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_1__W_2__functional(s):
         """H_f(W_1, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_8, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_11, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 1/L*((relu(W_1.T @ N_2.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_25, s.t_3, s.dA_2, s.t_9),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_29, s.t_5, s.dA_2, s.t_12),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_4, s.dA, s.N_1, s.t_5),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_6, s.dA, s.N_1, s.t_7),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_22, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_8, s.W_1, s.S_4, s.t_22, s.S_13),
+            net(1, 'nab->n|ac|bc', s.t_26, free={'c': s.d_V}),
+            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
         ]
 
     def jacobian__W_1(s):
         """∂vec_r F/∂vec_r W_1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_8, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_11, s.N_2),
         ]
 
     def jacobian__W_2(s):
         """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_9, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_12, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0(s.t_36, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_41, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("N_1' t_20 N_1 W_K", tr(s.N_1), s.t_20, s.N_1, s.W_K), True), mean0(s.mm("N_1' t_20' N_1 W_Q", tr(s.N_1), tr(s.t_20), s.N_1, s.W_Q), True), mean0((s.t_37 + s.mm("N_1' A' t_38", tr(s.N_1), tr(s.A), s.t_38)), True), mean0(s.mm("N_2' t_12", tr(s.N_2), s.t_12), True), mean0(s.mm('t_25 G', s.t_25, s.G), True),)
+        out_W_Q = s.mm("N_1' t_24 N_1 W_K", tr(s.N_1), s.t_24, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' t_24' N_1 W_Q", tr(s.N_1), tr(s.t_24), s.N_1, s.W_Q, mean=True)
+        out_W_V = (bcast_last(mean0(s.t_43, True), s.d_V) + s.mm("N_1' A' t_44", tr(s.N_1), tr(s.A), s.t_44, mean=True))
+        out_W_1 = s.mm("N_2' t_14", tr(s.N_2), s.t_14, mean=True)
+        out_W_2 = s.mm("t_12' G", tr(s.t_12), s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_39 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_40 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_39)
-        t_41 = s.mm('_ N_1 W_V', t_40, s.N_1, s.W_V)
-        t_42 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_43 = bcast_last(sum_last((t_41 + t_42)), s.d_V)
-        t_44 = (t_43 - (s.d_V) * t_41 - (s.d_V) * t_42)
-        t_45 = bcast_last(sum_last(((-1/s.d_V) * t_44 * s.M_N_2)), s.d_V)
-        t_46 = s.mm('_ W_1', (((-1/s.d_V) * t_44 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_45 * s.M_N_2)), s.W_1)
-        t_47 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_48 = (s.mm('t_9 _', s.t_9, V_W_2) + s.mm('_ W_2', ((t_46 + t_47) * s.t_8), s.W_2) + t_41 + t_42)
-        t_49 = (s.t_3 * softmax_diff(s.t_28, t_48))
-        t_50 = (s.t_8 * s.mm("_ W_2'", t_49, tr(s.W_2)))
-        t_51 = s.mm("_ W_1'", t_50, tr(s.W_1))
-        t_52 = (bcast_last(sum_last((s.t_7 * t_51 * s.M_N_2)), s.d_V) * s.M_N_2)
-        t_53 = (t_51 * s.P_N_2)
-        t_54 = (t_52 + ((1/2)*s.d_V) * t_53)
-        t_55 = sum_last((-2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_54) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-        t_56 = (t_52 + ((1/2)*s.d_V) * t_53 + ((1/2)*s.d_V) * t_49)
-        t_57 = s.mm("_ W_V' N_1'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_56, tr(s.W_V), tr(s.N_1))
-        t_58 = softmax_diff(s.A, (t_55 + t_57))
-        t_59 = bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-2/(s.L*s.d_V**2)) * t_54)), s.d_V)
-        return (mean0(s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_58, s.N_1, s.W_K), True), mean0(s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_58), s.N_1, s.W_Q), True), mean0((s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_56) + t_59), True), mean0((1/s.L) * s.mm("N_2' _", tr(s.N_2), t_50), True), mean0((1/s.L) * s.mm('t_25 _', s.t_25, t_49), True),)
+        t_45 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_46 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_45)
+        t_47 = lin((1, s.prod('_ N_1 W_V', t_46, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_48 = lin((1, s.mm('_ one', t_47, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_46, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_49 = s.mm('_ one', ((-1/s.d_V) * t_48 * s.M_N_2), s.one)
+        t_50 = (t_49 * s.t_31)
+        t_51 = lin((1, s.P_N_2, (-1/s.d_V) * t_48), (2/s.d_V, t_50))
+        t_52 = lin((1, s.prod('_ W_1', t_51, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_53 = (t_52 * s.t_11)
+        t_54 = lin((1, t_47), (1, s.prod("t_29' _", tr(s.t_29), V_W_2)), (1, s.prod('_ W_2', t_53, s.W_2)))
+        t_55 = (s.t_4 * softmax_diff(s.t_32, t_54))
+        t_56 = (s.t_11 * s.mm("_ W_2'", t_55, tr(s.W_2)))
+        t_57 = s.mm("_ W_1'", t_56, tr(s.W_1))
+        t_58 = lin((1, s.mm('_ one', (s.t_31 * t_57), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_57))
+        t_59 = lin((1, s.mm('_ one', (s.t_31 * t_57), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_57), ((1/2)*s.d_V, t_55))
+        t_60 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_58, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_59, tr(s.W_V), tr(s.N_1)))
+        t_61 = softmax_diff(s.A, t_60)
+        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_61, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_61), s.N_1, s.W_Q, mean=True)
+        t_62 = s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/(s.L*s.d_V**2)) * t_58, s.one)
+        out_W_V = (s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_59, mean=True) + bcast_last(mean0(t_62, True), s.d_V))
+        out_W_1 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_56, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_12' _", tr(s.t_12), t_55, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_60 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_61 = softmax_diff2(s.A, s.t_19, (1/math.sqrt(s.d_K)) * t_60)
-        t_62 = (s.t_8 * s.mm('G _', s.G, tr(V_W_2)))
-        t_63 = (s.mm("_ W_1'", t_62, tr(s.W_1)) + s.mm('t_12 _', s.t_12, tr(V_W_1)))
-        t_64 = (t_63 * s.P_N_2)
-        t_65 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_60)
-        t_66 = s.mm('_ N_1 W_V', t_65, s.N_1, s.W_V)
-        t_67 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_68 = bcast_last(sum_last((t_66 + t_67)), s.d_V)
-        t_69 = (t_68 - (s.d_V) * t_66 - (s.d_V) * t_67)
-        t_70 = ((-1/s.d_V) * t_69 * s.t_14)
-        t_71 = bcast_last(sum_last(((-1/s.d_V) * t_69 * s.M_N_2)), s.d_V)
-        t_72 = (s.t_7 * t_71 * s.t_13)
-        t_73 = ((t_63 * s.t_7 * s.M_N_2) + ((-1/s.d_V) * t_69 * s.t_7 * s.t_13) + (2/s.d_V) * (s.t_30 * t_71 * s.t_13 * s.M_N_2))
-        t_74 = (bcast_last(sum_last(t_73), s.d_V) * s.M_N_2)
-        t_75 = (t_64 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74)
-        t_76 = sum_last((-1/(math.sqrt(s.d_K)*s.d_V)) * t_75) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-        t_77 = (t_76 + sum_last(s.t_17) * s.mm("_ N_1'", sum_rows(tr(V_W_V)), tr(s.N_1)))
-        t_78 = (s.mm_sum('r', (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_75, tr(s.W_V), tr(s.N_1)), (1, "t_18 _ N_1'", s.t_18, tr(V_W_V), tr(s.N_1))) + t_77)
-        t_79 = softmax_diff(s.A, t_78)
-        t_80 = s.mm_sum('l', (1, "N_1' t_20 N_1 _", tr(s.N_1), s.t_20, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_61 + t_79), s.N_1, s.W_K))
-        t_81 = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_61) + tr(t_79)), s.N_1, s.W_Q), (1, "N_1' t_20' N_1 _", tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q))
-        t_82 = bcast_last(s.mm("N_1' _ _", tr(s.N_1), tr(t_65), sum_last((-2/s.d_V**2) * s.t_33)), s.d_V)
-        t_83 = bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-1/s.d_V) * t_75)), s.d_V)
-        t_84 = (s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_75), (1, "N_1' _ t_38", tr(s.N_1), tr(t_65), s.t_38)) + (t_82 + t_83))
-        t_85 = (tr(t_68) - (s.d_V) * tr(t_67) - (s.d_V) * tr(t_66))
-        t_86 = (((-1/s.d_V) * t_85 * tr(s.P_N_2)) + (2/s.d_V) * ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * tr(t_71) * tr(s.M_N_2)))
-        t_87 = s.mm("_ N_2'", tr(V_W_1), tr(s.N_2))
-        t_88 = s.mm("W_1' _", tr(s.W_1), t_86)
-        t_89 = ((t_87 + t_88) * heaviside((tr(s.H)), 0.0))
-        return (mean0(t_80, True), mean0(t_81, True), mean0(t_84, True), mean0((s.mm('_ t_12', t_86, s.t_12) + s.mm("N_2' _", tr(s.N_2), t_62)), True), mean0(s.mm('_ G', t_89, s.G), True),)
+        t_63 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_64 = softmax_diff2(s.A, s.t_23, (1/math.sqrt(s.d_K)) * t_63)
+        t_65 = (s.t_11 * s.mm('G _', s.G, tr(V_W_2)))
+        t_66 = lin((1, s.prod("_ W_1'", t_65, tr(s.W_1))), (1, s.prod('t_14 _', s.t_14, tr(V_W_1))))
+        t_67 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_63)
+        t_68 = lin((1, s.prod('_ N_1 W_V', t_67, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_69 = lin((1, s.mm('_ one', t_68, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_67, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_70 = s.mm('_ one', ((-1/s.d_V) * t_69 * s.M_N_2), s.one)
+        t_71 = lin((1, s.t_31, t_66), (1, s.t_33, (-1/s.d_V) * t_69), (2/s.d_V, t_70, s.t_35))
+        t_72 = lin((1, s.P_N_2, t_66), (2/s.d_V, s.t_17, (-1/s.d_V) * t_69), (2/s.d_V, t_70, s.t_33), (2/s.d_V, s.mm('_ one', t_71, s.one), s.M_N_2))
+        t_73 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_72, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_19 one one_2 _ N_1'", s.t_19, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_72, tr(s.W_V), tr(s.N_1)), (1, "t_22 _ N_1'", s.t_22, tr(V_W_V), tr(s.N_1)))
+        t_74 = softmax_diff(s.A, t_73)
+        t_75 = (t_64 + t_74)
+        out_W_Q = s.mm_sum('l', (1, "N_1' t_24 N_1 _", tr(s.N_1), s.t_24, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_75, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_75), s.N_1, s.W_Q), (1, "N_1' t_24' N_1 _", tr(s.N_1), tr(s.t_24), s.N_1, V_W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_72), (1, "N_1' _ t_44", tr(s.N_1), tr(t_67), s.t_44), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_42 one", tr(s.N_1), tr(t_67), s.t_42, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_72, s.one), True), s.d_V)))
+        t_76 = lin((1, s.mm('one_2 _', s.one_2, tr(t_68))), (-s.d_V, s.prod("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))), (-s.d_V, s.prod("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_67))))
+        t_78 = (tr(t_70) * s.t_77)
+        t_79 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_76), (2/s.d_V, t_78))
+        out_W_1 = (s.mm('_ t_14', t_79, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_65, mean=True))
+        t_80 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_79)))
+        t_81 = (t_80 * tr(s.t_11))
+        out_W_2 = s.mm('_ G', t_81, s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_100 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_101 = softmax_diff2(s.A, s.t_99, (1/math.sqrt(s.d_K)) * t_100)
-        t_102 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_100)
-        t_103 = s.mm('_ N_1 W_V', t_102, s.N_1, s.W_V)
-        t_104 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_105 = bcast_last(sum_last((t_103 + t_104)), s.d_V)
-        t_106 = (t_105 - (s.d_V) * t_103 - (s.d_V) * t_104)
-        t_107 = bcast_last(sum_last(((-1/s.d_V) * t_106 * s.M_N_2)), s.d_V)
-        t_108 = s.mm('_ W_1', (((-1/s.d_V) * t_106 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_107 * s.M_N_2)), s.W_1)
-        t_109 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_110 = (s.mm('t_9 _', s.t_9, V_W_2) + s.mm('_ W_2', ((t_108 + t_109) * s.t_8), s.W_2) + t_103 + t_104)
-        t_111 = (s.t_3 * softmax_diff(s.t_10, t_110))
-        t_112 = (s.mm('G _', s.G, tr(V_W_2)) + (1/s.L) * s.mm("_ W_2'", t_111, tr(s.W_2)))
-        t_113 = (t_112 * s.t_8)
-        t_114 = (s.mm("_ W_1'", t_113, tr(s.W_1)) + s.mm('t_90 _', s.t_90, tr(V_W_1)))
-        t_115 = (t_114 * s.P_N_2)
-        t_116 = ((-1/s.d_V) * t_106 * s.t_92)
-        t_117 = (s.t_7 * t_107 * s.t_91)
-        t_118 = ((t_114 * s.t_7 * s.M_N_2) + ((-1/s.d_V) * t_106 * s.t_7 * s.t_91) + (2/s.d_V) * (s.t_30 * t_107 * s.t_91 * s.M_N_2))
-        t_119 = (bcast_last(sum_last(t_118), s.d_V) * s.M_N_2)
-        t_120 = (t_115 + (2/s.d_V) * t_116 + (2/s.d_V) * t_117 + (2/s.d_V) * t_119 + (1/s.L) * t_111)
-        t_121 = (t_115 + (2/s.d_V) * t_116 + (2/s.d_V) * t_117 + (2/s.d_V) * t_119)
-        t_122 = sum_last((-1/(math.sqrt(s.d_K)*s.d_V)) * t_121) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-        t_123 = sum_last((-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_95) * s.mm("_ N_1'", sum_rows(tr(V_W_V)), tr(s.N_1))
-        t_124 = (s.mm_sum('r', (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_120, tr(s.W_V), tr(s.N_1)), (1, "t_98 _ N_1'", s.t_98, tr(V_W_V), tr(s.N_1))) + (t_122 + t_123))
-        t_125 = softmax_diff(s.A, t_124)
-        t_127 = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_101 + t_125), s.N_1, s.W_K), (1, "N_1' t_126 N_1 _", tr(s.N_1), s.t_126, s.N_1, V_W_K))
-        t_128 = s.mm_sum('l', (1, "N_1' t_126' N_1 _", tr(s.N_1), tr(s.t_126), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_101) + tr(t_125)), s.N_1, s.W_Q))
-        t_130 = bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-1/s.d_V) * t_121)), s.d_V)
-        t_131 = bcast_last(s.mm("N_1' _ _", tr(s.N_1), tr(t_102), sum_last((-2/s.d_V**2) * s.t_95)), s.d_V)
-        t_132 = (s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_120), (1, "N_1' _ t_129", tr(s.N_1), tr(t_102), s.t_129)) + (t_130 + t_131))
-        t_133 = (tr(t_105) - (s.d_V) * tr(t_104) - (s.d_V) * tr(t_103))
-        t_134 = (((-1/s.d_V) * t_133 * tr(s.P_N_2)) + (2/s.d_V) * ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * tr(t_107) * tr(s.M_N_2)))
-        t_135 = ((tr(t_109) + tr(t_108)) * heaviside((tr(s.H)), 0.0))
-        return (mean0(t_127, True), mean0(t_128, True), mean0(t_132, True), mean0((s.mm('_ t_90', t_134, s.t_90) + s.mm("N_2' _", tr(s.N_2), t_113)), True), mean0(((1/s.L) * s.mm('t_25 _', s.t_25, t_111) + s.mm('_ G', t_135, s.G)), True),)
+        t_92 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_93 = softmax_diff2(s.A, s.t_91, (1/math.sqrt(s.d_K)) * t_92)
+        t_94 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_92)
+        t_95 = lin((1, s.prod('_ N_1 W_V', t_94, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_96 = lin((1, s.mm('_ one', t_95, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_94, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_97 = s.mm('_ one', ((-1/s.d_V) * t_96 * s.M_N_2), s.one)
+        t_98 = (t_97 * s.t_31)
+        t_99 = lin((1, s.P_N_2, (-1/s.d_V) * t_96), (2/s.d_V, t_98))
+        t_100 = lin((1, s.prod('_ W_1', t_99, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_101 = (t_100 * s.t_11)
+        t_102 = lin((1, t_95), (1, s.prod("t_29' _", tr(s.t_29), V_W_2)), (1, s.prod('_ W_2', t_101, s.W_2)))
+        t_103 = (s.t_4 * softmax_diff(s.t_13, t_102))
+        t_104 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_103, tr(s.W_2))))
+        t_105 = (t_104 * s.t_11)
+        t_106 = lin((1, s.prod("_ W_1'", t_105, tr(s.W_1))), (1, s.prod('t_83 _', s.t_83, tr(V_W_1))))
+        t_109 = lin((1, s.t_31, t_106), (1, s.t_107, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_108))
+        t_110 = lin((1, s.P_N_2, t_106), (2/s.d_V, s.t_86, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_107), (2/s.d_V, s.mm('_ one', t_109, s.one), s.M_N_2))
+        t_111 = lin((-math.sqrt(s.d_K)*s.d_V, (-1/(math.sqrt(s.d_K)*s.d_V)) * t_110), (1/s.L, t_103))
+        t_112 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_110, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_88 one one_2 _ N_1'", s.t_88, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_111, tr(s.W_V), tr(s.N_1)), (1, "t_90 _ N_1'", s.t_90, tr(V_W_V), tr(s.N_1)))
+        t_113 = softmax_diff(s.A, t_112)
+        t_114 = (t_93 + t_113)
+        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_114, s.N_1, s.W_K), (1, "N_1' t_115 N_1 _", tr(s.N_1), s.t_115, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_115' N_1 _", tr(s.N_1), tr(s.t_115), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_114), s.N_1, s.W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_111), (1, "N_1' _ t_116", tr(s.N_1), tr(t_94), s.t_116), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_110, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_117 one", tr(s.N_1), tr(t_94), s.t_117, s.one), True), s.d_V)))
+        out_W_1 = (s.mm('_ t_83', tr(t_99), s.t_83, mean=True) + s.mm("N_2' _", tr(s.N_2), t_105, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_103, mean=True)), (1, s.mm('_ G', tr(t_101), s.G, mean=True)))
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -2361,28 +2497,46 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "d0e8151665dfd909f1170fbd"
+    STAMP = "721050ea4613851b7dee1e6b"
     RUNS = {
-        'A N_1': 13,
+        'A N_1': 17,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
-        'N_1 W_V': 10,
-        "N_1' t_126": 2,
-        "N_1' t_126 N_1": 2,
-        "N_1' t_126'": 2,
-        "N_1' t_20": 4,
-        "N_1' t_20 N_1": 4,
-        "N_1' t_20'": 5,
+        'N_1 W_V': 19,
+        "N_1 W_V one_2'": 5,
+        "N_1 W_V one_2' one'": 5,
+        "N_1' t_115": 2,
+        "N_1' t_115 N_1": 2,
+        "N_1' t_115'": 2,
+        "N_1' t_24": 4,
+        "N_1' t_24 N_1": 4,
+        "N_1' t_24'": 5,
+        "W_V one_2'": 5,
+        "W_V one_2' one'": 5,
+        'one one_2': 7,
+        "one' t_19'": 2,
+        "one' t_43'": 2,
+        "one' t_88'": 2,
+        "one_2' one' t_19'": 2,
+        "one_2' one' t_88'": 2,
     }
 
     @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
     def M_N_1(s):
-        return (-(1/s.d_V) * bcast_last(sum_last(s.X), s.d_V) + s.X)
+        return lin((-1/s.d_V, s.mm('X one', s.X, s.one)), (1, s.X))
+
+    @leaf
+    def t(s):
+        return (s.M_N_1 * s.M_N_1)
 
     @leaf
     def sigma2_N_1(s):
-        return (1/s.d_V) * bcast_last(sum_last((s.M_N_1 * s.M_N_1)), s.d_V)
+        return (1/s.d_V) * s.mm('t one', s.t, s.one)
 
     @leaf
     def P_N_1(s):
@@ -2390,30 +2544,34 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def N_1(s):
-        return (s.M_N_1 * s.P_N_1)
-
-    @leaf
-    def t(s):
-        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
+        return (s.P_N_1 * s.M_N_1)
 
     @leaf
     def t_2(s):
-        return s.mm('N_1 W_V', s.N_1, s.W_V)
+        return s.mm("W_K' N_1'", tr(s.W_K), tr(s.N_1))
 
     @leaf
     def t_3(s):
-        return bcast_last(sum_last(s.Y), s.d_V)
+        return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
     def t_4(s):
-        return tr(s.t_2)
+        return s.mm('Y one', s.Y, s.one)
 
     @leaf
     def t_5(s):
-        return tr(s.t)
+        return bcast_last(s.t_4, s.d_V)
 
     @leaf
     def t_6(s):
+        return tr(s.t_3)
+
+    @leaf
+    def t_7(s):
+        return tr(s.t_2)
+
+    @leaf
+    def t_8(s):
         return s.mm('N_1 W_Q', s.N_1, s.W_Q)
 
     @leaf
@@ -2430,14 +2588,18 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def M_N_2(s):
-        return (-(1/s.d_V) * bcast_last(sum_last(s.Y_2), s.d_V) + s.Y_2)
+        return lin((-1/s.d_V, s.mm('Y_2 one', s.Y_2, s.one)), (1, s.Y_2))
+
+    @leaf
+    def t_9(s):
+        return (s.M_N_2 * s.M_N_2)
 
     @leaf
     def sigma2_N_2(s):
-        return (1/s.d_V) * bcast_last(sum_last((s.M_N_2 * s.M_N_2)), s.d_V)
+        return (1/s.d_V) * s.mm('t_9 one', s.t_9, s.one)
 
     @leaf
-    def t_7(s):
+    def t_10(s):
         return (-0.5 * (s.sigma2_N_2 ** -1.5))
 
     @leaf
@@ -2446,191 +2608,227 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def N_2(s):
-        return (s.M_N_2 * s.P_N_2)
+        return (s.P_N_2 * s.M_N_2)
 
     @leaf
     def H(s):
         return s.mm('N_2 W_1', s.N_2, s.W_1)
 
     @leaf
-    def t_8(s):
+    def t_11(s):
         return heaviside(s.H, 0.0)
 
     @leaf
-    def t_9(s):
-        return (s.H * heaviside(s.H, 0.0))
+    def t_12(s):
+        return relu(s.H)
 
     @leaf
     def F(s):
-        return (s.mm('t_9 W_2', s.t_9, s.W_2) + s.Y_2)
-
-    @leaf
-    def t_10(s):
-        return softmax_rows(s.F)
-
-    @leaf
-    def t_11(s):
-        return (s.t_3 * s.t_10)
-
-    @leaf
-    def G(s):
-        return ((1/s.L) * s.t_11 - (1/s.L) * s.Y)
-
-    @leaf
-    def t_12(s):
-        return (s.t_8 * s.mm("G W_2'", s.G, tr(s.W_2)))
+        return (s.mm('t_12 W_2', s.t_12, s.W_2) + s.Y_2)
 
     @leaf
     def t_13(s):
-        return s.mm("t_12 W_1'", s.t_12, tr(s.W_1))
-
-    @leaf
-    def t_14(s):
-        return bcast_last(sum_last((s.t_7 * s.t_13 * s.M_N_2)), s.d_V)
-
-    @leaf
-    def t_15(s):
-        return (s.t_14 * s.M_N_2)
-
-    @leaf
-    def t_16(s):
-        return (s.t_13 * s.P_N_2)
-
-    @leaf
-    def t_17(s):
-        return (-(2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_15 - (1/(math.sqrt(s.d_K)*s.d_V)) * s.t_16)
-
-    @leaf
-    def t_18(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_15 + (1/math.sqrt(s.d_K)) * s.t_16 + (1/math.sqrt(s.d_K)) * s.G)
-
-    @leaf
-    def t_19(s):
-        return (sum_last(s.t_17) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1)) + s.mm("t_18 W_V' N_1'", s.t_18, tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_20(s):
-        return softmax_diff(s.A, s.t_19)
-
-    @leaf
-    def t_21(s):
-        return s.mm('t_20 N_1', s.t_20, s.N_1)
-
-    @leaf
-    def t_22(s):
-        return s.mm('A N_1', s.A, s.N_1)
-
-    @leaf
-    def t_23(s):
-        return tr(s.t_6)
-
-    @leaf
-    def t_24(s):
-        return tr(s.t_22)
-
-    @leaf
-    def t_25(s):
-        return ((tr(s.H)) * heaviside((tr(s.H)), 0.0))
-
-    @leaf
-    def t_26(s):
-        return ones((s.d_V, s.d_V), s.like)
-
-    @leaf
-    def t_27(s):
-        return (s.t_7 * s.M_N_2)
-
-    @leaf
-    def t_28(s):
         return softmax_rows(s.F)
 
     @leaf
+    def G(s):
+        return lin((1/s.L, s.t_4, s.t_13), (-1/s.L, s.Y))
+
+    @leaf
+    def t_14(s):
+        return (s.t_11 * s.mm("G W_2'", s.G, tr(s.W_2)))
+
+    @leaf
+    def t_15(s):
+        return s.mm("t_14 W_1'", s.t_14, tr(s.W_1))
+
+    @leaf
+    def t_16(s):
+        return mul(s.t_10, s.t_15, s.M_N_2)
+
+    @leaf
+    def t_17(s):
+        return s.mm('t_16 one', s.t_16, s.one)
+
+    @leaf
+    def t_18(s):
+        return lin((1, s.t_17, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_15))
+
+    @leaf
+    def t_19(s):
+        return (-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_18
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.d_V), s.like)
+
+    @leaf
+    def t_20(s):
+        return s.mm("t_19 one one_2 W_V' N_1'", s.t_19, s.one, s.one_2, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_21(s):
+        return lin((-1/2*math.sqrt(s.d_K)*s.d_V**2, s.t_19), ((1/2)*s.d_V, s.G))
+
+    @leaf
+    def t_22(s):
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_21
+
+    @leaf
+    def t_23(s):
+        return (s.t_20 + s.mm("t_22 W_V' N_1'", s.t_22, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_24(s):
+        return softmax_diff(s.A, s.t_23)
+
+    @leaf
+    def t_25(s):
+        return s.mm('t_24 N_1', s.t_24, s.N_1)
+
+    @leaf
+    def t_26(s):
+        return s.mm('A N_1', s.A, s.N_1)
+
+    @leaf
+    def t_27(s):
+        return tr(s.t_8)
+
+    @leaf
+    def t_28(s):
+        return tr(s.t_26)
+
+    @leaf
     def t_29(s):
-        return (s.t_7 * s.t_13)
+        return tr(s.t_12)
 
     @leaf
     def t_30(s):
-        return (0.75 * (s.sigma2_N_2 ** -2.5))
+        return bcast_last(s.P_N_2, s.d_V)
 
     @leaf
     def t_31(s):
-        return (s.t_30 * s.t_13 * s.M_N_2)
+        return (s.t_10 * s.M_N_2)
 
     @leaf
     def t_32(s):
-        return (s.t_15 + ((1/2)*s.d_V) * s.t_16 + ((1/2)*s.d_V) * s.G)
+        return softmax_rows(s.F)
 
     @leaf
     def t_33(s):
-        return (s.t_15 + ((1/2)*s.d_V) * s.t_16)
+        return (s.t_10 * s.t_15)
 
     @leaf
     def t_34(s):
-        return bcast_last(sum_last(s.t_33), s.d_V)
+        return (0.75 * (s.sigma2_N_2 ** -2.5))
 
     @leaf
     def t_35(s):
-        return ones((s.d_V, 1), s.like)
+        return mul(s.t_34, s.t_15, s.M_N_2)
 
     @leaf
     def t_36(s):
-        return (-1/s.L) * s.mm('_ t_35', sum_rows((log_softmax_rows(s.F) * s.Y)), s.t_35)
+        return bcast_last(s.t_17, s.d_V)
 
     @leaf
     def t_37(s):
-        return (2/s.d_V) * s.t_32
+        return s.mm('t_18 one', s.t_18, s.one)
 
     @leaf
     def t_38(s):
-        return bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-2/s.d_V**2) * s.t_33)), s.d_V)
+        return bcast_last(s.t_37, s.d_V)
+
+    @leaf
+    def one_3(s):
+        return ones((1, s.L), s.like)
+
+    @leaf
+    def t_39(s):
+        return log_softmax_rows(s.F)
+
+    @leaf
+    def t_40(s):
+        return (s.t_39 * s.Y)
+
+    @leaf
+    def t_41(s):
+        return s.mm('one_3 t_40 one', s.one_3, s.t_40, s.one)
+
+    @leaf
+    def t_42(s):
+        return (2/s.d_V) * s.t_21
+
+    @leaf
+    def t_43(s):
+        return (-2/s.d_V**2) * s.t_18
+
+    @leaf
+    def t_44(s):
+        return s.mm("N_1' A' t_43 one", tr(s.N_1), tr(s.A), s.t_43, s.one)
+
+    @leaf
+    def t_77(s):
+        return (tr(s.t_10) * tr(s.M_N_2))
+
+    @leaf
+    def t_82(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
+
+    @leaf
+    def t_83(s):
+        return (s.t_11 * s.t_82)
+
+    @leaf
+    def t_84(s):
+        return s.mm("t_83 W_1'", s.t_83, tr(s.W_1))
+
+    @leaf
+    def t_85(s):
+        return mul(s.t_10, s.t_84, s.M_N_2)
+
+    @leaf
+    def t_86(s):
+        return s.mm('t_85 one', s.t_85, s.one)
+
+    @leaf
+    def t_87(s):
+        return lin((1, s.t_86, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_84))
+
+    @leaf
+    def t_88(s):
+        return (-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_87
+
+    @leaf
+    def t_89(s):
+        return lin((1, s.t_86, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_84), ((1/2)*s.d_V/s.L, s.t_4, s.t_13), (-1/2*s.d_V/s.L, s.Y))
 
     @leaf
     def t_90(s):
-        return (s.t_8 * s.mm("G W_2'", s.G, tr(s.W_2)))
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_89
 
     @leaf
     def t_91(s):
-        return s.mm("t_90 W_1'", s.t_90, tr(s.W_1))
+        return s.mm_sum('r', (1, "t_88 one one_2 W_V' N_1'", s.t_88, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_90 W_V' N_1'", s.t_90, tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_92(s):
-        return bcast_last(sum_last((s.t_7 * s.t_91 * s.M_N_2)), s.d_V)
+    def t_107(s):
+        return (s.t_10 * s.t_84)
 
     @leaf
-    def t_93(s):
-        return (s.t_92 * s.M_N_2)
+    def t_108(s):
+        return mul(s.t_34, s.t_84, s.M_N_2)
 
     @leaf
-    def t_94(s):
-        return (s.t_91 * s.P_N_2)
+    def t_115(s):
+        return softmax_diff(s.A, s.t_91)
 
     @leaf
-    def t_95(s):
-        return (s.t_93 + ((1/2)*s.d_V) * s.t_94)
+    def t_116(s):
+        return (2/s.d_V) * s.t_89
 
     @leaf
-    def t_96(s):
-        return sum_last((-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_95) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-
-    @leaf
-    def t_97(s):
-        return (s.t_93 + ((1/2)*s.d_V) * s.t_94 + ((1/2)*s.d_V/s.L) * s.t_11 - ((1/2)*s.d_V/s.L) * s.Y)
-
-    @leaf
-    def t_98(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_97
-
-    @leaf
-    def t_99(s):
-        return (s.t_96 + s.mm("t_98 W_V' N_1'", s.t_98, tr(s.W_V), tr(s.N_1)))
-
-    @leaf
-    def t_126(s):
-        return softmax_diff(s.A, s.t_99)
-
-    @leaf
-    def t_129(s):
-        return (2/s.d_V) * s.t_97
+    def t_117(s):
+        return (-2/s.d_V**2) * s.t_87
 
     @leaf
     def dA(s):
@@ -2644,17 +2842,17 @@ class ce_bias0_causal1(Forward):
     def S(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
-            net(1, 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
+            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
         ])
 
     @leaf
     def S_2(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
-            net(1/(s.L*s.d_K), 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_K*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
-            net(-1/(s.L*s.d_K*s.d_V), 'ab,ncbd->ncad', s.t_26, s.S),
+            net(1/(s.L*s.d_K), 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(2/(s.L*s.d_K*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(-1/(s.L*s.d_K*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -2662,23 +2860,23 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1/(s.L*s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_2, s.W_1, s.t_8, s.W_2),
+            net(1, 'nabc,cd,nad,de->nabe', s.S_2, s.W_1, s.t_11, s.W_2),
         ])
 
     @leaf
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_28, s.t_28),
+            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_32, s.t_32),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_27, s.t_26, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, ONES, s.M_N_2),
         ])
 
     @leaf
@@ -2686,7 +2884,7 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_26),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -2694,40 +2892,40 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
             net(1, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_8, s.W_1, s.S_4, s.S_5),
+            net(1, 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_11, s.W_1, s.S_4, s.S_5),
         ])
 
     @leaf
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, s.t_26, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_33, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_35, ONES, s.M_N_2),
         ])
 
     @leaf
     def S_8(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.t_14, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,nac->nabc', s.t_29, s.t_26, s.M_N_2),
-            net(1, 'nab,bc,nacd->nabd', s.M_N_2, s.t_26, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_36, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,nac->nabc', s.t_33, ONES, s.M_N_2),
+            net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
     @leaf
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_20, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_20, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_20),
+            net(1, 'nab,bc->nabc', s.t_24, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_24, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_24),
         ])
 
     @leaf
     def S_9(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_9', [
-            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_2, s.S_5, s.S_8, s.S_5, s.t_4, s.dA),
+            net(2/(s.d_K*s.d_V), 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_5, s.S_8, s.S_5, s.t_6, s.dA),
             net(1/math.sqrt(s.d_K), 'nabc->nabc', s.d2A),
         ])
 
@@ -2735,7 +2933,7 @@ class ce_bias0_causal1(Forward):
     def S_10(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_10', [
-            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_2, s.S_5, s.S_8, s.S_5, s.t_4, s.dA),
+            net(1, 'nabc,ncd,de,naef,fg,ngh,nahi->nabi', s.dA, s.t_3, s.S_5, s.S_8, s.S_5, s.t_6, s.dA),
             net((1/2)*math.sqrt(s.d_K)*s.d_V, 'nabc->nabc', s.d2A),
         ])
 
@@ -2743,9 +2941,9 @@ class ce_bias0_causal1(Forward):
     def S_11(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_11', [
-            net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
-            net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', s.t_26, s.S),
+            net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -2753,7 +2951,7 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
             net(1/(s.L*math.sqrt(s.d_K)), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_8, s.W_2),
+            net(1, 'nabc,cd,nad,de->nabe', s.S_11, s.W_1, s.t_11, s.W_2),
         ])
 
     @leaf
@@ -2761,15 +2959,15 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
             net(1, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/s.d_V, 'ab->ab', s.t_26),
+            net(-1/s.d_V, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_14(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_32),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_34),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_21),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_38),
         ])
 
     @leaf
@@ -2777,7 +2975,7 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_15', [
             net(2/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', s.t_26),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -2785,16 +2983,16 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_16', [
             net(1/math.sqrt(s.d_K), 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', s.t_26),
+            net(-1/(math.sqrt(s.d_K)*s.d_V), 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_17', [
-            net(1/s.L, 'nab,bc->nabc', s.P_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, s.t_26, s.t_27),
-            net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', s.t_26, s.S),
+            net(1/s.L, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
     @leaf
@@ -2802,7 +3000,7 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_18', [
             net(1/s.L, 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_8, s.W_2),
+            net(1, 'nabc,cd,nad,de->nabe', s.S_17, s.W_1, s.t_11, s.W_2),
         ])
 
     @leaf
@@ -2810,7 +3008,7 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_19', [
             net(2/s.d_V, 'ab->ab', EYE, free={'a': s.d_V, 'b': s.d_V}),
-            net(-2/s.d_V**2, 'ab->ab', s.t_26),
+            net(-2/s.d_V**2, 'ab->ab', ONES, free={'a': s.d_V, 'b': s.d_V}),
         ])
 
     @leaf
@@ -2818,318 +3016,310 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_20', [
             net(1/math.sqrt(s.d_K), 'ab->ncab', EYE, free={'a': s.d_V, 'b': s.d_V, 'c': s.L, 'n': s.n_batch}),
-            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_8, s.W_1, s.S_4, s.S_5),
+            net(1/math.sqrt(s.d_K), 'ab,nca,da,ncde,ef->ncbf', s.W_2, s.t_11, s.W_1, s.S_4, s.S_5),
         ])
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|lm', s.N_1, s.t, s.dA, s.t_2, s.S_3, s.t_3, s.dA_2, s.S_6, s.t_4, s.dA, s.N_1, s.t_5),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.N_1, s.t_7),
         ]
 
     def block__W_Q__W_Q__functional(s):
         """H_f(W_Q, W_Q): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t, s.S_9, s.N_1, s.t_5),
+            net(1/s.n_batch, 'nab,ncd,nade,naf,neg->bc|fg', s.N_1, s.t_2, s.S_9, s.N_1, s.t_7),
         ]
 
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|ml', s.N_1, s.t, s.dA, s.t_2, s.S_3, s.t_3, s.dA_2, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nahi,nij,najk,nal,nkm->bc|ml', s.N_1, s.t_2, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_21, free={'d': s.d_K}),
-            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t, s.S_10, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_25, free={'d': s.d_K}),
+            net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_8, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.W_2, s.t_8, s.W_1, s.S_4, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_26),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_26, s.S_13),
         ]
 
     def block__W_Q__W_1__outer(s):
         """H_o(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,naj->bc|ji', s.N_1, s.t, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.W_2, s.t_8, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_Q__W_1__functional(s):
         """H_f(W_Q, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t, s.dA, s.t_2, s.S_16, s.S, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,nai->bc|hi', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.t_14),
         ]
 
     def block__W_Q__W_2__outer(s):
         """H_o(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.t_9),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_Q__W_2__functional(s):
         """H_f(W_Q, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t, s.dA, s.t_2, s.S_16, s.S, s.W_1, s.t_8, s.G),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,nagh,hi,nai,naj->bc|ij', s.N_1, s.t_2, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_23, s.N_1, s.dA, s.t_2, s.S_3, s.t_3, s.dA_2, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_27, s.N_1, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_23, s.S_9, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_27, s.S_9, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.t_22),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_23, s.N_1, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.W_2, s.t_8, s.W_1, s.S_4, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_26),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_27, s.N_1, s.dA, s.N_1, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_27, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_26, s.S_13),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_23, s.N_1, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.W_2, s.t_8, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_23, s.N_1, s.dA, s.t_2, s.S_16, s.S, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_27, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_14),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_2, s.S_12, s.t_3, s.dA_2, s.t_9),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_23, s.N_1, s.dA, s.t_2, s.S_16, s.S, s.W_1, s.t_8, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_27, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_24, s.S_18, s.t_3, s.dA_2, s.t_22),
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_24, s.S_18, s.t_3, s.dA_2, s.W_2, s.t_8, s.W_1, s.S_4, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_28, s.S_18, s.t_5, s.dA_2, s.t_26),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_28, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_24, s.S_19, s.S_8, s.t_22, s.S_13),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_28, s.S_19, s.S_8, s.t_26, s.S_13),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_24, s.S_18, s.t_3, s.dA_2, s.W_2, s.t_8, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_28, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_24, s.S_5, s.S, s.t_12),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_28, s.S_5, s.S, s.t_14),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_24, s.S_18, s.t_3, s.dA_2, s.t_9),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_28, s.S_18, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_24, s.S_5, s.S, s.W_1, s.t_8, s.G),
+            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_28, s.S_5, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (I[L] ⊗ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_8, s.W_2, s.t_3, s.dA_2, s.W_2, s.t_8, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_11, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_1__W_2__outer(s):
         """H_o(W_1, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_8, s.W_2, s.t_3, s.dA_2, s.t_9),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_11, s.W_2, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_1__W_2__functional(s):
         """H_f(W_1, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_8, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_11, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 1/L*((relu(W_1.T @ N_2.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_25, s.t_3, s.dA_2, s.t_9),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_29, s.t_5, s.dA_2, s.t_12),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_4, s.dA, s.N_1, s.t_5),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|fg', s.S_20, s.t_6, s.dA, s.N_1, s.t_7),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1, 'nabc,ncd,nade,naf,neg->n|ab|gf', s.S_20, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_22, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_8, s.W_1, s.S_4, s.t_22, s.S_13),
+            net(1, 'nab->n|ac|bc', s.t_26, free={'c': s.d_V}),
+            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
         ]
 
     def jacobian__W_1(s):
         """∂vec_r F/∂vec_r W_1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_8, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_11, s.N_2),
         ]
 
     def jacobian__W_2(s):
         """∂vec_r F/∂vec_r W_2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_9, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_12, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0(s.t_36, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_41, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("N_1' t_20 N_1 W_K", tr(s.N_1), s.t_20, s.N_1, s.W_K), True), mean0(s.mm("N_1' t_20' N_1 W_Q", tr(s.N_1), tr(s.t_20), s.N_1, s.W_Q), True), mean0((s.mm("N_1' A' t_37", tr(s.N_1), tr(s.A), s.t_37) + s.t_38), True), mean0(s.mm("N_2' t_12", tr(s.N_2), s.t_12), True), mean0(s.mm('t_25 G', s.t_25, s.G), True),)
+        out_W_Q = s.mm("N_1' t_24 N_1 W_K", tr(s.N_1), s.t_24, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' t_24' N_1 W_Q", tr(s.N_1), tr(s.t_24), s.N_1, s.W_Q, mean=True)
+        out_W_V = (s.mm("N_1' A' t_42", tr(s.N_1), tr(s.A), s.t_42, mean=True) + bcast_last(mean0(s.t_44, True), s.d_V))
+        out_W_1 = s.mm("N_2' t_14", tr(s.N_2), s.t_14, mean=True)
+        out_W_2 = s.mm("t_12' G", tr(s.t_12), s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_39 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_40 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_39)
-        t_41 = s.mm('_ N_1 W_V', t_40, s.N_1, s.W_V)
-        t_42 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_43 = bcast_last(sum_last((t_41 + t_42)), s.d_V)
-        t_44 = (t_43 - (s.d_V) * t_41 - (s.d_V) * t_42)
-        t_45 = bcast_last(sum_last(((-1/s.d_V) * t_44 * s.M_N_2)), s.d_V)
-        t_46 = s.mm('_ W_1', (((-1/s.d_V) * t_44 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_45 * s.M_N_2)), s.W_1)
-        t_47 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_48 = (s.mm('t_9 _', s.t_9, V_W_2) + s.mm('_ W_2', ((t_46 + t_47) * s.t_8), s.W_2) + t_41 + t_42)
-        t_49 = (s.t_3 * softmax_diff(s.t_28, t_48))
-        t_50 = (s.t_8 * s.mm("_ W_2'", t_49, tr(s.W_2)))
-        t_51 = s.mm("_ W_1'", t_50, tr(s.W_1))
-        t_52 = (bcast_last(sum_last((s.t_7 * t_51 * s.M_N_2)), s.d_V) * s.M_N_2)
-        t_53 = (t_51 * s.P_N_2)
-        t_54 = (t_52 + ((1/2)*s.d_V) * t_53)
-        t_55 = sum_last((-2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_54) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-        t_56 = (t_52 + ((1/2)*s.d_V) * t_53 + ((1/2)*s.d_V) * t_49)
-        t_57 = s.mm("_ W_V' N_1'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_56, tr(s.W_V), tr(s.N_1))
-        t_58 = softmax_diff(s.A, (t_55 + t_57))
-        t_59 = bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-2/(s.L*s.d_V**2)) * t_54)), s.d_V)
-        return (mean0(s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_58, s.N_1, s.W_K), True), mean0(s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_58), s.N_1, s.W_Q), True), mean0((t_59 + s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_56)), True), mean0((1/s.L) * s.mm("N_2' _", tr(s.N_2), t_50), True), mean0((1/s.L) * s.mm('t_25 _', s.t_25, t_49), True),)
+        t_45 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_46 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_45)
+        t_47 = lin((1, s.prod('_ N_1 W_V', t_46, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_48 = lin((1, s.mm('_ one', t_47, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_46, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_49 = s.mm('_ one', ((-1/s.d_V) * t_48 * s.M_N_2), s.one)
+        t_50 = (t_49 * s.t_31)
+        t_51 = lin((1, s.P_N_2, (-1/s.d_V) * t_48), (2/s.d_V, t_50))
+        t_52 = lin((1, s.prod('_ W_1', t_51, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_53 = (t_52 * s.t_11)
+        t_54 = lin((1, t_47), (1, s.prod("t_29' _", tr(s.t_29), V_W_2)), (1, s.prod('_ W_2', t_53, s.W_2)))
+        t_55 = (s.t_4 * softmax_diff(s.t_32, t_54))
+        t_56 = (s.t_11 * s.mm("_ W_2'", t_55, tr(s.W_2)))
+        t_57 = s.mm("_ W_1'", t_56, tr(s.W_1))
+        t_58 = lin((1, s.mm('_ one', (s.t_31 * t_57), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_57))
+        t_59 = lin((1, s.mm('_ one', (s.t_31 * t_57), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_57), ((1/2)*s.d_V, t_55))
+        t_60 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_58, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_59, tr(s.W_V), tr(s.N_1)))
+        t_61 = softmax_diff(s.A, t_60)
+        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_61, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_61), s.N_1, s.W_Q, mean=True)
+        t_62 = s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/(s.L*s.d_V**2)) * t_58, s.one)
+        out_W_V = (bcast_last(mean0(t_62, True), s.d_V) + s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_59, mean=True))
+        out_W_1 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_56, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_12' _", tr(s.t_12), t_55, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_60 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_61 = softmax_diff2(s.A, s.t_19, (1/math.sqrt(s.d_K)) * t_60)
-        t_62 = (s.t_8 * s.mm('G _', s.G, tr(V_W_2)))
-        t_63 = (s.mm('t_12 _', s.t_12, tr(V_W_1)) + s.mm("_ W_1'", t_62, tr(s.W_1)))
-        t_64 = (t_63 * s.P_N_2)
-        t_65 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_60)
-        t_66 = s.mm('_ N_1 W_V', t_65, s.N_1, s.W_V)
-        t_67 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_68 = bcast_last(sum_last((t_66 + t_67)), s.d_V)
-        t_69 = (t_68 - (s.d_V) * t_66 - (s.d_V) * t_67)
-        t_70 = ((-1/s.d_V) * t_69 * s.t_14)
-        t_71 = bcast_last(sum_last(((-1/s.d_V) * t_69 * s.M_N_2)), s.d_V)
-        t_72 = (s.t_7 * t_71 * s.t_13)
-        t_73 = ((t_63 * s.t_7 * s.M_N_2) + ((-1/s.d_V) * t_69 * s.t_7 * s.t_13) + (2/s.d_V) * (s.t_30 * t_71 * s.t_13 * s.M_N_2))
-        t_74 = (bcast_last(sum_last(t_73), s.d_V) * s.M_N_2)
-        t_75 = (t_64 + (2/s.d_V) * t_70 + (2/s.d_V) * t_72 + (2/s.d_V) * t_74)
-        t_76 = sum_last((-1/(math.sqrt(s.d_K)*s.d_V)) * t_75) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-        t_77 = (t_76 + sum_last(s.t_17) * s.mm("_ N_1'", sum_rows(tr(V_W_V)), tr(s.N_1)))
-        t_78 = (s.mm_sum('r', (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_75, tr(s.W_V), tr(s.N_1)), (1, "t_18 _ N_1'", s.t_18, tr(V_W_V), tr(s.N_1))) + t_77)
-        t_79 = softmax_diff(s.A, t_78)
-        t_80 = s.mm_sum('l', (1, "N_1' t_20 N_1 _", tr(s.N_1), s.t_20, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_61 + t_79), s.N_1, s.W_K))
-        t_81 = s.mm_sum('l', (1, "N_1' t_20' N_1 _", tr(s.N_1), tr(s.t_20), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_61) + tr(t_79)), s.N_1, s.W_Q))
-        t_82 = bcast_last(s.mm("N_1' _ _", tr(s.N_1), tr(t_65), sum_last((-2/s.d_V**2) * s.t_33)), s.d_V)
-        t_83 = bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-1/s.d_V) * t_75)), s.d_V)
-        t_84 = (s.mm_sum('l', (1, "N_1' _ t_37", tr(s.N_1), tr(t_65), s.t_37), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_75)) + (t_82 + t_83))
-        t_85 = (tr(t_68) - (s.d_V) * tr(t_67) - (s.d_V) * tr(t_66))
-        t_86 = (((-1/s.d_V) * t_85 * tr(s.P_N_2)) + (2/s.d_V) * ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * tr(t_71) * tr(s.M_N_2)))
-        t_87 = s.mm("_ N_2'", tr(V_W_1), tr(s.N_2))
-        t_88 = s.mm("W_1' _", tr(s.W_1), t_86)
-        t_89 = ((t_87 + t_88) * heaviside((tr(s.H)), 0.0))
-        return (mean0(t_80, True), mean0(t_81, True), mean0(t_84, True), mean0((s.mm('_ t_12', t_86, s.t_12) + s.mm("N_2' _", tr(s.N_2), t_62)), True), mean0(s.mm('_ G', t_89, s.G), True),)
+        t_63 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_64 = softmax_diff2(s.A, s.t_23, (1/math.sqrt(s.d_K)) * t_63)
+        t_65 = (s.t_11 * s.mm('G _', s.G, tr(V_W_2)))
+        t_66 = lin((1, s.prod('t_14 _', s.t_14, tr(V_W_1))), (1, s.prod("_ W_1'", t_65, tr(s.W_1))))
+        t_67 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_63)
+        t_68 = lin((1, s.prod('_ N_1 W_V', t_67, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_69 = lin((1, s.mm('_ one', t_68, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_67, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_70 = s.mm('_ one', ((-1/s.d_V) * t_69 * s.M_N_2), s.one)
+        t_71 = lin((1, s.t_31, t_66), (1, s.t_33, (-1/s.d_V) * t_69), (2/s.d_V, t_70, s.t_35))
+        t_72 = lin((1, s.P_N_2, t_66), (2/s.d_V, s.t_17, (-1/s.d_V) * t_69), (2/s.d_V, t_70, s.t_33), (2/s.d_V, s.mm('_ one', t_71, s.one), s.M_N_2))
+        t_73 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_72, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_19 one one_2 _ N_1'", s.t_19, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_72, tr(s.W_V), tr(s.N_1)), (1, "t_22 _ N_1'", s.t_22, tr(V_W_V), tr(s.N_1)))
+        t_74 = softmax_diff(s.A, t_73)
+        t_75 = (t_64 + t_74)
+        out_W_Q = s.mm_sum('l', (1, "N_1' t_24 N_1 _", tr(s.N_1), s.t_24, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_75, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_24' N_1 _", tr(s.N_1), tr(s.t_24), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_75), s.N_1, s.W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_42", tr(s.N_1), tr(t_67), s.t_42), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_72), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_43 one", tr(s.N_1), tr(t_67), s.t_43, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_72, s.one), True), s.d_V)))
+        t_76 = lin((1, s.mm('one_2 _', s.one_2, tr(t_68))), (-s.d_V, s.prod("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))), (-s.d_V, s.prod("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_67))))
+        t_78 = (tr(t_70) * s.t_77)
+        t_79 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_76), (2/s.d_V, t_78))
+        out_W_1 = (s.mm('_ t_14', t_79, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_65, mean=True))
+        t_80 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_79)))
+        t_81 = (t_80 * tr(s.t_11))
+        out_W_2 = s.mm('_ G', t_81, s.G, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_100 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_101 = softmax_diff2(s.A, s.t_99, (1/math.sqrt(s.d_K)) * t_100)
-        t_102 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_100)
-        t_103 = s.mm('_ N_1 W_V', t_102, s.N_1, s.W_V)
-        t_104 = s.mm('A N_1 _', s.A, s.N_1, V_W_V)
-        t_105 = bcast_last(sum_last((t_103 + t_104)), s.d_V)
-        t_106 = (t_105 - (s.d_V) * t_103 - (s.d_V) * t_104)
-        t_107 = bcast_last(sum_last(((-1/s.d_V) * t_106 * s.M_N_2)), s.d_V)
-        t_108 = s.mm('_ W_1', (((-1/s.d_V) * t_106 * s.P_N_2) + (2/s.d_V) * (s.t_7 * t_107 * s.M_N_2)), s.W_1)
-        t_109 = s.mm('N_2 _', s.N_2, V_W_1)
-        t_110 = (s.mm('t_9 _', s.t_9, V_W_2) + s.mm('_ W_2', ((t_108 + t_109) * s.t_8), s.W_2) + t_103 + t_104)
-        t_111 = (s.t_3 * softmax_diff(s.t_10, t_110))
-        t_112 = (s.mm('G _', s.G, tr(V_W_2)) + (1/s.L) * s.mm("_ W_2'", t_111, tr(s.W_2)))
-        t_113 = (t_112 * s.t_8)
-        t_114 = (s.mm("_ W_1'", t_113, tr(s.W_1)) + s.mm('t_90 _', s.t_90, tr(V_W_1)))
-        t_115 = (t_114 * s.P_N_2)
-        t_116 = ((-1/s.d_V) * t_106 * s.t_92)
-        t_117 = (s.t_7 * t_107 * s.t_91)
-        t_118 = ((t_114 * s.t_7 * s.M_N_2) + ((-1/s.d_V) * t_106 * s.t_7 * s.t_91) + (2/s.d_V) * (s.t_30 * t_107 * s.t_91 * s.M_N_2))
-        t_119 = (bcast_last(sum_last(t_118), s.d_V) * s.M_N_2)
-        t_120 = (t_115 + (2/s.d_V) * t_116 + (2/s.d_V) * t_117 + (2/s.d_V) * t_119 + (1/s.L) * t_111)
-        t_121 = (t_115 + (2/s.d_V) * t_116 + (2/s.d_V) * t_117 + (2/s.d_V) * t_119)
-        t_122 = sum_last((-1/(math.sqrt(s.d_K)*s.d_V)) * t_121) * s.mm("_ N_1'", sum_rows(tr(s.W_V)), tr(s.N_1))
-        t_123 = sum_last((-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_95) * s.mm("_ N_1'", sum_rows(tr(V_W_V)), tr(s.N_1))
-        t_124 = (s.mm_sum('r', (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_120, tr(s.W_V), tr(s.N_1)), (1, "t_98 _ N_1'", s.t_98, tr(V_W_V), tr(s.N_1))) + (t_122 + t_123))
-        t_125 = softmax_diff(s.A, t_124)
-        t_127 = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), (t_101 + t_125), s.N_1, s.W_K), (1, "N_1' t_126 N_1 _", tr(s.N_1), s.t_126, s.N_1, V_W_K))
-        t_128 = s.mm_sum('l', (1, "N_1' t_126' N_1 _", tr(s.N_1), tr(s.t_126), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), (tr(t_101) + tr(t_125)), s.N_1, s.W_Q))
-        t_130 = bcast_last(s.mm("N_1' A' _", tr(s.N_1), tr(s.A), sum_last((-1/s.d_V) * t_121)), s.d_V)
-        t_131 = bcast_last(s.mm("N_1' _ _", tr(s.N_1), tr(t_102), sum_last((-2/s.d_V**2) * s.t_95)), s.d_V)
-        t_132 = (s.mm_sum('l', (1, "N_1' _ t_129", tr(s.N_1), tr(t_102), s.t_129), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_120)) + (t_130 + t_131))
-        t_133 = (tr(t_105) - (s.d_V) * tr(t_104) - (s.d_V) * tr(t_103))
-        t_134 = (((-1/s.d_V) * t_133 * tr(s.P_N_2)) + (2/s.d_V) * ((-0.5 * ((tr(s.sigma2_N_2)) ** -1.5)) * tr(t_107) * tr(s.M_N_2)))
-        t_135 = ((tr(t_109) + tr(t_108)) * heaviside((tr(s.H)), 0.0))
-        return (mean0(t_127, True), mean0(t_128, True), mean0(t_132, True), mean0((s.mm('_ t_90', t_134, s.t_90) + s.mm("N_2' _", tr(s.N_2), t_113)), True), mean0(((1/s.L) * s.mm('t_25 _', s.t_25, t_111) + s.mm('_ G', t_135, s.G)), True),)
+        t_92 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_93 = softmax_diff2(s.A, s.t_91, (1/math.sqrt(s.d_K)) * t_92)
+        t_94 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_92)
+        t_95 = lin((1, s.prod('_ N_1 W_V', t_94, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_96 = lin((1, s.mm('_ one', t_95, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_94, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_97 = s.mm('_ one', ((-1/s.d_V) * t_96 * s.M_N_2), s.one)
+        t_98 = (t_97 * s.t_31)
+        t_99 = lin((1, s.P_N_2, (-1/s.d_V) * t_96), (2/s.d_V, t_98))
+        t_100 = lin((1, s.prod('_ W_1', t_99, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_101 = (t_100 * s.t_11)
+        t_102 = lin((1, t_95), (1, s.prod("t_29' _", tr(s.t_29), V_W_2)), (1, s.prod('_ W_2', t_101, s.W_2)))
+        t_103 = (s.t_4 * softmax_diff(s.t_13, t_102))
+        t_104 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_103, tr(s.W_2))))
+        t_105 = (t_104 * s.t_11)
+        t_106 = lin((1, s.prod("_ W_1'", t_105, tr(s.W_1))), (1, s.prod('t_83 _', s.t_83, tr(V_W_1))))
+        t_109 = lin((1, s.t_31, t_106), (1, s.t_107, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_108))
+        t_110 = lin((1, s.P_N_2, t_106), (2/s.d_V, s.t_86, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_107), (2/s.d_V, s.mm('_ one', t_109, s.one), s.M_N_2))
+        t_111 = lin((-math.sqrt(s.d_K)*s.d_V, (-1/(math.sqrt(s.d_K)*s.d_V)) * t_110), (1/s.L, t_103))
+        t_112 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_110, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_88 one one_2 _ N_1'", s.t_88, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_111, tr(s.W_V), tr(s.N_1)), (1, "t_90 _ N_1'", s.t_90, tr(V_W_V), tr(s.N_1)))
+        t_113 = softmax_diff(s.A, t_112)
+        t_114 = (t_93 + t_113)
+        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_114, s.N_1, s.W_K), (1, "N_1' t_115 N_1 _", tr(s.N_1), s.t_115, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_115' N_1 _", tr(s.N_1), tr(s.t_115), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_114), s.N_1, s.W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_116", tr(s.N_1), tr(t_94), s.t_116), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_111), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_110, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_117 one", tr(s.N_1), tr(t_94), s.t_117, s.one), True), s.d_V)))
+        out_W_1 = (s.mm('_ t_83', tr(t_99), s.t_83, mean=True) + s.mm("N_2' _", tr(s.N_2), t_105, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_103, mean=True)), (1, s.mm('_ G', tr(t_101), s.G, mean=True)))
+        return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
         """The inputs of the layer's value checks, for every sequence."""
@@ -3142,4 +3332,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "3ddd79ea4747c741a9be1465"
+CHECKSUM = "3f861e47c617b1347ded83a5"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "6833038c179fb23c7d212b24"
+    STAMP = "e983a63bc110accc821040e5"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -52,7 +52,7 @@ class mse_causal0(Forward):
 
     @leaf
     def G(s):
-        return ((2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
 
     @leaf
     def t_2(s):
@@ -61,6 +61,10 @@ class mse_causal0(Forward):
     @leaf
     def t_3(s):
         return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
+
+    @leaf
+    def one(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def F_2(s):
@@ -72,27 +76,39 @@ class mse_causal0(Forward):
 
     @leaf
     def t_5(s):
-        return ones((s.d_V, 1), s.like)
+        return (s.t_4 * s.t_4)
 
     @leaf
     def t_6(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
+    def t_7(s):
+        return s.mm('one t_5 t_6', s.one, s.t_5, s.t_6)
+
+    @leaf
+    def t_8(s):
         return (s.F_2 - s.Y)
 
     @leaf
     def G_2(s):
-        return (2/(s.L*s.d_V)) * s.t_6
+        return (2/(s.L*s.d_V)) * s.t_8
 
     @leaf
-    def t_7(s):
+    def t_9(s):
         return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_8(s):
-        return softmax_diff(s.A, s.t_7)
+    def t_10(s):
+        return softmax_diff(s.A, s.t_9)
 
     @leaf
     def G_3(s):
-        return (2/(s.L*s.d_V)) * s.t_6
+        return (2/(s.L*s.d_V)) * s.t_8
+
+    @leaf
+    def t_19(s):
+        return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
     def dA(s):
@@ -169,44 +185,50 @@ class mse_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_5', sum_rows((s.t_4 * s.t_4)), s.t_5), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_7, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("X' t_8 X", tr(s.X), s.t_8, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        out_W_QK = s.mm("X' t_10 X", tr(s.X), s.t_10, s.X, mean=True)
+        out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
+        return (out_W_QK, out_W_V,)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_9 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_10 = softmax_diff(s.A, t_9)
-        t_11 = (s.mm('_ X W_V', t_10, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_12 = s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_11, tr(s.W_V), tr(s.X))
-        t_13 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_11)
-        return (mean0(s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_12), s.X), True), mean0(t_13, True),)
+        t_11 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_12 = softmax_diff(s.A, t_11)
+        t_13 = lin((1, s.prod('_ X W_V', t_12, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_14 = s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_13, tr(s.W_V), tr(s.X))
+        out_W_QK = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_14), s.X, mean=True)
+        t_15 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_13)
+        out_W_V = mean0(t_15, True)
+        return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_15 = (softmax_diff2(s.A, s.t_7, t_14) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        t_16 = softmax_diff(s.A, t_14)
-        return (mean0(s.mm("X' _ X", tr(s.X), t_15, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_16), s.G_2), True),)
+        t_16 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_17 = (softmax_diff2(s.A, s.t_9, t_16) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' _ X", tr(s.X), t_17, s.X, mean=True)
+        t_18 = softmax_diff(s.A, t_16)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_18), s.G_2, mean=True)
+        return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_18 = softmax_diff(s.A, t_17)
-        t_19 = (s.mm('_ X W_V', t_18, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_20 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_19, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
-        t_21 = (softmax_diff2(s.A, s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X)), t_17) + softmax_diff(s.A, t_20))
-        t_22 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_18), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_19))
-        return (mean0(s.mm("X' _ X", tr(s.X), t_21, s.X), True), mean0(t_22, True),)
+        t_20 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_21 = softmax_diff(s.A, t_20)
+        t_22 = lin((1, s.prod('_ X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_23 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_19, t_20) + softmax_diff(s.A, t_23)), s.X, mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_21), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22), mean=True)
+        return (out_W_QK, out_W_V,)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "156fa82dd2139c69aae0f93b"
+    STAMP = "a1ff122cd2204f6e58016bf1"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -234,7 +256,7 @@ class mse_causal1(Forward):
 
     @leaf
     def G(s):
-        return ((2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
 
     @leaf
     def t_2(s):
@@ -243,6 +265,10 @@ class mse_causal1(Forward):
     @leaf
     def t_3(s):
         return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
+
+    @leaf
+    def one(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def F_2(s):
@@ -254,27 +280,39 @@ class mse_causal1(Forward):
 
     @leaf
     def t_5(s):
-        return ones((s.d_V, 1), s.like)
+        return (s.t_4 * s.t_4)
 
     @leaf
     def t_6(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
+    def t_7(s):
+        return s.mm('one t_5 t_6', s.one, s.t_5, s.t_6)
+
+    @leaf
+    def t_8(s):
         return (s.F_2 - s.Y)
 
     @leaf
     def G_2(s):
-        return (2/(s.L*s.d_V)) * s.t_6
+        return (2/(s.L*s.d_V)) * s.t_8
 
     @leaf
-    def t_7(s):
+    def t_9(s):
         return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_8(s):
-        return softmax_diff(s.A, s.t_7)
+    def t_10(s):
+        return softmax_diff(s.A, s.t_9)
 
     @leaf
     def G_3(s):
-        return (2/(s.L*s.d_V)) * s.t_6
+        return (2/(s.L*s.d_V)) * s.t_8
+
+    @leaf
+    def t_19(s):
+        return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
     def dA(s):
@@ -351,52 +389,66 @@ class mse_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_5', sum_rows((s.t_4 * s.t_4)), s.t_5), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_7, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("X' t_8 X", tr(s.X), s.t_8, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        out_W_QK = s.mm("X' t_10 X", tr(s.X), s.t_10, s.X, mean=True)
+        out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
+        return (out_W_QK, out_W_V,)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_9 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_10 = softmax_diff(s.A, t_9)
-        t_11 = (s.mm('_ X W_V', t_10, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_12 = s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_11, tr(s.W_V), tr(s.X))
-        t_13 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_11)
-        return (mean0(s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_12), s.X), True), mean0(t_13, True),)
+        t_11 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_12 = softmax_diff(s.A, t_11)
+        t_13 = lin((1, s.prod('_ X W_V', t_12, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_14 = s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_13, tr(s.W_V), tr(s.X))
+        out_W_QK = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_14), s.X, mean=True)
+        t_15 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_13)
+        out_W_V = mean0(t_15, True)
+        return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_15 = (softmax_diff2(s.A, s.t_7, t_14) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        t_16 = softmax_diff(s.A, t_14)
-        return (mean0(s.mm("X' _ X", tr(s.X), t_15, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_16), s.G_2), True),)
+        t_16 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_17 = (softmax_diff2(s.A, s.t_9, t_16) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' _ X", tr(s.X), t_17, s.X, mean=True)
+        t_18 = softmax_diff(s.A, t_16)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_18), s.G_2, mean=True)
+        return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_18 = softmax_diff(s.A, t_17)
-        t_19 = (s.mm('_ X W_V', t_18, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_20 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_19, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
-        t_21 = (softmax_diff2(s.A, s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X)), t_17) + softmax_diff(s.A, t_20))
-        t_22 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_18), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_19))
-        return (mean0(s.mm("X' _ X", tr(s.X), t_21, s.X), True), mean0(t_22, True),)
+        t_20 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_21 = softmax_diff(s.A, t_20)
+        t_22 = lin((1, s.prod('_ X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_23 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_19, t_20) + softmax_diff(s.A, t_23)), s.X, mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_21), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22), mean=True)
+        return (out_W_QK, out_W_V,)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "abce2465b55d2c219b1ed022"
+    STAMP = "94a3f9557f2c1f76dc4639ae"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
     }
 
     @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
     def t(s):
-        return bcast_last(sum_last(s.Y), s.d_V)
+        return s.mm('Y one', s.Y, s.one)
+
+    @leaf
+    def t_2(s):
+        return bcast_last(s.t, s.d_V)
 
     @leaf
     def T(s):
@@ -416,51 +468,71 @@ class ce_causal0(Forward):
 
     @leaf
     def G(s):
-        return ((1/s.L) * (s.t * softmax_rows(s.F)) - (1/s.L) * s.Y)
-
-    @leaf
-    def t_2(s):
-        return softmax_rows(s.F)
+        return lin((1/s.L, s.t, softmax_rows(s.F)), (-1/s.L, s.Y))
 
     @leaf
     def t_3(s):
+        return softmax_rows(s.F)
+
+    @leaf
+    def t_4(s):
         return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def F_2(s):
         return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
-    def t_4(s):
-        return ones((s.d_V, 1), s.like)
-
-    @leaf
     def t_5(s):
-        return (-1/s.L) * s.mm('_ t_4', sum_rows((log_softmax_rows(s.F_2) * s.Y)), s.t_4)
+        return log_softmax_rows(s.F_2)
 
     @leaf
     def t_6(s):
-        return softmax_rows(s.F_2)
+        return (s.t_5 * s.Y)
 
     @leaf
     def t_7(s):
-        return ((s.t * s.t_6) - s.Y)
-
-    @leaf
-    def G_2(s):
-        return (1/s.L) * s.t_7
+        return s.mm('one_2 t_6 one', s.one_2, s.t_6, s.one)
 
     @leaf
     def t_8(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_9(s):
-        return softmax_diff(s.A, s.t_8)
+        return (s.t * s.t_8)
+
+    @leaf
+    def t_10(s):
+        return (s.t_9 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_10
+
+    @leaf
+    def t_11(s):
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_12(s):
+        return softmax_diff(s.A, s.t_11)
+
+    @leaf
+    def t_13(s):
+        return softmax_rows(s.F_2)
 
     @leaf
     def G_3(s):
-        return (1/s.L) * s.t_7
+        return (1/s.L) * s.t_10
+
+    @leaf
+    def t_21(s):
+        return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
     def dA(s):
@@ -481,17 +553,17 @@ class ce_causal0(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_2, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_2, s.t_2),
+            net(1, 'nab,bc->nabc', s.t_3, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_3, s.t_3),
         ])
 
     @leaf
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_3, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_3, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_3),
+            net(1, 'nab,bc->nabc', s.t_4, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_4, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_4),
         ])
 
     @leaf
@@ -504,7 +576,7 @@ class ce_causal0(Forward):
     def block__W_QK__W_QK__outer(s):
         """H_o(W_QK, W_QK) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1)"""
         return [
-            net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,gf,nagh,nai->dc|ih', s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X),
+            net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,gf,nagh,nai->dc|ih', s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X),
         ]
 
     def block__W_QK__W_QK__functional(s):
@@ -516,7 +588,7 @@ class ce_causal0(Forward):
     def block__W_QK__W_V__outer(s):
         """H_o(W_QK, W_V) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,nag->dc|gf', s.M_2, s.X, s.W_V, s.t, s.dA_2, s.M_1),
+            net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,nag->dc|gf', s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.M_1),
         ]
 
     def block__W_QK__W_V__functional(s):
@@ -528,7 +600,7 @@ class ce_causal0(Forward):
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae->bc|ed', s.M_1, s.t, s.dA_2, s.M_1),
+            net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae->bc|ed', s.M_1, s.t_2, s.dA_2, s.M_1),
         ]
 
     def jacobian__W_QK(s):
@@ -545,53 +617,66 @@ class ce_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0(s.t_5, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_7, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("X' t_9 X", tr(s.X), s.t_9, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        out_W_QK = s.mm("X' t_12 X", tr(s.X), s.t_12, s.X, mean=True)
+        out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
+        return (out_W_QK, out_W_V,)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_10 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_11 = softmax_diff(s.A, t_10)
-        t_12 = (s.mm('_ X W_V', t_11, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_13 = (s.t * softmax_diff(softmax_rows(s.F_2), t_12))
-        t_14 = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X))), s.X)
-        return (mean0((1/s.L) * t_14, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_13), True),)
+        t_14 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_15 = softmax_diff(s.A, t_14)
+        t_16 = lin((1, s.prod('_ X W_V', t_15, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_17 = (s.t * softmax_diff(s.t_13, t_16))
+        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X))), s.X, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17, mean=True)
+        return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_16 = (softmax_diff2(s.A, s.t_8, t_15) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        t_17 = softmax_diff(s.A, t_15)
-        return (mean0(s.mm("X' _ X", tr(s.X), t_16, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_17), s.G_2), True),)
+        t_18 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_19 = (softmax_diff2(s.A, s.t_11, t_18) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' _ X", tr(s.X), t_19, s.X, mean=True)
+        t_20 = softmax_diff(s.A, t_18)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_20), s.G_2, mean=True)
+        return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_18 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_19 = softmax_diff(s.A, t_18)
-        t_20 = (s.mm('_ X W_V', t_19, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_21 = (s.t * softmax_diff(s.t_6, t_20))
-        t_22 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_21, tr(s.W_V), tr(s.X)))
-        t_23 = (softmax_diff2(s.A, s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X)), t_18) + softmax_diff(s.A, t_22))
-        t_24 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_19), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_21))
-        return (mean0(s.mm("X' _ X", tr(s.X), t_23, s.X), True), mean0(t_24, True),)
+        t_22 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_23 = softmax_diff(s.A, t_22)
+        t_24 = lin((1, s.prod('_ X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_25 = (s.t * softmax_diff(s.t_8, t_24))
+        t_26 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_25, tr(s.W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_21, t_22) + softmax_diff(s.A, t_26)), s.X, mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_23), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_25), mean=True)
+        return (out_W_QK, out_W_V,)
 
 
 class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "600c131515888518fe718103"
+    STAMP = "a719188c2f4bd661fd0cac34"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
     }
 
     @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
     def t(s):
-        return bcast_last(sum_last(s.Y), s.d_V)
+        return s.mm('Y one', s.Y, s.one)
+
+    @leaf
+    def t_2(s):
+        return bcast_last(s.t, s.d_V)
 
     @leaf
     def T(s):
@@ -611,51 +696,71 @@ class ce_causal1(Forward):
 
     @leaf
     def G(s):
-        return ((1/s.L) * (s.t * softmax_rows(s.F)) - (1/s.L) * s.Y)
-
-    @leaf
-    def t_2(s):
-        return softmax_rows(s.F)
+        return lin((1/s.L, s.t, softmax_rows(s.F)), (-1/s.L, s.Y))
 
     @leaf
     def t_3(s):
+        return softmax_rows(s.F)
+
+    @leaf
+    def t_4(s):
         return softmax_diff(s.A, s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def F_2(s):
         return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
-    def t_4(s):
-        return ones((s.d_V, 1), s.like)
-
-    @leaf
     def t_5(s):
-        return (-1/s.L) * s.mm('_ t_4', sum_rows((log_softmax_rows(s.F_2) * s.Y)), s.t_4)
+        return log_softmax_rows(s.F_2)
 
     @leaf
     def t_6(s):
-        return softmax_rows(s.F_2)
+        return (s.t_5 * s.Y)
 
     @leaf
     def t_7(s):
-        return ((s.t * s.t_6) - s.Y)
-
-    @leaf
-    def G_2(s):
-        return (1/s.L) * s.t_7
+        return s.mm('one_2 t_6 one', s.one_2, s.t_6, s.one)
 
     @leaf
     def t_8(s):
-        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_9(s):
-        return softmax_diff(s.A, s.t_8)
+        return (s.t * s.t_8)
+
+    @leaf
+    def t_10(s):
+        return (s.t_9 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_10
+
+    @leaf
+    def t_11(s):
+        return s.mm("G_2 W_V' X'", s.G_2, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_12(s):
+        return softmax_diff(s.A, s.t_11)
+
+    @leaf
+    def t_13(s):
+        return softmax_rows(s.F_2)
 
     @leaf
     def G_3(s):
-        return (1/s.L) * s.t_7
+        return (1/s.L) * s.t_10
+
+    @leaf
+    def t_21(s):
+        return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
     def dA(s):
@@ -676,17 +781,17 @@ class ce_causal1(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_2, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_2, s.t_2),
+            net(1, 'nab,bc->nabc', s.t_3, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_3, s.t_3),
         ])
 
     @leaf
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_3, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_3, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_3),
+            net(1, 'nab,bc->nabc', s.t_4, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_4, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_4),
         ])
 
     @leaf
@@ -699,7 +804,7 @@ class ce_causal1(Forward):
     def block__W_QK__W_QK__outer(s):
         """H_o(W_QK, W_QK) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (I[L] ⊗ W_V.T) @ Z_1)"""
         return [
-            net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,gf,nagh,nai->dc|ih', s.M_2, s.X, s.W_V, s.t, s.dA_2, s.W_V, s.M_2, s.X),
+            net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,gf,nagh,nai->dc|ih', s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.W_V, s.M_2, s.X),
         ]
 
     def block__W_QK__W_QK__functional(s):
@@ -711,7 +816,7 @@ class ce_causal1(Forward):
     def block__W_QK__W_V__outer(s):
         """H_o(W_QK, W_V) = 1/L*(Z_1.T @ (I[L] ⊗ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,nag->dc|gf', s.M_2, s.X, s.W_V, s.t, s.dA_2, s.M_1),
+            net(1/(s.L*s.n_batch), 'nabc,nad,be,nae,naef,nag->dc|gf', s.M_2, s.X, s.W_V, s.t_2, s.dA_2, s.M_1),
         ]
 
     def block__W_QK__W_V__functional(s):
@@ -723,7 +828,7 @@ class ce_causal1(Forward):
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V) @ (M_1 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae->bc|ed', s.M_1, s.t, s.dA_2, s.M_1),
+            net(1/(s.L*s.n_batch), 'nab,nac,nacd,nae->bc|ed', s.M_1, s.t_2, s.dA_2, s.M_1),
         ]
 
     def jacobian__W_QK(s):
@@ -740,38 +845,43 @@ class ce_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0(s.t_5, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_7, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.mm("X' t_9 X", tr(s.X), s.t_9, s.X), True), mean0(s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2), True),)
+        out_W_QK = s.mm("X' t_12 X", tr(s.X), s.t_12, s.X, mean=True)
+        out_W_V = s.mm("X' A' G_2", tr(s.X), tr(s.A), s.G_2, mean=True)
+        return (out_W_QK, out_W_V,)
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_10 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_11 = softmax_diff(s.A, t_10)
-        t_12 = (s.mm('_ X W_V', t_11, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_13 = (s.t * softmax_diff(softmax_rows(s.F_2), t_12))
-        t_14 = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_13, tr(s.W_V), tr(s.X))), s.X)
-        return (mean0((1/s.L) * t_14, True), mean0((1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_13), True),)
+        t_14 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_15 = softmax_diff(s.A, t_14)
+        t_16 = lin((1, s.prod('_ X W_V', t_15, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_17 = (s.t * softmax_diff(s.t_13, t_16))
+        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X))), s.X, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17, mean=True)
+        return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_16 = (softmax_diff2(s.A, s.t_8, t_15) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        t_17 = softmax_diff(s.A, t_15)
-        return (mean0(s.mm("X' _ X", tr(s.X), t_16, s.X), True), mean0(s.mm("X' _ G_2", tr(s.X), tr(t_17), s.G_2), True),)
+        t_18 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_19 = (softmax_diff2(s.A, s.t_11, t_18) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' _ X", tr(s.X), t_19, s.X, mean=True)
+        t_20 = softmax_diff(s.A, t_18)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_20), s.G_2, mean=True)
+        return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_18 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_19 = softmax_diff(s.A, t_18)
-        t_20 = (s.mm('_ X W_V', t_19, s.X, s.W_V) + s.mm('A X _', s.A, s.X, V_W_V))
-        t_21 = (s.t * softmax_diff(s.t_6, t_20))
-        t_22 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_21, tr(s.W_V), tr(s.X)))
-        t_23 = (softmax_diff2(s.A, s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X)), t_18) + softmax_diff(s.A, t_22))
-        t_24 = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_19), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_21))
-        return (mean0(s.mm("X' _ X", tr(s.X), t_23, s.X), True), mean0(t_24, True),)
+        t_22 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_23 = softmax_diff(s.A, t_22)
+        t_24 = lin((1, s.prod('_ X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_25 = (s.t * softmax_diff(s.t_8, t_24))
+        t_26 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_25, tr(s.W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_21, t_22) + softmax_diff(s.A, t_26)), s.X, mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_23), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_25), mean=True)
+        return (out_W_QK, out_W_V,)
 
 
 VARIANTS = {
@@ -780,4 +890,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "ded8d79e3ab4ba7c9c62b400"
+CHECKSUM = "fadedbea8e4465427c290d95"

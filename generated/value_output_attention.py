@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "1ec8508f7de16b4c4a11974b"
+    STAMP = "6d84b0db76e1c86833556893"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -40,17 +40,17 @@ class mse_causal0(Forward):
         "W_K' X'": 8,
         "W_O W_O'": 3,
         "W_O W_O' W_V'": 2,
-        "W_O t_39'": 2,
+        "W_O t_35'": 2,
         "W_O' W_V'": 12,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
-        "X' t_18": 4,
-        "X' t_18 X": 4,
-        "X' t_18'": 4,
-        "X' t_47": 2,
-        "X' t_47 X": 2,
-        "X' t_47'": 2,
+        "X' t_20": 4,
+        "X' t_20 X": 4,
+        "X' t_20'": 4,
+        "X' t_43": 2,
+        "X' t_43 X": 2,
+        "X' t_43'": 2,
     }
 
     @leaf
@@ -75,7 +75,7 @@ class mse_causal0(Forward):
 
     @leaf
     def G(s):
-        return ((2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
 
     @leaf
     def t_2(s):
@@ -126,6 +126,10 @@ class mse_causal0(Forward):
         return tr(s.t_7)
 
     @leaf
+    def one(s):
+        return ones((1, s.L), s.like)
+
+    @leaf
     def F_2(s):
         return s.mm('A X W_V W_O', s.A, s.X, s.W_V, s.W_O)
 
@@ -135,47 +139,47 @@ class mse_causal0(Forward):
 
     @leaf
     def t_15(s):
-        return ones((s.d_V, 1), s.like)
+        return (s.t_14 * s.t_14)
 
     @leaf
     def t_16(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
+    def t_17(s):
+        return s.mm('one t_15 t_16', s.one, s.t_15, s.t_16)
+
+    @leaf
+    def t_18(s):
         return (s.F_2 - s.Y)
 
     @leaf
     def G_2(s):
-        return (2/(s.L*s.d_V)) * s.t_16
-
-    @leaf
-    def t_17(s):
-        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_18(s):
-        return softmax_diff(s.A, s.t_17)
+        return (2/(s.L*s.d_V)) * s.t_18
 
     @leaf
     def t_19(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_18 X W_K", tr(s.X), s.t_18, s.X, s.W_K)
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
     def t_20(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_18' X W_Q", tr(s.X), tr(s.t_18), s.X, s.W_Q)
+        return softmax_diff(s.A, s.t_19)
 
     @leaf
-    def t_39(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_16
+    def t_35(s):
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_18
 
     @leaf
-    def t_40(s):
-        return s.mm("t_39 W_O' W_V' X'", s.t_39, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_36(s):
+        return s.mm("t_35 W_O' W_V' X'", s.t_35, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_47(s):
-        return softmax_diff(s.A, s.t_40)
+    def t_43(s):
+        return softmax_diff(s.A, s.t_36)
 
     @leaf
     def G_3(s):
-        return (2/(s.L*s.d_V)) * s.t_16
+        return (2/(s.L*s.d_V)) * s.t_18
 
     @leaf
     def dA(s):
@@ -343,59 +347,67 @@ class mse_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_15', sum_rows((s.t_14 * s.t_14)), s.t_15), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_17, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.t_19, True), mean0(s.t_20, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_20 X W_K", tr(s.X), s.t_20, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_20' X W_Q", tr(s.X), tr(s.t_20), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O), mean=True)
+        out_W_O = s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
-        t_23 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
-        t_24 = (s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + t_23)
-        t_25 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_24, tr(s.W_O), tr(s.W_V), tr(s.X))
-        t_26 = softmax_diff(s.A, t_25)
-        t_27 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24, tr(s.W_O))
-        t_28 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_26, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_26), s.X, s.W_Q), True), mean0(t_27, True), mean0(t_28, True),)
+        t_23 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_24 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_23, tr(s.W_O), tr(s.W_V), tr(s.X))
+        t_25 = softmax_diff(s.A, t_24)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_25, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q, mean=True)
+        t_26 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_23, tr(s.W_O))
+        out_W_V = mean0(t_26, True)
+        t_27 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_23)
+        out_W_O = mean0(t_27, True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_29 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_30 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_29, s.t_17)
-        t_31 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_32 = softmax_diff(s.A, t_31)
-        t_33 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_30 + t_32), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_18 X _", tr(s.X), s.t_18, s.X, V_W_K))
-        t_34 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_30) + tr(t_32)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_18' X _", tr(s.X), tr(s.t_18), s.X, V_W_Q))
-        t_35 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_29)
-        t_36 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_35), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_37 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_35), s.G_2))
-        return (mean0(t_33, True), mean0(t_34, True), mean0(t_36, True), mean0(t_37, True),)
+        t_28 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_29 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_28, s.t_19)
+        t_30 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_31 = softmax_diff(s.A, t_30)
+        t_32 = (t_29 + t_31)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X _", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X _", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
+        t_33 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_28)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_33), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_33), s.G_2), mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_38 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_41 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_38, s.t_40)
-        t_42 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_38)
-        t_43 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
-        t_44 = (s.mm_sum('r', (1, '_ X W_V W_O', t_42, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + t_43)
-        t_45 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_44, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_39 _ W_V' X'", s.t_39, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_39 W_O' _ X'", s.t_39, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_46 = softmax_diff(s.A, t_45)
-        t_48 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_41 + t_46), s.X, s.W_K), (1, "X' t_47 X _", tr(s.X), s.t_47, s.X, V_W_K))
-        t_49 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_41) + tr(t_46)), s.X, s.W_Q), (1, "X' t_47' X _", tr(s.X), tr(s.t_47), s.X, V_W_Q))
-        t_50 = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_42), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_44, tr(s.W_O)))
-        t_51 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_44)
-        t_52 = (s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_42), s.G_3)) + t_51)
-        return (mean0(t_48, True), mean0(t_49, True), mean0(t_50, True), mean0(t_52, True),)
+        t_34 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_37 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_34, s.t_36)
+        t_38 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_34)
+        t_39 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_38, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_40 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_39, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_35 _ W_V' X'", s.t_35, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_35 W_O' _ X'", s.t_35, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_41 = softmax_diff(s.A, t_40)
+        t_42 = (t_37 + t_41)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_42, s.X, s.W_K), (1, "X' t_43 X _", tr(s.X), s.t_43, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_42), s.X, s.W_Q), (1, "X' t_43' X _", tr(s.X), tr(s.t_43), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_38), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_39, tr(s.W_O)), mean=True)
+        t_44 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_39)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_38), s.G_3), mean=True)), (1, mean0(t_44, True)))
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
 class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "c00f8eb0bc3fb8ad75c0766e"
+    STAMP = "7917d34293162e673fa812e9"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -411,17 +423,17 @@ class mse_causal1(Forward):
         "W_K' X'": 8,
         "W_O W_O'": 3,
         "W_O W_O' W_V'": 2,
-        "W_O t_39'": 2,
+        "W_O t_35'": 2,
         "W_O' W_V'": 12,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
-        "X' t_18": 4,
-        "X' t_18 X": 4,
-        "X' t_18'": 4,
-        "X' t_47": 2,
-        "X' t_47 X": 2,
-        "X' t_47'": 2,
+        "X' t_20": 4,
+        "X' t_20 X": 4,
+        "X' t_20'": 4,
+        "X' t_43": 2,
+        "X' t_43 X": 2,
+        "X' t_43'": 2,
     }
 
     @leaf
@@ -446,7 +458,7 @@ class mse_causal1(Forward):
 
     @leaf
     def G(s):
-        return ((2/(s.L*s.d_V)) * s.F - (2/(s.L*s.d_V)) * s.Y)
+        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
 
     @leaf
     def t_2(s):
@@ -497,6 +509,10 @@ class mse_causal1(Forward):
         return tr(s.t_7)
 
     @leaf
+    def one(s):
+        return ones((1, s.L), s.like)
+
+    @leaf
     def F_2(s):
         return s.mm('A X W_V W_O', s.A, s.X, s.W_V, s.W_O)
 
@@ -506,47 +522,47 @@ class mse_causal1(Forward):
 
     @leaf
     def t_15(s):
-        return ones((s.d_V, 1), s.like)
+        return (s.t_14 * s.t_14)
 
     @leaf
     def t_16(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
+    def t_17(s):
+        return s.mm('one t_15 t_16', s.one, s.t_15, s.t_16)
+
+    @leaf
+    def t_18(s):
         return (s.F_2 - s.Y)
 
     @leaf
     def G_2(s):
-        return (2/(s.L*s.d_V)) * s.t_16
-
-    @leaf
-    def t_17(s):
-        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_18(s):
-        return softmax_diff(s.A, s.t_17)
+        return (2/(s.L*s.d_V)) * s.t_18
 
     @leaf
     def t_19(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_18 X W_K", tr(s.X), s.t_18, s.X, s.W_K)
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
     def t_20(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_18' X W_Q", tr(s.X), tr(s.t_18), s.X, s.W_Q)
+        return softmax_diff(s.A, s.t_19)
 
     @leaf
-    def t_39(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_16
+    def t_35(s):
+        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_18
 
     @leaf
-    def t_40(s):
-        return s.mm("t_39 W_O' W_V' X'", s.t_39, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_36(s):
+        return s.mm("t_35 W_O' W_V' X'", s.t_35, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_47(s):
-        return softmax_diff(s.A, s.t_40)
+    def t_43(s):
+        return softmax_diff(s.A, s.t_36)
 
     @leaf
     def G_3(s):
-        return (2/(s.L*s.d_V)) * s.t_16
+        return (2/(s.L*s.d_V)) * s.t_18
 
     @leaf
     def dA(s):
@@ -714,59 +730,67 @@ class mse_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.mm('_ t_15', sum_rows((s.t_14 * s.t_14)), s.t_15), True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_17, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.t_19, True), mean0(s.t_20, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_20 X W_K", tr(s.X), s.t_20, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_20' X W_Q", tr(s.X), tr(s.t_20), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O), mean=True)
+        out_W_O = s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
-        t_23 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
-        t_24 = (s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + t_23)
-        t_25 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_24, tr(s.W_O), tr(s.W_V), tr(s.X))
-        t_26 = softmax_diff(s.A, t_25)
-        t_27 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24, tr(s.W_O))
-        t_28 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24)
-        return (mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_26, s.X, s.W_K), True), mean0((1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_26), s.X, s.W_Q), True), mean0(t_27, True), mean0(t_28, True),)
+        t_23 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_24 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_23, tr(s.W_O), tr(s.W_V), tr(s.X))
+        t_25 = softmax_diff(s.A, t_24)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_25, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q, mean=True)
+        t_26 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_23, tr(s.W_O))
+        out_W_V = mean0(t_26, True)
+        t_27 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_23)
+        out_W_O = mean0(t_27, True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_29 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_30 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_29, s.t_17)
-        t_31 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_32 = softmax_diff(s.A, t_31)
-        t_33 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_30 + t_32), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_18 X _", tr(s.X), s.t_18, s.X, V_W_K))
-        t_34 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_30) + tr(t_32)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_18' X _", tr(s.X), tr(s.t_18), s.X, V_W_Q))
-        t_35 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_29)
-        t_36 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_35), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_37 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_35), s.G_2))
-        return (mean0(t_33, True), mean0(t_34, True), mean0(t_36, True), mean0(t_37, True),)
+        t_28 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_29 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_28, s.t_19)
+        t_30 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_31 = softmax_diff(s.A, t_30)
+        t_32 = (t_29 + t_31)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X _", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X _", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
+        t_33 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_28)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_33), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_33), s.G_2), mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_38 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_41 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_38, s.t_40)
-        t_42 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_38)
-        t_43 = s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O)
-        t_44 = (s.mm_sum('r', (1, '_ X W_V W_O', t_42, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + t_43)
-        t_45 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_44, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_39 _ W_V' X'", s.t_39, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_39 W_O' _ X'", s.t_39, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_46 = softmax_diff(s.A, t_45)
-        t_48 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_41 + t_46), s.X, s.W_K), (1, "X' t_47 X _", tr(s.X), s.t_47, s.X, V_W_K))
-        t_49 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_41) + tr(t_46)), s.X, s.W_Q), (1, "X' t_47' X _", tr(s.X), tr(s.t_47), s.X, V_W_Q))
-        t_50 = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_42), s.G_3, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_44, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)))
-        t_51 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_44)
-        t_52 = (s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_42), s.G_3)) + t_51)
-        return (mean0(t_48, True), mean0(t_49, True), mean0(t_50, True), mean0(t_52, True),)
+        t_34 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_37 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_34, s.t_36)
+        t_38 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_34)
+        t_39 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_38, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_40 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_39, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_35 _ W_V' X'", s.t_35, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_35 W_O' _ X'", s.t_35, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_41 = softmax_diff(s.A, t_40)
+        t_42 = (t_37 + t_41)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_42, s.X, s.W_K), (1, "X' t_43 X _", tr(s.X), s.t_43, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_42), s.X, s.W_Q), (1, "X' t_43' X _", tr(s.X), tr(s.t_43), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_38), s.G_3, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_39, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
+        t_44 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_39)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_38), s.G_3), mean=True)), (1, mean0(t_44, True)))
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
 class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "b1c9d27a253865146440fa6c"
+    STAMP = "25e93837aedebf01fc7c8673"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -778,17 +802,17 @@ class ce_causal0(Forward):
         "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
-        "W_O t_37'": 2,
+        "W_O t_33'": 2,
         "W_O' W_V'": 10,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
-        "X' t_17": 4,
-        "X' t_17 X": 4,
-        "X' t_17'": 4,
-        "X' t_45": 2,
-        "X' t_45 X": 2,
-        "X' t_45'": 2,
+        "X' t_19": 4,
+        "X' t_19 X": 4,
+        "X' t_19'": 4,
+        "X' t_42": 2,
+        "X' t_42 X": 2,
+        "X' t_42'": 2,
     }
 
     @leaf
@@ -796,11 +820,19 @@ class ce_causal0(Forward):
         return s.mm('W_V W_O', s.W_V, s.W_O)
 
     @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
     def t_2(s):
-        return bcast_last(sum_last(s.Y), s.d_V)
+        return s.mm('Y one', s.Y, s.one)
 
     @leaf
     def t_3(s):
+        return bcast_last(s.t_2, s.d_V)
+
+    @leaf
+    def t_4(s):
         return tr(s.t)
 
     @leaf
@@ -821,95 +853,99 @@ class ce_causal0(Forward):
 
     @leaf
     def G(s):
-        return ((1/s.L) * (s.t_2 * softmax_rows(s.F)) - (1/s.L) * s.Y)
-
-    @leaf
-    def t_4(s):
-        return softmax_diff(s.A, s.mm("G W_O' W_V' X'", s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        return lin((1/s.L, s.t_2, softmax_rows(s.F)), (-1/s.L, s.Y))
 
     @leaf
     def t_5(s):
-        return s.mm("X' t_4 X", tr(s.X), s.t_4, s.X)
+        return softmax_diff(s.A, s.mm("G W_O' W_V' X'", s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_6(s):
-        return s.mm("G W_O'", s.G, tr(s.W_O))
+        return s.mm("X' t_5 X", tr(s.X), s.t_5, s.X)
 
     @leaf
     def t_7(s):
-        return s.mm('M_1 W_V', s.M_1, s.W_V)
+        return s.mm("G W_O'", s.G, tr(s.W_O))
 
     @leaf
     def t_8(s):
-        return s.mm("M_1' G", tr(s.M_1), s.G)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def t_9(s):
-        return tr(s.t_7)
+        return s.mm("M_1' G", tr(s.M_1), s.G)
 
     @leaf
     def t_10(s):
+        return tr(s.t_8)
+
+    @leaf
+    def t_11(s):
         return softmax_rows(s.F)
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def F_2(s):
         return s.mm('A X W_V W_O', s.A, s.X, s.W_V, s.W_O)
 
     @leaf
-    def t_11(s):
-        return ones((s.d_V, 1), s.like)
-
-    @leaf
     def t_12(s):
-        return (-1/s.L) * s.mm('_ t_11', sum_rows((log_softmax_rows(s.F_2) * s.Y)), s.t_11)
+        return log_softmax_rows(s.F_2)
 
     @leaf
     def t_13(s):
-        return softmax_rows(s.F_2)
+        return (s.t_12 * s.Y)
 
     @leaf
     def t_14(s):
-        return (s.t_2 * s.t_13)
+        return s.mm('one_2 t_13 one', s.one_2, s.t_13, s.one)
 
     @leaf
     def t_15(s):
-        return (s.t_14 - s.Y)
-
-    @leaf
-    def G_2(s):
-        return (1/s.L) * s.t_15
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_16(s):
-        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return (s.t_2 * s.t_15)
 
     @leaf
     def t_17(s):
-        return softmax_diff(s.A, s.t_16)
+        return (s.t_16 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_17
 
     @leaf
     def t_18(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_17 X W_K", tr(s.X), s.t_17, s.X, s.W_K)
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
     def t_19(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_17' X W_Q", tr(s.X), tr(s.t_17), s.X, s.W_Q)
+        return softmax_diff(s.A, s.t_18)
 
     @leaf
-    def t_37(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_15
+    def t_20(s):
+        return softmax_rows(s.F_2)
 
     @leaf
-    def t_38(s):
-        return s.mm("t_37 W_O' W_V' X'", s.t_37, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_33(s):
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_17
 
     @leaf
-    def t_45(s):
-        return softmax_diff(s.A, s.t_38)
+    def t_34(s):
+        return s.mm("t_33 W_O' W_V' X'", s.t_33, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_42(s):
+        return softmax_diff(s.A, s.t_34)
 
     @leaf
     def G_3(s):
-        return (1/s.L) * s.t_15
+        return (1/s.L) * s.t_17
 
     @leaf
     def dA(s):
@@ -930,17 +966,17 @@ class ce_causal0(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_10, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_10, s.t_10),
+            net(1, 'nab,bc->nabc', s.t_11, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_11, s.t_11),
         ])
 
     @leaf
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_4, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_4, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_4),
+            net(1, 'nab,bc->nabc', s.t_5, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_5, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_5),
         ])
 
     @leaf
@@ -953,7 +989,7 @@ class ce_causal0(Forward):
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_3, s.M_2, s.X, s.W_K),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_4, s.M_2, s.X, s.W_K),
         ]
 
     def block__W_Q__W_Q__functional(s):
@@ -965,32 +1001,32 @@ class ce_causal0(Forward):
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_3, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_4, s.M_2, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T))[G @ W_O.T @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_O.T @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_5, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_6, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch,ig->eb|hi', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.M_1, s.W_O),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch,ig->eb|hi', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.M_1, s.W_O),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V) = 1/sqrt(d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (G @ W_O.T ⊗ I[d_V]) @ K[d_H,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,ncf->eb|df', s.W_K, s.M_2, s.X, s.t_6),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,ncf->eb|df', s.W_K, s.M_2, s.X, s.t_7),
         ]
 
     def block__W_Q__W_O__outer(s):
         """H_o(W_Q, W_O) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_7),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_8),
         ]
 
     def block__W_Q__W_O__functional(s):
@@ -1002,7 +1038,7 @@ class ce_causal0(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_3, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_4, s.M_2, s.X, s.W_Q),
         ]
 
     def block__W_K__W_K__functional(s):
@@ -1014,19 +1050,19 @@ class ce_causal0(Forward):
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch,ig->eb|hi', s.W_Q, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.M_1, s.W_O),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch,ig->eb|hi', s.W_Q, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.M_1, s.W_O),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V) = 1/sqrt(d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (G @ W_O.T ⊗ I[d_V]) @ K[d_H,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,ncf->eb|df', s.W_Q, s.M_2, s.X, s.t_6),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,ncf->eb|df', s.W_Q, s.M_2, s.X, s.t_7),
         ]
 
     def block__W_K__W_O__outer(s):
         """H_o(W_K, W_O) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_7),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_8),
         ]
 
     def block__W_K__W_O__functional(s):
@@ -1038,37 +1074,37 @@ class ce_causal0(Forward):
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf,ge->bc|fg', s.M_1, s.W_O, s.t_2, s.dA_2, s.M_1, s.W_O),
+            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf,ge->bc|fg', s.M_1, s.W_O, s.t_3, s.dA_2, s.M_1, s.W_O),
         ]
 
     def block__W_V__W_O__outer(s):
         """H_o(W_V, W_O) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf->bc|fe', s.M_1, s.W_O, s.t_2, s.dA_2, s.t_7),
+            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf->bc|fe', s.M_1, s.W_O, s.t_3, s.dA_2, s.t_8),
         ]
 
     def block__W_V__W_O__functional(s):
         """H_f(W_V, W_O) = (M_1.T @ G ⊗ I[d_H]) @ K[d_V,d_H]"""
         return [
-            net(1/s.n_batch, 'nab->ac|cb', s.t_8, free={'c': s.d_H}),
+            net(1/s.n_batch, 'nab->ac|cb', s.t_9, free={'c': s.d_H}),
         ]
 
     def block__W_O__W_O__outer(s):
         """H_o(W_O, W_O) = 1/L*((W_V.T @ M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_9, s.t_2, s.dA_2, s.t_7),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_10, s.t_3, s.dA_2, s.t_8),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,df->n|ca|ef', s.t_3, s.M_2, s.X, s.W_K),
+            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,df->n|ca|ef', s.t_4, s.M_2, s.X, s.W_K),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,ef->n|ca|df', s.t_3, s.M_2, s.X, s.W_Q),
+            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,ef->n|ca|df', s.t_4, s.M_2, s.X, s.W_Q),
         ]
 
     def jacobian__W_V(s):
@@ -1080,62 +1116,70 @@ class ce_causal0(Forward):
     def jacobian__W_O(s):
         """∂vec_r F/∂vec_r W_O, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_7, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_8, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0(s.t_12, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_14, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.t_18, True), mean0(s.t_19, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_19 X W_K", tr(s.X), s.t_19, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_19' X W_Q", tr(s.X), tr(s.t_19), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O), mean=True)
+        out_W_O = s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        t_22 = (s.mm_sum('r', (1, '_ X W_V W_O', t_21, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
-        t_23 = (s.t_2 * softmax_diff(softmax_rows(s.F_2), t_22))
-        t_24 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_23, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_25 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_24, s.X, s.W_K)
-        t_26 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q)
-        return (mean0(t_25, True), mean0(t_26, True), mean0((1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_23, tr(s.W_O)), True), mean0((1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_23), True),)
+        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
+        t_23 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_24 = (s.t_2 * softmax_diff(s.t_20, t_23))
+        t_25 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_24, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_25, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_24, tr(s.W_O), mean=True)
+        out_W_O = (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_24, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_27 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_27, s.t_16)
-        t_29 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_30 = softmax_diff(s.A, t_29)
-        t_31 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_28 + t_30), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_17 X _", tr(s.X), s.t_17, s.X, V_W_K))
-        t_32 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_28) + tr(t_30)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_17' X _", tr(s.X), tr(s.t_17), s.X, V_W_Q))
-        t_33 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_27)
-        t_34 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_33), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_35 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_33), s.G_2))
-        return (mean0(t_31, True), mean0(t_32, True), mean0(t_34, True), mean0(t_35, True),)
+        t_26 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_26, s.t_18)
+        t_28 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_29 = softmax_diff(s.A, t_28)
+        t_30 = (t_27 + t_29)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X _", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X _", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
+        t_31 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_26)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_31), s.G_2), mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_36 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_39 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_36, s.t_38)
-        t_40 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_36)
-        t_41 = (s.mm_sum('r', (1, '_ X W_V W_O', t_40, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
-        t_42 = (s.t_2 * softmax_diff(s.t_13, t_41))
-        t_43 = s.mm_sum('r', (1, "t_37 _ W_V' X'", s.t_37, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_37 W_O' _ X'", s.t_37, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_42, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_44 = softmax_diff(s.A, t_43)
-        t_46 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_39 + t_44), s.X, s.W_K), (1, "X' t_45 X _", tr(s.X), s.t_45, s.X, V_W_K))
-        t_47 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_39) + tr(t_44)), s.X, s.W_Q), (1, "X' t_45' X _", tr(s.X), tr(s.t_45), s.X, V_W_Q))
-        t_48 = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_40), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_42, tr(s.W_O)))
-        t_49 = (s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_40), s.G_3)) + (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_42))
-        return (mean0(t_46, True), mean0(t_47, True), mean0(t_48, True), mean0(t_49, True),)
+        t_32 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_35 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_32, s.t_34)
+        t_36 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_32)
+        t_37 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_38 = (s.t_2 * softmax_diff(s.t_15, t_37))
+        t_39 = s.mm_sum('r', (1, "t_33 _ W_V' X'", s.t_33, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_33 W_O' _ X'", s.t_33, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_40 = softmax_diff(s.A, t_39)
+        t_41 = (t_35 + t_40)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_41, s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_36), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_36), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_38, mean=True)))
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
 class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "355165d14efd04ed531b9357"
+    STAMP = "9b64c6ba484df2c742ceb56d"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1147,17 +1191,17 @@ class ce_causal1(Forward):
         "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
-        "W_O t_37'": 2,
+        "W_O t_33'": 2,
         "W_O' W_V'": 10,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
-        "X' t_17": 4,
-        "X' t_17 X": 4,
-        "X' t_17'": 4,
-        "X' t_45": 2,
-        "X' t_45 X": 2,
-        "X' t_45'": 2,
+        "X' t_19": 4,
+        "X' t_19 X": 4,
+        "X' t_19'": 4,
+        "X' t_42": 2,
+        "X' t_42 X": 2,
+        "X' t_42'": 2,
     }
 
     @leaf
@@ -1165,11 +1209,19 @@ class ce_causal1(Forward):
         return s.mm('W_V W_O', s.W_V, s.W_O)
 
     @leaf
+    def one(s):
+        return ones((s.d_V, 1), s.like)
+
+    @leaf
     def t_2(s):
-        return bcast_last(sum_last(s.Y), s.d_V)
+        return s.mm('Y one', s.Y, s.one)
 
     @leaf
     def t_3(s):
+        return bcast_last(s.t_2, s.d_V)
+
+    @leaf
+    def t_4(s):
         return tr(s.t)
 
     @leaf
@@ -1190,95 +1242,99 @@ class ce_causal1(Forward):
 
     @leaf
     def G(s):
-        return ((1/s.L) * (s.t_2 * softmax_rows(s.F)) - (1/s.L) * s.Y)
-
-    @leaf
-    def t_4(s):
-        return softmax_diff(s.A, s.mm("G W_O' W_V' X'", s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        return lin((1/s.L, s.t_2, softmax_rows(s.F)), (-1/s.L, s.Y))
 
     @leaf
     def t_5(s):
-        return s.mm("X' t_4 X", tr(s.X), s.t_4, s.X)
+        return softmax_diff(s.A, s.mm("G W_O' W_V' X'", s.G, tr(s.W_O), tr(s.W_V), tr(s.X)))
 
     @leaf
     def t_6(s):
-        return s.mm("G W_O'", s.G, tr(s.W_O))
+        return s.mm("X' t_5 X", tr(s.X), s.t_5, s.X)
 
     @leaf
     def t_7(s):
-        return s.mm('M_1 W_V', s.M_1, s.W_V)
+        return s.mm("G W_O'", s.G, tr(s.W_O))
 
     @leaf
     def t_8(s):
-        return s.mm("M_1' G", tr(s.M_1), s.G)
+        return s.mm('M_1 W_V', s.M_1, s.W_V)
 
     @leaf
     def t_9(s):
-        return tr(s.t_7)
+        return s.mm("M_1' G", tr(s.M_1), s.G)
 
     @leaf
     def t_10(s):
+        return tr(s.t_8)
+
+    @leaf
+    def t_11(s):
         return softmax_rows(s.F)
+
+    @leaf
+    def one_2(s):
+        return ones((1, s.L), s.like)
 
     @leaf
     def F_2(s):
         return s.mm('A X W_V W_O', s.A, s.X, s.W_V, s.W_O)
 
     @leaf
-    def t_11(s):
-        return ones((s.d_V, 1), s.like)
-
-    @leaf
     def t_12(s):
-        return (-1/s.L) * s.mm('_ t_11', sum_rows((log_softmax_rows(s.F_2) * s.Y)), s.t_11)
+        return log_softmax_rows(s.F_2)
 
     @leaf
     def t_13(s):
-        return softmax_rows(s.F_2)
+        return (s.t_12 * s.Y)
 
     @leaf
     def t_14(s):
-        return (s.t_2 * s.t_13)
+        return s.mm('one_2 t_13 one', s.one_2, s.t_13, s.one)
 
     @leaf
     def t_15(s):
-        return (s.t_14 - s.Y)
-
-    @leaf
-    def G_2(s):
-        return (1/s.L) * s.t_15
+        return softmax_rows(s.F_2)
 
     @leaf
     def t_16(s):
-        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
+        return (s.t_2 * s.t_15)
 
     @leaf
     def t_17(s):
-        return softmax_diff(s.A, s.t_16)
+        return (s.t_16 - s.Y)
+
+    @leaf
+    def G_2(s):
+        return (1/s.L) * s.t_17
 
     @leaf
     def t_18(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_17 X W_K", tr(s.X), s.t_17, s.X, s.W_K)
+        return s.mm("G_2 W_O' W_V' X'", s.G_2, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
     def t_19(s):
-        return (1/math.sqrt(s.d_K)) * s.mm("X' t_17' X W_Q", tr(s.X), tr(s.t_17), s.X, s.W_Q)
+        return softmax_diff(s.A, s.t_18)
 
     @leaf
-    def t_37(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_15
+    def t_20(s):
+        return softmax_rows(s.F_2)
 
     @leaf
-    def t_38(s):
-        return s.mm("t_37 W_O' W_V' X'", s.t_37, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_33(s):
+        return (1/(s.L*math.sqrt(s.d_K))) * s.t_17
 
     @leaf
-    def t_45(s):
-        return softmax_diff(s.A, s.t_38)
+    def t_34(s):
+        return s.mm("t_33 W_O' W_V' X'", s.t_33, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_42(s):
+        return softmax_diff(s.A, s.t_34)
 
     @leaf
     def G_3(s):
-        return (1/s.L) * s.t_15
+        return (1/s.L) * s.t_17
 
     @leaf
     def dA(s):
@@ -1299,17 +1355,17 @@ class ce_causal1(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_10, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_10, s.t_10),
+            net(1, 'nab,bc->nabc', s.t_11, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_11, s.t_11),
         ])
 
     @leaf
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_4, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_4, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_4),
+            net(1, 'nab,bc->nabc', s.t_5, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_5, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_5),
         ])
 
     @leaf
@@ -1322,7 +1378,7 @@ class ce_causal1(Forward):
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (I[d_V] ⊗ W_K))"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_3, s.M_2, s.X, s.W_K),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,ik->eb|jk', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_4, s.M_2, s.X, s.W_K),
         ]
 
     def block__W_Q__W_Q__functional(s):
@@ -1334,32 +1390,32 @@ class ce_causal1(Forward):
     def block__W_Q__W_K__outer(s):
         """H_o(W_Q, W_K) = 1/(L*d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_3, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_4, s.M_2, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ ∂softmax_rows(1/sqrt(d_K)*(X @ W_Q @ W_K.T @ X.T), causal)[G @ W_O.T @ W_V.T @ X.T] @ X ⊗ I[d_K]) + 1/d_K*((I[d_V] ⊗ W_K.T) @ Z_2[G @ W_O.T @ W_V.T] @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_5, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_6, free={'c': s.d_K}),
             net(1/(s.d_K*s.n_batch), 'ab,ncd,ncae,ncf,fg->db|eg', s.W_K, s.X, s.M_3, s.X, s.W_Q),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch,ig->eb|hi', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.M_1, s.W_O),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch,ig->eb|hi', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.M_1, s.W_O),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V) = 1/sqrt(d_K)*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (G @ W_O.T ⊗ I[d_V]) @ K[d_H,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,ncf->eb|df', s.W_K, s.M_2, s.X, s.t_6),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,ncf->eb|df', s.W_K, s.M_2, s.X, s.t_7),
         ]
 
     def block__W_Q__W_O__outer(s):
         """H_o(W_Q, W_O) = 1/(L*sqrt(d_K))*((I[d_V] ⊗ W_K.T) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_7),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncda,nce,df,ncf,ncfg,nch->eb|hg', s.W_K, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_8),
         ]
 
     def block__W_Q__W_O__functional(s):
@@ -1371,7 +1427,7 @@ class ce_causal1(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 1/(L*d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (I[L] ⊗ W_O.T @ W_V.T) @ Z_1 @ (W_Q ⊗ I[d_V]) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_3, s.M_2, s.X, s.W_Q),
+            net(1/(s.L*s.d_K*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,gh,nchi,ncj,jk->eb|ik', s.W_Q, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_4, s.M_2, s.X, s.W_Q),
         ]
 
     def block__W_K__W_K__functional(s):
@@ -1383,19 +1439,19 @@ class ce_causal1(Forward):
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch,ig->eb|hi', s.W_Q, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.M_1, s.W_O),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch,ig->eb|hi', s.W_Q, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.M_1, s.W_O),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V) = 1/sqrt(d_K)*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (G @ W_O.T ⊗ I[d_V]) @ K[d_H,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,ncf->eb|df', s.W_Q, s.M_2, s.X, s.t_6),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,ncf->eb|df', s.W_Q, s.M_2, s.X, s.t_7),
         ]
 
     def block__W_K__W_O__outer(s):
         """H_o(W_K, W_O) = 1/(L*sqrt(d_K))*(K[d_V,d_K] @ (W_Q.T ⊗ I[d_V]) @ Z_1.T @ (I[L] ⊗ W_V @ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.t, s.t_2, s.dA_2, s.t_7),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'ab,ncde,nca,df,ncf,ncfg,nch->eb|hg', s.W_Q, s.M_2, s.X, s.t, s.t_3, s.dA_2, s.t_8),
         ]
 
     def block__W_K__W_O__functional(s):
@@ -1407,37 +1463,37 @@ class ce_causal1(Forward):
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 ⊗ W_O.T))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf,ge->bc|fg', s.M_1, s.W_O, s.t_2, s.dA_2, s.M_1, s.W_O),
+            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf,ge->bc|fg', s.M_1, s.W_O, s.t_3, s.dA_2, s.M_1, s.W_O),
         ]
 
     def block__W_V__W_O__outer(s):
         """H_o(W_V, W_O) = 1/L*((M_1.T ⊗ W_O) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf->bc|fe', s.M_1, s.W_O, s.t_2, s.dA_2, s.t_7),
+            net(1/(s.L*s.n_batch), 'nab,cd,nad,nade,naf->bc|fe', s.M_1, s.W_O, s.t_3, s.dA_2, s.t_8),
         ]
 
     def block__W_V__W_O__functional(s):
         """H_f(W_V, W_O) = (M_1.T @ G ⊗ I[d_H]) @ K[d_V,d_H]"""
         return [
-            net(1/s.n_batch, 'nab->ac|cb', s.t_8, free={'c': s.d_H}),
+            net(1/s.n_batch, 'nab->ac|cb', s.t_9, free={'c': s.d_H}),
         ]
 
     def block__W_O__W_O__outer(s):
         """H_o(W_O, W_O) = 1/L*((W_V.T @ M_1.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(M_1 @ W_V @ W_O) @ (M_1 @ W_V ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_9, s.t_2, s.dA_2, s.t_7),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_10, s.t_3, s.dA_2, s.t_8),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,df->n|ca|ef', s.t_3, s.M_2, s.X, s.W_K),
+            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,df->n|ca|ef', s.t_4, s.M_2, s.X, s.W_K),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,ef->n|ca|df', s.t_3, s.M_2, s.X, s.W_Q),
+            net(1/math.sqrt(s.d_K), 'ab,ncbd,nce,ef->n|ca|df', s.t_4, s.M_2, s.X, s.W_Q),
         ]
 
     def jacobian__W_V(s):
@@ -1449,55 +1505,63 @@ class ce_causal1(Forward):
     def jacobian__W_O(s):
         """∂vec_r F/∂vec_r W_O, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_7, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_8, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0(s.t_12, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_14, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        return (mean0(s.t_18, True), mean0(s.t_19, True), mean0(s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O)), True), mean0(s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2), True),)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_19 X W_K", tr(s.X), s.t_19, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_19' X W_Q", tr(s.X), tr(s.t_19), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' G_2 W_O'", tr(s.X), tr(s.A), s.G_2, tr(s.W_O), mean=True)
+        out_W_O = s.mm("W_V' X' A' G_2", tr(s.W_V), tr(s.X), tr(s.A), s.G_2, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        t_22 = (s.mm_sum('r', (1, '_ X W_V W_O', t_21, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
-        t_23 = (s.t_2 * softmax_diff(softmax_rows(s.F_2), t_22))
-        t_24 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_23, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_25 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_24, s.X, s.W_K)
-        t_26 = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q)
-        return (mean0(t_25, True), mean0(t_26, True), mean0((1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_23, tr(s.W_O)), True), mean0((1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_23), True),)
+        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
+        t_23 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_24 = (s.t_2 * softmax_diff(s.t_20, t_23))
+        t_25 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_24, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_25, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_24, tr(s.W_O), mean=True)
+        out_W_O = (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_24, mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_27 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_27, s.t_16)
-        t_29 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_30 = softmax_diff(s.A, t_29)
-        t_31 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), (t_28 + t_30), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_17 X _", tr(s.X), s.t_17, s.X, V_W_K))
-        t_32 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), (tr(t_28) + tr(t_30)), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_17' X _", tr(s.X), tr(s.t_17), s.X, V_W_Q))
-        t_33 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_27)
-        t_34 = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_33), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)))
-        t_35 = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_33), s.G_2))
-        return (mean0(t_31, True), mean0(t_32, True), mean0(t_34, True), mean0(t_35, True),)
+        t_26 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_26, s.t_18)
+        t_28 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_29 = softmax_diff(s.A, t_28)
+        t_30 = (t_27 + t_29)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X _", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X _", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
+        t_31 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_26)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_31), s.G_2), mean=True)
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_36 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_39 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_36, s.t_38)
-        t_40 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_36)
-        t_41 = (s.mm_sum('r', (1, '_ X W_V W_O', t_40, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O)) + s.mm('A X W_V _', s.A, s.X, s.W_V, V_W_O))
-        t_42 = (s.t_2 * softmax_diff(s.t_13, t_41))
-        t_43 = s.mm_sum('r', (1, "t_37 W_O' _ X'", s.t_37, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "t_37 _ W_V' X'", s.t_37, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_42, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_44 = softmax_diff(s.A, t_43)
-        t_46 = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), (t_39 + t_44), s.X, s.W_K), (1, "X' t_45 X _", tr(s.X), s.t_45, s.X, V_W_K))
-        t_47 = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), (tr(t_39) + tr(t_44)), s.X, s.W_Q), (1, "X' t_45' X _", tr(s.X), tr(s.t_45), s.X, V_W_Q))
-        t_48 = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_40), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_42, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)))
-        t_49 = (s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_40), s.G_3)) + (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_42))
-        return (mean0(t_46, True), mean0(t_47, True), mean0(t_48, True), mean0(t_49, True),)
+        t_32 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_35 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_32, s.t_34)
+        t_36 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_32)
+        t_37 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_38 = (s.t_2 * softmax_diff(s.t_15, t_37))
+        t_39 = s.mm_sum('r', (1, "t_33 W_O' _ X'", s.t_33, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "t_33 _ W_V' X'", s.t_33, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_40 = softmax_diff(s.A, t_39)
+        t_41 = (t_35 + t_40)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_41, s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_36), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_36), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_38, mean=True)))
+        return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
 VARIANTS = {
@@ -1506,4 +1570,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "0bd852750594e9b8cf8367d8"
+CHECKSUM = "ba7410b8a5214d2901afcdfa"

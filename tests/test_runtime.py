@@ -221,3 +221,99 @@ def test_counting_reports_planned_flops_and_nothing_outside():
     assert m.flops == C.plan([(0, 1), (1, 2)], (0, 2), {0: 6, 1: 7, 2: 8}).flops > 0
     np_mm(a, b, c)
     assert n.flops == 2 * 2 * 3 * 4 + 2 * 2 * 4 * 5
+
+
+_LIN_SHAPES = [((2, 3, 4),), ((2, 3, 1), (2, 3, 4)), ((2, 1, 4), (2, 3, 1))]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("unit", [True, False])
+def test_lin_is_the_broadcast_linear_combination(backend, unit):
+    """lin((c, x), (c, x, y), …) = Σ c x (∘ y) for broadcast operands, whatever term comes
+    first (a per-token column first, no unit coefficient, a product first), and leaves its
+    operands untouched."""
+    from symhess.runtime import numpy_ops, torch_ops
+    rng = np.random.default_rng(4)
+    a, b, c = rng.standard_normal((2, 3, 1)), rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 1, 4))
+    c0 = 1 if unit else -0.5
+    want = c0 * a + 2.5 * b * c - 3 * b + 0.25 * a * c
+    conv = (lambda x: x) if backend == "numpy" else torch.tensor
+    lin = numpy_ops.lin if backend == "numpy" else torch_ops.lin
+    xa, xb, xc = conv(a), conv(b), conv(c)
+    copies = [np.array(x) for x in (a, b, c)]
+    for terms in ([(c0, xa), (2.5, xb, xc), (-3, xb), (0.25, xa, xc)],
+                  [(2.5, xb, xc), (c0, xa), (0.25, xa, xc), (-3, xb)],
+                  [(0.25, xa, xc), (-3, xb), (2.5, xb, xc), (c0, xa)]):
+        got = np.asarray(lin(*terms))
+        assert got.shape == want.shape
+        assert np.abs(got - want).max() <= 1e-13
+    for x, y in zip((xa, xb, xc), copies):
+        assert np.array_equal(np.asarray(x), y)
+
+
+@pytest.mark.parametrize("ops", [NP, TORCH], ids=["numpy", "torch"])
+def test_matmul_mean_is_the_batch_mean_of_the_products(ops):
+    """mean_n a_n b_n for every layout the fold meets: a laid out (n, K, R) transposed, a
+    contiguous (copied or not), one operand unbatched."""
+    rng = np.random.default_rng(5)
+    conv = (lambda x: x) if ops is NP else torch.tensor
+    a, b = rng.standard_normal((3, 4, 5)), rng.standard_normal((3, 5, 6))
+    want = np.matmul(a, b).mean(0)
+    at = conv(np.ascontiguousarray(a.transpose(0, 2, 1)))
+    for x in (conv(a), ops.tr(at)):
+        assert np.abs(np.asarray(ops.matmul_mean(x, conv(b))) - want).max() <= 1e-13
+    w = rng.standard_normal((5, 2))
+    assert np.abs(np.asarray(ops.matmul_mean(conv(a), conv(w))) - np.matmul(a, w).mean(0)).max() <= 1e-13
+    assert np.abs(np.asarray(ops.matmul_mean(conv(w.T), conv(b))) - np.matmul(w.T, b).mean(0)).max() <= 1e-13
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_lin_accumulates_deferred_products_into_its_sum(backend):
+    """lin with deferred products (``Forward.prod``) = Σ c F₁⋯F_k + the other terms, for
+    every layout the accumulating GEMM meets (batched times plain, both batched, plain times
+    batched, a transposed view, a chain of three), the product first or later; the
+    operands are left untouched."""
+    from symhess.runtime import numpy_ops, torch_ops
+    mod, ops = (numpy_ops, NP) if backend == "numpy" else (torch_ops, TORCH)
+    conv = (lambda x: x) if backend == "numpy" else torch.tensor
+    rng = np.random.default_rng(6)
+    r = lambda *s: rng.standard_normal(s)                          # noqa: E731
+    a, w, bb, p, col = r(3, 4, 5), r(5, 6), r(3, 5, 6), r(4, 5), r(3, 4, 1)
+    at, v, x = r(3, 5, 4), r(6, 6), r(3, 4, 6)
+    s = Forward({}, {}, 3, ops, Schedule(), conv(a))
+    cases = [
+        ([("_ _", a, w), ("_ _", a, bb), ("_ _", p, bb)], a @ w + 2 * (a @ bb) - 0.5 * (p @ bb)),
+        ([("_ _", np.swapaxes(at, 1, 2), w), ("_ _ _", a, w, v)],
+         np.swapaxes(at, 1, 2) @ w + 2 * (a @ w @ v)),
+    ]
+    for prods, want_p in cases:
+        copies = [np.array(f) for _, *fs in prods for f in fs]
+        coefs = (1, 2, -0.5)
+        want = want_p + 0.25 * x - 3 * col * x
+        for order in (0, 1):
+            terms = [(c, s.prod(k, *map(conv, fs))) for c, (k, *fs) in zip(coefs, prods)]
+            terms += [(0.25, conv(x)), (-3, conv(col), conv(x))]
+            got = np.asarray(mod.lin(*(terms if order == 0 else terms[::-1])))
+            assert got.shape == want.shape
+            assert np.abs(got - want).max() <= 1e-12
+        flat = [f for _, *fs in prods for f in fs]
+        assert all(np.array_equal(f, c) for f, c in zip(flat, copies))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_mul_and_relu_are_the_entrywise_product_and_max(backend):
+    """mul(x₁, x₂, …) = x₁ ∘ x₂ ∘ ⋯ for broadcast operands in any order (a column first or
+    later), its operands untouched; relu(x) = x H(x)."""
+    from symhess.runtime import numpy_ops, torch_ops
+    mod = numpy_ops if backend == "numpy" else torch_ops
+    conv = (lambda x: x) if backend == "numpy" else torch.tensor
+    rng = np.random.default_rng(7)
+    col, full, row = rng.standard_normal((2, 3, 1)), rng.standard_normal((2, 3, 4)), rng.standard_normal((1, 4))
+    want = col * full * row * full
+    for xs in ((col, full, row, full), (full, col, full, row), (row, col, full, full)):
+        copies = [np.array(x) for x in xs]
+        got = np.asarray(mod.mul(*map(conv, xs)))
+        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-13
+        assert all(np.array_equal(x, c) for x, c in zip(xs, copies))
+    assert np.array_equal(np.asarray(mod.relu(conv(full))),
+                          np.asarray(conv(full) * mod.heaviside(conv(full), 0.0)) + 0.0)

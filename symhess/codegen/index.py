@@ -189,6 +189,8 @@ class Lowering:
         """One node's terms, or the generator of its rule (which yields sub-lowerings)."""
         if isinstance(n, E.Zero):
             return []
+        if isinstance(n, E.Ones):
+            return _ones(self, n, rows, cols, t)
         if is_leaf(n):
             return [t.copy(factors=t.factors + (Factor(n, tuple(rows) + tuple(cols)),))]
         fn = _LOWER.get(type(n))

@@ -13,7 +13,8 @@ its matrix-view routines.
 
 and collects the plain-matrix *leaves* the operands read (A, X W_K, the output gradient …)
 and the matrix-view routines (loss, gradient, Hessian–vector products, the layer's check
-inputs).  ``codegen.python`` turns it into source.
+inputs), each routine's sums folded onto the products it forms anyway
+(``codegen.factor``).  ``codegen.python`` turns it into source.
 
 Operands carry index *atoms* (integers with symbolic sizes, ``sizes``); data-dependent
 operands additionally carry the batch axis, which the printer adds.
@@ -26,6 +27,7 @@ import sympy as sp
 
 from ..expr import nodes as E
 from ..calculus.hessian import Derivation
+from .factor import factor_shared
 from .index import Lowering
 
 HALVES = ("outer", "functional")
@@ -136,12 +138,14 @@ class Program:
         return list(seen)
 
     def routines(self):
-        """{name: (expressions, directions)} of the matrix-view routines (formed once: the
-        printer counts their references and then prints them)."""
+        """{name: (expressions, directions)} of the matrix-view routines (``factor_shared``
+        applied to each routine's expressions; formed once: the printer counts their
+        references and then prints them)."""
         if not self.with_routines:
             return {}
         if self._routines is None:
-            self._routines = self._form_routines()
+            self._routines = {name: (factor_shared(exprs), dirs)
+                              for name, (exprs, dirs) in self._form_routines().items()}
         return self._routines
 
     def _form_routines(self):

@@ -88,7 +88,11 @@ class Printer:
         self.local_names = None    # node -> name inside the routine being printed
         self.local_defs = None
         self.chain_keys = []       # the factor names of every printed product (``shared_runs``)
-        self.refs = _references(program)
+        self.forms = {}            # node -> "row" | "col" | None (``form``)
+        self.full_leaf = {}        # compressed node -> name of its broadcast (full) leaf
+        roots = program.leaves() + [e for exprs, _ in program.routines().values() for e in exprs]
+        self.summands = _subsums(roots)
+        self.refs, self.twins = _references(roots, self.summands)
         for node in self.refs:              # a named quantity's definition takes its name
             if isinstance(node, E.Named):
                 self.hints.setdefault(node.inner, node.name)
@@ -121,15 +125,61 @@ class Printer:
     def depends_on_arguments(self, node) -> bool:
         return any(v.role == "direction" for v in node.free_vars)
 
+    def form(self, node):
+        """"row" for a matrix constant along each row (P 1ᵀ, and entrywise functions, sums
+        and products of such): printed as its (…, R, 1) column and broadcast only where a full
+        array is needed; "col" for one constant down each column ((…, 1, C)); None otherwise.
+        Per-token reductions (row sums, variances, their powers) are then computed on R
+        entries, not R·C."""
+        if node in self.forms:
+            return self.forms[node]
+        stack = [node]                  # children first, on an explicit stack
+        while stack:
+            n = stack[-1]
+            if n in self.forms:
+                stack.pop()
+                continue
+            kids = [k for k in _form_kids(self, n) if k not in self.forms]
+            if kids:
+                stack.extend(kids)
+                continue
+            self.forms[n] = _form(self, n)
+            stack.pop()
+        return self.forms[node]
+
     def code(self, node) -> str:
-        """The code of a node: a reference when it has a name, else its expression."""
+        """The code of a node as a full array (a compressed form broadcast, a view)."""
         return self._run(self._code(node))
 
+    def ccode(self, node) -> str:
+        """The code of a node in its compressed form (``form``)."""
+        return self._run(self._ccode(node))
+
+    def leaf(self, node) -> str:
+        """A named leaf holding the full array (``_leaf``)."""
+        return self._run(self._leaf(node))
+
     def _run(self, top):
-        """Run a rule generator and the sub-expressions it asks for on an explicit stack."""
-        return run_rules(top, lambda kind, node: self._code(node) if kind == "code" else self._leaf(node))
+        """Run a rule generator and the sub-expressions it asks for on an explicit stack
+        (requests: ``("code" | "ccode" | "leaf", node)``)."""
+        steps = {"code": self._code, "ccode": self._ccode, "leaf": self._leaf}
+        return run_rules(top, lambda kind, node: steps[kind](node))
+
+    def widened(self, node, text):
+        f = self.form(node)
+        if f == "row":
+            return f"bcast_last({text}, {self.size(node.cols)})"
+        if f == "col":
+            return f"bcast_rows({text}, {self.size(node.rows)})"
+        return text
 
     def _code(self, node):
+        return self.widened(node, (yield "ccode", node))
+
+    def _ccode(self, node):
+        """The code of a node in its compressed form (``form``): a reference when it has a
+        name, else its expression.  In a routine, a sub-expression that does not depend on
+        the arguments is a leaf (computed once per prepared state)."""
         if isinstance(node, E.Var):
             return _var(self, node)
         if node in self.leaf_names:
@@ -142,13 +192,10 @@ class Printer:
         scaled = _monic_sum(node) if self.local_names is not None else None
         if scaled is not None and self.refs.get(scaled[1], 0) > 1:
             c, monic = scaled                            # c · S with S named once for all c
-            return _scaled(self, c, (yield "code", monic))
-        if isinstance(node, E.MatMul):                 # a product whose transpose has a name
-            t = E.transpose(node)
-            if t in self.leaf_names:
-                return f"tr(s.{self.leaf_names[t]})"
-            if self.local_names is not None and t in self.local_names:
-                return f"tr({self.local_names[t]})"
+            return _scaled(self, c, (yield "ccode", monic))
+        twin = self.named_twin(node)
+        if twin is not None:
+            return f"tr({twin})"
         fn = RULES.get(type(node))
         if fn is None:
             raise NotImplementedError(f"the kernel printer has no rule for {type(node).__name__} "
@@ -158,7 +205,23 @@ class Printer:
             text = yield from text
         if self.needs_name(node, text):
             return self.define(node, text)
+        if self.local_names is not None and not self.depends_on_arguments(node) and \
+                not isinstance(node, (E.Transpose, E.Scale, E.Constant)) and \
+                not re.fullmatch(r"(s\.)?\w+", text):
+            return self.define(node, text, force_leaf=True)
         return text
+
+    def named_twin(self, node):
+        """The name of Pᵀ when this node is P and Pᵀ was computed already (the algebra
+        pushes transposes to the leaves, so (A B)ᵀ is the separate node Bᵀ Aᵀ)."""
+        t = self.twins.get(node)
+        if t is None:
+            return None
+        if t in self.leaf_names:
+            return f"s.{self.leaf_names[t]}"
+        if self.local_names is not None and t in self.local_names:
+            return self.local_names[t]
+        return None
 
     def needs_name(self, node, text):
         if isinstance(node, (E.Var, E.Constant)) or re.fullmatch(r"(s\.)?\w+", text):
@@ -180,19 +243,26 @@ class Printer:
         self.leaf_defs.append((name, text, _leaf_doc(node, hint)))
         return f"s.{name}"
 
-    def leaf(self, node) -> str:
-        """A named leaf (network operands are always names)."""
-        return self._run(self._leaf(node))
-
     def _leaf(self, node):
+        """A named leaf holding the full array (network operands and product factors are
+        always names; a compressed node gets a second leaf, its broadcast view)."""
         if isinstance(node, E.Var):
             return _var(self, node)
+        if self.form(node):
+            if node not in self.full_leaf:
+                c = yield "ccode", node
+                if not re.fullmatch(r"s\.\w+", c):
+                    c = self.define(node, c, force_leaf=True)
+                name = self.fresh(self.hints.get(node) or "t")
+                self.full_leaf[node] = name
+                self.leaf_defs.append((name, self.widened(node, c), ""))
+            return f"s.{self.full_leaf[node]}"
         if node in self.leaf_names:
             return f"s.{self.leaf_names[node]}"
         if self.known and node.key in self.known:
             self.leaf_names[node] = self.known[node.key]
             return f"s.{self.leaf_names[node]}"
-        text = yield "code", node
+        text = yield "ccode", node
         if re.fullmatch(r"s\.\w+", text):
             self.leaf_names[node] = text[2:]
             return text
@@ -257,9 +327,15 @@ class Printer:
         for v in dirs:
             self.taken.add(v.name)
         outs = []
-        for e in exprs:
-            c = self.code(e)
-            outs.append(c if name == "check_inputs" else f"mean0({c}, {self.batched(e)})")
+        params = self.prog.derivation.layer.param_names
+        for i, e in enumerate(exprs):
+            text = self.code(e) if name == "check_inputs" else self._run(_mean_code(self, e))
+            if name in ("gradient",) or name.startswith("hvp__"):
+                out = _ident(f"out_{params[i]}")
+                out = out if out not in self.taken else self.fresh(out)
+                self.local_defs.append(f"{out} = {text}")
+                text = out
+            outs.append(text)
         if name == "loss":
             ret = f"{outs[0]}[..., 0, 0]"
         else:
@@ -372,25 +448,42 @@ def _plain(dim, atoms):
     return len(atoms) == 1 and not E.same(dim, 1)
 
 
-def _references(program):
-    """How many distinct parents (and network operands, counted once each) use each node; the
-    operand of a scaling counts the scaling's users (a sum writes c · A with A inline)."""
-    refs = {}
-    roots = program.leaves() + [e for exprs, _ in program.routines().values() for e in exprs]
-    nodes = {}
-    for r in roots:                     # deterministic order (sets of nodes hash per process)
-        for n in E.walk(r, skip=nodes):   # what an earlier root holds is there already
-            nodes.setdefault(n, None)
+def _references(roots, summands):
+    """How many distinct parents (and roots, counted once each) use each node, a sum with
+    shared sub-sums (``summands``) counting as the parent of those and of its other terms;
+    the operand of a scaling counts the scaling's users (a sum writes c · A with A inline)."""
+    refs, nodes = {}, {}
+    stack = list(reversed(roots))
+    while stack:                        # deterministic order (sets of nodes hash per process)
+        node = stack.pop()
+        if node in nodes:
+            continue
+        nodes[node] = _children(node, summands)
+        stack.extend(reversed(nodes[node]))
+    parents = {}
+    for node, kids in nodes.items():
+        for a in kids:
+            parents.setdefault(a, []).append(node)
+    twins = {}                     # P and Pᵀ both in the DAG: one is computed, the other is tr(…)
+    for node in _children_first(roots):   # (transposes memoised children first: no deep recursion)
+        if node not in nodes:
+            continue
+        if isinstance(node, (E.Var, E.Transpose, E.Scale, E.Constant, E.Ones, E.Identity)) or node in twins:
+            continue
+        t = E.transpose(node)
+        if t != node and t in nodes:
+            twins[node], twins[t] = t, node
+    rep = {}                       # a parent and its twin are one user (the twin is tr(…) of it)
     for node in nodes:
-        for a in node.args:
-            refs[a] = refs.get(a, 0) + 1
+        rep[node] = rep.get(twins.get(node), node) if node in twins else node
+    for node in nodes:
+        users = {rep[m] for m in parents.get(node, ())} | {rep[m] for m in parents.get(twins.get(node), ())}
+        if users:
+            refs[node] = len(users)
     for r in roots:
         refs[r] = refs.get(r, 0) + 1
-    for node in nodes:             # a product and its transpose are one quantity (X V, Vᵀ Xᵀ)
-        if isinstance(node, E.MatMul):
-            t = E.transpose(node)
-            if t in nodes and t is not node and t != node:
-                refs[node] = refs[t] = refs.get(node, 0) + refs.get(t, 0)
+        if r in twins:
+            refs[twins[r]] = refs.get(twins[r], 0) + 1
     for node in nodes:             # c·S₁ and c′·S₁ (scalars sit on a sum's terms) share S₁
         scaled = _monic_sum(node)
         if scaled is not None:
@@ -398,7 +491,125 @@ def _references(program):
     for node in nodes:             # a sum prints c · A as its term: A is used where c · A is
         if isinstance(node, E.Scale) and refs.get(node, 0) > 1:
             refs[node.args[0]] = max(refs.get(node.args[0], 0), refs[node])
-    return refs
+    return refs, twins
+
+
+def _children_first(roots):
+    """Every node below ``roots`` once, children before parents (``E.walk``), in a
+    deterministic order."""
+    order, seen = [], {}
+    for r in roots:
+        for node in E.walk(r, skip=seen):
+            seen[node] = None
+            order.append(node)
+    return order
+
+
+def _children(node, summands):
+    if node in summands:
+        return [t for _, t in summands[node]]
+    return list(node.args)
+
+
+def _subsums(roots):
+    """{sum: [(c, term)]} for the sums that contain another sum of the DAG up to a common
+    factor: Σ_t c_t x_t = r·(Σ_{t∈S} c′_t x_t) + Σ_{t∉S} c_t x_t when some sum S has c_t = r c′_t
+    on all its terms (LayerNorm's centring writes u − (1/d) rowsum(u) 1ᵀ with u's terms
+    spelled out in both; the algebra spreads a scalar over a sum's terms, so 2/d·u is a sum
+    of its own).  The largest such S is taken first, then the largest in what is left.
+    Sums that are multiples of one monic sum S (first coefficient 1, ``_monic_sum``) that is
+    no sum of the DAG refer to S when there are two or more.  A whole sum n = r·m is taken
+    only for m monic and n not, so these references, like the printer's c·S for a monic S, lead to monic sums, which
+    refer to none by a whole match.  Terminates: each partial step leaves fewer terms."""
+    order = [node for node in _children_first(roots) if isinstance(node, E.Add)]
+    terms = {n: dict(E._split(t)[::-1] for t in n.args) for n in order}
+    rank = {n: i for i, n in enumerate(order)}
+    by_core = {}
+    for n in order:
+        for core in terms[n]:
+            by_core.setdefault(core, []).append(n)
+    out = {}
+    for n in order:
+        left = dict(terms[n])
+        items = []
+        while len(left) >= 2:
+            best = None
+            first = {m for core in left for m in by_core[core]}
+            for m in sorted(first, key=rank.get):
+                tm = terms[m]
+                if m is n or len(tm) < 2 or len(tm) > len(left) or (len(tm) == len(terms[n]) and (
+                        _monic_sum(n) is None or _monic_sum(m) is not None)):
+                    continue                    # a whole sum: r·m for m monic, n not
+                r = _ratio(left, tm)
+                if r is not None and (best is None or len(tm) > len(terms[best[0]])):
+                    best = (m, r)
+            if best is None:
+                break
+            m, r = best
+            items.append((r, m))
+            for core in terms[m]:
+                del left[core]
+        if items:
+            out[n] = items + [(c, core) for core, c in left.items()]
+    monic = {}                     # c·S and c′·S with their monic S in no sum of the DAG: S
+    for n in order:                # is a sum of its own, their one child
+        ms = _monic_sum(n) if n not in out else None
+        if ms is not None and ms[1] not in rank:
+            monic.setdefault(ms[1], []).append((n, ms[0]))
+    for monic_sum, users in monic.items():
+        if len(users) >= 2:
+            for n, c in users:
+                out[n] = [(c, monic_sum)]
+    return out
+
+
+def _ratio(have, sub):
+    """r with have[t] = r·sub[t] for every term t of ``sub`` (all in ``have``), else None."""
+    r = None
+    for core, c in sub.items():
+        if core not in have:
+            return None
+        q = sp.cancel(sp.sympify(have[core]) / sp.sympify(c))
+        if r is None:
+            r = q
+        elif sp.cancel(q - r) != 0:
+            return None
+    return r
+
+
+def _form_kids(pr, n):
+    """The nodes whose forms ``_form`` reads for ``n``."""
+    if isinstance(n, (E.Scale, E.Named, E.Elementwise, E.Transpose)):
+        return [n.args[0]]
+    if isinstance(n, E.Add) and n in pr.summands:
+        return [t for _, t in pr.summands[n]]
+    if isinstance(n, (E.Add, E.Hadamard)):
+        return list(n.args)
+    return []
+
+
+def _form(pr, n):
+    """See ``Printer.form`` (the forms of ``_form_kids(n)`` are known)."""
+    if isinstance(n, E.MatMul):
+        f = list(n.args)
+        j = next((i for i, x in enumerate(f) if isinstance(x, E.Ones)), None)
+        if j is None:
+            return None
+        left, right = f[:j], f[j + 1:]
+        if left and not right and not E.same(f[j].cols, 1):
+            return "row"
+        if right and not left and not E.same(f[j].rows, 1):
+            return "col"
+        return None
+    if isinstance(n, (E.Scale, E.Named, E.Elementwise)):
+        return pr.form(n.args[0])
+    if isinstance(n, E.Transpose):
+        return {"row": "col", "col": "row"}.get(pr.form(n.args[0]))
+    if isinstance(n, (E.Add, E.Hadamard)):
+        kids = pr.summands.get(n) if isinstance(n, E.Add) else None
+        forms = {pr.form(a) for a in ([t for _, t in kids] if kids else n.args)}
+        return forms.pop() if len(forms) == 1 else None
+    return None
 
 
 @lru_cache(maxsize=None)
@@ -453,14 +664,15 @@ def _var(pr, n):
 
 @rule(E.Named)
 def _named(pr, n):
-    return (yield "code", n.inner)
+    return (yield "ccode", n.inner)
 
 
-def _codes(nodes):
-    """The codes of ``nodes``, in order (a rule's sub-expressions)."""
+def _codes(nodes, kind="code"):
+    """The codes of ``nodes``, in order (a rule's sub-expressions; ``kind``: "ccode" for
+    their compressed forms)."""
     out = []
     for x in nodes:
-        out.append((yield "code", x))
+        out.append((yield kind, x))
     return out
 
 
@@ -474,8 +686,8 @@ def _factors(pr, factors):
         if pr.depends_on_arguments(x):
             codes.append((yield "code", x))
             names.append("_")
-        elif isinstance(x, E.Transpose):
-            inner = yield "leaf", x.args[0]
+        elif isinstance(x, E.Transpose) or (pr.named_twin(x) or "").startswith("s."):
+            inner = (yield "leaf", x.args[0]) if isinstance(x, E.Transpose) else pr.named_twin(x)
             codes.append(f"tr({inner})")
             names.append(inner[2:] + "'")
         else:
@@ -487,49 +699,64 @@ def _factors(pr, factors):
 
 @rule(E.MatMul)
 def _matmul(pr, n):
-    """Products bracketed at run time (``Forward.mm``, products of named runs shared); an
-    all-ones factor becomes row/column sums: P 1 Q = rowsum(P) · colsum(Q)."""
+    """Products bracketed at run time (``Forward.mm``, products of named runs shared).  An
+    all-ones factor 1_k 1_mᵀ splits the chain: P 1 Q = (P 1_k)(1_mᵀ Q), each side a chain
+    ending (starting) with a ones vector, so P 1_k is matrix–vector products from the right
+    (X' A' t 1: t 1 first), never P itself; P 1 alone is kept as its column (``form``)."""
     f = list(n.args)
     j = next((i for i, x in enumerate(f) if isinstance(x, E.Ones)), None)
     if j is None:
         codes, names = yield from _factors(pr, f)
         return f"s.mm({names!r}, " + ", ".join(codes) + ")"
     left, ones, right = f[:j], f[j], f[j + 1:]
-    lv = (yield from _summed(pr, left, "sum_last")) if left else None
-    rv = (yield from _summed(pr, right, "sum_rows")) if right else None
-    if lv and rv:
-        return f"{lv} * {rv}"
-    if lv:
-        return lv if E.same(ones.cols, 1) else f"bcast_last({lv}, {pr.size(ones.cols)})"
-    if rv:
-        return rv if E.same(ones.rows, 1) else f"bcast_rows({rv}, {pr.size(ones.rows)})"
+    if left and right:
+        codes, names = yield from _factors(pr, _chain_factors(pr, f))
+        return f"s.mm({names!r}, " + ", ".join(codes) + ")"
+    if left:
+        return (yield from _ones_chain(pr, left, ones.rows, "r"))
+    if right:
+        return (yield from _ones_chain(pr, right, ones.cols, "l"))
     return f"ones(({pr.size(n.rows)}, {pr.size(n.cols)}), s.like)"
 
 
-def _summed(pr, factors, how):
-    """P 1 (``sum_last``) or 1ᵀ Q (``sum_rows``) of a product: the factor next to the ones is
-    summed first, so the product is a vector's (1ᵀ A B = (1ᵀ A) B costs a row of A B)."""
-    at = -1 if how == "sum_last" else 0
-    if len(factors) == 1:
-        return f"{how}({(yield 'code', E.matmul(*factors))})"
-    near = f"{how}({(yield 'code', factors[at])})"
-    rest = factors[:-1] if at == -1 else factors[1:]
-    codes, names = yield from _factors(pr, rest)
-    if at == -1:
-        return f"s.mm({(names + ' _')!r}, " + ", ".join(codes + [near]) + ")"
-    return f"s.mm({('_ ' + names)!r}, " + ", ".join([near] + codes) + ")"
+def _chain_factors(pr, factors):
+    """The factors of a product with each all-ones factor 1_k 1_mᵀ written as its two
+    vectors, so the chain's order sees the rank-one structure (P 1 1ᵀ Q costs L (d + d_ff)
+    as (P 1)(1ᵀ Q), and a sum of such terms shares Q with the others, ``mm_sum``)."""
+    out = []
+    for x in factors:
+        if not isinstance(x, E.Ones):
+            out.append(x)
+            continue
+        for v in ((E.ones(x.rows, 1),) if E.same(x.cols, 1) else (E.ones(1, x.cols),) if E.same(x.rows, 1)
+                  else (E.ones(x.rows, 1), E.ones(1, x.cols))):
+            pr.hints.setdefault(v, "one")
+            out.append(v)
+    return out
 
 
-def _shared_end(terms):
-    """(side, positions) of the largest group (≥ 2) of plain product terms that share their
-    last ("r") or first ("l") factor, the last factor preferred; None if there is none."""
+def _ones_chain(pr, factors, k, side):
+    """F₁⋯F_j 1_k (``side`` "r") or 1_kᵀ F₁⋯F_j ("l") as one chain."""
+    if E.same(k, 1):
+        return (yield "code", E.matmul(*factors))
+    one = E.ones(k, 1) if side == "r" else E.ones(1, k)
+    pr.hints.setdefault(one, "one")
+    chain = list(factors) + [one] if side == "r" else [one] + list(factors)
+    codes, names = yield from _factors(pr, chain)
+    return f"s.mm({names!r}, " + ", ".join(codes) + ")"
+
+
+def _shared_end(pr, terms):
+    """(side, positions) of the largest group (≥ 2) of product terms that share their last
+    ("r") or first ("l") factor (all-ones factors split, ``_chain_factors``), the last factor
+    preferred; None if there is none.  Per-token columns and rows (``form``) stay out."""
     best = None
     for side, at in (("r", -1), ("l", 0)):
         groups = {}
         for i, t in enumerate(terms):
             core = E._split(t)[1]
-            if isinstance(core, E.MatMul) and not any(isinstance(x, E.Ones) for x in core.args):
-                groups.setdefault(core.args[at], []).append(i)
+            if isinstance(core, E.MatMul) and pr.form(core) is None:
+                groups.setdefault(_chain_factors(pr, core.args)[at], []).append(i)
         for members in groups.values():
             if len(members) >= 2 and (best is None or len(members) > len(best[1])):
                 best = (side, members)
@@ -538,29 +765,97 @@ def _shared_end(terms):
 
 @rule(E.Add)
 def _add(pr, n):
-    """A sum; in a routine, the product terms that share an end factor go to ``mm_sum``,
-    which factors them out when that multiplies less at the call's sizes."""
-    shared = _shared_end(n.args) if pr.local_names is not None else None
+    """A sum, its shared sub-sums by name (``_subsums``).  In a routine, the product terms
+    that share an end factor go to ``mm_sum``, which factors them out when that multiplies
+    less at the call's sizes.  The other terms are one ``lin`` call: a fresh array and one
+    in-place pass per term (c·x ∘ y included), instead of a pass per scaling, product and +."""
+    return (yield from _sum_code(pr, n))
+
+
+def _sum_code(pr, n, mean=False):
+    """The code of the sum ``n``; ``mean``: of its batch mean, each product's batch folded
+    into its last product (``Forward.mm(…, mean=True)``)."""
+    items = pr.summands.get(n) or [E._split(t) for t in n.args]
+    head = None
+    shared = _shared_end(pr, [E.scale(c, t) for c, t in items]) if pr.local_names is not None else None
     if shared is not None:
         side, members = shared
-        items = []
+        parts = []
         for i in members:
-            c, core = E._split(n.args[i])
-            codes, names = yield from _factors(pr, core.args)
-            items.append(f"({_py_coef(pr, c)}, {names!r}, " + ", ".join(codes) + ")")
-        head = f"s.mm_sum({side!r}, " + ", ".join(items) + ")"
-        rest = [t for i, t in enumerate(n.args) if i not in members]
-        if not rest:
+            c, core = items[i]
+            codes, names = yield from _factors(pr, _chain_factors(pr, core.args))
+            parts.append(f"({_py_coef(pr, c)}, {names!r}, " + ", ".join(codes) + ")")
+        flag = ", mean=True" if mean else ""
+        head = f"s.mm_sum({side!r}, " + ", ".join(parts) + flag + ")"
+        items = [it for i, it in enumerate(items) if i not in members]
+        if not items:
             return head
-        return "(" + head + " + " + (yield "code", E.add(*rest)) + ")"
-    out = []
-    for t in n.args:
-        c, core = E._split(t)
-        neg = sp.sympify(c).could_extract_minus_sign()
-        body = _scaled(pr, -c if neg else c, (yield "code", core))
-        out.append(("- " if neg else "+ ") + body)
-    text = " ".join(out)
-    return "(" + (text[2:] if text.startswith("+ ") else "-" + text[2:]) + ")"
+
+    def code(t):
+        return (yield from _mean_code(pr, t)) if mean else (yield "ccode", t)
+    if head is None and len(items) == 2 and all(sp.sympify(c) in (1, -1) for c, _ in items) \
+            and sp.sympify(items[0][0]) == 1 and (mean or not any(_deferred(pr, t) for _, t in items)):
+        a = yield from code(items[0][1])
+        b = yield from code(items[1][1])
+        return f"({a} {'+' if sp.sympify(items[1][0]) == 1 else '-'} {b})"
+    if head is None and len(items) == 1:
+        return _scaled(pr, items[0][0], (yield from code(items[0][1])))
+    terms = []
+    for c, t in items:
+        terms.append((yield from _lin_term(pr, c, t, mean)))
+    if head is not None:
+        terms.insert(0, f"(1, {head})")
+    return "lin(" + ", ".join(terms) + ")"
+
+
+def _mean_code(pr, e):
+    """The code of the batch mean of a routine's output: a product (or a sum of products)
+    without a name of its own folds the batch into its last product, so the per-sequence
+    products (n × rows × columns) are never written (a weight gradient Σ_n X_nᵀ G_n as one
+    product over the n·L tokens)."""
+    if not pr.batched(e):
+        return (yield "code", e)
+    c, core = E._split(e)
+    if pr.form(core):
+        return _scaled(pr, c, pr.widened(core, f"mean0({(yield 'ccode', core)}, True)"))
+    named = (core in pr.leaf_names or (pr.local_names is not None and core in pr.local_names)
+             or pr.refs.get(core, 0) > 1 or core in pr.hints)
+    if not named and pr.form(core) is None:
+        if isinstance(core, E.MatMul) and not any(isinstance(x, E.Ones) for x in core.args):
+            codes, names = yield from _factors(pr, core.args)
+            return _scaled(pr, c, f"s.mm({names!r}, " + ", ".join(codes) + ", mean=True)")
+        if isinstance(core, E.Add):
+            return _scaled(pr, c, (yield from _sum_code(pr, core, mean=True)))
+    return f"mean0({(yield 'code', e)}, True)"
+
+
+def _lin_term(pr, c, t, mean=False):
+    """One term of ``lin``: (c, x) or (c, x, y) for c·x ∘ y (the factors of a product that
+    has no name of its own, per-token columns first); ``mean``: of the batch mean."""
+    coef = pr.coef(c)
+    if mean:
+        return f"({coef}, {(yield from _mean_code(pr, t))})"
+    if _deferred(pr, t):
+        codes, names = yield from _factors(pr, t.args)
+        return f"({coef}, s.prod({names!r}, " + ", ".join(codes) + "))"
+    if isinstance(t, E.Hadamard) and not (pr.refs.get(t, 0) > 1 or t in pr.hints or
+                                          t in pr.leaf_names or
+                                          (pr.local_names is not None and t in pr.local_names)):
+        codes = yield from _codes(_hadamard_factors(pr, t), "ccode")
+        x = codes[0] if len(codes) == 2 else "(" + " * ".join(codes[:-1]) + ")" if len(codes) == 3 \
+            else f"mul({', '.join(codes[:-1])})"
+        return f"({coef}, {x}, {codes[-1]})"
+    return f"({coef}, {(yield 'ccode', t)})"
+
+
+def _deferred(pr, t):
+    """Whether the term t of a routine's sum is a product to accumulate into the sum
+    (``Forward.prod``): it depends on the arguments, has no name of its own and no all-ones
+    factor, and is a full array."""
+    return (pr.local_names is not None and isinstance(t, E.MatMul) and pr.depends_on_arguments(t)
+            and not any(isinstance(x, E.Ones) for x in t.args) and pr.form(t) is None
+            and not (pr.refs.get(t, 0) > 1 or t in pr.hints or t in pr.local_names
+                     or pr.named_twin(t) is not None))
 
 
 def _py_coef(pr, c):
@@ -579,7 +874,7 @@ def _scaled(pr, c, code):
 @rule(E.Scale)
 def _scale(pr, n):
     c = sp.sympify(n.coef)
-    inner = yield "code", n.args[0]
+    inner = yield "ccode", n.args[0]
     if c == -1:
         return f"(-{inner})"
     return _scaled(pr, c, inner)
@@ -587,17 +882,45 @@ def _scale(pr, n):
 
 @rule(E.Transpose)
 def _transpose(pr, n):
-    return f"tr({(yield 'code', n.args[0])})"
+    return f"tr({(yield 'ccode', n.args[0])})"
 
 
 @rule(E.Hadamard)
 def _hadamard(pr, n):
-    return "(" + " * ".join((yield from _codes(n.args))) + ")"
+    """A ∘ B ∘ …, the per-token columns (``form``) multiplied first (on R entries); three or
+    more factors as ``mul`` (one fresh array, the rest multiplied in place)."""
+    codes = yield from _codes(_hadamard_factors(pr, n), "ccode")
+    return f"mul({', '.join(codes)})" if len(codes) > 2 else "(" + " * ".join(codes) + ")"
+
+
+def _hadamard_factors(pr, n):
+    """The factors of A ∘ B ∘ …, per-token columns first; in a routine, the factors that do
+    not depend on its arguments are one factor (their product a leaf, formed once per
+    prepared state) when the others do."""
+    fs = list(n.args)
+    if pr.local_names is not None:
+        fixed = [a for a in fs if not pr.depends_on_arguments(a)]
+        if 2 <= len(fixed) < len(fs):
+            fs = [E.hadamard(*fixed)] + [a for a in fs if pr.depends_on_arguments(a)]
+    return sorted(fs, key=lambda a: pr.form(a) is None)
 
 
 @rule(E.Elementwise)
 def _elementwise(pr, n):
-    return scalar_code(n.fn.expr, (yield "code", n.args[0]))
+    """f(A) entrywise; the library functions g(x) inside f's expression (σ in σ' = σ(1 − σ))
+    are leaves of their own, g(A) formed once for every f that holds it."""
+    a = n.args[0]
+    subs = {}
+    if not pr.depends_on_arguments(a):
+        for g in sorted(n.fn.expr.atoms(sp.Function), key=str):
+            if g == n.fn.expr or g.args != (scalarfn.x,) or isinstance(g, sp.Heaviside):
+                continue
+            fn = next((scalarfn.get_function(k) for k, (e, _) in scalarfn.FUNCTIONS.items() if e == g),
+                      None) or scalarfn.ScalarFn(type(g).__name__.lower(), g, "")
+            node = E.elementwise(fn, a)
+            code = yield "ccode", node
+            subs[g] = code if re.fullmatch(r"s\.\w+", code) else pr.define(node, code, force_leaf=True)
+    return scalar_code(n.fn.expr, (yield "ccode", a), subs)
 
 
 @rule(E.SoftmaxRows)
@@ -693,19 +1016,50 @@ _FUNCTIONS = {"exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "cosh"
               "sigmoid": "sigmoid"}
 
 
-def scalar_code(expr, arg):
-    """An entrywise sympy function of x as code applied to ``arg``."""
+def _fewest_ops(expr):
+    """``expr`` or its factored form, whichever has fewer operations (σ'' = σ(1 − σ)(1 − 2σ),
+    4 passes instead of 11), the factored one only if it applies no function that ``expr``
+    does not (no exp(x²/2) from factoring out exp(−x²/2))."""
+    try:
+        f = sp.factor(expr)
+    except (sp.PolynomialError, NotImplementedError):
+        return expr
+    if sp.count_ops(f) < sp.count_ops(expr) and f.atoms(sp.Function) <= expr.atoms(sp.Function):
+        return f
+    return expr
+
+
+def scalar_code(expr, arg, subs=None):
+    """An entrywise sympy function of x as code applied to ``arg``; ``subs``: code for
+    sub-expressions already at hand."""
     if not re.fullmatch(r"[\w.]+", arg):
         arg = f"({arg})"
+    subs = subs or {}
+    expr = _fewest_ops(expr)
 
     def p(e):
+        if e in subs:
+            return subs[e]
         if e == scalarfn.x:
             return arg
         if e.is_number:
             return repr(float(e))
         if isinstance(e, sp.Add):
-            return "(" + " + ".join(p(a) for a in e.args) + ")"
+            terms = sorted(e.args, key=lambda a: a.could_extract_minus_sign())
+            out = p(terms[0])
+            for a in terms[1:]:
+                out += f" - {p(-a)}" if a.could_extract_minus_sign() else f" + {p(a)}"
+            return f"({out})"
+        if isinstance(e, sp.Mul) and e.has(scalarfn.x):
+            c, rest = e.as_independent(scalarfn.x, as_Add=False)
+            if c != 1:                          # the constants as one number: one pass
+                return f"({p(c)} * {p(rest)})"
+        if isinstance(e, sp.Mul) and e.could_extract_minus_sign():
+            return f"(-{p(-e)})"
         if isinstance(e, sp.Mul):
+            steps = [a for a in e.args if isinstance(a, sp.Heaviside)]
+            if len(e.args) == 2 and len(steps) == 1 and steps[0].args[0] in e.args:
+                return f"relu({p(steps[0].args[0])})"         # y H(y) = max(y, 0), any H(0)
             return "(" + " * ".join(p(a) for a in e.args) + ")"
         if isinstance(e, sp.Pow):
             base, ex = e.args

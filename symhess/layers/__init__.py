@@ -1,5 +1,6 @@
 """Declarations: the registry of named layers (``registry``), the attention variants
-(``variants``), LayerNorm, FFN and Transformer blocks (``transformer``), stacks and
+(``variants``), LayerNorm, FFN and Transformer blocks (``transformer``), the
+modern block (``modern``: RMSNorm, rotary, grouped-query attention, SwiGLU), stacks and
 compositions (``stack``), the experiments' model (``models``), torch modules (``modules``)
 and layers named on a command line (``specs``: ``FILE.py:ATTR``, ``MODULE:ATTR``).
 
@@ -7,7 +8,7 @@ Importing this package registers the built-in layers.
 """
 from ..calculus.hessian import Derivation, derive as _derive
 from ..expr.layer import Layer
-from . import models, stack, transformer, variants  # noqa: F401  (register the built-in layers)
+from . import modern, models, stack, transformer, variants  # noqa: F401  (register the built-in layers)
 from .registry import LAYERS, layer, layer_options, register_layer
 
 

@@ -94,12 +94,20 @@ def _solve(shapes, free=(), shared=()):
     return (0 if whole in free else real[whole]), split
 
 
-def multiply(xs, matmul, shape, free=(), shared=(), fetch=None, store=None):
+def multiply(xs, matmul, shape, free=(), shared=(), fetch=None, store=None, fold=None):
     """F₁⋯F_k in the order ``order`` chooses (``matmul`` multiplies two, ``shape`` reads one).
     ``fetch(i, j)`` returns the product of F_i⋯F_j when it is at hand (or None), ``store(i, j,
-    P)`` is told of every product formed over a free or shared interval."""
+    P)`` is told of every product formed over a free or shared interval.  ``fold``: (pair,
+    single) — the last product is ``pair(A, B)`` instead (the batch mean of A B), a chain
+    that needs no product is ``single(F)``."""
+    if fold is not None:
+        pair, single = fold
+        if cost._ACTIVE:
+            def pair(a, b, inner=pair):
+                cost.add_matmul(tuple(shape(a)), tuple(shape(b)))
+                return inner(a, b)
     if len(xs) == 1:
-        return xs[0]
+        return xs[0] if fold is None else single(xs[0])
     if cost._ACTIVE and not getattr(matmul, "counted", False):   # count (runtime.cost)
         inner = matmul
 
@@ -108,9 +116,11 @@ def multiply(xs, matmul, shape, free=(), shared=(), fetch=None, store=None):
             return inner(a, b)
         matmul.counted = True
     if fetch is None and len(xs) == 2:
-        return matmul(xs[0], xs[1])
+        return matmul(xs[0], xs[1]) if fold is None else pair(xs[0], xs[1])
     splits = _solve(tuple(tuple(shape(x)) for x in xs), tuple(free), tuple(shared))[1]
     remembered = set(free) | {(i, j) for i, j, _ in shared}
+
+    root = (0, len(xs) - 1)
 
     def run(i, j):
         if i == j:
@@ -118,8 +128,10 @@ def multiply(xs, matmul, shape, free=(), shared=(), fetch=None, store=None):
         if fetch is not None and (i, j) in remembered:
             got = fetch(i, j)
             if got is not None:
-                return got
+                return got if fold is None or (i, j) != root else single(got)
         s = splits[i, j]
+        if fold is not None and (i, j) == root:
+            return pair(run(i, s), run(s + 1, j))
         out = matmul(run(i, s), run(s + 1, j))
         if store is not None and (i, j) in remembered:
             store(i, j, out)

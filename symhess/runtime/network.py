@@ -200,8 +200,42 @@ def resolve(state, n, groups, paired=False):
     groups the result is wanted over (inlining may identify labels: read them from the
     returned networks).  ``paired``: the networks will be paired with each other (a
     Frobenius norm), where an inlined compact appears on both sides: every compact that
-    fits is materialised (at L = 64, d = 128 inlining cost 700× the flops there)."""
-    return [_materialised(state, m) for m in _expand(state, n, tuple(groups), paired=paired)]
+    fits is materialised (at L = 64, d = 128 inlining cost 700× the flops there).
+
+    The compacts are decided one at a time, each against the others as they stand; a
+    product of structured compacts (LayerNorm Jacobians, diagonal plus rank one per token)
+    pays only when all of them are inlined, so that expansion (when it has at most
+    ``JOINT_MAX`` networks) is compared with the one-at-a-time choice as a whole: post-LN's
+    diag H_o(W_1) then needs no d × d tensor per token."""
+    groups = tuple(groups)
+    nets = _expand(state, n, groups, paired=paired)
+    if state.schedule.materialise == "auto" and not paired and len(nets) < JOINT_MAX:
+        flat = _inlined(n, JOINT_MAX)
+        if flat is not None and len(flat) > len(nets):
+            kept = {id(op): op for m in nets for op in m.ops if isinstance(op, Compact)}
+            chosen = sum(_flops(state, m, groups) for m in nets) + sum(c.cost(state) for c in kept.values())
+            if sum(_flops(state, m, groups) for m in flat) < chosen:
+                nets = flat
+    return [_materialised(state, m) for m in nets]
+
+
+JOINT_MAX = 64       # most networks of an all-inlined expansion that ``resolve`` weighs
+
+
+def _inlined(n, cap):
+    """``n`` with every Compact operand inlined (nested ones too), or None past ``cap``
+    networks."""
+    out, todo = [], [n]
+    while todo:
+        m = todo.pop()
+        k = next((i for i, op in enumerate(m.ops) if isinstance(op, Compact)), None)
+        if k is None:
+            out.append(m)
+        else:
+            todo.extend(inline(m, k, c) for c in m.ops[k].nets)
+        if len(out) + len(todo) > cap:
+            return None
+    return out[::-1]
 
 
 def _expand(state, n, groups, start=0, paired=False, copies=1):

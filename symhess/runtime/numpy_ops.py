@@ -14,14 +14,14 @@ import scipy.special
 
 from . import chain
 from .network import EYE, ONES, Compact, net, refined  # noqa: F401  (used by generated modules)
-from .state import Forward, leaf  # noqa: F401
+from .state import Forward, Product, leaf  # noqa: F401
 from ..errors import SaturationWarning
 
 __all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff", "softmax_diff2",
-           "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
+           "lin", "mul", "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
            "causal_mask", "diag", "diag_part", "vec_r", "unvec_r", "mean0", "unflat",
            "kron", "kron_contract", "commutation", "diag_selector", "refined",
-           "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "cosh", "sinh", "cos",
+           "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "relu", "cosh", "sinh", "cos",
            "sin", "absolute", "net", "Compact", "ONES", "EYE", "Forward", "leaf", "OPS"]
 
 exp, log, tanh, sqrt, cosh, sinh, cos, sin = np.exp, np.log, np.tanh, np.sqrt, np.cosh, np.sinh, np.cos, np.sin
@@ -33,6 +33,11 @@ def heaviside(x, at0):
     return np.heaviside(x, at0)
 
 
+def relu(x):
+    """y H(y) = max(y, 0)."""
+    return np.maximum(x, 0)
+
+
 def mm(*xs):
     """F₁⋯F_k, bracketed for the sizes of the call (``symhess.runtime.chain``)."""
     return chain.multiply(xs, np.matmul, np.shape)
@@ -40,6 +45,40 @@ def mm(*xs):
 
 def tr(x):
     return np.swapaxes(x, -1, -2)
+
+
+def lin(*terms):
+    """Σ_k c_k x_k (∘ y_k) for terms (c, x) or (c, x, y), broadcast, x possibly a deferred
+    product (``Forward.prod``, formed here), accumulated in place in one fresh array (a term
+    spanning the result's shape first)."""
+    terms = [tuple(t[:1]) + tuple(a.value() if isinstance(a, Product) else a for a in t[1:])
+             for t in terms]
+    shape = np.broadcast_shapes(*(np.shape(a) for t in terms for a in t[1:]))
+    spans = [np.broadcast_shapes(*(np.shape(a) for a in t[1:])) == shape for t in terms]
+    order = sorted(range(len(terms)), key=lambda i: not spans[i])
+    acc = None
+    for i in order:
+        t = terms[i]
+        x = t[1] if len(t) == 2 else t[1] * t[2]
+        if acc is None:
+            acc = np.multiply(x, t[0]) if spans[i] else np.broadcast_to(t[0] * x, shape).copy()
+        elif t[0] == 1:
+            acc += x
+        else:
+            acc += t[0] * x
+    return acc
+
+
+def mul(*xs):
+    """x₁ ∘ x₂ ∘ ⋯, broadcast: one fresh array, the later factors multiplied in place once it
+    spans their shape."""
+    acc = np.multiply(xs[0], xs[1])
+    for x in xs[2:]:
+        if np.broadcast_shapes(acc.shape, np.shape(x)) == acc.shape:
+            np.multiply(acc, x, out=acc)
+        else:
+            acc = np.multiply(acc, x)
+    return acc
 
 
 def sum_last(x):
@@ -248,6 +287,36 @@ class _Ops:
             view += c * r
 
     matmul2 = staticmethod(np.matmul)
+
+    @staticmethod
+    def addmm_(acc, a, b, c):
+        """acc += c · a b in place (NumPy's GEMM does not accumulate: formed, then added)."""
+        p = np.matmul(a, b)
+        if c != 1:
+            p *= c
+        acc += p
+        return acc
+
+    @staticmethod
+    def matmul_mean(a, b):
+        """mean_n a_n b_n for batched (n, ·, ·) or plain operands (as in ``torch_ops``)."""
+        if a.ndim == 3 and b.ndim == 3:
+            n, r, k = a.shape
+            c = b.shape[-1]
+            at = a.transpose(0, 2, 1)
+            copies = (0 if at.flags.c_contiguous else a.size) + (0 if b.flags.c_contiguous else b.size)
+            if copies <= n * r * c:
+                return (at.reshape(n * k, r).T @ b.reshape(n * k, c)) / n
+            return np.matmul(a, b).mean(0)
+        if a.ndim == 3:
+            return a.mean(0) @ b
+        if b.ndim == 3:
+            return a @ b.mean(0)
+        return a @ b
+
+    @staticmethod
+    def batch_mean(x):
+        return x.mean(0) if x.ndim == 3 else x
     tr = staticmethod(tr)                 # aᵀ over the last two axes (a view)
 
     @staticmethod

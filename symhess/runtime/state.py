@@ -28,7 +28,7 @@ import functools
 import math
 from functools import cached_property
 
-from . import chain, checks
+from . import chain, checks, chunk
 from . import network as N
 from ..errors import InputError, UnknownNameError
 
@@ -69,6 +69,26 @@ def _part(part):
     if part not in ("outer", "functional", "full"):
         raise UnknownNameError(f"unknown part {part!r}; valid: outer, functional, full")
     return part
+
+
+class Product:
+    """A product F₁⋯F_k of a routine not formed yet (``Forward.prod``): ``value()`` forms it
+    (a fresh array), ``into(acc, c)`` adds c times it to acc in place; ``shape`` is the
+    result's."""
+
+    __slots__ = ("state", "key", "xs", "shape")
+
+    def __init__(self, state, key, xs):
+        self.state, self.key, self.xs = state, key, xs
+        shapes = [tuple(state.ops.shape(x)) for x in xs]
+        batch = max((sh[0] for sh in shapes if len(sh) == 3), default=None)
+        self.shape = ((batch,) if batch is not None else ()) + (shapes[0][-2], shapes[-1][-1])
+
+    def value(self):
+        return self.state.mm(self.key, *self.xs)
+
+    def into(self, acc, c):
+        return self.state.mm(self.key, *self.xs, into=(acc, c))
 
 
 class Forward:
@@ -149,7 +169,7 @@ class Forward:
         nets = self.nets(p, q, part)
         if not nets:
             return self.ops.zeros((self.numel(p), self.numel(q)), like=self.like)
-        return N.dense(self, nets)
+        return chunk.dense(self, nets)
 
     def all_blocks(self):
         """In a variant rendered in parts, every block rendered at once (one lowering for all:
@@ -199,7 +219,7 @@ class Forward:
         if not nets:
             out = self.ops.zeros((self.numel(p),), like=self.like)
         else:
-            out = N.dense(self, nets, groups=(0,))
+            out = chunk.dense(self, nets, groups=(0,))
         self._diag_sums[(p, part)] = out.sum()
         return out
 
@@ -266,8 +286,12 @@ class Forward:
         return self.ops.reshape(acc, shape)
 
     # -- matrix view -------------------------------------------------------------------------
-    def mm(self, key, *xs):
-        """F₁⋯F_k in the cheapest order at these sizes (``runtime.chain``).  ``key`` names
+    def mm(self, key, *xs, mean=False, into=None):
+        """F₁⋯F_k in the cheapest order at these sizes (``runtime.chain``); ``mean``: its
+        batch mean, the batch folded into the last product (``ops.matmul_mean``: one product
+        over the n·L tokens, no per-sequence results); ``into`` (acc, c): acc + c F₁⋯F_k
+        written into acc, the last product accumulated by the GEMM itself
+        (``ops.addmm_``: no array for the product, no pass to add it).  ``key`` names
         the factors, one word each: a factor that does not depend on the routine's arguments
         by its member name (' for its transpose), any other factor by _ ("_ X W_V").
 
@@ -293,7 +317,17 @@ class Forward:
             name, flipped = runs[i, j]
             self._runs[name] = ops.tr(product) if flipped else product
 
-        return chain.multiply(xs, ops.matmul2, ops.shape, free, shared, fetch, store)
+        fold = (ops.matmul_mean, ops.batch_mean) if mean else None
+        if into is not None:
+            acc, c = into
+            fold = (lambda a, b: ops.addmm_(acc, a, b, c),
+                    lambda x: (ops.add_scaled(acc, x, c), acc)[1])
+        return chain.multiply(xs, ops.matmul2, ops.shape, free, shared, fetch, store, fold=fold)
+
+    def prod(self, key, *xs):
+        """F₁⋯F_k deferred (``Product``): the backends' ``lin`` accumulates it into its sum
+        (``mm(…, into=…)``) or takes it as the sum's fresh array."""
+        return Product(self, key, xs)
 
     def _prices(self, key):
         """(free intervals, shared intervals with their counts) of a chain key, now."""
@@ -307,12 +341,13 @@ class Forward:
                 shared.append((i, j, self.RUNS[name]))
         return tuple(free), tuple(shared)
 
-    def mm_sum(self, side, *terms):
+    def mm_sum(self, side, *terms, mean=False):
         """Σ_t c_t F_t,1 ⋯ F_t,k for terms ``(c_t, key_t, F_t,1, …)`` (keys as in ``mm``) that
         share their last (``side`` "r") or first ("l") factor F: computed as written or as
         (Σ_t c_t F_t,1 ⋯ F_t,k−1) F (F (Σ …) on the left), whichever multiplies less at these
         sizes.  Factoring t W_Vᵀ Xᵀ + t′ V_Vᵀ Xᵀ saves a product of size L² d; factoring
-        X V_Q W_Kᵀ Xᵀ + X W_Q V_Kᵀ Xᵀ would cost L d² more."""
+        X V_Q W_Kᵀ Xᵀ + X W_Q V_Kᵀ Xᵀ would cost L d² more.  ``mean``: the batch mean (as
+        in ``mm``)."""
         shape = lambda x: tuple(self.ops.shape(x))         # noqa: E731
         cost = lambda key, xs: chain.chain_cost(tuple(shape(x) for x in xs), *self._prices(key))  # noqa: E731
         as_written = sum(cost(t[1], t[2:]) for t in terms)
@@ -331,11 +366,12 @@ class Forward:
             for c, k, fs in parts:
                 x = c * (self.mm(k, *fs) if len(fs) > 1 else fs[0])
                 acc = x if acc is None else acc + x
+            fold = (self.ops.matmul_mean, self.ops.batch_mean) if mean else None
             return chain.multiply((acc, shared) if side == "r" else (shared, acc),
-                                  self.ops.matmul2, self.ops.shape)
+                                  self.ops.matmul2, self.ops.shape, fold=fold)
         acc = None
         for t in terms:
-            x = t[0] * self.mm(t[1], *t[2:])
+            x = t[0] * self.mm(t[1], *t[2:], mean=mean)
             acc = x if acc is None else acc + x
         return acc
 

@@ -9,15 +9,15 @@ import torch
 
 from . import chain
 from .network import EYE, ONES, Compact, net, refined  # noqa: F401  (used by generated modules)
-from .state import Forward, leaf  # noqa: F401
+from .state import Forward, Product, leaf  # noqa: F401
 from .numpy_ops import SATURATED
 from ..errors import SaturationWarning
 
 __all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff", "softmax_diff2",
-           "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
+           "lin", "mul", "sum_last", "sum_rows", "bcast_last", "bcast_rows", "eye", "zeros", "ones",
            "causal_mask", "diag", "diag_part", "vec_r", "unvec_r", "mean0", "unflat",
            "kron", "kron_contract", "commutation", "diag_selector", "refined",
-           "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "cosh", "sinh", "cos",
+           "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "relu", "cosh", "sinh", "cos",
            "sin", "absolute", "net", "Compact", "ONES", "EYE", "Forward", "leaf", "OPS"]
 
 exp, log, tanh, sqrt, cosh, sinh, cos, sin = (torch.exp, torch.log, torch.tanh, torch.sqrt,
@@ -27,7 +27,12 @@ absolute, sigmoid, erf = torch.abs, torch.sigmoid, torch.special.erf
 
 def heaviside(x, at0):
     """The step function (comparisons: autograd has no derivative for aten::heaviside)."""
+    if at0 == 0:
+        return (x > 0).to(x.dtype)
     return (x > 0).to(x.dtype) + float(at0) * (x == 0).to(x.dtype)
+
+
+relu = torch.relu          # y H(y)
 
 
 def mm(*xs):
@@ -37,6 +42,63 @@ def mm(*xs):
 
 def tr(x):
     return x.transpose(-1, -2)
+
+
+def lin(*terms):
+    """Σ_k c_k x_k (∘ y_k) for terms (c, x) or (c, x, y), broadcast, x possibly a deferred
+    product (``Forward.prod``): one fresh array (a product spanning the result's shape taken
+    as it is formed, else a term spanning it, a unit one preferred), then one in-place pass
+    per term (``add_`` with alpha, ``addcmul_``; a product accumulated by its GEMM,
+    ``_Ops.addmm_``); the first coefficient is factored out and put back last when it is not
+    1."""
+    shapes = [[_shape(a) for a in t[1:]] for t in terms]
+    shape = torch.broadcast_shapes(*(s for ss in shapes for s in ss))
+    spans = [torch.broadcast_shapes(*ss) == shape for ss in shapes]
+    deferred = [len(t) == 2 and isinstance(t[1], Product) for t in terms]
+    order = sorted(range(len(terms)), key=lambda i: (not spans[i], not deferred[i], len(terms[i]) != 2,
+                                                     terms[i][0] != 1))
+    terms = [tuple(t[:1]) + tuple(a.value() if isinstance(a, Product) and (i == order[0] or len(t) > 2)
+                                  else a for a in t[1:]) for i, t in enumerate(terms)]
+    first, rest = terms[order[0]], [terms[i] for i in order[1:]]
+    c0 = first[0]
+    if deferred[order[0]]:
+        acc = first[1]
+    elif len(first) == 3:
+        acc = torch.mul(first[1], first[2])
+    elif rest and len(rest[0]) == 2 and not isinstance(rest[0][1], Product):
+        acc = torch.add(first[1], rest[0][1], alpha=rest[0][0] / c0)
+        rest = rest[1:]
+    elif rest and len(rest[0]) == 3:
+        acc = torch.addcmul(first[1], rest[0][1], rest[0][2], value=rest[0][0] / c0)
+        rest = rest[1:]
+    else:
+        acc = first[1].clone(memory_format=torch.contiguous_format)
+    if tuple(acc.shape) != tuple(shape):
+        acc = acc.expand(shape).clone()
+    for t in rest:
+        if isinstance(t[1], Product):
+            t[1].into(acc, t[0] / c0)
+        elif len(t) == 2:
+            acc.add_(t[1], alpha=t[0] / c0)
+        else:
+            acc.addcmul_(t[1], t[2], value=t[0] / c0)
+    return acc if c0 == 1 else acc.mul_(c0)
+
+
+def mul(*xs):
+    """x₁ ∘ x₂ ∘ ⋯, broadcast: one fresh array, the later factors multiplied in place once it
+    spans their shape."""
+    acc = torch.mul(xs[0], xs[1])
+    for x in xs[2:]:
+        if torch.broadcast_shapes(acc.shape, x.shape) == acc.shape:
+            acc.mul_(x)
+        else:
+            acc = torch.mul(acc, x)
+    return acc
+
+
+def _shape(a):
+    return a.shape if isinstance(a, Product) else tuple(a.shape)
 
 
 def sum_last(x):
@@ -237,6 +299,47 @@ class _Ops:
         view.add_(r, alpha=c)
 
     matmul2 = staticmethod(torch.matmul)
+
+    @staticmethod
+    def addmm_(acc, a, b, c):
+        """acc += c · a b in place, the product accumulated by the GEMM (``addmm_``,
+        ``baddbmm_``: beta 1), acc contiguous; otherwise formed and added."""
+        if acc.is_contiguous() and acc.dim() == 3 and b.dim() == 2 and a.dim() == 3 \
+                and a.shape[0] == acc.shape[0]:
+            acc.view(-1, acc.shape[-1]).addmm_(a.reshape(-1, a.shape[-1]), b, alpha=c)
+        elif acc.dim() == 3 and a.dim() == 3 and b.dim() == 3 and tuple(acc.shape) == \
+                (a.shape[0], a.shape[1], b.shape[2]) and a.shape[0] == b.shape[0]:
+            acc.baddbmm_(a, b, alpha=c)
+        elif acc.dim() == 2 and a.dim() == 2 and b.dim() == 2:
+            acc.addmm_(a, b, alpha=c)
+        else:
+            acc.add_(torch.matmul(a, b), alpha=c)
+        return acc
+
+    @staticmethod
+    def matmul_mean(a, b):
+        """mean_n a_n b_n for batched (n, ·, ·) or plain operands.  Both batched: the batch
+        joins the inner dimension, (R × n·K)(n·K × C), one product and no per-sequence
+        results, unless laying the operands out for it copies more than those results
+        would take; one batched: its mean first."""
+        if a.dim() == 3 and b.dim() == 3:
+            n, r, k = a.shape
+            c = b.shape[-1]
+            copies = (0 if a.transpose(1, 2).is_contiguous() else a.numel()) + \
+                (0 if b.is_contiguous() else b.numel())
+            if copies <= n * r * c:
+                out = torch.mm(a.transpose(1, 2).reshape(n * k, r).T, b.reshape(n * k, c))
+                return out.div_(n)
+            return torch.matmul(a, b).mean(0)
+        if a.dim() == 3:
+            return torch.matmul(a.mean(0), b)
+        if b.dim() == 3:
+            return torch.matmul(a, b.mean(0))
+        return torch.matmul(a, b)
+
+    @staticmethod
+    def batch_mean(x):
+        return x.mean(0) if x.dim() == 3 else x
     tr = staticmethod(tr)                 # aᵀ over the last two axes (a view)
 
     @staticmethod

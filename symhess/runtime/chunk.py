@@ -1,0 +1,141 @@
+"""Compact tensors too large to keep, formed and used one slice of sequences or tokens at a time.
+
+A per-token compact of a full block (LayerNorm's Jacobian composed with the MLP's, d × d per
+token) has B L d² entries: 1.1 GB at L = d = 256, B = 8, past the schedule's
+``compact_limit``.  ``resolve`` would then inline its networks into every network that uses
+it, multiplying the networks and forming the MLP's per-token product in each.
+
+A reduction sums its networks over every label it does not output, and a sum splits over any
+partition of a summed label's range:
+
+    Σ_x N(x) = Σ_chunks Σ_{x ∈ chunk} N(x).
+
+``dense(state, nets, groups)`` (the diagonal, a block) therefore evaluates the networks that
+hold an oversized compact chunk by chunk: the labels of the compacts' batch axis (and, when a
+single sequence still does not fit, their token axis) are narrowed to a slice in every
+operand that carries them, a compact to the compact of its networks narrowed the same way
+(nested compacts too), so that each compact is formed only for the slice, once per slice for
+all the networks of the reduction (``cache``), and released before the next.  Chunks are as
+large as ``compact_limit`` allows.  Networks without such a compact are evaluated as they are.
+
+Cost: the flops of forming each compact once (as when it fits) plus each network's per-chunk
+contraction; memory: a slice of each compact (≤ ``compact_limit`` entries) and the
+contractions' intermediates (≤ the schedule's ``limit``).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+from . import network as N
+
+
+def dense(state, nets, groups=(0, 1)):
+    """``network.dense`` with oversized compacts evaluated in slices (module docstring)."""
+    if not nets:
+        return None
+    first = nets[0]
+    shape = [first.sizes[x] for g in groups for x in first.groups[g]]
+    acc = None
+    for n in chunked(state, nets, groups):
+        if [n.sizes[x] for g in groups for x in n.groups[g]] != shape:
+            raise RuntimeError("the networks of one block disagree on its layout")
+        acc = N.accumulate(state, n, groups, acc, shape)
+    flat = [math.prod(first.sizes[x] for x in first.groups[g]) for g in groups]
+    return state.ops.reshape(acc, flat)
+
+
+def chunked(state, nets, groups):
+    """The networks of Σ ``nets`` with every oversized compact's batch (and token) axis cut
+    into slices: those without one first, as they are, then slice after slice."""
+    limit = state.schedule.compact_limit
+    plans, plain = [], []
+    for n in nets:
+        cut = _cut_labels(state, n, groups, limit)
+        (plain if cut is None else plans).append((n, cut))
+    for n, _ in plain:
+        yield n
+    if not plans:
+        return
+    big = [c for _, (cs, _) in plans for c in cs]
+    s0, s1 = big[0].shape[0], big[0].shape[1]
+    per_seq = max(c.entries // s0 for c in big)
+    step0 = max(1, limit // per_seq)
+    step1 = s1 if per_seq <= limit else max(1, limit // max(c.entries // (s0 * s1) for c in big))
+    for b in range(0, s0, step0):
+        rb = (b, min(step0, s0 - b))
+        for t in range(0, s1, step1):
+            rt = (t, min(step1, s1 - t))
+            cache = {}
+            for n, (_, (batch, tokens)) in plans:
+                if step1 == s1 or not tokens:
+                    cuts = [{batch: rb}]
+                else:                                   # the first token label in this slice,
+                    first, *rest = tokens               # every other one over its whole range
+                    ranges = [[(u, min(step1, s1 - u)) for u in range(0, s1, step1)] for _ in rest]
+                    cuts = [{batch: rb, first: rt, **dict(zip(rest, combo))}
+                            for combo in itertools.product(*ranges)]
+                for cut in cuts:
+                    yield narrowed(state, n, cut, cache)
+            del cache
+
+
+def _cut_labels(state, n, groups, limit):
+    """(oversized compacts, (batch label, token labels)) of a network, or None when it holds
+    none or they cannot be cut (their axes not all summed, of other sizes, or not sharing
+    one batch label)."""
+    big = [(op, ls) for op, ls in zip(n.ops, n.labels)
+           if isinstance(op, N.Compact) and not op.materialised and op.entries > limit]
+    if not big:
+        return None
+    out = {x for g in groups for x in n.groups[g]}
+    shape = big[0][0].shape
+    batch = {ls[0] for _, ls in big}
+    if len(batch) != 1 or any(len(c.shape) < 3 or tuple(c.shape[:2]) != tuple(shape[:2])
+                              for c, _ in big):
+        return None
+    tokens = list(dict.fromkeys(ls[1] for _, ls in big))
+    if (batch | set(tokens)) & out or any(ls.count(ls[0]) > 1 or ls[1] in ls[2:] for _, ls in big):
+        return None
+    return [c for c, _ in big], (batch.pop(), tokens)
+
+
+def narrowed(state, n, cuts, cache):
+    """``n`` with each label of ``cuts`` ({label: (start, size)}) restricted to that range in
+    every operand carrying it (compacts: their networks narrowed, shared through ``cache``)."""
+    ops, labels = [], []
+    for op, ls in zip(n.ops, n.labels):
+        axes = {ax: cuts[x] for ax, x in enumerate(ls) if x in cuts}
+        if axes:
+            op = _compact(state, op, axes, cache) if isinstance(op, N.Compact) else _array(state, op, axes)
+        ops.append(op)
+        labels.append(ls)
+    sizes = {x: (cuts[x][1] if x in cuts else s) for x, s in n.sizes.items()}
+    return N.Net(n.coef, ops, labels, n.groups, sizes)
+
+
+def _array(state, a, axes):
+    for ax, (start, size) in axes.items():
+        a = state.ops.narrow(a, ax, start, size)
+    return a
+
+
+def _compact(state, c, axes, cache):
+    """The compact ``c`` restricted to ``axes`` ({axis: (start, size)}): its array narrowed when
+    materialised, else a compact of its networks narrowed (once per slice, ``cache``)."""
+    if c.materialised:
+        return _array(state, c.array(state), axes)
+    key = (id(c), tuple(sorted(axes.items())))
+    if key not in cache:
+        nets = []
+        for m in c.nets:
+            cut = {}
+            for ax, r in axes.items():
+                x = m.groups[0][ax]
+                if cut.get(x, r) != r:
+                    raise RuntimeError(f"compact {c.name}: one label cut at two ranges")
+                cut[x] = r
+            nets.append(narrowed(state, m, cut, cache))
+        cache[key] = N.Compact(c.name, nets)
+    return cache[key]
+
