@@ -322,7 +322,7 @@ def test_progress_bars_are_drawn_on_a_terminal_only(tmp_path, capsys):
     draws it only when stderr is a terminal, the experiments included."""
     from symhess.cli.main import main
     argv = ["experiment", "scaling", "--d-model", "4", "--d-mlp", "8", "--batch", "2",
-            "--sigmas", "0.1,0.2", "--seeds", "1", "--out", str(tmp_path)]
+            "--sigmas", "0.05,0.1", "--seeds", "1", "--out", str(tmp_path)]
     rc, err = _on_a_terminal(argv)
     assert rc == 0 and "scaling softmax" in err and "2/2" in err
     assert main(argv) == 0                      # stderr captured: not a terminal

@@ -10,6 +10,8 @@
   block in the slow profile only (a python block with the rest of its document, a command
   shown with its output by itself; its parse check stays fast); ``<!-- docs-test: excerpt
   PATH -->`` says the block is an excerpt of PATH ("…" stands for any text), checked line by line.
+* A python block that begins ``# NAME.py`` is also the file NAME.py that the document's
+  commands name (``symhess derive NAME.py:ATTR``); their parse check finds it.
 * A fence without a language is a diagram: it may hold no command.
 * Example commands never write into docs/: the committed figures come from
   ``scripts/figures.sh`` alone, which writes exactly the committed files of docs/img.
@@ -172,10 +174,21 @@ def parse(args):
 
 
 SHELL = [b for b in ALL if b.lang in ("bash", "console")]
+USER_FILE = re.compile(r"# (\w+\.py)\n")
+
+
+def user_files(doc):
+    """The files a document's commands name: its python blocks that begin ``# NAME.py``."""
+    return {m[1]: b.body for b in blocks(doc) if b.lang == "python" and (m := USER_FILE.match(b.body))}
 
 
 @pytest.mark.parametrize("block", SHELL, ids=lambda b: b.name)
-def test_shell_commands_are_real(block):
+def test_shell_commands_are_real(block, tmp_path, monkeypatch):
+    files = user_files(block.doc)
+    if files:                                       # the document's own files, written here
+        monkeypatch.chdir(tmp_path)
+        for name, body in files.items():
+            (tmp_path / name).write_text(body)
     commands = _commands(block.body)
     assert commands, f"{block.name}: no command"
     for argv in commands:

@@ -5,7 +5,7 @@ import re
 
 import sympy as sp
 
-from .printer import Printer
+from .printer import Printer, _children_first
 
 
 class TextPrinter(Printer):
@@ -133,9 +133,8 @@ def short_text(expr, limit) -> str | None:
     printing large expressions: a printed expression has at least as many characters as its
     tree has leaves, and a derivation's DAGs can have exponentially many (counted per node
     once, children first, capped at ``limit``)."""
-    from .nodes import walk
     leaves = {}
-    for n in walk(expr):
+    for n in _children_first(expr, lambda n: n.args):
         args = n.args[1:] if type(n).__name__ == "Named" else n.args    # a name prints as itself
         leaves[n] = 1 if not args else min(limit + 1, 1 + sum(leaves[a] for a in args))
     if leaves[expr] > limit:
