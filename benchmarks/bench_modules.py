@@ -3,6 +3,7 @@ torch.func on the module itself.
 
     python -m benchmarks.bench_modules [MODULE ...] [--L 128] [--d 128] [--batch 4] [--heads 4]
                                        [--what setup,blocks,hvp,diag] [--rounds 3]
+                                       [--probes 100] [--probes-run K]
 
 MODULE ∈ mha (nn.MultiheadAttention), encoder (nn.TransformerEncoderLayer, pre-LN, GELU),
 gpt2 (GPT2Block), bert (BertLayer), llama (LlamaDecoderLayer, grouped-query attention with
@@ -16,8 +17,12 @@ gpt2 and llama; float64, eval mode, eager attention for transformers' blocks.
   ``hessian()`` needs; a smaller variant rendered everything with its routines);
 * hvp: a stateless ``Kernel.hvp`` against ``torch.func.jvp(grad(loss))`` of the module
   (``functional_call`` over its parameters, MSE of its output), relative error of the two;
+  also a prepared state's later calls (forward quantities and products of named factors
+  kept, as in Lanczos or CG);
 * diag: the exact diagonal of every declared parameter (prepared state, parts rendered
-  beforehand) against a 100-probe Hutchinson estimate by the same jvp(grad).
+  beforehand) against a 100-probe Hutchinson estimate by the same jvp(grad) (with
+  ``--probes-run K``: K probes timed and the time scaled to 100; each probe is one
+  jvp(grad) and a product, so the time is linear in the probes).
 
 Both sides run in one process, threads pinned to 1, interleaved rounds, minimum
 (``benchmarks.timing``).  Llama's float32 steps are neutralised in the reference
@@ -142,10 +147,12 @@ def run(name, args):
         mine = torch.zeros(ml.module_numel, dtype=torch.float64)
         mine[torch.as_tensor(ml.index)] = ours
         err = float((mine - theirs).norm() / theirs.norm())
-        tm = interleaved({"symhess hvp": lambda: k.hvp(values, v), "jvp(grad)": lambda: ref.hvp(vm)},
-                         rounds=args.rounds)
+        prepared = k.prepare(values)
+        tm = interleaved({"symhess hvp": lambda: k.hvp(values, v), "jvp(grad)": lambda: ref.hvp(vm),
+                          "prepared": lambda: prepared.hvp(v)}, rounds=args.rounds)
         print(f"  hvp {tm['symhess hvp']:.3f} s vs jvp(grad) {tm['jvp(grad)']:.3f} s → "
-              f"{tm['jvp(grad)'] / tm['symhess hvp']:.2f}×  (rel. error {err:.1e})")
+              f"{tm['jvp(grad)'] / tm['symhess hvp']:.2f}×  (rel. error {err:.1e}); a prepared "
+              f"state's later calls {tm['prepared']:.3f} s → {tm['jvp(grad)'] / tm['prepared']:.2f}×")
     if "diag" in what:
         st = k.prepare(values)
         for p in ml.layer.param_names:
@@ -156,8 +163,9 @@ def run(name, args):
             return [s.diag(p) for p in ml.layer.param_names]
 
         g = torch.Generator().manual_seed(0)
+        run_k = min(args.probes_run or args.probes, args.probes)
         probes = [tuple(torch.randint(0, 2, p.shape, generator=g, dtype=torch.float64) * 2 - 1
-                        for p in ref.params) for _ in range(args.probes)]
+                        for p in ref.params) for _ in range(run_k)]
 
         def hutchinson():
             acc = [torch.zeros_like(p) for p in ref.params]
@@ -168,8 +176,10 @@ def run(name, args):
             return [a / len(probes) for a in acc]
 
         tm = interleaved({"exact": exact, "hutchinson": hutchinson}, rounds=max(1, args.rounds // 2))
+        hutch = tm["hutchinson"] * args.probes / run_k
+        scaled = "" if run_k == args.probes else f" ({run_k} probes timed, × {args.probes / run_k:g})"
         print(f"  diag of all {P} parameters {tm['exact']:.2f} s vs {args.probes}-probe Hutchinson "
-              f"{tm['hutchinson']:.2f} s → {tm['hutchinson'] / tm['exact']:.2f}×")
+              f"{hutch:.2f} s{scaled} → {hutch / tm['exact']:.2f}×")
 
 
 def ml_shape(m, xargs, kwargs):
@@ -189,6 +199,9 @@ def main(argv=None):
     ap.add_argument("--what", default="setup,blocks,hvp,diag")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--probes", type=int, default=100)
+    ap.add_argument("--probes-run", type=int, default=0,
+                    help="time this many Hutchinson probes and scale to --probes (each probe is "
+                         "one jvp(grad); 0: run them all)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("SYMHESS_CACHE_DIR", tempfile.mkdtemp(prefix="symhess-bench-"))
