@@ -160,7 +160,8 @@ def run(name, args):
 def diag(ml, k, values, ref, args):
     """Exact diagonals parameter by parameter (parts rendered first, timed apart; stop once
     ``--diag-budget`` seconds are spent) against the Hutchinson estimate of all of them."""
-    names = ml.layer.param_names
+    skip = set(filter(None, args.diag_skip.split(",")))
+    names = [p for p in ml.layer.param_names if p not in skip]
     t = time.perf_counter()
     st = k.prepare(values)
     done_render = []
@@ -197,11 +198,13 @@ def diag(ml, k, values, ref, args):
     hutch = (time.perf_counter() - t) * args.probes / run_k
     scaled = "" if run_k == args.probes else f" ({run_k} probes timed, × {args.probes / run_k:g})"
     slow = sorted(per, key=per.get, reverse=True)[:3]
-    print(f"  render the diagonal blocks' parts {t_render:.1f} s ({len(done_render)} of {len(names)})")
-    print(f"  diag of {len(per)} of {len(names)} parameters {exact:.2f} s (slowest: "
+    print(f"  render the diagonal blocks' parts {t_render:.1f} s ({len(done_render)} of {len(ml.layer.param_names)})")
+    print(f"  diag of {len(per)} of {len(ml.layer.param_names)} parameters {exact:.2f} s (slowest: "
           + ", ".join(f"{p} {per[p]:.2f} s" for p in slow) + f") vs {args.probes}-probe Hutchinson "
           f"of all {hutch:.2f} s{scaled}"
-          + (f" → {hutch / exact:.2f}×" if len(per) == len(names) else ""))
+          + (f" → {hutch / exact:.2f}×" if len(per) == len(ml.layer.param_names) else ""))
+    if skip:
+        print(f"  skipped: {', '.join(sorted(skip))}")
 
 
 def ml_shape(m, xargs, kwargs):
@@ -223,6 +226,8 @@ def main(argv=None):
     ap.add_argument("--probes", type=int, default=100)
     ap.add_argument("--diag-budget", type=float, default=600,
                     help="seconds after which the exact diagonals stop (rendering, then computing)")
+    ap.add_argument("--diag-skip", default="",
+                    help="declared parameters whose exact diagonal is left out (comma-separated)")
     ap.add_argument("--probes-run", type=int, default=0,
                     help="time this many Hutchinson probes and scale to --probes (each probe is "
                          "one jvp(grad); 0: run them all)")
