@@ -3,7 +3,8 @@ torch.func on the module itself.
 
     python -m benchmarks.bench_modules [MODULE ...] [--L 128] [--d 128] [--batch 4] [--heads 4]
                                        [--what setup,blocks,hvp,diag] [--rounds 3]
-                                       [--probes 100] [--probes-run K]
+                                       [--probes 100] [--probes-run K] [--diag-budget S]
+                                       [--diag-skip NAME,...]
 
 MODULE ∈ mha (nn.MultiheadAttention), encoder (nn.TransformerEncoderLayer, pre-LN, GELU),
 gpt2 (GPT2Block), bert (BertLayer), llama (LlamaDecoderLayer, grouped-query attention with
