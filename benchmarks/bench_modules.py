@@ -3,6 +3,8 @@ torch.func on the module itself.
 
     python -m benchmarks.bench_modules [MODULE ...] [--L 128] [--d 128] [--batch 4] [--heads 4]
                                        [--what setup,blocks,hvp,diag] [--rounds 3]
+                                       [--probes 100] [--probes-run K] [--diag-budget S]
+                                       [--diag-skip NAME,...]
 
 MODULE ∈ mha (nn.MultiheadAttention), encoder (nn.TransformerEncoderLayer, pre-LN, GELU),
 gpt2 (GPT2Block), bert (BertLayer), llama (LlamaDecoderLayer, grouped-query attention with
@@ -16,8 +18,12 @@ gpt2 and llama; float64, eval mode, eager attention for transformers' blocks.
   ``hessian()`` needs; a smaller variant rendered everything with its routines);
 * hvp: a stateless ``Kernel.hvp`` against ``torch.func.jvp(grad(loss))`` of the module
   (``functional_call`` over its parameters, MSE of its output), relative error of the two;
-* diag: the exact diagonal of every declared parameter (prepared state, parts rendered
-  beforehand) against a 100-probe Hutchinson estimate by the same jvp(grad).
+  also a prepared state's later calls (forward quantities and products of named factors
+  kept, as in Lanczos or CG);
+* diag: the exact diagonal of every declared parameter, one pass (prepared state, parts
+  rendered beforehand and timed apart; ``--diag-budget`` seconds bound each stage) against a 100-probe Hutchinson estimate by the same jvp(grad) (with
+  ``--probes-run K``: K probes timed and the time scaled to 100; each probe is one
+  jvp(grad) and a product, so the time is linear in the probes).
 
 Both sides run in one process, threads pinned to 1, interleaved rounds, minimum
 (``benchmarks.timing``).  Llama's float32 steps are neutralised in the reference
@@ -142,34 +148,64 @@ def run(name, args):
         mine = torch.zeros(ml.module_numel, dtype=torch.float64)
         mine[torch.as_tensor(ml.index)] = ours
         err = float((mine - theirs).norm() / theirs.norm())
-        tm = interleaved({"symhess hvp": lambda: k.hvp(values, v), "jvp(grad)": lambda: ref.hvp(vm)},
-                         rounds=args.rounds)
+        prepared = k.prepare(values)
+        tm = interleaved({"symhess hvp": lambda: k.hvp(values, v), "jvp(grad)": lambda: ref.hvp(vm),
+                          "prepared": lambda: prepared.hvp(v)}, rounds=args.rounds)
         print(f"  hvp {tm['symhess hvp']:.3f} s vs jvp(grad) {tm['jvp(grad)']:.3f} s → "
-              f"{tm['jvp(grad)'] / tm['symhess hvp']:.2f}×  (rel. error {err:.1e})")
+              f"{tm['jvp(grad)'] / tm['symhess hvp']:.2f}×  (rel. error {err:.1e}); a prepared "
+              f"state's later calls {tm['prepared']:.3f} s → {tm['jvp(grad)'] / tm['prepared']:.2f}×")
     if "diag" in what:
-        st = k.prepare(values)
-        for p in ml.layer.param_names:
-            st.nets(p, p)                                   # render the parts beforehand
+        diag(ml, k, values, ref, args)
 
-        def exact():
-            s = k.prepare(values)
-            return [s.diag(p) for p in ml.layer.param_names]
 
-        g = torch.Generator().manual_seed(0)
-        probes = [tuple(torch.randint(0, 2, p.shape, generator=g, dtype=torch.float64) * 2 - 1
-                        for p in ref.params) for _ in range(args.probes)]
+def diag(ml, k, values, ref, args):
+    """Exact diagonals parameter by parameter (parts rendered first, timed apart; stop once
+    ``--diag-budget`` seconds are spent) against the Hutchinson estimate of all of them."""
+    skip = set(filter(None, args.diag_skip.split(",")))
+    names = [p for p in ml.layer.param_names if p not in skip]
+    t = time.perf_counter()
+    st = k.prepare(values)
+    done_render = []
+    for p in names:
+        st.nets(p, p)                                       # render the parts beforehand
+        done_render.append(p)
+        if time.perf_counter() - t > args.diag_budget:
+            break
+    t_render = time.perf_counter() - t
+    s, per, t0 = k.prepare(values), {}, time.perf_counter()
+    for p in done_render:
+        t = time.perf_counter()
+        s.diag(p)
+        per[p] = time.perf_counter() - t
+        if time.perf_counter() - t0 > args.diag_budget:
+            break
+    exact = sum(per.values())
+    g = torch.Generator().manual_seed(0)
+    run_k = min(args.probes_run or args.probes, args.probes)
+    probes = [tuple(torch.randint(0, 2, p.shape, generator=g, dtype=torch.float64) * 2 - 1
+                    for p in ref.params) for _ in range(run_k)]
 
-        def hutchinson():
-            acc = [torch.zeros_like(p) for p in ref.params]
-            for z in probes:
-                hz = ref.hvp(z)
-                for a, zi, hi in zip(acc, z, hz):
-                    a += zi * hi
-            return [a / len(probes) for a in acc]
+    def hutchinson():
+        acc = [torch.zeros_like(p) for p in ref.params]
+        for z in probes:
+            hz = ref.hvp(z)
+            for a, zi, hi in zip(acc, z, hz):
+                a += zi * hi
+        return [a / len(probes) for a in acc]
 
-        tm = interleaved({"exact": exact, "hutchinson": hutchinson}, rounds=max(1, args.rounds // 2))
-        print(f"  diag of all {P} parameters {tm['exact']:.2f} s vs {args.probes}-probe Hutchinson "
-              f"{tm['hutchinson']:.2f} s → {tm['hutchinson'] / tm['exact']:.2f}×")
+    ref.hvp(probes[0])                                      # warm
+    t = time.perf_counter()
+    hutchinson()
+    hutch = (time.perf_counter() - t) * args.probes / run_k
+    scaled = "" if run_k == args.probes else f" ({run_k} probes timed, × {args.probes / run_k:g})"
+    slow = sorted(per, key=per.get, reverse=True)[:3]
+    print(f"  render the diagonal blocks' parts {t_render:.1f} s ({len(done_render)} of {len(ml.layer.param_names)})")
+    print(f"  diag of {len(per)} of {len(ml.layer.param_names)} parameters {exact:.2f} s (slowest: "
+          + ", ".join(f"{p} {per[p]:.2f} s" for p in slow) + f") vs {args.probes}-probe Hutchinson "
+          f"of all {hutch:.2f} s{scaled}"
+          + (f" → {hutch / exact:.2f}×" if len(per) == len(ml.layer.param_names) else ""))
+    if skip:
+        print(f"  skipped: {', '.join(sorted(skip))}")
 
 
 def ml_shape(m, xargs, kwargs):
@@ -189,6 +225,13 @@ def main(argv=None):
     ap.add_argument("--what", default="setup,blocks,hvp,diag")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--probes", type=int, default=100)
+    ap.add_argument("--diag-budget", type=float, default=600,
+                    help="seconds after which the exact diagonals stop (rendering, then computing)")
+    ap.add_argument("--diag-skip", default="",
+                    help="declared parameters whose exact diagonal is left out (comma-separated)")
+    ap.add_argument("--probes-run", type=int, default=0,
+                    help="time this many Hutchinson probes and scale to --probes (each probe is "
+                         "one jvp(grad); 0: run them all)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("SYMHESS_CACHE_DIR", tempfile.mkdtemp(prefix="symhess-bench-"))
