@@ -404,9 +404,10 @@ def test_kernel_names_a_bad_entry_by_the_index_of_the_array_given(backend):
 
 
 def test_a_budget_too_small_to_slice_raises_at_the_floor(monkeypatch):
-    """SYMHESS_MEMORY_BUDGET=1000 leaves 31 entries per intermediate: keeping to it would cut
-    the diagonal's contractions into thousands of pieces (minutes of overhead); the slicing
-    floor counts them before anything runs and raises."""
+    """SYMHESS_MEMORY_BUDGET=300 leaves 9 entries per intermediate: keeping to it would cut
+    the diagonal's contractions into thousands of pieces (minutes of overhead, even with
+    compacts formed a slice of sequences at a time); the slicing floor counts them before
+    anything runs and raises."""
     from symhess.runtime import contract as C
     from symhess.runtime.numpy_ops import OPS
     rng = np.random.default_rng(0)
@@ -414,9 +415,9 @@ def test_a_budget_too_small_to_slice_raises_at_the_floor(monkeypatch):
     vals = {"X": rng.standard_normal((L_, d_)), "Y": rng.standard_normal((L_, d_)),
             "W_Q": rng.standard_normal((d_, 4)), "W_K": rng.standard_normal((d_, 4)),
             "W_V": rng.standard_normal((d_, d_))}
-    monkeypatch.setenv("SYMHESS_MEMORY_BUDGET", "1000")
+    monkeypatch.setenv("SYMHESS_MEMORY_BUDGET", "300")
     k = symhess.kernel("attention", "numpy", "mse")
-    with pytest.raises(BudgetError, match=r"memory budget of 31 entries would cut a contraction "
+    with pytest.raises(BudgetError, match=r"memory budget of 9 entries would cut a contraction "
                                           r"into .* slices \(the most is 1,024"):
         k.diag(vals, "W_Q")
     monkeypatch.delenv("SYMHESS_MEMORY_BUDGET")
