@@ -31,6 +31,7 @@ the peak memory of a step is its operands plus its result.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -128,17 +129,22 @@ def _shrink(labels, out, sizes):
     largest result)."""
     labels = [tuple(ls) for ls in labels]
     steps, flops, largest = [], 0, 0
+    outs = set(out)
     size = lambda ls: math.prod(sizes[x] for x in set(ls))
     while len(labels) > 1:
+        sets = [set(ls) for ls in labels]
+        holders = Counter(x for st in sets for x in st)     # operands carrying each label
+        own = [size(ls) for ls in labels]
         best = None
         for i in range(len(labels)):
             for j in range(i + 1, len(labels)):
                 a, b = labels[i], labels[j]
-                if not set(a) & set(b):
+                if not sets[i] & sets[j]:
                     continue
-                keep = set(out).union(*(labels[k] for k in range(len(labels)) if k not in (i, j)))
-                res = tuple(dict.fromkeys(x for x in a + b if x in keep))
-                if size(res) <= max(size(a), size(b)):
+                # kept: an output label, or one that an operand other than a and b carries
+                res = tuple(dict.fromkeys(x for x in a + b if x in outs or
+                                          holders[x] > (x in sets[i]) + (x in sets[j])))
+                if size(res) <= max(own[i], own[j]):
                     cost = size(a + b)
                     if best is None or cost < best[0]:
                         best = (cost, i, j, res)

@@ -214,12 +214,23 @@ def resolve(state, n, groups, paired=False):
         if flat is not None and len(flat) > len(nets):
             kept = {id(op): op for m in nets for op in m.ops if isinstance(op, Compact)}
             chosen = sum(_flops(state, m, groups) for m in nets) + sum(c.cost(state) for c in kept.values())
-            if sum(_flops(state, m, groups) for m in flat) < chosen:
+            if _cheaper(state, flat, groups, chosen):
                 nets = flat
     return [_materialised(state, m) for m in nets]
 
 
 JOINT_MAX = 64       # most networks of an all-inlined expansion that ``resolve`` weighs
+
+
+def _cheaper(state, nets, groups, bound):
+    """Whether the networks plan fewer than ``bound`` flops in all; planning stops as soon as
+    the running sum reaches the bound (each plan costs a search over its operands)."""
+    total = 0
+    for m in nets:
+        total += _flops(state, m, groups)
+        if total >= bound:
+            return False
+    return True
 
 
 def _inlined(n, cap):
