@@ -66,6 +66,10 @@ def from_module(module, example_inputs=None, kwargs=None, *, causal=False, attn_
                                "example_inputs pass the mask in kwargs")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(kwargs or {})
+    from .language import from_language_model, ids_of_call
+    ids = ids_of_call(args, kwargs)
+    if ids is not None:                         # a language model on token ids, with its loss
+        return from_language_model(module, args, kwargs, ids, check)
     from .capture import capture
     with torch.no_grad():
         cap = capture(module, args, kwargs, batch_dim)
@@ -147,9 +151,10 @@ class ModuleLayer:
         from ..expr.layer import Layer
         self.module, self.capture = module, cap
         self.args, self.kwargs = args, kwargs
-        self._x = next(a for a in args if hasattr(a, "ndim"))
+        self._x = next((a for a in args if hasattr(a, "ndim")), None)
         self._default = None
         self.casts = list(cap.casts)
+        self.loss = cap.loss           # the loss the module computes itself, or None
         self.batch_first = cap.x_perm[0] != "pos"
         self.layer = Layer(f"module_{_ident(type(module).__name__)}", cap.output, tuple(cap.params),
                            (cap.X,) + tuple(_const_vars(cap)), cap.intermediates, {},
