@@ -37,7 +37,8 @@ import sympy as sp
 from ..calculus.losses import loss
 from ..errors import DeclarationError, InputError
 from ..expr import nodes as E
-from .modules import CAST_TOLERANCE, CHECK_TOLERANCE, ModuleLayer, _Mapped, _as_torch, _rel, no_downcasts
+from .modules import (CALL_KINDS, CAST_TOLERANCE, CHECK_TOLERANCE, ModuleLayer, _Mapped, _as_torch,
+                      _rel, no_downcasts)
 
 
 @loss("ce_next")
@@ -239,5 +240,7 @@ def _check(ml):
                                    f"loss differs from the declared one by {loose:.2e} (> {tol:.1e})")
     ml.forward_error, ml.cast_error = strict, loose
 
+
+CALL_KINDS.append((ids_of_call, from_language_model))
 
 __all__ = ["LanguageModelLayer", "from_language_model", "ce_next"]

@@ -66,10 +66,10 @@ def from_module(module, example_inputs=None, kwargs=None, *, causal=False, attn_
                                "example_inputs pass the mask in kwargs")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(kwargs or {})
-    from .language import from_language_model, ids_of_call
-    ids = ids_of_call(args, kwargs)
-    if ids is not None:                         # a language model on token ids, with its loss
-        return from_language_model(module, args, kwargs, ids, check)
+    for detect, build in CALL_KINDS:            # a language model on token ids, with its loss
+        found = detect(args, kwargs)
+        if found is not None:
+            return build(module, args, kwargs, found, check)
     from .capture import capture
     with torch.no_grad():
         cap = capture(module, args, kwargs, batch_dim)
@@ -82,6 +82,10 @@ def from_module(module, example_inputs=None, kwargs=None, *, causal=False, attn_
 
 
 _OF_LAYER = weakref.WeakKeyDictionary()
+
+# calls captured otherwise: (detect(args, kwargs) → data or None, build(module, args, kwargs,
+# data, check) → ModuleLayer); ``symhess.layers.language`` adds models called on token ids
+CALL_KINDS = []
 
 
 def _check_tensors(module):
