@@ -211,7 +211,7 @@ def test_gpt2_lm_two_layers():
     m = gpt2(n_layer=2, vocab=13, d=16, heads=2, d_ff=64, seed=1)
     ids = token_ids((2, 6), vocab=13, seed=1)
     ml = capture(m, ids)
-    assert len(ml.layer.params) == 2 + 2 * 24 + 2
+    assert len(ml.layer.params) == 2 + 2 * 23 + 2          # W_E, W_P[0:L], 23 per block, ln_f
     check_blocks(ml, ids, Reference(m, ids))
 
 
