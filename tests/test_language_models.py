@@ -215,6 +215,40 @@ def test_gpt2_lm_two_layers():
     check_blocks(ml, ids, Reference(m, ids))
 
 
+def test_one_block_inside_the_model():
+    """The curvature of block 0's parameters of the whole model's loss (block 1, the final
+    LayerNorm and the tied head downstream): H(S, S) as an operator, against autograd of the
+    model's loss, outer and full; its dense form for two parameters; refusals."""
+    m, ids = gpt2(n_layer=2, seed=2), token_ids(seed=2)
+    ml = capture(m, ids)
+    S = ml.declared_under("transformer.h.0")
+    assert len(S) == 23 and all(n.startswith("transformer_h_0_") for n in S)
+    k = sh.kernel(ml.layer, "torch", ml.loss)
+    ref = Reference(m, ids)
+    off = offsets(ml)
+    idx = np.concatenate([off[n] for n in S])
+    g = torch.Generator().manual_seed(7)
+    for part in ("outer", "full"):
+        op = sh.operator(k, ml.batches([ids]), p=list(S), part=part, params=ml.params())
+        assert op.shape == (len(idx), len(idx)) and op.symmetric
+        v = torch.randn(len(idx), generator=g, dtype=torch.float64)
+        vm = torch.zeros(ref.theta.numel(), dtype=torch.float64)
+        vm[idx] = v
+        want = ref.hvp(vm, part).numpy()[idx]
+        assert close(op @ v.numpy(), want, np.linalg.norm(want)), part
+    two = ["transformer_h_0_ln_1_weight", "transformer_h_0_mlp_c_proj_bias"]
+    dense = sh.operator(k, ml.batches([ids]), p=two, params=ml.params()).to_dense()
+    cols = np.concatenate([off[n] for n in two])
+    th = ref.theta.clone().requires_grad_(True)
+    grad = torch.autograd.grad(ref.loss(th), th, create_graph=True)[0]
+    want = torch.stack([torch.autograd.grad(grad[i], th, retain_graph=True)[0] for i in cols]).numpy()[:, cols]
+    assert close(dense, want, np.linalg.norm(want))
+    with pytest.raises(InputError, match="unknown parameter 'nope'"):
+        sh.operator(k, ml.batches([ids]), p=["nope"], params=ml.params())
+    with pytest.raises(InputError, match="no declared parameter lies under"):
+        ml.declared_under("transformer.h.7")
+
+
 # ----------------------------------------------------------------------------- data
 def test_token_batches():
     """Batches of token ids (tensors, HF-style dicts, (ids,) and (ids, labels)) from a list or a

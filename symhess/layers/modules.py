@@ -194,6 +194,20 @@ class ModuleLayer:
             lines.append(f"{p.name}: {p.rows} × {p.cols} = {mod}{rows}")
         return "\n".join(lines)
 
+    def declared_under(self, prefix) -> tuple:
+        """The declared parameters holding entries of module parameters under ``prefix`` (a
+        submodule's path, e.g. ``transformer.h.1``: one Transformer block of a whole model),
+        in declared order — ``symhess.operator(kernel, data, p=[…])`` is then their
+        curvature of the whole loss."""
+        pre = prefix.rstrip(".") + "."
+        out = tuple(p.name for p in self.layer.params
+                    if self.pieces[p.name][0] == prefix or self.pieces[p.name][0].startswith(pre))
+        if not out:
+            mods = sorted({m.rsplit(".", 1)[0] for m in self.module_params if "." in m})
+            raise InputError(f"no declared parameter lies under {prefix!r}; submodules with "
+                             f"parameters: {', '.join(mods)}")
+        return out
+
     # -- values ----------------------------------------------------------------------------
     def _module_tensors(self, source):
         if source is None:
