@@ -48,6 +48,10 @@ def build(n_layer, d, heads, vocab, L, B, seed=0):
     return model, ids
 
 
+def _note(what):
+    print(f"[bench_models] {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
+
+
 def child(opts):
     os.environ["SYMHESS_CACHE_DIR"] = tempfile.mkdtemp(prefix="symhess-bench-models-")
     import torch
@@ -62,6 +66,7 @@ def child(opts):
     t = time.perf_counter()
     ml = sh.from_module(model, (), {"input_ids": ids, "labels": ids, "use_cache": False})
     row["capture"] = time.perf_counter() - t
+    _note("capture done")
     row["params"] = len(ml.layer.params)
     row["entries"] = len(ml.index)
     t = time.perf_counter()
@@ -71,6 +76,7 @@ def child(opts):
     for part in ("outer", "functional", "full"):
         st.hvp(v, part)
     row["hvp_routines"] = time.perf_counter() - t
+    _note("hvp_routines done")
 
     names = [n for n, _ in model.named_parameters()]
     shapes = [p.shape for _, p in model.named_parameters()]
@@ -94,13 +100,16 @@ def child(opts):
     row["hvp_error"] = float((mine() - want).norm() / want.norm())
     times = interleaved({"symhess": mine, "torch.func": ref}, rounds=opts["rounds"])
     row["hvp"], row["hvp_ref"] = times["symhess"], times["torch.func"]
+    _note("hvp done")
     p = "transformer_h_0_attn_c_attn_weight_1"
     t = time.perf_counter()
     st.hessian_block(p, p, "full")
     row["block_qq"] = time.perf_counter() - t
+    _note("block_qq done")
     t = time.perf_counter()
     st.hessian_block(p, "transformer_wte_weight", "full")
     row["block_qe"] = time.perf_counter() - t
+    _note("block_qe done")
     row["peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     print(json.dumps(row))
 
@@ -108,9 +117,9 @@ def child(opts):
 def run(opts):
     t = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench_models", "--child",
-                          json.dumps(opts)], capture_output=True, text=True)
+                          json.dumps(opts)], stdout=subprocess.PIPE, text=True)
     if out.returncode:
-        raise SystemExit(out.stderr.strip().splitlines()[-1])
+        raise SystemExit(f"depth {opts['layers']}: the child failed (its error above)")
     row = json.loads(out.stdout.strip().splitlines()[-1])
     row["wall"] = time.perf_counter() - t
     return row

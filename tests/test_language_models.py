@@ -260,7 +260,7 @@ def test_token_batches():
     data = token_ids((6, L), seed=3)
     loader = DataLoader(TensorDataset(data), batch_size=2)
     dicts = [{"input_ids": data[i:i + 3], "attention_mask": torch.ones(3, L, dtype=torch.long),
-              "labels": data[i:i + 3]} for i in (0, 3)]
+              "position_ids": torch.arange(L).expand(3, L), "labels": data[i:i + 3]} for i in (0, 3)]
     k = sh.kernel(ml.layer, "torch", ml.loss)
     v = torch.randn(len(ml.index), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     vm = torch.zeros(sum(p.numel() for p in m.parameters()), dtype=torch.float64)
@@ -283,6 +283,8 @@ def test_token_batches():
         ml.batch(token_ids((2, 4)))
     with pytest.raises(InputError, match="attention_mask must be all ones"):
         ml.batch({"input_ids": data[:2], "attention_mask": torch.tensor([[1] * L, [1] * (L - 1) + [0]])})
+    with pytest.raises(InputError, match="position_ids must be 0"):
+        ml.batch({"input_ids": data[:2], "position_ids": torch.arange(1, L + 1)[None]})
     with pytest.raises(InputError, match="labels must be the input ids"):
         ml.batch(data[:2], data[2:4])
     with pytest.raises(InputError, match="must lie in 0"):

@@ -119,7 +119,7 @@ class LanguageModelLayer(ModuleLayer):
         if t is None:
             return
         t = _as_torch(t)
-        if tuple(t.reshape(-1, ids.shape[-1]).shape) != tuple(ids.reshape(-1, ids.shape[-1]).shape) or not ok(t):
+        if t.ndim == 0 or t.shape[-1] != ids.shape[-1] or t.ndim > max(ids.ndim, 2) or not ok(t):
             raise InputError(f"{name} must be {what}")
 
     def batch(self, x, y=None) -> dict:
@@ -168,8 +168,8 @@ class LanguageModelLayer(ModuleLayer):
         from ..expr.evaluate import evaluate
         data = self.batch(ids)
         F = self.forward(ids, params)
-        Fv, Yv = E.matrix("F", self.layer.output.rows, self.layer.output.cols), E.matrix("Y", self.layer.output.rows, self.layer.output.cols)
-        ell = get_loss(self.loss)(Fv, Yv)
+        out = self.layer.output
+        ell = get_loss(self.loss)(E.matrix("F", out.rows, out.cols), E.matrix("Y", out.rows, out.cols))
         return torch.stack([evaluate(ell, {"F": F[i], "Y": data["Y"][i]}, backend="torch").reshape(())
                             for i in range(F.shape[0])]).mean()
 
