@@ -2,7 +2,7 @@
 its own loss, by depth, against torch.func on the model itself.
 
     python -m benchmarks.bench_models [--layers 1,2,3] [--L 8] [--batch 4] [--d 16]
-                                      [--heads 2] [--vocab 13] [--rounds 5]
+                                      [--heads 2] [--vocab 13] [--rounds 5] [--block-layer N]
 
 For each depth a fresh process builds ``GPT2LMHeadModel`` from a config (n_embd d, n_head
 heads, d_ff = 4d, vocabulary V, n_positions 16, no dropout, float64, eval mode, SDPA
@@ -15,8 +15,9 @@ attention) and measures
 * hvp: one product of every declared parameter (full part, prepared state) against
   ``torch.func.jvp(grad(loss))`` of the model's own loss (``functional_call``), side by side,
   interleaved rounds, minimum; and their relative difference;
-* block: the first use of one derived block, H(W_Q head 1 of block 0, itself) and against
-  the tied embedding W_E (derivation, lowering, rendering and evaluation);
+* block: the first use of one derived block, H(W_Q head 1 of the last Transformer block
+  (or of block ``--block-layer``), itself) and against the tied embedding W_E (derivation, lowering, rendering and
+  evaluation);
 * peak RSS of the process (``resource.getrusage``: interpreter and imports included).
 
 Threads are pinned to 1.  transformers' float32 loss step is neutralised in the reference
@@ -101,7 +102,8 @@ def child(opts):
     times = interleaved({"symhess": mine, "torch.func": ref}, rounds=opts["rounds"])
     row["hvp"], row["hvp_ref"] = times["symhess"], times["torch.func"]
     _note("hvp done")
-    p = "transformer_h_0_attn_c_attn_weight_1"
+    at = opts["layers"] - 1 if opts.get("block_layer") is None else opts["block_layer"]
+    p = f"transformer_h_{at}_attn_c_attn_weight_1"
     t = time.perf_counter()
     st.hessian_block(p, p, "full")
     row["block_qq"] = time.perf_counter() - t
@@ -137,13 +139,15 @@ def main(argv):
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=13)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--block-layer", type=int, default=None,
+                    help="the Transformer block whose W_Q head 1 the block timings use (default: the last)")
     a = ap.parse_args(argv)
     print(f"{'layers':>6}{'params':>8}{'entries':>9}{'capture':>9}{'hvp routines':>14}"
           f"{'hvp':>10}{'torch.func':>12}{'ratio':>7}{'rel. diff':>11}{'block Q,Q':>11}"
           f"{'block Q,W_E':>13}{'peak RSS':>10}{'process':>9}")
     for n in [int(s) for s in a.layers.split(",")]:
         r = run({"layers": n, "L": a.L, "batch": a.batch, "d": a.d, "heads": a.heads,
-                 "vocab": a.vocab, "rounds": a.rounds})
+                 "vocab": a.vocab, "rounds": a.rounds, "block_layer": a.block_layer})
         print(f"{n:>6}{r['params']:>8}{r['entries']:>9}{r['capture']:>8.1f}s{r['hvp_routines']:>13.1f}s"
               f"{r['hvp'] * 1e3:>8.1f}ms{r['hvp_ref'] * 1e3:>10.1f}ms{r['hvp_ref'] / r['hvp']:>7.2f}"
               f"{r['hvp_error']:>11.1e}{r['block_qq']:>10.1f}s{r['block_qe']:>12.1f}s"
