@@ -35,10 +35,10 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def gpt2(n_layer=1, vocab=V, d=D, heads=HEADS, d_ff=DFF, seed=0, impl="sdpa"):
+def gpt2(n_layer=1, vocab=V, d=D, heads=HEADS, d_ff=DFF, seed=0, impl="sdpa", tie=True):
     cfg = transformers.GPT2Config(n_embd=d, n_head=heads, n_layer=n_layer, n_inner=d_ff,
                                   vocab_size=vocab, n_positions=16, attn_pdrop=0.0,
-                                  resid_pdrop=0.0, embd_pdrop=0.0)
+                                  resid_pdrop=0.0, embd_pdrop=0.0, tie_word_embeddings=tie)
     cfg._attn_implementation = impl
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(cfg).double().eval()
@@ -180,6 +180,17 @@ def test_gpt2_lm_declaration():
     got = np.zeros_like(want)
     got[ml.index] = st.gradient_flat().detach().numpy()
     assert close(got, want, np.linalg.norm(want))
+
+
+def test_untied_head():
+    """Without tied embeddings the head is a parameter of its own (d × V: x Aᵀ declares Aᵀ)."""
+    m = gpt2(seed=4, tie=False)
+    ids = token_ids(seed=4)
+    ml = capture(m, ids)
+    head = ml.layer.param("lm_head_weight")
+    assert (head.rows, head.cols) == (sh.expr.dim("d"), sh.expr.dim("V"))
+    check_blocks(ml, ids, Reference(m, ids), params=["lm_head_weight", "transformer_wte_weight"],
+                 parts=("full",))
 
 
 def test_gpt2_lm_every_block():

@@ -19,6 +19,10 @@ set with shapes, where fx sees only module calls and fails on data-dependent Pyt
   between the sequences of the batch (a padding mask), as a per-sequence input.
 * dtype casts (``to(float32)`` inside a float64 run) are identities of the declaration, which
   states the mathematics in the caller's dtype; each is recorded (``Capture.casts``).
+* A language model called on token ids (``ids``): X is their one-hot matrix, their embedding
+  X W_E, the model's ``cross_entropy_loss`` ends the graph (``Capture.loss``); ops that only
+  rearrange the ids run on the example's ids, ops that read their values are refused; a
+  parameter listed under two names (a tied head) is one parameter (``symhess.layers.language``).
 
 Errors are ``DeclarationError`` s naming the ATen op, the module path and the source line.
 """
@@ -97,7 +101,7 @@ def capture(module, args, kwargs=None, batch_dim=None, ids=None) -> Capture:
         bdim = _batch_dim(module, x, batch_dim)
         X, xsym, x_kinds = _input(ctx, x, bdim)
     else:
-        X, xsym, x_kinds = _ids_input(ctx, ids, params, ep, alias)
+        X, xsym, x_kinds = _ids_input(ctx, ids, params, ep, alias, flat)
     ctx.xsym = xsym
     inputs = iter((v, "X" if v is x64 else None) for v in flat)
     spec = {s.arg.name: s for s in ep.graph_signature.input_specs}
@@ -130,10 +134,11 @@ def _parameters(m):
     return params, alias
 
 
-def _ids_input(ctx, ids, params, ep, alias):
+def _ids_input(ctx, ids, params, ep, alias, flat):
     """Token ids: the data X is their one-hot matrix, L × V per sequence, V the rows of the
-    embedding table that reads them (the first ``aten.embedding`` on the ids)."""
-    V, d = _table(ep, params, alias)
+    embedding table that reads them (the first ``aten.embedding`` of a parameter whose indices
+    come from the ids)."""
+    V, d = _table(ep, params, alias, ids, flat)
     pos = Atom("pos", ids.shape[-1])
     feat = Atom("feat", V, "V")
     ctx.size(d, "d")
@@ -147,13 +152,22 @@ def _ids_input(ctx, ids, params, ep, alias):
     return X, sym, kinds
 
 
-def _table(ep, params, alias):
+def _table(ep, params, alias, ids, flat):
     """(V, d): the shape of the embedding table the token ids index."""
+    import torch.fx as fx
     spec = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    users = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    of_ids = {n for n, v in zip(users, flat) if v is ids}
+
+    def source(a):                          # the placeholder an index tensor comes from
+        while isinstance(a, fx.Node) and a.op == "call_function" and a.args:
+            a = a.args[0]
+        return a.name if isinstance(a, fx.Node) else None
+
     for node in ep.graph.nodes:
-        if node.op == "call_function" and op_name(node.target) == "aten.embedding.default":
-            w = node.args[0]
-            s = spec.get(getattr(w, "name", None))
+        if node.op == "call_function" and op_name(node.target) == "aten.embedding.default" \
+                and source(node.args[1]) in of_ids:
+            s = spec.get(getattr(node.args[0], "name", None))
             if s is not None and s.kind.name == "PARAMETER":
                 V, d = params[alias[s.target]].shape
                 return int(V), int(d)
