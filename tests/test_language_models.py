@@ -321,3 +321,24 @@ def test_refusals():
     with pytest.raises(DeclarationError, match=r"aten\.ne\.Scalar reads the values of the token "
                                                r"ids; .*test_language_models\.py"):
         sh.from_module(Masked(), (ids,))
+
+
+def test_spectrum_command_takes_the_model_loss(tmp_path, capsys):
+    """``symhess spectrum FILE.py:factory`` on a language model: random token ids as data,
+    and only under the model's own loss (another is refused with one line)."""
+    from symhess.cli.main import main
+    f = tmp_path / "lm.py"
+    f.write_text("import torch\n"
+                 "def gpt2_lm():\n"
+                 "    from transformers import GPT2Config, GPT2LMHeadModel\n"
+                 f"    cfg = GPT2Config(n_embd={D}, n_head={HEADS}, n_layer=1, n_inner={DFF}, "
+                 f"vocab_size={V}, n_positions=16, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)\n"
+                 "    torch.manual_seed(0)\n"
+                 f"    ids = torch.randint(0, {V}, (2, {L}))\n"
+                 "    return GPT2LMHeadModel(cfg).double().eval(), (), "
+                 "{'input_ids': ids, 'labels': ids, 'use_cache': False}\n")
+    block = "transformer_ln_f_bias,transformer_ln_f_bias"
+    assert main(["spectrum", f"{f}:gpt2_lm", "--block", block, "--k", "2", "--loss", "mse"]) == 2
+    assert "computes its own loss, ce_next; pass --loss ce_next" in capsys.readouterr().err
+    assert main(["spectrum", f"{f}:gpt2_lm", "--block", block, "--k", "2", "--loss", "ce_next"]) == 0
+    assert "loss=ce_next" in capsys.readouterr().out
