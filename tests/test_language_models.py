@@ -309,6 +309,11 @@ def test_refusals():
     m, ids = gpt2(), token_ids()
     with pytest.raises(DeclarationError, match="labels=input_ids"):
         sh.from_module(m, (), {"input_ids": ids, "use_cache": False})
+    with pytest.raises(DeclarationError, match="the same tensor"):
+        sh.from_module(m, (), {"input_ids": ids, "labels": ids.clone(), "use_cache": False})
+    one = token_ids((2, 1))
+    with pytest.raises(DeclarationError, match="at least 2 tokens"):
+        sh.from_module(m, (), {"input_ids": one, "labels": one, "use_cache": False})
 
     class Masked(torch.nn.Module):
         def __init__(self):

@@ -199,6 +199,10 @@ def from_language_model(module, args, kwargs, ids, check=True) -> LanguageModelL
     import torch
     from .capture import capture
     from .modules import _OF_LAYER
+    if ids.ndim not in (1, 2) or ids.shape[-1] < 2:
+        raise DeclarationError(f"token ids of shape {tuple(ids.shape)}: a language model is "
+                               f"captured on (B, L) or (L,) ids with at least 2 tokens (its "
+                               f"next-token loss of one token predicts nothing)")
     with torch.no_grad():
         cap = capture(module, args, kwargs, None, ids=ids)
     ml = LanguageModelLayer(module, cap, args, kwargs, ids)

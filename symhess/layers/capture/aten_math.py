@@ -382,7 +382,8 @@ def _cross_entropy(ctx, node, logits, target, weight=None, reduction=1, ignore_i
     import torch
     if not isinstance(logits, Sym) or not isinstance(target, S.Ids):
         raise ctx.fail("cross_entropy is declared only as a language model's loss: logits of "
-                       "the model against its shifted token ids (labels=input_ids)")
+                       "the model against its shifted token ids (call it with labels=input_ids, "
+                       "the same tensor)")
     if weight is not None or label_smoothing or reduction != 1:
         raise ctx.fail("cross_entropy with class weights, label smoothing or a reduction other "
                        "than the mean cannot be declared yet")
