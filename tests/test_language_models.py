@@ -153,11 +153,12 @@ def check_blocks(ml, ids, ref, params=None, parts=("outer", "functional", "full"
 
 
 # ----------------------------------------------------------------------------- capture
-def test_gpt2_lm_declaration():
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_gpt2_lm_declaration(impl):
     """One embedding parameter used twice, the positions' rows as one L × d parameter, the
     logits as the output and the model's loss as ce_next; the loss, logits and gradient are
-    the model's."""
-    m, ids = gpt2(), token_ids()
+    the model's (SDPA and eager attention)."""
+    m, ids = gpt2(impl=impl), token_ids()
     ml = capture(m, ids)
     names = ml.layer.param_names
     assert names[:2] == ("transformer_wte_weight", "transformer_wpe_weight_1")
