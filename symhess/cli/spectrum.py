@@ -92,7 +92,8 @@ def check_sizes(sizes, valid, what):
 
 def random_dataset(derivation, sizes, length, batches, batch, seed):
     """(params, [batch dicts]): parameters as ``symhess.calculus.verify.random_values``, data normal
-    (targets: row distributions for cross-entropy), all float64.  Sizes must name the
+    (targets: row distributions for cross-entropy), all float64; a captured language model's
+    data are random token ids (``LanguageModelLayer.batch``) under its own loss only.  Sizes must name the
     layer's dimensions; the arrays are checked against the memory budget before any is made."""
     import sympy as sp
 
@@ -108,8 +109,11 @@ def random_dataset(derivation, sizes, length, batches, batch, seed):
             raise OptionError(f"{lay.name}: constants that differ between the example's "
                               f"sequences ({', '.join(ml.capture.seq_consts)}) have no random data")
         dims = {**ml.capture.dims, **dims}
-        if ml.capture.consts:
+        if ml.capture.consts or ml.loss is not None:
             dims["L"] = ml.capture.example_length
+        if ml.loss is not None and derivation.loss != ml.loss:
+            raise OptionError(f"{lay.name}: the model computes its own loss, {ml.loss}; pass "
+                              f"--loss {ml.loss}")
     dims.setdefault("L", length)
     env = random_sizes(derivation, seed, sizes=dims)
     data_names = {v.name for v in lay.inputs if v.role == "input"} | {"Y"}
@@ -124,6 +128,10 @@ def random_dataset(derivation, sizes, length, batches, batch, seed):
     data_names = [v.name for v in lay.inputs if v.role == "input"] + ["Y"]
     params = {k: v for k, v in vals.items() if k not in data_names}
     rng = np.random.default_rng(seed + 1000)
+    if ml is not None and ml.loss is not None:         # a language model: random token ids
+        import torch
+        return params, [{k: v.numpy() for k, v in ml.batch(torch.as_tensor(
+            rng.integers(0, ml.vocab, (batch, ml.length)))).items()} for _ in range(batches)]
     out = []
     for _ in range(batches):
         b = {}

@@ -4,7 +4,11 @@
 
 * ``p = q = None``: the whole Hessian over every parameter (declared order, vec_r layout);
 * ``p`` only: the block row H(p, ·) (numel p × total);
-* ``p`` and ``q``: the block H(p, q) (numel p × numel q).
+* ``p`` and ``q``: the block H(p, q) (numel p × numel q);
+* ``p`` a list of parameter names S: the principal sub-matrix H(S, S) (the curvature of some
+  parameters — one Transformer block's inside a whole model — of the whole loss: every
+  other parameter fixed, everything downstream of them in the declaration), each product
+  one whole Hessian–vector product with x placed on S (its S-rows kept).
 
 ``part``: "full", "outer" (the Gauss–Newton / GGN part) or "functional" (the rest).
 ``data``: one batch (a dict of all values) or batches of (X, Y) / dicts with ``params``, as in
@@ -59,7 +63,10 @@ class HessianOperator(LinearOperator):
     def __init__(self, dataset, p=None, q=None, part="full", method="auto"):
         check_part(part)
         names = dataset.params_names
-        for x in (p, q):
+        subset = isinstance(p, (list, tuple))
+        if subset:
+            p = _subset(p, q, names)
+        for x in ((q,) if subset else (p, q)):
             if x is not None and x not in names:
                 raise InputError(f"unknown block {x!r}; valid: {', '.join(names)}")
         if p is None and q is not None:
@@ -70,16 +77,25 @@ class HessianOperator(LinearOperator):
         self._like = st.like
         numel = {n: dataset.numel_of(n) for n in names}
         total = sum(numel.values())
-        rows = total if p is None else numel[p]
+        rows = total if p is None else (sum(numel[n] for n in p) if subset else numel[p])
         cols = total if q is None else numel[q]
+        cols = rows if subset else cols
         self.numel = numel
-        self.symmetric = (p is None) or (q is not None and p == q)
-        self.kind = "whole" if p is None else ("row" if q is None else "block")
+        self.symmetric = (p is None) or subset or (q is not None and p == q)
+        self.kind = "subset" if subset else "whole" if p is None else ("row" if q is None else "block")
+        if subset:
+            offs, o = {}, 0
+            for n in names:
+                offs[n] = (o, o + numel[n])
+                o += numel[n]
+            self._slices = [offs[n] for n in p]
+            self._total = total
         dtype = np.dtype(str(st.like.dtype).removeprefix("torch."))
         super().__init__(dtype=dtype, shape=(rows, cols))
 
     def __repr__(self):
-        what = {"whole": "H", "row": f"H({self.p}, ·)", "block": f"H({self.p}, {self.q})"}[self.kind]
+        what = {"whole": "H", "row": f"H({self.p}, ·)", "block": f"H({self.p}, {self.q})",
+                "subset": f"H(S, S) over {len(self.p or ())} parameters"}[self.kind]
         return (f"<symhess {self.part} {what} of {self.dataset.kernel.layer.name}: "
                 f"{self.shape[0]}×{self.shape[1]}, {self.dtype}>")
 
@@ -137,6 +153,8 @@ class HessianOperator(LinearOperator):
         ds, p, q, part = self.dataset, self.p, self.q, self.part
         if self.kind == "whole":
             return self._columns(x, lambda v: ds.hvp(v, part))
+        if self.kind == "subset":
+            return self._columns(x, lambda v: self._subset_hvp(v))
         if self.kind == "block":
             a, b = (q, p) if transpose else (p, q)
             return ds.block_hvp(a, b, x, part, self.method)
@@ -144,6 +162,20 @@ class HessianOperator(LinearOperator):
             return self._columns(x, lambda v: ds.row_hvp(p, v, part, self.method))
         # H(p, ·)ᵀ x = H(·, p) x: every block (r, p) applied to x
         return _vstack([ds.block_hvp(r, p, x, part, self.method) for r in ds.params_names])
+
+    def _subset_hvp(self, v):
+        """(H [v on S; 0])_S: one whole Hessian–vector product."""
+        full = (v.new_zeros(self._total) if _is_torch(v) else np.zeros(self._total, dtype=v.dtype))
+        o = 0
+        for a, b in self._slices:
+            full[a:b] = v[o:o + b - a]
+            o += b - a
+        y = self.dataset.hvp(full, self.part)
+        parts = [y[a:b] for a, b in self._slices]
+        if _is_torch(y):
+            import torch
+            return torch.cat(parts)
+        return np.concatenate(parts)
 
     def _columns(self, x, f):
         if len(self._shape_of(x)) == 1:
@@ -233,12 +265,27 @@ class HessianOperator(LinearOperator):
         cols = names if self.q is None else [self.q]
         from .dataset import _fits
         _fits(ds.first(), self.shape[0] * self.shape[1])
-        if self.kind == "block":          # block products: no generated kernel needed
+        if self.kind in ("block", "subset"):   # products: no block rendered
             eye = np.eye(self.shape[1], dtype=self.dtype)
             return np.asarray(self.matmat(eye))
         blocks = {(a, b): ds.hessian_block(a, b, part) for a in rows for b in cols}
         host = lambda m: m.detach().cpu().numpy() if _is_torch(m) else np.asarray(m)  # noqa: E731
         return np.block([[host(blocks[(a, b)]) for b in cols] for a in rows])
+
+
+def _subset(p, q, names):
+    """A list of parameter names as a tuple (unknown or repeated names refused)."""
+    if q is not None:
+        raise InputError("a list of parameters p gives the sub-matrix H(S, S); give no q with it")
+    if not p:
+        raise InputError("the list of parameters is empty; name at least one of: "
+                         f"{', '.join(names)}")
+    bad = [n for n in p if n not in names]
+    if bad:
+        raise InputError(f"unknown parameter {bad[0]!r}; valid: {', '.join(names)}")
+    if len(set(p)) != len(p):
+        raise InputError("the list of parameters names one twice")
+    return tuple(p)
 
 
 class _Transposed(LinearOperator):

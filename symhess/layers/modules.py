@@ -66,6 +66,10 @@ def from_module(module, example_inputs=None, kwargs=None, *, causal=False, attn_
                                "example_inputs pass the mask in kwargs")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(kwargs or {})
+    for detect, build in CALL_KINDS:            # a language model on token ids, with its loss
+        found = detect(args, kwargs)
+        if found is not None:
+            return build(module, args, kwargs, found, check)
     from .capture import capture
     with torch.no_grad():
         cap = capture(module, args, kwargs, batch_dim)
@@ -78,6 +82,10 @@ def from_module(module, example_inputs=None, kwargs=None, *, causal=False, attn_
 
 
 _OF_LAYER = weakref.WeakKeyDictionary()
+
+# calls captured otherwise: (detect(args, kwargs) → data or None, build(module, args, kwargs,
+# data, check) → ModuleLayer); ``symhess.layers.language`` adds models called on token ids
+CALL_KINDS = []
 
 
 def _check_tensors(module):
@@ -147,9 +155,10 @@ class ModuleLayer:
         from ..expr.layer import Layer
         self.module, self.capture = module, cap
         self.args, self.kwargs = args, kwargs
-        self._x = next(a for a in args if hasattr(a, "ndim"))
+        self._x = next((a for a in args if hasattr(a, "ndim")), None)
         self._default = None
         self.casts = list(cap.casts)
+        self.loss = cap.loss           # the loss the module computes itself, or None
         self.batch_first = cap.x_perm[0] != "pos"
         self.layer = Layer(f"module_{_ident(type(module).__name__)}", cap.output, tuple(cap.params),
                            (cap.X,) + tuple(_const_vars(cap)), cap.intermediates, {},
@@ -184,6 +193,20 @@ class ModuleLayer:
             rows = _span(np.asarray(idx), shape)
             lines.append(f"{p.name}: {p.rows} × {p.cols} = {mod}{rows}")
         return "\n".join(lines)
+
+    def declared_under(self, prefix) -> tuple:
+        """The declared parameters holding entries of module parameters under ``prefix`` (a
+        submodule's path, e.g. ``transformer.h.1``: one Transformer block of a whole model),
+        in declared order — ``symhess.operator(kernel, data, p=[…])`` is then their
+        curvature of the whole loss."""
+        pre = prefix.rstrip(".") + "."
+        out = tuple(p.name for p in self.layer.params
+                    if self.pieces[p.name][0] == prefix or self.pieces[p.name][0].startswith(pre))
+        if not out:
+            mods = sorted({m.rsplit(".", 1)[0] for m in self.module_params if "." in m})
+            raise InputError(f"no declared parameter lies under {prefix!r}; submodules with "
+                             f"parameters: {', '.join(mods)}")
+        return out
 
     # -- values ----------------------------------------------------------------------------
     def _module_tensors(self, source):

@@ -343,7 +343,57 @@ def _sdpa(ctx, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
 
 
 @op("aten.embedding.default")
-def _embedding(ctx, node, *a, **k):
-    """Token embeddings: refused (a block takes hidden states)."""
-    raise ctx.fail("aten.embedding (token ids) cannot be declared; capture the block that takes "
-                   "the hidden states")
+def _embedding(ctx, node, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    """Rows of an embedding table W (V × d): token ids are the one-hot data X, so their
+    embedding is X W (W the whole table, one declared parameter); constant indices p_1 …
+    p_L, one per token position (position ids), are the L × d parameter W[p_1 … p_L]
+    (a piece of W, added row by row)."""
+    if not isinstance(weight, Piece):
+        raise ctx.fail("an embedding of a table that is not a module parameter cannot be declared")
+    if isinstance(indices, S.Ids):
+        if tuple(indices.value.shape) != tuple(indices.original.shape):
+            raise ctx.fail(f"an embedding of token ids reshaped to {tuple(indices.value.shape)} "
+                           f"(the data's ids are {tuple(indices.original.shape)})")
+        return O.times_param(ctx, indices.onehot, np.asarray(weight.idx), weight.name)
+    if isinstance(indices, (Sym, Piece)):
+        raise ctx.fail("an embedding indexed by a tensor that depends on the input or the "
+                       "parameters cannot be declared")
+    t = _tensor(indices).long()
+    rows = t.reshape(-1, t.shape[-1]) if t.ndim else t.reshape(1, 1)
+    xs = ctx.xsym
+    L = xs.row.size if xs is not None and xs.row is not None else None
+    if ctx.ids is None or rows.shape[-1] != L or not bool((rows == rows[:1]).all()):
+        raise ctx.fail("an embedding of constant indices that are not one row per token position "
+                       "(the same for every sequence) cannot be declared; only token ids (the "
+                       "data) and position ids can")
+    idx = np.asarray(weight.idx)[rows[0].numpy()]
+    w = Piece(weight.name, idx, None, pos=True)
+    feat = S.Atom("feat", idx.shape[1], "d")
+    dims = [[] for _ in range(t.ndim - 1)] + [[xs.row], [feat]]
+    return S.single(S.Lin([S.Term(None, None, w, None, 1.0)]), dims, xs.row, feat)
+
+
+@op("aten.cross_entropy_loss.default")
+def _cross_entropy(ctx, node, logits, target, weight=None, reduction=1, ignore_index=-100,
+                   label_smoothing=0.0):
+    """A language model's own loss, the mean next-token cross-entropy: with the logits F
+    (L × V per sequence) the declaration's output, ℓ = −(1/(L − 1)) Σ_ij Y_ij log softmax(F_i)_j,
+    Y_i the one-hot id of token i + 1 (its last row 0): the loss ``ce_next``."""
+    import torch
+    if not isinstance(logits, Sym) or not isinstance(target, S.Ids):
+        raise ctx.fail("cross_entropy is declared only as a language model's loss: logits of "
+                       "the model against its shifted token ids (call it with labels=input_ids, "
+                       "the same tensor)")
+    if weight is not None or label_smoothing or reduction != 1:
+        raise ctx.fail("cross_entropy with class weights, label smoothing or a reduction other "
+                       "than the mean cannot be declared yet")
+    ids = torch.as_tensor(ctx.ids).reshape(-1, ctx.ids.shape[-1])
+    want = torch.nn.functional.pad(ids, (0, 1), value=ignore_index)[:, 1:].reshape(-1)
+    if tuple(target.value.reshape(-1).shape) != tuple(want.shape) or \
+            not bool((target.value.reshape(-1) == want).all()):
+        raise ctx.fail("the loss's targets are not the next tokens of the input ids (call the "
+                       "model with labels=input_ids; padded or masked labels cannot be "
+                       "declared yet)")
+    if logits.row is None or logits.row.kind != "pos":
+        raise ctx.fail("the logits of the loss are not one row per token")
+    return S.LossOut(O.to_cols(ctx, logits, -1), "ce_next")

@@ -51,6 +51,9 @@ class Context:
         self.softmaxes = []       # (T, A) of every softmax, in graph order
         self.caller_dtype = None
         self.cast_eps = 0.0
+        self.xsym = None          # the data X as a symbolic tensor (its row atom: the positions)
+        self.ids = None           # the example's token ids (a language model's data), or None
+        self.loss = None          # the loss the model computes itself (a registered name)
 
     def note_cast(self, node, x, args, kwargs):
         """Record a cast to less floating precision than the caller's dtype."""
@@ -101,9 +104,10 @@ class Context:
         return DeclarationError(f"{msg} ({self.where})" if self.where else msg)
 
     # -- parameters ------------------------------------------------------------------------
-    def piece(self, name, idx):
+    def piece(self, name, idx, pos=False):
         """The declared parameter for the entries ``idx`` (2-D) of module parameter ``name``:
-        an earlier piece with the same entries (or its transpose), else a new one."""
+        an earlier piece with the same entries (or its transpose), else a new one; ``pos``:
+        its rows are the token positions (L rows)."""
         idx = np.ascontiguousarray(np.asarray(idx, dtype=np.int64))
         key = (name, idx.shape, idx.tobytes())
         if key in self.pieces:
@@ -128,7 +132,7 @@ class Context:
         base = _ident(name)
         whole = flat.size == cover.size
         vname = base if whole else f"{base}_{k}"
-        rows = self.size(idx.shape[0]) if idx.shape[0] > 1 else 1
+        rows = self.L if pos else (self.size(idx.shape[0]) if idx.shape[0] > 1 else 1)
         cols = self.size(idx.shape[1]) if idx.shape[1] > 1 else 1
         var = E.param(vname, rows, cols, _param_tex(name, None if whole else k,
                                                     self.module_params[name].ndim))
@@ -205,7 +209,7 @@ class Context:
 
     def _term(self, t, rows):
         left = t.left if t.left is not None else E.ones(rows, 1)
-        parts = [left]
+        parts = [left] if t.w is None or not t.w.pos else []
         if t.w is not None:
             idx, a, c = np.asarray(t.w.idx), t.a, t.c
             if a is not None:
@@ -220,7 +224,7 @@ class Context:
                 return None
             if a is not None:
                 parts.append(self.const(a, "R", self.size(a.shape[0]), self.size(a.shape[1])))
-            parts.append(self.piece(t.w.name, idx))
+            parts.append(self.piece(t.w.name, idx, t.w.pos))
             if c is not None:
                 parts.append(self.const(c, "R", self.size(c.shape[0]), self.size(c.shape[1])))
         elif t.c is not None:

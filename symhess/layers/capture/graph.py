@@ -19,6 +19,10 @@ set with shapes, where fx sees only module calls and fails on data-dependent Pyt
   between the sequences of the batch (a padding mask), as a per-sequence input.
 * dtype casts (``to(float32)`` inside a float64 run) are identities of the declaration, which
   states the mathematics in the caller's dtype; each is recorded (``Capture.casts``).
+* A language model called on token ids (``ids``): X is their one-hot matrix, their embedding
+  X W_E, the model's ``cross_entropy_loss`` ends the graph (``Capture.loss``); ops that only
+  rearrange the ids run on the example's ids, ops that read their values are refused; a
+  parameter listed under two names (a tied head) is one parameter (``symhess.layers.language``).
 
 Errors are ``DeclarationError`` s naming the ATen op, the module path and the source line.
 """
@@ -58,23 +62,27 @@ class Capture:
     example_length: int
     dims: dict = field(default_factory=dict)   # symbol name → size at capture
     cast_eps: float = 0.0           # ε of the lowest precision a cast reaches (0: none)
+    loss: str = None                # the loss the model computes itself (registered name)
 
 
 # ----------------------------------------------------------------------------- the driver
-def capture(module, args, kwargs=None, batch_dim=None) -> Capture:
-    """Export ``module(*args, **kwargs)`` and translate its graph (module docstring)."""
+def capture(module, args, kwargs=None, batch_dim=None, ids=None) -> Capture:
+    """Export ``module(*args, **kwargs)`` and translate its graph (module docstring).
+    ``ids``: the token ids (B × L integers) of a language model called on them; the data X is
+    then their one-hot matrix (L × V per sequence, V the rows of the embedding table)."""
     import torch
     from torch.utils import _pytree as pytree
 
     args = args if isinstance(args, tuple) else (args,)
     kwargs = dict(kwargs or {})
-    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    if x is None or not x.is_floating_point():
+    x = ids if ids is not None else next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if ids is None and (x is None or not x.is_floating_point()):
         raise DeclarationError("from_module needs the hidden states as the first tensor "
                                "argument of example_inputs (a floating tensor (B, L, d) or (L, d))")
-    if x.ndim not in (2, 3):
+    if x.ndim not in ((1, 2) if ids is not None else (2, 3)):
         raise DeclarationError(f"the hidden states must have shape (B, L, d) or (L, d), got "
-                               f"{tuple(x.shape)}")
+                               f"{tuple(x.shape)}" if ids is None else
+                               f"the token ids must have shape (B, L) or (L,), got {tuple(x.shape)}")
     f64 = lambda t: t.to(torch.float64) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
     x64 = f64(x)
     args64, kwargs64 = pytree.tree_map(lambda t: x64 if t is x else f64(t), (args, kwargs))
@@ -86,17 +94,21 @@ def capture(module, args, kwargs=None, batch_dim=None) -> Capture:
         raise DeclarationError(f"torch.export could not capture {type(module).__name__}: "
                                f"{type(exc).__name__}: {first:.300}") from None
     flat, _ = ep._get_flat_args_with_check(args64, kwargs64)
-    params = dict(m.named_parameters())
+    params, alias = _parameters(m)
     ctx = Context(params, torch.float64)
-    ctx.caller_dtype = x.dtype
-    bdim = _batch_dim(module, x, batch_dim)
-    X, xsym, x_kinds = _input(ctx, x, bdim)
+    ctx.caller_dtype = x.dtype if ids is None else torch.float64
+    if ids is None:
+        bdim = _batch_dim(module, x, batch_dim)
+        X, xsym, x_kinds = _input(ctx, x, bdim)
+    else:
+        X, xsym, x_kinds = _ids_input(ctx, ids, params, ep, alias, flat)
+    ctx.xsym = xsym
     inputs = iter((v, "X" if v is x64 else None) for v in flat)
     spec = {s.arg.name: s for s in ep.graph_signature.input_specs}
     env, out = {}, None
     for node in ep.graph.nodes:
         if node.op == "placeholder":
-            env[node] = _placeholder(ctx, ep, spec[node.name], inputs, xsym, params)
+            env[node] = _placeholder(ctx, ep, spec[node.name], inputs, xsym, params, alias)
         elif node.op == "call_function":
             ctx.where, ctx.op = _where(node), op_name(node.target)
             a = _map(node.args, env)
@@ -108,6 +120,60 @@ def capture(module, args, kwargs=None, batch_dim=None) -> Capture:
             env[node] = getattr(ep.graph_module, node.target)
     ctx.where = ctx.op = ""
     return _result(ctx, out, X, x_kinds, x)
+
+
+def _parameters(m):
+    """({name: Parameter} without duplicates, {every name a parameter has: its first name}):
+    a tied parameter (GPT-2's lm_head.weight is transformer.wte.weight) is one parameter."""
+    params, alias, first = {}, {}, {}
+    for n, p in m.named_parameters(remove_duplicate=False):
+        if id(p) not in first:
+            first[id(p)] = n
+            params[n] = p
+        alias[n] = first[id(p)]
+    return params, alias
+
+
+def _ids_input(ctx, ids, params, ep, alias, flat):
+    """Token ids: the data X is their one-hot matrix, L × V per sequence, V the rows of the
+    embedding table that reads them (the first ``aten.embedding`` of a parameter whose indices
+    come from the ids)."""
+    V, d = _table(ep, params, alias, ids, flat)
+    pos = Atom("pos", ids.shape[-1])
+    feat = Atom("feat", V, "V")
+    ctx.size(d, "d")
+    X = E.matrix("X", ctx.L, ctx.size(V, "V"))
+    if ids.ndim == 2:
+        dims, kinds = [[Atom("batch", ids.shape[0])], [pos], [feat]], ("batch", "pos", "feat")
+    else:
+        dims, kinds = [[pos], [feat]], ("pos", "feat")
+    sym = S.single(S.of_expr(X), dims, pos, feat)
+    ctx.ids = ids
+    return X, sym, kinds
+
+
+def _table(ep, params, alias, ids, flat):
+    """(V, d): the shape of the embedding table the token ids index."""
+    import torch.fx as fx
+    spec = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    users = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    of_ids = {n for n, v in zip(users, flat) if v is ids}
+
+    def source(a):                          # the placeholder an index tensor comes from
+        while isinstance(a, fx.Node) and a.op == "call_function" and a.args:
+            a = a.args[0]
+        return a.name if isinstance(a, fx.Node) else None
+
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and op_name(node.target) == "aten.embedding.default" \
+                and source(node.args[1]) in of_ids:
+            s = spec.get(getattr(node.args[0], "name", None))
+            if s is not None and s.kind.name == "PARAMETER":
+                V, d = params[alias[s.target]].shape
+                return int(V), int(d)
+    raise DeclarationError("the model takes token ids but no aten.embedding of a parameter "
+                           "reads them; symhess declares token ids as the one-hot rows of an "
+                           "embedding table")
 
 
 def _dtype_of(module):
@@ -147,20 +213,21 @@ def _input(ctx, x, bdim):
     return X, sym, kinds
 
 
-def _placeholder(ctx, ep, spec, inputs, xsym, params):
+def _placeholder(ctx, ep, spec, inputs, xsym, params, alias):
     import torch
     kind = spec.kind.name
     if kind == "PARAMETER":
-        t = params[spec.target]
+        name = alias.get(spec.target, spec.target)
+        t = params[name]
         idx = torch.arange(t.numel()).reshape(t.shape)
-        return Piece(spec.target, idx, t.detach())
+        return Piece(name, idx, t.detach())
     if kind == "BUFFER":
         return ep.state_dict[spec.target] if spec.target in ep.state_dict else ep.constants[spec.target]
     if kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ"):
         return ep.constants[spec.target]
     value, mark = next(inputs)
     if mark == "X":
-        return xsym
+        return xsym if ctx.ids is None else S.Ids(value, xsym, value)
     return value
 
 
@@ -187,6 +254,8 @@ def _dispatch(ctx, node, args, kwargs, ops, views, op_name):
     if name == "<built-in function getitem>":
         return args[0][args[1]]
     leaves = list(_leaves((args, kwargs)))
+    if any(isinstance(v, S.Ids) for v in leaves) and name not in IDS_READERS:
+        return _on_ids(ctx, node, name, args, kwargs)
     if not any(isinstance(v, (Sym, Piece)) for v in leaves):
         return node.target(*args, **kwargs)
     if not any(isinstance(v, Sym) for v in leaves) and name in views and isinstance(args[0], Piece):
@@ -207,9 +276,40 @@ def _dispatch(ctx, node, args, kwargs, ops, views, op_name):
     return fn(ctx, node, *args, **kwargs)
 
 
+# ops that rearrange token ids without reading their values (the loss's shift of the labels:
+# pad, slice, view), and the ops that read them (the one-hot data, the loss's targets)
+IDS_MOVES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
+             "aten.contiguous.default", "aten.clone.default", "aten.alias.default",
+             "aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default",
+             "aten.lift_fresh_copy.default", "aten.pad.default", "aten.constant_pad_nd.default",
+             "aten.slice.Tensor"}
+IDS_READERS = {"aten.embedding.default", "aten.cross_entropy_loss.default"}
+
+
+def _on_ids(ctx, node, name, args, kwargs):
+    """An op on the token ids: a rearrangement runs on the example's ids and stays token
+    ids; a runtime check is nothing; any op that reads their values (a comparison, a mask
+    made from a padding id) is refused: the declaration holds for every token sequence."""
+    if name == "aten._assert_tensor_metadata.default":
+        return None
+    if name not in IDS_MOVES:
+        raise ctx.fail(f"{name} reads the values of the token ids; a declaration holds for "
+                       f"every token sequence, so only the embedding and the loss's targets "
+                       f"may read them")
+    ids = args[0]
+    rest = [a.value if isinstance(a, S.Ids) else a for a in args[1:]]
+    if any(isinstance(v, (S.Ids, Sym, Piece)) for v in _leaves((rest, kwargs))):
+        raise ctx.fail(f"{name} combines the token ids with another tensor")
+    return S.Ids(node.target(ids.value, *rest, **kwargs), ids.onehot, ids.original)
+
+
 def _result(ctx, out, X, x_kinds, x):
-    """The Capture of a translated graph."""
-    sym = next((v for v in _leaves(out) if isinstance(v, Sym)), None)
+    """The Capture of a translated graph (the logits of a loss the model computes itself)."""
+    lo = next((v for v in _leaves(out) if isinstance(v, S.LossOut)), None)
+    if ctx.ids is not None and lo is None:
+        raise DeclarationError("a model called on token ids must compute its own loss (call it "
+                               "with labels=input_ids): symhess declares its logits and that loss")
+    sym = lo.logits if lo is not None else next((v for v in _leaves(out) if isinstance(v, Sym)), None)
     if sym is None:
         raise DeclarationError("the module's output does not depend on its input (the hidden states)")
     if sym.row is None or sym.row.kind != "pos":
@@ -238,7 +338,8 @@ def _result(ctx, out, X, x_kinds, x):
                    {k: v for k, v in ctx.const_values.items() if k in used},
                    {k: v for k, v in ctx.seq_values.items() if k in used},
                    list(dict.fromkeys(ctx.casts)), checks, inter, x_kinds, y_kinds, B, L,
-                   {str(s): n for n, s in ctx.size_syms.items()}, ctx.cast_eps)
+                   {str(s): n for n, s in ctx.size_syms.items()}, ctx.cast_eps,
+                   lo.loss if lo is not None else None)
 
 
 def _shared_projections(F, inter):

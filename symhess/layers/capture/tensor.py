@@ -54,11 +54,34 @@ MASK_FRACTION = 0.5      # additive entries ≤ −MASK_FRACTION · max(dtype) (
 @dataclass
 class Piece:
     """Entries of module parameter ``name``: ``idx`` (an int tensor of any shape) holds flat
-    positions inside it, ``value`` the entries (for constant folding of view operations)."""
+    positions inside it, ``value`` the entries (for constant folding of view operations);
+    ``pos``: one row per token position (a position embedding's rows 0 … L − 1, an L × n
+    parameter added to the hidden states rather than a row broadcast over them)."""
 
     name: str
     idx: object
     value: object
+    pos: bool = False
+
+
+@dataclass
+class Ids:
+    """Token ids (an integer tensor of the data): ``value`` the example's, after the
+    rearrangements applied so far (views, casts, the loss's shift and padding); ``onehot``
+    the one-hot data X as a symbolic tensor of the original ids' shape + (V,)."""
+
+    value: object
+    onehot: object
+    original: object
+
+
+@dataclass
+class LossOut:
+    """A loss the model computes itself: ``logits`` (a ``Sym``, one row per token) and the
+    registered loss name that states it on the declaration's output."""
+
+    logits: object
+    loss: str
 
 
 class Atom:

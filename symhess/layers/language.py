@@ -1,0 +1,250 @@
+"""Whole language models as declared layers: a model called on token ids with its own loss.
+
+``symhess.from_module(model, (), {"input_ids": ids, "labels": ids, "use_cache": False})``
+captures a causal language model (``GPT2LMHeadModel`` built from a config) with the loss it
+computes itself and returns a ``LanguageModelLayer``:
+
+* the data X of a sequence is the one-hot matrix of its token ids (L × V, V the rows of the
+  token embedding table W_E), so the token embedding is X W_E with W_E one declared parameter
+  (V × d); position ids 0 … L − 1 read the rows of the position table as one L × d parameter
+  P (its other rows are not part of the declaration); a tied LM head reads W_E again
+  (logits U W_Eᵀ): one parameter used twice, never two copies;
+* the declaration's output is the logits F (L × V), and the model's loss is the declared
+  loss ``ce_next`` on it, exactly the model's mean next-token cross-entropy:
+
+      ℓ = −(1/(L − 1)) Σ_{i,j} Y_ij log softmax(F_i)_j,   Y_i = one-hot(id_{i+1}), Y_L = 0,
+
+  averaged over the sequences of a batch — the mean over the B (L − 1) predicted tokens that
+  transformers' loss takes, every sequence having L − 1 of them.  The output is the logits
+  (not the scalar loss) so that the Gauss–Newton split is the usual one, H = Jᵀ H_ℓ J + Σ G ∂²F:
+  the outer part is the generalised Gauss–Newton matrix of the cross-entropy over the
+  logits, the functional part the rest;
+* everything computed from neither the parameters nor the token ids' values (the causal mask
+  built from position ids by ``arange``, ``cumsum``, ``diff``, ``index`` …) is a constant;
+  an op that reads the ids' values (a mask made from a padding id) is refused by name.
+
+Batches are token ids (``batch``, ``batches``): a tensor (N, L), a dict with ``input_ids``
+(as a DataLoader over a tokenised dataset yields; ``attention_mask`` all ones and
+``position_ids`` 0 … L − 1 if present, ``labels`` equal to the ids), or (ids,) / (ids,
+labels); X and Y follow the ids.  The position parameter P binds L to the example's length.
+"""
+from __future__ import annotations
+
+import math
+
+import sympy as sp
+
+from ..calculus.losses import loss
+from ..errors import DeclarationError, InputError
+from ..expr import nodes as E
+from .modules import (CALL_KINDS, CAST_TOLERANCE, CHECK_TOLERANCE, ModuleLayer, _Mapped, _as_torch,
+                      _rel, no_downcasts)
+
+
+@loss("ce_next")
+def ce_next(f, y):
+    """ℓ = −(1/(L − 1)) Σ_ij Y_ij log softmax(F_i)_j: Y_i the one-hot next token, Y_L = 0."""
+    return E.scale(-1 / (sp.sympify(f.rows) - 1), E.sum_all(E.hadamard(y, E.log_softmax_rows(f))))
+
+
+def ids_of_call(args, kwargs):
+    """The token ids of a call (an integer first tensor, or ``input_ids``), or None."""
+    import torch
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is not None:
+        return None if first.is_floating_point() else first
+    t = kwargs.get("input_ids")
+    return t if isinstance(t, torch.Tensor) and not t.is_floating_point() else None
+
+
+class LanguageModelLayer(ModuleLayer):
+    """A language model on token ids with its own loss (module docstring); ``loss`` is the
+    registered name of that loss (``sh.kernel(ml.layer, "torch", ml.loss)``)."""
+
+    def __init__(self, module, cap, args, kwargs, ids):
+        super().__init__(module, cap, args, kwargs)
+        self._x = ids
+        self.vocab = int(cap.dims["V"])
+        self.length = int(ids.shape[-1])
+        self.loss = cap.loss
+
+    # -- data ---------------------------------------------------------------------------
+    def ids(self, b):
+        """A batch's token ids as an (N, L) integer tensor, its other fields checked."""
+        import torch
+        labels = None
+        if isinstance(b, dict):
+            if "input_ids" not in b:
+                raise InputError(f"a batch dict needs input_ids, got keys {', '.join(map(str, b))}")
+            ids = _as_torch(b["input_ids"])
+            labels = b.get("labels")
+            self._check_field(b.get("attention_mask"), ids, "attention_mask",
+                              lambda t: bool((t == 1).all()), "all ones (a padding mask changes "
+                              "the loss's normalisation and cannot be declared yet)")
+            self._check_field(b.get("position_ids"), ids, "position_ids",
+                              lambda t: bool((t == torch.arange(ids.shape[-1])).all()),
+                              f"0 … {ids.shape[-1] - 1} in every sequence (what was captured)")
+        elif isinstance(b, (tuple, list)):
+            if not 1 <= len(b) <= 2:
+                raise InputError(f"a batch must be ids, (ids,) or (ids, labels), got a "
+                                 f"{type(b).__name__} of {len(b)}")
+            ids = _as_torch(b[0])
+            labels = b[1] if len(b) == 2 else None
+        else:
+            try:
+                ids = _as_torch(b)
+            except (TypeError, ValueError, RuntimeError):
+                raise InputError(f"token ids must be an integer tensor (N, L), got "
+                                 f"{type(b).__name__}") from None
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise InputError(f"token ids must be integers, got {ids.dtype}")
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2:
+            raise InputError(f"token ids must have shape (N, L) or (L,), got {tuple(ids.shape)}")
+        if ids.shape[1] != self.length:
+            raise InputError(f"the ids have {ids.shape[1]} tokens but the model was captured with "
+                             f"{self.length}: its position parameter holds rows 0 … "
+                             f"{self.length - 1}; capture it with an example of the data's length")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
+            raise InputError(f"token ids must lie in 0 … {self.vocab - 1} (the vocabulary), got "
+                             f"{int(ids.min())} … {int(ids.max())}")
+        if labels is not None and not torch.equal(_as_torch(labels).reshape(ids.shape).long(), ids.long()):
+            raise InputError("labels must be the input ids (the model's loss predicts each next "
+                             "token); other labels cannot be declared yet")
+        return ids.long()
+
+    @staticmethod
+    def _check_field(t, ids, name, ok, what):
+        if t is None:
+            return
+        t = _as_torch(t)
+        if t.ndim == 0 or t.shape[-1] != ids.shape[-1] or t.ndim > max(ids.ndim, 2) or not ok(t):
+            raise InputError(f"{name} must be {what}")
+
+    def batch(self, x, y=None) -> dict:
+        """X (N, L, V): the one-hot token ids; Y (N, L, V): each row the next token's one-hot,
+        the last row 0 (the targets of ``ce_next``)."""
+        import torch
+        ids = self.ids(x if y is None else (x, y))
+        X = torch.nn.functional.one_hot(ids, self.vocab).to(torch.float64)
+        Y = torch.zeros_like(X)
+        Y[:, :-1] = X[:, 1:]
+        return {"X": X, "Y": Y}
+
+    def values(self, batch, params=None) -> dict:
+        """Every value a kernel needs for a batch of token ids (``params``: as ``params()``)."""
+        data = dict(batch) if isinstance(batch, dict) and "X" in batch else self.batch(batch)
+        return {**self.params(params), **data}
+
+    def batches(self, data):
+        """``data`` (a DataLoader or list of token-id batches: tensors, dicts with input_ids,
+        (ids,) or (ids, labels)) as batches of dicts for ``symhess.operator`` / ``Dataset``;
+        a one-shot iterator is refused (every product reads the data again)."""
+        from collections.abc import Iterator
+        if isinstance(data, Iterator):
+            raise InputError(f"LanguageModelLayer.batches needs data it can read more than once "
+                             f"(a list of batches, a DataLoader), not a one-shot "
+                             f"{type(data).__name__}: every product reads the data again")
+        if isinstance(data, dict) or hasattr(data, "dtype"):
+            raise InputError("LanguageModelLayer.batches takes a collection of batches (a list, "
+                             "a DataLoader); for one batch use batch()")
+        return _Mapped(data, self.batch)
+
+    # -- forward --------------------------------------------------------------------------
+    def forward(self, ids, params=None):
+        """The declaration's logits (N, L, V) for token ids, by the interpreter."""
+        import torch
+        from ..expr.evaluate import evaluate
+        vals = self.params(params)
+        X = self.batch(ids)["X"]
+        return torch.stack([evaluate(self.layer.output, dict(vals, X=X[i]), backend="torch")
+                            for i in range(X.shape[0])])
+
+    def loss_value(self, ids, params=None):
+        """The declared loss (``ce_next`` of the declared logits), the mean over sequences."""
+        import torch
+        from ..calculus.losses import get_loss
+        from ..expr.evaluate import evaluate
+        data = self.batch(ids)
+        F = self.forward(ids, params)
+        out = self.layer.output
+        ell = get_loss(self.loss)(E.matrix("F", out.rows, out.cols), E.matrix("Y", out.rows, out.cols))
+        return torch.stack([evaluate(ell, {"F": F[i], "Y": data["Y"][i]}, backend="torch").reshape(())
+                            for i in range(F.shape[0])]).mean()
+
+    def module_forward(self, ids, module=None):
+        """(loss, logits) of the model's own forward on token ids, called as it was captured."""
+        m = self.module if module is None else module
+        args, kwargs = self.call_args(ids)
+        out = m(*args, **kwargs)
+        lo = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
+        logits = out["logits"] if isinstance(out, dict) or hasattr(out, "keys") else out[1]
+        return lo, logits
+
+    def call_args(self, ids):
+        """(args, kwargs) of the captured call with the token ids (and labels) replaced."""
+        from torch.utils import _pytree as pytree
+        new = self.ids(ids)
+        return pytree.tree_map(lambda t: new if t is self._x else t, (self.args, self.kwargs))
+
+    def __repr__(self):
+        return (f"<symhess language model {self.layer.name}: {type(self.module).__name__}, "
+                f"{len(self.layer.params)} declared parameters, loss {self.loss}>")
+
+
+def from_language_model(module, args, kwargs, ids, check=True) -> LanguageModelLayer:
+    """The declared layer of a language model called on token ids with labels (module
+    docstring); ``check``: compare the declared logits and loss with the model's."""
+    import torch
+    from .capture import capture
+    from .modules import _OF_LAYER
+    if ids.ndim not in (1, 2) or ids.shape[-1] < 2:
+        raise DeclarationError(f"token ids of shape {tuple(ids.shape)}: a language model is "
+                               f"captured on (B, L) or (L,) ids with at least 2 tokens (its "
+                               f"next-token loss of one token predicts nothing)")
+    with torch.no_grad():
+        cap = capture(module, args, kwargs, None, ids=ids)
+    ml = LanguageModelLayer(module, cap, args, kwargs, ids)
+    _OF_LAYER[ml.layer] = ml
+    if check:
+        _check(ml)
+    return ml
+
+
+def _check(ml):
+    """Declared logits and loss against the model's, float64, on the example ids and on random
+    ids of their shape: under ``no_downcasts`` to 1e-10, as the model is (its float32 loss)
+    to ``CAST_TOLERANCE`` ε of float32."""
+    import copy
+    import torch
+    m = ml.module
+    if any(p.dtype != torch.float64 for p in m.parameters()):
+        m = copy.deepcopy(m).to(torch.float64)
+    g = torch.Generator().manual_seed(0)
+    x0 = ml.ids(ml._x)
+    xs = [x0, torch.randint(0, ml.vocab, tuple(x0.shape), generator=g)]
+    strict, loose = 0.0, 0.0
+    with torch.no_grad():
+        for x in xs:
+            F, ell = ml.forward(x, params=m), ml.loss_value(x, params=m)
+            with no_downcasts():
+                want_l, want_F = ml.module_forward(x, m)
+            strict = max(strict, _rel(F, want_F.reshape(F.shape)), _rel(ell, want_l))
+            if ml.casts:
+                loose = max(loose, _rel(ell, ml.module_forward(x, m)[0].to(torch.float64)))
+    name = type(ml.module).__name__
+    if not math.isfinite(strict) or strict > CHECK_TOLERANCE:
+        raise DeclarationError(f"{name}: the captured declaration's logits or loss differ from the "
+                               f"model's (relative error {strict:.2e} > {CHECK_TOLERANCE:g})")
+    if ml.casts:
+        tol = CAST_TOLERANCE * ml.capture.cast_eps
+        if not math.isfinite(loose) or loose > tol:
+            raise DeclarationError(f"{name}: with its dtype casts ({ml.casts[0]} …) the model's "
+                                   f"loss differs from the declared one by {loose:.2e} (> {tol:.1e})")
+    ml.forward_error, ml.cast_error = strict, loose
+
+
+CALL_KINDS.append((ids_of_call, from_language_model))
+
+__all__ = ["LanguageModelLayer", "from_language_model", "ce_next"]
