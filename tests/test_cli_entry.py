@@ -11,6 +11,8 @@ import subprocess
 import sys
 import termios
 from concurrent.futures import ThreadPoolExecutor
+
+from symhess.calculus.losses import LOSSES
 from pathlib import Path
 
 import pytest
@@ -43,7 +45,7 @@ USER_ERRORS = {
     "unknown block": (["derive", "attention", "--block", "W_X,W_Q"], {},
                       "unknown block 'W_X' for layer 'attention'; valid: W_Q, W_K, W_V"),
     "unknown part": (["derive", "attention", "--part", "bogus"], {}, "unknown part 'bogus'; valid: outer, functional, full"),
-    "unknown loss": (["derive", "attention", "--loss", "l1"], {}, "unknown loss 'l1'; valid: ce, ce_answer, mse, mse_sum"),
+    "unknown loss": (["derive", "attention", "--loss", "l1"], {}, "unknown loss 'l1'; valid: " + ", ".join(sorted(LOSSES))),
     "unknown option": (["derive", "attention", "--set", "heads=2"], {},
                        "unknown option(s) 'heads' for layer 'attention'; valid: causal, scale"),
     "causal where none": (["derive", "ffn", "--causal"], {}, "unknown option(s) 'causal' for layer 'ffn'"),
@@ -193,7 +195,7 @@ def test_experiment_help_exits_0_and_shows_defaults(capsys):
 def test_loss_help_lists_every_registered_loss():
     rc, out, _ = symhess("verify", "--help")
     flat = " ".join(out.split())
-    assert rc == 0 and "ce, ce_answer, mse, mse_sum, or both" in flat and "(default: both)" in flat
+    assert rc == 0 and f"{', '.join(sorted(LOSSES))}, or both" in flat and "(default: both)" in flat
 
 
 def test_layers_prints_none_for_a_layer_without_inputs():
