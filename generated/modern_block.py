@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "8e95519afe72f9503e44c74f"
+    STAMP = "bb3d9ebda157dfecb208104a"
     RUNS = {
         'A1 N_1': 24,
         'A1 N_1 W_V': 11,
@@ -1810,7 +1810,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "8aa2b831c54e2965aac5538c"
+    STAMP = "350e728458779a0c6209e620"
     RUNS = {
         'A1 N_1': 24,
         'A1 N_1 W_V': 11,
@@ -3596,7 +3596,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "e0e4ce9d6b95fdd1539d5ca6"
+    STAMP = "14a3edc1d70fbebb5dd5152f"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
@@ -5343,7 +5343,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "372c3d8b51a12b346c0816ce"
+    STAMP = "a897d2260c3c7abdf3455d04"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
@@ -7092,4 +7092,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "7ab263cf7dff1574b0622dad"
+CHECKSUM = "dd39c29189035e701fe04af0"

@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "7181887cd46af676920da2b1"
+    STAMP = "9a32f27ad31f86676e8cdc6e"
     RUNS = {
         'A N_1': 20,
         "G W_2'": 2,
@@ -844,7 +844,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "c197e2c710ee94061cbd102d"
+    STAMP = "b1acca9715d2949f944ba01e"
     RUNS = {
         'A N_1': 20,
         "G W_2'": 2,
@@ -1664,7 +1664,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "4d50f434e381b59f1a33f83b"
+    STAMP = "66b93011df58b5c001ce8f9f"
     RUNS = {
         'A N_1': 17,
         "G W_2'": 2,
@@ -2497,7 +2497,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "721050ea4613851b7dee1e6b"
+    STAMP = "8622984137c9bfb341506864"
     RUNS = {
         'A N_1': 17,
         "G W_2'": 2,
@@ -3332,4 +3332,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "3f861e47c617b1347ded83a5"
+CHECKSUM = "64af26738a9f3ad737a94ecc"

@@ -14,10 +14,11 @@ The printed names are backend-neutral (``mm``, ``tr``, ``softmax_rows``, ``exp``
 backend module (``runtime.numpy_ops``, ``runtime.torch_ops``) defines them.  Nodes without a
 rule raise; nothing falls back to ``str()``.
 
-The matrix rules are generators: a rule *yields* ``("code", node)`` or ``("leaf", node)`` for
-each sub-expression it prints and receives its text; ``Printer.code`` and ``Printer.leaf``
-run them on an explicit stack, in the order a recursive printer would, so deep expressions
-do not meet Python's recursion limit.
+The matrix rules are generators: a rule *yields* ``("code", node)`` (the full array),
+``("ccode", node)`` (its compressed form: a per-token column or row kept as such,
+``Printer.form``) or ``("leaf", node)`` for each sub-expression it prints and receives its
+text; ``Printer.code``, ``ccode`` and ``leaf`` run them on an explicit stack, in the order a
+recursive printer would, so deep expressions do not meet Python's recursion limit.
 """
 from __future__ import annotations
 
