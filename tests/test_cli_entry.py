@@ -11,11 +11,11 @@ import subprocess
 import sys
 import termios
 from concurrent.futures import ThreadPoolExecutor
-
-from symhess.calculus.losses import LOSSES
 from pathlib import Path
 
 import pytest
+
+from symhess.calculus.losses import LOSSES
 
 SYMHESS = Path(sys.executable).parent / "symhess"
 if not SYMHESS.exists():                      # an installation outside a virtual environment
