@@ -25,24 +25,13 @@ contractions' intermediates (≤ the schedule's ``limit``).
 from __future__ import annotations
 
 import itertools
-import math
 
 from . import network as N
 
 
 def dense(state, nets, groups=(0, 1)):
     """``network.dense`` with oversized compacts evaluated in slices (module docstring)."""
-    if not nets:
-        return None
-    first = nets[0]
-    shape = [first.sizes[x] for g in groups for x in first.groups[g]]
-    acc = None
-    for n in chunked(state, nets, groups):
-        if [n.sizes[x] for g in groups for x in n.groups[g]] != shape:
-            raise RuntimeError("the networks of one block disagree on its layout")
-        acc = N.accumulate(state, n, groups, acc, shape)
-    flat = [math.prod(first.sizes[x] for x in first.groups[g]) for g in groups]
-    return state.ops.reshape(acc, flat)
+    return N.dense(state, nets, groups, pieces=chunked(state, nets, groups)) if nets else None
 
 
 def chunked(state, nets, groups):

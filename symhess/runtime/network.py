@@ -355,14 +355,16 @@ def accumulate(state, n, groups, acc=None, shape=None):
     return acc
 
 
-def dense(state, nets, groups=(0, 1)):
-    """Σ nets laid out over the atoms of ``groups`` (C order), reshaped to one axis per group."""
+def dense(state, nets, groups=(0, 1), pieces=None):
+    """Σ nets laid out over the atoms of ``groups`` (C order), reshaped to one axis per group;
+    ``pieces``: the networks to accumulate instead of ``nets`` themselves (the same sum, e.g.
+    in slices: ``runtime.chunk``)."""
     if not nets:
         return None
     first = nets[0]
     shape = [first.sizes[x] for g in groups for x in first.groups[g]]
     acc = None
-    for n in nets:
+    for n in nets if pieces is None else pieces:
         if [n.sizes[x] for g in groups for x in n.groups[g]] != shape:
             raise RuntimeError("the networks of one block disagree on its layout")
         acc = accumulate(state, n, groups, acc, shape)
