@@ -102,15 +102,6 @@ class Reference:
         return outer if part == "outer" else full - outer
 
 
-def offsets(ml):
-    vals, out, o = ml.params(), {}, 0
-    for p in ml.layer.param_names:
-        n = vals[p].numel()
-        out[p] = ml.index[o:o + n]
-        o += n
-    return out
-
-
 def close(got, want, scale):
     return np.linalg.norm(np.asarray(got) - np.asarray(want)) <= TOL * max(scale, 1e-300)
 
@@ -123,7 +114,7 @@ def check_blocks(ml, ids, ref, params=None, parts=("outer", "functional", "full"
     holds (position rows beyond L) have zero curvature."""
     k = sh.kernel(ml.layer, "torch", ml.loss)
     st = k.prepare(ml.values(ids))
-    off = offsets(ml)
+    off = ml.module_positions()
     names = ml.layer.param_names
     n = len(ml.index)
     covered = np.zeros(ref.theta.numel(), bool)
@@ -237,7 +228,7 @@ def test_one_block_inside_the_model():
     assert len(S) == 23 and all(n.startswith("transformer_h_0_") for n in S)
     k = sh.kernel(ml.layer, "torch", ml.loss)
     ref = Reference(m, ids)
-    off = offsets(ml)
+    off = ml.module_positions()
     idx = np.concatenate([off[n] for n in S])
     g = torch.Generator().manual_seed(7)
     for part in ("outer", "full"):

@@ -83,15 +83,6 @@ class Reference:
         self.n = len(theta)
 
 
-def offsets(ml):
-    vals, out, o = ml.params(), {}, 0
-    for p in ml.layer.param_names:
-        n = vals[p].numel()
-        out[p] = ml.index[o:o + n]
-        o += n
-    return out
-
-
 def close(got, want, scale, floor=0.0):
     """‖got − want‖ ≤ 1e-10 · max(scale, floor): ``floor`` is the rounding level of the whole
     Hessian (1e-4 ‖H‖_F), the scale of quantities that are zero up to rounding (H(W_Q, b_K):
@@ -114,7 +105,7 @@ def check(module, args, kwargs=None, blocks="all", seed=1):
     assert covered.all(), "every module parameter is declared"
     k = sh.kernel(ml.layer, "torch", "mse")
     st = k.prepare(ml.values((x, y)))
-    off = offsets(ml)
+    off = ml.module_positions()
     names = ml.layer.param_names
     pairs = [(p, q) for p in names for q in names] if blocks == "all" else blocks
     refs = {"full": ref.H, "outer": ref.GGN, "functional": ref.H - ref.GGN}

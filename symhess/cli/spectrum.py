@@ -116,7 +116,7 @@ def random_dataset(derivation, sizes, length, batches, batch, seed):
                               f"--loss {ml.loss}")
     dims.setdefault("L", length)
     env = random_sizes(derivation, seed, sizes=dims)
-    data_names = {v.name for v in lay.inputs if v.role == "input"} | {"Y"}
+    data_names = [v.name for v in lay.inputs if v.role == "input"] + ["Y"]
     numel = {v.name: int(sp.sympify(v.rows * v.cols).subs(env))
              for v in list(lay.variables.values()) + [derivation.Y]}
     entries = sum(n * (batches * batch + 1 if k in data_names else 1) for k, n in numel.items())
@@ -125,7 +125,6 @@ def random_dataset(derivation, sizes, length, batches, batch, seed):
     vals = random_values(derivation, seed, sizes=dims)
     if ml is not None:
         vals.update({k: v.detach().to(torch_float64()).numpy() for k, v in ml.params().items()})
-    data_names = [v.name for v in lay.inputs if v.role == "input"] + ["Y"]
     params = {k: v for k, v in vals.items() if k not in data_names}
     rng = np.random.default_rng(seed + 1000)
     if ml is not None and ml.loss is not None:         # a language model: random token ids

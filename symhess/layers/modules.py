@@ -194,6 +194,16 @@ class ModuleLayer:
             lines.append(f"{p.name}: {p.rows} × {p.cols} = {mod}{rows}")
         return "\n".join(lines)
 
+    def module_positions(self) -> dict:
+        """{declared parameter: the positions of its entries (vec_r order) in the module's
+        flat parameter vector} — the pieces of ``index``, one per declared parameter."""
+        out, o = {}, 0
+        for p in self.layer.params:
+            k = int(np.asarray(self.pieces[p.name][1]).size)
+            out[p.name] = self.index[o:o + k]
+            o += k
+        return out
+
     def declared_under(self, prefix) -> tuple:
         """The declared parameters holding entries of module parameters under ``prefix`` (a
         submodule's path, e.g. ``transformer.h.1``: one Transformer block of a whole model),
@@ -343,17 +353,12 @@ class ModuleLayer:
         import torch
         flat = torch.zeros(self.module_numel, dtype=torch.float64)
         if isinstance(result, dict):
-            offs, o = {}, 0
-            for p in self.layer.params:
-                k = int(np.asarray(self.pieces[p.name][1]).size)
-                offs[p.name] = (o, o + k)
-                o += k
+            where = self.module_positions()
             for n, r in result.items():
-                if n not in offs:
+                if n not in where:
                     raise InputError(f"unknown declared parameter {n!r}; valid: "
                                      f"{', '.join(self.layer.param_names)}")
-                a, b = offs[n]
-                flat[self.index[a:b]] = _as_torch(r).reshape(-1).to(torch.float64).cpu()
+                flat[where[n]] = _as_torch(r).reshape(-1).to(torch.float64).cpu()
         else:
             r = _as_torch(result).reshape(-1)
             if r.shape[0] != len(self.index):
