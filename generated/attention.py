@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "4de2be6dd308d077c6b6e0ce"
+    STAMP = "53eaf3a60872cea7b8cbd20f"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -300,7 +300,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "bde56652b492894a27315518"
+    STAMP = "56c09e2be0cc6b6da2a656e3"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -576,7 +576,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "36ef969ad5a23dde18fd0edb"
+    STAMP = "11779fad6f396427a430e62c"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -877,7 +877,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "e99e8287a50383746cea6361"
+    STAMP = "70f2f14a984422d5805fe6db"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -1180,4 +1180,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "883791d7ceedb491c69402aa"
+CHECKSUM = "6713f26843607170069eada3"

@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "424ea27931d340e0ce0f8236"
+    STAMP = "f90884726a8198ff573526ff"
 
     @leaf
     def H(s):
@@ -160,7 +160,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "b941318f3af7abd90f09891a"
+    STAMP = "58f6e92d81e7fc1c202afe6c"
 
     @leaf
     def H(s):
@@ -315,4 +315,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "6c3f2ce445e7731c5e1c9508"
+CHECKSUM = "0164ef48703b82a6034fdf0b"

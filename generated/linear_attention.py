@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b98dc6e0679e9bb4d17f6b20"
+    STAMP = "e8492f78ca644b69411c9bdb"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -301,7 +301,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "189a7d0af3802f8793ee6cad"
+    STAMP = "11a75f457ee51128eae2d800"
     RUNS = {
         'A X': 8,
         "W_K' X'": 9,
@@ -541,7 +541,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "80e9d327d7e0d4a133e244ff"
+    STAMP = "58ecd9084c8a1bc2e7034a8b"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -815,7 +815,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "174f3899e15339dc53fb44ec"
+    STAMP = "73d57857850f36355e261f86"
     RUNS = {
         'A X': 7,
         "W_K' X'": 9,
@@ -1088,4 +1088,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "855e60c361905eba08e5d5e1"
+CHECKSUM = "03476cb69a4ccd593a48a891"

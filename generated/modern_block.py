@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "bb3d9ebda157dfecb208104a"
+    STAMP = "a3b6864232fb999f761916de"
     RUNS = {
         'A1 N_1': 24,
         'A1 N_1 W_V': 11,
@@ -1810,7 +1810,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "350e728458779a0c6209e620"
+    STAMP = "904f3f038d915f6660585173"
     RUNS = {
         'A1 N_1': 24,
         'A1 N_1 W_V': 11,
@@ -3596,7 +3596,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "14a3edc1d70fbebb5dd5152f"
+    STAMP = "9fcacacbdda40ae6957d2d82"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
@@ -5343,7 +5343,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "a897d2260c3c7abdf3455d04"
+    STAMP = "116fda24fedadbcc37af90bf"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
@@ -7092,4 +7092,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "dd39c29189035e701fe04af0"
+CHECKSUM = "8e45a4d7cb8d76dee309f9a6"

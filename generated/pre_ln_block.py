@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "9a32f27ad31f86676e8cdc6e"
+    STAMP = "f90855e44f15a79c3e6bb095"
     RUNS = {
         'A N_1': 20,
         "G W_2'": 2,
@@ -844,7 +844,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "b1acca9715d2949f944ba01e"
+    STAMP = "1b1f7cadc6974b778500f096"
     RUNS = {
         'A N_1': 20,
         "G W_2'": 2,
@@ -1664,7 +1664,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "66b93011df58b5c001ce8f9f"
+    STAMP = "de1d911bbea207c16f372700"
     RUNS = {
         'A N_1': 17,
         "G W_2'": 2,
@@ -2497,7 +2497,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "8622984137c9bfb341506864"
+    STAMP = "995575e271464c9df3007910"
     RUNS = {
         'A N_1': 17,
         "G W_2'": 2,
@@ -3332,4 +3332,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "64af26738a9f3ad737a94ecc"
+CHECKSUM = "e2b4fec7b3f6457c3b7d4591"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "e82c09a2691b6792b8aa41f8"
+    STAMP = "9cd4de108d9e0e1e4accac3d"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -228,7 +228,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "20516aeb96c429eaa847cb92"
+    STAMP = "bcceb0e5879bfb23e582523a"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -432,7 +432,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "f22603ab262705117fd09522"
+    STAMP = "0ad3a53cbb8f00679849aafc"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -660,7 +660,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "9d934a7923ac0cbaede6b429"
+    STAMP = "7a8e6d0ea66ba1050c24e937"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -890,4 +890,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "f9c25a2d4148cfcb44d187e3"
+CHECKSUM = "f7f4c82cfdac6197bd09b74d"

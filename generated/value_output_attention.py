@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "fdda6f7f0fd534d278ab76b1"
+    STAMP = "af43080f66a9569d962b52bc"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -407,7 +407,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "f2116e32dfd79d6f25d055c2"
+    STAMP = "c792c9263bf9411c24bffc7e"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -790,7 +790,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "a2f9269b8b69e0f26cf07b02"
+    STAMP = "af792c3454957a5195d8193f"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1179,7 +1179,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "7c72e82fee3c13f466db7577"
+    STAMP = "861dbcc62ced8a5643181f2a"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1570,4 +1570,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "47f11b54b7841f7abc9d2499"
+CHECKSUM = "1108b9d9924dcd83ead0f584"

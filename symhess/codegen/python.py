@@ -33,7 +33,7 @@ from ..expr import nodes as E
 from ..expr import scalarfn
 from ..errors import DeclarationError
 from ..expr.registry import Registry
-from ..expr.stackwalk import run_rules
+from ..expr.stackwalk import children_first, run_rules
 from ..runtime import chain
 from ..expr.text import short_text
 
@@ -132,20 +132,9 @@ class Printer:
         array is needed; "col" for one constant down each column ((…, 1, C)); None otherwise.
         Per-token reductions (row sums, variances, their powers) are then computed on R
         entries, not R·C."""
-        if node in self.forms:
-            return self.forms[node]
-        stack = [node]                  # children first, on an explicit stack
-        while stack:
-            n = stack[-1]
-            if n in self.forms:
-                stack.pop()
-                continue
-            kids = [k for k in _form_kids(self, n) if k not in self.forms]
-            if kids:
-                stack.extend(kids)
-                continue
-            self.forms[n] = _form(self, n)
-            stack.pop()
+        if node not in self.forms:                # children first (those not known yet)
+            for n in children_first(node, lambda n: _form_kids(self, n), skip=self.forms):
+                self.forms[n] = _form(self, n)
         return self.forms[node]
 
     def code(self, node) -> str:
