@@ -400,6 +400,56 @@ def test_labelled_dataset_is_token_weighted():
         ml.batches([(data[:2], ignored)])
 
 
+def labelled_shards():
+    """Three labelled batches of 2 sequences whose labelled targets differ in number (4, 8, 3)."""
+    data = token_ids((6, L), seed=10)
+    labels = answer_labels(data, (1, 3, 5, 4, 2, 1), seed=10)
+    return [(data[i:i + 2], labels[i:i + 2]) for i in (0, 2, 4)]
+
+
+def sharded_worker(rank, world, port, path):
+    import os
+    from symhess.curvature import distributed as D
+    from symhess.curvature.dataset import Dataset
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        m = gpt2(seed=7)
+        ml = capture(m, token_ids(seed=7))
+        k = sh.kernel(ml.layer, "torch", ml.loss)
+        ds = Dataset(k, ml.batches(D.shard(labelled_shards())), params=ml.params())
+        v = torch.linspace(-1, 1, len(ml.index), dtype=torch.float64)
+        out = {"loss": float(ds.loss()), "hvp": (sh.operator(k, ds) @ v).numpy()}
+        if rank == 0:
+            np.save(path, out, allow_pickle=True)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_token_counts_summed_over_processes(tmp_path):
+    """Two gloo processes with shards of labelled batches (4 sequences and 7 labelled targets,
+    2 and 8): the counts are summed over the processes before the weights are set (6/15, not
+    4/7 and 2/8), so the results are the single process's token-weighted ones."""
+    import socket
+    from symhess.curvature.dataset import Dataset
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    path = str(tmp_path / "rank0.npy")
+    torch.multiprocessing.spawn(sharded_worker, args=(2, port, path), nprocs=2, join=True)
+    got = np.load(path, allow_pickle=True).item()
+    m = gpt2(seed=7)
+    ml = capture(m, token_ids(seed=7))
+    k = sh.kernel(ml.layer, "torch", ml.loss)
+    ds = Dataset(k, ml.batches(labelled_shards()), params=ml.params(), distributed=False)
+    v = torch.linspace(-1, 1, len(ml.index), dtype=torch.float64)
+    assert abs(got["loss"] - float(ds.loss())) <= 1e-12 * abs(float(ds.loss()))
+    want = (sh.operator(k, ds) @ v).numpy()
+    assert close(got["hvp"], want, np.linalg.norm(want))
+
+
 def test_refusals():
     """A model called without its loss, and ops reading the ids' values, are one-line errors."""
     m, ids = gpt2(), token_ids()
