@@ -361,6 +361,57 @@ def test_right_padding_as_ignored_labels():
         ml.batch({"input_ids": ids, "attention_mask": mask, "labels": labels})
 
 
+def padded(ids, lengths):
+    """(attention_mask, labels): the first ``lengths[n]`` tokens of sequence n kept, the
+    padding labelled -100 (as a data collator pads to the right)."""
+    mask = (torch.arange(ids.shape[1])[None] < torch.tensor(lengths)[:, None]).long()
+    return mask, torch.where(mask.bool(), ids, -100)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_padded_batches(impl):
+    """A model captured on an example padded to different lengths holds its mask as a
+    per-sequence input, rebuilt from every batch's attention_mask (any batch size, padding or
+    none): one batch's loss and Hessian–vector products, and a dataset's, against autograd of
+    the model's own loss with its mask; left padding and masks shared by the example refused."""
+    m = gpt2(seed=11, impl=impl)
+    ids = token_ids((3, L), seed=11)
+    mask, _ = padded(ids, [5, 3, 4])
+    ml = sh.from_module(m, (), {"input_ids": ids, "labels": ids, "attention_mask": mask,
+                                "use_cache": False})
+    assert ml.masks == ("M_1",) and [v.name for v in ml.layer.inputs] == ["X", "M_1"]
+    k = sh.kernel(ml.layer, "torch", ml.loss)
+    a, b = token_ids((2, L), seed=12), token_ids((4, L), seed=13)
+    (ma, la), (mb, lb) = padded(a, [2, 5]), padded(b, [4, 1, 5, 3])
+    batches = [{"input_ids": a, "attention_mask": ma, "labels": la},
+               {"input_ids": b, "attention_mask": mb, "labels": lb}]
+    v = torch.randn(len(ml.index), generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+
+    def agree(ref, got_loss, hvp):
+        vm = torch.zeros(ref.theta.numel(), dtype=torch.float64)
+        vm[ml.index] = v
+        with torch.no_grad():
+            assert abs(got_loss - float(ref.loss(ref.theta))) <= 1e-13
+        for part in ("full", "outer"):
+            want = ref.hvp(vm, part).numpy()[ml.index]
+            assert close(hvp(part), want, np.linalg.norm(want)), part
+
+    st = k.prepare(ml.values(batches[1]))
+    agree(Reference(m, b, lb, attention_mask=mb), float(st.loss()), lambda part: st.hvp(v, part).numpy())
+    plain = k.prepare(ml.values({"input_ids": a}))               # no mask: every token kept
+    agree(Reference(m, a), float(plain.loss()), lambda part: plain.hvp(v, part).numpy())
+    ds = sh.Dataset(k, ml.batches(batches), params=ml.params())
+    agree(Reference(m, torch.cat([a, b]), torch.cat([la, lb]), attention_mask=torch.cat([ma, mb])),
+          float(ds.loss()), lambda part: sh.operator(k, ds, part=part) @ v.numpy())
+    with pytest.raises(InputError, match="first token of every sequence kept"):
+        ml.batch({"input_ids": a, "attention_mask": torch.tensor([[0, 1, 1, 1, 1], [1] * L])})
+    with pytest.raises(InputError, match="attention_mask has 4 rows for 2 sequences"):
+        ml.batch({"input_ids": a, "attention_mask": mb})
+    with pytest.raises(DeclarationError, match="padded alike"):
+        sh.from_module(m, (), {"input_ids": ids, "labels": ids, "attention_mask": padded(ids, [3] * 3)[0],
+                               "use_cache": False})
+
+
 def test_labelled_dataset_is_token_weighted():
     """Over several batches whose labelled targets differ in number, every result is the
     model's loss on all the data at once (the mean over every labelled target), not the mean

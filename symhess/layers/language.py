@@ -26,10 +26,18 @@ computes itself and returns a ``LanguageModelLayer``:
   an op that reads the ids' values (a mask made from a padding id) is refused by name.
 
 Batches are token ids (``batch``, ``batches``): a tensor (N, L), a dict with ``input_ids``
-(as a DataLoader over a tokenised dataset yields; ``attention_mask`` all ones and
-``position_ids`` 0 … L − 1 if present, ``labels`` optional), or (ids,) / (ids, labels); X
-follows the ids, Y the labels (the ids when there are none; −100 entries ignored, as
-transformers' loss ignores them).  The position parameter P binds L to the example's length.
+(as a DataLoader over a tokenised dataset yields; ``position_ids`` 0 … L − 1 if present,
+``labels`` and ``attention_mask`` optional), or (ids,) / (ids, labels); X follows the ids, Y
+the labels (the ids when there are none; −100 entries ignored, as transformers' loss ignores
+them).  The position parameter P binds L to the example's length.
+
+Padding.  Captured on an example whose ``attention_mask`` pads its sequences to different
+lengths, the model's mask is a per-sequence input M (L × L) of the declaration; the capture
+checks that it is M_n[i, j] = [j ≤ i] · mask_n[j] (``causal_padding``), and every batch gives
+its own from its ``attention_mask`` (all ones when absent), so batches of any size and
+padding go in.  The first token of every sequence must be kept (right padding: with it
+padded, a row of the padding has no key, a 0/0 softmax).  Captured without padding, the mask
+is the causal one and a padded batch is refused.
 
 Means.  One batch (``batch``): N/T with the batch's own N and T, so the loss, gradient and
 Hessian are those of the model's loss on that batch.  A dataset (``batches``): N/T with N
@@ -80,6 +88,7 @@ class LanguageModelLayer(ModuleLayer):
         self.vocab = int(cap.dims["V"])
         self.length = int(ids.shape[-1])
         self.loss = cap.loss
+        self.masks = padding_masks(cap, kwargs.get("attention_mask"), type(module).__name__)
 
     # -- data ---------------------------------------------------------------------------
     def ids(self, b):
@@ -89,17 +98,28 @@ class LanguageModelLayer(ModuleLayer):
     def read(self, b):
         """A batch's token ids and labels, (N, L) integer tensors each (the labels are the ids
         when the batch has none), every field checked."""
+        return self.fields(b)[:2]
+
+    def fields(self, b):
+        """(ids, labels, attention_mask or None) of a batch, checked (``read``)."""
         import torch
-        labels = None
+        labels = mask = None
         if isinstance(b, dict):
             if "input_ids" not in b:
                 raise InputError(f"a batch dict needs input_ids, got keys {', '.join(map(str, b))}")
             ids = _as_torch(b["input_ids"])
             labels = b.get("labels")
-            self._check_field(b.get("attention_mask"), ids, "attention_mask",
-                              lambda t: bool((t == 1).all()), "all ones (a padding mask changes "
-                              "the keys each token attends to per sequence, which the "
-                              "declaration holds as a constant; see docs/modules.md)")
+            mask = b.get("attention_mask")
+            if self.masks:
+                self._check_field(mask, ids, "attention_mask", lambda t: bool(
+                    ((t == 0) | (t == 1)).all() and (t.reshape(-1, t.shape[-1])[:, 0] == 1).all()),
+                    "0 or 1 with the first token of every sequence kept (right padding: "
+                    "with the first token padded, the rows of the padding attend to no key)")
+            else:
+                self._check_field(mask, ids, "attention_mask", lambda t: bool((t == 1).all()),
+                                  "all ones: the model was captured without padding (its mask "
+                                  "is the causal one); capture it on an example whose sequences "
+                                  "are padded to different lengths to give padded batches")
             self._check_field(b.get("position_ids"), ids, "position_ids",
                               lambda t: bool((t == torch.arange(ids.shape[-1])).all()),
                               f"0 … {ids.shape[-1] - 1} in every sequence (what was captured)")
@@ -119,8 +139,14 @@ class LanguageModelLayer(ModuleLayer):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
             raise InputError(f"token ids must lie in 0 … {self.vocab - 1} (the vocabulary), got "
                              f"{int(ids.min())} … {int(ids.max())}")
+        if mask is not None:
+            mask = _as_torch(mask).reshape(-1, ids.shape[-1])
+            if mask.shape[0] not in (1, ids.shape[0]):
+                raise InputError(f"attention_mask has {mask.shape[0]} rows for {ids.shape[0]} "
+                                 f"sequences of ids")
+            mask = mask.expand(ids.shape[0], -1)
         if labels is None:
-            return ids, ids
+            return ids, ids, mask
         labels = self._tokens(_as_torch(labels), "labels")
         if labels.shape != ids.shape:
             raise InputError(f"labels must have the ids' shape {tuple(ids.shape)}, got "
@@ -129,7 +155,7 @@ class LanguageModelLayer(ModuleLayer):
         if bool(bad.any()):
             raise InputError(f"labels must lie in 0 … {self.vocab - 1} (the vocabulary) or be "
                              f"{IGNORE_INDEX} (ignored), got {int(labels[bad][0])}")
-        return ids, labels
+        return ids, labels, mask
 
     def _tokens(self, t, what):
         """An (N, L) long tensor of ``what`` (ids or labels) of the captured length."""
@@ -169,9 +195,10 @@ class LanguageModelLayer(ModuleLayer):
         """X (N, L, V): the one-hot token ids; Y (N, L, V): row i the one-hot of label i + 1
         times ``weight`` (default N/T, T the batch's labelled targets: the model's loss on
         this batch), 0 where it is ignored and in the last row (the targets of
-        ``ce_weighted``)."""
+        ``ce_weighted``); for a model captured with padding, its masks (N, L, L) from the
+        batch's attention_mask (all ones when absent)."""
         import torch
-        ids, labels = self.read(x if y is None else (x, y))
+        ids, labels, mask = self.fields(x if y is None else (x, y))
         X = torch.nn.functional.one_hot(ids, self.vocab).to(torch.float64)
         Y, T = self.targets(labels, self.vocab)
         if weight is None:
@@ -179,7 +206,12 @@ class LanguageModelLayer(ModuleLayer):
                 raise InputError(f"every next-token label of the batch is ignored "
                                  f"({IGNORE_INDEX}): its loss, a mean over no targets, is 0/0")
             weight = ids.shape[0] / T
-        return {"X": X, "Y": Y * weight}
+        out = {"X": X, "Y": Y * weight}
+        if self.masks:
+            keep = torch.ones_like(ids) if mask is None else mask
+            M = causal_padding(keep)
+            out.update({name: M for name in self.masks})
+        return out
 
     def values(self, batch, params=None) -> dict:
         """Every value a kernel needs for a batch of token ids (``params``: as ``params()``)."""
@@ -220,9 +252,10 @@ class LanguageModelLayer(ModuleLayer):
         import torch
         from ..expr.evaluate import evaluate
         vals = self.params(params)
-        X = self.batch(ids)["X"]
-        return torch.stack([evaluate(self.layer.output, dict(vals, X=X[i]), backend="torch")
-                            for i in range(X.shape[0])])
+        data = self.batch(ids)
+        data.pop("Y")
+        return torch.stack([evaluate(self.layer.output, dict(vals, **{k: v[i] for k, v in data.items()}),
+                                     backend="torch") for i in range(data["X"].shape[0])])
 
     def loss_value(self, ids, params=None):
         """The declared loss (``ce_weighted`` of the declared logits against ``batch``'s Y), the
@@ -255,6 +288,43 @@ class LanguageModelLayer(ModuleLayer):
     def __repr__(self):
         return (f"<symhess language model {self.layer.name}: {type(self.module).__name__}, "
                 f"{len(self.layer.params)} declared parameters, loss {self.loss}>")
+
+
+def causal_padding(keep):
+    """M (N, L, L): M_n[i, j] = 1 when j ≤ i and token j of sequence n is kept (the causal
+    mask of a padded batch, as transformers builds it from ``attention_mask``), float64."""
+    import torch
+    L = keep.shape[-1]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    return (causal[None] & keep.bool()[:, None, :]).to(torch.float64)
+
+
+def padding_masks(cap, mask, name) -> tuple:
+    """The names of the declaration's per-sequence masks when the model was captured with a
+    padding ``attention_mask``: each must be ``causal_padding`` of it (else the model's mask
+    is something the batches cannot rebuild, refused); a mask shared by every sequence (the
+    example's sequences padded alike) is refused too — it would be a constant of the
+    declaration, the same for every sequence."""
+    import numpy as np
+    if mask is None:
+        return ()
+    keep = _as_torch(mask).reshape(-1, _as_torch(mask).shape[-1])
+    if bool((keep == 1).all()):
+        return ()
+    shared = sorted(n for n in cap.consts if n.startswith("M_"))
+    if shared:
+        raise DeclarationError(f"{name}: the example's sequences are padded alike, so its "
+                               f"attention mask is one constant of every sequence; capture it on "
+                               f"an example whose sequences are padded to different lengths")
+    want = causal_padding(keep.expand(cap.example_batch, -1)).numpy()
+    out = []
+    for n, v in sorted(cap.seq_consts.items()):
+        if not (n.startswith("M_") and np.asarray(v).shape == want.shape and np.array_equal(v, want)):
+            raise DeclarationError(f"{name}: the per-sequence constant {n} is not the causal "
+                                   f"mask of the example's attention_mask (j ≤ i and token j "
+                                   f"kept); it cannot be rebuilt from the batches")
+        out.append(n)
+    return tuple(out)
 
 
 def _summed(n, t, distributed):
@@ -294,7 +364,7 @@ def from_language_model(module, args, kwargs, ids, check=True) -> LanguageModelL
 
 def _check(ml):
     """Declared logits and loss against the model's, float64, on the example ids and on random
-    ids of their shape: under ``no_downcasts`` to 1e-10, as the model is (its float32 loss)
+    ids of their shape (with the example's attention_mask): under ``no_downcasts`` to 1e-10, as the model is (its float32 loss)
     to ``CAST_TOLERANCE`` ε of float32."""
     import copy
     import torch
@@ -304,6 +374,8 @@ def _check(ml):
     g = torch.Generator().manual_seed(0)
     x0 = ml.ids(ml._x)
     xs = [x0, torch.randint(0, ml.vocab, tuple(x0.shape), generator=g)]
+    if ml.masks:                # the example's padding with both: the call's attention_mask
+        xs = [{"input_ids": x, "attention_mask": ml.kwargs["attention_mask"]} for x in xs]
     strict, loose = 0.0, 0.0
     with torch.no_grad():
         for x in xs:
