@@ -10,7 +10,7 @@ attention) and measures
 
 * capture: ``from_module(model, (), {input_ids, labels=input_ids, use_cache=False})`` —
   torch.export, the translation and the check of the logits and loss against the model's;
-* hvp routines: deriving the Hessian–vector products of the model's loss (``ce_next`` on the
+* hvp routines: deriving the Hessian–vector products of the model's loss (``ce_weighted`` on the
   logits) for the three parts and rendering them (the kernel's first use, fresh cache);
 * hvp: one product of every declared parameter (full part, prepared state) against
   ``torch.func.jvp(grad(loss))`` of the model's own loss (``functional_call``), side by side,

@@ -26,11 +26,12 @@ __all__ = ["expr", "ShapeError", "SymhessError", "DeclarationError", "InputError
            "SaturationWarning",
            "Derivation", "derive", "Layer", "layer", "register_layer", "LAYERS", "kernel",
            "compose", "stack", "__version__", "operator", "spectrum", "density", "Dataset",
-           "from_module", "verify", "random_values"]
+           "from_module", "submodule_call", "verify", "random_values"]
 
 _LAZY = {"operator": ("curvature.operators", "operator"), "spectrum": ("curvature.spectra", "spectrum"),
          "density": ("curvature.spectra", "density"), "Dataset": ("curvature.dataset", "Dataset"),
          "from_module": ("layers.modules", "from_module"),
+         "submodule_call": ("layers.hooks", "submodule_call"),
          "verify": ("calculus.verify", "verify"), "random_values": ("calculus.verify", "random_values")}
 
 

@@ -56,8 +56,10 @@ def capture(model, ids):
 class Reference:
     """Autograd of the model's own loss over its flat parameters (``parameters()`` order)."""
 
-    def __init__(self, model, ids):
+    def __init__(self, model, ids, labels=None, attention_mask=None):
         self.model, self.ids = model, ids
+        self.labels = ids if labels is None else labels
+        self.extra = {} if attention_mask is None else {"attention_mask": attention_mask}
         self.names = [n for n, _ in model.named_parameters()]
         self.shapes = [p.shape for _, p in model.named_parameters()]
         self.theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -73,7 +75,8 @@ class Reference:
     def out(self, th):
         with no_downcasts(), sdpa_kernel(SDPBackend.MATH):
             return functional_call(self.model, self._params(th), (),
-                                   {"input_ids": self.ids, "labels": self.ids, "use_cache": False})
+                                   {"input_ids": self.ids, "labels": self.labels, "use_cache": False,
+                                    **self.extra})
 
     def loss(self, th):
         return self.out(th).loss
@@ -91,7 +94,7 @@ class Reference:
             return full
         logits = lambda t: self.out(t).logits  # noqa: E731
         F, Jv = jvp(logits, (self.theta,), (v,))
-        targets = torch.nn.functional.pad(self.ids, (0, 1), value=-100)[:, 1:]
+        targets = torch.nn.functional.pad(self.labels, (0, 1), value=-100)[:, 1:]
 
         def lossF(f):
             return torch.nn.functional.cross_entropy(f.reshape(-1, f.shape[-1]), targets.reshape(-1))
@@ -147,7 +150,7 @@ def check_blocks(ml, ids, ref, params=None, parts=("outer", "functional", "full"
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_gpt2_lm_declaration(impl):
     """One embedding parameter used twice, the positions' rows as one L × d parameter, the
-    logits as the output and the model's loss as ce_next; the loss, logits and gradient are
+    logits as the output and the model's loss as ce_weighted; the loss, logits and gradient are
     the model's (SDPA and eager attention)."""
     m, ids = gpt2(impl=impl), token_ids()
     ml = capture(m, ids)
@@ -159,7 +162,7 @@ def test_gpt2_lm_declaration(impl):
     assert (wpe.rows, wpe.cols) == (sh.expr.dim("L"), sh.expr.dim("d"))
     assert ml.pieces["transformer_wpe_weight_1"][1].shape == (L, D)    # rows 0 … L − 1 only
     assert not any("lm_head" in n for n in names)                   # tied: W_E, not a copy
-    assert ml.loss == "ce_next" and ml.causal and not ml.layer.inputs[1:]
+    assert ml.loss == "ce_weighted" and ml.causal and not ml.layer.inputs[1:]
     assert any("to float32" in c for c in ml.casts)
     with torch.no_grad(), no_downcasts():
         out = m(input_ids=ids, labels=ids, use_cache=False)
@@ -288,12 +291,214 @@ def test_token_batches():
         ml.batch({"input_ids": data[:2], "attention_mask": torch.tensor([[1] * L, [1] * (L - 1) + [0]])})
     with pytest.raises(InputError, match="position_ids must be 0"):
         ml.batch({"input_ids": data[:2], "position_ids": torch.arange(1, L + 1)[None]})
-    with pytest.raises(InputError, match="labels must be the input ids"):
-        ml.batch(data[:2], data[2:4])
     with pytest.raises(InputError, match="must lie in 0"):
         ml.batch(torch.full((2, L), V))
     with pytest.raises(InputError, match="must be integers"):
         ml.batch(torch.zeros(2, L))
+
+
+def answer_labels(ids, answer, seed=0):
+    """Labels that score only the last ``answer[n]`` tokens of sequence n (-100 before), and
+    at some of those a token other than the input's (labels need not be the ids)."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.full_like(ids, -100)
+    for n, a in enumerate(answer):
+        labels[n, ids.shape[1] - a:] = ids[n, ids.shape[1] - a:]
+    other = torch.randint(0, V, ids.shape, generator=g)
+    swap = (torch.rand(ids.shape, generator=g) < 0.4) & (labels != -100)
+    labels = torch.where(swap, other, labels)
+    labels[0, -1] = (ids[0, -1] + 1) % V
+    return labels
+
+
+def test_labels_with_ignored_positions():
+    """Labels with -100 entries and labels unlike the ids: the loss, gradient and Hessian–vector
+    products (full and Gauss–Newton) of one batch are those of the model's own loss (the mean
+    over the batch's labelled next-token targets); given as (ids, labels) or as a dict."""
+    m, ids = gpt2(seed=6), token_ids((3, L), seed=6)
+    ml = capture(m, ids)
+    labels = answer_labels(ids, (2, 3, 5), seed=6)
+    assert (labels == -100).any() and ((labels != ids) & (labels != -100)).any()
+    ref = Reference(m, ids, labels)
+    with torch.no_grad():
+        want_loss = float(ref.loss(ref.theta))
+    k = sh.kernel(ml.layer, "torch", ml.loss)
+    Y = ml.batch(ids, labels)["Y"]
+    assert int(Y.sum(-1).count_nonzero()) == 2 + 3 + 4          # the labelled targets
+    assert abs(float(ml.loss_value((ids, labels))) - want_loss) <= 1e-13
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(len(ml.index), generator=g, dtype=torch.float64)
+    vm = torch.zeros(ref.theta.numel(), dtype=torch.float64)
+    vm[ml.index] = v
+    grad = ref.gradient().numpy()[ml.index]
+    for batch in ((ids, labels), {"input_ids": ids, "labels": labels}):
+        st = k.prepare(ml.values(batch))
+        assert abs(float(st.loss()) - want_loss) <= 1e-13
+        assert close(st.gradient_flat().numpy(), grad, np.linalg.norm(grad))
+        for part in ("full", "outer"):
+            want = ref.hvp(vm, part).numpy()[ml.index]
+            assert close(st.hvp(v, part).numpy(), want, np.linalg.norm(want)), part
+
+
+def test_right_padding_as_ignored_labels():
+    """A right-padded batch with its attention mask and labels -100 on the padding: the same
+    ids without the mask, under the same labels, give the model's loss and Hessian–vector
+    products exactly (no labelled target sees a later token); the mask itself is refused."""
+    m, ids = gpt2(seed=9), token_ids((3, L), seed=9)
+    ml = capture(m, ids)
+    mask = (torch.arange(L)[None] < torch.tensor([[5], [3], [4]])).long()
+    labels = torch.where(mask.bool(), ids, -100)
+    ref = Reference(m, ids, labels, attention_mask=mask)
+    st = sh.kernel(ml.layer, "torch", ml.loss).prepare(ml.values((ids, labels)))
+    with torch.no_grad():
+        assert abs(float(st.loss()) - float(ref.loss(ref.theta))) <= 1e-13
+    v = torch.randn(len(ml.index), generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    vm = torch.zeros(ref.theta.numel(), dtype=torch.float64)
+    vm[ml.index] = v
+    want = ref.hvp(vm, "full").numpy()[ml.index]
+    assert close(st.hvp(v).numpy(), want, np.linalg.norm(want))
+    with pytest.raises(InputError, match="attention_mask must be all ones"):
+        ml.batch({"input_ids": ids, "attention_mask": mask, "labels": labels})
+
+
+def padded(ids, lengths):
+    """(attention_mask, labels): the first ``lengths[n]`` tokens of sequence n kept, the
+    padding labelled -100 (as a data collator pads to the right)."""
+    mask = (torch.arange(ids.shape[1])[None] < torch.tensor(lengths)[:, None]).long()
+    return mask, torch.where(mask.bool(), ids, -100)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_padded_batches(impl):
+    """A model captured on an example padded to different lengths holds its mask as a
+    per-sequence input, rebuilt from every batch's attention_mask (any batch size, padding or
+    none): one batch's loss and Hessian–vector products, and a dataset's, against autograd of
+    the model's own loss with its mask; left padding and masks shared by the example refused."""
+    m = gpt2(seed=11, impl=impl)
+    ids = token_ids((3, L), seed=11)
+    mask, _ = padded(ids, [5, 3, 4])
+    ml = sh.from_module(m, (), {"input_ids": ids, "labels": ids, "attention_mask": mask,
+                                "use_cache": False})
+    assert ml.masks == ("M_1",) and [v.name for v in ml.layer.inputs] == ["X", "M_1"]
+    k = sh.kernel(ml.layer, "torch", ml.loss)
+    a, b = token_ids((2, L), seed=12), token_ids((4, L), seed=13)
+    (ma, la), (mb, lb) = padded(a, [2, 5]), padded(b, [4, 1, 5, 3])
+    batches = [{"input_ids": a, "attention_mask": ma, "labels": la},
+               {"input_ids": b, "attention_mask": mb, "labels": lb}]
+    v = torch.randn(len(ml.index), generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+
+    def agree(ref, got_loss, hvp):
+        vm = torch.zeros(ref.theta.numel(), dtype=torch.float64)
+        vm[ml.index] = v
+        with torch.no_grad():
+            assert abs(got_loss - float(ref.loss(ref.theta))) <= 1e-13
+        for part in ("full", "outer"):
+            want = ref.hvp(vm, part).numpy()[ml.index]
+            assert close(hvp(part), want, np.linalg.norm(want)), part
+
+    st = k.prepare(ml.values(batches[1]))
+    agree(Reference(m, b, lb, attention_mask=mb), float(st.loss()), lambda part: st.hvp(v, part).numpy())
+    plain = k.prepare(ml.values({"input_ids": a}))               # no mask: every token kept
+    agree(Reference(m, a), float(plain.loss()), lambda part: plain.hvp(v, part).numpy())
+    ds = sh.Dataset(k, ml.batches(batches), params=ml.params())
+    agree(Reference(m, torch.cat([a, b]), torch.cat([la, lb]), attention_mask=torch.cat([ma, mb])),
+          float(ds.loss()), lambda part: sh.operator(k, ds, part=part) @ v.numpy())
+    with pytest.raises(InputError, match="first token of every sequence kept"):
+        ml.batch({"input_ids": a, "attention_mask": torch.tensor([[0, 1, 1, 1, 1], [1] * L])})
+    with pytest.raises(InputError, match="attention_mask has 4 rows for 2 sequences"):
+        ml.batch({"input_ids": a, "attention_mask": mb})
+    with pytest.raises(DeclarationError, match="padded alike"):
+        sh.from_module(m, (), {"input_ids": ids, "labels": ids, "attention_mask": padded(ids, [3] * 3)[0],
+                               "use_cache": False})
+
+
+def test_labelled_dataset_is_token_weighted():
+    """Over several batches whose labelled targets differ in number, every result is the
+    model's loss on all the data at once (the mean over every labelled target), not the mean
+    of the batches' means; refusals of bad labels."""
+    from symhess.curvature.dataset import Dataset
+    m, ids = gpt2(seed=7), token_ids(seed=7)
+    ml = capture(m, ids)
+    data = token_ids((5, L), seed=8)
+    labels = answer_labels(data, (1, 4, 2, 4, 3), seed=8)
+    batches = [(data[:2], labels[:2]), {"input_ids": data[2:], "labels": labels[2:]}]
+    ref = Reference(m, data, labels)
+    k = sh.kernel(ml.layer, "torch", ml.loss)
+    ds = Dataset(k, ml.batches(batches), params=ml.params())
+    with torch.no_grad():
+        whole = float(ref.loss(ref.theta))
+        means = [float(Reference(m, data[s], labels[s]).loss(ref.theta)) for s in (slice(0, 2), slice(2, 5))]
+    assert abs(float(ds.loss()) - whole) <= 1e-13
+    assert abs(whole - sum(means) / 2) > 1e-6 and abs(whole - (2 * means[0] + 3 * means[1]) / 5) > 1e-6
+    v = torch.randn(len(ml.index), generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    vm = torch.zeros(ref.theta.numel(), dtype=torch.float64)
+    vm[ml.index] = v
+    for part in ("full", "outer"):
+        want = ref.hvp(vm, part).numpy()[ml.index]
+        got = sh.operator(k, ml.batches(batches), part=part, params=ml.params()) @ v.numpy()
+        assert close(got, want, np.linalg.norm(want)), part
+    with pytest.raises(InputError, match=r"labels must lie in 0 … 6 \(the vocabulary\) or be -100"):
+        ml.batch(data[:2], torch.full((2, L), -1))
+    with pytest.raises(InputError, match="labels must have the ids' shape"):
+        ml.batch(data[:2], data[:1])
+    with pytest.raises(InputError, match="labels must be integers"):
+        ml.batch(data[:2], data[:2].double())
+    ignored = torch.full((2, L), -100)
+    ignored[:, 0] = 1                       # the first label is never a target
+    with pytest.raises(InputError, match="every next-token label of the batch is ignored"):
+        ml.batch(data[:2], ignored)
+    with pytest.raises(InputError, match="every next-token label of the data is ignored"):
+        ml.batches([(data[:2], ignored)])
+
+
+def labelled_shards():
+    """Three labelled batches of 2 sequences whose labelled targets differ in number (4, 8, 3)."""
+    data = token_ids((6, L), seed=10)
+    labels = answer_labels(data, (1, 3, 5, 4, 2, 1), seed=10)
+    return [(data[i:i + 2], labels[i:i + 2]) for i in (0, 2, 4)]
+
+
+def sharded_worker(rank, world, port, path):
+    import os
+    from symhess.curvature import distributed as D
+    from symhess.curvature.dataset import Dataset
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        m = gpt2(seed=7)
+        ml = capture(m, token_ids(seed=7))
+        k = sh.kernel(ml.layer, "torch", ml.loss)
+        ds = Dataset(k, ml.batches(D.shard(labelled_shards())), params=ml.params())
+        v = torch.linspace(-1, 1, len(ml.index), dtype=torch.float64)
+        out = {"loss": float(ds.loss()), "hvp": (sh.operator(k, ds) @ v).numpy()}
+        if rank == 0:
+            np.save(path, out, allow_pickle=True)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_token_counts_summed_over_processes(tmp_path):
+    """Two gloo processes with shards of labelled batches (4 sequences and 7 labelled targets,
+    2 and 8): the counts are summed over the processes before the weights are set (6/15, not
+    4/7 and 2/8), so the results are the single process's token-weighted ones."""
+    import socket
+    from symhess.curvature.dataset import Dataset
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    path = str(tmp_path / "rank0.npy")
+    torch.multiprocessing.spawn(sharded_worker, args=(2, port, path), nprocs=2, join=True)
+    got = np.load(path, allow_pickle=True).item()
+    m = gpt2(seed=7)
+    ml = capture(m, token_ids(seed=7))
+    k = sh.kernel(ml.layer, "torch", ml.loss)
+    ds = Dataset(k, ml.batches(labelled_shards()), params=ml.params(), distributed=False)
+    v = torch.linspace(-1, 1, len(ml.index), dtype=torch.float64)
+    assert abs(got["loss"] - float(ds.loss())) <= 1e-12 * abs(float(ds.loss()))
+    want = (sh.operator(k, ds) @ v).numpy()
+    assert close(got["hvp"], want, np.linalg.norm(want))
 
 
 def test_refusals():
@@ -336,6 +541,6 @@ def test_spectrum_command_takes_the_model_loss(tmp_path, capsys):
                  "{'input_ids': ids, 'labels': ids, 'use_cache': False}\n")
     block = "transformer_ln_f_bias,transformer_ln_f_bias"
     assert main(["spectrum", f"{f}:gpt2_lm", "--block", block, "--k", "2", "--loss", "mse"]) == 2
-    assert "computes its own loss, ce_next; pass --loss ce_next" in capsys.readouterr().err
-    assert main(["spectrum", f"{f}:gpt2_lm", "--block", block, "--k", "2", "--loss", "ce_next"]) == 0
-    assert "loss=ce_next" in capsys.readouterr().out
+    assert "computes its own loss, ce_weighted; pass --loss ce_weighted" in capsys.readouterr().err
+    assert main(["spectrum", f"{f}:gpt2_lm", "--block", block, "--k", "2", "--loss", "ce_weighted"]) == 0
+    assert "loss=ce_weighted" in capsys.readouterr().out

@@ -10,7 +10,7 @@ Importing this package registers the built-in layers.
 from ..calculus.hessian import Derivation, derive as _derive
 from ..expr.layer import Layer
 from . import modern, models, stack, transformer, variants  # noqa: F401  (register the built-in layers)
-from . import language  # noqa: F401  (from_module of language models on token ids, loss ce_next)
+from . import language  # noqa: F401  (from_module of language models on token ids, loss ce_weighted)
 from .registry import LAYERS, layer, layer_options, register_layer
 
 

@@ -37,9 +37,8 @@ import weakref
 import numpy as np
 
 from ..errors import DeclarationError, InputError
-
-CHECK_TOLERANCE = 1e-10
-CAST_TOLERANCE = 1e3          # × ε of the lowest dtype a module casts to
+from .precision import (CAST_TOLERANCE, CHECK_TOLERANCE, first_tensor as _first_tensor,  # noqa: F401
+                        no_downcasts, rel as _rel)
 
 
 def from_module(module, example_inputs=None, kwargs=None, *, causal=False, attn_mask=None,
@@ -300,6 +299,15 @@ class ModuleLayer:
                              f"{type(data).__name__}: every product reads the data again")
         return _Mapped(data, self._pair)
 
+    def batches_from(self, model, data, targets="output", call=None):
+        """The batches of the hidden states ``model`` feeds this module (one of its
+        submodules) on each of its batches in ``data`` (a list, a DataLoader), with targets
+        Y: ``"output"`` (the module's own output), ``targets(output, batch)`` or None;
+        ``call(model, batch)`` runs the model.  Each call is checked against the captured
+        one (``symhess.layers.hooks``)."""
+        from .hooks import HookedBatches
+        return HookedBatches(self, model, data, targets, call)
+
     def _pair(self, b):
         if not (isinstance(b, (tuple, list)) and len(b) == 2):
             raise InputError(f"a batch of ModuleLayer.batches must be a pair (x, y), got "
@@ -410,20 +418,6 @@ def _ident(name):
     return "".join(ch if ch.isalnum() else "_" for ch in name)
 
 
-def _first_tensor(out):
-    import torch
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        for o in out:
-            t = _first_tensor(o)
-            if t is not None:
-                return t
-    if hasattr(out, "values") and callable(out.values):       # a ModelOutput / dict
-        return _first_tensor(list(out.values()))
-    return None
-
-
 class _Mapped:
     def __init__(self, data, fn):
         self.data, self.fn = data, fn
@@ -441,43 +435,7 @@ def _as_torch(x):
     return x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
 
 
-# ----------------------------------------------------------------------------- precision
-def no_downcasts():
-    """A context in which a module's casts to a lower floating precision than the tensor's
-    are no-ops (``x.to(torch.float32)`` of a float64 x returns x; ``softmax(…, dtype=float32)``
-    keeps float64): the module's own forward, computing in the caller's dtype."""
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    lower = lambda src, dt: (isinstance(dt, torch.dtype) and dt.is_floating_point and  # noqa: E731
-                             src.is_floating_point() and
-                             torch.finfo(dt).eps > torch.finfo(src.dtype).eps)
-    softmaxes = {torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax,
-                 torch.nn.functional.softmax, torch.nn.functional.log_softmax}
-
-    class _NoDowncasts(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = dict(kwargs or {})
-            if func in (torch.Tensor.to, torch.Tensor.type) and args and isinstance(args[0], torch.Tensor):
-                src = args[0]
-                dt = kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
-                if lower(src, dt):
-                    args = tuple(src.dtype if a is dt else a for a in args)
-                    if "dtype" in kwargs:
-                        kwargs["dtype"] = src.dtype
-            elif func in (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16) and args:
-                if args[0].dtype == torch.float64:
-                    return args[0]
-            elif func in softmaxes and args and isinstance(args[0], torch.Tensor):
-                if lower(args[0], kwargs.get("dtype")):
-                    kwargs["dtype"] = None
-                elif len(args) > 2 and lower(args[0], args[2]):
-                    args = args[:2] + (None,) + tuple(args[3:])
-            return func(*args, **kwargs)
-
-    return _NoDowncasts()
-
-
+# ----------------------------------------------------------------------------- the check
 def _check_forward(ml):
     """The declaration's forward against the module's, float64, on the example and on a random
     input of its shape; with downcasts, against the module under ``no_downcasts`` (1e-10)
@@ -511,10 +469,6 @@ def _check_forward(ml):
                                    f"its lower-precision steps explain ({tol:.1e})")
     ml.forward_error = worst_strict
     ml.cast_error = worst_loose
-
-
-def _rel(got, want):
-    return float((got - want).norm() / max(float(want.norm()), 1e-300))
 
 
 __all__ = ["from_module", "ModuleLayer", "no_downcasts"]

@@ -377,13 +377,17 @@ def _embedding(ctx, node, weight, indices, padding_idx=-1, scale_grad_by_freq=Fa
 def _cross_entropy(ctx, node, logits, target, weight=None, reduction=1, ignore_index=-100,
                    label_smoothing=0.0):
     """A language model's own loss, the mean next-token cross-entropy: with the logits F
-    (L × V per sequence) the declaration's output, ℓ = −(1/(L − 1)) Σ_ij Y_ij log softmax(F_i)_j,
-    Y_i the one-hot id of token i + 1 (its last row 0): the loss ``ce_next``."""
+    (L × V per sequence) the declaration's output, ℓ = −Σ_ij Y_ij log softmax(F_i)_j, Y_i
+    the one-hot label of token i + 1 times the batch's N/T (0 where ignored, and in the last
+    row): the loss ``ce_weighted`` (``symhess.layers.language``)."""
     import torch
     if not isinstance(logits, Sym) or not isinstance(target, S.Ids):
         raise ctx.fail("cross_entropy is declared only as a language model's loss: logits of "
                        "the model against its shifted token ids (call it with labels=input_ids, "
                        "the same tensor)")
+    if ignore_index != -100:
+        raise ctx.fail(f"cross_entropy with ignore_index={ignore_index} cannot be declared; the "
+                       f"labels' ignored entries are -100 (transformers' ignore_index)")
     if weight is not None or label_smoothing or reduction != 1:
         raise ctx.fail("cross_entropy with class weights, label smoothing or a reduction other "
                        "than the mean cannot be declared yet")
@@ -391,9 +395,9 @@ def _cross_entropy(ctx, node, logits, target, weight=None, reduction=1, ignore_i
     want = torch.nn.functional.pad(ids, (0, 1), value=ignore_index)[:, 1:].reshape(-1)
     if tuple(target.value.reshape(-1).shape) != tuple(want.shape) or \
             not bool((target.value.reshape(-1) == want).all()):
-        raise ctx.fail("the loss's targets are not the next tokens of the input ids (call the "
-                       "model with labels=input_ids; padded or masked labels cannot be "
-                       "declared yet)")
+        raise ctx.fail("the loss's targets are not the next tokens of the input ids (capture "
+                       "the model with labels=input_ids, the same tensor: the data's labels, "
+                       "-100 entries included, are given with its batches)")
     if logits.row is None or logits.row.kind != "pos":
         raise ctx.fail("the logits of the loss are not one row per token")
-    return S.LossOut(O.to_cols(ctx, logits, -1), "ce_next")
+    return S.LossOut(O.to_cols(ctx, logits, -1), "ce_weighted")
