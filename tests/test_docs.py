@@ -278,6 +278,9 @@ def _written(args):
         return {f"{ns.out}/{stem}.csv", f"{ns.out}/{stem}.png"}
     if args[:2] == ["experiment", "histogram"]:
         return {f"{ns.out}/histogram.png"}
+    if args[:2] == ["experiment", "language-model"]:
+        return {f"{ns.out}/{f}" for f in ("language_model.csv", "language_model_pairs.csv",
+                                          "language_model.png")}
     if args[0] == "spectrum":
         return {f"{ns.out}/spectrum.csv", f"{ns.out}/spectrum.png"} | (
             {f"{ns.out}/density.png"} if ns.density else set())

@@ -146,6 +146,9 @@ def _check(k, vals, seqs, d, backend, rng):
         close(k.hessian(V, part), H_, ("hessian", part))
         v = rng.standard_normal(H_.shape[0])
         close(st_.hvp(conv(v), part) / np.linalg.norm(v), H_ @ v / np.linalg.norm(v), ("hvp", part))
+        M = rng.standard_normal((H_.shape[0], 3))       # columns vectorised together
+        M /= np.linalg.norm(M)
+        close(st_.hvp(conv(M), part), H_ @ M, ("hvp of a matrix", part))
         for p in names:
             close(st_.diag(p, part), np.diag(ref[(p, p, part)]), ("diag", p, part))
             close(np.array([st_.trace(p, part)]), np.array([np.trace(ref[(p, p, part)])]), ("trace", p, part))

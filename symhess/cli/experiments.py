@@ -616,6 +616,8 @@ def build_parser():
     b.add_argument("--d-head", type=positive_int, default=4, help="query/key width d_K")
     b.add_argument("--sigma", type=positive_float, default=1.0, help="scale of the random X")
     b.set_defaults(func=cmd_bounds)
+    from .language_model import add_parser
+    add_parser(sub)
     return p
 
 

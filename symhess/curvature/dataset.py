@@ -402,9 +402,12 @@ class Dataset:
         return self._mean(lambda st: [st.gradient_flat()], "gradient")[0]
 
     def hvp(self, v, part="full"):
-        """H_part v over every parameter (flat v, declared order)."""
+        """H_part v over every parameter (flat v, declared order; or a matrix v, n × k,
+        whose columns each batch's state takes in vectorised calls)."""
         check_part(part)
-        v = self._vector(v, [(self._total_numel(),)])
+        n = self._total_numel()
+        k = tuple(getattr(v, "shape", ()))[1:2]
+        v = self._vector(v, [(n,)] + ([(n,) + k] if k else []))
         return self._mean(lambda st: [st.hvp(v, part)], "hvp", vector={"v": v})[0]
 
     def row_hvp(self, p, v, part="full", method="auto"):

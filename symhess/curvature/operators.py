@@ -25,8 +25,11 @@ NumPy.
 Products reuse the prepared forward quantities: a single batch (and a dataset whose prepared
 batches fit ``keep`` bytes) is prepared once, so an eigensolver's thousand products compute
 the softmax, the moments and the output gradient once.  Block products run in the matrix
-view (``symhess.curvature.matview``), the whole Hessian and block rows through the generated kernel's
-Hessian-vector product.
+view (``symhess.curvature.matview``), the whole Hessian, H(S, S) and block rows through the
+generated kernel's Hessian-vector product; a matrix's columns (``matmat``, ``to_dense`` of
+H(S, S)) go through it together, vectorised (torch: ``torch.func.vmap`` over chunks of
+columns, ``Forward.columns_per_call``), k columns costing about what a few single products
+cost per chunk on small models, where one product's time is mostly per-operation overhead.
 """
 from __future__ import annotations
 
@@ -152,9 +155,9 @@ class HessianOperator(LinearOperator):
         """H x (or Hᵀ x) for x of shape (cols,) or (cols, k), in the kernel's backend."""
         ds, p, q, part = self.dataset, self.p, self.q, self.part
         if self.kind == "whole":
-            return self._columns(x, lambda v: ds.hvp(v, part))
+            return ds.hvp(x, part)
         if self.kind == "subset":
-            return self._columns(x, lambda v: self._subset_hvp(v))
+            return self._subset_hvp(x)
         if self.kind == "block":
             a, b = (q, p) if transpose else (p, q)
             return ds.block_hvp(a, b, x, part, self.method)
@@ -164,8 +167,9 @@ class HessianOperator(LinearOperator):
         return _vstack([ds.block_hvp(r, p, x, part, self.method) for r in ds.params_names])
 
     def _subset_hvp(self, v):
-        """(H [v on S; 0])_S: one whole Hessian–vector product."""
-        full = (v.new_zeros(self._total) if _is_torch(v) else np.zeros(self._total, dtype=v.dtype))
+        """(H [v on S; 0])_S: one whole Hessian–vector product (a matrix v: its columns)."""
+        shape = (self._total,) + tuple(v.shape[1:])
+        full = v.new_zeros(shape) if _is_torch(v) else np.zeros(shape, dtype=v.dtype)
         o = 0
         for a, b in self._slices:
             full[a:b] = v[o:o + b - a]

@@ -289,6 +289,12 @@ class _Ops:
     matmul2 = staticmethod(np.matmul)
 
     @staticmethod
+    def added(acc, r, c):
+        """acc + c r, written into acc."""
+        acc += c * r
+        return acc
+
+    @staticmethod
     def addmm_(acc, a, b, c):
         """acc += c · a b in place (NumPy's GEMM does not accumulate: formed, then added)."""
         p = np.matmul(a, b)
@@ -318,6 +324,11 @@ class _Ops:
     def batch_mean(x):
         return x.mean(0) if x.ndim == 3 else x
     tr = staticmethod(tr)                 # aᵀ over the last two axes (a view)
+
+    @staticmethod
+    def columns(f, V, chunk):
+        """[f(V[:, 0]), f(V[:, 1]), …] as the columns of one matrix (one call per column)."""
+        return np.stack([f(V[:, j]) for j in range(V.shape[1])], axis=1)
 
     @staticmethod
     def concat(xs):

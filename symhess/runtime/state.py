@@ -65,6 +65,21 @@ def _checked(fn):
     return run
 
 
+# columns of a matrix product per vectorised call, and the temporaries of one column in
+# multiples of the call's values (a Hessian–vector product's largest temporaries are a few
+# times the activations it passes through, B L d_ff or B L² per head)
+COLUMNS_PER_CALL = 64
+COLUMN_WORK = 16
+
+
+def _ndim(v):
+    return len(getattr(v, "shape", ()))
+
+
+def _nbytes(a):
+    return a.nbytes if hasattr(a, "nbytes") else a.element_size() * a.nelement() if hasattr(a, "element_size") else 0
+
+
 def _part(part):
     if part not in ("outer", "functional", "full"):
         raise UnknownNameError(f"unknown part {part!r}; valid: outer, functional, full")
@@ -321,7 +336,7 @@ class Forward:
         if into is not None:
             acc, c = into
             fold = (lambda a, b: ops.addmm_(acc, a, b, c),
-                    lambda x: (ops.add_scaled(acc, x, c), acc)[1])
+                    lambda x: ops.added(acc, x, c))
         return chain.multiply(xs, ops.matmul2, ops.shape, free, shared, fetch, store, fold=fold)
 
     def prod(self, key, *xs):
@@ -376,23 +391,40 @@ class Forward:
         return acc
 
     def hvp(self, v, part="full"):
-        """H_part v for a flat vector v (parameters in declared order), no block built.
+        """H_part v for a flat vector v (parameters in declared order), no block built; for a
+        matrix v (n × k), H_part v column by column, the columns vectorised (``ops.columns``:
+        ``torch.func.vmap`` over chunks of ``columns_per_call(k)`` columns; NumPy: a loop).
 
         Cost: the matrix-view statements, products of size B L² d or B L d² (attention: 12 of
         them and about 20 of size B L² d_K for a one-off call, where X W_V is formed once for
         its three products; 8 for a prepared state's later calls, which reuse the kept
-        products of named factors)."""
+        products of named factors); k columns: k times that, in ⌈k / chunk⌉ calls whose
+        temporaries are chunk times one call's."""
         _part(part)
         n = sum(self.numel(p) for p in self.PARAMS)
-        v = checks.vector(v, self.like, [(n,)], deferred=self._deferred)
-        dirs, off = [], 0
-        for p in self.PARAMS:
-            shape = self.ops.shape(getattr(self, p))
-            k = math.prod(shape)
-            dirs.append(self.ops.reshape(v[off:off + k], shape))
-            off += k
-        outs = getattr(self, f"hvp__{part}")(*dirs)
-        return self._flat(outs)
+        v = checks.vector(v, self.like, [(n,)] + ([(n, v.shape[1])] if _ndim(v) == 2 else []),
+                          deferred=self._deferred)
+        routine = getattr(self, f"hvp__{part}")
+        shapes = [tuple(self.ops.shape(getattr(self, p))) for p in self.PARAMS]
+
+        def one(x):
+            dirs, off = [], 0
+            for shape in shapes:
+                k = math.prod(shape)
+                dirs.append(self.ops.reshape(x[off:off + k], shape))
+                off += k
+            return self._flat(routine(*dirs))
+        if _ndim(v) == 1:
+            return one(v)
+        return self.ops.columns(one, v, self.columns_per_call(v.shape[1]))
+
+    def columns_per_call(self, k):
+        """Columns per vectorised call of a matrix product: at most ``COLUMNS_PER_CALL``, and
+        as many as fit the schedule's intermediate budget when each column's temporaries take
+        ``COLUMN_WORK`` times the call's values (the data and parameters); at least 1."""
+        budget = self.schedule.memory_budget
+        per = COLUMN_WORK * max(1, sum(_nbytes(a) for a in self._values.values()))
+        return max(1, min(k, COLUMNS_PER_CALL, int(budget // per)))
 
     def _flat(self, outs):
         return self.ops.concat([self.ops.reshape(o, (-1,)) for o in outs])

@@ -2,6 +2,7 @@
 float dtype (``OPS`` for the contraction engine)."""
 from __future__ import annotations
 
+import contextvars
 import math
 import warnings
 
@@ -23,6 +24,22 @@ __all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff
 exp, log, tanh, sqrt, cosh, sinh, cos, sin = (torch.exp, torch.log, torch.tanh, torch.sqrt,
                                               torch.cosh, torch.sinh, torch.cos, torch.sin)
 absolute, sigmoid, erf = torch.abs, torch.sigmoid, torch.special.erf
+
+# inside ``_Ops.columns`` (``torch.func.vmap`` over a matrix's columns) the accumulations
+# below are out of place: a sum may start from a tensor that does not depend on the column
+# and then take terms that do, and vmap has no batching rule for addmm_/baddbmm_/addcmul_
+_VECTORISED = contextvars.ContextVar("symhess_vectorised", default=False)
+
+
+def _iadd(acc, x, alpha):
+    """acc + alpha x, in place into acc where vmap allows it (not where acc is the same for
+    every column and x is not: then a fresh sum, which varies over the columns from then on)."""
+    try:
+        return acc.add_(x, alpha=alpha)
+    except RuntimeError:
+        if not _VECTORISED.get():
+            raise
+        return torch.add(acc, x, alpha=alpha)
 
 
 def heaviside(x, at0):
@@ -75,6 +92,11 @@ def lin(*terms):
         acc = first[1].clone(memory_format=torch.contiguous_format)
     if tuple(acc.shape) != tuple(shape):
         acc = acc.expand(shape).clone()
+    if _VECTORISED.get():
+        for t in rest:
+            term = t[1].value() if isinstance(t[1], Product) else t[1] if len(t) == 2 else t[1] * t[2]
+            acc = _iadd(acc, term, t[0] / c0)
+        return acc if c0 == 1 else acc.mul_(c0)
     for t in rest:
         if isinstance(t[1], Product):
             t[1].into(acc, t[0] / c0)
@@ -91,7 +113,12 @@ def mul(*xs):
     acc = torch.mul(xs[0], xs[1])
     for x in xs[2:]:
         if torch.broadcast_shapes(acc.shape, x.shape) == acc.shape:
-            acc.mul_(x)
+            try:
+                acc.mul_(x)
+            except RuntimeError:       # vmap: acc the same for every column, x not
+                if not _VECTORISED.get():
+                    raise
+                acc = torch.mul(acc, x)
         else:
             acc = torch.mul(acc, x)
     return acc
@@ -298,12 +325,20 @@ class _Ops:
     def add_scaled(view, r, c):
         view.add_(r, alpha=c)
 
+    @staticmethod
+    def added(acc, r, c):
+        """acc + c r, written into acc (``_iadd``)."""
+        return _iadd(acc, r, c)
+
     matmul2 = staticmethod(torch.matmul)
 
     @staticmethod
     def addmm_(acc, a, b, c):
         """acc += c · a b in place, the product accumulated by the GEMM (``addmm_``,
-        ``baddbmm_``: beta 1), acc contiguous; otherwise formed and added."""
+        ``baddbmm_``: beta 1), acc contiguous; otherwise formed and added (a fresh sum when
+        vectorised)."""
+        if _VECTORISED.get():
+            return _iadd(acc, torch.matmul(a, b), c)
         if acc.is_contiguous() and acc.dim() == 3 and b.dim() == 2 and a.dim() == 3 \
                 and a.shape[0] == acc.shape[0]:
             acc.view(-1, acc.shape[-1]).addmm_(a.reshape(-1, a.shape[-1]), b, alpha=c)
@@ -341,6 +376,19 @@ class _Ops:
     def batch_mean(x):
         return x.mean(0) if x.dim() == 3 else x
     tr = staticmethod(tr)                 # aᵀ over the last two axes (a view)
+
+    @staticmethod
+    def columns(f, V, chunk):
+        """[f(V[:, 0]), f(V[:, 1]), …] as the columns of one matrix: ``torch.func.vmap`` over
+        the columns, ``chunk`` of them per call (f must be linear in its argument's values,
+        with no control flow on them: a generated Hessian–vector routine)."""
+        token = _VECTORISED.set(True)
+        try:
+            # the columns as the leading axis of contiguous rows: every batched
+            # operation then sees its column axis outermost
+            return torch.func.vmap(f, chunk_size=chunk)(V.T.contiguous()).T
+        finally:
+            _VECTORISED.reset(token)
 
     @staticmethod
     def concat(xs):
