@@ -18,6 +18,10 @@ attention) and measures
 * block: the first use of one derived block, H(W_Q head 1 of the last Transformer block
   (or of block ``--block-layer``), itself) and against the tied embedding W_E (derivation, lowering, rendering and
   evaluation);
+* columns (``--columns K``): K unit columns of the whole Hessian in one ``matmat`` of the
+  operator (the columns vectorised, ``torch.func.vmap`` over chunks) against
+  ``torch.func.vmap`` of ``jvp(grad(loss))`` over the same K tangents, and both against K
+  single products (``--skip-blocks`` leaves out the block timings);
 * peak RSS of the process (``resource.getrusage``: interpreter and imports included).
 
 Threads are pinned to 1.  transformers' float32 loss step is neutralised in the reference
@@ -102,6 +106,28 @@ def child(opts):
     times = interleaved({"symhess": mine, "torch.func": ref}, rounds=opts["rounds"])
     row["hvp"], row["hvp_ref"] = times["symhess"], times["torch.func"]
     _note("hvp done")
+    if opts.get("columns"):
+        K = min(opts["columns"], len(ml.index))
+        op = sh.operator(k, ml.batches([ids]), p=list(ml.layer.param_names), params=ml.params())
+        E = torch.zeros(len(ml.index), K, dtype=torch.float64)
+        E[torch.arange(K), torch.arange(K)] = 1.0
+        T = torch.zeros(K, theta.numel(), dtype=torch.float64)
+        T[torch.arange(K), ml.index[:K]] = 1.0
+        cols_ref = lambda: torch.func.vmap(lambda t: jvp(grad(loss), (theta,), (t,))[1])(T)  # noqa: E731
+        cols = lambda: op.matmat(E)  # noqa: E731
+        want = cols_ref()[:, ml.index].T
+        row["columns_error"] = float((cols() - want).norm() / want.norm())
+        times = interleaved({"symhess": cols, "torch.func": cols_ref,
+                             "single": lambda: [st.hvp(E[:, j], "full") for j in range(16)]},
+                            rounds=max(1, opts["rounds"] // 2))
+        row["columns"], row["columns_ref"] = K, times["torch.func"]
+        row["columns_time"], row["single_col"] = times["symhess"], times["single"] / 16
+        _note("columns done")
+    if opts.get("skip_blocks"):
+        row["block_qq"] = row["block_qe"] = float("nan")
+        row["peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+        print(json.dumps(row))
+        return
     at = opts["layers"] - 1 if opts.get("block_layer") is None else opts["block_layer"]
     p = f"transformer_h_{at}_attn_c_attn_weight_1"
     t = time.perf_counter()
@@ -141,17 +167,28 @@ def main(argv):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--block-layer", type=int, default=None,
                     help="the Transformer block whose W_Q head 1 the block timings use (default: the last)")
+    ap.add_argument("--columns", type=int, default=0, help="also time K unit columns (matmat)")
+    ap.add_argument("--skip-blocks", action="store_true", help="leave out the derived-block timings")
     a = ap.parse_args(argv)
     print(f"{'layers':>6}{'params':>8}{'entries':>9}{'capture':>9}{'hvp routines':>14}"
           f"{'hvp':>10}{'torch.func':>12}{'ratio':>7}{'rel. diff':>11}{'block Q,Q':>11}"
           f"{'block Q,W_E':>13}{'peak RSS':>10}{'process':>9}")
     for n in [int(s) for s in a.layers.split(",")]:
         r = run({"layers": n, "L": a.L, "batch": a.batch, "d": a.d, "heads": a.heads,
-                 "vocab": a.vocab, "rounds": a.rounds, "block_layer": a.block_layer})
+                 "vocab": a.vocab, "rounds": a.rounds, "block_layer": a.block_layer,
+                 "columns": a.columns, "skip_blocks": a.skip_blocks})
         print(f"{n:>6}{r['params']:>8}{r['entries']:>9}{r['capture']:>8.1f}s{r['hvp_routines']:>13.1f}s"
               f"{r['hvp'] * 1e3:>8.1f}ms{r['hvp_ref'] * 1e3:>10.1f}ms{r['hvp_ref'] / r['hvp']:>7.2f}"
               f"{r['hvp_error']:>11.1e}{r['block_qq']:>10.1f}s{r['block_qe']:>12.1f}s"
               f"{r['peak_gb']:>8.2f}GB{r['wall']:>8.1f}s", flush=True)
+        if "columns" in r:
+            c = r["columns"]
+            print(f"{'':>6} {c} columns: symhess matmat {r['columns_time']:.3f} s "
+                  f"({r['columns_time'] / c * 1e3:.2f} ms each), torch.func vmap(jvp(grad)) "
+                  f"{r['columns_ref']:.3f} s, ratio {r['columns_ref'] / r['columns_time']:.2f}; "
+                  f"single products {r['single_col'] * 1e3:.1f} ms each "
+                  f"({r['single_col'] * c / r['columns_time']:.1f}x slower); rel. diff "
+                  f"{r['columns_error']:.1e}", flush=True)
 
 
 if __name__ == "__main__":
