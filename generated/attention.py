@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "53eaf3a60872cea7b8cbd20f"
+    STAMP = "618ff12529a8dd87fd6a988a"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -300,7 +300,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "56c09e2be0cc6b6da2a656e3"
+    STAMP = "9d5590d6e03331278d8f7c4a"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -576,7 +576,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "11779fad6f396427a430e62c"
+    STAMP = "1a3a5573b3fc740873428856"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -877,7 +877,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "70f2f14a984422d5805fe6db"
+    STAMP = "0fbec3bb74b455c4d7a600ed"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -1180,4 +1180,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "6713f26843607170069eada3"
+CHECKSUM = "7077549e7dabe46d878cc799"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "e8492f78ca644b69411c9bdb"
+    STAMP = "349a31650aefb2755de0cd81"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -301,7 +301,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "11a75f457ee51128eae2d800"
+    STAMP = "d9f9ac80555c31fdf7a03fa7"
     RUNS = {
         'A X': 8,
         "W_K' X'": 9,
@@ -541,7 +541,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "58ecd9084c8a1bc2e7034a8b"
+    STAMP = "b86fed92b9a58e766bfa6efc"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -815,7 +815,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "73d57857850f36355e261f86"
+    STAMP = "9998d0bebfd34fb86d4a9596"
     RUNS = {
         'A X': 7,
         "W_K' X'": 9,
@@ -1088,4 +1088,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "03476cb69a4ccd593a48a891"
+CHECKSUM = "820ae46175729dcf10b638ac"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "a3b6864232fb999f761916de"
+    STAMP = "5ca4b7bb124f9cf25d80853d"
     RUNS = {
         'A1 N_1': 24,
         'A1 N_1 W_V': 11,
@@ -1810,7 +1810,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "904f3f038d915f6660585173"
+    STAMP = "a13bc16f87312f5f82c31729"
     RUNS = {
         'A1 N_1': 24,
         'A1 N_1 W_V': 11,
@@ -3596,7 +3596,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "9fcacacbdda40ae6957d2d82"
+    STAMP = "10245f6151d0515df7182050"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
@@ -5343,7 +5343,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "116fda24fedadbcc37af90bf"
+    STAMP = "b4823af9a9c9be4720654970"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
@@ -7092,4 +7092,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "8e45a4d7cb8d76dee309f9a6"
+CHECKSUM = "e155a623288e6caafa9b2638"

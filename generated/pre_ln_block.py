@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "f90855e44f15a79c3e6bb095"
+    STAMP = "1660f0ab0f4cd9d436a2b7fd"
     RUNS = {
         'A N_1': 20,
         "G W_2'": 2,
@@ -844,7 +844,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "1b1f7cadc6974b778500f096"
+    STAMP = "eeecc0abb975b897b0dd46cc"
     RUNS = {
         'A N_1': 20,
         "G W_2'": 2,
@@ -1664,7 +1664,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "de1d911bbea207c16f372700"
+    STAMP = "4ea51e19f842c76f57b8f0ca"
     RUNS = {
         'A N_1': 17,
         "G W_2'": 2,
@@ -2497,7 +2497,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "995575e271464c9df3007910"
+    STAMP = "78810aaf18717007eadf1db0"
     RUNS = {
         'A N_1': 17,
         "G W_2'": 2,
@@ -3332,4 +3332,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "e2b4fec7b3f6457c3b7d4591"
+CHECKSUM = "6a12b9a8f907ed061513cd43"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "9cd4de108d9e0e1e4accac3d"
+    STAMP = "1f0420891242c1c96f9eaadc"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -228,7 +228,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "bcceb0e5879bfb23e582523a"
+    STAMP = "26052f8c19069ee8db47cd1c"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -432,7 +432,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "0ad3a53cbb8f00679849aafc"
+    STAMP = "6f988491ba4d7f12fffbe993"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -660,7 +660,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "7a8e6d0ea66ba1050c24e937"
+    STAMP = "de4a2857de73bac79793aef9"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -890,4 +890,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "f7f4c82cfdac6197bd09b74d"
+CHECKSUM = "5e392b3ae85b89111a3f5b0e"

@@ -897,20 +897,38 @@ def _hadamard_factors(pr, n):
 
 @rule(E.Elementwise)
 def _elementwise(pr, n):
-    """f(A) entrywise; the library functions g(x) inside f's expression (σ in σ' = σ(1 − σ))
-    are leaves of their own, g(A) formed once for every f that holds it."""
+    """f(A) entrywise; the library functions g(u(x)) inside f's expression (σ in σ' = σ(1 − σ),
+    tanh(√(2/π)(x + 0.044715 x³)) in GELU_tanh, GELU_tanh' and GELU_tanh'') are leaves of
+    their own, g(u(A)) formed once for every f that holds it: f, f' and f'' of one operand
+    evaluate each inner function once (GELU_tanh'' spelled out applies tanh 7 times)."""
     a = n.args[0]
     subs = {}
     if not pr.depends_on_arguments(a):
-        for g in sorted(n.fn.expr.atoms(sp.Function), key=str):
-            if g == n.fn.expr or g.args != (scalarfn.x,) or isinstance(g, sp.Heaviside):
-                continue
-            fn = next((scalarfn.get_function(k) for k, (e, _) in scalarfn.FUNCTIONS.items() if e == g),
-                      None) or scalarfn.ScalarFn(type(g).__name__.lower(), g, "")
-            node = E.elementwise(fn, a)
+        for g in _inner_functions(n.fn.expr):
+            node = E.elementwise(_inner_fn(g), a)
             code = yield "ccode", node
             subs[g] = code if re.fullmatch(r"s\.\w+", code) else pr.define(node, code, force_leaf=True)
     return scalar_code(n.fn.expr, (yield "ccode", a), subs)
+
+
+def _inner_functions(expr):
+    """The applications g(u(x)) of library functions in ``expr`` other than ``expr`` itself
+    and steps (Heaviside: a comparison, cheaper than a lookup), in a deterministic order."""
+    return [g for g in sorted(expr.atoms(sp.Function), key=str)
+            if g != expr and len(g.args) == 1 and g.args[0].has(scalarfn.x)
+            and not isinstance(g, sp.Heaviside)]
+
+
+def _inner_fn(g):
+    """The entrywise function g(u(x)) as a ``ScalarFn``: a library one when u(x) = x (σ, tanh),
+    else one named by its sympy text (the same g in f, f' and f'' gives the same node)."""
+    for k, (e, tex) in scalarfn.FUNCTIONS.items():
+        if e == g:
+            return scalarfn.get_function(k)
+    name = type(g).__name__.lower()
+    if g.args == (scalarfn.x,):
+        return scalarfn.ScalarFn(name, g, "")
+    return scalarfn.ScalarFn(f"{name}({sp.sstr(g.args[0])})", g, "")
 
 
 @rule(E.SoftmaxRows)
