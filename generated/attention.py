@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "618ff12529a8dd87fd6a988a"
+    STAMP = "f778f57a250a5c75d87f74fd"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -300,7 +300,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "9d5590d6e03331278d8f7c4a"
+    STAMP = "ac37cf2202c27992b3bc369e"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -576,7 +576,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "1a3a5573b3fc740873428856"
+    STAMP = "7eb174e779d40a19b576f93d"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -877,7 +877,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "0fbec3bb74b455c4d7a600ed"
+    STAMP = "b5a724968314af1df5cfed55"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -1180,4 +1180,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "7077549e7dabe46d878cc799"
+CHECKSUM = "7cf6eb2174c713ba98a9813d"

@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "dfa5397a13aaca1ed0ecbae2"
+    STAMP = "f2e1b07d9ffd22a792108b9e"
 
     @leaf
     def H(s):
@@ -160,7 +160,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "0a97dcf541d300f960c3ac8c"
+    STAMP = "d30f9fb7d6bcc195e2469e2f"
 
     @leaf
     def H(s):
@@ -315,4 +315,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "9a67d01c7f576b45ed817fa9"
+CHECKSUM = "487cc61ab88300b816316c48"

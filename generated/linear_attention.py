@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "349a31650aefb2755de0cd81"
+    STAMP = "ebfe92a57ae218e3924a9f44"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -301,7 +301,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "d9f9ac80555c31fdf7a03fa7"
+    STAMP = "593cfafda0fc0cfe4c134829"
     RUNS = {
         'A X': 8,
         "W_K' X'": 9,
@@ -541,7 +541,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b86fed92b9a58e766bfa6efc"
+    STAMP = "6f0d225c01cfc00caa99bd9f"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -815,7 +815,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "9998d0bebfd34fb86d4a9596"
+    STAMP = "e429ed90ee38f534d1a33f86"
     RUNS = {
         'A X': 7,
         "W_K' X'": 9,
@@ -1088,4 +1088,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "820ae46175729dcf10b638ac"
+CHECKSUM = "336f891222b0baaf5c8222d4"

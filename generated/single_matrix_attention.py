@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "1f0420891242c1c96f9eaadc"
+    STAMP = "8982f1234d32102c4d268e9b"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -228,7 +228,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "26052f8c19069ee8db47cd1c"
+    STAMP = "9cf2b27e968e5dcfd2e2e208"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -432,7 +432,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "6f988491ba4d7f12fffbe993"
+    STAMP = "7c9820dd1c12c46a25218dfa"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -660,7 +660,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "de4a2857de73bac79793aef9"
+    STAMP = "7986876d5a02547e679a0e78"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -890,4 +890,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "5e392b3ae85b89111a3f5b0e"
+CHECKSUM = "247755f1e7c5a634d2d1f5b2"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "690184c0e66131fdd339b121"
+    STAMP = "59d6f359a2e526196cb4fdb5"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -407,7 +407,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "c1136a740afc4472d6526937"
+    STAMP = "ad04aa6a42b7c13ed49f7830"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -790,7 +790,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "99f6587daa58cc247447e952"
+    STAMP = "d715adc1ccf983bc122736cf"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1179,7 +1179,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "7956367a727b35b89be92ba9"
+    STAMP = "fbcaa493a3f0df750eae552a"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1570,4 +1570,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "7d7c28fe23196267c2af3fd2"
+CHECKSUM = "6554b6746cb388d3d9f50136"
