@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "a15a2836c0818ff2336be6cc"
+    STAMP = "4fddf77cdc511cb83293d653"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
@@ -1814,7 +1814,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "8d9a425e78f73ba89fd0b6a4"
+    STAMP = "0651be836c241d99504313ad"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
@@ -3604,7 +3604,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "7fff5dbd68602536b4b6885d"
+    STAMP = "ea32fefc0f0ac401d544b505"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
@@ -5359,7 +5359,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "585aafe02d5647a42aad3c63"
+    STAMP = "07bd05ca9542f81a37a1b440"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
@@ -7116,4 +7116,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "199c51741f6c0f3b0757a99a"
+CHECKSUM = "f58d62d03c2ed336f1affb1e"

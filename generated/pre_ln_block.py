@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "df429d631100534bfdae31f3"
+    STAMP = "6d570558fddb3bed5d1b9364"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -848,7 +848,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "50b82150c6ff9264e205f6a5"
+    STAMP = "f10c1d475013a3b08b7216a2"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -1672,7 +1672,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "2bf4ec98f03487eb55daacde"
+    STAMP = "0be37dc3991aa1108f9e4125"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -2513,7 +2513,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "7f678181e3854d16d1563d93"
+    STAMP = "ad7c38bf2a0c4c43063d7a5b"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -3356,4 +3356,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "175c7e9708e35c316bd61f5e"
+CHECKSUM = "55c8db5c6283594411eb6450"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "59d6f359a2e526196cb4fdb5"
+    STAMP = "d34ab46dbab863fe7327b1c0"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -407,7 +407,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "ad04aa6a42b7c13ed49f7830"
+    STAMP = "172e6036387715530c1b0b49"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -790,7 +790,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "d715adc1ccf983bc122736cf"
+    STAMP = "66e4f0175e18ebac9cc52065"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1179,7 +1179,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "fbcaa493a3f0df750eae552a"
+    STAMP = "1acca7875db978da7f21aa43"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1570,4 +1570,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "6554b6746cb388d3d9f50136"
+CHECKSUM = "0c9e878538f51f4d4c8add1d"

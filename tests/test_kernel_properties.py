@@ -213,7 +213,7 @@ def test_swiglu_ffn():
 
 @pytest.mark.parametrize("fn,inner", [("gelu_tanh", "tanh("), ("gelu", "erf("), ("silu", "sigmoid(")])
 def test_entrywise_function_and_its_derivatives_share_their_inner_function(fn, inner, monkeypatch, tmp_path):
-    """f(X W_1)ᵀ W_2 … with f, f' and f'' of one operand: every kernel method is right, and
+    """f(X W_1) W_2, whose kernels hold f, f' and f'' of one operand: every method is right, and
     the rendered module applies f's inner library function (tanh of GELU_tanh, erf of GELU,
     σ of SiLU) once, a leaf that f, f' and f'' read."""
     from symhess.codegen import render

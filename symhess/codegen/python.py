@@ -937,7 +937,7 @@ def _inner_functions(expr):
 def _inner_fn(g):
     """The entrywise function g(u(x)) as a ``ScalarFn``: a library one when u(x) = x (σ, tanh),
     else one named by its sympy text (the same g in f, f' and f'' gives the same node)."""
-    for k, (e, tex) in scalarfn.FUNCTIONS.items():
+    for k, (e, _) in scalarfn.FUNCTIONS.items():
         if e == g:
             return scalarfn.get_function(k)
     name = type(g).__name__.lower()
