@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "53eaf3a60872cea7b8cbd20f"
+    STAMP = "75a5e1f81c899f0ab332a4fb"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -300,7 +300,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "56c09e2be0cc6b6da2a656e3"
+    STAMP = "dffac66f44747ff8b8a78b2f"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -576,7 +576,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "11779fad6f396427a430e62c"
+    STAMP = "4f041a553b6e4083e2596b9c"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -877,7 +877,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "70f2f14a984422d5805fe6db"
+    STAMP = "97b6fbac56e4c6d5f5c9c256"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -1180,4 +1180,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "6713f26843607170069eada3"
+CHECKSUM = "6efd7800ec8be7ca1ce768b2"

@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "f90884726a8198ff573526ff"
+    STAMP = "51d59b6ee9a9c5b225f2d3d0"
 
     @leaf
     def H(s):
@@ -160,7 +160,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "58f6e92d81e7fc1c202afe6c"
+    STAMP = "2fcb341e776b22cbdbaadd0a"
 
     @leaf
     def H(s):
@@ -315,4 +315,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "0164ef48703b82a6034fdf0b"
+CHECKSUM = "4f1dbcd02253be8e5b0ba35e"

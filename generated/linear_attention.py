@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "e8492f78ca644b69411c9bdb"
+    STAMP = "2c16583223af978ac9bde24d"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -301,7 +301,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "11a75f457ee51128eae2d800"
+    STAMP = "c60c2ee66b73fe8e900dc075"
     RUNS = {
         'A X': 8,
         "W_K' X'": 9,
@@ -541,7 +541,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "58ecd9084c8a1bc2e7034a8b"
+    STAMP = "81f7eab90f9d916e60092788"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -815,7 +815,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "73d57857850f36355e261f86"
+    STAMP = "82c4a447922ce48b7061c16b"
     RUNS = {
         'A X': 7,
         "W_K' X'": 9,
@@ -1088,4 +1088,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "03476cb69a4ccd593a48a891"
+CHECKSUM = "bfd5eff8d102bf8237fa3bd6"

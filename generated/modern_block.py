@@ -24,39 +24,39 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "a3b6864232fb999f761916de"
+    STAMP = "4fddf77cdc511cb83293d653"
     RUNS = {
-        'A1 N_1': 24,
-        'A1 N_1 W_V': 11,
-        "A1' t_211": 2,
+        'A1 N_1': 20,
+        'A1 N_1 W_V': 9,
+        "A1' t_212": 2,
         "A1' t_44": 5,
-        'A2 N_1': 24,
-        'A2 N_1 W_V': 11,
-        "A2' t_211": 2,
+        'A2 N_1': 20,
+        'A2 N_1 W_V': 9,
+        "A2' t_212": 2,
         "A2' t_44": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
         'N_1 W_Q2': 2,
-        'N_1 W_V': 67,
-        'N_1 W_V W_O1': 17,
-        'N_1 W_V W_O2': 17,
-        "N_1' A1' t_211": 2,
+        'N_1 W_V': 59,
+        'N_1 W_V W_O1': 15,
+        'N_1 W_V W_O2': 15,
+        "N_1' A1' t_212": 2,
         "N_1' A1' t_44": 4,
-        "N_1' A2' t_211": 2,
+        "N_1' A2' t_212": 2,
         "N_1' A2' t_44": 4,
-        "W_O1 t_172'": 2,
-        "W_O1 t_212'": 2,
+        "W_O1 t_173'": 2,
+        "W_O1 t_213'": 2,
         "W_O1 t_25'": 3,
         "W_O1 t_44'": 3,
         "W_O1 t_66'": 2,
-        "W_O1' W_V'": 18,
-        "W_O2 t_172'": 2,
-        "W_O2 t_212'": 2,
+        "W_O1' W_V'": 16,
+        "W_O2 t_173'": 2,
+        "W_O2 t_213'": 2,
         "W_O2 t_25'": 3,
         "W_O2 t_44'": 3,
         "W_O2 t_66'": 2,
-        "W_O2' W_V'": 18,
+        "W_O2' W_V'": 16,
     }
 
     @leaf
@@ -472,7 +472,7 @@ class mse_causal0(Forward):
         return (s.t_86 * s.C)
 
     @leaf
-    def t_93(s):
+    def t_97(s):
         return (s.t_54 + s.t_55)
 
     @leaf
@@ -489,135 +489,139 @@ class mse_causal0(Forward):
 
     @leaf
     def t_162(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
+        return (s.F - s.Y)
 
     @leaf
     def t_163(s):
-        return mul(s.t_13, s.t_162, s.t_11, s.t_14)
+        return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
     def t_164(s):
-        return mul(s.t_12, s.t_162, s.t_14)
+        return mul(s.t_13, s.t_163, s.t_11, s.t_14)
 
     @leaf
     def t_165(s):
-        return (s.t_163 + s.t_164)
+        return mul(s.t_12, s.t_163, s.t_14)
 
     @leaf
     def t_166(s):
-        return s.mm("t_165 W_1'", s.t_165, tr(s.W_1))
+        return (s.t_164 + s.t_165)
 
     @leaf
     def t_167(s):
-        return mul(s.t_12, s.t_162, s.t_11)
+        return s.mm("t_166 W_1'", s.t_166, tr(s.W_1))
 
     @leaf
     def t_168(s):
-        return s.mm("t_167 W_3'", s.t_167, tr(s.W_3))
+        return mul(s.t_12, s.t_163, s.t_11)
 
     @leaf
     def t_169(s):
-        return (s.t_166 + s.t_168)
+        return s.mm("t_168 W_3'", s.t_168, tr(s.W_3))
 
     @leaf
     def t_170(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_169, s.t_22, s.Y_2)
+        return (s.t_167 + s.t_169)
 
     @leaf
     def t_171(s):
-        return s.mm('t_170 one', s.t_170, s.one)
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_170, s.t_22, s.Y_2)
 
     @leaf
     def t_172(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, (1/math.sqrt(s.d_K)) * s.t_169, s.R_N_2), (1, s.t_171, s.Y_2))
+        return s.mm('t_171 one', s.t_171, s.one)
 
     @leaf
     def t_173(s):
-        return s.mm("t_172 W_O1' W_V' N_1'", s.t_172, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), s.t_162), (1, (1/math.sqrt(s.d_K)) * s.t_170, s.R_N_2), (1, s.t_172, s.Y_2))
 
     @leaf
-    def t_186(s):
-        return lin((1, mul(s.t_56, s.t_162, s.t_11), s.t_14), (2, (s.t_13 * s.t_162), s.t_14))
+    def t_174(s):
+        return s.mm("t_173 W_O1' W_V' N_1'", s.t_173, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_189(s):
-        return mul(s.t_13, s.t_162, s.t_11)
+    def t_187(s):
+        return lin((1, mul(s.t_56, s.t_163, s.t_11), s.t_14), (2, (s.t_13 * s.t_163), s.t_14))
 
     @leaf
     def t_190(s):
-        return (s.t_12 * s.t_162)
+        return mul(s.t_13, s.t_163, s.t_11)
 
     @leaf
     def t_191(s):
-        return (s.t_189 + s.t_190)
+        return (s.t_12 * s.t_163)
 
     @leaf
-    def t_195(s):
-        return ((1/math.sqrt(s.d_K)) * s.t_169 * s.t_22)
+    def t_192(s):
+        return (s.t_190 + s.t_191)
 
     @leaf
     def t_196(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_169 * s.t_22)
+        return ((1/math.sqrt(s.d_K)) * s.t_170 * s.t_22)
 
     @leaf
     def t_197(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_169, s.t_62, s.Y_2)
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_170 * s.t_22)
 
     @leaf
-    def t_202(s):
-        return softmax_diff(s.A1, s.t_173)
+    def t_198(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_170, s.t_62, s.Y_2)
 
     @leaf
-    def t_204(s):
-        return s.mm("t_172 W_O2' W_V' N_1'", s.t_172, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_203(s):
+        return softmax_diff(s.A1, s.t_174)
 
     @leaf
-    def t_207(s):
-        return softmax_diff(s.A2, s.t_204)
+    def t_205(s):
+        return s.mm("t_173 W_O2' W_V' N_1'", s.t_173, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_209(s):
-        return mul((2/s.d_V) * s.t_169, s.t_22, s.Y_2)
+    def t_208(s):
+        return softmax_diff(s.A2, s.t_205)
 
     @leaf
     def t_210(s):
-        return s.mm('t_209 one', s.t_209, s.one)
+        return mul((2/s.d_V) * s.t_170, s.t_22, s.Y_2)
 
     @leaf
     def t_211(s):
-        return lin((1, s.G), (1, s.t_169, s.R_N_2), (1, s.t_210, s.Y_2))
+        return s.mm('t_210 one', s.t_210, s.one)
 
     @leaf
     def t_212(s):
-        return (1/math.sqrt(s.d_K)) * s.t_211
+        return lin((2/(s.L*s.d_V), s.t_162), (1, s.t_170, s.R_N_2), (1, s.t_211, s.Y_2))
 
     @leaf
     def t_213(s):
-        return s.mm("t_212 W_O1' W_V' N_1'", s.t_212, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return (1/math.sqrt(s.d_K)) * s.t_212
 
     @leaf
-    def t_215(s):
-        return (s.t_169 * s.t_22)
+    def t_214(s):
+        return s.mm("t_213 W_O1' W_V' N_1'", s.t_213, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_216(s):
-        return ((2/s.d_V) * s.t_169 * s.t_22)
+        return (s.t_170 * s.t_22)
 
     @leaf
     def t_217(s):
-        return mul((2/s.d_V) * s.t_169, s.t_62, s.Y_2)
+        return ((2/s.d_V) * s.t_170 * s.t_22)
 
     @leaf
-    def t_222(s):
-        return s.mm("t_212 W_O2' W_V' N_1'", s.t_212, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_218(s):
+        return mul((2/s.d_V) * s.t_170, s.t_62, s.Y_2)
 
     @leaf
-    def t_226(s):
-        return softmax_diff(s.A1, s.t_213)
+    def t_223(s):
+        return s.mm("t_213 W_O2' W_V' N_1'", s.t_213, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_227(s):
-        return softmax_diff(s.A2, s.t_222)
+        return softmax_diff(s.A1, s.t_214)
+
+    @leaf
+    def t_228(s):
+        return softmax_diff(s.A2, s.t_223)
 
     @leaf
     def S_2(s):
@@ -1668,29 +1672,29 @@ class mse_causal0(Forward):
         t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
         t_91 = lin((1, s.prod("t_39' _", tr(s.t_39), t_89)), (1, s.prod("_ t_5'", t_90, tr(s.t_5))))
         t_92 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_91)
-        t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_95 = lin((1, s.prod("_ t_5'", t_94, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_89)))
-        t_96 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_95)
-        t_97 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_96, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_98 = s.mm('_ one', (t_97 * s.Y_2), s.one)
+        t_93 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_94 = lin((1, s.prod("_ t_5'", t_93, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_89)))
+        t_95 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_94)
+        t_96 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_95, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_98 = s.mm('_ one', (t_96 * s.Y_2), s.one)
         t_99 = (t_98 * s.t_53)
-        t_100 = lin((1, t_97, s.R_N_2), (2/s.d_V, t_99))
+        t_100 = lin((1, t_96, s.R_N_2), (2/s.d_V, t_99))
         t_101 = lin((1, s.prod('_ W_1', t_100, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
         t_102 = lin((1, s.prod('_ W_3', t_100, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_103 = ((s.t_93 * t_101) + (s.t_33 * t_102))
-        t_104 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_103, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_96, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_103 = ((s.t_97 * t_101) + (s.t_33 * t_102))
+        t_104 = lin((1, t_96), (1, s.prod('_ W_2', t_103, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
         t_105 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_104, tr(s.W_2))
-        t_106 = (s.t_93 * t_105)
+        t_106 = (s.t_97 * t_105)
         t_107 = (s.t_33 * t_105)
         t_108 = lin((1, s.prod("_ W_1'", t_106, tr(s.W_1))), (1, s.prod("_ W_3'", t_107, tr(s.W_3))))
-        t_109 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_104), (1, (1/math.sqrt(s.d_K)) * t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_108), s.one), s.Y_2))
+        t_109 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_104), (1, (1/math.sqrt(s.d_K)) * t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_108), s.one), s.Y_2))
         t_110 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_109, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
         t_111 = s.mm("_ t_2'", t_110, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_111 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_111 * s.S), tr(s.R)), mean=True)
         t_112 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_109, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
         t_113 = s.mm("_ t_2'", t_112, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_113 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_113 * s.S), tr(s.R)), mean=True)
-        t_114 = lin((1, (2/(s.L*s.d_V)) * t_104), (1, t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_108), s.one), s.Y_2))
+        t_114 = lin((2/(s.L*s.d_V), t_104), (1, t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_108), s.one), s.Y_2))
         t_115 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_114, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
         t_116 = softmax_diff(s.A1, t_115)
         t_117 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_114, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
@@ -1722,7 +1726,7 @@ class mse_causal0(Forward):
         t_133 = lin((1, s.prod('_ W_1', t_132, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
         t_134 = s.mm('G _', s.G, tr(V_W_2))
         t_136 = lin((1, s.prod('_ W_3', t_132, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_137 = lin((1, s.t_129, t_133), (1, s.t_93, t_134), (1, s.t_135, t_136))
+        t_137 = lin((1, s.t_129, t_133), (1, s.t_97, t_134), (1, s.t_135, t_136))
         t_138 = ((s.t_135 * t_133) + (s.t_33 * t_134))
         t_139 = lin((1, s.prod("_ W_1'", t_137, tr(s.W_1))), (1, s.prod("_ W_3'", t_138, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
         t_140 = lin((1, s.t_61, t_128), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_139), (2/s.d_V, t_130, s.t_63))
@@ -1750,7 +1754,7 @@ class mse_causal0(Forward):
         out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_150, mean=True)))
         out_W_1 = (s.mm('_ t_17', tr(t_132), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_137, mean=True))
         out_W_3 = (s.mm('_ t_18', tr(t_132), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_138, mean=True))
-        t_158 = ((tr(s.t_93) * tr(t_133)) + (s.t_157 * tr(t_136)))
+        t_158 = ((tr(s.t_97) * tr(t_133)) + (s.t_157 * tr(t_136)))
         out_W_2 = s.mm('_ G', t_158, s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
@@ -1759,50 +1763,50 @@ class mse_causal0(Forward):
         t_159 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_160 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
         t_161 = lin((1, s.prod("t_39' _", tr(s.t_39), t_159)), (1, s.prod("_ t_5'", t_160, tr(s.t_5))))
-        t_174 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_161)
-        t_175 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_176 = lin((1, s.prod("_ t_5'", t_175, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_159)))
-        t_177 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_176)
-        t_178 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_174, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_177, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_179 = s.mm('_ one', (t_178 * s.Y_2), s.one)
-        t_180 = (t_179 * s.t_53)
-        t_181 = lin((1, t_178, s.R_N_2), (2/s.d_V, t_180))
-        t_182 = lin((1, s.prod('_ W_1', t_181, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_183 = lin((1, s.prod('_ W_3', t_181, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_184 = ((s.t_93 * t_182) + (s.t_33 * t_183))
-        t_185 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_174, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_184, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_177, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_187 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_185, tr(s.W_2))
-        t_188 = lin((1, t_187), (1, s.prod('G _', s.G, tr(V_W_2))))
-        t_192 = lin((1, s.t_186, t_182), (1, s.t_93, t_188), (1, s.t_191, t_183))
-        t_193 = ((s.t_191 * t_182) + (s.t_33 * t_188))
-        t_194 = lin((1, s.prod("_ W_1'", t_192, tr(s.W_1))), (1, s.prod("_ W_3'", t_193, tr(s.W_3))), (1, s.prod('t_165 _', s.t_165, tr(V_W_1))), (1, s.prod('t_167 _', s.t_167, tr(V_W_3))))
-        t_198 = lin((1, s.t_196, t_178), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_194), (2/s.d_V, t_179, s.t_197))
-        t_199 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_185), (1, s.t_171, t_178), (1, (1/math.sqrt(s.d_K)) * t_194, s.R_N_2), (2/s.d_V, t_179, s.t_195), (1, s.mm('_ one', t_198, s.one), s.Y_2))
-        t_200 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_199, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_172 _ W_V' N_1'", s.t_172, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_172 W_O1' _ N_1'", s.t_172, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_201 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_173) + softmax_diff(s.A1, t_200))
-        t_203 = lin((1, s.prod("_ t_2'", t_201, tr(s.t_2))), (1, s.prod('t_202 _', s.t_202, tr(t_159))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_203 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_203 * s.C)), mean=True)
-        t_205 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_199, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_172 W_O2' _ N_1'", s.t_172, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_172 _ W_V' N_1'", s.t_172, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_206 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_176, s.t_204) + softmax_diff(s.A2, t_205))
-        t_208 = lin((1, s.prod("_ t_2'", t_206, tr(s.t_2))), (1, s.prod('t_207 _', s.t_207, tr(t_159))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_208 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_208 * s.S), tr(s.R)), mean=True)
-        t_214 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_213)
-        t_218 = lin((1, s.t_216, t_178), (1, s.t_53, (2/s.d_V) * t_194), (2/s.d_V, t_179, s.t_217))
-        t_219 = lin((1, (2/(s.L*s.d_V)) * t_185), (1, t_194, s.R_N_2), (2/s.d_V, t_179, s.t_215), (1, s.t_210, t_178), (1, s.mm('_ one', t_218, s.one), s.Y_2))
-        t_220 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_219, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_212 _ W_V' N_1'", s.t_212, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_212 W_O1' _ N_1'", s.t_212, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_221 = softmax_diff(s.A1, t_220)
-        t_223 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_176, s.t_222)
-        t_224 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_219, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_212 W_O2' _ N_1'", s.t_212, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_212 _ W_V' N_1'", s.t_212, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_225 = softmax_diff(s.A2, t_224)
-        t_228 = lin((1, s.prod("_ t_39'", (tr(t_214) + tr(t_221)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_223) + tr(t_225)), tr(s.t_40))), (1, s.prod("t_226' _", tr(s.t_226), t_160)), (1, s.prod("t_227' _", tr(s.t_227), t_175)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_228 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_228 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_211 _", tr(s.N_1), tr(s.A2), s.t_211, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_219, tr(s.W_O2)), (1, "N_1' A1' t_211 _", tr(s.N_1), tr(s.A1), s.t_211, tr(V_W_O1)), (1, "N_1' _ t_211 W_O1'", tr(s.N_1), tr(t_174), s.t_211, tr(s.W_O1)), (1, "N_1' _ t_211 W_O2'", tr(s.N_1), tr(t_177), s.t_211, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_219, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_211", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_211), (1, "W_V' N_1' _ t_211", tr(s.W_V), tr(s.N_1), tr(t_174), s.t_211), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_219, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_211", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_211), (1, "W_V' N_1' _ t_211", tr(s.W_V), tr(s.N_1), tr(t_177), s.t_211), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_219, mean=True)))
-        out_W_1 = (s.mm('_ t_165', tr(t_181), s.t_165, mean=True) + s.mm("N_2' _", tr(s.N_2), t_192, mean=True))
-        out_W_3 = (s.mm('_ t_167', tr(t_181), s.t_167, mean=True) + s.mm("N_2' _", tr(s.N_2), t_193, mean=True))
-        t_229 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_185)
-        out_W_2 = (s.mm('_ G', tr(t_184), s.G, mean=True) + mean0(t_229, True))
+        t_175 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_161)
+        t_176 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_177 = lin((1, s.prod("_ t_5'", t_176, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_159)))
+        t_178 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_177)
+        t_179 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_175, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_178, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_180 = s.mm('_ one', (t_179 * s.Y_2), s.one)
+        t_181 = (t_180 * s.t_53)
+        t_182 = lin((1, t_179, s.R_N_2), (2/s.d_V, t_181))
+        t_183 = lin((1, s.prod('_ W_1', t_182, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_184 = lin((1, s.prod('_ W_3', t_182, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_185 = ((s.t_97 * t_183) + (s.t_33 * t_184))
+        t_186 = lin((1, t_179), (1, s.prod('_ W_2', t_185, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
+        t_188 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_186, tr(s.W_2))
+        t_189 = lin((1, t_188), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_193 = lin((1, s.t_187, t_183), (1, s.t_97, t_189), (1, s.t_192, t_184))
+        t_194 = ((s.t_192 * t_183) + (s.t_33 * t_189))
+        t_195 = lin((1, s.prod("_ W_1'", t_193, tr(s.W_1))), (1, s.prod("_ W_3'", t_194, tr(s.W_3))), (1, s.prod('t_166 _', s.t_166, tr(V_W_1))), (1, s.prod('t_168 _', s.t_168, tr(V_W_3))))
+        t_199 = lin((1, s.t_197, t_179), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_195), (2/s.d_V, t_180, s.t_198))
+        t_200 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_186), (1, s.t_172, t_179), (1, (1/math.sqrt(s.d_K)) * t_195, s.R_N_2), (2/s.d_V, t_180, s.t_196), (1, s.mm('_ one', t_199, s.one), s.Y_2))
+        t_201 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_200, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_173 _ W_V' N_1'", s.t_173, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_173 W_O1' _ N_1'", s.t_173, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_202 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_174) + softmax_diff(s.A1, t_201))
+        t_204 = lin((1, s.prod("_ t_2'", t_202, tr(s.t_2))), (1, s.prod('t_203 _', s.t_203, tr(t_159))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_204 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_204 * s.C)), mean=True)
+        t_206 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_200, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_173 W_O2' _ N_1'", s.t_173, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_173 _ W_V' N_1'", s.t_173, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_207 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_177, s.t_205) + softmax_diff(s.A2, t_206))
+        t_209 = lin((1, s.prod("_ t_2'", t_207, tr(s.t_2))), (1, s.prod('t_208 _', s.t_208, tr(t_159))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_209 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_209 * s.S), tr(s.R)), mean=True)
+        t_215 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_214)
+        t_219 = lin((1, s.t_217, t_179), (1, s.t_53, (2/s.d_V) * t_195), (2/s.d_V, t_180, s.t_218))
+        t_220 = lin((2/(s.L*s.d_V), t_186), (1, t_195, s.R_N_2), (2/s.d_V, t_180, s.t_216), (1, s.t_211, t_179), (1, s.mm('_ one', t_219, s.one), s.Y_2))
+        t_221 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_220, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_213 _ W_V' N_1'", s.t_213, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_213 W_O1' _ N_1'", s.t_213, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_222 = softmax_diff(s.A1, t_221)
+        t_224 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_177, s.t_223)
+        t_225 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_220, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_213 W_O2' _ N_1'", s.t_213, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_213 _ W_V' N_1'", s.t_213, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_226 = softmax_diff(s.A2, t_225)
+        t_229 = lin((1, s.prod("_ t_39'", (tr(t_215) + tr(t_222)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_224) + tr(t_226)), tr(s.t_40))), (1, s.prod("t_227' _", tr(s.t_227), t_160)), (1, s.prod("t_228' _", tr(s.t_228), t_176)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_229 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_229 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_212 _", tr(s.N_1), tr(s.A2), s.t_212, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_220, tr(s.W_O2)), (1, "N_1' A1' t_212 _", tr(s.N_1), tr(s.A1), s.t_212, tr(V_W_O1)), (1, "N_1' _ t_212 W_O1'", tr(s.N_1), tr(t_175), s.t_212, tr(s.W_O1)), (1, "N_1' _ t_212 W_O2'", tr(s.N_1), tr(t_178), s.t_212, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_220, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_212", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_212), (1, "W_V' N_1' _ t_212", tr(s.W_V), tr(s.N_1), tr(t_175), s.t_212), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_220, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_212", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_212), (1, "W_V' N_1' _ t_212", tr(s.W_V), tr(s.N_1), tr(t_178), s.t_212), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_220, mean=True)))
+        out_W_1 = (s.mm('_ t_166', tr(t_182), s.t_166, mean=True) + s.mm("N_2' _", tr(s.N_2), t_193, mean=True))
+        out_W_3 = (s.mm('_ t_168', tr(t_182), s.t_168, mean=True) + s.mm("N_2' _", tr(s.N_2), t_194, mean=True))
+        t_230 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_186)
+        out_W_2 = (s.mm('_ G', tr(t_185), s.G, mean=True) + mean0(t_230, True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -1810,39 +1814,39 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "904f3f038d915f6660585173"
+    STAMP = "0651be836c241d99504313ad"
     RUNS = {
-        'A1 N_1': 24,
-        'A1 N_1 W_V': 11,
-        "A1' t_211": 2,
+        'A1 N_1': 20,
+        'A1 N_1 W_V': 9,
+        "A1' t_212": 2,
         "A1' t_44": 5,
-        'A2 N_1': 24,
-        'A2 N_1 W_V': 11,
-        "A2' t_211": 2,
+        'A2 N_1': 20,
+        'A2 N_1 W_V': 9,
+        "A2' t_212": 2,
         "A2' t_44": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
         'N_1 W_Q2': 2,
-        'N_1 W_V': 67,
-        'N_1 W_V W_O1': 17,
-        'N_1 W_V W_O2': 17,
-        "N_1' A1' t_211": 2,
+        'N_1 W_V': 59,
+        'N_1 W_V W_O1': 15,
+        'N_1 W_V W_O2': 15,
+        "N_1' A1' t_212": 2,
         "N_1' A1' t_44": 4,
-        "N_1' A2' t_211": 2,
+        "N_1' A2' t_212": 2,
         "N_1' A2' t_44": 4,
-        "W_O1 t_172'": 2,
-        "W_O1 t_212'": 2,
+        "W_O1 t_173'": 2,
+        "W_O1 t_213'": 2,
         "W_O1 t_25'": 3,
         "W_O1 t_44'": 3,
         "W_O1 t_66'": 2,
-        "W_O1' W_V'": 18,
-        "W_O2 t_172'": 2,
-        "W_O2 t_212'": 2,
+        "W_O1' W_V'": 16,
+        "W_O2 t_173'": 2,
+        "W_O2 t_213'": 2,
         "W_O2 t_25'": 3,
         "W_O2 t_44'": 3,
         "W_O2 t_66'": 2,
-        "W_O2' W_V'": 18,
+        "W_O2' W_V'": 16,
     }
 
     @leaf
@@ -2258,7 +2262,7 @@ class mse_causal1(Forward):
         return (s.t_86 * s.C)
 
     @leaf
-    def t_93(s):
+    def t_97(s):
         return (s.t_54 + s.t_55)
 
     @leaf
@@ -2275,135 +2279,139 @@ class mse_causal1(Forward):
 
     @leaf
     def t_162(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
+        return (s.F - s.Y)
 
     @leaf
     def t_163(s):
-        return mul(s.t_13, s.t_162, s.t_11, s.t_14)
+        return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
     def t_164(s):
-        return mul(s.t_12, s.t_162, s.t_14)
+        return mul(s.t_13, s.t_163, s.t_11, s.t_14)
 
     @leaf
     def t_165(s):
-        return (s.t_163 + s.t_164)
+        return mul(s.t_12, s.t_163, s.t_14)
 
     @leaf
     def t_166(s):
-        return s.mm("t_165 W_1'", s.t_165, tr(s.W_1))
+        return (s.t_164 + s.t_165)
 
     @leaf
     def t_167(s):
-        return mul(s.t_12, s.t_162, s.t_11)
+        return s.mm("t_166 W_1'", s.t_166, tr(s.W_1))
 
     @leaf
     def t_168(s):
-        return s.mm("t_167 W_3'", s.t_167, tr(s.W_3))
+        return mul(s.t_12, s.t_163, s.t_11)
 
     @leaf
     def t_169(s):
-        return (s.t_166 + s.t_168)
+        return s.mm("t_168 W_3'", s.t_168, tr(s.W_3))
 
     @leaf
     def t_170(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_169, s.t_22, s.Y_2)
+        return (s.t_167 + s.t_169)
 
     @leaf
     def t_171(s):
-        return s.mm('t_170 one', s.t_170, s.one)
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_170, s.t_22, s.Y_2)
 
     @leaf
     def t_172(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, (1/math.sqrt(s.d_K)) * s.t_169, s.R_N_2), (1, s.t_171, s.Y_2))
+        return s.mm('t_171 one', s.t_171, s.one)
 
     @leaf
     def t_173(s):
-        return s.mm("t_172 W_O1' W_V' N_1'", s.t_172, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), s.t_162), (1, (1/math.sqrt(s.d_K)) * s.t_170, s.R_N_2), (1, s.t_172, s.Y_2))
 
     @leaf
-    def t_186(s):
-        return lin((1, mul(s.t_56, s.t_162, s.t_11), s.t_14), (2, (s.t_13 * s.t_162), s.t_14))
+    def t_174(s):
+        return s.mm("t_173 W_O1' W_V' N_1'", s.t_173, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_187(s):
-        return mul(s.t_13, s.t_162, s.t_11)
+        return lin((1, mul(s.t_56, s.t_163, s.t_11), s.t_14), (2, (s.t_13 * s.t_163), s.t_14))
 
     @leaf
     def t_188(s):
-        return (s.t_12 * s.t_162)
+        return mul(s.t_13, s.t_163, s.t_11)
 
     @leaf
     def t_189(s):
-        return (s.t_187 + s.t_188)
+        return (s.t_12 * s.t_163)
 
     @leaf
-    def t_195(s):
-        return ((1/math.sqrt(s.d_K)) * s.t_169 * s.t_22)
+    def t_190(s):
+        return (s.t_188 + s.t_189)
 
     @leaf
     def t_196(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_169 * s.t_22)
+        return ((1/math.sqrt(s.d_K)) * s.t_170 * s.t_22)
 
     @leaf
     def t_197(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_169, s.t_62, s.Y_2)
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_170 * s.t_22)
 
     @leaf
-    def t_202(s):
-        return softmax_diff(s.A1, s.t_173)
+    def t_198(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_170, s.t_62, s.Y_2)
 
     @leaf
-    def t_204(s):
-        return s.mm("t_172 W_O2' W_V' N_1'", s.t_172, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_203(s):
+        return softmax_diff(s.A1, s.t_174)
 
     @leaf
-    def t_207(s):
-        return softmax_diff(s.A2, s.t_204)
+    def t_205(s):
+        return s.mm("t_173 W_O2' W_V' N_1'", s.t_173, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_209(s):
-        return mul((2/s.d_V) * s.t_169, s.t_22, s.Y_2)
+    def t_208(s):
+        return softmax_diff(s.A2, s.t_205)
 
     @leaf
     def t_210(s):
-        return s.mm('t_209 one', s.t_209, s.one)
+        return mul((2/s.d_V) * s.t_170, s.t_22, s.Y_2)
 
     @leaf
     def t_211(s):
-        return lin((1, s.G), (1, s.t_169, s.R_N_2), (1, s.t_210, s.Y_2))
+        return s.mm('t_210 one', s.t_210, s.one)
 
     @leaf
     def t_212(s):
-        return (1/math.sqrt(s.d_K)) * s.t_211
+        return lin((2/(s.L*s.d_V), s.t_162), (1, s.t_170, s.R_N_2), (1, s.t_211, s.Y_2))
 
     @leaf
     def t_213(s):
-        return s.mm("t_212 W_O1' W_V' N_1'", s.t_212, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return (1/math.sqrt(s.d_K)) * s.t_212
 
     @leaf
-    def t_215(s):
-        return (s.t_169 * s.t_22)
+    def t_214(s):
+        return s.mm("t_213 W_O1' W_V' N_1'", s.t_213, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_216(s):
-        return ((2/s.d_V) * s.t_169 * s.t_22)
+        return (s.t_170 * s.t_22)
 
     @leaf
     def t_217(s):
-        return mul((2/s.d_V) * s.t_169, s.t_62, s.Y_2)
+        return ((2/s.d_V) * s.t_170 * s.t_22)
 
     @leaf
-    def t_222(s):
-        return s.mm("t_212 W_O2' W_V' N_1'", s.t_212, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_218(s):
+        return mul((2/s.d_V) * s.t_170, s.t_62, s.Y_2)
 
     @leaf
-    def t_226(s):
-        return softmax_diff(s.A1, s.t_213)
+    def t_223(s):
+        return s.mm("t_213 W_O2' W_V' N_1'", s.t_213, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_227(s):
-        return softmax_diff(s.A2, s.t_222)
+        return softmax_diff(s.A1, s.t_214)
+
+    @leaf
+    def t_228(s):
+        return softmax_diff(s.A2, s.t_223)
 
     @leaf
     def S_2(s):
@@ -3454,29 +3462,29 @@ class mse_causal1(Forward):
         t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
         t_91 = lin((1, s.prod("t_39' _", tr(s.t_39), t_89)), (1, s.prod("_ t_5'", t_90, tr(s.t_5))))
         t_92 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_91)
-        t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_95 = lin((1, s.prod("_ t_5'", t_94, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_89)))
-        t_96 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_95)
-        t_97 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_96, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_98 = s.mm('_ one', (t_97 * s.Y_2), s.one)
+        t_93 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_94 = lin((1, s.prod("_ t_5'", t_93, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_89)))
+        t_95 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_94)
+        t_96 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_95, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_98 = s.mm('_ one', (t_96 * s.Y_2), s.one)
         t_99 = (t_98 * s.t_53)
-        t_100 = lin((1, t_97, s.R_N_2), (2/s.d_V, t_99))
+        t_100 = lin((1, t_96, s.R_N_2), (2/s.d_V, t_99))
         t_101 = lin((1, s.prod('_ W_1', t_100, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
         t_102 = lin((1, s.prod('_ W_3', t_100, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_103 = ((s.t_93 * t_101) + (s.t_33 * t_102))
-        t_104 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_103, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_96, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_103 = ((s.t_97 * t_101) + (s.t_33 * t_102))
+        t_104 = lin((1, t_96), (1, s.prod('_ W_2', t_103, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
         t_105 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_104, tr(s.W_2))
-        t_106 = (s.t_93 * t_105)
+        t_106 = (s.t_97 * t_105)
         t_107 = (s.t_33 * t_105)
         t_108 = lin((1, s.prod("_ W_1'", t_106, tr(s.W_1))), (1, s.prod("_ W_3'", t_107, tr(s.W_3))))
-        t_109 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_104), (1, (1/math.sqrt(s.d_K)) * t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_108), s.one), s.Y_2))
+        t_109 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_104), (1, (1/math.sqrt(s.d_K)) * t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_108), s.one), s.Y_2))
         t_110 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_109, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
         t_111 = s.mm("_ t_2'", t_110, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_111 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_111 * s.S), tr(s.R)), mean=True)
         t_112 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_109, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
         t_113 = s.mm("_ t_2'", t_112, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_113 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_113 * s.S), tr(s.R)), mean=True)
-        t_114 = lin((1, (2/(s.L*s.d_V)) * t_104), (1, t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_108), s.one), s.Y_2))
+        t_114 = lin((2/(s.L*s.d_V), t_104), (1, t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_108), s.one), s.Y_2))
         t_115 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_114, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
         t_116 = softmax_diff(s.A1, t_115)
         t_117 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_114, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
@@ -3508,7 +3516,7 @@ class mse_causal1(Forward):
         t_133 = lin((1, s.prod('_ W_1', t_132, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
         t_134 = s.mm('G _', s.G, tr(V_W_2))
         t_136 = lin((1, s.prod('_ W_3', t_132, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_137 = lin((1, s.t_129, t_133), (1, s.t_93, t_134), (1, s.t_135, t_136))
+        t_137 = lin((1, s.t_129, t_133), (1, s.t_97, t_134), (1, s.t_135, t_136))
         t_138 = ((s.t_135 * t_133) + (s.t_33 * t_134))
         t_139 = lin((1, s.prod("_ W_1'", t_137, tr(s.W_1))), (1, s.prod("_ W_3'", t_138, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
         t_140 = lin((1, s.t_61, t_128), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_139), (2/s.d_V, t_130, s.t_63))
@@ -3536,7 +3544,7 @@ class mse_causal1(Forward):
         out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_150, mean=True)))
         out_W_1 = (s.mm('_ t_17', tr(t_132), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_137, mean=True))
         out_W_3 = (s.mm('_ t_18', tr(t_132), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_138, mean=True))
-        t_158 = ((tr(s.t_93) * tr(t_133)) + (s.t_157 * tr(t_136)))
+        t_158 = ((tr(s.t_97) * tr(t_133)) + (s.t_157 * tr(t_136)))
         out_W_2 = s.mm('_ G', t_158, s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
@@ -3545,50 +3553,50 @@ class mse_causal1(Forward):
         t_159 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_160 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
         t_161 = lin((1, s.prod("t_39' _", tr(s.t_39), t_159)), (1, s.prod("_ t_5'", t_160, tr(s.t_5))))
-        t_174 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_161)
-        t_175 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_176 = lin((1, s.prod("_ t_5'", t_175, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_159)))
-        t_177 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_176)
-        t_178 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_174, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_177, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_179 = s.mm('_ one', (t_178 * s.Y_2), s.one)
-        t_180 = (t_179 * s.t_53)
-        t_181 = lin((1, t_178, s.R_N_2), (2/s.d_V, t_180))
-        t_182 = lin((1, s.prod('_ W_1', t_181, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_183 = lin((1, s.prod('_ W_3', t_181, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_184 = ((s.t_93 * t_182) + (s.t_33 * t_183))
-        t_185 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_174, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ W_2', t_184, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)), (1, s.prod('_ N_1 W_V W_O2', t_177, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_190 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_185, tr(s.W_2))
-        t_191 = lin((1, t_190), (1, s.prod('G _', s.G, tr(V_W_2))))
-        t_192 = lin((1, s.t_186, t_182), (1, s.t_189, t_183), (1, s.t_93, t_191))
-        t_193 = ((s.t_189 * t_182) + (s.t_33 * t_191))
-        t_194 = lin((1, s.prod("_ W_1'", t_192, tr(s.W_1))), (1, s.prod("_ W_3'", t_193, tr(s.W_3))), (1, s.prod('t_165 _', s.t_165, tr(V_W_1))), (1, s.prod('t_167 _', s.t_167, tr(V_W_3))))
-        t_198 = lin((1, s.t_196, t_178), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_194), (2/s.d_V, t_179, s.t_197))
-        t_199 = lin((1/math.sqrt(s.d_K), (2/(s.L*s.d_V)) * t_185), (1, s.t_171, t_178), (1, (1/math.sqrt(s.d_K)) * t_194, s.R_N_2), (2/s.d_V, t_179, s.t_195), (1, s.mm('_ one', t_198, s.one), s.Y_2))
-        t_200 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_199, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_172 W_O1' _ N_1'", s.t_172, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_172 _ W_V' N_1'", s.t_172, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_201 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_173) + softmax_diff(s.A1, t_200))
-        t_203 = lin((1, s.prod("_ t_2'", t_201, tr(s.t_2))), (1, s.prod('t_202 _', s.t_202, tr(t_159))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_203 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_203 * s.C)), mean=True)
-        t_205 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_199, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_172 W_O2' _ N_1'", s.t_172, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_172 _ W_V' N_1'", s.t_172, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_206 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_176, s.t_204) + softmax_diff(s.A2, t_205))
-        t_208 = lin((1, s.prod("_ t_2'", t_206, tr(s.t_2))), (1, s.prod('t_207 _', s.t_207, tr(t_159))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_208 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_208 * s.S), tr(s.R)), mean=True)
-        t_214 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_213)
-        t_218 = lin((1, s.t_216, t_178), (1, s.t_53, (2/s.d_V) * t_194), (2/s.d_V, t_179, s.t_217))
-        t_219 = lin((1, (2/(s.L*s.d_V)) * t_185), (1, t_194, s.R_N_2), (2/s.d_V, t_179, s.t_215), (1, s.t_210, t_178), (1, s.mm('_ one', t_218, s.one), s.Y_2))
-        t_220 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_219, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_212 W_O1' _ N_1'", s.t_212, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_212 _ W_V' N_1'", s.t_212, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_221 = softmax_diff(s.A1, t_220)
-        t_223 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_176, s.t_222)
-        t_224 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_219, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_212 _ W_V' N_1'", s.t_212, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_212 W_O2' _ N_1'", s.t_212, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_225 = softmax_diff(s.A2, t_224)
-        t_228 = lin((1, s.prod("_ t_39'", (tr(t_214) + tr(t_221)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_223) + tr(t_225)), tr(s.t_40))), (1, s.prod("t_226' _", tr(s.t_226), t_160)), (1, s.prod("t_227' _", tr(s.t_227), t_175)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_228 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_228 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_211 W_O1'", tr(s.N_1), tr(t_174), s.t_211, tr(s.W_O1)), (1, "N_1' A1' t_211 _", tr(s.N_1), tr(s.A1), s.t_211, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_219, tr(s.W_O2)), (1, "N_1' A2' t_211 _", tr(s.N_1), tr(s.A2), s.t_211, tr(V_W_O2)), (1, "N_1' _ t_211 W_O2'", tr(s.N_1), tr(t_177), s.t_211, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_219, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_211", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_211), (1, "W_V' N_1' _ t_211", tr(s.W_V), tr(s.N_1), tr(t_174), s.t_211), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_219, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_211", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_211), (1, "W_V' N_1' _ t_211", tr(s.W_V), tr(s.N_1), tr(t_177), s.t_211), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_219, mean=True)))
-        out_W_1 = (s.mm('_ t_165', tr(t_181), s.t_165, mean=True) + s.mm("N_2' _", tr(s.N_2), t_192, mean=True))
-        out_W_3 = (s.mm('_ t_167', tr(t_181), s.t_167, mean=True) + s.mm("N_2' _", tr(s.N_2), t_193, mean=True))
-        t_229 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_185)
-        out_W_2 = (s.mm('_ G', tr(t_184), s.G, mean=True) + mean0(t_229, True))
+        t_175 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_161)
+        t_176 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_177 = lin((1, s.prod("_ t_5'", t_176, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_159)))
+        t_178 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_177)
+        t_179 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_175, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_178, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_180 = s.mm('_ one', (t_179 * s.Y_2), s.one)
+        t_181 = (t_180 * s.t_53)
+        t_182 = lin((1, t_179, s.R_N_2), (2/s.d_V, t_181))
+        t_183 = lin((1, s.prod('_ W_1', t_182, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_184 = lin((1, s.prod('_ W_3', t_182, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_185 = ((s.t_97 * t_183) + (s.t_33 * t_184))
+        t_186 = lin((1, t_179), (1, s.prod('_ W_2', t_185, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
+        t_191 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_186, tr(s.W_2))
+        t_192 = lin((1, t_191), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_193 = lin((1, s.t_187, t_183), (1, s.t_190, t_184), (1, s.t_97, t_192))
+        t_194 = ((s.t_190 * t_183) + (s.t_33 * t_192))
+        t_195 = lin((1, s.prod("_ W_1'", t_193, tr(s.W_1))), (1, s.prod("_ W_3'", t_194, tr(s.W_3))), (1, s.prod('t_166 _', s.t_166, tr(V_W_1))), (1, s.prod('t_168 _', s.t_168, tr(V_W_3))))
+        t_199 = lin((1, s.t_197, t_179), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_195), (2/s.d_V, t_180, s.t_198))
+        t_200 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_186), (1, s.t_172, t_179), (1, (1/math.sqrt(s.d_K)) * t_195, s.R_N_2), (2/s.d_V, t_180, s.t_196), (1, s.mm('_ one', t_199, s.one), s.Y_2))
+        t_201 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_200, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_173 W_O1' _ N_1'", s.t_173, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_173 _ W_V' N_1'", s.t_173, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_202 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_174) + softmax_diff(s.A1, t_201))
+        t_204 = lin((1, s.prod("_ t_2'", t_202, tr(s.t_2))), (1, s.prod('t_203 _', s.t_203, tr(t_159))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_204 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_204 * s.C)), mean=True)
+        t_206 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_200, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_173 W_O2' _ N_1'", s.t_173, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_173 _ W_V' N_1'", s.t_173, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_207 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_177, s.t_205) + softmax_diff(s.A2, t_206))
+        t_209 = lin((1, s.prod("_ t_2'", t_207, tr(s.t_2))), (1, s.prod('t_208 _', s.t_208, tr(t_159))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_209 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_209 * s.S), tr(s.R)), mean=True)
+        t_215 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_214)
+        t_219 = lin((1, s.t_217, t_179), (1, s.t_53, (2/s.d_V) * t_195), (2/s.d_V, t_180, s.t_218))
+        t_220 = lin((2/(s.L*s.d_V), t_186), (1, t_195, s.R_N_2), (2/s.d_V, t_180, s.t_216), (1, s.t_211, t_179), (1, s.mm('_ one', t_219, s.one), s.Y_2))
+        t_221 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_220, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_213 W_O1' _ N_1'", s.t_213, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_213 _ W_V' N_1'", s.t_213, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_222 = softmax_diff(s.A1, t_221)
+        t_224 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_177, s.t_223)
+        t_225 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_220, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_213 _ W_V' N_1'", s.t_213, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_213 W_O2' _ N_1'", s.t_213, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_226 = softmax_diff(s.A2, t_225)
+        t_229 = lin((1, s.prod("_ t_39'", (tr(t_215) + tr(t_222)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_224) + tr(t_226)), tr(s.t_40))), (1, s.prod("t_227' _", tr(s.t_227), t_160)), (1, s.prod("t_228' _", tr(s.t_228), t_176)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_229 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_229 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_212 W_O1'", tr(s.N_1), tr(t_175), s.t_212, tr(s.W_O1)), (1, "N_1' A1' t_212 _", tr(s.N_1), tr(s.A1), s.t_212, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_220, tr(s.W_O2)), (1, "N_1' A2' t_212 _", tr(s.N_1), tr(s.A2), s.t_212, tr(V_W_O2)), (1, "N_1' _ t_212 W_O2'", tr(s.N_1), tr(t_178), s.t_212, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_220, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_212", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_212), (1, "W_V' N_1' _ t_212", tr(s.W_V), tr(s.N_1), tr(t_175), s.t_212), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_220, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_212", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_212), (1, "W_V' N_1' _ t_212", tr(s.W_V), tr(s.N_1), tr(t_178), s.t_212), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_220, mean=True)))
+        out_W_1 = (s.mm('_ t_166', tr(t_182), s.t_166, mean=True) + s.mm("N_2' _", tr(s.N_2), t_193, mean=True))
+        out_W_3 = (s.mm('_ t_168', tr(t_182), s.t_168, mean=True) + s.mm("N_2' _", tr(s.N_2), t_194, mean=True))
+        t_230 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_186)
+        out_W_2 = (s.mm('_ G', tr(t_185), s.G, mean=True) + mean0(t_230, True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -3596,15 +3604,15 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "9fcacacbdda40ae6957d2d82"
+    STAMP = "ea32fefc0f0ac401d544b505"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_214": 2,
+        "A1' t_216": 2,
         "A1' t_47": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_214": 2,
+        "A2' t_216": 2,
         "A2' t_47": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
@@ -3613,18 +3621,18 @@ class ce_causal0(Forward):
         'N_1 W_V': 59,
         'N_1 W_V W_O1': 15,
         'N_1 W_V W_O2': 15,
-        "N_1' A1' t_214": 2,
+        "N_1' A1' t_216": 2,
         "N_1' A1' t_47": 4,
-        "N_1' A2' t_214": 2,
+        "N_1' A2' t_216": 2,
         "N_1' A2' t_47": 4,
-        "W_O1 t_175'": 2,
-        "W_O1 t_215'": 2,
+        "W_O1 t_177'": 2,
+        "W_O1 t_217'": 2,
         "W_O1 t_28'": 3,
         "W_O1 t_47'": 3,
         "W_O1 t_69'": 2,
         "W_O1' W_V'": 16,
-        "W_O2 t_175'": 2,
-        "W_O2 t_215'": 2,
+        "W_O2 t_177'": 2,
+        "W_O2 t_217'": 2,
         "W_O2 t_28'": 3,
         "W_O2 t_47'": 3,
         "W_O2 t_69'": 2,
@@ -4073,135 +4081,143 @@ class ce_causal0(Forward):
 
     @leaf
     def t_165(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
+        return (s.t_4 * s.t_18)
 
     @leaf
     def t_166(s):
-        return mul(s.t_15, s.t_165, s.t_13, s.t_16)
+        return (s.t_165 - s.Y)
 
     @leaf
     def t_167(s):
-        return mul(s.t_14, s.t_165, s.t_16)
+        return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
     def t_168(s):
-        return (s.t_166 + s.t_167)
+        return mul(s.t_15, s.t_167, s.t_13, s.t_16)
 
     @leaf
     def t_169(s):
-        return s.mm("t_168 W_1'", s.t_168, tr(s.W_1))
+        return mul(s.t_14, s.t_167, s.t_16)
 
     @leaf
     def t_170(s):
-        return mul(s.t_14, s.t_165, s.t_13)
+        return (s.t_168 + s.t_169)
 
     @leaf
     def t_171(s):
-        return s.mm("t_170 W_3'", s.t_170, tr(s.W_3))
+        return s.mm("t_170 W_1'", s.t_170, tr(s.W_1))
 
     @leaf
     def t_172(s):
-        return (s.t_169 + s.t_171)
+        return mul(s.t_14, s.t_167, s.t_13)
 
     @leaf
     def t_173(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_25, s.Y_2)
+        return s.mm("t_172 W_3'", s.t_172, tr(s.W_3))
 
     @leaf
     def t_174(s):
-        return s.mm('t_173 one', s.t_173, s.one)
+        return (s.t_171 + s.t_173)
 
     @leaf
     def t_175(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, (1/math.sqrt(s.d_K)) * s.t_172, s.R_N_2), (1, s.t_174, s.Y_2))
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_174, s.t_25, s.Y_2)
 
     @leaf
     def t_176(s):
-        return s.mm("t_175 W_O1' W_V' N_1'", s.t_175, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return s.mm('t_175 one', s.t_175, s.one)
 
     @leaf
-    def t_182(s):
-        return lin((1, mul(s.t_59, s.t_165, s.t_13), s.t_16), (2, (s.t_15 * s.t_165), s.t_16))
+    def t_177(s):
+        return lin((1/(s.L*math.sqrt(s.d_K)), s.t_166), (1, (1/math.sqrt(s.d_K)) * s.t_174, s.R_N_2), (1, s.t_176, s.Y_2))
 
     @leaf
-    def t_192(s):
-        return mul(s.t_15, s.t_165, s.t_13)
+    def t_178(s):
+        return s.mm("t_177 W_O1' W_V' N_1'", s.t_177, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_193(s):
-        return (s.t_14 * s.t_165)
+    def t_184(s):
+        return lin((1, mul(s.t_59, s.t_167, s.t_13), s.t_16), (2, (s.t_15 * s.t_167), s.t_16))
 
     @leaf
     def t_194(s):
-        return (s.t_192 + s.t_193)
+        return mul(s.t_15, s.t_167, s.t_13)
 
     @leaf
-    def t_198(s):
-        return ((1/math.sqrt(s.d_K)) * s.t_172 * s.t_25)
+    def t_195(s):
+        return (s.t_14 * s.t_167)
 
     @leaf
-    def t_199(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172 * s.t_25)
+    def t_196(s):
+        return (s.t_194 + s.t_195)
 
     @leaf
     def t_200(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_65, s.Y_2)
+        return ((1/math.sqrt(s.d_K)) * s.t_174 * s.t_25)
 
     @leaf
-    def t_205(s):
-        return softmax_diff(s.A1, s.t_176)
+    def t_201(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_174 * s.t_25)
+
+    @leaf
+    def t_202(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_174, s.t_65, s.Y_2)
 
     @leaf
     def t_207(s):
-        return s.mm("t_175 W_O2' W_V' N_1'", s.t_175, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return softmax_diff(s.A1, s.t_178)
 
     @leaf
-    def t_210(s):
-        return softmax_diff(s.A2, s.t_207)
+    def t_209(s):
+        return s.mm("t_177 W_O2' W_V' N_1'", s.t_177, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_212(s):
-        return mul((2/s.d_V) * s.t_172, s.t_25, s.Y_2)
-
-    @leaf
-    def t_213(s):
-        return s.mm('t_212 one', s.t_212, s.one)
+        return softmax_diff(s.A2, s.t_209)
 
     @leaf
     def t_214(s):
-        return lin((1, s.G), (1, s.t_172, s.R_N_2), (1, s.t_213, s.Y_2))
+        return mul((2/s.d_V) * s.t_174, s.t_25, s.Y_2)
 
     @leaf
     def t_215(s):
-        return (1/math.sqrt(s.d_K)) * s.t_214
+        return s.mm('t_214 one', s.t_214, s.one)
 
     @leaf
     def t_216(s):
-        return s.mm("t_215 W_O1' W_V' N_1'", s.t_215, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return lin((1/s.L, s.t_166), (1, s.t_174, s.R_N_2), (1, s.t_215, s.Y_2))
+
+    @leaf
+    def t_217(s):
+        return (1/math.sqrt(s.d_K)) * s.t_216
 
     @leaf
     def t_218(s):
-        return (s.t_172 * s.t_25)
-
-    @leaf
-    def t_219(s):
-        return ((2/s.d_V) * s.t_172 * s.t_25)
+        return s.mm("t_217 W_O1' W_V' N_1'", s.t_217, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_220(s):
-        return mul((2/s.d_V) * s.t_172, s.t_65, s.Y_2)
+        return (s.t_174 * s.t_25)
 
     @leaf
-    def t_225(s):
-        return s.mm("t_215 W_O2' W_V' N_1'", s.t_215, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_221(s):
+        return ((2/s.d_V) * s.t_174 * s.t_25)
 
     @leaf
-    def t_229(s):
-        return softmax_diff(s.A1, s.t_216)
+    def t_222(s):
+        return mul((2/s.d_V) * s.t_174, s.t_65, s.Y_2)
 
     @leaf
-    def t_230(s):
-        return softmax_diff(s.A2, s.t_225)
+    def t_227(s):
+        return s.mm("t_217 W_O2' W_V' N_1'", s.t_217, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_231(s):
+        return softmax_diff(s.A1, s.t_218)
+
+    @leaf
+    def t_232(s):
+        return softmax_diff(s.A2, s.t_227)
 
     @leaf
     def S_2(s):
@@ -5293,49 +5309,49 @@ class ce_causal0(Forward):
         t_162 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_163 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
         t_164 = lin((1, s.prod("t_42' _", tr(s.t_42), t_162)), (1, s.prod("_ t_7'", t_163, tr(s.t_7))))
-        t_177 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_164)
-        t_178 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_179 = lin((1, s.prod("_ t_7'", t_178, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_162)))
-        t_180 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_179)
-        t_181 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_177, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_180, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_183 = s.mm('_ one', (t_181 * s.Y_2), s.one)
-        t_184 = (t_183 * s.t_55)
-        t_185 = lin((1, t_181, s.R_N_2), (2/s.d_V, t_184))
-        t_186 = lin((1, s.prod('_ W_1', t_185, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_187 = lin((1, s.prod('_ W_3', t_185, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_188 = ((s.t_92 * t_186) + (s.t_36 * t_187))
-        t_189 = lin((1, t_181), (1, s.prod('_ W_2', t_188, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_190 = (s.t_4 * softmax_diff(s.t_18, t_189))
-        t_191 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_190, tr(s.W_2))))
-        t_195 = lin((1, s.t_182, t_186), (1, s.t_92, t_191), (1, s.t_194, t_187))
-        t_196 = ((s.t_194 * t_186) + (s.t_36 * t_191))
-        t_197 = lin((1, s.prod("_ W_1'", t_195, tr(s.W_1))), (1, s.prod("_ W_3'", t_196, tr(s.W_3))), (1, s.prod('t_168 _', s.t_168, tr(V_W_1))), (1, s.prod('t_170 _', s.t_170, tr(V_W_3))))
-        t_201 = lin((1, s.t_199, t_181), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_197), (2/s.d_V, t_183, s.t_200))
-        t_202 = lin((1, s.t_174, t_181), (1, (1/math.sqrt(s.d_K)) * t_197, s.R_N_2), (2/s.d_V, t_183, s.t_198), (1, s.mm('_ one', t_201, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_190))
-        t_203 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_202, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O1' _ N_1'", s.t_175, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_204 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_176) + softmax_diff(s.A1, t_203))
-        t_206 = lin((1, s.prod("_ t_2'", t_204, tr(s.t_2))), (1, s.prod('t_205 _', s.t_205, tr(t_162))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_206 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_206 * s.S), tr(s.R)), mean=True)
-        t_208 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_202, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O2' _ N_1'", s.t_175, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_209 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_207) + softmax_diff(s.A2, t_208))
-        t_211 = lin((1, s.prod("_ t_2'", t_209, tr(s.t_2))), (1, s.prod('t_210 _', s.t_210, tr(t_162))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_211 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_211 * s.S), tr(s.R)), mean=True)
-        t_217 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_216)
-        t_221 = lin((1, s.t_219, t_181), (1, s.t_55, (2/s.d_V) * t_197), (2/s.d_V, t_183, s.t_220))
-        t_222 = lin((1, t_197, s.R_N_2), (2/s.d_V, t_183, s.t_218), (1, s.t_213, t_181), (1, s.mm('_ one', t_221, s.one), s.Y_2), (1/s.L, t_190))
-        t_223 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_222, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O1' _ N_1'", s.t_215, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_224 = softmax_diff(s.A1, t_223)
-        t_226 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_225)
-        t_227 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_222, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O2' _ N_1'", s.t_215, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_228 = softmax_diff(s.A2, t_227)
-        t_231 = lin((1, s.prod("_ t_42'", (tr(t_217) + tr(t_224)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_226) + tr(t_228)), tr(s.t_43))), (1, s.prod("t_229' _", tr(s.t_229), t_163)), (1, s.prod("t_230' _", tr(s.t_230), t_178)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_231 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_231 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_214 W_O2'", tr(s.N_1), tr(t_180), s.t_214, tr(s.W_O2)), (1, "N_1' A2' t_214 _", tr(s.N_1), tr(s.A2), s.t_214, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_222, tr(s.W_O2)), (1, "N_1' A1' t_214 _", tr(s.N_1), tr(s.A1), s.t_214, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_222, tr(s.W_O1)), (1, "N_1' _ t_214 W_O1'", tr(s.N_1), tr(t_177), s.t_214, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_214", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_214), (1, "W_V' N_1' _ t_214", tr(s.W_V), tr(s.N_1), tr(t_177), s.t_214), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_222, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_214", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_214), (1, "W_V' N_1' _ t_214", tr(s.W_V), tr(s.N_1), tr(t_180), s.t_214), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_222, mean=True)))
-        out_W_1 = (s.mm('_ t_168', tr(t_185), s.t_168, mean=True) + s.mm("N_2' _", tr(s.N_2), t_195, mean=True))
-        out_W_3 = (s.mm('_ t_170', tr(t_185), s.t_170, mean=True) + s.mm("N_2' _", tr(s.N_2), t_196, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_188), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_190, mean=True)))
+        t_179 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_164)
+        t_180 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_181 = lin((1, s.prod("_ t_7'", t_180, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_162)))
+        t_182 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_181)
+        t_183 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_179, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_182, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_185 = s.mm('_ one', (t_183 * s.Y_2), s.one)
+        t_186 = (t_185 * s.t_55)
+        t_187 = lin((1, t_183, s.R_N_2), (2/s.d_V, t_186))
+        t_188 = lin((1, s.prod('_ W_1', t_187, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_189 = lin((1, s.prod('_ W_3', t_187, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_190 = ((s.t_92 * t_188) + (s.t_36 * t_189))
+        t_191 = lin((1, t_183), (1, s.prod('_ W_2', t_190, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_192 = (s.t_4 * softmax_diff(s.t_18, t_191))
+        t_193 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_192, tr(s.W_2))))
+        t_197 = lin((1, s.t_184, t_188), (1, s.t_92, t_193), (1, s.t_196, t_189))
+        t_198 = ((s.t_196 * t_188) + (s.t_36 * t_193))
+        t_199 = lin((1, s.prod("_ W_1'", t_197, tr(s.W_1))), (1, s.prod("_ W_3'", t_198, tr(s.W_3))), (1, s.prod('t_170 _', s.t_170, tr(V_W_1))), (1, s.prod('t_172 _', s.t_172, tr(V_W_3))))
+        t_203 = lin((1, s.t_201, t_183), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_199), (2/s.d_V, t_185, s.t_202))
+        t_204 = lin((1, s.t_176, t_183), (1, (1/math.sqrt(s.d_K)) * t_199, s.R_N_2), (2/s.d_V, t_185, s.t_200), (1, s.mm('_ one', t_203, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_192))
+        t_205 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_204, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_177 _ W_V' N_1'", s.t_177, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_177 W_O1' _ N_1'", s.t_177, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_206 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_178) + softmax_diff(s.A1, t_205))
+        t_208 = lin((1, s.prod("_ t_2'", t_206, tr(s.t_2))), (1, s.prod('t_207 _', s.t_207, tr(t_162))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_208 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_208 * s.S), tr(s.R)), mean=True)
+        t_210 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_204, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_177 _ W_V' N_1'", s.t_177, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_177 W_O2' _ N_1'", s.t_177, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_211 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_181, s.t_209) + softmax_diff(s.A2, t_210))
+        t_213 = lin((1, s.prod("_ t_2'", t_211, tr(s.t_2))), (1, s.prod('t_212 _', s.t_212, tr(t_162))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_213 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_213 * s.S), tr(s.R)), mean=True)
+        t_219 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_218)
+        t_223 = lin((1, s.t_221, t_183), (1, s.t_55, (2/s.d_V) * t_199), (2/s.d_V, t_185, s.t_222))
+        t_224 = lin((1, t_199, s.R_N_2), (2/s.d_V, t_185, s.t_220), (1, s.t_215, t_183), (1, s.mm('_ one', t_223, s.one), s.Y_2), (1/s.L, t_192))
+        t_225 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_224, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_217 W_O1' _ N_1'", s.t_217, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_217 _ W_V' N_1'", s.t_217, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_226 = softmax_diff(s.A1, t_225)
+        t_228 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_181, s.t_227)
+        t_229 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_224, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_217 W_O2' _ N_1'", s.t_217, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_217 _ W_V' N_1'", s.t_217, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_230 = softmax_diff(s.A2, t_229)
+        t_233 = lin((1, s.prod("_ t_42'", (tr(t_219) + tr(t_226)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_228) + tr(t_230)), tr(s.t_43))), (1, s.prod("t_231' _", tr(s.t_231), t_163)), (1, s.prod("t_232' _", tr(s.t_232), t_180)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_233 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_233 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_216 W_O2'", tr(s.N_1), tr(t_182), s.t_216, tr(s.W_O2)), (1, "N_1' A2' t_216 _", tr(s.N_1), tr(s.A2), s.t_216, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_224, tr(s.W_O2)), (1, "N_1' A1' t_216 _", tr(s.N_1), tr(s.A1), s.t_216, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_224, tr(s.W_O1)), (1, "N_1' _ t_216 W_O1'", tr(s.N_1), tr(t_179), s.t_216, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_216", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_216), (1, "W_V' N_1' _ t_216", tr(s.W_V), tr(s.N_1), tr(t_179), s.t_216), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_224, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_216", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_216), (1, "W_V' N_1' _ t_216", tr(s.W_V), tr(s.N_1), tr(t_182), s.t_216), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_224, mean=True)))
+        out_W_1 = (s.mm('_ t_170', tr(t_187), s.t_170, mean=True) + s.mm("N_2' _", tr(s.N_2), t_197, mean=True))
+        out_W_3 = (s.mm('_ t_172', tr(t_187), s.t_172, mean=True) + s.mm("N_2' _", tr(s.N_2), t_198, mean=True))
+        out_W_2 = lin((1, s.mm('_ G', tr(t_190), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_192, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -5343,15 +5359,15 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "116fda24fedadbcc37af90bf"
+    STAMP = "07bd05ca9542f81a37a1b440"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_214": 2,
+        "A1' t_216": 2,
         "A1' t_47": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_214": 2,
+        "A2' t_216": 2,
         "A2' t_47": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
@@ -5360,18 +5376,18 @@ class ce_causal1(Forward):
         'N_1 W_V': 59,
         'N_1 W_V W_O1': 15,
         'N_1 W_V W_O2': 15,
-        "N_1' A1' t_214": 2,
+        "N_1' A1' t_216": 2,
         "N_1' A1' t_47": 4,
-        "N_1' A2' t_214": 2,
+        "N_1' A2' t_216": 2,
         "N_1' A2' t_47": 4,
-        "W_O1 t_175'": 2,
-        "W_O1 t_215'": 2,
+        "W_O1 t_177'": 2,
+        "W_O1 t_217'": 2,
         "W_O1 t_28'": 3,
         "W_O1 t_47'": 3,
         "W_O1 t_69'": 2,
         "W_O1' W_V'": 16,
-        "W_O2 t_175'": 2,
-        "W_O2 t_215'": 2,
+        "W_O2 t_177'": 2,
+        "W_O2 t_217'": 2,
         "W_O2 t_28'": 3,
         "W_O2 t_47'": 3,
         "W_O2 t_69'": 2,
@@ -5820,135 +5836,143 @@ class ce_causal1(Forward):
 
     @leaf
     def t_165(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
+        return (s.t_4 * s.t_18)
 
     @leaf
     def t_166(s):
-        return mul(s.t_15, s.t_165, s.t_13, s.t_16)
+        return (s.t_165 - s.Y)
 
     @leaf
     def t_167(s):
-        return mul(s.t_14, s.t_165, s.t_16)
+        return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
     def t_168(s):
-        return (s.t_166 + s.t_167)
+        return mul(s.t_15, s.t_167, s.t_13, s.t_16)
 
     @leaf
     def t_169(s):
-        return s.mm("t_168 W_1'", s.t_168, tr(s.W_1))
+        return mul(s.t_14, s.t_167, s.t_16)
 
     @leaf
     def t_170(s):
-        return mul(s.t_14, s.t_165, s.t_13)
+        return (s.t_168 + s.t_169)
 
     @leaf
     def t_171(s):
-        return s.mm("t_170 W_3'", s.t_170, tr(s.W_3))
+        return s.mm("t_170 W_1'", s.t_170, tr(s.W_1))
 
     @leaf
     def t_172(s):
-        return (s.t_169 + s.t_171)
+        return mul(s.t_14, s.t_167, s.t_13)
 
     @leaf
     def t_173(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_25, s.Y_2)
+        return s.mm("t_172 W_3'", s.t_172, tr(s.W_3))
 
     @leaf
     def t_174(s):
-        return s.mm('t_173 one', s.t_173, s.one)
+        return (s.t_171 + s.t_173)
 
     @leaf
     def t_175(s):
-        return lin((1/math.sqrt(s.d_K), s.G), (1, (1/math.sqrt(s.d_K)) * s.t_172, s.R_N_2), (1, s.t_174, s.Y_2))
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_174, s.t_25, s.Y_2)
 
     @leaf
     def t_176(s):
-        return s.mm("t_175 W_O1' W_V' N_1'", s.t_175, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return s.mm('t_175 one', s.t_175, s.one)
 
     @leaf
-    def t_182(s):
-        return lin((1, mul(s.t_59, s.t_165, s.t_13), s.t_16), (2, (s.t_15 * s.t_165), s.t_16))
+    def t_177(s):
+        return lin((1/(s.L*math.sqrt(s.d_K)), s.t_166), (1, (1/math.sqrt(s.d_K)) * s.t_174, s.R_N_2), (1, s.t_176, s.Y_2))
 
     @leaf
-    def t_192(s):
-        return mul(s.t_15, s.t_165, s.t_13)
+    def t_178(s):
+        return s.mm("t_177 W_O1' W_V' N_1'", s.t_177, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_193(s):
-        return (s.t_14 * s.t_165)
+    def t_184(s):
+        return lin((1, mul(s.t_59, s.t_167, s.t_13), s.t_16), (2, (s.t_15 * s.t_167), s.t_16))
 
     @leaf
     def t_194(s):
-        return (s.t_192 + s.t_193)
+        return mul(s.t_15, s.t_167, s.t_13)
 
     @leaf
-    def t_198(s):
-        return ((1/math.sqrt(s.d_K)) * s.t_172 * s.t_25)
+    def t_195(s):
+        return (s.t_14 * s.t_167)
 
     @leaf
-    def t_199(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172 * s.t_25)
+    def t_196(s):
+        return (s.t_194 + s.t_195)
 
     @leaf
     def t_200(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_172, s.t_65, s.Y_2)
+        return ((1/math.sqrt(s.d_K)) * s.t_174 * s.t_25)
 
     @leaf
-    def t_205(s):
-        return softmax_diff(s.A1, s.t_176)
+    def t_201(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_174 * s.t_25)
+
+    @leaf
+    def t_202(s):
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_174, s.t_65, s.Y_2)
 
     @leaf
     def t_207(s):
-        return s.mm("t_175 W_O2' W_V' N_1'", s.t_175, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return softmax_diff(s.A1, s.t_178)
 
     @leaf
-    def t_210(s):
-        return softmax_diff(s.A2, s.t_207)
+    def t_209(s):
+        return s.mm("t_177 W_O2' W_V' N_1'", s.t_177, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_212(s):
-        return mul((2/s.d_V) * s.t_172, s.t_25, s.Y_2)
-
-    @leaf
-    def t_213(s):
-        return s.mm('t_212 one', s.t_212, s.one)
+        return softmax_diff(s.A2, s.t_209)
 
     @leaf
     def t_214(s):
-        return lin((1, s.G), (1, s.t_172, s.R_N_2), (1, s.t_213, s.Y_2))
+        return mul((2/s.d_V) * s.t_174, s.t_25, s.Y_2)
 
     @leaf
     def t_215(s):
-        return (1/math.sqrt(s.d_K)) * s.t_214
+        return s.mm('t_214 one', s.t_214, s.one)
 
     @leaf
     def t_216(s):
-        return s.mm("t_215 W_O1' W_V' N_1'", s.t_215, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return lin((1/s.L, s.t_166), (1, s.t_174, s.R_N_2), (1, s.t_215, s.Y_2))
+
+    @leaf
+    def t_217(s):
+        return (1/math.sqrt(s.d_K)) * s.t_216
 
     @leaf
     def t_218(s):
-        return (s.t_172 * s.t_25)
-
-    @leaf
-    def t_219(s):
-        return ((2/s.d_V) * s.t_172 * s.t_25)
+        return s.mm("t_217 W_O1' W_V' N_1'", s.t_217, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_220(s):
-        return mul((2/s.d_V) * s.t_172, s.t_65, s.Y_2)
+        return (s.t_174 * s.t_25)
 
     @leaf
-    def t_225(s):
-        return s.mm("t_215 W_O2' W_V' N_1'", s.t_215, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+    def t_221(s):
+        return ((2/s.d_V) * s.t_174 * s.t_25)
 
     @leaf
-    def t_229(s):
-        return softmax_diff(s.A1, s.t_216)
+    def t_222(s):
+        return mul((2/s.d_V) * s.t_174, s.t_65, s.Y_2)
 
     @leaf
-    def t_230(s):
-        return softmax_diff(s.A2, s.t_225)
+    def t_227(s):
+        return s.mm("t_217 W_O2' W_V' N_1'", s.t_217, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_231(s):
+        return softmax_diff(s.A1, s.t_218)
+
+    @leaf
+    def t_232(s):
+        return softmax_diff(s.A2, s.t_227)
 
     @leaf
     def S_2(s):
@@ -7040,49 +7064,49 @@ class ce_causal1(Forward):
         t_162 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_163 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
         t_164 = lin((1, s.prod("t_42' _", tr(s.t_42), t_162)), (1, s.prod("_ t_7'", t_163, tr(s.t_7))))
-        t_177 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_164)
-        t_178 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_179 = lin((1, s.prod("_ t_7'", t_178, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_162)))
-        t_180 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_179)
-        t_181 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_177, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_180, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_183 = s.mm('_ one', (t_181 * s.Y_2), s.one)
-        t_184 = (t_183 * s.t_55)
-        t_185 = lin((1, t_181, s.R_N_2), (2/s.d_V, t_184))
-        t_186 = lin((1, s.prod('_ W_1', t_185, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_187 = lin((1, s.prod('_ W_3', t_185, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_188 = ((s.t_92 * t_186) + (s.t_36 * t_187))
-        t_189 = lin((1, t_181), (1, s.prod('_ W_2', t_188, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_190 = (s.t_4 * softmax_diff(s.t_18, t_189))
-        t_191 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_190, tr(s.W_2))))
-        t_195 = lin((1, s.t_182, t_186), (1, s.t_92, t_191), (1, s.t_194, t_187))
-        t_196 = ((s.t_194 * t_186) + (s.t_36 * t_191))
-        t_197 = lin((1, s.prod("_ W_1'", t_195, tr(s.W_1))), (1, s.prod("_ W_3'", t_196, tr(s.W_3))), (1, s.prod('t_168 _', s.t_168, tr(V_W_1))), (1, s.prod('t_170 _', s.t_170, tr(V_W_3))))
-        t_201 = lin((1, s.t_199, t_181), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_197), (2/s.d_V, t_183, s.t_200))
-        t_202 = lin((1, s.t_174, t_181), (1, (1/math.sqrt(s.d_K)) * t_197, s.R_N_2), (2/s.d_V, t_183, s.t_198), (1, s.mm('_ one', t_201, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_190))
-        t_203 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_202, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O1' _ N_1'", s.t_175, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_204 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_176) + softmax_diff(s.A1, t_203))
-        t_206 = lin((1, s.prod("_ t_2'", t_204, tr(s.t_2))), (1, s.prod('t_205 _', s.t_205, tr(t_162))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_206 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_206 * s.S), tr(s.R)), mean=True)
-        t_208 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_202, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_175 _ W_V' N_1'", s.t_175, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_175 W_O2' _ N_1'", s.t_175, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_209 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_207) + softmax_diff(s.A2, t_208))
-        t_211 = lin((1, s.prod("_ t_2'", t_209, tr(s.t_2))), (1, s.prod('t_210 _', s.t_210, tr(t_162))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_211 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_211 * s.S), tr(s.R)), mean=True)
-        t_217 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_216)
-        t_221 = lin((1, s.t_219, t_181), (1, s.t_55, (2/s.d_V) * t_197), (2/s.d_V, t_183, s.t_220))
-        t_222 = lin((1, t_197, s.R_N_2), (2/s.d_V, t_183, s.t_218), (1, s.t_213, t_181), (1, s.mm('_ one', t_221, s.one), s.Y_2), (1/s.L, t_190))
-        t_223 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_222, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O1' _ N_1'", s.t_215, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_224 = softmax_diff(s.A1, t_223)
-        t_226 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_179, s.t_225)
-        t_227 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_222, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_215 W_O2' _ N_1'", s.t_215, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_215 _ W_V' N_1'", s.t_215, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_228 = softmax_diff(s.A2, t_227)
-        t_231 = lin((1, s.prod("_ t_42'", (tr(t_217) + tr(t_224)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_226) + tr(t_228)), tr(s.t_43))), (1, s.prod("t_229' _", tr(s.t_229), t_163)), (1, s.prod("t_230' _", tr(s.t_230), t_178)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_231 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_231 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_214 _", tr(s.N_1), tr(s.A2), s.t_214, tr(V_W_O2)), (1, "N_1' _ t_214 W_O1'", tr(s.N_1), tr(t_177), s.t_214, tr(s.W_O1)), (1, "N_1' A1' t_214 _", tr(s.N_1), tr(s.A1), s.t_214, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_222, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_222, tr(s.W_O1)), (1, "N_1' _ t_214 W_O2'", tr(s.N_1), tr(t_180), s.t_214, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_214", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_214), (1, "W_V' N_1' _ t_214", tr(s.W_V), tr(s.N_1), tr(t_177), s.t_214), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_222, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_214", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_214), (1, "W_V' N_1' _ t_214", tr(s.W_V), tr(s.N_1), tr(t_180), s.t_214), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_222, mean=True)))
-        out_W_1 = (s.mm('_ t_168', tr(t_185), s.t_168, mean=True) + s.mm("N_2' _", tr(s.N_2), t_195, mean=True))
-        out_W_3 = (s.mm('_ t_170', tr(t_185), s.t_170, mean=True) + s.mm("N_2' _", tr(s.N_2), t_196, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_188), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_190, mean=True)))
+        t_179 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_164)
+        t_180 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_181 = lin((1, s.prod("_ t_7'", t_180, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_162)))
+        t_182 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_181)
+        t_183 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_179, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_182, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_185 = s.mm('_ one', (t_183 * s.Y_2), s.one)
+        t_186 = (t_185 * s.t_55)
+        t_187 = lin((1, t_183, s.R_N_2), (2/s.d_V, t_186))
+        t_188 = lin((1, s.prod('_ W_1', t_187, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_189 = lin((1, s.prod('_ W_3', t_187, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_190 = ((s.t_92 * t_188) + (s.t_36 * t_189))
+        t_191 = lin((1, t_183), (1, s.prod('_ W_2', t_190, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_192 = (s.t_4 * softmax_diff(s.t_18, t_191))
+        t_193 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_192, tr(s.W_2))))
+        t_197 = lin((1, s.t_184, t_188), (1, s.t_92, t_193), (1, s.t_196, t_189))
+        t_198 = ((s.t_196 * t_188) + (s.t_36 * t_193))
+        t_199 = lin((1, s.prod("_ W_1'", t_197, tr(s.W_1))), (1, s.prod("_ W_3'", t_198, tr(s.W_3))), (1, s.prod('t_170 _', s.t_170, tr(V_W_1))), (1, s.prod('t_172 _', s.t_172, tr(V_W_3))))
+        t_203 = lin((1, s.t_201, t_183), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_199), (2/s.d_V, t_185, s.t_202))
+        t_204 = lin((1, s.t_176, t_183), (1, (1/math.sqrt(s.d_K)) * t_199, s.R_N_2), (2/s.d_V, t_185, s.t_200), (1, s.mm('_ one', t_203, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_192))
+        t_205 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_204, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_177 _ W_V' N_1'", s.t_177, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_177 W_O1' _ N_1'", s.t_177, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_206 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_178) + softmax_diff(s.A1, t_205))
+        t_208 = lin((1, s.prod("_ t_2'", t_206, tr(s.t_2))), (1, s.prod('t_207 _', s.t_207, tr(t_162))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_208 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_208 * s.S), tr(s.R)), mean=True)
+        t_210 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_204, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_177 _ W_V' N_1'", s.t_177, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_177 W_O2' _ N_1'", s.t_177, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_211 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_181, s.t_209) + softmax_diff(s.A2, t_210))
+        t_213 = lin((1, s.prod("_ t_2'", t_211, tr(s.t_2))), (1, s.prod('t_212 _', s.t_212, tr(t_162))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_213 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_213 * s.S), tr(s.R)), mean=True)
+        t_219 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_218)
+        t_223 = lin((1, s.t_221, t_183), (1, s.t_55, (2/s.d_V) * t_199), (2/s.d_V, t_185, s.t_222))
+        t_224 = lin((1, t_199, s.R_N_2), (2/s.d_V, t_185, s.t_220), (1, s.t_215, t_183), (1, s.mm('_ one', t_223, s.one), s.Y_2), (1/s.L, t_192))
+        t_225 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_224, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_217 W_O1' _ N_1'", s.t_217, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_217 _ W_V' N_1'", s.t_217, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_226 = softmax_diff(s.A1, t_225)
+        t_228 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_181, s.t_227)
+        t_229 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_224, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_217 W_O2' _ N_1'", s.t_217, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_217 _ W_V' N_1'", s.t_217, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_230 = softmax_diff(s.A2, t_229)
+        t_233 = lin((1, s.prod("_ t_42'", (tr(t_219) + tr(t_226)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_228) + tr(t_230)), tr(s.t_43))), (1, s.prod("t_231' _", tr(s.t_231), t_163)), (1, s.prod("t_232' _", tr(s.t_232), t_180)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_233 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_233 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_216 _", tr(s.N_1), tr(s.A2), s.t_216, tr(V_W_O2)), (1, "N_1' _ t_216 W_O1'", tr(s.N_1), tr(t_179), s.t_216, tr(s.W_O1)), (1, "N_1' A1' t_216 _", tr(s.N_1), tr(s.A1), s.t_216, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_224, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_224, tr(s.W_O1)), (1, "N_1' _ t_216 W_O2'", tr(s.N_1), tr(t_182), s.t_216, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_216", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_216), (1, "W_V' N_1' _ t_216", tr(s.W_V), tr(s.N_1), tr(t_179), s.t_216), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_224, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_216", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_216), (1, "W_V' N_1' _ t_216", tr(s.W_V), tr(s.N_1), tr(t_182), s.t_216), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_224, mean=True)))
+        out_W_1 = (s.mm('_ t_170', tr(t_187), s.t_170, mean=True) + s.mm("N_2' _", tr(s.N_2), t_197, mean=True))
+        out_W_3 = (s.mm('_ t_172', tr(t_187), s.t_172, mean=True) + s.mm("N_2' _", tr(s.N_2), t_198, mean=True))
+        out_W_2 = lin((1, s.mm('_ G', tr(t_190), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_192, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -7092,4 +7116,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "8e45a4d7cb8d76dee309f9a6"
+CHECKSUM = "f58d62d03c2ed336f1affb1e"

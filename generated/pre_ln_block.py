@@ -24,18 +24,18 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "f90855e44f15a79c3e6bb095"
+    STAMP = "6d570558fddb3bed5d1b9364"
     RUNS = {
-        'A N_1': 20,
+        'A N_1': 13,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
-        'N_1 W_V': 22,
+        'N_1 W_V': 15,
         "N_1 W_V one_2'": 5,
         "N_1 W_V one_2' one'": 5,
-        "N_1' t_111": 2,
-        "N_1' t_111 N_1": 2,
-        "N_1' t_111'": 2,
+        "N_1' t_112": 2,
+        "N_1' t_112 N_1": 2,
+        "N_1' t_112'": 2,
         "N_1' t_21": 4,
         "N_1' t_21 N_1": 4,
         "N_1' t_21'": 5,
@@ -315,34 +315,38 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def t_86(s):
-        return lin((1, s.t_83, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_81), (1/s.L, s.F), (-1/s.L, s.Y))
+        return (s.F - s.Y)
 
     @leaf
     def t_87(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_86
+        return lin((1/s.L, s.t_86), (1, s.t_84))
 
     @leaf
     def t_88(s):
-        return s.mm_sum('r', (1, "t_85 one one_2 W_V' N_1'", s.t_85, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_87 W_V' N_1'", s.t_87, tr(s.W_V), tr(s.N_1)))
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_87
 
     @leaf
-    def t_103(s):
-        return (s.t_8 * s.t_81)
+    def t_89(s):
+        return s.mm_sum('r', (1, "t_85 one one_2 W_V' N_1'", s.t_85, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_88 W_V' N_1'", s.t_88, tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_104(s):
+        return (s.t_8 * s.t_81)
+
+    @leaf
+    def t_105(s):
         return mul(s.t_31, s.t_81, s.M_N_2)
 
     @leaf
-    def t_111(s):
-        return softmax_diff(s.A, s.t_88)
-
-    @leaf
     def t_112(s):
-        return (2/s.d_V) * s.t_86
+        return softmax_diff(s.A, s.t_89)
 
     @leaf
     def t_113(s):
+        return (2/s.d_V) * s.t_87
+
+    @leaf
+    def t_114(s):
         return (-2/s.d_V**2) * s.t_84
 
     @leaf
@@ -756,18 +760,18 @@ class mse_bias0_causal0(Forward):
         t_42 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_43 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_42)
         t_44 = lin((1, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_45 = lin((1, s.mm('_ one', t_44, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_45 = lin((-s.d_V, t_44), (1, s.mm('_ one', t_44, s.one)))
         t_46 = s.mm('_ one', ((-1/s.d_V) * t_45 * s.M_N_2), s.one)
         t_47 = (t_46 * s.t_29)
         t_48 = lin((1, s.P_N_2, (-1/s.d_V) * t_45), (2/s.d_V, t_47))
         t_49 = lin((1, s.prod('_ W_1', t_48, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
         t_50 = (t_49 * s.t_9)
-        t_51 = lin((1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_50, s.W_2)), (1, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_51 = lin((1, t_44), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_50, s.W_2)))
         t_52 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_51, tr(s.W_2))
         t_53 = (s.t_9 * t_52)
         t_54 = s.mm("_ W_1'", t_53, tr(s.W_1))
         t_55 = lin((1, s.mm('_ one', (s.t_29 * t_54), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_54))
-        t_56 = lin((1, s.mm('_ one', (s.t_29 * t_54), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_54), (1/s.L, s.prod('t_10 _', s.t_10, V_W_2)), (1/s.L, s.prod('_ W_2', t_50, s.W_2)), (1/s.L, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (1/s.L, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_56 = lin((1/s.L, t_51), (1, t_55))
         t_57 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-2/(math.sqrt(s.d_K)*s.d_V**2)) * t_55, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (2/(math.sqrt(s.d_K)*s.d_V)) * t_56, tr(s.W_V), tr(s.N_1)))
         t_58 = softmax_diff(s.A, t_57)
         out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_58, s.N_1, s.W_K, mean=True)
@@ -786,7 +790,7 @@ class mse_bias0_causal0(Forward):
         t_63 = lin((1, s.prod('t_11 _', s.t_11, tr(V_W_1))), (1, s.prod("_ W_1'", t_62, tr(s.W_1))))
         t_64 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_60)
         t_65 = lin((1, s.prod('_ N_1 W_V', t_64, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_66 = lin((1, s.mm('_ one', t_65, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_64, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_66 = lin((-s.d_V, t_65), (1, s.mm('_ one', t_65, s.one)))
         t_67 = s.mm('_ one', ((-1/s.d_V) * t_66 * s.M_N_2), s.one)
         t_68 = lin((1, s.t_29, t_63), (1, s.t_30, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_32))
         t_69 = lin((1, s.P_N_2, t_63), (2/s.d_V, s.t_14, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_30), (2/s.d_V, s.mm('_ one', t_68, s.one), s.M_N_2))
@@ -796,7 +800,7 @@ class mse_bias0_causal0(Forward):
         out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_72, s.N_1, s.W_K), (1, "N_1' t_21 N_1 _", tr(s.N_1), s.t_21, s.N_1, V_W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "N_1' t_21' N_1 _", tr(s.N_1), tr(s.t_21), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_72), s.N_1, s.W_Q), mean=True)
         out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_69), (1, "N_1' _ t_41", tr(s.N_1), tr(t_64), s.t_41), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_39 one", tr(s.N_1), tr(t_64), s.t_39, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_69, s.one), True), s.d_V)))
-        t_73 = lin((1, s.mm('one_2 _', s.one_2, tr(t_65))), (-s.d_V, s.prod("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))), (-s.d_V, s.prod("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_64))))
+        t_73 = lin((-s.d_V, tr(t_65)), (1, s.mm('one_2 _', s.one_2, tr(t_65))))
         t_75 = (tr(t_67) * s.t_74)
         t_76 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_73), (2/s.d_V, t_75))
         out_W_1 = (s.mm('_ t_11', t_76, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_62, mean=True))
@@ -807,32 +811,32 @@ class mse_bias0_causal0(Forward):
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_89 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_90 = softmax_diff2(s.A, s.t_88, (1/math.sqrt(s.d_K)) * t_89)
-        t_91 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_89)
-        t_92 = lin((1, s.prod('_ N_1 W_V', t_91, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_93 = lin((1, s.mm('_ one', t_92, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_91, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_94 = s.mm('_ one', ((-1/s.d_V) * t_93 * s.M_N_2), s.one)
-        t_95 = (t_94 * s.t_29)
-        t_96 = lin((1, s.P_N_2, (-1/s.d_V) * t_93), (2/s.d_V, t_95))
-        t_97 = lin((1, s.prod('_ W_1', t_96, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_98 = (t_97 * s.t_9)
-        t_99 = lin((1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_98, s.W_2)), (1, s.prod('_ N_1 W_V', t_91, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_100 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_99, tr(s.W_2))
-        t_101 = (lin((1, t_100), (1, s.prod('G _', s.G, tr(V_W_2)))) * s.t_9)
-        t_102 = lin((1, s.prod("_ W_1'", t_101, tr(s.W_1))), (1, s.prod('t_80 _', s.t_80, tr(V_W_1))))
-        t_105 = lin((1, s.t_29, t_102), (1, s.t_103, (-1/s.d_V) * t_93), (2/s.d_V, t_94, s.t_104))
-        t_106 = lin((1, s.P_N_2, t_102), (2/s.d_V, s.t_83, (-1/s.d_V) * t_93), (2/s.d_V, t_94, s.t_103), (2/s.d_V, s.mm('_ one', t_105, s.one), s.M_N_2))
-        t_107 = lin((1, (2/(s.L*s.d_V)) * t_99), (-math.sqrt(s.d_K)*s.d_V, (-1/(math.sqrt(s.d_K)*s.d_V)) * t_106))
-        t_108 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_106, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_85 one one_2 _ N_1'", s.t_85, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_107, tr(s.W_V), tr(s.N_1)), (1, "t_87 _ N_1'", s.t_87, tr(V_W_V), tr(s.N_1)))
-        t_109 = softmax_diff(s.A, t_108)
-        t_110 = (t_90 + t_109)
-        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_110, s.N_1, s.W_K), (1, "N_1' t_111 N_1 _", tr(s.N_1), s.t_111, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_111' N_1 _", tr(s.N_1), tr(s.t_111), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_110), s.N_1, s.W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_112", tr(s.N_1), tr(t_91), s.t_112), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_107), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_113 one", tr(s.N_1), tr(t_91), s.t_113, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_106, s.one), True), s.d_V)))
-        out_W_1 = (s.mm('_ t_80', tr(t_96), s.t_80, mean=True) + s.mm("N_2' _", tr(s.N_2), t_101, mean=True))
-        t_114 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_99)
-        out_W_2 = (mean0(t_114, True) + s.mm('_ G', tr(t_98), s.G, mean=True))
+        t_90 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_91 = softmax_diff2(s.A, s.t_89, (1/math.sqrt(s.d_K)) * t_90)
+        t_92 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_90)
+        t_93 = lin((1, s.prod('_ N_1 W_V', t_92, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_94 = lin((-s.d_V, t_93), (1, s.mm('_ one', t_93, s.one)))
+        t_95 = s.mm('_ one', ((-1/s.d_V) * t_94 * s.M_N_2), s.one)
+        t_96 = (t_95 * s.t_29)
+        t_97 = lin((1, s.P_N_2, (-1/s.d_V) * t_94), (2/s.d_V, t_96))
+        t_98 = lin((1, s.prod('_ W_1', t_97, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_99 = (t_98 * s.t_9)
+        t_100 = lin((1, t_93), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_99, s.W_2)))
+        t_101 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_100, tr(s.W_2))
+        t_102 = (lin((1, t_101), (1, s.prod('G _', s.G, tr(V_W_2)))) * s.t_9)
+        t_103 = lin((1, s.prod("_ W_1'", t_102, tr(s.W_1))), (1, s.prod('t_80 _', s.t_80, tr(V_W_1))))
+        t_106 = lin((1, s.t_29, t_103), (1, s.t_104, (-1/s.d_V) * t_94), (2/s.d_V, t_95, s.t_105))
+        t_107 = lin((1, s.P_N_2, t_103), (2/s.d_V, s.t_83, (-1/s.d_V) * t_94), (2/s.d_V, t_95, s.t_104), (2/s.d_V, s.mm('_ one', t_106, s.one), s.M_N_2))
+        t_108 = lin((2/(s.L*s.d_V), t_100), (1, t_107))
+        t_109 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_107, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_85 one one_2 _ N_1'", s.t_85, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_108, tr(s.W_V), tr(s.N_1)), (1, "t_88 _ N_1'", s.t_88, tr(V_W_V), tr(s.N_1)))
+        t_110 = softmax_diff(s.A, t_109)
+        t_111 = (t_91 + t_110)
+        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_111, s.N_1, s.W_K), (1, "N_1' t_112 N_1 _", tr(s.N_1), s.t_112, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_112' N_1 _", tr(s.N_1), tr(s.t_112), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_111), s.N_1, s.W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_113", tr(s.N_1), tr(t_92), s.t_113), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_108), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_114 one", tr(s.N_1), tr(t_92), s.t_114, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_107, s.one), True), s.d_V)))
+        out_W_1 = (s.mm('_ t_80', tr(t_97), s.t_80, mean=True) + s.mm("N_2' _", tr(s.N_2), t_102, mean=True))
+        t_115 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_100)
+        out_W_2 = (mean0(t_115, True) + s.mm('_ G', tr(t_99), s.G, mean=True))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -844,21 +848,21 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "1b1f7cadc6974b778500f096"
+    STAMP = "f10c1d475013a3b08b7216a2"
     RUNS = {
-        'A N_1': 20,
+        'A N_1': 13,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
-        'N_1 W_V': 22,
+        'N_1 W_V': 15,
         "N_1 W_V one_2'": 5,
         "N_1 W_V one_2' one'": 5,
         "N_1' t_21": 4,
         "N_1' t_21 N_1": 4,
         "N_1' t_21'": 5,
-        "N_1' t_89": 2,
-        "N_1' t_89 N_1": 2,
-        "N_1' t_89'": 2,
+        "N_1' t_90": 2,
+        "N_1' t_90 N_1": 2,
+        "N_1' t_90'": 2,
         "W_V one_2'": 5,
         "W_V one_2' one'": 5,
         'one one_2': 7,
@@ -1135,34 +1139,38 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def t_86(s):
-        return lin((1, s.t_83, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_81), (1/s.L, s.F), (-1/s.L, s.Y))
+        return (s.F - s.Y)
 
     @leaf
     def t_87(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_86
+        return lin((1/s.L, s.t_86), (1, s.t_84))
 
     @leaf
     def t_88(s):
-        return s.mm_sum('r', (1, "t_85 one one_2 W_V' N_1'", s.t_85, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_87 W_V' N_1'", s.t_87, tr(s.W_V), tr(s.N_1)))
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_87
 
     @leaf
     def t_89(s):
-        return softmax_diff(s.A, s.t_88)
+        return s.mm_sum('r', (1, "t_85 one one_2 W_V' N_1'", s.t_85, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_88 W_V' N_1'", s.t_88, tr(s.W_V), tr(s.N_1)))
 
     @leaf
-    def t_104(s):
-        return (s.t_8 * s.t_81)
+    def t_90(s):
+        return softmax_diff(s.A, s.t_89)
 
     @leaf
     def t_105(s):
+        return (s.t_8 * s.t_81)
+
+    @leaf
+    def t_106(s):
         return mul(s.t_31, s.t_81, s.M_N_2)
 
     @leaf
-    def t_112(s):
-        return (2/s.d_V) * s.t_86
+    def t_113(s):
+        return (2/s.d_V) * s.t_87
 
     @leaf
-    def t_113(s):
+    def t_114(s):
         return (-2/s.d_V**2) * s.t_84
 
     @leaf
@@ -1576,18 +1584,18 @@ class mse_bias0_causal1(Forward):
         t_42 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_43 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_42)
         t_44 = lin((1, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_45 = lin((1, s.mm('_ one', t_44, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_45 = lin((-s.d_V, t_44), (1, s.mm('_ one', t_44, s.one)))
         t_46 = s.mm('_ one', ((-1/s.d_V) * t_45 * s.M_N_2), s.one)
         t_47 = (t_46 * s.t_29)
         t_48 = lin((1, s.P_N_2, (-1/s.d_V) * t_45), (2/s.d_V, t_47))
         t_49 = lin((1, s.prod('_ W_1', t_48, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
         t_50 = (t_49 * s.t_9)
-        t_51 = lin((1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_50, s.W_2)), (1, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_51 = lin((1, t_44), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_50, s.W_2)))
         t_52 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_51, tr(s.W_2))
         t_53 = (s.t_9 * t_52)
         t_54 = s.mm("_ W_1'", t_53, tr(s.W_1))
         t_55 = lin((1, s.mm('_ one', (s.t_29 * t_54), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_54))
-        t_56 = lin((1, s.mm('_ one', (s.t_29 * t_54), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_54), (1/s.L, s.prod('t_10 _', s.t_10, V_W_2)), (1/s.L, s.prod('_ W_2', t_50, s.W_2)), (1/s.L, s.prod('_ N_1 W_V', t_43, s.N_1, s.W_V)), (1/s.L, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_56 = lin((1/s.L, t_51), (1, t_55))
         t_57 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-2/(math.sqrt(s.d_K)*s.d_V**2)) * t_55, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (2/(math.sqrt(s.d_K)*s.d_V)) * t_56, tr(s.W_V), tr(s.N_1)))
         t_58 = softmax_diff(s.A, t_57)
         out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_58, s.N_1, s.W_K, mean=True)
@@ -1606,7 +1614,7 @@ class mse_bias0_causal1(Forward):
         t_63 = lin((1, s.prod('t_11 _', s.t_11, tr(V_W_1))), (1, s.prod("_ W_1'", t_62, tr(s.W_1))))
         t_64 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_60)
         t_65 = lin((1, s.prod('_ N_1 W_V', t_64, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_66 = lin((1, s.mm('_ one', t_65, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_64, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_66 = lin((-s.d_V, t_65), (1, s.mm('_ one', t_65, s.one)))
         t_67 = s.mm('_ one', ((-1/s.d_V) * t_66 * s.M_N_2), s.one)
         t_68 = lin((1, s.t_29, t_63), (1, s.t_30, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_32))
         t_69 = lin((1, s.P_N_2, t_63), (2/s.d_V, s.t_14, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_30), (2/s.d_V, s.mm('_ one', t_68, s.one), s.M_N_2))
@@ -1616,7 +1624,7 @@ class mse_bias0_causal1(Forward):
         out_W_Q = s.mm_sum('l', (1, "N_1' t_21 N_1 _", tr(s.N_1), s.t_21, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_72, s.N_1, s.W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_72), s.N_1, s.W_Q), (1, "N_1' t_21' N_1 _", tr(s.N_1), tr(s.t_21), s.N_1, V_W_Q), mean=True)
         out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_39", tr(s.N_1), tr(t_64), s.t_39), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_69), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_40 one", tr(s.N_1), tr(t_64), s.t_40, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_69, s.one), True), s.d_V)))
-        t_73 = lin((1, s.mm('one_2 _', s.one_2, tr(t_65))), (-s.d_V, s.prod("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))), (-s.d_V, s.prod("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_64))))
+        t_73 = lin((-s.d_V, tr(t_65)), (1, s.mm('one_2 _', s.one_2, tr(t_65))))
         t_75 = (tr(t_67) * s.t_74)
         t_76 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_73), (2/s.d_V, t_75))
         out_W_1 = (s.mm('_ t_11', t_76, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_62, mean=True))
@@ -1627,32 +1635,32 @@ class mse_bias0_causal1(Forward):
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_90 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_91 = softmax_diff2(s.A, s.t_88, (1/math.sqrt(s.d_K)) * t_90)
-        t_92 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_90)
-        t_93 = lin((1, s.prod('_ N_1 W_V', t_92, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_94 = lin((1, s.mm('_ one', t_93, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_92, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_95 = s.mm('_ one', ((-1/s.d_V) * t_94 * s.M_N_2), s.one)
-        t_96 = (t_95 * s.t_29)
-        t_97 = lin((1, s.P_N_2, (-1/s.d_V) * t_94), (2/s.d_V, t_96))
-        t_98 = lin((1, s.prod('_ W_1', t_97, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_99 = (t_98 * s.t_9)
-        t_100 = lin((1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_99, s.W_2)), (1, s.prod('_ N_1 W_V', t_92, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_101 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_100, tr(s.W_2))
-        t_102 = (lin((1, t_101), (1, s.prod('G _', s.G, tr(V_W_2)))) * s.t_9)
-        t_103 = lin((1, s.prod("_ W_1'", t_102, tr(s.W_1))), (1, s.prod('t_80 _', s.t_80, tr(V_W_1))))
-        t_106 = lin((1, s.t_29, t_103), (1, s.t_104, (-1/s.d_V) * t_94), (2/s.d_V, t_95, s.t_105))
-        t_107 = lin((1, s.P_N_2, t_103), (2/s.d_V, s.t_83, (-1/s.d_V) * t_94), (2/s.d_V, t_95, s.t_104), (2/s.d_V, s.mm('_ one', t_106, s.one), s.M_N_2))
-        t_108 = lin((1, (2/(s.L*s.d_V)) * t_100), (-math.sqrt(s.d_K)*s.d_V, (-1/(math.sqrt(s.d_K)*s.d_V)) * t_107))
-        t_109 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_107, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_85 one one_2 _ N_1'", s.t_85, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_108, tr(s.W_V), tr(s.N_1)), (1, "t_87 _ N_1'", s.t_87, tr(V_W_V), tr(s.N_1)))
-        t_110 = softmax_diff(s.A, t_109)
-        t_111 = (t_91 + t_110)
-        out_W_Q = s.mm_sum('l', (1, "N_1' t_89 N_1 _", tr(s.N_1), s.t_89, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_111, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_111), s.N_1, s.W_Q), (1, "N_1' t_89' N_1 _", tr(s.N_1), tr(s.t_89), s.N_1, V_W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_112", tr(s.N_1), tr(t_92), s.t_112), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_108), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_107, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_113 one", tr(s.N_1), tr(t_92), s.t_113, s.one), True), s.d_V)))
-        out_W_1 = (s.mm('_ t_80', tr(t_97), s.t_80, mean=True) + s.mm("N_2' _", tr(s.N_2), t_102, mean=True))
-        t_114 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_100)
-        out_W_2 = (mean0(t_114, True) + s.mm('_ G', tr(t_99), s.G, mean=True))
+        t_91 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_92 = softmax_diff2(s.A, s.t_89, (1/math.sqrt(s.d_K)) * t_91)
+        t_93 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_91)
+        t_94 = lin((1, s.prod('_ N_1 W_V', t_93, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_95 = lin((-s.d_V, t_94), (1, s.mm('_ one', t_94, s.one)))
+        t_96 = s.mm('_ one', ((-1/s.d_V) * t_95 * s.M_N_2), s.one)
+        t_97 = (t_96 * s.t_29)
+        t_98 = lin((1, s.P_N_2, (-1/s.d_V) * t_95), (2/s.d_V, t_97))
+        t_99 = lin((1, s.prod('_ W_1', t_98, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_100 = (t_99 * s.t_9)
+        t_101 = lin((1, t_94), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_100, s.W_2)))
+        t_102 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_101, tr(s.W_2))
+        t_103 = (lin((1, t_102), (1, s.prod('G _', s.G, tr(V_W_2)))) * s.t_9)
+        t_104 = lin((1, s.prod("_ W_1'", t_103, tr(s.W_1))), (1, s.prod('t_80 _', s.t_80, tr(V_W_1))))
+        t_107 = lin((1, s.t_29, t_104), (1, s.t_105, (-1/s.d_V) * t_95), (2/s.d_V, t_96, s.t_106))
+        t_108 = lin((1, s.P_N_2, t_104), (2/s.d_V, s.t_83, (-1/s.d_V) * t_95), (2/s.d_V, t_96, s.t_105), (2/s.d_V, s.mm('_ one', t_107, s.one), s.M_N_2))
+        t_109 = lin((2/(s.L*s.d_V), t_101), (1, t_108))
+        t_110 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_108, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_85 one one_2 _ N_1'", s.t_85, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_109, tr(s.W_V), tr(s.N_1)), (1, "t_88 _ N_1'", s.t_88, tr(V_W_V), tr(s.N_1)))
+        t_111 = softmax_diff(s.A, t_110)
+        t_112 = (t_92 + t_111)
+        out_W_Q = s.mm_sum('l', (1, "N_1' t_90 N_1 _", tr(s.N_1), s.t_90, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_112, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_112), s.N_1, s.W_Q), (1, "N_1' t_90' N_1 _", tr(s.N_1), tr(s.t_90), s.N_1, V_W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_113", tr(s.N_1), tr(t_93), s.t_113), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_109), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_108, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_114 one", tr(s.N_1), tr(t_93), s.t_114, s.one), True), s.d_V)))
+        out_W_1 = (s.mm('_ t_80', tr(t_98), s.t_80, mean=True) + s.mm("N_2' _", tr(s.N_2), t_103, mean=True))
+        t_115 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_101)
+        out_W_2 = (mean0(t_115, True) + s.mm('_ G', tr(t_100), s.G, mean=True))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -1664,18 +1672,18 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "de1d911bbea207c16f372700"
+    STAMP = "0be37dc3991aa1108f9e4125"
     RUNS = {
-        'A N_1': 17,
+        'A N_1': 13,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
-        'N_1 W_V': 19,
+        'N_1 W_V': 15,
         "N_1 W_V one_2'": 5,
         "N_1 W_V one_2' one'": 5,
-        "N_1' t_115": 2,
-        "N_1' t_115 N_1": 2,
-        "N_1' t_115'": 2,
+        "N_1' t_117": 2,
+        "N_1' t_117 N_1": 2,
+        "N_1' t_117'": 2,
         "N_1' t_24": 4,
         "N_1' t_24 N_1": 4,
         "N_1' t_24'": 5,
@@ -1967,34 +1975,42 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def t_89(s):
-        return lin((1, s.t_86, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_84), ((1/2)*s.d_V/s.L, s.t_4, s.t_13), (-1/2*s.d_V/s.L, s.Y))
+        return (s.t_4 * s.t_13)
 
     @leaf
     def t_90(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_89
+        return (s.t_89 - s.Y)
 
     @leaf
     def t_91(s):
-        return s.mm_sum('r', (1, "t_88 one one_2 W_V' N_1'", s.t_88, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_90 W_V' N_1'", s.t_90, tr(s.W_V), tr(s.N_1)))
+        return lin(((1/2)*s.d_V/s.L, s.t_90), (1, s.t_87))
 
     @leaf
-    def t_107(s):
+    def t_92(s):
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_91
+
+    @leaf
+    def t_93(s):
+        return s.mm_sum('r', (1, "t_88 one one_2 W_V' N_1'", s.t_88, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_92 W_V' N_1'", s.t_92, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_109(s):
         return (s.t_10 * s.t_84)
 
     @leaf
-    def t_108(s):
+    def t_110(s):
         return mul(s.t_34, s.t_84, s.M_N_2)
 
     @leaf
-    def t_115(s):
-        return softmax_diff(s.A, s.t_91)
-
-    @leaf
-    def t_116(s):
-        return (2/s.d_V) * s.t_89
-
-    @leaf
     def t_117(s):
+        return softmax_diff(s.A, s.t_93)
+
+    @leaf
+    def t_118(s):
+        return (2/s.d_V) * s.t_91
+
+    @leaf
+    def t_119(s):
         return (-2/s.d_V**2) * s.t_87
 
     @leaf
@@ -2409,7 +2425,7 @@ class ce_bias0_causal0(Forward):
         t_45 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_46 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_45)
         t_47 = lin((1, s.prod('_ N_1 W_V', t_46, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_48 = lin((1, s.mm('_ one', t_47, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_46, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_48 = lin((-s.d_V, t_47), (1, s.mm('_ one', t_47, s.one)))
         t_49 = s.mm('_ one', ((-1/s.d_V) * t_48 * s.M_N_2), s.one)
         t_50 = (t_49 * s.t_31)
         t_51 = lin((1, s.P_N_2, (-1/s.d_V) * t_48), (2/s.d_V, t_50))
@@ -2420,7 +2436,7 @@ class ce_bias0_causal0(Forward):
         t_56 = (s.t_11 * s.mm("_ W_2'", t_55, tr(s.W_2)))
         t_57 = s.mm("_ W_1'", t_56, tr(s.W_1))
         t_58 = lin((1, s.mm('_ one', (s.t_31 * t_57), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_57))
-        t_59 = lin((1, s.mm('_ one', (s.t_31 * t_57), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_57), ((1/2)*s.d_V, t_55))
+        t_59 = lin((1, t_58), ((1/2)*s.d_V, t_55))
         t_60 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_58, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_59, tr(s.W_V), tr(s.N_1)))
         t_61 = softmax_diff(s.A, t_60)
         out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_61, s.N_1, s.W_K, mean=True)
@@ -2439,7 +2455,7 @@ class ce_bias0_causal0(Forward):
         t_66 = lin((1, s.prod("_ W_1'", t_65, tr(s.W_1))), (1, s.prod('t_14 _', s.t_14, tr(V_W_1))))
         t_67 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_63)
         t_68 = lin((1, s.prod('_ N_1 W_V', t_67, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_69 = lin((1, s.mm('_ one', t_68, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_67, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_69 = lin((-s.d_V, t_68), (1, s.mm('_ one', t_68, s.one)))
         t_70 = s.mm('_ one', ((-1/s.d_V) * t_69 * s.M_N_2), s.one)
         t_71 = lin((1, s.t_31, t_66), (1, s.t_33, (-1/s.d_V) * t_69), (2/s.d_V, t_70, s.t_35))
         t_72 = lin((1, s.P_N_2, t_66), (2/s.d_V, s.t_17, (-1/s.d_V) * t_69), (2/s.d_V, t_70, s.t_33), (2/s.d_V, s.mm('_ one', t_71, s.one), s.M_N_2))
@@ -2449,7 +2465,7 @@ class ce_bias0_causal0(Forward):
         out_W_Q = s.mm_sum('l', (1, "N_1' t_24 N_1 _", tr(s.N_1), s.t_24, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_75, s.N_1, s.W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_75), s.N_1, s.W_Q), (1, "N_1' t_24' N_1 _", tr(s.N_1), tr(s.t_24), s.N_1, V_W_Q), mean=True)
         out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_72), (1, "N_1' _ t_44", tr(s.N_1), tr(t_67), s.t_44), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_42 one", tr(s.N_1), tr(t_67), s.t_42, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_72, s.one), True), s.d_V)))
-        t_76 = lin((1, s.mm('one_2 _', s.one_2, tr(t_68))), (-s.d_V, s.prod("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))), (-s.d_V, s.prod("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_67))))
+        t_76 = lin((-s.d_V, tr(t_68)), (1, s.mm('one_2 _', s.one_2, tr(t_68))))
         t_78 = (tr(t_70) * s.t_77)
         t_79 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_76), (2/s.d_V, t_78))
         out_W_1 = (s.mm('_ t_14', t_79, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_65, mean=True))
@@ -2460,32 +2476,32 @@ class ce_bias0_causal0(Forward):
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_92 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_93 = softmax_diff2(s.A, s.t_91, (1/math.sqrt(s.d_K)) * t_92)
-        t_94 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_92)
-        t_95 = lin((1, s.prod('_ N_1 W_V', t_94, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_96 = lin((1, s.mm('_ one', t_95, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_94, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_97 = s.mm('_ one', ((-1/s.d_V) * t_96 * s.M_N_2), s.one)
-        t_98 = (t_97 * s.t_31)
-        t_99 = lin((1, s.P_N_2, (-1/s.d_V) * t_96), (2/s.d_V, t_98))
-        t_100 = lin((1, s.prod('_ W_1', t_99, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_101 = (t_100 * s.t_11)
-        t_102 = lin((1, t_95), (1, s.prod("t_29' _", tr(s.t_29), V_W_2)), (1, s.prod('_ W_2', t_101, s.W_2)))
-        t_103 = (s.t_4 * softmax_diff(s.t_13, t_102))
-        t_104 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_103, tr(s.W_2))))
-        t_105 = (t_104 * s.t_11)
-        t_106 = lin((1, s.prod("_ W_1'", t_105, tr(s.W_1))), (1, s.prod('t_83 _', s.t_83, tr(V_W_1))))
-        t_109 = lin((1, s.t_31, t_106), (1, s.t_107, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_108))
-        t_110 = lin((1, s.P_N_2, t_106), (2/s.d_V, s.t_86, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_107), (2/s.d_V, s.mm('_ one', t_109, s.one), s.M_N_2))
-        t_111 = lin((-math.sqrt(s.d_K)*s.d_V, (-1/(math.sqrt(s.d_K)*s.d_V)) * t_110), (1/s.L, t_103))
-        t_112 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_110, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_88 one one_2 _ N_1'", s.t_88, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_111, tr(s.W_V), tr(s.N_1)), (1, "t_90 _ N_1'", s.t_90, tr(V_W_V), tr(s.N_1)))
-        t_113 = softmax_diff(s.A, t_112)
-        t_114 = (t_93 + t_113)
-        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_114, s.N_1, s.W_K), (1, "N_1' t_115 N_1 _", tr(s.N_1), s.t_115, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_115' N_1 _", tr(s.N_1), tr(s.t_115), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_114), s.N_1, s.W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_111), (1, "N_1' _ t_116", tr(s.N_1), tr(t_94), s.t_116), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_110, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_117 one", tr(s.N_1), tr(t_94), s.t_117, s.one), True), s.d_V)))
-        out_W_1 = (s.mm('_ t_83', tr(t_99), s.t_83, mean=True) + s.mm("N_2' _", tr(s.N_2), t_105, mean=True))
-        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_103, mean=True)), (1, s.mm('_ G', tr(t_101), s.G, mean=True)))
+        t_94 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_95 = softmax_diff2(s.A, s.t_93, (1/math.sqrt(s.d_K)) * t_94)
+        t_96 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_94)
+        t_97 = lin((1, s.prod('_ N_1 W_V', t_96, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_98 = lin((-s.d_V, t_97), (1, s.mm('_ one', t_97, s.one)))
+        t_99 = s.mm('_ one', ((-1/s.d_V) * t_98 * s.M_N_2), s.one)
+        t_100 = (t_99 * s.t_31)
+        t_101 = lin((1, s.P_N_2, (-1/s.d_V) * t_98), (2/s.d_V, t_100))
+        t_102 = lin((1, s.prod('_ W_1', t_101, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_103 = (t_102 * s.t_11)
+        t_104 = lin((1, t_97), (1, s.prod("t_29' _", tr(s.t_29), V_W_2)), (1, s.prod('_ W_2', t_103, s.W_2)))
+        t_105 = (s.t_4 * softmax_diff(s.t_13, t_104))
+        t_106 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_105, tr(s.W_2))))
+        t_107 = (t_106 * s.t_11)
+        t_108 = lin((1, s.prod("_ W_1'", t_107, tr(s.W_1))), (1, s.prod('t_83 _', s.t_83, tr(V_W_1))))
+        t_111 = lin((1, s.t_31, t_108), (1, s.t_109, (-1/s.d_V) * t_98), (2/s.d_V, t_99, s.t_110))
+        t_112 = lin((1, s.P_N_2, t_108), (2/s.d_V, s.t_86, (-1/s.d_V) * t_98), (2/s.d_V, t_99, s.t_109), (2/s.d_V, s.mm('_ one', t_111, s.one), s.M_N_2))
+        t_113 = lin((1, t_112), (1/s.L, t_105))
+        t_114 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_112, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_88 one one_2 _ N_1'", s.t_88, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_113, tr(s.W_V), tr(s.N_1)), (1, "t_92 _ N_1'", s.t_92, tr(V_W_V), tr(s.N_1)))
+        t_115 = softmax_diff(s.A, t_114)
+        t_116 = (t_95 + t_115)
+        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_116, s.N_1, s.W_K), (1, "N_1' t_117 N_1 _", tr(s.N_1), s.t_117, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_117' N_1 _", tr(s.N_1), tr(s.t_117), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_116), s.N_1, s.W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_113), (1, "N_1' _ t_118", tr(s.N_1), tr(t_96), s.t_118), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_112, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_119 one", tr(s.N_1), tr(t_96), s.t_119, s.one), True), s.d_V)))
+        out_W_1 = (s.mm('_ t_83', tr(t_101), s.t_83, mean=True) + s.mm("N_2' _", tr(s.N_2), t_107, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_105, mean=True)), (1, s.mm('_ G', tr(t_103), s.G, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -2497,18 +2513,18 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "995575e271464c9df3007910"
+    STAMP = "ad7c38bf2a0c4c43063d7a5b"
     RUNS = {
-        'A N_1': 17,
+        'A N_1': 13,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
-        'N_1 W_V': 19,
+        'N_1 W_V': 15,
         "N_1 W_V one_2'": 5,
         "N_1 W_V one_2' one'": 5,
-        "N_1' t_115": 2,
-        "N_1' t_115 N_1": 2,
-        "N_1' t_115'": 2,
+        "N_1' t_117": 2,
+        "N_1' t_117 N_1": 2,
+        "N_1' t_117'": 2,
         "N_1' t_24": 4,
         "N_1' t_24 N_1": 4,
         "N_1' t_24'": 5,
@@ -2800,34 +2816,42 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def t_89(s):
-        return lin((1, s.t_86, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_84), ((1/2)*s.d_V/s.L, s.t_4, s.t_13), (-1/2*s.d_V/s.L, s.Y))
+        return (s.t_4 * s.t_13)
 
     @leaf
     def t_90(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_89
+        return (s.t_89 - s.Y)
 
     @leaf
     def t_91(s):
-        return s.mm_sum('r', (1, "t_88 one one_2 W_V' N_1'", s.t_88, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_90 W_V' N_1'", s.t_90, tr(s.W_V), tr(s.N_1)))
+        return lin(((1/2)*s.d_V/s.L, s.t_90), (1, s.t_87))
 
     @leaf
-    def t_107(s):
+    def t_92(s):
+        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_91
+
+    @leaf
+    def t_93(s):
+        return s.mm_sum('r', (1, "t_88 one one_2 W_V' N_1'", s.t_88, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_92 W_V' N_1'", s.t_92, tr(s.W_V), tr(s.N_1)))
+
+    @leaf
+    def t_109(s):
         return (s.t_10 * s.t_84)
 
     @leaf
-    def t_108(s):
+    def t_110(s):
         return mul(s.t_34, s.t_84, s.M_N_2)
 
     @leaf
-    def t_115(s):
-        return softmax_diff(s.A, s.t_91)
-
-    @leaf
-    def t_116(s):
-        return (2/s.d_V) * s.t_89
-
-    @leaf
     def t_117(s):
+        return softmax_diff(s.A, s.t_93)
+
+    @leaf
+    def t_118(s):
+        return (2/s.d_V) * s.t_91
+
+    @leaf
+    def t_119(s):
         return (-2/s.d_V**2) * s.t_87
 
     @leaf
@@ -3242,7 +3266,7 @@ class ce_bias0_causal1(Forward):
         t_45 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_46 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_45)
         t_47 = lin((1, s.prod('_ N_1 W_V', t_46, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_48 = lin((1, s.mm('_ one', t_47, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_46, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_48 = lin((-s.d_V, t_47), (1, s.mm('_ one', t_47, s.one)))
         t_49 = s.mm('_ one', ((-1/s.d_V) * t_48 * s.M_N_2), s.one)
         t_50 = (t_49 * s.t_31)
         t_51 = lin((1, s.P_N_2, (-1/s.d_V) * t_48), (2/s.d_V, t_50))
@@ -3253,7 +3277,7 @@ class ce_bias0_causal1(Forward):
         t_56 = (s.t_11 * s.mm("_ W_2'", t_55, tr(s.W_2)))
         t_57 = s.mm("_ W_1'", t_56, tr(s.W_1))
         t_58 = lin((1, s.mm('_ one', (s.t_31 * t_57), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_57))
-        t_59 = lin((1, s.mm('_ one', (s.t_31 * t_57), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_57), ((1/2)*s.d_V, t_55))
+        t_59 = lin((1, t_58), ((1/2)*s.d_V, t_55))
         t_60 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_58, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_59, tr(s.W_V), tr(s.N_1)))
         t_61 = softmax_diff(s.A, t_60)
         out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_61, s.N_1, s.W_K, mean=True)
@@ -3272,7 +3296,7 @@ class ce_bias0_causal1(Forward):
         t_66 = lin((1, s.prod('t_14 _', s.t_14, tr(V_W_1))), (1, s.prod("_ W_1'", t_65, tr(s.W_1))))
         t_67 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_63)
         t_68 = lin((1, s.prod('_ N_1 W_V', t_67, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_69 = lin((1, s.mm('_ one', t_68, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_67, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_69 = lin((-s.d_V, t_68), (1, s.mm('_ one', t_68, s.one)))
         t_70 = s.mm('_ one', ((-1/s.d_V) * t_69 * s.M_N_2), s.one)
         t_71 = lin((1, s.t_31, t_66), (1, s.t_33, (-1/s.d_V) * t_69), (2/s.d_V, t_70, s.t_35))
         t_72 = lin((1, s.P_N_2, t_66), (2/s.d_V, s.t_17, (-1/s.d_V) * t_69), (2/s.d_V, t_70, s.t_33), (2/s.d_V, s.mm('_ one', t_71, s.one), s.M_N_2))
@@ -3282,7 +3306,7 @@ class ce_bias0_causal1(Forward):
         out_W_Q = s.mm_sum('l', (1, "N_1' t_24 N_1 _", tr(s.N_1), s.t_24, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_75, s.N_1, s.W_K), mean=True)
         out_W_K = s.mm_sum('l', (1, "N_1' t_24' N_1 _", tr(s.N_1), tr(s.t_24), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_75), s.N_1, s.W_Q), mean=True)
         out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_42", tr(s.N_1), tr(t_67), s.t_42), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_72), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_43 one", tr(s.N_1), tr(t_67), s.t_43, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_72, s.one), True), s.d_V)))
-        t_76 = lin((1, s.mm('one_2 _', s.one_2, tr(t_68))), (-s.d_V, s.prod("_ N_1' A'", tr(V_W_V), tr(s.N_1), tr(s.A))), (-s.d_V, s.prod("W_V' N_1' _", tr(s.W_V), tr(s.N_1), tr(t_67))))
+        t_76 = lin((-s.d_V, tr(t_68)), (1, s.mm('one_2 _', s.one_2, tr(t_68))))
         t_78 = (tr(t_70) * s.t_77)
         t_79 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_76), (2/s.d_V, t_78))
         out_W_1 = (s.mm('_ t_14', t_79, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_65, mean=True))
@@ -3293,32 +3317,32 @@ class ce_bias0_causal1(Forward):
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_92 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_93 = softmax_diff2(s.A, s.t_91, (1/math.sqrt(s.d_K)) * t_92)
-        t_94 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_92)
-        t_95 = lin((1, s.prod('_ N_1 W_V', t_94, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_96 = lin((1, s.mm('_ one', t_95, s.one)), (-s.d_V, s.prod('_ N_1 W_V', t_94, s.N_1, s.W_V)), (-s.d_V, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_97 = s.mm('_ one', ((-1/s.d_V) * t_96 * s.M_N_2), s.one)
-        t_98 = (t_97 * s.t_31)
-        t_99 = lin((1, s.P_N_2, (-1/s.d_V) * t_96), (2/s.d_V, t_98))
-        t_100 = lin((1, s.prod('_ W_1', t_99, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_101 = (t_100 * s.t_11)
-        t_102 = lin((1, t_95), (1, s.prod("t_29' _", tr(s.t_29), V_W_2)), (1, s.prod('_ W_2', t_101, s.W_2)))
-        t_103 = (s.t_4 * softmax_diff(s.t_13, t_102))
-        t_104 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_103, tr(s.W_2))))
-        t_105 = (t_104 * s.t_11)
-        t_106 = lin((1, s.prod("_ W_1'", t_105, tr(s.W_1))), (1, s.prod('t_83 _', s.t_83, tr(V_W_1))))
-        t_109 = lin((1, s.t_31, t_106), (1, s.t_107, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_108))
-        t_110 = lin((1, s.P_N_2, t_106), (2/s.d_V, s.t_86, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_107), (2/s.d_V, s.mm('_ one', t_109, s.one), s.M_N_2))
-        t_111 = lin((-math.sqrt(s.d_K)*s.d_V, (-1/(math.sqrt(s.d_K)*s.d_V)) * t_110), (1/s.L, t_103))
-        t_112 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_110, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_88 one one_2 _ N_1'", s.t_88, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_111, tr(s.W_V), tr(s.N_1)), (1, "t_90 _ N_1'", s.t_90, tr(V_W_V), tr(s.N_1)))
-        t_113 = softmax_diff(s.A, t_112)
-        t_114 = (t_93 + t_113)
-        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_114, s.N_1, s.W_K), (1, "N_1' t_115 N_1 _", tr(s.N_1), s.t_115, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_115' N_1 _", tr(s.N_1), tr(s.t_115), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_114), s.N_1, s.W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_116", tr(s.N_1), tr(t_94), s.t_116), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_111), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_110, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_117 one", tr(s.N_1), tr(t_94), s.t_117, s.one), True), s.d_V)))
-        out_W_1 = (s.mm('_ t_83', tr(t_99), s.t_83, mean=True) + s.mm("N_2' _", tr(s.N_2), t_105, mean=True))
-        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_103, mean=True)), (1, s.mm('_ G', tr(t_101), s.G, mean=True)))
+        t_94 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_95 = softmax_diff2(s.A, s.t_93, (1/math.sqrt(s.d_K)) * t_94)
+        t_96 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_94)
+        t_97 = lin((1, s.prod('_ N_1 W_V', t_96, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_98 = lin((-s.d_V, t_97), (1, s.mm('_ one', t_97, s.one)))
+        t_99 = s.mm('_ one', ((-1/s.d_V) * t_98 * s.M_N_2), s.one)
+        t_100 = (t_99 * s.t_31)
+        t_101 = lin((1, s.P_N_2, (-1/s.d_V) * t_98), (2/s.d_V, t_100))
+        t_102 = lin((1, s.prod('_ W_1', t_101, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_103 = (t_102 * s.t_11)
+        t_104 = lin((1, t_97), (1, s.prod("t_29' _", tr(s.t_29), V_W_2)), (1, s.prod('_ W_2', t_103, s.W_2)))
+        t_105 = (s.t_4 * softmax_diff(s.t_13, t_104))
+        t_106 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_105, tr(s.W_2))))
+        t_107 = (t_106 * s.t_11)
+        t_108 = lin((1, s.prod("_ W_1'", t_107, tr(s.W_1))), (1, s.prod('t_83 _', s.t_83, tr(V_W_1))))
+        t_111 = lin((1, s.t_31, t_108), (1, s.t_109, (-1/s.d_V) * t_98), (2/s.d_V, t_99, s.t_110))
+        t_112 = lin((1, s.P_N_2, t_108), (2/s.d_V, s.t_86, (-1/s.d_V) * t_98), (2/s.d_V, t_99, s.t_109), (2/s.d_V, s.mm('_ one', t_111, s.one), s.M_N_2))
+        t_113 = lin((1, t_112), (1/s.L, t_105))
+        t_114 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_112, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_88 one one_2 _ N_1'", s.t_88, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_113, tr(s.W_V), tr(s.N_1)), (1, "t_92 _ N_1'", s.t_92, tr(V_W_V), tr(s.N_1)))
+        t_115 = softmax_diff(s.A, t_114)
+        t_116 = (t_95 + t_115)
+        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_116, s.N_1, s.W_K), (1, "N_1' t_117 N_1 _", tr(s.N_1), s.t_117, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_117' N_1 _", tr(s.N_1), tr(s.t_117), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_116), s.N_1, s.W_Q), mean=True)
+        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_118", tr(s.N_1), tr(t_96), s.t_118), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_113), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_112, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_119 one", tr(s.N_1), tr(t_96), s.t_119, s.one), True), s.d_V)))
+        out_W_1 = (s.mm('_ t_83', tr(t_101), s.t_83, mean=True) + s.mm("N_2' _", tr(s.N_2), t_107, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_105, mean=True)), (1, s.mm('_ G', tr(t_103), s.G, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -3332,4 +3356,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "e2b4fec7b3f6457c3b7d4591"
+CHECKSUM = "55c8db5c6283594411eb6450"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "9cd4de108d9e0e1e4accac3d"
+    STAMP = "977a1659322241b3edde8c6f"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -228,7 +228,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "bcceb0e5879bfb23e582523a"
+    STAMP = "6dff3a7f8c473e4af144bae7"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -432,7 +432,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "0ad3a53cbb8f00679849aafc"
+    STAMP = "2c33a5d14bf5818f53b493c4"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -660,7 +660,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "7a8e6d0ea66ba1050c24e937"
+    STAMP = "50a855a15f3f24a5762d1ba4"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -890,4 +890,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "f7f4c82cfdac6197bd09b74d"
+CHECKSUM = "b4567b3185c07af3a8b47259"

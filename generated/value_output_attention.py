@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "af43080f66a9569d962b52bc"
+    STAMP = "d34ab46dbab863fe7327b1c0"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -407,7 +407,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "c792c9263bf9411c24bffc7e"
+    STAMP = "172e6036387715530c1b0b49"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -790,7 +790,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "af792c3454957a5195d8193f"
+    STAMP = "66e4f0175e18ebac9cc52065"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1179,7 +1179,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "861dbcc62ced8a5643181f2a"
+    STAMP = "1acca7875db978da7f21aa43"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1570,4 +1570,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "1108b9d9924dcd83ead0f584"
+CHECKSUM = "0c9e878538f51f4d4c8add1d"

@@ -26,7 +26,7 @@ from symhess.calculus.verify import autograd_blocks, random_values
 TOL = 1e-10
 L, D, H = E.dims("L d h")
 SIZES = {"L": 3, "d": 4, "h": 2}
-FUNCTIONS = ("tanh", "sigmoid", "square", "gelu")
+FUNCTIONS = ("tanh", "sigmoid", "square", "gelu", "gelu_tanh", "silu")
 SHAPES = ((L, D), (L, H), (D, H), (H, D), (L, L), (D, D))
 
 
@@ -212,3 +212,23 @@ def test_swiglu_ffn():
     vals, seqs = _batch(d, 2, 3)
     for backend in ("numpy", "torch"):
         _check(sh.kernel(lay, backend, "mse"), vals, seqs, d, backend, np.random.default_rng(1))
+
+
+@pytest.mark.parametrize("fn,inner", [("gelu_tanh", "tanh("), ("gelu", "erf("), ("silu", "sigmoid(")])
+def test_entrywise_function_and_its_derivatives_share_their_inner_function(fn, inner, monkeypatch, tmp_path):
+    """f(X W_1) W_2, whose kernels hold f, f' and f'' of one operand: every method is right, and
+    the rendered module applies f's inner library function (tanh of GELU_tanh, erf of GELU,
+    σ of SiLU) once, a leaf that f, f' and f'' read."""
+    from symhess.codegen import render
+    monkeypatch.setenv("SYMHESS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(render, "_LOADED", {})
+    X = E.matrix("X", L, D)
+    W_1, W_2 = E.param("W_1", D, H), E.param("W_2", H, D)
+    lay = sh.Layer(f"shared_{fn}", E.elementwise(fn, X @ W_1) @ W_2, params=(W_1, W_2), inputs=(X,))
+    d = sh.derive(lay, "mse")
+    vals, seqs = _batch(d, 2, 5)
+    for backend in ("numpy", "torch"):
+        _check(sh.kernel(lay, backend, "mse"), vals, seqs, d, backend, np.random.default_rng(2))
+    (path,) = tmp_path.rglob(f"shared_{fn}-mse-*.py")
+    code = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith('"')]
+    assert sum(ln.count(inner) for ln in code) == 1

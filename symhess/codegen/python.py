@@ -510,7 +510,9 @@ def _subsums(roots):
     Sums that are multiples of one monic sum S (first coefficient 1, ``_monic_sum``) that is
     no sum of the DAG refer to S when there are two or more.  A whole sum n = r·m is taken
     only for m monic and n not, so these references, like the printer's c·S for a monic S, lead to monic sums, which
-    refer to none by a whole match.  Terminates: each partial step leaves fewer terms."""
+    refer to none by a whole match.  The monic S of a sum c·S (which the printer writes as
+    c · S when S is shared) is split like the sums of the DAG.  Terminates: each partial step
+    leaves fewer terms."""
     order = [node for node in _children_first(roots) if isinstance(node, E.Add)]
     terms = {n: dict(E._split(t)[::-1] for t in n.args) for n in order}
     rank = {n: i for i, n in enumerate(order)}
@@ -518,16 +520,15 @@ def _subsums(roots):
     for n in order:
         for core in terms[n]:
             by_core.setdefault(core, []).append(n)
-    out = {}
-    for n in order:
-        left = dict(terms[n])
-        items = []
+
+    def split(n, tn):
+        left, items = dict(tn), []
         while len(left) >= 2:
             best = None
-            first = {m for core in left for m in by_core[core]}
+            first = {m for core in left for m in by_core.get(core, ())}
             for m in sorted(first, key=rank.get):
                 tm = terms[m]
-                if m is n or len(tm) < 2 or len(tm) > len(left) or (len(tm) == len(terms[n]) and (
+                if m is n or len(tm) < 2 or len(tm) > len(left) or (len(tm) == len(tn) and (
                         _monic_sum(n) is None or _monic_sum(m) is not None)):
                     continue                    # a whole sum: r·m for m monic, n not
                 r = _ratio(left, tm)
@@ -539,8 +540,19 @@ def _subsums(roots):
             items.append((r, m))
             for core in terms[m]:
                 del left[core]
+        return items + [(c, core) for core, c in left.items()] if items else None
+
+    out = {}
+    for n in order:
+        items = split(n, terms[n])
         if items:
-            out[n] = items + [(c, core) for core, c in left.items()]
+            out[n] = items
+    for n in order:                # the monic S of c·S (printed as c · S, ``Printer._ccode``):
+        ms = _monic_sum(n)         # the same shared sub-sums, by name
+        if ms is not None and ms[1] not in rank and ms[1] not in out:
+            items = split(ms[1], dict(E._split(t)[::-1] for t in ms[1].args))
+            if items:
+                out[ms[1]] = items
     monic = {}                     # c·S and c′·S with their monic S in no sum of the DAG: S
     for n in order:                # is a sum of its own, their one child
         ms = _monic_sum(n) if n not in out else None
@@ -825,6 +837,9 @@ def _lin_term(pr, c, t, mean=False):
     coef = pr.coef(c)
     if mean:
         return f"({coef}, {(yield from _mean_code(pr, t))})"
+    scaled = _monic_sum(t) if pr.local_names is not None and t not in pr.local_names else None
+    if scaled is not None and pr.refs.get(scaled[1], 0) > 1:       # c·(c′·S) as (c c′, S)
+        return f"({pr.coef(sp.sympify(c) * scaled[0])}, {(yield 'ccode', scaled[1])})"
     if _deferred(pr, t):
         codes, names = yield from _factors(pr, t.args)
         return f"({coef}, s.prod({names!r}, " + ", ".join(codes) + "))"
@@ -897,20 +912,38 @@ def _hadamard_factors(pr, n):
 
 @rule(E.Elementwise)
 def _elementwise(pr, n):
-    """f(A) entrywise; the library functions g(x) inside f's expression (σ in σ' = σ(1 − σ))
-    are leaves of their own, g(A) formed once for every f that holds it."""
+    """f(A) entrywise; the library functions g(u(x)) inside f's expression (σ in σ' = σ(1 − σ),
+    tanh(√(2/π)(x + 0.044715 x³)) in GELU_tanh, GELU_tanh' and GELU_tanh'') are leaves of
+    their own, g(u(A)) formed once for every f that holds it: f, f' and f'' of one operand
+    evaluate each inner function once (GELU_tanh'' spelled out applies tanh 7 times)."""
     a = n.args[0]
     subs = {}
     if not pr.depends_on_arguments(a):
-        for g in sorted(n.fn.expr.atoms(sp.Function), key=str):
-            if g == n.fn.expr or g.args != (scalarfn.x,) or isinstance(g, sp.Heaviside):
-                continue
-            fn = next((scalarfn.get_function(k) for k, (e, _) in scalarfn.FUNCTIONS.items() if e == g),
-                      None) or scalarfn.ScalarFn(type(g).__name__.lower(), g, "")
-            node = E.elementwise(fn, a)
+        for g in _inner_functions(n.fn.expr):
+            node = E.elementwise(_inner_fn(g), a)
             code = yield "ccode", node
             subs[g] = code if re.fullmatch(r"s\.\w+", code) else pr.define(node, code, force_leaf=True)
     return scalar_code(n.fn.expr, (yield "ccode", a), subs)
+
+
+def _inner_functions(expr):
+    """The applications g(u(x)) of library functions in ``expr`` other than ``expr`` itself
+    and steps (Heaviside: a comparison, cheaper than a lookup), in a deterministic order."""
+    return [g for g in sorted(expr.atoms(sp.Function), key=str)
+            if g != expr and len(g.args) == 1 and g.args[0].has(scalarfn.x)
+            and not isinstance(g, sp.Heaviside)]
+
+
+def _inner_fn(g):
+    """The entrywise function g(u(x)) as a ``ScalarFn``: a library one when u(x) = x (σ, tanh),
+    else one named by its sympy text (the same g in f, f' and f'' gives the same node)."""
+    for k, (e, _) in scalarfn.FUNCTIONS.items():
+        if e == g:
+            return scalarfn.get_function(k)
+    name = type(g).__name__.lower()
+    if g.args == (scalarfn.x,):
+        return scalarfn.ScalarFn(name, g, "")
+    return scalarfn.ScalarFn(f"{name}({sp.sstr(g.args[0])})", g, "")
 
 
 @rule(E.SoftmaxRows)
