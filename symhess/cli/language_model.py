@@ -156,7 +156,7 @@ def dense_hessian(op, chunk, progress):
 def head_bounds(model, ml, held, d, n_heads):
     """{(layer, head): mean over held-out sequences of Theorem 1's M} (module docstring)."""
     import torch
-    from .experiments import theorem1_terms
+    from .bounds import theorem1_terms
     d_h = d // n_heads
     inputs = {}
     hooks = [blk.ln_1.register_forward_hook(
@@ -183,15 +183,16 @@ def head_bounds(model, ml, held, d, n_heads):
 
 def measure(model, ml, kernel, held, args, log):
     """Every quantity of one state of the model (module docstring)."""
-    import symhess as sh
+    from ..curvature.operators import operator
+    from ..curvature.spectra import density, spectrum
     t0 = time.perf_counter()
-    op = sh.operator(kernel, ml.batches([np.asarray(b) for b in held]), p=list(ml.layer.param_names),
+    op = operator(kernel, ml.batches([np.asarray(b) for b in held]), p=list(ml.layer.param_names),
                      params=ml.params(model))
     H = dense_hessian(op, args.chunk, not args.quiet)
     t_dense = time.perf_counter() - t0
-    top = sh.spectrum(H, k=args.k, which="LA").values
-    bottom = sh.spectrum(H, k=1, which="SA").values
-    grid, dens = sh.density(H, ncv=min(args.ncv, H.shape[0]), boundaries=(bottom[0], top[0]))
+    top = spectrum(H, k=args.k, which="LA").values
+    bottom = spectrum(H, k=1, which="SA").values
+    grid, dens = density(H, ncv=min(args.ncv, H.shape[0]), boundaries=(bottom[0], top[0]))
     gs, heads = groups(ml, args.d_model, args.d_model // args.heads)
     rows = {}
     for key, idx in gs.items():
@@ -298,7 +299,9 @@ def figure(results, keys, info):
 def cmd_language_model(args):
     """Train a small GPT-2 on digit addition; its exact curvature before and after."""
     import torch
-    import symhess as sh
+    from ..curvature.dataset import Dataset
+    from ..curvature.kernels import kernel as make_kernel
+    from ..layers.modules import from_module
     from ..runtime.memory import retain_freed_memory
     require_transformers()
     retain_freed_memory()
@@ -310,8 +313,8 @@ def cmd_language_model(args):
     held = addition_batches(args.eval_batches, args.eval_batch, seed=args.seed + 2)
     example = torch.as_tensor(held[0])
     t0 = time.perf_counter()
-    ml = sh.from_module(model, (), {"input_ids": example, "labels": example, "use_cache": False})
-    kernel = sh.kernel(ml.layer, "torch", ml.loss)
+    ml = from_module(model, (), {"input_ids": example, "labels": example, "use_cache": False})
+    kernel = make_kernel(ml.layer, "torch", ml.loss)
     n = len(ml.index)
     log(f"GPT-2, {args.layers} layers, d_model {args.d_model}, {args.heads} heads, d_mlp "
         f"{args.d_mlp}: {n} parameters ({len(ml.layer.params)} declared pieces); captured and "
@@ -323,7 +326,7 @@ def cmd_language_model(args):
             log(f"training: {args.steps} AdamW steps of {args.batch} sequences, lr {args.lr}")
             train(model, args, log)
         acc[s] = answer_accuracy(model, held)
-        losses[s] = float(sh.Dataset(kernel, ml.batches([np.asarray(b) for b in held]),
+        losses[s] = float(Dataset(kernel, ml.batches([np.asarray(b) for b in held]),
                                      params=ml.params(model)).loss())
         log(f"{s}: held-out loss {losses[s]:.4f}, answer-digit accuracy {acc[s]:.3f}")
         results[s] = measure(model, ml, kernel, held, args, log)

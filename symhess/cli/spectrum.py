@@ -5,7 +5,7 @@ p ≤ q and the whole Hessian) and part (outer, functional, full), the k largest
 Lanczos (``symhess.curvature.spectra.spectrum``) and the one of largest magnitude, the spectral norm
 ‖H‖₂; an off-diagonal block's k largest singular values (‖H‖₂ the
 first).  Where the layer has a published spectral-norm bound (the single attention layer with
-MSE: Theorem 1's per-block terms, ``symhess.cli.experiments.theorem1_terms``) the table shows it
+MSE: Theorem 1's per-block terms, ``symhess.cli.bounds.theorem1_terms``) the table shows it
 beside the exact norm and their ratio; for a dataset the bound is the mean of the per-sequence
 bounds (‖mean_n H_n‖ ≤ mean_n ‖H_n‖ ≤ mean_n bound_n).
 
@@ -179,7 +179,7 @@ def bounds_for(layer, loss, params, batches):
     if layer.name != "attention" or loss != "mse" or layer.options.get("causal") \
             or layer.options.get("scale") is not None:
         return {}
-    from .experiments import theorem1_terms
+    from .bounds import theorem1_terms
     acc, n = {}, 0
     for b in batches:
         X, Y = b["X"], b["Y"]

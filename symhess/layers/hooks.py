@@ -42,7 +42,6 @@ forward (the interpreter) besides.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 from ..errors import InputError
 from .precision import CHECK_TOLERANCE, first_tensor as _first_tensor, no_downcasts, rel as _rel
@@ -169,18 +168,26 @@ def differences(ml, args, kwargs) -> tuple:
     return tensors, other
 
 
+def reusable(data, who, one_batch=None, why="every product reads the data again"):
+    """``data`` unless it is a one-shot iterator (refused: ``why``) or, with ``one_batch``
+    (what to do instead), a single batch (a dict or a tensor) rather than a collection."""
+    from collections.abc import Iterator
+    if isinstance(data, Iterator):
+        raise InputError(f"{who} needs data it can read more than once (a list of batches, a "
+                         f"DataLoader), not a one-shot {type(data).__name__}: {why}")
+    if one_batch and (isinstance(data, dict) or hasattr(data, "dtype")):
+        raise InputError(f"{who} takes a collection of batches (a list, a DataLoader), not one "
+                         f"batch: {one_batch}")
+    return data
+
+
 # ----------------------------------------------------------------------------- the batches
 class HookedBatches:
     """The block's batches on the hidden states the model feeds it (module docstring)."""
 
     def __init__(self, ml, model, data, targets="output", call=None):
-        if isinstance(data, Iterator):
-            raise InputError(f"batches_from needs data it can read more than once (a list of "
-                             f"batches, a DataLoader), not a one-shot {type(data).__name__}: "
-                             f"every product runs the model on the data again")
-        if isinstance(data, dict) or hasattr(data, "dtype"):
-            raise InputError("batches_from takes a collection of the model's batches (a list, a "
-                             "DataLoader), not one batch: wrap it in a list")
+        reusable(data, "batches_from", one_batch="wrap it in a list",
+                 why="every product runs the model on the data again")
         if not (targets is None or (isinstance(targets, str) and targets == "output")
                 or callable(targets)):
             raise InputError(f"targets must be one of {', '.join(TARGETS)}, got {targets!r}")

@@ -57,6 +57,7 @@ from ..errors import DeclarationError, InputError
 from ..expr import nodes as E
 from .modules import (CALL_KINDS, CAST_TOLERANCE, CHECK_TOLERANCE, ModuleLayer, _Mapped, _as_torch,
                       _rel, no_downcasts)
+from .hooks import reusable
 
 
 IGNORE_INDEX = -100            # a label transformers' loss skips (its ignore_index)
@@ -226,14 +227,7 @@ class LanguageModelLayer(ModuleLayer):
         docstring).  Under ``torch.distributed`` the counts are summed over the processes
         (``distributed`` as ``Dataset``'s: "auto", True, False).  A one-shot iterator is
         refused (every product reads the data again)."""
-        from collections.abc import Iterator
-        if isinstance(data, Iterator):
-            raise InputError(f"LanguageModelLayer.batches needs data it can read more than once "
-                             f"(a list of batches, a DataLoader), not a one-shot "
-                             f"{type(data).__name__}: every product reads the data again")
-        if isinstance(data, dict) or hasattr(data, "dtype"):
-            raise InputError("LanguageModelLayer.batches takes a collection of batches (a list, "
-                             "a DataLoader); for one batch use batch()")
+        reusable(data, "LanguageModelLayer.batches", one_batch="for one batch use batch()")
         n, t = 0, 0
         for b in data:
             ids, labels = self.read(b)

@@ -292,11 +292,8 @@ class ModuleLayer:
         """``data`` (an iterable of (x, y) in the module's layout) as batches of dicts for
         ``symhess.operator`` / ``Dataset``, iterable again whenever ``data`` is (a one-shot
         iterator is refused, not hidden: ``symhess.curvature.passes``)."""
-        from collections.abc import Iterator
-        if isinstance(data, Iterator):
-            raise InputError(f"ModuleLayer.batches needs data it can read more than once (a "
-                             f"list of batches, a DataLoader), not a one-shot "
-                             f"{type(data).__name__}: every product reads the data again")
+        from .hooks import reusable
+        reusable(data, "ModuleLayer.batches")
         return _Mapped(data, self._pair)
 
     def batches_from(self, model, data, targets="output", call=None):
