@@ -6,6 +6,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 from symhess.cli import language_model as lm  # noqa: E402
 from symhess.cli.data import addition_batches  # noqa: E402

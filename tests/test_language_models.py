@@ -27,12 +27,7 @@ TOL = 1e-10
 B, L, V, D, HEADS, DFF = 2, 5, 7, 8, 2, 12
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gpt2(n_layer=1, vocab=V, d=D, heads=HEADS, d_ff=DFF, seed=0, impl="sdpa", tie=True):

@@ -27,13 +27,7 @@ TOL = 1e-10
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny products: one thread (a shared 2-core machine makes thread pools slow)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hidden(seed=0):
