@@ -28,7 +28,7 @@ import functools
 import math
 from functools import cached_property
 
-from . import chain, checks, chunk
+from . import chain, checks, chunk, gram
 from . import network as N
 from ..errors import InputError, UnknownNameError
 
@@ -233,7 +233,7 @@ class Forward:
 
     def frobenius_norm(self, p, q, part="full"):
         """‖H_part(p, q)‖_F, exact, from pairs of networks (no block built)."""
-        return self.ops.root(N.frobenius_sq(self, self.nets(p, q, part)))
+        return self.ops.root(gram.frobenius_sq(self, self.nets(p, q, part)))
 
     def frobenius_split(self, p, q):
         """{outer, functional, full: ‖H_part(p, q)‖_F}; the full norm costs only the cross
@@ -247,10 +247,9 @@ class Forward:
         if (q, p) in known:                   # ‖H(q, p)‖ = ‖H(p, q)ᵀ‖
             return dict(known[(q, p)])
         o, f = N.merged(self, self.nets(p, q, "outer")), N.merged(self, self.nets(p, q, "functional"))
-        oo, ff = N.frobenius_sq(self, o, premerged=True), N.frobenius_sq(self, f, premerged=True)
-        of = N.frobenius_sq(self, o, f, premerged=True) if o and f else 0.0
+        oo, ff, full = gram.frobenius_split_sq(self, o, f)
         root = self.ops.root
-        known[(p, q)] = {"outer": root(oo), "functional": root(ff), "full": root(oo + ff + 2 * of)}
+        known[(p, q)] = {"outer": root(oo), "functional": root(ff), "full": root(full)}
         return dict(known[(p, q)])
 
     def frobenius_norms(self, part="full"):
