@@ -175,15 +175,17 @@ def cost(a, b):
 class Pairer:
     """⟨a, b⟩ of forms, sharing formed factor and Gram tiles between the pairings of a block."""
 
-    def __init__(self, state):
-        self.state = state
+    def __init__(self, state, step=None):
+        self.state, self.step = state, step
         self.store = OrderedDict()
         self.held = 0
         self.cap = STORE * state.schedule.limit
+        self.pairs = 0            # pairings computed in token form
 
     def pair(self, a, b):
         st, ops = self.state, self.state.ops
         same = a is b
+        self.pairs += 1
         ta, tb = self._tiles(a), self._tiles(b)
         total = ops.scalar(0.0, st.like)
         for i, ti in enumerate(ta):
@@ -203,7 +205,7 @@ class Pairer:
         of the intermediate limit."""
         first, rest = f.tsizes[0], math.prod(f.tsizes[1:])
         per = rest * sum(f.width(k) for k in range(len(f.parts)))
-        step = max(1, min(first, self.state.schedule.limit // (4 * max(per, 1))))
+        step = self.step or max(1, min(first, self.state.schedule.limit // (4 * max(per, 1))))
         return [(s, min(step, first - s)) for s in range(0, first, step)]
 
     def _gram(self, a, k, ti, b, kb, tj):
@@ -292,9 +294,9 @@ class Norms:
     form or by the contraction planner, whichever plans fewer flops (``choose``), and kept:
     a pairing met again (H_o's items in ‖H_o‖ and in ‖H_o + H_f‖) costs nothing."""
 
-    def __init__(self, state, prefer="auto"):
+    def __init__(self, state, prefer="auto", step=None):
         self.state, self.prefer = state, prefer
-        self.pairer = Pairer(state)
+        self.pairer = Pairer(state, step)
         self.done = {}
 
     def sq(self, its):
@@ -325,15 +327,16 @@ class Norms:
 def frobenius_sq(state, nets, prefer="auto"):
     """‖Σ nets‖²_F (networks with one skeleton merged first, ``network.merged``); ``prefer``:
     "auto" (the cheaper way per pairing), "token" (token form wherever the items have
-    one), "planner" (paired networks only)."""
+    one), "planner" (paired networks only); ``step``: values of the first token label per
+    tile (default: a tile's factors within a quarter of the intermediate limit)."""
     return Norms(state, prefer).sq(items(state, N.merged(state, nets)))
 
 
-def frobenius_split_sq(state, outer, functional, prefer="auto"):
+def frobenius_split_sq(state, outer, functional, prefer="auto", step=None):
     """(‖H_o‖², ‖H_f‖², ‖H_o + H_f‖²) of a block from its merged networks; the full part
     pairs the items of both, those in token form over one skeleton merged (one pairing
     instead of three), and the pairings of each part are shared with it."""
-    norms = Norms(state, prefer)
+    norms = Norms(state, prefer, step)
     o, f = items(state, outer), items(state, functional)
     both = list(o)
     for it in f:
