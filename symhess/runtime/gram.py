@@ -145,20 +145,80 @@ def compatible(a, b):
     return a is not None and b is not None and a.okeys == b.okeys and a.atoms == b.atoms
 
 
+def common(a, b):
+    """a and b over the finest partition of the output atoms coarser than both (their
+    components that share atoms joined, ``coarsened``), or None."""
+    if a is None or b is None or a.atoms != b.atoms:
+        return None
+    if a.okeys == b.okeys:
+        return a, b
+    blocks = [set(k) for k in a.okeys + b.okeys if k]
+    merged_ = True
+    while merged_:
+        merged_ = False
+        for i in range(len(blocks)):
+            for j in range(i + 1, len(blocks)):
+                if blocks[i] & blocks[j]:
+                    blocks[i] |= blocks.pop(j)
+                    merged_ = True
+                    break
+            if merged_:
+                break
+    return coarsened(a, blocks), coarsened(b, blocks)
+
+
+def coarsened(f, blocks):
+    """``f`` with the components whose atoms fall in one block joined into one (the product of
+    their networks: a sum of products where a component is a sum)."""
+    groups = sorted(([k for k, o in enumerate(f.okeys) if o and set(o) <= b] for b in blocks),
+                    key=lambda ks: sorted(x for k in ks for x in f.okeys[k]))
+    groups[0] += [k for k, o in enumerate(f.okeys) if not o]      # per-token weights
+    if all(len(ks) == 1 for ks in groups):
+        return f
+    okeys, parts = [], []
+    r = len(f.tsizes)
+    for ks in groups:
+        order = sorted(((x, k, i) for k in ks for i, x in enumerate(f.okeys[k])))
+        okeys.append(tuple(x for x, _, _ in order))
+        combos = []
+        for choice in itertools.product(*(f.parts[k] for k in ks)):
+            c, nets, top = 1.0, {}, 0
+            ops, labels, sizes, tau = [], [], {}, None
+            for k, (ck, m) in zip(ks, choice):
+                m = m.shifted(top)
+                top = m.top
+                if tau is None:
+                    tau = m.groups[0][:r]
+                else:
+                    m = m.renamed(dict(zip(m.groups[0][:r], tau)))
+                c *= ck
+                nets[k] = m
+                ops += m.ops
+                labels += m.labels
+                sizes.update(m.sizes)
+            outs = tuple(nets[k].groups[0][r + i] for _, k, i in order)
+            combos.append((c, N.Net(1.0, ops, labels, (tuple(tau) + outs,), sizes)))
+        parts.append(combos)
+    return Form(f.coef, f.tsizes, okeys, parts, f.atoms, f.form_flops)
+
+
 def merged(forms):
-    """Forms that agree in every factor but one combined (that factor summed); others kept."""
+    """Forms that agree in every factor but one combined (that factor summed, over their
+    common partition of the output atoms); others kept."""
     out = []
     for f in forms:
         for i, g in enumerate(out):
-            if not compatible(f, g) or f.tsizes != g.tsizes:
+            both = common(f, g) if f.tsizes == g.tsizes else None
+            if both is None:
                 continue
-            diff = [k for k in range(len(f.parts)) if f.keys[k] != g.keys[k]]
+            fc, gc = both
+            diff = [k for k in range(len(fc.parts)) if fc.keys[k] != gc.keys[k]]
             if len(diff) <= 1:
                 k = diff[0] if diff else 0
-                parts = list(g.parts)
-                parts[k] = [(c * g.coef, m) for c, m in g.parts[k]] + \
-                    [(c * f.coef, m) for c, m in f.parts[k]]
-                out[i] = Form(1.0, g.tsizes, g.okeys, parts, g.atoms, g.form_flops + f.form_flops)
+                parts = list(gc.parts)
+                parts[k] = [(c * gc.coef, m) for c, m in gc.parts[k]] + \
+                    [(c * fc.coef, m) for c, m in fc.parts[k]]
+                out[i] = Form(1.0, gc.tsizes, gc.okeys, parts, gc.atoms, gc.form_flops + fc.form_flops)
                 break
         else:
             out.append(f)
@@ -280,13 +340,22 @@ def items(state, nets):
     out = []
     for it in formed:
         for k, other in enumerate(out):
-            m = merged([other.form, it.form])
-            if len(m) == 1:
-                out[k] = _Item(other.nets + it.nets, m[0])
+            m = _joined(other, it)
+            if m is not None:
+                out[k] = m
                 break
         else:
             out.append(it)
     return out + plain
+
+
+def _joined(a, b):
+    """a and b as one item when their forms merge into one that pairs no dearer than both
+    (joining components can widen the Gram matrices), else None."""
+    m = merged([a.form, b.form])
+    if len(m) == 1 and cost(m[0], m[0]) <= cost(a.form, a.form) + cost(b.form, b.form):
+        return _Item(a.nets + b.nets, m[0])
+    return None
 
 
 class Norms:
@@ -317,10 +386,12 @@ class Norms:
     def _pair(self, a, b):
         st = self.state
         pairs = [(x, y) for x in a.nets for y in b.nets]
-        if compatible(a.form, b.form) and self.prefer != "planner":
+        both = common(a.form, b.form) if self.prefer != "planner" else None
+        if both is not None:
+            fa, fb = both if a is not b else (a.form, a.form)
             if self.prefer == "token" or \
-                    cost(a.form, b.form) < sum(N._flops(st, N.paired(st, x, y), ()) for x, y in pairs):
-                return self.pairer.pair(a.form, b.form)
+                    cost(fa, fb) < sum(N._flops(st, N.paired(st, x, y), ()) for x, y in pairs):
+                return self.pairer.pair(fa, fb)
         return N.scalar(st, [N.paired(st, x, y) for x, y in pairs])
 
 
@@ -342,9 +413,9 @@ def frobenius_split_sq(state, outer, functional, prefer="auto", step=None):
     for it in f:
         for k, other in enumerate(both):
             if other in o and other.form is not None and it.form is not None:
-                m = merged([other.form, it.form])
-                if len(m) == 1:
-                    both[k] = _Item(other.nets + it.nets, m[0])
+                m = _joined(other, it)
+                if m is not None:
+                    both[k] = m
                     break
         else:
             both.append(it)
