@@ -35,6 +35,7 @@ import math
 from collections import OrderedDict
 
 from . import contract as C
+from . import cost as cost_
 from . import network as N
 
 STORE = 4          # factors and Gram tiles kept: at most this many intermediate limits
@@ -273,20 +274,30 @@ class Pairer:
         got = self._get(key)
         if got is None:
             fa, fb = self._factor(a, k, ti), self._factor(b, kb, tj)
-            got = self.state.ops.matmul2(fa, self.state.ops.tr(fb))
+            ops = self.state.ops
+            fb = ops.tr(fb)
+            cost_.add_matmul(ops.shape(fa), ops.shape(fb))
+            got = ops.matmul2(fa, fb)
             self._put(key, got)
         return got
 
     def _factor(self, f, k, tile):
-        """F_k over the tile's tokens as a (tokens × |O_k|) matrix."""
+        """F_k over the tile's tokens as a (tokens × |O_k|) matrix (a kept sum of its first
+        networks, formed for another pairing, is taken up: ‖H_o + H_f‖ adds H_f's terms to
+        H_o's factor)."""
         key = ("f", f.keys[k], tile)
         got = self._get(key)
         if got is not None:
             return got
         st, ops = self.state, self.state.ops
         start, count = tile
-        acc = None
-        for c, m in f.parts[k]:
+        acc, done = None, 0
+        for i in range(len(f.keys[k]) - 1, 0, -1):       # a sum begun in another pairing
+            acc = self._get(("f", f.keys[k][:i], tile))
+            if acc is not None:
+                done = i
+                break
+        for c, m in f.parts[k][done:]:
             lab = m.groups[0][0]
             arrays = [_narrow(ops, op, ls, lab, start, count) for op, ls in zip(m.ops, m.labels)]
             sizes = dict(m.sizes)
@@ -411,8 +422,8 @@ def frobenius_split_sq(state, outer, functional, prefer="auto", step=None):
     o, f = items(state, outer), items(state, functional)
     both = list(o)
     for it in f:
-        for k, other in enumerate(both):
-            if other in o and other.form is not None and it.form is not None:
+        for k, other in enumerate(both[:len(o)]):
+            if other.form is not None and it.form is not None:
                 m = _joined(other, it)
                 if m is not None:
                     both[k] = m
