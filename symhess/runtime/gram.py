@@ -21,12 +21,21 @@ Networks whose factors agree but for one (the same arrays over the same labels) 
 over one skeleton pair as one network (‖H_o + H_f‖² directly, no cross term) and the four
 networks of an inlined C_iᵀC_i form one factor.
 
+Networks over different partitions are first joined to their common (coarser) partition
+(``common``: the components sharing atoms multiplied into one), where that pairs no dearer.
+
 Factors are formed in tiles along the first token label (a contraction of the component
 with its operands narrowed), kept while they fit ``STORE`` times the schedule's
 intermediate limit (a factor met again, in another pairing of the block, is not formed
-again), and Gram tiles too (the (q_i·q_i′) of one block's pairings are formed once).
-``choose`` prices the token form against the contraction planner's order for the paired
-network and keeps the cheaper.
+again; ‖H_o + H_f‖'s factor starts from H_o's kept sum), and Gram tiles too (the
+(q_i·q_i′) of one block's pairings are formed once).  ``Norms`` prices each pairing in
+token form (``cost``) against the contraction planner's order for the paired networks and
+keeps the cheaper; either way the result is exact (the same sum, another order).
+
+Cost of ⟨a, a⟩ in token form: the factors' formation (the components' planned contractions,
+at attention's sizes B L d³ for C_iᵀC_i) plus (B L)² Σ_k |O_k| flops (half of the Gram
+tiles, two flops each); of ⟨a, b⟩ twice the Gram term.  Memory: one tile's factors (a
+quarter of the intermediate limit) plus the kept factors and Grams (``STORE`` limits).
 """
 from __future__ import annotations
 
@@ -140,10 +149,6 @@ def _components(n, tau):
         if not tau <= set(x for i in ops for x in n.labels[i]):
             return None
     return comps
-
-
-def compatible(a, b):
-    return a is not None and b is not None and a.okeys == b.okeys and a.atoms == b.atoms
 
 
 def common(a, b):
