@@ -348,11 +348,21 @@ class _Item:
 
 
 def items(state, nets):
-    """The networks of a sum as items, those in token form merged (``merged``)."""
-    plain, formed = [], []
+    """The networks of a sum (resolved for pairing, ``network.resolve``) as items: those in
+    token form merged by their factors (``merged``), the others by their skeletons
+    (``network.merged``), which may give them a token form over the merged core."""
+    formed, rest = [], []
     for n in nets:
-        f = token_form(state, n)
-        (plain if f is None else formed).append(_Item([n], f))
+        for m in N.resolve(state, n, (0, 1), paired=True):
+            f = token_form(state, m)
+            if f is None:
+                rest.append(m)
+            else:
+                formed.append(_Item([m], f))
+    plain = []
+    for m in N.merged(state, rest):
+        f = token_form(state, m)
+        (plain if f is None else formed).append(_Item([m], f))
     out = []
     for it in formed:
         for k, other in enumerate(out):
@@ -412,15 +422,15 @@ class Norms:
 
 
 def frobenius_sq(state, nets, prefer="auto"):
-    """‖Σ nets‖²_F (networks with one skeleton merged first, ``network.merged``); ``prefer``:
+    """‖Σ nets‖²_F (networks merged first, ``items``); ``prefer``:
     "auto" (the cheaper way per pairing), "token" (token form wherever the items have
     one), "planner" (paired networks only); ``step``: values of the first token label per
     tile (default: a tile's factors within a quarter of the intermediate limit)."""
-    return Norms(state, prefer).sq(items(state, N.merged(state, nets)))
+    return Norms(state, prefer).sq(items(state, nets))
 
 
 def frobenius_split_sq(state, outer, functional, prefer="auto", step=None):
-    """(‖H_o‖², ‖H_f‖², ‖H_o + H_f‖²) of a block from its merged networks; the full part
+    """(‖H_o‖², ‖H_f‖², ‖H_o + H_f‖²) of a block from its networks; the full part
     pairs the items of both, those in token form over one skeleton merged (one pairing
     instead of three), and the pairings of each part are shared with it."""
     norms = Norms(state, prefer, step)

@@ -250,8 +250,8 @@ class Forward:
         known = self._splits
         if (q, p) in known:                   # ‖H(q, p)‖ = ‖H(p, q)ᵀ‖
             return dict(known[(q, p)])
-        o, f = N.merged(self, self.nets(p, q, "outer")), N.merged(self, self.nets(p, q, "functional"))
-        oo, ff, full = gram.frobenius_split_sq(self, o, f)
+        oo, ff, full = gram.frobenius_split_sq(self, self.nets(p, q, "outer"),
+                                               self.nets(p, q, "functional"))
         root = self.ops.root
         known[(p, q)] = {"outer": root(oo), "functional": root(ff), "full": root(full)}
         return dict(known[(p, q)])
