@@ -341,7 +341,7 @@ def test_token_form_pairings_against_autograd(name):
     used = 0
     for p in params:
         for q in params:
-            o, f = (N.merged(state, state.nets(p, q, part)) for part in ("outer", "functional"))
+            o, f = (state.nets(p, q, part) for part in ("outer", "functional"))
             norms = gram.Norms(state, "token", step=1)
             its = gram.items(state, o), gram.items(state, f)
             got = [norms.sq(its[0]), norms.sq(its[1])]
@@ -352,5 +352,5 @@ def test_token_form_pairings_against_autograd(name):
                 assert abs(np.sqrt(max(float(x), 0.0)) - want) <= 1e-10 * scale, (p, q, part)
     assert used >= 6
     if name == "attention":
-        assert all(gram.token_form(state, n) is not None
-                   for n in N.merged(state, state.nets("W_K", "W_K", "outer")))
+        assert all(gram.token_form(state, m) is not None for n in state.nets("W_K", "W_K", "outer")
+                   for m in N.resolve(state, n, (0, 1), paired=True))
