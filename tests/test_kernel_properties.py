@@ -22,6 +22,7 @@ import symhess as sh
 from symhess import expr as E
 from symhess.expr.evaluate import evaluate
 from symhess.calculus.verify import autograd_blocks, random_values
+from symhess.runtime import gram
 
 TOL = 1e-10
 L, D, H = E.dims("L d h")
@@ -162,6 +163,16 @@ def _check(k, vals, seqs, d, backend, rng):
             for part in ("outer", "functional", "full"):
                 close(np.array([split[part]]), np.array([np.linalg.norm(ref[(p, q, part)])]),
                       ("split", p, q, part))
+    # every pairing in token form (runtime.gram) where the networks have one, the factors
+    # in tiles of one value of the first token label
+    tiny = k.prepare(V)
+    for p in names:
+        for q in names:
+            o, f = (tiny.nets(p, q, part) for part in ("outer", "functional"))
+            sq = gram.frobenius_split_sq(tiny, o, f, prefer="token", step=1)
+            for part, x in zip(("outer", "functional", "full"), sq):
+                close(np.array([np.sqrt(max(float(x), 0.0))]),
+                      np.array([np.linalg.norm(ref[(p, q, part)])]), ("token split", p, q, part))
     # Jacobians per sequence
     for p in names:
         J = _np(k.jacobian({n: v for n, v in V.items() if n != "Y"}, p))

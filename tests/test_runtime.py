@@ -317,3 +317,40 @@ def test_mul_and_relu_are_the_entrywise_product_and_max(backend):
         assert all(np.array_equal(x, c) for x, c in zip(xs, copies))
     assert np.array_equal(np.asarray(mod.relu(conv(full))),
                           np.asarray(conv(full) * mod.heaviside(conv(full), 0.0)) + 0.0)
+
+
+@pytest.mark.parametrize("name", ["attention", "multihead_attention"])
+def test_token_form_pairings_against_autograd(name):
+    """Every block's ‖H_o‖, ‖H_f‖, ‖H‖ with each pairing in token form (``runtime.gram``),
+    the factors in tiles of one value of the first token label, against the dense autograd Hessian of a batch of
+    three sequences; attention's W_K and W_V pairings do take the token form."""
+    import symhess as sh
+    from symhess.calculus.verify import autograd_blocks, random_values
+    from symhess.runtime import gram
+    d = sh.derive(sh.layer(name), "mse")
+    first = random_values(d, seed=11)
+    seqs = [first] + [{k: np.random.default_rng(s).standard_normal(v.shape) for k, v in first.items()}
+                      for s in (1, 2)]
+    values = {k: (np.stack([s[k] for s in seqs]) if k in ("X", "Y") else seqs[0][k]) for k in seqs[0]}
+    refs = [autograd_blocks(d, {k: (s[k] if k in ("X", "Y") else values[k]) for k in s}) for s in seqs]
+    k = sh.kernel(name, "numpy", "mse")
+    state = k.prepare(values)
+    params = d.layer.param_names
+    scale = np.linalg.norm(np.block([[np.mean([r[(p, q, "full")] for r in refs], 0) for q in params]
+                                     for p in params]))
+    used = 0
+    for p in params:
+        for q in params:
+            o, f = (state.nets(p, q, part) for part in ("outer", "functional"))
+            norms = gram.Norms(state, "token", step=1)
+            its = gram.items(state, o), gram.items(state, f)
+            got = [norms.sq(its[0]), norms.sq(its[1])]
+            got.append(gram.frobenius_split_sq(state, o, f, prefer="token", step=1)[2])
+            used += norms.pairer.pairs
+            for part, x in zip(("outer", "functional", "full"), got):
+                want = np.linalg.norm(np.mean([r[(p, q, part)] for r in refs], 0))
+                assert abs(np.sqrt(max(float(x), 0.0)) - want) <= 1e-10 * scale, (p, q, part)
+    assert used >= 6
+    if name == "attention":
+        assert all(gram.token_form(state, m) is not None for n in state.nets("W_K", "W_K", "outer")
+                   for m in N.resolve(state, n, (0, 1), paired=True))

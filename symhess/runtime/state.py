@@ -28,7 +28,7 @@ import functools
 import math
 from functools import cached_property
 
-from . import chain, checks, chunk
+from . import chain, checks, chunk, gram
 from . import network as N
 from ..errors import InputError, UnknownNameError
 
@@ -248,24 +248,27 @@ class Forward:
 
     def frobenius_norm(self, p, q, part="full"):
         """‖H_part(p, q)‖_F, exact, from pairs of networks (no block built)."""
-        return self.ops.root(N.frobenius_sq(self, self.nets(p, q, part)))
+        return self.ops.root(gram.frobenius_sq(self, self.nets(p, q, part)))
 
     def frobenius_split(self, p, q):
-        """{outer, functional, full: ‖H_part(p, q)‖_F}; the full norm costs only the cross
-        term ⟨H_o, H_f⟩ more: ‖H‖² = ‖H_o‖² + ‖H_f‖² + 2⟨H_o, H_f⟩.  Kept per state, so
-        H(q, p) after H(p, q) costs nothing.
+        """{outer, functional, full: ‖H_part(p, q)‖_F}; the full norm pairs the networks of
+        both parts (``runtime.gram``): those over one skeleton as one network, so ‖H‖² is
+        computed directly where it can be, else ‖H_o‖² + ‖H_f‖² + 2⟨H_o, H_f⟩ from the
+        pairings already made.  Kept per state, so H(q, p) after H(p, q) costs nothing.
 
-        Cost: Σ over pairs of the block's (merged) networks of their planned contraction,
-        token Gram matrices over the batch's B·L tokens: for attention's blocks O((B L)² d²)
-        flops (W_K, W_V rows and columns), O((B L)² (d + d_K²)) for H_o(W_Q, W_Q)."""
+        Cost: each pairing of the block's (merged) networks in token form or by the
+        contraction planner, whichever plans fewer flops: token Gram matrices over the
+        batch's B·L tokens, half of them for a norm, shared by the block's pairings.  For
+        attention O((B L)² d²) flops for H(W_K, W_K) (Σ (q_i·q_i′)² ⟨C_iᵀC_i, C_i′ᵀC_i′⟩,
+        half the pairs) and the cross pairings of W_K, W_V rows, O(B L d³) to form C_iᵀC_i,
+        O((B L)² (d + d_K²)) for H(W_Q, W_Q)."""
         known = self._splits
         if (q, p) in known:                   # ‖H(q, p)‖ = ‖H(p, q)ᵀ‖
             return dict(known[(q, p)])
-        o, f = N.merged(self, self.nets(p, q, "outer")), N.merged(self, self.nets(p, q, "functional"))
-        oo, ff = N.frobenius_sq(self, o, premerged=True), N.frobenius_sq(self, f, premerged=True)
-        of = N.frobenius_sq(self, o, f, premerged=True) if o and f else 0.0
+        oo, ff, full = gram.frobenius_split_sq(self, self.nets(p, q, "outer"),
+                                               self.nets(p, q, "functional"))
         root = self.ops.root
-        known[(p, q)] = {"outer": root(oo), "functional": root(ff), "full": root(oo + ff + 2 * of)}
+        known[(p, q)] = {"outer": root(oo), "functional": root(ff), "full": root(full)}
         return dict(known[(p, q)])
 
     def frobenius_norms(self, part="full"):
