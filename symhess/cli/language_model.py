@@ -6,7 +6,7 @@
    float64) and draws the training and the held-out sequences of the digit-addition task
    (``symhess.cli.data``) from two seeds;
 2. captures the model once with its own loss (``symhess.from_module`` on token ids: one-hot
-   tokens, the tied embedding one parameter, the loss ``ce_next``) and renders its kernels;
+   tokens, the tied embedding one parameter, the loss ``ce_weighted``) and renders its kernels;
 3. at initialisation and after ``--steps`` AdamW steps on the model's own loss, forms the
    whole Hessian H of the held-out loss exactly, N columns for N parameters, by the kernel's
    Hessian-vector products (``operator(...).matmat``, columns vectorised), and reads off
