@@ -121,3 +121,16 @@ def test_bad_options_are_one_line(capsys):
     assert main(["experiment", "language-model", "--d-model", "10", "--heads", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a multiple of --heads" in err[0]
+
+
+def test_missing_curvlinops_is_refused_before_any_work(monkeypatch, capsys):
+    import symhess.curvature.spectra as spectra
+    from symhess.errors import DeclarationError
+
+    def missing():
+        raise DeclarationError("the spectral density needs curvlinops: pip install 'symhess[spectra]'")
+    monkeypatch.setattr(spectra, "require_curvlinops", missing)
+    monkeypatch.setattr(lm, "build_model", lambda args: pytest.fail("built a model"))
+    assert main(["experiment", "language-model", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs curvlinops" in err[0]

@@ -1,6 +1,7 @@
 """A GPT-2 trained on digit addition: its exact curvature, block by block, before and after.
 
-``symhess experiment language-model`` (needs the ``modules`` extra, ``transformers``):
+``symhess experiment language-model`` (needs the ``modules`` and ``spectra`` extras:
+``transformers`` and ``curvlinops``, checked before any work):
 
 1. builds a ``GPT2LMHeadModel`` from a config (vocabulary 12, context 18, dropout 0,
    float64) and draws the training and the held-out sequences of the digit-addition task
@@ -302,8 +303,10 @@ def cmd_language_model(args):
     from ..curvature.dataset import Dataset
     from ..curvature.kernels import kernel as make_kernel
     from ..layers.modules import from_module
+    from ..curvature.spectra import require_curvlinops
     from ..runtime.memory import retain_freed_memory
     require_transformers()
+    require_curvlinops()            # the density, checked before any work
     retain_freed_memory()
     if args.threads:
         torch.set_num_threads(args.threads)
