@@ -145,7 +145,8 @@ def dense_hessian(op, chunk, progress):
     starts = range(0, n, chunk)
     if progress:
         from tqdm import tqdm
-        starts = tqdm(starts, desc="Hessian columns", unit="chunk", leave=False)
+        starts = tqdm(starts, desc="Hessian columns", unit="chunk", leave=False,
+                      disable=None)     # None: a terminal only
     for a in starts:
         b = min(n, a + chunk)
         E = np.zeros((n, b - a))
