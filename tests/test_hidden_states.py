@@ -18,6 +18,7 @@ import symhess as sh
 from symhess.curvature.dataset import Dataset
 from symhess.errors import InputError
 from symhess.layers.modules import no_downcasts
+from flat_params import unflat
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,11 +87,7 @@ class Reference:
         self.N = sum(c[0][0].shape[0] for c in calls)
 
     def out(self, th, call):
-        ps, o = {}, 0
-        for n, s in zip(self.names, self.shapes):
-            k = int(np.prod(s))
-            ps[n] = th[o:o + k].reshape(s)
-            o += k
+        ps = unflat(th, self.names, self.shapes)
         with no_downcasts(), sdpa_kernel(SDPBackend.MATH):
             out = functional_call(self.block, ps, call[0], call[1])
         return out[0] if isinstance(out, tuple) else out

@@ -12,6 +12,7 @@ from symhess.cli import language_model as lm  # noqa: E402
 from symhess.cli.data import addition_batches  # noqa: E402
 from symhess.cli.main import main  # noqa: E402
 from symhess.layers.modules import no_downcasts  # noqa: E402
+from flat_params import unflat  # noqa: E402
 
 TINY = ["--layers", "2", "--d-model", "8", "--heads", "2", "--d-mlp", "16", "--steps", "4",
         "--batch", "8", "--eval-batches", "2", "--eval-batch", "2", "--k", "3", "--ncv", "24",
@@ -30,11 +31,7 @@ def autograd_columns(model, held, positions):
     theta = torch.cat([p.detach().reshape(-1) for _, p in model.named_parameters()])
 
     def loss(th):
-        params, o = {}, 0
-        for n, s in zip(names, shapes):
-            k = int(np.prod(s))
-            params[n] = th[o:o + k].reshape(s)
-            o += k
+        params = unflat(th, names, shapes)
         ids = [torch.as_tensor(b) for b in held]
         return sum(torch.func.functional_call(model, params, (), {
             "input_ids": b, "labels": b, "use_cache": False}).loss for b in ids) / len(ids)

@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import symhess as sh
 from symhess.errors import DeclarationError, InputError
 from symhess.layers.modules import no_downcasts
+from flat_params import unflat
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,12 +61,7 @@ class Reference:
         self.theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
     def _params(self, th):
-        ps, o = {}, 0
-        for n, s in zip(self.names, self.shapes):
-            k = int(np.prod(s))
-            ps[n] = th[o:o + k].reshape(s)
-            o += k
-        return ps
+        return unflat(th, self.names, self.shapes)
 
     def out(self, th):
         with no_downcasts(), sdpa_kernel(SDPBackend.MATH):

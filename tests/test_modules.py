@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import symhess as sh
 from symhess.errors import DeclarationError, InputError
 from symhess.layers.modules import no_downcasts
+from flat_params import unflat
 
 B, L, D, HEADS, DFF = 2, 4, 8, 2, 12
 TOL = 1e-10
@@ -54,11 +55,7 @@ class Reference:
         self.y = y
 
         def out(th):
-            ps, o = {}, 0
-            for n, s in zip(self.names, self.shapes):
-                k = int(np.prod(s))
-                ps[n] = th[o:o + k].reshape(s)
-                o += k
+            ps = unflat(th, self.names, self.shapes)
             with no_downcasts(), sdpa_kernel(SDPBackend.MATH):
                 r = functional_call(m, ps, args, kwargs)
             return r[0] if isinstance(r, tuple) else r
