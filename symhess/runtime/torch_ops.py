@@ -26,20 +26,26 @@ exp, log, tanh, sqrt, cosh, sinh, cos, sin = (torch.exp, torch.log, torch.tanh, 
 absolute, sigmoid, erf = torch.abs, torch.sigmoid, torch.special.erf
 
 # inside ``_Ops.columns`` (``torch.func.vmap`` over a matrix's columns) the accumulations
-# below are out of place: a sum may start from a tensor that does not depend on the column
-# and then take terms that do, and vmap has no batching rule for addmm_/baddbmm_/addcmul_
+# below avoid addmm_/baddbmm_/addcmul_ (vmap has no batching rule for them) and go out of
+# place where a sum started from a tensor that does not depend on the column takes a term
+# that does (``_in_place``)
 _VECTORISED = contextvars.ContextVar("symhess_vectorised", default=False)
 
 
-def _iadd(acc, x, alpha):
-    """acc + alpha x, in place into acc where vmap allows it (not where acc is the same for
-    every column and x is not: then a fresh sum, which varies over the columns from then on)."""
+def _in_place(method, fresh, acc, x, **kw):
+    """``acc.method(x)`` in place where vmap allows it; where acc is the same for every
+    column and x is not, ``fresh(acc, x)``, which varies over the columns from then on."""
     try:
-        return acc.add_(x, alpha=alpha)
+        return getattr(acc, method)(x, **kw)
     except RuntimeError:
         if not _VECTORISED.get():
             raise
-        return torch.add(acc, x, alpha=alpha)
+        return fresh(acc, x, **kw)
+
+
+def _iadd(acc, x, alpha):
+    """acc + alpha x, into acc where vmap allows it (``_in_place``)."""
+    return _in_place("add_", torch.add, acc, x, alpha=alpha)
 
 
 def heaviside(x, at0):
@@ -113,12 +119,7 @@ def mul(*xs):
     acc = torch.mul(xs[0], xs[1])
     for x in xs[2:]:
         if torch.broadcast_shapes(acc.shape, x.shape) == acc.shape:
-            try:
-                acc.mul_(x)
-            except RuntimeError:       # vmap: acc the same for every column, x not
-                if not _VECTORISED.get():
-                    raise
-                acc = torch.mul(acc, x)
+            acc = _in_place("mul_", torch.mul, acc, x)
         else:
             acc = torch.mul(acc, x)
     return acc
