@@ -405,9 +405,7 @@ class Dataset:
         """H_part v over every parameter (flat v, declared order; or a matrix v, n × k,
         whose columns each batch's state takes in vectorised calls)."""
         check_part(part)
-        n = self._total_numel()
-        k = tuple(getattr(v, "shape", ()))[1:2]
-        v = self._vector(v, [(n,)] + ([(n,) + k] if k else []))
+        v = self._vector(v, checks.vector_or_columns(self._total_numel(), v))
         return self._mean(lambda st: [st.hvp(v, part)], "hvp", vector={"v": v})[0]
 
     def row_hvp(self, p, v, part="full", method="auto"):
@@ -428,8 +426,7 @@ class Dataset:
         check_part(part)
         nq = self.numel_of(q)
         self._param(p)
-        k = tuple(getattr(v, "shape", ()))[1:2]
-        v = self._vector(v, [(nq,)] + ([(nq,) + k] if k else []))
+        v = self._vector(v, checks.vector_or_columns(nq, v))
         if _method(method) == "kernel":
             return self._mean(lambda st: [st.block_hvp(p, q, v, part)], "hvp", vector={"v": v})[0]
         return self._mean(lambda st: [self._apply(st, p, q, part, v)], "hvp", light=True,

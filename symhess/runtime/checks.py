@@ -79,6 +79,13 @@ def vector(v, like, shapes, name="v", convert=False, over="", deferred=None):
     return vector_finite(name, a, like)
 
 
+def vector_or_columns(n, v):
+    """The shapes a product takes for ``v``: a flat vector (n,) and, when v is a matrix,
+    its columns (n, k)."""
+    k = tuple(getattr(v, "shape", ()))[1:2]
+    return [(n,)] + ([(n,) + k] if k else [])
+
+
 def vector_finite(name, a, like):
     """``a``, or the InputError of a vector with NaN/inf entries (after the cast to the
     values' dtype: 1e300 is inf in float32)."""

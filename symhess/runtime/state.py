@@ -77,7 +77,7 @@ def _ndim(v):
 
 
 def _nbytes(a):
-    return a.nbytes if hasattr(a, "nbytes") else a.element_size() * a.nelement() if hasattr(a, "element_size") else 0
+    return getattr(a, "nbytes", 0)       # NumPy arrays and torch tensors both have it
 
 
 def _part(part):
@@ -405,8 +405,7 @@ class Forward:
         temporaries are chunk times one call's."""
         _part(part)
         n = sum(self.numel(p) for p in self.PARAMS)
-        v = checks.vector(v, self.like, [(n,)] + ([(n, v.shape[1])] if _ndim(v) == 2 else []),
-                          deferred=self._deferred)
+        v = checks.vector(v, self.like, checks.vector_or_columns(n, v), deferred=self._deferred)
         routine = getattr(self, f"hvp__{part}")
         shapes = [tuple(self.ops.shape(getattr(self, p))) for p in self.PARAMS]
 
