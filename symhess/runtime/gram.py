@@ -365,14 +365,19 @@ def items(state, nets):
         (plain if f is None else formed).append(_Item([m], f))
     out = []
     for it in formed:
-        for k, other in enumerate(out):
-            m = _joined(other, it)
-            if m is not None:
-                out[k] = m
-                break
-        else:
-            out.append(it)
+        _join_into(out, it, len(out))
     return out + plain
+
+
+def _join_into(its, it, among):
+    """``it`` joined into the first of ``its[:among]`` it merges with (``_joined``), else
+    appended; items without a token form join nothing."""
+    for k, other in enumerate(its[:among]):
+        m = _joined(other, it) if other.form is not None and it.form is not None else None
+        if m is not None:
+            its[k] = m
+            return
+    its.append(it)
 
 
 def _joined(a, b):
@@ -437,12 +442,5 @@ def frobenius_split_sq(state, outer, functional, prefer="auto", step=None):
     o, f = items(state, outer), items(state, functional)
     both = list(o)
     for it in f:
-        for k, other in enumerate(both[:len(o)]):
-            if other.form is not None and it.form is not None:
-                m = _joined(other, it)
-                if m is not None:
-                    both[k] = m
-                    break
-        else:
-            both.append(it)
+        _join_into(both, it, len(o))
     return norms.sq(o), norms.sq(f), norms.sq(both)
