@@ -183,19 +183,19 @@ def head_bounds(model, ml, held, d, n_heads):
     return out
 
 
-def measure(model, ml, kernel, held, args, log):
-    """Every quantity of one state of the model (module docstring)."""
+def measure(model, ml, data, held, grouped, args, log):
+    """Every quantity of one state of the model (module docstring) on the held-out
+    ``data`` (a ``Dataset`` of ``held``); ``grouped``: ``groups(ml, …)``."""
     from ..curvature.operators import operator
     from ..curvature.spectra import density, spectrum
     t0 = time.perf_counter()
-    op = operator(kernel, ml.batches([np.asarray(b) for b in held]), p=list(ml.layer.param_names),
-                     params=ml.params(model))
+    op = operator(data.kernel, data, p=list(ml.layer.param_names))
     H = dense_hessian(op, args.chunk, not args.quiet)
     t_dense = time.perf_counter() - t0
     top = spectrum(H, k=args.k, which="LA").values
     bottom = spectrum(H, k=1, which="SA").values
     grid, dens = density(H, ncv=min(args.ncv, H.shape[0]), boundaries=(bottom[0], top[0]))
-    gs, heads = groups(ml, args.d_model, args.d_model // args.heads)
+    gs, heads = grouped
     rows = {}
     for key, idx in gs.items():
         B = H[np.ix_(idx, idx)]
@@ -324,16 +324,17 @@ def cmd_language_model(args):
         f"{args.d_mlp}: {n} parameters ({len(ml.layer.params)} declared pieces); captured and "
         f"rendered in {time.perf_counter() - t0:.1f} s; held-out: {args.eval_batches} × "
         f"{args.eval_batch} sequences")
+    grouped = groups(ml, args.d_model, args.d_model // args.heads)
     results, acc, losses = {}, {}, {}
     for s in STATES:
         if s == "trained":
             log(f"training: {args.steps} AdamW steps of {args.batch} sequences, lr {args.lr}")
             train(model, args, log)
         acc[s] = answer_accuracy(model, held)
-        losses[s] = float(Dataset(kernel, ml.batches([np.asarray(b) for b in held]),
-                                     params=ml.params(model)).loss())
+        data = Dataset(kernel, ml.batches(held), params=ml.params(model))
+        losses[s] = float(data.loss())
         log(f"{s}: held-out loss {losses[s]:.4f}, answer-digit accuracy {acc[s]:.3f}")
-        results[s] = measure(model, ml, kernel, held, args, log)
+        results[s] = measure(model, ml, data, held, grouped, args, log)
     info = (f"GPT-2 on 5-digit addition: {args.layers} layers, d_model {args.d_model}, "
             f"{args.heads} heads, d_mlp {args.d_mlp}, {n} parameters; held-out loss "
             f"{losses['initial']:.3f} → {losses['trained']:.3f}, answer accuracy "
