@@ -18,7 +18,7 @@ import symhess as sh
 from symhess.curvature.dataset import Dataset
 from symhess.errors import InputError
 from symhess.layers.modules import no_downcasts
-from flat_params import unflat
+from flat_params import double_backward_hvp, unflat
 
 transformers = pytest.importorskip("transformers")
 
@@ -100,9 +100,7 @@ class Reference:
         return sum(self.mse(self.out(th, c), y) for c, y in zip(self.calls, self.Y)) / self.N
 
     def hvp(self, v, part):
-        th = self.theta.clone().requires_grad_(True)
-        g = torch.autograd.grad(self.loss(th), th, create_graph=True)[0]
-        full = torch.autograd.grad(g @ v, th)[0]
+        full = double_backward_hvp(self.loss, self.theta, v)
         if part == "full":
             return full
         outer = torch.zeros_like(full)

@@ -12,7 +12,7 @@ from symhess.cli import language_model as lm  # noqa: E402
 from symhess.cli.data import addition_batches  # noqa: E402
 from symhess.cli.main import main  # noqa: E402
 from symhess.layers.modules import no_downcasts  # noqa: E402
-from flat_params import unflat  # noqa: E402
+from flat_params import hessian_rows, unflat  # noqa: E402
 
 TINY = ["--layers", "2", "--d-model", "8", "--heads", "2", "--d-mlp", "16", "--steps", "4",
         "--batch", "8", "--eval-batches", "2", "--eval-batch", "2", "--k", "3", "--ncv", "24",
@@ -35,10 +35,8 @@ def autograd_columns(model, held, positions):
         ids = [torch.as_tensor(b) for b in held]
         return sum(torch.func.functional_call(model, params, (), {
             "input_ids": b, "labels": b, "use_cache": False}).loss for b in ids) / len(ids)
-    th = theta.clone().requires_grad_(True)
     with no_downcasts():
-        g = torch.autograd.grad(loss(th), th, create_graph=True)[0]
-        return torch.stack([torch.autograd.grad(g[i], th, retain_graph=True)[0] for i in positions])
+        return hessian_rows(loss, theta, positions)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +103,7 @@ def test_dense_hessian_columns_equal_autograd(captured):
     import symhess as sh
     model, ml, held = captured
     k = sh.kernel(ml.layer, "torch", ml.loss)
-    op = sh.operator(k, ml.batches([np.asarray(b) for b in held]), p=list(ml.layer.param_names),
+    op = sh.operator(k, ml.batches(held), p=list(ml.layer.param_names),
                      params=ml.params(model))
     H = lm.dense_hessian(op, 97, False)                # chunks that do not divide N
     order = np.concatenate([ml.module_positions()[p.name] for p in ml.layer.params])

@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import symhess as sh
 from symhess.errors import DeclarationError, InputError
 from symhess.layers.modules import no_downcasts
-from flat_params import unflat
+from flat_params import double_backward_hvp, hessian_rows, unflat
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,9 +78,7 @@ class Reference:
 
     def hvp(self, v, part):
         """H v (full: double backward; outer: Jᵀ H_ℓ J v with J = ∂logits/∂θ)."""
-        th = self.theta.clone().requires_grad_(True)
-        g = torch.autograd.grad(self.loss(th), th, create_graph=True)[0]
-        full = torch.autograd.grad(g @ v, th)[0]
+        full = double_backward_hvp(self.loss, self.theta, v)
         if part == "full":
             return full
         logits = lambda t: self.out(t).logits  # noqa: E731
@@ -187,11 +185,9 @@ def test_gpt2_lm_every_block():
     ml = capture(m, ids)
     ref = Reference(m, ids)
     st, off = check_blocks(ml, ids, ref)
-    th = ref.theta.clone().requires_grad_(True)
-    g = torch.autograd.grad(ref.loss(th), th, create_graph=True)[0]
     wanted = ["transformer_h_0_attn_c_attn_weight_3", "transformer_wte_weight", "transformer_ln_f_weight"]
-    rows = {p: torch.stack([torch.autograd.grad(g[i], th, retain_graph=True)[0]
-                            for i in off[p]]).numpy() for p in wanted[::2]}
+    both = hessian_rows(ref.loss, ref.theta, np.concatenate([off[p] for p in wanted[::2]])).numpy()
+    rows = dict(zip(wanted[::2], np.split(both, [len(off[wanted[0]])])))
     for p, q in [wanted[:2], (wanted[0], wanted[0]), (wanted[2], wanted[0])]:
         want = rows[p][:, off[q]]
         assert close(st.hessian_block(p, q, "full").numpy(), want, np.linalg.norm(want)), (p, q)
@@ -236,9 +232,7 @@ def test_one_block_inside_the_model():
     two = ["transformer_h_0_ln_1_weight", "transformer_h_0_mlp_c_proj_bias"]
     dense = sh.operator(k, ml.batches([ids]), p=two, params=ml.params()).to_dense()
     cols = np.concatenate([off[n] for n in two])
-    th = ref.theta.clone().requires_grad_(True)
-    grad = torch.autograd.grad(ref.loss(th), th, create_graph=True)[0]
-    want = torch.stack([torch.autograd.grad(grad[i], th, retain_graph=True)[0] for i in cols]).numpy()[:, cols]
+    want = hessian_rows(ref.loss, ref.theta, cols).numpy()[:, cols]
     assert close(dense, want, np.linalg.norm(want))
     with pytest.raises(InputError, match="unknown parameter 'nope'"):
         sh.operator(k, ml.batches([ids]), p=["nope"], params=ml.params())
