@@ -166,14 +166,25 @@ def log_softmax_rows(t):
 
 
 def softmax_diff(a, e):
-    """dA[E] = A ∘ (E − rowsum(A ∘ E))."""
-    return a * (e - (a * e).sum(-1, keepdim=True))
+    """dA[E] = A ∘ (E − rowsum(A ∘ E)), formed as A ∘ E − A rowsum(A ∘ E): one fresh array."""
+    t = torch.mul(a, e)
+    return _minus_scaled(t, a, t.sum(-1, keepdim=True))
 
 
 def softmax_diff2(a, e, f):
-    """d²A[E, F] = w − A rowsum(w), w = dA[E] ∘ (F − rowsum(A ∘ F))."""
-    w = softmax_diff(a, e) * (f - (a * f).sum(-1, keepdim=True))
-    return w - a * w.sum(-1, keepdim=True)
+    """d²A[E, F] = w − A rowsum(w), w = dA[E] ∘ (F − rowsum(A ∘ F)), formed as
+    dA[E] ∘ F − dA[E] rowsum(A ∘ F): two fresh arrays besides A ∘ F's row sums."""
+    d = softmax_diff(a, e)
+    w = _minus_scaled(torch.mul(d, f), d, (a * f).sum(-1, keepdim=True))
+    return _minus_scaled(w, a, w.sum(-1, keepdim=True))
+
+
+def _minus_scaled(t, a, s):
+    """t − a ∘ s (s broadcast) for a fresh t of the result's shape: into t (``addcmul_``),
+    out of place inside ``_Ops.columns``' vmap (no batching rule for ``addcmul_``)."""
+    if _VECTORISED.get():
+        return torch.addcmul(t, a, s, value=-1)
+    return t.addcmul_(a, s, value=-1)
 
 
 def eye(n, like):
