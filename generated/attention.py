@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "75a5e1f81c899f0ab332a4fb"
+    STAMP = "4cbc1741c7dccdefa7fd65b3"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -300,7 +300,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "dffac66f44747ff8b8a78b2f"
+    STAMP = "150cfc7e566ca1dac0ff8803"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -576,7 +576,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "4f041a553b6e4083e2596b9c"
+    STAMP = "b51160db3a00d41d248cf034"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -877,7 +877,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "97b6fbac56e4c6d5f5c9c256"
+    STAMP = "a33bca90ec73329a65402a18"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -1180,4 +1180,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "6efd7800ec8be7ca1ce768b2"
+CHECKSUM = "da4c1fff794355f8b70f0dce"

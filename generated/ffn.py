@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "51d59b6ee9a9c5b225f2d3d0"
+    STAMP = "c9e3794945f0e632c06e2786"
 
     @leaf
     def H(s):
@@ -160,7 +160,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "2fcb341e776b22cbdbaadd0a"
+    STAMP = "9a9d90d17c65b623381ed439"
 
     @leaf
     def H(s):
@@ -315,4 +315,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "4f1dbcd02253be8e5b0ba35e"
+CHECKSUM = "0648752188caf58734b14166"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "2c16583223af978ac9bde24d"
+    STAMP = "9dd30d9d389736b4f68f6f23"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -301,7 +301,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "c60c2ee66b73fe8e900dc075"
+    STAMP = "d8c51ee81a7ddd1709f7feee"
     RUNS = {
         'A X': 8,
         "W_K' X'": 9,
@@ -541,7 +541,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "81f7eab90f9d916e60092788"
+    STAMP = "6be102dbda2ca60da382c638"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -815,7 +815,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "82c4a447922ce48b7061c16b"
+    STAMP = "8c5de73a59857da97ab83f5f"
     RUNS = {
         'A X': 7,
         "W_K' X'": 9,
@@ -1088,4 +1088,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "bfd5eff8d102bf8237fa3bd6"
+CHECKSUM = "222de344a9b526733bbdee5b"

@@ -24,7 +24,7 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "6d570558fddb3bed5d1b9364"
+    STAMP = "f462f36b06772fbfc68956c4"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -848,7 +848,7 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "f10c1d475013a3b08b7216a2"
+    STAMP = "5f878571d350205c5fe80414"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -1672,7 +1672,7 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "0be37dc3991aa1108f9e4125"
+    STAMP = "927f908360262e2cf48d8653"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -2513,7 +2513,7 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "ad7c38bf2a0c4c43063d7a5b"
+    STAMP = "6e27543a304a766dd8ee9fc8"
     RUNS = {
         'A N_1': 13,
         "G W_2'": 2,
@@ -3356,4 +3356,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "55c8db5c6283594411eb6450"
+CHECKSUM = "a09fa8ab428cc0ee9929747f"

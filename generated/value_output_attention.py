@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "d34ab46dbab863fe7327b1c0"
+    STAMP = "ef3d1a73cf4aa184e14db067"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -407,7 +407,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "172e6036387715530c1b0b49"
+    STAMP = "88ecc592a8f51e4bfd1eb4ce"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -790,7 +790,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "66e4f0175e18ebac9cc52065"
+    STAMP = "04799d9d3600a99ae092d63b"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1179,7 +1179,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "1acca7875db978da7f21aa43"
+    STAMP = "7e61b4e782aab9ab40727e75"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1570,4 +1570,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "0c9e878538f51f4d4c8add1d"
+CHECKSUM = "a11e4e2951e6a4dbef40360f"

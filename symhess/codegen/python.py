@@ -894,8 +894,7 @@ def _transpose(pr, n):
 def _hadamard(pr, n):
     """A ∘ B ∘ …, the per-token columns (``form``) multiplied first (on R entries); three or
     more factors as ``mul`` (one fresh array, the rest multiplied in place)."""
-    codes = yield from _codes(_hadamard_factors(pr, n), "ccode")
-    return f"mul({', '.join(codes)})" if len(codes) > 2 else "(" + " * ".join(codes) + ")"
+    return _product((yield from _codes(_hadamard_factors(pr, n), "ccode")))
 
 
 def _hadamard_factors(pr, n):
@@ -1052,6 +1051,12 @@ def _fewest_ops(expr):
     return expr
 
 
+def _product(codes):
+    """x₁ ∘ x₂ ∘ ⋯ of array codes: three or more as ``mul`` (one fresh array, the rest
+    multiplied in place)."""
+    return f"mul({', '.join(codes)})" if len(codes) > 2 else "(" + " * ".join(codes) + ")"
+
+
 def scalar_code(expr, arg, subs=None):
     """An entrywise sympy function of x as code applied to ``arg``; ``subs``: code for
     sub-expressions already at hand."""
@@ -1083,14 +1088,17 @@ def scalar_code(expr, arg, subs=None):
             steps = [a for a in e.args if isinstance(a, sp.Heaviside)]
             if len(e.args) == 2 and len(steps) == 1 and steps[0].args[0] in e.args:
                 return f"relu({p(steps[0].args[0])})"         # y H(y) = max(y, 0), any H(0)
-            return "(" + " * ".join(p(a) for a in e.args) + ")"
+            return _product([p(a) for a in e.args])
         if isinstance(e, sp.Pow):
             base, ex = e.args
             if ex == sp.Rational(1, 2):
                 return f"sqrt({p(base)})"
             if ex in (2, 3):                         # a product: pow is several times slower
                 b = p(base)
-                return "(" + " * ".join([b] * int(ex)) + ")"
+                if re.fullmatch(r"[\w.]+", b):
+                    return _product([b] * int(ex))
+                if ex == 2:                          # a composite base evaluated once
+                    return f"square({b})"
             return f"({p(base)} ** {p(ex)})"
         if isinstance(e, sp.Heaviside):
             h0 = e.args[1] if len(e.args) > 1 else sp.Rational(1, 2)

@@ -22,10 +22,10 @@ __all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff
            "causal_mask", "diag", "diag_part", "vec_r", "unvec_r", "mean0", "unflat",
            "kron", "kron_contract", "commutation", "diag_selector", "refined",
            "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "relu", "cosh", "sinh", "cos",
-           "sin", "absolute", "net", "Compact", "ONES", "EYE", "Forward", "leaf", "OPS"]
+           "sin", "absolute", "square", "net", "Compact", "ONES", "EYE", "Forward", "leaf", "OPS"]
 
 exp, log, tanh, sqrt, cosh, sinh, cos, sin = np.exp, np.log, np.tanh, np.sqrt, np.cosh, np.sinh, np.cos, np.sin
-absolute = np.abs
+absolute, square = np.abs, np.square
 sigmoid, erf = scipy.special.expit, scipy.special.erf
 
 

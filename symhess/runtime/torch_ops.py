@@ -19,11 +19,11 @@ __all__ = ["math", "mm", "tr", "softmax_rows", "log_softmax_rows", "softmax_diff
            "causal_mask", "diag", "diag_part", "vec_r", "unvec_r", "mean0", "unflat",
            "kron", "kron_contract", "commutation", "diag_selector", "refined",
            "exp", "log", "tanh", "sqrt", "sigmoid", "erf", "heaviside", "relu", "cosh", "sinh", "cos",
-           "sin", "absolute", "net", "Compact", "ONES", "EYE", "Forward", "leaf", "OPS"]
+           "sin", "absolute", "square", "net", "Compact", "ONES", "EYE", "Forward", "leaf", "OPS"]
 
 exp, log, tanh, sqrt, cosh, sinh, cos, sin = (torch.exp, torch.log, torch.tanh, torch.sqrt,
                                               torch.cosh, torch.sinh, torch.cos, torch.sin)
-absolute, sigmoid, erf = torch.abs, torch.sigmoid, torch.special.erf
+absolute, sigmoid, erf, square = torch.abs, torch.sigmoid, torch.special.erf, torch.square
 
 # inside ``_Ops.columns`` (``torch.func.vmap`` over a matrix's columns) the accumulations
 # below avoid addmm_/baddbmm_/addcmul_ (vmap has no batching rule for them) and go out of
