@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "4cbc1741c7dccdefa7fd65b3"
+    STAMP = "c69dd00757b244960acf19ba"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -33,9 +33,9 @@ class mse_causal0(Forward):
         "X' t_11": 4,
         "X' t_11 X": 4,
         "X' t_11'": 4,
-        "X' t_31": 2,
-        "X' t_31 X": 2,
-        "X' t_31'": 2,
+        "X' t_29": 2,
+        "X' t_29 X": 2,
+        "X' t_29'": 2,
     }
 
     @leaf
@@ -115,16 +115,16 @@ class mse_causal0(Forward):
         return softmax_diff(s.A, s.t_10)
 
     @leaf
-    def t_23(s):
+    def t_21(s):
         return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_9
 
     @leaf
-    def t_24(s):
-        return s.mm("t_23 W_V' X'", s.t_23, tr(s.W_V), tr(s.X))
+    def t_22(s):
+        return s.mm("t_21 W_V' X'", s.t_21, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_31(s):
-        return softmax_diff(s.A, s.t_24)
+    def t_29(s):
+        return softmax_diff(s.A, s.t_22)
 
     @leaf
     def G_3(s):
@@ -259,40 +259,38 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_12 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_13 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_12)
-        t_14 = lin((1, s.prod('_ X W_V', t_13, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_15 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_14, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_15, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_15), s.X, s.W_Q, mean=True)
-        t_16 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_14)
-        out_W_V = mean0(t_16, True)
+        t_12 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_13 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_12), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_13, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_13, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_18 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_17, s.t_10)
-        t_19 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_20 = (t_18 + t_19)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_20, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_20), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
-        t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_17)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_21), s.G_2, mean=True)
+        t_15 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_15, s.t_10)
+        t_17 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_18 = (t_16 + t_17)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_18, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
+        t_19 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_15)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_19), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_22, s.t_24)
-        t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_22)
-        t_27 = lin((1, s.prod('_ X W_V', t_26, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_28 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27, tr(s.W_V), tr(s.X)), (1, "t_23 _ X'", s.t_23, tr(V_W_V), tr(s.X)))
-        t_29 = softmax_diff(s.A, t_28)
-        t_30 = (t_25 + t_29)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), (1, "X' t_31 X _", tr(s.X), s.t_31, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), (1, "X' t_31' X _", tr(s.X), tr(s.t_31), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_26), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_27), mean=True)
+        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_23 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_22)
+        t_24 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
+        t_25 = lin((1, s.prod('_ X W_V', t_24, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_26 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_25, tr(s.W_V), tr(s.X)), (1, "t_21 _ X'", s.t_21, tr(V_W_V), tr(s.X)))
+        t_27 = softmax_diff(s.A, t_26)
+        t_28 = (t_23 + t_27)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_28, s.X, s.W_K), (1, "X' t_29 X _", tr(s.X), s.t_29, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_28), s.X, s.W_Q), (1, "X' t_29' X _", tr(s.X), tr(s.t_29), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_24), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_25), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -300,7 +298,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "150cfc7e566ca1dac0ff8803"
+    STAMP = "05e0a7d7cb1fc51028e10bc7"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -309,9 +307,9 @@ class mse_causal1(Forward):
         "X' t_11": 4,
         "X' t_11 X": 4,
         "X' t_11'": 4,
-        "X' t_31": 2,
-        "X' t_31 X": 2,
-        "X' t_31'": 2,
+        "X' t_29": 2,
+        "X' t_29 X": 2,
+        "X' t_29'": 2,
     }
 
     @leaf
@@ -391,16 +389,16 @@ class mse_causal1(Forward):
         return softmax_diff(s.A, s.t_10)
 
     @leaf
-    def t_23(s):
+    def t_21(s):
         return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_9
 
     @leaf
-    def t_24(s):
-        return s.mm("t_23 W_V' X'", s.t_23, tr(s.W_V), tr(s.X))
+    def t_22(s):
+        return s.mm("t_21 W_V' X'", s.t_21, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_31(s):
-        return softmax_diff(s.A, s.t_24)
+    def t_29(s):
+        return softmax_diff(s.A, s.t_22)
 
     @leaf
     def G_3(s):
@@ -535,40 +533,38 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_12 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_13 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_12)
-        t_14 = lin((1, s.prod('_ X W_V', t_13, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_15 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_14, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_15, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_15), s.X, s.W_Q, mean=True)
-        t_16 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_14)
-        out_W_V = mean0(t_16, True)
+        t_12 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_13 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_12), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_13, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_13, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_18 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_17, s.t_10)
-        t_19 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_20 = (t_18 + t_19)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_20, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_20), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
-        t_21 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_17)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_21), s.G_2, mean=True)
+        t_15 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_15, s.t_10)
+        t_17 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_18 = (t_16 + t_17)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_18, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
+        t_19 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_15)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_19), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_22, s.t_24)
-        t_26 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_22)
-        t_27 = lin((1, s.prod('_ X W_V', t_26, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_28 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_27, tr(s.W_V), tr(s.X)), (1, "t_23 _ X'", s.t_23, tr(V_W_V), tr(s.X)))
-        t_29 = softmax_diff(s.A, t_28)
-        t_30 = (t_25 + t_29)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), (1, "X' t_31 X _", tr(s.X), s.t_31, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), (1, "X' t_31' X _", tr(s.X), tr(s.t_31), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_26), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_27), mean=True)
+        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_23 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_22)
+        t_24 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
+        t_25 = lin((1, s.prod('_ X W_V', t_24, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_26 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_25, tr(s.W_V), tr(s.X)), (1, "t_21 _ X'", s.t_21, tr(V_W_V), tr(s.X)))
+        t_27 = softmax_diff(s.A, t_26)
+        t_28 = (t_23 + t_27)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_28, s.X, s.W_K), (1, "X' t_29 X _", tr(s.X), s.t_29, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_28), s.X, s.W_Q), (1, "X' t_29' X _", tr(s.X), tr(s.t_29), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_24), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_25), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -576,7 +572,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b51160db3a00d41d248cf034"
+    STAMP = "5aec9a7d944f107a7965320a"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -585,9 +581,9 @@ class ce_causal0(Forward):
         "X' t_13": 4,
         "X' t_13 X": 4,
         "X' t_13'": 4,
-        "X' t_35": 2,
-        "X' t_35 X": 2,
-        "X' t_35'": 2,
+        "X' t_34": 2,
+        "X' t_34 X": 2,
+        "X' t_34'": 2,
     }
 
     @leaf
@@ -683,16 +679,16 @@ class ce_causal0(Forward):
         return softmax_rows(s.F_2)
 
     @leaf
-    def t_26(s):
+    def t_25(s):
         return (1/(s.L*math.sqrt(s.d_K))) * s.t_11
 
     @leaf
-    def t_27(s):
-        return s.mm("t_26 W_V' X'", s.t_26, tr(s.W_V), tr(s.X))
+    def t_26(s):
+        return s.mm("t_25 W_V' X'", s.t_25, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_35(s):
-        return softmax_diff(s.A, s.t_27)
+    def t_34(s):
+        return softmax_diff(s.A, s.t_26)
 
     @leaf
     def G_3(s):
@@ -835,41 +831,40 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_16 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_15)
-        t_17 = lin((1, s.prod('_ X W_V', t_16, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_18 = (s.t * softmax_diff(s.t_14, t_17))
-        t_19 = softmax_diff(s.A, s.mm("_ W_V' X'", t_18, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_19, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_19), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_18, mean=True)
+        t_15 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_15), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_17 = (s.t * softmax_diff(s.t_14, t_16))
+        t_18 = softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_18, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_21 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_12)
-        t_22 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_23 = (t_21 + t_22)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_23, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X _", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X _", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
-        t_24 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_24), s.G_2, mean=True)
+        t_19 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_20 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_19, s.t_12)
+        t_21 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_22 = (t_20 + t_21)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_22, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X _", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X _", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
+        t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_19)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_23), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_27)
-        t_29 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
-        t_30 = lin((1, s.prod('_ X W_V', t_29, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_31 = (s.t * softmax_diff(s.t_9, t_30))
-        t_32 = s.mm_sum('r', (1, "t_26 _ X'", s.t_26, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_31, tr(s.W_V), tr(s.X)))
-        t_33 = softmax_diff(s.A, t_32)
-        t_34 = (t_28 + t_33)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_34, s.X, s.W_K), (1, "X' t_35 X _", tr(s.X), s.t_35, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_34), s.X, s.W_Q), (1, "X' t_35' X _", tr(s.X), tr(s.t_35), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_29), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_31), mean=True)
+        t_24 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_26)
+        t_28 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
+        t_29 = lin((1, s.prod('_ X W_V', t_28, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_30 = (s.t * softmax_diff(s.t_9, t_29))
+        t_31 = s.mm_sum('r', (1, "t_25 _ X'", s.t_25, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_30, tr(s.W_V), tr(s.X)))
+        t_32 = softmax_diff(s.A, t_31)
+        t_33 = (t_27 + t_32)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_33, s.X, s.W_K), (1, "X' t_34 X _", tr(s.X), s.t_34, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_33), s.X, s.W_Q), (1, "X' t_34' X _", tr(s.X), tr(s.t_34), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_28), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_30), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -877,7 +872,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "a33bca90ec73329a65402a18"
+    STAMP = "ac4e2f504cd6cb0984c16d7a"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -886,9 +881,9 @@ class ce_causal1(Forward):
         "X' t_13": 4,
         "X' t_13 X": 4,
         "X' t_13'": 4,
-        "X' t_35": 2,
-        "X' t_35 X": 2,
-        "X' t_35'": 2,
+        "X' t_34": 2,
+        "X' t_34 X": 2,
+        "X' t_34'": 2,
     }
 
     @leaf
@@ -984,16 +979,16 @@ class ce_causal1(Forward):
         return softmax_rows(s.F_2)
 
     @leaf
-    def t_26(s):
+    def t_25(s):
         return (1/(s.L*math.sqrt(s.d_K))) * s.t_11
 
     @leaf
-    def t_27(s):
-        return s.mm("t_26 W_V' X'", s.t_26, tr(s.W_V), tr(s.X))
+    def t_26(s):
+        return s.mm("t_25 W_V' X'", s.t_25, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_35(s):
-        return softmax_diff(s.A, s.t_27)
+    def t_34(s):
+        return softmax_diff(s.A, s.t_26)
 
     @leaf
     def G_3(s):
@@ -1136,41 +1131,40 @@ class ce_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_16 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_15)
-        t_17 = lin((1, s.prod('_ X W_V', t_16, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_18 = (s.t * softmax_diff(s.t_14, t_17))
-        t_19 = softmax_diff(s.A, s.mm("_ W_V' X'", t_18, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_19, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_19), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_18, mean=True)
+        t_15 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_15), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_17 = (s.t * softmax_diff(s.t_14, t_16))
+        t_18 = softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_18, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_21 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_12)
-        t_22 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
-        t_23 = (t_21 + t_22)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_23, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X _", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X _", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
-        t_24 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_24), s.G_2, mean=True)
+        t_19 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_20 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_19, s.t_12)
+        t_21 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_22 = (t_20 + t_21)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_22, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X _", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X _", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
+        t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_19)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_23), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_28 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_27)
-        t_29 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
-        t_30 = lin((1, s.prod('_ X W_V', t_29, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_31 = (s.t * softmax_diff(s.t_9, t_30))
-        t_32 = s.mm_sum('r', (1, "t_26 _ X'", s.t_26, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_31, tr(s.W_V), tr(s.X)))
-        t_33 = softmax_diff(s.A, t_32)
-        t_34 = (t_28 + t_33)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_34, s.X, s.W_K), (1, "X' t_35 X _", tr(s.X), s.t_35, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_34), s.X, s.W_Q), (1, "X' t_35' X _", tr(s.X), tr(s.t_35), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_29), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_31), mean=True)
+        t_24 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_26)
+        t_28 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
+        t_29 = lin((1, s.prod('_ X W_V', t_28, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_30 = (s.t * softmax_diff(s.t_9, t_29))
+        t_31 = s.mm_sum('r', (1, "t_25 _ X'", s.t_25, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_30, tr(s.W_V), tr(s.X)))
+        t_32 = softmax_diff(s.A, t_31)
+        t_33 = (t_27 + t_32)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_33, s.X, s.W_K), (1, "X' t_34 X _", tr(s.X), s.t_34, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_33), s.X, s.W_Q), (1, "X' t_34' X _", tr(s.X), tr(s.t_34), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_28), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_30), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -1180,4 +1174,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "da4c1fff794355f8b70f0dce"
+CHECKSUM = "f1c40761ed8459943bd36ac8"

@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "c9e3794945f0e632c06e2786"
+    STAMP = "9177b97da13b97aebcf23fcb"
 
     @leaf
     def H(s):
@@ -130,29 +130,24 @@ class mse_bias0_residual0(Forward):
 
     def hvp__outer(s, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = (s.t * s.mm('X _', s.X, V_W_1))
-        t_12 = lin((1, s.prod('t_3 _', s.t_3, V_W_2)), (1, s.prod('_ W_2', t_11, s.W_2)))
-        t_13 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_12, tr(s.W_2))
-        out_W_1 = s.mm("X' _", tr(s.X), (s.t * t_13), mean=True)
-        t_14 = s.mm("t_3' _", tr(s.t_3), (2/(s.L*s.d_V)) * t_12)
-        out_W_2 = mean0(t_14, True)
+        t_11 = lin((1, s.prod('t_3 _', s.t_3, V_W_2)), (1, s.prod('_ W_2', (s.t * s.mm('X _', s.X, V_W_1)), s.W_2)))
+        out_W_1 = s.mm("X' _", tr(s.X), (s.t * s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_11, tr(s.W_2))), mean=True)
+        out_W_2 = s.mm("t_3' _", tr(s.t_3), (2/(s.L*s.d_V)) * t_11, mean=True)
         return (out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         out_W_1 = s.mm("X' _", tr(s.X), (s.t * s.mm('G _', s.G, tr(V_W_2))), mean=True)
-        t_15 = (tr(s.t) * s.mm("_ X'", tr(V_W_1), tr(s.X)))
-        out_W_2 = s.mm('_ G', t_15, s.G, mean=True)
+        out_W_2 = s.mm('_ G', (tr(s.t) * s.mm("_ X'", tr(V_W_1), tr(s.X))), s.G, mean=True)
         return (out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = (s.t * s.mm('X _', s.X, V_W_1))
-        t_17 = lin((1, s.prod('t_3 _', s.t_3, V_W_2)), (1, s.prod('_ W_2', t_16, s.W_2)))
-        t_18 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_17, tr(s.W_2))
-        out_W_1 = s.mm("X' _", tr(s.X), (lin((1, t_18), (1, s.prod('G _', s.G, tr(V_W_2)))) * s.t), mean=True)
-        t_19 = s.mm("t_3' _", tr(s.t_3), (2/(s.L*s.d_V)) * t_17)
-        out_W_2 = (mean0(t_19, True) + s.mm('_ G', tr(t_16), s.G, mean=True))
+        t_12 = (s.t * s.mm('X _', s.X, V_W_1))
+        t_13 = lin((1, s.prod('t_3 _', s.t_3, V_W_2)), (1, s.prod('_ W_2', t_12, s.W_2)))
+        t_14 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_13, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
+        out_W_1 = s.mm("X' _", tr(s.X), (t_14 * s.t), mean=True)
+        out_W_2 = (s.mm("t_3' _", tr(s.t_3), (2/(s.L*s.d_V)) * t_13, mean=True) + s.mm('_ G', tr(t_12), s.G, mean=True))
         return (out_W_1, out_W_2,)
 
 
@@ -160,7 +155,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "9a9d90d17c65b623381ed439"
+    STAMP = "6475e58aa3f86024e811070c"
 
     @leaf
     def H(s):
@@ -286,28 +281,26 @@ class ce_bias0_residual0(Forward):
 
     def hvp__outer(s, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_13 = (s.t * s.mm('X _', s.X, V_W_1))
-        t_14 = lin((1, s.prod("t_6' _", tr(s.t_6), V_W_2)), (1, s.prod('_ W_2', t_13, s.W_2)))
-        t_15 = (s.t_2 * softmax_diff(s.t_7, t_14))
-        out_W_1 = (1/s.L) * s.mm("X' _", tr(s.X), (s.t * s.mm("_ W_2'", t_15, tr(s.W_2))), mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_4' _", tr(s.t_4), t_15, mean=True)
+        t_13 = lin((1, s.prod("t_6' _", tr(s.t_6), V_W_2)), (1, s.prod('_ W_2', (s.t * s.mm('X _', s.X, V_W_1)), s.W_2)))
+        t_14 = (s.t_2 * softmax_diff(s.t_7, t_13))
+        out_W_1 = (1/s.L) * s.mm("X' _", tr(s.X), (s.t * s.mm("_ W_2'", t_14, tr(s.W_2))), mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_4' _", tr(s.t_4), t_14, mean=True)
         return (out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         out_W_1 = s.mm("X' _", tr(s.X), (s.t * s.mm('G _', s.G, tr(V_W_2))), mean=True)
-        t_16 = (tr(s.t) * s.mm("_ X'", tr(V_W_1), tr(s.X)))
-        out_W_2 = s.mm('_ G', t_16, s.G, mean=True)
+        out_W_2 = s.mm('_ G', (tr(s.t) * s.mm("_ X'", tr(V_W_1), tr(s.X))), s.G, mean=True)
         return (out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = (s.t * s.mm('X _', s.X, V_W_1))
-        t_18 = lin((1, s.prod("t_6' _", tr(s.t_6), V_W_2)), (1, s.prod('_ W_2', t_17, s.W_2)))
-        t_19 = (s.t_2 * softmax_diff(s.t_5, t_18))
-        t_20 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_19, tr(s.W_2))))
-        out_W_1 = s.mm("X' _", tr(s.X), (t_20 * s.t), mean=True)
-        out_W_2 = lin((1/s.L, s.mm("t_4' _", tr(s.t_4), t_19, mean=True)), (1, s.mm('_ G', tr(t_17), s.G, mean=True)))
+        t_15 = (s.t * s.mm('X _', s.X, V_W_1))
+        t_16 = lin((1, s.prod("t_6' _", tr(s.t_6), V_W_2)), (1, s.prod('_ W_2', t_15, s.W_2)))
+        t_17 = (s.t_2 * softmax_diff(s.t_5, t_16))
+        t_18 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_17, tr(s.W_2))))
+        out_W_1 = s.mm("X' _", tr(s.X), (t_18 * s.t), mean=True)
+        out_W_2 = lin((1/s.L, s.mm("t_4' _", tr(s.t_4), t_17, mean=True)), (1, s.mm('_ G', tr(t_15), s.G, mean=True)))
         return (out_W_1, out_W_2,)
 
 
@@ -315,4 +308,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "0648752188caf58734b14166"
+CHECKSUM = "b37472a8ce7d45bf347eef05"

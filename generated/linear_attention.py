@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "9dd30d9d389736b4f68f6f23"
+    STAMP = "db22ad6e39760d0f65515ab9"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -45,22 +45,22 @@ class mse_causal0(Forward):
         "W_V W_V'": 3,
         "W_V W_V' X'": 3,
         "W_V W_V' X' X": 3,
-        "W_V t_36'": 2,
-        "W_V t_36' X": 2,
+        "W_V t_35'": 2,
+        "W_V t_35' X": 2,
         "W_V' X'": 19,
         "W_V' X' X": 16,
         "X W_V G' X": 5,
         "X W_V W_V' X'": 3,
         "X W_V W_V' X' X": 3,
-        "X W_V t_36'": 2,
-        "X W_V t_36' X": 2,
+        "X W_V t_35'": 2,
+        "X W_V t_35' X": 2,
         "X' G W_V' X' X": 5,
         "X' T X": 2,
         "X' X": 24,
         "X' X W_V W_V' X' X": 3,
-        "X' X W_V t_36'": 2,
-        "X' X W_V t_36' X": 2,
-        "X' t_36": 4,
+        "X' X W_V t_35'": 2,
+        "X' X W_V t_35' X": 2,
+        "X' t_35": 4,
     }
 
     @leaf
@@ -176,7 +176,7 @@ class mse_causal0(Forward):
         return s.mm('one t_22 t_23', s.one, s.t_22, s.t_23)
 
     @leaf
-    def t_36(s):
+    def t_35(s):
         return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_5
 
     def block__W_Q__W_Q__outer(s):
@@ -264,36 +264,35 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = s.mm('_ X W_V', (1/math.sqrt(s.d_K)) * t_25, s.X, s.W_V)
+        t_25 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = s.mm('_ X W_V', t_25, s.X, s.W_V)
         t_27 = s.mm('T X _', s.T, s.X, V_W_V)
         t_28 = (t_26 + t_27)
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*s.d_V)) * t_28, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
         t_29 = (tr(t_27) + tr(t_26))
         out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (2/(s.L*s.d_V)) * t_29, s.X, s.W_Q, mean=True)
-        t_30 = s.mm("X' T' _", tr(s.X), tr(s.T), (2/(s.L*s.d_V)) * t_28)
-        out_W_V = mean0(t_30, True)
+        out_W_V = s.mm("X' T' _", tr(s.X), tr(s.T), (2/(s.L*s.d_V)) * t_28, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), mean=True)
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), mean=True)
-        t_31 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        out_W_V = s.mm("X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_31, s.G, mean=True)
+        t_30 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm("X' _ G", tr(s.X), t_30, s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_32 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_33 = s.mm('_ X W_V', (1/math.sqrt(s.d_K)) * t_32, s.X, s.W_V)
-        t_34 = s.mm('T X _', s.T, s.X, V_W_V)
-        t_35 = (t_33 + t_34)
-        out_W_Q = s.mm_sum('l', (1, "X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_35, tr(s.W_V), tr(s.X), s.X, s.W_K), (1, "X' t_36 W_V' X' X _", tr(s.X), s.t_36, tr(s.W_V), tr(s.X), s.X, V_W_K), (1, "X' t_36 _ X' X W_K", tr(s.X), s.t_36, tr(V_W_V), tr(s.X), s.X, s.W_K), mean=True)
-        t_37 = (tr(t_34) + tr(t_33))
-        out_W_K = s.mm_sum('l', (1, "X' X _ t_36' X W_Q", tr(s.X), s.X, V_W_V, tr(s.t_36), s.X, s.W_Q), (1, "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_37, s.X, s.W_Q), (1, "X' X W_V t_36' X _", tr(s.X), s.X, s.W_V, tr(s.t_36), s.X, V_W_Q), mean=True)
-        t_38 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_38, s.G), (1, "X' T' _", tr(s.X), tr(s.T), (2/(s.L*s.d_V)) * t_35), mean=True)
+        t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_32 = s.mm('_ X W_V', (1/math.sqrt(s.d_K)) * t_31, s.X, s.W_V)
+        t_33 = s.mm('T X _', s.T, s.X, V_W_V)
+        t_34 = (t_32 + t_33)
+        out_W_Q = s.mm_sum('l', (1, "X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_34, tr(s.W_V), tr(s.X), s.X, s.W_K), (1, "X' t_35 W_V' X' X _", tr(s.X), s.t_35, tr(s.W_V), tr(s.X), s.X, V_W_K), (1, "X' t_35 _ X' X W_K", tr(s.X), s.t_35, tr(V_W_V), tr(s.X), s.X, s.W_K), mean=True)
+        t_36 = (tr(t_33) + tr(t_32))
+        out_W_K = s.mm_sum('l', (1, "X' X _ t_35' X W_Q", tr(s.X), s.X, V_W_V, tr(s.t_35), s.X, s.W_Q), (1, "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_36, s.X, s.W_Q), (1, "X' X W_V t_35' X _", tr(s.X), s.X, s.W_V, tr(s.t_35), s.X, V_W_Q), mean=True)
+        t_37 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_37, s.G), (1, "X' T' _", tr(s.X), tr(s.T), (2/(s.L*s.d_V)) * t_34), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -301,15 +300,15 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "d8c51ee81a7ddd1709f7feee"
+    STAMP = "5ed43928e391aaab097bf530"
     RUNS = {
         'A X': 8,
         "W_K' X'": 9,
         "W_Q' X'": 9,
         "W_V' X'": 9,
-        "X' t_37": 2,
-        "X' t_37 X": 2,
-        "X' t_37'": 2,
+        "X' t_34": 2,
+        "X' t_34 X": 2,
+        "X' t_34'": 2,
         "X' t_7": 5,
         "X' t_7 X": 5,
         "X' t_7'": 5,
@@ -404,16 +403,16 @@ class mse_causal1(Forward):
         return s.mm('one t_15 t_16', s.one, s.t_15, s.t_16)
 
     @leaf
-    def t_33(s):
+    def t_30(s):
         return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_6
 
     @leaf
-    def t_36(s):
-        return s.mm("t_33 W_V' X'", s.t_33, tr(s.W_V), tr(s.X))
+    def t_33(s):
+        return s.mm("t_30 W_V' X'", s.t_30, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_37(s):
-        return (s.t_2 * s.t_36)
+    def t_34(s):
+        return (s.t_2 * s.t_33)
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 2/(L*d_K*d_V)*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V @ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X ⊗ X @ W_K))"""
@@ -501,39 +500,36 @@ class mse_causal1(Forward):
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_18 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_19 = (t_18 * s.t_2)
-        t_20 = s.mm('_ X W_V', t_19, s.X, s.W_V)
-        t_21 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_22 = (t_20 + t_21)
-        t_23 = (s.t_2 * s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_23, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q, mean=True)
-        t_24 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22)
-        out_W_V = mean0(t_24, True)
+        t_19 = s.mm('_ X W_V', (t_18 * s.t_2), s.X, s.W_V)
+        t_20 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_21 = (t_19 + t_20)
+        t_22 = (s.t_2 * s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_21, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_22, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_21, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_25, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_7 X _", tr(s.X), s.t_7, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_7' X _", tr(s.X), tr(s.t_7), s.X, V_W_Q), mean=True)
-        t_26 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_27 = (t_26 * tr(s.t_2))
-        out_W_V = s.mm("X' _ G", tr(s.X), t_27, s.G, mean=True)
+        t_23 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_23, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_7 X _", tr(s.X), s.t_7, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_7' X _", tr(s.X), tr(s.t_7), s.X, V_W_Q), mean=True)
+        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm("X' _ G", tr(s.X), (t_24 * tr(s.t_2)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_28 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_29 = (t_28 * s.t_2)
-        t_30 = s.mm('_ X W_V', t_29, s.X, s.W_V)
-        t_31 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_32 = (t_30 + t_31)
-        t_34 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_32, tr(s.W_V), tr(s.X)), (1, "t_33 _ X'", s.t_33, tr(V_W_V), tr(s.X)))
-        t_35 = (t_34 * s.t_2)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_35, s.X, s.W_K), (1, "X' t_37 X _", tr(s.X), s.t_37, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_35), s.X, s.W_Q), (1, "X' t_37' X _", tr(s.X), tr(s.t_37), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_29), s.G), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_32), mean=True)
+        t_25 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = (t_25 * s.t_2)
+        t_27 = s.mm('_ X W_V', t_26, s.X, s.W_V)
+        t_28 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_29 = (t_27 + t_28)
+        t_31 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_29, tr(s.W_V), tr(s.X)), (1, "t_30 _ X'", s.t_30, tr(V_W_V), tr(s.X)))
+        t_32 = (t_31 * s.t_2)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_32, s.X, s.W_K), (1, "X' t_34 X _", tr(s.X), s.t_34, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), (1, "X' t_34' X _", tr(s.X), tr(s.t_34), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_26), s.G), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_29), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -541,7 +537,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "6be102dbda2ca60da382c638"
+    STAMP = "a9263397a5448d04ebce2779"
     RUNS = {
         "G W_V'": 5,
         "G W_V' X'": 5,
@@ -781,8 +777,8 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = lin((1, s.prod('_ X W_V', (1/math.sqrt(s.d_K)) * t_25, s.X, s.W_V)), (1, s.prod('T X _', s.T, s.X, V_W_V)))
+        t_25 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = lin((1, s.prod('_ X W_V', t_25, s.X, s.W_V)), (1, s.prod('T X _', s.T, s.X, V_W_V)))
         t_27 = softmax_diff(s.t_21, t_26)
         t_28 = (s.t_2 * t_27)
         out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ W_V' X' X W_K", tr(s.X), t_28, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
@@ -794,8 +790,8 @@ class ce_causal0(Forward):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), mean=True)
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), mean=True)
-        t_29 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        out_W_V = s.mm("X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_29, s.G, mean=True)
+        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm("X' _ G", tr(s.X), t_29, s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
@@ -815,7 +811,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "8c5de73a59857da97ab83f5f"
+    STAMP = "682a50cd5c15be3e38aa991a"
     RUNS = {
         'A X': 7,
         "W_K' X'": 9,
@@ -824,9 +820,9 @@ class ce_causal1(Forward):
         "X' t_12": 5,
         "X' t_12 X": 5,
         "X' t_12'": 5,
-        "X' t_41": 2,
-        "X' t_41 X": 2,
-        "X' t_41'": 2,
+        "X' t_39": 2,
+        "X' t_39 X": 2,
+        "X' t_39'": 2,
     }
 
     @leaf
@@ -942,16 +938,16 @@ class ce_causal1(Forward):
         return s.mm('one_2 t_21 one', s.one_2, s.t_21, s.one)
 
     @leaf
-    def t_32(s):
+    def t_30(s):
         return (1/(s.L*math.sqrt(s.d_K))) * s.t_11
 
     @leaf
-    def t_40(s):
-        return s.mm("t_32 W_V' X'", s.t_32, tr(s.W_V), tr(s.X))
+    def t_38(s):
+        return s.mm("t_30 W_V' X'", s.t_30, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_41(s):
-        return (s.t_2 * s.t_40)
+    def t_39(s):
+        return (s.t_2 * s.t_38)
 
     @leaf
     def dA(s):
@@ -1047,38 +1043,36 @@ class ce_causal1(Forward):
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_23 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_24 = (t_23 * s.t_2)
-        t_25 = lin((1, s.prod('_ X W_V', t_24, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_26 = softmax_diff(s.t_19, t_25)
-        t_27 = (s.t_4 * t_26)
-        t_28 = (s.t_2 * s.mm("_ W_V' X'", t_27, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_28, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_28), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_27, mean=True)
+        t_24 = lin((1, s.prod('_ X W_V', (t_23 * s.t_2), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_25 = softmax_diff(s.t_19, t_24)
+        t_26 = (s.t_4 * t_25)
+        t_27 = (s.t_2 * s.mm("_ W_V' X'", t_26, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_27, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_26, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_29 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' t_12 X _", tr(s.X), s.t_12, s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_29, s.X, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_12' X _", tr(s.X), tr(s.t_12), s.X, V_W_Q), mean=True)
-        t_30 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        t_31 = (t_30 * tr(s.t_2))
-        out_W_V = s.mm("X' _ G", tr(s.X), t_31, s.G, mean=True)
+        t_28 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' t_12 X _", tr(s.X), s.t_12, s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_28, s.X, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_28), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_12' X _", tr(s.X), tr(s.t_12), s.X, V_W_Q), mean=True)
+        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm("X' _ G", tr(s.X), (t_29 * tr(s.t_2)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_33 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_34 = (t_33 * s.t_2)
-        t_35 = lin((1, s.prod('_ X W_V', t_34, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_36 = softmax_diff(s.t_9, t_35)
-        t_37 = (s.t_4 * t_36)
-        t_38 = s.mm_sum('r', (1, "t_32 _ X'", s.t_32, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_37, tr(s.W_V), tr(s.X)))
-        t_39 = (t_38 * s.t_2)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_39, s.X, s.W_K), (1, "X' t_41 X _", tr(s.X), s.t_41, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), (1, "X' t_41' X _", tr(s.X), tr(s.t_41), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_34), s.G), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_37), mean=True)
+        t_31 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_32 = (t_31 * s.t_2)
+        t_33 = lin((1, s.prod('_ X W_V', t_32, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_34 = softmax_diff(s.t_9, t_33)
+        t_35 = (s.t_4 * t_34)
+        t_36 = s.mm_sum('r', (1, "t_30 _ X'", s.t_30, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_35, tr(s.W_V), tr(s.X)))
+        t_37 = (t_36 * s.t_2)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_37, s.X, s.W_K), (1, "X' t_39 X _", tr(s.X), s.t_39, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_37), s.X, s.W_Q), (1, "X' t_39' X _", tr(s.X), tr(s.t_39), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_32), s.G), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_35), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -1088,4 +1082,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "222de344a9b526733bbdee5b"
+CHECKSUM = "e361d017f8cea8dba00b123e"

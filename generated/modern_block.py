@@ -24,15 +24,15 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "aff295f94532dd36b486a9b0"
+    STAMP = "edb3cb644a76f253ce8a7b3a"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_212": 2,
+        "A1' t_204": 2,
         "A1' t_44": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_212": 2,
+        "A2' t_204": 2,
         "A2' t_44": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
@@ -41,18 +41,18 @@ class mse_causal0(Forward):
         'N_1 W_V': 59,
         'N_1 W_V W_O1': 15,
         'N_1 W_V W_O2': 15,
-        "N_1' A1' t_212": 2,
+        "N_1' A1' t_204": 2,
         "N_1' A1' t_44": 4,
-        "N_1' A2' t_212": 2,
+        "N_1' A2' t_204": 2,
         "N_1' A2' t_44": 4,
-        "W_O1 t_173'": 2,
-        "W_O1 t_213'": 2,
+        "W_O1 t_166'": 2,
+        "W_O1 t_205'": 2,
         "W_O1 t_25'": 3,
         "W_O1 t_44'": 3,
         "W_O1 t_66'": 2,
         "W_O1' W_V'": 16,
-        "W_O2 t_173'": 2,
-        "W_O2 t_213'": 2,
+        "W_O2 t_166'": 2,
+        "W_O2 t_205'": 2,
         "W_O2 t_25'": 3,
         "W_O2 t_44'": 3,
         "W_O2 t_66'": 2,
@@ -472,156 +472,156 @@ class mse_causal0(Forward):
         return (s.t_86 * s.C)
 
     @leaf
-    def t_97(s):
+    def t_95(s):
         return (s.t_54 + s.t_55)
 
     @leaf
-    def t_129(s):
+    def t_123(s):
         return lin((1, s.t_57), (2, s.t_58))
 
     @leaf
-    def t_135(s):
+    def t_129(s):
         return (s.t_59 + s.t_60)
 
     @leaf
-    def t_157(s):
+    def t_151(s):
         return (tr(s.t_12) * tr(s.t_11))
 
     @leaf
-    def t_162(s):
+    def t_155(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_163(s):
+    def t_156(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_157(s):
+        return mul(s.t_13, s.t_156, s.t_11, s.t_14)
+
+    @leaf
+    def t_158(s):
+        return mul(s.t_12, s.t_156, s.t_14)
+
+    @leaf
+    def t_159(s):
+        return (s.t_157 + s.t_158)
+
+    @leaf
+    def t_160(s):
+        return s.mm("t_159 W_1'", s.t_159, tr(s.W_1))
+
+    @leaf
+    def t_161(s):
+        return mul(s.t_12, s.t_156, s.t_11)
+
+    @leaf
+    def t_162(s):
+        return s.mm("t_161 W_3'", s.t_161, tr(s.W_3))
+
+    @leaf
+    def t_163(s):
+        return (s.t_160 + s.t_162)
+
+    @leaf
     def t_164(s):
-        return mul(s.t_13, s.t_163, s.t_11, s.t_14)
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_163, s.t_22, s.Y_2)
 
     @leaf
     def t_165(s):
-        return mul(s.t_12, s.t_163, s.t_14)
+        return s.mm('t_164 one', s.t_164, s.one)
 
     @leaf
     def t_166(s):
-        return (s.t_164 + s.t_165)
+        return lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), s.t_155), (1, (1/math.sqrt(s.d_K)) * s.t_163, s.R_N_2), (1, s.t_165, s.Y_2))
 
     @leaf
     def t_167(s):
-        return s.mm("t_166 W_1'", s.t_166, tr(s.W_1))
+        return s.mm("t_166 W_O1' W_V' N_1'", s.t_166, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_168(s):
-        return mul(s.t_12, s.t_163, s.t_11)
+    def t_180(s):
+        return lin((1, mul(s.t_56, s.t_156, s.t_11), s.t_14), (2, (s.t_13 * s.t_156), s.t_14))
 
     @leaf
-    def t_169(s):
-        return s.mm("t_168 W_3'", s.t_168, tr(s.W_3))
+    def t_182(s):
+        return mul(s.t_13, s.t_156, s.t_11)
 
     @leaf
-    def t_170(s):
-        return (s.t_167 + s.t_169)
+    def t_183(s):
+        return (s.t_12 * s.t_156)
 
     @leaf
-    def t_171(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_170, s.t_22, s.Y_2)
+    def t_184(s):
+        return (s.t_182 + s.t_183)
 
     @leaf
-    def t_172(s):
-        return s.mm('t_171 one', s.t_171, s.one)
+    def t_188(s):
+        return ((1/math.sqrt(s.d_K)) * s.t_163 * s.t_22)
 
     @leaf
-    def t_173(s):
-        return lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), s.t_162), (1, (1/math.sqrt(s.d_K)) * s.t_170, s.R_N_2), (1, s.t_172, s.Y_2))
-
-    @leaf
-    def t_174(s):
-        return s.mm("t_173 W_O1' W_V' N_1'", s.t_173, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_187(s):
-        return lin((1, mul(s.t_56, s.t_163, s.t_11), s.t_14), (2, (s.t_13 * s.t_163), s.t_14))
+    def t_189(s):
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_163 * s.t_22)
 
     @leaf
     def t_190(s):
-        return mul(s.t_13, s.t_163, s.t_11)
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_163, s.t_62, s.Y_2)
 
     @leaf
-    def t_191(s):
-        return (s.t_12 * s.t_163)
-
-    @leaf
-    def t_192(s):
-        return (s.t_190 + s.t_191)
-
-    @leaf
-    def t_196(s):
-        return ((1/math.sqrt(s.d_K)) * s.t_170 * s.t_22)
+    def t_195(s):
+        return softmax_diff(s.A1, s.t_167)
 
     @leaf
     def t_197(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_170 * s.t_22)
+        return s.mm("t_166 W_O2' W_V' N_1'", s.t_166, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_198(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_170, s.t_62, s.Y_2)
+    def t_200(s):
+        return softmax_diff(s.A2, s.t_197)
+
+    @leaf
+    def t_202(s):
+        return mul((2/s.d_V) * s.t_163, s.t_22, s.Y_2)
 
     @leaf
     def t_203(s):
-        return softmax_diff(s.A1, s.t_174)
+        return s.mm('t_202 one', s.t_202, s.one)
+
+    @leaf
+    def t_204(s):
+        return lin((2/(s.L*s.d_V), s.t_155), (1, s.t_163, s.R_N_2), (1, s.t_203, s.Y_2))
 
     @leaf
     def t_205(s):
-        return s.mm("t_173 W_O2' W_V' N_1'", s.t_173, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return (1/math.sqrt(s.d_K)) * s.t_204
+
+    @leaf
+    def t_206(s):
+        return s.mm("t_205 W_O1' W_V' N_1'", s.t_205, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_208(s):
-        return softmax_diff(s.A2, s.t_205)
+        return (s.t_163 * s.t_22)
+
+    @leaf
+    def t_209(s):
+        return ((2/s.d_V) * s.t_163 * s.t_22)
 
     @leaf
     def t_210(s):
-        return mul((2/s.d_V) * s.t_170, s.t_22, s.Y_2)
+        return mul((2/s.d_V) * s.t_163, s.t_62, s.Y_2)
 
     @leaf
-    def t_211(s):
-        return s.mm('t_210 one', s.t_210, s.one)
+    def t_215(s):
+        return s.mm("t_205 W_O2' W_V' N_1'", s.t_205, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_212(s):
-        return lin((2/(s.L*s.d_V), s.t_162), (1, s.t_170, s.R_N_2), (1, s.t_211, s.Y_2))
+    def t_219(s):
+        return softmax_diff(s.A1, s.t_206)
 
     @leaf
-    def t_213(s):
-        return (1/math.sqrt(s.d_K)) * s.t_212
-
-    @leaf
-    def t_214(s):
-        return s.mm("t_213 W_O1' W_V' N_1'", s.t_213, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_216(s):
-        return (s.t_170 * s.t_22)
-
-    @leaf
-    def t_217(s):
-        return ((2/s.d_V) * s.t_170 * s.t_22)
-
-    @leaf
-    def t_218(s):
-        return mul((2/s.d_V) * s.t_170, s.t_62, s.Y_2)
-
-    @leaf
-    def t_223(s):
-        return s.mm("t_213 W_O2' W_V' N_1'", s.t_213, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_227(s):
-        return softmax_diff(s.A1, s.t_214)
-
-    @leaf
-    def t_228(s):
-        return softmax_diff(s.A2, s.t_223)
+    def t_220(s):
+        return softmax_diff(s.A2, s.t_215)
 
     @leaf
     def S_2(s):
@@ -1670,143 +1670,134 @@ class mse_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_89 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_91 = lin((1, s.prod("t_39' _", tr(s.t_39), t_89)), (1, s.prod("_ t_5'", t_90, tr(s.t_5))))
-        t_92 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_91)
-        t_93 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_94 = lin((1, s.prod("_ t_5'", t_93, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_89)))
-        t_95 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_94)
-        t_96 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_95, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_98 = s.mm('_ one', (t_96 * s.Y_2), s.one)
-        t_99 = (t_98 * s.t_53)
-        t_100 = lin((1, t_96, s.R_N_2), (2/s.d_V, t_99))
-        t_101 = lin((1, s.prod('_ W_1', t_100, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_102 = lin((1, s.prod('_ W_3', t_100, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_103 = ((s.t_97 * t_101) + (s.t_33 * t_102))
-        t_104 = lin((1, t_96), (1, s.prod('_ W_2', t_103, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
-        t_105 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_104, tr(s.W_2))
-        t_106 = (s.t_97 * t_105)
-        t_107 = (s.t_33 * t_105)
-        t_108 = lin((1, s.prod("_ W_1'", t_106, tr(s.W_1))), (1, s.prod("_ W_3'", t_107, tr(s.W_3))))
-        t_109 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_104), (1, (1/math.sqrt(s.d_K)) * t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_108), s.one), s.Y_2))
-        t_110 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_109, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_111 = s.mm("_ t_2'", t_110, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_111 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_111 * s.S), tr(s.R)), mean=True)
-        t_112 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_109, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_113 = s.mm("_ t_2'", t_112, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_113 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_113 * s.S), tr(s.R)), mean=True)
-        t_114 = lin((2/(s.L*s.d_V), t_104), (1, t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_108), s.one), s.Y_2))
-        t_115 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_114, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-        t_116 = softmax_diff(s.A1, t_115)
-        t_117 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_114, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-        t_118 = softmax_diff(s.A2, t_117)
-        t_119 = lin((1, s.prod("_ t_39'", tr(t_116), tr(s.t_39))), (1, s.prod("_ t_40'", tr(t_118), tr(s.t_40))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_119 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_119 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_114, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_114, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_114, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_114, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_106, mean=True)
-        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_107, mean=True)
-        t_120 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_104)
-        out_W_2 = mean0(t_120, True)
+        t_91 = lin((1/math.sqrt(s.d_K), s.prod("t_39' _", tr(s.t_39), t_89)), (1/math.sqrt(s.d_K), s.prod("_ t_5'", t_90, tr(s.t_5))))
+        t_92 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_93 = lin((1/math.sqrt(s.d_K), s.prod("_ t_5'", t_92, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_40' _", tr(s.t_40), t_89)))
+        t_94 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_91), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_93), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_96 = lin((1, t_94, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_94 * s.Y_2), s.one), s.t_53))
+        t_97 = lin((1, s.prod('_ W_1', t_96, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_98 = lin((1, s.prod('_ W_3', t_96, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_99 = lin((1, t_94), (1, s.prod('_ W_2', ((s.t_95 * t_97) + (s.t_33 * t_98)), s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
+        t_100 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_99, tr(s.W_2))
+        t_101 = (s.t_95 * t_100)
+        t_102 = (s.t_33 * t_100)
+        t_103 = lin((1, s.prod("_ W_1'", t_101, tr(s.W_1))), (1, s.prod("_ W_3'", t_102, tr(s.W_3))))
+        t_104 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_99), (1, (1/math.sqrt(s.d_K)) * t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_103), s.one), s.Y_2))
+        t_105 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_106 = s.mm("_ t_2'", t_105, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_106 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), mean=True)
+        t_107 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_104, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_108 = s.mm("_ t_2'", t_107, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_108 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_108 * s.S), tr(s.R)), mean=True)
+        t_109 = lin((2/(s.L*s.d_V), t_99), (1, t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_103), s.one), s.Y_2))
+        t_110 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_109, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        t_111 = softmax_diff(s.A1, t_110)
+        t_112 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_109, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        t_113 = softmax_diff(s.A2, t_112)
+        t_114 = lin((1, s.prod("_ t_39'", tr(t_111), tr(s.t_39))), (1, s.prod("_ t_40'", tr(t_113), tr(s.t_40))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_114 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_114 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_109, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_109, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_109, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_109, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_101, mean=True)
+        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_102, mean=True)
+        out_W_2 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_99, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_121 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_122 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_123 = lin((1, s.prod("t_39' _", tr(s.t_39), t_121)), (1, s.prod("_ t_5'", t_122, tr(s.t_5))))
-        t_124 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_123)
-        t_125 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_126 = lin((1, s.prod("_ t_5'", t_125, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_121)))
-        t_127 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_126)
-        t_128 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_124, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_127, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_130 = s.mm('_ one', (t_128 * s.Y_2), s.one)
-        t_131 = (t_130 * s.t_53)
-        t_132 = lin((1, t_128, s.R_N_2), (2/s.d_V, t_131))
-        t_133 = lin((1, s.prod('_ W_1', t_132, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_134 = s.mm('G _', s.G, tr(V_W_2))
-        t_136 = lin((1, s.prod('_ W_3', t_132, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_137 = lin((1, s.t_129, t_133), (1, s.t_97, t_134), (1, s.t_135, t_136))
-        t_138 = ((s.t_135 * t_133) + (s.t_33 * t_134))
-        t_139 = lin((1, s.prod("_ W_1'", t_137, tr(s.W_1))), (1, s.prod("_ W_3'", t_138, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
-        t_140 = lin((1, s.t_61, t_128), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_139), (2/s.d_V, t_130, s.t_63))
-        t_141 = lin((1, s.t_24, t_128), (1, (1/math.sqrt(s.d_K)) * t_139, s.R_N_2), (2/s.d_V, t_130, s.t_65), (1, s.mm('_ one', t_140, s.one), s.Y_2))
-        t_142 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_141, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O1' _ N_1'", s.t_25, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_143 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_26) + softmax_diff(s.A1, t_142))
-        t_144 = lin((1, s.prod("_ t_2'", t_143, tr(s.t_2))), (1, s.prod('t_27 _', s.t_27, tr(t_121))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_144 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), mean=True)
-        t_145 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_141, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O2' _ N_1'", s.t_25, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_146 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_35) + softmax_diff(s.A2, t_145))
-        t_147 = lin((1, s.prod("_ t_2'", t_146, tr(s.t_2))), (1, s.prod('t_36 _', s.t_36, tr(t_121))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), mean=True)
-        t_148 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_67)
-        t_149 = lin((1, s.t_69, t_128), (1, s.t_53, (2/s.d_V) * t_139), (2/s.d_V, t_130, s.t_70))
-        t_150 = lin((1, t_139, s.R_N_2), (2/s.d_V, t_130, s.t_72), (1, s.t_43, t_128), (1, s.mm('_ one', t_149, s.one), s.Y_2))
-        t_151 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_150, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O1' _ N_1'", s.t_66, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_152 = softmax_diff(s.A1, t_151)
-        t_153 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_73)
-        t_154 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_150, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O2' _ N_1'", s.t_66, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_155 = softmax_diff(s.A2, t_154)
-        t_156 = lin((1, s.prod("_ t_39'", (tr(t_148) + tr(t_152)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_153) + tr(t_155)), tr(s.t_40))), (1, s.prod("t_68' _", tr(s.t_68), t_122)), (1, s.prod("t_74' _", tr(s.t_74), t_125)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_156 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_156 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_44 W_O2'", tr(s.N_1), tr(t_127), s.t_44, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_150, tr(s.W_O1)), (1, "N_1' A1' t_44 _", tr(s.N_1), tr(s.A1), s.t_44, tr(V_W_O1)), (1, "N_1' _ t_44 W_O1'", tr(s.N_1), tr(t_124), s.t_44, tr(s.W_O1)), (1, "N_1' A2' t_44 _", tr(s.N_1), tr(s.A2), s.t_44, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_150, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_44", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_124), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_150, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_150, mean=True)))
-        out_W_1 = (s.mm('_ t_17', tr(t_132), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_137, mean=True))
-        out_W_3 = (s.mm('_ t_18', tr(t_132), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_138, mean=True))
-        t_158 = ((tr(s.t_97) * tr(t_133)) + (s.t_157 * tr(t_136)))
-        out_W_2 = s.mm('_ G', t_158, s.G, mean=True)
+        t_115 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_116 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_117 = lin((1, s.prod("t_39' _", tr(s.t_39), t_115)), (1, s.prod("_ t_5'", t_116, tr(s.t_5))))
+        t_118 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_117)
+        t_119 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_120 = lin((1, s.prod("_ t_5'", t_119, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_115)))
+        t_121 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_120)
+        t_122 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_118, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_121, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_124 = s.mm('_ one', (t_122 * s.Y_2), s.one)
+        t_125 = (t_124 * s.t_53)
+        t_126 = lin((1, t_122, s.R_N_2), (2/s.d_V, t_125))
+        t_127 = lin((1, s.prod('_ W_1', t_126, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_128 = s.mm('G _', s.G, tr(V_W_2))
+        t_130 = lin((1, s.prod('_ W_3', t_126, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_131 = lin((1, s.t_123, t_127), (1, s.t_95, t_128), (1, s.t_129, t_130))
+        t_132 = ((s.t_129 * t_127) + (s.t_33 * t_128))
+        t_133 = lin((1, s.prod("_ W_1'", t_131, tr(s.W_1))), (1, s.prod("_ W_3'", t_132, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
+        t_134 = lin((1, s.t_61, t_122), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_133), (2/s.d_V, t_124, s.t_63))
+        t_135 = lin((1, s.t_24, t_122), (1, (1/math.sqrt(s.d_K)) * t_133, s.R_N_2), (2/s.d_V, t_124, s.t_65), (1, s.mm('_ one', t_134, s.one), s.Y_2))
+        t_136 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_135, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O1' _ N_1'", s.t_25, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_137 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_117, s.t_26) + softmax_diff(s.A1, t_136))
+        t_138 = lin((1, s.prod("_ t_2'", t_137, tr(s.t_2))), (1, s.prod('t_27 _', s.t_27, tr(t_115))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_138 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_138 * s.S), tr(s.R)), mean=True)
+        t_139 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_135, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O2' _ N_1'", s.t_25, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_140 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_120, s.t_35) + softmax_diff(s.A2, t_139))
+        t_141 = lin((1, s.prod("_ t_2'", t_140, tr(s.t_2))), (1, s.prod('t_36 _', s.t_36, tr(t_115))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_141 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_141 * s.C)), mean=True)
+        t_142 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_117, s.t_67)
+        t_143 = lin((1, s.t_69, t_122), (1, s.t_53, (2/s.d_V) * t_133), (2/s.d_V, t_124, s.t_70))
+        t_144 = lin((1, t_133, s.R_N_2), (2/s.d_V, t_124, s.t_72), (1, s.t_43, t_122), (1, s.mm('_ one', t_143, s.one), s.Y_2))
+        t_145 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O1' _ N_1'", s.t_66, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_146 = softmax_diff(s.A1, t_145)
+        t_147 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_120, s.t_73)
+        t_148 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O2' _ N_1'", s.t_66, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_149 = softmax_diff(s.A2, t_148)
+        t_150 = lin((1, s.prod("_ t_39'", (tr(t_142) + tr(t_146)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_147) + tr(t_149)), tr(s.t_40))), (1, s.prod("t_68' _", tr(s.t_68), t_116)), (1, s.prod("t_74' _", tr(s.t_74), t_119)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_150 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_150 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_44 W_O2'", tr(s.N_1), tr(t_121), s.t_44, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_144, tr(s.W_O1)), (1, "N_1' A1' t_44 _", tr(s.N_1), tr(s.A1), s.t_44, tr(V_W_O1)), (1, "N_1' _ t_44 W_O1'", tr(s.N_1), tr(t_118), s.t_44, tr(s.W_O1)), (1, "N_1' A2' t_44 _", tr(s.N_1), tr(s.A2), s.t_44, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_144, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_44", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_118), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_144, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_121), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_144, mean=True)))
+        out_W_1 = (s.mm('_ t_17', tr(t_126), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_131, mean=True))
+        out_W_3 = (s.mm('_ t_18', tr(t_126), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_132, mean=True))
+        out_W_2 = s.mm('_ G', ((tr(s.t_95) * tr(t_127)) + (s.t_151 * tr(t_130))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_159 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_160 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_161 = lin((1, s.prod("t_39' _", tr(s.t_39), t_159)), (1, s.prod("_ t_5'", t_160, tr(s.t_5))))
-        t_175 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_161)
-        t_176 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_177 = lin((1, s.prod("_ t_5'", t_176, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_159)))
-        t_178 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_177)
-        t_179 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_175, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_178, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_180 = s.mm('_ one', (t_179 * s.Y_2), s.one)
-        t_181 = (t_180 * s.t_53)
-        t_182 = lin((1, t_179, s.R_N_2), (2/s.d_V, t_181))
-        t_183 = lin((1, s.prod('_ W_1', t_182, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_184 = lin((1, s.prod('_ W_3', t_182, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_185 = ((s.t_97 * t_183) + (s.t_33 * t_184))
-        t_186 = lin((1, t_179), (1, s.prod('_ W_2', t_185, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
-        t_188 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_186, tr(s.W_2))
-        t_189 = lin((1, t_188), (1, s.prod('G _', s.G, tr(V_W_2))))
-        t_193 = lin((1, s.t_187, t_183), (1, s.t_97, t_189), (1, s.t_192, t_184))
-        t_194 = ((s.t_192 * t_183) + (s.t_33 * t_189))
-        t_195 = lin((1, s.prod("_ W_1'", t_193, tr(s.W_1))), (1, s.prod("_ W_3'", t_194, tr(s.W_3))), (1, s.prod('t_166 _', s.t_166, tr(V_W_1))), (1, s.prod('t_168 _', s.t_168, tr(V_W_3))))
-        t_199 = lin((1, s.t_197, t_179), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_195), (2/s.d_V, t_180, s.t_198))
-        t_200 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_186), (1, s.t_172, t_179), (1, (1/math.sqrt(s.d_K)) * t_195, s.R_N_2), (2/s.d_V, t_180, s.t_196), (1, s.mm('_ one', t_199, s.one), s.Y_2))
-        t_201 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_200, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_173 _ W_V' N_1'", s.t_173, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_173 W_O1' _ N_1'", s.t_173, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_202 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_174) + softmax_diff(s.A1, t_201))
-        t_204 = lin((1, s.prod("_ t_2'", t_202, tr(s.t_2))), (1, s.prod('t_203 _', s.t_203, tr(t_159))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_204 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_204 * s.C)), mean=True)
-        t_206 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_200, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_173 W_O2' _ N_1'", s.t_173, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_173 _ W_V' N_1'", s.t_173, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_207 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_177, s.t_205) + softmax_diff(s.A2, t_206))
-        t_209 = lin((1, s.prod("_ t_2'", t_207, tr(s.t_2))), (1, s.prod('t_208 _', s.t_208, tr(t_159))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_209 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_209 * s.S), tr(s.R)), mean=True)
-        t_215 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_214)
-        t_219 = lin((1, s.t_217, t_179), (1, s.t_53, (2/s.d_V) * t_195), (2/s.d_V, t_180, s.t_218))
-        t_220 = lin((2/(s.L*s.d_V), t_186), (1, t_195, s.R_N_2), (2/s.d_V, t_180, s.t_216), (1, s.t_211, t_179), (1, s.mm('_ one', t_219, s.one), s.Y_2))
-        t_221 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_220, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_213 _ W_V' N_1'", s.t_213, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_213 W_O1' _ N_1'", s.t_213, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_222 = softmax_diff(s.A1, t_221)
-        t_224 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_177, s.t_223)
-        t_225 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_220, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_213 W_O2' _ N_1'", s.t_213, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_213 _ W_V' N_1'", s.t_213, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_226 = softmax_diff(s.A2, t_225)
-        t_229 = lin((1, s.prod("_ t_39'", (tr(t_215) + tr(t_222)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_224) + tr(t_226)), tr(s.t_40))), (1, s.prod("t_227' _", tr(s.t_227), t_160)), (1, s.prod("t_228' _", tr(s.t_228), t_176)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_229 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_229 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_212 _", tr(s.N_1), tr(s.A2), s.t_212, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_220, tr(s.W_O2)), (1, "N_1' A1' t_212 _", tr(s.N_1), tr(s.A1), s.t_212, tr(V_W_O1)), (1, "N_1' _ t_212 W_O1'", tr(s.N_1), tr(t_175), s.t_212, tr(s.W_O1)), (1, "N_1' _ t_212 W_O2'", tr(s.N_1), tr(t_178), s.t_212, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_220, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_212", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_212), (1, "W_V' N_1' _ t_212", tr(s.W_V), tr(s.N_1), tr(t_175), s.t_212), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_220, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_212", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_212), (1, "W_V' N_1' _ t_212", tr(s.W_V), tr(s.N_1), tr(t_178), s.t_212), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_220, mean=True)))
-        out_W_1 = (s.mm('_ t_166', tr(t_182), s.t_166, mean=True) + s.mm("N_2' _", tr(s.N_2), t_193, mean=True))
-        out_W_3 = (s.mm('_ t_168', tr(t_182), s.t_168, mean=True) + s.mm("N_2' _", tr(s.N_2), t_194, mean=True))
-        t_230 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_186)
-        out_W_2 = (s.mm('_ G', tr(t_185), s.G, mean=True) + mean0(t_230, True))
+        t_152 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_153 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_154 = lin((1, s.prod("t_39' _", tr(s.t_39), t_152)), (1, s.prod("_ t_5'", t_153, tr(s.t_5))))
+        t_168 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_154)
+        t_169 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_170 = lin((1, s.prod("_ t_5'", t_169, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_152)))
+        t_171 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_170)
+        t_172 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_168, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_171, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_173 = s.mm('_ one', (t_172 * s.Y_2), s.one)
+        t_174 = (t_173 * s.t_53)
+        t_175 = lin((1, t_172, s.R_N_2), (2/s.d_V, t_174))
+        t_176 = lin((1, s.prod('_ W_1', t_175, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_177 = lin((1, s.prod('_ W_3', t_175, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_178 = ((s.t_95 * t_176) + (s.t_33 * t_177))
+        t_179 = lin((1, t_172), (1, s.prod('_ W_2', t_178, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
+        t_181 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_179, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_185 = lin((1, s.t_180, t_176), (1, s.t_95, t_181), (1, s.t_184, t_177))
+        t_186 = ((s.t_184 * t_176) + (s.t_33 * t_181))
+        t_187 = lin((1, s.prod("_ W_1'", t_185, tr(s.W_1))), (1, s.prod("_ W_3'", t_186, tr(s.W_3))), (1, s.prod('t_159 _', s.t_159, tr(V_W_1))), (1, s.prod('t_161 _', s.t_161, tr(V_W_3))))
+        t_191 = lin((1, s.t_189, t_172), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_187), (2/s.d_V, t_173, s.t_190))
+        t_192 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_179), (1, s.t_165, t_172), (1, (1/math.sqrt(s.d_K)) * t_187, s.R_N_2), (2/s.d_V, t_173, s.t_188), (1, s.mm('_ one', t_191, s.one), s.Y_2))
+        t_193 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_192, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_166 _ W_V' N_1'", s.t_166, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_166 W_O1' _ N_1'", s.t_166, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_194 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_154, s.t_167) + softmax_diff(s.A1, t_193))
+        t_196 = lin((1, s.prod("_ t_2'", t_194, tr(s.t_2))), (1, s.prod('t_195 _', s.t_195, tr(t_152))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_196 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_196 * s.C)), mean=True)
+        t_198 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_192, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_166 W_O2' _ N_1'", s.t_166, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_166 _ W_V' N_1'", s.t_166, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_199 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_170, s.t_197) + softmax_diff(s.A2, t_198))
+        t_201 = lin((1, s.prod("_ t_2'", t_199, tr(s.t_2))), (1, s.prod('t_200 _', s.t_200, tr(t_152))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_201 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_201 * s.S), tr(s.R)), mean=True)
+        t_207 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_154, s.t_206)
+        t_211 = lin((1, s.t_209, t_172), (1, s.t_53, (2/s.d_V) * t_187), (2/s.d_V, t_173, s.t_210))
+        t_212 = lin((2/(s.L*s.d_V), t_179), (1, t_187, s.R_N_2), (2/s.d_V, t_173, s.t_208), (1, s.t_203, t_172), (1, s.mm('_ one', t_211, s.one), s.Y_2))
+        t_213 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_212, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_205 _ W_V' N_1'", s.t_205, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_205 W_O1' _ N_1'", s.t_205, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_214 = softmax_diff(s.A1, t_213)
+        t_216 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_170, s.t_215)
+        t_217 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_212, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_205 W_O2' _ N_1'", s.t_205, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_205 _ W_V' N_1'", s.t_205, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_218 = softmax_diff(s.A2, t_217)
+        t_221 = lin((1, s.prod("_ t_39'", (tr(t_207) + tr(t_214)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_216) + tr(t_218)), tr(s.t_40))), (1, s.prod("t_219' _", tr(s.t_219), t_153)), (1, s.prod("t_220' _", tr(s.t_220), t_169)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_221 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_221 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_204 _", tr(s.N_1), tr(s.A2), s.t_204, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_212, tr(s.W_O2)), (1, "N_1' A1' t_204 _", tr(s.N_1), tr(s.A1), s.t_204, tr(V_W_O1)), (1, "N_1' _ t_204 W_O1'", tr(s.N_1), tr(t_168), s.t_204, tr(s.W_O1)), (1, "N_1' _ t_204 W_O2'", tr(s.N_1), tr(t_171), s.t_204, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_212, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_204", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_204), (1, "W_V' N_1' _ t_204", tr(s.W_V), tr(s.N_1), tr(t_168), s.t_204), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_212, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_204", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_204), (1, "W_V' N_1' _ t_204", tr(s.W_V), tr(s.N_1), tr(t_171), s.t_204), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_212, mean=True)))
+        out_W_1 = (s.mm('_ t_159', tr(t_175), s.t_159, mean=True) + s.mm("N_2' _", tr(s.N_2), t_185, mean=True))
+        out_W_3 = (s.mm('_ t_161', tr(t_175), s.t_161, mean=True) + s.mm("N_2' _", tr(s.N_2), t_186, mean=True))
+        out_W_2 = (s.mm('_ G', tr(t_178), s.G, mean=True) + s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_179, mean=True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -1814,15 +1805,15 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "0f4b0ed782894d16d49ab746"
+    STAMP = "aed64636e2319053ebba5443"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_212": 2,
+        "A1' t_204": 2,
         "A1' t_44": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_212": 2,
+        "A2' t_204": 2,
         "A2' t_44": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
@@ -1831,18 +1822,18 @@ class mse_causal1(Forward):
         'N_1 W_V': 59,
         'N_1 W_V W_O1': 15,
         'N_1 W_V W_O2': 15,
-        "N_1' A1' t_212": 2,
+        "N_1' A1' t_204": 2,
         "N_1' A1' t_44": 4,
-        "N_1' A2' t_212": 2,
+        "N_1' A2' t_204": 2,
         "N_1' A2' t_44": 4,
-        "W_O1 t_173'": 2,
-        "W_O1 t_213'": 2,
+        "W_O1 t_166'": 2,
+        "W_O1 t_205'": 2,
         "W_O1 t_25'": 3,
         "W_O1 t_44'": 3,
         "W_O1 t_66'": 2,
         "W_O1' W_V'": 16,
-        "W_O2 t_173'": 2,
-        "W_O2 t_213'": 2,
+        "W_O2 t_166'": 2,
+        "W_O2 t_205'": 2,
         "W_O2 t_25'": 3,
         "W_O2 t_44'": 3,
         "W_O2 t_66'": 2,
@@ -2262,156 +2253,156 @@ class mse_causal1(Forward):
         return (s.t_86 * s.C)
 
     @leaf
-    def t_97(s):
+    def t_95(s):
         return (s.t_54 + s.t_55)
 
     @leaf
-    def t_129(s):
+    def t_123(s):
         return lin((1, s.t_57), (2, s.t_58))
 
     @leaf
-    def t_135(s):
+    def t_129(s):
         return (s.t_59 + s.t_60)
 
     @leaf
-    def t_157(s):
+    def t_151(s):
         return (tr(s.t_12) * tr(s.t_11))
 
     @leaf
-    def t_162(s):
+    def t_155(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_163(s):
+    def t_156(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_157(s):
+        return mul(s.t_13, s.t_156, s.t_11, s.t_14)
+
+    @leaf
+    def t_158(s):
+        return mul(s.t_12, s.t_156, s.t_14)
+
+    @leaf
+    def t_159(s):
+        return (s.t_157 + s.t_158)
+
+    @leaf
+    def t_160(s):
+        return s.mm("t_159 W_1'", s.t_159, tr(s.W_1))
+
+    @leaf
+    def t_161(s):
+        return mul(s.t_12, s.t_156, s.t_11)
+
+    @leaf
+    def t_162(s):
+        return s.mm("t_161 W_3'", s.t_161, tr(s.W_3))
+
+    @leaf
+    def t_163(s):
+        return (s.t_160 + s.t_162)
+
+    @leaf
     def t_164(s):
-        return mul(s.t_13, s.t_163, s.t_11, s.t_14)
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_163, s.t_22, s.Y_2)
 
     @leaf
     def t_165(s):
-        return mul(s.t_12, s.t_163, s.t_14)
+        return s.mm('t_164 one', s.t_164, s.one)
 
     @leaf
     def t_166(s):
-        return (s.t_164 + s.t_165)
+        return lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), s.t_155), (1, (1/math.sqrt(s.d_K)) * s.t_163, s.R_N_2), (1, s.t_165, s.Y_2))
 
     @leaf
     def t_167(s):
-        return s.mm("t_166 W_1'", s.t_166, tr(s.W_1))
+        return s.mm("t_166 W_O1' W_V' N_1'", s.t_166, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_168(s):
-        return mul(s.t_12, s.t_163, s.t_11)
+    def t_180(s):
+        return lin((1, mul(s.t_56, s.t_156, s.t_11), s.t_14), (2, (s.t_13 * s.t_156), s.t_14))
 
     @leaf
-    def t_169(s):
-        return s.mm("t_168 W_3'", s.t_168, tr(s.W_3))
+    def t_181(s):
+        return mul(s.t_13, s.t_156, s.t_11)
 
     @leaf
-    def t_170(s):
-        return (s.t_167 + s.t_169)
+    def t_182(s):
+        return (s.t_12 * s.t_156)
 
     @leaf
-    def t_171(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_170, s.t_22, s.Y_2)
-
-    @leaf
-    def t_172(s):
-        return s.mm('t_171 one', s.t_171, s.one)
-
-    @leaf
-    def t_173(s):
-        return lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), s.t_162), (1, (1/math.sqrt(s.d_K)) * s.t_170, s.R_N_2), (1, s.t_172, s.Y_2))
-
-    @leaf
-    def t_174(s):
-        return s.mm("t_173 W_O1' W_V' N_1'", s.t_173, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_187(s):
-        return lin((1, mul(s.t_56, s.t_163, s.t_11), s.t_14), (2, (s.t_13 * s.t_163), s.t_14))
+    def t_183(s):
+        return (s.t_181 + s.t_182)
 
     @leaf
     def t_188(s):
-        return mul(s.t_13, s.t_163, s.t_11)
+        return ((1/math.sqrt(s.d_K)) * s.t_163 * s.t_22)
 
     @leaf
     def t_189(s):
-        return (s.t_12 * s.t_163)
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_163 * s.t_22)
 
     @leaf
     def t_190(s):
-        return (s.t_188 + s.t_189)
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_163, s.t_62, s.Y_2)
 
     @leaf
-    def t_196(s):
-        return ((1/math.sqrt(s.d_K)) * s.t_170 * s.t_22)
+    def t_195(s):
+        return softmax_diff(s.A1, s.t_167)
 
     @leaf
     def t_197(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_170 * s.t_22)
+        return s.mm("t_166 W_O2' W_V' N_1'", s.t_166, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_198(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_170, s.t_62, s.Y_2)
+    def t_200(s):
+        return softmax_diff(s.A2, s.t_197)
+
+    @leaf
+    def t_202(s):
+        return mul((2/s.d_V) * s.t_163, s.t_22, s.Y_2)
 
     @leaf
     def t_203(s):
-        return softmax_diff(s.A1, s.t_174)
+        return s.mm('t_202 one', s.t_202, s.one)
+
+    @leaf
+    def t_204(s):
+        return lin((2/(s.L*s.d_V), s.t_155), (1, s.t_163, s.R_N_2), (1, s.t_203, s.Y_2))
 
     @leaf
     def t_205(s):
-        return s.mm("t_173 W_O2' W_V' N_1'", s.t_173, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return (1/math.sqrt(s.d_K)) * s.t_204
+
+    @leaf
+    def t_206(s):
+        return s.mm("t_205 W_O1' W_V' N_1'", s.t_205, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_208(s):
-        return softmax_diff(s.A2, s.t_205)
+        return (s.t_163 * s.t_22)
+
+    @leaf
+    def t_209(s):
+        return ((2/s.d_V) * s.t_163 * s.t_22)
 
     @leaf
     def t_210(s):
-        return mul((2/s.d_V) * s.t_170, s.t_22, s.Y_2)
+        return mul((2/s.d_V) * s.t_163, s.t_62, s.Y_2)
 
     @leaf
-    def t_211(s):
-        return s.mm('t_210 one', s.t_210, s.one)
+    def t_215(s):
+        return s.mm("t_205 W_O2' W_V' N_1'", s.t_205, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_212(s):
-        return lin((2/(s.L*s.d_V), s.t_162), (1, s.t_170, s.R_N_2), (1, s.t_211, s.Y_2))
+    def t_219(s):
+        return softmax_diff(s.A1, s.t_206)
 
     @leaf
-    def t_213(s):
-        return (1/math.sqrt(s.d_K)) * s.t_212
-
-    @leaf
-    def t_214(s):
-        return s.mm("t_213 W_O1' W_V' N_1'", s.t_213, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_216(s):
-        return (s.t_170 * s.t_22)
-
-    @leaf
-    def t_217(s):
-        return ((2/s.d_V) * s.t_170 * s.t_22)
-
-    @leaf
-    def t_218(s):
-        return mul((2/s.d_V) * s.t_170, s.t_62, s.Y_2)
-
-    @leaf
-    def t_223(s):
-        return s.mm("t_213 W_O2' W_V' N_1'", s.t_213, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_227(s):
-        return softmax_diff(s.A1, s.t_214)
-
-    @leaf
-    def t_228(s):
-        return softmax_diff(s.A2, s.t_223)
+    def t_220(s):
+        return softmax_diff(s.A2, s.t_215)
 
     @leaf
     def S_2(s):
@@ -3460,143 +3451,134 @@ class mse_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_89 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_91 = lin((1, s.prod("t_39' _", tr(s.t_39), t_89)), (1, s.prod("_ t_5'", t_90, tr(s.t_5))))
-        t_92 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_91)
-        t_93 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_94 = lin((1, s.prod("_ t_5'", t_93, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_89)))
-        t_95 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_94)
-        t_96 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_92, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_95, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_98 = s.mm('_ one', (t_96 * s.Y_2), s.one)
-        t_99 = (t_98 * s.t_53)
-        t_100 = lin((1, t_96, s.R_N_2), (2/s.d_V, t_99))
-        t_101 = lin((1, s.prod('_ W_1', t_100, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_102 = lin((1, s.prod('_ W_3', t_100, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_103 = ((s.t_97 * t_101) + (s.t_33 * t_102))
-        t_104 = lin((1, t_96), (1, s.prod('_ W_2', t_103, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
-        t_105 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_104, tr(s.W_2))
-        t_106 = (s.t_97 * t_105)
-        t_107 = (s.t_33 * t_105)
-        t_108 = lin((1, s.prod("_ W_1'", t_106, tr(s.W_1))), (1, s.prod("_ W_3'", t_107, tr(s.W_3))))
-        t_109 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_104), (1, (1/math.sqrt(s.d_K)) * t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_108), s.one), s.Y_2))
-        t_110 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_109, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_111 = s.mm("_ t_2'", t_110, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_111 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_111 * s.S), tr(s.R)), mean=True)
-        t_112 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_109, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_113 = s.mm("_ t_2'", t_112, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_113 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_113 * s.S), tr(s.R)), mean=True)
-        t_114 = lin((2/(s.L*s.d_V), t_104), (1, t_108, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_108), s.one), s.Y_2))
-        t_115 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_114, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-        t_116 = softmax_diff(s.A1, t_115)
-        t_117 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_114, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-        t_118 = softmax_diff(s.A2, t_117)
-        t_119 = lin((1, s.prod("_ t_39'", tr(t_116), tr(s.t_39))), (1, s.prod("_ t_40'", tr(t_118), tr(s.t_40))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_119 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_119 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_114, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_114, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_114, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_114, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_106, mean=True)
-        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_107, mean=True)
-        t_120 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_104)
-        out_W_2 = mean0(t_120, True)
+        t_91 = lin((1/math.sqrt(s.d_K), s.prod("t_39' _", tr(s.t_39), t_89)), (1/math.sqrt(s.d_K), s.prod("_ t_5'", t_90, tr(s.t_5))))
+        t_92 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_93 = lin((1/math.sqrt(s.d_K), s.prod("_ t_5'", t_92, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_40' _", tr(s.t_40), t_89)))
+        t_94 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_91), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_93), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_96 = lin((1, t_94, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_94 * s.Y_2), s.one), s.t_53))
+        t_97 = lin((1, s.prod('_ W_1', t_96, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_98 = lin((1, s.prod('_ W_3', t_96, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_99 = lin((1, t_94), (1, s.prod('_ W_2', ((s.t_95 * t_97) + (s.t_33 * t_98)), s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
+        t_100 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_99, tr(s.W_2))
+        t_101 = (s.t_95 * t_100)
+        t_102 = (s.t_33 * t_100)
+        t_103 = lin((1, s.prod("_ W_1'", t_101, tr(s.W_1))), (1, s.prod("_ W_3'", t_102, tr(s.W_3))))
+        t_104 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_99), (1, (1/math.sqrt(s.d_K)) * t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_103), s.one), s.Y_2))
+        t_105 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_106 = s.mm("_ t_2'", t_105, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_106 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), mean=True)
+        t_107 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_104, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_108 = s.mm("_ t_2'", t_107, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_108 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_108 * s.S), tr(s.R)), mean=True)
+        t_109 = lin((2/(s.L*s.d_V), t_99), (1, t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_103), s.one), s.Y_2))
+        t_110 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_109, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        t_111 = softmax_diff(s.A1, t_110)
+        t_112 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_109, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        t_113 = softmax_diff(s.A2, t_112)
+        t_114 = lin((1, s.prod("_ t_39'", tr(t_111), tr(s.t_39))), (1, s.prod("_ t_40'", tr(t_113), tr(s.t_40))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_114 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_114 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_109, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_109, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_109, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_109, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_101, mean=True)
+        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_102, mean=True)
+        out_W_2 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_99, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_121 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_122 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_123 = lin((1, s.prod("t_39' _", tr(s.t_39), t_121)), (1, s.prod("_ t_5'", t_122, tr(s.t_5))))
-        t_124 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_123)
-        t_125 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_126 = lin((1, s.prod("_ t_5'", t_125, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_121)))
-        t_127 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_126)
-        t_128 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_124, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_127, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_130 = s.mm('_ one', (t_128 * s.Y_2), s.one)
-        t_131 = (t_130 * s.t_53)
-        t_132 = lin((1, t_128, s.R_N_2), (2/s.d_V, t_131))
-        t_133 = lin((1, s.prod('_ W_1', t_132, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_134 = s.mm('G _', s.G, tr(V_W_2))
-        t_136 = lin((1, s.prod('_ W_3', t_132, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_137 = lin((1, s.t_129, t_133), (1, s.t_97, t_134), (1, s.t_135, t_136))
-        t_138 = ((s.t_135 * t_133) + (s.t_33 * t_134))
-        t_139 = lin((1, s.prod("_ W_1'", t_137, tr(s.W_1))), (1, s.prod("_ W_3'", t_138, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
-        t_140 = lin((1, s.t_61, t_128), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_139), (2/s.d_V, t_130, s.t_63))
-        t_141 = lin((1, s.t_24, t_128), (1, (1/math.sqrt(s.d_K)) * t_139, s.R_N_2), (2/s.d_V, t_130, s.t_65), (1, s.mm('_ one', t_140, s.one), s.Y_2))
-        t_142 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_141, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O1' _ N_1'", s.t_25, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_143 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_26) + softmax_diff(s.A1, t_142))
-        t_144 = lin((1, s.prod("_ t_2'", t_143, tr(s.t_2))), (1, s.prod('t_27 _', s.t_27, tr(t_121))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_144 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), mean=True)
-        t_145 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_141, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O2' _ N_1'", s.t_25, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_146 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_35) + softmax_diff(s.A2, t_145))
-        t_147 = lin((1, s.prod("_ t_2'", t_146, tr(s.t_2))), (1, s.prod('t_36 _', s.t_36, tr(t_121))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), mean=True)
-        t_148 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_123, s.t_67)
-        t_149 = lin((1, s.t_69, t_128), (1, s.t_53, (2/s.d_V) * t_139), (2/s.d_V, t_130, s.t_70))
-        t_150 = lin((1, t_139, s.R_N_2), (2/s.d_V, t_130, s.t_72), (1, s.t_43, t_128), (1, s.mm('_ one', t_149, s.one), s.Y_2))
-        t_151 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_150, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O1' _ N_1'", s.t_66, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_152 = softmax_diff(s.A1, t_151)
-        t_153 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_126, s.t_73)
-        t_154 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_150, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O2' _ N_1'", s.t_66, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_155 = softmax_diff(s.A2, t_154)
-        t_156 = lin((1, s.prod("_ t_39'", (tr(t_148) + tr(t_152)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_153) + tr(t_155)), tr(s.t_40))), (1, s.prod("t_68' _", tr(s.t_68), t_122)), (1, s.prod("t_74' _", tr(s.t_74), t_125)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_156 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_156 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_44 W_O2'", tr(s.N_1), tr(t_127), s.t_44, tr(s.W_O2)), (1, "N_1' A1' t_44 _", tr(s.N_1), tr(s.A1), s.t_44, tr(V_W_O1)), (1, "N_1' _ t_44 W_O1'", tr(s.N_1), tr(t_124), s.t_44, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_150, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_150, tr(s.W_O1)), (1, "N_1' A2' t_44 _", tr(s.N_1), tr(s.A2), s.t_44, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_44", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_124), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_150, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_150, mean=True)))
-        out_W_1 = (s.mm('_ t_17', tr(t_132), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_137, mean=True))
-        out_W_3 = (s.mm('_ t_18', tr(t_132), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_138, mean=True))
-        t_158 = ((tr(s.t_97) * tr(t_133)) + (s.t_157 * tr(t_136)))
-        out_W_2 = s.mm('_ G', t_158, s.G, mean=True)
+        t_115 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_116 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_117 = lin((1, s.prod("t_39' _", tr(s.t_39), t_115)), (1, s.prod("_ t_5'", t_116, tr(s.t_5))))
+        t_118 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_117)
+        t_119 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_120 = lin((1, s.prod("_ t_5'", t_119, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_115)))
+        t_121 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_120)
+        t_122 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_118, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_121, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_124 = s.mm('_ one', (t_122 * s.Y_2), s.one)
+        t_125 = (t_124 * s.t_53)
+        t_126 = lin((1, t_122, s.R_N_2), (2/s.d_V, t_125))
+        t_127 = lin((1, s.prod('_ W_1', t_126, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_128 = s.mm('G _', s.G, tr(V_W_2))
+        t_130 = lin((1, s.prod('_ W_3', t_126, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_131 = lin((1, s.t_123, t_127), (1, s.t_95, t_128), (1, s.t_129, t_130))
+        t_132 = ((s.t_129 * t_127) + (s.t_33 * t_128))
+        t_133 = lin((1, s.prod("_ W_1'", t_131, tr(s.W_1))), (1, s.prod("_ W_3'", t_132, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
+        t_134 = lin((1, s.t_61, t_122), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_133), (2/s.d_V, t_124, s.t_63))
+        t_135 = lin((1, s.t_24, t_122), (1, (1/math.sqrt(s.d_K)) * t_133, s.R_N_2), (2/s.d_V, t_124, s.t_65), (1, s.mm('_ one', t_134, s.one), s.Y_2))
+        t_136 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_135, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O1' _ N_1'", s.t_25, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_137 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_117, s.t_26) + softmax_diff(s.A1, t_136))
+        t_138 = lin((1, s.prod("_ t_2'", t_137, tr(s.t_2))), (1, s.prod('t_27 _', s.t_27, tr(t_115))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_138 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_138 * s.S), tr(s.R)), mean=True)
+        t_139 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_135, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O2' _ N_1'", s.t_25, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_140 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_120, s.t_35) + softmax_diff(s.A2, t_139))
+        t_141 = lin((1, s.prod("_ t_2'", t_140, tr(s.t_2))), (1, s.prod('t_36 _', s.t_36, tr(t_115))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_141 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_141 * s.S), tr(s.R)), mean=True)
+        t_142 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_117, s.t_67)
+        t_143 = lin((1, s.t_69, t_122), (1, s.t_53, (2/s.d_V) * t_133), (2/s.d_V, t_124, s.t_70))
+        t_144 = lin((1, t_133, s.R_N_2), (2/s.d_V, t_124, s.t_72), (1, s.t_43, t_122), (1, s.mm('_ one', t_143, s.one), s.Y_2))
+        t_145 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O1' _ N_1'", s.t_66, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_146 = softmax_diff(s.A1, t_145)
+        t_147 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_120, s.t_73)
+        t_148 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O2' _ N_1'", s.t_66, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_149 = softmax_diff(s.A2, t_148)
+        t_150 = lin((1, s.prod("_ t_39'", (tr(t_142) + tr(t_146)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_147) + tr(t_149)), tr(s.t_40))), (1, s.prod("t_68' _", tr(s.t_68), t_116)), (1, s.prod("t_74' _", tr(s.t_74), t_119)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_150 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_150 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_44 W_O2'", tr(s.N_1), tr(t_121), s.t_44, tr(s.W_O2)), (1, "N_1' A1' t_44 _", tr(s.N_1), tr(s.A1), s.t_44, tr(V_W_O1)), (1, "N_1' _ t_44 W_O1'", tr(s.N_1), tr(t_118), s.t_44, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_144, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_144, tr(s.W_O1)), (1, "N_1' A2' t_44 _", tr(s.N_1), tr(s.A2), s.t_44, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_44", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_118), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_144, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_121), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_144, mean=True)))
+        out_W_1 = (s.mm('_ t_17', tr(t_126), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_131, mean=True))
+        out_W_3 = (s.mm('_ t_18', tr(t_126), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_132, mean=True))
+        out_W_2 = s.mm('_ G', ((tr(s.t_95) * tr(t_127)) + (s.t_151 * tr(t_130))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_159 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_160 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_161 = lin((1, s.prod("t_39' _", tr(s.t_39), t_159)), (1, s.prod("_ t_5'", t_160, tr(s.t_5))))
-        t_175 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_161)
-        t_176 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_177 = lin((1, s.prod("_ t_5'", t_176, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_159)))
-        t_178 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_177)
-        t_179 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_175, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_178, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_180 = s.mm('_ one', (t_179 * s.Y_2), s.one)
-        t_181 = (t_180 * s.t_53)
-        t_182 = lin((1, t_179, s.R_N_2), (2/s.d_V, t_181))
-        t_183 = lin((1, s.prod('_ W_1', t_182, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_184 = lin((1, s.prod('_ W_3', t_182, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_185 = ((s.t_97 * t_183) + (s.t_33 * t_184))
-        t_186 = lin((1, t_179), (1, s.prod('_ W_2', t_185, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
-        t_191 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_186, tr(s.W_2))
-        t_192 = lin((1, t_191), (1, s.prod('G _', s.G, tr(V_W_2))))
-        t_193 = lin((1, s.t_187, t_183), (1, s.t_190, t_184), (1, s.t_97, t_192))
-        t_194 = ((s.t_190 * t_183) + (s.t_33 * t_192))
-        t_195 = lin((1, s.prod("_ W_1'", t_193, tr(s.W_1))), (1, s.prod("_ W_3'", t_194, tr(s.W_3))), (1, s.prod('t_166 _', s.t_166, tr(V_W_1))), (1, s.prod('t_168 _', s.t_168, tr(V_W_3))))
-        t_199 = lin((1, s.t_197, t_179), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_195), (2/s.d_V, t_180, s.t_198))
-        t_200 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_186), (1, s.t_172, t_179), (1, (1/math.sqrt(s.d_K)) * t_195, s.R_N_2), (2/s.d_V, t_180, s.t_196), (1, s.mm('_ one', t_199, s.one), s.Y_2))
-        t_201 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_200, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_173 W_O1' _ N_1'", s.t_173, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_173 _ W_V' N_1'", s.t_173, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_202 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_174) + softmax_diff(s.A1, t_201))
-        t_204 = lin((1, s.prod("_ t_2'", t_202, tr(s.t_2))), (1, s.prod('t_203 _', s.t_203, tr(t_159))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_204 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_204 * s.C)), mean=True)
-        t_206 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_200, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_173 W_O2' _ N_1'", s.t_173, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_173 _ W_V' N_1'", s.t_173, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_207 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_177, s.t_205) + softmax_diff(s.A2, t_206))
-        t_209 = lin((1, s.prod("_ t_2'", t_207, tr(s.t_2))), (1, s.prod('t_208 _', s.t_208, tr(t_159))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_209 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_209 * s.S), tr(s.R)), mean=True)
-        t_215 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_161, s.t_214)
-        t_219 = lin((1, s.t_217, t_179), (1, s.t_53, (2/s.d_V) * t_195), (2/s.d_V, t_180, s.t_218))
-        t_220 = lin((2/(s.L*s.d_V), t_186), (1, t_195, s.R_N_2), (2/s.d_V, t_180, s.t_216), (1, s.t_211, t_179), (1, s.mm('_ one', t_219, s.one), s.Y_2))
-        t_221 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_220, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_213 W_O1' _ N_1'", s.t_213, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_213 _ W_V' N_1'", s.t_213, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_222 = softmax_diff(s.A1, t_221)
-        t_224 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_177, s.t_223)
-        t_225 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_220, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_213 _ W_V' N_1'", s.t_213, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_213 W_O2' _ N_1'", s.t_213, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_226 = softmax_diff(s.A2, t_225)
-        t_229 = lin((1, s.prod("_ t_39'", (tr(t_215) + tr(t_222)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_224) + tr(t_226)), tr(s.t_40))), (1, s.prod("t_227' _", tr(s.t_227), t_160)), (1, s.prod("t_228' _", tr(s.t_228), t_176)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_229 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_229 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_212 W_O1'", tr(s.N_1), tr(t_175), s.t_212, tr(s.W_O1)), (1, "N_1' A1' t_212 _", tr(s.N_1), tr(s.A1), s.t_212, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_220, tr(s.W_O2)), (1, "N_1' A2' t_212 _", tr(s.N_1), tr(s.A2), s.t_212, tr(V_W_O2)), (1, "N_1' _ t_212 W_O2'", tr(s.N_1), tr(t_178), s.t_212, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_220, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_212", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_212), (1, "W_V' N_1' _ t_212", tr(s.W_V), tr(s.N_1), tr(t_175), s.t_212), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_220, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_212", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_212), (1, "W_V' N_1' _ t_212", tr(s.W_V), tr(s.N_1), tr(t_178), s.t_212), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_220, mean=True)))
-        out_W_1 = (s.mm('_ t_166', tr(t_182), s.t_166, mean=True) + s.mm("N_2' _", tr(s.N_2), t_193, mean=True))
-        out_W_3 = (s.mm('_ t_168', tr(t_182), s.t_168, mean=True) + s.mm("N_2' _", tr(s.N_2), t_194, mean=True))
-        t_230 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_186)
-        out_W_2 = (s.mm('_ G', tr(t_185), s.G, mean=True) + mean0(t_230, True))
+        t_152 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_153 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_154 = lin((1, s.prod("t_39' _", tr(s.t_39), t_152)), (1, s.prod("_ t_5'", t_153, tr(s.t_5))))
+        t_168 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_154)
+        t_169 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_170 = lin((1, s.prod("_ t_5'", t_169, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_152)))
+        t_171 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_170)
+        t_172 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_168, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_171, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_173 = s.mm('_ one', (t_172 * s.Y_2), s.one)
+        t_174 = (t_173 * s.t_53)
+        t_175 = lin((1, t_172, s.R_N_2), (2/s.d_V, t_174))
+        t_176 = lin((1, s.prod('_ W_1', t_175, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_177 = lin((1, s.prod('_ W_3', t_175, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_178 = ((s.t_95 * t_176) + (s.t_33 * t_177))
+        t_179 = lin((1, t_172), (1, s.prod('_ W_2', t_178, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
+        t_184 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_179, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_185 = lin((1, s.t_180, t_176), (1, s.t_183, t_177), (1, s.t_95, t_184))
+        t_186 = ((s.t_183 * t_176) + (s.t_33 * t_184))
+        t_187 = lin((1, s.prod("_ W_1'", t_185, tr(s.W_1))), (1, s.prod("_ W_3'", t_186, tr(s.W_3))), (1, s.prod('t_159 _', s.t_159, tr(V_W_1))), (1, s.prod('t_161 _', s.t_161, tr(V_W_3))))
+        t_191 = lin((1, s.t_189, t_172), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_187), (2/s.d_V, t_173, s.t_190))
+        t_192 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_179), (1, s.t_165, t_172), (1, (1/math.sqrt(s.d_K)) * t_187, s.R_N_2), (2/s.d_V, t_173, s.t_188), (1, s.mm('_ one', t_191, s.one), s.Y_2))
+        t_193 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_192, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_166 W_O1' _ N_1'", s.t_166, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_166 _ W_V' N_1'", s.t_166, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_194 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_154, s.t_167) + softmax_diff(s.A1, t_193))
+        t_196 = lin((1, s.prod("_ t_2'", t_194, tr(s.t_2))), (1, s.prod('t_195 _', s.t_195, tr(t_152))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_196 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_196 * s.C)), mean=True)
+        t_198 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_192, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_166 W_O2' _ N_1'", s.t_166, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_166 _ W_V' N_1'", s.t_166, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_199 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_170, s.t_197) + softmax_diff(s.A2, t_198))
+        t_201 = lin((1, s.prod("_ t_2'", t_199, tr(s.t_2))), (1, s.prod('t_200 _', s.t_200, tr(t_152))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_201 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_201 * s.S), tr(s.R)), mean=True)
+        t_207 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_154, s.t_206)
+        t_211 = lin((1, s.t_209, t_172), (1, s.t_53, (2/s.d_V) * t_187), (2/s.d_V, t_173, s.t_210))
+        t_212 = lin((2/(s.L*s.d_V), t_179), (1, t_187, s.R_N_2), (2/s.d_V, t_173, s.t_208), (1, s.t_203, t_172), (1, s.mm('_ one', t_211, s.one), s.Y_2))
+        t_213 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_212, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_205 W_O1' _ N_1'", s.t_205, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_205 _ W_V' N_1'", s.t_205, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_214 = softmax_diff(s.A1, t_213)
+        t_216 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_170, s.t_215)
+        t_217 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_212, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_205 _ W_V' N_1'", s.t_205, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_205 W_O2' _ N_1'", s.t_205, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_218 = softmax_diff(s.A2, t_217)
+        t_221 = lin((1, s.prod("_ t_39'", (tr(t_207) + tr(t_214)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_216) + tr(t_218)), tr(s.t_40))), (1, s.prod("t_219' _", tr(s.t_219), t_153)), (1, s.prod("t_220' _", tr(s.t_220), t_169)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_221 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_221 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_204 W_O1'", tr(s.N_1), tr(t_168), s.t_204, tr(s.W_O1)), (1, "N_1' A1' t_204 _", tr(s.N_1), tr(s.A1), s.t_204, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_212, tr(s.W_O2)), (1, "N_1' A2' t_204 _", tr(s.N_1), tr(s.A2), s.t_204, tr(V_W_O2)), (1, "N_1' _ t_204 W_O2'", tr(s.N_1), tr(t_171), s.t_204, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_212, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_204", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_204), (1, "W_V' N_1' _ t_204", tr(s.W_V), tr(s.N_1), tr(t_168), s.t_204), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_212, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_204", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_204), (1, "W_V' N_1' _ t_204", tr(s.W_V), tr(s.N_1), tr(t_171), s.t_204), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_212, mean=True)))
+        out_W_1 = (s.mm('_ t_159', tr(t_175), s.t_159, mean=True) + s.mm("N_2' _", tr(s.N_2), t_185, mean=True))
+        out_W_3 = (s.mm('_ t_161', tr(t_175), s.t_161, mean=True) + s.mm("N_2' _", tr(s.N_2), t_186, mean=True))
+        out_W_2 = (s.mm('_ G', tr(t_178), s.G, mean=True) + s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_179, mean=True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -3604,15 +3586,15 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "f240657d6182096792fd270f"
+    STAMP = "ea67b55a4a2bbf73702a8b0f"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_216": 2,
+        "A1' t_210": 2,
         "A1' t_47": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_216": 2,
+        "A2' t_210": 2,
         "A2' t_47": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
@@ -3621,18 +3603,18 @@ class ce_causal0(Forward):
         'N_1 W_V': 59,
         'N_1 W_V W_O1': 15,
         'N_1 W_V W_O2': 15,
-        "N_1' A1' t_216": 2,
+        "N_1' A1' t_210": 2,
         "N_1' A1' t_47": 4,
-        "N_1' A2' t_216": 2,
+        "N_1' A2' t_210": 2,
         "N_1' A2' t_47": 4,
-        "W_O1 t_177'": 2,
-        "W_O1 t_217'": 2,
+        "W_O1 t_171'": 2,
+        "W_O1 t_211'": 2,
         "W_O1 t_28'": 3,
         "W_O1 t_47'": 3,
         "W_O1 t_69'": 2,
         "W_O1' W_V'": 16,
-        "W_O2 t_177'": 2,
-        "W_O2 t_217'": 2,
+        "W_O2 t_171'": 2,
+        "W_O2 t_211'": 2,
         "W_O2 t_28'": 3,
         "W_O2 t_47'": 3,
         "W_O2 t_69'": 2,
@@ -4068,156 +4050,156 @@ class ce_causal0(Forward):
         return (s.t_56 + s.t_57)
 
     @leaf
-    def t_132(s):
+    def t_127(s):
         return lin((1, s.t_60), (2, s.t_61))
 
     @leaf
-    def t_137(s):
+    def t_132(s):
         return (s.t_62 + s.t_63)
 
     @leaf
-    def t_160(s):
+    def t_155(s):
         return (tr(s.t_14) * tr(s.t_13))
 
     @leaf
-    def t_165(s):
+    def t_159(s):
         return (s.t_4 * s.t_18)
 
     @leaf
-    def t_166(s):
-        return (s.t_165 - s.Y)
+    def t_160(s):
+        return (s.t_159 - s.Y)
 
     @leaf
-    def t_167(s):
+    def t_161(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_162(s):
+        return mul(s.t_15, s.t_161, s.t_13, s.t_16)
+
+    @leaf
+    def t_163(s):
+        return mul(s.t_14, s.t_161, s.t_16)
+
+    @leaf
+    def t_164(s):
+        return (s.t_162 + s.t_163)
+
+    @leaf
+    def t_165(s):
+        return s.mm("t_164 W_1'", s.t_164, tr(s.W_1))
+
+    @leaf
+    def t_166(s):
+        return mul(s.t_14, s.t_161, s.t_13)
+
+    @leaf
+    def t_167(s):
+        return s.mm("t_166 W_3'", s.t_166, tr(s.W_3))
+
+    @leaf
     def t_168(s):
-        return mul(s.t_15, s.t_167, s.t_13, s.t_16)
+        return (s.t_165 + s.t_167)
 
     @leaf
     def t_169(s):
-        return mul(s.t_14, s.t_167, s.t_16)
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_168, s.t_25, s.Y_2)
 
     @leaf
     def t_170(s):
-        return (s.t_168 + s.t_169)
+        return s.mm('t_169 one', s.t_169, s.one)
 
     @leaf
     def t_171(s):
-        return s.mm("t_170 W_1'", s.t_170, tr(s.W_1))
+        return lin((1/(s.L*math.sqrt(s.d_K)), s.t_160), (1, (1/math.sqrt(s.d_K)) * s.t_168, s.R_N_2), (1, s.t_170, s.Y_2))
 
     @leaf
     def t_172(s):
-        return mul(s.t_14, s.t_167, s.t_13)
-
-    @leaf
-    def t_173(s):
-        return s.mm("t_172 W_3'", s.t_172, tr(s.W_3))
-
-    @leaf
-    def t_174(s):
-        return (s.t_171 + s.t_173)
-
-    @leaf
-    def t_175(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_174, s.t_25, s.Y_2)
-
-    @leaf
-    def t_176(s):
-        return s.mm('t_175 one', s.t_175, s.one)
-
-    @leaf
-    def t_177(s):
-        return lin((1/(s.L*math.sqrt(s.d_K)), s.t_166), (1, (1/math.sqrt(s.d_K)) * s.t_174, s.R_N_2), (1, s.t_176, s.Y_2))
+        return s.mm("t_171 W_O1' W_V' N_1'", s.t_171, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_178(s):
-        return s.mm("t_177 W_O1' W_V' N_1'", s.t_177, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return lin((1, mul(s.t_59, s.t_161, s.t_13), s.t_16), (2, (s.t_15 * s.t_161), s.t_16))
 
     @leaf
-    def t_184(s):
-        return lin((1, mul(s.t_59, s.t_167, s.t_13), s.t_16), (2, (s.t_15 * s.t_167), s.t_16))
+    def t_188(s):
+        return mul(s.t_15, s.t_161, s.t_13)
+
+    @leaf
+    def t_189(s):
+        return (s.t_14 * s.t_161)
+
+    @leaf
+    def t_190(s):
+        return (s.t_188 + s.t_189)
 
     @leaf
     def t_194(s):
-        return mul(s.t_15, s.t_167, s.t_13)
+        return ((1/math.sqrt(s.d_K)) * s.t_168 * s.t_25)
 
     @leaf
     def t_195(s):
-        return (s.t_14 * s.t_167)
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_168 * s.t_25)
 
     @leaf
     def t_196(s):
-        return (s.t_194 + s.t_195)
-
-    @leaf
-    def t_200(s):
-        return ((1/math.sqrt(s.d_K)) * s.t_174 * s.t_25)
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_168, s.t_65, s.Y_2)
 
     @leaf
     def t_201(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_174 * s.t_25)
+        return softmax_diff(s.A1, s.t_172)
 
     @leaf
-    def t_202(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_174, s.t_65, s.Y_2)
+    def t_203(s):
+        return s.mm("t_171 W_O2' W_V' N_1'", s.t_171, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_207(s):
-        return softmax_diff(s.A1, s.t_178)
+    def t_206(s):
+        return softmax_diff(s.A2, s.t_203)
+
+    @leaf
+    def t_208(s):
+        return mul((2/s.d_V) * s.t_168, s.t_25, s.Y_2)
 
     @leaf
     def t_209(s):
-        return s.mm("t_177 W_O2' W_V' N_1'", s.t_177, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return s.mm('t_208 one', s.t_208, s.one)
+
+    @leaf
+    def t_210(s):
+        return lin((1/s.L, s.t_160), (1, s.t_168, s.R_N_2), (1, s.t_209, s.Y_2))
+
+    @leaf
+    def t_211(s):
+        return (1/math.sqrt(s.d_K)) * s.t_210
 
     @leaf
     def t_212(s):
-        return softmax_diff(s.A2, s.t_209)
+        return s.mm("t_211 W_O1' W_V' N_1'", s.t_211, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_214(s):
-        return mul((2/s.d_V) * s.t_174, s.t_25, s.Y_2)
+        return (s.t_168 * s.t_25)
 
     @leaf
     def t_215(s):
-        return s.mm('t_214 one', s.t_214, s.one)
+        return ((2/s.d_V) * s.t_168 * s.t_25)
 
     @leaf
     def t_216(s):
-        return lin((1/s.L, s.t_166), (1, s.t_174, s.R_N_2), (1, s.t_215, s.Y_2))
-
-    @leaf
-    def t_217(s):
-        return (1/math.sqrt(s.d_K)) * s.t_216
-
-    @leaf
-    def t_218(s):
-        return s.mm("t_217 W_O1' W_V' N_1'", s.t_217, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_220(s):
-        return (s.t_174 * s.t_25)
+        return mul((2/s.d_V) * s.t_168, s.t_65, s.Y_2)
 
     @leaf
     def t_221(s):
-        return ((2/s.d_V) * s.t_174 * s.t_25)
+        return s.mm("t_211 W_O2' W_V' N_1'", s.t_211, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_222(s):
-        return mul((2/s.d_V) * s.t_174, s.t_65, s.Y_2)
+    def t_225(s):
+        return softmax_diff(s.A1, s.t_212)
 
     @leaf
-    def t_227(s):
-        return s.mm("t_217 W_O2' W_V' N_1'", s.t_217, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_231(s):
-        return softmax_diff(s.A1, s.t_218)
-
-    @leaf
-    def t_232(s):
-        return softmax_diff(s.A2, s.t_227)
+    def t_226(s):
+        return softmax_diff(s.A2, s.t_221)
 
     @leaf
     def S_2(s):
@@ -5216,142 +5198,136 @@ class ce_causal0(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_93 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_95 = lin((1, s.prod("t_42' _", tr(s.t_42), t_93)), (1, s.prod("_ t_7'", t_94, tr(s.t_7))))
-        t_96 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_95)
-        t_97 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_98 = lin((1, s.prod("_ t_7'", t_97, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_93)))
-        t_99 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_98)
-        t_100 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_96, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_99, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_101 = s.mm('_ one', (t_100 * s.Y_2), s.one)
-        t_102 = (t_101 * s.t_55)
-        t_103 = lin((1, t_100, s.R_N_2), (2/s.d_V, t_102))
-        t_104 = lin((1, s.prod('_ W_1', t_103, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_105 = lin((1, s.prod('_ W_3', t_103, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_106 = ((s.t_92 * t_104) + (s.t_36 * t_105))
-        t_107 = lin((1, t_100), (1, s.prod('_ W_2', t_106, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_108 = (s.t_4 * softmax_diff(s.t_58, t_107))
-        t_109 = s.mm("_ W_2'", t_108, tr(s.W_2))
-        t_110 = ((1/s.L) * s.t_92 * t_109)
-        t_111 = (s.t_36 * t_109)
-        t_112 = lin((1, s.prod("_ W_1'", t_110, tr(s.W_1))), (1/s.L, s.prod("_ W_3'", t_111, tr(s.W_3))))
-        t_113 = lin((1, (1/math.sqrt(s.d_K)) * t_112, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_112), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_108))
-        t_114 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_113, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_115 = s.mm("_ t_2'", t_114, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_115 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_115 * s.S), tr(s.R)), mean=True)
-        t_116 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_113, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_117 = s.mm("_ t_2'", t_116, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_117 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_117 * s.C)), mean=True)
-        t_118 = lin((1, t_112, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/s.d_V) * t_112), s.one), s.Y_2), (1/s.L, t_108))
-        t_119 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_118, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-        t_120 = softmax_diff(s.A1, t_119)
-        t_121 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_118, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-        t_122 = softmax_diff(s.A2, t_121)
-        t_123 = lin((1, s.prod("_ t_42'", tr(t_120), tr(s.t_42))), (1, s.prod("_ t_43'", tr(t_122), tr(s.t_43))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_123 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_123 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_118, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_118, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_118, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_118, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_110, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_111, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_108, mean=True)
+        t_95 = lin((1/math.sqrt(s.d_K), s.prod("t_42' _", tr(s.t_42), t_93)), (1/math.sqrt(s.d_K), s.prod("_ t_7'", t_94, tr(s.t_7))))
+        t_96 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_97 = lin((1/math.sqrt(s.d_K), s.prod("_ t_7'", t_96, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_43' _", tr(s.t_43), t_93)))
+        t_98 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_95), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_97), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_99 = lin((1, t_98, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_98 * s.Y_2), s.one), s.t_55))
+        t_100 = lin((1, s.prod('_ W_1', t_99, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_101 = lin((1, s.prod('_ W_3', t_99, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_102 = lin((1, t_98), (1, s.prod('_ W_2', ((s.t_92 * t_100) + (s.t_36 * t_101)), s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_103 = (s.t_4 * softmax_diff(s.t_58, t_102))
+        t_104 = s.mm("_ W_2'", t_103, tr(s.W_2))
+        t_105 = ((1/s.L) * s.t_92 * t_104)
+        t_106 = (s.t_36 * t_104)
+        t_107 = lin((1, s.prod("_ W_1'", t_105, tr(s.W_1))), (1/s.L, s.prod("_ W_3'", t_106, tr(s.W_3))))
+        t_108 = lin((1, (1/math.sqrt(s.d_K)) * t_107, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_107), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_103))
+        t_109 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_108, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_110 = s.mm("_ t_2'", t_109, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_110 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_110 * s.S), tr(s.R)), mean=True)
+        t_111 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_108, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_112 = s.mm("_ t_2'", t_111, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_112 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_112 * s.C)), mean=True)
+        t_113 = lin((1, t_107, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/s.d_V) * t_107), s.one), s.Y_2), (1/s.L, t_103))
+        t_114 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_113, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        t_115 = softmax_diff(s.A1, t_114)
+        t_116 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_113, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        t_117 = softmax_diff(s.A2, t_116)
+        t_118 = lin((1, s.prod("_ t_42'", tr(t_115), tr(s.t_42))), (1, s.prod("_ t_43'", tr(t_117), tr(s.t_43))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_118 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_118 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_113, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_113, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_113, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_113, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_105, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_106, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_103, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_124 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_125 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_126 = lin((1, s.prod("t_42' _", tr(s.t_42), t_124)), (1, s.prod("_ t_7'", t_125, tr(s.t_7))))
-        t_127 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_126)
-        t_128 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_129 = lin((1, s.prod("_ t_7'", t_128, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_124)))
-        t_130 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_129)
-        t_131 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_127, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_130, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_133 = s.mm('_ one', (t_131 * s.Y_2), s.one)
-        t_134 = (t_133 * s.t_55)
-        t_135 = lin((1, t_131, s.R_N_2), (2/s.d_V, t_134))
-        t_136 = lin((1, s.prod('_ W_1', t_135, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_138 = lin((1, s.prod('_ W_3', t_135, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_139 = s.mm('G _', s.G, tr(V_W_2))
-        t_140 = lin((1, s.t_132, t_136), (1, s.t_137, t_138), (1, s.t_92, t_139))
-        t_141 = ((s.t_137 * t_136) + (s.t_36 * t_139))
-        t_142 = lin((1, s.prod("_ W_1'", t_140, tr(s.W_1))), (1, s.prod("_ W_3'", t_141, tr(s.W_3))), (1, s.prod('t_20 _', s.t_20, tr(V_W_1))), (1, s.prod('t_21 _', s.t_21, tr(V_W_3))))
-        t_143 = lin((1, s.t_64, t_131), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_142), (2/s.d_V, t_133, s.t_66))
-        t_144 = lin((1, s.t_27, t_131), (1, (1/math.sqrt(s.d_K)) * t_142, s.R_N_2), (2/s.d_V, t_133, s.t_68), (1, s.mm('_ one', t_143, s.one), s.Y_2))
-        t_145 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O1' _ N_1'", s.t_28, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_146 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_126, s.t_29) + softmax_diff(s.A1, t_145))
-        t_147 = lin((1, s.prod("_ t_2'", t_146, tr(s.t_2))), (1, s.prod('t_30 _', s.t_30, tr(t_124))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), mean=True)
-        t_148 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O2' _ N_1'", s.t_28, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_149 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_129, s.t_38) + softmax_diff(s.A2, t_148))
-        t_150 = lin((1, s.prod("_ t_2'", t_149, tr(s.t_2))), (1, s.prod('t_39 _', s.t_39, tr(t_124))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_150 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_150 * s.C)), mean=True)
-        t_151 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_126, s.t_70)
-        t_152 = lin((1, s.t_72, t_131), (1, s.t_55, (2/s.d_V) * t_142), (2/s.d_V, t_133, s.t_73))
-        t_153 = lin((1, t_142, s.R_N_2), (2/s.d_V, t_133, s.t_75), (1, s.t_46, t_131), (1, s.mm('_ one', t_152, s.one), s.Y_2))
-        t_154 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_153, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O1' _ N_1'", s.t_69, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_155 = softmax_diff(s.A1, t_154)
-        t_156 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_129, s.t_76)
-        t_157 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_153, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O2' _ N_1'", s.t_69, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_158 = softmax_diff(s.A2, t_157)
-        t_159 = lin((1, s.prod("_ t_42'", (tr(t_151) + tr(t_155)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_156) + tr(t_158)), tr(s.t_43))), (1, s.prod("t_71' _", tr(s.t_71), t_125)), (1, s.prod("t_77' _", tr(s.t_77), t_128)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_159 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_159 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_47 W_O1'", tr(s.N_1), tr(t_127), s.t_47, tr(s.W_O1)), (1, "N_1' A1' t_47 _", tr(s.N_1), tr(s.A1), s.t_47, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_153, tr(s.W_O1)), (1, "N_1' _ t_47 W_O2'", tr(s.N_1), tr(t_130), s.t_47, tr(s.W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_153, tr(s.W_O2)), (1, "N_1' A2' t_47 _", tr(s.N_1), tr(s.A2), s.t_47, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_47", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_153, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_47", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_130), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_153, mean=True)))
-        out_W_1 = (s.mm('_ t_20', tr(t_135), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_140, mean=True))
-        out_W_3 = (s.mm('_ t_21', tr(t_135), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_141, mean=True))
-        t_161 = ((tr(s.t_92) * tr(t_136)) + (s.t_160 * tr(t_138)))
-        out_W_2 = s.mm('_ G', t_161, s.G, mean=True)
+        t_119 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_120 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_121 = lin((1, s.prod("t_42' _", tr(s.t_42), t_119)), (1, s.prod("_ t_7'", t_120, tr(s.t_7))))
+        t_122 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_121)
+        t_123 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_124 = lin((1, s.prod("_ t_7'", t_123, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_119)))
+        t_125 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_124)
+        t_126 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_122, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_125, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_128 = s.mm('_ one', (t_126 * s.Y_2), s.one)
+        t_129 = (t_128 * s.t_55)
+        t_130 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_129))
+        t_131 = lin((1, s.prod('_ W_1', t_130, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_133 = lin((1, s.prod('_ W_3', t_130, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_134 = s.mm('G _', s.G, tr(V_W_2))
+        t_135 = lin((1, s.t_127, t_131), (1, s.t_132, t_133), (1, s.t_92, t_134))
+        t_136 = ((s.t_132 * t_131) + (s.t_36 * t_134))
+        t_137 = lin((1, s.prod("_ W_1'", t_135, tr(s.W_1))), (1, s.prod("_ W_3'", t_136, tr(s.W_3))), (1, s.prod('t_20 _', s.t_20, tr(V_W_1))), (1, s.prod('t_21 _', s.t_21, tr(V_W_3))))
+        t_138 = lin((1, s.t_64, t_126), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_137), (2/s.d_V, t_128, s.t_66))
+        t_139 = lin((1, s.t_27, t_126), (1, (1/math.sqrt(s.d_K)) * t_137, s.R_N_2), (2/s.d_V, t_128, s.t_68), (1, s.mm('_ one', t_138, s.one), s.Y_2))
+        t_140 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_139, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O1' _ N_1'", s.t_28, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_141 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_121, s.t_29) + softmax_diff(s.A1, t_140))
+        t_142 = lin((1, s.prod("_ t_2'", t_141, tr(s.t_2))), (1, s.prod('t_30 _', s.t_30, tr(t_119))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_142 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_142 * s.S), tr(s.R)), mean=True)
+        t_143 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_139, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O2' _ N_1'", s.t_28, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_144 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_124, s.t_38) + softmax_diff(s.A2, t_143))
+        t_145 = lin((1, s.prod("_ t_2'", t_144, tr(s.t_2))), (1, s.prod('t_39 _', s.t_39, tr(t_119))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_145 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_145 * s.C)), mean=True)
+        t_146 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_121, s.t_70)
+        t_147 = lin((1, s.t_72, t_126), (1, s.t_55, (2/s.d_V) * t_137), (2/s.d_V, t_128, s.t_73))
+        t_148 = lin((1, t_137, s.R_N_2), (2/s.d_V, t_128, s.t_75), (1, s.t_46, t_126), (1, s.mm('_ one', t_147, s.one), s.Y_2))
+        t_149 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_148, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O1' _ N_1'", s.t_69, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_150 = softmax_diff(s.A1, t_149)
+        t_151 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_124, s.t_76)
+        t_152 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_148, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O2' _ N_1'", s.t_69, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_153 = softmax_diff(s.A2, t_152)
+        t_154 = lin((1, s.prod("_ t_42'", (tr(t_146) + tr(t_150)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_151) + tr(t_153)), tr(s.t_43))), (1, s.prod("t_71' _", tr(s.t_71), t_120)), (1, s.prod("t_77' _", tr(s.t_77), t_123)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_154 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_154 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_47 W_O1'", tr(s.N_1), tr(t_122), s.t_47, tr(s.W_O1)), (1, "N_1' A1' t_47 _", tr(s.N_1), tr(s.A1), s.t_47, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_148, tr(s.W_O1)), (1, "N_1' _ t_47 W_O2'", tr(s.N_1), tr(t_125), s.t_47, tr(s.W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_148, tr(s.W_O2)), (1, "N_1' A2' t_47 _", tr(s.N_1), tr(s.A2), s.t_47, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_47", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_122), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_148, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_47", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_125), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_148, mean=True)))
+        out_W_1 = (s.mm('_ t_20', tr(t_130), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_135, mean=True))
+        out_W_3 = (s.mm('_ t_21', tr(t_130), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_136, mean=True))
+        out_W_2 = s.mm('_ G', ((tr(s.t_92) * tr(t_131)) + (s.t_155 * tr(t_133))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_162 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_163 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_164 = lin((1, s.prod("t_42' _", tr(s.t_42), t_162)), (1, s.prod("_ t_7'", t_163, tr(s.t_7))))
-        t_179 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_164)
-        t_180 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_181 = lin((1, s.prod("_ t_7'", t_180, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_162)))
-        t_182 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_181)
-        t_183 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_179, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_182, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_185 = s.mm('_ one', (t_183 * s.Y_2), s.one)
-        t_186 = (t_185 * s.t_55)
-        t_187 = lin((1, t_183, s.R_N_2), (2/s.d_V, t_186))
-        t_188 = lin((1, s.prod('_ W_1', t_187, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_189 = lin((1, s.prod('_ W_3', t_187, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_190 = ((s.t_92 * t_188) + (s.t_36 * t_189))
-        t_191 = lin((1, t_183), (1, s.prod('_ W_2', t_190, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_192 = (s.t_4 * softmax_diff(s.t_18, t_191))
-        t_193 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_192, tr(s.W_2))))
-        t_197 = lin((1, s.t_184, t_188), (1, s.t_92, t_193), (1, s.t_196, t_189))
-        t_198 = ((s.t_196 * t_188) + (s.t_36 * t_193))
-        t_199 = lin((1, s.prod("_ W_1'", t_197, tr(s.W_1))), (1, s.prod("_ W_3'", t_198, tr(s.W_3))), (1, s.prod('t_170 _', s.t_170, tr(V_W_1))), (1, s.prod('t_172 _', s.t_172, tr(V_W_3))))
-        t_203 = lin((1, s.t_201, t_183), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_199), (2/s.d_V, t_185, s.t_202))
-        t_204 = lin((1, s.t_176, t_183), (1, (1/math.sqrt(s.d_K)) * t_199, s.R_N_2), (2/s.d_V, t_185, s.t_200), (1, s.mm('_ one', t_203, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_192))
-        t_205 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_204, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_177 _ W_V' N_1'", s.t_177, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_177 W_O1' _ N_1'", s.t_177, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_206 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_178) + softmax_diff(s.A1, t_205))
-        t_208 = lin((1, s.prod("_ t_2'", t_206, tr(s.t_2))), (1, s.prod('t_207 _', s.t_207, tr(t_162))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_208 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_208 * s.S), tr(s.R)), mean=True)
-        t_210 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_204, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_177 _ W_V' N_1'", s.t_177, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_177 W_O2' _ N_1'", s.t_177, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_211 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_181, s.t_209) + softmax_diff(s.A2, t_210))
-        t_213 = lin((1, s.prod("_ t_2'", t_211, tr(s.t_2))), (1, s.prod('t_212 _', s.t_212, tr(t_162))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_213 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_213 * s.S), tr(s.R)), mean=True)
-        t_219 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_218)
-        t_223 = lin((1, s.t_221, t_183), (1, s.t_55, (2/s.d_V) * t_199), (2/s.d_V, t_185, s.t_222))
-        t_224 = lin((1, t_199, s.R_N_2), (2/s.d_V, t_185, s.t_220), (1, s.t_215, t_183), (1, s.mm('_ one', t_223, s.one), s.Y_2), (1/s.L, t_192))
-        t_225 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_224, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_217 W_O1' _ N_1'", s.t_217, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_217 _ W_V' N_1'", s.t_217, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_226 = softmax_diff(s.A1, t_225)
-        t_228 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_181, s.t_227)
-        t_229 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_224, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_217 W_O2' _ N_1'", s.t_217, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_217 _ W_V' N_1'", s.t_217, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_230 = softmax_diff(s.A2, t_229)
-        t_233 = lin((1, s.prod("_ t_42'", (tr(t_219) + tr(t_226)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_228) + tr(t_230)), tr(s.t_43))), (1, s.prod("t_231' _", tr(s.t_231), t_163)), (1, s.prod("t_232' _", tr(s.t_232), t_180)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_233 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_233 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_216 W_O2'", tr(s.N_1), tr(t_182), s.t_216, tr(s.W_O2)), (1, "N_1' A2' t_216 _", tr(s.N_1), tr(s.A2), s.t_216, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_224, tr(s.W_O2)), (1, "N_1' A1' t_216 _", tr(s.N_1), tr(s.A1), s.t_216, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_224, tr(s.W_O1)), (1, "N_1' _ t_216 W_O1'", tr(s.N_1), tr(t_179), s.t_216, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_216", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_216), (1, "W_V' N_1' _ t_216", tr(s.W_V), tr(s.N_1), tr(t_179), s.t_216), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_224, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_216", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_216), (1, "W_V' N_1' _ t_216", tr(s.W_V), tr(s.N_1), tr(t_182), s.t_216), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_224, mean=True)))
-        out_W_1 = (s.mm('_ t_170', tr(t_187), s.t_170, mean=True) + s.mm("N_2' _", tr(s.N_2), t_197, mean=True))
-        out_W_3 = (s.mm('_ t_172', tr(t_187), s.t_172, mean=True) + s.mm("N_2' _", tr(s.N_2), t_198, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_190), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_192, mean=True)))
+        t_156 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_157 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_158 = lin((1, s.prod("t_42' _", tr(s.t_42), t_156)), (1, s.prod("_ t_7'", t_157, tr(s.t_7))))
+        t_173 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_158)
+        t_174 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_175 = lin((1, s.prod("_ t_7'", t_174, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_156)))
+        t_176 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_175)
+        t_177 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_173, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_176, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_179 = s.mm('_ one', (t_177 * s.Y_2), s.one)
+        t_180 = (t_179 * s.t_55)
+        t_181 = lin((1, t_177, s.R_N_2), (2/s.d_V, t_180))
+        t_182 = lin((1, s.prod('_ W_1', t_181, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_183 = lin((1, s.prod('_ W_3', t_181, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_184 = ((s.t_92 * t_182) + (s.t_36 * t_183))
+        t_185 = lin((1, t_177), (1, s.prod('_ W_2', t_184, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_186 = (s.t_4 * softmax_diff(s.t_18, t_185))
+        t_187 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_186, tr(s.W_2))))
+        t_191 = lin((1, s.t_178, t_182), (1, s.t_92, t_187), (1, s.t_190, t_183))
+        t_192 = ((s.t_190 * t_182) + (s.t_36 * t_187))
+        t_193 = lin((1, s.prod("_ W_1'", t_191, tr(s.W_1))), (1, s.prod("_ W_3'", t_192, tr(s.W_3))), (1, s.prod('t_164 _', s.t_164, tr(V_W_1))), (1, s.prod('t_166 _', s.t_166, tr(V_W_3))))
+        t_197 = lin((1, s.t_195, t_177), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_193), (2/s.d_V, t_179, s.t_196))
+        t_198 = lin((1, s.t_170, t_177), (1, (1/math.sqrt(s.d_K)) * t_193, s.R_N_2), (2/s.d_V, t_179, s.t_194), (1, s.mm('_ one', t_197, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_186))
+        t_199 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_198, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_171 _ W_V' N_1'", s.t_171, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_171 W_O1' _ N_1'", s.t_171, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_200 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_158, s.t_172) + softmax_diff(s.A1, t_199))
+        t_202 = lin((1, s.prod("_ t_2'", t_200, tr(s.t_2))), (1, s.prod('t_201 _', s.t_201, tr(t_156))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_202 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), mean=True)
+        t_204 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_198, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_171 _ W_V' N_1'", s.t_171, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_171 W_O2' _ N_1'", s.t_171, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_205 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_175, s.t_203) + softmax_diff(s.A2, t_204))
+        t_207 = lin((1, s.prod("_ t_2'", t_205, tr(s.t_2))), (1, s.prod('t_206 _', s.t_206, tr(t_156))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_207 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_207 * s.S), tr(s.R)), mean=True)
+        t_213 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_158, s.t_212)
+        t_217 = lin((1, s.t_215, t_177), (1, s.t_55, (2/s.d_V) * t_193), (2/s.d_V, t_179, s.t_216))
+        t_218 = lin((1, t_193, s.R_N_2), (2/s.d_V, t_179, s.t_214), (1, s.t_209, t_177), (1, s.mm('_ one', t_217, s.one), s.Y_2), (1/s.L, t_186))
+        t_219 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_218, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_211 W_O1' _ N_1'", s.t_211, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_211 _ W_V' N_1'", s.t_211, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_220 = softmax_diff(s.A1, t_219)
+        t_222 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_175, s.t_221)
+        t_223 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_218, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_211 W_O2' _ N_1'", s.t_211, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_211 _ W_V' N_1'", s.t_211, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_224 = softmax_diff(s.A2, t_223)
+        t_227 = lin((1, s.prod("_ t_42'", (tr(t_213) + tr(t_220)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_222) + tr(t_224)), tr(s.t_43))), (1, s.prod("t_225' _", tr(s.t_225), t_157)), (1, s.prod("t_226' _", tr(s.t_226), t_174)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_227 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_227 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_210 W_O2'", tr(s.N_1), tr(t_176), s.t_210, tr(s.W_O2)), (1, "N_1' A2' t_210 _", tr(s.N_1), tr(s.A2), s.t_210, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_218, tr(s.W_O2)), (1, "N_1' A1' t_210 _", tr(s.N_1), tr(s.A1), s.t_210, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_218, tr(s.W_O1)), (1, "N_1' _ t_210 W_O1'", tr(s.N_1), tr(t_173), s.t_210, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_210", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_210), (1, "W_V' N_1' _ t_210", tr(s.W_V), tr(s.N_1), tr(t_173), s.t_210), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_218, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_210", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_210), (1, "W_V' N_1' _ t_210", tr(s.W_V), tr(s.N_1), tr(t_176), s.t_210), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_218, mean=True)))
+        out_W_1 = (s.mm('_ t_164', tr(t_181), s.t_164, mean=True) + s.mm("N_2' _", tr(s.N_2), t_191, mean=True))
+        out_W_3 = (s.mm('_ t_166', tr(t_181), s.t_166, mean=True) + s.mm("N_2' _", tr(s.N_2), t_192, mean=True))
+        out_W_2 = lin((1, s.mm('_ G', tr(t_184), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_186, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -5359,15 +5335,15 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "19a4f03bbc46445905c2f18a"
+    STAMP = "49e6eeecd47ea420820d9e5e"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_216": 2,
+        "A1' t_210": 2,
         "A1' t_47": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_216": 2,
+        "A2' t_210": 2,
         "A2' t_47": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
@@ -5376,18 +5352,18 @@ class ce_causal1(Forward):
         'N_1 W_V': 59,
         'N_1 W_V W_O1': 15,
         'N_1 W_V W_O2': 15,
-        "N_1' A1' t_216": 2,
+        "N_1' A1' t_210": 2,
         "N_1' A1' t_47": 4,
-        "N_1' A2' t_216": 2,
+        "N_1' A2' t_210": 2,
         "N_1' A2' t_47": 4,
-        "W_O1 t_177'": 2,
-        "W_O1 t_217'": 2,
+        "W_O1 t_171'": 2,
+        "W_O1 t_211'": 2,
         "W_O1 t_28'": 3,
         "W_O1 t_47'": 3,
         "W_O1 t_69'": 2,
         "W_O1' W_V'": 16,
-        "W_O2 t_177'": 2,
-        "W_O2 t_217'": 2,
+        "W_O2 t_171'": 2,
+        "W_O2 t_211'": 2,
         "W_O2 t_28'": 3,
         "W_O2 t_47'": 3,
         "W_O2 t_69'": 2,
@@ -5823,156 +5799,156 @@ class ce_causal1(Forward):
         return (s.t_56 + s.t_57)
 
     @leaf
-    def t_132(s):
+    def t_127(s):
         return lin((1, s.t_60), (2, s.t_61))
 
     @leaf
-    def t_137(s):
+    def t_132(s):
         return (s.t_62 + s.t_63)
 
     @leaf
-    def t_160(s):
+    def t_155(s):
         return (tr(s.t_14) * tr(s.t_13))
 
     @leaf
-    def t_165(s):
+    def t_159(s):
         return (s.t_4 * s.t_18)
 
     @leaf
-    def t_166(s):
-        return (s.t_165 - s.Y)
+    def t_160(s):
+        return (s.t_159 - s.Y)
 
     @leaf
-    def t_167(s):
+    def t_161(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_162(s):
+        return mul(s.t_15, s.t_161, s.t_13, s.t_16)
+
+    @leaf
+    def t_163(s):
+        return mul(s.t_14, s.t_161, s.t_16)
+
+    @leaf
+    def t_164(s):
+        return (s.t_162 + s.t_163)
+
+    @leaf
+    def t_165(s):
+        return s.mm("t_164 W_1'", s.t_164, tr(s.W_1))
+
+    @leaf
+    def t_166(s):
+        return mul(s.t_14, s.t_161, s.t_13)
+
+    @leaf
+    def t_167(s):
+        return s.mm("t_166 W_3'", s.t_166, tr(s.W_3))
+
+    @leaf
     def t_168(s):
-        return mul(s.t_15, s.t_167, s.t_13, s.t_16)
+        return (s.t_165 + s.t_167)
 
     @leaf
     def t_169(s):
-        return mul(s.t_14, s.t_167, s.t_16)
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_168, s.t_25, s.Y_2)
 
     @leaf
     def t_170(s):
-        return (s.t_168 + s.t_169)
+        return s.mm('t_169 one', s.t_169, s.one)
 
     @leaf
     def t_171(s):
-        return s.mm("t_170 W_1'", s.t_170, tr(s.W_1))
+        return lin((1/(s.L*math.sqrt(s.d_K)), s.t_160), (1, (1/math.sqrt(s.d_K)) * s.t_168, s.R_N_2), (1, s.t_170, s.Y_2))
 
     @leaf
     def t_172(s):
-        return mul(s.t_14, s.t_167, s.t_13)
-
-    @leaf
-    def t_173(s):
-        return s.mm("t_172 W_3'", s.t_172, tr(s.W_3))
-
-    @leaf
-    def t_174(s):
-        return (s.t_171 + s.t_173)
-
-    @leaf
-    def t_175(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_174, s.t_25, s.Y_2)
-
-    @leaf
-    def t_176(s):
-        return s.mm('t_175 one', s.t_175, s.one)
-
-    @leaf
-    def t_177(s):
-        return lin((1/(s.L*math.sqrt(s.d_K)), s.t_166), (1, (1/math.sqrt(s.d_K)) * s.t_174, s.R_N_2), (1, s.t_176, s.Y_2))
+        return s.mm("t_171 W_O1' W_V' N_1'", s.t_171, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_178(s):
-        return s.mm("t_177 W_O1' W_V' N_1'", s.t_177, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return lin((1, mul(s.t_59, s.t_161, s.t_13), s.t_16), (2, (s.t_15 * s.t_161), s.t_16))
 
     @leaf
-    def t_184(s):
-        return lin((1, mul(s.t_59, s.t_167, s.t_13), s.t_16), (2, (s.t_15 * s.t_167), s.t_16))
+    def t_188(s):
+        return mul(s.t_15, s.t_161, s.t_13)
+
+    @leaf
+    def t_189(s):
+        return (s.t_14 * s.t_161)
+
+    @leaf
+    def t_190(s):
+        return (s.t_188 + s.t_189)
 
     @leaf
     def t_194(s):
-        return mul(s.t_15, s.t_167, s.t_13)
+        return ((1/math.sqrt(s.d_K)) * s.t_168 * s.t_25)
 
     @leaf
     def t_195(s):
-        return (s.t_14 * s.t_167)
+        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_168 * s.t_25)
 
     @leaf
     def t_196(s):
-        return (s.t_194 + s.t_195)
-
-    @leaf
-    def t_200(s):
-        return ((1/math.sqrt(s.d_K)) * s.t_174 * s.t_25)
+        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_168, s.t_65, s.Y_2)
 
     @leaf
     def t_201(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_174 * s.t_25)
+        return softmax_diff(s.A1, s.t_172)
 
     @leaf
-    def t_202(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_174, s.t_65, s.Y_2)
+    def t_203(s):
+        return s.mm("t_171 W_O2' W_V' N_1'", s.t_171, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_207(s):
-        return softmax_diff(s.A1, s.t_178)
+    def t_206(s):
+        return softmax_diff(s.A2, s.t_203)
+
+    @leaf
+    def t_208(s):
+        return mul((2/s.d_V) * s.t_168, s.t_25, s.Y_2)
 
     @leaf
     def t_209(s):
-        return s.mm("t_177 W_O2' W_V' N_1'", s.t_177, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        return s.mm('t_208 one', s.t_208, s.one)
+
+    @leaf
+    def t_210(s):
+        return lin((1/s.L, s.t_160), (1, s.t_168, s.R_N_2), (1, s.t_209, s.Y_2))
+
+    @leaf
+    def t_211(s):
+        return (1/math.sqrt(s.d_K)) * s.t_210
 
     @leaf
     def t_212(s):
-        return softmax_diff(s.A2, s.t_209)
+        return s.mm("t_211 W_O1' W_V' N_1'", s.t_211, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_214(s):
-        return mul((2/s.d_V) * s.t_174, s.t_25, s.Y_2)
+        return (s.t_168 * s.t_25)
 
     @leaf
     def t_215(s):
-        return s.mm('t_214 one', s.t_214, s.one)
+        return ((2/s.d_V) * s.t_168 * s.t_25)
 
     @leaf
     def t_216(s):
-        return lin((1/s.L, s.t_166), (1, s.t_174, s.R_N_2), (1, s.t_215, s.Y_2))
-
-    @leaf
-    def t_217(s):
-        return (1/math.sqrt(s.d_K)) * s.t_216
-
-    @leaf
-    def t_218(s):
-        return s.mm("t_217 W_O1' W_V' N_1'", s.t_217, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_220(s):
-        return (s.t_174 * s.t_25)
+        return mul((2/s.d_V) * s.t_168, s.t_65, s.Y_2)
 
     @leaf
     def t_221(s):
-        return ((2/s.d_V) * s.t_174 * s.t_25)
+        return s.mm("t_211 W_O2' W_V' N_1'", s.t_211, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_222(s):
-        return mul((2/s.d_V) * s.t_174, s.t_65, s.Y_2)
+    def t_225(s):
+        return softmax_diff(s.A1, s.t_212)
 
     @leaf
-    def t_227(s):
-        return s.mm("t_217 W_O2' W_V' N_1'", s.t_217, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_231(s):
-        return softmax_diff(s.A1, s.t_218)
-
-    @leaf
-    def t_232(s):
-        return softmax_diff(s.A2, s.t_227)
+    def t_226(s):
+        return softmax_diff(s.A2, s.t_221)
 
     @leaf
     def S_2(s):
@@ -6971,142 +6947,136 @@ class ce_causal1(Forward):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_93 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
         t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_95 = lin((1, s.prod("t_42' _", tr(s.t_42), t_93)), (1, s.prod("_ t_7'", t_94, tr(s.t_7))))
-        t_96 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_95)
-        t_97 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_98 = lin((1, s.prod("_ t_7'", t_97, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_93)))
-        t_99 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_98)
-        t_100 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_96, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_99, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_101 = s.mm('_ one', (t_100 * s.Y_2), s.one)
-        t_102 = (t_101 * s.t_55)
-        t_103 = lin((1, t_100, s.R_N_2), (2/s.d_V, t_102))
-        t_104 = lin((1, s.prod('_ W_1', t_103, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_105 = lin((1, s.prod('_ W_3', t_103, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_106 = ((s.t_92 * t_104) + (s.t_36 * t_105))
-        t_107 = lin((1, t_100), (1, s.prod('_ W_2', t_106, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_108 = (s.t_4 * softmax_diff(s.t_58, t_107))
-        t_109 = s.mm("_ W_2'", t_108, tr(s.W_2))
-        t_110 = ((1/s.L) * s.t_92 * t_109)
-        t_111 = (s.t_36 * t_109)
-        t_112 = lin((1, s.prod("_ W_1'", t_110, tr(s.W_1))), (1/s.L, s.prod("_ W_3'", t_111, tr(s.W_3))))
-        t_113 = lin((1, (1/math.sqrt(s.d_K)) * t_112, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_112), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_108))
-        t_114 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_113, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_115 = s.mm("_ t_2'", t_114, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_115 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_115 * s.S), tr(s.R)), mean=True)
-        t_116 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_113, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_117 = s.mm("_ t_2'", t_116, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_117 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_117 * s.S), tr(s.R)), mean=True)
-        t_118 = lin((1, t_112, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/s.d_V) * t_112), s.one), s.Y_2), (1/s.L, t_108))
-        t_119 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_118, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-        t_120 = softmax_diff(s.A1, t_119)
-        t_121 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_118, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-        t_122 = softmax_diff(s.A2, t_121)
-        t_123 = lin((1, s.prod("_ t_42'", tr(t_120), tr(s.t_42))), (1, s.prod("_ t_43'", tr(t_122), tr(s.t_43))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_123 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_123 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_118, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_118, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_118, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_118, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_110, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_111, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_108, mean=True)
+        t_95 = lin((1/math.sqrt(s.d_K), s.prod("t_42' _", tr(s.t_42), t_93)), (1/math.sqrt(s.d_K), s.prod("_ t_7'", t_94, tr(s.t_7))))
+        t_96 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_97 = lin((1/math.sqrt(s.d_K), s.prod("_ t_7'", t_96, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_43' _", tr(s.t_43), t_93)))
+        t_98 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_95), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_97), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_99 = lin((1, t_98, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_98 * s.Y_2), s.one), s.t_55))
+        t_100 = lin((1, s.prod('_ W_1', t_99, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_101 = lin((1, s.prod('_ W_3', t_99, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_102 = lin((1, t_98), (1, s.prod('_ W_2', ((s.t_92 * t_100) + (s.t_36 * t_101)), s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_103 = (s.t_4 * softmax_diff(s.t_58, t_102))
+        t_104 = s.mm("_ W_2'", t_103, tr(s.W_2))
+        t_105 = ((1/s.L) * s.t_92 * t_104)
+        t_106 = (s.t_36 * t_104)
+        t_107 = lin((1, s.prod("_ W_1'", t_105, tr(s.W_1))), (1/s.L, s.prod("_ W_3'", t_106, tr(s.W_3))))
+        t_108 = lin((1, (1/math.sqrt(s.d_K)) * t_107, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_107), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_103))
+        t_109 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_108, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_110 = s.mm("_ t_2'", t_109, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_110 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_110 * s.S), tr(s.R)), mean=True)
+        t_111 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_108, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_112 = s.mm("_ t_2'", t_111, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_112 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_112 * s.S), tr(s.R)), mean=True)
+        t_113 = lin((1, t_107, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/s.d_V) * t_107), s.one), s.Y_2), (1/s.L, t_103))
+        t_114 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_113, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        t_115 = softmax_diff(s.A1, t_114)
+        t_116 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_113, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
+        t_117 = softmax_diff(s.A2, t_116)
+        t_118 = lin((1, s.prod("_ t_42'", tr(t_115), tr(s.t_42))), (1, s.prod("_ t_43'", tr(t_117), tr(s.t_43))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_118 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_118 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_113, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_113, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_113, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_113, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_105, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_106, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_103, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_124 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_125 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_126 = lin((1, s.prod("t_42' _", tr(s.t_42), t_124)), (1, s.prod("_ t_7'", t_125, tr(s.t_7))))
-        t_127 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_126)
-        t_128 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_129 = lin((1, s.prod("_ t_7'", t_128, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_124)))
-        t_130 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_129)
-        t_131 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_127, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_130, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_133 = s.mm('_ one', (t_131 * s.Y_2), s.one)
-        t_134 = (t_133 * s.t_55)
-        t_135 = lin((1, t_131, s.R_N_2), (2/s.d_V, t_134))
-        t_136 = lin((1, s.prod('_ W_1', t_135, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_138 = lin((1, s.prod('_ W_3', t_135, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_139 = s.mm('G _', s.G, tr(V_W_2))
-        t_140 = lin((1, s.t_132, t_136), (1, s.t_137, t_138), (1, s.t_92, t_139))
-        t_141 = ((s.t_137 * t_136) + (s.t_36 * t_139))
-        t_142 = lin((1, s.prod("_ W_1'", t_140, tr(s.W_1))), (1, s.prod("_ W_3'", t_141, tr(s.W_3))), (1, s.prod('t_20 _', s.t_20, tr(V_W_1))), (1, s.prod('t_21 _', s.t_21, tr(V_W_3))))
-        t_143 = lin((1, s.t_64, t_131), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_142), (2/s.d_V, t_133, s.t_66))
-        t_144 = lin((1, s.t_27, t_131), (1, (1/math.sqrt(s.d_K)) * t_142, s.R_N_2), (2/s.d_V, t_133, s.t_68), (1, s.mm('_ one', t_143, s.one), s.Y_2))
-        t_145 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O1' _ N_1'", s.t_28, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_146 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_126, s.t_29) + softmax_diff(s.A1, t_145))
-        t_147 = lin((1, s.prod("_ t_2'", t_146, tr(s.t_2))), (1, s.prod('t_30 _', s.t_30, tr(t_124))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_147 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_147 * s.C)), mean=True)
-        t_148 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O2' _ N_1'", s.t_28, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_149 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_129, s.t_38) + softmax_diff(s.A2, t_148))
-        t_150 = lin((1, s.prod("_ t_2'", t_149, tr(s.t_2))), (1, s.prod('t_39 _', s.t_39, tr(t_124))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_150 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_150 * s.C)), mean=True)
-        t_151 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_126, s.t_70)
-        t_152 = lin((1, s.t_72, t_131), (1, s.t_55, (2/s.d_V) * t_142), (2/s.d_V, t_133, s.t_73))
-        t_153 = lin((1, t_142, s.R_N_2), (2/s.d_V, t_133, s.t_75), (1, s.t_46, t_131), (1, s.mm('_ one', t_152, s.one), s.Y_2))
-        t_154 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_153, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O1' _ N_1'", s.t_69, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_155 = softmax_diff(s.A1, t_154)
-        t_156 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_129, s.t_76)
-        t_157 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_153, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O2' _ N_1'", s.t_69, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_158 = softmax_diff(s.A2, t_157)
-        t_159 = lin((1, s.prod("_ t_42'", (tr(t_151) + tr(t_155)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_156) + tr(t_158)), tr(s.t_43))), (1, s.prod("t_71' _", tr(s.t_71), t_125)), (1, s.prod("t_77' _", tr(s.t_77), t_128)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_159 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_159 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_47 _", tr(s.N_1), tr(s.A2), s.t_47, tr(V_W_O2)), (1, "N_1' _ t_47 W_O1'", tr(s.N_1), tr(t_127), s.t_47, tr(s.W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_153, tr(s.W_O1)), (1, "N_1' A1' t_47 _", tr(s.N_1), tr(s.A1), s.t_47, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_153, tr(s.W_O2)), (1, "N_1' _ t_47 W_O2'", tr(s.N_1), tr(t_130), s.t_47, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_47", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_127), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_153, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_47", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_130), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_153, mean=True)))
-        out_W_1 = (s.mm('_ t_20', tr(t_135), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_140, mean=True))
-        out_W_3 = (s.mm('_ t_21', tr(t_135), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_141, mean=True))
-        t_161 = ((tr(s.t_92) * tr(t_136)) + (s.t_160 * tr(t_138)))
-        out_W_2 = s.mm('_ G', t_161, s.G, mean=True)
+        t_119 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_120 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_121 = lin((1, s.prod("t_42' _", tr(s.t_42), t_119)), (1, s.prod("_ t_7'", t_120, tr(s.t_7))))
+        t_122 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_121)
+        t_123 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_124 = lin((1, s.prod("_ t_7'", t_123, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_119)))
+        t_125 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_124)
+        t_126 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_122, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_125, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_128 = s.mm('_ one', (t_126 * s.Y_2), s.one)
+        t_129 = (t_128 * s.t_55)
+        t_130 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_129))
+        t_131 = lin((1, s.prod('_ W_1', t_130, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_133 = lin((1, s.prod('_ W_3', t_130, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_134 = s.mm('G _', s.G, tr(V_W_2))
+        t_135 = lin((1, s.t_127, t_131), (1, s.t_132, t_133), (1, s.t_92, t_134))
+        t_136 = ((s.t_132 * t_131) + (s.t_36 * t_134))
+        t_137 = lin((1, s.prod("_ W_1'", t_135, tr(s.W_1))), (1, s.prod("_ W_3'", t_136, tr(s.W_3))), (1, s.prod('t_20 _', s.t_20, tr(V_W_1))), (1, s.prod('t_21 _', s.t_21, tr(V_W_3))))
+        t_138 = lin((1, s.t_64, t_126), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_137), (2/s.d_V, t_128, s.t_66))
+        t_139 = lin((1, s.t_27, t_126), (1, (1/math.sqrt(s.d_K)) * t_137, s.R_N_2), (2/s.d_V, t_128, s.t_68), (1, s.mm('_ one', t_138, s.one), s.Y_2))
+        t_140 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_139, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O1' _ N_1'", s.t_28, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_141 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_121, s.t_29) + softmax_diff(s.A1, t_140))
+        t_142 = lin((1, s.prod("_ t_2'", t_141, tr(s.t_2))), (1, s.prod('t_30 _', s.t_30, tr(t_119))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_142 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_142 * s.C)), mean=True)
+        t_143 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_139, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O2' _ N_1'", s.t_28, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_144 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_124, s.t_38) + softmax_diff(s.A2, t_143))
+        t_145 = lin((1, s.prod("_ t_2'", t_144, tr(s.t_2))), (1, s.prod('t_39 _', s.t_39, tr(t_119))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_145 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_145 * s.C)), mean=True)
+        t_146 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_121, s.t_70)
+        t_147 = lin((1, s.t_72, t_126), (1, s.t_55, (2/s.d_V) * t_137), (2/s.d_V, t_128, s.t_73))
+        t_148 = lin((1, t_137, s.R_N_2), (2/s.d_V, t_128, s.t_75), (1, s.t_46, t_126), (1, s.mm('_ one', t_147, s.one), s.Y_2))
+        t_149 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_148, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O1' _ N_1'", s.t_69, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_150 = softmax_diff(s.A1, t_149)
+        t_151 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_124, s.t_76)
+        t_152 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_148, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O2' _ N_1'", s.t_69, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_153 = softmax_diff(s.A2, t_152)
+        t_154 = lin((1, s.prod("_ t_42'", (tr(t_146) + tr(t_150)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_151) + tr(t_153)), tr(s.t_43))), (1, s.prod("t_71' _", tr(s.t_71), t_120)), (1, s.prod("t_77' _", tr(s.t_77), t_123)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_154 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_154 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_47 _", tr(s.N_1), tr(s.A2), s.t_47, tr(V_W_O2)), (1, "N_1' _ t_47 W_O1'", tr(s.N_1), tr(t_122), s.t_47, tr(s.W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_148, tr(s.W_O1)), (1, "N_1' A1' t_47 _", tr(s.N_1), tr(s.A1), s.t_47, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_148, tr(s.W_O2)), (1, "N_1' _ t_47 W_O2'", tr(s.N_1), tr(t_125), s.t_47, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_47", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_122), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_148, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_47", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_125), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_148, mean=True)))
+        out_W_1 = (s.mm('_ t_20', tr(t_130), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_135, mean=True))
+        out_W_3 = (s.mm('_ t_21', tr(t_130), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_136, mean=True))
+        out_W_2 = s.mm('_ G', ((tr(s.t_92) * tr(t_131)) + (s.t_155 * tr(t_133))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_162 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_163 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_164 = lin((1, s.prod("t_42' _", tr(s.t_42), t_162)), (1, s.prod("_ t_7'", t_163, tr(s.t_7))))
-        t_179 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_164)
-        t_180 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_181 = lin((1, s.prod("_ t_7'", t_180, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_162)))
-        t_182 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_181)
-        t_183 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_179, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_182, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_185 = s.mm('_ one', (t_183 * s.Y_2), s.one)
-        t_186 = (t_185 * s.t_55)
-        t_187 = lin((1, t_183, s.R_N_2), (2/s.d_V, t_186))
-        t_188 = lin((1, s.prod('_ W_1', t_187, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_189 = lin((1, s.prod('_ W_3', t_187, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_190 = ((s.t_92 * t_188) + (s.t_36 * t_189))
-        t_191 = lin((1, t_183), (1, s.prod('_ W_2', t_190, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_192 = (s.t_4 * softmax_diff(s.t_18, t_191))
-        t_193 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_192, tr(s.W_2))))
-        t_197 = lin((1, s.t_184, t_188), (1, s.t_92, t_193), (1, s.t_196, t_189))
-        t_198 = ((s.t_196 * t_188) + (s.t_36 * t_193))
-        t_199 = lin((1, s.prod("_ W_1'", t_197, tr(s.W_1))), (1, s.prod("_ W_3'", t_198, tr(s.W_3))), (1, s.prod('t_170 _', s.t_170, tr(V_W_1))), (1, s.prod('t_172 _', s.t_172, tr(V_W_3))))
-        t_203 = lin((1, s.t_201, t_183), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_199), (2/s.d_V, t_185, s.t_202))
-        t_204 = lin((1, s.t_176, t_183), (1, (1/math.sqrt(s.d_K)) * t_199, s.R_N_2), (2/s.d_V, t_185, s.t_200), (1, s.mm('_ one', t_203, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_192))
-        t_205 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_204, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_177 _ W_V' N_1'", s.t_177, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_177 W_O1' _ N_1'", s.t_177, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_206 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_178) + softmax_diff(s.A1, t_205))
-        t_208 = lin((1, s.prod("_ t_2'", t_206, tr(s.t_2))), (1, s.prod('t_207 _', s.t_207, tr(t_162))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_208 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_208 * s.S), tr(s.R)), mean=True)
-        t_210 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_204, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_177 _ W_V' N_1'", s.t_177, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_177 W_O2' _ N_1'", s.t_177, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_211 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_181, s.t_209) + softmax_diff(s.A2, t_210))
-        t_213 = lin((1, s.prod("_ t_2'", t_211, tr(s.t_2))), (1, s.prod('t_212 _', s.t_212, tr(t_162))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_213 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_213 * s.S), tr(s.R)), mean=True)
-        t_219 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_164, s.t_218)
-        t_223 = lin((1, s.t_221, t_183), (1, s.t_55, (2/s.d_V) * t_199), (2/s.d_V, t_185, s.t_222))
-        t_224 = lin((1, t_199, s.R_N_2), (2/s.d_V, t_185, s.t_220), (1, s.t_215, t_183), (1, s.mm('_ one', t_223, s.one), s.Y_2), (1/s.L, t_192))
-        t_225 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_224, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_217 W_O1' _ N_1'", s.t_217, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_217 _ W_V' N_1'", s.t_217, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_226 = softmax_diff(s.A1, t_225)
-        t_228 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_181, s.t_227)
-        t_229 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_224, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_217 W_O2' _ N_1'", s.t_217, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_217 _ W_V' N_1'", s.t_217, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_230 = softmax_diff(s.A2, t_229)
-        t_233 = lin((1, s.prod("_ t_42'", (tr(t_219) + tr(t_226)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_228) + tr(t_230)), tr(s.t_43))), (1, s.prod("t_231' _", tr(s.t_231), t_163)), (1, s.prod("t_232' _", tr(s.t_232), t_180)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_233 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_233 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_216 _", tr(s.N_1), tr(s.A2), s.t_216, tr(V_W_O2)), (1, "N_1' _ t_216 W_O1'", tr(s.N_1), tr(t_179), s.t_216, tr(s.W_O1)), (1, "N_1' A1' t_216 _", tr(s.N_1), tr(s.A1), s.t_216, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_224, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_224, tr(s.W_O1)), (1, "N_1' _ t_216 W_O2'", tr(s.N_1), tr(t_182), s.t_216, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_216", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_216), (1, "W_V' N_1' _ t_216", tr(s.W_V), tr(s.N_1), tr(t_179), s.t_216), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_224, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_216", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_216), (1, "W_V' N_1' _ t_216", tr(s.W_V), tr(s.N_1), tr(t_182), s.t_216), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_224, mean=True)))
-        out_W_1 = (s.mm('_ t_170', tr(t_187), s.t_170, mean=True) + s.mm("N_2' _", tr(s.N_2), t_197, mean=True))
-        out_W_3 = (s.mm('_ t_172', tr(t_187), s.t_172, mean=True) + s.mm("N_2' _", tr(s.N_2), t_198, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_190), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_192, mean=True)))
+        t_156 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_157 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_158 = lin((1, s.prod("t_42' _", tr(s.t_42), t_156)), (1, s.prod("_ t_7'", t_157, tr(s.t_7))))
+        t_173 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_158)
+        t_174 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_175 = lin((1, s.prod("_ t_7'", t_174, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_156)))
+        t_176 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_175)
+        t_177 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_173, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_176, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_179 = s.mm('_ one', (t_177 * s.Y_2), s.one)
+        t_180 = (t_179 * s.t_55)
+        t_181 = lin((1, t_177, s.R_N_2), (2/s.d_V, t_180))
+        t_182 = lin((1, s.prod('_ W_1', t_181, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_183 = lin((1, s.prod('_ W_3', t_181, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_184 = ((s.t_92 * t_182) + (s.t_36 * t_183))
+        t_185 = lin((1, t_177), (1, s.prod('_ W_2', t_184, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
+        t_186 = (s.t_4 * softmax_diff(s.t_18, t_185))
+        t_187 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_186, tr(s.W_2))))
+        t_191 = lin((1, s.t_178, t_182), (1, s.t_92, t_187), (1, s.t_190, t_183))
+        t_192 = ((s.t_190 * t_182) + (s.t_36 * t_187))
+        t_193 = lin((1, s.prod("_ W_1'", t_191, tr(s.W_1))), (1, s.prod("_ W_3'", t_192, tr(s.W_3))), (1, s.prod('t_164 _', s.t_164, tr(V_W_1))), (1, s.prod('t_166 _', s.t_166, tr(V_W_3))))
+        t_197 = lin((1, s.t_195, t_177), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_193), (2/s.d_V, t_179, s.t_196))
+        t_198 = lin((1, s.t_170, t_177), (1, (1/math.sqrt(s.d_K)) * t_193, s.R_N_2), (2/s.d_V, t_179, s.t_194), (1, s.mm('_ one', t_197, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_186))
+        t_199 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_198, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_171 _ W_V' N_1'", s.t_171, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_171 W_O1' _ N_1'", s.t_171, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_200 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_158, s.t_172) + softmax_diff(s.A1, t_199))
+        t_202 = lin((1, s.prod("_ t_2'", t_200, tr(s.t_2))), (1, s.prod('t_201 _', s.t_201, tr(t_156))))
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_202 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), mean=True)
+        t_204 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_198, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_171 _ W_V' N_1'", s.t_171, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_171 W_O2' _ N_1'", s.t_171, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_205 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_175, s.t_203) + softmax_diff(s.A2, t_204))
+        t_207 = lin((1, s.prod("_ t_2'", t_205, tr(s.t_2))), (1, s.prod('t_206 _', s.t_206, tr(t_156))))
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_207 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_207 * s.S), tr(s.R)), mean=True)
+        t_213 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_158, s.t_212)
+        t_217 = lin((1, s.t_215, t_177), (1, s.t_55, (2/s.d_V) * t_193), (2/s.d_V, t_179, s.t_216))
+        t_218 = lin((1, t_193, s.R_N_2), (2/s.d_V, t_179, s.t_214), (1, s.t_209, t_177), (1, s.mm('_ one', t_217, s.one), s.Y_2), (1/s.L, t_186))
+        t_219 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_218, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_211 W_O1' _ N_1'", s.t_211, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_211 _ W_V' N_1'", s.t_211, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_220 = softmax_diff(s.A1, t_219)
+        t_222 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_175, s.t_221)
+        t_223 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_218, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_211 W_O2' _ N_1'", s.t_211, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_211 _ W_V' N_1'", s.t_211, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_224 = softmax_diff(s.A2, t_223)
+        t_227 = lin((1, s.prod("_ t_42'", (tr(t_213) + tr(t_220)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_222) + tr(t_224)), tr(s.t_43))), (1, s.prod("t_225' _", tr(s.t_225), t_157)), (1, s.prod("t_226' _", tr(s.t_226), t_174)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_227 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_227 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_210 _", tr(s.N_1), tr(s.A2), s.t_210, tr(V_W_O2)), (1, "N_1' _ t_210 W_O1'", tr(s.N_1), tr(t_173), s.t_210, tr(s.W_O1)), (1, "N_1' A1' t_210 _", tr(s.N_1), tr(s.A1), s.t_210, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_218, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_218, tr(s.W_O1)), (1, "N_1' _ t_210 W_O2'", tr(s.N_1), tr(t_176), s.t_210, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_210", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_210), (1, "W_V' N_1' _ t_210", tr(s.W_V), tr(s.N_1), tr(t_173), s.t_210), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_218, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_210", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_210), (1, "W_V' N_1' _ t_210", tr(s.W_V), tr(s.N_1), tr(t_176), s.t_210), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_218, mean=True)))
+        out_W_1 = (s.mm('_ t_164', tr(t_181), s.t_164, mean=True) + s.mm("N_2' _", tr(s.N_2), t_191, mean=True))
+        out_W_3 = (s.mm('_ t_166', tr(t_181), s.t_166, mean=True) + s.mm("N_2' _", tr(s.N_2), t_192, mean=True))
+        out_W_2 = lin((1, s.mm('_ G', tr(t_184), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_186, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -7116,4 +7086,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "c53e267e17d3bc90bd6e05ca"
+CHECKSUM = "66feec9acd2049efe0d3882d"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "1b3dc27dacc54e28fa92878b"
+    STAMP = "49e8a894dcff4f511dd65eeb"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -107,7 +107,7 @@ class mse_causal0(Forward):
         return (2/(s.L*s.d_V)) * s.t_8
 
     @leaf
-    def t_19(s):
+    def t_16(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
@@ -195,32 +195,29 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_12 = softmax_diff(s.A, t_11)
-        t_13 = lin((1, s.prod('_ X W_V', t_12, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_14 = s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_13, tr(s.W_V), tr(s.X))
-        out_W_QK = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_14), s.X, mean=True)
-        t_15 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_13)
-        out_W_V = mean0(t_15, True)
+        t_11 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X _ X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_12 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_11, tr(s.W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), t_12, s.X, mean=True)
+        out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_11, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_17 = (softmax_diff2(s.A, s.t_9, t_16) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        out_W_QK = s.mm("X' _ X", tr(s.X), t_17, s.X, mean=True)
-        t_18 = softmax_diff(s.A, t_16)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_18), s.G_2, mean=True)
+        t_13 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_14 = (softmax_diff2(s.A, s.t_9, t_13) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' _ X", tr(s.X), t_14, s.X, mean=True)
+        t_15 = softmax_diff(s.A, t_13)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_15), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_21 = softmax_diff(s.A, t_20)
-        t_22 = lin((1, s.prod('_ X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_23 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
-        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_19, t_20) + softmax_diff(s.A, t_23)), s.X, mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_21), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22), mean=True)
+        t_17 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_18 = softmax_diff(s.A, t_17)
+        t_19 = lin((1, s.prod('_ X W_V', t_18, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_20 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_19, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_16, t_17) + softmax_diff(s.A, t_20)), s.X, mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_18), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_19), mean=True)
         return (out_W_QK, out_W_V,)
 
 
@@ -228,7 +225,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "db490f044640f6a2904635bd"
+    STAMP = "a732d1938155a6b8f2465cbf"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -311,7 +308,7 @@ class mse_causal1(Forward):
         return (2/(s.L*s.d_V)) * s.t_8
 
     @leaf
-    def t_19(s):
+    def t_16(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
@@ -399,32 +396,29 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_12 = softmax_diff(s.A, t_11)
-        t_13 = lin((1, s.prod('_ X W_V', t_12, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_14 = s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_13, tr(s.W_V), tr(s.X))
-        out_W_QK = s.mm("X' _ X", tr(s.X), softmax_diff(s.A, t_14), s.X, mean=True)
-        t_15 = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_13)
-        out_W_V = mean0(t_15, True)
+        t_11 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X _ X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_12 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_11, tr(s.W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), t_12, s.X, mean=True)
+        out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_11, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_17 = (softmax_diff2(s.A, s.t_9, t_16) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        out_W_QK = s.mm("X' _ X", tr(s.X), t_17, s.X, mean=True)
-        t_18 = softmax_diff(s.A, t_16)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_18), s.G_2, mean=True)
+        t_13 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_14 = (softmax_diff2(s.A, s.t_9, t_13) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' _ X", tr(s.X), t_14, s.X, mean=True)
+        t_15 = softmax_diff(s.A, t_13)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_15), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_21 = softmax_diff(s.A, t_20)
-        t_22 = lin((1, s.prod('_ X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_23 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
-        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_19, t_20) + softmax_diff(s.A, t_23)), s.X, mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_21), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22), mean=True)
+        t_17 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_18 = softmax_diff(s.A, t_17)
+        t_19 = lin((1, s.prod('_ X W_V', t_18, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_20 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_19, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_16, t_17) + softmax_diff(s.A, t_20)), s.X, mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_18), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_19), mean=True)
         return (out_W_QK, out_W_V,)
 
 
@@ -432,7 +426,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "768f1185ae3418066eb2bbd1"
+    STAMP = "baebfc0f313f9b3b5ab8fdf7"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -531,7 +525,7 @@ class ce_causal0(Forward):
         return (1/s.L) * s.t_10
 
     @leaf
-    def t_21(s):
+    def t_19(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
@@ -627,32 +621,30 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_15 = softmax_diff(s.A, t_14)
-        t_16 = lin((1, s.prod('_ X W_V', t_15, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_17 = (s.t * softmax_diff(s.t_13, t_16))
-        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X))), s.X, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17, mean=True)
+        t_14 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X _ X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_15 = (s.t * softmax_diff(s.t_13, t_14))
+        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_15, tr(s.W_V), tr(s.X))), s.X, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_15, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_18 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_19 = (softmax_diff2(s.A, s.t_11, t_18) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        out_W_QK = s.mm("X' _ X", tr(s.X), t_19, s.X, mean=True)
-        t_20 = softmax_diff(s.A, t_18)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_20), s.G_2, mean=True)
+        t_16 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_17 = (softmax_diff2(s.A, s.t_11, t_16) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' _ X", tr(s.X), t_17, s.X, mean=True)
+        t_18 = softmax_diff(s.A, t_16)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_18), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_23 = softmax_diff(s.A, t_22)
-        t_24 = lin((1, s.prod('_ X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_25 = (s.t * softmax_diff(s.t_8, t_24))
-        t_26 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_25, tr(s.W_V), tr(s.X)))
-        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_21, t_22) + softmax_diff(s.A, t_26)), s.X, mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_23), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_25), mean=True)
+        t_20 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_21 = softmax_diff(s.A, t_20)
+        t_22 = lin((1, s.prod('_ X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_23 = (s.t * softmax_diff(s.t_8, t_22))
+        t_24 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_23, tr(s.W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_19, t_20) + softmax_diff(s.A, t_24)), s.X, mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_21), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_23), mean=True)
         return (out_W_QK, out_W_V,)
 
 
@@ -660,7 +652,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "9c178f83b4bc22efa9297049"
+    STAMP = "56498859a22da0b646ff2779"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -759,7 +751,7 @@ class ce_causal1(Forward):
         return (1/s.L) * s.t_10
 
     @leaf
-    def t_21(s):
+    def t_19(s):
         return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
 
     @leaf
@@ -855,32 +847,30 @@ class ce_causal1(Forward):
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_15 = softmax_diff(s.A, t_14)
-        t_16 = lin((1, s.prod('_ X W_V', t_15, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_17 = (s.t * softmax_diff(s.t_13, t_16))
-        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X))), s.X, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17, mean=True)
+        t_14 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X _ X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_15 = (s.t * softmax_diff(s.t_13, t_14))
+        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_15, tr(s.W_V), tr(s.X))), s.X, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_15, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_18 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_19 = (softmax_diff2(s.A, s.t_11, t_18) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        out_W_QK = s.mm("X' _ X", tr(s.X), t_19, s.X, mean=True)
-        t_20 = softmax_diff(s.A, t_18)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_20), s.G_2, mean=True)
+        t_16 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_17 = (softmax_diff2(s.A, s.t_11, t_16) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' _ X", tr(s.X), t_17, s.X, mean=True)
+        t_18 = softmax_diff(s.A, t_16)
+        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_18), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_23 = softmax_diff(s.A, t_22)
-        t_24 = lin((1, s.prod('_ X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_25 = (s.t * softmax_diff(s.t_8, t_24))
-        t_26 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_25, tr(s.W_V), tr(s.X)))
-        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_21, t_22) + softmax_diff(s.A, t_26)), s.X, mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_23), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_25), mean=True)
+        t_20 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_21 = softmax_diff(s.A, t_20)
+        t_22 = lin((1, s.prod('_ X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_23 = (s.t * softmax_diff(s.t_8, t_22))
+        t_24 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_23, tr(s.W_V), tr(s.X)))
+        out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_19, t_20) + softmax_diff(s.A, t_24)), s.X, mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_21), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_23), mean=True)
         return (out_W_QK, out_W_V,)
 
 
@@ -890,4 +880,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "bd4e57c92e5b27997cd71eb6"
+CHECKSUM = "ee3284d87263b6f0cb6614ba"

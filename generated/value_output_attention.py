@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "ef3d1a73cf4aa184e14db067"
+    STAMP = "d2c6b6e12b4bcd4bd9db3367"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -40,7 +40,7 @@ class mse_causal0(Forward):
         "W_K' X'": 8,
         "W_O W_O'": 3,
         "W_O W_O' W_V'": 2,
-        "W_O t_35'": 2,
+        "W_O t_32'": 2,
         "W_O' W_V'": 12,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
@@ -48,9 +48,9 @@ class mse_causal0(Forward):
         "X' t_20": 4,
         "X' t_20 X": 4,
         "X' t_20'": 4,
-        "X' t_43": 2,
-        "X' t_43 X": 2,
-        "X' t_43'": 2,
+        "X' t_40": 2,
+        "X' t_40 X": 2,
+        "X' t_40'": 2,
     }
 
     @leaf
@@ -166,16 +166,16 @@ class mse_causal0(Forward):
         return softmax_diff(s.A, s.t_19)
 
     @leaf
-    def t_35(s):
+    def t_32(s):
         return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_18
 
     @leaf
-    def t_36(s):
-        return s.mm("t_35 W_O' W_V' X'", s.t_35, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_33(s):
+        return s.mm("t_32 W_O' W_V' X'", s.t_32, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_43(s):
-        return softmax_diff(s.A, s.t_36)
+    def t_40(s):
+        return softmax_diff(s.A, s.t_33)
 
     @leaf
     def G_3(s):
@@ -359,47 +359,43 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
-        t_23 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_24 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_23, tr(s.W_O), tr(s.W_V), tr(s.X))
-        t_25 = softmax_diff(s.A, t_24)
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_25, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q, mean=True)
-        t_26 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_23, tr(s.W_O))
-        out_W_V = mean0(t_26, True)
-        t_27 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_23)
-        out_W_O = mean0(t_27, True)
+        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_23 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_O), tr(s.W_V), tr(s.X))
+        t_24 = softmax_diff(s.A, t_23)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22, tr(s.W_O), mean=True)
+        out_W_O = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_28 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_29 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_28, s.t_19)
-        t_30 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_31 = softmax_diff(s.A, t_30)
-        t_32 = (t_29 + t_31)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X _", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X _", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
-        t_33 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_28)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_33), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_33), s.G_2), mean=True)
+        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_19)
+        t_27 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_28 = softmax_diff(s.A, t_27)
+        t_29 = (t_26 + t_28)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X _", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X _", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
+        t_30 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_34 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_37 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_34, s.t_36)
-        t_38 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_34)
-        t_39 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_38, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_40 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_39, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_35 _ W_V' X'", s.t_35, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_35 W_O' _ X'", s.t_35, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_41 = softmax_diff(s.A, t_40)
-        t_42 = (t_37 + t_41)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_42, s.X, s.W_K), (1, "X' t_43 X _", tr(s.X), s.t_43, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_42), s.X, s.W_Q), (1, "X' t_43' X _", tr(s.X), tr(s.t_43), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_38), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_39, tr(s.W_O)), mean=True)
-        t_44 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_39)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_38), s.G_3), mean=True)), (1, mean0(t_44, True)))
+        t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_34 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_33)
+        t_35 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
+        t_36 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_35, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_37 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_36, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_32 _ W_V' X'", s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_32 W_O' _ X'", s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_38 = softmax_diff(s.A, t_37)
+        t_39 = (t_34 + t_38)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_39, s.X, s.W_K), (1, "X' t_40 X _", tr(s.X), s.t_40, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), (1, "X' t_40' X _", tr(s.X), tr(s.t_40), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_35), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_36, tr(s.W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_35), s.G_3), mean=True)), (1, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_36, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -407,7 +403,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "88ecc592a8f51e4bfd1eb4ce"
+    STAMP = "1d966fe1def7c8c590fff275"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -423,7 +419,7 @@ class mse_causal1(Forward):
         "W_K' X'": 8,
         "W_O W_O'": 3,
         "W_O W_O' W_V'": 2,
-        "W_O t_35'": 2,
+        "W_O t_32'": 2,
         "W_O' W_V'": 12,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
@@ -431,9 +427,9 @@ class mse_causal1(Forward):
         "X' t_20": 4,
         "X' t_20 X": 4,
         "X' t_20'": 4,
-        "X' t_43": 2,
-        "X' t_43 X": 2,
-        "X' t_43'": 2,
+        "X' t_40": 2,
+        "X' t_40 X": 2,
+        "X' t_40'": 2,
     }
 
     @leaf
@@ -549,16 +545,16 @@ class mse_causal1(Forward):
         return softmax_diff(s.A, s.t_19)
 
     @leaf
-    def t_35(s):
+    def t_32(s):
         return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_18
 
     @leaf
-    def t_36(s):
-        return s.mm("t_35 W_O' W_V' X'", s.t_35, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_33(s):
+        return s.mm("t_32 W_O' W_V' X'", s.t_32, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_43(s):
-        return softmax_diff(s.A, s.t_36)
+    def t_40(s):
+        return softmax_diff(s.A, s.t_33)
 
     @leaf
     def G_3(s):
@@ -742,47 +738,43 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
-        t_23 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_24 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_23, tr(s.W_O), tr(s.W_V), tr(s.X))
-        t_25 = softmax_diff(s.A, t_24)
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_25, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q, mean=True)
-        t_26 = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_23, tr(s.W_O))
-        out_W_V = mean0(t_26, True)
-        t_27 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_23)
-        out_W_O = mean0(t_27, True)
+        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_23 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_O), tr(s.W_V), tr(s.X))
+        t_24 = softmax_diff(s.A, t_23)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22, tr(s.W_O), mean=True)
+        out_W_O = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_28 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_29 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_28, s.t_19)
-        t_30 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_31 = softmax_diff(s.A, t_30)
-        t_32 = (t_29 + t_31)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X _", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X _", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
-        t_33 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_28)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_33), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_33), s.G_2), mean=True)
+        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_19)
+        t_27 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_28 = softmax_diff(s.A, t_27)
+        t_29 = (t_26 + t_28)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X _", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X _", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
+        t_30 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_34 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_37 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_34, s.t_36)
-        t_38 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_34)
-        t_39 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_38, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_40 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_39, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_35 _ W_V' X'", s.t_35, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_35 W_O' _ X'", s.t_35, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_41 = softmax_diff(s.A, t_40)
-        t_42 = (t_37 + t_41)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_42, s.X, s.W_K), (1, "X' t_43 X _", tr(s.X), s.t_43, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_42), s.X, s.W_Q), (1, "X' t_43' X _", tr(s.X), tr(s.t_43), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_38), s.G_3, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_39, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
-        t_44 = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_39)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_38), s.G_3), mean=True)), (1, mean0(t_44, True)))
+        t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_34 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_33)
+        t_35 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
+        t_36 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_35, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_37 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_36, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_32 _ W_V' X'", s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_32 W_O' _ X'", s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_38 = softmax_diff(s.A, t_37)
+        t_39 = (t_34 + t_38)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_39, s.X, s.W_K), (1, "X' t_40 X _", tr(s.X), s.t_40, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), (1, "X' t_40' X _", tr(s.X), tr(s.t_40), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_35), s.G_3, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_36, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_35), s.G_3), mean=True)), (1, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_36, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -790,7 +782,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "04799d9d3600a99ae092d63b"
+    STAMP = "a1c6a1963331e28d1e663f99"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -802,7 +794,7 @@ class ce_causal0(Forward):
         "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
-        "W_O t_33'": 2,
+        "W_O t_32'": 2,
         "W_O' W_V'": 10,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
@@ -810,9 +802,9 @@ class ce_causal0(Forward):
         "X' t_19": 4,
         "X' t_19 X": 4,
         "X' t_19'": 4,
-        "X' t_42": 2,
-        "X' t_42 X": 2,
-        "X' t_42'": 2,
+        "X' t_41": 2,
+        "X' t_41 X": 2,
+        "X' t_41'": 2,
     }
 
     @leaf
@@ -932,16 +924,16 @@ class ce_causal0(Forward):
         return softmax_rows(s.F_2)
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return (1/(s.L*math.sqrt(s.d_K))) * s.t_17
 
     @leaf
-    def t_34(s):
-        return s.mm("t_33 W_O' W_V' X'", s.t_33, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_33(s):
+        return s.mm("t_32 W_O' W_V' X'", s.t_32, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_42(s):
-        return softmax_diff(s.A, s.t_34)
+    def t_41(s):
+        return softmax_diff(s.A, s.t_33)
 
     @leaf
     def G_3(s):
@@ -1133,45 +1125,44 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
-        t_23 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_24 = (s.t_2 * softmax_diff(s.t_20, t_23))
-        t_25 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_24, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_25, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_24, tr(s.W_O), mean=True)
-        out_W_O = (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_24, mean=True)
+        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_23 = (s.t_2 * softmax_diff(s.t_20, t_22))
+        t_24 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_23, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_23, tr(s.W_O), mean=True)
+        out_W_O = (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_23, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_26 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_26, s.t_18)
-        t_28 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_29 = softmax_diff(s.A, t_28)
-        t_30 = (t_27 + t_29)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X _", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X _", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
-        t_31 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_26)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_31), s.G_2), mean=True)
+        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_18)
+        t_27 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_28 = softmax_diff(s.A, t_27)
+        t_29 = (t_26 + t_28)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X _", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X _", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
+        t_30 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_32 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_35 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_32, s.t_34)
-        t_36 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_32)
-        t_37 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_38 = (s.t_2 * softmax_diff(s.t_15, t_37))
-        t_39 = s.mm_sum('r', (1, "t_33 _ W_V' X'", s.t_33, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_33 W_O' _ X'", s.t_33, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_40 = softmax_diff(s.A, t_39)
-        t_41 = (t_35 + t_40)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_41, s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_36), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_36), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_38, mean=True)))
+        t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_34 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_33)
+        t_35 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
+        t_36 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_35, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_37 = (s.t_2 * softmax_diff(s.t_15, t_36))
+        t_38 = s.mm_sum('r', (1, "t_32 _ W_V' X'", s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_32 W_O' _ X'", s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_39 = softmax_diff(s.A, t_38)
+        t_40 = (t_34 + t_39)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_40, s.X, s.W_K), (1, "X' t_41 X _", tr(s.X), s.t_41, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_40), s.X, s.W_Q), (1, "X' t_41' X _", tr(s.X), tr(s.t_41), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_35), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_37, tr(s.W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_35), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_37, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -1179,7 +1170,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "7e61b4e782aab9ab40727e75"
+    STAMP = "cbee934e6293b8bce875484f"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1191,7 +1182,7 @@ class ce_causal1(Forward):
         "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
-        "W_O t_33'": 2,
+        "W_O t_32'": 2,
         "W_O' W_V'": 10,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
@@ -1199,9 +1190,9 @@ class ce_causal1(Forward):
         "X' t_19": 4,
         "X' t_19 X": 4,
         "X' t_19'": 4,
-        "X' t_42": 2,
-        "X' t_42 X": 2,
-        "X' t_42'": 2,
+        "X' t_41": 2,
+        "X' t_41 X": 2,
+        "X' t_41'": 2,
     }
 
     @leaf
@@ -1321,16 +1312,16 @@ class ce_causal1(Forward):
         return softmax_rows(s.F_2)
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return (1/(s.L*math.sqrt(s.d_K))) * s.t_17
 
     @leaf
-    def t_34(s):
-        return s.mm("t_33 W_O' W_V' X'", s.t_33, tr(s.W_O), tr(s.W_V), tr(s.X))
+    def t_33(s):
+        return s.mm("t_32 W_O' W_V' X'", s.t_32, tr(s.W_O), tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_42(s):
-        return softmax_diff(s.A, s.t_34)
+    def t_41(s):
+        return softmax_diff(s.A, s.t_33)
 
     @leaf
     def G_3(s):
@@ -1522,45 +1513,44 @@ class ce_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_21)
-        t_23 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_22, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_24 = (s.t_2 * softmax_diff(s.t_20, t_23))
-        t_25 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_24, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_25, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_25), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_24, tr(s.W_O), mean=True)
-        out_W_O = (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_24, mean=True)
+        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_23 = (s.t_2 * softmax_diff(s.t_20, t_22))
+        t_24 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_23, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_23, tr(s.W_O), mean=True)
+        out_W_O = (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_23, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_26 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_26, s.t_18)
-        t_28 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
-        t_29 = softmax_diff(s.A, t_28)
-        t_30 = (t_27 + t_29)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X _", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X _", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
-        t_31 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_26)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_31), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_31), s.G_2), mean=True)
+        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_18)
+        t_27 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_28 = softmax_diff(s.A, t_27)
+        t_29 = (t_26 + t_28)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X _", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X _", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
+        t_30 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_32 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_35 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_32, s.t_34)
-        t_36 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_32)
-        t_37 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_36, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_38 = (s.t_2 * softmax_diff(s.t_15, t_37))
-        t_39 = s.mm_sum('r', (1, "t_33 W_O' _ X'", s.t_33, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "t_33 _ W_V' X'", s.t_33, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_38, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_40 = softmax_diff(s.A, t_39)
-        t_41 = (t_35 + t_40)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_41, s.X, s.W_K), (1, "X' t_42 X _", tr(s.X), s.t_42, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_41), s.X, s.W_Q), (1, "X' t_42' X _", tr(s.X), tr(s.t_42), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_36), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_38, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_36), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_38, mean=True)))
+        t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_34 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_33)
+        t_35 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
+        t_36 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_35, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_37 = (s.t_2 * softmax_diff(s.t_15, t_36))
+        t_38 = s.mm_sum('r', (1, "t_32 W_O' _ X'", s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "t_32 _ W_V' X'", s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_39 = softmax_diff(s.A, t_38)
+        t_40 = (t_34 + t_39)
+        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_40, s.X, s.W_K), (1, "X' t_41 X _", tr(s.X), s.t_41, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_40), s.X, s.W_Q), (1, "X' t_41' X _", tr(s.X), tr(s.t_41), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_35), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_37, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_35), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_37, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -1570,4 +1560,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "a11e4e2951e6a4dbef40360f"
+CHECKSUM = "af1062d9a631aeab4a525c01"

@@ -88,6 +88,7 @@ class Printer:
         self.leaf_defs = []        # (name, code, doc)
         self.local_names = None    # node -> name inside the routine being printed
         self.local_defs = None
+        self.local_refs = None     # node -> users inside the routine being printed (``uses``)
         self.chain_keys = []       # the factor names of every printed product (``shared_runs``)
         self.forms = {}            # node -> "row" | "col" | None (``form``)
         self.full_leaf = {}        # compressed node -> name of its broadcast (full) leaf
@@ -125,6 +126,15 @@ class Printer:
 
     def depends_on_arguments(self, node) -> bool:
         return any(v.role == "direction" for v in node.free_vars)
+
+    def uses(self, node) -> int:
+        """How many users ``node`` has where it is printed: inside a routine, a node that
+        depends on the routine's arguments is formed there and nowhere else, so its users in
+        that routine; any other node (a leaf, shared by every routine of a state), its users
+        in the whole module."""
+        if self.local_refs is not None and self.depends_on_arguments(node):
+            return self.local_refs.get(node, 0)
+        return self.refs.get(node, 0)
 
     def form(self, node):
         """"row" for a matrix constant along each row (P 1ᵀ, and entrywise functions, sums
@@ -180,7 +190,7 @@ class Printer:
         if self.local_names is not None and node in self.local_names:
             return self.local_names[node]
         scaled = _monic_sum(node) if self.local_names is not None else None
-        if scaled is not None and self.refs.get(scaled[1], 0) > 1:
+        if scaled is not None and self.uses(scaled[1]) > 1:
             c, monic = scaled                            # c · S with S named once for all c
             return _scaled(self, c, (yield "ccode", monic))
         twin = self.named_twin(node)
@@ -218,7 +228,7 @@ class Printer:
             return False
         if isinstance(node, (E.Transpose, E.Scale)):      # views and scalings stay inline
             return len(text) > MAX_INLINE
-        return (self.refs.get(node, 0) > 1 or isinstance(node, E.Named) or node in self.hints
+        return (self.uses(node) > 1 or isinstance(node, E.Named) or node in self.hints
                 or len(text) > MAX_INLINE)
 
     def define(self, node, text, force_leaf=False):
@@ -314,6 +324,7 @@ class Printer:
 
     def _routine(self, name, exprs, dirs):
         self.local_names, self.local_defs = {}, []
+        self.local_refs = _references(exprs, self.summands)[0]
         for v in dirs:
             self.taken.add(v.name)
         outs = []
@@ -331,7 +342,7 @@ class Printer:
         else:
             ret = "(" + ", ".join(outs) + ",)"
         body = self.local_defs + [f"return {ret}"]
-        self.local_names = self.local_defs = None
+        self.local_names = self.local_defs = self.local_refs = None
         doc = _ROUTINE_DOCS.get(name.split("__")[0], "").format(part=name.split("__")[-1])
         args = ", ".join(["s"] + [v.name for v in dirs])
         return "\n".join([f"def {name}({args}):", f'    """{doc}"""'] + ["    " + b for b in body])
@@ -821,7 +832,7 @@ def _mean_code(pr, e):
     if pr.form(core):
         return _scaled(pr, c, pr.widened(core, f"mean0({(yield 'ccode', core)}, True)"))
     named = (core in pr.leaf_names or (pr.local_names is not None and core in pr.local_names)
-             or pr.refs.get(core, 0) > 1 or core in pr.hints)
+             or pr.uses(core) > 1 or core in pr.hints)
     if not named and pr.form(core) is None:
         if isinstance(core, E.MatMul) and not any(isinstance(x, E.Ones) for x in core.args):
             codes, names = yield from _factors(pr, core.args)
@@ -838,12 +849,12 @@ def _lin_term(pr, c, t, mean=False):
     if mean:
         return f"({coef}, {(yield from _mean_code(pr, t))})"
     scaled = _monic_sum(t) if pr.local_names is not None and t not in pr.local_names else None
-    if scaled is not None and pr.refs.get(scaled[1], 0) > 1:       # c·(c′·S) as (c c′, S)
+    if scaled is not None and pr.uses(scaled[1]) > 1:       # c·(c′·S) as (c c′, S)
         return f"({pr.coef(sp.sympify(c) * scaled[0])}, {(yield 'ccode', scaled[1])})"
     if _deferred(pr, t):
         codes, names = yield from _factors(pr, t.args)
         return f"({coef}, s.prod({names!r}, " + ", ".join(codes) + "))"
-    if isinstance(t, E.Hadamard) and not (pr.refs.get(t, 0) > 1 or t in pr.hints or
+    if isinstance(t, E.Hadamard) and not (pr.uses(t) > 1 or t in pr.hints or
                                           t in pr.leaf_names or
                                           (pr.local_names is not None and t in pr.local_names)):
         codes = yield from _codes(_hadamard_factors(pr, t), "ccode")
@@ -859,7 +870,7 @@ def _deferred(pr, t):
     factor, and is a full array."""
     return (pr.local_names is not None and isinstance(t, E.MatMul) and pr.depends_on_arguments(t)
             and not any(isinstance(x, E.Ones) for x in t.args) and pr.form(t) is None
-            and not (pr.refs.get(t, 0) > 1 or t in pr.hints or t in pr.local_names
+            and not (pr.uses(t) > 1 or t in pr.hints or t in pr.local_names
                      or pr.named_twin(t) is not None))
 
 
