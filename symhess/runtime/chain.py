@@ -115,7 +115,7 @@ def multiply(xs, matmul, shape, free=(), shared=(), fetch=None, store=None, fold
             cost.add_matmul(tuple(shape(a)), tuple(shape(b)))
             return inner(a, b)
         matmul.counted = True
-    if fetch is None and len(xs) == 2:
+    if len(xs) == 2 and (fetch is None or not (free or shared)):   # nothing to look up
         return matmul(xs[0], xs[1]) if fold is None else pair(xs[0], xs[1])
     splits = _solve(tuple(tuple(shape(x)) for x in xs), tuple(free), tuple(shared))[1]
     remembered = set(free) | {(i, j) for i, j, _ in shared}

@@ -321,7 +321,7 @@ class Forward:
         n, runs = chain.runs(key)
         if len(xs) != n:
             raise ValueError(f"chain key {key!r} names {n} factors, {len(xs)} given")
-        free, shared = self._prices(key)
+        free, shared = self._prices(key) if runs else ((), ())
         ops = self.ops
 
         def fetch(i, j):

@@ -3,6 +3,7 @@ float dtype (``OPS`` for the contraction engine)."""
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 import warnings
 
@@ -75,8 +76,8 @@ def lin(*terms):
     ``_Ops.addmm_``); the first coefficient is factored out and put back last when it is not
     1."""
     shapes = [[_shape(a) for a in t[1:]] for t in terms]
-    shape = torch.broadcast_shapes(*(s for ss in shapes for s in ss))
-    spans = [torch.broadcast_shapes(*ss) == shape for ss in shapes]
+    shape = _broadcast(*(s for ss in shapes for s in ss))
+    spans = [_broadcast(*ss) == shape for ss in shapes]
     deferred = [len(t) == 2 and isinstance(t[1], Product) for t in terms]
     order = sorted(range(len(terms)), key=lambda i: (not spans[i], not deferred[i], len(terms[i]) != 2,
                                                      terms[i][0] != 1))
@@ -118,11 +119,18 @@ def mul(*xs):
     spans their shape."""
     acc = torch.mul(xs[0], xs[1])
     for x in xs[2:]:
-        if torch.broadcast_shapes(acc.shape, x.shape) == acc.shape:
+        if _broadcast(acc.shape, x.shape) == acc.shape:
             acc = _in_place("mul_", torch.mul, acc, x)
         else:
             acc = torch.mul(acc, x)
     return acc
+
+
+@functools.lru_cache(maxsize=4096)
+def _broadcast(*shapes):
+    """``torch.broadcast_shapes`` as a tuple, cached: the library's runs as Python (≈ 10 µs a
+    call) and a routine asks a few hundred times per call for the same few shapes."""
+    return tuple(torch.broadcast_shapes(*shapes))
 
 
 def _shape(a):
@@ -236,7 +244,7 @@ def kron(*xs):
     out = xs[0]
     for b in xs[1:]:
         a = out
-        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        lead = _broadcast(a.shape[:-2], b.shape[:-2])
         t = a[..., :, None, :, None] * b[..., None, :, None, :]
         out = t.reshape(*lead, a.shape[-2] * b.shape[-2], a.shape[-1] * b.shape[-1])
     return out
@@ -289,7 +297,7 @@ class _Ops:
     @staticmethod
     def product(a, b):
         """The broadcast product a * b, laid out in order (not in the operands' strides)."""
-        shape = torch.broadcast_shapes(a.shape, b.shape)
+        shape = _broadcast(a.shape, b.shape)
         return torch.mul(a, b, out=torch.empty(shape, dtype=torch.result_type(a, b), device=a.device))
 
     @staticmethod
