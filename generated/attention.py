@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "c69dd00757b244960acf19ba"
+    STAMP = "8259f0f9963dd0d8f3a96a19"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -33,9 +33,9 @@ class mse_causal0(Forward):
         "X' t_11": 4,
         "X' t_11 X": 4,
         "X' t_11'": 4,
-        "X' t_29": 2,
-        "X' t_29 X": 2,
-        "X' t_29'": 2,
+        "X' t_28": 2,
+        "X' t_28 X": 2,
+        "X' t_28'": 2,
     }
 
     @leaf
@@ -115,20 +115,16 @@ class mse_causal0(Forward):
         return softmax_diff(s.A, s.t_10)
 
     @leaf
-    def t_21(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_9
-
-    @leaf
-    def t_22(s):
-        return s.mm("t_21 W_V' X'", s.t_21, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_29(s):
-        return softmax_diff(s.A, s.t_22)
-
-    @leaf
     def G_3(s):
         return (2/(s.L*s.d_V)) * s.t_9
+
+    @leaf
+    def t_21(s):
+        return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_28(s):
+        return softmax_diff(s.A, s.t_21)
 
     @leaf
     def dA(s):
@@ -282,15 +278,15 @@ class mse_causal0(Forward):
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_23 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_22)
-        t_24 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        t_25 = lin((1, s.prod('_ X W_V', t_24, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_26 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_25, tr(s.W_V), tr(s.X)), (1, "t_21 _ X'", s.t_21, tr(V_W_V), tr(s.X)))
-        t_27 = softmax_diff(s.A, t_26)
-        t_28 = (t_23 + t_27)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_28, s.X, s.W_K), (1, "X' t_29 X _", tr(s.X), s.t_29, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_28), s.X, s.W_Q), (1, "X' t_29' X _", tr(s.X), tr(s.t_29), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_24), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_25), mean=True)
+        t_22 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_21)
+        t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
+        t_24 = lin((1, s.prod('_ X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_25 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_24, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
+        t_26 = softmax_diff(s.A, t_25)
+        t_27 = (t_22 + t_26)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_27, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_28 X _", tr(s.X), s.t_28, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_28' X _", tr(s.X), tr(s.t_28), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_23), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -298,7 +294,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "05e0a7d7cb1fc51028e10bc7"
+    STAMP = "1520213e1981c1ed572a9b8a"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -307,9 +303,9 @@ class mse_causal1(Forward):
         "X' t_11": 4,
         "X' t_11 X": 4,
         "X' t_11'": 4,
-        "X' t_29": 2,
-        "X' t_29 X": 2,
-        "X' t_29'": 2,
+        "X' t_28": 2,
+        "X' t_28 X": 2,
+        "X' t_28'": 2,
     }
 
     @leaf
@@ -389,20 +385,16 @@ class mse_causal1(Forward):
         return softmax_diff(s.A, s.t_10)
 
     @leaf
-    def t_21(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_9
-
-    @leaf
-    def t_22(s):
-        return s.mm("t_21 W_V' X'", s.t_21, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_29(s):
-        return softmax_diff(s.A, s.t_22)
-
-    @leaf
     def G_3(s):
         return (2/(s.L*s.d_V)) * s.t_9
+
+    @leaf
+    def t_21(s):
+        return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_28(s):
+        return softmax_diff(s.A, s.t_21)
 
     @leaf
     def dA(s):
@@ -556,15 +548,15 @@ class mse_causal1(Forward):
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_23 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_22)
-        t_24 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        t_25 = lin((1, s.prod('_ X W_V', t_24, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_26 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_25, tr(s.W_V), tr(s.X)), (1, "t_21 _ X'", s.t_21, tr(V_W_V), tr(s.X)))
-        t_27 = softmax_diff(s.A, t_26)
-        t_28 = (t_23 + t_27)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_28, s.X, s.W_K), (1, "X' t_29 X _", tr(s.X), s.t_29, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_28), s.X, s.W_Q), (1, "X' t_29' X _", tr(s.X), tr(s.t_29), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_24), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_25), mean=True)
+        t_22 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_21)
+        t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
+        t_24 = lin((1, s.prod('_ X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_25 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_24, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
+        t_26 = softmax_diff(s.A, t_25)
+        t_27 = (t_22 + t_26)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_27, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_28 X _", tr(s.X), s.t_28, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_28' X _", tr(s.X), tr(s.t_28), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_23), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -572,7 +564,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "5aec9a7d944f107a7965320a"
+    STAMP = "b91202c9c336100c26170f80"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -581,9 +573,9 @@ class ce_causal0(Forward):
         "X' t_13": 4,
         "X' t_13 X": 4,
         "X' t_13'": 4,
-        "X' t_34": 2,
-        "X' t_34 X": 2,
-        "X' t_34'": 2,
+        "X' t_33": 2,
+        "X' t_33 X": 2,
+        "X' t_33'": 2,
     }
 
     @leaf
@@ -679,20 +671,16 @@ class ce_causal0(Forward):
         return softmax_rows(s.F_2)
 
     @leaf
-    def t_25(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_11
-
-    @leaf
-    def t_26(s):
-        return s.mm("t_25 W_V' X'", s.t_25, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_34(s):
-        return softmax_diff(s.A, s.t_26)
-
-    @leaf
     def G_3(s):
         return (1/s.L) * s.t_11
+
+    @leaf
+    def t_25(s):
+        return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_33(s):
+        return softmax_diff(s.A, s.t_25)
 
     @leaf
     def dA(s):
@@ -855,16 +843,16 @@ class ce_causal0(Forward):
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_24 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_26)
-        t_28 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
-        t_29 = lin((1, s.prod('_ X W_V', t_28, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_30 = (s.t * softmax_diff(s.t_9, t_29))
-        t_31 = s.mm_sum('r', (1, "t_25 _ X'", s.t_25, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_30, tr(s.W_V), tr(s.X)))
-        t_32 = softmax_diff(s.A, t_31)
-        t_33 = (t_27 + t_32)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_33, s.X, s.W_K), (1, "X' t_34 X _", tr(s.X), s.t_34, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_33), s.X, s.W_Q), (1, "X' t_34' X _", tr(s.X), tr(s.t_34), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_28), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_30), mean=True)
+        t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_25)
+        t_27 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
+        t_28 = lin((1, s.prod('_ X W_V', t_27, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_29 = (s.t * softmax_diff(s.t_9, t_28))
+        t_30 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_29, tr(s.W_V), tr(s.X)))
+        t_31 = softmax_diff(s.A, t_30)
+        t_32 = (t_26 + t_31)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_33 X _", tr(s.X), s.t_33, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_33' X _", tr(s.X), tr(s.t_33), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_27), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_29), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -872,7 +860,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "ac4e2f504cd6cb0984c16d7a"
+    STAMP = "a8fc7d3b4cd7790ba1dc768a"
     RUNS = {
         'A X': 7,
         "W_K' X'": 8,
@@ -881,9 +869,9 @@ class ce_causal1(Forward):
         "X' t_13": 4,
         "X' t_13 X": 4,
         "X' t_13'": 4,
-        "X' t_34": 2,
-        "X' t_34 X": 2,
-        "X' t_34'": 2,
+        "X' t_33": 2,
+        "X' t_33 X": 2,
+        "X' t_33'": 2,
     }
 
     @leaf
@@ -979,20 +967,16 @@ class ce_causal1(Forward):
         return softmax_rows(s.F_2)
 
     @leaf
-    def t_25(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_11
-
-    @leaf
-    def t_26(s):
-        return s.mm("t_25 W_V' X'", s.t_25, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_34(s):
-        return softmax_diff(s.A, s.t_26)
-
-    @leaf
     def G_3(s):
         return (1/s.L) * s.t_11
+
+    @leaf
+    def t_25(s):
+        return s.mm("G_3 W_V' X'", s.G_3, tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_33(s):
+        return softmax_diff(s.A, s.t_25)
 
     @leaf
     def dA(s):
@@ -1155,16 +1139,16 @@ class ce_causal1(Forward):
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_24 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_27 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_26)
-        t_28 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
-        t_29 = lin((1, s.prod('_ X W_V', t_28, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_30 = (s.t * softmax_diff(s.t_9, t_29))
-        t_31 = s.mm_sum('r', (1, "t_25 _ X'", s.t_25, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_30, tr(s.W_V), tr(s.X)))
-        t_32 = softmax_diff(s.A, t_31)
-        t_33 = (t_27 + t_32)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_33, s.X, s.W_K), (1, "X' t_34 X _", tr(s.X), s.t_34, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_33), s.X, s.W_Q), (1, "X' t_34' X _", tr(s.X), tr(s.t_34), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_28), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_30), mean=True)
+        t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_25)
+        t_27 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
+        t_28 = lin((1, s.prod('_ X W_V', t_27, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_29 = (s.t * softmax_diff(s.t_9, t_28))
+        t_30 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_29, tr(s.W_V), tr(s.X)))
+        t_31 = softmax_diff(s.A, t_30)
+        t_32 = (t_26 + t_31)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_33 X _", tr(s.X), s.t_33, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_33' X _", tr(s.X), tr(s.t_33), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_27), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_29), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -1174,4 +1158,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "f1c40761ed8459943bd36ac8"
+CHECKSUM = "67ed1831221a326ae9da4e29"

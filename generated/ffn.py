@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "9177b97da13b97aebcf23fcb"
+    STAMP = "fe691a37977ff2412389947c"
 
     @leaf
     def H(s):
@@ -155,7 +155,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "6475e58aa3f86024e811070c"
+    STAMP = "f8d13698f74dc98bce5f849d"
 
     @leaf
     def H(s):
@@ -308,4 +308,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "b37472a8ce7d45bf347eef05"
+CHECKSUM = "115b456432fb53551185b3aa"

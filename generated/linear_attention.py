@@ -24,13 +24,13 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "db22ad6e39760d0f65515ab9"
+    STAMP = "78ca31cc6d93de1ddc8bf99f"
     RUNS = {
-        "G W_V'": 5,
-        "G W_V' X'": 5,
-        "G W_V' X' X": 5,
-        "G' X": 9,
-        "G' X W_Q": 3,
+        "G W_V'": 7,
+        "G W_V' X'": 7,
+        "G W_V' X' X": 7,
+        "G' X": 13,
+        "G' X W_Q": 4,
         'T X': 10,
         "T' X": 2,
         "W_K' X'": 14,
@@ -41,26 +41,19 @@ class mse_causal0(Forward):
         "W_K' X' X W_V W_V' X' X": 2,
         "W_Q' X'": 15,
         "W_Q' X' X": 2,
-        "W_V G' X": 5,
+        "W_V G' X": 7,
         "W_V W_V'": 3,
         "W_V W_V' X'": 3,
         "W_V W_V' X' X": 3,
-        "W_V t_35'": 2,
-        "W_V t_35' X": 2,
         "W_V' X'": 19,
         "W_V' X' X": 16,
-        "X W_V G' X": 5,
+        "X W_V G' X": 7,
         "X W_V W_V' X'": 3,
         "X W_V W_V' X' X": 3,
-        "X W_V t_35'": 2,
-        "X W_V t_35' X": 2,
-        "X' G W_V' X' X": 5,
+        "X' G W_V' X' X": 7,
         "X' T X": 2,
         "X' X": 24,
         "X' X W_V W_V' X' X": 3,
-        "X' X W_V t_35'": 2,
-        "X' X W_V t_35' X": 2,
-        "X' t_35": 4,
     }
 
     @leaf
@@ -88,71 +81,67 @@ class mse_causal0(Forward):
         return s.mm('T X W_V', s.T, s.X, s.W_V)
 
     @leaf
-    def t_5(s):
-        return (s.F - s.Y)
-
-    @leaf
     def G(s):
-        return (2/(s.L*s.d_V)) * s.t_5
+        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
 
     @leaf
-    def t_6(s):
+    def t_5(s):
         return s.mm("X' G W_V' X' X", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X)
 
     @leaf
-    def t_7(s):
+    def t_6(s):
         return s.mm("X' T X", tr(s.X), s.T, s.X)
 
     @leaf
-    def t_8(s):
+    def t_7(s):
         return s.mm("W_K' X' X W_V", tr(s.W_K), tr(s.X), s.X, s.W_V)
 
     @leaf
-    def t_9(s):
+    def t_8(s):
         return s.mm("X' G", tr(s.X), s.G)
 
     @leaf
-    def t_10(s):
+    def t_9(s):
         return s.mm("W_K' X' X", tr(s.W_K), tr(s.X), s.X)
 
     @leaf
-    def t_11(s):
+    def t_10(s):
         return s.mm("X' X W_V W_V' X' X", tr(s.X), s.X, s.W_V, tr(s.W_V), tr(s.X), s.X)
 
     @leaf
-    def t_12(s):
+    def t_11(s):
         return s.mm("W_Q' X' X W_Q", tr(s.W_Q), tr(s.X), s.X, s.W_Q)
 
     @leaf
-    def t_13(s):
+    def t_12(s):
         return s.mm("X' X W_V", tr(s.X), s.X, s.W_V)
 
     @leaf
-    def t_14(s):
+    def t_13(s):
         return s.mm("W_Q' X' T X", tr(s.W_Q), tr(s.X), s.T, s.X)
 
     @leaf
-    def t_15(s):
+    def t_14(s):
         return s.mm("W_Q' X' G", tr(s.W_Q), tr(s.X), s.G)
 
     @leaf
-    def t_16(s):
+    def t_15(s):
         return s.mm("X' T' T X", tr(s.X), tr(s.T), s.T, s.X)
 
     @leaf
-    def t_17(s):
-        return tr(s.t_8)
+    def t_16(s):
+        return tr(s.t_7)
 
     @leaf
-    def t_18(s):
+    def t_17(s):
         return s.mm('X W_Q', s.X, s.W_Q)
 
     @leaf
-    def t_19(s):
-        return tr(s.t_13)
+    def t_18(s):
+        return tr(s.t_12)
 
     @leaf
-    def t_20(s):
+    def t_19(s):
         return s.mm('T X', s.T, s.X)
 
     @leaf
@@ -160,24 +149,20 @@ class mse_causal0(Forward):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_21(s):
+    def t_20(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_22(s):
-        return (s.t_21 * s.t_21)
+    def t_21(s):
+        return (s.t_20 * s.t_20)
 
     @leaf
-    def t_23(s):
+    def t_22(s):
         return ones((s.d_V, 1), s.like)
 
     @leaf
-    def t_24(s):
-        return s.mm('one t_22 t_23', s.one, s.t_22, s.t_23)
-
-    @leaf
-    def t_35(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_5
+    def t_23(s):
+        return s.mm('one t_21 t_22', s.one, s.t_21, s.t_22)
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 2/(L*d_K*d_V)*(X.T @ X ⊗ W_K.T @ X.T @ X @ W_V @ W_V.T @ X.T @ X @ W_K)"""
@@ -194,66 +179,66 @@ class mse_causal0(Forward):
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ G @ W_V.T @ X.T @ X ⊗ I[d_K])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_6, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_5, free={'c': s.d_K}),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 2/(L*sqrt(d_K)*d_V)*(X.T @ T @ X ⊗ W_K.T @ X.T @ X @ W_V)"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd->ac|bd', s.t_7, s.t_8),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd->ac|bd', s.t_6, s.t_7),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V) = 1/sqrt(d_K)*((X.T @ G ⊗ W_K.T @ X.T @ X) @ K[d_V,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|db', s.t_9, s.t_10),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|db', s.t_8, s.t_9),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 2/(L*d_K*d_V)*(X.T @ X @ W_V @ W_V.T @ X.T @ X ⊗ W_Q.T @ X.T @ X @ W_Q)"""
         return [
-            net(2/(s.L*s.d_K*s.d_V*s.n_batch), 'nab,ncd->ac|bd', s.t_11, s.t_12),
+            net(2/(s.L*s.d_K*s.d_V*s.n_batch), 'nab,ncd->ac|bd', s.t_10, s.t_11),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 2/(L*sqrt(d_K)*d_V)*((X.T @ X @ W_V ⊗ W_Q.T @ X.T @ T @ X) @ K[d_V,d_V])"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd->ac|db', s.t_13, s.t_14),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd->ac|db', s.t_12, s.t_13),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V) = 1/sqrt(d_K)*(X.T @ X ⊗ W_Q.T @ X.T @ G)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|bd', s.t, s.t_15),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|bd', s.t, s.t_14),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 2/(L*d_V)*(X.T @ T.T @ T @ X ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_16, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_15, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncd->n|ac|bd', s.X, s.t_17),
+            net(1/math.sqrt(s.d_K), 'nab,ncd->n|ac|bd', s.X, s.t_16),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,ncd->n|ac|db', s.t_18, s.t_19),
+            net(1/math.sqrt(s.d_K), 'nab,ncd->n|ac|db', s.t_17, s.t_18),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_20, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_19, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_24, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_23, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
@@ -264,35 +249,35 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = s.mm('_ X W_V', t_25, s.X, s.W_V)
-        t_27 = s.mm('T X _', s.T, s.X, V_W_V)
-        t_28 = (t_26 + t_27)
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*s.d_V)) * t_28, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
-        t_29 = (tr(t_27) + tr(t_26))
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (2/(s.L*s.d_V)) * t_29, s.X, s.W_Q, mean=True)
-        out_W_V = s.mm("X' T' _", tr(s.X), tr(s.T), (2/(s.L*s.d_V)) * t_28, mean=True)
+        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = s.mm('_ X W_V', t_24, s.X, s.W_V)
+        t_26 = s.mm('T X _', s.T, s.X, V_W_V)
+        t_27 = (t_25 + t_26)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*s.d_V)) * t_27, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
+        t_28 = (tr(t_26) + tr(t_25))
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (2/(s.L*s.d_V)) * t_28, s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' T' _", tr(s.X), tr(s.T), (2/(s.L*s.d_V)) * t_27, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), mean=True)
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), mean=True)
-        t_30 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        out_W_V = s.mm("X' _ G", tr(s.X), t_30, s.G, mean=True)
+        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm("X' _ G", tr(s.X), t_29, s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_32 = s.mm('_ X W_V', (1/math.sqrt(s.d_K)) * t_31, s.X, s.W_V)
-        t_33 = s.mm('T X _', s.T, s.X, V_W_V)
-        t_34 = (t_32 + t_33)
-        out_W_Q = s.mm_sum('l', (1, "X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_34, tr(s.W_V), tr(s.X), s.X, s.W_K), (1, "X' t_35 W_V' X' X _", tr(s.X), s.t_35, tr(s.W_V), tr(s.X), s.X, V_W_K), (1, "X' t_35 _ X' X W_K", tr(s.X), s.t_35, tr(V_W_V), tr(s.X), s.X, s.W_K), mean=True)
-        t_36 = (tr(t_33) + tr(t_32))
-        out_W_K = s.mm_sum('l', (1, "X' X _ t_35' X W_Q", tr(s.X), s.X, V_W_V, tr(s.t_35), s.X, s.W_Q), (1, "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_36, s.X, s.W_Q), (1, "X' X W_V t_35' X _", tr(s.X), s.X, s.W_V, tr(s.t_35), s.X, V_W_Q), mean=True)
-        t_37 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_37, s.G), (1, "X' T' _", tr(s.X), tr(s.T), (2/(s.L*s.d_V)) * t_34), mean=True)
+        t_30 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_31 = s.mm('_ X W_V', (1/math.sqrt(s.d_K)) * t_30, s.X, s.W_V)
+        t_32 = s.mm('T X _', s.T, s.X, V_W_V)
+        t_33 = (t_31 + t_32)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*s.d_V)) * t_33, tr(s.W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), mean=True)
+        t_34 = (tr(t_32) + tr(t_31))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (2/(s.L*s.d_V)) * t_34, s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), mean=True)
+        t_35 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_35, s.G), (1, "X' T' _", tr(s.X), tr(s.T), (2/(s.L*s.d_V)) * t_33), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -300,18 +285,20 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "5ed43928e391aaab097bf530"
+    STAMP = "22d5052018659865114b9279"
     RUNS = {
         'A X': 8,
+        "G W_V'": 2,
+        "G W_V' X'": 2,
         "W_K' X'": 9,
         "W_Q' X'": 9,
         "W_V' X'": 9,
-        "X' t_34": 2,
-        "X' t_34 X": 2,
-        "X' t_34'": 2,
-        "X' t_7": 5,
-        "X' t_7 X": 5,
-        "X' t_7'": 5,
+        "X' t_32": 2,
+        "X' t_32 X": 2,
+        "X' t_32'": 2,
+        "X' t_6": 5,
+        "X' t_6 X": 5,
+        "X' t_6'": 5,
     }
 
     @leaf
@@ -347,72 +334,64 @@ class mse_causal1(Forward):
         return s.mm('A X W_V', s.A, s.X, s.W_V)
 
     @leaf
-    def t_6(s):
-        return (s.F - s.Y)
-
-    @leaf
     def G(s):
-        return (2/(s.L*s.d_V)) * s.t_6
+        return lin((2/(s.L*s.d_V), s.F), (-2/(s.L*s.d_V), s.Y))
 
     @leaf
-    def t_7(s):
+    def t_6(s):
         return (s.t_2 * s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
-    def t_8(s):
-        return s.mm("X' t_7 X", tr(s.X), s.t_7, s.X)
+    def t_7(s):
+        return s.mm("X' t_6 X", tr(s.X), s.t_6, s.X)
 
     @leaf
-    def t_9(s):
+    def t_8(s):
         return s.mm('A X', s.A, s.X)
 
     @leaf
-    def t_10(s):
+    def t_9(s):
         return s.mm('X W_V', s.X, s.W_V)
 
     @leaf
-    def t_11(s):
+    def t_10(s):
         return tr(s.t_5)
 
     @leaf
-    def t_12(s):
+    def t_11(s):
         return s.mm("X' A' A X", tr(s.X), tr(s.A), s.A, s.X)
 
     @leaf
-    def t_13(s):
-        return tr(s.t_10)
+    def t_12(s):
+        return tr(s.t_9)
 
     @leaf
     def one(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_14(s):
+    def t_13(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_15(s):
-        return (s.t_14 * s.t_14)
+    def t_14(s):
+        return (s.t_13 * s.t_13)
 
     @leaf
-    def t_16(s):
+    def t_15(s):
         return ones((s.d_V, 1), s.like)
 
     @leaf
-    def t_17(s):
-        return s.mm('one t_15 t_16', s.one, s.t_15, s.t_16)
+    def t_16(s):
+        return s.mm('one t_14 t_15', s.one, s.t_14, s.t_15)
 
     @leaf
-    def t_30(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_6
+    def t_31(s):
+        return s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_33(s):
-        return s.mm("t_30 W_V' X'", s.t_30, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_34(s):
-        return (s.t_2 * s.t_33)
+    def t_32(s):
+        return (s.t_2 * s.t_31)
 
     def block__W_Q__W_Q__outer(s):
         """H_o(W_Q, W_Q) = 2/(L*d_K*d_V)*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V @ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X ⊗ X @ W_K))"""
@@ -429,13 +408,13 @@ class mse_causal1(Forward):
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ (Mcausal[L] ∘ G @ W_V.T @ X.T) @ X ⊗ I[d_K])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_8, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_7, free={'c': s.d_K}),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 2/(L*sqrt(d_K)*d_V)*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ ((Mcausal[L] ∘ T) @ X ⊗ X @ W_V))"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,ad,nae,ndf->bc|ef', s.X, s.t, s.t_2, s.t_9, s.t_10),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,ad,nae,ndf->bc|ef', s.X, s.t, s.t_2, s.t_8, s.t_9),
         ]
 
     def block__W_Q__W_V__functional(s):
@@ -447,89 +426,89 @@ class mse_causal1(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 2/(L*d_K*d_V)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V @ W_V.T @ X.T ⊗ I[L]) @ diag(vec_r(Mcausal[L].T)) @ (X ⊗ X @ W_Q))"""
         return [
-            net(2/(s.L*s.d_K*s.d_V*s.n_batch), 'nab,ncd,da,nae,de,nef,ndg->bc|fg', s.X, s.t_11, s.t_2, s.t_3, s.t_2, s.X, s.t_5),
+            net(2/(s.L*s.d_K*s.d_V*s.n_batch), 'nab,ncd,da,nae,de,nef,ndg->bc|fg', s.X, s.t_10, s.t_2, s.t_3, s.t_2, s.X, s.t_5),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 2/(L*sqrt(d_K)*d_V)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V ⊗ (Mcausal[L] ∘ T) @ X) @ K[d_V,d_V])"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,da,nae,ndf->bc|fe', s.X, s.t_11, s.t_2, s.t_10, s.t_9),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,da,nae,ndf->bc|fe', s.X, s.t_10, s.t_2, s.t_9, s.t_8),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V) = 1/sqrt(d_K)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X ⊗ G))"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ndf->bc|ef', s.X, s.t_11, s.t_2, s.X, s.G),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ndf->bc|ef', s.X, s.t_10, s.t_2, s.X, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 2/(L*d_V)*(X.T @ (Mcausal[L].T ∘ T.T) @ (Mcausal[L] ∘ T) @ X ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_12, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_11, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q(s):
         """∂vec_r F/∂vec_r W_Q, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|de', s.t_13, s.t_2, s.X, s.t_4),
+            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|de', s.t_12, s.t_2, s.X, s.t_4),
         ]
 
     def jacobian__W_K(s):
         """∂vec_r F/∂vec_r W_K, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|ed', s.t_13, s.t_2, s.t_5, s.X),
+            net(1/math.sqrt(s.d_K), 'nab,cb,ncd,nbe->n|ca|ed', s.t_12, s.t_2, s.t_5, s.X),
         ]
 
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_9, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_8, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_17, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_16, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_7 X W_K", tr(s.X), s.t_7, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_7' X W_Q", tr(s.X), tr(s.t_7), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_6 X W_K", tr(s.X), s.t_6, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_6' X W_Q", tr(s.X), tr(s.t_6), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G", tr(s.X), tr(s.A), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_18 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_19 = s.mm('_ X W_V', (t_18 * s.t_2), s.X, s.W_V)
-        t_20 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_21 = (t_19 + t_20)
-        t_22 = (s.t_2 * s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_21, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_22, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q, mean=True)
-        out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_21, mean=True)
+        t_17 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_18 = s.mm('_ X W_V', (t_17 * s.t_2), s.X, s.W_V)
+        t_19 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_20 = (t_18 + t_19)
+        t_21 = (s.t_2 * s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_20, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_21, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_21), s.X, s.W_Q, mean=True)
+        out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_20, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_23 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_23, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_7 X _", tr(s.X), s.t_7, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_23), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_7' X _", tr(s.X), tr(s.t_7), s.X, V_W_Q), mean=True)
-        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        out_W_V = s.mm("X' _ G", tr(s.X), (t_24 * tr(s.t_2)), s.G, mean=True)
+        t_22 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_22, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_6 X _", tr(s.X), s.t_6, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_6' X _", tr(s.X), tr(s.t_6), s.X, V_W_Q), mean=True)
+        t_23 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm("X' _ G", tr(s.X), (t_23 * tr(s.t_2)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = (t_25 * s.t_2)
-        t_27 = s.mm('_ X W_V', t_26, s.X, s.W_V)
-        t_28 = s.mm('A X _', s.A, s.X, V_W_V)
-        t_29 = (t_27 + t_28)
-        t_31 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_29, tr(s.W_V), tr(s.X)), (1, "t_30 _ X'", s.t_30, tr(V_W_V), tr(s.X)))
-        t_32 = (t_31 * s.t_2)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_32, s.X, s.W_K), (1, "X' t_34 X _", tr(s.X), s.t_34, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), (1, "X' t_34' X _", tr(s.X), tr(s.t_34), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_26), s.G), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_29), mean=True)
+        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = (t_24 * s.t_2)
+        t_26 = s.mm('_ X W_V', t_25, s.X, s.W_V)
+        t_27 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_28 = (t_26 + t_27)
+        t_29 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_28, tr(s.W_V), tr(s.X)), (1, "G _ X'", s.G, tr(V_W_V), tr(s.X)))
+        t_30 = (t_29 * s.t_2)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_32 X _", tr(s.X), s.t_32, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_32' X _", tr(s.X), tr(s.t_32), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_25), s.G), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_28), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -537,31 +516,24 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "a9263397a5448d04ebce2779"
+    STAMP = "68e10c9bdb3a0c7e81e62a9b"
     RUNS = {
-        "G W_V'": 5,
-        "G W_V' X'": 5,
-        "G W_V' X' X": 5,
-        "G' X": 9,
-        "G' X W_Q": 3,
+        "G W_V'": 7,
+        "G W_V' X'": 7,
+        "G W_V' X' X": 7,
+        "G' X": 13,
+        "G' X W_Q": 4,
         'T X': 7,
         "W_K' X'": 12,
         "W_K' X' X": 7,
         "W_K' X' X W_V": 4,
         "W_Q' X'": 12,
-        "W_V G' X": 5,
-        "W_V t_30'": 2,
-        "W_V t_30' X": 2,
+        "W_V G' X": 7,
         "W_V' X'": 16,
         "W_V' X' X": 13,
-        "X W_V G' X": 5,
-        "X W_V t_30'": 2,
-        "X W_V t_30' X": 2,
-        "X' G W_V' X' X": 5,
+        "X W_V G' X": 7,
+        "X' G W_V' X' X": 7,
         "X' X": 19,
-        "X' X W_V t_30'": 2,
-        "X' X W_V t_30' X": 2,
-        "X' t_30": 4,
     }
 
     @leaf
@@ -609,59 +581,55 @@ class ce_causal0(Forward):
         return (s.t_2 * s.t_7)
 
     @leaf
-    def t_9(s):
-        return (s.t_8 - s.Y)
-
-    @leaf
     def G(s):
-        return (1/s.L) * s.t_9
+        return lin((1/s.L, s.t_8), (-1/s.L, s.Y))
 
     @leaf
-    def t_10(s):
+    def t_9(s):
         return s.mm("X' G W_V' X' X", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X)
 
     @leaf
-    def t_11(s):
+    def t_10(s):
         return s.mm('T X', s.T, s.X)
 
     @leaf
-    def t_12(s):
+    def t_11(s):
         return s.mm("X' G", tr(s.X), s.G)
 
     @leaf
-    def t_13(s):
+    def t_12(s):
         return s.mm("W_K' X' X", tr(s.W_K), tr(s.X), s.X)
 
     @leaf
-    def t_14(s):
+    def t_13(s):
         return tr(s.t_6)
 
     @leaf
-    def t_15(s):
+    def t_14(s):
         return tr(s.t_5)
 
     @leaf
-    def t_16(s):
+    def t_15(s):
         return tr(s.t_2)
 
     @leaf
-    def t_17(s):
-        return bcast_rows(s.t_16, s.d_V)
+    def t_16(s):
+        return bcast_rows(s.t_15, s.d_V)
 
     @leaf
-    def t_18(s):
+    def t_17(s):
         return s.mm("X' X", tr(s.X), s.X)
 
     @leaf
-    def t_19(s):
+    def t_18(s):
         return s.mm("W_Q' X' G", tr(s.W_Q), tr(s.X), s.G)
 
     @leaf
-    def t_20(s):
-        return tr(s.t_11)
+    def t_19(s):
+        return tr(s.t_10)
 
     @leaf
-    def t_21(s):
+    def t_20(s):
         return softmax_rows(s.F)
 
     @leaf
@@ -669,27 +637,23 @@ class ce_causal0(Forward):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_22(s):
+    def t_21(s):
         return log_softmax_rows(s.F)
 
     @leaf
+    def t_22(s):
+        return (s.t_21 * s.Y)
+
+    @leaf
     def t_23(s):
-        return (s.t_22 * s.Y)
-
-    @leaf
-    def t_24(s):
-        return s.mm('one_2 t_23 one', s.one_2, s.t_23, s.one)
-
-    @leaf
-    def t_30(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_9
+        return s.mm('one_2 t_22 one', s.one_2, s.t_22, s.one)
 
     @leaf
     def dA(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA', [
-            net(1, 'nab,bc->nabc', s.t_21, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_21, s.t_21),
+            net(1, 'nab,bc->nabc', s.t_20, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_20, s.t_20),
         ])
 
     def block__W_Q__W_Q__outer(s):
@@ -707,43 +671,43 @@ class ce_causal0(Forward):
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ G @ W_V.T @ X.T @ X ⊗ I[d_K])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_10, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_9, free={'c': s.d_K}),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_K.T @ X.T @ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(T @ X @ W_V) @ (T @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,nad,nade,naf->bc|fe', s.X, s.t, s.t_3, s.dA, s.t_11),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,nad,nade,naf->bc|fe', s.X, s.t, s.t_3, s.dA, s.t_10),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V) = 1/sqrt(d_K)*((X.T @ G ⊗ W_K.T @ X.T @ X) @ K[d_V,d_V])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|db', s.t_12, s.t_13),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|db', s.t_11, s.t_12),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 1/(L*d_K)*((X.T @ X @ W_V ⊗ W_Q.T @ X.T) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax(T @ X @ W_V) @ (X @ W_Q ⊗ W_V.T @ X.T @ X) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,nbd,ndbe,ndf,neg->ac|gf', s.t_14, s.t_15, s.t_17, s.dA, s.t_5, s.t_6),
+            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,nbd,ndbe,ndf,neg->ac|gf', s.t_13, s.t_14, s.t_16, s.dA, s.t_5, s.t_6),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*((X.T @ X @ W_V ⊗ W_Q.T @ X.T) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax(T @ X @ W_V) @ (T @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,nbd,ndbe,ndf->ac|fe', s.t_14, s.t_15, s.t_17, s.dA, s.t_11),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,nbd,ndbe,ndf->ac|fe', s.t_13, s.t_14, s.t_16, s.dA, s.t_10),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V) = 1/sqrt(d_K)*(X.T @ X ⊗ W_Q.T @ X.T @ G)"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|bd', s.t_18, s.t_19),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd->ac|bd', s.t_17, s.t_18),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 1/L*((X.T @ T.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(T @ X @ W_V) @ (T @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_20, s.t_3, s.dA, s.t_11),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_19, s.t_3, s.dA, s.t_10),
         ]
 
     def jacobian__W_Q(s):
@@ -761,12 +725,12 @@ class ce_causal0(Forward):
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_11, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_10, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_24, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_23, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
@@ -777,33 +741,33 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_26 = lin((1, s.prod('_ X W_V', t_25, s.X, s.W_V)), (1, s.prod('T X _', s.T, s.X, V_W_V)))
-        t_27 = softmax_diff(s.t_21, t_26)
-        t_28 = (s.t_2 * t_27)
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ W_V' X' X W_K", tr(s.X), t_28, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, tr(t_28), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' T' _", tr(s.X), tr(s.T), t_28, mean=True)
+        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = lin((1, s.prod('_ X W_V', t_24, s.X, s.W_V)), (1, s.prod('T X _', s.T, s.X, V_W_V)))
+        t_26 = softmax_diff(s.t_20, t_25)
+        t_27 = (s.t_2 * t_26)
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ W_V' X' X W_K", tr(s.X), t_27, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, tr(t_27), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' T' _", tr(s.X), tr(s.T), t_27, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), mean=True)
         out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), mean=True)
-        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        out_W_V = s.mm("X' _ G", tr(s.X), t_29, s.G, mean=True)
+        t_28 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm("X' _ G", tr(s.X), t_28, s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_32 = lin((1, s.prod('_ X W_V', (1/math.sqrt(s.d_K)) * t_31, s.X, s.W_V)), (1, s.prod('T X _', s.T, s.X, V_W_V)))
-        t_33 = softmax_diff(s.t_7, t_32)
-        t_34 = (s.t_2 * t_33)
-        out_W_Q = s.mm_sum('l', (1, "X' t_30 _ X' X W_K", tr(s.X), s.t_30, tr(V_W_V), tr(s.X), s.X, s.W_K), (1, "X' t_30 W_V' X' X _", tr(s.X), s.t_30, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/(s.L*math.sqrt(s.d_K))), "X' _ W_V' X' X W_K", tr(s.X), t_34, tr(s.W_V), tr(s.X), s.X, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' X _ t_30' X W_Q", tr(s.X), s.X, V_W_V, tr(s.t_30), s.X, s.W_Q), (1, "X' X W_V t_30' X _", tr(s.X), s.X, s.W_V, tr(s.t_30), s.X, V_W_Q), ((1/(s.L*math.sqrt(s.d_K))), "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, tr(t_34), s.X, s.W_Q), mean=True)
-        t_35 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_35, s.G), ((1/s.L), "X' T' _", tr(s.X), tr(s.T), t_34), mean=True)
+        t_29 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_30 = lin((1, s.prod('_ X W_V', (1/math.sqrt(s.d_K)) * t_29, s.X, s.W_V)), (1, s.prod('T X _', s.T, s.X, V_W_V)))
+        t_31 = softmax_diff(s.t_7, t_30)
+        t_32 = (s.t_2 * t_31)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/(s.L*math.sqrt(s.d_K))), "X' _ W_V' X' X W_K", tr(s.X), t_32, tr(s.W_V), tr(s.X), s.X, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), ((1/(s.L*math.sqrt(s.d_K))), "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, tr(t_32), s.X, s.W_Q), mean=True)
+        t_33 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_33, s.G), ((1/s.L), "X' T' _", tr(s.X), tr(s.T), t_32), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -811,18 +775,20 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "682a50cd5c15be3e38aa991a"
+    STAMP = "3d7bf0b4b461c1d22036e634"
     RUNS = {
         'A X': 7,
+        "G W_V'": 2,
+        "G W_V' X'": 2,
         "W_K' X'": 9,
         "W_Q' X'": 9,
         "W_V' X'": 8,
-        "X' t_12": 5,
-        "X' t_12 X": 5,
-        "X' t_12'": 5,
-        "X' t_39": 2,
-        "X' t_39 X": 2,
-        "X' t_39'": 2,
+        "X' t_11": 5,
+        "X' t_11 X": 5,
+        "X' t_11'": 5,
+        "X' t_37": 2,
+        "X' t_37 X": 2,
+        "X' t_37'": 2,
     }
 
     @leaf
@@ -882,43 +848,39 @@ class ce_causal1(Forward):
         return (s.t_4 * s.t_9)
 
     @leaf
-    def t_11(s):
-        return (s.t_10 - s.Y)
-
-    @leaf
     def G(s):
-        return (1/s.L) * s.t_11
+        return lin((1/s.L, s.t_10), (-1/s.L, s.Y))
 
     @leaf
-    def t_12(s):
+    def t_11(s):
         return (s.t_2 * s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X)))
 
     @leaf
-    def t_13(s):
-        return s.mm("X' t_12 X", tr(s.X), s.t_12, s.X)
+    def t_12(s):
+        return s.mm("X' t_11 X", tr(s.X), s.t_11, s.X)
 
     @leaf
-    def t_14(s):
+    def t_13(s):
         return s.mm('A X', s.A, s.X)
 
     @leaf
-    def t_15(s):
+    def t_14(s):
         return tr(s.t_8)
 
     @leaf
-    def t_16(s):
+    def t_15(s):
         return tr(s.t_4)
 
     @leaf
+    def t_16(s):
+        return bcast_rows(s.t_15, s.d_V)
+
+    @leaf
     def t_17(s):
-        return bcast_rows(s.t_16, s.d_V)
+        return tr(s.t_13)
 
     @leaf
     def t_18(s):
-        return tr(s.t_14)
-
-    @leaf
-    def t_19(s):
         return softmax_rows(s.F)
 
     @leaf
@@ -926,35 +888,31 @@ class ce_causal1(Forward):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_20(s):
+    def t_19(s):
         return log_softmax_rows(s.F)
 
     @leaf
+    def t_20(s):
+        return (s.t_19 * s.Y)
+
+    @leaf
     def t_21(s):
-        return (s.t_20 * s.Y)
+        return s.mm('one_2 t_20 one', s.one_2, s.t_20, s.one)
 
     @leaf
-    def t_22(s):
-        return s.mm('one_2 t_21 one', s.one_2, s.t_21, s.one)
+    def t_36(s):
+        return s.mm("G W_V' X'", s.G, tr(s.W_V), tr(s.X))
 
     @leaf
-    def t_30(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_11
-
-    @leaf
-    def t_38(s):
-        return s.mm("t_30 W_V' X'", s.t_30, tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_39(s):
-        return (s.t_2 * s.t_38)
+    def t_37(s):
+        return (s.t_2 * s.t_36)
 
     @leaf
     def dA(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA', [
-            net(1, 'nab,bc->nabc', s.t_19, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_19, s.t_19),
+            net(1, 'nab,bc->nabc', s.t_18, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_18, s.t_18),
         ])
 
     def block__W_Q__W_Q__outer(s):
@@ -972,13 +930,13 @@ class ce_causal1(Forward):
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K) = 1/sqrt(d_K)*(X.T @ (Mcausal[L] ∘ G @ W_V.T @ X.T) @ X ⊗ I[d_K])"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_13, free={'c': s.d_K}),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab->ac|bc', s.t_12, free={'c': s.d_K}),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_K.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (I[L] ⊗ X @ W_V) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,ad,nde,nae,naef,nag->bc|gf', s.X, s.t, s.t_2, s.t_3, s.t_5, s.dA, s.t_14),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,ad,nde,nae,naef,nag->bc|gf', s.X, s.t, s.t_2, s.t_3, s.t_5, s.dA, s.t_13),
         ]
 
     def block__W_Q__W_V__functional(s):
@@ -990,25 +948,25 @@ class ce_causal1(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K) = 1/(L*d_K)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V ⊗ I[L]) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ (I[L] ⊗ W_V.T @ X.T) @ diag(vec_r(Mcausal[L])) @ (X @ W_Q ⊗ X) @ K[d_K,d_V])"""
         return [
-            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,da,nae,ned,ndef,nfg,dg,ndh,ngi->bc|ih', s.X, s.t_15, s.t_2, s.t_3, s.t_17, s.dA, s.t_6, s.t_2, s.t_8, s.X),
+            net(1/(s.L*s.d_K*s.n_batch), 'nab,ncd,da,nae,ned,ndef,nfg,dg,ndh,ngi->bc|ih', s.X, s.t_14, s.t_2, s.t_3, s.t_16, s.dA, s.t_6, s.t_2, s.t_8, s.X),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V) = 1/(L*sqrt(d_K))*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X @ W_V ⊗ I[L]) @ diag(vec_r(1[d_Vxd_V] @ Y.T)) @ K[d_V,L] @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ned,ndef,ndg->bc|gf', s.X, s.t_15, s.t_2, s.t_3, s.t_17, s.dA, s.t_14),
+            net(1/(s.L*math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ned,ndef,ndg->bc|gf', s.X, s.t_14, s.t_2, s.t_3, s.t_16, s.dA, s.t_13),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V) = 1/sqrt(d_K)*((X.T ⊗ W_Q.T @ X.T) @ diag(vec_r(Mcausal[L].T)) @ (X ⊗ G))"""
         return [
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ndf->bc|ef', s.X, s.t_15, s.t_2, s.X, s.G),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,ncd,da,nae,ndf->bc|ef', s.X, s.t_14, s.t_2, s.X, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V) = 1/L*((X.T @ (Mcausal[L].T ∘ T.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((Mcausal[L] ∘ T) @ X @ W_V) @ ((Mcausal[L] ∘ T) @ X ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_18, s.t_5, s.dA, s.t_14),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_17, s.t_5, s.dA, s.t_13),
         ]
 
     def jacobian__W_Q(s):
@@ -1026,53 +984,53 @@ class ce_causal1(Forward):
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_14, free={'c': s.d_V}),
+            net(1, 'nab->n|ac|bc', s.t_13, free={'c': s.d_V}),
         ]
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_22, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_21, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_12 X W_K", tr(s.X), s.t_12, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_12' X W_Q", tr(s.X), tr(s.t_12), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' t_11 X W_K", tr(s.X), s.t_11, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' t_11' X W_Q", tr(s.X), tr(s.t_11), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' G", tr(s.X), tr(s.A), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_23 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_24 = lin((1, s.prod('_ X W_V', (t_23 * s.t_2), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_25 = softmax_diff(s.t_19, t_24)
-        t_26 = (s.t_4 * t_25)
-        t_27 = (s.t_2 * s.mm("_ W_V' X'", t_26, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_27, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_26, mean=True)
+        t_22 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_23 = lin((1, s.prod('_ X W_V', (t_22 * s.t_2), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_24 = softmax_diff(s.t_18, t_23)
+        t_25 = (s.t_4 * t_24)
+        t_26 = (s.t_2 * s.mm("_ W_V' X'", t_25, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_26, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_26), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_25, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_28 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' t_12 X _", tr(s.X), s.t_12, s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_28, s.X, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_28), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_12' X _", tr(s.X), tr(s.t_12), s.X, V_W_Q), mean=True)
-        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        out_W_V = s.mm("X' _ G", tr(s.X), (t_29 * tr(s.t_2)), s.G, mean=True)
+        t_27 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_27, s.X, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
+        t_28 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm("X' _ G", tr(s.X), (t_28 * tr(s.t_2)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_32 = (t_31 * s.t_2)
-        t_33 = lin((1, s.prod('_ X W_V', t_32, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_34 = softmax_diff(s.t_9, t_33)
-        t_35 = (s.t_4 * t_34)
-        t_36 = s.mm_sum('r', (1, "t_30 _ X'", s.t_30, tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_V' X'", t_35, tr(s.W_V), tr(s.X)))
-        t_37 = (t_36 * s.t_2)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_37, s.X, s.W_K), (1, "X' t_39 X _", tr(s.X), s.t_39, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_37), s.X, s.W_Q), (1, "X' t_39' X _", tr(s.X), tr(s.t_39), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_32), s.G), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_35), mean=True)
+        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_30 = (t_29 * s.t_2)
+        t_31 = lin((1, s.prod('_ X W_V', t_30, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_32 = softmax_diff(s.t_9, t_31)
+        t_33 = (s.t_4 * t_32)
+        t_34 = s.mm_sum('r', (1, "G _ X'", s.G, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_33, tr(s.W_V), tr(s.X)))
+        t_35 = (t_34 * s.t_2)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_35, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_37 X _", tr(s.X), s.t_37, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_35), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_37' X _", tr(s.X), tr(s.t_37), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_30), s.G), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_33), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -1082,4 +1040,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "e361d017f8cea8dba00b123e"
+CHECKSUM = "0070b5b041626dca07890fa6"

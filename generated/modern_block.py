@@ -24,39 +24,35 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "edb3cb644a76f253ce8a7b3a"
+    STAMP = "3d8ab90261f52516a8123c28"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_204": 2,
-        "A1' t_44": 5,
+        "A1' t_157": 2,
+        "A1' t_42": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_204": 2,
-        "A2' t_44": 5,
+        "A2' t_157": 2,
+        "A2' t_42": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
         'N_1 W_Q2': 2,
-        'N_1 W_V': 59,
-        'N_1 W_V W_O1': 15,
-        'N_1 W_V W_O2': 15,
-        "N_1' A1' t_204": 2,
-        "N_1' A1' t_44": 4,
-        "N_1' A2' t_204": 2,
-        "N_1' A2' t_44": 4,
-        "W_O1 t_166'": 2,
-        "W_O1 t_205'": 2,
-        "W_O1 t_25'": 3,
-        "W_O1 t_44'": 3,
-        "W_O1 t_66'": 2,
-        "W_O1' W_V'": 16,
-        "W_O2 t_166'": 2,
-        "W_O2 t_205'": 2,
-        "W_O2 t_25'": 3,
-        "W_O2 t_44'": 3,
-        "W_O2 t_66'": 2,
-        "W_O2' W_V'": 16,
+        'N_1 W_V': 49,
+        'N_1 W_V W_O1': 12,
+        'N_1 W_V W_O2': 12,
+        "N_1' A1' t_157": 2,
+        "N_1' A1' t_42": 4,
+        "N_1' A2' t_157": 2,
+        "N_1' A2' t_42": 4,
+        "W_O1 t_157'": 3,
+        "W_O1 t_25'": 2,
+        "W_O1 t_42'": 5,
+        "W_O1' W_V'": 13,
+        "W_O2 t_157'": 3,
+        "W_O2 t_25'": 2,
+        "W_O2 t_42'": 5,
+        "W_O2' W_V'": 13,
     }
 
     @leaf
@@ -217,411 +213,367 @@ class mse_causal0(Forward):
 
     @leaf
     def t_26(s):
-        return s.mm("t_25 W_O1' W_V' N_1'", s.t_25, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return softmax_diff(s.A1, s.mm("t_25 W_O1' W_V' N_1'", s.t_25, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_27(s):
-        return softmax_diff(s.A1, s.t_26)
-
-    @leaf
-    def t_28(s):
         return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
-    def t_29(s):
+    def t_28(s):
         return s.mm("t_25 W_O1'", s.t_25, tr(s.W_O1))
 
     @leaf
-    def t_30(s):
+    def t_29(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_31(s):
+    def t_30(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_32(s):
+    def t_31(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return (s.t_12 * s.t_11)
 
     @leaf
-    def t_34(s):
+    def t_33(s):
         return tr(s.t_6)
 
     @leaf
+    def t_34(s):
+        return softmax_diff(s.A2, s.mm("t_25 W_O2' W_V' N_1'", s.t_25, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
     def t_35(s):
-        return s.mm("t_25 W_O2' W_V' N_1'", s.t_25, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_36(s):
-        return softmax_diff(s.A2, s.t_35)
-
-    @leaf
-    def t_37(s):
         return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
-    def t_38(s):
+    def t_36(s):
         return s.mm("t_25 W_O2'", s.t_25, tr(s.W_O2))
 
     @leaf
-    def t_39(s):
+    def t_37(s):
         return tr(s.t_7)
 
     @leaf
-    def t_40(s):
+    def t_38(s):
         return tr(s.t_8)
 
     @leaf
-    def t_41(s):
+    def t_39(s):
         return (2/s.d_V) * s.t_19
 
     @leaf
+    def t_40(s):
+        return mul(s.t_39, s.t_22, s.Y_2)
+
+    @leaf
+    def t_41(s):
+        return s.mm('t_40 one', s.t_40, s.one)
+
+    @leaf
     def t_42(s):
-        return mul(s.t_41, s.t_22, s.Y_2)
+        return lin((1, s.t_19, s.R_N_2), (1, s.t_41, s.Y_2), (1, s.G))
 
     @leaf
     def t_43(s):
-        return s.mm('t_42 one', s.t_42, s.one)
+        return s.mm("t_42 W_O1'", s.t_42, tr(s.W_O1))
 
     @leaf
     def t_44(s):
-        return lin((1, s.t_19, s.R_N_2), (1, s.t_43, s.Y_2), (1, s.G))
+        return s.mm("t_42 W_O2'", s.t_42, tr(s.W_O2))
 
     @leaf
     def t_45(s):
-        return s.mm("t_44 W_O1'", s.t_44, tr(s.W_O1))
+        return s.mm("A1' t_42", tr(s.A1), s.t_42)
 
     @leaf
     def t_46(s):
-        return s.mm("t_44 W_O2'", s.t_44, tr(s.W_O2))
+        return s.mm("A2' t_42", tr(s.A2), s.t_42)
 
     @leaf
     def t_47(s):
-        return s.mm("A1' t_44", tr(s.A1), s.t_44)
+        return tr(s.t_29)
 
     @leaf
     def t_48(s):
-        return s.mm("A2' t_44", tr(s.A2), s.t_44)
+        return tr(s.t_31)
 
     @leaf
     def t_49(s):
-        return tr(s.t_30)
-
-    @leaf
-    def t_50(s):
-        return tr(s.t_32)
-
-    @leaf
-    def t_51(s):
         return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
-    def t_52(s):
+    def t_50(s):
         return s.mm("t_15' t_15", tr(s.t_15), s.t_15)
 
     @leaf
-    def t_53(s):
+    def t_51(s):
         return (s.t_22 * s.Y_2)
 
     @leaf
-    def t_54(s):
+    def t_52(s):
         return mul(s.t_13, s.t_11, s.t_14)
 
     @leaf
-    def t_55(s):
+    def t_53(s):
         return (s.t_12 * s.t_14)
 
     @leaf
-    def t_56(s):
+    def t_54(s):
         return mul(((2.0 * s.t_12) - 1.0), (s.t_12 - 1.0), s.t_12)
 
     @leaf
-    def t_57(s):
-        return mul(s.t_56, s.t_16, s.t_11, s.t_14)
+    def t_55(s):
+        return mul(s.t_54, s.t_16, s.t_11, s.t_14)
 
     @leaf
-    def t_58(s):
+    def t_56(s):
         return mul(s.t_13, s.t_16, s.t_14)
 
     @leaf
-    def t_59(s):
+    def t_57(s):
         return mul(s.t_13, s.t_16, s.t_11)
 
     @leaf
-    def t_60(s):
+    def t_58(s):
         return (s.t_12 * s.t_16)
 
     @leaf
-    def t_61(s):
+    def t_59(s):
         return (s.t_21 * s.t_22)
 
     @leaf
-    def t_62(s):
+    def t_60(s):
         return (0.75 * (s.t_10 ** -2.5))
 
     @leaf
-    def t_63(s):
-        return mul(s.t_21, s.t_62, s.Y_2)
+    def t_61(s):
+        return mul(s.t_21, s.t_60, s.Y_2)
 
     @leaf
-    def t_64(s):
+    def t_62(s):
         return bcast_last(s.t_24, s.d_V)
 
     @leaf
-    def t_65(s):
+    def t_63(s):
         return (s.t_20 * s.t_22)
 
     @leaf
+    def t_64(s):
+        return (1/math.sqrt(s.d_K)) * s.t_42
+
+    @leaf
+    def t_65(s):
+        return softmax_diff(s.A1, s.mm("t_64 W_O1' W_V' N_1'", s.t_64, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
     def t_66(s):
-        return (1/math.sqrt(s.d_K)) * s.t_44
+        return (s.t_39 * s.t_22)
 
     @leaf
     def t_67(s):
-        return s.mm("t_66 W_O1' W_V' N_1'", s.t_66, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return mul(s.t_39, s.t_60, s.Y_2)
 
     @leaf
     def t_68(s):
-        return softmax_diff(s.A1, s.t_67)
+        return bcast_last(s.t_41, s.d_V)
 
     @leaf
     def t_69(s):
-        return (s.t_41 * s.t_22)
-
-    @leaf
-    def t_70(s):
-        return mul(s.t_41, s.t_62, s.Y_2)
-
-    @leaf
-    def t_71(s):
-        return bcast_last(s.t_43, s.d_V)
-
-    @leaf
-    def t_72(s):
         return (s.t_19 * s.t_22)
 
     @leaf
-    def t_73(s):
-        return s.mm("t_66 W_O2' W_V' N_1'", s.t_66, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_74(s):
-        return softmax_diff(s.A2, s.t_73)
+    def t_70(s):
+        return softmax_diff(s.A2, s.mm("t_64 W_O2' W_V' N_1'", s.t_64, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_75(s):
+    def t_71(s):
         return (s.F - s.Y)
+
+    @leaf
+    def t_72(s):
+        return (s.t_71 * s.t_71)
+
+    @leaf
+    def t_73(s):
+        return s.mm('one_2 t_72 one', s.one_2, s.t_72, s.one)
+
+    @leaf
+    def t_74(s):
+        return s.mm("t_26 t_2'", s.t_26, tr(s.t_2))
+
+    @leaf
+    def t_75(s):
+        return (s.t_74 * s.C)
 
     @leaf
     def t_76(s):
-        return (s.t_75 * s.t_75)
+        return (s.t_74 * s.S)
 
     @leaf
     def t_77(s):
-        return s.mm('one_2 t_76 one', s.one_2, s.t_76, s.one)
+        return s.mm("t_34 t_2'", s.t_34, tr(s.t_2))
 
     @leaf
     def t_78(s):
-        return s.mm("t_27 t_2'", s.t_27, tr(s.t_2))
+        return (s.t_77 * s.S)
 
     @leaf
     def t_79(s):
-        return (s.t_78 * s.C)
+        return (s.t_77 * s.C)
 
     @leaf
     def t_80(s):
-        return (s.t_78 * s.S)
+        return s.mm("t_65' t_37'", tr(s.t_65), tr(s.t_37))
 
     @leaf
     def t_81(s):
-        return s.mm("t_36 t_2'", s.t_36, tr(s.t_2))
+        return s.mm("t_70' t_38'", tr(s.t_70), tr(s.t_38))
 
     @leaf
     def t_82(s):
-        return (s.t_81 * s.S)
+        return (s.t_80 + s.t_81)
 
     @leaf
     def t_83(s):
-        return (s.t_81 * s.C)
+        return (s.t_82 * s.S)
 
     @leaf
     def t_84(s):
-        return s.mm("t_68' t_39'", tr(s.t_68), tr(s.t_39))
+        return (s.t_82 * s.C)
 
     @leaf
-    def t_85(s):
-        return s.mm("t_74' t_40'", tr(s.t_74), tr(s.t_40))
+    def t_91(s):
+        return (s.t_52 + s.t_53)
 
     @leaf
-    def t_86(s):
-        return (s.t_84 + s.t_85)
+    def t_109(s):
+        return s.mm("t_42 W_O1' W_V' N_1'", s.t_42, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_87(s):
-        return (s.t_86 * s.S)
+    def t_111(s):
+        return lin((1, s.t_55), (2, s.t_56))
 
     @leaf
-    def t_88(s):
-        return (s.t_86 * s.C)
+    def t_122(s):
+        return (s.t_57 + s.t_58)
 
     @leaf
-    def t_95(s):
-        return (s.t_54 + s.t_55)
+    def t_132(s):
+        return softmax_diff(s.A1, s.t_109)
 
     @leaf
-    def t_123(s):
-        return lin((1, s.t_57), (2, s.t_58))
+    def t_134(s):
+        return s.mm("t_42 W_O2' W_V' N_1'", s.t_42, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_129(s):
-        return (s.t_59 + s.t_60)
+    def t_139(s):
+        return softmax_diff(s.A2, s.t_134)
 
     @leaf
-    def t_151(s):
+    def t_142(s):
         return (tr(s.t_12) * tr(s.t_11))
 
     @leaf
-    def t_155(s):
+    def t_146(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_156(s):
+    def t_147(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_148(s):
+        return mul(s.t_13, s.t_147, s.t_11, s.t_14)
+
+    @leaf
+    def t_149(s):
+        return mul(s.t_12, s.t_147, s.t_14)
+
+    @leaf
+    def t_150(s):
+        return (s.t_148 + s.t_149)
+
+    @leaf
+    def t_151(s):
+        return s.mm("t_150 W_1'", s.t_150, tr(s.W_1))
+
+    @leaf
+    def t_152(s):
+        return mul(s.t_12, s.t_147, s.t_11)
+
+    @leaf
+    def t_153(s):
+        return s.mm("t_152 W_3'", s.t_152, tr(s.W_3))
+
+    @leaf
+    def t_154(s):
+        return (s.t_151 + s.t_153)
+
+    @leaf
+    def t_155(s):
+        return mul((2/s.d_V) * s.t_154, s.t_22, s.Y_2)
+
+    @leaf
+    def t_156(s):
+        return s.mm('t_155 one', s.t_155, s.one)
+
+    @leaf
     def t_157(s):
-        return mul(s.t_13, s.t_156, s.t_11, s.t_14)
+        return lin((2/(s.L*s.d_V), s.t_146), (1, s.t_154, s.R_N_2), (1, s.t_156, s.Y_2))
 
     @leaf
     def t_158(s):
-        return mul(s.t_12, s.t_156, s.t_14)
+        return s.mm("t_157 W_O1' W_V' N_1'", s.t_157, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_159(s):
-        return (s.t_157 + s.t_158)
+    def t_172(s):
+        return lin((1, mul(s.t_54, s.t_147, s.t_11), s.t_14), (2, (s.t_13 * s.t_147), s.t_14))
 
     @leaf
-    def t_160(s):
-        return s.mm("t_159 W_1'", s.t_159, tr(s.W_1))
+    def t_174(s):
+        return mul(s.t_13, s.t_147, s.t_11)
 
     @leaf
-    def t_161(s):
-        return mul(s.t_12, s.t_156, s.t_11)
+    def t_175(s):
+        return (s.t_12 * s.t_147)
 
     @leaf
-    def t_162(s):
-        return s.mm("t_161 W_3'", s.t_161, tr(s.W_3))
-
-    @leaf
-    def t_163(s):
-        return (s.t_160 + s.t_162)
-
-    @leaf
-    def t_164(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_163, s.t_22, s.Y_2)
-
-    @leaf
-    def t_165(s):
-        return s.mm('t_164 one', s.t_164, s.one)
-
-    @leaf
-    def t_166(s):
-        return lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), s.t_155), (1, (1/math.sqrt(s.d_K)) * s.t_163, s.R_N_2), (1, s.t_165, s.Y_2))
-
-    @leaf
-    def t_167(s):
-        return s.mm("t_166 W_O1' W_V' N_1'", s.t_166, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_176(s):
+        return (s.t_174 + s.t_175)
 
     @leaf
     def t_180(s):
-        return lin((1, mul(s.t_56, s.t_156, s.t_11), s.t_14), (2, (s.t_13 * s.t_156), s.t_14))
+        return (s.t_154 * s.t_22)
+
+    @leaf
+    def t_181(s):
+        return ((2/s.d_V) * s.t_154 * s.t_22)
 
     @leaf
     def t_182(s):
-        return mul(s.t_13, s.t_156, s.t_11)
-
-    @leaf
-    def t_183(s):
-        return (s.t_12 * s.t_156)
-
-    @leaf
-    def t_184(s):
-        return (s.t_182 + s.t_183)
+        return mul((2/s.d_V) * s.t_154, s.t_60, s.Y_2)
 
     @leaf
     def t_188(s):
-        return ((1/math.sqrt(s.d_K)) * s.t_163 * s.t_22)
-
-    @leaf
-    def t_189(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_163 * s.t_22)
+        return softmax_diff(s.A1, s.t_158)
 
     @leaf
     def t_190(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_163, s.t_62, s.Y_2)
+        return s.mm("t_157 W_O2' W_V' N_1'", s.t_157, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_195(s):
-        return softmax_diff(s.A1, s.t_167)
-
-    @leaf
-    def t_197(s):
-        return s.mm("t_166 W_O2' W_V' N_1'", s.t_166, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_200(s):
-        return softmax_diff(s.A2, s.t_197)
-
-    @leaf
-    def t_202(s):
-        return mul((2/s.d_V) * s.t_163, s.t_22, s.Y_2)
-
-    @leaf
-    def t_203(s):
-        return s.mm('t_202 one', s.t_202, s.one)
-
-    @leaf
-    def t_204(s):
-        return lin((2/(s.L*s.d_V), s.t_155), (1, s.t_163, s.R_N_2), (1, s.t_203, s.Y_2))
-
-    @leaf
-    def t_205(s):
-        return (1/math.sqrt(s.d_K)) * s.t_204
-
-    @leaf
-    def t_206(s):
-        return s.mm("t_205 W_O1' W_V' N_1'", s.t_205, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_208(s):
-        return (s.t_163 * s.t_22)
-
-    @leaf
-    def t_209(s):
-        return ((2/s.d_V) * s.t_163 * s.t_22)
-
-    @leaf
-    def t_210(s):
-        return mul((2/s.d_V) * s.t_163, s.t_62, s.Y_2)
-
-    @leaf
-    def t_215(s):
-        return s.mm("t_205 W_O2' W_V' N_1'", s.t_205, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_219(s):
-        return softmax_diff(s.A1, s.t_206)
-
-    @leaf
-    def t_220(s):
-        return softmax_diff(s.A2, s.t_215)
+        return softmax_diff(s.A2, s.t_190)
 
     @leaf
     def S_2(s):
@@ -644,15 +596,15 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_51),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_54),
-            net(1, 'nab->nab', s.t_55),
+            net(1, 'nab->nab', s.t_52),
+            net(1, 'nab->nab', s.t_53),
         ])
 
     @leaf
@@ -660,7 +612,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_33),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_32),
         ])
 
     @leaf
@@ -668,7 +620,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_33, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_32, s.W_3),
         ])
 
     @leaf
@@ -676,7 +628,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_53, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_51, ONES, s.Y_2),
         ])
 
     @leaf
@@ -716,16 +668,16 @@ class mse_causal0(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_57),
-            net(2, 'nab->nab', s.t_58),
+            net(1, 'nab->nab', s.t_55),
+            net(2, 'nab->nab', s.t_56),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_59),
-            net(1, 'nab->nab', s.t_60),
+            net(1, 'nab->nab', s.t_57),
+            net(1, 'nab->nab', s.t_58),
         ])
 
     @leaf
@@ -748,17 +700,17 @@ class mse_causal0(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_61, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_63, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_59, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_61, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_51, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_64, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_65, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_63, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -767,9 +719,9 @@ class mse_causal0(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_27, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_27, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_27),
+            net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_26, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_26),
         ])
 
     @leaf
@@ -832,16 +784,16 @@ class mse_causal0(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_36, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_36, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_36),
+            net(1, 'nab,bc->nabc', s.t_34, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_34, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_34),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_24', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_34, s.S_17, s.t_6, s.dA_2),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -849,26 +801,26 @@ class mse_causal0(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_68, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_68),
+            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_65, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_65),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_69, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_70, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_66, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_51, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_26(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_26', [
-            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_72, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_69, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_25),
         ])
@@ -877,9 +829,9 @@ class mse_causal0(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_74, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_74, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_74),
+            net(1, 'nab,bc->nabc', s.t_70, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_70, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_70),
         ])
 
     @leaf
@@ -887,7 +839,7 @@ class mse_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_27', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_51),
         ])
 
     @leaf
@@ -911,8 +863,8 @@ class mse_causal0(Forward):
     def S_30(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_30', [
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_54),
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_55),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_52),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_53),
         ])
 
     @leaf
@@ -966,7 +918,7 @@ class mse_causal0(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_27, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_26, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -985,34 +937,34 @@ class mse_causal0(Forward):
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_29),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.t_25),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.W_O1, s.S_17, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.t_25),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.W_O1, s.S_17, s.t_29),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_31),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_31),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -1031,7 +983,7 @@ class mse_causal0(Forward):
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -1056,7 +1008,7 @@ class mse_causal0(Forward):
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -1068,247 +1020,247 @@ class mse_causal0(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_34, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_34, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_36, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_34, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_37, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_37, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_38),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_35, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_35, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_36),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_29),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_34, s.S_17, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_29),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_31),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.t_25),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.W_O2, s.S_17, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.t_25),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.W_O2, s.S_17, s.t_31),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_22, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.t_15),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_39, s.d2A_3, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_40, s.d2A_4, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_37, s.d2A_3, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_38, s.d2A_4, s.t_8, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA, s.N_1, s.t_28, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA, s.N_1, s.t_28, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA, s.N_1, s.t_45),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA_2, s.N_1, s.t_37, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA_2, s.N_1, s.t_37, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA_2, s.N_1, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_37, s.dA, s.N_1, s.t_27, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_37, s.dA, s.N_1, s.t_27, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_37, s.dA, s.N_1, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA_2, s.N_1, s.t_35, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA_2, s.N_1, s.t_35, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA_2, s.N_1, s.t_44),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_9, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_9, s.t_29),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA, s.t_31, s.t_44),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA, s.t_31, s.W_O1, s.S_26, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_26, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_37, s.dA, s.t_30, s.t_42),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA, s.t_30, s.W_O1, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_26, s.t_29),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_9, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_9, s.t_31),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_26, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_31, s.t_44),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_31, s.W_O2, s.S_26, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_30, s.t_42),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_30, s.W_O2, s.S_26, s.t_31),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_22, s.W_2, s.t_33, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_22, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_22, s.t_15),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_22, s.t_15),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -1344,31 +1296,31 @@ class mse_causal0(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_30),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_30),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_29),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_29),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_47, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_30),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_30),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_45, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_29),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_32),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_32),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_31),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_31),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_48, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_32),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_32),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_46, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_31),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -1390,8 +1342,8 @@ class mse_causal0(Forward):
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_33, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_33, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -1420,119 +1372,119 @@ class mse_causal0(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_30),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_28, s.t_29),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_30),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_26, s.t_29),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_28, s.t_31),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_26, s.t_31),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_49, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_47, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_49, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_49, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_47, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_49, s.S_29, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_47, s.S_29, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_49, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_49, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_47, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_29, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_29, s.t_15),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_49, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_47, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_28, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_28, s.t_31),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_26, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_26, s.t_31),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_50, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_48, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_50, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_48, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_50, s.S_29, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_48, s.S_29, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_50, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_48, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_29, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_29, s.t_15),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_50, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_48, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_51, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_49, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
@@ -1544,7 +1496,7 @@ class mse_causal0(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_51, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_49, s.t_32, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -1568,25 +1520,25 @@ class mse_causal0(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_33, s.t_51, s.t_33, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_32, s.t_49, s.t_32, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ W_2))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_33, s.t_15, s.W_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_32, s.t_15, s.W_2),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_33, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_32, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 2/(L*d_V)*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_52, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_50, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q1(s):
@@ -1622,13 +1574,13 @@ class mse_causal0(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_30),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_29),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_32),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_31),
         ]
 
     def jacobian__W_1(s):
@@ -1640,7 +1592,7 @@ class mse_causal0(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_33, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_32, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -1651,16 +1603,16 @@ class mse_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_77, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_73, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_79", tr(s.N_1), s.t_79), (1, "N_1' t_80 R'", tr(s.N_1), s.t_80, tr(s.R)), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_82 R'", tr(s.N_1), s.t_82, tr(s.R)), (1, "N_1' t_83", tr(s.N_1), s.t_83), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_87 R'", tr(s.N_1), s.t_87, tr(s.R)), (1, "N_1' t_88", tr(s.N_1), s.t_88), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_44 W_O1'", tr(s.N_1), tr(s.A1), s.t_44, tr(s.W_O1)), (1, "N_1' A2' t_44 W_O2'", tr(s.N_1), tr(s.A2), s.t_44, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_44", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_44, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_44", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_44, mean=True)
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_75", tr(s.N_1), s.t_75), (1, "N_1' t_76 R'", tr(s.N_1), s.t_76, tr(s.R)), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_78 R'", tr(s.N_1), s.t_78, tr(s.R)), (1, "N_1' t_79", tr(s.N_1), s.t_79), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_83 R'", tr(s.N_1), s.t_83, tr(s.R)), (1, "N_1' t_84", tr(s.N_1), s.t_84), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_42 W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(s.W_O1)), (1, "N_1' A2' t_42 W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_42", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_42, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_42", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_42, mean=True)
         out_W_1 = s.mm("N_2' t_17", tr(s.N_2), s.t_17, mean=True)
         out_W_3 = s.mm("N_2' t_18", tr(s.N_2), s.t_18, mean=True)
         out_W_2 = s.mm("t_15' G", tr(s.t_15), s.G, mean=True)
@@ -1668,136 +1620,123 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_89 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_91 = lin((1/math.sqrt(s.d_K), s.prod("t_39' _", tr(s.t_39), t_89)), (1/math.sqrt(s.d_K), s.prod("_ t_5'", t_90, tr(s.t_5))))
-        t_92 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_93 = lin((1/math.sqrt(s.d_K), s.prod("_ t_5'", t_92, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_40' _", tr(s.t_40), t_89)))
-        t_94 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_91), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_93), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_96 = lin((1, t_94, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_94 * s.Y_2), s.one), s.t_53))
-        t_97 = lin((1, s.prod('_ W_1', t_96, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_98 = lin((1, s.prod('_ W_3', t_96, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_99 = lin((1, t_94), (1, s.prod('_ W_2', ((s.t_95 * t_97) + (s.t_33 * t_98)), s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
-        t_100 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_99, tr(s.W_2))
-        t_101 = (s.t_95 * t_100)
-        t_102 = (s.t_33 * t_100)
-        t_103 = lin((1, s.prod("_ W_1'", t_101, tr(s.W_1))), (1, s.prod("_ W_3'", t_102, tr(s.W_3))))
-        t_104 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_99), (1, (1/math.sqrt(s.d_K)) * t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_103), s.one), s.Y_2))
-        t_105 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_106 = s.mm("_ t_2'", t_105, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_106 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), mean=True)
-        t_107 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_104, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_108 = s.mm("_ t_2'", t_107, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_108 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_108 * s.S), tr(s.R)), mean=True)
-        t_109 = lin((2/(s.L*s.d_V), t_99), (1, t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_103), s.one), s.Y_2))
-        t_110 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_109, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-        t_111 = softmax_diff(s.A1, t_110)
-        t_112 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_109, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-        t_113 = softmax_diff(s.A2, t_112)
-        t_114 = lin((1, s.prod("_ t_39'", tr(t_111), tr(s.t_39))), (1, s.prod("_ t_40'", tr(t_113), tr(s.t_40))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_114 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_114 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_109, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_109, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_109, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_109, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_101, mean=True)
-        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_102, mean=True)
-        out_W_2 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_99, mean=True)
+        t_85 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_86 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_87 = lin((1/math.sqrt(s.d_K), s.prod("t_37' _", tr(s.t_37), t_85)), (1/math.sqrt(s.d_K), s.prod("_ t_5'", t_86, tr(s.t_5))))
+        t_88 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_89 = lin((1/math.sqrt(s.d_K), s.prod("_ t_5'", t_88, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_38' _", tr(s.t_38), t_85)))
+        t_90 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_87), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_89), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_92 = lin((1, t_90, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_90 * s.Y_2), s.one), s.t_51))
+        t_93 = lin((1, s.prod('_ W_1', t_92, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_94 = lin((1, s.prod('_ W_3', t_92, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_95 = lin((1, t_90), (1, s.prod('_ W_2', ((s.t_91 * t_93) + (s.t_32 * t_94)), s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
+        t_96 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_95, tr(s.W_2))
+        t_97 = (s.t_91 * t_96)
+        t_98 = (s.t_32 * t_96)
+        t_99 = lin((1, s.prod("_ W_1'", t_97, tr(s.W_1))), (1, s.prod("_ W_3'", t_98, tr(s.W_3))))
+        t_100 = lin((2/(s.L*s.d_V), t_95), (1, t_99, s.R_N_2), (1, s.mm('_ one', (s.t_51 * (2/s.d_V) * t_99), s.one), s.Y_2))
+        t_101 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_100, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_102 = s.mm("_ t_2'", t_101, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_102 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_102 * s.S), tr(s.R)), mean=True)
+        t_103 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_100, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_104 = s.mm("_ t_2'", t_103, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_104 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_104 * s.C)), mean=True)
+        t_105 = lin((1, s.prod("_ t_37'", tr(t_101), tr(s.t_37))), (1, s.prod("_ t_38'", tr(t_103), tr(s.t_38))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_105 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_105 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_100, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_100, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_100, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_100, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_97, mean=True)
+        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_98, mean=True)
+        out_W_2 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_95, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_115 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_116 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_117 = lin((1, s.prod("t_39' _", tr(s.t_39), t_115)), (1, s.prod("_ t_5'", t_116, tr(s.t_5))))
-        t_118 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_117)
-        t_119 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_120 = lin((1, s.prod("_ t_5'", t_119, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_115)))
-        t_121 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_120)
-        t_122 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_118, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_121, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_124 = s.mm('_ one', (t_122 * s.Y_2), s.one)
-        t_125 = (t_124 * s.t_53)
-        t_126 = lin((1, t_122, s.R_N_2), (2/s.d_V, t_125))
-        t_127 = lin((1, s.prod('_ W_1', t_126, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_128 = s.mm('G _', s.G, tr(V_W_2))
-        t_130 = lin((1, s.prod('_ W_3', t_126, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_131 = lin((1, s.t_123, t_127), (1, s.t_95, t_128), (1, s.t_129, t_130))
-        t_132 = ((s.t_129 * t_127) + (s.t_33 * t_128))
-        t_133 = lin((1, s.prod("_ W_1'", t_131, tr(s.W_1))), (1, s.prod("_ W_3'", t_132, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
-        t_134 = lin((1, s.t_61, t_122), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_133), (2/s.d_V, t_124, s.t_63))
-        t_135 = lin((1, s.t_24, t_122), (1, (1/math.sqrt(s.d_K)) * t_133, s.R_N_2), (2/s.d_V, t_124, s.t_65), (1, s.mm('_ one', t_134, s.one), s.Y_2))
-        t_136 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_135, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O1' _ N_1'", s.t_25, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_137 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_117, s.t_26) + softmax_diff(s.A1, t_136))
-        t_138 = lin((1, s.prod("_ t_2'", t_137, tr(s.t_2))), (1, s.prod('t_27 _', s.t_27, tr(t_115))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_138 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_138 * s.S), tr(s.R)), mean=True)
-        t_139 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_135, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O2' _ N_1'", s.t_25, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_140 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_120, s.t_35) + softmax_diff(s.A2, t_139))
-        t_141 = lin((1, s.prod("_ t_2'", t_140, tr(s.t_2))), (1, s.prod('t_36 _', s.t_36, tr(t_115))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_141 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_141 * s.C)), mean=True)
-        t_142 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_117, s.t_67)
-        t_143 = lin((1, s.t_69, t_122), (1, s.t_53, (2/s.d_V) * t_133), (2/s.d_V, t_124, s.t_70))
-        t_144 = lin((1, t_133, s.R_N_2), (2/s.d_V, t_124, s.t_72), (1, s.t_43, t_122), (1, s.mm('_ one', t_143, s.one), s.Y_2))
-        t_145 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O1' _ N_1'", s.t_66, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_146 = softmax_diff(s.A1, t_145)
-        t_147 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_120, s.t_73)
-        t_148 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O2' _ N_1'", s.t_66, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_149 = softmax_diff(s.A2, t_148)
-        t_150 = lin((1, s.prod("_ t_39'", (tr(t_142) + tr(t_146)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_147) + tr(t_149)), tr(s.t_40))), (1, s.prod("t_68' _", tr(s.t_68), t_116)), (1, s.prod("t_74' _", tr(s.t_74), t_119)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_150 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_150 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_44 W_O2'", tr(s.N_1), tr(t_121), s.t_44, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_144, tr(s.W_O1)), (1, "N_1' A1' t_44 _", tr(s.N_1), tr(s.A1), s.t_44, tr(V_W_O1)), (1, "N_1' _ t_44 W_O1'", tr(s.N_1), tr(t_118), s.t_44, tr(s.W_O1)), (1, "N_1' A2' t_44 _", tr(s.N_1), tr(s.A2), s.t_44, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_144, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_44", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_118), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_144, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_121), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_144, mean=True)))
-        out_W_1 = (s.mm('_ t_17', tr(t_126), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_131, mean=True))
-        out_W_3 = (s.mm('_ t_18', tr(t_126), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_132, mean=True))
-        out_W_2 = s.mm('_ G', ((tr(s.t_95) * tr(t_127)) + (s.t_151 * tr(t_130))), s.G, mean=True)
+        t_106 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_107 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_108 = lin((1, s.prod("t_37' _", tr(s.t_37), t_106)), (1, s.prod("_ t_5'", t_107, tr(s.t_5))))
+        t_110 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_108, s.t_109)
+        t_112 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_108)
+        t_113 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_114 = lin((1, s.prod("_ t_5'", t_113, tr(s.t_5))), (1, s.prod("t_38' _", tr(s.t_38), t_106)))
+        t_115 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_114)
+        t_116 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_112, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_117 = s.mm('_ one', (t_116 * s.Y_2), s.one)
+        t_118 = (t_117 * s.t_51)
+        t_119 = lin((1, t_116, s.R_N_2), (2/s.d_V, t_118))
+        t_120 = lin((1, s.prod('_ W_1', t_119, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_121 = s.mm('G _', s.G, tr(V_W_2))
+        t_123 = lin((1, s.prod('_ W_3', t_119, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_124 = lin((1, s.t_111, t_120), (1, s.t_91, t_121), (1, s.t_122, t_123))
+        t_125 = ((s.t_122 * t_120) + (s.t_32 * t_121))
+        t_126 = lin((1, s.prod("_ W_1'", t_124, tr(s.W_1))), (1, s.prod("_ W_3'", t_125, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
+        t_127 = lin((1, s.t_66, t_116), (1, s.t_51, (2/s.d_V) * t_126), (2/s.d_V, t_117, s.t_67))
+        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_69), (1, s.t_41, t_116), (1, s.mm('_ one', t_127, s.one), s.Y_2))
+        t_129 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 _ W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' _ N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_130 = softmax_diff(s.A1, t_129)
+        t_131 = (t_110 + t_130)
+        t_133 = lin((1, s.prod("_ t_2'", t_131, tr(s.t_2))), (1, s.prod('t_132 _', s.t_132, tr(t_106))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_133 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_133 * s.S), tr(s.R)), mean=True)
+        t_135 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_114, s.t_134)
+        t_136 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' _ N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_42 _ W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_137 = softmax_diff(s.A2, t_136)
+        t_138 = (t_135 + t_137)
+        t_140 = lin((1, s.prod("_ t_2'", t_138, tr(s.t_2))), (1, s.prod('t_139 _', s.t_139, tr(t_106))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_140 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_140 * s.C)), mean=True)
+        t_141 = lin((1, s.prod("_ t_37'", tr(t_131), tr(s.t_37))), (1, s.prod("_ t_38'", tr(t_138), tr(s.t_38))), (1, s.prod("t_132' _", tr(s.t_132), t_107)), (1, s.prod("t_139' _", tr(s.t_139), t_113)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_141 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_141 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_42 W_O2'", tr(s.N_1), tr(t_115), s.t_42, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A1' t_42 _", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' _ t_42 W_O1'", tr(s.N_1), tr(t_112), s.t_42, tr(s.W_O1)), (1, "N_1' A2' t_42 _", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' _ t_42", tr(s.W_V), tr(s.N_1), tr(t_112), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' _ t_42", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
+        out_W_1 = (s.mm('_ t_17', tr(t_119), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_124, mean=True))
+        out_W_3 = (s.mm('_ t_18', tr(t_119), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_125, mean=True))
+        out_W_2 = s.mm('_ G', ((tr(s.t_91) * tr(t_120)) + (s.t_142 * tr(t_123))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_152 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_153 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_154 = lin((1, s.prod("t_39' _", tr(s.t_39), t_152)), (1, s.prod("_ t_5'", t_153, tr(s.t_5))))
-        t_168 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_154)
-        t_169 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_170 = lin((1, s.prod("_ t_5'", t_169, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_152)))
-        t_171 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_170)
-        t_172 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_168, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_171, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_173 = s.mm('_ one', (t_172 * s.Y_2), s.one)
-        t_174 = (t_173 * s.t_53)
-        t_175 = lin((1, t_172, s.R_N_2), (2/s.d_V, t_174))
-        t_176 = lin((1, s.prod('_ W_1', t_175, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_177 = lin((1, s.prod('_ W_3', t_175, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_178 = ((s.t_95 * t_176) + (s.t_33 * t_177))
-        t_179 = lin((1, t_172), (1, s.prod('_ W_2', t_178, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
-        t_181 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_179, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
-        t_185 = lin((1, s.t_180, t_176), (1, s.t_95, t_181), (1, s.t_184, t_177))
-        t_186 = ((s.t_184 * t_176) + (s.t_33 * t_181))
-        t_187 = lin((1, s.prod("_ W_1'", t_185, tr(s.W_1))), (1, s.prod("_ W_3'", t_186, tr(s.W_3))), (1, s.prod('t_159 _', s.t_159, tr(V_W_1))), (1, s.prod('t_161 _', s.t_161, tr(V_W_3))))
-        t_191 = lin((1, s.t_189, t_172), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_187), (2/s.d_V, t_173, s.t_190))
-        t_192 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_179), (1, s.t_165, t_172), (1, (1/math.sqrt(s.d_K)) * t_187, s.R_N_2), (2/s.d_V, t_173, s.t_188), (1, s.mm('_ one', t_191, s.one), s.Y_2))
-        t_193 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_192, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_166 _ W_V' N_1'", s.t_166, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_166 W_O1' _ N_1'", s.t_166, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_194 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_154, s.t_167) + softmax_diff(s.A1, t_193))
-        t_196 = lin((1, s.prod("_ t_2'", t_194, tr(s.t_2))), (1, s.prod('t_195 _', s.t_195, tr(t_152))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_196 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_196 * s.C)), mean=True)
-        t_198 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_192, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_166 W_O2' _ N_1'", s.t_166, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_166 _ W_V' N_1'", s.t_166, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_199 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_170, s.t_197) + softmax_diff(s.A2, t_198))
-        t_201 = lin((1, s.prod("_ t_2'", t_199, tr(s.t_2))), (1, s.prod('t_200 _', s.t_200, tr(t_152))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_201 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_201 * s.S), tr(s.R)), mean=True)
-        t_207 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_154, s.t_206)
-        t_211 = lin((1, s.t_209, t_172), (1, s.t_53, (2/s.d_V) * t_187), (2/s.d_V, t_173, s.t_210))
-        t_212 = lin((2/(s.L*s.d_V), t_179), (1, t_187, s.R_N_2), (2/s.d_V, t_173, s.t_208), (1, s.t_203, t_172), (1, s.mm('_ one', t_211, s.one), s.Y_2))
-        t_213 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_212, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_205 _ W_V' N_1'", s.t_205, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_205 W_O1' _ N_1'", s.t_205, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_214 = softmax_diff(s.A1, t_213)
-        t_216 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_170, s.t_215)
-        t_217 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_212, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_205 W_O2' _ N_1'", s.t_205, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_205 _ W_V' N_1'", s.t_205, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_218 = softmax_diff(s.A2, t_217)
-        t_221 = lin((1, s.prod("_ t_39'", (tr(t_207) + tr(t_214)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_216) + tr(t_218)), tr(s.t_40))), (1, s.prod("t_219' _", tr(s.t_219), t_153)), (1, s.prod("t_220' _", tr(s.t_220), t_169)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_221 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_221 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_204 _", tr(s.N_1), tr(s.A2), s.t_204, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_212, tr(s.W_O2)), (1, "N_1' A1' t_204 _", tr(s.N_1), tr(s.A1), s.t_204, tr(V_W_O1)), (1, "N_1' _ t_204 W_O1'", tr(s.N_1), tr(t_168), s.t_204, tr(s.W_O1)), (1, "N_1' _ t_204 W_O2'", tr(s.N_1), tr(t_171), s.t_204, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_212, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_204", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_204), (1, "W_V' N_1' _ t_204", tr(s.W_V), tr(s.N_1), tr(t_168), s.t_204), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_212, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_204", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_204), (1, "W_V' N_1' _ t_204", tr(s.W_V), tr(s.N_1), tr(t_171), s.t_204), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_212, mean=True)))
-        out_W_1 = (s.mm('_ t_159', tr(t_175), s.t_159, mean=True) + s.mm("N_2' _", tr(s.N_2), t_185, mean=True))
-        out_W_3 = (s.mm('_ t_161', tr(t_175), s.t_161, mean=True) + s.mm("N_2' _", tr(s.N_2), t_186, mean=True))
-        out_W_2 = (s.mm('_ G', tr(t_178), s.G, mean=True) + s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_179, mean=True))
+        t_143 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_144 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_145 = lin((1, s.prod("t_37' _", tr(s.t_37), t_143)), (1, s.prod("_ t_5'", t_144, tr(s.t_5))))
+        t_159 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_145, s.t_158)
+        t_160 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_145)
+        t_161 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_162 = lin((1, s.prod("_ t_5'", t_161, tr(s.t_5))), (1, s.prod("t_38' _", tr(s.t_38), t_143)))
+        t_163 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_162)
+        t_164 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_160, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_165 = s.mm('_ one', (t_164 * s.Y_2), s.one)
+        t_166 = (t_165 * s.t_51)
+        t_167 = lin((1, t_164, s.R_N_2), (2/s.d_V, t_166))
+        t_168 = lin((1, s.prod('_ W_1', t_167, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_169 = lin((1, s.prod('_ W_3', t_167, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_170 = ((s.t_91 * t_168) + (s.t_32 * t_169))
+        t_171 = lin((1, t_164), (1, s.prod('_ W_2', t_170, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
+        t_173 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_171, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_177 = lin((1, s.t_172, t_168), (1, s.t_91, t_173), (1, s.t_176, t_169))
+        t_178 = ((s.t_176 * t_168) + (s.t_32 * t_173))
+        t_179 = lin((1, s.prod("_ W_1'", t_177, tr(s.W_1))), (1, s.prod("_ W_3'", t_178, tr(s.W_3))), (1, s.prod('t_150 _', s.t_150, tr(V_W_1))), (1, s.prod('t_152 _', s.t_152, tr(V_W_3))))
+        t_183 = lin((1, s.t_181, t_164), (1, s.t_51, (2/s.d_V) * t_179), (2/s.d_V, t_165, s.t_182))
+        t_184 = lin((2/(s.L*s.d_V), t_171), (1, t_179, s.R_N_2), (2/s.d_V, t_165, s.t_180), (1, s.t_156, t_164), (1, s.mm('_ one', t_183, s.one), s.Y_2))
+        t_185 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_184, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 _ W_V' N_1'", s.t_157, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O1' _ N_1'", s.t_157, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_186 = softmax_diff(s.A1, t_185)
+        t_187 = (t_159 + t_186)
+        t_189 = lin((1, s.prod("_ t_2'", t_187, tr(s.t_2))), (1, s.prod('t_188 _', s.t_188, tr(t_143))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_189 * s.C)), mean=True)
+        t_191 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_190)
+        t_192 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_184, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_157 _ W_V' N_1'", s.t_157, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O2' _ N_1'", s.t_157, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_193 = softmax_diff(s.A2, t_192)
+        t_194 = (t_191 + t_193)
+        t_196 = lin((1, s.prod("_ t_2'", t_194, tr(s.t_2))), (1, s.prod('t_195 _', s.t_195, tr(t_143))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_196 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_196 * s.S), tr(s.R)), mean=True)
+        t_197 = lin((1, s.prod("_ t_37'", tr(t_187), tr(s.t_37))), (1, s.prod("_ t_38'", tr(t_194), tr(s.t_38))), (1, s.prod("t_188' _", tr(s.t_188), t_144)), (1, s.prod("t_195' _", tr(s.t_195), t_161)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_197 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_197 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_157 _", tr(s.N_1), tr(s.A2), s.t_157, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_184, tr(s.W_O2)), (1, "N_1' A1' t_157 _", tr(s.N_1), tr(s.A1), s.t_157, tr(V_W_O1)), (1, "N_1' _ t_157 W_O1'", tr(s.N_1), tr(t_160), s.t_157, tr(s.W_O1)), (1, "N_1' _ t_157 W_O2'", tr(s.N_1), tr(t_163), s.t_157, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_184, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_157", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_157), (1, "W_V' N_1' _ t_157", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_184, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_157", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_157), (1, "W_V' N_1' _ t_157", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_184, mean=True)))
+        out_W_1 = (s.mm('_ t_150', tr(t_167), s.t_150, mean=True) + s.mm("N_2' _", tr(s.N_2), t_177, mean=True))
+        out_W_3 = (s.mm('_ t_152', tr(t_167), s.t_152, mean=True) + s.mm("N_2' _", tr(s.N_2), t_178, mean=True))
+        out_W_2 = (s.mm('_ G', tr(t_170), s.G, mean=True) + s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_171, mean=True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -1805,39 +1744,35 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "aed64636e2319053ebba5443"
+    STAMP = "0ae5342376e0d128007f616b"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_204": 2,
-        "A1' t_44": 5,
+        "A1' t_157": 2,
+        "A1' t_42": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_204": 2,
-        "A2' t_44": 5,
+        "A2' t_157": 2,
+        "A2' t_42": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
         'N_1 W_Q2': 2,
-        'N_1 W_V': 59,
-        'N_1 W_V W_O1': 15,
-        'N_1 W_V W_O2': 15,
-        "N_1' A1' t_204": 2,
-        "N_1' A1' t_44": 4,
-        "N_1' A2' t_204": 2,
-        "N_1' A2' t_44": 4,
-        "W_O1 t_166'": 2,
-        "W_O1 t_205'": 2,
-        "W_O1 t_25'": 3,
-        "W_O1 t_44'": 3,
-        "W_O1 t_66'": 2,
-        "W_O1' W_V'": 16,
-        "W_O2 t_166'": 2,
-        "W_O2 t_205'": 2,
-        "W_O2 t_25'": 3,
-        "W_O2 t_44'": 3,
-        "W_O2 t_66'": 2,
-        "W_O2' W_V'": 16,
+        'N_1 W_V': 49,
+        'N_1 W_V W_O1': 12,
+        'N_1 W_V W_O2': 12,
+        "N_1' A1' t_157": 2,
+        "N_1' A1' t_42": 4,
+        "N_1' A2' t_157": 2,
+        "N_1' A2' t_42": 4,
+        "W_O1 t_157'": 3,
+        "W_O1 t_25'": 2,
+        "W_O1 t_42'": 5,
+        "W_O1' W_V'": 13,
+        "W_O2 t_157'": 3,
+        "W_O2 t_25'": 2,
+        "W_O2 t_42'": 5,
+        "W_O2' W_V'": 13,
     }
 
     @leaf
@@ -1998,411 +1933,367 @@ class mse_causal1(Forward):
 
     @leaf
     def t_26(s):
-        return s.mm("t_25 W_O1' W_V' N_1'", s.t_25, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return softmax_diff(s.A1, s.mm("t_25 W_O1' W_V' N_1'", s.t_25, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_27(s):
-        return softmax_diff(s.A1, s.t_26)
-
-    @leaf
-    def t_28(s):
         return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
-    def t_29(s):
+    def t_28(s):
         return s.mm("t_25 W_O1'", s.t_25, tr(s.W_O1))
 
     @leaf
-    def t_30(s):
+    def t_29(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_31(s):
+    def t_30(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_32(s):
+    def t_31(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return (s.t_12 * s.t_11)
 
     @leaf
-    def t_34(s):
+    def t_33(s):
         return tr(s.t_6)
 
     @leaf
+    def t_34(s):
+        return softmax_diff(s.A2, s.mm("t_25 W_O2' W_V' N_1'", s.t_25, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
     def t_35(s):
-        return s.mm("t_25 W_O2' W_V' N_1'", s.t_25, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_36(s):
-        return softmax_diff(s.A2, s.t_35)
-
-    @leaf
-    def t_37(s):
         return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
-    def t_38(s):
+    def t_36(s):
         return s.mm("t_25 W_O2'", s.t_25, tr(s.W_O2))
 
     @leaf
-    def t_39(s):
+    def t_37(s):
         return tr(s.t_7)
 
     @leaf
-    def t_40(s):
+    def t_38(s):
         return tr(s.t_8)
 
     @leaf
-    def t_41(s):
+    def t_39(s):
         return (2/s.d_V) * s.t_19
 
     @leaf
+    def t_40(s):
+        return mul(s.t_39, s.t_22, s.Y_2)
+
+    @leaf
+    def t_41(s):
+        return s.mm('t_40 one', s.t_40, s.one)
+
+    @leaf
     def t_42(s):
-        return mul(s.t_41, s.t_22, s.Y_2)
+        return lin((1, s.t_19, s.R_N_2), (1, s.t_41, s.Y_2), (1, s.G))
 
     @leaf
     def t_43(s):
-        return s.mm('t_42 one', s.t_42, s.one)
+        return s.mm("t_42 W_O1'", s.t_42, tr(s.W_O1))
 
     @leaf
     def t_44(s):
-        return lin((1, s.t_19, s.R_N_2), (1, s.t_43, s.Y_2), (1, s.G))
+        return s.mm("t_42 W_O2'", s.t_42, tr(s.W_O2))
 
     @leaf
     def t_45(s):
-        return s.mm("t_44 W_O1'", s.t_44, tr(s.W_O1))
+        return s.mm("A1' t_42", tr(s.A1), s.t_42)
 
     @leaf
     def t_46(s):
-        return s.mm("t_44 W_O2'", s.t_44, tr(s.W_O2))
+        return s.mm("A2' t_42", tr(s.A2), s.t_42)
 
     @leaf
     def t_47(s):
-        return s.mm("A1' t_44", tr(s.A1), s.t_44)
+        return tr(s.t_29)
 
     @leaf
     def t_48(s):
-        return s.mm("A2' t_44", tr(s.A2), s.t_44)
+        return tr(s.t_31)
 
     @leaf
     def t_49(s):
-        return tr(s.t_30)
-
-    @leaf
-    def t_50(s):
-        return tr(s.t_32)
-
-    @leaf
-    def t_51(s):
         return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
-    def t_52(s):
+    def t_50(s):
         return s.mm("t_15' t_15", tr(s.t_15), s.t_15)
 
     @leaf
-    def t_53(s):
+    def t_51(s):
         return (s.t_22 * s.Y_2)
 
     @leaf
-    def t_54(s):
+    def t_52(s):
         return mul(s.t_13, s.t_11, s.t_14)
 
     @leaf
-    def t_55(s):
+    def t_53(s):
         return (s.t_12 * s.t_14)
 
     @leaf
-    def t_56(s):
+    def t_54(s):
         return mul(((2.0 * s.t_12) - 1.0), (s.t_12 - 1.0), s.t_12)
 
     @leaf
-    def t_57(s):
-        return mul(s.t_56, s.t_16, s.t_11, s.t_14)
+    def t_55(s):
+        return mul(s.t_54, s.t_16, s.t_11, s.t_14)
 
     @leaf
-    def t_58(s):
+    def t_56(s):
         return mul(s.t_13, s.t_16, s.t_14)
 
     @leaf
-    def t_59(s):
+    def t_57(s):
         return mul(s.t_13, s.t_16, s.t_11)
 
     @leaf
-    def t_60(s):
+    def t_58(s):
         return (s.t_12 * s.t_16)
 
     @leaf
-    def t_61(s):
+    def t_59(s):
         return (s.t_21 * s.t_22)
 
     @leaf
-    def t_62(s):
+    def t_60(s):
         return (0.75 * (s.t_10 ** -2.5))
 
     @leaf
-    def t_63(s):
-        return mul(s.t_21, s.t_62, s.Y_2)
+    def t_61(s):
+        return mul(s.t_21, s.t_60, s.Y_2)
 
     @leaf
-    def t_64(s):
+    def t_62(s):
         return bcast_last(s.t_24, s.d_V)
 
     @leaf
-    def t_65(s):
+    def t_63(s):
         return (s.t_20 * s.t_22)
 
     @leaf
+    def t_64(s):
+        return (1/math.sqrt(s.d_K)) * s.t_42
+
+    @leaf
+    def t_65(s):
+        return softmax_diff(s.A1, s.mm("t_64 W_O1' W_V' N_1'", s.t_64, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
     def t_66(s):
-        return (1/math.sqrt(s.d_K)) * s.t_44
+        return (s.t_39 * s.t_22)
 
     @leaf
     def t_67(s):
-        return s.mm("t_66 W_O1' W_V' N_1'", s.t_66, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return mul(s.t_39, s.t_60, s.Y_2)
 
     @leaf
     def t_68(s):
-        return softmax_diff(s.A1, s.t_67)
+        return bcast_last(s.t_41, s.d_V)
 
     @leaf
     def t_69(s):
-        return (s.t_41 * s.t_22)
-
-    @leaf
-    def t_70(s):
-        return mul(s.t_41, s.t_62, s.Y_2)
-
-    @leaf
-    def t_71(s):
-        return bcast_last(s.t_43, s.d_V)
-
-    @leaf
-    def t_72(s):
         return (s.t_19 * s.t_22)
 
     @leaf
-    def t_73(s):
-        return s.mm("t_66 W_O2' W_V' N_1'", s.t_66, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_74(s):
-        return softmax_diff(s.A2, s.t_73)
+    def t_70(s):
+        return softmax_diff(s.A2, s.mm("t_64 W_O2' W_V' N_1'", s.t_64, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_75(s):
+    def t_71(s):
         return (s.F - s.Y)
+
+    @leaf
+    def t_72(s):
+        return (s.t_71 * s.t_71)
+
+    @leaf
+    def t_73(s):
+        return s.mm('one_2 t_72 one', s.one_2, s.t_72, s.one)
+
+    @leaf
+    def t_74(s):
+        return s.mm("t_26 t_2'", s.t_26, tr(s.t_2))
+
+    @leaf
+    def t_75(s):
+        return (s.t_74 * s.C)
 
     @leaf
     def t_76(s):
-        return (s.t_75 * s.t_75)
+        return (s.t_74 * s.S)
 
     @leaf
     def t_77(s):
-        return s.mm('one_2 t_76 one', s.one_2, s.t_76, s.one)
+        return s.mm("t_34 t_2'", s.t_34, tr(s.t_2))
 
     @leaf
     def t_78(s):
-        return s.mm("t_27 t_2'", s.t_27, tr(s.t_2))
+        return (s.t_77 * s.S)
 
     @leaf
     def t_79(s):
-        return (s.t_78 * s.C)
+        return (s.t_77 * s.C)
 
     @leaf
     def t_80(s):
-        return (s.t_78 * s.S)
+        return s.mm("t_65' t_37'", tr(s.t_65), tr(s.t_37))
 
     @leaf
     def t_81(s):
-        return s.mm("t_36 t_2'", s.t_36, tr(s.t_2))
+        return s.mm("t_70' t_38'", tr(s.t_70), tr(s.t_38))
 
     @leaf
     def t_82(s):
-        return (s.t_81 * s.S)
+        return (s.t_80 + s.t_81)
 
     @leaf
     def t_83(s):
-        return (s.t_81 * s.C)
+        return (s.t_82 * s.S)
 
     @leaf
     def t_84(s):
-        return s.mm("t_68' t_39'", tr(s.t_68), tr(s.t_39))
+        return (s.t_82 * s.C)
 
     @leaf
-    def t_85(s):
-        return s.mm("t_74' t_40'", tr(s.t_74), tr(s.t_40))
+    def t_91(s):
+        return (s.t_52 + s.t_53)
 
     @leaf
-    def t_86(s):
-        return (s.t_84 + s.t_85)
+    def t_109(s):
+        return s.mm("t_42 W_O1' W_V' N_1'", s.t_42, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_87(s):
-        return (s.t_86 * s.S)
+    def t_111(s):
+        return lin((1, s.t_55), (2, s.t_56))
 
     @leaf
-    def t_88(s):
-        return (s.t_86 * s.C)
+    def t_122(s):
+        return (s.t_57 + s.t_58)
 
     @leaf
-    def t_95(s):
-        return (s.t_54 + s.t_55)
+    def t_132(s):
+        return softmax_diff(s.A1, s.t_109)
 
     @leaf
-    def t_123(s):
-        return lin((1, s.t_57), (2, s.t_58))
+    def t_134(s):
+        return s.mm("t_42 W_O2' W_V' N_1'", s.t_42, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_129(s):
-        return (s.t_59 + s.t_60)
+    def t_139(s):
+        return softmax_diff(s.A2, s.t_134)
 
     @leaf
-    def t_151(s):
+    def t_142(s):
         return (tr(s.t_12) * tr(s.t_11))
 
     @leaf
-    def t_155(s):
+    def t_146(s):
         return (s.F - s.Y)
 
     @leaf
-    def t_156(s):
+    def t_147(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_148(s):
+        return mul(s.t_13, s.t_147, s.t_11, s.t_14)
+
+    @leaf
+    def t_149(s):
+        return mul(s.t_12, s.t_147, s.t_14)
+
+    @leaf
+    def t_150(s):
+        return (s.t_148 + s.t_149)
+
+    @leaf
+    def t_151(s):
+        return s.mm("t_150 W_1'", s.t_150, tr(s.W_1))
+
+    @leaf
+    def t_152(s):
+        return mul(s.t_12, s.t_147, s.t_11)
+
+    @leaf
+    def t_153(s):
+        return s.mm("t_152 W_3'", s.t_152, tr(s.W_3))
+
+    @leaf
+    def t_154(s):
+        return (s.t_151 + s.t_153)
+
+    @leaf
+    def t_155(s):
+        return mul((2/s.d_V) * s.t_154, s.t_22, s.Y_2)
+
+    @leaf
+    def t_156(s):
+        return s.mm('t_155 one', s.t_155, s.one)
+
+    @leaf
     def t_157(s):
-        return mul(s.t_13, s.t_156, s.t_11, s.t_14)
+        return lin((2/(s.L*s.d_V), s.t_146), (1, s.t_154, s.R_N_2), (1, s.t_156, s.Y_2))
 
     @leaf
     def t_158(s):
-        return mul(s.t_12, s.t_156, s.t_14)
+        return s.mm("t_157 W_O1' W_V' N_1'", s.t_157, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_159(s):
-        return (s.t_157 + s.t_158)
+    def t_172(s):
+        return lin((1, mul(s.t_54, s.t_147, s.t_11), s.t_14), (2, (s.t_13 * s.t_147), s.t_14))
 
     @leaf
-    def t_160(s):
-        return s.mm("t_159 W_1'", s.t_159, tr(s.W_1))
+    def t_173(s):
+        return mul(s.t_13, s.t_147, s.t_11)
 
     @leaf
-    def t_161(s):
-        return mul(s.t_12, s.t_156, s.t_11)
+    def t_174(s):
+        return (s.t_12 * s.t_147)
 
     @leaf
-    def t_162(s):
-        return s.mm("t_161 W_3'", s.t_161, tr(s.W_3))
-
-    @leaf
-    def t_163(s):
-        return (s.t_160 + s.t_162)
-
-    @leaf
-    def t_164(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_163, s.t_22, s.Y_2)
-
-    @leaf
-    def t_165(s):
-        return s.mm('t_164 one', s.t_164, s.one)
-
-    @leaf
-    def t_166(s):
-        return lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), s.t_155), (1, (1/math.sqrt(s.d_K)) * s.t_163, s.R_N_2), (1, s.t_165, s.Y_2))
-
-    @leaf
-    def t_167(s):
-        return s.mm("t_166 W_O1' W_V' N_1'", s.t_166, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+    def t_175(s):
+        return (s.t_173 + s.t_174)
 
     @leaf
     def t_180(s):
-        return lin((1, mul(s.t_56, s.t_156, s.t_11), s.t_14), (2, (s.t_13 * s.t_156), s.t_14))
+        return (s.t_154 * s.t_22)
 
     @leaf
     def t_181(s):
-        return mul(s.t_13, s.t_156, s.t_11)
+        return ((2/s.d_V) * s.t_154 * s.t_22)
 
     @leaf
     def t_182(s):
-        return (s.t_12 * s.t_156)
-
-    @leaf
-    def t_183(s):
-        return (s.t_181 + s.t_182)
+        return mul((2/s.d_V) * s.t_154, s.t_60, s.Y_2)
 
     @leaf
     def t_188(s):
-        return ((1/math.sqrt(s.d_K)) * s.t_163 * s.t_22)
-
-    @leaf
-    def t_189(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_163 * s.t_22)
+        return softmax_diff(s.A1, s.t_158)
 
     @leaf
     def t_190(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_163, s.t_62, s.Y_2)
+        return s.mm("t_157 W_O2' W_V' N_1'", s.t_157, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_195(s):
-        return softmax_diff(s.A1, s.t_167)
-
-    @leaf
-    def t_197(s):
-        return s.mm("t_166 W_O2' W_V' N_1'", s.t_166, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_200(s):
-        return softmax_diff(s.A2, s.t_197)
-
-    @leaf
-    def t_202(s):
-        return mul((2/s.d_V) * s.t_163, s.t_22, s.Y_2)
-
-    @leaf
-    def t_203(s):
-        return s.mm('t_202 one', s.t_202, s.one)
-
-    @leaf
-    def t_204(s):
-        return lin((2/(s.L*s.d_V), s.t_155), (1, s.t_163, s.R_N_2), (1, s.t_203, s.Y_2))
-
-    @leaf
-    def t_205(s):
-        return (1/math.sqrt(s.d_K)) * s.t_204
-
-    @leaf
-    def t_206(s):
-        return s.mm("t_205 W_O1' W_V' N_1'", s.t_205, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_208(s):
-        return (s.t_163 * s.t_22)
-
-    @leaf
-    def t_209(s):
-        return ((2/s.d_V) * s.t_163 * s.t_22)
-
-    @leaf
-    def t_210(s):
-        return mul((2/s.d_V) * s.t_163, s.t_62, s.Y_2)
-
-    @leaf
-    def t_215(s):
-        return s.mm("t_205 W_O2' W_V' N_1'", s.t_205, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_219(s):
-        return softmax_diff(s.A1, s.t_206)
-
-    @leaf
-    def t_220(s):
-        return softmax_diff(s.A2, s.t_215)
+        return softmax_diff(s.A2, s.t_190)
 
     @leaf
     def S_2(s):
@@ -2425,15 +2316,15 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_51),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_54),
-            net(1, 'nab->nab', s.t_55),
+            net(1, 'nab->nab', s.t_52),
+            net(1, 'nab->nab', s.t_53),
         ])
 
     @leaf
@@ -2441,7 +2332,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_33),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_32),
         ])
 
     @leaf
@@ -2449,7 +2340,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_6', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_33, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_32, s.W_3),
         ])
 
     @leaf
@@ -2457,7 +2348,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_53, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_51, ONES, s.Y_2),
         ])
 
     @leaf
@@ -2497,16 +2388,16 @@ class mse_causal1(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_57),
-            net(2, 'nab->nab', s.t_58),
+            net(1, 'nab->nab', s.t_55),
+            net(2, 'nab->nab', s.t_56),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_59),
-            net(1, 'nab->nab', s.t_60),
+            net(1, 'nab->nab', s.t_57),
+            net(1, 'nab->nab', s.t_58),
         ])
 
     @leaf
@@ -2529,17 +2420,17 @@ class mse_causal1(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_61, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_63, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_59, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_61, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_51, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_64, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_65, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_63, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -2548,9 +2439,9 @@ class mse_causal1(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_27, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_27, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_27),
+            net(1, 'nab,bc->nabc', s.t_26, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_26, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_26),
         ])
 
     @leaf
@@ -2613,16 +2504,16 @@ class mse_causal1(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_36, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_36, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_36),
+            net(1, 'nab,bc->nabc', s.t_34, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_34, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_34),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_24', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_34, s.S_17, s.t_6, s.dA_2),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -2630,26 +2521,26 @@ class mse_causal1(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_68, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_68),
+            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_65, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_65),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_69, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_70, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_7),
+            net(1, 'nab,bc->nabc', s.t_66, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_67, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_51, s.S_15, s.S_7),
         ])
 
     @leaf
     def S_26(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_26', [
-            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_72, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_69, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_7),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_25),
         ])
@@ -2658,9 +2549,9 @@ class mse_causal1(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_74, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_74, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_74),
+            net(1, 'nab,bc->nabc', s.t_70, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_70, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_70),
         ])
 
     @leaf
@@ -2668,7 +2559,7 @@ class mse_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_27', [
             net(2/(s.L*s.d_V), 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_51),
         ])
 
     @leaf
@@ -2692,8 +2583,8 @@ class mse_causal1(Forward):
     def S_30(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_30', [
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_54),
-            net(2/(s.L*s.d_V), 'nab->nab', s.t_55),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_52),
+            net(2/(s.L*s.d_V), 'nab->nab', s.t_53),
         ])
 
     @leaf
@@ -2747,7 +2638,7 @@ class mse_causal1(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_27, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_26, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -2766,34 +2657,34 @@ class mse_causal1(Forward):
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_27, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_28),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_29),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.t_25),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_31, s.W_O1, s.S_17, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.t_25),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_30, s.W_O1, s.S_17, s.t_29),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_9, s.t_31),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_31),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -2812,7 +2703,7 @@ class mse_causal1(Forward):
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -2837,7 +2728,7 @@ class mse_causal1(Forward):
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nhi,naij,njk,akl,nam->bc|ml', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_6, s.dA_2, s.t_5, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -2849,247 +2740,247 @@ class mse_causal1(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nmo,naop,naq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,ngh,nahi,naj,jik,nil->bc|lk', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,njk,nakl,nam,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_34, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_34, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_36, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_34, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,ij,kj,nakl,nalm,nao,pm,noq->bc|qp', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,hg,nahi,naij,nak,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_37, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_37, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_38),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_35, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_35, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.N_1, s.t_36),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_29),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_34, s.S_17, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_33, s.S_17, s.t_29),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_9, s.t_31),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.t_25),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_31, s.W_O2, s.S_17, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.t_25),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_2, s.t_30, s.W_O2, s.S_17, s.t_31),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_22, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,ih,nai,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_34, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_21, s.t_2, s.dA_2, s.t_33, s.S_22, s.t_15),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_34, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,nmo,neop,neq,qpr,nps->bc|sr', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,ngh,nehi,nej,jik,nil->bc|lk', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,njk,nekl,nem,mlo,nlp->bc|po', s.N_1, s.S_2, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_39, s.d2A_3, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_40, s.d2A_4, s.t_8, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_37, s.d2A_3, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_38, s.d2A_4, s.t_8, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_26, s.t_4, s.dA, s.t_7, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_26, s.t_6, s.dA_2, s.t_8, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 16 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh,ig,nhj->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,ij,kj,nekl,nelm,neo,pm,noq->bc|qp', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.W_2, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,hg,nehi,neij,nek,lj,nkm->bc|ml', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.W_2, s.S_6, s.S_7, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA, s.N_1, s.t_28, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_39, s.dA, s.N_1, s.t_28, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA, s.N_1, s.t_45),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA_2, s.N_1, s.t_37, s.S_26, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA_2, s.N_1, s.t_37, s.S_26, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA_2, s.N_1, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_37, s.dA, s.N_1, s.t_27, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_37, s.dA, s.N_1, s.t_27, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_37, s.dA, s.N_1, s.t_43),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA_2, s.N_1, s.t_35, s.S_26, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_38, s.dA_2, s.N_1, s.t_35, s.S_26, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA_2, s.N_1, s.t_44),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_9, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_9, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_9, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_9, s.t_29),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_39, s.dA, s.t_31, s.t_44),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA, s.t_31, s.W_O1, s.S_26, s.t_30),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_26, s.t_30),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_37, s.dA, s.t_30, s.t_42),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA, s.t_30, s.W_O1, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_26, s.t_29),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_9, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_9, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_9, s.t_31),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_26, s.t_32),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_31, s.t_44),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_31, s.W_O2, s.S_26, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_30, s.t_42),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_30, s.W_O2, s.S_26, s.t_31),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_22, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_22, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_22, s.W_2, s.t_33, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_22, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,ih,nei,nej->bc|ji', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_39, s.dA, s.t_3, s.S_22, s.t_15),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_40, s.dA_2, s.t_34, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_37, s.dA, s.t_3, s.S_22, s.t_15),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_21, s.t_38, s.dA_2, s.t_33, s.S_22, s.t_15),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_39, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_40, s.dA_2, s.t_34, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_37, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_38, s.dA_2, s.t_33, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -3125,31 +3016,31 @@ class mse_causal1(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_30),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_30),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_29),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_29),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_47, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_30),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_30),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_45, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_29),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_29),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_32),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_32),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_9, s.t_31),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_9, s.t_31),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_48, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_32),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_32),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_46, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_26, s.t_31),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_26, s.t_31),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -3171,8 +3062,8 @@ class mse_causal1(Forward):
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_33, s.N_2),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_33, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A1, s.W_O1, s.S_22, s.W_2, s.t_32, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nca,de,ncef,gf,ncg,nch->bd|hg', s.N_1, s.A2, s.W_O2, s.S_22, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -3201,119 +3092,119 @@ class mse_causal1(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_30),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_28, s.t_29),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_30),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_26, s.t_29),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_28, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_28, s.t_31),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_26, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_26, s.t_31),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_49, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_47, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_49, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_49, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_47, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_49, s.S_29, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_47, s.S_29, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_49, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_49, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_47, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_47, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_49, s.S_29, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_47, s.S_29, s.t_15),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_49, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_47, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_28, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_28, s.t_31),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_26, s.t_32),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_26, s.t_31),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_50, s.S_29, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_48, s.S_29, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_17),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_50, s.S_3, s.S_23, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_48, s.S_3, s.S_23, s.N_2),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_50, s.S_29, s.W_2, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_48, s.S_29, s.W_2, s.t_32, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_18),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_50, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_48, s.S_3, s.t_18),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_48, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_29, s.t_15),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_48, s.S_29, s.t_15),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_50, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_48, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_51, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_49, s.S_4, s.N_2),
         ]
 
     def block__W_1__W_1__functional(s):
@@ -3325,7 +3216,7 @@ class mse_causal1(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_51, s.t_33, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.S_30, s.t_49, s.t_32, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -3349,25 +3240,25 @@ class mse_causal1(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_33, s.t_51, s.t_33, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_32, s.t_49, s.t_32, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ W_2))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_33, s.t_15, s.W_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,nad,ce->bc|de', s.N_2, s.t_32, s.t_15, s.W_2),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_33, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_32, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 2/(L*d_V)*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_52, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_50, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q1(s):
@@ -3403,13 +3294,13 @@ class mse_causal1(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_30),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_29),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_32),
+            net(1, 'nabc,nad->n|ab|dc', s.S_8, s.t_31),
         ]
 
     def jacobian__W_1(s):
@@ -3421,7 +3312,7 @@ class mse_causal1(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_33, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_32, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -3432,16 +3323,16 @@ class mse_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_77, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_73, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_79", tr(s.N_1), s.t_79), (1, "N_1' t_80 R'", tr(s.N_1), s.t_80, tr(s.R)), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_82 R'", tr(s.N_1), s.t_82, tr(s.R)), (1, "N_1' t_83", tr(s.N_1), s.t_83), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_87 R'", tr(s.N_1), s.t_87, tr(s.R)), (1, "N_1' t_88", tr(s.N_1), s.t_88), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_44 W_O2'", tr(s.N_1), tr(s.A2), s.t_44, tr(s.W_O2)), (1, "N_1' A1' t_44 W_O1'", tr(s.N_1), tr(s.A1), s.t_44, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_44", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_44, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_44", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_44, mean=True)
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_75", tr(s.N_1), s.t_75), (1, "N_1' t_76 R'", tr(s.N_1), s.t_76, tr(s.R)), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_78 R'", tr(s.N_1), s.t_78, tr(s.R)), (1, "N_1' t_79", tr(s.N_1), s.t_79), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_83 R'", tr(s.N_1), s.t_83, tr(s.R)), (1, "N_1' t_84", tr(s.N_1), s.t_84), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_42 W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(s.W_O2)), (1, "N_1' A1' t_42 W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_42", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_42, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_42", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_42, mean=True)
         out_W_1 = s.mm("N_2' t_17", tr(s.N_2), s.t_17, mean=True)
         out_W_3 = s.mm("N_2' t_18", tr(s.N_2), s.t_18, mean=True)
         out_W_2 = s.mm("t_15' G", tr(s.t_15), s.G, mean=True)
@@ -3449,136 +3340,123 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_89 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_91 = lin((1/math.sqrt(s.d_K), s.prod("t_39' _", tr(s.t_39), t_89)), (1/math.sqrt(s.d_K), s.prod("_ t_5'", t_90, tr(s.t_5))))
-        t_92 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_93 = lin((1/math.sqrt(s.d_K), s.prod("_ t_5'", t_92, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_40' _", tr(s.t_40), t_89)))
-        t_94 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_91), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_93), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_96 = lin((1, t_94, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_94 * s.Y_2), s.one), s.t_53))
-        t_97 = lin((1, s.prod('_ W_1', t_96, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_98 = lin((1, s.prod('_ W_3', t_96, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_99 = lin((1, t_94), (1, s.prod('_ W_2', ((s.t_95 * t_97) + (s.t_33 * t_98)), s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
-        t_100 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_99, tr(s.W_2))
-        t_101 = (s.t_95 * t_100)
-        t_102 = (s.t_33 * t_100)
-        t_103 = lin((1, s.prod("_ W_1'", t_101, tr(s.W_1))), (1, s.prod("_ W_3'", t_102, tr(s.W_3))))
-        t_104 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_99), (1, (1/math.sqrt(s.d_K)) * t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_103), s.one), s.Y_2))
-        t_105 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_106 = s.mm("_ t_2'", t_105, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_106 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), mean=True)
-        t_107 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_104, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_108 = s.mm("_ t_2'", t_107, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_108 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_108 * s.S), tr(s.R)), mean=True)
-        t_109 = lin((2/(s.L*s.d_V), t_99), (1, t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_103), s.one), s.Y_2))
-        t_110 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_109, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-        t_111 = softmax_diff(s.A1, t_110)
-        t_112 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_109, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-        t_113 = softmax_diff(s.A2, t_112)
-        t_114 = lin((1, s.prod("_ t_39'", tr(t_111), tr(s.t_39))), (1, s.prod("_ t_40'", tr(t_113), tr(s.t_40))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_114 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_114 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_109, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_109, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_109, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_109, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_101, mean=True)
-        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_102, mean=True)
-        out_W_2 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_99, mean=True)
+        t_85 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_86 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_87 = lin((1/math.sqrt(s.d_K), s.prod("t_37' _", tr(s.t_37), t_85)), (1/math.sqrt(s.d_K), s.prod("_ t_5'", t_86, tr(s.t_5))))
+        t_88 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_89 = lin((1/math.sqrt(s.d_K), s.prod("_ t_5'", t_88, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_38' _", tr(s.t_38), t_85)))
+        t_90 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_87), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_89), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_92 = lin((1, t_90, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_90 * s.Y_2), s.one), s.t_51))
+        t_93 = lin((1, s.prod('_ W_1', t_92, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_94 = lin((1, s.prod('_ W_3', t_92, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_95 = lin((1, t_90), (1, s.prod('_ W_2', ((s.t_91 * t_93) + (s.t_32 * t_94)), s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
+        t_96 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_95, tr(s.W_2))
+        t_97 = (s.t_91 * t_96)
+        t_98 = (s.t_32 * t_96)
+        t_99 = lin((1, s.prod("_ W_1'", t_97, tr(s.W_1))), (1, s.prod("_ W_3'", t_98, tr(s.W_3))))
+        t_100 = lin((2/(s.L*s.d_V), t_95), (1, t_99, s.R_N_2), (1, s.mm('_ one', (s.t_51 * (2/s.d_V) * t_99), s.one), s.Y_2))
+        t_101 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_100, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_102 = s.mm("_ t_2'", t_101, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_102 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_102 * s.C)), mean=True)
+        t_103 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_100, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_104 = s.mm("_ t_2'", t_103, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_104 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_104 * s.S), tr(s.R)), mean=True)
+        t_105 = lin((1, s.prod("_ t_37'", tr(t_101), tr(s.t_37))), (1, s.prod("_ t_38'", tr(t_103), tr(s.t_38))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_105 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_105 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_100, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_100, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_100, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_100, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_97, mean=True)
+        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_98, mean=True)
+        out_W_2 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_95, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_115 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_116 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_117 = lin((1, s.prod("t_39' _", tr(s.t_39), t_115)), (1, s.prod("_ t_5'", t_116, tr(s.t_5))))
-        t_118 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_117)
-        t_119 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_120 = lin((1, s.prod("_ t_5'", t_119, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_115)))
-        t_121 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_120)
-        t_122 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_118, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_121, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_124 = s.mm('_ one', (t_122 * s.Y_2), s.one)
-        t_125 = (t_124 * s.t_53)
-        t_126 = lin((1, t_122, s.R_N_2), (2/s.d_V, t_125))
-        t_127 = lin((1, s.prod('_ W_1', t_126, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_128 = s.mm('G _', s.G, tr(V_W_2))
-        t_130 = lin((1, s.prod('_ W_3', t_126, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_131 = lin((1, s.t_123, t_127), (1, s.t_95, t_128), (1, s.t_129, t_130))
-        t_132 = ((s.t_129 * t_127) + (s.t_33 * t_128))
-        t_133 = lin((1, s.prod("_ W_1'", t_131, tr(s.W_1))), (1, s.prod("_ W_3'", t_132, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
-        t_134 = lin((1, s.t_61, t_122), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_133), (2/s.d_V, t_124, s.t_63))
-        t_135 = lin((1, s.t_24, t_122), (1, (1/math.sqrt(s.d_K)) * t_133, s.R_N_2), (2/s.d_V, t_124, s.t_65), (1, s.mm('_ one', t_134, s.one), s.Y_2))
-        t_136 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_135, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O1' _ N_1'", s.t_25, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_137 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_117, s.t_26) + softmax_diff(s.A1, t_136))
-        t_138 = lin((1, s.prod("_ t_2'", t_137, tr(s.t_2))), (1, s.prod('t_27 _', s.t_27, tr(t_115))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_138 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_138 * s.S), tr(s.R)), mean=True)
-        t_139 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_135, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_25 _ W_V' N_1'", s.t_25, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_25 W_O2' _ N_1'", s.t_25, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_140 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_120, s.t_35) + softmax_diff(s.A2, t_139))
-        t_141 = lin((1, s.prod("_ t_2'", t_140, tr(s.t_2))), (1, s.prod('t_36 _', s.t_36, tr(t_115))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_141 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_141 * s.S), tr(s.R)), mean=True)
-        t_142 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_117, s.t_67)
-        t_143 = lin((1, s.t_69, t_122), (1, s.t_53, (2/s.d_V) * t_133), (2/s.d_V, t_124, s.t_70))
-        t_144 = lin((1, t_133, s.R_N_2), (2/s.d_V, t_124, s.t_72), (1, s.t_43, t_122), (1, s.mm('_ one', t_143, s.one), s.Y_2))
-        t_145 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_144, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O1' _ N_1'", s.t_66, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_146 = softmax_diff(s.A1, t_145)
-        t_147 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_120, s.t_73)
-        t_148 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_144, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_66 W_O2' _ N_1'", s.t_66, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_66 _ W_V' N_1'", s.t_66, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_149 = softmax_diff(s.A2, t_148)
-        t_150 = lin((1, s.prod("_ t_39'", (tr(t_142) + tr(t_146)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_147) + tr(t_149)), tr(s.t_40))), (1, s.prod("t_68' _", tr(s.t_68), t_116)), (1, s.prod("t_74' _", tr(s.t_74), t_119)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_150 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_150 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_44 W_O2'", tr(s.N_1), tr(t_121), s.t_44, tr(s.W_O2)), (1, "N_1' A1' t_44 _", tr(s.N_1), tr(s.A1), s.t_44, tr(V_W_O1)), (1, "N_1' _ t_44 W_O1'", tr(s.N_1), tr(t_118), s.t_44, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_144, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_144, tr(s.W_O1)), (1, "N_1' A2' t_44 _", tr(s.N_1), tr(s.A2), s.t_44, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_44", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_118), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_144, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_44", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_44), (1, "W_V' N_1' _ t_44", tr(s.W_V), tr(s.N_1), tr(t_121), s.t_44), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_144, mean=True)))
-        out_W_1 = (s.mm('_ t_17', tr(t_126), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_131, mean=True))
-        out_W_3 = (s.mm('_ t_18', tr(t_126), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_132, mean=True))
-        out_W_2 = s.mm('_ G', ((tr(s.t_95) * tr(t_127)) + (s.t_151 * tr(t_130))), s.G, mean=True)
+        t_106 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_107 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_108 = lin((1, s.prod("t_37' _", tr(s.t_37), t_106)), (1, s.prod("_ t_5'", t_107, tr(s.t_5))))
+        t_110 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_108, s.t_109)
+        t_112 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_108)
+        t_113 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_114 = lin((1, s.prod("_ t_5'", t_113, tr(s.t_5))), (1, s.prod("t_38' _", tr(s.t_38), t_106)))
+        t_115 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_114)
+        t_116 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_112, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_117 = s.mm('_ one', (t_116 * s.Y_2), s.one)
+        t_118 = (t_117 * s.t_51)
+        t_119 = lin((1, t_116, s.R_N_2), (2/s.d_V, t_118))
+        t_120 = lin((1, s.prod('_ W_1', t_119, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_121 = s.mm('G _', s.G, tr(V_W_2))
+        t_123 = lin((1, s.prod('_ W_3', t_119, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_124 = lin((1, s.t_111, t_120), (1, s.t_91, t_121), (1, s.t_122, t_123))
+        t_125 = ((s.t_122 * t_120) + (s.t_32 * t_121))
+        t_126 = lin((1, s.prod("_ W_1'", t_124, tr(s.W_1))), (1, s.prod("_ W_3'", t_125, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
+        t_127 = lin((1, s.t_66, t_116), (1, s.t_51, (2/s.d_V) * t_126), (2/s.d_V, t_117, s.t_67))
+        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_69), (1, s.t_41, t_116), (1, s.mm('_ one', t_127, s.one), s.Y_2))
+        t_129 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 _ W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' _ N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_130 = softmax_diff(s.A1, t_129)
+        t_131 = (t_110 + t_130)
+        t_133 = lin((1, s.prod("_ t_2'", t_131, tr(s.t_2))), (1, s.prod('t_132 _', s.t_132, tr(t_106))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_133 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_133 * s.C)), mean=True)
+        t_135 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_114, s.t_134)
+        t_136 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 _ W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' _ N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_137 = softmax_diff(s.A2, t_136)
+        t_138 = (t_135 + t_137)
+        t_140 = lin((1, s.prod("_ t_2'", t_138, tr(s.t_2))), (1, s.prod('t_139 _', s.t_139, tr(t_106))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_140 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_140 * s.S), tr(s.R)), mean=True)
+        t_141 = lin((1, s.prod("_ t_37'", tr(t_131), tr(s.t_37))), (1, s.prod("_ t_38'", tr(t_138), tr(s.t_38))), (1, s.prod("t_132' _", tr(s.t_132), t_107)), (1, s.prod("t_139' _", tr(s.t_139), t_113)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_141 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_141 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_42 W_O2'", tr(s.N_1), tr(t_115), s.t_42, tr(s.W_O2)), (1, "N_1' A1' t_42 _", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' _ t_42 W_O1'", tr(s.N_1), tr(t_112), s.t_42, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A2' t_42 _", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' _ t_42", tr(s.W_V), tr(s.N_1), tr(t_112), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' _ t_42", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
+        out_W_1 = (s.mm('_ t_17', tr(t_119), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_124, mean=True))
+        out_W_3 = (s.mm('_ t_18', tr(t_119), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_125, mean=True))
+        out_W_2 = s.mm('_ G', ((tr(s.t_91) * tr(t_120)) + (s.t_142 * tr(t_123))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_152 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_153 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_154 = lin((1, s.prod("t_39' _", tr(s.t_39), t_152)), (1, s.prod("_ t_5'", t_153, tr(s.t_5))))
-        t_168 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_154)
-        t_169 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_170 = lin((1, s.prod("_ t_5'", t_169, tr(s.t_5))), (1, s.prod("t_40' _", tr(s.t_40), t_152)))
-        t_171 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_170)
-        t_172 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_168, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_171, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_173 = s.mm('_ one', (t_172 * s.Y_2), s.one)
-        t_174 = (t_173 * s.t_53)
-        t_175 = lin((1, t_172, s.R_N_2), (2/s.d_V, t_174))
-        t_176 = lin((1, s.prod('_ W_1', t_175, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_177 = lin((1, s.prod('_ W_3', t_175, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_178 = ((s.t_95 * t_176) + (s.t_33 * t_177))
-        t_179 = lin((1, t_172), (1, s.prod('_ W_2', t_178, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
-        t_184 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_179, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
-        t_185 = lin((1, s.t_180, t_176), (1, s.t_183, t_177), (1, s.t_95, t_184))
-        t_186 = ((s.t_183 * t_176) + (s.t_33 * t_184))
-        t_187 = lin((1, s.prod("_ W_1'", t_185, tr(s.W_1))), (1, s.prod("_ W_3'", t_186, tr(s.W_3))), (1, s.prod('t_159 _', s.t_159, tr(V_W_1))), (1, s.prod('t_161 _', s.t_161, tr(V_W_3))))
-        t_191 = lin((1, s.t_189, t_172), (1, s.t_53, (2/(math.sqrt(s.d_K)*s.d_V)) * t_187), (2/s.d_V, t_173, s.t_190))
-        t_192 = lin((2/(s.L*math.sqrt(s.d_K)*s.d_V), t_179), (1, s.t_165, t_172), (1, (1/math.sqrt(s.d_K)) * t_187, s.R_N_2), (2/s.d_V, t_173, s.t_188), (1, s.mm('_ one', t_191, s.one), s.Y_2))
-        t_193 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_192, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_166 W_O1' _ N_1'", s.t_166, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_166 _ W_V' N_1'", s.t_166, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_194 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_154, s.t_167) + softmax_diff(s.A1, t_193))
-        t_196 = lin((1, s.prod("_ t_2'", t_194, tr(s.t_2))), (1, s.prod('t_195 _', s.t_195, tr(t_152))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_196 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_196 * s.C)), mean=True)
-        t_198 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_192, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_166 W_O2' _ N_1'", s.t_166, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_166 _ W_V' N_1'", s.t_166, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_199 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_170, s.t_197) + softmax_diff(s.A2, t_198))
-        t_201 = lin((1, s.prod("_ t_2'", t_199, tr(s.t_2))), (1, s.prod('t_200 _', s.t_200, tr(t_152))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_201 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_201 * s.S), tr(s.R)), mean=True)
-        t_207 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_154, s.t_206)
-        t_211 = lin((1, s.t_209, t_172), (1, s.t_53, (2/s.d_V) * t_187), (2/s.d_V, t_173, s.t_210))
-        t_212 = lin((2/(s.L*s.d_V), t_179), (1, t_187, s.R_N_2), (2/s.d_V, t_173, s.t_208), (1, s.t_203, t_172), (1, s.mm('_ one', t_211, s.one), s.Y_2))
-        t_213 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_212, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_205 W_O1' _ N_1'", s.t_205, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_205 _ W_V' N_1'", s.t_205, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_214 = softmax_diff(s.A1, t_213)
-        t_216 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_170, s.t_215)
-        t_217 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_212, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_205 _ W_V' N_1'", s.t_205, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_205 W_O2' _ N_1'", s.t_205, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_218 = softmax_diff(s.A2, t_217)
-        t_221 = lin((1, s.prod("_ t_39'", (tr(t_207) + tr(t_214)), tr(s.t_39))), (1, s.prod("_ t_40'", (tr(t_216) + tr(t_218)), tr(s.t_40))), (1, s.prod("t_219' _", tr(s.t_219), t_153)), (1, s.prod("t_220' _", tr(s.t_220), t_169)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_221 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_221 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_204 W_O1'", tr(s.N_1), tr(t_168), s.t_204, tr(s.W_O1)), (1, "N_1' A1' t_204 _", tr(s.N_1), tr(s.A1), s.t_204, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_212, tr(s.W_O2)), (1, "N_1' A2' t_204 _", tr(s.N_1), tr(s.A2), s.t_204, tr(V_W_O2)), (1, "N_1' _ t_204 W_O2'", tr(s.N_1), tr(t_171), s.t_204, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_212, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_204", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_204), (1, "W_V' N_1' _ t_204", tr(s.W_V), tr(s.N_1), tr(t_168), s.t_204), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_212, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_204", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_204), (1, "W_V' N_1' _ t_204", tr(s.W_V), tr(s.N_1), tr(t_171), s.t_204), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_212, mean=True)))
-        out_W_1 = (s.mm('_ t_159', tr(t_175), s.t_159, mean=True) + s.mm("N_2' _", tr(s.N_2), t_185, mean=True))
-        out_W_3 = (s.mm('_ t_161', tr(t_175), s.t_161, mean=True) + s.mm("N_2' _", tr(s.N_2), t_186, mean=True))
-        out_W_2 = (s.mm('_ G', tr(t_178), s.G, mean=True) + s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_179, mean=True))
+        t_143 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_144 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_145 = lin((1, s.prod("t_37' _", tr(s.t_37), t_143)), (1, s.prod("_ t_5'", t_144, tr(s.t_5))))
+        t_159 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_145, s.t_158)
+        t_160 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_145)
+        t_161 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_162 = lin((1, s.prod("_ t_5'", t_161, tr(s.t_5))), (1, s.prod("t_38' _", tr(s.t_38), t_143)))
+        t_163 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_162)
+        t_164 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_160, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_165 = s.mm('_ one', (t_164 * s.Y_2), s.one)
+        t_166 = (t_165 * s.t_51)
+        t_167 = lin((1, t_164, s.R_N_2), (2/s.d_V, t_166))
+        t_168 = lin((1, s.prod('_ W_1', t_167, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_169 = lin((1, s.prod('_ W_3', t_167, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_170 = ((s.t_91 * t_168) + (s.t_32 * t_169))
+        t_171 = lin((1, t_164), (1, s.prod('_ W_2', t_170, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
+        t_176 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_171, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_177 = lin((1, s.t_172, t_168), (1, s.t_175, t_169), (1, s.t_91, t_176))
+        t_178 = ((s.t_175 * t_168) + (s.t_32 * t_176))
+        t_179 = lin((1, s.prod("_ W_1'", t_177, tr(s.W_1))), (1, s.prod("_ W_3'", t_178, tr(s.W_3))), (1, s.prod('t_150 _', s.t_150, tr(V_W_1))), (1, s.prod('t_152 _', s.t_152, tr(V_W_3))))
+        t_183 = lin((1, s.t_181, t_164), (1, s.t_51, (2/s.d_V) * t_179), (2/s.d_V, t_165, s.t_182))
+        t_184 = lin((2/(s.L*s.d_V), t_171), (1, t_179, s.R_N_2), (2/s.d_V, t_165, s.t_180), (1, s.t_156, t_164), (1, s.mm('_ one', t_183, s.one), s.Y_2))
+        t_185 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_184, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 _ W_V' N_1'", s.t_157, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O1' _ N_1'", s.t_157, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_186 = softmax_diff(s.A1, t_185)
+        t_187 = (t_159 + t_186)
+        t_189 = lin((1, s.prod("_ t_2'", t_187, tr(s.t_2))), (1, s.prod('t_188 _', s.t_188, tr(t_143))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_189 * s.C)), mean=True)
+        t_191 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_190)
+        t_192 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_184, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O2' _ N_1'", s.t_157, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_157 _ W_V' N_1'", s.t_157, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_193 = softmax_diff(s.A2, t_192)
+        t_194 = (t_191 + t_193)
+        t_196 = lin((1, s.prod("_ t_2'", t_194, tr(s.t_2))), (1, s.prod('t_195 _', s.t_195, tr(t_143))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_196 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_196 * s.S), tr(s.R)), mean=True)
+        t_197 = lin((1, s.prod("_ t_37'", tr(t_187), tr(s.t_37))), (1, s.prod("_ t_38'", tr(t_194), tr(s.t_38))), (1, s.prod("t_188' _", tr(s.t_188), t_144)), (1, s.prod("t_195' _", tr(s.t_195), t_161)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_197 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_197 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_157 W_O1'", tr(s.N_1), tr(t_160), s.t_157, tr(s.W_O1)), (1, "N_1' A1' t_157 _", tr(s.N_1), tr(s.A1), s.t_157, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_184, tr(s.W_O2)), (1, "N_1' A2' t_157 _", tr(s.N_1), tr(s.A2), s.t_157, tr(V_W_O2)), (1, "N_1' _ t_157 W_O2'", tr(s.N_1), tr(t_163), s.t_157, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_184, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_157", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_157), (1, "W_V' N_1' _ t_157", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_184, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_157", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_157), (1, "W_V' N_1' _ t_157", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_184, mean=True)))
+        out_W_1 = (s.mm('_ t_150', tr(t_167), s.t_150, mean=True) + s.mm("N_2' _", tr(s.N_2), t_177, mean=True))
+        out_W_3 = (s.mm('_ t_152', tr(t_167), s.t_152, mean=True) + s.mm("N_2' _", tr(s.N_2), t_178, mean=True))
+        out_W_2 = (s.mm('_ G', tr(t_170), s.G, mean=True) + s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_171, mean=True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -3586,39 +3464,35 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "ea67b55a4a2bbf73702a8b0f"
+    STAMP = "185115a42495053127ed563d"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_210": 2,
-        "A1' t_47": 5,
+        "A1' t_162": 2,
+        "A1' t_45": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_210": 2,
-        "A2' t_47": 5,
+        "A2' t_162": 2,
+        "A2' t_45": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
         'N_1 W_Q2': 2,
-        'N_1 W_V': 59,
-        'N_1 W_V W_O1': 15,
-        'N_1 W_V W_O2': 15,
-        "N_1' A1' t_210": 2,
-        "N_1' A1' t_47": 4,
-        "N_1' A2' t_210": 2,
-        "N_1' A2' t_47": 4,
-        "W_O1 t_171'": 2,
-        "W_O1 t_211'": 2,
-        "W_O1 t_28'": 3,
-        "W_O1 t_47'": 3,
-        "W_O1 t_69'": 2,
-        "W_O1' W_V'": 16,
-        "W_O2 t_171'": 2,
-        "W_O2 t_211'": 2,
-        "W_O2 t_28'": 3,
-        "W_O2 t_47'": 3,
-        "W_O2 t_69'": 2,
-        "W_O2' W_V'": 16,
+        'N_1 W_V': 49,
+        'N_1 W_V W_O1': 12,
+        'N_1 W_V W_O2': 12,
+        "N_1' A1' t_162": 2,
+        "N_1' A1' t_45": 4,
+        "N_1' A2' t_162": 2,
+        "N_1' A2' t_45": 4,
+        "W_O1 t_162'": 3,
+        "W_O1 t_28'": 2,
+        "W_O1 t_45'": 5,
+        "W_O1' W_V'": 13,
+        "W_O2 t_162'": 3,
+        "W_O2 t_28'": 2,
+        "W_O2 t_45'": 5,
+        "W_O2' W_V'": 13,
     }
 
     @leaf
@@ -3791,415 +3665,371 @@ class ce_causal0(Forward):
 
     @leaf
     def t_29(s):
-        return s.mm("t_28 W_O1' W_V' N_1'", s.t_28, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return softmax_diff(s.A1, s.mm("t_28 W_O1' W_V' N_1'", s.t_28, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_30(s):
-        return softmax_diff(s.A1, s.t_29)
-
-    @leaf
-    def t_31(s):
         return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
-    def t_32(s):
+    def t_31(s):
         return s.mm("t_28 W_O1'", s.t_28, tr(s.W_O1))
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_34(s):
+    def t_33(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_35(s):
+    def t_34(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_36(s):
+    def t_35(s):
         return (s.t_14 * s.t_13)
 
     @leaf
-    def t_37(s):
+    def t_36(s):
         return tr(s.t_8)
 
     @leaf
+    def t_37(s):
+        return softmax_diff(s.A2, s.mm("t_28 W_O2' W_V' N_1'", s.t_28, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
     def t_38(s):
-        return s.mm("t_28 W_O2' W_V' N_1'", s.t_28, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_39(s):
-        return softmax_diff(s.A2, s.t_38)
-
-    @leaf
-    def t_40(s):
         return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
-    def t_41(s):
+    def t_39(s):
         return s.mm("t_28 W_O2'", s.t_28, tr(s.W_O2))
 
     @leaf
-    def t_42(s):
+    def t_40(s):
         return tr(s.t_9)
 
     @leaf
-    def t_43(s):
+    def t_41(s):
         return tr(s.t_10)
 
     @leaf
-    def t_44(s):
+    def t_42(s):
         return (2/s.d_V) * s.t_22
 
     @leaf
+    def t_43(s):
+        return mul(s.t_42, s.t_25, s.Y_2)
+
+    @leaf
+    def t_44(s):
+        return s.mm('t_43 one', s.t_43, s.one)
+
+    @leaf
     def t_45(s):
-        return mul(s.t_44, s.t_25, s.Y_2)
+        return lin((1, s.t_22, s.R_N_2), (1, s.t_44, s.Y_2), (1, s.G))
 
     @leaf
     def t_46(s):
-        return s.mm('t_45 one', s.t_45, s.one)
+        return s.mm("t_45 W_O1'", s.t_45, tr(s.W_O1))
 
     @leaf
     def t_47(s):
-        return lin((1, s.t_22, s.R_N_2), (1, s.t_46, s.Y_2), (1, s.G))
+        return s.mm("t_45 W_O2'", s.t_45, tr(s.W_O2))
 
     @leaf
     def t_48(s):
-        return s.mm("t_47 W_O1'", s.t_47, tr(s.W_O1))
+        return s.mm("A1' t_45", tr(s.A1), s.t_45)
 
     @leaf
     def t_49(s):
-        return s.mm("t_47 W_O2'", s.t_47, tr(s.W_O2))
+        return s.mm("A2' t_45", tr(s.A2), s.t_45)
 
     @leaf
     def t_50(s):
-        return s.mm("A1' t_47", tr(s.A1), s.t_47)
+        return tr(s.t_32)
 
     @leaf
     def t_51(s):
-        return s.mm("A2' t_47", tr(s.A2), s.t_47)
+        return tr(s.t_34)
 
     @leaf
     def t_52(s):
-        return tr(s.t_33)
-
-    @leaf
-    def t_53(s):
-        return tr(s.t_35)
-
-    @leaf
-    def t_54(s):
         return tr(s.t_17)
 
     @leaf
-    def t_55(s):
+    def t_53(s):
         return (s.t_25 * s.Y_2)
 
     @leaf
-    def t_56(s):
+    def t_54(s):
         return mul(s.t_15, s.t_13, s.t_16)
 
     @leaf
-    def t_57(s):
+    def t_55(s):
         return (s.t_14 * s.t_16)
 
     @leaf
-    def t_58(s):
+    def t_56(s):
         return softmax_rows(s.F)
 
     @leaf
-    def t_59(s):
+    def t_57(s):
         return mul(((2.0 * s.t_14) - 1.0), (s.t_14 - 1.0), s.t_14)
 
     @leaf
-    def t_60(s):
-        return mul(s.t_59, s.t_19, s.t_13, s.t_16)
+    def t_58(s):
+        return mul(s.t_57, s.t_19, s.t_13, s.t_16)
 
     @leaf
-    def t_61(s):
+    def t_59(s):
         return mul(s.t_15, s.t_19, s.t_16)
 
     @leaf
-    def t_62(s):
+    def t_60(s):
         return mul(s.t_15, s.t_19, s.t_13)
 
     @leaf
-    def t_63(s):
+    def t_61(s):
         return (s.t_14 * s.t_19)
 
     @leaf
-    def t_64(s):
+    def t_62(s):
         return (s.t_24 * s.t_25)
 
     @leaf
-    def t_65(s):
+    def t_63(s):
         return (0.75 * (s.t_12 ** -2.5))
 
     @leaf
-    def t_66(s):
-        return mul(s.t_24, s.t_65, s.Y_2)
+    def t_64(s):
+        return mul(s.t_24, s.t_63, s.Y_2)
 
     @leaf
-    def t_67(s):
+    def t_65(s):
         return bcast_last(s.t_27, s.d_V)
 
     @leaf
-    def t_68(s):
+    def t_66(s):
         return (s.t_23 * s.t_25)
 
     @leaf
+    def t_67(s):
+        return (1/math.sqrt(s.d_K)) * s.t_45
+
+    @leaf
+    def t_68(s):
+        return softmax_diff(s.A1, s.mm("t_67 W_O1' W_V' N_1'", s.t_67, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
     def t_69(s):
-        return (1/math.sqrt(s.d_K)) * s.t_47
+        return (s.t_42 * s.t_25)
 
     @leaf
     def t_70(s):
-        return s.mm("t_69 W_O1' W_V' N_1'", s.t_69, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return mul(s.t_42, s.t_63, s.Y_2)
 
     @leaf
     def t_71(s):
-        return softmax_diff(s.A1, s.t_70)
+        return bcast_last(s.t_44, s.d_V)
 
     @leaf
     def t_72(s):
-        return (s.t_44 * s.t_25)
-
-    @leaf
-    def t_73(s):
-        return mul(s.t_44, s.t_65, s.Y_2)
-
-    @leaf
-    def t_74(s):
-        return bcast_last(s.t_46, s.d_V)
-
-    @leaf
-    def t_75(s):
         return (s.t_22 * s.t_25)
 
     @leaf
-    def t_76(s):
-        return s.mm("t_69 W_O2' W_V' N_1'", s.t_69, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_77(s):
-        return softmax_diff(s.A2, s.t_76)
+    def t_73(s):
+        return softmax_diff(s.A2, s.mm("t_67 W_O2' W_V' N_1'", s.t_67, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_78(s):
+    def t_74(s):
         return log_softmax_rows(s.F)
 
     @leaf
+    def t_75(s):
+        return (s.t_74 * s.Y)
+
+    @leaf
+    def t_76(s):
+        return s.mm('one_2 t_75 one', s.one_2, s.t_75, s.one)
+
+    @leaf
+    def t_77(s):
+        return s.mm("t_29 t_2'", s.t_29, tr(s.t_2))
+
+    @leaf
+    def t_78(s):
+        return (s.t_77 * s.C)
+
+    @leaf
     def t_79(s):
-        return (s.t_78 * s.Y)
+        return (s.t_77 * s.S)
 
     @leaf
     def t_80(s):
-        return s.mm('one_2 t_79 one', s.one_2, s.t_79, s.one)
+        return s.mm("t_37 t_2'", s.t_37, tr(s.t_2))
 
     @leaf
     def t_81(s):
-        return s.mm("t_30 t_2'", s.t_30, tr(s.t_2))
+        return (s.t_80 * s.C)
 
     @leaf
     def t_82(s):
-        return (s.t_81 * s.C)
+        return (s.t_80 * s.S)
 
     @leaf
     def t_83(s):
-        return (s.t_81 * s.S)
+        return s.mm("t_68' t_40'", tr(s.t_68), tr(s.t_40))
 
     @leaf
     def t_84(s):
-        return s.mm("t_39 t_2'", s.t_39, tr(s.t_2))
+        return s.mm("t_73' t_41'", tr(s.t_73), tr(s.t_41))
 
     @leaf
     def t_85(s):
-        return (s.t_84 * s.C)
+        return (s.t_83 + s.t_84)
 
     @leaf
     def t_86(s):
-        return (s.t_84 * s.S)
+        return (s.t_85 * s.S)
 
     @leaf
     def t_87(s):
-        return s.mm("t_71' t_42'", tr(s.t_71), tr(s.t_42))
+        return (s.t_85 * s.C)
 
     @leaf
     def t_88(s):
-        return s.mm("t_77' t_43'", tr(s.t_77), tr(s.t_43))
+        return (s.t_54 + s.t_55)
 
     @leaf
-    def t_89(s):
-        return (s.t_87 + s.t_88)
+    def t_113(s):
+        return s.mm("t_45 W_O1' W_V' N_1'", s.t_45, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_90(s):
-        return (s.t_89 * s.S)
+    def t_115(s):
+        return lin((1, s.t_58), (2, s.t_59))
 
     @leaf
-    def t_91(s):
-        return (s.t_89 * s.C)
+    def t_125(s):
+        return (s.t_60 + s.t_61)
 
     @leaf
-    def t_92(s):
-        return (s.t_56 + s.t_57)
+    def t_136(s):
+        return softmax_diff(s.A1, s.t_113)
 
     @leaf
-    def t_127(s):
-        return lin((1, s.t_60), (2, s.t_61))
+    def t_138(s):
+        return s.mm("t_45 W_O2' W_V' N_1'", s.t_45, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_132(s):
-        return (s.t_62 + s.t_63)
+    def t_143(s):
+        return softmax_diff(s.A2, s.t_138)
 
     @leaf
-    def t_155(s):
+    def t_146(s):
         return (tr(s.t_14) * tr(s.t_13))
 
     @leaf
-    def t_159(s):
+    def t_150(s):
         return (s.t_4 * s.t_18)
 
     @leaf
-    def t_160(s):
-        return (s.t_159 - s.Y)
+    def t_151(s):
+        return (s.t_150 - s.Y)
 
     @leaf
-    def t_161(s):
+    def t_152(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_153(s):
+        return mul(s.t_15, s.t_152, s.t_13, s.t_16)
+
+    @leaf
+    def t_154(s):
+        return mul(s.t_14, s.t_152, s.t_16)
+
+    @leaf
+    def t_155(s):
+        return (s.t_153 + s.t_154)
+
+    @leaf
+    def t_156(s):
+        return s.mm("t_155 W_1'", s.t_155, tr(s.W_1))
+
+    @leaf
+    def t_157(s):
+        return mul(s.t_14, s.t_152, s.t_13)
+
+    @leaf
+    def t_158(s):
+        return s.mm("t_157 W_3'", s.t_157, tr(s.W_3))
+
+    @leaf
+    def t_159(s):
+        return (s.t_156 + s.t_158)
+
+    @leaf
+    def t_160(s):
+        return mul((2/s.d_V) * s.t_159, s.t_25, s.Y_2)
+
+    @leaf
+    def t_161(s):
+        return s.mm('t_160 one', s.t_160, s.one)
+
+    @leaf
     def t_162(s):
-        return mul(s.t_15, s.t_161, s.t_13, s.t_16)
+        return lin((1/s.L, s.t_151), (1, s.t_159, s.R_N_2), (1, s.t_161, s.Y_2))
 
     @leaf
     def t_163(s):
-        return mul(s.t_14, s.t_161, s.t_16)
-
-    @leaf
-    def t_164(s):
-        return (s.t_162 + s.t_163)
+        return s.mm("t_162 W_O1' W_V' N_1'", s.t_162, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_165(s):
-        return s.mm("t_164 W_1'", s.t_164, tr(s.W_1))
+        return lin((1, mul(s.t_57, s.t_152, s.t_13), s.t_16), (2, (s.t_15 * s.t_152), s.t_16))
 
     @leaf
-    def t_166(s):
-        return mul(s.t_14, s.t_161, s.t_13)
+    def t_180(s):
+        return mul(s.t_15, s.t_152, s.t_13)
 
     @leaf
-    def t_167(s):
-        return s.mm("t_166 W_3'", s.t_166, tr(s.W_3))
+    def t_181(s):
+        return (s.t_14 * s.t_152)
 
     @leaf
-    def t_168(s):
-        return (s.t_165 + s.t_167)
+    def t_182(s):
+        return (s.t_180 + s.t_181)
 
     @leaf
-    def t_169(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_168, s.t_25, s.Y_2)
+    def t_186(s):
+        return (s.t_159 * s.t_25)
 
     @leaf
-    def t_170(s):
-        return s.mm('t_169 one', s.t_169, s.one)
-
-    @leaf
-    def t_171(s):
-        return lin((1/(s.L*math.sqrt(s.d_K)), s.t_160), (1, (1/math.sqrt(s.d_K)) * s.t_168, s.R_N_2), (1, s.t_170, s.Y_2))
-
-    @leaf
-    def t_172(s):
-        return s.mm("t_171 W_O1' W_V' N_1'", s.t_171, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_178(s):
-        return lin((1, mul(s.t_59, s.t_161, s.t_13), s.t_16), (2, (s.t_15 * s.t_161), s.t_16))
+    def t_187(s):
+        return ((2/s.d_V) * s.t_159 * s.t_25)
 
     @leaf
     def t_188(s):
-        return mul(s.t_15, s.t_161, s.t_13)
-
-    @leaf
-    def t_189(s):
-        return (s.t_14 * s.t_161)
-
-    @leaf
-    def t_190(s):
-        return (s.t_188 + s.t_189)
+        return mul((2/s.d_V) * s.t_159, s.t_63, s.Y_2)
 
     @leaf
     def t_194(s):
-        return ((1/math.sqrt(s.d_K)) * s.t_168 * s.t_25)
-
-    @leaf
-    def t_195(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_168 * s.t_25)
+        return softmax_diff(s.A1, s.t_163)
 
     @leaf
     def t_196(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_168, s.t_65, s.Y_2)
+        return s.mm("t_162 W_O2' W_V' N_1'", s.t_162, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_201(s):
-        return softmax_diff(s.A1, s.t_172)
-
-    @leaf
-    def t_203(s):
-        return s.mm("t_171 W_O2' W_V' N_1'", s.t_171, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_206(s):
-        return softmax_diff(s.A2, s.t_203)
-
-    @leaf
-    def t_208(s):
-        return mul((2/s.d_V) * s.t_168, s.t_25, s.Y_2)
-
-    @leaf
-    def t_209(s):
-        return s.mm('t_208 one', s.t_208, s.one)
-
-    @leaf
-    def t_210(s):
-        return lin((1/s.L, s.t_160), (1, s.t_168, s.R_N_2), (1, s.t_209, s.Y_2))
-
-    @leaf
-    def t_211(s):
-        return (1/math.sqrt(s.d_K)) * s.t_210
-
-    @leaf
-    def t_212(s):
-        return s.mm("t_211 W_O1' W_V' N_1'", s.t_211, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_214(s):
-        return (s.t_168 * s.t_25)
-
-    @leaf
-    def t_215(s):
-        return ((2/s.d_V) * s.t_168 * s.t_25)
-
-    @leaf
-    def t_216(s):
-        return mul((2/s.d_V) * s.t_168, s.t_65, s.Y_2)
-
-    @leaf
-    def t_221(s):
-        return s.mm("t_211 W_O2' W_V' N_1'", s.t_211, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_225(s):
-        return softmax_diff(s.A1, s.t_212)
-
-    @leaf
-    def t_226(s):
-        return softmax_diff(s.A2, s.t_221)
+        return softmax_diff(s.A2, s.t_196)
 
     @leaf
     def S_2(s):
@@ -4222,15 +4052,15 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_55),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_56),
-            net(1, 'nab->nab', s.t_57),
+            net(1, 'nab->nab', s.t_54),
+            net(1, 'nab->nab', s.t_55),
         ])
 
     @leaf
@@ -4238,7 +4068,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_36),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_35),
         ])
 
     @leaf
@@ -4253,8 +4083,8 @@ class ce_causal0(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_58, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_58, s.t_58),
+            net(1, 'nab,bc->nabc', s.t_56, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_56, s.t_56),
         ])
 
     @leaf
@@ -4262,7 +4092,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_36, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_35, s.W_3),
         ])
 
     @leaf
@@ -4270,7 +4100,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_55, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_53, ONES, s.Y_2),
         ])
 
     @leaf
@@ -4301,16 +4131,16 @@ class ce_causal0(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_60),
-            net(2, 'nab->nab', s.t_61),
+            net(1, 'nab->nab', s.t_58),
+            net(2, 'nab->nab', s.t_59),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_62),
-            net(1, 'nab->nab', s.t_63),
+            net(1, 'nab->nab', s.t_60),
+            net(1, 'nab->nab', s.t_61),
         ])
 
     @leaf
@@ -4333,17 +4163,17 @@ class ce_causal0(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_64, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_55, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_64, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_67, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_68, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -4352,9 +4182,9 @@ class ce_causal0(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_30, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_30),
+            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_29, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_29),
         ])
 
     @leaf
@@ -4409,16 +4239,16 @@ class ce_causal0(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_39, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_39, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_39),
+            net(1, 'nab,bc->nabc', s.t_37, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_37, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_37),
         ])
 
     @leaf
     def S_23(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_23', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_37, s.S_17, s.t_8, s.dA_3),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -4426,26 +4256,26 @@ class ce_causal0(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_71, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_71),
+            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_68, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_68),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_24', [
-            net(1, 'nab,bc->nabc', s.t_72, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_73, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_55, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_69, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_70, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_74, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_75, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_72, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_24),
         ])
@@ -4454,9 +4284,9 @@ class ce_causal0(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_77, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_77, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_77),
+            net(1, 'nab,bc->nabc', s.t_73, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_73, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_73),
         ])
 
     @leaf
@@ -4464,7 +4294,7 @@ class ce_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_26', [
             net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_55),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
         ])
 
     @leaf
@@ -4479,8 +4309,8 @@ class ce_causal0(Forward):
     def S_28(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_28', [
-            net(1/s.L, 'nab->nab', s.t_56),
-            net(1/s.L, 'nab->nab', s.t_57),
+            net(1/s.L, 'nab->nab', s.t_54),
+            net(1/s.L, 'nab->nab', s.t_55),
         ])
 
     @leaf
@@ -4530,7 +4360,7 @@ class ce_causal0(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_9, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_30, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_29, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -4545,34 +4375,34 @@ class ce_causal0(Forward):
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_34, s.t_28),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_34, s.W_O1, s.S_17, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.W_O1, s.S_17, s.t_32),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_34),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -4591,7 +4421,7 @@ class ce_causal0(Forward):
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -4616,7 +4446,7 @@ class ce_causal0(Forward):
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -4628,223 +4458,223 @@ class ce_causal0(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_37, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_37, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_39, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_37, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_40, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_40, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_38, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_38, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_39),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_37, s.S_17, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_32),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.t_28),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.W_O2, s.S_17, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.W_O2, s.S_17, s.t_34),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_42, s.d2A_3, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_43, s.d2A_4, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_40, s.d2A_3, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_41, s.d2A_4, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA, s.N_1, s.t_31, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA, s.N_1, s.t_31, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA, s.N_1, s.t_48),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_43, s.dA_3, s.N_1, s.t_40, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_43, s.dA_3, s.N_1, s.t_40, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_43, s.dA_3, s.N_1, s.t_49),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA, s.N_1, s.t_30, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA, s.N_1, s.t_30, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA, s.N_1, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA_3, s.N_1, s.t_38, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA_3, s.N_1, s.t_38, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA_3, s.N_1, s.t_47),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA, s.t_34, s.t_47),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA, s.t_34, s.W_O1, s.S_25, s.t_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_25, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA, s.t_33, s.t_45),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA, s.t_33, s.W_O1, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_25, s.t_32),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_25, s.t_35),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_34, s.t_47),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_34, s.W_O2, s.S_25, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_33, s.t_45),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_33, s.W_O2, s.S_25, s.t_34),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -4872,31 +4702,31 @@ class ce_causal0(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_50, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_33),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_33),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_48, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_32),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_51, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_35),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_35),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_49, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_34),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -4918,8 +4748,8 @@ class ce_causal0(Forward):
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -4948,113 +4778,113 @@ class ce_causal0(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_33),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_25, s.t_32),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_35),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_25, s.t_34),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_52, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_52, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_50, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_52, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_52, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_50, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_52, s.S_27, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_50, s.S_27, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_52, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_50, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_51, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_53, s.S_25, s.t_35),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_51, s.S_25, s.t_34),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_51, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_53, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_53, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_51, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_51, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_51, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_53, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_53, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_51, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_51, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_53, s.S_27, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_51, s.S_27, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_53, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_51, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -5072,7 +4902,7 @@ class ce_causal0(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -5096,25 +4926,25 @@ class ce_causal0(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_36, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_36, s.W_2, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_36, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_35, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 1/L*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_54, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_52, s.t_5, s.dA_2, s.t_17),
         ]
 
     def jacobian__W_Q1(s):
@@ -5150,13 +4980,13 @@ class ce_causal0(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_33),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_32),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_35),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_34),
         ]
 
     def jacobian__W_1(s):
@@ -5168,7 +4998,7 @@ class ce_causal0(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_36, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_35, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -5179,16 +5009,16 @@ class ce_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_80, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_76, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_82", tr(s.N_1), s.t_82), (1, "N_1' t_83 R'", tr(s.N_1), s.t_83, tr(s.R)), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_85", tr(s.N_1), s.t_85), (1, "N_1' t_86 R'", tr(s.N_1), s.t_86, tr(s.R)), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_90 R'", tr(s.N_1), s.t_90, tr(s.R)), (1, "N_1' t_91", tr(s.N_1), s.t_91), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_47 W_O1'", tr(s.N_1), tr(s.A1), s.t_47, tr(s.W_O1)), (1, "N_1' A2' t_47 W_O2'", tr(s.N_1), tr(s.A2), s.t_47, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_47", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_47, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_47", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_47, mean=True)
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_78", tr(s.N_1), s.t_78), (1, "N_1' t_79 R'", tr(s.N_1), s.t_79, tr(s.R)), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_81", tr(s.N_1), s.t_81), (1, "N_1' t_82 R'", tr(s.N_1), s.t_82, tr(s.R)), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_86 R'", tr(s.N_1), s.t_86, tr(s.R)), (1, "N_1' t_87", tr(s.N_1), s.t_87), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' t_45 W_O1'", tr(s.N_1), tr(s.A1), s.t_45, tr(s.W_O1)), (1, "N_1' A2' t_45 W_O2'", tr(s.N_1), tr(s.A2), s.t_45, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_45", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_45, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_45", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_45, mean=True)
         out_W_1 = s.mm("N_2' t_20", tr(s.N_2), s.t_20, mean=True)
         out_W_3 = s.mm("N_2' t_21", tr(s.N_2), s.t_21, mean=True)
         out_W_2 = s.mm("t_17' G", tr(s.t_17), s.G, mean=True)
@@ -5196,138 +5026,125 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_93 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_95 = lin((1/math.sqrt(s.d_K), s.prod("t_42' _", tr(s.t_42), t_93)), (1/math.sqrt(s.d_K), s.prod("_ t_7'", t_94, tr(s.t_7))))
-        t_96 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_97 = lin((1/math.sqrt(s.d_K), s.prod("_ t_7'", t_96, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_43' _", tr(s.t_43), t_93)))
-        t_98 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_95), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_97), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_99 = lin((1, t_98, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_98 * s.Y_2), s.one), s.t_55))
-        t_100 = lin((1, s.prod('_ W_1', t_99, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_101 = lin((1, s.prod('_ W_3', t_99, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_102 = lin((1, t_98), (1, s.prod('_ W_2', ((s.t_92 * t_100) + (s.t_36 * t_101)), s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_103 = (s.t_4 * softmax_diff(s.t_58, t_102))
-        t_104 = s.mm("_ W_2'", t_103, tr(s.W_2))
-        t_105 = ((1/s.L) * s.t_92 * t_104)
-        t_106 = (s.t_36 * t_104)
-        t_107 = lin((1, s.prod("_ W_1'", t_105, tr(s.W_1))), (1/s.L, s.prod("_ W_3'", t_106, tr(s.W_3))))
-        t_108 = lin((1, (1/math.sqrt(s.d_K)) * t_107, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_107), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_103))
-        t_109 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_108, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_110 = s.mm("_ t_2'", t_109, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_110 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_110 * s.S), tr(s.R)), mean=True)
-        t_111 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_108, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_112 = s.mm("_ t_2'", t_111, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_112 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_112 * s.C)), mean=True)
-        t_113 = lin((1, t_107, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/s.d_V) * t_107), s.one), s.Y_2), (1/s.L, t_103))
-        t_114 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_113, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-        t_115 = softmax_diff(s.A1, t_114)
-        t_116 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_113, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-        t_117 = softmax_diff(s.A2, t_116)
-        t_118 = lin((1, s.prod("_ t_42'", tr(t_115), tr(s.t_42))), (1, s.prod("_ t_43'", tr(t_117), tr(s.t_43))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_118 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_118 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_113, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_113, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_113, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_113, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_105, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_106, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_103, mean=True)
+        t_89 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_91 = lin((1/math.sqrt(s.d_K), s.prod("t_40' _", tr(s.t_40), t_89)), (1/math.sqrt(s.d_K), s.prod("_ t_7'", t_90, tr(s.t_7))))
+        t_92 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_93 = lin((1/math.sqrt(s.d_K), s.prod("_ t_7'", t_92, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_41' _", tr(s.t_41), t_89)))
+        t_94 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_91), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_93), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_95 = lin((1, t_94, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_94 * s.Y_2), s.one), s.t_53))
+        t_96 = lin((1, s.prod('_ W_1', t_95, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_97 = lin((1, s.prod('_ W_3', t_95, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_98 = lin((1, t_94), (1, s.prod('_ W_2', ((s.t_88 * t_96) + (s.t_35 * t_97)), s.W_2)), (1, s.prod("t_52' _", tr(s.t_52), V_W_2)))
+        t_99 = (s.t_4 * softmax_diff(s.t_56, t_98))
+        t_100 = s.mm("_ W_2'", t_99, tr(s.W_2))
+        t_101 = ((1/s.L) * s.t_88 * t_100)
+        t_102 = (s.t_35 * t_100)
+        t_103 = lin((1, s.prod("_ W_1'", t_101, tr(s.W_1))), (1/s.L, s.prod("_ W_3'", t_102, tr(s.W_3))))
+        t_104 = lin((1, t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_103), s.one), s.Y_2), (1/s.L, t_99))
+        t_105 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_106 = s.mm("_ t_2'", t_105, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_106 * s.C)), mean=True)
+        t_107 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_104, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_108 = s.mm("_ t_2'", t_107, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_108 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_108 * s.S), tr(s.R)), mean=True)
+        t_109 = lin((1, s.prod("_ t_40'", tr(t_105), tr(s.t_40))), (1, s.prod("_ t_41'", tr(t_107), tr(s.t_41))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_109 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_109 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_104, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_104, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_104, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_104, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_101, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_102, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_99, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_119 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_120 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_121 = lin((1, s.prod("t_42' _", tr(s.t_42), t_119)), (1, s.prod("_ t_7'", t_120, tr(s.t_7))))
-        t_122 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_121)
-        t_123 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_124 = lin((1, s.prod("_ t_7'", t_123, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_119)))
-        t_125 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_124)
-        t_126 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_122, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_125, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_128 = s.mm('_ one', (t_126 * s.Y_2), s.one)
-        t_129 = (t_128 * s.t_55)
-        t_130 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_129))
-        t_131 = lin((1, s.prod('_ W_1', t_130, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_133 = lin((1, s.prod('_ W_3', t_130, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_134 = s.mm('G _', s.G, tr(V_W_2))
-        t_135 = lin((1, s.t_127, t_131), (1, s.t_132, t_133), (1, s.t_92, t_134))
-        t_136 = ((s.t_132 * t_131) + (s.t_36 * t_134))
-        t_137 = lin((1, s.prod("_ W_1'", t_135, tr(s.W_1))), (1, s.prod("_ W_3'", t_136, tr(s.W_3))), (1, s.prod('t_20 _', s.t_20, tr(V_W_1))), (1, s.prod('t_21 _', s.t_21, tr(V_W_3))))
-        t_138 = lin((1, s.t_64, t_126), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_137), (2/s.d_V, t_128, s.t_66))
-        t_139 = lin((1, s.t_27, t_126), (1, (1/math.sqrt(s.d_K)) * t_137, s.R_N_2), (2/s.d_V, t_128, s.t_68), (1, s.mm('_ one', t_138, s.one), s.Y_2))
-        t_140 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_139, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O1' _ N_1'", s.t_28, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_141 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_121, s.t_29) + softmax_diff(s.A1, t_140))
-        t_142 = lin((1, s.prod("_ t_2'", t_141, tr(s.t_2))), (1, s.prod('t_30 _', s.t_30, tr(t_119))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_142 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_142 * s.S), tr(s.R)), mean=True)
-        t_143 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_139, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O2' _ N_1'", s.t_28, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_144 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_124, s.t_38) + softmax_diff(s.A2, t_143))
-        t_145 = lin((1, s.prod("_ t_2'", t_144, tr(s.t_2))), (1, s.prod('t_39 _', s.t_39, tr(t_119))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_145 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_145 * s.C)), mean=True)
-        t_146 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_121, s.t_70)
-        t_147 = lin((1, s.t_72, t_126), (1, s.t_55, (2/s.d_V) * t_137), (2/s.d_V, t_128, s.t_73))
-        t_148 = lin((1, t_137, s.R_N_2), (2/s.d_V, t_128, s.t_75), (1, s.t_46, t_126), (1, s.mm('_ one', t_147, s.one), s.Y_2))
-        t_149 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_148, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O1' _ N_1'", s.t_69, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_150 = softmax_diff(s.A1, t_149)
-        t_151 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_124, s.t_76)
-        t_152 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_148, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O2' _ N_1'", s.t_69, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_153 = softmax_diff(s.A2, t_152)
-        t_154 = lin((1, s.prod("_ t_42'", (tr(t_146) + tr(t_150)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_151) + tr(t_153)), tr(s.t_43))), (1, s.prod("t_71' _", tr(s.t_71), t_120)), (1, s.prod("t_77' _", tr(s.t_77), t_123)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_154 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_154 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_47 W_O1'", tr(s.N_1), tr(t_122), s.t_47, tr(s.W_O1)), (1, "N_1' A1' t_47 _", tr(s.N_1), tr(s.A1), s.t_47, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_148, tr(s.W_O1)), (1, "N_1' _ t_47 W_O2'", tr(s.N_1), tr(t_125), s.t_47, tr(s.W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_148, tr(s.W_O2)), (1, "N_1' A2' t_47 _", tr(s.N_1), tr(s.A2), s.t_47, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_47", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_122), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_148, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_47", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_125), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_148, mean=True)))
-        out_W_1 = (s.mm('_ t_20', tr(t_130), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_135, mean=True))
-        out_W_3 = (s.mm('_ t_21', tr(t_130), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_136, mean=True))
-        out_W_2 = s.mm('_ G', ((tr(s.t_92) * tr(t_131)) + (s.t_155 * tr(t_133))), s.G, mean=True)
+        t_110 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_111 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_112 = lin((1, s.prod("t_40' _", tr(s.t_40), t_110)), (1, s.prod("_ t_7'", t_111, tr(s.t_7))))
+        t_114 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_112, s.t_113)
+        t_116 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_112)
+        t_117 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_118 = lin((1, s.prod("_ t_7'", t_117, tr(s.t_7))), (1, s.prod("t_41' _", tr(s.t_41), t_110)))
+        t_119 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_118)
+        t_120 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_116, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_119, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_121 = s.mm('_ one', (t_120 * s.Y_2), s.one)
+        t_122 = (t_121 * s.t_53)
+        t_123 = lin((1, t_120, s.R_N_2), (2/s.d_V, t_122))
+        t_124 = lin((1, s.prod('_ W_1', t_123, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_126 = lin((1, s.prod('_ W_3', t_123, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_127 = s.mm('G _', s.G, tr(V_W_2))
+        t_128 = lin((1, s.t_115, t_124), (1, s.t_125, t_126), (1, s.t_88, t_127))
+        t_129 = ((s.t_125 * t_124) + (s.t_35 * t_127))
+        t_130 = lin((1, s.prod("_ W_1'", t_128, tr(s.W_1))), (1, s.prod("_ W_3'", t_129, tr(s.W_3))), (1, s.prod('t_20 _', s.t_20, tr(V_W_1))), (1, s.prod('t_21 _', s.t_21, tr(V_W_3))))
+        t_131 = lin((1, s.t_69, t_120), (1, s.t_53, (2/s.d_V) * t_130), (2/s.d_V, t_121, s.t_70))
+        t_132 = lin((1, t_130, s.R_N_2), (2/s.d_V, t_121, s.t_72), (1, s.t_44, t_120), (1, s.mm('_ one', t_131, s.one), s.Y_2))
+        t_133 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_132, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 _ W_V' N_1'", s.t_45, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O1' _ N_1'", s.t_45, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_134 = softmax_diff(s.A1, t_133)
+        t_135 = (t_114 + t_134)
+        t_137 = lin((1, s.prod("_ t_2'", t_135, tr(s.t_2))), (1, s.prod('t_136 _', s.t_136, tr(t_110))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_137 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_137 * s.C)), mean=True)
+        t_139 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_118, s.t_138)
+        t_140 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_132, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O2' _ N_1'", s.t_45, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_45 _ W_V' N_1'", s.t_45, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_141 = softmax_diff(s.A2, t_140)
+        t_142 = (t_139 + t_141)
+        t_144 = lin((1, s.prod("_ t_2'", t_142, tr(s.t_2))), (1, s.prod('t_143 _', s.t_143, tr(t_110))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), mean=True)
+        t_145 = lin((1, s.prod("_ t_40'", tr(t_135), tr(s.t_40))), (1, s.prod("_ t_41'", tr(t_142), tr(s.t_41))), (1, s.prod("t_136' _", tr(s.t_136), t_111)), (1, s.prod("t_143' _", tr(s.t_143), t_117)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_145 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_145 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_45 W_O1'", tr(s.N_1), tr(t_116), s.t_45, tr(s.W_O1)), (1, "N_1' A1' t_45 _", tr(s.N_1), tr(s.A1), s.t_45, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_132, tr(s.W_O1)), (1, "N_1' _ t_45 W_O2'", tr(s.N_1), tr(t_119), s.t_45, tr(s.W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_132, tr(s.W_O2)), (1, "N_1' A2' t_45 _", tr(s.N_1), tr(s.A2), s.t_45, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_45", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_45), (1, "W_V' N_1' _ t_45", tr(s.W_V), tr(s.N_1), tr(t_116), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_132, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_45", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_45), (1, "W_V' N_1' _ t_45", tr(s.W_V), tr(s.N_1), tr(t_119), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_132, mean=True)))
+        out_W_1 = (s.mm('_ t_20', tr(t_123), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_128, mean=True))
+        out_W_3 = (s.mm('_ t_21', tr(t_123), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_129, mean=True))
+        out_W_2 = s.mm('_ G', ((tr(s.t_88) * tr(t_124)) + (s.t_146 * tr(t_126))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_156 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_157 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_158 = lin((1, s.prod("t_42' _", tr(s.t_42), t_156)), (1, s.prod("_ t_7'", t_157, tr(s.t_7))))
-        t_173 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_158)
-        t_174 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_175 = lin((1, s.prod("_ t_7'", t_174, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_156)))
-        t_176 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_175)
-        t_177 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_173, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_176, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_179 = s.mm('_ one', (t_177 * s.Y_2), s.one)
-        t_180 = (t_179 * s.t_55)
-        t_181 = lin((1, t_177, s.R_N_2), (2/s.d_V, t_180))
-        t_182 = lin((1, s.prod('_ W_1', t_181, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_183 = lin((1, s.prod('_ W_3', t_181, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_184 = ((s.t_92 * t_182) + (s.t_36 * t_183))
-        t_185 = lin((1, t_177), (1, s.prod('_ W_2', t_184, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_186 = (s.t_4 * softmax_diff(s.t_18, t_185))
-        t_187 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_186, tr(s.W_2))))
-        t_191 = lin((1, s.t_178, t_182), (1, s.t_92, t_187), (1, s.t_190, t_183))
-        t_192 = ((s.t_190 * t_182) + (s.t_36 * t_187))
-        t_193 = lin((1, s.prod("_ W_1'", t_191, tr(s.W_1))), (1, s.prod("_ W_3'", t_192, tr(s.W_3))), (1, s.prod('t_164 _', s.t_164, tr(V_W_1))), (1, s.prod('t_166 _', s.t_166, tr(V_W_3))))
-        t_197 = lin((1, s.t_195, t_177), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_193), (2/s.d_V, t_179, s.t_196))
-        t_198 = lin((1, s.t_170, t_177), (1, (1/math.sqrt(s.d_K)) * t_193, s.R_N_2), (2/s.d_V, t_179, s.t_194), (1, s.mm('_ one', t_197, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_186))
-        t_199 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_198, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_171 _ W_V' N_1'", s.t_171, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_171 W_O1' _ N_1'", s.t_171, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_200 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_158, s.t_172) + softmax_diff(s.A1, t_199))
-        t_202 = lin((1, s.prod("_ t_2'", t_200, tr(s.t_2))), (1, s.prod('t_201 _', s.t_201, tr(t_156))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_202 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), mean=True)
-        t_204 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_198, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_171 _ W_V' N_1'", s.t_171, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_171 W_O2' _ N_1'", s.t_171, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_205 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_175, s.t_203) + softmax_diff(s.A2, t_204))
-        t_207 = lin((1, s.prod("_ t_2'", t_205, tr(s.t_2))), (1, s.prod('t_206 _', s.t_206, tr(t_156))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_207 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_207 * s.S), tr(s.R)), mean=True)
-        t_213 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_158, s.t_212)
-        t_217 = lin((1, s.t_215, t_177), (1, s.t_55, (2/s.d_V) * t_193), (2/s.d_V, t_179, s.t_216))
-        t_218 = lin((1, t_193, s.R_N_2), (2/s.d_V, t_179, s.t_214), (1, s.t_209, t_177), (1, s.mm('_ one', t_217, s.one), s.Y_2), (1/s.L, t_186))
-        t_219 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_218, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_211 W_O1' _ N_1'", s.t_211, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_211 _ W_V' N_1'", s.t_211, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_220 = softmax_diff(s.A1, t_219)
-        t_222 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_175, s.t_221)
-        t_223 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_218, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_211 W_O2' _ N_1'", s.t_211, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_211 _ W_V' N_1'", s.t_211, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_224 = softmax_diff(s.A2, t_223)
-        t_227 = lin((1, s.prod("_ t_42'", (tr(t_213) + tr(t_220)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_222) + tr(t_224)), tr(s.t_43))), (1, s.prod("t_225' _", tr(s.t_225), t_157)), (1, s.prod("t_226' _", tr(s.t_226), t_174)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_227 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_227 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_210 W_O2'", tr(s.N_1), tr(t_176), s.t_210, tr(s.W_O2)), (1, "N_1' A2' t_210 _", tr(s.N_1), tr(s.A2), s.t_210, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_218, tr(s.W_O2)), (1, "N_1' A1' t_210 _", tr(s.N_1), tr(s.A1), s.t_210, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_218, tr(s.W_O1)), (1, "N_1' _ t_210 W_O1'", tr(s.N_1), tr(t_173), s.t_210, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_210", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_210), (1, "W_V' N_1' _ t_210", tr(s.W_V), tr(s.N_1), tr(t_173), s.t_210), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_218, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_210", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_210), (1, "W_V' N_1' _ t_210", tr(s.W_V), tr(s.N_1), tr(t_176), s.t_210), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_218, mean=True)))
-        out_W_1 = (s.mm('_ t_164', tr(t_181), s.t_164, mean=True) + s.mm("N_2' _", tr(s.N_2), t_191, mean=True))
-        out_W_3 = (s.mm('_ t_166', tr(t_181), s.t_166, mean=True) + s.mm("N_2' _", tr(s.N_2), t_192, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_184), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_186, mean=True)))
+        t_147 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_148 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_149 = lin((1, s.prod("t_40' _", tr(s.t_40), t_147)), (1, s.prod("_ t_7'", t_148, tr(s.t_7))))
+        t_164 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_149, s.t_163)
+        t_166 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_149)
+        t_167 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_168 = lin((1, s.prod("_ t_7'", t_167, tr(s.t_7))), (1, s.prod("t_41' _", tr(s.t_41), t_147)))
+        t_169 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_168)
+        t_170 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_166, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_169, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_171 = s.mm('_ one', (t_170 * s.Y_2), s.one)
+        t_172 = (t_171 * s.t_53)
+        t_173 = lin((1, t_170, s.R_N_2), (2/s.d_V, t_172))
+        t_174 = lin((1, s.prod('_ W_1', t_173, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_175 = lin((1, s.prod('_ W_3', t_173, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_176 = ((s.t_88 * t_174) + (s.t_35 * t_175))
+        t_177 = lin((1, t_170), (1, s.prod('_ W_2', t_176, s.W_2)), (1, s.prod("t_52' _", tr(s.t_52), V_W_2)))
+        t_178 = (s.t_4 * softmax_diff(s.t_18, t_177))
+        t_179 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_178, tr(s.W_2))))
+        t_183 = lin((1, s.t_165, t_174), (1, s.t_88, t_179), (1, s.t_182, t_175))
+        t_184 = ((s.t_182 * t_174) + (s.t_35 * t_179))
+        t_185 = lin((1, s.prod("_ W_1'", t_183, tr(s.W_1))), (1, s.prod("_ W_3'", t_184, tr(s.W_3))), (1, s.prod('t_155 _', s.t_155, tr(V_W_1))), (1, s.prod('t_157 _', s.t_157, tr(V_W_3))))
+        t_189 = lin((1, s.t_187, t_170), (1, s.t_53, (2/s.d_V) * t_185), (2/s.d_V, t_171, s.t_188))
+        t_190 = lin((1, t_185, s.R_N_2), (2/s.d_V, t_171, s.t_186), (1, s.t_161, t_170), (1, s.mm('_ one', t_189, s.one), s.Y_2), (1/s.L, t_178))
+        t_191 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_190, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O1' _ N_1'", s.t_162, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_162 _ W_V' N_1'", s.t_162, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_192 = softmax_diff(s.A1, t_191)
+        t_193 = (t_164 + t_192)
+        t_195 = lin((1, s.prod("_ t_2'", t_193, tr(s.t_2))), (1, s.prod('t_194 _', s.t_194, tr(t_147))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_195 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_195 * s.S), tr(s.R)), mean=True)
+        t_197 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_168, s.t_196)
+        t_198 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_190, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O2' _ N_1'", s.t_162, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_162 _ W_V' N_1'", s.t_162, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_199 = softmax_diff(s.A2, t_198)
+        t_200 = (t_197 + t_199)
+        t_202 = lin((1, s.prod("_ t_2'", t_200, tr(s.t_2))), (1, s.prod('t_201 _', s.t_201, tr(t_147))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_202 * s.C)), mean=True)
+        t_203 = lin((1, s.prod("_ t_40'", tr(t_193), tr(s.t_40))), (1, s.prod("_ t_41'", tr(t_200), tr(s.t_41))), (1, s.prod("t_194' _", tr(s.t_194), t_148)), (1, s.prod("t_201' _", tr(s.t_201), t_167)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_203 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_203 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_162 W_O2'", tr(s.N_1), tr(t_169), s.t_162, tr(s.W_O2)), (1, "N_1' A2' t_162 _", tr(s.N_1), tr(s.A2), s.t_162, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_190, tr(s.W_O2)), (1, "N_1' A1' t_162 _", tr(s.N_1), tr(s.A1), s.t_162, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_190, tr(s.W_O1)), (1, "N_1' _ t_162 W_O1'", tr(s.N_1), tr(t_166), s.t_162, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_162", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_162), (1, "W_V' N_1' _ t_162", tr(s.W_V), tr(s.N_1), tr(t_166), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_190, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_162", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_162), (1, "W_V' N_1' _ t_162", tr(s.W_V), tr(s.N_1), tr(t_169), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_190, mean=True)))
+        out_W_1 = (s.mm('_ t_155', tr(t_173), s.t_155, mean=True) + s.mm("N_2' _", tr(s.N_2), t_183, mean=True))
+        out_W_3 = (s.mm('_ t_157', tr(t_173), s.t_157, mean=True) + s.mm("N_2' _", tr(s.N_2), t_184, mean=True))
+        out_W_2 = lin((1, s.mm('_ G', tr(t_176), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_178, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -5335,39 +5152,35 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "49e6eeecd47ea420820d9e5e"
+    STAMP = "bed7f1aca59a279cd93223fe"
     RUNS = {
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
-        "A1' t_210": 2,
-        "A1' t_47": 5,
+        "A1' t_162": 2,
+        "A1' t_45": 5,
         'A2 N_1': 20,
         'A2 N_1 W_V': 9,
-        "A2' t_210": 2,
-        "A2' t_47": 5,
+        "A2' t_162": 2,
+        "A2' t_45": 5,
         "G W_2'": 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
         'N_1 W_Q2': 2,
-        'N_1 W_V': 59,
-        'N_1 W_V W_O1': 15,
-        'N_1 W_V W_O2': 15,
-        "N_1' A1' t_210": 2,
-        "N_1' A1' t_47": 4,
-        "N_1' A2' t_210": 2,
-        "N_1' A2' t_47": 4,
-        "W_O1 t_171'": 2,
-        "W_O1 t_211'": 2,
-        "W_O1 t_28'": 3,
-        "W_O1 t_47'": 3,
-        "W_O1 t_69'": 2,
-        "W_O1' W_V'": 16,
-        "W_O2 t_171'": 2,
-        "W_O2 t_211'": 2,
-        "W_O2 t_28'": 3,
-        "W_O2 t_47'": 3,
-        "W_O2 t_69'": 2,
-        "W_O2' W_V'": 16,
+        'N_1 W_V': 49,
+        'N_1 W_V W_O1': 12,
+        'N_1 W_V W_O2': 12,
+        "N_1' A1' t_162": 2,
+        "N_1' A1' t_45": 4,
+        "N_1' A2' t_162": 2,
+        "N_1' A2' t_45": 4,
+        "W_O1 t_162'": 3,
+        "W_O1 t_28'": 2,
+        "W_O1 t_45'": 5,
+        "W_O1' W_V'": 13,
+        "W_O2 t_162'": 3,
+        "W_O2 t_28'": 2,
+        "W_O2 t_45'": 5,
+        "W_O2' W_V'": 13,
     }
 
     @leaf
@@ -5540,415 +5353,371 @@ class ce_causal1(Forward):
 
     @leaf
     def t_29(s):
-        return s.mm("t_28 W_O1' W_V' N_1'", s.t_28, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return softmax_diff(s.A1, s.mm("t_28 W_O1' W_V' N_1'", s.t_28, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def t_30(s):
-        return softmax_diff(s.A1, s.t_29)
-
-    @leaf
-    def t_31(s):
         return s.mm('W_V W_O1', s.W_V, s.W_O1)
 
     @leaf
-    def t_32(s):
+    def t_31(s):
         return s.mm("t_28 W_O1'", s.t_28, tr(s.W_O1))
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return s.mm('A1 N_1 W_V', s.A1, s.N_1, s.W_V)
 
     @leaf
-    def t_34(s):
+    def t_33(s):
         return s.mm('N_1 W_V', s.N_1, s.W_V)
 
     @leaf
-    def t_35(s):
+    def t_34(s):
         return s.mm('A2 N_1 W_V', s.A2, s.N_1, s.W_V)
 
     @leaf
-    def t_36(s):
+    def t_35(s):
         return (s.t_14 * s.t_13)
 
     @leaf
-    def t_37(s):
+    def t_36(s):
         return tr(s.t_8)
 
     @leaf
+    def t_37(s):
+        return softmax_diff(s.A2, s.mm("t_28 W_O2' W_V' N_1'", s.t_28, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
     def t_38(s):
-        return s.mm("t_28 W_O2' W_V' N_1'", s.t_28, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_39(s):
-        return softmax_diff(s.A2, s.t_38)
-
-    @leaf
-    def t_40(s):
         return s.mm('W_V W_O2', s.W_V, s.W_O2)
 
     @leaf
-    def t_41(s):
+    def t_39(s):
         return s.mm("t_28 W_O2'", s.t_28, tr(s.W_O2))
 
     @leaf
-    def t_42(s):
+    def t_40(s):
         return tr(s.t_9)
 
     @leaf
-    def t_43(s):
+    def t_41(s):
         return tr(s.t_10)
 
     @leaf
-    def t_44(s):
+    def t_42(s):
         return (2/s.d_V) * s.t_22
 
     @leaf
+    def t_43(s):
+        return mul(s.t_42, s.t_25, s.Y_2)
+
+    @leaf
+    def t_44(s):
+        return s.mm('t_43 one', s.t_43, s.one)
+
+    @leaf
     def t_45(s):
-        return mul(s.t_44, s.t_25, s.Y_2)
+        return lin((1, s.t_22, s.R_N_2), (1, s.t_44, s.Y_2), (1, s.G))
 
     @leaf
     def t_46(s):
-        return s.mm('t_45 one', s.t_45, s.one)
+        return s.mm("t_45 W_O1'", s.t_45, tr(s.W_O1))
 
     @leaf
     def t_47(s):
-        return lin((1, s.t_22, s.R_N_2), (1, s.t_46, s.Y_2), (1, s.G))
+        return s.mm("t_45 W_O2'", s.t_45, tr(s.W_O2))
 
     @leaf
     def t_48(s):
-        return s.mm("t_47 W_O1'", s.t_47, tr(s.W_O1))
+        return s.mm("A1' t_45", tr(s.A1), s.t_45)
 
     @leaf
     def t_49(s):
-        return s.mm("t_47 W_O2'", s.t_47, tr(s.W_O2))
+        return s.mm("A2' t_45", tr(s.A2), s.t_45)
 
     @leaf
     def t_50(s):
-        return s.mm("A1' t_47", tr(s.A1), s.t_47)
+        return tr(s.t_32)
 
     @leaf
     def t_51(s):
-        return s.mm("A2' t_47", tr(s.A2), s.t_47)
+        return tr(s.t_34)
 
     @leaf
     def t_52(s):
-        return tr(s.t_33)
-
-    @leaf
-    def t_53(s):
-        return tr(s.t_35)
-
-    @leaf
-    def t_54(s):
         return tr(s.t_17)
 
     @leaf
-    def t_55(s):
+    def t_53(s):
         return (s.t_25 * s.Y_2)
 
     @leaf
-    def t_56(s):
+    def t_54(s):
         return mul(s.t_15, s.t_13, s.t_16)
 
     @leaf
-    def t_57(s):
+    def t_55(s):
         return (s.t_14 * s.t_16)
 
     @leaf
-    def t_58(s):
+    def t_56(s):
         return softmax_rows(s.F)
 
     @leaf
-    def t_59(s):
+    def t_57(s):
         return mul(((2.0 * s.t_14) - 1.0), (s.t_14 - 1.0), s.t_14)
 
     @leaf
-    def t_60(s):
-        return mul(s.t_59, s.t_19, s.t_13, s.t_16)
+    def t_58(s):
+        return mul(s.t_57, s.t_19, s.t_13, s.t_16)
 
     @leaf
-    def t_61(s):
+    def t_59(s):
         return mul(s.t_15, s.t_19, s.t_16)
 
     @leaf
-    def t_62(s):
+    def t_60(s):
         return mul(s.t_15, s.t_19, s.t_13)
 
     @leaf
-    def t_63(s):
+    def t_61(s):
         return (s.t_14 * s.t_19)
 
     @leaf
-    def t_64(s):
+    def t_62(s):
         return (s.t_24 * s.t_25)
 
     @leaf
-    def t_65(s):
+    def t_63(s):
         return (0.75 * (s.t_12 ** -2.5))
 
     @leaf
-    def t_66(s):
-        return mul(s.t_24, s.t_65, s.Y_2)
+    def t_64(s):
+        return mul(s.t_24, s.t_63, s.Y_2)
 
     @leaf
-    def t_67(s):
+    def t_65(s):
         return bcast_last(s.t_27, s.d_V)
 
     @leaf
-    def t_68(s):
+    def t_66(s):
         return (s.t_23 * s.t_25)
 
     @leaf
+    def t_67(s):
+        return (1/math.sqrt(s.d_K)) * s.t_45
+
+    @leaf
+    def t_68(s):
+        return softmax_diff(s.A1, s.mm("t_67 W_O1' W_V' N_1'", s.t_67, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+
+    @leaf
     def t_69(s):
-        return (1/math.sqrt(s.d_K)) * s.t_47
+        return (s.t_42 * s.t_25)
 
     @leaf
     def t_70(s):
-        return s.mm("t_69 W_O1' W_V' N_1'", s.t_69, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
+        return mul(s.t_42, s.t_63, s.Y_2)
 
     @leaf
     def t_71(s):
-        return softmax_diff(s.A1, s.t_70)
+        return bcast_last(s.t_44, s.d_V)
 
     @leaf
     def t_72(s):
-        return (s.t_44 * s.t_25)
-
-    @leaf
-    def t_73(s):
-        return mul(s.t_44, s.t_65, s.Y_2)
-
-    @leaf
-    def t_74(s):
-        return bcast_last(s.t_46, s.d_V)
-
-    @leaf
-    def t_75(s):
         return (s.t_22 * s.t_25)
 
     @leaf
-    def t_76(s):
-        return s.mm("t_69 W_O2' W_V' N_1'", s.t_69, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_77(s):
-        return softmax_diff(s.A2, s.t_76)
+    def t_73(s):
+        return softmax_diff(s.A2, s.mm("t_67 W_O2' W_V' N_1'", s.t_67, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
 
     @leaf
     def one_2(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_78(s):
+    def t_74(s):
         return log_softmax_rows(s.F)
 
     @leaf
+    def t_75(s):
+        return (s.t_74 * s.Y)
+
+    @leaf
+    def t_76(s):
+        return s.mm('one_2 t_75 one', s.one_2, s.t_75, s.one)
+
+    @leaf
+    def t_77(s):
+        return s.mm("t_29 t_2'", s.t_29, tr(s.t_2))
+
+    @leaf
+    def t_78(s):
+        return (s.t_77 * s.S)
+
+    @leaf
     def t_79(s):
-        return (s.t_78 * s.Y)
+        return (s.t_77 * s.C)
 
     @leaf
     def t_80(s):
-        return s.mm('one_2 t_79 one', s.one_2, s.t_79, s.one)
+        return s.mm("t_37 t_2'", s.t_37, tr(s.t_2))
 
     @leaf
     def t_81(s):
-        return s.mm("t_30 t_2'", s.t_30, tr(s.t_2))
+        return (s.t_80 * s.C)
 
     @leaf
     def t_82(s):
-        return (s.t_81 * s.S)
+        return (s.t_80 * s.S)
 
     @leaf
     def t_83(s):
-        return (s.t_81 * s.C)
+        return s.mm("t_68' t_40'", tr(s.t_68), tr(s.t_40))
 
     @leaf
     def t_84(s):
-        return s.mm("t_39 t_2'", s.t_39, tr(s.t_2))
+        return s.mm("t_73' t_41'", tr(s.t_73), tr(s.t_41))
 
     @leaf
     def t_85(s):
-        return (s.t_84 * s.C)
+        return (s.t_83 + s.t_84)
 
     @leaf
     def t_86(s):
-        return (s.t_84 * s.S)
+        return (s.t_85 * s.C)
 
     @leaf
     def t_87(s):
-        return s.mm("t_71' t_42'", tr(s.t_71), tr(s.t_42))
+        return (s.t_85 * s.S)
 
     @leaf
     def t_88(s):
-        return s.mm("t_77' t_43'", tr(s.t_77), tr(s.t_43))
+        return (s.t_54 + s.t_55)
 
     @leaf
-    def t_89(s):
-        return (s.t_87 + s.t_88)
+    def t_113(s):
+        return s.mm("t_45 W_O1' W_V' N_1'", s.t_45, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_90(s):
-        return (s.t_89 * s.C)
+    def t_115(s):
+        return lin((1, s.t_58), (2, s.t_59))
 
     @leaf
-    def t_91(s):
-        return (s.t_89 * s.S)
+    def t_125(s):
+        return (s.t_60 + s.t_61)
 
     @leaf
-    def t_92(s):
-        return (s.t_56 + s.t_57)
+    def t_136(s):
+        return softmax_diff(s.A1, s.t_113)
 
     @leaf
-    def t_127(s):
-        return lin((1, s.t_60), (2, s.t_61))
+    def t_138(s):
+        return s.mm("t_45 W_O2' W_V' N_1'", s.t_45, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_132(s):
-        return (s.t_62 + s.t_63)
+    def t_143(s):
+        return softmax_diff(s.A2, s.t_138)
 
     @leaf
-    def t_155(s):
+    def t_146(s):
         return (tr(s.t_14) * tr(s.t_13))
 
     @leaf
-    def t_159(s):
+    def t_150(s):
         return (s.t_4 * s.t_18)
 
     @leaf
-    def t_160(s):
-        return (s.t_159 - s.Y)
+    def t_151(s):
+        return (s.t_150 - s.Y)
 
     @leaf
-    def t_161(s):
+    def t_152(s):
         return s.mm("G W_2'", s.G, tr(s.W_2))
 
     @leaf
+    def t_153(s):
+        return mul(s.t_15, s.t_152, s.t_13, s.t_16)
+
+    @leaf
+    def t_154(s):
+        return mul(s.t_14, s.t_152, s.t_16)
+
+    @leaf
+    def t_155(s):
+        return (s.t_153 + s.t_154)
+
+    @leaf
+    def t_156(s):
+        return s.mm("t_155 W_1'", s.t_155, tr(s.W_1))
+
+    @leaf
+    def t_157(s):
+        return mul(s.t_14, s.t_152, s.t_13)
+
+    @leaf
+    def t_158(s):
+        return s.mm("t_157 W_3'", s.t_157, tr(s.W_3))
+
+    @leaf
+    def t_159(s):
+        return (s.t_156 + s.t_158)
+
+    @leaf
+    def t_160(s):
+        return mul((2/s.d_V) * s.t_159, s.t_25, s.Y_2)
+
+    @leaf
+    def t_161(s):
+        return s.mm('t_160 one', s.t_160, s.one)
+
+    @leaf
     def t_162(s):
-        return mul(s.t_15, s.t_161, s.t_13, s.t_16)
+        return lin((1/s.L, s.t_151), (1, s.t_159, s.R_N_2), (1, s.t_161, s.Y_2))
 
     @leaf
     def t_163(s):
-        return mul(s.t_14, s.t_161, s.t_16)
-
-    @leaf
-    def t_164(s):
-        return (s.t_162 + s.t_163)
+        return s.mm("t_162 W_O1' W_V' N_1'", s.t_162, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_165(s):
-        return s.mm("t_164 W_1'", s.t_164, tr(s.W_1))
+        return lin((1, mul(s.t_57, s.t_152, s.t_13), s.t_16), (2, (s.t_15 * s.t_152), s.t_16))
 
     @leaf
-    def t_166(s):
-        return mul(s.t_14, s.t_161, s.t_13)
+    def t_180(s):
+        return mul(s.t_15, s.t_152, s.t_13)
 
     @leaf
-    def t_167(s):
-        return s.mm("t_166 W_3'", s.t_166, tr(s.W_3))
+    def t_181(s):
+        return (s.t_14 * s.t_152)
 
     @leaf
-    def t_168(s):
-        return (s.t_165 + s.t_167)
+    def t_182(s):
+        return (s.t_180 + s.t_181)
 
     @leaf
-    def t_169(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_168, s.t_25, s.Y_2)
+    def t_186(s):
+        return (s.t_159 * s.t_25)
 
     @leaf
-    def t_170(s):
-        return s.mm('t_169 one', s.t_169, s.one)
-
-    @leaf
-    def t_171(s):
-        return lin((1/(s.L*math.sqrt(s.d_K)), s.t_160), (1, (1/math.sqrt(s.d_K)) * s.t_168, s.R_N_2), (1, s.t_170, s.Y_2))
-
-    @leaf
-    def t_172(s):
-        return s.mm("t_171 W_O1' W_V' N_1'", s.t_171, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_178(s):
-        return lin((1, mul(s.t_59, s.t_161, s.t_13), s.t_16), (2, (s.t_15 * s.t_161), s.t_16))
+    def t_187(s):
+        return ((2/s.d_V) * s.t_159 * s.t_25)
 
     @leaf
     def t_188(s):
-        return mul(s.t_15, s.t_161, s.t_13)
-
-    @leaf
-    def t_189(s):
-        return (s.t_14 * s.t_161)
-
-    @leaf
-    def t_190(s):
-        return (s.t_188 + s.t_189)
+        return mul((2/s.d_V) * s.t_159, s.t_63, s.Y_2)
 
     @leaf
     def t_194(s):
-        return ((1/math.sqrt(s.d_K)) * s.t_168 * s.t_25)
-
-    @leaf
-    def t_195(s):
-        return ((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_168 * s.t_25)
+        return softmax_diff(s.A1, s.t_163)
 
     @leaf
     def t_196(s):
-        return mul((2/(math.sqrt(s.d_K)*s.d_V)) * s.t_168, s.t_65, s.Y_2)
+        return s.mm("t_162 W_O2' W_V' N_1'", s.t_162, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
 
     @leaf
     def t_201(s):
-        return softmax_diff(s.A1, s.t_172)
-
-    @leaf
-    def t_203(s):
-        return s.mm("t_171 W_O2' W_V' N_1'", s.t_171, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_206(s):
-        return softmax_diff(s.A2, s.t_203)
-
-    @leaf
-    def t_208(s):
-        return mul((2/s.d_V) * s.t_168, s.t_25, s.Y_2)
-
-    @leaf
-    def t_209(s):
-        return s.mm('t_208 one', s.t_208, s.one)
-
-    @leaf
-    def t_210(s):
-        return lin((1/s.L, s.t_160), (1, s.t_168, s.R_N_2), (1, s.t_209, s.Y_2))
-
-    @leaf
-    def t_211(s):
-        return (1/math.sqrt(s.d_K)) * s.t_210
-
-    @leaf
-    def t_212(s):
-        return s.mm("t_211 W_O1' W_V' N_1'", s.t_211, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_214(s):
-        return (s.t_168 * s.t_25)
-
-    @leaf
-    def t_215(s):
-        return ((2/s.d_V) * s.t_168 * s.t_25)
-
-    @leaf
-    def t_216(s):
-        return mul((2/s.d_V) * s.t_168, s.t_65, s.Y_2)
-
-    @leaf
-    def t_221(s):
-        return s.mm("t_211 W_O2' W_V' N_1'", s.t_211, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-
-    @leaf
-    def t_225(s):
-        return softmax_diff(s.A1, s.t_212)
-
-    @leaf
-    def t_226(s):
-        return softmax_diff(s.A2, s.t_221)
+        return softmax_diff(s.A2, s.t_196)
 
     @leaf
     def S_2(s):
@@ -5971,15 +5740,15 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_55),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab->nab', s.t_56),
-            net(1, 'nab->nab', s.t_57),
+            net(1, 'nab->nab', s.t_54),
+            net(1, 'nab->nab', s.t_55),
         ])
 
     @leaf
@@ -5987,7 +5756,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_5', [
             net(1, 'ab,ncb->ncab', s.W_1, s.S_4),
-            net(1, 'ab,ncb->ncab', s.W_3, s.t_36),
+            net(1, 'ab,ncb->ncab', s.W_3, s.t_35),
         ])
 
     @leaf
@@ -6002,8 +5771,8 @@ class ce_causal1(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_58, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_58, s.t_58),
+            net(1, 'nab,bc->nabc', s.t_56, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_56, s.t_56),
         ])
 
     @leaf
@@ -6011,7 +5780,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
             net(1, 'nab,cb->nabc', s.S_4, s.W_1),
-            net(1, 'nab,cb->nabc', s.t_36, s.W_3),
+            net(1, 'nab,cb->nabc', s.t_35, s.W_3),
         ])
 
     @leaf
@@ -6019,7 +5788,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_8', [
             net(1, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_55, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_53, ONES, s.Y_2),
         ])
 
     @leaf
@@ -6050,16 +5819,16 @@ class ce_causal1(Forward):
     def S_12(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_12', [
-            net(1, 'nab->nab', s.t_60),
-            net(2, 'nab->nab', s.t_61),
+            net(1, 'nab->nab', s.t_58),
+            net(2, 'nab->nab', s.t_59),
         ])
 
     @leaf
     def S_13(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
-            net(1, 'nab->nab', s.t_62),
-            net(1, 'nab->nab', s.t_63),
+            net(1, 'nab->nab', s.t_60),
+            net(1, 'nab->nab', s.t_61),
         ])
 
     @leaf
@@ -6082,17 +5851,17 @@ class ce_causal1(Forward):
     def S_16(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_16', [
-            net(1, 'nab,bc->nabc', s.t_64, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, ONES, s.Y_2),
-            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_55, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_62, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_64, ONES, s.Y_2),
+            net(2/(math.sqrt(s.d_K)*s.d_V), 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_17(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_17', [
-            net(1, 'nab,bc->nabc', s.t_67, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_68, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_65, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_66, ONES, s.Y_2),
             net(1/math.sqrt(s.d_K), 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_16),
         ])
@@ -6101,9 +5870,9 @@ class ce_causal1(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_30, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_30),
+            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_29, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_29),
         ])
 
     @leaf
@@ -6158,16 +5927,16 @@ class ce_causal1(Forward):
     def d2A_2(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_2', [
-            net(1, 'nab,bc->nabc', s.t_39, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_39, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_39),
+            net(1, 'nab,bc->nabc', s.t_37, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_37, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_37),
         ])
 
     @leaf
     def S_23(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_23', [
-            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_37, s.S_17, s.t_8, s.dA_3),
+            net(1, 'nabc,ncd,nade,nef,nafg->nabg', s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3),
             net(1, 'nabc->nabc', s.d2A_2),
         ])
 
@@ -6175,26 +5944,26 @@ class ce_causal1(Forward):
     def d2A_3(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_3', [
-            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_71, s.A1),
-            net(-1, 'nab,nac->nabc', s.A1, s.t_71),
+            net(1, 'nab,bc->nabc', s.t_68, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_68, s.A1),
+            net(-1, 'nab,nac->nabc', s.A1, s.t_68),
         ])
 
     @leaf
     def S_24(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_24', [
-            net(1, 'nab,bc->nabc', s.t_72, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_73, ONES, s.Y_2),
-            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_55, s.S_15, s.S_8),
+            net(1, 'nab,bc->nabc', s.t_69, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_70, ONES, s.Y_2),
+            net(2/s.d_V, 'nab,nabc,nacd->nabd', s.t_53, s.S_15, s.S_8),
         ])
 
     @leaf
     def S_25(s):
         """A sum as a compact tensor (4 networks)."""
         return Compact('S_25', [
-            net(1, 'nab,bc->nabc', s.t_74, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_75, ONES, s.Y_2),
+            net(1, 'nab,bc->nabc', s.t_71, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_72, ONES, s.Y_2),
             net(1, 'nab,nabc,nacd->nabd', s.R_N_2, s.S_15, s.S_8),
             net(1, 'nab,bc,nacd->nabd', s.Y_2, ONES, s.S_24),
         ])
@@ -6203,9 +5972,9 @@ class ce_causal1(Forward):
     def d2A_4(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A_4', [
-            net(1, 'nab,bc->nabc', s.t_77, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_77, s.A2),
-            net(-1, 'nab,nac->nabc', s.A2, s.t_77),
+            net(1, 'nab,bc->nabc', s.t_73, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_73, s.A2),
+            net(-1, 'nab,nac->nabc', s.A2, s.t_73),
         ])
 
     @leaf
@@ -6213,7 +5982,7 @@ class ce_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_26', [
             net(1/s.L, 'nab,bc->nabc', s.R_N_2, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_55),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.Y_2, ONES, s.t_53),
         ])
 
     @leaf
@@ -6228,8 +5997,8 @@ class ce_causal1(Forward):
     def S_28(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_28', [
-            net(1/s.L, 'nab->nab', s.t_56),
-            net(1/s.L, 'nab->nab', s.t_57),
+            net(1/s.L, 'nab->nab', s.t_54),
+            net(1/s.L, 'nab->nab', s.t_55),
         ])
 
     @leaf
@@ -6279,7 +6048,7 @@ class ce_causal1(Forward):
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A, s.t_9, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_30, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_29, s.S_10, s.N_1),
         ]
 
     def block__W_Q1__W_V__outer(s):
@@ -6294,34 +6063,34 @@ class ce_causal1(Forward):
     def block__W_Q1__W_V__functional(s):
         """H_f(W_Q1, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_30, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.N_1, s.t_31),
         ]
 
     def block__W_Q1__W_O1__outer(s):
         """H_o(W_Q1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_Q1__W_O1__functional(s):
         """H_f(W_Q1, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_34, s.t_28),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_34, s.W_O1, s.S_17, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA, s.t_33, s.W_O1, s.S_17, s.t_32),
         ]
 
     def block__W_Q1__W_O2__outer(s):
         """H_o(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_Q1__W_O2__functional(s):
         """H_f(W_Q1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA, s.t_3, s.S_17, s.t_34),
         ]
 
     def block__W_Q1__W_1__outer(s):
@@ -6340,7 +6109,7 @@ class ce_causal1(Forward):
     def block__W_Q1__W_3__outer(s):
         """H_o(W_Q1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_Q1__W_3__functional(s):
@@ -6365,7 +6134,7 @@ class ce_causal1(Forward):
     def block__W_Q2__W_Q2__outer(s):
         """H_o(W_Q2, W_Q2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,njk,nakl,nlm,amo,nap->bc|po', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_8, s.dA_3, s.t_7, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_Q2__functional(s):
@@ -6377,223 +6146,223 @@ class ce_causal1(Forward):
     def block__W_Q2__W_K__outer(s):
         """H_o(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,nij,najk,nal,lkm,nko->bc|om', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nlm,namo,nap,poq,nor->bc|rq', s.N_1, s.S_2, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_Q2__W_K__functional(s):
         """H_f(W_Q2, W_K): 4 networks (the formula: `symhess derive`)"""
         return [
             net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nag,gfh,nfi->bc|ih', s.N_1, s.S_20, s.t_2, s.d2A_2, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_37, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_37, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_39, s.S_10, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,naef,nfg,nagh,nhi,naij,nak,kjl,njm->bc|ml', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nae,edf,neg->bc|gf', s.N_1, s.S_20, s.t_37, s.S_10, s.N_1),
         ]
 
     def block__W_Q2__W_V__outer(s):
         """H_o(W_Q2, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,najk,nakl,nam,ol,nmp->bc|po', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_Q2__W_V__functional(s):
         """H_f(W_Q2, W_V): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_40, s.S_17, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_40, s.S_17, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_41),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_38, s.S_17, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj,ki,njl->bc|lk', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_38, s.S_17, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.N_1, s.t_39),
         ]
 
     def block__W_Q2__W_O1__outer(s):
         """H_o(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_Q2__W_O1__functional(s):
         """H_f(W_Q2, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_37, s.S_17, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|ih', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_36, s.S_17, s.t_32),
         ]
 
     def block__W_Q2__W_O2__outer(s):
         """H_o(W_Q2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naij,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_Q2__W_O2__functional(s):
         """H_f(W_Q2, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.t_28),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_34, s.W_O2, s.S_17, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nah->bc|gh', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.t_28),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,gh,nahi,naj->bc|ji', s.N_1, s.S_20, s.t_2, s.dA_3, s.t_33, s.W_O2, s.S_17, s.t_34),
         ]
 
     def block__W_Q2__W_1__outer(s):
         """H_o(W_Q2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_Q2__W_1__functional(s):
         """H_f(W_Q2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_Q2__W_3__outer(s):
         """H_o(W_Q2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,ji,naj,nak->bc|kj', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_Q2__W_3__functional(s):
         """H_f(W_Q2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nai->bc|hi', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,hi,nai,naj->bc|ji', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_Q2__W_2__outer(s):
         """H_o(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nah,nahi,naj->bc|ji', s.N_1, s.S_21, s.t_2, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_Q2__W_2__functional(s):
         """H_f(W_Q2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_37, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,naef,nfg,nagh,nahi,naj->bc|ij', s.N_1, s.S_11, s.t_2, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nij,nejk,nel,lkm,nko->bc|om', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nlm,nemo,nep,poq,nor->bc|rq', s.N_1, s.S_2, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_42, s.d2A_3, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_43, s.d2A_4, s.t_10, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
-            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_40, s.d2A_3, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,neg,gfh,nfi->bc|ih', s.N_1, s.S_11, s.t_41, s.d2A_4, s.t_10, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_25, s.t_6, s.dA, s.t_9, s.S_19, s.N_1),
+            net(1/(math.sqrt(s.d_K)*s.n_batch), 'nab,acd,nde,neaf,nfg,negh,nhi,neij,nek,kjl,njm->bc|ml', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_25, s.t_8, s.dA_3, s.t_10, s.S_19, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 8 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nejk,nekl,nem,ol,nmp->bc|po', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_7, s.S_8, s.A2, s.W_O2, s.N_1),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 6 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA, s.N_1, s.t_31, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_42, s.dA, s.N_1, s.t_31, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA, s.N_1, s.t_48),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_43, s.dA_3, s.N_1, s.t_40, s.S_25, s.A1, s.W_O1, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_43, s.dA_3, s.N_1, s.t_40, s.S_25, s.A2, s.W_O2, s.N_1),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_43, s.dA_3, s.N_1, s.t_49),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA, s.N_1, s.t_30, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_40, s.dA, s.N_1, s.t_30, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA, s.N_1, s.t_46),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA_3, s.N_1, s.t_38, s.S_25, s.A1, s.W_O1, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej,ki,njl->bc|lk', s.N_1, s.S_11, s.t_41, s.dA_3, s.N_1, s.t_38, s.S_25, s.A2, s.W_O2, s.N_1),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA_3, s.N_1, s.t_47),
         ]
 
     def block__W_K__W_O1__outer(s):
         """H_o(W_K, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_K__W_O1__functional(s):
         """H_f(W_K, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_42, s.dA, s.t_34, s.t_47),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA, s.t_34, s.W_O1, s.S_25, s.t_33),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_25, s.t_33),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_40, s.dA, s.t_33, s.t_45),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA, s.t_33, s.W_O1, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_25, s.t_32),
         ]
 
     def block__W_K__W_O2__outer(s):
         """H_o(W_K, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,neij,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_K__W_O2__functional(s):
         """H_f(W_K, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_25, s.t_35),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_34, s.t_47),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_34, s.W_O2, s.S_25, s.t_35),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|ih', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,neh->bc|gh', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_33, s.t_45),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,gh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_33, s.W_O2, s.S_25, s.t_34),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_K__W_3__outer(s):
         """H_o(W_K, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,ji,nej,nek->bc|kj', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_K__W_3__functional(s):
         """H_f(W_K, W_3): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nei->bc|hi', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,hi,nei,nej->bc|ji', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_42, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_43, s.dA_3, s.t_37, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_40, s.dA, s.t_3, s.S_6, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,neh,nehi,nej->bc|ji', s.N_1, s.S_21, s.t_41, s.dA_3, s.t_36, s.S_6, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_42, s.dA, s.t_3, s.S_3, s.S_5, s.G),
-            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_43, s.dA_3, s.t_37, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_40, s.dA, s.t_3, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,acd,nde,neaf,nfg,negh,nehi,nej->bc|ij', s.N_1, s.S_11, s.t_41, s.dA_3, s.t_36, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
@@ -6621,31 +6390,31 @@ class ce_causal1(Forward):
     def block__W_V__W_O1__outer(s):
         """H_o(W_V, W_O1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_V__W_O1__functional(s):
         """H_f(W_V, W_O1): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_50, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_33),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_33),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_48, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_32),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_32),
         ]
 
     def block__W_V__W_O2__outer(s):
         """H_o(W_V, W_O2): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,ncgh,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_V__W_O2__functional(s):
         """H_f(W_V, W_O2): 3 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_51, free={'d': s.d_H}),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_35),
-            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_35),
+            net(1/s.n_batch, 'nab,nac->bd|dc', s.N_1, s.t_49, free={'d': s.d_H}),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A1, s.W_O1, s.S_25, s.t_34),
+            net(1/s.n_batch, 'nab,nca,de,ncef,ncg->bd|gf', s.N_1, s.A2, s.W_O2, s.S_25, s.t_34),
         ]
 
     def block__W_V__W_1__outer(s):
@@ -6667,8 +6436,8 @@ class ce_causal1(Forward):
     def block__W_V__W_3__outer(s):
         """H_o(W_V, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
-            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A1, s.W_O1, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nca,de,ncef,ncf,ncfg,hg,nch,nci->bd|ih', s.N_1, s.A2, s.W_O2, s.S_6, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_V__W_3__functional(s):
@@ -6697,113 +6466,113 @@ class ce_causal1(Forward):
     def block__W_O1__W_O1__outer(s):
         """H_o(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_33),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_32),
         ]
 
     def block__W_O1__W_O1__functional(s):
         """H_f(W_O1, W_O1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_33),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_25, s.t_32),
         ]
 
     def block__W_O1__W_O2__outer(s):
         """H_o(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_O1__W_O2__functional(s):
         """H_f(W_O1, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_52, s.S_25, s.t_35),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_50, s.S_25, s.t_34),
         ]
 
     def block__W_O1__W_1__outer(s):
         """H_o(W_O1, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O1__W_1__functional(s):
         """H_f(W_O1, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_52, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_52, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_50, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_O1__W_3__outer(s):
         """H_o(W_O1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_52, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_50, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_O1__W_3__functional(s):
         """H_f(W_O1, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_52, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_52, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_50, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_50, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O1__W_2__outer(s):
         """H_o(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_52, s.S_27, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_50, s.S_27, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O1__W_2__functional(s):
         """H_f(W_O1, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_52, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_50, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_O2__W_O2__outer(s):
         """H_o(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_35),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbef,nbg->ac|gf', s.t_51, s.S_27, s.t_5, s.dA_2, s.S_9, s.t_34),
         ]
 
     def block__W_O2__W_O2__functional(s):
         """H_f(W_O2, W_O2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_53, s.S_25, s.t_35),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_51, s.S_25, s.t_34),
         ]
 
     def block__W_O2__W_1__outer(s):
         """H_o(W_O2, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_51, s.S_27, s.t_5, s.dA_2, s.W_2, s.S_4, s.N_2),
         ]
 
     def block__W_O2__W_1__functional(s):
         """H_f(W_O2, W_1): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_53, s.S_3, s.t_20),
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_53, s.S_3, s.S_22, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_51, s.S_3, s.t_20),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|fe', s.t_51, s.S_3, s.S_22, s.N_2),
         ]
 
     def block__W_O2__W_3__outer(s):
         """H_o(W_O2, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_53, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_51, s.S_27, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_O2__W_3__functional(s):
         """H_f(W_O2, W_3): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_53, s.S_3, s.t_21),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_53, s.S_3, s.W_1, s.S_13, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|de', s.t_51, s.S_3, s.t_21),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,nbf->ac|fe', s.t_51, s.S_3, s.W_1, s.S_13, s.N_2),
         ]
 
     def block__W_O2__W_2__outer(s):
         """H_o(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_53, s.S_27, s.t_5, s.dA_2, s.t_17),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_51, s.S_27, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_O2__W_2__functional(s):
         """H_f(W_O2, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_53, s.S_3, s.S_5, s.G),
+            net(1/s.n_batch, 'nab,nbcd,nbde,nbf->ac|ef', s.t_51, s.S_3, s.S_5, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -6821,7 +6590,7 @@ class ce_causal1(Forward):
     def block__W_1__W_3__outer(s):
         """H_o(W_1, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/s.n_batch, 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.S_28, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_1__W_3__functional(s):
@@ -6845,25 +6614,25 @@ class ce_causal1(Forward):
     def block__W_3__W_3__outer(s):
         """H_o(W_3, W_3): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_36, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_36, s.N_2),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,fe,naf,nag->bc|gf', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.W_2, s.t_35, s.N_2),
         ]
 
     def block__W_3__W_2__outer(s):
         """H_o(W_3, W_2) = 1/L*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (I[L] ⊗ W_2) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_36, s.W_2, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nac,cd,nad,nade,naf->bc|fe', s.N_2, s.t_35, s.W_2, s.t_5, s.dA_2, s.t_17),
         ]
 
     def block__W_3__W_2__functional(s):
         """H_f(W_3, W_2) = (N_2.T ⊗ I[d_ff]) @ diag(vec_r(sigmoid(N_2 @ W_1) ∘ N_2 @ W_1)) @ (G ⊗ I[d_ff]) @ K[d_V,d_ff]"""
         return [
-            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_36, s.G),
+            net(1/s.n_batch, 'nab,nac,nad->bc|cd', s.N_2, s.t_35, s.G),
         ]
 
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 1/L*((sigmoid(W_1.T @ N_2.T) ∘ W_1.T @ N_2.T ∘ W_3.T @ N_2.T ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax((sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3) @ W_2 + Y) @ (sigmoid(N_2 @ W_1) ∘ N_2 @ W_1 ∘ N_2 @ W_3 ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_54, s.t_5, s.dA_2, s.t_17),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_52, s.t_5, s.dA_2, s.t_17),
         ]
 
     def jacobian__W_Q1(s):
@@ -6899,13 +6668,13 @@ class ce_causal1(Forward):
     def jacobian__W_O1(s):
         """∂vec_r F/∂vec_r W_O1, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_33),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_32),
         ]
 
     def jacobian__W_O2(s):
         """∂vec_r F/∂vec_r W_O2, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_35),
+            net(1, 'nabc,nad->n|ab|dc', s.S_9, s.t_34),
         ]
 
     def jacobian__W_1(s):
@@ -6917,7 +6686,7 @@ class ce_causal1(Forward):
     def jacobian__W_3(s):
         """∂vec_r F/∂vec_r W_3, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_36, s.N_2),
+            net(1, 'ab,nca,ncd->n|cb|da', s.W_2, s.t_35, s.N_2),
         ]
 
     def jacobian__W_2(s):
@@ -6928,16 +6697,16 @@ class ce_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_80, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_76, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_82 R'", tr(s.N_1), s.t_82, tr(s.R)), (1, "N_1' t_83", tr(s.N_1), s.t_83), mean=True)
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_85", tr(s.N_1), s.t_85), (1, "N_1' t_86 R'", tr(s.N_1), s.t_86, tr(s.R)), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_90", tr(s.N_1), s.t_90), (1, "N_1' t_91 R'", tr(s.N_1), s.t_91, tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_47 W_O2'", tr(s.N_1), tr(s.A2), s.t_47, tr(s.W_O2)), (1, "N_1' A1' t_47 W_O1'", tr(s.N_1), tr(s.A1), s.t_47, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' t_47", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_47, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' t_47", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_47, mean=True)
+        out_W_Q1 = s.mm_sum('l', (1, "N_1' t_78 R'", tr(s.N_1), s.t_78, tr(s.R)), (1, "N_1' t_79", tr(s.N_1), s.t_79), mean=True)
+        out_W_Q2 = s.mm_sum('l', (1, "N_1' t_81", tr(s.N_1), s.t_81), (1, "N_1' t_82 R'", tr(s.N_1), s.t_82, tr(s.R)), mean=True)
+        out_W_K = s.mm_sum('l', (1, "N_1' t_86", tr(s.N_1), s.t_86), (1, "N_1' t_87 R'", tr(s.N_1), s.t_87, tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_45 W_O2'", tr(s.N_1), tr(s.A2), s.t_45, tr(s.W_O2)), (1, "N_1' A1' t_45 W_O1'", tr(s.N_1), tr(s.A1), s.t_45, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' t_45", tr(s.W_V), tr(s.N_1), tr(s.A1), s.t_45, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' t_45", tr(s.W_V), tr(s.N_1), tr(s.A2), s.t_45, mean=True)
         out_W_1 = s.mm("N_2' t_20", tr(s.N_2), s.t_20, mean=True)
         out_W_3 = s.mm("N_2' t_21", tr(s.N_2), s.t_21, mean=True)
         out_W_2 = s.mm("t_17' G", tr(s.t_17), s.G, mean=True)
@@ -6945,138 +6714,125 @@ class ce_causal1(Forward):
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_93 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_94 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_95 = lin((1/math.sqrt(s.d_K), s.prod("t_42' _", tr(s.t_42), t_93)), (1/math.sqrt(s.d_K), s.prod("_ t_7'", t_94, tr(s.t_7))))
-        t_96 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_97 = lin((1/math.sqrt(s.d_K), s.prod("_ t_7'", t_96, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_43' _", tr(s.t_43), t_93)))
-        t_98 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_95), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_97), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_99 = lin((1, t_98, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_98 * s.Y_2), s.one), s.t_55))
-        t_100 = lin((1, s.prod('_ W_1', t_99, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_101 = lin((1, s.prod('_ W_3', t_99, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_102 = lin((1, t_98), (1, s.prod('_ W_2', ((s.t_92 * t_100) + (s.t_36 * t_101)), s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_103 = (s.t_4 * softmax_diff(s.t_58, t_102))
-        t_104 = s.mm("_ W_2'", t_103, tr(s.W_2))
-        t_105 = ((1/s.L) * s.t_92 * t_104)
-        t_106 = (s.t_36 * t_104)
-        t_107 = lin((1, s.prod("_ W_1'", t_105, tr(s.W_1))), (1/s.L, s.prod("_ W_3'", t_106, tr(s.W_3))))
-        t_108 = lin((1, (1/math.sqrt(s.d_K)) * t_107, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/(math.sqrt(s.d_K)*s.d_V)) * t_107), s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_103))
-        t_109 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_108, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_110 = s.mm("_ t_2'", t_109, tr(s.t_2))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_110 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_110 * s.S), tr(s.R)), mean=True)
-        t_111 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_108, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_112 = s.mm("_ t_2'", t_111, tr(s.t_2))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_112 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_112 * s.S), tr(s.R)), mean=True)
-        t_113 = lin((1, t_107, s.R_N_2), (1, s.mm('_ one', (s.t_55 * (2/s.d_V) * t_107), s.one), s.Y_2), (1/s.L, t_103))
-        t_114 = s.mm("_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_113, tr(s.W_O1), tr(s.W_V), tr(s.N_1))
-        t_115 = softmax_diff(s.A1, t_114)
-        t_116 = s.mm("_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_113, tr(s.W_O2), tr(s.W_V), tr(s.N_1))
-        t_117 = softmax_diff(s.A2, t_116)
-        t_118 = lin((1, s.prod("_ t_42'", tr(t_115), tr(s.t_42))), (1, s.prod("_ t_43'", tr(t_117), tr(s.t_43))))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_118 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_118 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_113, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_113, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_113, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_113, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_105, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_106, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_103, mean=True)
+        t_89 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_91 = lin((1/math.sqrt(s.d_K), s.prod("t_40' _", tr(s.t_40), t_89)), (1/math.sqrt(s.d_K), s.prod("_ t_7'", t_90, tr(s.t_7))))
+        t_92 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_93 = lin((1/math.sqrt(s.d_K), s.prod("_ t_7'", t_92, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_41' _", tr(s.t_41), t_89)))
+        t_94 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_91), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_93), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_95 = lin((1, t_94, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_94 * s.Y_2), s.one), s.t_53))
+        t_96 = lin((1, s.prod('_ W_1', t_95, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_97 = lin((1, s.prod('_ W_3', t_95, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_98 = lin((1, t_94), (1, s.prod('_ W_2', ((s.t_88 * t_96) + (s.t_35 * t_97)), s.W_2)), (1, s.prod("t_52' _", tr(s.t_52), V_W_2)))
+        t_99 = (s.t_4 * softmax_diff(s.t_56, t_98))
+        t_100 = s.mm("_ W_2'", t_99, tr(s.W_2))
+        t_101 = ((1/s.L) * s.t_88 * t_100)
+        t_102 = (s.t_35 * t_100)
+        t_103 = lin((1, s.prod("_ W_1'", t_101, tr(s.W_1))), (1/s.L, s.prod("_ W_3'", t_102, tr(s.W_3))))
+        t_104 = lin((1, t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_103), s.one), s.Y_2), (1/s.L, t_99))
+        t_105 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_106 = s.mm("_ t_2'", t_105, tr(s.t_2))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_106 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), mean=True)
+        t_107 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_104, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_108 = s.mm("_ t_2'", t_107, tr(s.t_2))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_108 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_108 * s.S), tr(s.R)), mean=True)
+        t_109 = lin((1, s.prod("_ t_40'", tr(t_105), tr(s.t_40))), (1, s.prod("_ t_41'", tr(t_107), tr(s.t_41))))
+        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_109 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_109 * s.S), tr(s.R)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_104, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_104, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_104, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_104, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_101, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_102, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_99, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_119 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_120 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_121 = lin((1, s.prod("t_42' _", tr(s.t_42), t_119)), (1, s.prod("_ t_7'", t_120, tr(s.t_7))))
-        t_122 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_121)
-        t_123 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_124 = lin((1, s.prod("_ t_7'", t_123, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_119)))
-        t_125 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_124)
-        t_126 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_122, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_125, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_128 = s.mm('_ one', (t_126 * s.Y_2), s.one)
-        t_129 = (t_128 * s.t_55)
-        t_130 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_129))
-        t_131 = lin((1, s.prod('_ W_1', t_130, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_133 = lin((1, s.prod('_ W_3', t_130, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_134 = s.mm('G _', s.G, tr(V_W_2))
-        t_135 = lin((1, s.t_127, t_131), (1, s.t_132, t_133), (1, s.t_92, t_134))
-        t_136 = ((s.t_132 * t_131) + (s.t_36 * t_134))
-        t_137 = lin((1, s.prod("_ W_1'", t_135, tr(s.W_1))), (1, s.prod("_ W_3'", t_136, tr(s.W_3))), (1, s.prod('t_20 _', s.t_20, tr(V_W_1))), (1, s.prod('t_21 _', s.t_21, tr(V_W_3))))
-        t_138 = lin((1, s.t_64, t_126), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_137), (2/s.d_V, t_128, s.t_66))
-        t_139 = lin((1, s.t_27, t_126), (1, (1/math.sqrt(s.d_K)) * t_137, s.R_N_2), (2/s.d_V, t_128, s.t_68), (1, s.mm('_ one', t_138, s.one), s.Y_2))
-        t_140 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_139, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O1' _ N_1'", s.t_28, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_141 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_121, s.t_29) + softmax_diff(s.A1, t_140))
-        t_142 = lin((1, s.prod("_ t_2'", t_141, tr(s.t_2))), (1, s.prod('t_30 _', s.t_30, tr(t_119))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_142 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_142 * s.C)), mean=True)
-        t_143 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_139, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_28 _ W_V' N_1'", s.t_28, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_28 W_O2' _ N_1'", s.t_28, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_144 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_124, s.t_38) + softmax_diff(s.A2, t_143))
-        t_145 = lin((1, s.prod("_ t_2'", t_144, tr(s.t_2))), (1, s.prod('t_39 _', s.t_39, tr(t_119))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_145 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_145 * s.C)), mean=True)
-        t_146 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_121, s.t_70)
-        t_147 = lin((1, s.t_72, t_126), (1, s.t_55, (2/s.d_V) * t_137), (2/s.d_V, t_128, s.t_73))
-        t_148 = lin((1, t_137, s.R_N_2), (2/s.d_V, t_128, s.t_75), (1, s.t_46, t_126), (1, s.mm('_ one', t_147, s.one), s.Y_2))
-        t_149 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_148, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O1' _ N_1'", s.t_69, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_150 = softmax_diff(s.A1, t_149)
-        t_151 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_124, s.t_76)
-        t_152 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_148, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 _ W_V' N_1'", s.t_69, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_69 W_O2' _ N_1'", s.t_69, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_153 = softmax_diff(s.A2, t_152)
-        t_154 = lin((1, s.prod("_ t_42'", (tr(t_146) + tr(t_150)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_151) + tr(t_153)), tr(s.t_43))), (1, s.prod("t_71' _", tr(s.t_71), t_120)), (1, s.prod("t_77' _", tr(s.t_77), t_123)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_154 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_154 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_47 _", tr(s.N_1), tr(s.A2), s.t_47, tr(V_W_O2)), (1, "N_1' _ t_47 W_O1'", tr(s.N_1), tr(t_122), s.t_47, tr(s.W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_148, tr(s.W_O1)), (1, "N_1' A1' t_47 _", tr(s.N_1), tr(s.A1), s.t_47, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_148, tr(s.W_O2)), (1, "N_1' _ t_47 W_O2'", tr(s.N_1), tr(t_125), s.t_47, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_47", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_122), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_148, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_47", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_47), (1, "W_V' N_1' _ t_47", tr(s.W_V), tr(s.N_1), tr(t_125), s.t_47), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_148, mean=True)))
-        out_W_1 = (s.mm('_ t_20', tr(t_130), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_135, mean=True))
-        out_W_3 = (s.mm('_ t_21', tr(t_130), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_136, mean=True))
-        out_W_2 = s.mm('_ G', ((tr(s.t_92) * tr(t_131)) + (s.t_155 * tr(t_133))), s.G, mean=True)
+        t_110 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_111 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_112 = lin((1, s.prod("t_40' _", tr(s.t_40), t_110)), (1, s.prod("_ t_7'", t_111, tr(s.t_7))))
+        t_114 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_112, s.t_113)
+        t_116 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_112)
+        t_117 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_118 = lin((1, s.prod("_ t_7'", t_117, tr(s.t_7))), (1, s.prod("t_41' _", tr(s.t_41), t_110)))
+        t_119 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_118)
+        t_120 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_116, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_119, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_121 = s.mm('_ one', (t_120 * s.Y_2), s.one)
+        t_122 = (t_121 * s.t_53)
+        t_123 = lin((1, t_120, s.R_N_2), (2/s.d_V, t_122))
+        t_124 = lin((1, s.prod('_ W_1', t_123, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_126 = lin((1, s.prod('_ W_3', t_123, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_127 = s.mm('G _', s.G, tr(V_W_2))
+        t_128 = lin((1, s.t_115, t_124), (1, s.t_125, t_126), (1, s.t_88, t_127))
+        t_129 = ((s.t_125 * t_124) + (s.t_35 * t_127))
+        t_130 = lin((1, s.prod("_ W_1'", t_128, tr(s.W_1))), (1, s.prod("_ W_3'", t_129, tr(s.W_3))), (1, s.prod('t_20 _', s.t_20, tr(V_W_1))), (1, s.prod('t_21 _', s.t_21, tr(V_W_3))))
+        t_131 = lin((1, s.t_69, t_120), (1, s.t_53, (2/s.d_V) * t_130), (2/s.d_V, t_121, s.t_70))
+        t_132 = lin((1, t_130, s.R_N_2), (2/s.d_V, t_121, s.t_72), (1, s.t_44, t_120), (1, s.mm('_ one', t_131, s.one), s.Y_2))
+        t_133 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_132, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 _ W_V' N_1'", s.t_45, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O1' _ N_1'", s.t_45, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_134 = softmax_diff(s.A1, t_133)
+        t_135 = (t_114 + t_134)
+        t_137 = lin((1, s.prod("_ t_2'", t_135, tr(s.t_2))), (1, s.prod('t_136 _', s.t_136, tr(t_110))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_137 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_137 * s.C)), mean=True)
+        t_139 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_118, s.t_138)
+        t_140 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_132, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 _ W_V' N_1'", s.t_45, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O2' _ N_1'", s.t_45, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_141 = softmax_diff(s.A2, t_140)
+        t_142 = (t_139 + t_141)
+        t_144 = lin((1, s.prod("_ t_2'", t_142, tr(s.t_2))), (1, s.prod('t_143 _', s.t_143, tr(t_110))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), mean=True)
+        t_145 = lin((1, s.prod("_ t_40'", tr(t_135), tr(s.t_40))), (1, s.prod("_ t_41'", tr(t_142), tr(s.t_41))), (1, s.prod("t_136' _", tr(s.t_136), t_111)), (1, s.prod("t_143' _", tr(s.t_143), t_117)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_145 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_145 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_45 _", tr(s.N_1), tr(s.A2), s.t_45, tr(V_W_O2)), (1, "N_1' _ t_45 W_O1'", tr(s.N_1), tr(t_116), s.t_45, tr(s.W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_132, tr(s.W_O1)), (1, "N_1' A1' t_45 _", tr(s.N_1), tr(s.A1), s.t_45, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_132, tr(s.W_O2)), (1, "N_1' _ t_45 W_O2'", tr(s.N_1), tr(t_119), s.t_45, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_45", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_45), (1, "W_V' N_1' _ t_45", tr(s.W_V), tr(s.N_1), tr(t_116), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_132, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_45", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_45), (1, "W_V' N_1' _ t_45", tr(s.W_V), tr(s.N_1), tr(t_119), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_132, mean=True)))
+        out_W_1 = (s.mm('_ t_20', tr(t_123), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_128, mean=True))
+        out_W_3 = (s.mm('_ t_21', tr(t_123), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_129, mean=True))
+        out_W_2 = s.mm('_ G', ((tr(s.t_88) * tr(t_124)) + (s.t_146 * tr(t_126))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_156 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_157 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_158 = lin((1, s.prod("t_42' _", tr(s.t_42), t_156)), (1, s.prod("_ t_7'", t_157, tr(s.t_7))))
-        t_173 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_158)
-        t_174 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_175 = lin((1, s.prod("_ t_7'", t_174, tr(s.t_7))), (1, s.prod("t_43' _", tr(s.t_43), t_156)))
-        t_176 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_175)
-        t_177 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_173, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_176, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
-        t_179 = s.mm('_ one', (t_177 * s.Y_2), s.one)
-        t_180 = (t_179 * s.t_55)
-        t_181 = lin((1, t_177, s.R_N_2), (2/s.d_V, t_180))
-        t_182 = lin((1, s.prod('_ W_1', t_181, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_183 = lin((1, s.prod('_ W_3', t_181, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_184 = ((s.t_92 * t_182) + (s.t_36 * t_183))
-        t_185 = lin((1, t_177), (1, s.prod('_ W_2', t_184, s.W_2)), (1, s.prod("t_54' _", tr(s.t_54), V_W_2)))
-        t_186 = (s.t_4 * softmax_diff(s.t_18, t_185))
-        t_187 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_186, tr(s.W_2))))
-        t_191 = lin((1, s.t_178, t_182), (1, s.t_92, t_187), (1, s.t_190, t_183))
-        t_192 = ((s.t_190 * t_182) + (s.t_36 * t_187))
-        t_193 = lin((1, s.prod("_ W_1'", t_191, tr(s.W_1))), (1, s.prod("_ W_3'", t_192, tr(s.W_3))), (1, s.prod('t_164 _', s.t_164, tr(V_W_1))), (1, s.prod('t_166 _', s.t_166, tr(V_W_3))))
-        t_197 = lin((1, s.t_195, t_177), (1, s.t_55, (2/(math.sqrt(s.d_K)*s.d_V)) * t_193), (2/s.d_V, t_179, s.t_196))
-        t_198 = lin((1, s.t_170, t_177), (1, (1/math.sqrt(s.d_K)) * t_193, s.R_N_2), (2/s.d_V, t_179, s.t_194), (1, s.mm('_ one', t_197, s.one), s.Y_2), (1/(s.L*math.sqrt(s.d_K)), t_186))
-        t_199 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_198, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_171 _ W_V' N_1'", s.t_171, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_171 W_O1' _ N_1'", s.t_171, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
-        t_200 = (softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_158, s.t_172) + softmax_diff(s.A1, t_199))
-        t_202 = lin((1, s.prod("_ t_2'", t_200, tr(s.t_2))), (1, s.prod('t_201 _', s.t_201, tr(t_156))))
-        out_W_Q1 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_202 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), mean=True)
-        t_204 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_198, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_171 _ W_V' N_1'", s.t_171, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_171 W_O2' _ N_1'", s.t_171, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
-        t_205 = (softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_175, s.t_203) + softmax_diff(s.A2, t_204))
-        t_207 = lin((1, s.prod("_ t_2'", t_205, tr(s.t_2))), (1, s.prod('t_206 _', s.t_206, tr(t_156))))
-        out_W_Q2 = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), (t_207 * s.C)), (1, "N_1' _ R'", tr(s.N_1), (t_207 * s.S), tr(s.R)), mean=True)
-        t_213 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_158, s.t_212)
-        t_217 = lin((1, s.t_215, t_177), (1, s.t_55, (2/s.d_V) * t_193), (2/s.d_V, t_179, s.t_216))
-        t_218 = lin((1, t_193, s.R_N_2), (2/s.d_V, t_179, s.t_214), (1, s.t_209, t_177), (1, s.mm('_ one', t_217, s.one), s.Y_2), (1/s.L, t_186))
-        t_219 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_218, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_211 W_O1' _ N_1'", s.t_211, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_211 _ W_V' N_1'", s.t_211, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
-        t_220 = softmax_diff(s.A1, t_219)
-        t_222 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_175, s.t_221)
-        t_223 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", (1/math.sqrt(s.d_K)) * t_218, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_211 W_O2' _ N_1'", s.t_211, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_211 _ W_V' N_1'", s.t_211, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
-        t_224 = softmax_diff(s.A2, t_223)
-        t_227 = lin((1, s.prod("_ t_42'", (tr(t_213) + tr(t_220)), tr(s.t_42))), (1, s.prod("_ t_43'", (tr(t_222) + tr(t_224)), tr(s.t_43))), (1, s.prod("t_225' _", tr(s.t_225), t_157)), (1, s.prod("t_226' _", tr(s.t_226), t_174)))
-        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), (t_227 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), (t_227 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_210 _", tr(s.N_1), tr(s.A2), s.t_210, tr(V_W_O2)), (1, "N_1' _ t_210 W_O1'", tr(s.N_1), tr(t_173), s.t_210, tr(s.W_O1)), (1, "N_1' A1' t_210 _", tr(s.N_1), tr(s.A1), s.t_210, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_218, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_218, tr(s.W_O1)), (1, "N_1' _ t_210 W_O2'", tr(s.N_1), tr(t_176), s.t_210, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_210", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_210), (1, "W_V' N_1' _ t_210", tr(s.W_V), tr(s.N_1), tr(t_173), s.t_210), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_218, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_210", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_210), (1, "W_V' N_1' _ t_210", tr(s.W_V), tr(s.N_1), tr(t_176), s.t_210), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_218, mean=True)))
-        out_W_1 = (s.mm('_ t_164', tr(t_181), s.t_164, mean=True) + s.mm("N_2' _", tr(s.N_2), t_191, mean=True))
-        out_W_3 = (s.mm('_ t_166', tr(t_181), s.t_166, mean=True) + s.mm("N_2' _", tr(s.N_2), t_192, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_184), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_186, mean=True)))
+        t_147 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_148 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_149 = lin((1, s.prod("t_40' _", tr(s.t_40), t_147)), (1, s.prod("_ t_7'", t_148, tr(s.t_7))))
+        t_164 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_149, s.t_163)
+        t_166 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_149)
+        t_167 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_168 = lin((1, s.prod("_ t_7'", t_167, tr(s.t_7))), (1, s.prod("t_41' _", tr(s.t_41), t_147)))
+        t_169 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_168)
+        t_170 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_166, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_169, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_171 = s.mm('_ one', (t_170 * s.Y_2), s.one)
+        t_172 = (t_171 * s.t_53)
+        t_173 = lin((1, t_170, s.R_N_2), (2/s.d_V, t_172))
+        t_174 = lin((1, s.prod('_ W_1', t_173, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_175 = lin((1, s.prod('_ W_3', t_173, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_176 = ((s.t_88 * t_174) + (s.t_35 * t_175))
+        t_177 = lin((1, t_170), (1, s.prod('_ W_2', t_176, s.W_2)), (1, s.prod("t_52' _", tr(s.t_52), V_W_2)))
+        t_178 = (s.t_4 * softmax_diff(s.t_18, t_177))
+        t_179 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_178, tr(s.W_2))))
+        t_183 = lin((1, s.t_165, t_174), (1, s.t_88, t_179), (1, s.t_182, t_175))
+        t_184 = ((s.t_182 * t_174) + (s.t_35 * t_179))
+        t_185 = lin((1, s.prod("_ W_1'", t_183, tr(s.W_1))), (1, s.prod("_ W_3'", t_184, tr(s.W_3))), (1, s.prod('t_155 _', s.t_155, tr(V_W_1))), (1, s.prod('t_157 _', s.t_157, tr(V_W_3))))
+        t_189 = lin((1, s.t_187, t_170), (1, s.t_53, (2/s.d_V) * t_185), (2/s.d_V, t_171, s.t_188))
+        t_190 = lin((1, t_185, s.R_N_2), (2/s.d_V, t_171, s.t_186), (1, s.t_161, t_170), (1, s.mm('_ one', t_189, s.one), s.Y_2), (1/s.L, t_178))
+        t_191 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_190, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O1' _ N_1'", s.t_162, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_162 _ W_V' N_1'", s.t_162, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_192 = softmax_diff(s.A1, t_191)
+        t_193 = (t_164 + t_192)
+        t_195 = lin((1, s.prod("_ t_2'", t_193, tr(s.t_2))), (1, s.prod('t_194 _', s.t_194, tr(t_147))))
+        out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_195 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_195 * s.C)), mean=True)
+        t_197 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_168, s.t_196)
+        t_198 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_190, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O2' _ N_1'", s.t_162, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_162 _ W_V' N_1'", s.t_162, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_199 = softmax_diff(s.A2, t_198)
+        t_200 = (t_197 + t_199)
+        t_202 = lin((1, s.prod("_ t_2'", t_200, tr(s.t_2))), (1, s.prod('t_201 _', s.t_201, tr(t_147))))
+        out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_202 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), mean=True)
+        t_203 = lin((1, s.prod("_ t_40'", tr(t_193), tr(s.t_40))), (1, s.prod("_ t_41'", tr(t_200), tr(s.t_41))), (1, s.prod("t_194' _", tr(s.t_194), t_148)), (1, s.prod("t_201' _", tr(s.t_201), t_167)))
+        out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_203 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_203 * s.C)), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_162 _", tr(s.N_1), tr(s.A2), s.t_162, tr(V_W_O2)), (1, "N_1' _ t_162 W_O1'", tr(s.N_1), tr(t_166), s.t_162, tr(s.W_O1)), (1, "N_1' A1' t_162 _", tr(s.N_1), tr(s.A1), s.t_162, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_190, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_190, tr(s.W_O1)), (1, "N_1' _ t_162 W_O2'", tr(s.N_1), tr(t_169), s.t_162, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_162", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_162), (1, "W_V' N_1' _ t_162", tr(s.W_V), tr(s.N_1), tr(t_166), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_190, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_162", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_162), (1, "W_V' N_1' _ t_162", tr(s.W_V), tr(s.N_1), tr(t_169), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_190, mean=True)))
+        out_W_1 = (s.mm('_ t_155', tr(t_173), s.t_155, mean=True) + s.mm("N_2' _", tr(s.N_2), t_183, mean=True))
+        out_W_3 = (s.mm('_ t_157', tr(t_173), s.t_157, mean=True) + s.mm("N_2' _", tr(s.N_2), t_184, mean=True))
+        out_W_2 = lin((1, s.mm('_ G', tr(t_176), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_178, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -7086,4 +6842,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "66feec9acd2049efe0d3882d"
+CHECKSUM = "97edaaa6048be4806ed852c5"

@@ -24,29 +24,23 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "d8778f977f41b37d5c716e77"
+    STAMP = "39c596a5d53307da76154609"
     RUNS = {
-        'A N_1': 13,
+        'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
-        'N_1 W_V': 15,
-        "N_1 W_V one_2'": 5,
-        "N_1 W_V one_2' one'": 5,
-        "N_1' t_104": 2,
-        "N_1' t_104 N_1": 2,
-        "N_1' t_104'": 2,
-        "N_1' t_21": 4,
-        "N_1' t_21 N_1": 4,
-        "N_1' t_21'": 5,
-        "W_V one_2'": 5,
-        "W_V one_2' one'": 5,
-        'one one_2': 7,
-        "one' t_16'": 2,
-        "one' t_39'": 2,
-        "one' t_77'": 2,
-        "one_2' one' t_16'": 2,
-        "one_2' one' t_77'": 2,
+        'N_1 W_V': 12,
+        "N_1' t_109": 2,
+        "N_1' t_109 N_1": 2,
+        "N_1' t_109'": 2,
+        "N_1' t_20": 2,
+        "N_1' t_20 N_1": 2,
+        "N_1' t_20'": 3,
+        "N_1' t_70": 2,
+        "N_1' t_70 N_1": 2,
+        "N_1' t_70'": 2,
+        "one' t_38'": 2,
     }
 
     @leaf
@@ -191,163 +185,175 @@ class mse_bias0_causal0(Forward):
 
     @leaf
     def t_20(s):
-        return (s.t_17 + s.mm("t_19 W_V' N_1'", s.t_19, tr(s.W_V), tr(s.N_1)))
+        return softmax_diff(s.A, (s.t_17 + s.mm("t_19 W_V' N_1'", s.t_19, tr(s.W_V), tr(s.N_1))))
 
     @leaf
     def t_21(s):
-        return softmax_diff(s.A, s.t_20)
+        return s.mm('t_20 N_1', s.t_20, s.N_1)
 
     @leaf
     def t_22(s):
-        return s.mm('t_21 N_1', s.t_21, s.N_1)
-
-    @leaf
-    def t_23(s):
         return s.mm('A N_1', s.A, s.N_1)
 
     @leaf
-    def t_24(s):
+    def t_23(s):
         return tr(s.t_6)
 
     @leaf
-    def t_25(s):
-        return tr(s.t_23)
+    def t_24(s):
+        return tr(s.t_22)
 
     @leaf
-    def t_26(s):
+    def t_25(s):
         return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
-    def t_27(s):
+    def t_26(s):
         return s.mm("t_10' t_10", tr(s.t_10), s.t_10)
 
     @leaf
-    def t_28(s):
+    def t_27(s):
         return bcast_last(s.P_N_2, s.d_V)
 
     @leaf
-    def t_29(s):
+    def t_28(s):
         return (s.t_8 * s.M_N_2)
 
     @leaf
-    def t_30(s):
+    def t_29(s):
         return (s.t_8 * s.t_12)
 
     @leaf
-    def t_31(s):
+    def t_30(s):
         return (0.75 * (s.sigma2_N_2 ** -2.5))
 
     @leaf
-    def t_32(s):
-        return mul(s.t_31, s.t_12, s.M_N_2)
+    def t_31(s):
+        return mul(s.t_30, s.t_12, s.M_N_2)
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return bcast_last(s.t_14, s.d_V)
 
     @leaf
-    def t_34(s):
+    def t_33(s):
         return s.mm('t_15 one', s.t_15, s.one)
 
     @leaf
-    def t_35(s):
-        return bcast_last(s.t_34, s.d_V)
+    def t_34(s):
+        return bcast_last(s.t_33, s.d_V)
 
     @leaf
     def one_3(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_36(s):
+    def t_35(s):
         return (s.F - s.Y)
+
+    @leaf
+    def t_36(s):
+        return (s.t_35 * s.t_35)
 
     @leaf
     def t_37(s):
-        return (s.t_36 * s.t_36)
+        return s.mm('one_3 t_36 one', s.one_3, s.t_36, s.one)
 
     @leaf
     def t_38(s):
-        return s.mm('one_3 t_37 one', s.one_3, s.t_37, s.one)
-
-    @leaf
-    def t_39(s):
         return (-2/s.d_V**2) * s.t_15
 
     @leaf
-    def t_40(s):
-        return s.mm("N_1' A' t_39 one", tr(s.N_1), tr(s.A), s.t_39, s.one)
+    def t_39(s):
+        return s.mm("N_1' A' t_38 one", tr(s.N_1), tr(s.A), s.t_38, s.one)
 
     @leaf
-    def t_41(s):
+    def t_40(s):
         return (2/s.d_V) * s.t_18
 
     @leaf
-    def t_68(s):
-        return (tr(s.t_8) * tr(s.M_N_2))
+    def t_53(s):
+        return s.mm('t_38 one', s.t_38, s.one)
 
     @leaf
-    def t_71(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
+    def t_54(s):
+        return lin((1, s.t_18), ((1/2)*s.d_V, s.t_53))
+
+    @leaf
+    def t_55(s):
+        return (2/s.d_V) * s.t_54
+
+    @leaf
+    def t_56(s):
+        return s.mm("t_55 W_V' N_1'", s.t_55, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_70(s):
+        return softmax_diff(s.A, s.t_56)
 
     @leaf
     def t_72(s):
-        return (s.t_9 * s.t_71)
-
-    @leaf
-    def t_73(s):
-        return s.mm("t_72 W_1'", s.t_72, tr(s.W_1))
-
-    @leaf
-    def t_74(s):
-        return mul(s.t_8, s.t_73, s.M_N_2)
-
-    @leaf
-    def t_75(s):
-        return s.mm('t_74 one', s.t_74, s.one)
+        return (tr(s.t_8) * tr(s.M_N_2))
 
     @leaf
     def t_76(s):
-        return lin((1, s.t_75, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_73))
-
-    @leaf
-    def t_77(s):
-        return (-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_76
-
-    @leaf
-    def t_78(s):
         return (s.F - s.Y)
 
     @leaf
+    def t_77(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
+
+    @leaf
+    def t_78(s):
+        return (s.t_9 * s.t_77)
+
+    @leaf
     def t_79(s):
-        return lin((1/s.L, s.t_78), (1, s.t_76))
+        return s.mm("t_78 W_1'", s.t_78, tr(s.W_1))
 
     @leaf
     def t_80(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_79
+        return mul(s.t_8, s.t_79, s.M_N_2)
 
     @leaf
     def t_81(s):
-        return s.mm_sum('r', (1, "t_77 one one_2 W_V' N_1'", s.t_77, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_80 W_V' N_1'", s.t_80, tr(s.W_V), tr(s.N_1)))
+        return s.mm('t_80 one', s.t_80, s.one)
 
     @leaf
-    def t_96(s):
-        return (s.t_8 * s.t_73)
+    def t_82(s):
+        return lin((1, s.t_81, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_79))
 
     @leaf
-    def t_97(s):
-        return mul(s.t_31, s.t_73, s.M_N_2)
+    def t_83(s):
+        return (-2/s.d_V**2) * s.t_82
 
     @leaf
-    def t_104(s):
-        return softmax_diff(s.A, s.t_81)
+    def t_84(s):
+        return s.mm('t_83 one', s.t_83, s.one)
 
     @leaf
-    def t_105(s):
-        return (2/s.d_V) * s.t_79
+    def t_85(s):
+        return lin((1/s.L, s.t_76), (1, s.t_82), ((1/2)*s.d_V, s.t_84))
 
     @leaf
-    def t_106(s):
-        return (-2/s.d_V**2) * s.t_76
+    def t_86(s):
+        return (2/s.d_V) * s.t_85
+
+    @leaf
+    def t_87(s):
+        return s.mm("t_86 W_V' N_1'", s.t_86, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_101(s):
+        return (s.t_8 * s.t_79)
+
+    @leaf
+    def t_102(s):
+        return mul(s.t_30, s.t_79, s.M_N_2)
+
+    @leaf
+    def t_109(s):
+        return softmax_diff(s.A, s.t_87)
 
     @leaf
     def dA(s):
@@ -361,16 +367,16 @@ class mse_bias0_causal0(Forward):
     def S(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
-            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(1, 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
         ])
 
     @leaf
     def S_2(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
-            net(2/(s.L*s.d_K*s.d_V), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_K*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(2/(s.L*s.d_K*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
+            net(4/(s.L*s.d_K*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*s.d_K*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
@@ -378,8 +384,8 @@ class mse_bias0_causal0(Forward):
     def S_3(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
-            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_29, ONES, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_28, ONES, s.M_N_2),
         ])
 
     @leaf
@@ -411,16 +417,16 @@ class mse_bias0_causal0(Forward):
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_32, ONES, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, ONES, s.M_N_2),
         ])
 
     @leaf
     def S_8(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.t_33, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,nac->nabc', s.t_29, ONES, s.M_N_2),
             net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
@@ -428,9 +434,9 @@ class mse_bias0_causal0(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_21, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_21, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_21),
+            net(1, 'nab,bc->nabc', s.t_20, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_20, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_20),
         ])
 
     @leaf
@@ -453,8 +459,8 @@ class mse_bias0_causal0(Forward):
     def S_11(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_11', [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
+            net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
@@ -471,7 +477,7 @@ class mse_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
             net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_18),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_35),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_34),
         ])
 
     @leaf
@@ -502,8 +508,8 @@ class mse_bias0_causal0(Forward):
     def S_17(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_17', [
-            net(2/(s.L*s.d_V), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(2/(s.L*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
@@ -552,24 +558,24 @@ class mse_bias0_causal0(Forward):
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_22, free={'d': s.d_K}),
+            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_21, free={'d': s.d_K}),
             net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_23),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_23),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_22),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_22),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_23, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_22, s.S_12),
         ]
 
     def block__W_Q__W_1__outer(s):
@@ -599,98 +605,98 @@ class mse_bias0_causal0(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_24, s.N_1, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_23, s.N_1, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_24, s.S_9, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_23, s.S_9, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_24, s.N_1, s.dA, s.t_3, s.t_23),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_24, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_23),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_24, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_24, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_23, s.N_1, s.dA, s.t_3, s.t_22),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_23, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_22),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_23, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_24, s.N_1, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_24, s.N_1, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_23, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_22, s.S_12),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_24, s.N_1, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_24, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_11),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_24, s.N_1, s.dA, s.t_3, s.S_15, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.S_15, s.t_10),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_24, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_25, s.t_23, free={'d': s.d_V}),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_25, s.S_17, s.W_1, s.t_9, s.W_2, s.t_23),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_25, s.S_17, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_25, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_24, s.t_22, free={'d': s.d_V}),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_24, s.S_17, s.W_1, s.t_9, s.W_2, s.t_22),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_24, s.S_17, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_24, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_25, s.S_18, s.S_8, s.t_23, s.S_12),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_24, s.S_18, s.S_8, s.t_22, s.S_12),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_25, s.S_19, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_24, s.S_19, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_25, s.S_4, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_24, s.S_4, s.S, s.t_11),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_25, s.S_19, s.t_10),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_24, s.S_19, s.t_10),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_25, s.S_4, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_24, s.S_4, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_9, s.t_26, s.t_9, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_9, s.t_25, s.t_9, s.N_2),
         ]
 
     def block__W_1__W_2__outer(s):
@@ -708,7 +714,7 @@ class mse_bias0_causal0(Forward):
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 2/(L*d_V)*(relu(W_1.T @ N_2.T) @ relu(N_2 @ W_1) ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_27, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_26, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q(s):
@@ -726,8 +732,8 @@ class mse_bias0_causal0(Forward):
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_23, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(1, 'nab->n|ac|bc', s.t_22, free={'c': s.d_V}),
+            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
         ]
 
     def jacobian__W_1(s):
@@ -744,90 +750,90 @@ class mse_bias0_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_38, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_37, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = s.mm("N_1' t_21 N_1 W_K", tr(s.N_1), s.t_21, s.N_1, s.W_K, mean=True)
-        out_W_K = s.mm("N_1' t_21' N_1 W_Q", tr(s.N_1), tr(s.t_21), s.N_1, s.W_Q, mean=True)
-        out_W_V = (bcast_last(mean0(s.t_40, True), s.d_V) + s.mm("N_1' A' t_41", tr(s.N_1), tr(s.A), s.t_41, mean=True))
+        out_W_Q = s.mm("N_1' t_20 N_1 W_K", tr(s.N_1), s.t_20, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' t_20' N_1 W_Q", tr(s.N_1), tr(s.t_20), s.N_1, s.W_Q, mean=True)
+        out_W_V = (bcast_last(mean0(s.t_39, True), s.d_V) + s.mm("N_1' A' t_40", tr(s.N_1), tr(s.A), s.t_40, mean=True))
         out_W_1 = s.mm("N_2' t_11", tr(s.N_2), s.t_11, mean=True)
         out_W_2 = s.mm("t_10' G", tr(s.t_10), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_42 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_43 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_42), s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_44 = lin((-s.d_V, t_43), (1, s.mm('_ one', t_43, s.one)))
-        t_45 = lin((1, s.P_N_2, (-1/s.d_V) * t_44), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_44 * s.M_N_2), s.one), s.t_29))
-        t_46 = lin((1, s.prod('_ W_1', t_45, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_47 = lin((1, t_43), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', (t_46 * s.t_9), s.W_2)))
-        t_48 = (s.t_9 * s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_47, tr(s.W_2)))
-        t_49 = s.mm("_ W_1'", t_48, tr(s.W_1))
-        t_50 = lin((1, s.mm('_ one', (s.t_29 * t_49), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_49))
-        t_51 = lin((1/s.L, t_47), (1, t_50))
-        t_52 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-2/(math.sqrt(s.d_K)*s.d_V**2)) * t_50, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (2/(math.sqrt(s.d_K)*s.d_V)) * t_51, tr(s.W_V), tr(s.N_1)))
-        t_53 = softmax_diff(s.A, t_52)
-        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_53, s.N_1, s.W_K, mean=True)
-        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_53), s.N_1, s.W_Q, mean=True)
-        out_W_V = (bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/s.d_V**2) * t_50, s.one), True), s.d_V) + s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_51, mean=True))
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_48, mean=True)
-        out_W_2 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_47, mean=True)
+        t_41 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_42 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_41), s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_43 = lin((-s.d_V, t_42), (1, s.mm('_ one', t_42, s.one)))
+        t_44 = lin((1, s.P_N_2, (-1/s.d_V) * t_43), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_43 * s.M_N_2), s.one), s.t_28))
+        t_45 = lin((1, s.prod('_ W_1', t_44, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_46 = lin((1, t_42), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', (t_45 * s.t_9), s.W_2)))
+        t_47 = (s.t_9 * s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_46, tr(s.W_2)))
+        t_48 = s.mm("_ W_1'", t_47, tr(s.W_1))
+        t_49 = lin((1, s.mm('_ one', (s.t_28 * t_48), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_48))
+        t_50 = lin((1/s.L, t_46), (1, t_49), ((1/2)*s.d_V, s.mm('_ one', (-2/s.d_V**2) * t_49, s.one)))
+        t_51 = softmax_diff(s.A, s.mm("_ W_V' N_1'", (2/s.d_V) * t_50, tr(s.W_V), tr(s.N_1)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_51, s.N_1, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_51), s.N_1, s.W_Q, mean=True)
+        out_W_V = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_50, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_47, mean=True)
+        out_W_2 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_46, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_54 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_55 = softmax_diff2(s.A, s.t_20, (1/math.sqrt(s.d_K)) * t_54)
-        t_56 = (s.t_9 * s.mm('G _', s.G, tr(V_W_2)))
-        t_57 = lin((1, s.prod('t_11 _', s.t_11, tr(V_W_1))), (1, s.prod("_ W_1'", t_56, tr(s.W_1))))
-        t_58 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_54)
-        t_59 = lin((1, s.prod('_ N_1 W_V', t_58, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_60 = lin((-s.d_V, t_59), (1, s.mm('_ one', t_59, s.one)))
-        t_61 = s.mm('_ one', ((-1/s.d_V) * t_60 * s.M_N_2), s.one)
-        t_62 = lin((1, s.t_29, t_57), (1, s.t_30, (-1/s.d_V) * t_60), (2/s.d_V, t_61, s.t_32))
-        t_63 = lin((1, s.P_N_2, t_57), (2/s.d_V, s.t_14, (-1/s.d_V) * t_60), (2/s.d_V, t_61, s.t_30), (2/s.d_V, s.mm('_ one', t_62, s.one), s.M_N_2))
-        t_64 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_63, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_16 one one_2 _ N_1'", s.t_16, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_63, tr(s.W_V), tr(s.N_1)), (1, "t_19 _ N_1'", s.t_19, tr(V_W_V), tr(s.N_1)))
-        t_65 = softmax_diff(s.A, t_64)
-        t_66 = (t_55 + t_65)
-        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_66, s.N_1, s.W_K), (1, "N_1' t_21 N_1 _", tr(s.N_1), s.t_21, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_21' N_1 _", tr(s.N_1), tr(s.t_21), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_66), s.N_1, s.W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_63), (1, "N_1' _ t_41", tr(s.N_1), tr(t_58), s.t_41), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_39 one", tr(s.N_1), tr(t_58), s.t_39, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_63, s.one), True), s.d_V)))
-        t_67 = lin((-s.d_V, tr(t_59)), (1, s.mm('one_2 _', s.one_2, tr(t_59))))
-        t_69 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_67), (2/s.d_V, tr(t_61), s.t_68))
-        out_W_1 = (s.mm('_ t_11', t_69, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_56, mean=True))
-        t_70 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_69)))
-        out_W_2 = s.mm('_ G', (t_70 * tr(s.t_9)), s.G, mean=True)
+        t_52 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_57 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_52, s.t_56)
+        t_58 = (s.t_9 * s.mm('G _', s.G, tr(V_W_2)))
+        t_59 = lin((1, s.prod('t_11 _', s.t_11, tr(V_W_1))), (1, s.prod("_ W_1'", t_58, tr(s.W_1))))
+        t_60 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_52)
+        t_61 = lin((1, s.prod('_ N_1 W_V', t_60, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_62 = lin((-s.d_V, t_61), (1, s.mm('_ one', t_61, s.one)))
+        t_63 = s.mm('_ one', ((-1/s.d_V) * t_62 * s.M_N_2), s.one)
+        t_64 = lin((1, s.t_28, t_59), (1, s.t_29, (-1/s.d_V) * t_62), (2/s.d_V, t_63, s.t_31))
+        t_65 = lin((1, s.P_N_2, t_59), (2/s.d_V, s.t_14, (-1/s.d_V) * t_62), (2/s.d_V, t_63, s.t_29), (2/s.d_V, s.mm('_ one', t_64, s.one), s.M_N_2))
+        t_66 = lin((1, t_65), (1, s.mm('_ one', (-1/s.d_V) * t_65, s.one)))
+        t_67 = s.mm_sum('r', (1, "_ W_V' N_1'", t_66, tr(s.W_V), tr(s.N_1)), (1, "t_55 _ N_1'", s.t_55, tr(V_W_V), tr(s.N_1)))
+        t_68 = softmax_diff(s.A, t_67)
+        t_69 = (t_57 + t_68)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_69, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_70 N_1 _", tr(s.N_1), s.t_70, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_70' N_1 _", tr(s.N_1), tr(s.t_70), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_69), s.N_1, s.W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_66), (1, "N_1' _ t_55", tr(s.N_1), tr(t_60), s.t_55), mean=True)
+        t_71 = lin((-s.d_V, tr(t_61)), (1, s.mm('one_2 _', s.one_2, tr(t_61))))
+        t_73 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_71), (2/s.d_V, tr(t_63), s.t_72))
+        out_W_1 = (s.mm('_ t_11', t_73, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_58, mean=True))
+        t_74 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_73)))
+        out_W_2 = s.mm('_ G', (t_74 * tr(s.t_9)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_82 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_83 = softmax_diff2(s.A, s.t_81, (1/math.sqrt(s.d_K)) * t_82)
-        t_84 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_82)
-        t_85 = lin((1, s.prod('_ N_1 W_V', t_84, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_86 = lin((-s.d_V, t_85), (1, s.mm('_ one', t_85, s.one)))
-        t_87 = s.mm('_ one', ((-1/s.d_V) * t_86 * s.M_N_2), s.one)
-        t_88 = (t_87 * s.t_29)
-        t_89 = lin((1, s.P_N_2, (-1/s.d_V) * t_86), (2/s.d_V, t_88))
-        t_90 = lin((1, s.prod('_ W_1', t_89, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_91 = (t_90 * s.t_9)
-        t_92 = lin((1, t_85), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_91, s.W_2)))
-        t_93 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_92, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
-        t_94 = (t_93 * s.t_9)
-        t_95 = lin((1, s.prod("_ W_1'", t_94, tr(s.W_1))), (1, s.prod('t_72 _', s.t_72, tr(V_W_1))))
-        t_98 = lin((1, s.t_29, t_95), (1, s.t_96, (-1/s.d_V) * t_86), (2/s.d_V, t_87, s.t_97))
-        t_99 = lin((1, s.P_N_2, t_95), (2/s.d_V, s.t_75, (-1/s.d_V) * t_86), (2/s.d_V, t_87, s.t_96), (2/s.d_V, s.mm('_ one', t_98, s.one), s.M_N_2))
-        t_100 = lin((2/(s.L*s.d_V), t_92), (1, t_99))
-        t_101 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_99, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_77 one one_2 _ N_1'", s.t_77, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_100, tr(s.W_V), tr(s.N_1)), (1, "t_80 _ N_1'", s.t_80, tr(V_W_V), tr(s.N_1)))
-        t_102 = softmax_diff(s.A, t_101)
-        t_103 = (t_83 + t_102)
-        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_103, s.N_1, s.W_K), (1, "N_1' t_104 N_1 _", tr(s.N_1), s.t_104, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_104' N_1 _", tr(s.N_1), tr(s.t_104), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_103), s.N_1, s.W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_105", tr(s.N_1), tr(t_84), s.t_105), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_100), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_106 one", tr(s.N_1), tr(t_84), s.t_106, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_99, s.one), True), s.d_V)))
-        out_W_1 = (s.mm('_ t_72', tr(t_89), s.t_72, mean=True) + s.mm("N_2' _", tr(s.N_2), t_94, mean=True))
-        out_W_2 = (s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_92, mean=True) + s.mm('_ G', tr(t_91), s.G, mean=True))
+        t_75 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_88 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_75, s.t_87)
+        t_89 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_75)
+        t_90 = lin((1, s.prod('_ N_1 W_V', t_89, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_91 = lin((-s.d_V, t_90), (1, s.mm('_ one', t_90, s.one)))
+        t_92 = s.mm('_ one', ((-1/s.d_V) * t_91 * s.M_N_2), s.one)
+        t_93 = (t_92 * s.t_28)
+        t_94 = lin((1, s.P_N_2, (-1/s.d_V) * t_91), (2/s.d_V, t_93))
+        t_95 = lin((1, s.prod('_ W_1', t_94, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_96 = (t_95 * s.t_9)
+        t_97 = lin((1, t_90), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_96, s.W_2)))
+        t_98 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_97, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_99 = (t_98 * s.t_9)
+        t_100 = lin((1, s.prod("_ W_1'", t_99, tr(s.W_1))), (1, s.prod('t_78 _', s.t_78, tr(V_W_1))))
+        t_103 = lin((1, s.t_28, t_100), (1, s.t_101, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_102))
+        t_104 = lin((1, s.P_N_2, t_100), (2/s.d_V, s.t_81, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_101), (2/s.d_V, s.mm('_ one', t_103, s.one), s.M_N_2))
+        t_105 = lin((2/(s.L*s.d_V), t_97), (1, t_104), (1, s.mm('_ one', (-1/s.d_V) * t_104, s.one)))
+        t_106 = s.mm_sum('r', (1, "_ W_V' N_1'", t_105, tr(s.W_V), tr(s.N_1)), (1, "t_86 _ N_1'", s.t_86, tr(V_W_V), tr(s.N_1)))
+        t_107 = softmax_diff(s.A, t_106)
+        t_108 = (t_88 + t_107)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_108, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_109 N_1 _", tr(s.N_1), s.t_109, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_109' N_1 _", tr(s.N_1), tr(s.t_109), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_108), s.N_1, s.W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_86", tr(s.N_1), tr(t_89), s.t_86), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_105), mean=True)
+        out_W_1 = (s.mm('_ t_78', tr(t_94), s.t_78, mean=True) + s.mm("N_2' _", tr(s.N_2), t_99, mean=True))
+        out_W_2 = (s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_97, mean=True) + s.mm('_ G', tr(t_96), s.G, mean=True))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -839,29 +845,23 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "e38cc453dd47ed68d2931e7a"
+    STAMP = "61f51bc598a59ef855f0b9b8"
     RUNS = {
-        'A N_1': 13,
+        'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
-        'N_1 W_V': 15,
-        "N_1 W_V one_2'": 5,
-        "N_1 W_V one_2' one'": 5,
-        "N_1' t_21": 4,
-        "N_1' t_21 N_1": 4,
-        "N_1' t_21'": 5,
-        "N_1' t_82": 2,
-        "N_1' t_82 N_1": 2,
-        "N_1' t_82'": 2,
-        "W_V one_2'": 5,
-        "W_V one_2' one'": 5,
-        'one one_2': 7,
-        "one' t_16'": 2,
-        "one' t_40'": 2,
-        "one' t_77'": 2,
-        "one_2' one' t_16'": 2,
-        "one_2' one' t_77'": 2,
+        'N_1 W_V': 12,
+        "N_1' t_109": 2,
+        "N_1' t_109 N_1": 2,
+        "N_1' t_109'": 2,
+        "N_1' t_20": 2,
+        "N_1' t_20 N_1": 2,
+        "N_1' t_20'": 3,
+        "N_1' t_56": 2,
+        "N_1' t_56 N_1": 2,
+        "N_1' t_56'": 2,
+        "one' t_39'": 2,
     }
 
     @leaf
@@ -1006,163 +1006,175 @@ class mse_bias0_causal1(Forward):
 
     @leaf
     def t_20(s):
-        return (s.t_17 + s.mm("t_19 W_V' N_1'", s.t_19, tr(s.W_V), tr(s.N_1)))
+        return softmax_diff(s.A, (s.t_17 + s.mm("t_19 W_V' N_1'", s.t_19, tr(s.W_V), tr(s.N_1))))
 
     @leaf
     def t_21(s):
-        return softmax_diff(s.A, s.t_20)
+        return s.mm('t_20 N_1', s.t_20, s.N_1)
 
     @leaf
     def t_22(s):
-        return s.mm('t_21 N_1', s.t_21, s.N_1)
-
-    @leaf
-    def t_23(s):
         return s.mm('A N_1', s.A, s.N_1)
 
     @leaf
-    def t_24(s):
+    def t_23(s):
         return tr(s.t_6)
 
     @leaf
-    def t_25(s):
-        return tr(s.t_23)
+    def t_24(s):
+        return tr(s.t_22)
 
     @leaf
-    def t_26(s):
+    def t_25(s):
         return s.mm("W_2 W_2'", s.W_2, tr(s.W_2))
 
     @leaf
-    def t_27(s):
+    def t_26(s):
         return s.mm("t_10' t_10", tr(s.t_10), s.t_10)
 
     @leaf
-    def t_28(s):
+    def t_27(s):
         return bcast_last(s.P_N_2, s.d_V)
 
     @leaf
-    def t_29(s):
+    def t_28(s):
         return (s.t_8 * s.M_N_2)
 
     @leaf
-    def t_30(s):
+    def t_29(s):
         return (s.t_8 * s.t_12)
 
     @leaf
-    def t_31(s):
+    def t_30(s):
         return (0.75 * (s.sigma2_N_2 ** -2.5))
 
     @leaf
-    def t_32(s):
-        return mul(s.t_31, s.t_12, s.M_N_2)
+    def t_31(s):
+        return mul(s.t_30, s.t_12, s.M_N_2)
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return bcast_last(s.t_14, s.d_V)
 
     @leaf
-    def t_34(s):
+    def t_33(s):
         return s.mm('t_15 one', s.t_15, s.one)
 
     @leaf
-    def t_35(s):
-        return bcast_last(s.t_34, s.d_V)
+    def t_34(s):
+        return bcast_last(s.t_33, s.d_V)
 
     @leaf
     def one_3(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_36(s):
+    def t_35(s):
         return (s.F - s.Y)
+
+    @leaf
+    def t_36(s):
+        return (s.t_35 * s.t_35)
 
     @leaf
     def t_37(s):
-        return (s.t_36 * s.t_36)
+        return s.mm('one_3 t_36 one', s.one_3, s.t_36, s.one)
 
     @leaf
     def t_38(s):
-        return s.mm('one_3 t_37 one', s.one_3, s.t_37, s.one)
-
-    @leaf
-    def t_39(s):
         return (2/s.d_V) * s.t_18
 
     @leaf
-    def t_40(s):
+    def t_39(s):
         return (-2/s.d_V**2) * s.t_15
 
     @leaf
-    def t_41(s):
-        return s.mm("N_1' A' t_40 one", tr(s.N_1), tr(s.A), s.t_40, s.one)
+    def t_40(s):
+        return s.mm("N_1' A' t_39 one", tr(s.N_1), tr(s.A), s.t_39, s.one)
 
     @leaf
-    def t_68(s):
-        return (tr(s.t_8) * tr(s.M_N_2))
+    def t_52(s):
+        return s.mm('t_39 one', s.t_39, s.one)
 
     @leaf
-    def t_71(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
+    def t_53(s):
+        return lin((1, s.t_18), ((1/2)*s.d_V, s.t_52))
+
+    @leaf
+    def t_54(s):
+        return (2/s.d_V) * s.t_53
+
+    @leaf
+    def t_55(s):
+        return s.mm("t_54 W_V' N_1'", s.t_54, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_56(s):
+        return softmax_diff(s.A, s.t_55)
 
     @leaf
     def t_72(s):
-        return (s.t_9 * s.t_71)
-
-    @leaf
-    def t_73(s):
-        return s.mm("t_72 W_1'", s.t_72, tr(s.W_1))
-
-    @leaf
-    def t_74(s):
-        return mul(s.t_8, s.t_73, s.M_N_2)
-
-    @leaf
-    def t_75(s):
-        return s.mm('t_74 one', s.t_74, s.one)
+        return (tr(s.t_8) * tr(s.M_N_2))
 
     @leaf
     def t_76(s):
-        return lin((1, s.t_75, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_73))
-
-    @leaf
-    def t_77(s):
-        return (-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_76
-
-    @leaf
-    def t_78(s):
         return (s.F - s.Y)
 
     @leaf
+    def t_77(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
+
+    @leaf
+    def t_78(s):
+        return (s.t_9 * s.t_77)
+
+    @leaf
     def t_79(s):
-        return lin((1/s.L, s.t_78), (1, s.t_76))
+        return s.mm("t_78 W_1'", s.t_78, tr(s.W_1))
 
     @leaf
     def t_80(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_79
+        return mul(s.t_8, s.t_79, s.M_N_2)
 
     @leaf
     def t_81(s):
-        return s.mm_sum('r', (1, "t_77 one one_2 W_V' N_1'", s.t_77, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_80 W_V' N_1'", s.t_80, tr(s.W_V), tr(s.N_1)))
+        return s.mm('t_80 one', s.t_80, s.one)
 
     @leaf
     def t_82(s):
-        return softmax_diff(s.A, s.t_81)
+        return lin((1, s.t_81, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_79))
 
     @leaf
-    def t_97(s):
-        return (s.t_8 * s.t_73)
+    def t_83(s):
+        return (-2/s.d_V**2) * s.t_82
 
     @leaf
-    def t_98(s):
-        return mul(s.t_31, s.t_73, s.M_N_2)
+    def t_84(s):
+        return s.mm('t_83 one', s.t_83, s.one)
 
     @leaf
-    def t_105(s):
-        return (2/s.d_V) * s.t_79
+    def t_85(s):
+        return lin((1/s.L, s.t_76), (1, s.t_82), ((1/2)*s.d_V, s.t_84))
 
     @leaf
-    def t_106(s):
-        return (-2/s.d_V**2) * s.t_76
+    def t_86(s):
+        return (2/s.d_V) * s.t_85
+
+    @leaf
+    def t_87(s):
+        return s.mm("t_86 W_V' N_1'", s.t_86, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_101(s):
+        return (s.t_8 * s.t_79)
+
+    @leaf
+    def t_102(s):
+        return mul(s.t_30, s.t_79, s.M_N_2)
+
+    @leaf
+    def t_109(s):
+        return softmax_diff(s.A, s.t_87)
 
     @leaf
     def dA(s):
@@ -1176,16 +1188,16 @@ class mse_bias0_causal1(Forward):
     def S(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
-            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(1, 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
         ])
 
     @leaf
     def S_2(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
-            net(2/(s.L*s.d_K*s.d_V), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_K*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(2/(s.L*s.d_K*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
+            net(4/(s.L*s.d_K*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*s.d_K*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
@@ -1193,8 +1205,8 @@ class mse_bias0_causal1(Forward):
     def S_3(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_3', [
-            net(1, 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_29, ONES, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_28, ONES, s.M_N_2),
         ])
 
     @leaf
@@ -1226,16 +1238,16 @@ class mse_bias0_causal1(Forward):
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_32, ONES, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, ONES, s.M_N_2),
         ])
 
     @leaf
     def S_8(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.t_33, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,nac->nabc', s.t_29, ONES, s.M_N_2),
             net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
@@ -1243,9 +1255,9 @@ class mse_bias0_causal1(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_21, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_21, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_21),
+            net(1, 'nab,bc->nabc', s.t_20, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_20, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_20),
         ])
 
     @leaf
@@ -1268,8 +1280,8 @@ class mse_bias0_causal1(Forward):
     def S_11(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_11', [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
+            net(4/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*math.sqrt(s.d_K)*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
@@ -1286,7 +1298,7 @@ class mse_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_13', [
             net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_18),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_35),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_34),
         ])
 
     @leaf
@@ -1317,8 +1329,8 @@ class mse_bias0_causal1(Forward):
     def S_17(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_17', [
-            net(2/(s.L*s.d_V), 'nab,bc->nabc', s.t_28, EYE, free={'c': s.d_V}),
-            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_29),
+            net(2/(s.L*s.d_V), 'nab,bc->nabc', s.t_27, EYE, free={'c': s.d_V}),
+            net(4/(s.L*s.d_V**2), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_28),
             net(-2/(s.L*s.d_V**2), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
@@ -1367,24 +1379,24 @@ class mse_bias0_causal1(Forward):
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_22, free={'d': s.d_K}),
+            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_21, free={'d': s.d_K}),
             net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_6, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_23),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_23),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,nag->bc|gf', s.N_1, s.t_2, s.dA, s.t_3, s.t_22),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,naj->bc|ji', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_22),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,gh,nah,hi,ji,naj,kj,nakl,nam,lo->bc|mo', s.N_1, s.t_2, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nade,nef,gf,nag,hg,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_23, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_22, s.S_12),
         ]
 
     def block__W_Q__W_1__outer(s):
@@ -1414,98 +1426,98 @@ class mse_bias0_causal1(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_24, s.N_1, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,ngh,nbhi,nbj,nik->da|kj', s.t_23, s.N_1, s.dA, s.t_3, s.S_6, s.t_4, s.dA, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_24, s.S_9, s.t_6, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_23, s.S_9, s.t_6, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_24, s.N_1, s.dA, s.t_3, s.t_23),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_24, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_23),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_24, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_24, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,nbg->da|gf', s.t_23, s.N_1, s.dA, s.t_3, s.t_22),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,nbj->da|ji', s.t_23, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.t_22),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,gh,nbh,hi,ji,nbj,kj,nbkl,nbm,lo->da|mo', s.t_23, s.N_1, s.dA, s.t_3, s.S_11, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V*s.n_batch), 'nab,ncd,nbce,nef,gf,nbg,hg,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.t_3, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_24, s.N_1, s.dA, s.N_1, s.S_13),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_24, s.N_1, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_23, s.S_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_23, s.N_1, s.dA, s.N_1, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_23, s.N_1, s.dA, s.N_1, s.W_V, s.S_14, s.S_8, s.t_22, s.S_12),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_24, s.N_1, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,hg,nbh,nbi->da|ih', s.t_23, s.N_1, s.dA, s.t_3, s.S_15, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_24, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_11),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_24, s.N_1, s.dA, s.t_3, s.S_15, s.t_10),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbh->da|hg', s.t_23, s.N_1, s.dA, s.t_3, s.S_15, s.t_10),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_24, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_23, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 4 networks (the formula: `symhess derive`)"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_25, s.t_23, free={'d': s.d_V}),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_25, s.S_17, s.W_1, s.t_9, s.W_2, s.t_23),
-            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_25, s.S_17, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_25, s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nbc->ad|cd', s.t_24, s.t_22, free={'d': s.d_V}),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,nbg->ac|gf', s.t_24, s.S_17, s.W_1, s.t_9, s.W_2, s.t_22),
+            net(1/s.n_batch, 'nab,nbcd,de,nbe,ef,gf,nbg,hg,nbhi,nbj,ik->ac|jk', s.t_24, s.S_17, s.W_1, s.t_9, s.W_2, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,cd,nbc,ec,nbef,nbg,fh->ad|gh', s.t_24, s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_25, s.S_18, s.S_8, s.t_23, s.S_12),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_24, s.S_18, s.S_8, s.t_22, s.S_12),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_25, s.S_19, s.W_2, s.t_9, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,ed,nbe,nbf->ac|fe', s.t_24, s.S_19, s.W_2, s.t_9, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_25, s.S_4, s.S, s.t_11),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_24, s.S_4, s.S, s.t_11),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_25, s.S_19, s.t_10),
+            net(1/s.n_batch, 'nab,nbcd,nbe->ac|ed', s.t_24, s.S_19, s.t_10),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_25, s.S_4, s.S, s.W_1, s.t_9, s.G),
+            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_24, s.S_4, s.S, s.W_1, s.t_9, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
         """H_o(W_1, W_1) = 2/(L*d_V)*((N_2.T ⊗ I[d_ff]) @ diag(vec_r(step(N_2 @ W_1))) @ (I[L] ⊗ W_2 @ W_2.T) @ diag(vec_r(step(N_2 @ W_1))) @ (N_2 ⊗ I[d_ff]))"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_9, s.t_26, s.t_9, s.N_2),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab,nac,cd,nad,nae->bc|ed', s.N_2, s.t_9, s.t_25, s.t_9, s.N_2),
         ]
 
     def block__W_1__W_2__outer(s):
@@ -1523,7 +1535,7 @@ class mse_bias0_causal1(Forward):
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 2/(L*d_V)*(relu(W_1.T @ N_2.T) @ relu(N_2 @ W_1) ⊗ I[d_V])"""
         return [
-            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_27, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V*s.n_batch), 'nab->ac|bc', s.t_26, free={'c': s.d_V}),
         ]
 
     def jacobian__W_Q(s):
@@ -1541,8 +1553,8 @@ class mse_bias0_causal1(Forward):
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_23, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_23, s.S_12),
+            net(1, 'nab->n|ac|bc', s.t_22, free={'c': s.d_V}),
+            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_9, s.W_1, s.S_3, s.t_22, s.S_12),
         ]
 
     def jacobian__W_1(s):
@@ -1559,90 +1571,90 @@ class mse_bias0_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((1/(s.L*s.d_V)) * s.t_38, True)[..., 0, 0]
+        return mean0((1/(s.L*s.d_V)) * s.t_37, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = s.mm("N_1' t_21 N_1 W_K", tr(s.N_1), s.t_21, s.N_1, s.W_K, mean=True)
-        out_W_K = s.mm("N_1' t_21' N_1 W_Q", tr(s.N_1), tr(s.t_21), s.N_1, s.W_Q, mean=True)
-        out_W_V = (s.mm("N_1' A' t_39", tr(s.N_1), tr(s.A), s.t_39, mean=True) + bcast_last(mean0(s.t_41, True), s.d_V))
+        out_W_Q = s.mm("N_1' t_20 N_1 W_K", tr(s.N_1), s.t_20, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' t_20' N_1 W_Q", tr(s.N_1), tr(s.t_20), s.N_1, s.W_Q, mean=True)
+        out_W_V = (s.mm("N_1' A' t_38", tr(s.N_1), tr(s.A), s.t_38, mean=True) + bcast_last(mean0(s.t_40, True), s.d_V))
         out_W_1 = s.mm("N_2' t_11", tr(s.N_2), s.t_11, mean=True)
         out_W_2 = s.mm("t_10' G", tr(s.t_10), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_42 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_43 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_42), s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_44 = lin((-s.d_V, t_43), (1, s.mm('_ one', t_43, s.one)))
-        t_45 = lin((1, s.P_N_2, (-1/s.d_V) * t_44), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_44 * s.M_N_2), s.one), s.t_29))
-        t_46 = lin((1, s.prod('_ W_1', t_45, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_47 = lin((1, t_43), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', (t_46 * s.t_9), s.W_2)))
-        t_48 = (s.t_9 * s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_47, tr(s.W_2)))
-        t_49 = s.mm("_ W_1'", t_48, tr(s.W_1))
-        t_50 = lin((1, s.mm('_ one', (s.t_29 * t_49), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_49))
-        t_51 = lin((1/s.L, t_47), (1, t_50))
-        t_52 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-2/(math.sqrt(s.d_K)*s.d_V**2)) * t_50, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (2/(math.sqrt(s.d_K)*s.d_V)) * t_51, tr(s.W_V), tr(s.N_1)))
-        t_53 = softmax_diff(s.A, t_52)
-        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_53, s.N_1, s.W_K, mean=True)
-        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_53), s.N_1, s.W_Q, mean=True)
-        out_W_V = (s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_51, mean=True) + bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/s.d_V**2) * t_50, s.one), True), s.d_V))
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_48, mean=True)
-        out_W_2 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_47, mean=True)
+        t_41 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_42 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_41), s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_43 = lin((-s.d_V, t_42), (1, s.mm('_ one', t_42, s.one)))
+        t_44 = lin((1, s.P_N_2, (-1/s.d_V) * t_43), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_43 * s.M_N_2), s.one), s.t_28))
+        t_45 = lin((1, s.prod('_ W_1', t_44, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_46 = lin((1, t_42), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', (t_45 * s.t_9), s.W_2)))
+        t_47 = (s.t_9 * s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_46, tr(s.W_2)))
+        t_48 = s.mm("_ W_1'", t_47, tr(s.W_1))
+        t_49 = lin((1, s.mm('_ one', (s.t_28 * t_48), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_48))
+        t_50 = lin((1/s.L, t_46), (1, t_49), ((1/2)*s.d_V, s.mm('_ one', (-2/s.d_V**2) * t_49, s.one)))
+        t_51 = softmax_diff(s.A, s.mm("_ W_V' N_1'", (2/s.d_V) * t_50, tr(s.W_V), tr(s.N_1)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_51, s.N_1, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_51), s.N_1, s.W_Q, mean=True)
+        out_W_V = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_50, mean=True)
+        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_47, mean=True)
+        out_W_2 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_46, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_54 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_55 = softmax_diff2(s.A, s.t_20, (1/math.sqrt(s.d_K)) * t_54)
-        t_56 = (s.t_9 * s.mm('G _', s.G, tr(V_W_2)))
-        t_57 = lin((1, s.prod('t_11 _', s.t_11, tr(V_W_1))), (1, s.prod("_ W_1'", t_56, tr(s.W_1))))
-        t_58 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_54)
-        t_59 = lin((1, s.prod('_ N_1 W_V', t_58, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_60 = lin((-s.d_V, t_59), (1, s.mm('_ one', t_59, s.one)))
-        t_61 = s.mm('_ one', ((-1/s.d_V) * t_60 * s.M_N_2), s.one)
-        t_62 = lin((1, s.t_29, t_57), (1, s.t_30, (-1/s.d_V) * t_60), (2/s.d_V, t_61, s.t_32))
-        t_63 = lin((1, s.P_N_2, t_57), (2/s.d_V, s.t_14, (-1/s.d_V) * t_60), (2/s.d_V, t_61, s.t_30), (2/s.d_V, s.mm('_ one', t_62, s.one), s.M_N_2))
-        t_64 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_63, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_16 one one_2 _ N_1'", s.t_16, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_63, tr(s.W_V), tr(s.N_1)), (1, "t_19 _ N_1'", s.t_19, tr(V_W_V), tr(s.N_1)))
-        t_65 = softmax_diff(s.A, t_64)
-        t_66 = (t_55 + t_65)
-        out_W_Q = s.mm_sum('l', (1, "N_1' t_21 N_1 _", tr(s.N_1), s.t_21, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_66, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_66), s.N_1, s.W_Q), (1, "N_1' t_21' N_1 _", tr(s.N_1), tr(s.t_21), s.N_1, V_W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_39", tr(s.N_1), tr(t_58), s.t_39), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_63), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_40 one", tr(s.N_1), tr(t_58), s.t_40, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_63, s.one), True), s.d_V)))
-        t_67 = lin((-s.d_V, tr(t_59)), (1, s.mm('one_2 _', s.one_2, tr(t_59))))
-        t_69 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_67), (2/s.d_V, tr(t_61), s.t_68))
-        out_W_1 = (s.mm('_ t_11', t_69, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_56, mean=True))
-        t_70 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_69)))
-        out_W_2 = s.mm('_ G', (t_70 * tr(s.t_9)), s.G, mean=True)
+        t_57 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_58 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_57, s.t_55)
+        t_59 = (s.t_9 * s.mm('G _', s.G, tr(V_W_2)))
+        t_60 = lin((1, s.prod('t_11 _', s.t_11, tr(V_W_1))), (1, s.prod("_ W_1'", t_59, tr(s.W_1))))
+        t_61 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_57)
+        t_62 = lin((1, s.prod('_ N_1 W_V', t_61, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_63 = lin((-s.d_V, t_62), (1, s.mm('_ one', t_62, s.one)))
+        t_64 = s.mm('_ one', ((-1/s.d_V) * t_63 * s.M_N_2), s.one)
+        t_65 = lin((1, s.t_28, t_60), (1, s.t_29, (-1/s.d_V) * t_63), (2/s.d_V, t_64, s.t_31))
+        t_66 = lin((1, s.P_N_2, t_60), (2/s.d_V, s.t_14, (-1/s.d_V) * t_63), (2/s.d_V, t_64, s.t_29), (2/s.d_V, s.mm('_ one', t_65, s.one), s.M_N_2))
+        t_67 = lin((1, t_66), (1, s.mm('_ one', (-1/s.d_V) * t_66, s.one)))
+        t_68 = s.mm_sum('r', (1, "_ W_V' N_1'", t_67, tr(s.W_V), tr(s.N_1)), (1, "t_54 _ N_1'", s.t_54, tr(V_W_V), tr(s.N_1)))
+        t_69 = softmax_diff(s.A, t_68)
+        t_70 = (t_58 + t_69)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_56 N_1 _", tr(s.N_1), s.t_56, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_70, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_56' N_1 _", tr(s.N_1), tr(s.t_56), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_70), s.N_1, s.W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_67), (1, "N_1' _ t_54", tr(s.N_1), tr(t_61), s.t_54), mean=True)
+        t_71 = lin((-s.d_V, tr(t_62)), (1, s.mm('one_2 _', s.one_2, tr(t_62))))
+        t_73 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_71), (2/s.d_V, tr(t_64), s.t_72))
+        out_W_1 = (s.mm('_ t_11', t_73, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_59, mean=True))
+        t_74 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_73)))
+        out_W_2 = s.mm('_ G', (t_74 * tr(s.t_9)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_83 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_84 = softmax_diff2(s.A, s.t_81, (1/math.sqrt(s.d_K)) * t_83)
-        t_85 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_83)
-        t_86 = lin((1, s.prod('_ N_1 W_V', t_85, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_87 = lin((-s.d_V, t_86), (1, s.mm('_ one', t_86, s.one)))
-        t_88 = s.mm('_ one', ((-1/s.d_V) * t_87 * s.M_N_2), s.one)
-        t_89 = (t_88 * s.t_29)
-        t_90 = lin((1, s.P_N_2, (-1/s.d_V) * t_87), (2/s.d_V, t_89))
-        t_91 = lin((1, s.prod('_ W_1', t_90, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_92 = (t_91 * s.t_9)
-        t_93 = lin((1, t_86), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_92, s.W_2)))
-        t_94 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_93, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
-        t_95 = (t_94 * s.t_9)
-        t_96 = lin((1, s.prod("_ W_1'", t_95, tr(s.W_1))), (1, s.prod('t_72 _', s.t_72, tr(V_W_1))))
-        t_99 = lin((1, s.t_29, t_96), (1, s.t_97, (-1/s.d_V) * t_87), (2/s.d_V, t_88, s.t_98))
-        t_100 = lin((1, s.P_N_2, t_96), (2/s.d_V, s.t_75, (-1/s.d_V) * t_87), (2/s.d_V, t_88, s.t_97), (2/s.d_V, s.mm('_ one', t_99, s.one), s.M_N_2))
-        t_101 = lin((2/(s.L*s.d_V), t_93), (1, t_100))
-        t_102 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_100, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_77 one one_2 _ N_1'", s.t_77, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_101, tr(s.W_V), tr(s.N_1)), (1, "t_80 _ N_1'", s.t_80, tr(V_W_V), tr(s.N_1)))
-        t_103 = softmax_diff(s.A, t_102)
-        t_104 = (t_84 + t_103)
-        out_W_Q = s.mm_sum('l', (1, "N_1' t_82 N_1 _", tr(s.N_1), s.t_82, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_104, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_104), s.N_1, s.W_Q), (1, "N_1' t_82' N_1 _", tr(s.N_1), tr(s.t_82), s.N_1, V_W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_105", tr(s.N_1), tr(t_85), s.t_105), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_101), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_100, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_106 one", tr(s.N_1), tr(t_85), s.t_106, s.one), True), s.d_V)))
-        out_W_1 = (s.mm('_ t_72', tr(t_90), s.t_72, mean=True) + s.mm("N_2' _", tr(s.N_2), t_95, mean=True))
-        out_W_2 = (s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_93, mean=True) + s.mm('_ G', tr(t_92), s.G, mean=True))
+        t_75 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_88 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_75, s.t_87)
+        t_89 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_75)
+        t_90 = lin((1, s.prod('_ N_1 W_V', t_89, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_91 = lin((-s.d_V, t_90), (1, s.mm('_ one', t_90, s.one)))
+        t_92 = s.mm('_ one', ((-1/s.d_V) * t_91 * s.M_N_2), s.one)
+        t_93 = (t_92 * s.t_28)
+        t_94 = lin((1, s.P_N_2, (-1/s.d_V) * t_91), (2/s.d_V, t_93))
+        t_95 = lin((1, s.prod('_ W_1', t_94, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_96 = (t_95 * s.t_9)
+        t_97 = lin((1, t_90), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_96, s.W_2)))
+        t_98 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_97, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_99 = (t_98 * s.t_9)
+        t_100 = lin((1, s.prod("_ W_1'", t_99, tr(s.W_1))), (1, s.prod('t_78 _', s.t_78, tr(V_W_1))))
+        t_103 = lin((1, s.t_28, t_100), (1, s.t_101, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_102))
+        t_104 = lin((1, s.P_N_2, t_100), (2/s.d_V, s.t_81, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_101), (2/s.d_V, s.mm('_ one', t_103, s.one), s.M_N_2))
+        t_105 = lin((2/(s.L*s.d_V), t_97), (1, t_104), (1, s.mm('_ one', (-1/s.d_V) * t_104, s.one)))
+        t_106 = s.mm_sum('r', (1, "_ W_V' N_1'", t_105, tr(s.W_V), tr(s.N_1)), (1, "t_86 _ N_1'", s.t_86, tr(V_W_V), tr(s.N_1)))
+        t_107 = softmax_diff(s.A, t_106)
+        t_108 = (t_88 + t_107)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_108, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_109 N_1 _", tr(s.N_1), s.t_109, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_109' N_1 _", tr(s.N_1), tr(s.t_109), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_108), s.N_1, s.W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_105), (1, "N_1' _ t_86", tr(s.N_1), tr(t_89), s.t_86), mean=True)
+        out_W_1 = (s.mm('_ t_78', tr(t_94), s.t_78, mean=True) + s.mm("N_2' _", tr(s.N_2), t_99, mean=True))
+        out_W_2 = (s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_97, mean=True) + s.mm('_ G', tr(t_96), s.G, mean=True))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -1654,29 +1666,23 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "828287a56d65e2531debdc46"
+    STAMP = "004efa98b320f4d16116381f"
     RUNS = {
-        'A N_1': 13,
+        'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
-        'N_1 W_V': 15,
-        "N_1 W_V one_2'": 5,
-        "N_1 W_V one_2' one'": 5,
-        "N_1' t_111": 2,
-        "N_1' t_111 N_1": 2,
-        "N_1' t_111'": 2,
-        "N_1' t_24": 4,
-        "N_1' t_24 N_1": 4,
-        "N_1' t_24'": 5,
-        "W_V one_2'": 5,
-        "W_V one_2' one'": 5,
-        'one one_2': 7,
-        "one' t_19'": 2,
-        "one' t_42'": 2,
-        "one' t_82'": 2,
-        "one_2' one' t_19'": 2,
-        "one_2' one' t_82'": 2,
+        'N_1 W_V': 12,
+        "N_1' t_115": 2,
+        "N_1' t_115 N_1": 2,
+        "N_1' t_115'": 2,
+        "N_1' t_23": 2,
+        "N_1' t_23 N_1": 2,
+        "N_1' t_23'": 3,
+        "N_1' t_74": 2,
+        "N_1' t_74 N_1": 2,
+        "N_1' t_74'": 2,
+        "one' t_41'": 2,
     }
 
     @leaf
@@ -1833,167 +1839,179 @@ class ce_bias0_causal0(Forward):
 
     @leaf
     def t_23(s):
-        return (s.t_20 + s.mm("t_22 W_V' N_1'", s.t_22, tr(s.W_V), tr(s.N_1)))
+        return softmax_diff(s.A, (s.t_20 + s.mm("t_22 W_V' N_1'", s.t_22, tr(s.W_V), tr(s.N_1))))
 
     @leaf
     def t_24(s):
-        return softmax_diff(s.A, s.t_23)
+        return s.mm('t_23 N_1', s.t_23, s.N_1)
 
     @leaf
     def t_25(s):
-        return s.mm('t_24 N_1', s.t_24, s.N_1)
-
-    @leaf
-    def t_26(s):
         return s.mm('A N_1', s.A, s.N_1)
 
     @leaf
-    def t_27(s):
+    def t_26(s):
         return tr(s.t_8)
 
     @leaf
-    def t_28(s):
-        return tr(s.t_26)
+    def t_27(s):
+        return tr(s.t_25)
 
     @leaf
-    def t_29(s):
+    def t_28(s):
         return tr(s.t_12)
 
     @leaf
-    def t_30(s):
+    def t_29(s):
         return bcast_last(s.P_N_2, s.d_V)
 
     @leaf
-    def t_31(s):
+    def t_30(s):
         return (s.t_10 * s.M_N_2)
 
     @leaf
-    def t_32(s):
+    def t_31(s):
         return softmax_rows(s.F)
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return (s.t_10 * s.t_15)
 
     @leaf
-    def t_34(s):
+    def t_33(s):
         return (0.75 * (s.sigma2_N_2 ** -2.5))
 
     @leaf
-    def t_35(s):
-        return mul(s.t_34, s.t_15, s.M_N_2)
+    def t_34(s):
+        return mul(s.t_33, s.t_15, s.M_N_2)
 
     @leaf
-    def t_36(s):
+    def t_35(s):
         return bcast_last(s.t_17, s.d_V)
 
     @leaf
-    def t_37(s):
+    def t_36(s):
         return s.mm('t_18 one', s.t_18, s.one)
 
     @leaf
-    def t_38(s):
-        return bcast_last(s.t_37, s.d_V)
+    def t_37(s):
+        return bcast_last(s.t_36, s.d_V)
 
     @leaf
     def one_3(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_39(s):
+    def t_38(s):
         return log_softmax_rows(s.F)
 
     @leaf
+    def t_39(s):
+        return (s.t_38 * s.Y)
+
+    @leaf
     def t_40(s):
-        return (s.t_39 * s.Y)
+        return s.mm('one_3 t_39 one', s.one_3, s.t_39, s.one)
 
     @leaf
     def t_41(s):
-        return s.mm('one_3 t_40 one', s.one_3, s.t_40, s.one)
-
-    @leaf
-    def t_42(s):
         return (-2/s.d_V**2) * s.t_18
 
     @leaf
-    def t_43(s):
-        return s.mm("N_1' A' t_42 one", tr(s.N_1), tr(s.A), s.t_42, s.one)
+    def t_42(s):
+        return s.mm("N_1' A' t_41 one", tr(s.N_1), tr(s.A), s.t_41, s.one)
 
     @leaf
-    def t_44(s):
+    def t_43(s):
         return (2/s.d_V) * s.t_21
 
     @leaf
-    def t_73(s):
-        return (tr(s.t_10) * tr(s.M_N_2))
+    def t_57(s):
+        return s.mm('t_41 one', s.t_41, s.one)
+
+    @leaf
+    def t_58(s):
+        return lin((1, s.t_21), ((1/2)*s.d_V, s.t_57))
+
+    @leaf
+    def t_59(s):
+        return (2/s.d_V) * s.t_58
+
+    @leaf
+    def t_60(s):
+        return s.mm("t_59 W_V' N_1'", s.t_59, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_74(s):
+        return softmax_diff(s.A, s.t_60)
 
     @leaf
     def t_76(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
-
-    @leaf
-    def t_77(s):
-        return (s.t_11 * s.t_76)
-
-    @leaf
-    def t_78(s):
-        return s.mm("t_77 W_1'", s.t_77, tr(s.W_1))
-
-    @leaf
-    def t_79(s):
-        return mul(s.t_10, s.t_78, s.M_N_2)
+        return (tr(s.t_10) * tr(s.M_N_2))
 
     @leaf
     def t_80(s):
-        return s.mm('t_79 one', s.t_79, s.one)
-
-    @leaf
-    def t_81(s):
-        return lin((1, s.t_80, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_78))
-
-    @leaf
-    def t_82(s):
-        return (-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_81
-
-    @leaf
-    def t_83(s):
         return (s.t_4 * s.t_13)
 
     @leaf
+    def t_81(s):
+        return (s.t_80 - s.Y)
+
+    @leaf
+    def t_82(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
+
+    @leaf
+    def t_83(s):
+        return (s.t_11 * s.t_82)
+
+    @leaf
     def t_84(s):
-        return (s.t_83 - s.Y)
+        return s.mm("t_83 W_1'", s.t_83, tr(s.W_1))
 
     @leaf
     def t_85(s):
-        return lin(((1/2)*s.d_V/s.L, s.t_84), (1, s.t_81))
+        return mul(s.t_10, s.t_84, s.M_N_2)
 
     @leaf
     def t_86(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_85
+        return s.mm('t_85 one', s.t_85, s.one)
 
     @leaf
     def t_87(s):
-        return s.mm_sum('r', (1, "t_82 one one_2 W_V' N_1'", s.t_82, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_86 W_V' N_1'", s.t_86, tr(s.W_V), tr(s.N_1)))
+        return lin((1, s.t_86, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_84))
 
     @leaf
-    def t_103(s):
-        return (s.t_10 * s.t_78)
+    def t_88(s):
+        return (-2/s.d_V**2) * s.t_87
 
     @leaf
-    def t_104(s):
-        return mul(s.t_34, s.t_78, s.M_N_2)
+    def t_89(s):
+        return s.mm('t_88 one', s.t_88, s.one)
 
     @leaf
-    def t_111(s):
-        return softmax_diff(s.A, s.t_87)
+    def t_90(s):
+        return lin(((1/2)*s.d_V/s.L, s.t_81), (1, s.t_87), ((1/2)*s.d_V, s.t_89))
 
     @leaf
-    def t_112(s):
-        return (2/s.d_V) * s.t_85
+    def t_91(s):
+        return (2/s.d_V) * s.t_90
 
     @leaf
-    def t_113(s):
-        return (-2/s.d_V**2) * s.t_81
+    def t_92(s):
+        return s.mm("t_91 W_V' N_1'", s.t_91, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_107(s):
+        return (s.t_10 * s.t_84)
+
+    @leaf
+    def t_108(s):
+        return mul(s.t_33, s.t_84, s.M_N_2)
+
+    @leaf
+    def t_115(s):
+        return softmax_diff(s.A, s.t_92)
 
     @leaf
     def dA(s):
@@ -2007,16 +2025,16 @@ class ce_bias0_causal0(Forward):
     def S(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
-            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
         ])
 
     @leaf
     def S_2(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
-            net(1/(s.L*s.d_K), 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_K*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(1/(s.L*s.d_K), 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/(s.L*s.d_K*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*s.d_K*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
@@ -2032,16 +2050,16 @@ class ce_bias0_causal0(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_32, s.t_32),
+            net(1, 'nab,bc->nabc', s.t_31, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_31, s.t_31),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, ONES, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
         ])
 
     @leaf
@@ -2064,16 +2082,16 @@ class ce_bias0_causal0(Forward):
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.t_33, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_35, ONES, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_34, ONES, s.M_N_2),
         ])
 
     @leaf
     def S_8(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.t_36, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,nac->nabc', s.t_33, ONES, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,nac->nabc', s.t_32, ONES, s.M_N_2),
             net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
@@ -2081,9 +2099,9 @@ class ce_bias0_causal0(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_24, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_24, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_24),
+            net(1, 'nab,bc->nabc', s.t_23, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_23, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_23),
         ])
 
     @leaf
@@ -2106,8 +2124,8 @@ class ce_bias0_causal0(Forward):
     def S_11(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_11', [
-            net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
@@ -2132,7 +2150,7 @@ class ce_bias0_causal0(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
             net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_21),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_38),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_37),
         ])
 
     @leaf
@@ -2155,8 +2173,8 @@ class ce_bias0_causal0(Forward):
     def S_17(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_17', [
-            net(1/s.L, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(1/s.L, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
@@ -2205,22 +2223,22 @@ class ce_bias0_causal0(Forward):
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_25, free={'d': s.d_K}),
+            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_24, free={'d': s.d_K}),
             net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_8, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_26),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_26, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_25, s.S_13),
         ]
 
     def block__W_Q__W_1__outer(s):
@@ -2250,88 +2268,88 @@ class ce_bias0_causal0(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_27, s.N_1, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_26, s.N_1, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_27, s.S_9, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_26, s.S_9, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_26),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_27, s.N_1, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_27, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_26, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_26, s.N_1, s.dA, s.N_1, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_26, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_25, s.S_13),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_27, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_14),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_27, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_28, s.S_18, s.t_5, s.dA_2, s.t_26),
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_28, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_18, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_27, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_28, s.S_19, s.S_8, s.t_26, s.S_13),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_27, s.S_19, s.S_8, s.t_25, s.S_13),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_28, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_27, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_28, s.S_5, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_27, s.S_5, s.S, s.t_14),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_28, s.S_18, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_18, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_28, s.S_5, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_27, s.S_5, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -2355,7 +2373,7 @@ class ce_bias0_causal0(Forward):
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 1/L*((relu(W_1.T @ N_2.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_29, s.t_5, s.dA_2, s.t_12),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_28, s.t_5, s.dA_2, s.t_12),
         ]
 
     def jacobian__W_Q(s):
@@ -2373,8 +2391,8 @@ class ce_bias0_causal0(Forward):
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_26, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
+            net(1, 'nab->n|ac|bc', s.t_25, free={'c': s.d_V}),
+            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
         ]
 
     def jacobian__W_1(s):
@@ -2391,93 +2409,92 @@ class ce_bias0_causal0(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_41, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_40, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = s.mm("N_1' t_24 N_1 W_K", tr(s.N_1), s.t_24, s.N_1, s.W_K, mean=True)
-        out_W_K = s.mm("N_1' t_24' N_1 W_Q", tr(s.N_1), tr(s.t_24), s.N_1, s.W_Q, mean=True)
-        out_W_V = (bcast_last(mean0(s.t_43, True), s.d_V) + s.mm("N_1' A' t_44", tr(s.N_1), tr(s.A), s.t_44, mean=True))
+        out_W_Q = s.mm("N_1' t_23 N_1 W_K", tr(s.N_1), s.t_23, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' t_23' N_1 W_Q", tr(s.N_1), tr(s.t_23), s.N_1, s.W_Q, mean=True)
+        out_W_V = (bcast_last(mean0(s.t_42, True), s.d_V) + s.mm("N_1' A' t_43", tr(s.N_1), tr(s.A), s.t_43, mean=True))
         out_W_1 = s.mm("N_2' t_14", tr(s.N_2), s.t_14, mean=True)
         out_W_2 = s.mm("t_12' G", tr(s.t_12), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_45 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_46 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_45), s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_47 = lin((-s.d_V, t_46), (1, s.mm('_ one', t_46, s.one)))
-        t_48 = lin((1, s.P_N_2, (-1/s.d_V) * t_47), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_47 * s.M_N_2), s.one), s.t_31))
-        t_49 = lin((1, s.prod('_ W_1', t_48, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_50 = lin((1, t_46), (1, s.prod("t_29' _", tr(s.t_29), V_W_2)), (1, s.prod('_ W_2', (t_49 * s.t_11), s.W_2)))
-        t_51 = (s.t_4 * softmax_diff(s.t_32, t_50))
-        t_52 = (s.t_11 * s.mm("_ W_2'", t_51, tr(s.W_2)))
-        t_53 = s.mm("_ W_1'", t_52, tr(s.W_1))
-        t_54 = lin((1, s.mm('_ one', (s.t_31 * t_53), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_53))
-        t_55 = lin((1, t_54), ((1/2)*s.d_V, t_51))
-        t_56 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_54, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_55, tr(s.W_V), tr(s.N_1)))
-        t_57 = softmax_diff(s.A, t_56)
-        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_57, s.N_1, s.W_K, mean=True)
-        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_57), s.N_1, s.W_Q, mean=True)
-        t_58 = s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/(s.L*s.d_V**2)) * t_54, s.one)
-        out_W_V = (s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_55, mean=True) + bcast_last(mean0(t_58, True), s.d_V))
-        out_W_1 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_52, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_12' _", tr(s.t_12), t_51, mean=True)
+        t_44 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_45 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_44), s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_46 = lin((-s.d_V, t_45), (1, s.mm('_ one', t_45, s.one)))
+        t_47 = lin((1, s.P_N_2, (-1/s.d_V) * t_46), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_46 * s.M_N_2), s.one), s.t_30))
+        t_48 = lin((1, s.prod('_ W_1', t_47, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_49 = lin((1, t_45), (1, s.prod("t_28' _", tr(s.t_28), V_W_2)), (1, s.prod('_ W_2', (t_48 * s.t_11), s.W_2)))
+        t_50 = (s.t_4 * softmax_diff(s.t_31, t_49))
+        t_51 = (s.t_11 * s.mm("_ W_2'", t_50, tr(s.W_2)))
+        t_52 = s.mm("_ W_1'", t_51, tr(s.W_1))
+        t_53 = lin((1, s.mm('_ one', (s.t_30 * t_52), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_52))
+        t_54 = lin((1, t_53), ((1/2)*s.d_V, t_50), ((1/2)*s.L*s.d_V, s.mm('_ one', (-2/(s.L*s.d_V**2)) * t_53, s.one)))
+        t_55 = softmax_diff(s.A, s.mm("_ W_V' N_1'", (2/(s.L*s.d_V)) * t_54, tr(s.W_V), tr(s.N_1)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_55, s.N_1, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_55), s.N_1, s.W_Q, mean=True)
+        out_W_V = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_54, mean=True)
+        out_W_1 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_51, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_12' _", tr(s.t_12), t_50, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_59 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_60 = softmax_diff2(s.A, s.t_23, (1/math.sqrt(s.d_K)) * t_59)
-        t_61 = (s.t_11 * s.mm('G _', s.G, tr(V_W_2)))
-        t_62 = lin((1, s.prod("_ W_1'", t_61, tr(s.W_1))), (1, s.prod('t_14 _', s.t_14, tr(V_W_1))))
-        t_63 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_59)
-        t_64 = lin((1, s.prod('_ N_1 W_V', t_63, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_65 = lin((-s.d_V, t_64), (1, s.mm('_ one', t_64, s.one)))
-        t_66 = s.mm('_ one', ((-1/s.d_V) * t_65 * s.M_N_2), s.one)
-        t_67 = lin((1, s.t_31, t_62), (1, s.t_33, (-1/s.d_V) * t_65), (2/s.d_V, t_66, s.t_35))
-        t_68 = lin((1, s.P_N_2, t_62), (2/s.d_V, s.t_17, (-1/s.d_V) * t_65), (2/s.d_V, t_66, s.t_33), (2/s.d_V, s.mm('_ one', t_67, s.one), s.M_N_2))
-        t_69 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_68, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_19 one one_2 _ N_1'", s.t_19, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_68, tr(s.W_V), tr(s.N_1)), (1, "t_22 _ N_1'", s.t_22, tr(V_W_V), tr(s.N_1)))
-        t_70 = softmax_diff(s.A, t_69)
-        t_71 = (t_60 + t_70)
-        out_W_Q = s.mm_sum('l', (1, "N_1' t_24 N_1 _", tr(s.N_1), s.t_24, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_71, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_71), s.N_1, s.W_Q), (1, "N_1' t_24' N_1 _", tr(s.N_1), tr(s.t_24), s.N_1, V_W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_68), (1, "N_1' _ t_44", tr(s.N_1), tr(t_63), s.t_44), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_42 one", tr(s.N_1), tr(t_63), s.t_42, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_68, s.one), True), s.d_V)))
-        t_72 = lin((-s.d_V, tr(t_64)), (1, s.mm('one_2 _', s.one_2, tr(t_64))))
-        t_74 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_72), (2/s.d_V, tr(t_66), s.t_73))
-        out_W_1 = (s.mm('_ t_14', t_74, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_61, mean=True))
-        t_75 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_74)))
-        out_W_2 = s.mm('_ G', (t_75 * tr(s.t_11)), s.G, mean=True)
+        t_56 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_61 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_56, s.t_60)
+        t_62 = (s.t_11 * s.mm('G _', s.G, tr(V_W_2)))
+        t_63 = lin((1, s.prod("_ W_1'", t_62, tr(s.W_1))), (1, s.prod('t_14 _', s.t_14, tr(V_W_1))))
+        t_64 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_56)
+        t_65 = lin((1, s.prod('_ N_1 W_V', t_64, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_66 = lin((-s.d_V, t_65), (1, s.mm('_ one', t_65, s.one)))
+        t_67 = s.mm('_ one', ((-1/s.d_V) * t_66 * s.M_N_2), s.one)
+        t_68 = lin((1, s.t_30, t_63), (1, s.t_32, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_34))
+        t_69 = lin((1, s.P_N_2, t_63), (2/s.d_V, s.t_17, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_32), (2/s.d_V, s.mm('_ one', t_68, s.one), s.M_N_2))
+        t_70 = lin((1, t_69), (1, s.mm('_ one', (-1/s.d_V) * t_69, s.one)))
+        t_71 = s.mm_sum('r', (1, "_ W_V' N_1'", t_70, tr(s.W_V), tr(s.N_1)), (1, "t_59 _ N_1'", s.t_59, tr(V_W_V), tr(s.N_1)))
+        t_72 = softmax_diff(s.A, t_71)
+        t_73 = (t_61 + t_72)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_73, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_74 N_1 _", tr(s.N_1), s.t_74, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_73), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_74' N_1 _", tr(s.N_1), tr(s.t_74), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_59", tr(s.N_1), tr(t_64), s.t_59), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_70), mean=True)
+        t_75 = lin((-s.d_V, tr(t_65)), (1, s.mm('one_2 _', s.one_2, tr(t_65))))
+        t_77 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_75), (2/s.d_V, tr(t_67), s.t_76))
+        out_W_1 = (s.mm('_ t_14', t_77, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_62, mean=True))
+        t_78 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_77)))
+        out_W_2 = s.mm('_ G', (t_78 * tr(s.t_11)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_88 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_89 = softmax_diff2(s.A, s.t_87, (1/math.sqrt(s.d_K)) * t_88)
-        t_90 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_88)
-        t_91 = lin((1, s.prod('_ N_1 W_V', t_90, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_92 = lin((-s.d_V, t_91), (1, s.mm('_ one', t_91, s.one)))
-        t_93 = s.mm('_ one', ((-1/s.d_V) * t_92 * s.M_N_2), s.one)
-        t_94 = (t_93 * s.t_31)
-        t_95 = lin((1, s.P_N_2, (-1/s.d_V) * t_92), (2/s.d_V, t_94))
-        t_96 = lin((1, s.prod('_ W_1', t_95, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_97 = (t_96 * s.t_11)
-        t_98 = lin((1, t_91), (1, s.prod("t_29' _", tr(s.t_29), V_W_2)), (1, s.prod('_ W_2', t_97, s.W_2)))
-        t_99 = (s.t_4 * softmax_diff(s.t_13, t_98))
-        t_100 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_99, tr(s.W_2))))
+        t_79 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_93 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_79, s.t_92)
+        t_94 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_79)
+        t_95 = lin((1, s.prod('_ N_1 W_V', t_94, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_96 = lin((-s.d_V, t_95), (1, s.mm('_ one', t_95, s.one)))
+        t_97 = s.mm('_ one', ((-1/s.d_V) * t_96 * s.M_N_2), s.one)
+        t_98 = (t_97 * s.t_30)
+        t_99 = lin((1, s.P_N_2, (-1/s.d_V) * t_96), (2/s.d_V, t_98))
+        t_100 = lin((1, s.prod('_ W_1', t_99, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
         t_101 = (t_100 * s.t_11)
-        t_102 = lin((1, s.prod("_ W_1'", t_101, tr(s.W_1))), (1, s.prod('t_77 _', s.t_77, tr(V_W_1))))
-        t_105 = lin((1, s.t_31, t_102), (1, s.t_103, (-1/s.d_V) * t_92), (2/s.d_V, t_93, s.t_104))
-        t_106 = lin((1, s.P_N_2, t_102), (2/s.d_V, s.t_80, (-1/s.d_V) * t_92), (2/s.d_V, t_93, s.t_103), (2/s.d_V, s.mm('_ one', t_105, s.one), s.M_N_2))
-        t_107 = lin((1, t_106), (1/s.L, t_99))
-        t_108 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_106, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_82 one one_2 _ N_1'", s.t_82, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_107, tr(s.W_V), tr(s.N_1)), (1, "t_86 _ N_1'", s.t_86, tr(V_W_V), tr(s.N_1)))
-        t_109 = softmax_diff(s.A, t_108)
-        t_110 = (t_89 + t_109)
-        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_110, s.N_1, s.W_K), (1, "N_1' t_111 N_1 _", tr(s.N_1), s.t_111, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_111' N_1 _", tr(s.N_1), tr(s.t_111), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_110), s.N_1, s.W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_107), (1, "N_1' _ t_112", tr(s.N_1), tr(t_90), s.t_112), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_106, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_113 one", tr(s.N_1), tr(t_90), s.t_113, s.one), True), s.d_V)))
-        out_W_1 = (s.mm('_ t_77', tr(t_95), s.t_77, mean=True) + s.mm("N_2' _", tr(s.N_2), t_101, mean=True))
-        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_99, mean=True)), (1, s.mm('_ G', tr(t_97), s.G, mean=True)))
+        t_102 = lin((1, t_95), (1, s.prod("t_28' _", tr(s.t_28), V_W_2)), (1, s.prod('_ W_2', t_101, s.W_2)))
+        t_103 = (s.t_4 * softmax_diff(s.t_13, t_102))
+        t_104 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_103, tr(s.W_2))))
+        t_105 = (t_104 * s.t_11)
+        t_106 = lin((1, s.prod("_ W_1'", t_105, tr(s.W_1))), (1, s.prod('t_83 _', s.t_83, tr(V_W_1))))
+        t_109 = lin((1, s.t_30, t_106), (1, s.t_107, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_108))
+        t_110 = lin((1, s.P_N_2, t_106), (2/s.d_V, s.t_86, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_107), (2/s.d_V, s.mm('_ one', t_109, s.one), s.M_N_2))
+        t_111 = lin((1, t_110), (1/s.L, t_103), (1, s.mm('_ one', (-1/s.d_V) * t_110, s.one)))
+        t_112 = s.mm_sum('r', (1, "_ W_V' N_1'", t_111, tr(s.W_V), tr(s.N_1)), (1, "t_91 _ N_1'", s.t_91, tr(V_W_V), tr(s.N_1)))
+        t_113 = softmax_diff(s.A, t_112)
+        t_114 = (t_93 + t_113)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_114, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_115 N_1 _", tr(s.N_1), s.t_115, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_114), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_115' N_1 _", tr(s.N_1), tr(s.t_115), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_111), (1, "N_1' _ t_91", tr(s.N_1), tr(t_94), s.t_91), mean=True)
+        out_W_1 = (s.mm('_ t_83', tr(t_99), s.t_83, mean=True) + s.mm("N_2' _", tr(s.N_2), t_105, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_103, mean=True)), (1, s.mm('_ G', tr(t_101), s.G, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -2489,29 +2506,23 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "675679e00a7edc72f5a773cd"
+    STAMP = "4d3309fc54973871a04fb21d"
     RUNS = {
-        'A N_1': 13,
+        'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
-        'N_1 W_V': 15,
-        "N_1 W_V one_2'": 5,
-        "N_1 W_V one_2' one'": 5,
-        "N_1' t_111": 2,
-        "N_1' t_111 N_1": 2,
-        "N_1' t_111'": 2,
-        "N_1' t_24": 4,
-        "N_1' t_24 N_1": 4,
-        "N_1' t_24'": 5,
-        "W_V one_2'": 5,
-        "W_V one_2' one'": 5,
-        'one one_2': 7,
-        "one' t_19'": 2,
-        "one' t_43'": 2,
-        "one' t_82'": 2,
-        "one_2' one' t_19'": 2,
-        "one_2' one' t_82'": 2,
+        'N_1 W_V': 12,
+        "N_1' t_23": 2,
+        "N_1' t_23 N_1": 2,
+        "N_1' t_23'": 3,
+        "N_1' t_60": 2,
+        "N_1' t_60 N_1": 2,
+        "N_1' t_60'": 2,
+        "N_1' t_92": 2,
+        "N_1' t_92 N_1": 2,
+        "N_1' t_92'": 2,
+        "one' t_42'": 2,
     }
 
     @leaf
@@ -2668,167 +2679,179 @@ class ce_bias0_causal1(Forward):
 
     @leaf
     def t_23(s):
-        return (s.t_20 + s.mm("t_22 W_V' N_1'", s.t_22, tr(s.W_V), tr(s.N_1)))
+        return softmax_diff(s.A, (s.t_20 + s.mm("t_22 W_V' N_1'", s.t_22, tr(s.W_V), tr(s.N_1))))
 
     @leaf
     def t_24(s):
-        return softmax_diff(s.A, s.t_23)
+        return s.mm('t_23 N_1', s.t_23, s.N_1)
 
     @leaf
     def t_25(s):
-        return s.mm('t_24 N_1', s.t_24, s.N_1)
-
-    @leaf
-    def t_26(s):
         return s.mm('A N_1', s.A, s.N_1)
 
     @leaf
-    def t_27(s):
+    def t_26(s):
         return tr(s.t_8)
 
     @leaf
-    def t_28(s):
-        return tr(s.t_26)
+    def t_27(s):
+        return tr(s.t_25)
 
     @leaf
-    def t_29(s):
+    def t_28(s):
         return tr(s.t_12)
 
     @leaf
-    def t_30(s):
+    def t_29(s):
         return bcast_last(s.P_N_2, s.d_V)
 
     @leaf
-    def t_31(s):
+    def t_30(s):
         return (s.t_10 * s.M_N_2)
 
     @leaf
-    def t_32(s):
+    def t_31(s):
         return softmax_rows(s.F)
 
     @leaf
-    def t_33(s):
+    def t_32(s):
         return (s.t_10 * s.t_15)
 
     @leaf
-    def t_34(s):
+    def t_33(s):
         return (0.75 * (s.sigma2_N_2 ** -2.5))
 
     @leaf
-    def t_35(s):
-        return mul(s.t_34, s.t_15, s.M_N_2)
+    def t_34(s):
+        return mul(s.t_33, s.t_15, s.M_N_2)
 
     @leaf
-    def t_36(s):
+    def t_35(s):
         return bcast_last(s.t_17, s.d_V)
 
     @leaf
-    def t_37(s):
+    def t_36(s):
         return s.mm('t_18 one', s.t_18, s.one)
 
     @leaf
-    def t_38(s):
-        return bcast_last(s.t_37, s.d_V)
+    def t_37(s):
+        return bcast_last(s.t_36, s.d_V)
 
     @leaf
     def one_3(s):
         return ones((1, s.L), s.like)
 
     @leaf
-    def t_39(s):
+    def t_38(s):
         return log_softmax_rows(s.F)
 
     @leaf
+    def t_39(s):
+        return (s.t_38 * s.Y)
+
+    @leaf
     def t_40(s):
-        return (s.t_39 * s.Y)
+        return s.mm('one_3 t_39 one', s.one_3, s.t_39, s.one)
 
     @leaf
     def t_41(s):
-        return s.mm('one_3 t_40 one', s.one_3, s.t_40, s.one)
-
-    @leaf
-    def t_42(s):
         return (2/s.d_V) * s.t_21
 
     @leaf
-    def t_43(s):
+    def t_42(s):
         return (-2/s.d_V**2) * s.t_18
 
     @leaf
-    def t_44(s):
-        return s.mm("N_1' A' t_43 one", tr(s.N_1), tr(s.A), s.t_43, s.one)
+    def t_43(s):
+        return s.mm("N_1' A' t_42 one", tr(s.N_1), tr(s.A), s.t_42, s.one)
 
     @leaf
-    def t_73(s):
-        return (tr(s.t_10) * tr(s.M_N_2))
+    def t_56(s):
+        return s.mm('t_42 one', s.t_42, s.one)
+
+    @leaf
+    def t_57(s):
+        return lin((1, s.t_21), ((1/2)*s.d_V, s.t_56))
+
+    @leaf
+    def t_58(s):
+        return (2/s.d_V) * s.t_57
+
+    @leaf
+    def t_59(s):
+        return s.mm("t_58 W_V' N_1'", s.t_58, tr(s.W_V), tr(s.N_1))
+
+    @leaf
+    def t_60(s):
+        return softmax_diff(s.A, s.t_59)
 
     @leaf
     def t_76(s):
-        return s.mm("G W_2'", s.G, tr(s.W_2))
-
-    @leaf
-    def t_77(s):
-        return (s.t_11 * s.t_76)
-
-    @leaf
-    def t_78(s):
-        return s.mm("t_77 W_1'", s.t_77, tr(s.W_1))
+        return (tr(s.t_10) * tr(s.M_N_2))
 
     @leaf
     def t_79(s):
-        return mul(s.t_10, s.t_78, s.M_N_2)
-
-    @leaf
-    def t_80(s):
-        return s.mm('t_79 one', s.t_79, s.one)
-
-    @leaf
-    def t_81(s):
-        return lin((1, s.t_80, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_78))
-
-    @leaf
-    def t_82(s):
-        return (-2/(math.sqrt(s.d_K)*s.d_V**2)) * s.t_81
-
-    @leaf
-    def t_83(s):
         return (s.t_4 * s.t_13)
 
     @leaf
+    def t_80(s):
+        return (s.t_79 - s.Y)
+
+    @leaf
+    def t_81(s):
+        return s.mm("G W_2'", s.G, tr(s.W_2))
+
+    @leaf
+    def t_82(s):
+        return (s.t_11 * s.t_81)
+
+    @leaf
+    def t_83(s):
+        return s.mm("t_82 W_1'", s.t_82, tr(s.W_1))
+
+    @leaf
     def t_84(s):
-        return (s.t_83 - s.Y)
+        return mul(s.t_10, s.t_83, s.M_N_2)
 
     @leaf
     def t_85(s):
-        return lin(((1/2)*s.d_V/s.L, s.t_84), (1, s.t_81))
+        return s.mm('t_84 one', s.t_84, s.one)
 
     @leaf
     def t_86(s):
-        return (2/(math.sqrt(s.d_K)*s.d_V)) * s.t_85
+        return lin((1, s.t_85, s.M_N_2), ((1/2)*s.d_V, s.P_N_2, s.t_83))
 
     @leaf
     def t_87(s):
-        return s.mm_sum('r', (1, "t_82 one one_2 W_V' N_1'", s.t_82, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_86 W_V' N_1'", s.t_86, tr(s.W_V), tr(s.N_1)))
+        return (-2/s.d_V**2) * s.t_86
 
     @leaf
-    def t_103(s):
-        return (s.t_10 * s.t_78)
+    def t_88(s):
+        return s.mm('t_87 one', s.t_87, s.one)
 
     @leaf
-    def t_104(s):
-        return mul(s.t_34, s.t_78, s.M_N_2)
+    def t_89(s):
+        return lin(((1/2)*s.d_V/s.L, s.t_80), (1, s.t_86), ((1/2)*s.d_V, s.t_88))
 
     @leaf
-    def t_111(s):
-        return softmax_diff(s.A, s.t_87)
+    def t_90(s):
+        return (2/s.d_V) * s.t_89
 
     @leaf
-    def t_112(s):
-        return (2/s.d_V) * s.t_85
+    def t_91(s):
+        return s.mm("t_90 W_V' N_1'", s.t_90, tr(s.W_V), tr(s.N_1))
 
     @leaf
-    def t_113(s):
-        return (-2/s.d_V**2) * s.t_81
+    def t_92(s):
+        return softmax_diff(s.A, s.t_91)
+
+    @leaf
+    def t_108(s):
+        return (s.t_10 * s.t_83)
+
+    @leaf
+    def t_109(s):
+        return mul(s.t_33, s.t_83, s.M_N_2)
 
     @leaf
     def dA(s):
@@ -2842,16 +2865,16 @@ class ce_bias0_causal1(Forward):
     def S(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S', [
-            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
         ])
 
     @leaf
     def S_2(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_2', [
-            net(1/(s.L*s.d_K), 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_K*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(1/(s.L*s.d_K), 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/(s.L*s.d_K*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*s.d_K*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
@@ -2867,16 +2890,16 @@ class ce_bias0_causal1(Forward):
     def dA_2(s):
         """∂A/∂T as a compact tensor (2 networks)."""
         return Compact('dA_2', [
-            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
-            net(-1, 'nab,nac->nabc', s.t_32, s.t_32),
+            net(1, 'nab,bc->nabc', s.t_31, EYE, free={'c': s.d_V}),
+            net(-1, 'nab,nac->nabc', s.t_31, s.t_31),
         ])
 
     @leaf
     def S_4(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_4', [
-            net(1, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_31, ONES, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_30, ONES, s.M_N_2),
         ])
 
     @leaf
@@ -2899,16 +2922,16 @@ class ce_bias0_causal1(Forward):
     def S_7(s):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_7', [
-            net(1, 'nab,bc->nabc', s.t_33, EYE, free={'c': s.d_V}),
-            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_35, ONES, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_32, EYE, free={'c': s.d_V}),
+            net(2/s.d_V, 'nab,bc,nac->nabc', s.t_34, ONES, s.M_N_2),
         ])
 
     @leaf
     def S_8(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_8', [
-            net(1, 'nab,bc->nabc', s.t_36, EYE, free={'c': s.d_V}),
-            net(1, 'nab,bc,nac->nabc', s.t_33, ONES, s.M_N_2),
+            net(1, 'nab,bc->nabc', s.t_35, EYE, free={'c': s.d_V}),
+            net(1, 'nab,bc,nac->nabc', s.t_32, ONES, s.M_N_2),
             net(1, 'nab,bc,nacd->nabd', s.M_N_2, ONES, s.S_7),
         ])
 
@@ -2916,9 +2939,9 @@ class ce_bias0_causal1(Forward):
     def d2A(s):
         """∂²A/∂T²[E] as a compact tensor (3 networks)."""
         return Compact('d2A', [
-            net(1, 'nab,bc->nabc', s.t_24, EYE, free={'c': s.L}),
-            net(-1, 'nab,nac->nabc', s.t_24, s.A),
-            net(-1, 'nab,nac->nabc', s.A, s.t_24),
+            net(1, 'nab,bc->nabc', s.t_23, EYE, free={'c': s.L}),
+            net(-1, 'nab,nac->nabc', s.t_23, s.A),
+            net(-1, 'nab,nac->nabc', s.A, s.t_23),
         ])
 
     @leaf
@@ -2941,8 +2964,8 @@ class ce_bias0_causal1(Forward):
     def S_11(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_11', [
-            net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
-            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(1/(s.L*math.sqrt(s.d_K)), 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/(s.L*math.sqrt(s.d_K)*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*math.sqrt(s.d_K)*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
@@ -2967,7 +2990,7 @@ class ce_bias0_causal1(Forward):
         """A sum as a compact tensor (2 networks)."""
         return Compact('S_14', [
             net(2/(math.sqrt(s.d_K)*s.d_V), 'nab->nab', s.t_21),
-            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_38),
+            net(-2/(math.sqrt(s.d_K)*s.d_V**2), 'nab->nab', s.t_37),
         ])
 
     @leaf
@@ -2990,8 +3013,8 @@ class ce_bias0_causal1(Forward):
     def S_17(s):
         """A sum as a compact tensor (3 networks)."""
         return Compact('S_17', [
-            net(1/s.L, 'nab,bc->nabc', s.t_30, EYE, free={'c': s.d_V}),
-            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_31),
+            net(1/s.L, 'nab,bc->nabc', s.t_29, EYE, free={'c': s.d_V}),
+            net(2/(s.L*s.d_V), 'nab,bc,nac->nabc', s.M_N_2, ONES, s.t_30),
             net(-1/(s.L*s.d_V), 'ab,ncbd->ncad', ONES, s.S, free={'a': s.d_V}),
         ])
 
@@ -3040,22 +3063,22 @@ class ce_bias0_causal1(Forward):
     def block__W_Q__W_K__functional(s):
         """H_f(W_Q, W_K): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_25, free={'d': s.d_K}),
+            net(1/s.n_batch, 'nab,nac->bd|cd', s.N_1, s.t_24, free={'d': s.d_K}),
             net(2/(s.d_K*s.d_V*s.n_batch), 'nab,ncd,nade,naf,neg->bc|gf', s.N_1, s.t_2, s.S_10, s.t_8, s.N_1),
         ]
 
     def block__W_Q__W_V__outer(s):
         """H_o(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_26),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,nai->bc|ih', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,nafg,nag,nagh,ih,nai,ji,najk,nal,km->bc|lm', s.N_1, s.t_2, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
         ]
 
     def block__W_Q__W_V__functional(s):
         """H_f(W_Q, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
             net(1/s.n_batch, 'nab,ncd,nade,nef,nag->bc|fg', s.N_1, s.t_2, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_26, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nade,nef,fg,gh,nahi,naj,ik->bc|jk', s.N_1, s.t_2, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_25, s.S_13),
         ]
 
     def block__W_Q__W_1__outer(s):
@@ -3085,88 +3108,88 @@ class ce_bias0_causal1(Forward):
     def block__W_K__W_K__outer(s):
         """H_o(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_27, s.N_1, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbhi,nij,nbjk,nbl,nkm->da|ml', s.t_26, s.N_1, s.dA, s.t_3, s.S_3, s.t_5, s.dA_2, s.S_6, s.t_6, s.dA, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_K__functional(s):
         """H_f(W_K, W_K): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_27, s.S_9, s.t_8, s.N_1),
+            net(1/s.n_batch, 'nab,ncd,ndae,ndf,neg->bc|gf', s.N_1, s.t_26, s.S_9, s.t_8, s.N_1),
         ]
 
     def block__W_K__W_V__outer(s):
         """H_o(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_26),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,ji,nbjk,nbl,km->da|lm', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
         ]
 
     def block__W_K__W_V__functional(s):
         """H_f(W_K, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_27, s.N_1, s.dA, s.N_1, s.S_14),
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_27, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_26, s.S_13),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbg->da|fg', s.t_26, s.N_1, s.dA, s.N_1, s.S_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,gh,nbhi,nbj,ik->da|jk', s.t_26, s.N_1, s.dA, s.N_1, s.W_V, s.S_15, s.S_8, s.t_25, s.S_13),
         ]
 
     def block__W_K__W_1__outer(s):
         """H_o(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,ih,nbi,nbj->da|ji', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_K__W_1__functional(s):
         """H_f(W_K, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_27, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,nbi->da|hi', s.t_26, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.t_14),
         ]
 
     def block__W_K__W_2__outer(s):
         """H_o(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_27, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,nbfg,nbg,nbgh,nbi->da|ih', s.t_26, s.N_1, s.dA, s.t_3, s.S_12, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_K__W_2__functional(s):
         """H_f(W_K, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_27, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,ncd,nbce,nef,fg,nbgh,hi,nbi,nbj->da|ij', s.t_26, s.N_1, s.dA, s.t_3, s.S_16, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_V__W_V__outer(s):
         """H_o(W_V, W_V): 2 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_28, s.S_18, s.t_5, s.dA_2, s.t_26),
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_28, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_18, s.t_5, s.dA_2, s.t_25),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,gf,nbgh,nbi,hj->ac|ij', s.t_27, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
         ]
 
     def block__W_V__W_V__functional(s):
         """H_f(W_V, W_V): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_28, s.S_19, s.S_8, s.t_26, s.S_13),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf,eg->ac|fg', s.t_27, s.S_19, s.S_8, s.t_25, s.S_13),
         ]
 
     def block__W_V__W_1__outer(s):
         """H_o(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_28, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,fe,nbf,nbg->ac|gf', s.t_27, s.S_18, s.t_5, s.dA_2, s.W_2, s.t_11, s.N_2),
         ]
 
     def block__W_V__W_1__functional(s):
         """H_f(W_V, W_1): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_28, s.S_5, s.S, s.t_14),
+            net(1/s.n_batch, 'nab,cd,nbde,nbf->ac|ef', s.t_27, s.S_5, s.S, s.t_14),
         ]
 
     def block__W_V__W_2__outer(s):
         """H_o(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_28, s.S_18, s.t_5, s.dA_2, s.t_12),
+            net(1/s.n_batch, 'nab,nbcd,nbd,nbde,nbf->ac|fe', s.t_27, s.S_18, s.t_5, s.dA_2, s.t_12),
         ]
 
     def block__W_V__W_2__functional(s):
         """H_f(W_V, W_2): 1 networks (the formula: `symhess derive`)"""
         return [
-            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_28, s.S_5, s.S, s.W_1, s.t_11, s.G),
+            net(1/s.n_batch, 'nab,cd,nbde,ef,nbf,nbg->ac|fg', s.t_27, s.S_5, s.S, s.W_1, s.t_11, s.G),
         ]
 
     def block__W_1__W_1__outer(s):
@@ -3190,7 +3213,7 @@ class ce_bias0_causal1(Forward):
     def block__W_2__W_2__outer(s):
         """H_o(W_2, W_2) = 1/L*((relu(W_1.T @ N_2.T) ⊗ I[d_V]) @ diag(vec_r(Y @ 1[d_Vxd_V])) @ J_softmax(relu(N_2 @ W_1) @ W_2 + Y) @ (relu(N_2 @ W_1) ⊗ I[d_V]))"""
         return [
-            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_29, s.t_5, s.dA_2, s.t_12),
+            net(1/(s.L*s.n_batch), 'nab,nbc,nbcd,nbe->ac|ed', s.t_28, s.t_5, s.dA_2, s.t_12),
         ]
 
     def jacobian__W_Q(s):
@@ -3208,8 +3231,8 @@ class ce_bias0_causal1(Forward):
     def jacobian__W_V(s):
         """∂vec_r F/∂vec_r W_V, per sequence: (batch | atoms of F | atoms of the parameter)."""
         return [
-            net(1, 'nab->n|ac|bc', s.t_26, free={'c': s.d_V}),
-            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_11, s.W_1, s.S_4, s.t_26, s.S_13),
+            net(1, 'nab->n|ac|bc', s.t_25, free={'c': s.d_V}),
+            net(1, 'ab,nca,da,ncde,ncf,eg->n|cb|fg', s.W_2, s.t_11, s.W_1, s.S_4, s.t_25, s.S_13),
         ]
 
     def jacobian__W_1(s):
@@ -3226,93 +3249,92 @@ class ce_bias0_causal1(Forward):
 
     def loss(s):
         """The loss, batch mean."""
-        return mean0((-1/s.L) * s.t_41, True)[..., 0, 0]
+        return mean0((-1/s.L) * s.t_40, True)[..., 0, 0]
 
     def gradient(s):
         """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-        out_W_Q = s.mm("N_1' t_24 N_1 W_K", tr(s.N_1), s.t_24, s.N_1, s.W_K, mean=True)
-        out_W_K = s.mm("N_1' t_24' N_1 W_Q", tr(s.N_1), tr(s.t_24), s.N_1, s.W_Q, mean=True)
-        out_W_V = (s.mm("N_1' A' t_42", tr(s.N_1), tr(s.A), s.t_42, mean=True) + bcast_last(mean0(s.t_44, True), s.d_V))
+        out_W_Q = s.mm("N_1' t_23 N_1 W_K", tr(s.N_1), s.t_23, s.N_1, s.W_K, mean=True)
+        out_W_K = s.mm("N_1' t_23' N_1 W_Q", tr(s.N_1), tr(s.t_23), s.N_1, s.W_Q, mean=True)
+        out_W_V = (s.mm("N_1' A' t_41", tr(s.N_1), tr(s.A), s.t_41, mean=True) + bcast_last(mean0(s.t_43, True), s.d_V))
         out_W_1 = s.mm("N_2' t_14", tr(s.N_2), s.t_14, mean=True)
         out_W_2 = s.mm("t_12' G", tr(s.t_12), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_45 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_46 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_45), s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_47 = lin((-s.d_V, t_46), (1, s.mm('_ one', t_46, s.one)))
-        t_48 = lin((1, s.P_N_2, (-1/s.d_V) * t_47), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_47 * s.M_N_2), s.one), s.t_31))
-        t_49 = lin((1, s.prod('_ W_1', t_48, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_50 = lin((1, t_46), (1, s.prod("t_29' _", tr(s.t_29), V_W_2)), (1, s.prod('_ W_2', (t_49 * s.t_11), s.W_2)))
-        t_51 = (s.t_4 * softmax_diff(s.t_32, t_50))
-        t_52 = (s.t_11 * s.mm("_ W_2'", t_51, tr(s.W_2)))
-        t_53 = s.mm("_ W_1'", t_52, tr(s.W_1))
-        t_54 = lin((1, s.mm('_ one', (s.t_31 * t_53), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_53))
-        t_55 = lin((1, t_54), ((1/2)*s.d_V, t_51))
-        t_56 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-2/(s.L*math.sqrt(s.d_K)*s.d_V**2)) * t_54, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_55, tr(s.W_V), tr(s.N_1)))
-        t_57 = softmax_diff(s.A, t_56)
-        out_W_Q = s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_57, s.N_1, s.W_K, mean=True)
-        out_W_K = s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_57), s.N_1, s.W_Q, mean=True)
-        t_58 = s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-2/(s.L*s.d_V**2)) * t_54, s.one)
-        out_W_V = (bcast_last(mean0(t_58, True), s.d_V) + s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_55, mean=True))
-        out_W_1 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_52, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_12' _", tr(s.t_12), t_51, mean=True)
+        t_44 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_45 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_44), s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_46 = lin((-s.d_V, t_45), (1, s.mm('_ one', t_45, s.one)))
+        t_47 = lin((1, s.P_N_2, (-1/s.d_V) * t_46), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_46 * s.M_N_2), s.one), s.t_30))
+        t_48 = lin((1, s.prod('_ W_1', t_47, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_49 = lin((1, t_45), (1, s.prod("t_28' _", tr(s.t_28), V_W_2)), (1, s.prod('_ W_2', (t_48 * s.t_11), s.W_2)))
+        t_50 = (s.t_4 * softmax_diff(s.t_31, t_49))
+        t_51 = (s.t_11 * s.mm("_ W_2'", t_50, tr(s.W_2)))
+        t_52 = s.mm("_ W_1'", t_51, tr(s.W_1))
+        t_53 = lin((1, s.mm('_ one', (s.t_30 * t_52), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_52))
+        t_54 = lin((1, t_53), ((1/2)*s.d_V, t_50), ((1/2)*s.L*s.d_V, s.mm('_ one', (-2/(s.L*s.d_V**2)) * t_53, s.one)))
+        t_55 = softmax_diff(s.A, s.mm("_ W_V' N_1'", (2/(s.L*s.d_V)) * t_54, tr(s.W_V), tr(s.N_1)))
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_55, s.N_1, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_55), s.N_1, s.W_Q, mean=True)
+        out_W_V = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_54, mean=True)
+        out_W_1 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_51, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_12' _", tr(s.t_12), t_50, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_59 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_60 = softmax_diff2(s.A, s.t_23, (1/math.sqrt(s.d_K)) * t_59)
-        t_61 = (s.t_11 * s.mm('G _', s.G, tr(V_W_2)))
-        t_62 = lin((1, s.prod('t_14 _', s.t_14, tr(V_W_1))), (1, s.prod("_ W_1'", t_61, tr(s.W_1))))
-        t_63 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_59)
-        t_64 = lin((1, s.prod('_ N_1 W_V', t_63, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_65 = lin((-s.d_V, t_64), (1, s.mm('_ one', t_64, s.one)))
-        t_66 = s.mm('_ one', ((-1/s.d_V) * t_65 * s.M_N_2), s.one)
-        t_67 = lin((1, s.t_31, t_62), (1, s.t_33, (-1/s.d_V) * t_65), (2/s.d_V, t_66, s.t_35))
-        t_68 = lin((1, s.P_N_2, t_62), (2/s.d_V, s.t_17, (-1/s.d_V) * t_65), (2/s.d_V, t_66, s.t_33), (2/s.d_V, s.mm('_ one', t_67, s.one), s.M_N_2))
-        t_69 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_68, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_19 one one_2 _ N_1'", s.t_19, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_68, tr(s.W_V), tr(s.N_1)), (1, "t_22 _ N_1'", s.t_22, tr(V_W_V), tr(s.N_1)))
-        t_70 = softmax_diff(s.A, t_69)
-        t_71 = (t_60 + t_70)
-        out_W_Q = s.mm_sum('l', (1, "N_1' t_24 N_1 _", tr(s.N_1), s.t_24, s.N_1, V_W_K), (1, "N_1' _ N_1 W_K", tr(s.N_1), t_71, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_24' N_1 _", tr(s.N_1), tr(s.t_24), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_71), s.N_1, s.W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_42", tr(s.N_1), tr(t_63), s.t_42), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_68), mean=True)), (1, bcast_last(mean0(s.mm("N_1' _ t_43 one", tr(s.N_1), tr(t_63), s.t_43, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_68, s.one), True), s.d_V)))
-        t_72 = lin((-s.d_V, tr(t_64)), (1, s.mm('one_2 _', s.one_2, tr(t_64))))
-        t_74 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_72), (2/s.d_V, tr(t_66), s.t_73))
-        out_W_1 = (s.mm('_ t_14', t_74, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_61, mean=True))
-        t_75 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_74)))
-        out_W_2 = s.mm('_ G', (t_75 * tr(s.t_11)), s.G, mean=True)
+        t_61 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_62 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_61, s.t_59)
+        t_63 = (s.t_11 * s.mm('G _', s.G, tr(V_W_2)))
+        t_64 = lin((1, s.prod('t_14 _', s.t_14, tr(V_W_1))), (1, s.prod("_ W_1'", t_63, tr(s.W_1))))
+        t_65 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_61)
+        t_66 = lin((1, s.prod('_ N_1 W_V', t_65, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_67 = lin((-s.d_V, t_66), (1, s.mm('_ one', t_66, s.one)))
+        t_68 = s.mm('_ one', ((-1/s.d_V) * t_67 * s.M_N_2), s.one)
+        t_69 = lin((1, s.t_30, t_64), (1, s.t_32, (-1/s.d_V) * t_67), (2/s.d_V, t_68, s.t_34))
+        t_70 = lin((1, s.P_N_2, t_64), (2/s.d_V, s.t_17, (-1/s.d_V) * t_67), (2/s.d_V, t_68, s.t_32), (2/s.d_V, s.mm('_ one', t_69, s.one), s.M_N_2))
+        t_71 = lin((1, t_70), (1, s.mm('_ one', (-1/s.d_V) * t_70, s.one)))
+        t_72 = s.mm_sum('r', (1, "_ W_V' N_1'", t_71, tr(s.W_V), tr(s.N_1)), (1, "t_58 _ N_1'", s.t_58, tr(V_W_V), tr(s.N_1)))
+        t_73 = softmax_diff(s.A, t_72)
+        t_74 = (t_62 + t_73)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_60 N_1 _", tr(s.N_1), s.t_60, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_74, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_74), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_60' N_1 _", tr(s.N_1), tr(s.t_60), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_58", tr(s.N_1), tr(t_65), s.t_58), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_71), mean=True)
+        t_75 = lin((-s.d_V, tr(t_66)), (1, s.mm('one_2 _', s.one_2, tr(t_66))))
+        t_77 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_75), (2/s.d_V, tr(t_68), s.t_76))
+        out_W_1 = (s.mm('_ t_14', t_77, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_63, mean=True))
+        t_78 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_77)))
+        out_W_2 = s.mm('_ G', (t_78 * tr(s.t_11)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_88 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_89 = softmax_diff2(s.A, s.t_87, (1/math.sqrt(s.d_K)) * t_88)
-        t_90 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_88)
-        t_91 = lin((1, s.prod('_ N_1 W_V', t_90, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_92 = lin((-s.d_V, t_91), (1, s.mm('_ one', t_91, s.one)))
-        t_93 = s.mm('_ one', ((-1/s.d_V) * t_92 * s.M_N_2), s.one)
-        t_94 = (t_93 * s.t_31)
-        t_95 = lin((1, s.P_N_2, (-1/s.d_V) * t_92), (2/s.d_V, t_94))
-        t_96 = lin((1, s.prod('_ W_1', t_95, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_97 = (t_96 * s.t_11)
-        t_98 = lin((1, t_91), (1, s.prod("t_29' _", tr(s.t_29), V_W_2)), (1, s.prod('_ W_2', t_97, s.W_2)))
-        t_99 = (s.t_4 * softmax_diff(s.t_13, t_98))
-        t_100 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_99, tr(s.W_2))))
-        t_101 = (t_100 * s.t_11)
-        t_102 = lin((1, s.prod("_ W_1'", t_101, tr(s.W_1))), (1, s.prod('t_77 _', s.t_77, tr(V_W_1))))
-        t_105 = lin((1, s.t_31, t_102), (1, s.t_103, (-1/s.d_V) * t_92), (2/s.d_V, t_93, s.t_104))
-        t_106 = lin((1, s.P_N_2, t_102), (2/s.d_V, s.t_80, (-1/s.d_V) * t_92), (2/s.d_V, t_93, s.t_103), (2/s.d_V, s.mm('_ one', t_105, s.one), s.M_N_2))
-        t_107 = lin((1, t_106), (1/s.L, t_99))
-        t_108 = s.mm_sum('r', (1, "_ one one_2 W_V' N_1'", (-1/(math.sqrt(s.d_K)*s.d_V)) * t_106, s.one, s.one_2, tr(s.W_V), tr(s.N_1)), (1, "t_82 one one_2 _ N_1'", s.t_82, s.one, s.one_2, tr(V_W_V), tr(s.N_1)), (1, "_ W_V' N_1'", (1/math.sqrt(s.d_K)) * t_107, tr(s.W_V), tr(s.N_1)), (1, "t_86 _ N_1'", s.t_86, tr(V_W_V), tr(s.N_1)))
-        t_109 = softmax_diff(s.A, t_108)
-        t_110 = (t_89 + t_109)
-        out_W_Q = s.mm_sum('l', (1, "N_1' _ N_1 W_K", tr(s.N_1), t_110, s.N_1, s.W_K), (1, "N_1' t_111 N_1 _", tr(s.N_1), s.t_111, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "N_1' t_111' N_1 _", tr(s.N_1), tr(s.t_111), s.N_1, V_W_Q), (1, "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_110), s.N_1, s.W_Q), mean=True)
-        out_W_V = lin((1, s.mm_sum('l', (1, "N_1' _ t_112", tr(s.N_1), tr(t_90), s.t_112), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_107), mean=True)), (1, bcast_last(mean0(s.mm("N_1' A' _ one", tr(s.N_1), tr(s.A), (-1/s.d_V) * t_106, s.one), True), s.d_V)), (1, bcast_last(mean0(s.mm("N_1' _ t_113 one", tr(s.N_1), tr(t_90), s.t_113, s.one), True), s.d_V)))
-        out_W_1 = (s.mm('_ t_77', tr(t_95), s.t_77, mean=True) + s.mm("N_2' _", tr(s.N_2), t_101, mean=True))
-        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_99, mean=True)), (1, s.mm('_ G', tr(t_97), s.G, mean=True)))
+        t_93 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_94 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_93, s.t_91)
+        t_95 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_93)
+        t_96 = lin((1, s.prod('_ N_1 W_V', t_95, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
+        t_97 = lin((-s.d_V, t_96), (1, s.mm('_ one', t_96, s.one)))
+        t_98 = s.mm('_ one', ((-1/s.d_V) * t_97 * s.M_N_2), s.one)
+        t_99 = (t_98 * s.t_30)
+        t_100 = lin((1, s.P_N_2, (-1/s.d_V) * t_97), (2/s.d_V, t_99))
+        t_101 = lin((1, s.prod('_ W_1', t_100, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_102 = (t_101 * s.t_11)
+        t_103 = lin((1, t_96), (1, s.prod("t_28' _", tr(s.t_28), V_W_2)), (1, s.prod('_ W_2', t_102, s.W_2)))
+        t_104 = (s.t_4 * softmax_diff(s.t_13, t_103))
+        t_105 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_104, tr(s.W_2))))
+        t_106 = (t_105 * s.t_11)
+        t_107 = lin((1, s.prod("_ W_1'", t_106, tr(s.W_1))), (1, s.prod('t_82 _', s.t_82, tr(V_W_1))))
+        t_110 = lin((1, s.t_30, t_107), (1, s.t_108, (-1/s.d_V) * t_97), (2/s.d_V, t_98, s.t_109))
+        t_111 = lin((1, s.P_N_2, t_107), (2/s.d_V, s.t_85, (-1/s.d_V) * t_97), (2/s.d_V, t_98, s.t_108), (2/s.d_V, s.mm('_ one', t_110, s.one), s.M_N_2))
+        t_112 = lin((1, t_111), (1/s.L, t_104), (1, s.mm('_ one', (-1/s.d_V) * t_111, s.one)))
+        t_113 = s.mm_sum('r', (1, "_ W_V' N_1'", t_112, tr(s.W_V), tr(s.N_1)), (1, "t_90 _ N_1'", s.t_90, tr(V_W_V), tr(s.N_1)))
+        t_114 = softmax_diff(s.A, t_113)
+        t_115 = (t_94 + t_114)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_92 N_1 _", tr(s.N_1), s.t_92, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_115, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_115), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_92' N_1 _", tr(s.N_1), tr(s.t_92), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' _ t_90", tr(s.N_1), tr(t_95), s.t_90), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_112), mean=True)
+        out_W_1 = (s.mm('_ t_82', tr(t_100), s.t_82, mean=True) + s.mm("N_2' _", tr(s.N_2), t_106, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_104, mean=True)), (1, s.mm('_ G', tr(t_102), s.G, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -3326,4 +3348,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "90a30a99e2cc554374122041"
+CHECKSUM = "c36db1fcfdb06874dd57000d"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "49e8a894dcff4f511dd65eeb"
+    STAMP = "421bdee9c3db10c60a68dd45"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -225,7 +225,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "a732d1938155a6b8f2465cbf"
+    STAMP = "4a79ac639dc6f89d286c7e78"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -426,7 +426,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "baebfc0f313f9b3b5ab8fdf7"
+    STAMP = "2edcf25c4bfaf93e266f403e"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -652,7 +652,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "56498859a22da0b646ff2779"
+    STAMP = "7acbbc1a3c44194f40567c87"
     RUNS = {
         'A X': 7,
         "W_V' X'": 8,
@@ -880,4 +880,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "ee3284d87263b6f0cb6614ba"
+CHECKSUM = "4fba61cce32f27b98dfe4786"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "d2c6b6e12b4bcd4bd9db3367"
+    STAMP = "be29ff33e21c161e0fb90cd8"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -33,6 +33,7 @@ class mse_causal0(Forward):
         "G W_O'": 2,
         "G_2 W_O'": 4,
         "G_2' A X": 4,
+        "G_3 W_O'": 3,
         "G_3' A X": 2,
         'M_1 W_V': 4,
         "M_1' M_1": 3,
@@ -40,7 +41,6 @@ class mse_causal0(Forward):
         "W_K' X'": 8,
         "W_O W_O'": 3,
         "W_O W_O' W_V'": 2,
-        "W_O t_32'": 2,
         "W_O' W_V'": 12,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
@@ -48,9 +48,9 @@ class mse_causal0(Forward):
         "X' t_20": 4,
         "X' t_20 X": 4,
         "X' t_20'": 4,
-        "X' t_40": 2,
-        "X' t_40 X": 2,
-        "X' t_40'": 2,
+        "X' t_39": 2,
+        "X' t_39 X": 2,
+        "X' t_39'": 2,
     }
 
     @leaf
@@ -166,20 +166,16 @@ class mse_causal0(Forward):
         return softmax_diff(s.A, s.t_19)
 
     @leaf
-    def t_32(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_18
-
-    @leaf
-    def t_33(s):
-        return s.mm("t_32 W_O' W_V' X'", s.t_32, tr(s.W_O), tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_40(s):
-        return softmax_diff(s.A, s.t_33)
-
-    @leaf
     def G_3(s):
         return (2/(s.L*s.d_V)) * s.t_18
+
+    @leaf
+    def t_32(s):
+        return s.mm("G_3 W_O' W_V' X'", s.G_3, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_39(s):
+        return softmax_diff(s.A, s.t_32)
 
     @leaf
     def dA(s):
@@ -386,16 +382,16 @@ class mse_causal0(Forward):
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_34 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_33)
-        t_35 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
-        t_36 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_35, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_37 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_36, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_32 _ W_V' X'", s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_32 W_O' _ X'", s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_38 = softmax_diff(s.A, t_37)
-        t_39 = (t_34 + t_38)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_39, s.X, s.W_K), (1, "X' t_40 X _", tr(s.X), s.t_40, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), (1, "X' t_40' X _", tr(s.X), tr(s.t_40), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_35), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_36, tr(s.W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_35), s.G_3), mean=True)), (1, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_36, mean=True)))
+        t_33 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_32)
+        t_34 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
+        t_35 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_36 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_35, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' _ X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_3 _ W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_37 = softmax_diff(s.A, t_36)
+        t_38 = (t_33 + t_37)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_38, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_39 X _", tr(s.X), s.t_39, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_38), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_39' X _", tr(s.X), tr(s.t_39), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, tr(s.W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -403,7 +399,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "1d966fe1def7c8c590fff275"
+    STAMP = "01722345a91c4e2b6305d0cc"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -412,6 +408,7 @@ class mse_causal1(Forward):
         "G W_O'": 2,
         "G_2 W_O'": 4,
         "G_2' A X": 4,
+        "G_3 W_O'": 3,
         "G_3' A X": 2,
         'M_1 W_V': 4,
         "M_1' M_1": 3,
@@ -419,7 +416,6 @@ class mse_causal1(Forward):
         "W_K' X'": 8,
         "W_O W_O'": 3,
         "W_O W_O' W_V'": 2,
-        "W_O t_32'": 2,
         "W_O' W_V'": 12,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
@@ -427,9 +423,9 @@ class mse_causal1(Forward):
         "X' t_20": 4,
         "X' t_20 X": 4,
         "X' t_20'": 4,
-        "X' t_40": 2,
-        "X' t_40 X": 2,
-        "X' t_40'": 2,
+        "X' t_39": 2,
+        "X' t_39 X": 2,
+        "X' t_39'": 2,
     }
 
     @leaf
@@ -545,20 +541,16 @@ class mse_causal1(Forward):
         return softmax_diff(s.A, s.t_19)
 
     @leaf
-    def t_32(s):
-        return (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * s.t_18
-
-    @leaf
-    def t_33(s):
-        return s.mm("t_32 W_O' W_V' X'", s.t_32, tr(s.W_O), tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_40(s):
-        return softmax_diff(s.A, s.t_33)
-
-    @leaf
     def G_3(s):
         return (2/(s.L*s.d_V)) * s.t_18
+
+    @leaf
+    def t_32(s):
+        return s.mm("G_3 W_O' W_V' X'", s.G_3, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_39(s):
+        return softmax_diff(s.A, s.t_32)
 
     @leaf
     def dA(s):
@@ -765,16 +757,16 @@ class mse_causal1(Forward):
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_34 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_33)
-        t_35 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
-        t_36 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_35, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_37 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*math.sqrt(s.d_K)*s.d_V)) * t_36, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "t_32 _ W_V' X'", s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_32 W_O' _ X'", s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)))
-        t_38 = softmax_diff(s.A, t_37)
-        t_39 = (t_34 + t_38)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_39, s.X, s.W_K), (1, "X' t_40 X _", tr(s.X), s.t_40, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), (1, "X' t_40' X _", tr(s.X), tr(s.t_40), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_35), s.G_3, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_36, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_35), s.G_3), mean=True)), (1, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_36, mean=True)))
+        t_33 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_32)
+        t_34 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
+        t_35 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_36 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_35, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "G_3 _ W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' _ X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_37 = softmax_diff(s.A, t_36)
+        t_38 = (t_33 + t_37)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_38, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_39 X _", tr(s.X), s.t_39, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_38), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_39' X _", tr(s.X), tr(s.t_39), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -782,7 +774,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "a1c6a1963331e28d1e663f99"
+    STAMP = "a1cdb7fdcaadf4ecb686af14"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -791,10 +783,10 @@ class ce_causal0(Forward):
         "G W_O'": 2,
         "G_2 W_O'": 4,
         "G_2' A X": 4,
+        "G_3 W_O'": 3,
         "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
-        "W_O t_32'": 2,
         "W_O' W_V'": 10,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
@@ -802,9 +794,9 @@ class ce_causal0(Forward):
         "X' t_19": 4,
         "X' t_19 X": 4,
         "X' t_19'": 4,
-        "X' t_41": 2,
-        "X' t_41 X": 2,
-        "X' t_41'": 2,
+        "X' t_40": 2,
+        "X' t_40 X": 2,
+        "X' t_40'": 2,
     }
 
     @leaf
@@ -924,20 +916,16 @@ class ce_causal0(Forward):
         return softmax_rows(s.F_2)
 
     @leaf
-    def t_32(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_17
-
-    @leaf
-    def t_33(s):
-        return s.mm("t_32 W_O' W_V' X'", s.t_32, tr(s.W_O), tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_41(s):
-        return softmax_diff(s.A, s.t_33)
-
-    @leaf
     def G_3(s):
         return (1/s.L) * s.t_17
+
+    @leaf
+    def t_32(s):
+        return s.mm("G_3 W_O' W_V' X'", s.G_3, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_40(s):
+        return softmax_diff(s.A, s.t_32)
 
     @leaf
     def dA(s):
@@ -1152,17 +1140,17 @@ class ce_causal0(Forward):
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_34 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_33)
-        t_35 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
-        t_36 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_35, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_37 = (s.t_2 * softmax_diff(s.t_15, t_36))
-        t_38 = s.mm_sum('r', (1, "t_32 _ W_V' X'", s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "t_32 W_O' _ X'", s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_39 = softmax_diff(s.A, t_38)
-        t_40 = (t_34 + t_39)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_40, s.X, s.W_K), (1, "X' t_41 X _", tr(s.X), s.t_41, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_40), s.X, s.W_Q), (1, "X' t_41' X _", tr(s.X), tr(s.t_41), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_35), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_37, tr(s.W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_35), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_37, mean=True)))
+        t_33 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_32)
+        t_34 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
+        t_35 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_36 = (s.t_2 * softmax_diff(s.t_15, t_35))
+        t_37 = s.mm_sum('r', (1, "G_3 _ W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' _ X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_O' W_V' X'", t_36, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_38 = softmax_diff(s.A, t_37)
+        t_39 = (t_33 + t_38)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_39, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_40 X _", tr(s.X), s.t_40, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_40' X _", tr(s.X), tr(s.t_40), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_36, tr(s.W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_36, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -1170,7 +1158,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "cbee934e6293b8bce875484f"
+    STAMP = "b0f4c7096463ab82b39acff7"
     RUNS = {
         'A X': 16,
         'A X W_V': 6,
@@ -1179,10 +1167,10 @@ class ce_causal1(Forward):
         "G W_O'": 2,
         "G_2 W_O'": 4,
         "G_2' A X": 4,
+        "G_3 W_O'": 3,
         "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
-        "W_O t_32'": 2,
         "W_O' W_V'": 10,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
@@ -1190,9 +1178,9 @@ class ce_causal1(Forward):
         "X' t_19": 4,
         "X' t_19 X": 4,
         "X' t_19'": 4,
-        "X' t_41": 2,
-        "X' t_41 X": 2,
-        "X' t_41'": 2,
+        "X' t_40": 2,
+        "X' t_40 X": 2,
+        "X' t_40'": 2,
     }
 
     @leaf
@@ -1312,20 +1300,16 @@ class ce_causal1(Forward):
         return softmax_rows(s.F_2)
 
     @leaf
-    def t_32(s):
-        return (1/(s.L*math.sqrt(s.d_K))) * s.t_17
-
-    @leaf
-    def t_33(s):
-        return s.mm("t_32 W_O' W_V' X'", s.t_32, tr(s.W_O), tr(s.W_V), tr(s.X))
-
-    @leaf
-    def t_41(s):
-        return softmax_diff(s.A, s.t_33)
-
-    @leaf
     def G_3(s):
         return (1/s.L) * s.t_17
+
+    @leaf
+    def t_32(s):
+        return s.mm("G_3 W_O' W_V' X'", s.G_3, tr(s.W_O), tr(s.W_V), tr(s.X))
+
+    @leaf
+    def t_40(s):
+        return softmax_diff(s.A, s.t_32)
 
     @leaf
     def dA(s):
@@ -1540,17 +1524,17 @@ class ce_causal1(Forward):
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
         t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_34 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_33)
-        t_35 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
-        t_36 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_35, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_37 = (s.t_2 * softmax_diff(s.t_15, t_36))
-        t_38 = s.mm_sum('r', (1, "t_32 W_O' _ X'", s.t_32, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "t_32 _ W_V' X'", s.t_32, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/(s.L*math.sqrt(s.d_K))), "_ W_O' W_V' X'", t_37, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        t_39 = softmax_diff(s.A, t_38)
-        t_40 = (t_34 + t_39)
-        out_W_Q = s.mm_sum('l', (1, "X' _ X W_K", tr(s.X), t_40, s.X, s.W_K), (1, "X' t_41 X _", tr(s.X), s.t_41, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', (1, "X' _ X W_Q", tr(s.X), tr(t_40), s.X, s.W_Q), (1, "X' t_41' X _", tr(s.X), tr(s.t_41), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_35), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_37, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_35), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_37, mean=True)))
+        t_33 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_32)
+        t_34 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
+        t_35 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_36 = (s.t_2 * softmax_diff(s.t_15, t_35))
+        t_37 = s.mm_sum('r', (1, "G_3 W_O' _ X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_3 _ W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/s.L), "_ W_O' W_V' X'", t_36, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_38 = softmax_diff(s.A, t_37)
+        t_39 = (t_33 + t_38)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_39, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_40 X _", tr(s.X), s.t_40, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_40' X _", tr(s.X), tr(s.t_40), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_36, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_36, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -1560,4 +1544,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "af1062d9a631aeab4a525c01"
+CHECKSUM = "536628dbc2cbc61765e2f93e"

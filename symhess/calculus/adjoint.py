@@ -16,25 +16,35 @@ adjoint_rule = ADJOINTS.register
 
 def adjoint(lin: E.Expr, direction: E.Var, cot: E.Expr) -> E.Expr:
     """Ḡ with ⟨cot, lin(D)⟩ = ⟨Ḡ, D⟩, where ``lin`` is linear in ``direction``."""
-    nodes = [n for n in E.walk(lin) if n.depends_on(direction)]
-    if not nodes:
-        return E.zero(*direction.shape)
-    contrib = {lin: [cot]}
+    return adjoints(lin, [direction], cot)[direction]
+
+
+def adjoints(lin: E.Expr, directions, cot: E.Expr) -> dict:
+    """{D: Ḡ_D} with ⟨cot, lin(D₁, …, D_k)⟩ = Σ_D ⟨Ḡ_D, D⟩, for ``lin`` linear in the
+    ``directions`` jointly: one reverse pass for all of them, so the cotangent of every node
+    that several directions pass through is one node (the gradients of all parameters from
+    the differential in all of them share their backward pass, as in reverse mode)."""
+    dirs = set(directions)
+    nodes = [n for n in E.walk(lin) if n.free_vars & dirs]
+    out = {}
+    contrib = {lin: [cot]} if nodes else {}
     for node in reversed(nodes):
         parts = contrib.pop(node, [])
         if not parts:
             continue
         g = E.add(*parts)
-        if node == direction:
-            return g
+        if node in dirs:
+            out[node] = g
+            continue
         fn = ADJOINTS.get(type(node))
         if fn is None:
+            names = ", ".join(sorted(d.name for d in node.free_vars & dirs))
             raise NotImplementedError(f"{type(node).__name__} is not linear in "
-                                      f"{direction.name}, or has no adjoint rule")
+                                      f"{names}, or has no adjoint rule")
         for j, child in enumerate(node.args):
-            if child.depends_on(direction):
+            if child.free_vars & dirs:
                 contrib.setdefault(child, []).append(fn(node, j, g))
-    return E.zero(*direction.shape)
+    return {d: out.get(d, E.zero(*d.shape)) for d in directions}
 
 
 @adjoint_rule(E.MatMul)

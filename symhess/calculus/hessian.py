@@ -5,7 +5,10 @@ For parameters p, q with directions D_p, D_q and output gradient G = ∂ℓ/∂F
 * gradient (matrix view):  g_p = adjoint of dF[D_p], applied to G;
 * functional part:         H_f(p, q) = vec-Jacobian of d g_p[D_q] with G frozen;
 * outer-product part:      H_o(p, q) = vec-Jacobian of g_p with G ← ∂²ℓ[dF[D_q]];
-* full:                    H = H_o + H_f.
+* full:                    H = H_o + H_f;
+* Hessian–vector products: Σ_q H(p, q) V_q = d g_p[V], the g_p of all p from one reverse
+  pass over dF[D_1, …, D_P] (``gradients``), so a cotangent that several parameters' paths
+  share (a head's score cotangent, for the projections and a norm before them) is one node.
 
 The split can also be taken at a named intermediate N (e.g. the logits T): then G_N =
 ∂ℓ/∂N is frozen and only N's own second derivative contributes (the T-functional term).
@@ -15,7 +18,7 @@ from __future__ import annotations
 from functools import cached_property
 
 from ..expr import nodes as E
-from .adjoint import adjoint
+from .adjoint import adjoint, adjoints
 from .kron import vec_jacobian
 from ..expr.layer import Layer
 from .losses import get_loss
@@ -97,6 +100,19 @@ class Derivation:
                                        self.output_gradient if cot is None else cot)
         return self._cache[key]
 
+    def gradients(self, cot=None):
+        """{p: g_p} of every parameter from one reverse pass over the differential in all
+        parameters' directions (``adjoints``): the intermediates' cotangents are shared
+        nodes, not one backward pass per parameter (``gradient``)."""
+        key = ("gradients", cot)
+        if key not in self._cache:
+            ws = [self.param(p) for p in self.layer.param_names]
+            ds = [_direction(w) for w in ws]
+            got = adjoints(differential(self.F, dict(zip(ws, ds))), ds,
+                           self.output_gradient if cot is None else cot)
+            self._cache[key] = {p: got[d] for p, d in zip(self.layer.param_names, ds)}
+        return self._cache[key]
+
     def _dF(self, q, dq):
         """dF[D_q] and ∂²ℓ[dF[D_q]] (cached per q: shared by the blocks (·, q))."""
         key = ("dF", q, dq)
@@ -124,14 +140,12 @@ class Derivation:
         out, memo = {}, {}            # one memo: the gradients share their backward pass
         if part == "outer":
             hdF = self.loss_hessian_map(differential(self.F, dirs))
+        grads = self.gradients(cot=g.inner if part == "full" else None)
         for p in self.layer.param_names:
-            grad = self.gradient(p)
-            if part == "functional":
-                out[p] = differential(grad, dirs, memo)
-            elif part == "outer":
-                out[p] = E.substitute(grad, {g: hdF}, memo)
+            if part == "outer":
+                out[p] = E.substitute(grads[p], {g: hdF}, memo)
             else:
-                out[p] = differential(self.gradient(p, cot=g.inner), dirs, memo)
+                out[p] = differential(grads[p], dirs, memo)
         self._cache[key] = out
         return out
 
