@@ -24,12 +24,25 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "8259f0f9963dd0d8f3a96a19"
+    STAMP = "85834ed32fc4f5299848a5e2"
     RUNS = {
+        "@V_W_K' X'": 2,
+        "@V_W_Q' X'": 2,
+        "@V_W_V' X'": 2,
+        '@t_14 X': 2,
+        "@t_14' X": 2,
+        '@t_18 X': 2,
+        "@t_18' X": 2,
+        '@t_23 X': 2,
+        '@t_27 X': 2,
+        "@t_27' X": 2,
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
+        "X' @t_14 X": 2,
+        "X' @t_18 X": 2,
+        "X' @t_27 X": 2,
         "X' t_11": 4,
         "X' t_11 X": 4,
         "X' t_11'": 4,
@@ -255,38 +268,38 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_12 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_13 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_12), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_12 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_13 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_12), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_13, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' @t_14 X W_K", tr(s.X), t_14, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' @t_14' X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_13, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_15 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_16 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_15, s.t_10)
-        t_17 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_17 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
         t_18 = (t_16 + t_17)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_18, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_18 X W_K", tr(s.X), t_18, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X @V_W_K", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_18' X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X @V_W_Q", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
         t_19 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_15)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_19), s.G_2, mean=True)
+        out_W_V = s.mm("X' @t_19' G_2", tr(s.X), tr(t_19), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_20 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_22 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_21)
         t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        t_24 = lin((1, s.prod('_ X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_25 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_24, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
+        t_24 = lin((1, s.prod('@t_23 X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_25 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_24, tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)))
         t_26 = softmax_diff(s.A, t_25)
         t_27 = (t_22 + t_26)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_27, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_28 X _", tr(s.X), s.t_28, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_28' X _", tr(s.X), tr(s.t_28), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_23), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_27 X W_K", tr(s.X), t_27, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_28 X @V_W_K", tr(s.X), s.t_28, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_27' X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_28' X @V_W_Q", tr(s.X), tr(s.t_28), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_23' G_3", tr(s.X), tr(t_23), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -294,12 +307,25 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "1520213e1981c1ed572a9b8a"
+    STAMP = "7bb0d6b77ae4f8dfb696a173"
     RUNS = {
+        "@V_W_K' X'": 2,
+        "@V_W_Q' X'": 2,
+        "@V_W_V' X'": 2,
+        '@t_14 X': 2,
+        "@t_14' X": 2,
+        '@t_18 X': 2,
+        "@t_18' X": 2,
+        '@t_23 X': 2,
+        '@t_27 X': 2,
+        "@t_27' X": 2,
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
+        "X' @t_14 X": 2,
+        "X' @t_18 X": 2,
+        "X' @t_27 X": 2,
         "X' t_11": 4,
         "X' t_11 X": 4,
         "X' t_11'": 4,
@@ -525,38 +551,38 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_12 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_13 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_12), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_12 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_13 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_12), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_14 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_13, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_14, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' @t_14 X W_K", tr(s.X), t_14, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' @t_14' X W_Q", tr(s.X), tr(t_14), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_13, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_15 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_16 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_15, s.t_10)
-        t_17 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_17 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
         t_18 = (t_16 + t_17)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_18, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_18 X W_K", tr(s.X), t_18, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_11 X @V_W_K", tr(s.X), s.t_11, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_18' X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X @V_W_Q", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
         t_19 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_15)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_19), s.G_2, mean=True)
+        out_W_V = s.mm("X' @t_19' G_2", tr(s.X), tr(t_19), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_20 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_22 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_20, s.t_21)
         t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_20)
-        t_24 = lin((1, s.prod('_ X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_25 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_24, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
+        t_24 = lin((1, s.prod('@t_23 X W_V', t_23, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_25 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_24, tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)))
         t_26 = softmax_diff(s.A, t_25)
         t_27 = (t_22 + t_26)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_27, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_28 X _", tr(s.X), s.t_28, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_28' X _", tr(s.X), tr(s.t_28), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_23), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_27 X W_K", tr(s.X), t_27, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_28 X @V_W_K", tr(s.X), s.t_28, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_27' X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_28' X @V_W_Q", tr(s.X), tr(s.t_28), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_23' G_3", tr(s.X), tr(t_23), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_24), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -564,12 +590,25 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "b91202c9c336100c26170f80"
+    STAMP = "b1fda5c826baee57ba57c483"
     RUNS = {
+        "@V_W_K' X'": 2,
+        "@V_W_Q' X'": 2,
+        "@V_W_V' X'": 2,
+        '@t_18 X': 2,
+        "@t_18' X": 2,
+        '@t_22 X': 2,
+        "@t_22' X": 2,
+        '@t_27 X': 2,
+        '@t_32 X': 2,
+        "@t_32' X": 2,
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
+        "X' @t_18 X": 2,
+        "X' @t_22 X": 2,
+        "X' @t_32 X": 2,
         "X' t_13": 4,
         "X' t_13 X": 4,
         "X' t_13'": 4,
@@ -819,40 +858,40 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_16 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_15), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_15 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_15), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_17 = (s.t * softmax_diff(s.t_14, t_16))
-        t_18 = softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_18, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17, mean=True)
+        t_18 = softmax_diff(s.A, s.mm("@t_17 W_V' X'", t_17, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_18 X W_K", tr(s.X), t_18, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_18' X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' @t_17", tr(s.X), tr(s.A), t_17, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_19 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_20 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_19, s.t_12)
-        t_21 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_21 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
         t_22 = (t_20 + t_21)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_22, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X _", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X _", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22 X W_K", tr(s.X), t_22, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X @V_W_K", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22' X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X @V_W_Q", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
         t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_19)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_23), s.G_2, mean=True)
+        out_W_V = s.mm("X' @t_23' G_2", tr(s.X), tr(t_23), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_24 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_25)
         t_27 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
-        t_28 = lin((1, s.prod('_ X W_V', t_27, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_28 = lin((1, s.prod('@t_27 X W_V', t_27, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_29 = (s.t * softmax_diff(s.t_9, t_28))
-        t_30 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_29, tr(s.W_V), tr(s.X)))
+        t_30 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_29 W_V' X'", t_29, tr(s.W_V), tr(s.X)))
         t_31 = softmax_diff(s.A, t_30)
         t_32 = (t_26 + t_31)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_33 X _", tr(s.X), s.t_33, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_33' X _", tr(s.X), tr(s.t_33), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_27), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_29), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_32 X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_33 X @V_W_K", tr(s.X), s.t_33, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_32' X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_33' X @V_W_Q", tr(s.X), tr(s.t_33), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_27' G_3", tr(s.X), tr(t_27), s.G_3), ((1/s.L), "X' A' @t_29", tr(s.X), tr(s.A), t_29), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -860,12 +899,25 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "a8fc7d3b4cd7790ba1dc768a"
+    STAMP = "a3a195cb9e01ea62fcd05cbd"
     RUNS = {
+        "@V_W_K' X'": 2,
+        "@V_W_Q' X'": 2,
+        "@V_W_V' X'": 2,
+        '@t_18 X': 2,
+        "@t_18' X": 2,
+        '@t_22 X': 2,
+        "@t_22' X": 2,
+        '@t_27 X': 2,
+        '@t_32 X': 2,
+        "@t_32' X": 2,
         'A X': 7,
         "W_K' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 8,
+        "X' @t_18 X": 2,
+        "X' @t_22 X": 2,
+        "X' @t_32 X": 2,
         "X' t_13": 4,
         "X' t_13 X": 4,
         "X' t_13'": 4,
@@ -1115,40 +1167,40 @@ class ce_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_16 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_15), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_15 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_16 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, t_15), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_17 = (s.t * softmax_diff(s.t_14, t_16))
-        t_18 = softmax_diff(s.A, s.mm("_ W_V' X'", t_17, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_18, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_17, mean=True)
+        t_18 = softmax_diff(s.A, s.mm("@t_17 W_V' X'", t_17, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_18 X W_K", tr(s.X), t_18, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_18' X W_Q", tr(s.X), tr(t_18), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' @t_17", tr(s.X), tr(s.A), t_17, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_19 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_19 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_20 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_19, s.t_12)
-        t_21 = softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X)))
+        t_21 = softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X)))
         t_22 = (t_20 + t_21)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_22, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X _", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X _", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22 X W_K", tr(s.X), t_22, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_13 X @V_W_K", tr(s.X), s.t_13, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22' X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_13' X @V_W_Q", tr(s.X), tr(s.t_13), s.X, V_W_Q), mean=True)
         t_23 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_19)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_23), s.G_2, mean=True)
+        out_W_V = s.mm("X' @t_23' G_2", tr(s.X), tr(t_23), s.G_2, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_24 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_24, s.t_25)
         t_27 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_24)
-        t_28 = lin((1, s.prod('_ X W_V', t_27, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_28 = lin((1, s.prod('@t_27 X W_V', t_27, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_29 = (s.t * softmax_diff(s.t_9, t_28))
-        t_30 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_29, tr(s.W_V), tr(s.X)))
+        t_30 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_29 W_V' X'", t_29, tr(s.W_V), tr(s.X)))
         t_31 = softmax_diff(s.A, t_30)
         t_32 = (t_26 + t_31)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_33 X _", tr(s.X), s.t_33, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_33' X _", tr(s.X), tr(s.t_33), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_27), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_29), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_32 X W_K", tr(s.X), t_32, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_33 X @V_W_K", tr(s.X), s.t_33, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_32' X W_Q", tr(s.X), tr(t_32), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_33' X @V_W_Q", tr(s.X), tr(s.t_33), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_27' G_3", tr(s.X), tr(t_27), s.G_3), ((1/s.L), "X' A' @t_29", tr(s.X), tr(s.A), t_29), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -1158,4 +1210,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "67ed1831221a326ae9da4e29"
+CHECKSUM = "ed071f76628343e61a39f935"

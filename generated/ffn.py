@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "fe691a37977ff2412389947c"
+    STAMP = "783f998b94d48a3454036878"
 
     @leaf
     def H(s):
@@ -130,24 +130,24 @@ class mse_bias0_residual0(Forward):
 
     def hvp__outer(s, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = lin((1, s.prod('t_3 _', s.t_3, V_W_2)), (1, s.prod('_ W_2', (s.t * s.mm('X _', s.X, V_W_1)), s.W_2)))
+        t_11 = lin((1, s.prod('t_3 @V_W_2', s.t_3, V_W_2)), (1, s.prod('_ W_2', (s.t * s.mm('X @V_W_1', s.X, V_W_1)), s.W_2)))
         out_W_1 = s.mm("X' _", tr(s.X), (s.t * s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_11, tr(s.W_2))), mean=True)
         out_W_2 = s.mm("t_3' _", tr(s.t_3), (2/(s.L*s.d_V)) * t_11, mean=True)
         return (out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        out_W_1 = s.mm("X' _", tr(s.X), (s.t * s.mm('G _', s.G, tr(V_W_2))), mean=True)
-        out_W_2 = s.mm('_ G', (tr(s.t) * s.mm("_ X'", tr(V_W_1), tr(s.X))), s.G, mean=True)
+        out_W_1 = s.mm("X' _", tr(s.X), (s.t * s.mm("G @V_W_2'", s.G, tr(V_W_2))), mean=True)
+        out_W_2 = s.mm('_ G', (tr(s.t) * s.mm("@V_W_1' X'", tr(V_W_1), tr(s.X))), s.G, mean=True)
         return (out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_12 = (s.t * s.mm('X _', s.X, V_W_1))
-        t_13 = lin((1, s.prod('t_3 _', s.t_3, V_W_2)), (1, s.prod('_ W_2', t_12, s.W_2)))
-        t_14 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_13, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_12 = (s.t * s.mm('X @V_W_1', s.X, V_W_1))
+        t_13 = lin((1, s.prod('t_3 @V_W_2', s.t_3, V_W_2)), (1, s.prod('@t_12 W_2', t_12, s.W_2)))
+        t_14 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_13, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
         out_W_1 = s.mm("X' _", tr(s.X), (t_14 * s.t), mean=True)
-        out_W_2 = (s.mm("t_3' _", tr(s.t_3), (2/(s.L*s.d_V)) * t_13, mean=True) + s.mm('_ G', tr(t_12), s.G, mean=True))
+        out_W_2 = (s.mm("t_3' _", tr(s.t_3), (2/(s.L*s.d_V)) * t_13, mean=True) + s.mm("@t_12' G", tr(t_12), s.G, mean=True))
         return (out_W_1, out_W_2,)
 
 
@@ -155,7 +155,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "f8d13698f74dc98bce5f849d"
+    STAMP = "4f7aa44e04cbc77c2e075a43"
 
     @leaf
     def H(s):
@@ -281,26 +281,26 @@ class ce_bias0_residual0(Forward):
 
     def hvp__outer(s, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_13 = lin((1, s.prod("t_6' _", tr(s.t_6), V_W_2)), (1, s.prod('_ W_2', (s.t * s.mm('X _', s.X, V_W_1)), s.W_2)))
+        t_13 = lin((1, s.prod("t_6' @V_W_2", tr(s.t_6), V_W_2)), (1, s.prod('_ W_2', (s.t * s.mm('X @V_W_1', s.X, V_W_1)), s.W_2)))
         t_14 = (s.t_2 * softmax_diff(s.t_7, t_13))
-        out_W_1 = (1/s.L) * s.mm("X' _", tr(s.X), (s.t * s.mm("_ W_2'", t_14, tr(s.W_2))), mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_4' _", tr(s.t_4), t_14, mean=True)
+        out_W_1 = (1/s.L) * s.mm("X' _", tr(s.X), (s.t * s.mm("@t_14 W_2'", t_14, tr(s.W_2))), mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_4' @t_14", tr(s.t_4), t_14, mean=True)
         return (out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        out_W_1 = s.mm("X' _", tr(s.X), (s.t * s.mm('G _', s.G, tr(V_W_2))), mean=True)
-        out_W_2 = s.mm('_ G', (tr(s.t) * s.mm("_ X'", tr(V_W_1), tr(s.X))), s.G, mean=True)
+        out_W_1 = s.mm("X' _", tr(s.X), (s.t * s.mm("G @V_W_2'", s.G, tr(V_W_2))), mean=True)
+        out_W_2 = s.mm('_ G', (tr(s.t) * s.mm("@V_W_1' X'", tr(V_W_1), tr(s.X))), s.G, mean=True)
         return (out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_15 = (s.t * s.mm('X _', s.X, V_W_1))
-        t_16 = lin((1, s.prod("t_6' _", tr(s.t_6), V_W_2)), (1, s.prod('_ W_2', t_15, s.W_2)))
+        t_15 = (s.t * s.mm('X @V_W_1', s.X, V_W_1))
+        t_16 = lin((1, s.prod("t_6' @V_W_2", tr(s.t_6), V_W_2)), (1, s.prod('@t_15 W_2', t_15, s.W_2)))
         t_17 = (s.t_2 * softmax_diff(s.t_5, t_16))
-        t_18 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_17, tr(s.W_2))))
+        t_18 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_17 W_2'", t_17, tr(s.W_2))))
         out_W_1 = s.mm("X' _", tr(s.X), (t_18 * s.t), mean=True)
-        out_W_2 = lin((1/s.L, s.mm("t_4' _", tr(s.t_4), t_17, mean=True)), (1, s.mm('_ G', tr(t_15), s.G, mean=True)))
+        out_W_2 = lin((1/s.L, s.mm("t_4' @t_17", tr(s.t_4), t_17, mean=True)), (1, s.mm("@t_15' G", tr(t_15), s.G, mean=True)))
         return (out_W_1, out_W_2,)
 
 
@@ -308,4 +308,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "115b456432fb53551185b3aa"
+CHECKSUM = "11142686b625af546961426f"

@@ -24,7 +24,7 @@ class mse(Forward):
     """loss=mse, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "8eb58bfa9eb27ef54c42a0e9"
+    STAMP = "eb4b9e3b7adea54c8bad4e91"
 
     @leaf
     def one(s):
@@ -231,7 +231,7 @@ class mse(Forward):
 
     def hvp__outer(s, V_X):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_18 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_18 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
         t_19 = lin((1, s.P_Z, (-1/s.d_V) * t_18), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_18 * s.M_Z), s.one), s.t_4))
         t_20 = lin((1, s.P_Z, (2/(s.L*s.d_V)) * t_19), (2/s.d_V, s.mm('_ one', (s.t_4 * (2/(s.L*s.d_V)) * t_19), s.one), s.M_Z))
         out_X = lin((1, t_20), (1, s.mm('_ one', (-1/s.d_V) * t_20, s.one)))
@@ -239,7 +239,7 @@ class mse(Forward):
 
     def hvp__functional(s, V_X):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_21 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
         t_22 = s.mm('_ one', ((-1/s.d_V) * t_21 * s.M_Z), s.one)
         t_23 = s.mm('_ one', lin((1, s.t_6, (-1/s.d_V) * t_21), (2/s.d_V, t_22, s.t_8)), s.one)
         t_24 = lin((1, s.t_10, (-1/s.d_V) * t_21), (1, t_22, s.t_6), (1, t_23, s.M_Z))
@@ -248,11 +248,11 @@ class mse(Forward):
 
     def hvp__full(s, V_X):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_27 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_27 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
         t_28 = s.mm('_ one', ((-1/s.d_V) * t_27 * s.M_Z), s.one)
         t_29 = lin((1, s.P_Z, (-1/s.d_V) * t_27), (2/s.d_V, t_28, s.t_4))
         t_33 = lin((1, s.t_31, (-1/s.d_V) * t_27), (1, s.t_4, (4/(s.L*s.d_V**2)) * t_29), (2/s.d_V, t_28, s.t_32))
-        t_34 = lin((1, s.t_26, (-1/s.d_V) * t_27), (1, s.P_Z, (2/(s.L*s.d_V)) * t_29), (2/s.d_V, t_28, s.t_30), (1, s.mm('_ one', t_33, s.one), s.M_Z))
+        t_34 = lin((1, s.t_26, (-1/s.d_V) * t_27), (1, s.P_Z, (2/(s.L*s.d_V)) * t_29), (2/s.d_V, t_28, s.t_30), (1, s.mm('@t_33 one', t_33, s.one), s.M_Z))
         out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_34, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_34, s.one), True), s.d_V)))
         return (out_X,)
 
@@ -265,7 +265,7 @@ class ce(Forward):
     """loss=ce, options={'affine': 'none', 'eps': 0}."""
 
     PARAMS = ('X',)
-    STAMP = "0e37b208fd7e371d0e9c7f3b"
+    STAMP = "3ef151adee18bcd9bf6b8083"
 
     @leaf
     def one(s):
@@ -504,7 +504,7 @@ class ce(Forward):
 
     def hvp__outer(s, V_X):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_24 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
         t_25 = lin((1, s.P_Z, (-1/s.d_V) * t_24), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_24 * s.M_Z), s.one), s.t_9))
         t_26 = softmax_diff(s.t_7, t_25)
         t_27 = lin((1, s.mm('_ one', (s.t_6 * t_26), s.one), s.M_Z), ((1/2)*s.d_V, s.t_3, t_26))
@@ -513,7 +513,7 @@ class ce(Forward):
 
     def hvp__functional(s, V_X):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_28 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_28 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
         t_29 = s.mm('_ one', ((-1/s.d_V) * t_28 * s.M_Z), s.one)
         t_30 = s.mm('_ one', lin((1, s.t_12, (-1/s.d_V) * t_28), (2/s.d_V, t_29, s.t_14)), s.one)
         t_31 = lin((1, s.t_16, (-1/s.d_V) * t_28), (1, t_29, s.t_12), (1, t_30, s.M_Z))
@@ -522,11 +522,11 @@ class ce(Forward):
 
     def hvp__full(s, V_X):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_34 = lin((1, s.mm('_ one', V_X, s.one)), (-s.d_V, V_X))
+        t_34 = lin((1, s.mm('@V_X one', V_X, s.one)), (-s.d_V, V_X))
         t_35 = s.mm('_ one', ((-1/s.d_V) * t_34 * s.M_Z), s.one)
         t_39 = softmax_diff(s.t_10, lin((1, s.P_Z, (-1/s.d_V) * t_34), (2/s.d_V, t_35, s.t_9)))
         t_40 = lin((1, s.t_37, (-1/s.d_V) * t_34), (2/s.d_V, t_35, s.t_38), (2/(s.L*s.d_V), s.t_6, t_39))
-        t_41 = lin((1, s.t_33, (-1/s.d_V) * t_34), (2/s.d_V, t_35, s.t_36), (1, s.mm('_ one', t_40, s.one), s.M_Z), (1/s.L, s.t_3, t_39))
+        t_41 = lin((1, s.t_33, (-1/s.d_V) * t_34), (2/s.d_V, t_35, s.t_36), (1, s.mm('@t_40 one', t_40, s.one), s.M_Z), (1/s.L, s.t_3, t_39))
         out_X = lin((-s.d_V, mean0((-1/s.d_V) * t_41, True)), (1, bcast_last(mean0(s.mm('_ one', (-1/s.d_V) * t_41, s.one), True), s.d_V)))
         return (out_X,)
 
@@ -539,4 +539,4 @@ VARIANTS = {
     ('mse', (('affine', 'none'), ('eps', 0))): mse,
     ('ce', (('affine', 'none'), ('eps', 0))): ce,
 }
-CHECKSUM = "5610b6cb6d80fa300259068f"
+CHECKSUM = "85609e371f1ba7aa7b53e978"

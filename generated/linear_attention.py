@@ -24,8 +24,20 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "78ca31cc6d93de1ddc8bf99f"
+    STAMP = "f6e285c693dfe0c890bbd5c5"
     RUNS = {
+        "@V_W_K W_Q'": 2,
+        "@V_W_K W_Q' X'": 2,
+        "@V_W_K' X'": 3,
+        "@V_W_Q W_K'": 2,
+        "@V_W_Q W_K' X'": 2,
+        "@V_W_Q' X'": 3,
+        "@V_W_V G'": 2,
+        "@V_W_V G' X": 2,
+        "@V_W_V' X'": 3,
+        "@V_W_V' X' X": 2,
+        "G @V_W_V' X'": 2,
+        "G @V_W_V' X' X": 2,
         "G W_V'": 7,
         "G W_V' X'": 7,
         "G W_V' X' X": 7,
@@ -33,12 +45,14 @@ class mse_causal0(Forward):
         "G' X W_Q": 4,
         'T X': 10,
         "T' X": 2,
+        "W_K @V_W_Q' X'": 2,
         "W_K' X'": 14,
         "W_K' X' X": 9,
         "W_K' X' X W_V": 6,
         "W_K' X' X W_V W_V'": 2,
         "W_K' X' X W_V W_V' X'": 2,
         "W_K' X' X W_V W_V' X' X": 2,
+        "W_Q @V_W_K' X'": 2,
         "W_Q' X'": 15,
         "W_Q' X' X": 2,
         "W_V G' X": 7,
@@ -47,9 +61,13 @@ class mse_causal0(Forward):
         "W_V W_V' X' X": 3,
         "W_V' X'": 19,
         "W_V' X' X": 16,
+        "X @V_W_K W_Q' X'": 2,
+        "X @V_W_Q W_K' X'": 2,
+        "X @V_W_V G' X": 2,
         "X W_V G' X": 7,
         "X W_V W_V' X'": 3,
         "X W_V W_V' X' X": 3,
+        "X' G @V_W_V' X' X": 2,
         "X' G W_V' X' X": 7,
         "X' T X": 2,
         "X' X": 24,
@@ -249,9 +267,9 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = s.mm('_ X W_V', t_24, s.X, s.W_V)
-        t_26 = s.mm('T X _', s.T, s.X, V_W_V)
+        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = s.mm('@t_24 X W_V', t_24, s.X, s.W_V)
+        t_26 = s.mm('T X @V_W_V', s.T, s.X, V_W_V)
         t_27 = (t_25 + t_26)
         out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*s.d_V)) * t_27, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
         t_28 = (tr(t_26) + tr(t_25))
@@ -261,22 +279,22 @@ class mse_causal0(Forward):
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), mean=True)
-        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        out_W_V = s.mm("X' _ G", tr(s.X), t_29, s.G, mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G W_V' X' X @V_W_K", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' G @V_W_V' X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X @V_W_V G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X @V_W_Q", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), mean=True)
+        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_K W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K @V_W_Q' X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm("X' @t_29 G", tr(s.X), t_29, s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_30 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_30 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_31 = s.mm('_ X W_V', (1/math.sqrt(s.d_K)) * t_30, s.X, s.W_V)
-        t_32 = s.mm('T X _', s.T, s.X, V_W_V)
+        t_32 = s.mm('T X @V_W_V', s.T, s.X, V_W_V)
         t_33 = (t_31 + t_32)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*s.d_V)) * t_33, tr(s.W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ W_V' X' X W_K", tr(s.X), (2/(s.L*s.d_V)) * t_33, tr(s.W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G @V_W_V' X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G W_V' X' X @V_W_K", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), mean=True)
         t_34 = (tr(t_32) + tr(t_31))
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (2/(s.L*s.d_V)) * t_34, s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), mean=True)
-        t_35 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X @V_W_V G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, (2/(s.L*s.d_V)) * t_34, s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X @V_W_Q", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), mean=True)
+        t_35 = s.mm_sum('r', (1, "X @V_W_K W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K @V_W_Q' X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
         out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_35, s.G), (1, "X' T' _", tr(s.X), tr(s.T), (2/(s.L*s.d_V)) * t_33), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
@@ -285,14 +303,27 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "22d5052018659865114b9279"
+    STAMP = "03cba28fbbb78cba97ffd4a1"
     RUNS = {
+        "@V_W_K' X'": 2,
+        "@V_W_Q' X'": 2,
+        "@V_W_V' X'": 2,
+        '@t_21 X': 2,
+        "@t_21' X": 2,
+        '@t_22 X': 2,
+        "@t_22' X": 2,
+        '@t_25 X': 2,
+        '@t_30 X': 2,
+        "@t_30' X": 2,
         'A X': 8,
         "G W_V'": 2,
         "G W_V' X'": 2,
         "W_K' X'": 9,
         "W_Q' X'": 9,
         "W_V' X'": 9,
+        "X' @t_21 X": 2,
+        "X' @t_22 X": 2,
+        "X' @t_30 X": 2,
         "X' t_32": 2,
         "X' t_32 X": 2,
         "X' t_32'": 2,
@@ -478,37 +509,37 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_17 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_18 = s.mm('_ X W_V', (t_17 * s.t_2), s.X, s.W_V)
-        t_19 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_19 = s.mm('A X @V_W_V', s.A, s.X, V_W_V)
         t_20 = (t_18 + t_19)
         t_21 = (s.t_2 * s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_20, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_21, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_21), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' @t_21 X W_K", tr(s.X), t_21, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' @t_21' X W_Q", tr(s.X), tr(t_21), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_20, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_22, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_6 X _", tr(s.X), s.t_6, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_6' X _", tr(s.X), tr(s.t_6), s.X, V_W_Q), mean=True)
-        t_23 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_22 = (s.t_2 * s.mm("G @V_W_V' X'", s.G, tr(V_W_V), tr(s.X)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22 X W_K", tr(s.X), t_22, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_6 X @V_W_K", tr(s.X), s.t_6, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_22' X W_Q", tr(s.X), tr(t_22), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_6' X @V_W_Q", tr(s.X), tr(s.t_6), s.X, V_W_Q), mean=True)
+        t_23 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_K W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K @V_W_Q' X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
         out_W_V = s.mm("X' _ G", tr(s.X), (t_23 * tr(s.t_2)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_25 = (t_24 * s.t_2)
-        t_26 = s.mm('_ X W_V', t_25, s.X, s.W_V)
-        t_27 = s.mm('A X _', s.A, s.X, V_W_V)
+        t_26 = s.mm('@t_25 X W_V', t_25, s.X, s.W_V)
+        t_27 = s.mm('A X @V_W_V', s.A, s.X, V_W_V)
         t_28 = (t_26 + t_27)
-        t_29 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_28, tr(s.W_V), tr(s.X)), (1, "G _ X'", s.G, tr(V_W_V), tr(s.X)))
+        t_29 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_28, tr(s.W_V), tr(s.X)), (1, "G @V_W_V' X'", s.G, tr(V_W_V), tr(s.X)))
         t_30 = (t_29 * s.t_2)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_32 X _", tr(s.X), s.t_32, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_32' X _", tr(s.X), tr(s.t_32), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_25), s.G), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_28), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30 X W_K", tr(s.X), t_30, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_32 X @V_W_K", tr(s.X), s.t_32, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_30' X W_Q", tr(s.X), tr(t_30), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_32' X @V_W_Q", tr(s.X), tr(s.t_32), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_25' G", tr(s.X), tr(t_25), s.G), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_28), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -516,22 +547,54 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "68e10c9bdb3a0c7e81e62a9b"
+    STAMP = "979fe0fb484fac5546b71d1f"
     RUNS = {
+        "@V_W_K W_Q'": 2,
+        "@V_W_K W_Q' X'": 2,
+        "@V_W_K' X'": 3,
+        "@V_W_Q W_K'": 2,
+        "@V_W_Q W_K' X'": 2,
+        "@V_W_Q' X'": 3,
+        "@V_W_V G'": 2,
+        "@V_W_V G' X": 2,
+        "@V_W_V' X'": 3,
+        "@V_W_V' X' X": 2,
+        "@t_27 W_V'": 2,
+        "@t_27 W_V' X'": 2,
+        "@t_27 W_V' X' X": 2,
+        "@t_27' X": 2,
+        "@t_32 W_V'": 2,
+        "@t_32 W_V' X'": 2,
+        "@t_32 W_V' X' X": 2,
+        "@t_32' X": 2,
+        "G @V_W_V' X'": 2,
+        "G @V_W_V' X' X": 2,
         "G W_V'": 7,
         "G W_V' X'": 7,
         "G W_V' X' X": 7,
         "G' X": 13,
         "G' X W_Q": 4,
         'T X': 7,
+        "W_K @V_W_Q' X'": 2,
         "W_K' X'": 12,
         "W_K' X' X": 7,
         "W_K' X' X W_V": 4,
+        "W_Q @V_W_K' X'": 2,
         "W_Q' X'": 12,
+        "W_V @t_27' X": 2,
+        "W_V @t_32' X": 2,
         "W_V G' X": 7,
         "W_V' X'": 16,
         "W_V' X' X": 13,
+        "X @V_W_K W_Q' X'": 2,
+        "X @V_W_Q W_K' X'": 2,
+        "X @V_W_V G' X": 2,
+        "X W_V @t_27' X": 2,
+        "X W_V @t_32' X": 2,
         "X W_V G' X": 7,
+        "X' @t_27 W_V' X' X": 2,
+        "X' @t_32 W_V' X' X": 2,
+        "X' G @V_W_V' X' X": 2,
         "X' G W_V' X' X": 7,
         "X' X": 19,
     }
@@ -741,33 +804,33 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_25 = lin((1, s.prod('_ X W_V', t_24, s.X, s.W_V)), (1, s.prod('T X _', s.T, s.X, V_W_V)))
+        t_24 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = lin((1, s.prod('@t_24 X W_V', t_24, s.X, s.W_V)), (1, s.prod('T X @V_W_V', s.T, s.X, V_W_V)))
         t_26 = softmax_diff(s.t_20, t_25)
         t_27 = (s.t_2 * t_26)
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ W_V' X' X W_K", tr(s.X), t_27, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, tr(t_27), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' T' _", tr(s.X), tr(s.T), t_27, mean=True)
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_27 W_V' X' X W_K", tr(s.X), t_27, tr(s.W_V), tr(s.X), s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' X W_V @t_27' X W_Q", tr(s.X), s.X, s.W_V, tr(t_27), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' T' @t_27", tr(s.X), tr(s.T), t_27, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), mean=True)
-        t_28 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        out_W_V = s.mm("X' _ G", tr(s.X), t_28, s.G, mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G @V_W_V' X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G W_V' X' X @V_W_K", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X @V_W_V G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X @V_W_Q", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), mean=True)
+        t_28 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_K W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K @V_W_Q' X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm("X' @t_28 G", tr(s.X), t_28, s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_29 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_30 = lin((1, s.prod('_ X W_V', (1/math.sqrt(s.d_K)) * t_29, s.X, s.W_V)), (1, s.prod('T X _', s.T, s.X, V_W_V)))
+        t_29 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_30 = lin((1, s.prod('_ X W_V', (1/math.sqrt(s.d_K)) * t_29, s.X, s.W_V)), (1, s.prod('T X @V_W_V', s.T, s.X, V_W_V)))
         t_31 = softmax_diff(s.t_7, t_30)
         t_32 = (s.t_2 * t_31)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G _ X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G W_V' X' X _", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/(s.L*math.sqrt(s.d_K))), "X' _ W_V' X' X W_K", tr(s.X), t_32, tr(s.W_V), tr(s.X), s.X, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X _ G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X _", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), ((1/(s.L*math.sqrt(s.d_K))), "X' X W_V _ X W_Q", tr(s.X), s.X, s.W_V, tr(t_32), s.X, s.W_Q), mean=True)
-        t_33 = s.mm_sum('r', (1, "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
-        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_33, s.G), ((1/s.L), "X' T' _", tr(s.X), tr(s.T), t_32), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' G @V_W_V' X' X W_K", tr(s.X), s.G, tr(V_W_V), tr(s.X), s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' G W_V' X' X @V_W_K", tr(s.X), s.G, tr(s.W_V), tr(s.X), s.X, V_W_K), ((1/(s.L*math.sqrt(s.d_K))), "X' @t_32 W_V' X' X W_K", tr(s.X), t_32, tr(s.W_V), tr(s.X), s.X, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' X @V_W_V G' X W_Q", tr(s.X), s.X, V_W_V, tr(s.G), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' X W_V G' X @V_W_Q", tr(s.X), s.X, s.W_V, tr(s.G), s.X, V_W_Q), ((1/(s.L*math.sqrt(s.d_K))), "X' X W_V @t_32' X W_Q", tr(s.X), s.X, s.W_V, tr(t_32), s.X, s.W_Q), mean=True)
+        t_33 = s.mm_sum('r', (1, "X @V_W_K W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), (1, "X W_K @V_W_Q' X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), (1/math.sqrt(s.d_K)) * t_33, s.G), ((1/s.L), "X' T' @t_32", tr(s.X), tr(s.T), t_32), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -775,14 +838,27 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V')
-    STAMP = "3d7bf0b4b461c1d22036e634"
+    STAMP = "a8daff4f280c07065620245e"
     RUNS = {
+        "@V_W_K' X'": 2,
+        "@V_W_Q' X'": 2,
+        "@V_W_V' X'": 2,
+        '@t_26 X': 2,
+        "@t_26' X": 2,
+        '@t_27 X': 2,
+        "@t_27' X": 2,
+        '@t_30 X': 2,
+        '@t_35 X': 2,
+        "@t_35' X": 2,
         'A X': 7,
         "G W_V'": 2,
         "G W_V' X'": 2,
         "W_K' X'": 9,
         "W_Q' X'": 9,
         "W_V' X'": 8,
+        "X' @t_26 X": 2,
+        "X' @t_27 X": 2,
+        "X' @t_35 X": 2,
         "X' t_11": 5,
         "X' t_11 X": 5,
         "X' t_11'": 5,
@@ -1000,37 +1076,37 @@ class ce_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_22 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_23 = lin((1, s.prod('_ X W_V', (t_22 * s.t_2), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_22 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_23 = lin((1, s.prod('_ X W_V', (t_22 * s.t_2), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_24 = softmax_diff(s.t_18, t_23)
         t_25 = (s.t_4 * t_24)
-        t_26 = (s.t_2 * s.mm("_ W_V' X'", t_25, tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_26, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_26), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_25, mean=True)
+        t_26 = (s.t_2 * s.mm("@t_25 W_V' X'", t_25, tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_26 X W_K", tr(s.X), t_26, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_26' X W_Q", tr(s.X), tr(t_26), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' @t_25", tr(s.X), tr(s.A), t_25, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_27 = (s.t_2 * s.mm("G _ X'", s.G, tr(V_W_V), tr(s.X)))
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' t_11 X _", tr(s.X), s.t_11, s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_27, s.X, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X _", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
-        t_28 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K _ X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
+        t_27 = (s.t_2 * s.mm("G @V_W_V' X'", s.G, tr(V_W_V), tr(s.X)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' t_11 X @V_W_K", tr(s.X), s.t_11, s.X, V_W_K), ((1/math.sqrt(s.d_K)), "X' @t_27 X W_K", tr(s.X), t_27, s.X, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_27' X W_Q", tr(s.X), tr(t_27), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_11' X @V_W_Q", tr(s.X), tr(s.t_11), s.X, V_W_Q), mean=True)
+        t_28 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_K W_Q' X'", s.X, V_W_K, tr(s.W_Q), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_K @V_W_Q' X'", s.X, s.W_K, tr(V_W_Q), tr(s.X)))
         out_W_V = s.mm("X' _ G", tr(s.X), (t_28 * tr(s.t_2)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_29 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_30 = (t_29 * s.t_2)
-        t_31 = lin((1, s.prod('_ X W_V', t_30, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_31 = lin((1, s.prod('@t_30 X W_V', t_30, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_32 = softmax_diff(s.t_9, t_31)
         t_33 = (s.t_4 * t_32)
-        t_34 = s.mm_sum('r', (1, "G _ X'", s.G, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_33, tr(s.W_V), tr(s.X)))
+        t_34 = s.mm_sum('r', (1, "G @V_W_V' X'", s.G, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_33 W_V' X'", t_33, tr(s.W_V), tr(s.X)))
         t_35 = (t_34 * s.t_2)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_35, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_37 X _", tr(s.X), s.t_37, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_35), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_37' X _", tr(s.X), tr(s.t_37), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G", tr(s.X), tr(t_30), s.G), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_33), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_35 X W_K", tr(s.X), t_35, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_37 X @V_W_K", tr(s.X), s.t_37, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_35' X W_Q", tr(s.X), tr(t_35), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_37' X @V_W_Q", tr(s.X), tr(s.t_37), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_30' G", tr(s.X), tr(t_30), s.G), ((1/s.L), "X' A' @t_33", tr(s.X), tr(s.A), t_33), mean=True)
         return (out_W_Q, out_W_K, out_W_V,)
 
 
@@ -1040,4 +1116,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "0070b5b041626dca07890fa6"
+CHECKSUM = "4d70ba2253f9bba93d6c2c69"

@@ -24,8 +24,54 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "3d8ab90261f52516a8123c28"
+    STAMP = "3f23f814cefef5be71009e4d"
     RUNS = {
+        "@V_W_K' N_1'": 2,
+        "@V_W_O1 t_157'": 2,
+        "@V_W_O1 t_42'": 2,
+        "@V_W_O1' W_V'": 2,
+        "@V_W_O1' W_V' N_1'": 2,
+        "@V_W_O2 t_157'": 2,
+        "@V_W_O2 t_42'": 2,
+        "@V_W_O2' W_V'": 2,
+        "@V_W_O2' W_V' N_1'": 2,
+        "@V_W_Q1' N_1'": 2,
+        "@V_W_Q2' N_1'": 2,
+        '@V_W_V W_O1': 2,
+        '@V_W_V W_O2': 2,
+        "@V_W_V' N_1'": 6,
+        "@V_W_V' N_1' A1'": 2,
+        "@V_W_V' N_1' A2'": 2,
+        "@t_100 W_O1'": 2,
+        "@t_100 W_O2'": 2,
+        "@t_100' A1": 2,
+        "@t_100' A1 N_1": 2,
+        "@t_100' A2": 2,
+        "@t_100' A2 N_1": 2,
+        '@t_112 N_1': 3,
+        '@t_112 N_1 W_V': 2,
+        "@t_112' t_42": 2,
+        '@t_115 N_1': 3,
+        '@t_115 N_1 W_V': 2,
+        "@t_115' t_42": 2,
+        "@t_128 W_O1'": 2,
+        "@t_128 W_O2'": 2,
+        "@t_128' A1": 2,
+        "@t_128' A1 N_1": 2,
+        "@t_128' A2": 2,
+        "@t_128' A2 N_1": 2,
+        '@t_160 N_1': 3,
+        '@t_160 N_1 W_V': 2,
+        "@t_160' t_157": 2,
+        '@t_163 N_1': 3,
+        '@t_163 N_1 W_V': 2,
+        "@t_163' t_157": 2,
+        "@t_184 W_O1'": 2,
+        "@t_184 W_O2'": 2,
+        "@t_184' A1": 2,
+        "@t_184' A1 N_1": 2,
+        "@t_184' A2": 2,
+        "@t_184' A2 N_1": 2,
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
         "A1' t_157": 2,
@@ -35,12 +81,18 @@ class mse_causal0(Forward):
         "A2' t_157": 2,
         "A2' t_42": 5,
         "G W_2'": 2,
+        'N_1 @V_W_V W_O1': 2,
+        'N_1 @V_W_V W_O2': 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
         'N_1 W_Q2': 2,
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
+        "N_1' @t_112' t_42": 2,
+        "N_1' @t_115' t_42": 2,
+        "N_1' @t_160' t_157": 2,
+        "N_1' @t_163' t_157": 2,
         "N_1' A1' t_157": 2,
         "N_1' A1' t_42": 4,
         "N_1' A2' t_157": 2,
@@ -1620,123 +1672,123 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_85 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_86 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_87 = lin((1/math.sqrt(s.d_K), s.prod("t_37' _", tr(s.t_37), t_85)), (1/math.sqrt(s.d_K), s.prod("_ t_5'", t_86, tr(s.t_5))))
-        t_88 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_89 = lin((1/math.sqrt(s.d_K), s.prod("_ t_5'", t_88, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_38' _", tr(s.t_38), t_85)))
-        t_90 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_87), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_89), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_85 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_86 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_87 = lin((1/math.sqrt(s.d_K), s.prod("t_37' @t_85", tr(s.t_37), t_85)), (1/math.sqrt(s.d_K), s.prod("@t_86 t_5'", t_86, tr(s.t_5))))
+        t_88 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_89 = lin((1/math.sqrt(s.d_K), s.prod("@t_88 t_5'", t_88, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_38' @t_85", tr(s.t_38), t_85)))
+        t_90 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_87), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_89), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_92 = lin((1, t_90, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_90 * s.Y_2), s.one), s.t_51))
-        t_93 = lin((1, s.prod('_ W_1', t_92, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_94 = lin((1, s.prod('_ W_3', t_92, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_95 = lin((1, t_90), (1, s.prod('_ W_2', ((s.t_91 * t_93) + (s.t_32 * t_94)), s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
+        t_93 = lin((1, s.prod('@t_92 W_1', t_92, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_94 = lin((1, s.prod('@t_92 W_3', t_92, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_95 = lin((1, t_90), (1, s.prod('_ W_2', ((s.t_91 * t_93) + (s.t_32 * t_94)), s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
         t_96 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_95, tr(s.W_2))
         t_97 = (s.t_91 * t_96)
         t_98 = (s.t_32 * t_96)
-        t_99 = lin((1, s.prod("_ W_1'", t_97, tr(s.W_1))), (1, s.prod("_ W_3'", t_98, tr(s.W_3))))
+        t_99 = lin((1, s.prod("@t_97 W_1'", t_97, tr(s.W_1))), (1, s.prod("@t_98 W_3'", t_98, tr(s.W_3))))
         t_100 = lin((2/(s.L*s.d_V), t_95), (1, t_99, s.R_N_2), (1, s.mm('_ one', (s.t_51 * (2/s.d_V) * t_99), s.one), s.Y_2))
-        t_101 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_100, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_102 = s.mm("_ t_2'", t_101, tr(s.t_2))
+        t_101 = softmax_diff(s.A1, s.mm("@t_100 W_O1' W_V' N_1'", t_100, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_102 = s.mm("@t_101 t_2'", t_101, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_102 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_102 * s.S), tr(s.R)), mean=True)
-        t_103 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_100, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_104 = s.mm("_ t_2'", t_103, tr(s.t_2))
+        t_103 = softmax_diff(s.A2, s.mm("@t_100 W_O2' W_V' N_1'", t_100, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_104 = s.mm("@t_103 t_2'", t_103, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_104 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_104 * s.C)), mean=True)
-        t_105 = lin((1, s.prod("_ t_37'", tr(t_101), tr(s.t_37))), (1, s.prod("_ t_38'", tr(t_103), tr(s.t_38))))
+        t_105 = lin((1, s.prod("@t_101' t_37'", tr(t_101), tr(s.t_37))), (1, s.prod("@t_103' t_38'", tr(t_103), tr(s.t_38))))
         out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_105 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_105 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_100, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_100, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_100, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_100, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_97, mean=True)
-        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_98, mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' @t_100 W_O2'", tr(s.N_1), tr(s.A2), t_100, tr(s.W_O2)), (1, "N_1' A1' @t_100 W_O1'", tr(s.N_1), tr(s.A1), t_100, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' @t_100", tr(s.W_V), tr(s.N_1), tr(s.A1), t_100, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' @t_100", tr(s.W_V), tr(s.N_1), tr(s.A2), t_100, mean=True)
+        out_W_1 = s.mm("N_2' @t_97", tr(s.N_2), t_97, mean=True)
+        out_W_3 = s.mm("N_2' @t_98", tr(s.N_2), t_98, mean=True)
         out_W_2 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_95, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_106 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_107 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_108 = lin((1, s.prod("t_37' _", tr(s.t_37), t_106)), (1, s.prod("_ t_5'", t_107, tr(s.t_5))))
+        t_106 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_107 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_108 = lin((1, s.prod("t_37' @t_106", tr(s.t_37), t_106)), (1, s.prod("@t_107 t_5'", t_107, tr(s.t_5))))
         t_110 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_108, s.t_109)
         t_112 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_108)
-        t_113 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_114 = lin((1, s.prod("_ t_5'", t_113, tr(s.t_5))), (1, s.prod("t_38' _", tr(s.t_38), t_106)))
+        t_113 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_114 = lin((1, s.prod("@t_113 t_5'", t_113, tr(s.t_5))), (1, s.prod("t_38' @t_106", tr(s.t_38), t_106)))
         t_115 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_114)
-        t_116 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_112, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_116 = lin((1, s.mm_sum('r', (1, '@t_112 N_1 W_V W_O1', t_112, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_115 N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_117 = s.mm('_ one', (t_116 * s.Y_2), s.one)
         t_118 = (t_117 * s.t_51)
         t_119 = lin((1, t_116, s.R_N_2), (2/s.d_V, t_118))
-        t_120 = lin((1, s.prod('_ W_1', t_119, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_121 = s.mm('G _', s.G, tr(V_W_2))
-        t_123 = lin((1, s.prod('_ W_3', t_119, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_120 = lin((1, s.prod('@t_119 W_1', t_119, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_121 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
+        t_123 = lin((1, s.prod('@t_119 W_3', t_119, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
         t_124 = lin((1, s.t_111, t_120), (1, s.t_91, t_121), (1, s.t_122, t_123))
         t_125 = ((s.t_122 * t_120) + (s.t_32 * t_121))
-        t_126 = lin((1, s.prod("_ W_1'", t_124, tr(s.W_1))), (1, s.prod("_ W_3'", t_125, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
+        t_126 = lin((1, s.prod("@t_124 W_1'", t_124, tr(s.W_1))), (1, s.prod("@t_125 W_3'", t_125, tr(s.W_3))), (1, s.prod("t_17 @V_W_1'", s.t_17, tr(V_W_1))), (1, s.prod("t_18 @V_W_3'", s.t_18, tr(V_W_3))))
         t_127 = lin((1, s.t_66, t_116), (1, s.t_51, (2/s.d_V) * t_126), (2/s.d_V, t_117, s.t_67))
-        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_69), (1, s.t_41, t_116), (1, s.mm('_ one', t_127, s.one), s.Y_2))
-        t_129 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 _ W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' _ N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_69), (1, s.t_41, t_116), (1, s.mm('@t_127 one', t_127, s.one), s.Y_2))
+        t_129 = s.mm_sum('r', (1, "@t_128 W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O1' W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' @V_W_V' N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
         t_130 = softmax_diff(s.A1, t_129)
         t_131 = (t_110 + t_130)
-        t_133 = lin((1, s.prod("_ t_2'", t_131, tr(s.t_2))), (1, s.prod('t_132 _', s.t_132, tr(t_106))))
+        t_133 = lin((1, s.prod("@t_131 t_2'", t_131, tr(s.t_2))), (1, s.prod("t_132 @t_106'", s.t_132, tr(t_106))))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_133 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_133 * s.S), tr(s.R)), mean=True)
         t_135 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_114, s.t_134)
-        t_136 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' _ N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_42 _ W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_136 = s.mm_sum('r', (1, "@t_128 W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' @V_W_V' N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_42 @V_W_O2' W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
         t_137 = softmax_diff(s.A2, t_136)
         t_138 = (t_135 + t_137)
-        t_140 = lin((1, s.prod("_ t_2'", t_138, tr(s.t_2))), (1, s.prod('t_139 _', s.t_139, tr(t_106))))
+        t_140 = lin((1, s.prod("@t_138 t_2'", t_138, tr(s.t_2))), (1, s.prod("t_139 @t_106'", s.t_139, tr(t_106))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_140 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_140 * s.C)), mean=True)
-        t_141 = lin((1, s.prod("_ t_37'", tr(t_131), tr(s.t_37))), (1, s.prod("_ t_38'", tr(t_138), tr(s.t_38))), (1, s.prod("t_132' _", tr(s.t_132), t_107)), (1, s.prod("t_139' _", tr(s.t_139), t_113)))
+        t_141 = lin((1, s.prod("@t_131' t_37'", tr(t_131), tr(s.t_37))), (1, s.prod("@t_138' t_38'", tr(t_138), tr(s.t_38))), (1, s.prod("t_132' @t_107", tr(s.t_132), t_107)), (1, s.prod("t_139' @t_113", tr(s.t_139), t_113)))
         out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_141 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_141 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_42 W_O2'", tr(s.N_1), tr(t_115), s.t_42, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A1' t_42 _", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' _ t_42 W_O1'", tr(s.N_1), tr(t_112), s.t_42, tr(s.W_O1)), (1, "N_1' A2' t_42 _", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' _ t_42", tr(s.W_V), tr(s.N_1), tr(t_112), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' _ t_42", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
-        out_W_1 = (s.mm('_ t_17', tr(t_119), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_124, mean=True))
-        out_W_3 = (s.mm('_ t_18', tr(t_119), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_125, mean=True))
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_115' t_42 W_O2'", tr(s.N_1), tr(t_115), s.t_42, tr(s.W_O2)), (1, "N_1' A1' @t_128 W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A1' t_42 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' @t_112' t_42 W_O1'", tr(s.N_1), tr(t_112), s.t_42, tr(s.W_O1)), (1, "N_1' A2' t_42 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), (1, "N_1' A2' @t_128 W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' @t_112' t_42", tr(s.W_V), tr(s.N_1), tr(t_112), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' @t_115' t_42", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
+        out_W_1 = (s.mm("@t_119' t_17", tr(t_119), s.t_17, mean=True) + s.mm("N_2' @t_124", tr(s.N_2), t_124, mean=True))
+        out_W_3 = (s.mm("@t_119' t_18", tr(t_119), s.t_18, mean=True) + s.mm("N_2' @t_125", tr(s.N_2), t_125, mean=True))
         out_W_2 = s.mm('_ G', ((tr(s.t_91) * tr(t_120)) + (s.t_142 * tr(t_123))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_143 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_144 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_145 = lin((1, s.prod("t_37' _", tr(s.t_37), t_143)), (1, s.prod("_ t_5'", t_144, tr(s.t_5))))
+        t_143 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_144 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_145 = lin((1, s.prod("t_37' @t_143", tr(s.t_37), t_143)), (1, s.prod("@t_144 t_5'", t_144, tr(s.t_5))))
         t_159 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_145, s.t_158)
         t_160 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_145)
-        t_161 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_162 = lin((1, s.prod("_ t_5'", t_161, tr(s.t_5))), (1, s.prod("t_38' _", tr(s.t_38), t_143)))
+        t_161 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_162 = lin((1, s.prod("@t_161 t_5'", t_161, tr(s.t_5))), (1, s.prod("t_38' @t_143", tr(s.t_38), t_143)))
         t_163 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_162)
-        t_164 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_160, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_164 = lin((1, s.mm_sum('r', (1, '@t_160 N_1 W_V W_O1', t_160, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_163 N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_165 = s.mm('_ one', (t_164 * s.Y_2), s.one)
         t_166 = (t_165 * s.t_51)
         t_167 = lin((1, t_164, s.R_N_2), (2/s.d_V, t_166))
-        t_168 = lin((1, s.prod('_ W_1', t_167, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_169 = lin((1, s.prod('_ W_3', t_167, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_168 = lin((1, s.prod('@t_167 W_1', t_167, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_169 = lin((1, s.prod('@t_167 W_3', t_167, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
         t_170 = ((s.t_91 * t_168) + (s.t_32 * t_169))
-        t_171 = lin((1, t_164), (1, s.prod('_ W_2', t_170, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
-        t_173 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_171, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_171 = lin((1, t_164), (1, s.prod('@t_170 W_2', t_170, s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
+        t_173 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_171, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
         t_177 = lin((1, s.t_172, t_168), (1, s.t_91, t_173), (1, s.t_176, t_169))
         t_178 = ((s.t_176 * t_168) + (s.t_32 * t_173))
-        t_179 = lin((1, s.prod("_ W_1'", t_177, tr(s.W_1))), (1, s.prod("_ W_3'", t_178, tr(s.W_3))), (1, s.prod('t_150 _', s.t_150, tr(V_W_1))), (1, s.prod('t_152 _', s.t_152, tr(V_W_3))))
+        t_179 = lin((1, s.prod("@t_177 W_1'", t_177, tr(s.W_1))), (1, s.prod("@t_178 W_3'", t_178, tr(s.W_3))), (1, s.prod("t_150 @V_W_1'", s.t_150, tr(V_W_1))), (1, s.prod("t_152 @V_W_3'", s.t_152, tr(V_W_3))))
         t_183 = lin((1, s.t_181, t_164), (1, s.t_51, (2/s.d_V) * t_179), (2/s.d_V, t_165, s.t_182))
-        t_184 = lin((2/(s.L*s.d_V), t_171), (1, t_179, s.R_N_2), (2/s.d_V, t_165, s.t_180), (1, s.t_156, t_164), (1, s.mm('_ one', t_183, s.one), s.Y_2))
-        t_185 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_184, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 _ W_V' N_1'", s.t_157, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O1' _ N_1'", s.t_157, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_184 = lin((2/(s.L*s.d_V), t_171), (1, t_179, s.R_N_2), (2/s.d_V, t_165, s.t_180), (1, s.t_156, t_164), (1, s.mm('@t_183 one', t_183, s.one), s.Y_2))
+        t_185 = s.mm_sum('r', (1, "@t_184 W_O1' W_V' N_1'", t_184, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 @V_W_O1' W_V' N_1'", s.t_157, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O1' @V_W_V' N_1'", s.t_157, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
         t_186 = softmax_diff(s.A1, t_185)
         t_187 = (t_159 + t_186)
-        t_189 = lin((1, s.prod("_ t_2'", t_187, tr(s.t_2))), (1, s.prod('t_188 _', s.t_188, tr(t_143))))
+        t_189 = lin((1, s.prod("@t_187 t_2'", t_187, tr(s.t_2))), (1, s.prod("t_188 @t_143'", s.t_188, tr(t_143))))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_189 * s.C)), mean=True)
         t_191 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_190)
-        t_192 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_184, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_157 _ W_V' N_1'", s.t_157, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O2' _ N_1'", s.t_157, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_192 = s.mm_sum('r', (1, "@t_184 W_O2' W_V' N_1'", t_184, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_157 @V_W_O2' W_V' N_1'", s.t_157, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O2' @V_W_V' N_1'", s.t_157, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
         t_193 = softmax_diff(s.A2, t_192)
         t_194 = (t_191 + t_193)
-        t_196 = lin((1, s.prod("_ t_2'", t_194, tr(s.t_2))), (1, s.prod('t_195 _', s.t_195, tr(t_143))))
+        t_196 = lin((1, s.prod("@t_194 t_2'", t_194, tr(s.t_2))), (1, s.prod("t_195 @t_143'", s.t_195, tr(t_143))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_196 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_196 * s.S), tr(s.R)), mean=True)
-        t_197 = lin((1, s.prod("_ t_37'", tr(t_187), tr(s.t_37))), (1, s.prod("_ t_38'", tr(t_194), tr(s.t_38))), (1, s.prod("t_188' _", tr(s.t_188), t_144)), (1, s.prod("t_195' _", tr(s.t_195), t_161)))
+        t_197 = lin((1, s.prod("@t_187' t_37'", tr(t_187), tr(s.t_37))), (1, s.prod("@t_194' t_38'", tr(t_194), tr(s.t_38))), (1, s.prod("t_188' @t_144", tr(s.t_188), t_144)), (1, s.prod("t_195' @t_161", tr(s.t_195), t_161)))
         out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_197 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_197 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_157 _", tr(s.N_1), tr(s.A2), s.t_157, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_184, tr(s.W_O2)), (1, "N_1' A1' t_157 _", tr(s.N_1), tr(s.A1), s.t_157, tr(V_W_O1)), (1, "N_1' _ t_157 W_O1'", tr(s.N_1), tr(t_160), s.t_157, tr(s.W_O1)), (1, "N_1' _ t_157 W_O2'", tr(s.N_1), tr(t_163), s.t_157, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_184, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_157", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_157), (1, "W_V' N_1' _ t_157", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_184, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_157", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_157), (1, "W_V' N_1' _ t_157", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_184, mean=True)))
-        out_W_1 = (s.mm('_ t_150', tr(t_167), s.t_150, mean=True) + s.mm("N_2' _", tr(s.N_2), t_177, mean=True))
-        out_W_3 = (s.mm('_ t_152', tr(t_167), s.t_152, mean=True) + s.mm("N_2' _", tr(s.N_2), t_178, mean=True))
-        out_W_2 = (s.mm('_ G', tr(t_170), s.G, mean=True) + s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_171, mean=True))
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_157 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_157, tr(V_W_O2)), (1, "N_1' A2' @t_184 W_O2'", tr(s.N_1), tr(s.A2), t_184, tr(s.W_O2)), (1, "N_1' A1' t_157 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_157, tr(V_W_O1)), (1, "N_1' @t_160' t_157 W_O1'", tr(s.N_1), tr(t_160), s.t_157, tr(s.W_O1)), (1, "N_1' @t_163' t_157 W_O2'", tr(s.N_1), tr(t_163), s.t_157, tr(s.W_O2)), (1, "N_1' A1' @t_184 W_O1'", tr(s.N_1), tr(s.A1), t_184, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_157", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_157), (1, "W_V' N_1' @t_160' t_157", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A1' @t_184", tr(s.W_V), tr(s.N_1), tr(s.A1), t_184, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_157", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_157), (1, "W_V' N_1' @t_163' t_157", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A2' @t_184", tr(s.W_V), tr(s.N_1), tr(s.A2), t_184, mean=True)))
+        out_W_1 = (s.mm("@t_167' t_150", tr(t_167), s.t_150, mean=True) + s.mm("N_2' @t_177", tr(s.N_2), t_177, mean=True))
+        out_W_3 = (s.mm("@t_167' t_152", tr(t_167), s.t_152, mean=True) + s.mm("N_2' @t_178", tr(s.N_2), t_178, mean=True))
+        out_W_2 = (s.mm("@t_170' G", tr(t_170), s.G, mean=True) + s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_171, mean=True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -1744,8 +1796,54 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "0ae5342376e0d128007f616b"
+    STAMP = "66067c8c9d707328a8d1c635"
     RUNS = {
+        "@V_W_K' N_1'": 2,
+        "@V_W_O1 t_157'": 2,
+        "@V_W_O1 t_42'": 2,
+        "@V_W_O1' W_V'": 2,
+        "@V_W_O1' W_V' N_1'": 2,
+        "@V_W_O2 t_157'": 2,
+        "@V_W_O2 t_42'": 2,
+        "@V_W_O2' W_V'": 2,
+        "@V_W_O2' W_V' N_1'": 2,
+        "@V_W_Q1' N_1'": 2,
+        "@V_W_Q2' N_1'": 2,
+        '@V_W_V W_O1': 2,
+        '@V_W_V W_O2': 2,
+        "@V_W_V' N_1'": 6,
+        "@V_W_V' N_1' A1'": 2,
+        "@V_W_V' N_1' A2'": 2,
+        "@t_100 W_O1'": 2,
+        "@t_100 W_O2'": 2,
+        "@t_100' A1": 2,
+        "@t_100' A1 N_1": 2,
+        "@t_100' A2": 2,
+        "@t_100' A2 N_1": 2,
+        '@t_112 N_1': 3,
+        '@t_112 N_1 W_V': 2,
+        "@t_112' t_42": 2,
+        '@t_115 N_1': 3,
+        '@t_115 N_1 W_V': 2,
+        "@t_115' t_42": 2,
+        "@t_128 W_O1'": 2,
+        "@t_128 W_O2'": 2,
+        "@t_128' A1": 2,
+        "@t_128' A1 N_1": 2,
+        "@t_128' A2": 2,
+        "@t_128' A2 N_1": 2,
+        '@t_160 N_1': 3,
+        '@t_160 N_1 W_V': 2,
+        "@t_160' t_157": 2,
+        '@t_163 N_1': 3,
+        '@t_163 N_1 W_V': 2,
+        "@t_163' t_157": 2,
+        "@t_184 W_O1'": 2,
+        "@t_184 W_O2'": 2,
+        "@t_184' A1": 2,
+        "@t_184' A1 N_1": 2,
+        "@t_184' A2": 2,
+        "@t_184' A2 N_1": 2,
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
         "A1' t_157": 2,
@@ -1755,12 +1853,18 @@ class mse_causal1(Forward):
         "A2' t_157": 2,
         "A2' t_42": 5,
         "G W_2'": 2,
+        'N_1 @V_W_V W_O1': 2,
+        'N_1 @V_W_V W_O2': 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
         'N_1 W_Q2': 2,
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
+        "N_1' @t_112' t_42": 2,
+        "N_1' @t_115' t_42": 2,
+        "N_1' @t_160' t_157": 2,
+        "N_1' @t_163' t_157": 2,
         "N_1' A1' t_157": 2,
         "N_1' A1' t_42": 4,
         "N_1' A2' t_157": 2,
@@ -3340,123 +3444,123 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_85 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_86 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_87 = lin((1/math.sqrt(s.d_K), s.prod("t_37' _", tr(s.t_37), t_85)), (1/math.sqrt(s.d_K), s.prod("_ t_5'", t_86, tr(s.t_5))))
-        t_88 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_89 = lin((1/math.sqrt(s.d_K), s.prod("_ t_5'", t_88, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_38' _", tr(s.t_38), t_85)))
-        t_90 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_87), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_89), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_85 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_86 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_87 = lin((1/math.sqrt(s.d_K), s.prod("t_37' @t_85", tr(s.t_37), t_85)), (1/math.sqrt(s.d_K), s.prod("@t_86 t_5'", t_86, tr(s.t_5))))
+        t_88 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_89 = lin((1/math.sqrt(s.d_K), s.prod("@t_88 t_5'", t_88, tr(s.t_5))), (1/math.sqrt(s.d_K), s.prod("t_38' @t_85", tr(s.t_38), t_85)))
+        t_90 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_87), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_89), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_92 = lin((1, t_90, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_90 * s.Y_2), s.one), s.t_51))
-        t_93 = lin((1, s.prod('_ W_1', t_92, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_94 = lin((1, s.prod('_ W_3', t_92, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_95 = lin((1, t_90), (1, s.prod('_ W_2', ((s.t_91 * t_93) + (s.t_32 * t_94)), s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
+        t_93 = lin((1, s.prod('@t_92 W_1', t_92, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_94 = lin((1, s.prod('@t_92 W_3', t_92, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_95 = lin((1, t_90), (1, s.prod('_ W_2', ((s.t_91 * t_93) + (s.t_32 * t_94)), s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
         t_96 = s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_95, tr(s.W_2))
         t_97 = (s.t_91 * t_96)
         t_98 = (s.t_32 * t_96)
-        t_99 = lin((1, s.prod("_ W_1'", t_97, tr(s.W_1))), (1, s.prod("_ W_3'", t_98, tr(s.W_3))))
+        t_99 = lin((1, s.prod("@t_97 W_1'", t_97, tr(s.W_1))), (1, s.prod("@t_98 W_3'", t_98, tr(s.W_3))))
         t_100 = lin((2/(s.L*s.d_V), t_95), (1, t_99, s.R_N_2), (1, s.mm('_ one', (s.t_51 * (2/s.d_V) * t_99), s.one), s.Y_2))
-        t_101 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_100, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_102 = s.mm("_ t_2'", t_101, tr(s.t_2))
+        t_101 = softmax_diff(s.A1, s.mm("@t_100 W_O1' W_V' N_1'", t_100, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_102 = s.mm("@t_101 t_2'", t_101, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_102 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_102 * s.C)), mean=True)
-        t_103 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_100, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_104 = s.mm("_ t_2'", t_103, tr(s.t_2))
+        t_103 = softmax_diff(s.A2, s.mm("@t_100 W_O2' W_V' N_1'", t_100, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_104 = s.mm("@t_103 t_2'", t_103, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_104 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_104 * s.S), tr(s.R)), mean=True)
-        t_105 = lin((1, s.prod("_ t_37'", tr(t_101), tr(s.t_37))), (1, s.prod("_ t_38'", tr(t_103), tr(s.t_38))))
+        t_105 = lin((1, s.prod("@t_101' t_37'", tr(t_101), tr(s.t_37))), (1, s.prod("@t_103' t_38'", tr(t_103), tr(s.t_38))))
         out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_105 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_105 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_100, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_100, tr(s.W_O1)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_100, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_100, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_97, mean=True)
-        out_W_3 = s.mm("N_2' _", tr(s.N_2), t_98, mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' @t_100 W_O2'", tr(s.N_1), tr(s.A2), t_100, tr(s.W_O2)), (1, "N_1' A1' @t_100 W_O1'", tr(s.N_1), tr(s.A1), t_100, tr(s.W_O1)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' @t_100", tr(s.W_V), tr(s.N_1), tr(s.A1), t_100, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' @t_100", tr(s.W_V), tr(s.N_1), tr(s.A2), t_100, mean=True)
+        out_W_1 = s.mm("N_2' @t_97", tr(s.N_2), t_97, mean=True)
+        out_W_3 = s.mm("N_2' @t_98", tr(s.N_2), t_98, mean=True)
         out_W_2 = s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_95, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_106 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_107 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_108 = lin((1, s.prod("t_37' _", tr(s.t_37), t_106)), (1, s.prod("_ t_5'", t_107, tr(s.t_5))))
+        t_106 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_107 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_108 = lin((1, s.prod("t_37' @t_106", tr(s.t_37), t_106)), (1, s.prod("@t_107 t_5'", t_107, tr(s.t_5))))
         t_110 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_108, s.t_109)
         t_112 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_108)
-        t_113 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_114 = lin((1, s.prod("_ t_5'", t_113, tr(s.t_5))), (1, s.prod("t_38' _", tr(s.t_38), t_106)))
+        t_113 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_114 = lin((1, s.prod("@t_113 t_5'", t_113, tr(s.t_5))), (1, s.prod("t_38' @t_106", tr(s.t_38), t_106)))
         t_115 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_114)
-        t_116 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_112, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_116 = lin((1, s.mm_sum('r', (1, '@t_112 N_1 W_V W_O1', t_112, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_115 N_1 W_V W_O2', t_115, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_117 = s.mm('_ one', (t_116 * s.Y_2), s.one)
         t_118 = (t_117 * s.t_51)
         t_119 = lin((1, t_116, s.R_N_2), (2/s.d_V, t_118))
-        t_120 = lin((1, s.prod('_ W_1', t_119, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_121 = s.mm('G _', s.G, tr(V_W_2))
-        t_123 = lin((1, s.prod('_ W_3', t_119, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_120 = lin((1, s.prod('@t_119 W_1', t_119, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_121 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
+        t_123 = lin((1, s.prod('@t_119 W_3', t_119, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
         t_124 = lin((1, s.t_111, t_120), (1, s.t_91, t_121), (1, s.t_122, t_123))
         t_125 = ((s.t_122 * t_120) + (s.t_32 * t_121))
-        t_126 = lin((1, s.prod("_ W_1'", t_124, tr(s.W_1))), (1, s.prod("_ W_3'", t_125, tr(s.W_3))), (1, s.prod('t_17 _', s.t_17, tr(V_W_1))), (1, s.prod('t_18 _', s.t_18, tr(V_W_3))))
+        t_126 = lin((1, s.prod("@t_124 W_1'", t_124, tr(s.W_1))), (1, s.prod("@t_125 W_3'", t_125, tr(s.W_3))), (1, s.prod("t_17 @V_W_1'", s.t_17, tr(V_W_1))), (1, s.prod("t_18 @V_W_3'", s.t_18, tr(V_W_3))))
         t_127 = lin((1, s.t_66, t_116), (1, s.t_51, (2/s.d_V) * t_126), (2/s.d_V, t_117, s.t_67))
-        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_69), (1, s.t_41, t_116), (1, s.mm('_ one', t_127, s.one), s.Y_2))
-        t_129 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 _ W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' _ N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_128 = lin((1, t_126, s.R_N_2), (2/s.d_V, t_117, s.t_69), (1, s.t_41, t_116), (1, s.mm('@t_127 one', t_127, s.one), s.Y_2))
+        t_129 = s.mm_sum('r', (1, "@t_128 W_O1' W_V' N_1'", t_128, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O1' W_V' N_1'", s.t_42, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O1' @V_W_V' N_1'", s.t_42, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
         t_130 = softmax_diff(s.A1, t_129)
         t_131 = (t_110 + t_130)
-        t_133 = lin((1, s.prod("_ t_2'", t_131, tr(s.t_2))), (1, s.prod('t_132 _', s.t_132, tr(t_106))))
+        t_133 = lin((1, s.prod("@t_131 t_2'", t_131, tr(s.t_2))), (1, s.prod("t_132 @t_106'", s.t_132, tr(t_106))))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_133 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_133 * s.C)), mean=True)
         t_135 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_114, s.t_134)
-        t_136 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 _ W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' _ N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_136 = s.mm_sum('r', (1, "@t_128 W_O2' W_V' N_1'", t_128, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 @V_W_O2' W_V' N_1'", s.t_42, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_42 W_O2' @V_W_V' N_1'", s.t_42, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
         t_137 = softmax_diff(s.A2, t_136)
         t_138 = (t_135 + t_137)
-        t_140 = lin((1, s.prod("_ t_2'", t_138, tr(s.t_2))), (1, s.prod('t_139 _', s.t_139, tr(t_106))))
+        t_140 = lin((1, s.prod("@t_138 t_2'", t_138, tr(s.t_2))), (1, s.prod("t_139 @t_106'", s.t_139, tr(t_106))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_140 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_140 * s.S), tr(s.R)), mean=True)
-        t_141 = lin((1, s.prod("_ t_37'", tr(t_131), tr(s.t_37))), (1, s.prod("_ t_38'", tr(t_138), tr(s.t_38))), (1, s.prod("t_132' _", tr(s.t_132), t_107)), (1, s.prod("t_139' _", tr(s.t_139), t_113)))
+        t_141 = lin((1, s.prod("@t_131' t_37'", tr(t_131), tr(s.t_37))), (1, s.prod("@t_138' t_38'", tr(t_138), tr(s.t_38))), (1, s.prod("t_132' @t_107", tr(s.t_132), t_107)), (1, s.prod("t_139' @t_113", tr(s.t_139), t_113)))
         out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_141 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_141 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_42 W_O2'", tr(s.N_1), tr(t_115), s.t_42, tr(s.W_O2)), (1, "N_1' A1' t_42 _", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' _ t_42 W_O1'", tr(s.N_1), tr(t_112), s.t_42, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A2' t_42 _", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' _ t_42", tr(s.W_V), tr(s.N_1), tr(t_112), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' _ t_42", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
-        out_W_1 = (s.mm('_ t_17', tr(t_119), s.t_17, mean=True) + s.mm("N_2' _", tr(s.N_2), t_124, mean=True))
-        out_W_3 = (s.mm('_ t_18', tr(t_119), s.t_18, mean=True) + s.mm("N_2' _", tr(s.N_2), t_125, mean=True))
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_115' t_42 W_O2'", tr(s.N_1), tr(t_115), s.t_42, tr(s.W_O2)), (1, "N_1' A1' t_42 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_42, tr(V_W_O1)), (1, "N_1' @t_112' t_42 W_O1'", tr(s.N_1), tr(t_112), s.t_42, tr(s.W_O1)), (1, "N_1' A2' @t_128 W_O2'", tr(s.N_1), tr(s.A2), t_128, tr(s.W_O2)), (1, "N_1' A1' @t_128 W_O1'", tr(s.N_1), tr(s.A1), t_128, tr(s.W_O1)), (1, "N_1' A2' t_42 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_42, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_42", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_42), (1, "W_V' N_1' @t_112' t_42", tr(s.W_V), tr(s.N_1), tr(t_112), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A1' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A1), t_128, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_42", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_42), (1, "W_V' N_1' @t_115' t_42", tr(s.W_V), tr(s.N_1), tr(t_115), s.t_42), mean=True)), (1, s.mm("W_V' N_1' A2' @t_128", tr(s.W_V), tr(s.N_1), tr(s.A2), t_128, mean=True)))
+        out_W_1 = (s.mm("@t_119' t_17", tr(t_119), s.t_17, mean=True) + s.mm("N_2' @t_124", tr(s.N_2), t_124, mean=True))
+        out_W_3 = (s.mm("@t_119' t_18", tr(t_119), s.t_18, mean=True) + s.mm("N_2' @t_125", tr(s.N_2), t_125, mean=True))
         out_W_2 = s.mm('_ G', ((tr(s.t_91) * tr(t_120)) + (s.t_142 * tr(t_123))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_143 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_144 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_145 = lin((1, s.prod("t_37' _", tr(s.t_37), t_143)), (1, s.prod("_ t_5'", t_144, tr(s.t_5))))
+        t_143 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_144 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_145 = lin((1, s.prod("t_37' @t_143", tr(s.t_37), t_143)), (1, s.prod("@t_144 t_5'", t_144, tr(s.t_5))))
         t_159 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_145, s.t_158)
         t_160 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_145)
-        t_161 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_162 = lin((1, s.prod("_ t_5'", t_161, tr(s.t_5))), (1, s.prod("t_38' _", tr(s.t_38), t_143)))
+        t_161 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_162 = lin((1, s.prod("@t_161 t_5'", t_161, tr(s.t_5))), (1, s.prod("t_38' @t_143", tr(s.t_38), t_143)))
         t_163 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_162)
-        t_164 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_160, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_164 = lin((1, s.mm_sum('r', (1, '@t_160 N_1 W_V W_O1', t_160, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_163 N_1 W_V W_O2', t_163, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_165 = s.mm('_ one', (t_164 * s.Y_2), s.one)
         t_166 = (t_165 * s.t_51)
         t_167 = lin((1, t_164, s.R_N_2), (2/s.d_V, t_166))
-        t_168 = lin((1, s.prod('_ W_1', t_167, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_169 = lin((1, s.prod('_ W_3', t_167, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_168 = lin((1, s.prod('@t_167 W_1', t_167, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_169 = lin((1, s.prod('@t_167 W_3', t_167, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
         t_170 = ((s.t_91 * t_168) + (s.t_32 * t_169))
-        t_171 = lin((1, t_164), (1, s.prod('_ W_2', t_170, s.W_2)), (1, s.prod('t_15 _', s.t_15, V_W_2)))
-        t_176 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_171, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_171 = lin((1, t_164), (1, s.prod('@t_170 W_2', t_170, s.W_2)), (1, s.prod('t_15 @V_W_2', s.t_15, V_W_2)))
+        t_176 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_171, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
         t_177 = lin((1, s.t_172, t_168), (1, s.t_175, t_169), (1, s.t_91, t_176))
         t_178 = ((s.t_175 * t_168) + (s.t_32 * t_176))
-        t_179 = lin((1, s.prod("_ W_1'", t_177, tr(s.W_1))), (1, s.prod("_ W_3'", t_178, tr(s.W_3))), (1, s.prod('t_150 _', s.t_150, tr(V_W_1))), (1, s.prod('t_152 _', s.t_152, tr(V_W_3))))
+        t_179 = lin((1, s.prod("@t_177 W_1'", t_177, tr(s.W_1))), (1, s.prod("@t_178 W_3'", t_178, tr(s.W_3))), (1, s.prod("t_150 @V_W_1'", s.t_150, tr(V_W_1))), (1, s.prod("t_152 @V_W_3'", s.t_152, tr(V_W_3))))
         t_183 = lin((1, s.t_181, t_164), (1, s.t_51, (2/s.d_V) * t_179), (2/s.d_V, t_165, s.t_182))
-        t_184 = lin((2/(s.L*s.d_V), t_171), (1, t_179, s.R_N_2), (2/s.d_V, t_165, s.t_180), (1, s.t_156, t_164), (1, s.mm('_ one', t_183, s.one), s.Y_2))
-        t_185 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_184, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 _ W_V' N_1'", s.t_157, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O1' _ N_1'", s.t_157, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_184 = lin((2/(s.L*s.d_V), t_171), (1, t_179, s.R_N_2), (2/s.d_V, t_165, s.t_180), (1, s.t_156, t_164), (1, s.mm('@t_183 one', t_183, s.one), s.Y_2))
+        t_185 = s.mm_sum('r', (1, "@t_184 W_O1' W_V' N_1'", t_184, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 @V_W_O1' W_V' N_1'", s.t_157, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O1' @V_W_V' N_1'", s.t_157, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
         t_186 = softmax_diff(s.A1, t_185)
         t_187 = (t_159 + t_186)
-        t_189 = lin((1, s.prod("_ t_2'", t_187, tr(s.t_2))), (1, s.prod('t_188 _', s.t_188, tr(t_143))))
+        t_189 = lin((1, s.prod("@t_187 t_2'", t_187, tr(s.t_2))), (1, s.prod("t_188 @t_143'", s.t_188, tr(t_143))))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_189 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_189 * s.C)), mean=True)
         t_191 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_162, s.t_190)
-        t_192 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_184, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O2' _ N_1'", s.t_157, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_157 _ W_V' N_1'", s.t_157, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_192 = s.mm_sum('r', (1, "@t_184 W_O2' W_V' N_1'", t_184, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_157 W_O2' @V_W_V' N_1'", s.t_157, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_157 @V_W_O2' W_V' N_1'", s.t_157, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
         t_193 = softmax_diff(s.A2, t_192)
         t_194 = (t_191 + t_193)
-        t_196 = lin((1, s.prod("_ t_2'", t_194, tr(s.t_2))), (1, s.prod('t_195 _', s.t_195, tr(t_143))))
+        t_196 = lin((1, s.prod("@t_194 t_2'", t_194, tr(s.t_2))), (1, s.prod("t_195 @t_143'", s.t_195, tr(t_143))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_196 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_196 * s.S), tr(s.R)), mean=True)
-        t_197 = lin((1, s.prod("_ t_37'", tr(t_187), tr(s.t_37))), (1, s.prod("_ t_38'", tr(t_194), tr(s.t_38))), (1, s.prod("t_188' _", tr(s.t_188), t_144)), (1, s.prod("t_195' _", tr(s.t_195), t_161)))
+        t_197 = lin((1, s.prod("@t_187' t_37'", tr(t_187), tr(s.t_37))), (1, s.prod("@t_194' t_38'", tr(t_194), tr(s.t_38))), (1, s.prod("t_188' @t_144", tr(s.t_188), t_144)), (1, s.prod("t_195' @t_161", tr(s.t_195), t_161)))
         out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_197 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_197 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_157 W_O1'", tr(s.N_1), tr(t_160), s.t_157, tr(s.W_O1)), (1, "N_1' A1' t_157 _", tr(s.N_1), tr(s.A1), s.t_157, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_184, tr(s.W_O2)), (1, "N_1' A2' t_157 _", tr(s.N_1), tr(s.A2), s.t_157, tr(V_W_O2)), (1, "N_1' _ t_157 W_O2'", tr(s.N_1), tr(t_163), s.t_157, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_184, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_157", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_157), (1, "W_V' N_1' _ t_157", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_184, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_157", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_157), (1, "W_V' N_1' _ t_157", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_184, mean=True)))
-        out_W_1 = (s.mm('_ t_150', tr(t_167), s.t_150, mean=True) + s.mm("N_2' _", tr(s.N_2), t_177, mean=True))
-        out_W_3 = (s.mm('_ t_152', tr(t_167), s.t_152, mean=True) + s.mm("N_2' _", tr(s.N_2), t_178, mean=True))
-        out_W_2 = (s.mm('_ G', tr(t_170), s.G, mean=True) + s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_171, mean=True))
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_160' t_157 W_O1'", tr(s.N_1), tr(t_160), s.t_157, tr(s.W_O1)), (1, "N_1' A1' t_157 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_157, tr(V_W_O1)), (1, "N_1' A2' @t_184 W_O2'", tr(s.N_1), tr(s.A2), t_184, tr(s.W_O2)), (1, "N_1' A2' t_157 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_157, tr(V_W_O2)), (1, "N_1' @t_163' t_157 W_O2'", tr(s.N_1), tr(t_163), s.t_157, tr(s.W_O2)), (1, "N_1' A1' @t_184 W_O1'", tr(s.N_1), tr(s.A1), t_184, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_157", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_157), (1, "W_V' N_1' @t_160' t_157", tr(s.W_V), tr(s.N_1), tr(t_160), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A1' @t_184", tr(s.W_V), tr(s.N_1), tr(s.A1), t_184, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_157", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_157), (1, "W_V' N_1' @t_163' t_157", tr(s.W_V), tr(s.N_1), tr(t_163), s.t_157), mean=True)), (1, s.mm("W_V' N_1' A2' @t_184", tr(s.W_V), tr(s.N_1), tr(s.A2), t_184, mean=True)))
+        out_W_1 = (s.mm("@t_167' t_150", tr(t_167), s.t_150, mean=True) + s.mm("N_2' @t_177", tr(s.N_2), t_177, mean=True))
+        out_W_3 = (s.mm("@t_167' t_152", tr(t_167), s.t_152, mean=True) + s.mm("N_2' @t_178", tr(s.N_2), t_178, mean=True))
+        out_W_2 = (s.mm("@t_170' G", tr(t_170), s.G, mean=True) + s.mm("t_15' _", tr(s.t_15), (2/(s.L*s.d_V)) * t_171, mean=True))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -3464,8 +3568,54 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "185115a42495053127ed563d"
+    STAMP = "ea0c215047461c22af21f0fb"
     RUNS = {
+        "@V_W_K' N_1'": 2,
+        "@V_W_O1 t_162'": 2,
+        "@V_W_O1 t_45'": 2,
+        "@V_W_O1' W_V'": 2,
+        "@V_W_O1' W_V' N_1'": 2,
+        "@V_W_O2 t_162'": 2,
+        "@V_W_O2 t_45'": 2,
+        "@V_W_O2' W_V'": 2,
+        "@V_W_O2' W_V' N_1'": 2,
+        "@V_W_Q1' N_1'": 2,
+        "@V_W_Q2' N_1'": 2,
+        '@V_W_V W_O1': 2,
+        '@V_W_V W_O2': 2,
+        "@V_W_V' N_1'": 6,
+        "@V_W_V' N_1' A1'": 2,
+        "@V_W_V' N_1' A2'": 2,
+        "@t_104 W_O1'": 2,
+        "@t_104 W_O2'": 2,
+        "@t_104' A1": 2,
+        "@t_104' A1 N_1": 2,
+        "@t_104' A2": 2,
+        "@t_104' A2 N_1": 2,
+        '@t_116 N_1': 3,
+        '@t_116 N_1 W_V': 2,
+        "@t_116' t_45": 2,
+        '@t_119 N_1': 3,
+        '@t_119 N_1 W_V': 2,
+        "@t_119' t_45": 2,
+        "@t_132 W_O1'": 2,
+        "@t_132 W_O2'": 2,
+        "@t_132' A1": 2,
+        "@t_132' A1 N_1": 2,
+        "@t_132' A2": 2,
+        "@t_132' A2 N_1": 2,
+        '@t_166 N_1': 3,
+        '@t_166 N_1 W_V': 2,
+        "@t_166' t_162": 2,
+        '@t_169 N_1': 3,
+        '@t_169 N_1 W_V': 2,
+        "@t_169' t_162": 2,
+        "@t_190 W_O1'": 2,
+        "@t_190 W_O2'": 2,
+        "@t_190' A1": 2,
+        "@t_190' A1 N_1": 2,
+        "@t_190' A2": 2,
+        "@t_190' A2 N_1": 2,
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
         "A1' t_162": 2,
@@ -3475,12 +3625,18 @@ class ce_causal0(Forward):
         "A2' t_162": 2,
         "A2' t_45": 5,
         "G W_2'": 2,
+        'N_1 @V_W_V W_O1': 2,
+        'N_1 @V_W_V W_O2': 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
         'N_1 W_Q2': 2,
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
+        "N_1' @t_116' t_45": 2,
+        "N_1' @t_119' t_45": 2,
+        "N_1' @t_166' t_162": 2,
+        "N_1' @t_169' t_162": 2,
         "N_1' A1' t_162": 2,
         "N_1' A1' t_45": 4,
         "N_1' A2' t_162": 2,
@@ -5026,125 +5182,125 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_89 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_91 = lin((1/math.sqrt(s.d_K), s.prod("t_40' _", tr(s.t_40), t_89)), (1/math.sqrt(s.d_K), s.prod("_ t_7'", t_90, tr(s.t_7))))
-        t_92 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_93 = lin((1/math.sqrt(s.d_K), s.prod("_ t_7'", t_92, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_41' _", tr(s.t_41), t_89)))
-        t_94 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_91), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_93), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_89 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_90 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_91 = lin((1/math.sqrt(s.d_K), s.prod("t_40' @t_89", tr(s.t_40), t_89)), (1/math.sqrt(s.d_K), s.prod("@t_90 t_7'", t_90, tr(s.t_7))))
+        t_92 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_93 = lin((1/math.sqrt(s.d_K), s.prod("@t_92 t_7'", t_92, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_41' @t_89", tr(s.t_41), t_89)))
+        t_94 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_91), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_93), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_95 = lin((1, t_94, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_94 * s.Y_2), s.one), s.t_53))
-        t_96 = lin((1, s.prod('_ W_1', t_95, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_97 = lin((1, s.prod('_ W_3', t_95, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_98 = lin((1, t_94), (1, s.prod('_ W_2', ((s.t_88 * t_96) + (s.t_35 * t_97)), s.W_2)), (1, s.prod("t_52' _", tr(s.t_52), V_W_2)))
+        t_96 = lin((1, s.prod('@t_95 W_1', t_95, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_97 = lin((1, s.prod('@t_95 W_3', t_95, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_98 = lin((1, t_94), (1, s.prod('_ W_2', ((s.t_88 * t_96) + (s.t_35 * t_97)), s.W_2)), (1, s.prod("t_52' @V_W_2", tr(s.t_52), V_W_2)))
         t_99 = (s.t_4 * softmax_diff(s.t_56, t_98))
-        t_100 = s.mm("_ W_2'", t_99, tr(s.W_2))
+        t_100 = s.mm("@t_99 W_2'", t_99, tr(s.W_2))
         t_101 = ((1/s.L) * s.t_88 * t_100)
         t_102 = (s.t_35 * t_100)
-        t_103 = lin((1, s.prod("_ W_1'", t_101, tr(s.W_1))), (1/s.L, s.prod("_ W_3'", t_102, tr(s.W_3))))
+        t_103 = lin((1, s.prod("@t_101 W_1'", t_101, tr(s.W_1))), (1/s.L, s.prod("@t_102 W_3'", t_102, tr(s.W_3))))
         t_104 = lin((1, t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_103), s.one), s.Y_2), (1/s.L, t_99))
-        t_105 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_106 = s.mm("_ t_2'", t_105, tr(s.t_2))
+        t_105 = softmax_diff(s.A1, s.mm("@t_104 W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_106 = s.mm("@t_105 t_2'", t_105, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_106 * s.C)), mean=True)
-        t_107 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_104, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_108 = s.mm("_ t_2'", t_107, tr(s.t_2))
+        t_107 = softmax_diff(s.A2, s.mm("@t_104 W_O2' W_V' N_1'", t_104, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_108 = s.mm("@t_107 t_2'", t_107, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_108 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_108 * s.S), tr(s.R)), mean=True)
-        t_109 = lin((1, s.prod("_ t_40'", tr(t_105), tr(s.t_40))), (1, s.prod("_ t_41'", tr(t_107), tr(s.t_41))))
+        t_109 = lin((1, s.prod("@t_105' t_40'", tr(t_105), tr(s.t_40))), (1, s.prod("@t_107' t_41'", tr(t_107), tr(s.t_41))))
         out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_109 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_109 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_104, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_104, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_104, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_104, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_101, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_102, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_99, mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' @t_104 W_O1'", tr(s.N_1), tr(s.A1), t_104, tr(s.W_O1)), (1, "N_1' A2' @t_104 W_O2'", tr(s.N_1), tr(s.A2), t_104, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' @t_104", tr(s.W_V), tr(s.N_1), tr(s.A1), t_104, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' @t_104", tr(s.W_V), tr(s.N_1), tr(s.A2), t_104, mean=True)
+        out_W_1 = s.mm("N_2' @t_101", tr(s.N_2), t_101, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' @t_102", tr(s.N_2), t_102, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_17' @t_99", tr(s.t_17), t_99, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_110 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_111 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_112 = lin((1, s.prod("t_40' _", tr(s.t_40), t_110)), (1, s.prod("_ t_7'", t_111, tr(s.t_7))))
+        t_110 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_111 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_112 = lin((1, s.prod("t_40' @t_110", tr(s.t_40), t_110)), (1, s.prod("@t_111 t_7'", t_111, tr(s.t_7))))
         t_114 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_112, s.t_113)
         t_116 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_112)
-        t_117 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_118 = lin((1, s.prod("_ t_7'", t_117, tr(s.t_7))), (1, s.prod("t_41' _", tr(s.t_41), t_110)))
+        t_117 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_118 = lin((1, s.prod("@t_117 t_7'", t_117, tr(s.t_7))), (1, s.prod("t_41' @t_110", tr(s.t_41), t_110)))
         t_119 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_118)
-        t_120 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_116, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_119, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_120 = lin((1, s.mm_sum('r', (1, '@t_116 N_1 W_V W_O1', t_116, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_119 N_1 W_V W_O2', t_119, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_121 = s.mm('_ one', (t_120 * s.Y_2), s.one)
         t_122 = (t_121 * s.t_53)
         t_123 = lin((1, t_120, s.R_N_2), (2/s.d_V, t_122))
-        t_124 = lin((1, s.prod('_ W_1', t_123, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_126 = lin((1, s.prod('_ W_3', t_123, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_127 = s.mm('G _', s.G, tr(V_W_2))
+        t_124 = lin((1, s.prod('@t_123 W_1', t_123, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_126 = lin((1, s.prod('@t_123 W_3', t_123, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_127 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
         t_128 = lin((1, s.t_115, t_124), (1, s.t_125, t_126), (1, s.t_88, t_127))
         t_129 = ((s.t_125 * t_124) + (s.t_35 * t_127))
-        t_130 = lin((1, s.prod("_ W_1'", t_128, tr(s.W_1))), (1, s.prod("_ W_3'", t_129, tr(s.W_3))), (1, s.prod('t_20 _', s.t_20, tr(V_W_1))), (1, s.prod('t_21 _', s.t_21, tr(V_W_3))))
+        t_130 = lin((1, s.prod("@t_128 W_1'", t_128, tr(s.W_1))), (1, s.prod("@t_129 W_3'", t_129, tr(s.W_3))), (1, s.prod("t_20 @V_W_1'", s.t_20, tr(V_W_1))), (1, s.prod("t_21 @V_W_3'", s.t_21, tr(V_W_3))))
         t_131 = lin((1, s.t_69, t_120), (1, s.t_53, (2/s.d_V) * t_130), (2/s.d_V, t_121, s.t_70))
-        t_132 = lin((1, t_130, s.R_N_2), (2/s.d_V, t_121, s.t_72), (1, s.t_44, t_120), (1, s.mm('_ one', t_131, s.one), s.Y_2))
-        t_133 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_132, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 _ W_V' N_1'", s.t_45, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O1' _ N_1'", s.t_45, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_132 = lin((1, t_130, s.R_N_2), (2/s.d_V, t_121, s.t_72), (1, s.t_44, t_120), (1, s.mm('@t_131 one', t_131, s.one), s.Y_2))
+        t_133 = s.mm_sum('r', (1, "@t_132 W_O1' W_V' N_1'", t_132, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 @V_W_O1' W_V' N_1'", s.t_45, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O1' @V_W_V' N_1'", s.t_45, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
         t_134 = softmax_diff(s.A1, t_133)
         t_135 = (t_114 + t_134)
-        t_137 = lin((1, s.prod("_ t_2'", t_135, tr(s.t_2))), (1, s.prod('t_136 _', s.t_136, tr(t_110))))
+        t_137 = lin((1, s.prod("@t_135 t_2'", t_135, tr(s.t_2))), (1, s.prod("t_136 @t_110'", s.t_136, tr(t_110))))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_137 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_137 * s.C)), mean=True)
         t_139 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_118, s.t_138)
-        t_140 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_132, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O2' _ N_1'", s.t_45, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_45 _ W_V' N_1'", s.t_45, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_140 = s.mm_sum('r', (1, "@t_132 W_O2' W_V' N_1'", t_132, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O2' @V_W_V' N_1'", s.t_45, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_45 @V_W_O2' W_V' N_1'", s.t_45, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
         t_141 = softmax_diff(s.A2, t_140)
         t_142 = (t_139 + t_141)
-        t_144 = lin((1, s.prod("_ t_2'", t_142, tr(s.t_2))), (1, s.prod('t_143 _', s.t_143, tr(t_110))))
+        t_144 = lin((1, s.prod("@t_142 t_2'", t_142, tr(s.t_2))), (1, s.prod("t_143 @t_110'", s.t_143, tr(t_110))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), mean=True)
-        t_145 = lin((1, s.prod("_ t_40'", tr(t_135), tr(s.t_40))), (1, s.prod("_ t_41'", tr(t_142), tr(s.t_41))), (1, s.prod("t_136' _", tr(s.t_136), t_111)), (1, s.prod("t_143' _", tr(s.t_143), t_117)))
+        t_145 = lin((1, s.prod("@t_135' t_40'", tr(t_135), tr(s.t_40))), (1, s.prod("@t_142' t_41'", tr(t_142), tr(s.t_41))), (1, s.prod("t_136' @t_111", tr(s.t_136), t_111)), (1, s.prod("t_143' @t_117", tr(s.t_143), t_117)))
         out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_145 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_145 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_45 W_O1'", tr(s.N_1), tr(t_116), s.t_45, tr(s.W_O1)), (1, "N_1' A1' t_45 _", tr(s.N_1), tr(s.A1), s.t_45, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_132, tr(s.W_O1)), (1, "N_1' _ t_45 W_O2'", tr(s.N_1), tr(t_119), s.t_45, tr(s.W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_132, tr(s.W_O2)), (1, "N_1' A2' t_45 _", tr(s.N_1), tr(s.A2), s.t_45, tr(V_W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_45", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_45), (1, "W_V' N_1' _ t_45", tr(s.W_V), tr(s.N_1), tr(t_116), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_132, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_45", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_45), (1, "W_V' N_1' _ t_45", tr(s.W_V), tr(s.N_1), tr(t_119), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_132, mean=True)))
-        out_W_1 = (s.mm('_ t_20', tr(t_123), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_128, mean=True))
-        out_W_3 = (s.mm('_ t_21', tr(t_123), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_129, mean=True))
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_116' t_45 W_O1'", tr(s.N_1), tr(t_116), s.t_45, tr(s.W_O1)), (1, "N_1' A1' t_45 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_45, tr(V_W_O1)), (1, "N_1' A1' @t_132 W_O1'", tr(s.N_1), tr(s.A1), t_132, tr(s.W_O1)), (1, "N_1' @t_119' t_45 W_O2'", tr(s.N_1), tr(t_119), s.t_45, tr(s.W_O2)), (1, "N_1' A2' @t_132 W_O2'", tr(s.N_1), tr(s.A2), t_132, tr(s.W_O2)), (1, "N_1' A2' t_45 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_45, tr(V_W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_45", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_45), (1, "W_V' N_1' @t_116' t_45", tr(s.W_V), tr(s.N_1), tr(t_116), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A1' @t_132", tr(s.W_V), tr(s.N_1), tr(s.A1), t_132, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_45", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_45), (1, "W_V' N_1' @t_119' t_45", tr(s.W_V), tr(s.N_1), tr(t_119), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A2' @t_132", tr(s.W_V), tr(s.N_1), tr(s.A2), t_132, mean=True)))
+        out_W_1 = (s.mm("@t_123' t_20", tr(t_123), s.t_20, mean=True) + s.mm("N_2' @t_128", tr(s.N_2), t_128, mean=True))
+        out_W_3 = (s.mm("@t_123' t_21", tr(t_123), s.t_21, mean=True) + s.mm("N_2' @t_129", tr(s.N_2), t_129, mean=True))
         out_W_2 = s.mm('_ G', ((tr(s.t_88) * tr(t_124)) + (s.t_146 * tr(t_126))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_147 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_148 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_149 = lin((1, s.prod("t_40' _", tr(s.t_40), t_147)), (1, s.prod("_ t_7'", t_148, tr(s.t_7))))
+        t_147 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_148 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_149 = lin((1, s.prod("t_40' @t_147", tr(s.t_40), t_147)), (1, s.prod("@t_148 t_7'", t_148, tr(s.t_7))))
         t_164 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_149, s.t_163)
         t_166 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_149)
-        t_167 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_168 = lin((1, s.prod("_ t_7'", t_167, tr(s.t_7))), (1, s.prod("t_41' _", tr(s.t_41), t_147)))
+        t_167 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_168 = lin((1, s.prod("@t_167 t_7'", t_167, tr(s.t_7))), (1, s.prod("t_41' @t_147", tr(s.t_41), t_147)))
         t_169 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_168)
-        t_170 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_166, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_169, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_170 = lin((1, s.mm_sum('r', (1, '@t_166 N_1 W_V W_O1', t_166, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_169 N_1 W_V W_O2', t_169, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_171 = s.mm('_ one', (t_170 * s.Y_2), s.one)
         t_172 = (t_171 * s.t_53)
         t_173 = lin((1, t_170, s.R_N_2), (2/s.d_V, t_172))
-        t_174 = lin((1, s.prod('_ W_1', t_173, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_175 = lin((1, s.prod('_ W_3', t_173, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_174 = lin((1, s.prod('@t_173 W_1', t_173, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_175 = lin((1, s.prod('@t_173 W_3', t_173, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
         t_176 = ((s.t_88 * t_174) + (s.t_35 * t_175))
-        t_177 = lin((1, t_170), (1, s.prod('_ W_2', t_176, s.W_2)), (1, s.prod("t_52' _", tr(s.t_52), V_W_2)))
+        t_177 = lin((1, t_170), (1, s.prod('@t_176 W_2', t_176, s.W_2)), (1, s.prod("t_52' @V_W_2", tr(s.t_52), V_W_2)))
         t_178 = (s.t_4 * softmax_diff(s.t_18, t_177))
-        t_179 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_178, tr(s.W_2))))
+        t_179 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_178 W_2'", t_178, tr(s.W_2))))
         t_183 = lin((1, s.t_165, t_174), (1, s.t_88, t_179), (1, s.t_182, t_175))
         t_184 = ((s.t_182 * t_174) + (s.t_35 * t_179))
-        t_185 = lin((1, s.prod("_ W_1'", t_183, tr(s.W_1))), (1, s.prod("_ W_3'", t_184, tr(s.W_3))), (1, s.prod('t_155 _', s.t_155, tr(V_W_1))), (1, s.prod('t_157 _', s.t_157, tr(V_W_3))))
+        t_185 = lin((1, s.prod("@t_183 W_1'", t_183, tr(s.W_1))), (1, s.prod("@t_184 W_3'", t_184, tr(s.W_3))), (1, s.prod("t_155 @V_W_1'", s.t_155, tr(V_W_1))), (1, s.prod("t_157 @V_W_3'", s.t_157, tr(V_W_3))))
         t_189 = lin((1, s.t_187, t_170), (1, s.t_53, (2/s.d_V) * t_185), (2/s.d_V, t_171, s.t_188))
-        t_190 = lin((1, t_185, s.R_N_2), (2/s.d_V, t_171, s.t_186), (1, s.t_161, t_170), (1, s.mm('_ one', t_189, s.one), s.Y_2), (1/s.L, t_178))
-        t_191 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_190, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O1' _ N_1'", s.t_162, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_162 _ W_V' N_1'", s.t_162, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_190 = lin((1, t_185, s.R_N_2), (2/s.d_V, t_171, s.t_186), (1, s.t_161, t_170), (1, s.mm('@t_189 one', t_189, s.one), s.Y_2), (1/s.L, t_178))
+        t_191 = s.mm_sum('r', (1, "@t_190 W_O1' W_V' N_1'", t_190, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O1' @V_W_V' N_1'", s.t_162, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_162 @V_W_O1' W_V' N_1'", s.t_162, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
         t_192 = softmax_diff(s.A1, t_191)
         t_193 = (t_164 + t_192)
-        t_195 = lin((1, s.prod("_ t_2'", t_193, tr(s.t_2))), (1, s.prod('t_194 _', s.t_194, tr(t_147))))
+        t_195 = lin((1, s.prod("@t_193 t_2'", t_193, tr(s.t_2))), (1, s.prod("t_194 @t_147'", s.t_194, tr(t_147))))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_195 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_195 * s.S), tr(s.R)), mean=True)
         t_197 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_168, s.t_196)
-        t_198 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_190, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O2' _ N_1'", s.t_162, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_162 _ W_V' N_1'", s.t_162, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_198 = s.mm_sum('r', (1, "@t_190 W_O2' W_V' N_1'", t_190, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O2' @V_W_V' N_1'", s.t_162, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_162 @V_W_O2' W_V' N_1'", s.t_162, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
         t_199 = softmax_diff(s.A2, t_198)
         t_200 = (t_197 + t_199)
-        t_202 = lin((1, s.prod("_ t_2'", t_200, tr(s.t_2))), (1, s.prod('t_201 _', s.t_201, tr(t_147))))
+        t_202 = lin((1, s.prod("@t_200 t_2'", t_200, tr(s.t_2))), (1, s.prod("t_201 @t_147'", s.t_201, tr(t_147))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_202 * s.C)), mean=True)
-        t_203 = lin((1, s.prod("_ t_40'", tr(t_193), tr(s.t_40))), (1, s.prod("_ t_41'", tr(t_200), tr(s.t_41))), (1, s.prod("t_194' _", tr(s.t_194), t_148)), (1, s.prod("t_201' _", tr(s.t_201), t_167)))
+        t_203 = lin((1, s.prod("@t_193' t_40'", tr(t_193), tr(s.t_40))), (1, s.prod("@t_200' t_41'", tr(t_200), tr(s.t_41))), (1, s.prod("t_194' @t_148", tr(s.t_194), t_148)), (1, s.prod("t_201' @t_167", tr(s.t_201), t_167)))
         out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_203 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_203 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_162 W_O2'", tr(s.N_1), tr(t_169), s.t_162, tr(s.W_O2)), (1, "N_1' A2' t_162 _", tr(s.N_1), tr(s.A2), s.t_162, tr(V_W_O2)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_190, tr(s.W_O2)), (1, "N_1' A1' t_162 _", tr(s.N_1), tr(s.A1), s.t_162, tr(V_W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_190, tr(s.W_O1)), (1, "N_1' _ t_162 W_O1'", tr(s.N_1), tr(t_166), s.t_162, tr(s.W_O1)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_162", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_162), (1, "W_V' N_1' _ t_162", tr(s.W_V), tr(s.N_1), tr(t_166), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_190, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_162", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_162), (1, "W_V' N_1' _ t_162", tr(s.W_V), tr(s.N_1), tr(t_169), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_190, mean=True)))
-        out_W_1 = (s.mm('_ t_155', tr(t_173), s.t_155, mean=True) + s.mm("N_2' _", tr(s.N_2), t_183, mean=True))
-        out_W_3 = (s.mm('_ t_157', tr(t_173), s.t_157, mean=True) + s.mm("N_2' _", tr(s.N_2), t_184, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_176), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_178, mean=True)))
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_169' t_162 W_O2'", tr(s.N_1), tr(t_169), s.t_162, tr(s.W_O2)), (1, "N_1' A2' t_162 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_162, tr(V_W_O2)), (1, "N_1' A2' @t_190 W_O2'", tr(s.N_1), tr(s.A2), t_190, tr(s.W_O2)), (1, "N_1' A1' t_162 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_162, tr(V_W_O1)), (1, "N_1' A1' @t_190 W_O1'", tr(s.N_1), tr(s.A1), t_190, tr(s.W_O1)), (1, "N_1' @t_166' t_162 W_O1'", tr(s.N_1), tr(t_166), s.t_162, tr(s.W_O1)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_162", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_162), (1, "W_V' N_1' @t_166' t_162", tr(s.W_V), tr(s.N_1), tr(t_166), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A1' @t_190", tr(s.W_V), tr(s.N_1), tr(s.A1), t_190, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_162", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_162), (1, "W_V' N_1' @t_169' t_162", tr(s.W_V), tr(s.N_1), tr(t_169), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A2' @t_190", tr(s.W_V), tr(s.N_1), tr(s.A2), t_190, mean=True)))
+        out_W_1 = (s.mm("@t_173' t_155", tr(t_173), s.t_155, mean=True) + s.mm("N_2' @t_183", tr(s.N_2), t_183, mean=True))
+        out_W_3 = (s.mm("@t_173' t_157", tr(t_173), s.t_157, mean=True) + s.mm("N_2' @t_184", tr(s.N_2), t_184, mean=True))
+        out_W_2 = lin((1, s.mm("@t_176' G", tr(t_176), s.G, mean=True)), (1/s.L, s.mm("t_17' @t_178", tr(s.t_17), t_178, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -5152,8 +5308,54 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "bed7f1aca59a279cd93223fe"
+    STAMP = "8e3fc953ad2eaf8e0448d1aa"
     RUNS = {
+        "@V_W_K' N_1'": 2,
+        "@V_W_O1 t_162'": 2,
+        "@V_W_O1 t_45'": 2,
+        "@V_W_O1' W_V'": 2,
+        "@V_W_O1' W_V' N_1'": 2,
+        "@V_W_O2 t_162'": 2,
+        "@V_W_O2 t_45'": 2,
+        "@V_W_O2' W_V'": 2,
+        "@V_W_O2' W_V' N_1'": 2,
+        "@V_W_Q1' N_1'": 2,
+        "@V_W_Q2' N_1'": 2,
+        '@V_W_V W_O1': 2,
+        '@V_W_V W_O2': 2,
+        "@V_W_V' N_1'": 6,
+        "@V_W_V' N_1' A1'": 2,
+        "@V_W_V' N_1' A2'": 2,
+        "@t_104 W_O1'": 2,
+        "@t_104 W_O2'": 2,
+        "@t_104' A1": 2,
+        "@t_104' A1 N_1": 2,
+        "@t_104' A2": 2,
+        "@t_104' A2 N_1": 2,
+        '@t_116 N_1': 3,
+        '@t_116 N_1 W_V': 2,
+        "@t_116' t_45": 2,
+        '@t_119 N_1': 3,
+        '@t_119 N_1 W_V': 2,
+        "@t_119' t_45": 2,
+        "@t_132 W_O1'": 2,
+        "@t_132 W_O2'": 2,
+        "@t_132' A1": 2,
+        "@t_132' A1 N_1": 2,
+        "@t_132' A2": 2,
+        "@t_132' A2 N_1": 2,
+        '@t_166 N_1': 3,
+        '@t_166 N_1 W_V': 2,
+        "@t_166' t_162": 2,
+        '@t_169 N_1': 3,
+        '@t_169 N_1 W_V': 2,
+        "@t_169' t_162": 2,
+        "@t_190 W_O1'": 2,
+        "@t_190 W_O2'": 2,
+        "@t_190' A1": 2,
+        "@t_190' A1 N_1": 2,
+        "@t_190' A2": 2,
+        "@t_190' A2 N_1": 2,
         'A1 N_1': 20,
         'A1 N_1 W_V': 9,
         "A1' t_162": 2,
@@ -5163,12 +5365,18 @@ class ce_causal1(Forward):
         "A2' t_162": 2,
         "A2' t_45": 5,
         "G W_2'": 2,
+        'N_1 @V_W_V W_O1': 2,
+        'N_1 @V_W_V W_O2': 2,
         'N_1 W_K': 2,
         'N_1 W_Q1': 2,
         'N_1 W_Q2': 2,
         'N_1 W_V': 49,
         'N_1 W_V W_O1': 12,
         'N_1 W_V W_O2': 12,
+        "N_1' @t_116' t_45": 2,
+        "N_1' @t_119' t_45": 2,
+        "N_1' @t_166' t_162": 2,
+        "N_1' @t_169' t_162": 2,
         "N_1' A1' t_162": 2,
         "N_1' A1' t_45": 4,
         "N_1' A2' t_162": 2,
@@ -6714,125 +6922,125 @@ class ce_causal1(Forward):
 
     def hvp__outer(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_89 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_90 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_91 = lin((1/math.sqrt(s.d_K), s.prod("t_40' _", tr(s.t_40), t_89)), (1/math.sqrt(s.d_K), s.prod("_ t_7'", t_90, tr(s.t_7))))
-        t_92 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_93 = lin((1/math.sqrt(s.d_K), s.prod("_ t_7'", t_92, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_41' _", tr(s.t_41), t_89)))
-        t_94 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_91), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_93), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_89 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_90 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_91 = lin((1/math.sqrt(s.d_K), s.prod("t_40' @t_89", tr(s.t_40), t_89)), (1/math.sqrt(s.d_K), s.prod("@t_90 t_7'", t_90, tr(s.t_7))))
+        t_92 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_93 = lin((1/math.sqrt(s.d_K), s.prod("@t_92 t_7'", t_92, tr(s.t_7))), (1/math.sqrt(s.d_K), s.prod("t_41' @t_89", tr(s.t_41), t_89)))
+        t_94 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', softmax_diff(s.A1, t_91), s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', softmax_diff(s.A2, t_93), s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_95 = lin((1, t_94, s.R_N_2), (2/s.d_V, s.mm('_ one', (t_94 * s.Y_2), s.one), s.t_53))
-        t_96 = lin((1, s.prod('_ W_1', t_95, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_97 = lin((1, s.prod('_ W_3', t_95, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_98 = lin((1, t_94), (1, s.prod('_ W_2', ((s.t_88 * t_96) + (s.t_35 * t_97)), s.W_2)), (1, s.prod("t_52' _", tr(s.t_52), V_W_2)))
+        t_96 = lin((1, s.prod('@t_95 W_1', t_95, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_97 = lin((1, s.prod('@t_95 W_3', t_95, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_98 = lin((1, t_94), (1, s.prod('_ W_2', ((s.t_88 * t_96) + (s.t_35 * t_97)), s.W_2)), (1, s.prod("t_52' @V_W_2", tr(s.t_52), V_W_2)))
         t_99 = (s.t_4 * softmax_diff(s.t_56, t_98))
-        t_100 = s.mm("_ W_2'", t_99, tr(s.W_2))
+        t_100 = s.mm("@t_99 W_2'", t_99, tr(s.W_2))
         t_101 = ((1/s.L) * s.t_88 * t_100)
         t_102 = (s.t_35 * t_100)
-        t_103 = lin((1, s.prod("_ W_1'", t_101, tr(s.W_1))), (1/s.L, s.prod("_ W_3'", t_102, tr(s.W_3))))
+        t_103 = lin((1, s.prod("@t_101 W_1'", t_101, tr(s.W_1))), (1/s.L, s.prod("@t_102 W_3'", t_102, tr(s.W_3))))
         t_104 = lin((1, t_103, s.R_N_2), (1, s.mm('_ one', (s.t_53 * (2/s.d_V) * t_103), s.one), s.Y_2), (1/s.L, t_99))
-        t_105 = softmax_diff(s.A1, s.mm("_ W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
-        t_106 = s.mm("_ t_2'", t_105, tr(s.t_2))
+        t_105 = softmax_diff(s.A1, s.mm("@t_104 W_O1' W_V' N_1'", t_104, tr(s.W_O1), tr(s.W_V), tr(s.N_1)))
+        t_106 = s.mm("@t_105 t_2'", t_105, tr(s.t_2))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_106 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_106 * s.S), tr(s.R)), mean=True)
-        t_107 = softmax_diff(s.A2, s.mm("_ W_O2' W_V' N_1'", t_104, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
-        t_108 = s.mm("_ t_2'", t_107, tr(s.t_2))
+        t_107 = softmax_diff(s.A2, s.mm("@t_104 W_O2' W_V' N_1'", t_104, tr(s.W_O2), tr(s.W_V), tr(s.N_1)))
+        t_108 = s.mm("@t_107 t_2'", t_107, tr(s.t_2))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_108 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_108 * s.S), tr(s.R)), mean=True)
-        t_109 = lin((1, s.prod("_ t_40'", tr(t_105), tr(s.t_40))), (1, s.prod("_ t_41'", tr(t_107), tr(s.t_41))))
+        t_109 = lin((1, s.prod("@t_105' t_40'", tr(t_105), tr(s.t_40))), (1, s.prod("@t_107' t_41'", tr(t_107), tr(s.t_41))))
         out_W_K = s.mm_sum('l', (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_109 * s.C)), (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_109 * s.S), tr(s.R)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_104, tr(s.W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_104, tr(s.W_O2)), mean=True)
-        out_W_O1 = s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_104, mean=True)
-        out_W_O2 = s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_104, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_101, mean=True)
-        out_W_3 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_102, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_17' _", tr(s.t_17), t_99, mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A1' @t_104 W_O1'", tr(s.N_1), tr(s.A1), t_104, tr(s.W_O1)), (1, "N_1' A2' @t_104 W_O2'", tr(s.N_1), tr(s.A2), t_104, tr(s.W_O2)), mean=True)
+        out_W_O1 = s.mm("W_V' N_1' A1' @t_104", tr(s.W_V), tr(s.N_1), tr(s.A1), t_104, mean=True)
+        out_W_O2 = s.mm("W_V' N_1' A2' @t_104", tr(s.W_V), tr(s.N_1), tr(s.A2), t_104, mean=True)
+        out_W_1 = s.mm("N_2' @t_101", tr(s.N_2), t_101, mean=True)
+        out_W_3 = (1/s.L) * s.mm("N_2' @t_102", tr(s.N_2), t_102, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_17' @t_99", tr(s.t_17), t_99, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__functional(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_110 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_111 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_112 = lin((1, s.prod("t_40' _", tr(s.t_40), t_110)), (1, s.prod("_ t_7'", t_111, tr(s.t_7))))
+        t_110 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_111 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_112 = lin((1, s.prod("t_40' @t_110", tr(s.t_40), t_110)), (1, s.prod("@t_111 t_7'", t_111, tr(s.t_7))))
         t_114 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_112, s.t_113)
         t_116 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_112)
-        t_117 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_118 = lin((1, s.prod("_ t_7'", t_117, tr(s.t_7))), (1, s.prod("t_41' _", tr(s.t_41), t_110)))
+        t_117 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_118 = lin((1, s.prod("@t_117 t_7'", t_117, tr(s.t_7))), (1, s.prod("t_41' @t_110", tr(s.t_41), t_110)))
         t_119 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_118)
-        t_120 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_116, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_119, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_120 = lin((1, s.mm_sum('r', (1, '@t_116 N_1 W_V W_O1', t_116, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_119 N_1 W_V W_O2', t_119, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_121 = s.mm('_ one', (t_120 * s.Y_2), s.one)
         t_122 = (t_121 * s.t_53)
         t_123 = lin((1, t_120, s.R_N_2), (2/s.d_V, t_122))
-        t_124 = lin((1, s.prod('_ W_1', t_123, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_126 = lin((1, s.prod('_ W_3', t_123, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
-        t_127 = s.mm('G _', s.G, tr(V_W_2))
+        t_124 = lin((1, s.prod('@t_123 W_1', t_123, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_126 = lin((1, s.prod('@t_123 W_3', t_123, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
+        t_127 = s.mm("G @V_W_2'", s.G, tr(V_W_2))
         t_128 = lin((1, s.t_115, t_124), (1, s.t_125, t_126), (1, s.t_88, t_127))
         t_129 = ((s.t_125 * t_124) + (s.t_35 * t_127))
-        t_130 = lin((1, s.prod("_ W_1'", t_128, tr(s.W_1))), (1, s.prod("_ W_3'", t_129, tr(s.W_3))), (1, s.prod('t_20 _', s.t_20, tr(V_W_1))), (1, s.prod('t_21 _', s.t_21, tr(V_W_3))))
+        t_130 = lin((1, s.prod("@t_128 W_1'", t_128, tr(s.W_1))), (1, s.prod("@t_129 W_3'", t_129, tr(s.W_3))), (1, s.prod("t_20 @V_W_1'", s.t_20, tr(V_W_1))), (1, s.prod("t_21 @V_W_3'", s.t_21, tr(V_W_3))))
         t_131 = lin((1, s.t_69, t_120), (1, s.t_53, (2/s.d_V) * t_130), (2/s.d_V, t_121, s.t_70))
-        t_132 = lin((1, t_130, s.R_N_2), (2/s.d_V, t_121, s.t_72), (1, s.t_44, t_120), (1, s.mm('_ one', t_131, s.one), s.Y_2))
-        t_133 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_132, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 _ W_V' N_1'", s.t_45, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O1' _ N_1'", s.t_45, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
+        t_132 = lin((1, t_130, s.R_N_2), (2/s.d_V, t_121, s.t_72), (1, s.t_44, t_120), (1, s.mm('@t_131 one', t_131, s.one), s.Y_2))
+        t_133 = s.mm_sum('r', (1, "@t_132 W_O1' W_V' N_1'", t_132, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 @V_W_O1' W_V' N_1'", s.t_45, tr(V_W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O1' @V_W_V' N_1'", s.t_45, tr(s.W_O1), tr(V_W_V), tr(s.N_1)))
         t_134 = softmax_diff(s.A1, t_133)
         t_135 = (t_114 + t_134)
-        t_137 = lin((1, s.prod("_ t_2'", t_135, tr(s.t_2))), (1, s.prod('t_136 _', s.t_136, tr(t_110))))
+        t_137 = lin((1, s.prod("@t_135 t_2'", t_135, tr(s.t_2))), (1, s.prod("t_136 @t_110'", s.t_136, tr(t_110))))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_137 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_137 * s.C)), mean=True)
         t_139 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_118, s.t_138)
-        t_140 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_132, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 _ W_V' N_1'", s.t_45, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O2' _ N_1'", s.t_45, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
+        t_140 = s.mm_sum('r', (1, "@t_132 W_O2' W_V' N_1'", t_132, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 @V_W_O2' W_V' N_1'", s.t_45, tr(V_W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_45 W_O2' @V_W_V' N_1'", s.t_45, tr(s.W_O2), tr(V_W_V), tr(s.N_1)))
         t_141 = softmax_diff(s.A2, t_140)
         t_142 = (t_139 + t_141)
-        t_144 = lin((1, s.prod("_ t_2'", t_142, tr(s.t_2))), (1, s.prod('t_143 _', s.t_143, tr(t_110))))
+        t_144 = lin((1, s.prod("@t_142 t_2'", t_142, tr(s.t_2))), (1, s.prod("t_143 @t_110'", s.t_143, tr(t_110))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_144 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_144 * s.C)), mean=True)
-        t_145 = lin((1, s.prod("_ t_40'", tr(t_135), tr(s.t_40))), (1, s.prod("_ t_41'", tr(t_142), tr(s.t_41))), (1, s.prod("t_136' _", tr(s.t_136), t_111)), (1, s.prod("t_143' _", tr(s.t_143), t_117)))
+        t_145 = lin((1, s.prod("@t_135' t_40'", tr(t_135), tr(s.t_40))), (1, s.prod("@t_142' t_41'", tr(t_142), tr(s.t_41))), (1, s.prod("t_136' @t_111", tr(s.t_136), t_111)), (1, s.prod("t_143' @t_117", tr(s.t_143), t_117)))
         out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_145 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_145 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_45 _", tr(s.N_1), tr(s.A2), s.t_45, tr(V_W_O2)), (1, "N_1' _ t_45 W_O1'", tr(s.N_1), tr(t_116), s.t_45, tr(s.W_O1)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_132, tr(s.W_O1)), (1, "N_1' A1' t_45 _", tr(s.N_1), tr(s.A1), s.t_45, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_132, tr(s.W_O2)), (1, "N_1' _ t_45 W_O2'", tr(s.N_1), tr(t_119), s.t_45, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_45", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_45), (1, "W_V' N_1' _ t_45", tr(s.W_V), tr(s.N_1), tr(t_116), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_132, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_45", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_45), (1, "W_V' N_1' _ t_45", tr(s.W_V), tr(s.N_1), tr(t_119), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_132, mean=True)))
-        out_W_1 = (s.mm('_ t_20', tr(t_123), s.t_20, mean=True) + s.mm("N_2' _", tr(s.N_2), t_128, mean=True))
-        out_W_3 = (s.mm('_ t_21', tr(t_123), s.t_21, mean=True) + s.mm("N_2' _", tr(s.N_2), t_129, mean=True))
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_45 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_45, tr(V_W_O2)), (1, "N_1' @t_116' t_45 W_O1'", tr(s.N_1), tr(t_116), s.t_45, tr(s.W_O1)), (1, "N_1' A1' @t_132 W_O1'", tr(s.N_1), tr(s.A1), t_132, tr(s.W_O1)), (1, "N_1' A1' t_45 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_45, tr(V_W_O1)), (1, "N_1' A2' @t_132 W_O2'", tr(s.N_1), tr(s.A2), t_132, tr(s.W_O2)), (1, "N_1' @t_119' t_45 W_O2'", tr(s.N_1), tr(t_119), s.t_45, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_45", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_45), (1, "W_V' N_1' @t_116' t_45", tr(s.W_V), tr(s.N_1), tr(t_116), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A1' @t_132", tr(s.W_V), tr(s.N_1), tr(s.A1), t_132, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_45", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_45), (1, "W_V' N_1' @t_119' t_45", tr(s.W_V), tr(s.N_1), tr(t_119), s.t_45), mean=True)), (1, s.mm("W_V' N_1' A2' @t_132", tr(s.W_V), tr(s.N_1), tr(s.A2), t_132, mean=True)))
+        out_W_1 = (s.mm("@t_123' t_20", tr(t_123), s.t_20, mean=True) + s.mm("N_2' @t_128", tr(s.N_2), t_128, mean=True))
+        out_W_3 = (s.mm("@t_123' t_21", tr(t_123), s.t_21, mean=True) + s.mm("N_2' @t_129", tr(s.N_2), t_129, mean=True))
         out_W_2 = s.mm('_ G', ((tr(s.t_88) * tr(t_124)) + (s.t_146 * tr(t_126))), s.G, mean=True)
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
     def hvp__full(s, V_W_Q1, V_W_Q2, V_W_K, V_W_V, V_W_O1, V_W_O2, V_W_1, V_W_3, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_147 = ((s.mm("R' _ N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("_ N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
-        t_148 = ((s.mm('N_1 _', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q1, s.R) * s.S))
-        t_149 = lin((1, s.prod("t_40' _", tr(s.t_40), t_147)), (1, s.prod("_ t_7'", t_148, tr(s.t_7))))
+        t_147 = ((s.mm("R' @V_W_K' N_1'", tr(s.R), tr(V_W_K), tr(s.N_1)) * tr(s.S)) + (s.mm("@V_W_K' N_1'", tr(V_W_K), tr(s.N_1)) * tr(s.C)))
+        t_148 = ((s.mm('N_1 @V_W_Q1', s.N_1, V_W_Q1) * s.C) + (s.mm('N_1 @V_W_Q1 R', s.N_1, V_W_Q1, s.R) * s.S))
+        t_149 = lin((1, s.prod("t_40' @t_147", tr(s.t_40), t_147)), (1, s.prod("@t_148 t_7'", t_148, tr(s.t_7))))
         t_164 = softmax_diff2(s.A1, (1/math.sqrt(s.d_K)) * t_149, s.t_163)
         t_166 = softmax_diff(s.A1, (1/math.sqrt(s.d_K)) * t_149)
-        t_167 = ((s.mm('N_1 _', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 _ R', s.N_1, V_W_Q2, s.R) * s.S))
-        t_168 = lin((1, s.prod("_ t_7'", t_167, tr(s.t_7))), (1, s.prod("t_41' _", tr(s.t_41), t_147)))
+        t_167 = ((s.mm('N_1 @V_W_Q2', s.N_1, V_W_Q2) * s.C) + (s.mm('N_1 @V_W_Q2 R', s.N_1, V_W_Q2, s.R) * s.S))
+        t_168 = lin((1, s.prod("@t_167 t_7'", t_167, tr(s.t_7))), (1, s.prod("t_41' @t_147", tr(s.t_41), t_147)))
         t_169 = softmax_diff(s.A2, (1/math.sqrt(s.d_K)) * t_168)
-        t_170 = lin((1, s.mm_sum('r', (1, '_ N_1 W_V W_O1', t_166, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 _ W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('_ N_1 W_V W_O2', t_169, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V _', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V _', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 _ W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
+        t_170 = lin((1, s.mm_sum('r', (1, '@t_166 N_1 W_V W_O1', t_166, s.N_1, s.W_V, s.W_O1), (1, 'A1 N_1 @V_W_V W_O1', s.A1, s.N_1, V_W_V, s.W_O1))), (1, s.prod('@t_169 N_1 W_V W_O2', t_169, s.N_1, s.W_V, s.W_O2)), (1, s.prod('A1 N_1 W_V @V_W_O1', s.A1, s.N_1, s.W_V, V_W_O1)), (1, s.prod('A2 N_1 W_V @V_W_O2', s.A2, s.N_1, s.W_V, V_W_O2)), (1, s.prod('A2 N_1 @V_W_V W_O2', s.A2, s.N_1, V_W_V, s.W_O2)))
         t_171 = s.mm('_ one', (t_170 * s.Y_2), s.one)
         t_172 = (t_171 * s.t_53)
         t_173 = lin((1, t_170, s.R_N_2), (2/s.d_V, t_172))
-        t_174 = lin((1, s.prod('_ W_1', t_173, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_175 = lin((1, s.prod('_ W_3', t_173, s.W_3)), (1, s.prod('N_2 _', s.N_2, V_W_3)))
+        t_174 = lin((1, s.prod('@t_173 W_1', t_173, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_175 = lin((1, s.prod('@t_173 W_3', t_173, s.W_3)), (1, s.prod('N_2 @V_W_3', s.N_2, V_W_3)))
         t_176 = ((s.t_88 * t_174) + (s.t_35 * t_175))
-        t_177 = lin((1, t_170), (1, s.prod('_ W_2', t_176, s.W_2)), (1, s.prod("t_52' _", tr(s.t_52), V_W_2)))
+        t_177 = lin((1, t_170), (1, s.prod('@t_176 W_2', t_176, s.W_2)), (1, s.prod("t_52' @V_W_2", tr(s.t_52), V_W_2)))
         t_178 = (s.t_4 * softmax_diff(s.t_18, t_177))
-        t_179 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_178, tr(s.W_2))))
+        t_179 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_178 W_2'", t_178, tr(s.W_2))))
         t_183 = lin((1, s.t_165, t_174), (1, s.t_88, t_179), (1, s.t_182, t_175))
         t_184 = ((s.t_182 * t_174) + (s.t_35 * t_179))
-        t_185 = lin((1, s.prod("_ W_1'", t_183, tr(s.W_1))), (1, s.prod("_ W_3'", t_184, tr(s.W_3))), (1, s.prod('t_155 _', s.t_155, tr(V_W_1))), (1, s.prod('t_157 _', s.t_157, tr(V_W_3))))
+        t_185 = lin((1, s.prod("@t_183 W_1'", t_183, tr(s.W_1))), (1, s.prod("@t_184 W_3'", t_184, tr(s.W_3))), (1, s.prod("t_155 @V_W_1'", s.t_155, tr(V_W_1))), (1, s.prod("t_157 @V_W_3'", s.t_157, tr(V_W_3))))
         t_189 = lin((1, s.t_187, t_170), (1, s.t_53, (2/s.d_V) * t_185), (2/s.d_V, t_171, s.t_188))
-        t_190 = lin((1, t_185, s.R_N_2), (2/s.d_V, t_171, s.t_186), (1, s.t_161, t_170), (1, s.mm('_ one', t_189, s.one), s.Y_2), (1/s.L, t_178))
-        t_191 = s.mm_sum('r', (1, "_ W_O1' W_V' N_1'", t_190, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O1' _ N_1'", s.t_162, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_162 _ W_V' N_1'", s.t_162, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
+        t_190 = lin((1, t_185, s.R_N_2), (2/s.d_V, t_171, s.t_186), (1, s.t_161, t_170), (1, s.mm('@t_189 one', t_189, s.one), s.Y_2), (1/s.L, t_178))
+        t_191 = s.mm_sum('r', (1, "@t_190 W_O1' W_V' N_1'", t_190, tr(s.W_O1), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O1' @V_W_V' N_1'", s.t_162, tr(s.W_O1), tr(V_W_V), tr(s.N_1)), (1, "t_162 @V_W_O1' W_V' N_1'", s.t_162, tr(V_W_O1), tr(s.W_V), tr(s.N_1)))
         t_192 = softmax_diff(s.A1, t_191)
         t_193 = (t_164 + t_192)
-        t_195 = lin((1, s.prod("_ t_2'", t_193, tr(s.t_2))), (1, s.prod('t_194 _', s.t_194, tr(t_147))))
+        t_195 = lin((1, s.prod("@t_193 t_2'", t_193, tr(s.t_2))), (1, s.prod("t_194 @t_147'", s.t_194, tr(t_147))))
         out_W_Q1 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_195 * s.S), tr(s.R)), ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_195 * s.C)), mean=True)
         t_197 = softmax_diff2(s.A2, (1/math.sqrt(s.d_K)) * t_168, s.t_196)
-        t_198 = s.mm_sum('r', (1, "_ W_O2' W_V' N_1'", t_190, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O2' _ N_1'", s.t_162, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_162 _ W_V' N_1'", s.t_162, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
+        t_198 = s.mm_sum('r', (1, "@t_190 W_O2' W_V' N_1'", t_190, tr(s.W_O2), tr(s.W_V), tr(s.N_1)), (1, "t_162 W_O2' @V_W_V' N_1'", s.t_162, tr(s.W_O2), tr(V_W_V), tr(s.N_1)), (1, "t_162 @V_W_O2' W_V' N_1'", s.t_162, tr(V_W_O2), tr(s.W_V), tr(s.N_1)))
         t_199 = softmax_diff(s.A2, t_198)
         t_200 = (t_197 + t_199)
-        t_202 = lin((1, s.prod("_ t_2'", t_200, tr(s.t_2))), (1, s.prod('t_201 _', s.t_201, tr(t_147))))
+        t_202 = lin((1, s.prod("@t_200 t_2'", t_200, tr(s.t_2))), (1, s.prod("t_201 @t_147'", s.t_201, tr(t_147))))
         out_W_Q2 = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _", tr(s.N_1), (t_202 * s.C)), ((1/math.sqrt(s.d_K)), "N_1' _ R'", tr(s.N_1), (t_202 * s.S), tr(s.R)), mean=True)
-        t_203 = lin((1, s.prod("_ t_40'", tr(t_193), tr(s.t_40))), (1, s.prod("_ t_41'", tr(t_200), tr(s.t_41))), (1, s.prod("t_194' _", tr(s.t_194), t_148)), (1, s.prod("t_201' _", tr(s.t_201), t_167)))
+        t_203 = lin((1, s.prod("@t_193' t_40'", tr(t_193), tr(s.t_40))), (1, s.prod("@t_200' t_41'", tr(t_200), tr(s.t_41))), (1, s.prod("t_194' @t_148", tr(s.t_194), t_148)), (1, s.prod("t_201' @t_167", tr(s.t_201), t_167)))
         out_W_K = s.mm_sum('l', (1, "N_1' _ R'", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_203 * s.S), tr(s.R)), (1, "N_1' _", tr(s.N_1), ((1/math.sqrt(s.d_K)) * t_203 * s.C)), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_162 _", tr(s.N_1), tr(s.A2), s.t_162, tr(V_W_O2)), (1, "N_1' _ t_162 W_O1'", tr(s.N_1), tr(t_166), s.t_162, tr(s.W_O1)), (1, "N_1' A1' t_162 _", tr(s.N_1), tr(s.A1), s.t_162, tr(V_W_O1)), (1, "N_1' A2' _ W_O2'", tr(s.N_1), tr(s.A2), t_190, tr(s.W_O2)), (1, "N_1' A1' _ W_O1'", tr(s.N_1), tr(s.A1), t_190, tr(s.W_O1)), (1, "N_1' _ t_162 W_O2'", tr(s.N_1), tr(t_169), s.t_162, tr(s.W_O2)), mean=True)
-        out_W_O1 = lin((1, s.mm_sum('r', (1, "_ N_1' A1' t_162", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_162), (1, "W_V' N_1' _ t_162", tr(s.W_V), tr(s.N_1), tr(t_166), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A1' _", tr(s.W_V), tr(s.N_1), tr(s.A1), t_190, mean=True)))
-        out_W_O2 = lin((1, s.mm_sum('r', (1, "_ N_1' A2' t_162", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_162), (1, "W_V' N_1' _ t_162", tr(s.W_V), tr(s.N_1), tr(t_169), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A2' _", tr(s.W_V), tr(s.N_1), tr(s.A2), t_190, mean=True)))
-        out_W_1 = (s.mm('_ t_155', tr(t_173), s.t_155, mean=True) + s.mm("N_2' _", tr(s.N_2), t_183, mean=True))
-        out_W_3 = (s.mm('_ t_157', tr(t_173), s.t_157, mean=True) + s.mm("N_2' _", tr(s.N_2), t_184, mean=True))
-        out_W_2 = lin((1, s.mm('_ G', tr(t_176), s.G, mean=True)), (1/s.L, s.mm("t_17' _", tr(s.t_17), t_178, mean=True)))
+        out_W_V = s.mm_sum('l', (1, "N_1' A2' t_162 @V_W_O2'", tr(s.N_1), tr(s.A2), s.t_162, tr(V_W_O2)), (1, "N_1' @t_166' t_162 W_O1'", tr(s.N_1), tr(t_166), s.t_162, tr(s.W_O1)), (1, "N_1' A1' t_162 @V_W_O1'", tr(s.N_1), tr(s.A1), s.t_162, tr(V_W_O1)), (1, "N_1' A2' @t_190 W_O2'", tr(s.N_1), tr(s.A2), t_190, tr(s.W_O2)), (1, "N_1' A1' @t_190 W_O1'", tr(s.N_1), tr(s.A1), t_190, tr(s.W_O1)), (1, "N_1' @t_169' t_162 W_O2'", tr(s.N_1), tr(t_169), s.t_162, tr(s.W_O2)), mean=True)
+        out_W_O1 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A1' t_162", tr(V_W_V), tr(s.N_1), tr(s.A1), s.t_162), (1, "W_V' N_1' @t_166' t_162", tr(s.W_V), tr(s.N_1), tr(t_166), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A1' @t_190", tr(s.W_V), tr(s.N_1), tr(s.A1), t_190, mean=True)))
+        out_W_O2 = lin((1, s.mm_sum('r', (1, "@V_W_V' N_1' A2' t_162", tr(V_W_V), tr(s.N_1), tr(s.A2), s.t_162), (1, "W_V' N_1' @t_169' t_162", tr(s.W_V), tr(s.N_1), tr(t_169), s.t_162), mean=True)), (1, s.mm("W_V' N_1' A2' @t_190", tr(s.W_V), tr(s.N_1), tr(s.A2), t_190, mean=True)))
+        out_W_1 = (s.mm("@t_173' t_155", tr(t_173), s.t_155, mean=True) + s.mm("N_2' @t_183", tr(s.N_2), t_183, mean=True))
+        out_W_3 = (s.mm("@t_173' t_157", tr(t_173), s.t_157, mean=True) + s.mm("N_2' @t_184", tr(s.N_2), t_184, mean=True))
+        out_W_2 = lin((1, s.mm("@t_176' G", tr(t_176), s.G, mean=True)), (1/s.L, s.mm("t_17' @t_178", tr(s.t_17), t_178, mean=True)))
         return (out_W_Q1, out_W_Q2, out_W_K, out_W_V, out_W_O1, out_W_O2, out_W_1, out_W_3, out_W_2,)
 
 
@@ -6842,4 +7050,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "97edaaa6048be4806ed852c5"
+CHECKSUM = "35477e71a26f08feb0de60e0"

@@ -24,13 +24,27 @@ class mse_bias0_causal0(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "39c596a5d53307da76154609"
+    STAMP = "b43784926d9291600629dc67"
     RUNS = {
+        "@V_W_K' N_1'": 2,
+        "@V_W_Q' N_1'": 2,
+        "@V_W_V' N_1'": 2,
+        '@t_108 N_1': 2,
+        "@t_108' N_1": 2,
+        '@t_51 N_1': 2,
+        "@t_51' N_1": 2,
+        '@t_60 N_1': 2,
+        '@t_69 N_1': 2,
+        "@t_69' N_1": 2,
+        '@t_89 N_1': 2,
         'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
         'N_1 W_V': 12,
+        "N_1' @t_108 N_1": 2,
+        "N_1' @t_51 N_1": 2,
+        "N_1' @t_69 N_1": 2,
         "N_1' t_109": 2,
         "N_1' t_109 N_1": 2,
         "N_1' t_109'": 2,
@@ -763,77 +777,77 @@ class mse_bias0_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_41 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_42 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_41), s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_43 = lin((-s.d_V, t_42), (1, s.mm('_ one', t_42, s.one)))
+        t_41 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_42 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_41), s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_43 = lin((-s.d_V, t_42), (1, s.mm('@t_42 one', t_42, s.one)))
         t_44 = lin((1, s.P_N_2, (-1/s.d_V) * t_43), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_43 * s.M_N_2), s.one), s.t_28))
-        t_45 = lin((1, s.prod('_ W_1', t_44, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_46 = lin((1, t_42), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', (t_45 * s.t_9), s.W_2)))
+        t_45 = lin((1, s.prod('@t_44 W_1', t_44, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_46 = lin((1, t_42), (1, s.prod('t_10 @V_W_2', s.t_10, V_W_2)), (1, s.prod('_ W_2', (t_45 * s.t_9), s.W_2)))
         t_47 = (s.t_9 * s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_46, tr(s.W_2)))
-        t_48 = s.mm("_ W_1'", t_47, tr(s.W_1))
+        t_48 = s.mm("@t_47 W_1'", t_47, tr(s.W_1))
         t_49 = lin((1, s.mm('_ one', (s.t_28 * t_48), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_48))
         t_50 = lin((1/s.L, t_46), (1, t_49), ((1/2)*s.d_V, s.mm('_ one', (-2/s.d_V**2) * t_49, s.one)))
         t_51 = softmax_diff(s.A, s.mm("_ W_V' N_1'", (2/s.d_V) * t_50, tr(s.W_V), tr(s.N_1)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_51, s.N_1, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_51), s.N_1, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_51 N_1 W_K", tr(s.N_1), t_51, s.N_1, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_51' N_1 W_Q", tr(s.N_1), tr(t_51), s.N_1, s.W_Q, mean=True)
         out_W_V = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_50, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_47, mean=True)
+        out_W_1 = s.mm("N_2' @t_47", tr(s.N_2), t_47, mean=True)
         out_W_2 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_46, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_52 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_52 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_57 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_52, s.t_56)
-        t_58 = (s.t_9 * s.mm('G _', s.G, tr(V_W_2)))
-        t_59 = lin((1, s.prod('t_11 _', s.t_11, tr(V_W_1))), (1, s.prod("_ W_1'", t_58, tr(s.W_1))))
+        t_58 = (s.t_9 * s.mm("G @V_W_2'", s.G, tr(V_W_2)))
+        t_59 = lin((1, s.prod("t_11 @V_W_1'", s.t_11, tr(V_W_1))), (1, s.prod("@t_58 W_1'", t_58, tr(s.W_1))))
         t_60 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_52)
-        t_61 = lin((1, s.prod('_ N_1 W_V', t_60, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_62 = lin((-s.d_V, t_61), (1, s.mm('_ one', t_61, s.one)))
+        t_61 = lin((1, s.prod('@t_60 N_1 W_V', t_60, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_62 = lin((-s.d_V, t_61), (1, s.mm('@t_61 one', t_61, s.one)))
         t_63 = s.mm('_ one', ((-1/s.d_V) * t_62 * s.M_N_2), s.one)
         t_64 = lin((1, s.t_28, t_59), (1, s.t_29, (-1/s.d_V) * t_62), (2/s.d_V, t_63, s.t_31))
-        t_65 = lin((1, s.P_N_2, t_59), (2/s.d_V, s.t_14, (-1/s.d_V) * t_62), (2/s.d_V, t_63, s.t_29), (2/s.d_V, s.mm('_ one', t_64, s.one), s.M_N_2))
+        t_65 = lin((1, s.P_N_2, t_59), (2/s.d_V, s.t_14, (-1/s.d_V) * t_62), (2/s.d_V, t_63, s.t_29), (2/s.d_V, s.mm('@t_64 one', t_64, s.one), s.M_N_2))
         t_66 = lin((1, t_65), (1, s.mm('_ one', (-1/s.d_V) * t_65, s.one)))
-        t_67 = s.mm_sum('r', (1, "_ W_V' N_1'", t_66, tr(s.W_V), tr(s.N_1)), (1, "t_55 _ N_1'", s.t_55, tr(V_W_V), tr(s.N_1)))
+        t_67 = s.mm_sum('r', (1, "@t_66 W_V' N_1'", t_66, tr(s.W_V), tr(s.N_1)), (1, "t_55 @V_W_V' N_1'", s.t_55, tr(V_W_V), tr(s.N_1)))
         t_68 = softmax_diff(s.A, t_67)
         t_69 = (t_57 + t_68)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_69, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_70 N_1 _", tr(s.N_1), s.t_70, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_70' N_1 _", tr(s.N_1), tr(s.t_70), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_69), s.N_1, s.W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_66), (1, "N_1' _ t_55", tr(s.N_1), tr(t_60), s.t_55), mean=True)
-        t_71 = lin((-s.d_V, tr(t_61)), (1, s.mm('one_2 _', s.one_2, tr(t_61))))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_69 N_1 W_K", tr(s.N_1), t_69, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_70 N_1 @V_W_K", tr(s.N_1), s.t_70, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_70' N_1 @V_W_Q", tr(s.N_1), tr(s.t_70), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' @t_69' N_1 W_Q", tr(s.N_1), tr(t_69), s.N_1, s.W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_66", tr(s.N_1), tr(s.A), t_66), (1, "N_1' @t_60' t_55", tr(s.N_1), tr(t_60), s.t_55), mean=True)
+        t_71 = lin((-s.d_V, tr(t_61)), (1, s.mm("one_2 @t_61'", s.one_2, tr(t_61))))
         t_73 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_71), (2/s.d_V, tr(t_63), s.t_72))
-        out_W_1 = (s.mm('_ t_11', t_73, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_58, mean=True))
-        t_74 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_73)))
+        out_W_1 = (s.mm('@t_73 t_11', t_73, s.t_11, mean=True) + s.mm("N_2' @t_58", tr(s.N_2), t_58, mean=True))
+        t_74 = lin((1, s.prod("@V_W_1' N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' @t_73", tr(s.W_1), t_73)))
         out_W_2 = s.mm('_ G', (t_74 * tr(s.t_9)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_75 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_75 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_88 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_75, s.t_87)
         t_89 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_75)
-        t_90 = lin((1, s.prod('_ N_1 W_V', t_89, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_91 = lin((-s.d_V, t_90), (1, s.mm('_ one', t_90, s.one)))
+        t_90 = lin((1, s.prod('@t_89 N_1 W_V', t_89, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_91 = lin((-s.d_V, t_90), (1, s.mm('@t_90 one', t_90, s.one)))
         t_92 = s.mm('_ one', ((-1/s.d_V) * t_91 * s.M_N_2), s.one)
         t_93 = (t_92 * s.t_28)
         t_94 = lin((1, s.P_N_2, (-1/s.d_V) * t_91), (2/s.d_V, t_93))
-        t_95 = lin((1, s.prod('_ W_1', t_94, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_95 = lin((1, s.prod('@t_94 W_1', t_94, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_96 = (t_95 * s.t_9)
-        t_97 = lin((1, t_90), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_96, s.W_2)))
-        t_98 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_97, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_97 = lin((1, t_90), (1, s.prod('t_10 @V_W_2', s.t_10, V_W_2)), (1, s.prod('@t_96 W_2', t_96, s.W_2)))
+        t_98 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_97, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
         t_99 = (t_98 * s.t_9)
-        t_100 = lin((1, s.prod("_ W_1'", t_99, tr(s.W_1))), (1, s.prod('t_78 _', s.t_78, tr(V_W_1))))
+        t_100 = lin((1, s.prod("@t_99 W_1'", t_99, tr(s.W_1))), (1, s.prod("t_78 @V_W_1'", s.t_78, tr(V_W_1))))
         t_103 = lin((1, s.t_28, t_100), (1, s.t_101, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_102))
-        t_104 = lin((1, s.P_N_2, t_100), (2/s.d_V, s.t_81, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_101), (2/s.d_V, s.mm('_ one', t_103, s.one), s.M_N_2))
+        t_104 = lin((1, s.P_N_2, t_100), (2/s.d_V, s.t_81, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_101), (2/s.d_V, s.mm('@t_103 one', t_103, s.one), s.M_N_2))
         t_105 = lin((2/(s.L*s.d_V), t_97), (1, t_104), (1, s.mm('_ one', (-1/s.d_V) * t_104, s.one)))
-        t_106 = s.mm_sum('r', (1, "_ W_V' N_1'", t_105, tr(s.W_V), tr(s.N_1)), (1, "t_86 _ N_1'", s.t_86, tr(V_W_V), tr(s.N_1)))
+        t_106 = s.mm_sum('r', (1, "@t_105 W_V' N_1'", t_105, tr(s.W_V), tr(s.N_1)), (1, "t_86 @V_W_V' N_1'", s.t_86, tr(V_W_V), tr(s.N_1)))
         t_107 = softmax_diff(s.A, t_106)
         t_108 = (t_88 + t_107)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_108, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_109 N_1 _", tr(s.N_1), s.t_109, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_109' N_1 _", tr(s.N_1), tr(s.t_109), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_108), s.N_1, s.W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_86", tr(s.N_1), tr(t_89), s.t_86), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_105), mean=True)
-        out_W_1 = (s.mm('_ t_78', tr(t_94), s.t_78, mean=True) + s.mm("N_2' _", tr(s.N_2), t_99, mean=True))
-        out_W_2 = (s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_97, mean=True) + s.mm('_ G', tr(t_96), s.G, mean=True))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_108 N_1 W_K", tr(s.N_1), t_108, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_109 N_1 @V_W_K", tr(s.N_1), s.t_109, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_109' N_1 @V_W_Q", tr(s.N_1), tr(s.t_109), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' @t_108' N_1 W_Q", tr(s.N_1), tr(t_108), s.N_1, s.W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_89' t_86", tr(s.N_1), tr(t_89), s.t_86), (1, "N_1' A' @t_105", tr(s.N_1), tr(s.A), t_105), mean=True)
+        out_W_1 = (s.mm("@t_94' t_78", tr(t_94), s.t_78, mean=True) + s.mm("N_2' @t_99", tr(s.N_2), t_99, mean=True))
+        out_W_2 = (s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_97, mean=True) + s.mm("@t_96' G", tr(t_96), s.G, mean=True))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -845,13 +859,27 @@ class mse_bias0_causal1(Forward):
     """loss=mse, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "61f51bc598a59ef855f0b9b8"
+    STAMP = "4aa2877c2e5ceabb4cb85b05"
     RUNS = {
+        "@V_W_K' N_1'": 2,
+        "@V_W_Q' N_1'": 2,
+        "@V_W_V' N_1'": 2,
+        '@t_108 N_1': 2,
+        "@t_108' N_1": 2,
+        '@t_51 N_1': 2,
+        "@t_51' N_1": 2,
+        '@t_61 N_1': 2,
+        '@t_70 N_1': 2,
+        "@t_70' N_1": 2,
+        '@t_89 N_1': 2,
         'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
         'N_1 W_V': 12,
+        "N_1' @t_108 N_1": 2,
+        "N_1' @t_51 N_1": 2,
+        "N_1' @t_70 N_1": 2,
         "N_1' t_109": 2,
         "N_1' t_109 N_1": 2,
         "N_1' t_109'": 2,
@@ -1584,77 +1612,77 @@ class mse_bias0_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_41 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_42 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_41), s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_43 = lin((-s.d_V, t_42), (1, s.mm('_ one', t_42, s.one)))
+        t_41 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_42 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_41), s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_43 = lin((-s.d_V, t_42), (1, s.mm('@t_42 one', t_42, s.one)))
         t_44 = lin((1, s.P_N_2, (-1/s.d_V) * t_43), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_43 * s.M_N_2), s.one), s.t_28))
-        t_45 = lin((1, s.prod('_ W_1', t_44, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_46 = lin((1, t_42), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', (t_45 * s.t_9), s.W_2)))
+        t_45 = lin((1, s.prod('@t_44 W_1', t_44, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_46 = lin((1, t_42), (1, s.prod('t_10 @V_W_2', s.t_10, V_W_2)), (1, s.prod('_ W_2', (t_45 * s.t_9), s.W_2)))
         t_47 = (s.t_9 * s.mm("_ W_2'", (2/(s.L*s.d_V)) * t_46, tr(s.W_2)))
-        t_48 = s.mm("_ W_1'", t_47, tr(s.W_1))
+        t_48 = s.mm("@t_47 W_1'", t_47, tr(s.W_1))
         t_49 = lin((1, s.mm('_ one', (s.t_28 * t_48), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_48))
         t_50 = lin((1/s.L, t_46), (1, t_49), ((1/2)*s.d_V, s.mm('_ one', (-2/s.d_V**2) * t_49, s.one)))
         t_51 = softmax_diff(s.A, s.mm("_ W_V' N_1'", (2/s.d_V) * t_50, tr(s.W_V), tr(s.N_1)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_51, s.N_1, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_51), s.N_1, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_51 N_1 W_K", tr(s.N_1), t_51, s.N_1, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_51' N_1 W_Q", tr(s.N_1), tr(t_51), s.N_1, s.W_Q, mean=True)
         out_W_V = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/s.d_V) * t_50, mean=True)
-        out_W_1 = s.mm("N_2' _", tr(s.N_2), t_47, mean=True)
+        out_W_1 = s.mm("N_2' @t_47", tr(s.N_2), t_47, mean=True)
         out_W_2 = s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_46, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_57 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_57 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_58 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_57, s.t_55)
-        t_59 = (s.t_9 * s.mm('G _', s.G, tr(V_W_2)))
-        t_60 = lin((1, s.prod('t_11 _', s.t_11, tr(V_W_1))), (1, s.prod("_ W_1'", t_59, tr(s.W_1))))
+        t_59 = (s.t_9 * s.mm("G @V_W_2'", s.G, tr(V_W_2)))
+        t_60 = lin((1, s.prod("t_11 @V_W_1'", s.t_11, tr(V_W_1))), (1, s.prod("@t_59 W_1'", t_59, tr(s.W_1))))
         t_61 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_57)
-        t_62 = lin((1, s.prod('_ N_1 W_V', t_61, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_63 = lin((-s.d_V, t_62), (1, s.mm('_ one', t_62, s.one)))
+        t_62 = lin((1, s.prod('@t_61 N_1 W_V', t_61, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_63 = lin((-s.d_V, t_62), (1, s.mm('@t_62 one', t_62, s.one)))
         t_64 = s.mm('_ one', ((-1/s.d_V) * t_63 * s.M_N_2), s.one)
         t_65 = lin((1, s.t_28, t_60), (1, s.t_29, (-1/s.d_V) * t_63), (2/s.d_V, t_64, s.t_31))
-        t_66 = lin((1, s.P_N_2, t_60), (2/s.d_V, s.t_14, (-1/s.d_V) * t_63), (2/s.d_V, t_64, s.t_29), (2/s.d_V, s.mm('_ one', t_65, s.one), s.M_N_2))
+        t_66 = lin((1, s.P_N_2, t_60), (2/s.d_V, s.t_14, (-1/s.d_V) * t_63), (2/s.d_V, t_64, s.t_29), (2/s.d_V, s.mm('@t_65 one', t_65, s.one), s.M_N_2))
         t_67 = lin((1, t_66), (1, s.mm('_ one', (-1/s.d_V) * t_66, s.one)))
-        t_68 = s.mm_sum('r', (1, "_ W_V' N_1'", t_67, tr(s.W_V), tr(s.N_1)), (1, "t_54 _ N_1'", s.t_54, tr(V_W_V), tr(s.N_1)))
+        t_68 = s.mm_sum('r', (1, "@t_67 W_V' N_1'", t_67, tr(s.W_V), tr(s.N_1)), (1, "t_54 @V_W_V' N_1'", s.t_54, tr(V_W_V), tr(s.N_1)))
         t_69 = softmax_diff(s.A, t_68)
         t_70 = (t_58 + t_69)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_56 N_1 _", tr(s.N_1), s.t_56, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_70, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_56' N_1 _", tr(s.N_1), tr(s.t_56), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_70), s.N_1, s.W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_67), (1, "N_1' _ t_54", tr(s.N_1), tr(t_61), s.t_54), mean=True)
-        t_71 = lin((-s.d_V, tr(t_62)), (1, s.mm('one_2 _', s.one_2, tr(t_62))))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_56 N_1 @V_W_K", tr(s.N_1), s.t_56, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' @t_70 N_1 W_K", tr(s.N_1), t_70, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_56' N_1 @V_W_Q", tr(s.N_1), tr(s.t_56), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' @t_70' N_1 W_Q", tr(s.N_1), tr(t_70), s.N_1, s.W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_67", tr(s.N_1), tr(s.A), t_67), (1, "N_1' @t_61' t_54", tr(s.N_1), tr(t_61), s.t_54), mean=True)
+        t_71 = lin((-s.d_V, tr(t_62)), (1, s.mm("one_2 @t_62'", s.one_2, tr(t_62))))
         t_73 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_71), (2/s.d_V, tr(t_64), s.t_72))
-        out_W_1 = (s.mm('_ t_11', t_73, s.t_11, mean=True) + s.mm("N_2' _", tr(s.N_2), t_59, mean=True))
-        t_74 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_73)))
+        out_W_1 = (s.mm('@t_73 t_11', t_73, s.t_11, mean=True) + s.mm("N_2' @t_59", tr(s.N_2), t_59, mean=True))
+        t_74 = lin((1, s.prod("@V_W_1' N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' @t_73", tr(s.W_1), t_73)))
         out_W_2 = s.mm('_ G', (t_74 * tr(s.t_9)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_75 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_75 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_88 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_75, s.t_87)
         t_89 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_75)
-        t_90 = lin((1, s.prod('_ N_1 W_V', t_89, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_91 = lin((-s.d_V, t_90), (1, s.mm('_ one', t_90, s.one)))
+        t_90 = lin((1, s.prod('@t_89 N_1 W_V', t_89, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_91 = lin((-s.d_V, t_90), (1, s.mm('@t_90 one', t_90, s.one)))
         t_92 = s.mm('_ one', ((-1/s.d_V) * t_91 * s.M_N_2), s.one)
         t_93 = (t_92 * s.t_28)
         t_94 = lin((1, s.P_N_2, (-1/s.d_V) * t_91), (2/s.d_V, t_93))
-        t_95 = lin((1, s.prod('_ W_1', t_94, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_95 = lin((1, s.prod('@t_94 W_1', t_94, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_96 = (t_95 * s.t_9)
-        t_97 = lin((1, t_90), (1, s.prod('t_10 _', s.t_10, V_W_2)), (1, s.prod('_ W_2', t_96, s.W_2)))
-        t_98 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_97, tr(s.W_2))), (1, s.prod('G _', s.G, tr(V_W_2))))
+        t_97 = lin((1, t_90), (1, s.prod('t_10 @V_W_2', s.t_10, V_W_2)), (1, s.prod('@t_96 W_2', t_96, s.W_2)))
+        t_98 = lin((1, s.prod("_ W_2'", (2/(s.L*s.d_V)) * t_97, tr(s.W_2))), (1, s.prod("G @V_W_2'", s.G, tr(V_W_2))))
         t_99 = (t_98 * s.t_9)
-        t_100 = lin((1, s.prod("_ W_1'", t_99, tr(s.W_1))), (1, s.prod('t_78 _', s.t_78, tr(V_W_1))))
+        t_100 = lin((1, s.prod("@t_99 W_1'", t_99, tr(s.W_1))), (1, s.prod("t_78 @V_W_1'", s.t_78, tr(V_W_1))))
         t_103 = lin((1, s.t_28, t_100), (1, s.t_101, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_102))
-        t_104 = lin((1, s.P_N_2, t_100), (2/s.d_V, s.t_81, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_101), (2/s.d_V, s.mm('_ one', t_103, s.one), s.M_N_2))
+        t_104 = lin((1, s.P_N_2, t_100), (2/s.d_V, s.t_81, (-1/s.d_V) * t_91), (2/s.d_V, t_92, s.t_101), (2/s.d_V, s.mm('@t_103 one', t_103, s.one), s.M_N_2))
         t_105 = lin((2/(s.L*s.d_V), t_97), (1, t_104), (1, s.mm('_ one', (-1/s.d_V) * t_104, s.one)))
-        t_106 = s.mm_sum('r', (1, "_ W_V' N_1'", t_105, tr(s.W_V), tr(s.N_1)), (1, "t_86 _ N_1'", s.t_86, tr(V_W_V), tr(s.N_1)))
+        t_106 = s.mm_sum('r', (1, "@t_105 W_V' N_1'", t_105, tr(s.W_V), tr(s.N_1)), (1, "t_86 @V_W_V' N_1'", s.t_86, tr(V_W_V), tr(s.N_1)))
         t_107 = softmax_diff(s.A, t_106)
         t_108 = (t_88 + t_107)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_108, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_109 N_1 _", tr(s.N_1), s.t_109, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_109' N_1 _", tr(s.N_1), tr(s.t_109), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_108), s.N_1, s.W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_105), (1, "N_1' _ t_86", tr(s.N_1), tr(t_89), s.t_86), mean=True)
-        out_W_1 = (s.mm('_ t_78', tr(t_94), s.t_78, mean=True) + s.mm("N_2' _", tr(s.N_2), t_99, mean=True))
-        out_W_2 = (s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_97, mean=True) + s.mm('_ G', tr(t_96), s.G, mean=True))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_108 N_1 W_K", tr(s.N_1), t_108, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_109 N_1 @V_W_K", tr(s.N_1), s.t_109, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_109' N_1 @V_W_Q", tr(s.N_1), tr(s.t_109), s.N_1, V_W_Q), ((1/math.sqrt(s.d_K)), "N_1' @t_108' N_1 W_Q", tr(s.N_1), tr(t_108), s.N_1, s.W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_105", tr(s.N_1), tr(s.A), t_105), (1, "N_1' @t_89' t_86", tr(s.N_1), tr(t_89), s.t_86), mean=True)
+        out_W_1 = (s.mm("@t_94' t_78", tr(t_94), s.t_78, mean=True) + s.mm("N_2' @t_99", tr(s.N_2), t_99, mean=True))
+        out_W_2 = (s.mm("t_10' _", tr(s.t_10), (2/(s.L*s.d_V)) * t_97, mean=True) + s.mm("@t_96' G", tr(t_96), s.G, mean=True))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -1666,13 +1694,27 @@ class ce_bias0_causal0(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': False, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "004efa98b320f4d16116381f"
+    STAMP = "ab4cf5ffa0347511987a48d4"
     RUNS = {
+        "@V_W_K' N_1'": 2,
+        "@V_W_Q' N_1'": 2,
+        "@V_W_V' N_1'": 2,
+        '@t_114 N_1': 2,
+        "@t_114' N_1": 2,
+        '@t_55 N_1': 2,
+        "@t_55' N_1": 2,
+        '@t_64 N_1': 2,
+        '@t_73 N_1': 2,
+        "@t_73' N_1": 2,
+        '@t_94 N_1': 2,
         'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
         'N_1 W_V': 12,
+        "N_1' @t_114 N_1": 2,
+        "N_1' @t_55 N_1": 2,
+        "N_1' @t_73 N_1": 2,
         "N_1' t_115": 2,
         "N_1' t_115 N_1": 2,
         "N_1' t_115'": 2,
@@ -2422,79 +2464,79 @@ class ce_bias0_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_44 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_45 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_44), s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_46 = lin((-s.d_V, t_45), (1, s.mm('_ one', t_45, s.one)))
+        t_44 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_45 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_44), s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_46 = lin((-s.d_V, t_45), (1, s.mm('@t_45 one', t_45, s.one)))
         t_47 = lin((1, s.P_N_2, (-1/s.d_V) * t_46), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_46 * s.M_N_2), s.one), s.t_30))
-        t_48 = lin((1, s.prod('_ W_1', t_47, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_49 = lin((1, t_45), (1, s.prod("t_28' _", tr(s.t_28), V_W_2)), (1, s.prod('_ W_2', (t_48 * s.t_11), s.W_2)))
+        t_48 = lin((1, s.prod('@t_47 W_1', t_47, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_49 = lin((1, t_45), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('_ W_2', (t_48 * s.t_11), s.W_2)))
         t_50 = (s.t_4 * softmax_diff(s.t_31, t_49))
-        t_51 = (s.t_11 * s.mm("_ W_2'", t_50, tr(s.W_2)))
-        t_52 = s.mm("_ W_1'", t_51, tr(s.W_1))
+        t_51 = (s.t_11 * s.mm("@t_50 W_2'", t_50, tr(s.W_2)))
+        t_52 = s.mm("@t_51 W_1'", t_51, tr(s.W_1))
         t_53 = lin((1, s.mm('_ one', (s.t_30 * t_52), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_52))
         t_54 = lin((1, t_53), ((1/2)*s.d_V, t_50), ((1/2)*s.L*s.d_V, s.mm('_ one', (-2/(s.L*s.d_V**2)) * t_53, s.one)))
         t_55 = softmax_diff(s.A, s.mm("_ W_V' N_1'", (2/(s.L*s.d_V)) * t_54, tr(s.W_V), tr(s.N_1)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_55, s.N_1, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_55), s.N_1, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_55 N_1 W_K", tr(s.N_1), t_55, s.N_1, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_55' N_1 W_Q", tr(s.N_1), tr(t_55), s.N_1, s.W_Q, mean=True)
         out_W_V = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_54, mean=True)
-        out_W_1 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_51, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_12' _", tr(s.t_12), t_50, mean=True)
+        out_W_1 = (1/s.L) * s.mm("N_2' @t_51", tr(s.N_2), t_51, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_12' @t_50", tr(s.t_12), t_50, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_56 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_56 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_61 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_56, s.t_60)
-        t_62 = (s.t_11 * s.mm('G _', s.G, tr(V_W_2)))
-        t_63 = lin((1, s.prod("_ W_1'", t_62, tr(s.W_1))), (1, s.prod('t_14 _', s.t_14, tr(V_W_1))))
+        t_62 = (s.t_11 * s.mm("G @V_W_2'", s.G, tr(V_W_2)))
+        t_63 = lin((1, s.prod("@t_62 W_1'", t_62, tr(s.W_1))), (1, s.prod("t_14 @V_W_1'", s.t_14, tr(V_W_1))))
         t_64 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_56)
-        t_65 = lin((1, s.prod('_ N_1 W_V', t_64, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_66 = lin((-s.d_V, t_65), (1, s.mm('_ one', t_65, s.one)))
+        t_65 = lin((1, s.prod('@t_64 N_1 W_V', t_64, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_66 = lin((-s.d_V, t_65), (1, s.mm('@t_65 one', t_65, s.one)))
         t_67 = s.mm('_ one', ((-1/s.d_V) * t_66 * s.M_N_2), s.one)
         t_68 = lin((1, s.t_30, t_63), (1, s.t_32, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_34))
-        t_69 = lin((1, s.P_N_2, t_63), (2/s.d_V, s.t_17, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_32), (2/s.d_V, s.mm('_ one', t_68, s.one), s.M_N_2))
+        t_69 = lin((1, s.P_N_2, t_63), (2/s.d_V, s.t_17, (-1/s.d_V) * t_66), (2/s.d_V, t_67, s.t_32), (2/s.d_V, s.mm('@t_68 one', t_68, s.one), s.M_N_2))
         t_70 = lin((1, t_69), (1, s.mm('_ one', (-1/s.d_V) * t_69, s.one)))
-        t_71 = s.mm_sum('r', (1, "_ W_V' N_1'", t_70, tr(s.W_V), tr(s.N_1)), (1, "t_59 _ N_1'", s.t_59, tr(V_W_V), tr(s.N_1)))
+        t_71 = s.mm_sum('r', (1, "@t_70 W_V' N_1'", t_70, tr(s.W_V), tr(s.N_1)), (1, "t_59 @V_W_V' N_1'", s.t_59, tr(V_W_V), tr(s.N_1)))
         t_72 = softmax_diff(s.A, t_71)
         t_73 = (t_61 + t_72)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_73, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_74 N_1 _", tr(s.N_1), s.t_74, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_73), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_74' N_1 _", tr(s.N_1), tr(s.t_74), s.N_1, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_59", tr(s.N_1), tr(t_64), s.t_59), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_70), mean=True)
-        t_75 = lin((-s.d_V, tr(t_65)), (1, s.mm('one_2 _', s.one_2, tr(t_65))))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_73 N_1 W_K", tr(s.N_1), t_73, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_74 N_1 @V_W_K", tr(s.N_1), s.t_74, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_73' N_1 W_Q", tr(s.N_1), tr(t_73), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_74' N_1 @V_W_Q", tr(s.N_1), tr(s.t_74), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_64' t_59", tr(s.N_1), tr(t_64), s.t_59), (1, "N_1' A' @t_70", tr(s.N_1), tr(s.A), t_70), mean=True)
+        t_75 = lin((-s.d_V, tr(t_65)), (1, s.mm("one_2 @t_65'", s.one_2, tr(t_65))))
         t_77 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_75), (2/s.d_V, tr(t_67), s.t_76))
-        out_W_1 = (s.mm('_ t_14', t_77, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_62, mean=True))
-        t_78 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_77)))
+        out_W_1 = (s.mm('@t_77 t_14', t_77, s.t_14, mean=True) + s.mm("N_2' @t_62", tr(s.N_2), t_62, mean=True))
+        t_78 = lin((1, s.prod("@V_W_1' N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' @t_77", tr(s.W_1), t_77)))
         out_W_2 = s.mm('_ G', (t_78 * tr(s.t_11)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_79 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_79 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_93 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_79, s.t_92)
         t_94 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_79)
-        t_95 = lin((1, s.prod('_ N_1 W_V', t_94, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_96 = lin((-s.d_V, t_95), (1, s.mm('_ one', t_95, s.one)))
+        t_95 = lin((1, s.prod('@t_94 N_1 W_V', t_94, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_96 = lin((-s.d_V, t_95), (1, s.mm('@t_95 one', t_95, s.one)))
         t_97 = s.mm('_ one', ((-1/s.d_V) * t_96 * s.M_N_2), s.one)
         t_98 = (t_97 * s.t_30)
         t_99 = lin((1, s.P_N_2, (-1/s.d_V) * t_96), (2/s.d_V, t_98))
-        t_100 = lin((1, s.prod('_ W_1', t_99, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_100 = lin((1, s.prod('@t_99 W_1', t_99, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_101 = (t_100 * s.t_11)
-        t_102 = lin((1, t_95), (1, s.prod("t_28' _", tr(s.t_28), V_W_2)), (1, s.prod('_ W_2', t_101, s.W_2)))
+        t_102 = lin((1, t_95), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('@t_101 W_2', t_101, s.W_2)))
         t_103 = (s.t_4 * softmax_diff(s.t_13, t_102))
-        t_104 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_103, tr(s.W_2))))
+        t_104 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_103 W_2'", t_103, tr(s.W_2))))
         t_105 = (t_104 * s.t_11)
-        t_106 = lin((1, s.prod("_ W_1'", t_105, tr(s.W_1))), (1, s.prod('t_83 _', s.t_83, tr(V_W_1))))
+        t_106 = lin((1, s.prod("@t_105 W_1'", t_105, tr(s.W_1))), (1, s.prod("t_83 @V_W_1'", s.t_83, tr(V_W_1))))
         t_109 = lin((1, s.t_30, t_106), (1, s.t_107, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_108))
-        t_110 = lin((1, s.P_N_2, t_106), (2/s.d_V, s.t_86, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_107), (2/s.d_V, s.mm('_ one', t_109, s.one), s.M_N_2))
+        t_110 = lin((1, s.P_N_2, t_106), (2/s.d_V, s.t_86, (-1/s.d_V) * t_96), (2/s.d_V, t_97, s.t_107), (2/s.d_V, s.mm('@t_109 one', t_109, s.one), s.M_N_2))
         t_111 = lin((1, t_110), (1/s.L, t_103), (1, s.mm('_ one', (-1/s.d_V) * t_110, s.one)))
-        t_112 = s.mm_sum('r', (1, "_ W_V' N_1'", t_111, tr(s.W_V), tr(s.N_1)), (1, "t_91 _ N_1'", s.t_91, tr(V_W_V), tr(s.N_1)))
+        t_112 = s.mm_sum('r', (1, "@t_111 W_V' N_1'", t_111, tr(s.W_V), tr(s.N_1)), (1, "t_91 @V_W_V' N_1'", s.t_91, tr(V_W_V), tr(s.N_1)))
         t_113 = softmax_diff(s.A, t_112)
         t_114 = (t_93 + t_113)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_114, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_115 N_1 _", tr(s.N_1), s.t_115, s.N_1, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_114), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_115' N_1 _", tr(s.N_1), tr(s.t_115), s.N_1, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_111), (1, "N_1' _ t_91", tr(s.N_1), tr(t_94), s.t_91), mean=True)
-        out_W_1 = (s.mm('_ t_83', tr(t_99), s.t_83, mean=True) + s.mm("N_2' _", tr(s.N_2), t_105, mean=True))
-        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_103, mean=True)), (1, s.mm('_ G', tr(t_101), s.G, mean=True)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_114 N_1 W_K", tr(s.N_1), t_114, s.N_1, s.W_K), ((1/math.sqrt(s.d_K)), "N_1' t_115 N_1 @V_W_K", tr(s.N_1), s.t_115, s.N_1, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_114' N_1 W_Q", tr(s.N_1), tr(t_114), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_115' N_1 @V_W_Q", tr(s.N_1), tr(s.t_115), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' A' @t_111", tr(s.N_1), tr(s.A), t_111), (1, "N_1' @t_94' t_91", tr(s.N_1), tr(t_94), s.t_91), mean=True)
+        out_W_1 = (s.mm("@t_99' t_83", tr(t_99), s.t_83, mean=True) + s.mm("N_2' @t_105", tr(s.N_2), t_105, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' @t_103", tr(s.t_12), t_103, mean=True)), (1, s.mm("@t_101' G", tr(t_101), s.G, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -2506,13 +2548,27 @@ class ce_bias0_causal1(Forward):
     """loss=ce, options={'activation': 'relu', 'affine': 'none', 'bias': False, 'causal': True, 'eps': 0}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_1', 'W_2')
-    STAMP = "4d3309fc54973871a04fb21d"
+    STAMP = "bfcec3ee2dbe68e99a4f418c"
     RUNS = {
+        "@V_W_K' N_1'": 2,
+        "@V_W_Q' N_1'": 2,
+        "@V_W_V' N_1'": 2,
+        '@t_115 N_1': 2,
+        "@t_115' N_1": 2,
+        '@t_55 N_1': 2,
+        "@t_55' N_1": 2,
+        '@t_65 N_1': 2,
+        '@t_74 N_1': 2,
+        "@t_74' N_1": 2,
+        '@t_95 N_1': 2,
         'A N_1': 10,
         "G W_2'": 2,
         'N_1 W_K': 9,
         'N_1 W_Q': 9,
         'N_1 W_V': 12,
+        "N_1' @t_115 N_1": 2,
+        "N_1' @t_55 N_1": 2,
+        "N_1' @t_74 N_1": 2,
         "N_1' t_23": 2,
         "N_1' t_23 N_1": 2,
         "N_1' t_23'": 3,
@@ -3262,79 +3318,79 @@ class ce_bias0_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_44 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
-        t_45 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_44), s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_46 = lin((-s.d_V, t_45), (1, s.mm('_ one', t_45, s.one)))
+        t_44 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), ((1/math.sqrt(s.d_K)), "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_45 = lin((1, s.prod('_ N_1 W_V', softmax_diff(s.A, t_44), s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_46 = lin((-s.d_V, t_45), (1, s.mm('@t_45 one', t_45, s.one)))
         t_47 = lin((1, s.P_N_2, (-1/s.d_V) * t_46), (2/s.d_V, s.mm('_ one', ((-1/s.d_V) * t_46 * s.M_N_2), s.one), s.t_30))
-        t_48 = lin((1, s.prod('_ W_1', t_47, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
-        t_49 = lin((1, t_45), (1, s.prod("t_28' _", tr(s.t_28), V_W_2)), (1, s.prod('_ W_2', (t_48 * s.t_11), s.W_2)))
+        t_48 = lin((1, s.prod('@t_47 W_1', t_47, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
+        t_49 = lin((1, t_45), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('_ W_2', (t_48 * s.t_11), s.W_2)))
         t_50 = (s.t_4 * softmax_diff(s.t_31, t_49))
-        t_51 = (s.t_11 * s.mm("_ W_2'", t_50, tr(s.W_2)))
-        t_52 = s.mm("_ W_1'", t_51, tr(s.W_1))
+        t_51 = (s.t_11 * s.mm("@t_50 W_2'", t_50, tr(s.W_2)))
+        t_52 = s.mm("@t_51 W_1'", t_51, tr(s.W_1))
         t_53 = lin((1, s.mm('_ one', (s.t_30 * t_52), s.one), s.M_N_2), ((1/2)*s.d_V, s.P_N_2, t_52))
         t_54 = lin((1, t_53), ((1/2)*s.d_V, t_50), ((1/2)*s.L*s.d_V, s.mm('_ one', (-2/(s.L*s.d_V**2)) * t_53, s.one)))
         t_55 = softmax_diff(s.A, s.mm("_ W_V' N_1'", (2/(s.L*s.d_V)) * t_54, tr(s.W_V), tr(s.N_1)))
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_K", tr(s.N_1), t_55, s.N_1, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' _ N_1 W_Q", tr(s.N_1), tr(t_55), s.N_1, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_55 N_1 W_K", tr(s.N_1), t_55, s.N_1, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("N_1' @t_55' N_1 W_Q", tr(s.N_1), tr(t_55), s.N_1, s.W_Q, mean=True)
         out_W_V = s.mm("N_1' A' _", tr(s.N_1), tr(s.A), (2/(s.L*s.d_V)) * t_54, mean=True)
-        out_W_1 = (1/s.L) * s.mm("N_2' _", tr(s.N_2), t_51, mean=True)
-        out_W_2 = (1/s.L) * s.mm("t_12' _", tr(s.t_12), t_50, mean=True)
+        out_W_1 = (1/s.L) * s.mm("N_2' @t_51", tr(s.N_2), t_51, mean=True)
+        out_W_2 = (1/s.L) * s.mm("t_12' @t_50", tr(s.t_12), t_50, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_61 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_61 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_62 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_61, s.t_59)
-        t_63 = (s.t_11 * s.mm('G _', s.G, tr(V_W_2)))
-        t_64 = lin((1, s.prod('t_14 _', s.t_14, tr(V_W_1))), (1, s.prod("_ W_1'", t_63, tr(s.W_1))))
+        t_63 = (s.t_11 * s.mm("G @V_W_2'", s.G, tr(V_W_2)))
+        t_64 = lin((1, s.prod("t_14 @V_W_1'", s.t_14, tr(V_W_1))), (1, s.prod("@t_63 W_1'", t_63, tr(s.W_1))))
         t_65 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_61)
-        t_66 = lin((1, s.prod('_ N_1 W_V', t_65, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_67 = lin((-s.d_V, t_66), (1, s.mm('_ one', t_66, s.one)))
+        t_66 = lin((1, s.prod('@t_65 N_1 W_V', t_65, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_67 = lin((-s.d_V, t_66), (1, s.mm('@t_66 one', t_66, s.one)))
         t_68 = s.mm('_ one', ((-1/s.d_V) * t_67 * s.M_N_2), s.one)
         t_69 = lin((1, s.t_30, t_64), (1, s.t_32, (-1/s.d_V) * t_67), (2/s.d_V, t_68, s.t_34))
-        t_70 = lin((1, s.P_N_2, t_64), (2/s.d_V, s.t_17, (-1/s.d_V) * t_67), (2/s.d_V, t_68, s.t_32), (2/s.d_V, s.mm('_ one', t_69, s.one), s.M_N_2))
+        t_70 = lin((1, s.P_N_2, t_64), (2/s.d_V, s.t_17, (-1/s.d_V) * t_67), (2/s.d_V, t_68, s.t_32), (2/s.d_V, s.mm('@t_69 one', t_69, s.one), s.M_N_2))
         t_71 = lin((1, t_70), (1, s.mm('_ one', (-1/s.d_V) * t_70, s.one)))
-        t_72 = s.mm_sum('r', (1, "_ W_V' N_1'", t_71, tr(s.W_V), tr(s.N_1)), (1, "t_58 _ N_1'", s.t_58, tr(V_W_V), tr(s.N_1)))
+        t_72 = s.mm_sum('r', (1, "@t_71 W_V' N_1'", t_71, tr(s.W_V), tr(s.N_1)), (1, "t_58 @V_W_V' N_1'", s.t_58, tr(V_W_V), tr(s.N_1)))
         t_73 = softmax_diff(s.A, t_72)
         t_74 = (t_62 + t_73)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_60 N_1 _", tr(s.N_1), s.t_60, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_74, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_74), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_60' N_1 _", tr(s.N_1), tr(s.t_60), s.N_1, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_58", tr(s.N_1), tr(t_65), s.t_58), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_71), mean=True)
-        t_75 = lin((-s.d_V, tr(t_66)), (1, s.mm('one_2 _', s.one_2, tr(t_66))))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_60 N_1 @V_W_K", tr(s.N_1), s.t_60, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' @t_74 N_1 W_K", tr(s.N_1), t_74, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_74' N_1 W_Q", tr(s.N_1), tr(t_74), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_60' N_1 @V_W_Q", tr(s.N_1), tr(s.t_60), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_65' t_58", tr(s.N_1), tr(t_65), s.t_58), (1, "N_1' A' @t_71", tr(s.N_1), tr(s.A), t_71), mean=True)
+        t_75 = lin((-s.d_V, tr(t_66)), (1, s.mm("one_2 @t_66'", s.one_2, tr(t_66))))
         t_77 = lin((1, tr(s.P_N_2), (-1/s.d_V) * t_75), (2/s.d_V, tr(t_68), s.t_76))
-        out_W_1 = (s.mm('_ t_14', t_77, s.t_14, mean=True) + s.mm("N_2' _", tr(s.N_2), t_63, mean=True))
-        t_78 = lin((1, s.prod("_ N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' _", tr(s.W_1), t_77)))
+        out_W_1 = (s.mm('@t_77 t_14', t_77, s.t_14, mean=True) + s.mm("N_2' @t_63", tr(s.N_2), t_63, mean=True))
+        t_78 = lin((1, s.prod("@V_W_1' N_2'", tr(V_W_1), tr(s.N_2))), (1, s.prod("W_1' @t_77", tr(s.W_1), t_77)))
         out_W_2 = s.mm('_ G', (t_78 * tr(s.t_11)), s.G, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_1, V_W_2):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_93 = s.mm_sum('r', (1, "N_1 W_Q _ N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 _ W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
+        t_93 = s.mm_sum('r', (1, "N_1 W_Q @V_W_K' N_1'", s.N_1, s.W_Q, tr(V_W_K), tr(s.N_1)), (1, "N_1 @V_W_Q W_K' N_1'", s.N_1, V_W_Q, tr(s.W_K), tr(s.N_1)))
         t_94 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_93, s.t_91)
         t_95 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_93)
-        t_96 = lin((1, s.prod('_ N_1 W_V', t_95, s.N_1, s.W_V)), (1, s.prod('A N_1 _', s.A, s.N_1, V_W_V)))
-        t_97 = lin((-s.d_V, t_96), (1, s.mm('_ one', t_96, s.one)))
+        t_96 = lin((1, s.prod('@t_95 N_1 W_V', t_95, s.N_1, s.W_V)), (1, s.prod('A N_1 @V_W_V', s.A, s.N_1, V_W_V)))
+        t_97 = lin((-s.d_V, t_96), (1, s.mm('@t_96 one', t_96, s.one)))
         t_98 = s.mm('_ one', ((-1/s.d_V) * t_97 * s.M_N_2), s.one)
         t_99 = (t_98 * s.t_30)
         t_100 = lin((1, s.P_N_2, (-1/s.d_V) * t_97), (2/s.d_V, t_99))
-        t_101 = lin((1, s.prod('_ W_1', t_100, s.W_1)), (1, s.prod('N_2 _', s.N_2, V_W_1)))
+        t_101 = lin((1, s.prod('@t_100 W_1', t_100, s.W_1)), (1, s.prod('N_2 @V_W_1', s.N_2, V_W_1)))
         t_102 = (t_101 * s.t_11)
-        t_103 = lin((1, t_96), (1, s.prod("t_28' _", tr(s.t_28), V_W_2)), (1, s.prod('_ W_2', t_102, s.W_2)))
+        t_103 = lin((1, t_96), (1, s.prod("t_28' @V_W_2", tr(s.t_28), V_W_2)), (1, s.prod('@t_102 W_2', t_102, s.W_2)))
         t_104 = (s.t_4 * softmax_diff(s.t_13, t_103))
-        t_105 = lin((1, s.prod('G _', s.G, tr(V_W_2))), (1/s.L, s.prod("_ W_2'", t_104, tr(s.W_2))))
+        t_105 = lin((1, s.prod("G @V_W_2'", s.G, tr(V_W_2))), (1/s.L, s.prod("@t_104 W_2'", t_104, tr(s.W_2))))
         t_106 = (t_105 * s.t_11)
-        t_107 = lin((1, s.prod("_ W_1'", t_106, tr(s.W_1))), (1, s.prod('t_82 _', s.t_82, tr(V_W_1))))
+        t_107 = lin((1, s.prod("@t_106 W_1'", t_106, tr(s.W_1))), (1, s.prod("t_82 @V_W_1'", s.t_82, tr(V_W_1))))
         t_110 = lin((1, s.t_30, t_107), (1, s.t_108, (-1/s.d_V) * t_97), (2/s.d_V, t_98, s.t_109))
-        t_111 = lin((1, s.P_N_2, t_107), (2/s.d_V, s.t_85, (-1/s.d_V) * t_97), (2/s.d_V, t_98, s.t_108), (2/s.d_V, s.mm('_ one', t_110, s.one), s.M_N_2))
+        t_111 = lin((1, s.P_N_2, t_107), (2/s.d_V, s.t_85, (-1/s.d_V) * t_97), (2/s.d_V, t_98, s.t_108), (2/s.d_V, s.mm('@t_110 one', t_110, s.one), s.M_N_2))
         t_112 = lin((1, t_111), (1/s.L, t_104), (1, s.mm('_ one', (-1/s.d_V) * t_111, s.one)))
-        t_113 = s.mm_sum('r', (1, "_ W_V' N_1'", t_112, tr(s.W_V), tr(s.N_1)), (1, "t_90 _ N_1'", s.t_90, tr(V_W_V), tr(s.N_1)))
+        t_113 = s.mm_sum('r', (1, "@t_112 W_V' N_1'", t_112, tr(s.W_V), tr(s.N_1)), (1, "t_90 @V_W_V' N_1'", s.t_90, tr(V_W_V), tr(s.N_1)))
         t_114 = softmax_diff(s.A, t_113)
         t_115 = (t_94 + t_114)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_92 N_1 _", tr(s.N_1), s.t_92, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_K", tr(s.N_1), t_115, s.N_1, s.W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' _ N_1 W_Q", tr(s.N_1), tr(t_115), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_92' N_1 _", tr(s.N_1), tr(s.t_92), s.N_1, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "N_1' _ t_90", tr(s.N_1), tr(t_95), s.t_90), (1, "N_1' A' _", tr(s.N_1), tr(s.A), t_112), mean=True)
-        out_W_1 = (s.mm('_ t_82', tr(t_100), s.t_82, mean=True) + s.mm("N_2' _", tr(s.N_2), t_106, mean=True))
-        out_W_2 = lin((1/s.L, s.mm("t_12' _", tr(s.t_12), t_104, mean=True)), (1, s.mm('_ G', tr(t_102), s.G, mean=True)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' t_92 N_1 @V_W_K", tr(s.N_1), s.t_92, s.N_1, V_W_K), ((1/math.sqrt(s.d_K)), "N_1' @t_115 N_1 W_K", tr(s.N_1), t_115, s.N_1, s.W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "N_1' @t_115' N_1 W_Q", tr(s.N_1), tr(t_115), s.N_1, s.W_Q), ((1/math.sqrt(s.d_K)), "N_1' t_92' N_1 @V_W_Q", tr(s.N_1), tr(s.t_92), s.N_1, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "N_1' @t_95' t_90", tr(s.N_1), tr(t_95), s.t_90), (1, "N_1' A' @t_112", tr(s.N_1), tr(s.A), t_112), mean=True)
+        out_W_1 = (s.mm("@t_100' t_82", tr(t_100), s.t_82, mean=True) + s.mm("N_2' @t_106", tr(s.N_2), t_106, mean=True))
+        out_W_2 = lin((1/s.L, s.mm("t_12' @t_104", tr(s.t_12), t_104, mean=True)), (1, s.mm("@t_102' G", tr(t_102), s.G, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_1, out_W_2,)
 
     def check_inputs(s):
@@ -3348,4 +3404,4 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): ce_bias0_causal0,
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', True), ('eps', 0))): ce_bias0_causal1,
 }
-CHECKSUM = "c36db1fcfdb06874dd57000d"
+CHECKSUM = "6cf5d069f7939382db47c06b"

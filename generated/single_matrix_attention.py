@@ -24,8 +24,10 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "421bdee9c3db10c60a68dd45"
+    STAMP = "0b2850660ce20493433d36c1"
     RUNS = {
+        "@V_W_V' X'": 2,
+        '@t_18 X': 2,
         'A X': 7,
         "W_V' X'": 8,
     }
@@ -195,29 +197,29 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X _ X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_11 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_12 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_11, tr(s.W_V), tr(s.X)))
-        out_W_QK = s.mm("X' _ X", tr(s.X), t_12, s.X, mean=True)
+        out_W_QK = s.mm("X' @t_12 X", tr(s.X), t_12, s.X, mean=True)
         out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_11, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_13 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_14 = (softmax_diff2(s.A, s.t_9, t_13) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        out_W_QK = s.mm("X' _ X", tr(s.X), t_14, s.X, mean=True)
+        t_13 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
+        t_14 = (softmax_diff2(s.A, s.t_9, t_13) + softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' @t_14 X", tr(s.X), t_14, s.X, mean=True)
         t_15 = softmax_diff(s.A, t_13)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_15), s.G_2, mean=True)
+        out_W_V = s.mm("X' @t_15' G_2", tr(s.X), tr(t_15), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_17 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
         t_18 = softmax_diff(s.A, t_17)
-        t_19 = lin((1, s.prod('_ X W_V', t_18, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_20 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_19, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
+        t_19 = lin((1, s.prod('@t_18 X W_V', t_18, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_20 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_19, tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)))
         out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_16, t_17) + softmax_diff(s.A, t_20)), s.X, mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_18), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_19), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_18' G_3", tr(s.X), tr(t_18), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_19), mean=True)
         return (out_W_QK, out_W_V,)
 
 
@@ -225,8 +227,10 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "4a79ac639dc6f89d286c7e78"
+    STAMP = "693de3dc524297888ccde743"
     RUNS = {
+        "@V_W_V' X'": 2,
+        '@t_18 X': 2,
         'A X': 7,
         "W_V' X'": 8,
     }
@@ -396,29 +400,29 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_11 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X _ X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_11 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_12 = softmax_diff(s.A, s.mm("_ W_V' X'", (2/(s.L*s.d_V)) * t_11, tr(s.W_V), tr(s.X)))
-        out_W_QK = s.mm("X' _ X", tr(s.X), t_12, s.X, mean=True)
+        out_W_QK = s.mm("X' @t_12 X", tr(s.X), t_12, s.X, mean=True)
         out_W_V = s.mm("X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_11, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_13 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_14 = (softmax_diff2(s.A, s.t_9, t_13) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        out_W_QK = s.mm("X' _ X", tr(s.X), t_14, s.X, mean=True)
+        t_13 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
+        t_14 = (softmax_diff2(s.A, s.t_9, t_13) + softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' @t_14 X", tr(s.X), t_14, s.X, mean=True)
         t_15 = softmax_diff(s.A, t_13)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_15), s.G_2, mean=True)
+        out_W_V = s.mm("X' @t_15' G_2", tr(s.X), tr(t_15), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_17 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_17 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
         t_18 = softmax_diff(s.A, t_17)
-        t_19 = lin((1, s.prod('_ X W_V', t_18, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
-        t_20 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_19, tr(s.W_V), tr(s.X)), (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)))
+        t_19 = lin((1, s.prod('@t_18 X W_V', t_18, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
+        t_20 = s.mm_sum('r', (1, "_ W_V' X'", (2/(s.L*s.d_V)) * t_19, tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)))
         out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_16, t_17) + softmax_diff(s.A, t_20)), s.X, mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_18), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_19), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_18' G_3", tr(s.X), tr(t_18), s.G_3), (1, "X' A' _", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_19), mean=True)
         return (out_W_QK, out_W_V,)
 
 
@@ -426,8 +430,10 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "2edcf25c4bfaf93e266f403e"
+    STAMP = "30a34556ffbd25128507b8ed"
     RUNS = {
+        "@V_W_V' X'": 2,
+        '@t_21 X': 2,
         'A X': 7,
         "W_V' X'": 8,
     }
@@ -621,30 +627,30 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X _ X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_14 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_15 = (s.t * softmax_diff(s.t_13, t_14))
-        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_15, tr(s.W_V), tr(s.X))), s.X, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_15, mean=True)
+        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("@t_15 W_V' X'", t_15, tr(s.W_V), tr(s.X))), s.X, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' @t_15", tr(s.X), tr(s.A), t_15, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_17 = (softmax_diff2(s.A, s.t_11, t_16) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        out_W_QK = s.mm("X' _ X", tr(s.X), t_17, s.X, mean=True)
+        t_16 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
+        t_17 = (softmax_diff2(s.A, s.t_11, t_16) + softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' @t_17 X", tr(s.X), t_17, s.X, mean=True)
         t_18 = softmax_diff(s.A, t_16)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_18), s.G_2, mean=True)
+        out_W_V = s.mm("X' @t_18' G_2", tr(s.X), tr(t_18), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_20 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
         t_21 = softmax_diff(s.A, t_20)
-        t_22 = lin((1, s.prod('_ X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_22 = lin((1, s.prod('@t_21 X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_23 = (s.t * softmax_diff(s.t_8, t_22))
-        t_24 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_23, tr(s.W_V), tr(s.X)))
+        t_24 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_23 W_V' X'", t_23, tr(s.W_V), tr(s.X)))
         out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_19, t_20) + softmax_diff(s.A, t_24)), s.X, mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_21), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_23), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_21' G_3", tr(s.X), tr(t_21), s.G_3), ((1/s.L), "X' A' @t_23", tr(s.X), tr(s.A), t_23), mean=True)
         return (out_W_QK, out_W_V,)
 
 
@@ -652,8 +658,10 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "7acbbc1a3c44194f40567c87"
+    STAMP = "85010c29423c016ef0745aae"
     RUNS = {
+        "@V_W_V' X'": 2,
+        '@t_21 X': 2,
         'A X': 7,
         "W_V' X'": 8,
     }
@@ -847,30 +855,30 @@ class ce_causal1(Forward):
 
     def hvp__outer(s, V_W_QK, V_W_V):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_14 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X _ X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_14 = lin((1, s.prod('_ X W_V', softmax_diff(s.A, s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))), s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_15 = (s.t * softmax_diff(s.t_13, t_14))
-        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("_ W_V' X'", t_15, tr(s.W_V), tr(s.X))), s.X, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _", tr(s.X), tr(s.A), t_15, mean=True)
+        out_W_QK = (1/s.L) * s.mm("X' _ X", tr(s.X), softmax_diff(s.A, s.mm("@t_15 W_V' X'", t_15, tr(s.W_V), tr(s.X))), s.X, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' @t_15", tr(s.X), tr(s.A), t_15, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__functional(s, V_W_QK, V_W_V):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_16 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
-        t_17 = (softmax_diff2(s.A, s.t_11, t_16) + softmax_diff(s.A, s.mm("G_2 _ X'", s.G_2, tr(V_W_V), tr(s.X))))
-        out_W_QK = s.mm("X' _ X", tr(s.X), t_17, s.X, mean=True)
+        t_16 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
+        t_17 = (softmax_diff2(s.A, s.t_11, t_16) + softmax_diff(s.A, s.mm("G_2 @V_W_V' X'", s.G_2, tr(V_W_V), tr(s.X))))
+        out_W_QK = s.mm("X' @t_17 X", tr(s.X), t_17, s.X, mean=True)
         t_18 = softmax_diff(s.A, t_16)
-        out_W_V = s.mm("X' _ G_2", tr(s.X), tr(t_18), s.G_2, mean=True)
+        out_W_V = s.mm("X' @t_18' G_2", tr(s.X), tr(t_18), s.G_2, mean=True)
         return (out_W_QK, out_W_V,)
 
     def hvp__full(s, V_W_QK, V_W_V):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_20 = s.mm("X _ X'", s.X, V_W_QK, tr(s.X))
+        t_20 = s.mm("X @V_W_QK X'", s.X, V_W_QK, tr(s.X))
         t_21 = softmax_diff(s.A, t_20)
-        t_22 = lin((1, s.prod('_ X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X _', s.A, s.X, V_W_V)))
+        t_22 = lin((1, s.prod('@t_21 X W_V', t_21, s.X, s.W_V)), (1, s.prod('A X @V_W_V', s.A, s.X, V_W_V)))
         t_23 = (s.t * softmax_diff(s.t_8, t_22))
-        t_24 = s.mm_sum('r', (1, "G_3 _ X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_V' X'", t_23, tr(s.W_V), tr(s.X)))
+        t_24 = s.mm_sum('r', (1, "G_3 @V_W_V' X'", s.G_3, tr(V_W_V), tr(s.X)), ((1/s.L), "@t_23 W_V' X'", t_23, tr(s.W_V), tr(s.X)))
         out_W_QK = s.mm("X' _ X", tr(s.X), (softmax_diff2(s.A, s.t_19, t_20) + softmax_diff(s.A, t_24)), s.X, mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3", tr(s.X), tr(t_21), s.G_3), ((1/s.L), "X' A' _", tr(s.X), tr(s.A), t_23), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_21' G_3", tr(s.X), tr(t_21), s.G_3), ((1/s.L), "X' A' @t_23", tr(s.X), tr(s.A), t_23), mean=True)
         return (out_W_QK, out_W_V,)
 
 
@@ -880,4 +888,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "4fba61cce32f27b98dfe4786"
+CHECKSUM = "3425eb818dd69a5e2d42e565"

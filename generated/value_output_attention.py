@@ -24,16 +24,38 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "be29ff33e21c161e0fb90cd8"
+    STAMP = "2d30e6ff8d6c9705713f7386"
     RUNS = {
+        "@V_W_K' X'": 2,
+        "@V_W_O G_2'": 2,
+        "@V_W_O G_3'": 2,
+        "@V_W_O' W_V'": 2,
+        "@V_W_O' W_V' X'": 2,
+        "@V_W_Q' X'": 2,
+        '@V_W_V W_O': 2,
+        "@V_W_V' X'": 3,
+        "@V_W_V' X' A'": 2,
+        '@t_24 X': 2,
+        "@t_24' X": 2,
+        '@t_29 X': 2,
+        "@t_29' X": 2,
+        '@t_30 X': 2,
+        "@t_30' G_2": 2,
+        '@t_34 X': 3,
+        '@t_34 X W_V': 2,
+        "@t_34' G_3": 2,
+        '@t_38 X': 2,
+        "@t_38' X": 2,
         'A X': 16,
         'A X W_V': 6,
         "A' G_2": 4,
         "A' G_3": 2,
         "G W_O'": 2,
         "G_2 W_O'": 4,
+        "G_2' @t_30 X": 2,
         "G_2' A X": 4,
         "G_3 W_O'": 3,
+        "G_3' @t_34 X": 2,
         "G_3' A X": 2,
         'M_1 W_V': 4,
         "M_1' M_1": 3,
@@ -41,10 +63,14 @@ class mse_causal0(Forward):
         "W_K' X'": 8,
         "W_O W_O'": 3,
         "W_O W_O' W_V'": 2,
+        "W_O' @V_W_V' X'": 2,
         "W_O' W_V'": 12,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
+        "X' @t_24 X": 2,
+        "X' @t_29 X": 2,
+        "X' @t_38 X": 2,
         "X' t_20": 4,
         "X' t_20 X": 4,
         "X' t_20'": 4,
@@ -355,43 +381,43 @@ class mse_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
         t_23 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_O), tr(s.W_V), tr(s.X))
         t_24 = softmax_diff(s.A, t_23)
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' @t_24 X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' @t_24' X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22, tr(s.W_O), mean=True)
         out_W_O = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_19)
-        t_27 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_27 = s.mm_sum('r', (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
         t_28 = softmax_diff(s.A, t_27)
         t_29 = (t_26 + t_28)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X _", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X _", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29 X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X @V_W_K", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29' X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X @V_W_Q", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
         t_30 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_30' G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_30' G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_31 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_33 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_32)
         t_34 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
-        t_35 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_36 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_35, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' _ X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_3 _ W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_35 = lin((1, s.mm_sum('r', (1, '@t_34 X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
+        t_36 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_35, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)))
         t_37 = softmax_diff(s.A, t_36)
         t_38 = (t_33 + t_37)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_38, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_39 X _", tr(s.X), s.t_39, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_38), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_39' X _", tr(s.X), tr(s.t_39), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, tr(s.W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, mean=True)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_38 X W_K", tr(s.X), t_38, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_39 X @V_W_K", tr(s.X), s.t_39, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_38' X W_Q", tr(s.X), tr(t_38), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_39' X @V_W_Q", tr(s.X), tr(s.t_39), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_34' G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, tr(s.W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_34' G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -399,16 +425,38 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "01722345a91c4e2b6305d0cc"
+    STAMP = "c88e194e2671975167837a2b"
     RUNS = {
+        "@V_W_K' X'": 2,
+        "@V_W_O G_2'": 2,
+        "@V_W_O G_3'": 2,
+        "@V_W_O' W_V'": 2,
+        "@V_W_O' W_V' X'": 2,
+        "@V_W_Q' X'": 2,
+        '@V_W_V W_O': 2,
+        "@V_W_V' X'": 3,
+        "@V_W_V' X' A'": 2,
+        '@t_24 X': 2,
+        "@t_24' X": 2,
+        '@t_29 X': 2,
+        "@t_29' X": 2,
+        '@t_30 X': 2,
+        "@t_30' G_2": 2,
+        '@t_34 X': 3,
+        '@t_34 X W_V': 2,
+        "@t_34' G_3": 2,
+        '@t_38 X': 2,
+        "@t_38' X": 2,
         'A X': 16,
         'A X W_V': 6,
         "A' G_2": 4,
         "A' G_3": 2,
         "G W_O'": 2,
         "G_2 W_O'": 4,
+        "G_2' @t_30 X": 2,
         "G_2' A X": 4,
         "G_3 W_O'": 3,
+        "G_3' @t_34 X": 2,
         "G_3' A X": 2,
         'M_1 W_V': 4,
         "M_1' M_1": 3,
@@ -416,10 +464,14 @@ class mse_causal1(Forward):
         "W_K' X'": 8,
         "W_O W_O'": 3,
         "W_O W_O' W_V'": 2,
+        "W_O' @V_W_V' X'": 2,
         "W_O' W_V'": 12,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
+        "X' @t_24 X": 2,
+        "X' @t_29 X": 2,
+        "X' @t_38 X": 2,
         "X' t_20": 4,
         "X' t_20 X": 4,
         "X' t_20'": 4,
@@ -730,43 +782,43 @@ class mse_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
         t_23 = s.mm("_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_22, tr(s.W_O), tr(s.W_V), tr(s.X))
         t_24 = softmax_diff(s.A, t_23)
-        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
-        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
+        out_W_Q = (1/math.sqrt(s.d_K)) * s.mm("X' @t_24 X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
+        out_W_K = (1/math.sqrt(s.d_K)) * s.mm("X' @t_24' X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
         out_W_V = s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22, tr(s.W_O), mean=True)
         out_W_O = s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_22, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_19)
-        t_27 = s.mm_sum('r', (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_27 = s.mm_sum('r', (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)))
         t_28 = softmax_diff(s.A, t_27)
         t_29 = (t_26 + t_28)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X _", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X _", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29 X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_20 X @V_W_K", tr(s.X), s.t_20, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29' X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_20' X @V_W_Q", tr(s.X), tr(s.t_20), s.X, V_W_Q), mean=True)
         t_30 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_30' G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_30' G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_31 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_33 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_32)
         t_34 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
-        t_35 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
-        t_36 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_35, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "G_3 _ W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' _ X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)))
+        t_35 = lin((1, s.mm_sum('r', (1, '@t_34 X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
+        t_36 = s.mm_sum('r', (1, "_ W_O' W_V' X'", (2/(s.L*s.d_V)) * t_35, tr(s.W_O), tr(s.W_V), tr(s.X)), (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)))
         t_37 = softmax_diff(s.A, t_36)
         t_38 = (t_33 + t_37)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_38, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_39 X _", tr(s.X), s.t_39, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_38), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_39' X _", tr(s.X), tr(s.t_39), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, mean=True)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_38 X W_K", tr(s.X), t_38, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_39 X @V_W_K", tr(s.X), s.t_39, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_38' X W_Q", tr(s.X), tr(t_38), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_39' X @V_W_Q", tr(s.X), tr(s.t_39), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_34' G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), (1, "X' A' _ W_O'", tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_34' G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), (2/(s.L*s.d_V)) * t_35, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -774,23 +826,55 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "a1cdb7fdcaadf4ecb686af14"
+    STAMP = "d2fb96bf2f48ab2657939ee6"
     RUNS = {
+        "@V_W_K' X'": 2,
+        "@V_W_O G_2'": 2,
+        "@V_W_O G_3'": 2,
+        "@V_W_O' W_V'": 2,
+        "@V_W_O' W_V' X'": 2,
+        "@V_W_Q' X'": 2,
+        '@V_W_V W_O': 2,
+        "@V_W_V' X'": 3,
+        "@V_W_V' X' A'": 2,
+        "@t_23 W_O'": 2,
+        "@t_23' A": 2,
+        "@t_23' A X": 2,
+        '@t_24 X': 2,
+        "@t_24' X": 2,
+        '@t_29 X': 2,
+        "@t_29' X": 2,
+        '@t_30 X': 2,
+        "@t_30' G_2": 2,
+        '@t_34 X': 3,
+        '@t_34 X W_V': 2,
+        "@t_34' G_3": 2,
+        "@t_36 W_O'": 2,
+        "@t_36' A": 2,
+        "@t_36' A X": 2,
+        '@t_39 X': 2,
+        "@t_39' X": 2,
         'A X': 16,
         'A X W_V': 6,
         "A' G_2": 4,
         "A' G_3": 2,
         "G W_O'": 2,
         "G_2 W_O'": 4,
+        "G_2' @t_30 X": 2,
         "G_2' A X": 4,
         "G_3 W_O'": 3,
+        "G_3' @t_34 X": 2,
         "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
+        "W_O' @V_W_V' X'": 2,
         "W_O' W_V'": 10,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
+        "X' @t_24 X": 2,
+        "X' @t_29 X": 2,
+        "X' @t_39 X": 2,
         "X' t_19": 4,
         "X' t_19 X": 4,
         "X' t_19'": 4,
@@ -1113,44 +1197,44 @@ class ce_causal0(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
         t_23 = (s.t_2 * softmax_diff(s.t_20, t_22))
-        t_24 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_23, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_23, tr(s.W_O), mean=True)
-        out_W_O = (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_23, mean=True)
+        t_24 = softmax_diff(s.A, s.mm("@t_23 W_O' W_V' X'", t_23, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_24 X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_24' X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' @t_23 W_O'", tr(s.X), tr(s.A), t_23, tr(s.W_O), mean=True)
+        out_W_O = (1/s.L) * s.mm("W_V' X' A' @t_23", tr(s.W_V), tr(s.X), tr(s.A), t_23, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_18)
-        t_27 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_27 = s.mm_sum('r', (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
         t_28 = softmax_diff(s.A, t_27)
         t_29 = (t_26 + t_28)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X _", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X _", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29 X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X @V_W_K", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29' X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X @V_W_Q", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
         t_30 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_30' G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_30' G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_31 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_33 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_32)
         t_34 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
-        t_35 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_35 = lin((1, s.mm_sum('r', (1, '@t_34 X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
         t_36 = (s.t_2 * softmax_diff(s.t_15, t_35))
-        t_37 = s.mm_sum('r', (1, "G_3 _ W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' _ X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/s.L), "_ W_O' W_V' X'", t_36, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_37 = s.mm_sum('r', (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), ((1/s.L), "@t_36 W_O' W_V' X'", t_36, tr(s.W_O), tr(s.W_V), tr(s.X)))
         t_38 = softmax_diff(s.A, t_37)
         t_39 = (t_33 + t_38)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_39, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_40 X _", tr(s.X), s.t_40, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_40' X _", tr(s.X), tr(s.t_40), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_36, tr(s.W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_36, mean=True)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_39 X W_K", tr(s.X), t_39, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_40 X @V_W_K", tr(s.X), s.t_40, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_39' X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_40' X @V_W_Q", tr(s.X), tr(s.t_40), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_34' G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), ((1/s.L), "X' A' @t_36 W_O'", tr(s.X), tr(s.A), t_36, tr(s.W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_34' G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' @t_36", tr(s.W_V), tr(s.X), tr(s.A), t_36, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -1158,23 +1242,55 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'scale': None}."""
 
     PARAMS = ('W_Q', 'W_K', 'W_V', 'W_O')
-    STAMP = "b0f4c7096463ab82b39acff7"
+    STAMP = "99dd93a977b085d0bfcb2dd9"
     RUNS = {
+        "@V_W_K' X'": 2,
+        "@V_W_O G_2'": 2,
+        "@V_W_O G_3'": 2,
+        "@V_W_O' W_V'": 2,
+        "@V_W_O' W_V' X'": 2,
+        "@V_W_Q' X'": 2,
+        '@V_W_V W_O': 2,
+        "@V_W_V' X'": 3,
+        "@V_W_V' X' A'": 2,
+        "@t_23 W_O'": 2,
+        "@t_23' A": 2,
+        "@t_23' A X": 2,
+        '@t_24 X': 2,
+        "@t_24' X": 2,
+        '@t_29 X': 2,
+        "@t_29' X": 2,
+        '@t_30 X': 2,
+        "@t_30' G_2": 2,
+        '@t_34 X': 3,
+        '@t_34 X W_V': 2,
+        "@t_34' G_3": 2,
+        "@t_36 W_O'": 2,
+        "@t_36' A": 2,
+        "@t_36' A X": 2,
+        '@t_39 X': 2,
+        "@t_39' X": 2,
         'A X': 16,
         'A X W_V': 6,
         "A' G_2": 4,
         "A' G_3": 2,
         "G W_O'": 2,
         "G_2 W_O'": 4,
+        "G_2' @t_30 X": 2,
         "G_2' A X": 4,
         "G_3 W_O'": 3,
+        "G_3' @t_34 X": 2,
         "G_3' A X": 2,
         'M_1 W_V': 2,
         "W_K' X'": 8,
+        "W_O' @V_W_V' X'": 2,
         "W_O' W_V'": 10,
         "W_O' W_V' X'": 8,
         "W_Q' X'": 8,
         "W_V' X'": 17,
+        "X' @t_24 X": 2,
+        "X' @t_29 X": 2,
+        "X' @t_39 X": 2,
         "X' t_19": 4,
         "X' t_19 X": 4,
         "X' t_19'": 4,
@@ -1497,44 +1613,44 @@ class ce_causal1(Forward):
 
     def hvp__outer(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_outer(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
-        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_21 = s.mm_sum('r', ((1/math.sqrt(s.d_K)), "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), ((1/math.sqrt(s.d_K)), "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_22 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', softmax_diff(s.A, t_21), s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
         t_23 = (s.t_2 * softmax_diff(s.t_20, t_22))
-        t_24 = softmax_diff(s.A, s.mm("_ W_O' W_V' X'", t_23, tr(s.W_O), tr(s.W_V), tr(s.X)))
-        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
-        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' _ X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
-        out_W_V = (1/s.L) * s.mm("X' A' _ W_O'", tr(s.X), tr(s.A), t_23, tr(s.W_O), mean=True)
-        out_W_O = (1/s.L) * s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_23, mean=True)
+        t_24 = softmax_diff(s.A, s.mm("@t_23 W_O' W_V' X'", t_23, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        out_W_Q = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_24 X W_K", tr(s.X), t_24, s.X, s.W_K, mean=True)
+        out_W_K = (1/(s.L*math.sqrt(s.d_K))) * s.mm("X' @t_24' X W_Q", tr(s.X), tr(t_24), s.X, s.W_Q, mean=True)
+        out_W_V = (1/s.L) * s.mm("X' A' @t_23 W_O'", tr(s.X), tr(s.A), t_23, tr(s.W_O), mean=True)
+        out_W_O = (1/s.L) * s.mm("W_V' X' A' @t_23", tr(s.W_V), tr(s.X), tr(s.A), t_23, mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__functional(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_functional(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_25 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_25 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_26 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_25, s.t_18)
-        t_27 = s.mm_sum('r', (1, "G_2 W_O' _ X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 _ W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
+        t_27 = s.mm_sum('r', (1, "G_2 W_O' @V_W_V' X'", s.G_2, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_2 @V_W_O' W_V' X'", s.G_2, tr(V_W_O), tr(s.W_V), tr(s.X)))
         t_28 = softmax_diff(s.A, t_27)
         t_29 = (t_26 + t_28)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X _", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X _", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29 X W_K", tr(s.X), t_29, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_19 X @V_W_K", tr(s.X), s.t_19, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_29' X W_Q", tr(s.X), tr(t_29), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_19' X @V_W_Q", tr(s.X), tr(s.t_19), s.X, V_W_Q), mean=True)
         t_30 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_25)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 _", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
-        out_W_O = s.mm_sum('r', (1, "_ X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' _ G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_30' G_2 W_O'", tr(s.X), tr(t_30), s.G_2, tr(s.W_O)), (1, "X' A' G_2 @V_W_O'", tr(s.X), tr(s.A), s.G_2, tr(V_W_O)), mean=True)
+        out_W_O = s.mm_sum('r', (1, "@V_W_V' X' A' G_2", tr(V_W_V), tr(s.X), tr(s.A), s.G_2), (1, "W_V' X' @t_30' G_2", tr(s.W_V), tr(s.X), tr(t_30), s.G_2), mean=True)
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
     def hvp__full(s, V_W_Q, V_W_K, V_W_V, V_W_O):
         """(Σ_q H_full(p, q) V_q for p in the parameters), batch mean: matrix view, no block."""
-        t_31 = s.mm_sum('r', (1, "X _ W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q _ X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
+        t_31 = s.mm_sum('r', (1, "X @V_W_Q W_K' X'", s.X, V_W_Q, tr(s.W_K), tr(s.X)), (1, "X W_Q @V_W_K' X'", s.X, s.W_Q, tr(V_W_K), tr(s.X)))
         t_33 = softmax_diff2(s.A, (1/math.sqrt(s.d_K)) * t_31, s.t_32)
         t_34 = softmax_diff(s.A, (1/math.sqrt(s.d_K)) * t_31)
-        t_35 = lin((1, s.mm_sum('r', (1, '_ X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X _ W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V _', s.A, s.X, s.W_V, V_W_O)))
+        t_35 = lin((1, s.mm_sum('r', (1, '@t_34 X W_V W_O', t_34, s.X, s.W_V, s.W_O), (1, 'A X @V_W_V W_O', s.A, s.X, V_W_V, s.W_O))), (1, s.prod('A X W_V @V_W_O', s.A, s.X, s.W_V, V_W_O)))
         t_36 = (s.t_2 * softmax_diff(s.t_15, t_35))
-        t_37 = s.mm_sum('r', (1, "G_3 W_O' _ X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_3 _ W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/s.L), "_ W_O' W_V' X'", t_36, tr(s.W_O), tr(s.W_V), tr(s.X)))
+        t_37 = s.mm_sum('r', (1, "G_3 W_O' @V_W_V' X'", s.G_3, tr(s.W_O), tr(V_W_V), tr(s.X)), (1, "G_3 @V_W_O' W_V' X'", s.G_3, tr(V_W_O), tr(s.W_V), tr(s.X)), ((1/s.L), "@t_36 W_O' W_V' X'", t_36, tr(s.W_O), tr(s.W_V), tr(s.X)))
         t_38 = softmax_diff(s.A, t_37)
         t_39 = (t_33 + t_38)
-        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_K", tr(s.X), t_39, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_40 X _", tr(s.X), s.t_40, s.X, V_W_K), mean=True)
-        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' _ X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_40' X _", tr(s.X), tr(s.t_40), s.X, V_W_Q), mean=True)
-        out_W_V = s.mm_sum('l', (1, "X' _ G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' _ W_O'", tr(s.X), tr(s.A), t_36, tr(s.W_O)), (1, "X' A' G_3 _", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
-        out_W_O = lin((1, s.mm_sum('r', (1, "_ X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' _ G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' _", tr(s.W_V), tr(s.X), tr(s.A), t_36, mean=True)))
+        out_W_Q = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_39 X W_K", tr(s.X), t_39, s.X, s.W_K), ((1/math.sqrt(s.d_K)), "X' t_40 X @V_W_K", tr(s.X), s.t_40, s.X, V_W_K), mean=True)
+        out_W_K = s.mm_sum('l', ((1/math.sqrt(s.d_K)), "X' @t_39' X W_Q", tr(s.X), tr(t_39), s.X, s.W_Q), ((1/math.sqrt(s.d_K)), "X' t_40' X @V_W_Q", tr(s.X), tr(s.t_40), s.X, V_W_Q), mean=True)
+        out_W_V = s.mm_sum('l', (1, "X' @t_34' G_3 W_O'", tr(s.X), tr(t_34), s.G_3, tr(s.W_O)), ((1/s.L), "X' A' @t_36 W_O'", tr(s.X), tr(s.A), t_36, tr(s.W_O)), (1, "X' A' G_3 @V_W_O'", tr(s.X), tr(s.A), s.G_3, tr(V_W_O)), mean=True)
+        out_W_O = lin((1, s.mm_sum('r', (1, "@V_W_V' X' A' G_3", tr(V_W_V), tr(s.X), tr(s.A), s.G_3), (1, "W_V' X' @t_34' G_3", tr(s.W_V), tr(s.X), tr(t_34), s.G_3), mean=True)), (1/s.L, s.mm("W_V' X' A' @t_36", tr(s.W_V), tr(s.X), tr(s.A), t_36, mean=True)))
         return (out_W_Q, out_W_K, out_W_V, out_W_O,)
 
 
@@ -1544,4 +1660,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "536628dbc2cbc61765e2f93e"
+CHECKSUM = "ef4e277298531b143440c3a8"

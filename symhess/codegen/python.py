@@ -89,7 +89,8 @@ class Printer:
         self.local_names = None    # node -> name inside the routine being printed
         self.local_defs = None
         self.local_refs = None     # node -> users inside the routine being printed (``uses``)
-        self.chain_keys = []       # the factor names of every printed product (``shared_runs``)
+        self.routine = None        # the name of the routine being printed
+        self.chain_keys = []       # (routine or None, factor names) of every printed product
         self.forms = {}            # node -> "row" | "col" | None (``form``)
         self.full_leaf = {}        # compressed node -> name of its broadcast (full) leaf
         roots = program.leaves() + [e for exprs, _ in program.routines().values() for e in exprs]
@@ -325,6 +326,7 @@ class Printer:
     def _routine(self, name, exprs, dirs):
         self.local_names, self.local_defs = {}, []
         self.local_refs = _references(exprs, self.summands)[0]
+        self.routine = name
         for v in dirs:
             self.taken.add(v.name)
         outs = []
@@ -342,19 +344,26 @@ class Printer:
         else:
             ret = "(" + ", ".join(outs) + ",)"
         body = self.local_defs + [f"return {ret}"]
-        self.local_names = self.local_defs = self.local_refs = None
+        self.local_names = self.local_defs = self.local_refs = self.routine = None
         doc = _ROUTINE_DOCS.get(name.split("__")[0], "").format(part=name.split("__")[-1])
         args = ", ".join(["s"] + [v.name for v in dirs])
         return "\n".join([f"def {name}({args}):", f'    """{doc}"""'] + ["    " + b for b in body])
 
     def shared_runs(self):
         """{run of named factors: number of printed products holding it} for the runs that
-        more than one holds (the class's ``RUNS``; a run and its transpose are one)."""
-        counts = {}
-        for names in self.chain_keys:
+        more than one holds (the class's ``RUNS``; a run and its transpose are one).  A run
+        holding a routine's local lives for one call of one routine: its count is that of the
+        routine holding it most (the routines' arguments have the same names in each)."""
+        counts, local = {}, {}
+        for routine, names in self.chain_keys:
             _, runs = chain.runs(" ".join(names))
             for name in {name for name, _ in runs.values()}:
-                counts[name] = counts.get(name, 0) + 1
+                if "@" in name:
+                    local[routine, name] = local.get((routine, name), 0) + 1
+                else:
+                    counts[name] = counts.get(name, 0) + 1
+        for (_, name), n in local.items():
+            counts[name] = max(counts.get(name, 0), n)
         return {k: v for k, v in sorted(counts.items()) if v > 1}
 
     # -- networks ---------------------------------------------------------------------
@@ -692,13 +701,15 @@ def _codes(nodes, kind="code"):
 def _factors(pr, factors):
     """(codes, chain key) of a product's factors: a factor that does not depend on the
     routine's arguments is a member (``s.name``, or ``tr(s.name)``) and is named in the key
-    (``name``, ``name'``), any other one is ``_`` (``Forward.mm`` shares the products of
-    named runs).  Every key is recorded for the class's ``RUNS``."""
+    (``name``, ``name'``); one that does is ``@name`` (``@name'``) when it is a local of the
+    routine, else ``_`` (``Forward.mm`` shares the products of named runs, those holding a
+    local within one call).  Every key is recorded for the class's ``RUNS``."""
     codes, names = [], []
     for x in factors:
         if pr.depends_on_arguments(x):
             codes.append((yield "code", x))
-            names.append("_")
+            local = re.fullmatch(r"(\w+)|tr\((\w+)\)", codes[-1])
+            names.append("_" if local is None else f"@{local[1]}" if local[1] else f"@{local[2]}'")
         elif isinstance(x, E.Transpose) or (pr.named_twin(x) or "").startswith("s."):
             inner = (yield "leaf", x.args[0]) if isinstance(x, E.Transpose) else pr.named_twin(x)
             codes.append(f"tr({inner})")
@@ -706,7 +717,7 @@ def _factors(pr, factors):
         else:
             codes.append((yield "leaf", x))
             names.append(codes[-1][2:])
-    pr.chain_keys.append(tuple(names))
+    pr.chain_keys.append((pr.routine, tuple(names)))
     return codes, " ".join(names)
 
 

@@ -34,8 +34,9 @@ def transposed(tokens):
 def runs(key):
     """(number of factors, {(i, j): (name of F_i⋯F_j, whether it is the transpose of the
     named product)}) for a chain key: one name per factor, "_" for a factor without one
-    (it depends on the routine's arguments); the intervals are the runs of ≥ 2 named factors,
-    each named in the orientation of ``canonical``."""
+    (it depends on the routine's arguments and is no local of it), "@name" for a routine's
+    local; the intervals are the runs of ≥ 2 named factors, each named in the orientation of
+    ``canonical``."""
     toks = tuple(key.split())
     out = {}
     for i in range(len(toks)):

@@ -250,6 +250,10 @@ class _Ops:
         return np.matmul(a, b)
 
     @staticmethod
+    def copy(a):
+        return np.array(a, copy=True)
+
+    @staticmethod
     def sum(a, axes):
         return a.sum(axis=tuple(axes))
 

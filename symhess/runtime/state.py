@@ -100,7 +100,14 @@ class Product:
         self.shape = ((batch,) if batch is not None else ()) + (shapes[0][-2], shapes[-1][-1])
 
     def value(self):
-        return self.state.mm(self.key, *self.xs)
+        """The product as an array of its own (the caller may write into it): when the whole
+        chain is a run the state keeps (``mm``), a copy, not the kept array."""
+        out = self.state.mm(self.key, *self.xs)
+        n, runs = chain.runs(self.key)
+        whole = runs.get((0, n - 1))
+        if whole is not None and whole[0] in (self.state._local if "@" in whole[0] else self.state._runs):
+            return self.state.ops.copy(out)
+        return out
 
     def into(self, acc, c):
         return self.state.mm(self.key, *self.xs, into=(acc, c))
@@ -132,6 +139,7 @@ class Forward:
         self.ops, self.schedule, self.like = ops, schedule, like
         self._nets = {}
         self._runs = {}           # products of named factors (``mm``), by name
+        self._local = {}          # … of runs holding a routine's locals, for one call only
         self._diag_sums = {}      # (p, part) → Σ diag, so a later trace costs nothing
         self._splits = {}         # (p, q) → frobenius_split, so H(q, p) costs nothing
         self._parts = set()       # parts of a variant rendered in parts, loaded into this state
@@ -311,13 +319,16 @@ class Forward:
         written into acc, the last product accumulated by the GEMM itself
         (``ops.addmm_``: no array for the product, no pass to add it).  ``key`` names
         the factors, one word each: a factor that does not depend on the routine's arguments
-        by its member name (' for its transpose), any other factor by _ ("_ X W_V").
+        by its member name (' for its transpose), a local of the routine by @ and its name
+        ("@t_3 X W_V"), any other factor by _ ("_ X W_V").
 
         Products of consecutive named factors are shared: formed once per state and found by
         every later chain that holds them, in either orientation (t W_Vᵀ Xᵀ finds X W_V).  A
         chain prices a run that ``RUNS`` counts in n chains at 1/n of its cost, so the first
         chain forms it even where its own orders tie; in a prepared state's routines a run
-        is kept across the calls and priced as free (a one-off state keeps only the shared)."""
+        is kept across the calls and priced as free (a one-off state keeps only the shared).
+        A run that holds a local (dS K in dS K W_Qᵀ and N_1ᵀ dS K) is shared the same way
+        within the routine's call and dropped at its end (``hvp``)."""
         n, runs = chain.runs(key)
         if len(xs) != n:
             raise ValueError(f"chain key {key!r} names {n} factors, {len(xs)} given")
@@ -326,14 +337,14 @@ class Forward:
 
         def fetch(i, j):
             name, flipped = runs[i, j]
-            got = self._runs.get(name)
+            got = (self._local if "@" in name else self._runs).get(name)
             if got is None:
                 return None
             return ops.tr(got) if flipped else got
 
         def store(i, j, product):
             name, flipped = runs[i, j]
-            self._runs[name] = ops.tr(product) if flipped else product
+            (self._local if "@" in name else self._runs)[name] = ops.tr(product) if flipped else product
 
         fold = (ops.matmul_mean, ops.batch_mean) if mean else None
         if into is not None:
@@ -350,10 +361,14 @@ class Forward:
     def _prices(self, key):
         """(free intervals, shared intervals with their counts) of a chain key, now."""
         _, runs = chain.runs(key)
-        routine = "_" in key.split()
+        routine = any(t == "_" or t[0] == "@" for t in key.split())
         free, shared = [], []
         for (i, j), (name, _) in runs.items():
-            if name in self._runs or (routine and not self._one_shot):
+            if "@" in name:
+                formed = name in self._local
+            else:
+                formed = name in self._runs or (routine and not self._one_shot)
+            if formed:
                 free.append((i, j))
             elif self.RUNS.get(name, 1) > 1:
                 shared.append((i, j, self.RUNS[name]))
@@ -415,7 +430,11 @@ class Forward:
                 k = math.prod(shape)
                 dirs.append(self.ops.reshape(x[off:off + k], shape))
                 off += k
-            return self._flat(routine(*dirs))
+            self._local = {}              # products of the routine's locals: this call's only
+            try:
+                return self._flat(routine(*dirs))
+            finally:
+                self._local = {}
         if _ndim(v) == 1:
             return one(v)
         return self.ops.columns(one, v, self.columns_per_call(v.shape[1]))

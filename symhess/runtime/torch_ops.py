@@ -312,6 +312,10 @@ class _Ops:
         return torch.bmm(a, b)
 
     @staticmethod
+    def copy(a):
+        return a.clone()
+
+    @staticmethod
     def sum(a, axes):
         return a.sum(dim=tuple(axes))
 
