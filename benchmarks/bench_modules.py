@@ -2,7 +2,7 @@
 torch.func on the module itself.
 
     python -m benchmarks.bench_modules [MODULE ...] [--L 128] [--d 128] [--batch 4] [--heads 4]
-                                       [--what setup,blocks,hvp,diag] [--rounds 3]
+                                       [--what setup,blocks,hvp,profile,diag] [--rounds 3]
                                        [--probes 100] [--probes-run K] [--diag-budget S]
                                        [--diag-skip NAME,...]
 
@@ -20,6 +20,10 @@ gpt2 and llama; float64, eval mode, eager attention for transformers' blocks.
   (``functional_call`` over its parameters, MSE of its output), relative error of the two;
   also a prepared state's later calls (forward quantities and products of named factors
   kept, as in Lanczos or CG);
+* profile: one stateless hvp and one ``jvp(grad)`` counted: the flops symhess planned
+  (``symhess.runtime.cost``) and those ``torch.utils.flop_counter`` counts for ``jvp(grad)``,
+  and the ATen calls of each side (matrix products: ``mm``, ``bmm``, ``addmm(_)``,
+  ``baddbmm(_)``; element-wise: the arithmetic and entrywise functions; views not counted);
 * diag: the exact diagonal of every declared parameter, one pass (prepared state, parts
   rendered beforehand and timed apart; ``--diag-budget`` seconds bound each stage) against a 100-probe Hutchinson estimate by the same jvp(grad) (with
   ``--probes-run K``: K probes timed and the time scaled to 100; each probe is one
@@ -39,9 +43,12 @@ import time
 import torch
 from torch.func import functional_call, grad, jvp
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 import symhess as sh
 from symhess.layers.modules import no_downcasts
+from symhess.runtime.cost import counting
 
 from .timing import interleaved
 
@@ -154,8 +161,46 @@ def run(name, args):
         print(f"  hvp {tm['symhess hvp']:.3f} s vs jvp(grad) {tm['jvp(grad)']:.3f} s → "
               f"{tm['jvp(grad)'] / tm['symhess hvp']:.2f}×  (rel. error {err:.1e}); a prepared "
               f"state's later calls {tm['prepared']:.3f} s → {tm['jvp(grad)'] / tm['prepared']:.2f}×")
+    if "profile" in what:
+        profile(k, values, v, ref, vm)
     if "diag" in what:
         diag(ml, k, values, ref, args)
+
+
+_PRODUCTS = {"mm", "bmm", "addmm", "addmm_", "baddbmm", "baddbmm_"}
+_ENTRYWISE = {"mul", "mul_", "add", "add_", "sub", "sub_", "div", "div_", "addcmul", "addcmul_",
+              "rsub", "neg", "pow", "tanh", "exp", "erf", "sigmoid", "sqrt", "rsqrt", "square",
+              "where", "masked_fill", "clone", "copy_"}
+
+
+class _Calls(TorchDispatchMode):
+    """The number of matrix products and element-wise operations dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.products = self.entrywise = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.products += name in _PRODUCTS
+        self.entrywise += name in _ENTRYWISE
+        return func(*args, **(kwargs or {}))
+
+
+def profile(k, values, v, ref, vm):
+    """Planned and counted flops, and the calls of each side, for one stateless hvp."""
+    with counting() as planned:
+        k.hvp(values, v)
+    with FlopCounterMode(display=False) as counted:
+        ref.hvp(vm)
+    ours, theirs = _Calls(), _Calls()
+    with ours:
+        k.hvp(values, v)
+    with theirs:
+        ref.hvp(vm)
+    print(f"  profile: planned flops {planned.flops:.2g} (symhess), counted {counted.get_total_flops():.2g} "
+          f"(jvp(grad)); matrix products {ours.products} / {theirs.products}, element-wise "
+          f"{ours.entrywise} / {theirs.entrywise} (symhess / jvp(grad))")
 
 
 def diag(ml, k, values, ref, args):
