@@ -24,7 +24,7 @@ class mse_bias0_residual0(Forward):
     """loss=mse, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "783f998b94d48a3454036878"
+    STAMP = "6466c6ae4b3f13944d0240fc"
 
     @leaf
     def H(s):
@@ -155,7 +155,7 @@ class ce_bias0_residual0(Forward):
     """loss=ce, options={'activation': 'relu', 'bias': False, 'residual': False}."""
 
     PARAMS = ('W_1', 'W_2')
-    STAMP = "4f7aa44e04cbc77c2e075a43"
+    STAMP = "b7495166073f7ee751af9785"
 
     @leaf
     def H(s):
@@ -308,4 +308,4 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('bias', False), ('residual', False))): mse_bias0_residual0,
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): ce_bias0_residual0,
 }
-CHECKSUM = "11142686b625af546961426f"
+CHECKSUM = "b923e06bb98606040c1427a9"

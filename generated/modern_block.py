@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "3f23f814cefef5be71009e4d"
+    STAMP = "8501d254ca10e3374602c15b"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_157'": 2,
@@ -1796,7 +1796,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "66067c8c9d707328a8d1c635"
+    STAMP = "b4b89a55b0f4b8bd5adee1fb"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_157'": 2,
@@ -3568,7 +3568,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "ea0c215047461c22af21f0fb"
+    STAMP = "dc56e58742b01a1572925f8b"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_162'": 2,
@@ -5308,7 +5308,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'eps': 1e-06, 'group': 2, 'scale': None}."""
 
     PARAMS = ('W_Q1', 'W_Q2', 'W_K', 'W_V', 'W_O1', 'W_O2', 'W_1', 'W_3', 'W_2')
-    STAMP = "8e3fc953ad2eaf8e0448d1aa"
+    STAMP = "99e6e0cbe7bee77a5812eff0"
     RUNS = {
         "@V_W_K' N_1'": 2,
         "@V_W_O1 t_162'": 2,
@@ -7050,4 +7050,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('eps', 1e-06), ('group', 2), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "35477e71a26f08feb0de60e0"
+CHECKSUM = "f1d36814e3dbaa9ac9472736"

@@ -24,7 +24,7 @@ class mse_causal0(Forward):
     """loss=mse, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "0b2850660ce20493433d36c1"
+    STAMP = "b23b40dab6d746b988199988"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_18 X': 2,
@@ -227,7 +227,7 @@ class mse_causal1(Forward):
     """loss=mse, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "693de3dc524297888ccde743"
+    STAMP = "89244aa5e5844627cc139c93"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_18 X': 2,
@@ -430,7 +430,7 @@ class ce_causal0(Forward):
     """loss=ce, options={'causal': False, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "30a34556ffbd25128507b8ed"
+    STAMP = "c357cb9b3d3d86bd4d75d530"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_21 X': 2,
@@ -658,7 +658,7 @@ class ce_causal1(Forward):
     """loss=ce, options={'causal': True, 'd_K': None, 'scale': None}."""
 
     PARAMS = ('W_QK', 'W_V')
-    STAMP = "85010c29423c016ef0745aae"
+    STAMP = "18980763ae89ce4a134b3d70"
     RUNS = {
         "@V_W_V' X'": 2,
         '@t_21 X': 2,
@@ -888,4 +888,4 @@ VARIANTS = {
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): ce_causal0,
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): ce_causal1,
 }
-CHECKSUM = "3425eb818dd69a5e2d42e565"
+CHECKSUM = "85e504bc66194997e38aaccc"

@@ -869,8 +869,7 @@ def _lin_term(pr, c, t, mean=False):
                                           t in pr.leaf_names or
                                           (pr.local_names is not None and t in pr.local_names)):
         codes = yield from _codes(_hadamard_factors(pr, t), "ccode")
-        x = codes[0] if len(codes) == 2 else "(" + " * ".join(codes[:-1]) + ")" if len(codes) == 3 \
-            else f"mul({', '.join(codes[:-1])})"
+        x = codes[0] if len(codes) == 2 else _product(codes[:-1])
         return f"({coef}, {x}, {codes[-1]})"
     return f"({coef}, {(yield 'ccode', t)})"
 

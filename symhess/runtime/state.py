@@ -105,7 +105,7 @@ class Product:
         out = self.state.mm(self.key, *self.xs)
         n, runs = chain.runs(self.key)
         whole = runs.get((0, n - 1))
-        if whole is not None and whole[0] in (self.state._local if "@" in whole[0] else self.state._runs):
+        if whole is not None and whole[0] in self.state._kept(whole[0]):
             return self.state.ops.copy(out)
         return out
 
@@ -337,14 +337,14 @@ class Forward:
 
         def fetch(i, j):
             name, flipped = runs[i, j]
-            got = (self._local if "@" in name else self._runs).get(name)
+            got = self._kept(name).get(name)
             if got is None:
                 return None
             return ops.tr(got) if flipped else got
 
         def store(i, j, product):
             name, flipped = runs[i, j]
-            (self._local if "@" in name else self._runs)[name] = ops.tr(product) if flipped else product
+            self._kept(name)[name] = ops.tr(product) if flipped else product
 
         fold = (ops.matmul_mean, ops.batch_mean) if mean else None
         if into is not None:
@@ -358,17 +358,18 @@ class Forward:
         (``mm(…, into=…)``) or takes it as the sum's fresh array."""
         return Product(self, key, xs)
 
+    def _kept(self, name):
+        """Where the product of the run ``name`` is kept: a run holding a routine's local
+        (``@``) for the routine's call, any other for the state's life."""
+        return self._local if "@" in name else self._runs
+
     def _prices(self, key):
         """(free intervals, shared intervals with their counts) of a chain key, now."""
         _, runs = chain.runs(key)
         routine = any(t == "_" or t[0] == "@" for t in key.split())
         free, shared = [], []
         for (i, j), (name, _) in runs.items():
-            if "@" in name:
-                formed = name in self._local
-            else:
-                formed = name in self._runs or (routine and not self._one_shot)
-            if formed:
+            if name in self._kept(name) or ("@" not in name and routine and not self._one_shot):
                 free.append((i, j))
             elif self.RUNS.get(name, 1) > 1:
                 shared.append((i, j, self.RUNS[name]))
